@@ -1,0 +1,3 @@
+from berth.cli.main import main
+
+main()

@@ -1,0 +1,168 @@
+"""The agent core: runs one host's engines.
+
+The same core runs in-process on the leader's host (node ``local``) and inside every remote
+agent.  It owns the engines' handles, chooses ports and log files on its own host, and never
+talks to the store: the leader tells it what to run through an ``AgentLink``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from berth.errors import EngineError, NotFoundError
+from berth.runtime.base import EngineHandle
+from berth.runtime.engines import (
+    DeploymentRequest,
+    EngineBinaries,
+    build_launch_spec,
+    find_free_port,
+)
+from berth.runtime.gpu import GpuInfo, GpuInventory
+from berth.runtime.process import ProcessRuntime, follow_log, read_log_tail
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EngineReport:
+    """One engine as the agent core sees it."""
+
+    deployment_id: str
+    pid: int
+    port: int
+    alive: bool
+
+
+@dataclass(frozen=True)
+class HostFacts:
+    hostname: str
+    cpu_count: int
+    memory_total_mb: int
+
+
+def read_host_facts() -> HostFacts:
+    """Hostname, CPU count and total memory (from ``os.sysconf``) of this host."""
+    try:
+        memory_mb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // (1024 * 1024)
+    except (ValueError, OSError):
+        memory_mb = 0
+    return HostFacts(socket.gethostname(), os.cpu_count() or 1, memory_mb)
+
+
+@dataclass
+class _Managed:
+    handle: EngineHandle
+    log_path: Path
+
+
+class AgentCore:
+    """Starts, watches and stops the engines of one host.
+
+    ``logs_dir`` receives one ``engine-<deployment id>.log`` per engine.  A request whose
+    ``port`` is 0 gets a free port on this host.
+    """
+
+    def __init__(
+        self,
+        runtime: ProcessRuntime,
+        binaries: EngineBinaries,
+        gpu_inventory: GpuInventory,
+        *,
+        logs_dir: Path,
+    ) -> None:
+        self._runtime = runtime
+        self._binaries = binaries
+        self._gpu_inventory = gpu_inventory
+        self._logs_dir = logs_dir
+        self._engines: dict[str, _Managed] = {}
+
+    async def start(self, request: DeploymentRequest, health_timeout_s: float) -> EngineHandle:
+        """Start the engine and wait until it answers health.
+
+        Raises ``EngineError`` (with the engine's log tail) when it fails to start or to
+        become healthy within ``health_timeout_s`` seconds; the engine is stopped then.
+        A cancelled start stops the engine too.
+        """
+        if request.deployment_id in self._engines:
+            raise EngineError(
+                f"deployment {request.deployment_id} already runs on this node",
+                deployment_id=request.deployment_id,
+            )
+        port = request.port or find_free_port()
+        log_path = self._logs_dir / f"engine-{request.deployment_id}.log"
+        request = replace(request, port=port, log_path=log_path)
+        spec = build_launch_spec(request, self._binaries)
+        handle = await self._runtime.start(spec)
+        self._engines[request.deployment_id] = _Managed(handle, log_path)
+        try:
+            await self._runtime.wait_healthy(handle, spec, health_timeout_s)
+        except BaseException:
+            # Failed or cancelled: never leave a half-started engine behind.
+            await asyncio.shield(self._discard(request.deployment_id, grace_s=5.0))
+            raise
+        return handle
+
+    async def stop(self, deployment_id: str, grace_s: float) -> None:
+        """Stop the engine; a deployment this core does not run is a ``NotFoundError``."""
+        if deployment_id not in self._engines:
+            raise NotFoundError("engine", deployment_id)
+        await self._discard(deployment_id, grace_s)
+
+    async def stop_all(self, grace_s: float) -> None:
+        """Stop every engine at once (in parallel), e.g. when the daemon shuts down."""
+        await asyncio.gather(*(self._discard(d, grace_s) for d in list(self._engines)))
+
+    async def reattach(self, deployment_id: str, pid: int, port: int) -> EngineHandle | None:
+        """Take back an engine that outlived its leader; ``None`` when it is gone."""
+        handle = self._runtime.attach(deployment_id, pid, port)
+        if handle is None:
+            return None
+        log_path = self._logs_dir / f"engine-{deployment_id}.log"
+        self._engines[deployment_id] = _Managed(handle, log_path)
+        return handle
+
+    def is_alive(self, deployment_id: str) -> bool:
+        managed = self._engines.get(deployment_id)
+        return managed is not None and self._runtime.is_alive(managed.handle)
+
+    def engines(self) -> list[EngineReport]:
+        return [
+            EngineReport(d, m.handle.pid, m.handle.port, self._runtime.is_alive(m.handle))
+            for d, m in self._engines.items()
+        ]
+
+    def gpus(self) -> list[GpuInfo]:
+        return self._gpu_inventory.read()
+
+    def host_facts(self) -> HostFacts:
+        return read_host_facts()
+
+    def log_path(self, deployment_id: str) -> Path:
+        return self._logs_dir / f"engine-{deployment_id}.log"
+
+    async def logs(
+        self, deployment_id: str, *, tail_lines: int, follow: bool
+    ) -> AsyncIterator[bytes]:
+        """Yield the engine log's last ``tail_lines`` lines, then new output if ``follow``.
+
+        The log outlives the engine, so a stopped or failed deployment's log can be read.
+        """
+        path = self.log_path(deployment_id)
+        if not path.exists():
+            raise NotFoundError("engine log", deployment_id)
+        if not follow:
+            yield (await asyncio.to_thread(read_log_tail, path, tail_lines)).encode()
+            return
+        async for chunk in follow_log(path, from_start_lines=tail_lines):
+            yield chunk
+
+    async def _discard(self, deployment_id: str, grace_s: float) -> None:
+        managed = self._engines.pop(deployment_id, None)
+        if managed is not None:
+            await self._runtime.stop(managed.handle, grace_s)

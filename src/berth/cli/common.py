@@ -1,0 +1,46 @@
+"""What every CLI command shares: the home, the consoles, the daemon client, JSON output."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import typer
+from rich.console import Console
+
+from berth.cli.client import DaemonClient
+from berth.paths import BerthHome, resolve_home
+
+console = Console(highlight=False)
+err_console = Console(stderr=True, highlight=False)
+
+
+@dataclass
+class CliContext:
+    home: BerthHome
+
+    def client(self, *, timeout_s: float = 30.0) -> DaemonClient:
+        return DaemonClient(self.home, timeout_s=timeout_s)
+
+
+def context(ctx: typer.Context) -> CliContext:
+    """The ``CliContext`` set up by the root callback (built lazily for sub-apps)."""
+    root = ctx.find_root()
+    if not isinstance(root.obj, CliContext):
+        root.obj = CliContext(BerthHome(resolve_home()))
+    return root.obj
+
+
+def print_json(data: Any) -> None:
+    """Print ``data`` as JSON on stdout, plain (no colour), for scripts."""
+    print(json.dumps(data, indent=2, sort_keys=True, default=str))
+
+
+def age(seconds: float) -> str:
+    """A short human age: ``42s``, ``5m``, ``3h``, ``2d``."""
+    seconds = max(seconds, 0)
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{int(seconds // size)}{unit}"
+    return f"{int(seconds)}s"

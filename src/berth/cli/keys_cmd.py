@@ -1,0 +1,59 @@
+"""``berth key create|ls|revoke``."""
+
+from __future__ import annotations
+
+import typer
+from rich.table import Table
+
+from berth.cli.common import console, context, print_json
+from berth.keys import parse_tier
+
+key_app = typer.Typer(help="Create, list and revoke API keys.", no_args_is_help=True)
+
+
+@key_app.command("create")
+def create(
+    ctx: typer.Context,
+    name: str = typer.Argument(..., help="A label for the key."),
+    tier: str = typer.Option("standard", "--tier", help="admin or standard."),
+    as_json: bool = typer.Option(False, "--json"),
+) -> None:
+    """Create a key; its secret is shown once and never stored."""
+    parse_tier(tier)  # refuse an unknown tier before asking the daemon
+    with context(ctx).client() as client:
+        record = client.post("/admin/keys", json={"name": name, "tier": tier})
+    if as_json:
+        print_json(record)
+        return
+    console.print(f"created {record['tier']} key {record['id']} ({record['name']})")
+    console.print("secret (shown once, store it now):")
+    print(record["secret"])
+
+
+@key_app.command("ls")
+def ls(ctx: typer.Context, as_json: bool = typer.Option(False, "--json")) -> None:
+    """List keys (prefixes only; secrets are never stored)."""
+    with context(ctx).client() as client:
+        records = client.get("/admin/keys")
+    if as_json:
+        print_json(records)
+        return
+    table = Table("ID", "NAME", "TIER", "PREFIX", "CREATED", "REVOKED")
+    for r in records:
+        table.add_row(
+            r["id"],
+            r["name"],
+            r["tier"],
+            r["prefix"],
+            r["created_at"][:19],
+            (r["revoked_at"] or "")[:19],
+        )
+    console.print(table)
+
+
+@key_app.command("revoke")
+def revoke(ctx: typer.Context, key_id: str = typer.Argument(...)) -> None:
+    """Revoke a key at once."""
+    with context(ctx).client() as client:
+        client.delete(f"/admin/keys/{key_id}")
+    console.print(f"revoked {key_id}")

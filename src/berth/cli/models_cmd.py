@@ -1,0 +1,82 @@
+"""``berth models add|ls|rm`` and ``berth pull``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+from rich.table import Table
+
+from berth.cli.common import console, context, print_json
+
+models_app = typer.Typer(help="Register, list and remove model weights.", no_args_is_help=True)
+
+
+def _size(size_bytes: int) -> str:
+    size = float(size_bytes)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if size < 1024 or unit == "GiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{size:.1f} GiB"
+
+
+@models_app.command("add")
+def add(
+    ctx: typer.Context,
+    name: str = typer.Argument(..., help="The name deployments and clients use."),
+    path: Path = typer.Option(..., "--path", help="A GGUF file or a model folder."),
+) -> None:
+    """Register local weights under NAME."""
+    with context(ctx).client() as client:
+        record = client.post("/admin/models", json={"name": name, "path": str(path)})
+    console.print(f"added model [bold]{record['name']}[/] ({_size(record['size_bytes'])})")
+
+
+@models_app.command("ls")
+def ls(ctx: typer.Context, as_json: bool = typer.Option(False, "--json")) -> None:
+    """List registered models."""
+    with context(ctx).client() as client:
+        records = client.get("/admin/models")
+    if as_json:
+        print_json(records)
+        return
+    table = Table("NAME", "SOURCE", "SIZE", "PATH")
+    for r in records:
+        source = r["source"] if not r.get("repo_id") else f"hub:{r['repo_id']}"
+        table.add_row(r["name"], source, _size(r["size_bytes"]), r["path"])
+    console.print(table)
+
+
+@models_app.command("rm")
+def rm(ctx: typer.Context, name: str = typer.Argument(...)) -> None:
+    """Unregister a model (its files stay where they are)."""
+    with context(ctx).client() as client:
+        client.delete(f"/admin/models/{name}")
+    console.print(f"removed model {name}")
+
+
+def pull(
+    ctx: typer.Context,
+    repo: str = typer.Argument(..., help="Hugging Face repository, e.g. org/model."),
+    name: str | None = typer.Option(None, "--name", help="Model name (default: the repo)."),
+    revision: str | None = typer.Option(None, "--revision", help="Branch, tag or commit."),
+) -> None:
+    """Download a model from the Hugging Face hub into $BERTH_HOME/models and register it."""
+    from berth.runtime.hub import pull_model
+
+    cli = context(ctx)
+    with cli.client() as client:
+        client.get("/admin/info")  # fail before downloading if no daemon answers
+        path = pull_model(repo, revision=revision, models_dir=cli.home.models_dir)
+        record = client.post(
+            "/admin/models",
+            json={
+                "name": name or repo,
+                "path": str(path),
+                "source": "hub",
+                "repo_id": repo,
+                "revision": revision,
+            },
+        )
+    console.print(f"pulled [bold]{record['name']}[/] into {path} ({_size(record['size_bytes'])})")

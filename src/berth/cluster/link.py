@@ -1,0 +1,125 @@
+"""The ``AgentLink`` interface: how the leader drives one node's agent core.
+
+The leader's own host is node ``local``; its agent core runs in-process behind
+:class:`InProcessLink`.  Remote agents (next issue) sit behind a link that carries the same
+calls over the mTLS WebSocket.  The lifecycle manager only ever sees this interface, so local
+and remote deployments share one code path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from berth.agent.core import AgentCore, EngineReport
+from berth.runtime.engines import DeploymentRequest
+from berth.runtime.gpu import GpuInfo
+
+LOCAL_NODE_ID = "local"
+
+
+@dataclass(frozen=True)
+class EngineEndpoint:
+    """Where a healthy engine answers, as seen from the leader."""
+
+    deployment_id: str
+    base_url: str
+    pid: int
+    port: int
+
+
+@dataclass(frozen=True)
+class NodeInventory:
+    """A node's hardware, reported by its agent."""
+
+    node_id: str
+    hostname: str
+    cpu_count: int
+    memory_total_mb: int
+    gpus: tuple[GpuInfo, ...] = field(default_factory=tuple)
+
+
+class AgentLink(Protocol):
+    """Commands the leader sends to one node's agent core.
+
+    Every method may raise :class:`berth.errors.EngineError`; a link to a node that is gone
+    raises it too, with the node in the message.
+    """
+
+    node_id: str
+
+    async def start_deployment(
+        self, request: DeploymentRequest, health_timeout_s: float
+    ) -> EngineEndpoint:
+        """Start an engine and return once it answers health, or raise ``EngineError``."""
+        ...
+
+    async def stop_deployment(self, deployment_id: str, grace_s: float) -> None:
+        """Stop a deployment's engine (SIGTERM, then SIGKILL after ``grace_s`` seconds)."""
+        ...
+
+    async def reattach(self, deployment_id: str, pid: int, port: int) -> EngineEndpoint | None:
+        """Take an engine that survived a leader restart back under management.
+
+        Returns ``None`` when no such engine runs any more.
+        """
+        ...
+
+    async def probe(self, deployment_id: str) -> bool:
+        """Whether the deployment's engine is alive."""
+        ...
+
+    async def engines(self) -> list[EngineReport]:
+        """Every engine the agent core manages right now."""
+        ...
+
+    async def inventory(self) -> NodeInventory:
+        """The node's CPUs, memory and GPUs."""
+        ...
+
+    def logs(self, deployment_id: str, *, tail_lines: int, follow: bool) -> AsyncIterator[bytes]:
+        """The engine's log: the last ``tail_lines`` lines, then new output while ``follow``."""
+        ...
+
+
+class InProcessLink:
+    """The link to the agent core running inside the leader's own process (node ``local``)."""
+
+    def __init__(self, core: AgentCore, node_id: str = LOCAL_NODE_ID) -> None:
+        self.node_id = node_id
+        self._core = core
+
+    async def start_deployment(
+        self, request: DeploymentRequest, health_timeout_s: float
+    ) -> EngineEndpoint:
+        handle = await self._core.start(request, health_timeout_s)
+        return EngineEndpoint(request.deployment_id, handle.base_url, handle.pid, handle.port)
+
+    async def stop_deployment(self, deployment_id: str, grace_s: float) -> None:
+        await self._core.stop(deployment_id, grace_s)
+
+    async def reattach(self, deployment_id: str, pid: int, port: int) -> EngineEndpoint | None:
+        handle = await self._core.reattach(deployment_id, pid, port)
+        if handle is None:
+            return None
+        return EngineEndpoint(deployment_id, handle.base_url, handle.pid, handle.port)
+
+    async def probe(self, deployment_id: str) -> bool:
+        return self._core.is_alive(deployment_id)
+
+    async def engines(self) -> list[EngineReport]:
+        return self._core.engines()
+
+    async def inventory(self) -> NodeInventory:
+        facts = self._core.host_facts()
+        return NodeInventory(
+            node_id=self.node_id,
+            hostname=facts.hostname,
+            cpu_count=facts.cpu_count,
+            memory_total_mb=facts.memory_total_mb,
+            gpus=tuple(self._core.gpus()),
+        )
+
+    def logs(self, deployment_id: str, *, tail_lines: int, follow: bool) -> AsyncIterator[bytes]:
+        return self._core.logs(deployment_id, tail_lines=tail_lines, follow=follow)

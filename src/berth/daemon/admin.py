@@ -1,0 +1,257 @@
+"""The admin API (``/admin/*``) and the plain endpoints (``/healthz``, ``/readyz``, ``/metrics``).
+
+Served by FastAPI; authentication happens before a request reaches these routes (see
+``daemon/app.py``).  Every error is answered in the OpenAI error shape, like ``/v1/*``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from collections.abc import AsyncIterator
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, Literal
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, Field
+
+from berth import __version__
+from berth.daemon.lifecycle import DeployOptions
+from berth.daemon.openai_errors import error_body, error_from_exception
+from berth.daemon.services import LeaderServices
+from berth.errors import BerthError, ConfigError
+from berth.keys import generate_secret, hash_secret, key_prefix, parse_tier
+from berth.store import ApiKeyRecord, DeploymentRecord, ModelRecord
+
+
+class ModelIn(BaseModel):
+    name: str = Field(min_length=1, max_length=200)
+    path: str
+    source: Literal["local", "hub"] = "local"
+    repo_id: str | None = None
+    revision: str | None = None
+
+
+class DeploymentIn(BaseModel):
+    model: str
+    engine: str = "llamacpp"
+    node: str = "local"
+    runtime: str | None = None
+    gpus: list[int] = Field(default_factory=list)
+    ctx: int | None = Field(default=None, gt=0)
+    extra_args: list[str] = Field(default_factory=list)
+    served_model_name: str | None = None
+
+
+class KeyIn(BaseModel):
+    name: str = Field(min_length=1, max_length=200)
+    tier: str = "standard"
+
+
+def model_json(record: ModelRecord) -> dict[str, Any]:
+    data = asdict(record)
+    data["created_at"] = record.created_at.isoformat()
+    return data
+
+
+def deployment_json(record: DeploymentRecord) -> dict[str, Any]:
+    data = asdict(record)
+    data["state"] = str(record.state)
+    data["gpus"] = list(record.gpus)
+    data["extra_args"] = list(record.extra_args)
+    data["created_at"] = record.created_at.isoformat()
+    data["updated_at"] = record.updated_at.isoformat()
+    return data
+
+
+def key_json(record: ApiKeyRecord) -> dict[str, Any]:
+    data = asdict(record)
+    data["created_at"] = record.created_at.isoformat()
+    data["revoked_at"] = record.revoked_at.isoformat() if record.revoked_at else None
+    return data
+
+
+def _path_size_bytes(path: Path) -> int:
+    if path.is_file():
+        return path.stat().st_size
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def build_admin_app(services: LeaderServices) -> FastAPI:
+    """The FastAPI app for everything that is not ``/v1/*``."""
+    app = FastAPI(title="berth admin API", version=__version__, docs_url=None, redoc_url=None)
+    store = services.store
+    lifecycle = services.lifecycle
+
+    @app.exception_handler(BerthError)
+    async def _berth_error(_request: Request, exc: BerthError) -> Response:
+        status, body, headers = error_from_exception(exc)
+        return Response(body, status_code=status, headers=headers, media_type="application/json")
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_request: Request, exc: RequestValidationError) -> Response:
+        first = exc.errors()[0] if exc.errors() else {}
+        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
+        message = f"{where}: {first.get('msg', 'invalid request')}" if where else "invalid request"
+        body = error_body(message, type="invalid_request_error", param=where or None)
+        return Response(body, status_code=400, media_type="application/json")
+
+    @app.get("/healthz")
+    async def healthz() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/readyz")
+    async def readyz() -> Response:
+        if services.ready:
+            return JSONResponse({"status": "ready"})
+        return JSONResponse({"status": "starting"}, status_code=503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        payload, content_type = services.metrics.render()
+        return Response(payload, media_type=content_type)
+
+    @app.get("/admin/info")
+    async def info() -> dict[str, Any]:
+        return {
+            "version": __version__,
+            "pid": services.pid,
+            "home": str(services.home.root),
+            "started_at": services.started_at,
+            "uptime_s": round(time.time() - services.started_at, 1),
+            "ca_fingerprint": services.ca.fingerprint_sha256,
+            "ca_file": str(services.home.ca_dir / "ca.pem"),
+            "listeners": [asdict(listener) for listener in services.listeners],
+            "ready": services.ready,
+        }
+
+    @app.get("/admin/config")
+    async def config() -> Any:
+        return services.settings.as_json()
+
+    # -- models ------------------------------------------------------------------------------
+    @app.get("/admin/models")
+    async def list_models() -> list[dict[str, Any]]:
+        records = await asyncio.to_thread(store.list_models)
+        return [model_json(r) for r in records]
+
+    @app.post("/admin/models", status_code=201)
+    async def add_model(body: ModelIn) -> dict[str, Any]:
+        path = Path(body.path).expanduser()
+        if not path.exists():
+            raise ConfigError(f"model path does not exist: {path}")
+        path = path.resolve()
+        record = await asyncio.to_thread(
+            store.add_model,
+            body.name,
+            str(path),
+            source=body.source,
+            repo_id=body.repo_id,
+            revision=body.revision,
+            size_bytes=_path_size_bytes(path),
+        )
+        await lifecycle.refresh_known_models()
+        return model_json(record)
+
+    @app.delete("/admin/models/{name:path}")
+    async def remove_model(name: str) -> dict[str, str]:
+        await asyncio.to_thread(store.remove_model, name)
+        await lifecycle.refresh_known_models()
+        return {"removed": name}
+
+    # -- deployments -------------------------------------------------------------------------
+    @app.get("/admin/deployments")
+    async def list_deployments(active: bool = False) -> list[dict[str, Any]]:
+        records = await asyncio.to_thread(store.list_deployments, active_only=active)
+        return [deployment_json(r) for r in records]
+
+    @app.post("/admin/deployments", status_code=201)
+    async def create_deployment(body: DeploymentIn) -> dict[str, Any]:
+        record = await lifecycle.deploy(
+            DeployOptions(
+                model_name=body.model,
+                engine=body.engine,
+                node_id=body.node,
+                runtime=body.runtime or services.settings.default_runtime,
+                gpus=tuple(body.gpus),
+                ctx=body.ctx,
+                extra_args=tuple(body.extra_args),
+                served_model_name=body.served_model_name,
+            )
+        )
+        return deployment_json(record)
+
+    @app.get("/admin/deployments/{deployment_id}")
+    async def get_deployment(deployment_id: str) -> dict[str, Any]:
+        return deployment_json(await asyncio.to_thread(store.get_deployment, deployment_id))
+
+    @app.post("/admin/deployments/{deployment_id}/stop")
+    async def stop_deployment(deployment_id: str) -> dict[str, Any]:
+        return deployment_json(await lifecycle.stop(deployment_id))
+
+    @app.get("/admin/deployments/{deployment_id}/logs")
+    async def deployment_logs(
+        deployment_id: str, tail: int = 100, follow: bool = False
+    ) -> Response:
+        record = await asyncio.to_thread(store.get_deployment, deployment_id)
+        link = services.links.get(record.node_id)
+        if link is None:
+            raise ConfigError(f"node {record.node_id} is not connected")
+        chunks = link.logs(deployment_id, tail_lines=max(tail, 0), follow=follow)
+        # Pull the first chunk now so a missing log is a clean 404, not a broken stream.
+        first = await anext(chunks, b"")
+
+        async def body() -> AsyncIterator[bytes]:
+            yield first
+            async for chunk in chunks:
+                yield chunk
+
+        return StreamingResponse(body(), media_type="text/plain; charset=utf-8")
+
+    # -- keys --------------------------------------------------------------------------------
+    @app.get("/admin/keys")
+    async def list_keys() -> list[dict[str, Any]]:
+        return [key_json(r) for r in await asyncio.to_thread(store.list_api_keys)]
+
+    @app.post("/admin/keys", status_code=201)
+    async def create_key(body: KeyIn) -> dict[str, Any]:
+        tier = parse_tier(body.tier)
+        secret = generate_secret()
+        record = await asyncio.to_thread(
+            store.add_api_key,
+            body.name,
+            tier,
+            hash_secret(secret, services.pepper),
+            key_prefix(secret),
+        )
+        return {**key_json(record), "secret": secret}
+
+    @app.delete("/admin/keys/{key_id}")
+    async def revoke_key(key_id: str) -> dict[str, Any]:
+        record = await asyncio.to_thread(store.revoke_api_key, key_id)
+        services.authenticator.forget_all()
+        return key_json(record)
+
+    # -- nodes -------------------------------------------------------------------------------
+    @app.get("/admin/nodes")
+    async def list_nodes() -> list[dict[str, Any]]:
+        nodes = []
+        for node_id, link in services.links.items():
+            inventory = await link.inventory()
+            data = asdict(inventory)
+            data["status"] = "ready"
+            data["node_id"] = node_id
+            nodes.append(data)
+        return nodes
+
+    @app.post("/admin/shutdown", status_code=202)
+    async def shutdown() -> dict[str, str]:
+        os.kill(services.pid, signal.SIGTERM)
+        return {"status": "stopping"}
+
+    return app

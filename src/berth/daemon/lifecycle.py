@@ -1,0 +1,322 @@
+"""The lifecycle manager: deployments from request to ready, stop, failure and reconcile.
+
+It is the only writer of deployment state.  Every change goes through the store's
+``transition_deployment`` (which enforces ``daemon/states.py``) and is mirrored in an
+in-memory table of ready deployments, which the proxy reads on every request without touching
+the database.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from berth.cluster.link import AgentLink, EngineEndpoint
+from berth.daemon.proxy import NoReadyDeploymentError, Upstream
+from berth.daemon.states import TERMINAL_STATES, DeploymentState
+from berth.errors import BerthError, ConfigError, EngineError, NotFoundError
+from berth.runtime.engines import DeploymentRequest, parse_engine_name
+from berth.store import UNCHANGED, DeploymentRecord, Store, Unchanged
+
+log = logging.getLogger(__name__)
+
+#: Seconds a client is told to wait (``Retry-After``) for a model that is still loading.
+LOADING_RETRY_AFTER_S = 5
+#: Seconds between liveness probes of ready engines.
+WATCH_INTERVAL_S = 2.0
+
+StateListener = Callable[[DeploymentRecord], None]
+
+
+@dataclass(frozen=True)
+class DeployOptions:
+    """A request to deploy ``model_name`` on ``node_id``."""
+
+    model_name: str
+    engine: str
+    node_id: str
+    runtime: str = "process"
+    gpus: tuple[int, ...] = ()
+    ctx: int | None = None
+    extra_args: tuple[str, ...] = ()
+    served_model_name: str | None = None
+
+
+class LifecycleManager:
+    """Owns every deployment's state and the table the router reads.
+
+    ``links`` maps node id to the ``AgentLink`` that reaches it.  ``on_state`` is called with
+    the new record after every state change (metrics use it).
+    """
+
+    def __init__(
+        self,
+        store: Store,
+        links: dict[str, AgentLink],
+        *,
+        health_timeout_s: float,
+        stop_grace_s: float,
+        on_state: StateListener | None = None,
+        watch_interval_s: float = WATCH_INTERVAL_S,
+    ) -> None:
+        self._store = store
+        self._links = links
+        self._health_timeout_s = health_timeout_s
+        self._stop_grace_s = stop_grace_s
+        self._on_state = on_state
+        self._watch_interval_s = watch_interval_s
+        self._ready: dict[str, dict[str, Upstream]] = {}
+        self._round_robin: dict[str, itertools.count[int]] = {}
+        self._known_models: set[str] = set()
+        self._starting: dict[str, asyncio.Task[None]] = {}
+        self._watcher: asyncio.Task[None] | None = None
+
+    # -- the router's view (hot path: no I/O) --------------------------------------------
+
+    def resolve(self, model: str) -> Upstream:
+        """Pick a ready deployment serving ``model`` (round-robin for now).
+
+        Raises ``NotFoundError`` for a model berth does not know and
+        ``NoReadyDeploymentError`` (503, ``Retry-After``) for one with no ready deployment.
+        """
+        ready = self._ready.get(model)
+        if ready:
+            upstreams = list(ready.values())
+            turn = next(self._round_robin.setdefault(model, itertools.count()))
+            return upstreams[turn % len(upstreams)]
+        if model in self._known_models:
+            raise NoReadyDeploymentError(model, retry_after_s=LOADING_RETRY_AFTER_S)
+        raise NotFoundError("model", model)
+
+    def models(self) -> list[str]:
+        """Public model names with at least one ready deployment."""
+        return sorted(name for name, ready in self._ready.items() if ready)
+
+    # -- start-up and shut-down ---------------------------------------------------------
+
+    async def start(self) -> None:
+        """Load known models, reconcile deployments left by a previous run, start watching."""
+        await self.refresh_known_models()
+        await self.reconcile()
+        self._watcher = asyncio.create_task(self._watch(), name="berth-engine-watcher")
+
+    async def shutdown(self) -> None:
+        """Stop every engine this leader runs and mark its deployment stopped."""
+        if self._watcher is not None:
+            self._watcher.cancel()
+        for task in list(self._starting.values()):
+            task.cancel()
+        active = await asyncio.to_thread(self._store.list_deployments, active_only=True)
+        await asyncio.gather(*(self._stop_one(record) for record in active), return_exceptions=True)
+
+    async def refresh_known_models(self) -> None:
+        models = await asyncio.to_thread(self._store.list_models)
+        active = await asyncio.to_thread(self._store.list_deployments, active_only=True)
+        self._known_models = {m.name for m in models} | {d.served_model_name for d in active}
+
+    async def reconcile(self) -> None:
+        """Bring the store in line with the engines that really run.
+
+        After a crash, engines in their own process groups survive.  A deployment that was
+        ready and whose engine still answers is re-attached; one caught mid-start or
+        mid-stop is stopped; one whose engine is gone is marked failed.
+        """
+        active = await asyncio.to_thread(self._store.list_deployments, active_only=True)
+        for record in active:
+            link = self._links.get(record.node_id)
+            endpoint: EngineEndpoint | None = None
+            if link is not None and record.pid is not None and record.port is not None:
+                endpoint = await link.reattach(record.id, record.pid, record.port)
+            if endpoint is None:
+                await self._transition(
+                    record.id,
+                    DeploymentState.FAILED,
+                    failure_reason="engine was gone when the daemon restarted",
+                )
+            elif record.state is DeploymentState.READY:
+                log.info("re-attached deployment %s (pid %d)", record.id, endpoint.pid)
+                self._mark_ready(record, endpoint)
+            else:
+                assert link is not None
+                await link.stop_deployment(record.id, self._stop_grace_s)
+                await self._transition(
+                    record.id,
+                    DeploymentState.FAILED,
+                    failure_reason=f"daemon restarted while the deployment was {record.state}",
+                )
+
+    # -- commands --------------------------------------------------------------------------
+
+    async def deploy(self, options: DeployOptions) -> DeploymentRecord:
+        """Create a deployment and start its engine in the background.
+
+        Returns the pending record at once; the state moves to loading, then ready or failed.
+        Raises ``NotFoundError`` for an unknown model or node, ``ConfigError`` for an unknown
+        engine or runtime.
+        """
+        engine = parse_engine_name(options.engine)
+        if options.runtime != "process":
+            raise ConfigError(f"unknown runtime {options.runtime!r}; valid runtimes: process")
+        link = self._links.get(options.node_id)
+        if link is None:
+            raise NotFoundError("node", options.node_id)
+        model = await asyncio.to_thread(self._store.get_model, options.model_name)
+        served = options.served_model_name or model.name
+        record = await asyncio.to_thread(
+            self._store.create_deployment,
+            model.name,
+            engine,
+            options.runtime,
+            options.node_id,
+            gpus=options.gpus,
+            ctx=options.ctx,
+            extra_args=options.extra_args,
+            served_model_name=served,
+        )
+        self._known_models.add(served)
+        self._notify(record)
+        request = DeploymentRequest(
+            deployment_id=record.id,
+            model_name=model.name,
+            model_path=Path(model.path),
+            engine=engine,
+            port=0,
+            log_path=Path(),
+            gpus=options.gpus,
+            ctx=options.ctx,
+            extra_args=options.extra_args,
+            served_model_name=served,
+        )
+        task = asyncio.create_task(self._run_start(record, link, request), name=record.id)
+        self._starting[record.id] = task
+        task.add_done_callback(lambda _t: self._starting.pop(record.id, None))
+        return record
+
+    async def stop(self, deployment_id: str) -> DeploymentRecord:
+        """Stop a deployment (cancelling its start if it is still loading).
+
+        Returns the final record.  Raises ``NotFoundError`` for an unknown id and
+        ``InvalidTransitionError`` for one that is already stopped or failed.
+        """
+        record = await asyncio.to_thread(self._store.get_deployment, deployment_id)
+        starting = self._starting.get(deployment_id)
+        if starting is not None:
+            starting.cancel()
+        return await self._stop_one(record)
+
+    async def wait_settled(self, deployment_id: str, timeout_s: float) -> DeploymentRecord:
+        """Wait until the deployment leaves pending/loading (for tests and ``berth run``)."""
+        task = self._starting.get(deployment_id)
+        if task is not None:
+            await asyncio.wait({task}, timeout=timeout_s)
+        return await asyncio.to_thread(self._store.get_deployment, deployment_id)
+
+    # -- internals ---------------------------------------------------------------------------
+
+    async def _run_start(
+        self, record: DeploymentRecord, link: AgentLink, request: DeploymentRequest
+    ) -> None:
+        try:
+            await self._transition(record.id, DeploymentState.LOADING)
+            endpoint = await link.start_deployment(request, self._health_timeout_s)
+        except asyncio.CancelledError:
+            return  # stop() owns the transition to stopping/stopped
+        except BerthError as exc:
+            log.warning("deployment %s failed to start: %s", record.id, exc)
+            await self._transition(record.id, DeploymentState.FAILED, failure_reason=str(exc))
+            return
+        current = await asyncio.to_thread(self._store.get_deployment, record.id)
+        if current.state is not DeploymentState.LOADING:
+            return
+        ready = await self._transition(
+            record.id, DeploymentState.READY, port=endpoint.port, pid=endpoint.pid
+        )
+        self._mark_ready(ready, endpoint)
+        log.info("deployment %s ready at %s", record.id, endpoint.base_url)
+
+    async def _stop_one(self, record: DeploymentRecord) -> DeploymentRecord:
+        self._unmark_ready(record)
+        record = await self._transition(record.id, DeploymentState.STOPPING)
+        link = self._links.get(record.node_id)
+        try:
+            if link is not None:
+                await link.stop_deployment(record.id, self._stop_grace_s)
+        except NotFoundError:
+            pass  # the engine never started, or was already gone
+        except EngineError as exc:
+            return await self._transition(
+                record.id, DeploymentState.FAILED, failure_reason=f"stop failed: {exc}"
+            )
+        return await self._transition(record.id, DeploymentState.STOPPED)
+
+    async def _transition(
+        self,
+        deployment_id: str,
+        target: DeploymentState,
+        *,
+        port: int | Unchanged = UNCHANGED,
+        pid: int | Unchanged = UNCHANGED,
+        failure_reason: str | Unchanged = UNCHANGED,
+    ) -> DeploymentRecord:
+        record = await asyncio.to_thread(
+            self._store.transition_deployment,
+            deployment_id,
+            target,
+            port=port,
+            pid=pid,
+            failure_reason=failure_reason,
+        )
+        if target in TERMINAL_STATES:
+            self._unmark_ready(record)
+        self._notify(record)
+        return record
+
+    def _mark_ready(self, record: DeploymentRecord, endpoint: EngineEndpoint) -> None:
+        upstream = Upstream(
+            base_url=endpoint.base_url,
+            deployment_id=record.id,
+            node_id=record.node_id,
+            model=record.served_model_name,
+        )
+        self._ready.setdefault(record.served_model_name, {})[record.id] = upstream
+
+    def _unmark_ready(self, record: DeploymentRecord) -> None:
+        self._ready.get(record.served_model_name, {}).pop(record.id, None)
+
+    def _unmark_ready_id(self, upstream: Upstream) -> None:
+        self._ready.get(upstream.model, {}).pop(upstream.deployment_id, None)
+
+    def _notify(self, record: DeploymentRecord) -> None:
+        if self._on_state is not None:
+            self._on_state(record)
+
+    async def _watch(self) -> None:
+        """Mark ready deployments whose engine died as failed, so they stop getting traffic."""
+        while True:
+            await asyncio.sleep(self._watch_interval_s)
+            for upstreams in list(self._ready.values()):
+                for upstream in list(upstreams.values()):
+                    try:
+                        await self._check_alive(upstream)
+                    except BerthError:
+                        # The watcher must outlive one bad probe; the next round retries.
+                        log.exception("probing deployment %s failed", upstream.deployment_id)
+
+    async def _check_alive(self, upstream: Upstream) -> None:
+        link = self._links.get(upstream.node_id)
+        if link is None or await link.probe(upstream.deployment_id):
+            return
+        log.warning("engine of deployment %s exited", upstream.deployment_id)
+        self._unmark_ready_id(upstream)
+        with contextlib.suppress(NotFoundError):
+            await link.stop_deployment(upstream.deployment_id, 0.0)
+        await self._transition(
+            upstream.deployment_id,
+            DeploymentState.FAILED,
+            failure_reason="engine process exited unexpectedly",
+        )

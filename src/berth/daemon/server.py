@@ -1,0 +1,219 @@
+"""Runs the leader: builds its services, binds its listeners, serves until told to stop.
+
+Two uvicorn servers share one event loop: the public HTTPS listener and the Unix socket for
+the local CLI.  Sockets are bound here, before anything else starts, so a port in use fails
+the start with the listener's name, and the socket file is created with mode 0600 from the
+first instant (uvicorn's own ``uds`` option would make it 0666).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import logging
+import os
+import signal
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import uvicorn
+
+from berth.agent.core import AgentCore
+from berth.cluster.ca import CertificateAuthority
+from berth.cluster.link import LOCAL_NODE_ID, AgentLink, InProcessLink
+from berth.config import Settings
+from berth.daemon.app import build_apps
+from berth.daemon.auth import Authenticator
+from berth.daemon.lifecycle import LifecycleManager
+from berth.daemon.proxy import OpenAIProxy
+from berth.daemon.services import LeaderServices, Listener
+from berth.errors import DaemonError
+from berth.keys import load_or_create_pepper
+from berth.observability.metrics import ProxyMetrics
+from berth.paths import BerthHome
+from berth.runtime.engines import EngineBinaries
+from berth.runtime.gpu import NvmlInventory
+from berth.runtime.process import ProcessRuntime
+from berth.store import Store
+
+log = logging.getLogger(__name__)
+
+
+class _QuietServer(uvicorn.Server):
+    """A uvicorn server that leaves signal handling to the daemon (two servers, one loop)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+def bind_tcp(name: str, host: str, port: int) -> socket.socket:
+    """Bind a listening TCP socket; ``DaemonError`` names the listener when the port is taken."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        reason = "address already in use" if exc.errno == errno.EADDRINUSE else exc.strerror
+        raise DaemonError(f"{name} listener {host}:{port}: {reason}") from exc
+    sock.listen(2048)
+    sock.setblocking(False)
+    return sock
+
+
+def bind_unix(path: Path) -> socket.socket:
+    """Bind the local CLI socket with mode 0600 (the umask covers the moment of creation)."""
+    if path.exists():
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            probe.connect(str(path))
+        except OSError:
+            path.unlink()  # a stale socket from a daemon that died
+        else:
+            raise DaemonError(f"a berth daemon already listens on {path}")
+        finally:
+            probe.close()
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    old_umask = os.umask(0o177)
+    try:
+        sock.bind(str(path))
+    finally:
+        os.umask(old_umask)
+    os.chmod(path, 0o600)
+    sock.listen(512)
+    sock.setblocking(False)
+    return sock
+
+
+def public_tls_files(
+    settings: Settings, home: BerthHome, ca: CertificateAuthority
+) -> tuple[Path, Path]:
+    """The public listener's certificate and key: the operator's, or one issued by the CA.
+
+    The issued certificate covers ``public_host``, ``localhost``, 127.0.0.1 and ::1, and is
+    re-issued when the configured host is not among its SANs.
+    """
+    if settings.public_cert and settings.public_key:
+        return Path(settings.public_cert), Path(settings.public_key)
+    cert, key = home.ca_dir / "public.pem", home.ca_dir / "public.key"
+    hosts = sorted({settings.public_host, "localhost", "127.0.0.1", "::1"})
+    if not (cert.exists() and key.exists() and ca.server_certificate_covers(cert, hosts)):
+        ca.issue_server_certificate(hosts, cert, key)
+    return cert, key
+
+
+def _optional_str(value: object) -> str | None:
+    return None if value is None else str(value)
+
+
+def _uvicorn_config(app: object, *, tls: tuple[Path, Path] | None) -> uvicorn.Config:
+    return uvicorn.Config(
+        app,  # type: ignore[arg-type]
+        loop="uvloop",
+        http="httptools",
+        lifespan="off",
+        access_log=False,
+        log_config=None,
+        ssl_certfile=str(tls[0]) if tls else None,
+        ssl_keyfile=str(tls[1]) if tls else None,
+        timeout_graceful_shutdown=5,
+    )
+
+
+async def serve(home: BerthHome, settings: Settings) -> None:
+    """Run the leader until SIGTERM or SIGINT, then stop every engine it started."""
+    home.ensure()
+    public_sock = bind_tcp("public", settings.public_bind, settings.public_port)
+    unix_sock = bind_unix(home.socket_file)
+
+    store = Store(settings.database_url)
+    await asyncio.to_thread(store.migrate)
+    ca = await asyncio.to_thread(CertificateAuthority.load_or_create, home.ca_dir)
+    tls = await asyncio.to_thread(public_tls_files, settings, home, ca)
+    pepper = await asyncio.to_thread(load_or_create_pepper, home.pepper_file)
+
+    metrics = ProxyMetrics()
+    core = AgentCore(
+        ProcessRuntime(),
+        EngineBinaries(
+            llama_server=_optional_str(settings.llama_server_bin),
+            vllm=_optional_str(settings.vllm_bin),
+            sglang_python=str(settings.sglang_python),
+        ),
+        NvmlInventory(),
+        logs_dir=home.logs_dir,
+    )
+    links: dict[str, AgentLink] = {LOCAL_NODE_ID: InProcessLink(core)}
+    lifecycle = LifecycleManager(
+        store,
+        links,
+        health_timeout_s=settings.health_timeout_s,
+        stop_grace_s=settings.stop_grace_s,
+        on_state=lambda r: metrics.set_deployment_state(
+            r.id, model=r.served_model_name, node=r.node_id, state=r.state
+        ),
+    )
+    proxy = OpenAIProxy(lifecycle, metrics, max_body_bytes=settings.max_body_bytes)
+    services = LeaderServices(
+        home=home,
+        settings=settings,
+        store=store,
+        ca=ca,
+        pepper=pepper,
+        metrics=metrics,
+        proxy=proxy,
+        lifecycle=lifecycle,
+        authenticator=Authenticator(store, pepper),
+        local_core=core,
+        links=links,
+        pid=os.getpid(),
+        started_at=time.time(),
+        listeners=[
+            Listener("public", f"https://{settings.public_host}:{settings.public_port}"),
+            Listener("socket", f"unix://{home.socket_file}"),
+        ],
+    )
+    public_app, socket_app = build_apps(services)
+    public_server = _QuietServer(_uvicorn_config(public_app, tls=tls))
+    socket_server = _QuietServer(_uvicorn_config(socket_app, tls=None))
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+
+    home.pid_file.write_text(f"{os.getpid()}\n")
+    await proxy.startup()
+    try:
+        serving = [
+            asyncio.create_task(public_server.serve(sockets=[public_sock])),
+            asyncio.create_task(socket_server.serve(sockets=[unix_sock])),
+        ]
+        await lifecycle.start()
+        services.ready = True
+        log.info(
+            "berth leader ready: public https://%s:%d, socket %s, CA %s",
+            settings.public_bind,
+            settings.public_port,
+            home.socket_file,
+            ca.fingerprint_sha256,
+        )
+        stopper = asyncio.create_task(stop.wait())
+        await asyncio.wait([stopper, *serving], return_when=asyncio.FIRST_COMPLETED)
+        log.info("berth leader stopping")
+        services.ready = False
+        public_server.should_exit = True
+        socket_server.should_exit = True
+        await asyncio.gather(*serving, return_exceptions=True)
+        stopper.cancel()
+    finally:
+        await lifecycle.shutdown()
+        await proxy.shutdown()
+        home.pid_file.unlink(missing_ok=True)
+        home.socket_file.unlink(missing_ok=True)
+        log.info("berth leader stopped")

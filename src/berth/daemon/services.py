@@ -1,0 +1,47 @@
+"""The leader's long-lived objects, built once by the daemon and handed to the apps."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from berth.agent.core import AgentCore
+from berth.cluster.ca import CertificateAuthority
+from berth.cluster.link import AgentLink
+from berth.config import Settings
+from berth.daemon.auth import Authenticator
+from berth.daemon.lifecycle import LifecycleManager
+from berth.daemon.proxy import OpenAIProxy
+from berth.observability.metrics import ProxyMetrics
+from berth.paths import BerthHome
+from berth.store import Store
+
+
+@dataclass
+class Listener:
+    """One address the daemon serves on, for banners and ``berth status``."""
+
+    name: str
+    url: str
+
+
+@dataclass
+class LeaderServices:
+    """Everything the HTTP apps need; no module-level globals anywhere."""
+
+    home: BerthHome
+    settings: Settings
+    store: Store
+    ca: CertificateAuthority
+    pepper: bytes
+    metrics: ProxyMetrics
+    proxy: OpenAIProxy
+    lifecycle: LifecycleManager
+    authenticator: Authenticator
+    local_core: AgentCore
+    links: dict[str, AgentLink]
+    pid: int
+    started_at: float
+    listeners: list[Listener] = field(default_factory=list)
+    ready: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)

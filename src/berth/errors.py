@@ -1,0 +1,123 @@
+"""The berth exception hierarchy.
+
+::
+
+    BerthError
+    ├── ConfigError            a malformed config file or an invalid setting (path, line)
+    ├── StoreError             the database could not be opened or migrated
+    ├── NotFoundError          a named model, deployment, key or node does not exist
+    ├── ConflictError          a name is taken, or an operation clashes with current state
+    ├── InvalidTransitionError a deployment state change the state machine forbids
+    ├── EngineError            an engine failed to start, answer health or stop (log tail)
+    ├── AuthError              a missing, unknown or insufficient API key
+    └── DaemonError            the daemon is not running, or could not be reached
+
+Domain code raises these; the edges translate them once: the HTTP apps map them to
+OpenAI-style JSON errors, the CLI maps them to a one-line message and an exit code.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+class BerthError(Exception):
+    """Base class of every error berth raises on purpose."""
+
+    #: HTTP status the admin and OpenAI APIs answer with for this error.
+    http_status: int = 500
+    #: OpenAI-style error ``type`` field.
+    error_type: str = "server_error"
+    #: CLI exit code.
+    exit_code: int = 1
+
+
+class ConfigError(BerthError):
+    """A configuration file or setting is invalid.
+
+    ``path`` and ``line`` locate the problem when it comes from a file.
+    """
+
+    http_status = 400
+    error_type = "invalid_request_error"
+    exit_code = 2
+
+    def __init__(self, message: str, *, path: Path | None = None, line: int | None = None):
+        self.path = path
+        self.line = line
+        where = ""
+        if path is not None:
+            where = f"{path}:{line}: " if line is not None else f"{path}: "
+        super().__init__(f"{where}{message}")
+
+
+class StoreError(BerthError):
+    """The state database could not be opened, migrated or written."""
+
+
+class NotFoundError(BerthError):
+    """A named object does not exist; ``kind`` is e.g. ``"model"``, ``ident`` its name or id."""
+
+    http_status = 404
+    error_type = "invalid_request_error"
+
+    def __init__(self, kind: str, ident: str):
+        self.kind = kind
+        self.ident = ident
+        super().__init__(f"{kind} {ident!r} not found")
+
+
+class ConflictError(BerthError):
+    """The request clashes with existing state (a taken name, a busy object)."""
+
+    http_status = 409
+    error_type = "invalid_request_error"
+
+
+class InvalidTransitionError(BerthError):
+    """A deployment was asked to move between states the state machine does not connect."""
+
+    http_status = 409
+    error_type = "invalid_request_error"
+
+    def __init__(self, deployment_id: str, current: str, target: str):
+        self.deployment_id = deployment_id
+        self.current = current
+        self.target = target
+        super().__init__(f"deployment {deployment_id}: cannot move from {current} to {target}")
+
+
+class EngineError(BerthError):
+    """An engine failed to start, become healthy or stop.
+
+    ``log_tail`` holds the last lines the engine wrote, for the operator.
+    """
+
+    http_status = 502
+    error_type = "engine_error"
+
+    def __init__(self, message: str, *, deployment_id: str | None = None, log_tail: str = ""):
+        self.deployment_id = deployment_id
+        self.log_tail = log_tail
+        full = message
+        if log_tail:
+            full = f"{message}\n--- engine log tail ---\n{log_tail.rstrip()}"
+        super().__init__(full)
+
+
+class AuthError(BerthError):
+    """A request lacks a valid key, or its key's tier is too low (``status`` 401 or 403)."""
+
+    error_type = "authentication_error"
+
+    def __init__(self, message: str, *, status: int = 401):
+        self.http_status = status
+        if status == 403:
+            self.error_type = "permission_error"
+        super().__init__(message)
+
+
+class DaemonError(BerthError):
+    """The daemon is not running, did not start, or could not be reached."""
+
+    exit_code = 3

@@ -1,0 +1,113 @@
+"""API keys: generation, display prefixes, HMAC-with-pepper hashing, tiers.
+
+A key's secret is shown to the user once and never stored.  The store keeps
+``HMAC-SHA256(pepper, secret)`` (RFC 2104 with SHA-256), where the pepper is 32 random bytes
+in ``$BERTH_HOME/key_pepper`` (mode 0600): a stolen database alone cannot be used to test
+guesses offline.  Secrets carry 192 bits of randomness, so a fast hash is enough; no
+password-stretching is needed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import hmac
+import os
+import secrets
+from enum import StrEnum
+from pathlib import Path
+from typing import Final
+
+from berth.errors import ConfigError
+
+#: Every secret starts with this, so leaked keys are recognisable (e.g. by secret scanners).
+SECRET_PREFIX: Final = "sk-berth-"
+#: Random characters after :data:`SECRET_PREFIX` (url-safe base64, 6 bits each: 192 bits).
+SECRET_RANDOM_CHARS: Final = 32
+#: Characters of the secret kept for display: the marker plus four random characters.
+DISPLAY_PREFIX_CHARS: Final = len(SECRET_PREFIX) + 4
+#: Pepper length in bytes: SHA-256's output length L, the minimum RFC 2104 section 3 advises.
+PEPPER_BYTES: Final = 32
+
+
+class Tier(StrEnum):
+    """What a key may do: ``admin`` also reaches ``/admin/*``; ``standard`` only ``/v1/*``."""
+
+    ADMIN = "admin"
+    STANDARD = "standard"
+
+
+def parse_tier(text: str) -> Tier:
+    """Parse a tier name (case-insensitive); :class:`ConfigError` listing the valid tiers."""
+    try:
+        return Tier(text.strip().lower())
+    except ValueError:
+        valid = ", ".join(t.value for t in Tier)
+        raise ConfigError(f"unknown key tier {text!r}; valid tiers: {valid}") from None
+
+
+def generate_secret() -> str:
+    """A new secret: :data:`SECRET_PREFIX` followed by 32 url-safe random characters."""
+    # token_urlsafe(24) encodes 24 random bytes as exactly 32 base64url characters.
+    return SECRET_PREFIX + secrets.token_urlsafe(24)
+
+
+def key_prefix(secret: str) -> str:
+    """The first characters of ``secret``, safe to show in listings and logs."""
+    return secret[:DISPLAY_PREFIX_CHARS]
+
+
+def load_or_create_pepper(path: Path) -> bytes:
+    """Return the pepper in ``path``, creating it (32 random bytes, mode 0600) if absent.
+
+    Creation is atomic: concurrent callers all end up with the same pepper.  Raises
+    :class:`ConfigError` when the file exists but does not hold exactly
+    :data:`PEPPER_BYTES` bytes, or cannot be read or written.
+    """
+    try:
+        return _read_pepper(path)
+    except FileNotFoundError:
+        pass
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{secrets.token_hex(8)}")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            with os.fdopen(fd, "wb") as handle:
+                handle.write(secrets.token_bytes(PEPPER_BYTES))
+                handle.flush()
+                os.fsync(handle.fileno())
+            # link() fails if another process created the pepper first; then use theirs.
+            with contextlib.suppress(FileExistsError):
+                os.link(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
+        return _read_pepper(path)
+    except OSError as exc:
+        raise ConfigError(f"cannot create the key pepper: {exc.strerror}", path=path) from None
+
+
+def _read_pepper(path: Path) -> bytes:
+    try:
+        pepper = path.read_bytes()
+    except FileNotFoundError:
+        raise
+    except OSError as exc:
+        raise ConfigError(f"cannot read the key pepper: {exc.strerror}", path=path) from None
+    if len(pepper) != PEPPER_BYTES:
+        raise ConfigError(
+            f"the key pepper holds {len(pepper)} bytes, expected {PEPPER_BYTES}; "
+            "it was damaged (every API key must be re-issued if it is replaced)",
+            path=path,
+        )
+    return pepper
+
+
+def hash_secret(secret: str, pepper: bytes) -> str:
+    """``HMAC-SHA256(pepper, secret)`` as 64 lowercase hex characters: what the store keeps."""
+    return hmac.new(pepper, secret.encode("utf-8"), hashlib.sha256).hexdigest()
+
+
+def verify_secret(secret: str, pepper: bytes, key_hash: str) -> bool:
+    """Whether ``secret`` hashes to ``key_hash``, compared in constant time."""
+    return hmac.compare_digest(hash_secret(secret, pepper), key_hash)

@@ -1,0 +1,69 @@
+"""The layout of ``$BERTH_HOME``: one place that knows where every file lives."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+DEFAULT_HOME = "~/.berth"
+
+
+def resolve_home(explicit: str | os.PathLike[str] | None = None) -> Path:
+    """Return the berth home: ``explicit``, else ``$BERTH_HOME``, else ``~/.berth``."""
+    raw = explicit if explicit is not None else os.environ.get("BERTH_HOME", DEFAULT_HOME)
+    return Path(raw).expanduser().resolve()
+
+
+@dataclass(frozen=True)
+class BerthHome:
+    """Paths under one ``$BERTH_HOME`` directory.  Nothing is created until :meth:`ensure`."""
+
+    root: Path
+
+    @property
+    def config_file(self) -> Path:
+        return self.root / "config.toml"
+
+    @property
+    def db_file(self) -> Path:
+        return self.root / "berth.db"
+
+    @property
+    def ca_dir(self) -> Path:
+        return self.root / "ca"
+
+    @property
+    def logs_dir(self) -> Path:
+        return self.root / "logs"
+
+    @property
+    def models_dir(self) -> Path:
+        return self.root / "models"
+
+    @property
+    def socket_file(self) -> Path:
+        return self.root / "berth.sock"
+
+    @property
+    def pid_file(self) -> Path:
+        return self.root / "daemon.pid"
+
+    @property
+    def daemon_log(self) -> Path:
+        return self.logs_dir / "daemon.log"
+
+    @property
+    def pepper_file(self) -> Path:
+        return self.root / "key_pepper"
+
+    def engine_log(self, deployment_id: str) -> Path:
+        """The log file of one deployment's engine."""
+        return self.logs_dir / f"engine-{deployment_id}.log"
+
+    def ensure(self) -> None:
+        """Create the home and its folders, private to the owner (mode 0700)."""
+        for folder in (self.root, self.ca_dir, self.logs_dir, self.models_dir):
+            folder.mkdir(parents=True, exist_ok=True)
+        os.chmod(self.root, 0o700)
+        os.chmod(self.ca_dir, 0o700)

@@ -1,0 +1,127 @@
+"""GPU inventory through NVML (``pynvml`` from the ``nvidia-ml-py`` package).
+
+A node without an NVIDIA driver simply has no GPUs: :func:`read_gpus` returns ``[]`` rather
+than failing, so berth runs the same on a laptop (llama.cpp on CPU) as on a GPU host.
+
+Memory is in MiB (2**20 bytes), the unit ``nvidia-smi`` prints as "MiB".  Every call here
+talks to the driver synchronously (a few milliseconds per device); async callers run it
+through ``asyncio.to_thread``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Protocol
+
+import pynvml
+
+_log = logging.getLogger(__name__)
+
+_MIB = 1 << 20
+
+
+@dataclass(frozen=True)
+class GpuInfo:
+    """One GPU as NVML reports it.
+
+    ``index`` is NVML's device number (the one ``CUDA_VISIBLE_DEVICES`` takes when
+    ``CUDA_DEVICE_ORDER=PCI_BUS_ID``); ``utilization_pct`` is the percentage of the last sample
+    period a kernel ran (``nvmlDeviceGetUtilizationRates().gpu``), ``None`` where the device
+    does not report it (e.g. MIG-enabled GPUs).
+    """
+
+    index: int
+    name: str
+    uuid: str
+    memory_total_mb: int
+    memory_used_mb: int
+    utilization_pct: int | None
+
+    @property
+    def memory_free_mb(self) -> int:
+        """Memory not in use, in MiB."""
+        return max(0, self.memory_total_mb - self.memory_used_mb)
+
+
+class GpuInventory(Protocol):
+    """Where the agent learns which GPUs its node has and how busy they are."""
+
+    def read(self) -> list[GpuInfo]:
+        """The node's GPUs in index order; ``[]`` when it has none (or no driver)."""
+        ...
+
+
+class NvmlInventory:
+    """The real inventory: asks the NVIDIA driver on every :meth:`read`."""
+
+    def read(self) -> list[GpuInfo]:
+        """See :func:`read_gpus`."""
+        return read_gpus()
+
+
+class StaticInventory:
+    """A fixed list of GPUs, for tests and for nodes configured by hand."""
+
+    def __init__(self, gpus: Iterable[GpuInfo] = ()) -> None:
+        self._gpus = tuple(gpus)
+
+    def read(self) -> list[GpuInfo]:
+        """The GPUs given at construction."""
+        return list(self._gpus)
+
+
+def read_gpus() -> list[GpuInfo]:
+    """Every GPU NVML can see, in index order.
+
+    Returns ``[]`` when the NVML library or the driver is missing or fails to initialise.
+    A device that fails to answer (fallen off the bus, reset in progress) is left out and
+    logged, so one broken GPU does not hide the healthy ones.
+    """
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError as exc:
+        _log.debug("NVML unavailable, reporting no GPUs: %s", exc)
+        return []
+    try:
+        count = int(pynvml.nvmlDeviceGetCount())
+        gpus: list[GpuInfo] = []
+        for index in range(count):
+            try:
+                gpus.append(_read_device(index))
+            except pynvml.NVMLError as exc:
+                _log.warning("GPU %d does not answer NVML queries, left out: %s", index, exc)
+        return gpus
+    except pynvml.NVMLError as exc:
+        _log.warning("NVML failed to list GPUs, reporting none: %s", exc)
+        return []
+    finally:
+        try:
+            pynvml.nvmlShutdown()
+        except pynvml.NVMLError as exc:
+            _log.debug("nvmlShutdown failed: %s", exc)
+
+
+def _read_device(index: int) -> GpuInfo:
+    handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+    memory = pynvml.nvmlDeviceGetMemoryInfo(handle)
+    try:
+        utilization: int | None = int(pynvml.nvmlDeviceGetUtilizationRates(handle).gpu)
+    except pynvml.NVMLError_NotSupported:
+        utilization = None
+    return GpuInfo(
+        index=index,
+        name=_text(pynvml.nvmlDeviceGetName(handle)),
+        uuid=_text(pynvml.nvmlDeviceGetUUID(handle)),
+        memory_total_mb=int(memory.total) // _MIB,
+        memory_used_mb=int(memory.used) // _MIB,
+        utilization_pct=utilization,
+    )
+
+
+def _text(value: object) -> str:
+    # Old nvidia-ml-py releases return bytes, newer ones str.
+    if isinstance(value, bytes):
+        return value.decode(errors="replace")
+    return str(value)

@@ -1,0 +1,134 @@
+"""``berth pull``: download a model repository from the Hugging Face hub.
+
+The download itself is ``huggingface_hub.snapshot_download`` into a plain folder under the
+models directory (``local_dir``), so engines read ordinary files rather than the hub's
+symlinked cache.  This module only picks the folder, the endpoint and the progress display,
+and turns the hub's exceptions into berth's, each with a one-line message.
+
+The endpoint is, in order: the ``endpoint`` argument, ``$HF_ENDPOINT`` (read at call time),
+``https://huggingface.co``.  Tests point it at a stand-in hub on loopback.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+from huggingface_hub import snapshot_download
+from huggingface_hub.errors import (
+    GatedRepoError,
+    HfHubHTTPError,
+    HFValidationError,
+    LocalEntryNotFoundError,
+    OfflineModeIsEnabled,
+    RepositoryNotFoundError,
+    RevisionNotFoundError,
+)
+from huggingface_hub.utils.tqdm import tqdm as HubTqdm
+
+from berth.errors import BerthError, ConfigError, NotFoundError
+
+#: The public hub, used when neither an argument nor ``$HF_ENDPOINT`` names another.
+DEFAULT_HUB_ENDPOINT = "https://huggingface.co"
+
+_SAFE_DIRNAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+
+def model_dirname(repo_id: str) -> str:
+    """The folder name a repository is pulled into: ``org/name`` becomes ``org--name``.
+
+    This is the hub cache's own convention, so the name stays readable and unique.
+    """
+    return repo_id.strip("/").replace("/", "--")
+
+
+def resolve_endpoint(endpoint: str | None = None) -> str:
+    """``endpoint``, else ``$HF_ENDPOINT``, else :data:`DEFAULT_HUB_ENDPOINT` (no trailing /)."""
+    chosen = endpoint or os.environ.get("HF_ENDPOINT") or DEFAULT_HUB_ENDPOINT
+    return chosen.rstrip("/")
+
+
+def pull_model(
+    repo_id: str,
+    *,
+    revision: str | None = None,
+    models_dir: Path,
+    endpoint: str | None = None,
+    token: str | None = None,
+    progress: bool = True,
+    dir_name: str | None = None,
+    cache_dir: Path | None = None,
+) -> Path:
+    """Download every file of model repository ``repo_id`` and return the folder holding them.
+
+    Files land in ``models_dir / dir_name`` (default :func:`model_dirname`), created if
+    needed; a second pull of the same repository only fetches what changed.  ``revision`` is
+    a branch, tag or commit (default: the repository's main branch); ``token`` a hub access
+    token (default: ``$HF_TOKEN`` or the token saved by ``hf auth login``).  With
+    ``progress`` the hub's own progress bars are drawn on stderr.  ``cache_dir`` is the
+    hub cache, where huggingface_hub records branch heads and from which it copies files it
+    already has (default: its own, ``$HF_HUB_CACHE``).
+
+    Blocking (it downloads): async callers run it through ``asyncio.to_thread``.
+
+    Raises:
+        ConfigError: ``repo_id`` or ``dir_name`` is malformed.
+        NotFoundError: the repository (or, for a private one, access to it) or the revision
+            does not exist.
+        BerthError: the hub cannot be reached, refuses the request, the repository is gated,
+            or the files cannot be written.
+    """
+    if dir_name is not None and (_SAFE_DIRNAME.match(dir_name) is None or ".." in dir_name):
+        raise ConfigError(
+            f"model folder name {dir_name!r} must be letters, digits, '.', '_' or '-'"
+        )
+    hub = resolve_endpoint(endpoint)
+    target = models_dir / (dir_name or model_dirname(repo_id))
+    where = repo_id if revision is None else f"{repo_id}@{revision}"
+    try:
+        target.mkdir(parents=True, exist_ok=True)
+        local = snapshot_download(
+            repo_id,
+            revision=revision,
+            local_dir=target,
+            endpoint=hub,
+            token=token,
+            cache_dir=cache_dir,
+            tqdm_class=None if progress else _SilentProgress,
+        )
+    except HFValidationError as exc:
+        raise ConfigError(f"invalid hub repository id {repo_id!r}: {_first_line(exc)}") from exc
+    except GatedRepoError as exc:
+        raise BerthError(
+            f"hub repository {repo_id!r} is gated: accept its terms on the hub, "
+            "then pass a token (--token or HF_TOKEN)"
+        ) from exc
+    except RepositoryNotFoundError as exc:
+        raise NotFoundError("hub repository", repo_id) from exc
+    except RevisionNotFoundError as exc:
+        raise NotFoundError("revision", where) from exc
+    except LocalEntryNotFoundError as exc:
+        if isinstance(exc.__cause__, OfflineModeIsEnabled):
+            raise BerthError(f"cannot pull {where}: HF_HUB_OFFLINE is set") from exc
+        raise BerthError(f"cannot reach the hub at {hub} to pull {where}") from exc
+    except HfHubHTTPError as exc:
+        status = exc.response.status_code
+        raise BerthError(f"the hub at {hub} answered HTTP {status} for {where}") from exc
+    except OSError as exc:
+        raise BerthError(f"cannot pull {where} into {target}: {exc.strerror or exc}") from exc
+    return Path(local)
+
+
+class _SilentProgress(HubTqdm):
+    """A hub progress bar that never draws, for ``progress=False``."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs["disable"] = True
+        super().__init__(*args, **kwargs)  # type: ignore[no-untyped-call]
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__

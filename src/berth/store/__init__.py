@@ -1,0 +1,24 @@
+"""The state database: SQLAlchemy 2 models, versioned migrations, the :class:`Store` facade.
+
+Callers use :class:`Store` and the frozen records; the ORM tables stay inside this package.
+"""
+
+from berth.store.migrations import LATEST_VERSION
+from berth.store.records import (
+    ApiKeyRecord,
+    DeploymentRecord,
+    ModelRecord,
+    ModelSource,
+)
+from berth.store.store import UNCHANGED, Store, Unchanged
+
+__all__ = [
+    "LATEST_VERSION",
+    "UNCHANGED",
+    "ApiKeyRecord",
+    "DeploymentRecord",
+    "ModelRecord",
+    "ModelSource",
+    "Store",
+    "Unchanged",
+]

