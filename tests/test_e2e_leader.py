@@ -16,6 +16,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from berth.runtime.bundled import smollm2_gguf
 
@@ -104,7 +105,7 @@ def leader(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Berth, in
 def deployment(leader: tuple[Berth, int]) -> dict[str, object]:
     berth, _port = leader
     berth("models", "add", "smollm2", "--path", str(smollm2_gguf()))
-    berth("run", "smollm2", "--engine", "llamacpp", "-x=--embeddings", "-x=--pooling", "-x=mean")
+    berth("run", "smollm2", "--engine", "llamacpp", "-x", "--embeddings", "-x", "--pooling", "-x", "mean")
     (record,) = berth.json("ps")  # type: ignore[misc]
     assert record["state"] == "ready"
     return record  # type: ignore[no-any-return]
@@ -180,12 +181,29 @@ def test_metrics_count_tokens(leader: tuple[Berth, int], client: openai.OpenAI) 
         model="smollm2", messages=[{"role": "user", "content": "hi"}], max_tokens=4
     )
     key = client.api_key
-    with httpx.Client(verify=str(berth.home / "ca" / "ca.pem")) as http:
+    tls = ssl.create_default_context(cafile=str(berth.home / "ca" / "ca.pem"))
+    with httpx.Client(verify=tls) as http:
         text = http.get(
             f"https://127.0.0.1:{port}/metrics", headers={"Authorization": f"Bearer {key}"}
         ).text
-        assert "berth_requests_total" in text
+        samples = {
+            (sample.name, sample.labels.get("model")): sample.value
+            for family in text_string_to_metric_families(text)
+            for sample in family.samples
+        }
+        assert samples[("berth_proxy_prompt_tokens_total", "smollm2")] > 0
+        assert samples[("berth_proxy_completion_tokens_total", "smollm2")] > 0
         assert http.get(f"https://127.0.0.1:{port}/metrics").status_code == 401
+
+
+def test_logs_show_the_engine_output(
+    leader: tuple[Berth, int], deployment: dict[str, object]
+) -> None:
+    berth, _port = leader
+    out = berth("logs", str(deployment["id"]), "--tail", "200").stdout
+    assert "llama-server" in out or "llama" in out
+    missing = berth("logs", "d-00000000", check=False)
+    assert missing.returncode != 0 and "not found" in missing.stderr
 
 
 def test_crash_reconcile_and_stop_leaves_no_engine(
