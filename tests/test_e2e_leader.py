@@ -105,7 +105,18 @@ def leader(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Berth, in
 def deployment(leader: tuple[Berth, int]) -> dict[str, object]:
     berth, _port = leader
     berth("models", "add", "smollm2", "--path", str(smollm2_gguf()))
-    berth("run", "smollm2", "--engine", "llamacpp", "-x", "--embeddings", "-x", "--pooling", "-x", "mean")
+    berth(
+        "run",
+        "smollm2",
+        "--engine",
+        "llamacpp",
+        "-x",
+        "--embeddings",
+        "-x",
+        "--pooling",
+        "-x",
+        "mean",
+    )
     (record,) = berth.json("ps")  # type: ignore[misc]
     assert record["state"] == "ready"
     return record  # type: ignore[no-any-return]

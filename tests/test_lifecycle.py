@@ -11,7 +11,7 @@ from berth.cluster.link import EngineEndpoint
 from berth.daemon.lifecycle import DeployOptions, LifecycleManager
 from berth.daemon.proxy import NoReadyDeploymentError
 from berth.daemon.states import DeploymentState
-from berth.errors import ConfigError, InvalidTransitionError, NotFoundError
+from berth.errors import ConfigError, ConflictError, NotFoundError
 from berth.store import Store
 from fakes import FakeLink
 
@@ -83,6 +83,11 @@ async def test_unknown_model_engine_and_node_are_refused(manager: LifecycleManag
         manager.resolve("nope")
 
 
+async def test_gpus_the_node_lacks_are_refused(manager: LifecycleManager) -> None:
+    with pytest.raises(ConfigError, match=r"no GPU 7 \(GPUs: none\)"):
+        await manager.deploy(DeployOptions("tiny", "llamacpp", "local", gpus=(7,)))
+
+
 async def test_known_model_without_ready_deployment_is_503(manager: LifecycleManager) -> None:
     with pytest.raises(NoReadyDeploymentError) as caught:
         manager.resolve("tiny")
@@ -97,7 +102,7 @@ async def test_stop_during_loading_and_stop_twice(
     stopped = await manager.stop(record.id)
     assert stopped.state is DeploymentState.STOPPED
     assert link.running == {}
-    with pytest.raises(InvalidTransitionError):
+    with pytest.raises(ConflictError, match="already stopped"):
         await manager.stop(record.id)
 
 

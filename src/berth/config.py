@@ -139,7 +139,7 @@ SETTINGS: tuple[SettingDef, ...] = (
                "seconds between SIGTERM and SIGKILL when stopping an engine",
                default=10.0, minimum=0.0),
     SettingDef("default_runtime", "str", "daemon", "runtime used when a deploy names none",
-               default="process", choices=("process", "docker")),
+               default="process", choices=("process",)),
     SettingDef("llama_server_bin", "path", "engines", "llama.cpp's llama-server executable",
                optional=True, autodetect=_detect_llama_server),
     SettingDef("vllm_bin", "path", "engines", "vLLM's vllm executable", optional=True,

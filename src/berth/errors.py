@@ -60,6 +60,7 @@ class NotFoundError(BerthError):
 
     http_status = 404
     error_type = "invalid_request_error"
+    exit_code = 2
 
     def __init__(self, kind: str, ident: str):
         self.kind = kind
@@ -72,6 +73,7 @@ class ConflictError(BerthError):
 
     http_status = 409
     error_type = "invalid_request_error"
+    exit_code = 2
 
 
 class InvalidTransitionError(BerthError):

@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 
 from berth.errors import BerthError, DaemonError
-from berth.paths import BerthHome
+from berth.paths import BerthHome, resolve_home
 
 #: Seconds to wait for an ordinary admin call.
 DEFAULT_TIMEOUT_S = 30.0
@@ -26,7 +26,8 @@ class DaemonClient:
     def __init__(self, home: BerthHome, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
         self.home = home
         self._client = httpx.Client(
-            transport=httpx.HTTPTransport(uds=str(home.socket_file)),
+            # verify=False: no TLS on a Unix socket, and it skips loading a CA bundle.
+            transport=httpx.HTTPTransport(uds=str(home.socket_file), verify=False),
             base_url="http://berth",
             timeout=timeout_s,
         )
@@ -87,9 +88,12 @@ class DaemonClient:
             raise self._not_running() from exc
 
     def _not_running(self) -> DaemonError:
+        command = "berth daemon start"
+        if self.home.root != resolve_home():
+            command = f"berth --home {self.home.root} daemon start"
         return DaemonError(
             f"berth daemon is not running (no answer on {self.home.socket_file}); "
-            "start it with: berth daemon start"
+            f"start it with: {command}"
         )
 
 
@@ -101,4 +105,6 @@ def _raise_for_error(response: httpx.Response) -> None:
         message = response.json()["error"]["message"]
     error = BerthError(message)
     error.http_status = response.status_code
+    # The daemon refused the input (bad value, unknown name, conflict): a usage error.
+    error.exit_code = 2 if response.status_code in (400, 404, 409, 413, 422) else 1
     raise error

@@ -13,14 +13,13 @@ from pathlib import Path
 from typing import Any
 
 import typer
-from rich.panel import Panel
 from rich.table import Table
 
+from berth.cli.client import DaemonClient
 from berth.cli.common import CliContext, age, console, context, print_json
 from berth.config import Settings
 from berth.errors import DaemonError
 from berth.paths import BerthHome
-from berth.runtime.process import read_log_tail
 
 daemon_app = typer.Typer(help="Start, stop and inspect the leader daemon.", no_args_is_help=True)
 
@@ -72,6 +71,7 @@ def start(
     for name, value in flags.items():
         argv += [f"--{name.replace('_', '-')}", str(value)]
     log_file = cli.home.daemon_log
+    log_offset = log_file.stat().st_size if log_file.exists() else 0
     with open(log_file, "ab") as log_out:
         process = subprocess.Popen(
             argv,
@@ -79,8 +79,9 @@ def start(
             stdout=log_out,
             stderr=log_out,
             start_new_session=True,
+            cwd="/",
         )
-    info = _wait_started(cli, process, log_file)
+    info = _wait_started(cli, process, log_file, log_offset)
     _print_banner(info, log_file)
 
 
@@ -94,15 +95,14 @@ def _run_foreground(home: BerthHome, settings: Settings) -> None:
     asyncio.run(serve(home, settings))
 
 
-def _wait_started(cli: CliContext, process: subprocess.Popen[bytes], log_file: Path) -> Any:
+def _wait_started(
+    cli: CliContext, process: subprocess.Popen[bytes], log_file: Path, log_offset: int
+) -> Any:
     deadline = time.monotonic() + START_TIMEOUT_S
     with cli.client(timeout_s=5.0) as client:
         while time.monotonic() < deadline:
             if process.poll() is not None:
-                raise DaemonError(
-                    f"the daemon exited during start-up (code {process.returncode}); "
-                    f"last lines of {log_file}:\n{read_log_tail(log_file, 15)}"
-                )
+                raise _start_failure(process.returncode, log_file, log_offset)
             if client.is_running():
                 info = client.get("/admin/info")
                 if info.get("ready"):
@@ -111,14 +111,26 @@ def _wait_started(cli: CliContext, process: subprocess.Popen[bytes], log_file: P
     raise DaemonError(f"the daemon did not answer within {START_TIMEOUT_S:.0f}s; see {log_file}")
 
 
+def _start_failure(code: int, log_file: Path, log_offset: int) -> DaemonError:
+    """The reason a background start failed: the last line this start wrote, then the rest."""
+    with open(log_file, "rb") as log_in:
+        log_in.seek(log_offset)
+        lines = log_in.read().decode("utf-8", "replace").strip().splitlines()
+    reason = lines[-1].removeprefix("error: ") if lines else f"exit code {code}"
+    tail = "\n".join(lines[-15:-1])
+    message = f"the daemon failed to start: {reason}"
+    if tail:
+        message += f"\nearlier lines of {log_file}:\n{tail}"
+    return DaemonError(message)
+
+
 def _print_banner(info: dict[str, Any], log_file: Path) -> None:
-    lines = [f"[bold green]berth leader running[/] (pid {info['pid']}, v{info['version']})"]
+    console.print(f"[bold green]berth leader running[/] (pid {info['pid']}, v{info['version']})")
     for listener in info["listeners"]:
-        lines.append(f"  {listener['name']:<8} {listener['url']}")
-    lines.append(f"  CA       {info['ca_fingerprint']}")
-    lines.append(f"           {info['ca_file']}")
-    lines.append(f"  logs     {log_file}")
-    console.print(Panel("\n".join(lines), expand=False))
+        console.print(f"  {listener['name']:<15} {listener['url']}", soft_wrap=True)
+    console.print(f"  {'CA fingerprint':<15} {info['ca_fingerprint']}", soft_wrap=True)
+    console.print(f"  {'CA certificate':<15} {info['ca_file']}", soft_wrap=True)
+    console.print(f"  {'log':<15} {log_file}", soft_wrap=True)
 
 
 @daemon_app.command("stop")
@@ -144,11 +156,28 @@ def stop(
 
 
 def _daemon_pid(home: BerthHome) -> int | None:
+    """The running daemon's pid: as it reports itself over the socket, else from the pid file
+    when that process really is a berth daemon.  A stale pid file (its pid recycled by some
+    other program after a crash) is removed, and that program is never signalled."""
+    with DaemonClient(home, timeout_s=5.0) as client:
+        if client.is_running():
+            return int(client.get("/admin/info")["pid"])
     try:
         pid = int(home.pid_file.read_text().strip())
     except (FileNotFoundError, ValueError):
         return None
-    return pid if _alive(pid) else None
+    if _alive(pid) and _is_berth_daemon(pid):
+        return pid
+    home.pid_file.unlink(missing_ok=True)
+    return None
+
+
+def _is_berth_daemon(pid: int) -> bool:
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    return b"berth" in b" ".join(argv) and b"daemon" in argv and b"--foreground" in argv
 
 
 def _alive(pid: int) -> bool:

@@ -81,20 +81,21 @@ def run(
     )
 
 
+def short_reason(reason: str | None, width: int = 100) -> str:
+    """A failure reason on one line: its first line and, when the reason carries an engine log
+    tail, the tail's last line (usually the engine's own error)."""
+    if not reason:
+        return ""
+    lines = [line.strip() for line in reason.strip().splitlines() if line.strip()]
+    text = lines[0] if len(lines) == 1 else f"{lines[0]} … {lines[-1]}"
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
 def deployments_table(records: list[dict[str, Any]], *, title: str | None = None) -> Table:
-    table = Table(
-        "ID",
-        "MODEL",
-        "ENGINE",
-        "NODE",
-        "STATE",
-        "PORT",
-        "PID",
-        "AGE",
-        "REASON",
-        title=title,
-        title_justify="left",
-    )
+    table = Table(title=title, title_justify="left")
+    table.add_column("ID", no_wrap=True)
+    for column in ("MODEL", "ENGINE", "NODE", "STATE", "PORT", "PID", "AGE", "REASON"):
+        table.add_column(column)
     now = datetime.now(UTC)
     colours = {"ready": "green", "failed": "red", "loading": "yellow", "pending": "yellow"}
     for r in records:
@@ -111,7 +112,7 @@ def deployments_table(records: list[dict[str, Any]], *, title: str | None = None
             str(r["port"] or "-"),
             str(r["pid"] or "-"),
             age((now - created).total_seconds()),
-            (r.get("failure_reason") or "")[:60],
+            short_reason(r.get("failure_reason")),
         )
     return table
 

@@ -8,6 +8,7 @@ import typer
 from rich.table import Table
 
 from berth.cli.common import console, context, print_json
+from berth.errors import ConflictError
 
 models_app = typer.Typer(help="Register, list and remove model weights.", no_args_is_help=True)
 
@@ -29,7 +30,9 @@ def add(
 ) -> None:
     """Register local weights under NAME."""
     with context(ctx).client() as client:
-        record = client.post("/admin/models", json={"name": name, "path": str(path)})
+        record = client.post(
+            "/admin/models", json={"name": name, "path": str(path.expanduser().resolve())}
+        )
     console.print(f"added model [bold]{record['name']}[/] ({_size(record['size_bytes'])})")
 
 
@@ -67,7 +70,9 @@ def pull(
 
     cli = context(ctx)
     with cli.client() as client:
-        client.get("/admin/info")  # fail before downloading if no daemon answers
+        taken = {m["name"] for m in client.get("/admin/models")}  # fails if no daemon
+        if (name or repo) in taken:
+            raise ConflictError(f"a model named {name or repo!r} already exists")
         path = pull_model(repo, revision=revision, models_dir=cli.home.models_dir)
         record = client.post(
             "/admin/models",

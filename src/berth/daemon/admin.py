@@ -142,7 +142,9 @@ def build_admin_app(services: LeaderServices) -> FastAPI:
 
     @app.post("/admin/models", status_code=201)
     async def add_model(body: ModelIn) -> dict[str, Any]:
-        path = Path(body.path).expanduser()
+        path = Path(body.path)
+        if not path.is_absolute():
+            raise ConfigError(f"model path must be absolute, not {body.path!r}")
         if not path.exists():
             raise ConfigError(f"model path does not exist: {path}")
         path = path.resolve()

@@ -19,7 +19,7 @@ from pathlib import Path
 from berth.cluster.link import AgentLink, EngineEndpoint
 from berth.daemon.proxy import NoReadyDeploymentError, Upstream
 from berth.daemon.states import TERMINAL_STATES, DeploymentState
-from berth.errors import BerthError, ConfigError, EngineError, NotFoundError
+from berth.errors import BerthError, ConfigError, ConflictError, EngineError, NotFoundError
 from berth.runtime.engines import DeploymentRequest, parse_engine_name
 from berth.store import UNCHANGED, DeploymentRecord, Store, Unchanged
 
@@ -166,6 +166,15 @@ class LifecycleManager:
         if link is None:
             raise NotFoundError("node", options.node_id)
         model = await asyncio.to_thread(self._store.get_model, options.model_name)
+        if options.gpus:
+            available = sorted(gpu.index for gpu in (await link.inventory()).gpus)
+            missing = sorted(set(options.gpus) - set(available))
+            if missing:
+                have = ", ".join(map(str, available)) or "none"
+                raise ConfigError(
+                    f"node {options.node_id} has no GPU {', '.join(map(str, missing))} "
+                    f"(GPUs: {have})"
+                )
         served = options.served_model_name or model.name
         record = await asyncio.to_thread(
             self._store.create_deployment,
@@ -201,9 +210,11 @@ class LifecycleManager:
         """Stop a deployment (cancelling its start if it is still loading).
 
         Returns the final record.  Raises ``NotFoundError`` for an unknown id and
-        ``InvalidTransitionError`` for one that is already stopped or failed.
+        ``ConflictError`` for one that is already stopped or failed.
         """
         record = await asyncio.to_thread(self._store.get_deployment, deployment_id)
+        if record.state in TERMINAL_STATES:
+            raise ConflictError(f"deployment {deployment_id} is already {record.state}")
         starting = self._starting.get(deployment_id)
         if starting is not None:
             starting.cancel()

@@ -130,6 +130,7 @@ async def serve(home: BerthHome, settings: Settings) -> None:
     home.ensure()
     public_sock = bind_tcp("public", settings.public_bind, settings.public_port)
     unix_sock = bind_unix(home.socket_file)
+    public_port: int = public_sock.getsockname()[1]  # the real one, also for --public-port 0
 
     store = Store(settings.database_url)
     await asyncio.to_thread(store.migrate)
@@ -174,7 +175,7 @@ async def serve(home: BerthHome, settings: Settings) -> None:
         pid=os.getpid(),
         started_at=time.time(),
         listeners=[
-            Listener("public", f"https://{settings.public_host}:{settings.public_port}"),
+            Listener("public", f"https://{settings.public_host}:{public_port}"),
             Listener("socket", f"unix://{home.socket_file}"),
         ],
     )
@@ -199,7 +200,7 @@ async def serve(home: BerthHome, settings: Settings) -> None:
         log.info(
             "berth leader ready: public https://%s:%d, socket %s, CA %s",
             settings.public_bind,
-            settings.public_port,
+            public_port,
             home.socket_file,
             ca.fingerprint_sha256,
         )

@@ -197,18 +197,22 @@ def usage_from_json(body: bytes) -> Usage | None:
     return _usage_of(usage)
 
 
-def usage_from_json_tail(tail: bytes) -> Usage | None:
-    """Token usage found in the last bytes of a JSON body too large to keep whole.
+def usage_from_json_tail(data: bytes) -> Usage | None:
+    """Token usage from the last ``"usage": {...}`` object in ``data``, without parsing the rest.
 
-    OpenAI-compatible servers put ``usage`` after ``choices``/``data``, so the end of a large
-    body (an embeddings answer for a big batch) holds it. Best effort: ``None`` if the tail has
-    no complete ``"usage": {...}`` object.
+    ``data`` is a whole JSON answer or only its last bytes (for a body too large to keep).
+    OpenAI-compatible servers put ``usage`` after ``choices``/``data``, so the last ``"usage"``
+    key is the top-level one. This is cheaper than :func:`usage_from_json` on a large answer.
+    Best effort: ``None`` when that key is absent, ``null``, cut off or malformed.
     """
-    objects = _USAGE_OBJECT.findall(tail)
-    if not objects:
+    start = data.rfind(_USAGE_KEY)
+    if start < 0:
+        return None
+    found = _USAGE_OBJECT.match(data, start)
+    if found is None:
         return None
     try:
-        usage = json.loads(objects[-1])
+        usage = json.loads(found.group(1))
     except ValueError:
         return None
     return _usage_of(usage)

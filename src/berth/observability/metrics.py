@@ -9,23 +9,29 @@ when a request named no known model, so clients cannot create series at will), `
 and ``node`` are ids, ``status_class`` is ``1xx`` .. ``5xx`` and ``reason`` comes from the
 closed set the proxy uses (see ``docs/metrics.md``).
 
-The proxy calls :meth:`ProxyMetrics.request_started` and :meth:`ProxyMetrics.request_finished`
-once per request; labelled children are cached, so those calls cost a few dictionary look-ups
-and lock-protected increments.
+Hot path: the proxy calls :meth:`ProxyMetrics.request_started` and
+:meth:`ProxyMetrics.request_finished` once per request. The request series are plain counters
+in per-label-set slot objects, turned into Prometheus families only when scraped (a custom
+collector), so a request costs a few dictionary look-ups and integer additions: no locks and
+no per-sample objects. They are written from the event loop's thread only; a scrape from
+another thread copies the tables first (one C-level copy, atomic under the GIL) and may see a
+request half counted, never a torn value.
 """
 
 from __future__ import annotations
 
+from bisect import bisect_left
+from collections.abc import Iterator
 from typing import NamedTuple
 
-from prometheus_client import (
-    CONTENT_TYPE_LATEST,
-    CollectorRegistry,
-    Counter,
-    Gauge,
-    Histogram,
-    generate_latest,
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Gauge, generate_latest
+from prometheus_client.metrics_core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
 )
+from prometheus_client.registry import Collector
 
 from berth.daemon.states import DeploymentState
 
@@ -48,23 +54,122 @@ def status_class(status: int) -> str:
     return f"{status // 100}xx"
 
 
-class _RequestChildren:
+_STATUS_CLASSES = {status: status_class(status) for status in range(100, 600)}
+
+
+_TARGET_LABELS = ("model", "deployment", "node")
+_STATUS_LABELS = (*_TARGET_LABELS, "status_class")
+
+
+class _Histogram:
+    """Per-bucket counts (not cumulative; the last slot is +Inf) and the sum, in seconds."""
+
+    __slots__ = ("counts", "sum_s")
+
+    def __init__(self, buckets: int) -> None:
+        self.counts = [0] * (buckets + 1)
+        self.sum_s = 0.0
+
+    def family_buckets(self, bounds: tuple[float, ...]) -> list[tuple[str, float]]:
+        """``(le, cumulative count)`` pairs as the text format writes them."""
+        out: list[tuple[str, float]] = []
+        running = 0
+        for bound, count in zip((*bounds, float("inf")), self.counts, strict=True):
+            running += count
+            out.append(("+Inf" if bound == float("inf") else repr(float(bound)), running))
+        return out
+
+
+class _RequestSeries:
+    """One (model, deployment, node, status class): requests and their timings."""
+
     __slots__ = ("duration", "requests", "ttfb")
 
-    def __init__(self, metrics: ProxyMetrics, target: Target, klass: str) -> None:
-        labels = (*target, klass)
-        self.requests = metrics.requests.labels(*labels)
-        self.duration = metrics.duration.labels(*labels)
-        self.ttfb = metrics.ttfb.labels(*labels)
+    def __init__(self) -> None:
+        self.requests = 0
+        self.duration = _Histogram(len(LATENCY_BUCKETS_S))
+        self.ttfb = _Histogram(len(TTFB_BUCKETS_S))
 
 
-class _TargetChildren:
+class _TargetSeries:
+    """One (model, deployment, node): requests in flight and tokens."""
+
     __slots__ = ("completion_tokens", "in_flight", "prompt_tokens")
 
-    def __init__(self, metrics: ProxyMetrics, target: Target) -> None:
-        self.in_flight = metrics.in_flight.labels(*target)
-        self.prompt_tokens = metrics.prompt_tokens.labels(*target)
-        self.completion_tokens = metrics.completion_tokens.labels(*target)
+    def __init__(self) -> None:
+        self.in_flight = 0
+        self.prompt_tokens = 0
+        self.completion_tokens = 0
+
+
+class _RequestCollector(Collector):
+    """Turns the request tables into Prometheus families at scrape time."""
+
+    def __init__(self, metrics: ProxyMetrics) -> None:
+        self._metrics = metrics
+
+    def describe(self) -> list[Metric]:
+        return list(self._families([], [], []))
+
+    def collect(self) -> Iterator[Metric]:
+        m = self._metrics
+        return self._families(
+            list(m._requests.items()), list(m._targets.items()), list(m._errors.items())
+        )
+
+    def _families(
+        self,
+        requests: list[tuple[tuple[Target, str], _RequestSeries]],
+        targets: list[tuple[Target, _TargetSeries]],
+        errors: list[tuple[tuple[Target, str, str], int]],
+    ) -> Iterator[Metric]:
+        total = CounterMetricFamily(
+            "berth_proxy_requests", "Requests answered by the OpenAI proxy.", labels=_STATUS_LABELS
+        )
+        duration = HistogramMetricFamily(
+            "berth_proxy_request_duration_seconds",
+            "Time from the request's arrival to the last byte of the answer.",
+            labels=_STATUS_LABELS,
+        )
+        ttfb = HistogramMetricFamily(
+            "berth_proxy_time_to_first_byte_seconds",
+            "Time from the request's arrival to the first byte of the answer's body.",
+            labels=_STATUS_LABELS,
+        )
+        for (target, klass), series in requests:
+            labels = [*target, klass]
+            total.add_metric(labels, series.requests)
+            duration.add_metric(
+                labels, series.duration.family_buckets(LATENCY_BUCKETS_S), series.duration.sum_s
+            )
+            ttfb.add_metric(labels, series.ttfb.family_buckets(TTFB_BUCKETS_S), series.ttfb.sum_s)
+        failed = CounterMetricFamily(
+            "berth_proxy_errors",
+            "Requests that failed, by reason (also counted in berth_proxy_requests_total).",
+            labels=(*_STATUS_LABELS, "reason"),
+        )
+        for (target, klass, reason), count in errors:
+            failed.add_metric([*target, klass, reason], count)
+        in_flight = GaugeMetricFamily(
+            "berth_proxy_in_flight_requests",
+            "Requests the proxy is relaying right now.",
+            labels=_TARGET_LABELS,
+        )
+        prompt = CounterMetricFamily(
+            "berth_proxy_prompt_tokens",
+            "Prompt (input) tokens the engines reported in usage.",
+            labels=_TARGET_LABELS,
+        )
+        completion = CounterMetricFamily(
+            "berth_proxy_completion_tokens",
+            "Completion (output) tokens the engines reported in usage.",
+            labels=_TARGET_LABELS,
+        )
+        for target, counts in targets:
+            in_flight.add_metric(list(target), counts.in_flight)
+            prompt.add_metric(list(target), counts.prompt_tokens)
+            completion.add_metric(list(target), counts.completion_tokens)
+        yield from (total, failed, in_flight, duration, ttfb, prompt, completion)
 
 
 class ProxyMetrics:
@@ -72,65 +177,26 @@ class ProxyMetrics:
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
-        target = ("model", "deployment", "node")
-        by_status = (*target, "status_class")
-        r = self.registry
-        self.requests = Counter(
-            "berth_proxy_requests", "Requests answered by the OpenAI proxy.", by_status, registry=r
-        )
-        self.errors = Counter(
-            "berth_proxy_errors",
-            "Proxied requests that failed, by reason (also counted in requests).",
-            (*by_status, "reason"),
-            registry=r,
-        )
-        self.in_flight = Gauge(
-            "berth_proxy_in_flight_requests",
-            "Requests the proxy is relaying right now.",
-            target,
-            registry=r,
-        )
-        self.duration = Histogram(
-            "berth_proxy_request_duration_seconds",
-            "Time from the request's arrival to the last byte of the answer.",
-            by_status,
-            buckets=LATENCY_BUCKETS_S,
-            registry=r,
-        )
-        self.ttfb = Histogram(
-            "berth_proxy_time_to_first_byte_seconds",
-            "Time from the request's arrival to the first byte of the answer's body.",
-            by_status,
-            buckets=TTFB_BUCKETS_S,
-            registry=r,
-        )
-        self.prompt_tokens = Counter(
-            "berth_proxy_prompt_tokens",
-            "Prompt (input) tokens the engines reported in usage.",
-            target,
-            registry=r,
-        )
-        self.completion_tokens = Counter(
-            "berth_proxy_completion_tokens",
-            "Completion (output) tokens the engines reported in usage.",
-            target,
-            registry=r,
-        )
+        self._requests: dict[tuple[Target, str], _RequestSeries] = {}
+        self._targets: dict[Target, _TargetSeries] = {}
+        self._errors: dict[tuple[Target, str, str], int] = {}
+        self._deployments: dict[str, tuple[str, str]] = {}
+        self.registry.register(_RequestCollector(self))
         self.deployment_state = Gauge(
             "berth_deployment_state",
             "1 for the deployment's current state, 0 for the others.",
             ("deployment", "model", "node", "state"),
-            registry=r,
+            registry=self.registry,
         )
-        self._request_children: dict[tuple[Target, str], _RequestChildren] = {}
-        self._target_children: dict[Target, _TargetChildren] = {}
-        self._deployments: dict[str, tuple[str, str]] = {}
 
     # -- requests ---------------------------------------------------------------------------
 
     def request_started(self, target: Target) -> None:
         """A request was routed to ``target`` and is now in flight."""
-        self._for_target(target).in_flight.inc()
+        series = self._targets.get(target)
+        if series is None:
+            series = self._targets[target] = _TargetSeries()
+        series.in_flight += 1
 
     def request_finished(
         self,
@@ -150,12 +216,10 @@ class ProxyMetrics:
         byte was sent), the token counts come from the engine's usage report, and
         ``error_reason`` names what went wrong, if anything.
         """
-        per_target = self._for_target(target)
-        per_target.in_flight.dec()
-        if prompt_tokens:
-            per_target.prompt_tokens.inc(prompt_tokens)
-        if completion_tokens:
-            per_target.completion_tokens.inc(completion_tokens)
+        series = self._targets[target]
+        series.in_flight -= 1
+        series.prompt_tokens += prompt_tokens
+        series.completion_tokens += completion_tokens
         self._observe(target, status, duration_s, ttfb_s, error_reason)
 
     def request_rejected(
@@ -176,24 +240,22 @@ class ProxyMetrics:
         ttfb_s: float | None,
         error_reason: str | None,
     ) -> None:
-        klass = status_class(status)
-        children = self._request_children.get((target, klass))
-        if children is None:
-            children = _RequestChildren(self, target, klass)
-            self._request_children[(target, klass)] = children
-        children.requests.inc()
-        children.duration.observe(duration_s)
+        klass = _STATUS_CLASSES.get(status) or status_class(status)
+        key = (target, klass)
+        series = self._requests.get(key)
+        if series is None:
+            series = self._requests[key] = _RequestSeries()
+        series.requests += 1
+        histogram = series.duration
+        histogram.counts[bisect_left(LATENCY_BUCKETS_S, duration_s)] += 1
+        histogram.sum_s += duration_s
         if ttfb_s is not None:
-            children.ttfb.observe(ttfb_s)
+            histogram = series.ttfb
+            histogram.counts[bisect_left(TTFB_BUCKETS_S, ttfb_s)] += 1
+            histogram.sum_s += ttfb_s
         if error_reason is not None:
-            self.errors.labels(*target, klass, error_reason).inc()
-
-    def _for_target(self, target: Target) -> _TargetChildren:
-        children = self._target_children.get(target)
-        if children is None:
-            children = _TargetChildren(self, target)
-            self._target_children[target] = children
-        return children
+            error_key = (target, klass, error_reason)
+            self._errors[error_key] = self._errors.get(error_key, 0) + 1
 
     # -- deployments ------------------------------------------------------------------------
 

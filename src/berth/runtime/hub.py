@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -87,6 +88,25 @@ def pull_model(
     hub = resolve_endpoint(endpoint)
     target = models_dir / (dir_name or model_dirname(repo_id))
     where = repo_id if revision is None else f"{repo_id}@{revision}"
+    created = not target.exists()
+    try:
+        return _download(repo_id, revision, target, hub, token, cache_dir, progress, where)
+    except BaseException:
+        if created:  # a failed first pull leaves no empty or partial folder behind
+            shutil.rmtree(target, ignore_errors=True)
+        raise
+
+
+def _download(
+    repo_id: str,
+    revision: str | None,
+    target: Path,
+    hub: str,
+    token: str | None,
+    cache_dir: Path | None,
+    progress: bool,
+    where: str,
+) -> Path:
     try:
         target.mkdir(parents=True, exist_ok=True)
         local = snapshot_download(

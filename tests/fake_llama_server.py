@@ -1,0 +1,172 @@
+"""A fake ``llama-server``: takes llama.cpp's flags as berth passes them, serves a tiny API.
+
+Run it as ``python fake_llama_server.py -m PATH --host H --port P --alias NAME [-c N] ...``
+(tests put a shell wrapper named ``llama-server`` in front of it and point
+``BERTH_LLAMA_SERVER_BIN`` at the wrapper).  Unknown flags are accepted and ignored, as
+berth appends ``--extra-arg`` values verbatim.  It serves, on ``H:P``:
+
+* ``GET /health``: 200 ``{"status": "ok"}`` (llama-server answers 503 while loading);
+* ``GET /v1/models``: the alias as the only model;
+* ``POST /v1/chat/completions``: a fixed answer, as JSON or, with ``"stream": true``, as an
+  SSE stream (chunked, one event per word, a usage chunk, ``data: [DONE]``).
+
+Test-only flags: ``--fail-start`` prints an error line (:data:`FAIL_LINE`) and exits 1
+before listening.  Lines it prints go to stdout, flushed, so berth's engine log shows them.
+
+Only the standard library is used, so the engine starts in about 0.1 s
+(``tests/standin_engine.py`` needs aiohttp and is driven in-process instead).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from types import FrameType
+
+#: What the engine answers to every chat completion.
+ANSWER = "Hello from the fake llama-server."
+#: The line printed by ``--fail-start`` before exiting 1.
+FAIL_LINE = "error: fake llama-server refuses to start (--fail-start)"
+#: Printed once the engine listens; tests find it in ``berth logs``.
+LISTENING = "fake llama-server listening on"
+#: (prompt, completion) token counts reported in ``usage``.
+USAGE = (5, 6)
+
+
+def _parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    parser = argparse.ArgumentParser(prog="llama-server", add_help=False)
+    parser.add_argument("-m", "--model", required=True)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--alias", default="model")
+    parser.add_argument("-c", "--ctx-size", type=int, default=None)
+    parser.add_argument("-ngl", "--n-gpu-layers", default=None)
+    parser.add_argument("--fail-start", action="store_true")
+    return parser.parse_known_args(argv)
+
+
+def _usage() -> dict[str, int]:
+    prompt, completion = USAGE
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+    }
+
+
+def _chunk(alias: str, delta: dict[str, str], finish: str | None) -> dict[str, object]:
+    return {
+        "id": "chatcmpl-fake",
+        "object": "chat.completion.chunk",
+        "created": 1,
+        "model": alias,
+        "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
+    }
+
+
+def _stream_events(alias: str) -> list[bytes]:
+    words = ANSWER.split(" ")
+    chunks = [_chunk(alias, {"role": "assistant"}, None)]
+    chunks += [
+        _chunk(alias, {"content": word + (" " if i < len(words) - 1 else "")}, None)
+        for i, word in enumerate(words)
+    ]
+    chunks.append(_chunk(alias, {}, "stop"))
+    usage = {**_chunk(alias, {}, None), "choices": [], "usage": _usage()}
+    events = [f"data: {json.dumps(c)}\n\n".encode() for c in [*chunks, usage]]
+    return [*events, b"data: [DONE]\n\n"]
+
+
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    alias = "model"
+
+    def log_message(self, format: str, *args: object) -> None:
+        print(f"request: {format % args}", flush=True)
+
+    def do_GET(self) -> None:
+        if self.path == "/health":
+            self._json(200, {"status": "ok"})
+        elif self.path == "/v1/models":
+            model = {"id": self.alias, "object": "model", "created": 1, "owned_by": "llamacpp"}
+            self._json(200, {"object": "list", "data": [model]})
+        else:
+            self._json(404, {"error": {"code": 404, "message": "File Not Found"}})
+
+    def do_POST(self) -> None:
+        length = int(self.headers.get("Content-Length") or 0)
+        raw = self.rfile.read(length)
+        if self.path != "/v1/chat/completions":
+            self._json(404, {"error": {"code": 404, "message": "File Not Found"}})
+            return
+        try:
+            body = json.loads(raw)
+        except ValueError:
+            self._json(400, {"error": {"code": 400, "message": "invalid JSON body"}})
+            return
+        if body.get("stream"):
+            self._sse(_stream_events(self.alias))
+            return
+        message = {"role": "assistant", "content": ANSWER}
+        self._json(
+            200,
+            {
+                "id": "chatcmpl-fake",
+                "object": "chat.completion",
+                "created": 1,
+                "model": self.alias,
+                "choices": [{"index": 0, "message": message, "finish_reason": "stop"}],
+                "usage": _usage(),
+            },
+        )
+
+    def _json(self, status: int, payload: object) -> None:
+        data = json.dumps(payload).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def _sse(self, events: list[bytes]) -> None:
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        for event in events:
+            self.wfile.write(b"%x\r\n%s\r\n" % (len(event), event))
+            self.wfile.flush()
+        self.wfile.write(b"0\r\n\r\n")
+
+
+def _on_sigterm(_signum: int, _frame: FrameType | None) -> None:
+    print("fake llama-server: SIGTERM, shutting down", flush=True)
+    sys.exit(0)
+
+
+def main(argv: list[str]) -> int:
+    args, extra = _parse(argv)
+    print(f"fake llama-server: model {args.model}, alias {args.alias}, extra {extra}", flush=True)
+    if args.fail_start:
+        print(FAIL_LINE, flush=True)
+        return 1
+    signal.signal(signal.SIGTERM, _on_sigterm)
+
+    class Handler(_Handler):
+        alias = args.alias
+
+    server = ThreadingHTTPServer((args.host, args.port), Handler)
+    server.daemon_threads = True
+    print(f"{LISTENING} http://{args.host}:{args.port}", flush=True)
+    try:
+        server.serve_forever()
+    finally:
+        server.server_close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

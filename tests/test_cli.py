@@ -1,0 +1,542 @@
+"""The real ``berth`` CLI against a real daemon, fed bad input.
+
+Every command runs as a subprocess (``python -m berth --home HOME ...``), as a user would run
+it.  One leader daemon serves the whole module; its llama.cpp engine is
+``tests/fake_llama_server.py`` behind a shell wrapper named ``llama-server``
+(``BERTH_LLAMA_SERVER_BIN``), and ``berth pull`` talks to the hub stand-in
+(``HF_ENDPOINT``).  Bad input must fail with a clear ``error:`` line on stderr and a non-zero
+exit, and must leave what was there untouched.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import ssl
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from fake_llama_server import ANSWER, FAIL_LINE, LISTENING, USAGE
+from hub_standin import HubStandin
+
+FAKE_ENGINE = Path(__file__).with_name("fake_llama_server.py")
+HUB_REPO = "org/tiny"
+HUB_FILES = {
+    "config.json": b'{"architectures": ["LlamaForCausalLM"]}\n',
+    "tiny.gguf": b"GGUF" + bytes(range(256)) * 16,
+}
+#: Exit code of ``DaemonError`` (no daemon, or it could not start).
+EXIT_DAEMON = 3
+#: Exit code of ``ConfigError`` raised by the CLI itself.
+EXIT_CONFIG = 2
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def _clean_env(extra: Mapping[str, str]) -> dict[str, str]:
+    """This process's environment without berth's or the hub's settings, plus ``extra``.
+
+    ``COLUMNS`` is fixed so rich tables render the same on every machine.
+    """
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("BERTH_", "HF_"))}
+    env["COLUMNS"] = "160"
+    env.update(extra)
+    return env
+
+
+class Berth:
+    """The real ``berth`` CLI for one home, with a fixed environment and working folder."""
+
+    def __init__(self, home: Path, *, env: Mapping[str, str], cwd: Path) -> None:
+        self.home = home
+        self.env = dict(env)
+        self.cwd = cwd
+
+    def __call__(
+        self,
+        *args: str,
+        check: bool = True,
+        env: Mapping[str, str] | None = None,
+        cwd: Path | None = None,
+    ) -> subprocess.CompletedProcess[str]:
+        result = subprocess.run(
+            [sys.executable, "-m", "berth", "--home", str(self.home), *args],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={**self.env, **(env or {})},
+            cwd=cwd or self.cwd,
+        )
+        if check and result.returncode != 0:
+            raise AssertionError(
+                f"berth {' '.join(args)} exited {result.returncode}\n"
+                f"stdout: {result.stdout}\nstderr: {result.stderr}"
+            )
+        return result
+
+    def json(self, *args: str) -> Any:
+        return json.loads(self(*args, "--json").stdout)
+
+    def admin(self, method: str, path: str, **kwargs: Any) -> Any:
+        """Call the daemon's admin API over its socket (to set up or check state quickly)."""
+        transport = httpx.HTTPTransport(uds=str(self.home / "berth.sock"), verify=False)
+        with httpx.Client(transport=transport, base_url="http://berth", timeout=30.0) as api:
+            response = api.request(method, path, **kwargs)
+        response.raise_for_status()
+        return response.json()
+
+    def add_model(self, name: str, path: Path) -> None:
+        self.admin("POST", "/admin/models", json={"name": name, "path": str(path)})
+
+    def deployments(self) -> list[dict[str, Any]]:
+        """Every deployment, stopped and failed ones included."""
+        records: list[dict[str, Any]] = self.admin("GET", "/admin/deployments")
+        return records
+
+    def fails(
+        self, *args: str, exit_code: int | None = None, env: Mapping[str, str] | None = None
+    ) -> str:
+        """Run a command that must fail with one ``error:`` line; return that line."""
+        result = self(*args, check=False, env=env)
+        assert result.returncode != 0, f"berth {' '.join(args)} succeeded: {result.stdout}"
+        if exit_code is not None:
+            assert result.returncode == exit_code, result.stderr
+        assert result.stdout == ""
+        assert result.stderr.startswith("error: "), result.stderr
+        assert result.stderr.count("\n") == 1, f"not one line: {result.stderr!r}"
+        return result.stderr.strip()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(") ", 1)[1][0] != "Z"
+    except (FileNotFoundError, IndexError):
+        return False
+
+
+def _wait_gone(pid: int, timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not _alive(pid):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def _https(home: Path, port: int) -> httpx.Client:
+    """A client for the leader's public listener that trusts only the berth CA."""
+    tls = ssl.create_default_context(cafile=str(home / "ca" / "ca.pem"))
+    return httpx.Client(base_url=f"https://127.0.0.1:{port}", verify=tls, timeout=10.0)
+
+
+def _bearer(secret: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {secret}"}
+
+
+# -- fixtures ------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A folder for the module's shared files: the engine wrapper, models, the hub cache."""
+    return tmp_path_factory.mktemp("cli")
+
+
+@pytest.fixture(scope="module")
+def llama_server_bin(workdir: Path) -> Path:
+    """An executable named ``llama-server`` that runs the fake engine with this interpreter."""
+    wrapper = workdir / "bin" / "llama-server"
+    wrapper.parent.mkdir()
+    wrapper.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{FAKE_ENGINE}" "$@"\n')
+    wrapper.chmod(0o755)
+    return wrapper
+
+
+@pytest.fixture(scope="module")
+def hub() -> Iterator[HubStandin]:
+    with HubStandin() as standin:
+        standin.add_repo(HUB_REPO, HUB_FILES)
+        yield standin
+
+
+@pytest.fixture(scope="module")
+def gguf(workdir: Path) -> Path:
+    """A file the fake engine accepts as a model (it never reads it)."""
+    path = workdir / "tiny.gguf"
+    path.write_bytes(b"GGUF" + bytes(60))
+    return path
+
+
+@pytest.fixture
+def fresh(tmp_path: Path) -> Berth:
+    """The CLI on a home that does not exist yet, with no daemon."""
+    return Berth(tmp_path / "home", env=_clean_env({}), cwd=tmp_path)
+
+
+@pytest.fixture(scope="module")
+def leader(workdir: Path, llama_server_bin: Path, hub: HubStandin) -> Iterator[tuple[Berth, int]]:
+    """One daemon for the module, started and stopped through the CLI."""
+    env = _clean_env(
+        {
+            "BERTH_LLAMA_SERVER_BIN": str(llama_server_bin),
+            "BERTH_HEALTH_TIMEOUT_S": "30",
+            "BERTH_STOP_GRACE_S": "5",
+            "HF_ENDPOINT": hub.url,
+            "HF_HOME": str(workdir / "hf"),
+            "HF_HUB_DISABLE_TELEMETRY": "1",
+        }
+    )
+    daemon_cwd = workdir / "daemon-cwd"
+    daemon_cwd.mkdir()
+    berth = Berth(workdir / "home", env=env, cwd=daemon_cwd)
+    port = _free_port()
+    started = berth("daemon", "start", "--public-port", str(port))
+    assert "berth leader running" in started.stdout
+    try:
+        yield berth, port
+    finally:
+        berth("daemon", "stop", check=False)
+
+
+# -- no daemon -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("command", [["ps"], ["models", "ls"]])
+def test_without_a_daemon_commands_say_how_to_start_it(fresh: Berth, command: list[str]) -> None:
+    line = fresh.fails(*command, exit_code=EXIT_DAEMON)
+
+    assert "berth daemon is not running" in line
+    assert str(fresh.home / "berth.sock") in line
+    assert f"berth --home {fresh.home} daemon start" in line
+    assert not fresh.home.exists(), "asking a missing daemon must not create the home"
+
+
+# -- settings ------------------------------------------------------------------------------------
+
+
+def test_malformed_config_names_file_and_line(fresh: Berth) -> None:
+    fresh.home.mkdir()
+    config = fresh.home / "config.toml"
+    text = '[server]\npublic_port = 11600\npublic_host = "unterminated\n'
+    config.write_text(text)
+
+    for command in (["config", "show"], ["daemon", "start"]):
+        line = fresh.fails(*command, exit_code=EXIT_CONFIG)
+        assert f"{config}:3: invalid TOML" in line
+
+    assert config.read_text() == text
+    assert sorted(p.name for p in fresh.home.iterdir()) == ["config.toml"]
+
+
+def test_unknown_config_key_is_refused_listing_valid_keys(fresh: Berth) -> None:
+    fresh.home.mkdir()
+    config = fresh.home / "config.toml"
+    config.write_text("[server]\npublic_bind = '127.0.0.1'\npublic_prot = 1\n")
+
+    line = fresh.fails("config", "show", exit_code=EXIT_CONFIG)
+
+    assert f"{config}:3: unknown key 'public_prot' in [server]" in line
+    assert "valid keys:" in line and "server.public_port" in line
+
+
+def test_a_bad_environment_value_is_refused_naming_the_variable(fresh: Berth) -> None:
+    line = fresh.fails(
+        "daemon", "start", exit_code=EXIT_CONFIG, env={"BERTH_PUBLIC_PORT": "notanumber"}
+    )
+
+    assert "BERTH_PUBLIC_PORT" in line and "'notanumber'" in line and "integer" in line
+    assert not (fresh.home / "daemon.pid").exists()
+
+
+def test_config_show_says_where_each_value_comes_from(fresh: Berth, llama_server_bin: Path) -> None:
+    fresh.home.mkdir()
+    config = fresh.home / "config.toml"
+    config.write_text('[server]\npublic_port = 12345\n\n[daemon]\nlog_level = "error"\n')
+    env = {
+        "BERTH_LOG_LEVEL": "debug",  # env beats the file
+        "PATH": f"{llama_server_bin.parent}{os.pathsep}{os.environ.get('PATH', '')}",
+    }
+
+    shown = json.loads(fresh("config", "show", "--json", env=env).stdout)
+    table = fresh("config", "show", env=env).stdout
+
+    assert shown["public_port"] == {"value": 12345, "source": "file"}
+    assert shown["log_level"] == {"value": "debug", "source": "env"}
+    assert shown["public_bind"] == {"value": "127.0.0.1", "source": "default"}
+    assert shown["llama_server_bin"] == {"value": str(llama_server_bin), "source": "autodetect"}
+    assert f"config file: {config}" in table
+    (row,) = [line for line in table.splitlines() if " public_port " in line]
+    assert row.replace("│", " ").split() == ["public_port", "12345", "file"]
+
+
+# -- daemon start --------------------------------------------------------------------------------
+
+
+def test_starting_a_second_daemon_fails_and_keeps_the_first(leader: tuple[Berth, int]) -> None:
+    berth, port = leader
+    before = berth.admin("GET", "/admin/info")
+
+    line = berth.fails("daemon", "start", "--public-port", str(_free_port()), exit_code=EXIT_DAEMON)
+
+    assert line == f"error: a berth daemon is already running for {berth.home}"
+    after = berth.admin("GET", "/admin/info")
+    assert after["pid"] == before["pid"]
+    assert {"name": "public", "url": f"https://127.0.0.1:{port}"} in after["listeners"]
+
+
+def test_a_public_port_in_use_fails_the_start_and_leaves_no_daemon(fresh: Berth) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+
+        result = fresh("daemon", "start", "--public-port", str(port), check=False)
+
+    assert result.returncode == EXIT_DAEMON
+    assert result.stderr.startswith(
+        f"error: the daemon failed to start: public listener 127.0.0.1:{port}: "
+        "address already in use"
+    )
+    assert not (fresh.home / "daemon.pid").exists()
+    assert not (fresh.home / "berth.sock").exists()
+    fresh.fails("daemon", "status", exit_code=EXIT_DAEMON)
+
+
+def test_daemon_stop_leaves_a_stranger_with_a_stale_pid_alone(fresh: Berth) -> None:
+    fresh.home.mkdir()
+    with subprocess.Popen(["sleep", "60"]) as stranger:
+        try:
+            # What a crashed daemon leaves behind once its pid has been reused.
+            (fresh.home / "daemon.pid").write_text(f"{stranger.pid}\n")
+
+            result = fresh("daemon", "stop")
+
+            assert stranger.poll() is None, "berth daemon stop killed an unrelated process"
+            assert result.stdout.strip() == "berth daemon is not running"
+        finally:
+            stranger.kill()
+
+
+# -- models --------------------------------------------------------------------------------------
+
+
+def test_models_add_refuses_a_missing_path_and_a_taken_name(
+    leader: tuple[Berth, int], gguf: Path, workdir: Path
+) -> None:
+    berth, _ = leader
+    missing = workdir / "no-such.gguf"
+
+    assert berth.fails("models", "add", "m1", "--path", str(missing)) == (
+        f"error: model path does not exist: {missing}"
+    )
+    berth("models", "add", "m1", "--path", str(gguf))
+    other = workdir / "other.gguf"
+    other.write_bytes(b"GGUF")
+    assert berth.fails("models", "add", "m1", "--path", str(other)) == (
+        "error: model 'm1' already exists"
+    )
+    assert berth.fails("models", "rm", "nope") == "error: model 'nope' not found"
+
+    (m1,) = [m for m in berth.json("models", "ls") if m["name"] == "m1"]
+    assert m1["path"] == str(gguf) and m1["source"] == "local"
+    assert m1["size_bytes"] == gguf.stat().st_size
+
+
+def test_models_add_takes_a_relative_path_from_where_the_user_is(
+    leader: tuple[Berth, int], tmp_path: Path
+) -> None:
+    berth, _ = leader
+    (tmp_path / "here.gguf").write_bytes(b"GGUF")
+
+    berth("models", "add", "relative", "--path", "here.gguf", cwd=tmp_path)
+
+    (record,) = [m for m in berth.json("models", "ls") if m["name"] == "relative"]
+    assert record["path"] == str(tmp_path / "here.gguf")
+
+
+# -- deployments ---------------------------------------------------------------------------------
+
+
+def test_run_refuses_bad_input_and_creates_nothing(leader: tuple[Berth, int], gguf: Path) -> None:
+    berth, _ = leader
+    berth.add_model("m2", gguf)
+    before = berth.deployments()
+
+    assert berth.fails("run", "nope") == "error: model 'nope' not found"
+    assert berth.fails("run", "m2", "--engine", "tgi") == (
+        "error: unknown engine 'tgi': expected one of llamacpp, vllm, sglang"
+    )
+    line = berth.fails("run", "m2", "--gpu", "x", exit_code=EXIT_CONFIG)
+    assert line == "error: --gpu takes GPU indexes like 0 or 0,1, not 'x'"
+
+    assert berth.deployments() == before
+
+
+def test_run_serve_logs_and_stop_the_fake_engine(leader: tuple[Berth, int], gguf: Path) -> None:
+    berth, port = leader
+    berth.add_model("m3", gguf)
+
+    started = berth("run", "m3", "--ctx", "512")
+    (record,) = [r for r in berth.json("ps") if r["served_model_name"] == "m3"]
+    deployment_id, pid = record["id"], record["pid"]
+    assert f"{deployment_id} ready: model m3 on llamacpp" in started.stdout
+    assert record["state"] == "ready" and record["node_id"] == "local"
+    assert isinstance(record["port"], int) and _alive(pid)
+    with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
+        argv = cmdline.read().split(b"\0")
+    assert str(FAKE_ENGINE).encode() in argv and b"512" in argv
+
+    status = berth("status").stdout
+    assert "running" in status and str(berth.home) in status
+    assert "local" in status and deployment_id in status
+
+    secret = berth.admin("POST", "/admin/keys", json={"name": "chat"})["secret"]
+    with _https(berth.home, port) as http:
+        body = {"model": "m3", "messages": [{"role": "user", "content": "hi"}]}
+        answer = http.post("/v1/chat/completions", json=body, headers=_bearer(secret))
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["choices"][0]["message"]["content"] == ANSWER
+        streamed = http.post(
+            "/v1/chat/completions", json={**body, "stream": True}, headers=_bearer(secret)
+        )
+        assert streamed.headers["content-type"].startswith("text/event-stream")
+        events = [e[6:] for e in streamed.text.splitlines() if e.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        chunks = [json.loads(event) for event in events[:-1]]
+        deltas = [c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"]]
+        assert "".join(deltas) == ANSWER
+        assert chunks[-1]["usage"]["completion_tokens"] == USAGE[1]
+
+    logs = berth("logs", deployment_id).stdout
+    assert f"{LISTENING} http://127.0.0.1:{record['port']}" in logs
+    assert "POST /v1/chat/completions" in logs
+
+    assert berth("stop", deployment_id).stdout.strip() == f"{deployment_id} stopped"
+    assert _wait_gone(pid), "berth stop must stop the engine process"
+    line = berth.fails("stop", deployment_id)
+    assert deployment_id in line and "stopped" in line
+    (stopped,) = [r for r in berth.deployments() if r["id"] == deployment_id]
+    assert stopped["state"] == "stopped"
+    active = berth.admin("GET", "/admin/deployments", params={"active": True})
+    assert deployment_id not in {r["id"] for r in active}
+
+
+def test_a_failing_engine_start_reports_its_log_tail(leader: tuple[Berth, int], gguf: Path) -> None:
+    berth, _ = leader
+    berth.add_model("m4", gguf)
+
+    result = berth("run", "m4", "-x", "--fail-start", check=False)
+
+    assert result.returncode != 0
+    first, *tail = result.stderr.splitlines()
+    assert first.startswith("error: d-") and " failed: engine exited with code 1" in first
+    assert "--- engine log tail ---" in tail and FAIL_LINE in tail
+    (failed,) = [r for r in berth.deployments() if r["served_model_name"] == "m4"]
+    assert failed["state"] == "failed" and FAIL_LINE in failed["failure_reason"]
+    table = berth("ps", "--all").stdout
+    (row,) = [line for line in table.splitlines() if failed["id"] in line]
+    assert "failed" in row and "engine exited with code 1" in row
+
+
+# -- keys ----------------------------------------------------------------------------------------
+
+
+def test_an_unknown_key_tier_is_refused_listing_the_tiers(leader: tuple[Berth, int]) -> None:
+    berth, _ = leader
+    before = berth.admin("GET", "/admin/keys")
+
+    line = berth.fails("key", "create", "x", "--tier", "root", exit_code=EXIT_CONFIG)
+
+    assert line == "error: unknown key tier 'root'; valid tiers: admin, standard"
+    assert berth.admin("GET", "/admin/keys") == before
+
+
+def test_keys_guard_the_public_listener_and_revoke_at_once(leader: tuple[Berth, int]) -> None:
+    berth, port = leader
+    standard = berth.json("key", "create", "std")
+    admin = berth.admin("POST", "/admin/keys", json={"name": "adm", "tier": "admin"})
+    assert standard["tier"] == "standard" and standard["secret"].startswith("sk-berth-")
+
+    with _https(berth.home, port) as http:
+        assert http.get("/v1/models").status_code == 401
+        assert http.get("/v1/models", headers=_bearer("sk-berth-wrong")).status_code == 401
+        assert http.get("/v1/models", headers=_bearer(standard["secret"])).status_code == 200
+        assert http.get("/admin/keys", headers=_bearer(standard["secret"])).status_code == 403
+        keys = http.get("/admin/keys", headers=_bearer(admin["secret"]))
+        assert keys.status_code == 200
+        assert standard["id"] in {k["id"] for k in keys.json()}
+        assert all("secret" not in k for k in keys.json())
+
+        assert berth("key", "revoke", standard["id"]).stdout.strip() == (
+            f"revoked {standard['id']}"
+        )
+        revoked = http.get("/v1/models", headers=_bearer(standard["secret"]))
+        assert revoked.status_code == 401
+        assert revoked.json()["error"]["message"] == "invalid API key"
+
+    assert berth.fails("key", "revoke", "k-nope") == "error: API key 'k-nope' not found"
+
+
+# -- pull ----------------------------------------------------------------------------------------
+
+
+def test_pull_downloads_and_registers_a_hub_model(leader: tuple[Berth, int]) -> None:
+    berth, _ = leader
+
+    result = berth("pull", HUB_REPO, "--name", "tiny")
+
+    folder = berth.home / "models" / "org--tiny"
+    assert f"pulled tiny into {folder}" in result.stdout
+    for name, data in HUB_FILES.items():
+        assert (folder / name).read_bytes() == data
+    (record,) = [m for m in berth.json("models", "ls") if m["name"] == "tiny"]
+    assert record["source"] == "hub" and record["repo_id"] == HUB_REPO
+    assert record["path"] == str(folder)
+
+
+def test_pulling_a_missing_repository_fails_cleanly(leader: tuple[Berth, int]) -> None:
+    berth, _ = leader
+    before = berth.admin("GET", "/admin/models")
+
+    result = berth("pull", "org/missing", check=False)
+
+    assert result.returncode != 0 and result.stdout == ""
+    assert result.stderr.splitlines()[-1] == "error: hub repository 'org/missing' not found"
+    assert berth.admin("GET", "/admin/models") == before
+    assert not (berth.home / "models" / "org--missing").exists()
+
+
+# -- status --------------------------------------------------------------------------------------
+
+
+def test_daemon_status_json_has_pid_and_listeners(leader: tuple[Berth, int]) -> None:
+    berth, port = leader
+
+    info = berth.json("daemon", "status")
+
+    assert info["pid"] == int((berth.home / "daemon.pid").read_text())
+    assert _alive(info["pid"]) and info["ready"] is True
+    assert info["listeners"] == [
+        {"name": "public", "url": f"https://127.0.0.1:{port}"},
+        {"name": "socket", "url": f"unix://{berth.home / 'berth.sock'}"},
+    ]
+    assert info["ca_file"] == str(berth.home / "ca" / "ca.pem")
+    # The daemon resolved its settings from the flag and environment `daemon start` got.
+    settings = berth.admin("GET", "/admin/config")
+    assert settings["public_port"] == {"value": port, "source": "flag"}
+    assert settings["llama_server_bin"]["source"] == "env"
+    assert settings["log_level"] == {"value": "info", "source": "default"}
