@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import socket
 import ssl
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -425,6 +427,9 @@ def test_run_serve_logs_and_stop_the_fake_engine(leader: tuple[Berth, int], gguf
     assert f"{LISTENING} http://127.0.0.1:{record['port']}" in logs
     assert "POST /v1/chat/completions" in logs
 
+    with _https(berth.home, port) as http:
+        _follow_sees_new_output(berth, deployment_id, http, secret)
+
     assert berth("stop", deployment_id).stdout.strip() == f"{deployment_id} stopped"
     assert _wait_gone(pid), "berth stop must stop the engine process"
     line = berth.fails("stop", deployment_id)
@@ -433,6 +438,29 @@ def test_run_serve_logs_and_stop_the_fake_engine(leader: tuple[Berth, int], gguf
     assert stopped["state"] == "stopped"
     active = berth.admin("GET", "/admin/deployments", params={"active": True})
     assert deployment_id not in {r["id"] for r in active}
+
+
+def _follow_sees_new_output(
+    berth: Berth, deployment_id: str, http: httpx.Client, secret: str
+) -> None:
+    """`berth logs --follow` prints what the engine writes after it started following."""
+    argv = [sys.executable, "-m", "berth", "--home", str(berth.home)]
+    argv += ["logs", deployment_id, "--follow", "--tail", "0"]
+    lines: queue.Queue[str] = queue.Queue()
+    with subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, env=berth.env) as follower:
+        reader = threading.Thread(
+            target=lambda: [lines.put(line) for line in follower.stdout or ()], daemon=True
+        )
+        reader.start()
+        try:
+            time.sleep(1.0)  # let the follower reach the end of the log
+            body = {"model": "m3", "messages": [{"role": "user", "content": "follow me"}]}
+            answer = http.post("/v1/chat/completions", json=body, headers=_bearer(secret))
+            assert answer.is_success
+            assert "POST /v1/chat/completions" in lines.get(timeout=10)
+        finally:
+            follower.terminate()
+        reader.join(timeout=10)
 
 
 def test_a_failing_engine_start_reports_its_log_tail(leader: tuple[Berth, int], gguf: Path) -> None:

@@ -382,15 +382,15 @@ class OpenAIProxy:
         exchange = _Exchange(start)
         task = asyncio.current_task()
         assert task is not None, "ASGI apps run in a task"
-        watcher = asyncio.create_task(_watch_disconnect(receive, exchange, task))
+        watcher = task.get_loop().create_task(_watch_disconnect(receive, exchange, task))
         self._metrics.request_started(target)
         try:
             await self._relay(scope, upstream, body, request_id, forward, send, exchange)
         except asyncio.CancelledError:
-            if not exchange.client_gone:
+            # Ours if the client left (the engine request is closed by now); anyone else's
+            # (a server shutting down) goes on up.
+            if not exchange.client_gone or task.uncancel() > 0:
                 raise
-            # The cancellation was ours: the client left, and the engine request is closed.
-            task.uncancel()
             exchange.error_reason = "client_disconnected"
         except ProxyError as exc:  # raised only before the answer started
             exchange.done = True
@@ -399,7 +399,10 @@ class OpenAIProxy:
             exchange.error_reason = exc.error_code
             _log.warning("request %s: %s", request_id.decode(), exc)
         finally:
-            watcher.cancel()
+            if not exchange.done:
+                watcher.cancel()
+            # else the watcher ends by itself: ASGI servers answer receive() with
+            # "http.disconnect" once the response is complete.
             usage = exchange.usage
             self._metrics.request_finished(
                 target,
