@@ -25,13 +25,12 @@ import os
 import re
 import shutil
 import sys
-import tempfile
-import tomllib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Literal
 
+from berth.config_toml import locate_line, parse_toml, render_toml, write_atomically
 from berth.errors import ConfigError
 from berth.paths import BerthHome
 
@@ -393,56 +392,6 @@ class FileValue:
     line: int | None
 
 
-_TOML_POSITION = re.compile(r"\s*\(at line (?P<line>\d+), column (?P<column>\d+)\)\s*$")
-_TOML_AT_END = re.compile(r"\s*\(at end of document\)\s*$")
-_SECTION_LINE = re.compile(r"^\s*\[\s*(?P<name>[A-Za-z0-9_-]+)\s*\]\s*(#.*)?$")
-_KEY_LINE = re.compile(r"^\s*(?P<key>[A-Za-z0-9_-]+)\s*=")
-
-
-def _parse_toml(path: Path) -> tuple[dict[str, Any], str]:
-    """Read and parse ``path``; a missing file is empty.  Errors carry the file and line."""
-    try:
-        data = path.read_bytes()
-    except FileNotFoundError:
-        return {}, ""
-    except OSError as exc:
-        raise ConfigError(f"cannot read config file: {exc.strerror}", path=path) from None
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        bad_line = data[: exc.start].count(b"\n") + 1
-        raise ConfigError("config file is not valid UTF-8", path=path, line=bad_line) from None
-    try:
-        return tomllib.loads(text), text
-    except tomllib.TOMLDecodeError as exc:
-        message = str(exc)
-        line: int | None = None
-        found = _TOML_POSITION.search(message)
-        if found is not None:
-            line = int(found["line"])
-            message = f"{message[: found.start()]} (column {found['column']})"
-        elif (end := _TOML_AT_END.search(message)) is not None:
-            line = max(1, len(text.splitlines()))
-            message = f"{message[: end.start()]} (at end of file)"
-        raise ConfigError(f"invalid TOML: {message}", path=path, line=line) from None
-
-
-def _locate(text: str, section: str | None, key: str | None) -> int | None:
-    """The 1-based line of ``[section]`` (``key`` None) or of ``key`` inside it, if found."""
-    current: str | None = None
-    for number, line in enumerate(text.splitlines(), start=1):
-        header = _SECTION_LINE.match(line)
-        if header is not None:
-            current = header["name"]
-            if key is None and current == section:
-                return number
-            continue
-        assignment = _KEY_LINE.match(line)
-        if key is not None and current == section and assignment and assignment["key"] == key:
-            return number
-    return None
-
-
 def _valid_keys() -> str:
     return ", ".join(f"{d.section}.{d.name}" for d in SETTINGS)
 
@@ -455,14 +404,14 @@ def read_config_file(path: Path) -> dict[str, FileValue]:
     message lists the valid ``section.key`` pairs).  Values are converted later, by
     :meth:`Settings.load`.
     """
-    document, text = _parse_toml(path)
+    document, text = parse_toml(path)
     sections = {d.section for d in SETTINGS}
     found: dict[str, FileValue] = {}
     for section, table in document.items():
         if section not in sections or not isinstance(table, dict):
-            line = _locate(text, section, None) if isinstance(table, dict) else None
+            line = locate_line(text, section, None) if isinstance(table, dict) else None
             if line is None:
-                line = _locate(text, None, section)
+                line = locate_line(text, None, section)
             what = "section" if isinstance(table, dict) else "top-level key"
             raise ConfigError(
                 f"unknown {what} {section!r}; valid keys: {_valid_keys()}", path=path, line=line
@@ -473,9 +422,9 @@ def read_config_file(path: Path) -> dict[str, FileValue]:
                 raise ConfigError(
                     f"unknown key {key!r} in [{section}]; valid keys: {_valid_keys()}",
                     path=path,
-                    line=_locate(text, section, key),
+                    line=locate_line(text, section, key),
                 )
-            found[key] = FileValue(raw=raw, path=path, line=_locate(text, section, key))
+            found[key] = FileValue(raw=raw, path=path, line=locate_line(text, section, key))
     return found
 
 
@@ -501,69 +450,7 @@ def write_config_values(path: Path, updates: Mapping[str, object]) -> None:
         stored: object = str(value) if isinstance(value, os.PathLike) else value
         _convert(defn, stored, defn.toml_location, path.parent)
         table[name] = stored
-    _write_atomically(path, _render_toml(document))
-
-
-def _render_toml(document: Mapping[str, Mapping[str, object]]) -> str:
-    order = {d.section: i for i, d in enumerate(SETTINGS)}
-    blocks = []
-    for section in sorted(document, key=lambda s: order.get(s, len(order))):
-        table = document[section]
-        if not table:
-            continue
-        lines = [f"[{section}]"]
-        lines.extend(f"{key} = {_render_value(value)}" for key, value in table.items())
-        blocks.append("\n".join(lines))
-    return "\n\n".join(blocks) + "\n" if blocks else ""
-
-
-def _render_value(value: object) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, int):
-        return str(value)
-    if isinstance(value, float):
-        if math.isnan(value):
-            return "nan"
-        if math.isinf(value):
-            return "inf" if value > 0 else "-inf"
-        return repr(value)
-    if isinstance(value, str):
-        return _render_string(value)
-    raise ConfigError(f"cannot write {value!r} to config.toml: only str, int, float, bool")
-
-
-def _render_string(text: str) -> str:
-    escaped = []
-    for char in text:
-        if char == "\\":
-            escaped.append("\\\\")
-        elif char == '"':
-            escaped.append('\\"')
-        elif char == "\n":
-            escaped.append("\\n")
-        elif char == "\t":
-            escaped.append("\\t")
-        elif char == "\r":
-            escaped.append("\\r")
-        elif ord(char) < 0x20 or ord(char) == 0x7F:
-            escaped.append(f"\\u{ord(char):04x}")
-        else:
-            escaped.append(char)
-    return '"' + "".join(escaped) + '"'
-
-
-def _write_atomically(path: Path, content: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(prefix=".config-", suffix=".toml", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(content)
-        os.chmod(tmp_name, 0o600)
-        os.replace(tmp_name, path)
-    except BaseException:
-        Path(tmp_name).unlink(missing_ok=True)
-        raise
+    write_atomically(path, render_toml(document, [d.section for d in SETTINGS]))
 
 
 _check_registry_matches_settings()

@@ -1,0 +1,131 @@
+"""Reading and writing the TOML text of ``config.toml``, with file and line in every error.
+
+Only what berth's config file needs: a parse that reports the line of a syntax error, a way
+to find the line of a ``[section]`` or key, and a writer for flat sections of str, int,
+float and bool values (``tomllib`` reads TOML but does not write it).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import tempfile
+import tomllib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from berth.errors import ConfigError
+
+_TOML_POSITION = re.compile(r"\s*\(at line (?P<line>\d+), column (?P<column>\d+)\)\s*$")
+_TOML_AT_END = re.compile(r"\s*\(at end of document\)\s*$")
+_SECTION_LINE = re.compile(r"^\s*\[\s*(?P<name>[A-Za-z0-9_-]+)\s*\]\s*(#.*)?$")
+_KEY_LINE = re.compile(r"^\s*(?P<key>[A-Za-z0-9_-]+)\s*=")
+
+
+def parse_toml(path: Path) -> tuple[dict[str, Any], str]:
+    """Read and parse ``path``; a missing file is empty.  Errors carry the file and line."""
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return {}, ""
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file: {exc.strerror}", path=path) from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        bad_line = data[: exc.start].count(b"\n") + 1
+        raise ConfigError("config file is not valid UTF-8", path=path, line=bad_line) from None
+    try:
+        return tomllib.loads(text), text
+    except tomllib.TOMLDecodeError as exc:
+        message = str(exc)
+        line: int | None = None
+        found = _TOML_POSITION.search(message)
+        if found is not None:
+            line = int(found["line"])
+            message = f"{message[: found.start()]} (column {found['column']})"
+        elif (end := _TOML_AT_END.search(message)) is not None:
+            line = max(1, len(text.splitlines()))
+            message = f"{message[: end.start()]} (at end of file)"
+        raise ConfigError(f"invalid TOML: {message}", path=path, line=line) from None
+
+
+def locate_line(text: str, section: str | None, key: str | None) -> int | None:
+    """The 1-based line of ``[section]`` (``key`` None) or of ``key`` inside it, if found."""
+    current: str | None = None
+    for number, line in enumerate(text.splitlines(), start=1):
+        header = _SECTION_LINE.match(line)
+        if header is not None:
+            current = header["name"]
+            if key is None and current == section:
+                return number
+            continue
+        assignment = _KEY_LINE.match(line)
+        if key is not None and current == section and assignment and assignment["key"] == key:
+            return number
+    return None
+
+
+def render_toml(document: Mapping[str, Mapping[str, object]], section_order: list[str]) -> str:
+    """Render flat ``{section: {key: value}}`` as TOML, sections in ``section_order`` first."""
+    order = {name: i for i, name in enumerate(section_order)}
+    blocks = []
+    for section in sorted(document, key=lambda name: order.get(name, len(order))):
+        table = document[section]
+        if not table:
+            continue
+        lines = [f"[{section}]"]
+        lines.extend(f"{key} = {_render_value(value)}" for key, value in table.items())
+        blocks.append("\n".join(lines))
+    return "\n\n".join(blocks) + "\n" if blocks else ""
+
+
+def _render_value(value: object) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        if math.isnan(value):
+            return "nan"
+        if math.isinf(value):
+            return "inf" if value > 0 else "-inf"
+        return repr(value)
+    if isinstance(value, str):
+        return _render_string(value)
+    raise ConfigError(f"cannot write {value!r} to config.toml: only str, int, float, bool")
+
+
+def _render_string(text: str) -> str:
+    escaped = []
+    for char in text:
+        if char == "\\":
+            escaped.append("\\\\")
+        elif char == '"':
+            escaped.append('\\"')
+        elif char == "\n":
+            escaped.append("\\n")
+        elif char == "\t":
+            escaped.append("\\t")
+        elif char == "\r":
+            escaped.append("\\r")
+        elif ord(char) < 0x20 or ord(char) == 0x7F:
+            escaped.append(f"\\u{ord(char):04x}")
+        else:
+            escaped.append(char)
+    return '"' + "".join(escaped) + '"'
+
+
+def write_atomically(path: Path, content: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(prefix=".config-", suffix=".toml", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            handle.write(content)
+        os.chmod(tmp_name, 0o600)
+        os.replace(tmp_name, path)
+    except BaseException:
+        Path(tmp_name).unlink(missing_ok=True)
+        raise
