@@ -1,18 +1,23 @@
 """Benchmark the OpenAI proxy against the same load sent straight to the engine.
 
-Three processes on loopback, plain HTTP:
+Processes on loopback, plain HTTP, each its own Python:
 
 * the fast stand-in engine (``tests/standin_engine.py``: raw asyncio + httptools, canned
-  answers: a ~300-byte chat completion, or a 19-event stream written in one piece);
+  answers: a 257-byte chat completion, or a 19-event stream of 3.3 kB written in one piece);
 * the proxy: :class:`berth.daemon.proxy.OpenAIProxy` served by uvicorn (uvloop, httptools)
-  with a fixed resolver, no auth in front;
+  with a fixed resolver and no auth in front, as the leader serves ``/v1``;
+* two reference servers, for the ceiling of this stack on this machine: uvicorn answering
+  the canned JSON itself (``uvicorn alone``), and a bare uvicorn + aiohttp relay with none of
+  the proxy's checks, metrics or disconnect handling (``bare relay``);
 * this process, the load generator: keep-alive connections on uvloop with httptools parsing,
   one request in flight per connection (closed loop).
 
 For 1 and 32 concurrent clients, non-streamed and streamed, it measures each path for
-``--duration`` seconds after ``--warmup`` seconds and prints p50/p99 latency (request sent to
-response complete), p50 time to first body byte, requests per second, and the proxy/direct
-ratios. Run: ``.venv/bin/python scripts/bench_proxy.py`` (about 40 s).
+``--duration`` seconds after ``--warmup`` seconds and prints p50/p99 latency (request written
+to answer complete), p50 time to the first body byte, requests per second, CPU time the
+serving process spent per request, and the proxy/direct comparison.
+Every server first gets one untimed second of load. Run:
+``.venv/bin/python scripts/bench_proxy.py`` (about 45 s).
 """
 
 from __future__ import annotations
@@ -22,26 +27,46 @@ import asyncio
 import os
 import platform
 import socket
-import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import cast
+from typing import Any, cast
 
 import httptools
 import uvloop
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = "bench-model"
+Message = MutableMapping[str, Any]
 
 
-# -- the engine and proxy processes ---------------------------------------------------------------
+# -- the servers, each run as `bench_proxy.py --role NAME` ----------------------------------------
 
 
-def _announce(sock: socket.socket) -> None:
+def _bound_socket() -> socket.socket:
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
     print(f"PORT {sock.getsockname()[1]}", flush=True)
+    return sock
+
+
+def _uvicorn(app: Any) -> None:
+    import uvicorn
+
+    config = uvicorn.Config(
+        app,
+        loop="uvloop",
+        http="httptools",
+        lifespan="on",
+        access_log=False,
+        log_level="warning",
+        proxy_headers=False,
+        backlog=1024,
+    )
+    uvicorn.Server(config).run(sockets=[_bound_socket()])
 
 
 def serve_engine() -> None:
@@ -57,8 +82,6 @@ def serve_engine() -> None:
 
 
 def serve_proxy(engine_port: int) -> None:
-    import uvicorn
-
     from berth.daemon.proxy import OpenAIProxy, Upstream
     from berth.observability.metrics import ProxyMetrics
 
@@ -71,24 +94,72 @@ def serve_proxy(engine_port: int) -> None:
         def models(self) -> list[str]:
             return [MODEL]
 
-    proxy = OpenAIProxy(FixedResolver(), ProxyMetrics())
-    config = uvicorn.Config(
-        proxy,
-        loop="uvloop",
-        http="httptools",
-        lifespan="on",
-        access_log=False,
-        log_level="warning",
-        proxy_headers=False,
-        backlog=1024,
-    )
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    _announce(sock)
-    uvicorn.Server(config).run(sockets=[sock])
+    _uvicorn(OpenAIProxy(FixedResolver(), ProxyMetrics()))
 
 
-def _spawn(*args: str) -> tuple[subprocess.Popen[str], int]:
+def serve_uvicorn_alone() -> None:
+    sys.path.insert(0, str(ROOT / "tests"))
+    import json
+
+    from standin_engine import chat_completion
+
+    body = json.dumps(chat_completion("Hello! How can I help you today?")).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]
+
+    async def app(scope: Message, receive: Callable[[], Awaitable[Message]], send: Any) -> None:
+        if scope["type"] == "lifespan":
+            await receive()
+            await send({"type": "lifespan.startup.complete"})
+            await receive()
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+        await receive()
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+
+    _uvicorn(app)
+
+
+def serve_bare_relay(engine_port: int) -> None:
+    import aiohttp
+
+    url = f"http://127.0.0.1:{engine_port}/v1/chat/completions"
+    sessions: list[aiohttp.ClientSession] = []
+
+    async def app(scope: Message, receive: Callable[[], Awaitable[Message]], send: Any) -> None:
+        if scope["type"] == "lifespan":
+            await receive()
+            sessions.append(aiohttp.ClientSession(cookie_jar=aiohttp.DummyCookieJar()))
+            await send({"type": "lifespan.startup.complete"})
+            await receive()
+            await sessions[0].close()
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+        message = await receive()
+        headers = {"content-type": "application/json"}
+        response = await sessions[0].post(url, data=message["body"], headers=headers)
+        data = await response.read()
+        response.release()
+        answer = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(data))]
+        await send({"type": "http.response.start", "status": 200, "headers": answer})
+        await send({"type": "http.response.body", "body": data})
+
+    _uvicorn(app)
+
+
+@dataclass
+class Server:
+    name: str
+    process: subprocess.Popen[str]
+    port: int
+
+    def cpu_s(self) -> float:
+        """CPU seconds (user + system) the process has used; Linux /proc."""
+        fields = Path(f"/proc/{self.process.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _spawn(name: str, *args: str) -> Server:
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
     process = subprocess.Popen(
         [sys.executable, __file__, *args], stdout=subprocess.PIPE, text=True, env=env
@@ -97,8 +168,8 @@ def _spawn(*args: str) -> tuple[subprocess.Popen[str], int]:
     line = process.stdout.readline()
     if not line.startswith("PORT "):
         process.kill()
-        raise RuntimeError(f"{args[0]} did not start: {line!r}")
-    return process, int(line.split()[1])
+        raise RuntimeError(f"{name} did not start: {line!r}")
+    return Server(name, process, int(line.split()[1]))
 
 
 # -- the load generator ---------------------------------------------------------------------------
@@ -117,7 +188,8 @@ class _Connection(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's transports implement asyncio.Transport without subclassing it
         self._transport = cast(asyncio.Transport, transport)
-        self._transport.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock = self._transport.get_extra_info("socket")
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.lost = True
@@ -138,6 +210,10 @@ class _Connection(asyncio.Protocol):
         else:
             self._done.set_result(None)
 
+    def close(self) -> None:
+        if self._transport is not None:
+            self._transport.close()
+
     async def exchange(self, request: bytes) -> None:
         assert self._transport is not None
         self._done = asyncio.get_running_loop().create_future()
@@ -152,12 +228,13 @@ class Result:
     ttfbs_s: list[float]
     elapsed_s: float
     errors: int
+    cpu_us_per_request: float
 
     @property
     def rps(self) -> float:
         return len(self.latencies_s) / self.elapsed_s
 
-    def pct_ms(self, values: list[float], q: float) -> float:
+    def ms(self, values: list[float], q: float) -> float:
         ordered = sorted(values)
         return 1000 * ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
@@ -174,19 +251,21 @@ def _request(streamed: bool) -> bytes:
     )
 
 
-async def _load(port: int, streamed: bool, clients: int, warmup_s: float, run_s: float) -> Result:
+async def _load(
+    server: Server, streamed: bool, clients: int, warmup_s: float, run_s: float
+) -> Result:
     loop = asyncio.get_running_loop()
     request = _request(streamed)
     connections = []
     for _ in range(clients):
-        _, protocol = await loop.create_connection(_Connection, "127.0.0.1", port)
+        _, protocol = await loop.create_connection(_Connection, "127.0.0.1", server.port)
         connections.append(protocol)
     latencies: list[float] = []
     ttfbs: list[float] = []
     errors = 0
-    start = time.perf_counter()
-    measure_from = start + warmup_s
+    measure_from = time.perf_counter() + warmup_s
     stop_at = measure_from + run_s
+    cpu_at_start: list[float] = []
 
     async def client(connection: _Connection) -> None:
         nonlocal errors
@@ -194,6 +273,8 @@ async def _load(port: int, streamed: bool, clients: int, warmup_s: float, run_s:
             sent = time.perf_counter()
             if sent >= stop_at:
                 return
+            if sent >= measure_from and not cpu_at_start:
+                cpu_at_start.append(server.cpu_s())
             try:
                 await connection.exchange(request)
             except (RuntimeError, ConnectionError):
@@ -201,16 +282,15 @@ async def _load(port: int, streamed: bool, clients: int, warmup_s: float, run_s:
                 if connection.lost:
                     return
                 continue
-            done = time.perf_counter()
             if sent >= measure_from:
-                latencies.append(done - sent)
+                latencies.append(time.perf_counter() - sent)
                 ttfbs.append(connection.first_body_at - sent)
 
     await asyncio.gather(*(client(c) for c in connections))
+    cpu_us = 1e6 * (server.cpu_s() - cpu_at_start[0]) / max(1, len(latencies))
     for connection in connections:
-        assert connection._transport is not None
-        connection._transport.close()
-    return Result(latencies, ttfbs, run_s, errors)
+        connection.close()
+    return Result(latencies, ttfbs, run_s, errors, cpu_us)
 
 
 def _machine() -> str:
@@ -225,64 +305,90 @@ def _machine() -> str:
     return f"{cpu}, {os.cpu_count()} CPUs, Python {platform.python_version()}, {platform.system()}"
 
 
-async def _bench(engine_port: int, proxy_port: int, args: argparse.Namespace) -> None:
+def _row(kind: str, clients: int, name: str, r: Result) -> str:
+    return (
+        f"| {kind} | {clients} | {name} | {r.ms(r.latencies_s, 0.5):.3f} | "
+        f"{r.ms(r.latencies_s, 0.99):.3f} | {r.ms(r.ttfbs_s, 0.5):.3f} | {r.rps:,.0f} | "
+        f"{r.cpu_us_per_request:.0f} | {r.errors} |"
+    )
+
+
+async def _bench(servers: dict[str, Server], args: argparse.Namespace) -> None:
+    load = args.warmup, args.duration
+    # The leader is a long-lived process: let each server reach its steady state (pools
+    # filled, code specialised, start-up objects past the young GC generations) first.
+    for server in servers.values():
+        await _load(server, False, max(args.clients), 0.0, 1.0)
     rows = []
     for streamed in (False, True):
         for clients in args.clients:
-            direct = await _load(engine_port, streamed, clients, args.warmup, args.duration)
-            proxied = await _load(proxy_port, streamed, clients, args.warmup, args.duration)
+            direct = await _load(servers["engine"], streamed, clients, *load)
+            proxied = await _load(servers["proxy"], streamed, clients, *load)
             rows.append((streamed, clients, direct, proxied))
+    floors = []
+    if "alone" in servers:
+        clients = max(args.clients)
+        for name in ("alone", "relay"):
+            floors.append((servers[name].name, await _load(servers[name], False, clients, *load)))
 
-    print(f"machine: {_machine()}")
+    print(f"machine: {_machine()}; load average {os.getloadavg()[0]:.2f} at the end")
     print(f"each cell: {args.duration:g} s measured after {args.warmup:g} s warm-up\n")
-    header = (
-        "| answer | clients | path | p50 ms | p99 ms | TTFB p50 ms | req/s | errors |\n"
-        "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: |"
+    print(
+        "| answer | clients | path | p50 ms | p99 ms | TTFB p50 ms | req/s | server CPU µs/req "
+        "| errors |\n| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |"
     )
-    print(header)
     for streamed, clients, direct, proxied in rows:
         kind = "stream" if streamed else "json"
-        for name, r in (("direct", direct), ("proxy", proxied)):
-            print(
-                f"| {kind} | {clients} | {name} | {r.pct_ms(r.latencies_s, 0.5):.3f} | "
-                f"{r.pct_ms(r.latencies_s, 0.99):.3f} | {r.pct_ms(r.ttfbs_s, 0.5):.3f} | "
-                f"{r.rps:,.0f} | {r.errors} |"
-            )
+        print(_row(kind, clients, "direct", direct))
+        print(_row(kind, clients, "proxy", proxied))
+    for name, result in floors:
+        print(_row("json", max(args.clients), name, result))
     print(
         "\n| answer | clients | proxy adds at p50 (ms) | proxy adds at p99 (ms) "
         "| proxy req/s ÷ direct |\n| --- | ---: | ---: | ---: | ---: |"
     )
     for streamed, clients, direct, proxied in rows:
         kind = "stream" if streamed else "json"
-        p50 = proxied.pct_ms(proxied.latencies_s, 0.5) - direct.pct_ms(direct.latencies_s, 0.5)
-        p99 = proxied.pct_ms(proxied.latencies_s, 0.99) - direct.pct_ms(direct.latencies_s, 0.99)
+        p50 = proxied.ms(proxied.latencies_s, 0.5) - direct.ms(direct.latencies_s, 0.5)
+        p99 = proxied.ms(proxied.latencies_s, 0.99) - direct.ms(direct.latencies_s, 0.99)
         print(f"| {kind} | {clients} | {p50:+.3f} | {p99:+.3f} | {proxied.rps / direct.rps:.2f} |")
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--role", choices=("bench", "engine", "proxy"), default="bench")
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    parser.add_argument(
+        "--role", choices=("bench", "engine", "proxy", "alone", "relay"), default="bench"
+    )
     parser.add_argument("--engine-port", type=int, default=0)
     parser.add_argument("--duration", type=float, default=3.0, help="seconds measured per cell")
     parser.add_argument("--warmup", type=float, default=0.5, help="seconds before measuring")
-    parser.add_argument(
-        "--clients", type=lambda s: [int(x) for x in s.split(",")], default=[1, 32]
-    )
+    parser.add_argument("--clients", type=lambda s: [int(x) for x in s.split(",")], default=[1, 32])
+    parser.add_argument("--no-floor", action="store_true", help="skip the reference servers")
     args = parser.parse_args()
     if args.role == "engine":
         serve_engine()
-        return
-    if args.role == "proxy":
+    elif args.role == "proxy":
         serve_proxy(args.engine_port)
-        return
-    engine, engine_port = _spawn("--role", "engine")
-    proxy, proxy_port = _spawn("--role", "proxy", "--engine-port", str(engine_port))
-    try:
-        uvloop.run(_bench(engine_port, proxy_port, args))
-    finally:
-        for process in (proxy, engine):
-            process.terminate()
-            process.wait(5)
+    elif args.role == "alone":
+        serve_uvicorn_alone()
+    elif args.role == "relay":
+        serve_bare_relay(args.engine_port)
+    else:
+        engine = _spawn("engine", "--role", "engine")
+        port = str(engine.port)
+        servers = {
+            "engine": engine,
+            "proxy": _spawn("proxy", "--role", "proxy", "--engine-port", port),
+        }
+        if not args.no_floor:
+            servers["alone"] = _spawn("uvicorn alone", "--role", "alone")
+            servers["relay"] = _spawn("bare relay", "--role", "relay", "--engine-port", port)
+        try:
+            uvloop.run(_bench(servers, args))
+        finally:
+            for server in servers.values():
+                server.process.terminate()
+                server.process.wait(5)
 
 
 if __name__ == "__main__":

@@ -6,11 +6,12 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, MutableMapping
 
 import httpx
 import pytest
 
+from berth.daemon.proxy import OpenAIProxy
 from berth.observability.metrics import ProxyMetrics
 from proxy_fixtures import StaticResolver, running_proxy, sample
 from standin_engine import Head, Reply, Stall, StandinEngine, Write, error_reply, json_reply
@@ -361,3 +362,19 @@ async def test_timings_are_recorded(client: httpx.AsyncClient, metrics: ProxyMet
     assert sample(metrics, "berth_proxy_time_to_first_byte_seconds_count", **labels) == 1
     assert 0 < sample(metrics, "berth_proxy_request_duration_seconds_sum", **labels) < 1
     assert sample(metrics, "berth_proxy_in_flight_requests", **M) == 0
+
+
+async def test_served_directly_the_lifespan_protocol_opens_and_closes_the_client(
+    resolver: StaticResolver, metrics: ProxyMetrics
+) -> None:
+    proxy = OpenAIProxy(resolver, metrics)
+    inbox: asyncio.Queue[dict[str, str]] = asyncio.Queue()
+    sent: list[str] = []
+    for kind in ("lifespan.startup", "lifespan.shutdown"):
+        inbox.put_nowait({"type": kind})
+
+    async def send(message: MutableMapping[str, object]) -> None:
+        sent.append(str(message["type"]))
+
+    await proxy({"type": "lifespan"}, inbox.get, send)
+    assert sent == ["lifespan.startup.complete", "lifespan.shutdown.complete"]

@@ -276,3 +276,20 @@ async def _until(condition: object, timeout_s: float = 1.0) -> None:
     while not condition():
         assert time.monotonic() < deadline, "condition not met in time"
         await asyncio.sleep(0.005)
+
+
+async def test_an_event_longer_than_the_hold_back_limit_is_relayed_before_it_ends(
+    resolver: StaticResolver, metrics: ProxyMetrics, engine: StandinEngine
+) -> None:
+    start = b"data: " + b"x" * 4000
+    engine.script(
+        Reply((Head(200, "text/event-stream"), Write(start), Write(b"\n\n", pause_s=0.3)))
+    )
+    async with (
+        running_proxy(resolver, metrics, max_event_bytes=1024) as url,
+        httpx.AsyncClient(base_url=url) as client,
+    ):
+        _, chunks = await stream_chunks(client)
+    # All of it was sent before the engine finished the event, 0.3 s later.
+    assert b"".join(chunks[:-1]) == start
+    assert chunks[-1] == b"\n\n"

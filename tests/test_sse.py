@@ -10,11 +10,12 @@ from berth.daemon.sse import (
     SSEEvent,
     SSEEventSplitter,
     Usage,
+    find_usage,
+    last_usage,
     parse_event,
     split_events,
     usage_from_event,
     usage_from_json,
-    usage_from_json_tail,
 )
 
 CHAT_USAGE_CHUNK = (
@@ -148,23 +149,45 @@ def test_usage_comes_from_the_responses_api_completed_event() -> None:
     assert usage_from_event(raw) == Usage(20, 9)
 
 
-@pytest.mark.parametrize(
-    ("body", "usage"),
-    [
-        (b'{"choices":[],"usage":{"prompt_tokens":5,"completion_tokens":6}}', Usage(5, 6)),
-        (b'{"data":[],"usage":{"prompt_tokens":8,"total_tokens":8}}', Usage(8, 0)),
-        (b'{"output":[],"usage":{"input_tokens":3,"output_tokens":4}}', Usage(3, 4)),
-        (b'{"choices":[]}', None),
-        (b"not json", None),
-        (b"[1, 2]", None),
-        (b"\xff\xfe", None),
-    ],
-)
+USAGE_BODIES = [
+    (b'{"choices":[],"usage":{"prompt_tokens":5,"completion_tokens":6}}', Usage(5, 6)),
+    (b'{"data":[],"usage":{"prompt_tokens":8,"total_tokens":8}}', Usage(8, 0)),
+    (b'{"output":[],"usage":{"input_tokens":3,"output_tokens":4}}', Usage(3, 4)),
+    (
+        b'{"usage": {"input_tokens": 20, "input_tokens_details": {"cached_tokens": 4},'
+        b' "output_tokens": 9, "output_tokens_details": {"reasoning_tokens": 2}}}',
+        Usage(20, 9),
+    ),
+    (
+        b'{"usage": {"prompt_tokens": 11, "prompt_tokens_details": {"cached_tokens": 3},'
+        b' "completion_tokens": 1}}',
+        Usage(11, 1),
+    ),
+    (b'{"choices": [{"text": "the \\"usage\\": {\\"prompt_tokens\\": 9}"}]}', None),
+    (b'{"choices":[],"usage":null}', None),
+    (b'{"choices":[]}', None),
+]
+
+
+@pytest.mark.parametrize(("body", "usage"), USAGE_BODIES)
 def test_usage_from_a_json_body(body: bytes, usage: Usage | None) -> None:
     assert usage_from_json(body) == usage
 
 
-def test_usage_from_the_tail_of_a_large_body() -> None:
+@pytest.mark.parametrize(("body", "usage"), USAGE_BODIES)
+def test_finding_usage_without_parsing_agrees_with_parsing(
+    body: bytes, usage: Usage | None
+) -> None:
+    assert find_usage(body) == usage
+
+
+@pytest.mark.parametrize("body", [b"not json", b"[1, 2]", b"\xff\xfe"])
+def test_usage_from_a_body_that_is_no_json_object_is_none(body: bytes) -> None:
+    assert usage_from_json(body) is None
+    assert find_usage(body) is None
+
+
+def test_usage_is_found_in_the_tail_of_a_large_body() -> None:
     body = json.dumps(
         {
             "data": [{"embedding": [0.5] * 2000, "index": 0}],
@@ -175,5 +198,21 @@ def test_usage_from_the_tail_of_a_large_body() -> None:
             },
         }
     ).encode()
-    assert usage_from_json_tail(body[-300:]) == Usage(17, 0)
-    assert usage_from_json_tail(body[:-300]) is None
+    assert find_usage(body[-300:]) == Usage(17, 0)
+    assert find_usage(body[:-300]) is None
+
+
+@pytest.mark.parametrize("newline", [b"\n", b"\r\n"])
+def test_the_last_usage_of_a_run_of_events_wins(newline: bytes) -> None:
+    def event(payload: str) -> bytes:
+        return b"data: " + payload.encode() + newline + newline
+
+    events = (
+        event('{"choices":[{"delta":{"content":"a"}}],"usage":null}')
+        + event('{"usage":{"prompt_tokens":1,"completion_tokens":1}}')
+        + event('{"choices":[],"usage":{"prompt_tokens":4,"completion_tokens":2}}')
+        + event('{"choices":[{"delta":{}}],"usage":null}')
+        + event("[DONE]")
+    )
+    assert last_usage(events) == Usage(4, 2)
+    assert last_usage(event('{"usage":null}')) is None

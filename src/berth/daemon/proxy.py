@@ -47,9 +47,8 @@ from berth.daemon.openai_errors import (
 from berth.daemon.sse import (
     SSEEventSplitter,
     Usage,
-    split_events,
-    usage_from_event,
-    usage_from_json_tail,
+    find_usage,
+    last_usage,
 )
 from berth.errors import BerthError, NotFoundError
 from berth.observability.metrics import ProxyMetrics, Target
@@ -212,6 +211,17 @@ class _Exchange:
 class OpenAIProxy:
     """ASGI app for the OpenAI-compatible ``/v1`` routes.
 
+    The body of a POST is forwarded byte for byte to ``upstream.base_url + path`` of the
+    deployment ``resolver.resolve(body["model"])`` picks (called on the event loop for every
+    request: it must not block). The answer comes back with the engine's status and content
+    type: JSON as JSON, an event stream (``text/event-stream``) event by event with
+    ``X-Accel-Buffering: no``. Only ``Content-Type``, ``Accept``, ``traceparent``,
+    ``tracestate`` and ``baggage`` reach the engine, plus ``X-Request-Id``, which every answer
+    echoes (the client's, or 32 random hex digits). When the client disconnects, the engine
+    request is closed at once. Error bodies follow the OpenAI error shape; see the module
+    docstring for the statuses. ``GET /v1/models`` lists ``resolver.models()`` as OpenAI
+    ``Model`` objects (``created`` is the proxy's start time, ``owned_by`` is ``"berth"``).
+
     ``max_body_bytes`` bounds a request body (413 beyond it). ``connect_timeout_s`` bounds
     connecting to an engine (502 when exceeded or refused); ``read_timeout_s`` bounds every wait
     for the engine, including the wait for its first byte, i.e. prefill (504 before the answer
@@ -279,6 +289,8 @@ class OpenAIProxy:
     # -- ASGI ---------------------------------------------------------------------------------
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Serve one ASGI ``http`` request (``scope["path"]`` is the full ``/v1/...`` path), or
+        run the ``lifespan`` protocol (startup/shutdown) when served directly."""
         kind = scope["type"]
         if kind == "http":
             await self._http(scope, receive, send)
@@ -460,6 +472,9 @@ class OpenAIProxy:
         url = self._engine_url(upstream.base_url, scope["path"], scope.get("query_string", b""))
         try:
             response = await session.post(url, data=body, headers=forward)
+        except aiohttp.ConnectionTimeoutError as exc:
+            why = f"did not accept a connection within {self._connect_timeout_s} s"
+            raise EngineUnreachableError(upstream, why) from exc
         except TimeoutError as exc:
             raise EngineTimeoutError(upstream, self._read_timeout_s) from exc
         except aiohttp.ClientConnectorError as exc:
@@ -528,7 +543,7 @@ class OpenAIProxy:
             exchange.ttfb_s = self._clock() - exchange.start
             await send({"type": "http.response.body", "body": data})
             if encoding is None:
-                exchange.usage = usage_from_json_tail(data)
+                exchange.usage = find_usage(data)
             return
 
         exchange.status = status
@@ -555,7 +570,7 @@ class OpenAIProxy:
         exchange.done = True
         await send({"type": "http.response.body", "body": last})
         if encoding is None:
-            exchange.usage = usage_from_json_tail(tail)
+            exchange.usage = find_usage(tail)
 
     async def _relay_stream(
         self,
@@ -596,7 +611,7 @@ class OpenAIProxy:
                     if not chunk:
                         continue
                     if _USAGE_KEY in chunk:
-                        _note_stream_usage(chunk, exchange)
+                        exchange.usage = last_usage(chunk) or exchange.usage
                 if exchange.ttfb_s is None:
                     exchange.ttfb_s = self._clock() - exchange.start
                 if content.at_eof():
@@ -732,13 +747,6 @@ def _model_of(body: bytes) -> str:
             "you must provide a model parameter", code="missing_model", param="model"
         )
     return model
-
-
-def _note_stream_usage(events: bytes, exchange: _Exchange) -> None:
-    for raw in split_events(events):
-        usage = usage_from_event(raw)
-        if usage is not None:
-            exchange.usage = usage
 
 
 def _as_openai_error(data: bytes, content_type: str, status: int) -> bytes:

@@ -34,9 +34,11 @@ from typing import TypeGuard
 _EVENT_END = re.compile(rb"(?:\r\n|\n|\r(?!\n))(?:\r\n|\n|\r(?!\n))")
 _BOM = "\ufeff"
 _USAGE_KEY = b'"usage"'
-# The last ``"usage": {...}`` object in a JSON text, allowing one level of nested objects
-# (``prompt_tokens_details``, ``input_tokens_details`` and the like).
-_USAGE_OBJECT = re.compile(rb'"usage"\s*:\s*(\{(?:[^{}]|\{[^{}]*\})*\})')
+_USAGE_OPENS = re.compile(rb'"usage"\s*:\s*\{')
+# A count inside a usage object; "prompt_tokens_details" and the like do not match.
+_TOKEN_COUNT = re.compile(
+    rb'"(prompt_tokens|completion_tokens|input_tokens|output_tokens)"\s*:\s*(\d+)'
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,9 +96,14 @@ class SSEEventSplitter:
             self._pending = b""
             self._scan_from = 0
             return buf
-        end = -1
-        for match in _EVENT_END.finditer(buf, self._scan_from):
-            end = match.end()
+        if b"\r" in buf:
+            end = -1
+            for match in _EVENT_END.finditer(buf, self._scan_from):
+                end = match.end()
+        else:  # LF-only line ends (every engine): a plain search does
+            end = buf.rfind(b"\n\n", self._scan_from)
+            if end >= 0:
+                end += 2
         if end < 0:
             self._pending = buf
             self._scan_from = max(0, len(buf) - 2)
@@ -118,6 +125,8 @@ def split_events(data: bytes) -> list[bytes]:
 
     Each item ends with its blank line; bytes after the last boundary, if any, are dropped.
     """
+    if b"\r" not in data:  # LF-only line ends (every engine): a plain split does
+        return [event + b"\n\n" for event in data.split(b"\n\n")[:-1]]
     events: list[bytes] = []
     start = 0
     for match in _EVENT_END.finditer(data):
@@ -176,13 +185,39 @@ def usage_from_event(raw: bytes) -> Usage | None:
     if _USAGE_KEY not in raw:
         return None
     event = parse_event(raw)
-    if event is None or event.data == "[DONE]":
+    if event is None:
         return None
-    return usage_from_json(event.data.encode())
+    return find_usage(event.data.encode())
+
+
+def last_usage(events: bytes) -> Usage | None:
+    """The usage reported by the last event in ``events`` (complete events) that has one.
+
+    Only the events around a ``"usage"`` key are looked at, newest first.
+    """
+    if b"\r" in events:
+        for raw in reversed(split_events(events)):
+            usage = usage_from_event(raw)
+            if usage is not None:
+                return usage
+        return None
+    at = events.rfind(_USAGE_KEY)
+    while at >= 0:
+        boundary = events.rfind(b"\n\n", 0, at)
+        begin = boundary + 2 if boundary >= 0 else 0
+        end = events.find(b"\n\n", at)
+        usage = usage_from_event(events[begin : end + 2 if end >= 0 else len(events)])
+        if usage is not None:
+            return usage
+        at = events.rfind(_USAGE_KEY, 0, begin)
+    return None
 
 
 def usage_from_json(body: bytes) -> Usage | None:
-    """Token usage in a complete JSON response body (or one event's JSON data), or ``None``."""
+    """Token usage in a complete JSON response body (or one event's JSON data), or ``None``.
+
+    Parses the whole document: exact, and the reference :func:`find_usage` is tested against.
+    """
     try:
         obj = json.loads(body)
     except ValueError:  # JSONDecodeError and UnicodeDecodeError are both ValueErrors
@@ -197,25 +232,53 @@ def usage_from_json(body: bytes) -> Usage | None:
     return _usage_of(usage)
 
 
-def usage_from_json_tail(data: bytes) -> Usage | None:
-    """Token usage from the last ``"usage": {...}`` object in ``data``, without parsing the rest.
+def find_usage(data: bytes) -> Usage | None:
+    """Token usage from the last ``"usage": {...}`` object in ``data``, found without parsing.
 
-    ``data`` is a whole JSON answer or only its last bytes (for a body too large to keep).
-    OpenAI-compatible servers put ``usage`` after ``choices``/``data``, so the last ``"usage"``
-    key is the top-level one. This is cheaper than :func:`usage_from_json` on a large answer.
-    Best effort: ``None`` when that key is absent, ``null``, cut off or malformed.
+    ``data`` is a JSON answer, the last bytes of one too large to keep, or one event's data.
+    OpenAI-compatible servers put ``usage`` after ``choices``/``data``/``output``, so the last
+    ``"usage"`` key is the one that counts. This scans for the counts (a few microseconds where
+    parsing a whole answer takes tens), so the proxy uses it on every answer. Best effort:
+    ``None`` when that key is absent, ``null``, cut off or has no prompt/input count.
     """
     start = data.rfind(_USAGE_KEY)
-    if start < 0:
+    opens = _USAGE_OPENS.match(data, start) if start >= 0 else None
+    if opens is None:
         return None
-    found = _USAGE_OBJECT.match(data, start)
-    if found is None:
+    end = _object_end(data, opens.end() - 1)
+    if end < 0:
         return None
-    try:
-        usage = json.loads(found.group(1))
-    except ValueError:
+    counts: dict[bytes, int] = {}
+    for found in _TOKEN_COUNT.finditer(data, start, end):
+        counts.setdefault(found.group(1), int(found.group(2)))
+    prompt = counts.get(b"prompt_tokens", counts.get(b"input_tokens"))
+    if prompt is None:
         return None
-    return _usage_of(usage)
+    completion = counts.get(b"completion_tokens", counts.get(b"output_tokens", 0))
+    return Usage(prompt_tokens=prompt, completion_tokens=completion)
+
+
+def _object_end(data: bytes, opening: int) -> int:
+    """The offset just past the ``}`` closing the object opened at ``opening``, or -1.
+
+    Counts braces only, which is right for a usage object: numbers and nested objects, no
+    strings that could hold a brace.
+    """
+    depth = 0
+    pos = opening
+    while True:
+        close = data.find(b"}", pos)
+        if close < 0:
+            return -1
+        nested = data.find(b"{", pos, close)
+        if nested >= 0:
+            depth += 1
+            pos = nested + 1
+            continue
+        depth -= 1
+        pos = close + 1
+        if depth == 0:
+            return pos
 
 
 def _usage_of(usage: object) -> Usage | None:

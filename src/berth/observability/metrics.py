@@ -142,7 +142,10 @@ class _RequestCollector(Collector):
             duration.add_metric(
                 labels, series.duration.family_buckets(LATENCY_BUCKETS_S), series.duration.sum_s
             )
-            ttfb.add_metric(labels, series.ttfb.family_buckets(TTFB_BUCKETS_S), series.ttfb.sum_s)
+            if any(series.ttfb.counts):  # rejected requests never send a body first
+                ttfb.add_metric(
+                    labels, series.ttfb.family_buckets(TTFB_BUCKETS_S), series.ttfb.sum_s
+                )
         failed = CounterMetricFamily(
             "berth_proxy_errors",
             "Requests that failed, by reason (also counted in berth_proxy_requests_total).",
