@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 
-from berth.agent.core import EngineReport
+from berth.agent.core import EngineReport, ProbeResult, SpawnListener
 from berth.cluster.link import EngineEndpoint, NodeInventory
 from berth.errors import EngineError, NotFoundError
 from berth.runtime.engines import DeploymentRequest
@@ -26,11 +26,17 @@ class FakeLink:
         self.fail_with: str | None = None
         self.start_delay_s = 0.0
         self.survivors: dict[str, EngineEndpoint] = {}
+        self.hung: set[str] = set()
 
     async def start_deployment(
-        self, request: DeploymentRequest, health_timeout_s: float
+        self,
+        request: DeploymentRequest,
+        health_timeout_s: float,
+        on_spawned: SpawnListener | None = None,
     ) -> EngineEndpoint:
         self.requests.append(request)
+        if on_spawned is not None:
+            await on_spawned(4242, 9)
         await asyncio.sleep(self.start_delay_s)
         if self.fail_with is not None:
             raise EngineError(self.fail_with, deployment_id=request.deployment_id)
@@ -48,8 +54,10 @@ class FakeLink:
             self.running[deployment_id] = endpoint
         return endpoint
 
-    async def probe(self, deployment_id: str) -> bool:
-        return deployment_id in self.running
+    async def probe(self, deployment_id: str) -> ProbeResult:
+        if deployment_id not in self.running:
+            return "gone"
+        return "unhealthy" if deployment_id in self.hung else "healthy"
 
     async def engines(self) -> list[EngineReport]:
         return [EngineReport(d, e.pid, e.port, True) for d, e in self.running.items()]

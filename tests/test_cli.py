@@ -373,6 +373,25 @@ def test_models_add_takes_a_relative_path_from_where_the_user_is(
 # -- deployments ---------------------------------------------------------------------------------
 
 
+def test_admin_api_errors_are_openai_shaped(leader: tuple[Berth, int], tmp_path: Path) -> None:
+    berth, _ = leader
+    with httpx.Client(
+        transport=httpx.HTTPTransport(uds=str(berth.home / "berth.sock")), base_url="http://b"
+    ) as admin:
+        missing = admin.get("/admin/nope")
+        assert missing.status_code == 404 and missing.json()["error"]["message"]
+        bad_json = admin.post(
+            "/admin/models", content=b"{nope", headers={"content-type": "application/json"}
+        )
+        assert bad_json.status_code == 400
+        assert bad_json.json()["error"]["message"] == "request body is not valid JSON"
+    not_gguf = tmp_path / "weights.bin"
+    not_gguf.write_bytes(b"not a model")
+    assert "is not a GGUF file" in berth.fails("models", "add", "bin", "--path", str(not_gguf))
+    line = berth.fails("models", "add", "q?x", "--path", str(not_gguf))
+    assert "name" in line
+
+
 def test_run_refuses_bad_input_and_creates_nothing(leader: tuple[Berth, int], gguf: Path) -> None:
     berth, _ = leader
     berth.add_model("m2", gguf)
@@ -428,9 +447,8 @@ def test_run_serve_logs_and_stop_the_fake_engine(leader: tuple[Berth, int], gguf
     assert "POST /v1/chat/completions" in logs
 
     with _https(berth.home, port) as http:
-        _follow_sees_new_output(berth, deployment_id, http, secret)
+        _follow_sees_new_output_and_ends_at_stop(berth, deployment_id, http, secret)
 
-    assert berth("stop", deployment_id).stdout.strip() == f"{deployment_id} stopped"
     assert _wait_gone(pid), "berth stop must stop the engine process"
     line = berth.fails("stop", deployment_id)
     assert deployment_id in line and "stopped" in line
@@ -440,10 +458,11 @@ def test_run_serve_logs_and_stop_the_fake_engine(leader: tuple[Berth, int], gguf
     assert deployment_id not in {r["id"] for r in active}
 
 
-def _follow_sees_new_output(
+def _follow_sees_new_output_and_ends_at_stop(
     berth: Berth, deployment_id: str, http: httpx.Client, secret: str
 ) -> None:
-    """`berth logs --follow` prints what the engine writes after it started following."""
+    """`berth logs --follow` prints what the engine writes after it started following, and
+    ends by itself once the deployment is stopped."""
     argv = [sys.executable, "-m", "berth", "--home", str(berth.home)]
     argv += ["logs", deployment_id, "--follow", "--tail", "0"]
     lines: queue.Queue[str] = queue.Queue()
@@ -457,9 +476,14 @@ def _follow_sees_new_output(
             body = {"model": "m3", "messages": [{"role": "user", "content": "follow me"}]}
             answer = http.post("/v1/chat/completions", json=body, headers=_bearer(secret))
             assert answer.is_success
-            assert "POST /v1/chat/completions" in lines.get(timeout=10)
+            deadline = time.monotonic() + 10
+            while "POST /v1/chat/completions" not in lines.get(timeout=10):
+                assert time.monotonic() < deadline, "the followed log never showed the request"
+            assert berth("stop", deployment_id).stdout.strip() == f"{deployment_id} stopped"
+            assert follower.wait(timeout=15) == 0
         finally:
-            follower.terminate()
+            if follower.poll() is None:
+                follower.terminate()
         reader.join(timeout=10)
 
 

@@ -166,3 +166,43 @@ async def test_dead_engine_is_marked_failed_by_the_watcher(store: Store, link: F
             manager.resolve("tiny")
     finally:
         await manager.shutdown()
+
+
+async def test_a_hung_engine_is_failed_after_repeated_health_probes(
+    store: Store, link: FakeLink
+) -> None:
+    manager = LifecycleManager(
+        store, {"local": link}, health_timeout_s=5, stop_grace_s=1, watch_interval_s=0.01
+    )
+    await manager.start()
+    try:
+        record = await manager.deploy(DeployOptions("tiny", "llamacpp", "local"))
+        await manager.wait_settled(record.id, 5)
+        assert store.get_deployment(record.id).pid == 4242  # recorded at spawn
+        link.hung.add(record.id)  # runs, but no longer answers health
+        for _ in range(300):
+            if store.get_deployment(record.id).state is DeploymentState.FAILED:
+                break
+            await asyncio.sleep(0.01)
+        failed = store.get_deployment(record.id)
+        assert failed.state is DeploymentState.FAILED
+        assert "health checks" in (failed.failure_reason or "")
+        assert record.id not in link.running  # the hung engine was stopped
+    finally:
+        await manager.shutdown()
+
+
+async def test_the_engine_pid_is_recorded_while_it_loads(store: Store, link: FakeLink) -> None:
+    link.start_delay_s = 10
+    manager = LifecycleManager(store, {"local": link}, health_timeout_s=5, stop_grace_s=1)
+    await manager.start()
+    try:
+        record = await manager.deploy(DeployOptions("tiny", "llamacpp", "local"))
+        for _ in range(100):
+            if store.get_deployment(record.id).pid is not None:
+                break
+            await asyncio.sleep(0.01)
+        loading = store.get_deployment(record.id)
+        assert loading.state is DeploymentState.LOADING and loading.pid == 4242
+    finally:
+        await manager.shutdown()

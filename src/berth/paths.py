@@ -10,8 +10,9 @@ DEFAULT_HOME = "~/.berth"
 
 
 def resolve_home(explicit: str | os.PathLike[str] | None = None) -> Path:
-    """Return the berth home: ``explicit``, else ``$BERTH_HOME``, else ``~/.berth``."""
-    raw = explicit if explicit is not None else os.environ.get("BERTH_HOME", DEFAULT_HOME)
+    """Return the berth home: ``explicit``, else ``$BERTH_HOME`` (unless empty), else
+    ``~/.berth``."""
+    raw = explicit if explicit is not None else (os.environ.get("BERTH_HOME") or DEFAULT_HOME)
     return Path(raw).expanduser().resolve()
 
 

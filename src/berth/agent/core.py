@@ -11,9 +11,10 @@ import asyncio
 import logging
 import os
 import socket
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Literal
 
 from berth.errors import EngineError, NotFoundError
 from berth.runtime.base import EngineHandle
@@ -27,6 +28,9 @@ from berth.runtime.gpu import GpuInfo, GpuInventory
 from berth.runtime.process import ProcessRuntime, follow_log, read_log_tail
 
 log = logging.getLogger(__name__)
+
+#: Called with ``(pid, port)`` once an engine process exists.
+SpawnListener = Callable[[int, int], Awaitable[None]]
 
 
 @dataclass(frozen=True)
@@ -55,10 +59,21 @@ def read_host_facts() -> HostFacts:
     return HostFacts(socket.gethostname(), os.cpu_count() or 1, memory_mb)
 
 
+#: What one liveness probe found: the engine answers health, runs but does not answer, or is
+#: not running at all.
+ProbeResult = Literal["healthy", "unhealthy", "gone"]
+#: Engines without a recorded health path (re-attached after a restart) are probed here;
+#: llama.cpp, vLLM and SGLang all serve it.
+DEFAULT_HEALTH_PATH = "/health"
+#: Seconds one health probe may take before it counts as a failure.
+PROBE_TIMEOUT_S = 5.0
+
+
 @dataclass
 class _Managed:
     handle: EngineHandle
     log_path: Path
+    health_path: str = DEFAULT_HEALTH_PATH
 
 
 class AgentCore:
@@ -82,9 +97,16 @@ class AgentCore:
         self._logs_dir = logs_dir
         self._engines: dict[str, _Managed] = {}
 
-    async def start(self, request: DeploymentRequest, health_timeout_s: float) -> EngineHandle:
+    async def start(
+        self,
+        request: DeploymentRequest,
+        health_timeout_s: float,
+        on_spawned: SpawnListener | None = None,
+    ) -> EngineHandle:
         """Start the engine and wait until it answers health.
 
+        ``on_spawned(pid, port)`` is awaited as soon as the process exists, before it is
+        healthy, so the leader can record it (and stop it after a crash mid-load).
         Raises ``EngineError`` (with the engine's log tail) when it fails to start or to
         become healthy within ``health_timeout_s`` seconds; the engine is stopped then.
         A cancelled start stops the engine too.
@@ -99,8 +121,10 @@ class AgentCore:
         request = replace(request, port=port, log_path=log_path)
         spec = build_launch_spec(request, self._binaries)
         handle = await self._runtime.start(spec)
-        self._engines[request.deployment_id] = _Managed(handle, log_path)
+        self._engines[request.deployment_id] = _Managed(handle, log_path, spec.health_path)
         try:
+            if on_spawned is not None:
+                await on_spawned(handle.pid, handle.port)
             await self._runtime.wait_healthy(handle, spec, health_timeout_s)
         except BaseException:
             # Failed or cancelled: never leave a half-started engine behind.
@@ -130,6 +154,16 @@ class AgentCore:
     def is_alive(self, deployment_id: str) -> bool:
         managed = self._engines.get(deployment_id)
         return managed is not None and self._runtime.is_alive(managed.handle)
+
+    async def probe(self, deployment_id: str) -> ProbeResult:
+        """Whether the engine runs and answers its health path within ``PROBE_TIMEOUT_S``."""
+        managed = self._engines.get(deployment_id)
+        if managed is None or not self._runtime.is_alive(managed.handle):
+            return "gone"
+        healthy = await self._runtime.check_health(
+            managed.handle, managed.health_path, PROBE_TIMEOUT_S
+        )
+        return "healthy" if healthy else "unhealthy"
 
     def engines(self) -> list[EngineReport]:
         return [

@@ -12,6 +12,9 @@ from rich.console import Console
 from berth.cli.client import DaemonClient
 from berth.paths import BerthHome, resolve_home
 
+#: ``-h`` as well as ``--help`` on every command.
+HELP_OPTIONS = {"help_option_names": ["-h", "--help"]}
+
 console = Console(highlight=False)
 err_console = Console(stderr=True, highlight=False)
 

@@ -5,10 +5,12 @@ from __future__ import annotations
 import typer
 from rich.table import Table
 
-from berth.cli.common import console, context, print_json
+from berth.cli.common import HELP_OPTIONS, console, context, print_json
 from berth.config import Settings
 
-config_app = typer.Typer(help="Inspect berth's settings.", no_args_is_help=True)
+config_app = typer.Typer(
+    context_settings=HELP_OPTIONS, help="Inspect berth's settings.", no_args_is_help=True
+)
 
 
 @config_app.command("show")

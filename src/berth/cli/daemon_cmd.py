@@ -16,12 +16,25 @@ import typer
 from rich.table import Table
 
 from berth.cli.client import DaemonClient
-from berth.cli.common import CliContext, age, console, context, print_json
+from berth.cli.common import (
+    HELP_OPTIONS,
+    CliContext,
+    age,
+    console,
+    context,
+    err_console,
+    print_json,
+)
 from berth.config import Settings
 from berth.errors import DaemonError
 from berth.paths import BerthHome
+from berth.store import Store
 
-daemon_app = typer.Typer(help="Start, stop and inspect the leader daemon.", no_args_is_help=True)
+daemon_app = typer.Typer(
+    context_settings=HELP_OPTIONS,
+    help="Start, stop and inspect the leader daemon.",
+    no_args_is_help=True,
+)
 
 #: Seconds ``berth daemon start`` waits for the daemon to answer on its socket.
 START_TIMEOUT_S = 60.0
@@ -105,7 +118,8 @@ def _wait_started(
                 raise _start_failure(process.returncode, log_file, log_offset)
             if client.is_running():
                 info = client.get("/admin/info")
-                if info.get("ready"):
+                # Another start may have won the race for this home: only our child counts.
+                if info.get("ready") and info.get("pid") == process.pid:
                     return info
             time.sleep(0.2)
     raise DaemonError(f"the daemon did not answer within {START_TIMEOUT_S:.0f}s; see {log_file}")
@@ -143,6 +157,7 @@ def stop(
     pid = _daemon_pid(home)
     if pid is None:
         console.print("berth daemon is not running")
+        _warn_about_orphans(home)
         return
     os.kill(pid, signal.SIGTERM)
     deadline = time.monotonic() + timeout
@@ -153,6 +168,26 @@ def stop(
                 return
             time.sleep(0.2)
     raise DaemonError(f"daemon (pid {pid}) still running after {timeout:.0f}s")
+
+
+def _warn_about_orphans(home: BerthHome) -> None:
+    """After a crash the store may still list engines that run on: say so, and how to fix it."""
+    if not home.db_file.exists():
+        return
+    settings = Settings.load(home)
+    store = Store(settings.database_url)
+    try:
+        active = store.list_deployments(active_only=True)
+    finally:
+        store.close()
+    if active:
+        ids = ", ".join(f"{r.id} (pid {r.pid or '?'})" for r in active)
+        err_console.print(
+            f"warning: the daemon did not shut down cleanly; these deployments may still run: "
+            f"{ids}. Run `berth daemon start` (it re-attaches or stops them), then "
+            "`berth daemon stop`.",
+            markup=False,
+        )
 
 
 def _daemon_pid(home: BerthHome) -> int | None:
@@ -207,8 +242,8 @@ def daemon_status(
         return
     console.print(f"[green]running[/] pid {info['pid']}, up {age(info['uptime_s'])}")
     for listener in info["listeners"]:
-        console.print(f"  {listener['name']:<8} {listener['url']}")
-    console.print(f"  CA       {info['ca_fingerprint']}")
+        console.print(f"  {listener['name']:<8} {listener['url']}", soft_wrap=True)
+    console.print(f"  CA       {info['ca_fingerprint']}", soft_wrap=True)
 
 
 def status(

@@ -10,7 +10,7 @@ from typing import Any
 import typer
 from rich.table import Table
 
-from berth.cli.common import age, console, context, print_json
+from berth.cli.common import age, console, context, err_console, print_json
 from berth.errors import BerthError, ConfigError, EngineError
 
 
@@ -42,7 +42,9 @@ def run(
     node: str = typer.Option("local", "--node", help="Node to run on."),
     runtime: str | None = typer.Option(None, "--runtime", help="Engine runtime: process."),
     detach: bool = typer.Option(False, "--detach", "-d", help="Return without waiting."),
-    timeout: float = typer.Option(900.0, help="Seconds to wait for the engine to be ready."),
+    timeout: float = typer.Option(
+        900.0, min=1.0, help="Seconds to wait for the engine to be ready."
+    ),
 ) -> None:
     """Deploy a model on an engine and wait until it serves."""
     body: dict[str, Any] = {
@@ -61,16 +63,23 @@ def run(
             console.print(f"{record['id']} {record['state']}")
             return
         deadline = time.monotonic() + timeout
-        with console.status(f"starting {record['id']} ({model} on {engine})") as spinner:
-            while record["state"] in ("pending", "loading"):
-                if time.monotonic() > deadline:
-                    raise BerthError(
-                        f"{record['id']} not ready after {timeout:.0f}s "
-                        f"(still {record['state']}); see: berth logs {record['id']}"
-                    )
-                time.sleep(0.5)
-                record = client.get(f"/admin/deployments/{record['id']}")
-                spinner.update(f"{record['id']} {record['state']} ({model} on {engine})")
+        still_starting = (
+            f"it keeps starting in the background: `berth ps` to watch, "
+            f"`berth logs {record['id']}` for its log, `berth stop {record['id']}` to cancel"
+        )
+        try:
+            with console.status(f"starting {record['id']} ({model} on {engine})") as spinner:
+                while record["state"] in ("pending", "loading"):
+                    if time.monotonic() > deadline:
+                        raise BerthError(
+                            f"{record['id']} not ready after {timeout:.0f}s; {still_starting}"
+                        )
+                    time.sleep(0.5)
+                    record = client.get(f"/admin/deployments/{record['id']}")
+                    spinner.update(f"{record['id']} {record['state']} ({model} on {engine})")
+        except KeyboardInterrupt:
+            err_console.print(f"stopped waiting for {record['id']}; {still_starting}")
+            raise
     if record["state"] != "ready":
         raise EngineError(
             f"{record['id']} {record['state']}: {record.get('failure_reason') or 'no reason'}"

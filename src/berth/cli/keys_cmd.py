@@ -5,10 +5,12 @@ from __future__ import annotations
 import typer
 from rich.table import Table
 
-from berth.cli.common import console, context, print_json
+from berth.cli.common import HELP_OPTIONS, console, context, print_json
 from berth.keys import parse_tier
 
-key_app = typer.Typer(help="Create, list and revoke API keys.", no_args_is_help=True)
+key_app = typer.Typer(
+    context_settings=HELP_OPTIONS, help="Create, list and revoke API keys.", no_args_is_help=True
+)
 
 
 @key_app.command("create")

@@ -9,11 +9,12 @@ import typer
 
 from berth import __version__
 from berth.cli import config_cmd, daemon_cmd, demo, deploy_cmd, keys_cmd, models_cmd
-from berth.cli.common import CliContext, err_console
+from berth.cli.common import HELP_OPTIONS, CliContext, err_console
 from berth.errors import BerthError
 from berth.paths import BerthHome, resolve_home
 
 app = typer.Typer(
+    context_settings=HELP_OPTIONS,
     name="berth",
     help="berth: one OpenAI-compatible endpoint in front of the engines on your GPU hosts.",
     no_args_is_help=True,

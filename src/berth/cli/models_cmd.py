@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 from pathlib import Path
+from urllib.parse import quote
 
 import typer
 from rich.table import Table
 
-from berth.cli.common import console, context, print_json
+from berth.cli.common import HELP_OPTIONS, console, context, print_json
 from berth.errors import ConflictError
 
-models_app = typer.Typer(help="Register, list and remove model weights.", no_args_is_help=True)
+models_app = typer.Typer(
+    context_settings=HELP_OPTIONS,
+    help="Register, list and remove model weights.",
+    no_args_is_help=True,
+)
 
 
 def _size(size_bytes: int) -> str:
@@ -55,7 +60,7 @@ def ls(ctx: typer.Context, as_json: bool = typer.Option(False, "--json")) -> Non
 def rm(ctx: typer.Context, name: str = typer.Argument(...)) -> None:
     """Unregister a model (its files stay where they are)."""
     with context(ctx).client() as client:
-        client.delete(f"/admin/models/{name}")
+        client.delete(f"/admin/models/{quote(name, safe='/:')}")
     console.print(f"removed model {name}")
 
 

@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from berth.agent.core import AgentCore, EngineReport
+from berth.agent.core import AgentCore, EngineReport, ProbeResult, SpawnListener
 from berth.runtime.engines import DeploymentRequest
 from berth.runtime.gpu import GpuInfo
 
@@ -50,9 +50,15 @@ class AgentLink(Protocol):
     node_id: str
 
     async def start_deployment(
-        self, request: DeploymentRequest, health_timeout_s: float
+        self,
+        request: DeploymentRequest,
+        health_timeout_s: float,
+        on_spawned: SpawnListener | None = None,
     ) -> EngineEndpoint:
-        """Start an engine and return once it answers health, or raise ``EngineError``."""
+        """Start an engine and return once it answers health, or raise ``EngineError``.
+
+        ``on_spawned(pid, port)`` is awaited once the engine process exists.
+        """
         ...
 
     async def stop_deployment(self, deployment_id: str, grace_s: float) -> None:
@@ -66,8 +72,8 @@ class AgentLink(Protocol):
         """
         ...
 
-    async def probe(self, deployment_id: str) -> bool:
-        """Whether the deployment's engine is alive."""
+    async def probe(self, deployment_id: str) -> ProbeResult:
+        """Whether the deployment's engine is healthy, running but unhealthy, or gone."""
         ...
 
     async def engines(self) -> list[EngineReport]:
@@ -91,9 +97,12 @@ class InProcessLink:
         self._core = core
 
     async def start_deployment(
-        self, request: DeploymentRequest, health_timeout_s: float
+        self,
+        request: DeploymentRequest,
+        health_timeout_s: float,
+        on_spawned: SpawnListener | None = None,
     ) -> EngineEndpoint:
-        handle = await self._core.start(request, health_timeout_s)
+        handle = await self._core.start(request, health_timeout_s, on_spawned)
         return EngineEndpoint(request.deployment_id, handle.base_url, handle.pid, handle.port)
 
     async def stop_deployment(self, deployment_id: str, grace_s: float) -> None:
@@ -105,8 +114,8 @@ class InProcessLink:
             return None
         return EngineEndpoint(deployment_id, handle.base_url, handle.pid, handle.port)
 
-    async def probe(self, deployment_id: str) -> bool:
-        return self._core.is_alive(deployment_id)
+    async def probe(self, deployment_id: str) -> ProbeResult:
+        return await self._core.probe(deployment_id)
 
     async def engines(self) -> list[EngineReport]:
         return self._core.engines()

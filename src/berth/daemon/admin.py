@@ -18,23 +18,36 @@ from typing import Any, Literal
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, field_validator
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from berth import __version__
 from berth.daemon.lifecycle import DeployOptions
 from berth.daemon.openai_errors import error_body, error_from_exception
 from berth.daemon.services import LeaderServices
+from berth.daemon.states import TERMINAL_STATES
 from berth.errors import BerthError, ConfigError
 from berth.keys import generate_secret, hash_secret, key_prefix, parse_tier
-from berth.store import ApiKeyRecord, DeploymentRecord, ModelRecord
+from berth.store import ApiKeyRecord, DeploymentRecord, ModelRecord, Store
+
+#: Model names: letters, digits and ``. _ - : /`` (hub ids like ``org/model:q4``), starting
+#: with a letter or digit, no ``..``: safe in URLs, file names and the OpenAI ``model`` field.
+MODEL_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,199}$"
 
 
 class ModelIn(BaseModel):
-    name: str = Field(min_length=1, max_length=200)
+    name: str = Field(pattern=MODEL_NAME_PATTERN)
     path: str
     source: Literal["local", "hub"] = "local"
     repo_id: str | None = None
     revision: str | None = None
+
+    @field_validator("name")
+    @classmethod
+    def _no_parent_segments(cls, name: str) -> str:
+        if ".." in name:
+            raise ValueError("must not contain '..'")
+        return name
 
 
 class DeploymentIn(BaseModel):
@@ -76,10 +89,50 @@ def key_json(record: ApiKeyRecord) -> dict[str, Any]:
     return data
 
 
+def _is_gguf(path: Path) -> bool:
+    """Whether ``path`` starts with the GGUF magic ``b"GGUF"`` (the GGUF spec's header)."""
+    with path.open("rb") as handle:
+        return handle.read(4) == b"GGUF"
+
+
 def _path_size_bytes(path: Path) -> int:
     if path.is_file():
         return path.stat().st_size
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+#: Seconds between checks whether a followed deployment has stopped.
+FOLLOW_CHECK_INTERVAL_S = 1.0
+
+
+async def _follow_until_settled(
+    store: Store, deployment_id: str, first: bytes, chunks: AsyncIterator[bytes]
+) -> AsyncIterator[bytes]:
+    """Relay a followed log until the client leaves or the deployment is stopped or failed
+    (then the rest of the log is flushed and the stream ends, like ``docker logs -f``)."""
+    queue: asyncio.Queue[bytes] = asyncio.Queue(maxsize=64)
+
+    async def pump() -> None:
+        async for chunk in chunks:
+            await queue.put(chunk)
+
+    pumping = asyncio.create_task(pump())
+    try:
+        yield first
+        while True:
+            try:
+                yield await asyncio.wait_for(queue.get(), FOLLOW_CHECK_INTERVAL_S)
+                continue
+            except TimeoutError:
+                pass
+            record = await asyncio.to_thread(store.get_deployment, deployment_id)
+            if record.state in TERMINAL_STATES:
+                await asyncio.sleep(FOLLOW_CHECK_INTERVAL_S)  # the engine's last lines
+                while not queue.empty():
+                    yield queue.get_nowait()
+                return
+    finally:
+        pumping.cancel()
 
 
 def build_admin_app(services: LeaderServices) -> FastAPI:
@@ -93,9 +146,18 @@ def build_admin_app(services: LeaderServices) -> FastAPI:
         status, body, headers = error_from_exception(exc)
         return Response(body, status_code=status, headers=headers, media_type="application/json")
 
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_request: Request, exc: StarletteHTTPException) -> Response:
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        body = error_body(str(exc.detail), type=kind)
+        return Response(body, status_code=exc.status_code, media_type="application/json")
+
     @app.exception_handler(RequestValidationError)
     async def _invalid(_request: Request, exc: RequestValidationError) -> Response:
         first = exc.errors()[0] if exc.errors() else {}
+        if first.get("type") == "json_invalid":
+            body = error_body("request body is not valid JSON", type="invalid_request_error")
+            return Response(body, status_code=400, media_type="application/json")
         where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
         message = f"{where}: {first.get('msg', 'invalid request')}" if where else "invalid request"
         body = error_body(message, type="invalid_request_error", param=where or None)
@@ -148,6 +210,8 @@ def build_admin_app(services: LeaderServices) -> FastAPI:
         if not path.exists():
             raise ConfigError(f"model path does not exist: {path}")
         path = path.resolve()
+        if path.is_file() and not _is_gguf(path):
+            raise ConfigError(f"{path} is not a GGUF file; register a .gguf file or a model folder")
         record = await asyncio.to_thread(
             store.add_model,
             body.name,
@@ -207,13 +271,14 @@ def build_admin_app(services: LeaderServices) -> FastAPI:
         chunks = link.logs(deployment_id, tail_lines=max(tail, 0), follow=follow)
         # Pull the first chunk now so a missing log is a clean 404, not a broken stream.
         first = await anext(chunks, b"")
+        body = _follow_until_settled(store, deployment_id, first, chunks) if follow else None
 
-        async def body() -> AsyncIterator[bytes]:
+        async def whole() -> AsyncIterator[bytes]:
             yield first
             async for chunk in chunks:
                 yield chunk
 
-        return StreamingResponse(body(), media_type="text/plain; charset=utf-8")
+        return StreamingResponse(body or whole(), media_type="text/plain; charset=utf-8")
 
     # -- keys --------------------------------------------------------------------------------
     @app.get("/admin/keys")

@@ -27,8 +27,11 @@ log = logging.getLogger(__name__)
 
 #: Seconds a client is told to wait (``Retry-After``) for a model that is still loading.
 LOADING_RETRY_AFTER_S = 5
-#: Seconds between liveness probes of ready engines.
-WATCH_INTERVAL_S = 2.0
+#: Seconds between health probes of ready engines.
+WATCH_INTERVAL_S = 5.0
+#: Consecutive failed health probes after which a running engine counts as hung: it is
+#: stopped and its deployment marked failed, so it stops receiving traffic.
+UNHEALTHY_PROBES_TO_FAIL = 3
 
 StateListener = Callable[[DeploymentRecord], None]
 
@@ -75,6 +78,7 @@ class LifecycleManager:
         self._known_models: set[str] = set()
         self._starting: dict[str, asyncio.Task[None]] = {}
         self._watcher: asyncio.Task[None] | None = None
+        self._failed_probes: dict[str, int] = {}
 
     # -- the router's view (hot path: no I/O) --------------------------------------------
 
@@ -234,7 +238,16 @@ class LifecycleManager:
     ) -> None:
         try:
             await self._transition(record.id, DeploymentState.LOADING)
-            endpoint = await link.start_deployment(request, self._health_timeout_s)
+
+            async def record_spawn(pid: int, port: int) -> None:
+                # Recorded before the engine is healthy, so a crash mid-load can be cleaned up.
+                await asyncio.to_thread(
+                    self._store.update_deployment_runtime, record.id, port=port, pid=pid
+                )
+
+            endpoint = await link.start_deployment(
+                request, self._health_timeout_s, on_spawned=record_spawn
+            )
         except asyncio.CancelledError:
             return  # stop() owns the transition to stopping/stopped
         except BerthError as exc:
@@ -320,14 +333,25 @@ class LifecycleManager:
 
     async def _check_alive(self, upstream: Upstream) -> None:
         link = self._links.get(upstream.node_id)
-        if link is None or await link.probe(upstream.deployment_id):
+        if link is None:
             return
-        log.warning("engine of deployment %s exited", upstream.deployment_id)
+        deployment_id = upstream.deployment_id
+        result = await link.probe(deployment_id)
+        if result == "healthy":
+            self._failed_probes.pop(deployment_id, None)
+            return
+        if result == "unhealthy":
+            failures = self._failed_probes.get(deployment_id, 0) + 1
+            self._failed_probes[deployment_id] = failures
+            log.warning("deployment %s failed health probe %d", deployment_id, failures)
+            if failures < UNHEALTHY_PROBES_TO_FAIL:
+                return
+            reason = f"engine stopped answering health checks ({failures} probes in a row)"
+        else:
+            reason = "engine process exited unexpectedly"
+        log.warning("deployment %s: %s", deployment_id, reason)
+        self._failed_probes.pop(deployment_id, None)
         self._unmark_ready_id(upstream)
         with contextlib.suppress(NotFoundError):
-            await link.stop_deployment(upstream.deployment_id, 0.0)
-        await self._transition(
-            upstream.deployment_id,
-            DeploymentState.FAILED,
-            failure_reason="engine process exited unexpectedly",
-        )
+            await link.stop_deployment(deployment_id, self._stop_grace_s)
+        await self._transition(deployment_id, DeploymentState.FAILED, failure_reason=reason)

@@ -3,7 +3,7 @@
 One request, on the hot path::
 
     read the body (bounded) -> its JSON "model" -> UpstreamResolver.resolve(model)
-      -> POST the same bytes to the engine (aiohttp, pooled keep-alive connections)
+      -> POST the same bytes to the engine (berth.daemon.upstream: pooled keep-alive HTTP/1.1)
       -> relay the answer: JSON whole, event streams event by event -> ProxyMetrics
 
 There is no framework routing here: this module is called only after authentication, for the
@@ -35,9 +35,6 @@ from collections.abc import Awaitable, Callable, MutableMapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-import aiohttp
-from yarl import URL
-
 from berth.daemon.openai_errors import (
     ErrorResponse,
     error_body,
@@ -49,6 +46,15 @@ from berth.daemon.sse import (
     Usage,
     find_usage,
     last_usage,
+)
+from berth.daemon.upstream import (
+    Origin,
+    UpstreamConnectError,
+    UpstreamError,
+    UpstreamPool,
+    UpstreamResponse,
+    UpstreamTimeoutError,
+    parse_origin,
 )
 from berth.errors import BerthError, NotFoundError
 from berth.observability.metrics import ProxyMetrics, Target
@@ -78,7 +84,8 @@ _USAGE_KEY = b'"usage"'
 # How much of the end of a large, unbuffered JSON answer is kept to find its usage in.
 _USAGE_TAIL_BYTES = 16 * 1024
 _MAX_ENGINE_ERROR_BYTES = 64 * 1024
-_MAX_CACHED_URLS = 4096
+_MAX_CACHED_TARGETS = 4096
+_POST = b"POST"
 
 
 @dataclass(frozen=True)
@@ -258,33 +265,28 @@ class OpenAIProxy:
         self._max_event_bytes = max_event_bytes
         self._clock = clock
         self._created = int(time.time())
-        self._session: aiohttp.ClientSession | None = None
-        self._urls: dict[tuple[str, str], URL] = {}
+        self._pool: UpstreamPool | None = None
+        self._targets: dict[tuple[str, str], tuple[Origin, bytes]] = {}
 
     # -- lifecycle ----------------------------------------------------------------------------
 
     async def startup(self) -> None:
-        """Open the pooled HTTP client to engines. Idempotent."""
-        if self._session is not None:
+        """Open the pool of HTTP connections to engines. Idempotent."""
+        if self._pool is not None:
             return
-        connector = aiohttp.TCPConnector(limit=self._max_connections, limit_per_host=0)
-        self._session = aiohttp.ClientSession(
-            connector=connector,
-            timeout=aiohttp.ClientTimeout(
-                total=None, sock_connect=self._connect_timeout_s, sock_read=self._read_timeout_s
-            ),
-            # Engines' cookies must never travel from one client's request to another's.
-            cookie_jar=aiohttp.DummyCookieJar(),
-            # Relay bytes as the engine sent them; it is asked for identity encoding anyway.
-            auto_decompress=False,
-            trust_env=False,
+        # No cookie jar and no decompression: engines' cookies never travel from one client's
+        # request to another's, and bytes are relayed as the engine sent them.
+        self._pool = UpstreamPool(
+            connect_timeout_s=self._connect_timeout_s,
+            read_timeout_s=self._read_timeout_s,
+            max_connections=self._max_connections,
         )
 
     async def shutdown(self) -> None:
-        """Close the HTTP client and its connections. Idempotent."""
-        session, self._session = self._session, None
-        if session is not None:
-            await session.close()
+        """Close the connections to engines. Idempotent."""
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            await pool.close()
 
     # -- ASGI ---------------------------------------------------------------------------------
 
@@ -369,7 +371,7 @@ class OpenAIProxy:
         self,
         scope: Scope,
         request_id: bytes,
-        forward: dict[str, str],
+        forward: list[tuple[bytes, bytes]],
         content_length: bytes | None,
         receive: Receive,
         send: Send,
@@ -462,32 +464,31 @@ class OpenAIProxy:
         upstream: Upstream,
         body: bytes,
         request_id: bytes,
-        forward: dict[str, str],
+        forward: list[tuple[bytes, bytes]],
         send: Send,
         exchange: _Exchange,
     ) -> None:
-        session = self._session
-        if session is None:
+        pool = self._pool
+        if pool is None:
             raise RuntimeError("OpenAIProxy.startup() was not awaited")
-        url = self._engine_url(upstream.base_url, scope["path"], scope.get("query_string", b""))
+        origin, target = self._engine_target(upstream.base_url, scope["path"])
+        query: bytes = scope.get("query_string", b"")
+        if query:
+            target += b"?" + query
         try:
-            response = await session.post(url, data=body, headers=forward)
-        except aiohttp.ConnectionTimeoutError as exc:
-            why = f"did not accept a connection within {self._connect_timeout_s} s"
-            raise EngineUnreachableError(upstream, why) from exc
-        except TimeoutError as exc:
+            response = await pool.request(origin, _POST, target, forward, body)
+        except UpstreamConnectError as exc:
+            raise EngineUnreachableError(upstream, exc.why) from exc
+        except UpstreamTimeoutError as exc:
             raise EngineTimeoutError(upstream, self._read_timeout_s) from exc
-        except aiohttp.ClientConnectorError as exc:
-            raise EngineUnreachableError(upstream, "refused the connection") from exc
-        except aiohttp.ClientError as exc:
-            raise EngineUnreachableError(upstream, f"failed before answering ({exc})") from exc
+        except UpstreamError as exc:
+            raise EngineUnreachableError(upstream, f"failed before answering ({exc.why})") from exc
         try:
-            headers = response.headers
-            content_type = headers.get("Content-Type") or "application/json"
-            encoding = headers.get("Content-Encoding")
+            content_type = response.header(b"content-type") or b"application/json"
+            encoding = response.header(b"content-encoding")
             if response.status >= 400:
                 await self._relay_engine_error(response, content_type, request_id, send, exchange)
-            elif content_type.startswith("text/event-stream"):
+            elif content_type.startswith(b"text/event-stream"):
                 await self._relay_stream(
                     response, content_type, encoding, request_id, send, exchange
                 )
@@ -495,47 +496,49 @@ class OpenAIProxy:
                 await self._relay_body(
                     response, upstream, content_type, encoding, request_id, send, exchange
                 )
-        except BaseException:
+        finally:
+            # An answer read to its end has already put its connection back in the pool; one
+            # that was not (the client left, the engine failed) closes it, which is what tells
+            # the engine to stop generating.
             response.close()
-            raise
-        # A body not read to its end makes the pool close the connection rather than reuse it.
-        response.release()
 
-    def _engine_url(self, base_url: str, path: str, query: bytes) -> URL:
-        """The engine URL for a request; parsed URLs are cached (a handful per deployment)."""
-        if query:
-            return URL(f"{base_url.rstrip('/')}{path}?{query.decode('latin-1')}", encoded=True)
+    def _engine_target(self, base_url: str, path: str) -> tuple[Origin, bytes]:
+        """The engine's origin and the request target for ``path``; cached (a handful of
+        entries per deployment)."""
         key = (base_url, path)
-        url = self._urls.get(key)
-        if url is None:
-            if len(self._urls) >= _MAX_CACHED_URLS:
-                self._urls.clear()
-            url = self._urls[key] = URL(base_url.rstrip("/") + path, encoded=True)
-        return url
+        found = self._targets.get(key)
+        if found is None:
+            if len(self._targets) >= _MAX_CACHED_TARGETS:
+                self._targets.clear()
+            prefix = base_url.split("://", 1)[-1].partition("/")[2].rstrip("/")
+            target = (f"/{prefix}{path}" if prefix else path).encode("latin-1")
+            found = self._targets[key] = (parse_origin(base_url), target)
+        return found
 
     async def _relay_body(
         self,
-        response: aiohttp.ClientResponse,
+        response: UpstreamResponse,
         upstream: Upstream,
-        content_type: str,
-        encoding: str | None,
+        content_type: bytes,
+        encoding: bytes | None,
         request_id: bytes,
         send: Send,
         exchange: _Exchange,
     ) -> None:
         """A non-streamed answer: whole when small, else chunk by chunk (never as SSE)."""
         status = response.status
-        headers = [(b"content-type", content_type.encode("latin-1")), (b"x-request-id", request_id)]
+        headers = [(b"content-type", content_type), (b"x-request-id", request_id)]
         if encoding:
-            headers.append((b"content-encoding", encoding.encode("latin-1")))
+            headers.append((b"content-encoding", encoding))
         length = response.content_length
         if length is not None and length <= self._max_buffered_response_bytes:
             try:
                 data = await response.read()
-            except TimeoutError as exc:
+            except UpstreamTimeoutError as exc:
                 raise EngineTimeoutError(upstream, self._read_timeout_s) from exc
-            except aiohttp.ClientError as exc:
-                raise EngineUnreachableError(upstream, f"failed while answering ({exc})") from exc
+            except UpstreamError as exc:
+                why = f"failed while answering ({exc.why})"
+                raise EngineUnreachableError(upstream, why) from exc
             headers.append((b"content-length", b"%d" % len(data)))
             exchange.status = status
             exchange.done = True
@@ -549,19 +552,18 @@ class OpenAIProxy:
         exchange.status = status
         await send({"type": "http.response.start", "status": status, "headers": headers})
         tail = b""
-        content = response.content
         last = b""
         try:
-            while chunk := await content.readany():
+            while chunk := await response.read_chunk():
                 if exchange.ttfb_s is None:
                     exchange.ttfb_s = self._clock() - exchange.start
                 keep = _USAGE_TAIL_BYTES - len(chunk)
                 tail = tail[-keep:] + chunk if keep > 0 else chunk[-_USAGE_TAIL_BYTES:]
-                if content.at_eof():
+                if response.at_eof:
                     last = chunk
                     break
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
-        except (TimeoutError, aiohttp.ClientError) as exc:
+        except UpstreamError as exc:
             # Leave the answer unfinished: the server then drops the connection, so the client
             # sees a truncated body instead of a complete-looking one.
             exchange.error_reason = "engine_aborted"
@@ -574,9 +576,9 @@ class OpenAIProxy:
 
     async def _relay_stream(
         self,
-        response: aiohttp.ClientResponse,
-        content_type: str,
-        encoding: str | None,
+        response: UpstreamResponse,
+        content_type: bytes,
+        encoding: bytes | None,
         request_id: bytes,
         send: Send,
         exchange: _Exchange,
@@ -589,21 +591,20 @@ class OpenAIProxy:
         event; a partial event is held back at most ``max_event_bytes``.
         """
         headers = [
-            (b"content-type", content_type.encode("latin-1")),
+            (b"content-type", content_type),
             (b"cache-control", b"no-cache"),
             (b"x-accel-buffering", b"no"),
             (b"x-request-id", request_id),
         ]
         if encoding:
-            headers.append((b"content-encoding", encoding.encode("latin-1")))
+            headers.append((b"content-encoding", encoding))
         exchange.status = response.status
         await send({"type": "http.response.start", "status": response.status, "headers": headers})
         # Compressed bytes cannot be split into events; relay them as they come.
         splitter = SSEEventSplitter() if encoding is None else None
-        content = response.content
         last = b""
         try:
-            while chunk := await content.readany():
+            while chunk := await response.read_chunk():
                 if splitter is not None:
                     chunk = splitter.feed(chunk)
                     if splitter.pending_bytes > self._max_event_bytes:
@@ -614,12 +615,12 @@ class OpenAIProxy:
                         exchange.usage = last_usage(chunk) or exchange.usage
                 if exchange.ttfb_s is None:
                     exchange.ttfb_s = self._clock() - exchange.start
-                if content.at_eof():
+                if response.at_eof:
                     # The engine's answer is complete: this chunk ends ours too, in one write.
                     last = chunk
                     break
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
-        except (TimeoutError, aiohttp.ClientError) as exc:
+        except UpstreamError as exc:
             exchange.error_reason = "stream_aborted"
             _log.warning("request %s: engine failed mid-stream: %r", request_id.decode(), exc)
             if splitter is not None:
@@ -634,8 +635,8 @@ class OpenAIProxy:
 
     async def _relay_engine_error(
         self,
-        response: aiohttp.ClientResponse,
-        content_type: str,
+        response: UpstreamResponse,
+        content_type: bytes,
         request_id: bytes,
         send: Send,
         exchange: _Exchange,
@@ -643,8 +644,8 @@ class OpenAIProxy:
         """The engine's own 4xx/5xx: same status, its message, in the OpenAI error shape."""
         status = response.status
         try:
-            data = await response.content.read(_MAX_ENGINE_ERROR_BYTES)
-        except (TimeoutError, aiohttp.ClientError):
+            data = await response.read(_MAX_ENGINE_ERROR_BYTES)
+        except UpstreamError:
             data = b""
         body = _as_openai_error(data, content_type, status)
         exchange.status = status
@@ -711,23 +712,27 @@ async def _watch_disconnect(receive: Receive, exchange: _Exchange, task: asyncio
 
 def _scan_headers(
     raw: Sequence[tuple[bytes, bytes]],
-) -> tuple[bytes, dict[str, str], bytes | None]:
+) -> tuple[bytes, list[tuple[bytes, bytes]], bytes | None]:
     """``(request id, headers for the engine, Content-Length)`` from the ASGI headers."""
     request_id: bytes | None = None
     content_length: bytes | None = None
-    forward: dict[str, str] = {}
-    for name, value in raw:
+    forward: list[tuple[bytes, bytes]] = []
+    content_type = False
+    for header in raw:
+        name = header[0]
         if name in _FORWARDED_HEADERS:
-            forward[name.decode()] = value.decode("latin-1")
+            forward.append(header)
+            content_type = content_type or name == b"content-type"
         elif name == b"content-length":
-            content_length = value
-        elif name == b"x-request-id" and _VALID_REQUEST_ID.fullmatch(value):
-            request_id = value
+            content_length = header[1]
+        elif name == b"x-request-id" and _VALID_REQUEST_ID.fullmatch(header[1]):
+            request_id = header[1]
     if request_id is None:
         request_id = os.urandom(16).hex().encode()  # as uuid4().hex, at a fifth of the cost
-    forward["x-request-id"] = request_id.decode()
-    forward["accept-encoding"] = "identity"
-    forward.setdefault("content-type", "application/json")
+    forward.append((b"x-request-id", request_id))
+    forward.append((b"accept-encoding", b"identity"))
+    if not content_type:
+        forward.append((b"content-type", b"application/json"))
     return request_id, forward, content_length
 
 
@@ -749,7 +754,7 @@ def _model_of(body: bytes) -> str:
     return model
 
 
-def _as_openai_error(data: bytes, content_type: str, status: int) -> bytes:
+def _as_openai_error(data: bytes, content_type: bytes, status: int) -> bytes:
     """An engine's error body in the OpenAI shape, unchanged when it already is one.
 
     Some engines (vLLM, SGLang) answer ``{"object": "error", "message": ...}``; plain-text
@@ -757,7 +762,7 @@ def _as_openai_error(data: bytes, content_type: str, status: int) -> bytes:
     """
     default_type = "invalid_request_error" if status < 500 else "server_error"
     message = ""
-    if "json" in content_type:
+    if b"json" in content_type:
         try:
             payload = json.loads(data)
         except ValueError:
@@ -774,9 +779,9 @@ def _as_openai_error(data: bytes, content_type: str, status: int) -> bytes:
     )
 
 
-def _relayed_error_headers(response: aiohttp.ClientResponse) -> list[tuple[bytes, bytes]]:
-    retry_after = response.headers.get("Retry-After")
-    return [(b"retry-after", retry_after.encode("latin-1"))] if retry_after else []
+def _relayed_error_headers(response: UpstreamResponse) -> list[tuple[bytes, bytes]]:
+    retry_after = response.header(b"retry-after")
+    return [(b"retry-after", retry_after)] if retry_after else []
 
 
 async def _send_json(

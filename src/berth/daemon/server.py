@@ -119,6 +119,10 @@ def _uvicorn_config(app: object, *, tls: tuple[Path, Path] | None) -> uvicorn.Co
         lifespan="off",
         access_log=False,
         log_config=None,
+        # berth is not behind a trusted reverse proxy by default: never believe
+        # X-Forwarded-* headers, and skip that middleware on the hot path.
+        proxy_headers=False,
+        server_header=False,
         ssl_certfile=str(tls[0]) if tls else None,
         ssl_keyfile=str(tls[1]) if tls else None,
         timeout_graceful_shutdown=5,

@@ -152,6 +152,16 @@ class ProcessRuntime:
                 remaining = deadline - loop.time()
                 await asyncio.sleep(max(0.0, min(self._poll_interval_s, remaining)))
 
+    async def check_health(self, handle: EngineHandle, health_path: str, timeout_s: float) -> bool:
+        """One health probe: whether ``GET health_path`` answers 200 within ``timeout_s``."""
+        url = f"{handle.base_url}{health_path}"
+        async with httpx.AsyncClient(trust_env=False) as client:
+            try:
+                response = await client.get(url, timeout=timeout_s)
+            except httpx.TransportError:
+                return False
+        return response.status_code == 200
+
     async def stop(self, handle: EngineHandle, grace_s: float) -> None:
         """Stop the engine's process group: SIGTERM, then SIGKILL after ``grace_s`` seconds.
 
