@@ -464,7 +464,7 @@ def _follow_sees_new_output_and_ends_at_stop(
     """`berth logs --follow` prints what the engine writes after it started following, and
     ends by itself once the deployment is stopped."""
     argv = [sys.executable, "-m", "berth", "--home", str(berth.home)]
-    argv += ["logs", deployment_id, "--follow", "--tail", "0"]
+    argv += ["logs", deployment_id, "--follow", "--tail", "1"]
     lines: queue.Queue[str] = queue.Queue()
     with subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, env=berth.env) as follower:
         reader = threading.Thread(
@@ -472,7 +472,7 @@ def _follow_sees_new_output_and_ends_at_stop(
         )
         reader.start()
         try:
-            time.sleep(1.0)  # let the follower reach the end of the log
+            lines.get(timeout=15)  # the last line already there: the follower is attached
             body = {"model": "m3", "messages": [{"role": "user", "content": "follow me"}]}
             answer = http.post("/v1/chat/completions", json=body, headers=_bearer(secret))
             assert answer.is_success
