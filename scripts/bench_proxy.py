@@ -5,10 +5,12 @@ Processes on loopback, plain HTTP, each its own Python:
 * the fast stand-in engine (``tests/standin_engine.py``: raw asyncio + httptools, canned
   answers: a 257-byte chat completion, or a 19-event stream of 3.3 kB written in one piece);
 * the proxy: :class:`berth.daemon.proxy.OpenAIProxy` served by uvicorn (uvloop, httptools)
-  with a fixed resolver and no auth in front, as the leader serves ``/v1``;
+  with a fixed resolver and no auth in front, as the leader serves ``/v1``; it reaches the
+  engine with berth's own client (:mod:`berth.daemon.upstream`);
 * two reference servers, for the ceiling of this stack on this machine: uvicorn answering
   the canned JSON itself (``uvicorn alone``), and a bare uvicorn + aiohttp relay with none of
-  the proxy's checks, metrics or disconnect handling (``bare relay``);
+  the proxy's checks, metrics or disconnect handling (``bare relay``: the proxy's previous
+  upstream client, kept as a reference);
 * this process, the load generator: keep-alive connections on uvloop with httptools parsing,
   one request in flight per connection (closed loop).
 

@@ -169,7 +169,7 @@ class UpstreamResponse:
             if self._error is not None:
                 raise self._error
             conn = self._conn
-            assert conn is not None, "an unfinished answer has a connection"
+            assert conn is not None, "an unfinished answer without an error has a connection"
             await conn.wait_for_body(self)
         return self._take()
 
@@ -198,6 +198,8 @@ class UpstreamResponse:
         conn = self._conn
         if conn is not None:
             self._conn = None
+            why = "had its answer abandoned by the reader"
+            self._error = UpstreamDisconnectError(conn.origin, why, answered=True)
             conn.abandon()
 
     def _take(self) -> bytes:
@@ -372,20 +374,25 @@ class _Connection(asyncio.Protocol):
         if body:
             transport.write(body)
         timer = (
-            self._loop.call_later(read_timeout_s, self._head_timed_out, read_timeout_s)
+            self._loop.call_later(read_timeout_s, self._head_timed_out, waiter, read_timeout_s)
             if read_timeout_s is not None
             else None
         )
         try:
             return await waiter
-        except BaseException:
-            # Cancelled (the client left) or failed: this connection cannot be used again.
-            self._head_waiter = None
-            self._response = None
-            self._discard()
+        except asyncio.CancelledError:
+            # The client left. The connection may already carry another exchange: an answer
+            # that arrived whole as this task was cancelled has put it back in the pool.
+            if waiter.cancelled():
+                # No head yet: the request is out, so the connection cannot be used again.
+                self._response = None
+                self._discard()
+            elif waiter.exception() is None:
+                waiter.result().close()
             raise
         finally:
-            self._head_waiter = None
+            if self._head_waiter is waiter:
+                self._head_waiter = None
             if timer is not None:
                 timer.cancel()
 
@@ -462,8 +469,8 @@ class _Connection(asyncio.Protocol):
         self._busy = False
         self._discard()
 
-    def _head_timed_out(self, timeout_s: float) -> None:
-        if not self._headers_done:  # else the head came in just as the timer fired
+    def _head_timed_out(self, waiter: asyncio.Future[UpstreamResponse], timeout_s: float) -> None:
+        if self._head_waiter is waiter and not waiter.done():
             self._fail(UpstreamTimeoutError(self.origin, timeout_s))
 
     def _body_timed_out(self, response: UpstreamResponse, timeout_s: float) -> None:
