@@ -7,12 +7,12 @@ import json
 import pytest
 
 from berth.daemon.openai_errors import error_body, error_from_exception, stream_error_events
-from berth.daemon.proxy import (
+from berth.daemon.proxy import Upstream
+from berth.daemon.proxy_errors import (
     EngineUnreachableError,
     InvalidRequestError,
     NoReadyDeploymentError,
     RequestTooLargeError,
-    Upstream,
 )
 from berth.errors import AuthError, BerthError, ConflictError, NotFoundError
 

@@ -12,14 +12,12 @@ from typing import Any
 
 import pytest
 
-from berth.daemon.upstream import (
-    Origin,
+from berth.daemon.upstream import Origin, UpstreamPool, parse_origin
+from berth.daemon.upstream_errors import (
     UpstreamConnectError,
     UpstreamDisconnectError,
-    UpstreamPool,
     UpstreamProtocolError,
     UpstreamTimeoutError,
-    parse_origin,
 )
 
 JSON = b'{"ok": true}'

@@ -13,36 +13,22 @@ task that reads the answer::
            .read_chunk() / .read() / .at_eof      the body, as the engine sends it
            .close()                               done with it; mid-answer, closes the socket
 
-Message framing follows RFC 9112: the body of an answer ends where its ``Content-Length`` says
-(section 6.3, rule 6), with the last chunk of a chunked transfer coding (section 7.1, decoded
-by the parser), or, with neither, when the engine closes the connection (section 6.3, rule 8);
-1xx interim answers are skipped (RFC 9110 section 15.2). A connection goes back to the pool
-only when its answer ended cleanly and persistence was not declined (``Connection: close``, or
-HTTP/1.0 without ``keep-alive``: RFC 9112 section 9.3); a close-delimited answer can never
-leave it reusable. A connection whose answer was abandoned, failed or timed out is closed,
-which is also how an engine learns that nobody waits for its answer any more.
-
-Errors, all :class:`UpstreamError`::
-
-    UpstreamError
-    ├── UpstreamConnectError      the connection was refused, failed or not made in time
-    ├── UpstreamTimeoutError      the engine sent nothing for read_timeout_s
-    ├── UpstreamDisconnectError   the engine closed the connection before the answer ended
-    └── UpstreamProtocolError     the engine's bytes are not an HTTP/1.1 answer
+The answer is an :class:`UpstreamResponse` (:mod:`berth.daemon.upstream_response`), filled in
+by the connection's protocol (:mod:`berth.daemon.upstream_connection`, which also describes
+the message framing); the errors are in :mod:`berth.daemon.upstream_errors`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import socket
 from collections import deque
 from collections.abc import Sequence
-from typing import NamedTuple, cast
+from typing import NamedTuple
 from urllib.parse import urlsplit
 
-import httptools
-
-from berth.errors import BerthError
+from berth.daemon.upstream_connection import StaleConnectionError, UpstreamConnection
+from berth.daemon.upstream_errors import UpstreamConnectError, UpstreamDisconnectError
+from berth.daemon.upstream_response import UpstreamResponse
 
 # Flow control: past this many unread body bytes the connection stops reading from its
 # socket until the reader has taken them all, so a slow reader slows the engine instead of
@@ -50,46 +36,6 @@ from berth.errors import BerthError
 DEFAULT_HIGH_WATER_BYTES = 64 * 1024
 # A body at most this long is written together with the head, in one system call.
 _JOIN_BODY_BYTES = 64 * 1024
-
-
-class UpstreamError(BerthError):
-    """The engine could not be asked, or did not answer properly; ``origin`` names it."""
-
-    def __init__(self, origin: Origin, why: str) -> None:
-        self.origin = origin
-        self.why = why
-        super().__init__(f"http://{origin.host}:{origin.port} {why}")
-
-
-class UpstreamConnectError(UpstreamError):
-    """No connection: refused, unreachable, or not accepted within the connect timeout
-    (``timed_out``). Nothing was sent."""
-
-    def __init__(self, origin: Origin, why: str, *, timed_out: bool = False) -> None:
-        self.timed_out = timed_out
-        super().__init__(origin, why)
-
-
-class UpstreamTimeoutError(UpstreamError):
-    """The engine sent nothing for ``timeout_s``: before its headers, or between two pieces of
-    its body. The connection has been closed."""
-
-    def __init__(self, origin: Origin, timeout_s: float) -> None:
-        self.timeout_s = timeout_s
-        super().__init__(origin, f"sent nothing for {timeout_s} s")
-
-
-class UpstreamDisconnectError(UpstreamError):
-    """The engine closed or reset the connection before its answer was complete;
-    ``answered`` says whether some of the answer had arrived."""
-
-    def __init__(self, origin: Origin, why: str, *, answered: bool) -> None:
-        self.answered = answered
-        super().__init__(origin, why)
-
-
-class UpstreamProtocolError(UpstreamError):
-    """The engine's bytes could not be parsed as an HTTP/1.1 answer (or came unasked)."""
 
 
 class Origin(NamedTuple):
@@ -108,381 +54,6 @@ def parse_origin(base_url: str) -> Origin:
     if parts.scheme != "http" or not parts.hostname:
         raise ValueError(f"not a plain http:// URL with a host: {base_url!r}")
     return Origin(parts.hostname, parts.port or 80)
-
-
-class UpstreamResponse:
-    """One answer: ``status``, ``headers`` (names lower-cased, in order) and the body.
-
-    The body is read with :meth:`read_chunk` (whatever has arrived, as one ``bytes``) or
-    :meth:`read` (up to its end). ``content_length`` is the announced length, ``None`` for a
-    chunked or close-delimited body. Call :meth:`close` when done, also after an error:
-    an answer not received in full closes its connection.
-    """
-
-    __slots__ = (
-        "_chunks",
-        "_complete",
-        "_conn",
-        "_error",
-        "_size",
-        "_waiter",
-        "content_length",
-        "headers",
-        "status",
-    )
-
-    def __init__(self, conn: _Connection) -> None:
-        self.status = 0
-        self.headers: list[tuple[bytes, bytes]] = []
-        self.content_length: int | None = None
-        self._conn: _Connection | None = conn  # None once the answer is complete or closed
-        self._chunks: list[bytes] = []
-        self._size = 0
-        self._complete = False
-        self._error: UpstreamError | None = None
-        self._waiter: asyncio.Future[None] | None = None
-
-    def header(self, name: bytes) -> bytes | None:
-        """The value of the first header called ``name`` (lower-case bytes), or ``None``."""
-        for key, value in self.headers:
-            if key == name:
-                return value
-        return None
-
-    @property
-    def at_eof(self) -> bool:
-        """True when the whole body has arrived and has all been read."""
-        return self._complete and not self._chunks
-
-    async def read_chunk(self) -> bytes:
-        """The body bytes that arrived since the last call, waiting for some if none did;
-        ``b""`` once the body has ended.
-
-        Raises :class:`UpstreamTimeoutError` when the engine sends nothing for the read
-        timeout, :class:`UpstreamDisconnectError` when it drops the connection mid-body and
-        :class:`UpstreamProtocolError` for a malformed body; bytes that arrived before the
-        failure are returned first.
-        """
-        while not self._chunks:
-            if self._complete:
-                return b""
-            if self._error is not None:
-                raise self._error
-            conn = self._conn
-            assert conn is not None, "an unfinished answer without an error has a connection"
-            await conn.wait_for_body(self)
-        return self._take()
-
-    async def read(self, limit_bytes: int | None = None) -> bytes:
-        """The rest of the body, or its first ``limit_bytes`` bytes (at most) of it.
-
-        Raises as :meth:`read_chunk` does.
-        """
-        if self._complete and (limit_bytes is None or self._size <= limit_bytes):
-            return self._take() if self._chunks else b""
-        parts: list[bytes] = []
-        size = 0
-        while limit_bytes is None or size < limit_bytes:
-            chunk = await self.read_chunk()
-            if not chunk:
-                break
-            parts.append(chunk)
-            size += len(chunk)
-        data = b"".join(parts)
-        return data if limit_bytes is None else data[:limit_bytes]
-
-    def close(self) -> None:
-        """Done with this answer. One not yet received in full closes its connection (the
-        engine sees the client leave); a complete one's connection is already back in the
-        pool. Idempotent."""
-        conn = self._conn
-        if conn is not None:
-            self._conn = None
-            why = "had its answer abandoned by the reader"
-            self._error = UpstreamDisconnectError(conn.origin, why, answered=True)
-            conn.abandon()
-
-    def _take(self) -> bytes:
-        chunks = self._chunks
-        data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
-        chunks.clear()
-        self._size = 0
-        conn = self._conn
-        if conn is not None and conn.reading_paused:
-            conn.resume()
-        return data
-
-    def _wake(self) -> None:
-        waiter = self._waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
-
-
-class _StaleConnectionError(UpstreamError):
-    """A reused connection was closed before any byte of the answer: the engine had ended it
-    while it was idle. Nothing was answered, so the request may be sent again."""
-
-
-class _Connection(asyncio.Protocol):
-    """One TCP connection to an engine and its parser: the protocol side of the client."""
-
-    def __init__(self, pool: UpstreamPool, origin: Origin) -> None:
-        self._pool = pool
-        self.origin = origin
-        self._loop = pool.loop
-        self._parser = httptools.HttpResponseParser(self)
-        self._transport: asyncio.Transport | None = None
-        self.gone = False  # closed, or closing: never used again
-        self.reused = False  # has carried a complete answer before
-        self.reading_paused = False
-        # The exchange in flight, if any.
-        self._busy = False
-        self._head_waiter: asyncio.Future[UpstreamResponse] | None = None
-        self._response: UpstreamResponse | None = None  # None once complete or abandoned
-        self._headers_done = False
-        self._received = False  # some byte of the answer has arrived
-        self._keep_alive = False
-        self._close_delimited = False
-        self._interim = False  # parsing a 1xx answer
-        self._finished = False  # the answer ended during the current feed_data
-        self._unexpected = False  # bytes nobody asked for
-
-    # -- asyncio.Protocol ---------------------------------------------------------------------
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        # uvloop's transports implement asyncio.Transport without subclassing it
-        self._transport = cast(asyncio.Transport, transport)
-        sock = transport.get_extra_info("socket")
-        if sock is not None:
-            # Requests are written in one piece; never let Nagle hold back the next one.
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-
-    def data_received(self, data: bytes) -> None:
-        if not self._busy:
-            # An idle connection has nothing to say; whatever it is, it is not to be trusted.
-            self._discard()
-            return
-        self._received = True
-        try:
-            self._parser.feed_data(data)
-        except httptools.HttpParserError as exc:
-            self._fail(UpstreamProtocolError(self.origin, f"sent a malformed answer ({exc})"))
-            return
-        if self._unexpected:
-            self._fail(UpstreamProtocolError(self.origin, "sent bytes after its answer"))
-        elif self._finished:
-            self._finish()
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self.gone = True
-        self._pool.forget(self)
-        if not self._busy:
-            return
-        if self._headers_done and self._close_delimited and exc is None:
-            self._complete()  # RFC 9112 section 6.3, rule 8: the close ends the body
-            self._busy = False
-            return
-        error: UpstreamError
-        if not self._received and self.reused:
-            error = _StaleConnectionError(self.origin, "closed an idle connection")
-        elif not self._headers_done:
-            why = "closed the connection before answering"
-            error = UpstreamDisconnectError(self.origin, why, answered=self._received)
-        else:
-            why = "closed the connection before the answer ended"
-            error = UpstreamDisconnectError(self.origin, why, answered=True)
-        self._fail(error)
-
-    # -- httptools callbacks ------------------------------------------------------------------
-
-    def on_header(self, name: bytes, value: bytes) -> None:
-        response = self._response
-        if response is not None:
-            response.headers.append((name.lower(), value))
-        else:
-            self._unexpected = True
-
-    def on_headers_complete(self) -> None:
-        response = self._response
-        if response is None:
-            self._unexpected = True
-            return
-        status = self._parser.get_status_code()
-        if 100 <= status < 200 and status != 101:
-            # An interim answer (e.g. 103 Early Hints): the final one follows.
-            self._interim = True
-            response.headers.clear()
-            return
-        response.status = status
-        # Read now: llhttp resets its flags once the message is complete.
-        self._keep_alive = self._parser.should_keep_alive()
-        length: bytes | None = None
-        chunked = False
-        for key, value in response.headers:
-            if key == b"content-length":
-                length = value
-            elif key == b"transfer-encoding":
-                chunked = True
-        if length is not None and not chunked:
-            response.content_length = int(length)  # llhttp has checked that it is a number
-        bodyless = status == 204 or status == 304
-        self._close_delimited = not chunked and length is None and not bodyless
-        self._headers_done = True
-        waiter = self._head_waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(response)
-
-    def on_body(self, body: bytes) -> None:
-        response = self._response
-        if response is None:
-            self._unexpected = True
-            return
-        response._chunks.append(body)
-        response._size += len(body)
-        if response._size > self._pool.high_water_bytes and not self.reading_paused:
-            self.pause()
-        response._wake()
-
-    def on_message_complete(self) -> None:
-        if self._interim:
-            self._interim = False
-            return
-        if self._response is None or not self._headers_done:
-            self._unexpected = True
-            return
-        self._complete()
-        self._finished = True
-
-    # -- the exchange -------------------------------------------------------------------------
-
-    async def exchange(
-        self, data: bytes, body: bytes, read_timeout_s: float | None
-    ) -> UpstreamResponse:
-        """Send one request (``data``: its head, with the body unless ``body`` holds it) and
-        wait for the head of its answer."""
-        transport = self._transport
-        assert transport is not None and not self._busy
-        self._busy = True
-        self._received = False
-        self._headers_done = False
-        self._close_delimited = False
-        self._finished = False
-        self._response = UpstreamResponse(self)
-        waiter: asyncio.Future[UpstreamResponse] = self._loop.create_future()
-        self._head_waiter = waiter
-        transport.write(data)
-        if body:
-            transport.write(body)
-        timer = (
-            self._loop.call_later(read_timeout_s, self._head_timed_out, waiter, read_timeout_s)
-            if read_timeout_s is not None
-            else None
-        )
-        try:
-            return await waiter
-        except asyncio.CancelledError:
-            # The client left. The connection may already carry another exchange: an answer
-            # that arrived whole as this task was cancelled has put it back in the pool.
-            if waiter.cancelled():
-                # No head yet: the request is out, so the connection cannot be used again.
-                self._response = None
-                self._discard()
-            elif waiter.exception() is None:
-                waiter.result().close()
-            raise
-        finally:
-            if self._head_waiter is waiter:
-                self._head_waiter = None
-            if timer is not None:
-                timer.cancel()
-
-    async def wait_for_body(self, response: UpstreamResponse) -> None:
-        """Wait until ``response`` has new body bytes, has ended or has failed."""
-        if self.reading_paused:
-            self.resume()
-        waiter = response._waiter = self._loop.create_future()
-        timeout_s = self._pool.read_timeout_s
-        timer = (
-            self._loop.call_later(timeout_s, self._body_timed_out, response, timeout_s)
-            if timeout_s is not None
-            else None
-        )
-        try:
-            await waiter
-        finally:
-            response._waiter = None
-            if timer is not None:
-                timer.cancel()
-
-    def abandon(self) -> None:
-        """The reader gave up on the answer in flight: close the connection."""
-        self._response = None
-        self._discard()
-
-    def pause(self) -> None:
-        self.reading_paused = True
-        if self._transport is not None and not self.gone:
-            self._transport.pause_reading()
-
-    def resume(self) -> None:
-        self.reading_paused = False
-        if self._transport is not None and not self.gone:
-            self._transport.resume_reading()
-
-    def close(self) -> None:
-        """Close the connection (idle or not)."""
-        self._discard()
-
-    # -- internals ----------------------------------------------------------------------------
-
-    def _complete(self) -> None:
-        """The answer in flight has all arrived: it no longer needs this connection."""
-        response = self._response
-        if response is not None:
-            self._response = None
-            response._complete = True
-            response._conn = None
-            response._wake()
-
-    def _finish(self) -> None:
-        """After the answer ended cleanly: pool the connection, or close it."""
-        self._busy = False
-        self._finished = False
-        if self.reading_paused:
-            self.resume()
-        if self._keep_alive and not self._close_delimited and not self.gone:
-            self.reused = True
-            self._pool.release(self)
-        else:
-            self._discard()
-
-    def _fail(self, error: UpstreamError) -> None:
-        waiter = self._head_waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_exception(error)
-        response = self._response
-        if response is not None:
-            self._response = None
-            response._error = error
-            response._conn = None
-            response._wake()
-        self._busy = False
-        self._discard()
-
-    def _head_timed_out(self, waiter: asyncio.Future[UpstreamResponse], timeout_s: float) -> None:
-        if self._head_waiter is waiter and not waiter.done():
-            self._fail(UpstreamTimeoutError(self.origin, timeout_s))
-
-    def _body_timed_out(self, response: UpstreamResponse, timeout_s: float) -> None:
-        if self._response is response:
-            self._fail(UpstreamTimeoutError(self.origin, timeout_s))
-
-    def _discard(self) -> None:
-        if not self.gone:
-            self.gone = True
-            if self._transport is not None:
-                self._transport.close()
-            self._pool.forget(self)
 
 
 class UpstreamPool:
@@ -514,8 +85,8 @@ class UpstreamPool:
         self.high_water_bytes = high_water_bytes
         self._max_connections = max_connections
         self._max_idle_per_host = max_idle_per_host
-        self._idle: dict[Origin, list[_Connection]] = {}
-        self._open: set[_Connection] = set()
+        self._idle: dict[Origin, list[UpstreamConnection]] = {}
+        self._open: set[UpstreamConnection] = set()
         self._connecting = 0
         self._slot_waiters: deque[asyncio.Future[None]] = deque()
         self._host_headers: dict[Origin, bytes] = {}
@@ -565,7 +136,7 @@ class UpstreamPool:
         if conn.reused:
             try:
                 return await conn.exchange(data, rest, self.read_timeout_s)
-            except _StaleConnectionError:
+            except StaleConnectionError:
                 # The engine closed it while it was idle: ask again on a new connection.
                 conn = await self._acquire(origin, fresh=True)
         # A new connection is never stale: closed before answering, it raises
@@ -583,9 +154,9 @@ class UpstreamPool:
             if not waiter.done():
                 waiter.set_result(None)
 
-    # -- for _Connection ----------------------------------------------------------------------
+    # -- for UpstreamConnection ---------------------------------------------------------------
 
-    def release(self, conn: _Connection) -> None:
+    def release(self, conn: UpstreamConnection) -> None:
         """``conn`` finished an answer and may carry another."""
         idle = self._idle.get(conn.origin)
         if idle is None:
@@ -597,7 +168,7 @@ class UpstreamPool:
         if self._slot_waiters:
             self._wake_one()
 
-    def forget(self, conn: _Connection) -> None:
+    def forget(self, conn: UpstreamConnection) -> None:
         """``conn`` is closed or closing: never hand it out again."""
         if conn in self._open:
             self._open.discard(conn)
@@ -609,7 +180,7 @@ class UpstreamPool:
 
     # -- internals ----------------------------------------------------------------------------
 
-    def _take_idle(self, origin: Origin) -> _Connection | None:
+    def _take_idle(self, origin: Origin) -> UpstreamConnection | None:
         idle = self._idle.get(origin)
         while idle:
             conn = idle.pop()  # the most recently used: the least likely to have timed out
@@ -617,7 +188,7 @@ class UpstreamPool:
                 return conn
         return None
 
-    async def _acquire(self, origin: Origin, *, fresh: bool) -> _Connection:
+    async def _acquire(self, origin: Origin, *, fresh: bool) -> UpstreamConnection:
         """An idle connection to ``origin`` (unless ``fresh``) or a new one, once there is
         room for it under ``max_connections``."""
         while True:
@@ -641,12 +212,12 @@ class UpstreamPool:
             if self._closed:
                 raise RuntimeError("UpstreamPool is closed")
 
-    async def _connect(self, origin: Origin) -> _Connection:
+    async def _connect(self, origin: Origin) -> UpstreamConnection:
         self._connecting += 1
         try:
             async with asyncio.timeout(self.connect_timeout_s):
                 _, protocol = await self.loop.create_connection(
-                    lambda: _Connection(self, origin), origin.host, origin.port
+                    lambda: UpstreamConnection(self, origin), origin.host, origin.port
                 )
         except TimeoutError:
             why = f"did not accept a connection within {self.connect_timeout_s} s"

@@ -1,0 +1,100 @@
+"""The errors the OpenAI-compatible proxy (:mod:`berth.daemon.proxy`) answers itself.
+
+They are answered in the OpenAI shape (:mod:`berth.daemon.openai_errors`)::
+
+    BerthError
+    └── ProxyError                 carries error_code (the OpenAI "code" and the metrics reason)
+        ├── InvalidRequestError    400 bad JSON / no model; 404 unknown URL; 405 wrong method
+        ├── RequestTooLargeError   413 body over max_body_bytes
+        ├── NoReadyDeploymentError 503 + Retry-After: the model exists, nothing serves it yet
+        ├── EngineUnreachableError 502 connection refused, or closed before an answer
+        └── EngineTimeoutError     504 the engine sent nothing for read_timeout_s
+
+An unknown model is the resolver's :class:`berth.errors.NotFoundError` (404).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from berth.errors import BerthError
+
+if TYPE_CHECKING:
+    from berth.daemon.proxy import Upstream
+
+
+class ProxyError(BerthError):
+    """An error the proxy answers itself; ``error_code`` is the OpenAI ``code`` field."""
+
+    error_code: str = "proxy_error"
+    param: str | None = None
+
+
+class InvalidRequestError(ProxyError):
+    """The request cannot be relayed as sent: 400, or 404/405 for an unknown URL or method."""
+
+    http_status = 400
+    error_type = "invalid_request_error"
+
+    def __init__(
+        self, message: str, *, code: str, param: str | None = None, status: int = 400
+    ) -> None:
+        self.http_status = status
+        self.error_code = code
+        self.param = param
+        super().__init__(message)
+
+
+class RequestTooLargeError(ProxyError):
+    """The request body is over ``limit_bytes`` (413)."""
+
+    http_status = 413
+    error_type = "invalid_request_error"
+    error_code = "request_too_large"
+
+    def __init__(self, limit_bytes: int) -> None:
+        self.limit_bytes = limit_bytes
+        super().__init__(f"request body is larger than the limit of {limit_bytes} bytes")
+
+
+class NoReadyDeploymentError(ProxyError):
+    """``model`` is known but none of its deployments is ready (503 with ``Retry-After``).
+
+    ``retry_after_s`` is the client's suggested wait in seconds, e.g. while an engine loads.
+    """
+
+    http_status = 503
+    error_type = "server_error"
+    error_code = "no_ready_deployment"
+
+    def __init__(self, model: str, *, retry_after_s: float = 5.0, detail: str = "") -> None:
+        self.model = model
+        self.retry_after_s = retry_after_s
+        message = f"model {model!r} has no ready deployment"
+        super().__init__(f"{message}: {detail}" if detail else message)
+
+
+class EngineUnreachableError(ProxyError):
+    """The engine refused the connection or closed it before answering (502)."""
+
+    http_status = 502
+    error_type = "engine_error"
+    error_code = "engine_unreachable"
+
+    def __init__(self, upstream: Upstream, why: str) -> None:
+        self.deployment_id = upstream.deployment_id
+        super().__init__(f"the engine of deployment {upstream.deployment_id} {why}")
+
+
+class EngineTimeoutError(ProxyError):
+    """The engine sent nothing for the read timeout (504)."""
+
+    http_status = 504
+    error_type = "engine_error"
+    error_code = "engine_timeout"
+
+    def __init__(self, upstream: Upstream, timeout_s: float | None) -> None:
+        self.deployment_id = upstream.deployment_id
+        super().__init__(
+            f"the engine of deployment {upstream.deployment_id} sent nothing for {timeout_s} s"
+        )

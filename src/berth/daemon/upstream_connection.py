@@ -1,0 +1,305 @@
+"""One keep-alive TCP connection to an engine: the ``asyncio.Protocol`` side of berth's HTTP/1.1
+client (:mod:`berth.daemon.upstream`).
+
+It writes a request, feeds the bytes that come back to ``httptools`` (llhttp, the parser
+uvicorn uses) and keeps what it parsed in an
+:class:`~berth.daemon.upstream_response.UpstreamResponse` for the task that reads the answer.
+
+Message framing follows RFC 9112: the body of an answer ends where its ``Content-Length`` says
+(section 6.3, rule 6), with the last chunk of a chunked transfer coding (section 7.1, decoded
+by the parser), or, with neither, when the engine closes the connection (section 6.3, rule 8);
+1xx interim answers are skipped (RFC 9110 section 15.2). A connection goes back to the pool
+only when its answer ended cleanly and persistence was not declined (``Connection: close``, or
+HTTP/1.0 without ``keep-alive``: RFC 9112 section 9.3); a close-delimited answer can never
+leave it reusable. A connection whose answer was abandoned, failed or timed out is closed,
+which is also how an engine learns that nobody waits for its answer any more.
+
+A reused connection closed before any byte of its answer raises
+:class:`StaleConnectionError`, which the pool never lets out: it sends the request again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from typing import TYPE_CHECKING, cast
+
+import httptools
+
+from berth.daemon.upstream_errors import (
+    UpstreamDisconnectError,
+    UpstreamError,
+    UpstreamProtocolError,
+    UpstreamTimeoutError,
+)
+from berth.daemon.upstream_response import UpstreamResponse
+
+if TYPE_CHECKING:
+    from berth.daemon.upstream import Origin, UpstreamPool
+
+
+class StaleConnectionError(UpstreamError):
+    """A reused connection was closed before any byte of the answer: the engine had ended it
+    while it was idle. Nothing was answered, so the request may be sent again."""
+
+
+class UpstreamConnection(asyncio.Protocol):
+    """One TCP connection to an engine and its parser: the protocol side of the client."""
+
+    def __init__(self, pool: UpstreamPool, origin: Origin) -> None:
+        self._pool = pool
+        self.origin = origin
+        self._loop = pool.loop
+        self._parser = httptools.HttpResponseParser(self)
+        self._transport: asyncio.Transport | None = None
+        self.gone = False  # closed, or closing: never used again
+        self.reused = False  # has carried a complete answer before
+        self.reading_paused = False
+        # The exchange in flight, if any.
+        self._busy = False
+        self._head_waiter: asyncio.Future[UpstreamResponse] | None = None
+        self._response: UpstreamResponse | None = None  # None once complete or abandoned
+        self._headers_done = False
+        self._received = False  # some byte of the answer has arrived
+        self._keep_alive = False
+        self._close_delimited = False
+        self._interim = False  # parsing a 1xx answer
+        self._finished = False  # the answer ended during the current feed_data
+        self._unexpected = False  # bytes nobody asked for
+
+    # -- asyncio.Protocol ---------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # uvloop's transports implement asyncio.Transport without subclassing it
+        self._transport = cast(asyncio.Transport, transport)
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            # Requests are written in one piece; never let Nagle hold back the next one.
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def data_received(self, data: bytes) -> None:
+        if not self._busy:
+            # An idle connection has nothing to say; whatever it is, it is not to be trusted.
+            self._discard()
+            return
+        self._received = True
+        try:
+            self._parser.feed_data(data)
+        except httptools.HttpParserError as exc:
+            self._fail(UpstreamProtocolError(self.origin, f"sent a malformed answer ({exc})"))
+            return
+        if self._unexpected:
+            self._fail(UpstreamProtocolError(self.origin, "sent bytes after its answer"))
+        elif self._finished:
+            self._finish()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.gone = True
+        self._pool.forget(self)
+        if not self._busy:
+            return
+        if self._headers_done and self._close_delimited and exc is None:
+            self._complete()  # RFC 9112 section 6.3, rule 8: the close ends the body
+            self._busy = False
+            return
+        error: UpstreamError
+        if not self._received and self.reused:
+            error = StaleConnectionError(self.origin, "closed an idle connection")
+        elif not self._headers_done:
+            why = "closed the connection before answering"
+            error = UpstreamDisconnectError(self.origin, why, answered=self._received)
+        else:
+            why = "closed the connection before the answer ended"
+            error = UpstreamDisconnectError(self.origin, why, answered=True)
+        self._fail(error)
+
+    # -- httptools callbacks ------------------------------------------------------------------
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        response = self._response
+        if response is not None:
+            response.headers.append((name.lower(), value))
+        else:
+            self._unexpected = True
+
+    def on_headers_complete(self) -> None:
+        response = self._response
+        if response is None:
+            self._unexpected = True
+            return
+        status = self._parser.get_status_code()
+        if 100 <= status < 200 and status != 101:
+            # An interim answer (e.g. 103 Early Hints): the final one follows.
+            self._interim = True
+            response.headers.clear()
+            return
+        response.status = status
+        # Read now: llhttp resets its flags once the message is complete.
+        self._keep_alive = self._parser.should_keep_alive()
+        length: bytes | None = None
+        chunked = False
+        for key, value in response.headers:
+            if key == b"content-length":
+                length = value
+            elif key == b"transfer-encoding":
+                chunked = True
+        if length is not None and not chunked:
+            response.content_length = int(length)  # llhttp has checked that it is a number
+        bodyless = status == 204 or status == 304
+        self._close_delimited = not chunked and length is None and not bodyless
+        self._headers_done = True
+        waiter = self._head_waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(response)
+
+    def on_body(self, body: bytes) -> None:
+        response = self._response
+        if response is None:
+            self._unexpected = True
+            return
+        response._chunks.append(body)
+        response._size += len(body)
+        if response._size > self._pool.high_water_bytes and not self.reading_paused:
+            self.pause()
+        response._wake()
+
+    def on_message_complete(self) -> None:
+        if self._interim:
+            self._interim = False
+            return
+        if self._response is None or not self._headers_done:
+            self._unexpected = True
+            return
+        self._complete()
+        self._finished = True
+
+    # -- the exchange -------------------------------------------------------------------------
+
+    async def exchange(
+        self, data: bytes, body: bytes, read_timeout_s: float | None
+    ) -> UpstreamResponse:
+        """Send one request (``data``: its head, with the body unless ``body`` holds it) and
+        wait for the head of its answer."""
+        transport = self._transport
+        assert transport is not None and not self._busy
+        self._busy = True
+        self._received = False
+        self._headers_done = False
+        self._close_delimited = False
+        self._finished = False
+        self._response = UpstreamResponse(self)
+        waiter: asyncio.Future[UpstreamResponse] = self._loop.create_future()
+        self._head_waiter = waiter
+        transport.write(data)
+        if body:
+            transport.write(body)
+        timer = (
+            self._loop.call_later(read_timeout_s, self._head_timed_out, waiter, read_timeout_s)
+            if read_timeout_s is not None
+            else None
+        )
+        try:
+            return await waiter
+        except asyncio.CancelledError:
+            # The client left. The connection may already carry another exchange: an answer
+            # that arrived whole as this task was cancelled has put it back in the pool.
+            if waiter.cancelled():
+                # No head yet: the request is out, so the connection cannot be used again.
+                self._response = None
+                self._discard()
+            elif waiter.exception() is None:
+                waiter.result().close()
+            raise
+        finally:
+            if self._head_waiter is waiter:
+                self._head_waiter = None
+            if timer is not None:
+                timer.cancel()
+
+    async def wait_for_body(self, response: UpstreamResponse) -> None:
+        """Wait until ``response`` has new body bytes, has ended or has failed."""
+        if self.reading_paused:
+            self.resume()
+        waiter = response._waiter = self._loop.create_future()
+        timeout_s = self._pool.read_timeout_s
+        timer = (
+            self._loop.call_later(timeout_s, self._body_timed_out, response, timeout_s)
+            if timeout_s is not None
+            else None
+        )
+        try:
+            await waiter
+        finally:
+            response._waiter = None
+            if timer is not None:
+                timer.cancel()
+
+    def abandon(self) -> None:
+        """The reader gave up on the answer in flight: close the connection."""
+        self._response = None
+        self._discard()
+
+    def pause(self) -> None:
+        self.reading_paused = True
+        if self._transport is not None and not self.gone:
+            self._transport.pause_reading()
+
+    def resume(self) -> None:
+        self.reading_paused = False
+        if self._transport is not None and not self.gone:
+            self._transport.resume_reading()
+
+    def close(self) -> None:
+        """Close the connection (idle or not)."""
+        self._discard()
+
+    # -- internals ----------------------------------------------------------------------------
+
+    def _complete(self) -> None:
+        """The answer in flight has all arrived: it no longer needs this connection."""
+        response = self._response
+        if response is not None:
+            self._response = None
+            response._complete = True
+            response._conn = None
+            response._wake()
+
+    def _finish(self) -> None:
+        """After the answer ended cleanly: pool the connection, or close it."""
+        self._busy = False
+        self._finished = False
+        if self.reading_paused:
+            self.resume()
+        if self._keep_alive and not self._close_delimited and not self.gone:
+            self.reused = True
+            self._pool.release(self)
+        else:
+            self._discard()
+
+    def _fail(self, error: UpstreamError) -> None:
+        waiter = self._head_waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_exception(error)
+        response = self._response
+        if response is not None:
+            self._response = None
+            response._error = error
+            response._conn = None
+            response._wake()
+        self._busy = False
+        self._discard()
+
+    def _head_timed_out(self, waiter: asyncio.Future[UpstreamResponse], timeout_s: float) -> None:
+        if self._head_waiter is waiter and not waiter.done():
+            self._fail(UpstreamTimeoutError(self.origin, timeout_s))
+
+    def _body_timed_out(self, response: UpstreamResponse, timeout_s: float) -> None:
+        if self._response is response:
+            self._fail(UpstreamTimeoutError(self.origin, timeout_s))
+
+    def _discard(self) -> None:
+        if not self.gone:
+            self.gone = True
+            if self._transport is not None:
+                self._transport.close()
+            self._pool.forget(self)

@@ -1,0 +1,126 @@
+"""One answer from an engine, as berth's HTTP/1.1 client (:mod:`berth.daemon.upstream`) hands
+it to its reader: status, headers, and the body as it arrives.
+
+Its connection (:class:`berth.daemon.upstream_connection.UpstreamConnection`) fills it in from
+the parser's callbacks and wakes the reader; the reader takes the body with
+:meth:`UpstreamResponse.read_chunk` or :meth:`UpstreamResponse.read`, and
+:meth:`UpstreamResponse.close` hands an unfinished answer's connection back to be closed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING
+
+from berth.daemon.upstream_errors import UpstreamDisconnectError, UpstreamError
+
+if TYPE_CHECKING:
+    from berth.daemon.upstream_connection import UpstreamConnection
+
+
+class UpstreamResponse:
+    """One answer: ``status``, ``headers`` (names lower-cased, in order) and the body.
+
+    The body is read with :meth:`read_chunk` (whatever has arrived, as one ``bytes``) or
+    :meth:`read` (up to its end). ``content_length`` is the announced length, ``None`` for a
+    chunked or close-delimited body. Call :meth:`close` when done, also after an error:
+    an answer not received in full closes its connection.
+    """
+
+    __slots__ = (
+        "_chunks",
+        "_complete",
+        "_conn",
+        "_error",
+        "_size",
+        "_waiter",
+        "content_length",
+        "headers",
+        "status",
+    )
+
+    def __init__(self, conn: UpstreamConnection) -> None:
+        self.status = 0
+        self.headers: list[tuple[bytes, bytes]] = []
+        self.content_length: int | None = None
+        self._conn: UpstreamConnection | None = conn  # None once the answer is complete or closed
+        self._chunks: list[bytes] = []
+        self._size = 0
+        self._complete = False
+        self._error: UpstreamError | None = None
+        self._waiter: asyncio.Future[None] | None = None
+
+    def header(self, name: bytes) -> bytes | None:
+        """The value of the first header called ``name`` (lower-case bytes), or ``None``."""
+        for key, value in self.headers:
+            if key == name:
+                return value
+        return None
+
+    @property
+    def at_eof(self) -> bool:
+        """True when the whole body has arrived and has all been read."""
+        return self._complete and not self._chunks
+
+    async def read_chunk(self) -> bytes:
+        """The body bytes that arrived since the last call, waiting for some if none did;
+        ``b""`` once the body has ended.
+
+        Raises :class:`UpstreamTimeoutError` when the engine sends nothing for the read
+        timeout, :class:`UpstreamDisconnectError` when it drops the connection mid-body and
+        :class:`UpstreamProtocolError` for a malformed body; bytes that arrived before the
+        failure are returned first.
+        """
+        while not self._chunks:
+            if self._complete:
+                return b""
+            if self._error is not None:
+                raise self._error
+            conn = self._conn
+            assert conn is not None, "an unfinished answer without an error has a connection"
+            await conn.wait_for_body(self)
+        return self._take()
+
+    async def read(self, limit_bytes: int | None = None) -> bytes:
+        """The rest of the body, or its first ``limit_bytes`` bytes (at most) of it.
+
+        Raises as :meth:`read_chunk` does.
+        """
+        if self._complete and (limit_bytes is None or self._size <= limit_bytes):
+            return self._take() if self._chunks else b""
+        parts: list[bytes] = []
+        size = 0
+        while limit_bytes is None or size < limit_bytes:
+            chunk = await self.read_chunk()
+            if not chunk:
+                break
+            parts.append(chunk)
+            size += len(chunk)
+        data = b"".join(parts)
+        return data if limit_bytes is None else data[:limit_bytes]
+
+    def close(self) -> None:
+        """Done with this answer. One not yet received in full closes its connection (the
+        engine sees the client leave); a complete one's connection is already back in the
+        pool. Idempotent."""
+        conn = self._conn
+        if conn is not None:
+            self._conn = None
+            why = "had its answer abandoned by the reader"
+            self._error = UpstreamDisconnectError(conn.origin, why, answered=True)
+            conn.abandon()
+
+    def _take(self) -> bytes:
+        chunks = self._chunks
+        data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        chunks.clear()
+        self._size = 0
+        conn = self._conn
+        if conn is not None and conn.reading_paused:
+            conn.resume()
+        return data
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
