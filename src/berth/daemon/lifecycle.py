@@ -147,12 +147,12 @@ class LifecycleManager:
                 self._mark_ready(record, endpoint)
             else:
                 assert link is not None
-                await link.stop_deployment(record.id, self._stop_grace_s)
-                await self._transition(
-                    record.id,
-                    DeploymentState.FAILED,
-                    failure_reason=f"daemon restarted while the deployment was {record.state}",
-                )
+                reason = f"daemon restarted while the deployment was {record.state}"
+                try:
+                    await link.stop_deployment(record.id, self._stop_grace_s)
+                except EngineError as exc:
+                    reason = f"{reason}; stopping its engine failed: {exc}"
+                await self._transition(record.id, DeploymentState.FAILED, failure_reason=reason)
 
     # -- commands --------------------------------------------------------------------------
 
@@ -222,6 +222,9 @@ class LifecycleManager:
         starting = self._starting.get(deployment_id)
         if starting is not None:
             starting.cancel()
+            # The cancelled start stops its half-started engine; wait for that, so "stopped"
+            # is only reported once no engine process is left.
+            await asyncio.wait({starting})
         return await self._stop_one(record)
 
     async def wait_settled(self, deployment_id: str, timeout_s: float) -> DeploymentRecord:
