@@ -276,6 +276,6 @@ def status(
             str(len(node["gpus"])),
         )
     console.print(node_table)
-    from berth.cli.deploy_cmd import deployments_table
+    from berth.cli.deploy_cmd import print_deployments
 
-    console.print(deployments_table(deployments, title="deployments"))
+    print_deployments(deployments, title="deployments")

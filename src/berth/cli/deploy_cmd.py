@@ -100,10 +100,20 @@ def short_reason(reason: str | None, width: int = 100) -> str:
     return text if len(text) <= width else text[: width - 1] + "…"
 
 
+def print_deployments(records: list[dict[str, Any]], *, title: str | None = None) -> None:
+    """The deployments table, then one line per failure reason (too long for a table cell)."""
+    console.print(deployments_table(records, title=title))
+    for r in records:
+        if r.get("failure_reason"):
+            line = f"{r['id']} {r['state']}: {short_reason(r['failure_reason'], width=200)}"
+            console.print(line, markup=False, soft_wrap=True)
+
+
 def deployments_table(records: list[dict[str, Any]], *, title: str | None = None) -> Table:
     table = Table(title=title, title_justify="left")
     table.add_column("ID", no_wrap=True)
-    for column in ("MODEL", "ENGINE", "NODE", "STATE", "PORT", "PID", "AGE", "REASON"):
+    table.add_column("MODEL", no_wrap=True)
+    for column in ("ENGINE", "NODE", "STATE", "PORT", "PID", "AGE"):
         table.add_column(column)
     now = datetime.now(UTC)
     colours = {"ready": "green", "failed": "red", "loading": "yellow", "pending": "yellow"}
@@ -121,7 +131,6 @@ def deployments_table(records: list[dict[str, Any]], *, title: str | None = None
             str(r["port"] or "-"),
             str(r["pid"] or "-"),
             age((now - created).total_seconds()),
-            short_reason(r.get("failure_reason")),
         )
     return table
 
@@ -137,7 +146,7 @@ def ps(
     if as_json:
         print_json(records)
     else:
-        console.print(deployments_table(records))
+        print_deployments(records)
 
 
 def stop(
