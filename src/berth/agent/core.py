@@ -117,7 +117,7 @@ class AgentCore:
                 deployment_id=request.deployment_id,
             )
         port = request.port or find_free_port()
-        log_path = self._logs_dir / f"engine-{request.deployment_id}.log"
+        log_path = self.log_path(request.deployment_id)
         request = replace(request, port=port, log_path=log_path)
         spec = build_launch_spec(request, self._binaries)
         handle = await self._runtime.start(spec)
@@ -147,7 +147,7 @@ class AgentCore:
         handle = self._runtime.attach(deployment_id, pid, port)
         if handle is None:
             return None
-        log_path = self._logs_dir / f"engine-{deployment_id}.log"
+        log_path = self.log_path(deployment_id)
         self._engines[deployment_id] = _Managed(handle, log_path)
         return handle
 

@@ -267,7 +267,7 @@ class LifecycleManager:
         log.info("deployment %s ready at %s", record.id, endpoint.base_url)
 
     async def _stop_one(self, record: DeploymentRecord) -> DeploymentRecord:
-        self._unmark_ready(record)
+        self._unmark_ready(record.served_model_name, record.id)
         record = await self._transition(record.id, DeploymentState.STOPPING)
         link = self._links.get(record.node_id)
         try:
@@ -299,7 +299,7 @@ class LifecycleManager:
             failure_reason=failure_reason,
         )
         if target in TERMINAL_STATES:
-            self._unmark_ready(record)
+            self._unmark_ready(record.served_model_name, record.id)
         self._notify(record)
         return record
 
@@ -312,11 +312,8 @@ class LifecycleManager:
         )
         self._ready.setdefault(record.served_model_name, {})[record.id] = upstream
 
-    def _unmark_ready(self, record: DeploymentRecord) -> None:
-        self._ready.get(record.served_model_name, {}).pop(record.id, None)
-
-    def _unmark_ready_id(self, upstream: Upstream) -> None:
-        self._ready.get(upstream.model, {}).pop(upstream.deployment_id, None)
+    def _unmark_ready(self, model: str, deployment_id: str) -> None:
+        self._ready.get(model, {}).pop(deployment_id, None)
 
     def _notify(self, record: DeploymentRecord) -> None:
         if self._on_state is not None:
@@ -354,7 +351,7 @@ class LifecycleManager:
             reason = "engine process exited unexpectedly"
         log.warning("deployment %s: %s", deployment_id, reason)
         self._failed_probes.pop(deployment_id, None)
-        self._unmark_ready_id(upstream)
+        self._unmark_ready(upstream.model, deployment_id)
         with contextlib.suppress(NotFoundError):
             await link.stop_deployment(deployment_id, self._stop_grace_s)
         await self._transition(deployment_id, DeploymentState.FAILED, failure_reason=reason)
