@@ -24,6 +24,7 @@ import math
 import os
 import re
 import shutil
+import socket
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
@@ -151,7 +152,47 @@ SETTINGS: tuple[SettingDef, ...] = (
                default="127.0.0.1"),
     SettingDef("cluster_port", "int", "cluster", "TCP port of the cluster listener",
                default=11501, minimum=0, maximum=65535),
+    SettingDef("leader_url", "str", "cluster",
+               "cluster URL advertised to agents (default: https://cluster_host:cluster_port)",
+               optional=True),
 )  # fmt: skip
+
+#: Bind addresses that mean "every interface": no use as an address others can dial.
+WILDCARD_BINDS = frozenset({"0.0.0.0", "::", "[::]", ""})
+#: (host setting, bind setting) pairs whose host is autodetected for a wildcard bind.
+_HOST_FOR_BIND = (("public_host", "public_bind"), ("cluster_host", "cluster_bind"))
+_LOOPBACK = "127.0.0.1"
+
+
+def primary_address() -> str:
+    """This host's primary IPv4 address: the source address of its default route.
+
+    Connecting a UDP socket sends no packet; it only makes the kernel pick a route.  The
+    destination is in TEST-NET-1 (RFC 5737), never really used.  Falls back to 127.0.0.1
+    when there is no route.
+    """
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect(("192.0.2.1", 9))
+            address = str(probe.getsockname()[0])
+    except OSError:
+        return _LOOPBACK
+    return address if address and address != "0.0.0.0" else _LOOPBACK
+
+
+def advertised_host(configured: str | None, bind: str, detect: Callable[[], str]) -> str | None:
+    """The host to advertise for a listener: ``configured`` if set; else, for a wildcard
+    ``bind``, ``detect()``; else ``None`` (the caller keeps its default)."""
+    if configured is not None:
+        return configured
+    if bind.strip() in WILDCARD_BINDS:
+        return detect()
+    return None
+
+
+def url_host(host: str) -> str:
+    """``host`` as it goes in a URL: IPv6 addresses in brackets."""
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
 
 SETTINGS_BY_NAME: Mapping[str, SettingDef] = {d.name: d for d in SETTINGS}
 
@@ -203,6 +244,7 @@ class Settings:
     cluster_host: str
     cluster_bind: str
     cluster_port: int
+    leader_url: str | None
 
     @classmethod
     def load(
@@ -210,12 +252,15 @@ class Settings:
         home: BerthHome,
         flags: Mapping[str, object] | None = None,
         env: Mapping[str, str] | None = None,
+        detect_address: Callable[[], str] = primary_address,
     ) -> Settings:
         """Resolve every setting for ``home``.
 
         ``flags`` maps setting names to command-line values; ``None`` values mean "not given"
         (how typer reports an omitted option).  ``env`` defaults to ``os.environ`` read now.
-        ``home.config_file`` is read if it exists.
+        ``home.config_file`` is read if it exists.  ``public_host`` and ``cluster_host``
+        that nobody set are autodetected with ``detect_address`` when their bind address
+        is a wildcard (``0.0.0.0``, ``::``): a wildcard is not an address clients can dial.
 
         Raises :class:`ConfigError` for an unknown flag name, a malformed ``config.toml``
         (with file and line), an unknown section or key in it, a value that does not convert
@@ -234,6 +279,16 @@ class Settings:
             value, source = _resolve(defn, home, given_flags, environ, file_values)
             values[defn.name] = value
             sources[defn.name] = source
+        for host, bind in _HOST_FOR_BIND:
+            configured = values[host] if sources[host] != "default" else None
+            detected = advertised_host(configured, values[bind], detect_address)
+            if configured is None and detected is not None:
+                values[host], sources[host] = detected, "autodetect"
+        leader_url = values["leader_url"]
+        if leader_url is not None and not str(leader_url).startswith("https://"):
+            raise ConfigError(
+                f"leader_url ({sources['leader_url']}) must be an https:// URL, got {leader_url!r}"
+            )
 
         if (values["public_cert"] is None) != (values["public_key"] is None):
             given = "public_cert" if values["public_cert"] is not None else "public_key"
@@ -242,6 +297,13 @@ class Settings:
                 "set both public_cert and public_key, or neither"
             )
         return cls(home=home, sources=sources, **values)
+
+    def cluster_url(self, port: int | None = None) -> str:
+        """The URL agents dial: ``leader_url`` if set, else ``https://cluster_host:port``
+        (``port`` is the bound one, for ``cluster_port = 0``; default the setting)."""
+        if self.leader_url:
+            return self.leader_url.rstrip("/")
+        return f"https://{url_host(self.cluster_host)}:{port or self.cluster_port}"
 
     def source(self, name: str) -> SettingSource:
         """Where the value of ``name`` came from; :class:`ConfigError` for an unknown name."""

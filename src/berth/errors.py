@@ -10,6 +10,8 @@
     ├── InvalidTransitionError a deployment state change the state machine forbids
     ├── EngineError            an engine failed to start, answer health or stop (log tail)
     ├── AuthError              a missing, unknown or insufficient API key
+    │   └── EnrollmentTokenError  an enrollment token that is unknown, used or expired
+    ├── RateLimitError         too many attempts from one source (``retry_after_s``)
     └── DaemonError            the daemon is not running, or could not be reached
 
 Domain code raises these; the edges translate them once: the HTTP apps map them to
@@ -116,6 +118,29 @@ class AuthError(BerthError):
         self.http_status = status
         if status == 403:
             self.error_type = "permission_error"
+        super().__init__(message)
+
+
+class EnrollmentTokenError(AuthError):
+    """An enrollment token was refused; ``reason`` is ``unknown``, ``used`` or ``expired``.
+
+    ``error_code`` (``enrollment_token_<reason>``) becomes the OpenAI error ``code`` field.
+    """
+
+    def __init__(self, reason: str, message: str):
+        self.reason = reason
+        self.error_code = f"enrollment_token_{reason}"
+        super().__init__(message)
+
+
+class RateLimitError(BerthError):
+    """Too many attempts from one source; retry after ``retry_after_s`` seconds."""
+
+    http_status = 429
+    error_type = "rate_limit_error"
+
+    def __init__(self, message: str, *, retry_after_s: float):
+        self.retry_after_s = retry_after_s
         super().__init__(message)
 
 

@@ -58,6 +58,30 @@ class BerthHome:
     def pepper_file(self) -> Path:
         return self.root / "key_pepper"
 
+    @property
+    def audit_log(self) -> Path:
+        """One JSON line per security-relevant event (node registrations)."""
+        return self.logs_dir / "audit.log"
+
+    @property
+    def agent_config(self) -> Path:
+        """The agent's identity: leader URL, node id, label, pinned CA fingerprint."""
+        return self.root / "agent.yaml"
+
+    @property
+    def agent_cert(self) -> Path:
+        return self.root / "agent.crt"
+
+    @property
+    def agent_key(self) -> Path:
+        """The agent's private key (mode 0600); it never leaves the host."""
+        return self.root / "agent.key"
+
+    @property
+    def agent_ca(self) -> Path:
+        """The leader's CA certificate, pinned by fingerprint at registration."""
+        return self.root / "ca.pem"
+
     def engine_log(self, deployment_id: str) -> Path:
         """The log file of one deployment's engine."""
         return self.logs_dir / f"engine-{deployment_id}.log"

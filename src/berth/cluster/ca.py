@@ -15,6 +15,7 @@ digitalSignature and one extendedKeyUsage.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import ipaddress
 import os
 import secrets
@@ -54,6 +55,11 @@ def fingerprint_of_pem(pem: bytes) -> str:
     except ValueError as exc:
         raise ConfigError(f"not a PEM certificate: {exc}") from None
     return _fingerprint(cert)
+
+
+def fingerprint_of_der(der: bytes) -> str:
+    """``sha256:<hex>`` of a DER certificate, as a TLS peer presents it (no parsing)."""
+    return "sha256:" + hashlib.sha256(der).hexdigest()
 
 
 def _fingerprint(cert: x509.Certificate) -> str:
@@ -148,6 +154,18 @@ class CertificateAuthority:
         leaf = builder.sign(self._key, hashes.SHA256())
         _replace(key_path, _private_pem(leaf_key), 0o600)
         _replace(cert_path, leaf.public_bytes(_PEM) + self.cert_pem, 0o644)
+
+    def ensure_server_certificate(
+        self, hosts: Sequence[str], cert_path: Path, key_path: Path
+    ) -> None:
+        """Issue a server certificate for ``hosts`` into ``cert_path``/``key_path`` unless
+        the one there already covers them (see :meth:`server_certificate_covers`)."""
+        if not (
+            cert_path.exists()
+            and key_path.exists()
+            and self.server_certificate_covers(cert_path, hosts)
+        ):
+            self.issue_server_certificate(hosts, cert_path, key_path)
 
     def server_certificate_covers(
         self, cert_path: Path, hosts: Sequence[str], *, renew_before_days: int = RENEW_BEFORE_DAYS

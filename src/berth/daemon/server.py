@@ -102,8 +102,7 @@ def public_tls_files(
         return Path(settings.public_cert), Path(settings.public_key)
     cert, key = home.ca_dir / "public.pem", home.ca_dir / "public.key"
     hosts = sorted({settings.public_host, "localhost", "127.0.0.1", "::1"})
-    if not (cert.exists() and key.exists() and ca.server_certificate_covers(cert, hosts)):
-        ca.issue_server_certificate(hosts, cert, key)
+    ca.ensure_server_certificate(hosts, cert, key)
     return cert, key
 
 

@@ -7,8 +7,12 @@ from berth.store.migrations import LATEST_VERSION
 from berth.store.records import (
     ApiKeyRecord,
     DeploymentRecord,
+    ModelLocation,
     ModelRecord,
     ModelSource,
+    NodeHardware,
+    NodeRecord,
+    NodeStatus,
 )
 from berth.store.store import UNCHANGED, Store, Unchanged
 
@@ -17,8 +21,12 @@ __all__ = [
     "UNCHANGED",
     "ApiKeyRecord",
     "DeploymentRecord",
+    "ModelLocation",
     "ModelRecord",
     "ModelSource",
+    "NodeHardware",
+    "NodeRecord",
+    "NodeStatus",
     "Store",
     "Unchanged",
 ]

@@ -24,6 +24,8 @@ from sqlalchemy import (
     Connection,
     DateTime,
     Engine,
+    Float,
+    ForeignKey,
     Index,
     Integer,
     MetaData,
@@ -102,8 +104,55 @@ def _v1_initial(conn: Connection) -> None:
     metadata.create_all(conn)
 
 
+def _v2_nodes(conn: Connection) -> None:
+    metadata = MetaData()
+    Table("models", metadata, Column("name", String(255), primary_key=True))
+    Table(
+        "nodes",
+        metadata,
+        Column("id", String(16), primary_key=True),
+        Column("label", String(63), nullable=False),
+        Column("status", String(16), nullable=False),
+        Column("cert_fingerprint", String(80), nullable=True),
+        Column("agent_version", String(64), nullable=True),
+        Column("protocol_version", Integer, nullable=True),
+        Column("capabilities", JSON, nullable=False),
+        Column("inventory", JSON, nullable=True),
+        Column("last_heartbeat_at", Float, nullable=True),
+        Column("created_at", DateTime(timezone=True), nullable=False),
+        UniqueConstraint("label", name="uq_nodes_label"),
+        Index("ix_nodes_cert_fingerprint", "cert_fingerprint"),
+    )
+    Table(
+        "enrollment_tokens",
+        metadata,
+        Column("token_hash", String(128), primary_key=True),
+        Column("label", String(63), nullable=False),
+        Column("expires_at", Float, nullable=False),
+        Column("used_at", Float, nullable=True),
+        Column("created_at", DateTime(timezone=True), nullable=False),
+    )
+    Table(
+        "model_locations",
+        metadata,
+        Column(
+            "model_name",
+            String(255),
+            ForeignKey("models.name", ondelete="CASCADE"),
+            primary_key=True,
+        ),
+        Column("node_id", String(16), ForeignKey("nodes.id", ondelete="CASCADE"), primary_key=True),
+        Column("path", Text, nullable=False),
+    )
+    for name in ("nodes", "enrollment_tokens", "model_locations"):
+        metadata.tables[name].create(conn)
+
+
 #: Every migration, in order; versions are 1, 2, 3, … without gaps.
-MIGRATIONS: tuple[Migration, ...] = (Migration(1, "models, deployments and api_keys", _v1_initial),)
+MIGRATIONS: tuple[Migration, ...] = (
+    Migration(1, "models, deployments and api_keys", _v1_initial),
+    Migration(2, "nodes, enrollment_tokens and model_locations", _v2_nodes),
+)
 
 LATEST_VERSION = MIGRATIONS[-1].version
 

@@ -12,8 +12,13 @@ from typing import Literal
 
 from berth.daemon.states import TERMINAL_STATES, DeploymentState
 from berth.keys import Tier
+from berth.runtime.gpu import GpuInfo
 
 ModelSource = Literal["local", "hub"]
+#: ``ready``: the agent said Hello and its link is up; ``unreachable``: enrolled (or once
+#: connected) but no live link; ``removed``: removed by the operator, its certificate refused.
+NodeStatus = Literal["ready", "unreachable", "removed"]
+NODE_STATUSES: tuple[NodeStatus, ...] = ("ready", "unreachable", "removed")
 MODEL_SOURCES: tuple[ModelSource, ...] = ("local", "hub")
 
 
@@ -85,3 +90,49 @@ class ApiKeyRecord:
     def is_revoked(self) -> bool:
         """Whether the key was revoked."""
         return self.revoked_at is not None
+
+
+@dataclass(frozen=True)
+class NodeHardware:
+    """A node's hardware as its agent last reported it; memory in MiB."""
+
+    hostname: str
+    cpu_count: int
+    memory_total_mb: int
+    gpus: tuple[GpuInfo, ...] = ()
+
+    @property
+    def vram_total_mb(self) -> int:
+        """The sum of every GPU's memory, in MiB."""
+        return sum(gpu.memory_total_mb for gpu in self.gpus)
+
+
+@dataclass(frozen=True)
+class NodeRecord:
+    """A node: the leader's own host (id and label ``local``) or an enrolled agent host.
+
+    ``cert_fingerprint`` is ``sha256:<hex>`` of the DER client certificate the agent
+    authenticates with (``None`` for ``local``).  ``agent_version``, ``protocol_version``,
+    ``capabilities`` and ``inventory`` come from the agent's last Hello (``None``/empty
+    before the first); ``last_heartbeat_at`` is epoch seconds.
+    """
+
+    id: str
+    label: str
+    status: NodeStatus
+    cert_fingerprint: str | None
+    agent_version: str | None
+    protocol_version: int | None
+    capabilities: tuple[str, ...]
+    inventory: NodeHardware | None
+    last_heartbeat_at: float | None
+    created_at: datetime
+
+
+@dataclass(frozen=True)
+class ModelLocation:
+    """Where one model's weights are on one node's host."""
+
+    model_name: str
+    node_id: str
+    path: str

@@ -34,6 +34,7 @@ from berth.errors import (
 from berth.keys import Tier, parse_tier
 from berth.store import migrations
 from berth.store.db import WRITE_OPTIONS, create_store_engine
+from berth.store.nodes import NodeMethods, delete_model_locations
 from berth.store.records import (
     MODEL_SOURCES,
     ApiKeyRecord,
@@ -61,11 +62,12 @@ def _utc_now() -> datetime:
     return datetime.now(UTC)
 
 
-class Store:
+class Store(NodeMethods):
     """The state database at ``url`` (the ``database_url`` setting).
 
     Nothing is touched until the first call; call :meth:`migrate` once at start-up before
-    anything else.  ``clock`` returns aware datetimes; tests may pass a fake one.
+    anything else.  The node registry, enrollment tokens and model locations are documented
+    in :mod:`berth.store.nodes`.  ``clock`` returns aware datetimes; tests may pass a fake one.
     """
 
     def __init__(self, url: str, *, clock: Callable[[], datetime] = _utc_now) -> None:
@@ -178,6 +180,7 @@ class Store:
                     "stop them first"
                 )
             record = _model_record(row)
+            delete_model_locations(session, name)
             session.delete(row)
         return record
 
@@ -361,12 +364,12 @@ class Store:
 
     # --- sessions ----------------------------------------------------------------------
 
-    @contextmanager
+    @contextmanager  # type: ignore[override]
     def _read(self) -> Iterator[Session]:
         with _translated(), self._sessions() as session:
             yield session
 
-    @contextmanager
+    @contextmanager  # type: ignore[override]
     def _write(self) -> Iterator[Session]:
         with _translated(), self._sessions() as session, session.begin():
             session.connection(execution_options=WRITE_OPTIONS)

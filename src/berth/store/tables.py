@@ -10,7 +10,17 @@ from __future__ import annotations
 
 from datetime import UTC, datetime
 
-from sqlalchemy import JSON, BigInteger, DateTime, Dialect, Integer, String, Text
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    DateTime,
+    Dialect,
+    Float,
+    ForeignKey,
+    Integer,
+    String,
+    Text,
+)
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from sqlalchemy.types import TypeDecorator
 
@@ -110,3 +120,46 @@ class ApiKeyRow(Base):
     prefix: Mapped[str] = mapped_column(String(32))
     created_at: Mapped[datetime] = mapped_column(UTCDateTime)
     revoked_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+
+
+class NodeRow(Base):
+    """A node of the cluster: the leader's own host (``local``) or an enrolled agent host."""
+
+    __tablename__ = "nodes"
+
+    id: Mapped[str] = mapped_column(String(16), primary_key=True)
+    label: Mapped[str] = mapped_column(String(63), unique=True)
+    status: Mapped[str] = mapped_column(String(16))
+    cert_fingerprint: Mapped[str | None] = mapped_column(String(80), index=True)
+    agent_version: Mapped[str | None] = mapped_column(String(64))
+    protocol_version: Mapped[int | None] = mapped_column(Integer)
+    capabilities: Mapped[list[str]] = mapped_column(JSON)
+    inventory: Mapped[dict[str, object] | None] = mapped_column(JSON)
+    last_heartbeat_at: Mapped[float | None] = mapped_column(Float)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime)
+
+
+class EnrollmentTokenRow(Base):
+    """A single-use enrollment token, stored only as its peppered hash."""
+
+    __tablename__ = "enrollment_tokens"
+
+    token_hash: Mapped[str] = mapped_column(String(128), primary_key=True)
+    label: Mapped[str] = mapped_column(String(63))
+    expires_at: Mapped[float] = mapped_column(Float)
+    used_at: Mapped[float | None] = mapped_column(Float)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime)
+
+
+class ModelLocationRow(Base):
+    """Where a model's weights live on one node (a path on that node's host)."""
+
+    __tablename__ = "model_locations"
+
+    model_name: Mapped[str] = mapped_column(
+        String(NAME_LENGTH), ForeignKey("models.name", ondelete="CASCADE"), primary_key=True
+    )
+    node_id: Mapped[str] = mapped_column(
+        String(16), ForeignKey("nodes.id", ondelete="CASCADE"), primary_key=True
+    )
+    path: Mapped[str] = mapped_column(Text)

@@ -1,0 +1,145 @@
+"""The agent's identity on its host: what ``berth agent register`` writes, the dial loop reads.
+
+Under the agent's ``$BERTH_HOME``:
+
+- ``agent.yaml``: ``leader_url`` (the cluster URL), ``node_id``, ``label``,
+  ``ca_fingerprint`` (``sha256:<hex>``), ``enrolled_at`` (ISO 8601, UTC);
+- ``agent.key``: the agent's EC P-256 private key, PKCS#8 PEM, mode 0600 from creation;
+- ``agent.crt``: its client certificate, signed by the leader's CA (CN = node id);
+- ``ca.pem``: the leader's CA certificate, pinned by fingerprint; the only trust root.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import ssl
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+
+import yaml
+
+from berth.errors import ConfigError
+from berth.paths import BerthHome
+
+_REGISTER_HINT = "run `berth agent register --uri '...'` on this host"
+
+
+@dataclass(frozen=True)
+class AgentIdentity:
+    """Who this agent is and how it reaches and trusts its leader."""
+
+    leader_url: str
+    node_id: str
+    label: str
+    ca_fingerprint: str
+    enrolled_at: datetime
+    cert_path: Path
+    key_path: Path
+    ca_path: Path
+
+
+def load_agent_identity(home: BerthHome) -> AgentIdentity:
+    """Read ``agent.yaml`` under ``home`` and check its certificate files exist.
+
+    Raises :class:`ConfigError` naming the file, and saying to run ``berth agent
+    register``, when it is missing, is not valid YAML, lacks a field, or a file it needs
+    is missing.
+    """
+    path = home.agent_config
+    try:
+        data = yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"this host is not enrolled; {_REGISTER_HINT}", path=path) from None
+    except OSError as exc:
+        raise ConfigError(f"cannot read the agent identity: {exc.strerror}", path=path) from None
+    except yaml.YAMLError as exc:
+        line = exc.problem_mark.line + 1 if isinstance(exc, yaml.MarkedYAMLError) and exc.problem_mark else None
+        raise ConfigError(f"invalid YAML; {_REGISTER_HINT} again", path=path, line=line) from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"expected a mapping; {_REGISTER_HINT} again", path=path)
+    fields: dict[str, str] = {}
+    for name in ("leader_url", "node_id", "label", "ca_fingerprint", "enrolled_at"):
+        value = data.get(name)
+        if isinstance(value, datetime):
+            value = value.isoformat()
+        if not isinstance(value, str) or not value:
+            raise ConfigError(f"missing or invalid {name}; {_REGISTER_HINT} again", path=path)
+        fields[name] = value
+    try:
+        enrolled_at = datetime.fromisoformat(fields["enrolled_at"])
+    except ValueError:
+        raise ConfigError(f"invalid enrolled_at; {_REGISTER_HINT} again", path=path) from None
+    for needed in (home.agent_cert, home.agent_key, home.agent_ca):
+        if not needed.is_file():
+            raise ConfigError(f"{needed} is missing; {_REGISTER_HINT} again", path=path)
+    return AgentIdentity(
+        leader_url=fields["leader_url"],
+        node_id=fields["node_id"],
+        label=fields["label"],
+        ca_fingerprint=fields["ca_fingerprint"],
+        enrolled_at=enrolled_at if enrolled_at.tzinfo else enrolled_at.replace(tzinfo=UTC),
+        cert_path=home.agent_cert,
+        key_path=home.agent_key,
+        ca_path=home.agent_ca,
+    )
+
+
+def save_agent_identity(
+    home: BerthHome,
+    *,
+    leader_url: str,
+    node_id: str,
+    label: str,
+    ca_fingerprint: str,
+    key_pem: bytes,
+    cert_pem: bytes,
+    ca_pem: bytes,
+    enrolled_at: datetime,
+) -> AgentIdentity:
+    """Write the identity files (each replaced atomically; the key created mode 0600) and
+    ``agent.yaml`` last, so a half-written registration is never taken for a whole one."""
+    home.root.mkdir(parents=True, exist_ok=True)
+    os.chmod(home.root, 0o700)
+    _write_atomically(home.agent_key, key_pem, 0o600)
+    _write_atomically(home.agent_cert, cert_pem, 0o644)
+    _write_atomically(home.agent_ca, ca_pem, 0o644)
+    document = {
+        "leader_url": leader_url,
+        "node_id": node_id,
+        "label": label,
+        "ca_fingerprint": ca_fingerprint,
+        "enrolled_at": enrolled_at.astimezone(UTC).isoformat(),
+    }
+    _write_atomically(
+        home.agent_config, yaml.safe_dump(document, sort_keys=False).encode(), 0o600
+    )
+    return load_agent_identity(home)
+
+
+def client_ssl_context(identity: AgentIdentity) -> ssl.SSLContext:
+    """The agent's TLS 1.2+ client context: its certificate and key, the pinned CA as the
+    *only* trust root (never the system's), host names checked."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)  # check_hostname and CERT_REQUIRED
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    context.load_verify_locations(cafile=str(identity.ca_path))
+    context.load_cert_chain(str(identity.cert_path), str(identity.key_path))
+    return context
+
+
+def _write_atomically(path: Path, data: bytes, mode: int) -> None:
+    # Created with its final mode by os.open, so a private file is never readable by
+    # others, not even between creation and a chmod.
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(8)}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.chmod(tmp, mode)  # the umask may have narrowed it; never widened beyond mode
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise

@@ -1,0 +1,315 @@
+"""Enrollment: how a new host becomes a node, on the leader's side.
+
+1. ``berth nodes enroll LABEL`` issues a single-use token (``secrets.token_urlsafe``, valid
+   :data:`TOKEN_VALIDITY_S`) and prints an :class:`EnrollmentURI` carrying the leader's
+   cluster URL, the token and the CA fingerprint.
+2. ``berth agent register --uri ...`` on the new host pins the CA by that fingerprint, makes
+   its own key pair and sends a CSR with the token to ``POST /admin/nodes/register``.
+3. :meth:`EnrollmentService.register` spends the token, signs the CSR with the node id the
+   leader chose as common name, and records the certificate's fingerprint in the store.
+
+Tokens are stored as ``HMAC-SHA256(pepper, token)`` like API keys (:mod:`berth.keys`).  Every
+registration attempt is appended to the audit log, good or bad.  Pure parts (the URI, label
+validation, the rate limiter) take plain values and a ``now``; nothing reads a clock itself.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Final
+from urllib.parse import parse_qs, urlencode, urlsplit
+
+from cryptography import x509
+
+from berth.cluster.ca import CertificateAuthority, fingerprint_of_pem
+from berth.errors import BerthError, ConfigError, EnrollmentTokenError
+from berth.keys import hash_secret
+from berth.store import NodeRecord, Store
+
+#: Seconds an enrollment token stays valid.
+TOKEN_VALIDITY_S: Final = 600.0
+#: Characters of a token kept in the audit log (enough to tell tokens apart, not to use one).
+TOKEN_PREFIX_CHARS: Final = 8
+#: Validity of an agent's client certificate, in days.
+AGENT_CERT_VALIDITY_DAYS: Final = 365
+#: Registration attempts allowed per source address within :data:`RATE_WINDOW_S`.
+RATE_MAX_ATTEMPTS: Final = 10
+RATE_WINDOW_S: Final = 60.0
+
+URI_SCHEME: Final = "berth"
+_URI_ACTION = "enroll"
+_FINGERPRINT = re.compile(r"^sha256:[0-9a-f]{64}$")
+#: Node labels: like a DNS label (RFC 1123), lowercase only.
+_LABEL = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
+
+
+def validate_node_label(label: str) -> str:
+    """Return ``label`` if it is 1-63 characters of ``[a-z0-9-]`` starting with a letter or
+    digit and is not ``local``; otherwise raise :class:`ConfigError` saying why."""
+    if not _LABEL.match(label):
+        raise ConfigError(
+            f"invalid node label {label!r}: use 1-63 characters a-z, 0-9 and '-', "
+            "starting with a letter or digit"
+        )
+    if label == "local":
+        raise ConfigError("the label 'local' is the leader's own node; choose another")
+    return label
+
+
+@dataclass(frozen=True)
+class EnrollmentURI:
+    """``berth://enroll?leader=<https URL>&token=<secret>&ca_fp=sha256:<hex>``."""
+
+    leader_url: str
+    token: str
+    ca_fingerprint: str
+
+    def __str__(self) -> str:
+        query = urlencode(
+            {"leader": self.leader_url, "token": self.token, "ca_fp": self.ca_fingerprint}
+        )
+        return f"{URI_SCHEME}://{_URI_ACTION}?{query}"
+
+    @classmethod
+    def parse(cls, text: str) -> EnrollmentURI:
+        """Parse an enrollment URI; :class:`ConfigError` saying what is wrong with it."""
+        parts = urlsplit(text.strip())
+        if parts.scheme != URI_SCHEME or parts.netloc != _URI_ACTION:
+            raise ConfigError(
+                f"not an enrollment URI (expected {URI_SCHEME}://{_URI_ACTION}?...): {text!r}"
+            )
+        query = parse_qs(parts.query, keep_blank_values=True)
+        values: dict[str, str] = {}
+        for name in ("leader", "token", "ca_fp"):
+            found = query.get(name, [])
+            if len(found) != 1 or not found[0]:
+                raise ConfigError(f"the enrollment URI needs exactly one non-empty {name}=")
+            values[name] = found[0]
+        leader = urlsplit(values["leader"])
+        if leader.scheme != "https" or not leader.hostname:
+            raise ConfigError(
+                f"the enrollment URI's leader must be an https:// URL, got {values['leader']!r}"
+            )
+        if not _FINGERPRINT.match(values["ca_fp"]):
+            raise ConfigError(
+                f"the enrollment URI's ca_fp must be sha256:<64 hex digits>, got "
+                f"{values['ca_fp']!r}"
+            )
+        return cls(values["leader"].rstrip("/"), values["token"], values["ca_fp"])
+
+
+def new_enrollment_token() -> str:
+    """A fresh token: 32 url-safe random bytes (256 bits)."""
+    return secrets.token_urlsafe(32)
+
+
+def hash_enrollment_token(token: str, pepper: bytes) -> str:
+    """What the store keeps of a token: ``HMAC-SHA256(pepper, token)`` in hex."""
+    return hash_secret(token, pepper)
+
+
+class RegistrationRateLimiter:
+    """A sliding-window limit of registration attempts per source address (pure, no clock).
+
+    Attempts refused by the limiter do not count, so a client that backs off for the
+    advertised time gets through.
+    """
+
+    def __init__(
+        self, max_attempts: int = RATE_MAX_ATTEMPTS, window_s: float = RATE_WINDOW_S
+    ) -> None:
+        self._max = max_attempts
+        self._window_s = window_s
+        self._attempts: dict[str, deque[float]] = {}
+
+    def check(self, address: str, now: float) -> float | None:
+        """Count an attempt from ``address`` at ``now`` (seconds, any monotonic origin).
+
+        Returns ``None`` when allowed, else the seconds until the oldest attempt in the
+        window expires (the ``Retry-After``), without counting this one.
+        """
+        self._forget_idle(now)
+        times = self._attempts.setdefault(address, deque())
+        while times and times[0] <= now - self._window_s:
+            times.popleft()
+        if len(times) >= self._max:
+            return times[0] + self._window_s - now
+        times.append(now)
+        return None
+
+    def _forget_idle(self, now: float) -> None:
+        idle = [a for a, t in self._attempts.items() if not t or t[-1] <= now - self._window_s]
+        for address in idle:
+            del self._attempts[address]
+
+
+class AuditLog:
+    """Appends one JSON object per line to ``path`` (created mode 0600)."""
+
+    def __init__(self, path: Path) -> None:
+        self._path = path
+        self._lock = threading.Lock()
+
+    @property
+    def path(self) -> Path:
+        return self._path
+
+    def append(self, event: Mapping[str, object]) -> None:
+        """Write ``event`` as one line; one ``write`` on an ``O_APPEND`` descriptor, so lines
+        from concurrent writers never interleave."""
+        line = (json.dumps(dict(event), sort_keys=True, default=str) + "\n").encode()
+        with self._lock:
+            self._path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self._path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+            try:
+                os.write(fd, line)
+            finally:
+                os.close(fd)
+
+
+def token_prefix(token: str) -> str:
+    """The first :data:`TOKEN_PREFIX_CHARS` characters of a token, for the audit log."""
+    return token[:TOKEN_PREFIX_CHARS]
+
+
+@dataclass(frozen=True)
+class IssuedToken:
+    """A fresh enrollment token, as ``berth nodes enroll`` shows it (the secret only once)."""
+
+    uri: EnrollmentURI
+    label: str
+    expires_at: float
+
+
+@dataclass(frozen=True)
+class Registration:
+    """What a successful registration returns to the agent."""
+
+    node_id: str
+    label: str
+    certificate_pem: str
+    ca_pem: str
+    cluster_url: str
+
+
+def check_csr(csr_pem: str) -> None:
+    """Refuse a CSR that does not parse or whose self-signature is wrong (:class:`ConfigError`),
+    before a token is spent on it."""
+    try:
+        csr = x509.load_pem_x509_csr(csr_pem.encode())
+    except ValueError as exc:
+        raise ConfigError(f"invalid certificate signing request: {exc}") from None
+    if not csr.is_signature_valid:
+        raise ConfigError("the certificate signing request's signature is invalid")
+
+
+class EnrollmentService:
+    """The leader's enrollment logic: issue tokens, register agents, audit every attempt.
+
+    ``cluster_url`` is the URL agents dial (advertised in URIs and registration answers);
+    ``clock`` returns epoch seconds.  Methods are synchronous (store and crypto work); the
+    async edges call them through ``asyncio.to_thread``.
+    """
+
+    def __init__(
+        self,
+        *,
+        store: Store,
+        ca: CertificateAuthority,
+        pepper: bytes,
+        cluster_url: str,
+        audit: AuditLog,
+        clock: Callable[[], float] = time.time,
+        cert_validity_days: int = AGENT_CERT_VALIDITY_DAYS,
+    ) -> None:
+        self._store = store
+        self._ca = ca
+        self._pepper = pepper
+        self.cluster_url = cluster_url
+        self._audit = audit
+        self._clock = clock
+        self._cert_days = cert_validity_days
+
+    def issue_token(self, label: str) -> IssuedToken:
+        """Store a new token for ``label`` and return its URI and expiry (epoch s).
+
+        Raises :class:`ConfigError` for an invalid label (or ``local``).
+        """
+        validate_node_label(label)
+        token = new_enrollment_token()
+        expires_at = self._clock() + TOKEN_VALIDITY_S
+        self._store.create_enrollment_token(
+            label, hash_enrollment_token(token, self._pepper), expires_at
+        )
+        uri = EnrollmentURI(self.cluster_url, token, self._ca.fingerprint_sha256)
+        return IssuedToken(uri=uri, label=label, expires_at=expires_at)
+
+    def register(self, token: str, csr_pem: str, source_address: str) -> Registration:
+        """Enroll the agent holding ``token``: sign its CSR with a leader-chosen node id.
+
+        Raises :class:`ConfigError` for a malformed CSR (the token is not spent),
+        :class:`EnrollmentTokenError` for an unknown, used or expired token, and
+        :class:`ConflictError` when the same label is registered concurrently.  The attempt
+        is audited whatever the outcome.
+        """
+        event: dict[str, object] = {
+            "event": "node.register",
+            "source_address": source_address,
+            "token_prefix": token_prefix(token),
+            "label": None,
+            "node_id": None,
+        }
+        try:
+            check_csr(csr_pem)
+            label = self._store.consume_enrollment_token(
+                hash_enrollment_token(token, self._pepper), self._clock()
+            )
+            event["label"] = label
+            node_id = self._store.propose_node_id(label)
+            event["node_id"] = node_id
+            cert_pem = self._ca.sign_csr(
+                csr_pem.encode(), common_name=node_id, days=self._cert_days
+            )
+            record: NodeRecord = self._store.enroll_node(
+                label, fingerprint_of_pem(cert_pem), node_id=node_id
+            )
+        except BerthError as exc:
+            reason = exc.reason if isinstance(exc, EnrollmentTokenError) else str(exc)
+            self.audit(event, outcome="refused", reason=reason)
+            raise
+        self.audit(event, outcome="enrolled", reason=None)
+        return Registration(
+            node_id=record.id,
+            label=record.label,
+            certificate_pem=cert_pem.decode(),
+            ca_pem=self._ca.cert_pem.decode(),
+            cluster_url=self.cluster_url,
+        )
+
+    def audit(self, event: Mapping[str, object], *, outcome: str, reason: str | None) -> None:
+        """Append ``event`` with its time, ``outcome`` and ``reason`` to the audit log."""
+        self._audit.append({**event, "time": self._clock(), "outcome": outcome, "reason": reason})
+
+    def audit_rate_limited(self, token: str, source_address: str, retry_after_s: float) -> None:
+        """Audit an attempt the rate limiter refused before it reached :meth:`register`."""
+        self.audit(
+            {
+                "event": "node.register",
+                "source_address": source_address,
+                "token_prefix": token_prefix(token),
+                "label": None,
+                "node_id": None,
+            },
+            outcome="rate_limited",
+            reason=f"over {RATE_MAX_ATTEMPTS} attempts in {RATE_WINDOW_S:.0f}s; "
+            f"retry after {retry_after_s:.0f}s",
+        )

@@ -1,0 +1,173 @@
+"""The cluster listener: where agents register and dial in (aiohttp, mutual TLS optional).
+
+It is an :class:`aiohttp.web.Application`, not a uvicorn app, because the agent link needs
+the client certificate and uvicorn does not hand it to ASGI apps; aiohttp exposes the
+asyncio transport, whose ``ssl_object`` holds the peer certificate.  The server runs on the
+daemon's loop over a socket berth binds itself.
+
+TLS: the server certificate is issued by the berth CA for the cluster host; a client
+certificate is *optional* at the TLS level (``CERT_OPTIONAL``) so ``GET /admin/ca.pem`` and
+registration work without one, but one that is presented must chain to the berth CA (only
+that CA is trusted), else the handshake fails.  Routes:
+
+- ``GET /admin/ca.pem``: the CA certificate;
+- ``POST /admin/nodes/register``: ``{"token", "csr_pem"}`` → the agent's certificate
+  (rate-limited per source address; see :mod:`berth.cluster.enrollment`);
+- ``GET /cluster/agent``: the agents' WebSocket, handled by the injected ``agent_handler``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import socket
+import ssl
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import asdict
+from pathlib import Path
+from typing import Final
+
+from aiohttp import web
+
+from berth.cluster.ca import CertificateAuthority
+from berth.cluster.enrollment import EnrollmentService, RegistrationRateLimiter, token_prefix
+from berth.daemon.openai_errors import error_from_exception
+from berth.errors import BerthError, ConfigError, RateLimitError
+
+log = logging.getLogger(__name__)
+
+AgentHandler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+#: Largest registration body accepted (a CSR is about 500 bytes).
+MAX_REGISTER_BODY_BYTES: Final = 64 * 1024
+CA_PEM_MEDIA_TYPE: Final = "application/x-pem-file"
+
+
+def cluster_tls_files(
+    ca: CertificateAuthority, host: str, ca_dir: Path
+) -> tuple[Path, Path]:
+    """The cluster listener's certificate and key under ``ca_dir``, issued by ``ca`` for
+    ``host`` (plus ``localhost``, 127.0.0.1 and ::1) and re-issued when ``host`` is not among
+    its SANs or it is close to expiry."""
+    cert, key = ca_dir / "cluster.pem", ca_dir / "cluster.key"
+    ca.ensure_server_certificate(sorted({host, "localhost", "127.0.0.1", "::1"}), cert, key)
+    return cert, key
+
+
+def cluster_ssl_context(
+    ca: CertificateAuthority, cert_path: Path, key_path: Path
+) -> ssl.SSLContext:
+    """A TLS 1.2+ server context: ``cert_path``/``key_path`` as the server identity, the
+    berth CA as the only trust root for client certificates, which are optional."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    context.load_cert_chain(str(cert_path), str(key_path))
+    context.load_verify_locations(cadata=ca.cert_pem.decode())
+    context.verify_mode = ssl.CERT_OPTIONAL
+    return context
+
+
+def peer_certificate_der(request: web.Request) -> bytes | None:
+    """The DER client certificate the peer presented (already verified against the berth
+    CA by the handshake), or ``None`` when it presented none or the link is not TLS."""
+    transport = request.transport
+    if transport is None:
+        return None
+    ssl_object = transport.get_extra_info("ssl_object")
+    if ssl_object is None:
+        return None
+    der: bytes | None = ssl_object.getpeercert(binary_form=True)
+    return der
+
+
+def build_cluster_app(
+    *,
+    enrollment: EnrollmentService,
+    ca_pem: bytes,
+    agent_handler: AgentHandler,
+    rate_limiter: RegistrationRateLimiter | None = None,
+    monotonic: Callable[[], float] = time.monotonic,
+) -> web.Application:
+    """The cluster listener's app, from explicit dependencies.
+
+    ``monotonic`` is the rate limiter's clock.  Errors are answered in the OpenAI error
+    shape: 400 for a malformed body or CSR, 401 for a refused token, 429 with
+    ``Retry-After`` over the rate limit.
+    """
+    limiter = rate_limiter or RegistrationRateLimiter()
+
+    @web.middleware
+    async def berth_errors(
+        request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+    ) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except BerthError as exc:
+            status, body, headers = error_from_exception(exc)
+            return web.Response(
+                body=body, status=status, headers=headers, content_type="application/json"
+            )
+
+    async def ca_certificate(_request: web.Request) -> web.Response:
+        return web.Response(body=ca_pem, content_type=CA_PEM_MEDIA_TYPE)
+
+    async def register(request: web.Request) -> web.Response:
+        source = request.remote or "unknown"
+        try:
+            body = await request.json(loads=json.loads)
+        except (ValueError, UnicodeDecodeError):
+            raise ConfigError("the request body is not valid JSON") from None
+        token = body.get("token") if isinstance(body, dict) else None
+        csr_pem = body.get("csr_pem") if isinstance(body, dict) else None
+        token_text = token if isinstance(token, str) else ""
+        retry_after_s = limiter.check(source, monotonic())
+        if retry_after_s is not None:
+            await asyncio.to_thread(
+                enrollment.audit_rate_limited, token_text, source, retry_after_s
+            )
+            raise RateLimitError(
+                "too many registration attempts from this address", retry_after_s=retry_after_s
+            )
+        if not isinstance(token, str) or not token or not isinstance(csr_pem, str):
+            await asyncio.to_thread(
+                enrollment.audit,
+                {
+                    "event": "node.register",
+                    "source_address": source,
+                    "token_prefix": token_prefix(token_text),
+                    "label": None,
+                    "node_id": None,
+                },
+                outcome="refused",
+                reason="malformed request body",
+            )
+            raise ConfigError('the body must be {"token": "...", "csr_pem": "..."}')
+        registration = await asyncio.to_thread(enrollment.register, token, csr_pem, source)
+        return web.json_response(asdict(registration))
+
+    app = web.Application(middlewares=[berth_errors], client_max_size=MAX_REGISTER_BODY_BYTES)
+    app.router.add_get("/admin/ca.pem", ca_certificate)
+    app.router.add_post("/admin/nodes/register", register)
+    app.router.add_get("/cluster/agent", agent_handler)
+    return app
+
+
+class ClusterListener:
+    """Runs the cluster app on the current loop over an already bound socket."""
+
+    def __init__(self, app: web.Application, sock: socket.socket, ssl_context: ssl.SSLContext):
+        self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        self._sock = sock
+        self._ssl = ssl_context
+
+    async def start(self) -> None:
+        """Start accepting connections."""
+        await self._runner.setup()
+        site = web.SockSite(self._runner, self._sock, ssl_context=self._ssl)
+        await site.start()
+
+    async def stop(self) -> None:
+        """Stop accepting, close open connections (agent WebSockets included)."""
+        await self._runner.cleanup()
