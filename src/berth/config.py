@@ -194,6 +194,7 @@ def url_host(host: str) -> str:
     """``host`` as it goes in a URL: IPv6 addresses in brackets."""
     return f"[{host}]" if ":" in host and not host.startswith("[") else host
 
+
 SETTINGS_BY_NAME: Mapping[str, SettingDef] = {d.name: d for d in SETTINGS}
 
 

@@ -55,7 +55,11 @@ def load_agent_identity(home: BerthHome) -> AgentIdentity:
     except OSError as exc:
         raise ConfigError(f"cannot read the agent identity: {exc.strerror}", path=path) from None
     except yaml.YAMLError as exc:
-        line = exc.problem_mark.line + 1 if isinstance(exc, yaml.MarkedYAMLError) and exc.problem_mark else None
+        line = (
+            exc.problem_mark.line + 1
+            if isinstance(exc, yaml.MarkedYAMLError) and exc.problem_mark
+            else None
+        )
         raise ConfigError(f"invalid YAML; {_REGISTER_HINT} again", path=path, line=line) from None
     if not isinstance(data, dict):
         raise ConfigError(f"expected a mapping; {_REGISTER_HINT} again", path=path)
@@ -112,9 +116,7 @@ def save_agent_identity(
         "ca_fingerprint": ca_fingerprint,
         "enrolled_at": enrolled_at.astimezone(UTC).isoformat(),
     }
-    _write_atomically(
-        home.agent_config, yaml.safe_dump(document, sort_keys=False).encode(), 0o600
-    )
+    _write_atomically(home.agent_config, yaml.safe_dump(document, sort_keys=False).encode(), 0o600)
     return load_agent_identity(home)
 
 

@@ -12,6 +12,7 @@ Trust comes from the URI's CA fingerprint, not from any public CA:
 
 from __future__ import annotations
 
+import contextlib
 import ssl
 from collections.abc import Callable
 from datetime import UTC, datetime
@@ -78,10 +79,8 @@ def _new_key_and_csr(label: str) -> tuple[bytes, bytes]:
 
 def _refusal(response: httpx.Response) -> BerthError:
     message = response.text
-    try:
+    with contextlib.suppress(ValueError, KeyError, TypeError):
         message = response.json()["error"]["message"]
-    except (ValueError, KeyError, TypeError):
-        pass
     text = f"the leader refused the registration: {message}"
     if response.status_code == 401:
         return AuthError(text)

@@ -53,6 +53,10 @@ def start(
     public_bind: str | None = typer.Option(None, help="Address the public listener binds."),
     public_cert: Path | None = typer.Option(None, help="PEM certificate for the public listener."),
     public_key: Path | None = typer.Option(None, help="PEM private key for --public-cert."),
+    cluster_host: str | None = typer.Option(None, help="Host name agents use for the leader."),
+    cluster_port: int | None = typer.Option(None, help="Port of the cluster listener."),
+    cluster_bind: str | None = typer.Option(None, help="Address the cluster listener binds."),
+    leader_url: str | None = typer.Option(None, help="Cluster URL advertised to agents."),
 ) -> None:
     """Start the leader: HTTPS on the public listener, the CLI socket, the local node."""
     cli = context(ctx)
@@ -62,6 +66,10 @@ def start(
         public_bind=public_bind,
         public_cert=str(public_cert) if public_cert else None,
         public_key=str(public_key) if public_key else None,
+        cluster_host=cluster_host,
+        cluster_port=cluster_port,
+        cluster_bind=cluster_bind,
+        leader_url=leader_url,
     )
     settings = Settings.load(cli.home, flags=flags)
     if foreground:
@@ -145,6 +153,12 @@ def _print_banner(info: dict[str, Any], log_file: Path) -> None:
     console.print(f"  {'CA fingerprint':<15} {info['ca_fingerprint']}", soft_wrap=True)
     console.print(f"  {'CA certificate':<15} {info['ca_file']}", soft_wrap=True)
     console.print(f"  {'log':<15} {log_file}", soft_wrap=True)
+    if info.get("public_cert_from_ca"):
+        console.print(
+            f"[yellow]note:[/] the public listener's certificate is issued by the berth CA "
+            f"(no --public-cert); clients must trust {info['ca_file']}",
+            soft_wrap=True,
+        )
 
 
 @daemon_app.command("stop")
@@ -264,16 +278,17 @@ def status(
     for listener in info["listeners"]:
         console.print(f"  {listener['name']:<8} {listener['url']}")
     node_table = Table(
-        "NODE", "STATUS", "HOST", "CPUS", "MEMORY", "GPUS", title="nodes", title_justify="left"
+        "NODE", "LABEL", "STATUS", "HOST", "GPUS", "VRAM", title="nodes", title_justify="left"
     )
     for node in nodes:
+        vram_mb = node["vram_total_mb"]
         node_table.add_row(
-            node["node_id"],
+            node["id"],
+            node["label"],
             node["status"],
-            node["hostname"],
-            str(node["cpu_count"]),
-            f"{node['memory_total_mb'] / 1024:.1f} GiB",
-            str(len(node["gpus"])),
+            node["hostname"] or "-",
+            str(node["gpu_count"]),
+            f"{vram_mb / 1024:.1f} GiB" if vram_mb else "-",
         )
     console.print(node_table)
     from berth.cli.deploy_cmd import print_deployments

@@ -8,7 +8,16 @@ from pathlib import Path
 import typer
 
 from berth import __version__
-from berth.cli import config_cmd, daemon_cmd, demo, deploy_cmd, keys_cmd, models_cmd
+from berth.cli import (
+    agent_cmd,
+    config_cmd,
+    daemon_cmd,
+    demo,
+    deploy_cmd,
+    keys_cmd,
+    models_cmd,
+    nodes_cmd,
+)
 from berth.cli.common import HELP_OPTIONS, CliContext, err_console
 from berth.errors import BerthError
 from berth.paths import BerthHome, resolve_home
@@ -46,6 +55,8 @@ app.add_typer(daemon_cmd.daemon_app, name="daemon")
 app.add_typer(models_cmd.models_app, name="models")
 app.add_typer(keys_cmd.key_app, name="key")
 app.add_typer(config_cmd.config_app, name="config")
+app.add_typer(nodes_cmd.nodes_app, name="nodes")
+app.add_typer(agent_cmd.app, name="agent")
 app.command("status")(daemon_cmd.status)
 app.command("pull")(models_cmd.pull)
 app.command("run")(deploy_cmd.run)

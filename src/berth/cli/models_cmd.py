@@ -9,7 +9,7 @@ import typer
 from rich.table import Table
 
 from berth.cli.common import HELP_OPTIONS, console, context, print_json
-from berth.errors import ConflictError
+from berth.errors import ConfigError, ConflictError
 
 models_app = typer.Typer(
     context_settings=HELP_OPTIONS,
@@ -31,13 +31,30 @@ def _size(size_bytes: int) -> str:
 def add(
     ctx: typer.Context,
     name: str = typer.Argument(..., help="The name deployments and clients use."),
-    path: Path = typer.Option(..., "--path", help="A GGUF file or a model folder."),
+    path_arg: Path | None = typer.Argument(None, metavar="[PATH]", help="Same as --path."),
+    path_opt: Path | None = typer.Option(None, "--path", help="A GGUF file or a model folder."),
+    node: str | None = typer.Option(
+        None, "--node", help="Node label or id whose host holds PATH (default: this host)."
+    ),
 ) -> None:
-    """Register local weights under NAME."""
+    """Register weights under NAME: on this host, or at PATH on another node's host."""
+    if (path_arg is None) == (path_opt is None):
+        raise ConfigError("give the model path once: as PATH or as --path")
+    path = path_arg or path_opt
+    assert path is not None
+    remote = node is not None and node != "local"
+    if remote and not path.is_absolute():
+        raise ConfigError(f"a path on another node must be absolute, not {str(path)!r}")
+    # A local path is resolved where the user is; a remote one is taken as written.
+    shown = str(path) if remote else str(path.expanduser().resolve())
+    body: dict[str, str] = {"name": name, "path": shown}
+    if node is not None:
+        body["node"] = node
     with context(ctx).client() as client:
-        record = client.post(
-            "/admin/models", json={"name": name, "path": str(path.expanduser().resolve())}
-        )
+        record = client.post("/admin/models", json=body)
+    if remote:
+        console.print(f"added model [bold]{record['name']}[/] at {shown} on node {node}")
+        return
     console.print(f"added model [bold]{record['name']}[/] ({_size(record['size_bytes'])})")
 
 

@@ -45,9 +45,7 @@ MAX_REGISTER_BODY_BYTES: Final = 64 * 1024
 CA_PEM_MEDIA_TYPE: Final = "application/x-pem-file"
 
 
-def cluster_tls_files(
-    ca: CertificateAuthority, host: str, ca_dir: Path
-) -> tuple[Path, Path]:
+def cluster_tls_files(ca: CertificateAuthority, host: str, ca_dir: Path) -> tuple[Path, Path]:
     """The cluster listener's certificate and key under ``ca_dir``, issued by ``ca`` for
     ``host`` (plus ``localhost``, 127.0.0.1 and ::1) and re-issued when ``host`` is not among
     its SANs or it is close to expiry."""
@@ -161,13 +159,18 @@ class ClusterListener:
         self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
         self._sock = sock
         self._ssl = ssl_context
+        self._started = False
 
     async def start(self) -> None:
         """Start accepting connections."""
+        self._started = True
         await self._runner.setup()
         site = web.SockSite(self._runner, self._sock, ssl_context=self._ssl)
         await site.start()
 
     async def stop(self) -> None:
-        """Stop accepting, close open connections (agent WebSockets included)."""
-        await self._runner.cleanup()
+        """Stop accepting, close open connections (agent WebSockets included); closes the
+        socket even if :meth:`start` never ran."""
+        if self._started:
+            await self._runner.cleanup()
+        self._sock.close()

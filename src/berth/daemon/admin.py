@@ -22,11 +22,13 @@ from pydantic import BaseModel, Field, field_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from berth import __version__
+from berth.cluster.link import LOCAL_NODE_ID
+from berth.daemon.admin_nodes import build_node_router
 from berth.daemon.lifecycle import DeployOptions
 from berth.daemon.openai_errors import error_body, error_from_exception
 from berth.daemon.services import LeaderServices
 from berth.daemon.states import TERMINAL_STATES
-from berth.errors import BerthError, ConfigError
+from berth.errors import BerthError, ConfigError, NotFoundError
 from berth.keys import generate_secret, hash_secret, key_prefix, parse_tier
 from berth.store import ApiKeyRecord, DeploymentRecord, ModelRecord, Store
 
@@ -41,6 +43,8 @@ class ModelIn(BaseModel):
     source: Literal["local", "hub"] = "local"
     repo_id: str | None = None
     revision: str | None = None
+    #: A node id or label: the weights are at ``path`` on that node's host (not checked here).
+    node: str | None = None
 
     @field_validator("name")
     @classmethod
@@ -189,6 +193,9 @@ def build_admin_app(services: LeaderServices) -> FastAPI:
             "ca_fingerprint": services.ca.fingerprint_sha256,
             "ca_file": str(services.home.ca_dir / "ca.pem"),
             "listeners": [asdict(listener) for listener in services.listeners],
+            "cluster_url": services.cluster_url,
+            # No --public-cert: clients must trust the berth CA (ca_file) to reach /v1.
+            "public_cert_from_ca": services.settings.public_cert is None,
             "ready": services.ready,
         }
 
@@ -200,13 +207,24 @@ def build_admin_app(services: LeaderServices) -> FastAPI:
     @app.get("/admin/models")
     async def list_models() -> list[dict[str, Any]]:
         records = await asyncio.to_thread(store.list_models)
-        return [model_json(r) for r in records]
+        locations = await asyncio.to_thread(store.list_model_locations)
+        return [
+            {
+                **model_json(r),
+                "locations": {x.node_id: x.path for x in locations if x.model_name == r.name},
+            }
+            for r in records
+        ]
 
     @app.post("/admin/models", status_code=201)
     async def add_model(body: ModelIn) -> dict[str, Any]:
         path = Path(body.path)
         if not path.is_absolute():
             raise ConfigError(f"model path must be absolute, not {body.path!r}")
+        if body.node is not None:
+            node = await asyncio.to_thread(store.lookup_node, body.node)
+            if node.id != LOCAL_NODE_ID:
+                return await _add_remote_location(body.name, node.id, str(path))
         if not path.exists():
             raise ConfigError(f"model path does not exist: {path}")
         path = path.resolve()
@@ -223,6 +241,16 @@ def build_admin_app(services: LeaderServices) -> FastAPI:
         )
         await lifecycle.refresh_known_models()
         return model_json(record)
+
+    async def _add_remote_location(name: str, node_id: str, path: str) -> dict[str, Any]:
+        # The path lives on the agent's host: the leader cannot check it.
+        try:
+            record = await asyncio.to_thread(store.get_model, name)
+        except NotFoundError:
+            record = await asyncio.to_thread(store.add_model, name, path)
+        await asyncio.to_thread(store.set_model_location, name, node_id, path)
+        await lifecycle.refresh_known_models()
+        return {**model_json(record), "locations": {node_id: path}}
 
     @app.delete("/admin/models/{name:path}")
     async def remove_model(name: str) -> dict[str, str]:
@@ -304,17 +332,7 @@ def build_admin_app(services: LeaderServices) -> FastAPI:
         services.authenticator.forget_all()
         return key_json(record)
 
-    # -- nodes -------------------------------------------------------------------------------
-    @app.get("/admin/nodes")
-    async def list_nodes() -> list[dict[str, Any]]:
-        nodes = []
-        for node_id, link in services.links.items():
-            inventory = await link.inventory()
-            data = asdict(inventory)
-            data["status"] = "ready"
-            data["node_id"] = node_id
-            nodes.append(data)
-        return nodes
+    app.include_router(build_node_router(services))
 
     @app.post("/admin/shutdown", status_code=202)
     async def shutdown() -> dict[str, str]:

@@ -1,7 +1,8 @@
 """Runs the leader: builds its services, binds its listeners, serves until told to stop.
 
 Two uvicorn servers share one event loop: the public HTTPS listener and the Unix socket for
-the local CLI.  Sockets are bound here, before anything else starts, so a port in use fails
+the local CLI; the cluster listener for agents (aiohttp, see ``cluster/listener.py``) runs on
+the same loop.  Sockets are bound here, before anything else starts, so a port in use fails
 the start with the listener's name, and the socket file is created with mode 0600 from the
 first instant (uvicorn's own ``uds`` option would make it 0666).
 """
@@ -23,7 +24,15 @@ import uvicorn
 
 from berth.agent.core import AgentCore
 from berth.cluster.ca import CertificateAuthority
+from berth.cluster.enrollment import AuditLog, EnrollmentService
+from berth.cluster.hub import NodeHub
 from berth.cluster.link import LOCAL_NODE_ID, AgentLink, InProcessLink
+from berth.cluster.listener import (
+    ClusterListener,
+    build_cluster_app,
+    cluster_ssl_context,
+    cluster_tls_files,
+)
 from berth.config import Settings
 from berth.daemon.app import build_apps
 from berth.daemon.auth import Authenticator
@@ -132,14 +141,18 @@ async def serve(home: BerthHome, settings: Settings) -> None:
     """Run the leader until SIGTERM or SIGINT, then stop every engine it started."""
     home.ensure()
     public_sock = bind_tcp("public", settings.public_bind, settings.public_port)
+    cluster_sock = bind_tcp("cluster", settings.cluster_bind, settings.cluster_port)
     unix_sock = bind_unix(home.socket_file)
     public_port: int = public_sock.getsockname()[1]  # the real one, also for --public-port 0
+    cluster_url = settings.cluster_url(cluster_sock.getsockname()[1])
 
     store = Store(settings.database_url)
     await asyncio.to_thread(store.migrate)
+    await asyncio.to_thread(store.ensure_local_node)
     ca = await asyncio.to_thread(CertificateAuthority.load_or_create, home.ca_dir)
     tls = await asyncio.to_thread(public_tls_files, settings, home, ca)
     pepper = await asyncio.to_thread(load_or_create_pepper, home.pepper_file)
+    cluster_tls = await asyncio.to_thread(cluster_tls_files, ca, settings.cluster_host, home.ca_dir)
 
     metrics = ProxyMetrics()
     core = AgentCore(
@@ -163,6 +176,14 @@ async def serve(home: BerthHome, settings: Settings) -> None:
         ),
     )
     proxy = OpenAIProxy(lifecycle, metrics, max_body_bytes=settings.max_body_bytes)
+    hub = NodeHub()
+    enrollment = EnrollmentService(
+        store=store,
+        ca=ca,
+        pepper=pepper,
+        cluster_url=cluster_url,
+        audit=AuditLog(home.audit_log),
+    )
     services = LeaderServices(
         home=home,
         settings=settings,
@@ -175,16 +196,27 @@ async def serve(home: BerthHome, settings: Settings) -> None:
         authenticator=Authenticator(store, pepper),
         local_core=core,
         links=links,
+        hub=hub,
+        enrollment=enrollment,
+        cluster_url=cluster_url,
         pid=os.getpid(),
         started_at=time.time(),
         listeners=[
             Listener("public", f"https://{settings.public_host}:{public_port}"),
+            Listener("cluster", cluster_url),
             Listener("socket", f"unix://{home.socket_file}"),
         ],
     )
     public_app, socket_app = build_apps(services)
     public_server = _QuietServer(_uvicorn_config(public_app, tls=tls))
     socket_server = _QuietServer(_uvicorn_config(socket_app, tls=None))
+    cluster_listener = ClusterListener(
+        build_cluster_app(
+            enrollment=enrollment, ca_pem=ca.cert_pem, agent_handler=hub.handle_agent
+        ),
+        cluster_sock,
+        cluster_ssl_context(ca, *cluster_tls),
+    )
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -198,12 +230,14 @@ async def serve(home: BerthHome, settings: Settings) -> None:
             asyncio.create_task(public_server.serve(sockets=[public_sock])),
             asyncio.create_task(socket_server.serve(sockets=[unix_sock])),
         ]
+        await cluster_listener.start()
         await lifecycle.start()
         services.ready = True
         log.info(
-            "berth leader ready: public https://%s:%d, socket %s, CA %s",
+            "berth leader ready: public https://%s:%d, cluster %s, socket %s, CA %s",
             settings.public_bind,
             public_port,
+            cluster_url,
             home.socket_file,
             ca.fingerprint_sha256,
         )
@@ -216,6 +250,7 @@ async def serve(home: BerthHome, settings: Settings) -> None:
         await asyncio.gather(*serving, return_exceptions=True)
         stopper.cancel()
     finally:
+        await cluster_listener.stop()
         await lifecycle.shutdown()
         await proxy.shutdown()
         home.pid_file.unlink(missing_ok=True)

@@ -7,6 +7,8 @@ from typing import Any
 
 from berth.agent.core import AgentCore
 from berth.cluster.ca import CertificateAuthority
+from berth.cluster.enrollment import EnrollmentService
+from berth.cluster.hub import NodeHub
 from berth.cluster.link import AgentLink
 from berth.config import Settings
 from berth.daemon.auth import Authenticator
@@ -40,6 +42,10 @@ class LeaderServices:
     authenticator: Authenticator
     local_core: AgentCore
     links: dict[str, AgentLink]
+    hub: NodeHub
+    enrollment: EnrollmentService
+    #: The URL agents dial (``leader=`` in enrollment URIs).
+    cluster_url: str
     pid: int
     started_at: float
     listeners: list[Listener] = field(default_factory=list)

@@ -1,0 +1,123 @@
+"""``berth nodes enroll|ls|show|remove``."""
+
+from __future__ import annotations
+
+import time
+from datetime import UTC, datetime
+from typing import Any
+from urllib.parse import quote
+
+import typer
+from rich.table import Table
+
+from berth.cli.common import HELP_OPTIONS, age, console, context, print_json
+
+nodes_app = typer.Typer(
+    context_settings=HELP_OPTIONS,
+    help="Enroll, list, inspect and remove the cluster's nodes.",
+    no_args_is_help=True,
+)
+
+
+def _vram(mb: int) -> str:
+    return f"{mb / 1024:.1f} GiB" if mb else "-"
+
+
+def _heartbeat(at: float | None) -> str:
+    return "-" if at is None else f"{age(time.time() - at)} ago"
+
+
+def _when(epoch_s: float) -> str:
+    return datetime.fromtimestamp(epoch_s, UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+@nodes_app.command("enroll")
+def enroll(
+    ctx: typer.Context, label: str = typer.Argument(..., help="The new node's label.")
+) -> None:
+    """Create a single-use enrollment URI for a new host (valid 10 minutes)."""
+    with context(ctx).client() as client:
+        issued = client.post("/admin/nodes/enroll", json={"label": label})
+    console.print(f"enrollment URI for [bold]{issued['label']}[/] (single use):")
+    print(issued["uri"])
+    console.print("run this on the new host:")
+    print(f"berth agent register --uri '{issued['uri']}'")
+    console.print(f"expires at {_when(issued['expires_at'])}")
+
+
+@nodes_app.command("ls")
+def ls(ctx: typer.Context, as_json: bool = typer.Option(False, "--json")) -> None:
+    """List nodes: status, GPUs, VRAM, agent version, last heartbeat."""
+    with context(ctx).client() as client:
+        nodes = client.get("/admin/nodes")
+    if as_json:
+        print_json(nodes)
+        return
+    table = Table("ID", "LABEL", "STATUS", "GPUS", "VRAM", "AGENT", "HEARTBEAT")
+    for n in nodes:
+        table.add_row(
+            n["id"],
+            n["label"],
+            n["status"],
+            str(n["gpu_count"]),
+            _vram(n["vram_total_mb"]),
+            n["agent_version"] or "-",
+            _heartbeat(n["last_heartbeat_at"]),
+        )
+    console.print(table)
+
+
+def _path(ident: str) -> str:
+    return f"/admin/nodes/{quote(ident, safe='')}"
+
+
+@nodes_app.command("show")
+def show(
+    ctx: typer.Context,
+    ident: str = typer.Argument(..., metavar="ID", help="Node id or label."),
+    as_json: bool = typer.Option(False, "--json"),
+) -> None:
+    """One node in detail: hardware, GPUs, capabilities, versions."""
+    with context(ctx).client() as client:
+        node: dict[str, Any] = client.get(_path(ident))
+    if as_json:
+        print_json(node)
+        return
+    memory = node["memory_total_mb"]
+    rows = [
+        ("id", node["id"]),
+        ("label", node["label"]),
+        ("status", node["status"]),
+        ("host", node["hostname"] or "-"),
+        ("cpus", str(node["cpu_count"] or "-")),
+        ("memory", f"{memory / 1024:.1f} GiB" if memory else "-"),
+        ("agent", node["agent_version"] or "-"),
+        ("protocol", str(node["protocol_version"] or "-")),
+        ("capabilities", ", ".join(node["capabilities"]) or "-"),
+        ("certificate", node["cert_fingerprint"] or "-"),
+        ("heartbeat", _heartbeat(node["last_heartbeat_at"])),
+    ]
+    for name, value in rows:
+        console.print(f"{name:<13} {value}", markup=False, soft_wrap=True)
+    if node["gpus"]:
+        table = Table("GPU", "NAME", "MEMORY", "USED", "UUID")
+        for gpu in node["gpus"]:
+            table.add_row(
+                str(gpu["index"]),
+                gpu["name"],
+                _vram(gpu["memory_total_mb"]),
+                _vram(gpu["memory_used_mb"]),
+                gpu["uuid"],
+            )
+        console.print(table)
+
+
+@nodes_app.command("remove")
+def remove(
+    ctx: typer.Context,
+    ident: str = typer.Argument(..., metavar="ID", help="Node id or label."),
+) -> None:
+    """Remove a node: its certificate is refused from now on and its link is closed."""
+    with context(ctx).client() as client:
+        node = client.delete(_path(ident))
+    console.print(f"removed node {node['label']} ({node['id']})")

@@ -1,0 +1,113 @@
+"""The admin API's node routes: enrollment tokens, the node registry, removal.
+
+- ``POST /admin/nodes/enroll`` ``{"label"}`` → ``{"uri", "expires_at", "label"}``;
+- ``GET /admin/nodes``: every node not removed, ``local`` first;
+- ``GET /admin/nodes/{id-or-label}``: one node with its CPUs, memory, GPUs, capabilities;
+- ``DELETE /admin/nodes/{id-or-label}``: mark it removed and drop its live link
+  (``local`` → 409).
+
+Node ``local`` reports live figures from the in-process agent core; other nodes what their
+agent last said (Hello, heartbeats).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import asdict, replace
+from typing import Any
+
+from fastapi import APIRouter
+from pydantic import BaseModel
+
+from berth import __version__
+from berth.cluster.link import LOCAL_NODE_ID
+from berth.daemon.services import LeaderServices
+from berth.store import NodeHardware, NodeRecord
+
+
+class EnrollIn(BaseModel):
+    label: str
+
+
+async def _live(services: LeaderServices, record: NodeRecord) -> NodeRecord:
+    """``local`` with the in-process core's figures; other nodes as stored."""
+    link = services.links.get(LOCAL_NODE_ID)
+    if record.id != LOCAL_NODE_ID or link is None:
+        return record
+    inventory = await link.inventory()
+    hardware = NodeHardware(
+        hostname=inventory.hostname,
+        cpu_count=inventory.cpu_count,
+        memory_total_mb=inventory.memory_total_mb,
+        gpus=inventory.gpus,
+    )
+    return replace(
+        record, inventory=hardware, agent_version=__version__, last_heartbeat_at=time.time()
+    )
+
+
+def node_summary_json(record: NodeRecord, *, connected: bool) -> dict[str, Any]:
+    """One row of ``GET /admin/nodes``."""
+    inventory = record.inventory
+    return {
+        "id": record.id,
+        "label": record.label,
+        "status": record.status,
+        "connected": connected,
+        "hostname": inventory.hostname if inventory else None,
+        "gpu_count": len(inventory.gpus) if inventory else 0,
+        "vram_total_mb": inventory.vram_total_mb if inventory else 0,
+        "agent_version": record.agent_version,
+        "last_heartbeat_at": record.last_heartbeat_at,
+    }
+
+
+def node_detail_json(record: NodeRecord, *, connected: bool) -> dict[str, Any]:
+    """``GET /admin/nodes/{id}``: the summary plus hardware, capabilities and versions."""
+    inventory = record.inventory
+    return {
+        **node_summary_json(record, connected=connected),
+        "cpu_count": inventory.cpu_count if inventory else None,
+        "memory_total_mb": inventory.memory_total_mb if inventory else None,
+        "gpus": [asdict(gpu) for gpu in inventory.gpus] if inventory else [],
+        "capabilities": list(record.capabilities),
+        "protocol_version": record.protocol_version,
+        "cert_fingerprint": record.cert_fingerprint,
+        "created_at": record.created_at.isoformat(),
+    }
+
+
+def build_node_router(services: LeaderServices) -> APIRouter:
+    """The node routes, bound to ``services``."""
+    router = APIRouter()
+    store = services.store
+
+    def connected(record: NodeRecord) -> bool:
+        return record.id == LOCAL_NODE_ID or services.hub.is_connected(record.id)
+
+    @router.post("/admin/nodes/enroll", status_code=201)
+    async def enroll(body: EnrollIn) -> dict[str, Any]:
+        issued = await asyncio.to_thread(services.enrollment.issue_token, body.label)
+        return {"uri": str(issued.uri), "expires_at": issued.expires_at, "label": issued.label}
+
+    @router.get("/admin/nodes")
+    async def list_nodes() -> list[dict[str, Any]]:
+        records = await asyncio.to_thread(store.list_nodes)
+        return [
+            node_summary_json(await _live(services, r), connected=connected(r)) for r in records
+        ]
+
+    @router.get("/admin/nodes/{ident}")
+    async def show_node(ident: str) -> dict[str, Any]:
+        record = await asyncio.to_thread(store.lookup_node, ident)
+        return node_detail_json(await _live(services, record), connected=connected(record))
+
+    @router.delete("/admin/nodes/{ident}")
+    async def remove_node(ident: str) -> dict[str, Any]:
+        record = await asyncio.to_thread(store.lookup_node, ident)
+        removed = await asyncio.to_thread(store.remove_node, record.id)
+        await services.hub.disconnect_node(record.id)
+        return node_detail_json(removed, connected=False)
+
+    return router
