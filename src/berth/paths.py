@@ -82,6 +82,22 @@ class BerthHome:
         """The leader's CA certificate, pinned by fingerprint at registration."""
         return self.root / "ca.pem"
 
+    @property
+    def agent_log(self) -> Path:
+        """The agent's full log (``berth agent logs``)."""
+        return self.logs_dir / "agent.log"
+
+    @property
+    def agent_status_file(self) -> Path:
+        """The running agent's status, rewritten on every change (``berth agent status``)."""
+        return self.root / "agent-status.json"
+
+    @property
+    def agent_engines_file(self) -> Path:
+        """The engines the agent runs (deployment, pid, port), to take them back after the
+        agent restarts."""
+        return self.root / "agent-engines.json"
+
     def engine_log(self, deployment_id: str) -> Path:
         """The log file of one deployment's engine."""
         return self.logs_dir / f"engine-{deployment_id}.log"
