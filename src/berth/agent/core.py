@@ -8,6 +8,7 @@ talks to the store: the leader tells it what to run through an ``AgentLink``.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import socket
@@ -16,7 +17,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Literal
 
-from berth.errors import EngineError, NotFoundError
+from berth.errors import ConfigError, EngineError, NotFoundError
 from berth.runtime.base import EngineHandle
 from berth.runtime.engines import (
     DeploymentRequest,
@@ -90,7 +91,9 @@ class AgentCore:
         gpu_inventory: GpuInventory,
         *,
         logs_dir: Path,
+        journal_path: Path | None = None,
     ) -> None:
+        self._journal_path = journal_path
         self._runtime = runtime
         self._binaries = binaries
         self._gpu_inventory = gpu_inventory
@@ -122,6 +125,7 @@ class AgentCore:
         spec = build_launch_spec(request, self._binaries)
         handle = await self._runtime.start(spec)
         self._engines[request.deployment_id] = _Managed(handle, log_path, spec.health_path)
+        self._save_journal()
         try:
             if on_spawned is not None:
                 await on_spawned(handle.pid, handle.port)
@@ -149,7 +153,54 @@ class AgentCore:
             return None
         log_path = self.log_path(deployment_id)
         self._engines[deployment_id] = _Managed(handle, log_path)
+        self._save_journal()
         return handle
+
+    async def restore(self) -> list[str]:
+        """Take back the engines listed in the journal (an agent restarted while they ran).
+
+        Returns the deployment ids re-attached; engines that are gone are dropped from the
+        journal. Raises :class:`ConfigError` naming the journal when it is malformed.
+        """
+        path = self._journal_path
+        if path is None or not path.exists():
+            return []
+        try:
+            entries = json.loads(path.read_text())
+            saved = {
+                str(d): (int(e["pid"]), int(e["port"]), str(e["health_path"]))
+                for d, e in entries.items()
+            }
+        except (ValueError, TypeError, KeyError, AttributeError) as exc:
+            raise ConfigError(f"malformed engine journal: {exc}", path=path) from None
+        restored = []
+        for deployment_id, (pid, port, health_path) in saved.items():
+            handle = self._runtime.attach(deployment_id, pid, port)
+            if handle is not None:
+                log_path = self.log_path(deployment_id)
+                self._engines[deployment_id] = _Managed(handle, log_path, health_path)
+                restored.append(deployment_id)
+        self._save_journal()
+        return restored
+
+    def _save_journal(self) -> None:
+        path = self._journal_path
+        if path is None:
+            return
+        entries = {
+            d: {"pid": m.handle.pid, "port": m.handle.port, "health_path": m.health_path}
+            for d, m in self._engines.items()
+        }
+        temporary = path.with_suffix(".tmp")
+        temporary.write_text(json.dumps(entries, indent=1))
+        temporary.replace(path)
+
+    def engine_port(self, deployment_id: str) -> int:
+        """The port the deployment's engine listens on; ``NotFoundError`` if none runs."""
+        managed = self._engines.get(deployment_id)
+        if managed is None:
+            raise NotFoundError("engine", deployment_id)
+        return managed.handle.port
 
     def is_alive(self, deployment_id: str) -> bool:
         managed = self._engines.get(deployment_id)
@@ -199,4 +250,5 @@ class AgentCore:
     async def _discard(self, deployment_id: str, grace_s: float) -> None:
         managed = self._engines.pop(deployment_id, None)
         if managed is not None:
+            self._save_journal()
             await self._runtime.stop(managed.handle, grace_s)

@@ -1,22 +1,304 @@
-"""The leader's hub of agent links (skeleton; the lead engineer is filling this in).
+"""The leader's hub of agent links: the ``/cluster/agent`` WebSocket endpoint.
 
-``NodeHub`` owns the live WebSocket session of every connected agent.
+For every connection it: takes the node's identity from the verified client certificate
+(never from a frame) and checks it against the store; refuses with a typed close code
+(``BAD_CERTIFICATE``, ``NODE_REMOVED``, ``PROTOCOL_ERROR``, ``UNSUPPORTED_VERSION``); waits for
+Hello and answers Welcome; closes an older session of the same node (``SUPERSEDED``); puts a
+:class:`RemoteLink` in the leader's table of links; and watches it: a node silent for
+``node_timeout_s`` is closed and marked ``unreachable``. When a link comes up or goes down the
+lifecycle manager hears of it, to reconcile deployments and stop routing to that node.
 """
 
 from __future__ import annotations
 
-from aiohttp import web
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Coroutine, Sequence
+from typing import Any, Protocol
+
+from aiohttp import WSMsgType, web
+from cryptography import x509
+from cryptography.x509.oid import NameOID
+
+from berth import __version__
+from berth.cluster.ca import fingerprint_of_der
+from berth.cluster.connection import LinkConnection, TunnelStream
+from berth.cluster.link import AgentLink
+from berth.cluster.listener import peer_certificate_der
+from berth.cluster.protocol.errors import CloseCode, ProtocolError
+from berth.cluster.protocol.frames import EngineState, ErrorInfo, Frame, Heartbeat, Hello, Request
+from berth.cluster.protocol.session import LinkLimits, LinkSession, Role
+from berth.cluster.remote_link import RemoteLink, TunnelResponse, node_hardware
+from berth.daemon.upstream import Origin
+from berth.daemon.upstream_errors import UpstreamConnectError
+from berth.errors import BerthError
+from berth.store import Store
+
+log = logging.getLogger(__name__)
+
+#: Seconds between an agent's heartbeats (told to it in Welcome).
+HEARTBEAT_INTERVAL_S = 5.0
+#: Seconds of silence after which a node counts as unreachable (three missed heartbeats).
+NODE_TIMEOUT_S = 15.0
+#: Seconds an agent has to send Hello once its WebSocket is open.
+HELLO_TIMEOUT_S = 10.0
+
+
+class NodeListener(Protocol):
+    """Who hears of links coming and going (the lifecycle manager)."""
+
+    async def node_connected(self, node_id: str, engines: list[EngineState]) -> None: ...
+
+    def node_disconnected(self, node_id: str) -> None: ...
 
 
 class NodeHub:
-    """Live agent sessions by node id."""
+    """Live agent sessions by node id, and the WebSocket endpoint that makes them.
+
+    ``links`` is the leader's shared table of :class:`AgentLink` by node id: the hub adds a
+    :class:`RemoteLink` when an agent says Hello and removes it when the link ends.
+    """
+
+    def __init__(
+        self,
+        store: Store,
+        links: dict[str, AgentLink],
+        *,
+        limits: LinkLimits | None = None,
+        heartbeat_interval_s: float = HEARTBEAT_INTERVAL_S,
+        node_timeout_s: float = NODE_TIMEOUT_S,
+        hello_timeout_s: float = HELLO_TIMEOUT_S,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._store = store
+        self._links = links
+        self.limits = limits or LinkLimits()
+        self._heartbeat_interval_s = heartbeat_interval_s
+        self._node_timeout_s = node_timeout_s
+        self._hello_timeout_s = hello_timeout_s
+        self._clock = clock
+        self._conns: dict[str, LinkConnection] = {}
+        self._listener: NodeListener | None = None
+        self._shutting_down = False
+        self._background: set[asyncio.Future[Any]] = set()
+
+    def set_listener(self, listener: NodeListener) -> None:
+        self._listener = listener
 
     def is_connected(self, node_id: str) -> bool:
-        return False
+        conn = self._conns.get(node_id)
+        return conn is not None and not conn.closed
+
+    def remote_link(self, node_id: str) -> RemoteLink | None:
+        link = self._links.get(node_id)
+        return link if isinstance(link, RemoteLink) else None
+
+    async def open_http(
+        self,
+        node_id: str,
+        deployment_id: str,
+        method: bytes,
+        target: bytes,
+        headers: Sequence[tuple[bytes, bytes]],
+        body: bytes,
+        read_timeout_s: float | None,
+    ) -> TunnelResponse:
+        """The proxy's way to a remote engine (:class:`berth.daemon.proxy.TunnelOpener`).
+
+        Raises ``UpstreamConnectError`` when the node has no live link.
+        """
+        link = self.remote_link(node_id)
+        if link is None:
+            raise UpstreamConnectError(Origin(node_id, 0), f"node {node_id} is not connected")
+        return await link.open_http(deployment_id, method, target, headers, body, read_timeout_s)
 
     async def disconnect_node(self, node_id: str) -> None:
-        """Close the node's live link at once (close code ``node removed``); no-op if none."""
+        """Close the node's live link at once with ``NODE_REMOVED``; no-op if none."""
+        conn = self._conns.get(node_id)
+        if conn is not None:
+            self._drop(node_id, conn)
+            await conn.close(CloseCode.NODE_REMOVED, "this node was removed from the cluster")
+
+    async def shutdown(self) -> None:
+        """Close every link with ``LEADER_SHUTTING_DOWN`` (agents redial with backoff)."""
+        self._shutting_down = True
+        conns = list(self._conns.items())
+        for node_id, conn in conns:
+            self._drop(node_id, conn)
+        await asyncio.gather(
+            *(c.close(CloseCode.LEADER_SHUTTING_DOWN, "the leader is shutting down")
+              for _n, c in conns),
+            return_exceptions=True,
+        )  # fmt: skip
+
+    # -- the endpoint ------------------------------------------------------------------------
 
     async def handle_agent(self, request: web.Request) -> web.StreamResponse:
-        """The ``/cluster/agent`` WebSocket endpoint."""
-        raise web.HTTPServiceUnavailable(text="agent links are not served yet")
+        """``GET /cluster/agent``: one agent's link, from upgrade to close."""
+        peer = request.remote or "?"
+        ws = web.WebSocketResponse(
+            max_msg_size=self.limits.max_frame_bytes, compress=False, autoping=True
+        )
+        await ws.prepare(request)
+        node_id, refusal = await self._identify(request)
+        if refusal is not None:
+            log.warning("refused agent link from %s: %s", peer, refusal[1])
+            await ws.close(code=refusal[0], message=refusal[1].encode())
+            return ws
+        assert node_id is not None
+        if self._shutting_down:
+            await ws.close(code=CloseCode.LEADER_SHUTTING_DOWN, message=b"shutting down")
+            return ws
+        session = LinkSession(Role.LEADER, self.limits)
+        conn = LinkConnection(session, ws, self, peer=node_id)
+        hello = await self._handshake(ws, session, node_id)
+        if hello is None:
+            return ws
+        try:
+            await asyncio.to_thread(
+                self._store.record_node_hello,
+                node_id,
+                agent_version=hello.agent_version,
+                protocol_version=session.protocol_version or 0,
+                capabilities=hello.capabilities,
+                inventory=node_hardware(hello.inventory),
+                now=self._clock(),
+            )
+        except BerthError as exc:
+            await ws.close(code=CloseCode.NODE_REMOVED, message=str(exc).encode()[:120])
+            return ws
+        old = self._conns.get(node_id)
+        if old is not None:
+            self._drop(node_id, old)
+            await old.close(CloseCode.SUPERSEDED, "a newer session of this node connected")
+        link = RemoteLink(node_id, conn, hello.inventory)
+        self._conns[node_id] = conn
+        self._links[node_id] = link
+        conn.flush()  # the Welcome
+        log.info("node %s connected from %s (agent %s)", node_id, peer, hello.agent_version)
+        watchdog = asyncio.create_task(self._watch(node_id, conn), name=f"watch-{node_id}")
+        if self._listener is not None:
+            # After run() starts: reconciling sends requests whose answers the reader reads.
+            self._spawn(self._reconcile(node_id, hello.engines))
+        try:
+            await conn.run()
+        finally:
+            watchdog.cancel()
+            self._drop(node_id, conn)
+            log.info("node %s link closed (code %s)", node_id, conn.close_code)
+        return ws
+
+    async def _identify(self, request: web.Request) -> tuple[str | None, tuple[int, str] | None]:
+        der = peer_certificate_der(request)
+        if der is None:
+            return None, (CloseCode.BAD_CERTIFICATE, "a client certificate is required")
+        node = await asyncio.to_thread(
+            self._store.find_node_by_fingerprint, fingerprint_of_der(der)
+        )
+        if node is None:
+            return None, (CloseCode.BAD_CERTIFICATE, "this certificate belongs to no node")
+        if node.status == "removed":
+            return None, (CloseCode.NODE_REMOVED, f"node {node.id} was removed")
+        if _common_name(der) != node.id:
+            return None, (CloseCode.BAD_CERTIFICATE, "the certificate names another node")
+        return node.id, None
+
+    async def _handshake(
+        self, ws: web.WebSocketResponse, session: LinkSession, node_id: str
+    ) -> Hello | None:
+        try:
+            message = await ws.receive(timeout=self._hello_timeout_s)
+            if message.type is not WSMsgType.BINARY:
+                if message.type in (WSMsgType.CLOSE, WSMsgType.CLOSING, WSMsgType.CLOSED):
+                    return None
+                raise ProtocolError("the agent's first message must be a binary Hello frame")
+            frame = session.receive_message(message.data)
+            assert isinstance(frame, Hello)  # the session refuses anything else
+            session.accept(
+                node_id=node_id,
+                leader_version=__version__,
+                server_time=self._clock(),
+                heartbeat_interval_s=self._heartbeat_interval_s,
+            )
+            return frame
+        except TimeoutError:
+            error = ProtocolError(f"no Hello within {self._hello_timeout_s} s")
+        except ProtocolError as exc:
+            error = exc
+        log.warning("node %s: %s", node_id, error)
+        await ws.close(code=error.code, message=str(error).encode()[:120])
+        return None
+
+    async def _reconcile(self, node_id: str, engines: list[EngineState]) -> None:
+        assert self._listener is not None
+        try:
+            await self._listener.node_connected(node_id, engines)
+        except BerthError:
+            log.exception("reconciling node %s failed", node_id)
+
+    async def _watch(self, node_id: str, conn: LinkConnection) -> None:
+        interval = min(1.0, self._node_timeout_s / 5)
+        while True:
+            await asyncio.sleep(interval)
+            silent_s = time.monotonic() - conn.last_received_at
+            if silent_s > self._node_timeout_s:
+                log.warning("node %s silent for %.0f s: unreachable", node_id, silent_s)
+                self._drop(node_id, conn)
+                await conn.close(CloseCode.HEARTBEAT_TIMEOUT, "no heartbeat in time")
+                return
+
+    def _drop(self, node_id: str, conn: LinkConnection) -> None:
+        """Forget ``conn`` as the node's link (once); the node stops getting traffic."""
+        if self._conns.get(node_id) is not conn:
+            return
+        del self._conns[node_id]
+        self._links.pop(node_id, None)
+        if self._listener is not None:
+            self._listener.node_disconnected(node_id)
+        self._spawn(self._mark_unreachable(node_id))
+
+    async def _mark_unreachable(self, node_id: str) -> None:
+        if node_id in self._conns:
+            return  # a new session came up meanwhile
+        with contextlib.suppress(BerthError):  # removed nodes stay removed
+            await asyncio.to_thread(self._store.set_node_status, node_id, "unreachable")
+
+    # -- LinkHandler (frames the agent sends outside requests and streams) ---------------------
+
+    async def on_request(self, conn: LinkConnection, request: Request) -> None:
+        error = ErrorInfo(code="unsupported", message=f"the leader serves no {request.op!r}")
+        conn.respond(request.id, error=error)
+
+    async def on_stream(self, conn: LinkConnection, stream: TunnelStream) -> None:
+        stream.reset("refused", "agents do not open streams")  # the session forbids it anyway
+
+    def on_frame(self, conn: LinkConnection, frame: Frame) -> None:
+        if isinstance(frame, Heartbeat):
+            node_id = conn.peer
+            link = self.remote_link(node_id)
+            now = self._clock()
+            if link is not None and link.conn is conn:
+                link.record_heartbeat(frame, now)
+                hardware = node_hardware(link.last_inventory)
+                self._spawn(
+                    asyncio.to_thread(self._store.record_node_heartbeat, node_id, now, hardware)
+                )
+
+    def _spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
+        """Run ``coro`` in the background, keeping a reference until it is done."""
+        task = asyncio.ensure_future(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+
+def _common_name(der: bytes) -> str | None:
+    try:
+        names = x509.load_der_x509_certificate(der).subject.get_attributes_for_oid(
+            NameOID.COMMON_NAME
+        )
+    except ValueError:
+        return None
+    value = names[0].value if names else None
+    return value if isinstance(value, str) else None

@@ -12,11 +12,13 @@ import asyncio
 import contextlib
 import itertools
 import logging
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 
-from berth.cluster.link import AgentLink, EngineEndpoint
+from berth.cluster.link import LOCAL_NODE_ID, AgentLink, EngineEndpoint
+from berth.cluster.protocol.frames import EngineState
+from berth.cluster.remote_link import tunnel_url
 from berth.daemon.proxy import NoReadyDeploymentError, Upstream
 from berth.daemon.states import TERMINAL_STATES, DeploymentState
 from berth.errors import BerthError, ConfigError, ConflictError, EngineError, NotFoundError
@@ -132,6 +134,8 @@ class LifecycleManager:
         """
         active = await asyncio.to_thread(self._store.list_deployments, active_only=True)
         for record in active:
+            if record.node_id != LOCAL_NODE_ID:
+                continue  # reconciled when its agent says Hello (node_connected)
             link = self._links.get(record.node_id)
             endpoint: EngineEndpoint | None = None
             if link is not None and record.pid is not None and record.port is not None:
@@ -154,6 +158,47 @@ class LifecycleManager:
                     reason = f"{reason}; stopping its engine failed: {exc}"
                 await self._transition(record.id, DeploymentState.FAILED, failure_reason=reason)
 
+    async def node_connected(self, node_id: str, engines: Sequence[EngineState]) -> None:
+        """An agent said Hello: reconcile its deployments with the engines it reports.
+
+        A ready deployment whose engine runs is routed to again; one whose engine is gone is
+        marked failed; one caught mid-start or mid-stop is stopped and marked failed; an
+        engine no active deployment owns (an orphan) is stopped.
+        """
+        link = self._links.get(node_id)
+        if link is None:
+            return
+        reported = {e.deployment_id: e for e in engines}
+        active = await asyncio.to_thread(self._store.list_deployments, active_only=True)
+        for record in active:
+            if record.node_id != node_id or record.id in self._starting:
+                continue
+            engine = reported.pop(record.id, None)
+            if engine is not None and engine.alive and record.state is DeploymentState.READY:
+                url = tunnel_url(node_id, record.id)
+                self._mark_ready(record, EngineEndpoint(record.id, url, engine.pid, engine.port))
+                continue
+            if engine is None:
+                reason = f"engine was gone when node {node_id} reconnected"
+            else:
+                reason = f"node {node_id} reconnected while the deployment was {record.state}"
+                with contextlib.suppress(NotFoundError, EngineError):
+                    await link.stop_deployment(record.id, self._stop_grace_s)
+            log.warning("deployment %s: %s", record.id, reason)
+            await self._transition(record.id, DeploymentState.FAILED, failure_reason=reason)
+        for orphan in reported:
+            if orphan in self._starting:
+                continue
+            log.warning("node %s runs engine %s that no deployment owns: stopping", node_id, orphan)
+            with contextlib.suppress(NotFoundError, EngineError):
+                await link.stop_deployment(orphan, self._stop_grace_s)
+
+    def node_disconnected(self, node_id: str) -> None:
+        """A node's link ended: stop routing to its deployments until it reconnects."""
+        for upstreams in self._ready.values():
+            for deployment_id in [d for d, u in upstreams.items() if u.node_id == node_id]:
+                del upstreams[deployment_id]
+
     # -- commands --------------------------------------------------------------------------
 
     async def deploy(self, options: DeployOptions) -> DeploymentRecord:
@@ -166,10 +211,26 @@ class LifecycleManager:
         engine = parse_engine_name(options.engine)
         if options.runtime != "process":
             raise ConfigError(f"unknown runtime {options.runtime!r}; valid runtimes: process")
-        link = self._links.get(options.node_id)
+        node_id = label = LOCAL_NODE_ID
+        if options.node_id != LOCAL_NODE_ID:
+            node = await asyncio.to_thread(self._store.lookup_node, options.node_id)
+            if node.status == "removed":
+                raise NotFoundError("node", options.node_id)
+            node_id, label = node.id, node.label
+        link = self._links.get(node_id)
         if link is None:
-            raise NotFoundError("node", options.node_id)
+            raise ConflictError(f"node {label} ({node_id}) is not connected")
+        options = replace(options, node_id=node_id)
         model = await asyncio.to_thread(self._store.get_model, options.model_name)
+        model_path = model.path
+        if node_id != LOCAL_NODE_ID:
+            located = await asyncio.to_thread(self._store.model_path_on_node, model.name, node_id)
+            if located is None:
+                raise ConfigError(
+                    f"model {model.name} has no path on node {label}; add one with "
+                    f"'berth models add {model.name} PATH --node {label}'"
+                )
+            model_path = Path(located)
         if options.gpus:
             available = sorted(gpu.index for gpu in (await link.inventory()).gpus)
             missing = sorted(set(options.gpus) - set(available))
@@ -196,7 +257,7 @@ class LifecycleManager:
         request = DeploymentRequest(
             deployment_id=record.id,
             model_name=model.name,
-            model_path=Path(model.path),
+            model_path=Path(model_path),
             engine=engine,
             port=0,
             log_path=Path(),

@@ -38,10 +38,21 @@ from berth.daemon.proxy_http import Receive, Scope, Send, model_of, scan_headers
 from berth.daemon.proxy_relay import AnswerRelay, Exchange, watch_disconnect
 from berth.daemon.upstream import Origin, UpstreamPool, parse_origin
 from berth.daemon.upstream_errors import UpstreamConnectError, UpstreamError, UpstreamTimeoutError
+from berth.daemon.upstream_response import EngineAnswer
 from berth.errors import BerthError, NotFoundError
 from berth.observability.metrics import ProxyMetrics, Target
 
-__all__ = ["NoReadyDeploymentError", "OpenAIProxy", "Upstream", "UpstreamResolver"]
+__all__ = [
+    "TUNNEL_SCHEME",
+    "NoReadyDeploymentError",
+    "OpenAIProxy",
+    "TunnelOpener",
+    "Upstream",
+    "UpstreamResolver",
+]
+
+#: The origin host that marks a tunneled engine in the target cache (compared by identity).
+_TUNNELED = "<tunnel>"
 
 _log = logging.getLogger(__name__)
 
@@ -65,6 +76,28 @@ class Upstream:
     deployment_id: str
     node_id: str
     model: str  # the public model name the client asked for
+
+
+#: The scheme of an engine reached through an agent's tunnel: ``berth-tunnel://NODE/DEPLOYMENT``.
+TUNNEL_SCHEME = "berth-tunnel"
+
+
+class TunnelOpener(Protocol):
+    """Opens an HTTP exchange with a remote deployment's engine through its node's agent
+    (the leader's :class:`berth.cluster.hub.NodeHub`)."""
+
+    async def open_http(
+        self,
+        node_id: str,
+        deployment_id: str,
+        method: bytes,
+        target: bytes,
+        headers: Sequence[tuple[bytes, bytes]],
+        body: bytes,
+        read_timeout_s: float | None,
+    ) -> EngineAnswer:
+        """Raises the ``UpstreamError`` subclasses ``UpstreamPool.request`` raises."""
+        ...
 
 
 class UpstreamResolver(Protocol):
@@ -123,8 +156,10 @@ class OpenAIProxy:
         max_buffered_response_bytes: int = 1 * MiB,
         max_event_bytes: int = 1 * MiB,
         clock: Callable[[], float] = time.perf_counter,
+        tunnels: TunnelOpener | None = None,
     ) -> None:
         self._resolver = resolver
+        self._tunnels = tunnels
         self._metrics = metrics
         self._max_body_bytes = max_body_bytes
         self._connect_timeout_s = connect_timeout_s
@@ -348,8 +383,12 @@ class OpenAIProxy:
         query: bytes = scope.get("query_string", b"")
         if query:
             target += b"?" + query
+        response: EngineAnswer
         try:
-            response = await pool.request(origin, _POST, target, forward, body)
+            if origin.host is _TUNNELED:
+                response = await self._open_tunnel(upstream, target, forward, body)
+            else:
+                response = await pool.request(origin, _POST, target, forward, body)
         except UpstreamConnectError as exc:
             raise EngineUnreachableError(upstream, exc.why) from exc
         except UpstreamTimeoutError as exc:
@@ -377,14 +416,36 @@ class OpenAIProxy:
             # the engine to stop generating.
             response.close()
 
+    async def _open_tunnel(
+        self,
+        upstream: Upstream,
+        target: bytes,
+        forward: list[tuple[bytes, bytes]],
+        body: bytes,
+    ) -> EngineAnswer:
+        if self._tunnels is None:
+            raise UpstreamConnectError(Origin(upstream.node_id, 0), "no agent links here")
+        return await self._tunnels.open_http(
+            upstream.node_id,
+            upstream.deployment_id,
+            _POST,
+            target,
+            forward,
+            body,
+            self._read_timeout_s,
+        )
+
     def _engine_target(self, base_url: str, path: str) -> tuple[Origin, bytes]:
         """The engine's origin and the request target for ``path``; cached (a handful of
-        entries per deployment)."""
+        entries per deployment). A tunneled engine's origin host is ``_TUNNELED``."""
         key = (base_url, path)
         found = self._targets.get(key)
         if found is None:
             if len(self._targets) >= _MAX_CACHED_TARGETS:
                 self._targets.clear()
+            if base_url.startswith(TUNNEL_SCHEME + "://"):
+                found = self._targets[key] = (Origin(_TUNNELED, 0), path.encode("latin-1"))
+                return found
             prefix = base_url.split("://", 1)[-1].partition("/")[2].rstrip("/")
             target = (f"/{prefix}{path}" if prefix else path).encode("latin-1")
             found = self._targets[key] = (parse_origin(base_url), target)

@@ -19,7 +19,7 @@ from berth.daemon.proxy_errors import EngineTimeoutError, EngineUnreachableError
 from berth.daemon.proxy_http import Receive, Send, send_json
 from berth.daemon.sse import SSEEventSplitter, Usage, find_usage, last_usage
 from berth.daemon.upstream_errors import UpstreamError, UpstreamTimeoutError
-from berth.daemon.upstream_response import UpstreamResponse
+from berth.daemon.upstream_response import EngineAnswer
 
 if TYPE_CHECKING:
     from berth.daemon.proxy import Upstream
@@ -81,7 +81,7 @@ class AnswerRelay:
 
     async def relay_body(
         self,
-        response: UpstreamResponse,
+        response: EngineAnswer,
         upstream: Upstream,
         content_type: bytes,
         encoding: bytes | None,
@@ -140,7 +140,7 @@ class AnswerRelay:
 
     async def relay_stream(
         self,
-        response: UpstreamResponse,
+        response: EngineAnswer,
         content_type: bytes,
         encoding: bytes | None,
         request_id: bytes,
@@ -199,7 +199,7 @@ class AnswerRelay:
 
     async def relay_engine_error(
         self,
-        response: UpstreamResponse,
+        response: EngineAnswer,
         content_type: bytes,
         request_id: bytes,
         send: Send,
@@ -257,6 +257,6 @@ def _as_openai_error(data: bytes, content_type: bytes, status: int) -> bytes:
     )
 
 
-def _relayed_error_headers(response: UpstreamResponse) -> list[tuple[bytes, bytes]]:
+def _relayed_error_headers(response: EngineAnswer) -> list[tuple[bytes, bytes]]:
     retry_after = response.header(b"retry-after")
     return [(b"retry-after", retry_after)] if retry_after else []

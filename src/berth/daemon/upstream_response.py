@@ -10,12 +10,38 @@ the parser's callbacks and wakes the reader; the reader takes the body with
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from berth.daemon.upstream_errors import UpstreamDisconnectError, UpstreamError
 
 if TYPE_CHECKING:
     from berth.daemon.upstream_connection import UpstreamConnection
+
+
+class EngineAnswer(Protocol):
+    """How the proxy reads an engine's answer, local (:class:`UpstreamResponse`) or tunneled
+    through an agent (:class:`berth.cluster.remote_link.TunnelResponse`).
+
+    ``status``; ``headers`` as lower-case ``(name, value)`` bytes pairs; ``content_length``
+    (``None`` when not announced). :meth:`read_chunk` and :meth:`read` raise
+    :class:`UpstreamError` subclasses; :meth:`close` ends the exchange (an unfinished one
+    tells the engine to stop).
+    """
+
+    status: int
+    headers: list[tuple[bytes, bytes]]
+    content_length: int | None
+
+    def header(self, name: bytes) -> bytes | None: ...
+
+    @property
+    def at_eof(self) -> bool: ...
+
+    async def read_chunk(self) -> bytes: ...
+
+    async def read(self, limit_bytes: int | None = None) -> bytes: ...
+
+    def close(self) -> None: ...
 
 
 class UpstreamResponse:

@@ -1,0 +1,263 @@
+"""The agent's dial loop: one outbound mTLS WebSocket to the leader, redialled with backoff.
+
+It connects to ``wss://<cluster host>/cluster/agent`` with the agent's client certificate,
+trusting only the pinned cluster CA; sends Hello (inventory, capabilities, the engines it
+runs); waits for Welcome; then pumps the link through :class:`LinkConnection` while a task
+sends a heartbeat every interval the leader asked for. When the link ends, the close code
+decides (:func:`berth.cluster.protocol.errors.agent_should_redial`): a final refusal
+(removed node, bad certificate, superseded, no common version) stops the agent; anything
+else is redialled after a jittered, capped exponential backoff.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import random
+import ssl
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+
+from berth.agent.identity import AgentIdentity, client_ssl_context
+from berth.agent.service import AgentService
+from berth.cluster.connection import LinkConnection
+from berth.cluster.protocol.errors import CloseCode, ProtocolError, agent_should_redial
+from berth.cluster.protocol.frames import Welcome
+from berth.cluster.protocol.session import LinkLimits, LinkSession, Role
+
+log = logging.getLogger(__name__)
+
+#: First and largest redial delays, in seconds.
+BACKOFF_BASE_S = 1.0
+BACKOFF_CAP_S = 30.0
+#: Seconds the leader has to answer Hello.
+WELCOME_TIMEOUT_S = 10.0
+#: How many recent activity lines the status keeps.
+RECENT_LINES = 8
+
+
+def backoff_delay(
+    attempt: int,
+    *,
+    base_s: float = BACKOFF_BASE_S,
+    cap_s: float = BACKOFF_CAP_S,
+    rand: Callable[[], float] = random.random,
+) -> float:
+    """Seconds to wait before redial number ``attempt`` (0 for the first retry).
+
+    Exponential from ``base_s``, capped at ``cap_s``, with +-20% jitter so that agents cut
+    off together do not redial in step (never above ``cap_s``).
+    """
+    delay = min(cap_s, base_s * 2.0 ** min(attempt, 30))
+    return min(cap_s, delay * (0.8 + 0.4 * rand()))
+
+
+def cluster_ws_url(leader_url: str) -> str:
+    """``https://host:port`` (the cluster listener) -> ``wss://host:port/cluster/agent``."""
+    base = leader_url.rstrip("/")
+    if base.startswith("https://"):
+        base = "wss://" + base.removeprefix("https://")
+    return base + "/cluster/agent"
+
+
+@dataclass
+class AgentStatus:
+    """What the status panel and ``berth agent status`` show; written to a JSON file."""
+
+    leader_url: str
+    node_id: str
+    label: str
+    state: str = "starting"  # starting | connecting | connected | backoff | stopped
+    started_at: float = field(default_factory=time.time)
+    connected_since: float | None = None
+    operation: str = ""
+    last_error: str = ""
+    recent: deque[str] = field(default_factory=lambda: deque(maxlen=RECENT_LINES))
+    pid: int = field(default_factory=os.getpid)
+    path: Path | None = None
+
+    def activity(self, line: str) -> None:
+        self.recent.append(f"{time.strftime('%H:%M:%S')} {line}")
+        self.operation = line
+        log.info("%s", line)
+        self.save()
+
+    def set(self, state: str, *, error: str | None = None) -> None:
+        self.state = state
+        if error is not None:
+            self.last_error = error
+        self.connected_since = time.time() if state == "connected" else None
+        self.save()
+
+    def as_json(self) -> dict[str, object]:
+        return {
+            "state": self.state,
+            "leader_url": self.leader_url,
+            "node_id": self.node_id,
+            "label": self.label,
+            "pid": self.pid,
+            "started_at": self.started_at,
+            "connected_since": self.connected_since,
+            "operation": self.operation,
+            "last_error": self.last_error,
+            "recent": list(self.recent),
+        }
+
+    def save(self) -> None:
+        if self.path is None:
+            return
+        temporary = self.path.with_suffix(".tmp")
+        temporary.write_text(json.dumps(self.as_json(), indent=1))
+        temporary.replace(self.path)
+
+
+class AgentDialer:
+    """Keeps one link to the leader up until a final refusal or :meth:`stop`."""
+
+    def __init__(
+        self,
+        identity: AgentIdentity,
+        service: AgentService,
+        status: AgentStatus,
+        *,
+        limits: LinkLimits | None = None,
+        backoff: Callable[[int], float] = backoff_delay,
+    ) -> None:
+        self._identity = identity
+        self._service = service
+        self._status = status
+        self._limits = limits or LinkLimits()
+        self._backoff = backoff
+        self._stopping = asyncio.Event()
+        self._conn: LinkConnection | None = None
+        self._refusal: int | None = None
+        #: the close code that ended the agent (a final refusal), if one did
+        self.final_code: int | None = None
+
+    async def stop(self) -> None:
+        """Close the link (code 1000) and end :meth:`run`."""
+        self._stopping.set()
+        if self._conn is not None:
+            await self._conn.close(CloseCode.NORMAL, "agent stopping")
+
+    async def run(self) -> int:
+        """Dial, serve, redial; returns 0 after :meth:`stop`, 1 after a final refusal."""
+        ssl_context = client_ssl_context(self._identity)
+        url = cluster_ws_url(self._identity.leader_url)
+        attempt = 0
+        async with aiohttp.ClientSession() as http:
+            while not self._stopping.is_set():
+                self._status.set("connecting")
+                code, welcomed = await self._session(http, url, ssl_context)
+                if self._stopping.is_set():
+                    break
+                if welcomed:
+                    attempt = 0
+                if code is not None and not agent_should_redial(code):
+                    self.final_code = code
+                    self._status.set("stopped")
+                    return 1
+                delay = self._backoff(attempt)
+                attempt += 1
+                self._status.set("backoff")
+                self._status.activity(f"redialling in {delay:.1f} s")
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._stopping.wait(), delay)
+        self._status.set("stopped")
+        return 0
+
+    async def _session(
+        self, http: aiohttp.ClientSession, url: str, ssl_context: ssl.SSLContext
+    ) -> tuple[int | None, bool]:
+        """One connection, from dial to close: (close code or None, whether Welcome came)."""
+        try:
+            ws = await http.ws_connect(
+                url,
+                ssl=ssl_context,
+                max_msg_size=self._limits.max_frame_bytes,
+                heartbeat=20.0,  # WebSocket pings: a leader that vanished is noticed
+                compress=0,
+                timeout=aiohttp.ClientWSTimeout(ws_close=5.0),
+            )
+        except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+            self._status.set("backoff", error=f"cannot reach the leader: {exc}")
+            log.warning("cannot reach the leader at %s: %s", url, exc)
+            return None, False
+        session = LinkSession(Role.AGENT, self._limits)
+        conn = LinkConnection(session, ws, self._service, peer="leader")
+        heartbeats: asyncio.Task[None] | None = None
+        try:
+            welcome = await self._handshake(ws, session)
+            if welcome is None:
+                refusal, self._refusal = self._refusal, None
+                return refusal if refusal is not None else ws.close_code, False
+            self._conn = conn
+            self._status.set("connected")
+            self._status.activity(f"connected as node {welcome.node_id}")
+            heartbeats = asyncio.create_task(self._heartbeats(conn, welcome.heartbeat_interval_s))
+            await conn.run()
+            code = conn.close_code
+            self._report_close(code, conn.close_reason)
+            return code, True
+        finally:
+            self._conn = None
+            if heartbeats is not None:
+                heartbeats.cancel()
+            if not ws.closed:
+                await ws.close()
+
+    async def _handshake(
+        self, ws: aiohttp.ClientWebSocketResponse, session: LinkSession
+    ) -> Welcome | None:
+        session.send_hello(self._service.hello())
+        for message in session.data_to_send():
+            await ws.send_bytes(message)
+        try:
+            reply = await ws.receive(timeout=WELCOME_TIMEOUT_S)
+        except TimeoutError:
+            self._status.set("backoff", error="the leader did not answer Hello")
+            return None
+        if reply.type is aiohttp.WSMsgType.CLOSE:
+            self._refusal = int(reply.data)
+            self._report_close(self._refusal, str(reply.extra or ""))
+            return None
+        if reply.type is not aiohttp.WSMsgType.BINARY:
+            self._report_close(ws.close_code, "")
+            return None
+        try:
+            frame = session.receive_message(reply.data)
+        except ProtocolError as exc:
+            self._status.set("backoff", error=f"bad Welcome: {exc}")
+            await ws.close(code=exc.code, message=str(exc).encode()[:120])
+            return None
+        assert isinstance(frame, Welcome)
+        return frame
+
+    async def _heartbeats(self, conn: LinkConnection, interval_s: float) -> None:
+        while not conn.closed:
+            conn.session.send_heartbeat(self._service.heartbeat(time.time()))
+            conn.flush()
+            await asyncio.sleep(interval_s)
+
+    def _report_close(self, code: int | None, reason: str) -> None:
+        try:
+            name = CloseCode(code).name.lower().replace("_", " ") if code is not None else ""
+        except ValueError:
+            name = ""
+        text = f"link closed (code {code}{': ' + name if name else ''})"
+        if reason:
+            text += f": {reason}"
+        final = code is not None and not agent_should_redial(code)
+        self._status.set("stopped" if final else "backoff", error=text)
+        if final:
+            log.error("%s; not redialling", text)
+        else:
+            log.warning("%s", text)

@@ -1,0 +1,311 @@
+"""What an agent does with the leader's requests and streams: runs them on its agent core.
+
+Control ops (``start``, ``stop``, ``probe``, ``inventory``, ``engines``) each run in their own
+task, so a long engine start never holds up the link. ``http`` streams are relayed to the
+deployment's engine on this host with berth's pooled HTTP/1.1 client; when the leader resets
+a stream, its task is cancelled and the engine connection closed, so the engine stops
+generating. ``logs`` streams send the engine's log file.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from pathlib import Path
+
+import msgspec
+
+from berth import __version__
+from berth.agent.core import AgentCore
+from berth.cluster.connection import LinkConnection, StreamResetError, TunnelStream
+from berth.cluster.protocol.errors import ProtocolError
+from berth.cluster.protocol.frames import (
+    PROTOCOL_MAX,
+    PROTOCOL_MIN,
+    DeploymentLoad,
+    EngineState,
+    ErrorInfo,
+    Frame,
+    GpuState,
+    Heartbeat,
+    Hello,
+    Inventory,
+    Request,
+    StreamHead,
+)
+from berth.cluster.protocol.ops import (
+    OP_CAPABILITIES,
+    STREAM_CAPABILITIES,
+    EnginesResult,
+    ProbeArgs,
+    ProbeResult,
+    SpawnedEvent,
+    StartArgs,
+    StartResult,
+    StopArgs,
+    decode_payload,
+    encode_payload,
+)
+from berth.daemon.upstream import Origin, UpstreamPool
+from berth.daemon.upstream_errors import UpstreamConnectError, UpstreamError, UpstreamTimeoutError
+from berth.daemon.upstream_response import UpstreamResponse
+from berth.errors import BerthError, EngineError, NotFoundError
+from berth.runtime.engines import DeploymentRequest, parse_engine_name
+from berth.runtime.gpu import GpuInfo
+
+log = logging.getLogger(__name__)
+
+#: Largest request body an agent accepts on one tunneled exchange, in bytes.
+MAX_REQUEST_BODY_BYTES = 64 * 1024 * 1024
+#: Response headers that describe one HTTP/1.1 connection and are not relayed.
+_HOP_BY_HOP = frozenset({b"connection", b"keep-alive", b"transfer-encoding", b"te", b"trailer",
+                         b"upgrade", b"proxy-connection"})  # fmt: skip
+ActivityListener = Callable[[str], None]
+
+
+def gpu_states(gpus: list[GpuInfo]) -> list[GpuState]:
+    return [
+        GpuState(
+            index=g.index,
+            name=g.name,
+            uuid=g.uuid,
+            memory_total_mb=g.memory_total_mb,
+            memory_used_mb=g.memory_used_mb,
+            utilization_pct=g.utilization_pct,
+        )
+        for g in gpus
+    ]
+
+
+class AgentService:
+    """The agent's :class:`~berth.cluster.connection.LinkHandler` over an :class:`AgentCore`.
+
+    ``on_activity`` hears one line per operation (for the status panel).
+    """
+
+    def __init__(
+        self,
+        core: AgentCore,
+        *,
+        read_timeout_s: float = 600.0,
+        on_activity: ActivityListener | None = None,
+    ) -> None:
+        self._core = core
+        self._pool = UpstreamPool(read_timeout_s=read_timeout_s)
+        self._in_flight: dict[str, int] = {}
+        self._on_activity = on_activity or (lambda _line: None)
+
+    async def close(self) -> None:
+        await self._pool.close()
+
+    # -- what the agent says -------------------------------------------------------------
+
+    def inventory(self) -> Inventory:
+        facts = self._core.host_facts()
+        return Inventory(
+            hostname=facts.hostname,
+            cpu_count=facts.cpu_count,
+            memory_total_mb=facts.memory_total_mb,
+            gpus=gpu_states(self._core.gpus()),
+        )
+
+    def engine_states(self) -> list[EngineState]:
+        return [
+            EngineState(deployment_id=e.deployment_id, pid=e.pid, port=e.port, alive=e.alive)
+            for e in self._core.engines()
+        ]
+
+    def hello(self) -> Hello:
+        return Hello(
+            protocol_min=PROTOCOL_MIN,
+            protocol_max=PROTOCOL_MAX,
+            agent_version=__version__,
+            capabilities=[*OP_CAPABILITIES.values(), *STREAM_CAPABILITIES],
+            inventory=self.inventory(),
+            engines=self.engine_states(),
+        )
+
+    def heartbeat(self, now: float) -> Heartbeat:
+        return Heartbeat(
+            sent_at=now,
+            gpus=gpu_states(self._core.gpus()),
+            deployments=[
+                DeploymentLoad(
+                    deployment_id=e.deployment_id,
+                    in_flight=self._in_flight.get(e.deployment_id, 0),
+                    alive=e.alive,
+                )
+                for e in self._core.engines()
+            ],
+        )
+
+    # -- LinkHandler ---------------------------------------------------------------------
+
+    def on_frame(self, conn: LinkConnection, frame: Frame) -> None:
+        log.debug("ignoring %s from the leader", type(frame).__name__)
+
+    async def on_request(self, conn: LinkConnection, request: Request) -> None:
+        try:
+            result = await self._run_op(conn, request)
+        except _Unsupported as exc:
+            conn.respond(request.id, error=ErrorInfo(code="unsupported", message=str(exc)))
+        except ProtocolError as exc:
+            conn.respond(request.id, error=ErrorInfo(code="invalid", message=str(exc)))
+        except NotFoundError as exc:
+            conn.respond(request.id, error=ErrorInfo(code="not_found", message=str(exc)))
+        except EngineError as exc:
+            info = ErrorInfo(code="engine_error", message=str(exc), log_tail=exc.log_tail or "")
+            conn.respond(request.id, error=info)
+        except BerthError as exc:
+            conn.respond(request.id, error=ErrorInfo(code="invalid", message=str(exc)))
+        else:
+            conn.respond(request.id, result=result)
+
+    async def _run_op(self, conn: LinkConnection, request: Request) -> msgspec.Raw | None:
+        op = request.op
+        if op == "start":
+            args = decode_payload(request.args, StartArgs, "start args")
+            self._on_activity(f"starting {args.deployment_id} ({args.model_name})")
+
+            async def spawned(pid: int, port: int) -> None:
+                conn.progress(
+                    request.id, "spawned", encode_payload(SpawnedEvent(pid=pid, port=port))
+                )
+
+            handle = await self._core.start(
+                _deployment_request(args), args.health_timeout_s, spawned
+            )
+            self._on_activity(f"{args.deployment_id} ready on port {handle.port}")
+            return encode_payload(StartResult(pid=handle.pid, port=handle.port))
+        if op == "stop":
+            stop = decode_payload(request.args, StopArgs, "stop args")
+            self._on_activity(f"stopping {stop.deployment_id}")
+            await self._core.stop(stop.deployment_id, stop.grace_s)
+            return None
+        if op == "probe":
+            probe = decode_payload(request.args, ProbeArgs, "probe args")
+            result = await self._core.probe(probe.deployment_id)
+            return encode_payload(ProbeResult(result=result))
+        if op == "inventory":
+            return encode_payload(self.inventory())
+        if op == "engines":
+            return encode_payload(EnginesResult(engines=self.engine_states()))
+        raise _Unsupported(op)
+
+    async def on_stream(self, conn: LinkConnection, stream: TunnelStream) -> None:
+        opening = stream.opening
+        assert opening is not None
+        try:
+            if opening.kind == "http":
+                await self._relay_http(stream)
+            else:
+                await self._send_logs(stream)
+        except StreamResetError:
+            pass  # the leader gave up on it, or the link is gone
+        except NotFoundError as exc:
+            stream.reset("not_found", str(exc))
+        finally:
+            conn.forget_stream(stream.id)
+
+    async def _relay_http(self, stream: TunnelStream) -> None:
+        opening = stream.opening
+        assert opening is not None
+        deployment_id = opening.deployment_id
+        port = self._core.engine_port(deployment_id)
+        body = await stream.read_all(MAX_REQUEST_BODY_BYTES)
+        headers = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in opening.headers]
+        self._in_flight[deployment_id] = self._in_flight.get(deployment_id, 0) + 1
+        try:
+            try:
+                response = await self._pool.request(
+                    Origin("127.0.0.1", port),
+                    opening.method.encode("latin-1"),
+                    opening.target.encode("latin-1"),
+                    headers,
+                    body,
+                )
+            except UpstreamTimeoutError as exc:
+                stream.reset("engine_timeout", exc.why)
+                return
+            except UpstreamConnectError as exc:
+                stream.reset("engine_unreachable", exc.why)
+                return
+            except UpstreamError as exc:
+                stream.reset("engine_unreachable", f"failed before answering ({exc.why})")
+                return
+            try:
+                await self._relay_answer(stream, response)
+            finally:
+                response.close()
+        finally:
+            self._in_flight[deployment_id] -= 1
+
+    async def _relay_answer(self, stream: TunnelStream, response: UpstreamResponse) -> None:
+        head_headers = [
+            (k.decode("latin-1"), v.decode("latin-1"))
+            for k, v in response.headers
+            if k not in _HOP_BY_HOP
+        ]
+        session = stream.conn.session
+        try:
+            chunk = await response.read_chunk()
+        except UpstreamError as exc:
+            stream.reset("engine_disconnect", exc.why)
+            return
+        # The head frame carries the first bytes too: a small answer is one frame.
+        room = min(session.send_credit(stream.id), session.limits.max_payload_bytes)
+        first, rest = chunk[:room], chunk[room:]
+        end = response.at_eof and not rest
+        head = StreamHead(
+            id=stream.id, status=response.status, headers=head_headers, payload=first, end=end
+        )
+        session.send_head(head)
+        stream.conn.flush()
+        if end:
+            return
+        if rest:
+            await stream.write(rest, end=response.at_eof)
+            if response.at_eof:
+                return
+        while True:
+            try:
+                chunk = await response.read_chunk()
+            except UpstreamError as exc:
+                stream.reset("engine_disconnect", exc.why)
+                return
+            if not chunk:
+                await stream.write(b"", end=True)
+                return
+            await stream.write(chunk, end=response.at_eof)
+            if response.at_eof:
+                return
+
+    async def _send_logs(self, stream: TunnelStream) -> None:
+        opening = stream.opening
+        assert opening is not None
+        logs = self._core.logs(
+            opening.deployment_id, tail_lines=opening.tail_lines, follow=opening.follow
+        )
+        async for chunk in logs:
+            await stream.write(chunk)
+        await stream.write(b"", end=True)
+
+
+class _Unsupported(BerthError):
+    def __init__(self, op: str) -> None:
+        super().__init__(f"operation {op!r} is not supported by this agent")
+
+
+def _deployment_request(args: StartArgs) -> DeploymentRequest:
+    return DeploymentRequest(
+        deployment_id=args.deployment_id,
+        model_name=args.model_name,
+        model_path=Path(args.model_path),
+        engine=parse_engine_name(args.engine),
+        port=0,
+        log_path=Path(),
+        gpus=tuple(args.gpus),
+        ctx=args.ctx,
+        extra_args=tuple(args.extra_args),
+        served_model_name=args.served_model_name,
+    )

@@ -1,0 +1,93 @@
+"""Errors and close codes of the agent link protocol.
+
+::
+
+    BerthError
+    └── LinkError                  the agent link failed or was refused (close code, node id)
+        └── ProtocolError          a peer broke the protocol (malformed, oversized, out of order)
+
+A :class:`ProtocolError` always carries the :class:`CloseCode` its link closes with, so the
+I/O adapters translate it into a WebSocket close in one place.
+"""
+
+from __future__ import annotations
+
+from enum import IntEnum
+
+from berth.errors import BerthError
+
+
+class CloseCode(IntEnum):
+    """WebSocket close codes of the agent link.
+
+    1000-1015 are RFC 6455 section 7.4.1 codes; 4000-4999 are reserved for applications
+    (section 7.4.2) and carry berth's typed refusals. :func:`agent_should_redial` says what an
+    agent does on each.
+    """
+
+    NORMAL = 1000
+    #: the frame exceeded ``max_frame_bytes`` (RFC 6455 "message too big")
+    FRAME_TOO_LARGE = 1009
+    #: malformed frame, a first frame that is not Hello, a frame out of order
+    PROTOCOL_ERROR = 4400
+    #: no client certificate, or one whose fingerprint no node has
+    BAD_CERTIFICATE = 4401
+    #: the node was removed with ``berth nodes remove``
+    NODE_REMOVED = 4403
+    #: no protocol version both sides speak
+    UNSUPPORTED_VERSION = 4406
+    #: no heartbeat within the node timeout
+    HEARTBEAT_TIMEOUT = 4408
+    #: a newer session of the same node replaced this one
+    SUPERSEDED = 4409
+    #: too many connection attempts; the reason carries ``retry_after_s=<seconds>``
+    RATE_LIMITED = 4429
+    #: the leader is shutting down or restarting
+    LEADER_SHUTTING_DOWN = 4503
+
+
+#: Codes after which an agent stops for good: redialling cannot succeed until an operator acts
+#: (re-enrols the node, upgrades the agent, or stops the other copy of it).
+_FINAL_CODES = frozenset(
+    {
+        CloseCode.BAD_CERTIFICATE,
+        CloseCode.NODE_REMOVED,
+        CloseCode.UNSUPPORTED_VERSION,
+        CloseCode.SUPERSEDED,
+    }
+)
+
+
+def agent_should_redial(code: int | None) -> bool:
+    """Whether an agent whose link closed with ``code`` dials again (with backoff).
+
+    A refusal an operator must resolve (bad certificate, removed node, no common protocol
+    version, another session of the same node) is final; anything else, including an abrupt
+    close with no code, is retried.
+    """
+    return code not in _FINAL_CODES
+
+
+class LinkError(BerthError):
+    """The agent link failed, was closed or refused.
+
+    ``code`` is the close code when one is known; ``node_id`` the node when known.
+    """
+
+    http_status = 503
+    error_type = "server_error"
+
+    def __init__(
+        self, message: str, *, code: CloseCode | None = None, node_id: str | None = None
+    ) -> None:
+        super().__init__(message)
+        self.code = code
+        self.node_id = node_id
+
+
+class ProtocolError(LinkError):
+    """A peer sent something the protocol forbids; the link closes with :attr:`code`."""
+
+    def __init__(self, message: str, code: CloseCode = CloseCode.PROTOCOL_ERROR) -> None:
+        super().__init__(message, code=code)
+        self.code: CloseCode = code

@@ -1,0 +1,323 @@
+"""The frames of the agent link and their one bounded, validating codec (no I/O).
+
+Each WebSocket binary message (RFC 6455 section 5.6) carries exactly one frame::
+
+    0      1      2          6          10
+    +------+------+----------+----------+----------------------+---------------------+
+    | type | flags|  id u32  | len u32  | JSON body (len bytes)| payload (the rest)  |
+    +------+------+----------+----------+----------------------+---------------------+
+
+All integers are big-endian. ``id`` is the request id of ``REQUEST``/``RESPONSE``/``PROGRESS``
+and the stream id of the ``STREAM_*`` frames (0 otherwise). The JSON body holds the frame's
+typed fields; ``payload`` is raw bytes (tunneled HTTP bodies, log output), never base64.
+``flags`` bit 0 (``END``) closes the sender's side of a stream. ``docs/protocol.md`` is the
+specification; this module is its only encoder and decoder.
+
+Compatibility rules: unknown JSON fields are ignored (a newer peer may add fields), and a frame
+of an unknown type decodes to ``None`` so the session skips it.
+"""
+
+from __future__ import annotations
+
+import struct
+from enum import IntEnum
+from typing import Any, Literal
+
+import msgspec
+
+from berth.cluster.protocol.errors import CloseCode, ProtocolError
+
+#: Protocol versions this code speaks; see ``docs/protocol.md`` for what each adds.
+PROTOCOL_MIN = 1
+PROTOCOL_MAX = 1
+
+_HEADER = struct.Struct(">BBII")
+HEADER_BYTES = _HEADER.size
+FLAG_END = 0x01
+#: Largest frame (header + body + payload) either side accepts by default, in bytes.
+DEFAULT_MAX_FRAME_BYTES = 1024 * 1024
+#: Largest JSON body, in bytes; bounds the request head of a tunneled exchange too.
+MAX_JSON_BYTES = 256 * 1024
+
+
+class FrameType(IntEnum):
+    HELLO = 1
+    WELCOME = 2
+    REQUEST = 3
+    RESPONSE = 4
+    PROGRESS = 5
+    HEARTBEAT = 6
+    STREAM_OPEN = 7
+    STREAM_HEAD = 8
+    STREAM_DATA = 9
+    STREAM_RESET = 10
+    STREAM_CREDIT = 11
+
+
+class _Body(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """Base of every JSON body; defaults are left out on the wire."""
+
+
+# -- nested payloads ---------------------------------------------------------------------------
+
+
+class GpuState(_Body, kw_only=True):
+    index: int
+    name: str
+    uuid: str = ""
+    memory_total_mb: int = 0
+    memory_used_mb: int = 0
+    utilization_pct: int | None = None
+
+
+class Inventory(_Body, kw_only=True):
+    """A host's hardware as its agent reports it."""
+
+    hostname: str
+    cpu_count: int = 0
+    memory_total_mb: int = 0
+    gpus: list[GpuState] = []
+
+
+class EngineState(_Body, kw_only=True):
+    """One engine an agent runs: its deployment, pid and port, and whether it is alive."""
+
+    deployment_id: str
+    pid: int
+    port: int
+    alive: bool = True
+
+
+class DeploymentLoad(_Body, kw_only=True):
+    """Per-deployment load in a heartbeat: requests in flight through the tunnel."""
+
+    deployment_id: str
+    in_flight: int = 0
+    alive: bool = True
+
+
+class ErrorInfo(_Body, kw_only=True):
+    """Why a request failed: ``code`` is machine-readable (``unsupported``, ``engine_error``,
+    ``not_found``, ``invalid``, ``internal``), ``message`` is for people."""
+
+    code: str
+    message: str
+    log_tail: str = ""
+
+
+# -- frames ------------------------------------------------------------------------------------
+
+
+class Hello(_Body, kw_only=True):
+    """The agent's first frame."""
+
+    protocol_min: int
+    protocol_max: int
+    agent_version: str
+    capabilities: list[str] = []
+    inventory: Inventory
+    engines: list[EngineState] = []
+
+
+class Welcome(_Body, kw_only=True):
+    """The leader's answer to Hello: the version both speak and the node's identity."""
+
+    protocol_version: int
+    leader_version: str
+    node_id: str
+    server_time: float
+    heartbeat_interval_s: float = 5.0
+    capabilities: list[str] = []
+
+
+class Request(_Body, kw_only=True):
+    """A control operation; ``args`` is decoded by the receiver for ``op`` (see ``ops.py``)."""
+
+    id: int = 0
+    op: str
+    args: msgspec.Raw = msgspec.Raw(b"{}")
+    timeout_s: float = 30.0
+
+
+class Response(_Body, kw_only=True):
+    """The answer to :class:`Request` ``id``: ``result`` when ``ok``, else ``error``."""
+
+    id: int = 0
+    ok: bool
+    result: msgspec.Raw = msgspec.Raw(b"null")
+    error: ErrorInfo | None = None
+
+
+class Progress(_Body, kw_only=True):
+    """An intermediate event of a running request, e.g. ``spawned`` during a start."""
+
+    id: int = 0
+    event: str
+    data: msgspec.Raw = msgspec.Raw(b"null")
+
+
+class Heartbeat(_Body, kw_only=True):
+    """Sent by the agent every heartbeat interval: GPUs and per-deployment load."""
+
+    sent_at: float
+    gpus: list[GpuState] = []
+    deployments: list[DeploymentLoad] = []
+
+
+StreamKind = Literal["http", "logs"]
+
+
+class StreamOpen(_Body, kw_only=True):
+    """Opens stream ``id`` (leader to agent only).
+
+    ``kind="http"``: a tunneled HTTP exchange with the deployment's engine (``method``,
+    ``target``, ``headers``; the request body follows as payload). ``kind="logs"``: the
+    engine's log, ``tail_lines`` lines then more while ``follow``.
+    """
+
+    id: int = 0
+    kind: StreamKind
+    deployment_id: str
+    method: str = ""
+    target: str = ""
+    headers: list[tuple[str, str]] = []
+    tail_lines: int = 0
+    follow: bool = False
+    payload: bytes = b""
+    end: bool = False
+
+
+class StreamHead(_Body, kw_only=True):
+    """The answer's status and headers on stream ``id`` (agent to leader)."""
+
+    id: int = 0
+    status: int
+    headers: list[tuple[str, str]] = []
+    payload: bytes = b""
+    end: bool = False
+
+
+class StreamData(_Body, kw_only=True):
+    """Body bytes on stream ``id``; no JSON body on the wire."""
+
+    id: int = 0
+    payload: bytes = b""
+    end: bool = False
+
+
+class StreamReset(_Body, kw_only=True):
+    """Abandons stream ``id`` from either side; ``code`` e.g. ``cancelled``, ``refused``,
+    ``engine_unreachable``, ``engine_timeout``, ``not_found``, ``internal``."""
+
+    id: int = 0
+    code: str
+    message: str = ""
+
+
+class StreamCredit(_Body, kw_only=True):
+    """Lets the peer send ``increment`` more payload bytes on stream ``id``."""
+
+    id: int = 0
+    increment: int
+
+
+Frame = (
+    Hello
+    | Welcome
+    | Request
+    | Response
+    | Progress
+    | Heartbeat
+    | StreamOpen
+    | StreamHead
+    | StreamData
+    | StreamReset
+    | StreamCredit
+)
+
+_TYPE_OF: dict[type[Any], FrameType] = {
+    Hello: FrameType.HELLO,
+    Welcome: FrameType.WELCOME,
+    Request: FrameType.REQUEST,
+    Response: FrameType.RESPONSE,
+    Progress: FrameType.PROGRESS,
+    Heartbeat: FrameType.HEARTBEAT,
+    StreamOpen: FrameType.STREAM_OPEN,
+    StreamHead: FrameType.STREAM_HEAD,
+    StreamData: FrameType.STREAM_DATA,
+    StreamReset: FrameType.STREAM_RESET,
+    StreamCredit: FrameType.STREAM_CREDIT,
+}
+_DECODERS: dict[int, msgspec.json.Decoder[Any]] = {
+    int(t): msgspec.json.Decoder(cls) for cls, t in _TYPE_OF.items() if cls is not StreamData
+}
+_ENCODER = msgspec.json.Encoder()
+_WITH_PAYLOAD = (StreamOpen, StreamHead)
+_WITH_ID = (Request, Response, Progress, StreamReset, StreamCredit)
+
+
+def encode_frame(frame: Frame) -> bytes:
+    """The WebSocket message that carries ``frame``.
+
+    The id, payload and end flag travel in the binary header and tail, not in the JSON.
+    """
+    if type(frame) is StreamData:
+        flags = FLAG_END if frame.end else 0
+        return _HEADER.pack(FrameType.STREAM_DATA, flags, frame.id, 0) + frame.payload
+    frame_id = getattr(frame, "id", 0)
+    payload = b""
+    flags = 0
+    if isinstance(frame, _WITH_PAYLOAD):
+        payload = frame.payload
+        flags = FLAG_END if frame.end else 0
+        body = _ENCODER.encode(msgspec.structs.replace(frame, id=0, payload=b"", end=False))
+    elif frame_id:
+        body = _ENCODER.encode(msgspec.structs.replace(frame, id=0))  # type: ignore[type-var]
+    else:
+        body = _ENCODER.encode(frame)
+    return _HEADER.pack(_TYPE_OF[type(frame)], flags, frame_id, len(body)) + body + payload
+
+
+def decode_frame(message: bytes, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> Frame | None:
+    """Decode one WebSocket message into its frame; ``None`` for an unknown frame type.
+
+    Raises :class:`ProtocolError` with ``FRAME_TOO_LARGE`` when ``message`` is longer than
+    ``max_frame_bytes``, and with ``PROTOCOL_ERROR`` for a short header, a JSON body that is
+    too long, not JSON or not the frame's shape, or a payload on a frame that takes none.
+    """
+    size = len(message)
+    if size > max_frame_bytes:
+        raise ProtocolError(
+            f"frame of {size} bytes exceeds the {max_frame_bytes}-byte limit",
+            CloseCode.FRAME_TOO_LARGE,
+        )
+    if size < HEADER_BYTES:
+        raise ProtocolError(f"frame of {size} bytes is shorter than its {HEADER_BYTES}-byte header")
+    kind, flags, frame_id, body_len = _HEADER.unpack_from(message)
+    end = bool(flags & FLAG_END)
+    if kind == FrameType.STREAM_DATA:
+        if body_len:
+            raise ProtocolError("STREAM_DATA frame with a JSON body")
+        return StreamData(id=frame_id, payload=message[HEADER_BYTES:], end=end)
+    decoder = _DECODERS.get(kind)
+    if decoder is None:
+        return None
+    if body_len > MAX_JSON_BYTES or HEADER_BYTES + body_len > size:
+        raise ProtocolError(f"frame type {kind} declares a {body_len}-byte body it cannot have")
+    body_end = HEADER_BYTES + body_len
+    try:
+        frame = decoder.decode(message[HEADER_BYTES:body_end])
+    except msgspec.DecodeError as exc:
+        raise ProtocolError(f"malformed {FrameType(kind).name} frame: {exc}") from None
+    if isinstance(frame, _WITH_PAYLOAD):
+        frame.id = frame_id
+        frame.payload = message[body_end:]
+        frame.end = end
+        return frame
+    if body_end != size:
+        raise ProtocolError(f"{FrameType(kind).name} frame carries a payload")
+    if isinstance(frame, _WITH_ID):
+        frame.id = frame_id  # the header's id is the one that counts
+    elif frame_id:
+        raise ProtocolError(f"{FrameType(kind).name} frame carries an id")
+    return frame  # type: ignore[no-any-return]

@@ -1,0 +1,412 @@
+"""The agent link's session state machine: handshake, streams and credit, with no I/O.
+
+A :class:`LinkSession` is fed each received WebSocket message with :meth:`receive_message`
+and returns the frame the caller should act on (or ``None`` when the session consumed it);
+what it wants sent piles up in :meth:`data_to_send`. The leader's WebSocket endpoint and the
+agent's dial loop only pump messages through it, so all of the protocol's rules are tested
+with bytes alone.
+
+Rules enforced here (``docs/protocol.md`` is the specification):
+
+- the agent's first frame is Hello, the leader's is Welcome, each exactly once; the version
+  is the highest both ranges share;
+- only the leader opens streams, ids strictly increasing; at most ``max_streams`` are open;
+- each side may send at most the credit the other granted on a stream (initially
+  ``stream_window_bytes``); the receiver grants more as its reader consumes (:meth:`consume`),
+  so a slow reader slows the sender instead of filling memory; data beyond the credit is a
+  protocol error;
+- a stream ends when both sides have sent ``END`` or either resets it.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import msgspec
+
+from berth.cluster.protocol.errors import CloseCode, LinkError, ProtocolError
+from berth.cluster.protocol.frames import (
+    DEFAULT_MAX_FRAME_BYTES,
+    HEADER_BYTES,
+    PROTOCOL_MAX,
+    PROTOCOL_MIN,
+    ErrorInfo,
+    Frame,
+    Heartbeat,
+    Hello,
+    Progress,
+    Request,
+    Response,
+    StreamCredit,
+    StreamData,
+    StreamHead,
+    StreamOpen,
+    StreamReset,
+    Welcome,
+    decode_frame,
+    encode_frame,
+)
+
+
+class Role(enum.Enum):
+    LEADER = "leader"
+    AGENT = "agent"
+
+
+class SessionState(enum.Enum):
+    HANDSHAKE = "handshake"
+    OPEN = "open"
+    CLOSED = "closed"
+
+
+@dataclass(frozen=True)
+class LinkLimits:
+    """The bounds of one link; both sides should use the same values.
+
+    ``max_frame_bytes`` bounds every WebSocket message; ``max_streams`` the streams open at
+    once; ``stream_window_bytes`` the credit each side starts with per stream, which is also
+    the most payload one stream can have buffered at its receiver.
+    """
+
+    max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
+    max_streams: int = 4096
+    stream_window_bytes: int = 256 * 1024
+
+    @property
+    def max_payload_bytes(self) -> int:
+        """Largest payload one STREAM_DATA frame may carry."""
+        return min(self.max_frame_bytes - HEADER_BYTES, self.stream_window_bytes)
+
+
+def negotiate_version(peer_min: int, peer_max: int, ours: tuple[int, int]) -> int | None:
+    """The highest protocol version in both ``[peer_min, peer_max]`` and ``ours``, or None."""
+    high = min(peer_max, ours[1])
+    return high if high >= max(peer_min, ours[0]) else None
+
+
+class _Stream:
+    __slots__ = ("local_end", "recv_room", "recv_unacked", "remote_end", "send_credit")
+
+    def __init__(self, window: int) -> None:
+        self.send_credit = window
+        self.recv_room = window  # bytes the peer may still send before it needs credit
+        self.recv_unacked = 0  # bytes consumed but not yet granted back
+        self.local_end = False
+        self.remote_end = False
+
+
+_MAX_CREDIT = 2**31 - 1
+
+
+class LinkSession:
+    """One side of one agent link. Not thread-safe; use from one event loop."""
+
+    def __init__(
+        self,
+        role: Role,
+        limits: LinkLimits | None = None,
+        versions: tuple[int, int] = (PROTOCOL_MIN, PROTOCOL_MAX),
+    ) -> None:
+        self.role = role
+        self.limits = limits or LinkLimits()
+        self.versions = versions
+        self.state = SessionState.HANDSHAKE
+        #: the negotiated protocol version, once the handshake is done
+        self.protocol_version: int | None = None
+        self.hello: Hello | None = None
+        self._hello_seen = False
+        self._streams: dict[int, _Stream] = {}
+        self._last_stream_id = 0
+        self._last_request_id = 0
+        self._out: list[bytes] = []
+
+    # -- plumbing -----------------------------------------------------------------------------
+
+    def data_to_send(self) -> list[bytes]:
+        """The messages to send, in order; each is one WebSocket binary message."""
+        out, self._out = self._out, []
+        return out
+
+    @property
+    def open_streams(self) -> int:
+        return len(self._streams)
+
+    def has_stream(self, stream_id: int) -> bool:
+        return stream_id in self._streams
+
+    def send_credit(self, stream_id: int) -> int:
+        """Payload bytes this side may send on ``stream_id`` now (0 for an unknown stream)."""
+        stream = self._streams.get(stream_id)
+        return stream.send_credit if stream is not None else 0
+
+    def close(self) -> None:
+        """Forget every stream; the session takes no more frames."""
+        self.state = SessionState.CLOSED
+        self._streams.clear()
+
+    def _send(self, frame: Frame) -> None:
+        if self.state is SessionState.CLOSED:
+            raise LinkError("the agent link is closed")
+        self._out.append(encode_frame(frame))
+
+    # -- handshake ----------------------------------------------------------------------------
+
+    def send_hello(self, hello: Hello) -> None:
+        """Agent: send the first frame."""
+        self._require_role(Role.AGENT, "Hello")
+        if self._hello_seen:
+            raise LinkError("Hello was already sent")
+        self._hello_seen = True
+        self._send(hello)
+
+    def accept(
+        self, *, node_id: str, leader_version: str, server_time: float, **welcome: object
+    ) -> Welcome:
+        """Leader: answer the agent's Hello with Welcome and open the session.
+
+        Raises :class:`ProtocolError` (``UNSUPPORTED_VERSION``) when the agent's protocol range
+        and ours do not meet; the caller closes the link with that code.
+        """
+        self._require_role(Role.LEADER, "Welcome")
+        hello = self.hello
+        if hello is None or self.state is not SessionState.HANDSHAKE:
+            raise LinkError("Welcome is sent once, after Hello")
+        version = negotiate_version(hello.protocol_min, hello.protocol_max, self.versions)
+        if version is None:
+            raise ProtocolError(
+                f"agent speaks protocol {hello.protocol_min}-{hello.protocol_max}, "
+                f"the leader {self.versions[0]}-{self.versions[1]}",
+                CloseCode.UNSUPPORTED_VERSION,
+            )
+        frame = Welcome(
+            protocol_version=version,
+            leader_version=leader_version,
+            node_id=node_id,
+            server_time=server_time,
+            **welcome,  # type: ignore[arg-type]
+        )
+        self._send(frame)
+        self.protocol_version = version
+        self.state = SessionState.OPEN
+        return frame
+
+    def _receive_handshake(self, frame: Frame) -> Frame:
+        if self.role is Role.LEADER:
+            if not isinstance(frame, Hello) or self.hello is not None:
+                raise ProtocolError(f"the agent's first frame must be Hello, not {_name(frame)}")
+            self.hello = frame
+            return frame
+        if not isinstance(frame, Welcome):
+            raise ProtocolError(f"the leader's first frame must be Welcome, not {_name(frame)}")
+        low, high = self.versions
+        if not low <= frame.protocol_version <= high:
+            raise ProtocolError(
+                f"leader chose protocol {frame.protocol_version}, outside {low}-{high}",
+                CloseCode.UNSUPPORTED_VERSION,
+            )
+        self.protocol_version = frame.protocol_version
+        self.state = SessionState.OPEN
+        return frame
+
+    # -- receiving ----------------------------------------------------------------------------
+
+    def receive_message(self, message: bytes) -> Frame | None:
+        """Take one received WebSocket message; return the frame to act on, or ``None``.
+
+        ``None`` means the session handled it (an unknown frame type, data or credit for a
+        stream already forgotten, a stream refused for being over ``max_streams``).
+        Raises :class:`ProtocolError`; the link must then close with its ``code``.
+        """
+        if self.state is SessionState.CLOSED:
+            return None
+        frame = decode_frame(message, self.limits.max_frame_bytes)
+        if frame is None:
+            return None
+        if self.state is SessionState.HANDSHAKE:
+            return self._receive_handshake(frame)
+        kind = type(frame)
+        if kind is StreamData:
+            return self._receive_data(frame)  # type: ignore[arg-type]
+        if kind is StreamCredit:
+            return self._receive_credit(frame)  # type: ignore[arg-type]
+        if kind is StreamOpen:
+            return self._receive_open(frame)  # type: ignore[arg-type]
+        if kind is StreamHead:
+            return self._receive_head(frame)  # type: ignore[arg-type]
+        if kind is StreamReset:
+            return frame if self._streams.pop(frame.id, None) is not None else None  # type: ignore[union-attr]
+        if kind is Heartbeat and self.role is not Role.LEADER:
+            raise ProtocolError("only agents send Heartbeat")
+        if kind is Hello or kind is Welcome:
+            raise ProtocolError(f"{_name(frame)} after the handshake")
+        return frame
+
+    def _receive_open(self, frame: StreamOpen) -> Frame | None:
+        if self.role is not Role.AGENT:
+            raise ProtocolError("only the leader opens streams")
+        if frame.id <= self._last_stream_id:
+            raise ProtocolError(f"stream id {frame.id} is not above {self._last_stream_id}")
+        self._last_stream_id = frame.id
+        if len(self._streams) >= self.limits.max_streams:
+            self._send(StreamReset(id=frame.id, code="refused", message="too many open streams"))
+            return None
+        stream = _Stream(self.limits.stream_window_bytes)
+        self._take(stream, len(frame.payload), frame.id)
+        stream.remote_end = frame.end
+        self._streams[frame.id] = stream
+        return frame
+
+    def _receive_head(self, frame: StreamHead) -> Frame | None:
+        if self.role is not Role.LEADER:
+            raise ProtocolError("only agents answer streams")
+        stream = self._streams.get(frame.id)
+        if stream is None:
+            return None
+        self._take(stream, len(frame.payload), frame.id)
+        if frame.end:
+            self._end_remote(frame.id, stream)
+        return frame
+
+    def _receive_data(self, frame: StreamData) -> Frame | None:
+        stream = self._streams.get(frame.id)
+        if stream is None:
+            return None
+        if stream.remote_end:
+            raise ProtocolError(f"data on stream {frame.id} after its end")
+        self._take(stream, len(frame.payload), frame.id)
+        if frame.end:
+            self._end_remote(frame.id, stream)
+        return frame
+
+    def _receive_credit(self, frame: StreamCredit) -> Frame | None:
+        stream = self._streams.get(frame.id)
+        if stream is None:
+            return None
+        if frame.increment <= 0 or stream.send_credit + frame.increment > _MAX_CREDIT:
+            raise ProtocolError(f"invalid credit {frame.increment} on stream {frame.id}")
+        stream.send_credit += frame.increment
+        return frame
+
+    def _take(self, stream: _Stream, size: int, stream_id: int) -> None:
+        if size > stream.recv_room:
+            raise ProtocolError(
+                f"{size} bytes on stream {stream_id} exceed the {stream.recv_room} granted"
+            )
+        stream.recv_room -= size
+
+    def _end_remote(self, stream_id: int, stream: _Stream) -> None:
+        stream.remote_end = True
+        if stream.local_end:
+            del self._streams[stream_id]
+
+    # -- sending ------------------------------------------------------------------------------
+
+    def send_request(self, op: str, args: msgspec.Raw, timeout_s: float) -> int:
+        """Send a control request; returns its id (answers carry it)."""
+        self._require_open()
+        self._last_request_id += 1
+        self._send(Request(id=self._last_request_id, op=op, args=args, timeout_s=timeout_s))
+        return self._last_request_id
+
+    def send_response(
+        self, request_id: int, result: msgspec.Raw | None = None, error: ErrorInfo | None = None
+    ) -> None:
+        """Answer request ``request_id``: ``result`` (raw JSON) on success, else ``error``."""
+        self._require_open()
+        if error is not None:
+            self._send(Response(id=request_id, ok=False, error=error))
+        else:
+            self._send(Response(id=request_id, ok=True, result=result or msgspec.Raw(b"null")))
+
+    def send_progress(self, request_id: int, event: str, data: msgspec.Raw) -> None:
+        self._require_open()
+        self._send(Progress(id=request_id, event=event, data=data))
+
+    def send_heartbeat(self, heartbeat: Heartbeat) -> None:
+        self._require_role(Role.AGENT, "Heartbeat")
+        self._require_open()
+        self._send(heartbeat)
+
+    def open_stream(self, frame: StreamOpen) -> int:
+        """Leader: open a stream (its first payload must fit the initial credit); returns its id.
+
+        Raises :class:`LinkError` when ``max_streams`` are already open.
+        """
+        self._require_role(Role.LEADER, "StreamOpen")
+        self._require_open()
+        if len(self._streams) >= self.limits.max_streams:
+            raise LinkError(f"{len(self._streams)} streams are open on this link, the maximum")
+        stream = _Stream(self.limits.stream_window_bytes)
+        self._spend(stream, len(frame.payload))
+        self._last_stream_id += 1
+        frame.id = self._last_stream_id
+        stream.local_end = frame.end
+        self._streams[frame.id] = stream
+        self._send(frame)
+        return frame.id
+
+    def send_head(self, frame: StreamHead) -> None:
+        """Agent: the answer's head (and first payload, within the credit) on ``frame.id``."""
+        self._require_role(Role.AGENT, "StreamHead")
+        stream = self._streams.get(frame.id)
+        if stream is None:
+            return
+        self._spend(stream, len(frame.payload))
+        self._send(frame)
+        if frame.end:
+            self._end_local(frame.id, stream)
+
+    def send_data(self, stream_id: int, payload: bytes, end: bool = False) -> None:
+        """Send ``payload`` on a stream; it must fit :meth:`send_credit` and
+        ``max_payload_bytes``. Data for a stream already forgotten (reset) is dropped."""
+        stream = self._streams.get(stream_id)
+        if stream is None:
+            return
+        if len(payload) > self.limits.max_payload_bytes:
+            raise LinkError(f"{len(payload)} bytes exceed the largest frame payload")
+        self._spend(stream, len(payload))
+        self._send(StreamData(id=stream_id, payload=payload, end=end))
+        if end:
+            self._end_local(stream_id, stream)
+
+    def consume(self, stream_id: int, size: int) -> None:
+        """The reader of ``stream_id`` has taken ``size`` bytes; grant the sender more credit
+        once half the window is free again."""
+        stream = self._streams.get(stream_id)
+        if stream is None or stream.remote_end:
+            return
+        stream.recv_unacked += size
+        if stream.recv_unacked * 2 >= self.limits.stream_window_bytes:
+            increment, stream.recv_unacked = stream.recv_unacked, 0
+            stream.recv_room += increment
+            self._send(StreamCredit(id=stream_id, increment=increment))
+
+    def reset_stream(self, stream_id: int, code: str, message: str = "") -> None:
+        """Abandon a stream from this side (e.g. the client went away); idempotent."""
+        if self._streams.pop(stream_id, None) is not None and self.state is SessionState.OPEN:
+            self._send(StreamReset(id=stream_id, code=code, message=message))
+
+    def _spend(self, stream: _Stream, size: int) -> None:
+        if size > stream.send_credit:
+            raise LinkError(f"{size} bytes exceed the stream's credit of {stream.send_credit}")
+        stream.send_credit -= size
+
+    def _end_local(self, stream_id: int, stream: _Stream) -> None:
+        stream.local_end = True
+        if stream.remote_end:
+            del self._streams[stream_id]
+
+    # -- checks -------------------------------------------------------------------------------
+
+    def _require_role(self, role: Role, what: str) -> None:
+        if self.role is not role:
+            raise LinkError(f"the {self.role.value} does not send {what}")
+
+    def _require_open(self) -> None:
+        if self.state is not SessionState.OPEN:
+            raise LinkError(f"the agent link is {self.state.value}, not open")
+
+
+def _name(frame: Frame) -> str:
+    return type(frame).__name__

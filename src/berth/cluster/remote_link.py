@@ -1,0 +1,332 @@
+"""The leader's :class:`~berth.cluster.link.AgentLink` to a remote agent, over its WebSocket.
+
+Control calls become protocol requests (``docs/protocol.md``); ``logs`` and tunneled ``/v1``
+exchanges become streams. :class:`TunnelResponse` gives the proxy the same reading interface
+as :class:`berth.daemon.upstream_response.UpstreamResponse`, so a request to a remote
+deployment is relayed by the same code, with the same error shapes, as a local one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+
+import msgspec
+
+from berth.agent.core import EngineReport, ProbeResult, SpawnListener
+from berth.cluster.connection import LinkConnection, RemoteOpError, StreamResetError, TunnelStream
+from berth.cluster.link import EngineEndpoint, NodeInventory
+from berth.cluster.protocol.errors import LinkError
+from berth.cluster.protocol.frames import Heartbeat, Inventory, Progress, StreamOpen
+from berth.cluster.protocol.ops import (
+    EnginesResult,
+    NoArgs,
+    ProbeArgs,
+    SpawnedEvent,
+    StartArgs,
+    StartResult,
+    StopArgs,
+    decode_payload,
+    encode_payload,
+)
+from berth.cluster.protocol.ops import ProbeResult as ProbeAnswer
+from berth.daemon.upstream import Origin
+from berth.daemon.upstream_errors import (
+    UpstreamConnectError,
+    UpstreamDisconnectError,
+    UpstreamError,
+    UpstreamTimeoutError,
+)
+from berth.errors import EngineError, NotFoundError
+from berth.runtime.engines import DeploymentRequest
+from berth.runtime.gpu import GpuInfo
+from berth.store.records import NodeHardware
+
+#: Seconds a quick control request (stop excepted) may take before the link counts as stuck.
+CONTROL_TIMEOUT_S = 30.0
+#: The scheme of a remote engine's ``base_url``: its traffic goes through the tunnel.
+TUNNEL_SCHEME = "berth-tunnel"
+
+
+def tunnel_url(node_id: str, deployment_id: str) -> str:
+    return f"{TUNNEL_SCHEME}://{node_id}/{deployment_id}"
+
+
+def node_inventory(node_id: str, inventory: Inventory) -> NodeInventory:
+    return NodeInventory(
+        node_id=node_id,
+        hostname=inventory.hostname,
+        cpu_count=inventory.cpu_count,
+        memory_total_mb=inventory.memory_total_mb,
+        gpus=tuple(
+            GpuInfo(
+                index=g.index,
+                name=g.name,
+                uuid=g.uuid,
+                memory_total_mb=g.memory_total_mb,
+                memory_used_mb=g.memory_used_mb,
+                utilization_pct=g.utilization_pct,
+            )
+            for g in inventory.gpus
+        ),
+    )
+
+
+def node_hardware(inventory: Inventory) -> NodeHardware:
+    """The store's record of an agent-reported inventory."""
+    gpus = node_inventory("", inventory).gpus
+    return NodeHardware(inventory.hostname, inventory.cpu_count, inventory.memory_total_mb, gpus)
+
+
+@dataclass
+class NodeLoad:
+    """What the node's last heartbeat said: when, and requests in flight per deployment."""
+
+    heartbeat_at: float = 0.0
+    in_flight: dict[str, int] = field(default_factory=dict)
+
+
+class RemoteLink:
+    """Drives one remote agent through its :class:`LinkConnection`."""
+
+    def __init__(self, node_id: str, conn: LinkConnection, inventory: Inventory) -> None:
+        self.node_id = node_id
+        self.conn = conn
+        self._inventory = inventory
+        self.load = NodeLoad()
+
+    @property
+    def last_inventory(self) -> Inventory:
+        """The inventory from Hello, with the GPUs of the latest heartbeat."""
+        return self._inventory
+
+    def record_heartbeat(self, heartbeat: Heartbeat, received_at: float) -> None:
+        self.load.heartbeat_at = received_at
+        self.load.in_flight = {d.deployment_id: d.in_flight for d in heartbeat.deployments}
+        self._inventory = msgspec.structs.replace(self._inventory, gpus=heartbeat.gpus)
+
+    # -- AgentLink -------------------------------------------------------------------------
+
+    async def start_deployment(
+        self,
+        request: DeploymentRequest,
+        health_timeout_s: float,
+        on_spawned: SpawnListener | None = None,
+    ) -> EngineEndpoint:
+        args = StartArgs(
+            deployment_id=request.deployment_id,
+            model_name=request.model_name,
+            model_path=str(request.model_path),
+            engine=request.engine,
+            gpus=list(request.gpus),
+            ctx=request.ctx,
+            extra_args=list(request.extra_args),
+            served_model_name=request.served_model_name,
+            health_timeout_s=health_timeout_s,
+        )
+
+        async def progress(frame: Progress) -> None:
+            if frame.event == "spawned" and on_spawned is not None:
+                event = decode_payload(frame.data, SpawnedEvent, "spawned event")
+                await on_spawned(event.pid, event.port)
+
+        raw = await self._call("start", args, health_timeout_s + CONTROL_TIMEOUT_S, progress)
+        result = decode_payload(raw, StartResult, "start result")
+        return EngineEndpoint(
+            request.deployment_id,
+            tunnel_url(self.node_id, request.deployment_id),
+            result.pid,
+            result.port,
+        )
+
+    async def stop_deployment(self, deployment_id: str, grace_s: float) -> None:
+        args = StopArgs(deployment_id=deployment_id, grace_s=grace_s)
+        await self._call("stop", args, grace_s + CONTROL_TIMEOUT_S)
+
+    async def reattach(self, deployment_id: str, pid: int, port: int) -> EngineEndpoint | None:
+        """A remote engine is never re-attached by pid: the agent reports its engines in
+        Hello and the leader reconciles (``LifecycleManager.node_connected``)."""
+        for engine in await self.engines():
+            if engine.deployment_id == deployment_id and engine.alive:
+                url = tunnel_url(self.node_id, deployment_id)
+                return EngineEndpoint(deployment_id, url, engine.pid, engine.port)
+        return None
+
+    async def probe(self, deployment_id: str) -> ProbeResult:
+        raw = await self._call("probe", ProbeArgs(deployment_id=deployment_id), CONTROL_TIMEOUT_S)
+        return decode_payload(raw, ProbeAnswer, "probe result").result
+
+    async def engines(self) -> list[EngineReport]:
+        raw = await self._call("engines", NoArgs(), CONTROL_TIMEOUT_S)
+        result = decode_payload(raw, EnginesResult, "engines result")
+        return [EngineReport(e.deployment_id, e.pid, e.port, e.alive) for e in result.engines]
+
+    async def inventory(self) -> NodeInventory:
+        raw = await self._call("inventory", NoArgs(), CONTROL_TIMEOUT_S)
+        self._inventory = decode_payload(raw, Inventory, "inventory")
+        return node_inventory(self.node_id, self._inventory)
+
+    async def logs(
+        self, deployment_id: str, *, tail_lines: int, follow: bool
+    ) -> AsyncIterator[bytes]:
+        opening = StreamOpen(
+            kind="logs", deployment_id=deployment_id, tail_lines=tail_lines, follow=follow
+        )
+        stream = self._open(opening)
+        try:
+            while chunk := await _read(stream):
+                yield chunk
+        finally:
+            stream.release()
+
+    # -- the tunnel --------------------------------------------------------------------------
+
+    async def open_http(
+        self,
+        deployment_id: str,
+        method: bytes,
+        target: bytes,
+        headers: Sequence[tuple[bytes, bytes]],
+        body: bytes,
+        read_timeout_s: float | None,
+    ) -> TunnelResponse:
+        """Send one HTTP exchange to the deployment's engine through the agent.
+
+        Returns once the answer's head is in. Raises the errors of
+        :meth:`berth.daemon.upstream.UpstreamPool.request`, so the proxy treats both alike:
+        ``UpstreamConnectError`` (the link or the engine could not be reached),
+        ``UpstreamTimeoutError`` (no head within ``read_timeout_s``).
+        """
+        origin = Origin(self.node_id, 0)
+        limits = self.conn.session.limits
+        first = body[: min(limits.stream_window_bytes, limits.max_payload_bytes)]
+        opening = StreamOpen(
+            kind="http",
+            deployment_id=deployment_id,
+            method=method.decode("latin-1"),
+            target=target.decode("latin-1"),
+            headers=[(k.decode("latin-1"), v.decode("latin-1")) for k, v in headers],
+            payload=first,
+            end=len(first) == len(body),
+        )
+        try:
+            stream = self.conn.open_stream(opening)
+        except LinkError as exc:
+            raise UpstreamConnectError(origin, f"agent link unavailable: {exc}") from exc
+        try:
+            if len(first) < len(body):
+                await stream.write(body[len(first) :], end=True)
+            head = await stream.wait_head(read_timeout_s)
+        except TimeoutError:
+            stream.reset("cancelled", "no answer in time")
+            raise UpstreamTimeoutError(origin, read_timeout_s or 0.0) from None
+        except StreamResetError as exc:
+            stream.reset("cancelled")
+            if exc.reset_code == "engine_timeout":
+                raise UpstreamTimeoutError(origin, read_timeout_s or 0.0) from None
+            raise UpstreamConnectError(origin, str(exc)) from exc
+        except BaseException:
+            stream.reset("cancelled")
+            raise
+        return TunnelResponse(stream, head.status, head.headers, origin, read_timeout_s)
+
+    # -- internals ---------------------------------------------------------------------------
+
+    def _open(self, opening: StreamOpen) -> TunnelStream:
+        try:
+            return self.conn.open_stream(opening)
+        except LinkError as exc:
+            raise EngineError(f"node {self.node_id}: {exc}") from exc
+
+    async def _call(
+        self,
+        op: str,
+        args: msgspec.Struct,
+        timeout_s: float,
+        on_progress: object = None,
+    ) -> msgspec.Raw:
+        try:
+            return await self.conn.request(
+                op,
+                encode_payload(args),
+                timeout_s,
+                on_progress,  # type: ignore[arg-type]
+            )
+        except RemoteOpError as exc:
+            if exc.info.code == "not_found":
+                raise NotFoundError("engine", exc.info.message) from exc
+            raise EngineError(
+                f"node {self.node_id}: {exc.info.message}", log_tail=exc.info.log_tail
+            ) from exc
+        except LinkError as exc:
+            raise EngineError(f"node {self.node_id}: {exc}") from exc
+
+
+async def _read(stream: TunnelStream) -> bytes:
+    try:
+        return await stream.read()
+    except StreamResetError as exc:
+        if exc.reset_code == "not_found":
+            raise NotFoundError("engine log", str(exc)) from exc
+        raise EngineError(str(exc)) from exc
+
+
+class TunnelResponse:
+    """A tunneled answer with :class:`~berth.daemon.upstream_response.UpstreamResponse`'s
+    interface: ``status``, ``headers``, ``content_length``, ``read_chunk``, ``read``,
+    ``at_eof``, ``close``."""
+
+    def __init__(
+        self,
+        stream: TunnelStream,
+        status: int,
+        headers: list[tuple[str, str]],
+        origin: Origin,
+        read_timeout_s: float | None,
+    ) -> None:
+        self._stream = stream
+        self.status = status
+        self.headers = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in headers]
+        self._origin = origin
+        self._read_timeout_s = read_timeout_s
+        length = self.header(b"content-length")
+        self.content_length = int(length) if length is not None and length.isdigit() else None
+
+    def header(self, name: bytes) -> bytes | None:
+        for key, value in self.headers:
+            if key == name:
+                return value
+        return None
+
+    @property
+    def at_eof(self) -> bool:
+        return self._stream.ended
+
+    async def read_chunk(self) -> bytes:
+        try:
+            return await self._stream.read(self._read_timeout_s)
+        except TimeoutError:
+            self.close()
+            raise UpstreamTimeoutError(self._origin, self._read_timeout_s or 0.0) from None
+        except StreamResetError as exc:
+            raise UpstreamDisconnectError(self._origin, str(exc), answered=True) from exc
+
+    async def read(self, limit_bytes: int | None = None) -> bytes:
+        parts: list[bytes] = []
+        size = 0
+        while limit_bytes is None or size < limit_bytes:
+            chunk = await self.read_chunk()
+            if not chunk:
+                break
+            parts.append(chunk)
+            size += len(chunk)
+        data = b"".join(parts)
+        return data if limit_bytes is None else data[:limit_bytes]
+
+    def close(self) -> None:
+        """Done with the answer; an unfinished one resets its stream, which cancels the
+        agent's request to the engine."""
+        self._stream.release()
+
+
+__all__ = ["RemoteLink", "TunnelResponse", "UpstreamError", "tunnel_url"]
