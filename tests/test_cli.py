@@ -184,7 +184,10 @@ def leader(workdir: Path, llama_server_bin: Path, hub: HubStandin) -> Iterator[t
     daemon_cwd.mkdir()
     berth = Berth(workdir / "home", env=env, cwd=daemon_cwd)
     port = find_free_port()
-    started = berth("daemon", "start", "--public-port", str(port))
+    cluster_port = find_free_port()
+    started = berth(
+        "daemon", "start", "--public-port", str(port), "--cluster-port", str(cluster_port)
+    )
     assert "berth leader running" in started.stdout
     try:
         yield berth, port
@@ -563,8 +566,10 @@ def test_daemon_status_json_has_pid_and_listeners(leader: tuple[Berth, int]) -> 
 
     assert info["pid"] == int((berth.home / "daemon.pid").read_text())
     assert alive(info["pid"]) and info["ready"] is True
+    assert info["cluster_url"].startswith("https://127.0.0.1:")
     assert info["listeners"] == [
         {"name": "public", "url": f"https://127.0.0.1:{port}"},
+        {"name": "cluster", "url": info["cluster_url"]},
         {"name": "socket", "url": f"unix://{berth.home / 'berth.sock'}"},
     ]
     assert info["ca_file"] == str(berth.home / "ca" / "ca.pem")

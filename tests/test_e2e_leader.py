@@ -69,7 +69,7 @@ def leader(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Berth, in
     home = tmp_path_factory.mktemp("leader-home")
     berth = Berth(home)
     port = find_free_port()
-    berth("daemon", "start", "--public-port", str(port))
+    berth("daemon", "start", "--public-port", str(port), "--cluster-port", str(find_free_port()))
     try:
         yield berth, port
     finally:

@@ -1,0 +1,303 @@
+"""Enrollment end to end on real TLS sockets: the cluster listener (aiohttp on loopback, a
+temporary CA) and ``register_agent``, the code ``berth agent register`` runs."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import ssl
+import stat
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import httpx
+import pytest
+from aiohttp import web
+from cryptography import x509
+from cryptography.x509.oid import NameOID
+
+from berth.agent.identity import client_ssl_context, load_agent_identity
+from berth.agent.registration import register_agent
+from berth.cluster.ca import CertificateAuthority, fingerprint_of_der, fingerprint_of_pem
+from berth.cluster.enrollment import (
+    TOKEN_VALIDITY_S,
+    AuditLog,
+    EnrollmentService,
+    EnrollmentURI,
+    RegistrationRateLimiter,
+    validate_node_label,
+)
+from berth.cluster.listener import (
+    ClusterListener,
+    build_cluster_app,
+    cluster_ssl_context,
+    cluster_tls_files,
+    peer_certificate_der,
+)
+from berth.daemon.server import bind_tcp
+from berth.errors import AuthError, ConfigError, RateLimitError
+from berth.paths import BerthHome
+from berth.store import Store
+
+
+class Clock:
+    """Epoch seconds that only move when a test says so."""
+
+    def __init__(self) -> None:
+        self.now = 1_700_000_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@dataclass
+class Leader:
+    home: BerthHome
+    ca: CertificateAuthority
+    store: Store
+    enrollment: EnrollmentService
+    clock: Clock
+    url: str
+
+    def uri(self, label: str) -> EnrollmentURI:
+        return self.enrollment.issue_token(label).uri
+
+    def audit_lines(self) -> list[dict[str, object]]:
+        if not self.home.audit_log.exists():
+            return []
+        return [json.loads(line) for line in self.home.audit_log.read_text().splitlines()]
+
+
+async def _whoami(request: web.Request) -> web.StreamResponse:
+    """Stand-in for the hub: says which client certificate the TLS layer saw."""
+    der = peer_certificate_der(request)
+    return web.json_response({"fingerprint": fingerprint_of_der(der) if der else None})
+
+
+@pytest.fixture
+async def leader(tmp_path: Path) -> AsyncIterator[Leader]:
+    home = BerthHome(tmp_path / "leader")
+    home.ensure()
+    ca = CertificateAuthority.load_or_create(home.ca_dir)
+    store = Store(f"sqlite:///{home.db_file}")
+    store.migrate()
+    store.ensure_local_node()
+    clock = Clock()
+    sock = bind_tcp("cluster", "127.0.0.1", 0)
+    url = f"https://127.0.0.1:{sock.getsockname()[1]}"
+    enrollment = EnrollmentService(
+        store=store,
+        ca=ca,
+        pepper=b"p" * 32,
+        cluster_url=url,
+        audit=AuditLog(home.audit_log),
+        clock=clock,
+    )
+    app = build_cluster_app(
+        enrollment=enrollment, ca_pem=ca.cert_pem, agent_handler=_whoami, monotonic=clock
+    )
+    tls = cluster_ssl_context(ca, *cluster_tls_files(ca, "127.0.0.1", home.ca_dir))
+    listener = ClusterListener(app, sock, tls)
+    await listener.start()
+    try:
+        yield Leader(home, ca, store, enrollment, clock, url)
+    finally:
+        await listener.stop()
+        store.close()
+
+
+def _agent_home(tmp_path: Path, name: str = "agent") -> BerthHome:
+    return BerthHome(tmp_path / name)
+
+
+async def test_registration_writes_a_private_identity_named_by_the_leader(
+    leader: Leader, tmp_path: Path
+) -> None:
+    home = _agent_home(tmp_path)
+    uri = leader.uri("gpu-1")
+
+    identity = await asyncio.to_thread(register_agent, uri, home)
+
+    assert stat.S_IMODE(home.agent_key.stat().st_mode) == 0o600
+    assert stat.S_IMODE(home.agent_config.stat().st_mode) == 0o600
+    assert home.agent_ca.read_bytes() == leader.ca.cert_pem
+    assert load_agent_identity(home) == identity
+    assert (identity.label, identity.leader_url) == ("gpu-1", leader.url)
+    cert = x509.load_pem_x509_certificate(home.agent_cert.read_bytes())
+    (cn,) = cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)
+    node = leader.store.get_node_by_label("gpu-1")
+    assert cn.value == node.id == identity.node_id
+    assert node.status == "unreachable"
+    assert node.cert_fingerprint == fingerprint_of_pem(home.agent_cert.read_bytes())
+
+    # The agent's mTLS context reaches the agent endpoint, which sees the same certificate.
+    async with httpx.AsyncClient(verify=client_ssl_context(identity)) as client:
+        seen = (await client.get(f"{leader.url}/cluster/agent")).json()
+    assert seen["fingerprint"] == node.cert_fingerprint
+    (line,) = leader.audit_lines()
+    assert line["outcome"] == "enrolled" and line["node_id"] == node.id
+    assert line["source_address"] == "127.0.0.1"
+    assert line["token_prefix"] == uri.token[:8]
+
+
+async def test_a_token_works_once(leader: Leader, tmp_path: Path) -> None:
+    uri = leader.uri("gpu-1")
+    await asyncio.to_thread(register_agent, uri, _agent_home(tmp_path, "a"))
+
+    with pytest.raises(AuthError, match="already used"):
+        await asyncio.to_thread(register_agent, uri, _agent_home(tmp_path, "b"))
+
+    assert not _agent_home(tmp_path, "b").agent_config.exists()
+    lines = leader.audit_lines()
+    assert [line["outcome"] for line in lines] == ["enrolled", "refused"]
+    assert lines[1]["reason"] == "used" and lines[1]["token_prefix"] == uri.token[:8]
+
+
+async def test_an_expired_token_is_refused(leader: Leader, tmp_path: Path) -> None:
+    uri = leader.uri("gpu-1")
+    leader.clock.now += TOKEN_VALIDITY_S + 1
+
+    with pytest.raises(AuthError, match="expired"):
+        await asyncio.to_thread(register_agent, uri, _agent_home(tmp_path))
+
+    assert [line["reason"] for line in leader.audit_lines()] == ["expired"]
+
+
+async def test_a_ca_fingerprint_mismatch_stops_before_any_csr(
+    leader: Leader, tmp_path: Path
+) -> None:
+    uri = leader.uri("gpu-1")
+    wrong = replace(uri, ca_fingerprint="sha256:" + "0" * 64)
+
+    with pytest.raises(AuthError, match="does not match"):
+        await asyncio.to_thread(register_agent, wrong, _agent_home(tmp_path, "a"))
+
+    assert leader.audit_lines() == [], "no registration attempt may reach the leader"
+    assert not _agent_home(tmp_path, "a").root.exists()
+    # The token was not spent.
+    await asyncio.to_thread(register_agent, uri, _agent_home(tmp_path, "b"))
+
+
+async def test_registration_is_rate_limited_per_address(leader: Leader, tmp_path: Path) -> None:
+    uri = leader.uri("gpu-1")
+    bad = replace(uri, token="not-a-token-at-all")
+    for _ in range(10):
+        with pytest.raises(AuthError, match="unknown enrollment token"):
+            await asyncio.to_thread(register_agent, bad, _agent_home(tmp_path))
+
+    with pytest.raises(RateLimitError, match="too many"):
+        await asyncio.to_thread(register_agent, uri, _agent_home(tmp_path))
+    async with httpx.AsyncClient(verify=False) as client:
+        response = await client.post(
+            f"{leader.url}/admin/nodes/register", json={"token": uri.token, "csr_pem": ""}
+        )
+    assert response.status_code == 429
+    assert response.headers["Retry-After"] == "60"
+    assert response.json()["error"]["type"] == "rate_limit_error"
+
+    lines = leader.audit_lines()
+    assert len(lines) == 12
+    assert {line["source_address"] for line in lines} == {"127.0.0.1"}
+    assert [line["token_prefix"] for line in lines[:10]] == ["not-a-to"] * 10
+    assert [line["outcome"] for line in lines[10:]] == ["rate_limited"] * 2
+
+    leader.clock.now += 61
+    await asyncio.to_thread(register_agent, uri, _agent_home(tmp_path))
+
+
+async def test_reenrolling_a_label_keeps_the_id_and_replaces_the_fingerprint(
+    leader: Leader, tmp_path: Path
+) -> None:
+    first = await asyncio.to_thread(register_agent, leader.uri("gpu-1"), _agent_home(tmp_path, "a"))
+    before = leader.store.get_node(first.node_id)
+    leader.store.remove_node(first.node_id)
+
+    second = await asyncio.to_thread(
+        register_agent, leader.uri("gpu-1"), _agent_home(tmp_path, "b")
+    )
+
+    after = leader.store.get_node(second.node_id)
+    assert second.node_id == first.node_id
+    assert after.status == "unreachable"
+    assert after.cert_fingerprint != before.cert_fingerprint
+    assert after.cert_fingerprint == fingerprint_of_pem(second.cert_path.read_bytes())
+
+
+async def test_malformed_bodies_are_400_and_the_ca_is_served(leader: Leader) -> None:
+    async with httpx.AsyncClient(verify=False) as client:
+        ca = await client.get(f"{leader.url}/admin/ca.pem")
+        not_json = await client.post(f"{leader.url}/admin/nodes/register", content=b"{")
+        no_csr = await client.post(
+            f"{leader.url}/admin/nodes/register", json={"token": leader.uri("gpu-1").token}
+        )
+        bad_csr = await client.post(
+            f"{leader.url}/admin/nodes/register",
+            json={"token": leader.uri("gpu-2").token, "csr_pem": "nope"},
+        )
+
+    assert ca.content == leader.ca.cert_pem
+    assert ca.headers["content-type"] == "application/x-pem-file"
+    for response in (not_json, no_csr, bad_csr):
+        assert response.status_code == 400, response.text
+        assert response.json()["error"]["type"] == "invalid_request_error"
+    assert "certificate signing request" in bad_csr.json()["error"]["message"]
+
+
+async def test_a_client_certificate_from_another_ca_fails_the_handshake(
+    leader: Leader, tmp_path: Path
+) -> None:
+    stranger = CertificateAuthority.load_or_create(tmp_path / "other-ca")
+    stranger.issue_server_certificate(["intruder"], tmp_path / "c.pem", tmp_path / "c.key")
+    context = ssl.create_default_context(cadata=leader.ca.cert_pem.decode())
+    context.load_cert_chain(tmp_path / "c.pem", tmp_path / "c.key")
+
+    async with httpx.AsyncClient(verify=context) as client:
+        with pytest.raises(httpx.HTTPError):
+            await client.get(f"{leader.url}/admin/ca.pem")
+
+
+# -- pure parts ----------------------------------------------------------------------------------
+
+
+def test_enrollment_uri_round_trips() -> None:
+    uri = EnrollmentURI("https://leader.example:11501", "t0k-en_", "sha256:" + "ab" * 32)
+
+    assert str(uri).startswith("berth://enroll?leader=https%3A%2F%2Fleader.example%3A11501&")
+    assert EnrollmentURI.parse(str(uri)) == uri
+
+
+@pytest.mark.parametrize(
+    ("text", "complaint"),
+    [
+        ("https://enroll?leader=x", "not an enrollment URI"),
+        ("berth://enroll?leader=https://l:1&token=t", "ca_fp"),
+        ("berth://enroll?leader=http://l:1&token=t&ca_fp=sha256:" + "a" * 64, "https://"),
+        ("berth://enroll?leader=https://l:1&token=&ca_fp=sha256:" + "a" * 64, "token"),
+        ("berth://enroll?leader=https://l:1&token=t&ca_fp=md5:aa", "sha256:<64 hex"),
+    ],
+)
+def test_malformed_enrollment_uris_say_what_is_wrong(text: str, complaint: str) -> None:
+    with pytest.raises(ConfigError, match=complaint):
+        EnrollmentURI.parse(text)
+
+
+@pytest.mark.parametrize("label", ["gpu-1", "a", "0" * 63])
+def test_valid_labels(label: str) -> None:
+    assert validate_node_label(label) == label
+
+
+@pytest.mark.parametrize("label", ["", "-gpu", "GPU", "gpu_1", "a" * 64, "local", "a.b"])
+def test_invalid_labels(label: str) -> None:
+    with pytest.raises(ConfigError):
+        validate_node_label(label)
+
+
+def test_rate_limiter_slides_its_window_per_address() -> None:
+    limiter = RegistrationRateLimiter(max_attempts=3, window_s=60.0)
+
+    assert [limiter.check("a", t) for t in (0.0, 10.0, 20.0)] == [None, None, None]
+    assert limiter.check("a", 30.0) == pytest.approx(30.0)
+    assert limiter.check("b", 30.0) is None
+    assert limiter.check("a", 60.0) is None  # the attempt at 0 left the window
+    assert limiter.check("a", 61.0) == pytest.approx(9.0)
