@@ -578,3 +578,62 @@ def test_daemon_status_json_has_pid_and_listeners(leader: tuple[Berth, int]) -> 
     assert settings["public_port"] == {"value": port, "source": "flag"}
     assert settings["llama_server_bin"]["source"] == "env"
     assert settings["log_level"] == {"value": "info", "source": "default"}
+
+
+# -- nodes ---------------------------------------------------------------------------------------
+
+
+def test_nodes_enroll_register_list_and_remove(leader: tuple[Berth, int], tmp_path: Path) -> None:
+    from berth.cluster.enrollment import EnrollmentURI
+
+    berth, _ = leader
+    info = berth.admin("GET", "/admin/info")
+
+    enrolled = berth("nodes", "enroll", "cli-node").stdout
+    (uri_line,) = [line for line in enrolled.splitlines() if line.startswith("berth://")]
+    uri = EnrollmentURI.parse(uri_line)
+    assert (uri.leader_url, uri.ca_fingerprint) == (info["cluster_url"], info["ca_fingerprint"])
+    assert f"berth agent register --uri '{uri_line}'" in enrolled
+    assert "expires at " in enrolled
+
+    agent = Berth(tmp_path / "agent-home", env=berth.env, cwd=tmp_path)
+    registered = agent("agent", "register", "--uri", uri_line).stdout
+    assert "enrolled as node cli-node" in registered
+    assert (tmp_path / "agent-home" / "agent.key").stat().st_mode & 0o077 == 0
+    again = agent.fails("agent", "register", "--uri", uri_line)
+    assert "enrollment token already used" in again
+
+    listed = {n["label"]: n for n in berth.json("nodes", "ls")}
+    assert listed["local"]["status"] == "ready"
+    assert listed["cli-node"]["status"] == "unreachable"
+    table = berth("nodes", "ls").stdout
+    assert "local" in table and "cli-node" in table
+    shown = berth.json("nodes", "show", "cli-node")
+    assert shown["cert_fingerprint"].startswith("sha256:")
+
+    # The path lives on the agent's host, so the leader records it without checking it.
+    berth("models", "add", "remote-model", "/srv/models/remote.gguf", "--node", "cli-node")
+    (model,) = [m for m in berth.json("models", "ls") if m["name"] == "remote-model"]
+    assert model["locations"] == {shown["id"]: "/srv/models/remote.gguf"}
+
+    assert berth("nodes", "remove", "cli-node").stdout.startswith("removed node cli-node (n-")
+    assert "cli-node" not in {n["label"] for n in berth.json("nodes", "ls")}
+
+
+def test_nodes_refuse_local_unknown_and_bad_labels(leader: tuple[Berth, int]) -> None:
+    berth, _ = leader
+
+    line = berth.fails("nodes", "remove", "local", exit_code=2)
+    assert "cannot be removed" in line
+    assert berth.fails("nodes", "remove", "no-such-node", exit_code=2) == (
+        "error: node 'no-such-node' not found"
+    )
+    assert "invalid node label" in berth.fails("nodes", "enroll", "Bad_Label", exit_code=2)
+    assert "'local'" in berth.fails("nodes", "enroll", "local", exit_code=2)
+
+
+def test_agent_register_refuses_a_malformed_uri(fresh: Berth) -> None:
+    line = fresh.fails("agent", "register", "--uri", "https://nope", exit_code=2)
+
+    assert "not an enrollment URI" in line
+    assert not fresh.home.exists()

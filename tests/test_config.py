@@ -320,3 +320,41 @@ def test_write_config_values_refuses_bad_input_and_leaves_the_file(
         write_config_values(path, updates)
 
     assert path.read_text() == "[server]\npublic_port = 1234\n"
+
+
+def _detected() -> str:
+    return "10.1.2.3"
+
+
+@pytest.mark.parametrize(
+    ("env", "public_host", "cluster_host", "public_source"),
+    [
+        ({}, "127.0.0.1", "127.0.0.1", "default"),
+        ({"BERTH_PUBLIC_BIND": "0.0.0.0"}, "10.1.2.3", "127.0.0.1", "autodetect"),
+        ({"BERTH_CLUSTER_BIND": "::"}, "127.0.0.1", "10.1.2.3", "default"),
+        (
+            {"BERTH_PUBLIC_BIND": "0.0.0.0", "BERTH_PUBLIC_HOST": "api.example"},
+            "api.example",
+            "127.0.0.1",
+            "env",
+        ),
+    ],
+)
+def test_hosts_are_autodetected_only_for_a_wildcard_bind_nobody_named(
+    home: BerthHome, env: dict[str, str], public_host: str, cluster_host: str, public_source: str
+) -> None:
+    settings = Settings.load(home, env=env, detect_address=_detected)
+
+    assert (settings.public_host, settings.cluster_host) == (public_host, cluster_host)
+    assert settings.source("public_host") == public_source
+
+
+def test_leader_url_overrides_only_the_advertised_cluster_url(home: BerthHome) -> None:
+    plain = Settings.load(home, env={"BERTH_CLUSTER_HOST": "::1"})
+    overridden = Settings.load(home, env={"BERTH_LEADER_URL": "https://lb.example:443/"})
+
+    assert plain.cluster_url(4242) == "https://[::1]:4242"
+    assert overridden.cluster_url(4242) == "https://lb.example:443"
+    assert overridden.cluster_port == plain.cluster_port
+    with pytest.raises(ConfigError, match="BERTH_LEADER_URL|https://"):
+        Settings.load(home, env={"BERTH_LEADER_URL": "http://lb.example"})
