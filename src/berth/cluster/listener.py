@@ -116,7 +116,7 @@ def build_cluster_app(
         try:
             body = await request.json(loads=json.loads)
         except (ValueError, UnicodeDecodeError):
-            raise ConfigError("the request body is not valid JSON") from None
+            body = None  # refused below, after it counted against the rate limit
         token = body.get("token") if isinstance(body, dict) else None
         csr_pem = body.get("csr_pem") if isinstance(body, dict) else None
         token_text = token if isinstance(token, str) else ""
