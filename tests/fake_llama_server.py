@@ -10,6 +10,12 @@ berth appends ``--extra-arg`` values verbatim.  It serves, on ``H:P``:
 * ``POST /v1/chat/completions``: a fixed answer, as JSON or, with ``"stream": true``, as an
   SSE stream (chunked, one event per word, a usage chunk, ``data: [DONE]``).
 
+Test-only request fields (the tunnel tests): ``"x_bulk_bytes": N`` with ``"stream": true``
+streams about N bytes of SSE events of 64 KiB each; ``"x_events": N`` with
+``"x_event_delay_s": S`` streams N small events S seconds apart, printing
+:data:`CLIENT_GONE` if the client goes away first; every JSON answer carries
+``"x_received_bytes"``, the size of the request body.
+
 Test-only flags: ``--fail-start`` prints an error line (:data:`FAIL_LINE`) and exits 1
 before listening.  Lines it prints go to stdout, flushed, so berth's engine log shows them.
 
@@ -23,6 +29,7 @@ import argparse
 import json
 import signal
 import sys
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from types import FrameType
 
@@ -32,6 +39,8 @@ ANSWER = "Hello from the fake llama-server."
 FAIL_LINE = "error: fake llama-server refuses to start (--fail-start)"
 #: Printed once the engine listens; tests find it in ``berth logs``.
 LISTENING = "fake llama-server listening on"
+#: Printed when a client closes the connection before a slow stream ended.
+CLIENT_GONE = "fake llama-server: client went away mid-stream"
 #: (prompt, completion) token counts reported in ``usage``.
 USAGE = (5, 6)
 
@@ -107,6 +116,12 @@ class _Handler(BaseHTTPRequestHandler):
         except ValueError:
             self._json(400, {"error": {"code": 400, "message": "invalid JSON body"}})
             return
+        if body.get("stream") and body.get("x_bulk_bytes"):
+            self._bulk(int(body["x_bulk_bytes"]))
+            return
+        if body.get("stream") and body.get("x_events"):
+            self._slow(int(body["x_events"]), float(body.get("x_event_delay_s", 0.1)))
+            return
         if body.get("stream"):
             self._sse(_stream_events(self.alias))
             return
@@ -120,6 +135,7 @@ class _Handler(BaseHTTPRequestHandler):
                 "model": self.alias,
                 "choices": [{"index": 0, "message": message, "finish_reason": "stop"}],
                 "usage": _usage(),
+                "x_received_bytes": len(raw),
             },
         )
 
@@ -140,6 +156,35 @@ class _Handler(BaseHTTPRequestHandler):
             self.wfile.write(b"%x\r\n%s\r\n" % (len(event), event))
             self.wfile.flush()
         self.wfile.write(b"0\r\n\r\n")
+
+    def _bulk(self, total_bytes: int) -> None:
+        event = b'data: {"x": "' + b"a" * (64 * 1024 - 15) + b'"}\n\n'
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        sent = 0
+        frame = b"%x\r\n%s\r\n" % (len(event), event)
+        while sent < total_bytes:
+            self.wfile.write(frame)
+            sent += len(event)
+        done = b"data: [DONE]\n\n"
+        self.wfile.write(b"%x\r\n%s\r\n0\r\n\r\n" % (len(done), done))
+
+    def _slow(self, events: int, delay_s: float) -> None:
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        try:
+            for i in range(events):
+                event = f"data: {json.dumps(_chunk(self.alias, {'content': str(i)}, None))}\n\n"
+                self.wfile.write(b"%x\r\n%s\r\n" % (len(event), event.encode()))
+                self.wfile.flush()
+                time.sleep(delay_s)
+            self.wfile.write(b"0\r\n\r\n")
+        except OSError:
+            print(CLIENT_GONE, flush=True)
 
 
 def _on_sigterm(_signum: int, _frame: FrameType | None) -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import signal
@@ -107,13 +106,14 @@ def start(
 
 
 def _run_foreground(home: BerthHome, settings: Settings) -> None:
+    from berth import eventloop
     from berth.daemon.server import serve  # the server stack loads only when needed
 
     logging.basicConfig(
         level=settings.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    asyncio.run(serve(home, settings))
+    eventloop.run(serve(home, settings))
 
 
 def _wait_started(

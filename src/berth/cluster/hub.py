@@ -138,8 +138,11 @@ class NodeHub:
     async def handle_agent(self, request: web.Request) -> web.StreamResponse:
         """``GET /cluster/agent``: one agent's link, from upgrade to close."""
         peer = request.remote or "?"
+        # The WebSocket layer's own cap is looser than the protocol's, so that a frame a
+        # little over the limit is read whole and refused by the decoder with a clean close
+        # (1009) the agent can read; far larger ones are cut off by aiohttp.
         ws = web.WebSocketResponse(
-            max_msg_size=self.limits.max_frame_bytes, compress=False, autoping=True
+            max_msg_size=4 * self.limits.max_frame_bytes, compress=False, autoping=True
         )
         await ws.prepare(request)
         node_id, refusal = await self._identify(request)

@@ -108,6 +108,7 @@ def build_node_router(services: LeaderServices) -> APIRouter:
         record = await asyncio.to_thread(store.lookup_node, ident)
         removed = await asyncio.to_thread(store.remove_node, record.id)
         await services.hub.disconnect_node(record.id)
+        await services.lifecycle.node_removed(record.id)
         return node_detail_json(removed, connected=False)
 
     return router

@@ -112,12 +112,17 @@ class LifecycleManager:
         self._watcher = asyncio.create_task(self._watch(), name="berth-engine-watcher")
 
     async def shutdown(self) -> None:
-        """Stop every engine this leader runs and mark its deployment stopped."""
+        """Stop every engine on the leader's own node and mark its deployment stopped.
+
+        Engines on agents keep running: their agents redial, and the next leader reconciles
+        them when each says Hello again (:meth:`node_connected`).
+        """
         if self._watcher is not None:
             self._watcher.cancel()
         for task in list(self._starting.values()):
             task.cancel()
-        active = await asyncio.to_thread(self._store.list_deployments, active_only=True)
+        everything = await asyncio.to_thread(self._store.list_deployments, active_only=True)
+        active = [record for record in everything if record.node_id == LOCAL_NODE_ID]
         await asyncio.gather(*(self._stop_one(record) for record in active), return_exceptions=True)
 
     async def refresh_known_models(self) -> None:
@@ -198,6 +203,23 @@ class LifecycleManager:
         for upstreams in self._ready.values():
             for deployment_id in [d for d, u in upstreams.items() if u.node_id == node_id]:
                 del upstreams[deployment_id]
+
+    async def node_removed(self, node_id: str) -> None:
+        """A node was removed: its deployments stop getting traffic and are marked failed.
+
+        Its agent stops their engines itself when told it was removed.
+        """
+        self.node_disconnected(node_id)
+        active = await asyncio.to_thread(self._store.list_deployments, active_only=True)
+        for record in active:
+            if record.node_id != node_id:
+                continue
+            starting = self._starting.get(record.id)
+            if starting is not None:
+                starting.cancel()
+            await self._transition(
+                record.id, DeploymentState.FAILED, failure_reason=f"node {node_id} was removed"
+            )
 
     # -- commands --------------------------------------------------------------------------
 

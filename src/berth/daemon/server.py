@@ -62,7 +62,10 @@ class _QuietServer(uvicorn.Server):
 def bind_tcp(name: str, host: str, port: int) -> socket.socket:
     """Bind a listening TCP socket; ``DaemonError`` names the listener when the port is taken."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY on accepted connections only when the
+    # listening socket says TCP, and without it a head and body written as two TLS records
+    # wait ~40 ms for the client's delayed ACK (Nagle).
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
@@ -175,8 +178,9 @@ async def serve(home: BerthHome, settings: Settings) -> None:
             r.id, model=r.served_model_name, node=r.node_id, state=r.state
         ),
     )
-    proxy = OpenAIProxy(lifecycle, metrics, max_body_bytes=settings.max_body_bytes)
-    hub = NodeHub()
+    hub = NodeHub(store, links)
+    hub.set_listener(lifecycle)
+    proxy = OpenAIProxy(lifecycle, metrics, max_body_bytes=settings.max_body_bytes, tunnels=hub)
     enrollment = EnrollmentService(
         store=store,
         ca=ca,
@@ -250,6 +254,7 @@ async def serve(home: BerthHome, settings: Settings) -> None:
         await asyncio.gather(*serving, return_exceptions=True)
         stopper.cancel()
     finally:
+        await hub.shutdown()
         await cluster_listener.stop()
         await lifecycle.shutdown()
         await proxy.shutdown()

@@ -1,0 +1,180 @@
+"""``berth agent start``: one agent process, from its identity to a final refusal or a signal.
+
+It builds the same agent core and process runtime the leader uses for its own node (with a
+journal of running engines, so a restarted agent takes its engines back), dials the leader,
+and shows a live status panel on a terminal. The full log always goes to
+``$BERTH_HOME/logs/agent.log``. SIGINT/SIGTERM close the link; engines keep running (their
+deployments belong to the leader: ``berth stop`` ends them) and the next agent re-attaches
+them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import signal
+import time
+
+from rich.console import Console, Group
+from rich.live import Live
+from rich.panel import Panel
+from rich.table import Table
+from rich.text import Text
+
+from berth.agent.core import AgentCore
+from berth.agent.dialer import AgentDialer, AgentStatus
+from berth.agent.identity import load_agent_identity
+from berth.agent.service import AgentService
+from berth.cli.common import age
+from berth.cluster.protocol.errors import CloseCode
+from berth.config import Settings
+from berth.errors import ConflictError
+from berth.paths import BerthHome
+from berth.runtime.engines import EngineBinaries
+from berth.runtime.gpu import NvmlInventory
+from berth.runtime.process import ProcessRuntime
+
+log = logging.getLogger("berth.agent")
+
+_FINAL_HINTS = {
+    CloseCode.NODE_REMOVED: "this node was removed; enroll it again to rejoin",
+    CloseCode.BAD_CERTIFICATE: "the leader does not accept this certificate; enroll again",
+    CloseCode.SUPERSEDED: "another agent with this identity connected; this one stops",
+    CloseCode.UNSUPPORTED_VERSION: "the leader speaks another protocol version; upgrade berth",
+}
+
+
+def read_status(home: BerthHome) -> dict[str, object] | None:
+    """The last status an agent wrote, with ``running`` saying whether its process lives."""
+    path = home.agent_status_file
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    except ValueError as exc:
+        raise ConflictError(f"{path}: malformed agent status file: {exc}") from None
+    pid = data.get("pid")
+    data["running"] = isinstance(pid, int) and _alive(pid) and data.get("state") != "stopped"
+    return dict(data)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a zombie (exited, not reaped) is not an agent
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return True
+
+
+def _configure_logging(home: BerthHome, *, verbose: bool, to_stderr: bool) -> None:
+    root = logging.getLogger()
+    root.setLevel(logging.DEBUG if verbose else logging.INFO)
+    for handler in list(root.handlers):
+        root.removeHandler(handler)
+    file_handler = logging.FileHandler(home.agent_log)
+    file_handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root.addHandler(file_handler)
+    if to_stderr:
+        stream = logging.StreamHandler()
+        stream.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+        root.addHandler(stream)
+    for noisy in ("aiohttp.access", "asyncio"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def render_status(status: AgentStatus) -> Panel:
+    """The live panel: status, leader, node, uptime, operation, last error, activity."""
+    grid = Table.grid(padding=(0, 2))
+    grid.add_column(style="bold")
+    grid.add_column()
+    colour = {"connected": "green", "backoff": "yellow", "stopped": "red"}.get(status.state, "")
+    grid.add_row("status", Text(status.state, style=colour))
+    grid.add_row("leader", status.leader_url)
+    grid.add_row("node", f"{status.label} ({status.node_id})")
+    grid.add_row("uptime", age(time.time() - status.started_at))
+    grid.add_row("operation", status.operation or "-")
+    grid.add_row(
+        "last error", Text(status.last_error or "-", style="red" if status.last_error else "")
+    )
+    recent = Text("\n".join(status.recent) or "-", style="dim")
+    return Panel(Group(grid, Text(""), Text("recent activity", style="bold"), recent),
+                 title="berth agent", expand=False)  # fmt: skip
+
+
+async def run_agent(home: BerthHome, *, verbose: bool, console: Console) -> int:
+    """Run the agent until a final refusal (exit 1) or SIGINT/SIGTERM (exit 0).
+
+    Raises :class:`berth.errors.ConfigError` when the agent is not registered (no or a
+    malformed ``agent.yaml``) and :class:`ConflictError` when another agent runs on this home.
+    """
+    identity = load_agent_identity(home)
+    home.ensure()
+    running = read_status(home)
+    if running is not None and running["running"] and running.get("pid") != os.getpid():
+        raise ConflictError(f"an agent already runs for {home.root} (pid {running['pid']})")
+    panel = console.is_terminal and not verbose
+    _configure_logging(home, verbose=verbose, to_stderr=not panel)
+    settings = Settings.load(home)
+    core = AgentCore(
+        ProcessRuntime(),
+        EngineBinaries(
+            llama_server=str(settings.llama_server_bin) if settings.llama_server_bin else None,
+            vllm=str(settings.vllm_bin) if settings.vllm_bin else None,
+            sglang_python=str(settings.sglang_python),
+        ),
+        NvmlInventory(),
+        logs_dir=home.logs_dir,
+        journal_path=home.agent_engines_file,
+    )
+    status = AgentStatus(
+        identity.leader_url, identity.node_id, identity.label, path=home.agent_status_file
+    )
+    restored = await core.restore()
+    if restored:
+        status.activity(f"re-attached engines: {', '.join(restored)}")
+    service = AgentService(core, on_activity=status.activity)
+    dialer = AgentDialer(identity, service, status)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, lambda: asyncio.ensure_future(dialer.stop()))
+    log.info("agent %s (%s) starting; leader %s", identity.label, identity.node_id,
+             identity.leader_url)  # fmt: skip
+    try:
+        if panel:
+            with Live(render_status(status), console=console, refresh_per_second=2) as live:
+                refresher = asyncio.create_task(_refresh(live, status))
+                try:
+                    code = await dialer.run()
+                finally:
+                    refresher.cancel()
+                live.update(render_status(status))
+        else:
+            code = await dialer.run()
+    finally:
+        await service.close()
+        status.set("stopped")
+    if dialer.final_code == CloseCode.NODE_REMOVED:
+        # This host left the cluster: the engines it ran for the leader go with it.
+        status.activity("node removed: stopping every engine")
+        await core.stop_all(grace_s=settings.stop_grace_s)
+    if dialer.final_code is not None:
+        hint = _FINAL_HINTS.get(CloseCode(dialer.final_code), "")
+        console.print(f"berth agent stopped: {status.last_error}. {hint}".strip())
+    return code
+
+
+async def _refresh(live: Live, status: AgentStatus) -> None:
+    while True:
+        await asyncio.sleep(0.5)
+        try:
+            live.update(render_status(status))
+        except Exception:  # a redraw must never stop the agent; the log says what broke
+            log.exception("status panel redraw failed")

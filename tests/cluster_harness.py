@@ -1,0 +1,232 @@
+"""A real cluster on loopback for tests: a leader daemon and agents, each its own process and
+``BERTH_HOME``, driven through the real ``berth`` CLI.
+
+``Cluster.add_agent(label)`` enrolls a node (``berth nodes enroll``), registers it
+(``berth agent register --uri``) and starts ``berth agent start --verbose``; everything is
+stopped by :meth:`Cluster.close`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import ssl
+import subprocess
+import sys
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+
+from berth.runtime.engines import find_free_port
+from processes import wait_gone
+
+URI_PATTERN = re.compile(r"berth://enroll\?\S+")
+
+
+def clean_env(extra: Mapping[str, str]) -> dict[str, str]:
+    """This process's environment without berth's settings, plus ``extra``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("BERTH_", "HF_"))}
+    env["COLUMNS"] = "160"
+    env.update(extra)
+    return env
+
+
+def cli(
+    home: Path, *args: str, env: Mapping[str, str], check: bool = True, timeout_s: float = 120
+) -> subprocess.CompletedProcess[str]:
+    """Run ``berth --home HOME ARGS`` and return the finished process."""
+    result = subprocess.run(
+        [sys.executable, "-m", "berth", "--home", str(home), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        env=dict(env),
+        cwd=home.parent,
+    )
+    if check and result.returncode != 0:
+        raise AssertionError(
+            f"berth {' '.join(args)} exited {result.returncode}\n"
+            f"stdout: {result.stdout}\nstderr: {result.stderr}"
+        )
+    return result
+
+
+@dataclass
+class Agent:
+    label: str
+    home: Path
+    node_id: str
+    process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def cert(self) -> Path:
+        return self.home / "agent.crt"
+
+    @property
+    def key(self) -> Path:
+        return self.home / "agent.key"
+
+    def status(self, env: Mapping[str, str]) -> dict[str, Any]:
+        result = cli(self.home, "agent", "status", "--json", env=env, check=False)
+        data: dict[str, Any] = json.loads(result.stdout)
+        return data
+
+
+@dataclass
+class Cluster:
+    """One leader and its agents; ``env`` is every process's environment."""
+
+    root: Path
+    env: dict[str, str]
+    public_port: int = field(default_factory=find_free_port)
+    cluster_port: int = field(default_factory=find_free_port)
+    agents: dict[str, Agent] = field(default_factory=dict)
+    api_key: str = ""
+
+    @property
+    def leader_home(self) -> Path:
+        return self.root / "leader"
+
+    def berth(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+        return cli(self.leader_home, *args, env=self.env, check=check)
+
+    def start(self) -> None:
+        self.leader_home.mkdir(parents=True, exist_ok=True)
+        self.berth("daemon", "start", "--public-port", str(self.public_port),
+                   "--cluster-port", str(self.cluster_port))  # fmt: skip
+        created = self.berth("key", "create", "tests")
+        found = re.search(r"sk-berth-\S+", created.stdout)
+        assert found, created.stdout
+        self.api_key = found.group(0)
+
+    def close(self) -> None:
+        for agent in self.agents.values():
+            self.stop_agent(agent)
+        self.berth("daemon", "stop", check=False)
+
+    # -- agents --------------------------------------------------------------------------
+
+    def enroll(self, label: str) -> Agent:
+        """Enroll and register a node (its agent is not started)."""
+        printed = self.berth("nodes", "enroll", label).stdout
+        uri = URI_PATTERN.search(printed)
+        assert uri, printed
+        home = self.root / f"agent-{label}"
+        home.mkdir(parents=True)
+        cli(home, "agent", "register", "--uri", uri.group(0), env=self.env)
+        node_id = re.search(r"node_id: (\S+)", (home / "agent.yaml").read_text())
+        assert node_id, (home / "agent.yaml").read_text()
+        agent = Agent(label, home, node_id.group(1).strip("'\""))
+        self.agents[label] = agent
+        return agent
+
+    def start_agent(self, agent: Agent, *, wait_ready: bool = True) -> None:
+        with (agent.home / "agent.out").open("ab") as log:  # the child keeps its own copy
+            agent.process = subprocess.Popen(
+                [sys.executable, "-m", "berth", "--home", str(agent.home), "agent", "start",
+                 "--verbose"],
+                stdout=log, stderr=subprocess.STDOUT, env=self.env, cwd=agent.home,
+                start_new_session=True,
+            )  # fmt: skip
+        if wait_ready:
+            self.wait_node(agent.node_id, "ready")
+
+    def add_agent(self, label: str) -> Agent:
+        agent = self.enroll(label)
+        self.start_agent(agent)
+        return agent
+
+    def stop_agent(self, agent: Agent, sig: int = signal.SIGTERM) -> None:
+        process = agent.process
+        if process is None:
+            return
+        if process.poll() is None:
+            process.send_signal(sig)
+            try:
+                process.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        agent.process = None
+
+    # -- state ---------------------------------------------------------------------------
+
+    def admin(self, method: str, path: str, **kwargs: Any) -> Any:
+        transport = httpx.HTTPTransport(uds=str(self.leader_home / "berth.sock"))
+        with httpx.Client(transport=transport, base_url="http://berth", timeout=60.0) as api:
+            response = api.request(method, path, **kwargs)
+        response.raise_for_status()
+        return response.json()
+
+    def node(self, node_id: str) -> dict[str, Any]:
+        found: dict[str, Any] = self.admin("GET", f"/admin/nodes/{node_id}")
+        return found
+
+    def wait_node(self, node_id: str, status: str, timeout_s: float = 30) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            node = self.node(node_id)
+            if node["status"] == status:
+                return node
+            if time.monotonic() > deadline:
+                raise AssertionError(f"node {node_id} is {node['status']}, not {status}")
+            time.sleep(0.1)
+
+    def deploy(self, model: str, path: Path, agent: Agent | None, *extra: str) -> str:
+        """Register ``model`` (on the agent's node when given) and run it; the deployment id."""
+        node = ["--node", agent.label] if agent else []
+        self.berth("models", "add", model, str(path), *node)
+        ran = self.berth("run", model, "--engine", "llamacpp", *node, *extra)
+        found = re.search(r"\bd-[0-9a-f]{8}\b", ran.stdout)
+        assert found and "ready" in ran.stdout, ran.stdout
+        return found.group(0)
+
+    def deployment(self, deployment_id: str) -> dict[str, Any]:
+        found: dict[str, Any] = self.admin("GET", f"/admin/deployments/{deployment_id}")
+        return found
+
+    # -- clients -------------------------------------------------------------------------
+
+    @property
+    def base_url(self) -> str:
+        return f"https://127.0.0.1:{self.public_port}"
+
+    def tls(self) -> ssl.SSLContext:
+        return ssl.create_default_context(cafile=str(self.leader_home / "ca" / "ca.pem"))
+
+    def openai(self) -> openai.OpenAI:
+        return openai.OpenAI(
+            base_url=f"{self.base_url}/v1",
+            api_key=self.api_key,
+            http_client=openai.DefaultHttpxClient(verify=self.tls()),
+            max_retries=0,
+        )
+
+    def http(self, timeout_s: float = 60.0) -> httpx.Client:
+        return httpx.Client(
+            base_url=self.base_url,
+            verify=self.tls(),
+            timeout=timeout_s,
+            headers={"Authorization": f"Bearer {self.api_key}"},
+        )
+
+    def leader_pid(self) -> int:
+        return int((self.leader_home / "daemon.pid").read_text())
+
+
+def rss_mb(pid: int) -> float:
+    """Resident memory of ``pid`` in MiB (``VmRSS`` of ``/proc/PID/status``)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError(f"no VmRSS for pid {pid}")
+
+
+__all__ = ["Agent", "Cluster", "clean_env", "cli", "rss_mb", "wait_gone"]
