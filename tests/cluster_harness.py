@@ -8,6 +8,7 @@ stopped by :meth:`Cluster.close`.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -99,16 +100,36 @@ class Cluster:
 
     def start(self) -> None:
         self.leader_home.mkdir(parents=True, exist_ok=True)
-        self.berth("daemon", "start", "--public-port", str(self.public_port),
-                   "--cluster-port", str(self.cluster_port))  # fmt: skip
+        try:
+            self.berth("daemon", "start", "--public-port", str(self.public_port),
+                       "--cluster-port", str(self.cluster_port))  # fmt: skip
+        except AssertionError:
+            self.berth("daemon", "stop", check=False)  # it may have come up after all
+            raise
         created = self.berth("key", "create", "tests")
         found = re.search(r"sk-berth-\S+", created.stdout)
         assert found, created.stdout
         self.api_key = found.group(0)
 
     def close(self) -> None:
+        """Stop every deployment, every agent and the leader; kill engines left behind.
+
+        Agents leave their engines running when stopped (a restarted agent takes them back),
+        so deployments are stopped through the leader first.
+        """
+        try:
+            for record in self.admin("GET", "/admin/deployments"):
+                if record["state"] not in ("stopped", "failed"):
+                    self.berth("stop", record["id"], check=False)
+        except (httpx.HTTPError, OSError):
+            pass  # the leader is gone; the journals below still name the engines
         for agent in self.agents.values():
             self.stop_agent(agent)
+            journal = agent.home / "agent-engines.json"
+            if journal.exists():
+                for entry in json.loads(journal.read_text() or "{}").values():
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(int(entry["pid"]), signal.SIGKILL)
         self.berth("daemon", "stop", check=False)
 
     # -- agents --------------------------------------------------------------------------

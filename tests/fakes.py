@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 
+import aiohttp
+
 from berth.agent.core import EngineReport, ProbeResult, SpawnListener
 from berth.cluster.link import EngineEndpoint, NodeInventory
 from berth.errors import EngineError, NotFoundError
@@ -69,3 +71,42 @@ class FakeLink:
         self, deployment_id: str, *, tail_lines: int, follow: bool
     ) -> AsyncIterator[bytes]:
         yield f"log of {deployment_id}\n".encode()
+
+
+class MemorySocket:
+    """One end of an in-memory WebSocket pair (see :func:`memory_socket_pair`): what the
+    agent link needs of a WebSocket, with no network."""
+
+    def __init__(self) -> None:
+        self.inbox: asyncio.Queue[aiohttp.WSMessage] = asyncio.Queue()
+        self.peer: MemorySocket | None = None
+        self.close_code: int | None = None
+
+    async def send_bytes(self, data: bytes) -> None:
+        if self.close_code is not None:
+            raise ConnectionResetError("the memory socket is closed")
+        assert self.peer is not None
+        self.peer.inbox.put_nowait(aiohttp.WSMessage(aiohttp.WSMsgType.BINARY, data, None))
+
+    async def receive(self, timeout: float | None = None) -> aiohttp.WSMessage:
+        return await asyncio.wait_for(self.inbox.get(), timeout)
+
+    async def close(self, *, code: int = 1000, message: bytes = b"") -> bool:
+        if self.close_code is not None:
+            return False
+        self.close_code = code
+        closed = aiohttp.WSMessage(aiohttp.WSMsgType.CLOSED, None, None)
+        self.inbox.put_nowait(closed)
+        assert self.peer is not None
+        if self.peer.close_code is None:
+            self.peer.close_code = code
+            frame = aiohttp.WSMessage(aiohttp.WSMsgType.CLOSE, code, message.decode())
+            self.peer.inbox.put_nowait(frame)
+        return True
+
+
+def memory_socket_pair() -> tuple[MemorySocket, MemorySocket]:
+    """Two connected in-memory WebSocket ends: what one sends, the other receives."""
+    left, right = MemorySocket(), MemorySocket()
+    left.peer, right.peer = right, left
+    return left, right

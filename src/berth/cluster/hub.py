@@ -176,7 +176,7 @@ class NodeHub:
         if old is not None:
             self._drop(node_id, old)
             await old.close(CloseCode.SUPERSEDED, "a newer session of this node connected")
-        link = RemoteLink(node_id, conn, hello.inventory)
+        link = RemoteLink(node_id, conn, hello.inventory, hello.capabilities)
         self._conns[node_id] = conn
         self._links[node_id] = link
         conn.flush()  # the Welcome

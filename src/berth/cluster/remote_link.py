@@ -19,6 +19,7 @@ from berth.cluster.link import EngineEndpoint, NodeInventory
 from berth.cluster.protocol.errors import LinkError
 from berth.cluster.protocol.frames import Heartbeat, Inventory, Progress, StreamOpen
 from berth.cluster.protocol.ops import (
+    OP_CAPABILITIES,
     EnginesResult,
     NoArgs,
     ProbeArgs,
@@ -89,10 +90,17 @@ class NodeLoad:
 class RemoteLink:
     """Drives one remote agent through its :class:`LinkConnection`."""
 
-    def __init__(self, node_id: str, conn: LinkConnection, inventory: Inventory) -> None:
+    def __init__(
+        self,
+        node_id: str,
+        conn: LinkConnection,
+        inventory: Inventory,
+        capabilities: Sequence[str] = tuple(OP_CAPABILITIES.values()),
+    ) -> None:
         self.node_id = node_id
         self.conn = conn
         self._inventory = inventory
+        self.capabilities = frozenset(capabilities)
         self.load = NodeLoad()
 
     @property
@@ -245,6 +253,8 @@ class RemoteLink:
         timeout_s: float,
         on_progress: object = None,
     ) -> msgspec.Raw:
+        if OP_CAPABILITIES[op] not in self.capabilities:
+            raise EngineError(f"node {self.node_id}'s agent does not support {op!r}; upgrade it")
         try:
             return await self.conn.request(
                 op,

