@@ -44,7 +44,15 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     wrapper.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{FAKE_ENGINE}" "$@"\n')
     wrapper.chmod(0o755)
     (root / "tiny.gguf").write_bytes(b"GGUF" + bytes(60))
-    env = clean_env({"BERTH_LLAMA_SERVER_BIN": str(wrapper), "BERTH_STOP_GRACE_S": "5"})
+    env = clean_env(
+        {
+            "BERTH_LLAMA_SERVER_BIN": str(wrapper),
+            "BERTH_STOP_GRACE_S": "5",
+            # Shorter than the 5 s / 15 s defaults so that silence is tested in seconds.
+            "BERTH_HEARTBEAT_INTERVAL_S": "0.5",
+            "BERTH_NODE_TIMEOUT_S": "2",
+        }
+    )
     cluster = Cluster(root, env)
     cluster.start()
     try:
@@ -255,10 +263,18 @@ def test_remove_cuts_a_live_agent_off_and_its_certificate_stops_working(
     cluster.deploy("tiny-gpu-c", cluster.root / "tiny.gguf", agent)
     assert agent.process is not None
 
+    status_file = agent.home / "agent-status.json"
     started = time.monotonic()
-    cluster.berth("nodes", "remove", "gpu-c")
+    cluster.admin("DELETE", "/admin/nodes/gpu-c")
+    while "4403" not in json.loads(status_file.read_text() or "{}").get("last_error", ""):
+        assert time.monotonic() - started < 10, "the agent was never told it was removed"
+        time.sleep(0.01)
+    cut_off_s = time.monotonic() - started
     agent.process.wait(timeout=15)
-    print(f"agent exited {time.monotonic() - started:.2f} s after 'berth nodes remove'")
+    print(f"link cut {cut_off_s:.3f} s after the removal; agent exited after "
+          f"{time.monotonic() - started:.2f} s")  # fmt: skip
+    # The bound: a removed node's live link is gone within a second.
+    assert cut_off_s < 1.0
 
     assert agent.process.returncode == 1
     assert "4403" in agent.status(cluster.env)["last_error"]
@@ -299,3 +315,29 @@ def test_a_killed_agent_restarted_rejoins_with_its_engines(cluster: Cluster) -> 
         time.sleep(0.2)
     assert answer.status_code == 200, answer.text
     assert cluster.deployment(deployment)["state"] == "ready"
+
+
+def test_a_silent_node_becomes_unreachable_and_returns_when_it_says_hello(
+    cluster: Cluster,
+) -> None:
+    agent = cluster.agents["gpu-a"]
+    assert agent.process is not None
+    agent.process.send_signal(signal.SIGSTOP)  # alive, connected, and silent
+    try:
+        cluster.wait_node(agent.node_id, "unreachable", timeout_s=10)
+        with cluster.http() as http:
+            refused = http.post(
+                "/v1/chat/completions", json={"model": "tiny-gpu-a", "messages": []}
+            )
+        assert refused.status_code == 503
+    finally:
+        agent.process.send_signal(signal.SIGCONT)
+    cluster.wait_node(agent.node_id, "ready", timeout_s=30)
+    deadline = time.monotonic() + 10
+    while True:
+        with cluster.http() as http:
+            answer = http.post("/v1/chat/completions", json={"model": "tiny-gpu-a", "messages": []})
+        if answer.status_code == 200 or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert answer.status_code == 200, answer.text

@@ -155,6 +155,12 @@ SETTINGS: tuple[SettingDef, ...] = (
     SettingDef("leader_url", "str", "cluster",
                "cluster URL advertised to agents (default: https://cluster_host:cluster_port)",
                optional=True),
+    SettingDef("heartbeat_interval_s", "float", "cluster",
+               "seconds between an agent's heartbeats (told to agents on connect)",
+               default=5.0, minimum=0.05),
+    SettingDef("node_timeout_s", "float", "cluster",
+               "seconds of silence after which a node is unreachable",
+               default=15.0, minimum=0.1),
 )  # fmt: skip
 
 #: Bind addresses that mean "every interface": no use as an address others can dial.
@@ -246,6 +252,8 @@ class Settings:
     cluster_bind: str
     cluster_port: int
     leader_url: str | None
+    heartbeat_interval_s: float
+    node_timeout_s: float
 
     @classmethod
     def load(

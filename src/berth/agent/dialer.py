@@ -29,7 +29,12 @@ import aiohttp
 from berth.agent.identity import AgentIdentity, client_ssl_context
 from berth.agent.service import AgentService
 from berth.cluster.connection import LinkConnection
-from berth.cluster.protocol.errors import CloseCode, ProtocolError, agent_should_redial
+from berth.cluster.protocol.errors import (
+    CloseCode,
+    LinkError,
+    ProtocolError,
+    agent_should_redial,
+)
 from berth.cluster.protocol.frames import Welcome
 from berth.cluster.protocol.session import LinkLimits, LinkSession, Role
 
@@ -156,7 +161,13 @@ class AgentDialer:
         async with aiohttp.ClientSession() as http:
             while not self._stopping.is_set():
                 self._status.set("connecting")
-                code, welcomed = await self._session(http, url, ssl_context)
+                try:
+                    code, welcomed = await self._session(http, url, ssl_context)
+                except (LinkError, aiohttp.ClientError, OSError) as exc:
+                    # The dial loop must outlive one broken session; redial with backoff.
+                    log.exception("the link to the leader failed")
+                    self._status.set("backoff", error=f"link failed: {exc}")
+                    code, welcomed = None, False
                 if self._stopping.is_set():
                     break
                 if welcomed:

@@ -297,7 +297,15 @@ class LinkConnection:
             while out:
                 message = out.popleft()
                 self._out_bytes -= len(message)
-                await self.ws.send_bytes(message)
+                try:
+                    await self.ws.send_bytes(message)
+                except (ConnectionError, aiohttp.ClientError) as exc:
+                    # The socket is going away; the reader loop sees the close and ends.
+                    log.debug("link to %s: write failed: %s", self.peer, exc)
+                    out.clear()
+                    self._out_bytes = 0
+                    self._drained.set()
+                    return
                 if self._out_bytes <= WRITE_HIGH_WATER_BYTES:
                     self._drained.set()
 

@@ -178,7 +178,12 @@ async def serve(home: BerthHome, settings: Settings) -> None:
             r.id, model=r.served_model_name, node=r.node_id, state=r.state
         ),
     )
-    hub = NodeHub(store, links)
+    hub = NodeHub(
+        store,
+        links,
+        heartbeat_interval_s=settings.heartbeat_interval_s,
+        node_timeout_s=settings.node_timeout_s,
+    )
     hub.set_listener(lifecycle)
     proxy = OpenAIProxy(lifecycle, metrics, max_body_bytes=settings.max_body_bytes, tunnels=hub)
     enrollment = EnrollmentService(
