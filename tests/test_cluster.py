@@ -171,6 +171,18 @@ def test_a_client_that_leaves_cancels_the_engine_request(cluster: Cluster) -> No
         time.sleep(0.2)
 
 
+def _wait_served(cluster: Cluster, model: str, timeout_s: float = 10) -> None:
+    """Wait until a chat request for ``model`` gets a 200 (the node is routed to again)."""
+    deadline = time.monotonic() + timeout_s
+    with cluster.http() as http:
+        while True:
+            answer = http.post("/v1/chat/completions", json={"model": model, "messages": []})
+            if answer.status_code == 200:
+                return
+            assert time.monotonic() < deadline, f"{model} is still not served: {answer.text}"
+            time.sleep(0.2)
+
+
 def _deployment_of(cluster: Cluster, model: str) -> str:
     for record in cluster.admin("GET", "/admin/deployments"):
         if record["served_model_name"] == model and record["state"] == "ready":
@@ -306,14 +318,7 @@ def test_a_killed_agent_restarted_rejoins_with_its_engines(cluster: Cluster) -> 
 
     cluster.start_agent(agent)
 
-    deadline = time.monotonic() + 10
-    while True:
-        with cluster.http() as http:
-            answer = http.post("/v1/chat/completions", json={"model": "tiny-gpu-b", "messages": []})
-        if answer.status_code == 200 or time.monotonic() > deadline:
-            break
-        time.sleep(0.2)
-    assert answer.status_code == 200, answer.text
+    _wait_served(cluster, "tiny-gpu-b")
     assert cluster.deployment(deployment)["state"] == "ready"
 
 
@@ -333,11 +338,4 @@ def test_a_silent_node_becomes_unreachable_and_returns_when_it_says_hello(
     finally:
         agent.process.send_signal(signal.SIGCONT)
     cluster.wait_node(agent.node_id, "ready", timeout_s=30)
-    deadline = time.monotonic() + 10
-    while True:
-        with cluster.http() as http:
-            answer = http.post("/v1/chat/completions", json={"model": "tiny-gpu-a", "messages": []})
-        if answer.status_code == 200 or time.monotonic() > deadline:
-            break
-        time.sleep(0.2)
-    assert answer.status_code == 200, answer.text
+    _wait_served(cluster, "tiny-gpu-a")

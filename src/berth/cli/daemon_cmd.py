@@ -27,6 +27,7 @@ from berth.cli.common import (
 from berth.config import Settings
 from berth.errors import DaemonError
 from berth.paths import BerthHome
+from berth.runtime.process import pid_running
 from berth.store import Store
 
 daemon_app = typer.Typer(
@@ -177,7 +178,7 @@ def stop(
     deadline = time.monotonic() + timeout
     with console.status("stopping the daemon and its engines"):
         while time.monotonic() < deadline:
-            if not _alive(pid):
+            if not pid_running(pid):
                 console.print(f"berth daemon stopped (pid {pid})")
                 return
             time.sleep(0.2)
@@ -215,7 +216,7 @@ def _daemon_pid(home: BerthHome) -> int | None:
         pid = int(home.pid_file.read_text().strip())
     except (FileNotFoundError, ValueError):
         return None
-    if _alive(pid) and _is_berth_daemon(pid):
+    if pid_running(pid) and _is_berth_daemon(pid):
         return pid
     home.pid_file.unlink(missing_ok=True)
     return None
@@ -227,21 +228,6 @@ def _is_berth_daemon(pid: int) -> bool:
     except OSError:
         return False
     return b"berth" in b" ".join(argv) and b"daemon" in argv and b"--foreground" in argv
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    # A zombie child (only in tests that spawn the daemon directly) counts as gone.
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().split(") ", 1)[1][0] != "Z"
-    except (FileNotFoundError, IndexError):
-        return False
 
 
 @daemon_app.command("status")

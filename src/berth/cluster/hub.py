@@ -25,12 +25,13 @@ from cryptography.x509.oid import NameOID
 from berth import __version__
 from berth.cluster.ca import fingerprint_of_der
 from berth.cluster.connection import LinkConnection, TunnelStream
+from berth.cluster.inventory import node_hardware
 from berth.cluster.link import AgentLink
 from berth.cluster.listener import peer_certificate_der
 from berth.cluster.protocol.errors import CloseCode, ProtocolError
 from berth.cluster.protocol.frames import EngineState, ErrorInfo, Frame, Heartbeat, Hello, Request
 from berth.cluster.protocol.session import LinkLimits, LinkSession, Role
-from berth.cluster.remote_link import RemoteLink, TunnelResponse, node_hardware
+from berth.cluster.remote_link import RemoteLink, TunnelResponse
 from berth.daemon.upstream import Origin
 from berth.daemon.upstream_errors import UpstreamConnectError
 from berth.errors import BerthError

@@ -15,6 +15,7 @@ import msgspec
 
 from berth.agent.core import EngineReport, ProbeResult, SpawnListener
 from berth.cluster.connection import LinkConnection, RemoteOpError, StreamResetError, TunnelStream
+from berth.cluster.inventory import node_inventory
 from berth.cluster.link import EngineEndpoint, NodeInventory
 from berth.cluster.protocol.errors import LinkError
 from berth.cluster.protocol.frames import Heartbeat, Inventory, Progress, StreamOpen
@@ -38,10 +39,9 @@ from berth.daemon.upstream_errors import (
     UpstreamError,
     UpstreamTimeoutError,
 )
+from berth.daemon.upstream_response import read_body
 from berth.errors import EngineError, NotFoundError
 from berth.runtime.engines import DeploymentRequest
-from berth.runtime.gpu import GpuInfo
-from berth.store.records import NodeHardware
 
 #: Seconds a quick control request (stop excepted) may take before the link counts as stuck.
 CONTROL_TIMEOUT_S = 30.0
@@ -51,32 +51,6 @@ TUNNEL_SCHEME = "berth-tunnel"
 
 def tunnel_url(node_id: str, deployment_id: str) -> str:
     return f"{TUNNEL_SCHEME}://{node_id}/{deployment_id}"
-
-
-def node_inventory(node_id: str, inventory: Inventory) -> NodeInventory:
-    return NodeInventory(
-        node_id=node_id,
-        hostname=inventory.hostname,
-        cpu_count=inventory.cpu_count,
-        memory_total_mb=inventory.memory_total_mb,
-        gpus=tuple(
-            GpuInfo(
-                index=g.index,
-                name=g.name,
-                uuid=g.uuid,
-                memory_total_mb=g.memory_total_mb,
-                memory_used_mb=g.memory_used_mb,
-                utilization_pct=g.utilization_pct,
-            )
-            for g in inventory.gpus
-        ),
-    )
-
-
-def node_hardware(inventory: Inventory) -> NodeHardware:
-    """The store's record of an agent-reported inventory."""
-    gpus = node_inventory("", inventory).gpus
-    return NodeHardware(inventory.hostname, inventory.cpu_count, inventory.memory_total_mb, gpus)
 
 
 @dataclass
@@ -322,16 +296,7 @@ class TunnelResponse:
             raise UpstreamDisconnectError(self._origin, str(exc), answered=True) from exc
 
     async def read(self, limit_bytes: int | None = None) -> bytes:
-        parts: list[bytes] = []
-        size = 0
-        while limit_bytes is None or size < limit_bytes:
-            chunk = await self.read_chunk()
-            if not chunk:
-                break
-            parts.append(chunk)
-            size += len(chunk)
-        data = b"".join(parts)
-        return data if limit_bytes is None else data[:limit_bytes]
+        return await read_body(self, limit_bytes)
 
     def close(self) -> None:
         """Done with the answer; an unfinished one resets its stream, which cancels the

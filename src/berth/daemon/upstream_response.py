@@ -44,6 +44,21 @@ class EngineAnswer(Protocol):
     def close(self) -> None: ...
 
 
+async def read_body(answer: EngineAnswer, limit_bytes: int | None = None) -> bytes:
+    """The rest of ``answer``'s body, or at most its first ``limit_bytes`` bytes, read chunk
+    by chunk; raises what ``answer.read_chunk`` raises."""
+    parts: list[bytes] = []
+    size = 0
+    while limit_bytes is None or size < limit_bytes:
+        chunk = await answer.read_chunk()
+        if not chunk:
+            break
+        parts.append(chunk)
+        size += len(chunk)
+    data = b"".join(parts)
+    return data if limit_bytes is None else data[:limit_bytes]
+
+
 class UpstreamResponse:
     """One answer: ``status``, ``headers`` (names lower-cased, in order) and the body.
 
@@ -114,16 +129,7 @@ class UpstreamResponse:
         """
         if self._complete and (limit_bytes is None or self._size <= limit_bytes):
             return self._take() if self._chunks else b""
-        parts: list[bytes] = []
-        size = 0
-        while limit_bytes is None or size < limit_bytes:
-            chunk = await self.read_chunk()
-            if not chunk:
-                break
-            parts.append(chunk)
-            size += len(chunk)
-        data = b"".join(parts)
-        return data if limit_bytes is None else data[:limit_bytes]
+        return await read_body(self, limit_bytes)
 
     def close(self) -> None:
         """Done with this answer. One not yet received in full closes its connection (the

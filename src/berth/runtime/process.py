@@ -244,7 +244,7 @@ class ProcessRuntime:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         while True:
-            leader_alive = child.poll() is None if child is not None else _pid_running(handle.pid)
+            leader_alive = child.poll() is None if child is not None else pid_running(handle.pid)
             if not leader_alive and not (
                 whole_group and await asyncio.to_thread(_group_has_live_members, handle.pid)
             ):
@@ -345,7 +345,8 @@ def _proc_stat(pid: int) -> tuple[str, int] | None:
     return fields[0].decode(), int(fields[2])
 
 
-def _pid_running(pid: int) -> bool:
+def pid_running(pid: int) -> bool:
+    """Whether process ``pid`` exists and is not a zombie (exited, not yet reaped)."""
     stat = _proc_stat(pid)
     return stat is not None and stat[0] != "Z"
 
@@ -387,12 +388,12 @@ def _stop_scope(handle: EngineHandle, child: subprocess.Popen[bytes] | None) -> 
 
 def _orphaned_group(pgid: int) -> bool:
     """Whether ``pgid``'s leader is gone (or a zombie) while other members still run."""
-    return pgid != os.getpgrp() and not _pid_running(pgid) and _group_has_live_members(pgid)
+    return pgid != os.getpgrp() and not pid_running(pgid) and _group_has_live_members(pgid)
 
 
 def _is_engine_process(pid: int, port: int) -> bool:
     """Whether ``pid`` runs and its command line carries ``--port <port>``."""
-    if pid <= 1 or not _pid_running(pid):
+    if pid <= 1 or not pid_running(pid):
         return False
     try:
         raw = Path(f"/proc/{pid}/cmdline").read_bytes()

@@ -1,0 +1,62 @@
+"""Host inventory as it crosses the agent link: the runtime's ``GpuInfo`` <-> the wire's
+``GpuState``, and the wire's ``Inventory`` -> the leader's ``NodeInventory`` (link API) and
+``NodeHardware`` (store)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from berth.cluster.link import NodeInventory
+from berth.cluster.protocol.frames import GpuState, Inventory
+from berth.runtime.gpu import GpuInfo
+from berth.store.records import NodeHardware
+
+
+def gpu_states(gpus: Sequence[GpuInfo]) -> list[GpuState]:
+    """The agent's GPUs as Hello and heartbeats carry them."""
+    return [
+        GpuState(
+            index=g.index,
+            name=g.name,
+            uuid=g.uuid,
+            memory_total_mb=g.memory_total_mb,
+            memory_used_mb=g.memory_used_mb,
+            utilization_pct=g.utilization_pct,
+        )
+        for g in gpus
+    ]
+
+
+def gpu_infos(states: Sequence[GpuState]) -> tuple[GpuInfo, ...]:
+    """GPUs received from an agent, as the rest of the leader handles them."""
+    return tuple(
+        GpuInfo(
+            index=g.index,
+            name=g.name,
+            uuid=g.uuid,
+            memory_total_mb=g.memory_total_mb,
+            memory_used_mb=g.memory_used_mb,
+            utilization_pct=g.utilization_pct,
+        )
+        for g in states
+    )
+
+
+def node_inventory(node_id: str, inventory: Inventory) -> NodeInventory:
+    return NodeInventory(
+        node_id=node_id,
+        hostname=inventory.hostname,
+        cpu_count=inventory.cpu_count,
+        memory_total_mb=inventory.memory_total_mb,
+        gpus=gpu_infos(inventory.gpus),
+    )
+
+
+def node_hardware(inventory: Inventory) -> NodeHardware:
+    """The store's record of an agent-reported inventory."""
+    return NodeHardware(
+        inventory.hostname,
+        inventory.cpu_count,
+        inventory.memory_total_mb,
+        gpu_infos(inventory.gpus),
+    )
