@@ -31,13 +31,24 @@ from berth.cluster.protocol.errors import CloseCode
 from berth.cluster.protocol.frames import Heartbeat, encode_frame
 from cluster_harness import Agent, Cluster, clean_env, rss_mb
 from fake_llama_server import ANSWER, CLIENT_GONE
+from hub_standin import HubStandin
 
 FAKE_ENGINE = Path(__file__).with_name("fake_llama_server.py")
 MiB = 1024 * 1024
 
 
+HUB_REPO = "org/tiny-remote"
+
+
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+def hub() -> Iterator[HubStandin]:
+    with HubStandin() as standin:
+        standin.add_repo(HUB_REPO, {"tiny.gguf": b"GGUF" + bytes(range(256)) * 4})
+        yield standin
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory, hub: HubStandin) -> Iterator[Cluster]:
     root = tmp_path_factory.mktemp("cluster")
     wrapper = root / "bin" / "llama-server"
     wrapper.parent.mkdir()
@@ -51,6 +62,9 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
             # Shorter than the 5 s / 15 s defaults so that silence is tested in seconds.
             "BERTH_HEARTBEAT_INTERVAL_S": "0.5",
             "BERTH_NODE_TIMEOUT_S": "2",
+            # The leader and the agents pull from the same local hub stand-in.
+            "HF_ENDPOINT": hub.url,
+            "HF_HUB_DISABLE_TELEMETRY": "1",
         }
     )
     cluster = Cluster(root, env)
@@ -339,3 +353,17 @@ def test_a_silent_node_becomes_unreachable_and_returns_when_it_says_hello(
         agent.process.send_signal(signal.SIGCONT)
     cluster.wait_node(agent.node_id, "ready", timeout_s=30)
     _wait_served(cluster, "tiny-gpu-a")
+
+
+def test_a_model_pulled_on_the_leader_is_pulled_by_the_agent_it_runs_on(
+    cluster: Cluster,
+) -> None:
+    agent = cluster.agents["gpu-b"]
+    cluster.berth("pull", HUB_REPO)
+    ran = cluster.berth("run", HUB_REPO, "--node", "gpu-b", "--engine", "llamacpp")
+    assert "ready" in ran.stdout, ran.stdout
+    pulled = agent.home / "models" / "org--tiny-remote" / "tiny.gguf"
+    assert pulled.read_bytes().startswith(b"GGUF")
+    (model,) = [m for m in cluster.admin("GET", "/admin/models") if m["name"] == HUB_REPO]
+    assert model["locations"][agent.node_id] == str(pulled.parent), model
+    _wait_served(cluster, HUB_REPO)

@@ -126,7 +126,7 @@ async def run_agent(home: BerthHome, *, verbose: bool, console: Console) -> int:
     restored = await core.restore()
     if restored:
         status.activity(f"re-attached engines: {', '.join(restored)}")
-    service = AgentService(core, on_activity=status.activity)
+    service = AgentService(core, on_activity=status.activity, models_dir=home.models_dir)
     dialer = AgentDialer(identity, service, status)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

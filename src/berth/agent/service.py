@@ -9,6 +9,7 @@ generating. ``logs`` streams send the engine's log file.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Callable
 from pathlib import Path
@@ -39,6 +40,8 @@ from berth.cluster.protocol.ops import (
     EnginesResult,
     ProbeArgs,
     ProbeResult,
+    PullArgs,
+    PullResult,
     SpawnedEvent,
     StartArgs,
     StartResult,
@@ -51,6 +54,7 @@ from berth.daemon.upstream_errors import UpstreamConnectError, UpstreamError, Up
 from berth.daemon.upstream_response import UpstreamResponse
 from berth.errors import BerthError, EngineError, NotFoundError
 from berth.runtime.engines import DeploymentRequest, parse_engine_name
+from berth.runtime.hub import pull_model
 
 log = logging.getLogger(__name__)
 
@@ -74,8 +78,10 @@ class AgentService:
         *,
         read_timeout_s: float = 600.0,
         on_activity: ActivityListener | None = None,
+        models_dir: Path | None = None,
     ) -> None:
         self._core = core
+        self._models_dir = models_dir
         self._pool = UpstreamPool(read_timeout_s=read_timeout_s)
         self._in_flight: dict[str, int] = {}
         self._on_activity = on_activity or (lambda _line: None)
@@ -105,7 +111,10 @@ class AgentService:
             protocol_min=PROTOCOL_MIN,
             protocol_max=PROTOCOL_MAX,
             agent_version=__version__,
-            capabilities=[*OP_CAPABILITIES.values(), *STREAM_CAPABILITIES],
+            capabilities=[
+                *(c for op, c in OP_CAPABILITIES.items() if op != "pull" or self._models_dir),
+                *STREAM_CAPABILITIES,
+            ],
             inventory=self.inventory(),
             engines=self.engine_states(),
         )
@@ -175,6 +184,18 @@ class AgentService:
             return encode_payload(self.inventory())
         if op == "engines":
             return encode_payload(EnginesResult(engines=self.engine_states()))
+        if op == "pull" and self._models_dir is not None:
+            pull = decode_payload(request.args, PullArgs, "pull args")
+            self._on_activity(f"pulling {pull.repo_id} from the hub")
+            path = await asyncio.to_thread(
+                pull_model,
+                pull.repo_id,
+                revision=pull.revision,
+                models_dir=self._models_dir,
+                progress=False,
+            )
+            self._on_activity(f"pulled {pull.repo_id} into {path}")
+            return encode_payload(PullResult(path=str(path)))
         raise _Unsupported(op)
 
     async def on_stream(self, conn: LinkConnection, stream: TunnelStream) -> None:

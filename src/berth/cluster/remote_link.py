@@ -24,6 +24,8 @@ from berth.cluster.protocol.ops import (
     EnginesResult,
     NoArgs,
     ProbeArgs,
+    PullArgs,
+    PullResult,
     SpawnedEvent,
     StartArgs,
     StartResult,
@@ -45,6 +47,8 @@ from berth.runtime.engines import DeploymentRequest
 
 #: Seconds a quick control request (stop excepted) may take before the link counts as stuck.
 CONTROL_TIMEOUT_S = 30.0
+#: Seconds an agent may take to download a model from the hub.
+PULL_TIMEOUT_S = 3600.0
 #: The scheme of a remote engine's ``base_url``: its traffic goes through the tunnel.
 TUNNEL_SCHEME = "berth-tunnel"
 
@@ -133,6 +137,12 @@ class RemoteLink:
                 url = tunnel_url(self.node_id, deployment_id)
                 return EngineEndpoint(deployment_id, url, engine.pid, engine.port)
         return None
+
+    async def pull_model(self, repo_id: str, revision: str | None) -> str:
+        """Have the agent download ``repo_id`` into its models folder; its path there."""
+        args = PullArgs(repo_id=repo_id, revision=revision)
+        raw = await self._call("pull", args, PULL_TIMEOUT_S)
+        return decode_payload(raw, PullResult, "pull result").path
 
     async def probe(self, deployment_id: str) -> ProbeResult:
         raw = await self._call("probe", ProbeArgs(deployment_id=deployment_id), CONTROL_TIMEOUT_S)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from berth.cluster.link import LOCAL_NODE_ID, AgentLink, EngineEndpoint
 from berth.cluster.protocol.frames import EngineState
-from berth.cluster.remote_link import tunnel_url
+from berth.cluster.remote_link import RemoteLink, tunnel_url
 from berth.daemon.proxy import NoReadyDeploymentError, Upstream
 from berth.daemon.states import TERMINAL_STATES, DeploymentState
 from berth.errors import BerthError, ConfigError, ConflictError, EngineError, NotFoundError
@@ -245,14 +245,18 @@ class LifecycleManager:
         options = replace(options, node_id=node_id)
         model = await asyncio.to_thread(self._store.get_model, options.model_name)
         model_path = model.path
+        pull: tuple[str, str | None] | None = None
         if node_id != LOCAL_NODE_ID:
             located = await asyncio.to_thread(self._store.model_path_on_node, model.name, node_id)
-            if located is None:
+            if located is not None:
+                model_path = Path(located)
+            elif model.repo_id is not None and isinstance(link, RemoteLink):
+                pull = (model.repo_id, model.revision)  # the agent downloads it first
+            else:
                 raise ConfigError(
                     f"model {model.name} has no path on node {label}; add one with "
                     f"'berth models add {model.name} PATH --node {label}'"
                 )
-            model_path = Path(located)
         if options.gpus:
             available = sorted(gpu.index for gpu in (await link.inventory()).gpus)
             missing = sorted(set(options.gpus) - set(available))
@@ -288,7 +292,7 @@ class LifecycleManager:
             extra_args=options.extra_args,
             served_model_name=served,
         )
-        task = asyncio.create_task(self._run_start(record, link, request), name=record.id)
+        task = asyncio.create_task(self._run_start(record, link, request, pull), name=record.id)
         self._starting[record.id] = task
         task.add_done_callback(lambda _t: self._starting.pop(record.id, None))
         return record
@@ -320,10 +324,22 @@ class LifecycleManager:
     # -- internals ---------------------------------------------------------------------------
 
     async def _run_start(
-        self, record: DeploymentRecord, link: AgentLink, request: DeploymentRequest
+        self,
+        record: DeploymentRecord,
+        link: AgentLink,
+        request: DeploymentRequest,
+        pull: tuple[str, str | None] | None = None,
     ) -> None:
         try:
             await self._transition(record.id, DeploymentState.LOADING)
+            if pull is not None:
+                assert isinstance(link, RemoteLink)
+                log.info("deployment %s: node %s pulls %s", record.id, link.node_id, pull[0])
+                located = await link.pull_model(*pull)
+                await asyncio.to_thread(
+                    self._store.set_model_location, record.model_name, link.node_id, located
+                )
+                request = replace(request, model_path=Path(located))
 
             async def record_spawn(pid: int, port: int) -> None:
                 # Recorded before the engine is healthy, so a crash mid-load can be cleaned up.

@@ -14,7 +14,7 @@ import msgspec
 from berth.cluster.protocol.errors import ProtocolError
 from berth.cluster.protocol.frames import EngineState, Inventory
 
-OpName = Literal["start", "stop", "probe", "inventory", "engines"]
+OpName = Literal["start", "stop", "probe", "inventory", "engines", "pull"]
 #: The capability an agent advertises in Hello for each op it serves.
 OP_CAPABILITIES: dict[str, str] = {
     "start": "op.start",
@@ -22,6 +22,7 @@ OP_CAPABILITIES: dict[str, str] = {
     "probe": "op.probe",
     "inventory": "op.inventory",
     "engines": "op.engines",
+    "pull": "op.pull",
 }
 #: Capabilities of this code's agents, beyond the ops.
 STREAM_CAPABILITIES = ("stream.http", "stream.logs")
@@ -73,6 +74,19 @@ class ProbeResult(_Args, kw_only=True):
     result: Literal["healthy", "unhealthy", "gone"]
 
 
+class PullArgs(_Args, kw_only=True):
+    """Download a Hugging Face repository into the agent's ``$BERTH_HOME/models``."""
+
+    repo_id: str
+    revision: str | None = None
+
+
+class PullResult(_Args, kw_only=True):
+    """Where the repository is on the agent's host."""
+
+    path: str
+
+
 class NoArgs(_Args, kw_only=True):
     pass
 
@@ -89,6 +103,7 @@ ARGS_TYPES: dict[str, type[_Args]] = {
     "probe": ProbeArgs,
     "inventory": NoArgs,
     "engines": NoArgs,
+    "pull": PullArgs,
 }
 
 T = TypeVar("T")
