@@ -263,7 +263,10 @@ async def test_a_client_certificate_from_another_ca_fails_the_handshake(
 def test_enrollment_uri_round_trips() -> None:
     uri = EnrollmentURI("https://leader.example:11501", "t0k-en_", "sha256:" + "ab" * 32)
 
-    assert str(uri).startswith("berth://enroll?leader=https%3A%2F%2Fleader.example%3A11501&")
+    # ':' and '/' stay readable in the query (RFC 3986 section 3.4), as the docs show it.
+    assert str(uri) == (
+        "berth://enroll?leader=https://leader.example:11501&token=t0k-en_&ca_fp=sha256:" + "ab" * 32
+    )
     assert EnrollmentURI.parse(str(uri)) == uri
 
 
@@ -287,7 +290,9 @@ def test_valid_labels(label: str) -> None:
     assert validate_node_label(label) == label
 
 
-@pytest.mark.parametrize("label", ["", "-gpu", "GPU", "gpu_1", "a" * 64, "local", "a.b"])
+@pytest.mark.parametrize(
+    "label", ["", "-gpu", "gpu-", "GPU", "gpu_1", "a" * 64, "local", "a.b", "n-0123abcd"]
+)
 def test_invalid_labels(label: str) -> None:
     with pytest.raises(ConfigError):
         validate_node_label(label)

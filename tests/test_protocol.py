@@ -209,3 +209,14 @@ def test_op_args_decode_with_a_protocol_error_when_malformed() -> None:
 )
 def test_which_close_codes_an_agent_redials_after(code: CloseCode | None, redial: bool) -> None:
     assert agent_should_redial(code) is redial
+
+
+def test_an_unknown_first_frame_is_a_protocol_error() -> None:
+    leader = LinkSession(Role.LEADER)
+    with pytest.raises(ProtocolError):
+        leader.receive_message(bytes([200, 0, 0, 0, 0, 0, 0, 0, 0, 0]))
+
+
+def test_limits_must_leave_room_for_a_full_window_and_its_json() -> None:
+    with pytest.raises(ValueError):
+        LinkLimits(max_frame_bytes=256 * 1024, stream_window_bytes=256 * 1024)

@@ -298,6 +298,13 @@ class Settings:
             raise ConfigError(
                 f"leader_url ({sources['leader_url']}) must be an https:// URL, got {leader_url!r}"
             )
+        heartbeat_s, timeout_s = values["heartbeat_interval_s"], values["node_timeout_s"]
+        if timeout_s < 2 * heartbeat_s:  # type: ignore[operator]
+            raise ConfigError(
+                f"node_timeout_s ({timeout_s}, {sources['node_timeout_s']}) must be at least "
+                f"twice heartbeat_interval_s ({heartbeat_s}, {sources['heartbeat_interval_s']}), "
+                "or healthy nodes would flap"
+            )
 
         if (values["public_cert"] is None) != (values["public_key"] is None):
             given = "public_cert" if values["public_cert"] is not None else "public_key"

@@ -140,7 +140,8 @@ class AgentCore:
         """Stop the engine; a deployment this core does not run is a ``NotFoundError``."""
         if deployment_id not in self._engines:
             raise NotFoundError("engine", deployment_id)
-        await self._discard(deployment_id, grace_s)
+        # Shielded: once forgotten here, a stop cut short would leave an untracked engine.
+        await asyncio.shield(self._discard(deployment_id, grace_s))
 
     async def stop_all(self, grace_s: float) -> None:
         """Stop every engine at once (in parallel), e.g. when the daemon shuts down."""

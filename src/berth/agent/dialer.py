@@ -99,6 +99,8 @@ class AgentStatus:
         self.state = state
         if error is not None:
             self.last_error = error
+        elif state == "connected":
+            self.last_error = ""  # an error from before this link is history now
         self.connected_since = time.time() if state == "connected" else None
         self.save()
 
@@ -199,8 +201,10 @@ class AgentDialer:
                 timeout=aiohttp.ClientWSTimeout(ws_close=5.0),
             )
         except (aiohttp.ClientError, OSError, TimeoutError) as exc:
-            self._status.set("backoff", error=f"cannot reach the leader: {exc}")
-            log.warning("cannot reach the leader at %s: %s", url, exc)
+            # aiohttp's connector errors print the SSL context object; the OS error is the news.
+            why = getattr(exc, "os_error", None) or exc
+            self._status.set("backoff", error=f"cannot reach the leader at {url}: {why}")
+            log.warning("cannot reach the leader at %s: %s", url, why)
             return None, False
         session = LinkSession(Role.AGENT, self._limits)
         conn = LinkConnection(session, ws, self._service, peer="leader")

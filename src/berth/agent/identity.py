@@ -19,8 +19,11 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 import yaml
+from cryptography import x509
+from cryptography.hazmat.primitives import serialization
 
-from berth.errors import ConfigError
+from berth.cluster.ca import fingerprint_of_pem
+from berth.errors import AuthError, ConfigError
 from berth.paths import BerthHome
 
 _REGISTER_HINT = "run `berth agent register --uri '...'` on this host"
@@ -120,13 +123,51 @@ def save_agent_identity(
     return load_agent_identity(home)
 
 
+def pinned_certificate(pem: bytes, fingerprint: str) -> bytes:
+    """``pem`` re-encoded, if it holds exactly one certificate and its fingerprint is
+    ``fingerprint``; :class:`AuthError` otherwise.
+
+    Exactly one: a bundle whose first certificate matches could smuggle in a second CA that
+    every later TLS connection would trust.
+    """
+    try:
+        certificates = x509.load_pem_x509_certificates(pem)
+    except ValueError as exc:
+        raise AuthError(f"the leader's CA is not a PEM certificate: {exc}") from None
+    if len(certificates) != 1:
+        raise AuthError(
+            f"the leader sent {len(certificates)} CA certificates, not one; refusing to enroll"
+        )
+    canonical = certificates[0].public_bytes(serialization.Encoding.PEM)
+    found = fingerprint_of_pem(canonical)
+    if found != fingerprint:
+        raise AuthError(
+            f"the leader's CA fingerprint {found} does not match the pinned "
+            f"{fingerprint}; refusing to trust it"
+        )
+    return canonical
+
+
 def client_ssl_context(identity: AgentIdentity) -> ssl.SSLContext:
     """The agent's TLS 1.2+ client context: its certificate and key, the pinned CA as the
     *only* trust root (never the system's), host names checked."""
+    # The CA file is checked against the fingerprint pinned at registration every time.
+    try:
+        ca_pem = pinned_certificate(identity.ca_path.read_bytes(), identity.ca_fingerprint)
+    except OSError as exc:
+        raise ConfigError(f"cannot read the cluster CA: {exc}", path=identity.ca_path) from None
+    except AuthError as exc:
+        raise ConfigError(str(exc), path=identity.ca_path) from None
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)  # check_hostname and CERT_REQUIRED
     context.minimum_version = ssl.TLSVersion.TLSv1_2
-    context.load_verify_locations(cafile=str(identity.ca_path))
-    context.load_cert_chain(str(identity.cert_path), str(identity.key_path))
+    context.load_verify_locations(cadata=ca_pem.decode())
+    try:
+        context.load_cert_chain(str(identity.cert_path), str(identity.key_path))
+    except (ssl.SSLError, OSError) as exc:
+        raise ConfigError(
+            f"the agent's certificate {identity.cert_path} and key {identity.key_path} cannot "
+            f"be used ({exc.__class__.__name__}: {exc}); run 'berth agent register' again"
+        ) from None
     return context
 
 

@@ -23,8 +23,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from berth.agent.identity import AgentIdentity, save_agent_identity
-from berth.cluster.ca import fingerprint_of_pem
+from berth.agent.identity import AgentIdentity, pinned_certificate, save_agent_identity
 from berth.cluster.enrollment import EnrollmentURI
 from berth.errors import AuthError, BerthError, ConfigError, DaemonError, RateLimitError
 from berth.paths import BerthHome
@@ -51,14 +50,7 @@ def fetch_pinned_ca(uri: EnrollmentURI, *, timeout_s: float = REGISTER_TIMEOUT_S
         raise DaemonError(f"cannot reach the leader at {url}: {exc}") from None
     if response.status_code != 200:
         raise DaemonError(f"the leader answered {response.status_code} for {url}")
-    ca_pem = response.content
-    found = fingerprint_of_pem(ca_pem)
-    if found != uri.ca_fingerprint:
-        raise AuthError(
-            f"the leader's CA fingerprint {found} does not match the enrollment URI's "
-            f"{uri.ca_fingerprint}; refusing to enroll"
-        )
-    return ca_pem
+    return pinned_certificate(response.content, uri.ca_fingerprint)
 
 
 def _new_key_and_csr(label: str) -> tuple[bytes, bytes]:

@@ -38,10 +38,11 @@ from berth.runtime.process import ProcessRuntime, pid_running
 
 log = logging.getLogger("berth.agent")
 
+_REENROLL = "to rejoin: 'berth nodes enroll LABEL' on the leader, then 'berth agent register'"
 _FINAL_HINTS = {
-    CloseCode.NODE_REMOVED: "this node was removed; enroll it again to rejoin",
-    CloseCode.BAD_CERTIFICATE: "the leader does not accept this certificate; enroll again",
-    CloseCode.SUPERSEDED: "another agent with this identity connected; this one stops",
+    CloseCode.NODE_REMOVED: _REENROLL,
+    CloseCode.BAD_CERTIFICATE: _REENROLL,
+    CloseCode.SUPERSEDED: "another agent with this identity is connected; stop one of them",
     CloseCode.UNSUPPORTED_VERSION: "the leader speaks another protocol version; upgrade berth",
 }
 
@@ -72,7 +73,7 @@ def _configure_logging(home: BerthHome, *, verbose: bool, to_stderr: bool) -> No
         stream = logging.StreamHandler()
         stream.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
         root.addHandler(stream)
-    for noisy in ("aiohttp.access", "asyncio"):
+    for noisy in ("aiohttp.access", "asyncio", "httpx"):  # httpx: a line per health probe
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
@@ -153,7 +154,9 @@ async def run_agent(home: BerthHome, *, verbose: bool, console: Console) -> int:
         await core.stop_all(grace_s=settings.stop_grace_s)
     if dialer.final_code is not None:
         hint = _FINAL_HINTS.get(CloseCode(dialer.final_code), "")
-        console.print(f"berth agent stopped: {status.last_error}. {hint}".strip())
+        console.print(f"berth agent stopped: {status.last_error}", soft_wrap=True)
+        if hint:
+            console.print(hint, soft_wrap=True)
     return code
 
 

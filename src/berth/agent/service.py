@@ -152,6 +152,10 @@ class AgentService:
             conn.respond(request.id, error=info)
         except BerthError as exc:
             conn.respond(request.id, error=ErrorInfo(code="invalid", message=str(exc)))
+        except Exception as exc:  # the leader must get an answer; the log keeps the bug
+            log.exception("request %s (%s) failed", request.id, request.op[:40])
+            error = ErrorInfo(code="internal", message=f"{type(exc).__name__}: {exc}")
+            conn.respond(request.id, error=error)
         else:
             conn.respond(request.id, result=result)
 
@@ -175,6 +179,7 @@ class AgentService:
             stop = decode_payload(request.args, StopArgs, "stop args")
             self._on_activity(f"stopping {stop.deployment_id}")
             await self._core.stop(stop.deployment_id, stop.grace_s)
+            self._on_activity(f"stopped {stop.deployment_id}")
             return None
         if op == "probe":
             probe = decode_payload(request.args, ProbeArgs, "probe args")
@@ -210,6 +215,9 @@ class AgentService:
             pass  # the leader gave up on it, or the link is gone
         except NotFoundError as exc:
             stream.reset("not_found", str(exc))
+        except Exception as exc:  # the leader must hear the stream is over; the log keeps why
+            log.exception("stream %s (%s) failed", stream.id, opening.kind)
+            stream.reset("internal", f"{type(exc).__name__}: {exc}"[:200])
         finally:
             conn.forget_stream(stream.id)
 
@@ -244,7 +252,11 @@ class AgentService:
             finally:
                 response.close()
         finally:
-            self._in_flight[deployment_id] -= 1
+            left = self._in_flight[deployment_id] - 1
+            if left:
+                self._in_flight[deployment_id] = left
+            else:
+                del self._in_flight[deployment_id]
 
     async def _relay_answer(self, stream: TunnelStream, response: UpstreamResponse) -> None:
         head_headers = [
@@ -265,6 +277,7 @@ class AgentService:
         head = StreamHead(
             id=stream.id, status=response.status, headers=head_headers, payload=first, end=end
         )
+        await stream.conn.drain()  # a head carries up to a window of payload
         session.send_head(head)
         stream.conn.flush()
         if end:
@@ -299,7 +312,7 @@ class AgentService:
 
 class _Unsupported(BerthError):
     def __init__(self, op: str) -> None:
-        super().__init__(f"operation {op!r} is not supported by this agent")
+        super().__init__(f"operation {op[:40]!r} is not supported by this agent")
 
 
 def _deployment_request(args: StartArgs) -> DeploymentRequest:

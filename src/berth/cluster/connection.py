@@ -39,6 +39,9 @@ log = logging.getLogger(__name__)
 
 #: Bytes queued for the socket above which stream writers wait for the writer to catch up.
 WRITE_HIGH_WATER_BYTES = 4 * 1024 * 1024
+#: Bytes queued for the socket at which the link is closed: stream data waits at the high
+#: water mark, so only a peer that sends requests but never reads its answers gets here.
+MAX_QUEUED_BYTES = 64 * 1024 * 1024
 
 
 class WebSocketLike(Protocol):
@@ -195,6 +198,8 @@ class TunnelStream:
         while True:
             if self._reset is not None:
                 raise self._reset
+            if self.conn.closed:
+                raise StreamResetError(f"the link to {self.conn.peer} was lost", "link_lost")
             credit = session.send_credit(self.id)
             if not session.has_stream(self.id):
                 return  # ended or reset under us: nothing more to send
@@ -243,6 +248,7 @@ class LinkConnection:
         handler: LinkHandler,
         *,
         peer: str,
+        on_closed: Callable[[], None] | None = None,
     ) -> None:
         self.session = session
         self.ws = ws
@@ -257,6 +263,8 @@ class LinkConnection:
         self._drained = asyncio.Event()
         self._drained.set()
         self._writer: asyncio.Task[None] | None = None
+        self._closer: asyncio.Future[bool] | None = None
+        self._on_closed = on_closed
         self._closed = False
         self.close_code: int | None = None
         self.close_reason = ""
@@ -281,6 +289,14 @@ class LinkConnection:
         self._out.extend(messages)
         self._out_bytes += sum(map(len, messages))
         if self._out_bytes > WRITE_HIGH_WATER_BYTES:
+            if self._out_bytes > MAX_QUEUED_BYTES and self.close_code is None:
+                log.warning("link to %s: %d bytes queued, the peer does not read; closing",
+                            self.peer, self._out_bytes)  # fmt: skip
+                self.close_code = CloseCode.PROTOCOL_ERROR
+                self.close_reason = "the peer does not read what it asked for"
+                self._closer = asyncio.ensure_future(
+                    self.ws.close(code=CloseCode.PROTOCOL_ERROR, message=b"not reading")
+                )
             self._drained.clear()
         self._out_wakeup.set()
 
@@ -464,6 +480,9 @@ class LinkConnection:
 
     async def _finish(self) -> None:
         self._closed = True
+        if self._on_closed is not None:
+            self._on_closed()  # first: the link stops getting new work at once
+        self._drained.set()  # writers waiting for room see the closed link
         if self.close_code is None:
             self.close_code = self.ws.close_code
         self.session.close()

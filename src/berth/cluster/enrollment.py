@@ -49,17 +49,23 @@ URI_SCHEME: Final = "berth"
 _URI_ACTION = "enroll"
 _FINGERPRINT = re.compile(r"^sha256:[0-9a-f]{64}$")
 #: Node labels: like a DNS label (RFC 1123), lowercase only.
-_LABEL = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
+#: An RFC 1123 host label: letters, digits and inner hyphens, 1-63 characters.
+_LABEL = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
+#: The shape of the ids the leader gives nodes; a label must not look like one.
+_NODE_ID = re.compile(r"^n-[0-9a-f]{8}$")
 
 
 def validate_node_label(label: str) -> str:
-    """Return ``label`` if it is 1-63 characters of ``[a-z0-9-]`` starting with a letter or
-    digit and is not ``local``; otherwise raise :class:`ConfigError` saying why."""
+    """Return ``label`` if it is an RFC 1123 host label (1-63 characters of ``[a-z0-9-]``,
+    starting and ending with a letter or digit), does not look like a node id (``n-`` and 8
+    hex digits) and is not ``local``; otherwise raise :class:`ConfigError` saying why."""
     if not _LABEL.match(label):
         raise ConfigError(
             f"invalid node label {label!r}: use 1-63 characters a-z, 0-9 and '-', "
-            "starting with a letter or digit"
+            "starting and ending with a letter or digit"
         )
+    if _NODE_ID.match(label):
+        raise ConfigError(f"invalid node label {label!r}: it looks like a node id")
     if label == "local":
         raise ConfigError("the label 'local' is the leader's own node; choose another")
     return label
@@ -75,7 +81,8 @@ class EnrollmentURI:
 
     def __str__(self) -> str:
         query = urlencode(
-            {"leader": self.leader_url, "token": self.token, "ca_fp": self.ca_fingerprint}
+            {"leader": self.leader_url, "token": self.token, "ca_fp": self.ca_fingerprint},
+            safe=":/",  # allowed in a query as they are (RFC 3986 section 3.4): readable
         )
         return f"{URI_SCHEME}://{_URI_ACTION}?{query}"
 

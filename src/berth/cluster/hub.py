@@ -43,6 +43,8 @@ log = logging.getLogger(__name__)
 HEARTBEAT_INTERVAL_S = 5.0
 #: Seconds of silence after which a node counts as unreachable (three missed heartbeats).
 NODE_TIMEOUT_S = 15.0
+#: What this leader does over a link (sent in Welcome).
+LEADER_CAPABILITIES = ("stream.http", "stream.logs", "op.pull")
 #: Seconds an agent has to send Hello once its WebSocket is open.
 HELLO_TIMEOUT_S = 10.0
 
@@ -84,6 +86,7 @@ class NodeHub:
         self._listener: NodeListener | None = None
         self._shutting_down = False
         self._background: set[asyncio.Future[Any]] = set()
+        self._saved_at: dict[str, float] = {}
 
     def set_listener(self, listener: NodeListener) -> None:
         self._listener = listener
@@ -122,6 +125,14 @@ class NodeHub:
             self._drop(node_id, conn)
             await conn.close(CloseCode.NODE_REMOVED, "this node was removed from the cluster")
 
+    async def certificate_replaced(self, node_id: str) -> None:
+        """The node was enrolled again: close a live link made with its old certificate
+        (``BAD_CERTIFICATE``); the new agent dials with the new one."""
+        conn = self._conns.get(node_id)
+        if conn is not None:
+            self._drop(node_id, conn)
+            await conn.close(CloseCode.BAD_CERTIFICATE, "this node was enrolled again")
+
     async def shutdown(self) -> None:
         """Close every link with ``LEADER_SHUTTING_DOWN`` (agents redial with backoff)."""
         self._shutting_down = True
@@ -156,7 +167,9 @@ class NodeHub:
             await ws.close(code=CloseCode.LEADER_SHUTTING_DOWN, message=b"shutting down")
             return ws
         session = LinkSession(Role.LEADER, self.limits)
-        conn = LinkConnection(session, ws, self, peer=node_id)
+        conn = LinkConnection(
+            session, ws, self, peer=node_id, on_closed=lambda: self._drop(node_id, conn)
+        )
         hello = await self._handshake(ws, session, node_id)
         if hello is None:
             return ws
@@ -173,14 +186,16 @@ class NodeHub:
         except BerthError as exc:
             await ws.close(code=CloseCode.NODE_REMOVED, message=str(exc).encode()[:120])
             return ws
+        # The new session takes the node's place first, then the old one is closed: the
+        # node is never without a link, and the old one's end changes nothing.
         old = self._conns.get(node_id)
-        if old is not None:
-            self._drop(node_id, old)
-            await old.close(CloseCode.SUPERSEDED, "a newer session of this node connected")
         link = RemoteLink(node_id, conn, hello.inventory, hello.capabilities)
         self._conns[node_id] = conn
         self._links[node_id] = link
         conn.flush()  # the Welcome
+        if old is not None:
+            log.warning("node %s: a newer session replaces the one from %s", node_id, old.peer)
+            self._spawn(old.close(CloseCode.SUPERSEDED, "a newer session of this node connected"))
         log.info("node %s connected from %s (agent %s)", node_id, peer, hello.agent_version)
         watchdog = asyncio.create_task(self._watch(node_id, conn), name=f"watch-{node_id}")
         if self._listener is not None:
@@ -225,6 +240,7 @@ class NodeHub:
                 leader_version=__version__,
                 server_time=self._clock(),
                 heartbeat_interval_s=self._heartbeat_interval_s,
+                capabilities=list(LEADER_CAPABILITIES),
             )
             return frame
         except TimeoutError:
@@ -272,7 +288,7 @@ class NodeHub:
     # -- LinkHandler (frames the agent sends outside requests and streams) ---------------------
 
     async def on_request(self, conn: LinkConnection, request: Request) -> None:
-        error = ErrorInfo(code="unsupported", message=f"the leader serves no {request.op!r}")
+        error = ErrorInfo(code="unsupported", message=f"the leader serves no {request.op[:40]!r}")
         conn.respond(request.id, error=error)
 
     async def on_stream(self, conn: LinkConnection, stream: TunnelStream) -> None:
@@ -285,16 +301,26 @@ class NodeHub:
             now = self._clock()
             if link is not None and link.conn is conn:
                 link.record_heartbeat(frame, now)
-                hardware = node_hardware(link.last_inventory)
-                self._spawn(
-                    asyncio.to_thread(self._store.record_node_heartbeat, node_id, now, hardware)
-                )
+                # Kept in memory on every heartbeat, written at most once an interval: a
+                # flood of heartbeats must not queue database writes for everyone.
+                if now - self._saved_at.get(node_id, 0.0) >= self._heartbeat_interval_s:
+                    self._saved_at[node_id] = now
+                    hardware = node_hardware(link.last_inventory)
+                    self._spawn(
+                        asyncio.to_thread(self._store.record_node_heartbeat, node_id, now, hardware)
+                    )
 
     def _spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
-        """Run ``coro`` in the background, keeping a reference until it is done."""
+        """Run ``coro`` in the background, keeping a reference until it is done; a failure
+        is logged (these tasks have no caller to raise to)."""
         task = asyncio.ensure_future(coro)
         self._background.add(task)
-        task.add_done_callback(self._background.discard)
+        task.add_done_callback(self._background_done)
+
+    def _background_done(self, task: asyncio.Future[Any]) -> None:
+        self._background.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("hub background task failed", exc_info=task.exception())
 
 
 def _common_name(der: bytes) -> str | None:

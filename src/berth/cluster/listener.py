@@ -85,6 +85,7 @@ def build_cluster_app(
     enrollment: EnrollmentService,
     ca_pem: bytes,
     agent_handler: AgentHandler,
+    on_registered: Callable[[str], Awaitable[None]] | None = None,
     rate_limiter: RegistrationRateLimiter | None = None,
     monotonic: Callable[[], float] = time.monotonic,
 ) -> web.Application:
@@ -143,6 +144,9 @@ def build_cluster_app(
             )
             raise ConfigError('the body must be {"token": "...", "csr_pem": "..."}')
         registration = await asyncio.to_thread(enrollment.register, token, csr_pem, source)
+        if on_registered is not None:
+            # A re-enrolled node's old certificate no longer counts: its live link goes.
+            await on_registered(registration.node_id)
         return web.json_response(asdict(registration))
 
     app = web.Application(middlewares=[berth_errors], client_max_size=MAX_REGISTER_BODY_BYTES)

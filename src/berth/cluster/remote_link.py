@@ -8,6 +8,7 @@ deployment is relayed by the same code, with the same error shapes, as a local o
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
@@ -34,6 +35,7 @@ from berth.cluster.protocol.ops import (
     encode_payload,
 )
 from berth.cluster.protocol.ops import ProbeResult as ProbeAnswer
+from berth.daemon.proxy import TUNNEL_SCHEME
 from berth.daemon.upstream import Origin
 from berth.daemon.upstream_errors import (
     UpstreamConnectError,
@@ -49,8 +51,6 @@ from berth.runtime.engines import DeploymentRequest
 CONTROL_TIMEOUT_S = 30.0
 #: Seconds an agent may take to download a model from the hub.
 PULL_TIMEOUT_S = 3600.0
-#: The scheme of a remote engine's ``base_url``: its traffic goes through the tunnel.
-TUNNEL_SCHEME = "berth-tunnel"
 
 
 def tunnel_url(node_id: str, deployment_id: str) -> str:
@@ -111,8 +111,12 @@ class RemoteLink:
             health_timeout_s=health_timeout_s,
         )
 
+        spawned = False
+
         async def progress(frame: Progress) -> None:
-            if frame.event == "spawned" and on_spawned is not None:
+            nonlocal spawned
+            if frame.event == "spawned" and on_spawned is not None and not spawned:
+                spawned = True  # once: a repeating agent must not cost a write per frame
                 event = decode_payload(frame.data, SpawnedEvent, "spawned event")
                 await on_spawned(event.pid, event.port)
 
@@ -127,7 +131,7 @@ class RemoteLink:
 
     async def stop_deployment(self, deployment_id: str, grace_s: float) -> None:
         args = StopArgs(deployment_id=deployment_id, grace_s=grace_s)
-        await self._call("stop", args, grace_s + CONTROL_TIMEOUT_S)
+        await self._call("stop", args, grace_s + CONTROL_TIMEOUT_S, engine_of=deployment_id)
 
     async def reattach(self, deployment_id: str, pid: int, port: int) -> EngineEndpoint | None:
         """A remote engine is never re-attached by pid: the agent reports its engines in
@@ -145,7 +149,8 @@ class RemoteLink:
         return decode_payload(raw, PullResult, "pull result").path
 
     async def probe(self, deployment_id: str) -> ProbeResult:
-        raw = await self._call("probe", ProbeArgs(deployment_id=deployment_id), CONTROL_TIMEOUT_S)
+        args = ProbeArgs(deployment_id=deployment_id)
+        raw = await self._call("probe", args, CONTROL_TIMEOUT_S, engine_of=deployment_id)
         return decode_payload(raw, ProbeAnswer, "probe result").result
 
     async def engines(self) -> list[EngineReport]:
@@ -162,7 +167,11 @@ class RemoteLink:
         self, deployment_id: str, *, tail_lines: int, follow: bool
     ) -> AsyncIterator[bytes]:
         opening = StreamOpen(
-            kind="logs", deployment_id=deployment_id, tail_lines=tail_lines, follow=follow
+            kind="logs",
+            deployment_id=deployment_id,
+            tail_lines=tail_lines,
+            follow=follow,
+            end=True,  # the leader sends nothing more on a logs stream
         )
         stream = self._open(opening)
         try:
@@ -202,13 +211,15 @@ class RemoteLink:
             end=len(first) == len(body),
         )
         try:
+            await self.conn.drain()  # STREAM_OPEN carries up to a window of body
             stream = self.conn.open_stream(opening)
         except LinkError as exc:
             raise UpstreamConnectError(origin, f"agent link unavailable: {exc}") from exc
         try:
-            if len(first) < len(body):
-                await stream.write(body[len(first) :], end=True)
-            head = await stream.wait_head(read_timeout_s)
+            async with asyncio.timeout(read_timeout_s):
+                if len(first) < len(body):
+                    await stream.write(body[len(first) :], end=True)
+                head = await stream.wait_head(None)
         except TimeoutError:
             stream.reset("cancelled", "no answer in time")
             raise UpstreamTimeoutError(origin, read_timeout_s or 0.0) from None
@@ -236,7 +247,11 @@ class RemoteLink:
         args: msgspec.Struct,
         timeout_s: float,
         on_progress: object = None,
+        *,
+        engine_of: str | None = None,
     ) -> msgspec.Raw:
+        """Send ``op``; the agent's errors become ``EngineError`` (with its log tail), or
+        ``NotFoundError`` for deployment ``engine_of`` when it runs no such engine."""
         if OP_CAPABILITIES[op] not in self.capabilities:
             raise EngineError(f"node {self.node_id}'s agent does not support {op!r}; upgrade it")
         try:
@@ -247,8 +262,8 @@ class RemoteLink:
                 on_progress,  # type: ignore[arg-type]
             )
         except RemoteOpError as exc:
-            if exc.info.code == "not_found":
-                raise NotFoundError("engine", exc.info.message) from exc
+            if exc.info.code == "not_found" and engine_of is not None:
+                raise NotFoundError("engine", engine_of) from exc
             raise EngineError(
                 f"node {self.node_id}: {exc.info.message}", log_tail=exc.info.log_tail
             ) from exc

@@ -129,6 +129,12 @@ async def _follow_until_settled(
                 continue
             except TimeoutError:
                 pass
+            if pumping.done() and queue.empty():
+                # The log source ended early: its node's link was lost, or the log went away.
+                error = None if pumping.cancelled() else pumping.exception()
+                if error is not None:
+                    yield f"\nberth: the log stream ended: {error}\n".encode()
+                return
             record = await asyncio.to_thread(store.get_deployment, deployment_id)
             if record.state in TERMINAL_STATES:
                 await asyncio.sleep(FOLLOW_CHECK_INTERVAL_S)  # the engine's last lines
@@ -247,7 +253,8 @@ def build_admin_app(services: LeaderServices) -> FastAPI:
         try:
             record = await asyncio.to_thread(store.get_model, name)
         except NotFoundError:
-            record = await asyncio.to_thread(store.add_model, name, path)
+            # The leader has no copy: "remote" keeps it from being run on node local.
+            record = await asyncio.to_thread(store.add_model, name, path, source="remote")
         await asyncio.to_thread(store.set_model_location, name, node_id, path)
         await lifecycle.refresh_known_models()
         return {**model_json(record), "locations": {node_id: path}}

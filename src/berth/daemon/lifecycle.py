@@ -21,7 +21,14 @@ from berth.cluster.protocol.frames import EngineState
 from berth.cluster.remote_link import RemoteLink, tunnel_url
 from berth.daemon.proxy import NoReadyDeploymentError, Upstream
 from berth.daemon.states import TERMINAL_STATES, DeploymentState
-from berth.errors import BerthError, ConfigError, ConflictError, EngineError, NotFoundError
+from berth.errors import (
+    BerthError,
+    ConfigError,
+    ConflictError,
+    EngineError,
+    InvalidTransitionError,
+    NotFoundError,
+)
 from berth.runtime.engines import DeploymentRequest, parse_engine_name
 from berth.store import UNCHANGED, DeploymentRecord, Store, Unchanged
 
@@ -176,27 +183,37 @@ class LifecycleManager:
         reported = {e.deployment_id: e for e in engines}
         active = await asyncio.to_thread(self._store.list_deployments, active_only=True)
         for record in active:
+            if self._links.get(node_id) is not link:
+                return  # that session ended (or was superseded) meanwhile
             if record.node_id != node_id or record.id in self._starting:
                 continue
-            engine = reported.pop(record.id, None)
-            if engine is not None and engine.alive and record.state is DeploymentState.READY:
-                url = tunnel_url(node_id, record.id)
-                self._mark_ready(record, EngineEndpoint(record.id, url, engine.pid, engine.port))
-                continue
-            if engine is None:
-                reason = f"engine was gone when node {node_id} reconnected"
-            else:
-                reason = f"node {node_id} reconnected while the deployment was {record.state}"
-                with contextlib.suppress(NotFoundError, EngineError):
-                    await link.stop_deployment(record.id, self._stop_grace_s)
-            log.warning("deployment %s: %s", record.id, reason)
-            await self._transition(record.id, DeploymentState.FAILED, failure_reason=reason)
+            try:
+                await self._reconcile_one(node_id, link, record, reported.pop(record.id, None))
+            except (InvalidTransitionError, NotFoundError) as exc:
+                log.info("deployment %s changed while node %s reconnected: %s", record.id,
+                         node_id, exc)  # fmt: skip
         for orphan in reported:
-            if orphan in self._starting:
+            if orphan in self._starting or self._links.get(node_id) is not link:
                 continue
             log.warning("node %s runs engine %s that no deployment owns: stopping", node_id, orphan)
             with contextlib.suppress(NotFoundError, EngineError):
                 await link.stop_deployment(orphan, self._stop_grace_s)
+
+    async def _reconcile_one(
+        self, node_id: str, link: AgentLink, record: DeploymentRecord, engine: EngineState | None
+    ) -> None:
+        if engine is not None and engine.alive and record.state is DeploymentState.READY:
+            url = tunnel_url(node_id, record.id)
+            self._mark_ready(record, EngineEndpoint(record.id, url, engine.pid, engine.port))
+            return
+        if engine is None:
+            reason = f"engine was gone when node {node_id} reconnected"
+        else:
+            reason = f"node {node_id} reconnected while the deployment was {record.state}"
+            with contextlib.suppress(NotFoundError, EngineError):
+                await link.stop_deployment(record.id, self._stop_grace_s)
+        log.warning("deployment %s: %s", record.id, reason)
+        await self._transition(record.id, DeploymentState.FAILED, failure_reason=reason)
 
     def node_disconnected(self, node_id: str) -> None:
         """A node's link ended: stop routing to its deployments until it reconnects."""
@@ -246,6 +263,11 @@ class LifecycleManager:
         model = await asyncio.to_thread(self._store.get_model, options.model_name)
         model_path = model.path
         pull: tuple[str, str | None] | None = None
+        if node_id == LOCAL_NODE_ID and model.source == "remote":
+            raise ConfigError(
+                f"model {model.name} has a path only on other nodes (berth models ls); run it "
+                "there with --node LABEL"
+            )
         if node_id != LOCAL_NODE_ID:
             located = await asyncio.to_thread(self._store.model_path_on_node, model.name, node_id)
             if located is not None:
@@ -362,6 +384,11 @@ class LifecycleManager:
         ready = await self._transition(
             record.id, DeploymentState.READY, port=endpoint.port, pid=endpoint.pid
         )
+        if self._links.get(record.node_id) is not link:
+            # The node's link dropped as the start finished: routed again when its agent
+            # reconnects and reports the engine (node_connected).
+            log.warning("deployment %s is ready but node %s is gone", record.id, record.node_id)
+            return
         self._mark_ready(ready, endpoint)
         log.info("deployment %s ready at %s", record.id, endpoint.base_url)
 
@@ -422,13 +449,16 @@ class LifecycleManager:
         """Mark ready deployments whose engine died as failed, so they stop getting traffic."""
         while True:
             await asyncio.sleep(self._watch_interval_s)
-            for upstreams in list(self._ready.values()):
-                for upstream in list(upstreams.values()):
-                    try:
-                        await self._check_alive(upstream)
-                    except BerthError:
-                        # The watcher must outlive one bad probe; the next round retries.
-                        log.exception("probing deployment %s failed", upstream.deployment_id)
+            # All at once: a node that answers slowly must not delay the others' checks.
+            upstreams = [u for ready in self._ready.values() for u in ready.values()]
+            await asyncio.gather(*(self._check_alive_logged(u) for u in upstreams))
+
+    async def _check_alive_logged(self, upstream: Upstream) -> None:
+        try:
+            await self._check_alive(upstream)
+        except BerthError:
+            # The watcher must outlive one bad probe; the next round retries.
+            log.exception("probing deployment %s failed", upstream.deployment_id)
 
     async def _check_alive(self, upstream: Upstream) -> None:
         link = self._links.get(upstream.node_id)

@@ -221,7 +221,10 @@ async def serve(home: BerthHome, settings: Settings) -> None:
     socket_server = _QuietServer(_uvicorn_config(socket_app, tls=None))
     cluster_listener = ClusterListener(
         build_cluster_app(
-            enrollment=enrollment, ca_pem=ca.cert_pem, agent_handler=hub.handle_agent
+            enrollment=enrollment,
+            ca_pem=ca.cert_pem,
+            agent_handler=hub.handle_agent,
+            on_registered=hub.certificate_replaced,
         ),
         cluster_sock,
         cluster_ssl_context(ca, *cluster_tls),

@@ -14,12 +14,13 @@ from berth.daemon.states import TERMINAL_STATES, DeploymentState
 from berth.keys import Tier
 from berth.runtime.gpu import GpuInfo
 
-ModelSource = Literal["local", "hub"]
+#: ``remote``: registered only with a path on an agent's host (``models add --node``).
+ModelSource = Literal["local", "hub", "remote"]
 #: ``ready``: the agent said Hello and its link is up; ``unreachable``: enrolled (or once
 #: connected) but no live link; ``removed``: removed by the operator, its certificate refused.
 NodeStatus = Literal["ready", "unreachable", "removed"]
 NODE_STATUSES: tuple[NodeStatus, ...] = ("ready", "unreachable", "removed")
-MODEL_SOURCES: tuple[ModelSource, ...] = ("local", "hub")
+MODEL_SOURCES: tuple[ModelSource, ...] = ("local", "hub", "remote")
 
 
 @dataclass(frozen=True)

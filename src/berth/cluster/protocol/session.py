@@ -29,6 +29,7 @@ from berth.cluster.protocol.errors import CloseCode, LinkError, ProtocolError
 from berth.cluster.protocol.frames import (
     DEFAULT_MAX_FRAME_BYTES,
     HEADER_BYTES,
+    MAX_JSON_BYTES,
     PROTOCOL_MAX,
     PROTOCOL_MIN,
     ErrorInfo,
@@ -72,6 +73,11 @@ class LinkLimits:
     max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
     max_streams: int = 4096
     stream_window_bytes: int = 256 * 1024
+
+    def __post_init__(self) -> None:
+        # A STREAM_OPEN/STREAM_HEAD carries a full window of payload beside its JSON body.
+        if self.stream_window_bytes + MAX_JSON_BYTES + HEADER_BYTES > self.max_frame_bytes:
+            raise ValueError("stream_window_bytes + the JSON limit must fit max_frame_bytes")
 
     @property
     def max_payload_bytes(self) -> int:
@@ -222,6 +228,8 @@ class LinkSession:
             return None
         frame = decode_frame(message, self.limits.max_frame_bytes)
         if frame is None:
+            if self.state is SessionState.HANDSHAKE:
+                raise ProtocolError("the first frame must be Hello or Welcome, not unknown")
             return None
         if self.state is SessionState.HANDSHAKE:
             return self._receive_handshake(frame)
