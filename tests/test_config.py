@@ -363,5 +363,5 @@ def test_leader_url_overrides_only_the_advertised_cluster_url(home: BerthHome) -
 def test_a_node_timeout_shorter_than_two_heartbeats_is_refused(tmp_path: Path) -> None:
     home = BerthHome(tmp_path)
     env = {"BERTH_HEARTBEAT_INTERVAL_S": "10", "BERTH_NODE_TIMEOUT_S": "15"}
-    with pytest.raises(ConfigError, match="node_timeout_s .* at least twice"):
+    with pytest.raises(ConfigError, match=r"node_timeout_s .* at least twice"):
         Settings.load(home, env=env)
