@@ -601,7 +601,9 @@ def test_nodes_enroll_register_list_and_remove(leader: tuple[Berth, int], tmp_pa
     assert "enrolled as node cli-node" in registered
     assert (tmp_path / "agent-home" / "agent.key").stat().st_mode & 0o077 == 0
     again = agent.fails("agent", "register", "--uri", uri_line)
-    assert "enrollment token already used" in again
+    assert "already enrolled" in again and "--force" in again
+    reused = agent.fails("agent", "register", "--uri", uri_line, "--force")
+    assert "enrollment token already used" in reused
 
     listed = {n["label"]: n for n in berth.json("nodes", "ls")}
     assert listed["local"]["status"] == "ready"

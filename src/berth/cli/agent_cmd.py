@@ -20,13 +20,23 @@ app = typer.Typer(
 def register(
     ctx: typer.Context,
     uri: str = typer.Option(..., "--uri", help="The URI `berth nodes enroll` printed."),
+    force: bool = typer.Option(
+        False, "--force", help="Replace this home's existing identity (re-enrolment)."
+    ),
 ) -> None:
     """Enroll this host: pin the leader's CA, get a client certificate, save the identity."""
     from berth.agent.registration import register_agent
     from berth.cluster.enrollment import EnrollmentURI
+    from berth.errors import ConflictError
 
     home = context(ctx).home
-    identity = register_agent(EnrollmentURI.parse(uri), home)
+    parsed = EnrollmentURI.parse(uri)
+    if home.agent_config.exists() and not force:
+        raise ConflictError(
+            f"{home.root} is already enrolled ({home.agent_config}); "
+            "add --force to replace its identity"
+        )
+    identity = register_agent(parsed, home)
     console.print(
         f"enrolled as node [bold]{identity.label}[/] ({identity.node_id}) "
         f"with leader {identity.leader_url}"

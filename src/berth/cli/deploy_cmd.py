@@ -122,12 +122,16 @@ def deployments_table(records: list[dict[str, Any]], *, title: str | None = None
         if created.tzinfo is None:
             created = created.replace(tzinfo=UTC)
         colour = colours.get(r["state"], "white")
+        state = r["state"]
+        if state == "ready" and r.get("node_connected") is False:
+            # Not routed to while its node is unreachable; the agent reports it on return.
+            state, colour = "ready (node unreachable)", "yellow"
         table.add_row(
             r["id"],
             r["served_model_name"],
             r["engine"],
-            r["node_id"],
-            f"[{colour}]{r['state']}[/]",
+            r.get("node_label") or r["node_id"],
+            f"[{colour}]{state}[/]",
             str(r["port"] or "-"),
             str(r["pid"] or "-"),
             age((now - created).total_seconds()),

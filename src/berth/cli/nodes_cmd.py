@@ -5,12 +5,12 @@ from __future__ import annotations
 import time
 from datetime import UTC, datetime
 from typing import Any
-from urllib.parse import quote
+from urllib.parse import parse_qs, quote, urlsplit
 
 import typer
 from rich.table import Table
 
-from berth.cli.common import HELP_OPTIONS, age, console, context, print_json
+from berth.cli.common import HELP_OPTIONS, age, console, context, err_console, print_json
 
 nodes_app = typer.Typer(
     context_settings=HELP_OPTIONS,
@@ -43,6 +43,14 @@ def enroll(
     console.print("run this on the new host:")
     print(f"berth agent register --uri '{issued['uri']}'")
     console.print(f"expires at {_when(issued['expires_at'])}")
+    leader = urlsplit(issued["uri"].replace("berth://", "x://", 1)).query
+    host = urlsplit(parse_qs(leader).get("leader", [""])[0]).hostname or ""
+    if host in ("127.0.0.1", "::1", "localhost"):
+        err_console.print(
+            f"note: agents will dial {host}, which only this host can reach; set cluster_host "
+            "(and cluster_bind) to an address the new host can reach, or BERTH_LEADER_URL",
+            soft_wrap=True,
+        )
 
 
 @nodes_app.command("ls")

@@ -269,7 +269,17 @@ def build_admin_app(services: LeaderServices) -> FastAPI:
     @app.get("/admin/deployments")
     async def list_deployments(active: bool = False) -> list[dict[str, Any]]:
         records = await asyncio.to_thread(store.list_deployments, active_only=active)
-        return [deployment_json(r) for r in records]
+        nodes = {n.id: n for n in await asyncio.to_thread(store.list_nodes, True)}
+        listed = []
+        for record in records:
+            data = deployment_json(record)
+            node = nodes.get(record.node_id)
+            data["node_label"] = node.label if node is not None else record.node_id
+            data["node_connected"] = record.node_id == LOCAL_NODE_ID or services.hub.is_connected(
+                record.node_id
+            )
+            listed.append(data)
+        return listed
 
     @app.post("/admin/deployments", status_code=201)
     async def create_deployment(body: DeploymentIn) -> dict[str, Any]:

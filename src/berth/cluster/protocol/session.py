@@ -21,6 +21,7 @@ Rules enforced here (``docs/protocol.md`` is the specification):
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import msgspec
@@ -167,7 +168,13 @@ class LinkSession:
         self._send(hello)
 
     def accept(
-        self, *, node_id: str, leader_version: str, server_time: float, **welcome: object
+        self,
+        *,
+        node_id: str,
+        leader_version: str,
+        server_time: float,
+        heartbeat_interval_s: float = 5.0,
+        capabilities: Sequence[str] = (),
     ) -> Welcome:
         """Leader: answer the agent's Hello with Welcome and open the session.
 
@@ -190,7 +197,8 @@ class LinkSession:
             leader_version=leader_version,
             node_id=node_id,
             server_time=server_time,
-            **welcome,  # type: ignore[arg-type]
+            heartbeat_interval_s=heartbeat_interval_s,
+            capabilities=list(capabilities),
         )
         self._send(frame)
         self.protocol_version = version
