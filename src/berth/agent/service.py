@@ -54,7 +54,6 @@ from berth.daemon.upstream_errors import UpstreamConnectError, UpstreamError, Up
 from berth.daemon.upstream_response import UpstreamResponse
 from berth.errors import BerthError, EngineError, NotFoundError
 from berth.runtime.engines import DeploymentRequest, parse_engine_name
-from berth.runtime.hub import pull_model
 
 log = logging.getLogger(__name__)
 
@@ -190,6 +189,8 @@ class AgentService:
         if op == "engines":
             return encode_payload(EnginesResult(engines=self.engine_states()))
         if op == "pull" and self._models_dir is not None:
+            from berth.runtime.hub import pull_model  # huggingface_hub: ~18 MiB, when needed
+
             pull = decode_payload(request.args, PullArgs, "pull args")
             self._on_activity(f"pulling {pull.repo_id} from the hub")
             path = await asyncio.to_thread(

@@ -25,17 +25,26 @@ from cryptography.x509.oid import NameOID
 from berth import __version__
 from berth.cluster.ca import fingerprint_of_der
 from berth.cluster.connection import LinkConnection, TunnelStream
-from berth.cluster.inventory import node_hardware
+from berth.cluster.inventory import gpu_infos
 from berth.cluster.link import AgentLink
 from berth.cluster.listener import peer_certificate_der
 from berth.cluster.protocol.errors import CloseCode, ProtocolError
-from berth.cluster.protocol.frames import EngineState, ErrorInfo, Frame, Heartbeat, Hello, Request
+from berth.cluster.protocol.frames import (
+    EngineState,
+    ErrorInfo,
+    Frame,
+    Heartbeat,
+    Hello,
+    Inventory,
+    Request,
+)
 from berth.cluster.protocol.session import LinkLimits, LinkSession, Role
 from berth.cluster.remote_link import RemoteLink, TunnelResponse
 from berth.daemon.upstream import Origin
 from berth.daemon.upstream_errors import UpstreamConnectError
 from berth.errors import BerthError
 from berth.store import Store
+from berth.store.records import NodeHardware
 
 log = logging.getLogger(__name__)
 
@@ -321,6 +330,16 @@ class NodeHub:
         self._background.discard(task)
         if not task.cancelled() and task.exception() is not None:
             log.error("hub background task failed", exc_info=task.exception())
+
+
+def node_hardware(inventory: Inventory) -> NodeHardware:
+    """The store's record of an agent-reported inventory."""
+    return NodeHardware(
+        inventory.hostname,
+        inventory.cpu_count,
+        inventory.memory_total_mb,
+        gpu_infos(inventory.gpus),
+    )
 
 
 def _common_name(der: bytes) -> str | None:

@@ -1,6 +1,7 @@
 """Host inventory as it crosses the agent link: the runtime's ``GpuInfo`` <-> the wire's
-``GpuState``, and the wire's ``Inventory`` -> the leader's ``NodeInventory`` (link API) and
-``NodeHardware`` (store)."""
+``GpuState``, and the wire's ``Inventory`` -> the leader's ``NodeInventory`` (link API).
+
+Agents import this module, so it stays free of the store (and SQLAlchemy)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,6 @@ from collections.abc import Sequence
 from berth.cluster.link import NodeInventory
 from berth.cluster.protocol.frames import GpuState, Inventory
 from berth.runtime.gpu import GpuInfo
-from berth.store.records import NodeHardware
 
 
 def gpu_states(gpus: Sequence[GpuInfo]) -> list[GpuState]:
@@ -49,14 +49,4 @@ def node_inventory(node_id: str, inventory: Inventory) -> NodeInventory:
         cpu_count=inventory.cpu_count,
         memory_total_mb=inventory.memory_total_mb,
         gpus=gpu_infos(inventory.gpus),
-    )
-
-
-def node_hardware(inventory: Inventory) -> NodeHardware:
-    """The store's record of an agent-reported inventory."""
-    return NodeHardware(
-        inventory.hostname,
-        inventory.cpu_count,
-        inventory.memory_total_mb,
-        gpu_infos(inventory.gpus),
     )
