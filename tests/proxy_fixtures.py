@@ -27,13 +27,13 @@ class StaticResolver:
         self.routes = routes
         self.loading = loading
 
-    def resolve(self, model: str) -> Upstream:
+    def candidates(self, model: str) -> list[Upstream]:
         if model in self.loading:
             raise NoReadyDeploymentError(model, retry_after_s=2.5, detail="loading")
         base_url = self.routes.get(model)
         if base_url is None:
             raise NotFoundError("model", model)
-        return Upstream(base_url, f"d-{model}", "local", model)
+        return [Upstream(base_url, f"d-{model}", "local", model)]
 
     def models(self) -> list[str]:
         return sorted({*self.routes, *self.loading})

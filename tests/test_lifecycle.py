@@ -57,7 +57,7 @@ async def test_deploy_reaches_ready_and_routes(manager: LifecycleManager, link: 
         DeploymentState.LOADING,
         DeploymentState.READY,
     ]
-    upstream = manager.resolve("tiny")
+    (upstream,) = manager.candidates("tiny")
     assert upstream.deployment_id == record.id and upstream.base_url == link.base_url
     assert manager.models() == ["tiny"]
 
@@ -69,7 +69,7 @@ async def test_failed_start_keeps_its_reason(manager: LifecycleManager, link: Fa
     assert settled.state is DeploymentState.FAILED
     assert "exited with code 1" in (settled.failure_reason or "")
     with pytest.raises(NoReadyDeploymentError):
-        manager.resolve("tiny")
+        manager.candidates("tiny")
 
 
 async def test_unknown_model_engine_and_node_are_refused(manager: LifecycleManager) -> None:
@@ -80,7 +80,7 @@ async def test_unknown_model_engine_and_node_are_refused(manager: LifecycleManag
     with pytest.raises(NotFoundError):
         await manager.deploy(DeployOptions("tiny", "llamacpp", "elsewhere"))
     with pytest.raises(NotFoundError):
-        manager.resolve("nope")
+        manager.candidates("nope")
 
 
 async def test_gpus_the_node_lacks_are_refused(manager: LifecycleManager) -> None:
@@ -90,7 +90,7 @@ async def test_gpus_the_node_lacks_are_refused(manager: LifecycleManager) -> Non
 
 async def test_known_model_without_ready_deployment_is_503(manager: LifecycleManager) -> None:
     with pytest.raises(NoReadyDeploymentError) as caught:
-        manager.resolve("tiny")
+        manager.candidates("tiny")
     assert caught.value.retry_after_s > 0
 
 
@@ -106,13 +106,12 @@ async def test_stop_during_loading_and_stop_twice(
         await manager.stop(record.id)
 
 
-async def test_round_robin_over_ready_deployments(manager: LifecycleManager) -> None:
+async def test_every_ready_deployment_is_a_candidate(manager: LifecycleManager) -> None:
     a = await manager.deploy(DeployOptions("tiny", "llamacpp", "local"))
     b = await manager.deploy(DeployOptions("tiny", "llamacpp", "local"))
     await manager.wait_settled(a.id, 5)
     await manager.wait_settled(b.id, 5)
-    picked = {manager.resolve("tiny").deployment_id for _ in range(4)}
-    assert picked == {a.id, b.id}
+    assert {u.deployment_id for u in manager.candidates("tiny")} == {a.id, b.id}
 
 
 async def test_reconcile_after_a_crash(store: Store, link: FakeLink) -> None:
@@ -136,7 +135,7 @@ async def test_reconcile_after_a_crash(store: Store, link: FakeLink) -> None:
     await manager.start()
     try:
         assert store.get_deployment(ready.id).state is DeploymentState.READY
-        assert manager.resolve("tiny").deployment_id == ready.id
+        assert [u.deployment_id for u in manager.candidates("tiny")] == [ready.id]
         assert store.get_deployment(gone.id).state is DeploymentState.FAILED
         assert store.get_deployment(loading.id).state is DeploymentState.FAILED
         assert loading.id not in link.running  # caught mid-start: stopped, not adopted
@@ -163,7 +162,7 @@ async def test_dead_engine_is_marked_failed_by_the_watcher(store: Store, link: F
         assert failed.state is DeploymentState.FAILED
         assert "exited" in (failed.failure_reason or "")
         with pytest.raises(NoReadyDeploymentError):
-            manager.resolve("tiny")
+            manager.candidates("tiny")
     finally:
         await manager.shutdown()
 

@@ -130,6 +130,9 @@ SETTINGS: tuple[SettingDef, ...] = (
                optional=True),
     SettingDef("max_body_bytes", "int", "server", "largest request body accepted, in bytes",
                default=16 * MiB, minimum=1),
+    SettingDef("max_attempts", "int", "server",
+               "attempts per request on different nodes before its first byte (1: no retry)",
+               default=3, minimum=1, maximum=10),
     SettingDef("log_level", "str", "daemon", "daemon log level", default="info",
                choices=("debug", "info", "warning", "error", "critical")),
     SettingDef("health_timeout_s", "float", "daemon",
@@ -241,6 +244,7 @@ class Settings:
     public_cert: Path | None
     public_key: Path | None
     max_body_bytes: int
+    max_attempts: int
     log_level: str
     health_timeout_s: float
     stop_grace_s: float

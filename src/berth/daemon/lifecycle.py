@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -83,7 +82,8 @@ class LifecycleManager:
         self._on_state = on_state
         self._watch_interval_s = watch_interval_s
         self._ready: dict[str, dict[str, Upstream]] = {}
-        self._round_robin: dict[str, itertools.count[int]] = {}
+        #: called with a node id when its link drops (the router forgets its affinity)
+        self.on_node_lost: Callable[[str], object] | None = None
         self._known_models: set[str] = set()
         self._starting: dict[str, asyncio.Task[None]] = {}
         self._watcher: asyncio.Task[None] | None = None
@@ -91,17 +91,16 @@ class LifecycleManager:
 
     # -- the router's view (hot path: no I/O) --------------------------------------------
 
-    def resolve(self, model: str) -> Upstream:
-        """Pick a ready deployment serving ``model`` (round-robin for now).
+    def candidates(self, model: str) -> list[Upstream]:
+        """Every ready deployment serving ``model`` on a reachable node (the router ranks
+        them).
 
         Raises ``NotFoundError`` for a model berth does not know and
         ``NoReadyDeploymentError`` (503, ``Retry-After``) for one with no ready deployment.
         """
         ready = self._ready.get(model)
         if ready:
-            upstreams = list(ready.values())
-            turn = next(self._round_robin.setdefault(model, itertools.count()))
-            return upstreams[turn % len(upstreams)]
+            return list(ready.values())
         if model in self._known_models:
             raise NoReadyDeploymentError(model, retry_after_s=LOADING_RETRY_AFTER_S)
         raise NotFoundError("model", model)
@@ -217,6 +216,8 @@ class LifecycleManager:
 
     def node_disconnected(self, node_id: str) -> None:
         """A node's link ended: stop routing to its deployments until it reconnects."""
+        if self.on_node_lost is not None:
+            self.on_node_lost(node_id)
         for upstreams in self._ready.values():
             for deployment_id in [d for d, u in upstreams.items() if u.node_id == node_id]:
                 del upstreams[deployment_id]

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from berth.daemon.openai_errors import ErrorResponse, error_from_exception
+from berth.daemon.proxy_dispatch import first_answer
 from berth.daemon.proxy_errors import (
     EngineTimeoutError,
     EngineUnreachableError,
@@ -41,6 +42,9 @@ from berth.daemon.upstream_errors import UpstreamConnectError, UpstreamError, Up
 from berth.daemon.upstream_response import EngineAnswer
 from berth.errors import BerthError, NotFoundError
 from berth.observability.metrics import ProxyMetrics, Target
+from berth.routing.affinity import affinity_key
+from berth.routing.retry import DEFAULT_MAX_ATTEMPTS
+from berth.routing.router import Router
 
 __all__ = [
     "TUNNEL_SCHEME",
@@ -100,11 +104,16 @@ class TunnelOpener(Protocol):
         ...
 
 
+def _target(upstream: Upstream) -> Target:
+    return Target(upstream.model, upstream.deployment_id, upstream.node_id)
+
+
 class UpstreamResolver(Protocol):
     """Chooses an engine for a model; implemented from the table of ready deployments."""
 
-    def resolve(self, model: str) -> Upstream:
-        """The engine to use for ``model``.
+    def candidates(self, model: str) -> list[Upstream]:
+        """Every engine that can serve ``model`` now (ready, on a reachable node); never
+        empty. The router ranks them.
 
         Raises :class:`berth.errors.NotFoundError` for a model berth does not know (404) and
         :class:`NoReadyDeploymentError` when none of its deployments is ready (503).
@@ -157,9 +166,13 @@ class OpenAIProxy:
         max_event_bytes: int = 1 * MiB,
         clock: Callable[[], float] = time.perf_counter,
         tunnels: TunnelOpener | None = None,
+        router: Router | None = None,
+        max_attempts: int = DEFAULT_MAX_ATTEMPTS,
     ) -> None:
         self._resolver = resolver
         self._tunnels = tunnels
+        self.router = router or Router(resolver)
+        self._max_attempts = max_attempts
         self._metrics = metrics
         self._max_body_bytes = max_body_bytes
         self._connect_timeout_s = connect_timeout_s
@@ -295,19 +308,32 @@ class OpenAIProxy:
                     error_reason="client_disconnected",
                 )
                 return
-            upstream = self._resolver.resolve(model_of(body))
+            key = affinity_key(scope["headers"])
+            plan = self.router.plan(model_of(body), key)
         except BerthError as exc:
             await self._reject(send, request_id, exc, start)
             return
 
-        target = Target(upstream.model, upstream.deployment_id, upstream.node_id)
+        upstream = plan[0]
         exchange = Exchange(start)
         task = asyncio.current_task()
         assert task is not None, "ASGI apps run in a task"
         watcher = task.get_loop().create_task(watch_disconnect(receive, exchange, task))
-        self._metrics.request_started(target)
+        signals = self.router.signals
+        dispatched = False
         try:
-            await self._relay(scope, upstream, body, request_id, forward, send, exchange)
+            upstream, response = await first_answer(
+                plan,
+                lambda u: self._open(scope, u, body, forward),
+                max_attempts=self._max_attempts,
+                signals=signals,
+                clock=self._clock,
+                request_id=request_id.decode(),
+            )
+            dispatched = True
+            self.router.succeeded(key, upstream)
+            self._metrics.request_started(_target(upstream))
+            await self._relay(upstream, response, request_id, send, exchange)
         except asyncio.CancelledError:
             # Ours if the client left (the engine request is closed by now); anyone else's
             # (a server shutting down) goes on up.
@@ -325,6 +351,11 @@ class OpenAIProxy:
                 watcher.cancel()
             # else the watcher ends by itself: ASGI servers answer receive() with
             # "http.disconnect" once the response is complete.
+            target = _target(upstream)
+            if dispatched:
+                signals.finished(upstream.deployment_id, upstream.node_id)
+            else:
+                self._metrics.request_started(target)  # counted where it last failed
             usage = exchange.usage
             self._metrics.request_finished(
                 target,
@@ -366,16 +397,16 @@ class OpenAIProxy:
             if not message.get("more_body", False):
                 return b"".join(parts)
 
-    async def _relay(
+    async def _open(
         self,
         scope: Scope,
         upstream: Upstream,
         body: bytes,
-        request_id: bytes,
         forward: list[tuple[bytes, bytes]],
-        send: Send,
-        exchange: Exchange,
-    ) -> None:
+    ) -> EngineAnswer:
+        """Send the request to ``upstream``; its answer once the head is in. Raises the
+        :class:`ProxyError` for an engine that cannot be reached or does not answer in time
+        (nothing has reached the client then)."""
         pool = self._pool
         if pool is None:
             raise RuntimeError("OpenAIProxy.startup() was not awaited")
@@ -383,18 +414,25 @@ class OpenAIProxy:
         query: bytes = scope.get("query_string", b"")
         if query:
             target += b"?" + query
-        response: EngineAnswer
         try:
             if origin.host is _TUNNELED:
-                response = await self._open_tunnel(upstream, target, forward, body)
-            else:
-                response = await pool.request(origin, _POST, target, forward, body)
+                return await self._open_tunnel(upstream, target, forward, body)
+            return await pool.request(origin, _POST, target, forward, body)
         except UpstreamConnectError as exc:
             raise EngineUnreachableError(upstream, exc.why) from exc
         except UpstreamTimeoutError as exc:
             raise EngineTimeoutError(upstream, self._read_timeout_s) from exc
         except UpstreamError as exc:
             raise EngineUnreachableError(upstream, f"failed before answering ({exc.why})") from exc
+
+    async def _relay(
+        self,
+        upstream: Upstream,
+        response: EngineAnswer,
+        request_id: bytes,
+        send: Send,
+        exchange: Exchange,
+    ) -> None:
         try:
             content_type = response.header(b"content-type") or b"application/json"
             encoding = response.header(b"content-encoding")

@@ -1,0 +1,77 @@
+"""Dispatch with retry before the first byte: walk the router's plan until an engine answers.
+
+Each attempt goes to a node not tried yet, at most ``max_attempts`` in all. An attempt that
+fails before the answer's head (refused, reset, timed out, node unreachable) or is answered
+502/503/504 moves on to the next candidate, while there is one; the rules are
+:func:`berth.routing.retry.classify`. Nothing has been sent to the client yet, so nothing is
+done twice from its point of view. The last attempt's outcome stands: its error (an
+OpenAI-shaped 502/504) or its answer.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+from typing import TYPE_CHECKING
+
+from berth.daemon.proxy_errors import EngineTimeoutError, ProxyError
+from berth.daemon.upstream_response import EngineAnswer
+from berth.routing.retry import AttemptFailure, classify
+from berth.routing.signals import SignalBoard
+
+if TYPE_CHECKING:
+    from berth.daemon.proxy import Upstream
+
+log = logging.getLogger(__name__)
+
+Attempt = Callable[["Upstream"], Awaitable[EngineAnswer]]
+
+
+async def first_answer(
+    plan: Sequence[Upstream],
+    attempt: Attempt,
+    *,
+    max_attempts: int,
+    signals: SignalBoard,
+    clock: Callable[[], float],
+    request_id: str,
+) -> tuple[Upstream, EngineAnswer]:
+    """The first usable answer along ``plan``, and the upstream that gave it.
+
+    ``attempt(upstream)`` sends the request and returns once the answer's head is in, or
+    raises a :class:`ProxyError` (nothing reached the client). The chosen upstream is left
+    counted in flight in ``signals``: the caller calls ``signals.finished`` when the
+    exchange is over. Raises the last attempt's ``ProxyError`` when none answered.
+    """
+    tried: set[str] = set()
+    for index, upstream in enumerate(plan):
+        if upstream.node_id in tried:
+            continue
+        tried.add(upstream.node_id)
+        more = len(tried) < max_attempts and any(u.node_id not in tried for u in plan[index + 1 :])
+        signals.started(upstream.deployment_id, upstream.node_id)
+        begun = clock()
+        try:
+            answer = await attempt(upstream)
+        except ProxyError as exc:
+            signals.finished(upstream.deployment_id, upstream.node_id)
+            failure = (
+                AttemptFailure.TIMEOUT if isinstance(exc, EngineTimeoutError)
+                else AttemptFailure.CONNECT
+            )  # fmt: skip
+            if not more or classify(failure) != "retry":
+                raise
+            log.warning("request %s: %s; trying another node", request_id, exc)
+            continue
+        except BaseException:
+            signals.finished(upstream.deployment_id, upstream.node_id)
+            raise
+        signals.observe(upstream.deployment_id, clock() - begun)
+        if more and classify(None, answer.status) == "retry":
+            log.warning("request %s: deployment %s answered %d; trying another node",
+                        request_id, upstream.deployment_id, answer.status)  # fmt: skip
+            answer.close()
+            signals.finished(upstream.deployment_id, upstream.node_id)
+            continue
+        return upstream, answer
+    raise AssertionError("first_answer needs a non-empty plan")  # the resolver never gives one

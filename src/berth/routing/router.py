@@ -1,0 +1,79 @@
+"""The router: candidates from the table of ready deployments, ranked with live signals and
+the affinity map; the proxy walks the result (``daemon/proxy_dispatch.py``)."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from berth.routing.affinity import AffinityMap
+from berth.routing.scorer import Candidate, NodeSignals, Ranking, rank
+from berth.routing.signals import SignalBoard
+
+if TYPE_CHECKING:
+    from berth.daemon.proxy import Upstream, UpstreamResolver
+
+
+class Router:
+    """Plans where a request goes: every ready deployment of the model on a reachable node,
+    best first.
+
+    ``node_reported(node_id)`` says whether a node has sent signals (a remote node before its
+    first heartbeat has not); ``free_vram_mb(node_id)`` its free GPU memory when known.
+    """
+
+    def __init__(
+        self,
+        resolver: UpstreamResolver,
+        *,
+        signals: SignalBoard | None = None,
+        affinity: AffinityMap | None = None,
+        node_reported: Callable[[str], bool] = lambda _node: True,
+        free_vram_mb: Callable[[str], int | None] = lambda _node: None,
+    ) -> None:
+        self.resolver = resolver
+        self.signals = signals or SignalBoard()
+        self.affinity = affinity or AffinityMap()
+        self._node_reported = node_reported
+        self._free_vram_mb = free_vram_mb
+        self._turn = itertools.count()
+
+    def plan(self, model: str, affinity_key: str | None) -> list[Upstream]:
+        """The ready deployments of ``model``, best first.
+
+        Raises ``NotFoundError`` (unknown model) and ``NoReadyDeploymentError`` (none ready)
+        from the resolver.
+        """
+        upstreams = self.resolver.candidates(model)
+        if len(upstreams) == 1:
+            return upstreams  # nothing to rank: the hot path stays cheap
+        ranking = self.explain_upstreams(upstreams, affinity_key)
+        by_id = {u.deployment_id: u for u in upstreams}
+        return [by_id[r.candidate.deployment_id] for r in ranking.ranked]
+
+    def explain(self, model: str, affinity_key: str | None = None) -> Ranking:
+        """The ranking :meth:`plan` would use, with reasons (for the admin API)."""
+        return self.explain_upstreams(self.resolver.candidates(model), affinity_key)
+
+    def explain_upstreams(self, upstreams: list[Upstream], affinity_key: str | None) -> Ranking:
+        candidates = [Candidate(u.deployment_id, u.node_id, self._signals_of(u)) for u in upstreams]
+        return rank(candidates, self.affinity.get(affinity_key), next(self._turn))
+
+    def succeeded(self, affinity_key: str | None, upstream: Upstream) -> None:
+        """A dispatch to ``upstream`` answered: remember the node for this key."""
+        self.affinity.record(affinity_key, upstream.node_id)
+
+    def node_lost(self, node_id: str) -> int:
+        """A node became unreachable: forget its affinity entries; how many there were."""
+        return self.affinity.forget_node(node_id)
+
+    def _signals_of(self, upstream: Upstream) -> NodeSignals | None:
+        node = upstream.node_id
+        if not self._node_reported(node):
+            return None
+        return NodeSignals(
+            in_flight=self.signals.node_in_flight(node),
+            p95_ms=self.signals.p95_ms(upstream.deployment_id),
+            free_vram_mb=self._free_vram_mb(node),
+        )

@@ -1,0 +1,120 @@
+"""The scorer: ranks the deployments that can serve a request, and says why (pure).
+
+Rules, in order:
+
+1. a hard filter drops a candidate whose node is known to lack the free GPU memory the
+   request needs (``required_vram_mb``; skipped when either number is unknown);
+2. a lexicographic rank: a node that has reported signals before one that has not; an
+   affinity hit (the node that served this session before: its KV cache holds the prompt);
+   fewer requests in flight on the node; a lower recent p95 latency, compared in buckets of
+   a factor :data:`P95_BUCKET_RATIO` so that near-equal nodes tie; then a rotating tie-break so
+   that equal nodes share the load.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+#: p95 latencies within this factor of each other count as equal (log-scale buckets).
+P95_BUCKET_RATIO = 1.5
+
+
+@dataclass(frozen=True)
+class NodeSignals:
+    """What is known of a node's load: requests in flight (all its deployments), the
+    deployment's recent p95 latency in ms (``None``: no samples yet), free GPU memory in MiB
+    (``None``: unknown, e.g. no GPU inventory)."""
+
+    in_flight: int
+    p95_ms: float | None = None
+    free_vram_mb: int | None = None
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A ready deployment of the requested model; ``signals`` is ``None`` for a node that
+    has reported nothing yet."""
+
+    deployment_id: str
+    node_id: str
+    signals: NodeSignals | None
+    required_vram_mb: int | None = None
+
+
+@dataclass(frozen=True)
+class Ranked:
+    """A candidate in its place, with the reason in words (for ``/admin/routing``)."""
+
+    candidate: Candidate
+    affinity_hit: bool
+    reason: str
+
+
+@dataclass(frozen=True)
+class Dropped:
+    candidate: Candidate
+    reason: str
+
+
+@dataclass(frozen=True)
+class Ranking:
+    ranked: tuple[Ranked, ...]
+    dropped: tuple[Dropped, ...]
+
+
+def p95_bucket(p95_ms: float | None) -> float:
+    """The latency bucket used for ranking: ``inf`` when unknown."""
+    if p95_ms is None:
+        return math.inf
+    return math.floor(math.log(max(p95_ms, 0.001)) / math.log(P95_BUCKET_RATIO))
+
+
+def rank(
+    candidates: Sequence[Candidate], affinity_node: str | None = None, rotation: int = 0
+) -> Ranking:
+    """Order ``candidates`` best first (see the module docstring for the rules).
+
+    ``affinity_node`` is the node the affinity map points at (``None``: no entry);
+    ``rotation`` shifts the final tie-break (pass a counter so that ties alternate).
+    """
+    kept: list[Candidate] = []
+    dropped: list[Dropped] = []
+    for candidate in candidates:
+        signals = candidate.signals
+        need = candidate.required_vram_mb
+        free = signals.free_vram_mb if signals is not None else None
+        if free is not None and need is not None and free < need:
+            why = f"needs {need} MiB of GPU memory, node has {free} MiB free"
+            dropped.append(Dropped(candidate, why))
+            continue
+        kept.append(candidate)
+    count = len(kept)
+
+    def key(item: tuple[int, Candidate]) -> tuple[bool, bool, int, float, int]:
+        index, candidate = item
+        signals = candidate.signals
+        hit = candidate.node_id == affinity_node
+        if signals is None:
+            return (True, not hit, 0, math.inf, (index - rotation) % max(count, 1))
+        return (False, not hit, signals.in_flight, p95_bucket(signals.p95_ms),
+                (index - rotation) % max(count, 1))  # fmt: skip
+
+    ordered = sorted(enumerate(kept), key=key)
+    ranked = tuple(
+        Ranked(c, c.node_id == affinity_node, _reason(c, c.node_id == affinity_node))
+        for _i, c in ordered
+    )
+    return Ranking(ranked, tuple(dropped))
+
+
+def _reason(candidate: Candidate, hit: bool) -> str:
+    signals = candidate.signals
+    if signals is None:
+        return "no signals from its node yet (ranked last)"
+    parts = ["affinity hit" if hit else "no affinity", f"{signals.in_flight} in flight"]
+    parts.append("p95 unknown" if signals.p95_ms is None else f"p95 {signals.p95_ms:.1f} ms")
+    if signals.free_vram_mb is not None:
+        parts.append(f"{signals.free_vram_mb} MiB GPU memory free")
+    return ", ".join(parts)

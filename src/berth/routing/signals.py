@@ -1,0 +1,82 @@
+"""Live per-deployment load as the leader sees it: requests in flight and recent latency.
+
+The proxy calls :meth:`SignalBoard.started` when it sends a request to a deployment,
+:meth:`SignalBoard.observe` when the answer's head arrives, and :meth:`SignalBoard.finished`
+when the exchange is over (or the attempt failed). In-flight
+counts are exact and immediate (every request goes through the leader); the p95 is over the
+samples of the last ``window_s`` seconds (at most ``max_samples`` per deployment).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from collections.abc import Callable
+
+#: Seconds of latency samples the p95 is computed over.
+WINDOW_S = 60.0
+MAX_SAMPLES = 256
+
+
+class SignalBoard:
+    """In-flight counts and recent time-to-first-byte samples per deployment."""
+
+    def __init__(
+        self,
+        *,
+        window_s: float = WINDOW_S,
+        max_samples: int = MAX_SAMPLES,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._window_s = window_s
+        self._max_samples = max_samples
+        self._clock = clock
+        self._in_flight: dict[str, int] = {}
+        self._node_in_flight: dict[str, int] = {}
+        self._samples: dict[str, deque[tuple[float, float]]] = {}
+
+    def started(self, deployment_id: str, node_id: str) -> None:
+        self._in_flight[deployment_id] = self._in_flight.get(deployment_id, 0) + 1
+        self._node_in_flight[node_id] = self._node_in_flight.get(node_id, 0) + 1
+
+    def finished(self, deployment_id: str, node_id: str) -> None:
+        """The request left the deployment (answered in full, failed or abandoned)."""
+        left = self._in_flight.get(deployment_id, 0) - 1
+        if left > 0:
+            self._in_flight[deployment_id] = left
+        else:
+            self._in_flight.pop(deployment_id, None)
+        node_left = self._node_in_flight.get(node_id, 0) - 1
+        if node_left > 0:
+            self._node_in_flight[node_id] = node_left
+        else:
+            self._node_in_flight.pop(node_id, None)
+
+    def observe(self, deployment_id: str, latency_s: float) -> None:
+        """A sample of the deployment's time to the answer's head, in seconds."""
+        samples = self._samples.setdefault(deployment_id, deque(maxlen=self._max_samples))
+        samples.append((self._clock(), latency_s * 1000.0))
+
+    def node_in_flight(self, node_id: str) -> int:
+        return self._node_in_flight.get(node_id, 0)
+
+    def in_flight(self, deployment_id: str) -> int:
+        return self._in_flight.get(deployment_id, 0)
+
+    def p95_ms(self, deployment_id: str) -> float | None:
+        """The 95th percentile (nearest rank) of the window's samples; ``None`` if none."""
+        samples = self._samples.get(deployment_id)
+        if not samples:
+            return None
+        horizon = self._clock() - self._window_s
+        while samples and samples[0][0] < horizon:
+            samples.popleft()
+        if not samples:
+            return None
+        values = sorted(value for _at, value in samples)
+        return values[max(0, math.ceil(0.95 * len(values)) - 1)]
+
+    def forget(self, deployment_id: str) -> None:
+        """The deployment is gone: drop its samples."""
+        self._samples.pop(deployment_id, None)
