@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -24,7 +25,6 @@ from berth.cluster.protocol.errors import ProtocolError
 from berth.cluster.protocol.frames import (
     PROTOCOL_MAX,
     PROTOCOL_MIN,
-    DeploymentLoad,
     EngineState,
     ErrorInfo,
     Frame,
@@ -53,6 +53,8 @@ from berth.daemon.upstream import Origin, UpstreamPool
 from berth.daemon.upstream_errors import UpstreamConnectError, UpstreamError, UpstreamTimeoutError
 from berth.daemon.upstream_response import UpstreamResponse
 from berth.errors import BerthError, EngineError, NotFoundError
+from berth.observability.node_sampler import core_heartbeat
+from berth.observability.window import RequestMeter, is_error
 from berth.runtime.engines import DeploymentRequest, parse_engine_name
 
 log = logging.getLogger(__name__)
@@ -68,7 +70,8 @@ ActivityListener = Callable[[str], None]
 class AgentService:
     """The agent's :class:`~berth.cluster.connection.LinkHandler` over an :class:`AgentCore`.
 
-    ``on_activity`` hears one line per operation (for the status panel).
+    ``on_activity`` hears one line per operation (for the status panel). ``meter`` counts
+    the tunneled requests this agent serves (reported in each heartbeat).
     """
 
     def __init__(
@@ -78,11 +81,12 @@ class AgentService:
         read_timeout_s: float = 600.0,
         on_activity: ActivityListener | None = None,
         models_dir: Path | None = None,
+        meter: RequestMeter | None = None,
     ) -> None:
         self._core = core
         self._models_dir = models_dir
         self._pool = UpstreamPool(read_timeout_s=read_timeout_s)
-        self._in_flight: dict[str, int] = {}
+        self.meter = meter if meter is not None else RequestMeter()
         self._on_activity = on_activity or (lambda _line: None)
 
     async def close(self) -> None:
@@ -119,18 +123,7 @@ class AgentService:
         )
 
     def heartbeat(self, now: float) -> Heartbeat:
-        return Heartbeat(
-            sent_at=now,
-            gpus=gpu_states(self._core.gpus()),
-            deployments=[
-                DeploymentLoad(
-                    deployment_id=e.deployment_id,
-                    in_flight=self._in_flight.get(e.deployment_id, 0),
-                    alive=e.alive,
-                )
-                for e in self._core.engines()
-            ],
-        )
+        return core_heartbeat(self._core, self.meter, now)
 
     # -- LinkHandler ---------------------------------------------------------------------
 
@@ -229,7 +222,12 @@ class AgentService:
         port = self._core.engine_port(deployment_id)
         body = await stream.read_all(MAX_REQUEST_BODY_BYTES)
         headers = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in opening.headers]
-        self._in_flight[deployment_id] = self._in_flight.get(deployment_id, 0) + 1
+        # Measured here, where the request is served (docs/metrics.md): from the body's
+        # arrival to the answer's last byte.
+        self.meter.started(deployment_id)
+        started_at = time.monotonic()
+        status: int | None = None
+        completed = False
         try:
             try:
                 response = await self._pool.request(
@@ -248,18 +246,24 @@ class AgentService:
             except UpstreamError as exc:
                 stream.reset("engine_unreachable", f"failed before answering ({exc.why})")
                 return
+            status = response.status
             try:
-                await self._relay_answer(stream, response)
+                completed = await self._relay_answer(stream, response)
             finally:
                 response.close()
+        except (StreamResetError, asyncio.CancelledError):
+            status = status or 499  # the leader gave up (its client left): not an error
+            completed = True
+            raise
         finally:
-            left = self._in_flight[deployment_id] - 1
-            if left:
-                self._in_flight[deployment_id] = left
-            else:
-                del self._in_flight[deployment_id]
+            self.meter.finished(
+                deployment_id,
+                latency_ms=(time.monotonic() - started_at) * 1000.0,
+                error=is_error(status, failed=not completed),
+            )
 
-    async def _relay_answer(self, stream: TunnelStream, response: UpstreamResponse) -> None:
+    async def _relay_answer(self, stream: TunnelStream, response: UpstreamResponse) -> bool:
+        """Send the engine's answer on ``stream``; ``False`` when the engine broke it off."""
         head_headers = [
             (k.decode("latin-1"), v.decode("latin-1"))
             for k, v in response.headers
@@ -270,7 +274,7 @@ class AgentService:
             chunk = await response.read_chunk()
         except UpstreamError as exc:
             stream.reset("engine_disconnect", exc.why)
-            return
+            return False
         # The head frame carries the first bytes too: a small answer is one frame.
         room = min(session.send_credit(stream.id), session.limits.max_payload_bytes)
         first, rest = chunk[:room], chunk[room:]
@@ -282,23 +286,23 @@ class AgentService:
         session.send_head(head)
         stream.conn.flush()
         if end:
-            return
+            return True
         if rest:
             await stream.write(rest, end=response.at_eof)
             if response.at_eof:
-                return
+                return True
         while True:
             try:
                 chunk = await response.read_chunk()
             except UpstreamError as exc:
                 stream.reset("engine_disconnect", exc.why)
-                return
+                return False
             if not chunk:
                 await stream.write(b"", end=True)
-                return
+                return True
             await stream.write(chunk, end=response.at_eof)
             if response.at_eof:
-                return
+                return True
 
     async def _send_logs(self, stream: TunnelStream) -> None:
         opening = stream.opening

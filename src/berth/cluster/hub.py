@@ -25,8 +25,9 @@ from cryptography.x509.oid import NameOID
 from berth import __version__
 from berth.cluster.ca import fingerprint_of_der
 from berth.cluster.connection import LinkConnection, TunnelStream
+from berth.cluster.enrollment import AuditLog
 from berth.cluster.inventory import gpu_infos
-from berth.cluster.link import AgentLink
+from berth.cluster.link import LOCAL_NODE_ID, AgentLink
 from berth.cluster.listener import peer_certificate_der
 from berth.cluster.protocol.errors import CloseCode, ProtocolError
 from berth.cluster.protocol.frames import (
@@ -43,6 +44,7 @@ from berth.cluster.remote_link import RemoteLink, TunnelResponse
 from berth.daemon.upstream import Origin
 from berth.daemon.upstream_errors import UpstreamConnectError
 from berth.errors import BerthError
+from berth.observability.cluster import ClusterMetrics
 from berth.store import Store
 from berth.store.records import NodeHardware
 
@@ -71,6 +73,8 @@ class NodeHub:
 
     ``links`` is the leader's shared table of :class:`AgentLink` by node id: the hub adds a
     :class:`RemoteLink` when an agent says Hello and removes it when the link ends.
+    ``cluster_metrics``, when given, hears every heartbeat and every node removal;
+    ``audit``, when given, gets a ``node.lost`` line (id, label, close code) per lost link.
     """
 
     def __init__(
@@ -83,8 +87,12 @@ class NodeHub:
         node_timeout_s: float = NODE_TIMEOUT_S,
         hello_timeout_s: float = HELLO_TIMEOUT_S,
         clock: Callable[[], float] = time.time,
+        cluster_metrics: ClusterMetrics | None = None,
+        audit: AuditLog | None = None,
     ) -> None:
         self._store = store
+        self._audit = audit
+        self._cluster_metrics = cluster_metrics
         self._links = links
         self.limits = limits or LinkLimits()
         self._heartbeat_interval_s = heartbeat_interval_s
@@ -103,6 +111,21 @@ class NodeHub:
     def is_connected(self, node_id: str) -> bool:
         conn = self._conns.get(node_id)
         return conn is not None and not conn.closed
+
+    def has_reported(self, node_id: str) -> bool:
+        """Whether the node has sent signals the router can use: ``local`` always; an
+        agent once its first heartbeat arrived."""
+        if node_id == LOCAL_NODE_ID:
+            return True
+        link = self.remote_link(node_id)
+        return link is not None and link.load.heartbeat_at > 0
+
+    def free_vram_mb(self, node_id: str) -> int | None:
+        """Free GPU memory on a remote node per its last report (``None``: no GPUs/unknown)."""
+        link = self.remote_link(node_id)
+        if link is None or not link.last_inventory.gpus:
+            return None
+        return sum(g.memory_total_mb - g.memory_used_mb for g in link.last_inventory.gpus)
 
     def remote_link(self, node_id: str) -> RemoteLink | None:
         link = self._links.get(node_id)
@@ -128,7 +151,10 @@ class NodeHub:
         return await link.open_http(deployment_id, method, target, headers, body, read_timeout_s)
 
     async def disconnect_node(self, node_id: str) -> None:
-        """Close the node's live link at once with ``NODE_REMOVED``; no-op if none."""
+        """Close the node's live link at once with ``NODE_REMOVED`` (the node was removed)
+        and drop its metrics series."""
+        if self._cluster_metrics is not None:
+            self._cluster_metrics.remove_node(node_id)
         conn = self._conns.get(node_id)
         if conn is not None:
             self._drop(node_id, conn)
@@ -286,7 +312,19 @@ class NodeHub:
         self._links.pop(node_id, None)
         if self._listener is not None:
             self._listener.node_disconnected(node_id)
+        if self._audit is not None and not self._shutting_down:
+            self._spawn(self._audit_loss(node_id, conn.close_code))
         self._spawn(self._mark_unreachable(node_id))
+
+    async def _audit_loss(self, node_id: str, code: int | None) -> None:
+        assert self._audit is not None
+        try:
+            label: str | None = (await asyncio.to_thread(self._store.get_node, node_id)).label
+        except BerthError:
+            label = None
+        log.warning("node %s (%s) lost its link (code %s)", node_id, label, code)
+        event = {"event": "node.lost", "node_id": node_id, "label": label, "close_code": code}
+        await asyncio.to_thread(self._audit.append, event)
 
     async def _mark_unreachable(self, node_id: str) -> None:
         if node_id in self._conns:
@@ -310,6 +348,8 @@ class NodeHub:
             now = self._clock()
             if link is not None and link.conn is conn:
                 link.record_heartbeat(frame, now)
+                if self._cluster_metrics is not None:
+                    self._cluster_metrics.record_heartbeat(node_id, frame, now)
                 # Kept in memory on every heartbeat, written at most once an interval: a
                 # flood of heartbeats must not queue database writes for everyone.
                 if now - self._saved_at.get(node_id, 0.0) >= self._heartbeat_interval_s:

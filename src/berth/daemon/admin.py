@@ -23,6 +23,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from berth import __version__
 from berth.cluster.link import LOCAL_NODE_ID
+from berth.daemon.admin_metrics import build_metrics_router
 from berth.daemon.admin_nodes import build_node_router
 from berth.daemon.lifecycle import DeployOptions
 from berth.daemon.openai_errors import error_body, error_from_exception
@@ -350,6 +351,7 @@ def build_admin_app(services: LeaderServices) -> FastAPI:
         return key_json(record)
 
     app.include_router(build_node_router(services))
+    app.include_router(build_metrics_router(services))
 
     @app.post("/admin/shutdown", status_code=202)
     async def shutdown() -> dict[str, str]:

@@ -41,8 +41,12 @@ from berth.daemon.proxy import OpenAIProxy
 from berth.daemon.services import LeaderServices, Listener
 from berth.errors import DaemonError
 from berth.keys import load_or_create_pepper
+from berth.observability.cluster import ClusterMetrics
 from berth.observability.metrics import ProxyMetrics
+from berth.observability.node_sampler import LocalNodeSampler
+from berth.observability.window import RequestMeter
 from berth.paths import BerthHome
+from berth.routing.router import Router
 from berth.runtime.engines import EngineBinaries
 from berth.runtime.gpu import NvmlInventory
 from berth.runtime.process import ProcessRuntime
@@ -157,7 +161,10 @@ async def serve(home: BerthHome, settings: Settings) -> None:
     pepper = await asyncio.to_thread(load_or_create_pepper, home.pepper_file)
     cluster_tls = await asyncio.to_thread(cluster_tls_files, ca, settings.cluster_host, home.ca_dir)
 
-    metrics = ProxyMetrics()
+    local_meter = RequestMeter()  # requests to node local's engines, served by the proxy
+    metrics = ProxyMetrics(local_meter=local_meter, local_node=LOCAL_NODE_ID)
+    cluster_metrics = ClusterMetrics(model_of=metrics.deployment_model)
+    cluster_metrics.register(metrics.registry)
     core = AgentCore(
         ProcessRuntime(),
         EngineBinaries(
@@ -169,6 +176,7 @@ async def serve(home: BerthHome, settings: Settings) -> None:
         logs_dir=home.logs_dir,
     )
     links: dict[str, AgentLink] = {LOCAL_NODE_ID: InProcessLink(core)}
+    audit = AuditLog(home.audit_log)
     lifecycle = LifecycleManager(
         store,
         links,
@@ -183,15 +191,33 @@ async def serve(home: BerthHome, settings: Settings) -> None:
         links,
         heartbeat_interval_s=settings.heartbeat_interval_s,
         node_timeout_s=settings.node_timeout_s,
+        cluster_metrics=cluster_metrics,
+        audit=audit,
     )
     hub.set_listener(lifecycle)
-    proxy = OpenAIProxy(lifecycle, metrics, max_body_bytes=settings.max_body_bytes, tunnels=hub)
+    router = Router(lifecycle, node_reported=hub.has_reported, free_vram_mb=hub.free_vram_mb)
+    lifecycle.on_node_lost = router.node_lost
+    local_sampler = LocalNodeSampler(
+        core,
+        local_meter,
+        cluster_metrics,
+        node_id=LOCAL_NODE_ID,
+        interval_s=settings.heartbeat_interval_s,
+    )
+    proxy = OpenAIProxy(
+        lifecycle,
+        metrics,
+        max_body_bytes=settings.max_body_bytes,
+        tunnels=hub,
+        router=router,
+        max_attempts=settings.max_attempts,
+    )
     enrollment = EnrollmentService(
         store=store,
         ca=ca,
         pepper=pepper,
         cluster_url=cluster_url,
-        audit=AuditLog(home.audit_log),
+        audit=audit,
     )
     services = LeaderServices(
         home=home,
@@ -200,6 +226,7 @@ async def serve(home: BerthHome, settings: Settings) -> None:
         ca=ca,
         pepper=pepper,
         metrics=metrics,
+        cluster_metrics=cluster_metrics,
         proxy=proxy,
         lifecycle=lifecycle,
         authenticator=Authenticator(store, pepper),
@@ -244,6 +271,7 @@ async def serve(home: BerthHome, settings: Settings) -> None:
         ]
         await cluster_listener.start()
         await lifecycle.start()
+        local_sampler.start()
         services.ready = True
         log.info(
             "berth leader ready: public https://%s:%d, cluster %s, socket %s, CA %s",
@@ -262,6 +290,7 @@ async def serve(home: BerthHome, settings: Settings) -> None:
         await asyncio.gather(*serving, return_exceptions=True)
         stopper.cancel()
     finally:
+        await local_sampler.stop()
         await hub.shutdown()
         await cluster_listener.stop()
         await lifecycle.shutdown()

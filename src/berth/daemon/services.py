@@ -14,6 +14,7 @@ from berth.config import Settings
 from berth.daemon.auth import Authenticator
 from berth.daemon.lifecycle import LifecycleManager
 from berth.daemon.proxy import OpenAIProxy
+from berth.observability.cluster import ClusterMetrics
 from berth.observability.metrics import ProxyMetrics
 from berth.paths import BerthHome
 from berth.store import Store
@@ -51,3 +52,5 @@ class LeaderServices:
     listeners: list[Listener] = field(default_factory=list)
     ready: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
+    #: Every node's load over the last minute (``/metrics``, ``/admin/metrics/snapshot``).
+    cluster_metrics: ClusterMetrics = field(default_factory=ClusterMetrics)

@@ -34,6 +34,7 @@ from prometheus_client.metrics_core import (
 from prometheus_client.registry import Collector
 
 from berth.daemon.states import DeploymentState
+from berth.observability.window import RequestMeter, is_error
 
 #: Request latency buckets (seconds): from a cached short answer to a long generation.
 LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
@@ -56,6 +57,10 @@ def status_class(status: int) -> str:
 
 _STATUS_CLASSES = {status: status_class(status) for status in range(100, 600)}
 
+
+#: Reasons that mean the exchange with the engine broke (errors for the serving node's meter).
+_BROKEN_EXCHANGE = frozenset({"engine_unreachable", "engine_timeout", "engine_aborted",
+                              "stream_aborted"})  # fmt: skip
 
 _TARGET_LABELS = ("model", "deployment", "node")
 _STATUS_LABELS = (*_TARGET_LABELS, "status_class")
@@ -176,10 +181,23 @@ class _RequestCollector(Collector):
 
 
 class ProxyMetrics:
-    """The proxy's request series and the deployment-state gauge, in their own registry."""
+    """The proxy's request series and the deployment-state gauge, in their own registry.
 
-    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+    ``local_meter``, when given, also hears every request routed to a deployment on
+    ``local_node``: for those the leader's proxy is where the request is served, so it is
+    measured here the way an agent measures the requests it relays (``docs/metrics.md``).
+    """
+
+    def __init__(
+        self,
+        registry: CollectorRegistry | None = None,
+        *,
+        local_meter: RequestMeter | None = None,
+        local_node: str = "local",
+    ) -> None:
         self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
+        self._local_meter = local_meter
+        self._local_node = local_node
         self._requests: dict[tuple[Target, str], _RequestSeries] = {}
         self._targets: dict[Target, _TargetSeries] = {}
         self._errors: dict[tuple[Target, str, str], int] = {}
@@ -200,6 +218,8 @@ class ProxyMetrics:
         if series is None:
             series = self._targets[target] = _TargetSeries()
         series.in_flight += 1
+        if self._local_meter is not None and target.node == self._local_node:
+            self._local_meter.started(target.deployment)
 
     def request_finished(
         self,
@@ -224,6 +244,13 @@ class ProxyMetrics:
         series.prompt_tokens += prompt_tokens
         series.completion_tokens += completion_tokens
         self._observe(target, status, duration_s, ttfb_s, error_reason)
+        if self._local_meter is not None and target.node == self._local_node:
+            failed = error_reason in _BROKEN_EXCHANGE
+            self._local_meter.finished(
+                target.deployment,
+                latency_ms=duration_s * 1000.0,
+                error=is_error(status, failed=failed),
+            )
 
     def request_rejected(
         self, *, model: str, status: int, duration_s: float, error_reason: str
@@ -285,6 +312,11 @@ class ProxyMetrics:
         model, node = labels
         for candidate in DeploymentState:
             self.deployment_state.remove(deployment, model, node, candidate.value)
+
+    def deployment_model(self, deployment: str) -> str | None:
+        """The model label of a deployment whose state was recorded, else ``None``."""
+        labels = self._deployments.get(deployment)
+        return labels[0] if labels is not None else None
 
     # -- exposition -------------------------------------------------------------------------
 

@@ -89,11 +89,20 @@ class EngineState(_Body, kw_only=True):
 
 
 class DeploymentLoad(_Body, kw_only=True):
-    """Per-deployment load in a heartbeat: requests in flight through the tunnel."""
+    """Per-deployment load in a heartbeat, measured by the agent that serves the requests.
+
+    ``requests_total``/``errors_total`` count tunneled requests finished since the agent
+    started (an error: engine status >= 500, or the exchange failed); the latencies, in
+    milliseconds, are percentiles over the agent's last 60 s (absent when it served none).
+    """
 
     deployment_id: str
     in_flight: int = 0
     alive: bool = True
+    requests_total: int = 0
+    errors_total: int = 0
+    latency_p50_ms: float | None = None
+    latency_p95_ms: float | None = None
 
 
 class ErrorInfo(_Body, kw_only=True):

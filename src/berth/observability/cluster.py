@@ -1,0 +1,318 @@
+"""The leader's view of every node's load: heartbeats in, Prometheus series and snapshots out.
+
+Each node (an agent's heartbeat, or the leader's own sample of node ``local``) reports GPU
+utilisation and memory, and per deployment the requests in flight, cumulative requests and
+errors, and latency percentiles over the reporter's last 60 s. :class:`ClusterMetrics` keeps
+the samples of the last ``window_s`` seconds per node and exposes them:
+
+- as Prometheus families (a custom collector registered on the leader's registry):
+  ``berth_node_gpu_util_pct`` and ``berth_node_gpu_mem_used_bytes`` {node, gpu};
+  ``berth_deployment_in_flight``, ``berth_deployment_latency_p50_seconds``,
+  ``berth_deployment_latency_p95_seconds`` (gauges; seconds, Prometheus' base unit, which
+  ``promtool check metrics`` requires: ``_ms`` names are refused as abbreviated units) and ``berth_deployment_requests_total``,
+  ``berth_deployment_errors_total`` (counters) {node, deployment, model};
+- as a JSON-ready :class:`ClusterSnapshot` for ``GET /admin/metrics/snapshot``.
+
+Counters never decrease: the leader adds up the deltas between a node's reports, and a report
+lower than the previous one (the agent restarted) counts from zero again, the rule Prometheus
+itself applies to counter resets. Gauges come from the node's latest sample and disappear once
+it is older than the window (a silent node reports nothing current). Removing a node drops
+all its series.
+
+Written from the event loop only; a scrape from another thread copies the tables first.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from berth.cluster.protocol.frames import Heartbeat
+
+#: Seconds of samples kept per node.
+WINDOW_S = 60.0
+_MIB = 1024 * 1024
+_NODE_GPU = ("node", "gpu")
+_NODE_DEPLOYMENT = ("node", "deployment", "model")
+
+ModelLookup = Callable[[str], "str | None"]
+
+
+@dataclass(frozen=True)
+class GpuSample:
+    """One GPU in one sample; ``util_pct`` is ``None`` when the driver does not say."""
+
+    index: int
+    name: str
+    util_pct: float | None
+    mem_used_bytes: int
+    mem_total_bytes: int
+
+
+@dataclass(frozen=True)
+class DeploymentSample:
+    """One deployment in one sample; the totals are the leader's (monotonic) counters."""
+
+    deployment: str
+    model: str
+    in_flight: int
+    requests_total: int
+    errors_total: int
+    latency_p50_ms: float | None
+    latency_p95_ms: float | None
+    alive: bool
+
+
+@dataclass(frozen=True)
+class NodeSample:
+    """What one node reported at ``at`` (seconds since the epoch, leader's clock)."""
+
+    at: float
+    gpus: tuple[GpuSample, ...]
+    deployments: tuple[DeploymentSample, ...]
+
+
+@dataclass(frozen=True)
+class NodeSeries:
+    """A node's latest sample and every sample of the window, oldest first."""
+
+    node: str
+    latest: NodeSample
+    samples: tuple[NodeSample, ...]
+
+
+@dataclass(frozen=True)
+class ClusterSnapshot:
+    """Every node with a sample in the window, by node id."""
+
+    at: float
+    window_s: float
+    nodes: tuple[NodeSeries, ...] = field(default_factory=tuple)
+
+
+class _Counter:
+    """The leader's running totals for one (node, deployment), and the last reported ones."""
+
+    __slots__ = ("errors_total", "model", "reported_errors", "reported_requests", "requests_total")
+
+    def __init__(self, model: str) -> None:
+        self.model = model
+        self.requests_total = 0
+        self.errors_total = 0
+        self.reported_requests = 0
+        self.reported_errors = 0
+
+
+def counter_delta(previous: int, reported: int) -> int:
+    """How much a cumulative count grew from ``previous`` to ``reported``.
+
+    A report below the previous one means the reporter restarted and counts from zero again,
+    so all of it is new (Prometheus' own counter-reset rule).
+    """
+    return reported - previous if reported >= previous else reported
+
+
+class ClusterMetrics:
+    """Rolling per-node samples and monotonic per-deployment counters.
+
+    ``model_of`` maps a deployment id to its public model name (``None`` while unknown; the
+    label is then ``""`` until it is known). ``clock`` gives seconds since the epoch.
+    """
+
+    def __init__(
+        self,
+        *,
+        window_s: float = WINDOW_S,
+        model_of: ModelLookup | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        if window_s <= 0:
+            raise ValueError("window_s must be positive")
+        self.window_s = window_s
+        self._model_of: ModelLookup = model_of or (lambda _deployment: None)
+        self._clock = clock
+        self._samples: dict[str, deque[NodeSample]] = {}
+        self._counters: dict[tuple[str, str], _Counter] = {}
+
+    # -- input ------------------------------------------------------------------------------
+
+    def record_heartbeat(
+        self, node_id: str, heartbeat: Heartbeat, now: float | None = None
+    ) -> None:
+        """Take one report of ``node_id``, received at ``now`` (default: the clock)."""
+        at = self._clock() if now is None else now
+        gpus = tuple(
+            GpuSample(
+                index=g.index,
+                name=g.name,
+                util_pct=None if g.utilization_pct is None else float(g.utilization_pct),
+                mem_used_bytes=g.memory_used_mb * _MIB,
+                mem_total_bytes=g.memory_total_mb * _MIB,
+            )
+            for g in heartbeat.gpus
+        )
+        deployments = []
+        for load in heartbeat.deployments:
+            counter = self._counter(node_id, load.deployment_id)
+            counter.requests_total += counter_delta(counter.reported_requests, load.requests_total)
+            counter.errors_total += counter_delta(counter.reported_errors, load.errors_total)
+            counter.reported_requests = load.requests_total
+            counter.reported_errors = load.errors_total
+            deployments.append(
+                DeploymentSample(
+                    deployment=load.deployment_id,
+                    model=counter.model,
+                    in_flight=load.in_flight,
+                    requests_total=counter.requests_total,
+                    errors_total=counter.errors_total,
+                    latency_p50_ms=load.latency_p50_ms,
+                    latency_p95_ms=load.latency_p95_ms,
+                    alive=load.alive,
+                )
+            )
+        samples = self._samples.get(node_id)
+        if samples is None:
+            samples = self._samples[node_id] = deque()
+        samples.append(NodeSample(at, gpus, tuple(deployments)))
+        self._prune(samples, at)
+
+    def remove_node(self, node_id: str) -> None:
+        """Forget ``node_id`` (removed from the cluster): all its series go."""
+        self._samples.pop(node_id, None)
+        for key in [k for k in self._counters if k[0] == node_id]:
+            del self._counters[key]
+
+    def _counter(self, node_id: str, deployment_id: str) -> _Counter:
+        key = (node_id, deployment_id)
+        counter = self._counters.get(key)
+        if counter is None:
+            counter = self._counters[key] = _Counter(self._model_of(deployment_id) or "")
+        elif not counter.model:
+            counter.model = self._model_of(deployment_id) or ""
+        return counter
+
+    def _prune(self, samples: deque[NodeSample], now: float) -> None:
+        horizon = now - self.window_s
+        while samples and samples[0].at < horizon:
+            samples.popleft()
+
+    # -- output -----------------------------------------------------------------------------
+
+    def snapshot(self, now: float | None = None) -> ClusterSnapshot:
+        """Every node with a sample in the last ``window_s`` seconds, sorted by node id."""
+        at = self._clock() if now is None else now
+        nodes = []
+        for node_id, samples in sorted(self._samples.items()):
+            self._prune(samples, at)
+            if samples:
+                nodes.append(NodeSeries(node_id, samples[-1], tuple(samples)))
+        return ClusterSnapshot(at=at, window_s=self.window_s, nodes=tuple(nodes))
+
+    def register(self, registry: CollectorRegistry) -> None:
+        """Expose the series on ``registry`` (the leader's, beside the proxy's)."""
+        registry.register(_ClusterCollector(self))
+
+    def _latest(self, now: float) -> list[tuple[str, NodeSample]]:
+        horizon = now - self.window_s
+        out = []
+        for node_id, samples in list(self._samples.items()):
+            latest = samples[-1] if samples else None
+            if latest is not None and latest.at >= horizon:
+                out.append((node_id, latest))
+        return out
+
+    def _totals(self) -> list[tuple[tuple[str, str], str, int, int]]:
+        return [
+            (key, c.model, c.requests_total, c.errors_total)
+            for key, c in list(self._counters.items())
+        ]
+
+
+class _ClusterCollector(Collector):
+    """Turns :class:`ClusterMetrics` into Prometheus families at scrape time."""
+
+    def __init__(self, metrics: ClusterMetrics) -> None:
+        self._metrics = metrics
+
+    def describe(self) -> list[Metric]:
+        return list(self._families([], []))
+
+    def collect(self) -> Iterator[Metric]:
+        m = self._metrics
+        return self._families(m._latest(m._clock()), m._totals())
+
+    def _families(
+        self,
+        latest: list[tuple[str, NodeSample]],
+        totals: list[tuple[tuple[str, str], str, int, int]],
+    ) -> Iterator[Metric]:
+        util = GaugeMetricFamily(
+            "berth_node_gpu_util_pct",
+            "GPU utilisation in percent, from the node's latest report.",
+            labels=_NODE_GPU,
+        )
+        mem = GaugeMetricFamily(
+            "berth_node_gpu_mem_used_bytes",
+            "GPU memory in use, in bytes, from the node's latest report.",
+            labels=_NODE_GPU,
+        )
+        in_flight = GaugeMetricFamily(
+            "berth_deployment_in_flight",
+            "Requests the serving node is relaying to the deployment's engine.",
+            labels=_NODE_DEPLOYMENT,
+        )
+        p50 = GaugeMetricFamily(
+            "berth_deployment_latency_p50_seconds",
+            "Median request latency over the serving node's last 60 s.",
+            labels=_NODE_DEPLOYMENT,
+        )
+        p95 = GaugeMetricFamily(
+            "berth_deployment_latency_p95_seconds",
+            "95th percentile request latency over the serving node's last 60 s.",
+            labels=_NODE_DEPLOYMENT,
+        )
+        for node_id, sample in latest:
+            for gpu in sample.gpus:
+                labels = [node_id, str(gpu.index)]
+                if gpu.util_pct is not None:
+                    util.add_metric(labels, gpu.util_pct)
+                mem.add_metric(labels, gpu.mem_used_bytes)
+            for d in sample.deployments:
+                labels = [node_id, d.deployment, d.model]
+                in_flight.add_metric(labels, d.in_flight)
+                if d.latency_p50_ms is not None:
+                    p50.add_metric(labels, d.latency_p50_ms / 1000.0)
+                if d.latency_p95_ms is not None:
+                    p95.add_metric(labels, d.latency_p95_ms / 1000.0)
+        requests = CounterMetricFamily(
+            "berth_deployment_requests",
+            "Requests served by the deployment's node, whatever the outcome.",
+            labels=_NODE_DEPLOYMENT,
+        )
+        errors = CounterMetricFamily(
+            "berth_deployment_errors",
+            "Requests that failed on the serving node (engine status >= 500 or a broken exchange).",
+            labels=_NODE_DEPLOYMENT,
+        )
+        for (node_id, deployment), model, requests_total, errors_total in totals:
+            requests.add_metric([node_id, deployment, model], requests_total)
+            errors.add_metric([node_id, deployment, model], errors_total)
+        yield from (util, mem, in_flight, requests, errors, p50, p95)
+
+
+__all__ = [
+    "WINDOW_S",
+    "ClusterMetrics",
+    "ClusterSnapshot",
+    "DeploymentSample",
+    "GpuSample",
+    "NodeSample",
+    "NodeSeries",
+    "counter_delta",
+]
