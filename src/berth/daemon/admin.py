@@ -25,6 +25,7 @@ from berth import __version__
 from berth.cluster.link import LOCAL_NODE_ID
 from berth.daemon.admin_metrics import build_metrics_router
 from berth.daemon.admin_nodes import build_node_router
+from berth.daemon.admin_routing import build_routing_router
 from berth.daemon.lifecycle import DeployOptions
 from berth.daemon.openai_errors import error_body, error_from_exception
 from berth.daemon.services import LeaderServices
@@ -352,6 +353,7 @@ def build_admin_app(services: LeaderServices) -> FastAPI:
 
     app.include_router(build_node_router(services))
     app.include_router(build_metrics_router(services))
+    app.include_router(build_routing_router(services))
 
     @app.post("/admin/shutdown", status_code=202)
     async def shutdown() -> dict[str, str]:
