@@ -14,7 +14,9 @@ Test-only request fields (the tunnel tests): ``"x_bulk_bytes": N`` with ``"strea
 streams about N bytes of SSE events of 64 KiB each; ``"x_events": N`` with
 ``"x_event_delay_s": S`` streams N small events S seconds apart, printing
 :data:`CLIENT_GONE` if the client goes away first; every JSON answer carries
-``"x_received_bytes"``, the size of the request body.
+``"x_received_bytes"``, the size of the request body; ``"x_head_delay_s": S`` waits S seconds
+before answering at all (a request queued in the engine), only on the engine listening on
+``"x_head_delay_port"`` when that is given.
 
 Test-only flags: ``--fail-start`` prints an error line (:data:`FAIL_LINE`) and exits 1
 before listening.  Lines it prints go to stdout, flushed, so berth's engine log shows them.
@@ -116,6 +118,9 @@ class _Handler(BaseHTTPRequestHandler):
         except ValueError:
             self._json(400, {"error": {"code": 400, "message": "invalid JSON body"}})
             return
+        port = self.server.server_address[1]
+        if body.get("x_head_delay_s") and body.get("x_head_delay_port", port) == port:
+            time.sleep(float(body["x_head_delay_s"]))  # a request queued in this engine
         if body.get("stream") and body.get("x_bulk_bytes"):
             self._bulk(int(body["x_bulk_bytes"]))
             return

@@ -33,9 +33,11 @@ def _order(ranking: object) -> list[str]:
         ([_c("a", 3), _c("b", 1)], None, ["b", "a"]),  # fewer in flight first
         ([_c("a", 3), _c("b", 1)], "a", ["a", "b"]),  # affinity beats load
         ([_c("a", 1, 900.0), _c("b", 1, 100.0)], None, ["b", "a"]),  # then the lower p95
+        ([_c("a", 1, 900.0), _c("b", 1, 100.0)], "a", ["a", "b"]),  # affinity beats p95
         ([_c("a", None), _c("b", 5)], None, ["b", "a"]),  # no signals: last
         ([_c("a", None), _c("b", 5)], "a", ["b", "a"]),  # ...even with affinity
-        ([_c("a", 1, None), _c("b", 1, 50.0)], None, ["b", "a"]),  # unknown p95 after known
+        ([_c("a", 1, 90.0), _c("b", 1, None)], None, ["b", "a"]),  # an unknown p95 is tried
+        ([_c("a", 1, 9.0), _c("b", 1, 30.0)], "b", ["b", "a"]),  # both under the floor: tie
     ],
 )
 def test_rank_order(candidates: list[Candidate], affinity: str | None, expected: list[str]) -> None:
@@ -43,7 +45,7 @@ def test_rank_order(candidates: list[Candidate], affinity: str | None, expected:
 
 
 def test_near_equal_latencies_tie_and_ties_rotate() -> None:
-    candidates = [_c("a", 0, 100.0), _c("b", 0, 110.0)]
+    candidates = [_c("a", 0, 60.0), _c("b", 0, 70.0)]
     firsts = {_order(rank(candidates, None, rotation))[0] for rotation in range(4)}
     assert firsts == {"a", "b"}
 

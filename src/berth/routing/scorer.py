@@ -6,8 +6,8 @@ Rules, in order:
    request needs (``required_vram_mb``; skipped when either number is unknown);
 2. a lexicographic rank: a node that has reported signals before one that has not; an
    affinity hit (the node that served this session before: its KV cache holds the prompt);
-   fewer requests in flight on the node; a lower recent p95 latency, compared in buckets of
-   a factor :data:`P95_BUCKET_RATIO` so that near-equal nodes tie; then a rotating tie-break so
+   fewer requests in flight on the node; a lower recent p95 latency (:func:`p95_bucket`:
+   near-equal latencies tie, an unknown one is tried first); then a rotating tie-break so
    that equal nodes share the load.
 """
 
@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 #: p95 latencies within this factor of each other count as equal (log-scale buckets).
 P95_BUCKET_RATIO = 1.5
+#: p95 latencies under this many ms count as equal.
+P95_FLOOR_MS = 50.0
 
 
 @dataclass(frozen=True)
@@ -65,10 +67,17 @@ class Ranking:
 
 
 def p95_bucket(p95_ms: float | None) -> float:
-    """The latency bucket used for ranking: ``inf`` when unknown."""
+    """The latency bucket used for ranking (lower is better).
+
+    Below :data:`P95_FLOOR_MS` every latency is bucket 0: differences there are noise, not
+    signal. Above it, buckets grow by a factor :data:`P95_BUCKET_RATIO`. An unknown p95 is
+    ``-inf``: a deployment without samples yet is tried, or it would never get any.
+    """
     if p95_ms is None:
-        return math.inf
-    return math.floor(math.log(max(p95_ms, 0.001)) / math.log(P95_BUCKET_RATIO))
+        return -math.inf
+    if p95_ms < P95_FLOOR_MS:
+        return 0
+    return 1 + math.floor(math.log(p95_ms / P95_FLOOR_MS) / math.log(P95_BUCKET_RATIO))
 
 
 def rank(
@@ -97,7 +106,7 @@ def rank(
         signals = candidate.signals
         hit = candidate.node_id == affinity_node
         if signals is None:
-            return (True, not hit, 0, math.inf, (index - rotation) % max(count, 1))
+            return (True, not hit, 0, 0.0, (index - rotation) % max(count, 1))
         return (False, not hit, signals.in_flight, p95_bucket(signals.p95_ms),
                 (index - rotation) % max(count, 1))  # fmt: skip
 

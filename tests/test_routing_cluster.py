@@ -1,0 +1,150 @@
+"""Routing across real nodes: a leader and two agents serving the same model (real processes,
+real TLS, the fake llama-server), checked from the client's side and the leader's metrics.
+
+- requests with one ``X-Session-Id`` all land on one node; different sessions spread;
+- an agent killed while requests wait for their first byte: those requests are retried on
+  the other node and succeed; a stream already flowing from the killed node ends with an
+  error event and ``[DONE]``.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from cluster_harness import Cluster, clean_env
+
+FAKE_ENGINE = Path(__file__).with_name("fake_llama_server.py")
+MODEL = "shared"
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    root = tmp_path_factory.mktemp("routing")
+    wrapper = root / "bin" / "llama-server"
+    wrapper.parent.mkdir()
+    wrapper.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{FAKE_ENGINE}" "$@"\n')
+    wrapper.chmod(0o755)
+    (root / "shared.gguf").write_bytes(b"GGUF" + bytes(60))
+    env = clean_env(
+        {
+            "BERTH_LLAMA_SERVER_BIN": str(wrapper),
+            "BERTH_STOP_GRACE_S": "5",
+            "BERTH_HEARTBEAT_INTERVAL_S": "0.5",
+            "BERTH_NODE_TIMEOUT_S": "2",
+        }
+    )
+    cluster = Cluster(root, env)
+    cluster.start()
+    try:
+        for label in ("gpu-a", "gpu-b"):
+            agent = cluster.add_agent(label)
+            cluster.berth("models", "add", MODEL, str(root / "shared.gguf"), "--node", label)
+            ran = cluster.berth("run", MODEL, "--engine", "llamacpp", "--node", label)
+            assert "ready" in ran.stdout, ran.stdout
+            assert agent.process is not None
+        yield cluster
+    finally:
+        cluster.close()
+
+
+def _served_by_node(cluster: Cluster) -> Counter[str]:
+    """Requests the leader relayed per node (``berth_proxy_requests_total``)."""
+    with cluster.http() as http:
+        text = http.get("/metrics").text
+    counts: Counter[str] = Counter()
+    for family in text_string_to_metric_families(text):
+        if family.name == "berth_proxy_requests":
+            for sample in family.samples:
+                if sample.name.endswith("_total") and sample.labels.get("model") == MODEL:
+                    counts[sample.labels["node"]] += int(sample.value)
+    return counts
+
+
+def _chat(http: httpx.Client, session: str | None = None, **extra: object) -> httpx.Response:
+    headers = {"X-Session-Id": session} if session else {}
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], **extra}
+    return http.post("/v1/chat/completions", json=body, headers=headers)
+
+
+def test_one_session_stays_on_one_node_and_sessions_spread(cluster: Cluster) -> None:
+    before = _served_by_node(cluster)
+    with cluster.http() as http:
+        for _ in range(6):
+            assert _chat(http, "conversation-1").status_code == 200
+    pinned = _served_by_node(cluster) - before
+    assert len(pinned) == 1 and sum(pinned.values()) == 6, pinned
+
+    before = _served_by_node(cluster)
+    with cluster.http() as http:
+        for i in range(8):
+            assert _chat(http, f"s-{i}").status_code == 200
+    spread = _served_by_node(cluster) - before
+    assert len(spread) == 2, f"eight sessions all went to one node: {spread}"
+
+    explained = cluster.admin("GET", f"/admin/routing/{MODEL}?session=conversation-1")
+    assert explained["candidates"][0]["affinity_hit"] is True
+    assert {c["node_id"] for c in explained["candidates"]} == {
+        cluster.agents["gpu-a"].node_id,
+        cluster.agents["gpu-b"].node_id,
+    }
+
+
+def test_a_killed_node_s_waiting_requests_succeed_elsewhere(cluster: Cluster) -> None:
+    session = "doomed"
+    with cluster.http() as http:
+        assert _chat(http, session).status_code == 200
+    pinned = cluster.admin("GET", f"/admin/routing/{MODEL}?session={session}")["affinity_node"]
+    (victim,) = [a for a in cluster.agents.values() if a.node_id == pinned]
+
+    results: list[int] = []
+    stream_tail: list[str] = []
+
+    def streaming() -> None:
+        body = {"model": MODEL, "messages": [], "stream": True, "x_events": 400,
+                "x_event_delay_s": 0.05}  # fmt: skip
+        with (
+            cluster.http(timeout_s=60) as http,
+            http.stream("POST", "/v1/chat/completions", json=body,
+                        headers={"X-Session-Id": session}) as response,
+        ):  # fmt: skip
+            stream_tail.extend(response.iter_lines())
+
+    victim_port = next(
+        r["port"] for r in cluster.admin("GET", "/admin/deployments")
+        if r["node_id"] == victim.node_id and r["state"] == "ready"
+    )  # fmt: skip
+
+    def waiting() -> None:
+        with cluster.http(timeout_s=60) as http:
+            answer = _chat(http, session, x_head_delay_s=30, x_head_delay_port=victim_port)
+            results.append(answer.status_code)
+
+    streamer = threading.Thread(target=streaming)
+    streamer.start()
+    time.sleep(0.5)  # the stream is flowing from the victim
+    waiters = [threading.Thread(target=waiting) for _ in range(3)]
+    for thread in waiters:
+        thread.start()
+    time.sleep(0.5)  # they wait for their first byte on the victim's engine
+    assert victim.process is not None
+    victim.process.send_signal(signal.SIGKILL)
+    victim.process.wait()
+    for thread in [streamer, *waiters]:
+        thread.join(timeout=60)
+
+    assert results == [200, 200, 200], results
+    events = [line for line in stream_tail if line.startswith("data: ")]
+    assert events[-1] == "data: [DONE]"
+    assert any('"error"' in line for line in events[-3:]), events[-3:]
+    cluster.wait_node(victim.node_id, "unreachable")
+    victim.process = None
