@@ -3,6 +3,10 @@ local node's measurement in the proxy's metrics, and the admin snapshot's shape.
 
 from __future__ import annotations
 
+import json
+import re
+from pathlib import Path
+
 import pytest
 from prometheus_client import CollectorRegistry
 
@@ -13,6 +17,7 @@ from berth.observability.metrics import ProxyMetrics, Target
 from berth.observability.window import RequestMeter
 
 MiB = 1024 * 1024
+DASHBOARD = Path(__file__).parents[1] / "docs" / "dashboards" / "berth.json"
 MODELS = {"d-aaaa0001": "tiny", "d-bbbb0002": "small"}
 
 
@@ -190,3 +195,23 @@ def test_the_proxy_measures_local_requests_only() -> None:
     assert (stats.in_flight, stats.requests_total, stats.errors_total) == (1, 5, 2)
     assert stats.latency_p95_ms == 250.0
     assert meter.deployments() == ["d-aaaa0001"]  # remote requests are counted on their agent
+
+
+def test_the_grafana_dashboard_uses_only_series_that_exist(
+    metrics: ClusterMetrics, registry: CollectorRegistry
+) -> None:
+    metrics.record_heartbeat(
+        "n-1", beat(load(requests=1, latency_p50_ms=1.0, latency_p95_ms=2.0), gpus=((0, 5, 1),))
+    )
+    exposed = {s.name for family in registry.collect() for s in family.samples}
+    dashboard = json.loads(DASHBOARD.read_text())
+    variables = dashboard["templating"]["list"]
+    assert variables[0]["type"] == "datasource" and variables[0]["query"] == "prometheus"
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    exprs += [v["definition"] for v in variables if v["type"] == "query"]
+    used = {name for expr in exprs for name in re.findall(r"\bberth_[a-z0-9_]+", expr)}
+    assert used and used <= exposed, used - exposed
+    titles = " ".join(p["title"] for p in dashboard["panels"]).lower()
+    for topic in ("gpu utilisation", "gpu memory", "in flight", "p95", "request rate", "error"):
+        assert topic in titles
+    assert all(p["datasource"]["uid"] == "${datasource}" for p in dashboard["panels"])

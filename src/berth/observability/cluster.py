@@ -9,8 +9,9 @@ the samples of the last ``window_s`` seconds per node and exposes them:
   ``berth_node_gpu_util_pct`` and ``berth_node_gpu_mem_used_bytes`` {node, gpu};
   ``berth_deployment_in_flight``, ``berth_deployment_latency_p50_seconds``,
   ``berth_deployment_latency_p95_seconds`` (gauges; seconds, Prometheus' base unit, which
-  ``promtool check metrics`` requires: ``_ms`` names are refused as abbreviated units) and ``berth_deployment_requests_total``,
-  ``berth_deployment_errors_total`` (counters) {node, deployment, model};
+  ``promtool check metrics`` requires: ``_ms`` names are refused as abbreviated units) and
+  ``berth_deployment_requests_total``, ``berth_deployment_errors_total`` (counters)
+  {node, deployment, model};
 - as a JSON-ready :class:`ClusterSnapshot` for ``GET /admin/metrics/snapshot``.
 
 Counters never decrease: the leader adds up the deltas between a node's reports, and a report
