@@ -133,6 +133,9 @@ SETTINGS: tuple[SettingDef, ...] = (
     SettingDef("max_attempts", "int", "server",
                "attempts per request on different nodes before its first byte (1: no retry)",
                default=3, minimum=1, maximum=10),
+    SettingDef("relay_buffer_chunks", "int", "server",
+               "chunks of an answer read ahead of a slow client before berth stops reading",
+               default=64, minimum=1, maximum=4096),
     SettingDef("log_level", "str", "daemon", "daemon log level", default="info",
                choices=("debug", "info", "warning", "error", "critical")),
     SettingDef("health_timeout_s", "float", "daemon",
@@ -245,6 +248,7 @@ class Settings:
     public_key: Path | None
     max_body_bytes: int
     max_attempts: int
+    relay_buffer_chunks: int
     log_level: str
     health_timeout_s: float
     stop_grace_s: float

@@ -37,6 +37,7 @@ from berth.daemon.proxy_errors import (
 )
 from berth.daemon.proxy_http import Receive, Scope, Send, model_of, scan_headers, send_json
 from berth.daemon.proxy_relay import AnswerRelay, Exchange, watch_disconnect
+from berth.daemon.read_ahead import DEFAULT_BUFFER_CHUNKS, ReadAhead
 from berth.daemon.upstream import Origin, UpstreamPool, parse_origin
 from berth.daemon.upstream_errors import UpstreamConnectError, UpstreamError, UpstreamTimeoutError
 from berth.daemon.upstream_response import EngineAnswer
@@ -168,11 +169,14 @@ class OpenAIProxy:
         tunnels: TunnelOpener | None = None,
         router: Router | None = None,
         max_attempts: int = DEFAULT_MAX_ATTEMPTS,
+        relay_buffer_chunks: int = DEFAULT_BUFFER_CHUNKS,
     ) -> None:
         self._resolver = resolver
         self._tunnels = tunnels
         self.router = router or Router(resolver)
         self._max_attempts = max_attempts
+        self._relay_buffer_chunks = relay_buffer_chunks
+        self._max_buffered_response_bytes = max_buffered_response_bytes
         self._metrics = metrics
         self._max_body_bytes = max_body_bytes
         self._connect_timeout_s = connect_timeout_s
@@ -436,11 +440,19 @@ class OpenAIProxy:
         try:
             content_type = response.header(b"content-type") or b"application/json"
             encoding = response.header(b"content-encoding")
+            length = response.content_length
+            streamed = content_type.startswith(b"text/event-stream")
+            if response.status < 400 and (
+                streamed or length is None or length > self._max_buffered_response_bytes
+            ):
+                # Relayed piece by piece: a bounded buffer lets the engine run a little
+                # ahead of the client, and stops reading it when the client stalls.
+                response = ReadAhead(response, self._relay_buffer_chunks)
             if response.status >= 400:
                 await self._answers.relay_engine_error(
                     response, content_type, request_id, send, exchange
                 )
-            elif content_type.startswith(b"text/event-stream"):
+            elif streamed:
                 await self._answers.relay_stream(
                     response, content_type, encoding, request_id, send, exchange
                 )

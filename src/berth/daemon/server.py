@@ -211,6 +211,7 @@ async def serve(home: BerthHome, settings: Settings) -> None:
         tunnels=hub,
         router=router,
         max_attempts=settings.max_attempts,
+        relay_buffer_chunks=settings.relay_buffer_chunks,
     )
     enrollment = EnrollmentService(
         store=store,
