@@ -93,6 +93,8 @@ def test_one_session_stays_on_one_node_and_sessions_spread(cluster: Cluster) -> 
 
     explained = cluster.admin("GET", f"/admin/routing/{MODEL}?session=conversation-1")
     assert explained["candidates"][0]["affinity_hit"] is True
+    table = cluster.berth("routing", MODEL, "--session", "conversation-1").stdout
+    assert "affinity hit" in table and "no affinity" in table
     assert {c["node_id"] for c in explained["candidates"]} == {
         cluster.agents["gpu-a"].node_id,
         cluster.agents["gpu-b"].node_id,

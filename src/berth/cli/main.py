@@ -17,6 +17,7 @@ from berth.cli import (
     keys_cmd,
     models_cmd,
     nodes_cmd,
+    routing_cmd,
 )
 from berth.cli.common import HELP_OPTIONS, CliContext, err_console
 from berth.errors import BerthError
@@ -64,6 +65,7 @@ app.command("ps")(deploy_cmd.ps)
 app.command("stop")(deploy_cmd.stop)
 app.command("logs")(deploy_cmd.logs)
 app.command("demo")(demo.demo)
+app.command("routing")(routing_cmd.routing)
 
 
 def main() -> None:

@@ -1,0 +1,36 @@
+"""``berth routing MODEL``: where a request for MODEL would go now, and why."""
+
+from __future__ import annotations
+
+from urllib.parse import quote, urlencode
+
+import typer
+from rich.table import Table
+
+from berth.cli.common import console, context, print_json
+
+
+def routing(
+    ctx: typer.Context,
+    model: str = typer.Argument(..., help="The model name clients ask for."),
+    session: str | None = typer.Option(None, "--session", help="Explain for this X-Session-Id."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON."),
+) -> None:
+    """Show the ranked candidates for MODEL (affinity, in flight, p95) and dropped ones."""
+    query = f"?{urlencode({'session': session})}" if session else ""
+    with context(ctx).client() as client:
+        explained = client.get(f"/admin/routing/{quote(model, safe='/:')}{query}")
+    if as_json:
+        print_json(explained)
+        return
+    table = Table("RANK", "DEPLOYMENT", "NODE", "WHY")
+    for candidate in explained["candidates"]:
+        table.add_row(
+            str(candidate["rank"]),
+            candidate["deployment_id"],
+            candidate["node_id"],
+            candidate["reason"],
+        )
+    for dropped in explained["dropped"]:
+        table.add_row("-", dropped["deployment_id"], dropped["node_id"], dropped["reason"])
+    console.print(table)
