@@ -2,10 +2,11 @@
 
 :class:`ReadAhead` reads an answer (local or tunneled) in a task of its own, at most
 ``max_chunks`` chunks and about ``max_bytes`` bytes ahead of the relay. While the client
-keeps up, chunks pass straight through; when it stalls, the buffer fills and the task stops reading, which pauses the
-engine connection (berth's HTTP client stops reading its socket; a tunnel stops granting
-credit), so memory does not grow with a stalled client. Closing it (the client went away)
-cancels the read and closes the answer, which is what tells the engine to stop generating.
+keeps up, chunks pass straight through; when it stalls, the buffer fills and the task stops
+reading, which pauses the engine connection (berth's HTTP client stops reading its socket; a
+tunnel stops granting credit), so memory does not grow with a stalled client. Closing it
+(the client went away) cancels the read and closes the answer, which is what tells the
+engine to stop generating.
 """
 
 from __future__ import annotations
