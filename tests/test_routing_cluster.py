@@ -9,6 +9,7 @@ real TLS, the fake llama-server), checked from the client's side and the leader'
 
 from __future__ import annotations
 
+import json
 import signal
 import sys
 import threading
@@ -150,3 +151,9 @@ def test_a_killed_node_s_waiting_requests_succeed_elsewhere(cluster: Cluster) ->
     assert any('"error"' in line for line in events[-3:]), events[-3:]
     cluster.wait_node(victim.node_id, "unreachable")
     victim.process = None
+    # The session now lives where it was retried, and the loss is in the audit log.
+    explained = cluster.admin("GET", f"/admin/routing/{MODEL}?session={session}")
+    assert explained["affinity_node"] not in (None, victim.node_id)
+    audit = (cluster.leader_home / "logs" / "audit.log").read_text().splitlines()
+    lost = [json.loads(line) for line in audit if '"node.lost"' in line]
+    assert any(e["node_id"] == victim.node_id and e["label"] == victim.label for e in lost)
