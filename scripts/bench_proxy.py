@@ -90,8 +90,8 @@ def serve_proxy(engine_port: int) -> None:
     upstream = Upstream(f"http://127.0.0.1:{engine_port}", "d-bench", "local", MODEL)
 
     class FixedResolver:
-        def resolve(self, model: str) -> Upstream:
-            return upstream
+        def candidates(self, model: str) -> list[Upstream]:
+            return [upstream]
 
         def models(self) -> list[str]:
             return [MODEL]

@@ -147,7 +147,9 @@ class NodeHub:
         """
         link = self.remote_link(node_id)
         if link is None:
-            raise UpstreamConnectError(Origin(node_id, 0), f"node {node_id} is not connected")
+            raise UpstreamConnectError(
+                Origin(node_id, 0), f"could not be reached (node {node_id} is not connected)"
+            )
         return await link.open_http(deployment_id, method, target, headers, body, read_timeout_s)
 
     async def disconnect_node(self, node_id: str) -> None:

@@ -214,7 +214,7 @@ class RemoteLink:
             await self.conn.drain()  # STREAM_OPEN carries up to a window of body
             stream = self.conn.open_stream(opening)
         except LinkError as exc:
-            raise UpstreamConnectError(origin, f"agent link unavailable: {exc}") from exc
+            raise UpstreamConnectError(origin, f"could not be reached ({exc})") from exc
         try:
             async with asyncio.timeout(read_timeout_s):
                 if len(first) < len(body):
@@ -227,7 +227,7 @@ class RemoteLink:
             stream.reset("cancelled")
             if exc.reset_code == "engine_timeout":
                 raise UpstreamTimeoutError(origin, read_timeout_s or 0.0) from None
-            raise UpstreamConnectError(origin, str(exc)) from exc
+            raise UpstreamConnectError(origin, f"could not be reached ({exc})") from exc
         except BaseException:
             stream.reset("cancelled")
             raise

@@ -474,7 +474,9 @@ class OpenAIProxy:
         body: bytes,
     ) -> EngineAnswer:
         if self._tunnels is None:
-            raise UpstreamConnectError(Origin(upstream.node_id, 0), "no agent links here")
+            raise UpstreamConnectError(
+                Origin(upstream.node_id, 0), "could not be reached (this leader has no agent links)"
+            )
         return await self._tunnels.open_http(
             upstream.node_id,
             upstream.deployment_id,
