@@ -31,7 +31,8 @@ def _order(ranking: object) -> list[str]:
     ("candidates", "affinity", "expected"),
     [
         ([_c("a", 3), _c("b", 1)], None, ["b", "a"]),  # fewer in flight first
-        ([_c("a", 3), _c("b", 1)], "a", ["a", "b"]),  # affinity beats load
+        ([_c("a", 3), _c("b", 1)], "a", ["a", "b"]),  # affinity beats load...
+        ([_c("a", 9), _c("b", 1)], "a", ["b", "a"]),  # ...unless its node is far busier
         ([_c("a", 1, 900.0), _c("b", 1, 100.0)], None, ["b", "a"]),  # then the lower p95
         ([_c("a", 1, 900.0), _c("b", 1, 100.0)], "a", ["a", "b"]),  # affinity beats p95
         ([_c("a", None), _c("b", 5)], None, ["b", "a"]),  # no signals: last

@@ -5,7 +5,9 @@ Rules, in order:
 1. a hard filter drops a candidate whose node is known to lack the free GPU memory the
    request needs (``required_vram_mb``; skipped when either number is unknown);
 2. a lexicographic rank: a node that has reported signals before one that has not; an
-   affinity hit (the node that served this session before: its KV cache holds the prompt);
+   affinity hit (the node that served this session before: its KV cache holds the prompt),
+   unless that node has more than :data:`AFFINITY_MAX_EXTRA_IN_FLIGHT` requests in flight
+   beyond the least busy candidate;
    fewer requests in flight on the node; a lower recent p95 latency (:func:`p95_bucket`:
    near-equal latencies tie, an unknown one is tried first); then a rotating tie-break so
    that equal nodes share the load.
@@ -21,6 +23,10 @@ from dataclasses import dataclass
 P95_BUCKET_RATIO = 1.5
 #: p95 latencies under this many ms count as equal.
 P95_FLOOR_MS = 50.0
+#: An affinity hit is set aside when its node has more than this many requests in flight
+#: beyond the least busy candidate: a cache hit is not worth a queue (and a key shared by
+#: many clients, such as one API key, must not pin them all to one node).
+AFFINITY_MAX_EXTRA_IN_FLIGHT = 4
 
 
 @dataclass(frozen=True)
@@ -100,6 +106,16 @@ def rank(
             continue
         kept.append(candidate)
     count = len(kept)
+    loads = [c.signals.in_flight for c in kept if c.signals is not None]
+    least = min(loads, default=0)
+    set_aside = any(
+        c.node_id == affinity_node
+        and c.signals is not None
+        and c.signals.in_flight > least + AFFINITY_MAX_EXTRA_IN_FLIGHT
+        for c in kept
+    )
+    if set_aside:
+        affinity_node = None
 
     def key(item: tuple[int, Candidate]) -> tuple[bool, bool, int, float, int]:
         index, candidate = item
@@ -112,17 +128,20 @@ def rank(
 
     ordered = sorted(enumerate(kept), key=key)
     ranked = tuple(
-        Ranked(c, c.node_id == affinity_node, _reason(c, c.node_id == affinity_node))
+        Ranked(c, c.node_id == affinity_node, _reason(c, c.node_id == affinity_node, set_aside))
         for _i, c in ordered
     )
     return Ranking(ranked, tuple(dropped))
 
 
-def _reason(candidate: Candidate, hit: bool) -> str:
+def _reason(candidate: Candidate, hit: bool, set_aside: bool = False) -> str:
     signals = candidate.signals
     if signals is None:
         return "no signals from its node yet (ranked last)"
-    parts = ["affinity hit" if hit else "no affinity", f"{signals.in_flight} in flight"]
+    affinity = "affinity hit" if hit else "no affinity"
+    if set_aside and not hit:
+        affinity += " (the affinity node is too busy)"
+    parts = [affinity, f"{signals.in_flight} in flight"]
     parts.append("p95 unknown" if signals.p95_ms is None else f"p95 {signals.p95_ms:.1f} ms")
     if signals.free_vram_mb is not None:
         parts.append(f"{signals.free_vram_mb} MiB GPU memory free")
