@@ -214,3 +214,12 @@ def test_the_router_ranks_a_busy_node_last() -> None:
     assert [u.node_id for u in router.plan("m", None)] == ["b", "a"]
     explained = router.explain("m")
     assert "1 in flight" in explained.ranked[1].reason
+
+
+def test_an_api_key_affinity_only_breaks_ties() -> None:
+    router = Router(TwoNodes())
+    router.succeeded("key:abc", _u("a"))
+    router.signals.started("d-a", "a")  # one more in flight on the affinity node
+    assert router.plan("m", "key:abc")[0].node_id == "b"
+    router.succeeded("session:s", _u("a"))
+    assert router.plan("m", "session:s")[0].node_id == "a"  # a session keeps its node

@@ -11,6 +11,8 @@ import hashlib
 from collections import OrderedDict
 from collections.abc import Sequence
 
+#: The prefix of keys taken from the API key (no session header): a weak preference.
+API_KEY_PREFIX = "key:"
 #: Entries kept before the least recently used is forgotten.
 DEFAULT_CAPACITY = 100_000
 _MAX_KEY_BYTES = 256
@@ -34,7 +36,7 @@ def affinity_key(headers: Sequence[tuple[bytes, bytes]]) -> str | None:
     if conversation is not None:
         return "conversation:" + _bounded(conversation)
     if bearer:
-        return "key:" + hashlib.sha256(bearer).hexdigest()[:32]
+        return API_KEY_PREFIX + hashlib.sha256(bearer).hexdigest()[:32]
     return None
 
 

@@ -7,8 +7,14 @@ import itertools
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from berth.routing.affinity import AffinityMap
-from berth.routing.scorer import Candidate, NodeSignals, Ranking, rank
+from berth.routing.affinity import API_KEY_PREFIX, AffinityMap
+from berth.routing.scorer import (
+    AFFINITY_MAX_EXTRA_IN_FLIGHT,
+    Candidate,
+    NodeSignals,
+    Ranking,
+    rank,
+)
 from berth.routing.signals import SignalBoard
 
 if TYPE_CHECKING:
@@ -58,7 +64,14 @@ class Router:
 
     def explain_upstreams(self, upstreams: list[Upstream], affinity_key: str | None) -> Ranking:
         candidates = [Candidate(u.deployment_id, u.node_id, self._signals_of(u)) for u in upstreams]
-        return rank(candidates, self.affinity.get(affinity_key), next(self._turn))
+        # A key that is only the API key (no session header) may be shared by many
+        # clients: it breaks ties between equally busy nodes but never outweighs load.
+        slack = (
+            0
+            if affinity_key is not None and affinity_key.startswith(API_KEY_PREFIX)
+            else (AFFINITY_MAX_EXTRA_IN_FLIGHT)
+        )
+        return rank(candidates, self.affinity.get(affinity_key), next(self._turn), slack)
 
     def succeeded(self, affinity_key: str | None, upstream: Upstream) -> None:
         """A dispatch to ``upstream`` answered: remember the node for this key."""

@@ -87,12 +87,17 @@ def p95_bucket(p95_ms: float | None) -> float:
 
 
 def rank(
-    candidates: Sequence[Candidate], affinity_node: str | None = None, rotation: int = 0
+    candidates: Sequence[Candidate],
+    affinity_node: str | None = None,
+    rotation: int = 0,
+    affinity_slack: int = AFFINITY_MAX_EXTRA_IN_FLIGHT,
 ) -> Ranking:
     """Order ``candidates`` best first (see the module docstring for the rules).
 
     ``affinity_node`` is the node the affinity map points at (``None``: no entry);
-    ``rotation`` shifts the final tie-break (pass a counter so that ties alternate).
+    ``rotation`` shifts the final tie-break (pass a counter so that ties alternate);
+    ``affinity_slack`` is how many more requests in flight than the least busy candidate the
+    affinity node may have and still be preferred (0: only when it is among the least busy).
     """
     kept: list[Candidate] = []
     dropped: list[Dropped] = []
@@ -111,7 +116,7 @@ def rank(
     set_aside = any(
         c.node_id == affinity_node
         and c.signals is not None
-        and c.signals.in_flight > least + AFFINITY_MAX_EXTRA_IN_FLIGHT
+        and c.signals.in_flight > least + affinity_slack
         for c in kept
     )
     if set_aside:
