@@ -17,6 +17,7 @@ import ssl
 import subprocess
 import sys
 import time
+from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,11 +25,36 @@ from typing import Any
 
 import httpx
 import openai
+from prometheus_client.parser import text_string_to_metric_families
 
 from berth.runtime.engines import find_free_port
 from processes import wait_gone
 
 URI_PATTERN = re.compile(r"berth://enroll\?\S+")
+FAKE_ENGINE = Path(__file__).with_name("fake_llama_server.py")
+
+
+def fake_engine_wrapper(root: Path) -> Path:
+    """An executable ``root/bin/llama-server`` that runs the fake engine with this Python
+    (point ``BERTH_LLAMA_SERVER_BIN`` at it)."""
+    wrapper = root / "bin" / "llama-server"
+    wrapper.parent.mkdir(parents=True, exist_ok=True)
+    wrapper.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{FAKE_ENGINE}" "$@"\n')
+    wrapper.chmod(0o755)
+    return wrapper
+
+
+def served_by_node(cluster: Cluster, model: str) -> Counter[str]:
+    """Requests for ``model`` the leader relayed, per node id (``berth_proxy_requests_total``)."""
+    with cluster.http() as http:
+        text = http.get("/metrics").text
+    counts: Counter[str] = Counter()
+    for family in text_string_to_metric_families(text):
+        if family.name == "berth_proxy_requests":
+            for sample in family.samples:
+                if sample.name.endswith("_total") and sample.labels.get("model") == model:
+                    counts[sample.labels["node"]] += int(sample.value)
+    return counts
 
 
 def clean_env(extra: Mapping[str, str]) -> dict[str, str]:
@@ -250,4 +276,13 @@ def rss_mb(pid: int) -> float:
     raise AssertionError(f"no VmRSS for pid {pid}")
 
 
-__all__ = ["Agent", "Cluster", "clean_env", "cli", "rss_mb", "wait_gone"]
+__all__ = [
+    "Agent",
+    "Cluster",
+    "clean_env",
+    "cli",
+    "fake_engine_wrapper",
+    "rss_mb",
+    "served_by_node",
+    "wait_gone",
+]

@@ -15,7 +15,6 @@ import json
 import signal
 import socket
 import ssl
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,11 +28,10 @@ from cryptography.x509.oid import NameOID
 
 from berth.cluster.protocol.errors import CloseCode
 from berth.cluster.protocol.frames import Heartbeat, encode_frame
-from cluster_harness import Agent, Cluster, clean_env, rss_mb
+from cluster_harness import Agent, Cluster, clean_env, fake_engine_wrapper, rss_mb
 from fake_llama_server import ANSWER, CLIENT_GONE
 from hub_standin import HubStandin
 
-FAKE_ENGINE = Path(__file__).with_name("fake_llama_server.py")
 MiB = 1024 * 1024
 
 
@@ -50,10 +48,7 @@ def hub() -> Iterator[HubStandin]:
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory, hub: HubStandin) -> Iterator[Cluster]:
     root = tmp_path_factory.mktemp("cluster")
-    wrapper = root / "bin" / "llama-server"
-    wrapper.parent.mkdir()
-    wrapper.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{FAKE_ENGINE}" "$@"\n')
-    wrapper.chmod(0o755)
+    wrapper = fake_engine_wrapper(root)
     (root / "tiny.gguf").write_bytes(b"GGUF" + bytes(60))
     env = clean_env(
         {

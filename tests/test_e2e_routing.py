@@ -27,7 +27,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from berth.runtime.bundled import smollm2_gguf
-from cluster_harness import Agent, Cluster, clean_env
+from cluster_harness import Agent, Cluster, clean_env, served_by_node
 from real_engine import real_engine_missing
 
 pytestmark = pytest.mark.slow
@@ -62,19 +62,6 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         cluster.close()
 
 
-def _served_by_node(cluster: Cluster) -> Counter[str]:
-    """Requests the leader relayed per node id (``berth_proxy_requests_total``)."""
-    with cluster.http() as http:
-        text = http.get("/metrics").text
-    counts: Counter[str] = Counter()
-    for family in text_string_to_metric_families(text):
-        if family.name == "berth_proxy_requests":
-            for sample in family.samples:
-                if sample.name.endswith("_total") and sample.labels.get("model") == MODEL:
-                    counts[sample.labels["node"]] += int(sample.value)
-    return counts
-
-
 def _served_since(cluster: Cluster, before: Counter[str], total: int) -> Counter[str]:
     """Requests relayed per node since ``before``, once ``total`` of them are counted (the
     leader counts a request after its last byte, which the client may have read already)."""
@@ -82,7 +69,7 @@ def _served_since(cluster: Cluster, before: Counter[str], total: int) -> Counter
 
     def counted() -> bool:
         served.clear()
-        served.update(_served_by_node(cluster) - before)
+        served.update(served_by_node(cluster, MODEL) - before)
         return served.total() >= total
 
     _wait_until(counted, f"{total} requests in the leader's metrics")
@@ -173,7 +160,7 @@ def _agent(cluster: Cluster, node_id: str) -> Agent:
 
 
 def test_one_session_stays_on_one_node(cluster: Cluster) -> None:
-    before = _served_by_node(cluster)
+    before = served_by_node(cluster, MODEL)
     for _ in range(6):
         assert _content(_chat(cluster, "conversation-1"))
     pinned = _served_since(cluster, before, 6)
@@ -189,7 +176,7 @@ def test_one_session_stays_on_one_node(cluster: Cluster) -> None:
 
 
 def test_new_sessions_go_to_the_idle_node(cluster: Cluster) -> None:
-    before = _served_by_node(cluster)
+    before = served_by_node(cluster, MODEL)
     busy = Stream(cluster, "long-one")
     busy.start()
     busy.wait_flowing()
@@ -225,7 +212,7 @@ def test_a_killed_node_s_queued_requests_succeed_elsewhere(cluster: Cluster) -> 
         threading.Thread(target=lambda: answers.append(_chat(cluster, session, 8)), daemon=True)
         for _ in range(3)
     ]
-    before = _served_by_node(cluster)
+    before = served_by_node(cluster, MODEL)
     for thread in waiters:
         thread.start()
     # Deterministic: all three wait in the victim engine's queue behind the stream.

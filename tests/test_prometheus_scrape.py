@@ -13,7 +13,6 @@ import asyncio
 import contextlib
 import ssl
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -33,11 +32,10 @@ from berth.cluster.protocol.frames import (
     encode_frame,
 )
 from berth.runtime.engines import find_free_port
-from cluster_harness import Agent, Cluster, clean_env
+from cluster_harness import Agent, Cluster, clean_env, fake_engine_wrapper
 
 PROMETHEUS = Path("/usr/bin/prometheus")
 PROMTOOL = Path("/usr/bin/promtool")
-FAKE_ENGINE = Path(__file__).with_name("fake_llama_server.py")
 SERIES = (
     "berth_node_gpu_util_pct",
     "berth_node_gpu_mem_used_bytes",
@@ -103,10 +101,7 @@ class SimulatedGpuAgent:
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     root = tmp_path_factory.mktemp("scrape")
-    wrapper = root / "bin" / "llama-server"
-    wrapper.parent.mkdir()
-    wrapper.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{FAKE_ENGINE}" "$@"\n')
-    wrapper.chmod(0o755)
+    wrapper = fake_engine_wrapper(root)
     (root / "tiny.gguf").write_bytes(b"GGUF" + bytes(60))
     env = clean_env(
         {

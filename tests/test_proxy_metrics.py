@@ -87,3 +87,19 @@ def test_render_is_the_prometheus_text_format_with_berth_names_only() -> None:
     names = {family.name for family in text_string_to_metric_families(body.decode())}
     assert names and all(name.startswith("berth_") for name in names)
     assert "berth_deployment_state" in names
+
+
+def test_a_retried_request_moves_to_the_deployment_that_served_it() -> None:
+    from berth.observability.window import RequestMeter
+
+    meter = RequestMeter()
+    metrics = ProxyMetrics(local_meter=meter, local_node="local")
+    remote = Target("m", "d-2", "n-1")
+    metrics.request_started(T)
+    assert meter.stats("d-1").in_flight == 1
+    metrics.request_moved(T, remote)
+    assert value(metrics, "berth_proxy_in_flight_requests", **T._asdict()) == 0
+    assert value(metrics, "berth_proxy_in_flight_requests", **remote._asdict()) == 1
+    assert meter.stats("d-1").in_flight == 0 and meter.stats("d-1").requests_total == 0
+    metrics.request_finished(remote, status=200, duration_s=0.1)
+    assert value(metrics, "berth_proxy_in_flight_requests", **remote._asdict()) == 0

@@ -223,3 +223,24 @@ def test_an_api_key_affinity_only_breaks_ties() -> None:
     assert router.plan("m", "key:abc")[0].node_id == "b"
     router.succeeded("session:s", _u("a"))
     assert router.plan("m", "session:s")[0].node_id == "a"  # a session keeps its node
+
+
+def test_a_deployment_that_failed_is_ranked_after_healthy_ones_for_a_while() -> None:
+    now = [0.0]
+    board = SignalBoard(clock=lambda: now[0])
+    router = Router(TwoNodes(), signals=board)
+    board.failed("d-a")
+    assert [u.node_id for u in router.plan("m", None)] == ["b", "a"]
+    assert "failed recently" in router.explain("m").ranked[1].reason
+    now[0] = 6.0  # one failure: demoted for 5 s
+    firsts = {router.plan("m", None)[0].node_id for _ in range(4)}
+    assert firsts == {"a", "b"}
+
+
+async def test_failed_attempts_demote_and_quick_errors_are_not_latency_samples() -> None:
+    a, b = _u("a"), _u("b")
+    refused = EngineUnreachableError(a, "connection refused")
+    (_chosen, _answer), _tried, board = await _dispatch([a, b], {"d-a": refused, "d-b": 200})
+    assert board.recently_failed("d-a") and not board.recently_failed("d-b")
+    (_chosen, _answer), _tried, board = await _dispatch([a, b], {"d-a": 503, "d-b": 200})
+    assert board.p95_ms("d-a") is None and board.p95_ms("d-b") is not None

@@ -11,30 +11,22 @@ from __future__ import annotations
 
 import json
 import signal
-import sys
 import threading
 import time
-from collections import Counter
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
-from cluster_harness import Cluster, clean_env
+from cluster_harness import Cluster, clean_env, fake_engine_wrapper, served_by_node
 
-FAKE_ENGINE = Path(__file__).with_name("fake_llama_server.py")
 MODEL = "shared"
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     root = tmp_path_factory.mktemp("routing")
-    wrapper = root / "bin" / "llama-server"
-    wrapper.parent.mkdir()
-    wrapper.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{FAKE_ENGINE}" "$@"\n')
-    wrapper.chmod(0o755)
+    wrapper = fake_engine_wrapper(root)
     (root / "shared.gguf").write_bytes(b"GGUF" + bytes(60))
     env = clean_env(
         {
@@ -58,19 +50,6 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         cluster.close()
 
 
-def _served_by_node(cluster: Cluster) -> Counter[str]:
-    """Requests the leader relayed per node (``berth_proxy_requests_total``)."""
-    with cluster.http() as http:
-        text = http.get("/metrics").text
-    counts: Counter[str] = Counter()
-    for family in text_string_to_metric_families(text):
-        if family.name == "berth_proxy_requests":
-            for sample in family.samples:
-                if sample.name.endswith("_total") and sample.labels.get("model") == MODEL:
-                    counts[sample.labels["node"]] += int(sample.value)
-    return counts
-
-
 def _chat(http: httpx.Client, session: str | None = None, **extra: object) -> httpx.Response:
     headers = {"X-Session-Id": session} if session else {}
     body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], **extra}
@@ -78,18 +57,18 @@ def _chat(http: httpx.Client, session: str | None = None, **extra: object) -> ht
 
 
 def test_one_session_stays_on_one_node_and_sessions_spread(cluster: Cluster) -> None:
-    before = _served_by_node(cluster)
+    before = served_by_node(cluster, MODEL)
     with cluster.http() as http:
         for _ in range(6):
             assert _chat(http, "conversation-1").status_code == 200
-    pinned = _served_by_node(cluster) - before
+    pinned = served_by_node(cluster, MODEL) - before
     assert len(pinned) == 1 and sum(pinned.values()) == 6, pinned
 
-    before = _served_by_node(cluster)
+    before = served_by_node(cluster, MODEL)
     with cluster.http() as http:
         for i in range(8):
             assert _chat(http, f"s-{i}").status_code == 200
-    spread = _served_by_node(cluster) - before
+    spread = served_by_node(cluster, MODEL) - before
     assert len(spread) == 2, f"eight sessions all went to one node: {spread}"
 
     explained = cluster.admin("GET", f"/admin/routing/{MODEL}?session=conversation-1")

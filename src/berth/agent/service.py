@@ -171,6 +171,7 @@ class AgentService:
             stop = decode_payload(request.args, StopArgs, "stop args")
             self._on_activity(f"stopping {stop.deployment_id}")
             await self._core.stop(stop.deployment_id, stop.grace_s)
+            self.meter.forget(stop.deployment_id)
             self._on_activity(f"stopped {stop.deployment_id}")
             return None
         if op == "probe":

@@ -121,11 +121,12 @@ class NodeHub:
         return link is not None and link.load.heartbeat_at > 0
 
     def free_vram_mb(self, node_id: str) -> int | None:
-        """Free GPU memory on a remote node per its last report (``None``: no GPUs/unknown)."""
+        """The most free memory on one GPU of a remote node, per its last report (``None``:
+        no GPUs or unknown): what a model that must fit on one GPU can use."""
         link = self.remote_link(node_id)
         if link is None or not link.last_inventory.gpus:
             return None
-        return sum(g.memory_total_mb - g.memory_used_mb for g in link.last_inventory.gpus)
+        return max(g.memory_total_mb - g.memory_used_mb for g in link.last_inventory.gpus)
 
     def remote_link(self, node_id: str) -> RemoteLink | None:
         link = self._links.get(node_id)

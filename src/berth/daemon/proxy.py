@@ -319,6 +319,7 @@ class OpenAIProxy:
             return
 
         upstream = plan[0]
+        self._metrics.request_started(_target(upstream))  # moved if a retry goes elsewhere
         exchange = Exchange(start)
         task = asyncio.current_task()
         assert task is not None, "ASGI apps run in a task"
@@ -326,17 +327,24 @@ class OpenAIProxy:
         signals = self.router.signals
         dispatched = False
         try:
-            upstream, response = await first_answer(
-                plan,
-                lambda u: self._open(scope, u, body, forward),
-                max_attempts=self._max_attempts,
-                signals=signals,
-                clock=self._clock,
-                request_id=request_id.decode(),
-            )
+            try:
+                chosen, response = await first_answer(
+                    plan,
+                    lambda u: self._open(scope, u, body, forward),
+                    max_attempts=self._max_attempts,
+                    signals=signals,
+                    clock=self._clock,
+                    request_id=request_id.decode(),
+                )
+            except (EngineUnreachableError, EngineTimeoutError) as exc:
+                # Counted against the engine that failed last, as the client is told.
+                self._metrics.request_moved(_target(upstream), _target(exc.upstream))
+                upstream = exc.upstream
+                raise
             dispatched = True
+            self._metrics.request_moved(_target(upstream), _target(chosen))
+            upstream = chosen
             self.router.succeeded(key, upstream)
-            self._metrics.request_started(_target(upstream))
             await self._relay(upstream, response, request_id, send, exchange)
         except asyncio.CancelledError:
             # Ours if the client left (the engine request is closed by now); anyone else's
@@ -358,8 +366,6 @@ class OpenAIProxy:
             target = _target(upstream)
             if dispatched:
                 signals.finished(upstream.deployment_id, upstream.node_id)
-            else:
-                self._metrics.request_started(target)  # counted where it last failed
             usage = exchange.usage
             self._metrics.request_finished(
                 target,

@@ -55,6 +55,7 @@ async def first_answer(
             answer = await attempt(upstream)
         except ProxyError as exc:
             signals.finished(upstream.deployment_id, upstream.node_id)
+            signals.failed(upstream.deployment_id)
             failure = (
                 AttemptFailure.TIMEOUT if isinstance(exc, EngineTimeoutError)
                 else AttemptFailure.CONNECT
@@ -66,12 +67,17 @@ async def first_answer(
         except BaseException:
             signals.finished(upstream.deployment_id, upstream.node_id)
             raise
-        signals.observe(upstream.deployment_id, clock() - begun)
-        if more and classify(None, answer.status) == "retry":
-            log.warning("request %s: deployment %s answered %d; trying another node",
-                        request_id, upstream.deployment_id, answer.status)  # fmt: skip
-            answer.close()
-            signals.finished(upstream.deployment_id, upstream.node_id)
-            continue
+        if answer.status < 500:
+            # Only real answers are latency samples: a quick 503 must not look fast.
+            signals.observe(upstream.deployment_id, clock() - begun)
+            signals.succeeded(upstream.deployment_id)
+        elif classify(None, answer.status) == "retry":
+            signals.failed(upstream.deployment_id)
+            if more:
+                log.warning("request %s: deployment %s answered %d; trying another node",
+                            request_id, upstream.deployment_id, answer.status)  # fmt: skip
+                answer.close()
+                signals.finished(upstream.deployment_id, upstream.node_id)
+                continue
         return upstream, answer
     raise AssertionError("first_answer needs a non-empty plan")  # the resolver never gives one

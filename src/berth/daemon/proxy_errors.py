@@ -82,6 +82,7 @@ class EngineUnreachableError(ProxyError):
     error_code = "engine_unreachable"
 
     def __init__(self, upstream: Upstream, why: str) -> None:
+        self.upstream = upstream
         self.deployment_id = upstream.deployment_id
         super().__init__(f"the engine of deployment {upstream.deployment_id} {why}")
 
@@ -94,6 +95,7 @@ class EngineTimeoutError(ProxyError):
     error_code = "engine_timeout"
 
     def __init__(self, upstream: Upstream, timeout_s: float | None) -> None:
+        self.upstream = upstream
         self.deployment_id = upstream.deployment_id
         super().__init__(
             f"the engine of deployment {upstream.deployment_id} sent nothing for {timeout_s} s"

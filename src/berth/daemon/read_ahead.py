@@ -70,6 +70,7 @@ class ReadAhead:
         if self._buffered_bytes < self._max_bytes:
             self._room.set()
         if error is not None:
+            self._eof = True  # nothing follows an error: a second read ends, never waits
             raise error
         self._eof = eof
         return chunk

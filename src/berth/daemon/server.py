@@ -39,6 +39,7 @@ from berth.daemon.auth import Authenticator
 from berth.daemon.lifecycle import LifecycleManager
 from berth.daemon.proxy import OpenAIProxy
 from berth.daemon.services import LeaderServices, Listener
+from berth.daemon.states import TERMINAL_STATES
 from berth.errors import DaemonError
 from berth.keys import load_or_create_pepper
 from berth.observability.cluster import ClusterMetrics
@@ -47,10 +48,11 @@ from berth.observability.node_sampler import LocalNodeSampler
 from berth.observability.window import RequestMeter
 from berth.paths import BerthHome
 from berth.routing.router import Router
+from berth.routing.signals import SignalBoard
 from berth.runtime.engines import EngineBinaries
 from berth.runtime.gpu import NvmlInventory
 from berth.runtime.process import ProcessRuntime
-from berth.store import Store
+from berth.store import DeploymentRecord, Store
 
 log = logging.getLogger(__name__)
 
@@ -177,14 +179,22 @@ async def serve(home: BerthHome, settings: Settings) -> None:
     )
     links: dict[str, AgentLink] = {LOCAL_NODE_ID: InProcessLink(core)}
     audit = AuditLog(home.audit_log)
+    signals = SignalBoard()
+
+    def on_state(record: DeploymentRecord) -> None:
+        metrics.set_deployment_state(
+            record.id, model=record.served_model_name, node=record.node_id, state=record.state
+        )
+        if record.state in TERMINAL_STATES:  # its routing samples and window go with it
+            signals.forget(record.id)
+            local_meter.forget(record.id)
+
     lifecycle = LifecycleManager(
         store,
         links,
         health_timeout_s=settings.health_timeout_s,
         stop_grace_s=settings.stop_grace_s,
-        on_state=lambda r: metrics.set_deployment_state(
-            r.id, model=r.served_model_name, node=r.node_id, state=r.state
-        ),
+        on_state=on_state,
     )
     hub = NodeHub(
         store,
@@ -195,7 +205,9 @@ async def serve(home: BerthHome, settings: Settings) -> None:
         audit=audit,
     )
     hub.set_listener(lifecycle)
-    router = Router(lifecycle, node_reported=hub.has_reported, free_vram_mb=hub.free_vram_mb)
+    router = Router(
+        lifecycle, signals=signals, node_reported=hub.has_reported, free_vram_mb=hub.free_vram_mb
+    )
     lifecycle.on_node_lost = router.node_lost
     local_sampler = LocalNodeSampler(
         core,

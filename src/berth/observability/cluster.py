@@ -119,6 +119,10 @@ def counter_delta(previous: int, reported: int) -> int:
     return reported - previous if reported >= previous else reported
 
 
+#: Heartbeat samples kept per node (the window at 0.05 s intervals, the fastest allowed).
+MAX_SAMPLES_PER_NODE = 1200
+
+
 class ClusterMetrics:
     """Rolling per-node samples and monotonic per-deployment counters.
 
@@ -179,7 +183,8 @@ class ClusterMetrics:
             )
         samples = self._samples.get(node_id)
         if samples is None:
-            samples = self._samples[node_id] = deque()
+            # Bounded whatever an agent sends: a heartbeat flood keeps only the newest.
+            samples = self._samples[node_id] = deque(maxlen=MAX_SAMPLES_PER_NODE)
         samples.append(NodeSample(at, gpus, tuple(deployments)))
         self._prune(samples, at)
 

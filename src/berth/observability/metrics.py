@@ -221,6 +221,17 @@ class ProxyMetrics:
         if self._local_meter is not None and target.node == self._local_node:
             self._local_meter.started(target.deployment)
 
+    def request_moved(self, old: Target, new: Target) -> None:
+        """A request started on ``old`` is being served by ``new`` after a retry."""
+        if old == new:
+            return
+        series = self._targets.get(old)
+        if series is not None and series.in_flight > 0:
+            series.in_flight -= 1
+        if self._local_meter is not None and old.node == self._local_node:
+            self._local_meter.withdrawn(old.deployment)
+        self.request_started(new)
+
     def request_finished(
         self,
         target: Target,

@@ -119,6 +119,16 @@ class RequestMeter:
             entry.errors_total += 1
         entry.samples.append((self._clock(), latency_ms, error))
 
+    def withdrawn(self, deployment_id: str) -> None:
+        """A request begun with :meth:`started` went elsewhere (a retry): not counted."""
+        entry = self._deployments.get(deployment_id)
+        if entry is not None and entry.in_flight > 0:
+            entry.in_flight -= 1
+
+    def forget(self, deployment_id: str) -> None:
+        """The deployment is gone: drop its figures and samples."""
+        self._deployments.pop(deployment_id, None)
+
     def deployments(self) -> list[str]:
         """Every deployment the meter has heard of."""
         return list(self._deployments)

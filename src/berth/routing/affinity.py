@@ -66,6 +66,10 @@ class AffinityMap:
             self._nodes.move_to_end(key)
         return node
 
+    def peek(self, key: str | None) -> str | None:
+        """Like :meth:`get`, without marking the entry as recently used."""
+        return None if key is None else self._nodes.get(key)
+
     def record(self, key: str | None, node_id: str) -> None:
         """``key`` was served by ``node_id`` (after a successful dispatch)."""
         if key is None:

@@ -59,19 +59,29 @@ class Router:
         return [by_id[r.candidate.deployment_id] for r in ranking.ranked]
 
     def explain(self, model: str, affinity_key: str | None = None) -> Ranking:
-        """The ranking :meth:`plan` would use, with reasons (for the admin API)."""
-        return self.explain_upstreams(self.resolver.candidates(model), affinity_key)
+        """The ranking :meth:`plan` would use, with reasons (for the admin API); it changes
+        neither the affinity map's order nor the tie-break rotation."""
+        upstreams = self.resolver.candidates(model)
+        return self._rank(upstreams, affinity_key, self.affinity.peek(affinity_key), 0)
 
     def explain_upstreams(self, upstreams: list[Upstream], affinity_key: str | None) -> Ranking:
+        """Rank ``upstreams`` for a request with ``affinity_key`` (advances the rotation)."""
+        node = self.affinity.get(affinity_key)
+        return self._rank(upstreams, affinity_key, node, next(self._turn))
+
+    def _rank(
+        self,
+        upstreams: list[Upstream],
+        affinity_key: str | None,
+        affinity_node: str | None,
+        rotation: int,
+    ) -> Ranking:
         candidates = [Candidate(u.deployment_id, u.node_id, self._signals_of(u)) for u in upstreams]
         # A key that is only the API key (no session header) may be shared by many
         # clients: it breaks ties between equally busy nodes but never outweighs load.
-        slack = (
-            0
-            if affinity_key is not None and affinity_key.startswith(API_KEY_PREFIX)
-            else (AFFINITY_MAX_EXTRA_IN_FLIGHT)
-        )
-        return rank(candidates, self.affinity.get(affinity_key), next(self._turn), slack)
+        weak = affinity_key is not None and affinity_key.startswith(API_KEY_PREFIX)
+        slack = 0 if weak else AFFINITY_MAX_EXTRA_IN_FLIGHT
+        return rank(candidates, affinity_node, rotation, slack)
 
     def succeeded(self, affinity_key: str | None, upstream: Upstream) -> None:
         """A dispatch to ``upstream`` answered: remember the node for this key."""
@@ -89,4 +99,5 @@ class Router:
             in_flight=self.signals.node_in_flight(node),
             p95_ms=self.signals.p95_ms(upstream.deployment_id),
             free_vram_mb=self._free_vram_mb(node),
+            recently_failed=self.signals.recently_failed(upstream.deployment_id),
         )

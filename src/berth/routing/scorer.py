@@ -4,7 +4,8 @@ Rules, in order:
 
 1. a hard filter drops a candidate whose node is known to lack the free GPU memory the
    request needs (``required_vram_mb``; skipped when either number is unknown);
-2. a lexicographic rank: a node that has reported signals before one that has not; an
+2. a lexicographic rank: a node that has reported signals before one that has not; a
+   deployment without a recent failed attempt before one with (``SignalBoard.failed``); an
    affinity hit (the node that served this session before: its KV cache holds the prompt),
    unless that node has more than :data:`AFFINITY_MAX_EXTRA_IN_FLIGHT` requests in flight
    beyond the least busy candidate;
@@ -38,6 +39,7 @@ class NodeSignals:
     in_flight: int
     p95_ms: float | None = None
     free_vram_mb: int | None = None
+    recently_failed: bool = False
 
 
 @dataclass(frozen=True)
@@ -122,14 +124,15 @@ def rank(
     if set_aside:
         affinity_node = None
 
-    def key(item: tuple[int, Candidate]) -> tuple[bool, bool, int, float, int]:
+    def key(item: tuple[int, Candidate]) -> tuple[bool, bool, bool, int, float, int]:
         index, candidate = item
         signals = candidate.signals
         hit = candidate.node_id == affinity_node
+        turn = (index - rotation) % max(count, 1)
         if signals is None:
-            return (True, not hit, 0, 0.0, (index - rotation) % max(count, 1))
-        return (False, not hit, signals.in_flight, p95_bucket(signals.p95_ms),
-                (index - rotation) % max(count, 1))  # fmt: skip
+            return (True, False, not hit, 0, 0.0, turn)
+        p95 = p95_bucket(signals.p95_ms)
+        return (False, signals.recently_failed, not hit, signals.in_flight, p95, turn)
 
     ordered = sorted(enumerate(kept), key=key)
     ranked = tuple(
@@ -147,6 +150,8 @@ def _reason(candidate: Candidate, hit: bool, set_aside: bool = False) -> str:
     if set_aside and not hit:
         affinity += " (the affinity node is too busy)"
     parts = [affinity, f"{signals.in_flight} in flight"]
+    if signals.recently_failed:
+        parts.insert(0, "failed recently (ranked after healthy ones)")
     parts.append("p95 unknown" if signals.p95_ms is None else f"p95 {signals.p95_ms:.1f} ms")
     if signals.free_vram_mb is not None:
         parts.append(f"{signals.free_vram_mb} MiB GPU memory free")

@@ -9,11 +9,15 @@ samples of the last ``window_s`` seconds (at most ``max_samples`` per deployment
 
 from __future__ import annotations
 
-import math
 import time
 from collections import deque
 from collections.abc import Callable
 
+from berth.observability.window import percentile
+
+#: Seconds a deployment is ranked after healthy ones per failed attempt in a row, and at most.
+DEMOTION_STEP_S = 5.0
+MAX_DEMOTION_S = 60.0
 #: Seconds of latency samples the p95 is computed over.
 WINDOW_S = 60.0
 MAX_SAMPLES = 256
@@ -35,6 +39,7 @@ class SignalBoard:
         self._in_flight: dict[str, int] = {}
         self._node_in_flight: dict[str, int] = {}
         self._samples: dict[str, deque[tuple[float, float]]] = {}
+        self._failures: dict[str, tuple[int, float]] = {}  # consecutive count, demoted until
 
     def started(self, deployment_id: str, node_id: str) -> None:
         self._in_flight[deployment_id] = self._in_flight.get(deployment_id, 0) + 1
@@ -58,6 +63,22 @@ class SignalBoard:
         samples = self._samples.setdefault(deployment_id, deque(maxlen=self._max_samples))
         samples.append((self._clock(), latency_s * 1000.0))
 
+    def failed(self, deployment_id: str) -> None:
+        """An attempt on the deployment failed (unreachable, timed out, 5xx): it is ranked
+        after healthy ones for a while, longer after each failure in a row (5 s steps,
+        at most :data:`MAX_DEMOTION_S`)."""
+        count = self._failures.get(deployment_id, (0, 0.0))[0] + 1
+        until = self._clock() + min(MAX_DEMOTION_S, DEMOTION_STEP_S * count)
+        self._failures[deployment_id] = (count, until)
+
+    def succeeded(self, deployment_id: str) -> None:
+        """An attempt on the deployment was answered: no longer demoted."""
+        self._failures.pop(deployment_id, None)
+
+    def recently_failed(self, deployment_id: str) -> bool:
+        failure = self._failures.get(deployment_id)
+        return failure is not None and self._clock() < failure[1]
+
     def node_in_flight(self, node_id: str) -> int:
         return self._node_in_flight.get(node_id, 0)
 
@@ -74,9 +95,9 @@ class SignalBoard:
             samples.popleft()
         if not samples:
             return None
-        values = sorted(value for _at, value in samples)
-        return values[max(0, math.ceil(0.95 * len(values)) - 1)]
+        return percentile(sorted(value for _at, value in samples), 95)
 
     def forget(self, deployment_id: str) -> None:
-        """The deployment is gone: drop its samples."""
+        """The deployment is gone: drop its samples and failures."""
         self._samples.pop(deployment_id, None)
+        self._failures.pop(deployment_id, None)
