@@ -324,6 +324,7 @@ def test_a_killed_agent_restarted_rejoins_with_its_engines(cluster: Cluster) -> 
     with cluster.http() as http:
         refused = http.post("/v1/chat/completions", json={"model": "tiny-gpu-b", "messages": []})
     assert refused.status_code == 503
+    assert f"unreachable nodes ({agent.node_id})" in refused.json()["error"]["message"]
     listed = cluster.berth("ps").stdout
     assert "gpu-b" in listed and "ready (node unreachable)" in listed
 

@@ -205,3 +205,15 @@ async def test_the_engine_pid_is_recorded_while_it_loads(store: Store, link: Fak
         assert loading.state is DeploymentState.LOADING and loading.pid == 4242
     finally:
         await manager.shutdown()
+
+
+async def test_a_model_whose_node_is_unreachable_says_so(manager: LifecycleManager) -> None:
+    record = await manager.deploy(DeployOptions("tiny", "llamacpp", "local"))
+    await manager.wait_settled(record.id, 5)
+    manager.node_disconnected("local")
+    with pytest.raises(NoReadyDeploymentError, match=r"unreachable nodes \(local\)"):
+        manager.candidates("tiny")
+    await manager.stop(record.id)
+    with pytest.raises(NoReadyDeploymentError) as caught:
+        manager.candidates("tiny")
+    assert "unreachable" not in str(caught.value)

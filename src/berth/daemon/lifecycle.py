@@ -82,6 +82,8 @@ class LifecycleManager:
         self._on_state = on_state
         self._watch_interval_s = watch_interval_s
         self._ready: dict[str, dict[str, Upstream]] = {}
+        #: ready deployments whose node is unreachable: model -> deployment id -> node id
+        self._parked: dict[str, dict[str, str]] = {}
         #: called with a node id when its link drops (the router forgets its affinity)
         self.on_node_lost: Callable[[str], object] | None = None
         self._known_models: set[str] = set()
@@ -101,6 +103,11 @@ class LifecycleManager:
         ready = self._ready.get(model)
         if ready:
             return list(ready.values())
+        parked = self._parked.get(model)
+        if parked:
+            nodes = ", ".join(sorted(set(parked.values())))
+            detail = f"its ready deployments are on unreachable nodes ({nodes})"
+            raise NoReadyDeploymentError(model, retry_after_s=LOADING_RETRY_AFTER_S, detail=detail)
         if model in self._known_models:
             raise NoReadyDeploymentError(model, retry_after_s=LOADING_RETRY_AFTER_S)
         raise NotFoundError("model", model)
@@ -218,9 +225,11 @@ class LifecycleManager:
         """A node's link ended: stop routing to its deployments until it reconnects."""
         if self.on_node_lost is not None:
             self.on_node_lost(node_id)
-        for upstreams in self._ready.values():
+        for model, upstreams in self._ready.items():
             for deployment_id in [d for d, u in upstreams.items() if u.node_id == node_id]:
                 del upstreams[deployment_id]
+                # Remembered, so a request for the model is told where its deployments are.
+                self._parked.setdefault(model, {})[deployment_id] = node_id
 
     async def node_removed(self, node_id: str) -> None:
         """A node was removed: its deployments stop getting traffic and are marked failed.
@@ -438,9 +447,11 @@ class LifecycleManager:
             model=record.served_model_name,
         )
         self._ready.setdefault(record.served_model_name, {})[record.id] = upstream
+        self._parked.get(record.served_model_name, {}).pop(record.id, None)
 
     def _unmark_ready(self, model: str, deployment_id: str) -> None:
         self._ready.get(model, {}).pop(deployment_id, None)
+        self._parked.get(model, {}).pop(deployment_id, None)
 
     def _notify(self, record: DeploymentRecord) -> None:
         if self._on_state is not None:
