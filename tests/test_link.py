@@ -15,12 +15,13 @@ import pytest
 
 from berth.agent.core import EngineReport, HostFacts
 from berth.agent.service import AgentService
-from berth.cluster.connection import LinkConnection, RemoteOpError, TunnelStream
+from berth.cluster.connection import LinkConnection, RemoteOpError
 from berth.cluster.protocol.errors import LinkError
 from berth.cluster.protocol.frames import Frame, Request
 from berth.cluster.protocol.ops import NoArgs, encode_payload
 from berth.cluster.protocol.session import LinkLimits, LinkSession, Role
 from berth.cluster.remote_link import RemoteLink
+from berth.cluster.tunnel_stream import TunnelStream
 from berth.daemon.upstream_errors import UpstreamConnectError
 from berth.errors import EngineError, NotFoundError
 from berth.runtime.engines import DeploymentRequest

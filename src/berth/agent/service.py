@@ -19,7 +19,7 @@ import msgspec
 
 from berth import __version__
 from berth.agent.core import AgentCore
-from berth.cluster.connection import LinkConnection, StreamResetError, TunnelStream
+from berth.cluster.connection import LinkConnection
 from berth.cluster.inventory import gpu_states
 from berth.cluster.protocol.errors import ProtocolError
 from berth.cluster.protocol.frames import (
@@ -49,6 +49,7 @@ from berth.cluster.protocol.ops import (
     decode_payload,
     encode_payload,
 )
+from berth.cluster.tunnel_stream import StreamResetError, TunnelStream
 from berth.daemon.upstream import Origin, UpstreamPool
 from berth.daemon.upstream_errors import UpstreamConnectError, UpstreamError, UpstreamTimeoutError
 from berth.daemon.upstream_response import UpstreamResponse

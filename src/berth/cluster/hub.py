@@ -24,7 +24,7 @@ from cryptography.x509.oid import NameOID
 
 from berth import __version__
 from berth.cluster.ca import fingerprint_of_der
-from berth.cluster.connection import LinkConnection, TunnelStream
+from berth.cluster.connection import LinkConnection
 from berth.cluster.enrollment import AuditLog
 from berth.cluster.inventory import gpu_infos
 from berth.cluster.link import LOCAL_NODE_ID, AgentLink
@@ -41,6 +41,7 @@ from berth.cluster.protocol.frames import (
 )
 from berth.cluster.protocol.session import LinkLimits, LinkSession, Role
 from berth.cluster.remote_link import RemoteLink, TunnelResponse
+from berth.cluster.tunnel_stream import TunnelStream
 from berth.daemon.upstream import Origin
 from berth.daemon.upstream_errors import UpstreamConnectError
 from berth.errors import BerthError
@@ -142,7 +143,7 @@ class NodeHub:
         body: bytes,
         read_timeout_s: float | None,
     ) -> TunnelResponse:
-        """The proxy's way to a remote engine (:class:`berth.daemon.proxy.TunnelOpener`).
+        """The proxy's way to a remote engine (:class:`berth.daemon.engine_client.TunnelOpener`).
 
         Raises ``UpstreamConnectError`` when the node has no live link.
         """

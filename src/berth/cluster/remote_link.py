@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from berth.agent.core import EngineReport, ProbeResult, SpawnListener
-from berth.cluster.connection import LinkConnection, RemoteOpError, StreamResetError, TunnelStream
+from berth.cluster.connection import LinkConnection, RemoteOpError
 from berth.cluster.inventory import node_inventory
 from berth.cluster.link import EngineEndpoint, NodeInventory
 from berth.cluster.protocol.errors import LinkError
@@ -35,7 +35,8 @@ from berth.cluster.protocol.ops import (
     encode_payload,
 )
 from berth.cluster.protocol.ops import ProbeResult as ProbeAnswer
-from berth.daemon.proxy import TUNNEL_SCHEME
+from berth.cluster.tunnel_stream import StreamResetError, TunnelStream
+from berth.daemon.engine_client import TUNNEL_SCHEME
 from berth.daemon.upstream import Origin
 from berth.daemon.upstream_errors import (
     UpstreamConnectError,

@@ -2,8 +2,9 @@
 
 One request, on the hot path::
 
-    read the body (bounded) -> its JSON "model" -> UpstreamResolver.resolve(model)
-      -> POST the same bytes to the engine (berth.daemon.upstream: pooled keep-alive HTTP/1.1)
+    read the body (bounded) -> its JSON "model" -> Router.plan(model): ranked candidates
+      -> POST the same bytes to the best engine, the next node's before the first byte if it
+         fails (proxy_dispatch; engine_client: pooled HTTP/1.1, or an agent's tunnel)
       -> relay the answer: JSON whole, event streams event by event -> ProxyMetrics
 
 There is no framework routing here: this module is called only after authentication, for the
@@ -25,6 +26,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from berth.daemon.engine_client import TUNNEL_SCHEME, EngineClient, TunnelOpener
 from berth.daemon.openai_errors import ErrorResponse, error_from_exception
 from berth.daemon.proxy_dispatch import first_answer
 from berth.daemon.proxy_errors import (
@@ -38,8 +40,6 @@ from berth.daemon.proxy_errors import (
 from berth.daemon.proxy_http import Receive, Scope, Send, model_of, scan_headers, send_json
 from berth.daemon.proxy_relay import AnswerRelay, Exchange, watch_disconnect
 from berth.daemon.read_ahead import DEFAULT_BUFFER_CHUNKS, ReadAhead
-from berth.daemon.upstream import Origin, UpstreamPool, parse_origin
-from berth.daemon.upstream_errors import UpstreamConnectError, UpstreamError, UpstreamTimeoutError
 from berth.daemon.upstream_response import EngineAnswer
 from berth.errors import BerthError, NotFoundError
 from berth.observability.metrics import ProxyMetrics, Target
@@ -56,8 +56,6 @@ __all__ = [
     "UpstreamResolver",
 ]
 
-#: The origin host that marks a tunneled engine in the target cache (compared by identity).
-_TUNNELED = "<tunnel>"
 
 _log = logging.getLogger(__name__)
 
@@ -69,9 +67,6 @@ _COMPLETION_PATHS = frozenset(
 _MODELS_PATH = "/v1/models"
 _MODEL_PREFIX = "/v1/models/"
 
-_MAX_CACHED_TARGETS = 4096
-_POST = b"POST"
-
 
 @dataclass(frozen=True)
 class Upstream:
@@ -81,28 +76,6 @@ class Upstream:
     deployment_id: str
     node_id: str
     model: str  # the public model name the client asked for
-
-
-#: The scheme of an engine reached through an agent's tunnel: ``berth-tunnel://NODE/DEPLOYMENT``.
-TUNNEL_SCHEME = "berth-tunnel"
-
-
-class TunnelOpener(Protocol):
-    """Opens an HTTP exchange with a remote deployment's engine through its node's agent
-    (the leader's :class:`berth.cluster.hub.NodeHub`)."""
-
-    async def open_http(
-        self,
-        node_id: str,
-        deployment_id: str,
-        method: bytes,
-        target: bytes,
-        headers: Sequence[tuple[bytes, bytes]],
-        body: bytes,
-        read_timeout_s: float | None,
-    ) -> EngineAnswer:
-        """Raises the ``UpstreamError`` subclasses ``UpstreamPool.request`` raises."""
-        ...
 
 
 def _target(upstream: Upstream) -> Target:
@@ -172,20 +145,20 @@ class OpenAIProxy:
         relay_buffer_chunks: int = DEFAULT_BUFFER_CHUNKS,
     ) -> None:
         self._resolver = resolver
-        self._tunnels = tunnels
+        self._engines = EngineClient(
+            tunnels=tunnels,
+            connect_timeout_s=connect_timeout_s,
+            read_timeout_s=read_timeout_s,
+            max_connections=max_connections,
+        )
         self.router = router or Router(resolver)
         self._max_attempts = max_attempts
         self._relay_buffer_chunks = relay_buffer_chunks
         self._max_buffered_response_bytes = max_buffered_response_bytes
         self._metrics = metrics
         self._max_body_bytes = max_body_bytes
-        self._connect_timeout_s = connect_timeout_s
-        self._read_timeout_s = read_timeout_s
-        self._max_connections = max_connections
         self._clock = clock
         self._created = int(time.time())
-        self._pool: UpstreamPool | None = None
-        self._targets: dict[tuple[str, str], tuple[Origin, bytes]] = {}
         self._answers = AnswerRelay(
             read_timeout_s=read_timeout_s,
             max_buffered_response_bytes=max_buffered_response_bytes,
@@ -197,21 +170,11 @@ class OpenAIProxy:
 
     async def startup(self) -> None:
         """Open the pool of HTTP connections to engines. Idempotent."""
-        if self._pool is not None:
-            return
-        # No cookie jar and no decompression: engines' cookies never travel from one client's
-        # request to another's, and bytes are relayed as the engine sent them.
-        self._pool = UpstreamPool(
-            connect_timeout_s=self._connect_timeout_s,
-            read_timeout_s=self._read_timeout_s,
-            max_connections=self._max_connections,
-        )
+        await self._engines.startup()
 
     async def shutdown(self) -> None:
         """Close the connections to engines. Idempotent."""
-        pool, self._pool = self._pool, None
-        if pool is not None:
-            await pool.close()
+        await self._engines.shutdown()
 
     # -- ASGI ---------------------------------------------------------------------------------
 
@@ -325,12 +288,14 @@ class OpenAIProxy:
         assert task is not None, "ASGI apps run in a task"
         watcher = task.get_loop().create_task(watch_disconnect(receive, exchange, task))
         signals = self.router.signals
+        path: str = scope["path"]
+        query: bytes = scope.get("query_string", b"")
         dispatched = False
         try:
             try:
                 chosen, response = await first_answer(
                     plan,
-                    lambda u: self._open(scope, u, body, forward),
+                    lambda u: self._engines.open(u, path, query, forward, body),
                     max_attempts=self._max_attempts,
                     signals=signals,
                     clock=self._clock,
@@ -407,34 +372,6 @@ class OpenAIProxy:
             if not message.get("more_body", False):
                 return b"".join(parts)
 
-    async def _open(
-        self,
-        scope: Scope,
-        upstream: Upstream,
-        body: bytes,
-        forward: list[tuple[bytes, bytes]],
-    ) -> EngineAnswer:
-        """Send the request to ``upstream``; its answer once the head is in. Raises the
-        :class:`ProxyError` for an engine that cannot be reached or does not answer in time
-        (nothing has reached the client then)."""
-        pool = self._pool
-        if pool is None:
-            raise RuntimeError("OpenAIProxy.startup() was not awaited")
-        origin, target = self._engine_target(upstream.base_url, scope["path"])
-        query: bytes = scope.get("query_string", b"")
-        if query:
-            target += b"?" + query
-        try:
-            if origin.host is _TUNNELED:
-                return await self._open_tunnel(upstream, target, forward, body)
-            return await pool.request(origin, _POST, target, forward, body)
-        except UpstreamConnectError as exc:
-            raise EngineUnreachableError(upstream, exc.why) from exc
-        except UpstreamTimeoutError as exc:
-            raise EngineTimeoutError(upstream, self._read_timeout_s) from exc
-        except UpstreamError as exc:
-            raise EngineUnreachableError(upstream, f"failed before answering ({exc.why})") from exc
-
     async def _relay(
         self,
         upstream: Upstream,
@@ -471,43 +408,6 @@ class OpenAIProxy:
             # that was not (the client left, the engine failed) closes it, which is what tells
             # the engine to stop generating.
             response.close()
-
-    async def _open_tunnel(
-        self,
-        upstream: Upstream,
-        target: bytes,
-        forward: list[tuple[bytes, bytes]],
-        body: bytes,
-    ) -> EngineAnswer:
-        if self._tunnels is None:
-            raise UpstreamConnectError(
-                Origin(upstream.node_id, 0), "could not be reached (this leader has no agent links)"
-            )
-        return await self._tunnels.open_http(
-            upstream.node_id,
-            upstream.deployment_id,
-            _POST,
-            target,
-            forward,
-            body,
-            self._read_timeout_s,
-        )
-
-    def _engine_target(self, base_url: str, path: str) -> tuple[Origin, bytes]:
-        """The engine's origin and the request target for ``path``; cached (a handful of
-        entries per deployment). A tunneled engine's origin host is ``_TUNNELED``."""
-        key = (base_url, path)
-        found = self._targets.get(key)
-        if found is None:
-            if len(self._targets) >= _MAX_CACHED_TARGETS:
-                self._targets.clear()
-            if base_url.startswith(TUNNEL_SCHEME + "://"):
-                found = self._targets[key] = (Origin(_TUNNELED, 0), path.encode("latin-1"))
-                return found
-            prefix = base_url.split("://", 1)[-1].partition("/")[2].rstrip("/")
-            target = (f"/{prefix}{path}" if prefix else path).encode("latin-1")
-            found = self._targets[key] = (parse_origin(base_url), target)
-        return found
 
     # -- errors -------------------------------------------------------------------------------
 

@@ -1,0 +1,149 @@
+"""How the proxy reaches a deployment's engine: directly, over berth's pooled HTTP/1.1 client,
+or through its node's agent tunnel; either way the answer comes back as an
+:class:`~berth.daemon.upstream_response.EngineAnswer` once its head is in.
+
+Failures before the head become the proxy's errors here, once: an engine that cannot be
+reached is :class:`EngineUnreachableError` (502), one that does not answer in time
+:class:`EngineTimeoutError` (504); nothing has reached the client then, so the dispatch loop
+may try another node.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Protocol
+
+from berth.daemon.proxy_errors import EngineTimeoutError, EngineUnreachableError
+from berth.daemon.upstream import Origin, UpstreamPool, parse_origin
+from berth.daemon.upstream_errors import UpstreamConnectError, UpstreamError, UpstreamTimeoutError
+from berth.daemon.upstream_response import EngineAnswer
+
+if TYPE_CHECKING:
+    from berth.daemon.proxy import Upstream
+
+#: The scheme of an engine reached through an agent's tunnel: ``berth-tunnel://NODE/DEPLOYMENT``.
+TUNNEL_SCHEME = "berth-tunnel"
+#: The origin host that marks a tunneled engine in the target cache (compared by identity).
+_TUNNELED = "<tunnel>"
+_MAX_CACHED_TARGETS = 4096
+_POST = b"POST"
+
+
+class TunnelOpener(Protocol):
+    """Opens an HTTP exchange with a remote deployment's engine through its node's agent
+    (the leader's :class:`berth.cluster.hub.NodeHub`)."""
+
+    async def open_http(
+        self,
+        node_id: str,
+        deployment_id: str,
+        method: bytes,
+        target: bytes,
+        headers: Sequence[tuple[bytes, bytes]],
+        body: bytes,
+        read_timeout_s: float | None,
+    ) -> EngineAnswer:
+        """Raises the ``UpstreamError`` subclasses ``UpstreamPool.request`` raises."""
+        ...
+
+
+class EngineClient:
+    """Sends ``POST`` requests to engines. ``connect_timeout_s``, ``read_timeout_s`` and
+    ``max_connections`` are :class:`UpstreamPool`'s; ``tunnels`` reaches remote engines
+    (``None``: this leader has no agent links). Call :meth:`startup` before use."""
+
+    def __init__(
+        self,
+        *,
+        tunnels: TunnelOpener | None,
+        connect_timeout_s: float,
+        read_timeout_s: float | None,
+        max_connections: int,
+    ) -> None:
+        self._tunnels = tunnels
+        self._connect_timeout_s = connect_timeout_s
+        self.read_timeout_s = read_timeout_s
+        self._max_connections = max_connections
+        self._pool: UpstreamPool | None = None
+        self._targets: dict[tuple[str, str], tuple[Origin, bytes]] = {}
+
+    async def startup(self) -> None:
+        """Open the pool of HTTP connections to engines. Idempotent."""
+        if self._pool is not None:
+            return
+        # No cookie jar and no decompression: engines' cookies never travel from one client's
+        # request to another's, and bytes are relayed as the engine sent them.
+        self._pool = UpstreamPool(
+            connect_timeout_s=self._connect_timeout_s,
+            read_timeout_s=self.read_timeout_s,
+            max_connections=self._max_connections,
+        )
+
+    async def shutdown(self) -> None:
+        """Close the connections to engines. Idempotent."""
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            await pool.close()
+
+    async def open(
+        self,
+        upstream: Upstream,
+        path: str,
+        query: bytes,
+        forward: list[tuple[bytes, bytes]],
+        body: bytes,
+    ) -> EngineAnswer:
+        """Send the request for ``path`` (and ``query``) to ``upstream``; its answer once the
+        head is in. Raises :class:`EngineUnreachableError` or :class:`EngineTimeoutError`."""
+        pool = self._pool
+        if pool is None:
+            raise RuntimeError("EngineClient.startup() was not awaited")
+        origin, target = self._engine_target(upstream.base_url, path)
+        if query:
+            target += b"?" + query
+        try:
+            if origin.host is _TUNNELED:
+                return await self._open_tunnel(upstream, target, forward, body)
+            return await pool.request(origin, _POST, target, forward, body)
+        except UpstreamConnectError as exc:
+            raise EngineUnreachableError(upstream, exc.why) from exc
+        except UpstreamTimeoutError as exc:
+            raise EngineTimeoutError(upstream, self.read_timeout_s) from exc
+        except UpstreamError as exc:
+            raise EngineUnreachableError(upstream, f"failed before answering ({exc.why})") from exc
+
+    async def _open_tunnel(
+        self,
+        upstream: Upstream,
+        target: bytes,
+        forward: list[tuple[bytes, bytes]],
+        body: bytes,
+    ) -> EngineAnswer:
+        if self._tunnels is None:
+            why = "could not be reached (this leader has no agent links)"
+            raise UpstreamConnectError(Origin(upstream.node_id, 0), why)
+        return await self._tunnels.open_http(
+            upstream.node_id,
+            upstream.deployment_id,
+            _POST,
+            target,
+            forward,
+            body,
+            self.read_timeout_s,
+        )
+
+    def _engine_target(self, base_url: str, path: str) -> tuple[Origin, bytes]:
+        """The engine's origin and the request target for ``path``; cached (a handful of
+        entries per deployment). A tunneled engine's origin host is ``_TUNNELED``."""
+        key = (base_url, path)
+        found = self._targets.get(key)
+        if found is None:
+            if len(self._targets) >= _MAX_CACHED_TARGETS:
+                self._targets.clear()
+            if base_url.startswith(TUNNEL_SCHEME + "://"):
+                found = self._targets[key] = (Origin(_TUNNELED, 0), path.encode("latin-1"))
+                return found
+            prefix = base_url.split("://", 1)[-1].partition("/")[2].rstrip("/")
+            target = (f"/{prefix}{path}" if prefix else path).encode("latin-1")
+            found = self._targets[key] = (parse_origin(base_url), target)
+        return found
