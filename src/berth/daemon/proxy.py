@@ -43,7 +43,6 @@ from berth.daemon.read_ahead import DEFAULT_BUFFER_CHUNKS, ReadAhead
 from berth.daemon.upstream_response import EngineAnswer
 from berth.errors import BerthError, NotFoundError
 from berth.observability.metrics import ProxyMetrics, Target
-from berth.routing.affinity import affinity_key
 from berth.routing.retry import DEFAULT_MAX_ATTEMPTS
 from berth.routing.router import Router
 
@@ -275,8 +274,7 @@ class OpenAIProxy:
                     error_reason="client_disconnected",
                 )
                 return
-            key = affinity_key(scope["headers"])
-            plan = self.router.plan(model_of(body), key)
+            plan, key = self.router.plan_request(model_of(body), scope["headers"])
         except BerthError as exc:
             await self._reject(send, request_id, exc, start)
             return

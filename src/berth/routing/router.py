@@ -4,10 +4,11 @@ the affinity map; the proxy walks the result (``daemon/proxy_dispatch.py``)."""
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from berth.routing.affinity import API_KEY_PREFIX, AffinityMap
+from berth.routing.affinity import affinity_key as request_affinity_key
 from berth.routing.scorer import (
     AFFINITY_MAX_EXTRA_IN_FLIGHT,
     Candidate,
@@ -52,8 +53,23 @@ class Router:
         from the resolver.
         """
         upstreams = self.resolver.candidates(model)
+        return upstreams if len(upstreams) == 1 else self._ordered(upstreams, affinity_key)
+
+    def plan_request(
+        self, model: str, headers: Sequence[tuple[bytes, bytes]]
+    ) -> tuple[list[Upstream], str | None]:
+        """:meth:`plan` for a request with these ASGI ``headers``, and its affinity key.
+
+        The key is only worked out when there is a choice to make: a model served by one
+        deployment costs no header scan, no hashing and no affinity entry (key ``None``).
+        """
+        upstreams = self.resolver.candidates(model)
         if len(upstreams) == 1:
-            return upstreams  # nothing to rank: the hot path stays cheap
+            return upstreams, None
+        key = request_affinity_key(headers)
+        return self._ordered(upstreams, key), key
+
+    def _ordered(self, upstreams: list[Upstream], affinity_key: str | None) -> list[Upstream]:
         ranking = self.explain_upstreams(upstreams, affinity_key)
         by_id = {u.deployment_id: u for u in upstreams}
         return [by_id[r.candidate.deployment_id] for r in ranking.ranked]
