@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from berth.daemon.engine_client import TUNNEL_SCHEME, EngineClient, TunnelOpener
+from berth.daemon.engine_client import EngineClient, TunnelOpener
 from berth.daemon.openai_errors import ErrorResponse, error_from_exception
 from berth.daemon.proxy_dispatch import first_answer
 from berth.daemon.proxy_errors import (
@@ -47,7 +47,6 @@ from berth.routing.retry import DEFAULT_MAX_ATTEMPTS
 from berth.routing.router import Router
 
 __all__ = [
-    "TUNNEL_SCHEME",
     "NoReadyDeploymentError",
     "OpenAIProxy",
     "TunnelOpener",
