@@ -304,7 +304,8 @@ class OpenAIProxy:
                 upstream = exc.upstream
                 raise
             dispatched = True
-            self._metrics.request_moved(_target(upstream), _target(chosen))
+            if chosen is not upstream:  # a retry served it elsewhere
+                self._metrics.request_moved(_target(upstream), _target(chosen))
             upstream = chosen
             self.router.succeeded(key, upstream)
             await self._relay(upstream, response, request_id, send, exchange)
