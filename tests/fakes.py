@@ -10,6 +10,7 @@ import aiohttp
 from berth.agent.core import EngineReport, ProbeResult, SpawnListener
 from berth.cluster.link import EngineEndpoint, NodeInventory
 from berth.errors import EngineError, NotFoundError
+from berth.runtime.base import ProgressListener
 from berth.runtime.engines import DeploymentRequest
 
 
@@ -29,14 +30,18 @@ class FakeLink:
         self.start_delay_s = 0.0
         self.survivors: dict[str, EngineEndpoint] = {}
         self.hung: set[str] = set()
+        self.progress_line: str | None = None
 
     async def start_deployment(
         self,
         request: DeploymentRequest,
         health_timeout_s: float,
         on_spawned: SpawnListener | None = None,
+        on_progress: ProgressListener | None = None,
     ) -> EngineEndpoint:
         self.requests.append(request)
+        if on_progress is not None and self.progress_line is not None:
+            on_progress(self.progress_line)
         if on_spawned is not None:
             await on_spawned(4242, 9)
         await asyncio.sleep(self.start_delay_s)
@@ -50,7 +55,9 @@ class FakeLink:
         if self.running.pop(deployment_id, None) is None:
             raise NotFoundError("engine", deployment_id)
 
-    async def reattach(self, deployment_id: str, pid: int, port: int) -> EngineEndpoint | None:
+    async def reattach(
+        self, deployment_id: str, pid: int, port: int, runtime: str = "process"
+    ) -> EngineEndpoint | None:
         endpoint = self.survivors.pop(deployment_id, None)
         if endpoint is not None:
             self.running[deployment_id] = endpoint

@@ -365,3 +365,20 @@ def test_a_node_timeout_shorter_than_two_heartbeats_is_refused(tmp_path: Path) -
     env = {"BERTH_HEARTBEAT_INTERVAL_S": "10", "BERTH_NODE_TIMEOUT_S": "15"}
     with pytest.raises(ConfigError, match=r"node_timeout_s .* at least twice"):
         Settings.load(home, env=env)
+
+
+def test_docker_settings_choose_the_runtime_and_each_engines_image(home: BerthHome) -> None:
+    home.config_file.parent.mkdir(parents=True, exist_ok=True)
+    home.config_file.write_text(
+        '[daemon]\ndefault_runtime = "docker"\n\n[docker]\nvllm_image = "vllm/vllm-openai:v0.9.2"\n'
+    )
+    settings = Settings.load(home, env={"BERTH_DOCKER_SHM_SIZE": "32g"})
+    assert settings.default_runtime == "docker"
+    assert settings.docker_images() == {
+        "llamacpp": "ghcr.io/ggml-org/llama.cpp:server",
+        "vllm": "vllm/vllm-openai:v0.9.2",
+        "sglang": "lmsysorg/sglang:latest",
+    }
+    assert (settings.docker_shm_size, settings.docker_host) == ("32g", None)
+    with pytest.raises(ConfigError, match="default_runtime"):
+        Settings.load(home, env={"BERTH_DEFAULT_RUNTIME": "podman"})

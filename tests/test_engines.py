@@ -4,18 +4,23 @@ from __future__ import annotations
 
 import socket
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from berth.errors import ConfigError, EngineError, NotFoundError
+from berth.runtime.base import Mount
 from berth.runtime.engines import (
+    CONTAINER_ULIMITS,
     ENGINE_NAMES,
     DeploymentRequest,
     EngineBinaries,
     EngineName,
+    build_container_spec,
     build_launch_spec,
     find_free_port,
     parse_engine_name,
+    parse_runtime_name,
 )
 
 BINARIES = EngineBinaries(
@@ -285,3 +290,101 @@ def test_find_free_port_can_be_bound() -> None:
 
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", port))
+
+
+# -- containers (the docker runtime) ---------------------------------------------------------
+
+
+def _container_request(model: Path, engine: EngineName, **fields: Any) -> DeploymentRequest:
+    return DeploymentRequest(
+        deployment_id="d-0000000c",
+        model_name="smol",
+        model_path=model,
+        engine=engine,
+        port=0,
+        log_path=Path("/tmp/engine.log"),
+        **fields,
+    )
+
+
+def test_a_gguf_file_is_mounted_with_its_folder_read_only(gguf: Path) -> None:
+    spec = build_container_spec(
+        _container_request(gguf, "llamacpp", ctx=4096, extra_args=("--jinja",)),
+        "ghcr.io/ggml-org/llama.cpp:server",
+        shm_size="1g",
+    )
+    container = spec.container
+    assert container is not None
+    assert container.image == "ghcr.io/ggml-org/llama.cpp:server"
+    assert container.command == (
+        "-m", f"/models/{gguf.name}", "--host", "0.0.0.0", "--port", "8080",
+        "--alias", "smol", "-c", "4096", "--jinja",
+    )  # fmt: skip
+    assert container.mounts == (Mount(source=gguf.parent.resolve(), target="/models"),)
+    assert container.mounts[0].read_only
+    assert container.container_port == 8080
+    assert container.labels == {
+        "berth.deployment": "d-0000000c",
+        "berth.model": "smol",
+        "berth.engine": "llamacpp",
+    }
+    assert (container.shm_size, container.gpus, container.ulimits) == ("1g", (), ())
+    assert spec.port == 0 and spec.env == {} and spec.health_path == "/health"
+
+
+def test_vllm_and_sglang_containers_get_the_checkpoint_folder(checkpoint: Path) -> None:
+    vllm = build_container_spec(
+        _container_request(checkpoint, "vllm", gpus=(2, 3), ctx=8192),
+        "vllm/vllm-openai:latest",
+        shm_size="16g",
+    ).container
+    assert vllm is not None
+    assert vllm.command == (
+        "--model", "/models", "--host", "0.0.0.0", "--port", "8000",
+        "--served-model-name", "smol", "--max-model-len", "8192", "--tensor-parallel-size", "2",
+    )  # fmt: skip
+    assert vllm.mounts == (Mount(source=checkpoint.resolve(), target="/models"),)
+    # GPUs go in a device request (the engine sees them from 0), with NVIDIA's limits.
+    assert vllm.gpus == (2, 3) and vllm.ulimits == CONTAINER_ULIMITS
+    sglang = build_container_spec(
+        _container_request(checkpoint, "sglang", served_model_name="chat"),
+        "lmsysorg/sglang:latest",
+        shm_size="16g",
+    ).container
+    assert sglang is not None
+    assert sglang.command == (
+        "python3", "-m", "sglang.launch_server", "--model-path", "/models",
+        "--host", "0.0.0.0", "--port", "30000", "--served-model-name", "chat",
+    )  # fmt: skip
+
+
+def test_a_gguf_folder_in_a_container_points_at_its_file(tmp_path: Path) -> None:
+    folder = tmp_path / "split"
+    folder.mkdir()
+    for index in (1, 2):
+        (folder / f"big-0000{index}-of-00002.gguf").write_bytes(b"GGUF")
+    container = build_container_spec(
+        _container_request(folder, "llamacpp"), "img:1", shm_size="1g"
+    ).container
+    assert container is not None
+    assert container.command[:2] == ("-m", "/models/big-00001-of-00002.gguf")
+    assert container.mounts[0].source == folder.resolve()
+
+
+def test_a_container_spec_needs_an_image_and_a_model(gguf: Path, tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="image name is empty"):
+        build_container_spec(_container_request(gguf, "llamacpp"), "  ", shm_size="1g")
+    with pytest.raises(NotFoundError):
+        build_container_spec(
+            _container_request(tmp_path / "missing.gguf", "llamacpp"), "img:1", shm_size="1g"
+        )
+
+
+@pytest.mark.parametrize(("text", "expected"), [("docker", "docker"), (" Process ", "process")])
+def test_parse_runtime_name(text: str, expected: str) -> None:
+    assert parse_runtime_name(text) == expected
+
+
+def test_unknown_runtime_lists_the_valid_names() -> None:
+    with pytest.raises(ConfigError, match="expected one of process, docker"):
+        parse_runtime_name("podman")

@@ -217,3 +217,66 @@ async def test_a_model_whose_node_is_unreachable_says_so(manager: LifecycleManag
     with pytest.raises(NoReadyDeploymentError) as caught:
         manager.candidates("tiny")
     assert "unreachable" not in str(caught.value)
+
+
+async def test_a_docker_deployment_gets_the_engines_image_and_reports_progress(
+    store: Store, link: FakeLink
+) -> None:
+    manager = LifecycleManager(
+        store,
+        {"local": link},
+        health_timeout_s=5,
+        stop_grace_s=1,
+        images={"llamacpp": "example/llama:7", "vllm": "v:1", "sglang": "s:1"},
+    )
+    await manager.start()
+    try:
+        link.progress_line = "pulling example/llama:7: 1/3 layers done"
+        link.start_delay_s = 0.3
+        record = await manager.deploy(DeployOptions("tiny", "llamacpp", "local", runtime="docker"))
+        assert (record.runtime, record.image) == ("docker", "example/llama:7")
+        await asyncio.sleep(0.1)
+        assert manager.progress(record.id) == "pulling example/llama:7: 1/3 layers done"
+        settled = await manager.wait_settled(record.id, 5)
+        assert settled.state is DeploymentState.READY
+        assert manager.progress(record.id) is None  # only while loading
+        sent = link.requests[-1]
+        assert (sent.runtime, sent.image) == ("docker", "example/llama:7")
+        chosen = await manager.deploy(
+            DeployOptions("tiny", "llamacpp", "local", runtime="docker", image="mine/llama:dev")
+        )
+        assert chosen.image == "mine/llama:dev"
+        assert store.get_deployment(chosen.id).image == "mine/llama:dev"
+    finally:
+        await manager.shutdown()
+
+
+async def test_an_image_needs_the_docker_runtime_and_runtimes_are_checked(
+    manager: LifecycleManager,
+) -> None:
+    with pytest.raises(ConfigError, match="docker runtime only"):
+        await manager.deploy(DeployOptions("tiny", "llamacpp", "local", image="x/y:1"))
+    with pytest.raises(ConfigError, match="expected one of process, docker"):
+        await manager.deploy(DeployOptions("tiny", "llamacpp", "local", runtime="podman"))
+
+
+async def test_reconcile_stops_local_engines_no_deployment_owns(
+    store: Store, link: FakeLink, caplog: pytest.LogCaptureFixture
+) -> None:
+    kept = store.create_deployment("tiny", "llamacpp", "docker", "local", image="img:1")
+    store.transition_deployment(kept.id, DeploymentState.LOADING)
+    store.transition_deployment(kept.id, DeploymentState.READY, port=9, pid=4242)
+    # Taken back before reconcile (the agent core adopts labelled containers at start-up).
+    link.running = {
+        kept.id: EngineEndpoint(kept.id, link.base_url, 4242, 9),
+        "d-0rphan00": EngineEndpoint("d-0rphan00", link.base_url, 4343, 10),
+    }
+    link.survivors = {kept.id: link.running[kept.id]}
+    manager = LifecycleManager(store, {"local": link}, health_timeout_s=5, stop_grace_s=1)
+    await manager.start()
+    try:
+        assert store.get_deployment(kept.id).state is DeploymentState.READY
+        assert list(link.running) == [kept.id]
+        assert "engine d-0rphan00 (pid 4343, port 10) that no active deployment owns" in caplog.text
+    finally:
+        await manager.shutdown()

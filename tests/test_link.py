@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -38,6 +38,7 @@ class FakeCore:
         self.port = port
         self.start_delay_s = 0.0
         self.stopped: list[str] = []
+        self.requests: list[DeploymentRequest] = []
 
     def engine_port(self, deployment_id: str) -> int:
         if deployment_id != DEPLOYMENT:
@@ -53,7 +54,11 @@ class FakeCore:
     def engines(self) -> list[EngineReport]:
         return [EngineReport(DEPLOYMENT, 4321, self.port, True)]
 
-    async def start(self, request: DeploymentRequest, timeout_s: float, on_spawned: Any) -> Any:
+    async def start(
+        self, request: DeploymentRequest, timeout_s: float, on_spawned: Any, on_progress: Any
+    ) -> Any:
+        self.requests.append(request)
+        on_progress(f"pulling {request.image}: 3/7 layers done")
         await on_spawned(4321, self.port)
         await asyncio.sleep(self.start_delay_s)
         return SimpleNamespace(pid=4321, port=self.port)
@@ -202,6 +207,7 @@ async def test_control_ops_and_progress(linked: Linked) -> None:
     endpoint = await linked.link.start_deployment(request, 10.0, on_spawned)
     assert endpoint.base_url == f"berth-tunnel://n-1/{DEPLOYMENT}"
     assert spawned == [(4321, linked.core.port)]
+    assert linked.core.requests[-1].runtime == "process"
     assert await linked.link.probe(DEPLOYMENT) == "healthy"
     assert [e.deployment_id for e in await linked.link.engines()] == [DEPLOYMENT]
     assert (await linked.link.inventory()).hostname == "gpu-host"
@@ -209,6 +215,18 @@ async def test_control_ops_and_progress(linked: Linked) -> None:
     assert logs == b"engine line 1\nengine line 2\n"
     await linked.link.stop_deployment(DEPLOYMENT, 1.0)
     assert linked.core.stopped == [DEPLOYMENT]
+
+
+async def test_a_docker_start_carries_its_image_and_progress(linked: Linked) -> None:
+    lines: list[str] = []
+    request = replace(_start_request(), runtime="docker", image="example/engine:1")
+    with pytest.raises(EngineError, match="offers no docker runtime"):
+        await linked.link.start_deployment(request, 10.0)  # the agent did not advertise it
+    linked.link.capabilities = linked.link.capabilities | {"runtime.docker"}
+    await linked.link.start_deployment(request, 10.0, on_progress=lines.append)
+    sent = linked.core.requests[-1]
+    assert (sent.runtime, sent.image) == ("docker", "example/engine:1")
+    assert lines == ["pulling example/engine:1: 3/7 layers done"]
 
 
 async def test_a_slow_start_does_not_hold_up_other_traffic(linked: Linked) -> None:

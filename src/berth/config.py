@@ -34,6 +34,8 @@ from typing import Any, Literal
 from berth.config_toml import locate_line, parse_toml, render_toml, write_atomically
 from berth.errors import ConfigError
 from berth.paths import BerthHome
+from berth.runtime.base import RUNTIME_NAMES
+from berth.runtime.engines import DEFAULT_IMAGES, DEFAULT_SHM_SIZE, EngineName
 
 SettingSource = Literal["flag", "env", "file", "autodetect", "default"]
 SettingKind = Literal["str", "int", "float", "path"]
@@ -144,14 +146,30 @@ SETTINGS: tuple[SettingDef, ...] = (
     SettingDef("stop_grace_s", "float", "daemon",
                "seconds between SIGTERM and SIGKILL when stopping an engine",
                default=10.0, minimum=0.0),
-    SettingDef("default_runtime", "str", "daemon", "runtime used when a deploy names none",
-               default="process", choices=("process",)),
+    SettingDef("default_runtime", "str", "daemon",
+               "runtime used when a deploy names none (process or docker)",
+               default="process", choices=RUNTIME_NAMES),
     SettingDef("llama_server_bin", "path", "engines", "llama.cpp's llama-server executable",
                optional=True, autodetect=_detect_llama_server),
     SettingDef("vllm_bin", "path", "engines", "vLLM's vllm executable", optional=True,
                autodetect=_which("vllm")),
     SettingDef("sglang_python", "path", "engines", "Python interpreter that has sglang installed",
                default_factory=lambda _home: Path(sys.executable)),
+    SettingDef("docker_host", "str", "docker",
+               "Docker engine URL (default: $DOCKER_HOST, else unix:///var/run/docker.sock)",
+               optional=True),
+    SettingDef("docker_shm_size", "str", "docker",
+               "size of /dev/shm in engine containers, as Docker reads it (16g, 512m)",
+               default=DEFAULT_SHM_SIZE),
+    SettingDef("llamacpp_image", "str", "docker",
+               "llama.cpp's image for the docker runtime (repository:tag)",
+               default=DEFAULT_IMAGES["llamacpp"]),
+    SettingDef("vllm_image", "str", "docker",
+               "vLLM's image for the docker runtime (repository:tag)",
+               default=DEFAULT_IMAGES["vllm"]),
+    SettingDef("sglang_image", "str", "docker",
+               "SGLang's image for the docker runtime (repository:tag)",
+               default=DEFAULT_IMAGES["sglang"]),
     SettingDef("cluster_host", "str", "cluster", "host name agents use to reach the leader",
                default="127.0.0.1"),
     SettingDef("cluster_bind", "str", "cluster", "address the cluster listener binds",
@@ -256,6 +274,11 @@ class Settings:
     llama_server_bin: Path | None
     vllm_bin: Path | None
     sglang_python: Path
+    docker_host: str | None
+    docker_shm_size: str
+    llamacpp_image: str
+    vllm_image: str
+    sglang_image: str
     cluster_host: str
     cluster_bind: str
     cluster_port: int
@@ -321,6 +344,14 @@ class Settings:
                 "set both public_cert and public_key, or neither"
             )
         return cls(home=home, sources=sources, **values)
+
+    def docker_images(self) -> dict[EngineName, str]:
+        """The image the docker runtime runs for each engine (the ``*_image`` settings)."""
+        return {
+            "llamacpp": self.llamacpp_image,
+            "vllm": self.vllm_image,
+            "sglang": self.sglang_image,
+        }
 
     def cluster_url(self, port: int | None = None) -> str:
         """The URL agents dial: ``leader_url`` if set, else ``https://cluster_host:port``

@@ -15,18 +15,24 @@ import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from berth.errors import ConfigError, EngineError, NotFoundError
-from berth.runtime.base import EngineHandle
+from berth.runtime.base import EngineHandle, LaunchSpec, ProgressListener, Runtime, RuntimeName
 from berth.runtime.engines import (
+    DEFAULT_IMAGES,
+    DEFAULT_SHM_SIZE,
     DeploymentRequest,
     EngineBinaries,
+    build_container_spec,
     build_launch_spec,
     find_free_port,
 )
 from berth.runtime.gpu import GpuInfo, GpuInventory
 from berth.runtime.process import ProcessRuntime, follow_log, read_log_tail
+
+if TYPE_CHECKING:
+    from berth.runtime.docker import DockerRuntime
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +76,15 @@ DEFAULT_HEALTH_PATH = "/health"
 PROBE_TIMEOUT_S = 5.0
 
 
+@dataclass(frozen=True)
+class RuntimeStatus:
+    """Whether a runtime can start engines on this host, and a line saying why (not)."""
+
+    name: str
+    available: bool
+    detail: str
+
+
 @dataclass
 class _Managed:
     handle: EngineHandle
@@ -81,7 +96,9 @@ class AgentCore:
     """Starts, watches and stops the engines of one host.
 
     ``logs_dir`` receives one ``engine-<deployment id>.log`` per engine.  A request whose
-    ``port`` is 0 gets a free port on this host.
+    ``port`` is 0 gets a free port on this host.  Engines run as processes (``runtime``) or,
+    when ``docker`` is given, also as containers; ``docker_shm_size`` sizes their
+    ``/dev/shm``.
     """
 
     def __init__(
@@ -92,44 +109,77 @@ class AgentCore:
         *,
         logs_dir: Path,
         journal_path: Path | None = None,
+        docker: DockerRuntime | None = None,
+        docker_shm_size: str = DEFAULT_SHM_SIZE,
     ) -> None:
         self._journal_path = journal_path
         self._runtime = runtime
+        self._docker = docker
+        self._docker_shm_size = docker_shm_size
         self._binaries = binaries
         self._gpu_inventory = gpu_inventory
         self._logs_dir = logs_dir
         self._engines: dict[str, _Managed] = {}
+
+    def _runtime_for(self, name: RuntimeName) -> Runtime:
+        if name == "docker":
+            if self._docker is None:
+                raise EngineError("the docker runtime is not set up on this node")
+            return self._docker
+        return self._runtime
+
+    async def runtime_status(self) -> list[RuntimeStatus]:
+        """Each runtime and whether it can start engines here (the docker one asks Docker)."""
+        found = [
+            f"llama-server {'found' if self._binaries.llama_server else 'not found'}",
+            f"vllm {'found' if self._binaries.vllm else 'not found'}",
+        ]
+        statuses = [RuntimeStatus("process", True, "; ".join(found))]
+        if self._docker is None:
+            statuses.append(RuntimeStatus("docker", False, "not set up on this node"))
+        else:
+            status = await self._docker.status()
+            statuses.append(RuntimeStatus("docker", status.available, status.detail))
+        return statuses
 
     async def start(
         self,
         request: DeploymentRequest,
         health_timeout_s: float,
         on_spawned: SpawnListener | None = None,
+        on_progress: ProgressListener | None = None,
     ) -> EngineHandle:
         """Start the engine and wait until it answers health.
 
-        ``on_spawned(pid, port)`` is awaited as soon as the process exists, before it is
-        healthy, so the leader can record it (and stop it after a crash mid-load).
-        Raises ``EngineError`` (with the engine's log tail) when it fails to start or to
-        become healthy within ``health_timeout_s`` seconds; the engine is stopped then.
-        A cancelled start stops the engine too.
+        ``on_spawned(pid, port)`` is awaited as soon as the process (or container) exists,
+        before it is healthy, so the leader can record it (and stop it after a crash
+        mid-load); ``on_progress(line)`` gets progress while the engine is prepared (an image
+        pull).  Raises ``EngineError`` (with the engine's log tail) when it fails to start or
+        to become healthy within ``health_timeout_s`` seconds (an image pull does not count
+        against it); the engine is stopped then.  A cancelled start stops the engine too.
         """
         if request.deployment_id in self._engines:
             raise EngineError(
                 f"deployment {request.deployment_id} already runs on this node",
                 deployment_id=request.deployment_id,
             )
-        port = request.port or find_free_port()
         log_path = self.log_path(request.deployment_id)
-        request = replace(request, port=port, log_path=log_path)
-        spec = build_launch_spec(request, self._binaries)
-        handle = await self._runtime.start(spec)
+        runtime = self._runtime_for(request.runtime)
+        spec: LaunchSpec
+        if request.runtime == "docker":
+            request = replace(request, log_path=log_path)
+            image = request.image or DEFAULT_IMAGES[request.engine]
+            spec = build_container_spec(request, image, shm_size=self._docker_shm_size)
+        else:
+            request = replace(request, port=request.port or find_free_port(), log_path=log_path)
+            spec = build_launch_spec(request, self._binaries)
+        handle = await runtime.start(spec, on_progress)
         self._engines[request.deployment_id] = _Managed(handle, log_path, spec.health_path)
         self._save_journal()
         try:
             if on_spawned is not None:
                 await on_spawned(handle.pid, handle.port)
-            await self._runtime.wait_healthy(handle, spec, health_timeout_s)
+            await runtime.wait_healthy(handle, spec, health_timeout_s)
         except BaseException:
             # Failed or cancelled: never leave a half-started engine behind.
             await asyncio.shield(self._discard(request.deployment_id, grace_s=5.0))
@@ -147,9 +197,17 @@ class AgentCore:
         """Stop every engine at once (in parallel), e.g. when the daemon shuts down."""
         await asyncio.gather(*(self._discard(d, grace_s) for d in list(self._engines)))
 
-    async def reattach(self, deployment_id: str, pid: int, port: int) -> EngineHandle | None:
-        """Take back an engine that outlived its leader; ``None`` when it is gone."""
-        handle = self._runtime.attach(deployment_id, pid, port)
+    async def reattach(
+        self, deployment_id: str, pid: int, port: int, runtime: RuntimeName = "process"
+    ) -> EngineHandle | None:
+        """Take back an engine that outlived its leader; ``None`` when it is gone.
+
+        A process is recognised by ``pid`` and ``port``; a container by its labels.
+        """
+        managed = self._engines.get(deployment_id)
+        if managed is not None:  # already taken back by restore()
+            return managed.handle
+        handle = await self._attach(deployment_id, pid, port, runtime)
         if handle is None:
             return None
         log_path = self.log_path(deployment_id)
@@ -157,26 +215,48 @@ class AgentCore:
         self._save_journal()
         return handle
 
-    async def restore(self) -> list[str]:
-        """Take back the engines listed in the journal (an agent restarted while they ran).
+    async def _attach(
+        self, deployment_id: str, pid: int, port: int, runtime: RuntimeName
+    ) -> EngineHandle | None:
+        if runtime == "docker":
+            if self._docker is None:
+                return None
+            return await self._docker.attach(deployment_id, self.log_path(deployment_id))
+        return self._runtime.attach(deployment_id, pid, port)
 
-        Returns the deployment ids re-attached; engines that are gone are dropped from the
-        journal. Raises :class:`ConfigError` naming the journal when it is malformed.
+    async def restore(self) -> list[str]:
+        """Take back the engines of a previous run of this host's agent or leader.
+
+        Engines listed in the journal are re-attached (processes by pid, containers by
+        label); then every running container labelled as this home's and node's is taken
+        too, journal or not, so the leader can reconcile it (and stop it when no deployment
+        owns it).  Returns the deployment ids taken back; engines that are gone are dropped
+        from the journal.  Raises :class:`ConfigError` naming the journal when it is
+        malformed; an unreachable Docker engine is logged, not raised.
         """
+        saved: dict[str, tuple[int, int, str, RuntimeName]] = {}
         path = self._journal_path
-        if path is None or not path.exists():
-            return []
-        try:
-            entries = json.loads(path.read_text())
-            saved = {
-                str(d): (int(e["pid"]), int(e["port"]), str(e["health_path"]))
-                for d, e in entries.items()
-            }
-        except (ValueError, TypeError, KeyError, AttributeError) as exc:
-            raise ConfigError(f"malformed engine journal: {exc}", path=path) from None
+        if path is not None and path.exists():
+            try:
+                entries = json.loads(path.read_text())
+                for d, e in entries.items():
+                    runtime: RuntimeName = "docker" if e.get("runtime") == "docker" else "process"
+                    saved[str(d)] = (int(e["pid"]), int(e["port"]), str(e["health_path"]), runtime)
+            except (ValueError, TypeError, KeyError, AttributeError) as exc:
+                raise ConfigError(f"malformed engine journal: {exc}", path=path) from None
+        if self._docker is not None:
+            try:
+                for deployment_id in await self._docker.owned():
+                    saved.setdefault(deployment_id, (0, 0, DEFAULT_HEALTH_PATH, "docker"))
+            except EngineError as exc:
+                log.warning("cannot look for containers left running: %s", exc)
         restored = []
-        for deployment_id, (pid, port, health_path) in saved.items():
-            handle = self._runtime.attach(deployment_id, pid, port)
+        for deployment_id, (pid, port, health_path, runtime) in saved.items():
+            try:
+                handle = await self._attach(deployment_id, pid, port, runtime)
+            except EngineError as exc:
+                log.warning("cannot take back engine %s: %s", deployment_id, exc)
+                continue
             if handle is not None:
                 log_path = self.log_path(deployment_id)
                 self._engines[deployment_id] = _Managed(handle, log_path, health_path)
@@ -189,7 +269,12 @@ class AgentCore:
         if path is None:
             return
         entries = {
-            d: {"pid": m.handle.pid, "port": m.handle.port, "health_path": m.health_path}
+            d: {
+                "pid": m.handle.pid,
+                "port": m.handle.port,
+                "health_path": m.health_path,
+                "runtime": m.handle.runtime,
+            }
             for d, m in self._engines.items()
         }
         temporary = path.with_suffix(".tmp")
@@ -205,21 +290,28 @@ class AgentCore:
 
     def is_alive(self, deployment_id: str) -> bool:
         managed = self._engines.get(deployment_id)
-        return managed is not None and self._runtime.is_alive(managed.handle)
+        if managed is None:
+            return False
+        return self._runtime_for(managed.handle.runtime).is_alive(managed.handle)
 
     async def probe(self, deployment_id: str) -> ProbeResult:
-        """Whether the engine runs and answers its health path within ``PROBE_TIMEOUT_S``."""
+        """Whether the engine runs and answers its health path within ``PROBE_TIMEOUT_S``.
+
+        Raises ``EngineError`` when its runtime cannot tell (Docker unreachable).
+        """
         managed = self._engines.get(deployment_id)
-        if managed is None or not self._runtime.is_alive(managed.handle):
+        if managed is None:
             return "gone"
-        healthy = await self._runtime.check_health(
-            managed.handle, managed.health_path, PROBE_TIMEOUT_S
-        )
+        runtime = self._runtime_for(managed.handle.runtime)
+        if not await runtime.poll(managed.handle):
+            return "gone"
+        healthy = await runtime.check_health(managed.handle, managed.health_path, PROBE_TIMEOUT_S)
         return "healthy" if healthy else "unhealthy"
 
     def engines(self) -> list[EngineReport]:
+        """Every engine this core manages, with its liveness as last seen."""
         return [
-            EngineReport(d, m.handle.pid, m.handle.port, self._runtime.is_alive(m.handle))
+            EngineReport(d, m.handle.pid, m.handle.port, self.is_alive(d))
             for d, m in self._engines.items()
         ]
 
@@ -252,4 +344,4 @@ class AgentCore:
         managed = self._engines.pop(deployment_id, None)
         if managed is not None:
             self._save_journal()
-            await self._runtime.stop(managed.handle, grace_s)
+            await self._runtime_for(managed.handle.runtime).stop(managed.handle, grace_s)

@@ -232,6 +232,7 @@ class AgentDialer:
     async def _handshake(
         self, ws: aiohttp.ClientWebSocketResponse, session: LinkSession
     ) -> Welcome | None:
+        await self._service.check_runtimes()
         session.send_hello(self._service.hello())
         for message in session.data_to_send():
             await ws.send_bytes(message)

@@ -32,6 +32,7 @@ from berth.cluster.protocol.errors import CloseCode
 from berth.config import Settings
 from berth.errors import ConflictError
 from berth.paths import BerthHome
+from berth.runtime.docker import DockerRuntime, resolve_docker_host
 from berth.runtime.engines import EngineBinaries
 from berth.runtime.gpu import NvmlInventory
 from berth.runtime.process import ProcessRuntime, pid_running
@@ -120,6 +121,12 @@ async def run_agent(home: BerthHome, *, verbose: bool, console: Console) -> int:
         NvmlInventory(),
         logs_dir=home.logs_dir,
         journal_path=home.agent_engines_file,
+        docker=DockerRuntime(
+            host=resolve_docker_host(settings.docker_host),
+            home=home.root,
+            node_id=identity.node_id,
+        ),
+        docker_shm_size=settings.docker_shm_size,
     )
     status = AgentStatus(
         identity.leader_url, identity.node_id, identity.label, path=home.agent_status_file

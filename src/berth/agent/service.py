@@ -18,7 +18,7 @@ from pathlib import Path
 import msgspec
 
 from berth import __version__
-from berth.agent.core import AgentCore
+from berth.agent.core import AgentCore, RuntimeStatus
 from berth.cluster.connection import LinkConnection
 from berth.cluster.inventory import gpu_states
 from berth.cluster.protocol.errors import ProtocolError
@@ -36,8 +36,10 @@ from berth.cluster.protocol.frames import (
 )
 from berth.cluster.protocol.ops import (
     OP_CAPABILITIES,
+    RUNTIME_CAPABILITIES,
     STREAM_CAPABILITIES,
     EnginesResult,
+    PreparingEvent,
     ProbeArgs,
     ProbeResult,
     PullArgs,
@@ -89,6 +91,7 @@ class AgentService:
         self._pool = UpstreamPool(read_timeout_s=read_timeout_s)
         self.meter = meter if meter is not None else RequestMeter()
         self._on_activity = on_activity or (lambda _line: None)
+        self._runtimes: list[RuntimeStatus] = [RuntimeStatus("process", True, "")]
 
     async def close(self) -> None:
         await self._pool.close()
@@ -110,6 +113,15 @@ class AgentService:
             for e in self._core.engines()
         ]
 
+    async def check_runtimes(self) -> list[RuntimeStatus]:
+        """Ask which runtimes work now (Docker may have started or stopped since the last
+        connection); :meth:`hello` advertises those."""
+        self._runtimes = await self._core.runtime_status()
+        for runtime in self._runtimes:
+            if not runtime.available:
+                log.info("runtime %s unavailable: %s", runtime.name, runtime.detail)
+        return self._runtimes
+
     def hello(self) -> Hello:
         return Hello(
             protocol_min=PROTOCOL_MIN,
@@ -118,6 +130,7 @@ class AgentService:
             capabilities=[
                 *(c for op, c in OP_CAPABILITIES.items() if op != "pull" or self._models_dir),
                 *STREAM_CAPABILITIES,
+                *(RUNTIME_CAPABILITIES[r.name] for r in self._runtimes if r.available),
             ],
             inventory=self.inventory(),
             engines=self.engine_states(),
@@ -163,8 +176,12 @@ class AgentService:
                     request.id, "spawned", encode_payload(SpawnedEvent(pid=pid, port=port))
                 )
 
+            def preparing(line: str) -> None:
+                self._on_activity(f"{args.deployment_id}: {line}")
+                conn.progress(request.id, "preparing", encode_payload(PreparingEvent(message=line)))
+
             handle = await self._core.start(
-                _deployment_request(args), args.health_timeout_s, spawned
+                _deployment_request(args), args.health_timeout_s, spawned, preparing
             )
             self._on_activity(f"{args.deployment_id} ready on port {handle.port}")
             return encode_payload(StartResult(pid=handle.pid, port=handle.port))
@@ -334,4 +351,6 @@ def _deployment_request(args: StartArgs) -> DeploymentRequest:
         ctx=args.ctx,
         extra_args=tuple(args.extra_args),
         served_model_name=args.served_model_name,
+        runtime=args.runtime,
+        image=args.image,
     )

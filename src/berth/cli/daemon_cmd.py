@@ -154,6 +154,10 @@ def _print_banner(info: dict[str, Any], log_file: Path) -> None:
     console.print(f"  {'CA fingerprint':<15} {info['ca_fingerprint']}", soft_wrap=True)
     console.print(f"  {'CA certificate':<15} {info['ca_file']}", soft_wrap=True)
     console.print(f"  {'log':<15} {log_file}", soft_wrap=True)
+    for runtime in info.get("runtimes", []):
+        mark = "[green]available[/]" if runtime["available"] else "[yellow]unavailable[/]"
+        label = f"runtime {runtime['name']}"
+        console.print(f"  {label:<15} {mark}: {runtime['detail']}", soft_wrap=True)
     if info.get("public_cert_from_ca"):
         console.print(
             f"[yellow]note:[/] the public listener's certificate is issued by the berth CA "

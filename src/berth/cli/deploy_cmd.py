@@ -40,7 +40,14 @@ def run(
         None, "--served-name", help="Model name clients use (default: the model's name)."
     ),
     node: str = typer.Option("local", "--node", help="Node to run on."),
-    runtime: str | None = typer.Option(None, "--runtime", help="Engine runtime: process."),
+    runtime: str | None = typer.Option(
+        None,
+        "--runtime",
+        help="process or docker (default: the default_runtime setting, process unless set).",
+    ),
+    image: str | None = typer.Option(
+        None, "--image", help="Container image (docker runtime; default: the engine's setting)."
+    ),
     detach: bool = typer.Option(False, "--detach", "-d", help="Return without waiting."),
     timeout: float = typer.Option(
         900.0, min=1.0, help="Seconds to wait for the engine to be ready."
@@ -56,6 +63,7 @@ def run(
         "extra_args": list(extra),
         "served_model_name": served_name,
         "runtime": runtime,
+        "image": image,
     }
     with context(ctx).client() as client:
         record = client.post("/admin/deployments", json=body)
@@ -76,7 +84,8 @@ def run(
                         )
                     time.sleep(0.5)
                     record = client.get(f"/admin/deployments/{record['id']}")
-                    spinner.update(f"{record['id']} {record['state']} ({model} on {engine})")
+                    doing = f": {record['progress']}" if record.get("progress") else ""
+                    spinner.update(f"{record['id']} {record['state']} ({model} on {engine}{doing})")
         except KeyboardInterrupt:
             err_console.print(f"stopped waiting for {record['id']}; {still_starting}")
             raise
@@ -84,9 +93,12 @@ def run(
         raise EngineError(
             f"{record['id']} {record['state']}: {record.get('failure_reason') or 'no reason'}"
         )
+    where = f"node {record['node_id']}, port {record['port']}"
+    if record.get("image"):
+        where += f", image {record['image']}"
     console.print(
         f"[green]{record['id']} ready[/]: model [bold]{record['served_model_name']}[/] "
-        f"on {record['engine']} (node {record['node_id']}, port {record['port']})"
+        f"on {record['engine']} ({where})"
     )
 
 
@@ -101,19 +113,22 @@ def short_reason(reason: str | None, width: int = 100) -> str:
 
 
 def print_deployments(records: list[dict[str, Any]], *, title: str | None = None) -> None:
-    """The deployments table, then one line per failure reason (too long for a table cell)."""
+    """The deployments table, then one line per failure reason or progress (too long for a
+    table cell)."""
     console.print(deployments_table(records, title=title))
     for r in records:
         if r.get("failure_reason"):
             line = f"{r['id']} {r['state']}: {short_reason(r['failure_reason'], width=200)}"
             console.print(line, markup=False, soft_wrap=True)
+        elif r.get("progress"):
+            console.print(f"{r['id']} {r['state']}: {r['progress']}", markup=False, soft_wrap=True)
 
 
 def deployments_table(records: list[dict[str, Any]], *, title: str | None = None) -> Table:
     table = Table(title=title, title_justify="left")
     table.add_column("ID", no_wrap=True)
     table.add_column("MODEL", no_wrap=True)
-    for column in ("ENGINE", "NODE", "STATE", "PORT", "PID", "AGE"):
+    for column in ("ENGINE", "RUNTIME", "NODE", "STATE", "PORT", "PID", "AGE"):
         table.add_column(column)
     now = datetime.now(UTC)
     colours = {"ready": "green", "failed": "red", "loading": "yellow", "pending": "yellow"}
@@ -130,6 +145,7 @@ def deployments_table(records: list[dict[str, Any]], *, title: str | None = None
             r["id"],
             r["served_model_name"],
             r["engine"],
+            r.get("runtime") or "process",
             r.get("node_label") or r["node_id"],
             f"[{colour}]{state}[/]",
             str(r["port"] or "-"),

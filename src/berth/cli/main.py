@@ -14,6 +14,7 @@ from berth.cli import (
     daemon_cmd,
     demo,
     deploy_cmd,
+    doctor_cmd,
     keys_cmd,
     models_cmd,
     nodes_cmd,
@@ -66,6 +67,7 @@ app.command("stop")(deploy_cmd.stop)
 app.command("logs")(deploy_cmd.logs)
 app.command("demo")(demo.demo)
 app.command("routing")(routing_cmd.routing)
+app.command("doctor")(doctor_cmd.doctor)
 
 
 def main() -> None:

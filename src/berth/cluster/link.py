@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from berth.agent.core import AgentCore, EngineReport, ProbeResult, SpawnListener
+from berth.runtime.base import ProgressListener, RuntimeName
 from berth.runtime.engines import DeploymentRequest
 from berth.runtime.gpu import GpuInfo
 
@@ -54,10 +55,12 @@ class AgentLink(Protocol):
         request: DeploymentRequest,
         health_timeout_s: float,
         on_spawned: SpawnListener | None = None,
+        on_progress: ProgressListener | None = None,
     ) -> EngineEndpoint:
         """Start an engine and return once it answers health, or raise ``EngineError``.
 
-        ``on_spawned(pid, port)`` is awaited once the engine process exists.
+        ``on_spawned(pid, port)`` is awaited once the engine process exists;
+        ``on_progress(line)`` hears what is being prepared before (an image pull).
         """
         ...
 
@@ -65,7 +68,9 @@ class AgentLink(Protocol):
         """Stop a deployment's engine (SIGTERM, then SIGKILL after ``grace_s`` seconds)."""
         ...
 
-    async def reattach(self, deployment_id: str, pid: int, port: int) -> EngineEndpoint | None:
+    async def reattach(
+        self, deployment_id: str, pid: int, port: int, runtime: RuntimeName = "process"
+    ) -> EngineEndpoint | None:
         """Take an engine that survived a leader restart back under management.
 
         Returns ``None`` when no such engine runs any more.
@@ -101,15 +106,18 @@ class InProcessLink:
         request: DeploymentRequest,
         health_timeout_s: float,
         on_spawned: SpawnListener | None = None,
+        on_progress: ProgressListener | None = None,
     ) -> EngineEndpoint:
-        handle = await self._core.start(request, health_timeout_s, on_spawned)
+        handle = await self._core.start(request, health_timeout_s, on_spawned, on_progress)
         return EngineEndpoint(request.deployment_id, handle.base_url, handle.pid, handle.port)
 
     async def stop_deployment(self, deployment_id: str, grace_s: float) -> None:
         await self._core.stop(deployment_id, grace_s)
 
-    async def reattach(self, deployment_id: str, pid: int, port: int) -> EngineEndpoint | None:
-        handle = await self._core.reattach(deployment_id, pid, port)
+    async def reattach(
+        self, deployment_id: str, pid: int, port: int, runtime: RuntimeName = "process"
+    ) -> EngineEndpoint | None:
+        handle = await self._core.reattach(deployment_id, pid, port, runtime)
         if handle is None:
             return None
         return EngineEndpoint(deployment_id, handle.base_url, handle.pid, handle.port)

@@ -22,8 +22,10 @@ from berth.cluster.protocol.errors import LinkError
 from berth.cluster.protocol.frames import Heartbeat, Inventory, Progress, StreamOpen
 from berth.cluster.protocol.ops import (
     OP_CAPABILITIES,
+    RUNTIME_CAPABILITIES,
     EnginesResult,
     NoArgs,
+    PreparingEvent,
     ProbeArgs,
     PullArgs,
     PullResult,
@@ -46,6 +48,7 @@ from berth.daemon.upstream_errors import (
 )
 from berth.daemon.upstream_response import read_body
 from berth.errors import EngineError, NotFoundError
+from berth.runtime.base import ProgressListener, RuntimeName
 from berth.runtime.engines import DeploymentRequest
 
 #: Seconds a quick control request (stop excepted) may take before the link counts as stuck.
@@ -99,7 +102,16 @@ class RemoteLink:
         request: DeploymentRequest,
         health_timeout_s: float,
         on_spawned: SpawnListener | None = None,
+        on_progress: ProgressListener | None = None,
     ) -> EngineEndpoint:
+        timeout_s = health_timeout_s + CONTROL_TIMEOUT_S
+        if request.runtime != "process":
+            if RUNTIME_CAPABILITIES[request.runtime] not in self.capabilities:
+                raise EngineError(
+                    f"node {self.node_id} offers no {request.runtime} runtime (its agent found "
+                    f"none when it connected; `berth doctor` on that host says why)"
+                )
+            timeout_s += PULL_TIMEOUT_S  # the agent may pull the image first
         args = StartArgs(
             deployment_id=request.deployment_id,
             model_name=request.model_name,
@@ -110,6 +122,8 @@ class RemoteLink:
             extra_args=list(request.extra_args),
             served_model_name=request.served_model_name,
             health_timeout_s=health_timeout_s,
+            runtime=request.runtime,
+            image=request.image,
         )
 
         spawned = False
@@ -120,8 +134,10 @@ class RemoteLink:
                 spawned = True  # once: a repeating agent must not cost a write per frame
                 event = decode_payload(frame.data, SpawnedEvent, "spawned event")
                 await on_spawned(event.pid, event.port)
+            elif frame.event == "preparing" and on_progress is not None:
+                on_progress(decode_payload(frame.data, PreparingEvent, "preparing event").message)
 
-        raw = await self._call("start", args, health_timeout_s + CONTROL_TIMEOUT_S, progress)
+        raw = await self._call("start", args, timeout_s, progress)
         result = decode_payload(raw, StartResult, "start result")
         return EngineEndpoint(
             request.deployment_id,
@@ -134,7 +150,9 @@ class RemoteLink:
         args = StopArgs(deployment_id=deployment_id, grace_s=grace_s)
         await self._call("stop", args, grace_s + CONTROL_TIMEOUT_S, engine_of=deployment_id)
 
-    async def reattach(self, deployment_id: str, pid: int, port: int) -> EngineEndpoint | None:
+    async def reattach(
+        self, deployment_id: str, pid: int, port: int, runtime: RuntimeName = "process"
+    ) -> EngineEndpoint | None:
         """A remote engine is never re-attached by pid: the agent reports its engines in
         Hello and the leader reconciles (``LifecycleManager.node_connected``)."""
         for engine in await self.engines():

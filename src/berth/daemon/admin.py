@@ -26,7 +26,7 @@ from berth.cluster.link import LOCAL_NODE_ID
 from berth.daemon.admin_metrics import build_metrics_router
 from berth.daemon.admin_nodes import build_node_router
 from berth.daemon.admin_routing import build_routing_router
-from berth.daemon.lifecycle import DeployOptions
+from berth.daemon.lifecycle import DeployOptions, LifecycleManager
 from berth.daemon.openai_errors import error_body, error_from_exception
 from berth.daemon.services import LeaderServices
 from berth.daemon.states import TERMINAL_STATES
@@ -65,6 +65,7 @@ class DeploymentIn(BaseModel):
     ctx: int | None = Field(default=None, gt=0)
     extra_args: list[str] = Field(default_factory=list)
     served_model_name: str | None = None
+    image: str | None = Field(default=None, max_length=512)
 
 
 class KeyIn(BaseModel):
@@ -78,8 +79,13 @@ def model_json(record: ModelRecord) -> dict[str, Any]:
     return data
 
 
-def deployment_json(record: DeploymentRecord) -> dict[str, Any]:
+def deployment_json(
+    record: DeploymentRecord, lifecycle: LifecycleManager | None = None
+) -> dict[str, Any]:
+    """A deployment for the admin API; ``progress`` says what a loading one is busy with
+    (an image pull), ``None`` otherwise."""
     data = asdict(record)
+    data["progress"] = lifecycle.progress(record.id) if lifecycle is not None else None
     data["state"] = str(record.state)
     data["gpus"] = list(record.gpus)
     data["extra_args"] = list(record.extra_args)
@@ -205,6 +211,7 @@ def build_admin_app(services: LeaderServices) -> FastAPI:
             # No --public-cert: clients must trust the berth CA (ca_file) to reach /v1.
             "public_cert_from_ca": services.settings.public_cert is None,
             "ready": services.ready,
+            "runtimes": [asdict(runtime) for runtime in services.runtimes],
         }
 
     @app.get("/admin/config")
@@ -274,7 +281,7 @@ def build_admin_app(services: LeaderServices) -> FastAPI:
         nodes = {n.id: n for n in await asyncio.to_thread(store.list_nodes, True)}
         listed = []
         for record in records:
-            data = deployment_json(record)
+            data = deployment_json(record, lifecycle)
             node = nodes.get(record.node_id)
             data["node_label"] = node.label if node is not None else record.node_id
             data["node_connected"] = record.node_id == LOCAL_NODE_ID or services.hub.is_connected(
@@ -295,17 +302,19 @@ def build_admin_app(services: LeaderServices) -> FastAPI:
                 ctx=body.ctx,
                 extra_args=tuple(body.extra_args),
                 served_model_name=body.served_model_name,
+                image=body.image,
             )
         )
-        return deployment_json(record)
+        return deployment_json(record, lifecycle)
 
     @app.get("/admin/deployments/{deployment_id}")
     async def get_deployment(deployment_id: str) -> dict[str, Any]:
-        return deployment_json(await asyncio.to_thread(store.get_deployment, deployment_id))
+        record = await asyncio.to_thread(store.get_deployment, deployment_id)
+        return deployment_json(record, lifecycle)
 
     @app.post("/admin/deployments/{deployment_id}/stop")
     async def stop_deployment(deployment_id: str) -> dict[str, Any]:
-        return deployment_json(await lifecycle.stop(deployment_id))
+        return deployment_json(await lifecycle.stop(deployment_id), lifecycle)
 
     @app.get("/admin/deployments/{deployment_id}/logs")
     async def deployment_logs(

@@ -11,10 +11,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from berth.agent.core import EngineReport
 from berth.cluster.link import LOCAL_NODE_ID, AgentLink, EngineEndpoint
 from berth.cluster.protocol.frames import EngineState
 from berth.cluster.remote_link import RemoteLink, tunnel_url
@@ -28,7 +29,13 @@ from berth.errors import (
     InvalidTransitionError,
     NotFoundError,
 )
-from berth.runtime.engines import DeploymentRequest, parse_engine_name
+from berth.runtime.engines import (
+    DEFAULT_IMAGES,
+    DeploymentRequest,
+    EngineName,
+    parse_engine_name,
+    parse_runtime_name,
+)
 from berth.store import UNCHANGED, DeploymentRecord, Store, Unchanged
 
 log = logging.getLogger(__name__)
@@ -42,6 +49,8 @@ WATCH_INTERVAL_S = 5.0
 UNHEALTHY_PROBES_TO_FAIL = 3
 
 StateListener = Callable[[DeploymentRecord], None]
+#: An engine as an agent reports it (in Hello) or the local core lists it.
+Engine = EngineState | EngineReport
 
 
 @dataclass(frozen=True)
@@ -56,13 +65,16 @@ class DeployOptions:
     ctx: int | None = None
     extra_args: tuple[str, ...] = ()
     served_model_name: str | None = None
+    #: the container image (docker runtime only); ``None``: the engine's image setting
+    image: str | None = None
 
 
 class LifecycleManager:
     """Owns every deployment's state and the table the router reads.
 
     ``links`` maps node id to the ``AgentLink`` that reaches it.  ``on_state`` is called with
-    the new record after every state change (metrics use it).
+    the new record after every state change (metrics use it).  ``images`` is the container
+    image per engine for the docker runtime (the ``*_image`` settings).
     """
 
     def __init__(
@@ -74,8 +86,12 @@ class LifecycleManager:
         stop_grace_s: float,
         on_state: StateListener | None = None,
         watch_interval_s: float = WATCH_INTERVAL_S,
+        images: Mapping[EngineName, str] = DEFAULT_IMAGES,
     ) -> None:
         self._store = store
+        self._images = dict(images)
+        #: what a loading deployment is busy with (an image pull), by deployment id
+        self._progress: dict[str, str] = {}
         self._links = links
         self._health_timeout_s = health_timeout_s
         self._stop_grace_s = stop_grace_s
@@ -111,6 +127,11 @@ class LifecycleManager:
         if model in self._known_models:
             raise NoReadyDeploymentError(model, retry_after_s=LOADING_RETRY_AFTER_S)
         raise NotFoundError("model", model)
+
+    def progress(self, deployment_id: str) -> str | None:
+        """What a loading deployment is busy with, e.g. ``pulling vllm/vllm-openai:latest:
+        1.2 GB of 8.3 GB, 3/12 layers done``; ``None`` when nothing is reported."""
+        return self._progress.get(deployment_id)
 
     def models(self) -> list[str]:
         """Public model names with at least one ready deployment."""
@@ -155,14 +176,17 @@ class LifecycleManager:
             if record.node_id != LOCAL_NODE_ID:
                 continue  # reconciled when its agent says Hello (node_connected)
             link = self._links.get(record.node_id)
+            runtime = parse_runtime_name(record.runtime)
             endpoint: EngineEndpoint | None = None
-            if link is not None and record.pid is not None and record.port is not None:
-                endpoint = await link.reattach(record.id, record.pid, record.port)
+            if link is not None and (runtime == "docker" or record.pid is not None):
+                endpoint = await link.reattach(record.id, record.pid or 0, record.port or 0,
+                                               runtime)  # fmt: skip
             if endpoint is None:
+                what = "container" if runtime == "docker" else "engine"
                 await self._transition(
                     record.id,
                     DeploymentState.FAILED,
-                    failure_reason="engine was gone when the daemon restarted",
+                    failure_reason=f"{what} was gone when the daemon restarted",
                 )
             elif record.state is DeploymentState.READY:
                 log.info("re-attached deployment %s (pid %d)", record.id, endpoint.pid)
@@ -175,6 +199,24 @@ class LifecycleManager:
                 except EngineError as exc:
                     reason = f"{reason}; stopping its engine failed: {exc}"
                 await self._transition(record.id, DeploymentState.FAILED, failure_reason=reason)
+        local = self._links.get(LOCAL_NODE_ID)
+        if local is not None:
+            owned = {r.id for r in active if r.node_id == LOCAL_NODE_ID}
+            await self._stop_orphans(LOCAL_NODE_ID, local, await local.engines(), owned)
+
+    async def _stop_orphans(
+        self, node_id: str, link: AgentLink, engines: Sequence[Engine], owned: set[str]
+    ) -> None:
+        """Stop the engines (processes or containers) of ``node_id`` that no active deployment
+        in ``owned`` accounts for, and say so in the log."""
+        for engine in engines:
+            orphan = engine.deployment_id
+            if orphan in owned or orphan in self._starting or self._links.get(node_id) is not link:
+                continue
+            log.warning("node %s runs engine %s (pid %d, port %d) that no active deployment "
+                        "owns: stopping it", node_id, orphan, engine.pid, engine.port)  # fmt: skip
+            with contextlib.suppress(NotFoundError, EngineError):
+                await link.stop_deployment(orphan, self._stop_grace_s)
 
     async def node_connected(self, node_id: str, engines: Sequence[EngineState]) -> None:
         """An agent said Hello: reconcile its deployments with the engines it reports.
@@ -188,6 +230,7 @@ class LifecycleManager:
             return
         reported = {e.deployment_id: e for e in engines}
         active = await asyncio.to_thread(self._store.list_deployments, active_only=True)
+        owned = {record.id for record in active if record.node_id == node_id}
         for record in active:
             if self._links.get(node_id) is not link:
                 return  # that session ended (or was superseded) meanwhile
@@ -198,12 +241,7 @@ class LifecycleManager:
             except (InvalidTransitionError, NotFoundError) as exc:
                 log.info("deployment %s changed while node %s reconnected: %s", record.id,
                          node_id, exc)  # fmt: skip
-        for orphan in reported:
-            if orphan in self._starting or self._links.get(node_id) is not link:
-                continue
-            log.warning("node %s runs engine %s that no deployment owns: stopping", node_id, orphan)
-            with contextlib.suppress(NotFoundError, EngineError):
-                await link.stop_deployment(orphan, self._stop_grace_s)
+        await self._stop_orphans(node_id, link, list(reported.values()), owned)
 
     async def _reconcile_one(
         self, node_id: str, link: AgentLink, record: DeploymentRecord, engine: EngineState | None
@@ -258,8 +296,14 @@ class LifecycleManager:
         engine or runtime.
         """
         engine = parse_engine_name(options.engine)
-        if options.runtime != "process":
-            raise ConfigError(f"unknown runtime {options.runtime!r}; valid runtimes: process")
+        runtime = parse_runtime_name(options.runtime)
+        image: str | None = None
+        if runtime == "docker":
+            image = (options.image or self._images[engine]).strip()
+            if not image:
+                raise ConfigError("the docker image name is empty")
+        elif options.image:
+            raise ConfigError("an image applies to the docker runtime only (--runtime docker)")
         node_id = label = LOCAL_NODE_ID
         if options.node_id != LOCAL_NODE_ID:
             node = await asyncio.to_thread(self._store.lookup_node, options.node_id)
@@ -303,12 +347,13 @@ class LifecycleManager:
             self._store.create_deployment,
             model.name,
             engine,
-            options.runtime,
+            runtime,
             options.node_id,
             gpus=options.gpus,
             ctx=options.ctx,
             extra_args=options.extra_args,
             served_model_name=served,
+            image=image,
         )
         self._known_models.add(served)
         self._notify(record)
@@ -323,6 +368,8 @@ class LifecycleManager:
             ctx=options.ctx,
             extra_args=options.extra_args,
             served_model_name=served,
+            runtime=runtime,
+            image=image,
         )
         task = asyncio.create_task(self._run_start(record, link, request, pull), name=record.id)
         self._starting[record.id] = task
@@ -379,8 +426,14 @@ class LifecycleManager:
                     self._store.update_deployment_runtime, record.id, port=port, pid=pid
                 )
 
+            def record_progress(line: str) -> None:
+                self._progress[record.id] = line
+
             endpoint = await link.start_deployment(
-                request, self._health_timeout_s, on_spawned=record_spawn
+                request,
+                self._health_timeout_s,
+                on_spawned=record_spawn,
+                on_progress=record_progress,
             )
         except asyncio.CancelledError:
             return  # stop() owns the transition to stopping/stopped
@@ -434,6 +487,8 @@ class LifecycleManager:
             pid=pid,
             failure_reason=failure_reason,
         )
+        if target is not DeploymentState.LOADING:
+            self._progress.pop(record.id, None)
         if target in TERMINAL_STATES:
             self._unmark_ready(record.served_model_name, record.id)
         self._notify(record)

@@ -49,6 +49,7 @@ from berth.observability.window import RequestMeter
 from berth.paths import BerthHome
 from berth.routing.router import Router
 from berth.routing.signals import SignalBoard
+from berth.runtime.docker import DockerRuntime, resolve_docker_host
 from berth.runtime.engines import EngineBinaries
 from berth.runtime.gpu import NvmlInventory
 from berth.runtime.process import ProcessRuntime
@@ -176,6 +177,10 @@ async def serve(home: BerthHome, settings: Settings) -> None:
         ),
         NvmlInventory(),
         logs_dir=home.logs_dir,
+        docker=DockerRuntime(
+            host=resolve_docker_host(settings.docker_host), home=home.root, node_id=LOCAL_NODE_ID
+        ),
+        docker_shm_size=settings.docker_shm_size,
     )
     links: dict[str, AgentLink] = {LOCAL_NODE_ID: InProcessLink(core)}
     audit = AuditLog(home.audit_log)
@@ -195,6 +200,7 @@ async def serve(home: BerthHome, settings: Settings) -> None:
         health_timeout_s=settings.health_timeout_s,
         stop_grace_s=settings.stop_grace_s,
         on_state=on_state,
+        images=settings.docker_images(),
     )
     hub = NodeHub(
         store,
@@ -283,6 +289,11 @@ async def serve(home: BerthHome, settings: Settings) -> None:
             asyncio.create_task(socket_server.serve(sockets=[unix_sock])),
         ]
         await cluster_listener.start()
+        services.runtimes = await core.runtime_status()
+        for runtime in services.runtimes:
+            verdict = "available" if runtime.available else "unavailable"
+            log.info("runtime %s: %s (%s)", runtime.name, verdict, runtime.detail)
+        await core.restore()  # containers left running by the last leader, for reconcile
         await lifecycle.start()
         local_sampler.start()
         services.ready = True

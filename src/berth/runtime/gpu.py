@@ -10,6 +10,7 @@ through ``asyncio.to_thread``.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -125,3 +126,15 @@ def _text(value: object) -> str:
     if isinstance(value, bytes):
         return value.decode(errors="replace")
     return str(value)
+
+
+def nvml_status() -> tuple[list[GpuInfo], str]:
+    """The GPUs NVML sees and a line saying why there are none (``""`` when there are)."""
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError as exc:
+        return [], f"NVML cannot start (no NVIDIA driver?): {exc}"
+    with contextlib.suppress(pynvml.NVMLError):
+        pynvml.nvmlShutdown()
+    gpus = read_gpus()
+    return gpus, "" if gpus else "NVML works but lists no GPU"

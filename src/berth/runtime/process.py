@@ -24,10 +24,9 @@ import time
 from collections.abc import AsyncGenerator
 from pathlib import Path
 
-import httpx
-
 from berth.errors import EngineError
-from berth.runtime.base import EngineHandle, LaunchSpec
+from berth.runtime.base import EngineHandle, LaunchSpec, ProgressListener
+from berth.runtime.health import probe_health, wait_for_health
 
 #: Lines of engine output carried by an :class:`EngineError`.
 DEFAULT_LOG_TAIL_LINES = 40
@@ -64,7 +63,9 @@ class ProcessRuntime:
         self._log_tail_lines = log_tail_lines
         self._children: dict[int, subprocess.Popen[bytes]] = {}
 
-    async def start(self, spec: LaunchSpec) -> EngineHandle:
+    async def start(
+        self, spec: LaunchSpec, on_progress: ProgressListener | None = None
+    ) -> EngineHandle:
         """Start ``spec.argv`` in a new session and return its handle at once.
 
         The environment is berth's own plus ``spec.env``; stdin is ``/dev/null``; stdout and
@@ -72,7 +73,8 @@ class ProcessRuntime:
         naming the deployment and command.
 
         Raises :class:`~berth.errors.EngineError` when the program cannot be executed (not
-        found, not executable) or the log file cannot be opened.
+        found, not executable) or the log file cannot be opened.  ``on_progress`` is not
+        called: there is nothing to prepare.
         """
         return await asyncio.to_thread(self._spawn, spec)
 
@@ -122,45 +124,34 @@ class ProcessRuntime:
         first (the message gives its exit status when it is our child) or when ``timeout_s``
         seconds pass.
         """
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout_s
         url = f"http://{handle.host}:{handle.port}{spec.health_path}"
-        async with httpx.AsyncClient(trust_env=False) as client:
-            while True:
-                if not self.is_alive(handle):
-                    raise EngineError(
-                        f"engine {self._exit_description(handle)} before {url} answered 200",
-                        deployment_id=handle.deployment_id,
-                        log_tail=await self._log_tail(spec.log_path),
-                    )
-                remaining = deadline - loop.time()
-                if remaining <= 0:
-                    raise EngineError(
-                        f"engine did not answer 200 on {url} within {timeout_s:g} s",
-                        deployment_id=handle.deployment_id,
-                        log_tail=await self._log_tail(spec.log_path),
-                    )
-                try:
-                    response = await client.get(
-                        url, timeout=max(0.05, min(self._probe_timeout_s, remaining))
-                    )
-                except httpx.TransportError:
-                    pass
-                else:
-                    if response.status_code == 200:
-                        return
-                remaining = deadline - loop.time()
-                await asyncio.sleep(max(0.0, min(self._poll_interval_s, remaining)))
+
+        async def alive() -> bool:
+            return self.is_alive(handle)
+
+        outcome = await wait_for_health(
+            url,
+            timeout_s,
+            alive=alive,
+            poll_interval_s=self._poll_interval_s,
+            probe_timeout_s=self._probe_timeout_s,
+        )
+        if outcome == "exited":
+            raise EngineError(
+                f"engine {self._exit_description(handle)} before {url} answered 200",
+                deployment_id=handle.deployment_id,
+                log_tail=await self._log_tail(spec.log_path),
+            )
+        if outcome == "timeout":
+            raise EngineError(
+                f"engine did not answer 200 on {url} within {timeout_s:g} s",
+                deployment_id=handle.deployment_id,
+                log_tail=await self._log_tail(spec.log_path),
+            )
 
     async def check_health(self, handle: EngineHandle, health_path: str, timeout_s: float) -> bool:
         """One health probe: whether ``GET health_path`` answers 200 within ``timeout_s``."""
-        url = f"{handle.base_url}{health_path}"
-        async with httpx.AsyncClient(trust_env=False) as client:
-            try:
-                response = await client.get(url, timeout=timeout_s)
-            except httpx.TransportError:
-                return False
-        return response.status_code == 200
+        return await probe_health(f"{handle.base_url}{health_path}", timeout_s)
 
     async def stop(self, handle: EngineHandle, grace_s: float) -> None:
         """Stop the engine's process group: SIGTERM, then SIGKILL after ``grace_s`` seconds.
@@ -202,6 +193,10 @@ class ProcessRuntime:
         if child is not None:
             return child.poll() is None
         return _is_engine_process(handle.pid, handle.port)
+
+    async def poll(self, handle: EngineHandle) -> bool:
+        """Same as :meth:`is_alive` (reading ``/proc`` is cheap)."""
+        return self.is_alive(handle)
 
     def attach(
         self, deployment_id: str, pid: int, port: int, host: str = "127.0.0.1"

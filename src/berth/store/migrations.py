@@ -37,6 +37,7 @@ from sqlalchemy import (
     insert,
     inspect,
     select,
+    text,
 )
 
 from berth.errors import StoreError
@@ -148,10 +149,16 @@ def _v2_nodes(conn: Connection) -> None:
         metadata.tables[name].create(conn)
 
 
+def _v3_deployment_image(conn: Connection) -> None:
+    # ADD COLUMN with a NULL default: the same statement on SQLite and PostgreSQL.
+    conn.execute(text("ALTER TABLE deployments ADD COLUMN image VARCHAR(512)"))
+
+
 #: Every migration, in order; versions are 1, 2, 3, … without gaps.
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(1, "models, deployments and api_keys", _v1_initial),
     Migration(2, "nodes, enrollment_tokens and model_locations", _v2_nodes),
+    Migration(3, "deployments.image (the docker runtime's container image)", _v3_deployment_image),
 )
 
 LATEST_VERSION = MIGRATIONS[-1].version

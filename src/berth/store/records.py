@@ -48,6 +48,7 @@ class DeploymentRecord:
     ``port`` and ``pid`` are the engine's once started (``None`` before).  ``gpus`` are device
     indexes for ``CUDA_VISIBLE_DEVICES``; ``ctx`` is the context length in tokens, ``None``
     for the engine's default.  ``failure_reason`` is kept once the deployment failed.
+    ``image`` is the container image of a ``docker`` deployment (``None`` for ``process``).
     """
 
     id: str
@@ -65,6 +66,7 @@ class DeploymentRecord:
     failure_reason: str | None
     created_at: datetime
     updated_at: datetime
+    image: str | None = None
 
     @property
     def is_active(self) -> bool:

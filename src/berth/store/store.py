@@ -197,6 +197,7 @@ class Store(NodeMethods):
         ctx: int | None = None,
         extra_args: tuple[str, ...] = (),
         served_model_name: str | None = None,
+        image: str | None = None,
     ) -> DeploymentRecord:
         """Record a new deployment in state ``pending`` with a fresh id ``d-`` + 8 hex.
 
@@ -217,6 +218,7 @@ class Store(NodeMethods):
                 model_name=model_name,
                 engine=engine,
                 runtime=runtime,
+                image=image,
                 node_id=node_id,
                 state=DeploymentState.PENDING.value,
                 port=None,
@@ -432,6 +434,7 @@ def _deployment_record(row: DeploymentRow) -> DeploymentRecord:
         failure_reason=row.failure_reason,
         created_at=_aware(row.created_at),
         updated_at=_aware(row.updated_at),
+        image=row.image,
     )
 
 

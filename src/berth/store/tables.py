@@ -95,6 +95,7 @@ class DeploymentRow(Base):
     model_name: Mapped[str] = mapped_column(String(NAME_LENGTH), index=True)
     engine: Mapped[str] = mapped_column(String(32))
     runtime: Mapped[str] = mapped_column(String(32))
+    image: Mapped[str | None] = mapped_column(String(512), nullable=True)
     node_id: Mapped[str] = mapped_column(String(NAME_LENGTH), index=True)
     state: Mapped[str] = mapped_column(String(16), index=True)
     port: Mapped[int | None] = mapped_column(Integer)

@@ -26,6 +26,8 @@ OP_CAPABILITIES: dict[str, str] = {
 }
 #: Capabilities of this code's agents, beyond the ops.
 STREAM_CAPABILITIES = ("stream.http", "stream.logs")
+#: The capability an agent advertises for each runtime it can start engines with now.
+RUNTIME_CAPABILITIES: dict[str, str] = {"process": "runtime.process", "docker": "runtime.docker"}
 
 
 class _Args(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -35,7 +37,9 @@ class _Args(msgspec.Struct, kw_only=True, omit_defaults=True):
 class StartArgs(_Args, kw_only=True):
     """Start an engine for a deployment on the agent's host.
 
-    ``model_path`` is a path on the agent's host (GGUF file or HF-style directory).
+    ``model_path`` is a path on the agent's host (GGUF file or HF-style directory);
+    ``runtime`` is ``process`` or ``docker`` (sent only to agents advertising
+    ``runtime.docker``), ``image`` the container image for ``docker``.
     """
 
     deployment_id: str
@@ -47,6 +51,8 @@ class StartArgs(_Args, kw_only=True):
     extra_args: list[str] = []
     served_model_name: str | None = None
     health_timeout_s: float = 600.0
+    runtime: Literal["process", "docker"] = "process"
+    image: str | None = None
 
 
 class StartResult(_Args, kw_only=True):
@@ -59,6 +65,13 @@ class SpawnedEvent(_Args, kw_only=True):
 
     pid: int
     port: int
+
+
+class PreparingEvent(_Args, kw_only=True):
+    """The ``preparing`` progress event of a start: a line on what is being prepared (an
+    image pull), sent about once a second while it lasts."""
+
+    message: str
 
 
 class StopArgs(_Args, kw_only=True):

