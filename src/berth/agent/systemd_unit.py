@@ -1,0 +1,287 @@
+"""The systemd unit that runs ``berth agent start`` as a service: pure rendering and decisions.
+
+``berth agent install-service`` gathers the inputs (this Python, the home, the service user,
+the search path, the systemd version) into an :class:`AgentUnit`; :func:`render_unit` turns it
+into the unit text.  Nothing here touches the disk, the environment or a subprocess.
+
+Two scopes:
+
+- ``user``: ``~/.config/systemd/user/berth-agent.service``, run by the user's own service
+  manager (``systemctl --user``); it starts at boot only with lingering enabled
+  (``loginctl enable-linger``).
+- ``system``: ``/etc/systemd/system/berth-agent.service`` with ``User=`` set; never root.
+
+What the unit must not break (the agent's contract, see :mod:`berth.agent.runner`):
+
+- engines outlive a restart of the agent, which re-attaches them, so only the agent's own
+  process is signalled on stop (``KillMode=process``);
+- engines need the GPUs (``/dev/nvidia*``), and CUDA may call the setuid
+  ``nvidia-modprobe`` to create ``/dev/nvidia-uvm`` on first use, so nothing that implies
+  ``NoNewPrivileges=yes`` is set: per systemd.exec(5) that excludes ``ProtectKernel*=``,
+  ``ProtectClock=``, ``ProtectHostname=``, ``RestrictRealtime=``, ``LockPersonality=``,
+  ``SystemCallFilter=`` and the like for a unit with ``User=``;
+- engines keep files in ``/tmp`` that must survive an agent restart (no ``PrivateTmp=``),
+  models and caches live under the home directory (no ``ProtectHome=``), and the docker
+  runtime needs Docker's socket (no ``RestrictAddressFamilies=``).
+
+The system unit keeps what is left and costs nothing: ``/usr``, ``/boot`` and ``/etc``
+read-only (``ProtectSystem=full``, with the berth home writable wherever it lives) and the
+cgroup tree read-only (``ProtectControlGroups=yes``).  A user manager cannot set up those
+mount namespaces without ``PrivateUsers=``, which would hide the real root from
+``nvidia-modprobe`` too, so the user unit has none.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from berth import __version__
+from berth.errors import ConfigError
+
+UnitScope = Literal["user", "system"]
+
+#: The unit's file name, in either scope.
+UNIT_NAME = "berth-agent.service"
+#: Where system units written by an administrator live (systemd.unit(5), "Unit File Load Path").
+SYSTEM_UNIT_DIR = Path("/etc/systemd/system")
+#: Seconds systemd waits before restarting a failed agent.
+RESTART_DELAY_S = 5
+#: With systemd 254 or newer, the delay grows over this many restarts up to
+#: :data:`RESTART_MAX_DELAY_S` (``RestartSteps=``, ``RestartMaxDelaySec=``, new in 254).
+RESTART_STEPS = 6
+RESTART_MAX_DELAY_S = 300
+#: The systemd release that added ``RestartSteps=`` and ``RestartMaxDelaySec=``.
+SYSTEMD_RESTART_BACKOFF_VERSION = 254
+#: Seconds systemd waits for the agent to close its link after SIGTERM before SIGKILL.
+STOP_TIMEOUT_S = 30
+#: Open files for the system unit: each tunneled request holds a socket to its engine, and
+#: systemd's default soft limit for services (1024) is low for a busy node.
+SYSTEM_NOFILE_LIMIT = 65536
+
+_VERSION_LINE = re.compile(r"^systemd (\d+)\b")
+
+
+@dataclass(frozen=True)
+class AgentUnit:
+    """What the agent's unit is made from.
+
+    ``python`` is the interpreter berth is installed in and ``home`` the agent's
+    ``$BERTH_HOME``, both absolute; ``user_name`` is the account the system unit runs the agent
+    as (``None`` for a user unit); ``search_path`` becomes the service's ``PATH`` (engines such
+    as ``llama-server`` and ``vllm`` are found on it); ``label`` and ``leader_url`` only
+    describe the unit; ``systemd_version`` (``None`` when unknown) turns on the restart
+    backoff where systemd supports it.
+    """
+
+    scope: UnitScope
+    python: Path
+    home: Path
+    label: str
+    leader_url: str
+    user_name: str | None = None
+    search_path: tuple[Path, ...] = ()
+    systemd_version: int | None = None
+
+
+def render_unit(unit: AgentUnit) -> str:
+    """The unit file text for ``unit``, ending in a newline.
+
+    Raises :class:`ConfigError` when a path is relative or holds a control character (a unit
+    file line cannot carry it), when a system unit has no ``user_name`` or would run as
+    ``root``, or when a user unit names a user.
+    """
+    for what, path in (("the Python interpreter", unit.python), ("the berth home", unit.home)):
+        if not path.is_absolute():
+            raise ConfigError(f"{what} must be an absolute path for a systemd unit: {path}")
+        _check_printable(what, str(path))
+    if unit.scope == "system":
+        if not unit.user_name:
+            raise ConfigError("a system unit needs the user to run the agent as")
+        check_service_user_name(unit.user_name)
+    elif unit.user_name is not None:
+        raise ConfigError("a user unit runs as its owner; it takes no user name")
+    for entry in unit.search_path:
+        if not entry.is_absolute() or ":" in str(entry):
+            raise ConfigError(f"PATH entries must be absolute and free of ':': {entry}")
+        _check_printable("a PATH entry", str(entry))
+    description = f"berth agent: node {unit.label} of {unit.leader_url}"
+    _check_printable("the node label and leader URL", description)
+    exec_start = " ".join(
+        _exec_word(word)
+        for word in (str(unit.python), "-m", "berth", "--home", str(unit.home), "agent", "start")
+    )
+    lines = [
+        f"# Written by `berth agent install-service` (berth {__version__}).",
+        "# Replace it with `berth agent install-service --force`; logs: `berth agent logs`.",
+        "[Unit]",
+        f"Description={_escape_specifiers(description)}",
+    ]
+    if unit.scope == "system":
+        lines += [
+            "Wants=network-online.target",
+            "After=network-online.target docker.service",
+        ]
+    else:
+        lines += [
+            "# A user manager cannot order itself after the system's network-online.target;",
+            "# the agent redials the leader with backoff until the network is up.",
+        ]
+    lines += [
+        "# Never give up restarting: the agent exits only on a final refusal or a crash.",
+        "StartLimitIntervalSec=0",
+        "",
+        "[Service]",
+        "Type=simple",
+    ]
+    if unit.scope == "system":
+        lines.append(f"User={_escape_specifiers(str(unit.user_name))}")
+    lines.append(_environment("BERTH_HOME", str(unit.home)))
+    if unit.search_path:
+        lines.append(_environment("PATH", ":".join(str(p) for p in unit.search_path)))
+    lines += [
+        _environment("PYTHONUNBUFFERED", "1"),
+        f"ExecStart={exec_start}",
+        "Restart=on-failure",
+        f"RestartSec={RESTART_DELAY_S}s",
+    ]
+    if (unit.systemd_version or 0) >= SYSTEMD_RESTART_BACKOFF_VERSION:
+        lines += [f"RestartSteps={RESTART_STEPS}", f"RestartMaxDelaySec={RESTART_MAX_DELAY_S}s"]
+    lines += [
+        "# Engines outlive an agent restart (the next agent re-attaches them); `berth stop`",
+        "# on the leader ends them.  So only the agent itself is signalled on stop.",
+        "KillMode=process",
+        f"TimeoutStopSec={STOP_TIMEOUT_S}s",
+        "SyslogIdentifier=berth-agent",
+    ]
+    if unit.scope == "system":
+        lines += [
+            f"LimitNOFILE={SYSTEM_NOFILE_LIMIT}",
+            "# Sandboxing that cannot break GPU engines (see berth.agent.systemd_unit).",
+            "ProtectSystem=full",
+            f"ReadWritePaths={_quote(_escape_specifiers(str(unit.home)))}",
+            "ProtectControlGroups=yes",
+        ]
+    lines += [
+        "",
+        "[Install]",
+        f"WantedBy={'multi-user.target' if unit.scope == 'system' else 'default.target'}",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def check_service_user_name(name: str) -> None:
+    """Refuse ``root`` (and an empty or malformed name) as the system unit's user.
+
+    Raises :class:`ConfigError`.  The account's uid is checked by the caller, which can look
+    it up; this only knows the name.
+    """
+    if name == "root":
+        raise ConfigError(
+            "refusing to write a unit that runs the agent as root: run it via sudo from the "
+            "account that should run the agent, or pass --user-name NAME"
+        )
+    if not name or any(ch.isspace() or not ch.isprintable() or ch in "%/:" for ch in name):
+        raise ConfigError(f"not a usable user name for a systemd unit: {name!r}")
+
+
+def service_user_name(*, sudo_user: str | None, user_name: str | None) -> str:
+    """The account a system unit runs the agent as: ``user_name`` if given, else the
+    ``$SUDO_USER`` who ran ``sudo berth agent install-service --system``.
+
+    Raises :class:`ConfigError` when neither names one, or the one named is ``root``.
+    """
+    chosen = user_name if user_name is not None else sudo_user
+    if not chosen:
+        raise ConfigError(
+            "--system needs the user to run the agent as, and $SUDO_USER is not set: run it via "
+            "sudo from the account that should run the agent, or pass --user-name NAME"
+        )
+    check_service_user_name(chosen)
+    return chosen
+
+
+def default_unit_dir(
+    scope: UnitScope, *, user_home: Path, xdg_config_home: str | None = None
+) -> Path:
+    """Where the unit goes: ``$XDG_CONFIG_HOME/systemd/user`` (else
+    ``~/.config/systemd/user``) for a user unit, ``/etc/systemd/system`` for a system unit.
+
+    A relative ``$XDG_CONFIG_HOME`` is ignored, as the XDG base directory spec requires.
+    """
+    if scope == "system":
+        return SYSTEM_UNIT_DIR
+    config = Path(xdg_config_home) if xdg_config_home else None
+    if config is None or not config.is_absolute():
+        config = user_home / ".config"
+    return config / "systemd" / "user"
+
+
+def systemctl_commands(scope: UnitScope, *, restart: bool) -> list[list[str]]:
+    """The ``systemctl`` command lines that load, enable and start the unit.
+
+    ``restart`` (the unit replaced a different one) restarts a running agent so the new unit
+    takes effect; ``enable --now`` alone would leave the old one running.
+    """
+    base = ["systemctl", "--user"] if scope == "user" else ["systemctl"]
+    commands = [[*base, "daemon-reload"]]
+    if restart:
+        commands += [[*base, "enable", UNIT_NAME], [*base, "restart", UNIT_NAME]]
+    else:
+        commands.append([*base, "enable", "--now", UNIT_NAME])
+    return commands
+
+
+def parse_systemd_version(text: str) -> int | None:
+    """The release number from ``systemctl --version`` output (``systemd 252 (252.39-1)``),
+    or ``None`` when the first line does not read like that."""
+    first = text.strip().splitlines()[0] if text.strip() else ""
+    found = _VERSION_LINE.match(first)
+    return int(found.group(1)) if found else None
+
+
+def search_path_for(python: Path, path_env: str | None) -> tuple[Path, ...]:
+    """The service's ``PATH``: ``python``'s folder first (a virtual environment's ``bin``,
+    where ``vllm`` and friends are installed), then the absolute entries of ``path_env``
+    (the installer's ``$PATH``), each once, in order."""
+    entries: list[Path] = [python.parent]
+    for raw in (path_env or "").split(":"):
+        if raw and raw.startswith("/") and raw.isprintable():
+            entries.append(Path(raw))
+    seen: set[Path] = set()
+    unique: list[Path] = []
+    for entry in entries:
+        if entry not in seen:
+            seen.add(entry)
+            unique.append(entry)
+    return tuple(unique)
+
+
+def _check_printable(what: str, text: str) -> None:
+    if not text.isprintable():
+        raise ConfigError(f"{what} holds a control character a unit file cannot carry: {text!r}")
+
+
+def _escape_specifiers(text: str) -> str:
+    # "%" starts a specifier in most unit settings (systemd.unit(5), "Specifiers").
+    return text.replace("%", "%%")
+
+
+def _quote(word: str) -> str:
+    """``word`` as one item under systemd.syntax(7) "Quoting": double-quoted, with
+    backslashes and double quotes escaped, when it holds whitespace, a quote or a backslash."""
+    if word and not any(ch.isspace() or ch in "\"'\\" for ch in word):
+        return word
+    return '"' + word.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def _exec_word(word: str) -> str:
+    # ExecStart= expands "$NAME" at run time; "$$" is a literal "$" (systemd.service(5)).
+    return _quote(_escape_specifiers(word).replace("$", "$$"))
+
+
+def _environment(name: str, value: str) -> str:
+    # Environment= does no "$" expansion, only specifiers (systemd.exec(5)).
+    return f"Environment={_quote(f'{name}={_escape_specifiers(value)}')}"
