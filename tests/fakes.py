@@ -31,6 +31,8 @@ class FakeLink:
         self.survivors: dict[str, EngineEndpoint] = {}
         self.hung: set[str] = set()
         self.progress_line: str | None = None
+        #: raised by reattach while set (a runtime that cannot be asked: Docker down)
+        self.reattach_error: EngineError | None = None
 
     async def start_deployment(
         self,
@@ -58,6 +60,8 @@ class FakeLink:
     async def reattach(
         self, deployment_id: str, pid: int, port: int, runtime: str = "process"
     ) -> EngineEndpoint | None:
+        if self.reattach_error is not None:
+            raise self.reattach_error
         endpoint = self.survivors.pop(deployment_id, None)
         if endpoint is not None:
             self.running[deployment_id] = endpoint

@@ -4,6 +4,7 @@ on the event loop's thread.  The real Docker engine is in ``test_docker_runtime.
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import threading
 from collections.abc import Iterator
@@ -13,10 +14,13 @@ from typing import Any
 import docker.errors
 import pytest
 
+from berth.agent.core import AgentCore
 from berth.errors import EngineError
 from berth.runtime.base import LaunchSpec
 from berth.runtime.docker import DockerRuntime, PullProgress, docker_error_text
-from berth.runtime.engines import DeploymentRequest, build_container_spec
+from berth.runtime.engines import DeploymentRequest, EngineBinaries, build_container_spec
+from berth.runtime.gpu import StaticInventory
+from berth.runtime.process import ProcessRuntime
 
 
 class RecordingDocker:
@@ -29,6 +33,9 @@ class RecordingDocker:
         self.threads: list[int] = []
         self.present: set[str] = set()
         self.pull_messages: list[dict[str, Any]] = []
+        #: when set, a pull stalls after its first message until this is set
+        self.pull_gate: threading.Event | None = None
+        self.pull_closed = threading.Event()
         self.containers_by_id: dict[str, dict[str, Any]] = {}
         self._ids = itertools.count(1)
         # One object plays client, client.api, client.images and client.containers.
@@ -51,7 +58,14 @@ class RecordingDocker:
     # client.api
     def pull(self, repository: str, tag: str, stream: bool, decode: bool) -> Iterator[Any]:
         self._seen()
-        yield from self.pull_messages
+        try:
+            for index, message in enumerate(self.pull_messages):
+                yield message
+                if index == 0 and self.pull_gate is not None:
+                    self.pull_gate.wait(10)
+        except GeneratorExit:
+            self.pull_closed.set()
+            raise
         self.present.add(f"{repository}:{tag}")
 
     def inspect_container(self, container_id: str) -> dict[str, Any]:
@@ -192,6 +206,8 @@ def test_pull_progress_sums_the_layers() -> None:
         {"status": "Downloading", "id": "b", "progressDetail": {"current": 1_000_000,
                                                                 "total": 2_000_000_000}},
         {"status": "Download complete", "id": "a"},
+        {"status": "Extracting", "id": "a", "progressDetail": {"current": 10, "total": 1000}},
+        {"status": "Pull complete", "id": "a"},
     ):  # fmt: skip
         progress.feed(message)
     assert progress.line() == "pulling vllm/vllm-openai:latest: 1.0 MB of 2.0 GB, 1/2 layers done"
@@ -217,3 +233,48 @@ def test_docker_errors_in_plain_words() -> None:
     denied.__cause__ = PermissionError(13, "Permission denied")
     assert "docker group" in docker_error_text(denied)
     assert docker_error_text(RuntimeError("other")) == "other"
+
+
+async def test_a_stop_during_the_pull_cancels_it_and_leaves_nothing(
+    tmp_path: Path, fake: RecordingDocker
+) -> None:
+    fake.pull_messages = [
+        {"status": "Pulling fs layer", "id": "a"},
+        {"status": "Downloading", "id": "a", "progressDetail": {"current": 1, "total": 9}},
+    ]
+    fake.pull_gate = threading.Event()
+    runtime = _runtime(tmp_path, fake)
+    core = AgentCore(
+        ProcessRuntime(),
+        EngineBinaries(None, None, ""),
+        StaticInventory(),
+        logs_dir=tmp_path,
+        docker=runtime,
+    )
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"GGUF")
+    request = DeploymentRequest(
+        deployment_id="d-0000057a",
+        model_name="m",
+        model_path=model,
+        engine="llamacpp",
+        port=0,
+        log_path=Path(),
+        runtime="docker",
+        image="example/engine:1",
+    )
+    progress: list[str] = []
+    start = asyncio.create_task(core.start(request, 30, on_progress=progress.append))
+    for _ in range(200):
+        if progress:
+            break
+        await asyncio.sleep(0.01)
+    assert progress == ["pulling example/engine:1"]
+    await core.stop("d-0000057a", grace_s=1)  # returns once the start is gone
+    assert start.cancelled()
+    fake.pull_gate.set()  # Docker sends its next message: the pull thread sees the stop
+    assert await asyncio.to_thread(fake.pull_closed.wait, 5)
+    await asyncio.sleep(0.05)
+    assert fake.containers_by_id == {}
+    assert core.engines() == []
+    assert progress == ["pulling example/engine:1"]  # nothing after the stop

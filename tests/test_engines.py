@@ -388,3 +388,22 @@ def test_parse_runtime_name(text: str, expected: str) -> None:
 def test_unknown_runtime_lists_the_valid_names() -> None:
     with pytest.raises(ConfigError, match="expected one of process, docker"):
         parse_runtime_name("podman")
+
+
+def test_a_cache_snapshot_is_mounted_with_the_blobs_its_links_point_at(tmp_path: Path) -> None:
+    repo = tmp_path / "hub" / "models--org--smol"
+    (repo / "blobs").mkdir(parents=True)
+    (repo / "blobs" / "0a1b").write_bytes(b"GGUF")
+    snapshot = repo / "snapshots" / "rev1"
+    snapshot.mkdir(parents=True)
+    (snapshot / "smol.gguf").symlink_to("../../blobs/0a1b")
+    container = build_container_spec(
+        _container_request(snapshot, "llamacpp"), "img:1", shm_size="1g"
+    ).container
+    assert container is not None
+    assert container.mounts[0].source == repo.resolve()
+    assert container.command[:2] == ("-m", "/models/snapshots/rev1/smol.gguf")
+    single = build_container_spec(
+        _container_request(snapshot / "smol.gguf", "llamacpp"), "img:1", shm_size="1g"
+    ).container
+    assert single is not None and single.command[:2] == ("-m", "/models/snapshots/rev1/smol.gguf")

@@ -11,7 +11,7 @@ from berth.cluster.link import EngineEndpoint
 from berth.daemon.lifecycle import DeployOptions, LifecycleManager
 from berth.daemon.proxy import NoReadyDeploymentError
 from berth.daemon.states import DeploymentState
-from berth.errors import ConfigError, ConflictError, NotFoundError
+from berth.errors import ConfigError, ConflictError, EngineError, NotFoundError
 from berth.store import Store
 from fakes import FakeLink
 
@@ -278,5 +278,31 @@ async def test_reconcile_stops_local_engines_no_deployment_owns(
         assert store.get_deployment(kept.id).state is DeploymentState.READY
         assert list(link.running) == [kept.id]
         assert "engine d-0rphan00 (pid 4343, port 10) that no active deployment owns" in caplog.text
+    finally:
+        await manager.shutdown()
+
+
+async def test_a_deployment_whose_runtime_is_down_waits_to_be_reconciled(
+    store: Store, link: FakeLink
+) -> None:
+    record = store.create_deployment("tiny", "llamacpp", "docker", "local", image="img:1")
+    store.transition_deployment(record.id, DeploymentState.LOADING)
+    store.transition_deployment(record.id, DeploymentState.READY, port=9, pid=4242)
+    link.reattach_error = EngineError("no Docker engine at unix:///var/run/docker.sock")
+    manager = LifecycleManager(
+        store, {"local": link}, health_timeout_s=5, stop_grace_s=1, watch_interval_s=0.02
+    )
+    await manager.start()
+    try:
+        assert store.get_deployment(record.id).state is DeploymentState.READY  # not failed
+        with pytest.raises(NoReadyDeploymentError):
+            manager.candidates("tiny")  # not routed while unknown
+        link.reattach_error = None  # Docker is back, the container still runs
+        link.survivors = {record.id: EngineEndpoint(record.id, link.base_url, 4242, 9)}
+        for _ in range(100):
+            if manager.models():
+                break
+            await asyncio.sleep(0.02)
+        assert [u.deployment_id for u in manager.candidates("tiny")] == [record.id]
     finally:
         await manager.shutdown()

@@ -15,7 +15,7 @@ import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from berth.errors import ConfigError, EngineError, NotFoundError
 from berth.runtime.base import EngineHandle, LaunchSpec, ProgressListener, Runtime, RuntimeName
@@ -120,6 +120,16 @@ class AgentCore:
         self._gpu_inventory = gpu_inventory
         self._logs_dir = logs_dir
         self._engines: dict[str, _Managed] = {}
+        #: starts in progress (pulling, creating, loading), so a stop can cancel them
+        self._starting: dict[str, asyncio.Task[Any]] = {}
+        #: journal entries not taken back yet because Docker did not answer:
+        #: deployment id -> (pid, port, health path, runtime)
+        self._unresolved: dict[str, tuple[int, int, str, RuntimeName]] = {}
+
+    def close(self) -> None:
+        """Release the runtimes' threads and connections; engines keep running."""
+        if self._docker is not None:
+            self._docker.close()
 
     def _runtime_for(self, name: RuntimeName) -> Runtime:
         if name == "docker":
@@ -158,11 +168,26 @@ class AgentCore:
         to become healthy within ``health_timeout_s`` seconds (an image pull does not count
         against it); the engine is stopped then.  A cancelled start stops the engine too.
         """
-        if request.deployment_id in self._engines:
+        if request.deployment_id in self._engines or request.deployment_id in self._starting:
             raise EngineError(
                 f"deployment {request.deployment_id} already runs on this node",
                 deployment_id=request.deployment_id,
             )
+        task = asyncio.current_task()
+        assert task is not None
+        self._starting[request.deployment_id] = task
+        try:
+            return await self._start(request, health_timeout_s, on_spawned, on_progress)
+        finally:
+            self._starting.pop(request.deployment_id, None)
+
+    async def _start(
+        self,
+        request: DeploymentRequest,
+        health_timeout_s: float,
+        on_spawned: SpawnListener | None,
+        on_progress: ProgressListener | None,
+    ) -> EngineHandle:
         log_path = self.log_path(request.deployment_id)
         runtime = self._runtime_for(request.runtime)
         spec: LaunchSpec
@@ -181,13 +206,27 @@ class AgentCore:
                 await on_spawned(handle.pid, handle.port)
             await runtime.wait_healthy(handle, spec, health_timeout_s)
         except BaseException:
-            # Failed or cancelled: never leave a half-started engine behind.
-            await asyncio.shield(self._discard(request.deployment_id, grace_s=5.0))
+            # Failed or cancelled: never leave a half-started engine behind.  A failing
+            # cleanup is logged; the error that stopped the start is the one reported.
+            try:
+                await asyncio.shield(self._discard(request.deployment_id, grace_s=5.0))
+            except (EngineError, asyncio.CancelledError) as exc:
+                log.warning("stopping the engine of %s after a failed start: %s",
+                            request.deployment_id, exc)  # fmt: skip
             raise
         return handle
 
     async def stop(self, deployment_id: str, grace_s: float) -> None:
-        """Stop the engine; a deployment this core does not run is a ``NotFoundError``."""
+        """Stop the engine; a deployment this core does not run is a ``NotFoundError``.
+
+        A start still in progress (an image pull, a container being created, a model
+        loading) is cancelled, and this returns once its cleanup has removed the engine.
+        """
+        starting = self._starting.get(deployment_id)
+        if starting is not None and starting is not asyncio.current_task():
+            starting.cancel()
+            await asyncio.wait({starting})
+            return
         if deployment_id not in self._engines:
             raise NotFoundError("engine", deployment_id)
         # Shielded: once forgotten here, a stop cut short would leave an untracked engine.
@@ -250,14 +289,26 @@ class AgentCore:
                     saved.setdefault(deployment_id, (0, 0, DEFAULT_HEALTH_PATH, "docker"))
             except EngineError as exc:
                 log.warning("cannot look for containers left running: %s", exc)
+        self._unresolved.update(saved)
+        return await self.retry_unresolved()
+
+    async def retry_unresolved(self) -> list[str]:
+        """Take back the engines :meth:`restore` could not reach yet (Docker was down).
+
+        Returns the deployment ids taken back now; entries whose engine is gone are dropped,
+        those whose runtime still does not answer are kept (in the journal too) for the next
+        try.
+        """
         restored = []
-        for deployment_id, (pid, port, health_path, runtime) in saved.items():
+        for deployment_id, entry in list(self._unresolved.items()):
+            pid, port, health_path, runtime = entry
             try:
                 handle = await self._attach(deployment_id, pid, port, runtime)
             except EngineError as exc:
-                log.warning("cannot take back engine %s: %s", deployment_id, exc)
+                log.warning("cannot take back engine %s yet: %s", deployment_id, exc)
                 continue
-            if handle is not None:
+            del self._unresolved[deployment_id]
+            if handle is not None and deployment_id not in self._engines:
                 log_path = self.log_path(deployment_id)
                 self._engines[deployment_id] = _Managed(handle, log_path, health_path)
                 restored.append(deployment_id)
@@ -277,6 +328,10 @@ class AgentCore:
             }
             for d, m in self._engines.items()
         }
+        for d, (pid, port, health_path, runtime) in self._unresolved.items():
+            entries.setdefault(
+                d, {"pid": pid, "port": port, "health_path": health_path, "runtime": runtime}
+            )
         temporary = path.with_suffix(".tmp")
         temporary.write_text(json.dumps(entries, indent=1))
         temporary.replace(path)
@@ -342,6 +397,14 @@ class AgentCore:
 
     async def _discard(self, deployment_id: str, grace_s: float) -> None:
         managed = self._engines.pop(deployment_id, None)
-        if managed is not None:
-            self._save_journal()
+        if managed is None:
+            return
+        self._save_journal()
+        try:
             await self._runtime_for(managed.handle.runtime).stop(managed.handle, grace_s)
+        except EngineError:
+            # Still running as far as anyone knows: keep it, so it can be stopped later
+            # (a reconnect or restart reports it, and an unowned engine is stopped then).
+            self._engines.setdefault(deployment_id, managed)
+            self._save_journal()
+            raise

@@ -191,6 +191,8 @@ class AgentDialer:
         self, http: aiohttp.ClientSession, url: str, ssl_context: ssl.SSLContext
     ) -> tuple[int | None, bool]:
         """One connection, from dial to close: (close code or None, whether Welcome came)."""
+        # Before dialing: the leader waits only seconds for Hello once the socket is open.
+        await self._service.check_runtimes()
         try:
             ws = await http.ws_connect(
                 url,
@@ -232,7 +234,6 @@ class AgentDialer:
     async def _handshake(
         self, ws: aiohttp.ClientWebSocketResponse, session: LinkSession
     ) -> Welcome | None:
-        await self._service.check_runtimes()
         session.send_hello(self._service.hello())
         for message in session.data_to_send():
             await ws.send_bytes(message)

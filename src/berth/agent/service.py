@@ -68,6 +68,8 @@ MAX_REQUEST_BODY_BYTES = 64 * 1024 * 1024
 _HOP_BY_HOP = frozenset({b"connection", b"keep-alive", b"transfer-encoding", b"te", b"trailer",
                          b"upgrade", b"proxy-connection"})  # fmt: skip
 ActivityListener = Callable[[str], None]
+#: Seconds the agent waits for its runtimes (Docker) to say whether they work, before dialing.
+RUNTIME_CHECK_TIMEOUT_S = 5.0
 
 
 class AgentService:
@@ -115,8 +117,25 @@ class AgentService:
 
     async def check_runtimes(self) -> list[RuntimeStatus]:
         """Ask which runtimes work now (Docker may have started or stopped since the last
-        connection); :meth:`hello` advertises those."""
-        self._runtimes = await self._core.runtime_status()
+        connection), and take back engines a Docker engine that was down kept from
+        :meth:`AgentCore.restore`; :meth:`hello` advertises the runtimes.  A runtime that
+        does not answer within :data:`RUNTIME_CHECK_TIMEOUT_S` counts as unavailable."""
+        try:
+            self._runtimes = await asyncio.wait_for(
+                self._core.runtime_status(), RUNTIME_CHECK_TIMEOUT_S
+            )
+            restored = await asyncio.wait_for(
+                self._core.retry_unresolved(), RUNTIME_CHECK_TIMEOUT_S
+            )
+        except TimeoutError:
+            waited = f"did not answer within {RUNTIME_CHECK_TIMEOUT_S:g} s"
+            self._runtimes = [
+                RuntimeStatus("process", True, ""),
+                RuntimeStatus("docker", False, f"the Docker engine {waited}"),
+            ]
+            restored = []
+        if restored:
+            self._on_activity(f"re-attached engines: {', '.join(restored)}")
         for runtime in self._runtimes:
             if not runtime.available:
                 log.info("runtime %s unavailable: %s", runtime.name, runtime.detail)
@@ -147,6 +166,11 @@ class AgentService:
     async def on_request(self, conn: LinkConnection, request: Request) -> None:
         try:
             result = await self._run_op(conn, request)
+        except asyncio.CancelledError:
+            # A stop cancelled this start (or the link is closing): the leader gets an answer.
+            message = f"{request.op[:40]} was cancelled (the deployment was stopped)"
+            conn.respond(request.id, error=ErrorInfo(code="engine_error", message=message))
+            raise
         except _Unsupported as exc:
             conn.respond(request.id, error=ErrorInfo(code="unsupported", message=str(exc)))
         except ProtocolError as exc:

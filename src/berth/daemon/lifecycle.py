@@ -18,6 +18,7 @@ from pathlib import Path
 from berth.agent.core import EngineReport
 from berth.cluster.link import LOCAL_NODE_ID, AgentLink, EngineEndpoint
 from berth.cluster.protocol.frames import EngineState
+from berth.cluster.protocol.ops import RUNTIME_CAPABILITIES
 from berth.cluster.remote_link import RemoteLink, tunnel_url
 from berth.daemon.proxy import NoReadyDeploymentError, Upstream
 from berth.daemon.states import TERMINAL_STATES, DeploymentState
@@ -30,6 +31,7 @@ from berth.errors import (
     NotFoundError,
 )
 from berth.runtime.engines import (
+    DEFAULT_GPU_IMAGES,
     DEFAULT_IMAGES,
     DeploymentRequest,
     EngineName,
@@ -74,7 +76,8 @@ class LifecycleManager:
 
     ``links`` maps node id to the ``AgentLink`` that reaches it.  ``on_state`` is called with
     the new record after every state change (metrics use it).  ``images`` is the container
-    image per engine for the docker runtime (the ``*_image`` settings).
+    image per engine for the docker runtime (the ``*_image`` settings); ``gpu_images``
+    replaces it for a deployment given GPUs (llama.cpp's default image has no CUDA).
     """
 
     def __init__(
@@ -87,9 +90,11 @@ class LifecycleManager:
         on_state: StateListener | None = None,
         watch_interval_s: float = WATCH_INTERVAL_S,
         images: Mapping[EngineName, str] = DEFAULT_IMAGES,
+        gpu_images: Mapping[EngineName, str] = DEFAULT_GPU_IMAGES,
     ) -> None:
         self._store = store
         self._images = dict(images)
+        self._gpu_images = dict(gpu_images)
         #: what a loading deployment is busy with (an image pull), by deployment id
         self._progress: dict[str, str] = {}
         self._links = links
@@ -106,6 +111,8 @@ class LifecycleManager:
         self._starting: dict[str, asyncio.Task[None]] = {}
         self._watcher: asyncio.Task[None] | None = None
         self._failed_probes: dict[str, int] = {}
+        #: local deployments whose runtime could not be asked at start-up (Docker down)
+        self._unreconciled: set[str] = set()
 
     # -- the router's view (hot path: no I/O) --------------------------------------------
 
@@ -153,8 +160,12 @@ class LifecycleManager:
         """
         if self._watcher is not None:
             self._watcher.cancel()
-        for task in list(self._starting.values()):
+        starting = list(self._starting.values())
+        for task in starting:
             task.cancel()
+        if starting:
+            # Each cancelled start removes its half-started engine (or container) first.
+            await asyncio.wait(starting, timeout=self._stop_grace_s + 30.0)
         everything = await asyncio.to_thread(self._store.list_deployments, active_only=True)
         active = [record for record in everything if record.node_id == LOCAL_NODE_ID]
         await asyncio.gather(*(self._stop_one(record) for record in active), return_exceptions=True)
@@ -167,42 +178,70 @@ class LifecycleManager:
     async def reconcile(self) -> None:
         """Bring the store in line with the engines that really run.
 
-        After a crash, engines in their own process groups survive.  A deployment that was
-        ready and whose engine still answers is re-attached; one caught mid-start or
-        mid-stop is stopped; one whose engine is gone is marked failed.
+        After a crash, engines in their own process groups survive, and so do containers.  A
+        deployment that was ready and whose engine still runs is re-attached; one caught
+        mid-start or mid-stop is stopped; one whose engine is gone is marked failed; one whose
+        runtime cannot be asked (Docker down) is left alone and retried by the watcher.  Then
+        every local engine no active deployment owns (a container the core took back by its
+        labels) is stopped and logged.
         """
         active = await asyncio.to_thread(self._store.list_deployments, active_only=True)
         for record in active:
             if record.node_id != LOCAL_NODE_ID:
                 continue  # reconciled when its agent says Hello (node_connected)
-            link = self._links.get(record.node_id)
-            runtime = parse_runtime_name(record.runtime)
-            endpoint: EngineEndpoint | None = None
-            if link is not None and (runtime == "docker" or record.pid is not None):
-                endpoint = await link.reattach(record.id, record.pid or 0, record.port or 0,
-                                               runtime)  # fmt: skip
-            if endpoint is None:
-                what = "container" if runtime == "docker" else "engine"
-                await self._transition(
-                    record.id,
-                    DeploymentState.FAILED,
-                    failure_reason=f"{what} was gone when the daemon restarted",
-                )
-            elif record.state is DeploymentState.READY:
-                log.info("re-attached deployment %s (pid %d)", record.id, endpoint.pid)
-                self._mark_ready(record, endpoint)
-            else:
-                assert link is not None
-                reason = f"daemon restarted while the deployment was {record.state}"
-                try:
-                    await link.stop_deployment(record.id, self._stop_grace_s)
-                except EngineError as exc:
-                    reason = f"{reason}; stopping its engine failed: {exc}"
-                await self._transition(record.id, DeploymentState.FAILED, failure_reason=reason)
+            try:
+                await self._reconcile_local(record)
+            except EngineError as exc:
+                # Its runtime cannot tell yet (Docker down): not routed, tried again by the
+                # watcher, never marked failed for it.
+                log.warning("deployment %s cannot be reconciled yet: %s", record.id, exc)
+                self._unreconciled.add(record.id)
         local = self._links.get(LOCAL_NODE_ID)
         if local is not None:
             owned = {r.id for r in active if r.node_id == LOCAL_NODE_ID}
             await self._stop_orphans(LOCAL_NODE_ID, local, await local.engines(), owned)
+
+    async def _reconcile_local(self, record: DeploymentRecord) -> None:
+        """Re-attach, stop or fail one local deployment found active after a restart.
+
+        Raises ``EngineError`` when its runtime cannot say whether the engine runs.
+        """
+        link = self._links.get(record.node_id)
+        runtime = parse_runtime_name(record.runtime)
+        endpoint: EngineEndpoint | None = None
+        if link is not None and (runtime == "docker" or record.pid is not None):
+            endpoint = await link.reattach(record.id, record.pid or 0, record.port or 0, runtime)
+        if endpoint is None:
+            if record.state is DeploymentState.READY:
+                what = "container" if runtime == "docker" else "engine"
+                reason = f"{what} was gone when the daemon restarted"
+            else:
+                reason = f"daemon restarted while the deployment was {record.state}"
+            await self._transition(record.id, DeploymentState.FAILED, failure_reason=reason)
+        elif record.state is DeploymentState.READY:
+            log.info("re-attached deployment %s (pid %d)", record.id, endpoint.pid)
+            self._mark_ready(record, endpoint)
+        else:
+            assert link is not None
+            reason = f"daemon restarted while the deployment was {record.state}"
+            try:
+                await link.stop_deployment(record.id, self._stop_grace_s)
+            except EngineError as exc:
+                reason = f"{reason}; stopping its engine failed: {exc}"
+            await self._transition(record.id, DeploymentState.FAILED, failure_reason=reason)
+
+    async def _retry_unreconciled(self) -> None:
+        for deployment_id in list(self._unreconciled):
+            record = await asyncio.to_thread(self._store.get_deployment, deployment_id)
+            if not record.is_active:
+                self._unreconciled.discard(deployment_id)
+                continue
+            try:
+                await self._reconcile_local(record)
+            except EngineError as exc:
+                log.info("deployment %s still cannot be reconciled: %s", deployment_id, exc)
+            else:
+                self._unreconciled.discard(deployment_id)
 
     async def _stop_orphans(
         self, node_id: str, link: AgentLink, engines: Sequence[Engine], owned: set[str]
@@ -299,7 +338,10 @@ class LifecycleManager:
         runtime = parse_runtime_name(options.runtime)
         image: str | None = None
         if runtime == "docker":
-            image = (options.image or self._images[engine]).strip()
+            default = self._images[engine]
+            if options.gpus and engine in self._gpu_images:
+                default = self._gpu_images[engine]  # llama.cpp's default image is CPU-only
+            image = (options.image or default).strip()
             if not image:
                 raise ConfigError("the docker image name is empty")
         elif options.image:
@@ -314,6 +356,15 @@ class LifecycleManager:
         if link is None:
             raise ConflictError(f"node {label} ({node_id}) is not connected")
         options = replace(options, node_id=node_id)
+        if (
+            runtime == "docker"
+            and isinstance(link, RemoteLink)
+            and RUNTIME_CAPABILITIES["docker"] not in link.capabilities
+        ):
+            raise ConflictError(
+                f"node {label} offers no docker runtime (its agent found no Docker engine when "
+                "it connected; `berth doctor` on that host says why)"
+            )
         model = await asyncio.to_thread(self._store.get_model, options.model_name)
         model_path = model.path
         pull: tuple[str, str | None] | None = None
@@ -427,7 +478,8 @@ class LifecycleManager:
                 )
 
             def record_progress(line: str) -> None:
-                self._progress[record.id] = line
+                if record.id in self._starting:  # a late line must not outlive the start
+                    self._progress[record.id] = line
 
             endpoint = await link.start_deployment(
                 request,
@@ -440,6 +492,11 @@ class LifecycleManager:
         except BerthError as exc:
             log.warning("deployment %s failed to start: %s", record.id, exc)
             await self._transition(record.id, DeploymentState.FAILED, failure_reason=str(exc))
+            return
+        except Exception as exc:  # a bug must not leave the deployment loading forever
+            log.exception("deployment %s: unexpected failure while starting", record.id)
+            reason = f"unexpected error while starting: {type(exc).__name__}: {exc}"
+            await self._transition(record.id, DeploymentState.FAILED, failure_reason=reason)
             return
         current = await asyncio.to_thread(self._store.get_deployment, record.id)
         if current.state is not DeploymentState.LOADING:
@@ -516,6 +573,8 @@ class LifecycleManager:
         """Mark ready deployments whose engine died as failed, so they stop getting traffic."""
         while True:
             await asyncio.sleep(self._watch_interval_s)
+            if self._unreconciled:
+                await self._retry_unreconciled()
             # All at once: a node that answers slowly must not delay the others' checks.
             upstreams = [u for ready in self._ready.values() for u in ready.values()]
             await asyncio.gather(*(self._check_alive_logged(u) for u in upstreams))
@@ -523,9 +582,9 @@ class LifecycleManager:
     async def _check_alive_logged(self, upstream: Upstream) -> None:
         try:
             await self._check_alive(upstream)
-        except BerthError:
+        except BerthError as exc:
             # The watcher must outlive one bad probe; the next round retries.
-            log.exception("probing deployment %s failed", upstream.deployment_id)
+            log.warning("probing deployment %s failed: %s", upstream.deployment_id, exc)
 
     async def _check_alive(self, upstream: Upstream) -> None:
         link = self._links.get(upstream.node_id)

@@ -37,6 +37,7 @@ import docker.errors
 import docker.types
 import docker.utils
 import requests
+import urllib3.exceptions
 from docker.constants import DEFAULT_DOCKER_API_VERSION
 
 from berth.errors import EngineError
@@ -77,6 +78,17 @@ _API_TIMEOUT_S = 60
 _LOG_DRAIN_S = 2.0
 
 T = TypeVar("T")
+
+#: What a call through the SDK can raise when Docker refuses or the connection breaks: the
+#: SDK's own errors, the HTTP client's, a malformed streamed message, or the socket's.
+DOCKER_ERRORS: tuple[type[BaseException], ...] = (
+    docker.errors.DockerException,
+    docker.errors.StreamParseError,
+    requests.RequestException,
+    urllib3.exceptions.HTTPError,
+    OSError,
+)
+_DOCKER_OR_ENGINE_ERRORS: tuple[type[BaseException], ...] = (*DOCKER_ERRORS, EngineError)
 
 
 def resolve_docker_host(configured: str | None) -> str:
@@ -119,11 +131,11 @@ class PullProgress:
             current, total = detail.get("current"), detail.get("total")
             if isinstance(current, int) and isinstance(total, int) and total > 0:
                 self._bytes[layer] = (current, total)
-        elif status in ("Download complete", "Pull complete", "Already exists"):
+        elif status == "Download complete" and layer in self._bytes:
+            total = self._bytes[layer][1]
+            self._bytes[layer] = (total, total)  # extracting next: done once "Pull complete"
+        elif status in ("Pull complete", "Already exists"):
             self._done.add(layer)
-            if layer in self._bytes:
-                total = self._bytes[layer][1]
-                self._bytes[layer] = (total, total)
 
     def line(self) -> str:
         """``pulling IMAGE: 1.2 GB of 4.5 GB, 3/7 layers done`` (the byte count once known)."""
@@ -211,7 +223,7 @@ class DockerRuntime:
             version = await self._call(client.version)
         except EngineError as exc:
             return DockerStatus(False, str(exc))
-        except (docker.errors.DockerException, requests.RequestException) as exc:
+        except DOCKER_ERRORS as exc:
             return DockerStatus(False, f"no Docker engine at {self.host}: {docker_error_text(exc)}")
         return DockerStatus(
             True,
@@ -225,7 +237,7 @@ class DockerRuntime:
             if self._client is None:
                 try:
                     self._client = self._client_factory(self.host)
-                except (docker.errors.DockerException, requests.RequestException) as exc:
+                except DOCKER_ERRORS as exc:
                     reason = docker_error_text(exc)
                     raise EngineError(f"no Docker engine at {self.host}: {reason}") from exc
             return self._client
@@ -251,26 +263,40 @@ class DockerRuntime:
         if container is None:
             raise EngineError("no container in the launch spec", deployment_id=spec.deployment_id)
         loop = asyncio.get_running_loop()
+        cancelled = threading.Event()
 
         def progress(line: str) -> None:
-            if on_progress is not None:
+            if on_progress is not None and not cancelled.is_set():
                 loop.call_soon_threadsafe(on_progress, line)
 
         try:
             await self._call(self._connected)
-            await self._run_thread(f"pull-{spec.deployment_id}", self._ensure_image, spec, progress)
+            try:
+                await self._run_thread(
+                    f"pull-{spec.deployment_id}", self._ensure_image, spec, progress, cancelled
+                )
+            except asyncio.CancelledError:
+                cancelled.set()  # the pull thread stops at Docker's next message
+                raise
             creating = asyncio.ensure_future(self._call(self._create_and_start, spec, container))
             try:
                 return await asyncio.shield(creating)
             except asyncio.CancelledError:
                 # The worker thread goes on regardless: remove what it creates.
-                with contextlib.suppress(Exception):
-                    await self.stop(await creating, grace_s=0)
+                await asyncio.shield(self._remove_created(creating))
                 raise
-        except (docker.errors.DockerException, requests.RequestException) as exc:
+        except DOCKER_ERRORS as exc:
             raise EngineError(
-                f"docker: {docker_error_text(exc)}", deployment_id=spec.deployment_id
+                f"Docker engine at {self.host}: {docker_error_text(exc)}",
+                deployment_id=spec.deployment_id,
             ) from exc
+
+    async def _remove_created(self, creating: asyncio.Future[EngineHandle]) -> None:
+        try:
+            handle = await creating
+            await self.stop(handle, grace_s=0)
+        except _DOCKER_OR_ENGINE_ERRORS as exc:
+            log.warning("removing a container whose start was cancelled failed: %s", exc)
 
     async def _run_thread(self, name: str, function: Callable[..., T], *args: Any) -> T:
         """Run a long blocking call (an image pull) on a thread of its own."""
@@ -278,14 +304,20 @@ class DockerRuntime:
 
         def body() -> None:
             try:
-                outcome.set_result(function(*args))
+                value = function(*args)
             except BaseException as exc:
-                outcome.set_exception(exc)
+                if not outcome.cancelled():
+                    outcome.set_exception(exc)
+            else:
+                if not outcome.cancelled():
+                    outcome.set_result(value)
 
         threading.Thread(target=body, name=f"berth-{name}", daemon=True).start()
         return await asyncio.wrap_future(outcome)
 
-    def _ensure_image(self, spec: LaunchSpec, progress: Callable[[str], None]) -> None:
+    def _ensure_image(
+        self, spec: LaunchSpec, progress: Callable[[str], None], cancelled: threading.Event
+    ) -> None:
         assert spec.container is not None
         image = spec.container.image
         client = self._connected()
@@ -301,8 +333,13 @@ class DockerRuntime:
         last = time.monotonic()
         started = last
         try:
-            for message in client.api.pull(repository, tag=tag or "latest", stream=True,
-                                           decode=True):  # fmt: skip
+            messages = client.api.pull(repository, tag=tag or "latest", stream=True, decode=True)
+            for message in messages:
+                if cancelled.is_set():
+                    messages.close()  # closes the response: Docker drops a pull nobody reads
+                    raise EngineError(
+                        f"the pull of {image} was cancelled", deployment_id=spec.deployment_id
+                    )
                 if not isinstance(message, dict):
                     continue
                 if "error" in message:
@@ -314,7 +351,7 @@ class DockerRuntime:
                 if time.monotonic() - last >= _PROGRESS_EVERY_S:
                     last = time.monotonic()
                     progress(tracker.line())
-        except (docker.errors.DockerException, requests.RequestException) as exc:
+        except DOCKER_ERRORS as exc:
             reason = f"cannot pull image {image}: {docker_error_text(exc)}"
             _append_log(spec.log_path, f"=== berth {_stamp()} {reason}\n")
             raise EngineError(reason, deployment_id=spec.deployment_id) from exc
@@ -361,6 +398,9 @@ class DockerRuntime:
             "name": name,
             "labels": labels,
             "detach": True,
+            # docker-init as PID 1: forwards signals to the engine and reaps the helper
+            # processes vLLM and SGLang fork.
+            "init": True,
             "environment": dict(spec.env),
             "ports": {f"{container.container_port}/tcp": (spec.host,)},
             "mounts": [
@@ -388,16 +428,17 @@ class DockerRuntime:
             created = client.containers.create(container.image, **options)
         try:
             created.start()
+            # Copy the output from the start, so an engine that exits at once leaves its reason.
+            self._follow_logs(created.id, spec.log_path, since=None)
             created.reload()
             handle = self._handle(spec.deployment_id, created.attrs)
-        except (docker.errors.DockerException, requests.RequestException, EngineError) as exc:
-            with contextlib.suppress(docker.errors.DockerException, requests.RequestException):
+        except _DOCKER_OR_ENGINE_ERRORS as exc:
+            with contextlib.suppress(*DOCKER_ERRORS):
                 created.remove(force=True)
             reason = exc if isinstance(exc, EngineError) else docker_error_text(exc)
             raise EngineError(
                 f"cannot start container {name}: {reason}", deployment_id=spec.deployment_id
             ) from exc
-        self._follow_logs(created.id, spec.log_path, since=None)
         return handle
 
     def _remove_stale(self, name: str) -> bool:
@@ -467,7 +508,7 @@ class DockerRuntime:
         container_id = _container_id(handle)
         try:
             await self._call(self._stop_and_remove, container_id, grace_s)
-        except (docker.errors.DockerException, requests.RequestException) as exc:
+        except DOCKER_ERRORS as exc:
             raise EngineError(
                 f"cannot stop container {container_id[:12]}: {docker_error_text(exc)}",
                 deployment_id=handle.deployment_id,
@@ -497,7 +538,7 @@ class DockerRuntime:
         container_id = _container_id(handle)
         try:
             attrs = await self._call(self._inspect, container_id)
-        except (docker.errors.DockerException, requests.RequestException) as exc:
+        except DOCKER_ERRORS as exc:
             raise EngineError(
                 f"cannot inspect container {container_id[:12]}: {docker_error_text(exc)}",
                 deployment_id=handle.deployment_id,
@@ -524,30 +565,32 @@ class DockerRuntime:
         """
         try:
             found = await self._call(self._find, deployment_id)
-        except (docker.errors.DockerException, requests.RequestException) as exc:
+        except DOCKER_ERRORS as exc:
             raise EngineError(
                 f"cannot list containers: {docker_error_text(exc)}", deployment_id=deployment_id
             ) from exc
         if not found:
             return None
         attrs = found[0]
+        container_id = str(attrs["Id"])
+        since = _mtime(log_path)  # what it printed while nobody copied its output
         if not (attrs.get("State") or {}).get("Running"):
-            await self._call(self._remove_quietly, str(attrs["Id"]))
+            await self._call(self._copy_and_remove, container_id, log_path, since)
             return None
         if _published_port(attrs) is None:
             log.warning("container %s of deployment %s publishes no engine port: removing it",
-                        str(attrs["Id"])[:12], deployment_id)  # fmt: skip
-            await self._call(self._remove_quietly, str(attrs["Id"]))
+                        container_id[:12], deployment_id)  # fmt: skip
+            await self._call(self._copy_and_remove, container_id, log_path, since)
             return None
         handle = self._handle(deployment_id, attrs)
-        self._follow_logs(str(attrs["Id"]), log_path, since=time.time())
+        self._follow_logs(container_id, log_path, since=since)
         return handle
 
     async def owned(self) -> list[str]:
         """Deployment ids of every container (running or not) this home and node own."""
         try:
             found = await self._call(self._find, None)
-        except (docker.errors.DockerException, requests.RequestException) as exc:
+        except DOCKER_ERRORS as exc:
             raise EngineError(f"cannot list containers: {docker_error_text(exc)}") from exc
         owners = set()
         for attrs in found:
@@ -566,9 +609,24 @@ class DockerRuntime:
                 found.append(attrs)
         return found
 
-    def _remove_quietly(self, container_id: str) -> None:
+    def _copy_and_remove(self, container_id: str, log_path: Path, since: float | None) -> None:
+        """Append what the container printed since ``since`` to the log, then remove it."""
+        api = self._connected().api
         with contextlib.suppress(docker.errors.NotFound):
-            self._connected().api.remove_container(container_id, force=True)
+            output = api.logs(container_id, since=since) if since else api.logs(container_id)
+            if output:
+                with log_path.open("ab") as sink:
+                    sink.write(bytes(output))
+            api.remove_container(container_id, force=True)
+
+    def close(self) -> None:
+        """Release the thread pool and the SDK client (containers keep running)."""
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        with self._client_lock:
+            if self._client is not None:
+                with contextlib.suppress(*DOCKER_ERRORS):
+                    self._client.close()
+                self._client = None
 
     # -- logs ------------------------------------------------------------------------------
 
@@ -583,7 +641,7 @@ class DockerRuntime:
                     for chunk in stream:
                         sink.write(chunk)
                         sink.flush()
-            except (docker.errors.DockerException, requests.RequestException, OSError) as exc:
+            except DOCKER_ERRORS as exc:
                 log.warning("copying the output of container %s stopped: %s",
                             container_id[:12], exc)  # fmt: skip
 
@@ -597,7 +655,7 @@ class DockerRuntime:
         def tail() -> str:
             try:
                 raw = self._connected().api.logs(container_id, tail=self._log_tail_lines)
-            except (docker.errors.DockerException, requests.RequestException):
+            except DOCKER_ERRORS:
                 return ""
             return bytes(raw).decode("utf-8", errors="replace")
 
@@ -648,6 +706,13 @@ def _published_port(attrs: dict[str, Any]) -> int | None:
             if host_port:
                 return int(host_port)
     return None
+
+
+def _mtime(path: Path) -> float | None:
+    try:
+        return path.stat().st_mtime
+    except OSError:
+        return None
 
 
 def _append_log(path: Path, text: str) -> None:

@@ -18,6 +18,7 @@ Flags come from each engine's own documentation:
 from __future__ import annotations
 
 import importlib
+import os
 import re
 import shutil
 import socket
@@ -291,6 +292,10 @@ DEFAULT_IMAGES: dict[EngineName, str] = {
     "sglang": "lmsysorg/sglang:latest",
 }
 
+#: The image used instead of :data:`DEFAULT_IMAGES` when a deployment gets GPUs: llama.cpp
+#: publishes its CUDA build as a separate tag.
+DEFAULT_GPU_IMAGES: dict[EngineName, str] = {"llamacpp": "ghcr.io/ggml-org/llama.cpp:server-cuda"}
+
 #: ``/dev/shm`` size of engine containers unless the ``docker_shm_size`` setting says: vLLM
 #: and SGLang document a large one for their workers (SGLang's examples use 32g); it is
 #: memory used only as filled.
@@ -320,12 +325,14 @@ def build_container_spec(req: DeploymentRequest, image: str, *, shm_size: str) -
     """Translate ``req`` into a container for the docker runtime.
 
     The model is bind-mounted read-only at ``/models``: a directory as a whole, a file with
-    the folder it is in (a split GGUF's other shards live beside its first).  The engine binds
-    ``0.0.0.0`` at its image's usual port (:data:`CONTAINER_PORTS`); the runtime publishes
-    that port on the host's 127.0.0.1 at a free port.  GPUs go through a device request, so
-    no ``CUDA_VISIBLE_DEVICES`` is set; the engine sees them numbered from 0.  ``shm_size``
-    sizes ``/dev/shm`` (vLLM and SGLang share tensors between workers there); a container
-    with GPUs also gets :data:`CONTAINER_ULIMITS`.
+    the folder it is in (a split GGUF's other shards live beside its first); when that folder
+    holds symlinks (a Hugging Face cache snapshot), the common ancestor of the folder and the
+    links' targets is mounted instead, so relative links still resolve in the container.
+    The engine binds ``0.0.0.0`` at its image's usual port (:data:`CONTAINER_PORTS`); the
+    runtime publishes that port on the host's 127.0.0.1 at a free port.  GPUs go through a
+    device request, so no ``CUDA_VISIBLE_DEVICES`` is set; the engine sees them numbered
+    from 0.  ``shm_size`` sizes ``/dev/shm`` (vLLM and SGLang share tensors between workers
+    there); a container with GPUs also gets :data:`CONTAINER_ULIMITS`.
 
     Raises the same errors as :func:`build_launch_spec`, except that no engine program is
     needed on the host.
@@ -335,13 +342,15 @@ def build_container_spec(req: DeploymentRequest, image: str, *, shm_size: str) -
         raise ConfigError("the docker image name is empty")
     served = req.effective_served_name
     port = CONTAINER_PORTS[req.engine]
+    folder = (req.model_path if req.model_path.is_dir() else req.model_path.parent).resolve()
+    source = _mount_root(folder)
+    below = folder.relative_to(source).as_posix()
+    inside = CONTAINER_MODEL_DIR if below == "." else f"{CONTAINER_MODEL_DIR}/{below}"
     if req.model_path.is_dir():
-        source, inside = req.model_path, CONTAINER_MODEL_DIR
         if req.engine == "llamacpp":
-            gguf = resolve_gguf(req.model_path)
-            inside = f"{CONTAINER_MODEL_DIR}/{gguf.relative_to(req.model_path).as_posix()}"
+            inside = f"{inside}/{resolve_gguf(req.model_path).name}"
     else:
-        source, inside = req.model_path.parent, f"{CONTAINER_MODEL_DIR}/{req.model_path.name}"
+        inside = f"{inside}/{req.model_path.name}"
     flags = _serve_flags(req, served, CONTAINER_BIND, port)
     command: list[str]
     if req.engine == "llamacpp":
@@ -357,7 +366,7 @@ def build_container_spec(req: DeploymentRequest, image: str, *, shm_size: str) -
         image=image.strip(),
         command=tuple(command),
         container_port=port,
-        mounts=(Mount(source=source.resolve(), target=CONTAINER_MODEL_DIR),),
+        mounts=(Mount(source=source, target=CONTAINER_MODEL_DIR),),
         gpus=req.gpus,
         shm_size=shm_size,
         ulimits=CONTAINER_ULIMITS if req.gpus else (),
@@ -377,6 +386,19 @@ def build_container_spec(req: DeploymentRequest, image: str, *, shm_size: str) -
         host=ENGINE_HOST,
         container=container,
     )
+
+
+def _mount_root(folder: Path) -> Path:
+    """The folder to mount so that ``folder`` and whatever its symlinks point at are inside.
+
+    A Hugging Face cache snapshot holds relative links (``../../blobs/<hash>``), which resolve
+    inside the container too when their common ancestor is what is mounted.
+    """
+    targets = [folder]
+    for entry in folder.rglob("*"):
+        if entry.is_symlink():
+            targets.append(entry.resolve().parent)
+    return Path(os.path.commonpath(targets))
 
 
 def resolve_gguf(model_path: Path) -> Path:
