@@ -254,7 +254,8 @@ def test_config_show_says_where_each_value_comes_from(fresh: Berth, llama_server
         "PATH": f"{llama_server_bin.parent}{os.pathsep}{os.environ.get('PATH', '')}",
     }
 
-    shown = json.loads(fresh("config", "show", "--json", env=env).stdout)
+    document = json.loads(fresh("config", "show", "--json", env=env).stdout)
+    shown = document["settings"]
     table = fresh("config", "show", env=env).stdout
 
     assert shown["public_port"] == {"value": 12345, "source": "file"}
@@ -262,6 +263,10 @@ def test_config_show_says_where_each_value_comes_from(fresh: Berth, llama_server
     assert shown["public_bind"] == {"value": "127.0.0.1", "source": "default"}
     assert shown["llama_server_bin"] == {"value": str(llama_server_bin), "source": "autodetect"}
     assert f"config file: {config}" in table
+    assert (document["config_file"], document["public_url"]) == (
+        str(config),
+        "https://127.0.0.1:12345",
+    )
     (row,) = [line for line in table.splitlines() if " public_port " in line]
     assert row.replace("│", " ").split() == ["public_port", "12345", "file"]
 

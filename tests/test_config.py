@@ -278,7 +278,7 @@ def test_write_config_values_round_trips(home: BerthHome) -> None:
         {
             "public_port": 8443,
             "stop_grace_s": 2.5,
-            "public_host": tricky,
+            "llamacpp_image": tricky,
             "vllm_bin": Path("/opt/vllm"),
         },
     )
@@ -286,7 +286,7 @@ def test_write_config_values_round_trips(home: BerthHome) -> None:
 
     assert settings.public_port == 8443
     assert settings.stop_grace_s == 2.5
-    assert settings.public_host == tricky.strip()
+    assert settings.llamacpp_image == tricky.strip()
     assert settings.vllm_bin == Path("/opt/vllm")
     assert settings.log_level == "debug"
     assert stat.S_IMODE(home.config_file.stat().st_mode) == 0o600

@@ -20,6 +20,7 @@ only from the ``env`` mapping and the home it is given.
 from __future__ import annotations
 
 import importlib
+import ipaddress
 import math
 import os
 import re
@@ -38,7 +39,7 @@ from berth.runtime.base import RUNTIME_NAMES
 from berth.runtime.engines import DEFAULT_IMAGES, DEFAULT_SHM_SIZE, EngineName
 
 SettingSource = Literal["flag", "env", "file", "autodetect", "default"]
-SettingKind = Literal["str", "int", "float", "path"]
+SettingKind = Literal["str", "int", "float", "path", "bool"]
 JsonScalar = str | int | float | bool | None
 
 ENV_PREFIX = "BERTH_"
@@ -49,11 +50,13 @@ MiB = 1024 * 1024
 class SettingDef:
     """The declaration of one setting.
 
-    ``kind`` is the Python type the value converts to (``path`` → :class:`~pathlib.Path`).
+    ``kind`` is the Python type the value converts to (``path`` → :class:`~pathlib.Path`;
+    ``bool`` takes TOML ``true``/``false`` or, as text, ``1 true yes on`` / ``0 false no off``).
     ``default`` is a constant or a callable of the home (``database_url`` lives under it);
     ``optional`` settings may resolve to ``None``.  ``autodetect`` takes the environment
     mapping (for ``PATH``) and returns a value or ``None`` when it finds nothing.
-    ``minimum``/``maximum`` bound numbers; ``choices`` closes a string to a set.
+    ``minimum``/``maximum`` bound numbers; ``choices`` closes a string to a set; ``check``
+    takes a converted string and returns why it is invalid, or ``None`` when it is fine.
     """
 
     name: str
@@ -67,6 +70,7 @@ class SettingDef:
     minimum: float | None = None
     maximum: float | None = None
     choices: tuple[str, ...] = ()
+    check: Callable[[str], str | None] | None = None
 
     @property
     def env_var(self) -> str:
@@ -110,6 +114,34 @@ def _detect_llama_server(env: Mapping[str, str]) -> Path | None:
     return Path(found)
 
 
+_HOST_NAME = re.compile(r"^[A-Za-z0-9_](?:[A-Za-z0-9_.-]*[A-Za-z0-9_.])?$")
+
+
+def host_problem(text: str) -> str | None:
+    """Why ``text`` is not a bare host name or IP address, or ``None`` when it is one.
+
+    A host setting holds only the host: ``https://api.example.com`` or ``api.example.com:443``
+    would end up in URLs as ``https://https://...`` or ``[api.example.com:443]``.  IPv6
+    addresses may come with or without brackets.
+    """
+    if ":" in text:
+        try:
+            ipaddress.IPv6Address(text.removeprefix("[").removesuffix("]"))
+        except ValueError:
+            return (
+                "expected a host name or IP address, without scheme, port or path "
+                "(the port is a setting of its own)"
+            )
+        return None
+    if not _HOST_NAME.match(text):
+        return "expected a host name or IP address, without scheme, port, path or spaces"
+    return None
+
+
+_TRUE_WORDS = frozenset({"1", "true", "yes", "on"})
+_FALSE_WORDS = frozenset({"0", "false", "no", "off"})
+
+
 #: Every setting berth knows, in display order.
 SETTINGS: tuple[SettingDef, ...] = (
     SettingDef(
@@ -120,9 +152,9 @@ SETTINGS: tuple[SettingDef, ...] = (
         default_factory=lambda home: f"sqlite:///{home.db_file}",
     ),
     SettingDef("public_host", "str", "server", "host name clients use to reach the leader",
-               default="127.0.0.1"),
+               default="127.0.0.1", check=host_problem),
     SettingDef("public_bind", "str", "server", "address the public HTTPS listener binds",
-               default="127.0.0.1"),
+               default="127.0.0.1", check=host_problem),
     SettingDef("public_port", "int", "server", "TCP port of the public HTTPS listener",
                default=11500, minimum=0, maximum=65535),
     SettingDef("public_cert", "path", "server",
@@ -138,6 +170,9 @@ SETTINGS: tuple[SettingDef, ...] = (
     SettingDef("relay_buffer_chunks", "int", "server",
                "chunks of an answer read ahead of a slow client before berth stops reading",
                default=64, minimum=1, maximum=4096),
+    SettingDef("leader_only", "bool", "server",
+               "run no engines on the leader's host: a control plane only (engines on agents)",
+               default=False),
     SettingDef("log_level", "str", "daemon", "daemon log level", default="info",
                choices=("debug", "info", "warning", "error", "critical")),
     SettingDef("health_timeout_s", "float", "daemon",
@@ -171,9 +206,9 @@ SETTINGS: tuple[SettingDef, ...] = (
                "SGLang's image for the docker runtime (repository:tag)",
                default=DEFAULT_IMAGES["sglang"]),
     SettingDef("cluster_host", "str", "cluster", "host name agents use to reach the leader",
-               default="127.0.0.1"),
+               default="127.0.0.1", check=host_problem),
     SettingDef("cluster_bind", "str", "cluster", "address the cluster listener binds",
-               default="127.0.0.1"),
+               default="127.0.0.1", check=host_problem),
     SettingDef("cluster_port", "int", "cluster", "TCP port of the cluster listener",
                default=11501, minimum=0, maximum=65535),
     SettingDef("leader_url", "str", "cluster",
@@ -267,6 +302,7 @@ class Settings:
     max_body_bytes: int
     max_attempts: int
     relay_buffer_chunks: int
+    leader_only: bool
     log_level: str
     health_timeout_s: float
     stop_grace_s: float
@@ -360,6 +396,11 @@ class Settings:
             return self.leader_url.rstrip("/")
         return f"https://{url_host(self.cluster_host)}:{port or self.cluster_port}"
 
+    def public_url(self, port: int | None = None) -> str:
+        """The URL clients use: ``https://public_host:port`` (``port`` is the bound one, for
+        ``public_port = 0``; default the setting)."""
+        return f"https://{url_host(self.public_host)}:{port or self.public_port}"
+
     def source(self, name: str) -> SettingSource:
         """Where the value of ``name`` came from; :class:`ConfigError` for an unknown name."""
         setting_definition(name)
@@ -381,7 +422,7 @@ class Settings:
             rows.append(
                 SettingRow(
                     name=defn.name,
-                    value="" if shown is None else str(shown),
+                    value=_text(shown),
                     source=self.sources[defn.name],
                     env_var=defn.env_var,
                     toml_location=defn.toml_location,
@@ -399,6 +440,14 @@ class Settings:
             }
             for defn in SETTINGS
         }
+
+
+def _text(shown: JsonScalar) -> str:
+    if shown is None:
+        return ""
+    if isinstance(shown, bool):
+        return "true" if shown else "false"
+    return str(shown)
 
 
 def _check_registry_matches_settings() -> None:
@@ -435,6 +484,17 @@ def _resolve(
     return defn.default, "default"
 
 
+def convert_setting(name: str, raw: object, *, where: str, relative_to: Path) -> object:
+    """Convert and validate ``raw`` for setting ``name`` exactly as :meth:`Settings.load`
+    does (text as from a flag or the environment, or a TOML value).
+
+    ``where`` starts the error message (e.g. ``"port=abc"``); relative paths are taken
+    relative to ``relative_to``.  Returns the typed value (``None`` for an empty optional
+    one).  Raises :class:`ConfigError` for an unknown name or an invalid value.
+    """
+    return _convert(setting_definition(name), raw, where, relative_to)
+
+
 def _convert(defn: SettingDef, raw: object, where: str, relative_to: Path) -> object:
     """Convert ``raw`` (text from a flag or the environment, or a TOML value) to the type."""
 
@@ -446,6 +506,15 @@ def _convert(defn: SettingDef, raw: object, where: str, relative_to: Path) -> ob
             return None
         raise bad("a value is required")
     value: object
+    if defn.kind == "bool":
+        if isinstance(raw, bool):
+            return raw
+        word = raw.strip().lower() if isinstance(raw, str) else None
+        if word in _TRUE_WORDS:
+            return True
+        if word in _FALSE_WORDS:
+            return False
+        raise bad("expected true or false")
     if defn.kind == "int":
         if isinstance(raw, bool) or not isinstance(raw, int | str):
             raise bad("expected an integer")
@@ -475,6 +544,9 @@ def _convert(defn: SettingDef, raw: object, where: str, relative_to: Path) -> ob
             raise bad("a value is required")
         if defn.choices and value not in defn.choices:
             raise bad(f"expected one of {', '.join(defn.choices)}")
+        problem = defn.check(value) if defn.check is not None else None
+        if problem is not None:
+            raise bad(problem)
     if isinstance(value, int | float):
         if defn.minimum is not None and value < defn.minimum:
             raise bad(f"must be at least {_number(defn.minimum)}")

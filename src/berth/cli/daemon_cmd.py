@@ -57,8 +57,15 @@ def start(
     cluster_port: int | None = typer.Option(None, help="Port of the cluster listener."),
     cluster_bind: str | None = typer.Option(None, help="Address the cluster listener binds."),
     leader_url: str | None = typer.Option(None, help="Cluster URL advertised to agents."),
+    leader_only: bool | None = typer.Option(
+        None,
+        "--leader-only/--no-leader-only",
+        help="Run no engines on this host: a control plane for agents only.",
+        show_default=False,
+    ),
 ) -> None:
-    """Start the leader: HTTPS on the public listener, the CLI socket, the local node."""
+    """Start the leader: HTTPS on the public listener, the cluster listener for agents, the
+    CLI socket and, unless leader-only, the local node's engines."""
     cli = context(ctx)
     flags = _flags(
         public_host=public_host,
@@ -70,6 +77,7 @@ def start(
         cluster_port=cluster_port,
         cluster_bind=cluster_bind,
         leader_url=leader_url,
+        leader_only=leader_only,
     )
     settings = Settings.load(cli.home, flags=flags)
     if foreground:
@@ -90,7 +98,11 @@ def start(
         "--foreground",
     ]
     for name, value in flags.items():
-        argv += [f"--{name.replace('_', '-')}", str(value)]
+        option = f"--{name.replace('_', '-')}"
+        if isinstance(value, bool):  # an on/off switch: --leader-only / --no-leader-only
+            argv.append(option if value else option.replace("--", "--no-", 1))
+        else:
+            argv += [option, str(value)]
     log_file = cli.home.daemon_log
     log_offset = log_file.stat().st_size if log_file.exists() else 0
     with open(log_file, "ab") as log_out:
@@ -154,6 +166,12 @@ def _print_banner(info: dict[str, Any], log_file: Path) -> None:
     console.print(f"  {'CA fingerprint':<15} {info['ca_fingerprint']}", soft_wrap=True)
     console.print(f"  {'CA certificate':<15} {info['ca_file']}", soft_wrap=True)
     console.print(f"  {'log':<15} {log_file}", soft_wrap=True)
+    if info.get("leader_only"):
+        console.print(
+            f"  {'mode':<15} leader-only: no engines on this host; run models on agents "
+            "(berth run MODEL --node LABEL)",
+            soft_wrap=True,
+        )
     for runtime in info.get("runtimes", []):
         mark = "[green]available[/]" if runtime["available"] else "[yellow]unavailable[/]"
         label = f"runtime {runtime['name']}"
@@ -244,7 +262,8 @@ def daemon_status(
     if as_json:
         print_json(info)
         return
-    console.print(f"[green]running[/] pid {info['pid']}, up {age(info['uptime_s'])}")
+    mode = ", leader-only (no local engines)" if info.get("leader_only") else ""
+    console.print(f"[green]running[/] pid {info['pid']}, up {age(info['uptime_s'])}{mode}")
     for listener in info["listeners"]:
         console.print(f"  {listener['name']:<8} {listener['url']}", soft_wrap=True)
     console.print(f"  CA       {info['ca_fingerprint']}", soft_wrap=True)
@@ -263,7 +282,7 @@ def status(
         return
     console.print(
         f"[bold]daemon[/]  [green]running[/] pid {info['pid']}, up {age(info['uptime_s'])}, "
-        f"home {info['home']}"
+        f"home {info['home']}{', leader-only' if info.get('leader_only') else ''}"
     )
     for listener in info["listeners"]:
         console.print(f"  {listener['name']:<8} {listener['url']}")

@@ -30,7 +30,7 @@ from berth.daemon.lifecycle import DeployOptions, LifecycleManager
 from berth.daemon.openai_errors import error_body, error_from_exception
 from berth.daemon.services import LeaderServices
 from berth.daemon.states import TERMINAL_STATES
-from berth.errors import BerthError, ConfigError, NotFoundError
+from berth.errors import BerthError, ConfigError, ConflictError, NotFoundError
 from berth.keys import generate_secret, hash_secret, key_prefix, parse_tier
 from berth.store import ApiKeyRecord, DeploymentRecord, ModelRecord, Store
 
@@ -211,6 +211,8 @@ def build_admin_app(services: LeaderServices) -> FastAPI:
             # No --public-cert: clients must trust the berth CA (ca_file) to reach /v1.
             "public_cert_from_ca": services.settings.public_cert is None,
             "ready": services.ready,
+            # A control plane only: no engines on the leader's host (the leader_only setting).
+            "leader_only": services.leader_only,
             "runtimes": [asdict(runtime) for runtime in services.runtimes],
         }
 
@@ -292,6 +294,11 @@ def build_admin_app(services: LeaderServices) -> FastAPI:
 
     @app.post("/admin/deployments", status_code=201)
     async def create_deployment(body: DeploymentIn) -> dict[str, Any]:
+        if services.leader_only and body.node == LOCAL_NODE_ID:
+            raise ConflictError(
+                "this leader runs no engines (leader_only is set): run the deployment on an "
+                "agent with --node LABEL (`berth nodes ls` lists them)"
+            )
         record = await lifecycle.deploy(
             DeployOptions(
                 model_name=body.model,

@@ -5,6 +5,9 @@ the local CLI; the cluster listener for agents (aiohttp, see ``cluster/listener.
 the same loop.  Sockets are bound here, before anything else starts, so a port in use fails
 the start with the listener's name, and the socket file is created with mode 0600 from the
 first instant (uvicorn's own ``uds`` option would make it 0666).
+
+With ``leader_only`` the leader is a control plane only: no agent core, no ``local`` link, no
+local node sampler; every deployment runs on an agent.
 """
 
 from __future__ import annotations
@@ -67,7 +70,14 @@ class _QuietServer(uvicorn.Server):
 
 
 def bind_tcp(name: str, host: str, port: int) -> socket.socket:
-    """Bind a listening TCP socket; ``DaemonError`` names the listener when the port is taken."""
+    """Bind a listening TCP socket on ``host`` (an address or name; an IPv6 address may be in
+    brackets) and ``port`` (0: any free one).
+
+    Raises ``DaemonError`` naming the listener, address and port when binding fails (a port
+    in use: ``public listener 127.0.0.1:11500: address already in use``).
+    """
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     # IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY on accepted connections only when the
     # listening socket says TCP, and without it a head and body written as two TLS records
@@ -125,6 +135,37 @@ def public_tls_files(
     return cert, key
 
 
+def refuse_local_leftovers(store: Store) -> None:
+    """For a leader-only start: ``DaemonError`` if deployments on node ``local`` are still
+    active.  Their engines may still run, and a leader without a local agent core could
+    neither take them back nor stop them."""
+    left = [r.id for r in store.list_deployments(active_only=True) if r.node_id == LOCAL_NODE_ID]
+    if left:
+        raise DaemonError(
+            f"leader_only is set, but deployments on this host are still active: "
+            f"{', '.join(left)}; start once without --leader-only, stop them (berth stop ID), "
+            "then start with --leader-only"
+        )
+
+
+def build_local_core(home: BerthHome, settings: Settings) -> AgentCore:
+    """The agent core for node ``local``: this host's engines, as processes or containers."""
+    return AgentCore(
+        ProcessRuntime(),
+        EngineBinaries(
+            llama_server=_optional_str(settings.llama_server_bin),
+            vllm=_optional_str(settings.vllm_bin),
+            sglang_python=str(settings.sglang_python),
+        ),
+        NvmlInventory(),
+        logs_dir=home.logs_dir,
+        docker=DockerRuntime(
+            host=resolve_docker_host(settings.docker_host), home=home.root, node_id=LOCAL_NODE_ID
+        ),
+        docker_shm_size=settings.docker_shm_size,
+    )
+
+
 def _optional_str(value: object) -> str | None:
     return None if value is None else str(value)
 
@@ -148,10 +189,18 @@ def _uvicorn_config(app: object, *, tls: tuple[Path, Path] | None) -> uvicorn.Co
 
 
 async def serve(home: BerthHome, settings: Settings) -> None:
-    """Run the leader until SIGTERM or SIGINT, then stop every engine it started."""
+    """Run the leader until SIGTERM or SIGINT, then stop every engine it started.
+
+    Raises ``DaemonError`` when a listener cannot bind (naming it, its address and port), or
+    when ``leader_only`` is set while deployments on this host are still active.
+    """
     home.ensure()
     public_sock = bind_tcp("public", settings.public_bind, settings.public_port)
-    cluster_sock = bind_tcp("cluster", settings.cluster_bind, settings.cluster_port)
+    try:
+        cluster_sock = bind_tcp("cluster", settings.cluster_bind, settings.cluster_port)
+    except DaemonError:
+        public_sock.close()
+        raise
     unix_sock = bind_unix(home.socket_file)
     public_port: int = public_sock.getsockname()[1]  # the real one, also for --public-port 0
     cluster_url = settings.cluster_url(cluster_sock.getsockname()[1])
@@ -159,6 +208,15 @@ async def serve(home: BerthHome, settings: Settings) -> None:
     store = Store(settings.database_url)
     await asyncio.to_thread(store.migrate)
     await asyncio.to_thread(store.ensure_local_node)
+    if settings.leader_only:
+        try:
+            await asyncio.to_thread(refuse_local_leftovers, store)
+        except DaemonError:
+            for sock in (public_sock, cluster_sock, unix_sock):
+                sock.close()
+            home.socket_file.unlink(missing_ok=True)
+            store.close()
+            raise
     ca = await asyncio.to_thread(CertificateAuthority.load_or_create, home.ca_dir)
     tls = await asyncio.to_thread(public_tls_files, settings, home, ca)
     pepper = await asyncio.to_thread(load_or_create_pepper, home.pepper_file)
@@ -168,21 +226,10 @@ async def serve(home: BerthHome, settings: Settings) -> None:
     metrics = ProxyMetrics(local_meter=local_meter, local_node=LOCAL_NODE_ID)
     cluster_metrics = ClusterMetrics(model_of=metrics.deployment_model)
     cluster_metrics.register(metrics.registry)
-    core = AgentCore(
-        ProcessRuntime(),
-        EngineBinaries(
-            llama_server=_optional_str(settings.llama_server_bin),
-            vllm=_optional_str(settings.vllm_bin),
-            sglang_python=str(settings.sglang_python),
-        ),
-        NvmlInventory(),
-        logs_dir=home.logs_dir,
-        docker=DockerRuntime(
-            host=resolve_docker_host(settings.docker_host), home=home.root, node_id=LOCAL_NODE_ID
-        ),
-        docker_shm_size=settings.docker_shm_size,
-    )
-    links: dict[str, AgentLink] = {LOCAL_NODE_ID: InProcessLink(core)}
+    core = None if settings.leader_only else build_local_core(home, settings)
+    links: dict[str, AgentLink] = {}
+    if core is not None:
+        links[LOCAL_NODE_ID] = InProcessLink(core)
     audit = AuditLog(home.audit_log)
     signals = SignalBoard()
 
@@ -215,13 +262,15 @@ async def serve(home: BerthHome, settings: Settings) -> None:
         lifecycle, signals=signals, node_reported=hub.has_reported, free_vram_mb=hub.free_vram_mb
     )
     lifecycle.on_node_lost = router.node_lost
-    local_sampler = LocalNodeSampler(
-        core,
-        local_meter,
-        cluster_metrics,
-        node_id=LOCAL_NODE_ID,
-        interval_s=settings.heartbeat_interval_s,
-    )
+    local_sampler = None
+    if core is not None:
+        local_sampler = LocalNodeSampler(
+            core,
+            local_meter,
+            cluster_metrics,
+            node_id=LOCAL_NODE_ID,
+            interval_s=settings.heartbeat_interval_s,
+        )
     proxy = OpenAIProxy(
         lifecycle,
         metrics,
@@ -289,16 +338,19 @@ async def serve(home: BerthHome, settings: Settings) -> None:
             asyncio.create_task(socket_server.serve(sockets=[unix_sock])),
         ]
         await cluster_listener.start()
-        services.runtimes = await core.runtime_status()
-        for runtime in services.runtimes:
-            verdict = "available" if runtime.available else "unavailable"
-            log.info("runtime %s: %s (%s)", runtime.name, verdict, runtime.detail)
-        await core.restore()  # containers left running by the last leader, for reconcile
+        if core is not None:
+            services.runtimes = await core.runtime_status()
+            for runtime in services.runtimes:
+                verdict = "available" if runtime.available else "unavailable"
+                log.info("runtime %s: %s (%s)", runtime.name, verdict, runtime.detail)
+            await core.restore()  # containers left running by the last leader, for reconcile
         await lifecycle.start()
-        local_sampler.start()
+        if local_sampler is not None:
+            local_sampler.start()
         services.ready = True
         log.info(
-            "berth leader ready: public https://%s:%d, cluster %s, socket %s, CA %s",
+            "berth leader ready%s: public https://%s:%d, cluster %s, socket %s, CA %s",
+            " (leader-only: no engines on this host)" if core is None else "",
             settings.public_bind,
             public_port,
             cluster_url,
@@ -314,7 +366,8 @@ async def serve(home: BerthHome, settings: Settings) -> None:
         await asyncio.gather(*serving, return_exceptions=True)
         stopper.cancel()
     finally:
-        await local_sampler.stop()
+        if local_sampler is not None:
+            await local_sampler.stop()
         await hub.shutdown()
         await cluster_listener.stop()
         await lifecycle.shutdown()

@@ -41,7 +41,9 @@ class LeaderServices:
     proxy: OpenAIProxy
     lifecycle: LifecycleManager
     authenticator: Authenticator
-    local_core: AgentCore
+    #: The agent core running node ``local``'s engines; ``None`` on a leader-only daemon
+    #: (``leader_only``), which runs no engines and has no ``local`` link.
+    local_core: AgentCore | None
     links: dict[str, AgentLink]
     hub: NodeHub
     enrollment: EnrollmentService
@@ -56,3 +58,8 @@ class LeaderServices:
     runtimes: list[RuntimeStatus] = field(default_factory=list)
     #: Every node's load over the last minute (``/metrics``, ``/admin/metrics/snapshot``).
     cluster_metrics: ClusterMetrics = field(default_factory=ClusterMetrics)
+
+    @property
+    def leader_only(self) -> bool:
+        """Whether this leader is a control plane only: no engines on its own host."""
+        return self.local_core is None
