@@ -10,6 +10,8 @@ import typer
 from berth import __version__
 from berth.cli import (
     agent_cmd,
+    backup_cmd,
+    bootstrap_cmd,
     config_cmd,
     daemon_cmd,
     demo,
@@ -59,6 +61,8 @@ app.add_typer(keys_cmd.key_app, name="key")
 app.add_typer(config_cmd.config_app, name="config")
 app.add_typer(nodes_cmd.nodes_app, name="nodes")
 app.add_typer(agent_cmd.app, name="agent")
+app.add_typer(backup_cmd.backup_app, name="backup")
+app.add_typer(bootstrap_cmd.deploy_app, name="deploy")
 app.command("status")(daemon_cmd.status)
 app.command("pull")(models_cmd.pull)
 app.command("run")(deploy_cmd.run)

@@ -23,12 +23,11 @@ from cryptography import x509
 from cryptography.x509.oid import NameOID
 
 from berth import __version__
-from berth.cluster.ca import fingerprint_of_der
 from berth.cluster.connection import LinkConnection
 from berth.cluster.enrollment import AuditLog
 from berth.cluster.inventory import gpu_infos
 from berth.cluster.link import LOCAL_NODE_ID, AgentLink
-from berth.cluster.listener import peer_certificate_der
+from berth.cluster.peer_identity import ForwardedFingerprintTrust, client_identity
 from berth.cluster.protocol.errors import CloseCode, ProtocolError
 from berth.cluster.protocol.frames import (
     EngineState,
@@ -76,6 +75,8 @@ class NodeHub:
     :class:`RemoteLink` when an agent says Hello and removes it when the link ends.
     ``cluster_metrics``, when given, hears every heartbeat and every node removal;
     ``audit``, when given, gets a ``node.lost`` line (id, label, close code) per lost link.
+    ``forwarded``, when given, turns on the reverse-proxy fingerprint mode
+    (:mod:`berth.cluster.peer_identity`).
     """
 
     def __init__(
@@ -90,8 +91,10 @@ class NodeHub:
         clock: Callable[[], float] = time.time,
         cluster_metrics: ClusterMetrics | None = None,
         audit: AuditLog | None = None,
+        forwarded: ForwardedFingerprintTrust | None = None,
     ) -> None:
         self._store = store
+        self._forwarded = forwarded
         self._audit = audit
         self._cluster_metrics = cluster_metrics
         self._links = links
@@ -249,18 +252,20 @@ class NodeHub:
         return ws
 
     async def _identify(self, request: web.Request) -> tuple[str | None, tuple[int, str] | None]:
-        der = peer_certificate_der(request)
-        if der is None:
+        identity = client_identity(request, self._forwarded)
+        if identity is None:
             return None, (CloseCode.BAD_CERTIFICATE, "a client certificate is required")
-        node = await asyncio.to_thread(
-            self._store.find_node_by_fingerprint, fingerprint_of_der(der)
-        )
+        node = await asyncio.to_thread(self._store.find_node_by_fingerprint, identity.fingerprint)
         if node is None:
             return None, (CloseCode.BAD_CERTIFICATE, "this certificate belongs to no node")
         if node.status == "removed":
             return None, (CloseCode.NODE_REMOVED, f"node {node.id} was removed")
-        if _common_name(der) != node.id:
+        der = identity.certificate_der
+        # A forwarded fingerprint has no certificate to read; it matched the one issued.
+        if der is not None and _common_name(der) != node.id:
             return None, (CloseCode.BAD_CERTIFICATE, "the certificate names another node")
+        if identity.forwarded_by is not None:
+            log.info("node %s: fingerprint forwarded by %s", node.id, identity.forwarded_by)
         return node.id, None
 
     async def _handshake(

@@ -36,6 +36,7 @@ from berth.cluster.listener import (
     cluster_ssl_context,
     cluster_tls_files,
 )
+from berth.cluster.peer_identity import ForwardedFingerprintTrust
 from berth.config import Settings
 from berth.daemon.app import build_apps
 from berth.daemon.auth import Authenticator
@@ -195,6 +196,8 @@ async def serve(home: BerthHome, settings: Settings) -> None:
     when ``leader_only`` is set while deployments on this host are still active.
     """
     home.ensure()
+    # Read once, here: the reverse-proxy fingerprint mode (berth.cluster.peer_identity).
+    forwarded = ForwardedFingerprintTrust.from_env(os.environ)
     public_sock = bind_tcp("public", settings.public_bind, settings.public_port)
     try:
         cluster_sock = bind_tcp("cluster", settings.cluster_bind, settings.cluster_port)
@@ -256,8 +259,11 @@ async def serve(home: BerthHome, settings: Settings) -> None:
         node_timeout_s=settings.node_timeout_s,
         cluster_metrics=cluster_metrics,
         audit=audit,
+        forwarded=forwarded,
     )
     hub.set_listener(lifecycle)
+    if forwarded is not None:
+        log.warning("cluster: trusting x-berth-client-fingerprint from %s", forwarded.describe())
     router = Router(
         lifecycle, signals=signals, node_reported=hub.has_reported, free_vram_mb=hub.free_vram_mb
     )

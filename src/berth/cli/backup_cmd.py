@@ -1,0 +1,121 @@
+"""``berth backup create|restore|verify``: a leader's state in one archive, and back."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+from rich.table import Table
+
+from berth.backup import BackupManifest, create_backup, restore_backup, verify_backup
+from berth.cli.common import HELP_OPTIONS, console, context, print_json
+from berth.config import Settings
+from berth.paths import resolve_home
+
+backup_app = typer.Typer(
+    context_settings=HELP_OPTIONS,
+    help="Back up a leader's state (database, CA, key pepper, config) and restore it.",
+    no_args_is_help=True,
+)
+
+
+def _size(size_bytes: int) -> str:
+    for unit, scale in (("MiB", 1024 * 1024), ("KiB", 1024)):
+        if size_bytes >= scale:
+            return f"{size_bytes / scale:.1f} {unit}"
+    return f"{size_bytes} B"
+
+
+def _manifest_json(manifest: BackupManifest) -> dict[str, object]:
+    return {
+        "format_version": manifest.format_version,
+        "berth_version": manifest.berth_version,
+        "schema_version": manifest.schema_version,
+        "created_at": manifest.created_at,
+        "files": [
+            {"name": f.name, "size_bytes": f.size_bytes, "sha256": f.sha256, "mode": f"{f.mode:o}"}
+            for f in manifest.files
+        ],
+    }
+
+
+def _print_manifest(manifest: BackupManifest) -> None:
+    console.print(
+        f"  made by berth {manifest.berth_version} at {manifest.created_at}, "
+        f"database schema version {manifest.schema_version}"
+    )
+    table = Table("FILE", "SIZE", "MODE", "SHA-256", box=None, pad_edge=False)
+    for entry in manifest.files:
+        table.add_row(entry.name, _size(entry.size_bytes), f"{entry.mode:o}", entry.sha256[:16])
+    console.print(table)
+
+
+def _berth(home: Path) -> str:
+    """How to call berth for this home in printed advice."""
+    return "berth" if home == resolve_home() else f"berth --home {home}"
+
+
+@backup_app.command("create")
+def create(
+    ctx: typer.Context,
+    file: Path = typer.Argument(..., help="The archive to write, e.g. berth-backup.tar.gz."),
+    force: bool = typer.Option(False, "--force", help="Replace FILE if it exists."),
+    as_json: bool = typer.Option(False, "--json", help="Print the manifest as JSON."),
+) -> None:
+    """Write a consistent snapshot of this leader (safe while the daemon runs).
+
+    The archive holds the database (SQLite's online backup), ca/ (the CA and its
+    certificates), the key pepper and config.toml; it is written with mode 0600.
+    """
+    home = context(ctx).home
+    settings = Settings.load(home)
+    manifest = create_backup(home, settings.database_url, file, force=force)
+    if as_json:
+        print_json({"file": str(file.expanduser().absolute()), **_manifest_json(manifest)})
+        return
+    console.print(
+        f"[bold green]backup written[/] {file} ({len(manifest.files)} files, "
+        f"{_size(manifest.size_bytes)} before compression, mode 600)",
+        soft_wrap=True,
+    )
+    _print_manifest(manifest)
+    console.print("It holds the CA key and the key pepper: keep it as safe as the leader.")
+
+
+@backup_app.command("restore")
+def restore(
+    ctx: typer.Context,
+    file: Path = typer.Argument(..., help="An archive written by berth backup create."),
+    force: bool = typer.Option(
+        False, "--force", help="Replace the state this home holds (it is moved aside, not lost)."
+    ),
+) -> None:
+    """Bring a stopped leader back from a backup; its agents reconnect without re-enrolling."""
+    home = context(ctx).home
+    report = restore_backup(home, file, force=force)
+    console.print(f"[bold green]restored[/] {home.root} from {file}", soft_wrap=True)
+    _print_manifest(report.manifest)
+    console.print(f"  database  {report.database_path}", soft_wrap=True)
+    if report.replaced_dir is not None:
+        console.print(f"  the state it replaced is in {report.replaced_dir}", soft_wrap=True)
+    settings = Settings.load(home)
+    console.print(
+        f"next: {_berth(home.root)} daemon start   (agents dial {settings.cluster_url()}: start "
+        "the leader where that name and port reach it, and they reconnect on their own)",
+        soft_wrap=True,
+        markup=False,
+    )
+
+
+@backup_app.command("verify")
+def verify(
+    file: Path = typer.Argument(..., help="An archive written by berth backup create."),
+    as_json: bool = typer.Option(False, "--json", help="Print the manifest as JSON."),
+) -> None:
+    """Check every file of a backup against its manifest, without restoring anything."""
+    manifest = verify_backup(file)
+    if as_json:
+        print_json(_manifest_json(manifest))
+        return
+    console.print(f"[bold green]ok[/] {file}: every file matches its checksum", soft_wrap=True)
+    _print_manifest(manifest)
