@@ -202,9 +202,13 @@ def _issue_server_certificates(
     cluster_tls_files(ca, settings.cluster_host, home.ca_dir)
 
 
+def _toml_value(value: object) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
 def _print_result(home: BerthHome, settings: Settings, result: dict[str, Any]) -> None:
     berth = _berth(home.root)
-    shown = ", ".join(f"{k} = {v}" for k, v in result["settings"].items())
+    shown = ", ".join(f"{k} = {_toml_value(v)}" for k, v in result["settings"].items())
     console.print(f"[bold green]leader bootstrapped[/] in {home.root}", soft_wrap=True)
     console.print(f"  config    {home.config_file}  ({shown})", soft_wrap=True, markup=False)
     console.print(
