@@ -21,6 +21,7 @@ from berth.cli import (
     models_cmd,
     nodes_cmd,
     routing_cmd,
+    service_cmd,
 )
 from berth.cli.common import HELP_OPTIONS, CliContext, err_console
 from berth.errors import BerthError
@@ -63,6 +64,8 @@ app.add_typer(nodes_cmd.nodes_app, name="nodes")
 app.add_typer(agent_cmd.app, name="agent")
 app.add_typer(backup_cmd.backup_app, name="backup")
 app.add_typer(bootstrap_cmd.deploy_app, name="deploy")
+app.add_typer(service_cmd.service_app, name="service")
+app.add_typer(service_cmd.route_app, name="route")
 app.command("status")(daemon_cmd.status)
 app.command("pull")(models_cmd.pull)
 app.command("run")(deploy_cmd.run)

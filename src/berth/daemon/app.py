@@ -14,6 +14,7 @@ from fastapi import FastAPI
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from berth.daemon.admin import build_admin_app
+from berth.daemon.admin_services import build_service_router
 from berth.daemon.auth import require_tier, secret_from_headers
 from berth.daemon.openai_errors import error_from_exception
 from berth.daemon.services import LeaderServices
@@ -75,6 +76,7 @@ async def _send_error(send: Send, exc: AuthError) -> None:
 def build_apps(services: LeaderServices) -> tuple[LeaderApp, LeaderApp]:
     """Return ``(public_app, socket_app)`` sharing one admin app and one proxy."""
     admin = build_admin_app(services)
+    admin.include_router(build_service_router(services))
     return (
         LeaderApp(services, admin, trusted=False),
         LeaderApp(services, admin, trusted=True),

@@ -37,7 +37,15 @@ from berth.daemon.proxy_errors import (
     ProxyError,
     RequestTooLargeError,
 )
-from berth.daemon.proxy_http import Receive, Scope, Send, model_of, scan_headers, send_json
+from berth.daemon.proxy_http import (
+    Receive,
+    Scope,
+    Send,
+    model_of,
+    scan_headers,
+    send_json,
+    with_model,
+)
 from berth.daemon.proxy_relay import AnswerRelay, Exchange, watch_disconnect
 from berth.daemon.read_ahead import DEFAULT_BUFFER_CHUNKS, ReadAhead
 from berth.daemon.upstream_response import EngineAnswer
@@ -74,6 +82,14 @@ class Upstream:
     deployment_id: str
     node_id: str
     model: str  # the public model name the client asked for
+    #: the name the engine serves when it is not ``model`` (e.g. a route to a service): the
+    #: request's ``"model"`` is rewritten to it, since vLLM and SGLang refuse other names
+    engine_model: str | None = None
+
+
+def _body_for(upstream: Upstream, body: bytes) -> bytes:
+    """The request body as ``upstream``'s engine must see it."""
+    return body if upstream.engine_model is None else with_model(body, upstream.engine_model)
 
 
 def _target(upstream: Upstream) -> Target:
@@ -102,8 +118,9 @@ class OpenAIProxy:
 
     The body of a POST is forwarded byte for byte to ``upstream.base_url + path`` of the
     deployment ``resolver.resolve(body["model"])`` picks (called on the event loop for every
-    request: it must not block). The answer comes back with the engine's status and content
-    type: JSON as JSON, an event stream (``text/event-stream``) event by event with
+    request: it must not block), or with its ``model`` set to ``upstream.engine_model`` when
+    that is given. The answer comes back with the engine's status and content type: JSON as
+    JSON, an event stream (``text/event-stream``) event by event with
     ``X-Accel-Buffering: no``. Only ``Content-Type``, ``Accept``, ``traceparent``,
     ``tracestate`` and ``baggage`` reach the engine, plus ``X-Request-Id``, which every answer
     echoes (the client's, or 32 random hex digits). When the client disconnects, the engine
@@ -292,7 +309,7 @@ class OpenAIProxy:
             try:
                 chosen, response = await first_answer(
                     plan,
-                    lambda u: self._engines.open(u, path, query, forward, body),
+                    lambda u: self._engines.open(u, path, query, forward, _body_for(u, body)),
                     max_attempts=self._max_attempts,
                     signals=signals,
                     clock=self._clock,

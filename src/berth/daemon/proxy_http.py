@@ -69,6 +69,16 @@ def model_of(body: bytes) -> str:
     return model
 
 
+def with_model(body: bytes, model: str) -> bytes:
+    """``body`` (a JSON object :func:`model_of` accepted) with its ``model`` set to ``model``.
+
+    Re-serialised compactly; every other field keeps its value.
+    """
+    payload = json.loads(body)
+    payload["model"] = model
+    return json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode()
+
+
 async def send_json(
     send: Send,
     status: int,

@@ -38,6 +38,7 @@ from berth.cluster.listener import (
 )
 from berth.cluster.peer_identity import ForwardedFingerprintTrust
 from berth.config import Settings
+from berth.daemon.admin_services import load_routes
 from berth.daemon.app import build_apps
 from berth.daemon.auth import Authenticator
 from berth.daemon.lifecycle import LifecycleManager
@@ -52,6 +53,7 @@ from berth.observability.node_sampler import LocalNodeSampler
 from berth.observability.window import RequestMeter
 from berth.paths import BerthHome
 from berth.routing.router import Router
+from berth.routing.routes import RouteResolver
 from berth.routing.signals import SignalBoard
 from berth.runtime.docker import DockerRuntime, resolve_docker_host
 from berth.runtime.engines import EngineBinaries
@@ -264,8 +266,10 @@ async def serve(home: BerthHome, settings: Settings) -> None:
     hub.set_listener(lifecycle)
     if forwarded is not None:
         log.warning("cluster: trusting x-berth-client-fingerprint from %s", forwarded.describe())
+    routes = RouteResolver(lifecycle)  # route names first, then the lifecycle's own names
+    await load_routes(store, routes)
     router = Router(
-        lifecycle, signals=signals, node_reported=hub.has_reported, free_vram_mb=hub.free_vram_mb
+        routes, signals=signals, node_reported=hub.has_reported, free_vram_mb=hub.free_vram_mb
     )
     lifecycle.on_node_lost = router.node_lost
     local_sampler = None
@@ -278,7 +282,7 @@ async def serve(home: BerthHome, settings: Settings) -> None:
             interval_s=settings.heartbeat_interval_s,
         )
     proxy = OpenAIProxy(
-        lifecycle,
+        routes,
         metrics,
         max_body_bytes=settings.max_body_bytes,
         tunnels=hub,
@@ -311,6 +315,7 @@ async def serve(home: BerthHome, settings: Settings) -> None:
         cluster_url=cluster_url,
         pid=os.getpid(),
         started_at=time.time(),
+        routes=routes,
         listeners=[
             Listener("public", f"https://{settings.public_host}:{public_port}"),
             Listener("cluster", cluster_url),

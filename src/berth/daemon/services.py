@@ -17,6 +17,7 @@ from berth.daemon.proxy import OpenAIProxy
 from berth.observability.cluster import ClusterMetrics
 from berth.observability.metrics import ProxyMetrics
 from berth.paths import BerthHome
+from berth.routing.routes import RouteResolver
 from berth.store import Store
 
 
@@ -51,6 +52,8 @@ class LeaderServices:
     cluster_url: str
     pid: int
     started_at: float
+    #: The proxy's resolver: routes, then the lifecycle's names (reloaded on route changes).
+    routes: RouteResolver
     listeners: list[Listener] = field(default_factory=list)
     ready: bool = False
     extra: dict[str, Any] = field(default_factory=dict)

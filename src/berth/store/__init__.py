@@ -13,6 +13,9 @@ from berth.store.records import (
     NodeHardware,
     NodeRecord,
     NodeStatus,
+    RouteRecord,
+    RouteTarget,
+    ServiceProfileRecord,
 )
 from berth.store.store import UNCHANGED, Store, Unchanged
 
@@ -27,6 +30,9 @@ __all__ = [
     "NodeHardware",
     "NodeRecord",
     "NodeStatus",
+    "RouteRecord",
+    "RouteTarget",
+    "ServiceProfileRecord",
     "Store",
     "Unchanged",
 ]

@@ -154,11 +154,55 @@ def _v3_deployment_image(conn: Connection) -> None:
     conn.execute(text("ALTER TABLE deployments ADD COLUMN image VARCHAR(512)"))
 
 
+def _v4_services_and_routes(conn: Connection) -> None:
+    metadata = MetaData()
+    Table("models", metadata, Column("name", String(255), primary_key=True))
+    Table(
+        "service_profiles",
+        metadata,
+        Column("name", String(255), primary_key=True),
+        Column("model_name", String(255), ForeignKey("models.name"), nullable=False),
+        Column("engine", String(32), nullable=False),
+        Column("runtime", String(32), nullable=False),
+        Column("gpus", JSON, nullable=False),
+        Column("ctx", Integer, nullable=True),
+        Column("extra_args", JSON, nullable=False),
+        Column("image", String(512), nullable=True),
+        Column("node_label", String(63), nullable=True),
+        Column("created_at", DateTime(timezone=True), nullable=False),
+        Index("ix_service_profiles_model_name", "model_name"),
+    )
+    Table(
+        "routes",
+        metadata,
+        Column("public_name", String(255), primary_key=True),
+        Column("fallback", String(255), ForeignKey("routes.public_name"), nullable=True),
+        Column("created_at", DateTime(timezone=True), nullable=False),
+    )
+    Table(
+        "route_targets",
+        metadata,
+        Column(
+            "public_name",
+            String(255),
+            ForeignKey("routes.public_name", ondelete="CASCADE"),
+            primary_key=True,
+        ),
+        Column("profile_name", String(255), ForeignKey("service_profiles.name"), primary_key=True),
+        Column("priority", Integer, nullable=False),
+        Column("created_at", DateTime(timezone=True), nullable=False),
+        Index("ix_route_targets_profile_name", "profile_name"),
+    )
+    for name in ("service_profiles", "routes", "route_targets"):
+        metadata.tables[name].create(conn)
+
+
 #: Every migration, in order; versions are 1, 2, 3, … without gaps.
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(1, "models, deployments and api_keys", _v1_initial),
     Migration(2, "nodes, enrollment_tokens and model_locations", _v2_nodes),
     Migration(3, "deployments.image (the docker runtime's container image)", _v3_deployment_image),
+    Migration(4, "service_profiles, routes and route_targets", _v4_services_and_routes),
 )
 
 LATEST_VERSION = MIGRATIONS[-1].version

@@ -139,3 +139,45 @@ class ModelLocation:
     model_name: str
     node_id: str
     path: str
+
+
+@dataclass(frozen=True)
+class ServiceProfileRecord:
+    """A service profile: a model and how to deploy it.
+
+    ``engine`` and ``runtime`` are berth's names (``llamacpp``, ``process``, …); ``gpus``
+    are device indexes, ``ctx`` the context length in tokens (``None``: the engine's
+    default); ``image`` the container image of a ``docker`` profile (``None``: the engine's
+    image setting); ``node_label`` the node its deployments run on (``None``: chosen at
+    deploy time, ``local`` by default).  Its deployments serve the profile's ``name``.
+    """
+
+    name: str
+    model_name: str
+    engine: str
+    runtime: str
+    gpus: tuple[int, ...]
+    ctx: int | None
+    extra_args: tuple[str, ...]
+    image: str | None
+    node_label: str | None
+    created_at: datetime
+
+
+@dataclass(frozen=True)
+class RouteTarget:
+    """A service profile behind a route; a higher ``priority`` is tried first."""
+
+    service: str
+    priority: int
+
+
+@dataclass(frozen=True)
+class RouteRecord:
+    """A public model name: its targets, highest priority first (then by service name), and
+    the route tried when none of them has a ready deployment (``fallback``)."""
+
+    name: str
+    targets: tuple[RouteTarget, ...]
+    fallback: str | None
+    created_at: datetime

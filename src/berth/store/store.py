@@ -42,6 +42,7 @@ from berth.store.records import (
     ModelRecord,
     ModelSource,
 )
+from berth.store.services import ServiceMethods, models_used_by_services
 from berth.store.tables import ApiKeyRow, DeploymentRow, ModelRow
 
 
@@ -62,12 +63,13 @@ def _utc_now() -> datetime:
     return datetime.now(UTC)
 
 
-class Store(NodeMethods):
+class Store(NodeMethods, ServiceMethods):
     """The state database at ``url`` (the ``database_url`` setting).
 
     Nothing is touched until the first call; call :meth:`migrate` once at start-up before
     anything else.  The node registry, enrollment tokens and model locations are documented
-    in :mod:`berth.store.nodes`.  ``clock`` returns aware datetimes; tests may pass a fake one.
+    in :mod:`berth.store.nodes`; service profiles and routes in :mod:`berth.store.services`.
+    ``clock`` returns aware datetimes; tests may pass a fake one.
     """
 
     def __init__(self, url: str, *, clock: Callable[[], datetime] = _utc_now) -> None:
@@ -162,7 +164,7 @@ class Store(NodeMethods):
         """Unregister ``name`` and return what it was (files on disk are left alone).
 
         Raises :class:`NotFoundError` if unknown, and :class:`ConflictError` while a
-        deployment that is not stopped or failed uses it.
+        deployment that is not stopped or failed, or a service profile, uses it.
         """
         with self._write() as session:
             row = session.get(ModelRow, name)
@@ -178,6 +180,12 @@ class Store(NodeMethods):
                 raise ConflictError(
                     f"model {name!r} is used by active deployment(s) {', '.join(active)}; "
                     "stop them first"
+                )
+            services = models_used_by_services(session, name)
+            if services:
+                raise ConflictError(
+                    f"model {name!r} is used by service(s) {', '.join(services)}; remove them "
+                    "first (berth service rm NAME)"
                 )
             record = _model_record(row)
             delete_model_locations(session, name)

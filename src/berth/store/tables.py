@@ -164,3 +164,56 @@ class ModelLocationRow(Base):
         String(16), ForeignKey("nodes.id", ondelete="CASCADE"), primary_key=True
     )
     path: Mapped[str] = mapped_column(Text)
+
+
+class ServiceProfileRow(Base):
+    """A service profile: how to deploy a model (engine, runtime, settings, where).
+
+    Its deployments serve the profile's name (``served_model_name``); clients reach them
+    through routes (:class:`RouteRow`).
+    """
+
+    __tablename__ = "service_profiles"
+
+    name: Mapped[str] = mapped_column(String(NAME_LENGTH), primary_key=True)
+    model_name: Mapped[str] = mapped_column(
+        String(NAME_LENGTH), ForeignKey("models.name"), index=True
+    )
+    engine: Mapped[str] = mapped_column(String(32))
+    runtime: Mapped[str] = mapped_column(String(32))
+    gpus: Mapped[list[int]] = mapped_column(JSON)
+    ctx: Mapped[int | None] = mapped_column(Integer)
+    extra_args: Mapped[list[str]] = mapped_column(JSON)
+    image: Mapped[str | None] = mapped_column(String(512))
+    node_label: Mapped[str | None] = mapped_column(String(63))
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime)
+
+
+class RouteRow(Base):
+    """A public model name clients use, with the route tried when none of its targets is
+    ready (``fallback``, another route's public name)."""
+
+    __tablename__ = "routes"
+
+    public_name: Mapped[str] = mapped_column(String(NAME_LENGTH), primary_key=True)
+    fallback: Mapped[str | None] = mapped_column(
+        String(NAME_LENGTH), ForeignKey("routes.public_name")
+    )
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime)
+
+
+class RouteTargetRow(Base):
+    """One service profile behind a route, with its priority (higher is tried first)."""
+
+    __tablename__ = "route_targets"
+
+    public_name: Mapped[str] = mapped_column(
+        String(NAME_LENGTH),
+        ForeignKey("routes.public_name", ondelete="CASCADE"),
+        primary_key=True,
+    )
+    profile_name: Mapped[str] = mapped_column(
+        String(NAME_LENGTH), ForeignKey("service_profiles.name"), primary_key=True, index=True
+    )
+    priority: Mapped[int] = mapped_column(Integer)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime)

@@ -1,0 +1,346 @@
+"""``berth service …`` (service profiles) and ``berth route …`` (the names clients use).
+
+A service is a model plus how to deploy it; ``berth service deploy`` starts a deployment of
+it.  A route is a public model name in front of one or more services (by priority) with an
+optional fallback route.  Everything goes through the daemon's admin API
+(``/admin/services``, ``/admin/routes``).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+from urllib.parse import quote
+
+import typer
+from rich.table import Table
+
+from berth.cli.client import DaemonClient
+from berth.cli.common import HELP_OPTIONS, console, context, err_console, print_json
+from berth.cli.deploy_cmd import parse_gpus
+from berth.errors import BerthError, ConfigError, EngineError
+
+service_app = typer.Typer(
+    context_settings=HELP_OPTIONS,
+    no_args_is_help=True,
+    help="Service profiles: a model and how to deploy it (engine, runtime, GPUs, node).",
+)
+route_app = typer.Typer(
+    context_settings=HELP_OPTIONS,
+    no_args_is_help=True,
+    help="Routes: the model names clients use, each in front of services by priority.",
+)
+
+
+def _path(name: str) -> str:
+    """``name`` as a URL path segment (route names may hold ``/``)."""
+    return quote(name, safe="/:")
+
+
+# -- services ----------------------------------------------------------------------------------
+
+
+@service_app.command("create")
+def create_service(
+    ctx: typer.Context,
+    name: str = typer.Argument(..., help="The service's name (also the engines' served name)."),
+    model: str = typer.Option(..., "--model", "-m", help="A model from `berth models ls`."),
+    engine: str = typer.Option("llamacpp", "--engine", "-e", help="llamacpp, vllm or sglang."),
+    runtime: str | None = typer.Option(
+        None, "--runtime", help="process or docker (default: the default_runtime setting)."
+    ),
+    gpu: str | None = typer.Option(None, "--gpu", help="GPU indexes, e.g. 0 or 0,1."),
+    ctx_len: int | None = typer.Option(None, "--ctx", min=1, help="Context length in tokens."),
+    extra: list[str] = typer.Option(
+        [], "--extra-arg", "-x", help="Extra engine argument (repeatable)."
+    ),
+    image: str | None = typer.Option(
+        None, "--image", help="Container image (docker runtime; default: the engine's setting)."
+    ),
+    node_label: str | None = typer.Option(
+        None, "--node-label", help="The node its deployments run on (default: chosen at deploy)."
+    ),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON."),
+) -> None:
+    """Create a service profile."""
+    body: dict[str, Any] = {
+        "name": name,
+        "model": model,
+        "engine": engine,
+        "runtime": runtime,
+        "gpus": parse_gpus(gpu),
+        "ctx": ctx_len,
+        "extra_args": list(extra),
+        "image": image,
+        "node_label": node_label,
+    }
+    with context(ctx).client() as client:
+        record = client.post("/admin/services", json=body)
+    if as_json:
+        print_json(record)
+        return
+    console.print(f"service [bold]{record['name']}[/] created: {_settings(record)}")
+    console.print(
+        f"next: `berth service deploy {record['name']}`, then "
+        f"`berth route create PUBLIC-NAME --service {record['name']}`",
+        markup=False,
+    )
+
+
+def _settings(record: dict[str, Any]) -> str:
+    """A service's settings on one line."""
+    parts = [f"model {record['model']}", f"{record['engine']} ({record['runtime']})"]
+    if record["gpus"]:
+        parts.append("GPUs " + ",".join(map(str, record["gpus"])))
+    if record["ctx"]:
+        parts.append(f"ctx {record['ctx']}")
+    if record["extra_args"]:
+        parts.append("args " + " ".join(record["extra_args"]))
+    if record["image"]:
+        parts.append(f"image {record['image']}")
+    parts.append(f"node {record['node_label']}" if record["node_label"] else "any node")
+    return ", ".join(parts)
+
+
+@service_app.command("ls")
+def list_services(
+    ctx: typer.Context, as_json: bool = typer.Option(False, "--json", help="Print JSON.")
+) -> None:
+    """List service profiles, with their ready deployments and the routes that name them."""
+    with context(ctx).client() as client:
+        records = client.get("/admin/services")
+    if as_json:
+        print_json(records)
+        return
+    if not records:
+        console.print("no services; create one with `berth service create NAME --model M`")
+        return
+    table = Table()
+    for column in ("NAME", "MODEL", "ENGINE", "RUNTIME", "NODE", "GPUS", "CTX", "READY"):
+        table.add_column(column, no_wrap=column in ("NAME", "MODEL"))
+    table.add_column("ROUTES")
+    for r in records:
+        ready = f"[green]{r['ready']}[/]" if r["ready"] else "0"
+        table.add_row(
+            r["name"],
+            r["model"],
+            r["engine"],
+            r["runtime"],
+            r["node_label"] or "-",
+            ",".join(map(str, r["gpus"])) or "-",
+            str(r["ctx"] or "-"),
+            ready,
+            ", ".join(r["routes"]) or "-",
+        )
+    console.print(table)
+
+
+@service_app.command("show")
+def show_service(
+    ctx: typer.Context,
+    name: str = typer.Argument(..., help="The service's name."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON."),
+) -> None:
+    """Show a service profile, its active deployments and the routes that name it."""
+    with context(ctx).client() as client:
+        record = client.get(f"/admin/services/{_path(name)}")
+    if as_json:
+        print_json(record)
+        return
+    console.print(f"[bold]{record['name']}[/]: {_settings(record)}", soft_wrap=True)
+    console.print(f"routes: {', '.join(record['routes']) or 'none'}", markup=False)
+    deployments = record["deployments"]
+    if not deployments:
+        console.print(f"deployments: none (start one with `berth service deploy {name}`)")
+    for d in deployments:
+        port = f", port {d['port']}" if d["port"] else ""
+        console.print(f"deployment {d['id']}: {d['state']} on node {d['node_id']}{port}")
+
+
+@service_app.command("rm")
+def remove_service(
+    ctx: typer.Context, name: str = typer.Argument(..., help="The service's name.")
+) -> None:
+    """Delete a service profile (refused while a route names it or it has active
+    deployments)."""
+    with context(ctx).client() as client:
+        client.delete(f"/admin/services/{_path(name)}")
+    console.print(f"service {name} removed")
+
+
+@service_app.command("deploy")
+def deploy_service(
+    ctx: typer.Context,
+    name: str = typer.Argument(..., help="The service's name."),
+    node: str | None = typer.Option(
+        None, "--node", help="Node label or id (default: the service's node_label, else local)."
+    ),
+    detach: bool = typer.Option(False, "--detach", "-d", help="Return without waiting."),
+    timeout: float = typer.Option(
+        900.0, min=1.0, help="Seconds to wait for the engine to be ready."
+    ),
+) -> None:
+    """Start a deployment of a service and wait until it serves."""
+    with context(ctx).client() as client:
+        record = client.post(f"/admin/services/{_path(name)}/deploy", json={"node": node})
+        if detach:
+            console.print(f"{record['id']} {record['state']}")
+            return
+        record = _wait_settled(client, record, name, timeout)
+    if record["state"] != "ready":
+        raise EngineError(
+            f"{record['id']} {record['state']}: {record.get('failure_reason') or 'no reason'}"
+        )
+    console.print(
+        f"[green]{record['id']} ready[/]: service [bold]{name}[/] (model {record['model_name']} "
+        f"on {record['engine']}, node {record['node_id']}, port {record['port']})"
+    )
+
+
+def _wait_settled(
+    client: DaemonClient, record: dict[str, Any], name: str, timeout_s: float
+) -> dict[str, Any]:
+    """Poll the deployment until it is no longer pending or loading; the last record.
+
+    Raises :class:`BerthError` after ``timeout_s`` seconds (the deployment keeps starting).
+    """
+    deployment_id = record["id"]
+    deadline = time.monotonic() + timeout_s
+    still_starting = (
+        f"it keeps starting in the background: `berth ps` to watch, "
+        f"`berth logs {deployment_id}` for its log, `berth stop {deployment_id}` to cancel"
+    )
+    try:
+        with console.status(f"starting {deployment_id} (service {name})") as spinner:
+            while record["state"] in ("pending", "loading"):
+                if time.monotonic() > deadline:
+                    raise BerthError(
+                        f"{deployment_id} not ready after {timeout_s:.0f}s; {still_starting}"
+                    )
+                time.sleep(0.5)
+                record = client.get(f"/admin/deployments/{deployment_id}")
+                doing = f": {record['progress']}" if record.get("progress") else ""
+                spinner.update(f"{deployment_id} {record['state']} (service {name}{doing})")
+    except KeyboardInterrupt:
+        err_console.print(f"stopped waiting for {deployment_id}; {still_starting}")
+        raise
+    return record
+
+
+# -- routes ------------------------------------------------------------------------------------
+
+
+@route_app.command("create")
+def create_route(
+    ctx: typer.Context,
+    public_name: str = typer.Argument(..., help="The model name clients will use."),
+    service: str = typer.Option(..., "--service", "-s", help="The service it sends requests to."),
+    priority: int = typer.Option(
+        0, "--priority", "-p", help="Higher is tried first; equal priorities share the load."
+    ),
+    fallback: str | None = typer.Option(
+        None, "--fallback", help="Route tried when no service behind this one is ready."
+    ),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON."),
+) -> None:
+    """Put a service behind a route (creating the route if it is new).
+
+    Run it once per service to put several behind one name.  ``--fallback`` sets the
+    route's fallback (a route has one; giving another replaces it).
+    """
+    body = {"name": public_name, "service": service, "priority": priority, "fallback": fallback}
+    with context(ctx).client() as client:
+        record = client.post("/admin/routes", json=body)
+    if as_json:
+        print_json(record)
+        return
+    console.print(f"route [bold]{record['name']}[/]: {_route_line(record)}", soft_wrap=True)
+
+
+def _route_line(record: dict[str, Any]) -> str:
+    services = ", ".join(f"{s['service']} (priority {s['priority']})" for s in record["services"])
+    line = services
+    if record["fallback"]:
+        line += f"; falls back to {record['fallback']}"
+    serving = ", ".join(record["serving"]) or "nothing ready"
+    return f"{line}; now served by {serving}"
+
+
+@route_app.command("ls")
+def list_routes(
+    ctx: typer.Context, as_json: bool = typer.Option(False, "--json", help="Print JSON.")
+) -> None:
+    """List routes: their services by priority, fallback, and who answers now."""
+    with context(ctx).client() as client:
+        records = client.get("/admin/routes")
+    if as_json:
+        print_json(records)
+        return
+    if not records:
+        console.print("no routes; create one with `berth route create NAME --service S`")
+        return
+    table = Table()
+    table.add_column("ROUTE", no_wrap=True)
+    table.add_column("SERVICES (PRIORITY, READY)")
+    table.add_column("FALLBACK")
+    table.add_column("SERVED BY")
+    for r in records:
+        services = ", ".join(
+            f"{s['service']} ({s['priority']}, {s['ready']})" for s in r["services"]
+        )
+        serving = ", ".join(r["serving"]) if r["serving"] else "[red]nothing ready[/]"
+        table.add_row(r["name"], services, r["fallback"] or "-", serving)
+    console.print(table)
+
+
+@route_app.command("show")
+def show_route(
+    ctx: typer.Context,
+    public_name: str = typer.Argument(..., help="The route's name."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON."),
+) -> None:
+    """Show one route, and why nothing answers when nothing does."""
+    with context(ctx).client() as client:
+        record = client.get(f"/admin/routes/{_path(public_name)}")
+    if as_json:
+        print_json(record)
+        return
+    console.print(f"route [bold]{record['name']}[/]: {_route_line(record)}", soft_wrap=True)
+    if record["reason"]:
+        console.print(record["reason"], markup=False, soft_wrap=True)
+
+
+@route_app.command("fallback")
+def set_fallback(
+    ctx: typer.Context,
+    public_name: str = typer.Argument(..., help="The route's name."),
+    fallback: str | None = typer.Argument(None, help="The route to fall back to."),
+    clear: bool = typer.Option(False, "--none", help="Remove the route's fallback."),
+) -> None:
+    """Set or remove a route's fallback."""
+    if (fallback is None) == (not clear):
+        raise ConfigError("give a fallback route, or --none to remove the fallback")
+    with context(ctx).client() as client:
+        record = client.request(
+            "PATCH", f"/admin/routes/{_path(public_name)}", json={"fallback": fallback}
+        )
+    console.print(f"route [bold]{record['name']}[/]: {_route_line(record)}", soft_wrap=True)
+
+
+@route_app.command("rm")
+def remove_route(
+    ctx: typer.Context,
+    public_name: str = typer.Argument(..., help="The route's name."),
+    service: str | None = typer.Option(
+        None, "--service", "-s", help="Take only this service out (default: the whole route)."
+    ),
+) -> None:
+    """Remove a route, or one service from it (a route left with none is removed)."""
+    params = {"service": service} if service else {}
+    with context(ctx).client() as client:
+        result = client.delete(f"/admin/routes/{_path(public_name)}", params=params)
+    left = result["route"]
+    if left is None:
+        console.print(f"route {public_name} removed")
+    else:
+        console.print(f"service {service} taken out of route {public_name}; {_route_line(left)}")

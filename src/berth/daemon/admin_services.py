@@ -1,0 +1,292 @@
+"""The admin API's service and route endpoints.
+
+- ``GET /admin/services``; ``POST /admin/services`` ``{"name", "model", "engine", "runtime",
+  "gpus", "ctx", "extra_args", "image", "node_label"}`` (201);
+- ``GET /admin/services/{name}`` (with its active deployments); ``DELETE`` it (409 while a
+  route names it or a deployment of it is active);
+- ``POST /admin/services/{name}/deploy`` ``{"node"}`` (201): a deployment with the service's
+  settings, serving the service's name, on ``node`` (else its ``node_label``, else ``local``);
+- ``GET /admin/routes``; ``POST /admin/routes`` ``{"name", "service", "priority",
+  "fallback"}`` (201; adds a target to the route, creating it if new);
+  ``GET /admin/routes/{name}``; ``PATCH /admin/routes/{name}`` ``{"fallback"}`` (``null``
+  clears it); ``DELETE /admin/routes/{name}[?service=S]`` (one target, or the whole route).
+
+Every change to services or routes reloads the :class:`RouteResolver`'s table, so the proxy
+sees it at once without ever reading the database itself.  Errors are the admin app's
+OpenAI-shaped ones (404 unknown names, 409 names taken or in use, 400 bad values).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import asdict
+from typing import TYPE_CHECKING, Any
+
+from fastapi import APIRouter
+from pydantic import BaseModel, Field, field_validator
+
+from berth.cluster.link import LOCAL_NODE_ID
+from berth.daemon.admin import deployment_json
+from berth.daemon.lifecycle import DeployOptions, LifecycleManager
+from berth.daemon.proxy_errors import NoReadyDeploymentError
+from berth.errors import ConfigError, ConflictError, NotFoundError
+from berth.routing.routes import RouteResolver
+from berth.store import RouteRecord, ServiceProfileRecord, Store
+
+if TYPE_CHECKING:
+    from berth.daemon.services import LeaderServices
+
+#: Service names: letters, digits and ``. _ - :``, starting with a letter or digit.  They
+#: become the engine's served model name and a URL path segment.
+SERVICE_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$"
+#: Route names are what clients put in ``"model"``: the rules of model names (``org/m:q4``).
+ROUTE_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,199}$"
+
+
+class ServiceIn(BaseModel):
+    name: str = Field(pattern=SERVICE_NAME_PATTERN)
+    model: str
+    engine: str = "llamacpp"
+    #: ``None``: the leader's ``default_runtime`` setting, recorded on the service.
+    runtime: str | None = None
+    gpus: list[int] = Field(default_factory=list)
+    ctx: int | None = Field(default=None, gt=0)
+    extra_args: list[str] = Field(default_factory=list)
+    image: str | None = Field(default=None, max_length=512)
+    node_label: str | None = None
+
+
+class DeployIn(BaseModel):
+    #: A node id or label; ``None``: the service's ``node_label``, else ``local``.
+    node: str | None = None
+
+
+class RouteIn(BaseModel):
+    name: str = Field(pattern=ROUTE_NAME_PATTERN)
+    service: str
+    priority: int = 0
+    fallback: str | None = None
+
+    @field_validator("name")
+    @classmethod
+    def _no_parent_segments(cls, name: str) -> str:
+        if ".." in name:
+            raise ValueError("must not contain '..'")
+        return name
+
+
+class FallbackIn(BaseModel):
+    fallback: str | None
+
+
+async def load_routes(store: Store, routes: RouteResolver) -> None:
+    """Read every route and service name from ``store`` into ``routes``' table."""
+    records = await asyncio.to_thread(store.list_routes)
+    services = await asyncio.to_thread(store.list_service_profiles)
+    routes.load(records, (s.name for s in services))
+
+
+def ready_count(lifecycle: LifecycleManager, name: str) -> int:
+    """How many ready deployments on reachable nodes serve ``name``."""
+    try:
+        return len(lifecycle.candidates(name))
+    except (NotFoundError, NoReadyDeploymentError):
+        return 0
+
+
+def service_json(
+    record: ServiceProfileRecord, lifecycle: LifecycleManager, routes: list[str]
+) -> dict[str, Any]:
+    """A service for the admin API, with the routes that name it and its ready count."""
+    data = asdict(record)
+    data["model"] = data.pop("model_name")
+    data["gpus"] = list(record.gpus)
+    data["extra_args"] = list(record.extra_args)
+    data["created_at"] = record.created_at.isoformat()
+    data["routes"] = routes
+    data["ready"] = ready_count(lifecycle, record.name)
+    return data
+
+
+def route_json(
+    record: RouteRecord, lifecycle: LifecycleManager, routes: RouteResolver
+) -> dict[str, Any]:
+    """A route for the admin API: its services (priority, ready count), its fallback, and
+    which services would answer a request now (``serving``; ``reason`` when none)."""
+    serving: list[str] = []
+    reason: str | None = None
+    try:
+        upstreams = routes.candidates(record.name)
+        serving = sorted({u.engine_model or u.model for u in upstreams})
+    except (NotFoundError, NoReadyDeploymentError) as exc:
+        reason = str(exc)
+    return {
+        "name": record.name,
+        "services": [
+            {
+                "service": t.service,
+                "priority": t.priority,
+                "ready": ready_count(lifecycle, t.service),
+            }
+            for t in record.targets
+        ],
+        "fallback": record.fallback,
+        "serving": serving,
+        "reason": reason,
+        "created_at": record.created_at.isoformat(),
+    }
+
+
+def build_service_router(services: LeaderServices) -> APIRouter:
+    """The service and route endpoints, bound to the leader's store, lifecycle and routes."""
+    return service_router(
+        services.store,
+        services.lifecycle,
+        services.routes,
+        default_runtime=services.settings.default_runtime,
+        leader_only=services.leader_only,
+    )
+
+
+def service_router(
+    store: Store,
+    lifecycle: LifecycleManager,
+    routes: RouteResolver,
+    *,
+    default_runtime: str,
+    leader_only: bool = False,
+) -> APIRouter:
+    """The endpoints of the module doc over explicit dependencies (tests build it so).
+
+    ``leader_only``: this leader runs no engines, so a deployment on node ``local`` is
+    refused (409) with what to do instead.
+    """
+    router = APIRouter()
+    # Reloads run one at a time, so the last one starts after the last write and wins.
+    reloading = asyncio.Lock()
+
+    async def reload() -> None:
+        async with reloading:
+            await load_routes(store, routes)
+
+    def routes_naming(name: str) -> list[str]:
+        table = routes.table
+        return sorted(r for r, tiers in table.tiers.items() if any(name in t for t in tiers))
+
+    # -- services ------------------------------------------------------------------------------
+    @router.get("/admin/services")
+    async def list_services() -> list[dict[str, Any]]:
+        records = await asyncio.to_thread(store.list_service_profiles)
+        return [service_json(r, lifecycle, routes_naming(r.name)) for r in records]
+
+    @router.post("/admin/services", status_code=201)
+    async def create_service(body: ServiceIn) -> dict[str, Any]:
+        record = await asyncio.to_thread(
+            store.create_service_profile,
+            body.name,
+            body.model,
+            body.engine,
+            body.runtime or default_runtime,
+            gpus=body.gpus,
+            ctx=body.ctx,
+            extra_args=body.extra_args,
+            image=body.image,
+            node_label=body.node_label,
+        )
+        await reload()
+        return service_json(record, lifecycle, [])
+
+    @router.get("/admin/services/{name}")
+    async def show_service(name: str) -> dict[str, Any]:
+        record = await asyncio.to_thread(store.get_service_profile, name)
+        active = await asyncio.to_thread(store.list_deployments, active_only=True)
+        data = service_json(record, lifecycle, routes_naming(name))
+        data["deployments"] = [
+            {"id": d.id, "node_id": d.node_id, "state": str(d.state), "port": d.port}
+            for d in active
+            if d.served_model_name == name
+        ]
+        return data
+
+    @router.delete("/admin/services/{name}")
+    async def remove_service(name: str) -> dict[str, Any]:
+        record = await asyncio.to_thread(store.delete_service_profile, name)
+        await reload()
+        return service_json(record, lifecycle, [])
+
+    @router.post("/admin/services/{name}/deploy", status_code=201)
+    async def deploy_service(name: str, body: DeployIn | None = None) -> dict[str, Any]:
+        record = await asyncio.to_thread(store.get_service_profile, name)
+        node = await _deploy_node(store, record, body.node if body else None)
+        if leader_only and node == LOCAL_NODE_ID:
+            raise ConflictError(
+                f"this leader runs no engines (leader_only is set): deploy service {name} on an "
+                "agent with --node LABEL, or give the service a node label"
+            )
+        deployment = await lifecycle.deploy(
+            DeployOptions(
+                model_name=record.model_name,
+                engine=record.engine,
+                node_id=node,
+                runtime=record.runtime,
+                gpus=record.gpus,
+                ctx=record.ctx,
+                extra_args=record.extra_args,
+                served_model_name=record.name,
+                image=record.image,
+            )
+        )
+        return deployment_json(deployment, lifecycle)
+
+    # -- routes --------------------------------------------------------------------------------
+    @router.get("/admin/routes")
+    async def list_routes() -> list[dict[str, Any]]:
+        records = await asyncio.to_thread(store.list_routes)
+        return [route_json(r, lifecycle, routes) for r in records]
+
+    @router.post("/admin/routes", status_code=201)
+    async def add_route(body: RouteIn) -> dict[str, Any]:
+        record = await asyncio.to_thread(
+            store.add_route, body.name, body.service, priority=body.priority, fallback=body.fallback
+        )
+        await reload()
+        return route_json(record, lifecycle, routes)
+
+    @router.get("/admin/routes/{name:path}")
+    async def show_route(name: str) -> dict[str, Any]:
+        record = await asyncio.to_thread(store.get_route, name)
+        return route_json(record, lifecycle, routes)
+
+    @router.patch("/admin/routes/{name:path}")
+    async def set_fallback(name: str, body: FallbackIn) -> dict[str, Any]:
+        record = await asyncio.to_thread(store.set_route_fallback, name, body.fallback)
+        await reload()
+        return route_json(record, lifecycle, routes)
+
+    @router.delete("/admin/routes/{name:path}")
+    async def remove_route(name: str, service: str | None = None) -> dict[str, Any]:
+        left = await asyncio.to_thread(store.remove_route, name, service)
+        await reload()
+        return {
+            "removed": name,
+            "service": service,
+            "route": None if left is None else route_json(left, lifecycle, routes),
+        }
+
+    return router
+
+
+async def _deploy_node(store: Store, record: ServiceProfileRecord, node: str | None) -> str:
+    """The node (id or label) a deployment of ``record`` goes to: ``node``, else the
+    service's ``node_label``, else ``local``.  A ``node`` that is not the service's
+    ``node_label`` is refused (:class:`ConfigError`): the service pins where it runs."""
+    if node is None:
+        return record.node_label or LOCAL_NODE_ID
+    if record.node_label is not None:
+        chosen = await asyncio.to_thread(store.lookup_node, node)
+        if chosen.label != record.node_label:
+            raise ConfigError(
+                f"service {record.name!r} runs on node {record.node_label} (its node_label), "
+                f"not {chosen.label}"
+            )
+    return node

@@ -1,0 +1,350 @@
+"""Service profiles and routes: the :class:`Store`'s half for the names clients use.
+
+A **service profile** says how to deploy a model: engine, runtime, GPUs, context length,
+extra engine arguments, container image and, optionally, the node (by label) its deployments
+run on.  Its deployments serve the profile's name.
+
+A **route** is a public model name.  It has one or more targets (service profiles, each with
+a priority: the highest priority with a ready deployment answers, equal priorities share the
+load) and an optional fallback: another route, tried when none of its targets has a ready
+deployment.  Fallbacks never form a cycle.
+
+:class:`ServiceMethods` is mixed into :class:`berth.store.Store`, like
+:class:`berth.store.nodes.NodeMethods`: short sessions, write transactions, frozen records.
+Refusals are :class:`NotFoundError` (an unknown model, node, service or route),
+:class:`ConflictError` (a taken name; a profile or route still in use) and
+:class:`ConfigError` (an invalid setting, or a fallback that would loop).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
+from datetime import UTC, datetime
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from berth.daemon.states import TERMINAL_STATES, DeploymentState
+from berth.errors import ConfigError, ConflictError, NotFoundError
+from berth.routing.routes import fallback_cycle
+from berth.runtime.engines import parse_engine_name, parse_runtime_name
+from berth.store.records import RouteRecord, RouteTarget, ServiceProfileRecord
+from berth.store.tables import (
+    DeploymentRow,
+    ModelRow,
+    NodeRow,
+    RouteRow,
+    RouteTargetRow,
+    ServiceProfileRow,
+)
+
+_ACTIVE_STATES = tuple(s.value for s in DeploymentState if s not in TERMINAL_STATES)
+
+
+class ServiceMethods:
+    """Store methods for service profiles and routes (see the module doc)."""
+
+    _clock: Callable[[], datetime]
+
+    def _read(self) -> AbstractContextManager[Session]:
+        raise NotImplementedError
+
+    def _write(self) -> AbstractContextManager[Session]:
+        raise NotImplementedError
+
+    # --- service profiles ----------------------------------------------------------------
+
+    def create_service_profile(
+        self,
+        name: str,
+        model_name: str,
+        engine: str,
+        runtime: str,
+        *,
+        gpus: Sequence[int] = (),
+        ctx: int | None = None,
+        extra_args: Sequence[str] = (),
+        image: str | None = None,
+        node_label: str | None = None,
+    ) -> ServiceProfileRecord:
+        """Record the service profile ``name``.
+
+        ``engine`` and ``runtime`` are normalised (``"LlamaCpp "`` → ``llamacpp``).  Raises
+        :class:`ConflictError` when ``name`` is taken; :class:`NotFoundError` for an unknown
+        model or a ``node_label`` no enrolled node has (removed nodes included);
+        :class:`ConfigError` for an unknown engine or runtime, a negative GPU index, a
+        non-positive ``ctx``, or an ``image`` on a runtime other than ``docker``.
+        """
+        engine_name = parse_engine_name(engine)
+        runtime_name = parse_runtime_name(runtime)
+        if any(gpu < 0 for gpu in gpus):
+            raise ConfigError(f"GPU indexes must not be negative, got {list(gpus)}")
+        if ctx is not None and ctx <= 0:
+            raise ConfigError(f"ctx must be a positive number of tokens, got {ctx}")
+        image = image.strip() if image is not None else None
+        if image is not None and runtime_name != "docker":
+            raise ConfigError("an image applies to the docker runtime only (--runtime docker)")
+        if image == "":
+            raise ConfigError("the docker image name is empty")
+        with self._write() as session:
+            if session.get(ServiceProfileRow, name) is not None:
+                raise ConflictError(f"service {name!r} already exists")
+            if session.get(ModelRow, model_name) is None:
+                raise NotFoundError("model", model_name)
+            if node_label is not None:
+                _check_node_label(session, node_label)
+            row = ServiceProfileRow(
+                name=name,
+                model_name=model_name,
+                engine=engine_name,
+                runtime=runtime_name,
+                gpus=list(gpus),
+                ctx=ctx,
+                extra_args=list(extra_args),
+                image=image,
+                node_label=node_label,
+                created_at=self._clock(),
+            )
+            session.add(row)
+            return _profile_record(row)
+
+    def get_service_profile(self, name: str) -> ServiceProfileRecord:
+        """The service profile ``name``; :class:`NotFoundError` if there is none."""
+        with self._read() as session:
+            return _profile_record(_profile_row(session, name))
+
+    def list_service_profiles(self) -> list[ServiceProfileRecord]:
+        """Every service profile, by name."""
+        with self._read() as session:
+            rows = session.scalars(select(ServiceProfileRow).order_by(ServiceProfileRow.name))
+            return [_profile_record(row) for row in rows]
+
+    def delete_service_profile(self, name: str) -> ServiceProfileRecord:
+        """Delete the service profile ``name`` and return what it was.
+
+        Raises :class:`NotFoundError` if unknown, and :class:`ConflictError` while a route
+        names it (the message names the routes) or a deployment that is not stopped or
+        failed serves it.
+        """
+        with self._write() as session:
+            row = _profile_row(session, name)
+            routes = session.scalars(
+                select(RouteTargetRow.public_name)
+                .where(RouteTargetRow.profile_name == name)
+                .order_by(RouteTargetRow.public_name)
+            ).all()
+            if routes:
+                listed = ", ".join(routes)
+                raise ConflictError(
+                    f"service {name!r} is used by route(s) {listed}; remove it from them "
+                    f"first (berth route rm ROUTE --service {name})"
+                )
+            active = session.scalars(
+                select(DeploymentRow.id)
+                .where(DeploymentRow.served_model_name == name)
+                .where(DeploymentRow.state.in_(_ACTIVE_STATES))
+                .order_by(DeploymentRow.id)
+            ).all()
+            if active:
+                raise ConflictError(
+                    f"service {name!r} has active deployment(s) {', '.join(active)}; "
+                    "stop them first"
+                )
+            record = _profile_record(row)
+            session.delete(row)
+            return record
+
+    # --- routes --------------------------------------------------------------------------
+
+    def add_route(
+        self, name: str, service: str, *, priority: int = 0, fallback: str | None = None
+    ) -> RouteRecord:
+        """Put the service profile ``service`` behind the route ``name`` with ``priority``,
+        creating the route if it is new; return the route.
+
+        ``fallback``, when given, becomes the route's fallback (a route has one; giving
+        another replaces it).  Raises :class:`NotFoundError` for an unknown service or
+        fallback route, :class:`ConflictError` when ``service`` is already behind ``name``,
+        and :class:`ConfigError` when the fallback is the route itself or would lead back
+        to it.
+        """
+        with self._write() as session:
+            _profile_row(session, service)
+            route = session.get(RouteRow, name)
+            if route is None:
+                route = RouteRow(public_name=name, fallback=None, created_at=self._clock())
+                session.add(route)
+            elif session.get(RouteTargetRow, (name, service)) is not None:
+                raise ConflictError(f"service {service!r} is already behind route {name!r}")
+            if fallback is not None:
+                _check_fallback(session, name, fallback)
+                route.fallback = fallback
+            session.add(
+                RouteTargetRow(
+                    public_name=name,
+                    profile_name=service,
+                    priority=priority,
+                    created_at=self._clock(),
+                )
+            )
+            session.flush()
+            return _route_record(session, route)
+
+    def set_route_fallback(self, name: str, fallback: str | None) -> RouteRecord:
+        """Set (or, with ``None``, clear) the fallback of the route ``name``; return it.
+
+        Raises :class:`NotFoundError` for an unknown route or fallback route and
+        :class:`ConfigError` when the fallback would lead back to ``name``.
+        """
+        with self._write() as session:
+            route = _route_row(session, name)
+            if fallback is not None:
+                _check_fallback(session, name, fallback)
+            route.fallback = fallback
+            session.flush()
+            return _route_record(session, route)
+
+    def get_route(self, name: str) -> RouteRecord:
+        """The route ``name``; :class:`NotFoundError` if there is none."""
+        with self._read() as session:
+            return _route_record(session, _route_row(session, name))
+
+    def list_routes(self) -> list[RouteRecord]:
+        """Every route, by public name."""
+        with self._read() as session:
+            routes = session.scalars(select(RouteRow).order_by(RouteRow.public_name)).all()
+            targets = session.scalars(select(RouteTargetRow)).all()
+            by_route: dict[str, list[RouteTargetRow]] = {}
+            for target in targets:
+                by_route.setdefault(target.public_name, []).append(target)
+            return [_route_record_of(row, by_route.get(row.public_name, [])) for row in routes]
+
+    def remove_route(self, name: str, service: str | None = None) -> RouteRecord | None:
+        """Take ``service`` out of the route ``name``, or with ``service=None`` remove the
+        whole route; return what is left of the route, ``None`` once it is gone.
+
+        A route whose last target goes is removed.  Raises :class:`NotFoundError` for an
+        unknown route or a service that is not behind it, and :class:`ConflictError` when
+        the route would go while another route falls back to it (the message names them).
+        """
+        with self._write() as session:
+            route = _route_row(session, name)
+            targets = _targets_of(session, name)
+            if service is not None:
+                target = next((t for t in targets if t.profile_name == service), None)
+                if target is None:
+                    message = f"service {service!r} is not behind route {name!r}"
+                    raise _not_found("service", service, message)
+                if len(targets) > 1:
+                    session.delete(target)
+                    session.flush()
+                    return _route_record(session, route)
+            users = session.scalars(
+                select(RouteRow.public_name)
+                .where(RouteRow.fallback == name)
+                .order_by(RouteRow.public_name)
+            ).all()
+            if users:
+                raise ConflictError(
+                    f"route {name!r} is the fallback of route(s) {', '.join(users)}; "
+                    "change their fallback first"
+                )
+            for target in targets:
+                session.delete(target)
+            session.flush()
+            session.delete(route)
+            return None
+
+
+def models_used_by_services(session: Session, model_name: str) -> list[str]:
+    """The service profiles that deploy ``model_name``, by name (the model must stay)."""
+    return list(
+        session.scalars(
+            select(ServiceProfileRow.name)
+            .where(ServiceProfileRow.model_name == model_name)
+            .order_by(ServiceProfileRow.name)
+        ).all()
+    )
+
+
+def _check_node_label(session: Session, label: str) -> None:
+    node = session.scalars(select(NodeRow).where(NodeRow.label == label)).first()
+    if node is None or node.status == "removed":
+        labels = session.scalars(
+            select(NodeRow.label).where(NodeRow.status != "removed").order_by(NodeRow.label)
+        ).all()
+        known = ", ".join(labels) or "none"
+        raise _not_found("node", label, f"node {label!r} not found (nodes: {known})")
+
+
+def _not_found(kind: str, ident: str, message: str) -> NotFoundError:
+    """A :class:`NotFoundError` for ``kind``/``ident`` whose text is ``message``."""
+    error = NotFoundError(kind, ident)
+    error.args = (message,)
+    return error
+
+
+def _check_fallback(session: Session, name: str, fallback: str) -> None:
+    if session.get(RouteRow, fallback) is None:
+        raise NotFoundError("route", fallback)
+    rows = session.execute(select(RouteRow.public_name, RouteRow.fallback)).all()
+    fallbacks = {route: route_fallback for route, route_fallback in rows}
+    cycle = fallback_cycle(fallbacks, name, fallback)
+    if cycle is not None:
+        raise ConfigError(
+            f"route {name!r} cannot fall back to {fallback!r}: it would loop ({' -> '.join(cycle)})"
+        )
+
+
+def _profile_row(session: Session, name: str) -> ServiceProfileRow:
+    row = session.get(ServiceProfileRow, name)
+    if row is None:
+        raise NotFoundError("service", name)
+    return row
+
+
+def _route_row(session: Session, name: str) -> RouteRow:
+    row = session.get(RouteRow, name)
+    if row is None:
+        raise NotFoundError("route", name)
+    return row
+
+
+def _targets_of(session: Session, name: str) -> list[RouteTargetRow]:
+    return list(
+        session.scalars(select(RouteTargetRow).where(RouteTargetRow.public_name == name)).all()
+    )
+
+
+def _route_record(session: Session, row: RouteRow) -> RouteRecord:
+    return _route_record_of(row, _targets_of(session, row.public_name))
+
+
+def _route_record_of(row: RouteRow, targets: Sequence[RouteTargetRow]) -> RouteRecord:
+    ordered = sorted(targets, key=lambda t: (-t.priority, t.profile_name))
+    return RouteRecord(
+        name=row.public_name,
+        targets=tuple(RouteTarget(t.profile_name, t.priority) for t in ordered),
+        fallback=row.fallback,
+        created_at=_aware(row.created_at),
+    )
+
+
+def _profile_record(row: ServiceProfileRow) -> ServiceProfileRecord:
+    return ServiceProfileRecord(
+        name=row.name,
+        model_name=row.model_name,
+        engine=row.engine,
+        runtime=row.runtime,
+        gpus=tuple(row.gpus),
+        ctx=row.ctx,
+        extra_args=tuple(row.extra_args),
+        image=row.image,
+        node_label=row.node_label,
+        created_at=_aware(row.created_at),
+    )
+
+
+def _aware(value: datetime) -> datetime:
+    return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
