@@ -76,6 +76,11 @@ def _chat(cluster: Cluster, model: str = MODEL) -> str:
     return text
 
 
+def _listed(cluster: Cluster) -> list[str]:
+    with cluster.openai() as sdk:
+        return [model.id for model in sdk.models.list()]
+
+
 def _restart_leader(cluster: Cluster) -> None:
     cluster.berth("daemon", "start", "--public-port", str(cluster.public_port),
                   "--cluster-port", str(cluster.cluster_port))  # fmt: skip
@@ -210,3 +215,46 @@ def test_an_agent_starts_the_container_on_its_own_host(
     while berth_containers(client, deployment=deployment_id) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert berth_containers(client, deployment=deployment_id) == []
+
+
+def test_a_container_started_outside_berth_is_adopted_by_name(
+    cluster: Cluster, client: Any, image: str
+) -> None:
+    model = smollm2_gguf()
+    assert model is not None
+    outside = client.containers.run(
+        image,
+        ["-m", f"/models/{model.name}", "--host", "0.0.0.0", "--port", "8080",
+         "--alias", "smol-container"],
+        name=f"berth-test-outside-{os.getpid()}",
+        ports={"8080/tcp": ("127.0.0.1",)},
+        volumes={str(model.parent): {"bind": "/models", "mode": "ro"}},
+        detach=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while True:  # until the model is loaded and /v1/models answers
+            adopt = cluster.berth("agent", "adopt", "--container", outside.name, check=False)
+            if adopt.returncode == 0 or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        assert adopt.returncode == 0, adopt.stderr
+        outside.reload()
+        port = int(outside.attrs["NetworkSettings"]["Ports"]["8080/tcp"][0]["HostPort"])
+        [entry] = json.loads(cluster.berth("agent", "adopted", "--json").stdout)
+        assert (entry["host"], entry["port"], entry["container"]) == (
+            "127.0.0.1",
+            port,
+            outside.name,
+        )
+        assert entry["served_model_name"] == "smol-container" and entry["alive"]
+        deadline = time.monotonic() + 30
+        while "smol-container" not in _listed(cluster):
+            assert time.monotonic() < deadline, "the adopted container was never listed"
+            time.sleep(0.25)
+        assert _chat(cluster, "smol-container")
+        missing = cluster.berth("agent", "adopt", "--container", "no-such-one", check=False)
+        assert missing.returncode != 0 and "container 'no-such-one' not found" in missing.stderr
+    finally:
+        cluster.berth("agent", "unadopt", "smol-container", check=False)
+        outside.remove(force=True)

@@ -18,6 +18,7 @@ from berth.runtime.engines import (
     EngineName,
     build_container_spec,
     build_launch_spec,
+    check_image_reference,
     find_free_port,
     parse_engine_name,
     parse_runtime_name,
@@ -407,3 +408,18 @@ def test_a_cache_snapshot_is_mounted_with_the_blobs_its_links_point_at(tmp_path:
         _container_request(snapshot / "smol.gguf", "llamacpp"), "img:1", shm_size="1g"
     ).container
     assert single is not None and single.command[:2] == ("-m", "/models/snapshots/rev1/smol.gguf")
+
+
+@pytest.mark.parametrize(
+    "image",
+    ["vllm/vllm-openai:v0.9.2", "ghcr.io/ggml-org/llama.cpp:server-cuda", "localhost:5000/a/b",
+     "ubuntu", "registry:5000/x@sha256:" + "0" * 64],
+)  # fmt: skip
+def test_image_references_docker_accepts(image: str) -> None:
+    assert check_image_reference(f" {image} ") == image
+
+
+@pytest.mark.parametrize("image", ["Bad Image!!", "UPPER/x", "x:", "a//b"])
+def test_image_references_docker_refuses(image: str) -> None:
+    with pytest.raises(ConfigError, match="is not a docker image reference"):
+        check_image_reference(image)

@@ -5,9 +5,11 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from berth.cluster.link import EngineEndpoint
+from berth.cluster.protocol.frames import AdoptedState
 from berth.daemon.lifecycle import DeployOptions, LifecycleManager
 from berth.daemon.proxy import NoReadyDeploymentError
 from berth.daemon.states import DeploymentState
@@ -258,6 +260,22 @@ async def test_an_image_needs_the_docker_runtime_and_runtimes_are_checked(
         await manager.deploy(DeployOptions("tiny", "llamacpp", "local", image="x/y:1"))
     with pytest.raises(ConfigError, match="expected one of process, docker"):
         await manager.deploy(DeployOptions("tiny", "llamacpp", "local", runtime="podman"))
+    for image, problem in (("", "image name is empty"), ("Bad Image!!", "not a docker image")):
+        with pytest.raises(ConfigError, match=problem):
+            await manager.deploy(
+                DeployOptions("tiny", "llamacpp", "local", runtime="docker", image=image)
+            )
+
+
+async def test_a_manager_that_never_started_changes_nothing_on_shutdown(
+    store: Store, link: FakeLink
+) -> None:
+    record = store.create_deployment("tiny", "llamacpp", "process", "local")
+    store.transition_deployment(record.id, DeploymentState.LOADING)
+    store.transition_deployment(record.id, DeploymentState.READY, port=9, pid=4242)
+    manager = LifecycleManager(store, {"local": link}, health_timeout_s=5, stop_grace_s=1)
+    await manager.shutdown()  # as after a start that failed before reconciling
+    assert store.get_deployment(record.id).state is DeploymentState.READY
 
 
 async def test_reconcile_stops_local_engines_no_deployment_owns(
@@ -306,3 +324,32 @@ async def test_a_deployment_whose_runtime_is_down_waits_to_be_reconciled(
         assert [u.deployment_id for u in manager.candidates("tiny")] == [record.id]
     finally:
         await manager.shutdown()
+
+
+async def test_adopted_endpoints_are_routed_while_they_answer(
+    manager: LifecycleManager, link: FakeLink
+) -> None:
+    outside = AdoptedState(name="outside", served_model_name="smol-outside",
+                           engine_model="/models/smol.gguf", host="127.0.0.1", port=8080,
+                           gpus=[0], alive=True)  # fmt: skip
+    manager.adopted_reported("local", [outside])
+    [upstream] = manager.candidates("smol-outside")
+    assert (upstream.deployment_id, upstream.base_url) == (
+        "adopted:outside",
+        "http://127.0.0.1:8080",
+    )
+    assert upstream.engine_model == "/models/smol.gguf"  # what the server itself serves
+    assert "smol-outside" in manager.models()
+    # Its declared GPU is reserved: berth places nothing else there.
+    with pytest.raises(ConflictError, match="reserves GPU 0 by outside"):
+        await manager.deploy(DeployOptions("tiny", "llamacpp", "local", gpus=(0,)))
+    # It stops answering: out of /v1/models, and a clear 503 naming it.
+    manager.adopted_reported("local", [msgspec.structs.replace(outside, alive=False)])
+    assert "smol-outside" not in manager.models()
+    with pytest.raises(NoReadyDeploymentError, match=r"adopted endpoint does not answer \(outside"):
+        manager.candidates("smol-outside")
+    manager.adopted_reported("local", [outside])  # back
+    assert [u.deployment_id for u in manager.candidates("smol-outside")] == ["adopted:outside"]
+    manager.adopted_reported("local", [])  # unadopted
+    with pytest.raises(NotFoundError):
+        manager.candidates("smol-outside")

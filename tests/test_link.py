@@ -40,10 +40,12 @@ class FakeCore:
         self.stopped: list[str] = []
         self.requests: list[DeploymentRequest] = []
 
-    def engine_port(self, deployment_id: str) -> int:
+    adopted = None
+
+    def engine_origin(self, deployment_id: str) -> tuple[str, int]:
         if deployment_id != DEPLOYMENT:
             raise NotFoundError("engine", deployment_id)
-        return self.port
+        return "127.0.0.1", self.port
 
     def host_facts(self) -> HostFacts:
         return HostFacts("gpu-host", 8, 32000)

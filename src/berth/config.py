@@ -36,7 +36,7 @@ from berth.config_toml import locate_line, parse_toml, render_toml, write_atomic
 from berth.errors import ConfigError
 from berth.paths import BerthHome
 from berth.runtime.base import RUNTIME_NAMES
-from berth.runtime.engines import DEFAULT_IMAGES, DEFAULT_SHM_SIZE, EngineName
+from berth.runtime.engines import DEFAULT_GPU_IMAGES, DEFAULT_IMAGES, DEFAULT_SHM_SIZE, EngineName
 
 SettingSource = Literal["flag", "env", "file", "autodetect", "default"]
 SettingKind = Literal["str", "int", "float", "path", "bool"]
@@ -199,6 +199,9 @@ SETTINGS: tuple[SettingDef, ...] = (
     SettingDef("llamacpp_image", "str", "docker",
                "llama.cpp's image for the docker runtime (repository:tag)",
                default=DEFAULT_IMAGES["llamacpp"]),
+    SettingDef("llamacpp_gpu_image", "str", "docker",
+               "llama.cpp's image for a docker deployment given GPUs (repository:tag)",
+               default=DEFAULT_GPU_IMAGES["llamacpp"]),
     SettingDef("vllm_image", "str", "docker",
                "vLLM's image for the docker runtime (repository:tag)",
                default=DEFAULT_IMAGES["vllm"]),
@@ -313,6 +316,7 @@ class Settings:
     docker_host: str | None
     docker_shm_size: str
     llamacpp_image: str
+    llamacpp_gpu_image: str
     vllm_image: str
     sglang_image: str
     cluster_host: str
@@ -388,6 +392,10 @@ class Settings:
             "vllm": self.vllm_image,
             "sglang": self.sglang_image,
         }
+
+    def docker_gpu_images(self) -> dict[EngineName, str]:
+        """Images that replace :meth:`docker_images` for a deployment given GPUs."""
+        return {"llamacpp": self.llamacpp_gpu_image}
 
     def cluster_url(self, port: int | None = None) -> str:
         """The URL agents dial: ``leader_url`` if set, else ``https://cluster_host:port``

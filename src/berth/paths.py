@@ -93,6 +93,11 @@ class BerthHome:
         return self.root / "agent-status.json"
 
     @property
+    def adopted_file(self) -> Path:
+        """The OpenAI-compatible servers this host adopted (``berth agent adopt``)."""
+        return self.root / "adopted.yaml"
+
+    @property
     def agent_engines_file(self) -> Path:
         """The engines the agent runs (deployment, pid, port), to take them back after the
         agent restarts."""

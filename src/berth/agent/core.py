@@ -32,6 +32,7 @@ from berth.runtime.gpu import GpuInfo, GpuInventory
 from berth.runtime.process import ProcessRuntime, follow_log, read_log_tail
 
 if TYPE_CHECKING:
+    from berth.agent.adopted import AdoptedWatcher
     from berth.runtime.docker import DockerRuntime
 
 log = logging.getLogger(__name__)
@@ -98,7 +99,8 @@ class AgentCore:
     ``logs_dir`` receives one ``engine-<deployment id>.log`` per engine.  A request whose
     ``port`` is 0 gets a free port on this host.  Engines run as processes (``runtime``) or,
     when ``docker`` is given, also as containers; ``docker_shm_size`` sizes their
-    ``/dev/shm``.
+    ``/dev/shm``.  ``adopted`` watches the servers this host adopted (never started or
+    stopped here; the tunnel reaches them like engines).
     """
 
     def __init__(
@@ -111,7 +113,9 @@ class AgentCore:
         journal_path: Path | None = None,
         docker: DockerRuntime | None = None,
         docker_shm_size: str = DEFAULT_SHM_SIZE,
+        adopted: AdoptedWatcher | None = None,
     ) -> None:
+        self.adopted = adopted
         self._journal_path = journal_path
         self._runtime = runtime
         self._docker = docker
@@ -338,10 +342,19 @@ class AgentCore:
 
     def engine_port(self, deployment_id: str) -> int:
         """The port the deployment's engine listens on; ``NotFoundError`` if none runs."""
+        return self.engine_origin(deployment_id)[1]
+
+    def engine_origin(self, deployment_id: str) -> tuple[str, int]:
+        """``(host, port)`` where the deployment's engine, or the adopted endpoint whose id
+        (``adopted:<name>``) is given, answers on this host; ``NotFoundError`` if none."""
         managed = self._engines.get(deployment_id)
-        if managed is None:
-            raise NotFoundError("engine", deployment_id)
-        return managed.handle.port
+        if managed is not None:
+            return managed.handle.host, managed.handle.port
+        if self.adopted is not None:
+            origin = self.adopted.origin(deployment_id)
+            if origin is not None:
+                return origin
+        raise NotFoundError("engine", deployment_id)
 
     def is_alive(self, deployment_id: str) -> bool:
         managed = self._engines.get(deployment_id)

@@ -23,6 +23,7 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
+from berth.agent.adopted import AdoptedWatcher
 from berth.agent.core import AgentCore
 from berth.agent.dialer import AgentDialer, AgentStatus
 from berth.agent.identity import load_agent_identity
@@ -127,6 +128,7 @@ async def run_agent(home: BerthHome, *, verbose: bool, console: Console) -> int:
             node_id=identity.node_id,
         ),
         docker_shm_size=settings.docker_shm_size,
+        adopted=AdoptedWatcher(home.adopted_file),
     )
     status = AgentStatus(
         identity.leader_url, identity.node_id, identity.label, path=home.agent_status_file
@@ -135,6 +137,9 @@ async def run_agent(home: BerthHome, *, verbose: bool, console: Console) -> int:
     if restored:
         status.activity(f"re-attached engines: {', '.join(restored)}")
     service = AgentService(core, on_activity=status.activity, models_dir=home.models_dir)
+    assert core.adopted is not None
+    await core.adopted.check_once()  # Hello reports the adopted servers as they are now
+    core.adopted.start()
     dialer = AgentDialer(identity, service, status)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -153,7 +158,9 @@ async def run_agent(home: BerthHome, *, verbose: bool, console: Console) -> int:
         else:
             code = await dialer.run()
     finally:
+        await core.adopted.stop()
         await service.close()
+        core.close()
         status.set("stopped")
     if dialer.final_code == CloseCode.NODE_REMOVED:
         # This host left the cluster: the engines it ran for the leader go with it.

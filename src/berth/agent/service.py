@@ -153,6 +153,7 @@ class AgentService:
             ],
             inventory=self.inventory(),
             engines=self.engine_states(),
+            adopted=self._core.adopted.states() if self._core.adopted is not None else [],
         )
 
     def heartbeat(self, now: float) -> Heartbeat:
@@ -262,7 +263,7 @@ class AgentService:
         opening = stream.opening
         assert opening is not None
         deployment_id = opening.deployment_id
-        port = self._core.engine_port(deployment_id)
+        host, port = self._core.engine_origin(deployment_id)
         body = await stream.read_all(MAX_REQUEST_BODY_BYTES)
         headers = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in opening.headers]
         # Measured here, where the request is served (docs/metrics.md): from the body's
@@ -274,7 +275,7 @@ class AgentService:
         try:
             try:
                 response = await self._pool.request(
-                    Origin("127.0.0.1", port),
+                    Origin(host, port),
                     opening.method.encode("latin-1"),
                     opening.target.encode("latin-1"),
                     headers,

@@ -19,6 +19,7 @@ import typer
 
 from berth.agent import systemd_unit
 from berth.agent.systemd_unit import UnitScope
+from berth.cli import adopt_cmd
 from berth.cli.common import HELP_OPTIONS, console, context, err_console
 from berth.errors import BerthError, ConfigError, ConflictError
 from berth.paths import BerthHome, resolve_home
@@ -372,3 +373,9 @@ def _hint_linger() -> None:
 
 def _warn(message: str) -> None:
     err_console.print(f"warning: {message}", markup=False, soft_wrap=True)
+
+
+# Servers this host runs without berth (src/berth/cli/adopt_cmd.py).
+app.command("adopt")(adopt_cmd.adopt)
+app.command("adopted")(adopt_cmd.adopted)
+app.command("unadopt")(adopt_cmd.unadopt)

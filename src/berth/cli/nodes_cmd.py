@@ -118,6 +118,17 @@ def show(
                 gpu["uuid"],
             )
         console.print(table)
+    if node.get("adopted"):
+        table = Table("ADOPTED", "SERVED AS", "ADDRESS", "GPUS", "ANSWERS")
+        for endpoint in node["adopted"]:
+            table.add_row(
+                endpoint["name"],
+                endpoint["served_model_name"],
+                f"{endpoint['host']}:{endpoint['port']}",
+                ",".join(map(str, endpoint["gpus"])) or "-",
+                "[green]yes[/]" if endpoint["alive"] else "[red]no[/]",
+            )
+        console.print(table)
 
 
 @nodes_app.command("remove")

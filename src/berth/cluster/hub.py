@@ -30,6 +30,7 @@ from berth.cluster.link import LOCAL_NODE_ID, AgentLink
 from berth.cluster.peer_identity import ForwardedFingerprintTrust, client_identity
 from berth.cluster.protocol.errors import CloseCode, ProtocolError
 from berth.cluster.protocol.frames import (
+    AdoptedState,
     EngineState,
     ErrorInfo,
     Frame,
@@ -66,6 +67,8 @@ class NodeListener(Protocol):
     async def node_connected(self, node_id: str, engines: list[EngineState]) -> None: ...
 
     def node_disconnected(self, node_id: str) -> None: ...
+
+    def adopted_reported(self, node_id: str, adopted: list[AdoptedState]) -> None: ...
 
 
 class NodeHub:
@@ -242,6 +245,7 @@ class NodeHub:
         watchdog = asyncio.create_task(self._watch(node_id, conn), name=f"watch-{node_id}")
         if self._listener is not None:
             # After run() starts: reconciling sends requests whose answers the reader reads.
+            self._listener.adopted_reported(node_id, hello.adopted)
             self._spawn(self._reconcile(node_id, hello.engines))
         try:
             await conn.run()
@@ -357,6 +361,8 @@ class NodeHub:
             now = self._clock()
             if link is not None and link.conn is conn:
                 link.record_heartbeat(frame, now)
+                if self._listener is not None:
+                    self._listener.adopted_reported(node_id, frame.adopted)
                 if self._cluster_metrics is not None:
                     self._cluster_metrics.record_heartbeat(node_id, frame, now)
                 # Kept in memory on every heartbeat, written at most once an interval: a

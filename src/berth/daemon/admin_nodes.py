@@ -17,6 +17,7 @@ import time
 from dataclasses import asdict, replace
 from typing import Any
 
+import msgspec
 from fastapi import APIRouter
 from pydantic import BaseModel
 
@@ -101,7 +102,10 @@ def build_node_router(services: LeaderServices) -> APIRouter:
     @router.get("/admin/nodes/{ident}")
     async def show_node(ident: str) -> dict[str, Any]:
         record = await asyncio.to_thread(store.lookup_node, ident)
-        return node_detail_json(await _live(services, record), connected=connected(record))
+        detail = node_detail_json(await _live(services, record), connected=connected(record))
+        adopted = services.lifecycle.adopted().get(record.id, [])
+        detail["adopted"] = [msgspec.structs.asdict(state) for state in adopted]
+        return detail
 
     @router.delete("/admin/nodes/{ident}")
     async def remove_node(ident: str) -> dict[str, Any]:

@@ -15,9 +15,10 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from berth.agent.adopted import ADOPTED_ID_PREFIX
 from berth.agent.core import EngineReport
 from berth.cluster.link import LOCAL_NODE_ID, AgentLink, EngineEndpoint
-from berth.cluster.protocol.frames import EngineState
+from berth.cluster.protocol.frames import AdoptedState, EngineState
 from berth.cluster.protocol.ops import RUNTIME_CAPABILITIES
 from berth.cluster.remote_link import RemoteLink, tunnel_url
 from berth.daemon.proxy import NoReadyDeploymentError, Upstream
@@ -35,6 +36,7 @@ from berth.runtime.engines import (
     DEFAULT_IMAGES,
     DeploymentRequest,
     EngineName,
+    check_image_reference,
     parse_engine_name,
     parse_runtime_name,
 )
@@ -113,6 +115,8 @@ class LifecycleManager:
         self._failed_probes: dict[str, int] = {}
         #: local deployments whose runtime could not be asked at start-up (Docker down)
         self._unreconciled: set[str] = set()
+        #: adopted endpoints as each node last reported them: node id -> name -> state
+        self._adopted: dict[str, dict[str, AdoptedState]] = {}
 
     # -- the router's view (hot path: no I/O) --------------------------------------------
 
@@ -130,6 +134,12 @@ class LifecycleManager:
         if parked:
             nodes = ", ".join(sorted(set(parked.values())))
             detail = f"its ready deployments are on unreachable nodes ({nodes})"
+            raise NoReadyDeploymentError(model, retry_after_s=LOADING_RETRY_AFTER_S, detail=detail)
+        down = [f"{state.name} on node {node_id}"
+                for node_id, states in self._adopted.items()
+                for state in states.values() if state.served_model_name == model]  # fmt: skip
+        if down:
+            detail = f"its adopted endpoint does not answer ({', '.join(sorted(down))})"
             raise NoReadyDeploymentError(model, retry_after_s=LOADING_RETRY_AFTER_S, detail=detail)
         if model in self._known_models:
             raise NoReadyDeploymentError(model, retry_after_s=LOADING_RETRY_AFTER_S)
@@ -156,10 +166,13 @@ class LifecycleManager:
         """Stop every engine on the leader's own node and mark its deployment stopped.
 
         Engines on agents keep running: their agents redial, and the next leader reconciles
-        them when each says Hello again (:meth:`node_connected`).
+        them when each says Hello again (:meth:`node_connected`).  A manager whose
+        :meth:`start` did not finish changes nothing: the engines it may not have reconciled
+        are left to the next start.
         """
-        if self._watcher is not None:
-            self._watcher.cancel()
+        if self._watcher is None:
+            return
+        self._watcher.cancel()
         starting = list(self._starting.values())
         for task in starting:
             task.cancel()
@@ -298,10 +311,47 @@ class LifecycleManager:
         log.warning("deployment %s: %s", record.id, reason)
         await self._transition(record.id, DeploymentState.FAILED, failure_reason=reason)
 
+    def adopted_reported(self, node_id: str, adopted: Sequence[AdoptedState]) -> None:
+        """A node reported its adopted endpoints (in Hello, each heartbeat, or, for node
+        ``local``, when the leader's own set changes): route to those whose last probe
+        answered, under their served names; the others answer 503 naming them."""
+        previous = self._adopted.get(node_id, {})
+        current = {state.name: state for state in adopted}
+        if current == previous:
+            return
+        for state in previous.values():
+            self._unmark_ready(state.served_model_name, ADOPTED_ID_PREFIX + state.name)
+        self._adopted[node_id] = current
+        for state in current.values():
+            endpoint_id = ADOPTED_ID_PREFIX + state.name
+            self._parked.get(state.served_model_name, {}).pop(endpoint_id, None)
+            if not state.alive:
+                continue
+            if node_id == LOCAL_NODE_ID:
+                base_url = f"http://{state.host}:{state.port}"
+            else:
+                base_url = tunnel_url(node_id, endpoint_id)
+            engine_model = None
+            if state.engine_model != state.served_model_name:
+                engine_model = state.engine_model
+            upstream = Upstream(
+                base_url=base_url,
+                deployment_id=endpoint_id,
+                node_id=node_id,
+                model=state.served_model_name,
+                engine_model=engine_model,
+            )
+            self._ready.setdefault(state.served_model_name, {})[endpoint_id] = upstream
+
+    def adopted(self) -> dict[str, list[AdoptedState]]:
+        """Adopted endpoints by node id, as last reported."""
+        return {node: list(states.values()) for node, states in self._adopted.items()}
+
     def node_disconnected(self, node_id: str) -> None:
         """A node's link ended: stop routing to its deployments until it reconnects."""
         if self.on_node_lost is not None:
             self.on_node_lost(node_id)
+        self._adopted.pop(node_id, None)  # reported again in the next Hello
         for model, upstreams in self._ready.items():
             for deployment_id in [d for d, u in upstreams.items() if u.node_id == node_id]:
                 del upstreams[deployment_id]
@@ -341,9 +391,7 @@ class LifecycleManager:
             default = self._images[engine]
             if options.gpus and engine in self._gpu_images:
                 default = self._gpu_images[engine]  # llama.cpp's default image is CPU-only
-            image = (options.image or default).strip()
-            if not image:
-                raise ConfigError("the docker image name is empty")
+            image = check_image_reference(default if options.image is None else options.image)
         elif options.image:
             raise ConfigError("an image applies to the docker runtime only (--runtime docker)")
         node_id = label = LOCAL_NODE_ID
@@ -385,6 +433,17 @@ class LifecycleManager:
                     f"'berth models add {model.name} PATH --node {label}'"
                 )
         if options.gpus:
+            reserved = {
+                gpu: state.name
+                for state in self._adopted.get(node_id, {}).values()
+                for gpu in state.gpus
+            }
+            taken = [f"GPU {g} by {reserved[g]}" for g in options.gpus if g in reserved]
+            if taken:
+                raise ConflictError(
+                    f"node {label} reserves {', '.join(taken)} (an adopted endpoint): "
+                    "choose other GPUs or unadopt it"
+                )
             available = sorted(gpu.index for gpu in (await link.inventory()).gpus)
             missing = sorted(set(options.gpus) - set(available))
             if missing:
@@ -576,7 +635,9 @@ class LifecycleManager:
             if self._unreconciled:
                 await self._retry_unreconciled()
             # All at once: a node that answers slowly must not delay the others' checks.
-            upstreams = [u for ready in self._ready.values() for u in ready.values()]
+            # Adopted endpoints are probed by the node that adopted them (and never stopped).
+            upstreams = [u for ready in self._ready.values() for u in ready.values()
+                         if not u.deployment_id.startswith(ADOPTED_ID_PREFIX)]  # fmt: skip
             await asyncio.gather(*(self._check_alive_logged(u) for u in upstreams))
 
     async def _check_alive_logged(self, upstream: Upstream) -> None:
@@ -603,10 +664,14 @@ class LifecycleManager:
                 return
             reason = f"engine stopped answering health checks ({failures} probes in a row)"
         else:
-            reason = "engine process exited unexpectedly"
+            reason = "engine exited unexpectedly (its process or container is gone)"
         log.warning("deployment %s: %s", deployment_id, reason)
         self._failed_probes.pop(deployment_id, None)
         self._unmark_ready(upstream.model, deployment_id)
-        with contextlib.suppress(NotFoundError):
+        try:
             await link.stop_deployment(deployment_id, self._stop_grace_s)
+        except NotFoundError:
+            pass
+        except EngineError as exc:  # still failed: it is not routed to any more either way
+            reason = f"{reason}; stopping what was left failed: {exc}"
         await self._transition(deployment_id, DeploymentState.FAILED, failure_reason=reason)

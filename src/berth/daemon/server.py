@@ -25,6 +25,7 @@ from pathlib import Path
 
 import uvicorn
 
+from berth.agent.adopted import AdoptedWatcher
 from berth.agent.core import AgentCore
 from berth.cluster.ca import CertificateAuthority
 from berth.cluster.enrollment import AuditLog, EnrollmentService
@@ -166,6 +167,7 @@ def build_local_core(home: BerthHome, settings: Settings) -> AgentCore:
             host=resolve_docker_host(settings.docker_host), home=home.root, node_id=LOCAL_NODE_ID
         ),
         docker_shm_size=settings.docker_shm_size,
+        adopted=AdoptedWatcher(home.adopted_file),
     )
 
 
@@ -253,6 +255,7 @@ async def serve(home: BerthHome, settings: Settings) -> None:
         stop_grace_s=settings.stop_grace_s,
         on_state=on_state,
         images=settings.docker_images(),
+        gpu_images=settings.docker_gpu_images(),
     )
     hub = NodeHub(
         store,
@@ -356,6 +359,10 @@ async def serve(home: BerthHome, settings: Settings) -> None:
                 log.info("runtime %s: %s (%s)", runtime.name, verdict, runtime.detail)
             await core.restore()  # containers left running by the last leader, for reconcile
         await lifecycle.start()
+        if core is not None and core.adopted is not None:
+            watcher = core.adopted  # the servers this host adopted: node local reports them
+            watcher.on_change = lambda: lifecycle.adopted_reported(LOCAL_NODE_ID, watcher.states())
+            watcher.start()
         if local_sampler is not None:
             local_sampler.start()
         services.ready = True
@@ -383,6 +390,10 @@ async def serve(home: BerthHome, settings: Settings) -> None:
         await cluster_listener.stop()
         await lifecycle.shutdown()
         await proxy.shutdown()
+        if core is not None:
+            if core.adopted is not None:
+                await core.adopted.stop()
+            core.close()
         home.pid_file.unlink(missing_ok=True)
         home.socket_file.unlink(missing_ok=True)
         log.info("berth leader stopped")

@@ -21,11 +21,10 @@ from typing import Any
 import docker
 import docker.errors
 import requests
-from docker.constants import DEFAULT_DOCKER_API_VERSION
 
 from berth.config import SettingSource
 from berth.doctor.check import Check, Verdict
-from berth.runtime.docker import docker_error_text
+from berth.runtime.docker import connect_docker, docker_error_text
 from berth.runtime.engines import EngineName
 
 #: Engine names as people write them.
@@ -122,7 +121,7 @@ def docker_checks(
     """
     name = "runtime docker"
     try:
-        client = _connect(host)
+        client = connect_docker(host)
     except (docker.errors.DockerException, requests.RequestException) as exc:
         reason = docker_error_text(exc)
         detail = f"no Docker engine at {host}: {reason}"
@@ -209,19 +208,6 @@ def docker_gpu_check(info: Mapping[str, Any], host: str) -> Check:
         "install nvidia-container-toolkit, then sudo nvidia-ctk runtime configure "
         "--runtime=docker && sudo systemctl restart docker",
     )
-
-
-def _connect(host: str) -> Any:
-    """An SDK client for ``host`` at the engine's own API version; the probing client is
-    closed whatever happens (``version="auto"`` would leave its socket open on failure)."""
-    if host.startswith("unix://") and not Path(host.removeprefix("unix://")).exists():
-        raise docker.errors.DockerException("its socket does not exist (is dockerd running?)")
-    probe = docker.DockerClient(base_url=host, version=DEFAULT_DOCKER_API_VERSION, timeout=10)
-    try:
-        version = str(probe.api.version(api_version=False)["ApiVersion"])
-    finally:
-        probe.close()
-    return docker.DockerClient(base_url=host, version=version, timeout=30)
 
 
 def _docker_hint(reason: str) -> str:

@@ -44,7 +44,10 @@ def core_heartbeat(core: AgentCore, meter: RequestMeter, now: float) -> Heartbea
     """What a node running ``core`` reports at ``now``: its GPUs and its engines' load."""
     engines = [(e.deployment_id, e.alive) for e in core.engines()]
     return Heartbeat(
-        sent_at=now, gpus=gpu_states(core.gpus()), deployments=deployment_loads(meter, engines)
+        sent_at=now,
+        gpus=gpu_states(core.gpus()),
+        deployments=deployment_loads(meter, engines),
+        adopted=core.adopted.states() if core.adopted is not None else [],
     )
 
 

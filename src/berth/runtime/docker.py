@@ -207,7 +207,7 @@ class DockerRuntime:
         self._poll_interval_s = poll_interval_s
         self._probe_timeout_s = probe_timeout_s
         self._log_tail_lines = log_tail_lines
-        self._client_factory = client_factory or _connect
+        self._client_factory = client_factory or connect_docker
         self._client: Any = None
         self._client_lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="berth-docker")
@@ -522,8 +522,13 @@ class DockerRuntime:
         copy = self._log_copies.pop(container_id, None)
         if copy is not None:
             copy.join(_LOG_DRAIN_S)  # the container's last lines reach the log file first
-        with contextlib.suppress(docker.errors.NotFound):
+        try:
             api.remove_container(container_id, force=True)
+        except docker.errors.NotFound:
+            pass
+        except docker.errors.APIError as exc:
+            if exc.status_code != 409:  # 409: someone else is removing it right now
+                raise
 
     def is_alive(self, handle: EngineHandle) -> bool:
         """Whether the container ran when last looked at (:meth:`poll` looks again)."""
@@ -674,8 +679,9 @@ class DockerRuntime:
         return text
 
 
-def _connect(host: str) -> Any:
-    """A real SDK client for ``host``, speaking the engine's own API version.
+def connect_docker(host: str, timeout_s: float = _API_TIMEOUT_S) -> Any:
+    """A real SDK client for ``host``, speaking the engine's own API version; ``timeout_s``
+    bounds each call.  Raises the SDK's ``DockerException`` when no engine answers.
 
     The version is asked with a first client that is closed whatever happens (the SDK's
     ``version="auto"`` leaves its socket open when the engine does not answer).  A unix
@@ -688,7 +694,7 @@ def _connect(host: str) -> Any:
         version = str(probe.api.version(api_version=False)["ApiVersion"])
     finally:
         probe.close()
-    return docker.DockerClient(base_url=host, version=version, timeout=_API_TIMEOUT_S)
+    return docker.DockerClient(base_url=host, version=version, timeout=timeout_s)
 
 
 def _container_id(handle: EngineHandle) -> str:

@@ -321,6 +321,31 @@ CONTAINER_ULIMITS: tuple[tuple[str, int, int], ...] = (
 )
 
 
+# Docker's image reference grammar (distribution/reference), simplified: an optional
+# registry host (with a dot or a port, or "localhost"), lower-case path components, an
+# optional tag, an optional digest.
+_IMAGE_REFERENCE = re.compile(
+    r"(?:(?:[a-zA-Z0-9-]+(?:\.[a-zA-Z0-9-]+)+(?::[0-9]+)?|localhost(?::[0-9]+)?"
+    r"|[a-zA-Z0-9-]+:[0-9]+)/)?"
+    r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*(?:/[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*)*"
+    r"(?::[\w][\w.-]{0,127})?(?:@sha256:[a-f0-9]{64})?"
+)
+
+
+def check_image_reference(image: str) -> str:
+    """``image`` stripped, when it is a valid image reference (``repository[:tag][@digest]``,
+    optionally behind a registry host); else ``ConfigError`` saying so."""
+    text = image.strip()
+    if not text:
+        raise ConfigError("the docker image name is empty")
+    if not _IMAGE_REFERENCE.fullmatch(text):
+        raise ConfigError(
+            f"{text!r} is not a docker image reference (repository[:tag], e.g. "
+            "vllm/vllm-openai:latest)"
+        )
+    return text
+
+
 def build_container_spec(req: DeploymentRequest, image: str, *, shm_size: str) -> LaunchSpec:
     """Translate ``req`` into a container for the docker runtime.
 

@@ -117,6 +117,22 @@ class ErrorInfo(_Body, kw_only=True):
 # -- frames ------------------------------------------------------------------------------------
 
 
+class AdoptedState(_Body, kw_only=True):
+    """An OpenAI-compatible server the agent adopted (it did not start it): where it
+    answers on the agent's host, the name clients use for it (``served_model_name``) and the
+    one it serves (``engine_model``), the GPUs and memory it declares, and whether its last
+    probe answered."""
+
+    name: str
+    served_model_name: str
+    engine_model: str
+    host: str
+    port: int
+    gpus: list[int] = []
+    vram_mb: int | None = None
+    alive: bool = False
+
+
 class Hello(_Body, kw_only=True):
     """The agent's first frame."""
 
@@ -126,6 +142,7 @@ class Hello(_Body, kw_only=True):
     capabilities: list[str] = []
     inventory: Inventory
     engines: list[EngineState] = []
+    adopted: list[AdoptedState] = []
 
 
 class Welcome(_Body, kw_only=True):
@@ -166,11 +183,13 @@ class Progress(_Body, kw_only=True):
 
 
 class Heartbeat(_Body, kw_only=True):
-    """Sent by the agent every heartbeat interval: GPUs and per-deployment load."""
+    """Sent by the agent every heartbeat interval: GPUs, per-deployment load and the
+    adopted endpoints with their liveness."""
 
     sent_at: float
     gpus: list[GpuState] = []
     deployments: list[DeploymentLoad] = []
+    adopted: list[AdoptedState] = []
 
 
 StreamKind = Literal["http", "logs"]

@@ -1,0 +1,155 @@
+"""Adopted endpoints on real parts: a llama.cpp server started outside berth on an agent's
+host (real llama-server, SmolLM2), adopted with the real CLI, answering the OpenAI SDK through
+the leader by its served name; killed, it leaves ``/v1/models`` within 30 s and requests get
+a 503 naming it; restarted, it serves again.  The leader's own host adopts a server too."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import openai
+import pytest
+
+from berth.runtime.bundled import smollm2_gguf
+from berth.runtime.engines import EngineBinaries, find_free_port
+from cluster_harness import Agent, Cluster, clean_env, cli
+from real_engine import real_engine_missing
+
+pytestmark = pytest.mark.slow
+
+if (_missing := real_engine_missing()) is not None:
+    pytest.skip(_missing, allow_module_level=True)
+
+SERVED = "smol-outside"
+FAKE_ENGINE = Path(__file__).with_name("fake_llama_server.py")
+
+
+class OutsideServer:
+    """A llama-server berth did not start, on a fixed port so it can come back there."""
+
+    def __init__(self, port: int, log: Path) -> None:
+        self.port = port
+        self.log = log
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        binary = EngineBinaries.detect().llama_server
+        model = smollm2_gguf()
+        assert binary is not None and model is not None
+        with self.log.open("ab") as out:
+            self.process = subprocess.Popen(
+                [binary, "-m", str(model), "--host", "127.0.0.1", "--port", str(self.port),
+                 "--alias", SERVED, "-c", "2048"],
+                stdout=out, stderr=subprocess.STDOUT,
+            )  # fmt: skip
+
+    def kill(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    cluster = Cluster(tmp_path_factory.mktemp("e2e-adopted"), clean_env({}))
+    cluster.start()
+    try:
+        yield cluster
+    finally:
+        cluster.close()
+
+
+def _listed(cluster: Cluster) -> list[str]:
+    with cluster.openai() as client:
+        return [model.id for model in client.models.list()]
+
+
+def _wait_listed(cluster: Cluster, name: str, present: bool, timeout_s: float) -> float:
+    started = time.monotonic()
+    while (name in _listed(cluster)) != present:
+        if time.monotonic() - started > timeout_s:
+            raise AssertionError(f"{name} {'not ' if present else ''}listed after {timeout_s} s")
+        time.sleep(0.25)
+    return time.monotonic() - started
+
+
+def _chat(cluster: Cluster, model: str) -> str:
+    with cluster.openai() as client:
+        answer = client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "Say hi."}], max_tokens=8
+        )
+    return answer.choices[0].message.content or ""
+
+
+def test_an_adopted_server_serves_drops_out_when_killed_and_comes_back(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    agent: Agent = cluster.add_agent("gpu-a")
+    server = OutsideServer(find_free_port(), tmp_path / "outside.log")
+    server.start()
+    try:
+        adopt = cli(agent.home, "agent", "adopt", "--port", str(server.port), "--model", SERVED,
+                    "--gpus", "0", env=cluster.env, timeout_s=60)  # fmt: skip
+        assert f"as {SERVED}" in adopt.stdout, adopt.stdout
+        _wait_listed(cluster, SERVED, True, 30)
+        assert _chat(cluster, SERVED).strip()
+        listed = json.loads(cli(agent.home, "agent", "adopted", "--json", env=cluster.env).stdout)
+        assert [(e["name"], e["alive"], e["gpus"]) for e in listed] == [(SERVED, True, [0])]
+
+        server.kill()
+        gone_after_s = _wait_listed(cluster, SERVED, False, 30)
+        with pytest.raises(openai.APIStatusError) as refused:
+            _chat(cluster, SERVED)
+        assert refused.value.status_code == 503
+        assert f"adopted endpoint does not answer ({SERVED} on node" in str(refused.value)
+
+        server.start()
+        _wait_listed(cluster, SERVED, True, 40)
+        assert _chat(cluster, SERVED).strip()
+        print(f"dropped out of /v1/models {gone_after_s:.1f} s after it was killed")
+
+        cli(agent.home, "agent", "unadopt", SERVED, env=cluster.env)
+        _wait_listed(cluster, SERVED, False, 20)
+        assert server.process is not None and server.process.poll() is None  # never stopped
+        missing = cli(agent.home, "agent", "unadopt", SERVED, env=cluster.env, check=False)
+        assert missing.returncode != 0
+        assert f"no adopted server is named '{SERVED}'" in missing.stderr
+    finally:
+        server.kill()
+
+
+def test_adopting_where_nothing_listens_is_refused_with_the_reason(cluster: Cluster) -> None:
+    port = find_free_port()
+    refused = cluster.berth("agent", "adopt", "--port", str(port), "--model", "x", check=False)
+    assert refused.returncode != 0
+    assert f"nothing answers at http://127.0.0.1:{port}/v1/models" in refused.stderr
+    assert not (cluster.leader_home / "adopted.yaml").exists()
+
+
+def test_the_leaders_own_host_adopts_too(cluster: Cluster) -> None:
+    port = find_free_port()
+    fake = subprocess.Popen(
+        [sys.executable, str(FAKE_ENGINE), "-m", "x.gguf", "--port", str(port),
+         "--alias", "fake-outside"],
+        stdout=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 10
+        while True:
+            adopt = cluster.berth("agent", "adopt", "--port", str(port), "--model", "fake-outside",
+                                  "--name", "fake", check=False)  # fmt: skip
+            if adopt.returncode == 0 or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert adopt.returncode == 0, adopt.stderr
+        _wait_listed(cluster, "fake-outside", True, 30)
+        assert "fake llama-server" in _chat(cluster, "fake-outside")
+    finally:
+        fake.kill()
+        fake.wait()
+        cluster.berth("agent", "unadopt", "fake", check=False)
