@@ -126,6 +126,8 @@ def _run_foreground(home: BerthHome, settings: Settings) -> None:
         level=settings.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    # httpx logs every request at INFO: each health probe, every few seconds per engine.
+    logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().level))
     eventloop.run(serve(home, settings))
 
 
