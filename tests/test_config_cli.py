@@ -455,6 +455,8 @@ def test_a_leader_only_daemon_runs_engines_on_agents_only(
         assert answer.json()["choices"][0]["message"]["content"] == ANSWER
         models = [m["id"] for m in http.get("/v1/models").json()["data"]]
     assert models == ["tiny-a"]
+    # Only the agents are nodes: the leader's host is not one.
+    assert [n["label"] for n in cluster.admin("GET", "/admin/nodes")] == ["gpu-a"]
 
     # Changing a setting while it runs says that the daemon keeps its settings until restarted.
     changed = cluster.berth("config", "set-public", "host=localhost")

@@ -85,7 +85,9 @@ def build_node_router(services: LeaderServices) -> APIRouter:
     store = services.store
 
     def connected(record: NodeRecord) -> bool:
-        return record.id == LOCAL_NODE_ID or services.hub.is_connected(record.id)
+        if record.id == LOCAL_NODE_ID:
+            return not services.leader_only
+        return services.hub.is_connected(record.id)
 
     @router.post("/admin/nodes/enroll", status_code=201)
     async def enroll(body: EnrollIn) -> dict[str, Any]:
@@ -95,6 +97,8 @@ def build_node_router(services: LeaderServices) -> APIRouter:
     @router.get("/admin/nodes")
     async def list_nodes() -> list[dict[str, Any]]:
         records = await asyncio.to_thread(store.list_nodes)
+        if services.leader_only:  # no engines on the leader's host: node local is not one
+            records = [r for r in records if r.id != LOCAL_NODE_ID]
         return [
             node_summary_json(await _live(services, r), connected=connected(r)) for r in records
         ]
