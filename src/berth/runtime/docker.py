@@ -27,7 +27,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -267,7 +267,8 @@ class DockerRuntime:
 
         def progress(line: str) -> None:
             if on_progress is not None and not cancelled.is_set():
-                loop.call_soon_threadsafe(on_progress, line)
+                with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+                    loop.call_soon_threadsafe(on_progress, line)
 
         try:
             await self._call(self._connected)
@@ -303,13 +304,14 @@ class DockerRuntime:
         outcome: Future[T] = Future()
 
         def body() -> None:
+            # Whoever awaited it may have given up (cancelled): then the outcome is dropped.
             try:
                 value = function(*args)
             except BaseException as exc:
-                if not outcome.cancelled():
+                with contextlib.suppress(InvalidStateError):
                     outcome.set_exception(exc)
             else:
-                if not outcome.cancelled():
+                with contextlib.suppress(InvalidStateError):
                     outcome.set_result(value)
 
         threading.Thread(target=body, name=f"berth-{name}", daemon=True).start()
