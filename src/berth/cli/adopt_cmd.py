@@ -36,7 +36,7 @@ def adopt(
     ),
     port: int | None = typer.Option(None, "--port", min=1, max=65535, help="Its TCP port."),
     model: str | None = typer.Option(
-        None, "--model", help="The model id the server serves (default: its first /v1/models)."
+        None, "--model", help="The model id the server serves (required with --port)."
     ),
     host: str = typer.Option(_LOOPBACK, "--host", help="Its address, as this host reaches it."),
     gpus: str | None = typer.Option(None, "--gpus", help="GPUs it uses, e.g. 0,7 (reserved)."),
