@@ -362,16 +362,21 @@ def test_a_missing_operator_certificate_fails(tmp_path: Path) -> None:
     assert check.verdict == "fail" and "nope.pem does not exist" in check.detail
 
 
-def test_a_leader_url_host_the_cluster_certificate_cannot_name_fails(tmp_path: Path) -> None:
+def test_a_leader_url_host_is_put_on_the_cluster_certificate(tmp_path: Path) -> None:
     home = leader_home(
         tmp_path / "home", cluster_host="10.0.0.5", leader_url="https://cluster.example.com:443"
     )
+    settings = Settings.load(home, env={})
+    assert settings.cluster_hosts() == ("10.0.0.5", "cluster.example.com")
+    ca = CertificateAuthority.load_or_create(home.ca_dir)
+    cluster_tls_files(ca, "10.0.0.5", home.ca_dir)  # as a berth before leader_url SANs did
 
-    check = checks_of(home)["cert cluster"]
+    stale = checks_of(home)["cert cluster"]
 
-    assert check.verdict == "fail"
-    assert "cluster.example.com (leader_url)" in check.detail
-    assert check.hint.startswith("berth config set-cluster host=cluster.example.com")
+    assert stale.verdict == "warn" and "does not name cluster.example.com" in stale.detail
+    assert stale.hint.startswith("berth daemon start")
+    cluster_tls_files(ca, settings.cluster_hosts(), home.ca_dir)  # what the daemon issues
+    assert checks_of(home)["cert cluster"].verdict == "ok"
 
 
 def test_behind_a_tls_terminating_proxy_the_leader_url_host_is_the_proxys(

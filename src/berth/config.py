@@ -31,6 +31,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 from berth.config_toml import locate_line, parse_toml, render_toml, write_atomically
 from berth.errors import ConfigError
@@ -396,6 +397,16 @@ class Settings:
     def docker_gpu_images(self) -> dict[EngineName, str]:
         """Images that replace :meth:`docker_images` for a deployment given GPUs."""
         return {"llamacpp": self.llamacpp_gpu_image}
+
+    def cluster_hosts(self) -> tuple[str, ...]:
+        """The names agents may dial the cluster listener by, for its certificate's SANs:
+        ``cluster_host``, and the host of ``leader_url`` when that is set."""
+        hosts = [self.cluster_host]
+        if self.leader_url:
+            leader_host = urlsplit(self.leader_url).hostname
+            if leader_host and leader_host not in hosts:
+                hosts.append(leader_host)
+        return tuple(hosts)
 
     def cluster_url(self, port: int | None = None) -> str:
         """The URL agents dial: ``leader_url`` if set, else ``https://cluster_host:port``

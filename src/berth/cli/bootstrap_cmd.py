@@ -199,7 +199,7 @@ def _issue_server_certificates(
     from berth.daemon.server import public_tls_files  # the server stack loads only when needed
 
     public_tls_files(settings, home, ca)
-    cluster_tls_files(ca, settings.cluster_host, home.ca_dir)
+    cluster_tls_files(ca, settings.cluster_hosts(), home.ca_dir)
 
 
 def _toml_value(value: object) -> str:

@@ -24,7 +24,7 @@ import logging
 import socket
 import ssl
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Final
@@ -45,12 +45,16 @@ MAX_REGISTER_BODY_BYTES: Final = 64 * 1024
 CA_PEM_MEDIA_TYPE: Final = "application/x-pem-file"
 
 
-def cluster_tls_files(ca: CertificateAuthority, host: str, ca_dir: Path) -> tuple[Path, Path]:
+def cluster_tls_files(
+    ca: CertificateAuthority, hosts: str | Sequence[str], ca_dir: Path
+) -> tuple[Path, Path]:
     """The cluster listener's certificate and key under ``ca_dir``, issued by ``ca`` for
-    ``host`` (plus ``localhost``, 127.0.0.1 and ::1) and re-issued when ``host`` is not among
-    its SANs or it is close to expiry."""
+    ``hosts`` (one name or several: what agents dial, see ``Settings.cluster_hosts``; plus
+    ``localhost``, 127.0.0.1 and ::1) and re-issued when one of them is not among its SANs
+    or it is close to expiry."""
+    names = [hosts] if isinstance(hosts, str) else list(hosts)
     cert, key = ca_dir / "cluster.pem", ca_dir / "cluster.key"
-    ca.ensure_server_certificate(sorted({host, "localhost", "127.0.0.1", "::1"}), cert, key)
+    ca.ensure_server_certificate(sorted({*names, "localhost", "127.0.0.1", "::1"}), cert, key)
     return cert, key
 
 

@@ -227,7 +227,9 @@ async def serve(home: BerthHome, settings: Settings) -> None:
     ca = await asyncio.to_thread(CertificateAuthority.load_or_create, home.ca_dir)
     tls = await asyncio.to_thread(public_tls_files, settings, home, ca)
     pepper = await asyncio.to_thread(load_or_create_pepper, home.pepper_file)
-    cluster_tls = await asyncio.to_thread(cluster_tls_files, ca, settings.cluster_host, home.ca_dir)
+    cluster_tls = await asyncio.to_thread(
+        cluster_tls_files, ca, settings.cluster_hosts(), home.ca_dir
+    )
 
     local_meter = RequestMeter()  # requests to node local's engines, served by the proxy
     metrics = ProxyMetrics(local_meter=local_meter, local_node=LOCAL_NODE_ID)

@@ -190,7 +190,7 @@ def tls_checks(
         "cluster",
         home.ca_dir / "cluster.pem",
         home.ca_dir / "cluster.key",
-        tuple(sorted({settings.cluster_host, *LOOPBACK_HOSTS})),
+        tuple(sorted({*settings.cluster_hosts(), *LOOPBACK_HOSTS})),
         dialed,
     )
     return [
