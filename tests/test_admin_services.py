@@ -294,3 +294,15 @@ async def test_a_leader_only_leader_refuses_a_deployment_on_its_own_host(
             assert "leader_only is set" in message and "--node LABEL" in message
     finally:
         store.close()
+
+
+async def test_out_of_range_numbers_are_refused_before_the_database(leader: Leader) -> None:
+    huge = 10**30
+    for path, body in (
+        ("/admin/services", {"name": "s1", "model": "tiny", "ctx": huge}),
+        ("/admin/services", {"name": "s2", "model": "tiny", "gpus": [huge]}),
+        ("/admin/routes", {"name": "r1", "service": "s1", "priority": huge}),
+    ):
+        response = await leader.admin.post(path, json=body)
+        assert response.status_code == 422, (path, response.text)  # the admin API's validation
+        assert response.json()["detail"][0]["loc"][-1] in ("ctx", "gpus", "priority")

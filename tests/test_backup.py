@@ -330,7 +330,7 @@ def test_a_backup_from_a_newer_schema_is_refused(archive: Path, tmp_path: Path) 
         restore_backup(BerthHome(tmp_path / "new"), archive, env={})
 
 
-def test_the_database_goes_where_the_restored_config_puts_it(
+def test_a_database_outside_the_home_is_restored_only_where_the_operator_says(
     leader: BerthHome, tmp_path: Path
 ) -> None:
     elsewhere = tmp_path / "data" / "state.db"
@@ -340,10 +340,43 @@ def test_the_database_goes_where_the_restored_config_puts_it(
     create_backup(leader, f"sqlite:///{elsewhere}", tmp_path / "b.tar.gz")
     elsewhere.unlink()
 
-    report = restore_backup(BerthHome(tmp_path / "new"), tmp_path / "b.tar.gz", env={})
+    # The archive's config.toml alone never chooses a path outside the home.
+    with pytest.raises(ConfigError, match=r"outside .*: set BERTH_DATABASE_URL"):
+        restore_backup(BerthHome(tmp_path / "new"), tmp_path / "b.tar.gz", env={})
+    assert not elsewhere.exists()
+
+    report = restore_backup(
+        BerthHome(tmp_path / "new"),
+        tmp_path / "b.tar.gz",
+        env={"BERTH_DATABASE_URL": f"sqlite:///{elsewhere}"},
+    )
 
     assert report.database_path == elsewhere and elsewhere.is_file()
     assert not (tmp_path / "new" / "berth.db").exists()
+
+
+def test_restored_modes_ignore_the_manifest(leader: BerthHome, tmp_path: Path) -> None:
+    archive = tmp_path / "b.tar.gz"
+    create_backup(leader, f"sqlite:///{leader.db_file}", archive)
+    tampered = tmp_path / "t.tar.gz"
+    with tarfile.open(archive) as source, tarfile.open(tampered, "w:gz") as target:
+        for member in source.getmembers():
+            data = source.extractfile(member)
+            assert data is not None
+            content = data.read()
+            if member.name == "manifest.json":
+                manifest = json.loads(content)
+                for entry in manifest["files"]:
+                    entry["mode"] = 0o4777
+                content = json.dumps(manifest).encode()
+                member.size = len(content)
+            target.addfile(member, io.BytesIO(content))
+
+    restore_backup(BerthHome(tmp_path / "new"), tampered, env={})
+
+    key = tmp_path / "new" / "ca" / "ca.key"
+    assert key.stat().st_mode & 0o7777 == 0o600
+    assert (tmp_path / "new" / "ca" / "ca.pem").stat().st_mode & 0o7777 == 0o644
 
 
 # -- the CLI ---------------------------------------------------------------------------------

@@ -226,3 +226,13 @@ def test_routes_survive_a_reopen(tmp_path: Path, services: Store) -> None:
         (chat, small) = reopened.list_routes()
         assert (chat.name, chat.targets, chat.fallback) == ("chat", (RouteTarget("b", 7),), "small")
         assert small.name == "small"
+
+
+def test_a_service_cannot_take_a_models_or_a_running_deployments_name(store: Store) -> None:
+    with pytest.raises(ConflictError, match="'tiny' is already a model's name"):
+        store.create_service_profile("tiny", "tiny", "llamacpp", "process")
+    running = store.create_deployment("big", "vllm", "process", "local", served_model_name="chat")
+    with pytest.raises(ConflictError, match="'chat' is already a model's name or a running"):
+        store.create_service_profile("chat", "tiny", "llamacpp", "process")
+    store.transition_deployment(running.id, DeploymentState.FAILED, failure_reason="gone")
+    assert store.create_service_profile("chat", "tiny", "llamacpp", "process").name == "chat"

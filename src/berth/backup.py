@@ -546,8 +546,14 @@ def restore_backup(
                 f"{manifest.berth_version} or newer"
             )
         db_path = _restored_database_path(home, staging, env)
+        # The manifest's own modes are not trusted (anyone can rewrite a manifest): private,
+        # except certificates.
         placements = [
-            (staging / f.name, db_path if f.name == DATABASE_NAME else home.root / f.name, f.mode)
+            (
+                staging / f.name,
+                db_path if f.name == DATABASE_NAME else home.root / f.name,
+                _PUBLIC if f.name.startswith("ca/") and f.name.endswith(".pem") else _PRIVATE,
+            )
             for f in manifest.files
         ]
         replaced = _existing_state(home, db_path)
@@ -576,7 +582,16 @@ def _restored_database_path(home: BerthHome, staging: Path, env: Mapping[str, st
         raise ConfigError(f"the backup's config.toml cannot be used by this berth: {exc}") from None
     if settings.source("database_url") == "default":
         return home.db_file
-    return sqlite_database_path(settings.database_url)
+    path = sqlite_database_path(settings.database_url)
+    if settings.source("database_url") == "env":
+        return path  # the restoring operator chose it
+    # From the archive's config.toml: only inside the home, never anywhere it names.
+    if not path.is_absolute() or not path.resolve().is_relative_to(home.root.resolve()):
+        raise ConfigError(
+            f"the backup's config.toml puts the database at {path}, outside {home.root}: set "
+            "BERTH_DATABASE_URL to restore it there"
+        )
+    return path
 
 
 def _existing_state(home: BerthHome, db_path: Path) -> list[Path]:

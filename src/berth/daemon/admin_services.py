@@ -49,11 +49,18 @@ class ServiceIn(BaseModel):
     engine: str = "llamacpp"
     #: ``None``: the leader's ``default_runtime`` setting, recorded on the service.
     runtime: str | None = None
-    gpus: list[int] = Field(default_factory=list)
-    ctx: int | None = Field(default=None, gt=0)
+    gpus: list[int] = Field(default_factory=list, max_length=64)
+    ctx: int | None = Field(default=None, gt=0, le=2**31 - 1)
     extra_args: list[str] = Field(default_factory=list)
     image: str | None = Field(default=None, max_length=512)
     node_label: str | None = None
+
+    @field_validator("gpus")
+    @classmethod
+    def _gpu_indexes(cls, gpus: list[int]) -> list[int]:
+        if any(not 0 <= gpu <= 1023 for gpu in gpus):
+            raise ValueError("GPU indexes are 0 to 1023")
+        return gpus
 
 
 class DeployIn(BaseModel):
@@ -64,7 +71,7 @@ class DeployIn(BaseModel):
 class RouteIn(BaseModel):
     name: str = Field(pattern=ROUTE_NAME_PATTERN)
     service: str
-    priority: int = 0
+    priority: int = Field(default=0, ge=-(2**31), le=2**31 - 1)
     fallback: str | None = None
 
     @field_validator("name")

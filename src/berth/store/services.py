@@ -92,6 +92,20 @@ class ServiceMethods:
                 raise ConflictError(f"service {name!r} already exists")
             if session.get(ModelRow, model_name) is None:
                 raise NotFoundError("model", model_name)
+            # A service's deployments serve under its name: a model or running deployment of
+            # that name would be hidden behind it.
+            if session.get(ModelRow, name) is not None or session.scalar(
+                select(DeploymentRow.id)
+                .where(
+                    DeploymentRow.served_model_name == name,
+                    DeploymentRow.state.in_(_ACTIVE_STATES),
+                )
+                .limit(1)
+            ):
+                raise ConflictError(
+                    f"{name!r} is already a model's name or a running deployment's served name: "
+                    "name the service differently"
+                )
             if node_label is not None:
                 _check_node_label(session, node_label)
             row = ServiceProfileRow(
