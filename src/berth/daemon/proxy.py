@@ -87,9 +87,22 @@ class Upstream:
     engine_model: str | None = None
 
 
-def _body_for(upstream: Upstream, body: bytes) -> bytes:
-    """The request body as ``upstream``'s engine must see it."""
-    return body if upstream.engine_model is None else with_model(body, upstream.engine_model)
+class _Bodies:
+    """The request body as each upstream's engine must see it: as sent, or with its
+    ``"model"`` rewritten to the engine's name (done once per name, not per attempt)."""
+
+    def __init__(self, body: bytes) -> None:
+        self._body = body
+        self._rewritten: dict[str, bytes] = {}
+
+    def get(self, upstream: Upstream) -> bytes:
+        name = upstream.engine_model
+        if name is None:
+            return self._body
+        rewritten = self._rewritten.get(name)
+        if rewritten is None:
+            rewritten = self._rewritten[name] = with_model(self._body, name)
+        return rewritten
 
 
 def _target(upstream: Upstream) -> Target:
@@ -306,10 +319,11 @@ class OpenAIProxy:
         query: bytes = scope.get("query_string", b"")
         dispatched = False
         try:
+            bodies = _Bodies(body)  # rewritten at most once per engine model
             try:
                 chosen, response = await first_answer(
                     plan,
-                    lambda u: self._engines.open(u, path, query, forward, _body_for(u, body)),
+                    lambda u: self._engines.open(u, path, query, forward, bodies.get(u)),
                     max_attempts=self._max_attempts,
                     signals=signals,
                     clock=self._clock,
