@@ -278,3 +278,25 @@ async def test_a_stop_during_the_pull_cancels_it_and_leaves_nothing(
     assert fake.containers_by_id == {}
     assert core.engines() == []
     assert progress == ["pulling example/engine:1"]  # nothing after the stop
+
+
+async def test_a_container_that_exits_at_once_reports_how(
+    tmp_path: Path, fake: RecordingDocker
+) -> None:
+    fake.present.add("example/engine:1")
+    runtime = _runtime(tmp_path, fake)
+    spec = _spec(tmp_path)
+
+    def exits(self: Any) -> None:  # gone before anyone looks: no published port left
+        self.attrs["State"] = {"Running": False, "ExitCode": 2, "Pid": 0}
+
+    original = _Created.start
+    _Created.start = exits  # type: ignore[method-assign]
+    try:
+        handle = await runtime.start(spec)
+    finally:
+        _Created.start = original  # type: ignore[method-assign]
+    assert handle.port == 0 and not runtime.is_alive(handle)
+    with pytest.raises(EngineError, match="container exited with code 2") as failure:
+        await runtime.wait_healthy(handle, spec, timeout_s=5)
+    assert "engine output" in (failure.value.log_tail or "")

@@ -457,13 +457,18 @@ class DockerRuntime:
         return True
 
     def _handle(self, deployment_id: str, attrs: dict[str, Any]) -> EngineHandle:
-        """The handle of a running container, from its ``docker inspect`` attributes."""
+        """The handle of a container, from its ``docker inspect`` attributes.
+
+        A container that already exited has no published port (0 then): waiting for its
+        health reports how it exited, with its output.
+        """
         container_id = str(attrs["Id"])
         state = attrs.get("State") or {}
+        running = bool(state.get("Running"))
         port = _published_port(attrs)
-        if port is None:
+        if port is None and running:
             raise EngineError("the container publishes no engine port", deployment_id=deployment_id)
-        self._running[container_id] = bool(state.get("Running"))
+        self._running[container_id] = running
         return EngineHandle(
             deployment_id=deployment_id,
             pid=int(state.get("Pid") or 0),
