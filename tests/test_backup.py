@@ -19,6 +19,7 @@ import tarfile
 import threading
 import time
 from collections.abc import Iterator
+from datetime import UTC, datetime
 from pathlib import Path
 
 import openai
@@ -303,6 +304,15 @@ def test_restore_with_force_moves_the_old_state_aside(leader: BerthHome, archive
     assert not (leader.root / "berth.db-wal").exists()  # it must never meet the restored db
     with Store(_url(leader)) as store:
         assert store.get_node_by_label("gpu-a").label == "gpu-a"
+    # Again within the same second: the first replaced folder is kept, a second one made.
+    again = restore_backup(leader, archive, force=True, env={}, now=_fixed_now)
+    twice = restore_backup(leader, archive, force=True, env={}, now=_fixed_now)
+    assert again.replaced_dir is not None and twice.replaced_dir is not None
+    assert twice.replaced_dir.name == f"{again.replaced_dir.name}-2"
+
+
+def _fixed_now() -> datetime:
+    return datetime(2026, 11, 30, 12, 0, 0, tzinfo=UTC)
 
 
 def test_restore_refuses_while_the_daemon_of_that_home_runs(archive: Path, tmp_path: Path) -> None:

@@ -108,6 +108,21 @@ async def test_stop_during_loading_and_stop_twice(
         await manager.stop(record.id)
 
 
+async def test_two_stops_at_once_stop_once_and_refuse_once(
+    manager: LifecycleManager, link: FakeLink
+) -> None:
+    record = await manager.deploy(DeployOptions("tiny", "llamacpp", "local"))
+    await manager.wait_settled(record.id, 5)
+    outcomes = await asyncio.gather(
+        manager.stop(record.id), manager.stop(record.id), return_exceptions=True
+    )
+    stopped = [o for o in outcomes if not isinstance(o, BaseException)]
+    refused = [o for o in outcomes if isinstance(o, BaseException)]
+    assert [r.state for r in stopped] == [DeploymentState.STOPPED]
+    assert len(refused) == 1 and isinstance(refused[0], ConflictError)
+    assert "is already stopp" in str(refused[0])
+
+
 async def test_every_ready_deployment_is_a_candidate(manager: LifecycleManager) -> None:
     a = await manager.deploy(DeployOptions("tiny", "llamacpp", "local"))
     b = await manager.deploy(DeployOptions("tiny", "llamacpp", "local"))

@@ -566,8 +566,7 @@ def restore_backup(
                     "replace it (the replaced files are kept in a replaced-<time> folder)"
                 )
             stamp = now().astimezone(UTC).strftime("%Y%m%dT%H%M%SZ")
-            replaced_dir = home.root / f"replaced-{stamp}"
-            _move_aside(home, replaced, replaced_dir)
+            replaced_dir = _move_aside(home, replaced, home.root / f"replaced-{stamp}")
         _install(home, placements)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
@@ -609,12 +608,24 @@ def _shown(home: BerthHome, path: Path) -> str:
     return str(path.relative_to(home.root)) if path.is_relative_to(home.root) else str(path)
 
 
-def _move_aside(home: BerthHome, paths: list[Path], folder: Path) -> None:
-    folder.mkdir(mode=0o700)
-    for path in paths:
-        # A database outside the home keeps its own name in the folder.
-        name = _shown(home, path) if path.is_relative_to(home.root) else path.name
-        shutil.move(path, folder / name)
+def _move_aside(home: BerthHome, paths: list[Path], folder: Path) -> Path:
+    """Move ``paths`` into ``folder`` (``folder-2``, ``-3``… when it exists); the folder used."""
+    chosen, attempt = folder, 1
+    while True:
+        try:
+            chosen.mkdir(mode=0o700)
+            break
+        except FileExistsError:
+            attempt += 1
+            chosen = folder.with_name(f"{folder.name}-{attempt}")
+    try:
+        for path in paths:
+            # A database outside the home keeps its own name in the folder.
+            name = _shown(home, path) if path.is_relative_to(home.root) else path.name
+            shutil.move(path, chosen / name)
+    except OSError as exc:
+        raise BerthError(f"moving the old state of {home.root} aside failed: {exc}") from None
+    return chosen
 
 
 def _install(home: BerthHome, placements: list[tuple[Path, Path, int]]) -> None:

@@ -493,7 +493,7 @@ class LifecycleManager:
         ``ConflictError`` for one that is already stopped or failed.
         """
         record = await asyncio.to_thread(self._store.get_deployment, deployment_id)
-        if record.state in TERMINAL_STATES:
+        if record.state in TERMINAL_STATES or record.state is DeploymentState.STOPPING:
             raise ConflictError(f"deployment {deployment_id} is already {record.state}")
         starting = self._starting.get(deployment_id)
         if starting is not None:
@@ -573,7 +573,11 @@ class LifecycleManager:
 
     async def _stop_one(self, record: DeploymentRecord) -> DeploymentRecord:
         self._unmark_ready(record.served_model_name, record.id)
-        record = await self._transition(record.id, DeploymentState.STOPPING)
+        try:
+            record = await self._transition(record.id, DeploymentState.STOPPING)
+        except InvalidTransitionError:  # another stop got there first
+            current = await asyncio.to_thread(self._store.get_deployment, record.id)
+            raise ConflictError(f"deployment {record.id} is already {current.state}") from None
         link = self._links.get(record.node_id)
         try:
             if link is not None:
