@@ -10,6 +10,7 @@ from typing import Any
 import typer
 from rich.table import Table
 
+from berth.cli.client import DaemonClient
 from berth.cli.common import age, console, context, err_console, print_json
 from berth.errors import BerthError, ConfigError, EngineError
 
@@ -70,25 +71,7 @@ def run(
         if detach:
             console.print(f"{record['id']} {record['state']}")
             return
-        deadline = time.monotonic() + timeout
-        still_starting = (
-            f"it keeps starting in the background: `berth ps` to watch, "
-            f"`berth logs {record['id']}` for its log, `berth stop {record['id']}` to cancel"
-        )
-        try:
-            with console.status(f"starting {record['id']} ({model} on {engine})") as spinner:
-                while record["state"] in ("pending", "loading"):
-                    if time.monotonic() > deadline:
-                        raise BerthError(
-                            f"{record['id']} not ready after {timeout:.0f}s; {still_starting}"
-                        )
-                    time.sleep(0.5)
-                    record = client.get(f"/admin/deployments/{record['id']}")
-                    doing = f": {record['progress']}" if record.get("progress") else ""
-                    spinner.update(f"{record['id']} {record['state']} ({model} on {engine}{doing})")
-        except KeyboardInterrupt:
-            err_console.print(f"stopped waiting for {record['id']}; {still_starting}")
-            raise
+        record = wait_settled(client, record, f"{model} on {engine}", timeout)
     if record["state"] != "ready":
         raise EngineError(
             f"{record['id']} {record['state']}: {record.get('failure_reason') or 'no reason'}"
@@ -100,6 +83,37 @@ def run(
         f"[green]{record['id']} ready[/]: model [bold]{record['served_model_name']}[/] "
         f"on {record['engine']} ({where})"
     )
+
+
+def wait_settled(
+    client: DaemonClient, record: dict[str, Any], what: str, timeout_s: float
+) -> dict[str, Any]:
+    """Poll a deployment until it is no longer pending or loading, with a spinner naming
+    ``what`` it starts and its progress; the last record.
+
+    Raises :class:`BerthError` after ``timeout_s`` seconds (the deployment keeps starting).
+    """
+    deployment_id = record["id"]
+    deadline = time.monotonic() + timeout_s
+    still_starting = (
+        f"it keeps starting in the background: `berth ps` to watch, "
+        f"`berth logs {deployment_id}` for its log, `berth stop {deployment_id}` to cancel"
+    )
+    try:
+        with console.status(f"starting {deployment_id} ({what})") as spinner:
+            while record["state"] in ("pending", "loading"):
+                if time.monotonic() > deadline:
+                    raise BerthError(
+                        f"{deployment_id} not ready after {timeout_s:.0f}s; {still_starting}"
+                    )
+                time.sleep(0.5)
+                record = client.get(f"/admin/deployments/{deployment_id}")
+                doing = f": {record['progress']}" if record.get("progress") else ""
+                spinner.update(f"{deployment_id} {record['state']} ({what}{doing})")
+    except KeyboardInterrupt:
+        err_console.print(f"stopped waiting for {deployment_id}; {still_starting}")
+        raise
+    return record
 
 
 def short_reason(reason: str | None, width: int = 100) -> str:

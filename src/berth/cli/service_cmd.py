@@ -8,17 +8,15 @@ optional fallback route.  Everything goes through the daemon's admin API
 
 from __future__ import annotations
 
-import time
 from typing import Any
 from urllib.parse import quote
 
 import typer
 from rich.table import Table
 
-from berth.cli.client import DaemonClient
-from berth.cli.common import HELP_OPTIONS, console, context, err_console, print_json
-from berth.cli.deploy_cmd import parse_gpus
-from berth.errors import BerthError, ConfigError, EngineError
+from berth.cli.common import HELP_OPTIONS, console, context, print_json
+from berth.cli.deploy_cmd import parse_gpus, wait_settled
+from berth.errors import ConfigError, EngineError
 
 service_app = typer.Typer(
     context_settings=HELP_OPTIONS,
@@ -186,7 +184,7 @@ def deploy_service(
         if detach:
             console.print(f"{record['id']} {record['state']}")
             return
-        record = _wait_settled(client, record, name, timeout)
+        record = wait_settled(client, record, f"service {name}", timeout)
     if record["state"] != "ready":
         raise EngineError(
             f"{record['id']} {record['state']}: {record.get('failure_reason') or 'no reason'}"
@@ -195,36 +193,6 @@ def deploy_service(
         f"[green]{record['id']} ready[/]: service [bold]{name}[/] (model {record['model_name']} "
         f"on {record['engine']}, node {record['node_id']}, port {record['port']})"
     )
-
-
-def _wait_settled(
-    client: DaemonClient, record: dict[str, Any], name: str, timeout_s: float
-) -> dict[str, Any]:
-    """Poll the deployment until it is no longer pending or loading; the last record.
-
-    Raises :class:`BerthError` after ``timeout_s`` seconds (the deployment keeps starting).
-    """
-    deployment_id = record["id"]
-    deadline = time.monotonic() + timeout_s
-    still_starting = (
-        f"it keeps starting in the background: `berth ps` to watch, "
-        f"`berth logs {deployment_id}` for its log, `berth stop {deployment_id}` to cancel"
-    )
-    try:
-        with console.status(f"starting {deployment_id} (service {name})") as spinner:
-            while record["state"] in ("pending", "loading"):
-                if time.monotonic() > deadline:
-                    raise BerthError(
-                        f"{deployment_id} not ready after {timeout_s:.0f}s; {still_starting}"
-                    )
-                time.sleep(0.5)
-                record = client.get(f"/admin/deployments/{deployment_id}")
-                doing = f": {record['progress']}" if record.get("progress") else ""
-                spinner.update(f"{deployment_id} {record['state']} (service {name}{doing})")
-    except KeyboardInterrupt:
-        err_console.print(f"stopped waiting for {deployment_id}; {still_starting}")
-        raise
-    return record
 
 
 # -- routes ------------------------------------------------------------------------------------
