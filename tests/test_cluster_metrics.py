@@ -56,7 +56,7 @@ def registry() -> CollectorRegistry:
 
 
 @pytest.fixture
-def metrics(registry: CollectorRegistry) -> ClusterMetrics:
+def cluster_metrics(registry: CollectorRegistry) -> ClusterMetrics:
     cluster = ClusterMetrics(model_of=MODELS.get, clock=lambda: 1000.0)
     cluster.register(registry)
     return cluster
@@ -75,13 +75,15 @@ def test_counter_delta(previous: int, reported: int, delta: int) -> None:
 
 
 def test_counters_never_decrease_across_an_agent_restart(
-    metrics: ClusterMetrics, registry: CollectorRegistry
+    cluster_metrics: ClusterMetrics, registry: CollectorRegistry
 ) -> None:
     labels = {"node": "n-1", "deployment": "d-aaaa0001", "model": "tiny"}
     seen = []
     # 10 then 15 requests; the agent restarts (counts from 0), then 3, then 7 more.
     for at, requests, errors in [(1.0, 10, 1), (2.0, 15, 2), (3.0, 3, 0), (4.0, 7, 1)]:
-        metrics.record_heartbeat("n-1", beat(load(requests=requests, errors=errors)), 1000 + at)
+        cluster_metrics.record_heartbeat(
+            "n-1", beat(load(requests=requests, errors=errors)), 1000 + at
+        )
         seen.append(
             (
                 value(registry, "berth_deployment_requests_total", **labels),
@@ -91,8 +93,10 @@ def test_counters_never_decrease_across_an_agent_restart(
     assert seen == [(10, 1), (15, 2), (18, 2), (22, 3)]
 
 
-def test_gauges_per_node_and_gpu(metrics: ClusterMetrics, registry: CollectorRegistry) -> None:
-    metrics.record_heartbeat(
+def test_gauges_per_node_and_gpu(
+    cluster_metrics: ClusterMetrics, registry: CollectorRegistry
+) -> None:
+    cluster_metrics.record_heartbeat(
         "n-1",
         beat(
             load(in_flight=2, latency_p50_ms=120.0, latency_p95_ms=900.0),
@@ -100,7 +104,7 @@ def test_gauges_per_node_and_gpu(metrics: ClusterMetrics, registry: CollectorReg
         ),
         1000.0,
     )
-    metrics.record_heartbeat("n-2", beat(load("d-bbbb0002"), gpus=((0, 80, 3000),)), 1000.0)
+    cluster_metrics.record_heartbeat("n-2", beat(load("d-bbbb0002"), gpus=((0, 80, 3000),)), 1000.0)
     assert value(registry, "berth_node_gpu_util_pct", node="n-1", gpu="0") == 35
     assert value(registry, "berth_node_gpu_util_pct", node="n-1", gpu="1") is None  # unknown
     assert value(registry, "berth_node_gpu_mem_used_bytes", node="n-1", gpu="1") == 2000 * MiB
@@ -115,10 +119,10 @@ def test_gauges_per_node_and_gpu(metrics: ClusterMetrics, registry: CollectorReg
 
 
 def test_gauges_follow_the_latest_heartbeat(
-    metrics: ClusterMetrics, registry: CollectorRegistry
+    cluster_metrics: ClusterMetrics, registry: CollectorRegistry
 ) -> None:
-    metrics.record_heartbeat("n-1", beat(load(in_flight=4), gpus=((0, 90, 1),)), 1000.0)
-    metrics.record_heartbeat("n-1", beat(load(in_flight=1), gpus=((0, 10, 1),)), 1000.0)
+    cluster_metrics.record_heartbeat("n-1", beat(load(in_flight=4), gpus=((0, 90, 1),)), 1000.0)
+    cluster_metrics.record_heartbeat("n-1", beat(load(in_flight=1), gpus=((0, 10, 1),)), 1000.0)
     assert value(registry, "berth_node_gpu_util_pct", node="n-1", gpu="0") == 10
     labels = {"node": "n-1", "deployment": "d-aaaa0001", "model": "tiny"}
     assert value(registry, "berth_deployment_in_flight", **labels) == 1
@@ -138,17 +142,17 @@ def test_a_silent_node_loses_its_gauges_keeps_its_counters(registry: CollectorRe
 
 
 def test_removing_a_node_drops_its_series(
-    metrics: ClusterMetrics, registry: CollectorRegistry
+    cluster_metrics: ClusterMetrics, registry: CollectorRegistry
 ) -> None:
-    metrics.record_heartbeat("n-1", beat(load(requests=5), gpus=((0, 50, 1),)), 1000.0)
-    metrics.record_heartbeat("n-2", beat(load("d-bbbb0002", requests=2)), 1000.0)
-    metrics.remove_node("n-1")
+    cluster_metrics.record_heartbeat("n-1", beat(load(requests=5), gpus=((0, 50, 1),)), 1000.0)
+    cluster_metrics.record_heartbeat("n-2", beat(load("d-bbbb0002", requests=2)), 1000.0)
+    cluster_metrics.remove_node("n-1")
     assert value(registry, "berth_node_gpu_util_pct", node="n-1", gpu="0") is None
     gone = {"node": "n-1", "deployment": "d-aaaa0001", "model": "tiny"}
     assert value(registry, "berth_deployment_requests_total", **gone) is None
     kept = {"node": "n-2", "deployment": "d-bbbb0002", "model": "small"}
     assert value(registry, "berth_deployment_requests_total", **kept) == 2
-    assert [n.node for n in metrics.snapshot().nodes] == ["n-2"]
+    assert [n.node for n in cluster_metrics.snapshot().nodes] == ["n-2"]
 
 
 def test_snapshot_keeps_the_window_as_series(registry: CollectorRegistry) -> None:
@@ -198,9 +202,9 @@ def test_the_proxy_measures_local_requests_only() -> None:
 
 
 def test_the_grafana_dashboard_uses_only_series_that_exist(
-    metrics: ClusterMetrics, registry: CollectorRegistry
+    cluster_metrics: ClusterMetrics, registry: CollectorRegistry
 ) -> None:
-    metrics.record_heartbeat(
+    cluster_metrics.record_heartbeat(
         "n-1", beat(load(requests=1, latency_p50_ms=1.0, latency_p95_ms=2.0), gpus=((0, 5, 1),))
     )
     exposed = {s.name for family in registry.collect() for s in family.samples}

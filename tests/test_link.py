@@ -25,8 +25,8 @@ from berth.cluster.tunnel_stream import TunnelStream
 from berth.daemon.upstream_errors import UpstreamConnectError
 from berth.errors import EngineError, NotFoundError
 from berth.runtime.engines import DeploymentRequest
-from fakes import memory_socket_pair
-from standin_engine import StandinEngine, chat_chunks, json_reply, sse_reply
+from support.fakes import memory_socket_pair
+from support.standin_engine import StandinEngine, chat_chunks, json_reply, sse_reply
 
 DEPLOYMENT = "d-00000001"
 

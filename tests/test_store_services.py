@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -12,15 +11,8 @@ from berth.daemon.states import DeploymentState
 from berth.errors import ConfigError, ConflictError, NotFoundError
 from berth.store import RouteTarget, Store
 
-
-@pytest.fixture
-def store(tmp_path: Path) -> Iterator[Store]:
-    with Store(f"sqlite:///{tmp_path / 'berth.db'}") as store:
-        store.migrate()
-        store.ensure_local_node()
-        store.add_model("tiny", "/models/tiny.gguf")
-        store.add_model("big", "/models/big")
-        yield store
+# The shared ``store`` fixture (conftest.py), with these models.
+pytestmark = pytest.mark.store_models(("tiny", "/models/tiny.gguf"), ("big", "/models/big"))
 
 
 @pytest.fixture
