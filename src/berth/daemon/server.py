@@ -45,7 +45,6 @@ from berth.daemon.auth import Authenticator
 from berth.daemon.lifecycle import LifecycleManager
 from berth.daemon.proxy import OpenAIProxy
 from berth.daemon.services import LeaderServices, Listener
-from berth.daemon.states import TERMINAL_STATES
 from berth.errors import DaemonError
 from berth.keys import load_or_create_pepper
 from berth.observability.cluster import ClusterMetrics
@@ -61,6 +60,7 @@ from berth.runtime.engines import EngineBinaries
 from berth.runtime.gpu import NvmlInventory
 from berth.runtime.process import ProcessRuntime
 from berth.store import DeploymentRecord, Store
+from berth.store.states import TERMINAL_STATES
 
 log = logging.getLogger(__name__)
 

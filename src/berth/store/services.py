@@ -25,11 +25,11 @@ from datetime import UTC, datetime
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from berth.daemon.states import TERMINAL_STATES, DeploymentState
 from berth.errors import ConfigError, ConflictError, NotFoundError
 from berth.routing.routes import fallback_cycle
 from berth.runtime.engines import parse_engine_name, parse_runtime_name
 from berth.store.records import RouteRecord, RouteTarget, ServiceProfileRecord
+from berth.store.states import TERMINAL_STATES, DeploymentState
 from berth.store.tables import (
     DeploymentRow,
     ModelRow,
