@@ -22,7 +22,7 @@ from berth.cluster.protocol.ops import NoArgs, encode_payload
 from berth.cluster.protocol.session import LinkLimits, LinkSession, Role
 from berth.cluster.remote_link import RemoteLink
 from berth.cluster.tunnel_stream import TunnelStream
-from berth.daemon.upstream_errors import UpstreamConnectError
+from berth.engine_http.errors import UpstreamConnectError
 from berth.errors import EngineError, NotFoundError
 from berth.runtime.engines import DeploymentRequest
 from fakes import memory_socket_pair

@@ -48,7 +48,7 @@ from berth.daemon.proxy_http import (
 )
 from berth.daemon.proxy_relay import AnswerRelay, Exchange, watch_disconnect
 from berth.daemon.read_ahead import DEFAULT_BUFFER_CHUNKS, ReadAhead
-from berth.daemon.upstream_response import EngineAnswer
+from berth.engine_http.answer import EngineAnswer
 from berth.errors import BerthError, NotFoundError
 from berth.observability.metrics import ProxyMetrics, Target
 from berth.routing.retry import DEFAULT_MAX_ATTEMPTS

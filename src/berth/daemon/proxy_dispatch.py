@@ -15,7 +15,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING
 
 from berth.daemon.proxy_errors import EngineTimeoutError, ProxyError
-from berth.daemon.upstream_response import EngineAnswer
+from berth.engine_http.answer import EngineAnswer
 from berth.routing.retry import AttemptFailure, classify
 from berth.routing.signals import SignalBoard
 

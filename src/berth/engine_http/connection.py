@@ -1,9 +1,9 @@
 """One keep-alive TCP connection to an engine: the ``asyncio.Protocol`` side of berth's HTTP/1.1
-client (:mod:`berth.daemon.upstream`).
+client (:mod:`berth.engine_http.pool`).
 
 It writes a request, feeds the bytes that come back to ``httptools`` (llhttp, the parser
 uvicorn uses) and keeps what it parsed in an
-:class:`~berth.daemon.upstream_response.UpstreamResponse` for the task that reads the answer.
+:class:`~berth.engine_http.response.UpstreamResponse` for the task that reads the answer.
 
 Message framing follows RFC 9112: the body of an answer ends where its ``Content-Length`` says
 (section 6.3, rule 6), with the last chunk of a chunked transfer coding (section 7.1, decoded
@@ -26,16 +26,17 @@ from typing import TYPE_CHECKING, cast
 
 import httptools
 
-from berth.daemon.upstream_errors import (
+from berth.engine_http.errors import (
     UpstreamDisconnectError,
     UpstreamError,
     UpstreamProtocolError,
     UpstreamTimeoutError,
 )
-from berth.daemon.upstream_response import UpstreamResponse
+from berth.engine_http.response import UpstreamResponse
 
 if TYPE_CHECKING:
-    from berth.daemon.upstream import Origin, UpstreamPool
+    from berth.engine_http.origin import Origin
+    from berth.engine_http.pool import UpstreamPool
 
 
 class StaleConnectionError(UpstreamError):
