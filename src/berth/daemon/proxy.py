@@ -10,7 +10,7 @@ One request, on the hot path::
 There is no framework routing here: this module is called only after authentication, for the
 paths it serves (``POST /v1/chat/completions``, ``/v1/completions``, ``/v1/embeddings``,
 ``/v1/responses``; ``GET /v1/models`` and ``/v1/models/{id}``), and it matches ``scope["path"]``
-itself. Errors are answered in the OpenAI shape (:mod:`berth.daemon.openai_errors`); the ones
+itself. Errors are answered in the OpenAI shape (:mod:`berth.openai_errors`); the ones
 this module raises are drawn in :mod:`berth.daemon.proxy_errors`. The raw ASGI plumbing is in
 :mod:`berth.daemon.proxy_http`, the relaying of an engine's answer in
 :mod:`berth.daemon.proxy_relay`.
@@ -27,7 +27,6 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from berth.daemon.engine_client import EngineClient, TunnelOpener
-from berth.daemon.openai_errors import ErrorResponse, error_from_exception
 from berth.daemon.proxy_dispatch import first_answer
 from berth.daemon.proxy_errors import (
     EngineTimeoutError,
@@ -51,6 +50,7 @@ from berth.daemon.read_ahead import DEFAULT_BUFFER_CHUNKS, ReadAhead
 from berth.engine_http.answer import EngineAnswer
 from berth.errors import BerthError, NotFoundError
 from berth.observability.metrics import ProxyMetrics, Target
+from berth.openai_errors import ErrorResponse, error_from_exception
 from berth.routing.retry import DEFAULT_MAX_ATTEMPTS
 from berth.routing.router import Router
 

@@ -1,6 +1,6 @@
 """The errors the OpenAI-compatible proxy (:mod:`berth.daemon.proxy`) answers itself.
 
-They are answered in the OpenAI shape (:mod:`berth.daemon.openai_errors`)::
+They are answered in the OpenAI shape (:mod:`berth.openai_errors`)::
 
     BerthError
     └── ProxyError                 carries error_code (the OpenAI "code" and the metrics reason)
