@@ -84,8 +84,9 @@ def serve_engine() -> None:
 
 
 def serve_proxy(engine_port: int) -> None:
-    from berth.daemon.proxy import OpenAIProxy, Upstream
+    from berth.daemon.proxy import OpenAIProxy
     from berth.observability.metrics import ProxyMetrics
+    from berth.routing.resolver import Upstream
 
     upstream = Upstream(f"http://127.0.0.1:{engine_port}", "d-bench", "local", MODEL)
 

@@ -6,9 +6,10 @@ from datetime import UTC, datetime
 
 import pytest
 
-from berth.daemon.proxy import NoReadyDeploymentError, Upstream
 from berth.errors import NotFoundError
 from berth.openai_errors import error_from_exception
+from berth.routing.errors import NoReadyDeploymentError
+from berth.routing.resolver import Upstream
 from berth.routing.routes import (
     ROUTE_RETRY_AFTER_S,
     RouteResolver,

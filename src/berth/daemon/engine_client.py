@@ -13,14 +13,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol
 
-from berth.daemon.proxy_errors import EngineTimeoutError, EngineUnreachableError
 from berth.engine_http.answer import EngineAnswer
 from berth.engine_http.errors import UpstreamConnectError, UpstreamError, UpstreamTimeoutError
 from berth.engine_http.origin import TUNNEL_SCHEME, Origin, parse_origin
 from berth.engine_http.pool import UpstreamPool
+from berth.routing.errors import EngineTimeoutError, EngineUnreachableError
 
 if TYPE_CHECKING:
-    from berth.daemon.proxy import Upstream
+    from berth.routing.resolver import Upstream
 
 #: The origin host that marks a tunneled engine in the target cache (compared by identity).
 _TUNNELED = "<tunnel>"

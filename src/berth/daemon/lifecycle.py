@@ -21,7 +21,6 @@ from berth.cluster.link import LOCAL_NODE_ID, AgentLink, EngineEndpoint
 from berth.cluster.protocol.frames import AdoptedState, EngineState
 from berth.cluster.protocol.ops import RUNTIME_CAPABILITIES
 from berth.cluster.remote_link import RemoteLink, tunnel_url
-from berth.daemon.proxy import NoReadyDeploymentError, Upstream
 from berth.errors import (
     BerthError,
     ConfigError,
@@ -30,6 +29,8 @@ from berth.errors import (
     InvalidTransitionError,
     NotFoundError,
 )
+from berth.routing.errors import NoReadyDeploymentError
+from berth.routing.resolver import Upstream
 from berth.runtime.engines import (
     DEFAULT_GPU_IMAGES,
     DEFAULT_IMAGES,

@@ -20,11 +20,11 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Final
 
-from berth.daemon.proxy_errors import NoReadyDeploymentError
 from berth.errors import NotFoundError
+from berth.routing.errors import NoReadyDeploymentError
 
 if TYPE_CHECKING:
-    from berth.daemon.proxy import Upstream, UpstreamResolver
+    from berth.routing.resolver import Upstream, UpstreamResolver
     from berth.store.records import RouteRecord
 
 #: Seconds a client is told to wait (``Retry-After``) when nothing behind a route is ready
