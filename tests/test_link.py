@@ -13,9 +13,10 @@ from typing import Any
 
 import pytest
 
-from berth.agent.core import EngineReport, HostFacts
+from berth.agent.core import HostFacts
 from berth.agent.service import AgentService
 from berth.cluster.connection import LinkConnection, RemoteOpError
+from berth.cluster.link import EngineReport
 from berth.cluster.protocol.errors import LinkError
 from berth.cluster.protocol.frames import Frame, Request
 from berth.cluster.protocol.ops import NoArgs, encode_payload

@@ -14,10 +14,15 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from berth.agent.core import EngineReport, ProbeResult, SpawnListener
 from berth.cluster.connection import LinkConnection, RemoteOpError
 from berth.cluster.inventory import node_inventory
-from berth.cluster.link import EngineEndpoint, NodeInventory
+from berth.cluster.link import (
+    EngineEndpoint,
+    EngineReport,
+    NodeInventory,
+    ProbeResult,
+    SpawnListener,
+)
 from berth.cluster.protocol.errors import LinkError
 from berth.cluster.protocol.frames import Heartbeat, Inventory, Progress, StreamOpen
 from berth.cluster.protocol.ops import (

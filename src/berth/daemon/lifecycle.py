@@ -16,8 +16,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from berth.agent.adopted import ADOPTED_ID_PREFIX
-from berth.agent.core import EngineReport
-from berth.cluster.link import LOCAL_NODE_ID, AgentLink, EngineEndpoint
+from berth.cluster.link import LOCAL_NODE_ID, AgentLink, EngineEndpoint, EngineReport
 from berth.cluster.protocol.frames import AdoptedState, EngineState
 from berth.cluster.protocol.ops import RUNTIME_CAPABILITIES
 from berth.cluster.remote_link import RemoteLink, tunnel_url

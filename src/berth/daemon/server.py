@@ -27,10 +27,11 @@ import uvicorn
 
 from berth.agent.adopted import AdoptedWatcher
 from berth.agent.core import AgentCore
+from berth.agent.in_process_link import InProcessLink
 from berth.cluster.ca import CertificateAuthority
 from berth.cluster.enrollment import AuditLog, EnrollmentService
 from berth.cluster.hub import NodeHub
-from berth.cluster.link import LOCAL_NODE_ID, AgentLink, InProcessLink
+from berth.cluster.link import LOCAL_NODE_ID, AgentLink
 from berth.cluster.listener import (
     ClusterListener,
     build_cluster_app,
