@@ -28,6 +28,7 @@ import uvicorn
 from berth.agent.adopted import AdoptedWatcher
 from berth.agent.core import AgentCore
 from berth.agent.in_process_link import InProcessLink
+from berth.agent.node_sampler import LocalNodeSampler
 from berth.cluster.ca import CertificateAuthority
 from berth.cluster.enrollment import AuditLog, EnrollmentService
 from berth.cluster.hub import NodeHub
@@ -50,7 +51,6 @@ from berth.errors import DaemonError
 from berth.keys import load_or_create_pepper
 from berth.observability.cluster import ClusterMetrics
 from berth.observability.metrics import ProxyMetrics
-from berth.observability.node_sampler import LocalNodeSampler
 from berth.observability.window import RequestMeter
 from berth.paths import BerthHome
 from berth.routing.router import Router
