@@ -15,9 +15,9 @@ from berth.routing.routes import (
     RouteResolver,
     RouteTable,
     UnroutedServiceError,
-    fallback_cycle,
 )
 from berth.store import RouteRecord, RouteTarget
+from berth.store.services import fallback_cycle
 
 EPOCH = datetime(2025, 1, 1, tzinfo=UTC)
 

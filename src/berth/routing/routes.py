@@ -32,26 +32,6 @@ if TYPE_CHECKING:
 ROUTE_RETRY_AFTER_S: Final = 5.0
 
 
-def fallback_cycle(
-    fallbacks: Mapping[str, str | None], name: str, fallback: str
-) -> tuple[str, ...] | None:
-    """The loop that making ``fallback`` the fallback of route ``name`` would close, as the
-    route names walked (``("a", "b", "a")``), or ``None`` when there is none.
-
-    ``fallbacks`` maps every route's name to its current fallback (``None``: none).
-    """
-    path = [name]
-    seen: set[str] = set()
-    current: str | None = fallback
-    while current is not None and current not in seen:
-        path.append(current)
-        if current == name:
-            return tuple(path)
-        seen.add(current)
-        current = fallbacks.get(current)
-    return None
-
-
 class UnroutedServiceError(NotFoundError):
     """A request named a service profile that no route of that name serves (404,
     ``model_not_found``): services are reached through routes."""
