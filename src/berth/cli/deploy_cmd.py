@@ -11,8 +11,9 @@ import typer
 from rich.table import Table
 
 from berth.cli.client import DaemonClient
-from berth.cli.common import age, console, context, err_console, print_json
+from berth.cli.common import console, context, err_console, print_json
 from berth.errors import BerthError, ConfigError, EngineError
+from berth.humanize import age
 
 
 def parse_gpus(text: str | None) -> list[int]:
