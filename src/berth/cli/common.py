@@ -9,7 +9,7 @@ from typing import Any
 import typer
 from rich.console import Console
 
-from berth.cli.client import DaemonClient
+from berth.api.client import DaemonClient
 from berth.paths import BerthHome, resolve_home
 
 #: ``-h`` as well as ``--help`` on every command.

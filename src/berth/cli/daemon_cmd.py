@@ -14,7 +14,7 @@ from typing import Any
 import typer
 from rich.table import Table
 
-from berth.cli.client import DaemonClient
+from berth.api.client import DaemonClient
 from berth.cli.common import HELP_OPTIONS, CliContext, console, context, err_console, print_json
 from berth.config import Settings
 from berth.errors import DaemonError
