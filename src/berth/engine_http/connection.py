@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Protocol, cast
 
 import httptools
 
@@ -36,7 +36,20 @@ from berth.engine_http.response import UpstreamResponse
 
 if TYPE_CHECKING:
     from berth.engine_http.origin import Origin
-    from berth.engine_http.pool import UpstreamPool
+
+
+class ConnectionOwner(Protocol):
+    """What a connection needs of the pool that made it
+    (:class:`berth.engine_http.pool.UpstreamPool`): its loop, its limits, and to be told
+    when the connection is free again (:meth:`release`) or gone (:meth:`forget`)."""
+
+    loop: asyncio.AbstractEventLoop
+    read_timeout_s: float | None
+    high_water_bytes: int
+
+    def release(self, conn: UpstreamConnection) -> None: ...
+
+    def forget(self, conn: UpstreamConnection) -> None: ...
 
 
 class StaleConnectionError(UpstreamError):
@@ -47,7 +60,7 @@ class StaleConnectionError(UpstreamError):
 class UpstreamConnection(asyncio.Protocol):
     """One TCP connection to an engine and its parser: the protocol side of the client."""
 
-    def __init__(self, pool: UpstreamPool, origin: Origin) -> None:
+    def __init__(self, pool: ConnectionOwner, origin: Origin) -> None:
         self._pool = pool
         self.origin = origin
         self._loop = pool.loop

@@ -10,13 +10,28 @@ the parser's callbacks and wakes the reader; the reader takes the body with
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from berth.engine_http.answer import read_body
 from berth.engine_http.errors import UpstreamDisconnectError, UpstreamError
 
 if TYPE_CHECKING:
-    from berth.engine_http.connection import UpstreamConnection
+    from berth.engine_http.origin import Origin
+
+
+class BodySource(Protocol):
+    """What an answer needs of the connection it arrives on
+    (:class:`berth.engine_http.connection.UpstreamConnection`): its engine's ``origin``, to
+    wait for more body, to resume reading once the reader caught up, and to be abandoned."""
+
+    origin: Origin
+    reading_paused: bool
+
+    async def wait_for_body(self, response: UpstreamResponse) -> None: ...
+
+    def resume(self) -> None: ...
+
+    def abandon(self) -> None: ...
 
 
 class UpstreamResponse:
@@ -40,11 +55,11 @@ class UpstreamResponse:
         "status",
     )
 
-    def __init__(self, conn: UpstreamConnection) -> None:
+    def __init__(self, conn: BodySource) -> None:
         self.status = 0
         self.headers: list[tuple[bytes, bytes]] = []
         self.content_length: int | None = None
-        self._conn: UpstreamConnection | None = conn  # None once the answer is complete or closed
+        self._conn: BodySource | None = conn  # None once the answer is complete or closed
         self._chunks: list[bytes] = []
         self._size = 0
         self._complete = False
