@@ -9,13 +9,13 @@ import httpx
 import pytest
 
 from berth.config import Settings
-from berth.daemon.proxy import Upstream
 from berth.daemon.proxy_dispatch import first_answer
-from berth.daemon.proxy_errors import EngineTimeoutError, EngineUnreachableError
 from berth.errors import ConfigError
 from berth.observability.metrics import ProxyMetrics
 from berth.paths import BerthHome
 from berth.routing.affinity import AffinityMap, affinity_key
+from berth.routing.errors import EngineTimeoutError, EngineUnreachableError
+from berth.routing.resolver import Upstream
 from berth.routing.retry import DEFAULT_MAX_ATTEMPTS, AttemptFailure, classify
 from berth.routing.router import Router
 from berth.routing.scorer import Candidate, NodeSignals, rank

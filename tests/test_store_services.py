@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from berth.daemon.states import DeploymentState
 from berth.errors import ConfigError, ConflictError, NotFoundError
 from berth.store import RouteTarget, Store
+from berth.store.states import DeploymentState
 
 # The shared ``store`` fixture (conftest.py), with these models.
 pytestmark = pytest.mark.store_models(("tiny", "/models/tiny.gguf"), ("big", "/models/big"))
