@@ -17,9 +17,9 @@ from berth.agent.core import EngineReport, HostFacts
 from berth.agent.service import AgentService
 from berth.cluster.connection import LinkConnection, RemoteOpError
 from berth.cluster.protocol.errors import LinkError
-from berth.cluster.protocol.frames import Frame, Request
-from berth.cluster.protocol.ops import NoArgs, encode_payload
-from berth.cluster.protocol.session import LinkLimits, LinkSession, Role
+from berth.cluster.protocol.frames import Heartbeat, Request
+from berth.cluster.protocol.ops import PROBE, NoArgs, Op, ProbeArgs
+from berth.cluster.protocol.session import LinkLimits, Role, WelcomeTerms
 from berth.cluster.remote_link import RemoteLink
 from berth.cluster.tunnel_stream import TunnelStream
 from berth.daemon.upstream_errors import UpstreamConnectError
@@ -79,7 +79,7 @@ class FakeCore:
 
 
 class LeaderSide:
-    def on_frame(self, conn: LinkConnection, frame: Frame) -> None:
+    def on_heartbeat(self, conn: LinkConnection, heartbeat: Heartbeat) -> None:
         pass
 
     async def on_request(self, conn: LinkConnection, request: Request) -> None:
@@ -105,19 +105,15 @@ async def linked() -> AsyncIterator[Linked]:
         core = FakeCore(engine.port)
         service = AgentService(core, read_timeout_s=5.0)  # type: ignore[arg-type]
         agent_ws, leader_ws = memory_socket_pair()
-        agent_session = LinkSession(Role.AGENT, limits)
-        leader_session = LinkSession(Role.LEADER, limits)
-        agent_session.send_hello(service.hello())
-        for message in agent_session.data_to_send():
-            hello = leader_session.receive_message(message)
-        leader_session.accept(node_id="n-1", leader_version="test", server_time=0.0)
-        for message in leader_session.data_to_send():
-            agent_session.receive_message(message)
-        agent = LinkConnection(agent_session, agent_ws, service, peer="leader")
-        leader = LinkConnection(leader_session, leader_ws, LeaderSide(), peer="n-1")
+        agent = LinkConnection(Role.AGENT, agent_ws, service, peer="leader", limits=limits)
+        leader = LinkConnection(Role.LEADER, leader_ws, LeaderSide(), peer="n-1", limits=limits)
+        terms = WelcomeTerms(node_id="n-1", leader_version="test")
+        _welcome, hello = await asyncio.gather(
+            agent.handshake(service.hello(), timeout_s=5.0),
+            leader.handshake(terms, timeout_s=5.0),
+        )
         tasks = [asyncio.create_task(agent.run()), asyncio.create_task(leader.run())]
-        assert hello is not None
-        link = RemoteLink("n-1", leader, service.inventory(), hello.capabilities)  # type: ignore[union-attr]
+        link = RemoteLink("n-1", leader, service.inventory(), hello.capabilities)
         try:
             yield Linked(link, engine, core, leader, agent)
         finally:
@@ -245,8 +241,9 @@ async def test_a_slow_start_does_not_hold_up_other_traffic(linked: Linked) -> No
 
 
 async def test_an_unknown_op_is_answered_unsupported(linked: Linked) -> None:
+    defragment = Op("defragment", NoArgs, NoArgs)  # an op from a newer leader
     with pytest.raises(RemoteOpError) as caught:
-        await linked.leader.request("defragment", encode_payload(NoArgs()), 5.0)
+        await linked.leader.call(defragment, NoArgs(), 5.0)
     assert caught.value.info.code == "unsupported"
 
 
@@ -261,4 +258,4 @@ async def test_a_lost_link_fails_waiting_requests_and_streams(linked: Linked) ->
     with pytest.raises(UpstreamConnectError):
         await _ask(linked)
     with pytest.raises(LinkError):
-        await linked.leader.request("probe", encode_payload(NoArgs()), 1.0)
+        await linked.leader.call(PROBE, ProbeArgs(deployment_id=DEPLOYMENT), 1.0)

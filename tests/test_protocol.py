@@ -6,6 +6,7 @@ import msgspec
 import pytest
 
 from berth.cluster.protocol.errors import CloseCode, LinkError, ProtocolError, agent_should_redial
+from berth.cluster.protocol.events import CreditGranted, StreamOpened, StreamResetReceived
 from berth.cluster.protocol.frames import (
     HEADER_BYTES,
     Heartbeat,
@@ -23,7 +24,13 @@ from berth.cluster.protocol.frames import (
     encode_frame,
 )
 from berth.cluster.protocol.ops import StartArgs, decode_payload, encode_payload
-from berth.cluster.protocol.session import LinkLimits, LinkSession, Role, negotiate_version
+from berth.cluster.protocol.session import (
+    LinkLimits,
+    LinkSession,
+    Role,
+    WelcomeTerms,
+    negotiate_version,
+)
 
 
 def _hello(low: int = 1, high: int = 1) -> Hello:
@@ -41,7 +48,7 @@ def _pair(limits: LinkLimits | None = None) -> tuple[LinkSession, LinkSession]:
     agent = LinkSession(Role.AGENT, limits)
     agent.send_hello(_hello())
     _pump(agent, leader)
-    leader.accept(node_id="n-1", leader_version="0.1.0", server_time=1.0)
+    leader.accept(WelcomeTerms(node_id="n-1", leader_version="0.1.0"), server_time=1.0)
     _pump(leader, agent)
     return leader, agent
 
@@ -118,7 +125,7 @@ def test_no_common_version_is_refused_with_its_code() -> None:
     leader = LinkSession(Role.LEADER)
     leader.receive_message(encode_frame(_hello(7, 9)))
     with pytest.raises(ProtocolError) as caught:
-        leader.accept(node_id="n-1", leader_version="x", server_time=0.0)
+        leader.accept(WelcomeTerms(node_id="n-1", leader_version="x"), server_time=0.0)
     assert caught.value.code is CloseCode.UNSUPPORTED_VERSION
 
 
@@ -132,7 +139,7 @@ def test_credit_bounds_what_the_sender_may_send() -> None:
     limits = LinkLimits(stream_window_bytes=1000)
     leader, agent = _pair(limits)
     sid = leader.open_stream(StreamOpen(kind="http", deployment_id="d", payload=b"x", end=True))
-    assert [type(f) for f in _pump(leader, agent)] == [StreamOpen]
+    assert [type(e) for e in _pump(leader, agent)] == [StreamOpened]
     agent.send_head(StreamHead(id=sid, status=200, payload=b"a" * 400))
     agent.send_data(sid, b"b" * 600)
     assert agent.send_credit(sid) == 0
@@ -142,7 +149,7 @@ def test_credit_bounds_what_the_sender_may_send() -> None:
     leader.consume(sid, 400)  # less than half the window: no credit yet
     assert leader.data_to_send() == []
     leader.consume(sid, 200)
-    assert [type(f) for f in _pump(leader, agent)] == [StreamCredit]
+    assert [type(e) for e in _pump(leader, agent)] == [CreditGranted]
     assert agent.send_credit(sid) == 600
     agent.send_data(sid, b"d" * 10, end=True)
     _pump(agent, leader)
@@ -175,8 +182,8 @@ def test_reset_forgets_the_stream_on_both_sides() -> None:
     sid = leader.open_stream(StreamOpen(kind="http", deployment_id="d"))
     _pump(leader, agent)
     leader.reset_stream(sid, "cancelled")
-    frames = _pump(leader, agent)
-    assert isinstance(frames[0], StreamReset) and frames[0].code == "cancelled"
+    events = _pump(leader, agent)
+    assert isinstance(events[0], StreamResetReceived) and events[0].code == "cancelled"
     assert not agent.has_stream(sid) and not leader.has_stream(sid)
     agent.send_data(sid, b"late")  # dropped, not an error
     assert agent.data_to_send() == []

@@ -81,7 +81,7 @@ PROBE_TIMEOUT_S = 5.0
 class RuntimeStatus:
     """Whether a runtime can start engines on this host, and a line saying why (not)."""
 
-    name: str
+    name: RuntimeName
     available: bool
     detail: str
 
