@@ -4,21 +4,45 @@
 peer's payload (reading grants the peer more credit) and a writer that waits for credit, so a
 slow reader slows the writer. :class:`~berth.cluster.connection.LinkConnection` makes it and
 hands it the events that arrive for it (``data_received``, ``head_received``,
-``credit_granted``, ``abort``); it sends through the connection's stream methods, never
-touching the session itself.
+``credit_granted``, ``abort``); it sends through the connection's stream methods
+(:class:`StreamCarrier`), never touching the session itself.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections import deque
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from berth.cluster.protocol.errors import LinkError
 from berth.cluster.protocol.frames import ResetCode, StreamHead, StreamOpen
 
-if TYPE_CHECKING:
-    from berth.cluster.connection import LinkConnection
+
+class StreamCarrier(Protocol):
+    """What a stream needs of the link that carries it
+    (:class:`berth.cluster.connection.LinkConnection`): its stream methods, each one session
+    call plus queueing what the session wants sent, and waiting for the socket to drain."""
+
+    peer: str
+
+    @property
+    def closed(self) -> bool: ...
+
+    async def drain(self) -> None: ...
+
+    def has_stream(self, stream_id: int) -> bool: ...
+
+    def send_room(self, stream_id: int) -> int | None: ...
+
+    def send_head(self, head: StreamHead) -> None: ...
+
+    def send_data(self, stream_id: int, payload: bytes, end: bool) -> None: ...
+
+    def consume(self, stream_id: int, size: int) -> None: ...
+
+    def reset_stream(self, stream_id: int, code: ResetCode, message: str = "") -> None: ...
+
+    def forget_stream(self, stream_id: int) -> None: ...
 
 
 class StreamResetError(LinkError):
@@ -36,7 +60,7 @@ class TunnelStream:
     head once it arrives (leader side); ``task`` the agent's task serving the stream, which a
     reset by the leader cancels."""
 
-    def __init__(self, conn: LinkConnection, stream_id: int, opening: StreamOpen | None) -> None:
+    def __init__(self, conn: StreamCarrier, stream_id: int, opening: StreamOpen | None) -> None:
         self.conn = conn
         self.id = stream_id
         self.opening = opening
