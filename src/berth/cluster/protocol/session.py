@@ -253,8 +253,8 @@ class LinkSession:
 
         Raises :class:`ProtocolError` for anything else (an unknown frame type included).
         """
-        frame = self._receive_greeting(message)
-        if self.role is not Role.LEADER or not isinstance(frame, Hello):
+        frame = self._receive_greeting(message, Role.LEADER, "Hello")
+        if not isinstance(frame, Hello):
             raise ProtocolError(f"the agent's first frame must be Hello, not {_name(frame)}")
         self.hello = frame
         return frame
@@ -266,8 +266,8 @@ class LinkSession:
         Raises :class:`ProtocolError` for anything else (``UNSUPPORTED_VERSION`` for a
         version outside our range).
         """
-        frame = self._receive_greeting(message)
-        if self.role is not Role.AGENT or not isinstance(frame, Welcome):
+        frame = self._receive_greeting(message, Role.AGENT, "Welcome")
+        if not isinstance(frame, Welcome):
             raise ProtocolError(f"the leader's first frame must be Welcome, not {_name(frame)}")
         low, high = self.versions
         if not low <= frame.protocol_version <= high:
@@ -279,7 +279,9 @@ class LinkSession:
         self.state = SessionState.OPEN
         return frame
 
-    def _receive_greeting(self, message: bytes) -> Frame:
+    def _receive_greeting(self, message: bytes, receiver: Role, what: str) -> Frame:
+        if self.role is not receiver:
+            raise LinkError(f"only the {receiver.value} receives {what}")
         if self.state is not SessionState.HANDSHAKE or self.hello is not None:
             raise LinkError("the handshake's first frame was already taken")
         frame = decode_frame(message, self.limits.max_frame_bytes)
