@@ -53,9 +53,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("store",),
     ("api", "placement"),
     ("observability",),
-    ("routing",),
     ("cluster",),
-    ("agent",),
+    ("agent", "routing"),
     ("doctor", "desk", "backup"),
     ("daemon",),
     ("cli",),
@@ -127,7 +126,7 @@ def find_imports(source: Path) -> list[Import]:
                 for alias in node.names:
                     inner = _relative(f"{dotted}.{alias.name}")
                     targets.append(f"{dotted}.{alias.name}" if inner in modules else dotted)
-            for target in targets:
+            for target in dict.fromkeys(targets):  # once per module a statement imports
                 imported = _relative(target)
                 if imported is not None and imported != importer:
                     found.append(Import(importer, imported, shown, node.lineno))
@@ -314,7 +313,7 @@ def test_the_check_sees_type_checking_function_and_relative_imports(tmp_path: Pa
                 "from typing import TYPE_CHECKING\n"
                 "from berth.errors import ConfigError\n"
                 "if TYPE_CHECKING:\n"
-                "    from berth.daemon.lifecycle import LifecycleManager\n"
+                "    from berth.daemon.lifecycle import LifecycleManager, Reconciler\n"
                 "def later():\n"
                 "    from ..daemon import lifecycle\n"
             ),
