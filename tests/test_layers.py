@@ -148,9 +148,12 @@ def _layer_of(unit: str, layers: Sequence[tuple[str, ...]]) -> int:
     return next(i for i, units in enumerate(layers) if unit in units)
 
 
-def _label(index: int, layers: Sequence[tuple[str, ...]], base: tuple[str, ...]) -> str:
+def _label(unit: str, layers: Sequence[tuple[str, ...]], base: tuple[str, ...]) -> str:
+    """``routing (layer 9: agent | routing)``, ``daemon (layer 11)``, ``errors (layer 1: base)``."""
+    index = _layer_of(unit, layers)
     units = layers[index]
-    return f"layer {index + 1} ({'base' if units is base else ' | '.join(units)})"
+    shared = "base" if units is base else " | ".join(units) if len(units) > 1 else ""
+    return f"{unit} (layer {index + 1}{': ' + shared if shared else ''})"
 
 
 def layer_violations(
@@ -176,11 +179,11 @@ def layer_violations(
         own, other = _layer_of(units[0], layers), _layer_of(units[1], layers)
         if other < own or (other == own and layers[own] is base):
             continue
-        direction = "above it" if other > own else f"an independent unit ({units[1]}) of it"
+        direction = "a higher layer" if other > own else "independent of it in the same layer"
         problems.append(
             f"{imp.where()}: {_absolute(imp.importer)} imports {_absolute(imp.imported)}: "
-            f"{_label(own, layers, base)} may not import from "
-            f"{_label(other, layers, base)}, {direction}"
+            f"{_label(units[0], layers, base)} may not import from "
+            f"{_label(units[1], layers, base)}, {direction}"
         )
     return problems
 
@@ -326,13 +329,13 @@ def test_the_check_sees_type_checking_function_and_relative_imports(tmp_path: Pa
     )
     problems = sorted(layer_violations(find_imports(source), TINY_LAYERS, TINY_BASE))
     assert problems == [
-        "src/berth/api/__init__.py:1: berth.api imports berth.placement.plan: layer 3 "
-        "(api | placement) may not import from layer 3 (api | placement), an independent "
-        "unit (placement) of it",
+        "src/berth/api/__init__.py:1: berth.api imports berth.placement.plan: api (layer 3: "
+        "api | placement) may not import from placement (layer 3: api | placement), "
+        "independent of it in the same layer",
         "src/berth/store/records.py:4: berth.store.records imports berth.daemon.lifecycle: "
-        "layer 2 (store) may not import from layer 4 (daemon), above it",
+        "store (layer 2) may not import from daemon (layer 4), a higher layer",
         "src/berth/store/records.py:6: berth.store.records imports berth.daemon.lifecycle: "
-        "layer 2 (store) may not import from layer 4 (daemon), above it",
+        "store (layer 2) may not import from daemon (layer 4), a higher layer",
     ]
 
 
