@@ -13,11 +13,19 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from berth.agent.core import AgentCore, EngineReport, ProbeResult, SpawnListener
+from berth.cluster.protocol.ops import OP_CAPABILITIES, RUNTIME_CAPABILITIES
+from berth.errors import EngineError
 from berth.runtime.base import ProgressListener, RuntimeName
 from berth.runtime.engines import DeploymentRequest
 from berth.runtime.gpu import GpuInfo
 
 LOCAL_NODE_ID = "local"
+#: What node ``local``'s in-process core offers: every op but ``pull`` (the leader's own host
+#: runs models from their registered paths) and both runtimes (whether Docker answers is
+#: found when a container starts, and a start that cannot fails with the reason).
+LOCAL_CAPABILITIES = frozenset(
+    [*(c for op, c in OP_CAPABILITIES.items() if op != "pull"), *RUNTIME_CAPABILITIES.values()]
+)
 
 
 @dataclass(frozen=True)
@@ -50,6 +58,14 @@ class AgentLink(Protocol):
 
     node_id: str
 
+    @property
+    def capabilities(self) -> frozenset[str]:
+        """What the node's agent offers, in the protocol's capability names
+        (``docs/protocol.md``): ``op.<name>`` per operation it serves (``op.pull``: it
+        downloads models from the hub), ``runtime.<name>`` per runtime it can start engines
+        with.  Fixed for the life of the link (a remote agent says it in Hello)."""
+        ...
+
     async def start_deployment(
         self,
         request: DeploymentRequest,
@@ -77,6 +93,14 @@ class AgentLink(Protocol):
         """
         ...
 
+    async def pull_model(self, repo_id: str, revision: str | None) -> str:
+        """Have the node download ``repo_id`` (at ``revision``; ``None``: the default
+        branch) from the hub into its models folder; returns the model's path there.
+
+        Raises ``EngineError`` when the download fails, or when the node lacks ``op.pull``.
+        """
+        ...
+
     async def probe(self, deployment_id: str) -> ProbeResult:
         """Whether the deployment's engine is healthy, running but unhealthy, or gone."""
         ...
@@ -99,6 +123,7 @@ class InProcessLink:
 
     def __init__(self, core: AgentCore, node_id: str = LOCAL_NODE_ID) -> None:
         self.node_id = node_id
+        self.capabilities = LOCAL_CAPABILITIES
         self._core = core
 
     async def start_deployment(
@@ -121,6 +146,12 @@ class InProcessLink:
         if handle is None:
             return None
         return EngineEndpoint(deployment_id, handle.base_url, handle.pid, handle.port)
+
+    async def pull_model(self, repo_id: str, revision: str | None) -> str:
+        raise EngineError(
+            f"node {self.node_id} does not download models from the hub (no op.pull): "
+            f"register {repo_id} with a path on this host"
+        )
 
     async def probe(self, deployment_id: str) -> ProbeResult:
         return await self._core.probe(deployment_id)
