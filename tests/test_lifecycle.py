@@ -12,10 +12,10 @@ from berth.cluster.link import EngineEndpoint
 from berth.cluster.link_registry import LinkRegistry
 from berth.cluster.protocol.frames import AdoptedState
 from berth.daemon.lifecycle import DeployOptions, LifecycleManager
-from berth.daemon.proxy import NoReadyDeploymentError
-from berth.daemon.states import DeploymentState
 from berth.errors import ConfigError, ConflictError, EngineError, NotFoundError
+from berth.routing.errors import NoReadyDeploymentError
 from berth.store import Store
+from berth.store.states import DeploymentState
 from fakes import FakeLink
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from berth.cluster.link import AgentLink
 from berth.cluster.link_registry import LinkRegistry
-from berth.daemon.proxy import Upstream
+from berth.routing.resolver import Upstream
 from berth.routing.router import Router
 from fakes import FakeLink
 

@@ -25,10 +25,8 @@ from berth.cluster.link import LOCAL_NODE_ID, AgentLink
 from berth.cluster.link_registry import LinkRegistry
 from berth.cluster.protocol.frames import AdoptedState, EngineState
 from berth.daemon.placement_facts import gather_node_facts
-from berth.daemon.proxy import Upstream
 from berth.daemon.ready_table import LOADING_RETRY_AFTER_S, ReadyTable
 from berth.daemon.reconcile import WATCH_INTERVAL_S, Reconciler
-from berth.daemon.states import TERMINAL_STATES, DeploymentState
 from berth.daemon.transitions import StateListener, StateWriter
 from berth.errors import (
     BerthError,
@@ -46,6 +44,7 @@ from berth.placement import (
     Refusal,
     plan_placement,
 )
+from berth.routing.resolver import Upstream
 from berth.runtime.engines import (
     DEFAULT_GPU_IMAGES,
     DEFAULT_IMAGES,
@@ -55,6 +54,7 @@ from berth.runtime.engines import (
     parse_runtime_name,
 )
 from berth.store import DeploymentRecord, Store
+from berth.store.states import TERMINAL_STATES, DeploymentState
 
 log = logging.getLogger(__name__)
 

@@ -14,9 +14,10 @@ from berth.agent.adopted import ADOPTED_ID_PREFIX
 from berth.cluster.link import LOCAL_NODE_ID, EngineEndpoint
 from berth.cluster.protocol.frames import AdoptedState
 from berth.cluster.remote_link import tunnel_url
-from berth.daemon.proxy import NoReadyDeploymentError, Upstream
 from berth.errors import NotFoundError
 from berth.placement import GpuReservation
+from berth.routing.errors import NoReadyDeploymentError
+from berth.routing.resolver import Upstream
 from berth.store import DeploymentRecord
 
 #: Seconds a client is told to wait (``Retry-After``) for a model that is still loading.

@@ -14,18 +14,17 @@ import contextlib
 import logging
 from collections.abc import Callable, Sequence
 
-from berth.agent.core import EngineReport
-from berth.cluster.link import LOCAL_NODE_ID, AgentLink, EngineEndpoint
+from berth.cluster.link import LOCAL_NODE_ID, AgentLink, EngineEndpoint, EngineReport
 from berth.cluster.link_registry import LinkRegistry
 from berth.cluster.protocol.frames import EngineState
 from berth.cluster.remote_link import tunnel_url
-from berth.daemon.proxy import Upstream
 from berth.daemon.ready_table import ReadyTable
-from berth.daemon.states import DeploymentState
 from berth.daemon.transitions import StateWriter
 from berth.errors import BerthError, EngineError, InvalidTransitionError, NotFoundError
+from berth.routing.resolver import Upstream
 from berth.runtime.engines import parse_runtime_name
 from berth.store import DeploymentRecord, Store
+from berth.store.states import DeploymentState
 
 log = logging.getLogger(__name__)
 

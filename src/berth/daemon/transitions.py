@@ -1,7 +1,7 @@
 """The one writer of deployment state.
 
 Every change goes through the store's ``transition_deployment`` (which enforces
-``daemon/states.py``), then the ready table, the loading progress and the state listener
+``store/states.py``), then the ready table, the loading progress and the state listener
 (metrics) are brought in line with the new record, so none of them can disagree with the
 store.  The lifecycle manager's commands and its reconciler both write through here.
 """
@@ -12,8 +12,8 @@ import asyncio
 from collections.abc import Callable
 
 from berth.daemon.ready_table import ReadyTable
-from berth.daemon.states import TERMINAL_STATES, DeploymentState
 from berth.store import UNCHANGED, DeploymentRecord, Store, Unchanged
+from berth.store.states import TERMINAL_STATES, DeploymentState
 
 #: Hears the new record after every state change.
 StateListener = Callable[[DeploymentRecord], None]
@@ -48,7 +48,7 @@ class StateWriter:
         """Move the deployment to ``target``; the new record.
 
         Raises ``NotFoundError`` for an unknown id and ``InvalidTransitionError`` for a
-        move ``daemon/states.py`` does not allow (nothing changes then).
+        move ``store/states.py`` does not allow (nothing changes then).
         """
         record = await asyncio.to_thread(
             self._store.transition_deployment,

@@ -21,7 +21,7 @@ from berth.routing.signals import SignalBoard
 if TYPE_CHECKING:
     from berth.cluster.link import AgentLink
     from berth.cluster.link_registry import LinkRegistry
-    from berth.daemon.proxy import Upstream, UpstreamResolver
+    from berth.routing.resolver import Upstream, UpstreamResolver
 
 
 class Router:
