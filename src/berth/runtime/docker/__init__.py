@@ -6,8 +6,11 @@
   only module that sees the SDK);
 - :mod:`~berth.runtime.docker.spec`: the container berth creates for a launch spec (name,
   labels, configuration);
+- :mod:`~berth.runtime.docker.containers`: create and start, stop and remove, find by labels
+  (blocking sequences of Docker calls);
 - :mod:`~berth.runtime.docker.pull`: pulling an image, with its progress;
 - :mod:`~berth.runtime.docker.logs`: copying a container's output into its deployment's log;
+- :mod:`~berth.runtime.docker.threads`: where the blocking calls run (off the event loop);
 - :mod:`~berth.runtime.docker.runtime`: :class:`DockerRuntime`, the engine lifecycle.
 
 The names callers use are importable from here.

@@ -15,7 +15,6 @@ import asyncio
 import contextlib
 import functools
 import logging
-import math
 import os
 import threading
 from collections.abc import Callable
@@ -28,16 +27,18 @@ from berth.runtime.docker.api import (
     ContainerInfo,
     DockerApi,
     DockerApiError,
-    DockerConflict,
-    DockerNotFound,
-    DockerUnreachable,
 )
-from berth.runtime.docker.logs import LogCopies, append_log, append_output, log_stamp
+from berth.runtime.docker.containers import (
+    copy_and_remove,
+    create_and_start,
+    find_containers,
+    stop_and_remove,
+)
+from berth.runtime.docker.logs import LogCopies, append_log, log_stamp
 from berth.runtime.docker.pull import ensure_image
 from berth.runtime.docker.sdk import connect_docker
 from berth.runtime.docker.spec import (
     DEPLOYMENT_LABEL,
-    HOME_LABEL,
     container_config,
     engine_handle,
     exit_description,
@@ -199,52 +200,24 @@ class DockerRuntime:
     def _create_and_start(self, spec: LaunchSpec, container: ContainerSpec) -> EngineHandle:
         client = self._connected()
         config = container_config(spec, container, home=self._home, node_id=self._node_id)
-        name = config.name
         append_log(
             spec.log_path,
-            f"=== berth {log_stamp()} deployment {spec.deployment_id}: container {name} from "
-            f"{container.image}: {' '.join(container.command)}\n",
+            f"=== berth {log_stamp()} deployment {spec.deployment_id}: container {config.name} "
+            f"from {container.image}: {' '.join(container.command)}\n",
         )
-        try:
-            try:
-                container_id = client.create_container(config)
-            except DockerConflict:
-                if not self._remove_stale(client, name):
-                    raise
-                container_id = client.create_container(config)
-        except DockerUnreachable:
-            raise
-        except DockerApiError as exc:
-            raise EngineError(
-                f"cannot create container {name}: {exc.reason}", deployment_id=spec.deployment_id
-            ) from exc
-        try:
-            client.start_container(container_id)
-            # Copy the output from the start, so an engine that exits at once leaves its reason.
-            self._logs.follow(self._connected, container_id, spec.log_path, since=None)
-            info = client.inspect_container(container_id)
-            if info is None:
-                raise DockerNotFound(f"no such container: {container_id}")
-            handle = self._handle(spec.deployment_id, info)
-        except (DockerApiError, EngineError) as exc:
-            with contextlib.suppress(DockerApiError):
-                client.remove_container(container_id)
-            reason = exc.reason if isinstance(exc, DockerApiError) else exc
-            raise EngineError(
-                f"cannot start container {name}: {reason}", deployment_id=spec.deployment_id
-            ) from exc
-        return handle
 
-    def _remove_stale(self, client: DockerApi, name: str) -> bool:
-        """Remove a container of ours left with ``name``; False when it is not ours."""
-        stale = client.inspect_container(name)
-        if stale is None:
-            return True
-        if stale.labels.get(HOME_LABEL) != self._home:
-            return False
-        log.warning("removing container %s left from an earlier start", name)
-        client.remove_container(stale.id)
-        return True
+        def copy_output(container_id: str) -> None:
+            # From the start, so an engine that exits at once leaves its reason in the log.
+            self._logs.follow(self._connected, container_id, spec.log_path, since=None)
+
+        info = create_and_start(
+            client,
+            config,
+            home=self._home,
+            deployment_id=spec.deployment_id,
+            on_started=copy_output,
+        )
+        return self._handle(spec.deployment_id, info)
 
     def _handle(self, deployment_id: str, info: ContainerInfo) -> EngineHandle:
         handle = engine_handle(deployment_id, info)
@@ -297,13 +270,10 @@ class DockerRuntime:
         self._running.pop(container_id, None)
 
     def _stop_and_remove(self, container_id: str, grace_s: float) -> None:
-        client = self._connected()
-        with contextlib.suppress(DockerNotFound):
-            client.stop_container(container_id, timeout_s=math.ceil(grace_s))
-        self._logs.drain(container_id, _LOG_DRAIN_S)  # its last lines reach the log first
-        # Conflict: someone else is removing it right now.
-        with contextlib.suppress(DockerNotFound, DockerConflict):
-            client.remove_container(container_id)
+        def drain(stopped_id: str) -> None:  # its last lines reach the log first
+            self._logs.drain(stopped_id, _LOG_DRAIN_S)
+
+        stop_and_remove(self._connected(), container_id, grace_s=grace_s, drain=drain)
 
     def is_alive(self, handle: EngineHandle) -> bool:
         """Whether the container ran when last looked at (:meth:`poll` looks again)."""
@@ -375,22 +345,11 @@ class DockerRuntime:
         return sorted({info.labels.get(DEPLOYMENT_LABEL, "") for info in found} - {""})
 
     def _find(self, deployment_id: str | None) -> list[ContainerInfo]:
-        client = self._connected()
-        found = []
-        for container_id in client.list_containers(
-            owner_labels(self._home, self._node_id, deployment_id)
-        ):
-            info = client.inspect_container(container_id)
-            if info is not None:
-                found.append(info)
-        return found
+        labels = owner_labels(self._home, self._node_id, deployment_id)
+        return find_containers(self._connected(), labels)
 
     def _copy_and_remove(self, container_id: str, log_path: Path, since: float | None) -> None:
-        """Append what the container printed since ``since`` to the log, then remove it."""
-        client = self._connected()
-        with contextlib.suppress(DockerNotFound):
-            append_output(client, container_id, log_path, since=since)
-            client.remove_container(container_id)
+        copy_and_remove(self._connected(), container_id, log_path, since=since)
 
     def close(self) -> None:
         """Release the thread pool and the Docker client (containers keep running)."""

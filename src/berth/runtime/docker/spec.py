@@ -9,7 +9,6 @@ finds its containers again, and keep two berth homes on one Docker engine apart.
 
 from __future__ import annotations
 
-from berth.errors import EngineError
 from berth.runtime.base import ContainerSpec, EngineHandle, LaunchSpec
 from berth.runtime.docker.api import ContainerConfig, ContainerInfo
 
@@ -67,16 +66,12 @@ def engine_handle(deployment_id: str, info: ContainerInfo) -> EngineHandle:
     """The handle of the engine in the container ``info`` describes.
 
     A container that already exited has no published port (0 then): waiting for its health
-    reports how it exited, with its output.  Raises :class:`~berth.errors.EngineError` for a
-    running container that publishes no port (berth could not reach its engine).
+    reports how it exited, with its output.
     """
-    port = info.published_port()
-    if port is None and info.state.running:
-        raise EngineError("the container publishes no engine port", deployment_id=deployment_id)
     return EngineHandle(
         deployment_id=deployment_id,
         pid=info.state.pid,
-        port=port or 0,
+        port=info.published_port() or 0,
         runtime="docker",
         container_id=info.id,
     )
