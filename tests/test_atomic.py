@@ -70,9 +70,10 @@ def test_a_failed_sync_keeps_the_old_file_and_leaves_no_temporary(
 def test_an_error_while_streaming_keeps_the_old_file(tmp_path: Path) -> None:
     target = tmp_path / "backup.tar.gz"
     target.write_bytes(b"the previous backup")
-    with pytest.raises(RuntimeError, match="source vanished"), atomic_writer(
-        target, mode=0o600
-    ) as sink:
+    with (
+        pytest.raises(RuntimeError, match="source vanished"),
+        atomic_writer(target, mode=0o600) as sink,
+    ):
         sink.write(b"half of an archive")
         raise RuntimeError("source vanished")
     assert target.read_bytes() == b"the previous backup"

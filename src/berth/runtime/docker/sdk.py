@@ -9,6 +9,7 @@ whose reason is in plain words (:func:`docker_error_text`).
 from __future__ import annotations
 
 import contextlib
+import socket
 from collections.abc import Generator, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -92,10 +93,10 @@ def connect_docker(host: str, timeout_s: float = API_TIMEOUT_S) -> SdkDockerApi:
 
     The version is asked with a first client that is closed whatever happens (the SDK's
     ``version="auto"`` leaves its socket open when the engine does not answer).  A unix
-    socket that does not exist is reported without trying it.
+    socket that does not exist, or refuses, is reported without the SDK trying it.
     """
-    if host.startswith("unix://") and not Path(host.removeprefix("unix://")).exists():
-        raise DockerUnreachable("its socket does not exist (is dockerd running?)")
+    if host.startswith("unix://"):
+        _check_socket(host.removeprefix("unix://"))
     with _translated():
         probe = docker.DockerClient(base_url=host, version=DEFAULT_DOCKER_API_VERSION, timeout=10)
         try:
@@ -103,6 +104,21 @@ def connect_docker(host: str, timeout_s: float = API_TIMEOUT_S) -> SdkDockerApi:
         finally:
             probe.close()
         return SdkDockerApi(docker.DockerClient(base_url=host, version=version, timeout=timeout_s))
+
+
+def _check_socket(path: str) -> None:
+    """Raise :class:`DockerUnreachable` unless something accepts connections on the unix
+    socket at ``path``.  Asked here because the SDK's unix transport leaves its socket open
+    when the connection is refused or not allowed (a stale socket file, a user outside the
+    docker group)."""
+    if not Path(path).exists():
+        raise DockerUnreachable("its socket does not exist (is dockerd running?)")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.settimeout(10)
+        try:
+            probe.connect(path)
+        except OSError as exc:
+            raise DockerUnreachable(docker_error_text(exc)) from None
 
 
 class SdkDockerApi:
