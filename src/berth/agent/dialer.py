@@ -28,6 +28,7 @@ import aiohttp
 
 from berth.agent.identity import AgentIdentity, client_ssl_context
 from berth.agent.service import AgentService
+from berth.atomic import write_atomic
 from berth.cluster.connection import LinkConnection
 from berth.cluster.protocol.errors import (
     CloseCode,
@@ -120,9 +121,9 @@ class AgentStatus:
     def save(self) -> None:
         if self.path is None:
             return
-        temporary = self.path.with_suffix(".tmp")
-        temporary.write_text(json.dumps(self.as_json(), indent=1))
-        temporary.replace(self.path)
+        # A snapshot rewritten at every change: not synced to disk (losing the last one in a
+        # power cut is harmless), so a write on the event loop stays short.
+        write_atomic(self.path, json.dumps(self.as_json(), indent=1), mode=0o644, durable=False)
 
 
 class AgentDialer:
