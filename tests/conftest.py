@@ -5,6 +5,8 @@
 - ``home``: an empty, created ``BerthHome``; ``gguf``: a model file the fake engine accepts;
 - ``engine``, ``metrics``, ``resolver``, ``proxy_url``, ``client``: a scripted stand-in
   engine, the OpenAI proxy in front of it on loopback, and an HTTP client for the proxy;
+- ``linked``: the agent link in one process, the leader's and the agent's ends joined by an
+  in-memory WebSocket pair;
 - ``hub``: the Hugging Face hub stand-in, one per module;
 - ``cluster``: a leader daemon on loopback with the fake engine, for one test;
 - ``docker_client``, ``engine_image``: a real Docker engine and a llama-server image in it.
@@ -30,6 +32,7 @@ from support.clocks import StepClock
 from support.cluster_harness import Cluster, started_cluster
 from support.docker_support import llama_server_image, require_docker_client
 from support.hub_standin import TINY_FILES, TINY_REPOS, HubStandin
+from support.link_pair import Linked, linked_in_memory
 from support.proxy_fixtures import StaticResolver, running_proxy
 from support.standin_engine import StandinEngine
 
@@ -130,6 +133,17 @@ async def client(proxy_url: str) -> AsyncIterator[httpx.AsyncClient]:
     """An HTTP client for the proxy at ``proxy_url``."""
     async with httpx.AsyncClient(base_url=proxy_url) as http:
         yield http
+
+
+# -- the agent link in memory --------------------------------------------------------------------
+
+
+@pytest.fixture
+async def linked() -> AsyncIterator[Linked]:
+    """The leader's ``RemoteLink`` to an agent service over an in-memory WebSocket pair,
+    with a stand-in engine behind the agent (``support/link_pair.py``)."""
+    async with linked_in_memory() as pair:
+        yield pair
 
 
 # -- real parts ----------------------------------------------------------------------------------
