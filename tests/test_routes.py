@@ -109,25 +109,28 @@ def test_nothing_ready_is_a_503_naming_every_service_tried() -> None:
 
 
 class Unready(Deployments):
-    """Like :class:`Deployments`, and ``quiet`` names have none ready and say nothing more."""
+    """Like :class:`Deployments`; ``quiet`` has none ready and says nothing more, ``xl`` none
+    ready with a reason that starts with an X."""
 
     def candidates(self, model: str) -> list[Upstream]:
         if model == "quiet":
             raise NoReadyDeploymentError(model, retry_after_s=3.0)
+        if model == "xl":
+            raise NoReadyDeploymentError(model, retry_after_s=3.0, detail="XL weights loading")
         return super().candidates(model)
 
 
 def test_the_503_names_each_service_and_why_in_one_line() -> None:
     routes = RouteResolver(Unready((), loading=("small-a",)))
     routes.load(
-        (route("chat", ("quiet", 9), ("small-a", 5), fallback="backup"), ROUTES[1]),
-        ("quiet", "small-a", "tiny"),
+        (route("chat", ("quiet", 9), ("xl", 9), ("small-a", 5), fallback="backup"), ROUTES[1]),
+        ("quiet", "xl", "small-a", "tiny"),
     )
     with pytest.raises(NoReadyDeploymentError) as caught:
         routes.candidates("chat")
     assert str(caught.value) == (
-        "model 'chat' has no ready deployment: services: quiet (none ready), small-a (loading); "
-        "fallback route 'backup': tiny (not deployed)"
+        "model 'chat' has no ready deployment: services: quiet (none ready), xl (XL weights "
+        "loading), small-a (loading); fallback route 'backup': tiny (not deployed)"
     )
     assert caught.value.retry_after_s == 2.0  # the shortest wait any service suggested
 

@@ -10,6 +10,7 @@ import math
 
 import pytest
 
+from berth.cluster.link_registry import LinkRegistry
 from berth.routing.affinity import API_KEY_PREFIX, AffinityMap, affinity_key
 from berth.routing.errors import (
     EngineTimeoutError,
@@ -22,6 +23,7 @@ from berth.routing.resolver import Upstream
 from berth.routing.router import Router
 from berth.routing.scorer import Candidate, NodeSignals, p95_bucket, rank
 from berth.routing.signals import DEMOTION_STEP_S, SignalBoard
+from support.fakes import FakeLink
 
 
 class Clock:
@@ -57,6 +59,7 @@ def test_in_flight_is_counted_per_deployment_and_per_node() -> None:
     board.finished("d-1", "n")
     assert (board.in_flight("d-1"), board.node_in_flight("n")) == (1, 2)
     board.finished("d-1", "n")
+    assert (board.in_flight("d-1"), board.node_in_flight("n")) == (0, 1)
     board.finished("d-2", "n")
     assert (board.in_flight("d-1"), board.in_flight("d-2"), board.node_in_flight("n")) == (0, 0, 0)
     board.finished("d-1", "n")  # one more than started: never below zero, never an error
@@ -116,6 +119,7 @@ def test_a_forgotten_deployment_has_no_samples_and_no_demotion() -> None:
     board.forget("d")
     assert board.p95_ms("d") is None and not board.recently_failed("d")
     assert board.p95_ms("kept") == 100.0
+    board.forget("never-seen")  # nothing to drop is not an error
 
 
 # -- the scorer ------------------------------------------------------------------------------------
@@ -243,6 +247,19 @@ def test_explain_uses_the_key_the_map_and_no_rotation() -> None:
     router.succeeded("key:k", Upstream("http://b", "d-m-b", "b", "m"))
     router.signals.started("d-m-b", "b")
     assert _nodes(router.explain("m", "key:k")) == ["a", "b"]
+
+
+def test_a_node_whose_link_goes_loses_its_affinity() -> None:
+    links = LinkRegistry([FakeLink("a"), FakeLink("b")])
+    router = Router(Models(), links=links)
+    router.succeeded("session:s1", Upstream("http://a", "d-m-a", "a", "m"))
+    router.succeeded("session:s2", Upstream("http://b", "d-m-b", "b", "m"))
+    replaced = FakeLink("a")
+    links.attach(replaced)  # a new link for node a: a change, but not a loss
+    assert router.affinity.peek("session:s1") == "a"
+    links.detach(replaced)
+    assert router.affinity.peek("session:s1") is None
+    assert router.affinity.peek("session:s2") == "b"
 
 
 def test_the_router_reads_each_nodes_signals() -> None:
