@@ -7,8 +7,13 @@ from collections.abc import AsyncIterator
 
 import aiohttp
 
-from berth.agent.core import EngineReport, ProbeResult, SpawnListener
-from berth.cluster.link import EngineEndpoint, NodeInventory
+from berth.cluster.link import (
+    EngineEndpoint,
+    EngineReport,
+    NodeInventory,
+    ProbeResult,
+    SpawnListener,
+)
 from berth.errors import EngineError, NotFoundError
 from berth.runtime.base import ProgressListener
 from berth.runtime.engines import DeploymentRequest

@@ -15,9 +15,9 @@ from fastapi.responses import Response
 
 from berth.daemon.admin_services import load_routes, service_router
 from berth.daemon.lifecycle import LifecycleManager
-from berth.daemon.openai_errors import error_from_exception
 from berth.errors import BerthError
 from berth.observability.metrics import ProxyMetrics
+from berth.openai_errors import error_from_exception
 from berth.routing.routes import RouteResolver
 from berth.store import Store
 from fakes import FakeLink

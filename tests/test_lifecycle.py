@@ -11,10 +11,10 @@ import pytest
 from berth.cluster.link import EngineEndpoint
 from berth.cluster.protocol.frames import AdoptedState
 from berth.daemon.lifecycle import DeployOptions, LifecycleManager
-from berth.daemon.proxy import NoReadyDeploymentError
-from berth.daemon.states import DeploymentState
 from berth.errors import ConfigError, ConflictError, EngineError, NotFoundError
+from berth.routing.errors import NoReadyDeploymentError
 from berth.store import Store
+from berth.store.states import DeploymentState
 from fakes import FakeLink
 
 

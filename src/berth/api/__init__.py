@@ -1,15 +1,17 @@
-"""The admin API's bodies, shared by the daemon that sends them and the CLI that reads them.
+"""The admin API's contract, shared by the daemon that serves it and the programs that call
+it (the CLI, ``berth doctor``).
 
-Pydantic models, one module per resource: the leader itself (:mod:`.leader`), models
-(:mod:`.models`), deployments, keys, nodes, services and routes, routing explanations and
-the metrics snapshot.  The daemon's routes declare them as FastAPI response models (so
+Pydantic models, one module per resource: the leader itself (:mod:`.leader`), registered
+models (:mod:`.models`), deployments, keys, nodes, services and routes, routing explanations
+and the metrics snapshot.  The daemon's routes declare them as FastAPI response models (so
 ``/admin/openapi.json`` describes every answer) and build them from the store's records;
-the CLI's :class:`~berth.cli.client.DaemonClient` decodes every answer into them.  Request
-bodies (``*In``) are here too: the daemon validates them, the CLI builds them.
+:class:`berth.api.client.DaemonClient` talks to a daemon over its Unix socket and decodes
+every answer into them.  Request bodies (``*In``) are here too: the daemon validates them,
+the CLI builds them.
 
-This package sits above ``store`` and below ``daemon`` and ``cli``: it imports base
-modules, runtime's engine and runtime names, the store's closed sets and the deployment
-state, and nothing from ``daemon`` or ``cli``.
+This package sits above ``store`` and below ``daemon``, ``cli`` and ``doctor``: it imports
+base modules, runtime's engine and runtime names, the store's closed sets and deployment
+states, and nothing from ``daemon`` or ``cli``.
 """
 
 from berth.api.base import ApiModel, ErrorBody, ErrorDetail, Timestamp, describe_invalid
@@ -58,7 +60,6 @@ from berth.api.services import (
     ServiceDetail,
     ServiceIn,
 )
-from berth.api.states import DeploymentState
 
 __all__ = [
     "AdoptedEndpoint",
@@ -71,7 +72,6 @@ __all__ = [
     "DeploymentColumns",
     "DeploymentIn",
     "DeploymentSampleOut",
-    "DeploymentState",
     "DroppedCandidate",
     "EnrollIn",
     "EnrollmentIssued",

@@ -1,7 +1,7 @@
 """What every admin API model shares: the base class, timestamps, the error body.
 
 The admin API (``daemon/admin*.py``) answers with these models and the CLI
-(``cli/client.py``) decodes its answers with the same ones, so the two cannot drift apart
+(``api/client.py``) decodes its answers with the same ones, so the two cannot drift apart
 and FastAPI's OpenAPI schema (``/admin/openapi.json``) describes what is really sent.
 """
 

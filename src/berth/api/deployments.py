@@ -5,9 +5,9 @@ from __future__ import annotations
 from pydantic import Field
 
 from berth.api.base import ApiModel, Timestamp
-from berth.api.states import DeploymentState
 from berth.runtime.base import RuntimeName
 from berth.runtime.engines import EngineName
+from berth.store.states import DeploymentState
 
 
 class DeploymentIn(ApiModel):

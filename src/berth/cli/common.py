@@ -12,7 +12,7 @@ from pydantic import BaseModel, ValidationError
 from rich.console import Console
 
 from berth.api import describe_invalid
-from berth.cli.client import DaemonClient
+from berth.api.client import DaemonClient
 from berth.errors import ConfigError
 from berth.paths import BerthHome, resolve_home
 
@@ -68,12 +68,3 @@ def request_body(body_type: Callable[_P, _Body], /, *args: _P.args, **kwargs: _P
     except ValidationError as exc:
         message, _ = describe_invalid(exc.errors()[0])
         raise ConfigError(message) from None
-
-
-def age(seconds: float) -> str:
-    """A short human age: ``42s``, ``5m``, ``3h``, ``2d``."""
-    seconds = max(seconds, 0)
-    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
-        if seconds >= size:
-            return f"{int(seconds // size)}{unit}"
-    return f"{int(seconds)}s"

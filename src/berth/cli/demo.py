@@ -17,14 +17,15 @@ from pathlib import Path
 
 import typer
 
-from berth.api import DeploymentIn, DeploymentState, KeyIn, ModelIn
-from berth.cli.client import DaemonClient
+from berth.api import DeploymentIn, KeyIn, ModelIn
+from berth.api.client import DaemonClient
 from berth.cli.common import console
 from berth.config import Settings
 from berth.errors import BerthError, EngineError
 from berth.paths import BerthHome
 from berth.runtime.bundled import smollm2_gguf
 from berth.runtime.engines import find_free_port
+from berth.store.states import DeploymentState
 
 DEMO_PROMPT = "In one sentence, what is a GPU?"
 

@@ -10,10 +10,12 @@ from datetime import UTC, datetime
 import typer
 from rich.table import Table
 
-from berth.api import Deployment, DeploymentIn, DeploymentState, ListedDeployment
-from berth.cli.client import DaemonClient
-from berth.cli.common import age, console, context, err_console, print_json, request_body
+from berth.api import Deployment, DeploymentIn, ListedDeployment
+from berth.api.client import DaemonClient
+from berth.cli.common import console, context, err_console, print_json, request_body
 from berth.errors import BerthError, ConfigError, EngineError
+from berth.humanize import age
+from berth.store.states import DeploymentState
 
 #: The states of a deployment still starting.
 STARTING = (DeploymentState.PENDING, DeploymentState.LOADING)

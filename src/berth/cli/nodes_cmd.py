@@ -10,15 +10,8 @@ import typer
 from rich.table import Table
 
 from berth.api import EnrollIn
-from berth.cli.common import (
-    HELP_OPTIONS,
-    age,
-    console,
-    context,
-    err_console,
-    print_json,
-    request_body,
-)
+from berth.cli.common import HELP_OPTIONS, console, context, err_console, print_json, request_body
+from berth.humanize import age
 
 nodes_app = typer.Typer(
     context_settings=HELP_OPTIONS,

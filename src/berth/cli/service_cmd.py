@@ -11,10 +11,11 @@ from __future__ import annotations
 import typer
 from rich.table import Table
 
-from berth.api import DeployIn, DeploymentState, FallbackIn, Route, RouteIn, Service, ServiceIn
+from berth.api import DeployIn, FallbackIn, Route, RouteIn, Service, ServiceIn
 from berth.cli.common import HELP_OPTIONS, console, context, print_json, request_body
 from berth.cli.deploy_cmd import parse_gpus, wait_settled
 from berth.errors import ConfigError, EngineError
+from berth.store.states import DeploymentState
 
 service_app = typer.Typer(
     context_settings=HELP_OPTIONS,

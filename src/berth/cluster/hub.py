@@ -42,8 +42,8 @@ from berth.cluster.protocol.frames import (
 from berth.cluster.protocol.session import LinkLimits, LinkSession, Role
 from berth.cluster.remote_link import RemoteLink, TunnelResponse
 from berth.cluster.tunnel_stream import TunnelStream
-from berth.daemon.upstream import Origin
-from berth.daemon.upstream_errors import UpstreamConnectError
+from berth.engine_http.errors import UpstreamConnectError
+from berth.engine_http.origin import Origin
 from berth.errors import BerthError
 from berth.observability.cluster import ClusterMetrics
 from berth.store import Store

@@ -46,13 +46,13 @@ from berth.daemon.admin_metrics import build_metrics_router
 from berth.daemon.admin_nodes import build_node_router
 from berth.daemon.admin_routing import build_routing_router
 from berth.daemon.lifecycle import DeployOptions, LifecycleManager
-from berth.daemon.openai_errors import error_body, error_from_exception
 from berth.daemon.services import LeaderServices
-from berth.daemon.states import TERMINAL_STATES
 from berth.errors import BerthError, ConfigError, ConflictError, NotFoundError
 from berth.keys import generate_secret, hash_secret, key_prefix, parse_tier
+from berth.openai_errors import error_body, error_from_exception
 from berth.runtime.engines import parse_engine_name, parse_runtime_name
 from berth.store import ApiKeyRecord, DeploymentRecord, ModelRecord, Store
+from berth.store.states import TERMINAL_STATES
 
 #: Every admin error is an OpenAI-shaped body (``ErrorBody``); FastAPI's own 422 answer is
 #: never sent (a bad request body is a 400), so the schema lists the ranges instead.

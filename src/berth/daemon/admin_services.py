@@ -39,8 +39,8 @@ from berth.api import (
 from berth.cluster.link import LOCAL_NODE_ID
 from berth.daemon.admin import deployment_view
 from berth.daemon.lifecycle import DeployOptions, LifecycleManager
-from berth.daemon.proxy_errors import NoReadyDeploymentError
 from berth.errors import ConfigError, ConflictError, NotFoundError
+from berth.routing.errors import NoReadyDeploymentError
 from berth.routing.routes import RouteResolver
 from berth.runtime.engines import parse_engine_name, parse_runtime_name
 from berth.store import RouteRecord, ServiceProfileRecord, Store

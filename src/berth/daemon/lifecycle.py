@@ -1,7 +1,7 @@
 """The lifecycle manager: deployments from request to ready, stop, failure and reconcile.
 
 It is the only writer of deployment state.  Every change goes through the store's
-``transition_deployment`` (which enforces ``daemon/states.py``) and is mirrored in an
+``transition_deployment`` (which enforces ``store/states.py``) and is mirrored in an
 in-memory table of ready deployments, which the proxy reads on every request without touching
 the database.
 """
@@ -16,13 +16,10 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from berth.agent.adopted import ADOPTED_ID_PREFIX
-from berth.agent.core import EngineReport
-from berth.cluster.link import LOCAL_NODE_ID, AgentLink, EngineEndpoint
+from berth.cluster.link import LOCAL_NODE_ID, AgentLink, EngineEndpoint, EngineReport
 from berth.cluster.protocol.frames import AdoptedState, EngineState
 from berth.cluster.protocol.ops import RUNTIME_CAPABILITIES
 from berth.cluster.remote_link import RemoteLink, tunnel_url
-from berth.daemon.proxy import NoReadyDeploymentError, Upstream
-from berth.daemon.states import TERMINAL_STATES, DeploymentState
 from berth.errors import (
     BerthError,
     ConfigError,
@@ -31,6 +28,8 @@ from berth.errors import (
     InvalidTransitionError,
     NotFoundError,
 )
+from berth.routing.errors import NoReadyDeploymentError
+from berth.routing.resolver import Upstream
 from berth.runtime.engines import (
     DEFAULT_GPU_IMAGES,
     DEFAULT_IMAGES,
@@ -41,6 +40,7 @@ from berth.runtime.engines import (
     parse_runtime_name,
 )
 from berth.store import UNCHANGED, DeploymentRecord, Store, Unchanged
+from berth.store.states import TERMINAL_STATES, DeploymentState
 
 log = logging.getLogger(__name__)
 

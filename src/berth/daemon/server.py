@@ -27,10 +27,12 @@ import uvicorn
 
 from berth.agent.adopted import AdoptedWatcher
 from berth.agent.core import AgentCore
+from berth.agent.in_process_link import InProcessLink
+from berth.agent.node_sampler import LocalNodeSampler
 from berth.cluster.ca import CertificateAuthority
 from berth.cluster.enrollment import AuditLog, EnrollmentService
 from berth.cluster.hub import NodeHub
-from berth.cluster.link import LOCAL_NODE_ID, AgentLink, InProcessLink
+from berth.cluster.link import LOCAL_NODE_ID, AgentLink
 from berth.cluster.listener import (
     ClusterListener,
     build_cluster_app,
@@ -45,12 +47,10 @@ from berth.daemon.auth import Authenticator
 from berth.daemon.lifecycle import LifecycleManager
 from berth.daemon.proxy import OpenAIProxy
 from berth.daemon.services import LeaderServices, Listener
-from berth.daemon.states import TERMINAL_STATES
 from berth.errors import DaemonError
 from berth.keys import load_or_create_pepper
 from berth.observability.cluster import ClusterMetrics
 from berth.observability.metrics import ProxyMetrics
-from berth.observability.node_sampler import LocalNodeSampler
 from berth.observability.window import RequestMeter
 from berth.paths import BerthHome
 from berth.routing.router import Router
@@ -61,6 +61,7 @@ from berth.runtime.engines import EngineBinaries
 from berth.runtime.gpu import NvmlInventory
 from berth.runtime.process import ProcessRuntime
 from berth.store import DeploymentRecord, Store
+from berth.store.states import TERMINAL_STATES
 
 log = logging.getLogger(__name__)
 

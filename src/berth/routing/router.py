@@ -19,7 +19,7 @@ from berth.routing.scorer import (
 from berth.routing.signals import SignalBoard
 
 if TYPE_CHECKING:
-    from berth.daemon.proxy import Upstream, UpstreamResolver
+    from berth.routing.resolver import Upstream, UpstreamResolver
 
 
 class Router:
