@@ -91,11 +91,18 @@ class DaemonClient:
     status stands for otherwise (see :func:`error_from_response`).
     """
 
-    def __init__(self, home: BerthHome, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    def __init__(
+        self,
+        home: BerthHome,
+        *,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        transport: httpx.BaseTransport | None = None,
+    ) -> None:
+        """``transport`` replaces the socket (tests pass an ``httpx.MockTransport``)."""
         self.home = home
         self._client = httpx.Client(
             # verify=False: no TLS on a Unix socket, and it skips loading a CA bundle.
-            transport=httpx.HTTPTransport(uds=str(home.socket_file), verify=False),
+            transport=transport or httpx.HTTPTransport(uds=str(home.socket_file), verify=False),
             base_url="http://berth",
             timeout=timeout_s,
         )
