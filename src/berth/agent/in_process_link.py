@@ -14,8 +14,17 @@ from berth.cluster.link import (
     ProbeResult,
     SpawnListener,
 )
+from berth.cluster.protocol.ops import OP_CAPABILITIES, RUNTIME_CAPABILITIES
+from berth.errors import EngineError
 from berth.runtime.base import ProgressListener, RuntimeName
 from berth.runtime.engines import DeploymentRequest
+
+#: What node ``local``'s in-process core offers: every op but ``pull`` (the leader's own host
+#: runs models from their registered paths) and both runtimes (whether Docker answers is
+#: found when a container starts, and a start that cannot fails with the reason).
+LOCAL_CAPABILITIES = frozenset(
+    [*(c for op, c in OP_CAPABILITIES.items() if op != "pull"), *RUNTIME_CAPABILITIES.values()]
+)
 
 
 class InProcessLink:
@@ -23,6 +32,7 @@ class InProcessLink:
 
     def __init__(self, core: AgentCore, node_id: str = LOCAL_NODE_ID) -> None:
         self.node_id = node_id
+        self.capabilities = LOCAL_CAPABILITIES
         self._core = core
 
     async def start_deployment(
@@ -45,6 +55,12 @@ class InProcessLink:
         if handle is None:
             return None
         return EngineEndpoint(deployment_id, handle.base_url, handle.pid, handle.port)
+
+    async def pull_model(self, repo_id: str, revision: str | None) -> str:
+        raise EngineError(
+            f"node {self.node_id} does not download models from the hub (no op.pull): "
+            f"register {repo_id} with a path on this host"
+        )
 
     async def probe(self, deployment_id: str) -> ProbeResult:
         return await self._core.probe(deployment_id)

@@ -69,6 +69,14 @@ class AgentLink(Protocol):
 
     node_id: str
 
+    @property
+    def capabilities(self) -> frozenset[str]:
+        """What the node's agent offers, in the protocol's capability names
+        (``docs/protocol.md``): ``op.<name>`` per operation it serves (``op.pull``: it
+        downloads models from the hub), ``runtime.<name>`` per runtime it can start engines
+        with.  Fixed for the life of the link (a remote agent says it in Hello)."""
+        ...
+
     async def start_deployment(
         self,
         request: DeploymentRequest,
@@ -93,6 +101,14 @@ class AgentLink(Protocol):
         """Take an engine that survived a leader restart back under management.
 
         Returns ``None`` when no such engine runs any more.
+        """
+        ...
+
+    async def pull_model(self, repo_id: str, revision: str | None) -> str:
+        """Have the node download ``repo_id`` (at ``revision``; ``None``: the default
+        branch) from the hub into its models folder; returns the model's path there.
+
+        Raises ``EngineError`` when the download fails, or when the node lacks ``op.pull``.
         """
         ...
 

@@ -32,7 +32,8 @@ from berth.agent.node_sampler import LocalNodeSampler
 from berth.cluster.ca import CertificateAuthority
 from berth.cluster.enrollment import AuditLog, EnrollmentService
 from berth.cluster.hub import NodeHub
-from berth.cluster.link import LOCAL_NODE_ID, AgentLink
+from berth.cluster.link import LOCAL_NODE_ID
+from berth.cluster.link_registry import LinkRegistry
 from berth.cluster.listener import (
     ClusterListener,
     build_cluster_app,
@@ -237,9 +238,7 @@ async def serve(home: BerthHome, settings: Settings) -> None:
     cluster_metrics = ClusterMetrics(model_of=metrics.deployment_model)
     cluster_metrics.register(metrics.registry)
     core = None if settings.leader_only else build_local_core(home, settings)
-    links: dict[str, AgentLink] = {}
-    if core is not None:
-        links[LOCAL_NODE_ID] = InProcessLink(core)
+    links = LinkRegistry([] if core is None else [InProcessLink(core)])
     audit = AuditLog(home.audit_log)
     signals = SignalBoard()
 
@@ -263,21 +262,24 @@ async def serve(home: BerthHome, settings: Settings) -> None:
     hub = NodeHub(
         store,
         links,
+        listener=lifecycle,
         heartbeat_interval_s=settings.heartbeat_interval_s,
         node_timeout_s=settings.node_timeout_s,
         cluster_metrics=cluster_metrics,
         audit=audit,
         forwarded=forwarded,
     )
-    hub.set_listener(lifecycle)
     if forwarded is not None:
         log.warning("cluster: trusting x-berth-client-fingerprint from %s", forwarded.describe())
     routes = RouteResolver(lifecycle)  # route names first, then the lifecycle's own names
     await load_routes(store, routes)
     router = Router(
-        routes, signals=signals, node_reported=hub.has_reported, free_vram_mb=hub.free_vram_mb
+        routes,
+        signals=signals,
+        node_reported=hub.has_reported,
+        free_vram_mb=hub.free_vram_mb,
+        links=links,  # a node whose link goes loses its affinity
     )
-    lifecycle.on_node_lost = router.node_lost
     local_sampler = None
     if core is not None:
         local_sampler = LocalNodeSampler(
