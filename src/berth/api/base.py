@@ -1,8 +1,9 @@
 """What every admin API model shares: the base class, timestamps, the error body.
 
-The admin API (``daemon/admin*.py``) answers with these models and the CLI
-(``api/client.py``) decodes its answers with the same ones, so the two cannot drift apart
-and FastAPI's OpenAPI schema (``/admin/openapi.json``) describes what is really sent.
+The admin API (``daemon/admin*.py``) answers with these models and the daemon client
+(``api/client.py``, used by the CLI and doctor) decodes its answers with the same ones, so
+the two cannot drift apart and FastAPI's OpenAPI schema (``/admin/openapi.json``) describes
+what is really sent.
 """
 
 from __future__ import annotations
