@@ -22,6 +22,7 @@ from berth.cluster.protocol.frames import (
     Response,
     StreamCredit,
     StreamData,
+    StreamHead,
     StreamOpen,
     StreamReset,
     decode_frame,
@@ -262,3 +263,72 @@ def test_a_reset_names_its_reason_and_an_unknown_stream_needs_none() -> None:
     assert leader.data_to_send() == []
     leader.reset_stream(stream, "cancelled", "client went away")
     assert _sent(leader) == [StreamReset(id=stream, code="cancelled", message="client went away")]
+
+
+def test_a_stream_is_forgotten_whichever_end_finishes_first() -> None:
+    leader, agent = _pair()
+    stream = leader.open_stream(StreamOpen(kind="http", deployment_id="d"))
+    _pump(leader, agent)
+    agent.send_head(StreamHead(id=stream, status=200, end=True))  # the agent ends first
+    assert agent.has_stream(stream)  # its request body may still come
+    _pump(agent, leader)
+    assert leader.has_stream(stream)
+    leader.send_data(stream, b"", end=True)
+    assert not leader.has_stream(stream)  # the remote end came first, then the local one
+    _pump(leader, agent)
+    assert not agent.has_stream(stream)  # the local end came first, then the remote one
+
+
+def test_a_reset_without_a_reason_says_nothing() -> None:
+    leader, agent = _pair()
+    stream = leader.open_stream(StreamOpen(kind="http", deployment_id="d"))
+    _pump(leader, agent)
+    leader.reset_stream(stream, "cancelled")
+    assert _sent(leader) == [StreamReset(id=stream, code="cancelled", message="")]
+
+
+def test_greetings_are_taken_by_their_receiver_once_and_must_be_greetings() -> None:
+    leader, agent = LinkSession(Role.LEADER), LinkSession(Role.AGENT)
+    hello = encode_frame(_hello())
+    with pytest.raises(LinkError, match=r"^only the leader receives Hello$"):
+        agent.receive_hello(hello)
+    with pytest.raises(LinkError, match=r"^only the agent receives Welcome$"):
+        leader.receive_welcome(hello)
+    beat = encode_frame(Heartbeat(sent_at=1.0))
+    with pytest.raises(
+        ProtocolError, match=r"^the agent's first frame must be Hello, not Heartbeat$"
+    ):
+        LinkSession(Role.LEADER).receive_hello(beat)
+    with pytest.raises(ProtocolError, match=r"^the leader's first frame must be Welcome, not "):
+        LinkSession(Role.AGENT).receive_welcome(beat)
+    unknown = bytes([200, 0, 0, 0, 0, 0, 0, 0, 0, 0])
+    with pytest.raises(ProtocolError, match=r"^the first frame must be Hello or Welcome, not unk"):
+        LinkSession(Role.LEADER).receive_hello(unknown)
+    leader.receive_hello(hello)
+    with pytest.raises(LinkError, match=r"^the handshake's first frame was already taken$"):
+        leader.receive_hello(hello)
+    _leader, opened = _pair()
+    with pytest.raises(LinkError, match=r"^the handshake's first frame was already taken$"):
+        opened.receive_welcome(hello)
+
+
+def test_frames_out_of_place_are_named() -> None:
+    leader = LinkSession(Role.LEADER)
+    leader.receive_hello(encode_frame(_hello()))
+    with pytest.raises(ProtocolError, match=r"^the agent sent more before the leader's Welcome$"):
+        leader.receive_message(encode_frame(Heartbeat(sent_at=1.0)))
+    leader, agent = _pair()
+    with pytest.raises(ProtocolError, match=r"^only agents send Heartbeat$"):
+        agent.receive_message(encode_frame(Heartbeat(sent_at=1.0)))
+    with pytest.raises(ProtocolError, match=r"^only the leader opens streams$"):
+        leader.receive_message(encode_frame(StreamOpen(id=1, kind="http", deployment_id="d")))
+    with pytest.raises(ProtocolError, match=r"^only agents answer streams$"):
+        agent.receive_message(encode_frame(StreamHead(id=1, status=200)))
+
+
+def test_each_end_opens_or_answers_streams_as_its_role_says() -> None:
+    leader, agent = _pair()
+    with pytest.raises(LinkError, match=r"^the agent does not send StreamOpen$"):
+        agent.open_stream(StreamOpen(kind="http", deployment_id="d"))
+    with pytest.raises(LinkError, match=r"^the leader does not send StreamHead$"):
+        leader.send_head(StreamHead(id=1, status=200))
