@@ -25,6 +25,7 @@ from berth.cluster.protocol.frames import (
     StreamHead,
     StreamOpen,
     StreamReset,
+    Welcome,
     decode_frame,
     encode_frame,
 )
@@ -332,3 +333,49 @@ def test_each_end_opens_or_answers_streams_as_its_role_says() -> None:
         agent.open_stream(StreamOpen(kind="http", deployment_id="d"))
     with pytest.raises(LinkError, match=r"^the leader does not send StreamHead$"):
         leader.send_head(StreamHead(id=1, status=200))
+
+
+def test_a_session_applies_its_own_frame_limit() -> None:
+    window = 64 * 1024
+    limits = LinkLimits(stream_window_bytes=window, max_frame_bytes=window + MAX_JSON_BYTES + 10)
+    big = encode_frame(StreamData(id=1, payload=b"x" * (limits.max_frame_bytes + 1)))
+    with pytest.raises(ProtocolError) as first:
+        LinkSession(Role.LEADER, limits).receive_hello(big)
+    assert first.value.code == CloseCode.FRAME_TOO_LARGE
+    leader, _agent = _pair(limits)
+    with pytest.raises(ProtocolError) as later:
+        leader.receive_message(big)
+    assert later.value.code == CloseCode.FRAME_TOO_LARGE
+
+
+def test_an_answer_that_ends_a_finished_request_forgets_the_stream() -> None:
+    leader, agent = _pair()
+    stream = leader.open_stream(StreamOpen(kind="http", deployment_id="d", end=True))
+    _pump(leader, agent)
+    agent.send_head(StreamHead(id=stream, status=204, end=True))
+    assert not agent.has_stream(stream)
+
+
+def test_welcome_carries_the_leaders_capabilities_and_a_version_we_do_not_speak_is_named() -> None:
+    leader, agent = LinkSession(Role.LEADER), LinkSession(Role.AGENT)
+    agent.send_hello(_hello())
+    _pump(agent, leader)
+    terms = WelcomeTerms(node_id="n-1", leader_version="0.1.0", capabilities=("routing",))
+    assert leader.accept(terms, server_time=1.0).capabilities == ["routing"]
+    (welcome,) = _sent(leader)
+    assert isinstance(welcome, Welcome) and welcome.capabilities == ["routing"]
+    future = msgspec.structs.replace(welcome, protocol_version=99)
+    with pytest.raises(ProtocolError, match=r"^leader chose protocol 99, outside 1-1$") as caught:
+        LinkSession(Role.AGENT).receive_welcome(encode_frame(future))
+    assert caught.value.code == CloseCode.UNSUPPORTED_VERSION
+
+
+def test_an_agent_of_another_protocol_range_is_told_both_ranges() -> None:
+    leader = LinkSession(Role.LEADER)
+    old = msgspec.structs.replace(_hello(), protocol_min=7, protocol_max=8)
+    leader.receive_hello(encode_frame(old))
+    with pytest.raises(
+        ProtocolError, match=r"^agent speaks protocol 7-8, the leader 1-1$"
+    ) as caught:
+        leader.accept(TERMS, server_time=1.0)
+    assert caught.value.code == CloseCode.UNSUPPORTED_VERSION
