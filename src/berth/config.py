@@ -139,6 +139,14 @@ def host_problem(text: str) -> str | None:
     return None
 
 
+def http_url_problem(text: str) -> str | None:
+    """Why ``text`` is not an ``http://`` or ``https://`` URL with a host, or ``None``."""
+    parts = urlsplit(text)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        return "expected an http:// or https:// URL with a host"
+    return None
+
+
 _TRUE_WORDS = frozenset({"1", "true", "yes", "on"})
 _FALSE_WORDS = frozenset({"0", "false", "no", "off"})
 
@@ -224,6 +232,8 @@ SETTINGS: tuple[SettingDef, ...] = (
     SettingDef("node_timeout_s", "float", "cluster",
                "seconds of silence after which a node is unreachable",
                default=15.0, minimum=0.1),
+    SettingDef("desk_pool_url", "str", "desk", "the ow desk `berth desk` offers models to",
+               default="https://owterminal.com", check=http_url_problem),
 )  # fmt: skip
 
 #: Bind addresses that mean "every interface": no use as an address others can dial.
@@ -326,6 +336,7 @@ class Settings:
     leader_url: str | None
     heartbeat_interval_s: float
     node_timeout_s: float
+    desk_pool_url: str
 
     @classmethod
     def load(
