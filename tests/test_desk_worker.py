@@ -254,6 +254,7 @@ async def test_a_plain_job_goes_through_the_leader_and_finishes_with_its_token_c
         "completion_tokens": 5,
     }
     assert leader.job_chats() == [job_request("smollm2", PROMPT, pool_test=False)]
+    assert leader.chats[0].max_tokens == 16  # the speed test went first, alone in the slot
 
 
 async def test_a_sealed_job_is_opened_for_this_node_and_answered(

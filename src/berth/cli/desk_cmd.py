@@ -14,7 +14,9 @@ from typing import TYPE_CHECKING
 import typer
 
 from berth.cli.common import HELP_OPTIONS, console, context, err_console, print_json
+from berth.desk.client import WAIT_MAX_S, WAIT_MIN_S
 from berth.desk.wire import PRICE_MAX_CENTS, PRICE_MIN_CENTS
+from berth.errors import ConfigError
 
 if TYPE_CHECKING:
     from berth.desk.commands import NodeReport
@@ -38,9 +40,8 @@ def register(
     price: int | None = typer.Option(
         None,
         "--price",
-        min=PRICE_MIN_CENTS,
-        max=PRICE_MAX_CENTS,
-        help="Cents per million tokens, 1 to 5000 (default: the desk suggests one).",
+        help=f"Cents per million tokens, {PRICE_MIN_CENTS} to {PRICE_MAX_CENTS} "
+        "(default: the desk suggests one).",
     ),
 ) -> None:
     """Register served models with the desk as one machine; print each node code and price."""
@@ -60,7 +61,9 @@ def register(
                 desk=desk,
                 models=models,
                 price=price,
-                warn=lambda line: err_console.print(f"warning: {line}", markup=False),
+                warn=lambda line: err_console.print(
+                    f"warning: {line}", markup=False, soft_wrap=True
+                ),
                 now=time.time,
             )
         for registration in done:
@@ -82,9 +85,8 @@ def serve(
     wait_s: int | None = typer.Option(
         None,
         "--wait",
-        min=1,
-        max=15,
-        help="Seconds the desk may hold each claim for a job (x-ow-wait; one-model hosts).",
+        help=f"Seconds ({WAIT_MIN_S} to {WAIT_MAX_S}) the desk may hold each claim for a job "
+        "(x-ow-wait; one-model hosts).",
     ),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Debug logging."),
 ) -> None:
@@ -93,6 +95,8 @@ def serve(
     from berth.desk.commands import resolve_pool_url
     from berth.desk.serve import serve as run_serve
 
+    if wait_s is not None and not WAIT_MIN_S <= wait_s <= WAIT_MAX_S:
+        raise ConfigError(f"--wait {wait_s}: the desk holds a claim {WAIT_MIN_S} to {WAIT_MAX_S} s")
     home = context(ctx).home
     url = resolve_pool_url(home, pool_url)
     raise typer.Exit(eventloop.run(run_serve(home, pool_url=url, wait_s=wait_s, verbose=verbose)))

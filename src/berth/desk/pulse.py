@@ -9,7 +9,8 @@ A pulse (the protocol's "Heartbeat") describes one offered model:
   no GPU serves the model (llama.cpp on CPU).
 - ``slots``: one per ready deployment the router would use for the model;
 - ``busy``: whether the requests in flight on those deployments (berth's count from the
-  nodes' latest samples, or the worker's own jobs when it knows of more) fill the slots;
+  nodes' latest samples, or the worker's own jobs and speed test when it knows of more) fill
+  the slots;
 - ``tok_per_s``: the speed test's result, ``None`` until measured.
 
 A pulse is sent when ``busy`` or the model list changed since the last one, otherwise every

@@ -4,8 +4,9 @@ One supervisor ticks about every second. Every :attr:`WorkerTimings.refresh_s` i
 leader what it serves; the registered models among those are *offered*. For each offered
 model it keeps a claim loop (the protocol's "Claim": ``204`` → ask again in about 2 s, the
 ``x-ow-wait`` header only when one model is offered), sends pulses when due
-(:func:`~berth.desk.pulse.pulse_due`), runs the speed test once, and requests a pool test
-when none was accepted in the last 12 hours.
+(:func:`~berth.desk.pulse.pulse_due`), runs the speed test once (in one of the model's slots,
+so no job shares the engine with it), and requests a pool test when none was accepted in the
+last 12 hours.
 
 A job runs as its own task, never more at once per model than the model has slots: its
 prompt (opened here when sealed) goes to the leader as one chat request with an 80 s limit,
@@ -291,8 +292,12 @@ class DeskWorker:
         if self._measuring:
             return
         for model in self._nodes:
-            if model not in self._speed and now >= self._speed_not_before.get(model, 0.0):
+            due = now >= self._speed_not_before.get(model, 0.0)
+            if model not in self._speed and due and self._has_room(model):
+                # The test takes one of the model's slots, so no job shares the engine with it
+                # (the figure would be too low) and the pulses show the slot in use.
                 self._measuring = True
+                self._own_jobs[model] = self._own_jobs.get(model, 0) + 1
                 self._spawn(self._measure(model))
                 return
 
@@ -314,6 +319,10 @@ class DeskWorker:
             self._speed_not_before[model] = self._clock() + self._timings.speed_retry_s
         finally:
             self._measuring = False
+            self._own_jobs[model] -= 1
+            self._wake.set()
+            async with self._room:
+                self._room.notify_all()
 
     def _maybe_check(self, state: _NodeState, now: float) -> None:
         node = state.node
