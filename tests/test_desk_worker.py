@@ -85,7 +85,7 @@ class FakeLeader:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(timeout_s):
                     await self.release.wait()
-            raise LeaderAnswerError("chat", 0, "timeout", f"no answer within {timeout_s:g} s")
+            raise LeaderAnswerError("chat", 0, "timeout", f"within {timeout_s:g} s")
         if isinstance(reply, Exception):
             raise reply
         return reply

@@ -2,7 +2,7 @@
 them (``berth.cli.desk_cmd`` prints the results).
 
 Which pool: the ``desk_pool_url`` setting (``--pool-url``, ``BERTH_DESK_POOL_URL``,
-``[desk] pool_url`` in ``config.toml``), else the pool the nodes in ``nodes.json`` were
+``[desk] desk_pool_url`` in ``config.toml``), else the pool the nodes in ``nodes.json`` were
 registered with, else ``https://owterminal.com``. Node secrets belong to one pool, so a
 setting that names another pool than ``nodes.json`` is refused.
 """

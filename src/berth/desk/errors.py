@@ -76,15 +76,18 @@ class LeaderUnavailableError(DeskError):
 
 
 class LeaderAnswerError(DeskError):
-    """The leader answered ``status`` to ``call``; ``kind`` is the OpenAI error type.
-
-    ``status`` is 0 when the answer was not HTTP-level (a timeout, a malformed body).
+    """The leader answered ``status`` to ``call``; ``kind`` is the OpenAI error type (or
+    what was wrong with the answer). ``status`` 0 means no answer came in time (``kind``
+    ``"timeout"``, ``message`` saying how long was waited).
     """
 
     def __init__(self, call: str, status: int, kind: str, message: str = "") -> None:
         self.call = call
         self.status = status
         self.kind = kind
-        detail = f": {message}" if message else ""
-        answered = status or "no answer"
-        super().__init__(f"the leader answered {call} with {answered} ({kind}){detail}")
+        if status == 0:
+            text = f"the leader did not answer {call} {message}".rstrip()
+        else:
+            detail = f": {message}" if message else ""
+            text = f"the leader answered {call} with {status} ({kind}){detail}"
+        super().__init__(text)

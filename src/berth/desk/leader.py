@@ -280,7 +280,7 @@ class LeaderClient:
                     timeout=timeout_s,
                 )
         except (TimeoutError, httpx.TimeoutException):
-            within = f"no answer within {timeout_s:g} s"
+            within = f"within {timeout_s:g} s"
             raise LeaderAnswerError("chat", 0, "timeout", within) from None
         except httpx.TransportError as exc:
             raise LeaderUnavailableError(str(self.socket_path), type(exc).__name__) from None
