@@ -6,7 +6,7 @@ Processes on loopback, plain HTTP, each its own Python:
   answers: a 257-byte chat completion, or a 19-event stream of 3.3 kB written in one piece);
 * the proxy: :class:`berth.daemon.proxy.OpenAIProxy` served by uvicorn (uvloop, httptools)
   with a fixed resolver and no auth in front, as the leader serves ``/v1``; it reaches the
-  engine with berth's own client (:mod:`berth.daemon.upstream`);
+  engine with berth's own client (:mod:`berth.engine_http.pool`);
 * two reference servers, for the ceiling of this stack on this machine: uvicorn answering
   the canned JSON itself (``uvicorn alone``), and a bare uvicorn + aiohttp relay with none of
   the proxy's checks, metrics or disconnect handling (``bare relay``: the proxy's previous
@@ -84,8 +84,9 @@ def serve_engine() -> None:
 
 
 def serve_proxy(engine_port: int) -> None:
-    from berth.daemon.proxy import OpenAIProxy, Upstream
+    from berth.daemon.proxy import OpenAIProxy
     from berth.observability.metrics import ProxyMetrics
+    from berth.routing.resolver import Upstream
 
     upstream = Upstream(f"http://127.0.0.1:{engine_port}", "d-bench", "local", MODEL)
 

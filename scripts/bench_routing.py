@@ -44,12 +44,13 @@ import httptools
 import uvicorn
 import uvloop
 
-from berth.daemon.proxy import OpenAIProxy, Upstream
+from berth.daemon.proxy import OpenAIProxy
 from berth.observability.metrics import ProxyMetrics
+from berth.routing.resolver import Upstream
 from berth.routing.router import Router
 
 if TYPE_CHECKING:
-    from berth.daemon.proxy import UpstreamResolver
+    from berth.routing.resolver import UpstreamResolver
 
 MODEL = "bench-model"
 KEY_KINDS = ("none", "session per client", "one API key")

@@ -7,8 +7,14 @@ from collections.abc import AsyncIterator
 
 import aiohttp
 
-from berth.agent.core import EngineReport, ProbeResult, SpawnListener
-from berth.cluster.link import EngineEndpoint, NodeInventory
+from berth.cluster.link import (
+    EngineEndpoint,
+    EngineReport,
+    NodeInventory,
+    ProbeResult,
+    SpawnListener,
+)
+from berth.cluster.protocol.ops import OP_CAPABILITIES, RUNTIME_CAPABILITIES
 from berth.errors import EngineError, NotFoundError
 from berth.runtime.base import ProgressListener
 from berth.runtime.engines import DeploymentRequest
@@ -18,7 +24,9 @@ class FakeLink:
     """An ``AgentLink`` whose engines are records in a dict.
 
     ``base_url`` is what every started engine reports; ``fail_with`` makes the next start
-    fail; ``start_delay_s`` keeps a start in loading for a while.
+    fail; ``start_delay_s`` keeps a start in loading for a while; ``pulled`` maps a hub
+    repository to the path ``pull_model`` answers (others fail); ``capabilities`` is every
+    op and runtime unless set.
     """
 
     def __init__(self, node_id: str = "local", base_url: str = "http://127.0.0.1:9") -> None:
@@ -33,6 +41,9 @@ class FakeLink:
         self.progress_line: str | None = None
         #: raised by reattach while set (a runtime that cannot be asked: Docker down)
         self.reattach_error: EngineError | None = None
+        self.capabilities = frozenset([*OP_CAPABILITIES.values(), *RUNTIME_CAPABILITIES.values()])
+        self.pulled: dict[str, str] = {}
+        self.pulls: list[tuple[str, str | None]] = []
 
     async def start_deployment(
         self,
@@ -66,6 +77,12 @@ class FakeLink:
         if endpoint is not None:
             self.running[deployment_id] = endpoint
         return endpoint
+
+    async def pull_model(self, repo_id: str, revision: str | None) -> str:
+        self.pulls.append((repo_id, revision))
+        if repo_id not in self.pulled:
+            raise EngineError(f"node {self.node_id}: {repo_id} is not on the hub")
+        return self.pulled[repo_id]
 
     async def probe(self, deployment_id: str) -> ProbeResult:
         if deployment_id not in self.running:

@@ -11,9 +11,11 @@ from typing import Any
 import uvicorn
 from uvicorn.server import ServerState
 
-from berth.daemon.proxy import NoReadyDeploymentError, OpenAIProxy, Upstream
+from berth.daemon.proxy import OpenAIProxy
 from berth.errors import NotFoundError
 from berth.observability.metrics import ProxyMetrics
+from berth.routing.errors import NoReadyDeploymentError
+from berth.routing.resolver import Upstream
 
 
 class StaticResolver:

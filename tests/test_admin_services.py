@@ -13,11 +13,12 @@ import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
+from berth.cluster.link_registry import LinkRegistry
 from berth.daemon.admin_services import load_routes, service_router
 from berth.daemon.lifecycle import LifecycleManager
-from berth.daemon.openai_errors import error_from_exception
 from berth.errors import BerthError
 from berth.observability.metrics import ProxyMetrics
+from berth.openai_errors import error_from_exception
 from berth.routing.routes import RouteResolver
 from berth.store import Store
 from fakes import FakeLink
@@ -82,7 +83,10 @@ async def leader(tmp_path: Path) -> AsyncIterator[Leader]:
     store.add_model("tiny", str(weights))
     async with StandinEngine() as engine:
         lifecycle = LifecycleManager(
-            store, {"local": FakeLink(base_url=engine.base_url)}, health_timeout_s=5, stop_grace_s=1
+            store,
+            LinkRegistry([FakeLink(base_url=engine.base_url)]),
+            health_timeout_s=5,
+            stop_grace_s=1,
         )
         await lifecycle.start()
         routes = RouteResolver(lifecycle)
@@ -285,7 +289,7 @@ async def test_a_leader_only_leader_refuses_a_deployment_on_its_own_host(
     store.ensure_local_node()
     store.add_model("tiny", str(tmp_path / "tiny.gguf"), source="remote")
     store.create_service_profile("svc", "tiny", "llamacpp", "process")
-    lifecycle = LifecycleManager(store, {}, health_timeout_s=5, stop_grace_s=1)
+    lifecycle = LifecycleManager(store, LinkRegistry(), health_timeout_s=5, stop_grace_s=1)
     app = admin_app(store, lifecycle, RouteResolver(lifecycle), leader_only=True)
     transport = httpx.ASGITransport(app=app)
     try:

@@ -23,7 +23,7 @@ from berth.agent.registration import register_agent
 from berth.cluster.ca import CertificateAuthority, fingerprint_of_pem
 from berth.cluster.enrollment import AuditLog, EnrollmentService
 from berth.cluster.hub import NodeHub
-from berth.cluster.link import AgentLink
+from berth.cluster.link_registry import LinkRegistry
 from berth.cluster.listener import (
     ClusterListener,
     build_cluster_app,
@@ -91,8 +91,7 @@ async def running_leader(
     enrollment = EnrollmentService(
         store=store, ca=ca, pepper=b"p" * 32, cluster_url=url, audit=AuditLog(home.audit_log)
     )
-    links: dict[str, AgentLink] = {}
-    hub = NodeHub(store, links, forwarded=forwarded)
+    hub = NodeHub(store, LinkRegistry(), forwarded=forwarded)
     app = build_cluster_app(
         enrollment=enrollment, ca_pem=ca.cert_pem, agent_handler=hub.handle_agent
     )

@@ -9,12 +9,13 @@ import msgspec
 import pytest
 
 from berth.cluster.link import EngineEndpoint
+from berth.cluster.link_registry import LinkRegistry
 from berth.cluster.protocol.frames import AdoptedState
 from berth.daemon.lifecycle import DeployOptions, LifecycleManager
-from berth.daemon.proxy import NoReadyDeploymentError
-from berth.daemon.states import DeploymentState
 from berth.errors import ConfigError, ConflictError, EngineError, NotFoundError
+from berth.routing.errors import NoReadyDeploymentError
 from berth.store import Store
+from berth.store.states import DeploymentState
 from fakes import FakeLink
 
 
@@ -38,7 +39,7 @@ async def manager(store: Store, link: FakeLink):  # type: ignore[no-untyped-def]
     seen: list[DeploymentState] = []
     manager = LifecycleManager(
         store,
-        {"local": link},
+        LinkRegistry([link]),
         health_timeout_s=5,
         stop_grace_s=1,
         on_state=lambda r: seen.append(r.state),
@@ -148,7 +149,7 @@ async def test_reconcile_after_a_crash(store: Store, link: FakeLink) -> None:
         loading.id: EngineEndpoint(loading.id, link.base_url, 4343, 9),
     }
 
-    manager = LifecycleManager(store, {"local": link}, health_timeout_s=5, stop_grace_s=1)
+    manager = LifecycleManager(store, LinkRegistry([link]), health_timeout_s=5, stop_grace_s=1)
     await manager.start()
     try:
         assert store.get_deployment(ready.id).state is DeploymentState.READY
@@ -164,7 +165,7 @@ async def test_reconcile_after_a_crash(store: Store, link: FakeLink) -> None:
 
 async def test_dead_engine_is_marked_failed_by_the_watcher(store: Store, link: FakeLink) -> None:
     manager = LifecycleManager(
-        store, {"local": link}, health_timeout_s=5, stop_grace_s=1, watch_interval_s=0.01
+        store, LinkRegistry([link]), health_timeout_s=5, stop_grace_s=1, watch_interval_s=0.01
     )
     await manager.start()
     try:
@@ -188,7 +189,7 @@ async def test_a_hung_engine_is_failed_after_repeated_health_probes(
     store: Store, link: FakeLink
 ) -> None:
     manager = LifecycleManager(
-        store, {"local": link}, health_timeout_s=5, stop_grace_s=1, watch_interval_s=0.01
+        store, LinkRegistry([link]), health_timeout_s=5, stop_grace_s=1, watch_interval_s=0.01
     )
     await manager.start()
     try:
@@ -210,7 +211,7 @@ async def test_a_hung_engine_is_failed_after_repeated_health_probes(
 
 async def test_the_engine_pid_is_recorded_while_it_loads(store: Store, link: FakeLink) -> None:
     link.start_delay_s = 10
-    manager = LifecycleManager(store, {"local": link}, health_timeout_s=5, stop_grace_s=1)
+    manager = LifecycleManager(store, LinkRegistry([link]), health_timeout_s=5, stop_grace_s=1)
     await manager.start()
     try:
         record = await manager.deploy(DeployOptions("tiny", "llamacpp", "local"))
@@ -241,7 +242,7 @@ async def test_a_docker_deployment_gets_the_engines_image_and_reports_progress(
 ) -> None:
     manager = LifecycleManager(
         store,
-        {"local": link},
+        LinkRegistry([link]),
         health_timeout_s=5,
         stop_grace_s=1,
         images={"llamacpp": "example/llama:7", "vllm": "v:1", "sglang": "s:1"},
@@ -288,7 +289,7 @@ async def test_a_manager_that_never_started_changes_nothing_on_shutdown(
     record = store.create_deployment("tiny", "llamacpp", "process", "local")
     store.transition_deployment(record.id, DeploymentState.LOADING)
     store.transition_deployment(record.id, DeploymentState.READY, port=9, pid=4242)
-    manager = LifecycleManager(store, {"local": link}, health_timeout_s=5, stop_grace_s=1)
+    manager = LifecycleManager(store, LinkRegistry([link]), health_timeout_s=5, stop_grace_s=1)
     await manager.shutdown()  # as after a start that failed before reconciling
     assert store.get_deployment(record.id).state is DeploymentState.READY
 
@@ -305,7 +306,7 @@ async def test_reconcile_stops_local_engines_no_deployment_owns(
         "d-0rphan00": EngineEndpoint("d-0rphan00", link.base_url, 4343, 10),
     }
     link.survivors = {kept.id: link.running[kept.id]}
-    manager = LifecycleManager(store, {"local": link}, health_timeout_s=5, stop_grace_s=1)
+    manager = LifecycleManager(store, LinkRegistry([link]), health_timeout_s=5, stop_grace_s=1)
     await manager.start()
     try:
         assert store.get_deployment(kept.id).state is DeploymentState.READY
@@ -323,7 +324,7 @@ async def test_a_deployment_whose_runtime_is_down_waits_to_be_reconciled(
     store.transition_deployment(record.id, DeploymentState.READY, port=9, pid=4242)
     link.reattach_error = EngineError("no Docker engine at unix:///var/run/docker.sock")
     manager = LifecycleManager(
-        store, {"local": link}, health_timeout_s=5, stop_grace_s=1, watch_interval_s=0.02
+        store, LinkRegistry([link]), health_timeout_s=5, stop_grace_s=1, watch_interval_s=0.02
     )
     await manager.start()
     try:
@@ -368,3 +369,45 @@ async def test_adopted_endpoints_are_routed_while_they_answer(
     manager.adopted_reported("local", [])  # unadopted
     with pytest.raises(NotFoundError):
         manager.candidates("smol-outside")
+
+
+async def test_a_hub_model_is_pulled_by_the_agent_that_runs_it_and_its_path_kept(
+    store: Store, link: FakeLink
+) -> None:
+    node = store.enroll_node("gpu-a", "ab" * 32)
+    store.add_model("hubby", "/leader/models/hubby", source="hub", repo_id="org/hubby")
+    agent = FakeLink(node_id=node.id)
+    agent.pulled = {"org/hubby": "/agent/models/org--hubby"}
+    manager = LifecycleManager(
+        store, LinkRegistry([link, agent]), health_timeout_s=5, stop_grace_s=1
+    )
+    await manager.start()
+    try:
+        record = await manager.deploy(DeployOptions("hubby", "llamacpp", "gpu-a"))
+        settled = await manager.wait_settled(record.id, 5)
+        assert settled.state is DeploymentState.READY
+        assert agent.pulls == [("org/hubby", None)]
+        assert agent.requests[-1].model_path == Path("/agent/models/org--hubby")
+        assert store.model_path_on_node("hubby", node.id) == "/agent/models/org--hubby"
+        again = await manager.deploy(DeployOptions("hubby", "llamacpp", "gpu-a"))
+        await manager.wait_settled(again.id, 5)
+        assert agent.pulls == [("org/hubby", None)]  # the recorded path is used from now on
+    finally:
+        await manager.shutdown()
+
+
+async def test_an_agent_without_docker_or_a_link_is_refused_before_anything_is_created(
+    store: Store, link: FakeLink
+) -> None:
+    node = store.enroll_node("gpu-a", "ab" * 32)
+    store.set_model_location("tiny", node.id, "/agent/tiny.gguf")
+    agent = FakeLink(node_id=node.id)
+    agent.capabilities = agent.capabilities - {"runtime.docker"}
+    links = LinkRegistry([link, agent])
+    manager = LifecycleManager(store, links, health_timeout_s=5, stop_grace_s=1)
+    with pytest.raises(ConflictError, match="node gpu-a offers no docker runtime"):
+        await manager.deploy(DeployOptions("tiny", "llamacpp", "gpu-a", runtime="docker"))
+    links.detach(agent)
+    with pytest.raises(ConflictError, match=rf"node gpu-a \({node.id}\) is not connected"):
+        await manager.deploy(DeployOptions("tiny", "llamacpp", "gpu-a"))
+    assert store.list_deployments() == []

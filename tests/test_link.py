@@ -13,16 +13,17 @@ from typing import Any
 
 import pytest
 
-from berth.agent.core import EngineReport, HostFacts
+from berth.agent.core import HostFacts
 from berth.agent.service import AgentService
 from berth.cluster.connection import LinkConnection, RemoteOpError
+from berth.cluster.link import EngineReport
 from berth.cluster.protocol.errors import LinkError
 from berth.cluster.protocol.frames import Frame, Request
 from berth.cluster.protocol.ops import NoArgs, encode_payload
 from berth.cluster.protocol.session import LinkLimits, LinkSession, Role
 from berth.cluster.remote_link import RemoteLink
 from berth.cluster.tunnel_stream import TunnelStream
-from berth.daemon.upstream_errors import UpstreamConnectError
+from berth.engine_http.errors import UpstreamConnectError
 from berth.errors import EngineError, NotFoundError
 from berth.runtime.engines import DeploymentRequest
 from fakes import memory_socket_pair

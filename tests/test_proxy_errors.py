@@ -6,15 +6,15 @@ import json
 
 import pytest
 
-from berth.daemon.openai_errors import error_body, error_from_exception, stream_error_events
-from berth.daemon.proxy import Upstream
-from berth.daemon.proxy_errors import (
+from berth.errors import AuthError, BerthError, ConflictError, NotFoundError
+from berth.openai_errors import error_body, error_from_exception, stream_error_events
+from berth.routing.errors import (
     EngineUnreachableError,
     InvalidRequestError,
     NoReadyDeploymentError,
     RequestTooLargeError,
 )
-from berth.errors import AuthError, BerthError, ConflictError, NotFoundError
+from berth.routing.resolver import Upstream
 
 
 def test_error_body_has_the_openai_shape() -> None:

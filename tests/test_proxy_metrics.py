@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from berth.daemon.states import DeploymentState
 from berth.observability.metrics import ProxyMetrics, Target, status_class
+from berth.store.states import DeploymentState
 
 T = Target("m", "d-1", "local")
 

@@ -7,8 +7,8 @@ import asyncio
 import pytest
 
 from berth.daemon.read_ahead import ReadAhead
-from berth.daemon.upstream import Origin
-from berth.daemon.upstream_errors import UpstreamDisconnectError
+from berth.engine_http.errors import UpstreamDisconnectError
+from berth.engine_http.origin import Origin
 
 
 class EndlessAnswer:

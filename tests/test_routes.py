@@ -6,17 +6,18 @@ from datetime import UTC, datetime
 
 import pytest
 
-from berth.daemon.openai_errors import error_from_exception
-from berth.daemon.proxy import NoReadyDeploymentError, Upstream
 from berth.errors import NotFoundError
+from berth.openai_errors import error_from_exception
+from berth.routing.errors import NoReadyDeploymentError
+from berth.routing.resolver import Upstream
 from berth.routing.routes import (
     ROUTE_RETRY_AFTER_S,
     RouteResolver,
     RouteTable,
     UnroutedServiceError,
-    fallback_cycle,
 )
 from berth.store import RouteRecord, RouteTarget
+from berth.store.services import fallback_cycle
 
 EPOCH = datetime(2025, 1, 1, tzinfo=UTC)
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from berth.daemon.proxy import Upstream
 from berth.daemon.proxy_dispatch import first_answer
-from berth.daemon.proxy_errors import EngineTimeoutError, EngineUnreachableError
 from berth.routing.affinity import AffinityMap, affinity_key
+from berth.routing.errors import EngineTimeoutError, EngineUnreachableError
+from berth.routing.resolver import Upstream
 from berth.routing.retry import AttemptFailure, classify
 from berth.routing.router import Router
 from berth.routing.scorer import Candidate, NodeSignals, rank

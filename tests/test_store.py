@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 from sqlalchemy import Connection, inspect, text
 
-from berth.daemon.states import DeploymentState
 from berth.errors import (
     ConfigError,
     ConflictError,
@@ -22,11 +21,12 @@ from berth.errors import (
 )
 from berth.store import LATEST_VERSION, DeploymentRecord, Store
 from berth.store.migrations import MIGRATIONS, Migration, migrate
+from berth.store.states import DeploymentState
 from berth.store.tables import Base
 
 S = DeploymentState
 
-# The state machine as the docs draw it (daemon/states.py): the expected answers, written
+# The state machine as the docs draw it (store/states.py): the expected answers, written
 # out here rather than read from the module under test.
 LEGAL = {
     (S.PENDING, S.LOADING),

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from berth.daemon.states import DeploymentState
 from berth.errors import ConfigError, ConflictError, NotFoundError
 from berth.store import RouteTarget, Store
+from berth.store.states import DeploymentState
 
 
 @pytest.fixture

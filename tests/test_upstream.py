@@ -12,13 +12,14 @@ from typing import Any
 
 import pytest
 
-from berth.daemon.upstream import Origin, UpstreamPool, parse_origin
-from berth.daemon.upstream_errors import (
+from berth.engine_http.errors import (
     UpstreamConnectError,
     UpstreamDisconnectError,
     UpstreamProtocolError,
     UpstreamTimeoutError,
 )
+from berth.engine_http.origin import Origin, parse_origin
+from berth.engine_http.pool import UpstreamPool
 
 JSON = b'{"ok": true}'
 HEADERS = [(b"content-type", b"application/json")]

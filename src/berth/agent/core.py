@@ -12,11 +12,12 @@ import json
 import logging
 import os
 import socket
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
+from berth.cluster.link import EngineReport, ProbeResult, SpawnListener
 from berth.errors import ConfigError, EngineError, NotFoundError
 from berth.runtime.base import EngineHandle, LaunchSpec, ProgressListener, Runtime, RuntimeName
 from berth.runtime.engines import (
@@ -37,19 +38,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-#: Called with ``(pid, port)`` once an engine process exists.
-SpawnListener = Callable[[int, int], Awaitable[None]]
-
-
-@dataclass(frozen=True)
-class EngineReport:
-    """One engine as the agent core sees it."""
-
-    deployment_id: str
-    pid: int
-    port: int
-    alive: bool
-
 
 @dataclass(frozen=True)
 class HostFacts:
@@ -67,9 +55,6 @@ def read_host_facts() -> HostFacts:
     return HostFacts(socket.gethostname(), os.cpu_count() or 1, memory_mb)
 
 
-#: What one liveness probe found: the engine answers health, runs but does not answer, or is
-#: not running at all.
-ProbeResult = Literal["healthy", "unhealthy", "gone"]
 #: Engines without a recorded health path (re-attached after a restart) are probed here;
 #: llama.cpp, vLLM and SGLang all serve it.
 DEFAULT_HEALTH_PATH = "/health"

@@ -28,10 +28,10 @@ from berth.agent.core import AgentCore
 from berth.agent.dialer import AgentDialer, AgentStatus
 from berth.agent.identity import load_agent_identity
 from berth.agent.service import AgentService
-from berth.cli.common import age
 from berth.cluster.protocol.errors import CloseCode
 from berth.config import Settings
 from berth.errors import ConflictError
+from berth.humanize import age
 from berth.paths import BerthHome
 from berth.runtime.docker import DockerRuntime, resolve_docker_host
 from berth.runtime.engines import EngineBinaries

@@ -19,6 +19,7 @@ import msgspec
 
 from berth import __version__
 from berth.agent.core import AgentCore, RuntimeStatus
+from berth.agent.node_sampler import core_heartbeat
 from berth.cluster.connection import LinkConnection
 from berth.cluster.inventory import gpu_states
 from berth.cluster.protocol.errors import ProtocolError
@@ -52,11 +53,11 @@ from berth.cluster.protocol.ops import (
     encode_payload,
 )
 from berth.cluster.tunnel_stream import StreamResetError, TunnelStream
-from berth.daemon.upstream import Origin, UpstreamPool
-from berth.daemon.upstream_errors import UpstreamConnectError, UpstreamError, UpstreamTimeoutError
-from berth.daemon.upstream_response import UpstreamResponse
+from berth.engine_http.errors import UpstreamConnectError, UpstreamError, UpstreamTimeoutError
+from berth.engine_http.origin import Origin
+from berth.engine_http.pool import UpstreamPool
+from berth.engine_http.response import UpstreamResponse
 from berth.errors import BerthError, EngineError, NotFoundError
-from berth.observability.node_sampler import core_heartbeat
 from berth.observability.window import RequestMeter, is_error
 from berth.runtime.engines import DeploymentRequest, parse_engine_name
 

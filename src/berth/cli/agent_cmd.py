@@ -84,7 +84,8 @@ def status(
     import time
 
     from berth.agent.runner import read_status
-    from berth.cli.common import age, print_json
+    from berth.cli.common import print_json
+    from berth.humanize import age
 
     home = context(ctx).home
     data = read_status(home)

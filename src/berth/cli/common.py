@@ -9,7 +9,7 @@ from typing import Any
 import typer
 from rich.console import Console
 
-from berth.cli.client import DaemonClient
+from berth.api.client import DaemonClient
 from berth.paths import BerthHome, resolve_home
 
 #: ``-h`` as well as ``--help`` on every command.
@@ -38,12 +38,3 @@ def context(ctx: typer.Context) -> CliContext:
 def print_json(data: Any) -> None:
     """Print ``data`` as JSON on stdout, plain (no colour), for scripts."""
     print(json.dumps(data, indent=2, sort_keys=True, default=str))
-
-
-def age(seconds: float) -> str:
-    """A short human age: ``42s``, ``5m``, ``3h``, ``2d``."""
-    seconds = max(seconds, 0)
-    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
-        if seconds >= size:
-            return f"{int(seconds // size)}{unit}"
-    return f"{int(seconds)}s"

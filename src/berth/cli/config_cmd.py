@@ -16,7 +16,7 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from berth.cli.client import DaemonClient
+from berth.api.client import DaemonClient
 from berth.cli.common import HELP_OPTIONS, console, context, err_console, print_json
 from berth.config import Settings, convert_setting, read_config_file, write_config_values
 from berth.errors import BerthError, ConfigError

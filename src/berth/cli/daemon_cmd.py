@@ -14,18 +14,11 @@ from typing import Any
 import typer
 from rich.table import Table
 
-from berth.cli.client import DaemonClient
-from berth.cli.common import (
-    HELP_OPTIONS,
-    CliContext,
-    age,
-    console,
-    context,
-    err_console,
-    print_json,
-)
+from berth.api.client import DaemonClient
+from berth.cli.common import HELP_OPTIONS, CliContext, console, context, err_console, print_json
 from berth.config import Settings
 from berth.errors import DaemonError
+from berth.humanize import age
 from berth.paths import BerthHome
 from berth.runtime.process import pid_running
 from berth.store import Store

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import typer
 
-from berth.cli.client import DaemonClient
+from berth.api.client import DaemonClient
 from berth.cli.common import console
 from berth.config import Settings
 from berth.errors import BerthError, EngineError

@@ -10,9 +10,10 @@ from typing import Any
 import typer
 from rich.table import Table
 
-from berth.cli.client import DaemonClient
-from berth.cli.common import age, console, context, err_console, print_json
+from berth.api.client import DaemonClient
+from berth.cli.common import console, context, err_console, print_json
 from berth.errors import BerthError, ConfigError, EngineError
+from berth.humanize import age
 
 
 def parse_gpus(text: str | None) -> list[int]:

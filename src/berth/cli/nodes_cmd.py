@@ -10,7 +10,8 @@ from urllib.parse import parse_qs, quote, urlsplit
 import typer
 from rich.table import Table
 
-from berth.cli.common import HELP_OPTIONS, age, console, context, err_console, print_json
+from berth.cli.common import HELP_OPTIONS, console, context, err_console, print_json
+from berth.humanize import age
 
 nodes_app = typer.Typer(
     context_settings=HELP_OPTIONS,

@@ -3,8 +3,8 @@
 For every connection it: takes the node's identity from the verified client certificate
 (never from a frame) and checks it against the store; refuses with a typed close code
 (``BAD_CERTIFICATE``, ``NODE_REMOVED``, ``PROTOCOL_ERROR``, ``UNSUPPORTED_VERSION``); waits for
-Hello and answers Welcome; closes an older session of the same node (``SUPERSEDED``); puts a
-:class:`RemoteLink` in the leader's table of links; and watches it: a node silent for
+Hello and answers Welcome; closes an older session of the same node (``SUPERSEDED``); attaches
+a :class:`RemoteLink` to the leader's :class:`LinkRegistry`; and watches it: a node silent for
 ``node_timeout_s`` is closed and marked ``unreachable``. When a link comes up or goes down the
 lifecycle manager hears of it, to reconcile deployments and stop routing to that node.
 """
@@ -26,7 +26,8 @@ from berth import __version__
 from berth.cluster.connection import LinkConnection
 from berth.cluster.enrollment import AuditLog
 from berth.cluster.inventory import gpu_infos
-from berth.cluster.link import LOCAL_NODE_ID, AgentLink
+from berth.cluster.link import LOCAL_NODE_ID
+from berth.cluster.link_registry import LinkRegistry
 from berth.cluster.peer_identity import ForwardedFingerprintTrust, client_identity
 from berth.cluster.protocol.errors import CloseCode, ProtocolError
 from berth.cluster.protocol.frames import (
@@ -42,8 +43,8 @@ from berth.cluster.protocol.frames import (
 from berth.cluster.protocol.session import LinkLimits, LinkSession, Role
 from berth.cluster.remote_link import RemoteLink, TunnelResponse
 from berth.cluster.tunnel_stream import TunnelStream
-from berth.daemon.upstream import Origin
-from berth.daemon.upstream_errors import UpstreamConnectError
+from berth.engine_http.errors import UpstreamConnectError
+from berth.engine_http.origin import Origin
 from berth.errors import BerthError
 from berth.observability.cluster import ClusterMetrics
 from berth.store import Store
@@ -74,8 +75,9 @@ class NodeListener(Protocol):
 class NodeHub:
     """Live agent sessions by node id, and the WebSocket endpoint that makes them.
 
-    ``links`` is the leader's shared table of :class:`AgentLink` by node id: the hub adds a
-    :class:`RemoteLink` when an agent says Hello and removes it when the link ends.
+    ``links`` is the leader's registry of live links: the hub attaches a :class:`RemoteLink`
+    when an agent says Hello and detaches it when the link ends.  ``listener``, when given,
+    hears of links coming and going and of the adopted endpoints agents report.
     ``cluster_metrics``, when given, hears every heartbeat and every node removal;
     ``audit``, when given, gets a ``node.lost`` line (id, label, close code) per lost link.
     ``forwarded``, when given, turns on the reverse-proxy fingerprint mode
@@ -85,8 +87,9 @@ class NodeHub:
     def __init__(
         self,
         store: Store,
-        links: dict[str, AgentLink],
+        links: LinkRegistry,
         *,
+        listener: NodeListener | None = None,
         limits: LinkLimits | None = None,
         heartbeat_interval_s: float = HEARTBEAT_INTERVAL_S,
         node_timeout_s: float = NODE_TIMEOUT_S,
@@ -106,18 +109,16 @@ class NodeHub:
         self._node_timeout_s = node_timeout_s
         self._hello_timeout_s = hello_timeout_s
         self._clock = clock
-        self._conns: dict[str, LinkConnection] = {}
-        self._listener: NodeListener | None = None
+        #: each node's live session: its link, which owns the connection
+        self._sessions: dict[str, RemoteLink] = {}
+        self._listener = listener
         self._shutting_down = False
         self._background: set[asyncio.Future[Any]] = set()
         self._saved_at: dict[str, float] = {}
 
-    def set_listener(self, listener: NodeListener) -> None:
-        self._listener = listener
-
     def is_connected(self, node_id: str) -> bool:
-        conn = self._conns.get(node_id)
-        return conn is not None and not conn.closed
+        link = self._sessions.get(node_id)
+        return link is not None and not link.conn.closed
 
     def has_reported(self, node_id: str) -> bool:
         """Whether the node has sent signals the router can use: ``local`` always; an
@@ -136,8 +137,8 @@ class NodeHub:
         return max(g.memory_total_mb - g.memory_used_mb for g in link.last_inventory.gpus)
 
     def remote_link(self, node_id: str) -> RemoteLink | None:
-        link = self._links.get(node_id)
-        return link if isinstance(link, RemoteLink) else None
+        """The node's live remote link (``None``: it has none, or it is node ``local``)."""
+        return self._sessions.get(node_id)
 
     async def open_http(
         self,
@@ -165,23 +166,25 @@ class NodeHub:
         and drop its metrics series."""
         if self._cluster_metrics is not None:
             self._cluster_metrics.remove_node(node_id)
-        conn = self._conns.get(node_id)
-        if conn is not None:
+        link = self._sessions.get(node_id)
+        if link is not None:
+            conn = link.conn
             self._drop(node_id, conn)
             await conn.close(CloseCode.NODE_REMOVED, "this node was removed from the cluster")
 
     async def certificate_replaced(self, node_id: str) -> None:
         """The node was enrolled again: close a live link made with its old certificate
         (``BAD_CERTIFICATE``); the new agent dials with the new one."""
-        conn = self._conns.get(node_id)
-        if conn is not None:
+        link = self._sessions.get(node_id)
+        if link is not None:
+            conn = link.conn
             self._drop(node_id, conn)
             await conn.close(CloseCode.BAD_CERTIFICATE, "this node was enrolled again")
 
     async def shutdown(self) -> None:
         """Close every link with ``LEADER_SHUTTING_DOWN`` (agents redial with backoff)."""
         self._shutting_down = True
-        conns = list(self._conns.items())
+        conns = [(node_id, link.conn) for node_id, link in self._sessions.items()]
         for node_id, conn in conns:
             self._drop(node_id, conn)
         await asyncio.gather(
@@ -233,10 +236,11 @@ class NodeHub:
             return ws
         # The new session takes the node's place first, then the old one is closed: the
         # node is never without a link, and the old one's end changes nothing.
-        old = self._conns.get(node_id)
+        previous = self._sessions.get(node_id)
+        old = None if previous is None else previous.conn
         link = RemoteLink(node_id, conn, hello.inventory, hello.capabilities)
-        self._conns[node_id] = conn
-        self._links[node_id] = link
+        self._sessions[node_id] = link
+        self._links.attach(link)
         conn.flush()  # the Welcome
         if old is not None:
             log.warning("node %s: a newer session replaces the one from %s", node_id, old.peer)
@@ -319,10 +323,11 @@ class NodeHub:
 
     def _drop(self, node_id: str, conn: LinkConnection) -> None:
         """Forget ``conn`` as the node's link (once); the node stops getting traffic."""
-        if self._conns.get(node_id) is not conn:
+        link = self._sessions.get(node_id)
+        if link is None or link.conn is not conn:
             return
-        del self._conns[node_id]
-        self._links.pop(node_id, None)
+        del self._sessions[node_id]
+        self._links.detach(link)
         if self._listener is not None:
             self._listener.node_disconnected(node_id)
         if self._audit is not None and not self._shutting_down:
@@ -340,7 +345,7 @@ class NodeHub:
         await asyncio.to_thread(self._audit.append, event)
 
     async def _mark_unreachable(self, node_id: str) -> None:
-        if node_id in self._conns:
+        if node_id in self._sessions:
             return  # a new session came up meanwhile
         with contextlib.suppress(BerthError):  # removed nodes stay removed
             await asyncio.to_thread(self._store.set_node_status, node_id, "unreachable")

@@ -1,23 +1,42 @@
 """The ``AgentLink`` interface: how the leader drives one node's agent core.
 
 The leader's own host is node ``local``; its agent core runs in-process behind
-:class:`InProcessLink`.  Remote agents (next issue) sit behind a link that carries the same
-calls over the mTLS WebSocket.  The lifecycle manager only ever sees this interface, so local
-and remote deployments share one code path.
+:class:`berth.agent.in_process_link.InProcessLink`.  Remote agents sit behind
+:class:`berth.cluster.remote_link.RemoteLink`, which carries the same calls over the mTLS
+WebSocket.  The lifecycle manager only ever sees this interface, so local and remote
+deployments share one code path.  The values the calls return are defined here, with the
+interface, so its users need no implementation.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Literal, Protocol
 
-from berth.agent.core import AgentCore, EngineReport, ProbeResult, SpawnListener
 from berth.runtime.base import ProgressListener, RuntimeName
 from berth.runtime.engines import DeploymentRequest
 from berth.runtime.gpu import GpuInfo
 
 LOCAL_NODE_ID = "local"
+
+#: Called with ``(pid, port)`` once an engine process exists.
+SpawnListener = Callable[[int, int], Awaitable[None]]
+
+
+@dataclass(frozen=True)
+class EngineReport:
+    """One engine as the agent core sees it."""
+
+    deployment_id: str
+    pid: int
+    port: int
+    alive: bool
+
+
+#: What one liveness probe found: the engine answers health, runs but does not answer, or is
+#: not running at all.
+ProbeResult = Literal["healthy", "unhealthy", "gone"]
 
 
 @dataclass(frozen=True)
@@ -50,6 +69,14 @@ class AgentLink(Protocol):
 
     node_id: str
 
+    @property
+    def capabilities(self) -> frozenset[str]:
+        """What the node's agent offers, in the protocol's capability names
+        (``docs/protocol.md``): ``op.<name>`` per operation it serves (``op.pull``: it
+        downloads models from the hub), ``runtime.<name>`` per runtime it can start engines
+        with.  Fixed for the life of the link (a remote agent says it in Hello)."""
+        ...
+
     async def start_deployment(
         self,
         request: DeploymentRequest,
@@ -77,6 +104,14 @@ class AgentLink(Protocol):
         """
         ...
 
+    async def pull_model(self, repo_id: str, revision: str | None) -> str:
+        """Have the node download ``repo_id`` (at ``revision``; ``None``: the default
+        branch) from the hub into its models folder; returns the model's path there.
+
+        Raises ``EngineError`` when the download fails, or when the node lacks ``op.pull``.
+        """
+        ...
+
     async def probe(self, deployment_id: str) -> ProbeResult:
         """Whether the deployment's engine is healthy, running but unhealthy, or gone."""
         ...
@@ -92,51 +127,3 @@ class AgentLink(Protocol):
     def logs(self, deployment_id: str, *, tail_lines: int, follow: bool) -> AsyncIterator[bytes]:
         """The engine's log: the last ``tail_lines`` lines, then new output while ``follow``."""
         ...
-
-
-class InProcessLink:
-    """The link to the agent core running inside the leader's own process (node ``local``)."""
-
-    def __init__(self, core: AgentCore, node_id: str = LOCAL_NODE_ID) -> None:
-        self.node_id = node_id
-        self._core = core
-
-    async def start_deployment(
-        self,
-        request: DeploymentRequest,
-        health_timeout_s: float,
-        on_spawned: SpawnListener | None = None,
-        on_progress: ProgressListener | None = None,
-    ) -> EngineEndpoint:
-        handle = await self._core.start(request, health_timeout_s, on_spawned, on_progress)
-        return EngineEndpoint(request.deployment_id, handle.base_url, handle.pid, handle.port)
-
-    async def stop_deployment(self, deployment_id: str, grace_s: float) -> None:
-        await self._core.stop(deployment_id, grace_s)
-
-    async def reattach(
-        self, deployment_id: str, pid: int, port: int, runtime: RuntimeName = "process"
-    ) -> EngineEndpoint | None:
-        handle = await self._core.reattach(deployment_id, pid, port, runtime)
-        if handle is None:
-            return None
-        return EngineEndpoint(deployment_id, handle.base_url, handle.pid, handle.port)
-
-    async def probe(self, deployment_id: str) -> ProbeResult:
-        return await self._core.probe(deployment_id)
-
-    async def engines(self) -> list[EngineReport]:
-        return self._core.engines()
-
-    async def inventory(self) -> NodeInventory:
-        facts = self._core.host_facts()
-        return NodeInventory(
-            node_id=self.node_id,
-            hostname=facts.hostname,
-            cpu_count=facts.cpu_count,
-            memory_total_mb=facts.memory_total_mb,
-            gpus=tuple(self._core.gpus()),
-        )
-
-    def logs(self, deployment_id: str, *, tail_lines: int, follow: bool) -> AsyncIterator[bytes]:
-        return self._core.logs(deployment_id, tail_lines=tail_lines, follow=follow)

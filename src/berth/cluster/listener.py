@@ -33,8 +33,8 @@ from aiohttp import web
 
 from berth.cluster.ca import CertificateAuthority
 from berth.cluster.enrollment import EnrollmentService, RegistrationRateLimiter, token_prefix
-from berth.daemon.openai_errors import error_from_exception
 from berth.errors import BerthError, ConfigError, RateLimitError
+from berth.openai_errors import error_from_exception
 
 log = logging.getLogger(__name__)
 

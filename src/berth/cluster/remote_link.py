@@ -2,7 +2,7 @@
 
 Control calls become protocol requests (``docs/protocol.md``); ``logs`` and tunneled ``/v1``
 exchanges become streams. :class:`TunnelResponse` gives the proxy the same reading interface
-as :class:`berth.daemon.upstream_response.UpstreamResponse`, so a request to a remote
+as :class:`berth.engine_http.response.UpstreamResponse`, so a request to a remote
 deployment is relayed by the same code, with the same error shapes, as a local one.
 """
 
@@ -14,10 +14,15 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from berth.agent.core import EngineReport, ProbeResult, SpawnListener
 from berth.cluster.connection import LinkConnection, RemoteOpError
 from berth.cluster.inventory import node_inventory
-from berth.cluster.link import EngineEndpoint, NodeInventory
+from berth.cluster.link import (
+    EngineEndpoint,
+    EngineReport,
+    NodeInventory,
+    ProbeResult,
+    SpawnListener,
+)
 from berth.cluster.protocol.errors import LinkError
 from berth.cluster.protocol.frames import Heartbeat, Inventory, Progress, StreamOpen
 from berth.cluster.protocol.ops import (
@@ -38,15 +43,14 @@ from berth.cluster.protocol.ops import (
 )
 from berth.cluster.protocol.ops import ProbeResult as ProbeAnswer
 from berth.cluster.tunnel_stream import StreamResetError, TunnelStream
-from berth.daemon.engine_client import TUNNEL_SCHEME
-from berth.daemon.upstream import Origin
-from berth.daemon.upstream_errors import (
+from berth.engine_http.answer import read_body
+from berth.engine_http.errors import (
     UpstreamConnectError,
     UpstreamDisconnectError,
     UpstreamError,
     UpstreamTimeoutError,
 )
-from berth.daemon.upstream_response import read_body
+from berth.engine_http.origin import TUNNEL_SCHEME, Origin
 from berth.errors import EngineError, NotFoundError
 from berth.runtime.base import ProgressListener, RuntimeName
 from berth.runtime.engines import DeploymentRequest
@@ -213,7 +217,7 @@ class RemoteLink:
         """Send one HTTP exchange to the deployment's engine through the agent.
 
         Returns once the answer's head is in. Raises the errors of
-        :meth:`berth.daemon.upstream.UpstreamPool.request`, so the proxy treats both alike:
+        :meth:`berth.engine_http.pool.UpstreamPool.request`, so the proxy treats both alike:
         ``UpstreamConnectError`` (the link or the engine could not be reached),
         ``UpstreamTimeoutError`` (no head within ``read_timeout_s``).
         """
@@ -300,7 +304,7 @@ async def _read(stream: TunnelStream) -> bytes:
 
 
 class TunnelResponse:
-    """A tunneled answer with :class:`~berth.daemon.upstream_response.UpstreamResponse`'s
+    """A tunneled answer with :class:`~berth.engine_http.response.UpstreamResponse`'s
     interface: ``status``, ``headers``, ``content_length``, ``read_chunk``, ``read``,
     ``at_eof``, ``close``."""
 

@@ -10,13 +10,29 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from berth.cluster.protocol.errors import LinkError
 from berth.cluster.protocol.frames import StreamHead, StreamOpen
+from berth.cluster.protocol.session import LinkSession
 
-if TYPE_CHECKING:
-    from berth.cluster.connection import LinkConnection
+
+class StreamCarrier(Protocol):
+    """What a stream needs of the link that carries it
+    (:class:`berth.cluster.connection.LinkConnection`): the session's stream bookkeeping,
+    sending what it queued, waiting for the socket to drain, and forgetting the stream."""
+
+    session: LinkSession
+    peer: str
+
+    @property
+    def closed(self) -> bool: ...
+
+    def flush(self) -> None: ...
+
+    async def drain(self) -> None: ...
+
+    def forget_stream(self, stream_id: int) -> None: ...
 
 
 class StreamResetError(LinkError):
@@ -32,7 +48,7 @@ class TunnelStream:
     waits for credit. ``opening`` is the StreamOpen frame (agent side), ``head`` the answer's
     head once it arrives (leader side)."""
 
-    def __init__(self, conn: LinkConnection, stream_id: int, opening: StreamOpen | None) -> None:
+    def __init__(self, conn: StreamCarrier, stream_id: int, opening: StreamOpen | None) -> None:
         self.conn = conn
         self.id = stream_id
         self.opening = opening

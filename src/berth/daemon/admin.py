@@ -27,12 +27,12 @@ from berth.daemon.admin_metrics import build_metrics_router
 from berth.daemon.admin_nodes import build_node_router
 from berth.daemon.admin_routing import build_routing_router
 from berth.daemon.lifecycle import DeployOptions, LifecycleManager
-from berth.daemon.openai_errors import error_body, error_from_exception
 from berth.daemon.services import LeaderServices
-from berth.daemon.states import TERMINAL_STATES
 from berth.errors import BerthError, ConfigError, ConflictError, NotFoundError
 from berth.keys import generate_secret, hash_secret, key_prefix, parse_tier
+from berth.openai_errors import error_body, error_from_exception
 from berth.store import ApiKeyRecord, DeploymentRecord, ModelRecord, Store
+from berth.store.states import TERMINAL_STATES
 
 #: Model names: letters, digits and ``. _ - : /`` (hub ids like ``org/model:q4``), starting
 #: with a letter or digit, no ``..``: safe in URLs, file names and the OpenAI ``model`` field.

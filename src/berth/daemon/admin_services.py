@@ -28,8 +28,8 @@ from pydantic import BaseModel, Field, field_validator
 from berth.cluster.link import LOCAL_NODE_ID
 from berth.daemon.admin import deployment_json
 from berth.daemon.lifecycle import DeployOptions, LifecycleManager
-from berth.daemon.proxy_errors import NoReadyDeploymentError
 from berth.errors import ConfigError, ConflictError, NotFoundError
+from berth.routing.errors import NoReadyDeploymentError
 from berth.routing.routes import RouteResolver
 from berth.store import RouteRecord, ServiceProfileRecord, Store
 

@@ -16,9 +16,9 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from berth.daemon.admin import build_admin_app
 from berth.daemon.admin_services import build_service_router
 from berth.daemon.auth import require_tier, secret_from_headers
-from berth.daemon.openai_errors import error_from_exception
 from berth.daemon.services import LeaderServices
 from berth.errors import AuthError
+from berth.openai_errors import error_from_exception
 
 #: Paths that answer without a key on every listener.
 OPEN_PATHS = frozenset({"/healthz", "/readyz"})

@@ -1,6 +1,6 @@
 """How the proxy reaches a deployment's engine: directly, over berth's pooled HTTP/1.1 client,
 or through its node's agent tunnel; either way the answer comes back as an
-:class:`~berth.daemon.upstream_response.EngineAnswer` once its head is in.
+:class:`~berth.engine_http.answer.EngineAnswer` once its head is in.
 
 Failures before the head become the proxy's errors here, once: an engine that cannot be
 reached is :class:`EngineUnreachableError` (502), one that does not answer in time
@@ -13,16 +13,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol
 
-from berth.daemon.proxy_errors import EngineTimeoutError, EngineUnreachableError
-from berth.daemon.upstream import Origin, UpstreamPool, parse_origin
-from berth.daemon.upstream_errors import UpstreamConnectError, UpstreamError, UpstreamTimeoutError
-from berth.daemon.upstream_response import EngineAnswer
+from berth.engine_http.answer import EngineAnswer
+from berth.engine_http.errors import UpstreamConnectError, UpstreamError, UpstreamTimeoutError
+from berth.engine_http.origin import TUNNEL_SCHEME, Origin, parse_origin
+from berth.engine_http.pool import UpstreamPool
+from berth.routing.errors import EngineTimeoutError, EngineUnreachableError
 
 if TYPE_CHECKING:
-    from berth.daemon.proxy import Upstream
+    from berth.routing.resolver import Upstream
 
-#: The scheme of an engine reached through an agent's tunnel: ``berth-tunnel://NODE/DEPLOYMENT``.
-TUNNEL_SCHEME = "berth-tunnel"
 #: The origin host that marks a tunneled engine in the target cache (compared by identity).
 _TUNNELED = "<tunnel>"
 _MAX_CACHED_TARGETS = 4096

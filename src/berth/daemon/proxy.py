@@ -10,8 +10,8 @@ One request, on the hot path::
 There is no framework routing here: this module is called only after authentication, for the
 paths it serves (``POST /v1/chat/completions``, ``/v1/completions``, ``/v1/embeddings``,
 ``/v1/responses``; ``GET /v1/models`` and ``/v1/models/{id}``), and it matches ``scope["path"]``
-itself. Errors are answered in the OpenAI shape (:mod:`berth.daemon.openai_errors`); the ones
-this module raises are drawn in :mod:`berth.daemon.proxy_errors`. The raw ASGI plumbing is in
+itself. Errors are answered in the OpenAI shape (:mod:`berth.openai_errors`); the ones
+this module raises are drawn in :mod:`berth.routing.errors`. The raw ASGI plumbing is in
 :mod:`berth.daemon.proxy_http`, the relaying of an engine's answer in
 :mod:`berth.daemon.proxy_relay`.
 """
@@ -23,20 +23,9 @@ import json
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Protocol
 
 from berth.daemon.engine_client import EngineClient, TunnelOpener
-from berth.daemon.openai_errors import ErrorResponse, error_from_exception
 from berth.daemon.proxy_dispatch import first_answer
-from berth.daemon.proxy_errors import (
-    EngineTimeoutError,
-    EngineUnreachableError,
-    InvalidRequestError,
-    NoReadyDeploymentError,
-    ProxyError,
-    RequestTooLargeError,
-)
 from berth.daemon.proxy_http import (
     Receive,
     Scope,
@@ -48,19 +37,23 @@ from berth.daemon.proxy_http import (
 )
 from berth.daemon.proxy_relay import AnswerRelay, Exchange, watch_disconnect
 from berth.daemon.read_ahead import DEFAULT_BUFFER_CHUNKS, ReadAhead
-from berth.daemon.upstream_response import EngineAnswer
+from berth.engine_http.answer import EngineAnswer
 from berth.errors import BerthError, NotFoundError
 from berth.observability.metrics import ProxyMetrics, Target
+from berth.openai_errors import ErrorResponse, error_from_exception
+from berth.routing.errors import (
+    EngineTimeoutError,
+    EngineUnreachableError,
+    InvalidRequestError,
+    NoReadyDeploymentError,
+    ProxyError,
+    RequestTooLargeError,
+)
+from berth.routing.resolver import Upstream, UpstreamResolver
 from berth.routing.retry import DEFAULT_MAX_ATTEMPTS
 from berth.routing.router import Router
 
-__all__ = [
-    "NoReadyDeploymentError",
-    "OpenAIProxy",
-    "TunnelOpener",
-    "Upstream",
-    "UpstreamResolver",
-]
+__all__ = ["OpenAIProxy"]
 
 
 _log = logging.getLogger(__name__)
@@ -72,19 +65,6 @@ _COMPLETION_PATHS = frozenset(
 )
 _MODELS_PATH = "/v1/models"
 _MODEL_PREFIX = "/v1/models/"
-
-
-@dataclass(frozen=True)
-class Upstream:
-    """Where one request goes: an engine serving the public model name ``model``."""
-
-    base_url: str  # http://127.0.0.1:PORT of the engine
-    deployment_id: str
-    node_id: str
-    model: str  # the public model name the client asked for
-    #: the name the engine serves when it is not ``model`` (e.g. a route to a service): the
-    #: request's ``"model"`` is rewritten to it, since vLLM and SGLang refuse other names
-    engine_model: str | None = None
 
 
 class _Bodies:
@@ -109,23 +89,6 @@ def _target(upstream: Upstream) -> Target:
     return Target(upstream.model, upstream.deployment_id, upstream.node_id)
 
 
-class UpstreamResolver(Protocol):
-    """Chooses an engine for a model; implemented from the table of ready deployments."""
-
-    def candidates(self, model: str) -> list[Upstream]:
-        """Every engine that can serve ``model`` now (ready, on a reachable node); never
-        empty. The router ranks them.
-
-        Raises :class:`berth.errors.NotFoundError` for a model berth does not know (404) and
-        :class:`NoReadyDeploymentError` when none of its deployments is ready (503).
-        """
-        ...
-
-    def models(self) -> list[str]:
-        """Public model names with at least one deployment."""
-        ...
-
-
 class OpenAIProxy:
     """ASGI app for the OpenAI-compatible ``/v1`` routes.
 
@@ -138,7 +101,7 @@ class OpenAIProxy:
     ``tracestate`` and ``baggage`` reach the engine, plus ``X-Request-Id``, which every answer
     echoes (the client's, or 32 random hex digits). When the client disconnects, the engine
     request is closed at once. Error bodies follow the OpenAI error shape; see
-    :mod:`berth.daemon.proxy_errors` for the statuses. ``GET /v1/models`` lists
+    :mod:`berth.routing.errors` for the statuses. ``GET /v1/models`` lists
     ``resolver.models()`` as OpenAI ``Model`` objects (``created`` is the proxy's start time,
     ``owned_by`` is ``"berth"``).
 

@@ -14,13 +14,13 @@ import logging
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING
 
-from berth.daemon.proxy_errors import EngineTimeoutError, ProxyError
-from berth.daemon.upstream_response import EngineAnswer
+from berth.engine_http.answer import EngineAnswer
+from berth.routing.errors import EngineTimeoutError, ProxyError
 from berth.routing.retry import AttemptFailure, classify
 from berth.routing.signals import SignalBoard
 
 if TYPE_CHECKING:
-    from berth.daemon.proxy import Upstream
+    from berth.routing.resolver import Upstream
 
 log = logging.getLogger(__name__)
 

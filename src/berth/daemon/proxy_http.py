@@ -10,7 +10,7 @@ import re
 from collections.abc import Awaitable, Callable, MutableMapping, Sequence
 from typing import Any
 
-from berth.daemon.proxy_errors import InvalidRequestError
+from berth.routing.errors import InvalidRequestError
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]

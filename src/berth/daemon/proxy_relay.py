@@ -14,15 +14,15 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from berth.daemon.openai_errors import error_body, stream_error_events
-from berth.daemon.proxy_errors import EngineTimeoutError, EngineUnreachableError
 from berth.daemon.proxy_http import Receive, Send, send_json
 from berth.daemon.sse import SSEEventSplitter, Usage, find_usage, last_usage
-from berth.daemon.upstream_errors import UpstreamError, UpstreamTimeoutError
-from berth.daemon.upstream_response import EngineAnswer
+from berth.engine_http.answer import EngineAnswer
+from berth.engine_http.errors import UpstreamError, UpstreamTimeoutError
+from berth.openai_errors import error_body, stream_error_events
+from berth.routing.errors import EngineTimeoutError, EngineUnreachableError
 
 if TYPE_CHECKING:
-    from berth.daemon.proxy import Upstream
+    from berth.routing.resolver import Upstream
 
 _log = logging.getLogger(__name__)
 

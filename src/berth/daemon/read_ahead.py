@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 
-from berth.daemon.upstream_response import EngineAnswer, read_body
+from berth.engine_http.answer import EngineAnswer, read_body
 
 #: Chunks read ahead of the client by default (``[server] relay_buffer_chunks``).
 DEFAULT_BUFFER_CHUNKS = 64

@@ -27,10 +27,13 @@ import uvicorn
 
 from berth.agent.adopted import AdoptedWatcher
 from berth.agent.core import AgentCore
+from berth.agent.in_process_link import InProcessLink
+from berth.agent.node_sampler import LocalNodeSampler
 from berth.cluster.ca import CertificateAuthority
 from berth.cluster.enrollment import AuditLog, EnrollmentService
 from berth.cluster.hub import NodeHub
-from berth.cluster.link import LOCAL_NODE_ID, AgentLink, InProcessLink
+from berth.cluster.link import LOCAL_NODE_ID
+from berth.cluster.link_registry import LinkRegistry
 from berth.cluster.listener import (
     ClusterListener,
     build_cluster_app,
@@ -45,12 +48,10 @@ from berth.daemon.auth import Authenticator
 from berth.daemon.lifecycle import LifecycleManager
 from berth.daemon.proxy import OpenAIProxy
 from berth.daemon.services import LeaderServices, Listener
-from berth.daemon.states import TERMINAL_STATES
 from berth.errors import DaemonError
 from berth.keys import load_or_create_pepper
 from berth.observability.cluster import ClusterMetrics
 from berth.observability.metrics import ProxyMetrics
-from berth.observability.node_sampler import LocalNodeSampler
 from berth.observability.window import RequestMeter
 from berth.paths import BerthHome
 from berth.routing.router import Router
@@ -61,6 +62,7 @@ from berth.runtime.engines import EngineBinaries
 from berth.runtime.gpu import NvmlInventory
 from berth.runtime.process import ProcessRuntime
 from berth.store import DeploymentRecord, Store
+from berth.store.states import TERMINAL_STATES
 
 log = logging.getLogger(__name__)
 
@@ -236,9 +238,7 @@ async def serve(home: BerthHome, settings: Settings) -> None:
     cluster_metrics = ClusterMetrics(model_of=metrics.deployment_model)
     cluster_metrics.register(metrics.registry)
     core = None if settings.leader_only else build_local_core(home, settings)
-    links: dict[str, AgentLink] = {}
-    if core is not None:
-        links[LOCAL_NODE_ID] = InProcessLink(core)
+    links = LinkRegistry([] if core is None else [InProcessLink(core)])
     audit = AuditLog(home.audit_log)
     signals = SignalBoard()
 
@@ -262,21 +262,24 @@ async def serve(home: BerthHome, settings: Settings) -> None:
     hub = NodeHub(
         store,
         links,
+        listener=lifecycle,
         heartbeat_interval_s=settings.heartbeat_interval_s,
         node_timeout_s=settings.node_timeout_s,
         cluster_metrics=cluster_metrics,
         audit=audit,
         forwarded=forwarded,
     )
-    hub.set_listener(lifecycle)
     if forwarded is not None:
         log.warning("cluster: trusting x-berth-client-fingerprint from %s", forwarded.describe())
     routes = RouteResolver(lifecycle)  # route names first, then the lifecycle's own names
     await load_routes(store, routes)
     router = Router(
-        routes, signals=signals, node_reported=hub.has_reported, free_vram_mb=hub.free_vram_mb
+        routes,
+        signals=signals,
+        node_reported=hub.has_reported,
+        free_vram_mb=hub.free_vram_mb,
+        links=links,  # a node whose link goes loses its affinity
     )
-    lifecycle.on_node_lost = router.node_lost
     local_sampler = None
     if core is not None:
         local_sampler = LocalNodeSampler(

@@ -9,7 +9,7 @@ from berth.agent.core import AgentCore, RuntimeStatus
 from berth.cluster.ca import CertificateAuthority
 from berth.cluster.enrollment import EnrollmentService
 from berth.cluster.hub import NodeHub
-from berth.cluster.link import AgentLink
+from berth.cluster.link_registry import LinkRegistry
 from berth.config import Settings
 from berth.daemon.auth import Authenticator
 from berth.daemon.lifecycle import LifecycleManager
@@ -45,7 +45,8 @@ class LeaderServices:
     #: The agent core running node ``local``'s engines; ``None`` on a leader-only daemon
     #: (``leader_only``), which runs no engines and has no ``local`` link.
     local_core: AgentCore | None
-    links: dict[str, AgentLink]
+    #: the leader's live links by node id (the hub attaches and detaches remote ones)
+    links: LinkRegistry
     hub: NodeHub
     enrollment: EnrollmentService
     #: The URL agents dial (``leader=`` in enrollment URIs).

@@ -112,7 +112,7 @@ def configured_leader_only(settings: Settings) -> bool:
 
 def daemon_state(home: BerthHome, *, timeout_s: float = 5.0) -> DaemonState:
     """Ask the daemon of ``home`` for ``/admin/info`` over its Unix socket."""
-    from berth.cli.client import DaemonClient
+    from berth.api.client import DaemonClient
 
     try:
         with DaemonClient(home, timeout_s=timeout_s) as client:

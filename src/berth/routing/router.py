@@ -19,7 +19,9 @@ from berth.routing.scorer import (
 from berth.routing.signals import SignalBoard
 
 if TYPE_CHECKING:
-    from berth.daemon.proxy import Upstream, UpstreamResolver
+    from berth.cluster.link import AgentLink
+    from berth.cluster.link_registry import LinkRegistry
+    from berth.routing.resolver import Upstream, UpstreamResolver
 
 
 class Router:
@@ -28,6 +30,8 @@ class Router:
 
     ``node_reported(node_id)`` says whether a node has sent signals (a remote node before its
     first heartbeat has not); ``free_vram_mb(node_id)`` its free GPU memory when known.
+    ``links``, when given, is watched: a node whose link goes loses its affinity entries
+    (:meth:`node_lost`).
     """
 
     def __init__(
@@ -38,6 +42,7 @@ class Router:
         affinity: AffinityMap | None = None,
         node_reported: Callable[[str], bool] = lambda _node: True,
         free_vram_mb: Callable[[str], int | None] = lambda _node: None,
+        links: LinkRegistry | None = None,
     ) -> None:
         self.resolver = resolver
         self.signals = signals or SignalBoard()
@@ -45,6 +50,8 @@ class Router:
         self._node_reported = node_reported
         self._free_vram_mb = free_vram_mb
         self._turn = itertools.count()
+        if links is not None:
+            links.watch(self._link_changed)
 
     def plan(self, model: str, affinity_key: str | None) -> list[Upstream]:
         """The ready deployments of ``model``, best first.
@@ -106,6 +113,10 @@ class Router:
     def node_lost(self, node_id: str) -> int:
         """A node became unreachable: forget its affinity entries; how many there were."""
         return self.affinity.forget_node(node_id)
+
+    def _link_changed(self, node_id: str, link: AgentLink | None) -> None:
+        if link is None:
+            self.node_lost(node_id)
 
     def _signals_of(self, upstream: Upstream) -> NodeSignals | None:
         node = upstream.node_id

@@ -20,36 +20,16 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Final
 
-from berth.daemon.proxy_errors import NoReadyDeploymentError
 from berth.errors import NotFoundError
+from berth.routing.errors import NoReadyDeploymentError
 
 if TYPE_CHECKING:
-    from berth.daemon.proxy import Upstream, UpstreamResolver
+    from berth.routing.resolver import Upstream, UpstreamResolver
     from berth.store.records import RouteRecord
 
 #: Seconds a client is told to wait (``Retry-After``) when nothing behind a route is ready
 #: and no service reported its own estimate (the lifecycle's loading wait).
 ROUTE_RETRY_AFTER_S: Final = 5.0
-
-
-def fallback_cycle(
-    fallbacks: Mapping[str, str | None], name: str, fallback: str
-) -> tuple[str, ...] | None:
-    """The loop that making ``fallback`` the fallback of route ``name`` would close, as the
-    route names walked (``("a", "b", "a")``), or ``None`` when there is none.
-
-    ``fallbacks`` maps every route's name to its current fallback (``None``: none).
-    """
-    path = [name]
-    seen: set[str] = set()
-    current: str | None = fallback
-    while current is not None and current not in seen:
-        path.append(current)
-        if current == name:
-            return tuple(path)
-        seen.add(current)
-        current = fallbacks.get(current)
-    return None
 
 
 class UnroutedServiceError(NotFoundError):

@@ -10,9 +10,9 @@ from datetime import datetime
 from pathlib import Path
 from typing import Literal
 
-from berth.daemon.states import TERMINAL_STATES, DeploymentState
 from berth.keys import Tier
 from berth.runtime.gpu import GpuInfo
+from berth.store.states import TERMINAL_STATES, DeploymentState
 
 #: ``remote``: registered only with a path on an agent's host (``models add --node``).
 ModelSource = Literal["local", "hub", "remote"]

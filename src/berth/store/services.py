@@ -18,18 +18,17 @@ Refusals are :class:`NotFoundError` (an unknown model, node, service or route),
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from datetime import UTC, datetime
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from berth.daemon.states import TERMINAL_STATES, DeploymentState
 from berth.errors import ConfigError, ConflictError, NotFoundError
-from berth.routing.routes import fallback_cycle
 from berth.runtime.engines import parse_engine_name, parse_runtime_name
 from berth.store.records import RouteRecord, RouteTarget, ServiceProfileRecord
+from berth.store.states import TERMINAL_STATES, DeploymentState
 from berth.store.tables import (
     DeploymentRow,
     ModelRow,
@@ -297,6 +296,26 @@ def _not_found(kind: str, ident: str, message: str) -> NotFoundError:
     error = NotFoundError(kind, ident)
     error.args = (message,)
     return error
+
+
+def fallback_cycle(
+    fallbacks: Mapping[str, str | None], name: str, fallback: str
+) -> tuple[str, ...] | None:
+    """The loop that making ``fallback`` the fallback of route ``name`` would close, as the
+    route names walked (``("a", "b", "a")``), or ``None`` when there is none.
+
+    ``fallbacks`` maps every route's name to its current fallback (``None``: none).
+    """
+    path = [name]
+    seen: set[str] = set()
+    current: str | None = fallback
+    while current is not None and current not in seen:
+        path.append(current)
+        if current == name:
+            return tuple(path)
+        seen.add(current)
+        current = fallbacks.get(current)
+    return None
 
 
 def _check_fallback(session: Session, name: str, fallback: str) -> None:

@@ -23,7 +23,6 @@ from sqlalchemy import CursorResult, Engine, select, update
 from sqlalchemy.exc import DBAPIError, IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
-from berth.daemon.states import TERMINAL_STATES, DeploymentState, can_transition
 from berth.errors import (
     ConfigError,
     ConflictError,
@@ -43,6 +42,7 @@ from berth.store.records import (
     ModelSource,
 )
 from berth.store.services import ServiceMethods, models_used_by_services
+from berth.store.states import TERMINAL_STATES, DeploymentState, can_transition
 from berth.store.tables import ApiKeyRow, DeploymentRow, ModelRow
 
 
@@ -269,7 +269,7 @@ class Store(NodeMethods, ServiceMethods):
         """Move a deployment to ``target``, optionally setting ``port``, ``pid`` and
         ``failure_reason`` in the same write; return the updated record.
 
-        The move is checked with :func:`berth.daemon.states.can_transition` and applied with
+        The move is checked with :func:`berth.store.states.can_transition` and applied with
         an UPDATE conditioned on the state just read, so two racing callers cannot both move
         the same deployment out of one state.  Raises :class:`NotFoundError` for an unknown
         id and :class:`InvalidTransitionError` when the state machine forbids the move (or

@@ -1,4 +1,5 @@
-"""The CLI's client for the daemon's Unix socket (``$BERTH_HOME/berth.sock``).
+"""The admin API's client over the daemon's Unix socket (``$BERTH_HOME/berth.sock``), for the
+CLI and ``berth doctor``.
 
 The socket is mode 0600, so reaching it proves the caller is the daemon's owner and no key
 is sent.  Errors come back in the OpenAI error shape and are raised as ``BerthError`` with the

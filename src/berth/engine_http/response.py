@@ -1,7 +1,7 @@
-"""One answer from an engine, as berth's HTTP/1.1 client (:mod:`berth.daemon.upstream`) hands
+"""One answer from an engine, as berth's HTTP/1.1 client (:mod:`berth.engine_http.pool`) hands
 it to its reader: status, headers, and the body as it arrives.
 
-Its connection (:class:`berth.daemon.upstream_connection.UpstreamConnection`) fills it in from
+Its connection (:class:`berth.engine_http.connection.UpstreamConnection`) fills it in from
 the parser's callbacks and wakes the reader; the reader takes the body with
 :meth:`UpstreamResponse.read_chunk` or :meth:`UpstreamResponse.read`, and
 :meth:`UpstreamResponse.close` hands an unfinished answer's connection back to be closed.
@@ -12,51 +12,26 @@ from __future__ import annotations
 import asyncio
 from typing import TYPE_CHECKING, Protocol
 
-from berth.daemon.upstream_errors import UpstreamDisconnectError, UpstreamError
+from berth.engine_http.answer import read_body
+from berth.engine_http.errors import UpstreamDisconnectError, UpstreamError
 
 if TYPE_CHECKING:
-    from berth.daemon.upstream_connection import UpstreamConnection
+    from berth.engine_http.origin import Origin
 
 
-class EngineAnswer(Protocol):
-    """How the proxy reads an engine's answer, local (:class:`UpstreamResponse`) or tunneled
-    through an agent (:class:`berth.cluster.remote_link.TunnelResponse`).
+class BodySource(Protocol):
+    """What an answer needs of the connection it arrives on
+    (:class:`berth.engine_http.connection.UpstreamConnection`): its engine's ``origin``, to
+    wait for more body, to resume reading once the reader caught up, and to be abandoned."""
 
-    ``status``; ``headers`` as lower-case ``(name, value)`` bytes pairs; ``content_length``
-    (``None`` when not announced). :meth:`read_chunk` and :meth:`read` raise
-    :class:`UpstreamError` subclasses; :meth:`close` ends the exchange (an unfinished one
-    tells the engine to stop).
-    """
+    origin: Origin
+    reading_paused: bool
 
-    status: int
-    headers: list[tuple[bytes, bytes]]
-    content_length: int | None
+    async def wait_for_body(self, response: UpstreamResponse) -> None: ...
 
-    def header(self, name: bytes) -> bytes | None: ...
+    def resume(self) -> None: ...
 
-    @property
-    def at_eof(self) -> bool: ...
-
-    async def read_chunk(self) -> bytes: ...
-
-    async def read(self, limit_bytes: int | None = None) -> bytes: ...
-
-    def close(self) -> None: ...
-
-
-async def read_body(answer: EngineAnswer, limit_bytes: int | None = None) -> bytes:
-    """The rest of ``answer``'s body, or at most its first ``limit_bytes`` bytes, read chunk
-    by chunk; raises what ``answer.read_chunk`` raises."""
-    parts: list[bytes] = []
-    size = 0
-    while limit_bytes is None or size < limit_bytes:
-        chunk = await answer.read_chunk()
-        if not chunk:
-            break
-        parts.append(chunk)
-        size += len(chunk)
-    data = b"".join(parts)
-    return data if limit_bytes is None else data[:limit_bytes]
+    def abandon(self) -> None: ...
 
 
 class UpstreamResponse:
@@ -80,11 +55,11 @@ class UpstreamResponse:
         "status",
     )
 
-    def __init__(self, conn: UpstreamConnection) -> None:
+    def __init__(self, conn: BodySource) -> None:
         self.status = 0
         self.headers: list[tuple[bytes, bytes]] = []
         self.content_length: int | None = None
-        self._conn: UpstreamConnection | None = conn  # None once the answer is complete or closed
+        self._conn: BodySource | None = conn  # None once the answer is complete or closed
         self._chunks: list[bytes] = []
         self._size = 0
         self._complete = False

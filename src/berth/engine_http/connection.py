@@ -1,9 +1,9 @@
 """One keep-alive TCP connection to an engine: the ``asyncio.Protocol`` side of berth's HTTP/1.1
-client (:mod:`berth.daemon.upstream`).
+client (:mod:`berth.engine_http.pool`).
 
 It writes a request, feeds the bytes that come back to ``httptools`` (llhttp, the parser
 uvicorn uses) and keeps what it parsed in an
-:class:`~berth.daemon.upstream_response.UpstreamResponse` for the task that reads the answer.
+:class:`~berth.engine_http.response.UpstreamResponse` for the task that reads the answer.
 
 Message framing follows RFC 9112: the body of an answer ends where its ``Content-Length`` says
 (section 6.3, rule 6), with the last chunk of a chunked transfer coding (section 7.1, decoded
@@ -22,20 +22,34 @@ from __future__ import annotations
 
 import asyncio
 import socket
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Protocol, cast
 
 import httptools
 
-from berth.daemon.upstream_errors import (
+from berth.engine_http.errors import (
     UpstreamDisconnectError,
     UpstreamError,
     UpstreamProtocolError,
     UpstreamTimeoutError,
 )
-from berth.daemon.upstream_response import UpstreamResponse
+from berth.engine_http.response import UpstreamResponse
 
 if TYPE_CHECKING:
-    from berth.daemon.upstream import Origin, UpstreamPool
+    from berth.engine_http.origin import Origin
+
+
+class ConnectionOwner(Protocol):
+    """What a connection needs of the pool that made it
+    (:class:`berth.engine_http.pool.UpstreamPool`): its loop, its limits, and to be told
+    when the connection is free again (:meth:`release`) or gone (:meth:`forget`)."""
+
+    loop: asyncio.AbstractEventLoop
+    read_timeout_s: float | None
+    high_water_bytes: int
+
+    def release(self, conn: UpstreamConnection) -> None: ...
+
+    def forget(self, conn: UpstreamConnection) -> None: ...
 
 
 class StaleConnectionError(UpstreamError):
@@ -46,7 +60,7 @@ class StaleConnectionError(UpstreamError):
 class UpstreamConnection(asyncio.Protocol):
     """One TCP connection to an engine and its parser: the protocol side of the client."""
 
-    def __init__(self, pool: UpstreamPool, origin: Origin) -> None:
+    def __init__(self, pool: ConnectionOwner, origin: Origin) -> None:
         self._pool = pool
         self.origin = origin
         self._loop = pool.loop

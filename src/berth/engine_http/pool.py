@@ -13,9 +13,9 @@ task that reads the answer::
            .read_chunk() / .read() / .at_eof      the body, as the engine sends it
            .close()                               done with it; mid-answer, closes the socket
 
-The answer is an :class:`UpstreamResponse` (:mod:`berth.daemon.upstream_response`), filled in
-by the connection's protocol (:mod:`berth.daemon.upstream_connection`, which also describes
-the message framing); the errors are in :mod:`berth.daemon.upstream_errors`.
+The answer is an :class:`UpstreamResponse` (:mod:`berth.engine_http.response`), filled in
+by the connection's protocol (:mod:`berth.engine_http.connection`, which also describes
+the message framing); the errors are in :mod:`berth.engine_http.errors`.
 """
 
 from __future__ import annotations
@@ -23,12 +23,11 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 from collections.abc import Sequence
-from typing import NamedTuple
-from urllib.parse import urlsplit
 
-from berth.daemon.upstream_connection import StaleConnectionError, UpstreamConnection
-from berth.daemon.upstream_errors import UpstreamConnectError, UpstreamDisconnectError
-from berth.daemon.upstream_response import UpstreamResponse
+from berth.engine_http.connection import StaleConnectionError, UpstreamConnection
+from berth.engine_http.errors import UpstreamConnectError, UpstreamDisconnectError
+from berth.engine_http.origin import Origin
+from berth.engine_http.response import UpstreamResponse
 
 # Flow control: past this many unread body bytes the connection stops reading from its
 # socket until the reader has taken them all, so a slow reader slows the engine instead of
@@ -36,24 +35,6 @@ from berth.daemon.upstream_response import UpstreamResponse
 DEFAULT_HIGH_WATER_BYTES = 64 * 1024
 # A body at most this long is written together with the head, in one system call.
 _JOIN_BODY_BYTES = 64 * 1024
-
-
-class Origin(NamedTuple):
-    """Where requests go: a host name or address and a TCP port (plain HTTP)."""
-
-    host: str
-    port: int
-
-
-def parse_origin(base_url: str) -> Origin:
-    """The :class:`Origin` of an ``http://host[:port][/...]`` URL (port 80 when absent).
-
-    Raises :class:`ValueError` for another scheme or a URL without a host.
-    """
-    parts = urlsplit(base_url)
-    if parts.scheme != "http" or not parts.hostname:
-        raise ValueError(f"not a plain http:// URL with a host: {base_url!r}")
-    return Origin(parts.hostname, parts.port or 80)
 
 
 class UpstreamPool:

@@ -1,4 +1,4 @@
-"""The errors of berth's HTTP/1.1 client to engines (:mod:`berth.daemon.upstream`).
+"""The errors of berth's HTTP/1.1 client to engines (:mod:`berth.engine_http.pool`).
 
 Every one is an :class:`UpstreamError` and names the engine's ``origin``::
 
@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 from berth.errors import BerthError
 
 if TYPE_CHECKING:
-    from berth.daemon.upstream import Origin
+    from berth.engine_http.origin import Origin
 
 
 class UpstreamError(BerthError):

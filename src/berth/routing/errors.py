@@ -1,6 +1,9 @@
-"""The errors the OpenAI-compatible proxy (:mod:`berth.daemon.proxy`) answers itself.
+"""The errors a request meets before an engine answers it, which the OpenAI-compatible proxy
+(:mod:`berth.daemon.proxy`) answers itself: raised by the proxy's request checks, by the
+resolvers (no ready deployment) and by each attempt to reach an engine.
 
-They are answered in the OpenAI shape (:mod:`berth.daemon.openai_errors`)::
+They live with routing because the resolver contract (:mod:`berth.routing.resolver`) and the
+retry rules are stated in them. They are answered in the OpenAI shape (:mod:`berth.openai_errors`)::
 
     BerthError
     └── ProxyError                 carries error_code (the OpenAI "code" and the metrics reason)
@@ -20,7 +23,7 @@ from typing import TYPE_CHECKING
 from berth.errors import BerthError
 
 if TYPE_CHECKING:
-    from berth.daemon.proxy import Upstream
+    from berth.routing.resolver import Upstream
 
 
 class ProxyError(BerthError):

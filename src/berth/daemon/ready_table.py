@@ -1,0 +1,157 @@
+"""The table the proxy resolves models from: ready deployments on reachable nodes.
+
+Memory only, read on every request, so no method here does I/O.  The lifecycle manager
+keeps it in step with the store: a deployment is in it from ready until it stops, fails or
+its node's link drops (then it is *parked*, so a request is told where its deployments
+are); an adopted endpoint is in it while its node reports it alive.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from berth.agent.adopted import ADOPTED_ID_PREFIX
+from berth.cluster.link import LOCAL_NODE_ID, EngineEndpoint
+from berth.cluster.protocol.frames import AdoptedState
+from berth.cluster.remote_link import tunnel_url
+from berth.errors import NotFoundError
+from berth.placement import GpuReservation
+from berth.routing.errors import NoReadyDeploymentError
+from berth.routing.resolver import Upstream
+from berth.store import DeploymentRecord
+
+#: Seconds a client is told to wait (``Retry-After``) for a model that is still loading.
+LOADING_RETRY_AFTER_S = 5
+
+
+class ReadyTable:
+    """Ready upstreams by public model name, plus what a refusal needs to explain itself.
+
+    Implements the proxy's ``UpstreamResolver`` (:meth:`candidates`, :meth:`models`).
+    """
+
+    def __init__(self) -> None:
+        #: model -> deployment id -> upstream
+        self._ready: dict[str, dict[str, Upstream]] = {}
+        #: ready deployments whose node is unreachable: model -> deployment id -> node id
+        self._parked: dict[str, dict[str, str]] = {}
+        #: names that answer 503 rather than 404 while nothing serves them
+        self._known_models: set[str] = set()
+        #: adopted endpoints as each node last reported them: node id -> name -> state
+        self._adopted: dict[str, dict[str, AdoptedState]] = {}
+
+    # -- the proxy's view ---------------------------------------------------------------
+
+    def candidates(self, model: str) -> list[Upstream]:
+        """Every ready deployment serving ``model`` on a reachable node (the router ranks
+        them).
+
+        Raises ``NotFoundError`` for a model berth does not know and
+        ``NoReadyDeploymentError`` (503, ``Retry-After``) for one with no ready deployment.
+        """
+        ready = self._ready.get(model)
+        if ready:
+            return list(ready.values())
+        parked = self._parked.get(model)
+        if parked:
+            nodes = ", ".join(sorted(set(parked.values())))
+            detail = f"its ready deployments are on unreachable nodes ({nodes})"
+            raise NoReadyDeploymentError(model, retry_after_s=LOADING_RETRY_AFTER_S, detail=detail)
+        down = [f"{state.name} on node {node_id}"
+                for node_id, states in self._adopted.items()
+                for state in states.values() if state.served_model_name == model]  # fmt: skip
+        if down:
+            detail = f"its adopted endpoint does not answer ({', '.join(sorted(down))})"
+            raise NoReadyDeploymentError(model, retry_after_s=LOADING_RETRY_AFTER_S, detail=detail)
+        if model in self._known_models:
+            raise NoReadyDeploymentError(model, retry_after_s=LOADING_RETRY_AFTER_S)
+        raise NotFoundError("model", model)
+
+    def models(self) -> list[str]:
+        """Public model names with at least one ready deployment."""
+        return sorted(name for name, ready in self._ready.items() if ready)
+
+    def engines_to_watch(self) -> list[Upstream]:
+        """The ready deployments berth started (adopted endpoints are probed by the node
+        that adopted them, and never stopped)."""
+        return [u for ready in self._ready.values() for u in ready.values()
+                if not u.deployment_id.startswith(ADOPTED_ID_PREFIX)]  # fmt: skip
+
+    # -- deployments --------------------------------------------------------------------
+
+    def set_known_models(self, names: set[str]) -> None:
+        """Every name a request may ask for: registered models and active served names."""
+        self._known_models = set(names)
+
+    def add_known_model(self, name: str) -> None:
+        self._known_models.add(name)
+
+    def mark_ready(self, record: DeploymentRecord, endpoint: EngineEndpoint) -> None:
+        """Route ``record``'s served name to ``endpoint``."""
+        upstream = Upstream(
+            base_url=endpoint.base_url,
+            deployment_id=record.id,
+            node_id=record.node_id,
+            model=record.served_model_name,
+        )
+        self._ready.setdefault(record.served_model_name, {})[record.id] = upstream
+        self._parked.get(record.served_model_name, {}).pop(record.id, None)
+
+    def unmark(self, model: str, deployment_id: str) -> None:
+        """Stop routing ``model`` to the deployment (ready or parked)."""
+        self._ready.get(model, {}).pop(deployment_id, None)
+        self._parked.get(model, {}).pop(deployment_id, None)
+
+    def park_node(self, node_id: str) -> None:
+        """The node's link ended: its deployments leave the table, remembered as parked, and
+        its adopted endpoints are forgotten until it reports them again."""
+        self._adopted.pop(node_id, None)
+        for model, upstreams in self._ready.items():
+            for deployment_id in [d for d, u in upstreams.items() if u.node_id == node_id]:
+                del upstreams[deployment_id]
+                self._parked.setdefault(model, {})[deployment_id] = node_id
+
+    # -- adopted endpoints ----------------------------------------------------------------
+
+    def adopted_reported(self, node_id: str, adopted: Sequence[AdoptedState]) -> None:
+        """Route to the node's adopted endpoints whose last probe answered, under their
+        served names; the others answer 503 naming them."""
+        previous = self._adopted.get(node_id, {})
+        current = {state.name: state for state in adopted}
+        if current == previous:
+            return
+        for state in previous.values():
+            self.unmark(state.served_model_name, ADOPTED_ID_PREFIX + state.name)
+        self._adopted[node_id] = current
+        for state in current.values():
+            endpoint_id = ADOPTED_ID_PREFIX + state.name
+            self._parked.get(state.served_model_name, {}).pop(endpoint_id, None)
+            if not state.alive:
+                continue
+            if node_id == LOCAL_NODE_ID:
+                base_url = f"http://{state.host}:{state.port}"
+            else:
+                base_url = tunnel_url(node_id, endpoint_id)
+            engine_model = None
+            if state.engine_model != state.served_model_name:
+                engine_model = state.engine_model
+            upstream = Upstream(
+                base_url=base_url,
+                deployment_id=endpoint_id,
+                node_id=node_id,
+                model=state.served_model_name,
+                engine_model=engine_model,
+            )
+            self._ready.setdefault(state.served_model_name, {})[endpoint_id] = upstream
+
+    def adopted(self) -> dict[str, list[AdoptedState]]:
+        """Adopted endpoints by node id, as last reported."""
+        return {node: list(states.values()) for node, states in self._adopted.items()}
+
+    def reserved_gpus(self, node_id: str) -> tuple[GpuReservation, ...]:
+        """The GPUs the node's adopted endpoints declare (placement puts nothing there)."""
+        return tuple(
+            GpuReservation(gpu, state.name)
+            for state in self._adopted.get(node_id, {}).values()
+            for gpu in state.gpus
+        )

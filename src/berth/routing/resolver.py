@@ -1,0 +1,43 @@
+"""What the router ranks: an :class:`Upstream` (one engine that can serve a request), and the
+:class:`UpstreamResolver` that lists them for a public model name.
+
+The lifecycle manager resolves from its in-memory table of ready deployments;
+:class:`berth.routing.routes.RouteResolver` wraps it for route names. The proxy
+(:mod:`berth.daemon.proxy`) sends a request to the upstreams the router ranked.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+
+@dataclass(frozen=True)
+class Upstream:
+    """Where one request goes: an engine serving the public model name ``model``."""
+
+    base_url: str  # http://127.0.0.1:PORT of the engine
+    deployment_id: str
+    node_id: str
+    model: str  # the public model name the client asked for
+    #: the name the engine serves when it is not ``model`` (e.g. a route to a service): the
+    #: request's ``"model"`` is rewritten to it, since vLLM and SGLang refuse other names
+    engine_model: str | None = None
+
+
+class UpstreamResolver(Protocol):
+    """Chooses an engine for a model; implemented from the table of ready deployments."""
+
+    def candidates(self, model: str) -> list[Upstream]:
+        """Every engine that can serve ``model`` now (ready, on a reachable node); never
+        empty. The router ranks them.
+
+        Raises :class:`berth.errors.NotFoundError` for a model berth does not know (404) and
+        :class:`berth.routing.errors.NoReadyDeploymentError` when none of its deployments is
+        ready (503).
+        """
+        ...
+
+    def models(self) -> list[str]:
+        """Public model names with at least one deployment."""
+        ...
