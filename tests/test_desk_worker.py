@@ -302,9 +302,10 @@ async def test_a_pool_test_is_requested_and_answered_with_its_limits(
     assert accepted is not None
 
     # Accepted less than 12 hours ago: a restarted worker does not ask again.
+    before = len(node.pulses)
     async with serving(files, desk, leader):
-        await desk.until(lambda: len(node.pulses) >= 2)
-        await asyncio.sleep(0.2)
+        # Two pulses: the first, then one 0.3 s later; a request would follow the first.
+        await desk.until(lambda: len(node.pulses) >= before + 2)
     assert desk.check_requests == ["smollm2"]
 
 
@@ -315,6 +316,7 @@ async def test_a_pool_test_is_requested_and_answered_with_its_limits(
         LeaderAnswerError("chat", 503, "no_ready_deployment"),
         LeaderUnavailableError("/tmp/berth.sock", "ConnectError"),
         Hang(),
+        RuntimeError("a bug in the worker's path"),
     ],
 )
 async def test_an_engine_that_errors_or_does_not_answer_fails_the_job(
@@ -421,6 +423,20 @@ async def test_a_one_model_host_sends_the_wait_header(files: DeskFiles, desk: De
     async with serving(files, desk, leader, wait_s=1):
         await desk.until(lambda: len(node.claim_headers) >= 2)
     assert {h.get("x-ow-wait") for h in node.claim_headers} == {"1"}
+
+
+async def test_a_model_registered_while_serving_is_offered(
+    files: DeskFiles, desk: DeskStandin
+) -> None:
+    leader = FakeLeader([H200, ModelServing("qwen", 1, 0, None, None, None)])
+    await register(files, desk, leader, models=["smollm2"])
+    async with serving(files, desk, leader) as worker:
+        await desk.until(lambda: bool(desk.node_for("smollm2").pulses))
+        await register(files, desk, leader, models=["qwen"])
+        job_id = desk.add_job("qwen", PROMPT)
+        assert (await desk.outcome_of(job_id)).kind == "finish"
+        assert worker.offered == ["smollm2", "qwen"]
+    assert desk.node_for("qwen").machine == desk.node_for("smollm2").machine
 
 
 async def test_a_served_name_that_is_not_a_model_id_is_skipped_with_a_warning(

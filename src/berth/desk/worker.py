@@ -48,8 +48,9 @@ from berth.desk.pulse import (
     tokens_per_second,
 )
 from berth.desk.sealing import HostKeyPair, open_sealed_prompt
-from berth.desk.state import DeskFiles, RegisteredNode, record_check_accepted
+from berth.desk.state import DeskFiles, RegisteredNode, load_nodes, record_check_accepted
 from berth.desk.wire import MODEL_ID_PATTERN, ClaimedJob, Finish, is_model_id
+from berth.errors import ConfigError
 
 log = logging.getLogger("berth.desk")
 
@@ -97,9 +98,10 @@ class _NodeState:
 class DeskWorker:
     """The pulse and claim loop of one host (see the module docstring).
 
-    ``nodes`` are the registered models (``nodes.json``); ``wait_s`` is the ``x-ow-wait``
-    to send when one model is offered (``None``: never). ``clock`` is monotonic seconds and
-    ``wall_clock`` seconds since the epoch (both replaceable in tests).
+    ``nodes`` are the registered models (``nodes.json``, read again when it changes, so a
+    model registered while the worker runs is offered at the next refresh); ``wait_s`` is
+    the ``x-ow-wait`` to send when one model is offered (``None``: never). ``clock`` is
+    monotonic seconds and ``wall_clock`` seconds since the epoch (both replaceable in tests).
     """
 
     def __init__(
@@ -119,6 +121,7 @@ class DeskWorker:
         self._leader = leader
         self._files = files
         self._registered = {node.model: node for node in nodes}
+        self._nodes_stamp = self._stamp()
         self._keys = keys
         self._wait_s = wait_s
         self._timings = timings or WorkerTimings()
@@ -149,9 +152,16 @@ class DeskWorker:
     async def run(self) -> None:
         """Serve until cancelled; then stop the claims and report running jobs failed."""
         log.info("desk worker started: %d registered model(s)", len(self._registered))
+        trouble = Backoff(self._timings.backoff_first_s, self._timings.backoff_max_s)
         try:
             while True:
-                await self._tick()
+                try:
+                    await self._tick()
+                    trouble.reset()
+                except Exception:  # the loop boundary: a bug must not end every offer
+                    delay = trouble.next_delay_s()
+                    log.exception("desk worker: unexpected error (going on in %.0f s)", delay)
+                    await asyncio.sleep(delay)
                 # asyncio.timeout, not wait_for: on Python 3.11 wait_for can swallow a
                 # cancellation that arrives as the event is set, and the loop would never stop.
                 with contextlib.suppress(TimeoutError):
@@ -173,7 +183,30 @@ class DeskWorker:
             self._maybe_check(state, now)
         self._maybe_measure(now)
 
+    def _stamp(self) -> int | None:
+        try:
+            return self._files.nodes_file.stat().st_mtime_ns
+        except OSError:
+            return None
+
+    def _pick_up_registrations(self) -> None:
+        """Models registered while the worker runs (``nodes.json`` changed) are added."""
+        stamp = self._stamp()
+        if stamp == self._nodes_stamp:
+            return
+        self._nodes_stamp = stamp
+        try:
+            book = load_nodes(self._files)
+        except ConfigError as exc:
+            log.warning("%s; keeping the nodes read before", exc)
+            return
+        for node in book.nodes:
+            if node.model not in self._registered:
+                self._registered[node.model] = node
+                log.info("model %s was registered (node code %s)", node.model, node.code)
+
     async def _refresh(self, now: float) -> None:
+        self._pick_up_registrations()
         try:
             served = await self._leader.served_models()
             valid = [name for name in served if self._valid(name)]
@@ -367,6 +400,11 @@ class DeskWorker:
                 log.warning("%s: claim failed: %s (again in %.0f s)", node.model, exc, delay)
                 await asyncio.sleep(delay)
                 continue
+            except Exception:  # the loop boundary: a bug must not end this model's claims
+                delay = backoff.next_delay_s()
+                log.exception("%s: claim failed unexpectedly (again in %.0f s)", node.model, delay)
+                await asyncio.sleep(delay)
+                continue
             backoff.reset()
             if job is None:
                 await asyncio.sleep(self._timings.claim_idle_s)
@@ -386,6 +424,11 @@ class DeskWorker:
                 answer = await self._answer(node, job)
             except DeskError as exc:
                 log.warning("%s %s (%s): %s; reporting it failed", kind, job.id, node.model, exc)
+                await self._report_failed(node, job.id)
+                return
+            except Exception:  # a bug: the job must still end in a fail, and be logged
+                log.exception("%s %s (%s): unexpected error; reporting it failed",
+                              kind, job.id, node.model)  # fmt: skip
                 await self._report_failed(node, job.id)
                 return
             finish = Finish(
