@@ -106,6 +106,7 @@ def test_serve_answers_plain_and_sealed_jobs_through_the_leader(
         standin_pulses = list(node.pulses)
 
         status = leader("desk", "status")
+        status_json = json.loads(leader("desk", "status", "--json").stdout)
         check = leader("desk", "check")
         standin.wait_outcome(node.check["job"], timeout_s=60)  # type: ignore[index]
         link = leader("desk", "link")
@@ -130,6 +131,9 @@ def test_serve_answers_plain_and_sealed_jobs_through_the_leader(
 
     assert status.stdout.startswith(("smollm2 (N001): READY", "smollm2 (N001): CHECKING"))
     assert "last seen  20" in status.stdout
+    (row,) = status_json
+    assert (row["model"], row["code"], row["error"]) == ("smollm2", "N001", None)
+    assert row["state"] in ("ready", "checking") and row["lastSeen"].startswith("20")
     assert "smollm2: pool test requested; result:" in check.stdout
     assert json.loads(check.stdout.splitlines()[1])["status"] in ("pending", "passed")
     assert node.check["status"] == "passed"  # type: ignore[index]
