@@ -12,21 +12,20 @@
 
       {"private_key": "...", "public_key": "..."}
 
-Both are replaced atomically (a temporary file created 0600 in the same folder, then
-renamed), so a reader never sees half a file and the secrets are never readable by others,
-not even for a moment. A malformed file raises :class:`~berth.errors.ConfigError` naming it.
+Both are written with :mod:`berth.atomic` (a temporary file created 0600 in the same
+folder, then renamed; ``enckey.json`` only created, never replaced), so a reader never sees
+half a file and the secrets are never readable by others, not even for a moment. A
+malformed file raises :class:`~berth.errors.ConfigError` naming it.
 """
 
 from __future__ import annotations
 
-import contextlib
-import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import msgspec
 
+from berth.atomic import create_atomic, write_atomic
 from berth.desk.sealing import HostKeyPair, b64url_decode, b64url_encode
 from berth.desk.wire import is_node_secret
 from berth.errors import ConfigError
@@ -90,21 +89,18 @@ class _KeyFile(msgspec.Struct):
     public_key: str
 
 
-def write_private(path: Path, data: bytes) -> None:
-    """Replace ``path`` with ``data`` atomically, mode 0600 from the first byte; the folder
-    is created 0700 when missing."""
-    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}-", dir=path.parent)  # 0600
+def _write_private(path: Path, data: bytes, *, create_only: bool = False) -> bool:
+    """Replace (or, with ``create_only``, create) ``path`` atomically, mode 0600 from the
+    first byte, the folder created 0700 when missing; whether the file was written. Raises
+    :class:`ConfigError` naming the file when it cannot be written."""
     try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp_name, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp_name)
-        raise
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        if create_only:
+            return create_atomic(path, data, mode=0o600)
+        write_atomic(path, data, mode=0o600)
+    except OSError as exc:
+        raise ConfigError(f"cannot write it: {exc.strerror}", path=path) from None
+    return True
 
 
 def load_nodes(files: DeskFiles) -> NodeBook:
@@ -133,7 +129,7 @@ def load_nodes(files: DeskFiles) -> NodeBook:
 
 def save_nodes(files: DeskFiles, book: NodeBook) -> None:
     """Write ``book`` to ``nodes.json`` (atomically, 0600)."""
-    write_private(files.nodes_file, msgspec.json.format(msgspec.json.encode(book)) + b"\n")
+    _write_private(files.nodes_file, msgspec.json.format(msgspec.json.encode(book)) + b"\n")
 
 
 def load_key_pair(files: DeskFiles) -> HostKeyPair | None:
@@ -160,13 +156,18 @@ def load_key_pair(files: DeskFiles) -> HostKeyPair | None:
 
 
 def load_or_create_key_pair(files: DeskFiles) -> HostKeyPair:
-    """The host key pair, generated and saved (0600) the first time."""
+    """The host key pair, generated and saved (0600) the first time; when two processes
+    create it at once, both end up with the one that was written first."""
     keys = load_key_pair(files)
-    if keys is None:
-        keys = HostKeyPair.generate()
-        stored = _KeyFile(private_key=b64url_encode(keys.private_raw), public_key=keys.public_b64)
-        write_private(files.key_file, msgspec.json.encode(stored) + b"\n")
-    return keys
+    if keys is not None:
+        return keys
+    keys = HostKeyPair.generate()
+    stored = _KeyFile(private_key=b64url_encode(keys.private_raw), public_key=keys.public_b64)
+    if _write_private(files.key_file, msgspec.json.encode(stored) + b"\n", create_only=True):
+        return keys
+    found = load_key_pair(files)
+    assert found is not None, "enckey.json vanished right after it was created"
+    return found
 
 
 def record_check_accepted(files: DeskFiles, model: str, at: float) -> None:
