@@ -13,7 +13,9 @@ the admin API:
 - ``GET /admin/metrics/snapshot``: each deployment's requests in flight and each GPU's
   memory in use, from the nodes' latest samples.
 
-Only the fields read here are decoded; anything else the leader adds is ignored.
+The admin API's answers are decoded with the models the leader itself answers with
+(:mod:`berth.api`), so the two cannot drift apart; ``/v1`` answers with the few OpenAI
+fields read here.
 """
 
 from __future__ import annotations
@@ -22,12 +24,14 @@ import asyncio
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol, TypeVar
+from typing import Protocol, TypeVar, overload
 from urllib.parse import quote
 
 import httpx
 import msgspec
+from pydantic import TypeAdapter, ValidationError
 
+from berth.api import ListedDeployment, MetricsSnapshot, NodeDetailWithAdopted, RoutingExplanation
 from berth.desk.errors import LeaderAnswerError, LeaderUnavailableError
 from berth.desk.pulse import GpuView, ModelServing, serving_of
 
@@ -109,7 +113,7 @@ class Leader(Protocol):
         ...
 
 
-# -- the admin API's shapes, as far as they are read ---------------------------------------
+# -- the OpenAI shapes read here (the admin API's come from berth.api) -----------------------
 
 
 class _ModelCard(msgspec.Struct):
@@ -118,56 +122,6 @@ class _ModelCard(msgspec.Struct):
 
 class _ModelList(msgspec.Struct):
     data: list[_ModelCard]
-
-
-class _Candidate(msgspec.Struct):
-    deployment_id: str
-    node_id: str
-
-
-class _Routing(msgspec.Struct):
-    candidates: list[_Candidate]
-
-
-class _Deployment(msgspec.Struct):
-    id: str
-    gpus: list[int] = msgspec.field(default_factory=list)
-
-
-class _NodeGpu(msgspec.Struct):
-    index: int
-    name: str
-    memory_total_mb: int
-    memory_used_mb: int = 0
-
-
-class _Node(msgspec.Struct):
-    id: str
-    gpus: list[_NodeGpu] = msgspec.field(default_factory=list)
-
-
-class _SampleGpu(msgspec.Struct):
-    index: int
-    mem_used_bytes: int
-
-
-class _SampleDeployment(msgspec.Struct):
-    deployment: str
-    in_flight: int
-
-
-class _Latest(msgspec.Struct):
-    gpus: list[_SampleGpu] = msgspec.field(default_factory=list)
-    deployments: list[_SampleDeployment] = msgspec.field(default_factory=list)
-
-
-class _NodeSeries(msgspec.Struct):
-    node: str
-    latest: _Latest | None = None
-
-
-class _Snapshot(msgspec.Struct):
-    nodes: list[_NodeSeries]
 
 
 class _Usage(msgspec.Struct):
@@ -199,6 +153,10 @@ class _ErrorBody(msgspec.Struct):
 
 _MIB = 1024 * 1024
 T = TypeVar("T")
+_DEPLOYMENTS = TypeAdapter(list[ListedDeployment])
+_SNAPSHOT = TypeAdapter(MetricsSnapshot)
+_ROUTING = TypeAdapter(RoutingExplanation)
+_NODE = TypeAdapter(NodeDetailWithAdopted)
 
 
 class LeaderClient:
@@ -234,14 +192,12 @@ class LeaderClient:
 
     async def serving(self, models: Sequence[str]) -> dict[str, ModelServing]:
         """See :meth:`Leader.serving`."""
-        deployments = {d.id: d for d in await self._get("/admin/deployments?active=true",
-                                                        list[_Deployment])}  # fmt: skip
-        snapshot = await self._get("/admin/metrics/snapshot", _Snapshot)
+        listed = await self._admin("/admin/deployments?active=true", _DEPLOYMENTS)
+        deployments = {d.id: d for d in listed}
+        snapshot = await self._admin("/admin/metrics/snapshot", _SNAPSHOT)
         in_flight: dict[str, int] = {}
         used_mb: dict[tuple[str, int], int] = {}
         for series in snapshot.nodes:
-            if series.latest is None:
-                continue
             for load in series.latest.deployments:
                 in_flight[load.deployment] = load.in_flight
             for gpu in series.latest.gpus:
@@ -249,7 +205,9 @@ class LeaderClient:
         nodes: dict[str, list[GpuView]] = {}
         found: dict[str, ModelServing] = {}
         for model in models:
-            routing = await self._get_optional(f"/admin/routing/{quote(model, safe='/:')}")
+            path = f"/admin/routing/{quote(model, safe='/:')}"
+            # 404: not served (any more); 503: nothing ready for it now.
+            routing = await self._admin(path, _ROUTING, absent=(404, 503))
             if routing is None or not routing.candidates:
                 continue
             gpus: list[GpuView] = []
@@ -300,49 +258,60 @@ class LeaderClient:
         )
 
     async def _node_gpus(self, node_id: str, used_mb: dict[tuple[str, int], int]) -> list[GpuView]:
-        node = await self._get_optional_node(node_id)
+        path = f"/admin/nodes/{quote(node_id, safe='')}"
+        node = await self._admin(path, _NODE, absent=(404,))
         if node is None:
             return []
         return [
             GpuView(
                 node_id=node_id,
+                index=gpu.index,
                 name=gpu.name,
                 memory_total_mb=gpu.memory_total_mb,
                 memory_used_mb=used_mb.get((node_id, gpu.index), gpu.memory_used_mb),
-                index=gpu.index,
             )
             for gpu in node.gpus
         ]
 
-    async def _get_optional_node(self, node_id: str) -> _Node | None:
-        response = await self._request("GET", f"/admin/nodes/{quote(node_id, safe='')}")
-        if response.status_code == 404:
-            return None
-        return self._decode(response, _Node, "node")
-
-    async def _get_optional(self, path: str) -> _Routing | None:
-        response = await self._request("GET", path)
-        if response.status_code in (404, 503):  # not served (any more), or nothing ready
-            return None
-        return self._decode(response, _Routing, "routing")
-
     async def _get(self, path: str, kind: type[T]) -> T:
-        return self._decode(await self._request("GET", path), kind, path)
+        response = await self._request("GET", path)
+        if response.status_code != 200:
+            raise LeaderAnswerError(path, response.status_code, _error_kind(response))
+        try:
+            return msgspec.json.decode(response.content, type=kind)
+        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+            status = response.status_code
+            raise LeaderAnswerError(path, status, "malformed answer", str(exc)) from None
+
+    @overload
+    async def _admin(self, path: str, adapter: TypeAdapter[T]) -> T: ...
+
+    @overload
+    async def _admin(
+        self, path: str, adapter: TypeAdapter[T], *, absent: tuple[int, ...]
+    ) -> T | None: ...
+
+    async def _admin(
+        self, path: str, adapter: TypeAdapter[T], *, absent: tuple[int, ...] = ()
+    ) -> T | None:
+        """``GET path`` of the admin API, decoded with its own model (:mod:`berth.api`);
+        ``None`` for a status in ``absent``."""
+        response = await self._request("GET", path)
+        if response.status_code in absent:
+            return None
+        if response.status_code != 200:
+            raise LeaderAnswerError(path, response.status_code, _error_kind(response))
+        try:
+            return adapter.validate_json(response.content)
+        except ValidationError as exc:
+            status = response.status_code
+            raise LeaderAnswerError(path, status, "malformed answer", str(exc)) from None
 
     async def _request(self, method: str, path: str) -> httpx.Response:
         try:
             return await self._http.request(method, path)
         except httpx.TransportError as exc:
             raise LeaderUnavailableError(str(self.socket_path), type(exc).__name__) from None
-
-    def _decode(self, response: httpx.Response, kind: type[T], call: str) -> T:
-        if response.status_code != 200:
-            raise LeaderAnswerError(call, response.status_code, _error_kind(response))
-        try:
-            return msgspec.json.decode(response.content, type=kind)
-        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-            status = response.status_code
-            raise LeaderAnswerError(call, status, "malformed answer", str(exc)) from None
 
 
 def _error_kind(response: httpx.Response) -> str:
