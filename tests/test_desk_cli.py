@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 
 from berth.runtime.engines import find_free_port
-from desk_harness import Berth, DeskServe, clean_env, files_containing, loopback_tls
-from desk_standin import ThreadedDeskStandin
-from fake_llama_server import ANSWER, USAGE
+from support.desk_harness import Berth, DeskServe, clean_env, files_containing, loopback_tls
+from support.desk_standin import ThreadedDeskStandin
+from support.fake_llama_server import ANSWER, USAGE
 
 FAKE_ENGINE = Path(__file__).with_name("fake_llama_server.py")
 #: A name berth accepts but a desk does not (more than 80 characters).
