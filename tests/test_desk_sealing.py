@@ -1,7 +1,8 @@
 """Sealed prompts: known answers, and every tampering ends in an error (a ``fail``).
 
-The vectors below were built with the stand-in desk's sealing side (``tests/support/desk_standin.py``,
-written from the protocol's four steps) from fixed keys and nonces, and are hard-coded, so
+The vectors below were built with the stand-in desk's sealing side
+(``tests/support/desk_standin.py``, written from the protocol's four steps) from fixed keys and
+nonces, and are hard-coded, so
 either side drifting from them fails here. Steps 1 and 2 of the first vector were also
 checked with the OpenSSL command line, independently of Python:
 
