@@ -6,7 +6,7 @@ import typer
 from rich.table import Table
 
 from berth.cli.common import HELP_OPTIONS, console, context, print_json
-from berth.keys import parse_tier
+from berth.keys import parse_tier, validate_key_name
 
 key_app = typer.Typer(
     context_settings=HELP_OPTIONS, help="Create, list and revoke API keys.", no_args_is_help=True
@@ -21,7 +21,8 @@ def create(
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
     """Create a key; its secret is shown once and never stored."""
-    parse_tier(tier)  # refuse an unknown tier before asking the daemon
+    parse_tier(tier)  # refuse an unknown tier or an unsafe name before asking the daemon
+    validate_key_name(name)
     with context(ctx).client() as client:
         record = client.post("/admin/keys", json={"name": name, "tier": tier})
     if as_json:
