@@ -21,6 +21,7 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
+from sqlalchemy import text
 
 from berth.agent.identity import client_ssl_context, load_agent_identity
 from berth.agent.registration import register_agent
@@ -31,6 +32,7 @@ from berth.cluster.enrollment import (
     EnrollmentService,
     EnrollmentURI,
     RegistrationRateLimiter,
+    audit_token_hash,
     validate_node_label,
 )
 from berth.cluster.listener import (
@@ -45,6 +47,8 @@ from berth.errors import AuthError, ConfigError, RateLimitError
 from berth.paths import BerthHome
 from berth.store import Store
 from support.waiting import EVENT_TIMEOUT_S, wait_for_async
+
+PEPPER = b"p" * 32
 
 
 class Clock:
@@ -68,6 +72,10 @@ class Leader:
 
     def uri(self, label: str) -> EnrollmentURI:
         return self.enrollment.issue_token(label).uri
+
+    def store_token_hashes(self) -> list[str]:
+        with self.store.engine.connect() as db:
+            return list(db.execute(text("SELECT token_hash FROM enrollment_tokens")).scalars())
 
     def audit_lines(self) -> list[dict[str, object]]:
         if not self.home.audit_log.exists():
@@ -95,7 +103,7 @@ async def enrollment_leader(tmp_path: Path) -> AsyncIterator[Leader]:
     enrollment = EnrollmentService(
         store=store,
         ca=ca,
-        pepper=b"p" * 32,
+        pepper=PEPPER,
         cluster_url=url,
         audit=AuditLog(home.audit_log),
         clock=clock,
@@ -144,7 +152,8 @@ async def test_registration_writes_a_private_identity_named_by_the_leader(
     (line,) = enrollment_leader.audit_lines()
     assert line["outcome"] == "enrolled" and line["node_id"] == node.id
     assert line["source_address"] == "127.0.0.1"
-    assert line["token_prefix"] == uri.token[:8]
+    assert line["token_hash"] == audit_token_hash(uri.token, PEPPER)
+    assert line["token_hash"] == enrollment_leader.store_token_hashes()[0][:16]
 
 
 async def test_a_token_works_once(enrollment_leader: Leader, tmp_path: Path) -> None:
@@ -157,7 +166,8 @@ async def test_a_token_works_once(enrollment_leader: Leader, tmp_path: Path) -> 
     assert not _agent_home(tmp_path, "b").agent_config.exists()
     lines = enrollment_leader.audit_lines()
     assert [line["outcome"] for line in lines] == ["enrolled", "refused"]
-    assert lines[1]["reason"] == "used" and lines[1]["token_prefix"] == uri.token[:8]
+    assert lines[1]["reason"] == "used"
+    assert lines[0]["token_hash"] == lines[1]["token_hash"]  # the same token, told apart
 
 
 async def test_an_expired_token_is_refused(enrollment_leader: Leader, tmp_path: Path) -> None:
@@ -208,11 +218,58 @@ async def test_registration_is_rate_limited_per_address(
     lines = enrollment_leader.audit_lines()
     assert len(lines) == 12
     assert {line["source_address"] for line in lines} == {"127.0.0.1"}
-    assert [line["token_prefix"] for line in lines[:10]] == ["not-a-to"] * 10
+    assert len({line["token_hash"] for line in lines[:10]}) == 1
     assert [line["outcome"] for line in lines[10:]] == ["rate_limited"] * 2
 
     enrollment_leader.clock.now += 61
     await asyncio.to_thread(register_agent, uri, _agent_home(tmp_path))
+
+
+async def test_successful_registrations_do_not_count_against_the_address(
+    enrollment_leader: Leader, tmp_path: Path
+) -> None:
+    # One provisioning host enrolls twelve nodes in a minute: none is refused.
+    for index in range(12):
+        uri = enrollment_leader.uri(f"gpu-{index}")
+        await asyncio.to_thread(register_agent, uri, _agent_home(tmp_path, f"a{index}"))
+    assert [line["outcome"] for line in enrollment_leader.audit_lines()] == ["enrolled"] * 12
+
+
+async def test_failures_in_between_successes_still_reach_the_limit(
+    enrollment_leader: Leader, tmp_path: Path
+) -> None:
+    bad = replace(enrollment_leader.uri("gpu-x"), token="not-a-token-at-all")
+    for index in range(10):
+        await asyncio.to_thread(register_agent, enrollment_leader.uri(f"gpu-{index}"),
+                                _agent_home(tmp_path, f"a{index}"))  # fmt: skip
+        with pytest.raises(AuthError, match="unknown enrollment token"):
+            await asyncio.to_thread(register_agent, bad, _agent_home(tmp_path, "bad"))
+    with pytest.raises(RateLimitError, match="too many"):
+        await asyncio.to_thread(
+            register_agent, enrollment_leader.uri("gpu-y"), _agent_home(tmp_path, "y")
+        )
+
+
+async def test_the_audit_log_keeps_nothing_of_any_token(
+    enrollment_leader: Leader, tmp_path: Path
+) -> None:
+    good = enrollment_leader.uri("gpu-1")
+    presented = [good.token, "sk-berth-pasted-by-mistake-0123456789ab", "not-a-token-at-all"]
+    await asyncio.to_thread(register_agent, good, _agent_home(tmp_path, "a"))
+    for token in presented[1:]:
+        with pytest.raises(AuthError):
+            await asyncio.to_thread(register_agent, replace(good, token=token),
+                                    _agent_home(tmp_path, "b"))  # fmt: skip
+    async with httpx.AsyncClient(verify=False) as client:  # malformed: no CSR
+        await client.post(
+            f"{enrollment_leader.url}/admin/nodes/register", json={"token": presented[2]}
+        )
+    log = enrollment_leader.home.audit_log.read_text()
+    assert len(log.splitlines()) == 4
+    for token in presented:  # no 8 characters of it (what the log used to keep) in a row
+        for start in range(len(token) - 7):
+            assert token[start : start + 8] not in log, token[start : start + 8]
+    assert all("token_prefix" not in line for line in enrollment_leader.audit_lines())
 
 
 async def test_reenrolling_a_label_keeps_the_id_and_replaces_the_fingerprint(
@@ -393,3 +450,17 @@ def test_rate_limiter_slides_its_window_per_address() -> None:
     assert limiter.check("b", 30.0) is None
     assert limiter.check("a", 60.0) is None  # the attempt at 0 left the window
     assert limiter.check("a", 61.0) == pytest.approx(9.0)
+
+
+def test_rate_limiter_counts_failed_and_unfinished_attempts_only() -> None:
+    limiter = RegistrationRateLimiter(max_attempts=2, window_s=60.0)
+
+    assert limiter.check("a", 0.0) is None
+    limiter.succeeded("a", 0.0)  # enrolled: no longer counts
+    assert limiter.check("a", 1.0) is None  # still in progress, or failed: counts
+    assert limiter.check("a", 2.0) is None
+    assert limiter.check("a", 3.0) == pytest.approx(58.0)  # two concurrent guesses at most
+    limiter.succeeded("a", 1.0)
+    assert limiter.check("a", 4.0) is None
+    limiter.succeeded("a", 999.0)  # an attempt it does not know: nothing changes
+    assert limiter.check("a", 5.0) == pytest.approx(57.0)
