@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from berth.agent.core import AgentCore
+from berth.doctor.engines import process_tree_check
 from berth.errors import ConfigError, EngineError
 from berth.runtime.base import EngineHandle, LaunchSpec
 from berth.runtime.cgroups import cgroup2_mount, own_cgroup
@@ -354,3 +355,18 @@ async def test_a_restarted_core_stops_what_a_dead_engine_left_in_its_group_or_cg
         if alive(grandchild):
             os.kill(grandchild, signal.SIGKILL)
         restarted.close()
+
+
+def test_doctor_names_the_mechanism_and_fails_a_forced_cgroup_it_cannot_have(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    forced_proc = process_tree_check("proc")
+    assert forced_proc.verdict == "ok" and "descendants recorded from /proc" in forced_proc.detail
+    if CGROUPS:
+        assert "a cgroup per engine" in process_tree_check("auto").detail
+    monkeypatch.setattr("berth.runtime.cgroups.cgroup2_mount", lambda: None)
+
+    fallback, forced = process_tree_check("auto"), process_tree_check("cgroup")
+
+    assert fallback.verdict == "warn" and "cgroup v2 is not mounted" in fallback.detail
+    assert forced.verdict == "fail" and "process_tree" in forced.hint
