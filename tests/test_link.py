@@ -33,6 +33,7 @@ from berth.cluster.protocol.ops import PROBE, NoArgs, Op, ProbeArgs
 from berth.cluster.protocol.session import LinkLimits, LinkSession, Role, WelcomeTerms
 from berth.cluster.remote_link import RemoteLink
 from berth.cluster.tunnel_stream import TunnelStream
+from berth.engine_http.auth import bearer_header
 from berth.engine_http.errors import UpstreamConnectError
 from berth.errors import EngineError, NotFoundError
 from berth.runtime.engines import DeploymentRequest
@@ -40,6 +41,8 @@ from fakes import memory_socket_pair
 from standin_engine import StandinEngine, chat_chunks, json_reply, sse_reply
 
 DEPLOYMENT = "d-00000001"
+#: The stand-in engine's API key, which the agent's relay must add.
+ENGINE_KEY = "berth-ek-link-test"
 
 
 class FakeCore:
@@ -52,6 +55,9 @@ class FakeCore:
         self.requests: list[DeploymentRequest] = []
 
     adopted = None
+
+    def engine_auth(self, deployment_id: str) -> tuple[bytes, bytes] | None:
+        return bearer_header(ENGINE_KEY) if deployment_id == DEPLOYMENT else None
 
     def engine_origin(self, deployment_id: str) -> tuple[str, int]:
         if deployment_id != DEPLOYMENT:
@@ -112,7 +118,7 @@ class Linked:
 @pytest.fixture
 async def linked() -> AsyncIterator[Linked]:
     limits = LinkLimits(stream_window_bytes=64 * 1024)
-    async with StandinEngine() as engine:
+    async with StandinEngine(api_key=ENGINE_KEY) as engine:
         core = FakeCore(engine.port)
         service = AgentService(core, read_timeout_s=5.0)  # type: ignore[arg-type]
         agent_ws, leader_ws = memory_socket_pair()
@@ -160,6 +166,7 @@ async def test_a_json_exchange_crosses_the_link(linked: Linked) -> None:
     received = linked.engine.requests[0]
     assert received.path == "/v1/chat/completions"
     assert received.headers["content-type"] == "application/json"
+    assert received.headers["authorization"] == f"Bearer {ENGINE_KEY}"  # the agent added it
 
 
 async def test_a_body_larger_than_the_window_arrives_whole(linked: Linked) -> None:
