@@ -144,8 +144,8 @@ class AgentService:
         if restored:
             self._on_activity(f"re-attached engines: {', '.join(restored)}")
         for runtime in self._runtimes:
-            if not runtime.available:
-                log.info("runtime %s unavailable: %s", runtime.name, runtime.detail)
+            verdict = "available" if runtime.available else "unavailable"
+            log.info("runtime %s %s: %s", runtime.name, verdict, runtime.detail)
         return self._runtimes
 
     def hello(self) -> Hello:
