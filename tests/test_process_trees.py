@@ -370,3 +370,21 @@ def test_doctor_names_the_mechanism_and_fails_a_forced_cgroup_it_cannot_have(
 
     assert fallback.verdict == "warn" and "cgroup v2 is not mounted" in fallback.detail
     assert forced.verdict == "fail" and "process_tree" in forced.hint
+
+
+@pytest.mark.skipif(not CGROUPS, reason="no writable cgroup v2 here")
+async def test_left_over_empty_cgroups_are_removed_and_live_ones_kept(tmp_path: Path) -> None:
+    engines = TreeEngines(tmp_path, "cgroup")
+    cgroups = engines.runtime.trees.cgroups
+    assert cgroups is not None
+    try:
+        handle, _ = await engines.start(engines.spec())
+        left_over = cgroups.create("d-1eft0ver")  # as if its engine had been killed by hand
+        assert left_over.path.is_dir()
+
+        cgroups.remove_stale(now=time.time() + 3600)
+
+        assert not left_over.path.exists()
+        assert handle.cgroup is not None and cgroups.named(handle.cgroup).path.is_dir()
+    finally:
+        await engines.close()

@@ -27,11 +27,15 @@ import errno
 import os
 import secrets
 import signal
+import time
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
 #: The folder below berth's own cgroup that holds one cgroup per engine.
 CGROUP_FOLDER = "berth"
+#: Seconds after which an empty engine cgroup counts as left over (see
+#: :meth:`EngineCgroups.remove_stale`).
+STALE_AFTER_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -140,9 +144,12 @@ class EngineCgroups:
 
         Named after the deployment; when that name is taken (another berth home on this
         host, a cgroup left by a crash) a random suffix is added, so no two engines ever
-        share one.  Raises :class:`OSError` when it cannot be made.
+        share one.  Empty engine cgroups older than :data:`STALE_AFTER_S` (left when an
+        engine was killed behind berth's back) are removed first.  Raises :class:`OSError`
+        when it cannot be made.
         """
         self.parent.mkdir(exist_ok=True)
+        self.remove_stale()
         for name in (deployment_id, *(f"{deployment_id}.{secrets.token_hex(3)}" for _ in "xyz")):
             try:
                 (self.parent / name).mkdir()
@@ -150,6 +157,22 @@ class EngineCgroups:
                 continue
             return self.named(f"{self.parent_name.rstrip('/')}/{name}")
         raise OSError(errno.EEXIST, f"no free cgroup name for {deployment_id}")
+
+    def remove_stale(self, now: float | None = None) -> None:
+        """Remove the empty engine cgroups made more than :data:`STALE_AFTER_S` ago.  One is
+        empty from its making until its engine joins it (a moment), and again once it is
+        stopped (when berth removes it): an older empty one is left over."""
+        now = time.time() if now is None else now
+        with contextlib.suppress(OSError), os.scandir(self.parent) as entries:
+            for entry in entries:
+                if not entry.is_dir(follow_symlinks=False):
+                    continue
+                with contextlib.suppress(OSError):
+                    if now - entry.stat(follow_symlinks=False).st_ctime < STALE_AFTER_S:
+                        continue
+                    cgroup = EngineCgroup(f"{self.parent_name}/{entry.name}", Path(entry.path))
+                    if not cgroup.populated():
+                        cgroup.remove()
 
     def named(self, name: str) -> EngineCgroup:
         """The engine cgroup ``name`` (as :attr:`EngineCgroup.name` gives it)."""
