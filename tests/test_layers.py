@@ -55,6 +55,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("observability",),
     ("cluster",),
     ("agent", "routing"),
+    ("scaling",),
     ("doctor", "desk", "backup"),
     ("daemon",),
     ("cli",),

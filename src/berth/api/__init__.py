@@ -55,10 +55,13 @@ from berth.api.services import (
     RouteIn,
     RouteRemoved,
     RouteService,
+    ScaleIn,
+    ScalingDecisionOut,
     Service,
     ServiceDeployment,
     ServiceDetail,
     ServiceIn,
+    ServiceScaling,
 )
 
 __all__ = [
@@ -104,10 +107,13 @@ __all__ = [
     "RouteService",
     "RoutingExplanation",
     "RuntimeInfo",
+    "ScaleIn",
+    "ScalingDecisionOut",
     "Service",
     "ServiceDeployment",
     "ServiceDetail",
     "ServiceIn",
+    "ServiceScaling",
     "SettingValue",
     "SettingsReport",
     "ShutdownAccepted",

@@ -44,6 +44,7 @@ from berth.api import (
     RouteIn,
     RouteRemoved,
     RoutingExplanation,
+    ScaleIn,
     Service,
     ServiceDetail,
     ServiceIn,
@@ -241,6 +242,11 @@ class DaemonClient:
         """``GET /admin/services/{name}``: with its active deployments."""
         path = f"/admin/services/{_segment(name, safe='/:')}"
         return self.call("GET", path, TypeAdapter(ServiceDetail))
+
+    def scale_service(self, name: str, body: ScaleIn) -> ServiceDetail:
+        """``PATCH /admin/services/{name}``: new scaling settings; the service as it is now."""
+        path = f"/admin/services/{_segment(name, safe='/:')}"
+        return self.call("PATCH", path, TypeAdapter(ServiceDetail), body=body)
 
     def remove_service(self, name: str) -> Service:
         """``DELETE /admin/services/{name}``."""

@@ -59,8 +59,10 @@ class Deployment(ApiModel):
 
 
 class ListedDeployment(Deployment):
-    """A row of ``GET /admin/deployments``: with its node's label, and whether that node
-    is connected (a ready deployment on an unreachable node is not routed to)."""
+    """A row of ``GET /admin/deployments``: with its node's label, whether that node is
+    connected (a ready deployment on an unreachable node is not routed to), and the service
+    it is a replica of (``None``: deployed on its own, not from a service)."""
 
     node_label: str
     node_connected: bool
+    service: str | None = None

@@ -2,12 +2,39 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field, field_validator
 
 from berth.api.base import ApiModel, Timestamp
+from berth.humanize import parse_duration
 from berth.runtime.base import RuntimeName
 from berth.runtime.engines import EngineName
 from berth.store.states import DeploymentState
+
+#: What an idle timeout may be given as: a duration (``"30s"``, ``"10m"``, ``"2h"``, or a
+#: number of seconds), or ``"never"`` (not stopped for idleness).
+NEVER = "never"
+_INT32 = 2**31 - 1
+
+
+def idle_timeout_seconds(value: str | float | None) -> float | None:
+    """Seconds of an idle timeout as the API takes it: a duration string or number of
+    seconds; ``"never"`` (any case) and ``None`` are ``None``.  ``ValueError`` when it does
+    not parse (the message names the accepted forms)."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        if value.strip().lower() == NEVER:
+            return None
+        return parse_duration(value)
+    return parse_duration(str(value))
+
+
+def _check_idle_timeout(value: str | float | None) -> str | float | None:
+    idle_timeout_seconds(value)  # raises ValueError, which pydantic reports on the field
+    return value
+
 
 #: Service names: letters, digits and ``. _ - :``, starting with a letter or digit.  They
 #: become the engine's served model name and a URL path segment.
@@ -23,6 +50,13 @@ class ServiceIn(ApiModel):
     ``None`` is the leader's ``default_runtime`` setting, recorded on the service.  ``gpus``
     are device indexes (0 to 1023), ``ctx`` the context length in tokens, ``node_label`` the
     node its deployments run on (``None``: chosen at deploy time).
+
+    Scaling (:class:`berth.store.ScalingSettings`): ``min_replicas`` kept running (0: on
+    demand), ``max_replicas`` berth starts at most, ``idle_timeout`` (``"10m"``, seconds, or
+    ``"never"``/``None``: never stopped for idleness), ``pinned`` (never evicted),
+    ``priority`` (a start evicts only services of at most its priority), ``capacity``
+    (requests one replica serves at once; ``None``: the engine's slots).  ``min_replicas``
+    above ``max_replicas`` is refused by the store (400).
     """
 
     name: str = Field(pattern=SERVICE_NAME_PATTERN)
@@ -34,6 +68,14 @@ class ServiceIn(ApiModel):
     extra_args: list[str] = Field(default_factory=list)
     image: str | None = Field(default=None, max_length=512)
     node_label: str | None = None
+    min_replicas: int = Field(default=0, ge=0, le=_INT32)
+    max_replicas: int = Field(default=1, ge=0, le=_INT32)
+    idle_timeout: str | float | None = None
+    pinned: bool = False
+    priority: int = Field(default=0, ge=-_INT32, le=_INT32)
+    capacity: int | None = Field(default=None, ge=1, le=_INT32)
+
+    _idle_timeout = field_validator("idle_timeout")(_check_idle_timeout)
 
     @field_validator("gpus")
     @classmethod
@@ -41,6 +83,21 @@ class ServiceIn(ApiModel):
         if any(not 0 <= gpu <= 1023 for gpu in gpus):
             raise ValueError("GPU indexes are 0 to 1023")
         return gpus
+
+
+class ScaleIn(ApiModel):
+    """``PATCH /admin/services/{name}``: new scaling settings; a field left ``None`` keeps
+    its value (``idle_timeout`` ``"never"`` clears the timeout).  Checked as a whole after
+    the change: ``min_replicas`` above ``max_replicas`` is refused (400), nothing changed."""
+
+    min_replicas: int | None = Field(default=None, ge=0, le=_INT32)
+    max_replicas: int | None = Field(default=None, ge=0, le=_INT32)
+    idle_timeout: str | float | None = None
+    pinned: bool | None = None
+    priority: int | None = Field(default=None, ge=-_INT32, le=_INT32)
+    capacity: int | None = Field(default=None, ge=1, le=_INT32)
+
+    _idle_timeout = field_validator("idle_timeout")(_check_idle_timeout)
 
 
 class DeployIn(ApiModel):
@@ -73,9 +130,36 @@ class FallbackIn(ApiModel):
     fallback: str | None
 
 
+class ServiceScaling(ApiModel):
+    """A service's scaling settings (see :class:`ServiceIn`); ``capacity`` as set
+    (``None``: the engine's slots) and ``replica_capacity`` the number in force."""
+
+    min_replicas: int
+    max_replicas: int
+    idle_timeout_s: float | None
+    pinned: bool
+    priority: int
+    capacity: int | None
+    replica_capacity: int
+
+
+ScalingAction = Literal["start", "stop", "hold"]
+
+
+class ScalingDecisionOut(ApiModel):
+    """One decision of the scaling controller about a service: ``start`` a replica, ``stop``
+    ``deployment_ids``, or ``hold``; ``reason`` says why, ``at`` when it was taken."""
+
+    action: ScalingAction
+    reason: str
+    at: Timestamp
+    deployment_ids: list[str] = Field(default_factory=list)
+
+
 class Service(ApiModel):
     """A service profile, with the routes that name it and how many ready deployments on
-    reachable nodes serve it (``ready``)."""
+    reachable nodes serve it (``ready``).  ``replicas`` counts its active deployments by
+    state; ``queued`` is how many requests wait for it to load (on demand)."""
 
     name: str
     model: str
@@ -89,6 +173,9 @@ class Service(ApiModel):
     created_at: Timestamp
     routes: list[str]
     ready: int
+    scaling: ServiceScaling
+    replicas: dict[DeploymentState, int] = Field(default_factory=dict)
+    queued: int = 0
 
 
 class ServiceDeployment(ApiModel):
@@ -101,9 +188,13 @@ class ServiceDeployment(ApiModel):
 
 
 class ServiceDetail(Service):
-    """``GET /admin/services/{name}``: the service and its active deployments."""
+    """``GET /admin/services/{name}``: the service and its active deployments, with the
+    scaling controller's last action about it (``last_decision``: the last start or stop,
+    ``None`` before the first) and what it decided at its last look (``decision``)."""
 
     deployments: list[ServiceDeployment]
+    last_decision: ScalingDecisionOut | None = None
+    decision: ScalingDecisionOut | None = None
 
 
 class RouteService(ApiModel):

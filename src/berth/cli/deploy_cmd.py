@@ -147,6 +147,7 @@ def deployments_table(records: Sequence[ListedDeployment], *, title: str | None 
     table = Table(title=title, title_justify="left")
     table.add_column("ID", no_wrap=True)
     table.add_column("MODEL", no_wrap=True)
+    table.add_column("SERVICE", no_wrap=True)
     for column in ("ENGINE", "RUNTIME", "NODE", "STATE", "PORT", "PID", "AGE"):
         table.add_column(column)
     now = datetime.now(UTC)
@@ -168,6 +169,7 @@ def deployments_table(records: Sequence[ListedDeployment], *, title: str | None 
         table.add_row(
             r.id,
             r.served_model_name,
+            r.service or "-",
             r.engine,
             r.runtime,
             r.node_label or r.node_id,

@@ -1,20 +1,34 @@
 """``berth service …`` (service profiles) and ``berth route …`` (the names clients use).
 
-A service is a model plus how to deploy it; ``berth service deploy`` starts a deployment of
-it.  A route is a public model name in front of one or more services (by priority) with an
-optional fallback route.  Everything goes through the daemon's admin API
-(``/admin/services``, ``/admin/routes``).
+A service is a model plus how to deploy it, and how many replicas of it run
+(``--min-replicas``/``--max-replicas``, ``--idle-timeout``; ``berth service scale`` changes
+them); ``berth service deploy`` starts a deployment of it by hand.  A route is a public model
+name in front of one or more services (by priority) with an optional fallback route.
+Everything goes through the daemon's admin API (``/admin/services``, ``/admin/routes``).
 """
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
+
 import typer
 from rich.table import Table
 
-from berth.api import DeployIn, FallbackIn, Route, RouteIn, Service, ServiceIn
+from berth.api import (
+    DeployIn,
+    FallbackIn,
+    Route,
+    RouteIn,
+    ScaleIn,
+    ScalingDecisionOut,
+    Service,
+    ServiceDetail,
+    ServiceIn,
+)
 from berth.cli.common import HELP_OPTIONS, console, context, print_json, request_body
 from berth.cli.deploy_cmd import parse_gpus, wait_settled
 from berth.errors import ConfigError, EngineError
+from berth.humanize import age, duration
 from berth.store.states import DeploymentState
 
 service_app = typer.Typer(
@@ -52,6 +66,30 @@ def create_service(
     node_label: str | None = typer.Option(
         None, "--node-label", help="The node its deployments run on (default: chosen at deploy)."
     ),
+    min_replicas: int = typer.Option(
+        0, "--min-replicas", help="Replicas kept running (0: started on demand, by a request)."
+    ),
+    max_replicas: int = typer.Option(
+        1, "--max-replicas", help="Replicas berth starts at most (scale out up to this)."
+    ),
+    idle_timeout: str | None = typer.Option(
+        None,
+        "--idle-timeout",
+        help="Stop a replica after this long without a request, e.g. 30s, 10m, 2h "
+        "(default: never), down to --min-replicas.",
+    ),
+    pin: bool = typer.Option(
+        False, "--pin", help="Never evict its replicas to make room for another service."
+    ),
+    priority: int = typer.Option(
+        0, "--priority", help="A start evicts only services of at most its priority."
+    ),
+    capacity: int | None = typer.Option(
+        None,
+        "--capacity",
+        help="Requests one replica serves at once (default: the engine's slots, e.g. "
+        "llama.cpp --parallel).",
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print JSON."),
 ) -> None:
     """Create a service profile."""
@@ -66,18 +104,65 @@ def create_service(
         extra_args=list(extra),
         image=image,
         node_label=node_label,
+        min_replicas=min_replicas,
+        max_replicas=max_replicas,
+        idle_timeout=idle_timeout,
+        pinned=pin,
+        priority=priority,
+        capacity=capacity,
     )
     with context(ctx).client() as client:
         record = client.create_service(body)
     if as_json:
         print_json(record)
         return
-    console.print(f"service [bold]{record.name}[/] created: {_settings(record)}")
+    console.print(f"service [bold]{record.name}[/] created: {_settings(record)}", soft_wrap=True)
+    console.print(f"scaling: {_scaling(record)}", markup=False, soft_wrap=True)
+    if record.scaling.min_replicas == 0:
+        how = "it loads on demand, at the first request for the route"
+    else:
+        how = f"{record.scaling.min_replicas} replica(s) start now"
     console.print(
-        f"next: `berth service deploy {record.name}`, then "
-        f"`berth route create PUBLIC-NAME --service {record.name}`",
+        f"next: `berth route create PUBLIC-NAME --service {record.name}`; {how}",
         markup=False,
+        soft_wrap=True,
     )
+
+
+def _scaling(record: Service) -> str:
+    """A service's scaling settings on one line."""
+    scaling = record.scaling
+    on_demand = " (on demand)" if scaling.min_replicas == 0 else ""
+    idle = scaling.idle_timeout_s
+    parts = [
+        f"replicas {scaling.min_replicas}-{scaling.max_replicas}{on_demand}",
+        f"idle timeout {'never' if idle is None else duration(idle)}",
+        f"capacity {scaling.replica_capacity}"
+        + (" (the engine's slots)" if scaling.capacity is None else ""),
+    ]
+    if scaling.pinned:
+        parts.append("pinned")
+    if scaling.priority:
+        parts.append(f"priority {scaling.priority}")
+    return ", ".join(parts)
+
+
+def _replicas(record: Service) -> str:
+    """A service's replicas by state: ``1 ready, 1 loading``; ``none``."""
+    order = (
+        DeploymentState.READY,
+        DeploymentState.LOADING,
+        DeploymentState.PENDING,
+        DeploymentState.STOPPING,
+    )
+    parts = [f"{record.replicas[s]} {s}" for s in order if record.replicas.get(s)]
+    return ", ".join(parts) or "none"
+
+
+def _decision(decision: ScalingDecisionOut) -> str:
+    when = age((datetime.now(UTC) - decision.at).total_seconds())
+    ids = f" {', '.join(decision.deployment_ids)}" if decision.deployment_ids else ""
+    return f"{decision.action}{ids} ({when} ago): {decision.reason}"
 
 
 def _settings(record: Service) -> str:
@@ -109,20 +194,25 @@ def list_services(
         console.print("no services; create one with `berth service create NAME --model M`")
         return
     table = Table()
-    for column in ("NAME", "MODEL", "ENGINE", "RUNTIME", "NODE", "GPUS", "CTX", "READY"):
-        table.add_column(column, no_wrap=column in ("NAME", "MODEL"))
+    for column in ("NAME", "MODEL", "ENGINE", "NODE", "GPUS", "CTX", "REPLICAS", "IDLE", "READY"):
+        table.add_column(column, no_wrap=column in ("NAME", "MODEL", "REPLICAS"))
     table.add_column("ROUTES")
     for r in records:
         ready = f"[green]{r.ready}[/]" if r.ready else "0"
+        scaling = r.scaling
+        marks = "".join((" pinned" if scaling.pinned else "",
+                         f" p{scaling.priority}" if scaling.priority else ""))  # fmt: skip
+        idle = scaling.idle_timeout_s
         table.add_row(
             r.name,
             r.model,
-            r.engine,
-            r.runtime,
+            f"{r.engine} ({r.runtime})",
             r.node_label or "-",
             ",".join(map(str, r.gpus)) or "-",
             str(r.ctx or "-"),
-            ready,
+            f"{scaling.min_replicas}-{scaling.max_replicas}{marks}",
+            "never" if idle is None else duration(idle),
+            ready + (f" (+{r.queued} queued)" if r.queued else ""),
             ", ".join(r.routes) or "-",
         )
     console.print(table)
@@ -140,13 +230,71 @@ def show_service(
     if as_json:
         print_json(detail)
         return
+    print_detail(detail)
+
+
+def print_detail(detail: ServiceDetail) -> None:
+    """What ``berth service show`` prints: settings, scaling, replicas, last decision."""
     console.print(f"[bold]{detail.name}[/]: {_settings(detail)}", soft_wrap=True)
+    console.print(f"scaling: {_scaling(detail)}", markup=False, soft_wrap=True)
     console.print(f"routes: {', '.join(detail.routes) or 'none'}", markup=False)
+    queued = f", {detail.queued} request(s) waiting for a load" if detail.queued else ""
+    console.print(f"replicas: {_replicas(detail)}{queued}", markup=False)
     if not detail.deployments:
-        console.print(f"deployments: none (start one with `berth service deploy {name}`)")
+        how = "a request for a route to it loads one" if detail.scaling.max_replicas else ""
+        console.print(f"deployments: none ({how or 'max_replicas is 0'})", markup=False)
     for d in detail.deployments:
         port = f", port {d.port}" if d.port else ""
         console.print(f"deployment {d.id}: {d.state} on node {d.node_id}{port}")
+    if detail.last_decision is not None:
+        line = f"last decision: {_decision(detail.last_decision)}"
+        console.print(line, markup=False, soft_wrap=True)
+    if detail.decision is not None and detail.decision != detail.last_decision:
+        console.print(f"now: {_decision(detail.decision)}", markup=False, soft_wrap=True)
+
+
+@service_app.command("scale")
+def scale_service(
+    ctx: typer.Context,
+    name: str = typer.Argument(..., help="The service's name."),
+    min_replicas: int | None = typer.Option(None, "--min", help="Replicas kept running."),
+    max_replicas: int | None = typer.Option(None, "--max", help="Replicas berth starts at most."),
+    idle_timeout: str | None = typer.Option(
+        None, "--idle-timeout", help="e.g. 30s, 10m, 2h, or never."
+    ),
+    pin: bool | None = typer.Option(
+        None, "--pin/--no-pin", help="Never evict its replicas for another service."
+    ),
+    priority: int | None = typer.Option(None, "--priority", help="Eviction priority."),
+    capacity: int | None = typer.Option(
+        None, "--capacity", help="Requests one replica serves at once."
+    ),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON."),
+) -> None:
+    """Change how many replicas of a service run (and when they stop or are evicted).
+
+    Refused with the reason, and nothing changed, when the result is not valid (min above
+    max, a negative count, an idle timeout that does not parse).
+    """
+    changes = (min_replicas, max_replicas, idle_timeout, pin, priority, capacity)
+    if all(value is None for value in changes):
+        raise ConfigError("give at least one of --min, --max, --idle-timeout, --pin, "
+                          "--priority, --capacity")  # fmt: skip
+    body = request_body(
+        ScaleIn,
+        min_replicas=min_replicas,
+        max_replicas=max_replicas,
+        idle_timeout=idle_timeout,
+        pinned=pin,
+        priority=priority,
+        capacity=capacity,
+    )
+    with context(ctx).client() as client:
+        detail = client.scale_service(name, body)
+    if as_json:
+        print_json(detail)
+        return
+    print_detail(detail)
 
 
 @service_app.command("rm")

@@ -118,6 +118,11 @@ class Settings:
     leader_url: str | None
     heartbeat_interval_s: float
     node_timeout_s: float
+    load_wait_s: float
+    load_queue_max: int
+    min_residency_s: float
+    scale_out_after_s: float
+    scaling_interval_s: float
     desk_pool_url: str
 
     @classmethod

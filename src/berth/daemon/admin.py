@@ -320,15 +320,19 @@ def build_admin_app(services: LeaderServices) -> FastAPI:
     async def list_deployments(active: bool = False) -> list[ListedDeployment]:
         records = await asyncio.to_thread(store.list_deployments, active_only=active)
         nodes = {n.id: n for n in await asyncio.to_thread(store.list_nodes, True)}
+        # A deployment serving a service's name is a replica of it.
+        named = {s.name for s in await asyncio.to_thread(store.list_service_profiles)}
         listed = []
         for record in records:
             node = nodes.get(record.node_id)
             connected = record.node_id == LOCAL_NODE_ID or services.hub.is_connected(record.node_id)
+            service = record.served_model_name if record.served_model_name in named else None
             listed.append(
                 deployment_view(record, lifecycle).extended(
                     ListedDeployment,
                     node_label=node.label if node is not None else record.node_id,
                     node_connected=connected,
+                    service=service,
                 )
             )
         return listed

@@ -1,9 +1,11 @@
 """The admin API's service and route endpoints.
 
 - ``GET /admin/services``; ``POST /admin/services`` ``{"name", "model", "engine", "runtime",
-  "gpus", "ctx", "extra_args", "image", "node_label"}`` (201);
-- ``GET /admin/services/{name}`` (with its active deployments); ``DELETE`` it (409 while a
-  route names it or a deployment of it is active);
+  "gpus", "ctx", "extra_args", "image", "node_label", "min_replicas", "max_replicas",
+  "idle_timeout", "pinned", "priority", "capacity"}`` (201);
+- ``GET /admin/services/{name}`` (with its active deployments and the scaling controller's
+  last decision); ``PATCH`` it with new scaling settings (``ScaleIn``); ``DELETE`` it (409
+  while a route names it or a deployment of it is active);
 - ``POST /admin/services/{name}/deploy`` ``{"node"}`` (201): a deployment with the service's
   settings, serving the service's name, on ``node`` (else its ``node_label``, else ``local``);
 - ``GET /admin/routes``; ``POST /admin/routes`` ``{"name", "service", "priority",
@@ -11,14 +13,16 @@
   ``GET /admin/routes/{name}``; ``PATCH /admin/routes/{name}`` ``{"fallback"}`` (``null``
   clears it); ``DELETE /admin/routes/{name}[?service=S]`` (one target, or the whole route).
 
-Every change to services or routes reloads the :class:`RouteResolver`'s table, so the proxy
-sees it at once without ever reading the database itself.  Errors are the admin app's
+Every change to services or routes reloads the :class:`RouteResolver`'s table and the
+scaling controller's services, so the proxy and the controller see it at once without ever
+reading the database themselves.  Errors are the admin app's
 OpenAI-shaped ones (404 unknown names, 409 names taken or in use, 400 bad values).
 """
 
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from fastapi import APIRouter
@@ -31,29 +35,41 @@ from berth.api import (
     RouteIn,
     RouteRemoved,
     RouteService,
+    ScaleIn,
+    ScalingDecisionOut,
     Service,
     ServiceDeployment,
     ServiceDetail,
     ServiceIn,
+    ServiceScaling,
 )
+from berth.api.services import idle_timeout_seconds
 from berth.cluster.link import LOCAL_NODE_ID
 from berth.daemon.admin import deployment_view
-from berth.daemon.lifecycle import DeployOptions, LifecycleManager
-from berth.errors import ConfigError, ConflictError, NotFoundError
+from berth.daemon.fleet import deploy_options, leader_only_refusal
+from berth.daemon.lifecycle import LifecycleManager
+from berth.errors import ConfigError, NotFoundError
 from berth.routing.errors import NoReadyDeploymentError
 from berth.routing.routes import RouteResolver
 from berth.runtime.engines import parse_engine_name, parse_runtime_name
-from berth.store import RouteRecord, ServiceProfileRecord, Store
+from berth.scaling import DecisionRecord, ScalingController
+from berth.scaling.capacity import replica_capacity
+from berth.store import RouteRecord, ScalingSettings, ServiceProfileRecord, Store
 
 if TYPE_CHECKING:
     from berth.daemon.services import LeaderServices
 
 
-async def load_routes(store: Store, routes: RouteResolver) -> None:
-    """Read every route and service name from ``store`` into ``routes``' table."""
+async def load_routes(
+    store: Store, routes: RouteResolver, scaling: ScalingController | None = None
+) -> None:
+    """Read every route and service name from ``store`` into ``routes``' table, and the
+    services into the scaling controller when there is one."""
     records = await asyncio.to_thread(store.list_routes)
     services = await asyncio.to_thread(store.list_service_profiles)
     routes.load(records, (s.name for s in services))
+    if scaling is not None:
+        scaling.services_changed(services)
 
 
 def ready_count(lifecycle: LifecycleManager, name: str) -> int:
@@ -64,10 +80,40 @@ def ready_count(lifecycle: LifecycleManager, name: str) -> int:
         return 0
 
 
+def scaling_view(record: ServiceProfileRecord) -> ServiceScaling:
+    """A service's scaling settings for the admin API, with the capacity in force."""
+    settings = record.scaling
+    return ServiceScaling(
+        min_replicas=settings.min_replicas,
+        max_replicas=settings.max_replicas,
+        idle_timeout_s=settings.idle_timeout_s,
+        pinned=settings.pinned,
+        priority=settings.priority,
+        capacity=settings.capacity,
+        replica_capacity=replica_capacity(record),
+    )
+
+
+def decision_view(record: DecisionRecord | None) -> ScalingDecisionOut | None:
+    if record is None:
+        return None
+    return ScalingDecisionOut(
+        action=record.action,
+        reason=record.reason,
+        at=record.at_datetime,
+        deployment_ids=list(record.deployment_ids),
+    )
+
+
 def service_view(
-    record: ServiceProfileRecord, lifecycle: LifecycleManager, routes: list[str]
+    record: ServiceProfileRecord,
+    lifecycle: LifecycleManager,
+    routes: list[str],
+    scaling: ScalingController | None = None,
 ) -> Service:
-    """A service for the admin API, with the routes that name it and its ready count."""
+    """A service for the admin API, with the routes that name it, its ready count, its
+    scaling settings and (with a controller) its replicas by state and queued requests."""
+    status = scaling.status(record.name) if scaling is not None else None
     return Service(
         name=record.name,
         model=record.model_name,
@@ -81,6 +127,9 @@ def service_view(
         created_at=record.created_at,
         routes=routes,
         ready=ready_count(lifecycle, record.name),
+        scaling=scaling_view(record),
+        replicas=dict(status.replicas) if status is not None else {},
+        queued=status.queued if status is not None else 0,
     )
 
 
@@ -117,6 +166,7 @@ def build_service_router(services: LeaderServices) -> APIRouter:
         services.routes,
         default_runtime=services.settings.default_runtime,
         leader_only=services.leader_only,
+        scaling=services.scaling,
     )
 
 
@@ -127,11 +177,13 @@ def service_router(
     *,
     default_runtime: str,
     leader_only: bool = False,
+    scaling: ScalingController | None = None,
 ) -> APIRouter:
     """The endpoints of the module doc over explicit dependencies (tests build it so).
 
     ``leader_only``: this leader runs no engines, so a deployment on node ``local`` is
-    refused (409) with what to do instead.
+    refused (409) with what to do instead.  ``scaling``: the scaling controller, told of
+    every change to services and asked for their replicas and last decisions.
     """
     router = APIRouter()
     # Reloads run one at a time, so the last one starts after the last write and wins.
@@ -139,7 +191,24 @@ def service_router(
 
     async def reload() -> None:
         async with reloading:
-            await load_routes(store, routes)
+            await load_routes(store, routes, scaling)
+
+    async def detail(record: ServiceProfileRecord) -> ServiceDetail:
+        name = record.name
+        active = await asyncio.to_thread(store.list_deployments, active_only=True)
+        deployments = [
+            ServiceDeployment(id=d.id, node_id=d.node_id, state=d.state, port=d.port)
+            for d in active
+            if d.served_model_name == name
+        ]
+        service = service_view(record, lifecycle, routes_naming(name), scaling)
+        status = scaling.status(name) if scaling is not None else None
+        return service.extended(
+            ServiceDetail,
+            deployments=deployments,
+            last_decision=decision_view(status.last_action if status else None),
+            decision=decision_view(status.decision if status else None),
+        )
 
     def routes_naming(name: str) -> list[str]:
         table = routes.table
@@ -149,10 +218,18 @@ def service_router(
     @router.get("/admin/services")
     async def list_services() -> list[Service]:
         records = await asyncio.to_thread(store.list_service_profiles)
-        return [service_view(r, lifecycle, routes_naming(r.name)) for r in records]
+        return [service_view(r, lifecycle, routes_naming(r.name), scaling) for r in records]
 
     @router.post("/admin/services", status_code=201)
     async def create_service(body: ServiceIn) -> Service:
+        settings = ScalingSettings(
+            min_replicas=body.min_replicas,
+            max_replicas=body.max_replicas,
+            idle_timeout_s=idle_timeout_seconds(body.idle_timeout),
+            pinned=body.pinned,
+            priority=body.priority,
+            capacity=body.capacity,
+        )
         record = await asyncio.to_thread(
             store.create_service_profile,
             body.name,
@@ -164,50 +241,50 @@ def service_router(
             extra_args=body.extra_args,
             image=body.image,
             node_label=body.node_label,
+            scaling=settings,
         )
         await reload()
-        return service_view(record, lifecycle, [])
+        return service_view(record, lifecycle, [], scaling)
 
     @router.get("/admin/services/{name}")
     async def show_service(name: str) -> ServiceDetail:
-        record = await asyncio.to_thread(store.get_service_profile, name)
-        active = await asyncio.to_thread(store.list_deployments, active_only=True)
-        deployments = [
-            ServiceDeployment(id=d.id, node_id=d.node_id, state=d.state, port=d.port)
-            for d in active
-            if d.served_model_name == name
-        ]
-        service = service_view(record, lifecycle, routes_naming(name))
-        return service.extended(ServiceDetail, deployments=deployments)
+        return await detail(await asyncio.to_thread(store.get_service_profile, name))
+
+    @router.patch("/admin/services/{name}")
+    async def scale_service(name: str, body: ScaleIn) -> ServiceDetail:
+        def change(current: ScalingSettings) -> ScalingSettings:
+            changed = current
+            if body.min_replicas is not None:
+                changed = replace(changed, min_replicas=body.min_replicas)
+            if body.max_replicas is not None:
+                changed = replace(changed, max_replicas=body.max_replicas)
+            if body.idle_timeout is not None:
+                changed = replace(changed, idle_timeout_s=idle_timeout_seconds(body.idle_timeout))
+            if body.pinned is not None:
+                changed = replace(changed, pinned=body.pinned)
+            if body.priority is not None:
+                changed = replace(changed, priority=body.priority)
+            if body.capacity is not None:
+                changed = replace(changed, capacity=body.capacity)
+            return changed
+
+        record = await asyncio.to_thread(store.update_service_scaling, name, change)
+        await reload()
+        return await detail(record)
 
     @router.delete("/admin/services/{name}")
     async def remove_service(name: str) -> Service:
         record = await asyncio.to_thread(store.delete_service_profile, name)
         await reload()
-        return service_view(record, lifecycle, [])
+        return service_view(record, lifecycle, [], scaling)
 
     @router.post("/admin/services/{name}/deploy", status_code=201)
     async def deploy_service(name: str, body: DeployIn | None = None) -> Deployment:
         record = await asyncio.to_thread(store.get_service_profile, name)
         node = await _deploy_node(store, record, body.node if body else None)
         if leader_only and node == LOCAL_NODE_ID:
-            raise ConflictError(
-                f"this leader runs no engines (leader_only is set): deploy service {name} on an "
-                "agent with --node LABEL, or give the service a node label"
-            )
-        deployment = await lifecycle.deploy(
-            DeployOptions(
-                model_name=record.model_name,
-                engine=record.engine,
-                node_id=node,
-                runtime=record.runtime,
-                gpus=record.gpus,
-                ctx=record.ctx,
-                extra_args=record.extra_args,
-                served_model_name=record.name,
-                image=record.image,
-            )
-        )
+            raise leader_only_refusal(name)
+        deployment = await lifecycle.deploy(deploy_options(record, node))
         return deployment_view(deployment, lifecycle)
 
     # -- routes --------------------------------------------------------------------------------

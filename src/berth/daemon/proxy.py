@@ -3,6 +3,7 @@
 One request, on the hot path::
 
     read the body (bounded) -> its JSON "model" -> Router.plan(model): ranked candidates
+      (nothing ready: held by the on-demand stage until its service loads, then planned)
       -> POST the same bytes to the best engine, the next node's before the first byte if it
          fails (proxy_dispatch; engine_client: pooled HTTP/1.1, or an agent's tunnel)
       -> relay the answer: JSON whole, event streams event by event -> ProxyMetrics
@@ -52,6 +53,7 @@ from berth.routing.errors import (
 from berth.routing.resolver import Upstream, UpstreamResolver
 from berth.routing.retry import DEFAULT_MAX_ATTEMPTS
 from berth.routing.router import Router
+from berth.scaling.on_demand import OnDemandStage
 
 __all__ = ["OpenAIProxy"]
 
@@ -89,6 +91,13 @@ def _target(upstream: Upstream) -> Target:
     return Target(upstream.model, upstream.deployment_id, upstream.node_id)
 
 
+async def _client_leaves(receive: Receive) -> None:
+    """Return once the client has gone (after the whole body was read, the ASGI server's
+    next message is ``http.disconnect``)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
 class OpenAIProxy:
     """ASGI app for the OpenAI-compatible ``/v1`` routes.
 
@@ -116,6 +125,10 @@ class OpenAIProxy:
     ``authorization`` header of an engine reached directly (node ``local``'s own API key);
     a client's credentials never reach an engine.
 
+    ``on_demand``, when given, holds a request for a route whose services have nothing ready
+    until one of them is loaded (:mod:`berth.scaling.on_demand`); nothing is sent to the
+    client meanwhile, and a client that leaves is dropped from the wait at once.
+
     Call :meth:`startup` before serving and :meth:`shutdown` after (or let an ASGI server's
     lifespan protocol do it when this app is served directly).
     """
@@ -137,8 +150,10 @@ class OpenAIProxy:
         max_attempts: int = DEFAULT_MAX_ATTEMPTS,
         relay_buffer_chunks: int = DEFAULT_BUFFER_CHUNKS,
         engine_auth: EngineAuth | None = None,
+        on_demand: OnDemandStage | None = None,
     ) -> None:
         self._resolver = resolver
+        self._on_demand = on_demand
         self._engines = EngineClient(
             tunnels=tunnels,
             connect_timeout_s=connect_timeout_s,
@@ -270,7 +285,22 @@ class OpenAIProxy:
                     error_reason="client_disconnected",
                 )
                 return
-            plan, key = self.router.plan_request(model_of(body), scope["headers"])
+            model = model_of(body)
+            try:
+                plan, key = self.router.plan_request(model, scope["headers"])
+            except NoReadyDeploymentError:
+                if self._on_demand is None:
+                    raise
+                held = await self._hold(self._on_demand, model, scope["headers"], receive)
+                if held is None:
+                    self._metrics.request_rejected(
+                        model=model,
+                        status=499,
+                        duration_s=self._clock() - start,
+                        error_reason="client_disconnected",
+                    )
+                    return
+                plan, key = held
         except BerthError as exc:
             await self._reject(send, request_id, exc, start)
             return
@@ -337,6 +367,32 @@ class OpenAIProxy:
                 completion_tokens=usage.completion_tokens if usage else 0,
                 error_reason=exchange.error_reason,
             )
+
+    async def _hold(
+        self,
+        on_demand: OnDemandStage,
+        model: str,
+        headers: Sequence[tuple[bytes, bytes]],
+        receive: Receive,
+    ) -> tuple[list[Upstream], str | None] | None:
+        """The on-demand stage: the plan once ``model`` has a ready deployment (raising what
+        the stage raises: 503 for a load that timed out, was refused or failed), ``None``
+        when the client left while it waited (it leaves the stage's queue at once)."""
+        loop = asyncio.get_running_loop()
+        waiting = loop.create_task(
+            on_demand.until_ready(model, lambda: self.router.plan_request(model, headers))
+        )
+        gone = loop.create_task(_client_leaves(receive))
+        try:
+            await asyncio.wait({waiting, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not waiting.done():
+                waiting.cancel()
+            await asyncio.gather(waiting, gone, return_exceptions=True)
+        if waiting.cancelled():
+            return None
+        return waiting.result()
 
     async def _read_body(self, receive: Receive, content_length: bytes | None) -> bytes | None:
         """The request body, or ``None`` if the client left while sending it."""

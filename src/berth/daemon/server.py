@@ -45,6 +45,7 @@ from berth.config import Settings
 from berth.daemon.admin_services import load_routes
 from berth.daemon.app import build_apps
 from berth.daemon.auth import Authenticator
+from berth.daemon.fleet import LeaderFleet
 from berth.daemon.lifecycle import LifecycleManager
 from berth.daemon.proxy import OpenAIProxy
 from berth.daemon.services import LeaderServices, Listener
@@ -61,6 +62,7 @@ from berth.runtime.docker import DockerRuntime, resolve_docker_host
 from berth.runtime.engines import EngineBinaries
 from berth.runtime.gpu import NvmlInventory
 from berth.runtime.process import ProcessRuntime
+from berth.scaling import ScalingController, ScalingMetrics, ScalingPolicy, route_services
 from berth.store import DeploymentRecord, Store
 from berth.store.states import TERMINAL_STATES
 
@@ -245,11 +247,14 @@ async def serve(home: BerthHome, settings: Settings) -> None:
     links = LinkRegistry([] if core is None else [InProcessLink(core)])
     audit = AuditLog(home.audit_log)
     signals = SignalBoard()
+    scaling: ScalingController | None = None  # built below, once the lifecycle manager is
 
     def on_state(record: DeploymentRecord) -> None:
         metrics.set_deployment_state(
             record.id, model=record.served_model_name, node=record.node_id, state=record.state
         )
+        if scaling is not None:
+            scaling.deployment_changed(record)
         if record.state in TERMINAL_STATES:  # its routing samples and window go with it
             signals.forget(record.id)
             local_meter.forget(record.id)
@@ -277,6 +282,19 @@ async def serve(home: BerthHome, settings: Settings) -> None:
     if forwarded is not None:
         log.warning("cluster: trusting x-berth-client-fingerprint from %s", forwarded.describe())
     routes = RouteResolver(lifecycle)  # route names first, then the lifecycle's own names
+    scaling = ScalingController(
+        LeaderFleet(lifecycle, leader_only=settings.leader_only),
+        signals,
+        route_services=lambda model: route_services(routes.table, model),
+        policy=ScalingPolicy(
+            load_wait_s=settings.load_wait_s,
+            load_queue_max=settings.load_queue_max,
+            scale_out_after_s=settings.scale_out_after_s,
+            interval_s=settings.scaling_interval_s,
+        ),
+        metrics=ScalingMetrics(metrics.registry),
+        audit=audit.append,
+    )
     await load_routes(store, routes)
     router = Router(
         routes,
@@ -303,6 +321,7 @@ async def serve(home: BerthHome, settings: Settings) -> None:
         max_attempts=settings.max_attempts,
         relay_buffer_chunks=settings.relay_buffer_chunks,
         engine_auth=core.engine_auth if core is not None else None,
+        on_demand=scaling.stage,
     )
     enrollment = EnrollmentService(
         store=store,
@@ -330,6 +349,7 @@ async def serve(home: BerthHome, settings: Settings) -> None:
         pid=os.getpid(),
         started_at=time.time(),
         routes=routes,
+        scaling=scaling,
         listeners=[
             Listener("public", f"https://{settings.public_host}:{public_port}"),
             Listener("cluster", cluster_url),
@@ -372,6 +392,10 @@ async def serve(home: BerthHome, settings: Settings) -> None:
             # leader, with their keys, for reconcile.
             await core.restore()
         await lifecycle.start()
+        scaling.start(
+            await asyncio.to_thread(store.list_service_profiles),
+            await asyncio.to_thread(store.list_deployments, active_only=True),
+        )
         if core is not None and core.adopted is not None:
             watcher = core.adopted  # the servers this host adopted: node local reports them
             watcher.on_change = lambda: lifecycle.adopted_reported(LOCAL_NODE_ID, watcher.states())
@@ -399,6 +423,7 @@ async def serve(home: BerthHome, settings: Settings) -> None:
     finally:
         if local_sampler is not None:
             await local_sampler.stop()
+        await scaling.close()
         await hub.shutdown()
         await cluster_listener.stop()
         await lifecycle.shutdown()

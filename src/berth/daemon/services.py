@@ -18,6 +18,7 @@ from berth.observability.cluster import ClusterMetrics
 from berth.observability.metrics import ProxyMetrics
 from berth.paths import BerthHome
 from berth.routing.routes import RouteResolver
+from berth.scaling import ScalingController
 from berth.store import Store
 
 
@@ -62,6 +63,8 @@ class LeaderServices:
     runtimes: list[RuntimeStatus] = field(default_factory=list)
     #: Every node's load over the last minute (``/metrics``, ``/admin/metrics/snapshot``).
     cluster_metrics: ClusterMetrics = field(default_factory=ClusterMetrics)
+    #: Starts and stops replicas of services (on demand, idle, scale out and in).
+    scaling: ScalingController | None = None
 
     @property
     def leader_only(self) -> bool:

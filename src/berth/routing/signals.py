@@ -4,7 +4,9 @@ The proxy calls :meth:`SignalBoard.started` when it sends a request to a deploym
 :meth:`SignalBoard.observe` when the answer's head arrives, and :meth:`SignalBoard.finished`
 when the exchange is over (or the attempt failed). In-flight
 counts are exact and immediate (every request goes through the leader); the p95 is over the
-samples of the last ``window_s`` seconds (at most ``max_samples`` per deployment).
+samples of the last ``window_s`` seconds (at most ``max_samples`` per deployment). When a
+request last started or finished on a deployment (:meth:`SignalBoard.last_active_at`) is
+what the scaling controller's idle timeout counts from.
 """
 
 from __future__ import annotations
@@ -40,13 +42,16 @@ class SignalBoard:
         self._node_in_flight: dict[str, int] = {}
         self._samples: dict[str, deque[tuple[float, float]]] = {}
         self._failures: dict[str, tuple[int, float]] = {}  # consecutive count, demoted until
+        self._last_active: dict[str, float] = {}
 
     def started(self, deployment_id: str, node_id: str) -> None:
         self._in_flight[deployment_id] = self._in_flight.get(deployment_id, 0) + 1
         self._node_in_flight[node_id] = self._node_in_flight.get(node_id, 0) + 1
+        self._last_active[deployment_id] = self._clock()
 
     def finished(self, deployment_id: str, node_id: str) -> None:
         """The request left the deployment (answered in full, failed or abandoned)."""
+        self._last_active[deployment_id] = self._clock()
         left = self._in_flight.get(deployment_id, 0) - 1
         if left > 0:
             self._in_flight[deployment_id] = left
@@ -85,6 +90,11 @@ class SignalBoard:
     def in_flight(self, deployment_id: str) -> int:
         return self._in_flight.get(deployment_id, 0)
 
+    def last_active_at(self, deployment_id: str) -> float | None:
+        """When a request last started or finished on the deployment, on this board's clock
+        (``None``: never, or it was forgotten)."""
+        return self._last_active.get(deployment_id)
+
     def p95_ms(self, deployment_id: str) -> float | None:
         """The 95th percentile (nearest rank) of the window's samples; ``None`` if none."""
         samples = self._samples.get(deployment_id)
@@ -98,6 +108,7 @@ class SignalBoard:
         return percentile(sorted(value for _at, value in samples), 95)
 
     def forget(self, deployment_id: str) -> None:
-        """The deployment is gone: drop its samples and failures."""
+        """The deployment is gone: drop its samples, failures and last activity."""
         self._samples.pop(deployment_id, None)
         self._failures.pop(deployment_id, None)
+        self._last_active.pop(deployment_id, None)

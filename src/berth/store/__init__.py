@@ -15,6 +15,7 @@ from berth.store.records import (
     NodeStatus,
     RouteRecord,
     RouteTarget,
+    ScalingSettings,
     ServiceProfileRecord,
 )
 from berth.store.store import UNCHANGED, Store, Unchanged
@@ -32,6 +33,7 @@ __all__ = [
     "NodeStatus",
     "RouteRecord",
     "RouteTarget",
+    "ScalingSettings",
     "ServiceProfileRecord",
     "Store",
     "Unchanged",

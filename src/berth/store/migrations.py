@@ -197,12 +197,28 @@ def _v4_services_and_routes(conn: Connection) -> None:
         metadata.tables[name].create(conn)
 
 
+def _v5_service_scaling(conn: Connection) -> None:
+    # ADD COLUMN with a constant default fills existing rows: the same statements on SQLite
+    # and PostgreSQL.  Existing services become on demand with one replica at most, never
+    # unloaded for idleness (idle_timeout_s NULL), which is how they behaved before.
+    for column in (
+        "min_replicas INTEGER NOT NULL DEFAULT 0",
+        "max_replicas INTEGER NOT NULL DEFAULT 1",
+        "idle_timeout_s FLOAT",
+        "pinned BOOLEAN NOT NULL DEFAULT FALSE",
+        "priority INTEGER NOT NULL DEFAULT 0",
+        "capacity INTEGER",
+    ):
+        conn.execute(text(f"ALTER TABLE service_profiles ADD COLUMN {column}"))
+
+
 #: Every migration, in order; versions are 1, 2, 3, … without gaps.
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(1, "models, deployments and api_keys", _v1_initial),
     Migration(2, "nodes, enrollment_tokens and model_locations", _v2_nodes),
     Migration(3, "deployments.image (the docker runtime's container image)", _v3_deployment_image),
     Migration(4, "service_profiles, routes and route_targets", _v4_services_and_routes),
+    Migration(5, "service_profiles scaling settings", _v5_service_scaling),
 )
 
 LATEST_VERSION = MIGRATIONS[-1].version

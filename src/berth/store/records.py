@@ -142,6 +142,28 @@ class ModelLocation:
 
 
 @dataclass(frozen=True)
+class ScalingSettings:
+    """How many replicas of a service run, and when they start and stop.
+
+    ``min_replicas`` are kept running (0: none until a request asks, *on demand*);
+    ``max_replicas`` bounds what berth starts by itself (0: it starts none, on demand or
+    not).  A replica with no request for ``idle_timeout_s`` seconds is stopped, down to
+    ``min_replicas`` (``None``: never for idleness).  ``pinned`` replicas are never evicted
+    to make room for another service; a start evicts only deployments of services whose
+    ``priority`` is at most its own.  ``capacity`` is how many requests one replica serves at
+    once (``None``: the engine's slots, from its arguments); every replica having that many
+    in flight or waiting for a while is what starts another.
+    """
+
+    min_replicas: int = 0
+    max_replicas: int = 1
+    idle_timeout_s: float | None = None
+    pinned: bool = False
+    priority: int = 0
+    capacity: int | None = None
+
+
+@dataclass(frozen=True)
 class ServiceProfileRecord:
     """A service profile: a model and how to deploy it.
 
@@ -150,6 +172,7 @@ class ServiceProfileRecord:
     default); ``image`` the container image of a ``docker`` profile (``None``: the engine's
     image setting); ``node_label`` the node its deployments run on (``None``: chosen at
     deploy time, ``local`` by default).  Its deployments serve the profile's ``name``.
+    ``scaling`` says how many of them run and when (:class:`ScalingSettings`).
     """
 
     name: str
@@ -162,6 +185,7 @@ class ServiceProfileRecord:
     image: str | None
     node_label: str | None
     created_at: datetime
+    scaling: ScalingSettings = ScalingSettings()
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,10 @@ A **service profile** says how to deploy a model: engine, runtime, GPUs, context
 extra engine arguments, container image and, optionally, the node (by label) its deployments
 run on.  Its deployments serve the profile's name.
 
+Its **scaling settings** (:class:`ScalingSettings`: replicas, idle timeout, pin, priority,
+capacity) say how many deployments of it berth keeps and when it starts or stops them;
+:func:`check_scaling` is their one check, applied on create and on every change.
+
 A **route** is a public model name.  It has one or more targets (service profiles, each with
 a priority: the highest priority with a ready deployment answers, equal priorities share the
 load) and an optional fallback: another route, tried when none of its targets has a ready
@@ -18,6 +22,7 @@ Refusals are :class:`NotFoundError` (an unknown model, node, service or route),
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from datetime import UTC, datetime
@@ -27,7 +32,7 @@ from sqlalchemy.orm import Session
 
 from berth.errors import ConfigError, ConflictError, NotFoundError
 from berth.runtime.engines import parse_engine_name, parse_runtime_name
-from berth.store.records import RouteRecord, RouteTarget, ServiceProfileRecord
+from berth.store.records import RouteRecord, RouteTarget, ScalingSettings, ServiceProfileRecord
 from berth.store.states import TERMINAL_STATES, DeploymentState
 from berth.store.tables import (
     DeploymentRow,
@@ -39,6 +44,33 @@ from berth.store.tables import (
 )
 
 _ACTIVE_STATES = tuple(s.value for s in DeploymentState if s not in TERMINAL_STATES)
+#: The largest replica count, capacity and priority magnitude a service may have (a 32-bit
+#: column, and far beyond any fleet).
+_MAX_SETTING = 2**31 - 1
+
+
+def check_scaling(settings: ScalingSettings) -> ScalingSettings:
+    """``settings`` when they are valid; :class:`ConfigError` saying why not otherwise.
+
+    Refused: a negative replica count, ``min_replicas`` above ``max_replicas``, an idle
+    timeout that is negative or not finite, a capacity under 1, values past 32 bits.
+    """
+    low, high = settings.min_replicas, settings.max_replicas
+    if low < 0 or high < 0:
+        raise ConfigError(f"replica counts must not be negative (min {low}, max {high})")
+    if low > high:
+        raise ConfigError(f"min_replicas ({low}) is above max_replicas ({high})")
+    if high > _MAX_SETTING:
+        raise ConfigError(f"max_replicas must be at most {_MAX_SETTING}, got {high}")
+    idle = settings.idle_timeout_s
+    if idle is not None and (not math.isfinite(idle) or idle < 0):
+        raise ConfigError(f"the idle timeout must be a positive number of seconds, got {idle}")
+    capacity = settings.capacity
+    if capacity is not None and not 1 <= capacity <= _MAX_SETTING:
+        raise ConfigError(f"capacity must be at least 1 request per replica, got {capacity}")
+    if not -_MAX_SETTING <= settings.priority <= _MAX_SETTING:
+        raise ConfigError(f"priority must fit in 32 bits, got {settings.priority}")
+    return settings
 
 
 class ServiceMethods:
@@ -66,15 +98,19 @@ class ServiceMethods:
         extra_args: Sequence[str] = (),
         image: str | None = None,
         node_label: str | None = None,
+        scaling: ScalingSettings | None = None,
     ) -> ServiceProfileRecord:
         """Record the service profile ``name``.
 
-        ``engine`` and ``runtime`` are normalised (``"LlamaCpp "`` → ``llamacpp``).  Raises
-        :class:`ConflictError` when ``name`` is taken; :class:`NotFoundError` for an unknown
-        model or a ``node_label`` no enrolled node has (removed nodes included);
-        :class:`ConfigError` for an unknown engine or runtime, a negative GPU index, a
-        non-positive ``ctx``, or an ``image`` on a runtime other than ``docker``.
+        ``engine`` and ``runtime`` are normalised (``"LlamaCpp "`` → ``llamacpp``); ``scaling``
+        ``None`` is :class:`ScalingSettings`' defaults (on demand, one replica at most, never
+        unloaded for idleness).  Raises :class:`ConflictError` when ``name`` is taken;
+        :class:`NotFoundError` for an unknown model or a ``node_label`` no enrolled node has
+        (removed nodes included); :class:`ConfigError` for an unknown engine or runtime, a
+        negative GPU index, a non-positive ``ctx``, an ``image`` on a runtime other than
+        ``docker``, or scaling settings :func:`check_scaling` refuses.
         """
+        scaling = check_scaling(scaling or ScalingSettings())
         engine_name = parse_engine_name(engine)
         runtime_name = parse_runtime_name(runtime)
         if any(gpu < 0 for gpu in gpus):
@@ -118,8 +154,35 @@ class ServiceMethods:
                 image=image,
                 node_label=node_label,
                 created_at=self._clock(),
+                min_replicas=scaling.min_replicas,
+                max_replicas=scaling.max_replicas,
+                idle_timeout_s=scaling.idle_timeout_s,
+                pinned=scaling.pinned,
+                priority=scaling.priority,
+                capacity=scaling.capacity,
             )
             session.add(row)
+            return _profile_record(row)
+
+    def update_service_scaling(
+        self, name: str, change: Callable[[ScalingSettings], ScalingSettings]
+    ) -> ServiceProfileRecord:
+        """Replace the scaling settings of service ``name`` with ``change(current)``, in one
+        write transaction (two changes never lose one another), and return the service.
+
+        Raises :class:`NotFoundError` for an unknown service and :class:`ConfigError` when
+        the new settings are invalid (:func:`check_scaling`); nothing changes then.
+        """
+        with self._write() as session:
+            row = _profile_row(session, name)
+            settings = check_scaling(change(_scaling_of(row)))
+            row.min_replicas = settings.min_replicas
+            row.max_replicas = settings.max_replicas
+            row.idle_timeout_s = settings.idle_timeout_s
+            row.pinned = settings.pinned
+            row.priority = settings.priority
+            row.capacity = settings.capacity
+            session.flush()
             return _profile_record(row)
 
     def get_service_profile(self, name: str) -> ServiceProfileRecord:
@@ -376,6 +439,18 @@ def _profile_record(row: ServiceProfileRow) -> ServiceProfileRecord:
         image=row.image,
         node_label=row.node_label,
         created_at=_aware(row.created_at),
+        scaling=_scaling_of(row),
+    )
+
+
+def _scaling_of(row: ServiceProfileRow) -> ScalingSettings:
+    return ScalingSettings(
+        min_replicas=row.min_replicas,
+        max_replicas=row.max_replicas,
+        idle_timeout_s=row.idle_timeout_s,
+        pinned=bool(row.pinned),
+        priority=row.priority,
+        capacity=row.capacity,
     )
 
 

@@ -13,6 +13,7 @@ from datetime import UTC, datetime
 from sqlalchemy import (
     JSON,
     BigInteger,
+    Boolean,
     DateTime,
     Dialect,
     Float,
@@ -187,6 +188,12 @@ class ServiceProfileRow(Base):
     image: Mapped[str | None] = mapped_column(String(512))
     node_label: Mapped[str | None] = mapped_column(String(63))
     created_at: Mapped[datetime] = mapped_column(UTCDateTime)
+    min_replicas: Mapped[int] = mapped_column(Integer, default=0)
+    max_replicas: Mapped[int] = mapped_column(Integer, default=1)
+    idle_timeout_s: Mapped[float | None] = mapped_column(Float)
+    pinned: Mapped[bool] = mapped_column(Boolean, default=False)
+    priority: Mapped[int] = mapped_column(Integer, default=0)
+    capacity: Mapped[int | None] = mapped_column(Integer)
 
 
 class RouteRow(Base):

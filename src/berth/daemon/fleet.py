@@ -1,0 +1,85 @@
+"""The scaling controller's :class:`~berth.scaling.Fleet` over the leader's lifecycle
+manager: how a replica of a service is started and stopped.
+
+A replica is a deployment with the service's settings, serving the service's name, on its
+``node_label`` when it has one.  ``berth service deploy`` goes through
+:func:`deploy_options` too, so a replica the controller starts and one started by hand are
+the same deployment.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from berth.cluster.link import LOCAL_NODE_ID
+from berth.daemon.lifecycle import DeployOptions, LifecycleManager
+from berth.errors import ConflictError, NotFoundError
+from berth.routing.errors import NoReadyDeploymentError
+from berth.scaling.controller import ProgressNote
+from berth.store import ServiceProfileRecord
+
+log = logging.getLogger(__name__)
+
+
+def deploy_options(service: ServiceProfileRecord, node: str) -> DeployOptions:
+    """A deployment of ``service`` on ``node`` (an id or label): its model, engine, runtime,
+    GPUs, context, arguments and image, serving the service's name."""
+    return DeployOptions(
+        model_name=service.model_name,
+        engine=service.engine,
+        node_id=node,
+        runtime=service.runtime,
+        gpus=service.gpus,
+        ctx=service.ctx,
+        extra_args=service.extra_args,
+        served_model_name=service.name,
+        image=service.image,
+    )
+
+
+def leader_only_refusal(service: str) -> ConflictError:
+    """Why a deployment of ``service`` cannot run on a leader that runs no engines."""
+    return ConflictError(
+        f"this leader runs no engines (leader_only is set): deploy service {service} on an "
+        "agent with --node LABEL, or give the service a node label"
+    )
+
+
+class LeaderFleet:
+    """Starts and stops replicas through ``lifecycle`` (see the module docstring).
+
+    ``leader_only``: the leader runs no engines, so a service without a node label cannot
+    be started here.  Starts are placed one at a time, so the VRAM one placement takes is
+    seen by the next.
+    """
+
+    def __init__(self, lifecycle: LifecycleManager, *, leader_only: bool = False) -> None:
+        self._lifecycle = lifecycle
+        self._leader_only = leader_only
+        self._placing = asyncio.Lock()
+
+    async def start_replica(self, service: ServiceProfileRecord, note: ProgressNote) -> str:
+        """Deploy one replica of ``service``; its id (pending).  Raises what
+        :meth:`LifecycleManager.deploy` raises, and ``ConflictError`` on a leader-only
+        leader for a service without a node label."""
+        node = service.node_label or LOCAL_NODE_ID
+        if self._leader_only and node == LOCAL_NODE_ID:
+            raise leader_only_refusal(service.name)
+        async with self._placing:
+            note(f"placing a replica of service {service.name}")
+            record = await self._lifecycle.deploy(deploy_options(service, node))
+        return record.id
+
+    async def stop_replica(self, deployment_id: str) -> None:
+        await self._lifecycle.stop(deployment_id)
+
+    def progress(self, deployment_id: str) -> str | None:
+        return self._lifecycle.progress(deployment_id)
+
+    def routable(self, service: str) -> frozenset[str]:
+        try:
+            upstreams = self._lifecycle.candidates(service)
+        except (NotFoundError, NoReadyDeploymentError):
+            return frozenset()
+        return frozenset(u.deployment_id for u in upstreams)
