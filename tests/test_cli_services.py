@@ -103,8 +103,30 @@ def test_a_route_serves_by_priority_and_moves_on_when_a_service_stops(
     }
     assert listed["chat"]["serving"] == ["big"] and listed["main"]["fallback"] == "chat"
     services = rows(services_cluster.berth("service", "ls").stdout)
-    assert ["big", "tiny", "llamacpp", "process", "-", "-", "512", "1", "chat, main"] in services
-    assert ["small", "tiny", "llamacpp", "process", "gpu-a", "-", "-", "1", "chat"] in services
+    assert [
+        "big",
+        "tiny",
+        "llamacpp (process)",
+        "-",
+        "-",
+        "512",
+        "0-1",
+        "never",
+        "1",
+        "chat, main",
+    ] in services
+    assert [
+        "small",
+        "tiny",
+        "llamacpp (process)",
+        "gpu-a",
+        "-",
+        "-",
+        "0-1",
+        "never",
+        "1",
+        "chat",
+    ] in services
 
     services_cluster.admin("POST", f"/admin/deployments/{big}/stop")
     with services_cluster.openai() as client:
@@ -122,13 +144,21 @@ def test_a_route_serves_by_priority_and_moves_on_when_a_service_stops(
     assert ["main", "big (0, 0)", "chat", "small"] in table
 
     services_cluster.admin("POST", f"/admin/deployments/{small}/stop")
-    with services_cluster.http() as http:
-        refused = http.post("/v1/chat/completions", json={"model": "chat", "messages": CHAT})
-    assert refused.status_code == 503 and refused.headers["retry-after"] == "5"
-    message = refused.json()["error"]["message"]
-    assert message.startswith("model 'chat' has no ready deployment: services: big"), message
     shown = services_cluster.berth("route", "show", "chat").stdout
     assert "now served by nothing ready" in shown and "small (" in shown
+    # With nothing behind it ready, a request loads the route's first service on demand
+    # (services are on demand unless told otherwise: --min-replicas 0) and is answered.
+    with services_cluster.openai() as client:
+        answer = client.chat.completions.create(model="chat", messages=CHAT)  # type: ignore[arg-type]
+        assert answer.model == "big"
+    (loaded,) = [
+        r
+        for r in services_cluster.admin("GET", "/admin/deployments?active=true")
+        if r["service"] == "big"
+    ]
+    assert loaded["state"] == "ready" and loaded["id"] != big
+    shown = services_cluster.berth("service", "show", "big").stdout
+    assert "last decision: start" in shown and "on demand: 1 request(s) wait" in shown
 
 
 def test_bad_input_fails_with_one_line_and_changes_nothing(services_cluster: Cluster) -> None:
@@ -157,6 +187,27 @@ def test_bad_input_fails_with_one_line_and_changes_nothing(services_cluster: Clu
     assert "route 'nope' not found" in fails(services_cluster, "route", "rm", "nope")
     assert "give a fallback route, or --none" in fails(
         services_cluster, "route", "fallback", "svc-route"
+    )
+    # scaling settings: refused with the reason, before or by the daemon
+    create = ("service", "create", "x", "--model", "tiny")
+    assert "min_replicas (2) is above max_replicas (1)" in fails(
+        services_cluster, *create, "--min-replicas", "2", "--max-replicas", "1"
+    )
+    assert "min_replicas: Input should be greater than or equal to 0" in fails(
+        services_cluster, *create, "--min-replicas", "-1"
+    )
+    assert "'10 min' is not a duration: use a number and a unit, e.g. 30s, 10m, 2h" in fails(
+        services_cluster, *create, "--idle-timeout", "10 min"
+    )
+    assert "min_replicas (5) is above max_replicas (1)" in fails(
+        services_cluster, "service", "scale", "svc", "--min", "5"
+    )
+    assert "max_replicas: Input should be greater than or equal to 0" in fails(
+        services_cluster, "service", "scale", "svc", "--max", "-1"
+    )
+    assert "give at least one of --min, --max" in fails(services_cluster, "service", "scale", "svc")
+    assert "service 'nope' not found" in fails(
+        services_cluster, "service", "scale", "nope", "--max", "2"
     )
     assert state(services_cluster) == before
 

@@ -60,7 +60,8 @@ class BerthHome:
 
     @property
     def audit_log(self) -> Path:
-        """One JSON line per security-relevant event (node registrations)."""
+        """One JSON line per security-relevant event (node registrations) and per deployment
+        the scaling controller unloaded or evicted."""
         return self.logs_dir / "audit.log"
 
     @property
