@@ -2,8 +2,9 @@
 ``BERTH_HOME``, driven through the real ``berth`` CLI.
 
 ``Cluster.add_agent(label)`` enrolls a node (``berth nodes enroll``), registers it
-(``berth agent register --uri``) and starts ``berth agent start --verbose``; everything is
-stopped by :meth:`Cluster.close`.
+(``berth agent register --uri``) and starts ``berth agent start --verbose`` (with settings of
+its own when given, e.g. ``BERTH_SIMULATED_GPUS``); everything is stopped by
+:meth:`Cluster.close`.
 """
 
 from __future__ import annotations
@@ -94,6 +95,8 @@ class Agent:
     home: Path
     node_id: str
     process: subprocess.Popen[bytes] | None = None
+    #: settings of this agent's own (``BERTH_*``), over the cluster's environment
+    env: dict[str, str] = field(default_factory=dict)
 
     @property
     def cert(self) -> Path:
@@ -178,18 +181,21 @@ class Cluster:
         return agent
 
     def start_agent(self, agent: Agent, *, wait_ready: bool = True) -> None:
+        env = {**self.env, **agent.env}
         with (agent.home / "agent.out").open("ab") as log:  # the child keeps its own copy
             agent.process = subprocess.Popen(
                 [sys.executable, "-m", "berth", "--home", str(agent.home), "agent", "start",
                  "--verbose"],
-                stdout=log, stderr=subprocess.STDOUT, env=self.env, cwd=agent.home,
+                stdout=log, stderr=subprocess.STDOUT, env=env, cwd=agent.home,
                 start_new_session=True,
             )  # fmt: skip
         if wait_ready:
             self.wait_node(agent.node_id, "ready")
 
-    def add_agent(self, label: str) -> Agent:
+    def add_agent(self, label: str, env: Mapping[str, str] | None = None) -> Agent:
+        """Enroll, register and start an agent; ``env`` holds settings of its own."""
         agent = self.enroll(label)
+        agent.env.update(env or {})
         self.start_agent(agent)
         return agent
 

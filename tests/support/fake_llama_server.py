@@ -28,7 +28,9 @@ key never arrives.
 Test-only flags: ``--fail-start`` prints an error line (:data:`FAIL_LINE`) and exits 1
 before listening; ``--x-setsid-grandchild PIDFILE`` first starts a helper process whose own
 child calls ``setsid()`` and writes its pid to PIDFILE (a helper leaving the engine's process
-group and session); ``--x-unhealthy`` makes ``/health`` answer 503 forever.  Lines it prints
+group and session); ``--x-unhealthy`` makes ``/health`` answer 503 forever;
+``--x-start-delay-s S`` waits S seconds before listening (a model that takes a while to
+load).  Lines it prints
 go to stdout, flushed, so berth's engine log shows them.
 
 Only the standard library is used, so the engine starts in about 0.1 s
@@ -91,6 +93,7 @@ def _parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--fail-start", action="store_true")
     parser.add_argument("--x-setsid-grandchild", default=None)
     parser.add_argument("--x-unhealthy", action="store_true")
+    parser.add_argument("--x-start-delay-s", type=float, default=0.0)
     return parser.parse_known_args(argv)
 
 
@@ -267,6 +270,9 @@ def main(argv: list[str]) -> int:
         print(FAIL_LINE, flush=True)
         return 1
     signal.signal(signal.SIGTERM, _on_sigterm)
+    if args.x_start_delay_s:
+        print(f"fake llama-server: loading for {args.x_start_delay_s} s", flush=True)
+        time.sleep(args.x_start_delay_s)
 
     class Handler(_Handler):
         alias = args.alias

@@ -431,7 +431,11 @@ class ScalingController:
         wall = self._wall_clock()
         if isinstance(decision, StartDecision):
             failure = self.board.failure(name)
-            if failure is not None and now - failure.at < self.policy.failed_load_hold_s:
+            # After a refusal (no room), a request may try again at once; the controller's
+            # own starts (min_replicas, scale out) and any start after an engine failed wait.
+            retry_now = decision.cause == "on_demand" and not (failure and failure.engine_failed)
+            recent = failure is not None and now - failure.at < self.policy.failed_load_hold_s
+            if failure is not None and recent and not retry_now:
                 wait = self.policy.failed_load_hold_s - (now - failure.at)
                 reason = f"{decision.reason}; the last start failed, next try in {wait:.0f} s"
                 self._record(name, DecisionRecord("hold", f"{reason}: {failure.reason}", wall))
@@ -474,7 +478,7 @@ class ScalingController:
             self._record(name, DecisionRecord(
                 "hold", f"the start was refused: {exc}", self._wall_clock()
             ), action=True)  # fmt: skip
-            self.board.failed(name, LoadFailure(str(exc), self._clock()))
+            self.board.failed(name, LoadFailure(str(exc), self._clock(), engine_failed=False))
         except Exception as exc:  # a bug must not leave the service's waiters hanging
             log.exception("scaling: service %s: unexpected failure while starting", name)
             reason = f"unexpected error while starting: {type(exc).__name__}: {exc}"

@@ -37,10 +37,16 @@ T = TypeVar("T")
 
 @dataclass(frozen=True)
 class LoadFailure:
-    """A load that did not happen: ``reason`` for people, ``at`` on the stage's clock."""
+    """A load that did not happen: ``reason`` for people, ``at`` on the stage's clock.
+
+    ``engine_failed``: the deployment was made but its engine failed to start (a new request
+    does not try again for ``failed_load_hold_s``); otherwise placement refused it (no room
+    now: the next request tries again, since room may have freed).
+    """
 
     reason: str
     at: float
+    engine_failed: bool = True
 
 
 class LoadStarter(Protocol):
@@ -139,8 +145,9 @@ class OnDemandStage:
 
         Raises what ``plan`` raises when ``model`` loads no service (not a route, say);
         :class:`LoadQueueFullError` when ``load_queue_max`` requests already wait;
-        :class:`LoadFailedError` when the load was refused or its engine failed (also, for
-        ``failed_load_hold_s`` after that, without trying again); :class:`LoadTimeoutError`
+        :class:`LoadFailedError` when the load was refused or its engine failed (after an
+        engine failed, also for ``failed_load_hold_s`` without trying again);
+        :class:`LoadTimeoutError`
         after ``load_wait_s``.  Cancelling the caller (its client left) leaves the queue.
         """
         try:
@@ -152,7 +159,8 @@ class OnDemandStage:
         board, policy = self._board, self._policy
         joined = self._clock()
         failure = board.failure(service)
-        if failure is not None and joined - failure.at < policy.failed_load_hold_s:
+        held = failure is not None and failure.engine_failed
+        if failure is not None and held and joined - failure.at < policy.failed_load_hold_s:
             self._metrics.waited(service, "failed", 0.0)
             raise self._failed(model, service, failure)
         if board.waiting(service) >= policy.load_queue_max:
