@@ -35,7 +35,7 @@ from berth.humanize import age
 from berth.paths import BerthHome
 from berth.runtime.docker import DockerRuntime, resolve_docker_host
 from berth.runtime.engines import EngineBinaries
-from berth.runtime.gpu import NvmlInventory
+from berth.runtime.gpu import inventory_for
 from berth.runtime.process import ProcessRuntime, pid_running
 
 log = logging.getLogger("berth.agent")
@@ -119,7 +119,7 @@ async def run_agent(home: BerthHome, *, verbose: bool, console: Console) -> int:
             vllm=str(settings.vllm_bin) if settings.vllm_bin else None,
             sglang_python=str(settings.sglang_python),
         ),
-        NvmlInventory(),
+        inventory_for(settings.simulated_gpus),
         logs_dir=home.logs_dir,
         journal_path=home.agent_engines_file,
         docker=DockerRuntime(
@@ -146,6 +146,13 @@ async def run_agent(home: BerthHome, *, verbose: bool, console: Console) -> int:
         loop.add_signal_handler(sig, lambda: asyncio.ensure_future(dialer.stop()))
     log.info("agent %s (%s) starting; leader %s", identity.label, identity.node_id,
              identity.leader_url)  # fmt: skip
+    if settings.simulated_gpus:
+        # A testing aid that must never go unnoticed on a real GPU host.
+        status.activity(
+            f"simulated GPUs (simulated_gpus): {settings.simulated_gpus}; NVML not asked"
+        )
+        log.warning("simulated GPUs %s (simulated_gpus): NVML is not asked, engines run on the "
+                    "CPU", settings.simulated_gpus)  # fmt: skip
     try:
         if panel:
             with Live(render_status(status), console=console, refresh_per_second=2) as live:

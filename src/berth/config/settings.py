@@ -116,6 +116,7 @@ class Settings:
     leader_url: str | None
     heartbeat_interval_s: float
     node_timeout_s: float
+    simulated_gpus: str | None
     desk_pool_url: str
 
     @classmethod

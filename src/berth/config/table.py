@@ -22,6 +22,7 @@ from berth.errors import ConfigError
 from berth.paths import BerthHome
 from berth.runtime.base import RUNTIME_NAMES
 from berth.runtime.engines import DEFAULT_GPU_IMAGES, DEFAULT_IMAGES, DEFAULT_SHM_SIZE
+from berth.runtime.gpu import parse_simulated_gpus
 
 SettingSource = Literal["flag", "env", "file", "autodetect", "default"]
 SettingKind = Literal["str", "int", "float", "path", "bool"]
@@ -130,6 +131,15 @@ def host_problem(text: str) -> str | None:
     return None
 
 
+def simulated_gpus_problem(text: str) -> str | None:
+    """Why ``text`` is not a list of simulated GPU sizes (``24GiB,24GiB``), or ``None``."""
+    try:
+        parse_simulated_gpus(text)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
 #: Every setting berth knows, in display order.
 SETTINGS: tuple[SettingDef, ...] = (
     SettingDef(
@@ -211,6 +221,10 @@ SETTINGS: tuple[SettingDef, ...] = (
     SettingDef("node_timeout_s", "float", "cluster",
                "seconds of silence after which a node is unreachable",
                default=15.0, minimum=0.1),
+    SettingDef("simulated_gpus", "str", "gpu",
+               "testing aid: report these GPUs (e.g. 24GiB,24GiB) instead of asking NVML; "
+               "engines still run on the CPU",
+               optional=True, check=simulated_gpus_problem),
     SettingDef("desk_pool_url", "str", "desk", "the ow desk `berth desk` offers models to",
                default="https://owterminal.com", check=http_url_problem),
 )  # fmt: skip
