@@ -285,8 +285,8 @@ REFUSED: list[tuple[str, PlacementRequest, list[NodeFacts], str, type[Exception]
         [node("c")],
         "no_node",
         ConflictError,
-        "no connected node reports GPUs, and this leader runs no engines: name a node with "
-        "--node LABEL (`berth nodes ls` lists them)",
+        "no connected node reports GPUs, and this leader runs no engines (leader_only is set): "
+        "name a node with --node LABEL (`berth nodes ls` lists them)",
     ),
     (
         "every GPU node lacks the model",

@@ -147,12 +147,12 @@ async def run_agent(home: BerthHome, *, verbose: bool, console: Console) -> int:
     log.info("agent %s (%s) starting; leader %s", identity.label, identity.node_id,
              identity.leader_url)  # fmt: skip
     if settings.simulated_gpus:
-        # A testing aid that must never go unnoticed on a real GPU host.
+        # A testing aid that must never go unnoticed on a real GPU host: in the status
+        # panel's recent activity and the log.
         status.activity(
-            f"simulated GPUs (simulated_gpus): {settings.simulated_gpus}; NVML not asked"
+            f"simulated GPUs (simulated_gpus): {settings.simulated_gpus}; NVML is not asked, "
+            "engines run on the CPU"
         )
-        log.warning("simulated GPUs %s (simulated_gpus): NVML is not asked, engines run on the "
-                    "CPU", settings.simulated_gpus)  # fmt: skip
     try:
         if panel:
             with Live(render_status(status), console=console, refresh_per_second=2) as live:

@@ -186,9 +186,10 @@ def deploy_service(
         record = wait_settled(client, record, f"service {name}", timeout)
     if record.state != DeploymentState.READY:
         raise EngineError(f"{record.id} {record.state}: {record.failure_reason or 'no reason'}")
+    gpus = f", GPU {','.join(map(str, record.gpus))}" if record.gpus else ""
     console.print(
         f"[green]{record.id} ready[/]: service [bold]{name}[/] (model {record.model_name} "
-        f"on {record.engine}, node {record.node_id}, port {record.port})"
+        f"on {record.engine}, node {record.node_id}, port {record.port}{gpus})"
     )
 
 

@@ -351,7 +351,8 @@ def _place_anywhere(
         leader = next((n for n in nodes if n.leader_host), None)
         if leader is None:
             message = (
-                "no connected node reports GPUs, and this leader runs no engines: name a node "
+                "no connected node reports GPUs, and this leader runs no engines (leader_only is "
+                "set): name a node "
                 "with --node LABEL (`berth nodes ls` lists them)"
             )
             return Refusal("no_node", message)
