@@ -156,7 +156,12 @@ async def gather_residents(
                 served_model_name=record.served_model_name,
                 vram_mb=result.estimate.holds_mb(total),
                 starting=record.state in _STARTING,
-                started_at=record.created_at.timestamp(),
+                # resident since it became ready (its last write), else since it was placed
+                started_at=(
+                    record.updated_at
+                    if record.state is DeploymentState.READY
+                    else record.created_at
+                ).timestamp(),
                 last_request_at=used.last_request_at,
                 in_flight=used.in_flight,
                 queued=used.queued,

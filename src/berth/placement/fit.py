@@ -31,8 +31,9 @@ class Resident:
     """A berth deployment holding VRAM on one GPU, as the leader accounts for it.
 
     ``vram_mb``: its estimate on this GPU (what it holds there).  ``starting``: pending or
-    loading (not yet visible in the node's report).  ``started_at`` and ``last_request_at``
-    are epoch seconds (``None``: no request since it started); ``in_flight`` and ``queued``
+    loading (not yet visible in the node's report).  ``started_at`` (when it became
+    resident: ready, or placed while still starting) and ``last_request_at`` are epoch
+    seconds (``None``: no request since it started); ``in_flight`` and ``queued``
     count requests; ``pinned`` deployments are never evicted.  A deployment on several GPUs
     is a resident of each.
     """
