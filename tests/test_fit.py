@@ -297,6 +297,16 @@ REFUSED: list[tuple[str, PlacementRequest, list[NodeFacts], str, type[Exception]
         "no node with GPUs can run model m: model m has no path on node a-label; add one with "
         "'berth models add m PATH --node a-label'",
     ),
+    (
+        "every GPU node lacks the model, beside a CPU leader",
+        ask(),
+        [CPU, replace(A, model_location=None)],
+        "no_node",
+        ConflictError,
+        "no node with GPUs can run model m: model m has no path on node a-label; add one with "
+        "'berth models add m PATH --node a-label' (or run it on the leader's CPU with --node "
+        "local)",
+    ),
 ]
 
 

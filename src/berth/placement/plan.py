@@ -382,7 +382,10 @@ def _place_anywhere(
                                [r.index for r in node.reserved_gpus])  # fmt: skip
     if not ons:
         lines = "; ".join(r.message for r in refusals)
-        return Refusal("no_node", f"no node with GPUs can run model {request.model.name}: {lines}")
+        message = f"no node with GPUs can run model {request.model.name}: {lines}"
+        if any(n.leader_host and n.connected and not n.gpus for n in nodes):
+            message += " (or run it on the leader's CPU with --node local)"
+        return Refusal("no_node", message)
     reasons: list[str] = []
     if refusals:
         reasons.append("left out: " + "; ".join(r.message for r in refusals))
