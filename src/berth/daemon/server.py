@@ -51,6 +51,7 @@ from berth.daemon.services import LeaderServices, Listener
 from berth.errors import DaemonError
 from berth.keys import load_or_create_pepper
 from berth.observability.cluster import ClusterMetrics
+from berth.observability.loop_lag import LoopLagMonitor
 from berth.observability.metrics import ProxyMetrics
 from berth.observability.window import RequestMeter
 from berth.paths import BerthHome
@@ -235,7 +236,12 @@ async def serve(home: BerthHome, settings: Settings) -> None:
 
     local_meter = RequestMeter()  # requests to node local's engines, served by the proxy
     metrics = ProxyMetrics(local_meter=local_meter, local_node=LOCAL_NODE_ID)
-    cluster_metrics = ClusterMetrics(model_of=metrics.deployment_model)
+    loop_lag = LoopLagMonitor()  # the leader's own loop: berth_event_loop_lag_seconds{node=local}
+    cluster_metrics = ClusterMetrics(
+        model_of=metrics.deployment_model,
+        local_loop_lag=loop_lag.histogram,
+        local_node=LOCAL_NODE_ID,
+    )
     cluster_metrics.register(metrics.registry)
     core = None if settings.leader_only else build_local_core(home, settings)
     links = LinkRegistry([] if core is None else [InProcessLink(core)])
@@ -351,6 +357,7 @@ async def serve(home: BerthHome, settings: Settings) -> None:
 
     home.pid_file.write_text(f"{os.getpid()}\n")
     await proxy.startup()
+    loop_lag.start()
     try:
         serving = [
             asyncio.create_task(public_server.serve(sockets=[public_sock])),
@@ -399,6 +406,7 @@ async def serve(home: BerthHome, settings: Settings) -> None:
             if core.adopted is not None:
                 await core.adopted.stop()
             core.close()
+        loop_lag.stop()
         home.pid_file.unlink(missing_ok=True)
         home.socket_file.unlink(missing_ok=True)
         log.info("berth leader stopped")

@@ -12,13 +12,16 @@ the samples of the last ``window_s`` seconds per node and exposes them:
   ``promtool check metrics`` requires: ``_ms`` names are refused as abbreviated units) and
   ``berth_deployment_requests_total``, ``berth_deployment_errors_total`` (counters)
   {node, deployment, model};
-- as a JSON-ready :class:`ClusterSnapshot` for ``GET /admin/metrics/snapshot``.
+- as a JSON-ready :class:`ClusterSnapshot` for ``GET /admin/metrics/snapshot``;
+- ``berth_event_loop_lag_seconds`` {node}: each agent's event-loop lag histogram from its
+  heartbeats, and the leader's own (node ``local``) read live from its monitor.
 
 Counters never decrease: the leader adds up the deltas between a node's reports, and a report
 lower than the previous one (the agent restarted) counts from zero again, the rule Prometheus
-itself applies to counter resets. Gauges come from the node's latest sample and disappear once
-it is older than the window (a silent node reports nothing current). Removing a node drops
-all its series.
+itself applies to counter resets. For the lag histogram the first report a leader gets from a
+node is only its baseline, so a leader restart never adds an agent's whole past at once.
+Gauges come from the node's latest sample and disappear once it is older than the window (a
+silent node reports nothing current). Removing a node drops all its series.
 
 Written from the event loop only; a scrape from another thread copies the tables first.
 """
@@ -31,10 +34,16 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry
-from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.metrics_core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
 
-from berth.cluster.protocol.frames import Heartbeat
+from berth.cluster.protocol.frames import Heartbeat, LoopLag
+from berth.observability.loop_lag import LagHistogram
 
 #: Seconds of samples kept per node.
 WINDOW_S = 60.0
@@ -43,6 +52,7 @@ _NODE_GPU = ("node", "gpu")
 _NODE_DEPLOYMENT = ("node", "deployment", "model")
 
 ModelLookup = Callable[[str], "str | None"]
+LagSource = Callable[[], LagHistogram]
 
 
 @dataclass(frozen=True)
@@ -110,6 +120,35 @@ class _Counter:
         self.reported_errors = 0
 
 
+class _LagTotals:
+    """The leader's running lag histogram for one node, and the last reported one."""
+
+    __slots__ = ("bounds_s", "counts", "reported", "reported_sum_s", "sum_s")
+
+    def __init__(self, report: LoopLag) -> None:
+        self.bounds_s = tuple(report.bounds_s)
+        self.counts = [0] * len(report.counts)
+        self.sum_s = 0.0
+        self.reported = list(report.counts)
+        self.reported_sum_s = report.sum_s
+
+    def add(self, report: LoopLag) -> None:
+        if sum(report.counts) < sum(self.reported):  # the agent restarted: all of it is new
+            deltas, delta_sum_s = list(report.counts), report.sum_s
+        else:
+            deltas = [max(0, now - before) for now, before in zip(report.counts, self.reported,
+                                                                  strict=True)]  # fmt: skip
+            delta_sum_s = max(0.0, report.sum_s - self.reported_sum_s)
+        for index, delta in enumerate(deltas):
+            self.counts[index] += delta
+        self.sum_s += delta_sum_s
+        self.reported = list(report.counts)
+        self.reported_sum_s = report.sum_s
+
+    def histogram(self) -> LagHistogram:
+        return LagHistogram(self.bounds_s, tuple(self.counts), self.sum_s)
+
+
 def counter_delta(previous: int, reported: int) -> int:
     """How much a cumulative count grew from ``previous`` to ``reported``.
 
@@ -124,10 +163,12 @@ MAX_SAMPLES_PER_NODE = 1200
 
 
 class ClusterMetrics:
-    """Rolling per-node samples and monotonic per-deployment counters.
+    """Rolling per-node samples, monotonic per-deployment counters and loop-lag histograms.
 
     ``model_of`` maps a deployment id to its public model name (``None`` while unknown; the
     label is then ``""`` until it is known). ``clock`` gives seconds since the epoch.
+    ``local_loop_lag``, when given, is read at every scrape for the leader's own loop lag,
+    exposed with ``node=local_node``.
     """
 
     def __init__(
@@ -136,6 +177,8 @@ class ClusterMetrics:
         window_s: float = WINDOW_S,
         model_of: ModelLookup | None = None,
         clock: Callable[[], float] = time.time,
+        local_loop_lag: LagSource | None = None,
+        local_node: str = "local",
     ) -> None:
         if window_s <= 0:
             raise ValueError("window_s must be positive")
@@ -144,6 +187,9 @@ class ClusterMetrics:
         self._clock = clock
         self._samples: dict[str, deque[NodeSample]] = {}
         self._counters: dict[tuple[str, str], _Counter] = {}
+        self._lag: dict[str, _LagTotals] = {}
+        self._local_loop_lag = local_loop_lag
+        self._local_node = local_node
 
     # -- input ------------------------------------------------------------------------------
 
@@ -187,10 +233,22 @@ class ClusterMetrics:
             samples = self._samples[node_id] = deque(maxlen=MAX_SAMPLES_PER_NODE)
         samples.append(NodeSample(at, gpus, tuple(deployments)))
         self._prune(samples, at)
+        if heartbeat.loop_lag is not None:
+            self._record_loop_lag(node_id, heartbeat.loop_lag)
+
+    def _record_loop_lag(self, node_id: str, report: LoopLag) -> None:
+        totals = self._lag.get(node_id)
+        if totals is None or totals.bounds_s != tuple(report.bounds_s):
+            # The first report this leader has (or one with other buckets: a new agent
+            # version) is the baseline; the lag measured before it is not this leader's.
+            self._lag[node_id] = _LagTotals(report)
+        else:
+            totals.add(report)
 
     def remove_node(self, node_id: str) -> None:
         """Forget ``node_id`` (removed from the cluster): all its series go."""
         self._samples.pop(node_id, None)
+        self._lag.pop(node_id, None)
         for key in [k for k in self._counters if k[0] == node_id]:
             del self._counters[key]
 
@@ -239,6 +297,12 @@ class ClusterMetrics:
             for key, c in list(self._counters.items())
         ]
 
+    def loop_lag(self) -> list[tuple[str, LagHistogram]]:
+        """Each node's loop-lag histogram, the leader's own (``local_node``) first."""
+        out = [] if self._local_loop_lag is None else [(self._local_node, self._local_loop_lag())]
+        out += [(node_id, totals.histogram()) for node_id, totals in list(self._lag.items())]
+        return out
+
 
 class _ClusterCollector(Collector):
     """Turns :class:`ClusterMetrics` into Prometheus families at scrape time."""
@@ -247,16 +311,17 @@ class _ClusterCollector(Collector):
         self._metrics = metrics
 
     def describe(self) -> list[Metric]:
-        return list(self._families([], []))
+        return list(self._families([], [], []))
 
     def collect(self) -> Iterator[Metric]:
         m = self._metrics
-        return self._families(m._latest(m._clock()), m._totals())
+        return self._families(m._latest(m._clock()), m._totals(), m.loop_lag())
 
     def _families(
         self,
         latest: list[tuple[str, NodeSample]],
         totals: list[tuple[tuple[str, str], str, int, int]],
+        lags: list[tuple[str, LagHistogram]],
     ) -> Iterator[Metric]:
         util = GaugeMetricFamily(
             "berth_node_gpu_util_pct",
@@ -309,7 +374,14 @@ class _ClusterCollector(Collector):
         for (node_id, deployment), model, requests_total, errors_total in totals:
             requests.add_metric([node_id, deployment, model], requests_total)
             errors.add_metric([node_id, deployment, model], errors_total)
-        yield from (util, mem, in_flight, requests, errors, p50, p95)
+        lag = HistogramMetricFamily(
+            "berth_event_loop_lag_seconds",
+            "How late the node's berth process ran a timer on its event loop.",
+            labels=("node",),
+        )
+        for node_id, histogram in lags:
+            lag.add_metric([node_id], histogram.cumulative(), histogram.sum_s)
+        yield from (util, mem, in_flight, requests, errors, p50, p95, lag)
 
 
 __all__ = [
