@@ -35,6 +35,7 @@ import yaml
 
 from berth.cluster.protocol.frames import AdoptedState
 from berth.errors import ConfigError, ConflictError, NotFoundError
+from berth.runtime.health import HealthProber
 
 log = logging.getLogger(__name__)
 
@@ -283,6 +284,7 @@ class AdoptedWatcher:
         self._probed_at: dict[str, float] = {}
         self._mtime: float | None = None
         self._task: asyncio.Task[None] | None = None
+        self._prober = HealthProber()  # one HTTP client for every probe, not one per probe
 
     def states(self) -> list[AdoptedState]:
         """Every adopted endpoint with its liveness, as the agent reports it."""
@@ -363,12 +365,7 @@ class AdoptedWatcher:
         return previous != self._endpoints
 
     async def _probe(self, endpoint: AdoptedEndpoint) -> bool:
-        try:
-            async with httpx.AsyncClient(trust_env=False, timeout=PROBE_TIMEOUT_S) as client:
-                response = await client.get(f"{endpoint.base_url}/v1/models")
-        except httpx.HTTPError:
-            return False
-        return response.status_code == 200
+        return await self._prober.probe(f"{endpoint.base_url}/v1/models", PROBE_TIMEOUT_S)
 
 
 def describe(endpoint: AdoptedEndpoint, alive: bool | None = None) -> dict[str, Any]:

@@ -42,7 +42,7 @@ from docker.constants import DEFAULT_DOCKER_API_VERSION
 
 from berth.errors import EngineError
 from berth.runtime.base import ContainerSpec, EngineHandle, LaunchSpec, ProgressListener
-from berth.runtime.health import probe_health, wait_for_health
+from berth.runtime.health import HealthProber
 from berth.runtime.process import DEFAULT_LOG_TAIL_LINES
 
 log = logging.getLogger(__name__)
@@ -213,6 +213,7 @@ class DockerRuntime:
         self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="berth-docker")
         self._running: dict[str, bool] = {}
         self._log_copies: dict[str, threading.Thread] = {}
+        self._health = HealthProber()  # one HTTP client for every probe
 
     # -- the engine connection -------------------------------------------------------------
 
@@ -485,7 +486,7 @@ class DockerRuntime:
         ``timeout_s`` seconds pass.
         """
         url = f"{handle.base_url}{spec.health_path}"
-        outcome = await wait_for_health(
+        outcome = await self._health.wait(
             url,
             timeout_s,
             alive=lambda: self.poll(handle),
@@ -504,7 +505,7 @@ class DockerRuntime:
 
     async def check_health(self, handle: EngineHandle, health_path: str, timeout_s: float) -> bool:
         """One health probe: whether ``GET health_path`` answers 200 within ``timeout_s``."""
-        return await probe_health(f"{handle.base_url}{health_path}", timeout_s)
+        return await self._health.probe(f"{handle.base_url}{health_path}", timeout_s)
 
     async def stop(self, handle: EngineHandle, grace_s: float) -> None:
         """Stop the container (Docker sends SIGTERM, then SIGKILL after ``grace_s`` seconds)

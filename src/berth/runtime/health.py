@@ -1,11 +1,24 @@
 """Health probes of an engine's HTTP server, shared by every runtime.
 
-Engines are probed on the host's loopback, so proxies from the environment are ignored.
+Engines are probed on the host's loopback over plain HTTP, so proxies from the environment
+are ignored. One :class:`HealthProber` per runtime sends every probe through one
+``httpx.AsyncClient``. Building a client also builds a TLS context and loads the CA bundle,
+about 90 ms of CPU on a busy 2-core host: built per probe, on the event loop, every watch
+interval for every deployment, it stalled each request the leader or agent was serving at
+that moment (issue 13). The prober builds its client once, on a worker thread.
+
+Each probe still opens its own connection and asks the engine to close it
+(``Connection: close``): an idle keep-alive connection would hold one of the engine's HTTP
+threads between probes (llama.cpp serves each connection on a thread of a fixed pool) and
+could be closed by the engine just as the next probe is sent, failing a healthy engine; and a
+fresh connection also checks that the engine still accepts new ones. The prober keeps no
+connection between probes, so there is nothing to close.
 """
 
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Awaitable, Callable
 from typing import Literal
 
@@ -15,46 +28,73 @@ import httpx
 HealthOutcome = Literal["healthy", "exited", "timeout"]
 
 
-async def probe_health(url: str, timeout_s: float) -> bool:
-    """One probe: whether ``GET url`` answers 200 within ``timeout_s`` seconds."""
-    async with httpx.AsyncClient(trust_env=False) as client:
+def _build_client() -> httpx.AsyncClient:
+    return httpx.AsyncClient(
+        trust_env=False,
+        limits=httpx.Limits(max_keepalive_connections=0),
+        headers={"Connection": "close"},
+    )
+
+
+class HealthProber:
+    """Probes ``GET url`` of engines on this host through one shared HTTP client."""
+
+    def __init__(self) -> None:
+        self._client: httpx.AsyncClient | None = None
+        # Taken on worker threads only, so that first probes started together (the watcher
+        # probes every deployment at once) build one client between them.
+        self._build_lock = threading.Lock()
+
+    def _built_client(self) -> httpx.AsyncClient:
+        with self._build_lock:
+            if self._client is None:
+                self._client = _build_client()
+            return self._client
+
+    async def _shared_client(self) -> httpx.AsyncClient:
+        client = self._client
+        if client is None:
+            client = await asyncio.to_thread(self._built_client)
+        return client
+
+    async def probe(self, url: str, timeout_s: float) -> bool:
+        """One probe: whether ``GET url`` answers 200 within ``timeout_s`` seconds.
+
+        A refused or broken connection, a timeout and an answer httpx cannot read are
+        ``False``, never raised.
+        """
+        client = await self._shared_client()
         try:
             response = await client.get(url, timeout=timeout_s)
-        except httpx.TransportError:
+        except httpx.HTTPError:
             return False
-    return response.status_code == 200
+        return response.status_code == 200
 
+    async def wait(
+        self,
+        url: str,
+        timeout_s: float,
+        *,
+        alive: Callable[[], Awaitable[bool]],
+        poll_interval_s: float,
+        probe_timeout_s: float,
+    ) -> HealthOutcome:
+        """Poll ``GET url`` every ``poll_interval_s`` seconds until it answers 200.
 
-async def wait_for_health(
-    url: str,
-    timeout_s: float,
-    *,
-    alive: Callable[[], Awaitable[bool]],
-    poll_interval_s: float,
-    probe_timeout_s: float,
-) -> HealthOutcome:
-    """Poll ``GET url`` every ``poll_interval_s`` seconds until it answers 200.
-
-    Any other status, a refused connection or a probe taking longer than
-    ``probe_timeout_s`` counts as "not yet".  Before each probe ``alive()`` says whether the
-    engine still runs; ``"exited"`` is returned as soon as it does not, ``"timeout"`` once
-    ``timeout_s`` seconds have passed.
-    """
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    async with httpx.AsyncClient(trust_env=False) as client:
+        Any other status, a refused connection or a probe taking longer than
+        ``probe_timeout_s`` counts as "not yet".  Before each probe ``alive()`` says whether
+        the engine still runs; ``"exited"`` is returned as soon as it does not, ``"timeout"``
+        once ``timeout_s`` seconds have passed.
+        """
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
         while True:
             if not await alive():
                 return "exited"
             remaining = deadline - loop.time()
             if remaining <= 0:
                 return "timeout"
-            try:
-                response = await client.get(url, timeout=max(0.05, min(probe_timeout_s, remaining)))
-            except httpx.TransportError:
-                pass
-            else:
-                if response.status_code == 200:
-                    return "healthy"
+            if await self.probe(url, max(0.05, min(probe_timeout_s, remaining))):
+                return "healthy"
             remaining = deadline - loop.time()
             await asyncio.sleep(max(0.0, min(poll_interval_s, remaining)))

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from berth.errors import EngineError
 from berth.runtime.base import EngineHandle, LaunchSpec, ProgressListener
-from berth.runtime.health import probe_health, wait_for_health
+from berth.runtime.health import HealthProber
 
 #: Lines of engine output carried by an :class:`EngineError`.
 DEFAULT_LOG_TAIL_LINES = 40
@@ -62,6 +62,7 @@ class ProcessRuntime:
         self._kill_wait_s = kill_wait_s
         self._log_tail_lines = log_tail_lines
         self._children: dict[int, subprocess.Popen[bytes]] = {}
+        self._health = HealthProber()  # one HTTP client for every probe
 
     async def start(
         self, spec: LaunchSpec, on_progress: ProgressListener | None = None
@@ -129,7 +130,7 @@ class ProcessRuntime:
         async def alive() -> bool:
             return self.is_alive(handle)
 
-        outcome = await wait_for_health(
+        outcome = await self._health.wait(
             url,
             timeout_s,
             alive=alive,
@@ -151,7 +152,7 @@ class ProcessRuntime:
 
     async def check_health(self, handle: EngineHandle, health_path: str, timeout_s: float) -> bool:
         """One health probe: whether ``GET health_path`` answers 200 within ``timeout_s``."""
-        return await probe_health(f"{handle.base_url}{health_path}", timeout_s)
+        return await self._health.probe(f"{handle.base_url}{health_path}", timeout_s)
 
     async def stop(self, handle: EngineHandle, grace_s: float) -> None:
         """Stop the engine's process group: SIGTERM, then SIGKILL after ``grace_s`` seconds.
