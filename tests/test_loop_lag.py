@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine
@@ -35,6 +36,7 @@ from berth.cluster.listener import (
 from berth.cluster.protocol.errors import ProtocolError
 from berth.cluster.protocol.frames import Heartbeat, LoopLag, decode_frame, encode_frame
 from berth.daemon.server import bind_tcp
+from berth.eventloop import freeze_startup_objects
 from berth.observability.cluster import ClusterMetrics
 from berth.observability.loop_lag import LAG_BUCKETS_S, LagHistogram, LoopLagMonitor
 from berth.observability.metrics import ProxyMetrics
@@ -125,6 +127,37 @@ def test_a_blocking_coroutine_is_named_with_its_task(caplog: pytest.LogCaptureFi
     assert named.endswith(f"test_loop_lag.py:{BLOCKING_LINE})")
     # the short stack runs from the callback to the innermost frame
     assert named.index("\n  test_a_blocking_coroutine") < named.index("\n  block_the_loop")
+
+
+def test_a_stall_with_a_full_garbage_collection_says_so(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, logger=MONITOR_LOG)
+    monitor = LoopLagMonitor()
+
+    def collect_and_block() -> None:
+        gc.collect()  # what a full collection of a big heap does by itself, at any line
+        block_the_loop()
+
+    async def main() -> None:
+        monitor.start()
+        try:
+            await wait_for(lambda: monitor.histogram().count > 0, "a first tick")
+            asyncio.get_running_loop().call_soon(collect_and_block)
+            await wait_for(lambda: monitor.stalls >= 1, "the stall to be measured")
+        finally:
+            monitor.stop()
+
+    uvloop.run(main())
+
+    (named,) = warnings_naming(caplog, "collect_and_block (")
+    assert "during a full garbage collection (generation 2)" in named
+
+
+def test_freezing_the_start_up_heap_leaves_it_out_of_full_collections() -> None:
+    try:
+        freeze_startup_objects()
+        assert gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()
 
 
 def test_the_stall_is_counted_in_a_bucket_above_the_threshold() -> None:

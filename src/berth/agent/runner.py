@@ -31,6 +31,7 @@ from berth.agent.service import AgentService
 from berth.cluster.protocol.errors import CloseCode
 from berth.config import Settings
 from berth.errors import ConflictError
+from berth.eventloop import freeze_startup_objects
 from berth.humanize import age
 from berth.observability.loop_lag import LoopLagMonitor
 from berth.paths import BerthHome
@@ -150,6 +151,7 @@ async def run_agent(home: BerthHome, *, verbose: bool, console: Console) -> int:
         loop.add_signal_handler(sig, lambda: asyncio.ensure_future(dialer.stop()))
     log.info("agent %s (%s) starting; leader %s", identity.label, identity.node_id,
              identity.leader_url)  # fmt: skip
+    freeze_startup_objects()  # full collections then skip the start-up heap
     loop_lag.start()
     try:
         if panel:

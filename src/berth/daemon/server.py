@@ -49,6 +49,7 @@ from berth.daemon.lifecycle import LifecycleManager
 from berth.daemon.proxy import OpenAIProxy
 from berth.daemon.services import LeaderServices, Listener
 from berth.errors import DaemonError
+from berth.eventloop import freeze_startup_objects
 from berth.keys import load_or_create_pepper
 from berth.observability.cluster import ClusterMetrics
 from berth.observability.loop_lag import LoopLagMonitor
@@ -357,7 +358,6 @@ async def serve(home: BerthHome, settings: Settings) -> None:
 
     home.pid_file.write_text(f"{os.getpid()}\n")
     await proxy.startup()
-    loop_lag.start()
     try:
         serving = [
             asyncio.create_task(public_server.serve(sockets=[public_sock])),
@@ -377,6 +377,8 @@ async def serve(home: BerthHome, settings: Settings) -> None:
             watcher.start()
         if local_sampler is not None:
             local_sampler.start()
+        freeze_startup_objects()  # full collections then skip the start-up heap
+        loop_lag.start()
         services.ready = True
         log.info(
             "berth leader ready%s: public https://%s:%d, cluster %s, socket %s, CA %s",

@@ -24,14 +24,18 @@ returns, so the sample lands just after it; code with no Python frame (uvloop's 
 code, a process the kernel did not schedule) shows as "no Python callback"; and a thread
 holding the GIL for long makes the loop thread wait at whatever line it had reached.
 
-Warnings from the same callback are limited to one per ``warn_interval_s``; the next one says
-how many stalls were left out meanwhile.
+A warning also says when a full garbage collection (generation 2) ran within the stall: it
+holds the GIL while it traverses the heap, so the sampled line is only where it began
+(``berth.eventloop.freeze_startup_objects`` keeps those collections short). Warnings from the
+same callback are limited to one per ``warn_interval_s``; the next one says how many stalls
+were left out meanwhile.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import itertools
 import logging
 import os
@@ -55,7 +59,7 @@ HANG_WARNING_S = 2.0
 #: Most warnings per second for stalls in the same callback.
 WARN_INTERVAL_S = 1.0
 #: Frames shown in a warning's stack (the innermost ones; the callback's frame is kept too).
-STACK_FRAMES = 8
+STACK_FRAMES = 12
 
 
 @dataclass(frozen=True)
@@ -165,14 +169,18 @@ def describe_stall(
     *,
     left_out: int = 0,
     ongoing: bool = False,
+    full_gc: bool = False,
     threshold_s: float = STALL_THRESHOLD_S,
 ) -> str:
     """The warning's text for a stall of ``blocked_s`` seconds (``sample`` as taken, if any);
-    ``ongoing`` for one that has not ended yet; ``threshold_s`` is the monitor's."""
+    ``ongoing`` for one that has not ended yet, ``full_gc`` when a full garbage collection ran
+    within it; ``threshold_s`` is the monitor's."""
     if ongoing:
         text = f"event loop has been blocked for {blocked_s:.1f} s and still is"
     else:
         text = f"event loop blocked for {blocked_s * 1000:.1f} ms"
+    if full_gc:
+        text += " during a full garbage collection (generation 2)"
     if sample is None:
         text += " (not sampled: it ended before the watchdog looked)"
     elif not sample.frames:
@@ -254,6 +262,7 @@ class LoopLagMonitor:
         # Shared with the watchdog; each is replaced whole (one store, atomic under the GIL).
         self._beat: tuple[int, float] = (0, 0.0)  # (tick number, when it ran)
         self._sample: tuple[int, StackSample] | None = None  # (tick number it follows, stack)
+        self._full_collections = gc.get_stats()[2]["collections"]
         self._warned: dict[FrameLine | None, tuple[float, int]] = {}
 
     # -- life cycle ---------------------------------------------------------------------------
@@ -268,6 +277,7 @@ class LoopLagMonitor:
         self._loop = asyncio.get_running_loop()
         self._loop_thread_id = threading.get_ident()
         self._stop.clear()
+        self._full_collections = gc.get_stats()[2]["collections"]
         self._beat = (0, time.perf_counter())
         self._handle = self._loop.call_later(self._interval_s, self._tick)
         self._thread = threading.Thread(target=self._watch, name="berth-loop-watchdog", daemon=True)
@@ -307,14 +317,16 @@ class LoopLagMonitor:
         lag_s = max(0.0, now - beat_at - self._interval_s)
         self._counts[bisect_left(self._bounds, lag_s)] += 1
         self._sum_s += lag_s
+        full_collections = gc.get_stats()[2]["collections"]  # about 2 µs
         if lag_s > self._threshold_s:
-            self._stalled(seq, lag_s)
+            self._stalled(seq, lag_s, full_gc=full_collections > self._full_collections)
+        self._full_collections = full_collections
         self._beat = (seq + 1, now)
         loop = self._loop
         if loop is not None:
             self._handle = loop.call_later(self._interval_s, self._tick)
 
-    def _stalled(self, seq: int, lag_s: float) -> None:
+    def _stalled(self, seq: int, lag_s: float, *, full_gc: bool) -> None:
         self.stalls += 1
         taken = self._sample
         sample = taken[1] if taken is not None and taken[0] == seq else None
@@ -328,7 +340,10 @@ class LoopLagMonitor:
             self._warned.clear()
         self._warned[key] = (now, 0)
         self._log.warning(
-            "%s", describe_stall(lag_s, sample, left_out=left_out, threshold_s=self._threshold_s)
+            "%s",
+            describe_stall(
+                lag_s, sample, left_out=left_out, full_gc=full_gc, threshold_s=self._threshold_s
+            ),
         )
 
     # -- the watchdog's side --------------------------------------------------------------------
