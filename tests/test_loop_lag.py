@@ -37,7 +37,7 @@ from berth.cluster.protocol.errors import ProtocolError
 from berth.cluster.protocol.frames import Heartbeat, LoopLag, decode_frame, encode_frame
 from berth.daemon.server import bind_tcp
 from berth.eventloop import freeze_startup_objects
-from berth.observability.cluster import ClusterMetrics
+from berth.observability.cluster import LINGER_S, ClusterMetrics
 from berth.observability.loop_lag import LAG_BUCKETS_S, LagHistogram, LoopLagMonitor
 from berth.observability.metrics import ProxyMetrics
 from berth.paths import BerthHome
@@ -289,8 +289,9 @@ def test_agent_lag_counts_from_the_first_report_and_survives_an_agent_restart() 
     assert node().counts == (50, 1, 0) and node().sum_s == pytest.approx(0.5)
     metrics.record_heartbeat("n-1", beat([10, 0, 0], 0.1))  # the agent restarted
     assert node().counts == (60, 1, 0) and node().sum_s == pytest.approx(0.6)
-    metrics.remove_node("n-1")
-    assert metrics.loop_lag() == []
+    metrics.remove_node("n-1")  # its series stay a while, for a last scrape, then go
+    assert [node for node, _ in metrics.loop_lag()] == ["n-1"]
+    assert metrics.loop_lag(now=1000.0 + LINGER_S) == []
 
 
 def test_a_malformed_lag_histogram_is_a_protocol_error() -> None:

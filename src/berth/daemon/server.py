@@ -237,6 +237,8 @@ async def serve(home: BerthHome, settings: Settings) -> None:
 
     local_meter = RequestMeter()  # requests to node local's engines, served by the proxy
     metrics = ProxyMetrics(local_meter=local_meter, local_node=LOCAL_NODE_ID)
+    # The labels of deployments still active carry over a restart (the cluster series' too).
+    metrics.restore(await asyncio.to_thread(store.list_deployments, active_only=True))
     loop_lag = LoopLagMonitor()  # the leader's own loop: berth_event_loop_lag_seconds{node=local}
     cluster_metrics = ClusterMetrics(
         model_of=metrics.deployment_model,
@@ -256,6 +258,7 @@ async def serve(home: BerthHome, settings: Settings) -> None:
         if record.state in TERMINAL_STATES:  # its routing samples and window go with it
             signals.forget(record.id)
             local_meter.forget(record.id)
+            cluster_metrics.deployment_ended(record.id)  # its series go after a linger
 
     lifecycle = LifecycleManager(
         store,
