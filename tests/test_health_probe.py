@@ -8,8 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ssl
-import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +19,7 @@ from berth.runtime.base import EngineHandle
 from berth.runtime.engines import find_free_port
 from berth.runtime.health import HealthProber
 from berth.runtime.process import ProcessRuntime
+from support.waiting import EVENT_TIMEOUT_S, wait_for_async
 
 
 class CountingEngine:
@@ -85,20 +85,15 @@ def tls_contexts(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return made
 
 
-async def settled(condition: Callable[[], bool], timeout_s: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not condition() and time.monotonic() < deadline:
-        await asyncio.sleep(0.01)
-    return condition()
-
-
 async def test_probes_reuse_one_client_and_leave_no_connection_open(
     tls_contexts: list[int],
 ) -> None:
     prober = HealthProber()
     async with engine() as counting:
         results = [await prober.probe(counting.url(), 2.0) for _ in range(10)]
-        assert await settled(lambda: counting.closed == counting.opened == 10)
+        await wait_for_async(
+            lambda: counting.closed == counting.opened == 10, EVENT_TIMEOUT_S, "10 closed"
+        )
 
     assert results == [True] * 10
     assert tls_contexts[0] == 0

@@ -45,6 +45,7 @@ from berth.runtime.engines import EngineBinaries
 from berth.runtime.gpu import StaticInventory
 from berth.runtime.process import ProcessRuntime
 from berth.store import Store
+from support.waiting import EVENT_TIMEOUT_S, wait_for_async
 
 LOOPS: dict[str, Callable[[Coroutine[Any, Any, None]], None]] = {
     "asyncio": asyncio.run,
@@ -62,11 +63,8 @@ def block_the_loop() -> None:
 BLOCKING_LINE = block_the_loop.__code__.co_firstlineno + 1
 
 
-async def wait_for(condition: Callable[[], bool], what: str, timeout_s: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"gave up waiting for {what}"
-        await asyncio.sleep(0.02)
+async def wait_for(condition: Callable[[], bool], what: str) -> None:
+    await wait_for_async(condition, EVENT_TIMEOUT_S, what)
 
 
 def warnings_naming(caplog: pytest.LogCaptureFixture, text: str) -> list[str]:

@@ -15,14 +15,14 @@ streams about N bytes of SSE events of 64 KiB each; ``"x_events": N`` with
 ``"x_event_delay_s": S`` streams N small events S seconds apart, printing
 :data:`CLIENT_GONE` if the client goes away first; every JSON answer carries
 ``"x_received_bytes"``, the size of the request body; ``"x_head_delay_s": S`` waits S seconds
-before answering at all (a request queued in the engine), only on the engine listening on
-``"x_head_delay_port"`` when that is given.
+before answering at all (a request queued in the engine; it prints :data:`HOLDING` first),
+only on the engine listening on ``"x_head_delay_port"`` when that is given.
 
 Test-only flags: ``--fail-start`` prints an error line (:data:`FAIL_LINE`) and exits 1
 before listening.  Lines it prints go to stdout, flushed, so berth's engine log shows them.
 
 Only the standard library is used, so the engine starts in about 0.1 s
-(``tests/standin_engine.py`` needs aiohttp and is driven in-process instead).
+(``support/standin_engine.py`` needs aiohttp and is driven in-process instead).
 """
 
 from __future__ import annotations
@@ -33,8 +33,12 @@ import signal
 import sys
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from types import FrameType
 
+#: This file: tests run it by path (``python SCRIPT ...``), so it imports only the standard
+#: library.
+SCRIPT = Path(__file__).resolve()
 #: What the engine answers to every chat completion.
 ANSWER = "Hello from the fake llama-server."
 #: The line printed by ``--fail-start`` before exiting 1.
@@ -43,6 +47,8 @@ FAIL_LINE = "error: fake llama-server refuses to start (--fail-start)"
 LISTENING = "fake llama-server listening on"
 #: Printed when a client closes the connection before a slow stream ended.
 CLIENT_GONE = "fake llama-server: client went away mid-stream"
+#: Printed when a request starts waiting before its answer (``x_head_delay_s``).
+HOLDING = "fake llama-server: holding a request before answering"
 #: (prompt, completion) token counts reported in ``usage``.
 USAGE = (5, 6)
 
@@ -120,6 +126,7 @@ class _Handler(BaseHTTPRequestHandler):
             return
         port = self.server.server_address[1]
         if body.get("x_head_delay_s") and body.get("x_head_delay_port", port) == port:
+            print(f"{HOLDING} for {body['x_head_delay_s']} s", flush=True)
             time.sleep(float(body["x_head_delay_s"]))  # a request queued in this engine
         if body.get("stream") and body.get("x_bulk_bytes"):
             self._bulk(int(body["x_bulk_bytes"]))

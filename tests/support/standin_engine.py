@@ -210,6 +210,9 @@ class ReceivedRequest:
     body: bytes
     received_at: float
     bytes_written: int = 0
+    #: True while a write waits for the client to take data (the transport's buffer is full:
+    #: aiohttp's write only yields then), i.e. while the engine is held up by backpressure.
+    writing: bool = False
     completed: bool = False
     died: bool = False
     disconnected_at: float | None = None
@@ -259,7 +262,7 @@ class StandinEngine:
         if self._runner is not None:
             await self._runner.cleanup()
 
-    async def wait_for_request(self, timeout_s: float = 2.0) -> ReceivedRequest:
+    async def wait_for_request(self, timeout_s: float = 30.0) -> ReceivedRequest:
         """The first request received, once it has arrived."""
         deadline = time.monotonic() + timeout_s
         while not self.requests:
@@ -298,7 +301,9 @@ class StandinEngine:
                     assert response is not None, "a Write needs a Head first"
                     if step.pause_s:
                         await asyncio.sleep(step.pause_s)
+                    record.writing = True
                     await response.write(step.data)
+                    record.writing = False
                     record.bytes_written += len(step.data)
                 else:
                     record.died = True
