@@ -17,6 +17,7 @@ from berth.errors import EngineError
 from berth.runtime.base import LaunchSpec
 from berth.runtime.bundled import smollm2_gguf
 from berth.runtime.docker import DockerRuntime, resolve_docker_host
+from berth.runtime.docker.network import ENGINE_NETWORK
 from berth.runtime.engines import DeploymentRequest, build_container_spec
 from support.docker_support import berth_containers
 from support.installed import check_needs
@@ -34,7 +35,7 @@ def runtime(tmp_path: Path, docker_client: Any) -> Iterator[DockerRuntime]:
         container.remove(force=True)  # nothing a failed test started outlives it
 
 
-def _spec(tmp_path: Path, image: str, *extra: str) -> LaunchSpec:
+def _spec(tmp_path: Path, image: str, *extra: str, api_key: str | None = None) -> LaunchSpec:
     check_needs(("smollm2",))
     model = smollm2_gguf()
     assert model is not None
@@ -47,6 +48,7 @@ def _spec(tmp_path: Path, image: str, *extra: str) -> LaunchSpec:
         log_path=tmp_path / "engine.log",
         ctx=2048,
         extra_args=extra,
+        api_key=api_key,
     )
     return build_container_spec(request, image, shm_size="256m")
 
@@ -54,11 +56,18 @@ def _spec(tmp_path: Path, image: str, *extra: str) -> LaunchSpec:
 async def test_an_engine_container_serves_and_is_removed_on_stop(
     runtime: DockerRuntime, docker_client: Any, engine_image: str, tmp_path: Path
 ) -> None:
-    spec = _spec(tmp_path, engine_image)
+    key = f"berth-ek-{secrets.token_urlsafe(16)}"
+    spec = _spec(tmp_path, engine_image, api_key=key)
     handle = await runtime.start(spec)
     await runtime.wait_healthy(handle, spec, timeout_s=120)
     container = docker_client.containers.get(handle.container_id)
     assert container.name == f"berth-{spec.deployment_id}"
+    # On berth's network, where containers cannot reach each other.
+    assert list(container.attrs["NetworkSettings"]["Networks"]) == [ENGINE_NETWORK]
+    network = docker_client.networks.get(ENGINE_NETWORK).attrs
+    assert network["Driver"] == "bridge"
+    assert network["Options"]["com.docker.network.bridge.enable_icc"] == "false"
+    assert key not in " ".join(container.attrs["Config"]["Cmd"])
     assert container.labels["berth.deployment"] == spec.deployment_id
     assert container.labels["berth.model"] == "smollm2"
     assert container.labels["berth.node"] == "local"
@@ -71,13 +80,21 @@ async def test_an_engine_container_serves_and_is_removed_on_stop(
     assert handle.host == "127.0.0.1" and handle.port > 0 and handle.pid > 0
     assert runtime.is_alive(handle)
 
+    chat = {"messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 8}
     async with httpx.AsyncClient(base_url=handle.base_url, trust_env=False) as http:
+        assert (await http.get("/health")).status_code == 200
+        for path in ("/props", "/slots"):
+            assert (await http.get(path)).status_code == 401, path
+        refused = await http.post("/v1/chat/completions", json=chat, timeout=60)
+        assert refused.status_code == 401
         answer = await http.post(
             "/v1/chat/completions",
-            json={"messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 8},
+            json=chat,
+            headers={"Authorization": f"Bearer {key}"},
             timeout=60,
         )
     assert answer.status_code == 200, answer.text
+    assert await runtime.check_health(handle, "/health", 5.0)
     assert answer.json()["choices"][0]["message"]["content"]
 
     await runtime.stop(handle, grace_s=5)
@@ -85,7 +102,11 @@ async def test_an_engine_container_serves_and_is_removed_on_stop(
         docker_client.containers.get(handle.container_id)
     assert not runtime.is_alive(handle)
     log_text = spec.log_path.read_text()
-    assert f"container berth-{spec.deployment_id} from {engine_image}" in log_text
+    assert (
+        f"container berth-{spec.deployment_id} from {engine_image} on network {ENGINE_NETWORK}"
+        in (log_text)
+    )
+    assert key not in log_text
     assert "slot" in log_text  # the engine's own output
     await runtime.stop(handle, grace_s=5)  # a container already gone is not an error
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import threading
-from collections.abc import Generator, Iterator, Sequence
+from collections.abc import Generator, Iterator, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -24,10 +24,12 @@ from berth.runtime.docker.api import (
     ContainerInfo,
     ContainerState,
     DockerApi,
+    DockerConflict,
     DockerNotFound,
     EngineInfo,
     EngineVersion,
     ImageInfo,
+    NetworkInfo,
     PortBinding,
     PullMessage,
     decode_pull_message,
@@ -55,6 +57,8 @@ class RecordingDocker:
         self.pull_closed = threading.Event()
         self.pull_thread: threading.Thread | None = None
         self.containers_by_id: dict[str, ContainerInfo] = {}
+        self.configs: dict[str, ContainerConfig] = {}
+        self.networks: dict[str, NetworkInfo] = {}
         self.exit_code_on_start: int | None = None
         self._ids = itertools.count(1)
 
@@ -89,11 +93,15 @@ class RecordingDocker:
     def create_container(self, config: ContainerConfig) -> str:
         self._seen()
         container_id = f"c{next(self._ids):063d}"
+        if config.network is not None and config.network not in self.networks:
+            raise DockerNotFound(f"network {config.network} not found", status_code=404)
+        self.configs[container_id] = config
         self.containers_by_id[container_id] = ContainerInfo(
             id=container_id,
             name=config.name,
             labels=dict(config.labels),
             state=ContainerState(running=False),
+            networks=(config.network,) if config.network else (),
         )
         return container_id
 
@@ -139,6 +147,20 @@ class RecordingDocker:
         self._seen()
         self._existing(container_id)
         del self.containers_by_id[container_id]
+
+    def inspect_network(self, name: str) -> NetworkInfo | None:
+        self._seen()
+        return self.networks.get(name)
+
+    def create_network(
+        self, name: str, *, options: Mapping[str, str], labels: Mapping[str, str]
+    ) -> str:
+        self._seen()
+        if name in self.networks:
+            raise DockerConflict(f"network with name {name} already exists", status_code=409)
+        network_id = f"n{len(self.networks):063d}"
+        self.networks[name] = NetworkInfo(network_id, name, "bridge", dict(options), dict(labels))
+        return network_id
 
     def logs(
         self, container_id: str, *, since: float | None = None, tail: int | None = None

@@ -3,10 +3,12 @@ llama-server started by berth on the SmolLM2 GGUF, and the official OpenAI SDK w
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import ssl
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import openai
@@ -151,6 +153,35 @@ def test_logs_show_the_engine_output(
     assert any(listening in line for line in engine_lines), out
     missing = berth("logs", "d-00000000", check=False)
     assert missing.returncode != 0 and "not found" in missing.stderr
+
+
+def test_the_engine_answers_only_berth_which_keeps_its_key_private(
+    leader: tuple[Berth, int], deployment: dict[str, object], openai_client: openai.OpenAI
+) -> None:
+    berth, _port = leader
+    engine = f"http://127.0.0.1:{deployment['port']}"
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    with httpx.Client(base_url=engine, trust_env=False, timeout=60) as direct:
+        assert direct.get("/health").status_code == 200  # llama-server keeps it public
+        for path in ("/props", "/slots", "/v1/models"):
+            assert direct.get(path).status_code == 401, path
+        assert direct.post("/v1/chat/completions", json=chat).status_code == 401
+    through_berth = openai_client.chat.completions.create(
+        model="smollm2", messages=[{"role": "user", "content": "hi"}], max_tokens=4
+    )
+    assert through_berth.choices[0].message.content is not None
+
+    journal = berth.home / "local-engines.json"
+    assert journal.stat().st_mode & 0o777 == 0o600
+    key = json.loads(journal.read_text())[str(deployment["id"])]["api_key"]
+    with httpx.Client(base_url=engine, trust_env=False, timeout=60) as direct:
+        keyed = direct.get("/props", headers={"Authorization": f"Bearer {key}"})
+        assert keyed.status_code == 200
+    assert key not in berth("ps", "--all", "--json").stdout
+    assert key not in berth("logs", str(deployment["id"]), "--tail", "100000").stdout
+    assert key.encode() not in Path(f"/proc/{deployment['pid']}/cmdline").read_bytes()
+    for log in (berth.home / "logs").iterdir():
+        assert key not in log.read_text(errors="replace"), log
 
 
 def test_crash_reconcile_and_stop_leaves_no_engine(

@@ -17,7 +17,7 @@ import pytest
 from berth.agent.adopted import AdoptedEndpoint, AdoptedWatcher, save_adopted
 from berth.runtime.base import EngineHandle
 from berth.runtime.engines import find_free_port
-from berth.runtime.health import HealthProber
+from berth.runtime.health import HealthProber, bearer_headers
 from berth.runtime.process import ProcessRuntime
 from support.waiting import EVENT_TIMEOUT_S, wait_for_async
 
@@ -33,6 +33,7 @@ class CountingEngine:
         self.asked_to_close = 0
         self.requests = 0
         self.port = 0
+        self.heads: list[bytes] = []
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.opened += 1
@@ -43,6 +44,7 @@ class CountingEngine:
                 except (asyncio.IncompleteReadError, ConnectionError):
                     return
                 self.requests += 1
+                self.heads.append(head)
                 close = b"\r\nconnection: close\r\n" in head.lower()
                 self.asked_to_close += close
                 writer.write(b"HTTP/1.1 %d X\r\ncontent-length: 2\r\n\r\nok" % self.status)
@@ -155,3 +157,14 @@ async def test_nothing_listening_is_unhealthy_not_an_error() -> None:
 async def test_only_plain_http_is_probed() -> None:
     with pytest.raises(ValueError, match="plain HTTP"):
         await HealthProber().probe("https://127.0.0.1:8443/health", 2.0)
+
+
+async def test_an_engines_key_goes_with_each_probe() -> None:
+    prober = HealthProber()
+    async with engine() as counting:
+        assert await prober.probe(counting.url(), 2.0, headers=bearer_headers("k-123"))
+        assert await prober.probe(counting.url(), 2.0, headers=bearer_headers(None))
+
+    with_key, without = (head.lower() for head in counting.heads)
+    assert b"\r\nauthorization: bearer k-123\r\n" in with_key
+    assert b"authorization" not in without

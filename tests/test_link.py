@@ -29,7 +29,7 @@ from berth.engine_http.errors import UpstreamConnectError
 from berth.errors import EngineError
 from berth.runtime.engines import DeploymentRequest
 from support.fakes import memory_socket_pair
-from support.link_pair import DEPLOYMENT, LeaderSide, Linked
+from support.link_pair import DEPLOYMENT, ENGINE_KEY, LeaderSide, Linked
 from support.standin_engine import chat_chunks, json_reply, sse_reply
 
 
@@ -60,6 +60,7 @@ async def test_a_json_exchange_crosses_the_link(linked: Linked) -> None:
     received = linked.engine.requests[0]
     assert received.path == "/v1/chat/completions"
     assert received.headers["content-type"] == "application/json"
+    assert received.headers["authorization"] == f"Bearer {ENGINE_KEY}"  # the agent added it
 
 
 async def test_a_body_larger_than_the_window_arrives_whole(linked: Linked) -> None:

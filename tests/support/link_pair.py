@@ -19,6 +19,7 @@ from berth.cluster.protocol.frames import Heartbeat, Request
 from berth.cluster.protocol.session import LinkLimits, Role, WelcomeTerms
 from berth.cluster.remote_link import RemoteLink
 from berth.cluster.tunnel_stream import TunnelStream
+from berth.engine_http.auth import bearer_header
 from berth.errors import NotFoundError
 from berth.runtime.engines import DeploymentRequest
 from support.fakes import memory_socket_pair
@@ -26,6 +27,8 @@ from support.standin_engine import StandinEngine
 
 #: The one deployment the fake core runs.
 DEPLOYMENT = "d-00000001"
+#: The stand-in engine's API key, which the agent's relay must add.
+ENGINE_KEY = "berth-ek-link-test"
 
 
 class FakeCore:
@@ -38,6 +41,9 @@ class FakeCore:
         self.requests: list[DeploymentRequest] = []
 
     adopted = None
+
+    def engine_auth(self, deployment_id: str) -> tuple[bytes, bytes] | None:
+        return bearer_header(ENGINE_KEY) if deployment_id == DEPLOYMENT else None
 
     def engine_origin(self, deployment_id: str) -> tuple[str, int]:
         if deployment_id != DEPLOYMENT:
@@ -105,7 +111,7 @@ async def linked_in_memory() -> AsyncIterator[Linked]:
     WebSocket pair, both ends past the handshake and running; a :class:`FakeCore` over a
     stand-in engine behind the agent. Closed (code 1000) on exit."""
     limits = LinkLimits(stream_window_bytes=64 * 1024)
-    async with StandinEngine() as engine:
+    async with StandinEngine(api_key=ENGINE_KEY) as engine:
         core = FakeCore(engine.port)
         service = AgentService(core, read_timeout_s=5.0)  # type: ignore[arg-type]
         agent_ws, leader_ws = memory_socket_pair()

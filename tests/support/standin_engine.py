@@ -223,10 +223,15 @@ class ReceivedRequest:
 
 
 class StandinEngine:
-    """A scripted OpenAI-compatible engine on ``base_url`` (use ``async with``)."""
+    """A scripted OpenAI-compatible engine on ``base_url`` (use ``async with``).
 
-    def __init__(self, default: Reply | None = None) -> None:
+    With ``api_key`` it checks ``Authorization: Bearer <api_key>`` as llama-server does: a
+    request without it (``/health`` aside) is recorded and answered 401, unscripted.
+    """
+
+    def __init__(self, default: Reply | None = None, *, api_key: str | None = None) -> None:
         self.default = default or json_reply(chat_completion("hello"))
+        self.api_key = api_key
         self.requests: list[ReceivedRequest] = []
         self._replies: deque[Reply] = deque()
         self._runner: web.AppRunner | None = None
@@ -281,7 +286,14 @@ class StandinEngine:
             received_at=time.monotonic(),
         )
         self.requests.append(record)
-        reply = self._replies.popleft() if self._replies else self.default
+        if (
+            self.api_key is not None
+            and request.path != "/health"
+            and record.headers.get("authorization") != f"Bearer {self.api_key}"
+        ):
+            reply = error_reply(401, "Invalid API Key", type="authentication_error")
+        else:
+            reply = self._replies.popleft() if self._replies else self.default
         response: web.StreamResponse | None = None
         try:
             for step in reply.steps:
