@@ -35,6 +35,8 @@ from urllib.parse import urlsplit
 
 from berth.config_toml import locate_line, parse_toml, render_toml, write_atomically
 from berth.errors import ConfigError
+from berth.http_server.cors import cors_origins_problem
+from berth.http_server.limits import ListenerLimits
 from berth.paths import BerthHome
 from berth.runtime.base import RUNTIME_NAMES
 from berth.runtime.engines import DEFAULT_GPU_IMAGES, DEFAULT_IMAGES, DEFAULT_SHM_SIZE, EngineName
@@ -143,6 +145,8 @@ _TRUE_WORDS = frozenset({"1", "true", "yes", "on"})
 _FALSE_WORDS = frozenset({"0", "false", "no", "off"})
 
 
+_LIMITS = ListenerLimits()
+
 #: Every setting berth knows, in display order.
 SETTINGS: tuple[SettingDef, ...] = (
     SettingDef(
@@ -171,6 +175,31 @@ SETTINGS: tuple[SettingDef, ...] = (
     SettingDef("relay_buffer_chunks", "int", "server",
                "chunks of an answer read ahead of a slow client before berth stops reading",
                default=64, minimum=1, maximum=4096),
+    SettingDef("cors_origins", "str", "server",
+               "browser origins allowed to call the public listener, comma-separated "
+               "(https://chat.example.com; * for any, never with credentials); default none",
+               optional=True, check=cors_origins_problem),
+    # The listeners' bounds; berth.http_server.limits says why each default is what it is.
+    SettingDef("max_head_bytes", "int", "server",
+               "largest request head (request line and headers) accepted, in bytes (431)",
+               default=_LIMITS.max_head_bytes, minimum=1024, maximum=1024 * 1024),
+    SettingDef("max_header_count", "int", "server", "most header lines in a request (431)",
+               default=_LIMITS.max_header_count, minimum=8, maximum=10_000),
+    SettingDef("head_timeout_s", "float", "server",
+               "seconds a request head (and a TLS handshake) may take to arrive (408)",
+               default=_LIMITS.head_timeout_s, minimum=0.1),
+    SettingDef("keepalive_timeout_s", "float", "server",
+               "seconds an idle keep-alive connection stays open",
+               default=_LIMITS.keepalive_timeout_s, minimum=0.1),
+    SettingDef("body_timeout_s", "float", "server",
+               "seconds a request body may pause between two reads (408)",
+               default=_LIMITS.body_timeout_s, minimum=0.1),
+    SettingDef("max_connections", "int", "server",
+               "most open connections per listener (503 beyond)",
+               default=_LIMITS.max_connections, minimum=1),
+    SettingDef("max_connections_per_address", "int", "server",
+               "most open connections per client address and listener (429 beyond)",
+               default=_LIMITS.max_connections_per_address, minimum=1),
     SettingDef("leader_only", "bool", "server",
                "run no engines on the leader's host: a control plane only (engines on agents)",
                default=False),
@@ -306,6 +335,14 @@ class Settings:
     max_body_bytes: int
     max_attempts: int
     relay_buffer_chunks: int
+    cors_origins: str | None
+    max_head_bytes: int
+    max_header_count: int
+    head_timeout_s: float
+    keepalive_timeout_s: float
+    body_timeout_s: float
+    max_connections: int
+    max_connections_per_address: int
     leader_only: bool
     log_level: str
     health_timeout_s: float
@@ -385,6 +422,18 @@ class Settings:
                 "set both public_cert and public_key, or neither"
             )
         return cls(home=home, sources=sources, **values)
+
+    def listener_limits(self) -> ListenerLimits:
+        """The bounds every listener applies (the ``max_head_bytes`` ... settings)."""
+        return ListenerLimits(
+            max_head_bytes=self.max_head_bytes,
+            max_header_count=self.max_header_count,
+            head_timeout_s=self.head_timeout_s,
+            keepalive_timeout_s=self.keepalive_timeout_s,
+            body_timeout_s=self.body_timeout_s,
+            max_connections=self.max_connections,
+            max_connections_per_address=self.max_connections_per_address,
+        )
 
     def docker_images(self) -> dict[EngineName, str]:
         """The image the docker runtime runs for each engine (the ``*_image`` settings)."""
