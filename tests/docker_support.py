@@ -21,7 +21,12 @@ from typing import Any
 
 import pytest
 
-from berth.runtime.docker import docker_error_text, resolve_docker_host
+from berth.runtime.docker import (
+    DockerApiError,
+    connect_docker,
+    docker_error_text,
+    resolve_docker_host,
+)
 from berth.runtime.engines import EngineBinaries
 
 IMAGE_REPOSITORY = "berth-test/llama-server"
@@ -35,8 +40,13 @@ def docker_client_or_skip() -> Any:
 
     host = resolve_docker_host(None)
     try:
+        # berth's own client first: it closes its sockets when no engine answers (the SDK's
+        # unix transport leaves one open, a ResourceWarning in a later test).
+        connect_docker(host, timeout_s=10).close()
         client = docker.DockerClient(base_url=host, version="auto", timeout=60)
         client.ping()
+    except DockerApiError as exc:
+        pytest.skip(f"no Docker engine at {host}: {exc.reason}")
     except (docker.errors.DockerException, requests.RequestException) as exc:
         pytest.skip(f"no Docker engine at {host}: {docker_error_text(exc)}")
     return client

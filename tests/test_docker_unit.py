@@ -7,7 +7,8 @@ from __future__ import annotations
 import asyncio
 import itertools
 import threading
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -18,15 +19,30 @@ from berth.agent.core import AgentCore
 from berth.errors import EngineError
 from berth.runtime.base import LaunchSpec
 from berth.runtime.docker import DockerRuntime, PullProgress, docker_error_text
+from berth.runtime.docker.api import (
+    ContainerConfig,
+    ContainerInfo,
+    ContainerState,
+    DockerApi,
+    DockerNotFound,
+    EngineInfo,
+    EngineVersion,
+    ImageInfo,
+    PortBinding,
+    PullMessage,
+    decode_pull_message,
+)
 from berth.runtime.engines import DeploymentRequest, EngineBinaries, build_container_spec
 from berth.runtime.gpu import StaticInventory
 from berth.runtime.process import ProcessRuntime
 
 
 class RecordingDocker:
-    """The part of ``docker.DockerClient`` the runtime uses, over in-memory containers.
+    """A Docker engine in memory, written against the ``DockerApi`` Protocol.
 
-    Every call records the thread it ran on.  ``pull_messages`` is what a pull streams.
+    Every call records the thread it ran on.  ``pull_messages`` is what a pull streams (as
+    Docker's JSON objects); ``exit_code_on_start``, when set, makes a container exit with that
+    code as soon as it starts.
     """
 
     def __init__(self) -> None:
@@ -36,99 +52,108 @@ class RecordingDocker:
         #: when set, a pull stalls after its first message until this is set
         self.pull_gate: threading.Event | None = None
         self.pull_closed = threading.Event()
-        self.containers_by_id: dict[str, dict[str, Any]] = {}
+        self.containers_by_id: dict[str, ContainerInfo] = {}
+        self.exit_code_on_start: int | None = None
         self._ids = itertools.count(1)
-        # One object plays client, client.api, client.images and client.containers.
-        self.api = self.images = self.containers = self
 
     def _seen(self) -> None:
         self.threads.append(threading.get_ident())
 
-    # client.images / client.version
-    def get(self, name: str) -> Any:
+    def version(self) -> EngineVersion:
         self._seen()
-        if name in self.present:
-            return name
-        raise docker.errors.ImageNotFound(f"no such image: {name}")
+        return EngineVersion("99.0", "1.99")
 
-    def version(self) -> dict[str, str]:
+    def info(self) -> EngineInfo:
         self._seen()
-        return {"Version": "99.0", "ApiVersion": "1.99"}
+        return EngineInfo(frozenset({"runc"}))
 
-    # client.api
-    def pull(self, repository: str, tag: str, stream: bool, decode: bool) -> Iterator[Any]:
+    def inspect_image(self, image: str) -> ImageInfo | None:
+        self._seen()
+        return ImageInfo("sha256:" + "0" * 64, 1_000) if image in self.present else None
+
+    def pull(self, image: str) -> Generator[PullMessage, None, None]:
         self._seen()
         try:
             for index, message in enumerate(self.pull_messages):
-                yield message
+                yield decode_pull_message(message)
                 if index == 0 and self.pull_gate is not None:
                     self.pull_gate.wait(10)
         except GeneratorExit:
             self.pull_closed.set()
             raise
-        self.present.add(f"{repository}:{tag}")
+        self.present.add(image)
 
-    def inspect_container(self, container_id: str) -> dict[str, Any]:
-        self._seen()
-        if container_id not in self.containers_by_id:
-            raise docker.errors.NotFound("gone")
-        return self.containers_by_id[container_id]
-
-    def stop(self, container_id: str, timeout: int) -> None:
-        self._seen()
-        self.containers_by_id[container_id]["State"] = {"Running": False, "ExitCode": 143}
-
-    def remove_container(self, container_id: str, force: bool) -> None:
-        self._seen()
-        self.containers_by_id.pop(container_id, None)
-
-    def logs(self, container_id: str, **options: Any) -> Any:
-        self._seen()
-        return iter([b"engine output\n"]) if options.get("stream") else b"engine output\n"
-
-    def __call__(self, **options: Any) -> list[dict[str, str]]:
-        """``client.api.containers(all=..., filters={"label": [...]})``."""
-        self._seen()
-        labels = options["filters"]["label"]
-        wanted = dict(label.split("=", 1) for label in labels if "=" in label)
-        return [
-            {"Id": cid}
-            for cid, attrs in self.containers_by_id.items()
-            if all(attrs["Config"]["Labels"].get(k) == v for k, v in wanted.items())
-        ]
-
-    # client.containers
-    def create(self, image: str, **options: Any) -> Any:
+    def create_container(self, config: ContainerConfig) -> str:
         self._seen()
         container_id = f"c{next(self._ids):063d}"
-        attrs = {
-            "Id": container_id,
-            "State": {"Running": False, "Pid": 0},
-            "Config": {"Labels": options["labels"]},
-            "NetworkSettings": {"Ports": {}},
-        }
-        self.containers_by_id[container_id] = attrs
-        return _Created(self, attrs)
+        self.containers_by_id[container_id] = ContainerInfo(
+            id=container_id,
+            name=config.name,
+            labels=dict(config.labels),
+            state=ContainerState(running=False),
+        )
+        return container_id
 
+    def start_container(self, container_id: str) -> None:
+        self._seen()
+        created = self._existing(container_id)
+        if self.exit_code_on_start is not None:  # gone before anyone looks: no port left
+            state = ContainerState(running=False, exit_code=self.exit_code_on_start)
+            self.containers_by_id[container_id] = replace(created, state=state)
+            return
+        self.containers_by_id[container_id] = replace(
+            created,
+            state=ContainerState(running=True, pid=4242),
+            ports={"8080/tcp": (PortBinding("127.0.0.1", 49153),)},
+        )
 
-class _Created:
-    def __init__(self, fake: RecordingDocker, attrs: dict[str, Any]) -> None:
-        self._fake = fake
-        self.attrs = attrs
-        self.id = attrs["Id"]
+    def inspect_container(self, container: str) -> ContainerInfo | None:
+        self._seen()
+        for info in self.containers_by_id.values():
+            if container in (info.id, info.name):
+                return info
+        return None
 
-    def start(self) -> None:
-        self._fake._seen()
-        self.attrs["State"] = {"Running": True, "Pid": 4242}
-        self.attrs["NetworkSettings"]["Ports"] = {
-            "8080/tcp": [{"HostIp": "127.0.0.1", "HostPort": "49153"}]
-        }
+    def list_containers(self, labels: Sequence[str]) -> list[str]:
+        self._seen()
 
-    def reload(self) -> None:
-        self._fake._seen()
+        def carries(info: ContainerInfo, label: str) -> bool:
+            key, has_value, value = label.partition("=")
+            return key in info.labels and (not has_value or info.labels[key] == value)
 
-    def remove(self, force: bool) -> None:
-        self._fake.remove_container(self.id, force)
+        return [
+            info.id
+            for info in self.containers_by_id.values()
+            if all(carries(info, label) for label in labels)
+        ]
+
+    def stop_container(self, container_id: str, timeout_s: int) -> None:
+        self._seen()
+        stopped = ContainerState(running=False, exit_code=143)
+        self.containers_by_id[container_id] = replace(self._existing(container_id), state=stopped)
+
+    def remove_container(self, container_id: str) -> None:
+        self._seen()
+        self._existing(container_id)
+        del self.containers_by_id[container_id]
+
+    def logs(
+        self, container_id: str, *, since: float | None = None, tail: int | None = None
+    ) -> bytes:
+        self._seen()
+        return b"engine output\n"
+
+    def follow_logs(self, container_id: str, *, since: float | None = None) -> Iterator[bytes]:
+        self._seen()
+        return iter([b"engine output\n"])
+
+    def close(self) -> None:
+        self._seen()
+
+    def _existing(self, container_id: str) -> ContainerInfo:
+        if container_id not in self.containers_by_id:
+            raise DockerNotFound(f"no such container: {container_id}", status_code=404)
+        return self.containers_by_id[container_id]
 
 
 @pytest.fixture
@@ -151,8 +176,11 @@ def _spec(tmp_path: Path, image: str = "example/engine:1") -> LaunchSpec:
 
 
 def _runtime(tmp_path: Path, fake: RecordingDocker) -> DockerRuntime:
+    def connect(_host: str) -> DockerApi:
+        return fake  # mypy checks here that the stand-in is a whole DockerApi
+
     return DockerRuntime(
-        host="unix:///fake.sock", home=tmp_path, node_id="local", client_factory=lambda _h: fake
+        host="unix:///fake.sock", home=tmp_path, node_id="local", client_factory=connect
     )
 
 
@@ -209,7 +237,7 @@ def test_pull_progress_sums_the_layers() -> None:
         {"status": "Extracting", "id": "a", "progressDetail": {"current": 10, "total": 1000}},
         {"status": "Pull complete", "id": "a"},
     ):  # fmt: skip
-        progress.feed(message)
+        progress.feed(decode_pull_message(message))
     assert progress.line() == "pulling vllm/vllm-openai:latest: 1.0 MB of 2.0 GB, 1/2 layers done"
 
 
@@ -284,18 +312,10 @@ async def test_a_container_that_exits_at_once_reports_how(
     tmp_path: Path, fake: RecordingDocker
 ) -> None:
     fake.present.add("example/engine:1")
+    fake.exit_code_on_start = 2
     runtime = _runtime(tmp_path, fake)
     spec = _spec(tmp_path)
-
-    def exits(self: Any) -> None:  # gone before anyone looks: no published port left
-        self.attrs["State"] = {"Running": False, "ExitCode": 2, "Pid": 0}
-
-    original = _Created.start
-    _Created.start = exits  # type: ignore[method-assign]
-    try:
-        handle = await runtime.start(spec)
-    finally:
-        _Created.start = original  # type: ignore[method-assign]
+    handle = await runtime.start(spec)
     assert handle.port == 0 and not runtime.is_alive(handle)
     with pytest.raises(EngineError, match="container exited with code 2") as failure:
         await runtime.wait_healthy(handle, spec, timeout_s=5)

@@ -699,9 +699,9 @@ def test_no_docker_engine_warns_once_with_how_to_start_it(tmp_path: Path) -> Non
     ],
 )
 def test_docker_gpus_need_the_nvidia_runtime(
-    info: dict[str, object], host: str, verdict: str
+    info: dict[str, dict[str, object]], host: str, verdict: str
 ) -> None:
-    check = docker_gpu_check(info, host)
+    check = docker_gpu_check(set(info["Runtimes"]), host)
 
     assert check.verdict == verdict
     assert ("nvidia-ctk runtime configure" in check.hint) is (verdict == "warn")

@@ -17,10 +17,20 @@ from berth.agent.core import HostFacts
 from berth.agent.service import AgentService
 from berth.cluster.connection import LinkConnection, RemoteOpError
 from berth.cluster.link import EngineReport
-from berth.cluster.protocol.errors import LinkError
-from berth.cluster.protocol.frames import Frame, Request
-from berth.cluster.protocol.ops import NoArgs, encode_payload
-from berth.cluster.protocol.session import LinkLimits, LinkSession, Role
+from berth.cluster.protocol.errors import CloseCode, LinkError, ProtocolError
+from berth.cluster.protocol.frames import (
+    Heartbeat,
+    Hello,
+    Inventory,
+    Request,
+    ResetCode,
+    StreamOpen,
+    StreamReset,
+    decode_frame,
+    encode_frame,
+)
+from berth.cluster.protocol.ops import PROBE, NoArgs, Op, ProbeArgs
+from berth.cluster.protocol.session import LinkLimits, LinkSession, Role, WelcomeTerms
 from berth.cluster.remote_link import RemoteLink
 from berth.cluster.tunnel_stream import TunnelStream
 from berth.engine_http.errors import UpstreamConnectError
@@ -80,7 +90,7 @@ class FakeCore:
 
 
 class LeaderSide:
-    def on_frame(self, conn: LinkConnection, frame: Frame) -> None:
+    def on_heartbeat(self, conn: LinkConnection, heartbeat: Heartbeat) -> None:
         pass
 
     async def on_request(self, conn: LinkConnection, request: Request) -> None:
@@ -106,19 +116,15 @@ async def linked() -> AsyncIterator[Linked]:
         core = FakeCore(engine.port)
         service = AgentService(core, read_timeout_s=5.0)  # type: ignore[arg-type]
         agent_ws, leader_ws = memory_socket_pair()
-        agent_session = LinkSession(Role.AGENT, limits)
-        leader_session = LinkSession(Role.LEADER, limits)
-        agent_session.send_hello(service.hello())
-        for message in agent_session.data_to_send():
-            hello = leader_session.receive_message(message)
-        leader_session.accept(node_id="n-1", leader_version="test", server_time=0.0)
-        for message in leader_session.data_to_send():
-            agent_session.receive_message(message)
-        agent = LinkConnection(agent_session, agent_ws, service, peer="leader")
-        leader = LinkConnection(leader_session, leader_ws, LeaderSide(), peer="n-1")
+        agent = LinkConnection(Role.AGENT, agent_ws, service, peer="leader", limits=limits)
+        leader = LinkConnection(Role.LEADER, leader_ws, LeaderSide(), peer="n-1", limits=limits)
+        terms = WelcomeTerms(node_id="n-1", leader_version="test")
+        _welcome, hello = await asyncio.gather(
+            agent.handshake(service.hello(), timeout_s=5.0),
+            leader.handshake(terms, timeout_s=5.0),
+        )
         tasks = [asyncio.create_task(agent.run()), asyncio.create_task(leader.run())]
-        assert hello is not None
-        link = RemoteLink("n-1", leader, service.inventory(), hello.capabilities)  # type: ignore[union-attr]
+        link = RemoteLink("n-1", leader, service.inventory(), hello.capabilities)
         try:
             yield Linked(link, engine, core, leader, agent)
         finally:
@@ -246,8 +252,9 @@ async def test_a_slow_start_does_not_hold_up_other_traffic(linked: Linked) -> No
 
 
 async def test_an_unknown_op_is_answered_unsupported(linked: Linked) -> None:
+    defragment = Op("defragment", NoArgs, NoArgs)  # an op from a newer leader
     with pytest.raises(RemoteOpError) as caught:
-        await linked.leader.request("defragment", encode_payload(NoArgs()), 5.0)
+        await linked.leader.call(defragment, NoArgs(), 5.0)
     assert caught.value.info.code == "unsupported"
 
 
@@ -262,4 +269,113 @@ async def test_a_lost_link_fails_waiting_requests_and_streams(linked: Linked) ->
     with pytest.raises(UpstreamConnectError):
         await _ask(linked)
     with pytest.raises(LinkError):
-        await linked.leader.request("probe", encode_payload(NoArgs()), 1.0)
+        await linked.leader.call(PROBE, ProbeArgs(deployment_id=DEPLOYMENT), 1.0)
+
+
+# -- the handshake, as both ends run it -----------------------------------------------------------
+
+
+def _hello(low: int = 1, high: int = 1) -> Hello:
+    inventory = Inventory(hostname="gpu-host")
+    return Hello(protocol_min=low, protocol_max=high, agent_version="t", inventory=inventory)
+
+
+class Idle(LeaderSide):
+    """A handler that holds each stream open until the link ends."""
+
+    async def on_stream(self, conn: LinkConnection, stream: TunnelStream) -> None:
+        await asyncio.Event().wait()
+
+
+def _ends(agent_limits: LinkLimits | None = None) -> tuple[LinkConnection, LinkConnection]:
+    agent_ws, leader_ws = memory_socket_pair()
+    agent = LinkConnection(Role.AGENT, agent_ws, Idle(), peer="leader", limits=agent_limits)
+    leader = LinkConnection(Role.LEADER, leader_ws, LeaderSide(), peer="n-1")
+    return agent, leader
+
+
+async def test_the_handshake_gives_each_end_the_others_greeting() -> None:
+    agent, leader = _ends()
+    admitted: list[str] = []
+
+    async def admit(hello: Hello) -> None:
+        admitted.append(hello.inventory.hostname)
+
+    terms = WelcomeTerms(node_id="n-1", leader_version="9.9", heartbeat_interval_s=2.0)
+    welcome, hello = await asyncio.gather(
+        agent.handshake(_hello(), timeout_s=5.0),
+        leader.handshake(terms, timeout_s=5.0, admit=admit, clock=lambda: 1234.5),
+    )
+    assert (welcome.node_id, welcome.leader_version, welcome.server_time) == ("n-1", "9.9", 1234.5)
+    assert welcome.heartbeat_interval_s == 2.0
+    assert hello.agent_version == "t" and admitted == ["gpu-host"]
+    assert agent.protocol_version == leader.protocol_version == 1
+    await agent.close(1000, "done")
+    await asyncio.gather(agent.run(), leader.run())
+
+
+async def test_a_refused_admission_closes_with_its_code_and_sends_no_welcome() -> None:
+    agent, leader = _ends()
+
+    async def admit(hello: Hello) -> None:
+        raise LinkError("node n-1 was removed", code=CloseCode.NODE_REMOVED)
+
+    terms = WelcomeTerms(node_id="n-1", leader_version="t")
+    agent_end, leader_end = await asyncio.gather(
+        agent.handshake(_hello(), timeout_s=5.0),
+        leader.handshake(terms, timeout_s=5.0, admit=admit),
+        return_exceptions=True,
+    )
+    assert isinstance(leader_end, LinkError) and leader_end.code is CloseCode.NODE_REMOVED
+    assert isinstance(agent_end, LinkError) and not isinstance(agent_end, ProtocolError)
+    assert agent.close_code == CloseCode.NODE_REMOVED
+    assert agent.close_reason == "node n-1 was removed"
+    assert agent.closed and leader.closed
+
+
+async def test_no_common_version_closes_the_link_with_its_code_on_both_ends() -> None:
+    agent, leader = _ends()
+    terms = WelcomeTerms(node_id="n-1", leader_version="t")
+    agent_end, leader_end = await asyncio.gather(
+        agent.handshake(_hello(7, 9), timeout_s=5.0),
+        leader.handshake(terms, timeout_s=5.0),
+        return_exceptions=True,
+    )
+    assert isinstance(leader_end, ProtocolError)
+    assert leader_end.code is CloseCode.UNSUPPORTED_VERSION
+    assert isinstance(agent_end, LinkError)
+    assert agent.close_code == CloseCode.UNSUPPORTED_VERSION
+
+
+async def test_a_silent_leader_fails_the_agents_handshake_with_a_protocol_error() -> None:
+    agent, leader = _ends()
+    with pytest.raises(ProtocolError, match="did not answer Hello"):
+        await agent.handshake(_hello(), timeout_s=0.05)
+    assert agent.closed and agent.close_code == CloseCode.PROTOCOL_ERROR
+    assert leader.ws.close_code == CloseCode.PROTOCOL_ERROR  # the leader hears why
+
+
+async def test_a_stream_over_the_limit_is_refused_at_once() -> None:
+    """The agent's session refuses a STREAM_OPEN over ``max_streams`` by itself; the reset
+    goes out at once, not with whatever the link sends next."""
+    agent_ws, leader_ws = memory_socket_pair()
+    agent = LinkConnection(
+        Role.AGENT, agent_ws, Idle(), peer="leader", limits=LinkLimits(max_streams=1)
+    )
+    leader = LinkSession(Role.LEADER)  # driven by hand: a leader that ignores the limit
+    handshake = asyncio.create_task(agent.handshake(_hello(), timeout_s=5.0))
+    leader.receive_message((await leader_ws.receive()).data)
+    leader.accept(WelcomeTerms(node_id="n-1", leader_version="t"), server_time=0.0)
+    for message in leader.data_to_send():
+        await leader_ws.send_bytes(message)
+    await handshake
+    reader = asyncio.create_task(agent.run())
+    held = StreamOpen(id=1, kind="logs", deployment_id="d")
+    await leader_ws.send_bytes(encode_frame(held))
+    await leader_ws.send_bytes(encode_frame(StreamOpen(id=2, kind="logs", deployment_id="d")))
+    reply = await asyncio.wait_for(leader_ws.receive(), 5.0)
+    refused = StreamReset(id=2, code=ResetCode.REFUSED, message="too many open streams")
+    assert decode_frame(reply.data) == refused
+    assert agent.open_streams == 1
+    await agent.close(1000, "done")
+    await reader

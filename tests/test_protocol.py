@@ -6,24 +6,49 @@ import msgspec
 import pytest
 
 from berth.cluster.protocol.errors import CloseCode, LinkError, ProtocolError, agent_should_redial
+from berth.cluster.protocol.events import (
+    CreditGranted,
+    DataReceived,
+    HeadReceived,
+    HeartbeatReceived,
+    HelloReceived,
+    LinkEvent,
+    ProgressReceived,
+    RequestReceived,
+    ResponseReceived,
+    StreamOpened,
+    StreamResetReceived,
+    WelcomeReceived,
+)
 from berth.cluster.protocol.frames import (
     HEADER_BYTES,
+    ErrorCode,
+    ErrorInfo,
     Heartbeat,
     Hello,
     Inventory,
+    Progress,
     Request,
+    ResetCode,
     Response,
     StreamCredit,
     StreamData,
     StreamHead,
     StreamOpen,
     StreamReset,
+    UnknownRequest,
     Welcome,
     decode_frame,
     encode_frame,
 )
-from berth.cluster.protocol.ops import StartArgs, decode_payload, encode_payload
-from berth.cluster.protocol.session import LinkLimits, LinkSession, Role, negotiate_version
+from berth.cluster.protocol.ops import START, StartArgs, decode_payload, encode_payload
+from berth.cluster.protocol.session import (
+    LinkLimits,
+    LinkSession,
+    Role,
+    WelcomeTerms,
+    negotiate_version,
+)
 
 
 def _hello(low: int = 1, high: int = 1) -> Hello:
@@ -41,7 +66,7 @@ def _pair(limits: LinkLimits | None = None) -> tuple[LinkSession, LinkSession]:
     agent = LinkSession(Role.AGENT, limits)
     agent.send_hello(_hello())
     _pump(agent, leader)
-    leader.accept(node_id="n-1", leader_version="0.1.0", server_time=1.0)
+    leader.accept(WelcomeTerms(node_id="n-1", leader_version="0.1.0"), server_time=1.0)
     _pump(leader, agent)
     return leader, agent
 
@@ -118,7 +143,7 @@ def test_no_common_version_is_refused_with_its_code() -> None:
     leader = LinkSession(Role.LEADER)
     leader.receive_message(encode_frame(_hello(7, 9)))
     with pytest.raises(ProtocolError) as caught:
-        leader.accept(node_id="n-1", leader_version="x", server_time=0.0)
+        leader.accept(WelcomeTerms(node_id="n-1", leader_version="x"), server_time=0.0)
     assert caught.value.code is CloseCode.UNSUPPORTED_VERSION
 
 
@@ -132,7 +157,7 @@ def test_credit_bounds_what_the_sender_may_send() -> None:
     limits = LinkLimits(stream_window_bytes=1000)
     leader, agent = _pair(limits)
     sid = leader.open_stream(StreamOpen(kind="http", deployment_id="d", payload=b"x", end=True))
-    assert [type(f) for f in _pump(leader, agent)] == [StreamOpen]
+    assert [type(e) for e in _pump(leader, agent)] == [StreamOpened]
     agent.send_head(StreamHead(id=sid, status=200, payload=b"a" * 400))
     agent.send_data(sid, b"b" * 600)
     assert agent.send_credit(sid) == 0
@@ -142,7 +167,7 @@ def test_credit_bounds_what_the_sender_may_send() -> None:
     leader.consume(sid, 400)  # less than half the window: no credit yet
     assert leader.data_to_send() == []
     leader.consume(sid, 200)
-    assert [type(f) for f in _pump(leader, agent)] == [StreamCredit]
+    assert [type(e) for e in _pump(leader, agent)] == [CreditGranted]
     assert agent.send_credit(sid) == 600
     agent.send_data(sid, b"d" * 10, end=True)
     _pump(agent, leader)
@@ -175,8 +200,8 @@ def test_reset_forgets_the_stream_on_both_sides() -> None:
     sid = leader.open_stream(StreamOpen(kind="http", deployment_id="d"))
     _pump(leader, agent)
     leader.reset_stream(sid, "cancelled")
-    frames = _pump(leader, agent)
-    assert isinstance(frames[0], StreamReset) and frames[0].code == "cancelled"
+    events = _pump(leader, agent)
+    assert isinstance(events[0], StreamResetReceived) and events[0].code == "cancelled"
     assert not agent.has_stream(sid) and not leader.has_stream(sid)
     agent.send_data(sid, b"late")  # dropped, not an error
     assert agent.data_to_send() == []
@@ -220,3 +245,137 @@ def test_an_unknown_first_frame_is_a_protocol_error() -> None:
 def test_limits_must_leave_room_for_a_full_window_and_its_json() -> None:
     with pytest.raises(ValueError):
         LinkLimits(max_frame_bytes=256 * 1024, stream_window_bytes=256 * 1024)
+
+
+# -- events: bytes in, one typed event out ------------------------------------------------------
+
+HEAD = StreamHead(id=1, status=200, headers=[("content-type", "text/plain")], payload=b"ab")
+OPENING = StreamOpen(id=1, kind="http", deployment_id="d", method="GET", target="/v1/models")
+WELCOME = Welcome(protocol_version=1, leader_version="0.1.0", node_id="n-1", server_time=1.0)
+START_REQUEST = Request(id=4, op="start", args=encode_payload({"deployment_id": "d"}))
+STARTED = Response(id=4, ok=True, result=msgspec.Raw(b'{"pid":1,"port":2}'))
+SPAWNED = Progress(id=4, event="spawned", data=msgspec.Raw(b'{"pid":1,"port":2}'))
+GONE = StreamReset(id=1, code=ResetCode.ENGINE_DISCONNECT, message="gone")
+CANCELLED = ResetCode.CANCELLED
+
+
+def _with_stream() -> tuple[LinkSession, LinkSession]:
+    """A leader and an agent with stream 1 open on both sides."""
+    leader, agent = _pair()
+    leader.open_stream(StreamOpen(kind="http", deployment_id="d"))
+    _pump(leader, agent)
+    return leader, agent
+
+
+@pytest.mark.parametrize(
+    ("receiver", "frame", "event"),
+    [
+        ("leader", HEAD, HeadReceived(HEAD)),
+        ("leader", StreamData(id=1, payload=b"\xff", end=True), DataReceived(1, b"\xff", True)),
+        ("agent", StreamData(id=1, payload=b"body"), DataReceived(1, b"body", False)),
+        ("leader", StreamCredit(id=1, increment=4096), CreditGranted(1, 4096)),
+        ("agent", StreamCredit(id=1, increment=1), CreditGranted(1, 1)),
+        ("leader", GONE, StreamResetReceived(1, ResetCode.ENGINE_DISCONNECT, "gone")),
+        ("agent", StreamReset(id=1, code=CANCELLED), StreamResetReceived(1, CANCELLED, "")),
+        ("agent", START_REQUEST, RequestReceived(START_REQUEST)),
+        ("leader", STARTED, ResponseReceived(STARTED)),
+        ("leader", SPAWNED, ProgressReceived(SPAWNED)),
+        ("leader", Heartbeat(sent_at=2.0), HeartbeatReceived(Heartbeat(sent_at=2.0))),
+    ],
+    ids=lambda value: type(value).__name__ if not isinstance(value, str) else value,
+)  # fmt: skip
+def test_each_frame_becomes_its_event(receiver: str, frame: object, event: LinkEvent) -> None:
+    leader, agent = _with_stream()
+    session = leader if receiver == "leader" else agent
+    assert session.receive_message(encode_frame(frame)) == event  # type: ignore[arg-type]
+    assert session.data_to_send() == []  # an event is handed up, not answered here
+
+
+@pytest.mark.parametrize(
+    ("session", "frame", "event"),
+    [
+        (LinkSession(Role.LEADER), _hello(), HelloReceived(_hello())),
+        (LinkSession(Role.AGENT), WELCOME, WelcomeReceived(WELCOME)),
+    ],
+    ids=["leader-hears-hello", "agent-hears-welcome"],
+)
+def test_the_first_frame_becomes_a_handshake_event(
+    session: LinkSession, frame: object, event: LinkEvent
+) -> None:
+    assert session.receive_message(encode_frame(frame)) == event  # type: ignore[arg-type]
+
+
+def test_a_stream_opened_by_the_leader_is_an_event_at_the_agent() -> None:
+    _leader, agent = _pair()
+    assert agent.receive_message(encode_frame(OPENING)) == StreamOpened(OPENING)
+    assert agent.has_stream(1)
+
+
+@pytest.mark.parametrize(
+    "frame",
+    [
+        StreamData(id=9, payload=b"late"),  # a stream already forgotten
+        StreamCredit(id=9, increment=10),
+        StreamReset(id=9, code=ResetCode.CANCELLED),
+        StreamHead(id=9, status=200),
+        Progress(id=4, event="warming_up"),  # type: ignore[arg-type]  # a newer agent's event
+    ],
+    ids=["data", "credit", "reset", "head", "unknown-progress-event"],
+)
+def test_frames_the_session_swallows_give_no_event(frame: object) -> None:
+    leader, _agent = _pair()
+    assert leader.receive_message(encode_frame(frame)) is None  # type: ignore[arg-type]
+    assert leader.data_to_send() == []
+
+
+def test_an_unknown_op_is_answered_unsupported_by_the_session() -> None:
+    _leader, agent = _pair()
+    assert agent.receive_message(encode_frame(UnknownRequest(id=7, op="defragment"))) is None
+    [answer] = [decode_frame(m) for m in agent.data_to_send()]
+    assert isinstance(answer, Response) and answer.id == 7 and not answer.ok
+    assert answer.error is not None and answer.error.code is ErrorCode.UNSUPPORTED
+    assert "defragment" in answer.error.message
+
+
+def test_a_request_decodes_to_its_op_or_to_unknown_request() -> None:
+    known = decode_frame(encode_frame(Request(id=1, op="probe")))
+    assert isinstance(known, Request) and known.op == "probe"
+    unknown = decode_frame(encode_frame(UnknownRequest(id=2, op="defragment")))
+    assert unknown == UnknownRequest(id=2, op="defragment")
+
+
+@pytest.mark.parametrize(
+    ("wire", "code"),
+    [
+        ("engine_disconnect", ResetCode.ENGINE_DISCONNECT),
+        ("engine_timeout", ResetCode.ENGINE_TIMEOUT),
+        ("refused", ResetCode.REFUSED),
+        ("exploded", ResetCode.INTERNAL),  # a newer peer's code: the stream failed, link lives
+    ],
+)
+def test_reset_codes_decode_to_the_closed_set(wire: str, code: ResetCode) -> None:
+    leader, _agent = _with_stream()
+    message = encode_frame(StreamReset(id=1, code=wire, message="why"))  # type: ignore[arg-type]
+    assert leader.receive_message(message) == StreamResetReceived(1, code, "why")
+
+
+@pytest.mark.parametrize(
+    ("wire", "code"),
+    [
+        ("not_found", ErrorCode.NOT_FOUND),
+        ("engine_error", ErrorCode.ENGINE_ERROR),
+        ("quota_exceeded", ErrorCode.INTERNAL),  # a newer agent's code
+    ],
+)
+def test_error_codes_decode_to_the_closed_set(wire: str, code: ErrorCode) -> None:
+    error = ErrorInfo(code=wire, message="m")  # type: ignore[arg-type]
+    frame = decode_frame(encode_frame(Response(id=1, ok=False, error=error)))
+    assert isinstance(frame, Response) and frame.error is not None
+    assert frame.error.code is code and frame.error.message == "m"
+
+
+def test_an_engine_name_outside_the_closed_set_is_invalid_args() -> None:
+    raw = encode_payload({"deployment_id": "d", "model_name": "m", "model_path": "/p",
+                          "engine": "tensorrt"})  # fmt: skip
+    with pytest.raises(ProtocolError, match="start args"):
+        START.decode_args(raw)

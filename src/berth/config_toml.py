@@ -8,9 +8,7 @@ float and bool values (``tomllib`` reads TOML but does not write it).
 from __future__ import annotations
 
 import math
-import os
 import re
-import tempfile
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
@@ -116,16 +114,3 @@ def _render_string(text: str) -> str:
         else:
             escaped.append(char)
     return '"' + "".join(escaped) + '"'
-
-
-def write_atomically(path: Path, content: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(prefix=".config-", suffix=".toml", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(content)
-        os.chmod(tmp_name, 0o600)
-        os.replace(tmp_name, path)
-    except BaseException:
-        Path(tmp_name).unlink(missing_ok=True)
-        raise

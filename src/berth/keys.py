@@ -9,15 +9,14 @@ password-stretching is needed.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import hmac
-import os
 import secrets
 from enum import StrEnum
 from pathlib import Path
 from typing import Final
 
+from berth.atomic import create_atomic
 from berth.errors import ConfigError
 
 #: Every secret starts with this, so leaked keys are recognisable (e.g. by secret scanners).
@@ -70,18 +69,8 @@ def load_or_create_pepper(path: Path) -> bytes:
         pass
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{secrets.token_hex(8)}")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        try:
-            with os.fdopen(fd, "wb") as handle:
-                handle.write(secrets.token_bytes(PEPPER_BYTES))
-                handle.flush()
-                os.fsync(handle.fileno())
-            # link() fails if another process created the pepper first; then use theirs.
-            with contextlib.suppress(FileExistsError):
-                os.link(tmp, path)
-        finally:
-            tmp.unlink(missing_ok=True)
+        # Created only where none exists: a concurrent creator's pepper wins, and is read.
+        create_atomic(path, secrets.token_bytes(PEPPER_BYTES), mode=0o600)
         return _read_pepper(path)
     except OSError as exc:
         raise ConfigError(f"cannot create the key pepper: {exc.strerror}", path=path) from None

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import re
 import time
 from collections.abc import Callable, Sequence
@@ -33,6 +32,7 @@ from typing import Any
 import httpx
 import yaml
 
+from berth.atomic import write_atomic
 from berth.cluster.protocol.frames import AdoptedState
 from berth.errors import ConfigError, ConflictError, NotFoundError
 
@@ -155,7 +155,9 @@ def _endpoint_from(entry: Any) -> AdoptedEndpoint:
 
 
 def save_adopted(path: Path, endpoints: Sequence[AdoptedEndpoint]) -> None:
-    """Write ``endpoints`` to ``path`` atomically (a temporary file renamed over it)."""
+    """Write ``endpoints`` to ``path`` atomically (:func:`berth.atomic.write_atomic`), mode
+    0644; its folder is created when missing.  Raises :class:`OSError` when it cannot be
+    written (the old file is kept then)."""
     entries = []
     for endpoint in endpoints:
         entry = {k: v for k, v in asdict(endpoint).items() if v not in (None, ())}
@@ -163,9 +165,7 @@ def save_adopted(path: Path, endpoints: Sequence[AdoptedEndpoint]) -> None:
             entry["gpus"] = list(endpoint.gpus)
         entries.append(entry)
     path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    temporary.write_text(yaml.safe_dump(entries, sort_keys=False))
-    temporary.replace(path)
+    write_atomic(path, yaml.safe_dump(entries, sort_keys=False), mode=0o644)
 
 
 def with_endpoint(

@@ -8,7 +8,6 @@ talks to the store: the leader tells it what to run through an ``AgentLink``.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import socket
@@ -17,8 +16,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from berth.agent.journal import EngineJournal, JournalEntry
 from berth.cluster.link import EngineReport, ProbeResult, SpawnListener
-from berth.errors import ConfigError, EngineError, NotFoundError
+from berth.errors import EngineError, NotFoundError
 from berth.runtime.base import EngineHandle, LaunchSpec, ProgressListener, Runtime, RuntimeName
 from berth.runtime.engines import (
     DEFAULT_IMAGES,
@@ -66,7 +66,7 @@ PROBE_TIMEOUT_S = 5.0
 class RuntimeStatus:
     """Whether a runtime can start engines on this host, and a line saying why (not)."""
 
-    name: str
+    name: RuntimeName
     available: bool
     detail: str
 
@@ -101,7 +101,9 @@ class AgentCore:
         adopted: AdoptedWatcher | None = None,
     ) -> None:
         self.adopted = adopted
-        self._journal_path = journal_path
+        self._journal = EngineJournal(journal_path) if journal_path is not None else None
+        #: one journal write at a time, in the order they were asked for
+        self._journal_lock = asyncio.Lock()
         self._runtime = runtime
         self._docker = docker
         self._docker_shm_size = docker_shm_size
@@ -111,9 +113,8 @@ class AgentCore:
         self._engines: dict[str, _Managed] = {}
         #: starts in progress (pulling, creating, loading), so a stop can cancel them
         self._starting: dict[str, asyncio.Task[Any]] = {}
-        #: journal entries not taken back yet because Docker did not answer:
-        #: deployment id -> (pid, port, health path, runtime)
-        self._unresolved: dict[str, tuple[int, int, str, RuntimeName]] = {}
+        #: journal entries not taken back yet because Docker did not answer
+        self._unresolved: dict[str, JournalEntry] = {}
 
     def close(self) -> None:
         """Release the runtimes' threads and connections; engines keep running."""
@@ -189,8 +190,8 @@ class AgentCore:
             spec = build_launch_spec(request, self._binaries)
         handle = await runtime.start(spec, on_progress)
         self._engines[request.deployment_id] = _Managed(handle, log_path, spec.health_path)
-        self._save_journal()
         try:
+            await self._save_journal()
             if on_spawned is not None:
                 await on_spawned(handle.pid, handle.port)
             await runtime.wait_healthy(handle, spec, health_timeout_s)
@@ -240,7 +241,7 @@ class AgentCore:
             return None
         log_path = self.log_path(deployment_id)
         self._engines[deployment_id] = _Managed(handle, log_path)
-        self._save_journal()
+        await self._save_journal()
         return handle
 
     async def _attach(
@@ -259,23 +260,18 @@ class AgentCore:
         label); then every running container labelled as this home's and node's is taken
         too, journal or not, so the leader can reconcile it (and stop it when no deployment
         owns it).  Returns the deployment ids taken back; engines that are gone are dropped
-        from the journal.  Raises :class:`ConfigError` naming the journal when it is
-        malformed; an unreachable Docker engine is logged, not raised.
+        from the journal.  Raises :class:`~berth.errors.ConfigError` naming the journal when
+        it is malformed or unreadable; an unreachable Docker engine is logged, not raised.
         """
-        saved: dict[str, tuple[int, int, str, RuntimeName]] = {}
-        path = self._journal_path
-        if path is not None and path.exists():
-            try:
-                entries = json.loads(path.read_text())
-                for d, e in entries.items():
-                    runtime: RuntimeName = "docker" if e.get("runtime") == "docker" else "process"
-                    saved[str(d)] = (int(e["pid"]), int(e["port"]), str(e["health_path"]), runtime)
-            except (ValueError, TypeError, KeyError, AttributeError) as exc:
-                raise ConfigError(f"malformed engine journal: {exc}", path=path) from None
+        saved: dict[str, JournalEntry] = {}
+        if self._journal is not None:
+            saved = await asyncio.to_thread(self._journal.load)
         if self._docker is not None:
             try:
                 for deployment_id in await self._docker.owned():
-                    saved.setdefault(deployment_id, (0, 0, DEFAULT_HEALTH_PATH, "docker"))
+                    saved.setdefault(
+                        deployment_id, JournalEntry(0, 0, DEFAULT_HEALTH_PATH, "docker")
+                    )
             except EngineError as exc:
                 log.warning("cannot look for containers left running: %s", exc)
         self._unresolved.update(saved)
@@ -290,40 +286,36 @@ class AgentCore:
         """
         restored = []
         for deployment_id, entry in list(self._unresolved.items()):
-            pid, port, health_path, runtime = entry
             try:
-                handle = await self._attach(deployment_id, pid, port, runtime)
+                handle = await self._attach(deployment_id, entry.pid, entry.port, entry.runtime)
             except EngineError as exc:
                 log.warning("cannot take back engine %s yet: %s", deployment_id, exc)
                 continue
             del self._unresolved[deployment_id]
             if handle is not None and deployment_id not in self._engines:
                 log_path = self.log_path(deployment_id)
-                self._engines[deployment_id] = _Managed(handle, log_path, health_path)
+                self._engines[deployment_id] = _Managed(handle, log_path, entry.health_path)
                 restored.append(deployment_id)
-        self._save_journal()
+        await self._save_journal()
         return restored
 
-    def _save_journal(self) -> None:
-        path = self._journal_path
-        if path is None:
-            return
-        entries = {
-            d: {
-                "pid": m.handle.pid,
-                "port": m.handle.port,
-                "health_path": m.health_path,
-                "runtime": m.handle.runtime,
+    async def _save_journal(self) -> None:
+        """Write the journal (the engines run now, and those not taken back yet) off the
+        event loop.  Writes happen one at a time in the order asked for, each with the state
+        of when it runs, so the last one on disk is the latest; a caller cancelled meanwhile
+        does not cut its write short."""
+        if self._journal is not None:
+            await asyncio.shield(self._write_journal(self._journal))
+
+    async def _write_journal(self, journal: EngineJournal) -> None:
+        async with self._journal_lock:
+            entries = {
+                d: JournalEntry(m.handle.pid, m.handle.port, m.health_path, m.handle.runtime)
+                for d, m in self._engines.items()
             }
-            for d, m in self._engines.items()
-        }
-        for d, (pid, port, health_path, runtime) in self._unresolved.items():
-            entries.setdefault(
-                d, {"pid": pid, "port": port, "health_path": health_path, "runtime": runtime}
-            )
-        temporary = path.with_suffix(".tmp")
-        temporary.write_text(json.dumps(entries, indent=1))
-        temporary.replace(path)
+            for deployment_id, entry in self._unresolved.items():
+                entries.setdefault(deployment_id, entry)
+            await asyncio.to_thread(journal.save, entries)
 
     def engine_port(self, deployment_id: str) -> int:
         """The port the deployment's engine listens on; ``NotFoundError`` if none runs."""
@@ -397,12 +389,12 @@ class AgentCore:
         managed = self._engines.pop(deployment_id, None)
         if managed is None:
             return
-        self._save_journal()
         try:
+            await self._save_journal()
             await self._runtime_for(managed.handle.runtime).stop(managed.handle, grace_s)
         except EngineError:
             # Still running as far as anyone knows: keep it, so it can be stopped later
             # (a reconnect or restart reports it, and an unowned engine is stopped then).
             self._engines.setdefault(deployment_id, managed)
-            self._save_journal()
+            await self._save_journal()
             raise

@@ -28,6 +28,7 @@ import aiohttp
 
 from berth.agent.identity import AgentIdentity, client_ssl_context
 from berth.agent.service import AgentService
+from berth.atomic import write_atomic
 from berth.cluster.connection import LinkConnection
 from berth.cluster.protocol.errors import (
     CloseCode,
@@ -35,8 +36,7 @@ from berth.cluster.protocol.errors import (
     ProtocolError,
     agent_should_redial,
 )
-from berth.cluster.protocol.frames import Welcome
-from berth.cluster.protocol.session import LinkLimits, LinkSession, Role
+from berth.cluster.protocol.session import LinkLimits, Role
 
 log = logging.getLogger(__name__)
 
@@ -121,9 +121,9 @@ class AgentStatus:
     def save(self) -> None:
         if self.path is None:
             return
-        temporary = self.path.with_suffix(".tmp")
-        temporary.write_text(json.dumps(self.as_json(), indent=1))
-        temporary.replace(self.path)
+        # A snapshot rewritten at every change: not synced to disk (losing the last one in a
+        # power cut is harmless), so a write on the event loop stays short.
+        write_atomic(self.path, json.dumps(self.as_json(), indent=1), mode=0o644, durable=False)
 
 
 class AgentDialer:
@@ -145,7 +145,6 @@ class AgentDialer:
         self._backoff = backoff
         self._stopping = asyncio.Event()
         self._conn: LinkConnection | None = None
-        self._refusal: int | None = None
         #: the close code that ended the agent (a final refusal), if one did
         self.final_code: int | None = None
 
@@ -208,14 +207,17 @@ class AgentDialer:
             self._status.set("backoff", error=f"cannot reach the leader at {url}: {why}")
             log.warning("cannot reach the leader at %s: %s", url, why)
             return None, False
-        session = LinkSession(Role.AGENT, self._limits)
-        conn = LinkConnection(session, ws, self._service, peer="leader")
+        conn = LinkConnection(Role.AGENT, ws, self._service, peer="leader", limits=self._limits)
         heartbeats: asyncio.Task[None] | None = None
         try:
-            welcome = await self._handshake(ws, session)
-            if welcome is None:
-                refusal, self._refusal = self._refusal, None
-                return refusal if refusal is not None else ws.close_code, False
+            try:
+                welcome = await conn.handshake(self._service.hello(), timeout_s=WELCOME_TIMEOUT_S)
+            except ProtocolError as exc:  # this side refused what came, or nothing came
+                self._status.set("backoff", error=f"handshake failed: {exc}")
+                return conn.close_code, False
+            except LinkError:  # the leader closed the link first: a refusal, or it went away
+                self._report_close(conn.close_code, conn.close_reason)
+                return conn.close_code, False
             self._conn = conn
             self._status.set("connected")
             self._status.activity(f"connected as node {welcome.node_id}")
@@ -231,37 +233,9 @@ class AgentDialer:
             if not ws.closed:
                 await ws.close()
 
-    async def _handshake(
-        self, ws: aiohttp.ClientWebSocketResponse, session: LinkSession
-    ) -> Welcome | None:
-        session.send_hello(self._service.hello())
-        for message in session.data_to_send():
-            await ws.send_bytes(message)
-        try:
-            reply = await ws.receive(timeout=WELCOME_TIMEOUT_S)
-        except TimeoutError:
-            self._status.set("backoff", error="the leader did not answer Hello")
-            return None
-        if reply.type is aiohttp.WSMsgType.CLOSE:
-            self._refusal = int(reply.data)
-            self._report_close(self._refusal, str(reply.extra or ""))
-            return None
-        if reply.type is not aiohttp.WSMsgType.BINARY:
-            self._report_close(ws.close_code, "")
-            return None
-        try:
-            frame = session.receive_message(reply.data)
-        except ProtocolError as exc:
-            self._status.set("backoff", error=f"bad Welcome: {exc}")
-            await ws.close(code=exc.code, message=str(exc).encode()[:120])
-            return None
-        assert isinstance(frame, Welcome)
-        return frame
-
     async def _heartbeats(self, conn: LinkConnection, interval_s: float) -> None:
         while not conn.closed:
-            conn.session.send_heartbeat(self._service.heartbeat(time.time()))
-            conn.flush()
+            conn.send_heartbeat(self._service.heartbeat(time.time()))
             await asyncio.sleep(interval_s)
 
     def _report_close(self, code: int | None, reason: str) -> None:

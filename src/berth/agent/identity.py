@@ -12,7 +12,6 @@ Under the agent's ``$BERTH_HOME``:
 from __future__ import annotations
 
 import os
-import secrets
 import ssl
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -22,6 +21,7 @@ import yaml
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 
+from berth.atomic import write_atomic
 from berth.cluster.ca import fingerprint_of_pem
 from berth.errors import AuthError, ConfigError
 from berth.paths import BerthHome
@@ -109,9 +109,9 @@ def save_agent_identity(
     ``agent.yaml`` last, so a half-written registration is never taken for a whole one."""
     home.root.mkdir(parents=True, exist_ok=True)
     os.chmod(home.root, 0o700)
-    _write_atomically(home.agent_key, key_pem, 0o600)
-    _write_atomically(home.agent_cert, cert_pem, 0o644)
-    _write_atomically(home.agent_ca, ca_pem, 0o644)
+    write_atomic(home.agent_key, key_pem, mode=0o600)
+    write_atomic(home.agent_cert, cert_pem, mode=0o644)
+    write_atomic(home.agent_ca, ca_pem, mode=0o644)
     document = {
         "leader_url": leader_url,
         "node_id": node_id,
@@ -119,7 +119,7 @@ def save_agent_identity(
         "ca_fingerprint": ca_fingerprint,
         "enrolled_at": enrolled_at.astimezone(UTC).isoformat(),
     }
-    _write_atomically(home.agent_config, yaml.safe_dump(document, sort_keys=False).encode(), 0o600)
+    write_atomic(home.agent_config, yaml.safe_dump(document, sort_keys=False), mode=0o600)
     return load_agent_identity(home)
 
 
@@ -169,20 +169,3 @@ def client_ssl_context(identity: AgentIdentity) -> ssl.SSLContext:
             f"be used ({exc.__class__.__name__}: {exc}); run 'berth agent register' again"
         ) from None
     return context
-
-
-def _write_atomically(path: Path, data: bytes, mode: int) -> None:
-    # Created with its final mode by os.open, so a private file is never readable by
-    # others, not even between creation and a chmod.
-    tmp = path.with_name(f".{path.name}.{secrets.token_hex(8)}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.chmod(tmp, mode)  # the umask may have narrowed it; never widened beyond mode
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise

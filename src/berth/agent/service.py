@@ -14,6 +14,7 @@ import logging
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import assert_never
 
 import msgspec
 
@@ -27,29 +28,32 @@ from berth.cluster.protocol.frames import (
     PROTOCOL_MAX,
     PROTOCOL_MIN,
     EngineState,
+    ErrorCode,
     ErrorInfo,
-    Frame,
     Heartbeat,
     Hello,
     Inventory,
     Request,
-    StreamHead,
+    ResetCode,
 )
 from berth.cluster.protocol.ops import (
-    OP_CAPABILITIES,
+    ENGINES,
+    INVENTORY,
+    OPS,
+    PROBE,
+    PULL,
     RUNTIME_CAPABILITIES,
+    START,
+    STOP,
     STREAM_CAPABILITIES,
     EnginesResult,
     PreparingEvent,
-    ProbeArgs,
     ProbeResult,
     PullArgs,
     PullResult,
     SpawnedEvent,
     StartArgs,
     StartResult,
-    StopArgs,
-    decode_payload,
     encode_payload,
 )
 from berth.cluster.tunnel_stream import StreamResetError, TunnelStream
@@ -59,7 +63,7 @@ from berth.engine_http.pool import UpstreamPool
 from berth.engine_http.response import UpstreamResponse
 from berth.errors import BerthError, EngineError, NotFoundError
 from berth.observability.window import RequestMeter, is_error
-from berth.runtime.engines import DeploymentRequest, parse_engine_name
+from berth.runtime.engines import DeploymentRequest
 
 log = logging.getLogger(__name__)
 
@@ -148,7 +152,7 @@ class AgentService:
             protocol_max=PROTOCOL_MAX,
             agent_version=__version__,
             capabilities=[
-                *(c for op, c in OP_CAPABILITIES.items() if op != "pull" or self._models_dir),
+                *(op.capability for op in OPS.values() if op is not PULL or self._models_dir),
                 *STREAM_CAPABILITIES,
                 *(RUNTIME_CAPABILITIES[r.name] for r in self._runtimes if r.available),
             ],
@@ -162,85 +166,96 @@ class AgentService:
 
     # -- LinkHandler ---------------------------------------------------------------------
 
-    def on_frame(self, conn: LinkConnection, frame: Frame) -> None:
-        log.debug("ignoring %s from the leader", type(frame).__name__)
+    def on_heartbeat(self, conn: LinkConnection, heartbeat: Heartbeat) -> None:
+        # Agents send heartbeats; the session refuses one from the leader before this.
+        log.debug("ignoring a heartbeat from the leader")
 
     async def on_request(self, conn: LinkConnection, request: Request) -> None:
         try:
             result = await self._run_op(conn, request)
         except asyncio.CancelledError:
             # A stop cancelled this start (or the link is closing): the leader gets an answer.
-            message = f"{request.op[:40]} was cancelled (the deployment was stopped)"
-            conn.respond(request.id, error=ErrorInfo(code="engine_error", message=message))
+            message = f"{request.op} was cancelled (the deployment was stopped)"
+            conn.respond(request.id, error=ErrorInfo(code=ErrorCode.ENGINE_ERROR, message=message))
             raise
         except _Unsupported as exc:
-            conn.respond(request.id, error=ErrorInfo(code="unsupported", message=str(exc)))
+            conn.respond(request.id, error=ErrorInfo(code=ErrorCode.UNSUPPORTED, message=str(exc)))
         except ProtocolError as exc:
-            conn.respond(request.id, error=ErrorInfo(code="invalid", message=str(exc)))
+            conn.respond(request.id, error=ErrorInfo(code=ErrorCode.INVALID, message=str(exc)))
         except NotFoundError as exc:
-            conn.respond(request.id, error=ErrorInfo(code="not_found", message=str(exc)))
+            conn.respond(request.id, error=ErrorInfo(code=ErrorCode.NOT_FOUND, message=str(exc)))
         except EngineError as exc:
-            info = ErrorInfo(code="engine_error", message=str(exc), log_tail=exc.log_tail or "")
+            info = ErrorInfo(
+                code=ErrorCode.ENGINE_ERROR, message=str(exc), log_tail=exc.log_tail or ""
+            )
             conn.respond(request.id, error=info)
         except BerthError as exc:
-            conn.respond(request.id, error=ErrorInfo(code="invalid", message=str(exc)))
+            conn.respond(request.id, error=ErrorInfo(code=ErrorCode.INVALID, message=str(exc)))
         except Exception as exc:  # the leader must get an answer; the log keeps the bug
-            log.exception("request %s (%s) failed", request.id, request.op[:40])
-            error = ErrorInfo(code="internal", message=f"{type(exc).__name__}: {exc}")
+            log.exception("request %s (%s) failed", request.id, request.op)
+            error = ErrorInfo(code=ErrorCode.INTERNAL, message=f"{type(exc).__name__}: {exc}")
             conn.respond(request.id, error=error)
         else:
             conn.respond(request.id, result=result)
 
-    async def _run_op(self, conn: LinkConnection, request: Request) -> msgspec.Raw | None:
-        op = request.op
-        if op == "start":
-            args = decode_payload(request.args, StartArgs, "start args")
-            self._on_activity(f"starting {args.deployment_id} ({args.model_name})")
+    async def _run_op(self, conn: LinkConnection, request: Request) -> msgspec.Raw:
+        """Serve ``request``; its result as raw JSON of the op's result type."""
+        match request.op:
+            case "start":
+                args = START.decode_args(request.args)
+                return START.encode_result(await self._start(conn, request.id, args))
+            case "stop":
+                stop = STOP.decode_args(request.args)
+                self._on_activity(f"stopping {stop.deployment_id}")
+                await self._core.stop(stop.deployment_id, stop.grace_s)
+                self.meter.forget(stop.deployment_id)
+                self._on_activity(f"stopped {stop.deployment_id}")
+                return STOP.encode_result(None)
+            case "probe":
+                probe = PROBE.decode_args(request.args)
+                result = await self._core.probe(probe.deployment_id)
+                return PROBE.encode_result(ProbeResult(result=result))
+            case "inventory":
+                return INVENTORY.encode_result(self.inventory())
+            case "engines":
+                return ENGINES.encode_result(EnginesResult(engines=self.engine_states()))
+            case "pull":
+                if self._models_dir is None:
+                    raise _Unsupported(request.op)
+                pulled = await self._pull(PULL.decode_args(request.args), self._models_dir)
+                return PULL.encode_result(pulled)
+            case _:
+                assert_never(request.op)
 
-            async def spawned(pid: int, port: int) -> None:
-                conn.progress(
-                    request.id, "spawned", encode_payload(SpawnedEvent(pid=pid, port=port))
-                )
+    async def _start(self, conn: LinkConnection, request_id: int, args: StartArgs) -> StartResult:
+        self._on_activity(f"starting {args.deployment_id} ({args.model_name})")
 
-            def preparing(line: str) -> None:
-                self._on_activity(f"{args.deployment_id}: {line}")
-                conn.progress(request.id, "preparing", encode_payload(PreparingEvent(message=line)))
+        async def spawned(pid: int, port: int) -> None:
+            conn.progress(request_id, "spawned", encode_payload(SpawnedEvent(pid=pid, port=port)))
 
-            handle = await self._core.start(
-                _deployment_request(args), args.health_timeout_s, spawned, preparing
-            )
-            self._on_activity(f"{args.deployment_id} ready on port {handle.port}")
-            return encode_payload(StartResult(pid=handle.pid, port=handle.port))
-        if op == "stop":
-            stop = decode_payload(request.args, StopArgs, "stop args")
-            self._on_activity(f"stopping {stop.deployment_id}")
-            await self._core.stop(stop.deployment_id, stop.grace_s)
-            self.meter.forget(stop.deployment_id)
-            self._on_activity(f"stopped {stop.deployment_id}")
-            return None
-        if op == "probe":
-            probe = decode_payload(request.args, ProbeArgs, "probe args")
-            result = await self._core.probe(probe.deployment_id)
-            return encode_payload(ProbeResult(result=result))
-        if op == "inventory":
-            return encode_payload(self.inventory())
-        if op == "engines":
-            return encode_payload(EnginesResult(engines=self.engine_states()))
-        if op == "pull" and self._models_dir is not None:
-            from berth.runtime.hub import pull_model  # huggingface_hub: ~18 MiB, when needed
+        def preparing(line: str) -> None:
+            self._on_activity(f"{args.deployment_id}: {line}")
+            conn.progress(request_id, "preparing", encode_payload(PreparingEvent(message=line)))
 
-            pull = decode_payload(request.args, PullArgs, "pull args")
-            self._on_activity(f"pulling {pull.repo_id} from the hub")
-            path = await asyncio.to_thread(
-                pull_model,
-                pull.repo_id,
-                revision=pull.revision,
-                models_dir=self._models_dir,
-                progress=False,
-            )
-            self._on_activity(f"pulled {pull.repo_id} into {path}")
-            return encode_payload(PullResult(path=str(path)))
-        raise _Unsupported(op)
+        handle = await self._core.start(
+            _deployment_request(args), args.health_timeout_s, spawned, preparing
+        )
+        self._on_activity(f"{args.deployment_id} ready on port {handle.port}")
+        return StartResult(pid=handle.pid, port=handle.port)
+
+    async def _pull(self, pull: PullArgs, models_dir: Path) -> PullResult:
+        from berth.runtime.hub import pull_model  # huggingface_hub: ~18 MiB, when needed
+
+        self._on_activity(f"pulling {pull.repo_id} from the hub")
+        path = await asyncio.to_thread(
+            pull_model,
+            pull.repo_id,
+            revision=pull.revision,
+            models_dir=models_dir,
+            progress=False,
+        )
+        self._on_activity(f"pulled {pull.repo_id} into {path}")
+        return PullResult(path=str(path))
 
     async def on_stream(self, conn: LinkConnection, stream: TunnelStream) -> None:
         opening = stream.opening
@@ -253,10 +268,10 @@ class AgentService:
         except StreamResetError:
             pass  # the leader gave up on it, or the link is gone
         except NotFoundError as exc:
-            stream.reset("not_found", str(exc))
+            stream.reset(ResetCode.NOT_FOUND, str(exc))
         except Exception as exc:  # the leader must hear the stream is over; the log keeps why
             log.exception("stream %s (%s) failed", stream.id, opening.kind)
-            stream.reset("internal", f"{type(exc).__name__}: {exc}"[:200])
+            stream.reset(ResetCode.INTERNAL, f"{type(exc).__name__}: {exc}"[:200])
         finally:
             conn.forget_stream(stream.id)
 
@@ -283,13 +298,14 @@ class AgentService:
                     body,
                 )
             except UpstreamTimeoutError as exc:
-                stream.reset("engine_timeout", exc.why)
+                stream.reset(ResetCode.ENGINE_TIMEOUT, exc.why)
                 return
             except UpstreamConnectError as exc:
-                stream.reset("engine_unreachable", exc.why)
+                stream.reset(ResetCode.ENGINE_UNREACHABLE, exc.why)
                 return
             except UpstreamError as exc:
-                stream.reset("engine_unreachable", f"failed before answering ({exc.why})")
+                why = f"failed before answering ({exc.why})"
+                stream.reset(ResetCode.ENGINE_UNREACHABLE, why)
                 return
             status = response.status
             try:
@@ -314,33 +330,20 @@ class AgentService:
             for k, v in response.headers
             if k not in _HOP_BY_HOP
         ]
-        session = stream.conn.session
         try:
             chunk = await response.read_chunk()
         except UpstreamError as exc:
-            stream.reset("engine_disconnect", exc.why)
+            stream.reset(ResetCode.ENGINE_DISCONNECT, exc.why)
             return False
         # The head frame carries the first bytes too: a small answer is one frame.
-        room = min(session.send_credit(stream.id), session.limits.max_payload_bytes)
-        first, rest = chunk[:room], chunk[room:]
-        end = response.at_eof and not rest
-        head = StreamHead(
-            id=stream.id, status=response.status, headers=head_headers, payload=first, end=end
-        )
-        await stream.conn.drain()  # a head carries up to a window of payload
-        session.send_head(head)
-        stream.conn.flush()
-        if end:
+        await stream.send_head(response.status, head_headers, chunk, end=response.at_eof)
+        if response.at_eof:
             return True
-        if rest:
-            await stream.write(rest, end=response.at_eof)
-            if response.at_eof:
-                return True
         while True:
             try:
                 chunk = await response.read_chunk()
             except UpstreamError as exc:
-                stream.reset("engine_disconnect", exc.why)
+                stream.reset(ResetCode.ENGINE_DISCONNECT, exc.why)
                 return False
             if not chunk:
                 await stream.write(b"", end=True)
@@ -370,7 +373,7 @@ def _deployment_request(args: StartArgs) -> DeploymentRequest:
         deployment_id=args.deployment_id,
         model_name=args.model_name,
         model_path=Path(args.model_path),
-        engine=parse_engine_name(args.engine),
+        engine=args.engine,
         port=0,
         log_path=Path(),
         gpus=tuple(args.gpus),

@@ -6,8 +6,6 @@ leader, on its own host) reads the file again within seconds and reports the cha
 
 from __future__ import annotations
 
-from typing import Any
-
 import typer
 from rich.table import Table
 
@@ -137,43 +135,32 @@ def _gpu_text(endpoint: AdoptedEndpoint) -> str:
 def _read_container(home: BerthHome, name: str) -> tuple[str, int, list[int]]:
     """``(host, port, GPUs)`` of a running container: its first published TCP port (on the
     address it is published on, loopback for a wildcard) and its GPU device requests."""
-    import docker
-    import docker.errors
-
     from berth.config import Settings
-    from berth.runtime.docker import (
-        DOCKER_ERRORS,
-        connect_docker,
-        docker_error_text,
-        resolve_docker_host,
-    )
+    from berth.runtime.docker import DockerApiError, connect_docker, resolve_docker_host
 
     settings = Settings.load(home)
     host = resolve_docker_host(settings.docker_host)
     try:
         client = connect_docker(host, timeout_s=10)
-    except DOCKER_ERRORS as exc:
-        raise ConfigError(f"no Docker engine at {host}: {docker_error_text(exc)}") from None
+    except DockerApiError as exc:
+        raise ConfigError(f"no Docker engine at {host}: {exc.reason}") from None
     try:
-        attrs: dict[str, Any] = client.api.inspect_container(name)
-    except docker.errors.NotFound:
-        raise NotFoundError("container", name) from None
-    except DOCKER_ERRORS as exc:
-        raise ConfigError(f"cannot inspect container {name}: {docker_error_text(exc)}") from None
+        info = client.inspect_container(name)
+    except DockerApiError as exc:
+        raise ConfigError(f"cannot inspect container {name}: {exc.reason}") from None
     finally:
         client.close()
-    if not (attrs.get("State") or {}).get("Running"):
+    if info is None:
+        raise NotFoundError("container", name)
+    if not info.state.running:
         raise ConfigError(f"container {name} is not running")
-    ports = ((attrs.get("NetworkSettings") or {}).get("Ports")) or {}
-    for key, bindings in sorted(ports.items()):
+    for key, bindings in sorted(info.ports.items()):
         if not key.endswith("/tcp") or not bindings:
             continue
         binding = bindings[0]
-        address = binding.get("HostIp") or _LOOPBACK
+        address = binding.host_ip or _LOOPBACK
         if address in ("0.0.0.0", "::"):
             address = _LOOPBACK
-        gpus: list[int] = []
-        for request in (attrs.get("HostConfig") or {}).get("DeviceRequests") or []:
-            gpus += [int(i) for i in request.get("DeviceIDs") or [] if str(i).isdigit()]
-        return address, int(binding["HostPort"]), gpus
+        gpus = [int(device) for device in info.gpu_device_ids if device.isdigit()]
+        return address, binding.host_port, gpus
     raise ConfigError(f"container {name} publishes no TCP port: berth could not reach it")

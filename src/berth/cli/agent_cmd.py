@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import pwd
-import secrets
 import shlex
 import shutil
 import subprocess
@@ -19,6 +18,7 @@ import typer
 
 from berth.agent import systemd_unit
 from berth.agent.systemd_unit import UnitScope
+from berth.atomic import write_atomic
 from berth.cli import adopt_cmd
 from berth.cli.common import HELP_OPTIONS, console, context, err_console
 from berth.errors import BerthError, ConfigError, ConflictError
@@ -298,14 +298,10 @@ def _systemd_version(systemctl: str | None) -> int | None:
 
 def _write_unit(path: Path, text: str, *, system: bool) -> None:
     """Write ``path`` atomically, mode 0644 (systemd reads units as any user)."""
-    tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(text)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
+        write_atomic(path, text, mode=0o644)
     except OSError as exc:
-        tmp.unlink(missing_ok=True)
         hint = " (a --system unit needs root: run it via sudo)" if system else ""
         raise ConfigError(f"cannot write {path}: {exc.strerror}{hint}") from None
 

@@ -14,7 +14,6 @@ digitalSignature and one extendedKeyUsage.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import ipaddress
 import os
@@ -30,6 +29,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec, ed25519, rsa
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from berth.atomic import create_atomic, write_atomic
 from berth.errors import ConfigError
 
 CA_CERT_FILE: Final = "ca.pem"
@@ -94,10 +94,10 @@ class CertificateAuthority:
             os.chmod(ca_dir, 0o700)
             if not key_path.exists():
                 new_key = ec.generate_private_key(ec.SECP256R1())
-                _create_exclusive(key_path, _private_pem(new_key), 0o600)
+                create_atomic(key_path, _private_pem(new_key), mode=0o600)
             key = _load_ec_key(key_path)
             if not cert_path.exists():
-                _create_exclusive(cert_path, _self_signed(key).public_bytes(_PEM), 0o644)
+                create_atomic(cert_path, _self_signed(key).public_bytes(_PEM), mode=0o644)
         except OSError as exc:
             raise ConfigError(f"cannot create the CA: {exc.strerror}", path=ca_dir) from None
         cert = _load_cert(cert_path)
@@ -359,32 +359,7 @@ def _load_cert(path: Path) -> x509.Certificate:
         raise ConfigError(f"the CA certificate is corrupt: {exc}", path=path) from None
 
 
-def _temp_sibling(path: Path, data: bytes, mode: int) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{secrets.token_hex(8)}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
-    with os.fdopen(fd, "wb") as handle:
-        handle.write(data)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.chmod(tmp, mode)
-    return tmp
-
-
-def _create_exclusive(path: Path, data: bytes, mode: int) -> None:
-    """Write ``path`` unless it exists; a concurrent creator's file wins and ours is dropped."""
-    tmp = _temp_sibling(path, data, mode)
-    try:
-        with contextlib.suppress(FileExistsError):
-            os.link(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
 def _replace(path: Path, data: bytes, mode: int) -> None:
-    tmp = _temp_sibling(path, data, mode)
-    try:
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    """Replace ``path`` (its folder created when missing) atomically, with ``mode``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_atomic(path, data, mode=mode)

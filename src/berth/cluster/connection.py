@@ -1,10 +1,14 @@
-"""The I/O half of the agent link: pumps WebSocket messages through a :class:`LinkSession`.
+"""The I/O half of the agent link: a WebSocket adapter that owns a sans-I/O :class:`LinkSession`.
 
 Both ends use :class:`LinkConnection`: the leader's ``/cluster/agent`` endpoint
-(:mod:`berth.cluster.hub`) and the agent's dial loop (:mod:`berth.agent.dialer`). It owns one
-reader loop and one writer task; control requests are futures keyed by id and streams are
-:class:`TunnelStream` objects, so a slow engine start or a slow stream reader never blocks the
-link's other traffic.
+(:mod:`berth.cluster.hub`) and the agent's dial loop (:mod:`berth.agent.dialer`). It owns the
+session the way python-websockets' asyncio ``Connection`` owns its ``Protocol``: every
+received message goes through the session, whose typed event is dispatched once (one
+``match``); every send is a session call followed by queueing what the session wants sent, so
+no caller touches the session or flushes. :meth:`LinkConnection.handshake` is the Hello/Welcome
+exchange of both ends. One reader loop and one writer task; control requests are futures
+keyed by id and streams are :class:`TunnelStream` objects, so a slow engine start or a slow
+stream reader never blocks the link's other traffic.
 """
 
 from __future__ import annotations
@@ -15,28 +19,55 @@ import logging
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar, assert_never, overload
 
 import aiohttp
 import msgspec
 
 from berth.cluster.protocol.errors import CloseCode, LinkError, ProtocolError
+from berth.cluster.protocol.events import (
+    CreditGranted,
+    DataReceived,
+    HeadReceived,
+    HeartbeatReceived,
+    HelloReceived,
+    LinkEvent,
+    ProgressReceived,
+    RequestReceived,
+    ResponseReceived,
+    StreamOpened,
+    StreamResetReceived,
+    WelcomeReceived,
+)
 from berth.cluster.protocol.frames import (
+    ErrorCode,
     ErrorInfo,
-    Frame,
+    Heartbeat,
+    Hello,
     Progress,
+    ProgressEvent,
     Request,
+    ResetCode,
     Response,
-    StreamCredit,
-    StreamData,
     StreamHead,
     StreamOpen,
-    StreamReset,
+    Welcome,
 )
-from berth.cluster.protocol.session import LinkSession
+from berth.cluster.protocol.ops import Op
+from berth.cluster.protocol.session import (
+    LinkLimits,
+    LinkSession,
+    Role,
+    SessionState,
+    WelcomeTerms,
+)
 from berth.cluster.tunnel_stream import StreamResetError, TunnelStream
 
 log = logging.getLogger(__name__)
+
+# Compared per message: on CPython 3.11 an enum member read through its class costs ~0.3 us.
+_BINARY = aiohttp.WSMsgType.BINARY
+_TEXT = aiohttp.WSMsgType.TEXT
 
 #: Bytes queued for the socket above which stream writers wait for the writer to catch up.
 WRITE_HIGH_WATER_BYTES = 4 * 1024 * 1024
@@ -68,31 +99,47 @@ class RemoteOpError(LinkError):
 
 
 ProgressListener = Callable[[Progress], Awaitable[None]]
+#: The leader's admission of an agent that said Hello, before Welcome goes out: it records the
+#: node and makes the link the node's, or refuses by raising :class:`LinkError` with a code.
+Admission = Callable[[Hello], Awaitable[None]]
+
+A = TypeVar("A", bound=msgspec.Struct)
+R = TypeVar("R")
 
 
 class LinkHandler(Protocol):
-    """What one side does with frames the session hands up."""
+    """What one side does with what the peer asks of it."""
 
-    async def on_request(self, conn: LinkConnection, request: Request) -> None: ...
+    async def on_request(self, conn: LinkConnection, request: Request) -> None:
+        """Serve ``request`` (in a task of its own) and answer it with :meth:`respond`."""
 
-    async def on_stream(self, conn: LinkConnection, stream: TunnelStream) -> None: ...
+    async def on_stream(self, conn: LinkConnection, stream: TunnelStream) -> None:
+        """Agent: serve a stream the leader opened (in a task of its own)."""
 
-    def on_frame(self, conn: LinkConnection, frame: Frame) -> None: ...
+    def on_heartbeat(self, conn: LinkConnection, heartbeat: Heartbeat) -> None:
+        """Leader: take the agent's heartbeat (on the reader loop: do not block)."""
 
 
 class LinkConnection:
-    """One live link: the session, the socket, pending requests and open streams."""
+    """One live link: a session of ``role`` over ``ws``, pending requests and open streams.
+
+    Use: :meth:`handshake`, then :meth:`run` until the link ends; meanwhile :meth:`call`,
+    :meth:`open_stream`, :meth:`send_heartbeat` and the handler's answers send on it.
+    ``peer`` names the other end in logs and errors; ``on_closed`` runs once when the link
+    ends, before pending requests and streams fail.
+    """
 
     def __init__(
         self,
-        session: LinkSession,
+        role: Role,
         ws: WebSocketLike,
         handler: LinkHandler,
         *,
         peer: str,
+        limits: LinkLimits | None = None,
         on_closed: Callable[[], None] | None = None,
     ) -> None:
-        self.session = session
+        self._session = LinkSession(role, limits)
         self.ws = ws
         self.peer = peer
         self._handler = handler
@@ -121,11 +168,98 @@ class LinkConnection:
     def open_streams(self) -> int:
         return len(self._streams)
 
+    @property
+    def limits(self) -> LinkLimits:
+        return self._session.limits
+
+    @property
+    def protocol_version(self) -> int | None:
+        """The negotiated protocol version, once the handshake has got that far."""
+        return self._session.protocol_version
+
+    # -- the handshake -------------------------------------------------------------------
+
+    @overload
+    async def handshake(self, greeting: Hello, *, timeout_s: float) -> Welcome: ...
+
+    @overload
+    async def handshake(
+        self,
+        greeting: WelcomeTerms,
+        *,
+        timeout_s: float,
+        admit: Admission | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> Hello: ...
+
+    async def handshake(
+        self,
+        greeting: Hello | WelcomeTerms,
+        *,
+        timeout_s: float,
+        admit: Admission | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> Hello | Welcome:
+        """Exchange Hello and Welcome (``docs/protocol.md``, Handshake); both ends call it
+        first, before :meth:`run`.
+
+        The agent passes its ``Hello`` and gets the leader's ``Welcome``. The leader passes
+        its :class:`WelcomeTerms` and gets the agent's ``Hello``: on it, the version is
+        negotiated, then ``admit`` runs (the node recorded and the link made the node's),
+        then Welcome, stamped with ``clock()``, goes out.
+
+        Raises :class:`ProtocolError` when this side refuses (a malformed or unexpected
+        first frame, no common version, nothing within ``timeout_s`` seconds), after
+        closing the link with its code; :class:`LinkError` when the peer closed the link
+        first (:attr:`close_code` and :attr:`close_reason` say how) or ``admit`` refused
+        (the link closed with the error's code). The connection is finished either way.
+        """
+        self._start_writer()
+        try:
+            if isinstance(greeting, Hello):
+                self._session.send_hello(greeting)
+                self._flush()
+                message = await self._receive_greeting(timeout_s, "the leader did not answer Hello")
+                return self._session.receive_welcome(message)
+            hello = self._session.receive_hello(await self._receive_greeting(timeout_s, "no Hello"))
+            self._session.accept(greeting, server_time=clock())
+            if admit is not None:
+                await admit(hello)
+            self._flush()
+            return hello
+        except LinkError as exc:
+            if self.close_code is None:  # this side refuses: the peer hears why
+                log.warning("link to %s: handshake failed: %s", self.peer, exc)
+                await self.close(exc.code or CloseCode.PROTOCOL_ERROR, str(exc))
+            await self._finish()
+            raise
+        except BaseException:
+            await self._finish()
+            raise
+
+    async def _receive_greeting(self, timeout_s: float, silence: str) -> bytes:
+        """The peer's first message (binary); what ends the handshake otherwise is raised."""
+        try:
+            message = await self.ws.receive(timeout=timeout_s)
+        except TimeoutError:
+            raise ProtocolError(f"{silence} within {timeout_s:g} s") from None
+        self.last_received_at = time.monotonic()
+        if message.type is aiohttp.WSMsgType.BINARY:
+            data: bytes = message.data
+            return data
+        if message.type is aiohttp.WSMsgType.TEXT:
+            raise ProtocolError("text message on the agent link")
+        self._closed_by_peer(message)
+        raise LinkError(
+            f"{self.peer} closed the link during the handshake (code {self.close_code})",
+            code=self._code(),
+        )
+
     # -- output --------------------------------------------------------------------------
 
-    def flush(self) -> None:
+    def _flush(self) -> None:
         """Queue what the session wants sent; the writer task sends it in order."""
-        messages = self.session.data_to_send()
+        messages = self._session.data_to_send()
         if not messages or self._closed:
             return
         self._out.extend(messages)
@@ -146,6 +280,11 @@ class LinkConnection:
         """Wait while more than ``WRITE_HIGH_WATER_BYTES`` wait to be written."""
         if not self._drained.is_set():
             await self._drained.wait()
+
+    def _start_writer(self) -> None:
+        if self._writer is None:
+            name = f"link-writer-{self.peer}"
+            self._writer = asyncio.create_task(self._write_loop(), name=name)
 
     async def _write_loop(self) -> None:
         out = self._out
@@ -169,62 +308,113 @@ class LinkConnection:
 
     # -- requests ------------------------------------------------------------------------
 
-    async def request(
+    async def call(
         self,
-        op: str,
-        args: msgspec.Raw,
+        op: Op[A, R],
+        args: A,
         timeout_s: float,
         on_progress: ProgressListener | None = None,
-    ) -> msgspec.Raw:
-        """Send a control request and wait for its result (raw JSON).
+    ) -> R:
+        """Ask the peer for ``op`` with ``args`` and wait for its result, decoded as the op's
+        result type; ``on_progress`` hears the op's progress events meanwhile.
 
-        Raises :class:`RemoteOpError` when the peer answers with an error, and
-        :class:`LinkError` when no answer comes within ``timeout_s`` or the link closes.
+        Raises :class:`RemoteOpError` when the peer answers with an error,
+        :class:`ProtocolError` when the result is not the op's shape, and :class:`LinkError`
+        when no answer comes within ``timeout_s`` seconds or the link closes.
         """
         if self._closed:
             raise LinkError(f"the link to {self.peer} is closed", code=self._code())
-        request_id = self.session.send_request(op, args, timeout_s)
+        request_id = self._session.send_request(op.name, op.encode_args(args), timeout_s)
         future: asyncio.Future[Response] = asyncio.get_running_loop().create_future()
         self._pending[request_id] = (future, on_progress)
-        self.flush()
+        self._flush()
         try:
             async with asyncio.timeout(timeout_s):
                 response = await future
         except TimeoutError:
-            raise LinkError(f"{op} on {self.peer} got no answer within {timeout_s} s") from None
+            raise LinkError(
+                f"{op.name} on {self.peer} got no answer within {timeout_s} s"
+            ) from None
         finally:
             self._pending.pop(request_id, None)
         if not response.ok:
-            raise RemoteOpError(op, response.error or ErrorInfo(code="internal", message="?"))
-        return response.result
+            error = response.error or ErrorInfo(code=ErrorCode.INTERNAL, message="?")
+            raise RemoteOpError(op.name, error)
+        return op.decode_result(response.result)
 
     def respond(
         self, request_id: int, result: msgspec.Raw | None = None, error: ErrorInfo | None = None
     ) -> None:
+        """Answer request ``request_id``: ``result`` (raw JSON) on success, else ``error``.
+        Nothing is sent once the link is closed."""
         if self._closed:
             return
-        self.session.send_response(request_id, result, error)
-        self.flush()
+        self._session.send_response(request_id, result, error)
+        self._flush()
 
-    def progress(self, request_id: int, event: str, data: msgspec.Raw) -> None:
+    def progress(self, request_id: int, event: ProgressEvent, data: msgspec.Raw) -> None:
+        """Report ``event`` of the running request ``request_id`` (nothing once closed)."""
         if self._closed:
             return
-        self.session.send_progress(request_id, event, data)
-        self.flush()
+        self._session.send_progress(request_id, event, data)
+        self._flush()
+
+    def send_heartbeat(self, heartbeat: Heartbeat) -> None:
+        """Agent: send a heartbeat (nothing once closed)."""
+        if self._closed:
+            return
+        self._session.send_heartbeat(heartbeat)
+        self._flush()
 
     # -- streams -------------------------------------------------------------------------
 
     def open_stream(self, frame: StreamOpen) -> TunnelStream:
-        """Leader: open a stream; its first payload must fit the initial credit."""
+        """Leader: open a stream; its first payload must fit the initial credit.
+
+        Raises :class:`LinkError` when the link is closed or has ``max_streams`` open.
+        """
         if self._closed:
             raise LinkError(f"the link to {self.peer} is closed", code=self._code())
-        stream_id = self.session.open_stream(frame)
+        stream_id = self._session.open_stream(frame)
         stream = TunnelStream(self, stream_id, frame)
         self._streams[stream_id] = stream
-        self.flush()
+        self._flush()
         return stream
 
     def forget_stream(self, stream_id: int) -> None:
+        """Stop routing events to the stream (its user is done with it)."""
+        self._streams.pop(stream_id, None)
+
+    # What a TunnelStream sends with: each is one session call, then the writer's queue.
+
+    def has_stream(self, stream_id: int) -> bool:
+        """Whether the stream is still open on either side."""
+        return self._session.has_stream(stream_id)
+
+    def send_room(self, stream_id: int) -> int | None:
+        """Payload bytes one frame on ``stream_id`` may carry now (the credit, at most
+        ``max_payload_bytes``), or ``None`` when the stream is gone (ended or reset)."""
+        return self._session.send_room(stream_id)
+
+    def send_head(self, head: StreamHead) -> None:
+        """Agent: the answer's head on ``head.id``; its payload must fit :meth:`send_room`."""
+        self._session.send_head(head)
+        self._flush()
+
+    def send_data(self, stream_id: int, payload: bytes, end: bool) -> None:
+        """Payload on a stream; it must fit :meth:`send_room`."""
+        self._session.send_data(stream_id, payload, end)
+        self._flush()
+
+    def consume(self, stream_id: int, size: int) -> None:
+        """The stream's reader took ``size`` bytes: the peer may get more credit."""
+        self._session.consume(stream_id, size)
+        self._flush()
+
+    def reset_stream(self, stream_id: int, code: ResetCode, message: str = "") -> None:
+        """Abandon a stream (idempotent) and forget it."""
+        self._session.reset_stream(stream_id, code, message)
+        self._flush()
         self._streams.pop(stream_id, None)
 
     # -- the reader loop -----------------------------------------------------------------
@@ -232,30 +422,39 @@ class LinkConnection:
     async def run(self) -> None:
         """Read until the socket closes or the peer breaks the protocol, then clean up.
 
-        A :class:`ProtocolError` closes the socket with its code. Returns normally in every
-        case; :attr:`close_code` says how the link ended.
+        Call it after :meth:`handshake`. A :class:`ProtocolError` closes the socket with its
+        code. Returns normally in every case; :attr:`close_code` says how the link ended.
         """
-        self._writer = asyncio.create_task(self._write_loop(), name=f"link-writer-{self.peer}")
+        if self._session.state is not SessionState.OPEN:
+            raise LinkError(f"the link to {self.peer} has not finished its handshake")
+        self._start_writer()
+        session = self._session
         try:
             while True:
                 message = await self.ws.receive()
                 self.last_received_at = time.monotonic()
-                if message.type is aiohttp.WSMsgType.BINARY:
-                    frame = self.session.receive_message(message.data)
-                    if frame is not None:
-                        self._dispatch(frame)
-                elif message.type is aiohttp.WSMsgType.TEXT:
+                kind = message.type
+                if kind is _BINARY:
+                    event = session.receive_message(message.data)
+                    if event is not None:
+                        self._process(event)
+                    else:
+                        self._flush()  # what the session answered by itself, if anything
+                elif kind is _TEXT:
                     raise ProtocolError("text message on the agent link")
                 else:  # CLOSE, CLOSING, CLOSED or ERROR
-                    if message.type is aiohttp.WSMsgType.CLOSE and self.close_code is None:
-                        self.close_code = int(message.data)
-                        self.close_reason = str(message.extra or "")
+                    self._closed_by_peer(message)
                     break
         except ProtocolError as exc:
             log.warning("link to %s: protocol error: %s", self.peer, exc)
             await self.close(exc.code, str(exc))
         finally:
             await self._finish()
+
+    def _closed_by_peer(self, message: aiohttp.WSMessage) -> None:
+        if message.type is aiohttp.WSMsgType.CLOSE and self.close_code is None:
+            self.close_code = int(message.data)
+            self.close_reason = str(message.extra or "")
 
     async def close(self, code: int, reason: str) -> None:
         """Close the link with a close code (RFC 6455 section 7.4) and a reason."""
@@ -265,47 +464,53 @@ class LinkConnection:
         with contextlib.suppress(Exception):  # the socket may already be gone
             await self.ws.close(code=code, message=reason.encode()[:120])
 
-    def _dispatch(self, frame: Frame) -> None:
-        kind = type(frame)
-        if kind is StreamData:
-            stream = self._streams.get(frame.id)  # type: ignore[union-attr]
-            if stream is not None:
-                stream._feed(frame.payload, frame.end)  # type: ignore[union-attr]
-        elif kind is StreamCredit:
-            stream = self._streams.get(frame.id)  # type: ignore[union-attr]
-            if stream is not None:
-                stream._credit()
-        elif kind is Response:
-            pending = self._pending.get(frame.id)  # type: ignore[union-attr]
-            if pending is not None and not pending[0].done():
-                pending[0].set_result(frame)  # type: ignore[arg-type]
-        elif kind is StreamHead:
-            stream = self._streams.get(frame.id)  # type: ignore[union-attr]
-            if stream is not None:
-                stream.head = frame  # type: ignore[assignment]
-                stream._feed(frame.payload, frame.end)  # type: ignore[union-attr]
-        elif kind is StreamReset:
-            stream = self._streams.pop(frame.id, None)  # type: ignore[union-attr]
-            if stream is not None:
-                code = frame.code  # type: ignore[union-attr]
-                why = frame.message or code  # type: ignore[union-attr]
-                stream._fail(StreamResetError(f"stream reset by {self.peer}: {why}", code))
-                if stream.task is not None:
-                    stream.task.cancel()  # cancelling reaches the engine
-        elif kind is StreamOpen:
-            opening: StreamOpen = frame  # type: ignore[assignment]
-            stream = TunnelStream(self, opening.id, opening)
-            stream._feed(opening.payload, opening.end)
-            self._streams[opening.id] = stream
-            stream.task = self._spawn(self._handler.on_stream(self, stream), f"stream-{opening.id}")
-        elif kind is Request:
-            self._spawn(self._handler.on_request(self, frame), "request")  # type: ignore[arg-type]
-        elif kind is Progress:
-            pending = self._pending.get(frame.id)  # type: ignore[union-attr]
-            if pending is not None and pending[1] is not None:
-                self._spawn(pending[1](frame), "progress")  # type: ignore[arg-type]
-        else:
-            self._handler.on_frame(self, frame)
+    def _process(self, event: LinkEvent) -> None:
+        """Act on one event of the session: the one place each kind is dispatched."""
+        match event:  # the most frequent first (cases are tried in order)
+            case DataReceived():
+                stream = self._streams.get(event.stream_id)
+                if stream is not None:
+                    stream.data_received(event.data, event.end)
+            case CreditGranted():
+                stream = self._streams.get(event.stream_id)
+                if stream is not None:
+                    stream.credit_granted()
+            case HeadReceived():
+                stream = self._streams.get(event.head.id)
+                if stream is not None:
+                    stream.head_received(event.head)
+            case StreamOpened():
+                opening = event.opening
+                stream = TunnelStream(self, opening.id, opening)
+                stream.data_received(opening.payload, opening.end)
+                self._streams[opening.id] = stream
+                name = f"stream-{opening.id}"
+                stream.task = self._spawn(self._handler.on_stream(self, stream), name)
+            case ResponseReceived():
+                pending = self._pending.get(event.response.id)
+                if pending is not None and not pending[0].done():
+                    pending[0].set_result(event.response)
+            case StreamResetReceived():
+                stream = self._streams.pop(event.stream_id, None)
+                if stream is not None:
+                    why = event.message or event.code
+                    error = StreamResetError(f"stream reset by {self.peer}: {why}", event.code)
+                    stream.abort(error)
+                    if stream.task is not None:
+                        stream.task.cancel()  # cancelling reaches the engine
+            case RequestReceived():
+                self._spawn(self._handler.on_request(self, event.request), "request")
+            case ProgressReceived():
+                pending = self._pending.get(event.progress.id)
+                if pending is not None and pending[1] is not None:
+                    self._spawn(pending[1](event.progress), "progress")
+            case HeartbeatReceived():
+                self._handler.on_heartbeat(self, event.heartbeat)
+            case HelloReceived() | WelcomeReceived():
+                # The session refuses a second greeting; an open link never gets here.
+                raise ProtocolError(f"{type(event).__name__} after the handshake")
+            case _:
+                assert_never(event)
 
     def _spawn(self, coro: Awaitable[Any], name: str) -> asyncio.Task[None]:
         task: asyncio.Task[None] = asyncio.ensure_future(coro)
@@ -321,19 +526,21 @@ class LinkConnection:
                       exc_info=task.exception())  # fmt: skip
 
     async def _finish(self) -> None:
+        if self._closed:
+            return
         self._closed = True
         if self._on_closed is not None:
             self._on_closed()  # first: the link stops getting new work at once
         self._drained.set()  # writers waiting for room see the closed link
         if self.close_code is None:
             self.close_code = self.ws.close_code
-        self.session.close()
+        self._session.close()
         lost = LinkError(f"the link to {self.peer} was lost", code=self._code())
         for future, _listener in self._pending.values():
             if not future.done():
                 future.set_exception(lost)
         for stream in list(self._streams.values()):
-            stream._fail(StreamResetError(f"the link to {self.peer} was lost", "link_lost"))
+            stream.abort(StreamResetError(f"the link to {self.peer} was lost", None))
         self._streams.clear()
         for task in list(self._tasks):
             task.cancel()

@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, Protocol
 
-from aiohttp import WSMsgType, web
+from aiohttp import web
 from cryptography import x509
 from cryptography.x509.oid import NameOID
 
@@ -29,18 +29,19 @@ from berth.cluster.inventory import gpu_infos
 from berth.cluster.link import LOCAL_NODE_ID
 from berth.cluster.link_registry import LinkRegistry
 from berth.cluster.peer_identity import ForwardedFingerprintTrust, client_identity
-from berth.cluster.protocol.errors import CloseCode, ProtocolError
+from berth.cluster.protocol.errors import CloseCode, LinkError
 from berth.cluster.protocol.frames import (
     AdoptedState,
     EngineState,
+    ErrorCode,
     ErrorInfo,
-    Frame,
     Heartbeat,
     Hello,
     Inventory,
     Request,
+    ResetCode,
 )
-from berth.cluster.protocol.session import LinkLimits, LinkSession, Role
+from berth.cluster.protocol.session import LinkLimits, Role, WelcomeTerms
 from berth.cluster.remote_link import RemoteLink, TunnelResponse
 from berth.cluster.tunnel_stream import TunnelStream
 from berth.engine_http.errors import UpstreamConnectError
@@ -214,37 +215,29 @@ class NodeHub:
         if self._shutting_down:
             await ws.close(code=CloseCode.LEADER_SHUTTING_DOWN, message=b"shutting down")
             return ws
-        session = LinkSession(Role.LEADER, self.limits)
         conn = LinkConnection(
-            session, ws, self, peer=node_id, on_closed=lambda: self._drop(node_id, conn)
+            Role.LEADER,
+            ws,
+            self,
+            peer=node_id,
+            limits=self.limits,
+            on_closed=lambda: self._drop(node_id, conn),
         )
-        hello = await self._handshake(ws, session, node_id)
-        if hello is None:
-            return ws
+        terms = WelcomeTerms(
+            node_id=node_id,
+            leader_version=__version__,
+            heartbeat_interval_s=self._heartbeat_interval_s,
+            capabilities=LEADER_CAPABILITIES,
+        )
         try:
-            await asyncio.to_thread(
-                self._store.record_node_hello,
-                node_id,
-                agent_version=hello.agent_version,
-                protocol_version=session.protocol_version or 0,
-                capabilities=hello.capabilities,
-                inventory=node_hardware(hello.inventory),
-                now=self._clock(),
+            hello = await conn.handshake(
+                terms,
+                timeout_s=self._hello_timeout_s,
+                admit=lambda hello: self._admit(node_id, conn, hello),
+                clock=self._clock,
             )
-        except BerthError as exc:
-            await ws.close(code=CloseCode.NODE_REMOVED, message=str(exc).encode()[:120])
-            return ws
-        # The new session takes the node's place first, then the old one is closed: the
-        # node is never without a link, and the old one's end changes nothing.
-        previous = self._sessions.get(node_id)
-        old = None if previous is None else previous.conn
-        link = RemoteLink(node_id, conn, hello.inventory, hello.capabilities)
-        self._sessions[node_id] = link
-        self._links.attach(link)
-        conn.flush()  # the Welcome
-        if old is not None:
-            log.warning("node %s: a newer session replaces the one from %s", node_id, old.peer)
-            self._spawn(old.close(CloseCode.SUPERSEDED, "a newer session of this node connected"))
+        except LinkError:
+            return ws  # refused or gone; the connection closed the socket and said why
         log.info("node %s connected from %s (agent %s)", node_id, peer, hello.agent_version)
         watchdog = asyncio.create_task(self._watch(node_id, conn), name=f"watch-{node_id}")
         if self._listener is not None:
@@ -276,32 +269,31 @@ class NodeHub:
             log.info("node %s: fingerprint forwarded by %s", node.id, identity.forwarded_by)
         return node.id, None
 
-    async def _handshake(
-        self, ws: web.WebSocketResponse, session: LinkSession, node_id: str
-    ) -> Hello | None:
+    async def _admit(self, node_id: str, conn: LinkConnection, hello: Hello) -> None:
+        """Before Welcome: record the node's Hello, make ``conn`` the node's link, and close
+        an older session of the node. Refuses a node removed meanwhile (``NODE_REMOVED``)."""
         try:
-            message = await ws.receive(timeout=self._hello_timeout_s)
-            if message.type is not WSMsgType.BINARY:
-                if message.type in (WSMsgType.CLOSE, WSMsgType.CLOSING, WSMsgType.CLOSED):
-                    return None
-                raise ProtocolError("the agent's first message must be a binary Hello frame")
-            frame = session.receive_message(message.data)
-            assert isinstance(frame, Hello)  # the session refuses anything else
-            session.accept(
-                node_id=node_id,
-                leader_version=__version__,
-                server_time=self._clock(),
-                heartbeat_interval_s=self._heartbeat_interval_s,
-                capabilities=list(LEADER_CAPABILITIES),
+            await asyncio.to_thread(
+                self._store.record_node_hello,
+                node_id,
+                agent_version=hello.agent_version,
+                protocol_version=conn.protocol_version or 0,
+                capabilities=hello.capabilities,
+                inventory=node_hardware(hello.inventory),
+                now=self._clock(),
             )
-            return frame
-        except TimeoutError:
-            error = ProtocolError(f"no Hello within {self._hello_timeout_s} s")
-        except ProtocolError as exc:
-            error = exc
-        log.warning("node %s: %s", node_id, error)
-        await ws.close(code=error.code, message=str(error).encode()[:120])
-        return None
+        except BerthError as exc:
+            raise LinkError(str(exc), code=CloseCode.NODE_REMOVED, node_id=node_id) from exc
+        # The new session takes the node's place first, then the old one is closed: the
+        # node is never without a link, and the old one's end changes nothing.
+        previous = self._sessions.get(node_id)
+        old = None if previous is None else previous.conn
+        link = RemoteLink(node_id, conn, hello.inventory, hello.capabilities)
+        self._sessions[node_id] = link
+        self._links.attach(link)
+        if old is not None:
+            log.warning("node %s: a newer session replaces the one from %s", node_id, old.peer)
+            self._spawn(old.close(CloseCode.SUPERSEDED, "a newer session of this node connected"))
 
     async def _reconcile(self, node_id: str, engines: list[EngineState]) -> None:
         assert self._listener is not None
@@ -350,34 +342,36 @@ class NodeHub:
         with contextlib.suppress(BerthError):  # removed nodes stay removed
             await asyncio.to_thread(self._store.set_node_status, node_id, "unreachable")
 
-    # -- LinkHandler (frames the agent sends outside requests and streams) ---------------------
+    # -- LinkHandler (what the agent sends outside answers and streams) ----------------------
 
     async def on_request(self, conn: LinkConnection, request: Request) -> None:
-        error = ErrorInfo(code="unsupported", message=f"the leader serves no {request.op[:40]!r}")
+        error = ErrorInfo(
+            code=ErrorCode.UNSUPPORTED, message=f"the leader serves no {request.op!r}"
+        )
         conn.respond(request.id, error=error)
 
     async def on_stream(self, conn: LinkConnection, stream: TunnelStream) -> None:
-        stream.reset("refused", "agents do not open streams")  # the session forbids it anyway
+        # The session refuses an agent's STREAM_OPEN, so this never runs.
+        stream.reset(ResetCode.REFUSED, "agents do not open streams")
 
-    def on_frame(self, conn: LinkConnection, frame: Frame) -> None:
-        if isinstance(frame, Heartbeat):
-            node_id = conn.peer
-            link = self.remote_link(node_id)
-            now = self._clock()
-            if link is not None and link.conn is conn:
-                link.record_heartbeat(frame, now)
-                if self._listener is not None:
-                    self._listener.adopted_reported(node_id, frame.adopted)
-                if self._cluster_metrics is not None:
-                    self._cluster_metrics.record_heartbeat(node_id, frame, now)
-                # Kept in memory on every heartbeat, written at most once an interval: a
-                # flood of heartbeats must not queue database writes for everyone.
-                if now - self._saved_at.get(node_id, 0.0) >= self._heartbeat_interval_s:
-                    self._saved_at[node_id] = now
-                    hardware = node_hardware(link.last_inventory)
-                    self._spawn(
-                        asyncio.to_thread(self._store.record_node_heartbeat, node_id, now, hardware)
-                    )
+    def on_heartbeat(self, conn: LinkConnection, heartbeat: Heartbeat) -> None:
+        node_id = conn.peer
+        link = self.remote_link(node_id)
+        now = self._clock()
+        if link is not None and link.conn is conn:
+            link.record_heartbeat(heartbeat, now)
+            if self._listener is not None:
+                self._listener.adopted_reported(node_id, heartbeat.adopted)
+            if self._cluster_metrics is not None:
+                self._cluster_metrics.record_heartbeat(node_id, heartbeat, now)
+            # Kept in memory on every heartbeat, written at most once an interval: a
+            # flood of heartbeats must not queue database writes for everyone.
+            if now - self._saved_at.get(node_id, 0.0) >= self._heartbeat_interval_s:
+                self._saved_at[node_id] = now
+                hardware = node_hardware(link.last_inventory)
+                self._spawn(
+                    asyncio.to_thread(self._store.record_node_heartbeat, node_id, now, hardware)
+                )
 
     def _spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
         """Run ``coro`` in the background, keeping a reference until it is done; a failure

@@ -11,10 +11,12 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import msgspec
 
 from berth.cluster.connection import LinkConnection, RemoteOpError
+from berth.cluster.connection import ProgressListener as OpProgressListener
 from berth.cluster.inventory import node_inventory
 from berth.cluster.link import (
     EngineEndpoint,
@@ -24,24 +26,33 @@ from berth.cluster.link import (
     SpawnListener,
 )
 from berth.cluster.protocol.errors import LinkError
-from berth.cluster.protocol.frames import Heartbeat, Inventory, Progress, StreamOpen
+from berth.cluster.protocol.frames import (
+    ErrorCode,
+    Heartbeat,
+    Inventory,
+    Progress,
+    ResetCode,
+    StreamOpen,
+)
 from berth.cluster.protocol.ops import (
+    ENGINES,
+    INVENTORY,
     OP_CAPABILITIES,
+    PROBE,
+    PULL,
     RUNTIME_CAPABILITIES,
-    EnginesResult,
+    START,
+    STOP,
     NoArgs,
+    Op,
     PreparingEvent,
     ProbeArgs,
     PullArgs,
-    PullResult,
     SpawnedEvent,
     StartArgs,
-    StartResult,
     StopArgs,
     decode_payload,
-    encode_payload,
 )
-from berth.cluster.protocol.ops import ProbeResult as ProbeAnswer
 from berth.cluster.tunnel_stream import StreamResetError, TunnelStream
 from berth.engine_http.answer import read_body
 from berth.engine_http.errors import (
@@ -59,6 +70,9 @@ from berth.runtime.engines import DeploymentRequest
 CONTROL_TIMEOUT_S = 30.0
 #: Seconds an agent may take to download a model from the hub.
 PULL_TIMEOUT_S = 3600.0
+
+A = TypeVar("A", bound=msgspec.Struct)
+R = TypeVar("R")
 
 
 def tunnel_url(node_id: str, deployment_id: str) -> str:
@@ -141,8 +155,7 @@ class RemoteLink:
             elif frame.event == "preparing" and on_progress is not None:
                 on_progress(decode_payload(frame.data, PreparingEvent, "preparing event").message)
 
-        raw = await self._call("start", args, timeout_s, progress)
-        result = decode_payload(raw, StartResult, "start result")
+        result = await self._call(START, args, timeout_s, progress)
         return EngineEndpoint(
             request.deployment_id,
             tunnel_url(self.node_id, request.deployment_id),
@@ -152,7 +165,7 @@ class RemoteLink:
 
     async def stop_deployment(self, deployment_id: str, grace_s: float) -> None:
         args = StopArgs(deployment_id=deployment_id, grace_s=grace_s)
-        await self._call("stop", args, grace_s + CONTROL_TIMEOUT_S, engine_of=deployment_id)
+        await self._call(STOP, args, grace_s + CONTROL_TIMEOUT_S, engine_of=deployment_id)
 
     async def reattach(
         self, deployment_id: str, pid: int, port: int, runtime: RuntimeName = "process"
@@ -168,22 +181,19 @@ class RemoteLink:
     async def pull_model(self, repo_id: str, revision: str | None) -> str:
         """Have the agent download ``repo_id`` into its models folder; its path there."""
         args = PullArgs(repo_id=repo_id, revision=revision)
-        raw = await self._call("pull", args, PULL_TIMEOUT_S)
-        return decode_payload(raw, PullResult, "pull result").path
+        return (await self._call(PULL, args, PULL_TIMEOUT_S)).path
 
     async def probe(self, deployment_id: str) -> ProbeResult:
         args = ProbeArgs(deployment_id=deployment_id)
-        raw = await self._call("probe", args, CONTROL_TIMEOUT_S, engine_of=deployment_id)
-        return decode_payload(raw, ProbeAnswer, "probe result").result
+        answer = await self._call(PROBE, args, CONTROL_TIMEOUT_S, engine_of=deployment_id)
+        return answer.result
 
     async def engines(self) -> list[EngineReport]:
-        raw = await self._call("engines", NoArgs(), CONTROL_TIMEOUT_S)
-        result = decode_payload(raw, EnginesResult, "engines result")
+        result = await self._call(ENGINES, NoArgs(), CONTROL_TIMEOUT_S)
         return [EngineReport(e.deployment_id, e.pid, e.port, e.alive) for e in result.engines]
 
     async def inventory(self) -> NodeInventory:
-        raw = await self._call("inventory", NoArgs(), CONTROL_TIMEOUT_S)
-        self._inventory = decode_payload(raw, Inventory, "inventory")
+        self._inventory = await self._call(INVENTORY, NoArgs(), CONTROL_TIMEOUT_S)
         return node_inventory(self.node_id, self._inventory)
 
     async def logs(
@@ -222,7 +232,7 @@ class RemoteLink:
         ``UpstreamTimeoutError`` (no head within ``read_timeout_s``).
         """
         origin = Origin(self.node_id, 0)
-        limits = self.conn.session.limits
+        limits = self.conn.limits
         first = body[: min(limits.stream_window_bytes, limits.max_payload_bytes)]
         opening = StreamOpen(
             kind="http",
@@ -244,15 +254,15 @@ class RemoteLink:
                     await stream.write(body[len(first) :], end=True)
                 head = await stream.wait_head(None)
         except TimeoutError:
-            stream.reset("cancelled", "no answer in time")
+            stream.reset(ResetCode.CANCELLED, "no answer in time")
             raise UpstreamTimeoutError(origin, read_timeout_s or 0.0) from None
         except StreamResetError as exc:
-            stream.reset("cancelled")
-            if exc.reset_code == "engine_timeout":
+            stream.reset(ResetCode.CANCELLED)
+            if exc.reset_code == ResetCode.ENGINE_TIMEOUT:
                 raise UpstreamTimeoutError(origin, read_timeout_s or 0.0) from None
             raise UpstreamConnectError(origin, f"could not be reached ({exc})") from exc
         except BaseException:
-            stream.reset("cancelled")
+            stream.reset(ResetCode.CANCELLED)
             raise
         return TunnelResponse(stream, head.status, head.headers, origin, read_timeout_s)
 
@@ -266,26 +276,23 @@ class RemoteLink:
 
     async def _call(
         self,
-        op: str,
-        args: msgspec.Struct,
+        op: Op[A, R],
+        args: A,
         timeout_s: float,
-        on_progress: object = None,
+        on_progress: OpProgressListener | None = None,
         *,
         engine_of: str | None = None,
-    ) -> msgspec.Raw:
+    ) -> R:
         """Send ``op``; the agent's errors become ``EngineError`` (with its log tail), or
         ``NotFoundError`` for deployment ``engine_of`` when it runs no such engine."""
-        if OP_CAPABILITIES[op] not in self.capabilities:
-            raise EngineError(f"node {self.node_id}'s agent does not support {op!r}; upgrade it")
-        try:
-            return await self.conn.request(
-                op,
-                encode_payload(args),
-                timeout_s,
-                on_progress,  # type: ignore[arg-type]
+        if op.capability not in self.capabilities:
+            raise EngineError(
+                f"node {self.node_id}'s agent does not support {op.name!r}; upgrade it"
             )
+        try:
+            return await self.conn.call(op, args, timeout_s, on_progress)
         except RemoteOpError as exc:
-            if exc.info.code == "not_found" and engine_of is not None:
+            if exc.info.code == ErrorCode.NOT_FOUND and engine_of is not None:
                 raise NotFoundError("engine", engine_of) from exc
             raise EngineError(
                 f"node {self.node_id}: {exc.info.message}", log_tail=exc.info.log_tail
@@ -298,7 +305,7 @@ async def _read(stream: TunnelStream) -> bytes:
     try:
         return await stream.read()
     except StreamResetError as exc:
-        if exc.reset_code == "not_found":
+        if exc.reset_code == ResetCode.NOT_FOUND:
             raise NotFoundError("engine log", str(exc)) from exc
         raise EngineError(str(exc)) from exc
 

@@ -2,8 +2,10 @@
 
 :class:`TunnelStream` turns the session's stream bookkeeping into an async reader of the
 peer's payload (reading grants the peer more credit) and a writer that waits for credit, so a
-slow reader slows the writer. :class:`~berth.cluster.connection.LinkConnection` feeds it the
-frames that arrive for it.
+slow reader slows the writer. :class:`~berth.cluster.connection.LinkConnection` makes it and
+hands it the events that arrive for it (``data_received``, ``head_received``,
+``credit_granted``, ``abort``); it sends through the connection's stream methods
+(:class:`StreamCarrier`), never touching the session itself.
 """
 
 from __future__ import annotations
@@ -13,32 +15,41 @@ from collections import deque
 from typing import Protocol
 
 from berth.cluster.protocol.errors import LinkError
-from berth.cluster.protocol.frames import StreamHead, StreamOpen
-from berth.cluster.protocol.session import LinkSession
+from berth.cluster.protocol.frames import ResetCode, StreamHead, StreamOpen
 
 
 class StreamCarrier(Protocol):
     """What a stream needs of the link that carries it
-    (:class:`berth.cluster.connection.LinkConnection`): the session's stream bookkeeping,
-    sending what it queued, waiting for the socket to drain, and forgetting the stream."""
+    (:class:`berth.cluster.connection.LinkConnection`): its stream methods, each one session
+    call plus queueing what the session wants sent, and waiting for the socket to drain."""
 
-    session: LinkSession
     peer: str
 
     @property
     def closed(self) -> bool: ...
 
-    def flush(self) -> None: ...
-
     async def drain(self) -> None: ...
+
+    def has_stream(self, stream_id: int) -> bool: ...
+
+    def send_room(self, stream_id: int) -> int | None: ...
+
+    def send_head(self, head: StreamHead) -> None: ...
+
+    def send_data(self, stream_id: int, payload: bytes, end: bool) -> None: ...
+
+    def consume(self, stream_id: int, size: int) -> None: ...
+
+    def reset_stream(self, stream_id: int, code: ResetCode, message: str = "") -> None: ...
 
     def forget_stream(self, stream_id: int) -> None: ...
 
 
 class StreamResetError(LinkError):
-    """The stream was reset by the peer (``reset_code``) or lost with its link."""
+    """The stream was reset (``reset_code``: by the peer, or here) or lost with its link
+    (``reset_code`` ``None``)."""
 
-    def __init__(self, message: str, reset_code: str) -> None:
+    def __init__(self, message: str, reset_code: ResetCode | None) -> None:
         super().__init__(message)
         self.reset_code = reset_code
 
@@ -46,7 +57,8 @@ class StreamResetError(LinkError):
 class TunnelStream:
     """One stream of a link: the received payload as an async reader, and a writer that
     waits for credit. ``opening`` is the StreamOpen frame (agent side), ``head`` the answer's
-    head once it arrives (leader side)."""
+    head once it arrives (leader side); ``task`` the agent's task serving the stream, which a
+    reset by the leader cancels."""
 
     def __init__(self, conn: StreamCarrier, stream_id: int, opening: StreamOpen | None) -> None:
         self.conn = conn
@@ -65,26 +77,33 @@ class TunnelStream:
         """True once the peer's side has ended and every received byte was read."""
         return self._ended and not self._chunks
 
-    # -- fed by the connection ----------------------------------------------------------
+    # -- events, from the connection -----------------------------------------------------
 
-    def _feed(self, payload: bytes, end: bool) -> None:
+    def data_received(self, payload: bytes, end: bool) -> None:
+        """The peer sent ``payload`` (``end``: and its side is done)."""
         if payload:
             self._chunks.append(payload)
         if end:
             self._ended = True
         self._wake()
 
-    def _fail(self, error: StreamResetError) -> None:
-        self._reset = error
-        self._wake()
+    def head_received(self, head: StreamHead) -> None:
+        """Leader: the answer's head arrived, with its first body bytes."""
+        self.head = head
+        self.data_received(head.payload, head.end)
+
+    def credit_granted(self) -> None:
+        """The peer granted more credit: a writer waiting for it goes on."""
         waiter = self._credit_waiter
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
 
-    def _credit(self) -> None:
-        waiter = self._credit_waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
+    def abort(self, error: StreamResetError) -> None:
+        """The stream is over with ``error`` (reset by the peer, or lost with the link):
+        waiting readers and writers raise it."""
+        self._reset = error
+        self._wake()
+        self.credit_granted()
 
     def _wake(self) -> None:
         waiter = self._waiter
@@ -119,8 +138,7 @@ class TunnelStream:
         chunks = self._chunks
         data = chunks.popleft() if len(chunks) == 1 else b"".join(chunks)
         chunks.clear()
-        self.conn.session.consume(self.id, len(data))
-        self.conn.flush()
+        self.conn.consume(self.id, len(data))
         return data
 
     async def read_all(self, limit_bytes: int) -> bytes:
@@ -143,33 +161,55 @@ class TunnelStream:
 
     # -- writing -------------------------------------------------------------------------
 
+    async def send_head(
+        self, status: int, headers: list[tuple[str, str]], payload: bytes, end: bool
+    ) -> None:
+        """Agent: answer with ``status`` and ``headers``; the head frame carries as much of
+        ``payload`` as the credit allows (a small answer is one frame), the rest follows as
+        data. ``end``: ``payload`` is the whole answer.
+
+        Raises ``StreamResetError`` when the peer resets the stream or the link is lost.
+        """
+        await self.conn.drain()  # a head carries up to a window of payload
+        room = self.conn.send_room(self.id)
+        if room is None:
+            self._raise_if_over()
+            return  # ended or reset under us: nothing more to send
+        first, rest = payload[:room], payload[room:]
+        self.conn.send_head(StreamHead(id=self.id, status=status, headers=headers,
+                                       payload=first, end=end and not rest))  # fmt: skip
+        if rest:
+            await self.write(rest, end=end)
+
     async def write(self, data: bytes, end: bool = False) -> None:
         """Send ``data`` in frames no larger than the link allows, waiting for credit.
 
         Raises ``StreamResetError`` when the peer resets the stream or the link is lost.
         """
-        session = self.conn.session
+        conn = self.conn
         view = memoryview(data)
-        max_payload = session.limits.max_payload_bytes
         while True:
-            if self._reset is not None:
-                raise self._reset
-            if self.conn.closed:
-                raise StreamResetError(f"the link to {self.conn.peer} was lost", "link_lost")
-            credit = session.send_credit(self.id)
-            if not session.has_stream(self.id):
+            if self._reset is not None or conn.closed:
+                self._raise_if_over()
+            room = conn.send_room(self.id)
+            if room is None:
                 return  # ended or reset under us: nothing more to send
-            size = min(len(view), credit, max_payload)
+            size = min(len(view), room)
             if size < len(view) and size == 0:
                 await self._wait_credit()
                 continue
             last = size == len(view)
-            session.send_data(self.id, bytes(view[:size]), end and last)
+            conn.send_data(self.id, bytes(view[:size]), end and last)
             view = view[size:]
-            self.conn.flush()
-            await self.conn.drain()
+            await conn.drain()
             if last:
                 return
+
+    def _raise_if_over(self) -> None:
+        if self._reset is not None:
+            raise self._reset
+        if self.conn.closed:
+            raise StreamResetError(f"the link to {self.conn.peer} was lost", None)
 
     async def _wait_credit(self) -> None:
         self._credit_waiter = asyncio.get_running_loop().create_future()
@@ -180,15 +220,12 @@ class TunnelStream:
 
     def release(self) -> None:
         """Done with the stream: reset it if it is still open on either side, then forget it."""
-        if self.conn.session.has_stream(self.id):
-            self.reset("cancelled")
+        if self.conn.has_stream(self.id):
+            self.reset(ResetCode.CANCELLED)
         self.conn.forget_stream(self.id)
 
-    def reset(self, code: str = "cancelled", message: str = "") -> None:
+    def reset(self, code: ResetCode = ResetCode.CANCELLED, message: str = "") -> None:
         """Abandon the stream; the peer stops sending (and, agent side, stops the engine)."""
-        if self.conn.session.has_stream(self.id):
-            self.conn.session.reset_stream(self.id, code, message)
-            self.conn.flush()
-        self.conn.forget_stream(self.id)
+        self.conn.reset_stream(self.id, code, message)
         if self._reset is None:
-            self._fail(StreamResetError(f"stream {self.id} was reset here", code))
+            self.abort(StreamResetError(f"stream {self.id} was reset here", code))

@@ -14,17 +14,12 @@ import os
 import shutil
 import subprocess
 import sys
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from pathlib import Path
-from typing import Any
-
-import docker
-import docker.errors
-import requests
 
 from berth.config import SettingSource
 from berth.doctor.check import Check, Verdict
-from berth.runtime.docker import connect_docker, docker_error_text
+from berth.runtime.docker import DockerApi, DockerApiError, connect_docker
 from berth.runtime.engines import EngineName
 
 #: Engine names as people write them.
@@ -122,45 +117,41 @@ def docker_checks(
     name = "runtime docker"
     try:
         client = connect_docker(host)
-    except (docker.errors.DockerException, requests.RequestException) as exc:
-        reason = docker_error_text(exc)
-        detail = f"no Docker engine at {host}: {reason}"
-        return [Check(name, "warn", detail, _docker_hint(reason))]
+    except DockerApiError as exc:
+        detail = f"no Docker engine at {host}: {exc.reason}"
+        return [Check(name, "warn", detail, _docker_hint(exc.reason))]
     try:
         try:
             version = client.version()
-            info = client.info() if with_gpus else {}
-        except (docker.errors.DockerException, requests.RequestException) as exc:
-            reason = docker_error_text(exc)
-            return [Check(name, "warn", f"Docker at {host}: {reason}", _docker_hint(reason))]
+            runtimes = client.info().runtimes if with_gpus else frozenset()
+        except DockerApiError as exc:
+            hint = _docker_hint(exc.reason)
+            return [Check(name, "warn", f"Docker at {host}: {exc.reason}", hint)]
         checks = [
-            Check(
-                name,
-                "ok",
-                f"Docker {version.get('Version', '?')} (API {version.get('ApiVersion', '?')}) "
-                f"at {host}",
-            )
+            Check(name, "ok", f"Docker {version.version} (API {version.api_version}) at {host}")
         ]
         checks.extend(
             image_check(client, engine, image, needed=default_runtime)
             for engine, image in images.items()
         )
         if with_gpus:
-            checks.append(docker_gpu_check(info, host))
+            checks.append(docker_gpu_check(runtimes, host))
         return checks
     finally:
         client.close()
 
 
-def image_check(client: Any, engine: EngineName, image: str, *, needed: bool = True) -> Check:
+def image_check(client: DockerApi, engine: EngineName, image: str, *, needed: bool = True) -> Check:
     """Whether ``image`` (``repository:tag``) is in the local store of ``client``'s engine;
     its absence warns only when the image is ``needed`` (else the line is ok, with the
     hint)."""
     name = f"image {engine}"
     setting = f"{engine}_image"
     try:
-        found = client.images.get(image)
-    except docker.errors.ImageNotFound:
+        found = client.inspect_image(image)
+    except DockerApiError as exc:
+        return Check(name, "warn", f"{image}: {exc.reason}", f"docker pull {image}")
+    if found is None:
         return Check(
             name,
             "warn" if needed else "ok",
@@ -168,12 +159,8 @@ def image_check(client: Any, engine: EngineName, image: str, *, needed: bool = T
             f"docker pull {image} (else the first --runtime docker deployment pulls it), "
             f"or set [docker] {setting}",
         )
-    except (docker.errors.DockerException, requests.RequestException) as exc:
-        return Check(name, "warn", f"{image}: {docker_error_text(exc)}", f"docker pull {image}")
-    size_mb = int(found.attrs.get("Size", 0)) / 1_000_000
-    return Check(
-        name, "ok", f"{image} ({found.short_id.removeprefix('sha256:')}, {size_mb:.0f} MB)"
-    )
+    size_mb = found.size_bytes / 1_000_000
+    return Check(name, "ok", f"{image} ({found.short_id}, {size_mb:.0f} MB)")
 
 
 def gpu_check() -> Check:
@@ -192,10 +179,10 @@ def gpu_check() -> Check:
     return Check("gpus", "ok", names)
 
 
-def docker_gpu_check(info: Mapping[str, Any], host: str) -> Check:
+def docker_gpu_check(runtimes: Collection[str], host: str) -> Check:
     """Docker hands out NVIDIA GPUs (``DeviceRequest(driver="nvidia")``) through the NVIDIA
-    container toolkit: its runtime registered with the engine, or its hook on this host."""
-    runtimes = info.get("Runtimes") or {}
+    container toolkit: its runtime registered with the engine (``runtimes``, as ``docker
+    info`` lists them), or its hook on this host."""
     local = host.startswith("unix://")
     if "nvidia" in runtimes:
         return Check("docker gpus", "ok", "the nvidia runtime is registered with Docker")

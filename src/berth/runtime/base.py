@@ -3,7 +3,7 @@
 A runtime knows nothing about models or the store.  It takes a :class:`LaunchSpec` (argv,
 environment, port, health path, log file) and returns an :class:`EngineHandle`.  Two runtimes
 exist: ``process`` (``runtime/process.py``: the engine is a child process) and ``docker``
-(``runtime/docker.py``: the engine runs in a container, described by the spec's
+(``runtime/docker/``: the engine runs in a container, described by the spec's
 :class:`ContainerSpec`); tests may use an in-memory fake.
 """
 

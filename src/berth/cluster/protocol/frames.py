@@ -13,15 +13,17 @@ typed fields; ``payload`` is raw bytes (tunneled HTTP bodies, log output), never
 ``flags`` bit 0 (``END``) closes the sender's side of a stream. ``docs/protocol.md`` is the
 specification; this module is its only encoder and decoder.
 
-Compatibility rules: unknown JSON fields are ignored (a newer peer may add fields), and a frame
-of an unknown type decodes to ``None`` so the session skips it.
+Compatibility rules: unknown JSON fields are ignored (a newer peer may add fields); a frame of
+an unknown type, or a ``PROGRESS`` of an unknown event, decodes to ``None`` so the session skips
+it; a ``REQUEST`` for an unknown op decodes to :class:`UnknownRequest` so the session can answer
+it ``unsupported``; an unknown reset or error code reads as ``internal``.
 """
 
 from __future__ import annotations
 
 import struct
-from enum import IntEnum
-from typing import Any, Literal
+from enum import IntEnum, StrEnum
+from typing import Any, Literal, TypeGuard, assert_never, get_args
 
 import msgspec
 
@@ -52,6 +54,75 @@ class FrameType(IntEnum):
     STREAM_DATA = 9
     STREAM_RESET = 10
     STREAM_CREDIT = 11
+
+
+# -- closed sets -------------------------------------------------------------------------------
+
+#: The control operations (``ops.py`` ties each to its argument and result types).
+OpName = Literal["start", "stop", "probe", "inventory", "engines", "pull"]
+OP_NAMES: frozenset[str] = frozenset(get_args(OpName))
+#: The events a running request reports in ``PROGRESS`` (v1: those of ``start``).
+ProgressEvent = Literal["spawned", "preparing"]
+PROGRESS_EVENTS: frozenset[str] = frozenset(get_args(ProgressEvent))
+
+
+def is_op_name(name: str) -> TypeGuard[OpName]:
+    """Whether ``name`` is an op this code knows."""
+    return name in OP_NAMES
+
+
+def is_progress_event(name: str) -> TypeGuard[ProgressEvent]:
+    """Whether ``name`` is a progress event this code knows."""
+    return name in PROGRESS_EVENTS
+
+
+class ResetCode(StrEnum):
+    """Why a stream was reset (``STREAM_RESET.code``, ``docs/protocol.md``, Streams).
+
+    A code this side does not know (a newer peer's) reads as :attr:`INTERNAL`: the stream
+    failed, for a reason its ``message`` names.
+    """
+
+    #: the client went away, or a timeout gave up on the stream
+    CANCELLED = "cancelled"
+    #: the receiver does not take the stream (over ``max_streams``, or agents opening streams)
+    REFUSED = "refused"
+    #: no such deployment, engine or log on the agent
+    NOT_FOUND = "not_found"
+    #: the agent could not reach the engine, or it failed before answering
+    ENGINE_UNREACHABLE = "engine_unreachable"
+    #: the engine did not answer in time
+    ENGINE_TIMEOUT = "engine_timeout"
+    #: the engine broke off an answer it had begun
+    ENGINE_DISCONNECT = "engine_disconnect"
+    #: an unexpected failure; the agent's log has the traceback
+    INTERNAL = "internal"
+
+    @classmethod
+    def _missing_(cls, value: object) -> ResetCode:
+        return cls.INTERNAL
+
+
+class ErrorCode(StrEnum):
+    """Why a request failed (``RESPONSE.error.code``, ``docs/protocol.md``, Control operations).
+
+    A code this side does not know (a newer peer's) reads as :attr:`INTERNAL`.
+    """
+
+    #: an op the peer does not know or does not serve
+    UNSUPPORTED = "unsupported"
+    #: malformed arguments, or a request the peer refuses as given
+    INVALID = "invalid"
+    #: no such deployment or engine
+    NOT_FOUND = "not_found"
+    #: the engine failed (to start, or was stopped while starting); ``log_tail`` says more
+    ENGINE_ERROR = "engine_error"
+    #: an unexpected failure; the agent's log has the traceback
+    INTERNAL = "internal"
+
+    @classmethod
+    def _missing_(cls, value: object) -> ErrorCode:
+        return cls.INTERNAL
 
 
 class _Body(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -106,10 +177,10 @@ class DeploymentLoad(_Body, kw_only=True):
 
 
 class ErrorInfo(_Body, kw_only=True):
-    """Why a request failed: ``code`` is machine-readable (``unsupported``, ``engine_error``,
-    ``not_found``, ``invalid``, ``internal``), ``message`` is for people."""
+    """Why a request failed: ``code`` is for programs, ``message`` for people, ``log_tail``
+    the engine's last log lines (``engine_error``)."""
 
-    code: str
+    code: ErrorCode
     message: str
     log_tail: str = ""
 
@@ -157,12 +228,21 @@ class Welcome(_Body, kw_only=True):
 
 
 class Request(_Body, kw_only=True):
-    """A control operation; ``args`` is decoded by the receiver for ``op`` (see ``ops.py``)."""
+    """A control operation; the receiver decodes ``args`` with ``op``'s argument type, and the
+    sender the answer's ``result`` with its result type (``ops.py``)."""
+
+    id: int = 0
+    op: OpName
+    args: msgspec.Raw = msgspec.Raw(b"{}")
+    timeout_s: float = 30.0
+
+
+class UnknownRequest(_Body, kw_only=True):
+    """A ``REQUEST`` for an op this code does not know (a newer peer's); the session answers
+    it ``unsupported`` and the link lives on."""
 
     id: int = 0
     op: str
-    args: msgspec.Raw = msgspec.Raw(b"{}")
-    timeout_s: float = 30.0
 
 
 class Response(_Body, kw_only=True):
@@ -178,6 +258,21 @@ class Progress(_Body, kw_only=True):
     """An intermediate event of a running request, e.g. ``spawned`` during a start."""
 
     id: int = 0
+    event: ProgressEvent
+    data: msgspec.Raw = msgspec.Raw(b"null")
+
+
+class _AnyRequest(_Body, kw_only=True):
+    """How a ``REQUEST`` body is read: with any op name, so an unknown one can be answered."""
+
+    op: str
+    args: msgspec.Raw = msgspec.Raw(b"{}")
+    timeout_s: float = 30.0
+
+
+class _AnyProgress(_Body, kw_only=True):
+    """How a ``PROGRESS`` body is read: with any event name, so an unknown one is skipped."""
+
     event: str
     data: msgspec.Raw = msgspec.Raw(b"null")
 
@@ -234,11 +329,10 @@ class StreamData(_Body, kw_only=True):
 
 
 class StreamReset(_Body, kw_only=True):
-    """Abandons stream ``id`` from either side; ``code`` e.g. ``cancelled``, ``refused``,
-    ``engine_unreachable``, ``engine_timeout``, ``not_found``, ``internal``."""
+    """Abandons stream ``id`` from either side, saying why."""
 
     id: int = 0
-    code: str
+    code: ResetCode
     message: str = ""
 
 
@@ -253,6 +347,7 @@ Frame = (
     Hello
     | Welcome
     | Request
+    | UnknownRequest
     | Response
     | Progress
     | Heartbeat
@@ -267,6 +362,7 @@ _TYPE_OF: dict[type[Any], FrameType] = {
     Hello: FrameType.HELLO,
     Welcome: FrameType.WELCOME,
     Request: FrameType.REQUEST,
+    UnknownRequest: FrameType.REQUEST,
     Response: FrameType.RESPONSE,
     Progress: FrameType.PROGRESS,
     Heartbeat: FrameType.HEARTBEAT,
@@ -276,12 +372,38 @@ _TYPE_OF: dict[type[Any], FrameType] = {
     StreamReset: FrameType.STREAM_RESET,
     StreamCredit: FrameType.STREAM_CREDIT,
 }
+#: What each frame type's JSON body is read as (``STREAM_DATA`` has none).
+_Decoded = (
+    Hello
+    | Welcome
+    | _AnyRequest
+    | Response
+    | _AnyProgress
+    | Heartbeat
+    | StreamOpen
+    | StreamHead
+    | StreamReset
+    | StreamCredit
+)
+_BODY_OF: dict[FrameType, type[_Decoded]] = {
+    FrameType.HELLO: Hello,
+    FrameType.WELCOME: Welcome,
+    FrameType.REQUEST: _AnyRequest,
+    FrameType.RESPONSE: Response,
+    FrameType.PROGRESS: _AnyProgress,
+    FrameType.HEARTBEAT: Heartbeat,
+    FrameType.STREAM_OPEN: StreamOpen,
+    FrameType.STREAM_HEAD: StreamHead,
+    FrameType.STREAM_RESET: StreamReset,
+    FrameType.STREAM_CREDIT: StreamCredit,
+}
 _DECODERS: dict[int, msgspec.json.Decoder[Any]] = {
-    int(t): msgspec.json.Decoder(cls) for cls, t in _TYPE_OF.items() if cls is not StreamData
+    int(kind): msgspec.json.Decoder(cls) for kind, cls in _BODY_OF.items()
 }
 _ENCODER = msgspec.json.Encoder()
 _WITH_PAYLOAD = (StreamOpen, StreamHead)
-_WITH_ID = (Request, Response, Progress, StreamReset, StreamCredit)
+# Per data frame: on CPython 3.11 an enum member read through its class costs ~0.3 us.
+_STREAM_DATA = int(FrameType.STREAM_DATA)
 
 
 def encode_frame(frame: Frame) -> bytes:
@@ -291,27 +413,35 @@ def encode_frame(frame: Frame) -> bytes:
     """
     if type(frame) is StreamData:
         flags = FLAG_END if frame.end else 0
-        return _HEADER.pack(FrameType.STREAM_DATA, flags, frame.id, 0) + frame.payload
-    frame_id = getattr(frame, "id", 0)
+        return _HEADER.pack(_STREAM_DATA, flags, frame.id, 0) + frame.payload
     payload = b""
     flags = 0
-    if isinstance(frame, _WITH_PAYLOAD):
-        payload = frame.payload
-        flags = FLAG_END if frame.end else 0
-        body = _ENCODER.encode(msgspec.structs.replace(frame, id=0, payload=b"", end=False))
-    elif frame_id:
-        body = _ENCODER.encode(msgspec.structs.replace(frame, id=0))  # type: ignore[type-var]
-    else:
-        body = _ENCODER.encode(frame)
+    frame_id = 0
+    match frame:
+        case StreamOpen() | StreamHead():
+            frame_id, payload = frame.id, frame.payload
+            flags = FLAG_END if frame.end else 0
+            body = _ENCODER.encode(msgspec.structs.replace(frame, id=0, payload=b"", end=False))
+        case (
+            Request() | UnknownRequest() | Response() | Progress() | StreamReset() | StreamCredit()
+        ):
+            frame_id = frame.id
+            body = _ENCODER.encode(msgspec.structs.replace(frame, id=0) if frame_id else frame)
+        case Hello() | Welcome() | Heartbeat() | StreamData():
+            body = _ENCODER.encode(frame)
+        case _:
+            assert_never(frame)
     return _HEADER.pack(_TYPE_OF[type(frame)], flags, frame_id, len(body)) + body + payload
 
 
 def decode_frame(message: bytes, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> Frame | None:
-    """Decode one WebSocket message into its frame; ``None`` for an unknown frame type.
+    """Decode one WebSocket message into its frame.
 
-    Raises :class:`ProtocolError` with ``FRAME_TOO_LARGE`` when ``message`` is longer than
+    Returns ``None`` for a frame of an unknown type and for a ``PROGRESS`` of an unknown event,
+    and :class:`UnknownRequest` for a ``REQUEST`` of an unknown op (a newer peer's). Raises
+    :class:`ProtocolError` with ``FRAME_TOO_LARGE`` when ``message`` is longer than
     ``max_frame_bytes``, and with ``PROTOCOL_ERROR`` for a short header, a JSON body that is
-    too long, not JSON or not the frame's shape, or a payload on a frame that takes none.
+    too long, not JSON or not the frame's shape, or a payload or id on a frame that takes none.
     """
     size = len(message)
     if size > max_frame_bytes:
@@ -323,7 +453,7 @@ def decode_frame(message: bytes, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES)
         raise ProtocolError(f"frame of {size} bytes is shorter than its {HEADER_BYTES}-byte header")
     kind, flags, frame_id, body_len = _HEADER.unpack_from(message)
     end = bool(flags & FLAG_END)
-    if kind == FrameType.STREAM_DATA:
+    if kind == _STREAM_DATA:
         if body_len:
             raise ProtocolError("STREAM_DATA frame with a JSON body")
         return StreamData(id=frame_id, payload=message[HEADER_BYTES:], end=end)
@@ -334,18 +464,32 @@ def decode_frame(message: bytes, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES)
         raise ProtocolError(f"frame type {kind} declares a {body_len}-byte body it cannot have")
     body_end = HEADER_BYTES + body_len
     try:
-        frame = decoder.decode(message[HEADER_BYTES:body_end])
+        decoded: _Decoded = decoder.decode(message[HEADER_BYTES:body_end])
     except msgspec.DecodeError as exc:
         raise ProtocolError(f"malformed {FrameType(kind).name} frame: {exc}") from None
-    if isinstance(frame, _WITH_PAYLOAD):
-        frame.id = frame_id
-        frame.payload = message[body_end:]
-        frame.end = end
-        return frame
+    if isinstance(decoded, _WITH_PAYLOAD):
+        decoded.id = frame_id
+        decoded.payload = message[body_end:]
+        decoded.end = end
+        return decoded
     if body_end != size:
         raise ProtocolError(f"{FrameType(kind).name} frame carries a payload")
-    if isinstance(frame, _WITH_ID):
-        frame.id = frame_id  # the header's id is the one that counts
-    elif frame_id:
-        raise ProtocolError(f"{FrameType(kind).name} frame carries an id")
-    return frame  # type: ignore[no-any-return]
+    match decoded:
+        case _AnyRequest():
+            if is_op_name(decoded.op):
+                args, timeout_s = decoded.args, decoded.timeout_s
+                return Request(id=frame_id, op=decoded.op, args=args, timeout_s=timeout_s)
+            return UnknownRequest(id=frame_id, op=decoded.op)
+        case _AnyProgress():
+            if is_progress_event(decoded.event):
+                return Progress(id=frame_id, event=decoded.event, data=decoded.data)
+            return None  # a newer peer's event: skipped like an unknown frame type
+        case Response() | StreamReset() | StreamCredit():
+            decoded.id = frame_id  # the header's id is the one that counts
+            return decoded
+        case Hello() | Welcome() | Heartbeat():
+            if frame_id:
+                raise ProtocolError(f"{FrameType(kind).name} frame carries an id")
+            return decoded
+        case _:
+            assert_never(decoded)

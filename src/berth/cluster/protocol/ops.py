@@ -1,33 +1,32 @@
-"""The control operations an agent serves, with their typed arguments and results.
+"""The control operations an agent serves, each tied to its argument and result types.
 
 A :class:`berth.cluster.protocol.frames.Request` names an ``op`` and carries its arguments as
-raw JSON; the receiver decodes them here, so an unknown op can be answered ``unsupported``
-instead of failing the link. Each op's contract is in ``docs/protocol.md``.
+raw JSON; each :class:`Op` here (:data:`START`, :data:`STOP`, ...) says how to encode and decode
+them and the op's result, so a caller of ``LinkConnection.call(START, args, ...)`` gets a
+:class:`StartResult` that mypy checks. The receiver decodes the arguments itself, so a bad
+argument is answered ``invalid`` instead of failing the link. Each op's contract is in
+``docs/protocol.md``.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal, TypeVar
+from dataclasses import dataclass
+from typing import Any, Generic, Literal, TypeVar
 
 import msgspec
 
 from berth.cluster.protocol.errors import ProtocolError
-from berth.cluster.protocol.frames import EngineState, Inventory
+from berth.cluster.protocol.frames import EngineState, Inventory, OpName
+from berth.runtime.base import RuntimeName
+from berth.runtime.engines import EngineName
 
-OpName = Literal["start", "stop", "probe", "inventory", "engines", "pull"]
-#: The capability an agent advertises in Hello for each op it serves.
-OP_CAPABILITIES: dict[str, str] = {
-    "start": "op.start",
-    "stop": "op.stop",
-    "probe": "op.probe",
-    "inventory": "op.inventory",
-    "engines": "op.engines",
-    "pull": "op.pull",
-}
 #: Capabilities of this code's agents, beyond the ops.
 STREAM_CAPABILITIES = ("stream.http", "stream.logs")
 #: The capability an agent advertises for each runtime it can start engines with now.
-RUNTIME_CAPABILITIES: dict[str, str] = {"process": "runtime.process", "docker": "runtime.docker"}
+RUNTIME_CAPABILITIES: dict[RuntimeName, str] = {
+    "process": "runtime.process",
+    "docker": "runtime.docker",
+}
 
 
 class _Args(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -45,13 +44,13 @@ class StartArgs(_Args, kw_only=True):
     deployment_id: str
     model_name: str
     model_path: str
-    engine: str
+    engine: EngineName
     gpus: list[int] = []
     ctx: int | None = None
     extra_args: list[str] = []
     served_model_name: str | None = None
     health_timeout_s: float = 600.0
-    runtime: Literal["process", "docker"] = "process"
+    runtime: RuntimeName = "process"
     image: str | None = None
 
 
@@ -110,16 +109,55 @@ class EnginesResult(_Args, kw_only=True):
 
 InventoryResult = Inventory
 
-ARGS_TYPES: dict[str, type[_Args]] = {
-    "start": StartArgs,
-    "stop": StopArgs,
-    "probe": ProbeArgs,
-    "inventory": NoArgs,
-    "engines": NoArgs,
-    "pull": PullArgs,
-}
-
+A = TypeVar("A", bound=msgspec.Struct)
+R = TypeVar("R")
 T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Op(Generic[A, R]):
+    """One control operation: its name on the wire, and its argument and result types.
+
+    ``result`` is ``type(None)`` for an op that answers ``null``.
+    """
+
+    name: OpName
+    args: type[A]
+    result: type[R]
+
+    @property
+    def capability(self) -> str:
+        """What an agent lists in Hello when it serves this op (``op.<name>``)."""
+        return f"op.{self.name}"
+
+    def encode_args(self, args: A) -> msgspec.Raw:
+        return encode_payload(args)
+
+    def decode_args(self, raw: msgspec.Raw) -> A:
+        """The request's arguments; :class:`ProtocolError` when they are malformed."""
+        return decode_payload(raw, self.args, f"{self.name} args")
+
+    def encode_result(self, result: R) -> msgspec.Raw:
+        return encode_payload(result)
+
+    def decode_result(self, raw: msgspec.Raw) -> R:
+        """The answer's result; :class:`ProtocolError` when it is malformed."""
+        return decode_payload(raw, self.result, f"{self.name} result")
+
+
+START: Op[StartArgs, StartResult] = Op("start", StartArgs, StartResult)
+STOP: Op[StopArgs, None] = Op("stop", StopArgs, type(None))
+PROBE: Op[ProbeArgs, ProbeResult] = Op("probe", ProbeArgs, ProbeResult)
+INVENTORY: Op[NoArgs, Inventory] = Op("inventory", NoArgs, Inventory)
+ENGINES: Op[NoArgs, EnginesResult] = Op("engines", NoArgs, EnginesResult)
+PULL: Op[PullArgs, PullResult] = Op("pull", PullArgs, PullResult)
+
+#: Every op, by name.
+OPS: dict[OpName, Op[Any, Any]] = {
+    op.name: op for op in (START, STOP, PROBE, INVENTORY, ENGINES, PULL)
+}
+#: The capability an agent advertises in Hello for each op it serves.
+OP_CAPABILITIES: dict[OpName, str] = {name: op.capability for name, op in OPS.items()}
 
 
 def decode_payload(raw: msgspec.Raw | bytes, kind: type[T], what: str) -> T:

@@ -1,0 +1,77 @@
+"""The database in a backup: which file a SQLite URL names, and a consistent copy of it."""
+
+from __future__ import annotations
+
+import sqlite3
+from pathlib import Path
+
+from berth.errors import ConfigError, StoreError
+from berth.store.db import SQLITE_BUSY_TIMEOUT_S, is_sqlite, parse_database_url
+from berth.store.nodes import LOCAL_NODE_ID
+
+
+def sqlite_database_path(database_url: str) -> Path:
+    """The file of a SQLite ``database_url``.
+
+    Raises :class:`ConfigError` for another database (only SQLite is supported for now) or
+    an in-memory one.
+    """
+    url = parse_database_url(database_url)
+    if not is_sqlite(url):
+        raise ConfigError(
+            f"database_url uses {url.get_backend_name()}: only SQLite databases can be backed "
+            "up and restored by berth for now (back that database up with its own tools)"
+        )
+    if url.database in (None, "", ":memory:") or url.query.get("mode") == "memory":
+        raise ConfigError("database_url names an in-memory SQLite database: nothing to back up")
+    return Path(url.database).expanduser().absolute()
+
+
+def snapshot_database(source: Path, target: Path) -> int:
+    """Copy the SQLite database ``source`` to ``target`` consistently; its schema version.
+
+    Uses the ``sqlite3`` module's :meth:`~sqlite3.Connection.backup` (SQLite's online backup
+    API, all pages in one step).  The copy is switched out of WAL mode (one self-contained
+    file), its agents are marked ``unreachable`` (none is connected to a restored leader until
+    it redials), and it must pass ``PRAGMA quick_check``.  Raises :class:`StoreError`
+    otherwise.
+    """
+    try:
+        src = sqlite3.connect(source, timeout=SQLITE_BUSY_TIMEOUT_S)
+        try:
+            dst = sqlite3.connect(target)
+            try:
+                src.backup(dst)
+                dst.execute("PRAGMA journal_mode=DELETE")
+                _no_live_links(dst)
+                check = dst.execute("PRAGMA quick_check").fetchone()
+                if check is None or check[0] != "ok":
+                    raise StoreError(f"the copy of {source} fails its integrity check: {check}")
+                return _schema_version(dst)
+            finally:
+                dst.close()
+        finally:
+            src.close()
+    except sqlite3.Error as exc:
+        raise StoreError(f"cannot copy the database {source}: {exc}") from None
+
+
+def _no_live_links(conn: sqlite3.Connection) -> None:
+    """Agents connected when the snapshot was taken are not connected to a leader restored
+    from it: they count as ``unreachable`` until they say Hello again."""
+    try:
+        with conn:
+            conn.execute(
+                "UPDATE nodes SET status = 'unreachable' WHERE status = 'ready' AND id != ?",
+                (LOCAL_NODE_ID,),
+            )
+    except sqlite3.OperationalError:
+        pass  # a database from before nodes existed (schema version 1)
+
+
+def _schema_version(conn: sqlite3.Connection) -> int:
+    try:
+        row = conn.execute("SELECT max(version) FROM schema_version").fetchone()
+    except sqlite3.OperationalError:
+        return 0  # never migrated
+    return int(row[0]) if row and row[0] is not None else 0

@@ -1,0 +1,212 @@
+"""``berth backup restore``: a stopped leader's home brought back from an archive, the state
+it replaces moved aside, never deleted."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import tempfile
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+
+from berth.backup.archive import read_archive
+from berth.backup.database import sqlite_database_path
+from berth.backup.manifest import (
+    DATABASE_NAME,
+    OPTIONAL_FILES,
+    PRIVATE_MODE,
+    PUBLIC_MODE,
+    BackupManifest,
+)
+from berth.config import Settings
+from berth.errors import BerthError, ConfigError, ConflictError, DaemonError, StoreError
+from berth.paths import BerthHome
+from berth.runtime.process import pid_running
+from berth.store import LATEST_VERSION
+
+
+def running_daemon(home: BerthHome) -> str | None:
+    """How we know a daemon of ``home`` runs (``"answering on <socket>"``, ``"pid N"``), or
+    ``None`` when none does."""
+    if home.socket_file.exists():
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        probe.settimeout(2.0)
+        try:
+            probe.connect(str(home.socket_file))
+        except OSError:
+            pass  # a stale socket left by a daemon that died
+        else:
+            return f"answering on {home.socket_file}"
+        finally:
+            probe.close()
+    try:
+        pid = int(home.pid_file.read_text().strip())
+    except (OSError, ValueError):
+        return None
+    if pid_running(pid) and _is_berth_daemon(pid):
+        return f"pid {pid}"
+    return None
+
+
+def _is_berth_daemon(pid: int) -> bool:
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    return b"daemon" in argv and any(b"berth" in arg for arg in argv)
+
+
+@dataclass(frozen=True)
+class RestoreReport:
+    """What a restore did: the manifest, where the database went, and where the files it
+    replaced were moved (``None`` when nothing was replaced)."""
+
+    manifest: BackupManifest
+    database_path: Path
+    replaced_dir: Path | None
+
+
+def restore_backup(
+    home: BerthHome,
+    source: Path,
+    *,
+    force: bool = False,
+    env: Mapping[str, str] | None = None,
+    now: Callable[[], datetime] = lambda: datetime.now(UTC),
+) -> RestoreReport:
+    """Bring the leader ``home`` back from the backup at ``source``.
+
+    The archive is verified whole (see :func:`verify_backup`) into a private folder first, so
+    nothing in the home changes unless it is intact.  The database goes where the restored
+    ``config.toml`` (with ``env``, default ``os.environ``) puts ``database_url``, normally
+    ``$BERTH_HOME/berth.db``.  With ``force``, the state it replaces (the database and its
+    ``-wal``/``-shm`` files, the whole ``ca/`` folder, the pepper, ``config.toml``,
+    ``adopted.yaml``) is moved to ``$BERTH_HOME/replaced-<UTC time>/``, never deleted.
+    Files are restored 0600 (certificates 0644), the home and ``ca/`` 0700.
+
+    Raises :class:`DaemonError` when a daemon of ``home`` runs; :class:`ConflictError` when
+    the home holds a leader's state and ``force`` is false; :class:`ConfigError` for an
+    archive that fails verification, a backup's ``config.toml`` this berth cannot read, or a
+    database that is not SQLite; :class:`StoreError` for a schema newer than this berth's.
+    """
+    running = running_daemon(home)
+    if running is not None:
+        raise DaemonError(
+            f"the berth daemon of {home.root} is running ({running}); stop it first with "
+            "berth daemon stop"
+        )
+    home.root.mkdir(mode=0o700, parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".restore-", dir=home.root))
+    try:
+        manifest = read_archive(source, extract_to=staging)
+        if manifest.schema_version > LATEST_VERSION:
+            raise StoreError(
+                f"the backup's database is at schema version {manifest.schema_version}, "
+                f"newer than this berth knows ({LATEST_VERSION}); restore it with berth "
+                f"{manifest.berth_version} or newer"
+            )
+        db_path = _restored_database_path(home, staging, env)
+        # The manifest's own modes are not trusted (anyone can rewrite a manifest): private,
+        # except certificates.
+        placements = [
+            (
+                staging / f.name,
+                db_path if f.name == DATABASE_NAME else home.root / f.name,
+                PUBLIC_MODE
+                if f.name.startswith("ca/") and f.name.endswith(".pem")
+                else PRIVATE_MODE,
+            )
+            for f in manifest.files
+        ]
+        replaced = _existing_state(home, db_path)
+        replaced_dir: Path | None = None
+        if replaced:
+            if not force:
+                names = ", ".join(_shown(home, p) for p in replaced)
+                raise ConflictError(
+                    f"{home.root} already holds a leader's state ({names}); pass --force to "
+                    "replace it (the replaced files are kept in a replaced-<time> folder)"
+                )
+            stamp = now().astimezone(UTC).strftime("%Y%m%dT%H%M%SZ")
+            replaced_dir = _move_aside(home, replaced, home.root / f"replaced-{stamp}")
+        _install(home, placements)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return RestoreReport(manifest=manifest, database_path=db_path, replaced_dir=replaced_dir)
+
+
+def _restored_mode(name: str) -> int:
+    return PUBLIC_MODE if name.startswith("ca/") and name.endswith(".pem") else PRIVATE_MODE
+
+
+def _restored_database_path(home: BerthHome, staging: Path, env: Mapping[str, str] | None) -> Path:
+    """Where the database goes, per the backup's ``config.toml`` and the environment."""
+    try:
+        settings = Settings.load(BerthHome(staging), env=env)
+    except ConfigError as exc:
+        raise ConfigError(f"the backup's config.toml cannot be used by this berth: {exc}") from None
+    if settings.source("database_url") == "default":
+        return home.db_file
+    path = sqlite_database_path(settings.database_url)
+    if settings.source("database_url") == "env":
+        return path  # the restoring operator chose it
+    # From the archive's config.toml: only inside the home, never anywhere it names.
+    if not path.is_absolute() or not path.resolve().is_relative_to(home.root.resolve()):
+        raise ConfigError(
+            f"the backup's config.toml puts the database at {path}, outside {home.root}: set "
+            "BERTH_DATABASE_URL to restore it there"
+        )
+    return path
+
+
+def _existing_state(home: BerthHome, db_path: Path) -> list[Path]:
+    candidates = [
+        db_path,
+        *(db_path.with_name(db_path.name + suffix) for suffix in ("-wal", "-shm", "-journal")),
+        home.ca_dir,
+        home.pepper_file,
+        *(home.root / name for name in OPTIONAL_FILES),
+    ]
+    return [p for p in candidates if p.exists() or p.is_symlink()]
+
+
+def _shown(home: BerthHome, path: Path) -> str:
+    return str(path.relative_to(home.root)) if path.is_relative_to(home.root) else str(path)
+
+
+def _move_aside(home: BerthHome, paths: list[Path], folder: Path) -> Path:
+    """Move ``paths`` into ``folder`` (``folder-2``, ``-3``… when it exists); the folder used."""
+    chosen, attempt = folder, 1
+    while True:
+        try:
+            chosen.mkdir(mode=0o700)
+            break
+        except FileExistsError:
+            attempt += 1
+            chosen = folder.with_name(f"{folder.name}-{attempt}")
+    try:
+        for path in paths:
+            # A database outside the home keeps its own name in the folder.
+            name = _shown(home, path) if path.is_relative_to(home.root) else path.name
+            shutil.move(path, chosen / name)
+    except OSError as exc:
+        raise BerthError(f"moving the old state of {home.root} aside failed: {exc}") from None
+    return chosen
+
+
+def _install(home: BerthHome, placements: list[tuple[Path, Path, int]]) -> None:
+    home.ca_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    os.chmod(home.root, 0o700)
+    os.chmod(home.ca_dir, 0o700)
+    # The database last: until it is in place, the home holds no leader that could start.
+    ordered = sorted(placements, key=lambda p: p[0].name == DATABASE_NAME)
+    try:
+        for staged, final, mode in ordered:
+            os.chmod(staged, mode)
+            final.parent.mkdir(parents=True, exist_ok=True)
+            shutil.move(staged, final)
+    except OSError as exc:
+        raise BerthError(f"restoring {home.root} failed midway: {exc}") from None

