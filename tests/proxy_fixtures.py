@@ -79,9 +79,7 @@ async def serve_asgi(app: Any) -> AsyncIterator[str]:
 
 
 @contextlib.asynccontextmanager
-async def serve_berth(
-    handler: Handler, limits: ListenerLimits | None = None
-) -> AsyncIterator[str]:
+async def serve_berth(handler: Handler, limits: ListenerLimits | None = None) -> AsyncIterator[str]:
     """Serve ``handler`` with berth's HTTP server on 127.0.0.1; yield its base URL."""
     server = HttpServer("test", handler, limits)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
