@@ -291,11 +291,11 @@ async def measure(target: Target, args: argparse.Namespace) -> Result:
     clients = [asyncio.ensure_future(one_client(i)) for i in range(args.streams)]
     await asyncio.sleep(args.warmup_s)
     sample.measuring = True
-    profiler = _start_profiler(target, args)
+    profilers = _start_profilers(target, args)
     cpu_before, started = cpu_s(target.pids), time.perf_counter()
     await asyncio.sleep(args.duration_s)
     cpu_after, window_s = cpu_s(target.pids), time.perf_counter() - started
-    if profiler is not None:
+    for profiler in profilers:
         await asyncio.to_thread(profiler.wait)
     sample.measuring = False
     try:
@@ -308,20 +308,23 @@ async def measure(target: Target, args: argparse.Namespace) -> Result:
     return Result(target.name, sample, window_s, cpu_after - cpu_before)
 
 
-def _start_profiler(target: Target, args: argparse.Namespace) -> subprocess.Popen[bytes] | None:
-    """``py-spy record`` of the path's first proxy process over the window, when asked
-    (``--profile-dir``): collapsed stacks, one file per path, for where the time goes."""
-    if args.profile_dir is None or not target.pids:
-        return None
+def _start_profilers(target: Target, args: argparse.Namespace) -> list[subprocess.Popen[bytes]]:
+    """``py-spy record`` of each of the path's berth processes over the window, when asked
+    (``--profile-dir``): collapsed stacks, one file per path and process."""
+    if args.profile_dir is None or not target.name.startswith("berth"):
+        return []
     py_spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
     args.profile_dir.mkdir(parents=True, exist_ok=True)
     name = "".join(c if c.isalnum() else "-" for c in target.name)
-    return subprocess.Popen(
-        [py_spy, "record", "--pid", str(target.pids[0]), "--duration", f"{args.duration_s:.0f}",
-         "--rate", "200", "--nonblocking", "--format", "raw",
-         "--output", str(args.profile_dir / f"{name}.txt")],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
+    return [
+        subprocess.Popen(
+            [py_spy, "record", "--pid", str(pid), "--duration", f"{args.duration_s:.0f}",
+             "--rate", "200", "--nonblocking", "--format", "raw",
+             "--output", str(args.profile_dir / f"{name}-{role}.txt")],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        for role, pid in zip(("leader", "agent"), target.pids, strict=False)
+    ]
 
 
 # -- the other proxies ----------------------------------------------------------------------------
@@ -383,7 +386,10 @@ def litellm(venv: Path, engine_port: int, workdir: Path) -> Iterator[Target | No
         "  drop_params: false\n"
     )
     log = workdir / "litellm.out"
-    env = dict(os.environ, LITELLM_LOG="ERROR", DISABLE_ADMIN_UI="True")
+    master_key = "sk-bench-" + os.urandom(16).hex()  # it refuses to start without one
+    env = dict(
+        os.environ, LITELLM_LOG="ERROR", DISABLE_ADMIN_UI="True", LITELLM_MASTER_KEY=master_key
+    )
     with log.open("wb") as out:
         process = subprocess.Popen(
             [str(program), "--config", str(config), "--host", "127.0.0.1", "--port", str(port),
@@ -394,7 +400,10 @@ def litellm(venv: Path, engine_port: int, workdir: Path) -> Iterator[Target | No
     try:
         _wait_listening(port, process, "litellm", log)
         time.sleep(2.0)
-        yield Target("litellm", port=port, pids=tuple(descendants(process.pid)))
+        bearer = b"authorization: Bearer %s\r\n" % master_key.encode()
+        yield Target(
+            "litellm", port=port, authorization=bearer, pids=tuple(descendants(process.pid))
+        )
     finally:
         _stop(process)
 
