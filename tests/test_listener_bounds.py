@@ -130,6 +130,7 @@ def test_oversized_heads_get_431_and_the_leader_memory_stays_flat(leader: Leader
     assert any(answers), "no client read the 431"
     # Before the bound, the same four heads took the leader from 127 MB to 428 MB.
     grown_mib = (after["VmHWM"] - before) / 1024
+    print(f"4 x 64 MiB heads: leader RSS {before / 1024:.0f} MiB, peak {after['VmHWM'] / 1024:.0f}")
     assert grown_mib < 48, f"the leader grew {grown_mib:.0f} MiB at its peak"
     assert httpx.get(leader.url + "/healthz", verify=leader.tls).status_code == 200
 

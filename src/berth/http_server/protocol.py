@@ -444,6 +444,9 @@ class HttpConnection(asyncio.Protocol):
             self._arm(timeout_s - idle_s, self._body_timed_out)
             return
         request = self._parsing
+        if self._parsing_answered:  # the rest of an answered body stopped coming: just close
+            self.transport.close()
+            return
         error = RequestTimeoutError(f"no part of the request body came for {timeout_s:g} s")
         if request is not None:
             request.fail(error)
