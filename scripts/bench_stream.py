@@ -316,15 +316,15 @@ def _start_profilers(target: Target, args: argparse.Namespace) -> list[subproces
     py_spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
     args.profile_dir.mkdir(parents=True, exist_ok=True)
     name = "".join(c if c.isalnum() else "-" for c in target.name)
-    return [
-        subprocess.Popen(
-            [py_spy, "record", "--pid", str(pid), "--duration", f"{args.duration_s:.0f}",
-             "--rate", "200", "--nonblocking", "--format", "raw",
-             "--output", str(args.profile_dir / f"{name}-{role}.txt")],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    profilers = []
+    for role, pid in zip(("leader", "agent"), target.pids, strict=False):
+        output = args.profile_dir / f"{name}-{role}.txt"
+        command = [py_spy, "record", "--pid", str(pid), "--duration", f"{args.duration_s:.0f}",
+                   "--rate", "200", "--nonblocking", "--format", "raw", "--output", str(output)]
+        profilers.append(
+            subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         )  # fmt: skip
-        for role, pid in zip(("leader", "agent"), target.pids, strict=False)
-    ]
+    return profilers
 
 
 # -- the other proxies ----------------------------------------------------------------------------
