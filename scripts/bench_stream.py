@@ -319,8 +319,21 @@ def _start_profilers(target: Target, args: argparse.Namespace) -> list[subproces
     profilers = []
     for role, pid in zip(("leader", "agent"), target.pids, strict=False):
         output = args.profile_dir / f"{name}-{role}.txt"
-        command = [py_spy, "record", "--pid", str(pid), "--duration", f"{args.duration_s:.0f}",
-                   "--rate", "200", "--nonblocking", "--format", "raw", "--output", str(output)]
+        command = [
+            py_spy,
+            "record",
+            "--pid",
+            str(pid),
+            "--duration",
+            f"{args.duration_s:.0f}",
+            "--rate",
+            "200",
+            "--nonblocking",
+            "--format",
+            "raw",
+            "--output",
+            str(output),
+        ]
         profilers.append(
             subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         )  # fmt: skip
