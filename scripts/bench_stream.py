@@ -15,6 +15,9 @@ in one run:
   CLI by ``bench_tunnel.running_cluster``);
 * ``berth local (socket)``: the same deployment over the leader's Unix socket (plain HTTP,
   no key): the relay without TLS, to set beside vllm-router's plain HTTP;
+* ``berth proxy (TCP)``: berth's proxy alone, on berth's HTTP server over plain TCP (no
+  TLS, no key, a fixed route to the engine; this script's ``proxy`` role): the relay beside
+  vllm-router's on equal terms, since neither then pays for TLS;
 * ``berth agent``: HTTPS to the leader, relayed over the mTLS link to a deployment on an
   enrolled agent (leader and agent both counted);
 * ``litellm``: LiteLLM's proxy (PyPI ``litellm[proxy]``), one worker, plain HTTP.
@@ -340,6 +343,51 @@ def _start_profilers(target: Target, args: argparse.Namespace) -> list[subproces
     return profilers
 
 
+def serve_proxy(argv: list[str]) -> None:
+    """The ``proxy`` role: ``bench_stream.py proxy ENGINE_PORT``: berth's OpenAI proxy on
+    berth's HTTP server, plain TCP on 127.0.0.1, a fixed route to the engine; prints its port."""
+    from berth.daemon.proxy import OpenAIProxy
+    from berth.http_server.server import HttpServer
+    from berth.observability.metrics import ProxyMetrics
+    from berth.routing.resolver import Upstream
+
+    upstream = Upstream(f"http://127.0.0.1:{int(argv[0])}", "d-bench", "local", "bench-local")
+
+    class FixedRoute:
+        def candidates(self, model: str) -> list[Upstream]:
+            return [upstream]
+
+        def models(self) -> list[str]:
+            return [upstream.model]
+
+    async def main() -> None:
+        proxy = OpenAIProxy(FixedRoute(), ProxyMetrics())
+        await proxy.startup()
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(1024)
+        server = HttpServer("bench", proxy.handle)
+        await server.start(sock)
+        print(f"PORT {sock.getsockname()[1]}", flush=True)
+        await asyncio.Event().wait()
+
+    uvloop.run(main())
+
+
+@contextlib.contextmanager
+def berth_proxy(engine_port: int) -> Iterator[Target]:
+    process = subprocess.Popen(
+        [sys.executable, __file__, "proxy", str(engine_port)], stdout=subprocess.PIPE
+    )
+    try:
+        assert process.stdout is not None
+        port = int(process.stdout.readline().split()[1])
+        yield Target("berth proxy (TCP)", port=port, pids=(process.pid,))
+    finally:
+        process.terminate()
+        process.wait(10)
+
+
 # -- the other proxies ----------------------------------------------------------------------------
 
 
@@ -489,12 +537,15 @@ async def _bench(targets: list[Target], args: argparse.Namespace) -> list[list[R
     return rounds
 
 
-PATHS = ("engine", "vllm-router", "berth", "berth-socket", "berth-agent", "litellm")
+PATHS = ("engine", "vllm-router", "berth-proxy", "berth", "berth-socket", "berth-agent", "litellm")
 
 
 def main() -> None:
     if sys.argv[1:2] == ["engine"]:
         harness.serve_engine(sys.argv[2:])
+        return
+    if sys.argv[1:2] == ["proxy"]:
+        serve_proxy(sys.argv[2:])
         return
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--streams", type=int, default=100, help="streams open at once")
@@ -540,6 +591,8 @@ def main() -> None:
                 elif name == "vllm-router":
                     found = stack.enter_context(vllm_router(args.bench_venv, engine_port, workdir))
                     targets += [found] if found else []
+                elif name == "berth-proxy":
+                    targets.append(stack.enter_context(berth_proxy(engine_port)))
                 elif name == "berth":
                     targets.append(Target("berth local", port=cluster.public_port, tls=tls,
                                           authorization=bearer, pids=leader))  # fmt: skip
