@@ -58,6 +58,8 @@ async def echo(request: Request, writer: ResponseWriter) -> None:
             "query": request.query.decode(),
             "body_bytes": len(body or b""),
             "x": (request.header(b"x-test") or b"").decode(),
+            "scheme": request.scheme,
+            "tls": request.transport_info("ssl_object") is not None,
         }
     ).encode()
     await writer.start(
@@ -206,6 +208,14 @@ async def test_an_oversized_head_gets_431_and_is_read_no_further(
         # the server still serves others
         async with httpx.AsyncClient(verify=served.tls or True) as client:
             assert (await client.get(served.url + "/ok")).status_code == 200
+
+
+async def test_a_request_over_tls_says_so(
+    tls_contexts: tuple[ssl.SSLContext, ssl.SSLContext],
+) -> None:
+    async with serving(tls=tls_contexts) as served, httpx.AsyncClient(verify=served.tls) as c:
+        answer = (await c.get(served.url + "/x?q=1")).json()
+    assert (answer["scheme"], answer["tls"], answer["query"]) == ("https", True, "q=1")
 
 
 async def test_more_header_lines_than_allowed_gets_431() -> None:

@@ -23,8 +23,11 @@ _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 
 
 class BodyOwner(Protocol):
-    """What a request needs of its connection: to pause and resume reading the socket, and
-    to send ``100 Continue`` (RFC 9110 section 10.1.1) before the answer has begun."""
+    """What a request needs of its connection: to pause and resume reading the socket, to
+    send ``100 Continue`` (RFC 9110 section 10.1.1) before the answer has begun, and its
+    transport (for :meth:`Request.transport_info`)."""
+
+    transport: asyncio.Transport
 
     def pause_reading(self) -> None: ...
 
@@ -110,6 +113,12 @@ class Request:
             if key == name:
                 return value
         return None
+
+    def transport_info(self, name: str) -> object:
+        """The connection's ``transport.get_extra_info(name)``: ``"ssl_object"`` (its
+        ``getpeercert(binary_form=True)`` is a verified client certificate, when the server's
+        TLS context asks for one), ``"peername"``, ``"socket"``..."""
+        return self._owner.transport.get_extra_info(name)
 
     def watch_disconnect(self, callback: Callable[[], None] | None) -> None:
         """Call ``callback`` (once) if the client goes away before the answer has ended, at
