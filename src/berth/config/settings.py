@@ -125,6 +125,7 @@ class Settings:
     leader_url: str | None
     heartbeat_interval_s: float
     node_timeout_s: float
+    desk_pool_url: str
 
     @classmethod
     def load(
