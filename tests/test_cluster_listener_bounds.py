@@ -34,7 +34,9 @@ async def _hello(_request: web.Request) -> web.StreamResponse:
 
 
 @pytest.fixture
-async def listener(tmp_path: Path) -> AsyncIterator[tuple[int, ssl.SSLContext, ClusterListener]]:
+async def bounded_cluster_listener(
+    tmp_path: Path,
+) -> AsyncIterator[tuple[int, ssl.SSLContext, ClusterListener]]:
     home = BerthHome(tmp_path / "leader")
     home.ensure()
     ca = CertificateAuthority.load_or_create(home.ca_dir)
@@ -73,9 +75,9 @@ async def _until_closed(reader: asyncio.StreamReader) -> bytes:
 
 
 async def test_a_connection_whose_first_head_never_comes_is_closed(
-    listener: tuple[int, ssl.SSLContext, ClusterListener],
+    bounded_cluster_listener: tuple[int, ssl.SSLContext, ClusterListener],
 ) -> None:
-    port, tls, _ = listener
+    port, tls, _ = bounded_cluster_listener
     reader, writer = await _open(port, tls)
     writer.write(b"GET /admin/ca.pem HTTP/1.1\r\n")  # and nothing more
     assert await _until_closed(reader) == b""
@@ -88,9 +90,9 @@ async def test_a_connection_whose_first_head_never_comes_is_closed(
 
 
 async def test_connections_over_the_per_address_cap_are_refused(
-    listener: tuple[int, ssl.SSLContext, ClusterListener],
+    bounded_cluster_listener: tuple[int, ssl.SSLContext, ClusterListener],
 ) -> None:
-    port, tls, cluster = listener
+    port, tls, cluster = bounded_cluster_listener
     held = [await _open(port, tls) for _ in range(LIMITS.max_connections_per_address)]
     reader, writer = await _open(port, tls)
     raw = await _until_closed(reader)
@@ -108,9 +110,9 @@ async def test_connections_over_the_per_address_cap_are_refused(
 
 
 async def test_too_many_header_lines_are_refused_by_aiohttp(
-    listener: tuple[int, ssl.SSLContext, ClusterListener],
+    bounded_cluster_listener: tuple[int, ssl.SSLContext, ClusterListener],
 ) -> None:
-    port, tls, _ = listener
+    port, tls, _ = bounded_cluster_listener
     reader, writer = await _open(port, tls)
     lines = b"".join(b"x-h%d: v\r\n" % i for i in range(LIMITS.max_header_count + 5))
     writer.write(b"GET /admin/ca.pem HTTP/1.1\r\nhost: x\r\n" + lines + b"\r\n")

@@ -49,7 +49,7 @@ def _berth(home: Path, *args: str, env: dict[str, str]) -> str:
 
 
 @pytest.fixture(scope="module")
-def leader(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Leader]:
+def bounded_leader(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Leader]:
     home = tmp_path_factory.mktemp("bounded-leader")
     env = {k: v for k, v in os.environ.items() if not k.startswith("BERTH_")}
     env.update(
@@ -92,9 +92,9 @@ def _status(pid: int) -> dict[str, int]:
     return values
 
 
-async def _send_huge_head(leader: Leader, size: int) -> bytes:
+async def _send_huge_head(bounded_leader: Leader, size: int) -> bytes:
     reader, writer = await asyncio.open_connection(
-        "127.0.0.1", leader.port, ssl=leader.tls, server_hostname="127.0.0.1"
+        "127.0.0.1", bounded_leader.port, ssl=bounded_leader.tls, server_hostname="127.0.0.1"
     )
     writer.write(b"GET /v1/models HTTP/1.1\r\nhost: berth\r\nx-pad: ")
     piece = b"a" * (1 << 20)
@@ -114,14 +114,14 @@ async def _send_huge_head(leader: Leader, size: int) -> bytes:
     return answer
 
 
-def test_oversized_heads_get_431_and_the_leader_memory_stays_flat(leader: Leader) -> None:
-    before = _status(leader.pid)["VmRSS"]
+def test_oversized_heads_get_431_and_the_leader_memory_stays_flat(bounded_leader: Leader) -> None:
+    before = _status(bounded_leader.pid)["VmRSS"]
 
     async def four() -> list[bytes]:
-        return await asyncio.gather(*(_send_huge_head(leader, 64 << 20) for _ in range(4)))
+        return await asyncio.gather(*(_send_huge_head(bounded_leader, 64 << 20) for _ in range(4)))
 
     answers = asyncio.run(four())
-    after = _status(leader.pid)
+    after = _status(bounded_leader.pid)
     for answer in answers:
         if answer:  # a client cut off mid-send may lose the answer to the reset
             head, _, body = answer.partition(b"\r\n\r\n")
@@ -132,15 +132,15 @@ def test_oversized_heads_get_431_and_the_leader_memory_stays_flat(leader: Leader
     grown_mib = (after["VmHWM"] - before) / 1024
     print(f"4 x 64 MiB heads: leader RSS {before / 1024:.0f} MiB, peak {after['VmHWM'] / 1024:.0f}")
     assert grown_mib < 48, f"the leader grew {grown_mib:.0f} MiB at its peak"
-    assert httpx.get(leader.url + "/healthz", verify=leader.tls).status_code == 200
+    assert httpx.get(bounded_leader.url + "/healthz", verify=bounded_leader.tls).status_code == 200
 
 
 def test_slow_clients_are_closed_after_the_head_timeout_while_others_are_served(
-    leader: Leader,
+    bounded_leader: Leader,
 ) -> None:
     async def slow_client() -> bytes:
         reader, writer = await asyncio.open_connection(
-            "127.0.0.1", leader.port, ssl=leader.tls, server_hostname="127.0.0.1"
+            "127.0.0.1", bounded_leader.port, ssl=bounded_leader.tls, server_hostname="127.0.0.1"
         )
         writer.write(b"GET /v1/models HTTP/1.1\r\n")
         answer = b""
@@ -164,10 +164,11 @@ def test_slow_clients_are_closed_after_the_head_timeout_while_others_are_served(
     async def run() -> tuple[list[bytes], list[int]]:
         slow = asyncio.gather(*(slow_client() for _ in range(50)))
         served = []
-        async with httpx.AsyncClient(verify=leader.tls) as client:
+        async with httpx.AsyncClient(verify=bounded_leader.tls) as client:
             for _ in range(5):
                 answer = await client.get(
-                    leader.url + "/v1/models", headers={"authorization": f"Bearer {leader.key}"}
+                    bounded_leader.url + "/v1/models",
+                    headers={"authorization": f"Bearer {bounded_leader.key}"},
                 )
                 served.append(answer.status_code)
                 await asyncio.sleep(HEAD_TIMEOUT_S / 5)
@@ -179,15 +180,17 @@ def test_slow_clients_are_closed_after_the_head_timeout_while_others_are_served(
         assert answer.startswith(b"HTTP/1.1 408"), answer[:80]
 
 
-def test_a_preflight_from_an_allowed_origin_is_answered_without_a_key(leader: Leader) -> None:
+def test_a_preflight_from_an_allowed_origin_is_answered_without_a_key(
+    bounded_leader: Leader,
+) -> None:
     answer = httpx.options(
-        leader.url + "/v1/chat/completions",
+        bounded_leader.url + "/v1/chat/completions",
         headers={
             "origin": ORIGIN,
             "access-control-request-method": "POST",
             "access-control-request-headers": "authorization, content-type",
         },
-        verify=leader.tls,
+        verify=bounded_leader.tls,
     )
     assert answer.status_code == 204
     assert answer.headers["access-control-allow-origin"] == ORIGIN
@@ -197,29 +200,33 @@ def test_a_preflight_from_an_allowed_origin_is_answered_without_a_key(leader: Le
     assert answer.headers["vary"] == "Origin"
 
 
-def test_a_preflight_from_another_origin_is_refused_as_before(leader: Leader) -> None:
+def test_a_preflight_from_another_origin_is_refused_as_before(bounded_leader: Leader) -> None:
     answer = httpx.options(
-        leader.url + "/v1/chat/completions",
+        bounded_leader.url + "/v1/chat/completions",
         headers={"origin": "https://evil.example.com", "access-control-request-method": "POST"},
-        verify=leader.tls,
+        verify=bounded_leader.tls,
     )
     assert answer.status_code == 401
     assert not [h for h in answer.headers if h.startswith("access-control-")]
 
 
-def test_requests_from_an_allowed_origin_still_need_a_key(leader: Leader) -> None:
+def test_requests_from_an_allowed_origin_still_need_a_key(bounded_leader: Leader) -> None:
     headers = {"origin": ORIGIN}
-    refused = httpx.get(leader.url + "/v1/models", headers=headers, verify=leader.tls)
+    refused = httpx.get(
+        bounded_leader.url + "/v1/models", headers=headers, verify=bounded_leader.tls
+    )
     assert refused.status_code == 401
     assert refused.headers["access-control-allow-origin"] == ORIGIN  # the page can read why
-    headers["authorization"] = f"Bearer {leader.key}"
-    served = httpx.get(leader.url + "/v1/models", headers=headers, verify=leader.tls)
+    headers["authorization"] = f"Bearer {bounded_leader.key}"
+    served = httpx.get(
+        bounded_leader.url + "/v1/models", headers=headers, verify=bounded_leader.tls
+    )
     assert served.status_code == 200
     assert served.headers["access-control-allow-origin"] == ORIGIN
     assert "x-request-id" in served.headers["access-control-expose-headers"]
     plain = httpx.get(
-        leader.url + "/v1/models",
-        headers={"authorization": f"Bearer {leader.key}"},
-        verify=leader.tls,
+        bounded_leader.url + "/v1/models",
+        headers={"authorization": f"Bearer {bounded_leader.key}"},
+        verify=bounded_leader.tls,
     )
     assert not [h for h in plain.headers if h.startswith("access-control-")]

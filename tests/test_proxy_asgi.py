@@ -12,39 +12,27 @@ import httpx
 import pytest
 
 from berth.observability.metrics import ProxyMetrics
-from proxy_fixtures import StaticResolver, running_proxy, sample
-from standin_engine import StandinEngine, chat_chunks, json_reply, sse_reply
+from support.proxy_fixtures import StaticResolver, running_proxy, sample
+from support.standin_engine import StandinEngine, chat_chunks, json_reply, sse_reply
 
 M = {"model": "m", "deployment": "d-m", "node": "local"}
 
 
 @pytest.fixture
-async def engine() -> AsyncIterator[StandinEngine]:
-    async with StandinEngine() as standin:
-        yield standin
-
-
-@pytest.fixture
-def metrics() -> ProxyMetrics:
-    return ProxyMetrics()
-
-
-@pytest.fixture
-async def url(engine: StandinEngine, metrics: ProxyMetrics) -> AsyncIterator[str]:
-    async with running_proxy(
-        StaticResolver({"m": engine.base_url}), metrics, server="uvicorn"
-    ) as u:
-        yield u
+async def asgi_proxy_url(resolver: StaticResolver, metrics: ProxyMetrics) -> AsyncIterator[str]:
+    """The proxy over ``resolver`` as an ASGI app, served by uvicorn: its base URL."""
+    async with running_proxy(resolver, metrics, server="uvicorn") as url:
+        yield url
 
 
 async def test_a_json_answer_and_a_stream_are_relayed(
-    url: str, engine: StandinEngine, metrics: ProxyMetrics
+    asgi_proxy_url: str, engine: StandinEngine, metrics: ProxyMetrics
 ) -> None:
     answer = {"id": "x", "usage": {"prompt_tokens": 3, "completion_tokens": 1}}
     events = chat_chunks(["one two", "three"], usage=(4, 2))
     engine.script(json_reply(answer))
     engine.script(sse_reply(events, pause_s=0.01))
-    async with httpx.AsyncClient(base_url=url) as client:
+    async with httpx.AsyncClient(base_url=asgi_proxy_url) as client:
         plain = await client.post("/v1/chat/completions", json={"model": "m"})
         async with client.stream(
             "POST", "/v1/chat/completions", json={"model": "m", "stream": True}
@@ -57,10 +45,10 @@ async def test_a_json_answer_and_a_stream_are_relayed(
 
 
 async def test_a_client_leaving_mid_stream_closes_the_engine_request(
-    url: str, engine: StandinEngine, metrics: ProxyMetrics
+    asgi_proxy_url: str, engine: StandinEngine, metrics: ProxyMetrics
 ) -> None:
     engine.script(sse_reply(chat_chunks(["word " * 200]), pause_s=0.02))
-    host, port = url.removeprefix("http://").split(":")
+    host, port = asgi_proxy_url.removeprefix("http://").split(":")
     reader, writer = await asyncio.open_connection(host, int(port))
     body = json.dumps({"model": "m", "stream": True}).encode()
     writer.write(
