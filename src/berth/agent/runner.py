@@ -31,7 +31,9 @@ from berth.agent.service import AgentService
 from berth.cluster.protocol.errors import CloseCode
 from berth.config import Settings
 from berth.errors import ConflictError
+from berth.eventloop import freeze_startup_objects
 from berth.humanize import age
+from berth.observability.loop_lag import LoopLagMonitor
 from berth.paths import BerthHome
 from berth.runtime.docker import DockerRuntime, resolve_docker_host
 from berth.runtime.engines import EngineBinaries
@@ -138,7 +140,10 @@ async def run_agent(home: BerthHome, *, verbose: bool, console: Console) -> int:
     restored = await core.restore()
     if restored:
         status.activity(f"re-attached engines: {', '.join(restored)}")
-    service = AgentService(core, on_activity=status.activity, models_dir=home.models_dir)
+    loop_lag = LoopLagMonitor()  # berth_event_loop_lag_seconds, carried in heartbeats
+    service = AgentService(
+        core, on_activity=status.activity, models_dir=home.models_dir, loop_lag=loop_lag.histogram
+    )
     assert core.adopted is not None
     await core.adopted.check_once()  # Hello reports the adopted servers as they are now
     core.adopted.start()
@@ -155,6 +160,8 @@ async def run_agent(home: BerthHome, *, verbose: bool, console: Console) -> int:
             f"simulated GPUs (simulated_gpus): {settings.simulated_gpus}; NVML is not asked, "
             "engines run on the CPU"
         )
+    freeze_startup_objects()  # full collections then skip the start-up heap
+    loop_lag.start()
     try:
         if panel:
             with Live(render_status(status), console=console, refresh_per_second=2) as live:
@@ -170,6 +177,7 @@ async def run_agent(home: BerthHome, *, verbose: bool, console: Console) -> int:
         await core.adopted.stop()
         await service.close()
         core.close()
+        loop_lag.stop()
         status.set("stopped")
     if dialer.final_code == CloseCode.NODE_REMOVED:
         # This host left the cluster: the engines it ran for the leader go with it.
