@@ -82,8 +82,8 @@ def test_the_first_sdk_request_loads_a_cold_service_and_its_engine_goes_when_idl
         )
         assert stopped
         assert wait_gone(pid, 30), f"engine process {pid} still runs"
-        audit = [json.loads(line) for line in (cluster.leader_home / "logs" / "audit.log").read_text()
-                 .splitlines()]  # fmt: skip
+        audit_log = cluster.leader_home / "logs" / "audit.log"
+        audit = [json.loads(line) for line in audit_log.read_text().splitlines()]
         (unloaded,) = [e for e in audit if e.get("event") == "deployment_unloaded"]
         assert unloaded["deployment"] == deployment["id"] and unloaded["service"] == "smol"
         assert unloaded["reason"].startswith("idle: no request for 4s (idle timeout 4s)")

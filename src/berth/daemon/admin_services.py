@@ -282,9 +282,10 @@ def service_router(
     async def deploy_service(name: str, body: DeployIn | None = None) -> Deployment:
         record = await asyncio.to_thread(store.get_service_profile, name)
         node = await _deploy_node(store, record, body.node if body else None)
+        force = body.force if body else False
         if leader_only and node == LOCAL_NODE_ID:
             raise leader_only_refusal(name)
-        deployment = await lifecycle.deploy(deploy_options(record, node))
+        deployment = await lifecycle.deploy(deploy_options(record, node, force=force))
         return deployment_view(deployment, lifecycle)
 
     # -- routes --------------------------------------------------------------------------------
@@ -325,12 +326,13 @@ def service_router(
     return router
 
 
-async def _deploy_node(store: Store, record: ServiceProfileRecord, node: str | None) -> str:
+async def _deploy_node(store: Store, record: ServiceProfileRecord, node: str | None) -> str | None:
     """The node (id or label) a deployment of ``record`` goes to: ``node``, else the
-    service's ``node_label``, else ``local``.  A ``node`` that is not the service's
-    ``node_label`` is refused (:class:`ConfigError`): the service pins where it runs."""
+    service's ``node_label``, else ``None`` (placement chooses by fit).  A ``node`` that is
+    not the service's ``node_label`` is refused (:class:`ConfigError`): the service pins
+    where it runs."""
     if node is None:
-        return record.node_label or LOCAL_NODE_ID
+        return record.node_label
     if record.node_label is not None:
         chosen = await asyncio.to_thread(store.lookup_node, node)
         if chosen.label != record.node_label:

@@ -22,9 +22,13 @@ from berth.store import ServiceProfileRecord
 log = logging.getLogger(__name__)
 
 
-def deploy_options(service: ServiceProfileRecord, node: str) -> DeployOptions:
-    """A deployment of ``service`` on ``node`` (an id or label): its model, engine, runtime,
-    GPUs, context, arguments and image, serving the service's name."""
+def deploy_options(
+    service: ServiceProfileRecord, node: str | None, *, force: bool = False
+) -> DeployOptions:
+    """A deployment of ``service`` on ``node`` (an id or label; ``None``: where placement
+    finds room by fit): its model, engine, runtime,
+    GPUs, context, arguments and image, serving the service's name; ``force`` places its
+    GPUs even where the VRAM estimate does not fit."""
     return DeployOptions(
         model_name=service.model_name,
         engine=service.engine,
@@ -35,6 +39,7 @@ def deploy_options(service: ServiceProfileRecord, node: str) -> DeployOptions:
         extra_args=service.extra_args,
         served_model_name=service.name,
         image=service.image,
+        force=force,
     )
 
 
