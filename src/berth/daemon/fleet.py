@@ -9,14 +9,15 @@ the same deployment.
 
 from __future__ import annotations
 
-import asyncio
 import logging
+import time
+from collections.abc import Callable
 
-from berth.cluster.link import LOCAL_NODE_ID
-from berth.daemon.lifecycle import DeployOptions, LifecycleManager
+from berth.daemon.lifecycle import DEFAULT_MIN_RESIDENCY_S, DeployOptions, LifecycleManager
 from berth.errors import ConflictError, NotFoundError
+from berth.placement import EvictionPolicy
 from berth.routing.errors import NoReadyDeploymentError
-from berth.scaling.controller import ProgressNote
+from berth.scaling.controller import EvictionNote, ProgressNote
 from berth.store import ServiceProfileRecord
 
 log = logging.getLogger(__name__)
@@ -54,26 +55,40 @@ def leader_only_refusal(service: str) -> ConflictError:
 class LeaderFleet:
     """Starts and stops replicas through ``lifecycle`` (see the module docstring).
 
-    ``leader_only``: the leader runs no engines, so a service without a node label cannot
-    be started here.  Starts are placed one at a time, so the VRAM one placement takes is
-    seen by the next.
+    A replica may evict idle deployments of other services to make room (placement's
+    choice, with ``min_residency_s`` as its minimum residency); ``wall_clock`` gives epoch
+    seconds for that choice.  The lifecycle manager places one deployment at a time, so the
+    VRAM one placement takes is seen by the next.
     """
 
-    def __init__(self, lifecycle: LifecycleManager, *, leader_only: bool = False) -> None:
+    def __init__(
+        self,
+        lifecycle: LifecycleManager,
+        *,
+        min_residency_s: float = DEFAULT_MIN_RESIDENCY_S,
+        wall_clock: Callable[[], float] = time.time,
+    ) -> None:
         self._lifecycle = lifecycle
-        self._leader_only = leader_only
-        self._placing = asyncio.Lock()
+        self._min_residency_s = min_residency_s
+        self._wall_clock = wall_clock
 
-    async def start_replica(self, service: ServiceProfileRecord, note: ProgressNote) -> str:
-        """Deploy one replica of ``service``; its id (pending).  Raises what
-        :meth:`LifecycleManager.deploy` raises, and ``ConflictError`` on a leader-only
-        leader for a service without a node label."""
-        node = service.node_label or LOCAL_NODE_ID
-        if self._leader_only and node == LOCAL_NODE_ID:
-            raise leader_only_refusal(service.name)
-        async with self._placing:
-            note(f"placing a replica of service {service.name}")
-            record = await self._lifecycle.deploy(deploy_options(service, node))
+    async def start_replica(
+        self, service: ServiceProfileRecord, note: ProgressNote, evicted: EvictionNote
+    ) -> str:
+        """Deploy one replica of ``service`` on its node label, else where placement finds
+        room (evicting idle deployments when it must, each told to ``evicted`` before it is
+        stopped); its id (pending).  Raises what :meth:`LifecycleManager.deploy` raises."""
+        note(f"placing a replica of service {service.name}")
+
+        def evicting(deployment_id: str, reason: str) -> None:
+            note(f"evicting deployment {deployment_id} to make room: {reason}")
+            evicted(deployment_id, reason)
+
+        record = await self._lifecycle.deploy(
+            deploy_options(service, service.node_label),
+            eviction=EvictionPolicy(self._wall_clock(), self._min_residency_s, allowed=True),
+            on_evict=evicting,
+        )
         return record.id
 
     async def stop_replica(self, deployment_id: str) -> None:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from berth.cluster.link import LOCAL_NODE_ID, AgentLink
@@ -43,6 +43,7 @@ from berth.errors import (
     NotFoundError,
 )
 from berth.placement import (
+    Eviction,
     EvictionPolicy,
     ModelAt,
     ModelPull,
@@ -62,11 +63,16 @@ from berth.store.states import TERMINAL_STATES, DeploymentState
 
 log = logging.getLogger(__name__)
 
+#: Told of each deployment a placement evicts, before it is stopped: its id and the
+#: eviction choice's reason line.
+EvictionListener = Callable[[str, str], None]
+
 __all__ = [
     "DEFAULT_MIN_RESIDENCY_S",
     "LOADING_RETRY_AFTER_S",
     "WATCH_INTERVAL_S",
     "DeployOptions",
+    "EvictionListener",
     "LifecycleManager",
     "PlannedDeployment",
     "StateListener",
@@ -235,16 +241,25 @@ class LifecycleManager:
         See :meth:`berth.daemon.planner.Planner.plan`."""
         return await self._planner.plan(options, eviction=eviction)
 
-    async def deploy(self, options: DeployOptions) -> DeploymentRecord:
+    async def deploy(
+        self,
+        options: DeployOptions,
+        *,
+        eviction: EvictionPolicy | None = None,
+        on_evict: EvictionListener | None = None,
+    ) -> DeploymentRecord:
         """Create a deployment and start its engine in the background.
 
-        Where it goes is :meth:`plan`'s answer.  Returns the pending record at once; the
-        state moves to loading, then ready or failed.  Raises what :meth:`plan` raises,
-        ``ConfigError`` for a placement refused as a bad request and ``ConflictError`` for
-        one refused by the cluster's state (:class:`berth.placement.Refusal`).
+        Where it goes is :meth:`plan`'s answer (``eviction``: see there).  When placement
+        chose deployments to evict, each is told to ``on_evict(deployment_id, reason)`` and
+        stopped first, under the same placement lock, so no other placement sees the room
+        before this one takes it.  Returns the pending record at once; the state moves to
+        loading, then ready or failed.  Raises what :meth:`plan` raises, ``ConfigError`` for
+        a placement refused as a bad request and ``ConflictError`` for one refused by the
+        cluster's state (:class:`berth.placement.Refusal`) or an eviction whose stop failed.
         """
         async with self._placing:  # the next placement counts this one's VRAM
-            planned = await self._planner.plan(options)
+            planned = await self._planner.plan(options, eviction=eviction)
             placement = planned.result
             if isinstance(placement, Refusal):
                 raise placement.error()
@@ -253,6 +268,8 @@ class LifecycleManager:
                 raise ConflictError(
                     f"node {placement.label} ({placement.node_id}) is not connected"
                 )
+            if placement.eviction is not None:
+                await self._evict(placement.eviction, on_evict)
             served = options.served_model_name or planned.model.name
             record = await asyncio.to_thread(
                 self._store.create_deployment,
@@ -293,6 +310,24 @@ class LifecycleManager:
             # is only reported once no engine process is left.
             await asyncio.wait({starting})
         return await self._stop_one(record)
+
+    async def _evict(self, eviction: Eviction, on_evict: EvictionListener | None) -> None:
+        """Stop ``eviction``'s deployments in order (the placement lock is held); one that
+        is already stopping or gone frees its room anyway.  Raises ``ConflictError`` when a
+        stop fails (its engine may still hold the memory)."""
+        for deployment_id, reason in zip(eviction.deployment_ids, eviction.reasons, strict=True):
+            log.info("evicting deployment %s: %s", deployment_id, reason)
+            if on_evict is not None:
+                on_evict(deployment_id, reason)
+            try:
+                stopped = await self.stop(deployment_id)
+            except (ConflictError, NotFoundError):
+                continue
+            if stopped.state is DeploymentState.FAILED:
+                raise ConflictError(
+                    f"cannot make room: stopping deployment {deployment_id} failed: "
+                    f"{stopped.failure_reason}"
+                )
 
     async def wait_settled(self, deployment_id: str, timeout_s: float) -> DeploymentRecord:
         """Wait until the deployment leaves pending/loading (for tests and ``berth run``)."""

@@ -267,6 +267,14 @@ async def serve(home: BerthHome, settings: Settings) -> None:
             local_meter.forget(record.id)
             cluster_metrics.deployment_ended(record.id)  # its series go after a linger
 
+    def resident_usage(deployment_id: str) -> ResidentUsage:
+        """What placement's eviction choice knows of a deployment's use: the scaling
+        controller's view (a protected replica counts as pinned)."""
+        if scaling is None:
+            return ResidentUsage(in_flight=signals.in_flight(deployment_id))
+        use = scaling.usage(deployment_id)
+        return ResidentUsage(use.last_request_at, use.in_flight, use.queued, use.protected)
+
     lifecycle = LifecycleManager(
         store,
         links,
@@ -275,9 +283,8 @@ async def serve(home: BerthHome, settings: Settings) -> None:
         on_state=on_state,
         images=settings.docker_images(),
         gpu_images=settings.docker_gpu_images(),
-        # what placement's eviction choice knows of a deployment's use, until the scaling
-        # controller reports last requests and queues
-        usage=lambda deployment_id: ResidentUsage(in_flight=signals.in_flight(deployment_id)),
+        usage=resident_usage,
+        min_residency_s=settings.min_residency_s,
     )
     hub = NodeHub(
         store,
@@ -293,7 +300,7 @@ async def serve(home: BerthHome, settings: Settings) -> None:
         log.warning("cluster: trusting x-berth-client-fingerprint from %s", forwarded.describe())
     routes = RouteResolver(lifecycle)  # route names first, then the lifecycle's own names
     scaling = ScalingController(
-        LeaderFleet(lifecycle, leader_only=settings.leader_only),
+        LeaderFleet(lifecycle, min_residency_s=settings.min_residency_s),
         signals,
         route_services=lambda model: route_services(routes.table, model),
         policy=ScalingPolicy(

@@ -62,15 +62,19 @@ _starting_priority: contextvars.ContextVar[int | None] = contextvars.ContextVar(
 Audit = Callable[[Mapping[str, object]], None]
 #: Takes a line saying what a start is busy with (an eviction), for the waiting requests.
 ProgressNote = Callable[[str], None]
+#: Told of each deployment a start evicts, before it is stopped: its id and the reason.
+EvictionNote = Callable[[str, str], None]
 
 
 class Fleet(Protocol):
     """What the controller asks of the leader; the daemon implements it over the lifecycle
     manager (``berth.daemon.fleet``)."""
 
-    async def start_replica(self, service: ServiceProfileRecord, note: ProgressNote) -> str:
+    async def start_replica(
+        self, service: ServiceProfileRecord, note: ProgressNote, evicted: EvictionNote
+    ) -> str:
         """Deploy one replica of ``service`` (placement chooses where, evicting idle
-        deployments when it must, each reported with :meth:`ScalingController.evicted`);
+        deployments when it must, each told to ``evicted`` before it is stopped);
         the new deployment's id once it exists (pending).  Raises ``BerthError`` when it is
         refused (nothing fits: the message names the estimate)."""
         ...
@@ -133,7 +137,8 @@ class ReplicaUsage:
     """How a deployment is used, for the eviction choice: when its last request started or
     finished (epoch seconds; ``None``: none since it became ready), requests in flight and
     waiting for its service, and whether it may not be evicted now (``protected``: its
-    service is pinned, or has a higher priority than the service being placed)."""
+    service is pinned, has a higher priority than the service being placed, or would drop
+    below its ``min_replicas``)."""
 
     last_request_at: float | None
     in_flight: int
@@ -360,11 +365,16 @@ class ScalingController:
             return ReplicaUsage(last_wall, in_flight, 0, protected=False)
         asking = _starting_priority.get()
         outranks = asking is not None and service.scaling.priority > asking
+        active = sum(
+            1 for t in self._replicas.values()
+            if t.service == service.name and t.deployment_id not in self._stopping
+        )  # fmt: skip
+        at_floor = active <= service.scaling.min_replicas
         return ReplicaUsage(
             last_wall,
             in_flight,
             self.board.waiting(service.name),
-            protected=service.scaling.pinned or outranks,
+            protected=service.scaling.pinned or outranks or at_floor,
         )
 
     # -- looking and acting -----------------------------------------------------------------
@@ -471,7 +481,9 @@ class ScalingController:
             self.board.changed(name)
 
         try:
-            deployment_id = await self._fleet.start_replica(service, note)
+            deployment_id = await self._fleet.start_replica(
+                service, note, lambda evicted, reason: self.evicted(evicted, name, reason)
+            )
         except BerthError as exc:
             log.warning("scaling: service %s: the start was refused: %s", name, exc)
             self.metrics.loaded(name, "refused")
