@@ -436,6 +436,7 @@ async def test_min_replicas_are_started_without_a_request_and_kept(timed: Leader
     assert shown["last_decision"]["reason"] == "0 replica(s) running, below min_replicas 1"
     timed.scaling.tick()
     assert [d.id for d in timed.active("warm")] == [replica.id]  # at min: never idle-stopped
+    assert timed.scaling.usage(replica.id).protected  # nor evicted for another service
 
 
 async def test_sustained_load_starts_another_replica_then_idle_ones_go_back_to_zero(
@@ -462,6 +463,8 @@ async def test_sustained_load_starts_another_replica_then_idle_ones_go_back_to_z
     )
     second = next(d for d in timed.active("chat") if d.id != first.id)
     assert (await timed.settle(second.id)).state is DeploymentState.READY
+    use = timed.scaling.usage(first.id)  # what the eviction choice is told
+    assert use.in_flight == 2 and use.last_request_at is not None and not use.protected
     clock.now += 60
     timed.scaling.tick()
     assert len(timed.active("chat")) == 2  # still busy: nothing stops
