@@ -56,13 +56,21 @@ def uses() -> Uses:
 
 
 @pytest.fixture
-async def manager(store: Store, uses: Uses) -> AsyncIterator[LifecycleManager]:
+def gpus_mb() -> tuple[int, ...]:
+    """The node's simulated GPUs (a test overrides it with ``parametrize``)."""
+    return (2048,)
+
+
+@pytest.fixture
+async def manager(
+    store: Store, uses: Uses, gpus_mb: tuple[int, ...]
+) -> AsyncIterator[LifecycleManager]:
     gguf = smollm2_gguf()
     assert gguf is not None
     store.add_model("smol", str(gguf))
     lifecycle = LifecycleManager(
         store,
-        LinkRegistry([GpuLink((2048,))]),
+        LinkRegistry([GpuLink(gpus_mb)]),
         health_timeout_s=5,
         stop_grace_s=1,
         usage=uses,
@@ -84,9 +92,13 @@ async def ready(manager: LifecycleManager, served: str) -> DeploymentRecord:
     return settled
 
 
+#: When the tests' evictions are chosen: an hour from now, past every minimum residency.
+LATER = time.time() + 3600
+
+
 def evicting() -> EvictionPolicy:
-    """Eviction allowed, as the scaling controller's starts have it, an hour from now."""
-    return EvictionPolicy(time.time() + 3600, 60.0, allowed=True)
+    """Eviction allowed, as the scaling controller's starts have it, at :data:`LATER`."""
+    return EvictionPolicy(LATER, 60.0, allowed=True)
 
 
 async def test_a_start_allowed_to_evict_stops_the_idle_one_first_and_takes_its_gpu(
@@ -136,3 +148,25 @@ async def test_a_pinned_or_busy_deployment_is_never_evicted(
     assert told == []
     assert store.get_deployment(first.id).state is DeploymentState.READY
     assert [d.id for d in store.list_deployments(active_only=True)] == [first.id]
+
+
+@pytest.mark.parametrize("gpus_mb", [(2048, 2048)])
+@pytest.mark.parametrize("older", ["a", "b"])
+async def test_with_both_gpus_full_the_least_recently_used_one_is_evicted(
+    manager: LifecycleManager, store: Store, uses: Uses, older: str
+) -> None:
+    placed = {served: await ready(manager, served) for served in ("a", "b")}
+    assert sorted(d.gpus for d in placed.values()) == [(0,), (1,)]
+    for served, record in placed.items():
+        ago_s = 1000.0 if served == older else 10.0
+        uses.by_id[record.id] = ResidentUsage(last_request_at=LATER - ago_s)
+    told: list[str] = []
+    third = await manager.deploy(
+        DeployOptions("smol", "llamacpp", served_model_name="c"),
+        eviction=evicting(),
+        on_evict=lambda d, _r: told.append(d),
+    )
+    assert told == [placed[older].id]
+    assert store.get_deployment(placed[older].id).state is DeploymentState.STOPPED
+    settled = await manager.wait_settled(third.id, 10)
+    assert settled.state is DeploymentState.READY and settled.gpus == placed[older].gpus

@@ -42,7 +42,7 @@ from typing import Literal
 
 from berth.errors import BerthError, ConfigError, ConflictError
 from berth.placement.estimate import VramEstimate, mib
-from berth.placement.eviction import Eviction, EvictionRefusal, choose_eviction
+from berth.placement.eviction import Eviction, EvictionRefusal, choose_eviction, last_used_at
 from berth.placement.fit import (
     GpuFacts,
     GpuOption,
@@ -430,6 +430,7 @@ def _choose(
                        "quantisation, or more GPUs", node_id, estimate, considered)  # fmt: skip
     eviction_at: tuple[GpuOption, Eviction] | None = None
     blocked: EvictionRefusal | None = None
+    by_id = {o.node.node_id: o.node for o in ons}
     for option in options if count == 1 else ():
         if option.verdict != "no_room":
             continue
@@ -438,7 +439,9 @@ def _choose(
         if isinstance(found, EvictionRefusal):
             blocked = blocked or found
         elif found is not None and (
-            eviction_at is None or len(found.deployment_ids) < len(eviction_at[1].deployment_ids)
+            eviction_at is None
+            or _eviction_cost(on.node, found)
+            < _eviction_cost(by_id[eviction_at[0].node_id], eviction_at[1])
         ):
             eviction_at = (option, found)
     if eviction_at is not None and request.eviction is not None and request.eviction.allowed:
@@ -469,6 +472,14 @@ def _eviction_for(
     if isinstance(found, Eviction) and not found.deployment_ids:
         return None
     return found
+
+
+def _eviction_cost(node: NodeFacts, eviction: Eviction) -> tuple[int, float]:
+    """How much an eviction costs, lower first: the fewest deployments stopped, then the
+    least recently used (the latest use among those it stops, earliest first)."""
+    chosen = set(eviction.deployment_ids)
+    used = [last_used_at(r) for g in node.gpus for r in g.residents if r.deployment_id in chosen]
+    return len(chosen), max(used, default=0.0)
 
 
 def _eviction_hint(found: Eviction | EvictionRefusal | None) -> str:
