@@ -477,6 +477,8 @@ async def test_sustained_load_starts_another_replica_then_idle_ones_go_back_to_z
     clock.now += 31
     timed.scaling.tick()
     await wait_for_async(lambda: not timed.active("chat"), EVENT_TIMEOUT_S, "back to zero")
+    # each unload is audited once its stop has returned
+    await wait_for_async(lambda: len(timed.audit()) == 2, EVENT_TIMEOUT_S, "two unloads")
     assert {e["deployment"] for e in timed.audit()} == {first.id, second.id}
 
 
