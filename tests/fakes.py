@@ -84,7 +84,7 @@ class FakeLink:
             raise EngineError(f"node {self.node_id}: {repo_id} is not on the hub")
         return self.pulled[repo_id]
 
-    async def probe(self, deployment_id: str) -> ProbeResult:
+    async def probe(self, deployment_id: str, timeout_s: float = 5.0) -> ProbeResult:
         if deployment_id not in self.running:
             return "gone"
         return "unhealthy" if deployment_id in self.hung else "healthy"

@@ -79,7 +79,7 @@ class FakeCore:
     async def stop(self, deployment_id: str, grace_s: float) -> None:
         self.stopped.append(deployment_id)
 
-    async def probe(self, deployment_id: str) -> str:
+    async def probe(self, deployment_id: str, timeout_s: float = 5.0) -> str:
         return "healthy"
 
     async def logs(
