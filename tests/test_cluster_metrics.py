@@ -11,7 +11,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from berth.cluster.protocol.frames import DeploymentLoad, GpuState, Heartbeat
-from berth.daemon.admin_metrics import snapshot_json
+from berth.daemon.admin_metrics import snapshot_view
 from berth.observability.cluster import ClusterMetrics, counter_delta
 from berth.observability.metrics import ProxyMetrics, Target
 from berth.observability.window import RequestMeter
@@ -159,7 +159,7 @@ def test_snapshot_keeps_the_window_as_series(registry: CollectorRegistry) -> Non
         metrics.record_heartbeat(
             "n-1", beat(load(requests=step, in_flight=step % 3), gpus=((0, step, 100),))
         )
-    body = snapshot_json(metrics.snapshot())
+    body = snapshot_view(metrics.snapshot()).model_dump(mode="json")
     assert body["window_s"] == 60.0
     (node,) = body["nodes"]
     assert node["node"] == "n-1"

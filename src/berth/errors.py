@@ -58,16 +58,19 @@ class StoreError(BerthError):
 
 
 class NotFoundError(BerthError):
-    """A named object does not exist; ``kind`` is e.g. ``"model"``, ``ident`` its name or id."""
+    """A named object does not exist; ``kind`` is e.g. ``"model"``, ``ident`` its name or id.
+
+    ``message`` replaces the usual ``"model 'x' not found"`` (the CLI keeps the daemon's).
+    """
 
     http_status = 404
     error_type = "invalid_request_error"
     exit_code = 2
 
-    def __init__(self, kind: str, ident: str):
+    def __init__(self, kind: str, ident: str, *, message: str | None = None):
         self.kind = kind
         self.ident = ident
-        super().__init__(f"{kind} {ident!r} not found")
+        super().__init__(message or f"{kind} {ident!r} not found")
 
 
 class ConflictError(BerthError):

@@ -1,3 +1,116 @@
-"""The admin API's contract, shared by the daemon that serves it and the programs that call it
-(the CLI, ``berth doctor``): ``client`` talks to a daemon over its Unix socket.
+"""The admin API's contract, shared by the daemon that serves it and the programs that call
+it (the CLI, ``berth doctor``).
+
+Pydantic models, one module per resource: the leader itself (:mod:`.leader`), registered
+models (:mod:`.models`), deployments, keys, nodes, services and routes, routing explanations
+and the metrics snapshot.  The daemon's routes declare them as FastAPI response models (so
+``/admin/openapi.json`` describes every answer) and build them from the store's records;
+:class:`berth.api.client.DaemonClient` talks to a daemon over its Unix socket and decodes
+every answer into them.  Request bodies (``*In``) are here too: the daemon validates them,
+the CLI builds them.
+
+This package sits above ``store`` and below ``daemon``, ``cli`` and ``doctor``: it imports
+base modules, runtime's engine and runtime names, the store's closed sets and deployment
+states, and nothing from ``daemon`` or ``cli``.
 """
+
+from berth.api.base import ApiModel, ErrorBody, ErrorDetail, Timestamp, describe_invalid
+from berth.api.deployments import Deployment, DeploymentIn, ListedDeployment
+from berth.api.keys import ApiKey, CreatedApiKey, KeyIn
+from berth.api.leader import (
+    DaemonInfo,
+    Health,
+    ListenerInfo,
+    Readiness,
+    RuntimeInfo,
+    SettingsReport,
+    SettingValue,
+    ShutdownAccepted,
+)
+from berth.api.metrics import (
+    DeploymentColumns,
+    DeploymentSampleOut,
+    GpuColumns,
+    GpuSampleOut,
+    MetricsSnapshot,
+    NodeMetrics,
+    NodeSampleOut,
+    NodeSeriesColumns,
+)
+from berth.api.models import LocatedModel, ModelIn, ModelRemoved, RegisteredModel
+from berth.api.nodes import (
+    AdoptedEndpoint,
+    EnrollIn,
+    EnrollmentIssued,
+    Gpu,
+    NodeDetail,
+    NodeDetailWithAdopted,
+    NodeSummary,
+)
+from berth.api.routing import DroppedCandidate, RankedCandidate, RoutingExplanation
+from berth.api.services import (
+    DeployIn,
+    FallbackIn,
+    Route,
+    RouteIn,
+    RouteRemoved,
+    RouteService,
+    Service,
+    ServiceDeployment,
+    ServiceDetail,
+    ServiceIn,
+)
+
+__all__ = [
+    "AdoptedEndpoint",
+    "ApiKey",
+    "ApiModel",
+    "CreatedApiKey",
+    "DaemonInfo",
+    "DeployIn",
+    "Deployment",
+    "DeploymentColumns",
+    "DeploymentIn",
+    "DeploymentSampleOut",
+    "DroppedCandidate",
+    "EnrollIn",
+    "EnrollmentIssued",
+    "ErrorBody",
+    "ErrorDetail",
+    "FallbackIn",
+    "Gpu",
+    "GpuColumns",
+    "GpuSampleOut",
+    "Health",
+    "KeyIn",
+    "ListedDeployment",
+    "ListenerInfo",
+    "LocatedModel",
+    "MetricsSnapshot",
+    "ModelIn",
+    "ModelRemoved",
+    "NodeDetail",
+    "NodeDetailWithAdopted",
+    "NodeMetrics",
+    "NodeSampleOut",
+    "NodeSeriesColumns",
+    "NodeSummary",
+    "RankedCandidate",
+    "Readiness",
+    "RegisteredModel",
+    "Route",
+    "RouteIn",
+    "RouteRemoved",
+    "RouteService",
+    "RoutingExplanation",
+    "RuntimeInfo",
+    "Service",
+    "ServiceDeployment",
+    "ServiceDetail",
+    "ServiceIn",
+    "SettingValue",
+    "SettingsReport",
+    "ShutdownAccepted",
+    "Timestamp",
+    "describe_invalid",
+]

@@ -2,33 +2,107 @@
 CLI and ``berth doctor``.
 
 The socket is mode 0600, so reaching it proves the caller is the daemon's owner and no key
-is sent.  Errors come back in the OpenAI error shape and are raised as ``BerthError`` with the
-daemon's message, so the CLI prints one line.
+is sent.  Every admin endpoint has one typed method here, which sends a request body of
+:mod:`berth.api` and decodes the answer into the model the daemon declares for it.  Errors
+come back in the OpenAI error shape and are raised as berth's own error types (a 404 as
+:class:`NotFoundError`, a 409 as :class:`ConflictError`, …) carrying the daemon's message,
+so the CLI prints one line and exits with that error's code.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager, suppress
-from typing import Any
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from typing import TypeVar
+from urllib.parse import quote
 
 import httpx
+from pydantic import BaseModel, TypeAdapter, ValidationError
 
-from berth.errors import BerthError, DaemonError
+from berth.api import (
+    ApiKey,
+    CreatedApiKey,
+    DaemonInfo,
+    DeployIn,
+    Deployment,
+    DeploymentIn,
+    EnrollIn,
+    EnrollmentIssued,
+    ErrorBody,
+    FallbackIn,
+    KeyIn,
+    ListedDeployment,
+    LocatedModel,
+    MetricsSnapshot,
+    ModelIn,
+    ModelRemoved,
+    NodeDetail,
+    NodeDetailWithAdopted,
+    NodeSummary,
+    RegisteredModel,
+    Route,
+    RouteIn,
+    RouteRemoved,
+    RoutingExplanation,
+    Service,
+    ServiceDetail,
+    ServiceIn,
+    SettingsReport,
+    describe_invalid,
+)
+from berth.errors import (
+    AuthError,
+    BerthError,
+    ConfigError,
+    ConflictError,
+    DaemonError,
+    EngineError,
+    NotFoundError,
+    RateLimitError,
+)
 from berth.paths import BerthHome, resolve_home
 
 #: Seconds to wait for an ordinary admin call.
 DEFAULT_TIMEOUT_S = 30.0
 
+_T = TypeVar("_T")
+_Params = Mapping[str, str | int | bool]
+
+_MODELS = TypeAdapter(list[LocatedModel])
+_ADDED_MODEL = TypeAdapter(LocatedModel | RegisteredModel)
+_DEPLOYMENTS = TypeAdapter(list[ListedDeployment])
+_KEYS = TypeAdapter(list[ApiKey])
+_NODES = TypeAdapter(list[NodeSummary])
+_SERVICES = TypeAdapter(list[Service])
+_ROUTES = TypeAdapter(list[Route])
+_SETTINGS = TypeAdapter(SettingsReport)
+
+
+def _segment(text: str, *, safe: str = "") -> str:
+    """``text`` as one URL path segment (model and route names keep ``/`` and ``:``)."""
+    return quote(text, safe=safe)
+
 
 class DaemonClient:
-    """Talks to the daemon of one ``BerthHome`` over its socket."""
+    """Talks to the daemon of one ``BerthHome`` over its socket.
 
-    def __init__(self, home: BerthHome, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    Every method raises :class:`DaemonError` when no daemon answers (or its answer is not
+    what this berth expects), and the :class:`BerthError` subclass the daemon's error
+    status stands for otherwise (see :func:`error_from_response`).
+    """
+
+    def __init__(
+        self,
+        home: BerthHome,
+        *,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        transport: httpx.BaseTransport | None = None,
+    ) -> None:
+        """``transport`` replaces the socket (tests pass an ``httpx.MockTransport``)."""
         self.home = home
         self._client = httpx.Client(
             # verify=False: no TLS on a Unix socket, and it skips loading a CA bundle.
-            transport=httpx.HTTPTransport(uds=str(home.socket_file), verify=False),
+            transport=transport or httpx.HTTPTransport(uds=str(home.socket_file), verify=False),
             base_url="http://berth",
             timeout=timeout_s,
         )
@@ -52,41 +126,188 @@ class DaemonClient:
             return False
         return True
 
-    def request(self, method: str, path: str, **kwargs: Any) -> Any:
-        """Send one admin call and return the decoded JSON body.
+    # -- the leader ----------------------------------------------------------------------------
+    def info(self) -> DaemonInfo:
+        """``GET /admin/info``: version, pid, listeners, CA, runtimes."""
+        return self.call("GET", "/admin/info", TypeAdapter(DaemonInfo))
 
-        Raises ``DaemonError`` when no daemon answers and ``BerthError`` carrying the
-        daemon's message for any error status.
-        """
-        try:
-            response = self._client.request(method, path, **kwargs)
-        except httpx.TransportError as exc:
-            raise self._not_running() from exc
-        _raise_for_error(response)
-        return response.json()
+    def settings(self) -> SettingsReport:
+        """``GET /admin/config``: every setting the daemon runs with, and its source."""
+        return self.call("GET", "/admin/config", _SETTINGS)
 
-    def get(self, path: str, **kwargs: Any) -> Any:
-        return self.request("GET", path, **kwargs)
+    # -- models --------------------------------------------------------------------------------
+    def models(self) -> list[LocatedModel]:
+        """``GET /admin/models``."""
+        return self.call("GET", "/admin/models", _MODELS)
 
-    def post(self, path: str, **kwargs: Any) -> Any:
-        return self.request("POST", path, **kwargs)
+    def add_model(self, body: ModelIn) -> LocatedModel | RegisteredModel:
+        """``POST /admin/models``; with ``locations`` when registered on another node."""
+        return self.call("POST", "/admin/models", _ADDED_MODEL, body=body)
 
-    def delete(self, path: str, **kwargs: Any) -> Any:
-        return self.request("DELETE", path, **kwargs)
+    def remove_model(self, name: str) -> ModelRemoved:
+        """``DELETE /admin/models/{name}``."""
+        path = f"/admin/models/{_segment(name, safe='/:')}"
+        return self.call("DELETE", path, TypeAdapter(ModelRemoved))
+
+    # -- deployments ---------------------------------------------------------------------------
+    def deployments(self, *, active: bool = False) -> list[ListedDeployment]:
+        """``GET /admin/deployments``: every deployment, or the active ones."""
+        return self.call("GET", "/admin/deployments", _DEPLOYMENTS, params={"active": active})
+
+    def deployment(self, deployment_id: str) -> Deployment:
+        """``GET /admin/deployments/{id}``."""
+        path = f"/admin/deployments/{_segment(deployment_id)}"
+        return self.call("GET", path, TypeAdapter(Deployment))
+
+    def create_deployment(self, body: DeploymentIn) -> Deployment:
+        """``POST /admin/deployments``: the new deployment, pending."""
+        return self.call("POST", "/admin/deployments", TypeAdapter(Deployment), body=body)
+
+    def stop_deployment(self, deployment_id: str) -> Deployment:
+        """``POST /admin/deployments/{id}/stop``: returns once its engine stopped."""
+        path = f"/admin/deployments/{_segment(deployment_id)}/stop"
+        return self.call("POST", path, TypeAdapter(Deployment))
 
     @contextmanager
-    def stream(self, path: str, **params: Any) -> Iterator[Iterator[bytes]]:
-        """GET ``path`` and yield an iterator over the raw body chunks (no read timeout)."""
+    def logs(self, deployment_id: str, *, tail: int, follow: bool) -> Iterator[Iterator[bytes]]:
+        """``GET /admin/deployments/{id}/logs``: an iterator over the raw log chunks, from
+        ``tail`` lines before the end; with ``follow``, until the deployment stops (no read
+        timeout)."""
+        path = f"/admin/deployments/{_segment(deployment_id)}/logs"
+        params = {"tail": tail, "follow": follow}
         try:
             with self._client.stream(
                 "GET", path, params=params, timeout=httpx.Timeout(10.0, read=None)
             ) as response:
                 if response.status_code >= 400:
                     response.read()
-                    _raise_for_error(response)
+                    raise error_from_response(response)
                 yield response.iter_bytes()
         except httpx.TransportError as exc:
             raise self._not_running() from exc
+
+    # -- keys ----------------------------------------------------------------------------------
+    def keys(self) -> list[ApiKey]:
+        """``GET /admin/keys`` (prefixes only; secrets are never stored)."""
+        return self.call("GET", "/admin/keys", _KEYS)
+
+    def create_key(self, body: KeyIn) -> CreatedApiKey:
+        """``POST /admin/keys``: the new key with its secret, shown this once."""
+        return self.call("POST", "/admin/keys", TypeAdapter(CreatedApiKey), body=body)
+
+    def revoke_key(self, key_id: str) -> ApiKey:
+        """``DELETE /admin/keys/{id}``."""
+        return self.call("DELETE", f"/admin/keys/{_segment(key_id)}", TypeAdapter(ApiKey))
+
+    # -- nodes ---------------------------------------------------------------------------------
+    def enroll_node(self, body: EnrollIn) -> EnrollmentIssued:
+        """``POST /admin/nodes/enroll``: a single-use enrollment URI."""
+        return self.call("POST", "/admin/nodes/enroll", TypeAdapter(EnrollmentIssued), body=body)
+
+    def nodes(self) -> list[NodeSummary]:
+        """``GET /admin/nodes``."""
+        return self.call("GET", "/admin/nodes", _NODES)
+
+    def node(self, ident: str) -> NodeDetailWithAdopted:
+        """``GET /admin/nodes/{id-or-label}``."""
+        path = f"/admin/nodes/{_segment(ident)}"
+        return self.call("GET", path, TypeAdapter(NodeDetailWithAdopted))
+
+    def remove_node(self, ident: str) -> NodeDetail:
+        """``DELETE /admin/nodes/{id-or-label}``: the node as removed."""
+        return self.call("DELETE", f"/admin/nodes/{_segment(ident)}", TypeAdapter(NodeDetail))
+
+    # -- routing and metrics -------------------------------------------------------------------
+    def explain_routing(self, model: str, *, session: str | None = None) -> RoutingExplanation:
+        """``GET /admin/routing/{model}[?session=ID]``."""
+        path = f"/admin/routing/{_segment(model, safe='/:')}"
+        params = {"session": session} if session else {}
+        return self.call("GET", path, TypeAdapter(RoutingExplanation), params=params)
+
+    def metrics_snapshot(self) -> MetricsSnapshot:
+        """``GET /admin/metrics/snapshot``: every node's load over the last minute."""
+        return self.call("GET", "/admin/metrics/snapshot", TypeAdapter(MetricsSnapshot))
+
+    # -- services and routes -------------------------------------------------------------------
+    def services(self) -> list[Service]:
+        """``GET /admin/services``."""
+        return self.call("GET", "/admin/services", _SERVICES)
+
+    def create_service(self, body: ServiceIn) -> Service:
+        """``POST /admin/services``."""
+        return self.call("POST", "/admin/services", TypeAdapter(Service), body=body)
+
+    def service(self, name: str) -> ServiceDetail:
+        """``GET /admin/services/{name}``: with its active deployments."""
+        path = f"/admin/services/{_segment(name, safe='/:')}"
+        return self.call("GET", path, TypeAdapter(ServiceDetail))
+
+    def remove_service(self, name: str) -> Service:
+        """``DELETE /admin/services/{name}``."""
+        path = f"/admin/services/{_segment(name, safe='/:')}"
+        return self.call("DELETE", path, TypeAdapter(Service))
+
+    def deploy_service(self, name: str, body: DeployIn) -> Deployment:
+        """``POST /admin/services/{name}/deploy``: the new deployment, pending."""
+        path = f"/admin/services/{_segment(name, safe='/:')}/deploy"
+        return self.call("POST", path, TypeAdapter(Deployment), body=body)
+
+    def routes(self) -> list[Route]:
+        """``GET /admin/routes``."""
+        return self.call("GET", "/admin/routes", _ROUTES)
+
+    def add_route(self, body: RouteIn) -> Route:
+        """``POST /admin/routes``: the route with the service added."""
+        return self.call("POST", "/admin/routes", TypeAdapter(Route), body=body)
+
+    def route(self, name: str) -> Route:
+        """``GET /admin/routes/{name}``."""
+        return self.call("GET", f"/admin/routes/{_segment(name, safe='/:')}", TypeAdapter(Route))
+
+    def set_route_fallback(self, name: str, body: FallbackIn) -> Route:
+        """``PATCH /admin/routes/{name}``."""
+        path = f"/admin/routes/{_segment(name, safe='/:')}"
+        return self.call("PATCH", path, TypeAdapter(Route), body=body)
+
+    def remove_route(self, name: str, *, service: str | None = None) -> RouteRemoved:
+        """``DELETE /admin/routes/{name}[?service=S]``: one service, or the whole route."""
+        path = f"/admin/routes/{_segment(name, safe='/:')}"
+        params = {"service": service} if service else {}
+        return self.call("DELETE", path, TypeAdapter(RouteRemoved), params=params)
+
+    # -- the one request path ------------------------------------------------------------------
+    def call(
+        self,
+        method: str,
+        path: str,
+        answer: TypeAdapter[_T],
+        *,
+        body: BaseModel | None = None,
+        params: _Params | None = None,
+    ) -> _T:
+        """Send one admin call with ``body`` as JSON and decode the answer with ``answer``.
+
+        Raises :class:`DaemonError` when no daemon answers or the answer does not decode,
+        and the error of :func:`error_from_response` for an error status.
+        """
+        content = None if body is None else body.model_dump_json().encode()
+        headers = {} if content is None else {"content-type": "application/json"}
+        try:
+            response = self._client.request(
+                method, path, content=content, headers=headers, params=params
+            )
+        except httpx.TransportError as exc:
+            raise self._not_running() from exc
+        if response.status_code >= 400:
+            raise error_from_response(response)
+        try:
+            return answer.validate_json(response.content)
+        except ValidationError as exc:
+            message, _ = describe_invalid(exc.errors()[0])
+            raise DaemonError(
+                f"the daemon's answer to {method} {path} is not what this berth expects "
+                f"({message}); is the daemon another berth version?"
+            ) from None
 
     def _not_running(self) -> DaemonError:
         command = "berth daemon start"
@@ -98,14 +319,39 @@ class DaemonClient:
         )
 
 
-def _raise_for_error(response: httpx.Response) -> None:
-    if response.status_code < 400:
-        return
-    message = response.text
-    with suppress(ValueError, KeyError, TypeError):
-        message = response.json()["error"]["message"]
-    error = BerthError(message)
-    error.http_status = response.status_code
-    # The daemon refused the input (bad value, unknown name, conflict): a usage error.
-    error.exit_code = 2 if response.status_code in (400, 404, 409, 413, 422) else 1
-    raise error
+def error_from_response(response: httpx.Response) -> BerthError:
+    """The berth error an admin API error answer stands for, carrying the daemon's message.
+
+    400/413/422 → :class:`ConfigError`, 401/403 → :class:`AuthError`, 404 →
+    :class:`NotFoundError` (its kind from a ``<kind>_not_found`` code), 409 →
+    :class:`ConflictError`, 429 → :class:`RateLimitError` (``Retry-After``), an
+    ``engine_error`` → :class:`EngineError`, anything else a plain :class:`BerthError`.
+    Each keeps the answer's status as ``http_status``; the exit code is the type's (2 for
+    input the daemon refused, 1 otherwise).
+    """
+    status = response.status_code
+    try:
+        detail = ErrorBody.model_validate_json(response.content).error
+        message, kind, code = detail.message, detail.type, detail.code
+    except ValidationError:
+        message, kind, code = (response.text or f"HTTP {status}"), "", None
+    error: BerthError
+    if status in (400, 413, 422):
+        error = ConfigError(message)
+    elif status in (401, 403):
+        error = AuthError(message, status=status)
+    elif status == 404:
+        what = code.removesuffix("_not_found") if code and code.endswith("_not_found") else ""
+        error = NotFoundError(what or "resource", response.url.path, message=message)
+    elif status == 409:
+        error = ConflictError(message)
+    elif status == 429:
+        retry_after = response.headers.get("retry-after", "")
+        retry_after_s = float(retry_after) if retry_after.isdigit() else 0.0
+        error = RateLimitError(message, retry_after_s=retry_after_s)
+    elif kind == "engine_error":
+        error = EngineError(message)
+    else:
+        error = BerthError(message)
+    error.http_status = status
+    return error

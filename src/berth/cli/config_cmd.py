@@ -10,7 +10,6 @@ from __future__ import annotations
 import ssl
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
 
 import typer
 from rich.markup import escape
@@ -281,17 +280,14 @@ def _warn(message: str) -> None:
 
 
 def _say_when_it_applies(home: BerthHome) -> None:
-    info: dict[str, Any] | None = None
     with DaemonClient(home, timeout_s=5.0) as client:
-        if client.is_running():
-            try:
-                info = client.get("/admin/info")
-            except BerthError:
-                info = {}
-    if info is None:
-        console.print("takes effect at the next `berth daemon start`")
-        return
-    pid = f" (pid {info['pid']})" if "pid" in info else ""
+        if not client.is_running():
+            console.print("takes effect at the next `berth daemon start`")
+            return
+        try:
+            pid = f" (pid {client.info().pid})"
+        except BerthError:
+            pid = ""
     console.print(
         f"[yellow]note:[/] the running daemon{pid} keeps its current settings until it is "
         "restarted: `berth daemon stop`, then `berth daemon start`",

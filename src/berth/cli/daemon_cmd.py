@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -9,11 +10,11 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 import typer
 from rich.table import Table
 
+from berth.api import DaemonInfo
 from berth.api.client import DaemonClient
 from berth.cli.common import HELP_OPTIONS, CliContext, console, context, err_console, print_json
 from berth.config import Settings
@@ -126,16 +127,16 @@ def _run_foreground(home: BerthHome, settings: Settings) -> None:
 
 def _wait_started(
     cli: CliContext, process: subprocess.Popen[bytes], log_file: Path, log_offset: int
-) -> Any:
+) -> DaemonInfo:
     deadline = time.monotonic() + START_TIMEOUT_S
     with cli.client(timeout_s=5.0) as client:
         while time.monotonic() < deadline:
             if process.poll() is not None:
                 raise _start_failure(process.returncode, log_file, log_offset)
             if client.is_running():
-                info = client.get("/admin/info")
+                info = client.info()
                 # Another start may have won the race for this home: only our child counts.
-                if info.get("ready") and info.get("pid") == process.pid:
+                if info.ready and info.pid == process.pid:
                     return info
             time.sleep(0.2)
     raise DaemonError(f"the daemon did not answer within {START_TIMEOUT_S:.0f}s; see {log_file}")
@@ -154,27 +155,27 @@ def _start_failure(code: int, log_file: Path, log_offset: int) -> DaemonError:
     return DaemonError(message)
 
 
-def _print_banner(info: dict[str, Any], log_file: Path) -> None:
-    console.print(f"[bold green]berth leader running[/] (pid {info['pid']}, v{info['version']})")
-    for listener in info["listeners"]:
-        console.print(f"  {listener['name']:<15} {listener['url']}", soft_wrap=True)
-    console.print(f"  {'CA fingerprint':<15} {info['ca_fingerprint']}", soft_wrap=True)
-    console.print(f"  {'CA certificate':<15} {info['ca_file']}", soft_wrap=True)
+def _print_banner(info: DaemonInfo, log_file: Path) -> None:
+    console.print(f"[bold green]berth leader running[/] (pid {info.pid}, v{info.version})")
+    for listener in info.listeners:
+        console.print(f"  {listener.name:<15} {listener.url}", soft_wrap=True)
+    console.print(f"  {'CA fingerprint':<15} {info.ca_fingerprint}", soft_wrap=True)
+    console.print(f"  {'CA certificate':<15} {info.ca_file}", soft_wrap=True)
     console.print(f"  {'log':<15} {log_file}", soft_wrap=True)
-    if info.get("leader_only"):
+    if info.leader_only:
         console.print(
             f"  {'mode':<15} leader-only: no engines on this host; run models on agents "
             "(berth run MODEL --node LABEL)",
             soft_wrap=True,
         )
-    for runtime in info.get("runtimes", []):
-        mark = "[green]available[/]" if runtime["available"] else "[yellow]unavailable[/]"
-        label = f"runtime {runtime['name']}"
-        console.print(f"  {label:<15} {mark}: {runtime['detail']}", soft_wrap=True)
-    if info.get("public_cert_from_ca"):
+    for runtime in info.runtimes:
+        mark = "[green]available[/]" if runtime.available else "[yellow]unavailable[/]"
+        label = f"runtime {runtime.name}"
+        console.print(f"  {label:<15} {mark}: {runtime.detail}", soft_wrap=True)
+    if info.public_cert_from_ca:
         console.print(
             f"[yellow]note:[/] the public listener's certificate is issued by the berth CA "
-            f"(no --public-cert); clients must trust {info['ca_file']}",
+            f"(no --public-cert); clients must trust {info.ca_file}",
             soft_wrap=True,
         )
 
@@ -226,9 +227,10 @@ def _daemon_pid(home: BerthHome) -> int | None:
     """The running daemon's pid: as it reports itself over the socket, else from the pid file
     when that process really is a berth daemon.  A stale pid file (its pid recycled by some
     other program after a crash) is removed, and that program is never signalled."""
-    with DaemonClient(home, timeout_s=5.0) as client:
+    with DaemonClient(home, timeout_s=5.0) as client, contextlib.suppress(DaemonError):
+        # An answer this berth cannot read (a daemon of another version): the pid file.
         if client.is_running():
-            return int(client.get("/admin/info")["pid"])
+            return client.info().pid
     try:
         pid = int(home.pid_file.read_text().strip())
     except (FileNotFoundError, ValueError):
@@ -253,15 +255,15 @@ def daemon_status(
 ) -> None:
     """Whether the daemon runs, its pid, uptime and listeners."""
     with context(ctx).client() as client:
-        info = client.get("/admin/info")
+        info = client.info()
     if as_json:
         print_json(info)
         return
-    mode = ", leader-only (no local engines)" if info.get("leader_only") else ""
-    console.print(f"[green]running[/] pid {info['pid']}, up {age(info['uptime_s'])}{mode}")
-    for listener in info["listeners"]:
-        console.print(f"  {listener['name']:<8} {listener['url']}", soft_wrap=True)
-    console.print(f"  CA       {info['ca_fingerprint']}", soft_wrap=True)
+    mode = ", leader-only (no local engines)" if info.leader_only else ""
+    console.print(f"[green]running[/] pid {info.pid}, up {age(info.uptime_s)}{mode}")
+    for listener in info.listeners:
+        console.print(f"  {listener.name:<8} {listener.url}", soft_wrap=True)
+    console.print(f"  CA       {info.ca_fingerprint}", soft_wrap=True)
 
 
 def status(
@@ -269,29 +271,29 @@ def status(
 ) -> None:
     """The daemon, its listeners, nodes and deployments at a glance."""
     with context(ctx).client() as client:
-        info = client.get("/admin/info")
-        nodes = client.get("/admin/nodes")
-        deployments = client.get("/admin/deployments", params={"active": True})
+        info = client.info()
+        nodes = client.nodes()
+        deployments = client.deployments(active=True)
     if as_json:
         print_json({"daemon": info, "nodes": nodes, "deployments": deployments})
         return
     console.print(
-        f"[bold]daemon[/]  [green]running[/] pid {info['pid']}, up {age(info['uptime_s'])}, "
-        f"home {info['home']}{', leader-only' if info.get('leader_only') else ''}"
+        f"[bold]daemon[/]  [green]running[/] pid {info.pid}, up {age(info.uptime_s)}, "
+        f"home {info.home}{', leader-only' if info.leader_only else ''}"
     )
-    for listener in info["listeners"]:
-        console.print(f"  {listener['name']:<8} {listener['url']}")
+    for listener in info.listeners:
+        console.print(f"  {listener.name:<8} {listener.url}")
     node_table = Table(
         "NODE", "LABEL", "STATUS", "HOST", "GPUS", "VRAM", title="nodes", title_justify="left"
     )
     for node in nodes:
-        vram_mb = node["vram_total_mb"]
+        vram_mb = node.vram_total_mb
         node_table.add_row(
-            node["id"],
-            node["label"],
-            node["status"],
-            node["hostname"] or "-",
-            str(node["gpu_count"]),
+            node.id,
+            node.label,
+            node.status,
+            node.hostname or "-",
+            str(node.gpu_count),
             f"{vram_mb / 1024:.1f} GiB" if vram_mb else "-",
         )
     console.print(node_table)

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import typer
 
+from berth.api import DeploymentIn, KeyIn, ModelIn
 from berth.api.client import DaemonClient
 from berth.cli.common import console
 from berth.config import Settings
@@ -24,6 +25,7 @@ from berth.errors import BerthError, EngineError
 from berth.paths import BerthHome
 from berth.runtime.bundled import smollm2_gguf
 from berth.runtime.engines import find_free_port
+from berth.store.states import DeploymentState
 
 DEMO_PROMPT = "In one sentence, what is a GPU?"
 
@@ -65,24 +67,24 @@ def _main_job(home: BerthHome, port: int, gguf: Path, prompt: str) -> None:
     from openai import DefaultHttpxClient, OpenAI
 
     with DaemonClient(home) as client:
-        client.post("/admin/models", json={"name": "smollm2", "path": str(gguf)})
+        client.add_model(ModelIn(name="smollm2", path=str(gguf)))
         console.print(f"registered model smollm2 ({gguf.name})")
-        record = client.post("/admin/deployments", json={"model": "smollm2", "engine": "llamacpp"})
-        with console.status(f"starting llama-server for {record['id']}"):
-            while record["state"] in ("pending", "loading"):
+        record = client.create_deployment(DeploymentIn(model="smollm2", engine="llamacpp"))
+        with console.status(f"starting llama-server for {record.id}"):
+            while record.state in (DeploymentState.PENDING, DeploymentState.LOADING):
                 time.sleep(0.3)
-                record = client.get(f"/admin/deployments/{record['id']}")
-        if record["state"] != "ready":
-            raise EngineError(f"{record['id']} {record['state']}: {record['failure_reason']}")
-        console.print(f"{record['id']} ready: llama-server pid {record['pid']}")
-        key = client.post("/admin/keys", json={"name": "demo", "tier": "standard"})
-        info = client.get("/admin/info")
+                record = client.deployment(record.id)
+        if record.state != DeploymentState.READY:
+            raise EngineError(f"{record.id} {record.state}: {record.failure_reason}")
+        console.print(f"{record.id} ready: llama-server pid {record.pid}")
+        key = client.create_key(KeyIn(name="demo", tier="standard"))
+        info = client.info()
 
     url = f"https://127.0.0.1:{port}/v1"
     console.print(f"asking {url} with the OpenAI SDK: [italic]{prompt}[/]")
-    tls = ssl.create_default_context(cafile=info["ca_file"])
+    tls = ssl.create_default_context(cafile=info.ca_file)
     with DefaultHttpxClient(verify=tls) as http:
-        openai = OpenAI(base_url=url, api_key=key["secret"], http_client=http)
+        openai = OpenAI(base_url=url, api_key=key.secret, http_client=http)
         started = time.monotonic()
         stream = openai.chat.completions.create(
             model="smollm2",

@@ -4,16 +4,21 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Sequence
 from datetime import UTC, datetime
-from typing import Any
 
 import typer
 from rich.table import Table
 
+from berth.api import Deployment, DeploymentIn, ListedDeployment
 from berth.api.client import DaemonClient
-from berth.cli.common import console, context, err_console, print_json
+from berth.cli.common import console, context, err_console, print_json, request_body
 from berth.errors import BerthError, ConfigError, EngineError
 from berth.humanize import age
+from berth.store.states import DeploymentState
+
+#: The states of a deployment still starting.
+STARTING = (DeploymentState.PENDING, DeploymentState.LOADING)
 
 
 def parse_gpus(text: str | None) -> list[int]:
@@ -56,45 +61,44 @@ def run(
     ),
 ) -> None:
     """Deploy a model on an engine and wait until it serves."""
-    body: dict[str, Any] = {
-        "model": model,
-        "engine": engine,
-        "node": node,
-        "gpus": parse_gpus(gpu),
-        "ctx": ctx_len,
-        "extra_args": list(extra),
-        "served_model_name": served_name,
-        "runtime": runtime,
-        "image": image,
-    }
+    body = request_body(
+        DeploymentIn,
+        model=model,
+        engine=engine,
+        node=node,
+        gpus=parse_gpus(gpu),
+        ctx=ctx_len,
+        extra_args=list(extra),
+        served_model_name=served_name,
+        runtime=runtime,
+        image=image,
+    )
     with context(ctx).client() as client:
-        record = client.post("/admin/deployments", json=body)
+        record = client.create_deployment(body)
         if detach:
-            console.print(f"{record['id']} {record['state']}")
+            console.print(f"{record.id} {record.state}")
             return
         record = wait_settled(client, record, f"{model} on {engine}", timeout)
-    if record["state"] != "ready":
-        raise EngineError(
-            f"{record['id']} {record['state']}: {record.get('failure_reason') or 'no reason'}"
-        )
-    where = f"node {record['node_id']}, port {record['port']}"
-    if record.get("image"):
-        where += f", image {record['image']}"
+    if record.state != DeploymentState.READY:
+        raise EngineError(f"{record.id} {record.state}: {record.failure_reason or 'no reason'}")
+    where = f"node {record.node_id}, port {record.port}"
+    if record.image:
+        where += f", image {record.image}"
     console.print(
-        f"[green]{record['id']} ready[/]: model [bold]{record['served_model_name']}[/] "
-        f"on {record['engine']} ({where})"
+        f"[green]{record.id} ready[/]: model [bold]{record.served_model_name}[/] "
+        f"on {record.engine} ({where})"
     )
 
 
 def wait_settled(
-    client: DaemonClient, record: dict[str, Any], what: str, timeout_s: float
-) -> dict[str, Any]:
+    client: DaemonClient, record: Deployment, what: str, timeout_s: float
+) -> Deployment:
     """Poll a deployment until it is no longer pending or loading, with a spinner naming
     ``what`` it starts and its progress; the last record.
 
     Raises :class:`BerthError` after ``timeout_s`` seconds (the deployment keeps starting).
     """
-    deployment_id = record["id"]
+    deployment_id = record.id
     deadline = time.monotonic() + timeout_s
     still_starting = (
         f"it keeps starting in the background: `berth ps` to watch, "
@@ -102,15 +106,15 @@ def wait_settled(
     )
     try:
         with console.status(f"starting {deployment_id} ({what})") as spinner:
-            while record["state"] in ("pending", "loading"):
+            while record.state in STARTING:
                 if time.monotonic() > deadline:
                     raise BerthError(
                         f"{deployment_id} not ready after {timeout_s:.0f}s; {still_starting}"
                     )
                 time.sleep(0.5)
-                record = client.get(f"/admin/deployments/{deployment_id}")
-                doing = f": {record['progress']}" if record.get("progress") else ""
-                spinner.update(f"{deployment_id} {record['state']} ({what}{doing})")
+                record = client.deployment(deployment_id)
+                doing = f": {record.progress}" if record.progress else ""
+                spinner.update(f"{deployment_id} {record.state} ({what}{doing})")
     except KeyboardInterrupt:
         err_console.print(f"stopped waiting for {deployment_id}; {still_starting}")
         raise
@@ -127,44 +131,49 @@ def short_reason(reason: str | None, width: int = 100) -> str:
     return text if len(text) <= width else text[: width - 1] + "…"
 
 
-def print_deployments(records: list[dict[str, Any]], *, title: str | None = None) -> None:
+def print_deployments(records: Sequence[ListedDeployment], *, title: str | None = None) -> None:
     """The deployments table, then one line per failure reason or progress (too long for a
     table cell)."""
     console.print(deployments_table(records, title=title))
     for r in records:
-        if r.get("failure_reason"):
-            line = f"{r['id']} {r['state']}: {short_reason(r['failure_reason'], width=200)}"
+        if r.failure_reason:
+            line = f"{r.id} {r.state}: {short_reason(r.failure_reason, width=200)}"
             console.print(line, markup=False, soft_wrap=True)
-        elif r.get("progress"):
-            console.print(f"{r['id']} {r['state']}: {r['progress']}", markup=False, soft_wrap=True)
+        elif r.progress:
+            console.print(f"{r.id} {r.state}: {r.progress}", markup=False, soft_wrap=True)
 
 
-def deployments_table(records: list[dict[str, Any]], *, title: str | None = None) -> Table:
+def deployments_table(records: Sequence[ListedDeployment], *, title: str | None = None) -> Table:
     table = Table(title=title, title_justify="left")
     table.add_column("ID", no_wrap=True)
     table.add_column("MODEL", no_wrap=True)
     for column in ("ENGINE", "RUNTIME", "NODE", "STATE", "PORT", "PID", "AGE"):
         table.add_column(column)
     now = datetime.now(UTC)
-    colours = {"ready": "green", "failed": "red", "loading": "yellow", "pending": "yellow"}
+    colours = {
+        DeploymentState.READY: "green",
+        DeploymentState.FAILED: "red",
+        DeploymentState.LOADING: "yellow",
+        DeploymentState.PENDING: "yellow",
+    }
     for r in records:
-        created = datetime.fromisoformat(r["created_at"])
+        created = r.created_at
         if created.tzinfo is None:
             created = created.replace(tzinfo=UTC)
-        colour = colours.get(r["state"], "white")
-        state = r["state"]
-        if state == "ready" and r.get("node_connected") is False:
+        colour = colours.get(r.state, "white")
+        state = str(r.state)
+        if r.state == DeploymentState.READY and not r.node_connected:
             # Not routed to while its node is unreachable; the agent reports it on return.
             state, colour = "ready (node unreachable)", "yellow"
         table.add_row(
-            r["id"],
-            r["served_model_name"],
-            r["engine"],
-            r.get("runtime") or "process",
-            r.get("node_label") or r["node_id"],
+            r.id,
+            r.served_model_name,
+            r.engine,
+            r.runtime,
+            r.node_label or r.node_id,
             f"[{colour}]{state}[/]",
-            str(r["port"] or "-"),
-            str(r["pid"] or "-"),
+            str(r.port or "-"),
+            str(r.pid or "-"),
             age((now - created).total_seconds()),
         )
     return table
@@ -177,7 +186,7 @@ def ps(
 ) -> None:
     """List deployments (active ones unless --all)."""
     with context(ctx).client() as client:
-        records = client.get("/admin/deployments", params={"active": not all_})
+        records = client.deployments(active=not all_)
     if as_json:
         print_json(records)
     else:
@@ -192,19 +201,19 @@ def stop(
     """Stop a deployment's engine (with no id: the only active one, or --all)."""
     with context(ctx).client(timeout_s=120.0) as client:
         if deployment_id is None:
-            active = client.get("/admin/deployments", params={"active": True})
+            active = client.deployments(active=True)
             if not active:
                 console.print("no active deployments")
                 return
             if len(active) > 1 and not all_:
-                ids = ", ".join(r["id"] for r in active)
+                ids = ", ".join(r.id for r in active)
                 raise ConfigError(f"several deployments are active ({ids}): name one, or --all")
-            targets = [r["id"] for r in active]
+            targets = [r.id for r in active]
         else:
             targets = [deployment_id]
         for target in targets:
-            record = client.post(f"/admin/deployments/{target}/stop")
-            console.print(f"{record['id']} {record['state']}")
+            record = client.stop_deployment(target)
+            console.print(f"{record.id} {record.state}")
 
 
 def logs(
@@ -216,9 +225,7 @@ def logs(
     """Print a deployment's engine log."""
     with (
         context(ctx).client() as client,
-        client.stream(
-            f"/admin/deployments/{deployment_id}/logs", tail=tail, follow=follow
-        ) as chunks,
+        client.logs(deployment_id, tail=tail, follow=follow) as chunks,
     ):
         for chunk in chunks:
             sys.stdout.buffer.write(chunk)

@@ -5,7 +5,8 @@ from __future__ import annotations
 import typer
 from rich.table import Table
 
-from berth.cli.common import HELP_OPTIONS, console, context, print_json
+from berth.api import KeyIn
+from berth.cli.common import HELP_OPTIONS, console, context, print_json, request_body
 from berth.keys import parse_tier
 
 key_app = typer.Typer(
@@ -23,32 +24,32 @@ def create(
     """Create a key; its secret is shown once and never stored."""
     parse_tier(tier)  # refuse an unknown tier before asking the daemon
     with context(ctx).client() as client:
-        record = client.post("/admin/keys", json={"name": name, "tier": tier})
+        record = client.create_key(request_body(KeyIn, name=name, tier=tier))
     if as_json:
         print_json(record)
         return
-    console.print(f"created {record['tier']} key {record['id']} ({record['name']})")
+    console.print(f"created {record.tier} key {record.id} ({record.name})")
     console.print("secret (shown once, store it now):")
-    print(record["secret"])
+    print(record.secret)
 
 
 @key_app.command("ls")
 def ls(ctx: typer.Context, as_json: bool = typer.Option(False, "--json")) -> None:
     """List keys (prefixes only; secrets are never stored)."""
     with context(ctx).client() as client:
-        records = client.get("/admin/keys")
+        records = client.keys()
     if as_json:
         print_json(records)
         return
     table = Table("ID", "NAME", "TIER", "PREFIX", "CREATED", "REVOKED")
     for r in records:
         table.add_row(
-            r["id"],
-            r["name"],
-            r["tier"],
-            r["prefix"],
-            r["created_at"][:19],
-            (r["revoked_at"] or "")[:19],
+            r.id,
+            r.name,
+            r.tier,
+            r.prefix,
+            r.created_at.isoformat()[:19],
+            r.revoked_at.isoformat()[:19] if r.revoked_at else "",
         )
     console.print(table)
 
@@ -57,5 +58,5 @@ def ls(ctx: typer.Context, as_json: bool = typer.Option(False, "--json")) -> Non
 def revoke(ctx: typer.Context, key_id: str = typer.Argument(...)) -> None:
     """Revoke a key at once."""
     with context(ctx).client() as client:
-        client.delete(f"/admin/keys/{key_id}")
+        client.revoke_key(key_id)
     console.print(f"revoked {key_id}")

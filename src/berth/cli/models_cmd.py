@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 from pathlib import Path
-from urllib.parse import quote
 
 import typer
 from rich.table import Table
 
-from berth.cli.common import HELP_OPTIONS, console, context, print_json
+from berth.api import ModelIn
+from berth.cli.common import HELP_OPTIONS, console, context, print_json, request_body
 from berth.errors import ConfigError, ConflictError
 
 models_app = typer.Typer(
@@ -47,29 +47,27 @@ def add(
         raise ConfigError(f"a path on another node must be absolute, not {str(path)!r}")
     # A local path is resolved where the user is; a remote one is taken as written.
     shown = str(path) if remote else str(path.expanduser().resolve())
-    body: dict[str, str] = {"name": name, "path": shown}
-    if node is not None:
-        body["node"] = node
+    body = request_body(ModelIn, name=name, path=shown, node=node)
     with context(ctx).client() as client:
-        record = client.post("/admin/models", json=body)
+        record = client.add_model(body)
     if remote:
-        console.print(f"added model [bold]{record['name']}[/] at {shown} on node {node}")
+        console.print(f"added model [bold]{record.name}[/] at {shown} on node {node}")
         return
-    console.print(f"added model [bold]{record['name']}[/] ({_size(record['size_bytes'])})")
+    console.print(f"added model [bold]{record.name}[/] ({_size(record.size_bytes)})")
 
 
 @models_app.command("ls")
 def ls(ctx: typer.Context, as_json: bool = typer.Option(False, "--json")) -> None:
     """List registered models."""
     with context(ctx).client() as client:
-        records = client.get("/admin/models")
+        records = client.models()
     if as_json:
         print_json(records)
         return
     table = Table("NAME", "SOURCE", "SIZE", "PATH")
     for r in records:
-        source = r["source"] if not r.get("repo_id") else f"hub:{r['repo_id']}"
-        table.add_row(r["name"], source, _size(r["size_bytes"]), r["path"])
+        source = r.source if not r.repo_id else f"hub:{r.repo_id}"
+        table.add_row(r.name, source, _size(r.size_bytes), r.path)
     console.print(table)
 
 
@@ -77,7 +75,7 @@ def ls(ctx: typer.Context, as_json: bool = typer.Option(False, "--json")) -> Non
 def rm(ctx: typer.Context, name: str = typer.Argument(...)) -> None:
     """Unregister a model (its files stay where they are)."""
     with context(ctx).client() as client:
-        client.delete(f"/admin/models/{quote(name, safe='/:')}")
+        client.remove_model(name)
     console.print(f"removed model {name}")
 
 
@@ -92,18 +90,17 @@ def pull(
 
     cli = context(ctx)
     with cli.client() as client:
-        taken = {m["name"] for m in client.get("/admin/models")}  # fails if no daemon
+        taken = {m.name for m in client.models()}  # fails if no daemon
         if (name or repo) in taken:
             raise ConflictError(f"a model named {name or repo!r} already exists")
         path = pull_model(repo, revision=revision, models_dir=cli.home.models_dir)
-        record = client.post(
-            "/admin/models",
-            json={
-                "name": name or repo,
-                "path": str(path),
-                "source": "hub",
-                "repo_id": repo,
-                "revision": revision,
-            },
+        body = request_body(
+            ModelIn,
+            name=name or repo,
+            path=str(path),
+            source="hub",
+            repo_id=repo,
+            revision=revision,
         )
-    console.print(f"pulled [bold]{record['name']}[/] into {path} ({_size(record['size_bytes'])})")
+        record = client.add_model(body)
+    console.print(f"pulled [bold]{record.name}[/] into {path} ({_size(record.size_bytes)})")

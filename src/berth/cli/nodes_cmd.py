@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import time
 from datetime import UTC, datetime
-from typing import Any
-from urllib.parse import parse_qs, quote, urlsplit
+from urllib.parse import parse_qs, urlsplit
 
 import typer
 from rich.table import Table
 
-from berth.cli.common import HELP_OPTIONS, console, context, err_console, print_json
+from berth.api import EnrollIn
+from berth.cli.common import HELP_OPTIONS, console, context, err_console, print_json, request_body
 from berth.humanize import age
 
 nodes_app = typer.Typer(
@@ -38,13 +38,13 @@ def enroll(
 ) -> None:
     """Create a single-use enrollment URI for a new host (valid 10 minutes)."""
     with context(ctx).client() as client:
-        issued = client.post("/admin/nodes/enroll", json={"label": label})
-    console.print(f"enrollment URI for [bold]{issued['label']}[/] (single use):")
-    print(issued["uri"])
+        issued = client.enroll_node(request_body(EnrollIn, label=label))
+    console.print(f"enrollment URI for [bold]{issued.label}[/] (single use):")
+    print(issued.uri)
     console.print("run this on the new host:")
-    print(f"berth agent register --uri '{issued['uri']}'")
-    console.print(f"expires at {_when(issued['expires_at'])}")
-    leader = urlsplit(issued["uri"].replace("berth://", "x://", 1)).query
+    print(f"berth agent register --uri '{issued.uri}'")
+    console.print(f"expires at {_when(issued.expires_at)}")
+    leader = urlsplit(issued.uri.replace("berth://", "x://", 1)).query
     host = urlsplit(parse_qs(leader).get("leader", [""])[0]).hostname or ""
     if host in ("127.0.0.1", "::1", "localhost"):
         err_console.print(
@@ -58,26 +58,22 @@ def enroll(
 def ls(ctx: typer.Context, as_json: bool = typer.Option(False, "--json")) -> None:
     """List nodes: status, GPUs, VRAM, agent version, last heartbeat."""
     with context(ctx).client() as client:
-        nodes = client.get("/admin/nodes")
+        nodes = client.nodes()
     if as_json:
         print_json(nodes)
         return
     table = Table("ID", "LABEL", "STATUS", "GPUS", "VRAM", "AGENT", "HEARTBEAT")
     for n in nodes:
         table.add_row(
-            n["id"],
-            n["label"],
-            n["status"],
-            str(n["gpu_count"]),
-            _vram(n["vram_total_mb"]),
-            n["agent_version"] or "-",
-            _heartbeat(n["last_heartbeat_at"]),
+            n.id,
+            n.label,
+            n.status,
+            str(n.gpu_count),
+            _vram(n.vram_total_mb),
+            n.agent_version or "-",
+            _heartbeat(n.last_heartbeat_at),
         )
     console.print(table)
-
-
-def _path(ident: str) -> str:
-    return f"/admin/nodes/{quote(ident, safe='')}"
 
 
 @nodes_app.command("show")
@@ -88,46 +84,46 @@ def show(
 ) -> None:
     """One node in detail: hardware, GPUs, capabilities, versions."""
     with context(ctx).client() as client:
-        node: dict[str, Any] = client.get(_path(ident))
+        node = client.node(ident)
     if as_json:
         print_json(node)
         return
-    memory = node["memory_total_mb"]
+    memory = node.memory_total_mb
     rows = [
-        ("id", node["id"]),
-        ("label", node["label"]),
-        ("status", node["status"]),
-        ("host", node["hostname"] or "-"),
-        ("cpus", str(node["cpu_count"] or "-")),
+        ("id", node.id),
+        ("label", node.label),
+        ("status", node.status),
+        ("host", node.hostname or "-"),
+        ("cpus", str(node.cpu_count or "-")),
         ("memory", f"{memory / 1024:.1f} GiB" if memory else "-"),
-        ("agent", node["agent_version"] or "-"),
-        ("protocol", str(node["protocol_version"] or "-")),
-        ("capabilities", ", ".join(node["capabilities"]) or "-"),
-        ("certificate", node["cert_fingerprint"] or "-"),
-        ("heartbeat", _heartbeat(node["last_heartbeat_at"])),
+        ("agent", node.agent_version or "-"),
+        ("protocol", str(node.protocol_version or "-")),
+        ("capabilities", ", ".join(node.capabilities) or "-"),
+        ("certificate", node.cert_fingerprint or "-"),
+        ("heartbeat", _heartbeat(node.last_heartbeat_at)),
     ]
     for name, value in rows:
         console.print(f"{name:<13} {value}", markup=False, soft_wrap=True)
-    if node["gpus"]:
+    if node.gpus:
         table = Table("GPU", "NAME", "MEMORY", "USED", "UUID")
-        for gpu in node["gpus"]:
+        for gpu in node.gpus:
             table.add_row(
-                str(gpu["index"]),
-                gpu["name"],
-                _vram(gpu["memory_total_mb"]),
-                _vram(gpu["memory_used_mb"]),
-                gpu["uuid"],
+                str(gpu.index),
+                gpu.name,
+                _vram(gpu.memory_total_mb),
+                _vram(gpu.memory_used_mb),
+                gpu.uuid,
             )
         console.print(table)
-    if node.get("adopted"):
+    if node.adopted:
         table = Table("ADOPTED", "SERVED AS", "ADDRESS", "GPUS", "ANSWERS")
-        for endpoint in node["adopted"]:
+        for endpoint in node.adopted:
             table.add_row(
-                endpoint["name"],
-                endpoint["served_model_name"],
-                f"{endpoint['host']}:{endpoint['port']}",
-                ",".join(map(str, endpoint["gpus"])) or "-",
-                "[green]yes[/]" if endpoint["alive"] else "[red]no[/]",
+                endpoint.name,
+                endpoint.served_model_name,
+                f"{endpoint.host}:{endpoint.port}",
+                ",".join(map(str, endpoint.gpus)) or "-",
+                "[green]yes[/]" if endpoint.alive else "[red]no[/]",
             )
         console.print(table)
 
@@ -139,5 +135,5 @@ def remove(
 ) -> None:
     """Remove a node: its certificate is refused from now on and its link is closed."""
     with context(ctx).client() as client:
-        node = client.delete(_path(ident))
-    console.print(f"removed node {node['label']} ({node['id']})")
+        removed = client.remove_node(ident)
+    console.print(f"removed node {removed.label} ({removed.id})")

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from urllib.parse import quote, urlencode
-
 import typer
 from rich.table import Table
 
@@ -17,20 +15,16 @@ def routing(
     as_json: bool = typer.Option(False, "--json", help="Print JSON."),
 ) -> None:
     """Show the ranked candidates for MODEL (affinity, in flight, p95) and dropped ones."""
-    query = f"?{urlencode({'session': session})}" if session else ""
     with context(ctx).client() as client:
-        explained = client.get(f"/admin/routing/{quote(model, safe='/:')}{query}")
+        explained = client.explain_routing(model, session=session)
     if as_json:
         print_json(explained)
         return
     table = Table("RANK", "DEPLOYMENT", "NODE", "WHY")
-    for candidate in explained["candidates"]:
+    for candidate in explained.candidates:
         table.add_row(
-            str(candidate["rank"]),
-            candidate["deployment_id"],
-            candidate["node_id"],
-            candidate["reason"],
+            str(candidate.rank), candidate.deployment_id, candidate.node_id, candidate.reason
         )
-    for dropped in explained["dropped"]:
-        table.add_row("-", dropped["deployment_id"], dropped["node_id"], dropped["reason"])
+    for dropped in explained.dropped:
+        table.add_row("-", dropped.deployment_id, dropped.node_id, dropped.reason)
     console.print(table)

@@ -8,15 +8,14 @@ optional fallback route.  Everything goes through the daemon's admin API
 
 from __future__ import annotations
 
-from typing import Any
-from urllib.parse import quote
-
 import typer
 from rich.table import Table
 
-from berth.cli.common import HELP_OPTIONS, console, context, print_json
+from berth.api import DeployIn, FallbackIn, Route, RouteIn, Service, ServiceIn
+from berth.cli.common import HELP_OPTIONS, console, context, print_json, request_body
 from berth.cli.deploy_cmd import parse_gpus, wait_settled
 from berth.errors import ConfigError, EngineError
+from berth.store.states import DeploymentState
 
 service_app = typer.Typer(
     context_settings=HELP_OPTIONS,
@@ -28,11 +27,6 @@ route_app = typer.Typer(
     no_args_is_help=True,
     help="Routes: the model names clients use, each in front of services by priority.",
 )
-
-
-def _path(name: str) -> str:
-    """``name`` as a URL path segment (route names may hold ``/``)."""
-    return quote(name, safe="/:")
 
 
 # -- services ----------------------------------------------------------------------------------
@@ -61,42 +55,43 @@ def create_service(
     as_json: bool = typer.Option(False, "--json", help="Print JSON."),
 ) -> None:
     """Create a service profile."""
-    body: dict[str, Any] = {
-        "name": name,
-        "model": model,
-        "engine": engine,
-        "runtime": runtime,
-        "gpus": parse_gpus(gpu),
-        "ctx": ctx_len,
-        "extra_args": list(extra),
-        "image": image,
-        "node_label": node_label,
-    }
+    body = request_body(
+        ServiceIn,
+        name=name,
+        model=model,
+        engine=engine,
+        runtime=runtime,
+        gpus=parse_gpus(gpu),
+        ctx=ctx_len,
+        extra_args=list(extra),
+        image=image,
+        node_label=node_label,
+    )
     with context(ctx).client() as client:
-        record = client.post("/admin/services", json=body)
+        record = client.create_service(body)
     if as_json:
         print_json(record)
         return
-    console.print(f"service [bold]{record['name']}[/] created: {_settings(record)}")
+    console.print(f"service [bold]{record.name}[/] created: {_settings(record)}")
     console.print(
-        f"next: `berth service deploy {record['name']}`, then "
-        f"`berth route create PUBLIC-NAME --service {record['name']}`",
+        f"next: `berth service deploy {record.name}`, then "
+        f"`berth route create PUBLIC-NAME --service {record.name}`",
         markup=False,
     )
 
 
-def _settings(record: dict[str, Any]) -> str:
+def _settings(record: Service) -> str:
     """A service's settings on one line."""
-    parts = [f"model {record['model']}", f"{record['engine']} ({record['runtime']})"]
-    if record["gpus"]:
-        parts.append("GPUs " + ",".join(map(str, record["gpus"])))
-    if record["ctx"]:
-        parts.append(f"ctx {record['ctx']}")
-    if record["extra_args"]:
-        parts.append("args " + " ".join(record["extra_args"]))
-    if record["image"]:
-        parts.append(f"image {record['image']}")
-    parts.append(f"node {record['node_label']}" if record["node_label"] else "any node")
+    parts = [f"model {record.model}", f"{record.engine} ({record.runtime})"]
+    if record.gpus:
+        parts.append("GPUs " + ",".join(map(str, record.gpus)))
+    if record.ctx:
+        parts.append(f"ctx {record.ctx}")
+    if record.extra_args:
+        parts.append("args " + " ".join(record.extra_args))
+    if record.image:
+        parts.append(f"image {record.image}")
+    parts.append(f"node {record.node_label}" if record.node_label else "any node")
     return ", ".join(parts)
 
 
@@ -106,7 +101,7 @@ def list_services(
 ) -> None:
     """List service profiles, with their ready deployments and the routes that name them."""
     with context(ctx).client() as client:
-        records = client.get("/admin/services")
+        records = client.services()
     if as_json:
         print_json(records)
         return
@@ -118,17 +113,17 @@ def list_services(
         table.add_column(column, no_wrap=column in ("NAME", "MODEL"))
     table.add_column("ROUTES")
     for r in records:
-        ready = f"[green]{r['ready']}[/]" if r["ready"] else "0"
+        ready = f"[green]{r.ready}[/]" if r.ready else "0"
         table.add_row(
-            r["name"],
-            r["model"],
-            r["engine"],
-            r["runtime"],
-            r["node_label"] or "-",
-            ",".join(map(str, r["gpus"])) or "-",
-            str(r["ctx"] or "-"),
+            r.name,
+            r.model,
+            r.engine,
+            r.runtime,
+            r.node_label or "-",
+            ",".join(map(str, r.gpus)) or "-",
+            str(r.ctx or "-"),
             ready,
-            ", ".join(r["routes"]) or "-",
+            ", ".join(r.routes) or "-",
         )
     console.print(table)
 
@@ -141,18 +136,17 @@ def show_service(
 ) -> None:
     """Show a service profile, its active deployments and the routes that name it."""
     with context(ctx).client() as client:
-        record = client.get(f"/admin/services/{_path(name)}")
+        detail = client.service(name)
     if as_json:
-        print_json(record)
+        print_json(detail)
         return
-    console.print(f"[bold]{record['name']}[/]: {_settings(record)}", soft_wrap=True)
-    console.print(f"routes: {', '.join(record['routes']) or 'none'}", markup=False)
-    deployments = record["deployments"]
-    if not deployments:
+    console.print(f"[bold]{detail.name}[/]: {_settings(detail)}", soft_wrap=True)
+    console.print(f"routes: {', '.join(detail.routes) or 'none'}", markup=False)
+    if not detail.deployments:
         console.print(f"deployments: none (start one with `berth service deploy {name}`)")
-    for d in deployments:
-        port = f", port {d['port']}" if d["port"] else ""
-        console.print(f"deployment {d['id']}: {d['state']} on node {d['node_id']}{port}")
+    for d in detail.deployments:
+        port = f", port {d.port}" if d.port else ""
+        console.print(f"deployment {d.id}: {d.state} on node {d.node_id}{port}")
 
 
 @service_app.command("rm")
@@ -162,7 +156,7 @@ def remove_service(
     """Delete a service profile (refused while a route names it or it has active
     deployments)."""
     with context(ctx).client() as client:
-        client.delete(f"/admin/services/{_path(name)}")
+        client.remove_service(name)
     console.print(f"service {name} removed")
 
 
@@ -180,18 +174,16 @@ def deploy_service(
 ) -> None:
     """Start a deployment of a service and wait until it serves."""
     with context(ctx).client() as client:
-        record = client.post(f"/admin/services/{_path(name)}/deploy", json={"node": node})
+        record = client.deploy_service(name, request_body(DeployIn, node=node))
         if detach:
-            console.print(f"{record['id']} {record['state']}")
+            console.print(f"{record.id} {record.state}")
             return
         record = wait_settled(client, record, f"service {name}", timeout)
-    if record["state"] != "ready":
-        raise EngineError(
-            f"{record['id']} {record['state']}: {record.get('failure_reason') or 'no reason'}"
-        )
+    if record.state != DeploymentState.READY:
+        raise EngineError(f"{record.id} {record.state}: {record.failure_reason or 'no reason'}")
     console.print(
-        f"[green]{record['id']} ready[/]: service [bold]{name}[/] (model {record['model_name']} "
-        f"on {record['engine']}, node {record['node_id']}, port {record['port']})"
+        f"[green]{record.id} ready[/]: service [bold]{name}[/] (model {record.model_name} "
+        f"on {record.engine}, node {record.node_id}, port {record.port})"
     )
 
 
@@ -216,21 +208,23 @@ def create_route(
     Run it once per service to put several behind one name.  ``--fallback`` sets the
     route's fallback (a route has one; giving another replaces it).
     """
-    body = {"name": public_name, "service": service, "priority": priority, "fallback": fallback}
+    body = request_body(
+        RouteIn, name=public_name, service=service, priority=priority, fallback=fallback
+    )
     with context(ctx).client() as client:
-        record = client.post("/admin/routes", json=body)
+        record = client.add_route(body)
     if as_json:
         print_json(record)
         return
-    console.print(f"route [bold]{record['name']}[/]: {_route_line(record)}", soft_wrap=True)
+    console.print(f"route [bold]{record.name}[/]: {_route_line(record)}", soft_wrap=True)
 
 
-def _route_line(record: dict[str, Any]) -> str:
-    services = ", ".join(f"{s['service']} (priority {s['priority']})" for s in record["services"])
+def _route_line(record: Route) -> str:
+    services = ", ".join(f"{s.service} (priority {s.priority})" for s in record.services)
     line = services
-    if record["fallback"]:
-        line += f"; falls back to {record['fallback']}"
-    serving = ", ".join(record["serving"]) or "nothing ready"
+    if record.fallback:
+        line += f"; falls back to {record.fallback}"
+    serving = ", ".join(record.serving) or "nothing ready"
     return f"{line}; now served by {serving}"
 
 
@@ -240,7 +234,7 @@ def list_routes(
 ) -> None:
     """List routes: their services by priority, fallback, and who answers now."""
     with context(ctx).client() as client:
-        records = client.get("/admin/routes")
+        records = client.routes()
     if as_json:
         print_json(records)
         return
@@ -253,11 +247,9 @@ def list_routes(
     table.add_column("FALLBACK")
     table.add_column("SERVED BY")
     for r in records:
-        services = ", ".join(
-            f"{s['service']} ({s['priority']}, {s['ready']})" for s in r["services"]
-        )
-        serving = ", ".join(r["serving"]) if r["serving"] else "[red]nothing ready[/]"
-        table.add_row(r["name"], services, r["fallback"] or "-", serving)
+        services = ", ".join(f"{s.service} ({s.priority}, {s.ready})" for s in r.services)
+        serving = ", ".join(r.serving) if r.serving else "[red]nothing ready[/]"
+        table.add_row(r.name, services, r.fallback or "-", serving)
     console.print(table)
 
 
@@ -269,13 +261,13 @@ def show_route(
 ) -> None:
     """Show one route, and why nothing answers when nothing does."""
     with context(ctx).client() as client:
-        record = client.get(f"/admin/routes/{_path(public_name)}")
+        record = client.route(public_name)
     if as_json:
         print_json(record)
         return
-    console.print(f"route [bold]{record['name']}[/]: {_route_line(record)}", soft_wrap=True)
-    if record["reason"]:
-        console.print(record["reason"], markup=False, soft_wrap=True)
+    console.print(f"route [bold]{record.name}[/]: {_route_line(record)}", soft_wrap=True)
+    if record.reason:
+        console.print(record.reason, markup=False, soft_wrap=True)
 
 
 @route_app.command("fallback")
@@ -289,10 +281,8 @@ def set_fallback(
     if (fallback is None) == (not clear):
         raise ConfigError("give a fallback route, or --none to remove the fallback")
     with context(ctx).client() as client:
-        record = client.request(
-            "PATCH", f"/admin/routes/{_path(public_name)}", json={"fallback": fallback}
-        )
-    console.print(f"route [bold]{record['name']}[/]: {_route_line(record)}", soft_wrap=True)
+        record = client.set_route_fallback(public_name, request_body(FallbackIn, fallback=fallback))
+    console.print(f"route [bold]{record.name}[/]: {_route_line(record)}", soft_wrap=True)
 
 
 @route_app.command("rm")
@@ -304,10 +294,9 @@ def remove_route(
     ),
 ) -> None:
     """Remove a route, or one service from it (a route left with none is removed)."""
-    params = {"service": service} if service else {}
     with context(ctx).client() as client:
-        result = client.delete(f"/admin/routes/{_path(public_name)}", params=params)
-    left = result["route"]
+        result = client.remove_route(public_name, service=service)
+    left = result.route
     if left is None:
         console.print(f"route {public_name} removed")
     else:

@@ -120,6 +120,7 @@ class Settings:
     heartbeat_interval_s: float
     node_timeout_s: float
     link_timeout_s: float
+    desk_pool_url: str
 
     @classmethod
     def load(

@@ -11,17 +11,36 @@ import os
 import signal
 import time
 from collections.abc import AsyncIterator
-from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, Field, field_validator
+from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from berth import __version__
+from berth.api import (
+    ApiKey,
+    CreatedApiKey,
+    DaemonInfo,
+    Deployment,
+    DeploymentIn,
+    ErrorBody,
+    Health,
+    KeyIn,
+    ListedDeployment,
+    ListenerInfo,
+    LocatedModel,
+    ModelIn,
+    ModelRemoved,
+    Readiness,
+    RegisteredModel,
+    RuntimeInfo,
+    SettingsReport,
+    SettingValue,
+    ShutdownAccepted,
+    describe_invalid,
+)
 from berth.cluster.link import LOCAL_NODE_ID
 from berth.daemon.admin_metrics import build_metrics_router
 from berth.daemon.admin_nodes import build_node_router
@@ -31,74 +50,76 @@ from berth.daemon.services import LeaderServices
 from berth.errors import BerthError, ConfigError, ConflictError, NotFoundError
 from berth.keys import generate_secret, hash_secret, key_prefix, parse_tier
 from berth.openai_errors import error_body, error_from_exception
+from berth.runtime.engines import parse_engine_name, parse_runtime_name
 from berth.store import ApiKeyRecord, DeploymentRecord, ModelRecord, Store
 from berth.store.states import TERMINAL_STATES
 
-#: Model names: letters, digits and ``. _ - : /`` (hub ids like ``org/model:q4``), starting
-#: with a letter or digit, no ``..``: safe in URLs, file names and the OpenAI ``model`` field.
-MODEL_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,199}$"
+#: Every admin error is an OpenAI-shaped body (``ErrorBody``); FastAPI's own 422 answer is
+#: never sent (a bad request body is a 400), so the schema lists the ranges instead.
+ERROR_RESPONSES: dict[int | str, dict[str, object]] = {
+    "4XX": {
+        "model": ErrorBody,
+        "description": "refused: bad input (400), unknown name (404), "
+        "conflict with current state (409)",
+    },
+    "5XX": {"model": ErrorBody, "description": "an engine or the leader failed"},
+}
 
 
-class ModelIn(BaseModel):
-    name: str = Field(pattern=MODEL_NAME_PATTERN)
-    path: str
-    source: Literal["local", "hub"] = "local"
-    repo_id: str | None = None
-    revision: str | None = None
-    #: A node id or label: the weights are at ``path`` on that node's host (not checked here).
-    node: str | None = None
-
-    @field_validator("name")
-    @classmethod
-    def _no_parent_segments(cls, name: str) -> str:
-        if ".." in name:
-            raise ValueError("must not contain '..'")
-        return name
+def model_view(record: ModelRecord) -> RegisteredModel:
+    """A model for the admin API."""
+    return RegisteredModel(
+        name=record.name,
+        path=str(record.path),
+        source=record.source,
+        repo_id=record.repo_id,
+        revision=record.revision,
+        size_bytes=record.size_bytes,
+        created_at=record.created_at,
+    )
 
 
-class DeploymentIn(BaseModel):
-    model: str
-    engine: str = "llamacpp"
-    node: str = "local"
-    runtime: str | None = None
-    gpus: list[int] = Field(default_factory=list)
-    ctx: int | None = Field(default=None, gt=0)
-    extra_args: list[str] = Field(default_factory=list)
-    served_model_name: str | None = None
-    image: str | None = Field(default=None, max_length=512)
+def located_model_view(record: ModelRecord, locations: dict[str, str]) -> LocatedModel:
+    """A model with where it is on other nodes' hosts (node id → path)."""
+    return model_view(record).extended(LocatedModel, locations=locations)
 
 
-class KeyIn(BaseModel):
-    name: str = Field(min_length=1, max_length=200)
-    tier: str = "standard"
-
-
-def model_json(record: ModelRecord) -> dict[str, Any]:
-    data = asdict(record)
-    data["created_at"] = record.created_at.isoformat()
-    return data
-
-
-def deployment_json(
+def deployment_view(
     record: DeploymentRecord, lifecycle: LifecycleManager | None = None
-) -> dict[str, Any]:
+) -> Deployment:
     """A deployment for the admin API; ``progress`` says what a loading one is busy with
     (an image pull), ``None`` otherwise."""
-    data = asdict(record)
-    data["progress"] = lifecycle.progress(record.id) if lifecycle is not None else None
-    data["state"] = str(record.state)
-    data["gpus"] = list(record.gpus)
-    data["extra_args"] = list(record.extra_args)
-    data["created_at"] = record.created_at.isoformat()
-    data["updated_at"] = record.updated_at.isoformat()
-    return data
+    return Deployment(
+        id=record.id,
+        model_name=record.model_name,
+        engine=parse_engine_name(record.engine),
+        runtime=parse_runtime_name(record.runtime),
+        node_id=record.node_id,
+        state=record.state,
+        port=record.port,
+        pid=record.pid,
+        gpus=list(record.gpus),
+        ctx=record.ctx,
+        extra_args=list(record.extra_args),
+        served_model_name=record.served_model_name,
+        failure_reason=record.failure_reason,
+        created_at=record.created_at,
+        updated_at=record.updated_at,
+        image=record.image,
+        progress=lifecycle.progress(record.id) if lifecycle is not None else None,
+    )
 
 
-def key_json(record: ApiKeyRecord) -> dict[str, Any]:
-    data = asdict(record)
-    data["created_at"] = record.created_at.isoformat()
-    data["revoked_at"] = record.revoked_at.isoformat() if record.revoked_at else None
-    return data
+def key_view(record: ApiKeyRecord) -> ApiKey:
+    """A key's metadata for the admin API (never its secret)."""
+    return ApiKey(
+        id=record.id,
+        name=record.name,
+        tier=record.tier,
+        prefix=record.prefix,
+        created_at=record.created_at,
+        revoked_at=record.revoked_at,
+    )
 
 
 def _is_gguf(path: Path) -> bool:
@@ -154,8 +175,19 @@ async def _follow_until_settled(
 
 
 def build_admin_app(services: LeaderServices) -> FastAPI:
-    """The FastAPI app for everything that is not ``/v1/*``."""
-    app = FastAPI(title="berth admin API", version=__version__, docs_url=None, redoc_url=None)
+    """The FastAPI app for everything that is not ``/v1/*``.
+
+    Every JSON route declares its answer's model (:mod:`berth.api`), so the schema at
+    ``/admin/openapi.json`` (admin key over TCP, like the rest of ``/admin``) describes it.
+    """
+    app = FastAPI(
+        title="berth admin API",
+        version=__version__,
+        docs_url=None,
+        redoc_url=None,
+        openapi_url="/admin/openapi.json",
+        responses=ERROR_RESPONSES,
+    )
     store = services.store
     lifecycle = services.lifecycle
 
@@ -176,65 +208,72 @@ def build_admin_app(services: LeaderServices) -> FastAPI:
         if first.get("type") == "json_invalid":
             body = error_body("request body is not valid JSON", type="invalid_request_error")
             return Response(body, status_code=400, media_type="application/json")
-        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
-        message = f"{where}: {first.get('msg', 'invalid request')}" if where else "invalid request"
-        body = error_body(message, type="invalid_request_error", param=where or None)
+        message, param = describe_invalid(first)
+        body = error_body(message, type="invalid_request_error", param=param)
         return Response(body, status_code=400, media_type="application/json")
 
     @app.get("/healthz")
-    async def healthz() -> dict[str, str]:
-        return {"status": "ok"}
+    async def healthz() -> Health:
+        return Health()
 
-    @app.get("/readyz")
-    async def readyz() -> Response:
+    @app.get("/readyz", responses={503: {"model": Readiness, "description": "still starting"}})
+    async def readyz(response: Response) -> Readiness:
         if services.ready:
-            return JSONResponse({"status": "ready"})
-        return JSONResponse({"status": "starting"}, status_code=503)
+            return Readiness(status="ready")
+        response.status_code = 503
+        return Readiness(status="starting")
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics() -> Response:
         payload, content_type = services.metrics.render()
         return Response(payload, media_type=content_type)
 
     @app.get("/admin/info")
-    async def info() -> dict[str, Any]:
-        return {
-            "version": __version__,
-            "pid": services.pid,
-            "home": str(services.home.root),
-            "started_at": services.started_at,
-            "uptime_s": round(time.time() - services.started_at, 1),
-            "ca_fingerprint": services.ca.fingerprint_sha256,
-            "ca_file": str(services.home.ca_dir / "ca.pem"),
-            "listeners": [asdict(listener) for listener in services.listeners],
-            "cluster_url": services.cluster_url,
+    async def info() -> DaemonInfo:
+        return DaemonInfo(
+            version=__version__,
+            pid=services.pid,
+            home=str(services.home.root),
+            started_at=services.started_at,
+            uptime_s=round(time.time() - services.started_at, 1),
+            ca_fingerprint=services.ca.fingerprint_sha256,
+            ca_file=str(services.home.ca_dir / "ca.pem"),
+            listeners=[ListenerInfo(name=x.name, url=x.url) for x in services.listeners],
+            cluster_url=services.cluster_url,
             # No --public-cert: clients must trust the berth CA (ca_file) to reach /v1.
-            "public_cert_from_ca": services.settings.public_cert is None,
-            "ready": services.ready,
+            public_cert_from_ca=services.settings.public_cert is None,
+            ready=services.ready,
             # A control plane only: no engines on the leader's host (the leader_only setting).
-            "leader_only": services.leader_only,
-            "runtimes": [asdict(runtime) for runtime in services.runtimes],
-        }
+            leader_only=services.leader_only,
+            runtimes=[
+                RuntimeInfo(
+                    name=parse_runtime_name(runtime.name),
+                    available=runtime.available,
+                    detail=runtime.detail,
+                )
+                for runtime in services.runtimes
+            ],
+        )
 
     @app.get("/admin/config")
-    async def config() -> Any:
-        return services.settings.as_json()
+    async def config() -> SettingsReport:
+        return {
+            name: SettingValue(value=shown["value"], source=services.settings.source(name))
+            for name, shown in services.settings.as_json().items()
+        }
 
     # -- models ------------------------------------------------------------------------------
     @app.get("/admin/models")
-    async def list_models() -> list[dict[str, Any]]:
+    async def list_models() -> list[LocatedModel]:
         records = await asyncio.to_thread(store.list_models)
         locations = await asyncio.to_thread(store.list_model_locations)
         return [
-            {
-                **model_json(r),
-                "locations": {x.node_id: x.path for x in locations if x.model_name == r.name},
-            }
+            located_model_view(r, {x.node_id: x.path for x in locations if x.model_name == r.name})
             for r in records
         ]
 
     @app.post("/admin/models", status_code=201)
-    async def add_model(body: ModelIn) -> dict[str, Any]:
+    async def add_model(body: ModelIn) -> LocatedModel | RegisteredModel:
         path = Path(body.path)
         if not path.is_absolute():
             raise ConfigError(f"model path must be absolute, not {body.path!r}")
@@ -257,9 +296,9 @@ def build_admin_app(services: LeaderServices) -> FastAPI:
             size_bytes=_path_size_bytes(path),
         )
         await lifecycle.refresh_known_models()
-        return model_json(record)
+        return model_view(record)
 
-    async def _add_remote_location(name: str, node_id: str, path: str) -> dict[str, Any]:
+    async def _add_remote_location(name: str, node_id: str, path: str) -> LocatedModel:
         # The path lives on the agent's host: the leader cannot check it.
         try:
             record = await asyncio.to_thread(store.get_model, name)
@@ -268,32 +307,34 @@ def build_admin_app(services: LeaderServices) -> FastAPI:
             record = await asyncio.to_thread(store.add_model, name, path, source="remote")
         await asyncio.to_thread(store.set_model_location, name, node_id, path)
         await lifecycle.refresh_known_models()
-        return {**model_json(record), "locations": {node_id: path}}
+        return located_model_view(record, {node_id: path})
 
     @app.delete("/admin/models/{name:path}")
-    async def remove_model(name: str) -> dict[str, str]:
+    async def remove_model(name: str) -> ModelRemoved:
         await asyncio.to_thread(store.remove_model, name)
         await lifecycle.refresh_known_models()
-        return {"removed": name}
+        return ModelRemoved(removed=name)
 
     # -- deployments -------------------------------------------------------------------------
     @app.get("/admin/deployments")
-    async def list_deployments(active: bool = False) -> list[dict[str, Any]]:
+    async def list_deployments(active: bool = False) -> list[ListedDeployment]:
         records = await asyncio.to_thread(store.list_deployments, active_only=active)
         nodes = {n.id: n for n in await asyncio.to_thread(store.list_nodes, True)}
         listed = []
         for record in records:
-            data = deployment_json(record, lifecycle)
             node = nodes.get(record.node_id)
-            data["node_label"] = node.label if node is not None else record.node_id
-            data["node_connected"] = record.node_id == LOCAL_NODE_ID or services.hub.is_connected(
-                record.node_id
+            connected = record.node_id == LOCAL_NODE_ID or services.hub.is_connected(record.node_id)
+            listed.append(
+                deployment_view(record, lifecycle).extended(
+                    ListedDeployment,
+                    node_label=node.label if node is not None else record.node_id,
+                    node_connected=connected,
+                )
             )
-            listed.append(data)
         return listed
 
     @app.post("/admin/deployments", status_code=201)
-    async def create_deployment(body: DeploymentIn) -> dict[str, Any]:
+    async def create_deployment(body: DeploymentIn) -> Deployment:
         if services.leader_only and body.node == LOCAL_NODE_ID:
             raise ConflictError(
                 "this leader runs no engines (leader_only is set): run the deployment on an "
@@ -312,18 +353,18 @@ def build_admin_app(services: LeaderServices) -> FastAPI:
                 image=body.image,
             )
         )
-        return deployment_json(record, lifecycle)
+        return deployment_view(record, lifecycle)
 
     @app.get("/admin/deployments/{deployment_id}")
-    async def get_deployment(deployment_id: str) -> dict[str, Any]:
+    async def get_deployment(deployment_id: str) -> Deployment:
         record = await asyncio.to_thread(store.get_deployment, deployment_id)
-        return deployment_json(record, lifecycle)
+        return deployment_view(record, lifecycle)
 
     @app.post("/admin/deployments/{deployment_id}/stop")
-    async def stop_deployment(deployment_id: str) -> dict[str, Any]:
-        return deployment_json(await lifecycle.stop(deployment_id), lifecycle)
+    async def stop_deployment(deployment_id: str) -> Deployment:
+        return deployment_view(await lifecycle.stop(deployment_id), lifecycle)
 
-    @app.get("/admin/deployments/{deployment_id}/logs")
+    @app.get("/admin/deployments/{deployment_id}/logs", response_class=PlainTextResponse)
     async def deployment_logs(
         deployment_id: str, tail: int = 100, follow: bool = False
     ) -> Response:
@@ -345,11 +386,11 @@ def build_admin_app(services: LeaderServices) -> FastAPI:
 
     # -- keys --------------------------------------------------------------------------------
     @app.get("/admin/keys")
-    async def list_keys() -> list[dict[str, Any]]:
-        return [key_json(r) for r in await asyncio.to_thread(store.list_api_keys)]
+    async def list_keys() -> list[ApiKey]:
+        return [key_view(r) for r in await asyncio.to_thread(store.list_api_keys)]
 
     @app.post("/admin/keys", status_code=201)
-    async def create_key(body: KeyIn) -> dict[str, Any]:
+    async def create_key(body: KeyIn) -> CreatedApiKey:
         tier = parse_tier(body.tier)
         secret = generate_secret()
         record = await asyncio.to_thread(
@@ -359,21 +400,21 @@ def build_admin_app(services: LeaderServices) -> FastAPI:
             hash_secret(secret, services.pepper),
             key_prefix(secret),
         )
-        return {**key_json(record), "secret": secret}
+        return key_view(record).extended(CreatedApiKey, secret=secret)
 
     @app.delete("/admin/keys/{key_id}")
-    async def revoke_key(key_id: str) -> dict[str, Any]:
+    async def revoke_key(key_id: str) -> ApiKey:
         record = await asyncio.to_thread(store.revoke_api_key, key_id)
         services.authenticator.forget_all()
-        return key_json(record)
+        return key_view(record)
 
     app.include_router(build_node_router(services))
     app.include_router(build_metrics_router(services))
     app.include_router(build_routing_router(services))
 
     @app.post("/admin/shutdown", status_code=202)
-    async def shutdown() -> dict[str, str]:
+    async def shutdown() -> ShutdownAccepted:
         os.kill(services.pid, signal.SIGTERM)
-        return {"status": "stopping"}
+        return ShutdownAccepted()
 
     return app

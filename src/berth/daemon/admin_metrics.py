@@ -1,6 +1,6 @@
 """The admin API's metrics route: every node's load over the last minute, for dashboards.
 
-``GET /admin/metrics/snapshot`` answers::
+``GET /admin/metrics/snapshot`` answers a :class:`berth.api.MetricsSnapshot`::
 
     {"at": 1718000000.0, "window_s": 60.0,
      "nodes": [{"node": "local",
@@ -22,52 +22,99 @@ Series are one value per sample (the heartbeat's resolution), aligned with ``ser
 
 from __future__ import annotations
 
-from dataclasses import asdict
-from typing import Any
-
 from fastapi import APIRouter
 
+from berth.api import (
+    DeploymentColumns,
+    DeploymentSampleOut,
+    GpuColumns,
+    GpuSampleOut,
+    MetricsSnapshot,
+    NodeMetrics,
+    NodeSampleOut,
+    NodeSeriesColumns,
+)
 from berth.daemon.services import LeaderServices
-from berth.observability.cluster import ClusterSnapshot, NodeSeries
-
-#: The per-deployment figures kept as series (one value per sample).
-_COLUMNS = ("in_flight", "requests_total", "errors_total", "latency_p95_ms")
+from berth.observability.cluster import ClusterSnapshot, NodeSample, NodeSeries
 
 
-def _node_series_json(series: NodeSeries) -> dict[str, Any]:
+def _sample_view(sample: NodeSample) -> NodeSampleOut:
+    return NodeSampleOut(
+        at=sample.at,
+        gpus=[
+            GpuSampleOut(
+                index=g.index,
+                name=g.name,
+                util_pct=g.util_pct,
+                mem_used_bytes=g.mem_used_bytes,
+                mem_total_bytes=g.mem_total_bytes,
+            )
+            for g in sample.gpus
+        ],
+        deployments=[
+            DeploymentSampleOut(
+                deployment=d.deployment,
+                model=d.model,
+                in_flight=d.in_flight,
+                requests_total=d.requests_total,
+                errors_total=d.errors_total,
+                latency_p50_ms=d.latency_p50_ms,
+                latency_p95_ms=d.latency_p95_ms,
+                alive=d.alive,
+            )
+            for d in sample.deployments
+        ],
+    )
+
+
+def _node_view(series: NodeSeries) -> NodeMetrics:
     samples = series.samples
     count = len(samples)
-    gpus: dict[str, dict[str, list[float | None]]] = {}
-    deployments: dict[str, dict[str, Any]] = {}
+    util: dict[str, list[float | None]] = {}
+    mem: dict[str, list[int | None]] = {}
+    models: dict[str, str] = {}
+    in_flight: dict[str, list[int | None]] = {}
+    requests: dict[str, list[int | None]] = {}
+    errors: dict[str, list[int | None]] = {}
+    p95: dict[str, list[float | None]] = {}
     for i, sample in enumerate(samples):
         for gpu in sample.gpus:
-            columns = gpus.setdefault(
-                str(gpu.index), {"util_pct": [None] * count, "mem_used_bytes": [None] * count}
-            )
-            columns["util_pct"][i] = gpu.util_pct
-            columns["mem_used_bytes"][i] = gpu.mem_used_bytes
+            key = str(gpu.index)
+            util.setdefault(key, [None] * count)[i] = gpu.util_pct
+            mem.setdefault(key, [None] * count)[i] = gpu.mem_used_bytes
         for d in sample.deployments:
-            entry = deployments.setdefault(
-                d.deployment, {"model": d.model, **{name: [None] * count for name in _COLUMNS}}
-            )
-            entry["in_flight"][i] = d.in_flight
-            entry["requests_total"][i] = d.requests_total
-            entry["errors_total"][i] = d.errors_total
-            entry["latency_p95_ms"][i] = d.latency_p95_ms
-    return {
-        "node": series.node,
-        "latest": asdict(series.latest),
-        "series": {"at": [s.at for s in samples], "gpus": gpus, "deployments": deployments},
-    }
+            models.setdefault(d.deployment, d.model)
+            in_flight.setdefault(d.deployment, [None] * count)[i] = d.in_flight
+            requests.setdefault(d.deployment, [None] * count)[i] = d.requests_total
+            errors.setdefault(d.deployment, [None] * count)[i] = d.errors_total
+            p95.setdefault(d.deployment, [None] * count)[i] = d.latency_p95_ms
+    return NodeMetrics(
+        node=series.node,
+        latest=_sample_view(series.latest),
+        series=NodeSeriesColumns(
+            at=[s.at for s in samples],
+            gpus={key: GpuColumns(util_pct=util[key], mem_used_bytes=mem[key]) for key in util},
+            deployments={
+                key: DeploymentColumns(
+                    model=model,
+                    in_flight=in_flight[key],
+                    requests_total=requests[key],
+                    errors_total=errors[key],
+                    latency_p95_ms=p95[key],
+                )
+                for key, model in models.items()
+            },
+        ),
+    )
 
 
-def snapshot_json(snapshot: ClusterSnapshot) -> dict[str, Any]:
-    """The JSON shape of ``GET /admin/metrics/snapshot`` (see the module docstring)."""
-    return {
-        "at": snapshot.at,
-        "window_s": snapshot.window_s,
-        "nodes": [_node_series_json(node) for node in snapshot.nodes],
-    }
+def snapshot_view(snapshot: ClusterSnapshot) -> MetricsSnapshot:
+    """The answer of ``GET /admin/metrics/snapshot`` (see the module docstring)."""
+    return MetricsSnapshot(
+        at=snapshot.at,
+        window_s=snapshot.window_s,
+        nodes=[_node_view(node) for node in snapshot.nodes],
+    )
 
 
 def build_metrics_router(services: LeaderServices) -> APIRouter:
@@ -75,7 +122,7 @@ def build_metrics_router(services: LeaderServices) -> APIRouter:
     router = APIRouter()
 
     @router.get("/admin/metrics/snapshot")
-    async def metrics_snapshot() -> dict[str, Any]:
-        return snapshot_json(services.cluster_metrics.snapshot())
+    async def metrics_snapshot() -> MetricsSnapshot:
+        return snapshot_view(services.cluster_metrics.snapshot())
 
     return router

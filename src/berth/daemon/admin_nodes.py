@@ -14,21 +14,24 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import asdict, replace
-from typing import Any
+from dataclasses import replace
 
-import msgspec
 from fastapi import APIRouter
-from pydantic import BaseModel
 
 from berth import __version__
+from berth.api import (
+    AdoptedEndpoint,
+    EnrollIn,
+    EnrollmentIssued,
+    Gpu,
+    NodeDetail,
+    NodeDetailWithAdopted,
+    NodeSummary,
+)
 from berth.cluster.link import LOCAL_NODE_ID
+from berth.cluster.protocol.frames import AdoptedState
 from berth.daemon.services import LeaderServices
 from berth.store import NodeHardware, NodeRecord
-
-
-class EnrollIn(BaseModel):
-    label: str
 
 
 async def _live(services: LeaderServices, record: NodeRecord) -> NodeRecord:
@@ -48,35 +51,60 @@ async def _live(services: LeaderServices, record: NodeRecord) -> NodeRecord:
     )
 
 
-def node_summary_json(record: NodeRecord, *, connected: bool) -> dict[str, Any]:
+def node_summary_view(record: NodeRecord, *, connected: bool) -> NodeSummary:
     """One row of ``GET /admin/nodes``."""
     inventory = record.inventory
-    return {
-        "id": record.id,
-        "label": record.label,
-        "status": record.status,
-        "connected": connected,
-        "hostname": inventory.hostname if inventory else None,
-        "gpu_count": len(inventory.gpus) if inventory else 0,
-        "vram_total_mb": inventory.vram_total_mb if inventory else 0,
-        "agent_version": record.agent_version,
-        "last_heartbeat_at": record.last_heartbeat_at,
-    }
+    return NodeSummary(
+        id=record.id,
+        label=record.label,
+        status=record.status,
+        connected=connected,
+        hostname=inventory.hostname if inventory else None,
+        gpu_count=len(inventory.gpus) if inventory else 0,
+        vram_total_mb=inventory.vram_total_mb if inventory else 0,
+        agent_version=record.agent_version,
+        last_heartbeat_at=record.last_heartbeat_at,
+    )
 
 
-def node_detail_json(record: NodeRecord, *, connected: bool) -> dict[str, Any]:
+def node_detail_view(record: NodeRecord, *, connected: bool) -> NodeDetail:
     """``GET /admin/nodes/{id}``: the summary plus hardware, capabilities and versions."""
     inventory = record.inventory
-    return {
-        **node_summary_json(record, connected=connected),
-        "cpu_count": inventory.cpu_count if inventory else None,
-        "memory_total_mb": inventory.memory_total_mb if inventory else None,
-        "gpus": [asdict(gpu) for gpu in inventory.gpus] if inventory else [],
-        "capabilities": list(record.capabilities),
-        "protocol_version": record.protocol_version,
-        "cert_fingerprint": record.cert_fingerprint,
-        "created_at": record.created_at.isoformat(),
-    }
+    gpus = [
+        Gpu(
+            index=gpu.index,
+            name=gpu.name,
+            uuid=gpu.uuid,
+            memory_total_mb=gpu.memory_total_mb,
+            memory_used_mb=gpu.memory_used_mb,
+            utilization_pct=gpu.utilization_pct,
+        )
+        for gpu in (inventory.gpus if inventory else ())
+    ]
+    return node_summary_view(record, connected=connected).extended(
+        NodeDetail,
+        cpu_count=inventory.cpu_count if inventory else None,
+        memory_total_mb=inventory.memory_total_mb if inventory else None,
+        gpus=gpus,
+        capabilities=list(record.capabilities),
+        protocol_version=record.protocol_version,
+        cert_fingerprint=record.cert_fingerprint,
+        created_at=record.created_at,
+    )
+
+
+def adopted_view(state: AdoptedState) -> AdoptedEndpoint:
+    """An adopted server as its node last reported it."""
+    return AdoptedEndpoint(
+        name=state.name,
+        served_model_name=state.served_model_name,
+        engine_model=state.engine_model,
+        host=state.host,
+        port=state.port,
+        gpus=list(state.gpus),
+        vram_mb=state.vram_mb,
+        alive=state.alive,
+    )
 
 
 def build_node_router(services: LeaderServices) -> APIRouter:
@@ -90,33 +118,36 @@ def build_node_router(services: LeaderServices) -> APIRouter:
         return services.hub.is_connected(record.id)
 
     @router.post("/admin/nodes/enroll", status_code=201)
-    async def enroll(body: EnrollIn) -> dict[str, Any]:
+    async def enroll(body: EnrollIn) -> EnrollmentIssued:
         issued = await asyncio.to_thread(services.enrollment.issue_token, body.label)
-        return {"uri": str(issued.uri), "expires_at": issued.expires_at, "label": issued.label}
+        return EnrollmentIssued(
+            uri=str(issued.uri), expires_at=issued.expires_at, label=issued.label
+        )
 
     @router.get("/admin/nodes")
-    async def list_nodes() -> list[dict[str, Any]]:
+    async def list_nodes() -> list[NodeSummary]:
         records = await asyncio.to_thread(store.list_nodes)
         if services.leader_only:  # no engines on the leader's host: node local is not one
             records = [r for r in records if r.id != LOCAL_NODE_ID]
         return [
-            node_summary_json(await _live(services, r), connected=connected(r)) for r in records
+            node_summary_view(await _live(services, r), connected=connected(r)) for r in records
         ]
 
     @router.get("/admin/nodes/{ident}")
-    async def show_node(ident: str) -> dict[str, Any]:
+    async def show_node(ident: str) -> NodeDetailWithAdopted:
         record = await asyncio.to_thread(store.lookup_node, ident)
-        detail = node_detail_json(await _live(services, record), connected=connected(record))
+        detail = node_detail_view(await _live(services, record), connected=connected(record))
         adopted = services.lifecycle.adopted().get(record.id, [])
-        detail["adopted"] = [msgspec.structs.asdict(state) for state in adopted]
-        return detail
+        return detail.extended(
+            NodeDetailWithAdopted, adopted=[adopted_view(state) for state in adopted]
+        )
 
     @router.delete("/admin/nodes/{ident}")
-    async def remove_node(ident: str) -> dict[str, Any]:
+    async def remove_node(ident: str) -> NodeDetail:
         record = await asyncio.to_thread(store.lookup_node, ident)
         removed = await asyncio.to_thread(store.remove_node, record.id)
         await services.hub.disconnect_node(record.id)
         await services.lifecycle.node_removed(record.id)
-        return node_detail_json(removed, connected=False)
+        return node_detail_view(removed, connected=False)
 
     return router

@@ -8,10 +8,11 @@ that ``X-Session-Id`` (``X-Conversation-Id``).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from fastapi import APIRouter
 
+from berth.api import DroppedCandidate, RankedCandidate, RoutingExplanation
 from berth.routing.affinity import affinity_key
 
 if TYPE_CHECKING:
@@ -24,7 +25,7 @@ def build_routing_router(services: LeaderServices) -> APIRouter:
     @router.get("/admin/routing/{model:path}")
     async def explain_route(
         model: str, session: str | None = None, conversation: str | None = None
-    ) -> dict[str, Any]:
+    ) -> RoutingExplanation:
         headers: list[tuple[bytes, bytes]] = []
         if session:
             headers.append((b"x-session-id", session.encode("latin-1", "replace")))
@@ -33,27 +34,27 @@ def build_routing_router(services: LeaderServices) -> APIRouter:
         key = affinity_key(headers)
         routing = services.proxy.router
         ranking = routing.explain(model, key)
-        return {
-            "model": model,
-            "affinity_node": routing.affinity.get(key),
-            "candidates": [
-                {
-                    "rank": place,
-                    "deployment_id": r.candidate.deployment_id,
-                    "node_id": r.candidate.node_id,
-                    "affinity_hit": r.affinity_hit,
-                    "reason": r.reason,
-                }
+        return RoutingExplanation(
+            model=model,
+            affinity_node=routing.affinity.get(key),
+            candidates=[
+                RankedCandidate(
+                    rank=place,
+                    deployment_id=r.candidate.deployment_id,
+                    node_id=r.candidate.node_id,
+                    affinity_hit=r.affinity_hit,
+                    reason=r.reason,
+                )
                 for place, r in enumerate(ranking.ranked, start=1)
             ],
-            "dropped": [
-                {
-                    "deployment_id": d.candidate.deployment_id,
-                    "node_id": d.candidate.node_id,
-                    "reason": d.reason,
-                }
+            dropped=[
+                DroppedCandidate(
+                    deployment_id=d.candidate.deployment_id,
+                    node_id=d.candidate.node_id,
+                    reason=d.reason,
+                )
                 for d in ranking.dropped
             ],
-        }
+        )
 
     return router

@@ -19,71 +19,34 @@ OpenAI-shaped ones (404 unknown names, 409 names taken or in use, 400 bad values
 from __future__ import annotations
 
 import asyncio
-from dataclasses import asdict
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from fastapi import APIRouter
-from pydantic import BaseModel, Field, field_validator
 
+from berth.api import (
+    DeployIn,
+    Deployment,
+    FallbackIn,
+    Route,
+    RouteIn,
+    RouteRemoved,
+    RouteService,
+    Service,
+    ServiceDeployment,
+    ServiceDetail,
+    ServiceIn,
+)
 from berth.cluster.link import LOCAL_NODE_ID
-from berth.daemon.admin import deployment_json
+from berth.daemon.admin import deployment_view
 from berth.daemon.lifecycle import DeployOptions, LifecycleManager
 from berth.errors import ConfigError, ConflictError, NotFoundError
 from berth.routing.errors import NoReadyDeploymentError
 from berth.routing.routes import RouteResolver
+from berth.runtime.engines import parse_engine_name, parse_runtime_name
 from berth.store import RouteRecord, ServiceProfileRecord, Store
 
 if TYPE_CHECKING:
     from berth.daemon.services import LeaderServices
-
-#: Service names: letters, digits and ``. _ - :``, starting with a letter or digit.  They
-#: become the engine's served model name and a URL path segment.
-SERVICE_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$"
-#: Route names are what clients put in ``"model"``: the rules of model names (``org/m:q4``).
-ROUTE_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,199}$"
-
-
-class ServiceIn(BaseModel):
-    name: str = Field(pattern=SERVICE_NAME_PATTERN)
-    model: str
-    engine: str = "llamacpp"
-    #: ``None``: the leader's ``default_runtime`` setting, recorded on the service.
-    runtime: str | None = None
-    gpus: list[int] = Field(default_factory=list, max_length=64)
-    ctx: int | None = Field(default=None, gt=0, le=2**31 - 1)
-    extra_args: list[str] = Field(default_factory=list)
-    image: str | None = Field(default=None, max_length=512)
-    node_label: str | None = None
-
-    @field_validator("gpus")
-    @classmethod
-    def _gpu_indexes(cls, gpus: list[int]) -> list[int]:
-        if any(not 0 <= gpu <= 1023 for gpu in gpus):
-            raise ValueError("GPU indexes are 0 to 1023")
-        return gpus
-
-
-class DeployIn(BaseModel):
-    #: A node id or label; ``None``: the service's ``node_label``, else ``local``.
-    node: str | None = None
-
-
-class RouteIn(BaseModel):
-    name: str = Field(pattern=ROUTE_NAME_PATTERN)
-    service: str
-    priority: int = Field(default=0, ge=-(2**31), le=2**31 - 1)
-    fallback: str | None = None
-
-    @field_validator("name")
-    @classmethod
-    def _no_parent_segments(cls, name: str) -> str:
-        if ".." in name:
-            raise ValueError("must not contain '..'")
-        return name
-
-
-class FallbackIn(BaseModel):
-    fallback: str | None
 
 
 async def load_routes(store: Store, routes: RouteResolver) -> None:
@@ -101,23 +64,27 @@ def ready_count(lifecycle: LifecycleManager, name: str) -> int:
         return 0
 
 
-def service_json(
+def service_view(
     record: ServiceProfileRecord, lifecycle: LifecycleManager, routes: list[str]
-) -> dict[str, Any]:
+) -> Service:
     """A service for the admin API, with the routes that name it and its ready count."""
-    data = asdict(record)
-    data["model"] = data.pop("model_name")
-    data["gpus"] = list(record.gpus)
-    data["extra_args"] = list(record.extra_args)
-    data["created_at"] = record.created_at.isoformat()
-    data["routes"] = routes
-    data["ready"] = ready_count(lifecycle, record.name)
-    return data
+    return Service(
+        name=record.name,
+        model=record.model_name,
+        engine=parse_engine_name(record.engine),
+        runtime=parse_runtime_name(record.runtime),
+        gpus=list(record.gpus),
+        ctx=record.ctx,
+        extra_args=list(record.extra_args),
+        image=record.image,
+        node_label=record.node_label,
+        created_at=record.created_at,
+        routes=routes,
+        ready=ready_count(lifecycle, record.name),
+    )
 
 
-def route_json(
-    record: RouteRecord, lifecycle: LifecycleManager, routes: RouteResolver
-) -> dict[str, Any]:
+def route_view(record: RouteRecord, lifecycle: LifecycleManager, routes: RouteResolver) -> Route:
     """A route for the admin API: its services (priority, ready count), its fallback, and
     which services would answer a request now (``serving``; ``reason`` when none)."""
     serving: list[str] = []
@@ -127,21 +94,19 @@ def route_json(
         serving = sorted({u.engine_model or u.model for u in upstreams})
     except (NotFoundError, NoReadyDeploymentError) as exc:
         reason = str(exc)
-    return {
-        "name": record.name,
-        "services": [
-            {
-                "service": t.service,
-                "priority": t.priority,
-                "ready": ready_count(lifecycle, t.service),
-            }
+    return Route(
+        name=record.name,
+        services=[
+            RouteService(
+                service=t.service, priority=t.priority, ready=ready_count(lifecycle, t.service)
+            )
             for t in record.targets
         ],
-        "fallback": record.fallback,
-        "serving": serving,
-        "reason": reason,
-        "created_at": record.created_at.isoformat(),
-    }
+        fallback=record.fallback,
+        serving=serving,
+        reason=reason,
+        created_at=record.created_at,
+    )
 
 
 def build_service_router(services: LeaderServices) -> APIRouter:
@@ -182,12 +147,12 @@ def service_router(
 
     # -- services ------------------------------------------------------------------------------
     @router.get("/admin/services")
-    async def list_services() -> list[dict[str, Any]]:
+    async def list_services() -> list[Service]:
         records = await asyncio.to_thread(store.list_service_profiles)
-        return [service_json(r, lifecycle, routes_naming(r.name)) for r in records]
+        return [service_view(r, lifecycle, routes_naming(r.name)) for r in records]
 
     @router.post("/admin/services", status_code=201)
-    async def create_service(body: ServiceIn) -> dict[str, Any]:
+    async def create_service(body: ServiceIn) -> Service:
         record = await asyncio.to_thread(
             store.create_service_profile,
             body.name,
@@ -201,28 +166,28 @@ def service_router(
             node_label=body.node_label,
         )
         await reload()
-        return service_json(record, lifecycle, [])
+        return service_view(record, lifecycle, [])
 
     @router.get("/admin/services/{name}")
-    async def show_service(name: str) -> dict[str, Any]:
+    async def show_service(name: str) -> ServiceDetail:
         record = await asyncio.to_thread(store.get_service_profile, name)
         active = await asyncio.to_thread(store.list_deployments, active_only=True)
-        data = service_json(record, lifecycle, routes_naming(name))
-        data["deployments"] = [
-            {"id": d.id, "node_id": d.node_id, "state": str(d.state), "port": d.port}
+        deployments = [
+            ServiceDeployment(id=d.id, node_id=d.node_id, state=d.state, port=d.port)
             for d in active
             if d.served_model_name == name
         ]
-        return data
+        service = service_view(record, lifecycle, routes_naming(name))
+        return service.extended(ServiceDetail, deployments=deployments)
 
     @router.delete("/admin/services/{name}")
-    async def remove_service(name: str) -> dict[str, Any]:
+    async def remove_service(name: str) -> Service:
         record = await asyncio.to_thread(store.delete_service_profile, name)
         await reload()
-        return service_json(record, lifecycle, [])
+        return service_view(record, lifecycle, [])
 
     @router.post("/admin/services/{name}/deploy", status_code=201)
-    async def deploy_service(name: str, body: DeployIn | None = None) -> dict[str, Any]:
+    async def deploy_service(name: str, body: DeployIn | None = None) -> Deployment:
         record = await asyncio.to_thread(store.get_service_profile, name)
         node = await _deploy_node(store, record, body.node if body else None)
         if leader_only and node == LOCAL_NODE_ID:
@@ -243,42 +208,42 @@ def service_router(
                 image=record.image,
             )
         )
-        return deployment_json(deployment, lifecycle)
+        return deployment_view(deployment, lifecycle)
 
     # -- routes --------------------------------------------------------------------------------
     @router.get("/admin/routes")
-    async def list_routes() -> list[dict[str, Any]]:
+    async def list_routes() -> list[Route]:
         records = await asyncio.to_thread(store.list_routes)
-        return [route_json(r, lifecycle, routes) for r in records]
+        return [route_view(r, lifecycle, routes) for r in records]
 
     @router.post("/admin/routes", status_code=201)
-    async def add_route(body: RouteIn) -> dict[str, Any]:
+    async def add_route(body: RouteIn) -> Route:
         record = await asyncio.to_thread(
             store.add_route, body.name, body.service, priority=body.priority, fallback=body.fallback
         )
         await reload()
-        return route_json(record, lifecycle, routes)
+        return route_view(record, lifecycle, routes)
 
     @router.get("/admin/routes/{name:path}")
-    async def show_route(name: str) -> dict[str, Any]:
+    async def show_route(name: str) -> Route:
         record = await asyncio.to_thread(store.get_route, name)
-        return route_json(record, lifecycle, routes)
+        return route_view(record, lifecycle, routes)
 
     @router.patch("/admin/routes/{name:path}")
-    async def set_fallback(name: str, body: FallbackIn) -> dict[str, Any]:
+    async def set_fallback(name: str, body: FallbackIn) -> Route:
         record = await asyncio.to_thread(store.set_route_fallback, name, body.fallback)
         await reload()
-        return route_json(record, lifecycle, routes)
+        return route_view(record, lifecycle, routes)
 
     @router.delete("/admin/routes/{name:path}")
-    async def remove_route(name: str, service: str | None = None) -> dict[str, Any]:
+    async def remove_route(name: str, service: str | None = None) -> RouteRemoved:
         left = await asyncio.to_thread(store.remove_route, name, service)
         await reload()
-        return {
-            "removed": name,
-            "service": service,
-            "route": None if left is None else route_json(left, lifecycle, routes),
-        }
+        return RouteRemoved(
+            removed=name,
+            service=service,
+            route=None if left is None else route_view(left, lifecycle, routes),
+        )
 
     return router
 

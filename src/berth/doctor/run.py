@@ -12,11 +12,11 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any
 from urllib.parse import urlsplit
 
 from cryptography import x509
 
+from berth.api import DaemonInfo
 from berth.cluster.ca import CA_CERT_FILE, CA_KEY_FILE
 from berth.config import Settings
 from berth.doctor.agent import agent_checks
@@ -50,7 +50,7 @@ class DaemonState:
     """Whether the daemon of the home answers on its socket: its ``/admin/info`` or ``None``,
     and the check line that says so."""
 
-    info: Mapping[str, Any] | None
+    info: DaemonInfo | None
     check: Check
 
     @property
@@ -120,10 +120,10 @@ def daemon_state(home: BerthHome, *, timeout_s: float = 5.0) -> DaemonState:
                 return DaemonState(
                     None, Check("daemon", "warn", "not running", "berth daemon start")
                 )
-            info = client.get("/admin/info")
+            info = client.info()
     except BerthError as exc:
         return DaemonState(None, Check("daemon", "warn", str(exc), "berth daemon start"))
-    detail = f"running, pid {info['pid']}, v{info['version']}"
+    detail = f"running, pid {info.pid}, v{info.version}"
     return DaemonState(info, Check("daemon", "ok", detail))
 
 

@@ -1,0 +1,66 @@
+"""Deployments (a model served by an engine on a node): ``/admin/deployments``."""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from berth.api.base import ApiModel, Timestamp
+from berth.runtime.base import RuntimeName
+from berth.runtime.engines import EngineName
+from berth.store.states import DeploymentState
+
+
+class DeploymentIn(ApiModel):
+    """``POST /admin/deployments``: run ``model`` on ``engine`` on ``node`` (an id or label).
+
+    ``engine`` and ``runtime`` are names as a user typed them (``llamacpp``, ``docker``),
+    checked by the lifecycle manager, which names the valid ones; ``runtime`` ``None`` is the
+    leader's ``default_runtime`` setting.  ``gpus`` are device indexes, ``ctx`` the context
+    length in tokens (``None``: the engine's default), ``image`` a ``docker`` deployment's
+    container image (``None``: the engine's image setting).
+    """
+
+    model: str
+    engine: str = "llamacpp"
+    node: str = "local"
+    runtime: str | None = None
+    gpus: list[int] = Field(default_factory=list)
+    ctx: int | None = Field(default=None, gt=0)
+    extra_args: list[str] = Field(default_factory=list)
+    served_model_name: str | None = None
+    image: str | None = Field(default=None, max_length=512)
+
+
+class Deployment(ApiModel):
+    """One deployment as last written.
+
+    ``port`` and ``pid`` are the engine's once started (``None`` before); ``failure_reason``
+    is kept once it failed (with the engine's log tail); ``progress`` says what a loading
+    one is busy with (an image pull), ``None`` otherwise.
+    """
+
+    id: str
+    model_name: str
+    engine: EngineName
+    runtime: RuntimeName
+    node_id: str
+    state: DeploymentState
+    port: int | None
+    pid: int | None
+    gpus: list[int]
+    ctx: int | None
+    extra_args: list[str]
+    served_model_name: str
+    failure_reason: str | None
+    created_at: Timestamp
+    updated_at: Timestamp
+    image: str | None
+    progress: str | None
+
+
+class ListedDeployment(Deployment):
+    """A row of ``GET /admin/deployments``: with its node's label, and whether that node
+    is connected (a ready deployment on an unreachable node is not routed to)."""
+
+    node_label: str
+    node_connected: bool

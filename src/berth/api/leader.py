@@ -1,0 +1,77 @@
+"""The leader itself: health, readiness, ``/admin/info``, ``/admin/config``, shutdown."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from berth.api.base import ApiModel
+from berth.config import JsonScalar, SettingSource
+from berth.runtime.base import RuntimeName
+
+
+class Health(ApiModel):
+    """``GET /healthz``: the process answers."""
+
+    status: Literal["ok"] = "ok"
+
+
+class Readiness(ApiModel):
+    """``GET /readyz``: ``ready`` (200) once the leader serves, ``starting`` (503) before."""
+
+    status: Literal["ready", "starting"]
+
+
+class ListenerInfo(ApiModel):
+    """One address the leader serves on: ``public``, ``cluster`` or ``socket``, and its URL."""
+
+    name: str
+    url: str
+
+
+class RuntimeInfo(ApiModel):
+    """Whether a runtime can start engines on the leader's host, and a line saying why."""
+
+    name: RuntimeName
+    available: bool
+    detail: str
+
+
+class DaemonInfo(ApiModel):
+    """``GET /admin/info``: the running leader.
+
+    ``started_at`` is epoch seconds, ``uptime_s`` seconds (one decimal).  ``ca_file`` is the
+    berth CA's certificate, which clients must trust when ``public_cert_from_ca`` (no
+    ``--public-cert``); ``leader_only``: no engines on the leader's host.  ``runtimes`` are
+    the leader's own (empty when ``leader_only``).
+    """
+
+    version: str
+    pid: int
+    home: str
+    started_at: float
+    uptime_s: float
+    ca_fingerprint: str
+    ca_file: str
+    listeners: list[ListenerInfo]
+    cluster_url: str
+    public_cert_from_ca: bool
+    ready: bool
+    leader_only: bool
+    runtimes: list[RuntimeInfo]
+
+
+class SettingValue(ApiModel):
+    """One resolved setting and where its value came from."""
+
+    value: JsonScalar
+    source: SettingSource
+
+
+#: ``GET /admin/config``: every setting the daemon runs with, by name.
+SettingsReport = dict[str, SettingValue]
+
+
+class ShutdownAccepted(ApiModel):
+    """``POST /admin/shutdown`` (202): the leader stops its engines and exits."""
+
+    status: Literal["stopping"] = "stopping"

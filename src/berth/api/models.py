@@ -1,0 +1,63 @@
+"""Registered models (weights): ``/admin/models``."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, field_validator
+
+from berth.api.base import ApiModel, Timestamp
+from berth.store.records import ModelSource
+
+#: Model names: letters, digits and ``. _ - : /`` (hub ids like ``org/model:q4``), starting
+#: with a letter or digit, no ``..``: safe in URLs, file names and the OpenAI ``model`` field.
+MODEL_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,199}$"
+
+
+class ModelIn(ApiModel):
+    """``POST /admin/models``: register weights under ``name``.
+
+    ``path`` is absolute: a GGUF file or a model folder on the leader's host, or, with
+    ``node`` (an id or label), on that node's host (not checked by the leader).  ``source``
+    ``hub`` with ``repo_id`` and ``revision`` records what ``berth pull`` downloaded.
+    """
+
+    name: str = Field(pattern=MODEL_NAME_PATTERN)
+    path: str
+    source: Literal["local", "hub"] = "local"
+    repo_id: str | None = None
+    revision: str | None = None
+    node: str | None = None
+
+    @field_validator("name")
+    @classmethod
+    def _no_parent_segments(cls, name: str) -> str:
+        if ".." in name:
+            raise ValueError("must not contain '..'")
+        return name
+
+
+class RegisteredModel(ApiModel):
+    """A registered model: where its weights are on the leader's host, their size on disk
+    (bytes), and whether they were registered (``local``), pulled (``hub``: ``repo_id`` and
+    ``revision`` name what) or exist only on agents' hosts (``remote``)."""
+
+    name: str
+    path: str
+    source: ModelSource
+    repo_id: str | None
+    revision: str | None
+    size_bytes: int
+    created_at: Timestamp
+
+
+class LocatedModel(RegisteredModel):
+    """A model with where its weights are on other nodes' hosts: node id → path."""
+
+    locations: dict[str, str]
+
+
+class ModelRemoved(ApiModel):
+    """``DELETE /admin/models/{name}``: the name unregistered (the files stay)."""
+
+    removed: str

@@ -1,0 +1,86 @@
+"""The cluster's nodes: enrollment and the node registry, ``/admin/nodes``."""
+
+from __future__ import annotations
+
+from berth.api.base import ApiModel, Timestamp
+from berth.store.records import NodeStatus
+
+
+class EnrollIn(ApiModel):
+    """``POST /admin/nodes/enroll``: a single-use enrollment URI for a new node ``label``."""
+
+    label: str
+
+
+class EnrollmentIssued(ApiModel):
+    """The enrollment URI (``berth://…``, single use) and when it expires (epoch seconds)."""
+
+    uri: str
+    expires_at: float
+    label: str
+
+
+class Gpu(ApiModel):
+    """One GPU as the node's agent last reported it; memory in MiB.  ``utilization_pct``
+    is ``None`` where the device does not report it (e.g. MIG-enabled GPUs)."""
+
+    index: int
+    name: str
+    uuid: str
+    memory_total_mb: int
+    memory_used_mb: int
+    utilization_pct: int | None
+
+
+class AdoptedEndpoint(ApiModel):
+    """An OpenAI-compatible server berth did not start, adopted on a node: where it answers
+    on that node's host, the name clients use for it and the one it serves, the GPUs and
+    memory (MiB) it declares, and whether its last probe answered."""
+
+    name: str
+    served_model_name: str
+    engine_model: str
+    host: str
+    port: int
+    gpus: list[int]
+    vram_mb: int | None
+    alive: bool
+
+
+class NodeSummary(ApiModel):
+    """A row of ``GET /admin/nodes``.
+
+    ``connected``: its agent's link is up (node ``local``: the leader runs engines);
+    ``hostname`` is ``None`` before the agent's first Hello; ``vram_total_mb`` is every GPU's
+    memory in MiB; ``last_heartbeat_at`` epoch seconds.
+    """
+
+    id: str
+    label: str
+    status: NodeStatus
+    connected: bool
+    hostname: str | None
+    gpu_count: int
+    vram_total_mb: int
+    agent_version: str | None
+    last_heartbeat_at: float | None
+
+
+class NodeDetail(NodeSummary):
+    """One node with its hardware (memory in MiB), capabilities and versions; the answer of
+    ``DELETE /admin/nodes/{id}``.  ``cert_fingerprint`` is ``sha256:<hex>`` of the agent's
+    client certificate (``None`` for ``local``)."""
+
+    cpu_count: int | None
+    memory_total_mb: int | None
+    gpus: list[Gpu]
+    capabilities: list[str]
+    protocol_version: int | None
+    cert_fingerprint: str | None
+    created_at: Timestamp
+
+
+class NodeDetailWithAdopted(NodeDetail):
+    """``GET /admin/nodes/{id}``: the node and the servers adopted on it."""
+
+    adopted: list[AdoptedEndpoint]
