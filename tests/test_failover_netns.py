@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 import httpx
 import pytest
 
-from cluster_harness import Agent, Cluster, clean_env, fake_engine_wrapper, served_by_node
+from cluster_harness import Agent, Cluster, clean_env, cli, fake_engine_wrapper, served_by_node
 
 pytestmark = pytest.mark.slow
 
@@ -161,20 +161,29 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
 
 
 def _ready_deployments(cluster: Cluster) -> dict[str, dict[str, object]]:
-    """Node label -> its ready deployment of the model, deploying where there is none."""
-    found: dict[str, dict[str, object]] = {}
-    for label, agent in cluster.agents.items():
-        records = [r for r in cluster.admin("GET", "/admin/deployments")
-                   if r["node_id"] == agent.node_id and r["state"] == "ready"]  # fmt: skip
-        if not records:
-            # Its path on that node (a second add for a node that has one changes nothing).
-            cluster.berth("models", "add", MODEL, str(cluster.root / "shared.gguf"),
-                          "--node", label, check=False)  # fmt: skip
-            ran = cluster.berth("run", MODEL, "--engine", "llamacpp", "--node", label)
-            assert "ready" in ran.stdout, ran.stdout
-            records = [r for r in cluster.admin("GET", "/admin/deployments")
-                       if r["node_id"] == agent.node_id and r["state"] == "ready"]  # fmt: skip
-        found[label] = records[0]
+    """Node label -> its ready deployment of the model, started (through the admin API, all
+    at once) where there is none."""
+
+    def ready() -> dict[str, dict[str, object]]:
+        records = cluster.admin("GET", "/admin/deployments")
+        return {label: r for label, agent in cluster.agents.items() for r in records
+                if r["node_id"] == agent.node_id and r["state"] == "ready"}  # fmt: skip
+
+    found = ready()
+    started = []
+    for label in cluster.agents:
+        if label not in found:
+            path = str(cluster.root / "shared.gguf")  # its path on that node, the same here
+            cluster.admin("POST", "/admin/models", json={"name": MODEL, "path": path,
+                                                           "node": label})  # fmt: skip
+            body = {"model": MODEL, "engine": "llamacpp", "node": label}
+            started.append(cluster.admin("POST", "/admin/deployments", json=body)["id"])
+    deadline = time.monotonic() + 60
+    while started and len(found := ready()) < len(cluster.agents):
+        states = {d: cluster.deployment(d)["state"] for d in started}
+        assert "failed" not in states.values(), states
+        assert time.monotonic() < deadline, f"deployments not ready: {states}"
+        time.sleep(0.2)
     return found
 
 
@@ -397,6 +406,7 @@ def test_a_black_holed_link_delays_requests_by_seconds(cluster: Cluster) -> None
             served = served_by_node(cluster, MODEL)
             time.sleep(12.5)  # long enough for the agent to dial into the black hole once
             during = served_by_node(cluster, MODEL) - served
+            shown = cli(victim.home, "agent", "status", env=cluster.env, check=False).stdout
             for rule in rules:
                 _run("ip", "netns", "exec", ns, "iptables", "-D", *rule)
             lifted_at = time.monotonic()
@@ -414,7 +424,9 @@ def test_a_black_holed_link_delays_requests_by_seconds(cluster: Cluster) -> None
     assert during[victim.node_id] <= report.streaming_at_fault, during
     assert during[survivor.node_id] > 0, during
     assert "leader" in seen, "the leader never marked the node unreachable"
-    assert "agent" in seen, "`berth agent status` never said disconnected"
+    assert "agent" in seen, "the agent's status file never said disconnected"
+    assert "disconnected" in shown.splitlines()[0], shown
+    print("black-holed link: `berth agent status` meanwhile:\n" + shown)
     print(f"black-holed link: the leader gave the node up after {seen['leader'] - fault_at:.1f} s,"
           f" the agent said disconnected after {seen['agent'] - fault_at:.1f} s")  # fmt: skip
     agent_log = (victim.home / "logs" / "agent.log").read_text()

@@ -293,10 +293,11 @@ class LinkConnection:
                 message = await self.ws.receive(timeout=max(0.001, deadline - time.monotonic()))
             except TimeoutError:
                 raise ProtocolError(f"{silence} within {timeout_s:g} s") from None
-            self.last_received_at = self.last_frame_at = time.monotonic()
+            self.last_received_at = time.monotonic()
             if message.type is _PING:
                 self._answer_ping(message)
             elif message.type is not _PONG:
+                self.last_frame_at = self.last_received_at
                 break
         if message.type is aiohttp.WSMsgType.BINARY:
             data: bytes = message.data

@@ -269,7 +269,7 @@ class Reconciler:
             log.warning("deployment %s failed health probe %d of %d", deployment_id, failures,
                         self._probes_to_fail)  # fmt: skip
             if failures < self._probes_to_fail:
-                why = f"failed a health probe (no answer within {self._probe_timeout_s:g} s)"
+                why = f"failed a health probe (no 200 within {self._probe_timeout_s:g} s)"
                 self._suspect(upstream, why)
                 return
             reason = f"engine stopped answering health checks ({failures} probes in a row)"
