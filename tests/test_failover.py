@@ -32,15 +32,13 @@ from cryptography.x509.oid import NameOID
 
 from berth.agent.dialer import AgentDialer, AgentStatus
 from berth.agent.identity import AgentIdentity
-from berth.agent.service import AgentService
 from berth.cluster.ca import CertificateAuthority
 from berth.cluster.connection import LinkConnection, Liveness
 from berth.cluster.link_registry import LinkRegistry
 from berth.cluster.protocol.errors import CloseCode, LinkError
 from berth.cluster.protocol.frames import Heartbeat, Hello, Inventory, Request, StreamOpen
 from berth.cluster.protocol.ops import NoArgs, Op
-from berth.cluster.protocol.session import LinkLimits, Role, WelcomeTerms
-from berth.cluster.remote_link import RemoteLink
+from berth.cluster.protocol.session import Role, WelcomeTerms
 from berth.cluster.tunnel_stream import TunnelStream
 from berth.config import Settings
 from berth.daemon.lifecycle import DeployOptions, LifecycleManager
@@ -56,36 +54,23 @@ from berth.routing.signals import SignalBoard
 from berth.routing.waiting import GiveUp, WaitingAttempts
 from berth.store import Store
 from berth.store.states import DeploymentState
-from fakes import FakeLink
-from proxy_fixtures import sample, serve_asgi
-from standin_engine import Reply, Stall, StandinEngine, chat_completion, json_reply
+from support.fakes import FakeLink
+from support.link_pair import DEPLOYMENT, Linked
+from support.proxy_fixtures import sample, serve_asgi
+from support.standin_engine import Reply, Stall, StandinEngine, chat_completion, json_reply
+from support.waiting import EVENT_TIMEOUT_S, wait_for_async
 
 MODEL = "tiny"
-DEPLOYMENT = "d-00000001"
+
+pytestmark = pytest.mark.store_models((MODEL, "tiny.gguf"))
 
 
-async def until(condition: Callable[[], bool], what: str, timeout_s: float = 10.0) -> None:
-    """Wait for ``condition()``; fail naming ``what`` if it never holds (a guard against a
-    hang, not a timing assertion)."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while not condition():
-        if loop.time() > deadline:
-            raise AssertionError(f"never happened: {what}")
-        await asyncio.sleep(0.005)
+async def until(condition: Callable[[], object], what: str) -> None:
+    """Wait for ``condition()`` (a guard against a hang, not a timing assertion)."""
+    await wait_for_async(condition, EVENT_TIMEOUT_S, what)
 
 
 # -- the suspect flag and the failed state -------------------------------------------------------
-
-
-@pytest.fixture
-def store(tmp_path: Path) -> Store:
-    store = Store(f"sqlite:///{tmp_path / 'berth.db'}")
-    store.migrate()
-    weights = tmp_path / "tiny.gguf"
-    weights.write_bytes(b"GGUF")
-    store.add_model(MODEL, str(weights))
-    return store
 
 
 class CountingLink(FakeLink):
@@ -210,8 +195,7 @@ async def test_waiting_requests_move_on_a_failed_probe_and_end_on_the_failed_sta
         assert "3 probes in a row" in (failed.failure_reason or "")
 
 
-def test_a_probe_timeout_not_below_the_interval_is_refused(tmp_path: Path) -> None:
-    home = BerthHome(tmp_path / "home")
+def test_a_probe_timeout_not_below_the_interval_is_refused(home: BerthHome) -> None:
     with pytest.raises(ConfigError, match=r"probe_timeout_s .* must be below probe_interval_s"):
         Settings.load(home, env={"BERTH_PROBE_TIMEOUT_S": "5", "BERTH_PROBE_INTERVAL_S": "5"})
     settings = Settings.load(home, env={})
@@ -490,50 +474,22 @@ async def test_pings_keep_an_idle_link_up_and_a_silent_one_is_dead_at_both_ends(
 # -- the agent: withdrawn requests, the dial timeout ---------------------------------------------
 
 
-class StalledCore:
-    """The agent core's surface the service uses, over one stand-in engine."""
-
-    adopted = None
-
-    def __init__(self, port: int) -> None:
-        self.port = port
-
-    def engine_origin(self, deployment_id: str) -> tuple[str, int]:
-        return "127.0.0.1", self.port
-
-    def engines(self) -> list[Any]:
-        return []
-
-    def gpus(self) -> list[Any]:
-        return []
-
-
-async def test_an_exchange_the_leader_withdraws_before_its_head_is_closed_and_not_counted() -> None:
-    async with StandinEngine(Reply((Stall(60),))) as engine:
-        service = AgentService(StalledCore(engine.port), read_timeout_s=60.0)  # type: ignore[arg-type]
-        wire = Wire()
-        limits = LinkLimits()
-        agent = LinkConnection(Role.AGENT, wire.left, service, peer="leader", limits=limits)
-        leader = LinkConnection(Role.LEADER, wire.right, Quiet(), peer="n-1", limits=limits)
-        await _shake_hands(agent, leader)
-        runs = [asyncio.create_task(agent.run()), asyncio.create_task(leader.run())]
-        link = RemoteLink("n-1", leader, GREETING.inventory)
-        try:
-            asking = asyncio.create_task(
-                link.open_http(DEPLOYMENT, b"POST", b"/v1/chat/completions", [], b"{}", 60.0)
-            )
-            received = await engine.wait_for_request(5.0)
-            asking.cancel()  # the leader gives the attempt up before any byte came back
-            with pytest.raises(asyncio.CancelledError):
-                await asking
-            await asyncio.wait_for(received.disconnected.wait(), 5)  # the engine heard
-            await until(lambda: service.meter.stats(DEPLOYMENT).in_flight == 0, "relay ended")
-            stats = service.meter.stats(DEPLOYMENT)
-            assert (stats.requests_total, stats.errors_total) == (0, 0)  # counted by no one here
-        finally:
-            await leader.close(1000, "test over")
-            await asyncio.gather(*runs)
-            await service.close()
+async def test_an_exchange_the_leader_withdraws_before_its_head_is_closed_and_not_counted(
+    linked: Linked,
+) -> None:
+    linked.engine.script(Reply((Stall(60),)))
+    asking = asyncio.create_task(
+        linked.link.open_http(DEPLOYMENT, b"POST", b"/v1/chat/completions", [], b"{}", 60.0)
+    )
+    received = await linked.engine.wait_for_request(5.0)
+    asking.cancel()  # the leader gives the attempt up before any byte came back
+    with pytest.raises(asyncio.CancelledError):
+        await asking
+    await asyncio.wait_for(received.disconnected.wait(), 5)  # the engine heard
+    meter = linked.service.meter
+    await until(lambda: meter.stats(DEPLOYMENT).in_flight == 0, "the relay ended")
+    stats = meter.stats(DEPLOYMENT)
+    assert (stats.requests_total, stats.errors_total) == (0, 0)  # counted by no one here
 
 
 def _identity(tmp_path: Path, leader_url: str) -> AgentIdentity:

@@ -37,7 +37,15 @@ from dataclasses import dataclass, field
 import httpx
 import pytest
 
-from cluster_harness import Agent, Cluster, clean_env, cli, fake_engine_wrapper, served_by_node
+from support.cluster_harness import (
+    TINY_GGUF_BYTES,
+    Agent,
+    Cluster,
+    clean_env,
+    cli,
+    fake_engine_wrapper,
+    served_by_node,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -129,13 +137,15 @@ def _start_agent_in(cluster: Cluster, agent: Agent, namespace: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+def netns_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    """A leader in the root namespace and agents ``a`` and ``b`` in namespaces of their own,
+    each serving the model, for the tests of this module."""
     reason = _why_not()
     if reason is not None:
         pytest.skip(reason)
     root = tmp_path_factory.mktemp("failover")
     wrapper = fake_engine_wrapper(root)
-    (root / "shared.gguf").write_bytes(b"GGUF" + bytes(60))
+    (root / "shared.gguf").write_bytes(TINY_GGUF_BYTES)
     env = clean_env(
         {
             "BERTH_LLAMA_SERVER_BIN": str(wrapper),
@@ -348,7 +358,8 @@ def _watch_state(cluster: Cluster, agent: Agent) -> Iterator[dict[str, float]]:
 # -- the scenarios -------------------------------------------------------------------------------
 
 
-def test_a_sigstopped_engine_delays_requests_by_seconds(cluster: Cluster) -> None:
+def test_a_sigstopped_engine_delays_requests_by_seconds(netns_cluster: Cluster) -> None:
+    cluster = netns_cluster
     deployments = _ready_deployments(cluster)
     victim, survivor = cluster.agents["b"], cluster.agents["a"]
     pid = int(str(deployments["b"]["pid"]))
@@ -383,7 +394,8 @@ def test_a_sigstopped_engine_delays_requests_by_seconds(cluster: Cluster) -> Non
     assert "failed a health probe" in log
 
 
-def test_a_black_holed_link_delays_requests_by_seconds(cluster: Cluster) -> None:
+def test_a_black_holed_link_delays_requests_by_seconds(netns_cluster: Cluster) -> None:
+    cluster = netns_cluster
     _ready_deployments(cluster)
     # Node a: b may still be ranked last for the failed attempts of the test above, so a
     # carries the load, and every client waits on it when its link goes silent.
