@@ -522,8 +522,13 @@ def _identity(tmp_path: Path, leader_url: str) -> AgentIdentity:
 
 
 class NoRuntimes:
+    """What the dialer asks of the agent's service before it dials."""
+
     async def check_runtimes(self) -> None:
         pass
+
+    async def read_gpus(self) -> list[Any]:
+        return []
 
 
 async def test_a_dial_into_a_leader_that_never_answers_gives_up_within_its_timeout(
