@@ -22,7 +22,6 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-import aiohttp
 import httpx
 import pytest
 from cryptography import x509
@@ -54,7 +53,7 @@ from berth.routing.signals import SignalBoard
 from berth.routing.waiting import GiveUp, WaitingAttempts
 from berth.store import Store
 from berth.store.states import DeploymentState
-from support.fakes import FakeLink
+from support.fakes import FakeLink, memory_socket_pair
 from support.link_pair import DEPLOYMENT, Linked
 from support.proxy_fixtures import sample, serve_asgi
 from support.standin_engine import Reply, Stall, StandinEngine, chat_completion, json_reply
@@ -365,57 +364,6 @@ async def test_through_the_proxy_a_given_up_engine_s_exchange_is_closed_and_coun
 # -- the link's liveness -------------------------------------------------------------------------
 
 
-class Wire:
-    """Two in-memory WebSocket ends (pings and pongs included) that can be black-holed:
-    while ``silent``, whatever either end sends is lost, the close handshake too."""
-
-    def __init__(self) -> None:
-        self.silent = False
-        self.left = WireEnd(self)
-        self.right = WireEnd(self)
-        self.left.peer, self.right.peer = self.right, self.left
-
-
-class WireEnd:
-    def __init__(self, wire: Wire) -> None:
-        self.wire = wire
-        self.peer: WireEnd | None = None
-        self.inbox: asyncio.Queue[aiohttp.WSMessage] = asyncio.Queue()
-        self.close_code: int | None = None
-        self.pings_sent = 0
-
-    def _deliver(self, kind: aiohttp.WSMsgType, data: Any, extra: Any = None) -> None:
-        if self.close_code is not None:
-            raise ConnectionResetError("closed")
-        assert self.peer is not None
-        if not self.wire.silent:
-            self.peer.inbox.put_nowait(aiohttp.WSMessage(kind, data, extra))
-
-    async def send_bytes(self, data: bytes) -> None:
-        self._deliver(aiohttp.WSMsgType.BINARY, data)
-
-    async def ping(self, message: bytes = b"") -> None:
-        self.pings_sent += 1
-        self._deliver(aiohttp.WSMsgType.PING, message)
-
-    async def pong(self, message: bytes = b"") -> None:
-        self._deliver(aiohttp.WSMsgType.PONG, message)
-
-    async def receive(self, timeout: float | None = None) -> aiohttp.WSMessage:
-        return await asyncio.wait_for(self.inbox.get(), timeout)
-
-    async def close(self, *, code: int = 1000, message: bytes = b"") -> bool:
-        if self.close_code is not None:
-            return False
-        with contextlib.suppress(ConnectionResetError):
-            self._deliver(aiohttp.WSMsgType.CLOSE, code, message.decode())
-        self.close_code = code
-        self.inbox.put_nowait(aiohttp.WSMessage(aiohttp.WSMsgType.CLOSED, None, None))
-        if self.wire.silent:
-            await asyncio.sleep(3600)  # a close handshake into a black hole never ends
-        return True
-
-
 GREETING = Hello(
     protocol_min=1, protocol_max=1, agent_version="test", inventory=Inventory(hostname="h")
 )
@@ -442,16 +390,16 @@ class Quiet:
 
 
 async def test_pings_keep_an_idle_link_up_and_a_silent_one_is_dead_at_both_ends() -> None:
-    wire = Wire()
+    agent_ws, leader_ws = memory_socket_pair()
     liveness = Liveness(timeout_s=0.3)
     lost: list[str] = []
-    agent = LinkConnection(Role.AGENT, wire.left, Quiet(), peer="leader", liveness=liveness)
-    leader = LinkConnection(Role.LEADER, wire.right, Quiet(), peer="n-1", liveness=liveness,
+    agent = LinkConnection(Role.AGENT, agent_ws, Quiet(), peer="leader", liveness=liveness)
+    leader = LinkConnection(Role.LEADER, leader_ws, Quiet(), peer="n-1", liveness=liveness,
                             on_closed=lambda: lost.append("n-1"))  # fmt: skip
     await _shake_hands(agent, leader)
     runs = [asyncio.create_task(agent.run()), asyncio.create_task(leader.run())]
     # Idle for several timeouts: the pings (and their pongs) keep it alive.
-    await until(lambda: wire.left.pings_sent >= 6 and wire.right.pings_sent >= 6,
+    await until(lambda: agent_ws.pings_sent >= 6 and leader_ws.pings_sent >= 6,
                 "pings from both ends")  # fmt: skip
     assert not agent.closed and not leader.closed
 
@@ -459,7 +407,7 @@ async def test_pings_keep_an_idle_link_up_and_a_silent_one_is_dead_at_both_ends(
     asked = asyncio.create_task(leader.call(Op("engines", NoArgs, NoArgs), NoArgs(), 3600))
     stream = leader.open_stream(StreamOpen(kind="http", deployment_id=DEPLOYMENT, method="POST",
                                            target="/v1/x", end=True))  # fmt: skip
-    wire.silent = True
+    agent_ws.silent = leader_ws.silent = True  # black-holed, both ways
     await asyncio.wait_for(asyncio.gather(*runs), 10)  # both ends end by themselves
     for conn in (agent, leader):
         assert conn.close_code == CloseCode.HEARTBEAT_TIMEOUT
