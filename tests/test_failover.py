@@ -28,9 +28,11 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
+from typer.testing import CliRunner
 
 from berth.agent.dialer import AgentDialer, AgentStatus
 from berth.agent.identity import AgentIdentity
+from berth.cli.main import app
 from berth.cluster.ca import CertificateAuthority
 from berth.cluster.connection import LinkConnection, Liveness
 from berth.cluster.link_registry import LinkRegistry
@@ -480,7 +482,7 @@ class NoRuntimes:
 
 
 async def test_a_dial_into_a_leader_that_never_answers_gives_up_within_its_timeout(
-    tmp_path: Path,
+    tmp_path: Path, home: BerthHome
 ) -> None:
     # A socket that listens (the kernel completes TCP) but never says a word of TLS.
     silent = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -488,7 +490,7 @@ async def test_a_dial_into_a_leader_that_never_answers_gives_up_within_its_timeo
     silent.listen(8)
     try:
         url = f"https://127.0.0.1:{silent.getsockname()[1]}"
-        status = AgentStatus(url, "n-1", "gpu-1", path=tmp_path / "agent-status.json")
+        status = AgentStatus(url, "n-1", "gpu-1", path=home.agent_status_file)
         dialer = AgentDialer(
             _identity(tmp_path, url),
             NoRuntimes(),  # type: ignore[arg-type]
@@ -499,7 +501,13 @@ async def test_a_dial_into_a_leader_that_never_answers_gives_up_within_its_timeo
         running = asyncio.create_task(dialer.run())
         await until(lambda: "no answer within 0.3 s" in status.last_error, "the dial gave up")
         assert status.state == "backoff" and not status.connected
-        assert '"connected": false' in (tmp_path / "agent-status.json").read_text()
+        assert '"connected": false' in home.agent_status_file.read_text()
+        # What the operator sees meanwhile (the agent, this process, still runs).
+        shown = CliRunner().invoke(app, ["--home", str(home.root), "agent", "status"])
+        assert shown.exit_code == 0, shown.output
+        first, *rest = shown.stdout.splitlines()
+        assert first.startswith("agent   disconnected (backoff)"), shown.stdout
+        assert any("no answer within 0.3 s" in line for line in rest), shown.stdout
         await dialer.stop()
         assert await asyncio.wait_for(running, 5) == 0
     finally:
