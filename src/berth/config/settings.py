@@ -116,6 +116,10 @@ class Settings:
     leader_url: str | None
     heartbeat_interval_s: float
     node_timeout_s: float
+    direct_probe_interval_s: float
+    direct_probe_timeout_s: float
+    agent_advertise: str | None
+    agent_ingress_bind: str
 
     @classmethod
     def load(

@@ -248,6 +248,21 @@ class UpstreamConnection(asyncio.Protocol):
             if timer is not None:
                 timer.cancel()
 
+    @property
+    def busy(self) -> bool:
+        """An exchange is in flight on this connection."""
+        return self._busy
+
+    @property
+    def awaiting_head(self) -> bool:
+        """A request is out and the head of its answer has not arrived."""
+        return self._busy and not self._headers_done
+
+    def give_up(self, why: str) -> None:
+        """Fail the exchange waiting for its head (nothing was answered, so the request may
+        be sent elsewhere) and close the connection."""
+        self._fail(UpstreamDisconnectError(self.origin, why, answered=False))
+
     def abandon(self) -> None:
         """The reader gave up on the answer in flight: close the connection."""
         self._response = None

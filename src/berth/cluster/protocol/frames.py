@@ -59,7 +59,7 @@ class FrameType(IntEnum):
 # -- closed sets -------------------------------------------------------------------------------
 
 #: The control operations (``ops.py`` ties each to its argument and result types).
-OpName = Literal["start", "stop", "probe", "inventory", "engines", "pull"]
+OpName = Literal["start", "stop", "probe", "inventory", "engines", "pull", "ingress"]
 OP_NAMES: frozenset[str] = frozenset(get_args(OpName))
 #: The events a running request reports in ``PROGRESS`` (v1: those of ``start``).
 ProgressEvent = Literal["spawned", "preparing"]
@@ -205,7 +205,12 @@ class AdoptedState(_Body, kw_only=True):
 
 
 class Hello(_Body, kw_only=True):
-    """The agent's first frame."""
+    """The agent's first frame.
+
+    ``advertise`` is the ``HOST:PORT`` where the agent's ingress takes the leader's direct
+    requests (``docs/protocol.md``, Direct data path); empty when it has none (older agents
+    never send it).
+    """
 
     protocol_min: int
     protocol_max: int
@@ -214,6 +219,7 @@ class Hello(_Body, kw_only=True):
     inventory: Inventory
     engines: list[EngineState] = []
     adopted: list[AdoptedState] = []
+    advertise: str = ""
 
 
 class Welcome(_Body, kw_only=True):

@@ -1,0 +1,213 @@
+"""The leader's choice of data path, in one process: a leader's ``RemoteLink`` and an
+agent's ``AgentService`` joined by an in-memory WebSocket pair (the tunnel), the agent's
+ingress on real TLS on loopback behind a TCP relay the tests can black-hole, and the
+leader's ``DataPaths`` in front of both."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from berth.cluster.connection import LinkConnection
+from berth.cluster.direct_path import DataPaths
+from berth.cluster.link_registry import LinkRegistry
+from berth.cluster.protocol.frames import Heartbeat, Request
+from berth.cluster.protocol.session import Role, WelcomeTerms
+from berth.cluster.remote_link import RemoteLink
+from berth.cluster.tunnel_stream import TunnelStream
+from berth.engine_http.answer import EngineAnswer
+from berth.engine_http.errors import UpstreamConnectError
+from direct_support import DEPLOYMENT, Ingress, Pki, Relay, make_pki, running_ingress, wait_for
+from fakes import memory_socket_pair
+from standin_engine import Reply, Stall, chat_completion, json_reply
+
+BODY = b'{"model": "m"}'
+RELAY_HOST = "127.0.0.2"  # the address the agent advertises; the relay forwards it
+
+
+class LeaderSide:
+    def on_heartbeat(self, conn: LinkConnection, heartbeat: Heartbeat) -> None:
+        pass
+
+    async def on_request(self, conn: LinkConnection, request: Request) -> None:
+        pass
+
+    async def on_stream(self, conn: LinkConnection, stream: TunnelStream) -> None:
+        pass
+
+
+class CountingTunnel:
+    """The hub's ``open_http`` over one link, counting what went through it."""
+
+    def __init__(self, link: RemoteLink) -> None:
+        self.link = link
+        self.opened = 0
+
+    async def open_http(
+        self,
+        node_id: str,
+        deployment_id: str,
+        method: bytes,
+        target: bytes,
+        headers: Sequence[tuple[bytes, bytes]],
+        body: bytes,
+        read_timeout_s: float | None,
+    ) -> EngineAnswer:
+        self.opened += 1
+        return await self.link.open_http(
+            deployment_id, method, target, headers, body, read_timeout_s
+        )
+
+
+@dataclass
+class Leader:
+    paths: DataPaths
+    tunnel: CountingTunnel
+    relay: Relay
+    side: Ingress
+    node_id: str
+
+    def path(self) -> str | None:
+        found = self.paths.data_path(self.node_id)
+        return None if found is None else found.path
+
+    async def ask(self, deployment: str = DEPLOYMENT) -> tuple[int, bytes]:
+        answer = await self.paths.open_http(
+            self.node_id, deployment, b"POST", b"/v1/chat/completions", [], BODY, 10.0
+        )
+        try:
+            return answer.status, await answer.read()
+        finally:
+            answer.close()
+
+
+@pytest.fixture
+def pki(tmp_path: Path) -> Pki:
+    return make_pki(tmp_path)
+
+
+async def _leader(pki: Pki, *, advertise: bool = True) -> AsyncIterator[Leader]:
+    async with running_ingress(pki, advertise_host=RELAY_HOST, configure=False) as side:
+        relay = Relay(("127.0.0.1", side.origin.port))
+        await relay.start(RELAY_HOST, side.origin.port)
+        if not advertise:
+            side.service._ingress = None  # an agent started without --advertise
+        agent_ws, leader_ws = memory_socket_pair()
+        agent = LinkConnection(Role.AGENT, agent_ws, side.service, peer="leader")
+        leader = LinkConnection(Role.LEADER, leader_ws, LeaderSide(), peer=pki.node_id)
+        terms = WelcomeTerms(node_id=pki.node_id, leader_version="test")
+        _welcome, hello = await asyncio.gather(
+            agent.handshake(side.service.hello(), timeout_s=5.0),
+            leader.handshake(terms, timeout_s=5.0),
+        )
+        tasks = [asyncio.create_task(agent.run()), asyncio.create_task(leader.run())]
+        link = RemoteLink(
+            pki.node_id,
+            leader,
+            hello.inventory,
+            hello.capabilities,
+            advertise=hello.advertise,
+            certificate_der=pki.agent_cert_der,
+        )
+        tunnel = CountingTunnel(link)
+        registry = LinkRegistry()
+        paths = DataPaths(
+            tunnel,
+            registry,
+            pki.ca,
+            pki.ca_dir,
+            probe_interval_s=0.05,
+            probe_timeout_s=0.5,
+            connect_timeout_s=1.0,
+        )
+        await paths.start()
+        registry.attach(link)
+        try:
+            yield Leader(paths, tunnel, relay, side, pki.node_id)
+        finally:
+            await paths.close()
+            await leader.close(1000, "test over")
+            await asyncio.gather(*tasks)
+            await relay.close()
+
+
+@pytest.fixture
+async def leader(pki: Pki) -> AsyncIterator[Leader]:
+    async for made in _leader(pki):
+        yield made
+
+
+async def test_a_reachable_agent_gets_its_requests_direct(leader: Leader) -> None:
+    await wait_for(lambda: leader.path() == "direct", what="the direct path")
+
+    status, body = await leader.ask()
+
+    assert status == 200
+    assert json.loads(body) == chat_completion("hello")
+    assert leader.tunnel.opened == 0
+    found = leader.paths.data_path(leader.node_id)
+    assert found is not None and "answers probes" in found.reason
+    assert found.advertise == f"{RELAY_HOST}:{leader.side.origin.port}"
+
+
+async def test_a_black_holed_ingress_moves_waiting_requests_to_the_tunnel_and_back(
+    leader: Leader,
+) -> None:
+    await wait_for(lambda: leader.path() == "direct", what="the direct path")
+    leader.side.engine.script(Reply([Stall(2.0), *json_reply(chat_completion("late")).steps]))
+    waiting = asyncio.create_task(leader.ask())
+    await leader.side.engine.wait_for_request(timeout_s=10.0)
+
+    leader.relay.blocked = True  # packets to the ingress are dropped from now on
+    status, body = await asyncio.wait_for(waiting, 10.0)
+
+    # The request waiting for its head on the dead path was answered through the tunnel.
+    assert status == 200 and leader.tunnel.opened == 1
+    assert json.loads(body) == chat_completion("hello")  # the tunnel's answer, not "late"
+    assert leader.path() == "tunnel"
+    found = leader.paths.data_path(leader.node_id)
+    assert found is not None and "did not answer a probe" in found.reason
+
+    leader.relay.blocked = False
+    await wait_for(lambda: leader.path() == "direct", what="the direct path again")
+    assert (await leader.ask())[0] == 200
+    assert leader.tunnel.opened == 1
+
+
+async def test_a_direct_attempt_refused_goes_through_the_tunnel_at_once(leader: Leader) -> None:
+    await wait_for(lambda: leader.path() == "direct", what="the direct path")
+    leader.paths._probe_interval_s = 3600.0  # no probe will notice: the request must
+
+    await leader.relay.close()  # nothing listens at the advertised address any more
+    status, _body = await leader.ask()
+
+    assert status == 200 and leader.tunnel.opened == 1
+    found = leader.paths.data_path(leader.node_id)
+    assert found is not None and found.path == "tunnel"
+    assert "failed before its answer" in found.reason
+
+
+async def test_an_engine_failure_on_the_direct_path_is_not_retried_through_the_tunnel(
+    leader: Leader,
+) -> None:
+    await wait_for(lambda: leader.path() == "direct", what="the direct path")
+
+    with pytest.raises(UpstreamConnectError, match="d-ffffffff"):
+        await leader.ask("d-ffffffff")
+
+    assert leader.tunnel.opened == 0
+    assert leader.path() == "direct"
+
+
+async def test_an_agent_that_advertises_nothing_stays_on_the_tunnel(pki: Pki) -> None:
+    async for leader in _leader(pki, advertise=False):
+        status, _body = await leader.ask()
+        found = leader.paths.data_path(leader.node_id)
+        assert status == 200 and leader.tunnel.opened == 1
+        assert found is not None and found.path == "tunnel"
+        assert "advertises no address" in found.reason
