@@ -1,25 +1,31 @@
-"""Benchmark the agent tunnel: the same load direct, through the leader, and through an agent.
+"""Benchmark the paths to an engine: alone, through the leader to a local deployment, and
+through the leader to a deployment on an agent, by the tunnel and by the direct path.
 
 Real processes on loopback, set up with berth's own CLI in throw-away homes:
 
-* a leader (``berth daemon start``) with an API key and an enrolled node ``bench-agent``;
-* an agent (``berth agent start``, its own home) linked to the leader over mTLS;
-* two deployments of one stand-in engine, launched by berth as ``llama-server``
+* a leader (``berth daemon start``) with an API key and two enrolled nodes;
+* two agents (``berth agent start``, each its own home) linked to the leader over mTLS:
+  ``bench-agent`` reached only through its link's tunnel, and ``bench-direct`` started with
+  ``--advertise 127.0.0.1:PORT``, whose requests the leader sends straight to its ingress;
+* three deployments of one stand-in engine, launched by berth as ``llama-server``
   (``BERTH_LLAMA_SERVER_BIN`` points at a wrapper that runs this script's ``engine`` role):
-  ``bench-local`` on node ``local`` and ``bench-remote`` on ``bench-agent``. The engine is raw
-  asyncio + httptools on uvloop: a canned chat completion of about 300 bytes, or an SSE stream
-  of ``max_tokens`` content events plus role, finish, usage and ``[DONE]`` events, each event
-  its own write (``bench_interval_ms`` in the request body spaces them out);
+  ``bench-local`` on node ``local``, ``bench-remote`` on ``bench-agent`` and ``bench-direct``
+  on ``bench-direct``. The engine is raw asyncio + httptools on uvloop: a canned chat
+  completion of about 300 bytes, or an SSE stream of ``max_tokens`` content events plus role,
+  finish, usage and ``[DONE]`` events, each event its own write (``bench_interval_ms`` in the
+  request body spaces them out);
 * this process, the load generator: keep-alive connections on uvloop, requests written raw,
   answers parsed with httptools, one request in flight per connection (closed loop).
 
-Three paths get the same load: ``direct`` (plain HTTP to the local deployment's engine port),
-``leader → local`` (HTTPS to the leader's public listener, bearer key) and ``leader → agent``
-(the same, for the deployment on the agent, relayed over the tunnel). Per path: non-streamed
-and streamed requests with 1 and ``--concurrency`` clients for ``--duration-s`` seconds each
-(after ``--warmup-s``), then ``--streams`` streams held open at once (one connection each,
-an event every 250 ms). The leader's and the agent's RSS (``VmRSS`` in ``/proc/PID/status``)
-are sampled every 50 ms. Run: ``.venv/bin/python scripts/bench_tunnel.py`` (about 2 minutes).
+Four paths get the same load: ``engine alone`` (plain HTTP to the local deployment's engine
+port), ``leader → local`` (HTTPS to the leader's public listener, bearer key), ``leader →
+agent, tunnel`` and ``leader → agent, direct``. Per path: non-streamed and streamed requests
+with 1 and ``--concurrency`` clients for ``--duration-s`` seconds each (after
+``--warmup-s``), then ``--streams`` streams held open at once (one connection each, an event
+every 250 ms). The CPU time of the leader and of the path's agent (``utime + stime`` in
+``/proc/PID/stat``) is read at the start and end of each measured window, and their RSS
+(``VmRSS``) sampled every 50 ms. Run: ``.venv/bin/python scripts/bench_tunnel.py`` (about 3
+minutes); ``--repeat N`` runs the loads N times on the same cluster and prints each table.
 """
 
 from __future__ import annotations
@@ -49,8 +55,11 @@ import uvloop
 
 ROOT = Path(__file__).resolve().parent.parent
 AGENT_LABEL = "bench-agent"
+DIRECT_LABEL = "bench-direct"
 LOCAL_MODEL = "bench-local"
 REMOTE_MODEL = "bench-remote"
+DIRECT_MODEL = "bench-direct"
+_TICKS_PER_S = os.sysconf("SC_CLK_TCK")
 #: Spacing of the events of the held-open streams, in milliseconds.
 HELD_STREAM_INTERVAL_MS = 250.0
 #: Connections opened at once while setting up the held-open streams (TLS handshakes).
@@ -229,6 +238,16 @@ def rss_mib(pid: int) -> float | None:
     return None
 
 
+def cpu_s(pid: int) -> float:
+    """CPU seconds ``pid`` has used (user + system, ``/proc/PID/stat``); 0 once it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            fields = stat.read().rsplit(") ", 1)[1].split()
+    except (OSError, IndexError):
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / _TICKS_PER_S
+
+
 def _alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as stat:
@@ -245,7 +264,7 @@ class Cluster:
     env: dict[str, str]
     public_port: int
     leader_pid: int = 0
-    agent: subprocess.Popen[bytes] | None = None
+    agents: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     api_key: str = ""
     engine_pids: dict[str, int] = field(default_factory=dict)
     engine_ports: dict[str, int] = field(default_factory=dict)
@@ -254,13 +273,12 @@ class Cluster:
     def leader_home(self) -> Path:
         return self.workdir / "leader"
 
-    @property
-    def agent_home(self) -> Path:
-        return self.workdir / "agent"
+    def agent_home(self, label: str) -> Path:
+        return self.workdir / label
 
-    @property
-    def agent_pid(self) -> int:
-        return self.agent.pid if self.agent is not None else 0
+    def agent_pid(self, label: str) -> int:
+        agent = self.agents.get(label)
+        return agent.pid if agent is not None else 0
 
     def berth(self, home: Path, *args: str, timeout_s: float = 120.0) -> str:
         """Run the ``berth`` CLI on ``home``; its stdout. Raises ``RuntimeError`` on failure."""
@@ -298,39 +316,52 @@ def _set_up(cluster: Cluster) -> None:
     if not keys:
         raise RuntimeError("berth key create printed no key")
     cluster.api_key = keys[0]
-    enrolled = cluster.leader("nodes", "enroll", AGENT_LABEL)
-    uri = next(line for line in enrolled.splitlines() if line.startswith("berth://"))
-    cluster.berth(cluster.agent_home, "agent", "register", "--uri", uri.strip())
-    agent_log = (cluster.workdir / "agent.out").open("wb")
-    cluster.agent = subprocess.Popen(
-        [sys.executable, "-m", "berth", "--home", str(cluster.agent_home), "agent", "start"],
-        stdin=subprocess.DEVNULL, stdout=agent_log, stderr=subprocess.STDOUT, env=cluster.env,
-        cwd=cluster.workdir, start_new_session=True,
-    )  # fmt: skip
-    deadline = time.monotonic() + 60
-    while True:
-        nodes = json.loads(cluster.leader("nodes", "ls", "--json"))
-        if any(n["label"] == AGENT_LABEL and n["status"] == "ready" for n in nodes):
-            break
-        if cluster.agent.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError(f"the agent did not link; see {cluster.workdir / 'agent.out'}")
-        time.sleep(0.2)
-    _log(f"agent linked (pid {cluster.agent_pid})")
+    _start_agent(cluster, AGENT_LABEL, advertise=None)
+    _start_agent(cluster, DIRECT_LABEL, advertise=f"127.0.0.1:{_free_port()}")
     weights = cluster.workdir / "bench.gguf"
     weights.write_bytes(b"GGUF" + bytes(60))
     cluster.leader("models", "add", LOCAL_MODEL, str(weights))
-    cluster.leader("models", "add", REMOTE_MODEL, str(weights), "--node", AGENT_LABEL)
     cluster.leader("run", LOCAL_MODEL, "--engine", "llamacpp", "--timeout", "60")
-    cluster.leader(
-        "run", REMOTE_MODEL, "--engine", "llamacpp", "--node", AGENT_LABEL, "--timeout", "60"
-    )
+    for model, label in ((REMOTE_MODEL, AGENT_LABEL), (DIRECT_MODEL, DIRECT_LABEL)):
+        cluster.leader("models", "add", model, str(weights), "--node", label)
+        cluster.leader("run", model, "--engine", "llamacpp", "--node", label, "--timeout", "60")
     for deployment in json.loads(cluster.leader("ps", "--json")):
         name = deployment.get("served_model_name") or deployment.get("model_name")
         cluster.engine_pids[name] = int(deployment["pid"])
         cluster.engine_ports[name] = int(deployment["port"])
-    if set(cluster.engine_ports) != {LOCAL_MODEL, REMOTE_MODEL}:
+    if set(cluster.engine_ports) != {LOCAL_MODEL, REMOTE_MODEL, DIRECT_MODEL}:
         raise RuntimeError(f"unexpected deployments: {cluster.engine_ports}")
     _log(f"deployments serving: {cluster.engine_ports}")
+    paths = {n["label"]: n for n in json.loads(cluster.leader("nodes", "ls", "--json"))}
+    if paths[DIRECT_LABEL]["data_path"] != "direct" or paths[AGENT_LABEL]["data_path"] != "tunnel":
+        raise RuntimeError(f"unexpected data paths: {paths}")
+    _log(f"data paths: {AGENT_LABEL} tunnel, {DIRECT_LABEL} direct")
+
+
+def _start_agent(cluster: Cluster, label: str, advertise: str | None) -> None:
+    """Enroll ``label``, register its home and start its agent; returns once it is ready
+    (and, when it advertises, its data path is direct)."""
+    enrolled = cluster.leader("nodes", "enroll", label)
+    uri = next(line for line in enrolled.splitlines() if line.startswith("berth://"))
+    home = cluster.agent_home(label)
+    cluster.berth(home, "agent", "register", "--uri", uri.strip())
+    extra = ["--advertise", advertise] if advertise else []
+    agent_log = (cluster.workdir / f"{label}.out").open("wb")
+    agent = cluster.agents[label] = subprocess.Popen(
+        [sys.executable, "-m", "berth", "--home", str(home), "agent", "start", *extra],
+        stdin=subprocess.DEVNULL, stdout=agent_log, stderr=subprocess.STDOUT, env=cluster.env,
+        cwd=cluster.workdir, start_new_session=True,
+    )  # fmt: skip
+    deadline = time.monotonic() + 60
+    want = "direct" if advertise else "tunnel"
+    while True:
+        nodes = json.loads(cluster.leader("nodes", "ls", "--json"))
+        if any(n["label"] == label and n["data_path"] == want for n in nodes):
+            break
+        if agent.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"the agent did not link; see {cluster.workdir / label}.out")
+        time.sleep(0.2)
+    _log(f"agent {label} linked (pid {agent.pid}, data path {want})")
 
 
 def _tear_down(cluster: Cluster) -> None:
@@ -340,13 +371,14 @@ def _tear_down(cluster: Cluster) -> None:
             cluster.leader("stop", "--all", timeout_s=30)
         with contextlib.suppress(Exception):
             cluster.leader("daemon", "stop", timeout_s=30)
-    if cluster.agent is not None and cluster.agent.poll() is None:
-        cluster.agent.send_signal(signal.SIGINT)
-        try:
-            cluster.agent.wait(10)
-        except subprocess.TimeoutExpired:
-            cluster.agent.kill()
-            cluster.agent.wait()
+    for agent in cluster.agents.values():
+        if agent.poll() is None:
+            agent.send_signal(signal.SIGINT)
+            try:
+                agent.wait(10)
+            except subprocess.TimeoutExpired:
+                agent.kill()
+                agent.wait()
     # Whatever is left (an engine the agent leaves running, a daemon that did not stop).
     leftovers = [*cluster.engine_pids.values(), cluster.leader_pid]
     for pid in leftovers:
@@ -397,13 +429,19 @@ def running_cluster(keep: bool) -> Iterator[Cluster]:
 
 @dataclass(frozen=True)
 class Path_:
-    """Where one path's requests go."""
+    """Where one path's requests go, and which berth processes serve them (their CPU time
+    is what the path costs)."""
 
     name: str
     port: int
     tls: ssl.SSLContext | None
     authorization: bytes
     model: str
+    pids: tuple[int, ...] = ()
+    agent: str | None = None  # the agent's label, for its RSS
+
+    def cpu_s(self) -> float:
+        return sum(cpu_s(pid) for pid in self.pids)
 
 
 class _Connection(asyncio.Protocol):
@@ -510,13 +548,15 @@ def _request(path: Path_, streamed: bool, tokens: int, interval_ms: float = 0.0)
 
 @dataclass
 class Cell:
-    """One closed-loop run: latencies and TTFBs of the requests sent while measuring."""
+    """One closed-loop run: latencies and TTFBs of the requests sent while measuring, and the
+    CPU seconds the path's berth processes used meanwhile."""
 
     latencies_s: list[float]
     ttfbs_s: list[float]
     events: int
     elapsed_s: float
     errors: int
+    cpu_s: float = 0.0
 
     @property
     def rps(self) -> float:
@@ -525,6 +565,14 @@ class Cell:
     @property
     def events_per_s(self) -> float:
         return self.events / self.elapsed_s
+
+    @property
+    def cpu_per_request_us(self) -> float:
+        return 1e6 * self.cpu_s / max(1, len(self.latencies_s))
+
+    @property
+    def cpu_per_event_us(self) -> float:
+        return 1e6 * self.cpu_s / max(1, self.events)
 
 
 def ms(values: list[float], q: float) -> float:
@@ -560,7 +608,13 @@ async def closed_loop(
                 cell.ttfbs_s.append(connection.first_body_at - sent)
                 cell.events += connection.events
 
-    await asyncio.gather(*(client(c) for c in connections))
+    async def cpu_meter() -> None:
+        await asyncio.sleep(max(0.0, measure_from - time.perf_counter()))
+        begun = path.cpu_s()
+        await asyncio.sleep(max(0.0, stop_at - time.perf_counter()))
+        cell.cpu_s = path.cpu_s() - begun
+
+    await asyncio.gather(cpu_meter(), *(client(c) for c in connections))
     for connection in connections:
         connection.close()
     return cell
@@ -686,9 +740,12 @@ async def measure_path(path: Path_, sampler: RssSampler, args: argparse.Namespac
     await asyncio.sleep(1.0)
     after = sampler.now()
     rss_load = {k: (before[k], peak[k], after[k]) for k in before}
-    _log(f"{path.name}: {args.streams} streams held open")
     before = sampler.mark()
-    held = await held_streams(path, args.streams, tokens)
+    if args.streams:
+        _log(f"{path.name}: {args.streams} streams held open")
+        held = await held_streams(path, args.streams, tokens)
+    else:
+        held = Held(0)
     peak = dict(sampler.peak)
     await asyncio.sleep(2.0)
     after = sampler.now()
@@ -709,13 +766,20 @@ def _machine() -> str:
     return f"{cpu}, {os.cpu_count()} CPUs, Python {platform.python_version()}, {platform.system()}"
 
 
-def _report(results: dict[str, PathResult], args: argparse.Namespace) -> None:
+LOCAL = "leader → local"
+TUNNEL = "leader → agent, tunnel"
+DIRECT = "leader → agent, direct"
+
+
+def _report(results: dict[str, PathResult], paths: list[Path_], args: argparse.Namespace) -> None:
     n = args.concurrency
     names = list(results)
+    agent_of = {path.name: path.agent for path in paths}
     print(f"machine: {_machine()}; load average {os.getloadavg()[0]:.2f} at the end")
     print(
         f"each cell: {args.duration_s:g} s measured after {args.warmup_s:g} s warm-up; "
-        f"streams of {args.events} content events + 4 (role, finish, usage, [DONE])\n"
+        f"streams of {args.events} content events + 4 (role, finish, usage, [DONE]); CPU: "
+        "the leader's and the path's agent's user + system time in the measured window\n"
     )
     print("| measure | " + " | ".join(names) + " |")
     print("| --- |" + " ---: |" * len(names))
@@ -723,45 +787,95 @@ def _report(results: dict[str, PathResult], args: argparse.Namespace) -> None:
     def row(label: str, cell: Any) -> None:
         print(f"| {label} | " + " | ".join(cell(results[name]) for name in names) + " |")
 
-    def lat(cell: Cell, values: list[float]) -> str:
+    def lat(values: list[float]) -> str:
         return f"{ms(values, 0.5):.2f} / {ms(values, 0.99):.2f}"
 
-    row("json, 1 client: latency p50 / p99 ms", lambda r: lat(r.json_1, r.json_1.latencies_s))
+    def cpu(value: float, cell: Cell) -> str:
+        return f"{value:.0f}" if cell.cpu_s else "-"
+
+    row("json, 1 client: latency p50 / p99 ms", lambda r: lat(r.json_1.latencies_s))
     row("json, 1 client: req/s", lambda r: f"{r.json_1.rps:,.0f}")
-    row(f"json, {n} clients: latency p50 / p99 ms", lambda r: lat(r.json_n, r.json_n.latencies_s))
+    row(f"json, {n} clients: latency p50 / p99 ms", lambda r: lat(r.json_n.latencies_s))
     row(f"json, {n} clients: req/s", lambda r: f"{r.json_n.rps:,.0f}")
-    row("stream, 1 client: TTFB p50 / p99 ms", lambda r: lat(r.stream_1, r.stream_1.ttfbs_s))
+    row(f"json, {n} clients: CPU µs per request",
+        lambda r: cpu(r.json_n.cpu_per_request_us, r.json_n))  # fmt: skip
+    row("stream, 1 client: TTFB p50 / p99 ms", lambda r: lat(r.stream_1.ttfbs_s))
     row("stream, 1 client: SSE events/s", lambda r: f"{r.stream_1.events_per_s:,.0f}")
-    row(f"stream, {n} clients: TTFB p50 / p99 ms", lambda r: lat(r.stream_n, r.stream_n.ttfbs_s))
+    row(f"stream, {n} clients: TTFB p50 / p99 ms", lambda r: lat(r.stream_n.ttfbs_s))
     row(f"stream, {n} clients: SSE events/s", lambda r: f"{r.stream_n.events_per_s:,.0f}")
+    row(f"stream, {n} clients: CPU µs per SSE event",
+        lambda r: cpu(r.stream_n.cpu_per_event_us, r.stream_n))  # fmt: skip
     row(
         "errors (all four loads)",
         lambda r: str(r.json_1.errors + r.json_n.errors + r.stream_1.errors + r.stream_n.errors),
     )
     s = args.streams
-    row(f"{s} held streams: completed / most open at once",
-        lambda r: f"{r.held.completed} / {r.held.most_open}")  # fmt: skip
-    row(f"{s} held streams: TTFB p50 / p99 ms", lambda r: lat(r.json_1, r.held.ttfbs_s))
+    if s:
+        row(f"{s} held streams: completed / most open at once",
+            lambda r: f"{r.held.completed} / {r.held.most_open}")  # fmt: skip
+        row(f"{s} held streams: TTFB p50 / p99 ms", lambda r: lat(r.held.ttfbs_s))
 
-    def rss(values: tuple[float, float, float]) -> str:
-        return " / ".join(f"{v:.0f}" for v in values)
+    def rss(values: tuple[float, float, float] | None) -> str:
+        return " / ".join(f"{v:.0f}" for v in values) if values else "-"
 
-    for proc in ("leader", "agent"):
-        row(f"{proc} RSS MiB before / peak / after, the four loads",
-            lambda r, p=proc: rss(r.rss_load[p]))  # fmt: skip
-        row(f"{proc} RSS MiB before / peak / after, held streams",
-            lambda r, p=proc: rss(r.rss_held[p]))  # fmt: skip
+    def agent_rss(result: PathResult, which: str) -> str:
+        name = next(k for k, v in results.items() if v is result)
+        agent = agent_of[name]
+        table = result.rss_load if which == "load" else result.rss_held
+        return rss(table.get(agent)) if agent else "-"
+
+    row("leader RSS MiB before / peak / after, the four loads", lambda r: rss(r.rss_load["leader"]))
+    row("agent RSS MiB before / peak / after, the four loads", lambda r: agent_rss(r, "load"))
+    if s:
+        row("leader RSS MiB before / peak / after, held streams",
+            lambda r: rss(r.rss_held["leader"]))  # fmt: skip
+        row("agent RSS MiB before / peak / after, held streams", lambda r: agent_rss(r, "held"))
     for name, result in results.items():
         if result.held.failures:
             print(f"\n{name}: held stream failures: {result.held.failures}")
-
-    local, remote = results.get("leader → local"), results.get("leader → agent")
-    if local is None or remote is None:
+    local, tunnel, direct = results.get(LOCAL), results.get(TUNNEL), results.get(DIRECT)
+    if local is None or tunnel is None or direct is None:
         return
+    _compare(local, tunnel, direct, n)
+    _targets(local, tunnel, args)
+
+
+def _compare(local: PathResult, tunnel: PathResult, direct: PathResult, n: int) -> None:
+    """The direct path beside the tunnel: what each adds to a local deployment, and what
+    each costs."""
+
+    def added(result: PathResult, pick: Any) -> float:
+        return ms(pick(result), 0.5) - ms(pick(local), 0.5)
+
+    rows: list[tuple[str, float, float, str]] = [
+        ("json, 1 client: p50 latency added to leader → local, ms",
+         added(tunnel, lambda r: r.json_1.latencies_s),
+         added(direct, lambda r: r.json_1.latencies_s), "{:+.2f}"),
+        ("stream, 1 client: p50 TTFB added to leader → local, ms",
+         added(tunnel, lambda r: r.stream_1.ttfbs_s),
+         added(direct, lambda r: r.stream_1.ttfbs_s), "{:+.2f}"),
+        (f"json, {n} clients: req/s", tunnel.json_n.rps, direct.json_n.rps, "{:,.0f}"),
+        (f"stream, {n} clients: SSE events/s", tunnel.stream_n.events_per_s,
+         direct.stream_n.events_per_s, "{:,.0f}"),
+        (f"json, {n} clients: CPU µs per request (leader + agent)",
+         tunnel.json_n.cpu_per_request_us, direct.json_n.cpu_per_request_us, "{:.0f}"),
+        (f"stream, {n} clients: CPU µs per SSE event (leader + agent)",
+         tunnel.stream_n.cpu_per_event_us, direct.stream_n.cpu_per_event_us, "{:.1f}"),
+    ]  # fmt: skip
+    print("\n| direct beside tunnel | tunnel | direct | direct / tunnel |")
+    print("| --- | ---: | ---: | ---: |")
+    for label, via_tunnel, via_direct, form in rows:
+        ratio = f"{via_direct / via_tunnel:.2f}" if via_tunnel > 0 and via_direct > 0 else "-"
+        print(f"| {label} | {form.format(via_tunnel)} | {form.format(via_direct)} | {ratio} |")
+
+
+def _targets(local: PathResult, remote: PathResult, args: argparse.Namespace) -> None:
+    """The tunnel's own targets (from its first benchmark)."""
+    n, s = args.concurrency, args.streams
     added_json = ms(remote.json_1.latencies_s, 0.5) - ms(local.json_1.latencies_s, 0.5)
     added_ttfb = ms(remote.stream_1.ttfbs_s, 0.5) - ms(local.stream_1.ttfbs_s, 0.5)
     met = {True: "met", False: "NOT met"}
-    print("\n| target | measured | |\n| --- | --- | --- |")
+    print("\n| tunnel target | measured | |\n| --- | --- | --- |")
     print(
         f"| 1 client: tunnel adds < 3 ms at p50 | json latency {added_json:+.2f} ms, "
         f"stream TTFB {added_ttfb:+.2f} ms | {met[max(added_json, added_ttfb) < 3.0]} |"
@@ -770,6 +884,8 @@ def _report(results: dict[str, PathResult], args: argparse.Namespace) -> None:
         f"| {n} clients through the agent: ≥ 1,500 json req/s | {remote.json_n.rps:,.0f} req/s "
         f"| {met[n >= 32 and remote.json_n.rps >= 1500]} |"
     )
+    if not s:
+        return
     before, peak, after = remote.rss_held["leader"]
     ok = remote.held.completed == s >= 1000 and remote.held.most_open >= min(s, 1000)
     print(
@@ -783,16 +899,26 @@ def _report(results: dict[str, PathResult], args: argparse.Namespace) -> None:
 async def _bench(cluster: Cluster, args: argparse.Namespace) -> None:
     tls = ssl.create_default_context(cafile=str(cluster.leader_home / "ca" / "ca.pem"))
     bearer = b"authorization: Bearer %s\r\n" % cluster.api_key.encode()
+    leader = cluster.leader_pid
+    tunnel_agent, direct_agent = cluster.agent_pid(AGENT_LABEL), cluster.agent_pid(DIRECT_LABEL)
     paths = [
-        Path_("direct", cluster.engine_ports[LOCAL_MODEL], None, b"", LOCAL_MODEL),
-        Path_("leader → local", cluster.public_port, tls, bearer, LOCAL_MODEL),
-        Path_("leader → agent", cluster.public_port, tls, bearer, REMOTE_MODEL),
-    ]
-    results: dict[str, PathResult] = {}
-    with RssSampler({"leader": cluster.leader_pid, "agent": cluster.agent_pid}) as sampler:
-        for path in paths:
-            results[path.name] = await measure_path(path, sampler, args)
-    _report(results, args)
+        Path_("engine alone", cluster.engine_ports[LOCAL_MODEL], None, b"", LOCAL_MODEL),
+        Path_(LOCAL, cluster.public_port, tls, bearer, LOCAL_MODEL, (leader,)),
+        Path_(TUNNEL, cluster.public_port, tls, bearer, REMOTE_MODEL, (leader, tunnel_agent),
+              AGENT_LABEL),
+        Path_(DIRECT, cluster.public_port, tls, bearer, DIRECT_MODEL, (leader, direct_agent),
+              DIRECT_LABEL),
+    ]  # fmt: skip
+    pids = {"leader": leader, AGENT_LABEL: tunnel_agent, DIRECT_LABEL: direct_agent}
+    for run in range(args.repeat):
+        if args.repeat > 1:
+            _log(f"run {run + 1} of {args.repeat}")
+            print(f"\n### run {run + 1} of {args.repeat}\n")
+        results: dict[str, PathResult] = {}
+        with RssSampler(pids) as sampler:
+            for path in paths:
+                results[path.name] = await measure_path(path, sampler, args)
+        _report(results, paths, args)
 
 
 def _interrupt(signum: int, frame: object) -> None:
@@ -809,6 +935,7 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=32, help="clients of the busy cells")
     parser.add_argument("--streams", type=int, default=1000, help="streams held open at once")
     parser.add_argument("--events", type=int, default=16, help="content events per stream")
+    parser.add_argument("--repeat", type=int, default=1, help="runs of every load, one table each")
     parser.add_argument("--keep", action="store_true", help="keep the temporary homes and logs")
     args = parser.parse_args()
     # SIGTERM ends the run like Ctrl-C, so the cluster is torn down either way.
