@@ -91,9 +91,10 @@ class IngressServer:
     async def _handle(self, request: web.BaseRequest) -> web.StreamResponse:
         reply = _Reply(request)
         await self._handler(_Request(request), reply)
-        if reply.aborted or reply.response is None:
-            # Cut off mid-answer (or never answered): there is nothing more to send.
-            raise ConnectionResetError("the ingress cut the answer off")
+        if reply.response is None:
+            raise RuntimeError("the ingress handler returned without answering")
+        # An aborted answer's transport is closed: aiohttp's final write_eof then fails
+        # with a ConnectionError, which it takes quietly as a client gone.
         return reply.response
 
 
@@ -123,7 +124,6 @@ class _Reply:
     def __init__(self, request: web.BaseRequest) -> None:
         self._request = request
         self.response: web.StreamResponse | None = None
-        self.aborted = False
 
     async def start(self, status: int, headers: Sequence[tuple[bytes, bytes]]) -> None:
         response = web.StreamResponse(status=status)
@@ -150,6 +150,5 @@ class _Reply:
         await self.response.write_eof(data)
 
     def abort(self) -> None:
-        self.aborted = True
         if self._request.transport is not None:
             self._request.transport.abort()
