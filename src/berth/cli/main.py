@@ -16,6 +16,7 @@ from berth.cli import (
     daemon_cmd,
     demo,
     deploy_cmd,
+    desk_cmd,
     doctor_cmd,
     keys_cmd,
     models_cmd,
@@ -66,6 +67,7 @@ app.add_typer(backup_cmd.backup_app, name="backup")
 app.add_typer(bootstrap_cmd.deploy_app, name="deploy")
 app.add_typer(service_cmd.service_app, name="service")
 app.add_typer(service_cmd.route_app, name="route")
+app.add_typer(desk_cmd.desk_app, name="desk")
 app.command("status")(daemon_cmd.status)
 app.command("pull")(models_cmd.pull)
 app.command("run")(deploy_cmd.run)

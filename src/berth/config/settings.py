@@ -120,6 +120,7 @@ class Settings:
     direct_probe_timeout_s: float
     agent_advertise: str | None
     agent_ingress_bind: str
+    desk_pool_url: str
 
     @classmethod
     def load(

@@ -16,6 +16,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
+from urllib.parse import urlsplit
 
 from berth.errors import ConfigError
 from berth.paths import BerthHome
@@ -98,6 +99,14 @@ def _detect_llama_server(env: Mapping[str, str]) -> Path | None:
 
 
 _HOST_NAME = re.compile(r"^[A-Za-z0-9_](?:[A-Za-z0-9_.-]*[A-Za-z0-9_.])?$")
+
+
+def http_url_problem(text: str) -> str | None:
+    """Why ``text`` is not an ``http://`` or ``https://`` URL with a host, or ``None``."""
+    parts = urlsplit(text)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        return "expected an http:// or https:// URL with a host"
+    return None
 
 
 def host_problem(text: str) -> str | None:
@@ -225,6 +234,8 @@ SETTINGS: tuple[SettingDef, ...] = (
     SettingDef("agent_ingress_bind", "str", "agent",
                "address the agent's direct ingress binds (at the advertised port)",
                default="0.0.0.0", check=host_problem),
+    SettingDef("desk_pool_url", "str", "desk", "the ow desk `berth desk` offers models to",
+               default="https://owterminal.com", check=http_url_problem),
 )  # fmt: skip
 
 SETTINGS_BY_NAME: Mapping[str, SettingDef] = {d.name: d for d in SETTINGS}

@@ -1,0 +1,185 @@
+"""``berth desk`` as a user runs it: real CLI processes, a real leader daemon (its engine is
+``tests/fake_llama_server.py``, which starts in a blink), the stand-in desk over real TLS.
+
+The same flow on llama.cpp's real server is ``test_desk_e2e.py`` (slow).
+"""
+
+from __future__ import annotations
+
+import json
+import stat
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from berth.runtime.engines import find_free_port
+from desk_harness import Berth, DeskServe, clean_env, files_containing, loopback_tls
+from desk_standin import ThreadedDeskStandin
+from fake_llama_server import ANSWER, USAGE
+
+FAKE_ENGINE = Path(__file__).with_name("fake_llama_server.py")
+#: A name berth accepts but a desk does not (more than 80 characters).
+LONG_NAME = "m" * 85
+PLAIN_PROMPT = "plain desk prompt 4b7e: tell me a joke"
+SEALED_PROMPT = "sealed desk prompt 81d2: a secret question"
+EXIT_CONFIG = 2
+EXIT_DAEMON = 3
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("desk-cli")
+
+
+@pytest.fixture(scope="module")
+def desk(workdir: Path) -> Iterator[tuple[ThreadedDeskStandin, Path]]:
+    server_tls, ca_file = loopback_tls(workdir / "tls")
+    with ThreadedDeskStandin(tls=server_tls) as standin:
+        yield standin, ca_file
+
+
+@pytest.fixture(scope="module")
+def leader(workdir: Path, desk: tuple[ThreadedDeskStandin, Path]) -> Iterator[Berth]:
+    """A leader serving ``smollm2`` and a model whose name no desk takes."""
+    _, ca_file = desk
+    wrapper = workdir / "bin" / "llama-server"
+    wrapper.parent.mkdir()
+    wrapper.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{FAKE_ENGINE}" "$@"\n')
+    wrapper.chmod(0o755)
+    gguf = workdir / "tiny.gguf"
+    gguf.write_bytes(b"GGUF" + bytes(60))
+    env = clean_env({"BERTH_LLAMA_SERVER_BIN": str(wrapper), "SSL_CERT_FILE": str(ca_file)})
+    berth = Berth(workdir / "home", env=env, cwd=workdir)
+    berth("daemon", "start", "--public-port", str(find_free_port()),
+          "--cluster-port", str(find_free_port()))  # fmt: skip
+    try:
+        for name in ("smollm2", LONG_NAME):
+            berth("models", "add", name, "--path", str(gguf))
+            berth("run", name, "--engine", "llamacpp")
+        yield berth
+    finally:
+        berth("daemon", "stop", check=False)
+
+
+@pytest.fixture(scope="module")
+def registered(leader: Berth, desk: tuple[ThreadedDeskStandin, Path]) -> str:
+    standin, _ = desk
+    result = leader("desk", "register", "--pool-url", standin.url, "--price", "150")
+    return result.stdout + result.stderr
+
+
+def test_register_prints_each_code_and_price_and_skips_a_bad_name(
+    leader: Berth, desk: tuple[ThreadedDeskStandin, Path], registered: str
+) -> None:
+    standin, _ = desk
+    assert "smollm2: registered, node code N001, price 150 cents per million tokens (set by you)" \
+        in registered  # fmt: skip
+    assert f"warning: served model '{LONG_NAME}' is not a valid desk model id" in registered
+    assert [r["model"] for r in standin.registrations] == ["smollm2"]
+    nodes = leader.home / "desk" / "nodes.json"
+    keys = leader.home / "desk" / "enckey.json"
+    for path in (nodes, keys):
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    book = json.loads(nodes.read_text())
+    assert book["pool_url"] == standin.url
+    assert book["nodes"][0]["secret"] == standin.node_for("smollm2").secret
+    assert set(json.loads(keys.read_text())) == {"private_key", "public_key"}
+
+    again = leader("desk", "register")  # the registered pool is the default now
+    assert "smollm2: already registered, node code N001" in again.stdout
+    assert len(standin.registrations) == 1
+
+
+def test_serve_answers_plain_and_sealed_jobs_through_the_leader(
+    leader: Berth, desk: tuple[ThreadedDeskStandin, Path], registered: str, workdir: Path
+) -> None:
+    standin, _ = desk
+    plain = standin.add_job("smollm2", PLAIN_PROMPT)
+    sealed = standin.add_job("smollm2", SEALED_PROMPT, sealed=True)
+    tampered = standin.add_job("smollm2", SEALED_PROMPT, sealed=True, tamper="wrap_aad")
+    serve = DeskServe(leader, workdir / "serve.out", "--wait", "2")
+    try:
+        outcomes = [standin.wait_outcome(job, timeout_s=60) for job in (plain, sealed, tampered)]
+        node = standin.node_for("smollm2")
+        standin_pulses = list(node.pulses)
+
+        status = leader("desk", "status")
+        status_json = json.loads(leader("desk", "status", "--json").stdout)
+        check = leader("desk", "check")
+        standin.wait_outcome(node.check["job"], timeout_s=60)  # type: ignore[index]
+        link = leader("desk", "link")
+    finally:
+        code = serve.stop()
+    output = serve.text()
+    assert code == 0, output
+
+    prompt_tokens, completion_tokens = USAGE
+    for outcome, job in zip(outcomes[:2], (plain, sealed), strict=True):
+        assert outcome.kind == "finish"
+        assert outcome.body == {"id": job, "output": ANSWER, "prompt_tokens": prompt_tokens,
+                                "completion_tokens": completion_tokens}  # fmt: skip
+    assert outcomes[2].kind == "fail"
+    assert f"job {tampered} (smollm2): the sealed prompt does not open" in output
+
+    first = standin_pulses[0]
+    assert (first["slots"], first["busy"], first["models"]) == (1, False, ["smollm2"])
+    assert first["enc_pubkey"] == json.loads((leader.home / "desk" / "enckey.json")
+                                             .read_text())["public_key"]  # fmt: skip
+    assert {h.get("x-ow-wait") for h in node.claim_headers} == {"2"}  # one model offered
+
+    assert status.stdout.startswith(("smollm2 (N001): READY", "smollm2 (N001): CHECKING"))
+    assert "last seen  20" in status.stdout
+    (row,) = status_json
+    assert (row["model"], row["code"], row["error"]) == ("smollm2", "N001", None)
+    assert row["state"] in ("ready", "checking") and row["lastSeen"].startswith("20")
+    assert "smollm2: pool test requested; result:" in check.stdout
+    assert json.loads(check.stdout.splitlines()[1])["status"] in ("pending", "passed")
+    assert node.check["status"] == "passed"  # type: ignore[index]
+    assert "code     LINK-M1 (one-time)" in link.stdout
+    assert f"enter it at {standin.url}/account/machines" in link.stdout
+
+    for secret in ("4b7e", "81d2"):
+        assert secret not in output
+        assert files_containing(leader.home, secret) == []
+
+
+def test_bad_input_gets_one_clear_line(
+    leader: Berth, desk: tuple[ThreadedDeskStandin, Path], registered: str, workdir: Path
+) -> None:
+    """What only the CLI checks (the rest is refused in-process: ``test_desk_worker.py``)."""
+    standin, _ = desk
+    assert "--wait 20: the desk holds a claim 1 to 15 s" in leader.fails(
+        "desk", "serve", "--wait", "20", exit_code=EXIT_CONFIG
+    )
+    line = leader.fails("desk", "status", "--pool-url", "https://other.example",
+                        exit_code=EXIT_CONFIG)  # fmt: skip
+    assert f"are registered with {standin.url}, not https://other.example (desk_pool_url, " \
+        "from flag)" in line  # fmt: skip
+
+    fresh = Berth(workdir / "fresh-home", env=leader.env, cwd=workdir)
+    assert "the berth leader does not answer on" in fresh.fails(
+        "desk", "register", "--pool-url", standin.url, exit_code=EXIT_DAEMON
+    )
+    (fresh.home / "desk").mkdir(parents=True)
+    (fresh.home / "desk" / "nodes.json").write_text("{not json")
+    assert f"{fresh.home / 'desk' / 'nodes.json'}: malformed node file" in fresh.fails(
+        "desk", "serve", exit_code=EXIT_CONFIG
+    )
+
+
+def test_a_desk_that_is_down_is_a_clear_message(leader: Berth, workdir: Path) -> None:
+    home = workdir / "dead-pool-home"
+    (home / "desk").mkdir(parents=True)
+    dead = f"https://127.0.0.1:{find_free_port()}"
+    node = {"model": "smollm2", "secret": "sk-node-" + "a" * 32, "code": "N7"}
+    (home / "desk" / "nodes.json").write_text(json.dumps({"pool_url": dead, "nodes": [node]}))
+    berth = Berth(home, env=leader.env, cwd=workdir)
+
+    assert f"error: the desk at {dead} did not answer: node/link" in berth.fails(
+        "desk", "link", exit_code=1
+    )
+    status = berth("desk", "status", check=False)
+    assert status.returncode == 1
+    assert status.stderr.startswith(f"smollm2 (N7): the desk at {dead} did not answer")

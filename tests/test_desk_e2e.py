@@ -1,0 +1,105 @@
+"""End to end on real parts: ``berth desk register`` and ``berth desk serve`` as CLI processes,
+the stand-in desk over real TLS, a real leader, and llama.cpp's ``llama-server`` on SmolLM2
+answering a plain and a sealed job through the leader's router.
+
+One engine start for the module; the jobs are queued before ``serve`` starts, so they are
+claimed at once. The finish must carry the engine's own token counts, and no file under the
+home (logs, database, desk files) may hold either prompt.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from berth.runtime.bundled import smollm2_gguf
+from berth.runtime.engines import find_free_port
+from desk_harness import Berth, DeskServe, clean_env, files_containing, loopback_tls
+from desk_standin import ThreadedDeskStandin
+from real_engine import real_engine_missing
+
+pytestmark = pytest.mark.slow
+
+if (_missing := real_engine_missing()) is not None:
+    pytest.skip(_missing, allow_module_level=True)
+
+PLAIN_PROMPT = "Name one colour of the rainbow. (plain marker 5d0c)"
+SEALED_PROMPT = "Name one planet of the solar system. (sealed marker e61b)"
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("desk-e2e")
+
+
+@pytest.fixture(scope="module")
+def desk(workdir: Path) -> Iterator[tuple[ThreadedDeskStandin, Path]]:
+    server_tls, ca_file = loopback_tls(workdir / "tls")
+    with ThreadedDeskStandin(tls=server_tls) as standin:
+        yield standin, ca_file
+
+
+@pytest.fixture(scope="module")
+def leader(workdir: Path, desk: tuple[ThreadedDeskStandin, Path]) -> Iterator[Berth]:
+    _, ca_file = desk
+    berth = Berth(workdir / "home", env=clean_env({"SSL_CERT_FILE": str(ca_file)}), cwd=workdir)
+    berth("daemon", "start", "--public-port", str(find_free_port()),
+          "--cluster-port", str(find_free_port()))  # fmt: skip
+    try:
+        berth("models", "add", "smollm2", "--path", str(smollm2_gguf()))
+        berth("run", "smollm2", "--engine", "llamacpp")
+        yield berth
+    finally:
+        berth("daemon", "stop", check=False)
+
+
+def prompt_tokens_of(berth: Berth, prompt: str) -> int:
+    """What the engine counts for ``prompt`` as a job sends it (asked directly)."""
+    transport = httpx.HTTPTransport(uds=str(berth.home / "berth.sock"))
+    with httpx.Client(transport=transport, base_url="http://berth", timeout=60) as client:
+        answer = client.post("/v1/chat/completions", json={
+            "model": "smollm2", "messages": [{"role": "user", "content": prompt}],
+            "max_tokens": 1, "stream": False,
+        })  # fmt: skip
+    answer.raise_for_status()
+    return int(answer.json()["usage"]["prompt_tokens"])
+
+
+def test_register_and_serve_answer_plain_and_sealed_jobs_on_llama_cpp(
+    leader: Berth, desk: tuple[ThreadedDeskStandin, Path], workdir: Path
+) -> None:
+    standin, _ = desk
+    registered = leader("desk", "register", "--pool-url", standin.url, "--price", "90")
+    assert "smollm2: registered, node code N001, price 90 cents" in registered.stdout
+
+    plain = standin.add_job("smollm2", PLAIN_PROMPT)
+    sealed = standin.add_job("smollm2", SEALED_PROMPT, sealed=True)
+    serve = DeskServe(leader, workdir / "serve.out")
+    try:
+        outcomes = {job: standin.wait_outcome(job, timeout_s=120) for job in (plain, sealed)}
+    finally:
+        code = serve.stop()
+    output = serve.text()
+    assert code == 0, output
+
+    for job, prompt in ((plain, PLAIN_PROMPT), (sealed, SEALED_PROMPT)):
+        outcome = outcomes[job]
+        assert outcome.kind == "finish", output
+        assert outcome.body["output"].strip()
+        assert outcome.body["completion_tokens"] > 0
+        assert outcome.body["prompt_tokens"] == prompt_tokens_of(leader, prompt)
+        assert f"job {job} (smollm2): finished: {outcome.body['prompt_tokens']} prompt + " \
+            f"{outcome.body['completion_tokens']} completion tokens" in output  # fmt: skip
+
+    pulses = standin.node_for("smollm2").pulses
+    assert pulses and pulses[0]["slots"] == 1 and pulses[0]["models"] == ["smollm2"]
+    gpus = json.loads(leader("nodes", "show", "local", "--json").stdout)["gpus"]
+    assert (pulses[0]["chip"] is None) == (not gpus)
+
+    for marker in ("5d0c", "e61b"):
+        assert marker not in output
+        assert files_containing(leader.home, marker) == [], "a prompt was written to disk"
