@@ -46,6 +46,7 @@ from berth.cluster.direct_tls import (
 )
 from berth.cluster.protocol.direct import (
     HEALTH_PATH,
+    MAX_DIRECT_EXCHANGES,
     RESET_HEADER,
     parse_address,
     split_deployment_target,
@@ -58,7 +59,7 @@ from berth.openai_errors import error_body
 log = logging.getLogger(__name__)
 
 #: Exchanges relayed at once, as many as streams on one link (``LinkLimits.max_streams``).
-MAX_OPEN_EXCHANGES: Final = 4096
+MAX_OPEN_EXCHANGES: Final = MAX_DIRECT_EXCHANGES
 #: Request headers that describe the leader's connection to the ingress, not the request.
 _NOT_FORWARDED = frozenset({b"host", b"content-length", b"transfer-encoding", b"connection",
                             b"keep-alive", b"te", b"trailer", b"upgrade", b"proxy-connection",

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from typing import Final
 
+#: Exchanges an ingress relays at once (``503`` beyond), as many as streams on one link.
+MAX_DIRECT_EXCHANGES: Final = 4096
 HEALTH_PATH: Final = b"/healthz"
 DEPLOYMENT_PREFIX: Final = b"/d/"
 #: The header of an answer that reports a relay failure; its value is a reset code.
