@@ -506,6 +506,28 @@ def test_an_unknown_key_tier_is_refused_listing_the_tiers(leader: tuple[Berth, i
     assert berth.admin("GET", "/admin/keys") == before
 
 
+@pytest.mark.parametrize(
+    "name", ["two\nrows", "tab\there", "esc\x1b[31m", "bidi\u202eoverride", " padded", ""]
+)
+def test_unsafe_key_names_are_refused_by_the_cli_and_the_admin_api(
+    leader: tuple[Berth, int], name: str
+) -> None:
+    berth, _ = leader
+    before = berth.admin("GET", "/admin/keys")
+
+    line = berth.fails("key", "create", name, exit_code=EXIT_CONFIG)
+    transport = httpx.HTTPTransport(uds=str(berth.home / "berth.sock"))
+    with httpx.Client(transport=transport, base_url="http://berth", timeout=30.0) as api:
+        response = api.post("/admin/keys", json={"name": name})
+
+    assert line.startswith("error: ") and "key name" in line
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error"
+    assert "name" in error["message"]
+    assert berth.admin("GET", "/admin/keys") == before
+
+
 def test_keys_guard_the_public_listener_and_revoke_at_once(leader: tuple[Berth, int]) -> None:
     berth, port = leader
     standard = berth.json("key", "create", "std")

@@ -1,5 +1,6 @@
-"""The leader's per-node metrics: counters across agent restarts, gauges, expiry, removal, the
-local node's measurement in the proxy's metrics, and the admin snapshot's shape."""
+"""The leader's per-node metrics: counters across leader and agent restarts, gauges, expiry,
+stopped deployments and removed nodes, the local node's measurement in the proxy's metrics,
+and the admin snapshot's shape."""
 
 from __future__ import annotations
 
@@ -91,6 +92,71 @@ def test_counters_never_decrease_across_an_agent_restart(
     assert seen == [(10, 1), (15, 2), (18, 2), (22, 3)]
 
 
+def test_a_leader_restart_starts_the_counters_at_zero_from_the_agents_totals(
+    metrics: ClusterMetrics, registry: CollectorRegistry
+) -> None:
+    labels = {"node": "n-1", "deployment": "d-aaaa0001", "model": "tiny"}
+    # A fresh leader; the agent has served 1288 requests (12 failed) since it started.
+    metrics.node_connected("n-1")
+    metrics.record_heartbeat("n-1", beat(load(requests=1288, errors=12)), 1001.0)
+    assert value(registry, "berth_deployment_requests_total", **labels) == 0
+    assert value(registry, "berth_deployment_errors_total", **labels) == 0
+    metrics.record_heartbeat("n-1", beat(load(requests=1293, errors=13)), 1002.0)  # 5 more
+    assert value(registry, "berth_deployment_requests_total", **labels) == 5
+    assert value(registry, "berth_deployment_errors_total", **labels) == 1
+
+
+def test_an_agent_restart_after_a_leader_restart_never_lowers_a_counter(
+    metrics: ClusterMetrics, registry: CollectorRegistry
+) -> None:
+    labels = {"node": "n-1", "deployment": "d-aaaa0001", "model": "tiny"}
+    seen = []
+    # (new link?, the agent's total): leader restart at 1288; 5 more; the agent restarts
+    # and reconnects (its total is 0 again), then 3 more; its link drops and comes back
+    # without a restart, then 2 more.
+    steps = [(True, 1288), (False, 1293), (True, 0), (False, 3), (True, 3), (False, 5)]
+    for at, (new_link, requests) in enumerate(steps):
+        if new_link:
+            metrics.node_connected("n-1")
+        metrics.record_heartbeat("n-1", beat(load(requests=requests)), 1000.0 + at)
+        seen.append(value(registry, "berth_deployment_requests_total", **labels))
+    assert seen == [0, 5, 5, 8, 8, 10]
+
+
+def test_a_deployment_started_while_linked_counts_from_zero(
+    metrics: ClusterMetrics, registry: CollectorRegistry
+) -> None:
+    metrics.node_connected("n-1")
+    metrics.record_heartbeat("n-1", beat(load(requests=40)), 1000.0)
+    # d-bbbb0002 started after the link came up: everything it reports is this leader's.
+    metrics.record_heartbeat("n-1", beat(load(requests=40), load("d-bbbb0002", 3, 1)), 1001.0)
+    new = {"node": "n-1", "deployment": "d-bbbb0002", "model": "small"}
+    assert value(registry, "berth_deployment_requests_total", **new) == 3
+    assert value(registry, "berth_deployment_errors_total", **new) == 1
+    # Node local never links: its meter starts with the leader, so all of it counts.
+    metrics.record_heartbeat("local", beat(load(requests=2)), 1001.0)
+    local = {"node": "local", "deployment": "d-aaaa0001", "model": "tiny"}
+    assert value(registry, "berth_deployment_requests_total", **local) == 2
+
+
+def test_a_stopped_deployment_keeps_its_counters_for_the_linger(
+    registry: CollectorRegistry,
+) -> None:
+    now = [1000.0]
+    metrics = ClusterMetrics(linger_s=300.0, model_of=MODELS.get, clock=lambda: now[0])
+    metrics.register(registry)
+    metrics.record_heartbeat("n-1", beat(load(requests=7), load("d-bbbb0002", requests=2)))
+    metrics.deployment_ended("d-aaaa0001")
+    stopped = {"node": "n-1", "deployment": "d-aaaa0001", "model": "tiny"}
+    now[0] += 299.0
+    metrics.record_heartbeat("n-1", beat(load("d-bbbb0002", requests=4)))
+    assert value(registry, "berth_deployment_requests_total", **stopped) == 7
+    now[0] += 1.0
+    assert value(registry, "berth_deployment_requests_total", **stopped) is None
+    running = {"node": "n-1", "deployment": "d-bbbb0002", "model": "small"}
+    assert value(registry, "berth_deployment_requests_total", **running) == 4
+
+
 def test_gauges_per_node_and_gpu(metrics: ClusterMetrics, registry: CollectorRegistry) -> None:
     metrics.record_heartbeat(
         "n-1",
@@ -137,18 +203,23 @@ def test_a_silent_node_loses_its_gauges_keeps_its_counters(registry: CollectorRe
     assert metrics.snapshot().nodes == ()
 
 
-def test_removing_a_node_drops_its_series(
-    metrics: ClusterMetrics, registry: CollectorRegistry
+def test_removing_a_node_drops_its_gauges_now_and_its_counters_after_the_linger(
+    registry: CollectorRegistry,
 ) -> None:
-    metrics.record_heartbeat("n-1", beat(load(requests=5), gpus=((0, 50, 1),)), 1000.0)
-    metrics.record_heartbeat("n-2", beat(load("d-bbbb0002", requests=2)), 1000.0)
+    now = [1000.0]
+    metrics = ClusterMetrics(linger_s=300.0, model_of=MODELS.get, clock=lambda: now[0])
+    metrics.register(registry)
+    metrics.record_heartbeat("n-1", beat(load(requests=5), gpus=((0, 50, 1),)))
+    metrics.record_heartbeat("n-2", beat(load("d-bbbb0002", requests=2)))
     metrics.remove_node("n-1")
     assert value(registry, "berth_node_gpu_util_pct", node="n-1", gpu="0") is None
     gone = {"node": "n-1", "deployment": "d-aaaa0001", "model": "tiny"}
+    assert value(registry, "berth_deployment_requests_total", **gone) == 5  # the final value
+    assert [n.node for n in metrics.snapshot().nodes] == ["n-2"]
+    now[0] += 300.0
     assert value(registry, "berth_deployment_requests_total", **gone) is None
     kept = {"node": "n-2", "deployment": "d-bbbb0002", "model": "small"}
     assert value(registry, "berth_deployment_requests_total", **kept) == 2
-    assert [n.node for n in metrics.snapshot().nodes] == ["n-2"]
 
 
 def test_snapshot_keeps_the_window_as_series(registry: CollectorRegistry) -> None:

@@ -16,6 +16,7 @@ import pytest
 from aiohttp import web
 from cryptography import x509
 from cryptography.x509.oid import NameOID
+from sqlalchemy import text
 
 from berth.agent.identity import client_ssl_context, load_agent_identity
 from berth.agent.registration import register_agent
@@ -26,6 +27,7 @@ from berth.cluster.enrollment import (
     EnrollmentService,
     EnrollmentURI,
     RegistrationRateLimiter,
+    audit_token_hash,
     validate_node_label,
 )
 from berth.cluster.listener import (
@@ -39,6 +41,8 @@ from berth.daemon.server import bind_tcp
 from berth.errors import AuthError, ConfigError, RateLimitError
 from berth.paths import BerthHome
 from berth.store import Store
+
+PEPPER = b"p" * 32
 
 
 class Clock:
@@ -62,6 +66,10 @@ class Leader:
 
     def uri(self, label: str) -> EnrollmentURI:
         return self.enrollment.issue_token(label).uri
+
+    def store_token_hashes(self) -> list[str]:
+        with self.store.engine.connect() as db:
+            return list(db.execute(text("SELECT token_hash FROM enrollment_tokens")).scalars())
 
     def audit_lines(self) -> list[dict[str, object]]:
         if not self.home.audit_log.exists():
@@ -89,7 +97,7 @@ async def leader(tmp_path: Path) -> AsyncIterator[Leader]:
     enrollment = EnrollmentService(
         store=store,
         ca=ca,
-        pepper=b"p" * 32,
+        pepper=PEPPER,
         cluster_url=url,
         audit=AuditLog(home.audit_log),
         clock=clock,
@@ -138,7 +146,8 @@ async def test_registration_writes_a_private_identity_named_by_the_leader(
     (line,) = leader.audit_lines()
     assert line["outcome"] == "enrolled" and line["node_id"] == node.id
     assert line["source_address"] == "127.0.0.1"
-    assert line["token_prefix"] == uri.token[:8]
+    assert line["token_hash"] == audit_token_hash(uri.token, PEPPER)
+    assert line["token_hash"] == leader.store_token_hashes()[0][:16]
 
 
 async def test_a_token_works_once(leader: Leader, tmp_path: Path) -> None:
@@ -151,7 +160,8 @@ async def test_a_token_works_once(leader: Leader, tmp_path: Path) -> None:
     assert not _agent_home(tmp_path, "b").agent_config.exists()
     lines = leader.audit_lines()
     assert [line["outcome"] for line in lines] == ["enrolled", "refused"]
-    assert lines[1]["reason"] == "used" and lines[1]["token_prefix"] == uri.token[:8]
+    assert lines[1]["reason"] == "used"
+    assert lines[0]["token_hash"] == lines[1]["token_hash"]  # the same token, told apart
 
 
 async def test_an_expired_token_is_refused(leader: Leader, tmp_path: Path) -> None:
@@ -199,11 +209,52 @@ async def test_registration_is_rate_limited_per_address(leader: Leader, tmp_path
     lines = leader.audit_lines()
     assert len(lines) == 12
     assert {line["source_address"] for line in lines} == {"127.0.0.1"}
-    assert [line["token_prefix"] for line in lines[:10]] == ["not-a-to"] * 10
+    assert len({line["token_hash"] for line in lines[:10]}) == 1
     assert [line["outcome"] for line in lines[10:]] == ["rate_limited"] * 2
 
     leader.clock.now += 61
     await asyncio.to_thread(register_agent, uri, _agent_home(tmp_path))
+
+
+async def test_successful_registrations_do_not_count_against_the_address(
+    leader: Leader, tmp_path: Path
+) -> None:
+    # One provisioning host enrolls twelve nodes in a minute: none is refused.
+    for index in range(12):
+        uri = leader.uri(f"gpu-{index}")
+        await asyncio.to_thread(register_agent, uri, _agent_home(tmp_path, f"a{index}"))
+    assert [line["outcome"] for line in leader.audit_lines()] == ["enrolled"] * 12
+
+
+async def test_failures_in_between_successes_still_reach_the_limit(
+    leader: Leader, tmp_path: Path
+) -> None:
+    bad = replace(leader.uri("gpu-x"), token="not-a-token-at-all")
+    for index in range(10):
+        await asyncio.to_thread(register_agent, leader.uri(f"gpu-{index}"),
+                                _agent_home(tmp_path, f"a{index}"))  # fmt: skip
+        with pytest.raises(AuthError, match="unknown enrollment token"):
+            await asyncio.to_thread(register_agent, bad, _agent_home(tmp_path, "bad"))
+    with pytest.raises(RateLimitError, match="too many"):
+        await asyncio.to_thread(register_agent, leader.uri("gpu-y"), _agent_home(tmp_path, "y"))
+
+
+async def test_the_audit_log_keeps_nothing_of_any_token(leader: Leader, tmp_path: Path) -> None:
+    good = leader.uri("gpu-1")
+    presented = [good.token, "sk-berth-pasted-by-mistake-0123456789ab", "not-a-token-at-all"]
+    await asyncio.to_thread(register_agent, good, _agent_home(tmp_path, "a"))
+    for token in presented[1:]:
+        with pytest.raises(AuthError):
+            await asyncio.to_thread(register_agent, replace(good, token=token),
+                                    _agent_home(tmp_path, "b"))  # fmt: skip
+    async with httpx.AsyncClient(verify=False) as client:  # malformed: no CSR
+        await client.post(f"{leader.url}/admin/nodes/register", json={"token": presented[2]})
+    log = leader.home.audit_log.read_text()
+    assert len(log.splitlines()) == 4
+    for token in presented:  # no 8 characters of it (what the log used to keep) in a row
+        for start in range(len(token) - 7):
+            assert token[start : start + 8] not in log, token[start : start + 8]
+    assert all("token_prefix" not in line for line in leader.audit_lines())
 
 
 async def test_reenrolling_a_label_keeps_the_id_and_replaces_the_fingerprint(
@@ -306,3 +357,17 @@ def test_rate_limiter_slides_its_window_per_address() -> None:
     assert limiter.check("b", 30.0) is None
     assert limiter.check("a", 60.0) is None  # the attempt at 0 left the window
     assert limiter.check("a", 61.0) == pytest.approx(9.0)
+
+
+def test_rate_limiter_counts_failed_and_unfinished_attempts_only() -> None:
+    limiter = RegistrationRateLimiter(max_attempts=2, window_s=60.0)
+
+    assert limiter.check("a", 0.0) is None
+    limiter.succeeded("a", 0.0)  # enrolled: no longer counts
+    assert limiter.check("a", 1.0) is None  # still in progress, or failed: counts
+    assert limiter.check("a", 2.0) is None
+    assert limiter.check("a", 3.0) == pytest.approx(58.0)  # two concurrent guesses at most
+    limiter.succeeded("a", 1.0)
+    assert limiter.check("a", 4.0) is None
+    limiter.succeeded("a", 999.0)  # an attempt it does not know: nothing changes
+    assert limiter.check("a", 5.0) == pytest.approx(57.0)

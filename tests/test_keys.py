@@ -17,6 +17,7 @@ from berth.keys import (
     key_prefix,
     load_or_create_pepper,
     parse_tier,
+    validate_key_name,
     verify_secret,
 )
 from berth.store import Store
@@ -153,3 +154,38 @@ def test_revoking_an_unknown_key_is_not_found(store: Store) -> None:
     with pytest.raises(NotFoundError) as caught:
         store.revoke_api_key("k-00000000")
     assert caught.value.ident == "k-00000000"
+
+
+@pytest.mark.parametrize("name", ["laptop", "ci runner 2", "équipe-7", "x" * 200, "🚀 deploys"])
+def test_printable_key_names_are_kept(name: str) -> None:
+    assert validate_key_name(name) == name
+
+
+@pytest.mark.parametrize(
+    ("name", "complaint"),
+    [
+        ("", "empty"),
+        ("x" * 201, "at most 200"),
+        ("two\nrows", "U\\+000A"),
+        ("cr\rlf", "U\\+000D"),
+        ("tab\there", "U\\+0009"),
+        ("nul\x00", "U\\+0000"),
+        ("esc\x1b[2J", "U\\+001B"),
+        ("del\x7f", "U\\+007F"),
+        ("bidi\u202eevil", "U\\+202E"),
+        ("zero\u200bwidth", "U\\+200B"),
+        ("line\u2028sep", "U\\+2028"),
+        ("nbsp\u00a0", "U\\+00A0"),
+        (" padded", "start or end with a space"),
+        ("padded ", "start or end with a space"),
+    ],
+)
+def test_unsafe_key_names_are_refused_saying_why(name: str, complaint: str) -> None:
+    with pytest.raises(ConfigError, match=complaint):
+        validate_key_name(name)
+
+
+def test_the_store_refuses_a_key_name_with_a_newline(store: Store) -> None:
+    with pytest.raises(ConfigError, match="key name"):
+        store.add_api_key("two\nrows", Tier.STANDARD, "0" * 64, "sk-berth-abcd")
+    assert store.list_api_keys() == []

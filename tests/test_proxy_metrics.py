@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
+
 from prometheus_client.parser import text_string_to_metric_families
 
 from berth.observability.metrics import ProxyMetrics, Target, status_class
+from berth.store.records import DeploymentRecord
 from berth.store.states import DeploymentState
 
 T = Target("m", "d-1", "local")
@@ -68,13 +71,65 @@ def test_deployment_state_is_one_for_the_current_state_only() -> None:
     assert set(states.values()) == {0}
 
 
-def test_a_removed_deployment_leaves_no_state_series() -> None:
-    metrics = ProxyMetrics()
+def test_a_stopped_deployment_keeps_its_series_for_the_linger_then_loses_them() -> None:
+    now = [100.0]
+    metrics = ProxyMetrics(linger_s=300.0, clock=lambda: now[0])
+    other = Target("m", "d-2", "n-1")
+    for target in (T, other):
+        metrics.set_deployment_state(
+            target.deployment, model="m", node=target.node, state=DeploymentState.READY
+        )
+        metrics.request_started(target)
+        metrics.request_finished(target, status=502, duration_s=0.1, error_reason="engine_status")
+    for state in (DeploymentState.STOPPING, DeploymentState.STOPPED):
+        metrics.set_deployment_state("d-1", model="m", node="local", state=state)
+    labels = {**T._asdict(), "status_class": "5xx"}
+    now[0] += 299.0  # a scrape within the linger reads the final values
+    assert value(metrics, "berth_proxy_requests_total", **labels) == 1
+    assert value(metrics, "berth_deployment_state", **T._asdict(), state="stopped") == 1
+    now[0] += 1.0
+    body = metrics.render()[0].decode()
+    assert 'deployment="d-1"' not in body, body
+    assert value(metrics, "berth_proxy_requests_total", **other._asdict(), status_class="5xx") == 1
+    assert value(metrics, "berth_deployment_state", **other._asdict(), state="ready") == 1
+
+
+def test_a_stopped_deployment_with_a_request_in_flight_keeps_its_series_until_it_ends() -> None:
+    now = [0.0]
+    metrics = ProxyMetrics(linger_s=10.0, clock=lambda: now[0])
     metrics.set_deployment_state("d-1", model="m", node="local", state=DeploymentState.READY)
-    metrics.remove_deployment("d-1")
-    metrics.remove_deployment("d-1")  # twice is harmless
-    body, _ = metrics.render()
-    assert b'deployment="d-1"' not in body
+    metrics.request_started(T)
+    metrics.set_deployment_state("d-1", model="m", node="local", state=DeploymentState.FAILED)
+    now[0] = 60.0
+    metrics.render()
+    assert value(metrics, "berth_proxy_in_flight_requests", **T._asdict()) == 1
+    metrics.request_finished(T, status=200, duration_s=60.0)  # the linger starts again
+    now[0] = 69.0
+    assert value(metrics, "berth_proxy_requests_total", **T._asdict(), status_class="2xx") == 1
+    now[0] = 70.0
+    assert b'deployment="d-1"' not in metrics.render()[0]
+
+
+def test_restored_deployments_have_their_labels_and_states() -> None:
+    metrics = ProxyMetrics()
+    ready = _record("d-1", "n-1", "chat", DeploymentState.READY)
+    stopped = _record("d-2", "n-1", "old", DeploymentState.STOPPED)
+    metrics.restore([ready, stopped])
+    labels = {"deployment": "d-1", "model": "chat", "node": "n-1"}
+    assert value(metrics, "berth_deployment_state", **labels, state="ready") == 1
+    assert value(metrics, "berth_deployment_state", **labels, state="loading") == 0
+    assert metrics.deployment_model("d-1") == "chat"
+    assert metrics.deployment_model("d-2") is None  # a stopped deployment gets no series
+    assert b'deployment="d-2"' not in metrics.render()[0]
+
+
+def _record(deployment: str, node: str, served: str, state: DeploymentState) -> DeploymentRecord:
+    at = datetime(2026, 1, 1, tzinfo=UTC)
+    return DeploymentRecord(
+        id=deployment, model_name="weights", engine="llamacpp", runtime="process",
+        node_id=node, state=state, port=None, pid=None, gpus=(), ctx=None, extra_args=(),
+        served_model_name=served, failure_reason=None, created_at=at, updated_at=at,
+    )  # fmt: skip
 
 
 def test_render_is_the_prometheus_text_format_with_berth_names_only() -> None:

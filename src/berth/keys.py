@@ -27,6 +27,8 @@ SECRET_RANDOM_CHARS: Final = 32
 DISPLAY_PREFIX_CHARS: Final = len(SECRET_PREFIX) + 4
 #: Pepper length in bytes: SHA-256's output length L, the minimum RFC 2104 section 3 advises.
 PEPPER_BYTES: Final = 32
+#: Longest key name, in characters.
+MAX_KEY_NAME_CHARS: Final = 200
 
 
 class Tier(StrEnum):
@@ -43,6 +45,30 @@ def parse_tier(text: str) -> Tier:
     except ValueError:
         valid = ", ".join(t.value for t in Tier)
         raise ConfigError(f"unknown key tier {text!r}; valid tiers: {valid}") from None
+
+
+def validate_key_name(name: str) -> str:
+    """Return ``name`` if it is a safe label for a key, else raise :class:`ConfigError`.
+
+    A name is 1 to :data:`MAX_KEY_NAME_CHARS` printable characters (``str.isprintable``: no
+    control characters such as newlines, tabs or escapes, no invisible format characters
+    such as bidirectional overrides, no line separators; the ASCII space is allowed) and
+    neither starts nor ends with a space: it shows as one row in ``berth key ls`` and one
+    line in logs, and reads as what it is.
+    """
+    if not name:
+        raise ConfigError("a key name must not be empty")
+    if len(name) > MAX_KEY_NAME_CHARS:
+        raise ConfigError(f"a key name is at most {MAX_KEY_NAME_CHARS} characters, got {len(name)}")
+    if not name.isprintable():
+        bad = next(c for c in name if not c.isprintable())
+        raise ConfigError(
+            f"invalid key name {name!r}: it holds the unprintable character U+{ord(bad):04X}; "
+            "use printable characters only (no newlines, tabs or other control characters)"
+        )
+    if name != name.strip(" "):
+        raise ConfigError(f"invalid key name {name!r}: it must not start or end with a space")
+    return name
 
 
 def generate_secret() -> str:

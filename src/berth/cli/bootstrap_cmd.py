@@ -21,7 +21,14 @@ from berth.cli.common import HELP_OPTIONS, console, context, err_console, print_
 from berth.cluster.ca import CertificateAuthority
 from berth.config import SETTINGS_BY_NAME, Settings, write_config_values
 from berth.errors import ConfigError, ConflictError
-from berth.keys import Tier, generate_secret, hash_secret, key_prefix, load_or_create_pepper
+from berth.keys import (
+    Tier,
+    generate_secret,
+    hash_secret,
+    key_prefix,
+    load_or_create_pepper,
+    validate_key_name,
+)
 from berth.paths import BerthHome, resolve_home
 from berth.store import Store
 from berth.store.db import is_sqlite, parse_database_url
@@ -137,6 +144,7 @@ def bootstrap(
     )
     if not key_name.strip():
         raise ConfigError("--key-name must not be empty")
+    validate_key_name(key_name.strip())
     before = Settings.load(home)
     existing = _existing_state(home, before.database_url)
     if existing and not force:

@@ -7,7 +7,7 @@ from rich.table import Table
 
 from berth.api import KeyIn
 from berth.cli.common import HELP_OPTIONS, console, context, print_json, request_body
-from berth.keys import parse_tier
+from berth.keys import parse_tier, validate_key_name
 
 key_app = typer.Typer(
     context_settings=HELP_OPTIONS, help="Create, list and revoke API keys.", no_args_is_help=True
@@ -22,7 +22,8 @@ def create(
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
     """Create a key; its secret is shown once and never stored."""
-    parse_tier(tier)  # refuse an unknown tier before asking the daemon
+    parse_tier(tier)  # refuse an unknown tier or an unsafe name before asking the daemon
+    validate_key_name(name)
     with context(ctx).client() as client:
         record = client.create_key(request_body(KeyIn, name=name, tier=tier))
     if as_json:

@@ -9,12 +9,14 @@
    leader chose as common name, and records the certificate's fingerprint in the store.
 
 Tokens are stored as ``HMAC-SHA256(pepper, token)`` like API keys (:mod:`berth.keys`).  Every
-registration attempt is appended to the audit log, good or bad.  Pure parts (the URI, label
+registration attempt is appended to the audit log, good or bad, with the start of that hash
+(:func:`audit_token_hash`), never any of the token itself.  Pure parts (the URI, label
 validation, the rate limiter) take plain values and a ``now``; nothing reads a clock itself.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -37,8 +39,9 @@ from berth.store import NodeRecord, Store
 
 #: Seconds an enrollment token stays valid.
 TOKEN_VALIDITY_S: Final = 600.0
-#: Characters of a token kept in the audit log (enough to tell tokens apart, not to use one).
-TOKEN_PREFIX_CHARS: Final = 8
+#: Hex characters of a presented token's hash kept in the audit log (64 bits: enough to tell
+#: attempts with one token from those with another; nothing of the token itself).
+AUDIT_TOKEN_HASH_CHARS: Final = 16
 #: Validity of an agent's client certificate, in days.
 AGENT_CERT_VALIDITY_DAYS: Final = 365
 #: Registration attempts allowed per source address within :data:`RATE_WINDOW_S`.
@@ -125,10 +128,15 @@ def hash_enrollment_token(token: str, pepper: bytes) -> str:
 
 
 class RegistrationRateLimiter:
-    """A sliding-window limit of registration attempts per source address (pure, no clock).
+    """A sliding-window limit of failed registration attempts per source address (pure, no
+    clock).
 
-    Attempts refused by the limiter do not count, so a client that backs off for the
-    advertised time gets through.
+    What counts is what a token guesser makes: attempts that failed, and attempts still in
+    progress (so a burst of concurrent guesses is held to the limit too, before any of them
+    has failed). A registration that enrolled a node stops counting (:meth:`succeeded`): an
+    operator enrolling many hosts from one address (behind one NAT, or one provisioning
+    host) is never refused for it. Attempts refused by the limiter do not count, so a client
+    that backs off for the advertised time gets through.
     """
 
     def __init__(
@@ -139,10 +147,11 @@ class RegistrationRateLimiter:
         self._attempts: dict[str, deque[float]] = {}
 
     def check(self, address: str, now: float) -> float | None:
-        """Count an attempt from ``address`` at ``now`` (seconds, any monotonic origin).
+        """Count an attempt from ``address`` beginning at ``now`` (seconds, any monotonic
+        origin), until :meth:`succeeded` says it enrolled.
 
-        Returns ``None`` when allowed, else the seconds until the oldest attempt in the
-        window expires (the ``Retry-After``), without counting this one.
+        Returns ``None`` when allowed, else the seconds until the oldest counted attempt in
+        the window expires (the ``Retry-After``), without counting this one.
         """
         self._forget_idle(now)
         times = self._attempts.setdefault(address, deque())
@@ -152,6 +161,14 @@ class RegistrationRateLimiter:
             return times[0] + self._window_s - now
         times.append(now)
         return None
+
+    def succeeded(self, address: str, attempted_at: float) -> None:
+        """The attempt from ``address`` that :meth:`check` allowed at ``attempted_at``
+        enrolled a node: it no longer counts."""
+        times = self._attempts.get(address)
+        if times is not None:
+            with contextlib.suppress(ValueError):  # already out of the window
+                times.remove(attempted_at)
 
     def _forget_idle(self, now: float) -> None:
         idle = [a for a, t in self._attempts.items() if not t or t[-1] <= now - self._window_s]
@@ -183,9 +200,17 @@ class AuditLog:
                 os.close(fd)
 
 
-def token_prefix(token: str) -> str:
-    """The first :data:`TOKEN_PREFIX_CHARS` characters of a token, for the audit log."""
-    return token[:TOKEN_PREFIX_CHARS]
+def audit_token_hash(token: str, pepper: bytes) -> str | None:
+    """What the audit log keeps of a presented ``token``: the first
+    :data:`AUDIT_TOKEN_HASH_CHARS` hex characters of ``HMAC-SHA256(pepper, token)`` (the
+    store's hash of an issued token starts with the same ones), ``None`` when none was given.
+
+    A keyed hash and not a prefix of the token: a prefix would shorten a guess at a token
+    whose attempt was logged (and a mistyped or misplaced secret would be partly logged).
+    """
+    if not token:
+        return None
+    return hash_enrollment_token(token, pepper)[:AUDIT_TOKEN_HASH_CHARS]
 
 
 @dataclass(frozen=True)
@@ -268,13 +293,7 @@ class EnrollmentService:
         :class:`ConflictError` when the same label is registered concurrently.  The attempt
         is audited whatever the outcome.
         """
-        event: dict[str, object] = {
-            "event": "node.register",
-            "source_address": source_address,
-            "token_prefix": token_prefix(token),
-            "label": None,
-            "node_id": None,
-        }
+        event = self._attempt(token, source_address)
         try:
             check_csr(csr_pem)
             label = self._store.consume_enrollment_token(
@@ -306,17 +325,30 @@ class EnrollmentService:
         """Append ``event`` with its time, ``outcome`` and ``reason`` to the audit log."""
         self._audit.append({**event, "time": self._clock(), "outcome": outcome, "reason": reason})
 
+    def audit_malformed(self, token: str, source_address: str) -> None:
+        """Audit an attempt whose body was not ``{"token": ..., "csr_pem": ...}`` (``token``:
+        whatever string it held, or ``""``)."""
+        self.audit(
+            self._attempt(token, source_address),
+            outcome="refused",
+            reason="malformed request body",
+        )
+
     def audit_rate_limited(self, token: str, source_address: str, retry_after_s: float) -> None:
         """Audit an attempt the rate limiter refused before it reached :meth:`register`."""
         self.audit(
-            {
-                "event": "node.register",
-                "source_address": source_address,
-                "token_prefix": token_prefix(token),
-                "label": None,
-                "node_id": None,
-            },
+            self._attempt(token, source_address),
             outcome="rate_limited",
             reason=f"over {RATE_MAX_ATTEMPTS} attempts in {RATE_WINDOW_S:.0f}s; "
             f"retry after {retry_after_s:.0f}s",
         )
+
+    def _attempt(self, token: str, source_address: str) -> dict[str, object]:
+        """The audit event of one registration attempt, before its outcome is known."""
+        return {
+            "event": "node.register",
+            "source_address": source_address,
+            "token_hash": audit_token_hash(token, self._pepper),
+            "label": None,
+            "node_id": None,
+        }

@@ -79,7 +79,8 @@ class NodeHub:
     ``links`` is the leader's registry of live links: the hub attaches a :class:`RemoteLink`
     when an agent says Hello and detaches it when the link ends.  ``listener``, when given,
     hears of links coming and going and of the adopted endpoints agents report.
-    ``cluster_metrics``, when given, hears every heartbeat and every node removal;
+    ``cluster_metrics``, when given, hears every session's start, every heartbeat and every
+    node removal;
     ``audit``, when given, gets a ``node.lost`` line (id, label, close code) per lost link.
     ``forwarded``, when given, turns on the reverse-proxy fingerprint mode
     (:mod:`berth.cluster.peer_identity`).
@@ -164,7 +165,7 @@ class NodeHub:
 
     async def disconnect_node(self, node_id: str) -> None:
         """Close the node's live link at once with ``NODE_REMOVED`` (the node was removed)
-        and drop its metrics series."""
+        and retire its metrics series (:meth:`ClusterMetrics.remove_node`)."""
         if self._cluster_metrics is not None:
             self._cluster_metrics.remove_node(node_id)
         link = self._sessions.get(node_id)
@@ -303,6 +304,9 @@ class NodeHub:
         )
         self._sessions[node_id] = link
         self._links.attach(link)
+        if self._cluster_metrics is not None:
+            # Before the session's first heartbeat: its totals may predate this leader.
+            self._cluster_metrics.node_connected(node_id)
         if old is not None:
             log.warning("node %s: a newer session replaces the one from %s", node_id, old.peer)
             self._spawn(old.close(CloseCode.SUPERSEDED, "a newer session of this node connected"))

@@ -12,7 +12,7 @@ that CA is trusted), else the handshake fails.  Routes:
 
 - ``GET /admin/ca.pem``: the CA certificate;
 - ``POST /admin/nodes/register``: ``{"token", "csr_pem"}`` → the agent's certificate
-  (rate-limited per source address; see :mod:`berth.cluster.enrollment`);
+  (failed attempts rate-limited per source address; see :mod:`berth.cluster.enrollment`);
 - ``GET /cluster/agent``: the agents' WebSocket, handled by the injected ``agent_handler``.
 """
 
@@ -32,7 +32,7 @@ from typing import Final
 from aiohttp import web
 
 from berth.cluster.ca import CertificateAuthority
-from berth.cluster.enrollment import EnrollmentService, RegistrationRateLimiter, token_prefix
+from berth.cluster.enrollment import EnrollmentService, RegistrationRateLimiter
 from berth.errors import BerthError, ConfigError, RateLimitError
 from berth.openai_errors import error_from_exception
 
@@ -125,7 +125,8 @@ def build_cluster_app(
         token = body.get("token") if isinstance(body, dict) else None
         csr_pem = body.get("csr_pem") if isinstance(body, dict) else None
         token_text = token if isinstance(token, str) else ""
-        retry_after_s = limiter.check(source, monotonic())
+        attempted_at = monotonic()
+        retry_after_s = limiter.check(source, attempted_at)
         if retry_after_s is not None:
             await asyncio.to_thread(
                 enrollment.audit_rate_limited, token_text, source, retry_after_s
@@ -134,20 +135,10 @@ def build_cluster_app(
                 "too many registration attempts from this address", retry_after_s=retry_after_s
             )
         if not isinstance(token, str) or not token or not isinstance(csr_pem, str):
-            await asyncio.to_thread(
-                enrollment.audit,
-                {
-                    "event": "node.register",
-                    "source_address": source,
-                    "token_prefix": token_prefix(token_text),
-                    "label": None,
-                    "node_id": None,
-                },
-                outcome="refused",
-                reason="malformed request body",
-            )
+            await asyncio.to_thread(enrollment.audit_malformed, token_text, source)
             raise ConfigError('the body must be {"token": "...", "csr_pem": "..."}')
         registration = await asyncio.to_thread(enrollment.register, token, csr_pem, source)
+        limiter.succeeded(source, attempted_at)  # only failures count against an address
         if on_registered is not None:
             # A re-enrolled node's old certificate no longer counts: its live link goes.
             await on_registered(registration.node_id)

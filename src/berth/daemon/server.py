@@ -236,6 +236,8 @@ async def serve(home: BerthHome, settings: Settings) -> None:
 
     local_meter = RequestMeter()  # requests to node local's engines, served by the proxy
     metrics = ProxyMetrics(local_meter=local_meter, local_node=LOCAL_NODE_ID)
+    # The labels of deployments still active carry over a restart (the cluster series' too).
+    metrics.restore(await asyncio.to_thread(store.list_deployments, active_only=True))
     cluster_metrics = ClusterMetrics(model_of=metrics.deployment_model)
     cluster_metrics.register(metrics.registry)
     core = None if settings.leader_only else build_local_core(home, settings)
@@ -250,6 +252,7 @@ async def serve(home: BerthHome, settings: Settings) -> None:
         if record.state in TERMINAL_STATES:  # its routing samples and window go with it
             signals.forget(record.id)
             local_meter.forget(record.id)
+            cluster_metrics.deployment_ended(record.id)  # its series go after a linger
 
     lifecycle = LifecycleManager(
         store,

@@ -14,11 +14,15 @@ the samples of the last ``window_s`` seconds per node and exposes them:
   {node, deployment, model};
 - as a JSON-ready :class:`ClusterSnapshot` for ``GET /admin/metrics/snapshot``.
 
-Counters never decrease: the leader adds up the deltas between a node's reports, and a report
-lower than the previous one (the agent restarted) counts from zero again, the rule Prometheus
-itself applies to counter resets. Gauges come from the node's latest sample and disappear once
-it is older than the window (a silent node reports nothing current). Removing a node drops
-all its series.
+Counters are the leader's own: they start at zero when the leader starts and never jump or go
+down. The leader adds up the growth between a node's reports; a report lower than the
+previous one (the agent restarted) counts in full, the rule Prometheus itself applies to
+counter resets. An agent's totals count since the agent started, so they may hold requests an
+earlier leader already counted: a deployment first reported in the first heartbeat of a link
+(:meth:`ClusterMetrics.node_connected`) takes that report as its baseline and counts only
+what follows. Gauges come from the node's latest sample and disappear once it is older than
+the window (a silent node reports nothing current). A stopped deployment's and a removed
+node's counters stay ``linger_s`` longer (so that a scrape reads their last values), then go.
 
 Written from the event loop only; a scrape from another thread copies the tables first.
 """
@@ -38,6 +42,11 @@ from berth.cluster.protocol.frames import Heartbeat
 
 #: Seconds of samples kept per node.
 WINDOW_S = 60.0
+#: Seconds the series of a stopped deployment or a removed node stay before they go: a
+#: scrape in that time reads their final values. Prometheus looks back 5 minutes for a
+#: series' latest sample and advises scrape intervals well under that, so every scraper
+#: configured as advised reads them at least once.
+LINGER_S = 300.0
 _MIB = 1024 * 1024
 _NODE_GPU = ("node", "gpu")
 _NODE_DEPLOYMENT = ("node", "deployment", "model")
@@ -134,16 +143,24 @@ class ClusterMetrics:
         self,
         *,
         window_s: float = WINDOW_S,
+        linger_s: float = LINGER_S,
         model_of: ModelLookup | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
-        if window_s <= 0:
-            raise ValueError("window_s must be positive")
+        if window_s <= 0 or linger_s < 0:
+            raise ValueError("window_s must be positive and linger_s not negative")
         self.window_s = window_s
+        self.linger_s = linger_s
         self._model_of: ModelLookup = model_of or (lambda _deployment: None)
         self._clock = clock
         self._samples: dict[str, deque[NodeSample]] = {}
         self._counters: dict[tuple[str, str], _Counter] = {}
+        #: nodes whose link came up and whose first report since has not arrived
+        self._linked: set[str] = set()
+        #: when each stopped deployment ended (its counters go ``linger_s`` later)
+        self._ended_deployments: dict[str, float] = {}
+        #: when each removed node was removed (likewise)
+        self._removed_nodes: dict[str, float] = {}
 
     # -- input ------------------------------------------------------------------------------
 
@@ -152,6 +169,8 @@ class ClusterMetrics:
     ) -> None:
         """Take one report of ``node_id``, received at ``now`` (default: the clock)."""
         at = self._clock() if now is None else now
+        first_of_link = node_id in self._linked
+        self._linked.discard(node_id)
         gpus = tuple(
             GpuSample(
                 index=g.index,
@@ -164,7 +183,16 @@ class ClusterMetrics:
         )
         deployments = []
         for load in heartbeat.deployments:
-            counter = self._counter(node_id, load.deployment_id)
+            counter = self._counters.get((node_id, load.deployment_id))
+            if counter is None:
+                counter = self._new_counter(node_id, load.deployment_id)
+                if first_of_link:
+                    # Running before this link came up: what it reports may predate this
+                    # leader (or was counted by it before a restart). Baseline, not growth.
+                    counter.reported_requests = load.requests_total
+                    counter.reported_errors = load.errors_total
+            elif not counter.model:
+                counter.model = self._model_of(load.deployment_id) or ""
             counter.requests_total += counter_delta(counter.reported_requests, load.requests_total)
             counter.errors_total += counter_delta(counter.reported_errors, load.errors_total)
             counter.reported_requests = load.requests_total
@@ -187,21 +215,54 @@ class ClusterMetrics:
             samples = self._samples[node_id] = deque(maxlen=MAX_SAMPLES_PER_NODE)
         samples.append(NodeSample(at, gpus, tuple(deployments)))
         self._prune(samples, at)
+        self._expire(at)
 
-    def remove_node(self, node_id: str) -> None:
-        """Forget ``node_id`` (removed from the cluster): all its series go."""
+    def node_connected(self, node_id: str) -> None:
+        """The node's link came up (a new session): in its next report, a deployment this
+        leader has no counter for takes the reported totals as its baseline.
+
+        Call it before the session's first heartbeat is recorded (the hub does, when it
+        admits the session). Without it (node ``local``, whose meter starts with the
+        leader), new deployments count from zero.
+        """
+        self._linked.add(node_id)
+        self._removed_nodes.pop(node_id, None)  # enrolled again, under the same id
+
+    def deployment_ended(self, deployment_id: str, now: float | None = None) -> None:
+        """The deployment stopped or failed at ``now`` (default: the clock): its counters,
+        on every node, go :attr:`linger_s` later."""
+        at = self._clock() if now is None else now
+        self._ended_deployments.setdefault(deployment_id, at)
+
+    def remove_node(self, node_id: str, now: float | None = None) -> None:
+        """Forget ``node_id`` (removed from the cluster) at ``now`` (default: the clock): its
+        gauges and snapshot go at once, its counters :attr:`linger_s` later."""
+        at = self._clock() if now is None else now
         self._samples.pop(node_id, None)
-        for key in [k for k in self._counters if k[0] == node_id]:
-            del self._counters[key]
+        self._linked.discard(node_id)
+        self._removed_nodes.setdefault(node_id, at)
 
-    def _counter(self, node_id: str, deployment_id: str) -> _Counter:
-        key = (node_id, deployment_id)
-        counter = self._counters.get(key)
-        if counter is None:
-            counter = self._counters[key] = _Counter(self._model_of(deployment_id) or "")
-        elif not counter.model:
-            counter.model = self._model_of(deployment_id) or ""
+    def _new_counter(self, node_id: str, deployment_id: str) -> _Counter:
+        counter = self._counters[(node_id, deployment_id)] = _Counter(
+            self._model_of(deployment_id) or ""
+        )
         return counter
+
+    def _expire(self, now: float) -> None:
+        """Drop the counters whose deployment ended, or whose node was removed, at least
+        :attr:`linger_s` before ``now``."""
+        horizon = now - self.linger_s
+        ended = {d for d, at in list(self._ended_deployments.items()) if at <= horizon}
+        removed = {n for n, at in list(self._removed_nodes.items()) if at <= horizon}
+        if not ended and not removed:
+            return
+        for key in list(self._counters):
+            if key[0] in removed or key[1] in ended:
+                self._counters.pop(key, None)
+        for deployment_id in ended:
+            self._ended_deployments.pop(deployment_id, None)
+        for node_id in removed:
+            self._removed_nodes.pop(node_id, None)
 
     def _prune(self, samples: deque[NodeSample], now: float) -> None:
         horizon = now - self.window_s
@@ -233,7 +294,8 @@ class ClusterMetrics:
                 out.append((node_id, latest))
         return out
 
-    def _totals(self) -> list[tuple[tuple[str, str], str, int, int]]:
+    def _totals(self, now: float) -> list[tuple[tuple[str, str], str, int, int]]:
+        self._expire(now)
         return [
             (key, c.model, c.requests_total, c.errors_total)
             for key, c in list(self._counters.items())
@@ -251,7 +313,8 @@ class _ClusterCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         m = self._metrics
-        return self._families(m._latest(m._clock()), m._totals())
+        now = m._clock()
+        return self._families(m._latest(now), m._totals(now))
 
     def _families(
         self,
@@ -313,6 +376,7 @@ class _ClusterCollector(Collector):
 
 
 __all__ = [
+    "LINGER_S",
     "WINDOW_S",
     "ClusterMetrics",
     "ClusterSnapshot",

@@ -9,6 +9,11 @@ when a request named no known model, so clients cannot create series at will), `
 and ``node`` are ids, ``status_class`` is ``1xx`` .. ``5xx`` and ``reason`` comes from the
 closed set the proxy uses (see ``docs/metrics.md``).
 
+Series of a deployment that stopped or failed stay :data:`LINGER_S` seconds after it ended (so
+that a scrape reads their final values), then go; a leader that restarts restores the state
+series of the deployments still active from the store (:meth:`ProxyMetrics.restore`), with
+the same labels as before.
+
 Hot path: the proxy calls :meth:`ProxyMetrics.request_started` and
 :meth:`ProxyMetrics.request_finished` once per request. The request series are plain counters
 in per-label-set slot objects, turned into Prometheus families only when scraped (a custom
@@ -20,8 +25,9 @@ request half counted, never a torn value.
 
 from __future__ import annotations
 
+import time
 from bisect import bisect_left
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import NamedTuple
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Gauge, generate_latest
@@ -33,8 +39,10 @@ from prometheus_client.metrics_core import (
 )
 from prometheus_client.registry import Collector
 
+from berth.observability.cluster import LINGER_S
 from berth.observability.window import RequestMeter, is_error
-from berth.store.states import DeploymentState
+from berth.store.records import DeploymentRecord
+from berth.store.states import TERMINAL_STATES, DeploymentState
 
 #: Request latency buckets (seconds): from a cached short answer to a long generation.
 LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
@@ -118,6 +126,7 @@ class _RequestCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         m = self._metrics
+        m.expire()
         return self._families(
             list(m._requests.items()), list(m._targets.items()), list(m._errors.items())
         )
@@ -186,6 +195,8 @@ class ProxyMetrics:
     ``local_meter``, when given, also hears every request routed to a deployment on
     ``local_node``: for those the leader's proxy is where the request is served, so it is
     measured here the way an agent measures the requests it relays (``docs/metrics.md``).
+    Every series of a deployment that stopped or failed goes ``linger_s`` seconds after it
+    ended (on ``clock``, monotonic seconds), once no request is in flight on it.
     """
 
     def __init__(
@@ -194,14 +205,22 @@ class ProxyMetrics:
         *,
         local_meter: RequestMeter | None = None,
         local_node: str = "local",
+        linger_s: float = LINGER_S,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        if linger_s < 0:
+            raise ValueError("linger_s must not be negative")
         self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
         self._local_meter = local_meter
         self._local_node = local_node
+        self._linger_s = linger_s
+        self._clock = clock
         self._requests: dict[tuple[Target, str], _RequestSeries] = {}
         self._targets: dict[Target, _TargetSeries] = {}
         self._errors: dict[tuple[Target, str, str], int] = {}
         self._deployments: dict[str, tuple[str, str]] = {}
+        #: when each stopped or failed deployment ended, on ``clock``
+        self._ended: dict[str, float] = {}
         self.registry.register(_RequestCollector(self))
         self.deployment_state = Gauge(
             "berth_deployment_state",
@@ -255,6 +274,9 @@ class ProxyMetrics:
         series.prompt_tokens += prompt_tokens
         series.completion_tokens += completion_tokens
         self._observe(target, status, duration_s, ttfb_s, error_reason)
+        if self._ended and target.deployment in self._ended:
+            # The last request of a stopped deployment: its count, too, must be scraped.
+            self._ended[target.deployment] = self._clock()
         if self._local_meter is not None and target.node == self._local_node:
             failed = error_reason in _BROKEN_EXCHANGE
             self._local_meter.finished(
@@ -303,20 +325,56 @@ class ProxyMetrics:
     def set_deployment_state(
         self, deployment: str, *, model: str, node: str, state: DeploymentState
     ) -> None:
-        """Record ``state`` as the deployment's current one (1) and every other state as 0."""
+        """Record ``state`` as the deployment's current one (1) and every other state as 0.
+
+        A terminal state (``stopped``, ``failed``) starts the deployment's linger: all its
+        series go ``linger_s`` later.
+        """
+        self.expire()
         previous = self._deployments.get(deployment)
         if previous is not None and previous != (model, node):
-            self.remove_deployment(deployment)
+            self._remove_state_series(deployment)
         self._deployments[deployment] = (model, node)
         for candidate in DeploymentState:
             value = 1.0 if candidate is state else 0.0
             self.deployment_state.labels(deployment, model, node, candidate.value).set(value)
+        if state in TERMINAL_STATES:
+            self._ended.setdefault(deployment, self._clock())
 
-    def remove_deployment(self, deployment: str) -> None:
-        """Drop the deployment's state series (when it is deleted from the store).
+    def restore(self, records: Iterable[DeploymentRecord]) -> None:
+        """Record the state of each deployment in ``records`` (the store's, read when the
+        leader starts) that is not stopped or failed, with the labels it had before: its
+        series, and the model label of the cluster series, continue across a restart."""
+        for record in records:
+            if record.state not in TERMINAL_STATES:
+                self.set_deployment_state(
+                    record.id,
+                    model=record.served_model_name,
+                    node=record.node_id,
+                    state=record.state,
+                )
 
-        Its request counters stay: they are totals a scrape may not have read yet.
-        """
+    def expire(self) -> None:
+        """Drop every series of the deployments that ended, and finished their last request,
+        at least ``linger_s`` ago (called before each scrape and state change)."""
+        if not self._ended:
+            return
+        horizon = self._clock() - self._linger_s
+        due = {d for d, at in list(self._ended.items()) if at <= horizon}
+        if not due:
+            return
+        busy = {t.deployment for t, s in list(self._targets.items()) if s.in_flight > 0}
+        for deployment in due - busy:
+            self._ended.pop(deployment, None)
+            self._remove_state_series(deployment)
+            for target in [t for t in list(self._targets) if t.deployment == deployment]:
+                self._targets.pop(target, None)
+            for key in [k for k in list(self._requests) if k[0].deployment == deployment]:
+                self._requests.pop(key, None)
+            for error in [k for k in list(self._errors) if k[0].deployment == deployment]:
+                self._errors.pop(error, None)
+
+    def _remove_state_series(self, deployment: str) -> None:
         labels = self._deployments.pop(deployment, None)
         if labels is None:
             return

@@ -30,7 +30,7 @@ from berth.errors import (
     NotFoundError,
     StoreError,
 )
-from berth.keys import Tier, parse_tier
+from berth.keys import Tier, parse_tier, validate_key_name
 from berth.store import migrations
 from berth.store.db import WRITE_OPTIONS, create_store_engine
 from berth.store.nodes import NodeMethods, delete_model_locations
@@ -323,10 +323,12 @@ class Store(NodeMethods, ServiceMethods):
     def add_api_key(self, name: str, tier: Tier | str, key_hash: str, prefix: str) -> ApiKeyRecord:
         """Record a key by its hash (see :func:`berth.keys.hash_secret`); id ``k-`` + 8 hex.
 
-        Raises :class:`ConfigError` for an unknown tier and :class:`ConflictError` when the
-        hash is already stored.
+        Raises :class:`ConfigError` for an unknown tier or an unsafe name
+        (:func:`berth.keys.validate_key_name`) and :class:`ConflictError` when the hash is
+        already stored.
         """
         parsed_tier = parse_tier(tier)
+        validate_key_name(name)
         with self._write() as session:
             existing = session.scalars(select(ApiKeyRow.id).where(ApiKeyRow.key_hash == key_hash))
             if existing.first() is not None:
