@@ -440,8 +440,9 @@ class Path_:
     pids: tuple[int, ...] = ()
     agent: str | None = None  # the agent's label, for its RSS
 
-    def cpu_s(self) -> float:
-        return sum(cpu_s(pid) for pid in self.pids)
+    def cpu_s(self) -> list[float]:
+        """CPU seconds of each of ``pids`` so far, in order."""
+        return [cpu_s(pid) for pid in self.pids]
 
 
 class _Connection(asyncio.Protocol):
@@ -556,7 +557,11 @@ class Cell:
     events: int
     elapsed_s: float
     errors: int
-    cpu_s: float = 0.0
+    cpu_by_process_s: list[float] = field(default_factory=list)  # leader, then the agent
+
+    @property
+    def cpu_s(self) -> float:
+        return sum(self.cpu_by_process_s)
 
     @property
     def rps(self) -> float:
@@ -573,6 +578,10 @@ class Cell:
     @property
     def cpu_per_event_us(self) -> float:
         return 1e6 * self.cpu_s / max(1, self.events)
+
+    def split_us(self, per: int) -> str:
+        """CPU µs per ``per`` units of work of each process: ``leader + agent``."""
+        return " + ".join(f"{1e6 * cpu / max(1, per):.0f}" for cpu in self.cpu_by_process_s)
 
 
 def ms(values: list[float], q: float) -> float:
@@ -612,7 +621,9 @@ async def closed_loop(
         await asyncio.sleep(max(0.0, measure_from - time.perf_counter()))
         begun = path.cpu_s()
         await asyncio.sleep(max(0.0, stop_at - time.perf_counter()))
-        cell.cpu_s = path.cpu_s() - begun
+        cell.cpu_by_process_s = [
+            end - start for start, end in zip(begun, path.cpu_s(), strict=True)
+        ]
 
     await asyncio.gather(cpu_meter(), *(client(c) for c in connections))
     for connection in connections:
@@ -799,12 +810,16 @@ def _report(results: dict[str, PathResult], paths: list[Path_], args: argparse.N
     row(f"json, {n} clients: req/s", lambda r: f"{r.json_n.rps:,.0f}")
     row(f"json, {n} clients: CPU µs per request",
         lambda r: cpu(r.json_n.cpu_per_request_us, r.json_n))  # fmt: skip
+    row(f"json, {n} clients: of which leader + agent",
+        lambda r: r.json_n.split_us(len(r.json_n.latencies_s)) or "-")  # fmt: skip
     row("stream, 1 client: TTFB p50 / p99 ms", lambda r: lat(r.stream_1.ttfbs_s))
     row("stream, 1 client: SSE events/s", lambda r: f"{r.stream_1.events_per_s:,.0f}")
     row(f"stream, {n} clients: TTFB p50 / p99 ms", lambda r: lat(r.stream_n.ttfbs_s))
     row(f"stream, {n} clients: SSE events/s", lambda r: f"{r.stream_n.events_per_s:,.0f}")
     row(f"stream, {n} clients: CPU µs per SSE event",
         lambda r: cpu(r.stream_n.cpu_per_event_us, r.stream_n))  # fmt: skip
+    row(f"stream, {n} clients: CPU µs per 100 SSE events, leader + agent",
+        lambda r: r.stream_n.split_us(r.stream_n.events // 100) or "-")  # fmt: skip
     row(
         "errors (all four loads)",
         lambda r: str(r.json_1.errors + r.json_n.errors + r.stream_1.errors + r.stream_n.errors),
