@@ -211,3 +211,17 @@ async def test_an_agent_that_advertises_nothing_stays_on_the_tunnel(pki: Pki) ->
         assert status == 200 and leader.tunnel.opened == 1
         assert found is not None and found.path == "tunnel"
         assert "advertises no address" in found.reason
+
+
+async def test_a_burst_spills_over_to_the_tunnel_instead_of_queueing_behind_handshakes(
+    leader: Leader,
+) -> None:
+    await wait_for(lambda: leader.path() == "direct", what="the direct path")
+
+    answers = await asyncio.gather(*(leader.ask() for _ in range(40)))
+
+    assert [status for status, _body in answers] == [200] * 40
+    assert len(leader.side.engine.requests) == 40
+    # At most MAX_CONNECTING handshakes at once: the rest went through the tunnel at once.
+    assert 0 < leader.tunnel.opened < 40
+    assert leader.path() == "direct"

@@ -13,7 +13,10 @@ agent links whose Hello advertised an address (and who lists ``op.ingress``), it
    the head of their answer, which then go through the tunnel as well.
 
 It is the proxy's way to remote engines (``daemon/engine_client.py``'s ``TunnelOpener``):
-:meth:`DataPaths.open_http` goes direct while the node's path is up. A direct attempt that
+:meth:`DataPaths.open_http` goes direct while the node's path is up, except a request that
+would queue behind :data:`MAX_CONNECTING` TLS handshakes to the ingress (a burst of new
+exchanges with no idle connection), which the tunnel, multiplexed on its one connection,
+carries at once; the pool grows by that many handshakes at a time. A direct attempt that
 fails before the first byte of its answer (no connection, a TLS refusal, a connection closed
 before the head) is sent through the tunnel at once, and the path stays down until the next
 good probe. Failures of the engine itself (reported by the ingress with the tunnel's reset
@@ -72,6 +75,9 @@ DEFAULT_PROBE_TIMEOUT_S = 2.0
 DEFAULT_CONNECT_TIMEOUT_S = 3.0
 #: Seconds between attempts to have an agent start its ingress after it failed to.
 CONFIGURE_RETRY_S = 30.0
+#: TLS handshakes to one ingress at a time; a request that would wait behind them (no idle
+#: connection) takes the tunnel instead, so a burst grows the pool gradually.
+MAX_CONNECTING = 8
 _RENEW_AFTER_S = INGRESS_CERT_DAYS * 86400 / 2
 
 
@@ -208,7 +214,7 @@ class DataPaths:
         through the tunnel. Raises what the tunnel raises
         (:meth:`berth.cluster.remote_link.RemoteLink.open_http`)."""
         node = self._nodes.get(node_id)
-        if node is not None and node.up:
+        if node is not None and node.up and not _saturated(node):
             try:
                 return await self._open_direct(node, deployment_id, method, target, headers, body)
             except _PathFailed as exc:
@@ -396,6 +402,13 @@ class DataPaths:
         else:  # renewed: new connections present the new one
             self._context.load_cert_chain(str(cert_path), str(key_path))
         self._leader_pem = pem
+
+
+def _saturated(node: _Node) -> bool:
+    """Whether a request sent direct now would wait for a new connection behind
+    :data:`MAX_CONNECTING` others being made (a burst): the tunnel carries it at once."""
+    pool = node.pool
+    return pool is not None and pool.idle_connections == 0 and pool.connecting >= MAX_CONNECTING
 
 
 def _node_of(body: bytes) -> str | None:

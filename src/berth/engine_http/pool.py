@@ -91,6 +91,11 @@ class UpstreamPool:
         """Connections open and waiting in the pool for a request."""
         return sum(len(idle) for idle in self._idle.values())
 
+    @property
+    def connecting(self) -> int:
+        """Connections being made now (TCP, and TLS with ``ssl_context``)."""
+        return self._connecting
+
     async def request(
         self,
         origin: Origin,
