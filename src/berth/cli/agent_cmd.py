@@ -77,7 +77,11 @@ def start(
     """Dial the leader and serve this host's engines until stopped (Ctrl-C)."""
     from berth import eventloop
     from berth.agent.runner import run_agent
+    from berth.config.table import address_problem
 
+    problem = address_problem(advertise) if advertise is not None else None
+    if problem is not None:
+        raise typer.BadParameter(problem, param_hint="'--advertise'")
     home = context(ctx).home
     flags = {"agent_advertise": advertise}
     code = eventloop.run(run_agent(home, verbose=verbose, console=console, flags=flags))
