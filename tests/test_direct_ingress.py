@@ -15,7 +15,7 @@ from berth.engine_http.errors import UpstreamDisconnectError, UpstreamError
 from berth.engine_http.pool import UpstreamPool
 from berth.engine_http.response import UpstreamResponse
 from berth.errors import AuthError
-from direct_support import (
+from support.direct import (
     DEPLOYMENT,
     Ingress,
     Pki,
@@ -23,7 +23,7 @@ from direct_support import (
     running_ingress,
     stranger_leader_certificate,
 )
-from standin_engine import Die, Head, Reply, Stall, Write, chat_chunks, sse_reply
+from support.standin_engine import Die, Head, Reply, Stall, Write, chat_chunks, sse_reply
 
 BODY = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]}).encode()
 CHAT = b"/v1/chat/completions"

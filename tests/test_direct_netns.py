@@ -28,7 +28,7 @@ from typing import Any
 import httpx
 import pytest
 
-from cluster_harness import Agent, Cluster, clean_env, cli, fake_engine_wrapper
+from support.cluster_harness import Agent, Cluster, clean_env, cli, fake_engine_wrapper
 
 pytestmark = pytest.mark.slow
 

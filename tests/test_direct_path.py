@@ -16,29 +16,18 @@ import pytest
 from berth.cluster.connection import LinkConnection
 from berth.cluster.direct_path import DataPaths
 from berth.cluster.link_registry import LinkRegistry
-from berth.cluster.protocol.frames import Heartbeat, Request
 from berth.cluster.protocol.session import Role, WelcomeTerms
 from berth.cluster.remote_link import RemoteLink
-from berth.cluster.tunnel_stream import TunnelStream
 from berth.engine_http.answer import EngineAnswer
 from berth.engine_http.errors import UpstreamConnectError
-from direct_support import DEPLOYMENT, Ingress, Pki, Relay, make_pki, running_ingress, wait_for
-from fakes import memory_socket_pair
-from standin_engine import Reply, Stall, chat_completion, json_reply
+from support.direct import DEPLOYMENT, Ingress, Pki, Relay, make_pki, running_ingress
+from support.fakes import memory_socket_pair
+from support.link_pair import LeaderSide
+from support.standin_engine import Reply, Stall, chat_completion, json_reply
+from support.waiting import EVENT_TIMEOUT_S, wait_for_async
 
 BODY = b'{"model": "m"}'
 RELAY_HOST = "127.0.0.2"  # the address the agent advertises; the relay forwards it
-
-
-class LeaderSide:
-    def on_heartbeat(self, conn: LinkConnection, heartbeat: Heartbeat) -> None:
-        pass
-
-    async def on_request(self, conn: LinkConnection, request: Request) -> None:
-        pass
-
-    async def on_stream(self, conn: LinkConnection, stream: TunnelStream) -> None:
-        pass
 
 
 class CountingTunnel:
@@ -143,7 +132,7 @@ async def leader(pki: Pki) -> AsyncIterator[Leader]:
 
 
 async def test_a_reachable_agent_gets_its_requests_direct(leader: Leader) -> None:
-    await wait_for(lambda: leader.path() == "direct", what="the direct path")
+    await wait_for_async(lambda: leader.path() == "direct", EVENT_TIMEOUT_S, "the direct path")
 
     status, body = await leader.ask()
 
@@ -158,7 +147,7 @@ async def test_a_reachable_agent_gets_its_requests_direct(leader: Leader) -> Non
 async def test_a_black_holed_ingress_moves_waiting_requests_to_the_tunnel_and_back(
     leader: Leader,
 ) -> None:
-    await wait_for(lambda: leader.path() == "direct", what="the direct path")
+    await wait_for_async(lambda: leader.path() == "direct", EVENT_TIMEOUT_S, "the direct path")
     leader.side.engine.script(Reply([Stall(2.0), *json_reply(chat_completion("late")).steps]))
     waiting = asyncio.create_task(leader.ask())
     await leader.side.engine.wait_for_request(timeout_s=10.0)
@@ -174,13 +163,15 @@ async def test_a_black_holed_ingress_moves_waiting_requests_to_the_tunnel_and_ba
     assert found is not None and "did not answer a probe" in found.reason
 
     leader.relay.blocked = False
-    await wait_for(lambda: leader.path() == "direct", what="the direct path again")
+    await wait_for_async(
+        lambda: leader.path() == "direct", EVENT_TIMEOUT_S, "the direct path again"
+    )
     assert (await leader.ask())[0] == 200
     assert leader.tunnel.opened == 1
 
 
 async def test_a_direct_attempt_refused_goes_through_the_tunnel_at_once(leader: Leader) -> None:
-    await wait_for(lambda: leader.path() == "direct", what="the direct path")
+    await wait_for_async(lambda: leader.path() == "direct", EVENT_TIMEOUT_S, "the direct path")
     leader.paths._probe_interval_s = 3600.0  # no probe will notice: the request must
 
     await leader.relay.close()  # nothing listens at the advertised address any more
@@ -195,7 +186,7 @@ async def test_a_direct_attempt_refused_goes_through_the_tunnel_at_once(leader: 
 async def test_an_engine_failure_on_the_direct_path_is_not_retried_through_the_tunnel(
     leader: Leader,
 ) -> None:
-    await wait_for(lambda: leader.path() == "direct", what="the direct path")
+    await wait_for_async(lambda: leader.path() == "direct", EVENT_TIMEOUT_S, "the direct path")
 
     with pytest.raises(UpstreamConnectError, match="d-ffffffff"):
         await leader.ask("d-ffffffff")
@@ -216,7 +207,7 @@ async def test_an_agent_that_advertises_nothing_stays_on_the_tunnel(pki: Pki) ->
 async def test_a_burst_spills_over_to_the_tunnel_instead_of_queueing_behind_handshakes(
     leader: Leader,
 ) -> None:
-    await wait_for(lambda: leader.path() == "direct", what="the direct path")
+    await wait_for_async(lambda: leader.path() == "direct", EVENT_TIMEOUT_S, "the direct path")
 
     answers = await asyncio.gather(*(leader.ask() for _ in range(40)))
 

@@ -27,7 +27,7 @@ from berth.cluster.protocol.frames import Hello, Inventory, decode_frame, encode
 from berth.daemon.admin_nodes import LOCAL_PATH, node_detail_view, node_summary_view
 from berth.errors import AuthError
 from berth.store import NodeHardware, NodeRecord
-from direct_support import NODE_ID, make_pki
+from support.direct import NODE_ID, make_pki
 
 
 def test_the_leaders_certificate_is_issued_once_and_names_the_leader(tmp_path: Path) -> None:

@@ -4,7 +4,8 @@ Control ops (``start``, ``stop``, ``probe``, ``inventory``, ``engines``, ``pull`
 ``ingress``) each run in their own task, so a long engine start never holds up the link.
 ``http`` streams are relayed to the deployment's engine on this host with berth's pooled
 HTTP/1.1 client (:meth:`AgentService.relay_exchange`, the one relay the agent's direct
-ingress uses too, :mod:`berth.agent.ingress`); when the leader resets a stream, its task is
+ingress uses too, :mod:`berth.agent.ingress`), carrying the engine's own API key in place of
+any credential in the leader's headers; when the leader resets a stream, its task is
 cancelled and the engine connection closed, so the engine stops generating. ``logs`` streams
 send the engine's log file.
 """
@@ -61,6 +62,7 @@ from berth.cluster.protocol.ops import (
     encode_payload,
 )
 from berth.cluster.tunnel_stream import StreamResetError, TunnelStream
+from berth.engine_http.auth import with_engine_key
 from berth.engine_http.errors import UpstreamConnectError, UpstreamError, UpstreamTimeoutError
 from berth.engine_http.origin import Origin
 from berth.engine_http.pool import UpstreamPool
@@ -183,8 +185,8 @@ class AgentService:
         if restored:
             self._on_activity(f"re-attached engines: {', '.join(restored)}")
         for runtime in self._runtimes:
-            if not runtime.available:
-                log.info("runtime %s unavailable: %s", runtime.name, runtime.detail)
+            verdict = "available" if runtime.available else "unavailable"
+            log.info("runtime %s %s: %s", runtime.name, verdict, runtime.detail)
         return self._runtimes
 
     def hello(self) -> Hello:
@@ -358,13 +360,16 @@ class AgentService:
         ``sink``, as it arrives: the relay of tunneled and direct exchanges alike.
 
         ``target`` is the origin-form target (``/v1/chat/completions``), ``headers`` those
-        to send besides ``Host`` and ``Content-Length`` (lower-case bytes pairs). A failure
+        to send besides ``Host`` and ``Content-Length`` (lower-case bytes pairs; a credential
+        among them is replaced by the engine's own key). A failure
         before the head becomes ``sink.reset`` with ``engine_timeout`` or
         ``engine_unreachable``, one mid-answer ``engine_disconnect``. Raises
         :class:`NotFoundError` for a deployment this agent does not run, and what ``sink``
         raises when the leader gives up (the engine connection is closed then).
         """
         host, port = self._core.engine_origin(deployment_id)
+        # Whatever credential came with it (the leader forwards none), the engine gets its own.
+        headers = with_engine_key(headers, self._core.engine_auth(deployment_id))
         # Measured here, where the request is served (docs/metrics.md): from the body's
         # arrival to the answer's last byte.
         self.meter.started(deployment_id)

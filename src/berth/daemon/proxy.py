@@ -24,7 +24,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 
-from berth.daemon.engine_client import EngineClient, TunnelOpener
+from berth.daemon.engine_client import EngineAuth, EngineClient, TunnelOpener
 from berth.daemon.proxy_dispatch import first_answer
 from berth.daemon.proxy_http import (
     Receive,
@@ -112,7 +112,9 @@ class OpenAIProxy:
     connections to all engines together. ``max_buffered_response_bytes``: a non-streamed answer
     announced at most this long is read whole and sent with a ``Content-Length``; a longer one
     is relayed chunk by chunk. ``max_event_bytes`` bounds how much of one unfinished SSE event
-    is held back before it is relayed anyway.
+    is held back before it is relayed anyway. ``engine_auth(deployment_id)`` gives the
+    ``authorization`` header of an engine reached directly (node ``local``'s own API key);
+    a client's credentials never reach an engine.
 
     Call :meth:`startup` before serving and :meth:`shutdown` after (or let an ASGI server's
     lifespan protocol do it when this app is served directly).
@@ -134,6 +136,7 @@ class OpenAIProxy:
         router: Router | None = None,
         max_attempts: int = DEFAULT_MAX_ATTEMPTS,
         relay_buffer_chunks: int = DEFAULT_BUFFER_CHUNKS,
+        engine_auth: EngineAuth | None = None,
     ) -> None:
         self._resolver = resolver
         self._engines = EngineClient(
@@ -141,6 +144,7 @@ class OpenAIProxy:
             connect_timeout_s=connect_timeout_s,
             read_timeout_s=read_timeout_s,
             max_connections=max_connections,
+            engine_auth=engine_auth,
         )
         self.router = router or Router(resolver)
         self._max_attempts = max_attempts

@@ -1,24 +1,21 @@
-"""Helpers for the direct data path's tests: a berth CA with a leader, an agent and a
-stranger's certificates, an agent's ingress in front of a stand-in engine, and a TCP relay
-that can be black-holed, all real TLS on loopback."""
+"""Helpers for the direct data path's tests (``test_direct_*.py``): a berth CA with a
+leader's, an agent's and a stranger's certificates, an agent's ingress in front of a
+stand-in engine, and a TCP relay that can be black-holed, all real TLS on loopback."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import socket
 import ssl
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from berth.agent.core import HostFacts
 from berth.agent.ingress import AgentIngress
 from berth.agent.service import AgentService
 from berth.cluster.ca import CertificateAuthority
@@ -28,15 +25,15 @@ from berth.cluster.direct_tls import (
     issue_ingress_certificate,
     leader_client_context,
 )
-from berth.cluster.link import EngineReport
 from berth.cluster.protocol.ops import IngressArgs
 from berth.engine_http.origin import Origin
 from berth.engine_http.pool import UpstreamPool
-from berth.errors import NotFoundError
-from standin_engine import StandinEngine
+from berth.runtime.engines import find_free_port
+from support.link_pair import DEPLOYMENT, ENGINE_KEY, FakeCore
+from support.standin_engine import StandinEngine
 
 NODE_ID = "n-0d1ec7a1"
-DEPLOYMENT = "d-00000001"
+__all__ = ["DEPLOYMENT", "NODE_ID", "Ingress", "Pki", "Relay", "make_pki", "running_ingress"]
 
 
 def _key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
@@ -112,36 +109,6 @@ def stranger_leader_certificate(root: Path) -> tuple[Path, Path]:
     return ensure_leader_certificate(other, root / "other-ca")
 
 
-class FakeCore:
-    """The agent core's surface the service uses, over one stand-in engine."""
-
-    adopted = None
-
-    def __init__(self, port: int) -> None:
-        self.port = port
-
-    def engine_origin(self, deployment_id: str) -> tuple[str, int]:
-        if deployment_id != DEPLOYMENT:
-            raise NotFoundError("engine", deployment_id)
-        return "127.0.0.1", self.port
-
-    def host_facts(self) -> HostFacts:
-        return HostFacts("gpu-host", 8, 32000)
-
-    def gpus(self) -> list[Any]:
-        return []
-
-    def engines(self) -> list[EngineReport]:
-        return [EngineReport(DEPLOYMENT, 4321, self.port, True)]
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
 @dataclass
 class Ingress:
     """An agent's service and ingress in front of ``engine``; ``origin`` is where the
@@ -163,12 +130,13 @@ async def running_ingress(
     configure: bool = True,
     **limits: int,
 ) -> AsyncIterator[Ingress]:
-    """The agent side: a stand-in engine, an ``AgentService`` and its ingress, bound on
+    """The agent side: a stand-in engine (which wants :data:`ENGINE_KEY`, as the agent's
+    relay sends it), an ``AgentService`` over :class:`FakeCore` and its ingress, bound on
     ``bind_host`` at a free port and advertised as ``advertise_host`` at that port, serving
     (``configure``) with certificates from ``pki``."""
-    async with StandinEngine() as engine:
+    async with StandinEngine(api_key=ENGINE_KEY) as engine:
         service = AgentService(FakeCore(engine.port), read_timeout_s=10.0)  # type: ignore[arg-type]
-        port = free_port(bind_host)
+        port = find_free_port(bind_host)
         ingress = AgentIngress(
             node_id=pki.node_id,
             advertise=f"{advertise_host}:{port}",
@@ -233,13 +201,3 @@ class Relay:
             pass
         finally:
             sink.close()
-
-
-async def wait_for(condition: Any, timeout_s: float = 10.0, what: str = "the condition") -> None:
-    """Wait until ``condition()`` is true (polled every 10 ms), at most ``timeout_s``."""
-    try:
-        async with asyncio.timeout(timeout_s):
-            while not condition():
-                await asyncio.sleep(0.01)
-    except TimeoutError:
-        raise AssertionError(f"{what} did not happen within {timeout_s:g} s") from None
