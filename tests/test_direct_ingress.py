@@ -153,6 +153,27 @@ async def test_a_stream_is_relayed_event_by_event_and_a_leader_that_leaves_stops
     assert first and not gone.completed
 
 
+async def test_a_leader_that_reads_slowly_holds_the_engine_back(pki: Pki) -> None:
+    chunk = b"x" * (1 << 20)
+    writes = [Write(chunk) for _ in range(64)]
+    async with running_ingress(pki) as side:
+        side.engine.script(Reply([Head(content_type="application/octet-stream"), *writes]))
+        pool = pki.pool()
+        try:
+            response = await _post(pool, side)
+            first = await response.read_chunk()
+            record = await side.engine.wait_for_request(timeout_s=10.0)
+            # Room for the engine to write all 64 MiB, were nothing holding it back.
+            await asyncio.sleep(1.0)
+            written, done = record.bytes_written, record.completed
+            rest = await response.read()
+            response.close()
+        finally:
+            await pool.close()
+    assert not done and written < 32 * len(chunk)
+    assert len(first) + len(rest) == 64 * len(chunk)
+
+
 async def test_an_engine_that_dies_mid_answer_breaks_the_answer_off(pki: Pki) -> None:
     async with running_ingress(pki) as side:
         side.engine.script(Reply([Head(content_type="text/event-stream"), Write(b"data: 1\n\n"),
