@@ -19,11 +19,11 @@ from berth.cluster.link_registry import LinkRegistry
 from berth.cluster.protocol.session import Role, WelcomeTerms
 from berth.cluster.remote_link import RemoteLink
 from berth.engine_http.answer import EngineAnswer
-from berth.engine_http.errors import UpstreamConnectError
+from berth.engine_http.errors import UpstreamConnectError, UpstreamDisconnectError
 from support.direct import DEPLOYMENT, Ingress, Pki, Relay, make_pki, running_ingress
 from support.fakes import memory_socket_pair
 from support.link_pair import LeaderSide
-from support.standin_engine import Reply, Stall, chat_completion, json_reply
+from support.standin_engine import Reply, Stall, chat_chunks, chat_completion, json_reply, sse_reply
 from support.waiting import EVENT_TIMEOUT_S, wait_for_async
 
 BODY = b'{"model": "m"}'
@@ -216,3 +216,24 @@ async def test_a_burst_spills_over_to_the_tunnel_instead_of_queueing_behind_hand
     # At most MAX_CONNECTING handshakes at once: the rest went through the tunnel at once.
     assert 0 < leader.tunnel.opened < 40
     assert leader.path() == "direct"
+
+
+async def test_a_stream_on_a_path_that_stays_dark_is_closed_not_left_hanging(
+    leader: Leader,
+) -> None:
+    await wait_for_async(lambda: leader.path() == "direct", EVENT_TIMEOUT_S, "the direct path")
+    leader.side.engine.script(sse_reply(chat_chunks(["word "] * 600), pause_s=0.05))
+    answer = await leader.paths.open_http(
+        leader.node_id, DEPLOYMENT, b"POST", b"/v1/chat/completions", [], BODY, 600.0
+    )
+    assert await answer.read_chunk()
+
+    leader.relay.blocked = True  # mid-stream, the path goes dark and stays dark
+    with pytest.raises(UpstreamDisconnectError) as raised:
+        async with asyncio.timeout(EVENT_TIMEOUT_S):
+            while await answer.read_chunk():
+                pass
+    answer.close()
+
+    assert raised.value.answered  # cut off after it began, as when a link dies
+    assert leader.path() == "tunnel"

@@ -10,7 +10,9 @@ agent links whose Hello advertised an address (and who lists ``op.ingress``), it
    ``probe_interval_s``, each probe bounded by ``probe_timeout_s``;
 3. on a good probe (``200`` naming the node) sends the node's requests direct; on a failed
    one, through the tunnel, and gives up the requests still waiting on the direct path for
-   the head of their answer, which then go through the tunnel as well.
+   the head of their answer, which then go through the tunnel as well; after
+   :data:`DEAD_AFTER_FAILED_PROBES` failed probes in a row, answers still streaming over it
+   are closed too (the client sees the stream end with an error, as when a link dies).
 
 It is the proxy's way to remote engines (``daemon/engine_client.py``'s ``TunnelOpener``):
 :meth:`DataPaths.open_http` goes direct while the node's path is up, except a request that
@@ -75,6 +77,8 @@ DEFAULT_PROBE_TIMEOUT_S = 2.0
 DEFAULT_CONNECT_TIMEOUT_S = 3.0
 #: Seconds between attempts to have an agent start its ingress after it failed to.
 CONFIGURE_RETRY_S = 30.0
+#: Failed probes in a row after which answers still streaming direct are closed as well.
+DEAD_AFTER_FAILED_PROBES = 3
 #: TLS handshakes to one ingress at a time; a request that would wait behind them (no idle
 #: connection) takes the tunnel instead, so a burst grows the pool gradually.
 MAX_CONNECTING = 8
@@ -127,6 +131,7 @@ class _Node:
         self.reason = ""
         self.since = now
         self.configured_at: float | None = None
+        self.failed_probes = 0
 
 
 class DataPaths:
@@ -286,18 +291,21 @@ class DataPaths:
             node.reason = why_not or f"the agent advertises {link.advertise!r}, not HOST:PORT"
             return
         node.origin = Origin(*address)
+        node.pool = self._new_pool(node)
+        node.reason = f"setting up the agent's ingress at {link.advertise}"
+        node.task = asyncio.create_task(self._run(node), name=f"direct-{link.node_id}")
+
+    def _new_pool(self, node: _Node) -> UpstreamPool:
         assert self._context is not None
-        node.pool = UpstreamPool(
+        return UpstreamPool(
             connect_timeout_s=self._connect_timeout_s,
             read_timeout_s=self._read_timeout_s,
             # Room for every exchange the ingress takes, and for the probes beside them: a
             # probe that waited for a free connection would take a busy node for a dead one.
             max_connections=MAX_DIRECT_EXCHANGES + 64,
             ssl_context=self._context,
-            server_hostname=ingress_server_name(link.node_id),
+            server_hostname=ingress_server_name(node.node_id),
         )
-        node.reason = f"setting up the agent's ingress at {link.advertise}"
-        node.task = asyncio.create_task(self._run(node), name=f"direct-{link.node_id}")
 
     def _why_tunnel_only(self, link: RemoteLink) -> str | None:
         if not self.enabled:
@@ -327,7 +335,15 @@ class DataPaths:
             if due and not await self._configure(node):
                 await asyncio.sleep(CONFIGURE_RETRY_S)
                 continue
-            await self._probe(node)
+            failure = await self._probe(node)
+            if failure is None:
+                node.failed_probes = 0
+                self._set(node, True, f"its ingress at {node.advertise} answers probes")
+            else:
+                node.failed_probes += 1
+                self._set(node, False, failure)
+                if node.failed_probes == DEAD_AFTER_FAILED_PROBES:
+                    await self._cut_off(node)
             await asyncio.sleep(self._probe_interval_s)
 
     async def _configure(self, node: _Node) -> bool:
@@ -347,7 +363,9 @@ class DataPaths:
         node.configured_at = self._clock()
         return True
 
-    async def _probe(self, node: _Node) -> None:
+    async def _probe(self, node: _Node) -> str | None:
+        """One probe of the node's ingress: ``None`` when it answered for the node, else
+        what went wrong."""
         pool, origin = node.pool, node.origin
         assert pool is not None and origin is not None
         try:
@@ -358,18 +376,28 @@ class DataPaths:
                 finally:
                     response.close()
         except TimeoutError:
-            self._set(node, False, f"its ingress at {node.advertise} did not answer a probe "
-                      f"within {self._probe_timeout_s:g} s")  # fmt: skip
-            return
+            return (f"its ingress at {node.advertise} did not answer a probe within "
+                    f"{self._probe_timeout_s:g} s")  # fmt: skip
         except UpstreamError as exc:
-            self._set(node, False, f"probe of its ingress at {node.advertise}: {exc.why}")
-            return
+            return f"probe of its ingress at {node.advertise}: {exc.why}"
         answered = _node_of(body) if response.status == 200 else None
         if answered != node.node_id:
-            self._set(node, False, f"its ingress at {node.advertise} answered a probe with "
-                      f"status {response.status} for node {answered}")  # fmt: skip
+            return (f"its ingress at {node.advertise} answered a probe with status "
+                    f"{response.status} for node {answered}")  # fmt: skip
+        return None
+
+    async def _cut_off(self, node: _Node) -> None:
+        """The ingress has failed :data:`DEAD_AFTER_FAILED_PROBES` probes in a row: close the
+        answers still streaming over it too (they would hang until the read timeout on a
+        dead path) and start over with a new pool."""
+        old, node.pool = node.pool, self._new_pool(node)
+        if old is None:
             return
-        self._set(node, True, f"its ingress at {node.advertise} answers probes")
+        cut = old.fail_all(f"its ingress failed {DEAD_AFTER_FAILED_PROBES} probes in a row")
+        if cut:
+            log.warning("node %s: %d direct answers cut off: the ingress failed %d probes in "
+                        "a row", node.node_id, cut, DEAD_AFTER_FAILED_PROBES)  # fmt: skip
+        await old.close()
 
     def _set(self, node: _Node, up: bool, reason: str) -> None:
         if self._nodes.get(node.node_id) is not node:

@@ -259,9 +259,10 @@ class UpstreamConnection(asyncio.Protocol):
         return self._busy and not self._headers_done
 
     def give_up(self, why: str) -> None:
-        """Fail the exchange waiting for its head (nothing was answered, so the request may
-        be sent elsewhere) and close the connection."""
-        self._fail(UpstreamDisconnectError(self.origin, why, answered=False))
+        """Fail the exchange in flight and close the connection: its reader raises
+        :class:`UpstreamDisconnectError`, ``answered`` saying whether the head had arrived
+        (if not, the request may be sent elsewhere)."""
+        self._fail(UpstreamDisconnectError(self.origin, why, answered=self._headers_done))
 
     def abandon(self) -> None:
         """The reader gave up on the answer in flight: close the connection."""

@@ -151,6 +151,20 @@ class UpstreamPool:
                 conn.close()
         return given_up
 
+    def fail_all(self, why: str) -> int:
+        """Give up on every exchange in flight, answered or not (its reader raises
+        :class:`UpstreamDisconnectError` at once, without waiting for the connection to
+        close), and close idle connections. Returns how many were given up. For a path found
+        dead with answers still streaming over it."""
+        given_up = 0
+        for conn in list(self._open):
+            if conn.busy:
+                conn.give_up(why)
+                given_up += 1
+            else:
+                conn.close()
+        return given_up
+
     async def close(self) -> None:
         """Close every connection, busy or idle; the pool takes no more requests."""
         self._closed = True
