@@ -34,7 +34,9 @@ from berth.agent.service import AgentService
 from berth.cluster.protocol.errors import CloseCode
 from berth.config import Settings
 from berth.errors import ConfigError, ConflictError
+from berth.eventloop import freeze_startup_objects
 from berth.humanize import age
+from berth.observability.loop_lag import LoopLagMonitor
 from berth.paths import BerthHome
 from berth.runtime.docker import DockerRuntime, resolve_docker_host
 from berth.runtime.engines import EngineBinaries
@@ -149,7 +151,10 @@ async def run_agent(
     restored = await core.restore()
     if restored:
         status.activity(f"re-attached engines: {', '.join(restored)}")
-    service = AgentService(core, on_activity=status.activity, models_dir=home.models_dir)
+    loop_lag = LoopLagMonitor()  # berth_event_loop_lag_seconds, carried in heartbeats
+    service = AgentService(
+        core, on_activity=status.activity, models_dir=home.models_dir, loop_lag=loop_lag.histogram
+    )
     try:
         ingress = _ingress(home, settings, identity, service)
     except ConfigError:
@@ -165,6 +170,8 @@ async def run_agent(
         loop.add_signal_handler(sig, lambda: asyncio.ensure_future(dialer.stop()))
     log.info("agent %s (%s) starting; leader %s", identity.label, identity.node_id,
              identity.leader_url)  # fmt: skip
+    freeze_startup_objects()  # full collections then skip the start-up heap
+    loop_lag.start()
     try:
         if panel:
             with Live(render_status(status), console=console, refresh_per_second=2) as live:
@@ -182,6 +189,7 @@ async def run_agent(
             await ingress.close()
         await service.close()
         core.close()
+        loop_lag.stop()
         status.set("stopped")
     if dialer.final_code == CloseCode.NODE_REMOVED:
         # This host left the cluster: the engines it ran for the leader go with it.
