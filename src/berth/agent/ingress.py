@@ -21,11 +21,20 @@ What it serves:
   answered ``502`` with ``x-berth-reset: <reset code>`` (the codes of a tunnel stream's
   reset), so the leader treats it exactly as the same failure through the tunnel; one after
   the head cuts the connection off, as a tunneled answer is reset.
+
+It runs on berth's own HTTP/1.1 server (:mod:`berth.http_server`) with the listeners'
+bounds (``ListenerLimits``: head size and lines, head, idle and body timeouts, the TLS
+handshake within the head timeout), except that it always admits the
+:data:`~berth.cluster.protocol.direct.MAX_DIRECT_CONNECTIONS` connections the leader may
+open: the leader is its only client (a connection is counted once its TLS handshake, which
+only the leader's certificate completes, is done), so a per-address cap lower than that
+would refuse the leader itself.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import errno
 import json
 import logging
@@ -36,7 +45,6 @@ from typing import Final
 
 from cryptography import x509
 
-from berth.agent.ingress_server import IngressReply, IngressRequest, IngressServer
 from berth.agent.service import MAX_REQUEST_BODY_BYTES, AnswerSink
 from berth.atomic import write_atomic
 from berth.cluster.direct_tls import (
@@ -46,6 +54,7 @@ from berth.cluster.direct_tls import (
 )
 from berth.cluster.protocol.direct import (
     HEALTH_PATH,
+    MAX_DIRECT_CONNECTIONS,
     MAX_DIRECT_EXCHANGES,
     RESET_HEADER,
     parse_address,
@@ -54,6 +63,10 @@ from berth.cluster.protocol.direct import (
 from berth.cluster.protocol.frames import ResetCode
 from berth.cluster.protocol.ops import IngressArgs
 from berth.errors import ConfigError, NotFoundError
+from berth.http_server.limits import ListenerLimits
+from berth.http_server.request import Request
+from berth.http_server.server import HttpServer
+from berth.http_server.writer import ResponseWriter
 from berth.openai_errors import error_body
 
 log = logging.getLogger(__name__)
@@ -87,7 +100,9 @@ class AgentIngress:
 
     ``key_path`` is the agent's key (the ingress certificate is for it), ``ca_certificate``
     the pinned berth CA, ``cert_path`` where the ingress certificate is kept. ``relay``
-    serves each exchange. Call :meth:`bind` at start, :meth:`close` at the end.
+    serves each exchange; ``limits`` are the listeners' bounds (``Settings.listener_limits``),
+    passed through :func:`ingress_limits`. Call :meth:`bind` at start, :meth:`close` at the
+    end.
     """
 
     def __init__(
@@ -100,6 +115,7 @@ class AgentIngress:
         cert_path: Path,
         ca_certificate: x509.Certificate,
         relay: Relay,
+        limits: ListenerLimits | None = None,
         max_open_exchanges: int = MAX_OPEN_EXCHANGES,
         max_body_bytes: int = MAX_REQUEST_BODY_BYTES,
     ) -> None:
@@ -111,10 +127,11 @@ class AgentIngress:
         self._cert_path = cert_path
         self._ca = ca_certificate
         self._relay = relay
+        self._limits = ingress_limits(limits or ListenerLimits())
         self._max_open = max_open_exchanges
         self._max_body = max_body_bytes
         self._sock: socket.socket | None = None
-        self._server: IngressServer | None = None
+        self._server: HttpServer | None = None
         self._configured: tuple[str, str] | None = None
         self.open_exchanges = 0
 
@@ -156,7 +173,7 @@ class AgentIngress:
         sock, self._sock = self._sock, None
         if sock is None:
             sock = _bind(self._bind_host, self._port)
-        server = IngressServer(self.handle, context)
+        server = HttpServer("ingress", self.handle, self._limits, ssl_context=context)
         await server.start(sock)
         self._server = server
         self._configured = certs
@@ -174,8 +191,9 @@ class AgentIngress:
 
     # -- one request -------------------------------------------------------------------------
 
-    async def handle(self, request: IngressRequest, reply: IngressReply) -> None:
-        """Answer one request (see the module docstring for the routes)."""
+    async def handle(self, request: Request, reply: ResponseWriter) -> None:
+        """Answer one request (see the module docstring for the routes). An answer broken
+        off after its head is left unended: the server then cuts the connection off."""
         path = request.raw_path
         if path == HEALTH_PATH and request.method in ("GET", "HEAD"):
             body = {"node_id": self._node_id, "exchanges": self.open_exchanges}
@@ -221,10 +239,18 @@ class AgentIngress:
             await _reset_answer(reply, sink.reset_code, sink.reset_message)
 
 
+def ingress_limits(limits: ListenerLimits) -> ListenerLimits:
+    """``limits`` with room for every connection the leader may open
+    (:data:`~berth.cluster.protocol.direct.MAX_DIRECT_CONNECTIONS`), in all and from its one
+    address."""
+    room = max(limits.max_connections, MAX_DIRECT_CONNECTIONS)
+    return dataclasses.replace(limits, max_connections=room, max_connections_per_address=room)
+
+
 class _ReplySink:
     """An :class:`~berth.agent.service.AnswerSink` over one HTTP reply."""
 
-    def __init__(self, reply: IngressReply) -> None:
+    def __init__(self, reply: ResponseWriter) -> None:
         self._reply = reply
         self.started = False
         self.reset_code: ResetCode | None = None
@@ -248,10 +274,10 @@ class _ReplySink:
             await self._reply.write(data)
 
     def reset(self, code: ResetCode = ResetCode.CANCELLED, message: str = "") -> None:
+        # Before the head, the handler answers with the code; after it, the answer is left
+        # unended and the server cuts the connection off: the leader sees it break off.
         if self.reset_code is None:
             self.reset_code, self.reset_message = code, message
-        if self.started:
-            self._reply.abort()  # mid-answer: the leader sees the answer break off
 
 
 def _cancel(task: asyncio.Task[None]) -> None:
@@ -259,19 +285,19 @@ def _cancel(task: asyncio.Task[None]) -> None:
 
 
 async def _answer(
-    reply: IngressReply, status: int, body: bytes, *extra: tuple[bytes, bytes]
+    reply: ResponseWriter, status: int, body: bytes, *extra: tuple[bytes, bytes]
 ) -> None:
     await reply.start(status, [_JSON, (b"content-length", b"%d" % len(body)), *extra])
     await reply.end(body)
 
 
 async def _error(
-    reply: IngressReply, status: int, message: str, kind: str, *, code: str | None = None
+    reply: ResponseWriter, status: int, message: str, kind: str, *, code: str | None = None
 ) -> None:
     await _answer(reply, status, error_body(message, type=kind, code=code))
 
 
-async def _reset_answer(reply: IngressReply, code: ResetCode, message: str) -> None:
+async def _reset_answer(reply: ResponseWriter, code: ResetCode, message: str) -> None:
     """A relay failure before the engine's head: 502 (503 when refused), ``x-berth-reset``."""
     status = 503 if code is ResetCode.REFUSED else 502
     body = error_body(message or code.value, type="server_error", code=code.value)

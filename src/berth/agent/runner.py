@@ -220,6 +220,7 @@ def _ingress(
             pinned_certificate(identity.ca_path.read_bytes(), identity.ca_fingerprint)
         ),
         relay=service.relay_exchange,
+        limits=settings.listener_limits(),
     )
     ingress.bind()
     service.use_ingress(ingress)

@@ -51,7 +51,7 @@ from berth.cluster.link import AgentLink
 from berth.cluster.link_registry import LinkRegistry
 from berth.cluster.protocol.direct import (
     HEALTH_PATH,
-    MAX_DIRECT_EXCHANGES,
+    MAX_DIRECT_CONNECTIONS,
     RESET_HEADER,
     deployment_target,
     parse_address,
@@ -300,9 +300,7 @@ class DataPaths:
         return UpstreamPool(
             connect_timeout_s=self._connect_timeout_s,
             read_timeout_s=self._read_timeout_s,
-            # Room for every exchange the ingress takes, and for the probes beside them: a
-            # probe that waited for a free connection would take a busy node for a dead one.
-            max_connections=MAX_DIRECT_EXCHANGES + 64,
+            max_connections=MAX_DIRECT_CONNECTIONS,
             ssl_context=self._context,
             server_hostname=ingress_server_name(node.node_id),
         )

@@ -17,6 +17,10 @@ from typing import Final
 
 #: Exchanges an ingress relays at once (``503`` beyond), as many as streams on one link.
 MAX_DIRECT_EXCHANGES: Final = 4096
+#: Connections the leader opens to one ingress at most: one per exchange, and room for its
+#: probes beside them (a probe queued behind busy connections would take a busy node for a
+#: dead one). The ingress admits that many.
+MAX_DIRECT_CONNECTIONS: Final = MAX_DIRECT_EXCHANGES + 64
 HEALTH_PATH: Final = b"/healthz"
 DEPLOYMENT_PREFIX: Final = b"/d/"
 #: The header of an answer that reports a relay failure; its value is a reset code.
