@@ -40,7 +40,7 @@ from berth.observability.loop_lag import LoopLagMonitor
 from berth.paths import BerthHome
 from berth.runtime.docker import DockerRuntime, resolve_docker_host
 from berth.runtime.engines import EngineBinaries
-from berth.runtime.gpu import NvmlInventory
+from berth.runtime.gpu import inventory_for
 from berth.runtime.proc import pid_running
 from berth.runtime.process import ProcessRuntime
 
@@ -133,7 +133,7 @@ async def run_agent(
             vllm=str(settings.vllm_bin) if settings.vllm_bin else None,
             sglang_python=str(settings.sglang_python),
         ),
-        NvmlInventory(),
+        inventory_for(settings.simulated_gpus),
         logs_dir=home.logs_dir,
         journal_path=home.agent_engines_file,
         keys_dir=home.engine_keys_dir,
@@ -170,6 +170,13 @@ async def run_agent(
         loop.add_signal_handler(sig, lambda: asyncio.ensure_future(dialer.stop()))
     log.info("agent %s (%s) starting; leader %s", identity.label, identity.node_id,
              identity.leader_url)  # fmt: skip
+    if settings.simulated_gpus:
+        # A testing aid that must never go unnoticed on a real GPU host: in the status
+        # panel's recent activity and the log.
+        status.activity(
+            f"simulated GPUs (simulated_gpus): {settings.simulated_gpus}; NVML is not asked, "
+            "engines run on the CPU"
+        )
     freeze_startup_objects()  # full collections then skip the start-up heap
     loop_lag.start()
     try:

@@ -131,6 +131,7 @@ class Settings:
     direct_probe_timeout_s: float
     agent_advertise: str | None
     agent_ingress_bind: str
+    simulated_gpus: str | None
     desk_pool_url: str
 
     @classmethod

@@ -24,6 +24,7 @@ from berth.http_server.limits import ListenerLimits
 from berth.paths import BerthHome
 from berth.runtime.base import RUNTIME_NAMES
 from berth.runtime.engines import DEFAULT_GPU_IMAGES, DEFAULT_IMAGES, DEFAULT_SHM_SIZE
+from berth.runtime.gpu import parse_simulated_gpus
 from berth.runtime.trees import TREE_MODES
 
 SettingSource = Literal["flag", "env", "file", "autodetect", "default"]
@@ -142,6 +143,15 @@ def address_problem(text: str) -> str | None:
     if ":" in bare and not host.startswith("["):
         return "an IPv6 address goes in brackets: [2001:db8::7]:11502"
     return host_problem(bare) if bare else "expected HOST:PORT, the host is missing"
+
+
+def simulated_gpus_problem(text: str) -> str | None:
+    """Why ``text`` is not a list of simulated GPU sizes (``24GiB,24GiB``), or ``None``."""
+    try:
+        parse_simulated_gpus(text)
+    except ValueError as exc:
+        return str(exc)
+    return None
 
 
 _LIMITS = ListenerLimits()
@@ -268,6 +278,10 @@ SETTINGS: tuple[SettingDef, ...] = (
     SettingDef("agent_ingress_bind", "str", "agent",
                "address the agent's direct ingress binds (at the advertised port)",
                default="0.0.0.0", check=host_problem),
+    SettingDef("simulated_gpus", "str", "gpu",
+               "testing aid: report these GPUs (e.g. 24GiB,24GiB) instead of asking NVML; "
+               "engines still run on the CPU",
+               optional=True, check=simulated_gpus_problem),
     SettingDef("desk_pool_url", "str", "desk", "the ow desk `berth desk` offers models to",
                default="https://owterminal.com", check=http_url_problem),
 )  # fmt: skip

@@ -44,6 +44,7 @@ from berth.api import (
 from berth.cluster.link import LOCAL_NODE_ID
 from berth.daemon.admin_metrics import build_metrics_router
 from berth.daemon.admin_nodes import build_node_router
+from berth.daemon.admin_plans import build_plan_router
 from berth.daemon.admin_routing import build_routing_router
 from berth.daemon.lifecycle import DeployOptions, LifecycleManager
 from berth.daemon.services import LeaderServices
@@ -51,6 +52,7 @@ from berth.errors import BerthError, ConfigError, ConflictError, NotFoundError
 from berth.keys import generate_secret, hash_secret, key_prefix, parse_tier
 from berth.openai_errors import error_body, error_from_exception
 from berth.runtime.engines import parse_engine_name, parse_runtime_name
+from berth.runtime.gpu import parse_simulated_gpus
 from berth.store import ApiKeyRecord, DeploymentRecord, ModelRecord, Store
 from berth.store.states import TERMINAL_STATES
 
@@ -253,6 +255,9 @@ def build_admin_app(services: LeaderServices) -> FastAPI:
                 )
                 for runtime in services.runtimes
             ],
+            simulated_gpus_mb=[]
+            if services.leader_only
+            else list(parse_simulated_gpus(services.settings.simulated_gpus or "")),
         )
 
     @app.get("/admin/config")
@@ -351,6 +356,7 @@ def build_admin_app(services: LeaderServices) -> FastAPI:
                 extra_args=tuple(body.extra_args),
                 served_model_name=body.served_model_name,
                 image=body.image,
+                force=body.force,
             )
         )
         return deployment_view(record, lifecycle)
@@ -411,6 +417,7 @@ def build_admin_app(services: LeaderServices) -> FastAPI:
     app.include_router(build_node_router(services))
     app.include_router(build_metrics_router(services))
     app.include_router(build_routing_router(services))
+    app.include_router(build_plan_router(services))
 
     @app.post("/admin/shutdown", status_code=202)
     async def shutdown() -> ShutdownAccepted:

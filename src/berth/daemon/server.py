@@ -46,6 +46,7 @@ from berth.daemon.admin_services import load_routes
 from berth.daemon.app import build_apps
 from berth.daemon.auth import Authenticator
 from berth.daemon.lifecycle import LifecycleManager
+from berth.daemon.placement_facts import ResidentUsage
 from berth.daemon.proxy import OpenAIProxy
 from berth.daemon.services import LeaderServices, Listener
 from berth.errors import DaemonError
@@ -62,7 +63,7 @@ from berth.routing.routes import RouteResolver
 from berth.routing.signals import SignalBoard
 from berth.runtime.docker import DockerRuntime, resolve_docker_host
 from berth.runtime.engines import EngineBinaries
-from berth.runtime.gpu import NvmlInventory
+from berth.runtime.gpu import inventory_for
 from berth.runtime.process import ProcessRuntime
 from berth.store import DeploymentRecord, Store
 from berth.store.states import TERMINAL_STATES
@@ -162,7 +163,7 @@ def build_local_core(home: BerthHome, settings: Settings) -> AgentCore:
             vllm=_optional_str(settings.vllm_bin),
             sglang_python=str(settings.sglang_python),
         ),
-        NvmlInventory(),
+        inventory_for(settings.simulated_gpus),
         logs_dir=home.logs_dir,
         journal_path=home.local_engines_file,  # the engines' keys, for a restarted leader
         keys_dir=home.engine_keys_dir,
@@ -270,6 +271,9 @@ async def serve(home: BerthHome, settings: Settings) -> None:
         on_state=on_state,
         images=settings.docker_images(),
         gpu_images=settings.docker_gpu_images(),
+        # what placement's eviction choice knows of a deployment's use, until the scaling
+        # controller reports last requests and queues
+        usage=lambda deployment_id: ResidentUsage(in_flight=signals.in_flight(deployment_id)),
     )
     hub = NodeHub(
         store,
