@@ -10,12 +10,15 @@ import json
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+import msgspec
 import pytest
 
 from berth.cluster.connection import LinkConnection
 from berth.cluster.direct_path import DataPaths
 from berth.cluster.link_registry import LinkRegistry
+from berth.cluster.protocol.ops import INGRESS
 from berth.cluster.protocol.session import Role, WelcomeTerms
 from berth.cluster.remote_link import RemoteLink
 from berth.engine_http.answer import EngineAnswer
@@ -80,18 +83,34 @@ def pki(tmp_path: Path) -> Pki:
     return make_pki(tmp_path)
 
 
-async def _leader(pki: Pki, *, advertise: bool = True) -> AsyncIterator[Leader]:
-    async with running_ingress(pki, advertise_host=RELAY_HOST, configure=False) as side:
+async def _leader(
+    pki: Pki,
+    *,
+    advertise: bool = True,
+    offers_ingress: bool = True,
+    certificate: bool = True,
+    probe_interval_s: float = 0.05,
+) -> AsyncIterator[Leader]:
+    """The leader's data paths to one agent linked through an in-memory tunnel.
+
+    ``advertise``: the agent was started with ``--advertise``; ``offers_ingress``: its
+    Hello lists ``op.ingress``; ``certificate``: the leader saw its client certificate (not
+    only a fingerprint forwarded by a proxy)."""
+    async with running_ingress(
+        pki, advertise_host=RELAY_HOST, configure=False, advertise=advertise
+    ) as side:
         relay = Relay(("127.0.0.1", side.origin.port))
         await relay.start(RELAY_HOST, side.origin.port)
-        if not advertise:
-            side.service._ingress = None  # an agent started without --advertise
+        hello = side.service.hello()
+        if not offers_ingress:
+            offered = [c for c in hello.capabilities if c != INGRESS.capability]
+            hello = msgspec.structs.replace(hello, capabilities=offered)
         agent_ws, leader_ws = memory_socket_pair()
         agent = LinkConnection(Role.AGENT, agent_ws, side.service, peer="leader")
         leader = LinkConnection(Role.LEADER, leader_ws, LeaderSide(), peer=pki.node_id)
         terms = WelcomeTerms(node_id=pki.node_id, leader_version="test")
         _welcome, hello = await asyncio.gather(
-            agent.handshake(side.service.hello(), timeout_s=5.0),
+            agent.handshake(hello, timeout_s=5.0),
             leader.handshake(terms, timeout_s=5.0),
         )
         tasks = [asyncio.create_task(agent.run()), asyncio.create_task(leader.run())]
@@ -101,7 +120,7 @@ async def _leader(pki: Pki, *, advertise: bool = True) -> AsyncIterator[Leader]:
             hello.inventory,
             hello.capabilities,
             advertise=hello.advertise,
-            certificate_der=pki.agent_cert_der,
+            certificate_der=pki.agent_cert_der if certificate else None,
         )
         tunnel = CountingTunnel(link)
         registry = LinkRegistry()
@@ -110,7 +129,7 @@ async def _leader(pki: Pki, *, advertise: bool = True) -> AsyncIterator[Leader]:
             registry,
             pki.ca,
             pki.ca_dir,
-            probe_interval_s=0.05,
+            probe_interval_s=probe_interval_s,
             probe_timeout_s=0.5,
             connect_timeout_s=1.0,
         )
@@ -170,12 +189,21 @@ async def test_a_black_holed_ingress_moves_waiting_requests_to_the_tunnel_and_ba
     assert leader.tunnel.opened == 1
 
 
-async def test_a_direct_attempt_refused_goes_through_the_tunnel_at_once(leader: Leader) -> None:
+@pytest.fixture
+async def rarely_probed(pki: Pki) -> AsyncIterator[Leader]:
+    """A leader that probes once at the start and then not for an hour."""
+    async for made in _leader(pki, probe_interval_s=3600.0):
+        yield made
+
+
+async def test_a_direct_attempt_refused_goes_through_the_tunnel_at_once(
+    rarely_probed: Leader,
+) -> None:
+    leader = rarely_probed
     await wait_for_async(lambda: leader.path() == "direct", EVENT_TIMEOUT_S, "the direct path")
-    leader.paths._probe_interval_s = 3600.0  # no probe will notice: the request must
 
     await leader.relay.close()  # nothing listens at the advertised address any more
-    status, _body = await leader.ask()
+    status, _body = await leader.ask()  # no probe will notice before it: the request must
 
     assert status == 200 and leader.tunnel.opened == 1
     found = leader.paths.data_path(leader.node_id)
@@ -195,13 +223,30 @@ async def test_an_engine_failure_on_the_direct_path_is_not_retried_through_the_t
     assert leader.path() == "direct"
 
 
-async def test_an_agent_that_advertises_nothing_stays_on_the_tunnel(pki: Pki) -> None:
-    async for leader in _leader(pki, advertise=False):
-        status, _body = await leader.ask()
+@pytest.mark.parametrize(
+    ("agent", "reason"),
+    [
+        # An agent started without --advertise, or one older than the direct path: its
+        # Hello has neither the address nor op.ingress.
+        ({"advertise": False}, "the agent advertises no address"),
+        ({"offers_ingress": False}, "offers no op.ingress"),
+        ({"certificate": False}, "did not see the agent's certificate"),
+        ({"probe_interval_s": 0.0}, "the direct path is off on this leader"),
+    ],
+    ids=["no advertise", "no op.ingress", "fingerprint forwarded", "off on the leader"],
+)
+async def test_an_agent_without_a_usable_ingress_stays_on_the_tunnel_and_says_why(
+    pki: Pki, agent: dict[str, Any], reason: str
+) -> None:
+    async for leader in _leader(pki, **agent):
+        status, body = await leader.ask()
+
+        assert status == 200 and json.loads(body) == chat_completion("hello")
+        assert leader.tunnel.opened == 1
         found = leader.paths.data_path(leader.node_id)
-        assert status == 200 and leader.tunnel.opened == 1
         assert found is not None and found.path == "tunnel"
-        assert "advertises no address" in found.reason
+        assert reason in found.reason
+        assert not leader.side.ingress.serving  # the leader never sent op.ingress
 
 
 async def test_a_burst_spills_over_to_the_tunnel_instead_of_queueing_behind_handshakes(

@@ -128,12 +128,14 @@ async def running_ingress(
     advertise_host: str = "127.0.0.1",
     bind_host: str = "127.0.0.1",
     configure: bool = True,
+    advertise: bool = True,
     **limits: int,
 ) -> AsyncIterator[Ingress]:
     """The agent side: a stand-in engine (which wants :data:`ENGINE_KEY`, as the agent's
     relay sends it), an ``AgentService`` over :class:`FakeCore` and its ingress, bound on
     ``bind_host`` at a free port and advertised as ``advertise_host`` at that port, serving
-    (``configure``) with certificates from ``pki``."""
+    (``configure``) with certificates from ``pki``. Without ``advertise`` the service is an
+    agent started without ``--advertise``: its Hello names no address and no ``op.ingress``."""
     async with StandinEngine(api_key=ENGINE_KEY) as engine:
         service = AgentService(FakeCore(engine.port), read_timeout_s=10.0)  # type: ignore[arg-type]
         port = find_free_port(bind_host)
@@ -148,7 +150,8 @@ async def running_ingress(
             **limits,  # type: ignore[arg-type]
         )
         ingress.bind()
-        service.use_ingress(ingress)
+        if advertise:
+            service.use_ingress(ingress)
         try:
             if configure:
                 await ingress.configure(pki.ingress_args())

@@ -144,6 +144,12 @@ class AgentIngress:
         """The port the ingress listens on: the advertised one."""
         return self._port
 
+    @property
+    def serving(self) -> bool:
+        """Whether it serves: the leader sent its certificates (``ingress`` op) and they
+        passed their checks."""
+        return self._server is not None
+
     def bind(self) -> None:
         """Bind the ingress's port now, so that one in use fails the agent's start.
 

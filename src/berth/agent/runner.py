@@ -148,19 +148,19 @@ async def run_agent(
     status = AgentStatus(
         identity.leader_url, identity.node_id, identity.label, path=home.agent_status_file
     )
-    restored = await core.restore()
-    if restored:
-        status.activity(f"re-attached engines: {', '.join(restored)}")
     loop_lag = LoopLagMonitor()  # berth_event_loop_lag_seconds, carried in heartbeats
     service = AgentService(
         core, on_activity=status.activity, models_dir=home.models_dir, loop_lag=loop_lag.histogram
     )
-    try:
+    try:  # a port in use fails the start before any engine is re-attached
         ingress = _ingress(home, settings, identity, service)
     except ConfigError:
         await service.close()
         core.close()
         raise
+    restored = await core.restore()
+    if restored:
+        status.activity(f"re-attached engines: {', '.join(restored)}")
     assert core.adopted is not None
     await core.adopted.check_once()  # Hello reports the adopted servers as they are now
     core.adopted.start()
