@@ -19,7 +19,6 @@ from support.direct import (
     DEPLOYMENT,
     Ingress,
     Pki,
-    make_pki,
     running_ingress,
     stranger_leader_certificate,
 )
@@ -27,11 +26,6 @@ from support.standin_engine import Die, Head, Reply, Stall, Write, chat_chunks, 
 
 BODY = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]}).encode()
 CHAT = b"/v1/chat/completions"
-
-
-@pytest.fixture
-def pki(tmp_path: Path) -> Pki:
-    return make_pki(tmp_path)
 
 
 async def _post(

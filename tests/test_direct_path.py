@@ -9,7 +9,6 @@ import asyncio
 import json
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -23,7 +22,7 @@ from berth.cluster.protocol.session import Role, WelcomeTerms
 from berth.cluster.remote_link import RemoteLink
 from berth.engine_http.answer import EngineAnswer
 from berth.engine_http.errors import UpstreamConnectError, UpstreamDisconnectError
-from support.direct import DEPLOYMENT, Ingress, Pki, Relay, make_pki, running_ingress
+from support.direct import DEPLOYMENT, Ingress, Pki, Relay, running_ingress
 from support.fakes import memory_socket_pair
 from support.link_pair import LeaderSide
 from support.standin_engine import Reply, Stall, chat_chunks, chat_completion, json_reply, sse_reply
@@ -76,11 +75,6 @@ class Leader:
             return answer.status, await answer.read()
         finally:
             answer.close()
-
-
-@pytest.fixture
-def pki(tmp_path: Path) -> Pki:
-    return make_pki(tmp_path)
 
 
 async def _leader(
