@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from berth.cluster.direct_tls import ensure_leader_certificate
 from berth.cluster.protocol.direct import RESET_HEADER, deployment_target
 from berth.cluster.protocol.ops import IngressArgs
 from berth.engine_http.errors import UpstreamDisconnectError, UpstreamError
@@ -201,3 +202,36 @@ async def test_certificates_not_from_the_pinned_ca_or_not_the_leaders_are_refuse
             with pytest.raises(AuthError):
                 await side.ingress.configure(args)
         await side.ingress.configure(good)  # and the right ones still work
+
+
+async def test_new_certificates_take_over_without_cutting_off_an_answer_in_flight(
+    pki: Pki,
+) -> None:
+    events = chat_chunks(["word "] * 6)
+    async with running_ingress(pki) as side:
+        side.engine.script(sse_reply(events, pause_s=0.4))
+        old_context = pki.leader_context()
+        pool = pki.pool(old_context)
+        try:
+            streaming = await _post(pool, side)
+            first = await streaming.read_chunk()
+            # The leader's certificate is renewed (a new key) and the agent is told so while
+            # the answer streams on a connection made with the old one.
+            pki.leader_cert.unlink()
+            ensure_leader_certificate(pki.ca, pki.ca_dir)
+            await side.ingress.configure(pki.ingress_args())
+            rest = await streaming.read()
+            streaming.close()
+            renewed_pool = pki.pool()
+            renewed = await _post(renewed_pool, side)
+            renewed_body = await renewed.read()
+            renewed.close()
+            await renewed_pool.close()
+            stale = pki.pool(old_context)
+            with pytest.raises(UpstreamError):
+                await _post(stale, side)  # a new connection with the old certificate
+            await stale.close()
+        finally:
+            await pool.close()
+    assert first + rest == b"".join(events)
+    assert renewed.status == 200 and json.loads(renewed_body)["object"] == "chat.completion"

@@ -7,7 +7,8 @@ and lists ``op.ingress``. The leader answers with the ``ingress`` op: this node'
 certificate and the leader's client certificate, both checked here against the pinned berth
 CA (:mod:`berth.cluster.direct_tls`); only then does the ingress serve, over TLS that lets
 in exactly that leader certificate. Each later ``ingress`` op (a new link, a renewal)
-replaces the certificates and restarts the server on the same port.
+replaces the certificates for the handshakes that follow, without restarting the server:
+answers streaming on connections made with the old ones go on.
 
 What it serves:
 
@@ -39,6 +40,7 @@ import errno
 import json
 import logging
 import socket
+import ssl
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Final
@@ -133,6 +135,7 @@ class AgentIngress:
         self._sock: socket.socket | None = None
         self._server: HttpServer | None = None
         self._configured: tuple[str, str] | None = None
+        self._context: ssl.SSLContext | None = None
         self.open_exchanges = 0
 
     @property
@@ -173,18 +176,31 @@ class AgentIngress:
         context = ingress_server_context(
             self._cert_path, self._key_path, args.leader_certificate.encode()
         )
+        self._context = context
+        self._configured = certs
         if self._server is not None:
-            await self._server.close(grace_s=1.0)  # closes its socket: bind the port again
-            self._server = None
+            # Serving already: the next handshake takes the new certificates, and answers
+            # streaming on connections made with the old ones go on.
+            log.info("direct ingress on %s:%d: new certificates", self._bind_host, self._port)
+            return
         sock, self._sock = self._sock, None
         if sock is None:
             sock = _bind(self._bind_host, self._port)
+        # Each handshake is handed the newest context by the first one's SNI callback (it
+        # runs on every ClientHello, with or without a server name).
+        context.sni_callback = self._newest_context
         server = HttpServer("ingress", self.handle, self._limits, ssl_context=context)
         await server.start(sock)
         self._server = server
-        self._configured = certs
         log.info("direct ingress serving on %s:%d (advertised as %s)", self._bind_host,
                  self._port, self._advertise)  # fmt: skip
+
+    def _newest_context(
+        self, ssl_object: ssl.SSLObject | ssl.SSLSocket, _server_name: str | None,
+        context: ssl.SSLContext,
+    ) -> None:  # fmt: skip
+        if self._context is not None and self._context is not context:
+            ssl_object.context = self._context
 
     async def close(self) -> None:
         """Stop serving and release the port."""

@@ -131,6 +131,7 @@ class _Node:
         self.reason = ""
         self.since = now
         self.configured_at: float | None = None
+        self.leader_pem = b""  # the leader certificate the agent's ingress lets in
         self.failed_probes = 0
 
 
@@ -329,7 +330,14 @@ class DataPaths:
 
     async def _run(self, node: _Node) -> None:
         while True:
-            due = node.configured_at is None or self._clock() - node.configured_at > _RENEW_AFTER_S
+            # Due at first, when its certificate is half-way to expiry, and when the
+            # leader's own was renewed meanwhile (for another node): new connections
+            # present the new one, which this agent's ingress does not let in yet.
+            due = (
+                node.configured_at is None
+                or self._clock() - node.configured_at > _RENEW_AFTER_S
+                or node.leader_pem != self._leader_pem
+            )
             if due and not await self._configure(node):
                 await asyncio.sleep(CONFIGURE_RETRY_S)
                 continue
@@ -353,12 +361,14 @@ class DataPaths:
             certificate = await asyncio.to_thread(
                 issue_ingress_certificate, self._ca, link.certificate_der, node.node_id
             )
-            await link.configure_ingress(certificate, self._leader_pem)
+            leader_pem = self._leader_pem
+            await link.configure_ingress(certificate, leader_pem)
         except BerthError as exc:
             self._set(node, False, f"the agent could not start its ingress: {exc}")
             log.warning("node %s: direct ingress not started: %s", node.node_id, exc)
             return False
         node.configured_at = self._clock()
+        node.leader_pem = leader_pem
         return True
 
     async def _probe(self, node: _Node) -> str | None:
