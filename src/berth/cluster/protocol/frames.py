@@ -235,12 +235,7 @@ class AdoptedState(_Body, kw_only=True):
 
 
 class Hello(_Body, kw_only=True):
-    """The agent's first frame.
-
-    ``advertise`` is the ``HOST:PORT`` where the agent's ingress takes the leader's direct
-    requests (``docs/protocol.md``, Direct data path); empty when it has none (older agents
-    never send it).
-    """
+    """The agent's first frame."""
 
     protocol_min: int
     protocol_max: int
@@ -249,6 +244,7 @@ class Hello(_Body, kw_only=True):
     inventory: Inventory
     engines: list[EngineState] = []
     adopted: list[AdoptedState] = []
+    #: HOST:PORT of the agent's direct ingress (docs/protocol.md); "": none (older agents)
     advertise: str = ""
 
 
