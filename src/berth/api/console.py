@@ -21,6 +21,14 @@ class SessionInfo(ApiModel):
     expires_at: float
 
 
+class SessionState(ApiModel):
+    """``GET /ui/session``: whether this browser is signed in, and if so its session (an
+    answer of 200 either way, so a page that is not signed in logs no failed request)."""
+
+    signed_in: bool
+    session: SessionInfo | None
+
+
 class SignedOut(ApiModel):
     """``DELETE /ui/session``: the session is gone."""
 

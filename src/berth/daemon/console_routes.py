@@ -15,9 +15,17 @@ import mimetypes
 from fastapi import APIRouter, Request
 from fastapi.responses import RedirectResponse, Response
 
-from berth.api.console import RequestOut, RequestsPage, SessionIn, SessionInfo, SignedOut
+from berth.api.console import (
+    RequestOut,
+    RequestsPage,
+    SessionIn,
+    SessionInfo,
+    SessionState,
+    SignedOut,
+)
 from berth.console import static_files
 from berth.console.sessions import (
+    COOKIE_NAME,
     CSRF_HEADER,
     SAFE_METHODS,
     Session,
@@ -174,11 +182,11 @@ def build_console_router(gate: ConsoleGate, request_log: RequestLog) -> APIRoute
         return RedirectResponse("/ui/", status_code=303)
 
     @router.get("/ui/session")
-    async def current_session(request: Request) -> SessionInfo:
-        found = await gate.session(request.cookies.get("berth_session"))
+    async def current_session(request: Request) -> SessionState:
+        found = await gate.session(request.cookies.get(COOKIE_NAME))
         if found is None:
-            raise AuthError("not signed in")
-        return _session_info(found[0])
+            return SessionState(signed_in=False, session=None)
+        return SessionState(signed_in=True, session=_session_info(found[0]))
 
     @router.post("/ui/session", status_code=201)
     async def sign_in(body: SessionIn, response: Response) -> SessionInfo:
@@ -189,7 +197,7 @@ def build_console_router(gate: ConsoleGate, request_log: RequestLog) -> APIRoute
 
     @router.delete("/ui/session")
     async def sign_out(request: Request, response: Response) -> SignedOut:
-        session_id = request.cookies.get("berth_session")
+        session_id = request.cookies.get(COOKIE_NAME)
         found = await gate.session(session_id)
         if found is not None:
             if not found[0].csrf_matches(request.headers.get(CSRF_HEADER)):
