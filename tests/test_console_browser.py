@@ -67,11 +67,15 @@ def shots(tmp_path: Path) -> Path:
 
 
 def _page(browser: Any, width: int = 1280, height: int = 800) -> tuple[Any, Any, list[str]]:
-    context = browser.new_context(ignore_https_errors=True, viewport={"width": width, "height": height})
+    viewport = {"width": width, "height": height}
+    context = browser.new_context(ignore_https_errors=True, viewport=viewport)
     page = context.new_page()
     page.set_default_timeout(WAIT_MS)
     errors: list[str] = []
-    page.on("console", lambda msg: errors.append(msg.text) if msg.type == "error" else None)
+    page.on(
+        "console",
+        lambda msg: errors.append(f"{msg.text} at {msg.location}") if msg.type == "error" else None,
+    )
     page.on("pageerror", lambda exc: errors.append(str(exc)))
     page.on("dialog", lambda dialog: dialog.accept())
     return context, page, errors
@@ -121,7 +125,11 @@ def test_an_operator_walks_the_console(
     row = page.locator("tr[data-deployment]").filter(has_text="tiny")
     row.locator(".status-ready").wait_for(timeout=60_000)
     row.get_by_role("button", name="Logs").click()
-    page.locator("#log-output").get_by_text("fake llama-server: model").wait_for()
+    log = page.locator("#log-output")
+    log.get_by_text("fake llama-server: model").wait_for()
+    with _chat_client(cluster, cluster.api_key) as client:  # the followed log shows it
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}])
+    log.get_by_text("POST /v1/chat/completions").wait_for()
     page.screenshot(path=shots / "deployments.png", full_page=True)
 
     # Keys: create a standard key, see its secret once.

@@ -89,9 +89,9 @@ def _smollm2() -> str | None:
 
 def _chromium() -> str | None:
     if shutil.which("chromium") is None:
-        return "Debian's Chromium is not installed (apt-get install chromium; scripts/setup.sh does)"
+        return "Chromium is not installed (apt-get install chromium; scripts/setup.sh does)"
     if importlib.util.find_spec("playwright") is None:
-        return "the playwright package is not installed (pip install -c constraints.txt -e '.[dev]')"
+        return "the playwright package is not installed (scripts/setup.sh installs it)"
     return None
 
 

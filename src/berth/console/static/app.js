@@ -180,6 +180,7 @@ async function signIn(event) {
 }
 
 async function signOut() {
+  stopPage(); // no poll may race the session's end
   try {
     await call("DELETE", "/ui/session");
   } catch (err) {
@@ -279,7 +280,9 @@ function nodeCard(node, metrics) {
       h("span", {}, `GPU ${g.index}`),
       meter((g.util_pct || 0) / 100, "util", `GPU ${g.index} utilisation ${g.util_pct ?? "unknown"}%`),
       meter(g.mem_total_bytes ? g.mem_used_bytes / g.mem_total_bytes : 0, "mem",
-        `GPU ${g.index} memory ${mib(g.mem_used_bytes)} of ${mib(g.mem_total_bytes)}`)))),
+        `GPU ${g.index} memory ${mib(g.mem_used_bytes)} of ${mib(g.mem_total_bytes)}`),
+      h("span", { class: "gpu-text" }, `${g.name}: ${g.util_pct ?? "?"}% busy, ` +
+        `${mib(g.mem_used_bytes)} of ${mib(g.mem_total_bytes)}`)))),
     h("div", { class: "muted" }, "requests per heartbeat, last minute"),
     sparkline(rates, `requests on ${node.label} over the last minute`));
 }
@@ -502,6 +505,10 @@ function requestsPage(main) {
   const rows = [];
   const body = h("tbody", { id: "request-rows" });
   let after = 0;
+  let labels = {};
+  call("GET", "/admin/nodes").then((nodes) => {
+    labels = Object.fromEntries(nodes.map((n) => [n.id, n.label]));
+  }).catch(showError);
   main.append(h("h1", {}, "Requests"),
     h("p", { class: "muted" }, "Recent /v1 requests, newest first. No prompt or answer is kept."),
     h("div", { class: "table-wrap" }, h("table", {},
@@ -513,7 +520,7 @@ function requestsPage(main) {
     for (const r of page.requests) {
       rows.unshift(h("tr", { "data-request": r.request_id },
         h("td", {}, new Date(r.at * 1000).toLocaleTimeString()), h("td", {}, r.key_name || "(socket)"),
-        h("td", {}, r.model), h("td", {}, r.node || "—"),
+        h("td", {}, r.model), h("td", {}, labels[r.node] || r.node || "—"),
         h("td", {}, String(r.status), r.error_reason ? ` ${r.error_reason}` : ""),
         h("td", {}, r.ttfb_ms === null ? "—" : `${r.ttfb_ms} ms`), h("td", {}, `${r.duration_ms} ms`),
         h("td", {}, `${r.prompt_tokens}/${r.completion_tokens}`),
