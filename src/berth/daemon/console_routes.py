@@ -206,15 +206,15 @@ def build_console_router(gate: ConsoleGate, request_log: RequestLog) -> APIRoute
         response.headers["set-cookie"] = clear_cookie()
         return SignedOut()
 
-    @router.get("/ui/{name}", include_in_schema=False)
+    @router.api_route("/ui/{name}", methods=["GET", "HEAD"], include_in_schema=False)
     async def static(name: str) -> Response:
         found = files.get(name or "index.html")
         if found is None:
-            raise NotFoundError("console file", name)
+            raise NotFoundError("file", name)
         body, kind = found
         return Response(body, media_type=kind, headers={"cache-control": "no-cache"})
 
-    @router.get("/ui/", include_in_schema=False)
+    @router.api_route("/ui/", methods=["GET", "HEAD"], include_in_schema=False)
     async def index() -> Response:
         return await static("index.html")
 
