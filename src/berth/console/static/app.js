@@ -379,7 +379,7 @@ function modelsPage(main) {
   } }, h("label", {}, "Name", name), h("label", {}, "Path on the host", path),
   h("label", {}, "Node", node), h("button", { type: "submit" }, "Add"));
   main.append(h("h1", {}, "Models"), form, list,
-    h("p", { class: "muted" }, "Pulling from Hugging Face: `berth models pull` on the leader."));
+    h("p", { class: "muted" }, "Pulling from Hugging Face: `berth pull` on the leader."));
 
   async function refresh() {
     const models = await call("GET", "/admin/models");
