@@ -104,6 +104,7 @@ def test_an_operator_walks_the_console(
     cluster, admin_key = leader
     context, page, errors = _page(browser)
     answer = _sign_in(page, cluster.base_url, admin_key)
+    page.get_by_text("signed in as operator").wait_for()
     csp = answer.headers["content-security-policy"]
     assert "default-src 'none'" in csp and "script-src 'self'" in csp
     assert "unsafe-inline" not in csp
@@ -236,3 +237,24 @@ def test_the_session_needs_its_csrf_token_and_ends_with_its_key(
         cluster.admin("DELETE", f"/admin/keys/{created['id']}")
         assert http.get("/admin/nodes").status_code == 401
         assert http.get("/ui/session").json() == {"signed_in": False, "session": None}
+
+
+def test_a_leader_that_goes_away_shows_as_disconnected_and_comes_back(
+    leader: tuple[Cluster, str], browser: Any
+) -> None:
+    """Last in the module: it restarts the leader."""
+    cluster, admin_key = leader
+    context, page, _errors = _page(browser)
+    _sign_in(page, cluster.base_url, admin_key)
+    page.locator("article[aria-label='node gpu-a']").wait_for()
+    cluster.berth("daemon", "stop")
+    page.get_by_text("Disconnected from the leader").wait_for()
+    cluster.start()
+    # Sessions live in the leader's memory: the page notices the new leader by itself and
+    # asks to sign in again, and the key still works.
+    page.get_by_text("Your session has ended").wait_for()
+    assert page.locator("#banner").is_hidden()
+    page.get_by_label("Admin key").fill(admin_key)
+    page.get_by_role("button", name="Sign in").click()
+    page.locator("article[aria-label='node local']").wait_for()
+    context.close()
