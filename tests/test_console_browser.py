@@ -150,9 +150,11 @@ def test_an_operator_walks_the_console(
             client.chat.completions.create(
                 model="tiny", messages=[{"role": "user", "content": "hi"}]
             )
+    # The line's values are requests per heartbeat over the last minute: they sum to 3 more.
     page.wait_for_function(
         "([sel, old]) => { const s = document.querySelector(sel);"
-        " return s && s.dataset.values !== old && s.dataset.values.split(',').some(v => v > 0); }",
+        " const sum = (t) => t.split(',').reduce((a, v) => a + Number(v), 0);"
+        " return s && sum(s.dataset.values) >= sum(old) + 3; }",
         arg=["article[aria-label='node gpu-a'] svg.spark", before],
         timeout=SPARKLINE_WAIT_MS,
     )
