@@ -52,7 +52,9 @@ def browser() -> Iterator[Any]:
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as playwright:
-        chromium = playwright.chromium.launch(executable_path=shutil.which("chromium"))
+        chromium = playwright.chromium.launch(
+            executable_path=shutil.which("chromium"), args=["--disable-dev-shm-usage"]
+        )
         try:
             yield chromium
         finally:
