@@ -33,7 +33,7 @@ SPARKLINE_WAIT_MS = 15_000
 
 
 @pytest.fixture(scope="module")
-def leader(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Cluster, str]]:
+def console_leader(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Cluster, str]]:
     """A leader with agent ``gpu-a`` (one simulated 8 GiB GPU), model ``tiny`` registered on
     it, and an admin key (returned beside the cluster)."""
     root = tmp_path_factory.mktemp("console")
@@ -48,7 +48,7 @@ def leader(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Cluster, 
 
 
 @pytest.fixture(scope="module")
-def browser() -> Iterator[Any]:
+def chromium_browser() -> Iterator[Any]:
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as playwright:
@@ -62,7 +62,7 @@ def browser() -> Iterator[Any]:
 
 
 @pytest.fixture
-def shots(tmp_path: Path) -> Path:
+def screenshot_dir(tmp_path: Path) -> Path:
     folder = Path(os.environ.get("BERTH_CONSOLE_SCREENSHOTS") or tmp_path)
     folder.mkdir(parents=True, exist_ok=True)
     return folder
@@ -101,10 +101,10 @@ def _chat_client(cluster: Cluster, key: str) -> openai.OpenAI:
 
 
 def test_an_operator_walks_the_console(
-    leader: tuple[Cluster, str], browser: Any, shots: Path
+    console_leader: tuple[Cluster, str], chromium_browser: Any, screenshot_dir: Path
 ) -> None:
-    cluster, admin_key = leader
-    context, page, errors = _page(browser)
+    cluster, admin_key = console_leader
+    context, page, errors = _page(chromium_browser)
     answer = _sign_in(page, cluster.base_url, admin_key)
     page.get_by_text("signed in as operator").wait_for()
     csp = answer.headers["content-security-policy"]
@@ -118,7 +118,7 @@ def test_an_operator_walks_the_console(
     card = page.locator("article[aria-label='node gpu-a']")
     card.get_by_text("ready").wait_for()
     card.locator(".gpu").first.wait_for()
-    page.screenshot(path=shots / "cluster.png", full_page=True)
+    page.screenshot(path=screenshot_dir / "cluster.png", full_page=True)
 
     # Deployments: start tiny on gpu-a, follow its log.
     page.get_by_role("link", name="Deployments").click()
@@ -133,7 +133,7 @@ def test_an_operator_walks_the_console(
     with _chat_client(cluster, cluster.api_key) as client:  # the followed log shows it
         client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}])
     log.get_by_text("POST /v1/chat/completions").wait_for()
-    page.screenshot(path=shots / "deployments.png", full_page=True)
+    page.screenshot(path=screenshot_dir / "deployments.png", full_page=True)
 
     # Keys: create a standard key, see its secret once.
     page.get_by_role("link", name="Keys").click()
@@ -160,12 +160,12 @@ def test_an_operator_walks_the_console(
         arg=["article[aria-label='node gpu-a'] svg.spark", before],
         timeout=SPARKLINE_WAIT_MS,
     )
-    page.screenshot(path=shots / "cluster-traffic.png", full_page=True)
+    page.screenshot(path=screenshot_dir / "cluster-traffic.png", full_page=True)
 
     page.get_by_role("link", name="Keys").click()
     usage = page.locator("#usage-by-key .bar[data-name='browser-client']")
     usage.get_by_text("3 req").wait_for()
-    page.screenshot(path=shots / "keys.png", full_page=True)
+    page.screenshot(path=screenshot_dir / "keys.png", full_page=True)
     page.get_by_role("button", name="Revoke browser-client").click()
     page.locator("tr[data-key='browser-client']").get_by_text("revoked").wait_for()
     with _chat_client(cluster, secret) as client, pytest.raises(openai.AuthenticationError):
@@ -176,7 +176,7 @@ def test_an_operator_walks_the_console(
     rows = page.locator("#request-rows tr").filter(has_text="browser-client")
     rows.nth(2).wait_for()
     assert "hi" not in page.locator("#request-rows").inner_text().split()
-    page.screenshot(path=shots / "requests.png", full_page=True)
+    page.screenshot(path=screenshot_dir / "requests.png", full_page=True)
 
     # Playground: a streamed answer, through the session (no key in the page).
     page.get_by_role("link", name="Playground").click()
@@ -186,19 +186,19 @@ def test_an_operator_walks_the_console(
     reply = page.locator("#chat-log .msg.assistant[data-done='true']")
     reply.wait_for()
     assert reply.inner_text().strip()
-    page.screenshot(path=shots / "playground.png", full_page=True)
+    page.screenshot(path=screenshot_dir / "playground.png", full_page=True)
 
     # The other pages draw without errors.
     for name, shot in (("Models", "models.png"), ("Services", "services.png")):
         page.get_by_role("link", name=name).click()
         page.locator("main table, main p.muted").first.wait_for()
-        page.screenshot(path=shots / shot, full_page=True)
+        page.screenshot(path=screenshot_dir / shot, full_page=True)
 
     # Phone width: the cluster page still reads.
     page.set_viewport_size({"width": 390, "height": 844})
     page.get_by_role("link", name="Cluster").click()
     card.get_by_text("ready").wait_for()
-    page.screenshot(path=shots / "cluster-phone.png", full_page=True)
+    page.screenshot(path=screenshot_dir / "cluster-phone.png", full_page=True)
     page.set_viewport_size({"width": 1280, "height": 800})
 
     # Stop the deployment, sign out: the cookie no longer opens the admin API.
@@ -212,9 +212,11 @@ def test_an_operator_walks_the_console(
     context.close()
 
 
-def test_a_standard_key_cannot_sign_in(leader: tuple[Cluster, str], browser: Any) -> None:
-    cluster, _ = leader
-    context, page, _errors = _page(browser)
+def test_a_standard_key_cannot_sign_in(
+    console_leader: tuple[Cluster, str], chromium_browser: Any
+) -> None:
+    cluster, _ = console_leader
+    context, page, _errors = _page(chromium_browser)
     _sign_in(page, cluster.base_url, cluster.api_key)
     page.get_by_text("the console needs an admin key").wait_for()
     assert page.locator("#app").is_hidden()
@@ -223,9 +225,9 @@ def test_a_standard_key_cannot_sign_in(leader: tuple[Cluster, str], browser: Any
 
 
 def test_the_session_needs_its_csrf_token_and_ends_with_its_key(
-    leader: tuple[Cluster, str],
+    console_leader: tuple[Cluster, str],
 ) -> None:
-    cluster, _ = leader
+    cluster, _ = console_leader
     created = cluster.admin("POST", "/admin/keys", json={"name": "short-lived", "tier": "admin"})
     with httpx.Client(base_url=cluster.base_url, verify=cluster.tls(), timeout=30) as http:
         signed_in = http.post("/ui/session", json={"key": created["secret"]})
@@ -244,11 +246,11 @@ def test_the_session_needs_its_csrf_token_and_ends_with_its_key(
 
 
 def test_a_leader_that_goes_away_shows_as_disconnected_and_comes_back(
-    leader: tuple[Cluster, str], browser: Any
+    console_leader: tuple[Cluster, str], chromium_browser: Any
 ) -> None:
     """Last in the module: it restarts the leader."""
-    cluster, admin_key = leader
-    context, page, _errors = _page(browser)
+    cluster, admin_key = console_leader
+    context, page, _errors = _page(chromium_browser)
     _sign_in(page, cluster.base_url, admin_key)
     page.locator("article[aria-label='node gpu-a']").wait_for()
     cluster.berth("daemon", "stop")
