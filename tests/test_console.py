@@ -15,8 +15,13 @@ from berth.console.sessions import (
     session_id_from_cookies,
     set_cookie,
 )
+from berth.daemon.auth import Authenticator
+from berth.daemon.console_routes import ConsoleGate
+from berth.errors import AuthError
+from berth.keys import generate_secret, hash_secret, key_prefix
 from berth.observability.metrics import ProxyMetrics
 from berth.observability.request_log import RequestLog
+from berth.store import Store
 from support.proxy_fixtures import StaticResolver, running_proxy
 from support.standin_engine import StandinEngine
 
@@ -181,3 +186,42 @@ async def test_the_proxy_logs_each_request_without_its_text(
     assert (second.model, second.status, second.node_id) == ("nope", 404, "")
     assert second.error_reason == "model_not_found"
     assert "secret words" not in repr(log.after(0))
+
+
+# -- the gate: sign-in with a key from the store ---------------------------------------------
+
+PEPPER = b"p" * 32
+
+
+def _key(store: Store, name: str, tier: str) -> tuple[str, str]:
+    secret = generate_secret()
+    record = store.add_api_key(name, tier, hash_secret(secret, PEPPER), key_prefix(secret))
+    return secret, record.id
+
+
+def _gate(store: Store) -> ConsoleGate:
+    return ConsoleGate(store, Authenticator(store, PEPPER), PEPPER)
+
+
+async def test_an_admin_key_signs_in_and_its_revocation_ends_the_session(store: Store) -> None:
+    gate = _gate(store)
+    secret, key_id = _key(store, "ops", "admin")
+    session_id, session = await gate.sign_in(secret)
+    assert session.key_name == "ops" and secret not in repr(session)
+    found = await gate.session(session_id)
+    assert found is not None and found[1].id == key_id
+    store.revoke_api_key(key_id)
+    assert await gate.session(session_id) is None
+    assert len(gate.sessions) == 0
+
+
+async def test_a_standard_or_unknown_key_cannot_sign_in(store: Store) -> None:
+    gate = _gate(store)
+    secret, _ = _key(store, "app", "standard")
+    with pytest.raises(AuthError, match="standard key") as refused:
+        await gate.sign_in(secret)
+    assert refused.value.http_status == 403
+    with pytest.raises(AuthError) as unknown:
+        await gate.sign_in("sk-berth-not-a-key")
+    assert unknown.value.http_status == 401
+    assert len(gate.sessions) == 0
