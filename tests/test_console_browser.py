@@ -103,6 +103,8 @@ def _chat_client(cluster: Cluster, key: str) -> openai.OpenAI:
 def test_an_operator_walks_the_console(
     console_leader: tuple[Cluster, str], chromium_browser: Any, screenshot_dir: Path
 ) -> None:
+    from playwright.sync_api import expect
+
     cluster, admin_key = console_leader
     context, page, errors = _page(chromium_browser)
     answer = _sign_in(page, cluster.base_url, admin_key)
@@ -118,6 +120,13 @@ def test_an_operator_walks_the_console(
     card = page.locator("article[aria-label='node gpu-a']")
     card.get_by_text("ready").wait_for()
     card.locator(".gpu").first.wait_for()
+    # Enroll: the command for the new host and the CA fingerprint to check it against.
+    page.get_by_label("New node label").fill("gpu-b")
+    page.get_by_role("button", name="Enroll a node").click()
+    command = page.locator("#enroll-command").inner_text()
+    assert command.startswith("berth agent register --uri 'berth://enroll?")
+    fingerprint = cluster.admin("GET", "/admin/info")["ca_fingerprint"]
+    assert page.locator("#ca-fingerprint").inner_text() == fingerprint
     page.screenshot(path=screenshot_dir / "cluster.png", full_page=True)
 
     # Deployments: start tiny on gpu-a, follow its log.
@@ -173,8 +182,9 @@ def test_an_operator_walks_the_console(
 
     # Requests: the three, with the key's name, and no prompt text anywhere.
     page.get_by_role("link", name="Requests").click()
-    rows = page.locator("#request-rows tr").filter(has_text="browser-client")
-    rows.nth(2).wait_for()
+    page.locator("#request-rows tr").first.wait_for()
+    page.get_by_label("Filter").fill("browser-client")
+    expect(page.locator("#request-rows tr")).to_have_count(3)
     assert "hi" not in page.locator("#request-rows").inner_text().split()
     page.screenshot(path=screenshot_dir / "requests.png", full_page=True)
 

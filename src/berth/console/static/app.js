@@ -5,6 +5,7 @@
 "use strict";
 
 const POLL_MS = 5000;
+const DISCONNECTED = "the leader did not answer (disconnected)";
 const state = { csrf: null, keyName: "", timers: [], aborts: [], page: null };
 
 // -- DOM helpers (text only: nothing from the API is ever parsed as HTML) ---------------------
@@ -111,9 +112,11 @@ async function call(method, path, body, extra) {
   } catch (err) {
     if (err.name === "AbortError") throw err;
     setBanner("Disconnected from the leader: retrying…");
-    throw new ApiError(0, "the leader did not answer (disconnected)");
+    throw new ApiError(0, DISCONNECTED);
   }
   setBanner("");
+  const shown = document.getElementById("page-error");
+  if (shown.textContent === DISCONNECTED) shown.textContent = ""; // it is back
   if (response.status === 401 && !path.startsWith("/ui/session")) {
     showSignIn("Your session has ended: sign in again.");
     throw new ApiError(401, "signed out");
@@ -509,8 +512,16 @@ function requestsPage(main) {
   call("GET", "/admin/nodes").then((nodes) => {
     labels = Object.fromEntries(nodes.map((n) => [n.id, n.label]));
   }).catch(showError);
+  const filter = h("input", { id: "request-filter", type: "search",
+    placeholder: "key, model, node or status", oninput: () => draw() });
+  const draw = () => {
+    const wanted = filter.value.trim().toLowerCase();
+    body.replaceChildren(...rows.filter((row) => !wanted || row.textContent.toLowerCase().includes(wanted)));
+  };
   main.append(h("h1", {}, "Requests"),
     h("p", { class: "muted" }, "Recent /v1 requests, newest first. No prompt or answer is kept."),
+    h("form", { class: "inline", onsubmit: (e) => e.preventDefault() },
+      h("label", {}, "Filter", filter)),
     h("div", { class: "table-wrap" }, h("table", {},
       h("thead", {}, h("tr", {}, ["time", "key", "model", "node", "status", "TTFB", "duration",
         "tokens in/out", "retries"].map((x) => h("th", { scope: "col" }, x)))), body)));
@@ -527,7 +538,7 @@ function requestsPage(main) {
         h("td", {}, r.retries.length ? `${r.retries.length}: ${r.retries.join(", ")}` : "0")));
     }
     rows.splice(500);
-    body.replaceChildren(...rows);
+    draw();
   });
 }
 
