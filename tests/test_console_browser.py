@@ -185,6 +185,7 @@ def test_an_operator_walks_the_console(
     page.locator("#request-rows tr").first.wait_for()
     page.get_by_label("Filter").fill("browser-client")
     expect(page.locator("#request-rows tr")).to_have_count(3)
+    expect(page.locator("#request-rows tr").first).to_contain_text("gpu-a")  # the node's label
     assert "hi" not in page.locator("#request-rows").inner_text().split()
     page.screenshot(path=screenshot_dir / "requests.png", full_page=True)
 

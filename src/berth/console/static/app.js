@@ -284,7 +284,8 @@ function nodeCard(node, metrics) {
       meter((g.util_pct || 0) / 100, "util", `GPU ${g.index} utilisation ${g.util_pct ?? "unknown"}%`),
       meter(g.mem_total_bytes ? g.mem_used_bytes / g.mem_total_bytes : 0, "mem",
         `GPU ${g.index} memory ${mib(g.mem_used_bytes)} of ${mib(g.mem_total_bytes)}`),
-      h("span", { class: "gpu-text" }, `${g.name}: ${g.util_pct ?? "?"}% busy, ` +
+      h("span", { class: "gpu-text" }, `${g.name}: ` +
+        `${g.util_pct === null ? "utilisation not reported" : `${g.util_pct}% busy`}, ` +
         `${mib(g.mem_used_bytes)} of ${mib(g.mem_total_bytes)}`)))),
     h("div", { class: "muted" }, "requests per heartbeat, last minute"),
     sparkline(rates, `requests on ${node.label} over the last minute`));
@@ -508,10 +509,7 @@ function requestsPage(main) {
   const rows = [];
   const body = h("tbody", { id: "request-rows" });
   let after = 0;
-  let labels = {};
-  call("GET", "/admin/nodes").then((nodes) => {
-    labels = Object.fromEntries(nodes.map((n) => [n.id, n.label]));
-  }).catch(showError);
+  let labels = null; // node id -> label, read before the first rows are drawn
   const filter = h("input", { id: "request-filter", type: "search",
     placeholder: "key, model, node or status", oninput: () => draw() });
   const draw = () => {
@@ -526,6 +524,10 @@ function requestsPage(main) {
       h("thead", {}, h("tr", {}, ["time", "key", "model", "node", "status", "TTFB", "duration",
         "tokens in/out", "retries"].map((x) => h("th", { scope: "col" }, x)))), body)));
   every(2000, async () => {
+    if (labels === null) {
+      const nodes = await call("GET", "/admin/nodes");
+      labels = Object.fromEntries(nodes.map((n) => [n.id, n.label]));
+    }
     const page = await call("GET", `/admin/requests?after=${after}&limit=200`);
     after = page.last_seq;
     for (const r of page.requests) {
