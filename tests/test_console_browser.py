@@ -226,10 +226,15 @@ def test_an_operator_walks_the_console(
 def test_a_standard_key_cannot_sign_in(
     console_leader: tuple[Cluster, str], chromium_browser: Any
 ) -> None:
+    """With the keyboard alone: the key field has the focus, Enter sends it."""
     cluster, _ = console_leader
     context, page, _errors = _page(chromium_browser)
-    _sign_in(page, cluster.base_url, cluster.api_key)
-    page.get_by_text("the console needs an admin key").wait_for()
+    page.goto(cluster.base_url + "/ui/")
+    page.get_by_label("Admin key").wait_for()
+    page.wait_for_function("document.activeElement && document.activeElement.id === 'signin-key'")
+    page.keyboard.type(cluster.api_key)
+    page.keyboard.press("Enter")
+    page.get_by_role("alert").get_by_text("the console needs an admin key").wait_for()
     assert page.locator("#app").is_hidden()
     assert not [c for c in context.cookies() if c["name"] == "berth_session"]
     context.close()
