@@ -168,7 +168,9 @@ def _wait_ok(load: Load, more: int, timeout_s: float = 30.0) -> None:
 
 
 @pytest.fixture(scope="module")
-def netns_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Cluster, Agent]]:
+def direct_netns_cluster(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[tuple[Cluster, Agent]]:
     why = _why_no_namespaces()
     if why is not None:
         pytest.skip(why)
@@ -211,9 +213,9 @@ def _nodes_table(cluster: Cluster) -> str:
 
 
 def test_reachable_direct_blocked_tunnel_unblocked_direct(
-    netns_cluster: tuple[Cluster, Agent],
+    direct_netns_cluster: tuple[Cluster, Agent],
 ) -> None:
-    cluster, agent = netns_cluster
+    cluster, agent = direct_netns_cluster
     _wait_path(cluster, agent, "direct")
     node = _node(cluster, agent)
     assert node["advertised_address"] == f"{AGENT_ADDRESS}:{INGRESS_PORT}"
