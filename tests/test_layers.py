@@ -56,7 +56,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("cluster",),
     ("agent", "routing"),
     ("scaling",),
-    ("doctor", "desk", "backup"),
+    ("doctor", "desk", "backup", "console"),
     ("daemon",),
     ("cli",),
     ("__main__",),
