@@ -25,6 +25,7 @@ from pathlib import Path
 
 import uvicorn
 
+from berth.admission import Admission, UsageCollector, UsageLedger
 from berth.agent.adopted import AdoptedWatcher
 from berth.agent.core import AgentCore
 from berth.agent.in_process_link import InProcessLink
@@ -233,12 +234,22 @@ async def serve(home: BerthHome, settings: Settings) -> None:
         cluster_tls_files, ca, settings.cluster_hosts(), home.ca_dir
     )
 
+    # Per-key limits and usage: in memory, the budgets starting from the ledger's totals.
+    ledger = UsageLedger(store)
+    admission = Admission(settings.tiers, ledger)
+    today, month_start = admission.budget_days()
+    admission.load(
+        await asyncio.to_thread(store.list_api_keys),
+        await asyncio.to_thread(store.token_totals, day=today, month_start=month_start),
+    )
+
     local_meter = RequestMeter()  # requests to node local's engines, served by the proxy
     metrics = ProxyMetrics(local_meter=local_meter, local_node=LOCAL_NODE_ID)
     # The labels of deployments still active carry over a restart (the cluster series' too).
     metrics.restore(await asyncio.to_thread(store.list_deployments, active_only=True))
     cluster_metrics = ClusterMetrics(model_of=metrics.deployment_model)
     cluster_metrics.register(metrics.registry)
+    metrics.registry.register(UsageCollector(admission))
     core = None if settings.leader_only else build_local_core(home, settings)
     links = LinkRegistry([] if core is None else [InProcessLink(core)])
     audit = AuditLog(home.audit_log)
@@ -300,6 +311,7 @@ async def serve(home: BerthHome, settings: Settings) -> None:
         router=router,
         max_attempts=settings.max_attempts,
         relay_buffer_chunks=settings.relay_buffer_chunks,
+        admission=admission,
     )
     enrollment = EnrollmentService(
         store=store,
@@ -327,6 +339,7 @@ async def serve(home: BerthHome, settings: Settings) -> None:
         pid=os.getpid(),
         started_at=time.time(),
         routes=routes,
+        admission=admission,
         listeners=[
             Listener("public", f"https://{settings.public_host}:{public_port}"),
             Listener("cluster", cluster_url),
@@ -354,6 +367,7 @@ async def serve(home: BerthHome, settings: Settings) -> None:
 
     home.pid_file.write_text(f"{os.getpid()}\n")
     await proxy.startup()
+    flusher = asyncio.create_task(ledger.run())  # the usage ledger, written every few seconds
     try:
         serving = [
             asyncio.create_task(public_server.serve(sockets=[public_sock])),
@@ -398,6 +412,8 @@ async def serve(home: BerthHome, settings: Settings) -> None:
         await cluster_listener.stop()
         await lifecycle.shutdown()
         await proxy.shutdown()
+        ledger.stop()  # every answer has been settled: write the rest of the usage
+        await flusher
         if core is not None:
             if core.adopted is not None:
                 await core.adopted.stop()
