@@ -240,11 +240,28 @@ BEFORE = {
     },
     "key": {
         "created_at": "2025-03-04T05:06:07.123456+00:00",
+        "expires_at": None,
         "id": "k-2",
+        "limits": {
+            "daily_tokens": None,
+            "max_concurrency": None,
+            "models": None,
+            "monthly_tokens": None,
+            "rpm": None,
+            "tpm": None,
+        },
         "name": "b",
+        "overridden": [],
         "prefix": "sk-x",
         "revoked_at": "2025-03-04T05:06:08+00:00",
         "tier": "standard",
+        "use": {
+            "day_tokens": 0,
+            "in_flight": 0,
+            "month_tokens": 0,
+            "requests_remaining": None,
+            "tokens_remaining": None,
+        },
     },
 }
 

@@ -419,8 +419,9 @@ def test_run_serve_logs_and_stop_the_fake_engine(leader: tuple[Berth, int], gguf
         answer = http.post("/v1/chat/completions", json=body, headers=_bearer(secret))
         assert answer.status_code == 200, answer.text
         assert answer.json()["choices"][0]["message"]["content"] == ANSWER
+        usage_asked = {"stream": True, "stream_options": {"include_usage": True}}
         streamed = http.post(
-            "/v1/chat/completions", json={**body, "stream": True}, headers=_bearer(secret)
+            "/v1/chat/completions", json={**body, **usage_asked}, headers=_bearer(secret)
         )
         assert streamed.headers["content-type"].startswith("text/event-stream")
         events = [e[6:] for e in streamed.text.splitlines() if e.startswith("data: ")]

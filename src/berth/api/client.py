@@ -315,7 +315,9 @@ class DaemonClient:
         Raises :class:`DaemonError` when no daemon answers or the answer does not decode,
         and the error of :func:`error_from_response` for an error status.
         """
-        content = None if body is None else body.model_dump_json().encode()
+        # Only the fields the body was given: a field left out of a change (PATCH) means "as
+        # it is", which a default written out would not say.
+        content = None if body is None else body.model_dump_json(exclude_unset=True).encode()
         headers = {} if content is None else {"content-type": "application/json"}
         try:
             response = self._client.request(

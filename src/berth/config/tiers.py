@@ -35,7 +35,7 @@ TIERS_SECTION = "tiers"
 #: Priorities run from 0 to this (higher first).
 MAX_PRIORITY = 1000
 #: The built-in tiers' priorities: admin keys' requests go first.
-BUILTIN_PRIORITIES: Mapping[str, int] = {Tier.ADMIN: 100, Tier.STANDARD: 50}
+BUILTIN_PRIORITIES: Mapping[str, int] = {Tier.ADMIN.value: 100, Tier.STANDARD.value: 50}
 
 
 @dataclass(frozen=True)

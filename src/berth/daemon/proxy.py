@@ -24,18 +24,22 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 
+from berth.admission import Admission, AdmissionError, QuotaExceededError, Ticket
+from berth.admission import estimate as estimate_tokens
 from berth.daemon.engine_client import EngineClient, TunnelOpener
 from berth.daemon.proxy_dispatch import first_answer
 from berth.daemon.proxy_http import (
     Receive,
     Scope,
     Send,
-    model_of,
+    model_in,
+    payload_of,
     scan_headers,
     send_json,
     with_model,
 )
 from berth.daemon.proxy_relay import AnswerRelay, Exchange, watch_disconnect
+from berth.daemon.proxy_usage import asking_for_usage
 from berth.daemon.read_ahead import DEFAULT_BUFFER_CHUNKS, ReadAhead
 from berth.engine_http.answer import EngineAnswer
 from berth.errors import BerthError, NotFoundError
@@ -53,7 +57,7 @@ from berth.routing.resolver import Upstream, UpstreamResolver
 from berth.routing.retry import DEFAULT_MAX_ATTEMPTS
 from berth.routing.router import Router
 
-__all__ = ["OpenAIProxy"]
+__all__ = ["KEY_SCOPE", "OpenAIProxy"]
 
 
 _log = logging.getLogger(__name__)
@@ -64,6 +68,9 @@ _COMPLETION_PATHS = frozenset(
     {"/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses"}
 )
 _MODELS_PATH = "/v1/models"
+#: The ASGI scope key under which the listener hands the proxy the request's API key record
+#: (absent: the leader's Unix socket, whose requests carry no key).
+KEY_SCOPE = "berth.api_key"
 _MODEL_PREFIX = "/v1/models/"
 
 
@@ -114,6 +121,12 @@ class OpenAIProxy:
     is relayed chunk by chunk. ``max_event_bytes`` bounds how much of one unfinished SSE event
     is held back before it is relayed anyway.
 
+    ``admission``, when given, admits each completion request against its key's limits
+    (:mod:`berth.admission`; the key record is ``scope[KEY_SCOPE]``, none over the Unix
+    socket) before the router sees it, sends the key's rate-limit headers on every answer,
+    asks the engine for a stream's usage when the client did not (and keeps that event from
+    the client), and settles the request's tokens when the answer ends.
+
     Call :meth:`startup` before serving and :meth:`shutdown` after (or let an ASGI server's
     lifespan protocol do it when this app is served directly).
     """
@@ -134,8 +147,10 @@ class OpenAIProxy:
         router: Router | None = None,
         max_attempts: int = DEFAULT_MAX_ATTEMPTS,
         relay_buffer_chunks: int = DEFAULT_BUFFER_CHUNKS,
+        admission: Admission | None = None,
     ) -> None:
         self._resolver = resolver
+        self._admission = admission
         self._engines = EngineClient(
             tunnels=tunnels,
             connect_timeout_s=connect_timeout_s,
@@ -256,6 +271,10 @@ class OpenAIProxy:
         send: Send,
     ) -> None:
         start = self._clock()
+        admission = self._admission
+        ticket: Ticket | None = None
+        strip_usage = False
+        path: str = scope["path"]
         try:
             body = await self._read_body(receive, content_length)
             if body is None:
@@ -266,19 +285,38 @@ class OpenAIProxy:
                     error_reason="client_disconnected",
                 )
                 return
-            plan, key = self.router.plan_request(model_of(body), scope["headers"])
+            request_bytes = len(body)
+            payload = payload_of(body)
+            model = model_in(payload)
+            if admission is not None:
+                # Limits first: a request its key may not make never reaches the router.
+                ticket = admission.admit(scope.get(KEY_SCOPE), model, request_bytes)
+                asked = asking_for_usage(path, body, payload)
+                if asked is not None:
+                    body, strip_usage = asked, True
+            plan, key = self.router.plan_request(model, scope["headers"])
         except BerthError as exc:
-            await self._reject(send, request_id, exc, start)
+            extra = _refusal_headers(exc, ticket)
+            if ticket is not None and admission is not None:
+                admission.settle(
+                    ticket,
+                    node_id=None,
+                    error=True,
+                    prompt_tokens=0,
+                    completion_tokens=0,
+                    estimated=False,
+                )
+            await self._reject(send, request_id, exc, start, extra=extra)
             return
 
         upstream = plan[0]
         self._metrics.request_started(_target(upstream))  # moved if a retry goes elsewhere
-        exchange = Exchange(start)
+        headers = ticket.headers if ticket is not None else []
+        exchange = Exchange(start, headers, strip_usage=strip_usage)
         task = asyncio.current_task()
         assert task is not None, "ASGI apps run in a task"
         watcher = task.get_loop().create_task(watch_disconnect(receive, exchange, task))
         signals = self.router.signals
-        path: str = scope["path"]
         query: bytes = scope.get("query_string", b"")
         dispatched = False
         try:
@@ -311,7 +349,7 @@ class OpenAIProxy:
             exchange.error_reason = "client_disconnected"
         except ProxyError as exc:  # raised only before the answer started
             exchange.done = True
-            reply = await self._send_error(send, request_id, exc)
+            reply = await self._send_error(send, request_id, exc, exchange.answer_headers)
             exchange.status = reply.status
             exchange.error_reason = exc.error_code
             _log.warning("request %s: %s", request_id.decode(), exc)
@@ -333,6 +371,8 @@ class OpenAIProxy:
                 completion_tokens=usage.completion_tokens if usage else 0,
                 error_reason=exchange.error_reason,
             )
+            if ticket is not None and admission is not None:
+                _settle(admission, ticket, exchange, upstream.node_id, request_bytes)
 
     async def _read_body(self, receive: Receive, content_length: bytes | None) -> bytes | None:
         """The request body, or ``None`` if the client left while sending it."""
@@ -411,11 +451,13 @@ class OpenAIProxy:
         start: float,
         *,
         allow: str | None = None,
+        extra: Sequence[tuple[bytes, bytes]] = (),
     ) -> None:
         """Answer a request no deployment was chosen for, and count it."""
-        extra = [(b"allow", allow.encode())] if allow else []
-        reply = await self._send_error(send, request_id, exc, extra)
-        if isinstance(exc, ProxyError):
+        headers = [(b"allow", allow.encode())] if allow else []
+        headers += extra
+        reply = await self._send_error(send, request_id, exc, headers)
+        if isinstance(exc, ProxyError | AdmissionError):
             reason = exc.error_code
         elif isinstance(exc, NotFoundError):
             reason = f"{exc.kind}_not_found"
@@ -442,3 +484,41 @@ class OpenAIProxy:
         # and drops the rest of the body instead.
         await send_json(send, reply.status, reply.body, request_id, headers)
         return reply
+
+
+def _refusal_headers(exc: BerthError, ticket: Ticket | None) -> list[tuple[bytes, bytes]]:
+    """The key's rate-limit headers for an answer refused before any engine was asked, and
+    ``retry-after-ms`` on a 429 (the OpenAI SDKs prefer it to ``Retry-After``)."""
+    if isinstance(exc, QuotaExceededError):
+        ms = max(0, round(exc.retry_after_s * 1000))
+        return [*exc.headers, (b"retry-after-ms", b"%d" % ms)]
+    return list(ticket.headers) if ticket is not None else []
+
+
+def _settle(
+    admission: Admission, ticket: Ticket, exchange: Exchange, node_id: str, request_bytes: int
+) -> None:
+    """Settle ``ticket`` with the usage the engine reported, or with an estimate
+    (:mod:`berth.admission.estimate`) when an answer was made without one. An error answer
+    without usage used no tokens worth counting."""
+    status = exchange.status
+    error = status == 0 or status >= 400 or exchange.error_reason is not None
+    usage = exchange.usage
+    if usage is not None:
+        prompt, completion, estimated = usage.prompt_tokens, usage.completion_tokens, False
+    elif status == 0 or status >= 400:
+        prompt, completion, estimated = 0, 0, False
+    else:
+        prompt = estimate_tokens.prompt_tokens(request_bytes)
+        completion = estimate_tokens.completion_tokens(
+            answer_bytes=exchange.answer_bytes, events=exchange.events, streamed=exchange.streamed
+        )
+        estimated = True
+    admission.settle(
+        ticket,
+        node_id=node_id,
+        error=error,
+        prompt_tokens=prompt,
+        completion_tokens=completion,
+        estimated=estimated,
+    )
