@@ -2,7 +2,7 @@
 
 Processes on loopback, plain HTTP, each its own Python:
 
-* the fast stand-in engine (``tests/standin_engine.py``: raw asyncio + httptools, canned
+* the fast stand-in engine (``tests/support/standin_engine.py``: raw asyncio + httptools, canned
   answers: a 257-byte chat completion, or a 19-event stream of 3.3 kB written in one piece);
 * the proxy: :class:`berth.daemon.proxy.OpenAIProxy` served by uvicorn (uvloop, httptools)
   with a fixed resolver and no auth in front, as the leader serves ``/v1``; it reaches the
@@ -73,7 +73,7 @@ def _uvicorn(app: Any) -> None:
 
 def serve_engine() -> None:
     sys.path.insert(0, str(ROOT / "tests"))
-    from standin_engine import serve_fast_engine
+    from support.standin_engine import serve_fast_engine
 
     async def main() -> None:
         server = await serve_fast_engine()
@@ -104,7 +104,7 @@ def serve_uvicorn_alone() -> None:
     sys.path.insert(0, str(ROOT / "tests"))
     import json
 
-    from standin_engine import chat_completion
+    from support.standin_engine import chat_completion
 
     body = json.dumps(chat_completion("Hello! How can I help you today?")).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]

@@ -21,9 +21,9 @@ from berth.observability.metrics import ProxyMetrics
 from berth.openai_errors import error_from_exception
 from berth.routing.routes import RouteResolver
 from berth.store import Store
-from fakes import FakeLink
-from proxy_fixtures import running_proxy, sample
-from standin_engine import StandinEngine
+from support.fakes import FakeLink
+from support.proxy_fixtures import running_proxy, sample
+from support.standin_engine import StandinEngine
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}]}
 
@@ -73,36 +73,33 @@ def admin_app(
     return app
 
 
+# The shared ``store`` fixture (conftest.py), with a model file that exists.
+pytestmark = pytest.mark.store_models(("tiny", "tiny.gguf"))
+
+
 @pytest.fixture
-async def leader(tmp_path: Path) -> AsyncIterator[Leader]:
-    store = Store(f"sqlite:///{tmp_path / 'berth.db'}")
-    store.migrate()
-    store.ensure_local_node()
-    weights = tmp_path / "tiny.gguf"
-    weights.write_bytes(b"GGUF")
-    store.add_model("tiny", str(weights))
-    async with StandinEngine() as engine:
-        lifecycle = LifecycleManager(
-            store,
-            LinkRegistry([FakeLink(base_url=engine.base_url)]),
-            health_timeout_s=5,
-            stop_grace_s=1,
-        )
-        await lifecycle.start()
-        routes = RouteResolver(lifecycle)
-        await load_routes(store, routes)
-        metrics = ProxyMetrics()
-        transport = httpx.ASGITransport(app=admin_app(store, lifecycle, routes))
-        try:
-            async with (
-                httpx.AsyncClient(transport=transport, base_url="http://berth") as admin,
-                running_proxy(routes, metrics) as url,  # type: ignore[arg-type]
-                httpx.AsyncClient(base_url=url) as v1,
-            ):
-                yield Leader(admin, v1, store, lifecycle, routes, engine, metrics)
-        finally:
-            await lifecycle.shutdown()
-            store.close()
+async def app_leader(
+    store: Store, engine: StandinEngine, metrics: ProxyMetrics
+) -> AsyncIterator[Leader]:
+    lifecycle = LifecycleManager(
+        store,
+        LinkRegistry([FakeLink(base_url=engine.base_url)]),
+        health_timeout_s=5,
+        stop_grace_s=1,
+    )
+    await lifecycle.start()
+    routes = RouteResolver(lifecycle)
+    await load_routes(store, routes)
+    transport = httpx.ASGITransport(app=admin_app(store, lifecycle, routes))
+    try:
+        async with (
+            httpx.AsyncClient(transport=transport, base_url="http://berth") as admin,
+            running_proxy(routes, metrics) as url,  # type: ignore[arg-type]
+            httpx.AsyncClient(base_url=url) as v1,
+        ):
+            yield Leader(admin, v1, store, lifecycle, routes, engine, metrics)
+    finally:
+        await lifecycle.shutdown()
 
 
 async def make_services(leader: Leader, *names: str) -> None:
@@ -118,29 +115,31 @@ def error(response: httpx.Response, status: int, code: str | None = None) -> str
     return str(body["message"])
 
 
-async def test_a_route_serves_its_highest_priority_service_then_the_next(leader: Leader) -> None:
-    await make_services(leader, "big", "small")
-    await leader.ok(
+async def test_a_route_serves_its_highest_priority_service_then_the_next(
+    app_leader: Leader,
+) -> None:
+    await make_services(app_leader, "big", "small")
+    await app_leader.ok(
         "POST", "/admin/routes", json={"name": "chat", "service": "big", "priority": 10}
     )
-    route = await leader.ok("POST", "/admin/routes", json={"name": "chat", "service": "small"})
+    route = await app_leader.ok("POST", "/admin/routes", json={"name": "chat", "service": "small"})
     assert route["serving"] == [] and "no ready deployment" in route["reason"]
-    big = await leader.deploy("big")
-    await leader.deploy("small")
+    big = await app_leader.deploy("big")
+    await app_leader.deploy("small")
 
-    models = (await leader.v1.get("/v1/models")).json()["data"]
+    models = (await app_leader.v1.get("/v1/models")).json()["data"]
     assert [m["id"] for m in models] == ["chat"]  # not the services' own names
-    answer = await leader.chat("chat")
+    answer = await app_leader.chat("chat")
     assert answer.status_code == 200, answer.text
-    assert leader.engine.requests[-1].json()["model"] == "big"  # rewritten for the engine
-    assert leader.engine.requests[-1].json()["messages"] == CHAT["messages"]
+    assert app_leader.engine.requests[-1].json()["model"] == "big"  # rewritten for the engine
+    assert app_leader.engine.requests[-1].json()["messages"] == CHAT["messages"]
     labels = {"model": "chat", "deployment": big, "node": "local", "status_class": "2xx"}
-    assert sample(leader.metrics, "berth_proxy_requests_total", **labels) == 1
+    assert sample(app_leader.metrics, "berth_proxy_requests_total", **labels) == 1
 
-    await leader.lifecycle.stop(big)
-    assert (await leader.chat("chat")).status_code == 200
-    assert leader.engine.requests[-1].json()["model"] == "small"
-    shown = await leader.ok("GET", "/admin/routes/chat")
+    await app_leader.lifecycle.stop(big)
+    assert (await app_leader.chat("chat")).status_code == 200
+    assert app_leader.engine.requests[-1].json()["model"] == "small"
+    shown = await app_leader.ok("GET", "/admin/routes/chat")
     assert shown["serving"] == ["small"]
     assert [(s["service"], s["priority"], s["ready"]) for s in shown["services"]] == [
         ("big", 10, 0),
@@ -149,57 +148,57 @@ async def test_a_route_serves_its_highest_priority_service_then_the_next(leader:
 
 
 async def test_a_fallback_route_answers_when_nothing_behind_the_route_is_ready(
-    leader: Leader,
+    app_leader: Leader,
 ) -> None:
-    await make_services(leader, "main", "spare")
-    await leader.ok("POST", "/admin/routes", json={"name": "backup", "service": "spare"})
-    route = await leader.ok(
+    await make_services(app_leader, "main", "spare")
+    await app_leader.ok("POST", "/admin/routes", json={"name": "backup", "service": "spare"})
+    route = await app_leader.ok(
         "POST", "/admin/routes", json={"name": "chat", "service": "main", "fallback": "backup"}
     )
     assert route["fallback"] == "backup"
 
-    refused = await leader.chat("chat")
+    refused = await app_leader.chat("chat")
     message = error(refused, 503, "no_ready_deployment")
     assert "main (not deployed)" in message and "fallback route 'backup'" in message
     assert refused.headers["retry-after"] == "5"
 
-    await leader.deploy("spare")
-    assert (await leader.chat("chat")).status_code == 200
-    assert leader.engine.requests[-1].json()["model"] == "spare"
-    models = (await leader.v1.get("/v1/models")).json()["data"]
+    await app_leader.deploy("spare")
+    assert (await app_leader.chat("chat")).status_code == 200
+    assert app_leader.engine.requests[-1].json()["model"] == "spare"
+    models = (await app_leader.v1.get("/v1/models")).json()["data"]
     assert [m["id"] for m in models] == ["backup", "chat"]
 
 
-async def test_route_changes_reach_the_proxy_at_once(leader: Leader) -> None:
-    await make_services(leader, "svc")
-    await leader.deploy("svc")
-    error(await leader.chat("svc"), 404, "model_not_found")  # a service is not a public name
-    error(await leader.v1.get("/v1/models/svc"), 404, "model_not_found")
+async def test_route_changes_reach_the_proxy_at_once(app_leader: Leader) -> None:
+    await make_services(app_leader, "svc")
+    await app_leader.deploy("svc")
+    error(await app_leader.chat("svc"), 404, "model_not_found")  # a service is not a public name
+    error(await app_leader.v1.get("/v1/models/svc"), 404, "model_not_found")
 
-    await leader.ok("POST", "/admin/routes", json={"name": "org/chat:v1", "service": "svc"})
-    assert (await leader.chat("org/chat:v1")).status_code == 200
-    assert (await leader.v1.get("/v1/models/org/chat:v1")).status_code == 200
+    await app_leader.ok("POST", "/admin/routes", json={"name": "org/chat:v1", "service": "svc"})
+    assert (await app_leader.chat("org/chat:v1")).status_code == 200
+    assert (await app_leader.v1.get("/v1/models/org/chat:v1")).status_code == 200
 
-    removed = await leader.ok("DELETE", "/admin/routes/org/chat:v1")
+    removed = await app_leader.ok("DELETE", "/admin/routes/org/chat:v1")
     assert removed == {"removed": "org/chat:v1", "service": None, "route": None}
-    error(await leader.chat("org/chat:v1"), 404, "model_not_found")
+    error(await app_leader.chat("org/chat:v1"), 404, "model_not_found")
 
 
-async def test_direct_deployments_keep_their_names(leader: Leader) -> None:
-    await make_services(leader, "svc")
-    await leader.ok("POST", "/admin/routes", json={"name": "chat", "service": "svc"})
+async def test_direct_deployments_keep_their_names(app_leader: Leader) -> None:
+    await make_services(app_leader, "svc")
+    await app_leader.ok("POST", "/admin/routes", json={"name": "chat", "service": "svc"})
     from berth.daemon.lifecycle import DeployOptions
 
-    record = await leader.lifecycle.deploy(DeployOptions("tiny", "llamacpp", "local"))
-    await leader.lifecycle.wait_settled(record.id, 5)
-    models = (await leader.v1.get("/v1/models")).json()["data"]
+    record = await app_leader.lifecycle.deploy(DeployOptions("tiny", "llamacpp", "local"))
+    await app_leader.lifecycle.wait_settled(record.id, 5)
+    models = (await app_leader.v1.get("/v1/models")).json()["data"]
     assert [m["id"] for m in models] == ["chat", "tiny"]
-    assert (await leader.chat("tiny")).status_code == 200
-    assert leader.engine.requests[-1].json()["model"] == "tiny"
+    assert (await app_leader.chat("tiny")).status_code == 200
+    assert app_leader.engine.requests[-1].json()["model"] == "tiny"
 
 
-async def test_services_list_show_and_remove(leader: Leader) -> None:
-    created = await leader.ok(
+async def test_services_list_show_and_remove(app_leader: Leader) -> None:
+    created = await app_leader.ok(
         "POST",
         "/admin/services",
         json={"name": "svc", "model": "tiny", "ctx": 512, "extra_args": ["--flash-attn"]},
@@ -209,27 +208,27 @@ async def test_services_list_show_and_remove(leader: Leader) -> None:
         512,
         ["--flash-attn"],
     )
-    deployment = await leader.deploy("svc")
-    await leader.ok("POST", "/admin/routes", json={"name": "chat", "service": "svc"})
+    deployment = await app_leader.deploy("svc")
+    await app_leader.ok("POST", "/admin/routes", json={"name": "chat", "service": "svc"})
 
-    (listed,) = await leader.ok("GET", "/admin/services")
+    (listed,) = await app_leader.ok("GET", "/admin/services")
     assert (listed["name"], listed["ready"], listed["routes"]) == ("svc", 1, ["chat"])
-    shown = await leader.ok("GET", "/admin/services/svc")
+    shown = await app_leader.ok("GET", "/admin/services/svc")
     assert [d["id"] for d in shown["deployments"]] == [deployment]
 
-    message = error(await leader.admin.delete("/admin/services/svc"), 409)
+    message = error(await app_leader.admin.delete("/admin/services/svc"), 409)
     assert "used by route(s) chat" in message
-    await leader.ok("DELETE", "/admin/routes/chat", params={"service": "svc"})
-    message = error(await leader.admin.delete("/admin/services/svc"), 409)
+    await app_leader.ok("DELETE", "/admin/routes/chat", params={"service": "svc"})
+    message = error(await app_leader.admin.delete("/admin/services/svc"), 409)
     assert f"active deployment(s) {deployment}" in message
-    await leader.lifecycle.stop(deployment)
-    await leader.ok("DELETE", "/admin/services/svc")
-    assert await leader.ok("GET", "/admin/services") == []
+    await app_leader.lifecycle.stop(deployment)
+    await app_leader.ok("DELETE", "/admin/services/svc")
+    assert await app_leader.ok("GET", "/admin/services") == []
 
 
-async def test_bad_input_is_refused_with_openai_errors(leader: Leader) -> None:
-    await make_services(leader, "svc")
-    admin = leader.admin
+async def test_bad_input_is_refused_with_openai_errors(app_leader: Leader) -> None:
+    await make_services(app_leader, "svc")
+    admin = app_leader.admin
     cases: list[tuple[str, str, dict[str, Any] | None, int, str | None]] = [
         ("POST", "/admin/services", {"name": "x", "model": "nope"}, 404, "model_not_found"),
         ("POST", "/admin/services", {"name": "svc", "model": "tiny"}, 409, None),
@@ -258,26 +257,26 @@ async def test_bad_input_is_refused_with_openai_errors(leader: Leader) -> None:
     ]
     for method, path, body, status, code in cases:
         error(await admin.request(method, path, json=body), status, code)
-    assert await leader.ok("GET", "/admin/routes") == []
-    assert [s["name"] for s in await leader.ok("GET", "/admin/services")] == ["svc"]
+    assert await app_leader.ok("GET", "/admin/routes") == []
+    assert [s["name"] for s in await app_leader.ok("GET", "/admin/services")] == ["svc"]
 
-    await leader.ok("POST", "/admin/routes", json={"name": "chat", "service": "svc"})
+    await app_leader.ok("POST", "/admin/routes", json={"name": "chat", "service": "svc"})
     error(await admin.post("/admin/routes", json={"name": "chat", "service": "svc"}), 409)
     message = error(await admin.patch("/admin/routes/chat", json={"fallback": "chat"}), 400)
     assert "would loop (chat -> chat)" in message
 
 
-async def test_a_service_pinned_to_a_node_refuses_another(leader: Leader) -> None:
-    node = leader.store.enroll_node("gpu-a", "sha256:" + "a" * 64)
-    await leader.ok(
+async def test_a_service_pinned_to_a_node_refuses_another(app_leader: Leader) -> None:
+    node = app_leader.store.enroll_node("gpu-a", "sha256:" + "a" * 64)
+    await app_leader.ok(
         "POST", "/admin/services", json={"name": "svc", "model": "tiny", "node_label": "gpu-a"}
     )
     message = error(
-        await leader.admin.post("/admin/services/svc/deploy", json={"node": "local"}), 400
+        await app_leader.admin.post("/admin/services/svc/deploy", json={"node": "local"}), 400
     )
     assert "runs on node gpu-a (its node_label), not local" in message
     # Its own node is asked for (and is not connected here): the lifecycle's refusal.
-    message = error(await leader.admin.post("/admin/services/svc/deploy"), 409)
+    message = error(await app_leader.admin.post("/admin/services/svc/deploy"), 409)
     assert f"node gpu-a ({node.id}) is not connected" in message
 
 
@@ -300,13 +299,13 @@ async def test_a_leader_only_leader_refuses_a_deployment_on_its_own_host(
         store.close()
 
 
-async def test_out_of_range_numbers_are_refused_before_the_database(leader: Leader) -> None:
+async def test_out_of_range_numbers_are_refused_before_the_database(app_leader: Leader) -> None:
     huge = 10**30
     for path, body in (
         ("/admin/services", {"name": "s1", "model": "tiny", "ctx": huge}),
         ("/admin/services", {"name": "s2", "model": "tiny", "gpus": [huge]}),
         ("/admin/routes", {"name": "r1", "service": "s1", "priority": huge}),
     ):
-        response = await leader.admin.post(path, json=body)
+        response = await app_leader.admin.post(path, json=body)
         assert response.status_code == 422, (path, response.text)  # the admin API's validation
         assert response.json()["detail"][0]["loc"][-1] in ("ctx", "gpus", "priority")

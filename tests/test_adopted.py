@@ -25,8 +25,7 @@ from berth.agent.adopted import (
 )
 from berth.errors import ConfigError, ConflictError, NotFoundError
 from berth.runtime.engines import find_free_port
-
-FAKE_ENGINE = Path(__file__).with_name("fake_llama_server.py")
+from support.cluster_harness import FAKE_ENGINE
 
 
 def _endpoint(name: str = "outside", port: int = 8000, **fields: object) -> AdoptedEndpoint:
@@ -42,7 +41,7 @@ def _endpoint(name: str = "outside", port: int = 8000, **fields: object) -> Adop
 
 
 @pytest.fixture
-def engine() -> Iterator[tuple[int, subprocess.Popen[bytes]]]:
+def outside_engine() -> Iterator[tuple[int, subprocess.Popen[bytes]]]:
     port = find_free_port()
     process = subprocess.Popen(
         [sys.executable, str(FAKE_ENGINE), "-m", "x.gguf", "--port", str(port),
@@ -132,9 +131,9 @@ def test_adopting_a_port_where_nothing_listens_says_so() -> None:
 
 
 async def test_the_watcher_follows_the_file_and_the_servers_liveness(
-    tmp_path: Path, engine: tuple[int, subprocess.Popen[bytes]]
+    tmp_path: Path, outside_engine: tuple[int, subprocess.Popen[bytes]]
 ) -> None:
-    port, process = engine
+    port, process = outside_engine
     path = tmp_path / "adopted.yaml"
     changes: list[list[tuple[str, bool]]] = []
     watcher = AdoptedWatcher(path, probe_interval_s=0.0)

@@ -18,7 +18,6 @@ import sys
 import tarfile
 import threading
 import time
-from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -37,8 +36,8 @@ from berth.errors import ConfigError, ConflictError, DaemonError, StoreError
 from berth.keys import Tier, hash_secret, load_or_create_pepper
 from berth.paths import BerthHome
 from berth.store import LATEST_VERSION, Store
-from cluster_harness import Cluster, clean_env, fake_engine_wrapper, served_by_node
-from fake_llama_server import ANSWER
+from support.cluster_harness import Cluster, clean_env, served_by_node
+from support.fake_llama_server import ANSWER
 
 
 def _url(home: BerthHome) -> str:
@@ -65,14 +64,14 @@ def make_leader_home(root: Path) -> BerthHome:
 
 
 @pytest.fixture
-def leader(tmp_path: Path) -> BerthHome:
+def leader_home(tmp_path: Path) -> BerthHome:
     return make_leader_home(tmp_path / "leader")
 
 
 @pytest.fixture
-def archive(leader: BerthHome, tmp_path: Path) -> Path:
+def archive(leader_home: BerthHome, tmp_path: Path) -> Path:
     dest = tmp_path / "backup.tar.gz"
-    create_backup(leader, _url(leader), dest)
+    create_backup(leader_home, _url(leader_home), dest)
     return dest
 
 
@@ -84,11 +83,11 @@ def _mode(path: Path) -> int:
 
 
 def test_a_backup_holds_the_database_ca_pepper_and_config(
-    leader: BerthHome, tmp_path: Path
+    leader_home: BerthHome, tmp_path: Path
 ) -> None:
     dest = tmp_path / "backup.tar.gz"
 
-    manifest = create_backup(leader, _url(leader), dest)
+    manifest = create_backup(leader_home, _url(leader_home), dest)
 
     assert _mode(dest) == 0o600
     names = {f.name for f in manifest.files}
@@ -109,18 +108,18 @@ def test_a_backup_holds_the_database_ca_pepper_and_config(
             assert hashlib.sha256(data).hexdigest() == entry.sha256
             assert member.mode == (0o644 if member.name.endswith(".pem") else 0o600)
         pepper = tar.extractfile("key_pepper").read()  # type: ignore[union-attr]
-    assert pepper == leader.pepper_file.read_bytes()
+    assert pepper == leader_home.pepper_file.read_bytes()
 
 
 def test_the_database_copy_is_consistent_while_another_writer_writes(
-    leader: BerthHome, tmp_path: Path
+    leader_home: BerthHome, tmp_path: Path
 ) -> None:
     """The daemon writes in WAL mode while the backup runs: the copy is one snapshot."""
     stop = threading.Event()
     written: list[int] = []
 
     def write_models() -> None:
-        with Store(_url(leader)) as store:
+        with Store(_url(leader_home)) as store:
             while not stop.is_set():
                 store.add_model(f"m{len(written)}", "/models/x.gguf")
                 written.append(1)
@@ -130,7 +129,7 @@ def test_the_database_copy_is_consistent_while_another_writer_writes(
     try:
         while len(written) < 20:
             threading.Event().wait(0.01)
-        create_backup(leader, _url(leader), tmp_path / "during.tar.gz")
+        create_backup(leader_home, _url(leader_home), tmp_path / "during.tar.gz")
     finally:
         stop.set()
         writer.join()
@@ -146,9 +145,9 @@ def test_the_database_copy_is_consistent_while_another_writer_writes(
     assert 20 <= count <= len(written)
 
 
-def test_only_sqlite_is_supported_for_now(leader: BerthHome, tmp_path: Path) -> None:
+def test_only_sqlite_is_supported_for_now(leader_home: BerthHome, tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="only SQLite"):
-        create_backup(leader, "postgresql://berth:pw@db/berth", tmp_path / "b.tar.gz")
+        create_backup(leader_home, "postgresql://berth:pw@db/berth", tmp_path / "b.tar.gz")
     assert not (tmp_path / "b.tar.gz").exists()
 
 
@@ -163,14 +162,16 @@ def test_a_home_without_a_ca_is_not_a_leader_home(tmp_path: Path) -> None:
         create_backup(BerthHome(tmp_path / "empty"), _url(agent), tmp_path / "b.tar.gz")
 
 
-def test_an_existing_file_is_replaced_only_with_force(archive: Path, leader: BerthHome) -> None:
+def test_an_existing_file_is_replaced_only_with_force(
+    archive: Path, leader_home: BerthHome
+) -> None:
     before = archive.read_bytes()
 
     with pytest.raises(ConflictError, match="--force"):
-        create_backup(leader, _url(leader), archive)
+        create_backup(leader_home, _url(leader_home), archive)
     assert archive.read_bytes() == before
 
-    create_backup(leader, _url(leader), archive, force=True)
+    create_backup(leader_home, _url(leader_home), archive, force=True)
     verify_backup(archive)
     assert not [p for p in archive.parent.iterdir() if p.name.startswith(".")]  # no leftovers
 
@@ -250,7 +251,7 @@ def test_which_member_names_a_backup_may_hold(name: str, allowed: bool) -> None:
 
 
 def test_restore_brings_back_the_same_leader_with_private_permissions(
-    leader: BerthHome, archive: Path, tmp_path: Path
+    leader_home: BerthHome, archive: Path, tmp_path: Path
 ) -> None:
     home = BerthHome(tmp_path / "new")
 
@@ -262,8 +263,8 @@ def test_restore_brings_back_the_same_leader_with_private_permissions(
         assert _mode(home.root / name) == 0o600, name
     assert _mode(home.ca_dir / "ca.pem") == 0o644
     for name in ("key_pepper", "config.toml", "ca/ca.key", "ca/ca.pem"):
-        assert (home.root / name).read_bytes() == (leader.root / name).read_bytes(), name
-    original = CertificateAuthority.load_or_create(leader.ca_dir).fingerprint_sha256
+        assert (home.root / name).read_bytes() == (leader_home.root / name).read_bytes(), name
+    original = CertificateAuthority.load_or_create(leader_home.ca_dir).fingerprint_sha256
     assert CertificateAuthority.load_or_create(home.ca_dir).fingerprint_sha256 == original
     with Store(_url(home)) as store:
         pepper = home.pepper_file.read_bytes()
@@ -277,36 +278,38 @@ def test_restore_brings_back_the_same_leader_with_private_permissions(
 
 
 def test_restore_refuses_to_overwrite_a_leader_without_force(
-    leader: BerthHome, archive: Path
+    leader_home: BerthHome, archive: Path
 ) -> None:
-    with Store(_url(leader)) as store:
+    with Store(_url(leader_home)) as store:
         store.add_model("after-the-backup", "/m.gguf")
 
     with pytest.raises(ConflictError, match=r"already holds a leader's state .*--force"):
-        restore_backup(leader, archive, env={})
-    with Store(_url(leader)) as store:
+        restore_backup(leader_home, archive, env={})
+    with Store(_url(leader_home)) as store:
         assert [m.name for m in store.list_models()] == ["after-the-backup"]
 
 
-def test_restore_with_force_moves_the_old_state_aside(leader: BerthHome, archive: Path) -> None:
-    old_key = (leader.ca_dir / "ca.key").read_bytes()
-    shutil.rmtree(leader.ca_dir)  # a new CA made since the backup
-    CertificateAuthority.load_or_create(leader.ca_dir)
-    newer_key = (leader.ca_dir / "ca.key").read_bytes()
-    (leader.root / "berth.db-wal").write_bytes(b"a stale write-ahead log")
+def test_restore_with_force_moves_the_old_state_aside(
+    leader_home: BerthHome, archive: Path
+) -> None:
+    old_key = (leader_home.ca_dir / "ca.key").read_bytes()
+    shutil.rmtree(leader_home.ca_dir)  # a new CA made since the backup
+    CertificateAuthority.load_or_create(leader_home.ca_dir)
+    newer_key = (leader_home.ca_dir / "ca.key").read_bytes()
+    (leader_home.root / "berth.db-wal").write_bytes(b"a stale write-ahead log")
 
-    report = restore_backup(leader, archive, force=True, env={})
+    report = restore_backup(leader_home, archive, force=True, env={})
 
-    assert (leader.ca_dir / "ca.key").read_bytes() == old_key
+    assert (leader_home.ca_dir / "ca.key").read_bytes() == old_key
     assert report.replaced_dir is not None
     assert (report.replaced_dir / "ca" / "ca.key").read_bytes() == newer_key
     assert (report.replaced_dir / "berth.db-wal").exists()
-    assert not (leader.root / "berth.db-wal").exists()  # it must never meet the restored db
-    with Store(_url(leader)) as store:
+    assert not (leader_home.root / "berth.db-wal").exists()  # it must never meet the restored db
+    with Store(_url(leader_home)) as store:
         assert store.get_node_by_label("gpu-a").label == "gpu-a"
     # Again within the same second: the first replaced folder is kept, a second one made.
-    again = restore_backup(leader, archive, force=True, env={}, now=_fixed_now)
-    twice = restore_backup(leader, archive, force=True, env={}, now=_fixed_now)
+    again = restore_backup(leader_home, archive, force=True, env={}, now=_fixed_now)
+    twice = restore_backup(leader_home, archive, force=True, env={}, now=_fixed_now)
     assert again.replaced_dir is not None and twice.replaced_dir is not None
     assert twice.replaced_dir.name == f"{again.replaced_dir.name}-2"
 
@@ -341,13 +344,13 @@ def test_a_backup_from_a_newer_schema_is_refused(archive: Path, tmp_path: Path) 
 
 
 def test_a_database_outside_the_home_is_restored_only_where_the_operator_says(
-    leader: BerthHome, tmp_path: Path
+    leader_home: BerthHome, tmp_path: Path
 ) -> None:
     elsewhere = tmp_path / "data" / "state.db"
     elsewhere.parent.mkdir()
-    shutil.move(leader.db_file, elsewhere)
-    leader.config_file.write_text(f'[store]\ndatabase_url = "sqlite:///{elsewhere}"\n')
-    create_backup(leader, f"sqlite:///{elsewhere}", tmp_path / "b.tar.gz")
+    shutil.move(leader_home.db_file, elsewhere)
+    leader_home.config_file.write_text(f'[store]\ndatabase_url = "sqlite:///{elsewhere}"\n')
+    create_backup(leader_home, f"sqlite:///{elsewhere}", tmp_path / "b.tar.gz")
     elsewhere.unlink()
 
     # The archive's config.toml alone never chooses a path outside the home.
@@ -365,9 +368,9 @@ def test_a_database_outside_the_home_is_restored_only_where_the_operator_says(
     assert not (tmp_path / "new" / "berth.db").exists()
 
 
-def test_restored_modes_ignore_the_manifest(leader: BerthHome, tmp_path: Path) -> None:
+def test_restored_modes_ignore_the_manifest(leader_home: BerthHome, tmp_path: Path) -> None:
     archive = tmp_path / "b.tar.gz"
-    create_backup(leader, f"sqlite:///{leader.db_file}", archive)
+    create_backup(leader_home, f"sqlite:///{leader_home.db_file}", archive)
     tampered = tmp_path / "t.tar.gz"
     with tarfile.open(archive) as source, tarfile.open(tampered, "w:gz") as target:
         for member in source.getmembers():
@@ -400,22 +403,22 @@ def _berth(home: Path, *args: str) -> subprocess.CompletedProcess[str]:
 
 
 @pytest.mark.slow
-def test_the_cli_says_what_is_wrong_in_one_line(leader: BerthHome, tmp_path: Path) -> None:
-    made = _berth(leader.root, "backup", "create", str(tmp_path / "b.tar.gz"))
+def test_the_cli_says_what_is_wrong_in_one_line(leader_home: BerthHome, tmp_path: Path) -> None:
+    made = _berth(leader_home.root, "backup", "create", str(tmp_path / "b.tar.gz"))
     assert made.returncode == 0, made.stderr
     assert "backup written" in made.stdout
 
-    again = _berth(leader.root, "backup", "create", str(tmp_path / "b.tar.gz"))
+    again = _berth(leader_home.root, "backup", "create", str(tmp_path / "b.tar.gz"))
     assert again.returncode == 2
     assert again.stderr.strip().count("\n") == 0 and "--force" in again.stderr
 
-    restored = _berth(leader.root, "backup", "restore", str(tmp_path / "b.tar.gz"))
+    restored = _berth(leader_home.root, "backup", "restore", str(tmp_path / "b.tar.gz"))
     assert restored.returncode == 2 and "already holds a leader's state" in restored.stderr
 
     agent = _berth(tmp_path / "nothing", "backup", "create", str(tmp_path / "c.tar.gz"))
     assert agent.returncode == 2 and "not a leader's home" in agent.stderr
 
-    checked = _berth(leader.root, "backup", "verify", str(tmp_path / "b.tar.gz"))
+    checked = _berth(leader_home.root, "backup", "verify", str(tmp_path / "b.tar.gz"))
     assert checked.returncode == 0 and "every file matches" in checked.stdout
 
 
@@ -448,27 +451,6 @@ def _write_members(archive: Path, members: dict[str, bytes], *, manifest_too: bo
 
 
 # -- end to end ------------------------------------------------------------------------------
-
-
-@pytest.fixture
-def cluster(tmp_path: Path) -> Iterator[Cluster]:
-    wrapper = fake_engine_wrapper(tmp_path)
-    (tmp_path / "tiny.gguf").write_bytes(b"GGUF" + bytes(60))
-    env = clean_env(
-        {
-            "BERTH_LLAMA_SERVER_BIN": str(wrapper),
-            "BERTH_STOP_GRACE_S": "5",
-            # Not what is tested here: generous, so a loaded machine does not drop links.
-            "BERTH_HEARTBEAT_INTERVAL_S": "1",
-            "BERTH_NODE_TIMEOUT_S": "20",
-        }
-    )
-    cluster = Cluster(tmp_path, env)
-    cluster.start()
-    try:
-        yield cluster
-    finally:
-        cluster.close()
 
 
 @pytest.mark.slow

@@ -24,12 +24,12 @@ from berth.config import SETTINGS_BY_NAME, read_config_file
 from berth.keys import hash_secret
 from berth.runtime.engines import find_free_port
 from berth.store import Store
-from cluster_harness import Cluster, clean_env, cli, fake_engine_wrapper
-from fake_llama_server import ANSWER
+from support.cluster_harness import Cluster, clean_env, cli, fake_engine_wrapper
+from support.fake_llama_server import ANSWER
 
 CADDYFILE = Path(__file__).resolve().parents[1] / "Caddyfile.example"
 CADDY = shutil.which("caddy")
-needs_caddy = pytest.mark.skipif(CADDY is None, reason="caddy is not installed (apt install caddy)")
+needs_caddy = pytest.mark.needs("caddy")  # skipped where missing; a failure under CI=true
 
 
 def bootstrap(home: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:

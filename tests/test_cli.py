@@ -2,7 +2,7 @@
 
 Every command runs as a subprocess (``python -m berth --home HOME ...``), as a user would run
 it.  One leader daemon serves the whole module; its llama.cpp engine is
-``tests/fake_llama_server.py`` behind a shell wrapper named ``llama-server``
+``tests/support/fake_llama_server.py`` behind a shell wrapper named ``llama-server``
 (``BERTH_LLAMA_SERVER_BIN``), and ``berth pull`` talks to the hub stand-in
 (``HF_ENDPOINT``).  Bad input must fail with a clear ``error:`` line on stderr and a non-zero
 exit, and must leave what was there untouched.
@@ -19,102 +19,25 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
 
 from berth.runtime.engines import find_free_port
-from fake_llama_server import ANSWER, FAIL_LINE, LISTENING, USAGE
-from hub_standin import HubStandin
-from processes import alive, wait_gone
+from support.berth_cli import Berth, running_daemon
+from support.cluster_harness import FAKE_ENGINE, clean_env, fake_engine_wrapper
+from support.fake_llama_server import ANSWER, FAIL_LINE, LISTENING, USAGE
+from support.hub_standin import TINY_FILES, HubStandin
+from support.processes import alive, wait_gone
 
-FAKE_ENGINE = Path(__file__).with_name("fake_llama_server.py")
-HUB_REPO = "org/tiny"
-HUB_FILES = {
-    "config.json": b'{"architectures": ["LlamaForCausalLM"]}\n',
-    "tiny.gguf": b"GGUF" + bytes(range(256)) * 16,
-}
+HUB_REPO = "org/tiny"  # published by the shared hub fixture (conftest.py)
+HUB_FILES = TINY_FILES
 #: Exit code of ``DaemonError`` (no daemon, or it could not start).
 EXIT_DAEMON = 3
 #: Exit code of ``ConfigError`` raised by the CLI itself.
 EXIT_CONFIG = 2
-
-
-def _clean_env(extra: Mapping[str, str]) -> dict[str, str]:
-    """This process's environment without berth's or the hub's settings, plus ``extra``.
-
-    ``COLUMNS`` is fixed so rich tables render the same on every machine.
-    """
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("BERTH_", "HF_"))}
-    env["COLUMNS"] = "160"
-    env.update(extra)
-    return env
-
-
-class Berth:
-    """The real ``berth`` CLI for one home, with a fixed environment and working folder."""
-
-    def __init__(self, home: Path, *, env: Mapping[str, str], cwd: Path) -> None:
-        self.home = home
-        self.env = dict(env)
-        self.cwd = cwd
-
-    def __call__(
-        self,
-        *args: str,
-        check: bool = True,
-        env: Mapping[str, str] | None = None,
-        cwd: Path | None = None,
-    ) -> subprocess.CompletedProcess[str]:
-        result = subprocess.run(
-            [sys.executable, "-m", "berth", "--home", str(self.home), *args],
-            capture_output=True,
-            text=True,
-            timeout=120,
-            env={**self.env, **(env or {})},
-            cwd=cwd or self.cwd,
-        )
-        if check and result.returncode != 0:
-            raise AssertionError(
-                f"berth {' '.join(args)} exited {result.returncode}\n"
-                f"stdout: {result.stdout}\nstderr: {result.stderr}"
-            )
-        return result
-
-    def json(self, *args: str) -> Any:
-        return json.loads(self(*args, "--json").stdout)
-
-    def admin(self, method: str, path: str, **kwargs: Any) -> Any:
-        """Call the daemon's admin API over its socket (to set up or check state quickly)."""
-        transport = httpx.HTTPTransport(uds=str(self.home / "berth.sock"), verify=False)
-        with httpx.Client(transport=transport, base_url="http://berth", timeout=30.0) as api:
-            response = api.request(method, path, **kwargs)
-        response.raise_for_status()
-        return response.json()
-
-    def add_model(self, name: str, path: Path) -> None:
-        self.admin("POST", "/admin/models", json={"name": name, "path": str(path)})
-
-    def deployments(self) -> list[dict[str, Any]]:
-        """Every deployment, stopped and failed ones included."""
-        records: list[dict[str, Any]] = self.admin("GET", "/admin/deployments")
-        return records
-
-    def fails(
-        self, *args: str, exit_code: int | None = None, env: Mapping[str, str] | None = None
-    ) -> str:
-        """Run a command that must fail with one ``error:`` line; return that line."""
-        result = self(*args, check=False, env=env)
-        assert result.returncode != 0, f"berth {' '.join(args)} succeeded: {result.stdout}"
-        if exit_code is not None:
-            assert result.returncode == exit_code, result.stderr
-        assert result.stdout == ""
-        assert result.stderr.startswith("error: "), result.stderr
-        assert result.stderr.count("\n") == 1, f"not one line: {result.stderr!r}"
-        return result.stderr.strip()
 
 
 def _https(home: Path, port: int) -> httpx.Client:
@@ -139,38 +62,21 @@ def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def llama_server_bin(workdir: Path) -> Path:
     """An executable named ``llama-server`` that runs the fake engine with this interpreter."""
-    wrapper = workdir / "bin" / "llama-server"
-    wrapper.parent.mkdir()
-    wrapper.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{FAKE_ENGINE}" "$@"\n')
-    wrapper.chmod(0o755)
-    return wrapper
-
-
-@pytest.fixture(scope="module")
-def hub() -> Iterator[HubStandin]:
-    with HubStandin() as standin:
-        standin.add_repo(HUB_REPO, HUB_FILES)
-        yield standin
-
-
-@pytest.fixture(scope="module")
-def gguf(workdir: Path) -> Path:
-    """A file the fake engine accepts as a model (it never reads it)."""
-    path = workdir / "tiny.gguf"
-    path.write_bytes(b"GGUF" + bytes(60))
-    return path
+    return fake_engine_wrapper(workdir)
 
 
 @pytest.fixture
 def fresh(tmp_path: Path) -> Berth:
     """The CLI on a home that does not exist yet, with no daemon."""
-    return Berth(tmp_path / "home", env=_clean_env({}), cwd=tmp_path)
+    return Berth(tmp_path / "home", env=clean_env({}), cwd=tmp_path)
 
 
 @pytest.fixture(scope="module")
-def leader(workdir: Path, llama_server_bin: Path, hub: HubStandin) -> Iterator[tuple[Berth, int]]:
+def cli_leader(
+    workdir: Path, llama_server_bin: Path, hub: HubStandin
+) -> Iterator[tuple[Berth, int]]:
     """One daemon for the module, started and stopped through the CLI."""
-    env = _clean_env(
+    env = clean_env(
         {
             "BERTH_LLAMA_SERVER_BIN": str(llama_server_bin),
             "BERTH_HEALTH_TIMEOUT_S": "30",
@@ -183,16 +89,8 @@ def leader(workdir: Path, llama_server_bin: Path, hub: HubStandin) -> Iterator[t
     daemon_cwd = workdir / "daemon-cwd"
     daemon_cwd.mkdir()
     berth = Berth(workdir / "home", env=env, cwd=daemon_cwd)
-    port = find_free_port()
-    cluster_port = find_free_port()
-    started = berth(
-        "daemon", "start", "--public-port", str(port), "--cluster-port", str(cluster_port)
-    )
-    assert "berth leader running" in started.stdout
-    try:
+    with running_daemon(berth) as port:
         yield berth, port
-    finally:
-        berth("daemon", "stop", check=False)
 
 
 # -- no daemon -----------------------------------------------------------------------------------
@@ -274,8 +172,8 @@ def test_config_show_says_where_each_value_comes_from(fresh: Berth, llama_server
 # -- daemon start --------------------------------------------------------------------------------
 
 
-def test_starting_a_second_daemon_fails_and_keeps_the_first(leader: tuple[Berth, int]) -> None:
-    berth, port = leader
+def test_starting_a_second_daemon_fails_and_keeps_the_first(cli_leader: tuple[Berth, int]) -> None:
+    berth, port = cli_leader
     before = berth.admin("GET", "/admin/info")
 
     line = berth.fails(
@@ -325,9 +223,9 @@ def test_daemon_stop_leaves_a_stranger_with_a_stale_pid_alone(fresh: Berth) -> N
 
 
 def test_models_add_refuses_a_missing_path_and_a_taken_name(
-    leader: tuple[Berth, int], gguf: Path, workdir: Path
+    cli_leader: tuple[Berth, int], gguf: Path, workdir: Path
 ) -> None:
-    berth, _ = leader
+    berth, _ = cli_leader
     missing = workdir / "no-such.gguf"
 
     assert berth.fails("models", "add", "m1", "--path", str(missing)) == (
@@ -347,9 +245,9 @@ def test_models_add_refuses_a_missing_path_and_a_taken_name(
 
 
 def test_models_add_takes_a_relative_path_from_where_the_user_is(
-    leader: tuple[Berth, int], tmp_path: Path
+    cli_leader: tuple[Berth, int], tmp_path: Path
 ) -> None:
-    berth, _ = leader
+    berth, _ = cli_leader
     (tmp_path / "here.gguf").write_bytes(b"GGUF")
 
     berth("models", "add", "relative", "--path", "here.gguf", cwd=tmp_path)
@@ -361,8 +259,8 @@ def test_models_add_takes_a_relative_path_from_where_the_user_is(
 # -- deployments ---------------------------------------------------------------------------------
 
 
-def test_admin_api_errors_are_openai_shaped(leader: tuple[Berth, int], tmp_path: Path) -> None:
-    berth, _ = leader
+def test_admin_api_errors_are_openai_shaped(cli_leader: tuple[Berth, int], tmp_path: Path) -> None:
+    berth, _ = cli_leader
     with httpx.Client(
         transport=httpx.HTTPTransport(uds=str(berth.home / "berth.sock")), base_url="http://b"
     ) as admin:
@@ -380,8 +278,10 @@ def test_admin_api_errors_are_openai_shaped(leader: tuple[Berth, int], tmp_path:
     assert "name" in line
 
 
-def test_run_refuses_bad_input_and_creates_nothing(leader: tuple[Berth, int], gguf: Path) -> None:
-    berth, _ = leader
+def test_run_refuses_bad_input_and_creates_nothing(
+    cli_leader: tuple[Berth, int], gguf: Path
+) -> None:
+    berth, _ = cli_leader
     berth.add_model("m2", gguf)
     before = berth.deployments()
 
@@ -395,8 +295,8 @@ def test_run_refuses_bad_input_and_creates_nothing(leader: tuple[Berth, int], gg
     assert berth.deployments() == before
 
 
-def test_run_serve_logs_and_stop_the_fake_engine(leader: tuple[Berth, int], gguf: Path) -> None:
-    berth, port = leader
+def test_run_serve_logs_and_stop_the_fake_engine(cli_leader: tuple[Berth, int], gguf: Path) -> None:
+    berth, port = cli_leader
     berth.add_model("m3", gguf)
 
     started = berth("run", "m3", "--ctx", "512")
@@ -476,8 +376,10 @@ def _follow_sees_new_output_and_ends_at_stop(
         reader.join(timeout=10)
 
 
-def test_a_failing_engine_start_reports_its_log_tail(leader: tuple[Berth, int], gguf: Path) -> None:
-    berth, _ = leader
+def test_a_failing_engine_start_reports_its_log_tail(
+    cli_leader: tuple[Berth, int], gguf: Path
+) -> None:
+    berth, _ = cli_leader
     berth.add_model("m4", gguf)
 
     result = berth("run", "m4", "-x", "--fail-start", check=False)
@@ -497,8 +399,8 @@ def test_a_failing_engine_start_reports_its_log_tail(leader: tuple[Berth, int], 
 # -- keys ----------------------------------------------------------------------------------------
 
 
-def test_an_unknown_key_tier_is_refused_listing_the_tiers(leader: tuple[Berth, int]) -> None:
-    berth, _ = leader
+def test_an_unknown_key_tier_is_refused_listing_the_tiers(cli_leader: tuple[Berth, int]) -> None:
+    berth, _ = cli_leader
     before = berth.admin("GET", "/admin/keys")
 
     line = berth.fails("key", "create", "x", "--tier", "root", exit_code=EXIT_CONFIG)
@@ -511,9 +413,9 @@ def test_an_unknown_key_tier_is_refused_listing_the_tiers(leader: tuple[Berth, i
     "name", ["two\nrows", "tab\there", "esc\x1b[31m", "bidi\u202eoverride", " padded", ""]
 )
 def test_unsafe_key_names_are_refused_by_the_cli_and_the_admin_api(
-    leader: tuple[Berth, int], name: str
+    cli_leader: tuple[Berth, int], name: str
 ) -> None:
-    berth, _ = leader
+    berth, _ = cli_leader
     before = berth.admin("GET", "/admin/keys")
 
     line = berth.fails("key", "create", name, exit_code=EXIT_CONFIG)
@@ -529,8 +431,8 @@ def test_unsafe_key_names_are_refused_by_the_cli_and_the_admin_api(
     assert berth.admin("GET", "/admin/keys") == before
 
 
-def test_keys_guard_the_public_listener_and_revoke_at_once(leader: tuple[Berth, int]) -> None:
-    berth, port = leader
+def test_keys_guard_the_public_listener_and_revoke_at_once(cli_leader: tuple[Berth, int]) -> None:
+    berth, port = cli_leader
     standard = berth.json("key", "create", "std")
     admin = berth.admin("POST", "/admin/keys", json={"name": "adm", "tier": "admin"})
     assert standard["tier"] == "standard" and standard["secret"].startswith("sk-berth-")
@@ -558,8 +460,8 @@ def test_keys_guard_the_public_listener_and_revoke_at_once(leader: tuple[Berth, 
 # -- pull ----------------------------------------------------------------------------------------
 
 
-def test_pull_downloads_and_registers_a_hub_model(leader: tuple[Berth, int]) -> None:
-    berth, _ = leader
+def test_pull_downloads_and_registers_a_hub_model(cli_leader: tuple[Berth, int]) -> None:
+    berth, _ = cli_leader
 
     result = berth("pull", HUB_REPO, "--name", "tiny")
 
@@ -572,8 +474,8 @@ def test_pull_downloads_and_registers_a_hub_model(leader: tuple[Berth, int]) -> 
     assert record["path"] == str(folder)
 
 
-def test_pulling_a_missing_repository_fails_cleanly(leader: tuple[Berth, int]) -> None:
-    berth, _ = leader
+def test_pulling_a_missing_repository_fails_cleanly(cli_leader: tuple[Berth, int]) -> None:
+    berth, _ = cli_leader
     before = berth.admin("GET", "/admin/models")
 
     result = berth("pull", "org/missing", check=False)
@@ -587,8 +489,8 @@ def test_pulling_a_missing_repository_fails_cleanly(leader: tuple[Berth, int]) -
 # -- status --------------------------------------------------------------------------------------
 
 
-def test_daemon_status_json_has_pid_and_listeners(leader: tuple[Berth, int]) -> None:
-    berth, port = leader
+def test_daemon_status_json_has_pid_and_listeners(cli_leader: tuple[Berth, int]) -> None:
+    berth, port = cli_leader
 
     info = berth.json("daemon", "status")
 
@@ -611,10 +513,12 @@ def test_daemon_status_json_has_pid_and_listeners(leader: tuple[Berth, int]) -> 
 # -- nodes ---------------------------------------------------------------------------------------
 
 
-def test_nodes_enroll_register_list_and_remove(leader: tuple[Berth, int], tmp_path: Path) -> None:
+def test_nodes_enroll_register_list_and_remove(
+    cli_leader: tuple[Berth, int], tmp_path: Path
+) -> None:
     from berth.cluster.enrollment import EnrollmentURI
 
-    berth, _ = leader
+    berth, _ = cli_leader
     info = berth.admin("GET", "/admin/info")
 
     enrolled = berth("nodes", "enroll", "cli-node").stdout
@@ -650,8 +554,8 @@ def test_nodes_enroll_register_list_and_remove(leader: tuple[Berth, int], tmp_pa
     assert "cli-node" not in {n["label"] for n in berth.json("nodes", "ls")}
 
 
-def test_nodes_refuse_local_unknown_and_bad_labels(leader: tuple[Berth, int]) -> None:
-    berth, _ = leader
+def test_nodes_refuse_local_unknown_and_bad_labels(cli_leader: tuple[Berth, int]) -> None:
+    berth, _ = cli_leader
 
     line = berth.fails("nodes", "remove", "local", exit_code=2)
     assert "cannot be removed" in line

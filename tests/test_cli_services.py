@@ -2,7 +2,7 @@
 
 Two services of one model sit behind the route ``chat``: ``big`` on the leader's host
 (priority 10) and ``small`` pinned to the agent's node (priority 5).  Clients use ``chat``;
-the engines are ``tests/fake_llama_server.py``, which answer with their served name (the
+the engines are ``tests/support/fake_llama_server.py``, which answer with their served name (the
 service's), so each answer says which service served it.
 """
 
@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 
-from cluster_harness import Cluster, clean_env, fake_engine_wrapper, served_by_node
-from fake_llama_server import ANSWER
+from support.cluster_harness import Cluster, served_by_node, started_cluster
+from support.fake_llama_server import ANSWER
 
 pytestmark = pytest.mark.slow
 
@@ -24,22 +24,15 @@ CHAT = [{"role": "user", "content": "hi"}]
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+def services_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     root = tmp_path_factory.mktemp("services")
-    wrapper = fake_engine_wrapper(root)
-    (root / "tiny.gguf").write_bytes(b"GGUF" + bytes(60))
-    env = clean_env({"BERTH_LLAMA_SERVER_BIN": str(wrapper), "BERTH_STOP_GRACE_S": "5"})
-    cluster = Cluster(root, env)
-    cluster.start()
-    try:
+    with started_cluster(root, {"BERTH_STOP_GRACE_S": "5"}) as cluster:
         cluster.add_agent("gpu-a")
         gguf = str(root / "tiny.gguf")
         cluster.admin("POST", "/admin/models", json={"name": "tiny", "path": gguf})
         model = {"name": "tiny", "path": gguf, "node": "gpu-a"}
         cluster.admin("POST", "/admin/models", json=model)
         yield cluster
-    finally:
-        cluster.close()
 
 
 def fails(cluster: Cluster, *args: str) -> str:
@@ -67,95 +60,113 @@ def deployment_of(printed: str) -> str:
     return found.group(1)
 
 
-def test_a_route_serves_by_priority_and_moves_on_when_a_service_stops(cluster: Cluster) -> None:
-    created = cluster.berth("service", "create", "big", "--model", "tiny", "--ctx", "512").stdout
+def test_a_route_serves_by_priority_and_moves_on_when_a_service_stops(
+    services_cluster: Cluster,
+) -> None:
+    created = services_cluster.berth(
+        "service", "create", "big", "--model", "tiny", "--ctx", "512"
+    ).stdout
     assert "service big created: model tiny, llamacpp (process), ctx 512, any node" in created
-    cluster.berth("service", "create", "small", "-m", "tiny", "--node-label", "gpu-a", "-x", "-v")
-    cluster.berth("route", "create", "chat", "--service", "big", "--priority", "10")
-    routed = cluster.berth("route", "create", "chat", "--service", "small", "--priority", "5")
+    services_cluster.berth(
+        "service", "create", "small", "-m", "tiny", "--node-label", "gpu-a", "-x", "-v"
+    )
+    services_cluster.berth("route", "create", "chat", "--service", "big", "--priority", "10")
+    routed = services_cluster.berth(
+        "route", "create", "chat", "--service", "small", "--priority", "5"
+    )
     assert "chat: big (priority 10), small (priority 5); now served by nothing ready" in (
         routed.stdout
     )
-    cluster.berth("route", "create", "main", "--service", "big", "--fallback", "chat")
+    services_cluster.berth("route", "create", "main", "--service", "big", "--fallback", "chat")
 
-    big = deployment_of(cluster.berth("service", "deploy", "big").stdout)
-    small_out = cluster.berth("service", "deploy", "small").stdout  # to its node_label, gpu-a
+    big = deployment_of(services_cluster.berth("service", "deploy", "big").stdout)
+    small_out = services_cluster.berth(
+        "service", "deploy", "small"
+    ).stdout  # to its node_label, gpu-a
     small = deployment_of(small_out)
-    agent = cluster.agents["gpu-a"]
+    agent = services_cluster.agents["gpu-a"]
     assert f"node {agent.node_id}" in small_out
-    assert cluster.deployment(small)["served_model_name"] == "small"
-    shown = cluster.berth("service", "show", "small").stdout
+    assert services_cluster.deployment(small)["served_model_name"] == "small"
+    shown = services_cluster.berth("service", "show", "small").stdout
     assert "small: model tiny, llamacpp (process), args -v, node gpu-a" in shown
     assert f"deployment {small}: ready on node {agent.node_id}, port" in shown
 
-    with cluster.openai() as client:
+    with services_cluster.openai() as client:
         assert sorted(m.id for m in client.models.list()) == ["chat", "main"]
         answer = client.chat.completions.create(model="chat", messages=CHAT)  # type: ignore[arg-type]
         assert answer.choices[0].message.content == ANSWER
         assert answer.model == "big"  # the higher priority answers
-    assert served_by_node(cluster, "chat") == {"local": 1}
+    assert served_by_node(services_cluster, "chat") == {"local": 1}
 
-    listed = {r["name"]: r for r in json.loads(cluster.berth("route", "ls", "--json").stdout)}
+    listed = {
+        r["name"]: r for r in json.loads(services_cluster.berth("route", "ls", "--json").stdout)
+    }
     assert listed["chat"]["serving"] == ["big"] and listed["main"]["fallback"] == "chat"
-    services = rows(cluster.berth("service", "ls").stdout)
+    services = rows(services_cluster.berth("service", "ls").stdout)
     assert ["big", "tiny", "llamacpp", "process", "-", "-", "512", "1", "chat, main"] in services
     assert ["small", "tiny", "llamacpp", "process", "gpu-a", "-", "-", "1", "chat"] in services
 
-    cluster.admin("POST", f"/admin/deployments/{big}/stop")
-    with cluster.openai() as client:
+    services_cluster.admin("POST", f"/admin/deployments/{big}/stop")
+    with services_cluster.openai() as client:
         answer = client.chat.completions.create(model="chat", messages=CHAT)  # type: ignore[arg-type]
         assert answer.model == "small"  # the lower priority, on the agent
         # main has nothing of its own ready: its fallback, chat, answers
         answer = client.chat.completions.create(model="main", messages=CHAT)  # type: ignore[arg-type]
         assert answer.model == "small"
         assert sorted(m.id for m in client.models.list()) == ["chat", "main"]
-    assert served_by_node(cluster, "chat") == {"local": 1, agent.node_id: 1}
-    assert served_by_node(cluster, "main") == {agent.node_id: 1}
+    assert served_by_node(services_cluster, "chat") == {"local": 1, agent.node_id: 1}
+    assert served_by_node(services_cluster, "main") == {agent.node_id: 1}
 
-    table = rows(cluster.berth("route", "ls").stdout)
+    table = rows(services_cluster.berth("route", "ls").stdout)
     assert ["chat", "big (10, 0), small (5, 1)", "-", "small"] in table
     assert ["main", "big (0, 0)", "chat", "small"] in table
 
-    cluster.admin("POST", f"/admin/deployments/{small}/stop")
-    with cluster.http() as http:
+    services_cluster.admin("POST", f"/admin/deployments/{small}/stop")
+    with services_cluster.http() as http:
         refused = http.post("/v1/chat/completions", json={"model": "chat", "messages": CHAT})
     assert refused.status_code == 503 and refused.headers["retry-after"] == "5"
     message = refused.json()["error"]["message"]
     assert message.startswith("model 'chat' has no ready deployment: services: big"), message
-    shown = cluster.berth("route", "show", "chat").stdout
+    shown = services_cluster.berth("route", "show", "chat").stdout
     assert "now served by nothing ready" in shown and "small (" in shown
 
 
-def test_bad_input_fails_with_one_line_and_changes_nothing(cluster: Cluster) -> None:
-    cluster.admin("POST", "/admin/services", json={"name": "svc", "model": "tiny"})
-    cluster.admin("POST", "/admin/routes", json={"name": "svc-route", "service": "svc"})
-    before = state(cluster)
+def test_bad_input_fails_with_one_line_and_changes_nothing(services_cluster: Cluster) -> None:
+    services_cluster.admin("POST", "/admin/services", json={"name": "svc", "model": "tiny"})
+    services_cluster.admin("POST", "/admin/routes", json={"name": "svc-route", "service": "svc"})
+    before = state(services_cluster)
 
-    assert "model 'nope' not found" in fails(cluster, "service", "create", "x", "--model", "nope")
+    assert "model 'nope' not found" in fails(
+        services_cluster, "service", "create", "x", "--model", "nope"
+    )
     assert "service 'svc' already exists" in fails(
-        cluster, "service", "create", "svc", "--model", "tiny"
+        services_cluster, "service", "create", "svc", "--model", "tiny"
     )
-    assert "name:" in fails(cluster, "service", "create", "bad name", "--model", "tiny")
+    assert "name:" in fails(services_cluster, "service", "create", "bad name", "--model", "tiny")
     assert "node 'nowhere' not found (nodes: gpu-a, local)" in fails(
-        cluster, "service", "create", "x", "--model", "tiny", "--node-label", "nowhere"
+        services_cluster, "service", "create", "x", "--model", "tiny", "--node-label", "nowhere"
     )
-    assert "service 'nope' not found" in fails(cluster, "service", "deploy", "nope")
-    assert "used by route(s) svc-route" in fails(cluster, "service", "rm", "svc")
-    assert "service 'nope' not found" in fails(cluster, "route", "create", "r", "--service", "nope")
+    assert "service 'nope' not found" in fails(services_cluster, "service", "deploy", "nope")
+    assert "used by route(s) svc-route" in fails(services_cluster, "service", "rm", "svc")
+    assert "service 'nope' not found" in fails(
+        services_cluster, "route", "create", "r", "--service", "nope"
+    )
     assert "would loop (svc-route -> svc-route)" in fails(
-        cluster, "route", "fallback", "svc-route", "svc-route"
+        services_cluster, "route", "fallback", "svc-route", "svc-route"
     )
-    assert "route 'nope' not found" in fails(cluster, "route", "rm", "nope")
-    assert "give a fallback route, or --none" in fails(cluster, "route", "fallback", "svc-route")
-    assert state(cluster) == before
+    assert "route 'nope' not found" in fails(services_cluster, "route", "rm", "nope")
+    assert "give a fallback route, or --none" in fails(
+        services_cluster, "route", "fallback", "svc-route"
+    )
+    assert state(services_cluster) == before
 
     # A service pinned to a node is not deployed elsewhere.
     pinned = {"name": "pinned", "model": "tiny", "node_label": "gpu-a"}
-    cluster.admin("POST", "/admin/services", json=pinned)
+    services_cluster.admin("POST", "/admin/services", json=pinned)
     assert "runs on node gpu-a (its node_label), not local" in fails(
-        cluster, "service", "deploy", "pinned", "--node", "local"
+        services_cluster, "service", "deploy", "pinned", "--node", "local"
     )
 
-    removed = cluster.berth("route", "rm", "svc-route").stdout
+    removed = services_cluster.berth("route", "rm", "svc-route").stdout
     assert "route svc-route removed" in removed
-    assert "service svc removed" in cluster.berth("service", "rm", "svc").stdout
+    assert "service svc removed" in services_cluster.berth("service", "rm", "svc").stdout

@@ -57,7 +57,7 @@ def registry() -> CollectorRegistry:
 
 
 @pytest.fixture
-def metrics(registry: CollectorRegistry) -> ClusterMetrics:
+def cluster_metrics(registry: CollectorRegistry) -> ClusterMetrics:
     cluster = ClusterMetrics(model_of=MODELS.get, clock=lambda: 1000.0)
     cluster.register(registry)
     return cluster
@@ -76,13 +76,15 @@ def test_counter_delta(previous: int, reported: int, delta: int) -> None:
 
 
 def test_counters_never_decrease_across_an_agent_restart(
-    metrics: ClusterMetrics, registry: CollectorRegistry
+    cluster_metrics: ClusterMetrics, registry: CollectorRegistry
 ) -> None:
     labels = {"node": "n-1", "deployment": "d-aaaa0001", "model": "tiny"}
     seen = []
     # 10 then 15 requests; the agent restarts (counts from 0), then 3, then 7 more.
     for at, requests, errors in [(1.0, 10, 1), (2.0, 15, 2), (3.0, 3, 0), (4.0, 7, 1)]:
-        metrics.record_heartbeat("n-1", beat(load(requests=requests, errors=errors)), 1000 + at)
+        cluster_metrics.record_heartbeat(
+            "n-1", beat(load(requests=requests, errors=errors)), 1000 + at
+        )
         seen.append(
             (
                 value(registry, "berth_deployment_requests_total", **labels),
@@ -93,21 +95,21 @@ def test_counters_never_decrease_across_an_agent_restart(
 
 
 def test_a_leader_restart_starts_the_counters_at_zero_from_the_agents_totals(
-    metrics: ClusterMetrics, registry: CollectorRegistry
+    cluster_metrics: ClusterMetrics, registry: CollectorRegistry
 ) -> None:
     labels = {"node": "n-1", "deployment": "d-aaaa0001", "model": "tiny"}
     # A fresh leader; the agent has served 1288 requests (12 failed) since it started.
-    metrics.node_connected("n-1")
-    metrics.record_heartbeat("n-1", beat(load(requests=1288, errors=12)), 1001.0)
+    cluster_metrics.node_connected("n-1")
+    cluster_metrics.record_heartbeat("n-1", beat(load(requests=1288, errors=12)), 1001.0)
     assert value(registry, "berth_deployment_requests_total", **labels) == 0
     assert value(registry, "berth_deployment_errors_total", **labels) == 0
-    metrics.record_heartbeat("n-1", beat(load(requests=1293, errors=13)), 1002.0)  # 5 more
+    cluster_metrics.record_heartbeat("n-1", beat(load(requests=1293, errors=13)), 1002.0)  # 5 more
     assert value(registry, "berth_deployment_requests_total", **labels) == 5
     assert value(registry, "berth_deployment_errors_total", **labels) == 1
 
 
 def test_an_agent_restart_after_a_leader_restart_never_lowers_a_counter(
-    metrics: ClusterMetrics, registry: CollectorRegistry
+    cluster_metrics: ClusterMetrics, registry: CollectorRegistry
 ) -> None:
     labels = {"node": "n-1", "deployment": "d-aaaa0001", "model": "tiny"}
     seen = []
@@ -117,24 +119,26 @@ def test_an_agent_restart_after_a_leader_restart_never_lowers_a_counter(
     steps = [(True, 1288), (False, 1293), (True, 0), (False, 3), (True, 3), (False, 5)]
     for at, (new_link, requests) in enumerate(steps):
         if new_link:
-            metrics.node_connected("n-1")
-        metrics.record_heartbeat("n-1", beat(load(requests=requests)), 1000.0 + at)
+            cluster_metrics.node_connected("n-1")
+        cluster_metrics.record_heartbeat("n-1", beat(load(requests=requests)), 1000.0 + at)
         seen.append(value(registry, "berth_deployment_requests_total", **labels))
     assert seen == [0, 5, 5, 8, 8, 10]
 
 
 def test_a_deployment_started_while_linked_counts_from_zero(
-    metrics: ClusterMetrics, registry: CollectorRegistry
+    cluster_metrics: ClusterMetrics, registry: CollectorRegistry
 ) -> None:
-    metrics.node_connected("n-1")
-    metrics.record_heartbeat("n-1", beat(load(requests=40)), 1000.0)
+    cluster_metrics.node_connected("n-1")
+    cluster_metrics.record_heartbeat("n-1", beat(load(requests=40)), 1000.0)
     # d-bbbb0002 started after the link came up: everything it reports is this leader's.
-    metrics.record_heartbeat("n-1", beat(load(requests=40), load("d-bbbb0002", 3, 1)), 1001.0)
+    cluster_metrics.record_heartbeat(
+        "n-1", beat(load(requests=40), load("d-bbbb0002", 3, 1)), 1001.0
+    )
     new = {"node": "n-1", "deployment": "d-bbbb0002", "model": "small"}
     assert value(registry, "berth_deployment_requests_total", **new) == 3
     assert value(registry, "berth_deployment_errors_total", **new) == 1
     # Node local never links: its meter starts with the leader, so all of it counts.
-    metrics.record_heartbeat("local", beat(load(requests=2)), 1001.0)
+    cluster_metrics.record_heartbeat("local", beat(load(requests=2)), 1001.0)
     local = {"node": "local", "deployment": "d-aaaa0001", "model": "tiny"}
     assert value(registry, "berth_deployment_requests_total", **local) == 2
 
@@ -157,8 +161,10 @@ def test_a_stopped_deployment_keeps_its_counters_for_the_linger(
     assert value(registry, "berth_deployment_requests_total", **running) == 4
 
 
-def test_gauges_per_node_and_gpu(metrics: ClusterMetrics, registry: CollectorRegistry) -> None:
-    metrics.record_heartbeat(
+def test_gauges_per_node_and_gpu(
+    cluster_metrics: ClusterMetrics, registry: CollectorRegistry
+) -> None:
+    cluster_metrics.record_heartbeat(
         "n-1",
         beat(
             load(in_flight=2, latency_p50_ms=120.0, latency_p95_ms=900.0),
@@ -166,7 +172,7 @@ def test_gauges_per_node_and_gpu(metrics: ClusterMetrics, registry: CollectorReg
         ),
         1000.0,
     )
-    metrics.record_heartbeat("n-2", beat(load("d-bbbb0002"), gpus=((0, 80, 3000),)), 1000.0)
+    cluster_metrics.record_heartbeat("n-2", beat(load("d-bbbb0002"), gpus=((0, 80, 3000),)), 1000.0)
     assert value(registry, "berth_node_gpu_util_pct", node="n-1", gpu="0") == 35
     assert value(registry, "berth_node_gpu_util_pct", node="n-1", gpu="1") is None  # unknown
     assert value(registry, "berth_node_gpu_mem_used_bytes", node="n-1", gpu="1") == 2000 * MiB
@@ -181,10 +187,10 @@ def test_gauges_per_node_and_gpu(metrics: ClusterMetrics, registry: CollectorReg
 
 
 def test_gauges_follow_the_latest_heartbeat(
-    metrics: ClusterMetrics, registry: CollectorRegistry
+    cluster_metrics: ClusterMetrics, registry: CollectorRegistry
 ) -> None:
-    metrics.record_heartbeat("n-1", beat(load(in_flight=4), gpus=((0, 90, 1),)), 1000.0)
-    metrics.record_heartbeat("n-1", beat(load(in_flight=1), gpus=((0, 10, 1),)), 1000.0)
+    cluster_metrics.record_heartbeat("n-1", beat(load(in_flight=4), gpus=((0, 90, 1),)), 1000.0)
+    cluster_metrics.record_heartbeat("n-1", beat(load(in_flight=1), gpus=((0, 10, 1),)), 1000.0)
     assert value(registry, "berth_node_gpu_util_pct", node="n-1", gpu="0") == 10
     labels = {"node": "n-1", "deployment": "d-aaaa0001", "model": "tiny"}
     assert value(registry, "berth_deployment_in_flight", **labels) == 1
@@ -269,9 +275,9 @@ def test_the_proxy_measures_local_requests_only() -> None:
 
 
 def test_the_grafana_dashboard_uses_only_series_that_exist(
-    metrics: ClusterMetrics, registry: CollectorRegistry
+    cluster_metrics: ClusterMetrics, registry: CollectorRegistry
 ) -> None:
-    metrics.record_heartbeat(
+    cluster_metrics.record_heartbeat(
         "n-1", beat(load(requests=1, latency_p50_ms=1.0, latency_p95_ms=2.0), gpus=((0, 5, 1),))
     )
     exposed = {s.name for family in registry.collect() for s in family.samples}

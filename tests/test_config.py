@@ -13,13 +13,6 @@ from berth.errors import ConfigError
 from berth.paths import BerthHome
 
 
-@pytest.fixture
-def home(tmp_path: Path) -> BerthHome:
-    home = BerthHome(tmp_path / "home")
-    home.ensure()
-    return home
-
-
 def write_config(home: BerthHome, text: str) -> Path:
     home.config_file.write_text(text, encoding="utf-8")
     return home.config_file

@@ -30,8 +30,8 @@ from berth.daemon.server import refuse_local_leftovers
 from berth.errors import ConfigError, DaemonError
 from berth.paths import BerthHome
 from berth.store import Store
-from cluster_harness import Cluster, clean_env, fake_engine_wrapper
-from fake_llama_server import ANSWER
+from support.cluster_harness import Cluster, clean_env, fake_engine_wrapper
+from support.fake_llama_server import ANSWER
 
 #: Exit code of ``ConfigError`` / ``ConflictError`` (bad input), and of ``DaemonError``.
 EXIT_CONFIG = 2
@@ -144,26 +144,26 @@ def test_a_leader_only_start_is_refused_while_local_deployments_are_active(
 
 
 def berth(
-    home: Path, *args: str, env: Mapping[str, str] | None = None
+    populated_home: Path, *args: str, env: Mapping[str, str] | None = None
 ) -> subprocess.CompletedProcess[str]:
     """The real CLI, as a user runs it, from the home's parent folder."""
     return subprocess.run(
-        [sys.executable, "-m", "berth", "--home", str(home), *args],
+        [sys.executable, "-m", "berth", "--home", str(populated_home), *args],
         capture_output=True,
         text=True,
         timeout=120,
         env=clean_env(env or {}),
-        cwd=home.parent,
+        cwd=populated_home.parent,
     )
 
 
-def invoke(home: Path, *args: str, env: Mapping[str, str] | None = None) -> Result:
+def invoke(populated_home: Path, *args: str, env: Mapping[str, str] | None = None) -> Result:
     """The same commands in-process (no interpreter start-up), from the home's parent folder,
     with no ``BERTH_*`` variable but those in ``env``."""
     environ: dict[str, str | None] = {k: None for k in os.environ if k.startswith("BERTH_")}
     environ.update(env or {})
-    with contextlib.chdir(home.parent):
-        return CliRunner().invoke(app, ["--home", str(home), *args], env=environ)
+    with contextlib.chdir(populated_home.parent):
+        return CliRunner().invoke(app, ["--home", str(populated_home), *args], env=environ)
 
 
 def refused(result: Result) -> str:
@@ -176,7 +176,7 @@ def refused(result: Result) -> str:
 
 
 @pytest.fixture
-def home(tmp_path: Path) -> Path:
+def populated_home(tmp_path: Path) -> Path:
     """A home with a config file that has other sections, which every write must keep."""
     root = tmp_path / "home"
     root.mkdir(mode=0o700)
@@ -193,25 +193,27 @@ def home(tmp_path: Path) -> Path:
     ],
 )
 def test_the_real_cli_refuses_bad_input_with_one_line(
-    home: Path, args: list[str], message: str
+    populated_home: Path, args: list[str], message: str
 ) -> None:
-    result = berth(home, "config", *args)
+    result = berth(populated_home, "config", *args)
 
     assert result.returncode == EXIT_CONFIG
     assert result.stdout == ""
     assert result.stderr.startswith("error: ") and result.stderr.count("\n") == 1, result.stderr
     assert message in result.stderr
-    assert (home / "config.toml").read_text() == OTHER_SECTIONS
+    assert (populated_home / "config.toml").read_text() == OTHER_SECTIONS
 
 
-def test_the_real_cli_writes_what_config_show_then_reads(home: Path) -> None:
-    done = berth(home, "config", "set-public", "host=api.example.com", "port=8443", "bind=0.0.0.0")
-    shown = json.loads(berth(home, "config", "show", "--json").stdout)
+def test_the_real_cli_writes_what_config_show_then_reads(populated_home: Path) -> None:
+    done = berth(
+        populated_home, "config", "set-public", "host=api.example.com", "port=8443", "bind=0.0.0.0"
+    )
+    shown = json.loads(berth(populated_home, "config", "show", "--json").stdout)
 
     assert done.returncode == 0, done.stderr
     assert done.stderr == ""
     lines = done.stdout.splitlines()
-    assert lines[0] == f"updated {home / 'config.toml'}"
+    assert lines[0] == f"updated {populated_home / 'config.toml'}"
     assert "  public_host   127.0.0.1 (default) → api.example.com" in lines
     assert "  public_port   11500 (default) → 8443" in lines
     assert "  public_bind   127.0.0.1 (default) → 0.0.0.0" in lines
@@ -219,38 +221,38 @@ def test_the_real_cli_writes_what_config_show_then_reads(home: Path) -> None:
     assert "takes effect at the next `berth daemon start`" in lines
     assert shown["public_url"] == "https://api.example.com:8443"
     assert shown["settings"]["public_bind"] == {"value": "0.0.0.0", "source": "file"}
-    settings = Settings.load(BerthHome(home), env={})
+    settings = Settings.load(BerthHome(populated_home), env={})
     assert (settings.log_level, settings.cluster_port) == ("debug", 12000)  # other sections kept
-    assert (home / "config.toml").stat().st_mode & 0o777 == 0o600
+    assert (populated_home / "config.toml").stat().st_mode & 0o777 == 0o600
 
 
-def test_setting_the_same_value_again_changes_nothing(home: Path) -> None:
-    invoke(home, "config", "set-public", "port=8443")
-    before = (home / "config.toml").stat().st_mtime_ns
+def test_setting_the_same_value_again_changes_nothing(populated_home: Path) -> None:
+    invoke(populated_home, "config", "set-public", "port=8443")
+    before = (populated_home / "config.toml").stat().st_mtime_ns
 
-    again = invoke(home, "config", "set-public", "port=8443")
+    again = invoke(populated_home, "config", "set-public", "port=8443")
 
     assert again.exit_code == 0
-    assert f"{home / 'config.toml'} already has these values" in again.stdout
+    assert f"{populated_home / 'config.toml'} already has these values" in again.stdout
     assert "  public_port   8443 (unchanged)" in again.stdout
     assert "takes effect" not in again.stdout
-    assert (home / "config.toml").stat().st_mtime_ns == before
+    assert (populated_home / "config.toml").stat().st_mtime_ns == before
 
 
-def test_a_default_value_written_to_the_file_says_so(home: Path) -> None:
-    done = invoke(home, "config", "set-public", "port=11500")
+def test_a_default_value_written_to_the_file_says_so(populated_home: Path) -> None:
+    done = invoke(populated_home, "config", "set-public", "port=11500")
 
     assert done.exit_code == 0, done.output
     assert "  public_port   11500 (default, now set in the file)" in done.stdout
-    assert Settings.load(BerthHome(home), env={}).source("public_port") == "file"
+    assert Settings.load(BerthHome(populated_home), env={}).source("public_port") == "file"
 
 
-def test_set_cluster_changes_the_url_agents_dial(home: Path) -> None:
-    done = invoke(home, "config", "set-cluster", "host=cluster.example.com", "bind=::")
+def test_set_cluster_changes_the_url_agents_dial(populated_home: Path) -> None:
+    done = invoke(populated_home, "config", "set-cluster", "host=cluster.example.com", "bind=::")
 
     assert done.exit_code == 0, done.output
     assert "cluster URL: https://cluster.example.com:12000" in done.stdout
-    settings = Settings.load(BerthHome(home), env={})
+    settings = Settings.load(BerthHome(populated_home), env={})
     assert settings.cluster_url() == "https://cluster.example.com:12000"
     assert (settings.cluster_bind, settings.source("cluster_bind")) == ("::", "file")
 
@@ -269,14 +271,18 @@ def test_set_cluster_changes_the_url_agents_dial(home: Path) -> None:
     ],
 )
 def test_bad_input_is_refused_and_leaves_the_file(
-    home: Path, args: list[str], message: str
+    populated_home: Path, args: list[str], message: str
 ) -> None:
-    assert message in refused(invoke(home, "config", *args))
-    assert (home / "config.toml").read_text() == OTHER_SECTIONS
+    assert message in refused(invoke(populated_home, "config", *args))
+    assert (populated_home / "config.toml").read_text() == OTHER_SECTIONS
 
 
-def test_a_value_overridden_by_the_environment_is_written_with_a_warning(home: Path) -> None:
-    done = invoke(home, "config", "set-public", "port=8443", env={"BERTH_PUBLIC_PORT": "9000"})
+def test_a_value_overridden_by_the_environment_is_written_with_a_warning(
+    populated_home: Path,
+) -> None:
+    done = invoke(
+        populated_home, "config", "set-public", "port=8443", env={"BERTH_PUBLIC_PORT": "9000"}
+    )
 
     assert done.exit_code == 0, done.output
     assert "  public_port   9000 (env) → 8443" in done.stdout
@@ -294,26 +300,28 @@ def test_a_value_overridden_by_the_environment_is_written_with_a_warning(home: P
     ],
 )
 def test_settings_that_will_not_work_for_others_get_a_warning(
-    home: Path, args: list[str], warning: str
+    populated_home: Path, args: list[str], warning: str
 ) -> None:
-    done = invoke(home, "config", *args)
+    done = invoke(populated_home, "config", *args)
 
     assert done.exit_code == 0, done.output
     assert f"warning: {warning}" in done.stderr
 
 
-def test_set_public_tls_warns_about_missing_files_but_writes_them(home: Path) -> None:
-    done = invoke(home, "config", "set-public-tls", "cert=tls/cert.pem", "key=/nowhere/key.pem")
+def test_set_public_tls_warns_about_missing_files_but_writes_them(populated_home: Path) -> None:
+    done = invoke(
+        populated_home, "config", "set-public-tls", "cert=tls/cert.pem", "key=/nowhere/key.pem"
+    )
 
     assert done.exit_code == 0, done.output
-    cert = home.parent / "tls" / "cert.pem"  # relative to where the command ran
+    cert = populated_home.parent / "tls" / "cert.pem"  # relative to where the command ran
     assert done.stderr.splitlines() == [
         f"warning: the certificate {cert} does not exist yet; the daemon will not start until "
         "it does",
         "warning: the key /nowhere/key.pem does not exist yet; the daemon will not start until "
         "it does",
     ]
-    settings = Settings.load(BerthHome(home), env={})
+    settings = Settings.load(BerthHome(populated_home), env={})
     assert (settings.public_cert, settings.public_key) == (cert, Path("/nowhere/key.pem"))
 
 
@@ -327,21 +335,21 @@ def server_pairs(tmp_path: Path) -> tuple[Path, Path, Path]:
 
 
 def test_set_public_tls_accepts_a_matching_pair(
-    home: Path, server_pairs: tuple[Path, Path, Path]
+    populated_home: Path, server_pairs: tuple[Path, Path, Path]
 ) -> None:
     cert, key, _ = server_pairs
 
-    done = invoke(home, "config", "set-public-tls", f"cert={cert}", f"key={key}")
+    done = invoke(populated_home, "config", "set-public-tls", f"cert={cert}", f"key={key}")
 
     assert done.exit_code == 0, done.output
     assert done.stderr == ""
     assert f"  public_cert   unset (default) → {cert}" in done.stdout
-    assert Settings.load(BerthHome(home), env={}).public_key == key
+    assert Settings.load(BerthHome(populated_home), env={}).public_key == key
 
 
 @pytest.mark.parametrize("wrong", ["other key", "folder", "not pem"])
 def test_set_public_tls_refuses_files_that_do_not_load(
-    home: Path, server_pairs: tuple[Path, Path, Path], wrong: str
+    populated_home: Path, server_pairs: tuple[Path, Path, Path], wrong: str
 ) -> None:
     cert, key, other_key = server_pairs
     if wrong == "other key":
@@ -351,27 +359,29 @@ def test_set_public_tls_refuses_files_that_do_not_load(
     else:
         cert.write_text("not a certificate\n")
 
-    message = refused(invoke(home, "config", "set-public-tls", f"cert={cert}", f"key={key}"))
+    message = refused(
+        invoke(populated_home, "config", "set-public-tls", f"cert={cert}", f"key={key}")
+    )
 
     expected = "is a folder, not a PEM file" if wrong == "folder" else "do not load as a"
     assert expected in message
-    assert (home / "config.toml").read_text() == OTHER_SECTIONS
+    assert (populated_home / "config.toml").read_text() == OTHER_SECTIONS
 
 
-def test_config_show_gives_the_urls_and_the_file(home: Path) -> None:
+def test_config_show_gives_the_urls_and_the_file(populated_home: Path) -> None:
     env = {"BERTH_PUBLIC_HOST": "api.example.com", "BERTH_LEADER_URL": "https://lb.example:443"}
 
-    table = invoke(home, "config", "show", env=env).stdout
-    shown = json.loads(invoke(home, "config", "show", "--json", env=env).stdout)
+    table = invoke(populated_home, "config", "show", env=env).stdout
+    shown = json.loads(invoke(populated_home, "config", "show", "--json", env=env).stdout)
 
     assert table.splitlines()[:3] == [
-        f"config file: {home / 'config.toml'}",
+        f"config file: {populated_home / 'config.toml'}",
         "public URL:  https://api.example.com:11500",
         "cluster URL: https://lb.example:443",
     ]
     (row,) = [line for line in table.splitlines() if " leader_only " in line]
     assert row.replace("│", " ").split() == ["leader_only", "false", "default"]
-    assert shown["config_file"] == str(home / "config.toml")
+    assert shown["config_file"] == str(populated_home / "config.toml")
     assert shown["config_file_exists"] is True
     assert shown["public_url"] == "https://api.example.com:11500"
     assert shown["cluster_url"] == "https://lb.example:443"

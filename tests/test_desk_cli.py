@@ -1,5 +1,5 @@
 """``berth desk`` as a user runs it: real CLI processes, a real leader daemon (its engine is
-``tests/fake_llama_server.py``, which starts in a blink), the stand-in desk over real TLS.
+``tests/support/fake_llama_server.py``, which starts in a blink), the stand-in desk over real TLS.
 
 The same flow on llama.cpp's real server is ``test_desk_e2e.py`` (slow).
 """
@@ -8,18 +8,17 @@ from __future__ import annotations
 
 import json
 import stat
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from berth.runtime.engines import find_free_port
-from desk_harness import Berth, DeskServe, clean_env, files_containing, loopback_tls
-from desk_standin import ThreadedDeskStandin
-from fake_llama_server import ANSWER, USAGE
+from support.cluster_harness import fake_engine_wrapper
+from support.desk_harness import Berth, DeskServe, clean_env, files_containing, loopback_tls
+from support.desk_standin import ThreadedDeskStandin
+from support.fake_llama_server import ANSWER, USAGE
 
-FAKE_ENGINE = Path(__file__).with_name("fake_llama_server.py")
 #: A name berth accepts but a desk does not (more than 80 characters).
 LONG_NAME = "m" * 85
 PLAIN_PROMPT = "plain desk prompt 4b7e: tell me a joke"
@@ -44,10 +43,7 @@ def desk(workdir: Path) -> Iterator[tuple[ThreadedDeskStandin, Path]]:
 def leader(workdir: Path, desk: tuple[ThreadedDeskStandin, Path]) -> Iterator[Berth]:
     """A leader serving ``smollm2`` and a model whose name no desk takes."""
     _, ca_file = desk
-    wrapper = workdir / "bin" / "llama-server"
-    wrapper.parent.mkdir()
-    wrapper.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{FAKE_ENGINE}" "$@"\n')
-    wrapper.chmod(0o755)
+    wrapper = fake_engine_wrapper(workdir)
     gguf = workdir / "tiny.gguf"
     gguf.write_bytes(b"GGUF" + bytes(60))
     env = clean_env({"BERTH_LLAMA_SERVER_BIN": str(wrapper), "SSL_CERT_FILE": str(ca_file)})

@@ -18,14 +18,10 @@ import pytest
 
 from berth.runtime.bundled import smollm2_gguf
 from berth.runtime.engines import find_free_port
-from desk_harness import Berth, DeskServe, clean_env, files_containing, loopback_tls
-from desk_standin import ThreadedDeskStandin
-from real_engine import real_engine_missing
+from support.desk_harness import Berth, DeskServe, clean_env, files_containing, loopback_tls
+from support.desk_standin import ThreadedDeskStandin
 
-pytestmark = pytest.mark.slow
-
-if (_missing := real_engine_missing()) is not None:
-    pytest.skip(_missing, allow_module_level=True)
+pytestmark = [pytest.mark.slow, pytest.mark.needs("llama-server", "smollm2")]
 
 PLAIN_PROMPT = "Name one colour of the rainbow. (plain marker 5d0c)"
 SEALED_PROMPT = "Name one planet of the solar system. (sealed marker e61b)"

@@ -1,7 +1,8 @@
 """Sealed prompts: known answers, and every tampering ends in an error (a ``fail``).
 
-The vectors below were built with the stand-in desk's sealing side (``tests/desk_standin.py``,
-written from the protocol's four steps) from fixed keys and nonces, and are hard-coded, so
+The vectors below were built with the stand-in desk's sealing side
+(``tests/support/desk_standin.py``, written from the protocol's four steps) from fixed keys and
+nonces, and are hard-coded, so
 either side drifting from them fails here. Steps 1 and 2 of the first vector were also
 checked with the OpenSSL command line, independently of Python:
 
@@ -30,7 +31,7 @@ from berth.desk.sealing import (
     open_sealed_prompt,
 )
 from berth.desk.wire import SealedPrompt, decode
-from desk_standin import SealInputs, seal_prompt
+from support.desk_standin import SealInputs, seal_prompt
 
 HOST_PRIVATE = bytes(range(1, 33))
 HOST_PUBLIC_HEX = "07a37cbc142093c8b755dc1b10e86cb426374ad16aa853ed0bdfc0b2b86d1c7c"

@@ -28,7 +28,7 @@ from berth.desk.state import DeskFiles, load_key_pair, load_nodes
 from berth.desk.worker import DeskWorker, WorkerTimings
 from berth.errors import ConfigError
 from berth.paths import BerthHome
-from desk_standin import CHECK_PROMPT, DeskStandin, Fault
+from support.desk_standin import CHECK_PROMPT, DeskStandin, Fault
 
 FAST = WorkerTimings(
     claim_idle_s=0.05,

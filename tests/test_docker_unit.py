@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import threading
-from collections.abc import Generator, Iterator, Sequence
+from collections.abc import Generator, Iterator, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -24,10 +24,12 @@ from berth.runtime.docker.api import (
     ContainerInfo,
     ContainerState,
     DockerApi,
+    DockerConflict,
     DockerNotFound,
     EngineInfo,
     EngineVersion,
     ImageInfo,
+    NetworkInfo,
     PortBinding,
     PullMessage,
     decode_pull_message,
@@ -35,6 +37,7 @@ from berth.runtime.docker.api import (
 from berth.runtime.engines import DeploymentRequest, EngineBinaries, build_container_spec
 from berth.runtime.gpu import StaticInventory
 from berth.runtime.process import ProcessRuntime
+from support.waiting import EVENT_TIMEOUT_S, wait_for_async
 
 
 class RecordingDocker:
@@ -52,7 +55,10 @@ class RecordingDocker:
         #: when set, a pull stalls after its first message until this is set
         self.pull_gate: threading.Event | None = None
         self.pull_closed = threading.Event()
+        self.pull_thread: threading.Thread | None = None
         self.containers_by_id: dict[str, ContainerInfo] = {}
+        self.configs: dict[str, ContainerConfig] = {}
+        self.networks: dict[str, NetworkInfo] = {}
         self.exit_code_on_start: int | None = None
         self._ids = itertools.count(1)
 
@@ -73,6 +79,7 @@ class RecordingDocker:
 
     def pull(self, image: str) -> Generator[PullMessage, None, None]:
         self._seen()
+        self.pull_thread = threading.current_thread()
         try:
             for index, message in enumerate(self.pull_messages):
                 yield decode_pull_message(message)
@@ -86,11 +93,15 @@ class RecordingDocker:
     def create_container(self, config: ContainerConfig) -> str:
         self._seen()
         container_id = f"c{next(self._ids):063d}"
+        if config.network is not None and config.network not in self.networks:
+            raise DockerNotFound(f"network {config.network} not found", status_code=404)
+        self.configs[container_id] = config
         self.containers_by_id[container_id] = ContainerInfo(
             id=container_id,
             name=config.name,
             labels=dict(config.labels),
             state=ContainerState(running=False),
+            networks=(config.network,) if config.network else (),
         )
         return container_id
 
@@ -136,6 +147,20 @@ class RecordingDocker:
         self._seen()
         self._existing(container_id)
         del self.containers_by_id[container_id]
+
+    def inspect_network(self, name: str) -> NetworkInfo | None:
+        self._seen()
+        return self.networks.get(name)
+
+    def create_network(
+        self, name: str, *, options: Mapping[str, str], labels: Mapping[str, str]
+    ) -> str:
+        self._seen()
+        if name in self.networks:
+            raise DockerConflict(f"network with name {name} already exists", status_code=409)
+        network_id = f"n{len(self.networks):063d}"
+        self.networks[name] = NetworkInfo(network_id, name, "bridge", dict(options), dict(labels))
+        return network_id
 
     def logs(
         self, container_id: str, *, since: float | None = None, tail: int | None = None
@@ -293,16 +318,15 @@ async def test_a_stop_during_the_pull_cancels_it_and_leaves_nothing(
     )
     progress: list[str] = []
     start = asyncio.create_task(core.start(request, 30, on_progress=progress.append))
-    for _ in range(200):
-        if progress:
-            break
-        await asyncio.sleep(0.01)
+    await wait_for_async(lambda: progress, EVENT_TIMEOUT_S, "the pull's first progress line")
     assert progress == ["pulling example/engine:1"]
     await core.stop("d-0000057a", grace_s=1)  # returns once the start is gone
     assert start.cancelled()
     fake.pull_gate.set()  # Docker sends its next message: the pull thread sees the stop
-    assert await asyncio.to_thread(fake.pull_closed.wait, 5)
-    await asyncio.sleep(0.05)
+    assert await asyncio.to_thread(fake.pull_closed.wait, EVENT_TIMEOUT_S)
+    assert fake.pull_thread is not None
+    await asyncio.to_thread(fake.pull_thread.join, EVENT_TIMEOUT_S)  # all it did is done
+    assert not fake.pull_thread.is_alive()
     assert fake.containers_by_id == {}
     assert core.engines() == []
     assert progress == ["pulling example/engine:1"]  # nothing after the stop

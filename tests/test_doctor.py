@@ -45,8 +45,7 @@ from berth.paths import BerthHome
 from berth.runtime.docker import resolve_docker_host
 from berth.runtime.engines import EngineName, find_free_port
 from berth.store import Store
-from cluster_harness import Cluster, clean_env, cli
-from docker_support import docker_client_or_skip, llama_server_image
+from support.cluster_harness import Cluster, clean_env, cli
 
 NOW = datetime.now(UTC)
 ENGINE_CHECKS = {"engine llamacpp", "engine vllm", "engine sglang", "runtime docker", "gpus"}
@@ -662,12 +661,8 @@ def test_a_home_with_a_broken_agent_identity_fails_with_register_hint(tmp_path: 
 
 
 @pytest.mark.docker
-def test_docker_images_present_and_missing(tmp_path: Path) -> None:
-    client = docker_client_or_skip()
-    try:
-        present = llama_server_image(client)
-    finally:
-        client.close()
+def test_docker_images_present_and_missing(engine_image: str) -> None:
+    present = engine_image
     host = resolve_docker_host(None)
     images: dict[EngineName, str] = {"llamacpp": present, "vllm": "berth-test/absent:nope"}
 

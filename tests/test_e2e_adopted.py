@@ -17,16 +17,11 @@ import pytest
 
 from berth.runtime.bundled import smollm2_gguf
 from berth.runtime.engines import EngineBinaries, find_free_port
-from cluster_harness import Agent, Cluster, clean_env, cli
-from real_engine import real_engine_missing
+from support.cluster_harness import FAKE_ENGINE, Agent, Cluster, cli, started_cluster
 
-pytestmark = pytest.mark.slow
-
-if (_missing := real_engine_missing()) is not None:
-    pytest.skip(_missing, allow_module_level=True)
+pytestmark = [pytest.mark.slow, pytest.mark.needs("llama-server", "smollm2")]
 
 SERVED = "smol-outside"
-FAKE_ENGINE = Path(__file__).with_name("fake_llama_server.py")
 
 
 class OutsideServer:
@@ -55,23 +50,14 @@ class OutsideServer:
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    cluster = Cluster(tmp_path_factory.mktemp("e2e-adopted"), clean_env({}))
-    cluster.start()
-    try:
+def real_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    with started_cluster(tmp_path_factory.mktemp("e2e-adopted"), fake_engine=False) as cluster:
         yield cluster
-    finally:
-        cluster.close()
-
-
-def _listed(cluster: Cluster) -> list[str]:
-    with cluster.openai() as client:
-        return [model.id for model in client.models.list()]
 
 
 def _wait_listed(cluster: Cluster, name: str, present: bool, timeout_s: float) -> float:
     started = time.monotonic()
-    while (name in _listed(cluster)) != present:
+    while (name in cluster.served_models()) != present:
         if time.monotonic() - started > timeout_s:
             raise AssertionError(f"{name} {'not ' if present else ''}listed after {timeout_s} s")
         time.sleep(0.25)
@@ -87,51 +73,53 @@ def _chat(cluster: Cluster, model: str) -> str:
 
 
 def test_an_adopted_server_serves_drops_out_when_killed_and_comes_back(
-    cluster: Cluster, tmp_path: Path
+    real_cluster: Cluster, tmp_path: Path
 ) -> None:
-    agent: Agent = cluster.add_agent("gpu-a")
+    agent: Agent = real_cluster.add_agent("gpu-a")
     server = OutsideServer(find_free_port(), tmp_path / "outside.log")
     server.start()
     try:
         adopt = cli(agent.home, "agent", "adopt", "--port", str(server.port), "--model", SERVED,
-                    "--gpus", "0", env=cluster.env, timeout_s=60)  # fmt: skip
+                    "--gpus", "0", env=real_cluster.env, timeout_s=60)  # fmt: skip
         assert f"as {SERVED}" in adopt.stdout, adopt.stdout
-        _wait_listed(cluster, SERVED, True, 30)
-        assert _chat(cluster, SERVED).strip()
-        listed = json.loads(cli(agent.home, "agent", "adopted", "--json", env=cluster.env).stdout)
+        _wait_listed(real_cluster, SERVED, True, 30)
+        assert _chat(real_cluster, SERVED).strip()
+        listed = json.loads(
+            cli(agent.home, "agent", "adopted", "--json", env=real_cluster.env).stdout
+        )
         assert [(e["name"], e["alive"], e["gpus"]) for e in listed] == [(SERVED, True, [0])]
 
         server.kill()
-        gone_after_s = _wait_listed(cluster, SERVED, False, 30)
+        gone_after_s = _wait_listed(real_cluster, SERVED, False, 30)
         with pytest.raises(openai.APIStatusError) as refused:
-            _chat(cluster, SERVED)
+            _chat(real_cluster, SERVED)
         assert refused.value.status_code == 503
         assert f"adopted endpoint does not answer ({SERVED} on node" in str(refused.value)
 
         server.start()
-        _wait_listed(cluster, SERVED, True, 40)
-        assert _chat(cluster, SERVED).strip()
+        _wait_listed(real_cluster, SERVED, True, 40)
+        assert _chat(real_cluster, SERVED).strip()
         print(f"dropped out of /v1/models {gone_after_s:.1f} s after it was killed")
 
-        cli(agent.home, "agent", "unadopt", SERVED, env=cluster.env)
-        _wait_listed(cluster, SERVED, False, 20)
+        cli(agent.home, "agent", "unadopt", SERVED, env=real_cluster.env)
+        _wait_listed(real_cluster, SERVED, False, 20)
         assert server.process is not None and server.process.poll() is None  # never stopped
-        missing = cli(agent.home, "agent", "unadopt", SERVED, env=cluster.env, check=False)
+        missing = cli(agent.home, "agent", "unadopt", SERVED, env=real_cluster.env, check=False)
         assert missing.returncode != 0
         assert f"no adopted server is named '{SERVED}'" in missing.stderr
     finally:
         server.kill()
 
 
-def test_adopting_where_nothing_listens_is_refused_with_the_reason(cluster: Cluster) -> None:
+def test_adopting_where_nothing_listens_is_refused_with_the_reason(real_cluster: Cluster) -> None:
     port = find_free_port()
-    refused = cluster.berth("agent", "adopt", "--port", str(port), "--model", "x", check=False)
+    refused = real_cluster.berth("agent", "adopt", "--port", str(port), "--model", "x", check=False)
     assert refused.returncode != 0
     assert f"nothing answers at http://127.0.0.1:{port}/v1/models" in refused.stderr
-    assert not (cluster.leader_home / "adopted.yaml").exists()
+    assert not (real_cluster.leader_home / "adopted.yaml").exists()
 
 
-def test_the_leaders_own_host_adopts_too(cluster: Cluster) -> None:
+def test_the_leaders_own_host_adopts_too(real_cluster: Cluster) -> None:
     port = find_free_port()
     fake = subprocess.Popen(
         [sys.executable, str(FAKE_ENGINE), "-m", "x.gguf", "--port", str(port),
@@ -141,15 +129,16 @@ def test_the_leaders_own_host_adopts_too(cluster: Cluster) -> None:
     try:
         deadline = time.monotonic() + 10
         while True:
-            adopt = cluster.berth("agent", "adopt", "--port", str(port), "--model", "fake-outside",
-                                  "--name", "fake", check=False)  # fmt: skip
+            adopt = real_cluster.berth("agent", "adopt", "--port", str(port),
+                                       "--model", "fake-outside", "--name", "fake",
+                                       check=False)  # fmt: skip
             if adopt.returncode == 0 or time.monotonic() > deadline:
                 break
             time.sleep(0.2)
         assert adopt.returncode == 0, adopt.stderr
-        _wait_listed(cluster, "fake-outside", True, 30)
-        assert "fake llama-server" in _chat(cluster, "fake-outside")
+        _wait_listed(real_cluster, "fake-outside", True, 30)
+        assert "fake llama-server" in _chat(real_cluster, "fake-outside")
     finally:
         fake.kill()
         fake.wait()
-        cluster.berth("agent", "unadopt", "fake", check=False)
+        real_cluster.berth("agent", "unadopt", "fake", check=False)

@@ -15,38 +15,29 @@ import openai
 import pytest
 
 from berth.runtime.bundled import smollm2_gguf
-from cluster_harness import Cluster, clean_env
-from real_engine import real_engine_missing
+from support.cluster_harness import Cluster, started_cluster
 
-pytestmark = pytest.mark.slow
-
-
-if (_missing := real_engine_missing()) is not None:
-    pytest.skip(_missing, allow_module_level=True)
+pytestmark = [pytest.mark.slow, pytest.mark.needs("llama-server", "smollm2")]
 
 LABELS = ("gpu-a", "gpu-b")
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    cluster = Cluster(tmp_path_factory.mktemp("e2e-cluster"), clean_env({}))
-    cluster.start()
+def smollm2_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     model = smollm2_gguf()
     assert model is not None
-    try:
+    with started_cluster(tmp_path_factory.mktemp("e2e-cluster"), fake_engine=False) as cluster:
         for label in LABELS:
             agent = cluster.add_agent(label)
             cluster.deploy(f"smollm2-{label}", model, agent, "--ctx", "2048")
         yield cluster
-    finally:
-        cluster.close()
 
 
 @pytest.mark.parametrize("label", LABELS)
 def test_the_openai_sdk_streams_a_real_model_through_each_agent(
-    cluster: Cluster, label: str
+    smollm2_cluster: Cluster, label: str
 ) -> None:
-    with cluster.openai() as client:
+    with smollm2_cluster.openai() as client:
         stream = client.chat.completions.create(
             model=f"smollm2-{label}",
             messages=[{"role": "user", "content": "Say hello in three words."}],
@@ -62,33 +53,33 @@ def test_the_openai_sdk_streams_a_real_model_through_each_agent(
     assert usage is not None and usage.completion_tokens > 0
 
 
-def test_remove_cuts_a_live_agent_off(cluster: Cluster) -> None:
-    agent = cluster.agents["gpu-a"]
+def test_remove_cuts_a_live_agent_off(smollm2_cluster: Cluster) -> None:
+    agent = smollm2_cluster.agents["gpu-a"]
     assert agent.process is not None
     started = time.monotonic()
-    cluster.berth("nodes", "remove", "gpu-a")
+    smollm2_cluster.berth("nodes", "remove", "gpu-a")
     agent.process.wait(timeout=30)
     elapsed = time.monotonic() - started
     sys.stderr.write(f"agent exited {elapsed:.2f} s after 'berth nodes remove'\n")
     assert agent.process.returncode == 1
     agent.process = None
-    with cluster.http() as http:
+    with smollm2_cluster.http() as http:
         refused = http.post("/v1/chat/completions", json={"model": "smollm2-gpu-a", "messages": []})
     assert refused.status_code == 503
 
 
-def test_a_killed_agent_restarted_rejoins_and_serves(cluster: Cluster) -> None:
-    agent = cluster.agents["gpu-b"]
+def test_a_killed_agent_restarted_rejoins_and_serves(smollm2_cluster: Cluster) -> None:
+    agent = smollm2_cluster.agents["gpu-b"]
     assert agent.process is not None
     agent.process.send_signal(signal.SIGKILL)
     agent.process.wait()
-    cluster.wait_node(agent.node_id, "unreachable")
+    smollm2_cluster.wait_node(agent.node_id, "unreachable")
 
-    cluster.start_agent(agent)
+    smollm2_cluster.start_agent(agent)
 
     deadline = time.monotonic() + 30
     while True:
-        with cluster.openai() as client:
+        with smollm2_cluster.openai() as client:
             try:
                 answer = client.chat.completions.create(
                     model="smollm2-gpu-b",

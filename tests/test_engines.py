@@ -30,13 +30,6 @@ BINARIES = EngineBinaries(
 
 
 @pytest.fixture
-def gguf(tmp_path: Path) -> Path:
-    path = tmp_path / "smol.Q4.gguf"
-    path.write_bytes(b"GGUF")
-    return path
-
-
-@pytest.fixture
 def checkpoint(tmp_path: Path) -> Path:
     folder = tmp_path / "Qwen2.5-0.5B"
     folder.mkdir()

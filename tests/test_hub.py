@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -10,20 +9,10 @@ import pytest
 from berth.errors import BerthError, ConfigError, NotFoundError
 from berth.runtime.engines import find_free_port
 from berth.runtime.hub import model_dirname, pull_model, resolve_endpoint
-from hub_standin import HubStandin
+from support.hub_standin import TINY_FILES, HubStandin
 
 REPO = "berth-test/tiny-model"
-FILES = {
-    "config.json": b'{"architectures": ["LlamaForCausalLM"], "hidden_size": 8}\n',
-    "tiny.gguf": b"GGUF" + bytes(range(256)) * 64,
-}
-
-
-@pytest.fixture
-def hub() -> Iterator[HubStandin]:
-    with HubStandin() as standin:
-        standin.add_repo(REPO, FILES)
-        yield standin
+FILES = TINY_FILES  # REPO and these files: the shared hub fixture (conftest.py)
 
 
 @pytest.fixture
@@ -76,6 +65,7 @@ def test_pull_reads_the_endpoint_from_hf_endpoint(
 def test_pull_by_commit_and_with_progress_bars(
     hub: HubStandin, tmp_path: Path, cache_dir: Path
 ) -> None:
+    hub.requests.clear()  # the hub serves the whole module
     local = pull_model(
         REPO,
         revision=_commit(hub),

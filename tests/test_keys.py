@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import re
 import stat
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -26,13 +25,6 @@ from berth.store import Store
 @pytest.fixture
 def pepper(tmp_path: Path) -> bytes:
     return load_or_create_pepper(tmp_path / "key_pepper")
-
-
-@pytest.fixture
-def store(tmp_path: Path) -> Iterator[Store]:
-    with Store(f"sqlite:///{tmp_path / 'berth.db'}") as store:
-        store.migrate()
-        yield store
 
 
 def test_secrets_are_prefixed_random_and_distinct() -> None:
@@ -75,13 +67,59 @@ def test_damaged_pepper_is_refused(tmp_path: Path, content: bytes) -> None:
     assert caught.value.path == path
 
 
-def test_hash_is_hmac_hex_that_depends_on_the_pepper(pepper: bytes) -> None:
+# Known answers for hash_secret(secret, pepper) = HMAC-SHA256(key=pepper, msg=UTF-8 secret).
+# The first three are RFC 4231 section 4 test cases 1, 2 and 6 (the ones whose data is text);
+# the last two were computed with an independent implementation, OpenSSL:
+#   printf '%s' SECRET | openssl dgst -sha256 -mac HMAC -macopt hexkey:000102...1f
+# (the secret's UTF-8 bytes, printf '\xc3\xa9' for "é"; the pepper is bytes 0x00..0x1f).
+PEPPER_0_TO_31 = bytes(range(32))
+KNOWN_ANSWERS = [
+    pytest.param(
+        "Hi There",
+        b"\x0b" * 20,
+        "b0344c61d8db38535ca8afceaf0bf12b881dc200c9833da726e9376c2e32cff7",
+        id="rfc4231-case-1",
+    ),
+    pytest.param(
+        "what do ya want for nothing?",
+        b"Jefe",
+        "5bdcc146bf60754e6a042426089575c75a003f089d2739839dec58b964ec3843",
+        id="rfc4231-case-2",
+    ),
+    pytest.param(
+        "Test Using Larger Than Block-Size Key - Hash Key First",
+        b"\xaa" * 131,
+        "60e431591ee0b67f0d8a26aacbf5b77f8e0bc6213728c5140546040f0ee37f54",
+        id="rfc4231-case-6-long-key",
+    ),
+    pytest.param(
+        "sk-berth-AAAABBBBCCCCDDDDEEEEFFFFGGGGHHHH",
+        PEPPER_0_TO_31,
+        "4a9ce33e355b39716b02c02f1f56cdf55e374ffe7cd2e699d4c7d5846719825b",
+        id="berth-secret-openssl",
+    ),
+    pytest.param(
+        "sk-berth-été",
+        PEPPER_0_TO_31,
+        "ec105d60ac6e96f26e7c10ebf8d18ae5fc01d7393925d3800991c2158c5aea3f",
+        id="utf8-secret-openssl",
+    ),
+]
+
+
+@pytest.mark.parametrize(("secret", "pepper", "expected"), KNOWN_ANSWERS)
+def test_hash_is_hmac_sha256_of_the_secret_keyed_by_the_pepper(
+    secret: str, pepper: bytes, expected: str
+) -> None:
+    assert hash_secret(secret, pepper) == expected
+
+
+def test_hash_depends_on_the_pepper_and_hides_the_secret(pepper: bytes) -> None:
     secret = generate_secret()
 
     digest = hash_secret(secret, pepper)
 
     assert re.fullmatch(r"[0-9a-f]{64}", digest)
-    assert hash_secret(secret, pepper) == digest
     assert hash_secret(secret, bytes(32)) != digest
     assert secret not in digest
 

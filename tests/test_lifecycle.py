@@ -16,17 +16,11 @@ from berth.errors import ConfigError, ConflictError, EngineError, NotFoundError
 from berth.routing.errors import NoReadyDeploymentError
 from berth.store import Store
 from berth.store.states import DeploymentState
-from fakes import FakeLink
+from support.fakes import FakeLink
+from support.waiting import EVENT_TIMEOUT_S, wait_for_async
 
-
-@pytest.fixture
-def store(tmp_path: Path) -> Store:
-    store = Store(f"sqlite:///{tmp_path / 'berth.db'}")
-    store.migrate()
-    weights = tmp_path / "tiny.gguf"
-    weights.write_bytes(b"GGUF")
-    store.add_model("tiny", str(weights))
-    return store
+# The shared ``store`` fixture (conftest.py), with a model file that exists.
+pytestmark = pytest.mark.store_models(("tiny", "tiny.gguf"))
 
 
 @pytest.fixture
@@ -172,10 +166,11 @@ async def test_dead_engine_is_marked_failed_by_the_watcher(store: Store, link: F
         record = await manager.deploy(DeployOptions("tiny", "llamacpp", "local"))
         await manager.wait_settled(record.id, 5)
         link.running.pop(record.id)  # the engine dies behind berth's back
-        for _ in range(300):
-            if store.get_deployment(record.id).state is DeploymentState.FAILED:
-                break
-            await asyncio.sleep(0.01)
+        await wait_for_async(
+            lambda: store.get_deployment(record.id).state is DeploymentState.FAILED,
+            EVENT_TIMEOUT_S,
+            "the dead engine's deployment to fail",
+        )
         failed = store.get_deployment(record.id)
         assert failed.state is DeploymentState.FAILED
         assert "exited" in (failed.failure_reason or "")
@@ -197,10 +192,11 @@ async def test_a_hung_engine_is_failed_after_repeated_health_probes(
         await manager.wait_settled(record.id, 5)
         assert store.get_deployment(record.id).pid == 4242  # recorded at spawn
         link.hung.add(record.id)  # runs, but no longer answers health
-        for _ in range(300):
-            if store.get_deployment(record.id).state is DeploymentState.FAILED:
-                break
-            await asyncio.sleep(0.01)
+        await wait_for_async(
+            lambda: store.get_deployment(record.id).state is DeploymentState.FAILED,
+            EVENT_TIMEOUT_S,
+            "the hung engine's deployment to fail",
+        )
         failed = store.get_deployment(record.id)
         assert failed.state is DeploymentState.FAILED
         assert "health checks" in (failed.failure_reason or "")
@@ -215,10 +211,11 @@ async def test_the_engine_pid_is_recorded_while_it_loads(store: Store, link: Fak
     await manager.start()
     try:
         record = await manager.deploy(DeployOptions("tiny", "llamacpp", "local"))
-        for _ in range(100):
-            if store.get_deployment(record.id).pid is not None:
-                break
-            await asyncio.sleep(0.01)
+        await wait_for_async(
+            lambda: store.get_deployment(record.id).pid is not None,
+            EVENT_TIMEOUT_S,
+            "the engine's pid to be recorded",
+        )
         loading = store.get_deployment(record.id)
         assert loading.state is DeploymentState.LOADING and loading.pid == 4242
     finally:
@@ -250,11 +247,14 @@ async def test_a_docker_deployment_gets_the_engines_image_and_reports_progress(
     await manager.start()
     try:
         link.progress_line = "pulling example/llama:7: 1/3 layers done"
-        link.start_delay_s = 0.3
+        link.start_gate = asyncio.Event()  # the engine stays loading until the gate opens
         record = await manager.deploy(DeployOptions("tiny", "llamacpp", "local", runtime="docker"))
         assert (record.runtime, record.image) == ("docker", "example/llama:7")
-        await asyncio.sleep(0.1)
+        await wait_for_async(
+            lambda: manager.progress(record.id), EVENT_TIMEOUT_S, "progress while loading"
+        )
         assert manager.progress(record.id) == "pulling example/llama:7: 1/3 layers done"
+        link.start_gate.set()
         settled = await manager.wait_settled(record.id, 5)
         assert settled.state is DeploymentState.READY
         assert manager.progress(record.id) is None  # only while loading
@@ -333,10 +333,7 @@ async def test_a_deployment_whose_runtime_is_down_waits_to_be_reconciled(
             manager.candidates("tiny")  # not routed while unknown
         link.reattach_error = None  # Docker is back, the container still runs
         link.survivors = {record.id: EngineEndpoint(record.id, link.base_url, 4242, 9)}
-        for _ in range(100):
-            if manager.models():
-                break
-            await asyncio.sleep(0.02)
+        await wait_for_async(manager.models, EVENT_TIMEOUT_S, "the deployment to be reconciled")
         assert [u.deployment_id for u in manager.candidates("tiny")] == [record.id]
     finally:
         await manager.shutdown()

@@ -5,24 +5,17 @@ loopback behind the agent. Fast; ``test_cluster.py`` does the same over real TLS
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
-from berth.agent.core import HostFacts
-from berth.agent.service import AgentService
 from berth.cluster.connection import LinkConnection, RemoteOpError
-from berth.cluster.link import EngineReport
 from berth.cluster.protocol.errors import CloseCode, LinkError, ProtocolError
 from berth.cluster.protocol.frames import (
-    Heartbeat,
     Hello,
     Inventory,
-    Request,
     ResetCode,
     StreamOpen,
     StreamReset,
@@ -31,106 +24,13 @@ from berth.cluster.protocol.frames import (
 )
 from berth.cluster.protocol.ops import PROBE, NoArgs, Op, ProbeArgs
 from berth.cluster.protocol.session import LinkLimits, LinkSession, Role, WelcomeTerms
-from berth.cluster.remote_link import RemoteLink
 from berth.cluster.tunnel_stream import TunnelStream
 from berth.engine_http.errors import UpstreamConnectError
-from berth.errors import EngineError, NotFoundError
+from berth.errors import EngineError
 from berth.runtime.engines import DeploymentRequest
-from fakes import memory_socket_pair
-from standin_engine import StandinEngine, chat_chunks, json_reply, sse_reply
-
-DEPLOYMENT = "d-00000001"
-
-
-class FakeCore:
-    """The agent core's surface the service uses, over one stand-in engine."""
-
-    def __init__(self, port: int) -> None:
-        self.port = port
-        self.start_delay_s = 0.0
-        self.stopped: list[str] = []
-        self.requests: list[DeploymentRequest] = []
-
-    adopted = None
-
-    def engine_origin(self, deployment_id: str) -> tuple[str, int]:
-        if deployment_id != DEPLOYMENT:
-            raise NotFoundError("engine", deployment_id)
-        return "127.0.0.1", self.port
-
-    def host_facts(self) -> HostFacts:
-        return HostFacts("gpu-host", 8, 32000)
-
-    def gpus(self) -> list[Any]:
-        return []
-
-    def engines(self) -> list[EngineReport]:
-        return [EngineReport(DEPLOYMENT, 4321, self.port, True)]
-
-    async def start(
-        self, request: DeploymentRequest, timeout_s: float, on_spawned: Any, on_progress: Any
-    ) -> Any:
-        self.requests.append(request)
-        on_progress(f"pulling {request.image}: 3/7 layers done")
-        await on_spawned(4321, self.port)
-        await asyncio.sleep(self.start_delay_s)
-        return SimpleNamespace(pid=4321, port=self.port)
-
-    async def stop(self, deployment_id: str, grace_s: float) -> None:
-        self.stopped.append(deployment_id)
-
-    async def probe(self, deployment_id: str) -> str:
-        return "healthy"
-
-    async def logs(
-        self, deployment_id: str, *, tail_lines: int, follow: bool
-    ) -> AsyncIterator[bytes]:
-        yield b"engine line 1\n"
-        yield b"engine line 2\n"
-
-
-class LeaderSide:
-    def on_heartbeat(self, conn: LinkConnection, heartbeat: Heartbeat) -> None:
-        pass
-
-    async def on_request(self, conn: LinkConnection, request: Request) -> None:
-        pass
-
-    async def on_stream(self, conn: LinkConnection, stream: TunnelStream) -> None:
-        pass
-
-
-@dataclass
-class Linked:
-    link: RemoteLink
-    engine: StandinEngine
-    core: FakeCore
-    leader: LinkConnection
-    agent: LinkConnection
-
-
-@pytest.fixture
-async def linked() -> AsyncIterator[Linked]:
-    limits = LinkLimits(stream_window_bytes=64 * 1024)
-    async with StandinEngine() as engine:
-        core = FakeCore(engine.port)
-        service = AgentService(core, read_timeout_s=5.0)  # type: ignore[arg-type]
-        agent_ws, leader_ws = memory_socket_pair()
-        agent = LinkConnection(Role.AGENT, agent_ws, service, peer="leader", limits=limits)
-        leader = LinkConnection(Role.LEADER, leader_ws, LeaderSide(), peer="n-1", limits=limits)
-        terms = WelcomeTerms(node_id="n-1", leader_version="test")
-        _welcome, hello = await asyncio.gather(
-            agent.handshake(service.hello(), timeout_s=5.0),
-            leader.handshake(terms, timeout_s=5.0),
-        )
-        tasks = [asyncio.create_task(agent.run()), asyncio.create_task(leader.run())]
-        link = RemoteLink("n-1", leader, service.inventory(), hello.capabilities)
-        try:
-            yield Linked(link, engine, core, leader, agent)
-        finally:
-            await leader.close(1000, "test over")
-            await asyncio.gather(*tasks)
-            await service.close()
+from support.fakes import memory_socket_pair
+from support.link_pair import DEPLOYMENT, ENGINE_KEY, LeaderSide, Linked
+from support.standin_engine import chat_chunks, json_reply, sse_reply
 
 
 def _start_request() -> DeploymentRequest:
@@ -160,6 +60,7 @@ async def test_a_json_exchange_crosses_the_link(linked: Linked) -> None:
     received = linked.engine.requests[0]
     assert received.path == "/v1/chat/completions"
     assert received.headers["content-type"] == "application/json"
+    assert received.headers["authorization"] == f"Bearer {ENGINE_KEY}"  # the agent added it
 
 
 async def test_a_body_larger_than_the_window_arrives_whole(linked: Linked) -> None:

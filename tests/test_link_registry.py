@@ -7,7 +7,7 @@ from berth.cluster.link import AgentLink
 from berth.cluster.link_registry import LinkRegistry
 from berth.routing.resolver import Upstream
 from berth.routing.router import Router
-from fakes import FakeLink
+from support.fakes import FakeLink
 
 
 def test_attach_replace_and_detach_keep_one_link_per_node() -> None:

@@ -9,7 +9,6 @@ than before except by a clean reset to zero, and none grew by more than the requ
 
 from __future__ import annotations
 
-import os
 import subprocess
 import time
 from collections.abc import Iterator
@@ -18,7 +17,8 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from cluster_harness import Agent, Cluster, clean_env, fake_engine_wrapper
+from support.cluster_harness import Agent, Cluster, clean_env, fake_engine_wrapper
+from support.installed import stop_for_missing
 
 PROMTOOL = Path("/usr/bin/promtool")
 
@@ -37,13 +37,11 @@ def promtool() -> Path:
         "needs promtool (/usr/bin/promtool): apt-get install prometheus, "
         "or run scripts/setup.sh as root"
     )
-    if os.environ.get("CI", "").strip().lower() in ("1", "true", "yes"):
-        pytest.fail(f"promtool is missing in CI, where scripts/setup.sh installs it: {reason}")
-    pytest.skip(reason)
+    stop_for_missing("prometheus", reason)  # a skip here, a failure under CI=true
 
 
 @pytest.fixture
-def cluster(tmp_path: Path) -> Iterator[Cluster]:
+def restart_cluster(tmp_path: Path) -> Iterator[Cluster]:
     promtool()
     env = clean_env(
         {
@@ -146,26 +144,26 @@ def wait_linked(cluster: Cluster, agent: Agent, deployment: str) -> None:
 
 
 def test_series_keep_their_labels_and_counters_never_go_back(
-    cluster: Cluster, tmp_path: Path
+    restart_cluster: Cluster, tmp_path: Path
 ) -> None:
-    agent = cluster.add_agent("gpu-a")
-    deployment = cluster.deploy("tiny-remote", tmp_path / "tiny.gguf", agent)
-    chat(cluster, "tiny-remote", 4)
-    before = of_deployment(wait_requests(cluster, deployment, 4), deployment)
+    agent = restart_cluster.add_agent("gpu-a")
+    deployment = restart_cluster.deploy("tiny-remote", tmp_path / "tiny.gguf", agent)
+    chat(restart_cluster, "tiny-remote", 4)
+    before = of_deployment(wait_requests(restart_cluster, deployment, 4), deployment)
     assert before, "no series of the deployment before the restart"
 
-    restart_leader(cluster, agent, deployment)
-    chat(cluster, "tiny-remote", 3)
-    after = of_deployment(wait_requests(cluster, deployment, 3), deployment)
+    restart_leader(restart_cluster, agent, deployment)
+    chat(restart_cluster, "tiny-remote", 3)
+    after = of_deployment(wait_requests(restart_cluster, deployment, 3), deployment)
     assert sorted(after) == sorted(before)  # the same label sets, model="tiny-remote" included
     assert {dict(labels).get("model") for _name, labels in after} == {"tiny-remote"}
     assert_continuous(before, after, 3)
 
-    cluster.stop_agent(agent)  # its engine keeps running; the new agent counts from 0
-    cluster.start_agent(agent)
-    wait_linked(cluster, agent, deployment)
-    chat(cluster, "tiny-remote", 2)
-    again = of_deployment(wait_requests(cluster, deployment, 5), deployment)
+    restart_cluster.stop_agent(agent)  # its engine keeps running; the new agent counts from 0
+    restart_cluster.start_agent(agent)
+    wait_linked(restart_cluster, agent, deployment)
+    chat(restart_cluster, "tiny-remote", 2)
+    again = of_deployment(wait_requests(restart_cluster, deployment, 5), deployment)
     assert sorted(again) == sorted(after)
     assert_continuous(after, again, 2)
     for key, old in after.items():

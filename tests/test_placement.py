@@ -30,7 +30,10 @@ from berth.placement import (
 from berth.runtime.engines import DEFAULT_GPU_IMAGES, DEFAULT_IMAGES
 from berth.runtime.gpu import GpuInfo
 from berth.store import ModelRecord, Store
-from fakes import FakeLink
+from support.fakes import FakeLink
+
+# The shared ``store`` fixture (conftest.py), with this model.
+pytestmark = pytest.mark.store_models(("tiny", "tiny.gguf"))
 
 POLICY = PlacementPolicy(
     images={"llamacpp": "example/llama:7", "vllm": "example/vllm:1", "sglang": "example/sgl:2"},
@@ -346,14 +349,6 @@ def test_placement_is_a_pure_function_of_its_inputs() -> None:
 
 
 # -- the facts the lifecycle manager gathers -----------------------------------------------------
-
-
-@pytest.fixture
-def store(tmp_path: Path) -> Store:
-    store = Store(f"sqlite:///{tmp_path / 'berth.db'}")
-    store.migrate()
-    store.add_model("tiny", str(tmp_path / "tiny.gguf"))
-    return store
 
 
 @pytest.mark.parametrize(

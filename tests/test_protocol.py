@@ -292,16 +292,17 @@ def test_each_frame_becomes_its_event(receiver: str, frame: object, event: LinkE
 
 
 @pytest.mark.parametrize(
-    ("session", "frame", "event"),
+    ("role", "frame", "event"),
     [
-        (LinkSession(Role.LEADER), _hello(), HelloReceived(_hello())),
-        (LinkSession(Role.AGENT), WELCOME, WelcomeReceived(WELCOME)),
+        (Role.LEADER, _hello(), HelloReceived(_hello())),
+        (Role.AGENT, WELCOME, WelcomeReceived(WELCOME)),
     ],
     ids=["leader-hears-hello", "agent-hears-welcome"],
 )
 def test_the_first_frame_becomes_a_handshake_event(
-    session: LinkSession, frame: object, event: LinkEvent
+    role: Role, frame: object, event: LinkEvent
 ) -> None:
+    session = LinkSession(role)  # a new one per run: a session hears the first frame once
     assert session.receive_message(encode_frame(frame)) == event  # type: ignore[arg-type]
 
 

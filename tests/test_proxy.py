@@ -13,35 +13,10 @@ import pytest
 
 from berth.daemon.proxy import OpenAIProxy
 from berth.observability.metrics import ProxyMetrics
-from proxy_fixtures import StaticResolver, running_proxy, sample
-from standin_engine import Head, Reply, Stall, StandinEngine, Write, error_reply, json_reply
+from support.proxy_fixtures import StaticResolver, running_proxy, sample
+from support.standin_engine import Head, Reply, Stall, StandinEngine, Write, error_reply, json_reply
 
 M = {"model": "m", "deployment": "d-m", "node": "local"}
-
-
-@pytest.fixture
-async def engine() -> AsyncIterator[StandinEngine]:
-    async with StandinEngine() as standin:
-        yield standin
-
-
-@pytest.fixture
-def metrics() -> ProxyMetrics:
-    return ProxyMetrics()
-
-
-@pytest.fixture
-def resolver(engine: StandinEngine) -> StaticResolver:
-    routes = {"m": engine.base_url, "org/model:q4": engine.base_url}
-    return StaticResolver(routes, loading=("warming",))
-
-
-@pytest.fixture
-async def client(
-    resolver: StaticResolver, metrics: ProxyMetrics
-) -> AsyncIterator[httpx.AsyncClient]:
-    async with running_proxy(resolver, metrics) as url, httpx.AsyncClient(base_url=url) as c:
-        yield c
 
 
 def error_of(response: httpx.Response) -> dict[str, object]:

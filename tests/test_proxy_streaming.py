@@ -6,17 +6,16 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
-import time
-from collections.abc import AsyncIterator
+from collections.abc import Callable
 
 import httpx
-import pytest
 
 from berth.daemon.sse import split_events
 from berth.observability.metrics import ProxyMetrics
-from proxy_fixtures import StaticResolver, running_proxy, sample
-from standin_engine import (
+from support.proxy_fixtures import StaticResolver, running_proxy, sample
+from support.standin_engine import (
     Head,
+    ReceivedRequest,
     Reply,
     StandinEngine,
     Write,
@@ -25,37 +24,10 @@ from standin_engine import (
     sse_event,
     sse_reply,
 )
+from support.waiting import EVENT_TIMEOUT_S, wait_for_async
 
 M = {"model": "m", "deployment": "d-m", "node": "local"}
 STREAM_REQUEST = {"model": "m", "stream": True, "stream_options": {"include_usage": True}}
-
-
-@pytest.fixture
-async def engine() -> AsyncIterator[StandinEngine]:
-    async with StandinEngine() as standin:
-        yield standin
-
-
-@pytest.fixture
-def metrics() -> ProxyMetrics:
-    return ProxyMetrics()
-
-
-@pytest.fixture
-def resolver(engine: StandinEngine) -> StaticResolver:
-    return StaticResolver({"m": engine.base_url})
-
-
-@pytest.fixture
-async def proxy_url(resolver: StaticResolver, metrics: ProxyMetrics) -> AsyncIterator[str]:
-    async with running_proxy(resolver, metrics) as url:
-        yield url
-
-
-@pytest.fixture
-async def client(proxy_url: str) -> AsyncIterator[httpx.AsyncClient]:
-    async with httpx.AsyncClient(base_url=proxy_url) as c:
-        yield c
 
 
 async def stream_chunks(
@@ -199,19 +171,18 @@ async def open_stream_request(proxy_url: str) -> tuple[asyncio.StreamReader, asy
     return reader, writer
 
 
-async def test_a_client_leaving_mid_stream_closes_the_engine_request_within_a_second(
+async def test_a_client_leaving_mid_stream_closes_the_engine_request_before_it_ends(
     proxy_url: str, engine: StandinEngine, metrics: ProxyMetrics
 ) -> None:
     long_answer = chat_chunks(["word " * 200])
-    engine.script(sse_reply(long_answer, pause_s=0.02))
+    engine.script(sse_reply(long_answer, pause_s=0.05))  # 10 s, unless the request is closed
     reader, writer = await open_stream_request(proxy_url)
     await reader.readuntil(b"data: ")  # the stream has begun
     writer.close()
-    left_at = time.monotonic()
 
     record = engine.requests[0]
-    await asyncio.wait_for(record.disconnected.wait(), 1.0)
-    assert record.disconnected_at is not None and record.disconnected_at - left_at < 1.0
+    # How soon is measured by scripts/bench_disconnect.py; here: before the answer ended.
+    await asyncio.wait_for(record.disconnected.wait(), EVENT_TIMEOUT_S)
     assert not record.completed
     await _until(lambda: sample(metrics, "berth_proxy_in_flight_requests", **M) == 0)
     labels = {**M, "status_class": "2xx", "reason": "client_disconnected"}
@@ -226,7 +197,7 @@ async def test_a_client_leaving_before_the_first_byte_closes_the_engine_request(
     record = await engine.wait_for_request()
     writer.close()
 
-    await asyncio.wait_for(record.disconnected.wait(), 1.0)
+    await asyncio.wait_for(record.disconnected.wait(), EVENT_TIMEOUT_S)
     await _until(lambda: sample(metrics, "berth_proxy_in_flight_requests", **M) == 0)
     labels = {**M, "status_class": "4xx", "reason": "client_disconnected"}
     assert sample(metrics, "berth_proxy_errors_total", **labels) == 1
@@ -251,11 +222,8 @@ async def test_a_slow_client_slows_the_reading_from_the_engine(
     )
     record = await engine.wait_for_request()
 
-    await asyncio.sleep(0.5)  # the client reads nothing meanwhile
-    stalled_at = record.bytes_written
+    stalled_at = await until_stalled(record)  # the client reads nothing meanwhile
     assert stalled_at < count * len(event) / 2
-    await asyncio.sleep(0.2)
-    assert record.bytes_written - stalled_at <= 4 * len(event)  # it really stopped
 
     await reader.readuntil(b"\r\n\r\n")  # the answer's head
     received = 0
@@ -270,12 +238,37 @@ async def test_a_slow_client_slows_the_reading_from_the_engine(
     assert record.completed
 
 
-async def _until(condition: object, timeout_s: float = 1.0) -> None:
-    assert callable(condition)
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "condition not met in time"
-        await asyncio.sleep(0.005)
+async def _until(condition: Callable[[], object]) -> None:
+    await wait_for_async(condition, EVENT_TIMEOUT_S, "the proxy to count the request done")
+
+
+#: Turns of the event loop a stalled engine must sit through without writing a byte.
+STALL_TURNS = 50
+
+
+async def until_stalled(record: ReceivedRequest) -> int:
+    """Wait until the engine is held up by backpressure for good; the bytes it wrote.
+
+    Held up: its write waits for the client to take data (``record.writing``). For good: it
+    stays so, with no byte more written, over :data:`STALL_TURNS` polls; engine, proxy and
+    this test share one event loop, so between two polls the proxy had its turn to read
+    (and so to let the engine write on). A proxy without backpressure lets the engine
+    finish instead, which fails here.
+    """
+    still = 0
+    written = -1
+
+    def stalled() -> bool:
+        nonlocal still, written
+        assert not record.completed, "the engine wrote its whole answer to a client reading nothing"
+        if record.writing and record.bytes_written == written:
+            still += 1
+        else:
+            still, written = 0, record.bytes_written
+        return still >= STALL_TURNS
+
+    await wait_for_async(stalled, EVENT_TIMEOUT_S, "the engine to be held up", interval_s=0.01)
+    return written
 
 
 async def test_an_event_longer_than_the_hold_back_limit_is_relayed_before_it_ends(

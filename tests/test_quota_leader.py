@@ -14,12 +14,8 @@ from __future__ import annotations
 
 import csv
 import io
-import json
-import os
 import re
 import ssl
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
@@ -31,11 +27,12 @@ import httpx
 import pytest
 
 from berth.runtime.engines import find_free_port
-from fake_llama_server import USAGE
+from support.berth_cli import Berth, running_daemon
+from support.cluster_harness import TINY_GGUF_BYTES, clean_env, fake_engine_wrapper
+from support.fake_llama_server import USAGE
 
 openai = pytest.importorskip("openai")
 
-FAKE_ENGINE = Path(__file__).with_name("fake_llama_server.py")
 MODEL = "m"
 PER_REQUEST = USAGE[0] + USAGE[1]
 TIERS = """
@@ -43,71 +40,31 @@ TIERS = """
 priority = 20
 rpm = 3
 """
-
-
-class Berth:
-    """The real ``berth`` CLI for one home."""
-
-    def __init__(self, home: Path, env: dict[str, str]) -> None:
-        self.home = home
-        self.env = env
-
-    def __call__(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-        result = subprocess.run(
-            [sys.executable, "-m", "berth", "--home", str(self.home), *args],
-            capture_output=True,
-            text=True,
-            timeout=120,
-            env=self.env,
-        )
-        if check and result.returncode != 0:
-            raise AssertionError(
-                f"berth {' '.join(args)} exited {result.returncode}\n"
-                f"stdout: {result.stdout}\nstderr: {result.stderr}"
-            )
-        return result
-
-    def json(self, *args: str) -> Any:
-        return json.loads(self(*args, "--json").stdout)
-
-    def admin(self, method: str, path: str, **kwargs: Any) -> Any:
-        """Call the admin API over the daemon's socket (quicker than a CLI process)."""
-        transport = httpx.HTTPTransport(uds=str(self.home / "berth.sock"))
-        with httpx.Client(transport=transport, base_url="http://berth", timeout=30) as api:
-            response = api.request(method, path, **kwargs)
-        response.raise_for_status()
-        return response.json()
-
-    def fails(self, *args: str) -> str:
-        """Run a command that must fail with one ``error:`` line (exit 2); return it."""
-        result = self(*args, check=False)
-        assert result.returncode == 2, (result.returncode, result.stdout, result.stderr)
-        assert result.stderr.startswith("error: ") and result.stderr.count("\n") == 1
-        return result.stderr.strip()
+#: Exit code of a refusal of bad input (ConfigError).
+EXIT_CONFIG = 2
 
 
 @pytest.fixture(scope="module")
-def leader(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Berth, int]]:
+def quota_leader(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Berth, int]]:
+    """One daemon for the module, with the tier ``three`` (3 requests per minute) in its
+    config.toml and the fake engine serving ``m``."""
     work = tmp_path_factory.mktemp("quota")
-    wrapper = work / "llama-server"
-    wrapper.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{FAKE_ENGINE}" "$@"\n')
-    wrapper.chmod(0o755)
     model = work / "tiny.gguf"
-    model.write_bytes(b"GGUF" + bytes(60))
-    env = {k: v for k, v in os.environ.items() if not k.startswith("BERTH_")}
-    env.update({"BERTH_LLAMA_SERVER_BIN": str(wrapper), "BERTH_HEALTH_TIMEOUT_S": "30"})
-    env["COLUMNS"] = "200"  # rich tables at one width everywhere
-    berth = Berth(work / "home", env)
+    model.write_bytes(TINY_GGUF_BYTES)
+    env = clean_env(
+        {
+            "BERTH_LLAMA_SERVER_BIN": str(fake_engine_wrapper(work)),
+            "BERTH_HEALTH_TIMEOUT_S": "30",
+            "COLUMNS": "200",
+        }
+    )
+    berth = Berth(work / "home", env=env, cwd=work)
     berth.home.mkdir()
     (berth.home / "config.toml").write_text(TIERS)
-    port = find_free_port()
-    berth("daemon", "start", "--public-port", str(port), "--cluster-port", str(find_free_port()))
-    try:
+    with running_daemon(berth) as port:
         berth("models", "add", MODEL, "--path", str(model))
         berth("run", MODEL)
         yield berth, port
-    finally:
-        berth("daemon", "stop", check=False)
 
 
 class Clients:
@@ -150,9 +107,9 @@ def chat(client: Any, model: str = MODEL, **extra: Any) -> Any:
 
 
 def test_the_fourth_request_in_a_minute_gets_rate_limit_error_with_openais_headers(
-    leader: tuple[Berth, int], sdk: Clients, monkeypatch: pytest.MonkeyPatch
+    quota_leader: tuple[Berth, int], sdk: Clients, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    berth, port = leader
+    berth, port = quota_leader
     client = sdk(berth, port, create_key(berth, "three-a-minute", "--tier", "three"))
     answers = [chat(client) for _ in range(3)]
 
@@ -183,8 +140,10 @@ def test_the_fourth_request_in_a_minute_gets_rate_limit_error_with_openais_heade
     assert len(waits) == 1 and 17 < waits[0] <= 20
 
 
-def test_a_token_budget_stops_the_key_once_spent(leader: tuple[Berth, int], sdk: Clients) -> None:
-    berth, port = leader
+def test_a_token_budget_stops_the_key_once_spent(
+    quota_leader: tuple[Berth, int], sdk: Clients
+) -> None:
+    berth, port = quota_leader
     client = sdk(berth, port, create_key(berth, "budget", "--daily-tokens", str(PER_REQUEST + 1)))
     chat(client)  # under the budget before, over it after
     chat(client)
@@ -202,9 +161,9 @@ def test_a_token_budget_stops_the_key_once_spent(leader: tuple[Berth, int], sdk:
 
 
 def test_a_key_limited_to_one_model_gets_403_for_another(
-    leader: tuple[Berth, int], sdk: Clients
+    quota_leader: tuple[Berth, int], sdk: Clients
 ) -> None:
-    berth, port = leader
+    berth, port = quota_leader
     client = sdk(berth, port, create_key(berth, "one-model", "--models", MODEL))
     chat(client)
     with pytest.raises(openai.PermissionDeniedError) as caught:
@@ -214,8 +173,8 @@ def test_a_key_limited_to_one_model_gets_403_for_another(
     assert "may not use the model 'other-model'" in caught.value.message
 
 
-def test_an_expired_key_gets_401(leader: tuple[Berth, int], sdk: Clients) -> None:
-    berth, port = leader
+def test_an_expired_key_gets_401(quota_leader: tuple[Berth, int], sdk: Clients) -> None:
+    berth, port = quota_leader
     secret = create_key(berth, "short-lived")
     soon = datetime.now(UTC) + timedelta(seconds=2)
     berth.admin("PATCH", "/admin/keys/short-lived", json={"expires_at": soon.isoformat()})
@@ -235,9 +194,9 @@ def _direct_stream(berth: Berth, body: dict[str, object]) -> bytes:
 
 
 def test_the_ledger_equals_the_engines_usage_and_survives_a_restart(
-    leader: tuple[Berth, int], sdk: Clients
+    quota_leader: tuple[Berth, int], sdk: Clients
 ) -> None:
-    berth, port = leader
+    berth, port = quota_leader
     secret = create_key(berth, "ledger")
     client = sdk(berth, port, secret)
     body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stream": True}
@@ -278,7 +237,7 @@ def test_the_ledger_equals_the_engines_usage_and_survives_a_restart(
 
     berth("daemon", "stop")
     berth("daemon", "start", "--public-port", str(port), "--cluster-port", str(find_free_port()))
-    after = berth.json("usage", "--key", "ledger", "--by", "key")
+    after = berth.json("usage", "--key", "ledger", "--by", "key")  # read from the store
     assert after["rows"] == report["rows"]
     berth("run", MODEL)  # a clean stop stopped the engine; the next tests need it
 
@@ -290,9 +249,9 @@ def test_the_ledger_equals_the_engines_usage_and_survives_a_restart(
 
 
 def test_an_engine_without_usage_is_counted_as_an_estimate(
-    leader: tuple[Berth, int], sdk: Clients
+    quota_leader: tuple[Berth, int], sdk: Clients
 ) -> None:
-    berth, port = leader
+    berth, port = quota_leader
     client = sdk(berth, port, create_key(berth, "estimated"))
     chat(client, extra_body={"x_no_usage": True})
     list(
@@ -309,8 +268,8 @@ def test_an_engine_without_usage_is_counted_as_an_estimate(
     assert row["estimated_tokens"] == row["total_tokens"] > 0
 
 
-def test_keys_are_changed_listed_and_revoked_by_name(leader: tuple[Berth, int]) -> None:
-    berth, _ = leader
+def test_keys_are_changed_listed_and_revoked_by_name(quota_leader: tuple[Berth, int]) -> None:
+    berth, _ = quota_leader
     create_key(berth, "changing", "--tier", "three", "--tpm", "50k")
     changed = berth.json("key", "set", "changing", "--rpm", "unlimited", "--clear", "tpm")
     assert changed["limits"]["rpm"] is None and changed["limits"]["tpm"] is None
@@ -341,17 +300,19 @@ def test_keys_are_changed_listed_and_revoked_by_name(leader: tuple[Berth, int]) 
     ],
 )  # fmt: skip
 def test_bad_input_is_refused_with_the_reason(
-    leader: tuple[Berth, int], args: tuple[str, ...], reason: str
+    quota_leader: tuple[Berth, int], args: tuple[str, ...], reason: str
 ) -> None:
-    berth, _ = leader
-    assert reason in berth.fails(*args)
+    berth, _ = quota_leader
+    assert reason in berth.fails(*args, exit_code=EXIT_CONFIG)
 
 
 def test_a_malformed_tier_stops_the_start_naming_the_file_and_line(tmp_path: Path) -> None:
-    berth = Berth(tmp_path / "home", {k: v for k, v in os.environ.items() if k != "BERTH_HOME"})
+    berth = Berth(tmp_path / "home", env=clean_env({}), cwd=tmp_path)
     berth.home.mkdir()
     config = berth.home / "config.toml"
     config.write_text("[tiers.free]\nrpm = 3\ntpm = -5\n")
 
-    error = berth.fails("daemon", "start", "--public-port", "0", "--cluster-port", "0")
+    error = berth.fails(
+        "daemon", "start", "--public-port", "0", "--cluster-port", "0", exit_code=EXIT_CONFIG
+    )
     assert f"{config}:3: [tiers.free]: tpm must not be negative" in error

@@ -108,6 +108,33 @@ def test_nothing_ready_is_a_503_naming_every_service_tried() -> None:
     assert (status, headers) == (503, {"Retry-After": "2"})
 
 
+class Unready(Deployments):
+    """Like :class:`Deployments`; ``quiet`` has none ready and says nothing more, ``xl`` none
+    ready with a reason that starts with an X."""
+
+    def candidates(self, model: str) -> list[Upstream]:
+        if model == "quiet":
+            raise NoReadyDeploymentError(model, retry_after_s=3.0)
+        if model == "xl":
+            raise NoReadyDeploymentError(model, retry_after_s=3.0, detail="XL weights loading")
+        return super().candidates(model)
+
+
+def test_the_503_names_each_service_and_why_in_one_line() -> None:
+    routes = RouteResolver(Unready((), loading=("small-a",)))
+    routes.load(
+        (route("chat", ("quiet", 9), ("xl", 9), ("small-a", 5), fallback="backup"), ROUTES[1]),
+        ("quiet", "xl", "small-a", "tiny"),
+    )
+    with pytest.raises(NoReadyDeploymentError) as caught:
+        routes.candidates("chat")
+    assert str(caught.value) == (
+        "model 'chat' has no ready deployment: services: quiet (none ready), xl (XL weights "
+        "loading), small-a (loading); fallback route 'backup': tiny (not deployed)"
+    )
+    assert caught.value.retry_after_s == 2.0  # the shortest wait any service suggested
+
+
 def test_a_route_with_nothing_deployed_suggests_the_default_wait() -> None:
     with pytest.raises(NoReadyDeploymentError) as caught:
         resolver(()).candidates("backup")
@@ -128,6 +155,12 @@ def test_a_services_own_name_is_not_public(name: str) -> None:
         resolver(("big", "spare")).candidates(name)
     status, body, _ = error_from_exception(caught.value)
     assert status == 404 and b'"code":"model_not_found"' in body
+
+
+def test_a_services_own_name_is_refused_naming_it() -> None:
+    with pytest.raises(UnroutedServiceError) as caught:
+        resolver(("spare",)).candidates("spare")
+    assert (caught.value.kind, caught.value.ident) == ("model", "spare")
 
 
 def test_names_not_made_from_a_service_pass_through() -> None:

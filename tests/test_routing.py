@@ -1,18 +1,27 @@
-"""Routing decisions, pure: the scorer, affinity, retry classification; and the dispatch loop
-over fake attempts."""
+"""Routing decisions, pure: the scorer, affinity, retry classification; the dispatch loop
+over fake attempts; and ``max_attempts`` through the proxy and the settings."""
 
 from __future__ import annotations
 
+import contextlib
+
+import httpx
 import pytest
 
+from berth.config import Settings
 from berth.daemon.proxy_dispatch import first_answer
+from berth.errors import ConfigError
+from berth.observability.metrics import ProxyMetrics
+from berth.paths import BerthHome
 from berth.routing.affinity import AffinityMap, affinity_key
 from berth.routing.errors import EngineTimeoutError, EngineUnreachableError
 from berth.routing.resolver import Upstream
-from berth.routing.retry import AttemptFailure, classify
+from berth.routing.retry import DEFAULT_MAX_ATTEMPTS, AttemptFailure, classify
 from berth.routing.router import Router
 from berth.routing.scorer import Candidate, NodeSignals, rank
 from berth.routing.signals import SignalBoard
+from support.proxy_fixtures import running_proxy
+from support.standin_engine import StandinEngine, error_reply
 
 
 def _c(node: str, in_flight: int | None = 0, p95: float | None = None, **kw: int) -> Candidate:
@@ -140,8 +149,16 @@ def _u(node: str, deployment: str | None = None) -> Upstream:
     return Upstream(f"http://{node}", deployment or f"d-{node}", node, "m")
 
 
-async def _dispatch(plan: list[Upstream], outcomes: dict[str, object], attempts: int = 3):  # type: ignore[no-untyped-def]
-    tried: list[str] = []
+async def _dispatch(
+    plan: list[Upstream],
+    outcomes: dict[str, object],
+    attempts: int = 3,
+    tried: list[str] | None = None,
+):  # type: ignore[no-untyped-def]
+    """``first_answer`` over ``plan`` where each deployment's attempt raises or answers as
+    ``outcomes`` says; the result, the deployments tried in order (also in ``tried``, kept
+    when the dispatch raises) and the signal board."""
+    tried = [] if tried is None else tried
     board = SignalBoard()
 
     async def attempt(upstream: Upstream) -> FakeAnswer:
@@ -177,14 +194,98 @@ async def test_retries_go_to_other_nodes_and_stop_at_max_attempts() -> None:
     a1, a2, b, c = _u("a", "d-a1"), _u("a", "d-a2"), _u("b"), _u("c")
     down = {d: EngineTimeoutError(u, 1.0) for d, u in
             (("d-a1", a1), ("d-a2", a2), ("d-b", b), ("d-c", c))}  # fmt: skip
-    with pytest.raises(EngineTimeoutError):
-        await _dispatch([a1, a2, b, c], down, attempts=2)  # type: ignore[arg-type]
+    tried: list[str] = []
+    with pytest.raises(EngineTimeoutError) as raised:
+        await _dispatch([a1, a2, b, c], down, attempts=2, tried=tried)  # type: ignore[arg-type]
+    # One try per node (a2 is on a1's node), two in all (c is never tried) ...
+    assert tried == ["d-a1", "d-b"]
+    # ... and the error that stands is the last attempt's.
+    assert raised.value.upstream == b
+
+
+@pytest.mark.parametrize(
+    ("max_attempts", "expected"),
+    [
+        (1, ["d-a1"]),  # 1: no retry
+        (2, ["d-a1", "d-b"]),
+        (3, ["d-a1", "d-b", "d-c"]),
+        (10, ["d-a1", "d-b", "d-c"]),  # more attempts than nodes: each node once
+    ],
+)
+async def test_max_attempts_caps_the_tries_and_each_node_is_tried_once(
+    max_attempts: int, expected: list[str]
+) -> None:
+    a1, a2, b, a3, c = _u("a", "d-a1"), _u("a", "d-a2"), _u("b"), _u("a", "d-a3"), _u("c")
+    refused = {u.deployment_id: EngineUnreachableError(u, "refused") for u in (a1, a2, b, a3, c)}
+    tried: list[str] = []
+    with pytest.raises(EngineUnreachableError) as raised:
+        await _dispatch([a1, a2, b, a3, c], refused, attempts=max_attempts, tried=tried)  # type: ignore[arg-type]
+    assert tried == expected
+    assert raised.value.upstream.deployment_id == expected[-1]
+
+
+@pytest.mark.parametrize("max_attempts", [1, 2])
+async def test_the_last_allowed_attempt_s_503_is_the_answer(max_attempts: int) -> None:
+    a, b, c = _u("a"), _u("b"), _u("c")
+    tried: list[str] = []
+    outcomes = {"d-a": 503, "d-b": 503, "d-c": 200}
+    (chosen, answer), _, board = await _dispatch(
+        [a, b, c], outcomes, attempts=max_attempts, tried=tried
+    )
+    assert tried == ["d-a", "d-b"][:max_attempts]
+    assert answer.status == 503 and chosen.deployment_id == tried[-1]
+    assert not answer.closed  # the answer that stands is relayed, not closed
+    assert board.node_in_flight(chosen.node_id) == 1  # the caller finishes it
 
 
 async def test_the_last_attempts_answer_stands() -> None:
     a, b = _u("a"), _u("b")
     (chosen, answer), tried, _ = await _dispatch([a, b], {"d-a": 503, "d-b": 502})
     assert chosen == b and answer.status == 502 and tried == ["d-a", "d-b"]
+
+
+# -- max_attempts through the proxy and the settings ----------------------------------------------
+
+
+class ThreeNodes:
+    """Model ``m`` on three engines, each on a node of its own."""
+
+    def __init__(self, engines: list[StandinEngine]) -> None:
+        self.upstreams = [
+            Upstream(e.base_url, f"d-{i}", f"n-{i}", "m") for i, e in enumerate(engines)
+        ]
+
+    def candidates(self, model: str) -> list[Upstream]:
+        return list(self.upstreams)
+
+    def models(self) -> list[str]:
+        return ["m"]
+
+
+@pytest.mark.parametrize(("options", "tries"), [({}, 3), ({"max_attempts": 2}, 2)])
+async def test_the_proxy_tries_at_most_max_attempts_nodes(
+    options: dict[str, int], tries: int, metrics: ProxyMetrics
+) -> None:
+    busy = error_reply(503, "loading model", type="unavailable_error")
+    async with contextlib.AsyncExitStack() as stack:
+        engines = [await stack.enter_async_context(StandinEngine(busy)) for _ in range(3)]
+        url = await stack.enter_async_context(
+            running_proxy(ThreeNodes(engines), metrics, **options)  # type: ignore[arg-type]
+        )
+        http = await stack.enter_async_context(httpx.AsyncClient(base_url=url))
+        answer = await http.post("/v1/chat/completions", json={"model": "m", "messages": []})
+    assert answer.status_code == 503  # the last attempt's answer stands
+    assert sorted(len(e.requests) for e in engines) == [0] * (3 - tries) + [1] * tries
+
+
+def test_max_attempts_is_a_setting_from_1_to_10(home: BerthHome) -> None:
+    assert Settings.load(home, env={}).max_attempts == DEFAULT_MAX_ATTEMPTS == 3
+    assert Settings.load(home, env={"BERTH_MAX_ATTEMPTS": "1"}).max_attempts == 1
+    home.config_file.write_text("[server]\nmax_attempts = 10\n")
+    assert Settings.load(home, env={}).max_attempts == 10
+    for refused in ("0", "11"):
+        with pytest.raises(ConfigError, match="BERTH_MAX_ATTEMPTS"):
+            Settings.load(home, env={"BERTH_MAX_ATTEMPTS": refused})
 
 
 # -- the router ----------------------------------------------------------------------------------

@@ -12,42 +12,35 @@ from __future__ import annotations
 import json
 import signal
 import threading
-import time
 from collections.abc import Iterator
 
 import httpx
 import pytest
 
-from cluster_harness import Cluster, clean_env, fake_engine_wrapper, served_by_node
+from support.cluster_harness import Cluster, served_by_node, started_cluster
+from support.fake_llama_server import HOLDING
+from support.waiting import EVENT_TIMEOUT_S, wait_for
 
 MODEL = "shared"
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    root = tmp_path_factory.mktemp("routing")
-    wrapper = fake_engine_wrapper(root)
-    (root / "shared.gguf").write_bytes(b"GGUF" + bytes(60))
-    env = clean_env(
-        {
-            "BERTH_LLAMA_SERVER_BIN": str(wrapper),
-            "BERTH_STOP_GRACE_S": "5",
-            "BERTH_HEARTBEAT_INTERVAL_S": "0.5",
-            "BERTH_NODE_TIMEOUT_S": "2",
-        }
-    )
-    cluster = Cluster(root, env)
-    cluster.start()
-    try:
+def routing_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    # Not what is tested here: the killed agent's link drops at once (its sockets close), so
+    # generous heartbeats lose nothing and a loaded machine does not drop the other link.
+    settings = {
+        "BERTH_STOP_GRACE_S": "5",
+        "BERTH_HEARTBEAT_INTERVAL_S": "1",
+        "BERTH_NODE_TIMEOUT_S": "30",
+    }
+    with started_cluster(tmp_path_factory.mktemp("routing"), settings) as cluster:
         for label in ("gpu-a", "gpu-b"):
             agent = cluster.add_agent(label)
-            cluster.berth("models", "add", MODEL, str(root / "shared.gguf"), "--node", label)
+            cluster.berth("models", "add", MODEL, str(cluster.root / "tiny.gguf"), "--node", label)
             ran = cluster.berth("run", MODEL, "--engine", "llamacpp", "--node", label)
             assert "ready" in ran.stdout, ran.stdout
             assert agent.process is not None
         yield cluster
-    finally:
-        cluster.close()
 
 
 def _chat(http: httpx.Client, session: str | None = None, **extra: object) -> httpx.Response:
@@ -56,37 +49,51 @@ def _chat(http: httpx.Client, session: str | None = None, **extra: object) -> ht
     return http.post("/v1/chat/completions", json=body, headers=headers)
 
 
-def test_one_session_stays_on_one_node_and_sessions_spread(cluster: Cluster) -> None:
-    before = served_by_node(cluster, MODEL)
-    with cluster.http() as http:
+def test_one_session_stays_on_one_node_and_sessions_spread(routing_cluster: Cluster) -> None:
+    before = served_by_node(routing_cluster, MODEL)
+    with routing_cluster.http() as http:
         for _ in range(6):
             assert _chat(http, "conversation-1").status_code == 200
-    pinned = served_by_node(cluster, MODEL) - before
+    pinned = served_by_node(routing_cluster, MODEL) - before
     assert len(pinned) == 1 and sum(pinned.values()) == 6, pinned
 
-    before = served_by_node(cluster, MODEL)
-    with cluster.http() as http:
-        for i in range(8):
-            assert _chat(http, f"s-{i}").status_code == 200
-    spread = served_by_node(cluster, MODEL) - before
+    # Eight new sessions at once, each held a second by its engine: the leader counts them in
+    # flight, so they spread by load whatever the nodes' recent latencies (one after another,
+    # a node that happened to answer faster on a loaded machine would take them all).
+    before = served_by_node(routing_cluster, MODEL)
+    statuses: list[int] = []
+
+    def one_session(i: int) -> None:
+        with routing_cluster.http(timeout_s=60) as http:
+            statuses.append(_chat(http, f"s-{i}", x_head_delay_s=1).status_code)
+
+    threads = [threading.Thread(target=one_session, args=(i,)) for i in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert statuses == [200] * 8, statuses
+    spread = served_by_node(routing_cluster, MODEL) - before
     assert len(spread) == 2, f"eight sessions all went to one node: {spread}"
 
-    explained = cluster.admin("GET", f"/admin/routing/{MODEL}?session=conversation-1")
+    explained = routing_cluster.admin("GET", f"/admin/routing/{MODEL}?session=conversation-1")
     assert explained["candidates"][0]["affinity_hit"] is True
-    table = cluster.berth("routing", MODEL, "--session", "conversation-1").stdout
+    table = routing_cluster.berth("routing", MODEL, "--session", "conversation-1").stdout
     assert "affinity hit" in table and "no affinity" in table
     assert {c["node_id"] for c in explained["candidates"]} == {
-        cluster.agents["gpu-a"].node_id,
-        cluster.agents["gpu-b"].node_id,
+        routing_cluster.agents["gpu-a"].node_id,
+        routing_cluster.agents["gpu-b"].node_id,
     }
 
 
-def test_a_killed_node_s_waiting_requests_succeed_elsewhere(cluster: Cluster) -> None:
+def test_a_killed_node_s_waiting_requests_succeed_elsewhere(routing_cluster: Cluster) -> None:
     session = "doomed"
-    with cluster.http() as http:
+    with routing_cluster.http() as http:
         assert _chat(http, session).status_code == 200
-    pinned = cluster.admin("GET", f"/admin/routing/{MODEL}?session={session}")["affinity_node"]
-    (victim,) = [a for a in cluster.agents.values() if a.node_id == pinned]
+    pinned = routing_cluster.admin("GET", f"/admin/routing/{MODEL}?session={session}")[
+        "affinity_node"
+    ]
+    (victim,) = [a for a in routing_cluster.agents.values() if a.node_id == pinned]
 
     results: list[int] = []
     stream_tail: list[str] = []
@@ -95,29 +102,46 @@ def test_a_killed_node_s_waiting_requests_succeed_elsewhere(cluster: Cluster) ->
         body = {"model": MODEL, "messages": [], "stream": True, "x_events": 400,
                 "x_event_delay_s": 0.05}  # fmt: skip
         with (
-            cluster.http(timeout_s=60) as http,
+            routing_cluster.http(timeout_s=60) as http,
             http.stream("POST", "/v1/chat/completions", json=body,
                         headers={"X-Session-Id": session}) as response,
         ):  # fmt: skip
-            stream_tail.extend(response.iter_lines())
+            for line in response.iter_lines():
+                stream_tail.append(line)
 
-    victim_port = next(
-        r["port"] for r in cluster.admin("GET", "/admin/deployments")
+    victim_deployment = next(
+        r for r in routing_cluster.admin("GET", "/admin/deployments")
         if r["node_id"] == victim.node_id and r["state"] == "ready"
     )  # fmt: skip
+    victim_port = victim_deployment["port"]
+    victim_log = victim.home / "logs" / f"engine-{victim_deployment['id']}.log"
+
+    def held_by_the_victim() -> int:
+        """Requests the victim's engine holds before answering (it logs each one)."""
+        return victim_log.read_text().count(HOLDING)
 
     def waiting() -> None:
-        with cluster.http(timeout_s=60) as http:
+        with routing_cluster.http(timeout_s=60) as http:
             answer = _chat(http, session, x_head_delay_s=30, x_head_delay_port=victim_port)
             results.append(answer.status_code)
 
     streamer = threading.Thread(target=streaming)
     streamer.start()
-    time.sleep(0.5)  # the stream is flowing from the victim
+    wait_for(
+        lambda: any(line.startswith("data: ") for line in stream_tail),
+        EVENT_TIMEOUT_S,
+        "the stream to flow from the victim",
+    )
+    held_before = held_by_the_victim()
     waiters = [threading.Thread(target=waiting) for _ in range(3)]
     for thread in waiters:
         thread.start()
-    time.sleep(0.5)  # they wait for their first byte on the victim's engine
+    wait_for(
+        lambda: held_by_the_victim() - held_before == 3,
+        EVENT_TIMEOUT_S,
+        "three requests to wait for their first byte in the victim's engine",
+    )
+    assert not results  # none answered yet: each is retried after the kill
     assert victim.process is not None
     victim.process.send_signal(signal.SIGKILL)
     victim.process.wait()
@@ -128,11 +152,11 @@ def test_a_killed_node_s_waiting_requests_succeed_elsewhere(cluster: Cluster) ->
     events = [line for line in stream_tail if line.startswith("data: ")]
     assert events[-1] == "data: [DONE]"
     assert any('"error"' in line for line in events[-3:]), events[-3:]
-    cluster.wait_node(victim.node_id, "unreachable")
+    routing_cluster.wait_node(victim.node_id, "unreachable")
     victim.process = None
     # The session now lives where it was retried, and the loss is in the audit log.
-    explained = cluster.admin("GET", f"/admin/routing/{MODEL}?session={session}")
+    explained = routing_cluster.admin("GET", f"/admin/routing/{MODEL}?session={session}")
     assert explained["affinity_node"] not in (None, victim.node_id)
-    audit = (cluster.leader_home / "logs" / "audit.log").read_text().splitlines()
+    audit = (routing_cluster.leader_home / "logs" / "audit.log").read_text().splitlines()
     lost = [json.loads(line) for line in audit if '"node.lost"' in line]
     assert any(e["node_id"] == victim.node_id and e["label"] == victim.label for e in lost)

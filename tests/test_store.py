@@ -5,8 +5,8 @@ from __future__ import annotations
 import re
 import sqlite3
 import threading
-from collections.abc import Callable, Iterator
-from datetime import UTC, datetime, timedelta
+from collections.abc import Callable
+from datetime import UTC
 from pathlib import Path
 
 import pytest
@@ -51,28 +51,8 @@ PATH_TO = {
 }
 
 
-class FakeClock:
-    """Advances one second per reading, so creation order is unambiguous."""
-
-    def __init__(self) -> None:
-        self.now = datetime(2025, 1, 1, tzinfo=UTC)
-
-    def __call__(self) -> datetime:
-        self.now += timedelta(seconds=1)
-        return self.now
-
-
-@pytest.fixture
-def db_url(tmp_path: Path) -> str:
-    return f"sqlite:///{tmp_path / 'state' / 'berth.db'}"
-
-
-@pytest.fixture
-def store(db_url: str) -> Iterator[Store]:
-    with Store(db_url, clock=FakeClock()) as store:
-        store.migrate()
-        store.add_model("tiny", "/models/tiny.gguf", size_bytes=1234)
-        yield store
+# The shared ``store`` fixture (conftest.py), with this model.
+pytestmark = pytest.mark.store_models(("tiny", "/models/tiny.gguf", 1234))
 
 
 @pytest.fixture

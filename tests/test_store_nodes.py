@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -22,14 +21,6 @@ HARDWARE = NodeHardware(
         GpuInfo(1, "NVIDIA H200", "GPU-1", 143_000, 0, None),
     ),
 )
-
-
-@pytest.fixture
-def store(tmp_path: Path) -> Iterator[Store]:
-    with Store(f"sqlite:///{tmp_path / 'berth.db'}") as store:
-        store.migrate()
-        store.ensure_local_node()
-        yield store
 
 
 def test_local_node_exists_once_and_cannot_be_removed(store: Store) -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -12,19 +11,12 @@ from berth.errors import ConfigError, ConflictError, NotFoundError
 from berth.store import RouteTarget, Store
 from berth.store.states import DeploymentState
 
-
-@pytest.fixture
-def store(tmp_path: Path) -> Iterator[Store]:
-    with Store(f"sqlite:///{tmp_path / 'berth.db'}") as store:
-        store.migrate()
-        store.ensure_local_node()
-        store.add_model("tiny", "/models/tiny.gguf")
-        store.add_model("big", "/models/big")
-        yield store
+# The shared ``store`` fixture (conftest.py), with these models.
+pytestmark = pytest.mark.store_models(("tiny", "/models/tiny.gguf"), ("big", "/models/big"))
 
 
 @pytest.fixture
-def services(store: Store) -> Store:
+def store_with_services(store: Store) -> Store:
     """The store with services a, b, c (on model tiny) and d (on big)."""
     for name in ("a", "b", "c"):
         store.create_service_profile(name, "tiny", "llamacpp", "process")
@@ -89,10 +81,10 @@ def test_a_removed_node_is_not_a_valid_label(store: Store) -> None:
         store.create_service_profile("s", "tiny", "llamacpp", "process", node_label="gpu-a")
 
 
-def test_a_taken_service_name_is_a_conflict(services: Store) -> None:
+def test_a_taken_service_name_is_a_conflict(store_with_services: Store) -> None:
     with pytest.raises(ConflictError, match="service 'a' already exists"):
-        services.create_service_profile("a", "big", "vllm", "process")
-    assert services.get_service_profile("a").model_name == "tiny"
+        store_with_services.create_service_profile("a", "big", "vllm", "process")
+    assert store_with_services.get_service_profile("a").model_name == "tiny"
 
 
 def test_unknown_service_is_not_found(store: Store) -> None:
@@ -102,55 +94,55 @@ def test_unknown_service_is_not_found(store: Store) -> None:
         store.delete_service_profile("x")
 
 
-def test_a_model_a_service_uses_cannot_be_removed(services: Store) -> None:
+def test_a_model_a_service_uses_cannot_be_removed(store_with_services: Store) -> None:
     with pytest.raises(ConflictError, match=r"model 'big' is used by service\(s\) d"):
-        services.remove_model("big")
-    services.delete_service_profile("d")
-    services.remove_model("big")
+        store_with_services.remove_model("big")
+    store_with_services.delete_service_profile("d")
+    store_with_services.remove_model("big")
 
 
-def test_a_service_with_an_active_deployment_cannot_be_deleted(services: Store) -> None:
-    deployment = services.create_deployment(
+def test_a_service_with_an_active_deployment_cannot_be_deleted(store_with_services: Store) -> None:
+    deployment = store_with_services.create_deployment(
         "tiny", "llamacpp", "process", "local", served_model_name="a"
     )
     with pytest.raises(ConflictError, match=rf"active deployment\(s\) {deployment.id}"):
-        services.delete_service_profile("a")
-    services.transition_deployment(deployment.id, DeploymentState.FAILED)
-    assert services.delete_service_profile("a").name == "a"
+        store_with_services.delete_service_profile("a")
+    store_with_services.transition_deployment(deployment.id, DeploymentState.FAILED)
+    assert store_with_services.delete_service_profile("a").name == "a"
 
 
-def test_route_targets_come_highest_priority_first(services: Store) -> None:
-    services.add_route("chat", "b", priority=5)
-    services.add_route("chat", "c", priority=10)
-    route = services.add_route("chat", "a", priority=5)
+def test_route_targets_come_highest_priority_first(store_with_services: Store) -> None:
+    store_with_services.add_route("chat", "b", priority=5)
+    store_with_services.add_route("chat", "c", priority=10)
+    route = store_with_services.add_route("chat", "a", priority=5)
 
     assert route.targets == (RouteTarget("c", 10), RouteTarget("a", 5), RouteTarget("b", 5))
-    assert services.get_route("chat") == route
-    assert [r.name for r in services.list_routes()] == ["chat"]
+    assert store_with_services.get_route("chat") == route
+    assert [r.name for r in store_with_services.list_routes()] == ["chat"]
 
 
 def test_a_used_service_cannot_be_deleted_and_the_error_names_the_routes(
-    services: Store,
+    store_with_services: Store,
 ) -> None:
-    services.add_route("chat", "a")
-    services.add_route("code", "a")
+    store_with_services.add_route("chat", "a")
+    store_with_services.add_route("code", "a")
     with pytest.raises(ConflictError, match=r"used by route\(s\) chat, code"):
-        services.delete_service_profile("a")
-    assert services.get_service_profile("a").name == "a"
+        store_with_services.delete_service_profile("a")
+    assert store_with_services.get_service_profile("a").name == "a"
 
 
-def test_route_refusals(services: Store) -> None:
-    services.add_route("chat", "a")
+def test_route_refusals(store_with_services: Store) -> None:
+    store_with_services.add_route("chat", "a")
     with pytest.raises(NotFoundError, match="service 'nope' not found"):
-        services.add_route("chat", "nope")
+        store_with_services.add_route("chat", "nope")
     with pytest.raises(ConflictError, match="service 'a' is already behind route 'chat'"):
-        services.add_route("chat", "a", priority=3)
+        store_with_services.add_route("chat", "a", priority=3)
     with pytest.raises(NotFoundError, match="route 'nope' not found"):
-        services.add_route("code", "b", fallback="nope")
+        store_with_services.add_route("code", "b", fallback="nope")
     with pytest.raises(NotFoundError, match="route 'nope' not found"):
-        services.get_route("nope")
+        store_with_services.get_route("nope")
     # A refused call leaves nothing half-made: no route "code" without a target.
-    assert [r.name for r in services.list_routes()] == ["chat"]
+    assert [r.name for r in store_with_services.list_routes()] == ["chat"]
 
 
 @pytest.mark.parametrize(
@@ -163,64 +155,68 @@ def test_route_refusals(services: Store) -> None:
     ],
 )
 def test_a_fallback_that_would_loop_is_refused(
-    services: Store, chain: list[str], fallback_of: str, to: str, loop: str | None
+    store_with_services: Store, chain: list[str], fallback_of: str, to: str, loop: str | None
 ) -> None:
     """Routes a, b, c each on service a; ``chain`` sets b -> c -> a ... then ``fallback_of``
     is pointed at ``to``."""
     for name in ("a", "b", "c"):
-        services.add_route(name, "a")
+        store_with_services.add_route(name, "a")
     for here, there in itertools.pairwise(chain):
-        services.set_route_fallback(here, there)
+        store_with_services.set_route_fallback(here, there)
     if loop is None:
-        assert services.set_route_fallback(fallback_of, to).fallback == to
+        assert store_with_services.set_route_fallback(fallback_of, to).fallback == to
         return
     with pytest.raises(ConfigError, match=f"would loop \\({loop}\\)"):
-        services.set_route_fallback(fallback_of, to)
+        store_with_services.set_route_fallback(fallback_of, to)
     with pytest.raises(ConfigError, match="would loop"):
-        services.add_route(fallback_of, "b", fallback=to)
-    assert services.get_route(fallback_of).fallback is None
+        store_with_services.add_route(fallback_of, "b", fallback=to)
+    assert store_with_services.get_route(fallback_of).fallback is None
 
 
-def test_a_fallback_given_again_replaces_the_first_and_can_be_cleared(services: Store) -> None:
-    services.add_route("small", "a")
-    services.add_route("tiny", "b")
-    services.add_route("chat", "c", fallback="small")
-    assert services.add_route("chat", "d", fallback="tiny").fallback == "tiny"
-    assert services.add_route("chat", "a").fallback == "tiny"  # no --fallback: unchanged
-    assert services.set_route_fallback("chat", None).fallback is None
+def test_a_fallback_given_again_replaces_the_first_and_can_be_cleared(
+    store_with_services: Store,
+) -> None:
+    store_with_services.add_route("small", "a")
+    store_with_services.add_route("tiny", "b")
+    store_with_services.add_route("chat", "c", fallback="small")
+    assert store_with_services.add_route("chat", "d", fallback="tiny").fallback == "tiny"
+    assert store_with_services.add_route("chat", "a").fallback == "tiny"  # no --fallback: unchanged
+    assert store_with_services.set_route_fallback("chat", None).fallback is None
 
 
-def test_removing_targets_then_the_route(services: Store) -> None:
-    services.add_route("chat", "a", priority=2)
-    services.add_route("chat", "b")
+def test_removing_targets_then_the_route(store_with_services: Store) -> None:
+    store_with_services.add_route("chat", "a", priority=2)
+    store_with_services.add_route("chat", "b")
 
-    left = services.remove_route("chat", "a")
+    left = store_with_services.remove_route("chat", "a")
     assert left is not None and left.targets == (RouteTarget("b", 0),)
     with pytest.raises(NotFoundError, match="service 'a' is not behind route 'chat'"):
-        services.remove_route("chat", "a")
-    assert services.remove_route("chat", "b") is None  # the last target takes the route along
+        store_with_services.remove_route("chat", "a")
+    assert (
+        store_with_services.remove_route("chat", "b") is None
+    )  # the last target takes the route along
     with pytest.raises(NotFoundError, match="route 'chat' not found"):
-        services.remove_route("chat")
-    services.delete_service_profile("a")
+        store_with_services.remove_route("chat")
+    store_with_services.delete_service_profile("a")
 
 
-def test_a_route_another_falls_back_to_cannot_be_removed(services: Store) -> None:
-    services.add_route("small", "a")
-    services.add_route("chat", "b", fallback="small")
+def test_a_route_another_falls_back_to_cannot_be_removed(store_with_services: Store) -> None:
+    store_with_services.add_route("small", "a")
+    store_with_services.add_route("chat", "b", fallback="small")
     with pytest.raises(ConflictError, match=r"fallback of route\(s\) chat"):
-        services.remove_route("small")
+        store_with_services.remove_route("small")
     with pytest.raises(ConflictError, match=r"fallback of route\(s\) chat"):
-        services.remove_route("small", "a")  # its last target
-    assert services.get_route("small").targets == (RouteTarget("a", 0),)
-    services.set_route_fallback("chat", None)
-    assert services.remove_route("small") is None
+        store_with_services.remove_route("small", "a")  # its last target
+    assert store_with_services.get_route("small").targets == (RouteTarget("a", 0),)
+    store_with_services.set_route_fallback("chat", None)
+    assert store_with_services.remove_route("small") is None
 
 
-def test_routes_survive_a_reopen(tmp_path: Path, services: Store) -> None:
-    services.add_route("small", "a")
-    services.add_route("chat", "b", priority=7, fallback="small")
-    url = str(services.engine.url)
-    services.close()
+def test_routes_survive_a_reopen(tmp_path: Path, store_with_services: Store) -> None:
+    store_with_services.add_route("small", "a")
+    store_with_services.add_route("chat", "b", priority=7, fallback="small")
+    url = str(store_with_services.engine.url)
+    store_with_services.close()
     with Store(url) as reopened:
         reopened.migrate()
         (chat, small) = reopened.list_routes()

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Iterable
 from datetime import UTC, date, datetime, timedelta
-from pathlib import Path
 
 import pytest
 from prometheus_client import CollectorRegistry
@@ -22,13 +21,6 @@ from berth.limits import LimitOverrides
 from berth.store import Store, UsageRecord
 
 DAY = date(2026, 3, 14)
-
-
-@pytest.fixture
-def store(tmp_path: Path) -> Iterable[Store]:
-    with Store(f"sqlite:///{tmp_path / 'berth.db'}") as opened:
-        opened.migrate()
-        yield opened
 
 
 def _record(ledger: UsageLedger, *, day: date = DAY, key_id: str = "k-1", model: str = "m",

@@ -103,6 +103,24 @@ class BerthHome:
         agent restarts."""
         return self.root / "agent-engines.json"
 
+    @property
+    def local_engines_file(self) -> Path:
+        """The engines the leader runs on its own host (node ``local``): the agent journal's
+        format, so a restarted leader takes them back with their API keys."""
+        return self.root / "local-engines.json"
+
+    @property
+    def engine_keys_dir(self) -> Path:
+        """Files holding engines' API keys while they start (mode 0600), for engines that
+        read their key from a file (SGLang)."""
+        return self.root / "engine-keys"
+
+    @property
+    def adopted_keys_dir(self) -> Path:
+        """The API keys of adopted servers (``berth agent adopt --api-key-file``), one
+        ``<name>.key`` each, mode 0600."""
+        return self.root / "adopted-keys"
+
     def engine_log(self, deployment_id: str) -> Path:
         """The log file of one deployment's engine."""
         return self.logs_dir / f"engine-{deployment_id}.log"

@@ -16,6 +16,13 @@ The file is a YAML list of mappings, one per endpoint::
       engine_model: Qwen/Qwen2.5-72B-Instruct
       gpus: [0, 1]
       vram_mb: 150000
+      api_key_file: /home/me/.berth/adopted-keys/vllm-big.key
+
+``api_key_file`` names a file holding the server's API key (its first line that is not blank
+and not a ``#`` comment); every probe and request berth sends it carries the key as
+``Authorization: Bearer``, in place of the client's own credentials.  ``berth agent adopt
+--api-key-file PATH`` copies the key into ``$BERTH_HOME/adopted-keys/<name>.key`` (mode
+0600) and names that copy here, so ``adopted.yaml`` itself holds nothing secret.
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ import yaml
 
 from berth.atomic import write_atomic
 from berth.cluster.protocol.frames import AdoptedState
+from berth.engine_http.auth import bearer_header
 from berth.errors import ConfigError, ConflictError, NotFoundError
 
 log = logging.getLogger(__name__)
@@ -67,6 +75,7 @@ class AdoptedEndpoint:
     gpus: tuple[int, ...] = ()
     vram_mb: int | None = None
     container: str | None = None
+    api_key_file: str | None = None
 
     @property
     def endpoint_id(self) -> str:
@@ -121,7 +130,7 @@ def load_adopted(path: Path) -> list[AdoptedEndpoint]:
 
 
 _FIELDS = {"name", "host", "port", "served_model_name", "engine_model", "gpus", "vram_mb",
-           "container"}  # fmt: skip
+           "container", "api_key_file"}  # fmt: skip
 
 
 def _endpoint_from(entry: Any) -> AdoptedEndpoint:
@@ -151,7 +160,40 @@ def _endpoint_from(entry: Any) -> AdoptedEndpoint:
         gpus=tuple(gpus),
         vram_mb=vram_mb,
         container=str(entry["container"]) if entry.get("container") else None,
+        api_key_file=str(entry["api_key_file"]) if entry.get("api_key_file") else None,
     )
+
+
+def read_api_key(path: Path) -> str:
+    """The API key in ``path``: its first line that is neither blank nor a ``#`` comment,
+    without surrounding blanks.
+
+    Raises ``ConfigError`` naming the file when it cannot be read, holds no key, or the key
+    cannot travel in a header (not ASCII, or with blanks inside).
+    """
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        why = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
+        raise ConfigError(f"cannot read the API key file: {why or exc}", path=path) from None
+    for line in text.splitlines():
+        key = line.strip()
+        if key and not key.startswith("#"):
+            try:
+                bearer_header(key)
+            except ValueError as exc:
+                raise ConfigError(f"unusable API key: {exc}", path=path) from None
+            return key
+    raise ConfigError("the API key file holds no key", path=path)
+
+
+def store_api_key(keys_dir: Path, name: str, key: str) -> Path:
+    """Keep ``key`` for the adopted endpoint ``name`` in ``keys_dir/<name>.key`` (mode
+    0600, the folder 0700); the file's path.  Raises :class:`OSError`."""
+    keys_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    path = keys_dir / f"{check_name(name)}.key"
+    write_atomic(path, key + "\n", mode=0o600)
+    return path
 
 
 def save_adopted(path: Path, endpoints: Sequence[AdoptedEndpoint]) -> None:
@@ -188,20 +230,27 @@ def without_endpoint(endpoints: Sequence[AdoptedEndpoint], name: str) -> list[Ad
     return kept
 
 
-def fetch_model_ids(host: str, port: int, timeout_s: float = PROBE_TIMEOUT_S) -> list[str]:
-    """The model ids ``GET http://host:port/v1/models`` lists (the OpenAI list shape).
+def fetch_model_ids(
+    host: str, port: int, timeout_s: float = PROBE_TIMEOUT_S, *, api_key: str | None = None
+) -> list[str]:
+    """The model ids ``GET http://host:port/v1/models`` lists (the OpenAI list shape),
+    asked with ``api_key`` as a Bearer token when given.
 
-    Raises ``ConfigError`` saying why when nothing answers there, the answer is not 200, or
-    it is not an OpenAI model list.
+    Raises ``ConfigError`` saying why when nothing answers there, the answer is not 200
+    (401: the key is missing or wrong), or it is not an OpenAI model list.
     """
     url = f"http://{host}:{port}/v1/models"
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key is not None else {}
     try:
-        with httpx.Client(trust_env=False, timeout=timeout_s) as client:
+        with httpx.Client(trust_env=False, timeout=timeout_s, headers=headers) as client:
             response = client.get(url)
     except httpx.ConnectError as exc:
         raise ConfigError(f"nothing answers at {url}: {_reason(exc)}") from None
     except httpx.HTTPError as exc:
         raise ConfigError(f"{url} did not answer: {_reason(exc)}") from None
+    if response.status_code == 401:
+        hint = "the API key is wrong" if api_key else "it needs an API key (--api-key-file)"
+        raise ConfigError(f"{url} answered 401: {hint}")
     if response.status_code != 200:
         raise ConfigError(f"{url} answered {response.status_code}, not 200")
     try:
@@ -227,6 +276,7 @@ def adopted_endpoint(
     vram_mb: int | None = None,
     container: str | None = None,
     model_ids: Sequence[str],
+    api_key_file: str | None = None,
 ) -> AdoptedEndpoint:
     """The endpoint to adopt, from the operator's flags and what the server lists.
 
@@ -255,6 +305,7 @@ def adopted_endpoint(
         gpus=tuple(gpus),
         vram_mb=vram_mb,
         container=container,
+        api_key_file=api_key_file,
     )
 
 
@@ -279,6 +330,8 @@ class AdoptedWatcher:
         self._reload_interval_s = reload_interval_s
         self.on_change = on_change
         self._endpoints: dict[str, AdoptedEndpoint] = {}
+        #: the ``authorization`` header of each endpoint that has a key
+        self._auth: dict[str, tuple[bytes, bytes]] = {}
         self._alive: dict[str, bool] = {}
         self._probed_at: dict[str, float] = {}
         self._mtime: float | None = None
@@ -306,6 +359,13 @@ class AdoptedWatcher:
         if endpoint is None or not endpoint_id.startswith(ADOPTED_ID_PREFIX):
             return None
         return endpoint.host, endpoint.port
+
+    def auth(self, endpoint_id: str) -> tuple[bytes, bytes] | None:
+        """The ``authorization`` header requests to the adopted endpoint ``endpoint_id``
+        carry; ``None`` when it has no key (or there is no such endpoint)."""
+        if not endpoint_id.startswith(ADOPTED_ID_PREFIX):
+            return None
+        return self._auth.get(endpoint_id.removeprefix(ADOPTED_ID_PREFIX))
 
     def start(self) -> None:
         """Read the file and probe every endpoint now, then keep doing so in the background."""
@@ -354,8 +414,17 @@ class AdoptedWatcher:
         except ConfigError as exc:
             log.error("%s; keeping the adopted endpoints read before", exc)
             return False
+        auth: dict[str, tuple[bytes, bytes]] = {}
+        for endpoint in endpoints:
+            if endpoint.api_key_file is None:
+                continue
+            try:
+                auth[endpoint.name] = bearer_header(read_api_key(Path(endpoint.api_key_file)))
+            except ConfigError as exc:  # probed without it: it does not answer 200
+                log.error("adopted endpoint %s: %s", endpoint.name, exc)
         previous = self._endpoints
         self._endpoints = {e.name: e for e in endpoints}
+        self._auth = auth
         for name in list(self._alive):
             if name not in self._endpoints or previous.get(name) != self._endpoints[name]:
                 self._alive.pop(name, None)
@@ -363,8 +432,12 @@ class AdoptedWatcher:
         return previous != self._endpoints
 
     async def _probe(self, endpoint: AdoptedEndpoint) -> bool:
+        found = self._auth.get(endpoint.name)
+        headers = {"Authorization": found[1].decode("ascii")} if found is not None else {}
         try:
-            async with httpx.AsyncClient(trust_env=False, timeout=PROBE_TIMEOUT_S) as client:
+            async with httpx.AsyncClient(
+                trust_env=False, timeout=PROBE_TIMEOUT_S, headers=headers
+            ) as client:
                 response = await client.get(f"{endpoint.base_url}/v1/models")
         except httpx.HTTPError:
             return False

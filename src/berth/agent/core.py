@@ -8,8 +8,10 @@ talks to the store: the leader tells it what to run through an ``AgentLink``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
+import secrets
 import socket
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
@@ -17,9 +19,18 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from berth.agent.journal import EngineJournal, JournalEntry
+from berth.atomic import write_atomic
 from berth.cluster.link import EngineReport, ProbeResult, SpawnListener
+from berth.engine_http.auth import bearer_header
 from berth.errors import EngineError, NotFoundError
-from berth.runtime.base import EngineHandle, LaunchSpec, ProgressListener, Runtime, RuntimeName
+from berth.runtime.base import (
+    EngineHandle,
+    LaunchSpec,
+    ProgressListener,
+    Runtime,
+    RuntimeName,
+    SecretFile,
+)
 from berth.runtime.engines import (
     DEFAULT_IMAGES,
     DEFAULT_SHM_SIZE,
@@ -60,6 +71,17 @@ def read_host_facts() -> HostFacts:
 DEFAULT_HEALTH_PATH = "/health"
 #: Seconds one health probe may take before it counts as a failure.
 PROBE_TIMEOUT_S = 5.0
+#: What every engine API key starts with (so a leaked one is recognised as berth's).
+ENGINE_KEY_PREFIX = "berth-ek-"
+#: Seconds between SIGTERM and SIGKILL for what is left of an engine that died before a
+#: restart (its helpers, its cgroup).
+LEFTOVER_GRACE_S = 5.0
+
+
+def new_engine_key() -> str:
+    """A fresh engine API key: :data:`ENGINE_KEY_PREFIX` and 256 random bits (URL-safe
+    base64, so no character any engine splits keys on)."""
+    return ENGINE_KEY_PREFIX + secrets.token_urlsafe(32)
 
 
 @dataclass(frozen=True)
@@ -77,6 +99,11 @@ class _Managed:
     log_path: Path
     health_path: str = DEFAULT_HEALTH_PATH
 
+    def __post_init__(self) -> None:
+        key = self.handle.api_key
+        #: the header every request to the engine carries
+        self.auth = bearer_header(key) if key is not None else None
+
 
 class AgentCore:
     """Starts, watches and stops the engines of one host.
@@ -86,6 +113,13 @@ class AgentCore:
     when ``docker`` is given, also as containers; ``docker_shm_size`` sizes their
     ``/dev/shm``.  ``adopted`` watches the servers this host adopted (never started or
     stopped here; the tunnel reaches them like engines).
+
+    Every engine started here gets an API key of its own (:func:`new_engine_key`), made
+    here, on the host that runs it: it never crosses the link.  The core keeps it with the
+    engine's handle and in the journal (mode 0600), and hands it to whoever sends this
+    host's engines requests (:meth:`engine_auth`: the agent's relay, the leader's client for
+    node ``local``).  An engine that reads its key from a file gets one in ``keys_dir``
+    (mode 0600), removed once the engine answers.
     """
 
     def __init__(
@@ -99,8 +133,10 @@ class AgentCore:
         docker: DockerRuntime | None = None,
         docker_shm_size: str = DEFAULT_SHM_SIZE,
         adopted: AdoptedWatcher | None = None,
+        keys_dir: Path | None = None,
     ) -> None:
         self.adopted = adopted
+        self._keys_dir = keys_dir if keys_dir is not None else logs_dir.parent / "engine-keys"
         self._journal = EngineJournal(journal_path) if journal_path is not None else None
         #: one journal write at a time, in the order they were asked for
         self._journal_lock = asyncio.Lock()
@@ -118,6 +154,7 @@ class AgentCore:
 
     def close(self) -> None:
         """Release the runtimes' threads and connections; engines keep running."""
+        self._runtime.close()
         if self._docker is not None:
             self._docker.close()
 
@@ -133,6 +170,7 @@ class AgentCore:
         found = [
             f"llama-server {'found' if self._binaries.llama_server else 'not found'}",
             f"vllm {'found' if self._binaries.vllm else 'not found'}",
+            f"process trees: {self._runtime.trees.describe()}",
         ]
         statuses = [RuntimeStatus("process", True, "; ".join(found))]
         if self._docker is None:
@@ -180,21 +218,35 @@ class AgentCore:
     ) -> EngineHandle:
         log_path = self.log_path(request.deployment_id)
         runtime = self._runtime_for(request.runtime)
+        request = replace(request, log_path=log_path, api_key=new_engine_key())
         spec: LaunchSpec
         if request.runtime == "docker":
-            request = replace(request, log_path=log_path)
             image = request.image or DEFAULT_IMAGES[request.engine]
-            spec = build_container_spec(request, image, shm_size=self._docker_shm_size)
+            spec = build_container_spec(
+                request, image, shm_size=self._docker_shm_size, secrets_dir=self._keys_dir
+            )
         else:
-            request = replace(request, port=request.port or find_free_port(), log_path=log_path)
-            spec = build_launch_spec(request, self._binaries)
-        handle = await runtime.start(spec, on_progress)
+            request = replace(request, port=request.port or find_free_port())
+            spec = build_launch_spec(request, self._binaries, secrets_dir=self._keys_dir)
+        try:
+            await asyncio.to_thread(_write_secret_files, spec.secret_files)
+        except OSError as exc:
+            raise EngineError(
+                f"cannot write the engine's key file: {exc.strerror or exc}",
+                deployment_id=request.deployment_id,
+            ) from exc
+        try:
+            handle = await runtime.start(spec, on_progress)
+        except BaseException:
+            await asyncio.to_thread(_remove_secret_files, spec.secret_files)
+            raise
         self._engines[request.deployment_id] = _Managed(handle, log_path, spec.health_path)
         try:
             await self._save_journal()
             if on_spawned is not None:
                 await on_spawned(handle.pid, handle.port)
             await runtime.wait_healthy(handle, spec, health_timeout_s)
+            await asyncio.to_thread(_remove_secret_files, spec.secret_files)  # read by now
         except BaseException:
             # Failed or cancelled: never leave a half-started engine behind.  A failing
             # cleanup is logged; the error that stopped the start is the one reported.
@@ -203,6 +255,7 @@ class AgentCore:
             except (EngineError, asyncio.CancelledError) as exc:
                 log.warning("stopping the engine of %s after a failed start: %s",
                             request.deployment_id, exc)  # fmt: skip
+            await asyncio.to_thread(_remove_secret_files, spec.secret_files)
             raise
         return handle
 
@@ -236,7 +289,7 @@ class AgentCore:
         managed = self._engines.get(deployment_id)
         if managed is not None:  # already taken back by restore()
             return managed.handle
-        handle = await self._attach(deployment_id, pid, port, runtime)
+        handle = await self._attach(deployment_id, JournalEntry(pid, port, "", runtime))
         if handle is None:
             return None
         log_path = self.log_path(deployment_id)
@@ -244,14 +297,24 @@ class AgentCore:
         await self._save_journal()
         return handle
 
-    async def _attach(
-        self, deployment_id: str, pid: int, port: int, runtime: RuntimeName
-    ) -> EngineHandle | None:
-        if runtime == "docker":
+    async def _attach(self, deployment_id: str, entry: JournalEntry) -> EngineHandle | None:
+        """Take back the engine ``entry`` describes; ``None`` when it is gone (what is left
+        of a process engine then, its helpers or its cgroup, is stopped)."""
+        if entry.runtime == "docker":
             if self._docker is None:
                 return None
-            return await self._docker.attach(deployment_id, self.log_path(deployment_id))
-        return self._runtime.attach(deployment_id, pid, port)
+            log_path = self.log_path(deployment_id)
+            return await self._docker.attach(deployment_id, log_path, entry.api_key)
+        handle = self._runtime.attach(
+            deployment_id, entry.pid, entry.port, cgroup=entry.cgroup, api_key=entry.api_key
+        )
+        if handle is None and entry.pid > 0:
+            gone = EngineHandle(deployment_id, entry.pid, entry.port, cgroup=entry.cgroup)
+            try:
+                await self._runtime.stop(gone, LEFTOVER_GRACE_S)
+            except EngineError as exc:
+                log.warning("stopping what is left of engine %s: %s", deployment_id, exc)
+        return handle
 
     async def restore(self) -> list[str]:
         """Take back the engines of a previous run of this host's agent or leader.
@@ -287,7 +350,7 @@ class AgentCore:
         restored = []
         for deployment_id, entry in list(self._unresolved.items()):
             try:
-                handle = await self._attach(deployment_id, entry.pid, entry.port, entry.runtime)
+                handle = await self._attach(deployment_id, entry)
             except EngineError as exc:
                 log.warning("cannot take back engine %s yet: %s", deployment_id, exc)
                 continue
@@ -310,7 +373,14 @@ class AgentCore:
     async def _write_journal(self, journal: EngineJournal) -> None:
         async with self._journal_lock:
             entries = {
-                d: JournalEntry(m.handle.pid, m.handle.port, m.health_path, m.handle.runtime)
+                d: JournalEntry(
+                    m.handle.pid,
+                    m.handle.port,
+                    m.health_path,
+                    m.handle.runtime,
+                    api_key=m.handle.api_key,
+                    cgroup=m.handle.cgroup,
+                )
                 for d, m in self._engines.items()
             }
             for deployment_id, entry in self._unresolved.items():
@@ -332,6 +402,26 @@ class AgentCore:
             if origin is not None:
                 return origin
         raise NotFoundError("engine", deployment_id)
+
+    def engine_auth(self, deployment_id: str) -> tuple[bytes, bytes] | None:
+        """The ``authorization`` header requests to the deployment's engine (or the adopted
+        endpoint ``adopted:<name>``) must carry on this host; ``None`` when it needs none
+        (or there is no such engine: reaching it fails on its own)."""
+        managed = self._engines.get(deployment_id)
+        if managed is not None:
+            return managed.auth
+        if self.adopted is not None:
+            return self.adopted.auth(deployment_id)
+        return None
+
+    def engine_processes(self, deployment_id: str) -> list[int]:
+        """The pids of the deployment's engine and every process it started (its cgroup's,
+        or those recorded from ``/proc``); none for a container (Docker keeps its tree) or
+        an engine this core does not run."""
+        managed = self._engines.get(deployment_id)
+        if managed is None or managed.handle.runtime != "process":
+            return []
+        return self._runtime.processes(managed.handle)
 
     def is_alive(self, deployment_id: str) -> bool:
         managed = self._engines.get(deployment_id)
@@ -392,9 +482,29 @@ class AgentCore:
         try:
             await self._save_journal()
             await self._runtime_for(managed.handle.runtime).stop(managed.handle, grace_s)
+            await asyncio.to_thread(_remove_key_files, self._keys_dir, deployment_id)
         except EngineError:
             # Still running as far as anyone knows: keep it, so it can be stopped later
             # (a reconnect or restart reports it, and an unowned engine is stopped then).
             self._engines.setdefault(deployment_id, managed)
             await self._save_journal()
             raise
+
+
+def _write_secret_files(files: tuple[SecretFile, ...]) -> None:
+    """Write each file with mode 0600 (its folder 0700, made when missing)."""
+    for secret in files:
+        secret.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        write_atomic(secret.path, secret.content, mode=0o600, durable=False)
+
+
+def _remove_secret_files(files: tuple[SecretFile, ...]) -> None:
+    for secret in files:
+        secret.path.unlink(missing_ok=True)
+
+
+def _remove_key_files(keys_dir: Path, deployment_id: str) -> None:
+    """Remove what ``keys_dir`` still holds of ``deployment_id`` (a start cut short)."""
+    with contextlib.suppress(OSError):
+        for path in keys_dir.glob(f"{deployment_id}.*"):
+            path.unlink(missing_ok=True)

@@ -4,12 +4,16 @@ back (``$BERTH_HOME/agent-engines.json``).
 The file is one JSON object, deployment id to entry::
 
     {
-     "d-1a2b3c4d": {"pid": 4242, "port": 41234, "health_path": "/health", "runtime": "process"}
+     "d-1a2b3c4d": {"pid": 4242, "port": 41234, "health_path": "/health", "runtime": "process",
+                    "api_key": "berth-ek-...", "cgroup": "/berth/d-1a2b3c4d"}
     }
 
-``runtime`` may be missing (journals from before the docker runtime: ``process``); fields a
-newer berth adds are ignored.  :func:`decode_journal` is the one reader: anything else is a
-:class:`~berth.errors.ConfigError` naming the file, never a journal silently taken as empty.
+``runtime`` may be missing (journals from before the docker runtime: ``process``), and so may
+``api_key`` and ``cgroup`` (journals from before engines had keys and cgroups: none); fields a
+newer berth adds are ignored.  The file holds the engines' API keys, so it is written with
+mode 0600: only the user berth runs as can read it.  :func:`decode_journal` is the one
+reader: anything else is a :class:`~berth.errors.ConfigError` naming the file, never a
+journal silently taken as empty.
 """
 
 from __future__ import annotations
@@ -24,18 +28,27 @@ from berth.atomic import write_atomic
 from berth.errors import ConfigError
 from berth.runtime.base import RuntimeName
 
-#: The journal's permission bits: it holds nothing secret.
-JOURNAL_MODE = 0o644
+#: The journal's permission bits: it holds the engines' API keys.
+JOURNAL_MODE = 0o600
 
 
 class JournalEntry(msgspec.Struct, frozen=True):
     """One engine: its process (a container's main process as the host sees it; 0 when not
-    known yet), the host port it answers on, its health path and the runtime that runs it."""
+    known yet), the host port it answers on, its health path, the runtime that runs it, its
+    API key (``None``: it has none) and its cgroup (``None``: none of its own)."""
 
     pid: Annotated[int, msgspec.Meta(ge=0)]
     port: Annotated[int, msgspec.Meta(ge=0, le=65535)]
     health_path: str
     runtime: RuntimeName = "process"
+    api_key: str | None = None
+    cgroup: str | None = None
+
+    def __repr__(self) -> str:  # the key never reaches a log through a repr
+        return (
+            f"JournalEntry(pid={self.pid}, port={self.port}, runtime={self.runtime!r}, "
+            f"cgroup={self.cgroup!r})"
+        )
 
 
 _decoder = msgspec.json.Decoder(dict[str, JournalEntry])

@@ -36,7 +36,8 @@ from berth.paths import BerthHome
 from berth.runtime.docker import DockerRuntime, resolve_docker_host
 from berth.runtime.engines import EngineBinaries
 from berth.runtime.gpu import NvmlInventory
-from berth.runtime.process import ProcessRuntime, pid_running
+from berth.runtime.proc import pid_running
+from berth.runtime.process import ProcessRuntime
 
 log = logging.getLogger("berth.agent")
 
@@ -113,7 +114,7 @@ async def run_agent(home: BerthHome, *, verbose: bool, console: Console) -> int:
     _configure_logging(home, verbose=verbose, to_stderr=not panel)
     settings = Settings.load(home)
     core = AgentCore(
-        ProcessRuntime(),
+        ProcessRuntime(process_tree=settings.process_tree),
         EngineBinaries(
             llama_server=str(settings.llama_server_bin) if settings.llama_server_bin else None,
             vllm=str(settings.vllm_bin) if settings.vllm_bin else None,
@@ -122,6 +123,7 @@ async def run_agent(home: BerthHome, *, verbose: bool, console: Console) -> int:
         NvmlInventory(),
         logs_dir=home.logs_dir,
         journal_path=home.agent_engines_file,
+        keys_dir=home.engine_keys_dir,
         docker=DockerRuntime(
             host=resolve_docker_host(settings.docker_host),
             home=home.root,

@@ -2,7 +2,8 @@
 
 Control ops (``start``, ``stop``, ``probe``, ``inventory``, ``engines``) each run in their own
 task, so a long engine start never holds up the link. ``http`` streams are relayed to the
-deployment's engine on this host with berth's pooled HTTP/1.1 client; when the leader resets
+deployment's engine on this host with berth's pooled HTTP/1.1 client, carrying the engine's
+own API key in place of any credential in the leader's headers; when the leader resets
 a stream, its task is cancelled and the engine connection closed, so the engine stops
 generating. ``logs`` streams send the engine's log file.
 """
@@ -57,6 +58,7 @@ from berth.cluster.protocol.ops import (
     encode_payload,
 )
 from berth.cluster.tunnel_stream import StreamResetError, TunnelStream
+from berth.engine_http.auth import with_engine_key
 from berth.engine_http.errors import UpstreamConnectError, UpstreamError, UpstreamTimeoutError
 from berth.engine_http.origin import Origin
 from berth.engine_http.pool import UpstreamPool
@@ -142,8 +144,8 @@ class AgentService:
         if restored:
             self._on_activity(f"re-attached engines: {', '.join(restored)}")
         for runtime in self._runtimes:
-            if not runtime.available:
-                log.info("runtime %s unavailable: %s", runtime.name, runtime.detail)
+            verdict = "available" if runtime.available else "unavailable"
+            log.info("runtime %s %s: %s", runtime.name, verdict, runtime.detail)
         return self._runtimes
 
     def hello(self) -> Hello:
@@ -281,7 +283,9 @@ class AgentService:
         deployment_id = opening.deployment_id
         host, port = self._core.engine_origin(deployment_id)
         body = await stream.read_all(MAX_REQUEST_BODY_BYTES)
-        headers = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in opening.headers]
+        received = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in opening.headers]
+        # Whatever credential came with it (the leader forwards none), the engine gets its own.
+        headers = with_engine_key(received, self._core.engine_auth(deployment_id))
         # Measured here, where the request is served (docs/metrics.md): from the body's
         # arrival to the answer's last byte.
         self.meter.started(deployment_id)

@@ -24,7 +24,7 @@ from berth.backup.manifest import (
 from berth.config import Settings
 from berth.errors import BerthError, ConfigError, ConflictError, DaemonError, StoreError
 from berth.paths import BerthHome
-from berth.runtime.process import pid_running
+from berth.runtime.proc import pid_running
 from berth.store import LATEST_VERSION
 
 

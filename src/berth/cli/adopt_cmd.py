@@ -6,6 +6,9 @@ leader, on its own host) reads the file again within seconds and reports the cha
 
 from __future__ import annotations
 
+from dataclasses import replace
+from pathlib import Path
+
 import typer
 from rich.table import Table
 
@@ -15,7 +18,9 @@ from berth.agent.adopted import (
     describe,
     fetch_model_ids,
     load_adopted,
+    read_api_key,
     save_adopted,
+    store_api_key,
     with_endpoint,
     without_endpoint,
 )
@@ -43,6 +48,11 @@ def adopt(
         None, "--served-model-name", help="Name clients use (default: its first /v1/models id)."
     ),
     name: str | None = typer.Option(None, "--name", help="A label for it (default: the name)."),
+    api_key_file: Path | None = typer.Option(
+        None,
+        "--api-key-file",
+        help="A file holding the API key the server expects (kept by berth, mode 0600).",
+    ),
 ) -> None:
     """Adopt an OpenAI-compatible server berth did not start: route to it, never stop it."""
     home = context(ctx).home
@@ -55,7 +65,8 @@ def adopt(
     elif model is None:
         raise ConfigError("--port needs --model: the model id the server serves")
     assert port is not None
-    model_ids = fetch_model_ids(host, port)
+    api_key = read_api_key(api_key_file) if api_key_file is not None else None
+    model_ids = fetch_model_ids(host, port, api_key=api_key)
     endpoint = adopted_endpoint(
         name=name,
         host=host,
@@ -68,10 +79,16 @@ def adopt(
         model_ids=model_ids,
     )
     endpoints = with_endpoint(load_adopted(home.adopted_file), endpoint)
+    if api_key is not None:
+        kept = store_api_key(home.adopted_keys_dir, endpoint.name, api_key)
+        endpoint = replace(endpoint, api_key_file=str(kept))
+        endpoints = [*endpoints[:-1], endpoint]
     save_adopted(home.adopted_file, endpoints)
     console.print(
         f"adopted [bold]{endpoint.name}[/]: {endpoint.base_url} serves {endpoint.engine_model!r}"
-        f" as [bold]{endpoint.served_model_name}[/]" + _gpu_text(endpoint),
+        f" as [bold]{endpoint.served_model_name}[/]"
+        + _gpu_text(endpoint)
+        + (", with its API key" if endpoint.api_key_file else ""),
         soft_wrap=True,
     )
     console.print(
@@ -88,7 +105,8 @@ def adopted(
     rows = []
     for endpoint in load_adopted(home.adopted_file):
         try:
-            fetch_model_ids(endpoint.host, endpoint.port, timeout_s=2.0)
+            key = read_api_key(Path(endpoint.api_key_file)) if endpoint.api_key_file else None
+            fetch_model_ids(endpoint.host, endpoint.port, timeout_s=2.0, api_key=key)
             answers = True
         except ConfigError:
             answers = False
@@ -125,6 +143,7 @@ def unadopt(
         names = ", ".join(e.name for e in endpoints) or "none"
         raise ConfigError(f"no adopted server is named {name!r} (adopted: {names})") from None
     save_adopted(home.adopted_file, kept)
+    (home.adopted_keys_dir / f"{name}.key").unlink(missing_ok=True)
     console.print(f"unadopted {name}")
 
 

@@ -21,7 +21,7 @@ from berth.config import Settings
 from berth.errors import DaemonError
 from berth.humanize import age
 from berth.paths import BerthHome
-from berth.runtime.process import pid_running
+from berth.runtime.proc import pid_running
 from berth.store import Store
 
 daemon_app = typer.Typer(

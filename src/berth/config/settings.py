@@ -26,6 +26,7 @@ from berth.config.tiers import TierTable, read_tiers
 from berth.errors import ConfigError
 from berth.paths import BerthHome
 from berth.runtime.engines import EngineName
+from berth.runtime.trees import TreeMode
 
 JsonScalar = str | int | float | bool | None
 
@@ -107,6 +108,7 @@ class Settings:
     llama_server_bin: Path | None
     vllm_bin: Path | None
     sglang_python: Path
+    process_tree: TreeMode
     docker_host: str | None
     docker_shm_size: str
     llamacpp_image: str

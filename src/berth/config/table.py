@@ -22,6 +22,7 @@ from berth.errors import ConfigError
 from berth.paths import BerthHome
 from berth.runtime.base import RUNTIME_NAMES
 from berth.runtime.engines import DEFAULT_GPU_IMAGES, DEFAULT_IMAGES, DEFAULT_SHM_SIZE
+from berth.runtime.trees import TREE_MODES
 
 SettingSource = Literal["flag", "env", "file", "autodetect", "default"]
 SettingKind = Literal["str", "int", "float", "path", "bool"]
@@ -178,6 +179,10 @@ SETTINGS: tuple[SettingDef, ...] = (
                autodetect=_which("vllm")),
     SettingDef("sglang_python", "path", "engines", "Python interpreter that has sglang installed",
                default_factory=lambda _home: Path(sys.executable)),
+    SettingDef("process_tree", "str", "engines",
+               "how an engine's whole process tree is found to stop it: auto (a cgroup per "
+               "engine where cgroup v2 is writable, else descendants from /proc), cgroup, proc",
+               default="auto", choices=TREE_MODES),
     SettingDef("docker_host", "str", "docker",
                "Docker engine URL (default: $DOCKER_HOST, else unix:///var/run/docker.sock)",
                optional=True),

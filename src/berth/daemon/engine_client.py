@@ -10,7 +10,7 @@ may try another node.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Protocol
 
 from berth.engine_http.answer import EngineAnswer
@@ -21,6 +21,10 @@ from berth.routing.errors import EngineTimeoutError, EngineUnreachableError
 
 if TYPE_CHECKING:
     from berth.routing.resolver import Upstream
+
+#: The ``authorization`` header requests to a local engine (by deployment id) must carry, or
+#: ``None`` (:meth:`berth.agent.core.AgentCore.engine_auth`).
+EngineAuth = Callable[[str], tuple[bytes, bytes] | None]
 
 #: The origin host that marks a tunneled engine in the target cache (compared by identity).
 _TUNNELED = "<tunnel>"
@@ -49,7 +53,9 @@ class TunnelOpener(Protocol):
 class EngineClient:
     """Sends ``POST`` requests to engines. ``connect_timeout_s``, ``read_timeout_s`` and
     ``max_connections`` are :class:`UpstreamPool`'s; ``tunnels`` reaches remote engines
-    (``None``: this leader has no agent links). Call :meth:`startup` before use."""
+    (``None``: this leader has no agent links), whose agent adds each engine's key;
+    ``engine_auth`` gives the key header of an engine reached directly (node ``local``'s:
+    the key never leaves the host that runs the engine). Call :meth:`startup` before use."""
 
     def __init__(
         self,
@@ -58,8 +64,10 @@ class EngineClient:
         connect_timeout_s: float,
         read_timeout_s: float | None,
         max_connections: int,
+        engine_auth: EngineAuth | None = None,
     ) -> None:
         self._tunnels = tunnels
+        self._engine_auth = engine_auth
         self._connect_timeout_s = connect_timeout_s
         self.read_timeout_s = read_timeout_s
         self._max_connections = max_connections
@@ -103,7 +111,9 @@ class EngineClient:
         try:
             if origin.host is _TUNNELED:
                 return await self._open_tunnel(upstream, target, forward, body)
-            return await pool.request(origin, _POST, target, forward, body)
+            auth = self._engine_auth(upstream.deployment_id) if self._engine_auth else None
+            headers = forward if auth is None else [*forward, auth]
+            return await pool.request(origin, _POST, target, headers, body)
         except UpstreamConnectError as exc:
             raise EngineUnreachableError(upstream, exc.why) from exc
         except UpstreamTimeoutError as exc:

@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 
 from berth.admission import Admission, AdmissionError, QuotaExceededError, Ticket
 from berth.admission import estimate as estimate_tokens
-from berth.daemon.engine_client import EngineClient, TunnelOpener
+from berth.daemon.engine_client import EngineAuth, EngineClient, TunnelOpener
 from berth.daemon.proxy_dispatch import first_answer
 from berth.daemon.proxy_http import (
     Receive,
@@ -119,7 +119,9 @@ class OpenAIProxy:
     connections to all engines together. ``max_buffered_response_bytes``: a non-streamed answer
     announced at most this long is read whole and sent with a ``Content-Length``; a longer one
     is relayed chunk by chunk. ``max_event_bytes`` bounds how much of one unfinished SSE event
-    is held back before it is relayed anyway.
+    is held back before it is relayed anyway. ``engine_auth(deployment_id)`` gives the
+    ``authorization`` header of an engine reached directly (node ``local``'s own API key);
+    a client's credentials never reach an engine.
 
     ``admission``, when given, admits each completion request against its key's limits
     (:mod:`berth.admission`; the key record is ``scope[KEY_SCOPE]``, none over the Unix
@@ -147,6 +149,7 @@ class OpenAIProxy:
         router: Router | None = None,
         max_attempts: int = DEFAULT_MAX_ATTEMPTS,
         relay_buffer_chunks: int = DEFAULT_BUFFER_CHUNKS,
+        engine_auth: EngineAuth | None = None,
         admission: Admission | None = None,
     ) -> None:
         self._resolver = resolver
@@ -156,6 +159,7 @@ class OpenAIProxy:
             connect_timeout_s=connect_timeout_s,
             read_timeout_s=read_timeout_s,
             max_connections=max_connections,
+            engine_auth=engine_auth,
         )
         self.router = router or Router(resolver)
         self._max_attempts = max_attempts

@@ -158,7 +158,7 @@ def refuse_local_leftovers(store: Store) -> None:
 def build_local_core(home: BerthHome, settings: Settings) -> AgentCore:
     """The agent core for node ``local``: this host's engines, as processes or containers."""
     return AgentCore(
-        ProcessRuntime(),
+        ProcessRuntime(process_tree=settings.process_tree),
         EngineBinaries(
             llama_server=_optional_str(settings.llama_server_bin),
             vllm=_optional_str(settings.vllm_bin),
@@ -166,6 +166,8 @@ def build_local_core(home: BerthHome, settings: Settings) -> AgentCore:
         ),
         NvmlInventory(),
         logs_dir=home.logs_dir,
+        journal_path=home.local_engines_file,  # the engines' keys, for a restarted leader
+        keys_dir=home.engine_keys_dir,
         docker=DockerRuntime(
             host=resolve_docker_host(settings.docker_host), home=home.root, node_id=LOCAL_NODE_ID
         ),
@@ -311,6 +313,7 @@ async def serve(home: BerthHome, settings: Settings) -> None:
         router=router,
         max_attempts=settings.max_attempts,
         relay_buffer_chunks=settings.relay_buffer_chunks,
+        engine_auth=core.engine_auth if core is not None else None,
         admission=admission,
     )
     enrollment = EnrollmentService(
@@ -379,7 +382,9 @@ async def serve(home: BerthHome, settings: Settings) -> None:
             for runtime in services.runtimes:
                 verdict = "available" if runtime.available else "unavailable"
                 log.info("runtime %s: %s (%s)", runtime.name, verdict, runtime.detail)
-            await core.restore()  # containers left running by the last leader, for reconcile
+            # Engines (in the journal) and containers (by label) left running by the last
+            # leader, with their keys, for reconcile.
+            await core.restore()
         await lifecycle.start()
         if core is not None and core.adopted is not None:
             watcher = core.adopted  # the servers this host adopted: node local reports them

@@ -19,8 +19,10 @@ from pathlib import Path
 
 from berth.config import SettingSource
 from berth.doctor.check import Check, Verdict
+from berth.errors import ConfigError
 from berth.runtime.docker import DockerApi, DockerApiError, connect_docker
 from berth.runtime.engines import EngineName
+from berth.runtime.trees import TreeMode, TreeTracking
 
 #: Engine names as people write them.
 ENGINE_TITLES: dict[EngineName, str] = {"llamacpp": "llama.cpp", "vllm": "vLLM", "sglang": "SGLang"}
@@ -28,6 +30,25 @@ _CONFIGURED: frozenset[SettingSource] = frozenset({"flag", "env", "file"})
 _PROBE_TIMEOUT_S = 15.0
 #: The program Docker runs to hand NVIDIA GPUs to a container (nvidia-container-toolkit).
 NVIDIA_HOOK = "nvidia-container-runtime-hook"
+
+
+def process_tree_check(mode: TreeMode) -> Check:
+    """How engines' whole process trees are found (and stopped) on this host: a cgroup per
+    engine, or descendants recorded from ``/proc`` (and why not cgroups)."""
+    name = "process trees"
+    try:
+        tracking = TreeTracking(mode)
+    except ConfigError as exc:
+        return Check(name, "fail", str(exc), "set [engines] process_tree to auto or proc")
+    if tracking.mechanism == "cgroup" or mode == "proc":
+        return Check(name, "ok", tracking.describe())
+    return Check(
+        name,
+        "warn",
+        tracking.describe(),
+        "run berth where it may write its cgroup (root, or a service with Delegate=yes): "
+        "from /proc, a helper that forks and exits between two scans can escape `berth stop`",
+    )
 
 
 def llama_server_check(path: Path | None, source: SettingSource) -> Check:

@@ -31,6 +31,7 @@ from berth.doctor.engines import (
     docker_checks,
     gpu_check,
     llama_server_check,
+    process_tree_check,
     sglang_check,
     vllm_check,
 )
@@ -211,6 +212,7 @@ def engine_checks(settings: Settings) -> list[Check]:
         llama_server_check(settings.llama_server_bin, settings.source("llama_server_bin")),
         vllm_check(settings.vllm_bin, settings.source("vllm_bin")),
         sglang_check(settings.sglang_python, settings.source("sglang_python")),
+        process_tree_check(settings.process_tree),
         *docker_checks(
             _docker_host(settings),
             settings.docker_images(),

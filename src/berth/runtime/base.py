@@ -9,7 +9,7 @@ exist: ``process`` (``runtime/process.py``: the engine is a child process) and `
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, Protocol
@@ -55,6 +55,18 @@ class ContainerSpec:
 
 
 @dataclass(frozen=True)
+class SecretFile:
+    """A file holding a secret the engine reads at start (SGLang's ``--config`` file with
+    its API key): written with mode 0600 before the engine starts, removed once it answers
+    (the engine has read it by then) and when it stops.  ``container_path`` is where a
+    container sees it (bind-mounted read-only); ``None`` for a process."""
+
+    path: Path
+    content: str = field(repr=False)
+    container_path: str | None = None
+
+
+@dataclass(frozen=True)
 class LaunchSpec:
     """Everything a runtime needs to start one engine.
 
@@ -63,6 +75,12 @@ class LaunchSpec:
     runtime picks a free one); ``health_path`` answers 200 once the model is loaded;
     ``log_path`` receives the engine's stdout and stderr; ``container`` is set for the docker
     runtime only.
+
+    ``api_key`` is the engine's own API key (``None``: it has none), which every request
+    to it carries as ``Authorization: Bearer``; it reaches the engine through
+    ``secret_env`` (environment entries added to ``env``) or ``secret_files``, never through
+    ``argv``, which other users of the host can read.  None of the three is ever logged or
+    shown in a ``repr``.
     """
 
     deployment_id: str
@@ -74,6 +92,42 @@ class LaunchSpec:
     host: str = "127.0.0.1"
     env: dict[str, str] = field(default_factory=dict)
     container: ContainerSpec | None = None
+    api_key: str | None = field(default=None, repr=False)
+    secret_env: Mapping[str, str] = field(default_factory=dict, repr=False)
+    secret_files: tuple[SecretFile, ...] = field(default=(), repr=False)
+
+    def environment(self) -> dict[str, str]:
+        """What the engine gets on top of the runtime's environment: ``env`` and
+        ``secret_env``."""
+        return {**self.env, **self.secret_env}
+
+
+#: Flags whose value is a secret, hidden wherever berth prints a command line.
+SECRET_FLAGS = ("--api-key", "--admin-api-key")
+#: What a hidden value is replaced with.
+REDACTED = "<redacted>"
+
+
+def printable_command(argv: Sequence[str]) -> str:
+    """``argv`` joined with spaces for a log, with the values of :data:`SECRET_FLAGS`
+    (``--api-key KEY`` or ``--api-key=KEY``, e.g. given with ``--extra-arg``) hidden."""
+    shown: list[str] = []
+    hide_next = False
+    for arg in argv:
+        if hide_next:
+            shown.append(REDACTED)
+            hide_next = False
+            continue
+        flag, equals, _ = arg.partition("=")
+        if flag in SECRET_FLAGS:
+            if equals:
+                shown.append(f"{flag}={REDACTED}")
+            else:
+                shown.append(arg)
+                hide_next = True
+            continue
+        shown.append(arg)
+    return " ".join(shown)
 
 
 @dataclass(frozen=True)
@@ -82,7 +136,10 @@ class EngineHandle:
 
     ``pid`` is the engine's process on this host (for a container: its main process as the
     host sees it); ``port`` the host port it answers on; ``container_id`` is set by the
-    docker runtime only.
+    docker runtime only.  ``cgroup`` is the engine's own cgroup (``/berth/<deployment>``, as
+    ``/proc/<pid>/cgroup`` names it) when the process runtime gave it one: stopping the
+    engine stops everything in it.  ``api_key`` is the engine's API key (``None``: none),
+    sent with every probe and request; it never appears in a ``repr``.
     """
 
     deployment_id: str
@@ -91,6 +148,8 @@ class EngineHandle:
     host: str = "127.0.0.1"
     runtime: RuntimeName = "process"
     container_id: str | None = None
+    cgroup: str | None = None
+    api_key: str | None = field(default=None, repr=False)
 
     @property
     def base_url(self) -> str:

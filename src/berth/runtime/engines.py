@@ -13,6 +13,20 @@ Flags come from each engine's own documentation:
   ``--served-model-name``, ``--max-model-len``, ``--tensor-parallel-size``; ``GET /health``);
 * SGLang: the "Server Arguments" page (``--model-path``, ``--host``, ``--port``,
   ``--served-model-name``, ``--context-length``, ``--tp``; ``GET /health``).
+
+Each engine gets an API key of its own (:attr:`DeploymentRequest.api_key`), told to it in a
+way other users of the host cannot read, since ``/proc/<pid>/cmdline`` is world-readable but
+an engine's environment and berth's 0600 files are not:
+
+* llama.cpp: ``LLAMA_API_KEY`` in its environment (``--api-key``'s variable, per
+  ``llama-server --help``); ``/health`` and ``/v1/health`` stay public, everything else
+  (``/props``, ``/slots``, ``/metrics``, ``/v1/*``) answers 401 without the key;
+* vLLM: ``VLLM_API_KEY`` in its environment (the ``--api-key`` fallback its OpenAI server
+  reads); vLLM checks it only under ``/v1``, ``/v2``, ``/inference`` and ``/cohere`` (its
+  security guide), so other routes stay open to whoever reaches its port;
+* SGLang: ``--config FILE``, a YAML file (mode 0600) holding ``api-key``, since SGLang reads
+  the key from its command line or that file only; its middleware leaves ``/health*`` and
+  ``/metrics`` public.
 """
 
 from __future__ import annotations
@@ -23,12 +37,20 @@ import re
 import shutil
 import socket
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, assert_never, get_args
 
 from berth.errors import ConfigError, EngineError, NotFoundError
-from berth.runtime.base import RUNTIME_NAMES, ContainerSpec, LaunchSpec, Mount, RuntimeName
+from berth.runtime.base import (
+    RUNTIME_NAMES,
+    SECRET_FLAGS,
+    ContainerSpec,
+    LaunchSpec,
+    Mount,
+    RuntimeName,
+    SecretFile,
+)
 
 EngineName = Literal["llamacpp", "vllm", "sglang"]
 
@@ -46,6 +68,13 @@ _HEALTH_PATHS: dict[EngineName, str] = {
     "vllm": "/health",
     "sglang": "/health",
 }
+
+#: The environment variable each engine reads its API key from, where it has one.
+API_KEY_ENV: dict[EngineName, str] = {"llamacpp": "LLAMA_API_KEY", "vllm": "VLLM_API_KEY"}
+#: Where a container sees the SGLang configuration file holding its key.
+CONTAINER_KEY_FILE = "/run/berth/engine-key.yaml"
+#: The flag that hands SGLang its configuration file (``--config``, SGLang 0.5).
+SGLANG_CONFIG_FLAG = "--config"
 
 # A split GGUF shard as written by llama.cpp's gguf-split: ``name-00001-of-00003.gguf``.
 _GGUF_SHARD = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$")
@@ -86,7 +115,9 @@ class DeploymentRequest:
     them; ``ctx`` is the context length in tokens (``None``: the engine's default, usually
     the model's own); ``extra_args`` are appended verbatim after berth's own flags.
     ``runtime`` says how the engine runs; ``image`` is the container image for the docker
-    runtime (``None``: the engine's default image, :data:`DEFAULT_IMAGES`).
+    runtime (``None``: the engine's default image, :data:`DEFAULT_IMAGES`).  ``api_key`` is
+    the engine's own API key, chosen by the agent core that starts it (``None``: the engine
+    runs without one); it never appears in a ``repr``.
     """
 
     deployment_id: str
@@ -101,6 +132,7 @@ class DeploymentRequest:
     served_model_name: str | None = None
     runtime: RuntimeName = "process"
     image: str | None = None
+    api_key: str | None = field(default=None, repr=False)
 
     @property
     def effective_served_name(self) -> str:
@@ -149,7 +181,9 @@ def _packaged_llama_server() -> str | None:
         return None
 
 
-def build_launch_spec(req: DeploymentRequest, binaries: EngineBinaries) -> LaunchSpec:
+def build_launch_spec(
+    req: DeploymentRequest, binaries: EngineBinaries, *, secrets_dir: Path | None = None
+) -> LaunchSpec:
     """Translate ``req`` into the command line, environment and health path of its engine.
 
     The engine listens on ``127.0.0.1:req.port``.  GPUs, when given, are exposed through
@@ -157,10 +191,13 @@ def build_launch_spec(req: DeploymentRequest, binaries: EngineBinaries) -> Launc
     ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` so CUDA numbers devices as NVML does); the engine then
     sees them renumbered from 0.  Several GPUs turn on tensor parallelism (vLLM, SGLang);
     llama.cpp offloads every layer (``-ngl 999``) and splits them over the visible GPUs.
+    ``req.api_key`` reaches the engine as the module docstring says; SGLang's key file goes
+    in ``secrets_dir``.
 
     Raises:
-        ConfigError: the port or context length is out of range, or (llama.cpp) a
-            directory holds no GGUF or several unrelated ones.
+        ConfigError: the port or context length is out of range, ``extra_args`` sets the
+            API key (or, for SGLang, a ``--config`` file), (llama.cpp) a directory holds no
+            GGUF or several unrelated ones, or SGLang gets a key without ``secrets_dir``.
         NotFoundError: ``model_path`` does not exist.
         EngineError: the chosen engine is not installed (the message says how to get it).
     """
@@ -175,6 +212,8 @@ def build_launch_spec(req: DeploymentRequest, binaries: EngineBinaries) -> Launc
         argv = _sglang_argv(req, served, binaries)
     else:
         assert_never(req.engine)
+    secret_env, secret_files, key_flags = _key_delivery(req, secrets_dir, container=False)
+    argv.extend(key_flags)
     argv.extend(req.extra_args)
     env: dict[str, str] = {}
     if req.gpus:
@@ -190,7 +229,31 @@ def build_launch_spec(req: DeploymentRequest, binaries: EngineBinaries) -> Launc
         log_path=req.log_path,
         host=ENGINE_HOST,
         env=env,
+        api_key=req.api_key,
+        secret_env=secret_env,
+        secret_files=secret_files,
     )
+
+
+def _key_delivery(
+    req: DeploymentRequest, secrets_dir: Path | None, *, container: bool
+) -> tuple[dict[str, str], tuple[SecretFile, ...], list[str]]:
+    """How ``req.api_key`` reaches the engine: environment entries, files to write, and
+    flags to add (naming a file, never the key)."""
+    key = req.api_key
+    if key is None:
+        return {}, (), []
+    variable = API_KEY_ENV.get(req.engine)
+    if variable is not None:
+        return {variable: key}, (), []
+    if secrets_dir is None:
+        raise ConfigError(f"{req.engine} reads its API key from a file: no folder given for it")
+    path = secrets_dir / f"{req.deployment_id}.{req.engine}.yaml"
+    # Quoted: YAML would read some keys as numbers, or a leading "-" as a list.
+    content = f'api-key: "{key}"\n'
+    inside = CONTAINER_KEY_FILE if container else None
+    secret = SecretFile(path=path, content=content, container_path=inside)
+    return {}, (secret,), [SGLANG_CONFIG_FLAG, inside or str(path)]
 
 
 def health_path(engine: EngineName) -> str:
@@ -205,6 +268,18 @@ def health_path(engine: EngineName) -> str:
 def _check_request(req: DeploymentRequest, *, needs_port: bool = True) -> None:
     if needs_port and not 1 <= req.port <= 65535:
         raise ConfigError(f"port {req.port} is out of range 1-65535")
+    for arg in req.extra_args:
+        flag = arg.partition("=")[0]
+        if flag in SECRET_FLAGS:
+            raise ConfigError(
+                f"extra argument {flag} is refused: berth gives each engine an API key of its "
+                "own and sends it with every request"
+            )
+        if req.engine == "sglang" and flag == SGLANG_CONFIG_FLAG:
+            raise ConfigError(
+                f"extra argument {flag} is refused for SGLang: berth passes the engine's key "
+                "in a --config file of its own; pass the settings as flags instead"
+            )
     if req.ctx is not None and req.ctx <= 0:
         raise ConfigError(f"context length must be a positive number of tokens, not {req.ctx}")
     if any(index < 0 for index in req.gpus):
@@ -346,7 +421,9 @@ def check_image_reference(image: str) -> str:
     return text
 
 
-def build_container_spec(req: DeploymentRequest, image: str, *, shm_size: str) -> LaunchSpec:
+def build_container_spec(
+    req: DeploymentRequest, image: str, *, shm_size: str, secrets_dir: Path | None = None
+) -> LaunchSpec:
     """Translate ``req`` into a container for the docker runtime.
 
     The model is bind-mounted read-only at ``/models``: a directory as a whole, a file with
@@ -357,7 +434,9 @@ def build_container_spec(req: DeploymentRequest, image: str, *, shm_size: str) -
     runtime publishes that port on the host's 127.0.0.1 at a free port.  GPUs go through a
     device request, so no ``CUDA_VISIBLE_DEVICES`` is set; the engine sees them numbered
     from 0.  ``shm_size`` sizes ``/dev/shm`` (vLLM and SGLang share tensors between workers
-    there); a container with GPUs also gets :data:`CONTAINER_ULIMITS`.
+    there); a container with GPUs also gets :data:`CONTAINER_ULIMITS`.  The API key goes
+    in the container's environment (llama.cpp, vLLM), or in a file from ``secrets_dir``
+    mounted read-only at :data:`CONTAINER_KEY_FILE` (SGLang).
 
     Raises the same errors as :func:`build_launch_spec`, except that no engine program is
     needed on the host.
@@ -377,6 +456,8 @@ def build_container_spec(req: DeploymentRequest, image: str, *, shm_size: str) -
     else:
         inside = f"{inside}/{req.model_path.name}"
     flags = _serve_flags(req, served, CONTAINER_BIND, port)
+    secret_env, secret_files, key_flags = _key_delivery(req, secrets_dir, container=True)
+    flags.extend(key_flags)
     command: list[str]
     if req.engine == "llamacpp":
         command = ["-m", inside, *flags]
@@ -391,7 +472,10 @@ def build_container_spec(req: DeploymentRequest, image: str, *, shm_size: str) -
         image=image.strip(),
         command=tuple(command),
         container_port=port,
-        mounts=(Mount(source=source, target=CONTAINER_MODEL_DIR),),
+        mounts=(
+            Mount(source=source, target=CONTAINER_MODEL_DIR),
+            *(Mount(f.path, f.container_path) for f in secret_files if f.container_path),
+        ),
         gpus=req.gpus,
         shm_size=shm_size,
         ulimits=CONTAINER_ULIMITS if req.gpus else (),
@@ -410,6 +494,9 @@ def build_container_spec(req: DeploymentRequest, image: str, *, shm_size: str) -
         log_path=req.log_path,
         host=ENGINE_HOST,
         container=container,
+        api_key=req.api_key,
+        secret_env=secret_env,
+        secret_files=secret_files,
     )
 
 

@@ -1,6 +1,8 @@
 """Health probes of an engine's HTTP server, shared by every runtime.
 
-Engines are probed on the host's loopback, so proxies from the environment are ignored.
+Engines are probed on the host's loopback, so proxies from the environment are ignored.  An
+engine with an API key gets it as ``Authorization: Bearer`` with every probe: the three
+engines leave ``/health`` public today, but an adopted server's model list may not be.
 """
 
 from __future__ import annotations
@@ -15,9 +17,14 @@ import httpx
 HealthOutcome = Literal["healthy", "exited", "timeout"]
 
 
-async def probe_health(url: str, timeout_s: float) -> bool:
-    """One probe: whether ``GET url`` answers 200 within ``timeout_s`` seconds."""
-    async with httpx.AsyncClient(trust_env=False) as client:
+def _auth_headers(api_key: str | None) -> dict[str, str]:
+    return {} if api_key is None else {"Authorization": f"Bearer {api_key}"}
+
+
+async def probe_health(url: str, timeout_s: float, *, api_key: str | None = None) -> bool:
+    """One probe: whether ``GET url`` answers 200 within ``timeout_s`` seconds (sending
+    ``api_key`` as a Bearer token when given)."""
+    async with httpx.AsyncClient(trust_env=False, headers=_auth_headers(api_key)) as client:
         try:
             response = await client.get(url, timeout=timeout_s)
         except httpx.TransportError:
@@ -32,17 +39,18 @@ async def wait_for_health(
     alive: Callable[[], Awaitable[bool]],
     poll_interval_s: float,
     probe_timeout_s: float,
+    api_key: str | None = None,
 ) -> HealthOutcome:
     """Poll ``GET url`` every ``poll_interval_s`` seconds until it answers 200.
 
     Any other status, a refused connection or a probe taking longer than
     ``probe_timeout_s`` counts as "not yet".  Before each probe ``alive()`` says whether the
     engine still runs; ``"exited"`` is returned as soon as it does not, ``"timeout"`` once
-    ``timeout_s`` seconds have passed.
+    ``timeout_s`` seconds have passed.  ``api_key`` goes with every probe as a Bearer token.
     """
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
-    async with httpx.AsyncClient(trust_env=False) as client:
+    async with httpx.AsyncClient(trust_env=False, headers=_auth_headers(api_key)) as client:
         while True:
             if not await alive():
                 return "exited"

@@ -1,10 +1,13 @@
 """The process runtime: each engine is a child process leading its own process group.
 
 An engine such as vLLM or SGLang forks helpers (tokenizer, scheduler and worker processes),
-so berth never signals just the pid it started: the engine is started with
-``start_new_session=True`` and is stopped by signalling its whole process group, SIGTERM first
-and SIGKILL after a grace period.  stdout and stderr are appended to the deployment's log
-file, whose last lines travel in every :class:`~berth.errors.EngineError`.
+and a helper may leave the engine's process group (``setsid``) or outlive its own parent, so
+berth never signals just the pid it started.  The engine is started with
+``start_new_session=True`` and inside a tree berth can follow (:mod:`berth.runtime.trees`:
+a cgroup of its own where the host allows, else its descendants recorded from ``/proc``);
+stopping it signals its process group and its whole tree, SIGTERM first and SIGKILL after a
+grace period, and returns once none of them is left.  stdout and stderr are appended to the
+deployment's log file, whose last lines travel in every :class:`~berth.errors.EngineError`.
 
 After a daemon restart the engines started by the previous daemon are no longer our children.
 :meth:`ProcessRuntime.attach` adopts one again only when its pid still runs the engine (its
@@ -17,25 +20,39 @@ This module reads ``/proc``: it targets Linux, as berth's GPU nodes do.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import signal
 import subprocess
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from pathlib import Path
 
 from berth.errors import EngineError
-from berth.runtime.base import EngineHandle, LaunchSpec, ProgressListener
+from berth.runtime.base import EngineHandle, LaunchSpec, ProgressListener, printable_command
+from berth.runtime.cgroups import EngineCgroup, EngineCgroups, cgroup2_mount
 from berth.runtime.health import probe_health, wait_for_health
+from berth.runtime.proc import (
+    all_processes,
+    group_has_live_members,
+    pid_running,
+    process_id,
+    read_stat,
+)
+from berth.runtime.trees import EngineTree, TreeMechanism, TreeMode, TreeTracking
+
+log = logging.getLogger(__name__)
 
 #: Lines of engine output carried by an :class:`EngineError`.
 DEFAULT_LOG_TAIL_LINES = 40
+#: Seconds between two ``/proc`` scans for engines' descendants (the ``proc`` mechanism).
+DEFAULT_TREE_SCAN_INTERVAL_S = 1.0
 
 # Bounds on how far back a tail read goes, so one huge line cannot exhaust memory.
 _TAIL_BLOCK_BYTES = 8192
 _TAIL_MAX_BYTES = 1 << 20
 _FOLLOW_CHUNK_BYTES = 64 * 1024
-# How often stop() looks whether the process group is gone.
+# How often stop() looks whether the engine's processes are gone.
 _STOP_POLL_S = 0.05
 
 
@@ -43,8 +60,14 @@ class ProcessRuntime:
     """Runs engines as local child processes (the ``process`` runtime).
 
     ``poll_interval_s`` is the pause between health probes, ``probe_timeout_s`` the limit of
-    one probe, ``kill_wait_s`` how long :meth:`stop` waits for the group to vanish after
+    one probe, ``kill_wait_s`` how long :meth:`stop` waits for the processes to vanish after
     SIGKILL before giving up, ``log_tail_lines`` how many log lines errors carry.
+    ``process_tree`` chooses how engines' process trees are followed (:data:`TreeMode`;
+    ``auto``: a cgroup per engine where the host allows it), ``tree_scan_interval_s`` how
+    often ``/proc`` is scanned for descendants when it does not.
+
+    Raises :class:`~berth.errors.ConfigError` when ``process_tree`` is ``cgroup`` and the
+    host cannot give engines cgroups.
     """
 
     name: str = "process"
@@ -56,32 +79,55 @@ class ProcessRuntime:
         probe_timeout_s: float = 2.0,
         kill_wait_s: float = 5.0,
         log_tail_lines: int = DEFAULT_LOG_TAIL_LINES,
+        process_tree: TreeMode = "auto",
+        tree_scan_interval_s: float = DEFAULT_TREE_SCAN_INTERVAL_S,
     ) -> None:
         self._poll_interval_s = poll_interval_s
         self._probe_timeout_s = probe_timeout_s
         self._kill_wait_s = kill_wait_s
         self._log_tail_lines = log_tail_lines
         self._children: dict[int, subprocess.Popen[bytes]] = {}
+        self.trees = TreeTracking(process_tree)
+        self._tree_scan_interval_s = tree_scan_interval_s
+        #: what is known of each engine's processes, by the engine's pid
+        self._trees: dict[int, EngineTree] = {}
+        self._scanner: asyncio.Task[None] | None = None
+
+    @property
+    def tree_mechanism(self) -> TreeMechanism:
+        """``cgroup`` or ``proc``: how this runtime follows engines' process trees."""
+        return self.trees.mechanism
+
+    def close(self) -> None:
+        """Stop scanning ``/proc`` (engines keep running)."""
+        if self._scanner is not None:
+            self._scanner.cancel()
+            self._scanner = None
 
     async def start(
         self, spec: LaunchSpec, on_progress: ProgressListener | None = None
     ) -> EngineHandle:
         """Start ``spec.argv`` in a new session and return its handle at once.
 
-        The environment is berth's own plus ``spec.env``; stdin is ``/dev/null``; stdout and
-        stderr are appended to ``spec.log_path`` (its folder is created), after a header line
-        naming the deployment and command.
+        The environment is berth's own plus ``spec.environment()``; stdin is ``/dev/null``;
+        stdout and stderr are appended to ``spec.log_path`` (its folder is created), after a
+        header line naming the deployment, the command (secret flag values hidden) and how
+        its process tree is followed.  With the ``cgroup`` mechanism the engine is moved
+        into a new cgroup before it runs (between fork and exec); if that fails it is
+        started without one, its tree followed from ``/proc``, and a warning logged.
 
         Raises :class:`~berth.errors.EngineError` when the program cannot be executed (not
         found, not executable) or the log file cannot be opened.  ``on_progress`` is not
         called: there is nothing to prepare.
         """
-        return await asyncio.to_thread(self._spawn, spec)
+        handle = await asyncio.to_thread(self._spawn, spec)
+        self._ensure_scanner()
+        return handle
 
     def _spawn(self, spec: LaunchSpec) -> EngineHandle:
         if not spec.argv:
             raise EngineError("empty engine command line", deployment_id=spec.deployment_id)
-        env = {**os.environ, **spec.env}
+        env = {**os.environ, **spec.environment()}
         try:
             spec.log_path.parent.mkdir(parents=True, exist_ok=True)
             log_file = spec.log_path.open("ab")
@@ -90,35 +136,107 @@ class ProcessRuntime:
                 f"cannot open engine log {spec.log_path}: {exc.strerror or exc}",
                 deployment_id=spec.deployment_id,
             ) from exc
+        cgroup = self._new_cgroup(spec.deployment_id)
         with log_file:
             stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-            header = f"=== berth {stamp} deployment {spec.deployment_id}: {' '.join(spec.argv)}\n"
+            tree = f"cgroup {cgroup.name}" if cgroup else "descendants from /proc"
+            header = (
+                f"=== berth {stamp} deployment {spec.deployment_id}: "
+                f"{printable_command(spec.argv)}\n=== process tree: {tree}\n"
+            )
             log_file.write(header.encode())
             log_file.flush()
-            try:
-                child = subprocess.Popen(
+
+            def spawn(join: Callable[[], None] | None) -> subprocess.Popen[bytes]:
+                return subprocess.Popen(
                     spec.argv,
                     stdin=subprocess.DEVNULL,
                     stdout=log_file,
                     stderr=subprocess.STDOUT,
                     env=env,
                     start_new_session=True,
+                    preexec_fn=join,
                 )
+
+            try:
+                child = self._spawn_in(cgroup, spawn, spec.deployment_id)
             except OSError as exc:
+                if cgroup is not None:
+                    cgroup.remove()
                 raise EngineError(
                     f"cannot start {spec.argv[0]}: {exc.strerror or exc}",
                     deployment_id=spec.deployment_id,
                 ) from exc
+            if child is None:  # it could not join its cgroup
+                cgroup = None
+                log_file.write(b"=== process tree: descendants from /proc (no cgroup)\n")
+                log_file.flush()
+                child = spawn(None)
         self._children[child.pid] = child
-        return EngineHandle(
-            deployment_id=spec.deployment_id, pid=child.pid, port=spec.port, host=spec.host
+        handle = EngineHandle(
+            deployment_id=spec.deployment_id,
+            pid=child.pid,
+            port=spec.port,
+            host=spec.host,
+            cgroup=cgroup.name if cgroup is not None else None,
+            api_key=spec.api_key,
         )
+        self._trees[child.pid] = EngineTree(process_id(child.pid), cgroup)
+        return handle
+
+    def _new_cgroup(self, deployment_id: str) -> EngineCgroup | None:
+        cgroups = self.trees.cgroups
+        if cgroups is None:
+            return None
+        try:
+            return cgroups.create(deployment_id)
+        except OSError as exc:
+            log.warning("no cgroup for deployment %s (%s): following its processes from "
+                        "/proc", deployment_id, exc.strerror or exc)  # fmt: skip
+            return None
+
+    def _spawn_in(
+        self,
+        cgroup: EngineCgroup | None,
+        spawn: Callable[[Callable[[], None] | None], subprocess.Popen[bytes]],
+        deployment_id: str,
+    ) -> subprocess.Popen[bytes] | None:
+        """``spawn`` the engine inside ``cgroup`` (moved there between fork and exec).
+
+        ``None`` when it cannot join it (the child exits before exec; the cgroup is
+        removed): the caller starts the engine without one.  Raises :class:`OSError` when
+        the program cannot be executed.
+        """
+        if cgroup is None:
+            return spawn(None)
+        try:
+            procs = cgroup.open_procs()
+        except OSError as exc:
+            log.warning("cannot join cgroup %s (%s): following deployment %s from /proc",
+                        cgroup.name, exc.strerror or exc, deployment_id)  # fmt: skip
+            cgroup.remove()
+            return None
+
+        def join() -> None:
+            # Runs in the child between fork and exec: one write, nothing that takes a lock.
+            os.write(procs, b"0")
+
+        try:
+            return spawn(join)
+        except subprocess.SubprocessError as exc:  # raised for a failing preexec_fn
+            log.warning("moving deployment %s into cgroup %s failed (%s): following it from "
+                        "/proc", deployment_id, cgroup.name, exc)  # fmt: skip
+            cgroup.remove()
+            return None
+        finally:
+            os.close(procs)
 
     async def wait_healthy(self, handle: EngineHandle, spec: LaunchSpec, timeout_s: float) -> None:
         """Poll ``GET http://host:port{spec.health_path}`` until it answers 200.
 
         Any other status, a refused connection or a probe timeout counts as "not yet".
-        Environment proxies are ignored: the engine is on loopback.
+        Environment proxies are ignored: the engine is on loopback.  The engine's API key
+        goes with every probe.
 
         Raises :class:`~berth.errors.EngineError` with the log tail when the engine exits
         first (the message gives its exit status when it is our child) or when ``timeout_s``
@@ -135,6 +253,7 @@ class ProcessRuntime:
             alive=alive,
             poll_interval_s=self._poll_interval_s,
             probe_timeout_s=self._probe_timeout_s,
+            api_key=handle.api_key,
         )
         if outcome == "exited":
             raise EngineError(
@@ -151,38 +270,62 @@ class ProcessRuntime:
 
     async def check_health(self, handle: EngineHandle, health_path: str, timeout_s: float) -> bool:
         """One health probe: whether ``GET health_path`` answers 200 within ``timeout_s``."""
-        return await probe_health(f"{handle.base_url}{health_path}", timeout_s)
+        url = f"{handle.base_url}{health_path}"
+        return await probe_health(url, timeout_s, api_key=handle.api_key)
 
     async def stop(self, handle: EngineHandle, grace_s: float) -> None:
-        """Stop the engine's process group: SIGTERM, then SIGKILL after ``grace_s`` seconds.
+        """Stop the engine and its whole tree: SIGTERM, then SIGKILL after ``grace_s`` seconds.
 
-        Returns once no process of the group is left (zombies aside) and our child, if it is
-        one, has been reaped.  For an adopted handle: a pid that now runs another program is
-        left alone; when the engine itself is gone but helpers of its group still run, those
-        are stopped (the kernel never gives a new process the number of a live group); an
-        engine that does not lead its own group is signalled alone, never the group it shares.
+        Signalled are the engine's process group, and every process of its cgroup or every
+        descendant recorded from ``/proc`` (scanned once more now, and while waiting).
+        Returns once none of them is left (zombies aside), our child, if it is one, reaped,
+        and its cgroup removed.  For an adopted handle: a pid that now runs another program
+        is left alone; when the engine itself is gone but helpers of its group or its cgroup
+        still run, those are stopped (the kernel never gives a new process the number of a
+        live group, and only berth puts processes in an engine's cgroup); an engine that
+        does not lead its own group is signalled alone, never the group it shares.
 
         Raises :class:`~berth.errors.EngineError` when the processes cannot be signalled or
         are still there ``kill_wait_s`` seconds after SIGKILL.
         """
         child = self._children.get(handle.pid)
+        tree = self._tree_of(handle)
         whole_group = await asyncio.to_thread(_stop_scope, handle, child)
-        if whole_group is None:
-            if child is not None:
-                self._children.pop(handle.pid, None)
+        if tree.scanned:
+            await self._scan([tree])
+        if whole_group is None and not await asyncio.to_thread(tree.anything_left):
+            self._forget(handle, child, tree)
             return
         try:
-            self._signal(handle, signal.SIGTERM, whole_group)
-            if not await self._wait_gone(handle, child, whole_group, grace_s):
-                self._signal(handle, signal.SIGKILL, whole_group)
-                if not await self._wait_gone(handle, child, whole_group, self._kill_wait_s):
+            await self._signal(handle, tree, signal.SIGTERM, whole_group)
+            if not await self._wait_gone(handle, child, tree, whole_group, grace_s, signal.SIGTERM):
+                await self._signal(handle, tree, signal.SIGKILL, whole_group)
+                if not await self._wait_gone(
+                    handle, child, tree, whole_group, self._kill_wait_s, signal.SIGKILL
+                ):
                     raise EngineError(
                         f"engine pid {handle.pid} still runs {self._kill_wait_s:g} s after SIGKILL",
                         deployment_id=handle.deployment_id,
                     )
         finally:
-            if child is not None and child.poll() is not None:
-                self._children.pop(handle.pid, None)
+            reaped = child is None or child.poll() is not None
+            if reaped and not await asyncio.to_thread(tree.anything_left):
+                self._forget(handle, child, tree)
+
+    def _forget(
+        self, handle: EngineHandle, child: subprocess.Popen[bytes] | None, tree: EngineTree
+    ) -> None:
+        if child is not None:
+            self._children.pop(handle.pid, None)
+        self._trees.pop(handle.pid, None)
+        if tree.cgroup is not None and not tree.cgroup.remove():
+            log.warning("cgroup %s of deployment %s could not be removed", tree.cgroup.name,
+                        handle.deployment_id)  # fmt: skip
+
+    def processes(self, handle: EngineHandle) -> list[int]:
+        """The pids known now to belong to the engine's tree (the engine, and its cgroup's
+        members or the descendants recorded from ``/proc``)."""
+        return self._tree_of(handle).members()
 
     def is_alive(self, handle: EngineHandle) -> bool:
         """Whether the engine's main process still runs (a zombie counts as exited).
@@ -199,28 +342,114 @@ class ProcessRuntime:
         return self.is_alive(handle)
 
     def attach(
-        self, deployment_id: str, pid: int, port: int, host: str = "127.0.0.1"
+        self,
+        deployment_id: str,
+        pid: int,
+        port: int,
+        host: str = "127.0.0.1",
+        *,
+        cgroup: str | None = None,
+        api_key: str | None = None,
     ) -> EngineHandle | None:
         """Adopt an engine started before a daemon restart, for reconciliation.
 
         Returns a handle when ``pid`` runs and its command line carries ``--port <port>``
         (or ``--port=<port>``); ``None`` when it exited or the pid now belongs to another
-        program, which must then never be signalled.  When the engine itself died, passing
-        an ``EngineHandle`` with its old pid and port to :meth:`stop` still stops helpers
-        left running in its process group.
+        program, which must then never be signalled.  The handle's cgroup is the one the
+        engine is in now, when berth made it (else ``cgroup``, as recorded); ``api_key`` is
+        the key it was started with.  When the engine itself died, passing an
+        ``EngineHandle`` with its old pid, port and cgroup to :meth:`stop` still stops
+        helpers left running in its process group or cgroup.  The engine's descendants are
+        followed from now on.
         """
         if pid <= 1 or pid == os.getpid():
             return None
         if pid not in self._children and not _is_engine_process(pid, port):
             return None
-        return EngineHandle(deployment_id=deployment_id, pid=pid, port=port, host=host)
+        cgroups = self.trees.cgroups
+        found = cgroups.cgroup_of(pid) if cgroups is not None else None
+        handle = EngineHandle(
+            deployment_id=deployment_id,
+            pid=pid,
+            port=port,
+            host=host,
+            cgroup=found.name if found is not None else cgroup,
+            api_key=api_key,
+        )
+        if pid not in self._trees:
+            self._trees[pid] = EngineTree(process_id(pid), self._cgroup(handle))
+            self._ensure_scanner()
+        return handle
 
-    def _signal(self, handle: EngineHandle, sig: signal.Signals, whole_group: bool) -> None:
+    def _tree_of(self, handle: EngineHandle) -> EngineTree:
+        """What is known of ``handle``'s processes; for a handle of an engine not followed
+        (gone before a restart), its recorded cgroup only."""
+        tree = self._trees.get(handle.pid)
+        if tree is None:
+            engine = process_id(handle.pid) if _is_engine_process(handle.pid, handle.port) else None
+            tree = EngineTree(engine, self._cgroup(handle))
+        return tree
+
+    def _cgroup(self, handle: EngineHandle) -> EngineCgroup | None:
+        """``handle``'s cgroup, when it names one berth makes (and exists)."""
+        cgroups = self.trees.cgroups
+        if handle.cgroup is None:
+            return None
+        if cgroups is None:
+            # Started when this host allowed cgroups (or another setting): still killed.
+            mount = cgroup2_mount()
+            if mount is None:
+                return None
+            cgroups = EngineCgroups(mount, "/")
+        if not cgroups.owns(handle.cgroup):
+            return None
+        found = cgroups.named(handle.cgroup)
+        return found if found.path.is_dir() else None
+
+    # -- the /proc scan ------------------------------------------------------------------
+
+    def _ensure_scanner(self) -> None:
+        if self._scanner is not None and not self._scanner.done():
+            return
+        if not any(tree.scanned for tree in self._trees.values()):
+            return
         try:
-            if whole_group:
-                os.killpg(handle.pid, sig)
-            else:
-                os.kill(handle.pid, sig)
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # attached outside an event loop: scanned when it stops
+            return
+        self._scanner = loop.create_task(self._scan_forever(), name="berth-process-trees")
+
+    async def _scan_forever(self) -> None:
+        while True:
+            scanned = [tree for tree in self._trees.values() if tree.scanned]
+            if not scanned:
+                return
+            try:
+                await self._scan(scanned)
+            except OSError as exc:  # /proc unreadable for a moment: try again next time
+                log.warning("scanning /proc for engines' processes failed: %s", exc)
+            await asyncio.sleep(self._tree_scan_interval_s)
+
+    async def _scan(self, trees: list[EngineTree]) -> None:
+        processes = await asyncio.to_thread(all_processes)
+        for tree in trees:
+            tree.update(processes)
+
+    # -- signals -------------------------------------------------------------------------
+
+    async def _signal(
+        self,
+        handle: EngineHandle,
+        tree: EngineTree,
+        sig: signal.Signals,
+        whole_group: bool | None,
+    ) -> None:
+        try:
+            if whole_group is not None:
+                if whole_group:
+                    os.killpg(handle.pid, sig)
+                else:
+                    os.kill(handle.pid, sig)
         except ProcessLookupError:
             pass
         except PermissionError as exc:
@@ -228,21 +457,34 @@ class ProcessRuntime:
                 f"not allowed to send {sig.name} to engine pid {handle.pid}",
                 deployment_id=handle.deployment_id,
             ) from exc
+        try:
+            await asyncio.to_thread(tree.signal_descendants, sig)
+        except OSError as exc:
+            raise EngineError(
+                f"cannot send {sig.name} to the processes of deployment {handle.deployment_id}: "
+                f"{exc.strerror or exc}",
+                deployment_id=handle.deployment_id,
+            ) from exc
 
     async def _wait_gone(
         self,
         handle: EngineHandle,
         child: subprocess.Popen[bytes] | None,
-        whole_group: bool,
+        tree: EngineTree,
+        whole_group: bool | None,
         timeout_s: float,
+        sig: signal.Signals,
     ) -> bool:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         while True:
-            leader_alive = child.poll() is None if child is not None else pid_running(handle.pid)
-            if not leader_alive and not (
-                whole_group and await asyncio.to_thread(_group_has_live_members, handle.pid)
-            ):
+            if tree.scanned:
+                # A process forked since the last look gets the same signal as its elders.
+                processes = await asyncio.to_thread(all_processes)
+                new = tree.update(processes)
+                if new:
+                    await asyncio.to_thread(tree.signal_descendants, sig, new)
+            if not await asyncio.to_thread(_anything_left, handle, child, tree, whole_group):
                 return True
             if loop.time() >= deadline:
                 return False
@@ -262,6 +504,20 @@ class ProcessRuntime:
 
     async def _log_tail(self, path: Path) -> str:
         return await asyncio.to_thread(read_log_tail, path, self._log_tail_lines)
+
+
+def _anything_left(
+    handle: EngineHandle,
+    child: subprocess.Popen[bytes] | None,
+    tree: EngineTree,
+    whole_group: bool | None,
+) -> bool:
+    leader_alive = child.poll() is None if child is not None else pid_running(handle.pid)
+    if whole_group is not None and leader_alive:
+        return True
+    if whole_group and group_has_live_members(handle.pid):
+        return True
+    return tree.anything_left()
 
 
 def read_log_tail(path: Path, lines: int = DEFAULT_LOG_TAIL_LINES) -> str:
@@ -329,49 +585,16 @@ def _read_from(path: Path, offset: int) -> tuple[bytes, int]:
     return data, offset + len(data)
 
 
-def _proc_stat(pid: int) -> tuple[str, int] | None:
-    """``(state, process group)`` of ``pid`` from ``/proc/<pid>/stat``, ``None`` if gone."""
-    try:
-        raw = Path(f"/proc/{pid}/stat").read_bytes()
-    except OSError:
-        return None
-    # The command name (field 2) is in parentheses and may itself hold spaces or ")".
-    fields = raw[raw.rindex(b")") + 2 :].split()
-    return fields[0].decode(), int(fields[2])
-
-
-def pid_running(pid: int) -> bool:
-    """Whether process ``pid`` exists and is not a zombie (exited, not yet reaped)."""
-    stat = _proc_stat(pid)
-    return stat is not None and stat[0] != "Z"
-
-
 def _leads_own_group(pid: int) -> bool:
-    stat = _proc_stat(pid)
-    return stat is not None and stat[1] == pid and pid != os.getpgrp()
-
-
-def _group_has_live_members(pgid: int) -> bool:
-    """Whether any process of group ``pgid`` runs; zombies awaiting their reaper do not."""
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    with os.scandir("/proc") as entries:
-        for entry in entries:
-            if entry.name.isdigit():
-                stat = _proc_stat(int(entry.name))
-                if stat is not None and stat[1] == pgid and stat[0] != "Z":
-                    return True
-    return False
+    stat = read_stat(pid)
+    return stat is not None and stat.pgrp == pid and pid != os.getpgrp()
 
 
 def _stop_scope(handle: EngineHandle, child: subprocess.Popen[bytes] | None) -> bool | None:
-    """Whether to signal the engine's whole group (True), its pid alone (False) or nothing."""
+    """Whether to signal the engine's whole group (True), its pid alone (False) or neither
+    (None; its cgroup or recorded descendants may still be signalled)."""
     if child is not None:
-        if child.poll() is not None and not _group_has_live_members(handle.pid):
+        if child.poll() is not None and not group_has_live_members(handle.pid):
             return None
         return True
     if _is_engine_process(handle.pid, handle.port):
@@ -383,7 +606,7 @@ def _stop_scope(handle: EngineHandle, child: subprocess.Popen[bytes] | None) -> 
 
 def _orphaned_group(pgid: int) -> bool:
     """Whether ``pgid``'s leader is gone (or a zombie) while other members still run."""
-    return pgid != os.getpgrp() and not pid_running(pgid) and _group_has_live_members(pgid)
+    return pgid != os.getpgrp() and not pid_running(pgid) and group_has_live_members(pgid)
 
 
 def _is_engine_process(pid: int, port: int) -> bool:

@@ -104,7 +104,8 @@ class ContainerInfo:
     """What ``docker inspect`` says about a container, in the parts berth reads.
 
     ``ports`` maps ``"8080/tcp"`` to where it is published (empty when it is not, or the
-    container does not run); ``gpu_device_ids`` are the devices its device requests name.
+    container does not run); ``gpu_device_ids`` are the devices its device requests name;
+    ``networks`` the names of the networks it is attached to.
     """
 
     id: str
@@ -113,6 +114,7 @@ class ContainerInfo:
     state: ContainerState
     ports: Mapping[str, tuple[PortBinding, ...]] = field(default_factory=dict)
     gpu_device_ids: tuple[str, ...] = ()
+    networks: tuple[str, ...] = ()
 
     def published_port(self) -> int | None:
         """The host port of the container's first published port; ``None`` when none is."""
@@ -143,6 +145,19 @@ class ContainerConfig:
     ulimits: tuple[tuple[str, int, int], ...] = ()
     shm_size: str | None = None
     init: bool = True
+    network: str | None = None
+
+
+@dataclass(frozen=True)
+class NetworkInfo:
+    """What ``docker network inspect`` says about a network, in the parts berth reads: its
+    driver, its driver options (``com.docker.network.bridge.enable_icc``) and labels."""
+
+    id: str
+    name: str
+    driver: str
+    options: Mapping[str, str] = field(default_factory=dict)
+    labels: Mapping[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -232,6 +247,17 @@ class DockerApi(Protocol):
     def remove_container(self, container_id: str) -> None:
         """Remove the container, running or not.  :class:`DockerNotFound` when it does not
         exist, :class:`DockerConflict` when its removal is already under way."""
+        ...
+
+    def inspect_network(self, name: str) -> NetworkInfo | None:
+        """The network with this name or id; ``None`` when there is none."""
+        ...
+
+    def create_network(
+        self, name: str, *, options: Mapping[str, str], labels: Mapping[str, str]
+    ) -> str:
+        """Create a bridge network with these driver options and labels; its id.
+        :class:`DockerConflict` when the name is taken."""
         ...
 
     def logs(

@@ -18,11 +18,17 @@ import logging
 import os
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from berth.errors import EngineError
-from berth.runtime.base import ContainerSpec, EngineHandle, LaunchSpec, ProgressListener
+from berth.runtime.base import (
+    ContainerSpec,
+    EngineHandle,
+    LaunchSpec,
+    ProgressListener,
+    printable_command,
+)
 from berth.runtime.docker.api import (
     ContainerInfo,
     DockerApi,
@@ -35,6 +41,7 @@ from berth.runtime.docker.containers import (
     stop_and_remove,
 )
 from berth.runtime.docker.logs import LogCopies, append_log, log_stamp
+from berth.runtime.docker.network import ensure_engine_network
 from berth.runtime.docker.pull import ensure_image
 from berth.runtime.docker.sdk import connect_docker
 from berth.runtime.docker.spec import (
@@ -108,6 +115,7 @@ class DockerRuntime:
         self._threads = DockerThreads()
         self._running: dict[str, bool] = {}
         self._logs = LogCopies()
+        self._network_ready = False
 
     # -- the engine connection -------------------------------------------------------------
 
@@ -200,27 +208,37 @@ class DockerRuntime:
     def _create_and_start(self, spec: LaunchSpec, container: ContainerSpec) -> EngineHandle:
         client = self._connected()
         config = container_config(spec, container, home=self._home, node_id=self._node_id)
+        if not self._network_ready:  # once per runtime: Docker keeps the network
+            ensure_engine_network(client)
+            self._network_ready = True
         append_log(
             spec.log_path,
             f"=== berth {log_stamp()} deployment {spec.deployment_id}: container {config.name} "
-            f"from {container.image}: {' '.join(container.command)}\n",
+            f"from {container.image} on network {config.network}: "
+            f"{printable_command(container.command)}\n",
         )
 
         def copy_output(container_id: str) -> None:
             # From the start, so an engine that exits at once leaves its reason in the log.
             self._logs.follow(self._connected, container_id, spec.log_path, since=None)
 
-        info = create_and_start(
-            client,
-            config,
-            home=self._home,
-            deployment_id=spec.deployment_id,
-            on_started=copy_output,
-        )
-        return self._handle(spec.deployment_id, info)
+        try:
+            info = create_and_start(
+                client,
+                config,
+                home=self._home,
+                deployment_id=spec.deployment_id,
+                on_started=copy_output,
+            )
+        except EngineError:
+            self._network_ready = False  # removed meanwhile? looked at again next time
+            raise
+        return self._handle(spec.deployment_id, info, spec.api_key)
 
-    def _handle(self, deployment_id: str, info: ContainerInfo) -> EngineHandle:
-        handle = engine_handle(deployment_id, info)
+    def _handle(
+        self, deployment_id: str, info: ContainerInfo, api_key: str | None = None
+    ) -> EngineHandle:
+        handle = replace(engine_handle(deployment_id, info), api_key=api_key)
         self._running[info.id] = info.state.running
         return handle
 
@@ -238,6 +256,7 @@ class DockerRuntime:
             alive=lambda: self.poll(handle),
             poll_interval_s=self._poll_interval_s,
             probe_timeout_s=self._probe_timeout_s,
+            api_key=handle.api_key,
         )
         if outcome == "healthy":
             return
@@ -251,7 +270,8 @@ class DockerRuntime:
 
     async def check_health(self, handle: EngineHandle, health_path: str, timeout_s: float) -> bool:
         """One health probe: whether ``GET health_path`` answers 200 within ``timeout_s``."""
-        return await probe_health(f"{handle.base_url}{health_path}", timeout_s)
+        url = f"{handle.base_url}{health_path}"
+        return await probe_health(url, timeout_s, api_key=handle.api_key)
 
     async def stop(self, handle: EngineHandle, grace_s: float) -> None:
         """Stop the container (Docker sends SIGTERM, then SIGKILL after ``grace_s`` seconds)
@@ -302,8 +322,11 @@ class DockerRuntime:
 
     # -- after a restart -------------------------------------------------------------------
 
-    async def attach(self, deployment_id: str, log_path: Path) -> EngineHandle | None:
-        """Take back the running container of ``deployment_id`` (found by its labels).
+    async def attach(
+        self, deployment_id: str, log_path: Path, api_key: str | None = None
+    ) -> EngineHandle | None:
+        """Take back the running container of ``deployment_id`` (found by its labels);
+        ``api_key`` is the key its engine was started with.
 
         Returns ``None`` when no such container runs; a stopped one is removed (its output
         is already in the log), and so is one that publishes no port (berth cannot reach
@@ -332,7 +355,7 @@ class DockerRuntime:
                     deployment_id=deployment_id,
                 ) from exc
             return None
-        handle = self._handle(deployment_id, info)
+        handle = self._handle(deployment_id, info, api_key)
         self._logs.follow(self._connected, info.id, log_path, since=since)
         return handle
 

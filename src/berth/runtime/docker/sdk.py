@@ -33,6 +33,7 @@ from berth.runtime.docker.api import (
     EngineInfo,
     EngineVersion,
     ImageInfo,
+    NetworkInfo,
     PortBinding,
     PullMessage,
     decode_pull_message,
@@ -188,6 +189,29 @@ class SdkDockerApi:
         with _translated():
             self._api.remove_container(container_id, force=True)
 
+    def inspect_network(self, name: str) -> NetworkInfo | None:
+        try:
+            with _translated():
+                found: Mapping[str, Any] = self._api.inspect_network(name)
+        except DockerNotFound:
+            return None
+        return NetworkInfo(
+            id=str(found.get("Id", "")),
+            name=str(found.get("Name", "")),
+            driver=str(found.get("Driver", "")),
+            options={str(k): str(v) for k, v in (found.get("Options") or {}).items()},
+            labels={str(k): str(v) for k, v in (found.get("Labels") or {}).items()},
+        )
+
+    def create_network(
+        self, name: str, *, options: Mapping[str, str], labels: Mapping[str, str]
+    ) -> str:
+        with _translated():
+            created: Mapping[str, Any] = self._api.create_network(
+                name, driver="bridge", options=dict(options), labels=dict(labels)
+            )
+        return str(created.get("Id", ""))
+
     def logs(
         self, container_id: str, *, since: float | None = None, tail: int | None = None
     ) -> bytes:
@@ -244,6 +268,8 @@ def _create_options(config: ContainerConfig) -> dict[str, Any]:
     }
     if config.shm_size:
         options["shm_size"] = config.shm_size
+    if config.network:
+        options["network"] = config.network
     return options
 
 
@@ -280,4 +306,7 @@ def _container_info(attrs: Mapping[str, Any]) -> ContainerInfo:
         ),
         ports=ports,
         gpu_device_ids=tuple(device_ids),
+        networks=tuple(
+            str(name) for name in ((attrs.get("NetworkSettings") or {}).get("Networks") or {})
+        ),
     )

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from berth.runtime.base import ContainerSpec, EngineHandle, LaunchSpec
 from berth.runtime.docker.api import ContainerConfig, ContainerInfo
+from berth.runtime.docker.network import ENGINE_NETWORK
 
 DEPLOYMENT_LABEL = "berth.deployment"
 NODE_LABEL = "berth.node"
@@ -41,6 +42,8 @@ def container_config(
     The engine's port is published on ``spec.host`` only (the host's loopback), at a port
     Docker picks; GPUs (NVML indexes) go in a device request; docker-init runs as PID 1,
     forwarding signals to the engine and reaping the helper processes vLLM and SGLang fork.
+    The container is on berth's engine network (no traffic between containers) and its
+    environment carries the engine's key (``spec.secret_env``).
     """
     return ContainerConfig(
         image=container.image,
@@ -52,13 +55,14 @@ def container_config(
             NODE_LABEL: node_id,
             HOME_LABEL: home,
         },
-        environment=dict(spec.env),
+        environment=spec.environment(),
         ports={container.container_port: spec.host},
         mounts=container.mounts,
         gpu_device_ids=tuple(str(index) for index in container.gpus),
         ulimits=container.ulimits,
         shm_size=container.shm_size,
         init=True,
+        network=ENGINE_NETWORK,
     )
 
 

@@ -16,27 +16,43 @@ streams about N bytes of SSE events of 64 KiB each; ``"x_events": N`` with
 ``"x_event_delay_s": S`` streams N small events S seconds apart, printing
 :data:`CLIENT_GONE` if the client goes away first; every JSON answer carries
 ``"x_received_bytes"``, the size of the request body; ``"x_head_delay_s": S`` waits S seconds
-before answering at all (a request queued in the engine), only on the engine listening on
-``"x_head_delay_port"`` when that is given; ``"x_no_usage": true`` answers without any usage
-(an engine that reports none).
+before answering at all (a request queued in the engine; it prints :data:`HOLDING` first),
+only on the engine listening on ``"x_head_delay_port"`` when that is given;
+``"x_no_usage": true`` answers without any usage (an engine that reports none).
+
+With ``LLAMA_API_KEY`` in its environment (how berth gives llama-server its key) it checks
+``Authorization: Bearer <key>`` as llama-server does: ``/health`` and ``/v1/health`` stay
+public, everything else (``/v1/*``, ``/props``, ``/slots``) answers 401 with llama-server's
+error body without it.  It prints the ``Authorization`` header of every completion request it
+gets (:data:`AUTH_SEEN`; its own key as a placeholder), so tests can tell that a client's own
+key never arrives.
 
 Test-only flags: ``--fail-start`` prints an error line (:data:`FAIL_LINE`) and exits 1
-before listening.  Lines it prints go to stdout, flushed, so berth's engine log shows them.
+before listening; ``--x-setsid-grandchild PIDFILE`` first starts a helper process whose own
+child calls ``setsid()`` and writes its pid to PIDFILE (a helper leaving the engine's process
+group and session); ``--x-unhealthy`` makes ``/health`` answer 503 forever.  Lines it prints
+go to stdout, flushed, so berth's engine log shows them.
 
 Only the standard library is used, so the engine starts in about 0.1 s
-(``tests/standin_engine.py`` needs aiohttp and is driven in-process instead).
+(``support/standin_engine.py`` needs aiohttp and is driven in-process instead).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
+import subprocess
 import sys
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from types import FrameType
 
+#: This file: tests run it by path (``python SCRIPT ...``), so it imports only the standard
+#: library.
+SCRIPT = Path(__file__).resolve()
 #: What the engine answers to every chat completion.
 ANSWER = "Hello from the fake llama-server."
 #: The line printed by ``--fail-start`` before exiting 1.
@@ -45,8 +61,25 @@ FAIL_LINE = "error: fake llama-server refuses to start (--fail-start)"
 LISTENING = "fake llama-server listening on"
 #: Printed when a client closes the connection before a slow stream ended.
 CLIENT_GONE = "fake llama-server: client went away mid-stream"
+#: Printed when a request starts waiting before its answer (``x_head_delay_s``).
+HOLDING = "fake llama-server: holding a request before answering"
 #: (prompt, completion) token counts reported in ``usage``.
 USAGE = (5, 6)
+#: Printed with the ``Authorization`` header (or ``-``) of each completion request.
+AUTH_SEEN = "fake llama-server: authorization"
+#: The paths llama-server answers without its API key.
+PUBLIC_PATHS = frozenset({"/health", "/v1/health"})
+
+# The helper: forks a child that leaves the session (setsid), writes its pid, and sleeps.
+_SETSID_HELPER = """
+import os, sys, time
+if os.fork() == 0:
+    os.setsid()
+    with open(sys.argv[1] + ".tmp", "w") as out:
+        out.write(str(os.getpid()))
+    os.rename(sys.argv[1] + ".tmp", sys.argv[1])
+time.sleep(3600)
+"""
 
 
 def _parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -58,6 +91,8 @@ def _parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("-c", "--ctx-size", type=int, default=None)
     parser.add_argument("-ngl", "--n-gpu-layers", default=None)
     parser.add_argument("--fail-start", action="store_true")
+    parser.add_argument("--x-setsid-grandchild", default=None)
+    parser.add_argument("--x-unhealthy", action="store_true")
     return parser.parse_known_args(argv)
 
 
@@ -97,13 +132,32 @@ def _stream_events(alias: str, *, include_usage: bool) -> list[bytes]:
 class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     alias = "model"
+    api_key: str | None = None
+    unhealthy = False
 
     def log_message(self, format: str, *args: object) -> None:
         print(f"request: {format % args}", flush=True)
 
+    def _refused(self) -> bool:
+        """Answer 401 as llama-server does when a key is set and not presented."""
+        if self.api_key is None or self.path in PUBLIC_PATHS:
+            return False
+        if self.headers.get("Authorization") == f"Bearer {self.api_key}":
+            return False
+        error = {"message": "Invalid API Key", "type": "authentication_error", "code": 401}
+        self._json(401, {"error": error})
+        return True
+
     def do_GET(self) -> None:
+        if self._refused():
+            return
         if self.path == "/health":
-            self._json(200, {"status": "ok"})
+            if self.unhealthy:
+                self._json(503, {"error": {"code": 503, "message": "Loading model"}})
+            else:
+                self._json(200, {"status": "ok"})
+        elif self.path in ("/props", "/slots"):
+            self._json(200, {"path": self.path, "alias": self.alias})
         elif self.path == "/v1/models":
             model = {"id": self.alias, "object": "model", "created": 1, "owned_by": "llamacpp"}
             self._json(200, {"object": "list", "data": [model]})
@@ -113,6 +167,12 @@ class _Handler(BaseHTTPRequestHandler):
     def do_POST(self) -> None:
         length = int(self.headers.get("Content-Length") or 0)
         raw = self.rfile.read(length)
+        if self._refused():
+            return
+        seen = self.headers.get("Authorization") or "-"
+        # Its own key is never printed (berth's tests look for it in the log).
+        shown = "<the engine's key>" if self.api_key and seen.endswith(self.api_key) else seen
+        print(f"{AUTH_SEEN} {shown}", flush=True)
         if self.path != "/v1/chat/completions":
             self._json(404, {"error": {"code": 404, "message": "File Not Found"}})
             return
@@ -123,6 +183,7 @@ class _Handler(BaseHTTPRequestHandler):
             return
         port = self.server.server_address[1]
         if body.get("x_head_delay_s") and body.get("x_head_delay_port", port) == port:
+            print(f"{HOLDING} for {body['x_head_delay_s']} s", flush=True)
             time.sleep(float(body["x_head_delay_s"]))  # a request queued in this engine
         if body.get("stream") and body.get("x_bulk_bytes"):
             self._bulk(int(body["x_bulk_bytes"]))
@@ -205,6 +266,8 @@ def _on_sigterm(_signum: int, _frame: FrameType | None) -> None:
 def main(argv: list[str]) -> int:
     args, extra = _parse(argv)
     print(f"fake llama-server: model {args.model}, alias {args.alias}, extra {extra}", flush=True)
+    if args.x_setsid_grandchild:
+        subprocess.Popen([sys.executable, "-c", _SETSID_HELPER, args.x_setsid_grandchild])
     if args.fail_start:
         print(FAIL_LINE, flush=True)
         return 1
@@ -212,6 +275,8 @@ def main(argv: list[str]) -> int:
 
     class Handler(_Handler):
         alias = args.alias
+        api_key = os.environ.get("LLAMA_API_KEY")
+        unhealthy = args.x_unhealthy
 
     server = ThreadingHTTPServer((args.host, args.port), Handler)
     server.daemon_threads = True

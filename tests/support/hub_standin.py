@@ -25,6 +25,16 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from types import TracebackType
 from urllib.parse import unquote, urlsplit
 
+#: The files of every repository the shared ``hub`` fixture (``tests/conftest.py``) publishes:
+#: a model config and a GGUF file the fake engine accepts.
+TINY_FILES: dict[str, bytes] = {
+    "config.json": b'{"architectures": ["LlamaForCausalLM"], "hidden_size": 8}\n',
+    "tiny.gguf": b"GGUF" + bytes(range(256)) * 64,
+}
+#: The repositories the shared ``hub`` fixture publishes, each with :data:`TINY_FILES`: one per
+#: module that pulls, so each module's pulls land in folders of their own.
+TINY_REPOS = ("berth-test/tiny-model", "org/tiny", "org/tiny-remote")
+
 _INFO = re.compile(r"^/api/models/(?P<repo>[^/]+(?:/[^/]+)?)/revision/(?P<rev>[^/]+)$")
 _TREE = re.compile(r"^/api/models/(?P<repo>[^/]+(?:/[^/]+)?)/tree/(?P<rev>[^/]+)$")
 _RESOLVE = re.compile(r"^/(?P<repo>[^/]+(?:/[^/]+)?)/resolve/(?P<rev>[^/]+)/(?P<path>.+)$")

@@ -16,9 +16,8 @@ import signal
 import ssl
 import subprocess
 import sys
-import time
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,10 +27,14 @@ import openai
 from prometheus_client.parser import text_string_to_metric_families
 
 from berth.runtime.engines import find_free_port
-from processes import wait_gone
+from support import fake_llama_server
+from support.processes import wait_gone
+from support.waiting import wait_for
 
 URI_PATTERN = re.compile(r"berth://enroll\?\S+")
-FAKE_ENGINE = Path(__file__).with_name("fake_llama_server.py")
+FAKE_ENGINE = fake_llama_server.SCRIPT
+#: What the fake engine is given as a model: it only checks the file exists.
+TINY_GGUF_BYTES = b"GGUF" + bytes(60)
 
 
 def fake_engine_wrapper(root: Path) -> Path:
@@ -216,15 +219,22 @@ class Cluster:
         found: dict[str, Any] = self.admin("GET", f"/admin/nodes/{node_id}")
         return found
 
-    def wait_node(self, node_id: str, status: str, timeout_s: float = 30) -> dict[str, Any]:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            node = self.node(node_id)
-            if node["status"] == status:
-                return node
-            if time.monotonic() > deadline:
-                raise AssertionError(f"node {node_id} is {node['status']}, not {status}")
-            time.sleep(0.1)
+    def wait_node(self, node_id: str, status: str, timeout_s: float = 60) -> dict[str, Any]:
+        """The node's record once its status is ``status``; ``AssertionError`` after
+        ``timeout_s`` seconds."""
+        seen: dict[str, Any] = {}
+
+        def reached() -> bool:
+            seen.update(self.node(node_id))
+            return seen["status"] == status
+
+        try:
+            wait_for(reached, timeout_s, f"node {node_id} to be {status}", interval_s=0.1)
+        except AssertionError:
+            raise AssertionError(
+                f"node {node_id} is {seen.get('status')}, not {status}, after {timeout_s:g} s"
+            ) from None
+        return seen
 
     def deploy(self, model: str, path: Path, agent: Agent | None, *extra: str) -> str:
         """Register ``model`` (on the agent's node when given) and run it; the deployment id."""
@@ -256,6 +266,11 @@ class Cluster:
             max_retries=0,
         )
 
+    def served_models(self) -> list[str]:
+        """The model ids ``/v1/models`` lists, through the OpenAI SDK."""
+        with self.openai() as client:
+            return [model.id for model in client.models.list()]
+
     def http(self, timeout_s: float = 60.0) -> httpx.Client:
         return httpx.Client(
             base_url=self.base_url,
@@ -266,6 +281,29 @@ class Cluster:
 
     def leader_pid(self) -> int:
         return int((self.leader_home / "daemon.pid").read_text())
+
+
+@contextlib.contextmanager
+def started_cluster(
+    root: Path, settings: Mapping[str, str] | None = None, *, fake_engine: bool = True
+) -> Iterator[Cluster]:
+    """A leader started in ``root``, stopped with its agents and engines on exit.
+
+    Every process gets :func:`clean_env` plus ``settings`` (``BERTH_*`` variables). With
+    ``fake_engine`` (the default), ``llama-server`` is the fake engine
+    (``BERTH_LLAMA_SERVER_BIN``) and ``root / "tiny.gguf"`` is a model file it accepts;
+    without it, berth finds the real llama.cpp server as a user's install would.
+    """
+    extra = dict(settings or {})
+    if fake_engine:
+        extra.setdefault("BERTH_LLAMA_SERVER_BIN", str(fake_engine_wrapper(root)))
+        (root / "tiny.gguf").write_bytes(TINY_GGUF_BYTES)
+    cluster = Cluster(root, clean_env(extra))
+    cluster.start()
+    try:
+        yield cluster
+    finally:
+        cluster.close()
 
 
 def rss_mb(pid: int) -> float:
@@ -284,5 +322,6 @@ __all__ = [
     "fake_engine_wrapper",
     "rss_mb",
     "served_by_node",
+    "started_cluster",
     "wait_gone",
 ]

@@ -210,6 +210,9 @@ class ReceivedRequest:
     body: bytes
     received_at: float
     bytes_written: int = 0
+    #: True while a write waits for the client to take data (the transport's buffer is full:
+    #: aiohttp's write only yields then), i.e. while the engine is held up by backpressure.
+    writing: bool = False
     completed: bool = False
     died: bool = False
     disconnected_at: float | None = None
@@ -220,10 +223,15 @@ class ReceivedRequest:
 
 
 class StandinEngine:
-    """A scripted OpenAI-compatible engine on ``base_url`` (use ``async with``)."""
+    """A scripted OpenAI-compatible engine on ``base_url`` (use ``async with``).
 
-    def __init__(self, default: Reply | None = None) -> None:
+    With ``api_key`` it checks ``Authorization: Bearer <api_key>`` as llama-server does: a
+    request without it (``/health`` aside) is recorded and answered 401, unscripted.
+    """
+
+    def __init__(self, default: Reply | None = None, *, api_key: str | None = None) -> None:
         self.default = default or json_reply(chat_completion("hello"))
+        self.api_key = api_key
         self.requests: list[ReceivedRequest] = []
         self._replies: deque[Reply] = deque()
         self._runner: web.AppRunner | None = None
@@ -259,7 +267,7 @@ class StandinEngine:
         if self._runner is not None:
             await self._runner.cleanup()
 
-    async def wait_for_request(self, timeout_s: float = 2.0) -> ReceivedRequest:
+    async def wait_for_request(self, timeout_s: float = 30.0) -> ReceivedRequest:
         """The first request received, once it has arrived."""
         deadline = time.monotonic() + timeout_s
         while not self.requests:
@@ -278,7 +286,14 @@ class StandinEngine:
             received_at=time.monotonic(),
         )
         self.requests.append(record)
-        reply = self._replies.popleft() if self._replies else self.default
+        if (
+            self.api_key is not None
+            and request.path != "/health"
+            and record.headers.get("authorization") != f"Bearer {self.api_key}"
+        ):
+            reply = error_reply(401, "Invalid API Key", type="authentication_error")
+        else:
+            reply = self._replies.popleft() if self._replies else self.default
         response: web.StreamResponse | None = None
         try:
             for step in reply.steps:
@@ -298,7 +313,9 @@ class StandinEngine:
                     assert response is not None, "a Write needs a Head first"
                     if step.pause_s:
                         await asyncio.sleep(step.pause_s)
+                    record.writing = True
                     await response.write(step.data)
+                    record.writing = False
                     record.bytes_written += len(step.data)
                 else:
                     record.died = True

@@ -24,9 +24,9 @@ class FakeLink:
     """An ``AgentLink`` whose engines are records in a dict.
 
     ``base_url`` is what every started engine reports; ``fail_with`` makes the next start
-    fail; ``start_delay_s`` keeps a start in loading for a while; ``pulled`` maps a hub
-    repository to the path ``pull_model`` answers (others fail); ``capabilities`` is every
-    op and runtime unless set.
+    fail; ``start_delay_s`` keeps a start in loading for a while, and ``start_gate`` (when
+    set) until the test sets the event; ``pulled`` maps a hub repository to the path
+    ``pull_model`` answers (others fail); ``capabilities`` is every op and runtime unless set.
     """
 
     def __init__(self, node_id: str = "local", base_url: str = "http://127.0.0.1:9") -> None:
@@ -36,6 +36,7 @@ class FakeLink:
         self.requests: list[DeploymentRequest] = []
         self.fail_with: str | None = None
         self.start_delay_s = 0.0
+        self.start_gate: asyncio.Event | None = None
         self.survivors: dict[str, EngineEndpoint] = {}
         self.hung: set[str] = set()
         self.progress_line: str | None = None
@@ -58,6 +59,8 @@ class FakeLink:
         if on_spawned is not None:
             await on_spawned(4242, 9)
         await asyncio.sleep(self.start_delay_s)
+        if self.start_gate is not None:
+            await self.start_gate.wait()
         if self.fail_with is not None:
             raise EngineError(self.fail_with, deployment_id=request.deployment_id)
         endpoint = EngineEndpoint(request.deployment_id, self.base_url, 4242, 9)

@@ -19,8 +19,6 @@ import tarfile
 from pathlib import Path
 from typing import Any
 
-import pytest
-
 from berth.runtime.docker import (
     DockerApiError,
     connect_docker,
@@ -28,13 +26,15 @@ from berth.runtime.docker import (
     resolve_docker_host,
 )
 from berth.runtime.engines import EngineBinaries
+from support.installed import stop_for_missing
 
 IMAGE_REPOSITORY = "berth-test/llama-server"
 
 
-def docker_client_or_skip() -> Any:
-    """A connected docker SDK client; the test is skipped, with the reason, when no Docker
-    engine answers (``.ci/run`` starts one; a developer machine may have none)."""
+def require_docker_client() -> Any:
+    """A connected docker SDK client. When no Docker engine answers, the test is skipped
+    with the reason, or fails under ``CI=true`` (``scripts/test.sh`` starts one there; a
+    developer machine may have none): see :mod:`support.installed`."""
     import docker
     import requests
 
@@ -46,22 +46,24 @@ def docker_client_or_skip() -> Any:
         client = docker.DockerClient(base_url=host, version="auto", timeout=60)
         client.ping()
     except DockerApiError as exc:
-        pytest.skip(f"no Docker engine at {host}: {exc.reason}")
+        stop_for_missing("docker", f"no Docker engine at {host}: {exc.reason}")
     except (docker.errors.DockerException, requests.RequestException) as exc:
-        pytest.skip(f"no Docker engine at {host}: {docker_error_text(exc)}")
+        stop_for_missing("docker", f"no Docker engine at {host}: {docker_error_text(exc)}")
     return client
 
 
 def llama_server_image(client: Any) -> str:
     """The tag of a local image running this machine's llama-server; built when missing.
 
-    Skips the test when there is no llama-server to put in it.
+    Skips the test (fails it under ``CI=true``) when there is no llama-server to put in it.
     """
     import docker
 
     binary_path = EngineBinaries.detect().llama_server
     if binary_path is None:
-        pytest.skip("llama-server is not installed (scripts/setup.sh builds it)")
+        stop_for_missing(
+            "llama-server", "llama-server is not installed (scripts/setup.sh builds it)"
+        )
     binary = Path(binary_path).resolve()
     digest = hashlib.sha256(binary.read_bytes()).hexdigest()[:12]
     tag = f"{IMAGE_REPOSITORY}:{digest}"
