@@ -29,7 +29,7 @@ import pytest
 from berth.runtime.engines import find_free_port
 from support.berth_cli import Berth, running_daemon
 from support.cluster_harness import TINY_GGUF_BYTES, clean_env, fake_engine_wrapper
-from support.fake_llama_server import USAGE
+from support.fake_llama_server import USAGE, stream_events
 
 openai = pytest.importorskip("openai")
 
@@ -186,13 +186,6 @@ def test_an_expired_key_gets_401(quota_leader: tuple[Berth, int], sdk: Clients) 
     assert caught.value.code == "key_expired"
 
 
-def _direct_stream(berth: Berth, body: dict[str, object]) -> bytes:
-    """The engine's own answer to ``body``, asked without berth in between."""
-    (deployment,) = berth.json("ps")
-    url = f"http://127.0.0.1:{deployment['port']}/v1/chat/completions"
-    return httpx.post(url, json=body, timeout=10).content
-
-
 def test_the_ledger_equals_the_engines_usage_and_survives_a_restart(
     quota_leader: tuple[Berth, int], sdk: Clients
 ) -> None:
@@ -209,7 +202,7 @@ def test_the_ledger_equals_the_engines_usage_and_survives_a_restart(
             json=body,
             headers={"Authorization": f"Bearer {secret}"},
         ).content
-    assert relayed == _direct_stream(berth, body)
+    assert relayed == b"".join(stream_events(MODEL, include_usage=False))
     assert b'"usage"' not in relayed
 
     seen = []

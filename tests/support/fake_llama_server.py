@@ -115,7 +115,8 @@ def _chunk(alias: str, delta: dict[str, str], finish: str | None) -> dict[str, o
     }
 
 
-def _stream_events(alias: str, *, include_usage: bool) -> list[bytes]:
+def stream_events(alias: str, *, include_usage: bool) -> list[bytes]:
+    """The events of a streamed answer, as this engine writes them for ``alias``."""
     words = ANSWER.split(" ")
     chunks = [_chunk(alias, {"role": "assistant"}, None)]
     chunks += [
@@ -195,7 +196,7 @@ class _Handler(BaseHTTPRequestHandler):
         if body.get("stream"):
             options = body.get("stream_options") or {}
             asked = bool(options.get("include_usage")) and reports_usage
-            self._sse(_stream_events(self.alias, include_usage=asked))
+            self._sse(stream_events(self.alias, include_usage=asked))
             return
         message = {"role": "assistant", "content": ANSWER}
         answer: dict[str, object] = {

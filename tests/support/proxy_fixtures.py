@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import uvicorn
@@ -76,13 +76,20 @@ async def serve_asgi(app: Any) -> AsyncIterator[str]:
 
 @contextlib.asynccontextmanager
 async def running_proxy(
-    resolver: StaticResolver, metrics: ProxyMetrics, **options: Any
+    resolver: StaticResolver,
+    metrics: ProxyMetrics,
+    *,
+    wrap: Callable[[OpenAIProxy], Any] | None = None,
+    **options: Any,
 ) -> AsyncIterator[str]:
-    """An :class:`OpenAIProxy` over ``resolver``, started and served; yields its base URL."""
+    """An :class:`OpenAIProxy` over ``resolver``, started and served; yields its base URL.
+
+    ``wrap`` builds the ASGI app served around the proxy (e.g. one that sets the scope's API
+    key, as the listener does)."""
     proxy = OpenAIProxy(resolver, metrics, **options)
     await proxy.startup()
     try:
-        async with serve_asgi(proxy) as url:
+        async with serve_asgi(wrap(proxy) if wrap is not None else proxy) as url:
             yield url
     finally:
         await proxy.shutdown()
