@@ -23,12 +23,13 @@ class TokenBucket:
     starts full at ``now``.
     """
 
-    __slots__ = ("capacity", "level", "rate_per_s", "updated_at")
+    __slots__ = ("capacity", "capacity_text", "level", "rate_per_s", "updated_at")
 
     def __init__(self, per_minute: int, now: float) -> None:
         if per_minute < 1:
             raise ValueError("a bucket holds at least 1")
         self.capacity = float(per_minute)
+        self.capacity_text = b"%d" % per_minute  # the limit header, written once
         self.rate_per_s = per_minute / SECONDS_PER_MINUTE
         self.level = self.capacity
         self.updated_at = now

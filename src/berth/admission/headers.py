@@ -29,10 +29,11 @@ def format_duration(seconds: float) -> str:
     """``seconds`` in OpenAI's (Go's) duration format, rounded up to the millisecond:
     ``0s``, ``12ms``, ``1s``, ``1.5s``, ``6m0s``, ``2h3m4.5s``."""
     total_ms = math.ceil(seconds * 1000 - 1e-6) if seconds > 0 else 0
-    if total_ms == 0:
-        return "0s"
     if total_ms < 1000:
-        return f"{total_ms}ms"
+        return f"{total_ms}ms" if total_ms else "0s"
+    if total_ms < 60_000:  # the usual case of a per-minute limit: seconds only
+        whole, millis = divmod(total_ms, 1000)
+        return f"{whole}.{millis:03d}".rstrip("0") + "s" if millis else f"{whole}s"
     hours, rest = divmod(total_ms, 3_600_000)
     minutes, rest = divmod(rest, 60_000)
     whole, millis = divmod(rest, 1000)
@@ -44,10 +45,25 @@ def format_duration(seconds: float) -> str:
     return f"{secs}s"
 
 
-def bucket_headers(kind: bytes, bucket: TokenBucket) -> list[Header]:
-    """The three headers of one limit (``kind`` is ``b"requests"`` or ``b"tokens"``)."""
+REQUESTS_HEADERS = (
+    b"x-ratelimit-limit-requests",
+    b"x-ratelimit-remaining-requests",
+    b"x-ratelimit-reset-requests",
+)
+TOKENS_HEADERS = (
+    b"x-ratelimit-limit-tokens",
+    b"x-ratelimit-remaining-tokens",
+    b"x-ratelimit-reset-tokens",
+)
+
+
+def bucket_headers(names: tuple[bytes, bytes, bytes], bucket: TokenBucket) -> list[Header]:
+    """The three headers of one limit, named ``names`` (:data:`REQUESTS_HEADERS` or
+    :data:`TOKENS_HEADERS`), as ``bucket`` is at its last reading."""
+    level = bucket.level
+    reset_s = (bucket.capacity - level) / bucket.rate_per_s
     return [
-        (b"x-ratelimit-limit-" + kind, b"%d" % bucket.capacity),
-        (b"x-ratelimit-remaining-" + kind, b"%d" % bucket.remaining),
-        (b"x-ratelimit-reset-" + kind, format_duration(bucket.reset_s).encode()),
+        (names[0], bucket.capacity_text),
+        (names[1], b"%d" % level if level > 0 else b"0"),
+        (names[2], format_duration(reset_s).encode()),
     ]

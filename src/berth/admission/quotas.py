@@ -41,7 +41,7 @@ from berth.admission.errors import (
     QuotaExceededError,
 )
 from berth.admission.estimate import prompt_tokens as estimate_prompt_tokens
-from berth.admission.headers import bucket_headers
+from berth.admission.headers import REQUESTS_HEADERS, TOKENS_HEADERS, bucket_headers
 from berth.admission.ledger import UsageLedger
 from berth.config.tiers import TierTable
 from berth.limits import NUMERIC_LIMITS, KeyLimits
@@ -118,11 +118,12 @@ class KeyQuota:
 
     def headers(self) -> list[Header]:
         """The rate-limit headers for this key's answers, as its buckets are now."""
-        out: list[Header] = []
-        if self.requests is not None:
-            out += bucket_headers(b"requests", self.requests)
-        if self.tokens is not None:
-            out += bucket_headers(b"tokens", self.tokens)
+        requests, tokens = self.requests, self.tokens
+        if requests is None:
+            return bucket_headers(TOKENS_HEADERS, tokens) if tokens is not None else []
+        out = bucket_headers(REQUESTS_HEADERS, requests)
+        if tokens is not None:
+            out += bucket_headers(TOKENS_HEADERS, tokens)
         return out
 
 
@@ -182,6 +183,8 @@ class Admission:
         self.tiers = tiers
         self.ledger = ledger
         self._clock: Clock = clock or SystemClock()
+        self._monotonic = self._clock.monotonic
+        self._wall = self._clock.time
         self._quotas: dict[str, KeyQuota] = {}
         self._names: dict[str, str] = {SOCKET_KEY_ID: SOCKET_KEY_NAME}
         self._socket = KeyQuota(SOCKET_KEY_ID, SOCKET_KEY_NAME, None)
@@ -303,7 +306,7 @@ class Admission:
         requests, tokens = quota.requests, quota.tokens
         reserved = 0
         if requests is not None or tokens is not None:
-            now = self._clock.monotonic()
+            now = self._monotonic()
             if requests is not None and requests.refill(now) < 1.0:
                 raise self._over(
                     quota,
@@ -348,10 +351,12 @@ class Admission:
         quota = ticket.quota
         quota.in_flight -= 1
         used = prompt_tokens + completion_tokens
-        if quota.tokens is not None:
-            quota.tokens.take(used - ticket.reserved_tokens)
+        tokens = quota.tokens
+        if tokens is not None:
+            tokens.take(used - ticket.reserved_tokens)
         calendar = self._position()
-        self._roll(quota, calendar)
+        if quota.day_index != calendar.day_index or quota.month_index != calendar.month_index:
+            self._roll(quota, calendar)
         quota.day_tokens += used
         quota.month_tokens += used
         if node_id is not None:
@@ -393,9 +398,10 @@ class Admission:
             )
         return quota
 
-    def _position(self) -> CalendarPosition:
+    def _position(self, wall: float | None = None) -> CalendarPosition:
         calendar = self._calendar
-        wall = self._clock.time()
+        if wall is None:
+            wall = self._wall()
         if wall >= calendar.day_end_s:
             calendar = self._calendar = CalendarPosition.at(wall)
         return calendar
@@ -408,11 +414,11 @@ class Admission:
             quota.month_index, quota.month_tokens = calendar.month_index, 0
 
     def _check_budgets(self, quota: KeyQuota) -> None:
-        calendar = self._position()
+        wall = self._wall()
+        calendar = self._position(wall)
         self._roll(quota, calendar)
         limits = quota.limits
         daily, monthly = limits.daily_tokens, limits.monthly_tokens
-        wall = self._clock.time()
         if monthly is not None and quota.month_tokens >= monthly:
             raise self._over(
                 quota,

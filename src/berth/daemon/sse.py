@@ -254,7 +254,7 @@ def take_usage_event(events: bytes) -> tuple[bytes, Usage | None]:
         end = events.find(b"\n\n", at)
         end = end + 2 if end >= 0 else len(events)
         raw = events[begin:end]
-        usage = usage_from_event(raw)
+        usage = find_usage(raw)  # the event's own bytes: no need to decode its data lines
         if usage is not None:
             if _NO_CHOICES.search(raw):
                 return events[:begin] + events[end:], usage
