@@ -219,25 +219,45 @@ def ls(ctx: typer.Context, as_json: bool = typer.Option(False, "--json")) -> Non
             _budget(r.use.day_tokens, r.limits.daily_tokens, r, "daily_tokens"),
             _budget(r.use.month_tokens, r.limits.monthly_tokens, r, "monthly_tokens"),
             _limit(r, "models"),
-            r.expires_at.isoformat()[:19] if r.expires_at else "",
-            r.revoked_at.isoformat()[:19] if r.revoked_at else "",
+            _when(r.expires_at),
+            _when(r.revoked_at),
         )
     console.print(table)
+
+
+def _when(moment: datetime | None) -> str:
+    """A UTC moment as a date, with the time when it is not midnight."""
+    if moment is None:
+        return ""
+    moment = moment.astimezone(UTC)
+    return moment.date().isoformat() if moment.time() == time() else moment.isoformat()[:16]
+
+
+def compact(number: int) -> str:
+    """A count as a table shows it: 950, 12.5k, 200k, 3M, 1.2G."""
+    for size, unit in ((10**9, "G"), (10**6, "M"), (10**3, "k")):
+        if number >= size and number >= 10_000:
+            value = number / size
+            return (
+                f"{value:.1f}".rstrip("0").rstrip(".") if value < 100 else f"{value:.0f}"
+            ) + unit
+    return str(number)
 
 
 def _limit(record: ApiKey, name: LimitName) -> str:
     value = getattr(record.limits, name)
     if isinstance(value, list):
-        value = frozenset(value)
-    text = describe_limit(value)
+        text = describe_limit(frozenset(value))
+    else:
+        text = "-" if value is None else compact(value)
     return text + "*" if name in record.overridden else text
 
 
 def _budget(used: int, budget: int | None, record: ApiKey, name: LimitName) -> str:
     if budget is None:
-        return f"{used:,}"
+        return compact(used)
     mark = "*" if name in record.overridden else ""
-    return f"{used:,}/{budget:,}{mark}"
+    return f"{compact(used)}/{compact(budget)}{mark}"
 
 
 @key_app.command("revoke")
