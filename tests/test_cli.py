@@ -405,7 +405,10 @@ def test_an_unknown_key_tier_is_refused_listing_the_tiers(cli_leader: tuple[Bert
 
     line = berth.fails("key", "create", "x", "--tier", "root", exit_code=EXIT_CONFIG)
 
-    assert line == "error: unknown key tier 'root'; valid tiers: admin, standard"
+    assert line == (
+        "error: unknown tier 'root'; tiers: admin, standard "
+        "(define others as [tiers.NAME] in config.toml)"
+    )
     assert berth.admin("GET", "/admin/keys") == before
 
 
@@ -448,7 +451,7 @@ def test_keys_guard_the_public_listener_and_revoke_at_once(cli_leader: tuple[Ber
         assert all("secret" not in k for k in keys.json())
 
         assert berth("key", "revoke", standard["id"]).stdout.strip() == (
-            f"revoked {standard['id']}"
+            f"revoked {standard['id']} (std)"
         )
         revoked = http.get("/v1/models", headers=_bearer(standard["secret"]))
         assert revoked.status_code == 401

@@ -14,7 +14,15 @@ from pydantic import Field, field_validator
 
 from berth.api.base import ApiModel, Timestamp
 from berth.errors import ConfigError
-from berth.limits import INHERIT, MAX_LIMIT, KeyLimits, LimitName, LimitOverrides, check_models
+from berth.limits import (
+    INHERIT,
+    MAX_LIMIT,
+    NUMERIC_LIMITS,
+    KeyLimits,
+    LimitName,
+    LimitOverrides,
+    check_models,
+)
 
 #: A limit in a request body: a whole number (never text or a fraction), or ``null``.
 LimitIn = Annotated[int, Field(ge=0, le=MAX_LIMIT, strict=True)] | None
@@ -44,7 +52,7 @@ class _LimitsIn(ApiModel):
         """The limits this body sets (the fields it gives, ``null`` ones included)."""
         given = self.model_fields_set
         values: dict[str, object] = {}
-        for name in ("rpm", "tpm", "max_concurrency", "daily_tokens", "monthly_tokens"):
+        for name in NUMERIC_LIMITS:
             values[name] = getattr(self, name) if name in given else INHERIT
         if "models" in given:
             values["models"] = None if self.models is None else frozenset(self.models)

@@ -2,10 +2,12 @@
 
 One request, on the hot path::
 
-    read the body (bounded) -> its JSON "model" -> Router.plan(model): ranked candidates
+    read the body (bounded) -> its JSON "model" -> admission.admit(key, model): the key's
+      limits (403/429), its rate-limit headers -> Router.plan(model): ranked candidates
       -> POST the same bytes to the best engine, the next node's before the first byte if it
          fails (proxy_dispatch; engine_client: pooled HTTP/1.1, or an agent's tunnel)
-      -> relay the answer: JSON whole, event streams event by event -> ProxyMetrics
+      -> relay the answer: JSON whole, event streams event by event -> ProxyMetrics, and
+         admission.settle(ticket, usage): the ledger
 
 There is no framework routing here: this module is called only after authentication, for the
 paths it serves (``POST /v1/chat/completions``, ``/v1/completions``, ``/v1/embeddings``,
