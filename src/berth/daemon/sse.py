@@ -37,10 +37,6 @@ _EVENT_END = re.compile(rb"(?:\r\n|\n|\r(?!\n))(?:\r\n|\n|\r(?!\n))")
 _BOM = "\ufeff"
 _USAGE_KEY = b'"usage"'
 _USAGE_OPENS = re.compile(rb'"usage"\s*:\s*\{')
-# How engines write a usage object (compact JSON, or Python's default separators): a cheap
-# test that skips the events whose usage is null or absent.
-_USAGE_OBJECT = b'"usage":{'
-_USAGE_OBJECT_SPACED = b'"usage": {'
 _NO_CHOICES = re.compile(rb'"choices"\s*:\s*\[\s*\]')
 # A count inside a usage object; "prompt_tokens_details" and the like do not match.
 _TOKEN_COUNT = re.compile(
@@ -221,9 +217,16 @@ def last_usage(events: bytes) -> Usage | None:
 
 
 def has_usage_object(events: bytes) -> bool:
-    """Whether ``events`` may hold a usage object (not a ``null`` one): two substring tests,
-    so the relay can ask it of every piece of a stream."""
-    return _USAGE_OBJECT in events or _USAGE_OBJECT_SPACED in events
+    """Whether ``events`` may hold a usage object (not a ``null`` one): one substring search
+    for ``"usage"``, and a look at what follows each one found, so the relay can ask it of
+    every piece of a stream."""
+    at = events.find(_USAGE_KEY)
+    while at >= 0:
+        after = events[at + 7 : at + 10]  # len(b'"usage"') == 7
+        if after.startswith((b":{", b": {")):
+            return True
+        at = events.find(_USAGE_KEY, at + 7)
+    return False
 
 
 def take_usage_event(events: bytes) -> tuple[bytes, Usage | None]:
