@@ -26,7 +26,9 @@ requests from a key with every limit set (none ever reached), its rate-limit hea
 every answer, the usage ledger buffering each request and written to a SQLite store every
 5 s, and, for a stream that does not ask for usage, the body asking the engine and the usage
 event taken out. Each cell is measured ``--rounds`` times, off and on in turn, and the median
-CPU per request is printed (``--limits --no-floor --clients 32``: about 2 minutes).
+CPU per request is printed; ``--control`` adds the same comparison between two proxies
+without admission, which shows how far two identical processes differ on this machine
+(``--limits --control --clients 32``: about 4 minutes).
 """
 
 from __future__ import annotations
@@ -433,7 +435,10 @@ async def _bench(servers: dict[str, Server], args: argparse.Namespace) -> None:
 async def _bench_limits(servers: dict[str, Server], args: argparse.Namespace) -> None:
     """Median CPU per request of the proxy without and with admission, measured in turn."""
     load = args.warmup, args.duration
-    for server in (servers["proxy"], servers["limits"]):
+    for name in ("proxy", "limits", "control"):
+        if name not in servers:
+            continue
+        server = servers[name]
         await _load(server, False, max(args.clients), 0.0, 1.0)
         await _load(server, True, max(args.clients), 0.0, 1.0, asks_usage=False)
     cells = [
@@ -441,15 +446,22 @@ async def _bench_limits(servers: dict[str, Server], args: argparse.Namespace) ->
         ("stream", True, True),
         ("stream, usage not asked", True, False),
     ]
+    # The control: a second proxy without admission measured as "on", to show how far two
+    # identical processes differ on this machine.
+    pairs = [("", servers["limits"])]
+    if "control" in servers:
+        pairs.append((" (control: off twice)", servers["control"]))
     rows = []
-    for kind, streamed, asks in cells:
-        for clients in args.clients:
-            off: list[Result] = []
-            on: list[Result] = []
-            for _ in range(args.rounds):
-                off.append(await _load(servers["proxy"], streamed, clients, *load, asks_usage=asks))
-                on.append(await _load(servers["limits"], streamed, clients, *load, asks_usage=asks))
-            rows.append((kind, clients, off, on))
+    for label, other in pairs:
+        for kind, streamed, asks in cells:
+            for clients in args.clients:
+                off: list[Result] = []
+                on: list[Result] = []
+                for _ in range(args.rounds):
+                    proxy = servers["proxy"]
+                    off.append(await _load(proxy, streamed, clients, *load, asks_usage=asks))
+                    on.append(await _load(other, streamed, clients, *load, asks_usage=asks))
+                rows.append((kind + label, clients, off, on))
 
     def median(values: list[float]) -> float:
         ordered = sorted(values)
@@ -490,6 +502,11 @@ def main() -> None:
         "--limits", action="store_true", help="compare the proxy without and with admission"
     )
     parser.add_argument("--rounds", type=int, default=5, help="--limits: rounds per cell")
+    parser.add_argument(
+        "--control",
+        action="store_true",
+        help="--limits: also compare two proxies without admission (the machine's noise)",
+    )
     args = parser.parse_args()
     if args.role == "engine":
         serve_engine()
@@ -512,6 +529,8 @@ def main() -> None:
             servers["limits"] = _spawn(
                 "proxy with limits", "--role", "proxy-limits", "--engine-port", port
             )
+            if args.control:
+                servers["control"] = _spawn("proxy", "--role", "proxy", "--engine-port", port)
         elif not args.no_floor:
             servers["alone"] = _spawn("uvicorn alone", "--role", "alone")
             servers["relay"] = _spawn("bare relay", "--role", "relay", "--engine-port", port)
