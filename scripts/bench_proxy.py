@@ -4,9 +4,10 @@ Processes on loopback, plain HTTP, each its own Python:
 
 * the fast stand-in engine (``tests/support/standin_engine.py``: raw asyncio + httptools, canned
   answers: a 257-byte chat completion, or a 19-event stream of 3.3 kB written in one piece);
-* the proxy: :class:`berth.daemon.proxy.OpenAIProxy` served by uvicorn (uvloop, httptools)
-  with a fixed resolver and no auth in front, as the leader serves ``/v1``; it reaches the
-  engine with berth's own client (:mod:`berth.engine_http.pool`);
+* the proxy: :class:`berth.daemon.proxy.OpenAIProxy` served by berth's own HTTP server
+  (:mod:`berth.http_server`, on uvloop) with a fixed resolver and no auth in front, as the
+  leader serves ``/v1``; it reaches the engine with berth's own client
+  (:mod:`berth.engine_http.pool`);
 * two reference servers, for the ceiling of this stack on this machine: uvicorn answering
   the canned JSON itself (``uvicorn alone``), and a bare uvicorn + aiohttp relay with none of
   the proxy's checks, metrics or disconnect handling (``bare relay``: the proxy's previous
@@ -106,29 +107,25 @@ def serve_proxy(engine_port: int, *, limits: bool = False) -> None:
         def models(self) -> list[str]:
             return [MODEL]
 
-    if not limits:
-        _uvicorn(OpenAIProxy(FixedResolver(), ProxyMetrics()))
-        return
-    _uvicorn(_LimitedKeyApp(FixedResolver, OpenAIProxy, ProxyMetrics))
+    from berth.http_server.server import HttpServer
 
-
-class _LimitedKeyApp:
-    """The proxy with admission, every request made by one key with every limit set far
-    above the load (so each check runs and none refuses), its usage ledger written to a
-    SQLite store in a temporary folder by the flusher, as the leader runs it."""
-
-    def __init__(self, resolver: Any, proxy_type: Any, metrics_type: Any) -> None:
+    proxy_options: dict[str, Any] = {}
+    key: Any = None
+    ledger: Any = None
+    if limits:
+        # Every request made by one key with every limit set far above the load (so each
+        # check runs and none refuses), its usage ledger written to a SQLite store in a
+        # temporary folder by the flusher, as the leader runs it.
         import tempfile
 
         from berth.admission import Admission, UsageLedger
         from berth.config import TierTable
-        from berth.daemon.proxy import KEY_SCOPE
         from berth.limits import LimitOverrides
         from berth.store import Store
 
         folder = tempfile.mkdtemp(prefix="bench-proxy-")
-        self._store = Store(f"sqlite:///{folder}/berth.db")
-        self._store.migrate()
+        store = Store(f"sqlite:///{folder}/berth.db")
+        store.migrate()
         huge = 10**12
         own = LimitOverrides(
             rpm=huge,
@@ -138,30 +135,26 @@ class _LimitedKeyApp:
             monthly_tokens=huge,
             models=frozenset({MODEL, "other"}),
         )
-        self._key = self._store.add_api_key(
-            "bench", "standard", "0" * 64, "sk-berth-0000", limits=own
-        )
-        self._ledger = UsageLedger(self._store)
-        admission = Admission(TierTable(), self._ledger)
-        admission.load([self._key], {})
-        self._scope_key = KEY_SCOPE
-        self._proxy = proxy_type(resolver(), metrics_type(), admission=admission)
-        self._flusher: asyncio.Task[None] | None = None
+        key = store.add_api_key("bench", "standard", "0" * 64, "sk-berth-0000", limits=own)
+        ledger = UsageLedger(store)
+        admission = Admission(TierTable(), ledger)
+        admission.load([key], {})
+        proxy_options["admission"] = admission
+    proxy = OpenAIProxy(FixedResolver(), ProxyMetrics(), **proxy_options)
 
-    async def __call__(self, scope: Message, receive: Any, send: Any) -> None:
-        if scope["type"] == "lifespan":
-            await receive()
-            await self._proxy.startup()
-            self._flusher = asyncio.get_running_loop().create_task(self._ledger.run())
-            await send({"type": "lifespan.startup.complete"})
-            await receive()
-            self._ledger.stop()
-            await self._flusher
-            await self._proxy.shutdown()
-            await send({"type": "lifespan.shutdown.complete"})
-            return
-        scope[self._scope_key] = self._key  # what the listener's auth hands the proxy
-        await self._proxy(scope, receive, send)
+    async def handle(request: Any, writer: Any) -> None:
+        await proxy.handle(request, writer, key)  # the key the listener's auth hands the proxy
+
+    async def main() -> None:
+        # As the leader serves /v1: berth's own HTTP server, the proxy's own request and writer.
+        await proxy.startup()
+        if ledger is not None:
+            asyncio.get_running_loop().create_task(ledger.run())
+        server = HttpServer("bench", handle if limits else proxy.handle)
+        await server.start(_bound_socket())
+        await asyncio.Event().wait()
+
+    uvloop.run(main())
 
 
 def serve_uvicorn_alone() -> None:

@@ -15,7 +15,7 @@ import pytest
 
 from berth.admission import Admission, ManualClock, UsageLedger
 from berth.config import TierTable
-from berth.daemon.proxy import KEY_SCOPE
+from berth.daemon.proxy import OpenAIProxy
 from berth.limits import LimitOverrides
 from berth.observability.metrics import ProxyMetrics
 from berth.store import ApiKeyRecord, UsageRecord
@@ -48,17 +48,16 @@ class NoSink:
         return 0
 
 
-class KeyedApp:
+class KeyedHandler:
     """The proxy behind a stand-in for the listener's auth: ``x-test-key: limited`` makes
     the request ``LIMITED``'s; without it the request is the Unix socket's (no key)."""
 
-    def __init__(self, proxy: Any) -> None:
+    def __init__(self, proxy: OpenAIProxy) -> None:
         self.proxy = proxy
 
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] == "http" and (b"x-test-key", b"limited") in scope["headers"]:
-            scope[KEY_SCOPE] = LIMITED
-        await self.proxy(scope, receive, send)
+    async def __call__(self, request: Any, writer: Any) -> None:
+        key = LIMITED if (b"x-test-key", b"limited") in request.headers else None
+        await self.proxy.handle(request, writer, key)
 
 
 @pytest.fixture
@@ -72,7 +71,7 @@ async def quota_client(
 ) -> AsyncIterator[httpx.AsyncClient]:
     resolver = StaticResolver({"m": engine.base_url})
     async with (
-        running_proxy(resolver, metrics, admission=quota_admission, wrap=KeyedApp) as url,
+        running_proxy(resolver, metrics, admission=quota_admission, wrap=KeyedHandler) as url,
         httpx.AsyncClient(base_url=url) as http,
     ):
         yield http

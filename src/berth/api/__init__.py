@@ -2,12 +2,12 @@
 it (the CLI, ``berth doctor``).
 
 Pydantic models, one module per resource: the leader itself (:mod:`.leader`), registered
-models (:mod:`.models`), deployments, keys, nodes, services and routes, routing
-explanations, the metrics snapshot and the usage ledger.  The daemon's routes declare them
-as FastAPI response models (so ``/admin/openapi.json`` describes every answer) and build
-them from the store's records; :class:`berth.api.client.DaemonClient` talks to a daemon
-over its Unix socket and decodes every answer into them.  Request bodies (``*In``) are here
-too: the daemon validates them, the CLI builds them.
+models (:mod:`.models`), deployments, keys, nodes, services and routes, routing explanations,
+placement plans (:mod:`.plans`), the metrics snapshot and the usage ledger.  The daemon's
+routes declare them as FastAPI response models (so ``/admin/openapi.json`` describes every
+answer) and build them from the store's records; :class:`berth.api.client.DaemonClient`
+talks to a daemon over its Unix socket and decodes every answer into them.  Request bodies
+(``*In``) are here too: the daemon validates them, the CLI builds them.
 
 This package sits above ``store`` and below ``daemon``, ``cli`` and ``doctor``: it imports
 base modules, runtime's engine and runtime names, the store's closed sets and deployment
@@ -54,6 +54,14 @@ from berth.api.nodes import (
     NodeDetailWithAdopted,
     NodeSummary,
 )
+from berth.api.plans import (
+    EstimateInput,
+    EvictionOut,
+    GpuOptionOut,
+    Plan,
+    PlanIn,
+    VramEstimateOut,
+)
 from berth.api.routing import DroppedCandidate, RankedCandidate, RoutingExplanation
 from berth.api.services import (
     DeployIn,
@@ -95,9 +103,12 @@ __all__ = [
     "EnrollmentIssued",
     "ErrorBody",
     "ErrorDetail",
+    "EstimateInput",
+    "EvictionOut",
     "FallbackIn",
     "Gpu",
     "GpuColumns",
+    "GpuOptionOut",
     "GpuSampleOut",
     "Health",
     "KeyChangeIn",
@@ -116,6 +127,8 @@ __all__ = [
     "NodeSampleOut",
     "NodeSeriesColumns",
     "NodeSummary",
+    "Plan",
+    "PlanIn",
     "RankedCandidate",
     "Readiness",
     "RegisteredModel",
@@ -136,6 +149,7 @@ __all__ = [
     "UsageGrouping",
     "UsageReport",
     "UsageRow",
+    "VramEstimateOut",
     "describe_invalid",
     "parse_grouping",
     "parse_since",

@@ -44,12 +44,14 @@ from berth.cluster.link import LOCAL_NODE_ID
 from berth.daemon.admin_keys import build_key_router
 from berth.daemon.admin_metrics import build_metrics_router
 from berth.daemon.admin_nodes import build_node_router
+from berth.daemon.admin_plans import build_plan_router
 from berth.daemon.admin_routing import build_routing_router
 from berth.daemon.lifecycle import DeployOptions, LifecycleManager
 from berth.daemon.services import LeaderServices
 from berth.errors import BerthError, ConfigError, ConflictError, NotFoundError
 from berth.openai_errors import error_body, error_from_exception
 from berth.runtime.engines import parse_engine_name, parse_runtime_name
+from berth.runtime.gpu import parse_simulated_gpus
 from berth.store import DeploymentRecord, ModelRecord, Store
 from berth.store.states import TERMINAL_STATES
 
@@ -240,6 +242,9 @@ def build_admin_app(services: LeaderServices) -> FastAPI:
                 )
                 for runtime in services.runtimes
             ],
+            simulated_gpus_mb=[]
+            if services.leader_only
+            else list(parse_simulated_gpus(services.settings.simulated_gpus or "")),
         )
 
     @app.get("/admin/config")
@@ -338,6 +343,7 @@ def build_admin_app(services: LeaderServices) -> FastAPI:
                 extra_args=tuple(body.extra_args),
                 served_model_name=body.served_model_name,
                 image=body.image,
+                force=body.force,
             )
         )
         return deployment_view(record, lifecycle)
@@ -375,6 +381,7 @@ def build_admin_app(services: LeaderServices) -> FastAPI:
     app.include_router(build_node_router(services))
     app.include_router(build_metrics_router(services))
     app.include_router(build_routing_router(services))
+    app.include_router(build_plan_router(services))
 
     @app.post("/admin/shutdown", status_code=202)
     async def shutdown() -> ShutdownAccepted:

@@ -3,18 +3,17 @@
 JSON is sent whole when small, otherwise chunk by chunk; an event stream is relayed event by
 event; an engine's own 4xx/5xx becomes an OpenAI-shaped error. What happened to the request
 (status, time to first byte, usage, why it failed) is kept in its :class:`Exchange` for the
-proxy's metrics, and :func:`watch_disconnect` cancels the relaying when the client leaves.
+proxy's metrics.
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from berth.daemon.proxy_http import Receive, Send, send_json
+from berth.daemon.proxy_http import ClientWriter, send_json
 from berth.daemon.sse import (
     SSEEventSplitter,
     Usage,
@@ -115,7 +114,7 @@ class AnswerRelay:
         content_type: bytes,
         encoding: bytes | None,
         request_id: bytes,
-        send: Send,
+        writer: ClientWriter,
         exchange: Exchange,
     ) -> None:
         """A non-streamed answer: whole when small, else chunk by chunk (never as SSE)."""
@@ -137,15 +136,15 @@ class AnswerRelay:
             exchange.answer_bytes = len(data)
             exchange.status = status
             exchange.done = True
-            await send({"type": "http.response.start", "status": status, "headers": headers})
+            await writer.start(status, headers)
             exchange.ttfb_s = self._clock() - exchange.start
-            await send({"type": "http.response.body", "body": data})
+            await writer.end(data)
             if encoding is None:
                 exchange.usage = find_usage(data)
             return
 
         exchange.status = status
-        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await writer.start(status, headers)
         tail = b""
         last = b""
         try:
@@ -158,7 +157,7 @@ class AnswerRelay:
                 if response.at_eof:
                     last = chunk
                     break
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                await writer.write(chunk)
         except UpstreamError as exc:
             # Leave the answer unfinished: the server then drops the connection, so the client
             # sees a truncated body instead of a complete-looking one.
@@ -166,7 +165,7 @@ class AnswerRelay:
             _log.warning("request %s: engine failed mid-answer: %r", request_id.decode(), exc)
             return
         exchange.done = True
-        await send({"type": "http.response.body", "body": last})
+        await writer.end(last)
         if encoding is None:
             exchange.usage = find_usage(tail)
 
@@ -176,13 +175,13 @@ class AnswerRelay:
         content_type: bytes,
         encoding: bytes | None,
         request_id: bytes,
-        send: Send,
+        writer: ClientWriter,
         exchange: Exchange,
     ) -> None:
         """An event stream: relay each complete event as soon as it arrives.
 
         Reads one chunk, sends it, then reads the next, so a slow client slows the reading
-        from the engine (ASGI servers wait in ``send`` while their write buffer is full).
+        from the engine (the writer waits while the client's buffer is full).
         Whole events are relayed, so that a failure can end the stream with a clean error
         event; a partial event is held back at most ``max_event_bytes``.
         """
@@ -197,7 +196,7 @@ class AnswerRelay:
         headers += exchange.answer_headers
         exchange.status = response.status
         exchange.streamed = True
-        await send({"type": "http.response.start", "status": response.status, "headers": headers})
+        await writer.start(response.status, headers)
         # Compressed bytes cannot be split into events; relay them as they come.
         splitter = SSEEventSplitter() if encoding is None else None
         strip = exchange.strip_usage and splitter is not None
@@ -225,7 +224,7 @@ class AnswerRelay:
                     last = chunk
                     break
                 if chunk:  # empty when it held only the usage event taken out
-                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                    await writer.write(chunk)
         except UpstreamError as exc:
             exchange.error_reason = "stream_aborted"
             _log.warning("request %s: engine failed mid-stream: %r", request_id.decode(), exc)
@@ -237,14 +236,14 @@ class AnswerRelay:
             if splitter is not None:
                 last += splitter.take_pending()
         exchange.done = True
-        await send({"type": "http.response.body", "body": last})
+        await writer.end(last)
 
     async def relay_engine_error(
         self,
         response: EngineAnswer,
         content_type: bytes,
         request_id: bytes,
-        send: Send,
+        writer: ClientWriter,
         exchange: Exchange,
     ) -> None:
         """The engine's own 4xx/5xx: same status, its message, in the OpenAI error shape."""
@@ -258,21 +257,7 @@ class AnswerRelay:
         exchange.error_reason = "engine_status"
         exchange.done = True
         extra = _relayed_error_headers(response) + exchange.answer_headers
-        await send_json(send, status, body, request_id, extra)
-
-
-async def watch_disconnect(receive: Receive, exchange: Exchange, task: asyncio.Task[Any]) -> None:
-    """Cancel the relaying ``task`` as soon as the client disconnects before the answer ends.
-
-    Cancelling it closes the engine request, which stops the engine generating for nobody.
-    """
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            if not exchange.done:
-                exchange.client_gone = True
-                task.cancel()
-            return
+        await send_json(writer, status, body, request_id, extra)
 
 
 def _as_openai_error(data: bytes, content_type: bytes, status: int) -> bytes:
