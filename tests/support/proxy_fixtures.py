@@ -26,12 +26,16 @@ class StaticResolver:
     """An ``UpstreamResolver`` over a fixed table.
 
     ``routes`` maps a public model name to its engine's base URL (deployment ``d-<model>``
-    on node ``local``); names in ``loading`` are known but have no ready deployment.
+    on node ``local``, with ``slots``: ``None`` for unknown); names in ``loading`` are known
+    but have no ready deployment.
     """
 
-    def __init__(self, routes: dict[str, str], loading: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self, routes: dict[str, str], loading: tuple[str, ...] = (), *, slots: int | None = None
+    ) -> None:
         self.routes = routes
         self.loading = loading
+        self.slots = slots
 
     def candidates(self, model: str) -> list[Upstream]:
         if model in self.loading:
@@ -39,7 +43,7 @@ class StaticResolver:
         base_url = self.routes.get(model)
         if base_url is None:
             raise NotFoundError("model", model)
-        return [Upstream(base_url, f"d-{model}", "local", model)]
+        return [Upstream(base_url, f"d-{model}", "local", model, slots=self.slots)]
 
     def models(self) -> list[str]:
         return sorted({*self.routes, *self.loading})

@@ -13,15 +13,34 @@ keys sharing a name share their series, and requests over the Unix socket are
 ``berth_key_refusals_total{key,reason}``   requests refused by a limit (``reason`` is the
                                            error ``code``, e.g. ``rpm_exceeded``)
 =========================================  ===========================================
+
+:class:`QueueCollector` does the same for the fair admission queue
+(:class:`~berth.admission.gate.SlotGate`):
+
+================================================  ====================================
+``berth_admission_queue_depth{model}``            requests waiting for a slot now
+``berth_admission_queue_wait_seconds{model}``     histogram: how long the requests
+                                                  that waited waited for their slot
+``berth_admission_queue_dropped_total{model,      requests that left the queue without
+reason}``                                         a slot: ``queue_full``,
+                                                  ``queue_timeout``, ``client_left``
+================================================  ====================================
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from itertools import accumulate
 
-from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
 
+from berth.admission.gate import WAIT_BUCKETS_S, SlotGate
 from berth.admission.quotas import Admission
 
 
@@ -77,3 +96,45 @@ class UsageCollector(Collector):
         yield errors_total
         yield tokens_total
         yield refusals_total
+
+
+class QueueCollector(Collector):
+    """Yields the fair admission queue's series of ``gate`` (see the module doc)."""
+
+    def __init__(self, gate: SlotGate) -> None:
+        self._gate = gate
+
+    def collect(self) -> Iterator[Metric]:
+        gate = self._gate
+        depth = GaugeMetricFamily(
+            "berth_admission_queue_depth",
+            "Requests waiting at the leader for a slot of one of the model's deployments",
+            labels=["model"],
+        )
+        for model, count in sorted(gate.scheduler.waiting_by_model()):
+            depth.add_metric([model], count)
+        waits = HistogramMetricFamily(
+            "berth_admission_queue_wait_seconds",
+            "Seconds the requests that waited for a slot waited",
+            labels=["model"],
+        )
+        stats = gate.stats
+        bounds = [f"{bound:g}" for bound in WAIT_BUCKETS_S] + ["+Inf"]
+        for model, counts in sorted(stats.waits.items()):
+            cumulative = list(accumulate(counts))
+            waits.add_metric(
+                [model],
+                list(zip(bounds, cumulative, strict=True)),
+                sum_value=stats.wait_sum_s.get(model, 0.0),
+            )
+        dropped = CounterMetricFamily(
+            "berth_admission_queue_dropped",
+            "Requests that left the admission queue without a slot (reason: queue_full, "
+            "queue_timeout, client_left)",
+            labels=["model", "reason"],
+        )
+        for (model, reason), count in sorted(stats.dropped.items()):
+            dropped.add_metric([model, reason], count)
+        yield depth
+        yield waits
+        yield dropped

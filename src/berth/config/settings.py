@@ -101,6 +101,8 @@ class Settings:
     max_body_bytes: int
     max_attempts: int
     relay_buffer_chunks: int
+    queue_max_requests: int
+    queue_timeout_s: float
     cors_origins: str | None
     max_head_bytes: int
     max_header_count: int

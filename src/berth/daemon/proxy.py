@@ -27,7 +27,15 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 
-from berth.admission import Admission, AdmissionError, QuotaExceededError, Ticket
+from berth.admission import (
+    SOCKET_KEY_ID,
+    Admission,
+    AdmissionError,
+    QueueRefusedError,
+    QuotaExceededError,
+    SlotGate,
+    Ticket,
+)
 from berth.admission import estimate as estimate_tokens
 from berth.daemon.engine_client import EngineAuth, EngineClient, TunnelOpener
 from berth.daemon.proxy_asgi import AsgiClientRequest, AsgiClientWriter
@@ -135,6 +143,9 @@ class OpenAIProxy:
     every answer, asks the engine for a stream's usage when the client did not (and keeps
     that event from the client), and settles the request's tokens when the answer ends.
 
+    ``slots``, when given, holds each completion request to its deployments' slots after
+    the router planned it (:class:`berth.admission.SlotGate`: the fair admission queue).
+
     Call :meth:`startup` before serving and :meth:`shutdown` after (or let an ASGI server's
     lifespan protocol do it when this app is served directly).
     """
@@ -157,9 +168,11 @@ class OpenAIProxy:
         relay_buffer_chunks: int = DEFAULT_BUFFER_CHUNKS,
         engine_auth: EngineAuth | None = None,
         admission: Admission | None = None,
+        slots: SlotGate | None = None,
     ) -> None:
         self._resolver = resolver
         self._admission = admission
+        self._slots = slots
         self._engines = EngineClient(
             tunnels=tunnels,
             connect_timeout_s=connect_timeout_s,
@@ -341,7 +354,20 @@ class OpenAIProxy:
         signals = self.router.signals
         query = request.query
         dispatched = False
+        gate = self._slots
+        held: str | None = None  # the deployment this request holds a slot at
+        reached = gate is None  # whether it passed the fair admission queue
         try:
+            if gate is not None:
+                # Fair admission: a slot at one of the planned deployments, waiting if need be.
+                key_id = ticket.key_id if ticket is not None else SOCKET_KEY_ID
+                priority = ticket.priority if ticket is not None else 0
+                held = await gate.acquire(key_id, priority, model, plan)
+                reached = True
+                if held is not None and held != upstream.deployment_id:
+                    plan = _first(plan, held)
+                    self._metrics.request_moved(_target(upstream), _target(plan[0]))
+                    upstream = plan[0]
             bodies = _Bodies(body)  # rewritten at most once per engine model
             try:
                 chosen, response = await first_answer(
@@ -360,6 +386,8 @@ class OpenAIProxy:
             dispatched = True
             if chosen is not upstream:  # a retry served it elsewhere
                 self._metrics.request_moved(_target(upstream), _target(chosen))
+                if held is not None and gate is not None:
+                    held = gate.move(held, chosen)
             upstream = chosen
             self.router.succeeded(key, upstream)
             await self._relay(upstream, response, request_id, writer, exchange)
@@ -369,7 +397,7 @@ class OpenAIProxy:
             if not exchange.client_gone or task.uncancel() > 0:
                 raise
             exchange.error_reason = "client_disconnected"
-        except ProxyError as exc:  # raised only before the answer started
+        except (ProxyError, QueueRefusedError) as exc:  # raised only before the answer started
             exchange.done = True
             reply = await self._send_error(writer, request_id, exc, exchange.answer_headers)
             exchange.status = reply.status
@@ -380,6 +408,8 @@ class OpenAIProxy:
             target = _target(upstream)
             if dispatched:
                 signals.finished(upstream.deployment_id, upstream.node_id)
+            if held is not None and gate is not None:
+                gate.release(held)
             usage = exchange.usage
             self._metrics.request_finished(
                 target,
@@ -391,7 +421,8 @@ class OpenAIProxy:
                 error_reason=exchange.error_reason,
             )
             if ticket is not None and admission is not None:
-                _settle(admission, ticket, exchange, upstream.node_id, request_bytes)
+                node_id = upstream.node_id if reached else None  # None: queued, never sent
+                _settle(admission, ticket, exchange, node_id, request_bytes)
 
     async def _read_body(
         self, request: ClientRequest, content_length: bytes | None
@@ -510,8 +541,18 @@ def _refusal_headers(exc: BerthError, ticket: Ticket | None) -> list[tuple[bytes
     return list(ticket.headers) if ticket is not None else []
 
 
+def _first(plan: Sequence[Upstream], deployment_id: str) -> list[Upstream]:
+    """``plan`` with the upstream of ``deployment_id`` moved to its front."""
+    chosen = [u for u in plan if u.deployment_id == deployment_id]
+    return chosen + [u for u in plan if u.deployment_id != deployment_id]
+
+
 def _settle(
-    admission: Admission, ticket: Ticket, exchange: Exchange, node_id: str, request_bytes: int
+    admission: Admission,
+    ticket: Ticket,
+    exchange: Exchange,
+    node_id: str | None,
+    request_bytes: int,
 ) -> None:
     """Settle ``ticket`` with the usage the engine reported, or with an estimate
     (:mod:`berth.admission.estimate`) when an answer was made without one. An error answer

@@ -24,7 +24,7 @@ import ssl
 import time
 from pathlib import Path
 
-from berth.admission import Admission, UsageCollector, UsageLedger
+from berth.admission import Admission, QueueCollector, SlotGate, UsageCollector, UsageLedger
 from berth.agent.adopted import AdoptedWatcher
 from berth.agent.core import AgentCore
 from berth.agent.in_process_link import InProcessLink
@@ -259,6 +259,9 @@ async def serve(home: BerthHome, settings: Settings) -> None:
     )
     cluster_metrics.register(metrics.registry)
     metrics.registry.register(UsageCollector(admission))
+    # Fair admission: requests beyond their deployments' slots wait here, fair across keys.
+    slots = SlotGate(max_waiting=settings.queue_max_requests, timeout_s=settings.queue_timeout_s)
+    metrics.registry.register(QueueCollector(slots))
     core = None if settings.leader_only else build_local_core(home, settings)
     links = LinkRegistry([] if core is None else [InProcessLink(core)])
     audit = AuditLog(home.audit_log)
@@ -325,6 +328,7 @@ async def serve(home: BerthHome, settings: Settings) -> None:
         relay_buffer_chunks=settings.relay_buffer_chunks,
         engine_auth=core.engine_auth if core is not None else None,
         admission=admission,
+        slots=slots,
     )
     enrollment = EnrollmentService(
         store=store,
