@@ -25,7 +25,8 @@ Every server first gets one untimed second of load. Run:
 ``--limits`` compares, side by side, the proxy without admission and the proxy with it:
 requests from a key with every limit set (none ever reached), its rate-limit headers on
 every answer, the usage ledger buffering each request and written to a SQLite store every
-5 s, and, for a stream that does not ask for usage, the body asking the engine and the usage
+5 s, each request taking a slot of its deployment at the fair admission gate and giving it
+back, and, for a stream that does not ask for usage, the body asking the engine and the usage
 event taken out. Each cell is measured ``--rounds`` times, off and on in turn, and the median
 CPU per request is printed; ``--control`` adds the same comparison between two proxies
 without admission, which shows how far two identical processes differ on this machine
@@ -98,7 +99,10 @@ def serve_proxy(engine_port: int, *, limits: bool = False) -> None:
     from berth.observability.metrics import ProxyMetrics
     from berth.routing.resolver import Upstream
 
-    upstream = Upstream(f"http://127.0.0.1:{engine_port}", "d-bench", "local", MODEL)
+    # With limits, the deployment has slots (far more than the load), so every request also
+    # takes one and gives it back through the fair admission gate.
+    slots = 1_000_000 if limits else None
+    upstream = Upstream(f"http://127.0.0.1:{engine_port}", "d-bench", "local", MODEL, slots=slots)
 
     class FixedResolver:
         def candidates(self, model: str) -> list[Upstream]:
@@ -118,7 +122,7 @@ def serve_proxy(engine_port: int, *, limits: bool = False) -> None:
         # temporary folder by the flusher, as the leader runs it.
         import tempfile
 
-        from berth.admission import Admission, UsageLedger
+        from berth.admission import Admission, SlotGate, UsageLedger
         from berth.config import TierTable
         from berth.limits import LimitOverrides
         from berth.store import Store
@@ -140,6 +144,7 @@ def serve_proxy(engine_port: int, *, limits: bool = False) -> None:
         admission = Admission(TierTable(), ledger)
         admission.load([key], {})
         proxy_options["admission"] = admission
+        proxy_options["slots"] = SlotGate()
     proxy = OpenAIProxy(FixedResolver(), ProxyMetrics(), **proxy_options)
 
     async def handle(request: Any, writer: Any) -> None:

@@ -18,6 +18,7 @@ import re
 import ssl
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from types import SimpleNamespace
@@ -259,6 +260,48 @@ def test_an_engine_without_usage_is_counted_as_an_estimate(
 
     assert (row["requests"], row["estimated_requests"]) == (2, 2)
     assert row["estimated_tokens"] == row["total_tokens"] > 0
+
+
+def metric(berth: Berth, port: int, secret: str, line_start: str) -> float | None:
+    """The sum of the ``/metrics`` samples whose line starts with ``line_start`` (``None``
+    when there is none)."""
+    answer = httpx.get(
+        f"https://127.0.0.1:{port}/metrics",
+        headers={"authorization": f"Bearer {secret}"},
+        verify=ssl.create_default_context(cafile=str(berth.home / "ca" / "ca.pem")),
+    )
+    values = [
+        float(line.rsplit(" ", 1)[1])
+        for line in answer.text.splitlines()
+        if line.startswith(line_start)
+    ]
+    return sum(values) if values else None
+
+
+def test_a_request_beyond_the_deployments_slots_waits_at_the_leader_for_its_turn(
+    quota_leader: tuple[Berth, int], sdk: Clients
+) -> None:
+    berth, port = quota_leader
+    berth("models", "add", "one-slot", "--path", "tiny.gguf")
+    berth("run", "one-slot", "--extra-arg=--parallel", "--extra-arg=1")  # 1 engine slot
+    secret = create_key(berth, "queued")
+    client = sdk(berth, port, secret)
+    depth = 'berth_admission_queue_depth{model="one-slot"}'
+    with ThreadPoolExecutor(2) as pool:
+        first = pool.submit(chat, client, "one-slot", extra_body={"x_head_delay_s": 2})
+        busy = "berth_proxy_in_flight_requests{"
+        deadline = time.monotonic() + 30
+        while not (metric(berth, port, secret, busy) or 0) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        second = pool.submit(chat, client, "one-slot")
+        while metric(berth, port, secret, depth) != 1 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert metric(berth, port, secret, depth) == 1  # the second waits at the leader
+        assert first.result().http_response.status_code == 200
+        assert second.result().http_response.status_code == 200
+    assert metric(berth, port, secret, depth) is None
+    waited = 'berth_admission_queue_wait_seconds_count{model="one-slot"}'
+    assert metric(berth, port, secret, waited) == 1
 
 
 def test_keys_are_changed_listed_and_revoked_by_name(quota_leader: tuple[Berth, int]) -> None:
