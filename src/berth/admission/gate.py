@@ -106,8 +106,8 @@ class SlotGate:
         if not scheduler.enqueue(waiter):
             self.stats.drop(model, "queue_full")
             raise QueueFullError(
-                f"every slot of {model!r} is taken and {scheduler.max_waiting} requests "
-                "are waiting already, the leader's limit (queue_max_requests)",
+                f"every slot of {model!r} is taken and the leader's admission queue is full "
+                f"(queue_max_requests = {scheduler.max_waiting})",
                 key_id=key_id,
                 retry_after_s=QUEUE_FULL_RETRY_S,
             )
