@@ -56,7 +56,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("observability",),
     ("cluster",),
     ("agent", "routing", "admission"),
-    ("doctor", "desk", "backup"),
+    ("doctor", "desk", "backup", "console"),
     ("daemon",),
     ("cli",),
     ("__main__",),

@@ -7,7 +7,9 @@ ASGI adapter. Authentication happens here, once, by listener: over TCP ``/v1/*``
 Unix socket (mode 0600, so only its owner can connect) no key is needed. The key's record
 goes to the proxy, whose admission applies its limits. On the public listener, browsers on
 the origins of the ``cors_origins`` setting get their preflights answered and CORS headers on
-every answer (:mod:`berth.http_server.cors`).
+every answer (:mod:`berth.http_server.cors`). The web console (``/ui/*``, and ``/`` for a
+browser) needs no key; a browser signed in to it sends a session cookie instead of a key,
+which :class:`berth.daemon.console_routes.ConsoleGate` checks.
 """
 
 from __future__ import annotations
@@ -20,6 +22,12 @@ from berth.admission import AdmissionError
 from berth.daemon.admin import build_admin_app
 from berth.daemon.admin_services import build_service_router
 from berth.daemon.auth import require_tier, secret_from_headers
+from berth.daemon.console_routes import (
+    CONSOLE_HEADERS,
+    ConsoleGate,
+    build_console_router,
+    is_console_path,
+)
 from berth.daemon.proxy import OpenAIProxy
 from berth.daemon.services import LeaderServices
 from berth.errors import AuthError, BerthError
@@ -47,12 +55,14 @@ class LeaderApp:
         *,
         trusted: bool,
         cors: CorsPolicy | None = None,
+        console: ConsoleGate | None = None,
     ) -> None:
         self._services = services
         self._admin = AsgiHandler(admin)
         self._proxy: OpenAIProxy = services.proxy
         self._trusted = trusted
         self._cors = cors if cors is not None and cors.enabled else None
+        self._console = console
 
     async def __call__(self, request: Request, writer: ResponseWriter) -> None:
         path = request.path
@@ -71,6 +81,10 @@ class LeaderApp:
                         await writer.end()
                         return
                 writer.extra_headers = cors.answer_headers(origin)
+        if is_console_path(path) or path == "/":
+            writer.extra_headers = [*writer.extra_headers, *CONSOLE_HEADERS]
+            await self._admin(request, writer)  # /ui/session checks what it is given
+            return
         key: ApiKeyRecord | None = None
         if not self._trusted and path not in OPEN_PATHS:
             tier = "admin" if path.startswith("/admin") else "standard"
@@ -80,13 +94,20 @@ class LeaderApp:
                 await _send_error(writer, exc)
                 return
         if path.startswith("/v1/"):
-            await self._proxy.handle(request, writer, key)  # its admission limits by key
+            # Its admission limits by key; the request log names it.
+            await self._proxy.handle(request, writer, key, key_name=key.name if key else "")
         else:
             await self._admin(request, writer)
 
     async def _authenticate(self, request: Request, tier: str) -> ApiKeyRecord:
         authenticator = self._services.authenticator
         secret = secret_from_headers(request.headers)
+        if secret is None and self._console is not None:
+            signed_in = await self._console.authenticate(request)
+            if signed_in is not None:
+                self._services.admission.check_expiry(signed_in)  # 401 once expired
+                require_tier(signed_in, tier)
+                return signed_in
         record = authenticator.cached(secret)
         if record is None:
             record = await asyncio.to_thread(authenticator.lookup, secret)
@@ -112,8 +133,10 @@ def build_apps(services: LeaderServices) -> tuple[LeaderApp, LeaderApp]:
     """Return ``(public_app, socket_app)`` sharing one admin app and one proxy."""
     admin = build_admin_app(services)
     admin.include_router(build_service_router(services))
+    console = ConsoleGate(services.store, services.authenticator, services.pepper)
+    admin.include_router(build_console_router(console, services.proxy.request_log))
     cors = CorsPolicy.from_setting(services.settings.cors_origins)
     return (
-        LeaderApp(services, admin, trusted=False, cors=cors),
+        LeaderApp(services, admin, trusted=False, cors=cors, console=console),
         LeaderApp(services, admin, trusted=True),
     )

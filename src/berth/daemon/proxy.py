@@ -4,6 +4,7 @@ One request, on the hot path::
 
     read the body (bounded) -> its JSON "model" -> admission.admit(key, model): the key's
       limits (403/429), its rate-limit headers -> Router.plan(model): ranked candidates
+      -> slots.acquire(...): a slot at one of them, waiting in the fair queue if need be
       -> POST the same bytes to the best engine, the next node's before the first byte if it
          fails (proxy_dispatch; engine_client: pooled HTTP/1.1, or an agent's tunnel)
       -> relay the answer: JSON whole, event streams event by event -> ProxyMetrics, and
@@ -59,6 +60,7 @@ from berth.engine_http.answer import EngineAnswer
 from berth.errors import BerthError, NotFoundError
 from berth.http_server.errors import HttpServerError
 from berth.observability.metrics import ProxyMetrics, Target
+from berth.observability.request_log import RequestLog
 from berth.openai_errors import ErrorResponse, error_from_exception
 from berth.routing.errors import (
     EngineTimeoutError,
@@ -84,6 +86,8 @@ _COMPLETION_PATHS = frozenset(
     {"/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses"}
 )
 _MODELS_PATH = "/v1/models"
+#: How much of a request's ``model`` the request log keeps (a client may send anything).
+_MAX_LOGGED_MODEL_CHARS = 200
 _MODEL_PREFIX = "/v1/models/"
 
 
@@ -103,6 +107,15 @@ class _Bodies:
         if rewritten is None:
             rewritten = self._rewritten[name] = with_model(self._body, name)
         return rewritten
+
+
+def _reason(exc: BerthError) -> str:
+    """The short reason a refused request is counted and logged under."""
+    if isinstance(exc, ProxyError | AdmissionError):
+        return exc.error_code
+    if isinstance(exc, NotFoundError):
+        return f"{exc.kind}_not_found"
+    return "error"
 
 
 def _target(upstream: Upstream) -> Target:
@@ -135,7 +148,9 @@ class OpenAIProxy:
     is relayed chunk by chunk. ``max_event_bytes`` bounds how much of one unfinished SSE event
     is held back before it is relayed anyway. ``engine_auth(deployment_id)`` gives the
     ``authorization`` header of an engine reached directly (node ``local``'s own API key);
-    a client's credentials never reach an engine.
+    a client's credentials never reach an engine. Every completion request answered (relayed
+    or refused) is recorded in ``request_log`` (:attr:`request_log`, a bounded ring of recent
+    requests with no prompt or answer text; a new one when none is given).
 
     ``admission``, when given, admits each completion request against its key's limits
     (:mod:`berth.admission`; the key record is the ``api_key`` given to :meth:`handle`, none
@@ -167,12 +182,15 @@ class OpenAIProxy:
         max_attempts: int = DEFAULT_MAX_ATTEMPTS,
         relay_buffer_chunks: int = DEFAULT_BUFFER_CHUNKS,
         engine_auth: EngineAuth | None = None,
+        request_log: RequestLog | None = None,
         admission: Admission | None = None,
         slots: SlotGate | None = None,
     ) -> None:
         self._resolver = resolver
         self._admission = admission
         self._slots = slots
+        #: The recent requests (the console's requests view, ``GET /admin/requests``).
+        self.request_log = request_log if request_log is not None else RequestLog()
         self._engines = EngineClient(
             tunnels=tunnels,
             connect_timeout_s=connect_timeout_s,
@@ -231,16 +249,24 @@ class OpenAIProxy:
                 return
 
     async def handle(
-        self, request: ClientRequest, writer: ClientWriter, api_key: ApiKeyRecord | None = None
+        self,
+        request: ClientRequest,
+        writer: ClientWriter,
+        api_key: ApiKeyRecord | None = None,
+        *,
+        key_name: str = "",
     ) -> None:
         """Serve one request (``request.path`` is the full ``/v1/...`` path) of ``api_key``
-        (the listener's authentication found it; ``None``: the Unix socket, no key)."""
+        (the listener's authentication found it; ``None``: the Unix socket, no key);
+        ``key_name`` names that key for :attr:`request_log`."""
         path = request.path
         method = request.method
         request_id, forward, content_length = scan_headers(request.headers)
         if path in _COMPLETION_PATHS:
             if method == "POST":
-                await self._proxy(request, request_id, forward, content_length, writer, api_key)
+                await self._proxy(
+                    request, request_id, forward, content_length, writer, api_key, key_name
+                )
                 return
             allowed = "POST"
         elif path == _MODELS_PATH or path.startswith(_MODEL_PREFIX):
@@ -297,8 +323,11 @@ class OpenAIProxy:
         content_length: bytes | None,
         writer: ClientWriter,
         api_key: ApiKeyRecord | None,
+        key_name: str = "",
     ) -> None:
         start = self._clock()
+        started_at = self.request_log.now()
+        model = ""
         admission = self._admission
         ticket: Ticket | None = None
         strip_usage = False
@@ -334,7 +363,16 @@ class OpenAIProxy:
                     completion_tokens=0,
                     estimated=False,
                 )
-            await self._reject(writer, request_id, exc, start, extra=extra)
+            status = await self._reject(writer, request_id, exc, start, extra=extra)
+            self.request_log.add(
+                started_at=started_at,
+                request_id=request_id.decode(),
+                key_name=key_name,
+                model=model[:_MAX_LOGGED_MODEL_CHARS],
+                status=status,
+                duration_s=self._clock() - start,
+                error_reason=_reason(exc),
+            )
             return
 
         upstream = plan[0]
@@ -357,6 +395,19 @@ class OpenAIProxy:
         gate = self._slots
         held: str | None = None  # the deployment this request holds a slot at
         reached = gate is None  # whether it passed the fair admission queue
+        # Why each attempt that did not serve the request moved on (the last one stands).
+        outcomes: list[str] = []
+        bodies = _Bodies(body)  # rewritten at most once per engine model
+
+        async def attempt(target: Upstream) -> EngineAnswer:
+            try:
+                answer = await self._engines.open(target, path, query, forward, bodies.get(target))
+            except ProxyError as exc:
+                outcomes.append(exc.error_code)
+                raise
+            outcomes.append(f"status {answer.status}")
+            return answer
+
         try:
             if gate is not None:
                 # Fair admission: a slot at one of the planned deployments, waiting if need be.
@@ -368,11 +419,10 @@ class OpenAIProxy:
                     plan = _first(plan, held)
                     self._metrics.request_moved(_target(upstream), _target(plan[0]))
                     upstream = plan[0]
-            bodies = _Bodies(body)  # rewritten at most once per engine model
             try:
                 chosen, response = await first_answer(
                     plan,
-                    lambda u: self._engines.open(u, path, query, forward, bodies.get(u)),
+                    attempt,
                     max_attempts=self._max_attempts,
                     signals=signals,
                     clock=self._clock,
@@ -419,6 +469,21 @@ class OpenAIProxy:
                 ttfb_s=exchange.ttfb_s,
                 prompt_tokens=usage.prompt_tokens if usage else 0,
                 completion_tokens=usage.completion_tokens if usage else 0,
+                error_reason=exchange.error_reason,
+            )
+            self.request_log.add(
+                started_at=started_at,
+                request_id=request_id.decode(),
+                key_name=key_name,
+                model=model[:_MAX_LOGGED_MODEL_CHARS],
+                node_id=upstream.node_id,
+                deployment_id=upstream.deployment_id,
+                status=exchange.status or 499,
+                ttfb_s=exchange.ttfb_s,
+                duration_s=self._clock() - start,
+                prompt_tokens=usage.prompt_tokens if usage else 0,
+                completion_tokens=usage.completion_tokens if usage else 0,
+                retries=tuple(outcomes[:-1]),
                 error_reason=exchange.error_reason,
             )
             if ticket is not None and admission is not None:
@@ -499,22 +564,18 @@ class OpenAIProxy:
         *,
         allow: str | None = None,
         extra: Sequence[tuple[bytes, bytes]] = (),
-    ) -> None:
-        """Answer a request no deployment was chosen for, and count it."""
+    ) -> int:
+        """Answer a request no deployment was chosen for, and count it; the status sent."""
         headers = [(b"allow", allow.encode())] if allow else []
         headers += extra
         reply = await self._send_error(writer, request_id, exc, headers)
-        if isinstance(exc, ProxyError | AdmissionError):
-            reason = exc.error_code
-        elif isinstance(exc, NotFoundError):
-            reason = f"{exc.kind}_not_found"
-        else:
-            reason = "error"
+        reason = _reason(exc)
         # Only a model berth knows may become a label value.
         model = exc.model if isinstance(exc, NoReadyDeploymentError) else ""
         self._metrics.request_rejected(
             model=model, status=reply.status, duration_s=self._clock() - start, error_reason=reason
         )
+        return reply.status
 
     async def _send_error(
         self,
