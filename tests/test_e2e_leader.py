@@ -187,9 +187,9 @@ def test_the_engine_answers_only_berth_which_keeps_its_key_private(
 
 
 def test_the_usage_ledger_equals_what_llama_server_reported(
-    leader: tuple[Berth, int], deployment: dict[str, object]
+    real_leader: tuple[Berth, int], deployment: dict[str, object]
 ) -> None:
-    berth, port = leader
+    berth, port = real_leader
     secret = berth.json("key", "create", "ledger")["secret"]
     tls = ssl.create_default_context(cafile=str(berth.home / "ca" / "ca.pem"))
     ask = {"model": "smollm2", "messages": [{"role": "user", "content": "Count to three."}]}
