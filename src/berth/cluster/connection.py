@@ -71,6 +71,7 @@ from berth.cluster.protocol.session import (
     WelcomeTerms,
 )
 from berth.cluster.tunnel_stream import StreamResetError, TunnelStream
+from berth.cluster.write_batch import coalesce_writes
 
 log = logging.getLogger(__name__)
 
@@ -522,6 +523,8 @@ class LinkConnection:
         if self._session.state is not SessionState.OPEN:
             raise LinkError(f"the link to {self.peer} has not finished its handshake")
         self._start_writer()
+        # The frames of one pass of the loop (e.g. events of many streams) in one write.
+        coalesce_writes(self.ws)
         session = self._session
         self._reader = asyncio.current_task()
         if self.liveness is not None:
