@@ -369,8 +369,8 @@ class LinkConnection:
     async def _send_now(self) -> None:
         """Send what the session wants sent from the calling task when nothing is queued or
         being sent (the common case: one stream event), else leave it to the writer task.
-        Saves the writer's wake-up per message, in the same order; a cancelled caller
-        leaves what it has not sent to the writer."""
+        Saves the writer's wake-up per message, in the same order. What others queue
+        meanwhile, and what a cancelled caller has not sent, is left to the writer."""
         out = self._out
         if out or self._sending or self._writer is None:
             self._flush()
@@ -380,7 +380,7 @@ class LinkConnection:
             return
         self._sending = True
         try:
-            while out:
+            for _ in range(len(out)):
                 message = out.popleft()
                 self._out_bytes -= len(message)
                 await self.ws.send_bytes(message)
