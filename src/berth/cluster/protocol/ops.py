@@ -101,6 +101,16 @@ class PullResult(_Args, kw_only=True):
     path: str
 
 
+class IngressArgs(_Args, kw_only=True):
+    """Serve the direct data path (``docs/protocol.md``, Direct data path): ``certificate``
+    is the ingress's server certificate (PEM, the leaf then the CA) for the agent's own key,
+    ``leader_certificate`` the leader's client certificate (PEM), the only client the
+    ingress lets in."""
+
+    certificate: str
+    leader_certificate: str
+
+
 class NoArgs(_Args, kw_only=True):
     pass
 
@@ -153,10 +163,11 @@ PROBE: Op[ProbeArgs, ProbeResult] = Op("probe", ProbeArgs, ProbeResult)
 INVENTORY: Op[NoArgs, Inventory] = Op("inventory", NoArgs, Inventory)
 ENGINES: Op[NoArgs, EnginesResult] = Op("engines", NoArgs, EnginesResult)
 PULL: Op[PullArgs, PullResult] = Op("pull", PullArgs, PullResult)
+INGRESS: Op[IngressArgs, None] = Op("ingress", IngressArgs, type(None))
 
 #: Every op, by name.
 OPS: dict[OpName, Op[Any, Any]] = {
-    op.name: op for op in (START, STOP, PROBE, INVENTORY, ENGINES, PULL)
+    op.name: op for op in (START, STOP, PROBE, INVENTORY, ENGINES, PULL, INGRESS)
 }
 #: The capability an agent advertises in Hello for each op it serves.
 OP_CAPABILITIES: dict[OpName, str] = {name: op.capability for name, op in OPS.items()}
