@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from berth.admission import Admission
 from berth.agent.core import AgentCore, RuntimeStatus
 from berth.cluster.ca import CertificateAuthority
 from berth.cluster.direct_path import DataPaths
@@ -59,6 +60,8 @@ class LeaderServices:
     started_at: float
     #: The proxy's resolver: routes, then the lifecycle's names (reloaded on route changes).
     routes: RouteResolver
+    #: Per-key limits and the usage ledger (updated by the admin API's key routes).
+    admission: Admission
     listeners: list[Listener] = field(default_factory=list)
     ready: bool = False
     extra: dict[str, Any] = field(default_factory=dict)

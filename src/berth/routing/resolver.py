@@ -23,6 +23,9 @@ class Upstream:
     #: the name the engine serves when it is not ``model`` (e.g. a route to a service): the
     #: request's ``"model"`` is rewritten to it, since vLLM and SGLang refuse other names
     engine_model: str | None = None
+    #: requests the engine serves at once (its slots: ``--parallel``, ``--max-num-seqs``),
+    #: the most the leader's fair admission queue lets through; ``None``: unknown, not held
+    slots: int | None = None
 
 
 class UpstreamResolver(Protocol):

@@ -16,6 +16,7 @@ from berth.store.records import (
     RouteRecord,
     RouteTarget,
     ServiceProfileRecord,
+    UsageRecord,
 )
 from berth.store.store import UNCHANGED, Store, Unchanged
 
@@ -35,4 +36,5 @@ __all__ = [
     "ServiceProfileRecord",
     "Store",
     "Unchanged",
+    "UsageRecord",
 ]
