@@ -81,18 +81,22 @@ def held(engine: StandinEngine) -> list[Any]:
 
 
 @pytest.fixture
-def admission() -> Admission:
+def unlimited_admission() -> Admission:
     return Admission(TierTable(), UsageLedger(NoSink()))
 
 
 @contextlib.asynccontextmanager
 async def fair_proxy(
-    engine: StandinEngine, metrics: ProxyMetrics, admission: Admission, gate: SlotGate
+    engine: StandinEngine, metrics: ProxyMetrics, unlimited_admission: Admission, gate: SlotGate
 ) -> AsyncIterator[httpx.AsyncClient]:
     """The proxy with ``admission`` and ``gate``, model ``m`` on ``engine`` with 2 slots."""
     engine.default = HELD
     resolver = StaticResolver({"m": engine.base_url}, slots=2)
-    options: dict[str, Any] = {"admission": admission, "slots": gate, "wrap": KeyedHandler}
+    options: dict[str, Any] = {
+        "admission": unlimited_admission,
+        "slots": gate,
+        "wrap": KeyedHandler,
+    }
     limits = httpx.Limits(max_connections=200, max_keepalive_connections=200)
     async with (
         running_proxy(resolver, metrics, **options) as url,
@@ -110,10 +114,10 @@ async def drain(engine: StandinEngine, tasks: list[asyncio.Task[httpx.Response]]
 
 
 async def test_a_key_sending_one_at_a_time_waits_one_turn_beside_a_key_with_fifty_waiting(
-    engine: StandinEngine, metrics: ProxyMetrics, admission: Admission
+    engine: StandinEngine, metrics: ProxyMetrics, unlimited_admission: Admission
 ) -> None:
     gate = SlotGate(max_waiting=100, timeout_s=120)
-    async with fair_proxy(engine, metrics, admission, gate) as http:
+    async with fair_proxy(engine, metrics, unlimited_admission, gate) as http:
         heavy = [asyncio.create_task(post(http, "heavy", f"heavy-{i}")) for i in range(2)]
         for turn in range(5):
             await until(lambda: len(held(engine)) == 2)
@@ -144,10 +148,10 @@ async def test_a_key_sending_one_at_a_time_waits_one_turn_beside_a_key_with_fift
 
 
 async def test_a_client_that_leaves_while_queued_never_reaches_the_engine(
-    engine: StandinEngine, metrics: ProxyMetrics, admission: Admission
+    engine: StandinEngine, metrics: ProxyMetrics, unlimited_admission: Admission
 ) -> None:
     gate = SlotGate(max_waiting=10, timeout_s=120)
-    async with fair_proxy(engine, metrics, admission, gate) as http:
+    async with fair_proxy(engine, metrics, unlimited_admission, gate) as http:
         busy = [asyncio.create_task(post(http, "heavy", f"busy-{i}")) for i in range(2)]
         await until(lambda: len(engine.requests) == 2)
         gone = asyncio.create_task(post(http, "light", "gone"))
@@ -162,7 +166,9 @@ async def test_a_client_that_leaves_while_queued_never_reaches_the_engine(
         assert after[0].status_code == 200
     assert tags(engine) == ["busy-0", "busy-1", "after"]
     assert gate.scheduler.in_use("d-m") == 0
-    assert [row.key_id for row in admission.ledger.pending].count("k-light") == 1  # "after"
+    assert [row.key_id for row in unlimited_admission.ledger.pending].count(
+        "k-light"
+    ) == 1  # "after"
 
 
 async def drain_soon(engine: StandinEngine) -> None:
@@ -173,10 +179,10 @@ async def drain_soon(engine: StandinEngine) -> None:
 
 
 async def test_a_full_queue_and_a_wait_too_long_answer_503_with_retry_after(
-    engine: StandinEngine, metrics: ProxyMetrics, admission: Admission
+    engine: StandinEngine, metrics: ProxyMetrics, unlimited_admission: Admission
 ) -> None:
     gate = SlotGate(max_waiting=1, timeout_s=0.3)
-    async with fair_proxy(engine, metrics, admission, gate) as http:
+    async with fair_proxy(engine, metrics, unlimited_admission, gate) as http:
         busy = [asyncio.create_task(post(http, "heavy", f"busy-{i}")) for i in range(2)]
         await until(lambda: len(engine.requests) == 2)
         late = asyncio.create_task(post(http, "light", "late"))
@@ -193,4 +199,4 @@ async def test_a_full_queue_and_a_wait_too_long_answer_503_with_retry_after(
     assert int(timed_out.headers["retry-after"]) >= 1
     assert tags(engine) == ["busy-0", "busy-1"]
     # Refused before an engine was tried: not in the ledger.
-    assert [row.key_id for row in admission.ledger.pending] == ["k-heavy"]
+    assert [row.key_id for row in unlimited_admission.ledger.pending] == ["k-heavy"]
