@@ -603,9 +603,10 @@ def main() -> None:
                         Target("berth local (socket)", unix_path=socket_path, pids=leader)
                     )
                 elif name == "berth-agent":
+                    agent = cluster.agent_pid(harness.AGENT_LABEL)
                     targets.append(Target("berth agent", port=cluster.public_port, tls=tls,
                                           authorization=bearer, model=harness.REMOTE_MODEL,
-                                          pids=(*leader, cluster.agent_pid)))  # fmt: skip
+                                          pids=(*leader, agent)))  # fmt: skip
                 elif name == "litellm":
                     found = stack.enter_context(litellm(args.bench_venv, engine_port, workdir))
                     targets += [found] if found else []

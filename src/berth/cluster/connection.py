@@ -71,6 +71,7 @@ from berth.cluster.protocol.session import (
     WelcomeTerms,
 )
 from berth.cluster.tunnel_stream import StreamResetError, TunnelStream
+from berth.cluster.write_batch import coalesce_writes
 
 log = logging.getLogger(__name__)
 
@@ -196,6 +197,9 @@ class LinkConnection:
         self._drained = asyncio.Event()
         self._drained.set()
         self._writer: asyncio.Task[None] | None = None
+        #: a ``ws.send_bytes`` is under way (the writer's or a direct one): later messages
+        #: queue behind it, so that they reach the socket in order
+        self._sending = False
         self._closer: asyncio.Future[bool] | None = None
         self._on_closed = on_closed
         self._closed = False
@@ -312,8 +316,9 @@ class LinkConnection:
 
     # -- output --------------------------------------------------------------------------
 
-    def _flush(self) -> None:
-        """Queue what the session wants sent; the writer task sends it in order."""
+    def _flush(self, wake: bool = True) -> None:
+        """Queue what the session wants sent; the writer task sends it in order (``wake``:
+        wake it up; :meth:`_send_now` sends itself instead)."""
         messages = self._session.data_to_send()
         if not messages or self._closed:
             return
@@ -329,7 +334,8 @@ class LinkConnection:
                     self.ws.close(code=CloseCode.PROTOCOL_ERROR, message=b"not reading")
                 )
             self._drained.clear()
-        self._out_wakeup.set()
+        if wake:
+            self._out_wakeup.set()
 
     async def drain(self) -> None:
         """Wait while more than ``WRITE_HIGH_WATER_BYTES`` wait to be written."""
@@ -346,20 +352,53 @@ class LinkConnection:
         while True:
             await self._out_wakeup.wait()
             self._out_wakeup.clear()
-            while out:
+            while out and not self._sending:
                 message = out.popleft()
                 self._out_bytes -= len(message)
+                self._sending = True
                 try:
                     await self.ws.send_bytes(message)
                 except (ConnectionError, aiohttp.ClientError) as exc:
-                    # The socket is going away; the reader loop sees the close and ends.
-                    log.debug("link to %s: write failed: %s", self.peer, exc)
-                    out.clear()
-                    self._out_bytes = 0
-                    self._drained.set()
+                    self._write_failed(exc)
                     return
+                finally:
+                    self._sending = False
                 if self._out_bytes <= WRITE_HIGH_WATER_BYTES:
                     self._drained.set()
+
+    async def _send_now(self) -> None:
+        """Send what the session wants sent from the calling task when nothing is queued or
+        being sent (the common case: one stream event), else leave it to the writer task.
+        Saves the writer's wake-up per message, in the same order. What others queue
+        meanwhile, and what a cancelled caller has not sent, is left to the writer."""
+        out = self._out
+        if out or self._sending or self._writer is None:
+            self._flush()
+            return
+        self._flush(wake=False)
+        if not out:
+            return
+        self._sending = True
+        try:
+            for _ in range(len(out)):
+                message = out.popleft()
+                self._out_bytes -= len(message)
+                await self.ws.send_bytes(message)
+        except (ConnectionError, aiohttp.ClientError) as exc:
+            self._write_failed(exc)
+        finally:
+            self._sending = False
+            if out:  # queued by others while this task waited for the socket
+                self._out_wakeup.set()
+        if self._out_bytes <= WRITE_HIGH_WATER_BYTES:
+            self._drained.set()
+
+    def _write_failed(self, exc: BaseException) -> None:
+        # The socket is going away; the reader loop sees the close and ends.
+        log.debug("link to %s: write failed: %s", self.peer, exc)
+        self._out.clear()
+        self._out_bytes = 0
+        self._drained.set()
 
     # -- requests ------------------------------------------------------------------------
 
@@ -456,10 +495,11 @@ class LinkConnection:
         self._session.send_head(head)
         self._flush()
 
-    def send_data(self, stream_id: int, payload: bytes, end: bool) -> None:
-        """Payload on a stream; it must fit :meth:`send_room`."""
+    async def send_data(self, stream_id: int, payload: bytes, end: bool) -> None:
+        """Payload on a stream; it must fit :meth:`send_room`. Written from the calling
+        task when nothing waits ahead of it (then it may wait for the socket), else queued."""
         self._session.send_data(stream_id, payload, end)
-        self._flush()
+        await self._send_now()
 
     def consume(self, stream_id: int, size: int) -> None:
         """The stream's reader took ``size`` bytes: the peer may get more credit."""
@@ -483,6 +523,8 @@ class LinkConnection:
         if self._session.state is not SessionState.OPEN:
             raise LinkError(f"the link to {self.peer} has not finished its handshake")
         self._start_writer()
+        # The frames of one pass of the loop (e.g. events of many streams) in one write.
+        coalesce_writes(self.ws)
         session = self._session
         self._reader = asyncio.current_task()
         if self.liveness is not None:

@@ -36,7 +36,7 @@ class StreamCarrier(Protocol):
 
     def send_head(self, head: StreamHead) -> None: ...
 
-    def send_data(self, stream_id: int, payload: bytes, end: bool) -> None: ...
+    async def send_data(self, stream_id: int, payload: bytes, end: bool) -> None: ...
 
     def consume(self, stream_id: int, size: int) -> None: ...
 
@@ -70,6 +70,11 @@ class TunnelStream:
         self._reset: StreamResetError | None = None
         self._waiter: asyncio.Future[None] | None = None
         self._credit_waiter: asyncio.Future[None] | None = None
+        # The read timeout: one timer per stream, not one per read (a token stream reads
+        # once per event). It fires at the earliest possible deadline and looks at when the
+        # current wait began.
+        self._read_timer: asyncio.TimerHandle | None = None
+        self._waiting_since = 0.0
         self.task: asyncio.Task[None] | None = None
 
     @property
@@ -128,13 +133,12 @@ class TunnelStream:
         Reading grants the sender credit for more. Raises ``StreamResetError`` when the
         stream was reset and ``TimeoutError`` when nothing arrives for ``timeout_s``.
         """
-        async with asyncio.timeout(timeout_s):
-            while not self._chunks:
-                if self._reset is not None:
-                    raise self._reset
-                if self._ended:
-                    return b""
-                await self._wait()
+        while not self._chunks:
+            if self._reset is not None:
+                raise self._reset
+            if self._ended:
+                return b""
+            await self._wait(timeout_s)
         chunks = self._chunks
         data = chunks.popleft() if len(chunks) == 1 else b"".join(chunks)
         chunks.clear()
@@ -152,12 +156,36 @@ class TunnelStream:
             parts.append(chunk)
         return b"".join(parts)
 
-    async def _wait(self) -> None:
-        self._waiter = asyncio.get_running_loop().create_future()
+    async def _wait(self, timeout_s: float | None = None) -> None:
+        """Wait for the next event; ``TimeoutError`` when none comes for ``timeout_s``."""
+        loop = asyncio.get_running_loop()
+        waiter = self._waiter = loop.create_future()
+        if timeout_s is not None:
+            self._waiting_since = now = loop.time()
+            if self._read_timer is None:
+                self._read_timer = loop.call_at(now + timeout_s, self._timed_out, timeout_s)
         try:
-            await self._waiter
+            await waiter
         finally:
             self._waiter = None
+
+    def _timed_out(self, timeout_s: float) -> None:
+        self._read_timer = None
+        waiter = self._waiter
+        if waiter is None or waiter.done():
+            return  # nobody waits now: the next wait arms the timer again
+        loop = waiter.get_loop()
+        due = self._waiting_since + timeout_s
+        if loop.time() < due:  # this wait began after the timer was set
+            self._read_timer = loop.call_at(due, self._timed_out, timeout_s)
+            return
+        waiter.set_exception(TimeoutError())
+
+    def _stop_read_timer(self) -> None:
+        timer = self._read_timer
+        if timer is not None:
+            self._read_timer = None
+            timer.cancel()
 
     # -- writing -------------------------------------------------------------------------
 
@@ -187,6 +215,13 @@ class TunnelStream:
         Raises ``StreamResetError`` when the peer resets the stream or the link is lost.
         """
         conn = self.conn
+        if self._reset is None and not conn.closed:
+            room = conn.send_room(self.id)
+            if room is not None and len(data) <= room:
+                # The common case (one event, or the end): one frame, no copy.
+                await conn.send_data(self.id, data, end)
+                await conn.drain()
+                return
         view = memoryview(data)
         while True:
             if self._reset is not None or conn.closed:
@@ -199,7 +234,7 @@ class TunnelStream:
                 await self._wait_credit()
                 continue
             last = size == len(view)
-            conn.send_data(self.id, bytes(view[:size]), end and last)
+            await conn.send_data(self.id, bytes(view[:size]), end and last)
             view = view[size:]
             await conn.drain()
             if last:
@@ -220,6 +255,7 @@ class TunnelStream:
 
     def release(self) -> None:
         """Done with the stream: reset it if it is still open on either side, then forget it."""
+        self._stop_read_timer()
         if self.conn.has_stream(self.id):
             self.reset(ResetCode.CANCELLED)
         self.conn.forget_stream(self.id)
