@@ -430,7 +430,12 @@ async def test_min_replicas_are_started_without_a_request_and_kept(timed: Leader
     await timed.service("warm", min_replicas=1, max_replicas=2, idle_timeout="1s")
     timed.scaling.tick()
     (replica,) = await wait_for_async(lambda: timed.active("warm"), EVENT_TIMEOUT_S, "a replica")
-    assert (await timed.settle(replica.id)).state is DeploymentState.READY
+    # the row can be seen before its start task is registered: wait on the state itself
+    await wait_for_async(
+        lambda: timed.store.get_deployment(replica.id).state is DeploymentState.READY,
+        EVENT_TIMEOUT_S,
+        "the replica ready",
+    )
     assert timed.engine.requests == []  # no request started it
     shown = await timed.ok("GET", "/admin/services/warm")
     assert shown["last_decision"]["reason"] == "0 replica(s) running, below min_replicas 1"
