@@ -120,6 +120,9 @@ def test_an_operator_walks_the_console(
     card = page.locator("article[aria-label='node gpu-a']")
     card.get_by_text("ready").wait_for()
     card.locator(".gpu").first.wait_for()
+    # Its data path: an agent on this host dials the leader, which reaches it direct or
+    # through the tunnel, and says why.
+    expect(card.locator(".data-path")).to_contain_text(re.compile(r"^(direct|tunnel): \S"))
     # Enroll: the command for the new host and the CA fingerprint to check it against.
     page.get_by_label("New node label").fill("gpu-b")
     page.get_by_role("button", name="Enroll a node").click()
@@ -150,6 +153,12 @@ def test_an_operator_walks_the_console(
     page.get_by_role("button", name="Create key").click()
     secret = page.locator("#key-secret").inner_text().strip()
     assert secret.startswith("sk-berth-")
+    # Its limits: one of its own beside its tier's, and what it uses now.
+    cluster.admin("PATCH", "/admin/keys/browser-client", json={"rpm": 77})
+    page.reload()
+    key_row = page.locator("tr[data-key='browser-client']")
+    expect(key_row.locator(".limits")).to_contain_text("77 rpm*")
+    expect(key_row.locator(".use")).to_contain_text("0 in flight")
 
     # Traffic with that key: the node's sparkline moves, the key's usage shows it.
     page.get_by_role("link", name="Cluster").click()
@@ -172,8 +181,13 @@ def test_an_operator_walks_the_console(
     page.screenshot(path=screenshot_dir / "cluster-traffic.png", full_page=True)
 
     page.get_by_role("link", name="Keys").click()
+    # Usage from the ledger: by key, by model and by day (UTC), with real token counts.
     usage = page.locator("#usage-by-key .bar[data-name='browser-client']")
-    usage.get_by_text("3 req").wait_for()
+    usage.get_by_text(re.compile(r"^3 req, [1-9]\d* tok$")).wait_for()
+    page.locator("#usage-by-model .bar[data-name='tiny']").get_by_text(" req, ").wait_for()
+    today = cluster.admin("GET", "/admin/usage?by=day")["until"]
+    page.locator(f"#usage-by-day .bar[data-name='{today}']").get_by_text(" req, ").wait_for()
+    expect(key_row.locator(".limits")).to_contain_text("77 rpm*")
     page.screenshot(path=screenshot_dir / "keys.png", full_page=True)
     page.get_by_role("button", name="Revoke browser-client").click()
     page.locator("tr[data-key='browser-client']").get_by_text("revoked").wait_for()
@@ -199,8 +213,28 @@ def test_an_operator_walks_the_console(
     assert reply.inner_text().strip()
     page.screenshot(path=screenshot_dir / "playground.png", full_page=True)
 
+    # Services: a service's scaling settings and the controller's decision about it, why.
+    cluster.admin(
+        "POST",
+        "/admin/services",
+        json={
+            "name": "tiny-svc",
+            "model": "tiny",
+            "max_replicas": 2,
+            "idle_timeout": "10m",
+            "priority": 5,
+        },
+    )
+    page.get_by_role("link", name="Services").click()
+    service_row = page.locator("tr[data-service='tiny-svc']")
+    expect(service_row.locator(".replicas")).to_contain_text("0 of 0–2")
+    expect(service_row.locator(".scaling")).to_contain_text("idle out after 10m")
+    expect(service_row.locator(".scaling")).to_contain_text("priority 5")
+    expect(service_row.locator(".decision")).to_contain_text(re.compile(r"now: hold\S*: \S"))
+    page.screenshot(path=screenshot_dir / "services.png", full_page=True)
+
     # The other pages draw without errors.
-    for name, shot in (("Models", "models.png"), ("Services", "services.png")):
+    for name, shot in (("Models", "models.png"),):
         page.get_by_role("link", name=name).click()
         page.locator("main table, main p.muted").first.wait_for()
         page.screenshot(path=screenshot_dir / shot, full_page=True)

@@ -275,6 +275,8 @@ function nodeCard(node, metrics) {
       ["host", node.hostname || "—"],
       ["agent", node.agent_version || "—"],
       ["GPUs", `${node.gpu_count} (${node.vram_total_mb} MiB)`],
+      ["data path", h("span", { class: "data-path" }, node.data_path || "—",
+        node.data_path_reason ? `: ${node.data_path_reason}` : "")],
       ["in flight", h("span", { class: "in-flight" }, String(inFlight))],
       ["p95", p95s.length ? `${Math.round(Math.max(...p95s))} ms` : "—"],
       ["heartbeat", node.last_heartbeat_at ? `${ago(Date.now() / 1000 - node.last_heartbeat_at)} ago` : "—"],
@@ -421,12 +423,21 @@ function servicesPage(main) {
     h("h2", {}, "Where would it go?"), form, result);
 
   every(POLL_MS, async () => {
-    const [svc, rts] = await Promise.all([call("GET", "/admin/services"), call("GET", "/admin/routes")]);
+    const [list, rts] = await Promise.all([call("GET", "/admin/services"), call("GET", "/admin/routes")]);
+    // The scaling controller's decisions come with each service's detail only.
+    const svc = await Promise.all(list.map((s) =>
+      call("GET", `/admin/services/${encodeURIComponent(s.name)}`)));
     services.replaceChildren(svc.length === 0 ? h("p", { class: "muted" }, "No services.") :
-      table(["name", "model", "engine", "node", "ready", "routes"], svc.map((s) => h("tr", {},
-        h("td", {}, s.name), h("td", {}, s.model), h("td", {}, s.engine),
-        h("td", {}, s.node_label || "any"), h("td", {}, String(s.ready)),
-        h("td", {}, s.routes.join(", ") || "—")))));
+      table(["name", "model", "engine", "node", "ready", "replicas", "scaling", "decision", "routes"],
+        svc.map((s) => h("tr", { "data-service": s.name },
+          h("td", {}, s.name), h("td", {}, s.model), h("td", {}, s.engine),
+          h("td", {}, s.node_label || "any"), h("td", {}, String(s.ready)),
+          h("td", { class: "replicas" }, replicasText(s)),
+          h("td", { class: "scaling" }, scalingText(s.scaling)),
+          h("td", { class: "decision" }, decisionText("now", s.decision),
+            s.last_decision ? h("br") : null,
+            s.last_decision ? decisionText("last action", s.last_decision) : null),
+          h("td", {}, s.routes.join(", ") || "—")))));
     routes.replaceChildren(rts.length === 0 ? h("p", { class: "muted" }, "No routes.") :
       table(["route", "services", "serving", "why"], rts.map((r) => h("tr", {},
         h("td", {}, r.name), h("td", {}, r.services.map((s) => `${s.service} (${s.ready} ready)`).join(", ")),
@@ -434,7 +445,31 @@ function servicesPage(main) {
   });
 }
 
-// Keys: create (the secret shown once), revoke, and usage from the leader's recent requests.
+// "1 of 0–2 (1 loading), 3 queued": active replicas against min–max, by state.
+function replicasText(s) {
+  const counts = Object.entries(s.replicas || {});
+  const active = counts.reduce((sum, [, n]) => sum + n, 0);
+  const states = counts.map(([name, n]) => `${n} ${name}`).join(", ");
+  return `${active} of ${s.scaling.min_replicas}–${s.scaling.max_replicas}` +
+    (states ? ` (${states})` : "") + (s.queued ? `, ${s.queued} queued` : "");
+}
+
+function scalingText(scaling) {
+  const idle = scaling.idle_timeout_s === null ? "never idles out" : `idle out after ${ago(scaling.idle_timeout_s)}`;
+  return [idle, scaling.pinned ? "pinned" : "not pinned", `priority ${scaling.priority}`,
+    `${scaling.replica_capacity} per replica${scaling.capacity === null ? " (engine slots)" : ""}`]
+    .join(", ");
+}
+
+function decisionText(label, decision) {
+  if (!decision) return h("span", { class: "muted" }, `${label}: —`);
+  const ids = decision.deployment_ids.length ? ` ${decision.deployment_ids.join(", ")}` : "";
+  return h("span", { "data-action": decision.action }, `${label}: `,
+    h("strong", {}, decision.action), `${ids}: ${decision.reason} (${sinceIso(decision.at)} ago)`);
+}
+
+// Keys: create (the secret shown once), revoke; each key's limits and what it uses now
+// (GET /admin/keys), and usage from the ledger by key, model and day (GET /admin/usage).
 function keysPage(main) {
   const list = h("div", { id: "keys" });
   const secretBox = h("div", { id: "new-secret", "aria-live": "polite" });
@@ -454,13 +489,18 @@ function keysPage(main) {
     } catch (err) { showError(err); }
   } }, h("label", {}, "Name", name), h("label", {}, "Tier", tier),
   h("button", { type: "submit" }, "Create key"));
-  main.append(h("h1", {}, "Keys and usage"), form, secretBox, list, h("h2", {}, "Usage"), usage);
+  main.append(h("h1", {}, "Keys and usage"), form, secretBox, list,
+    h("h2", {}, "Usage, last 30 days (UTC)"), usage);
 
   async function refresh() {
     const keys = await call("GET", "/admin/keys");
-    list.replaceChildren(table(["name", "tier", "prefix", "created", "state", ""], keys.map((k) =>
-      h("tr", { "data-key": k.name }, h("td", {}, k.name), h("td", {}, k.tier),
-        h("td", { class: "mono" }, k.prefix), h("td", {}, `${sinceIso(k.created_at)} ago`),
+    list.replaceChildren(table(["name", "tier", "prefix", "limits", "now", "created", "state", ""],
+      keys.map((k) => h("tr", { "data-key": k.name }, h("td", {}, k.name), h("td", {}, k.tier),
+        h("td", { class: "mono" }, k.prefix),
+        h("td", { class: "limits" }, limitsText(k.limits, k.overridden)),
+        h("td", { class: "use" }, useText(k.use)),
+        h("td", {}, `${sinceIso(k.created_at)} ago`,
+          k.expires_at ? `, expires ${new Date(k.expires_at).toLocaleString()}` : ""),
         h("td", {}, k.revoked_at ? statusText("revoked") : statusText("active")),
         h("td", {}, k.revoked_at ? "" : h("button", { type: "button", class: "danger",
           "aria-label": `Revoke ${k.name}`, onclick: async () => {
@@ -470,38 +510,51 @@ function keysPage(main) {
           } }, "Revoke"))))));
   }
   async function refreshUsage() {
-    const page = await call("GET", "/admin/requests?limit=500");
+    const [byKey, byModel, byDay] = await Promise.all(["key", "model", "day"].map((by) =>
+      call("GET", `/admin/usage?since=30d&by=${by}`)));
+    const t = byDay.total;
     usage.replaceChildren(
-      h("p", { class: "muted" }, `From the leader's last ${page.requests.length} requests ` +
-        `(it keeps ${page.capacity}).`),
-      usageBars("By key", groupUsage(page.requests, (r) => r.key_name || "(socket)"), "usage-by-key"),
-      usageBars("By model", groupUsage(page.requests, (r) => r.model || "(none)"), "usage-by-model"),
-      usageBars("By day", groupUsage(page.requests,
-        (r) => new Date(r.at * 1000).toISOString().slice(0, 10)), "usage-by-day"));
+      h("p", { class: "muted", id: "usage-total" }, `${byDay.since} to ${byDay.until}: ` +
+        `${t.requests} requests (${t.errors} errors), ${t.total_tokens} tokens ` +
+        `(${t.prompt_tokens} in, ${t.completion_tokens} out` +
+        `${t.estimated_tokens ? `, ${t.estimated_tokens} estimated` : ""}).`),
+      usageBars("By key", byKey.rows.map((r) => [r.key || r.key_id, r]), "usage-by-key"),
+      usageBars("By model", byModel.rows.map((r) => [r.model, r]), "usage-by-model"),
+      usageBars("By day", byDay.rows.map((r) => [r.day, r]), "usage-by-day"));
   }
   refresh().catch(showError);
   every(POLL_MS, refreshUsage);
 }
 
-function groupUsage(requests, keyOf) {
-  const groups = new Map();
-  for (const r of requests) {
-    const key = keyOf(r);
-    const g = groups.get(key) || { requests: 0, tokens: 0 };
-    g.requests += 1;
-    g.tokens += r.prompt_tokens + r.completion_tokens;
-    groups.set(key, g);
-  }
-  return [...groups.entries()].sort((a, b) => b[1].tokens - a[1].tokens || b[1].requests - a[1].requests);
+const LIMIT_NAMES = [["rpm", "rpm"], ["tpm", "tpm"], ["max_concurrency", "concurrent"],
+  ["daily_tokens", "tokens/day"], ["monthly_tokens", "tokens/month"]];
+
+// A key's limits, one line: "60 rpm, 8 concurrent*, models: a, b" (* = the key's own, the
+// rest its tier's); "no limits" when it has none.
+function limitsText(limits, overridden) {
+  const own = new Set(overridden || []);
+  const mark = (field) => (own.has(field) ? "*" : "");
+  const parts = LIMIT_NAMES.filter(([field]) => limits[field] !== null && limits[field] !== undefined)
+    .map(([field, label]) => `${limits[field]} ${label}${mark(field)}`);
+  if (limits.models) parts.push(`models${mark("models")}: ${limits.models.join(", ") || "none"}`);
+  return parts.length ? parts.join(", ") : "no limits";
+}
+
+function useText(use) {
+  const parts = [`${use.in_flight} in flight`, `${use.day_tokens} tokens today`];
+  if (use.requests_remaining !== null) parts.push(`${use.requests_remaining} req left this minute`);
+  if (use.tokens_remaining !== null) parts.push(`${use.tokens_remaining} tok left this minute`);
+  return parts.join(", ");
 }
 
 function usageBars(title, groups, id) {
-  const max = Math.max(1, ...groups.map(([, g]) => g.tokens));
+  const max = Math.max(1, ...groups.map(([, r]) => r.total_tokens));
   return h("section", { id, "aria-label": title }, h("h3", {}, title),
-    groups.length === 0 ? h("p", { class: "muted" }, "No requests yet.") :
-      h("div", { class: "bars" }, groups.map(([name, g]) => h("div", { class: "bar", "data-name": name },
-        h("span", {}, name), meter(g.tokens / max, "util", `${name}: ${g.tokens} tokens`),
-        h("span", { class: "mono" }, `${g.requests} req, ${g.tokens} tok`)))));
+    groups.length === 0 ? h("p", { class: "muted" }, "No usage yet.") :
+      h("div", { class: "bars" }, groups.map(([name, r]) => h("div", { class: "bar", "data-name": name },
+        h("span", {}, name), meter(r.total_tokens / max, "util", `${name}: ${r.total_tokens} tokens`),
+        h("span", { class: "mono" }, `${r.requests} req, ${r.total_tokens} tok` +
+          (r.errors ? `, ${r.errors} err` : ""))))));
 }
 
 // Requests: the leader's ring of recent requests, polled for what is new.
