@@ -227,7 +227,7 @@ def test_an_operator_walks_the_console(
     )
     page.get_by_role("link", name="Services").click()
     service_row = page.locator("tr[data-service='tiny-svc']")
-    expect(service_row.locator(".replicas")).to_contain_text("0 of 0–2")
+    expect(service_row.locator(".replicas")).to_contain_text("0 (min 0, max 2)")
     expect(service_row.locator(".scaling")).to_contain_text("idle out after 10m")
     expect(service_row.locator(".scaling")).to_contain_text("priority 5")
     expect(service_row.locator(".decision")).to_contain_text(re.compile(r"now: hold\S*: \S"))

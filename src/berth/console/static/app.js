@@ -445,13 +445,13 @@ function servicesPage(main) {
   });
 }
 
-// "1 of 0–2 (1 loading), 3 queued": active replicas against min–max, by state.
+// "1 (min 0, max 2): 1 loading, 3 queued": active replicas, the bounds, by state.
 function replicasText(s) {
   const counts = Object.entries(s.replicas || {});
   const active = counts.reduce((sum, [, n]) => sum + n, 0);
   const states = counts.map(([name, n]) => `${n} ${name}`).join(", ");
-  return `${active} of ${s.scaling.min_replicas}–${s.scaling.max_replicas}` +
-    (states ? ` (${states})` : "") + (s.queued ? `, ${s.queued} queued` : "");
+  return `${active} (min ${s.scaling.min_replicas}, max ${s.scaling.max_replicas})` +
+    (states ? `: ${states}` : "") + (s.queued ? `, ${s.queued} queued` : "");
 }
 
 function scalingText(scaling) {
