@@ -455,7 +455,8 @@ function replicasText(s) {
 }
 
 function scalingText(scaling) {
-  const idle = scaling.idle_timeout_s === null ? "never idles out" : `idle out after ${ago(scaling.idle_timeout_s)}`;
+  const idle = scaling.idle_timeout_s === null ? "never idles out"
+    : `idle out after ${ago(scaling.idle_timeout_s)}`;
   return [idle, scaling.pinned ? "pinned" : "not pinned", `priority ${scaling.priority}`,
     `${scaling.replica_capacity} per replica${scaling.capacity === null ? " (engine slots)" : ""}`]
     .join(", ");
@@ -542,8 +543,11 @@ function limitsText(limits, overridden) {
 
 function useText(use) {
   const parts = [`${use.in_flight} in flight`, `${use.day_tokens} tokens today`];
-  if (use.requests_remaining !== null) parts.push(`${use.requests_remaining} req left this minute`);
-  if (use.tokens_remaining !== null) parts.push(`${use.tokens_remaining} tok left this minute`);
+  // The per-minute limits are buckets refilled continuously (docs/quotas.md).
+  if (use.requests_remaining !== null) {
+    parts.push(`${use.requests_remaining} requests in its rpm bucket`);
+  }
+  if (use.tokens_remaining !== null) parts.push(`${use.tokens_remaining} tokens in its tpm bucket`);
   return parts.join(", ");
 }
 
