@@ -17,7 +17,8 @@ class DeploymentIn(ApiModel):
     checked by the lifecycle manager, which names the valid ones; ``runtime`` ``None`` is the
     leader's ``default_runtime`` setting.  ``gpus`` are device indexes, ``ctx`` the context
     length in tokens (``None``: the engine's default), ``image`` a ``docker`` deployment's
-    container image (``None``: the engine's image setting).
+    container image (``None``: the engine's image setting). ``max_adapters`` is a vLLM or
+    SGLang engine's LoRA slot count (``None``: 1 when the model has adapters, else LoRA off).
     """
 
     model: str
@@ -29,6 +30,7 @@ class DeploymentIn(ApiModel):
     extra_args: list[str] = Field(default_factory=list)
     served_model_name: str | None = None
     image: str | None = Field(default=None, max_length=512)
+    max_adapters: int | None = Field(default=None, ge=1)
 
 
 class Deployment(ApiModel):

@@ -55,6 +55,12 @@ def run(
     image: str | None = typer.Option(
         None, "--image", help="Container image (docker runtime; default: the engine's setting)."
     ),
+    max_adapters: int | None = typer.Option(
+        None,
+        "--max-adapters",
+        min=1,
+        help="vLLM/SGLang: LoRA adapters loaded at once (default: 1 when the model has adapters).",
+    ),
     detach: bool = typer.Option(False, "--detach", "-d", help="Return without waiting."),
     timeout: float = typer.Option(
         900.0, min=1.0, help="Seconds to wait for the engine to be ready."
@@ -72,6 +78,7 @@ def run(
         served_model_name=served_name,
         runtime=runtime,
         image=image,
+        max_adapters=max_adapters,
     )
     with context(ctx).client() as client:
         record = client.create_deployment(body)

@@ -24,6 +24,7 @@ from pathlib import Path
 from berth.cluster.link import LOCAL_NODE_ID, AgentLink
 from berth.cluster.link_registry import LinkRegistry
 from berth.cluster.protocol.frames import AdoptedState, EngineState
+from berth.daemon.adapters import LoraPlan, plan_lora
 from berth.daemon.placement_facts import gather_node_facts
 from berth.daemon.ready_table import LOADING_RETRY_AFTER_S, ReadyTable
 from berth.daemon.reconcile import WATCH_INTERVAL_S, Reconciler
@@ -81,6 +82,8 @@ class DeployOptions:
     served_model_name: str | None = None
     #: the container image (docker runtime only); ``None``: the engine's image setting
     image: str | None = None
+    #: vLLM/SGLang: LoRA adapter slots (``None``: 1 when the base has adapters, else off)
+    max_adapters: int | None = None
 
 
 class LifecycleManager:
@@ -256,6 +259,15 @@ class LifecycleManager:
         if isinstance(placement, Refusal):
             raise placement.error()
         assert link is not None  # placed only on a node with a link
+        adapters = await asyncio.to_thread(self._store.list_adapters, model.name)
+        lora = plan_lora(
+            engine,
+            placement.runtime,
+            node_id,
+            adapters,
+            max_adapters=options.max_adapters,
+            node_serves_adapters="op.load_adapter" in link.capabilities,
+        )
         served = options.served_model_name or model.name
         record = await asyncio.to_thread(
             self._store.create_deployment,
@@ -268,10 +280,14 @@ class LifecycleManager:
             extra_args=options.extra_args,
             served_model_name=served,
             image=placement.image,
+            adapter_slots=lora.slots,
+            lora_adapters=lora.names,
         )
         self._table.add_known_model(served)
         self._writer.notify(record)
-        task = asyncio.create_task(self._run_start(record, link, placement, engine), name=record.id)
+        task = asyncio.create_task(
+            self._run_start(record, link, placement, engine, lora), name=record.id
+        )
         self._starting[record.id] = task
         task.add_done_callback(lambda _t: self._starting.pop(record.id, None))
         return record
@@ -303,7 +319,12 @@ class LifecycleManager:
     # -- carrying a placement out ------------------------------------------------------------
 
     async def _run_start(
-        self, record: DeploymentRecord, link: AgentLink, placement: Placement, engine: EngineName
+        self,
+        record: DeploymentRecord,
+        link: AgentLink,
+        placement: Placement,
+        engine: EngineName,
+        lora: LoraPlan,
     ) -> None:
         try:
             await self._writer.transition(record.id, DeploymentState.LOADING)
@@ -320,6 +341,10 @@ class LifecycleManager:
                 served_model_name=record.served_model_name,
                 runtime=placement.runtime,
                 image=placement.image,
+                adapter_slots=lora.slots,
+                max_lora_rank=lora.max_rank,
+                lora_target_modules=lora.target_modules,
+                lora_files=lora.files,
             )
 
             async def record_spawn(pid: int, port: int) -> None:

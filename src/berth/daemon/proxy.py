@@ -24,6 +24,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 
+from berth.daemon.adapters import AdapterManager, LeasedAnswer, with_adapter
 from berth.daemon.engine_client import EngineAuth, EngineClient, TunnelOpener
 from berth.daemon.proxy_dispatch import first_answer
 from berth.daemon.proxy_http import (
@@ -77,6 +78,13 @@ class _Bodies:
 
     def get(self, upstream: Upstream) -> bytes:
         name = upstream.engine_model
+        lora_id = upstream.adapter.lora_id if upstream.adapter is not None else None
+        if lora_id is not None:  # llama.cpp: the adapter is applied per request
+            key = f"{name}\0lora={lora_id}"
+            rewritten = self._rewritten.get(key)
+            if rewritten is None:
+                rewritten = self._rewritten[key] = with_adapter(self._body, name, lora_id)
+            return rewritten
         if name is None:
             return self._body
         rewritten = self._rewritten.get(name)
@@ -114,7 +122,10 @@ class OpenAIProxy:
     is relayed chunk by chunk. ``max_event_bytes`` bounds how much of one unfinished SSE event
     is held back before it is relayed anyway. ``engine_auth(deployment_id)`` gives the
     ``authorization`` header of an engine reached directly (node ``local``'s own API key);
-    a client's credentials never reach an engine.
+    a client's credentials never reach an engine. ``adapters``, when given, loads a LoRA
+    adapter into the chosen engine before an attempt that needs it
+    (:meth:`berth.daemon.adapters.AdapterManager.enter`), and gives ``/v1/models`` each
+    adapter's base as ``parent`` (vLLM's field for it).
 
     Call :meth:`startup` before serving and :meth:`shutdown` after (or let an ASGI server's
     lifespan protocol do it when this app is served directly).
@@ -137,8 +148,10 @@ class OpenAIProxy:
         max_attempts: int = DEFAULT_MAX_ATTEMPTS,
         relay_buffer_chunks: int = DEFAULT_BUFFER_CHUNKS,
         engine_auth: EngineAuth | None = None,
+        adapters: AdapterManager | None = None,
     ) -> None:
         self._resolver = resolver
+        self._adapters = adapters
         self._engines = EngineClient(
             tunnels=tunnels,
             connect_timeout_s=connect_timeout_s,
@@ -246,7 +259,16 @@ class OpenAIProxy:
 
     def _model_card(self, name: str) -> dict[str, object]:
         # OpenAI's Model object; "created" is unix seconds, here when the proxy started.
-        return {"id": name, "object": "model", "created": self._created, "owned_by": "berth"}
+        card: dict[str, object] = {
+            "id": name,
+            "object": "model",
+            "created": self._created,
+            "owned_by": "berth",
+        }
+        adapter = self._adapters.entry(name) if self._adapters is not None else None
+        if adapter is not None:
+            card["parent"] = adapter.base  # vLLM's field for an adapter's base model
+        return card
 
     # -- completions --------------------------------------------------------------------------
 
@@ -290,7 +312,7 @@ class OpenAIProxy:
             try:
                 chosen, response = await first_answer(
                     plan,
-                    lambda u: self._engines.open(u, path, query, forward, bodies.get(u)),
+                    lambda u: self._attempt(u, path, query, forward, bodies.get(u)),
                     max_attempts=self._max_attempts,
                     signals=signals,
                     clock=self._clock,
@@ -337,6 +359,28 @@ class OpenAIProxy:
                 completion_tokens=usage.completion_tokens if usage else 0,
                 error_reason=exchange.error_reason,
             )
+
+    async def _attempt(
+        self,
+        upstream: Upstream,
+        path: str,
+        query: bytes,
+        forward: list[tuple[bytes, bytes]],
+        body: bytes,
+    ) -> EngineAnswer:
+        """One attempt: the adapter loaded first when the request needs one, then the
+        request sent; the adapter counts as in use until the answer is closed."""
+        lease = None
+        if self._adapters is not None and upstream.adapter is not None:
+            lease = await self._adapters.enter(upstream)
+        if lease is None:
+            return await self._engines.open(upstream, path, query, forward, body)
+        try:
+            answer = await self._engines.open(upstream, path, query, forward, body)
+        except BaseException:
+            lease.release(None)
+            raise
+        return LeasedAnswer(answer, lease)
 
     async def _read_body(self, receive: Receive, content_length: bytes | None) -> bytes | None:
         """The request body, or ``None`` if the client left while sending it."""

@@ -42,6 +42,8 @@ from berth.cluster.listener import (
 )
 from berth.cluster.peer_identity import ForwardedFingerprintTrust
 from berth.config import Settings
+from berth.daemon.adapters import AdapterManager, AdapterResolver
+from berth.daemon.admin_adapters import reload_adapters
 from berth.daemon.admin_services import load_routes
 from berth.daemon.app import build_apps
 from berth.daemon.auth import Authenticator
@@ -50,6 +52,7 @@ from berth.daemon.proxy import OpenAIProxy
 from berth.daemon.services import LeaderServices, Listener
 from berth.errors import DaemonError
 from berth.keys import load_or_create_pepper
+from berth.observability.adapters import AdapterMetrics
 from berth.observability.cluster import ClusterMetrics
 from berth.observability.metrics import ProxyMetrics
 from berth.observability.window import RequestMeter
@@ -245,8 +248,13 @@ async def serve(home: BerthHome, settings: Settings) -> None:
     links = LinkRegistry([] if core is None else [InProcessLink(core)])
     audit = AuditLog(home.audit_log)
     signals = SignalBoard()
+    adapters = AdapterManager(links, metrics=AdapterMetrics(metrics.registry))
+    for active in await asyncio.to_thread(store.list_deployments, active_only=True):
+        adapters.deployment_changed(active)
+    await reload_adapters(store, adapters)
 
     def on_state(record: DeploymentRecord) -> None:
+        adapters.deployment_changed(record)
         metrics.set_deployment_state(
             record.id, model=record.served_model_name, node=record.node_id, state=record.state
         )
@@ -278,8 +286,9 @@ async def serve(home: BerthHome, settings: Settings) -> None:
         log.warning("cluster: trusting x-berth-client-fingerprint from %s", forwarded.describe())
     routes = RouteResolver(lifecycle)  # route names first, then the lifecycle's own names
     await load_routes(store, routes)
+    resolver = AdapterResolver(routes, lifecycle, adapters)  # adapters' names, then routes'
     router = Router(
-        routes,
+        resolver,
         signals=signals,
         node_reported=hub.has_reported,
         free_vram_mb=hub.free_vram_mb,
@@ -295,7 +304,7 @@ async def serve(home: BerthHome, settings: Settings) -> None:
             interval_s=settings.heartbeat_interval_s,
         )
     proxy = OpenAIProxy(
-        routes,
+        resolver,
         metrics,
         max_body_bytes=settings.max_body_bytes,
         tunnels=hub,
@@ -303,6 +312,7 @@ async def serve(home: BerthHome, settings: Settings) -> None:
         max_attempts=settings.max_attempts,
         relay_buffer_chunks=settings.relay_buffer_chunks,
         engine_auth=core.engine_auth if core is not None else None,
+        adapters=adapters,
     )
     enrollment = EnrollmentService(
         store=store,
@@ -330,6 +340,7 @@ async def serve(home: BerthHome, settings: Settings) -> None:
         pid=os.getpid(),
         started_at=time.time(),
         routes=routes,
+        adapters=adapters,
         listeners=[
             Listener("public", f"https://{settings.public_host}:{public_port}"),
             Listener("cluster", cluster_url),

@@ -13,8 +13,28 @@ from typing import Protocol
 
 
 @dataclass(frozen=True)
+class AdapterUse:
+    """The LoRA adapter a request for ``name`` (of base model ``base``) is served with.
+
+    ``lora_id`` is, on llama.cpp, the adapter's index in the engine's ``--lora`` list (the
+    request gets ``"lora": [{"id": lora_id, "scale": 1.0}]``); ``None`` on vLLM and SGLang,
+    which know the adapter by its name once it is loaded.
+    """
+
+    name: str
+    base: str
+    lora_id: int | None = None
+
+
+@dataclass(frozen=True)
 class Upstream:
-    """Where one request goes: an engine serving the public model name ``model``."""
+    """Where one request goes: an engine serving the public model name ``model``.
+
+    ``adapter`` is set for a request for a LoRA adapter; ``tier`` then ranks the
+    deployment's readiness for it (0: loaded, 1: a free slot, 2: another adapter must be
+    unloaded first, :mod:`berth.routing.adapters`); the router scores each tier apart,
+    best first.
+    """
 
     base_url: str  # http://127.0.0.1:PORT of the engine
     deployment_id: str
@@ -23,6 +43,8 @@ class Upstream:
     #: the name the engine serves when it is not ``model`` (e.g. a route to a service): the
     #: request's ``"model"`` is rewritten to it, since vLLM and SGLang refuse other names
     engine_model: str | None = None
+    adapter: AdapterUse | None = None
+    tier: int = 0
 
 
 class UpstreamResolver(Protocol):

@@ -14,6 +14,16 @@ Flags come from each engine's own documentation:
 * SGLang: the "Server Arguments" page (``--model-path``, ``--host``, ``--port``,
   ``--served-model-name``, ``--context-length``, ``--tp``; ``GET /health``).
 
+LoRA adapters (``docs/adapters.md``): a vLLM or SGLang deployment given adapter slots starts
+with LoRA enabled and loads adapters later through its API (:mod:`berth.runtime.lora_api`):
+vLLM ``--enable-lora --max-loras N --max-lora-rank R`` with
+``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`` in its environment (its "Dynamically serving LoRA
+Adapters" docs); SGLang ``--enable-lora --max-loras-per-batch N --max-lora-rank R
+--lora-target-modules M...`` (its "LoRA Serving" docs: rank and modules must be given when
+adapters are loaded after start). A llama.cpp deployment gets its node's adapters at start,
+``--lora FILE`` each, with ``--lora-init-without-apply`` so that none applies until a request
+asks for it in its ``lora`` field (``tools/server/README.md``).
+
 Each engine gets an API key of its own (:attr:`DeploymentRequest.api_key`), told to it in a
 way other users of the host cannot read, since ``/proc/<pid>/cmdline`` is world-readable but
 an engine's environment and berth's 0600 files are not:
@@ -75,6 +85,17 @@ API_KEY_ENV: dict[EngineName, str] = {"llamacpp": "LLAMA_API_KEY", "vllm": "VLLM
 CONTAINER_KEY_FILE = "/run/berth/engine-key.yaml"
 #: The flag that hands SGLang its configuration file (``--config``, SGLang 0.5).
 SGLANG_CONFIG_FLAG = "--config"
+#: The ranks vLLM's ``--max-lora-rank`` accepts (``MaxLoRARanks`` in its LoRA config); berth
+#: rounds an adapter's rank up to the next one.
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+#: vLLM's own default ``--max-lora-rank``, used when no adapter's rank is known.
+DEFAULT_MAX_LORA_RANK = 16
+#: The environment variable that lets a vLLM server load adapters after it started.
+VLLM_RUNTIME_LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
+#: Flags berth sets for adapters itself, refused in extra arguments.
+LORA_FLAGS = frozenset({"--enable-lora", "--max-loras", "--max-lora-rank", "--max-loras-per-batch",
+                        "--lora-target-modules", "--lora", "--lora-init-without-apply",
+                        "--lora-scaled"})  # fmt: skip
 
 # A split GGUF shard as written by llama.cpp's gguf-split: ``name-00001-of-00003.gguf``.
 _GGUF_SHARD = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$")
@@ -118,6 +139,11 @@ class DeploymentRequest:
     runtime (``None``: the engine's default image, :data:`DEFAULT_IMAGES`).  ``api_key`` is
     the engine's own API key, chosen by the agent core that starts it (``None``: the engine
     runs without one); it never appears in a ``repr``.
+
+    Adapters (vLLM, SGLang): ``adapter_slots`` enables LoRA with that many adapters loaded at
+    once, up to rank ``max_lora_rank`` (``None``: :data:`DEFAULT_MAX_LORA_RANK`), on the
+    modules ``lora_target_modules`` (SGLang needs them). llama.cpp: ``lora_files`` are
+    given with ``--lora`` in this order (a request names one by its index).
     """
 
     deployment_id: str
@@ -133,6 +159,10 @@ class DeploymentRequest:
     runtime: RuntimeName = "process"
     image: str | None = None
     api_key: str | None = field(default=None, repr=False)
+    adapter_slots: int | None = None
+    max_lora_rank: int | None = None
+    lora_target_modules: tuple[str, ...] = ()
+    lora_files: tuple[Path, ...] = ()
 
     @property
     def effective_served_name(self) -> str:
@@ -216,6 +246,8 @@ def build_launch_spec(
     argv.extend(key_flags)
     argv.extend(req.extra_args)
     env: dict[str, str] = {}
+    if req.engine == "vllm" and req.adapter_slots is not None:
+        env[VLLM_RUNTIME_LORA_ENV] = "True"
     if req.gpus:
         # CUDA numbers devices fastest-first by default; NVML (and berth) in PCI bus order.
         env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
@@ -275,6 +307,11 @@ def _check_request(req: DeploymentRequest, *, needs_port: bool = True) -> None:
                 f"extra argument {flag} is refused: berth gives each engine an API key of its "
                 "own and sends it with every request"
             )
+        if flag in LORA_FLAGS and (req.adapter_slots is not None or req.lora_files):
+            raise ConfigError(
+                f"extra argument {flag} is refused: berth sets the LoRA flags of a deployment "
+                "whose base has adapters (berth run --max-adapters N)"
+            )
         if req.engine == "sglang" and flag == SGLANG_CONFIG_FLAG:
             raise ConfigError(
                 f"extra argument {flag} is refused for SGLang: berth passes the engine's key "
@@ -286,6 +323,11 @@ def _check_request(req: DeploymentRequest, *, needs_port: bool = True) -> None:
         raise ConfigError(f"GPU indices must be >= 0, got {list(req.gpus)}")
     if not req.model_path.exists():
         raise NotFoundError("model path", str(req.model_path))
+    if req.adapter_slots is not None and req.adapter_slots < 1:
+        raise ConfigError(f"adapter slots must be at least 1, not {req.adapter_slots}")
+    for lora in req.lora_files:
+        if not lora.is_file():
+            raise NotFoundError("adapter file", str(lora))
 
 
 def _llamacpp_argv(req: DeploymentRequest, served: str, binaries: EngineBinaries) -> list[str]:
@@ -338,21 +380,43 @@ def _serve_flags(req: DeploymentRequest, served: str, host: str, port: int) -> l
             flags += ["-c", str(req.ctx)]
         if req.gpus:
             flags += ["-ngl", str(LLAMACPP_ALL_LAYERS)]
+        for lora in req.lora_files:
+            flags += ["--lora", str(lora)]
+        if req.lora_files:
+            flags.append("--lora-init-without-apply")
     elif req.engine == "vllm":
         flags += ["--served-model-name", served]
         if req.ctx is not None:
             flags += ["--max-model-len", str(req.ctx)]
         if len(req.gpus) > 1:
             flags += ["--tensor-parallel-size", str(len(req.gpus))]
+        if req.adapter_slots is not None:
+            rank = vllm_lora_rank(req.max_lora_rank or DEFAULT_MAX_LORA_RANK)
+            flags += ["--enable-lora", "--max-loras", str(req.adapter_slots),
+                      "--max-lora-rank", str(rank)]  # fmt: skip
     elif req.engine == "sglang":
         flags += ["--served-model-name", served]
         if req.ctx is not None:
             flags += ["--context-length", str(req.ctx)]
         if len(req.gpus) > 1:
             flags += ["--tp", str(len(req.gpus))]
+        if req.adapter_slots is not None:
+            rank = req.max_lora_rank or DEFAULT_MAX_LORA_RANK
+            flags += ["--enable-lora", "--max-loras-per-batch", str(req.adapter_slots),
+                      "--max-lora-rank", str(rank)]  # fmt: skip
+            flags += ["--lora-target-modules", *(req.lora_target_modules or ("all",))]
     else:
         assert_never(req.engine)
     return flags
+
+
+def vllm_lora_rank(rank: int) -> int:
+    """The smallest rank vLLM's ``--max-lora-rank`` accepts that is at least ``rank``
+    (:data:`VLLM_LORA_RANKS`); ``ConfigError`` above the largest."""
+    for allowed in VLLM_LORA_RANKS:
+        if allowed >= rank:
+            return allowed
+    raise ConfigError(f"LoRA rank {rank} is above vLLM's largest, {VLLM_LORA_RANKS[-1]}")
 
 
 # -- containers (the docker runtime) ---------------------------------------------------------
@@ -439,9 +503,15 @@ def build_container_spec(
     mounted read-only at :data:`CONTAINER_KEY_FILE` (SGLang).
 
     Raises the same errors as :func:`build_launch_spec`, except that no engine program is
-    needed on the host.
+    needed on the host, and ``ConfigError`` for a request with adapters (their files are
+    not mounted into containers).
     """
     _check_request(req, needs_port=False)
+    if req.adapter_slots is not None or req.lora_files:
+        raise ConfigError(
+            "LoRA adapters are served by engines of the process runtime only: deploy the base "
+            "with --runtime process"
+        )
     if not image.strip():
         raise ConfigError("the docker image name is empty")
     served = req.effective_served_name

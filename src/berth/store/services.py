@@ -27,6 +27,7 @@ from sqlalchemy.orm import Session
 
 from berth.errors import ConfigError, ConflictError, NotFoundError
 from berth.runtime.engines import parse_engine_name, parse_runtime_name
+from berth.store.adapters import adapter_named
 from berth.store.records import RouteRecord, RouteTarget, ServiceProfileRecord
 from berth.store.states import TERMINAL_STATES, DeploymentState
 from berth.store.tables import (
@@ -105,6 +106,7 @@ class ServiceMethods:
                     f"{name!r} is already a model's name or a running deployment's served name: "
                     "name the service differently"
                 )
+            _refuse_adapter_name(session, name, "service")
             if node_label is not None:
                 _check_node_label(session, node_label)
             row = ServiceProfileRow(
@@ -186,6 +188,7 @@ class ServiceMethods:
             _profile_row(session, service)
             route = session.get(RouteRow, name)
             if route is None:
+                _refuse_adapter_name(session, name, "route")
                 route = RouteRow(public_name=name, fallback=None, created_at=self._clock())
                 session.add(route)
             elif session.get(RouteTargetRow, (name, service)) is not None:
@@ -279,6 +282,14 @@ def models_used_by_services(session: Session, model_name: str) -> list[str]:
             .order_by(ServiceProfileRow.name)
         ).all()
     )
+
+
+def _refuse_adapter_name(session: Session, name: str, what: str) -> None:
+    base = adapter_named(session, name)
+    if base is not None:
+        raise ConflictError(
+            f"{name!r} is already the name of an adapter of {base!r}: name the {what} differently"
+        )
 
 
 def _check_node_label(session: Session, label: str) -> None:
