@@ -19,9 +19,11 @@ never touches the database):
   knows each active deployment's engine, slots and, for llama.cpp, its ``--lora`` order.
 
 The engine is asked with the name it knows the adapter by: vLLM and SGLang load it under the
-adapter's own name, so the request's ``model`` stays the adapter's; llama.cpp serves the
-base's name and gets ``"lora": [{"id": i, "scale": 1.0}]`` (llama-server's per-request
-field; ids in ``--lora`` order).
+adapter's own name, so the request's ``model`` stays the adapter's; llama.cpp answers to any
+``model`` (it echoes it) and gets llama-server's per-request ``lora`` field (``[{"id": i, "scale": s}]``,
+ids in ``--lora`` order) with the adapter at 1 and every other at 0, and a request for the
+base model gets them all at 0: a request without the field gets the engine's global scales,
+and ``--lora-init-without-apply`` leaves those at 1 in the llama-server berth ships.
 """
 
 from __future__ import annotations
@@ -329,15 +331,28 @@ class AdapterManager:
 
     def _tagged(self, upstream: Upstream, adapter: AdapterEntry, tier: AdapterTier) -> Upstream:
         engine = self._engines[upstream.deployment_id]
-        if engine.slots is None:  # llama.cpp: the base's name, the adapter by its id
-            use = AdapterUse(adapter.name, adapter.base, engine.lora_order.index(adapter.name))
-            engine_model = upstream.engine_model or upstream.model
-        else:
-            use = AdapterUse(adapter.name, adapter.base)
-            engine_model = None  # loaded under its own name, which the client asked for
-        return replace(
-            upstream, model=adapter.name, engine_model=engine_model, adapter=use, tier=int(tier)
-        )
+        use = AdapterUse(adapter.name, adapter.base)
+        if engine.slots is None:  # llama.cpp: the adapter by its scale; any model name will do
+            scales = tuple(1.0 if name == adapter.name else 0.0 for name in engine.lora_order)
+            engine_model = upstream.engine_model
+            return replace(
+                upstream,
+                model=adapter.name,
+                engine_model=engine_model,
+                adapter=use,
+                tier=int(tier),
+                lora_scales=scales,
+            )
+        # vLLM, SGLang: loaded under its own name, which the client asked for
+        return replace(upstream, model=adapter.name, engine_model=None, adapter=use, tier=int(tier))
+
+    def base_request(self, upstream: Upstream) -> Upstream:
+        """``upstream`` for a request that names no adapter: on a llama.cpp engine started
+        with adapters, every adapter's scale is set to 0 for it."""
+        engine = self._engines.get(upstream.deployment_id)
+        if engine is None or not engine.lora_order:
+            return upstream
+        return replace(upstream, lora_scales=(0.0,) * len(engine.lora_order))
 
     def _links_offer_adapters(self, node_id: str) -> bool:
         link = self._links.get(node_id)
@@ -478,7 +493,7 @@ class AdapterResolver:
         no deployment able to serve it is a :class:`NoReadyDeploymentError` saying why."""
         adapter = self._manager.entry(model)
         if adapter is None:
-            return self._routes.candidates(model)
+            return [self._manager.base_request(u) for u in self._routes.candidates(model)]
         return self._manager.upstreams(adapter, self._base_upstreams(adapter.base))
 
     def _base_upstreams(self, base: str) -> list[Upstream]:
@@ -507,13 +522,12 @@ class AdapterResolver:
         return None if adapter is None else adapter.base
 
 
-def with_adapter(body: bytes, model: str | None, lora_id: int | None) -> bytes:
-    """``body`` (a JSON object) with its ``model`` set to ``model`` (when given) and, for
-    llama.cpp, ``lora`` set to apply the adapter ``lora_id`` at scale 1 (every other
-    adapter stays at 0, llama-server's default for one not listed)."""
+def with_lora(body: bytes, model: str | None, scales: tuple[float, ...]) -> bytes:
+    """``body`` (a JSON object) with its ``model`` set to ``model`` (when given) and its
+    ``lora`` field giving llama-server each adapter's scale by id (a client's own ``lora``
+    is replaced: berth decides which adapter a name means)."""
     payload = json.loads(body)
     if model is not None:
         payload["model"] = model
-    if lora_id is not None:
-        payload["lora"] = [{"id": lora_id, "scale": 1.0}]
+    payload["lora"] = [{"id": index, "scale": scale} for index, scale in enumerate(scales)]
     return json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode()

@@ -24,7 +24,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 
-from berth.daemon.adapters import AdapterManager, LeasedAnswer, with_adapter
+from berth.daemon.adapters import AdapterManager, LeasedAnswer, with_lora
 from berth.daemon.engine_client import EngineAuth, EngineClient, TunnelOpener
 from berth.daemon.proxy_dispatch import first_answer
 from berth.daemon.proxy_http import (
@@ -78,12 +78,12 @@ class _Bodies:
 
     def get(self, upstream: Upstream) -> bytes:
         name = upstream.engine_model
-        lora_id = upstream.adapter.lora_id if upstream.adapter is not None else None
-        if lora_id is not None:  # llama.cpp: the adapter is applied per request
-            key = f"{name}\0lora={lora_id}"
+        scales = upstream.lora_scales
+        if scales:  # llama.cpp with adapters: which one applies is said per request
+            key = f"{name}\0lora={scales}"
             rewritten = self._rewritten.get(key)
             if rewritten is None:
-                rewritten = self._rewritten[key] = with_adapter(self._body, name, lora_id)
+                rewritten = self._rewritten[key] = with_lora(self._body, name, scales)
             return rewritten
         if name is None:
             return self._body

@@ -14,16 +14,10 @@ from typing import Protocol
 
 @dataclass(frozen=True)
 class AdapterUse:
-    """The LoRA adapter a request for ``name`` (of base model ``base``) is served with.
-
-    ``lora_id`` is, on llama.cpp, the adapter's index in the engine's ``--lora`` list (the
-    request gets ``"lora": [{"id": lora_id, "scale": 1.0}]``); ``None`` on vLLM and SGLang,
-    which know the adapter by its name once it is loaded.
-    """
+    """The LoRA adapter a request for ``name`` (of base model ``base``) is served with."""
 
     name: str
     base: str
-    lora_id: int | None = None
 
 
 @dataclass(frozen=True)
@@ -33,7 +27,7 @@ class Upstream:
     ``adapter`` is set for a request for a LoRA adapter; ``tier`` then ranks the
     deployment's readiness for it (0: loaded, 1: a free slot, 2: another adapter must be
     unloaded first, :mod:`berth.routing.adapters`); the router scores each tier apart,
-    best first.
+    best first; ``lora_scales`` applies it on llama.cpp.
     """
 
     base_url: str  # http://127.0.0.1:PORT of the engine
@@ -45,6 +39,11 @@ class Upstream:
     engine_model: str | None = None
     adapter: AdapterUse | None = None
     tier: int = 0
+    #: llama.cpp started with adapters: the scale of each (by ``--lora`` index) for this
+    #: request, sent as its ``lora`` field: 1 for the adapter asked for, 0 for the others,
+    #: all 0 for the base model (a request without the field gets the engine's global
+    #: scales, which ``--lora-init-without-apply`` does not zero in every build)
+    lora_scales: tuple[float, ...] = ()
 
 
 class UpstreamResolver(Protocol):
