@@ -20,8 +20,8 @@ never touches the database):
 
 The engine is asked with the name it knows the adapter by: vLLM and SGLang load it under the
 adapter's own name, so the request's ``model`` stays the adapter's; llama.cpp answers to any
-``model`` (it echoes it) and gets llama-server's per-request ``lora`` field (``[{"id": i, "scale": s}]``,
-ids in ``--lora`` order) with the adapter at 1 and every other at 0, and a request for the
+``model`` and gets llama-server's per-request ``lora`` field (``[{"id": i, "scale": s}]``, ids
+in ``--lora`` order) with the adapter at 1 and every other at 0, and a request for the
 base model gets them all at 0: a request without the field gets the engine's global scales,
 and ``--lora-init-without-apply`` leaves those at 1 in the llama-server berth ships.
 """
