@@ -57,10 +57,22 @@ def test_one_session_stays_on_one_node_and_sessions_spread(routing_cluster: Clus
     pinned = served_by_node(routing_cluster, MODEL) - before
     assert len(pinned) == 1 and sum(pinned.values()) == 6, pinned
 
+    # Eight new sessions at once, each held a second by its engine: the leader counts them in
+    # flight, so they spread by load whatever the nodes' recent latencies (one after another,
+    # a node that happened to answer faster on a loaded machine would take them all).
     before = served_by_node(routing_cluster, MODEL)
-    with routing_cluster.http() as http:
-        for i in range(8):
-            assert _chat(http, f"s-{i}").status_code == 200
+    statuses: list[int] = []
+
+    def one_session(i: int) -> None:
+        with routing_cluster.http(timeout_s=60) as http:
+            statuses.append(_chat(http, f"s-{i}", x_head_delay_s=1).status_code)
+
+    threads = [threading.Thread(target=one_session, args=(i,)) for i in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert statuses == [200] * 8, statuses
     spread = served_by_node(routing_cluster, MODEL) - before
     assert len(spread) == 2, f"eight sessions all went to one node: {spread}"
 
