@@ -108,45 +108,42 @@ def inspect_adapter(path: Path) -> AdapterFacts:
         if not is_gguf(path):
             raise ConfigError(
                 f"{path} is not an adapter: a LoRA adapter is a PEFT folder (with "
-                f"{PEFT_CONFIG}) for vLLM and SGLang, or a GGUF LoRA file for llama.cpp",
-                path=path,
+                f"{PEFT_CONFIG}) for vLLM and SGLang, or a GGUF LoRA file for llama.cpp"
             )
         return _inspect_gguf(path)
-    raise ConfigError(f"adapter path does not exist: {path}", path=path)
+    raise ConfigError(f"adapter path does not exist: {path}")
 
 
 def _inspect_peft(path: Path) -> AdapterFacts:
     config_path = path / PEFT_CONFIG
     if not config_path.is_file():
         raise ConfigError(
-            f"{path} is not an adapter: no {PEFT_CONFIG} in it (a PEFT LoRA folder has one)",
-            path=path,
+            f"{path} is not an adapter: no {PEFT_CONFIG} in it (a PEFT LoRA folder has one)"
         )
     try:
         config = json.loads(config_path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
-        raise ConfigError(f"cannot read {config_path}: {exc}", path=config_path) from None
+        raise ConfigError(f"cannot read {config_path}: {exc}") from None
     if not isinstance(config, dict):
-        raise ConfigError(f"{config_path} is not a JSON object", path=config_path)
+        raise ConfigError(f"{config_path} is not a JSON object")
     peft_type = config.get("peft_type")
     if peft_type is not None and str(peft_type).upper() != "LORA":
         raise ConfigError(
-            f"{path} is a {peft_type} adapter, not LoRA: engines load LoRA adapters only",
-            path=path,
+            f"{path} is a {peft_type} adapter, not LoRA: engines load LoRA adapters only"
         )
     rank = config.get("r")
     if isinstance(rank, bool) or not isinstance(rank, int) or rank <= 0:
-        raise ConfigError(f"{config_path} has no positive LoRA rank r (found {rank!r})", path=path)
+        raise ConfigError(f"{config_path} has no positive LoRA rank r (found {rank!r})")
     weights = next((path / name for name in PEFT_WEIGHTS if (path / name).is_file()), None)
     if weights is None:
-        raise ConfigError(f"{path} has no adapter weights ({' or '.join(PEFT_WEIGHTS)})", path=path)
+        raise ConfigError(f"{path} has no adapter weights ({' or '.join(PEFT_WEIGHTS)})")
     modules = config.get("target_modules")
     if isinstance(modules, str):
         targets: tuple[str, ...] = (modules,)
     elif isinstance(modules, list) and all(isinstance(m, str) for m in modules) and modules:
         targets = tuple(sorted(modules))
     else:
-        raise ConfigError(f"{config_path} names no target_modules", path=path)
+        raise ConfigError(f"{config_path} names no target_modules")
     trained_on = config.get("base_model_name_or_path")
     peft_weights: tuple[PeftWeight, ...] = ()
     if weights.suffix == ".safetensors":
@@ -167,17 +164,17 @@ def _safetensors_lora_a(path: Path) -> tuple[PeftWeight, ...]:
         with path.open("rb") as file:
             size_bytes = file.read(8)
             if len(size_bytes) != 8:
-                raise ConfigError(f"{path} is not a safetensors file", path=path)
+                raise ConfigError(f"{path} is not a safetensors file")
             size = struct.unpack("<Q", size_bytes)[0]
             if size > MAX_SAFETENSORS_HEADER_BYTES:
-                raise ConfigError(f"{path}: a safetensors header of {size} bytes", path=path)
+                raise ConfigError(f"{path}: a safetensors header of {size} bytes")
             header = json.loads(file.read(size))
     except OSError as exc:
-        raise ConfigError(f"cannot read {path}: {exc.strerror or exc}", path=path) from None
+        raise ConfigError(f"cannot read {path}: {exc.strerror or exc}") from None
     except ValueError:
-        raise ConfigError(f"{path} is not a safetensors file", path=path) from None
+        raise ConfigError(f"{path} is not a safetensors file") from None
     if not isinstance(header, dict):
-        raise ConfigError(f"{path} is not a safetensors file", path=path)
+        raise ConfigError(f"{path} is not a safetensors file")
     found: list[PeftWeight] = []
     for name, info in header.items():
         match = _LORA_A.search(name)
@@ -195,13 +192,12 @@ def _inspect_gguf(path: Path) -> AdapterFacts:
     if kind != "adapter":
         raise ConfigError(
             f"{path} is a GGUF {kind or 'model'}, not an adapter (a LoRA GGUF has "
-            "general.type = adapter, as llama.cpp's convert_lora_to_gguf.py writes)",
-            path=path,
+            "general.type = adapter, as llama.cpp's convert_lora_to_gguf.py writes)"
         )
     adapter_type = header.text("adapter.type")
     if adapter_type != "lora":
         raise ConfigError(
-            f"{path} is a {adapter_type or 'untyped'} adapter, not LoRA (adapter.type)", path=path
+            f"{path} is a {adapter_type or 'untyped'} adapter, not LoRA (adapter.type)"
         )
     pairs: dict[str, dict[str, GgufTensor]] = {}
     for tensor in header.tensors.values():
@@ -209,17 +205,16 @@ def _inspect_gguf(path: Path) -> AdapterFacts:
         if match is not None:
             pairs.setdefault(match["weight"], {})[match["part"]] = tensor
     if not pairs:
-        raise ConfigError(f"{path} holds no LoRA tensors (*.lora_a, *.lora_b)", path=path)
+        raise ConfigError(f"{path} holds no LoRA tensors (*.lora_a, *.lora_b)")
     ranks = set()
     for weight, parts in sorted(pairs.items()):
         if set(parts) != {"a", "b"}:
-            raise ConfigError(f"{path}: {weight} lacks its lora_a or lora_b tensor", path=path)
+            raise ConfigError(f"{path}: {weight} lacks its lora_a or lora_b tensor")
         a, b = parts["a"], parts["b"]
         if len(a.shape) < 2 or len(b.shape) < 2 or a.shape[1] != b.shape[0]:
             raise ConfigError(
                 f"{path}: {weight}.lora_a {list(a.shape)} and .lora_b {list(b.shape)} "
-                "do not share a rank",
-                path=path,
+                "do not share a rank"
             )
         ranks.add(a.shape[1])
     modules = sorted({_module_of(weight) for weight in pairs})
@@ -268,9 +263,9 @@ def _hf_base(config_path: Path, repo_id: str | None) -> BaseFacts:
     try:
         config = json.loads(config_path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
-        raise ConfigError(f"cannot read {config_path}: {exc}", path=config_path) from None
+        raise ConfigError(f"cannot read {config_path}: {exc}") from None
     if not isinstance(config, dict):
-        raise ConfigError(f"{config_path} is not a JSON object", path=config_path)
+        raise ConfigError(f"{config_path} is not a JSON object")
 
     def number(key: str) -> int | None:
         found = config.get(key)

@@ -81,7 +81,7 @@ def read_gguf_header(path: Path) -> GgufHeader:
         with path.open("rb") as file:
             return _Reader(file, path).header()
     except OSError as exc:
-        raise ConfigError(f"cannot read {path}: {exc.strerror or exc}", path=path) from None
+        raise ConfigError(f"cannot read {path}: {exc.strerror or exc}") from None
 
 
 class _Reader:
@@ -92,7 +92,7 @@ class _Reader:
 
     def header(self) -> GgufHeader:
         if self._file.read(4) != MAGIC:
-            raise ConfigError(f"{self._path} is not a GGUF file", path=self._path)
+            raise ConfigError(f"{self._path} is not a GGUF file")
         raw_version = self._take(4)
         version = struct.unpack("<I", raw_version)[0]
         if version not in (2, 3):
@@ -101,8 +101,7 @@ class _Reader:
                 self._order, version = ">", 3
             else:
                 raise ConfigError(
-                    f"{self._path}: GGUF version {version} is not supported (2 and 3 are)",
-                    path=self._path,
+                    f"{self._path}: GGUF version {version} is not supported (2 and 3 are)"
                 )
         tensor_count = self._count()
         kv_count = self._count()
@@ -128,7 +127,7 @@ class _Reader:
         return GgufHeader(version, metadata, lengths, tensors)
 
     def _malformed(self, why: str) -> ConfigError:
-        return ConfigError(f"{self._path}: malformed GGUF header ({why})", path=self._path)
+        return ConfigError(f"{self._path}: malformed GGUF header ({why})")
 
     def _take(self, size: int) -> bytes:
         data = self._file.read(size)
