@@ -143,9 +143,13 @@ def pulled_adapter(folder: Path) -> AdapterFacts | None:
     if (folder / PEFT_CONFIG).is_file():
         return inspect_adapter(folder)
     ggufs = sorted(p for p in folder.glob("*.gguf") if is_gguf(p))
-    if len(ggufs) == 1 and read_gguf_header(ggufs[0]).text("general.type") == "adapter":
-        return inspect_adapter(ggufs[0])
-    return None
+    if len(ggufs) != 1:
+        return None
+    try:
+        kind = read_gguf_header(ggufs[0]).text("general.type")
+    except ConfigError:
+        return None  # not a readable header: registering it as a model says what is wrong
+    return inspect_adapter(ggufs[0]) if kind == "adapter" else None
 
 
 def _base_for(trained_on: str | None, models: list[LocatedModel]) -> str:

@@ -75,11 +75,11 @@ def build_adapter_router(services: LeaderServices) -> APIRouter:
     """The adapter routes, bound to ``services``."""
     router = APIRouter()
     store = services.store
-    manager = services.adapters
 
     @router.get("/admin/adapters")
     async def list_adapters() -> list[Adapter]:
-        return [adapter_view(r, manager) for r in await asyncio.to_thread(store.list_adapters)]
+        records = await asyncio.to_thread(store.list_adapters)
+        return [adapter_view(r, services.adapters) for r in records]
 
     @router.post("/admin/adapters", status_code=201)
     async def add_adapter(body: AdapterIn) -> AddedAdapter:
@@ -110,6 +110,7 @@ def build_adapter_router(services: LeaderServices) -> APIRouter:
             repo_id=body.repo_id,
             revision=body.revision,
         )
+        manager = services.adapters
         await reload_adapters(store, manager)
         return adapter_view(record, manager).extended(
             AddedAdapter, checked=checked, restart_needed=manager.restart_needed(record.name)
@@ -117,7 +118,7 @@ def build_adapter_router(services: LeaderServices) -> APIRouter:
 
     @router.get("/admin/adapters/{name:path}")
     async def show_adapter(name: str) -> Adapter:
-        return adapter_view(await asyncio.to_thread(store.get_adapter, name), manager)
+        return adapter_view(await asyncio.to_thread(store.get_adapter, name), services.adapters)
 
     @router.delete("/admin/adapters/{name:path}")
     async def remove_adapter(name: str, node: str | None = None) -> AdapterRemoved:
@@ -125,7 +126,7 @@ def build_adapter_router(services: LeaderServices) -> APIRouter:
         if node is not None:
             node_id = (await asyncio.to_thread(store.lookup_node, node)).id
         await asyncio.to_thread(store.remove_adapter, name, node_id)
-        await reload_adapters(store, manager)
+        await reload_adapters(store, services.adapters)
         return AdapterRemoved(removed=name, node=node_id)
 
     return router
