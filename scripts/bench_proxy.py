@@ -4,9 +4,10 @@ Processes on loopback, plain HTTP, each its own Python:
 
 * the fast stand-in engine (``tests/support/standin_engine.py``: raw asyncio + httptools, canned
   answers: a 257-byte chat completion, or a 19-event stream of 3.3 kB written in one piece);
-* the proxy: :class:`berth.daemon.proxy.OpenAIProxy` served by uvicorn (uvloop, httptools)
-  with a fixed resolver and no auth in front, as the leader serves ``/v1``; it reaches the
-  engine with berth's own client (:mod:`berth.engine_http.pool`);
+* the proxy: :class:`berth.daemon.proxy.OpenAIProxy` served by berth's own HTTP server
+  (:mod:`berth.http_server`, on uvloop) with a fixed resolver and no auth in front, as the
+  leader serves ``/v1``; it reaches the engine with berth's own client
+  (:mod:`berth.engine_http.pool`);
 * two reference servers, for the ceiling of this stack on this machine: uvicorn answering
   the canned JSON itself (``uvicorn alone``), and a bare uvicorn + aiohttp relay with none of
   the proxy's checks, metrics or disconnect handling (``bare relay``: the proxy's previous
@@ -97,7 +98,18 @@ def serve_proxy(engine_port: int) -> None:
         def models(self) -> list[str]:
             return [MODEL]
 
-    _uvicorn(OpenAIProxy(FixedResolver(), ProxyMetrics()))
+    proxy = OpenAIProxy(FixedResolver(), ProxyMetrics())
+
+    async def main() -> None:
+        # As the leader serves /v1: berth's own HTTP server, the proxy's own request and writer.
+        from berth.http_server.server import HttpServer
+
+        await proxy.startup()
+        server = HttpServer("bench", proxy.handle)
+        await server.start(_bound_socket())
+        await asyncio.Event().wait()
+
+    uvloop.run(main())
 
 
 def serve_uvicorn_alone() -> None:

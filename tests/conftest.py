@@ -123,7 +123,8 @@ def resolver(engine: StandinEngine) -> StaticResolver:
 
 @pytest.fixture
 async def proxy_url(resolver: StaticResolver, metrics: ProxyMetrics) -> AsyncIterator[str]:
-    """The OpenAI proxy over ``resolver``, served by uvicorn on loopback: its base URL."""
+    """The OpenAI proxy over ``resolver``, served by berth's HTTP server on loopback (as the
+    leader serves ``/v1``): its base URL."""
     async with running_proxy(resolver, metrics) as url:
         yield url
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry
 
-from berth.cluster.protocol.frames import DeploymentLoad, GpuState, Heartbeat
+from berth.cluster.protocol.frames import DeploymentLoad, GpuState, Heartbeat, LoopLag
 from berth.daemon.admin_metrics import snapshot_view
 from berth.observability.cluster import ClusterMetrics, counter_delta
 from berth.observability.metrics import ProxyMetrics, Target
@@ -277,9 +277,9 @@ def test_the_proxy_measures_local_requests_only() -> None:
 def test_the_grafana_dashboard_uses_only_series_that_exist(
     cluster_metrics: ClusterMetrics, registry: CollectorRegistry
 ) -> None:
-    cluster_metrics.record_heartbeat(
-        "n-1", beat(load(requests=1, latency_p50_ms=1.0, latency_p95_ms=2.0), gpus=((0, 5, 1),))
-    )
+    heartbeat = beat(load(requests=1, latency_p50_ms=1.0, latency_p95_ms=2.0), gpus=((0, 5, 1),))
+    heartbeat.loop_lag = LoopLag(bounds_s=[0.01, 0.1], counts=[9, 1, 0], sum_s=0.1)
+    cluster_metrics.record_heartbeat("n-1", heartbeat)
     exposed = {s.name for family in registry.collect() for s in family.samples}
     dashboard = json.loads(DASHBOARD.read_text())
     variables = dashboard["templating"]["list"]
@@ -289,6 +289,7 @@ def test_the_grafana_dashboard_uses_only_series_that_exist(
     used = {name for expr in exprs for name in re.findall(r"\bberth_[a-z0-9_]+", expr)}
     assert used and used <= exposed, used - exposed
     titles = " ".join(p["title"] for p in dashboard["panels"]).lower()
-    for topic in ("gpu utilisation", "gpu memory", "in flight", "p95", "request rate", "error"):
+    for topic in ("gpu utilisation", "gpu memory", "in flight", "p95", "request rate", "error",
+                  "event loop lag"):  # fmt: skip
         assert topic in titles
     assert all(p["datasource"]["uid"] == "${datasource}" for p in dashboard["panels"])

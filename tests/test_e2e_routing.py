@@ -125,16 +125,21 @@ def _affinity_node(cluster: Cluster, session: str) -> str:
     return node
 
 
-def _engine_port(cluster: Cluster, agent: Agent) -> int:
+def _engine(cluster: Cluster, agent: Agent) -> tuple[int, str]:
+    """The port of the agent's ready engine and the API key it was given (from the agent's
+    engine journal: the engine answers its ``/metrics`` only with that key)."""
+    journal = json.loads((agent.home / "agent-engines.json").read_text())
     for record in cluster.admin("GET", "/admin/deployments"):
         if record["node_id"] == agent.node_id and record["state"] == "ready":
-            return int(record["port"])
+            return int(record["port"]), str(journal[record["id"]]["api_key"])
     raise AssertionError(f"no ready deployment on {agent.label}")
 
 
-def _engine_metric(port: int, name: str) -> float:
+def _engine_metric(engine: tuple[int, str], name: str) -> float:
     """A gauge from the engine's own ``/metrics`` (llama-server's ``--metrics``)."""
-    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+    port, key = engine
+    headers = {"Authorization": f"Bearer {key}"}
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", headers=headers, timeout=10).text
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             if sample.name == name:
@@ -185,9 +190,9 @@ def test_new_sessions_go_to_the_idle_node(real_routing_cluster: Cluster) -> None
     (idle_node,) = {a.node_id for a in real_routing_cluster.agents.values()} - {busy_node}
     assert served == Counter({busy_node: 1, idle_node: 4}), served
     # The client left: the engine dropped the stream and its slot is free again.
-    port = _engine_port(real_routing_cluster, _agent(real_routing_cluster, busy_node))
+    engine = _engine(real_routing_cluster, _agent(real_routing_cluster, busy_node))
     _wait_until(
-        lambda: _engine_metric(port, "llamacpp:requests_processing") == 0,
+        lambda: _engine_metric(engine, "llamacpp:requests_processing") == 0,
         "the engine to drop the stream of a client that left",
     )
 
@@ -197,7 +202,7 @@ def test_a_killed_node_s_queued_requests_succeed_elsewhere(real_routing_cluster:
     assert _content(_chat(real_routing_cluster, session))
     victim = _agent(real_routing_cluster, _affinity_node(real_routing_cluster, session))
     (survivor,) = [a for a in real_routing_cluster.agents.values() if a is not victim]
-    victim_port = _engine_port(real_routing_cluster, victim)
+    victim_engine = _engine(real_routing_cluster, victim)
 
     stream = Stream(real_routing_cluster, session)
     stream.start()
@@ -215,7 +220,7 @@ def test_a_killed_node_s_queued_requests_succeed_elsewhere(real_routing_cluster:
         thread.start()
     # Deterministic: all three wait in the victim engine's queue behind the stream.
     _wait_until(
-        lambda: _engine_metric(victim_port, "llamacpp:requests_deferred") == 3,
+        lambda: _engine_metric(victim_engine, "llamacpp:requests_deferred") == 3,
         "three requests queued in the victim's engine",
     )
     assert not answers

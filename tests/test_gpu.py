@@ -1,17 +1,33 @@
-"""GPU inventory: NVML readings, a node without a driver, and the static fake."""
+"""GPU inventory: NVML readings, a node without a driver, the static fake, and simulated GPUs
+(the ``simulated_gpus`` setting, a testing aid)."""
 
 from __future__ import annotations
 
 import logging
+import re
 import shutil
 import subprocess
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import SimpleNamespace
 
 import pynvml
 import pytest
 
-from berth.runtime.gpu import GpuInfo, GpuInventory, NvmlInventory, StaticInventory, read_gpus
+from berth.config import Settings
+from berth.doctor.engines import gpu_check
+from berth.errors import ConfigError
+from berth.paths import BerthHome
+from berth.runtime.gpu import (
+    GpuInfo,
+    GpuInventory,
+    NvmlInventory,
+    SimulatedInventory,
+    StaticInventory,
+    inventory_for,
+    parse_simulated_gpus,
+    read_gpus,
+)
 
 GIB = 1 << 30
 
@@ -140,3 +156,70 @@ def test_real_nvml_agrees_with_nvidia_smi() -> None:
         # nvidia-smi may report memory with or without the driver's reservation.
         assert abs(gpu.memory_total_mb - int(total)) <= int(total) // 20
         assert gpu.name and 0 <= gpu.memory_used_mb <= gpu.memory_total_mb
+
+
+# -- simulated GPUs (a testing aid) --------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "sizes_mb"),
+    [
+        ("24GiB,24GiB", (24_576, 24_576)),
+        ("80000MiB", (80_000,)),
+        (" 24g , 1.5GiB, 512m ", (24_576, 1_536, 512)),  # any case, spaces, decimals
+        ("1TiB", (1_048_576,)),
+        ("", ()),
+        ("   ", ()),
+    ],
+)
+def test_simulated_gpu_sizes_are_read_in_mib(text: str, sizes_mb: tuple[int, ...]) -> None:
+    assert parse_simulated_gpus(text) == sizes_mb
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("24", "'24' is not a GPU size such as 24GiB or 81920MiB"),
+        ("24GB", "'24GB' is not a GPU size"),  # decimal units are not what nvidia-smi counts
+        ("24GiB,,24GiB", "'' is not a GPU size"),
+        ("0GiB", "'0GiB': a GPU has more than 0 and at most 16 TiB"),
+        ("17TiB", "'17TiB': a GPU has more than 0 and at most 16 TiB"),
+        (",".join(["1GiB"] * 65), "at most 64 simulated GPUs, not 65"),
+    ],
+)
+def test_a_malformed_simulated_gpus_value_is_refused(text: str, message: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(message)):
+        parse_simulated_gpus(text)
+
+
+def test_simulated_gpus_report_their_size_and_nothing_used() -> None:
+    gpus = SimulatedInventory((24_576, 1_024)).read()
+    assert [(g.index, g.memory_total_mb, g.memory_free_mb, g.simulated) for g in gpus] == [
+        (0, 24_576, 24_576, True),
+        (1, 1_024, 1_024, True),
+    ]
+    assert not GpuInfo(0, "H100", "GPU-1234", 81_559, 0, 0).simulated
+    assert isinstance(inventory_for("24GiB"), SimulatedInventory)
+    assert isinstance(inventory_for(None), NvmlInventory)
+    assert isinstance(inventory_for(""), NvmlInventory)
+
+
+def test_the_setting_refuses_a_malformed_value_naming_the_variable(tmp_path: Path) -> None:
+    home = BerthHome(tmp_path)
+    with pytest.raises(ConfigError) as refused:
+        Settings.load(home, env={"BERTH_SIMULATED_GPUS": "24GiB,lots"})
+    assert str(refused.value) == (
+        "environment variable BERTH_SIMULATED_GPUS: invalid simulated_gpus '24GiB,lots': "
+        "'lots' is not a GPU size such as 24GiB or 81920MiB (comma-separated, one per GPU)"
+    )
+    loaded = Settings.load(home, env={"BERTH_SIMULATED_GPUS": "2GiB,2GiB"})
+    assert (loaded.simulated_gpus, loaded.source("simulated_gpus")) == ("2GiB,2GiB", "env")
+
+
+def test_doctor_says_simulated_gpus_are_on() -> None:
+    check = gpu_check("24GiB,24GiB", "env")
+    assert (check.name, check.verdict) == ("gpus", "warn")
+    assert check.detail == (
+        "simulated (0: 24576 MiB, 1: 24576 MiB) by simulated_gpus from env: a testing aid, "
+        "NVML is not asked and engines run on the CPU"
+    )

@@ -48,7 +48,7 @@ BASE: tuple[str, ...] = (
 LAYERS: tuple[tuple[str, ...], ...] = (
     BASE,
     ("runtime",),
-    ("engine_http", "cluster.protocol"),
+    ("engine_http", "http_server", "cluster.protocol"),
     ("config",),
     ("store",),
     ("api", "placement"),

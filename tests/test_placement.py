@@ -16,6 +16,7 @@ from berth.daemon.ready_table import ReadyTable
 from berth.errors import ConfigError, ConflictError
 from berth.placement import (
     CONFLICT_REASONS,
+    GpuFacts,
     GpuReservation,
     ModelAt,
     ModelPull,
@@ -28,7 +29,6 @@ from berth.placement import (
     plan_placement,
 )
 from berth.runtime.engines import DEFAULT_GPU_IMAGES, DEFAULT_IMAGES
-from berth.runtime.gpu import GpuInfo
 from berth.store import ModelRecord, Store
 from support.fakes import FakeLink
 
@@ -59,8 +59,8 @@ HUB_MODEL = model(source="hub", repo_id="org/tiny", revision="v2")
 REMOTE_ONLY = model(source="remote")
 
 
-def gpu(index: int) -> GpuInfo:
-    return GpuInfo(index, "H100", f"GPU-{index}", 81_559, 0, 0)
+def gpu(index: int) -> GpuFacts:
+    return GpuFacts(index, "H100", 81_559, 81_559)
 
 
 LEADER = NodeFacts(
@@ -371,17 +371,17 @@ async def test_a_links_capabilities_become_runtimes_and_pulling(
     assert offered_runtimes(link) == runtimes
     facts = await gather_node_facts(
         store, ReadyTable(), link, node_id=node.id, label="gpu-a",
-        model=store.get_model("tiny"), gpus_asked=False,
+        model=store.get_model("tiny"), gpus=(),
     )  # fmt: skip
     assert (facts.connected, facts.leader_host) == (True, False)
     assert (facts.runtimes, facts.can_pull) == (runtimes, can_pull)
     assert facts.model_location == Path("/agent/tiny.gguf")
-    assert facts.gpus == ()  # not asked for: no round trip to the agent
+    assert facts.gpus == ()  # given: no round trip to the agent
 
 
 async def test_a_node_without_a_link_is_gathered_as_not_connected(store: Store) -> None:
     facts = await gather_node_facts(
         store, ReadyTable(), None, node_id="n-1", label="gpu-a",
-        model=store.get_model("tiny"), gpus_asked=True,
+        model=store.get_model("tiny"),
     )  # fmt: skip
     assert facts == NodeFacts("n-1", "gpu-a", connected=False)

@@ -44,6 +44,7 @@ SERIES = (
     "berth_deployment_latency_p50_seconds",
     "berth_deployment_latency_p95_seconds",
     "berth_deployment_errors_total",
+    "berth_event_loop_lag_seconds_bucket",
 )
 
 pytestmark = [
@@ -200,6 +201,8 @@ def test_prometheus_scrapes_every_cluster_series(
         found = wait_query(prometheus, f'berth_deployment_requests_total{{node="{node}"}} >= 3')
         (sample,) = found
         assert sample["metric"]["model"] in ("tiny-remote", "tiny-local")  # type: ignore[index]
+    for node in (agent.node_id, "local"):  # the leader's own loop, and the agent's
+        assert wait_query(prometheus, f'berth_event_loop_lag_seconds_count{{node="{node}"}} > 0')
     gpus = wait_query(prometheus, f'berth_node_gpu_util_pct{{node="{simulated.node_id}"}}')
     assert sorted(s["metric"]["gpu"] for s in gpus) == ["0", "1"]  # type: ignore[index]
     send_traffic(scraped_cluster)  # more requests while Prometheus watches: a rate above zero

@@ -1,5 +1,5 @@
-"""The OpenAI proxy served by uvicorn on loopback, in front of the scripted stand-in engine:
-routing, headers, JSON answers, errors and /v1/models."""
+"""The OpenAI proxy served by berth's HTTP server on loopback, in front of the scripted
+stand-in engine: routing, headers, JSON answers, errors and /v1/models."""
 
 from __future__ import annotations
 

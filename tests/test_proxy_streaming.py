@@ -1,5 +1,5 @@
 """Relaying answers as they are made: SSE streams, split characters, engine deaths,
-client disconnects and backpressure, through uvicorn on loopback."""
+client disconnects and backpressure, through berth's HTTP server on loopback."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Helpers for the proxy tests: a fixed resolver, and the proxy served by uvicorn on loopback."""
+"""Helpers for the proxy tests: a fixed resolver, and the proxy served on loopback by berth's
+own HTTP server (as the leader serves it) or, as an ASGI app, by uvicorn."""
 
 from __future__ import annotations
 
@@ -13,6 +14,9 @@ from uvicorn.server import ServerState
 
 from berth.daemon.proxy import OpenAIProxy
 from berth.errors import NotFoundError
+from berth.http_server.limits import ListenerLimits
+from berth.http_server.protocol import Handler
+from berth.http_server.server import HttpServer
 from berth.observability.metrics import ProxyMetrics
 from berth.routing.errors import NoReadyDeploymentError
 from berth.routing.resolver import Upstream
@@ -75,15 +79,39 @@ async def serve_asgi(app: Any) -> AsyncIterator[str]:
 
 
 @contextlib.asynccontextmanager
+async def serve_berth(handler: Handler, limits: ListenerLimits | None = None) -> AsyncIterator[str]:
+    """Serve ``handler`` with berth's HTTP server on 127.0.0.1; yield its base URL."""
+    server = HttpServer("test", handler, limits)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(128)
+    sock.setblocking(False)
+    port = sock.getsockname()[1]
+    await server.start(sock)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        await server.close(2.0)
+
+
+@contextlib.asynccontextmanager
 async def running_proxy(
-    resolver: StaticResolver, metrics: ProxyMetrics, **options: Any
+    resolver: StaticResolver, metrics: ProxyMetrics, *, server: str = "berth", **options: Any
 ) -> AsyncIterator[str]:
-    """An :class:`OpenAIProxy` over ``resolver``, started and served; yields its base URL."""
+    """An :class:`OpenAIProxy` over ``resolver``, started and served; yields its base URL.
+
+    ``server``: ``"berth"`` (berth's HTTP server, the proxy's own request and writer, as the
+    leader serves ``/v1``) or ``"uvicorn"`` (the proxy as an ASGI app).
+    """
     proxy = OpenAIProxy(resolver, metrics, **options)
     await proxy.startup()
     try:
-        async with serve_asgi(proxy) as url:
-            yield url
+        if server == "uvicorn":
+            async with serve_asgi(proxy) as url:
+                yield url
+        else:
+            async with serve_berth(proxy.handle) as url:
+                yield url
     finally:
         await proxy.shutdown()
 

@@ -43,6 +43,7 @@ from berth.atomic import write_atomic
 from berth.cluster.protocol.frames import AdoptedState
 from berth.engine_http.auth import bearer_header
 from berth.errors import ConfigError, ConflictError, NotFoundError
+from berth.runtime.health import HealthProber
 
 log = logging.getLogger(__name__)
 
@@ -336,6 +337,7 @@ class AdoptedWatcher:
         self._probed_at: dict[str, float] = {}
         self._mtime: float | None = None
         self._task: asyncio.Task[None] | None = None
+        self._prober = HealthProber()  # one HTTP client for every probe, not one per probe
 
     def states(self) -> list[AdoptedState]:
         """Every adopted endpoint with its liveness, as the agent reports it."""
@@ -433,15 +435,9 @@ class AdoptedWatcher:
 
     async def _probe(self, endpoint: AdoptedEndpoint) -> bool:
         found = self._auth.get(endpoint.name)
-        headers = {"Authorization": found[1].decode("ascii")} if found is not None else {}
-        try:
-            async with httpx.AsyncClient(
-                trust_env=False, timeout=PROBE_TIMEOUT_S, headers=headers
-            ) as client:
-                response = await client.get(f"{endpoint.base_url}/v1/models")
-        except httpx.HTTPError:
-            return False
-        return response.status_code == 200
+        headers = {"Authorization": found[1].decode("ascii")} if found is not None else None
+        url = f"{endpoint.base_url}/v1/models"
+        return await self._prober.probe(url, PROBE_TIMEOUT_S, headers=headers)
 
 
 def describe(endpoint: AdoptedEndpoint, alive: bool | None = None) -> dict[str, Any]:

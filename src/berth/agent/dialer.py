@@ -192,6 +192,7 @@ class AgentDialer:
         """One connection, from dial to close: (close code or None, whether Welcome came)."""
         # Before dialing: the leader waits only seconds for Hello once the socket is open.
         await self._service.check_runtimes()
+        await self._service.read_gpus()  # for Hello, off the loop
         try:
             ws = await http.ws_connect(
                 url,
@@ -235,6 +236,9 @@ class AgentDialer:
 
     async def _heartbeats(self, conn: LinkConnection, interval_s: float) -> None:
         while not conn.closed:
+            await self._service.read_gpus()  # NVML blocks: on a worker thread, not the loop
+            if conn.closed:
+                return
             conn.send_heartbeat(self._service.heartbeat(time.time()))
             await asyncio.sleep(interval_s)
 

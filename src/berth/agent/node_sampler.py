@@ -14,9 +14,11 @@ from collections.abc import Callable
 
 from berth.agent.core import AgentCore
 from berth.cluster.inventory import gpu_states
-from berth.cluster.protocol.frames import DeploymentLoad, Heartbeat
+from berth.cluster.protocol.frames import DeploymentLoad, Heartbeat, LoopLag
 from berth.observability.cluster import ClusterMetrics
+from berth.observability.loop_lag import LagHistogram
 from berth.observability.window import RequestMeter
+from berth.runtime.gpu import GpuInfo
 
 log = logging.getLogger(__name__)
 
@@ -40,14 +42,30 @@ def deployment_loads(meter: RequestMeter, engines: list[tuple[str, bool]]) -> li
     return loads
 
 
-def core_heartbeat(core: AgentCore, meter: RequestMeter, now: float) -> Heartbeat:
-    """What a node running ``core`` reports at ``now``: its GPUs and its engines' load."""
+def loop_lag_report(histogram: LagHistogram) -> LoopLag:
+    """``histogram`` as a heartbeat carries it."""
+    return LoopLag(
+        bounds_s=list(histogram.bounds_s), counts=list(histogram.counts), sum_s=histogram.sum_s
+    )
+
+
+def core_heartbeat(
+    core: AgentCore,
+    meter: RequestMeter,
+    now: float,
+    gpus: list[GpuInfo],
+    *,
+    loop_lag: LagHistogram | None = None,
+) -> Heartbeat:
+    """What a node running ``core`` reports at ``now``: ``gpus`` (a reading of
+    ``core.gpus()`` taken off the loop), its engines' load and, when given, its loop lag."""
     engines = [(e.deployment_id, e.alive) for e in core.engines()]
     return Heartbeat(
         sent_at=now,
-        gpus=gpu_states(core.gpus()),
+        gpus=gpu_states(gpus),
         deployments=deployment_loads(meter, engines),
         adopted=core.adopted.states() if core.adopted is not None else [],
+        loop_lag=loop_lag_report(loop_lag) if loop_lag is not None else None,
     )
 
 

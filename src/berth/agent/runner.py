@@ -31,11 +31,13 @@ from berth.agent.service import AgentService
 from berth.cluster.protocol.errors import CloseCode
 from berth.config import Settings
 from berth.errors import ConflictError
+from berth.eventloop import freeze_startup_objects
 from berth.humanize import age
+from berth.observability.loop_lag import LoopLagMonitor
 from berth.paths import BerthHome
 from berth.runtime.docker import DockerRuntime, resolve_docker_host
 from berth.runtime.engines import EngineBinaries
-from berth.runtime.gpu import NvmlInventory
+from berth.runtime.gpu import inventory_for
 from berth.runtime.proc import pid_running
 from berth.runtime.process import ProcessRuntime
 
@@ -120,7 +122,7 @@ async def run_agent(home: BerthHome, *, verbose: bool, console: Console) -> int:
             vllm=str(settings.vllm_bin) if settings.vllm_bin else None,
             sglang_python=str(settings.sglang_python),
         ),
-        NvmlInventory(),
+        inventory_for(settings.simulated_gpus),
         logs_dir=home.logs_dir,
         journal_path=home.agent_engines_file,
         keys_dir=home.engine_keys_dir,
@@ -138,7 +140,10 @@ async def run_agent(home: BerthHome, *, verbose: bool, console: Console) -> int:
     restored = await core.restore()
     if restored:
         status.activity(f"re-attached engines: {', '.join(restored)}")
-    service = AgentService(core, on_activity=status.activity, models_dir=home.models_dir)
+    loop_lag = LoopLagMonitor()  # berth_event_loop_lag_seconds, carried in heartbeats
+    service = AgentService(
+        core, on_activity=status.activity, models_dir=home.models_dir, loop_lag=loop_lag.histogram
+    )
     assert core.adopted is not None
     await core.adopted.check_once()  # Hello reports the adopted servers as they are now
     core.adopted.start()
@@ -148,6 +153,15 @@ async def run_agent(home: BerthHome, *, verbose: bool, console: Console) -> int:
         loop.add_signal_handler(sig, lambda: asyncio.ensure_future(dialer.stop()))
     log.info("agent %s (%s) starting; leader %s", identity.label, identity.node_id,
              identity.leader_url)  # fmt: skip
+    if settings.simulated_gpus:
+        # A testing aid that must never go unnoticed on a real GPU host: in the status
+        # panel's recent activity and the log.
+        status.activity(
+            f"simulated GPUs (simulated_gpus): {settings.simulated_gpus}; NVML is not asked, "
+            "engines run on the CPU"
+        )
+    freeze_startup_objects()  # full collections then skip the start-up heap
+    loop_lag.start()
     try:
         if panel:
             with Live(render_status(status), console=console, refresh_per_second=2) as live:
@@ -163,6 +177,7 @@ async def run_agent(home: BerthHome, *, verbose: bool, console: Console) -> int:
         await core.adopted.stop()
         await service.close()
         core.close()
+        loop_lag.stop()
         status.set("stopped")
     if dialer.final_code == CloseCode.NODE_REMOVED:
         # This host left the cluster: the engines it ran for the leader go with it.

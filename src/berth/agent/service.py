@@ -67,8 +67,10 @@ from berth.engine_http.origin import Origin
 from berth.engine_http.pool import UpstreamPool
 from berth.engine_http.response import UpstreamResponse
 from berth.errors import BerthError, EngineError, NotFoundError
+from berth.observability.loop_lag import LagHistogram
 from berth.observability.window import RequestMeter, is_error
 from berth.runtime.engines import DeploymentRequest
+from berth.runtime.gpu import GpuInfo
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +88,8 @@ class AgentService:
     """The agent's :class:`~berth.cluster.connection.LinkHandler` over an :class:`AgentCore`.
 
     ``on_activity`` hears one line per operation (for the status panel). ``meter`` counts
-    the tunneled requests this agent serves (reported in each heartbeat).
+    the tunneled requests this agent serves, and ``loop_lag`` reads the agent's event-loop
+    lag histogram; both are reported in each heartbeat.
     """
 
     def __init__(
@@ -97,8 +100,11 @@ class AgentService:
         on_activity: ActivityListener | None = None,
         models_dir: Path | None = None,
         meter: RequestMeter | None = None,
+        loop_lag: Callable[[], LagHistogram] | None = None,
     ) -> None:
         self._core = core
+        self._loop_lag = loop_lag
+        self._gpus: list[GpuInfo] | None = None
         self._models_dir = models_dir
         self._pool = UpstreamPool(read_timeout_s=read_timeout_s)
         self.meter = meter if meter is not None else RequestMeter()
@@ -110,13 +116,26 @@ class AgentService:
 
     # -- what the agent says -------------------------------------------------------------
 
+    async def read_gpus(self) -> list[GpuInfo]:
+        """Read the host's GPUs now, on a worker thread; :meth:`hello`, :meth:`inventory` and
+        :meth:`heartbeat` report this reading. NVML calls block for milliseconds per device
+        (far longer for the first one on a driver without persistence mode), which on the
+        loop would hold up every stream this agent relays."""
+        self._gpus = await asyncio.to_thread(self._core.gpus)
+        return self._gpus
+
+    def _gpu_reading(self) -> list[GpuInfo]:
+        if self._gpus is None:  # nothing read yet (no read_gpus before): read now, once
+            self._gpus = self._core.gpus()
+        return self._gpus
+
     def inventory(self) -> Inventory:
         facts = self._core.host_facts()
         return Inventory(
             hostname=facts.hostname,
             cpu_count=facts.cpu_count,
             memory_total_mb=facts.memory_total_mb,
-            gpus=gpu_states(self._core.gpus()),
+            gpus=gpu_states(self._gpu_reading()),
         )
 
     def engine_states(self) -> list[EngineState]:
@@ -167,7 +186,9 @@ class AgentService:
         )
 
     def heartbeat(self, now: float) -> Heartbeat:
-        return core_heartbeat(self._core, self.meter, now)
+        """The heartbeat for ``now`` (epoch seconds), with the last :meth:`read_gpus`."""
+        lag = self._loop_lag() if self._loop_lag is not None else None
+        return core_heartbeat(self._core, self.meter, now, self._gpu_reading(), loop_lag=lag)
 
     # -- LinkHandler ---------------------------------------------------------------------
 
@@ -221,6 +242,7 @@ class AgentService:
                 result = await self._core.probe(probe.deployment_id)
                 return PROBE.encode_result(ProbeResult(result=result))
             case "inventory":
+                await self.read_gpus()
                 return INVENTORY.encode_result(self.inventory())
             case "engines":
                 return ENGINES.encode_result(EnginesResult(engines=self.engine_states()))

@@ -2,9 +2,10 @@
 it (the CLI, ``berth doctor``).
 
 Pydantic models, one module per resource: the leader itself (:mod:`.leader`), registered
-models (:mod:`.models`), deployments, keys, nodes, services and routes, routing explanations
-and the metrics snapshot.  The daemon's routes declare them as FastAPI response models (so
-``/admin/openapi.json`` describes every answer) and build them from the store's records;
+models (:mod:`.models`), deployments, keys, nodes, services and routes, routing explanations,
+placement plans (:mod:`.plans`) and the metrics snapshot.  The daemon's routes declare them
+as FastAPI response models (so ``/admin/openapi.json`` describes every answer) and build
+them from the store's records;
 :class:`berth.api.client.DaemonClient` talks to a daemon over its Unix socket and decodes
 every answer into them.  Request bodies (``*In``) are here too: the daemon validates them,
 the CLI builds them.
@@ -48,6 +49,14 @@ from berth.api.nodes import (
     NodeDetailWithAdopted,
     NodeSummary,
 )
+from berth.api.plans import (
+    EstimateInput,
+    EvictionOut,
+    GpuOptionOut,
+    Plan,
+    PlanIn,
+    VramEstimateOut,
+)
 from berth.api.routing import DroppedCandidate, RankedCandidate, RoutingExplanation
 from berth.api.services import (
     DeployIn,
@@ -83,9 +92,12 @@ __all__ = [
     "EnrollmentIssued",
     "ErrorBody",
     "ErrorDetail",
+    "EstimateInput",
+    "EvictionOut",
     "FallbackIn",
     "Gpu",
     "GpuColumns",
+    "GpuOptionOut",
     "GpuSampleOut",
     "Health",
     "KeyIn",
@@ -101,6 +113,8 @@ __all__ = [
     "NodeSampleOut",
     "NodeSeriesColumns",
     "NodeSummary",
+    "Plan",
+    "PlanIn",
     "RankedCandidate",
     "Readiness",
     "RegisteredModel",
@@ -118,5 +132,6 @@ __all__ = [
     "SettingsReport",
     "ShutdownAccepted",
     "Timestamp",
+    "VramEstimateOut",
     "describe_invalid",
 ]

@@ -43,6 +43,8 @@ from berth.api import (
     NodeDetail,
     NodeDetailWithAdopted,
     NodeSummary,
+    Plan,
+    PlanIn,
     RegisteredModel,
     Route,
     RouteIn,
@@ -252,6 +254,10 @@ class DaemonClient:
     def metrics_snapshot(self) -> MetricsSnapshot:
         """``GET /admin/metrics/snapshot``: every node's load over the last minute."""
         return self.call("GET", "/admin/metrics/snapshot", TypeAdapter(MetricsSnapshot))
+
+    def plan(self, body: PlanIn) -> Plan:
+        """``POST /admin/plan``: where a deployment would go and why (nothing changes)."""
+        return self.call("POST", "/admin/plan", TypeAdapter(Plan), body=body)
 
     # -- services and routes -------------------------------------------------------------------
     def services(self) -> list[Service]:

@@ -11,19 +11,22 @@ from berth.store.states import DeploymentState
 
 
 class DeploymentIn(ApiModel):
-    """``POST /admin/deployments``: run ``model`` on ``engine`` on ``node`` (an id or label).
+    """``POST /admin/deployments``: run ``model`` on ``engine`` on ``node`` (an id or label;
+    ``None``: where its VRAM estimate fits, or the leader's host when no node has GPUs).
 
     ``engine`` and ``runtime`` are names as a user typed them (``llamacpp``, ``docker``),
     checked by the lifecycle manager, which names the valid ones; ``runtime`` ``None`` is the
-    leader's ``default_runtime`` setting.  ``gpus`` are device indexes, ``ctx`` the context
-    length in tokens (``None``: the engine's default), ``image`` a ``docker`` deployment's
-    container image (``None``: the engine's image setting). ``max_adapters`` is a vLLM or
-    SGLang engine's LoRA slot count (``None``: 1 when the model has adapters, else LoRA off).
+    leader's ``default_runtime`` setting.  ``gpus`` are device indexes (empty: chosen by
+    fit), ``ctx`` the context length in tokens (``None``: the engine's default), ``image`` a
+    ``docker`` deployment's container image (``None``: the engine's image setting).
+    ``force``: place GPUs asked for (or the GPU with the most free memory) even where the
+    estimate does not fit. ``max_adapters`` is a vLLM or SGLang engine's LoRA slot count
+    (``None``: 1 when the model has adapters, else LoRA off).
     """
 
     model: str
     engine: str = "llamacpp"
-    node: str = "local"
+    node: str | None = None
     runtime: str | None = None
     gpus: list[int] = Field(default_factory=list)
     ctx: int | None = Field(default=None, gt=0)
@@ -31,6 +34,7 @@ class DeploymentIn(ApiModel):
     served_model_name: str | None = None
     image: str | None = Field(default=None, max_length=512)
     max_adapters: int | None = Field(default=None, ge=1)
+    force: bool = False
 
 
 class Deployment(ApiModel):

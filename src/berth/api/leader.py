@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Literal
 
+from pydantic import Field
+
 from berth.api.base import ApiModel
 from berth.config import JsonScalar, SettingSource
 from berth.runtime.base import RuntimeName
@@ -58,6 +60,7 @@ class DaemonInfo(ApiModel):
     ready: bool
     leader_only: bool
     runtimes: list[RuntimeInfo]
+    simulated_gpus_mb: list[int] = Field(default_factory=list)
 
 
 class SettingValue(ApiModel):

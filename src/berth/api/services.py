@@ -45,9 +45,11 @@ class ServiceIn(ApiModel):
 
 class DeployIn(ApiModel):
     """``POST /admin/services/{name}/deploy``: the node (id or label) to deploy on;
-    ``None``: the service's ``node_label``, else ``local``."""
+    ``None``: the service's ``node_label``, else where its VRAM estimate fits (replicas
+    spread over nodes first).  ``force`` as for a deployment (``DeploymentIn``)."""
 
     node: str | None = None
+    force: bool = False
 
 
 class RouteIn(ApiModel):

@@ -172,6 +172,13 @@ def _print_banner(info: DaemonInfo, log_file: Path) -> None:
         mark = "[green]available[/]" if runtime.available else "[yellow]unavailable[/]"
         label = f"runtime {runtime.name}"
         console.print(f"  {label:<15} {mark}: {runtime.detail}", soft_wrap=True)
+    if info.simulated_gpus_mb:
+        sizes = ", ".join(f"{size} MiB" for size in info.simulated_gpus_mb)
+        console.print(
+            f"  {'GPUs':<15} [yellow]simulated[/]: {sizes} (simulated_gpus, a testing aid: "
+            "NVML is not asked; engines run on the CPU)",
+            soft_wrap=True,
+        )
     if info.public_cert_from_ca:
         console.print(
             f"[yellow]note:[/] the public listener's certificate is issued by the berth CA "

@@ -46,7 +46,9 @@ def run(
     served_name: str | None = typer.Option(
         None, "--served-name", help="Model name clients use (default: the model's name)."
     ),
-    node: str = typer.Option("local", "--node", help="Node to run on."),
+    node: str | None = typer.Option(
+        None, "--node", help="Node to run on (default: where it fits, see `berth plan`)."
+    ),
     runtime: str | None = typer.Option(
         None,
         "--runtime",
@@ -61,12 +63,21 @@ def run(
         min=1,
         help="vLLM/SGLang: LoRA adapters loaded at once (default: 1 when the model has adapters).",
     ),
+    force: bool = typer.Option(
+        False,
+        "--force",
+        help="Run on the GPUs asked for even where its VRAM estimate does not fit.",
+    ),
     detach: bool = typer.Option(False, "--detach", "-d", help="Return without waiting."),
     timeout: float = typer.Option(
         900.0, min=1.0, help="Seconds to wait for the engine to be ready."
     ),
 ) -> None:
-    """Deploy a model on an engine and wait until it serves."""
+    """Deploy a model on an engine and wait until it serves.
+
+    Without --node and --gpu it goes where its VRAM estimate fits the free memory nodes
+    report (`berth plan MODEL` shows where, and why); on hosts without GPUs, to this one.
+    """
     body = request_body(
         DeploymentIn,
         model=model,
@@ -79,6 +90,7 @@ def run(
         runtime=runtime,
         image=image,
         max_adapters=max_adapters,
+        force=force,
     )
     with context(ctx).client() as client:
         record = client.create_deployment(body)
@@ -89,6 +101,8 @@ def run(
     if record.state != DeploymentState.READY:
         raise EngineError(f"{record.id} {record.state}: {record.failure_reason or 'no reason'}")
     where = f"node {record.node_id}, port {record.port}"
+    if record.gpus:
+        where += f", GPU {','.join(map(str, record.gpus))}"
     if record.image:
         where += f", image {record.image}"
     console.print(

@@ -22,6 +22,7 @@ from berth.cli import (
     keys_cmd,
     models_cmd,
     nodes_cmd,
+    plan_cmd,
     routing_cmd,
     service_cmd,
 )
@@ -78,6 +79,7 @@ app.command("stop")(deploy_cmd.stop)
 app.command("logs")(deploy_cmd.logs)
 app.command("demo")(demo.demo)
 app.command("routing")(routing_cmd.routing)
+app.command("plan")(plan_cmd.plan)
 app.command("doctor")(doctor_cmd.doctor)
 
 

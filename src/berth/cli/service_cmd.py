@@ -165,7 +165,12 @@ def deploy_service(
     ctx: typer.Context,
     name: str = typer.Argument(..., help="The service's name."),
     node: str | None = typer.Option(
-        None, "--node", help="Node label or id (default: the service's node_label, else local)."
+        None,
+        "--node",
+        help="Node label or id (default: the service's node_label, else where it fits).",
+    ),
+    force: bool = typer.Option(
+        False, "--force", help="Run on the service's GPUs even where its estimate does not fit."
     ),
     detach: bool = typer.Option(False, "--detach", "-d", help="Return without waiting."),
     timeout: float = typer.Option(
@@ -174,16 +179,17 @@ def deploy_service(
 ) -> None:
     """Start a deployment of a service and wait until it serves."""
     with context(ctx).client() as client:
-        record = client.deploy_service(name, request_body(DeployIn, node=node))
+        record = client.deploy_service(name, request_body(DeployIn, node=node, force=force))
         if detach:
             console.print(f"{record.id} {record.state}")
             return
         record = wait_settled(client, record, f"service {name}", timeout)
     if record.state != DeploymentState.READY:
         raise EngineError(f"{record.id} {record.state}: {record.failure_reason or 'no reason'}")
+    gpus = f", GPU {','.join(map(str, record.gpus))}" if record.gpus else ""
     console.print(
         f"[green]{record.id} ready[/]: service [bold]{name}[/] (model {record.model_name} "
-        f"on {record.engine}, node {record.node_id}, port {record.port})"
+        f"on {record.engine}, node {record.node_id}, port {record.port}{gpus})"
     )
 
 

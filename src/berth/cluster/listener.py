@@ -14,6 +14,14 @@ that CA is trusted), else the handshake fails.  Routes:
 - ``POST /admin/nodes/register``: ``{"token", "csr_pem"}`` → the agent's certificate
   (failed attempts rate-limited per source address; see :mod:`berth.cluster.enrollment`);
 - ``GET /cluster/agent``: the agents' WebSocket, handled by the injected ``agent_handler``.
+
+Bounds (the listener settings, :class:`berth.http_server.limits.ListenerLimits`): aiohttp
+caps a head's line length (the smaller of 8190 bytes and ``max_head_bytes``) and its header
+count, and closes an idle keep-alive connection after ``keepalive_timeout_s``; each
+connection is wrapped in a :class:`berth.http_server.guard.GuardedProtocol`, which caps
+connections (in all and per source address) and closes one whose first request has not
+arrived within ``head_timeout_s`` (also the TLS handshake's limit); a registration body must
+arrive within ``body_timeout_s``.
 """
 
 from __future__ import annotations
@@ -34,6 +42,9 @@ from aiohttp import web
 from berth.cluster.ca import CertificateAuthority
 from berth.cluster.enrollment import EnrollmentService, RegistrationRateLimiter
 from berth.errors import BerthError, ConfigError, RateLimitError
+from berth.http_server.errors import RequestTimeoutError
+from berth.http_server.guard import GuardedProtocol, request_began
+from berth.http_server.limits import ConnectionGate, ListenerLimits
 from berth.openai_errors import error_from_exception
 
 log = logging.getLogger(__name__)
@@ -92,12 +103,14 @@ def build_cluster_app(
     on_registered: Callable[[str], Awaitable[None]] | None = None,
     rate_limiter: RegistrationRateLimiter | None = None,
     monotonic: Callable[[], float] = time.monotonic,
+    body_timeout_s: float = ListenerLimits.body_timeout_s,
 ) -> web.Application:
     """The cluster listener's app, from explicit dependencies.
 
-    ``monotonic`` is the rate limiter's clock.  Errors are answered in the OpenAI error
-    shape: 400 for a malformed body or CSR, 401 for a refused token, 429 with
-    ``Retry-After`` over the rate limit.
+    ``monotonic`` is the rate limiter's clock; a registration body must arrive within
+    ``body_timeout_s``. Errors are answered in the OpenAI error shape: 400 for a malformed
+    body or CSR, 401 for a refused token, 408 for a body too slow, 429 with ``Retry-After``
+    over the rate limit.
     """
     limiter = rate_limiter or RegistrationRateLimiter()
 
@@ -105,6 +118,7 @@ def build_cluster_app(
     async def berth_errors(
         request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
     ) -> web.StreamResponse:
+        request_began(request.transport)  # the connection's head timer stops here
         try:
             return await handler(request)
         except BerthError as exc:
@@ -119,7 +133,12 @@ def build_cluster_app(
     async def register(request: web.Request) -> web.Response:
         source = request.remote or "unknown"
         try:
-            body = await request.json(loads=json.loads)
+            async with asyncio.timeout(body_timeout_s):
+                body = await request.json(loads=json.loads)
+        except TimeoutError:
+            raise RequestTimeoutError(
+                f"the registration body did not arrive within {body_timeout_s:g} s"
+            ) from None
         except (ValueError, UnicodeDecodeError):
             body = None  # refused below, after it counted against the rate limit
         token = body.get("token") if isinstance(body, dict) else None
@@ -152,24 +171,56 @@ def build_cluster_app(
 
 
 class ClusterListener:
-    """Runs the cluster app on the current loop over an already bound socket."""
+    """Runs the cluster app on the current loop over an already bound socket, within
+    ``limits`` (see the module docstring for which bound is kept by whom)."""
 
-    def __init__(self, app: web.Application, sock: socket.socket, ssl_context: ssl.SSLContext):
-        self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
+    def __init__(
+        self,
+        app: web.Application,
+        sock: socket.socket,
+        ssl_context: ssl.SSLContext,
+        limits: ListenerLimits | None = None,
+    ):
+        self._limits = limits = limits or ListenerLimits()
+        line_bytes = min(8190, limits.max_head_bytes)
+        self._runner = web.AppRunner(
+            app,
+            access_log=None,
+            handle_signals=False,
+            keepalive_timeout=limits.keepalive_timeout_s,
+            max_line_size=line_bytes,
+            max_field_size=line_bytes,
+            max_headers=limits.max_header_count,
+        )
         self._sock = sock
         self._ssl = ssl_context
+        self._gate = ConnectionGate(limits)
+        self._server: asyncio.Server | None = None
         self._started = False
+
+    @property
+    def gate(self) -> ConnectionGate:
+        return self._gate
 
     async def start(self) -> None:
         """Start accepting connections."""
         self._started = True
         await self._runner.setup()
-        site = web.SockSite(self._runner, self._sock, ssl_context=self._ssl)
-        await site.start()
+        handlers = self._runner.server
+        assert handlers is not None, "set up above"
+        gate, limits = self._gate, self._limits
+        self._server = await asyncio.get_running_loop().create_server(
+            lambda: GuardedProtocol(handlers(), gate, limits, "cluster"),
+            sock=self._sock,
+            ssl=self._ssl,
+            ssl_handshake_timeout=limits.head_timeout_s,
+        )
 
     async def stop(self) -> None:
         """Stop accepting, close open connections (agent WebSockets included); closes the
         socket even if :meth:`start` never ran."""
+        if self._server is not None:
+            self._server.close()
         if self._started:
             await self._runner.cleanup()
         self._sock.close()

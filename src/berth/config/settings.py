@@ -23,6 +23,7 @@ from berth.config.convert import convert_value
 from berth.config.file import FileValue, read_config_file
 from berth.config.table import SETTINGS, SettingDef, SettingSource, setting_definition
 from berth.errors import ConfigError
+from berth.http_server.limits import ListenerLimits
 from berth.paths import BerthHome
 from berth.runtime.engines import EngineName
 from berth.runtime.trees import TreeMode
@@ -97,6 +98,14 @@ class Settings:
     max_body_bytes: int
     max_attempts: int
     relay_buffer_chunks: int
+    cors_origins: str | None
+    max_head_bytes: int
+    max_header_count: int
+    head_timeout_s: float
+    keepalive_timeout_s: float
+    body_timeout_s: float
+    max_connections: int
+    max_connections_per_address: int
     leader_only: bool
     log_level: str
     health_timeout_s: float
@@ -118,6 +127,7 @@ class Settings:
     leader_url: str | None
     heartbeat_interval_s: float
     node_timeout_s: float
+    simulated_gpus: str | None
     desk_pool_url: str
 
     @classmethod
@@ -178,6 +188,18 @@ class Settings:
                 "set both public_cert and public_key, or neither"
             )
         return cls(home=home, sources=sources, **values)
+
+    def listener_limits(self) -> ListenerLimits:
+        """The bounds every listener applies (the ``max_head_bytes`` ... settings)."""
+        return ListenerLimits(
+            max_head_bytes=self.max_head_bytes,
+            max_header_count=self.max_header_count,
+            head_timeout_s=self.head_timeout_s,
+            keepalive_timeout_s=self.keepalive_timeout_s,
+            body_timeout_s=self.body_timeout_s,
+            max_connections=self.max_connections,
+            max_connections_per_address=self.max_connections_per_address,
+        )
 
     def docker_images(self) -> dict[EngineName, str]:
         """The image the docker runtime runs for each engine (the ``*_image`` settings)."""

@@ -19,9 +19,12 @@ from typing import Literal
 from urllib.parse import urlsplit
 
 from berth.errors import ConfigError
+from berth.http_server.cors import cors_origins_problem
+from berth.http_server.limits import ListenerLimits
 from berth.paths import BerthHome
 from berth.runtime.base import RUNTIME_NAMES
 from berth.runtime.engines import DEFAULT_GPU_IMAGES, DEFAULT_IMAGES, DEFAULT_SHM_SIZE
+from berth.runtime.gpu import parse_simulated_gpus
 from berth.runtime.trees import TREE_MODES
 
 SettingSource = Literal["flag", "env", "file", "autodetect", "default"]
@@ -131,6 +134,17 @@ def host_problem(text: str) -> str | None:
     return None
 
 
+def simulated_gpus_problem(text: str) -> str | None:
+    """Why ``text`` is not a list of simulated GPU sizes (``24GiB,24GiB``), or ``None``."""
+    try:
+        parse_simulated_gpus(text)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+_LIMITS = ListenerLimits()
+
 #: Every setting berth knows, in display order.
 SETTINGS: tuple[SettingDef, ...] = (
     SettingDef(
@@ -159,6 +173,31 @@ SETTINGS: tuple[SettingDef, ...] = (
     SettingDef("relay_buffer_chunks", "int", "server",
                "chunks of an answer read ahead of a slow client before berth stops reading",
                default=64, minimum=1, maximum=4096),
+    SettingDef("cors_origins", "str", "server",
+               "browser origins allowed to call the public listener, comma-separated "
+               "(https://chat.example.com; * for any, never with credentials); default none",
+               optional=True, check=cors_origins_problem),
+    # The listeners' bounds; berth.http_server.limits says why each default is what it is.
+    SettingDef("max_head_bytes", "int", "server",
+               "largest request head (request line and headers) accepted, in bytes (431)",
+               default=_LIMITS.max_head_bytes, minimum=1024, maximum=1024 * 1024),
+    SettingDef("max_header_count", "int", "server", "most header lines in a request (431)",
+               default=_LIMITS.max_header_count, minimum=8, maximum=10_000),
+    SettingDef("head_timeout_s", "float", "server",
+               "seconds a request head (and a TLS handshake) may take to arrive (408)",
+               default=_LIMITS.head_timeout_s, minimum=0.1),
+    SettingDef("keepalive_timeout_s", "float", "server",
+               "seconds an idle keep-alive connection stays open",
+               default=_LIMITS.keepalive_timeout_s, minimum=0.1),
+    SettingDef("body_timeout_s", "float", "server",
+               "seconds a request body may pause between two reads (408)",
+               default=_LIMITS.body_timeout_s, minimum=0.1),
+    SettingDef("max_connections", "int", "server",
+               "most open connections per listener (503 beyond)",
+               default=_LIMITS.max_connections, minimum=1),
+    SettingDef("max_connections_per_address", "int", "server",
+               "most open connections per client address and listener (429 beyond)",
+               default=_LIMITS.max_connections_per_address, minimum=1),
     SettingDef("leader_only", "bool", "server",
                "run no engines on the leader's host: a control plane only (engines on agents)",
                default=False),
@@ -216,6 +255,10 @@ SETTINGS: tuple[SettingDef, ...] = (
     SettingDef("node_timeout_s", "float", "cluster",
                "seconds of silence after which a node is unreachable",
                default=15.0, minimum=0.1),
+    SettingDef("simulated_gpus", "str", "gpu",
+               "testing aid: report these GPUs (e.g. 24GiB,24GiB) instead of asking NVML; "
+               "engines still run on the CPU",
+               optional=True, check=simulated_gpus_problem),
     SettingDef("desk_pool_url", "str", "desk", "the ow desk `berth desk` offers models to",
                default="https://owterminal.com", check=http_url_problem),
 )  # fmt: skip

@@ -45,6 +45,7 @@ from berth.cluster.link import LOCAL_NODE_ID
 from berth.daemon.admin_adapters import build_adapter_router
 from berth.daemon.admin_metrics import build_metrics_router
 from berth.daemon.admin_nodes import build_node_router
+from berth.daemon.admin_plans import build_plan_router
 from berth.daemon.admin_routing import build_routing_router
 from berth.daemon.lifecycle import DeployOptions, LifecycleManager
 from berth.daemon.services import LeaderServices
@@ -52,6 +53,7 @@ from berth.errors import BerthError, ConfigError, ConflictError, NotFoundError
 from berth.keys import generate_secret, hash_secret, key_prefix, parse_tier
 from berth.openai_errors import error_body, error_from_exception
 from berth.runtime.engines import parse_engine_name, parse_runtime_name
+from berth.runtime.gpu import parse_simulated_gpus
 from berth.store import ApiKeyRecord, DeploymentRecord, ModelRecord, Store
 from berth.store.states import TERMINAL_STATES
 
@@ -254,6 +256,9 @@ def build_admin_app(services: LeaderServices) -> FastAPI:
                 )
                 for runtime in services.runtimes
             ],
+            simulated_gpus_mb=[]
+            if services.leader_only
+            else list(parse_simulated_gpus(services.settings.simulated_gpus or "")),
         )
 
     @app.get("/admin/config")
@@ -353,6 +358,7 @@ def build_admin_app(services: LeaderServices) -> FastAPI:
                 served_model_name=body.served_model_name,
                 image=body.image,
                 max_adapters=body.max_adapters,
+                force=body.force,
             )
         )
         return deployment_view(record, lifecycle)
@@ -414,6 +420,7 @@ def build_admin_app(services: LeaderServices) -> FastAPI:
     app.include_router(build_metrics_router(services))
     app.include_router(build_routing_router(services))
     app.include_router(build_adapter_router(services))
+    app.include_router(build_plan_router(services))
 
     @app.post("/admin/shutdown", status_code=202)
     async def shutdown() -> ShutdownAccepted:

@@ -190,6 +190,7 @@ def service_router(
     async def deploy_service(name: str, body: DeployIn | None = None) -> Deployment:
         record = await asyncio.to_thread(store.get_service_profile, name)
         node = await _deploy_node(store, record, body.node if body else None)
+        force = body.force if body else False
         if leader_only and node == LOCAL_NODE_ID:
             raise ConflictError(
                 f"this leader runs no engines (leader_only is set): deploy service {name} on an "
@@ -206,6 +207,7 @@ def service_router(
                 extra_args=record.extra_args,
                 served_model_name=record.name,
                 image=record.image,
+                force=force,
             )
         )
         return deployment_view(deployment, lifecycle)
@@ -248,12 +250,13 @@ def service_router(
     return router
 
 
-async def _deploy_node(store: Store, record: ServiceProfileRecord, node: str | None) -> str:
+async def _deploy_node(store: Store, record: ServiceProfileRecord, node: str | None) -> str | None:
     """The node (id or label) a deployment of ``record`` goes to: ``node``, else the
-    service's ``node_label``, else ``local``.  A ``node`` that is not the service's
-    ``node_label`` is refused (:class:`ConfigError`): the service pins where it runs."""
+    service's ``node_label``, else ``None`` (placement chooses by fit).  A ``node`` that is
+    not the service's ``node_label`` is refused (:class:`ConfigError`): the service pins
+    where it runs."""
     if node is None:
-        return record.node_label or LOCAL_NODE_ID
+        return record.node_label
     if record.node_label is not None:
         chosen = await asyncio.to_thread(store.lookup_node, node)
         if chosen.label != record.node_label:

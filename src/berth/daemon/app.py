@@ -1,9 +1,12 @@
-"""The app factory: one ASGI entry point per listener.
+"""The request handler of each listener of the leader's HTTP server (:mod:`berth.http_server`).
 
-``/v1/*`` goes straight to the raw-ASGI OpenAI proxy (the hot path never meets FastAPI's
-router); everything else goes to the admin app.  Authentication happens here, once, by
-listener: over TCP ``/v1/*`` and ``/metrics`` need any valid key and ``/admin/*`` an admin key;
-over the Unix socket (mode 0600, so only its owner can connect) no key is needed.
+``/v1/*`` goes straight to the OpenAI proxy with the server's own request and writer (the
+hot path meets no framework); everything else goes to the admin app through the server's
+ASGI adapter. Authentication happens here, once, by listener: over TCP ``/v1/*`` and
+``/metrics`` need any valid key and ``/admin/*`` an admin key; over the Unix socket (mode
+0600, so only its owner can connect) no key is needed. On the public listener, browsers on
+the origins of the ``cors_origins`` setting get their preflights answered and CORS headers on
+every answer (:mod:`berth.http_server.cors`).
 """
 
 from __future__ import annotations
@@ -11,13 +14,17 @@ from __future__ import annotations
 import asyncio
 
 from fastapi import FastAPI
-from starlette.types import ASGIApp, Receive, Scope, Send
 
 from berth.daemon.admin import build_admin_app
 from berth.daemon.admin_services import build_service_router
 from berth.daemon.auth import require_tier, secret_from_headers
+from berth.daemon.proxy import OpenAIProxy
 from berth.daemon.services import LeaderServices
 from berth.errors import AuthError
+from berth.http_server.asgi import AsgiHandler
+from berth.http_server.cors import CorsPolicy
+from berth.http_server.request import Request
+from berth.http_server.writer import ResponseWriter
 from berth.openai_errors import error_from_exception
 
 #: Paths that answer without a key on every listener.
@@ -25,59 +32,82 @@ OPEN_PATHS = frozenset({"/healthz", "/readyz"})
 
 
 class LeaderApp:
-    """Dispatches one listener's requests to the proxy or the admin app, after auth.
+    """Serves one listener's requests: the proxy or the admin app, after auth.
 
-    ``trusted`` is True for the Unix socket listener.
+    ``trusted`` is True for the Unix socket listener; ``cors`` applies on the public one.
     """
 
-    def __init__(self, services: LeaderServices, admin: FastAPI, *, trusted: bool) -> None:
+    def __init__(
+        self,
+        services: LeaderServices,
+        admin: FastAPI,
+        *,
+        trusted: bool,
+        cors: CorsPolicy | None = None,
+    ) -> None:
         self._services = services
-        self._admin = admin
-        self._proxy: ASGIApp = services.proxy
+        self._admin = AsgiHandler(admin)
+        self._proxy: OpenAIProxy = services.proxy
         self._trusted = trusted
+        self._cors = cors if cors is not None and cors.enabled else None
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self._admin(scope, receive, send)
-            return
-        path: str = scope["path"]
-        is_v1 = path.startswith("/v1/")
+    async def __call__(self, request: Request, writer: ResponseWriter) -> None:
+        path = request.path
+        cors = self._cors
+        if cors is not None:
+            origin = request.header(b"origin")
+            if origin is not None:
+                if request.method == "OPTIONS":
+                    allowed = cors.preflight(
+                        origin,
+                        request.header(b"access-control-request-method"),
+                        request.header(b"access-control-request-headers"),
+                    )
+                    if allowed is not None:
+                        await writer.start(204, allowed)
+                        await writer.end()
+                        return
+                writer.extra_headers = cors.answer_headers(origin)
         if not self._trusted and path not in OPEN_PATHS:
             tier = "admin" if path.startswith("/admin") else "standard"
             try:
-                await self._authenticate(scope, tier)
+                await self._authenticate(request, tier)
             except AuthError as exc:
-                await _send_error(send, exc)
+                await _send_error(writer, exc)
                 return
-        if is_v1:
-            await self._proxy(scope, receive, send)
+        if path.startswith("/v1/"):
+            await self._proxy.handle(request, writer)
         else:
-            await self._admin(scope, receive, send)
+            await self._admin(request, writer)
 
-    async def _authenticate(self, scope: Scope, tier: str) -> None:
+    async def _authenticate(self, request: Request, tier: str) -> None:
         authenticator = self._services.authenticator
-        secret = secret_from_headers(scope["headers"])
+        secret = secret_from_headers(request.headers)
         record = authenticator.cached(secret)
         if record is None:
             record = await asyncio.to_thread(authenticator.lookup, secret)
         require_tier(record, tier)
 
 
-async def _send_error(send: Send, exc: AuthError) -> None:
+async def _send_error(writer: ResponseWriter, exc: AuthError) -> None:
     status, body, headers = error_from_exception(exc)
-    raw_headers = [(b"content-type", b"application/json")]
+    raw_headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", b"%d" % len(body)),
+    ]
     raw_headers += [(k.lower().encode(), v.encode()) for k, v in headers.items()]
     if status == 401:
         raw_headers.append((b"www-authenticate", b"Bearer"))
-    await send({"type": "http.response.start", "status": status, "headers": raw_headers})
-    await send({"type": "http.response.body", "body": body})
+    await writer.start(status, raw_headers)
+    await writer.end(body)
 
 
 def build_apps(services: LeaderServices) -> tuple[LeaderApp, LeaderApp]:
     """Return ``(public_app, socket_app)`` sharing one admin app and one proxy."""
     admin = build_admin_app(services)
     admin.include_router(build_service_router(services))
+    cors = CorsPolicy.from_setting(services.settings.cors_origins)
     return (
-        LeaderApp(services, admin, trusted=False),
+        LeaderApp(services, admin, trusted=False, cors=cors),
         LeaderApp(services, admin, trusted=True),
     )

@@ -4,9 +4,10 @@ It is the only writer of deployment state (through :class:`StateWriter`) and the
 the :class:`ReadyTable` the proxy reads on every request without touching the database.
 Its parts, each with one reason to change:
 
-- here: the commands (deploy, stop) and carrying out a start; where a deployment goes is
-  decided by :func:`berth.placement.plan_placement` from facts gathered by
-  :mod:`berth.daemon.placement_facts`;
+- here: the commands (plan, deploy, stop) and carrying out a start; where a deployment goes
+  is decided by :func:`berth.placement.plan_placement` from facts gathered by
+  :mod:`berth.daemon.placement_facts`, with VRAM estimates from
+  :mod:`berth.daemon.estimates`;
 - :mod:`berth.daemon.reconcile`: the store against the engines that really run (at start,
   on an agent's Hello, every watch interval);
 - :mod:`berth.daemon.ready_table`: the table of ready upstreams the proxy resolves from;
@@ -18,14 +19,20 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 from berth.cluster.link import LOCAL_NODE_ID, AgentLink
 from berth.cluster.link_registry import LinkRegistry
 from berth.cluster.protocol.frames import AdoptedState, EngineState
 from berth.daemon.adapters import LoraPlan, plan_lora
-from berth.daemon.placement_facts import gather_node_facts
+from berth.daemon.estimates import VramEstimator
+from berth.daemon.placement_facts import UsageLookup, no_usage
+from berth.daemon.planner import (
+    DEFAULT_MIN_RESIDENCY_S,
+    DeployOptions,
+    PlannedDeployment,
+    Planner,
+)
 from berth.daemon.ready_table import LOADING_RETRY_AFTER_S, ReadyTable
 from berth.daemon.reconcile import WATCH_INTERVAL_S, Reconciler
 from berth.daemon.transitions import StateListener, StateWriter
@@ -37,13 +44,12 @@ from berth.errors import (
     NotFoundError,
 )
 from berth.placement import (
+    EvictionPolicy,
     ModelAt,
     ModelPull,
     Placement,
     PlacementPolicy,
-    PlacementRequest,
     Refusal,
-    plan_placement,
 )
 from berth.routing.resolver import Upstream
 from berth.runtime.engines import (
@@ -51,8 +57,6 @@ from berth.runtime.engines import (
     DEFAULT_IMAGES,
     DeploymentRequest,
     EngineName,
-    parse_engine_name,
-    parse_runtime_name,
 )
 from berth.store import DeploymentRecord, Store
 from berth.store.states import TERMINAL_STATES, DeploymentState
@@ -60,30 +64,14 @@ from berth.store.states import TERMINAL_STATES, DeploymentState
 log = logging.getLogger(__name__)
 
 __all__ = [
+    "DEFAULT_MIN_RESIDENCY_S",
     "LOADING_RETRY_AFTER_S",
     "WATCH_INTERVAL_S",
     "DeployOptions",
     "LifecycleManager",
+    "PlannedDeployment",
     "StateListener",
 ]
-
-
-@dataclass(frozen=True)
-class DeployOptions:
-    """A request to deploy ``model_name`` on ``node_id``."""
-
-    model_name: str
-    engine: str
-    node_id: str
-    runtime: str = "process"
-    gpus: tuple[int, ...] = ()
-    ctx: int | None = None
-    extra_args: tuple[str, ...] = ()
-    served_model_name: str | None = None
-    #: the container image (docker runtime only); ``None``: the engine's image setting
-    image: str | None = None
-    #: vLLM/SGLang: LoRA adapter slots (``None``: 1 when the base has adapters, else off)
-    max_adapters: int | None = None
 
 
 class LifecycleManager:
@@ -93,7 +81,9 @@ class LifecycleManager:
     ones).  ``on_state`` is called with the new record after every state change (metrics
     use it).  ``images`` is the container image per engine for the docker runtime (the
     ``*_image`` settings); ``gpu_images`` replaces it for a deployment given GPUs
-    (llama.cpp's default image has no CUDA).
+    (llama.cpp's default image has no CUDA).  ``usage`` tells placement how each
+    deployment is used (for the eviction choice); ``min_residency_s`` is the eviction
+    choice's minimum residency.
     """
 
     def __init__(
@@ -107,13 +97,27 @@ class LifecycleManager:
         watch_interval_s: float = WATCH_INTERVAL_S,
         images: Mapping[EngineName, str] = DEFAULT_IMAGES,
         gpu_images: Mapping[EngineName, str] = DEFAULT_GPU_IMAGES,
+        usage: UsageLookup = no_usage,
+        min_residency_s: float = DEFAULT_MIN_RESIDENCY_S,
     ) -> None:
         self._store = store
         self._links = links
         self._policy = PlacementPolicy(images=dict(images), gpu_images=dict(gpu_images))
+        self._estimator = VramEstimator()
+        #: one placement at a time: the next sees the last one's record (and its VRAM)
+        self._placing = asyncio.Lock()
         self._health_timeout_s = health_timeout_s
         self._stop_grace_s = stop_grace_s
         self._table = ReadyTable()
+        self._planner = Planner(
+            store,
+            links,
+            self._table,
+            self._policy,
+            estimator=self._estimator,
+            usage=usage,
+            min_residency_s=min_residency_s,
+        )
         self._writer = StateWriter(store, self._table, on_state)
         self._starting: dict[str, asyncio.Task[None]] = {}
         self._reconciler = Reconciler(
@@ -225,68 +229,61 @@ class LifecycleManager:
 
     # -- commands --------------------------------------------------------------------------
 
+    async def plan(
+        self, options: DeployOptions, *, eviction: EvictionPolicy | None = None
+    ) -> PlannedDeployment:
+        """Where a deployment of ``options`` would go, and why: a dry run (nothing changes).
+        See :meth:`berth.daemon.planner.Planner.plan`."""
+        return await self._planner.plan(options, eviction=eviction)
+
     async def deploy(self, options: DeployOptions) -> DeploymentRecord:
         """Create a deployment and start its engine in the background.
 
-        Returns the pending record at once; the state moves to loading, then ready or failed.
-        Raises ``NotFoundError`` for an unknown model or node, ``ConfigError`` for an unknown
-        engine or runtime and for a placement refused as a bad request, ``ConflictError`` for
+        Where it goes is :meth:`plan`'s answer.  Returns the pending record at once; the
+        state moves to loading, then ready or failed.  Raises what :meth:`plan` raises,
+        ``ConfigError`` for a placement refused as a bad request and ``ConflictError`` for
         one refused by the cluster's state (:class:`berth.placement.Refusal`).
         """
-        engine = parse_engine_name(options.engine)
-        runtime = parse_runtime_name(options.runtime)
-        node_id = label = LOCAL_NODE_ID
-        if options.node_id != LOCAL_NODE_ID:
-            node = await asyncio.to_thread(self._store.lookup_node, options.node_id)
-            if node.status == "removed":
-                raise NotFoundError("node", options.node_id)
-            node_id, label = node.id, node.label
-        link = self._links.get(node_id)  # the start goes over this one, even if it drops
-        model = await asyncio.to_thread(self._store.get_model, options.model_name)
-        facts = await gather_node_facts(
-            self._store,
-            self._table,
-            link,
-            node_id=node_id,
-            label=label,
-            model=model,
-            gpus_asked=bool(options.gpus),
-        )
-        request = PlacementRequest(
-            model, engine, runtime, node_id, gpus=options.gpus, image=options.image
-        )
-        placement = plan_placement(request, [facts], self._policy)
-        if isinstance(placement, Refusal):
-            raise placement.error()
-        assert link is not None  # placed only on a node with a link
-        adapters = await asyncio.to_thread(self._store.list_adapters, model.name)
-        lora = plan_lora(
-            engine,
-            placement.runtime,
-            node_id,
-            adapters,
-            max_adapters=options.max_adapters,
-            node_serves_adapters="op.load_adapter" in link.capabilities,
-        )
-        served = options.served_model_name or model.name
-        record = await asyncio.to_thread(
-            self._store.create_deployment,
-            model.name,
-            engine,
-            runtime,
-            node_id,
-            gpus=options.gpus,
-            ctx=options.ctx,
-            extra_args=options.extra_args,
-            served_model_name=served,
-            image=placement.image,
-            adapter_slots=lora.slots,
-            lora_adapters=lora.names,
-        )
+        async with self._placing:  # the next placement counts this one's VRAM
+            planned = await self._planner.plan(options)
+            placement = planned.result
+            if isinstance(placement, Refusal):
+                raise placement.error()
+            link = self._links.get(placement.node_id)  # the start goes over this one
+            if link is None:
+                raise ConflictError(
+                    f"node {placement.label} ({placement.node_id}) is not connected"
+                )
+            adapters = await asyncio.to_thread(self._store.list_adapters, planned.model.name)
+            lora = plan_lora(
+                planned.engine,
+                placement.runtime,
+                placement.node_id,
+                adapters,
+                max_adapters=options.max_adapters,
+                node_serves_adapters="op.load_adapter" in link.capabilities,
+            )
+            served = options.served_model_name or planned.model.name
+            record = await asyncio.to_thread(
+                self._store.create_deployment,
+                planned.model.name,
+                planned.engine,
+                planned.runtime,
+                placement.node_id,
+                gpus=placement.gpus,
+                ctx=options.ctx,
+                extra_args=options.extra_args,
+                served_model_name=served,
+                image=placement.image,
+                adapter_slots=lora.slots,
+                lora_adapters=lora.names,
+            )
+            self._estimator.remember(record.id, planned.estimate)
+        log.info("deployment %s placed: %s", record.id, "; ".join(placement.reasons))
         self._table.add_known_model(served)
         self._writer.notify(record)
         task = asyncio.create_task(
-            self._run_start(record, link, placement, engine, lora), name=record.id
+            self._run_start(record, link, placement, planned.engine, lora), name=record.id
         )
         self._starting[record.id] = task
         task.add_done_callback(lambda _t: self._starting.pop(record.id, None))

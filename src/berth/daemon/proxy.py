@@ -11,9 +11,10 @@ There is no framework routing here: this module is called only after authenticat
 paths it serves (``POST /v1/chat/completions``, ``/v1/completions``, ``/v1/embeddings``,
 ``/v1/responses``; ``GET /v1/models`` and ``/v1/models/{id}``), and it matches ``scope["path"]``
 itself. Errors are answered in the OpenAI shape (:mod:`berth.openai_errors`); the ones
-this module raises are drawn in :mod:`berth.routing.errors`. The raw ASGI plumbing is in
-:mod:`berth.daemon.proxy_http`, the relaying of an engine's answer in
-:mod:`berth.daemon.proxy_relay`.
+this module raises are drawn in :mod:`berth.routing.errors`. What the proxy needs of the
+client's request and of the writer of its answer is in :mod:`berth.daemon.proxy_http`
+(berth's own HTTP server gives both as they are; :mod:`berth.daemon.proxy_asgi` adapts
+ASGI), the relaying of an engine's answer in :mod:`berth.daemon.proxy_relay`.
 """
 
 from __future__ import annotations
@@ -26,8 +27,11 @@ from collections.abc import Callable, Sequence
 
 from berth.daemon.adapters import AdapterManager, LeasedAnswer, with_lora
 from berth.daemon.engine_client import EngineAuth, EngineClient, TunnelOpener
+from berth.daemon.proxy_asgi import AsgiClientRequest, AsgiClientWriter
 from berth.daemon.proxy_dispatch import first_answer
 from berth.daemon.proxy_http import (
+    ClientRequest,
+    ClientWriter,
     Receive,
     Scope,
     Send,
@@ -36,10 +40,11 @@ from berth.daemon.proxy_http import (
     send_json,
     with_model,
 )
-from berth.daemon.proxy_relay import AnswerRelay, Exchange, watch_disconnect
+from berth.daemon.proxy_relay import AnswerRelay, Exchange
 from berth.daemon.read_ahead import DEFAULT_BUFFER_CHUNKS, ReadAhead
 from berth.engine_http.answer import EngineAnswer
 from berth.errors import BerthError, NotFoundError
+from berth.http_server.errors import HttpServerError
 from berth.observability.metrics import ProxyMetrics, Target
 from berth.openai_errors import ErrorResponse, error_from_exception
 from berth.routing.errors import (
@@ -98,7 +103,8 @@ def _target(upstream: Upstream) -> Target:
 
 
 class OpenAIProxy:
-    """ASGI app for the OpenAI-compatible ``/v1`` routes.
+    """The OpenAI-compatible ``/v1`` routes: :meth:`handle` for berth's HTTP server, and an
+    ASGI app (``__call__``).
 
     The body of a POST is forwarded byte for byte to ``upstream.base_url + path`` of the
     deployment ``resolver.resolve(body["model"])`` picks (called on the event loop for every
@@ -191,7 +197,8 @@ class OpenAIProxy:
         run the ``lifespan`` protocol (startup/shutdown) when served directly."""
         kind = scope["type"]
         if kind == "http":
-            await self._http(scope, receive, send)
+            request = AsgiClientRequest(scope, receive)
+            await self.handle(request, AsgiClientWriter(send, request))
         elif kind == "lifespan":
             await self._lifespan(receive, send)
         else:
@@ -208,23 +215,24 @@ class OpenAIProxy:
                 await send({"type": "lifespan.shutdown.complete"})
                 return
 
-    async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
-        path: str = scope["path"]
-        method: str = scope["method"]
-        request_id, forward, content_length = scan_headers(scope["headers"])
+    async def handle(self, request: ClientRequest, writer: ClientWriter) -> None:
+        """Serve one request (``request.path`` is the full ``/v1/...`` path)."""
+        path = request.path
+        method = request.method
+        request_id, forward, content_length = scan_headers(request.headers)
         if path in _COMPLETION_PATHS:
             if method == "POST":
-                await self._proxy(scope, request_id, forward, content_length, receive, send)
+                await self._proxy(request, request_id, forward, content_length, writer)
                 return
             allowed = "POST"
         elif path == _MODELS_PATH or path.startswith(_MODEL_PREFIX):
             if method == "GET":
-                await self._models(path, request_id, send)
+                await self._models(path, request_id, writer)
                 return
             allowed = "GET"
         else:
             await self._reject(
-                send,
+                writer,
                 request_id,
                 InvalidRequestError(
                     f"Invalid URL ({method} {path})", code="unknown_url", status=404
@@ -237,11 +245,11 @@ class OpenAIProxy:
             code="method_not_allowed",
             status=405,
         )
-        await self._reject(send, request_id, error, self._clock(), allow=allowed)
+        await self._reject(writer, request_id, error, self._clock(), allow=allowed)
 
     # -- /v1/models ---------------------------------------------------------------------------
 
-    async def _models(self, path: str, request_id: bytes, send: Send) -> None:
+    async def _models(self, path: str, request_id: bytes, writer: ClientWriter) -> None:
         start = self._clock()
         names = self._resolver.models()
         if path == _MODELS_PATH:
@@ -252,10 +260,10 @@ class OpenAIProxy:
         else:
             ident = path[len(_MODEL_PREFIX) :]
             if ident not in names:
-                await self._reject(send, request_id, NotFoundError("model", ident), start)
+                await self._reject(writer, request_id, NotFoundError("model", ident), start)
                 return
             payload = self._model_card(ident)
-        await send_json(send, 200, json.dumps(payload).encode(), request_id)
+        await send_json(writer, 200, json.dumps(payload).encode(), request_id)
 
     def _model_card(self, name: str) -> dict[str, object]:
         # OpenAI's Model object; "created" is unix seconds, here when the proxy started.
@@ -274,16 +282,15 @@ class OpenAIProxy:
 
     async def _proxy(
         self,
-        scope: Scope,
+        request: ClientRequest,
         request_id: bytes,
         forward: list[tuple[bytes, bytes]],
         content_length: bytes | None,
-        receive: Receive,
-        send: Send,
+        writer: ClientWriter,
     ) -> None:
         start = self._clock()
         try:
-            body = await self._read_body(receive, content_length)
+            body = await self._read_body(request, content_length)
             if body is None:
                 self._metrics.request_rejected(
                     model="",
@@ -292,20 +299,27 @@ class OpenAIProxy:
                     error_reason="client_disconnected",
                 )
                 return
-            plan, key = self.router.plan_request(model_of(body), scope["headers"])
+            plan, key = self.router.plan_request(model_of(body), request.headers)
         except BerthError as exc:
-            await self._reject(send, request_id, exc, start)
+            await self._reject(writer, request_id, exc, start)
             return
 
         upstream = plan[0]
         self._metrics.request_started(_target(upstream))  # moved if a retry goes elsewhere
         exchange = Exchange(start)
         task = asyncio.current_task()
-        assert task is not None, "ASGI apps run in a task"
-        watcher = task.get_loop().create_task(watch_disconnect(receive, exchange, task))
+        assert task is not None, "requests are served in a task"
+
+        def client_left() -> None:
+            # Cancelling the relay closes the engine request: it stops generating for nobody.
+            if not exchange.done:
+                exchange.client_gone = True
+                task.cancel()
+
+        request.watch_disconnect(client_left)
         signals = self.router.signals
-        path: str = scope["path"]
-        query: bytes = scope.get("query_string", b"")
+        path = request.path
+        query = request.query
         dispatched = False
         try:
             bodies = _Bodies(body)  # rewritten at most once per engine model
@@ -328,7 +342,7 @@ class OpenAIProxy:
                 self._metrics.request_moved(_target(upstream), _target(chosen))
             upstream = chosen
             self.router.succeeded(key, upstream)
-            await self._relay(upstream, response, request_id, send, exchange)
+            await self._relay(upstream, response, request_id, writer, exchange)
         except asyncio.CancelledError:
             # Ours if the client left (the engine request is closed by now); anyone else's
             # (a server shutting down) goes on up.
@@ -337,15 +351,12 @@ class OpenAIProxy:
             exchange.error_reason = "client_disconnected"
         except ProxyError as exc:  # raised only before the answer started
             exchange.done = True
-            reply = await self._send_error(send, request_id, exc)
+            reply = await self._send_error(writer, request_id, exc)
             exchange.status = reply.status
             exchange.error_reason = exc.error_code
             _log.warning("request %s: %s", request_id.decode(), exc)
         finally:
-            if not exchange.done:
-                watcher.cancel()
-            # else the watcher ends by itself: ASGI servers answer receive() with
-            # "http.disconnect" once the response is complete.
+            request.watch_disconnect(None)
             target = _target(upstream)
             if dispatched:
                 signals.finished(upstream.deployment_id, upstream.node_id)
@@ -382,7 +393,9 @@ class OpenAIProxy:
             raise
         return LeasedAnswer(answer, lease)
 
-    async def _read_body(self, receive: Receive, content_length: bytes | None) -> bytes | None:
+    async def _read_body(
+        self, request: ClientRequest, content_length: bytes | None
+    ) -> bytes | None:
         """The request body, or ``None`` if the client left while sending it."""
         limit = self._max_body_bytes
         if content_length is not None:
@@ -390,34 +403,24 @@ class OpenAIProxy:
                 raise InvalidRequestError("invalid Content-Length header", code="invalid_request")
             if int(content_length) > limit:
                 raise RequestTooLargeError(limit)
-        message = await receive()
-        if message["type"] != "http.request":
+        parts: list[bytes] = []
+        size = 0
+        try:
+            while chunk := await request.read_chunk():
+                size += len(chunk)
+                if size > limit:
+                    raise RequestTooLargeError(limit)
+                parts.append(chunk)
+        except HttpServerError:
             return None
-        body: bytes = message.get("body", b"")
-        if not message.get("more_body", False):
-            if len(body) > limit:
-                raise RequestTooLargeError(limit)
-            return body
-        parts = [body]
-        size = len(body)
-        while True:
-            message = await receive()
-            if message["type"] != "http.request":
-                return None
-            chunk: bytes = message.get("body", b"")
-            size += len(chunk)
-            if size > limit:
-                raise RequestTooLargeError(limit)
-            parts.append(chunk)
-            if not message.get("more_body", False):
-                return b"".join(parts)
+        return parts[0] if len(parts) == 1 else b"".join(parts)
 
     async def _relay(
         self,
         upstream: Upstream,
         response: EngineAnswer,
         request_id: bytes,
-        send: Send,
+        writer: ClientWriter,
         exchange: Exchange,
     ) -> None:
         try:
@@ -425,23 +428,27 @@ class OpenAIProxy:
             encoding = response.header(b"content-encoding")
             length = response.content_length
             streamed = content_type.startswith(b"text/event-stream")
-            if response.status < 400 and (
-                streamed or length is None or length > self._max_buffered_response_bytes
+            if (
+                not writer.buffers_writes
+                and response.status < 400
+                and (streamed or length is None or length > self._max_buffered_response_bytes)
             ):
-                # Relayed piece by piece: a bounded buffer lets the engine run a little
-                # ahead of the client, and stops reading it when the client stalls.
+                # Relayed piece by piece to a writer that waits on every piece: a bounded
+                # buffer lets the engine run a little ahead of the client, and stops reading
+                # it when the client stalls. (berth's own server needs none: its writes wait
+                # only while the client's transport buffer is full, which is the same bound.)
                 response = ReadAhead(response, self._relay_buffer_chunks)
             if response.status >= 400:
                 await self._answers.relay_engine_error(
-                    response, content_type, request_id, send, exchange
+                    response, content_type, request_id, writer, exchange
                 )
             elif streamed:
                 await self._answers.relay_stream(
-                    response, content_type, encoding, request_id, send, exchange
+                    response, content_type, encoding, request_id, writer, exchange
                 )
             else:
                 await self._answers.relay_body(
-                    response, upstream, content_type, encoding, request_id, send, exchange
+                    response, upstream, content_type, encoding, request_id, writer, exchange
                 )
         finally:
             # An answer read to its end has already put its connection back in the pool; one
@@ -453,7 +460,7 @@ class OpenAIProxy:
 
     async def _reject(
         self,
-        send: Send,
+        writer: ClientWriter,
         request_id: bytes,
         exc: BerthError,
         start: float,
@@ -462,7 +469,7 @@ class OpenAIProxy:
     ) -> None:
         """Answer a request no deployment was chosen for, and count it."""
         extra = [(b"allow", allow.encode())] if allow else []
-        reply = await self._send_error(send, request_id, exc, extra)
+        reply = await self._send_error(writer, request_id, exc, extra)
         if isinstance(exc, ProxyError):
             reason = exc.error_code
         elif isinstance(exc, NotFoundError):
@@ -477,7 +484,7 @@ class OpenAIProxy:
 
     async def _send_error(
         self,
-        send: Send,
+        writer: ClientWriter,
         request_id: bytes,
         exc: BerthError,
         extra: Sequence[tuple[bytes, bytes]] = (),
@@ -488,5 +495,5 @@ class OpenAIProxy:
         # No "Connection: close" on a 413: closing a socket with unread request bytes makes the
         # kernel reset the connection, and the client may lose the answer. The server reads
         # and drops the rest of the body instead.
-        await send_json(send, reply.status, reply.body, request_id, headers)
+        await send_json(writer, reply.status, reply.body, request_id, headers)
         return reply

@@ -1,5 +1,11 @@
-"""Raw ASGI plumbing of the proxy (:mod:`berth.daemon.proxy`): the ASGI types, what of a
-request's headers reaches an engine, the ``model`` of a request body, and a JSON answer.
+"""The proxy's side of a client exchange (:mod:`berth.daemon.proxy`): what it needs of a
+request and of the writer of its answer, what of a request's headers reaches an engine, the
+``model`` of a request body, and a JSON answer.
+
+The proxy is served two ways, through the same two interfaces: by berth's own HTTP server
+(:mod:`berth.http_server`, whose ``Request`` and ``ResponseWriter`` are a
+:class:`ClientRequest` and a :class:`ClientWriter` as they are), and as an ASGI app
+(:mod:`berth.daemon.proxy_asgi` adapts ``receive`` and ``send``).
 """
 
 from __future__ import annotations
@@ -8,7 +14,7 @@ import json
 import os
 import re
 from collections.abc import Awaitable, Callable, MutableMapping, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 from berth.routing.errors import InvalidRequestError
 
@@ -16,6 +22,43 @@ Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
+
+
+class ClientRequest(Protocol):
+    """A client's request as the proxy reads it.
+
+    ``read_chunk`` returns the body piece by piece, ``b""`` at its end, and raises
+    :class:`berth.http_server.errors.HttpServerError` when the client went away first.
+    ``watch_disconnect(callback)`` calls ``callback`` (once) if the client goes away before
+    the answer ends, at once if it already has; ``None`` stops watching.
+    """
+
+    method: str
+    path: str
+    query: bytes
+    headers: list[tuple[bytes, bytes]]
+
+    async def read_chunk(self) -> bytes: ...
+
+    def watch_disconnect(self, callback: Callable[[], None] | None) -> None: ...
+
+
+class ClientWriter(Protocol):
+    """The writer of the answer to a client: ``start`` once, ``write`` pieces, ``end`` once.
+
+    ``buffers_writes`` is true when ``write`` only waits while the client is slow (berth's
+    own server); false when each ``write`` waits for its bytes to be taken (ASGI), in which
+    case the proxy reads the engine's answer ahead of it in a bounded buffer.
+    """
+
+    buffers_writes: bool
+
+    async def start(self, status: int, headers: Sequence[tuple[bytes, bytes]]) -> None: ...
+
+    async def write(self, data: bytes) -> None: ...
+
+    async def end(self, data: bytes = b"") -> None: ...
+
 
 # Request headers an engine may see. Credentials (Authorization, Cookie, x-api-key, api-key)
 # and everything else stay at the proxy. W3C Trace Context / Baggage headers pass for tracing.
@@ -80,17 +123,18 @@ def with_model(body: bytes, model: str) -> bytes:
 
 
 async def send_json(
-    send: Send,
+    writer: ClientWriter,
     status: int,
     body: bytes,
     request_id: bytes,
     extra: Sequence[tuple[bytes, bytes]] = (),
 ) -> None:
+    """Answer ``status`` with the JSON ``body``, its length, the request id and ``extra``."""
     headers = [
         (b"content-type", b"application/json"),
         (b"content-length", b"%d" % len(body)),
         (b"x-request-id", request_id),
         *extra,
     ]
-    await send({"type": "http.response.start", "status": status, "headers": headers})
-    await send({"type": "http.response.body", "body": body})
+    await writer.start(status, headers)
+    await writer.end(body)

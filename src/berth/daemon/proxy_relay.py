@@ -3,18 +3,17 @@
 JSON is sent whole when small, otherwise chunk by chunk; an event stream is relayed event by
 event; an engine's own 4xx/5xx becomes an OpenAI-shaped error. What happened to the request
 (status, time to first byte, usage, why it failed) is kept in its :class:`Exchange` for the
-proxy's metrics, and :func:`watch_disconnect` cancels the relaying when the client leaves.
+proxy's metrics.
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from berth.daemon.proxy_http import Receive, Send, send_json
+from berth.daemon.proxy_http import ClientWriter, send_json
 from berth.daemon.sse import SSEEventSplitter, Usage, find_usage, last_usage
 from berth.engine_http.answer import EngineAnswer
 from berth.engine_http.errors import UpstreamError, UpstreamTimeoutError
@@ -86,7 +85,7 @@ class AnswerRelay:
         content_type: bytes,
         encoding: bytes | None,
         request_id: bytes,
-        send: Send,
+        writer: ClientWriter,
         exchange: Exchange,
     ) -> None:
         """A non-streamed answer: whole when small, else chunk by chunk (never as SSE)."""
@@ -106,15 +105,15 @@ class AnswerRelay:
             headers.append((b"content-length", b"%d" % len(data)))
             exchange.status = status
             exchange.done = True
-            await send({"type": "http.response.start", "status": status, "headers": headers})
+            await writer.start(status, headers)
             exchange.ttfb_s = self._clock() - exchange.start
-            await send({"type": "http.response.body", "body": data})
+            await writer.end(data)
             if encoding is None:
                 exchange.usage = find_usage(data)
             return
 
         exchange.status = status
-        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await writer.start(status, headers)
         tail = b""
         last = b""
         try:
@@ -126,7 +125,7 @@ class AnswerRelay:
                 if response.at_eof:
                     last = chunk
                     break
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                await writer.write(chunk)
         except UpstreamError as exc:
             # Leave the answer unfinished: the server then drops the connection, so the client
             # sees a truncated body instead of a complete-looking one.
@@ -134,7 +133,7 @@ class AnswerRelay:
             _log.warning("request %s: engine failed mid-answer: %r", request_id.decode(), exc)
             return
         exchange.done = True
-        await send({"type": "http.response.body", "body": last})
+        await writer.end(last)
         if encoding is None:
             exchange.usage = find_usage(tail)
 
@@ -144,13 +143,13 @@ class AnswerRelay:
         content_type: bytes,
         encoding: bytes | None,
         request_id: bytes,
-        send: Send,
+        writer: ClientWriter,
         exchange: Exchange,
     ) -> None:
         """An event stream: relay each complete event as soon as it arrives.
 
         Reads one chunk, sends it, then reads the next, so a slow client slows the reading
-        from the engine (ASGI servers wait in ``send`` while their write buffer is full).
+        from the engine (the writer waits while the client's buffer is full).
         Whole events are relayed, so that a failure can end the stream with a clean error
         event; a partial event is held back at most ``max_event_bytes``.
         """
@@ -163,7 +162,7 @@ class AnswerRelay:
         if encoding:
             headers.append((b"content-encoding", encoding))
         exchange.status = response.status
-        await send({"type": "http.response.start", "status": response.status, "headers": headers})
+        await writer.start(response.status, headers)
         # Compressed bytes cannot be split into events; relay them as they come.
         splitter = SSEEventSplitter() if encoding is None else None
         last = b""
@@ -183,7 +182,7 @@ class AnswerRelay:
                     # The engine's answer is complete: this chunk ends ours too, in one write.
                     last = chunk
                     break
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                await writer.write(chunk)
         except UpstreamError as exc:
             exchange.error_reason = "stream_aborted"
             _log.warning("request %s: engine failed mid-stream: %r", request_id.decode(), exc)
@@ -195,14 +194,14 @@ class AnswerRelay:
             if splitter is not None:
                 last += splitter.take_pending()
         exchange.done = True
-        await send({"type": "http.response.body", "body": last})
+        await writer.end(last)
 
     async def relay_engine_error(
         self,
         response: EngineAnswer,
         content_type: bytes,
         request_id: bytes,
-        send: Send,
+        writer: ClientWriter,
         exchange: Exchange,
     ) -> None:
         """The engine's own 4xx/5xx: same status, its message, in the OpenAI error shape."""
@@ -215,21 +214,7 @@ class AnswerRelay:
         exchange.status = status
         exchange.error_reason = "engine_status"
         exchange.done = True
-        await send_json(send, status, body, request_id, _relayed_error_headers(response))
-
-
-async def watch_disconnect(receive: Receive, exchange: Exchange, task: asyncio.Task[Any]) -> None:
-    """Cancel the relaying ``task`` as soon as the client disconnects before the answer ends.
-
-    Cancelling it closes the engine request, which stops the engine generating for nobody.
-    """
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            if not exchange.done:
-                exchange.client_gone = True
-                task.cancel()
-            return
+        await send_json(writer, status, body, request_id, _relayed_error_headers(response))
 
 
 def _as_openai_error(data: bytes, content_type: bytes, status: int) -> bytes:

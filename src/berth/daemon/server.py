@@ -1,10 +1,11 @@
 """Runs the leader: builds its services, binds its listeners, serves until told to stop.
 
-Two uvicorn servers share one event loop: the public HTTPS listener and the Unix socket for
-the local CLI; the cluster listener for agents (aiohttp, see ``cluster/listener.py``) runs on
-the same loop.  Sockets are bound here, before anything else starts, so a port in use fails
-the start with the listener's name, and the socket file is created with mode 0600 from the
-first instant (uvicorn's own ``uds`` option would make it 0666).
+Two listeners of berth's own HTTP server (:mod:`berth.http_server`) share one event loop: the
+public HTTPS listener and the Unix socket for the local CLI; the cluster listener for agents
+(aiohttp, see ``cluster/listener.py``) runs on the same loop. All three apply the listener
+bounds of the settings (``max_head_bytes`` ...). Sockets are bound here, before anything else
+starts, so a port in use fails the start with the listener's name, and the socket file is
+created with mode 0600 from the first instant.
 
 With ``leader_only`` the leader is a control plane only: no agent core, no ``local`` link, no
 local node sampler; every deployment runs on an agent.
@@ -13,17 +14,15 @@ local node sampler; every deployment runs on an agent.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import errno
 import logging
 import os
+import resource
 import signal
 import socket
+import ssl
 import time
-from collections.abc import Iterator
 from pathlib import Path
-
-import uvicorn
 
 from berth.agent.adopted import AdoptedWatcher
 from berth.agent.core import AgentCore
@@ -48,12 +47,16 @@ from berth.daemon.admin_services import load_routes
 from berth.daemon.app import build_apps
 from berth.daemon.auth import Authenticator
 from berth.daemon.lifecycle import LifecycleManager
+from berth.daemon.placement_facts import ResidentUsage
 from berth.daemon.proxy import OpenAIProxy
 from berth.daemon.services import LeaderServices, Listener
 from berth.errors import DaemonError
+from berth.eventloop import freeze_startup_objects
+from berth.http_server.server import HttpServer
 from berth.keys import load_or_create_pepper
 from berth.observability.adapters import AdapterMetrics
 from berth.observability.cluster import ClusterMetrics
+from berth.observability.loop_lag import LoopLagMonitor
 from berth.observability.metrics import ProxyMetrics
 from berth.observability.window import RequestMeter
 from berth.paths import BerthHome
@@ -62,7 +65,7 @@ from berth.routing.routes import RouteResolver
 from berth.routing.signals import SignalBoard
 from berth.runtime.docker import DockerRuntime, resolve_docker_host
 from berth.runtime.engines import EngineBinaries
-from berth.runtime.gpu import NvmlInventory
+from berth.runtime.gpu import inventory_for
 from berth.runtime.process import ProcessRuntime
 from berth.store import DeploymentRecord, Store
 from berth.store.states import TERMINAL_STATES
@@ -70,12 +73,8 @@ from berth.store.states import TERMINAL_STATES
 log = logging.getLogger(__name__)
 
 
-class _QuietServer(uvicorn.Server):
-    """A uvicorn server that leaves signal handling to the daemon (two servers, one loop)."""
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        yield
+#: Seconds requests in flight get to finish when the leader stops (as uvicorn gave them).
+SHUTDOWN_GRACE_S = 5.0
 
 
 def bind_tcp(name: str, host: str, port: int) -> socket.socket:
@@ -166,7 +165,7 @@ def build_local_core(home: BerthHome, settings: Settings) -> AgentCore:
             vllm=_optional_str(settings.vllm_bin),
             sglang_python=str(settings.sglang_python),
         ),
-        NvmlInventory(),
+        inventory_for(settings.simulated_gpus),
         logs_dir=home.logs_dir,
         journal_path=home.local_engines_file,  # the engines' keys, for a restarted leader
         keys_dir=home.engine_keys_dir,
@@ -182,22 +181,25 @@ def _optional_str(value: object) -> str | None:
     return None if value is None else str(value)
 
 
-def _uvicorn_config(app: object, *, tls: tuple[Path, Path] | None) -> uvicorn.Config:
-    return uvicorn.Config(
-        app,  # type: ignore[arg-type]
-        loop="uvloop",
-        http="httptools",
-        lifespan="off",
-        access_log=False,
-        log_config=None,
-        # berth is not behind a trusted reverse proxy by default: never believe
-        # X-Forwarded-* headers, and skip that middleware on the hot path.
-        proxy_headers=False,
-        server_header=False,
-        ssl_certfile=str(tls[0]) if tls else None,
-        ssl_keyfile=str(tls[1]) if tls else None,
-        timeout_graceful_shutdown=5,
-    )
+def public_ssl_context(cert: Path, key: Path) -> ssl.SSLContext:
+    """The public listener's TLS 1.2+ server context for ``cert`` and ``key`` (PEM)."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    context.load_cert_chain(str(cert), str(key))
+    context.set_alpn_protocols(["http/1.1"])
+    return context
+
+
+def raise_open_files_limit(wanted: int) -> None:
+    """Raise this process's soft limit of open files towards ``wanted`` (never past the hard
+    limit), so that the listeners' connection caps, not ``EMFILE``, are what refuses."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        except (ValueError, OSError) as exc:
+            log.warning("could not raise the open files limit to %d: %s", target, exc)
 
 
 async def serve(home: BerthHome, settings: Settings) -> None:
@@ -242,7 +244,12 @@ async def serve(home: BerthHome, settings: Settings) -> None:
     metrics = ProxyMetrics(local_meter=local_meter, local_node=LOCAL_NODE_ID)
     # The labels of deployments still active carry over a restart (the cluster series' too).
     metrics.restore(await asyncio.to_thread(store.list_deployments, active_only=True))
-    cluster_metrics = ClusterMetrics(model_of=metrics.deployment_model)
+    loop_lag = LoopLagMonitor()  # the leader's own loop: berth_event_loop_lag_seconds{node=local}
+    cluster_metrics = ClusterMetrics(
+        model_of=metrics.deployment_model,
+        local_loop_lag=loop_lag.histogram,
+        local_node=LOCAL_NODE_ID,
+    )
     cluster_metrics.register(metrics.registry)
     core = None if settings.leader_only else build_local_core(home, settings)
     links = LinkRegistry([] if core is None else [InProcessLink(core)])
@@ -271,6 +278,9 @@ async def serve(home: BerthHome, settings: Settings) -> None:
         on_state=on_state,
         images=settings.docker_images(),
         gpu_images=settings.docker_gpu_images(),
+        # what placement's eviction choice knows of a deployment's use, until the scaling
+        # controller reports last requests and queues
+        usage=lambda deployment_id: ResidentUsage(in_flight=signals.in_flight(deployment_id)),
     )
     hub = NodeHub(
         store,
@@ -348,17 +358,24 @@ async def serve(home: BerthHome, settings: Settings) -> None:
         ],
     )
     public_app, socket_app = build_apps(services)
-    public_server = _QuietServer(_uvicorn_config(public_app, tls=tls))
-    socket_server = _QuietServer(_uvicorn_config(socket_app, tls=None))
+    limits = settings.listener_limits()
+    # Three listeners, each its cap, plus engines, the store and the pool to engines.
+    raise_open_files_limit(3 * limits.max_connections + 2048)
+    public_server = HttpServer(
+        "public", public_app, limits, ssl_context=await asyncio.to_thread(public_ssl_context, *tls)
+    )
+    socket_server = HttpServer("socket", socket_app, limits)
     cluster_listener = ClusterListener(
         build_cluster_app(
             enrollment=enrollment,
             ca_pem=ca.cert_pem,
             agent_handler=hub.handle_agent,
             on_registered=hub.certificate_replaced,
+            body_timeout_s=limits.body_timeout_s,
         ),
         cluster_sock,
         cluster_ssl_context(ca, *cluster_tls),
+        limits,
     )
 
     stop = asyncio.Event()
@@ -369,10 +386,8 @@ async def serve(home: BerthHome, settings: Settings) -> None:
     home.pid_file.write_text(f"{os.getpid()}\n")
     await proxy.startup()
     try:
-        serving = [
-            asyncio.create_task(public_server.serve(sockets=[public_sock])),
-            asyncio.create_task(socket_server.serve(sockets=[unix_sock])),
-        ]
+        await public_server.start(public_sock)
+        await socket_server.start(unix_sock)
         await cluster_listener.start()
         if core is not None:
             services.runtimes = await core.runtime_status()
@@ -389,6 +404,8 @@ async def serve(home: BerthHome, settings: Settings) -> None:
             watcher.start()
         if local_sampler is not None:
             local_sampler.start()
+        freeze_startup_objects()  # full collections then skip the start-up heap
+        loop_lag.start()
         services.ready = True
         log.info(
             "berth leader ready%s: public https://%s:%d, cluster %s, socket %s, CA %s",
@@ -399,15 +416,14 @@ async def serve(home: BerthHome, settings: Settings) -> None:
             home.socket_file,
             ca.fingerprint_sha256,
         )
-        stopper = asyncio.create_task(stop.wait())
-        await asyncio.wait([stopper, *serving], return_when=asyncio.FIRST_COMPLETED)
+        await stop.wait()
         log.info("berth leader stopping")
         services.ready = False
-        public_server.should_exit = True
-        socket_server.should_exit = True
-        await asyncio.gather(*serving, return_exceptions=True)
-        stopper.cancel()
+        await asyncio.gather(
+            public_server.close(SHUTDOWN_GRACE_S), socket_server.close(SHUTDOWN_GRACE_S)
+        )
     finally:
+        await asyncio.gather(public_server.close(0.0), socket_server.close(0.0))
         if local_sampler is not None:
             await local_sampler.stop()
         await hub.shutdown()
@@ -418,6 +434,7 @@ async def serve(home: BerthHome, settings: Settings) -> None:
             if core.adopted is not None:
                 await core.adopted.stop()
             core.close()
+        loop_lag.stop()
         home.pid_file.unlink(missing_ok=True)
         home.socket_file.unlink(missing_ok=True)
         log.info("berth leader stopped")

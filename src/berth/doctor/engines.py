@@ -184,10 +184,23 @@ def image_check(client: DockerApi, engine: EngineName, image: str, *, needed: bo
     return Check(name, "ok", f"{image} ({found.short_id}, {size_mb:.0f} MB)")
 
 
-def gpu_check() -> Check:
-    """The NVIDIA GPUs NVML lists, or why there are none."""
-    from berth.runtime.gpu import nvml_status
+def gpu_check(simulated_gpus: str | None = None, source: str = "default") -> Check:
+    """The NVIDIA GPUs NVML lists, or why there are none; with ``simulated_gpus`` set (from
+    ``source``), the simulated ones instead, as a warning: a testing aid left on a real host
+    hides its GPUs from placement."""
+    from berth.runtime.gpu import nvml_status, parse_simulated_gpus
 
+    if simulated_gpus:
+        sizes = ", ".join(
+            f"{i}: {mb} MiB" for i, mb in enumerate(parse_simulated_gpus(simulated_gpus))
+        )
+        return Check(
+            "gpus",
+            "warn",
+            f"simulated ({sizes}) by simulated_gpus from {source}: a testing aid, NVML is not "
+            "asked and engines run on the CPU",
+            "unset simulated_gpus (BERTH_SIMULATED_GPUS, [gpu] simulated_gpus) to use real GPUs",
+        )
     gpus, why_none = nvml_status()
     if not gpus:
         return Check(

@@ -207,7 +207,7 @@ def tls_checks(
 
 def engine_checks(settings: Settings) -> list[Check]:
     """Each engine's program, the Docker engine and images, the GPUs."""
-    gpus = gpu_check()
+    gpus = gpu_check(settings.simulated_gpus, settings.source("simulated_gpus"))
     return [
         llama_server_check(settings.llama_server_bin, settings.source("llama_server_bin")),
         vllm_check(settings.vllm_bin, settings.source("vllm_bin")),

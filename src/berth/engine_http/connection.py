@@ -80,6 +80,11 @@ class UpstreamConnection(asyncio.Protocol):
         self._interim = False  # parsing a 1xx answer
         self._finished = False  # the answer ended during the current feed_data
         self._unexpected = False  # bytes nobody asked for
+        # The read timeout of the body: one timer per answer, not one per wait (a stream
+        # waits once per event). It fires at the earliest possible deadline and looks at
+        # when the current wait began.
+        self._body_timer: asyncio.TimerHandle | None = None
+        self._waiting_since = 0.0
 
     # -- asyncio.Protocol ---------------------------------------------------------------------
 
@@ -231,25 +236,26 @@ class UpstreamConnection(asyncio.Protocol):
                 timer.cancel()
 
     async def wait_for_body(self, response: UpstreamResponse) -> None:
-        """Wait until ``response`` has new body bytes, has ended or has failed."""
+        """Wait until ``response`` has new body bytes, has ended or has failed; raise
+        nothing, but fail the answer with :class:`UpstreamTimeoutError` when the engine sends
+        nothing for ``read_timeout_s`` during one wait."""
         if self.reading_paused:
             self.resume()
         waiter = response._waiter = self._loop.create_future()
+        self._waiting_since = now = self._loop.time()
         timeout_s = self._pool.read_timeout_s
-        timer = (
-            self._loop.call_later(timeout_s, self._body_timed_out, response, timeout_s)
-            if timeout_s is not None
-            else None
-        )
+        if timeout_s is not None and self._body_timer is None:
+            self._body_timer = self._loop.call_at(
+                now + timeout_s, self._body_timed_out, response, timeout_s
+            )
         try:
             await waiter
         finally:
             response._waiter = None
-            if timer is not None:
-                timer.cancel()
 
     def abandon(self) -> None:
         """The reader gave up on the answer in flight: close the connection."""
+        self._stop_body_timer()
         self._response = None
         self._discard()
 
@@ -271,6 +277,7 @@ class UpstreamConnection(asyncio.Protocol):
 
     def _complete(self) -> None:
         """The answer in flight has all arrived: it no longer needs this connection."""
+        self._stop_body_timer()
         response = self._response
         if response is not None:
             self._response = None
@@ -291,6 +298,7 @@ class UpstreamConnection(asyncio.Protocol):
             self._discard()
 
     def _fail(self, error: UpstreamError) -> None:
+        self._stop_body_timer()
         waiter = self._head_waiter
         if waiter is not None and not waiter.done():
             waiter.set_exception(error)
@@ -308,10 +316,23 @@ class UpstreamConnection(asyncio.Protocol):
             self._fail(UpstreamTimeoutError(self.origin, timeout_s))
 
     def _body_timed_out(self, response: UpstreamResponse, timeout_s: float) -> None:
-        if self._response is response:
-            self._fail(UpstreamTimeoutError(self.origin, timeout_s))
+        self._body_timer = None
+        if self._response is not response or response._waiter is None:
+            return  # done, or nobody waits now: the next wait arms the timer again
+        due = self._waiting_since + timeout_s
+        if self._loop.time() < due:  # this wait began after the timer was set
+            self._body_timer = self._loop.call_at(due, self._body_timed_out, response, timeout_s)
+            return
+        self._fail(UpstreamTimeoutError(self.origin, timeout_s))
+
+    def _stop_body_timer(self) -> None:
+        timer = self._body_timer
+        if timer is not None:
+            self._body_timer = None
+            timer.cancel()
 
     def _discard(self) -> None:
+        self._stop_body_timer()
         if not self.gone:
             self.gone = True
             if self._transport is not None:

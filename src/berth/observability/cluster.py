@@ -12,17 +12,21 @@ the samples of the last ``window_s`` seconds per node and exposes them:
   ``promtool check metrics`` requires: ``_ms`` names are refused as abbreviated units) and
   ``berth_deployment_requests_total``, ``berth_deployment_errors_total`` (counters)
   {node, deployment, model};
-- as a JSON-ready :class:`ClusterSnapshot` for ``GET /admin/metrics/snapshot``.
+- as a JSON-ready :class:`ClusterSnapshot` for ``GET /admin/metrics/snapshot``;
+- ``berth_event_loop_lag_seconds`` {node}: each agent's event-loop lag histogram from its
+  heartbeats, and the leader's own (node ``local``) read live from its monitor.
 
 Counters are the leader's own: they start at zero when the leader starts and never jump or go
-down. The leader adds up the growth between a node's reports; a report lower than the
-previous one (the agent restarted) counts in full, the rule Prometheus itself applies to
-counter resets. An agent's totals count since the agent started, so they may hold requests an
-earlier leader already counted: a deployment first reported in the first heartbeat of a link
-(:meth:`ClusterMetrics.node_connected`) takes that report as its baseline and counts only
-what follows. Gauges come from the node's latest sample and disappear once it is older than
-the window (a silent node reports nothing current). A stopped deployment's and a removed
-node's counters stay ``linger_s`` longer (so that a scrape reads their last values), then go.
+down. The leader adds up the growth between a node's reports; a report lower than the previous
+one (the agent restarted) counts in full, the rule Prometheus itself applies to counter resets.
+An agent's totals count since the agent started, so they may hold requests an earlier leader
+already counted: a deployment first reported in the first heartbeat of a link
+(:meth:`ClusterMetrics.node_connected`) takes that report as its baseline and counts only what
+follows; an agent's loop-lag histogram likewise takes the first report this leader gets from
+the node as its baseline. Gauges come from the node's latest sample and disappear once it is
+older than the window (a silent node reports nothing current). A stopped deployment's and a
+removed node's counters (and its lag histogram) stay ``linger_s`` longer (so that a scrape
+reads their last values), then go.
 
 Written from the event loop only; a scrape from another thread copies the tables first.
 """
@@ -35,10 +39,16 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry
-from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.metrics_core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
 
-from berth.cluster.protocol.frames import Heartbeat
+from berth.cluster.protocol.frames import Heartbeat, LoopLag
+from berth.observability.loop_lag import LagHistogram
 
 #: Seconds of samples kept per node.
 WINDOW_S = 60.0
@@ -52,6 +62,7 @@ _NODE_GPU = ("node", "gpu")
 _NODE_DEPLOYMENT = ("node", "deployment", "model")
 
 ModelLookup = Callable[[str], "str | None"]
+LagSource = Callable[[], LagHistogram]
 
 
 @dataclass(frozen=True)
@@ -119,6 +130,35 @@ class _Counter:
         self.reported_errors = 0
 
 
+class _LagTotals:
+    """The leader's running lag histogram for one node, and the last reported one."""
+
+    __slots__ = ("bounds_s", "counts", "reported", "reported_sum_s", "sum_s")
+
+    def __init__(self, report: LoopLag) -> None:
+        self.bounds_s = tuple(report.bounds_s)
+        self.counts = [0] * len(report.counts)
+        self.sum_s = 0.0
+        self.reported = list(report.counts)
+        self.reported_sum_s = report.sum_s
+
+    def add(self, report: LoopLag) -> None:
+        if sum(report.counts) < sum(self.reported):  # the agent restarted: all of it is new
+            deltas, delta_sum_s = list(report.counts), report.sum_s
+        else:
+            deltas = [max(0, now - before) for now, before in zip(report.counts, self.reported,
+                                                                  strict=True)]  # fmt: skip
+            delta_sum_s = max(0.0, report.sum_s - self.reported_sum_s)
+        for index, delta in enumerate(deltas):
+            self.counts[index] += delta
+        self.sum_s += delta_sum_s
+        self.reported = list(report.counts)
+        self.reported_sum_s = report.sum_s
+
+    def histogram(self) -> LagHistogram:
+        return LagHistogram(self.bounds_s, tuple(self.counts), self.sum_s)
+
+
 def counter_delta(previous: int, reported: int) -> int:
     """How much a cumulative count grew from ``previous`` to ``reported``.
 
@@ -133,10 +173,12 @@ MAX_SAMPLES_PER_NODE = 1200
 
 
 class ClusterMetrics:
-    """Rolling per-node samples and monotonic per-deployment counters.
+    """Rolling per-node samples, monotonic per-deployment counters and loop-lag histograms.
 
     ``model_of`` maps a deployment id to its public model name (``None`` while unknown; the
     label is then ``""`` until it is known). ``clock`` gives seconds since the epoch.
+    ``local_loop_lag``, when given, is read at every scrape for the leader's own loop lag,
+    exposed with ``node=local_node``.
     """
 
     def __init__(
@@ -146,6 +188,8 @@ class ClusterMetrics:
         linger_s: float = LINGER_S,
         model_of: ModelLookup | None = None,
         clock: Callable[[], float] = time.time,
+        local_loop_lag: LagSource | None = None,
+        local_node: str = "local",
     ) -> None:
         if window_s <= 0 or linger_s < 0:
             raise ValueError("window_s must be positive and linger_s not negative")
@@ -161,6 +205,9 @@ class ClusterMetrics:
         self._ended_deployments: dict[str, float] = {}
         #: when each removed node was removed (likewise)
         self._removed_nodes: dict[str, float] = {}
+        self._lag: dict[str, _LagTotals] = {}
+        self._local_loop_lag = local_loop_lag
+        self._local_node = local_node
 
     # -- input ------------------------------------------------------------------------------
 
@@ -215,7 +262,18 @@ class ClusterMetrics:
             samples = self._samples[node_id] = deque(maxlen=MAX_SAMPLES_PER_NODE)
         samples.append(NodeSample(at, gpus, tuple(deployments)))
         self._prune(samples, at)
+        if heartbeat.loop_lag is not None:
+            self._record_loop_lag(node_id, heartbeat.loop_lag)
         self._expire(at)
+
+    def _record_loop_lag(self, node_id: str, report: LoopLag) -> None:
+        totals = self._lag.get(node_id)
+        if totals is None or totals.bounds_s != tuple(report.bounds_s):
+            # The first report this leader has (or one with other buckets: a new agent
+            # version) is the baseline; the lag measured before it is not this leader's.
+            self._lag[node_id] = _LagTotals(report)
+        else:
+            totals.add(report)
 
     def node_connected(self, node_id: str) -> None:
         """The node's link came up (a new session): in its next report, a deployment this
@@ -263,6 +321,7 @@ class ClusterMetrics:
             self._ended_deployments.pop(deployment_id, None)
         for node_id in removed:
             self._removed_nodes.pop(node_id, None)
+            self._lag.pop(node_id, None)
 
     def _prune(self, samples: deque[NodeSample], now: float) -> None:
         horizon = now - self.window_s
@@ -301,6 +360,14 @@ class ClusterMetrics:
             for key, c in list(self._counters.items())
         ]
 
+    def loop_lag(self, now: float | None = None) -> list[tuple[str, LagHistogram]]:
+        """Each node's loop-lag histogram at ``now`` (default: the clock), the leader's own
+        (``local_node``) first."""
+        self._expire(self._clock() if now is None else now)
+        out = [] if self._local_loop_lag is None else [(self._local_node, self._local_loop_lag())]
+        out += [(node_id, totals.histogram()) for node_id, totals in list(self._lag.items())]
+        return out
+
 
 class _ClusterCollector(Collector):
     """Turns :class:`ClusterMetrics` into Prometheus families at scrape time."""
@@ -309,17 +376,18 @@ class _ClusterCollector(Collector):
         self._metrics = metrics
 
     def describe(self) -> list[Metric]:
-        return list(self._families([], []))
+        return list(self._families([], [], []))
 
     def collect(self) -> Iterator[Metric]:
         m = self._metrics
         now = m._clock()
-        return self._families(m._latest(now), m._totals(now))
+        return self._families(m._latest(now), m._totals(now), m.loop_lag(now))
 
     def _families(
         self,
         latest: list[tuple[str, NodeSample]],
         totals: list[tuple[tuple[str, str], str, int, int]],
+        lags: list[tuple[str, LagHistogram]],
     ) -> Iterator[Metric]:
         util = GaugeMetricFamily(
             "berth_node_gpu_util_pct",
@@ -372,7 +440,14 @@ class _ClusterCollector(Collector):
         for (node_id, deployment), model, requests_total, errors_total in totals:
             requests.add_metric([node_id, deployment, model], requests_total)
             errors.add_metric([node_id, deployment, model], errors_total)
-        yield from (util, mem, in_flight, requests, errors, p50, p95)
+        lag = HistogramMetricFamily(
+            "berth_event_loop_lag_seconds",
+            "How late a 20 ms timer ran on the event loop of berth's process on the node.",
+            labels=("node",),
+        )
+        for node_id, histogram in lags:
+            lag.add_metric([node_id], histogram.cumulative(), histogram.sum_s)
+        yield from (util, mem, in_flight, requests, errors, p50, p95, lag)
 
 
 __all__ = [

@@ -3,6 +3,13 @@
 A node without an NVIDIA driver simply has no GPUs: :func:`read_gpus` returns ``[]`` rather
 than failing, so berth runs the same on a laptop (llama.cpp on CPU) as on a GPU host.
 
+A testing aid: :class:`SimulatedInventory` reports GPUs that do not exist (the node setting
+``simulated_gpus``, e.g. ``24GiB,24GiB``, parsed by :func:`parse_simulated_gpus`), so
+placement by free VRAM can be tried and tested on machines without GPUs.  Engines still run
+on the CPU.  A simulated GPU reports nothing used; the leader counts its own deployments'
+estimates against the total (``placement/fit.py``).  Its UUID starts with
+:data:`SIMULATED_UUID_PREFIX`, which is how the leader tells it apart.
+
 Memory is in MiB (2**20 bytes), the unit ``nvidia-smi`` prints as "MiB".  Every call here
 talks to the driver synchronously (a few milliseconds per device); async callers run it
 through ``asyncio.to_thread``.
@@ -12,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Protocol
@@ -21,6 +29,16 @@ import pynvml
 _log = logging.getLogger(__name__)
 
 _MIB = 1 << 20
+
+#: The UUID of a simulated GPU is this prefix and its index.
+SIMULATED_UUID_PREFIX = "GPU-berth-simulated-"
+#: The name simulated GPUs report.
+SIMULATED_NAME = "simulated GPU"
+#: At most this many simulated GPUs per node, each at most 16 TiB.
+MAX_SIMULATED_GPUS = 64
+MAX_SIMULATED_MB = 16 << 20
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(GiB|G|MiB|M|TiB|T)\s*$", re.IGNORECASE)
+_UNIT_MB = {"m": 1, "mib": 1, "g": 1024, "gib": 1024, "t": 1 << 20, "tib": 1 << 20}
 
 
 @dataclass(frozen=True)
@@ -44,6 +62,11 @@ class GpuInfo:
     def memory_free_mb(self) -> int:
         """Memory not in use, in MiB."""
         return max(0, self.memory_total_mb - self.memory_used_mb)
+
+    @property
+    def simulated(self) -> bool:
+        """Whether the node simulates this GPU (``simulated_gpus``)."""
+        return self.uuid.startswith(SIMULATED_UUID_PREFIX)
 
 
 class GpuInventory(Protocol):
@@ -71,6 +94,63 @@ class StaticInventory:
     def read(self) -> list[GpuInfo]:
         """The GPUs given at construction."""
         return list(self._gpus)
+
+
+class SimulatedInventory:
+    """GPUs that do not exist, of the given sizes in MiB (``simulated_gpus``): a testing
+    aid.  Each reports its total, nothing used and no utilisation."""
+
+    def __init__(self, totals_mb: Iterable[int]) -> None:
+        self._gpus = tuple(
+            GpuInfo(
+                index=index,
+                name=SIMULATED_NAME,
+                uuid=f"{SIMULATED_UUID_PREFIX}{index}",
+                memory_total_mb=total,
+                memory_used_mb=0,
+                utilization_pct=None,
+            )
+            for index, total in enumerate(totals_mb)
+        )
+
+    def read(self) -> list[GpuInfo]:
+        """The simulated GPUs, in index order."""
+        return list(self._gpus)
+
+
+def parse_simulated_gpus(text: str) -> tuple[int, ...]:
+    """``"24GiB,24GiB"`` → ``(24576, 24576)``: simulated GPU sizes in MiB.
+
+    Each size is a number with a unit: ``MiB``/``M``, ``GiB``/``G`` or ``TiB``/``T``
+    (binary units, as ``nvidia-smi`` counts; any case; ``1.5GiB`` allowed).  An empty or
+    blank text is no GPUs.  Raises ``ValueError`` naming the part at fault for anything
+    else, a size of 0 or above 16 TiB, or more than 64 GPUs.
+    """
+    if not text.strip():
+        return ()
+    sizes = []
+    for part in text.split(","):
+        found = _SIZE.match(part)
+        if found is None:
+            raise ValueError(
+                f"{part.strip()!r} is not a GPU size such as 24GiB or 81920MiB "
+                "(comma-separated, one per GPU)"
+            )
+        size_mb = int(float(found.group(1)) * _UNIT_MB[found.group(2).lower()])
+        if not 0 < size_mb <= MAX_SIMULATED_MB:
+            raise ValueError(f"{part.strip()!r}: a GPU has more than 0 and at most 16 TiB")
+        sizes.append(size_mb)
+    if len(sizes) > MAX_SIMULATED_GPUS:
+        raise ValueError(f"at most {MAX_SIMULATED_GPUS} simulated GPUs, not {len(sizes)}")
+    return tuple(sizes)
+
+
+def inventory_for(simulated_gpus: str | None) -> GpuInventory:
+    """The node's inventory: :class:`SimulatedInventory` when ``simulated_gpus`` names
+    sizes, else NVML.  Raises ``ValueError`` for a malformed value (the setting's check
+    refuses it before this)."""
+    sizes = parse_simulated_gpus(simulated_gpus or "")
+    return SimulatedInventory(sizes) if sizes else NvmlInventory()
 
 
 def read_gpus() -> list[GpuInfo]:

@@ -31,7 +31,7 @@ from pathlib import Path
 from berth.errors import EngineError
 from berth.runtime.base import EngineHandle, LaunchSpec, ProgressListener, printable_command
 from berth.runtime.cgroups import EngineCgroup, EngineCgroups, cgroup2_mount
-from berth.runtime.health import probe_health, wait_for_health
+from berth.runtime.health import HealthProber, bearer_headers
 from berth.runtime.proc import (
     all_processes,
     group_has_live_members,
@@ -87,6 +87,7 @@ class ProcessRuntime:
         self._kill_wait_s = kill_wait_s
         self._log_tail_lines = log_tail_lines
         self._children: dict[int, subprocess.Popen[bytes]] = {}
+        self._health = HealthProber()  # one HTTP client for every probe
         self.trees = TreeTracking(process_tree)
         self._tree_scan_interval_s = tree_scan_interval_s
         #: what is known of each engine's processes, by the engine's pid
@@ -247,13 +248,13 @@ class ProcessRuntime:
         async def alive() -> bool:
             return self.is_alive(handle)
 
-        outcome = await wait_for_health(
+        outcome = await self._health.wait(
             url,
             timeout_s,
             alive=alive,
             poll_interval_s=self._poll_interval_s,
             probe_timeout_s=self._probe_timeout_s,
-            api_key=handle.api_key,
+            headers=bearer_headers(handle.api_key),
         )
         if outcome == "exited":
             raise EngineError(
@@ -271,7 +272,7 @@ class ProcessRuntime:
     async def check_health(self, handle: EngineHandle, health_path: str, timeout_s: float) -> bool:
         """One health probe: whether ``GET health_path`` answers 200 within ``timeout_s``."""
         url = f"{handle.base_url}{health_path}"
-        return await probe_health(url, timeout_s, api_key=handle.api_key)
+        return await self._health.probe(url, timeout_s, headers=bearer_headers(handle.api_key))
 
     async def stop(self, handle: EngineHandle, grace_s: float) -> None:
         """Stop the engine and its whole tree: SIGTERM, then SIGKILL after ``grace_s`` seconds.

@@ -21,6 +21,7 @@ it ``unsupported``; an unknown reset or error code reads as ``internal``.
 
 from __future__ import annotations
 
+import itertools
 import struct
 from enum import IntEnum, StrEnum
 from typing import Any, Literal, TypeGuard, assert_never, get_args
@@ -178,6 +179,35 @@ class DeploymentLoad(_Body, kw_only=True):
     latency_p95_ms: float | None = None
 
 
+#: Most buckets a heartbeat's loop-lag histogram may carry.
+MAX_LAG_BUCKETS = 64
+
+
+class LoopLag(_Body, kw_only=True):
+    """The agent's event-loop lag histogram, cumulative since the agent started.
+
+    ``bounds_s`` are the buckets' upper bounds in seconds, increasing (at most
+    :data:`MAX_LAG_BUCKETS`); ``counts`` holds one count per bucket (not cumulative) and a
+    last one for lags above the largest bound; ``sum_s`` adds up every lag, in seconds.
+    Decoding anything else raises (a malformed ``HEARTBEAT``).
+    """
+
+    bounds_s: list[float]
+    counts: list[int]
+    sum_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        bounds = self.bounds_s
+        if not 0 < len(bounds) <= MAX_LAG_BUCKETS:
+            raise ValueError(f"loop_lag needs 1 to {MAX_LAG_BUCKETS} bounds, not {len(bounds)}")
+        if any(not b > a for a, b in itertools.pairwise(bounds)):
+            raise ValueError("loop_lag bounds_s must increase")
+        if len(self.counts) != len(bounds) + 1 or any(c < 0 for c in self.counts):
+            raise ValueError("loop_lag counts must be one non-negative count per bound, plus one")
+        if not self.sum_s >= 0:
+            raise ValueError("loop_lag sum_s must be a non-negative number")
+
+
 class ErrorInfo(_Body, kw_only=True):
     """Why a request failed: ``code`` is for programs, ``message`` for people, ``log_tail``
     the engine's last log lines (``engine_error``)."""
@@ -280,13 +310,14 @@ class _AnyProgress(_Body, kw_only=True):
 
 
 class Heartbeat(_Body, kw_only=True):
-    """Sent by the agent every heartbeat interval: GPUs, per-deployment load and the
-    adopted endpoints with their liveness."""
+    """Sent by the agent every heartbeat interval: GPUs, per-deployment load, the adopted
+    endpoints with their liveness and, optionally, its event loop's lag histogram."""
 
     sent_at: float
     gpus: list[GpuState] = []
     deployments: list[DeploymentLoad] = []
     adopted: list[AdoptedState] = []
+    loop_lag: LoopLag | None = None
 
 
 StreamKind = Literal["http", "logs"]

@@ -52,7 +52,7 @@ from berth.runtime.docker.spec import (
     owner_labels,
 )
 from berth.runtime.docker.threads import DockerThreads
-from berth.runtime.health import probe_health, wait_for_health
+from berth.runtime.health import HealthProber, bearer_headers
 from berth.runtime.process import DEFAULT_LOG_TAIL_LINES
 
 log = logging.getLogger(__name__)
@@ -115,6 +115,7 @@ class DockerRuntime:
         self._threads = DockerThreads()
         self._running: dict[str, bool] = {}
         self._logs = LogCopies()
+        self._health = HealthProber()  # one HTTP client for every probe
         self._network_ready = False
 
     # -- the engine connection -------------------------------------------------------------
@@ -250,13 +251,13 @@ class DockerRuntime:
         ``timeout_s`` seconds pass.
         """
         url = f"{handle.base_url}{spec.health_path}"
-        outcome = await wait_for_health(
+        outcome = await self._health.wait(
             url,
             timeout_s,
             alive=lambda: self.poll(handle),
             poll_interval_s=self._poll_interval_s,
             probe_timeout_s=self._probe_timeout_s,
-            api_key=handle.api_key,
+            headers=bearer_headers(handle.api_key),
         )
         if outcome == "healthy":
             return
@@ -271,7 +272,7 @@ class DockerRuntime:
     async def check_health(self, handle: EngineHandle, health_path: str, timeout_s: float) -> bool:
         """One health probe: whether ``GET health_path`` answers 200 within ``timeout_s``."""
         url = f"{handle.base_url}{health_path}"
-        return await probe_health(url, timeout_s, api_key=handle.api_key)
+        return await self._health.probe(url, timeout_s, headers=bearer_headers(handle.api_key))
 
     async def stop(self, handle: EngineHandle, grace_s: float) -> None:
         """Stop the container (Docker sends SIGTERM, then SIGKILL after ``grace_s`` seconds)

@@ -1,0 +1,106 @@
+"""``berth plan MODEL_OR_SERVICE``: the VRAM estimate and where a deployment would go.
+
+A dry run through the daemon (``POST /admin/plan``): the same facts, estimate and placement
+``berth run`` and ``berth service deploy`` act on, printed with the reasons.  Nothing
+changes; a plan that would be refused exits 0 and says why.
+"""
+
+from __future__ import annotations
+
+import typer
+from rich.table import Table
+
+from berth.api import Plan, PlanIn
+from berth.cli.common import console, context, print_json, request_body
+from berth.cli.deploy_cmd import parse_gpus
+from berth.placement.estimate import mib
+
+
+def plan(
+    ctx: typer.Context,
+    target: str = typer.Argument(..., help="A service (berth service ls) or a model."),
+    node: str | None = typer.Option(None, "--node", help="Plan for this node (label or id)."),
+    ctx_len: int | None = typer.Option(None, "--ctx", min=1, help="Context length in tokens."),
+    engine: str | None = typer.Option(
+        None,
+        "--engine",
+        "-e",
+        help="llamacpp, vllm or sglang (default: the service's, else llamacpp).",
+    ),
+    gpu: str | None = typer.Option(None, "--gpu", help="GPU indexes, e.g. 0 or 0,1."),
+    runtime: str | None = typer.Option(None, "--runtime", help="process or docker."),
+    extra: list[str] | None = typer.Option(
+        None, "--extra-arg", "-x", help="Extra engine argument (repeatable)."
+    ),
+    force: bool = typer.Option(False, "--force", help="As berth run --force."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON."),
+) -> None:
+    """Show a deployment's VRAM estimate and where it would go, with the reasons.
+
+    Nothing is started or changed.
+    """
+    body = request_body(
+        PlanIn,
+        target=target,
+        node=node,
+        ctx=ctx_len,
+        engine=engine,
+        gpus=parse_gpus(gpu) if gpu is not None else None,
+        runtime=runtime,
+        extra_args=list(extra) if extra else None,
+        force=force,
+    )
+    with context(ctx).client() as client:
+        answer = client.plan(body)
+    if as_json:
+        print_json(answer)
+        return
+    print_plan(answer)
+
+
+def print_plan(answer: Plan) -> None:
+    """The plan for people: the estimate and its inputs, the verdict, the reasons, the GPUs
+    looked at."""
+    out = console
+    what = (
+        f"model {answer.model}"
+        if answer.kind == "model"
+        else (f"service {answer.target} (model {answer.model})")
+    )
+    out.print(f"plan for [bold]{what}[/] on {answer.engine} ({answer.runtime})", soft_wrap=True)
+    estimate = answer.estimate
+    if estimate is None:
+        out.print(f"estimate: none ({answer.estimate_problem})", markup=False, soft_wrap=True)
+    else:
+        out.print(f"estimate: {estimate.summary}", markup=False, soft_wrap=True)
+        width = max(len(i.name) for i in estimate.inputs)
+        for item in estimate.inputs:
+            out.print(f"  {item.name:<{width}}  {item.value}", markup=False, soft_wrap=True)
+        for note in estimate.notes:
+            out.print(f"  note: {note}", markup=False, soft_wrap=True)
+    if answer.placed:
+        gpus = f" GPU {','.join(map(str, answer.gpus))}" if answer.gpus else ""
+        where = f"node {answer.node_label}{gpus}"
+        out.print(f"[green]would run on {where}[/] (model {answer.model_source})", soft_wrap=True)
+    else:
+        out.print(f"[red]refused[/] ({answer.refusal_reason}): ", end="")
+        out.print(answer.refusal or "", markup=False, soft_wrap=True)
+    eviction = answer.eviction
+    if eviction is not None:
+        lead = "first stops" if eviction.needed else "would fit after stopping"
+        out.print(f"eviction: {lead} {', '.join(eviction.deployment_ids)}", soft_wrap=True)
+        for line in eviction.reasons:
+            out.print(f"  {line}", markup=False, soft_wrap=True)
+    if answer.reasons:
+        out.print("why:")
+        for line in answer.reasons:
+            out.print(f"  - {line}", markup=False, soft_wrap=True)
+    if answer.considered:
+        table = Table(title="GPUs looked at", title_justify="left")
+        for column in ("NODE", "GPU", "NAME", "TOTAL", "FREE", "VERDICT", "DETAIL"):
+            table.add_column(column)
+        for o in answer.considered:
+            name = f"{o.name} (simulated)" if o.simulated and "simulated" not in o.name else o.name
+            table.add_row(o.node_label, str(o.index), name, mib(o.total_mb), mib(o.free_mb),
+                          o.verdict.replace("_", " "), o.detail)  # fmt: skip
+        out.print(table)
