@@ -448,8 +448,8 @@ def test_a_leader_only_daemon_runs_engines_on_agents_only(
     refused = cluster.berth("run", "tiny", check=False)
     assert refused.returncode == EXIT_CONFIG
     assert refused.stderr.strip() == (
-        "error: this leader runs no engines (leader_only is set): run the deployment on an "
-        "agent with --node LABEL (`berth nodes ls` lists them)"
+        "error: no connected node reports GPUs, and this leader runs no engines (leader_only "
+        "is set): name a node with --node LABEL (`berth nodes ls` lists them)"
     )
     assert cluster.admin("GET", "/admin/deployments") == []
 
