@@ -15,7 +15,8 @@ import pytest
 from sqlalchemy import text
 
 from berth.cluster.link_registry import LinkRegistry
-from berth.daemon.adapters import AdapterManager, plan_lora
+from berth.daemon.adapters import AdapterManager
+from berth.daemon.lora_plan import lora_notes, plan_lora
 from berth.errors import ConfigError, ConflictError, NotFoundError
 from berth.routing.adapters import AdapterSlots, AdapterTier, eviction_choice, rank_tiers, tier_of
 from berth.routing.errors import AdapterUnavailableError, NoReadyDeploymentError
@@ -387,3 +388,14 @@ async def test_a_failed_load_is_an_attempt_to_retry_elsewhere() -> None:
     with pytest.raises(AdapterUnavailableError, match="could not load adapter 'x'"):
         await manager.enter(_upstream(manager, "x"))
     assert manager.loaded_on("x") == []
+
+
+def test_deployments_started_without_lora_need_a_restart_for_adapters() -> None:
+    manager, _link, _now = _manager()
+    manager.deployment_changed(_record("d-2", "n1", None))  # vLLM started without LoRA
+    assert manager.restarts_for("m") == {"d-2": ["x", "y", "z"]}
+    assert manager.restarts_for("other") == {}
+    assert lora_notes(plan_lora("vllm", "process", "n1", [], max_adapters=2,
+                                node_serves_adapters=True)) == [
+        "starts with LoRA on: 2 adapter slots, loaded on demand"
+    ]  # fmt: skip

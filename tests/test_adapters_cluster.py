@@ -187,6 +187,14 @@ def test_with_the_slots_full_the_least_recently_used_idle_adapter_is_unloaded(
         if s.name.endswith("_total")
     ]
     assert any(labels["model"] == "math" for labels in requests)  # the adapter is the model
+    by_base = {
+        (s.labels["adapter"], s.labels["base"]): s.value
+        for family in text_string_to_metric_families(metrics)
+        if family.name == "berth_adapter_requests"
+        for s in family.samples
+        if s.name.endswith("_total")
+    }
+    assert by_base[("math", BASE)] == 1 and by_base[("sql", BASE)] == 2
 
 
 def test_an_adapter_request_is_not_retried_onto_an_engine_without_the_adapter(

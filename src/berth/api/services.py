@@ -22,7 +22,8 @@ class ServiceIn(ApiModel):
     ``engine`` and ``runtime`` as a user typed them (checked by the store); ``runtime``
     ``None`` is the leader's ``default_runtime`` setting, recorded on the service.  ``gpus``
     are device indexes (0 to 1023), ``ctx`` the context length in tokens, ``node_label`` the
-    node its deployments run on (``None``: chosen at deploy time).
+    node its deployments run on (``None``: chosen at deploy time), ``max_adapters`` their LoRA
+    slots (vLLM, SGLang; ``None``: 1 when the model has adapters, else LoRA off).
     """
 
     name: str = Field(pattern=SERVICE_NAME_PATTERN)
@@ -34,6 +35,7 @@ class ServiceIn(ApiModel):
     extra_args: list[str] = Field(default_factory=list)
     image: str | None = Field(default=None, max_length=512)
     node_label: str | None = None
+    max_adapters: int | None = Field(default=None, ge=1, le=2**31 - 1)
 
     @field_validator("gpus")
     @classmethod
@@ -91,6 +93,7 @@ class Service(ApiModel):
     created_at: Timestamp
     routes: list[str]
     ready: int
+    max_adapters: int | None = None
 
 
 class ServiceDeployment(ApiModel):

@@ -52,6 +52,12 @@ def create_service(
     node_label: str | None = typer.Option(
         None, "--node-label", help="The node its deployments run on (default: chosen at deploy)."
     ),
+    max_adapters: int | None = typer.Option(
+        None,
+        "--max-adapters",
+        min=1,
+        help="vLLM/SGLang: LoRA adapters loaded at once (default: 1 when the model has adapters).",
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print JSON."),
 ) -> None:
     """Create a service profile."""
@@ -66,6 +72,7 @@ def create_service(
         extra_args=list(extra),
         image=image,
         node_label=node_label,
+        max_adapters=max_adapters,
     )
     with context(ctx).client() as client:
         record = client.create_service(body)
@@ -91,6 +98,9 @@ def _settings(record: Service) -> str:
         parts.append("args " + " ".join(record.extra_args))
     if record.image:
         parts.append(f"image {record.image}")
+    if record.max_adapters:
+        plural = "s" if record.max_adapters != 1 else ""
+        parts.append(f"{record.max_adapters} adapter slot{plural}")
     parts.append(f"node {record.node_label}" if record.node_label else "any node")
     return ", ".join(parts)
 

@@ -4,11 +4,12 @@ Three parts, one object (:class:`AdapterManager`) holding the state they share, 
 memory (the registry is re-read from the store when the admin API changes it, so a request
 never touches the database):
 
-- **the resolver** (:class:`AdapterResolver`): wraps the proxy's resolver. A request for an
-  adapter's name resolves to the ready deployments of its base, each tagged with the adapter
-  and its tier (loaded, free slot, evict: :mod:`berth.routing.adapters`); a deployment that
-  cannot take the adapter is left out, so neither the first attempt nor a retry goes there.
-  ``/v1/models`` lists each adapter whose base is served, with the base as ``parent``.
+- **the resolver** (:mod:`berth.daemon.adapter_resolver` wraps the proxy's resolver with
+  :meth:`AdapterManager.upstreams`): a request for an adapter's name resolves to the ready
+  deployments of its base, each tagged with the adapter and its tier (loaded, free slot,
+  evict: :mod:`berth.routing.adapters`); a deployment that cannot take the adapter is left
+  out, so neither the first attempt nor a retry goes there. ``/v1/models`` lists each
+  adapter whose base is served, with the base as ``parent``.
 - **the gate** (:meth:`AdapterManager.enter`): before an attempt, loads the adapter into the
   chosen engine when it lacks it, unloading the least recently used idle adapter first when
   the slots are full; the load is a link op (``load_adapter``), run on the deployment's
@@ -29,29 +30,24 @@ and ``--lora-init-without-apply`` leaves those at 1 in the llama-server berth sh
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 
 from berth.cluster.link_registry import LinkRegistry
+from berth.daemon.lora_plan import FORMAT_OF_ENGINE
 from berth.engine_http.answer import EngineAnswer
-from berth.errors import BerthError, ConfigError, NotFoundError
+from berth.errors import BerthError, NotFoundError
 from berth.observability.adapters import AdapterMetrics
 from berth.routing.adapters import AdapterSlots, AdapterTier, eviction_choice, rank_tiers
 from berth.routing.errors import AdapterUnavailableError, NoReadyDeploymentError
-from berth.routing.resolver import AdapterUse, Upstream, UpstreamResolver
-from berth.runtime.base import RuntimeName
+from berth.routing.resolver import AdapterUse, Upstream
 from berth.runtime.engines import EngineName, parse_engine_name
 from berth.store import AdapterRecord, DeploymentRecord
 
 log = logging.getLogger(__name__)
-
-#: The adapter format each engine takes.
-_FORMAT_OF_ENGINE: dict[EngineName, str] = {"llamacpp": "gguf", "vllm": "peft", "sglang": "peft"}
 
 
 @dataclass(frozen=True)
@@ -96,70 +92,6 @@ class _Engine:
             busy | frozenset(self.loading),
             has_files=self.node_id in adapter.locations,
         )
-
-
-@dataclass(frozen=True)
-class LoraPlan:
-    """How a new deployment starts with respect to adapters: vLLM/SGLang with ``slots``
-    (``None``: LoRA off), up to ``max_rank``, on ``target_modules``; llama.cpp with the
-    adapters ``names`` at ``files`` (``--lora``, in this order)."""
-
-    slots: int | None = None
-    max_rank: int | None = None
-    target_modules: tuple[str, ...] = ()
-    names: tuple[str, ...] = ()
-    files: tuple[Path, ...] = ()
-
-
-def plan_lora(
-    engine: EngineName,
-    runtime: RuntimeName,
-    node_id: str,
-    adapters: Iterable[AdapterRecord],
-    *,
-    max_adapters: int | None,
-    node_serves_adapters: bool,
-) -> LoraPlan:
-    """The adapters a deployment of their base starts with (pure).
-
-    vLLM and SGLang get LoRA with ``max_adapters`` slots (default 1, vLLM's own default)
-    when the base has PEFT adapters or ``max_adapters`` is given, their largest rank and
-    every module they target; llama.cpp gets the base's GGUF adapters on ``node_id``, by
-    name. Nothing for the docker runtime (adapter files are not mounted into containers)
-    or a node whose agent does not serve adapters (``node_serves_adapters``).
-
-    Raises :class:`~berth.errors.ConfigError` for ``max_adapters`` below 1, or given for
-    llama.cpp, or for a container.
-    """
-    if max_adapters is not None:
-        if max_adapters < 1:
-            raise ConfigError(f"--max-adapters must be at least 1, not {max_adapters}")
-        if engine == "llamacpp":
-            raise ConfigError(
-                "--max-adapters is for vLLM and SGLang: llama.cpp starts with every adapter "
-                "of its base on its node"
-            )
-        if runtime != "process":
-            raise ConfigError("LoRA adapters are served by the process runtime only")
-    if runtime != "process" or not node_serves_adapters:
-        return LoraPlan()
-    records = sorted(adapters, key=lambda a: a.name)
-    if engine == "llamacpp":
-        mine = [a for a in records if a.format == "gguf" and node_id in a.locations]
-        return LoraPlan(
-            names=tuple(a.name for a in mine),
-            files=tuple(Path(a.locations[node_id]) for a in mine),
-        )
-    peft = [a for a in records if a.format == "peft"]
-    if max_adapters is None and not peft:
-        return LoraPlan()
-    ranks = [a.rank for a in peft if a.rank is not None]
-    modules = sorted({m for a in peft for m in a.target_modules})
-    return LoraPlan(
-        slots=max_adapters or 1,
-        max_rank=max(ranks) if ranks else None,
-        target_modules=tuple(modules),
-    )
 
 
 class AdapterLease:
@@ -280,7 +212,7 @@ class AdapterManager:
             return []
         found = []
         for e in self._engines.values():
-            if e.base != adapter.base or _FORMAT_OF_ENGINE[e.engine] != adapter.format:
+            if e.base != adapter.base or FORMAT_OF_ENGINE[e.engine] != adapter.format:
                 continue
             if e.engine == "llamacpp":
                 if e.node_id in adapter.locations and name not in e.lora_order:
@@ -288,6 +220,15 @@ class AdapterManager:
             elif e.slots is None:
                 found.append(e.deployment_id)
         return sorted(found)
+
+    def restarts_for(self, base: str) -> dict[str, list[str]]:
+        """The active deployments of ``base`` that need a restart to serve some of its
+        adapters (:meth:`restart_needed`): deployment id -> those adapters, by name."""
+        found: dict[str, list[str]] = {}
+        for name in sorted(a.name for a in self._adapters.values() if a.base == base):
+            for deployment_id in self.restart_needed(name):
+                found.setdefault(deployment_id, []).append(name)
+        return dict(sorted(found.items()))
 
     # -- resolving -------------------------------------------------------------------------
 
@@ -306,12 +247,12 @@ class AdapterManager:
             engine = self._engines.get(upstream.deployment_id)
             if engine is None:
                 continue
-            if _FORMAT_OF_ENGINE[engine.engine] != adapter.format:
+            if FORMAT_OF_ENGINE[engine.engine] != adapter.format:
                 refused[upstream.deployment_id] = (
                     f"a {adapter.format} adapter does not run on {engine.engine}"
                 )
                 continue
-            if engine.slots is not None and not self._links_offer_adapters(engine.node_id):
+            if engine.slots is not None and not self.node_serves_adapters(engine.node_id):
                 refused[upstream.deployment_id] = "its node's agent cannot load adapters"
                 continue
             views.append(engine.view(adapter))
@@ -354,7 +295,8 @@ class AdapterManager:
             return upstream
         return replace(upstream, lora_scales=(0.0,) * len(engine.lora_order))
 
-    def _links_offer_adapters(self, node_id: str) -> bool:
+    def node_serves_adapters(self, node_id: str) -> bool:
+        """Whether ``node_id``'s link is up and its agent offers the ``load_adapter`` op."""
         link = self._links.get(node_id)
         return link is not None and "op.load_adapter" in link.capabilities
 
@@ -394,6 +336,8 @@ class AdapterManager:
         engine.in_flight[name] += 1
         if name in engine.loaded:
             engine.loaded[name] = self._clock()
+        if self._metrics is not None:
+            self._metrics.request_sent(name, engine.base, engine.node_id)
         return AdapterLease(self, engine.deployment_id, name)
 
     def released(self, deployment_id: str, name: str, status: int | None) -> None:
@@ -473,61 +417,3 @@ class AdapterManager:
     def _forget_metric(self, engine: _Engine, name: str) -> None:
         if self._metrics is not None:
             self._metrics.forget(name, engine.base, engine.deployment_id, engine.node_id)
-
-
-class AdapterResolver:
-    """The proxy's resolver with adapters: an adapter's name resolves to the ready
-    deployments of its base that can serve it (:meth:`AdapterManager.upstreams`), every
-    other name to ``routes`` unchanged. ``direct`` (the lifecycle manager) finds the base's
-    deployments by their served names, service or not."""
-
-    def __init__(
-        self, routes: UpstreamResolver, direct: UpstreamResolver, manager: AdapterManager
-    ) -> None:
-        self._routes = routes
-        self._direct = direct
-        self._manager = manager
-
-    def candidates(self, model: str) -> list[Upstream]:
-        """See :meth:`berth.routing.resolver.UpstreamResolver.candidates`; an adapter with
-        no deployment able to serve it is a :class:`NoReadyDeploymentError` saying why."""
-        adapter = self._manager.entry(model)
-        if adapter is None:
-            return [self._manager.base_request(u) for u in self._routes.candidates(model)]
-        return self._manager.upstreams(adapter, self._base_upstreams(adapter.base))
-
-    def _base_upstreams(self, base: str) -> list[Upstream]:
-        """The ready deployments of the model ``base``, whatever name each is served under."""
-        deployments = self._manager.deployments_of(base)
-        found: list[Upstream] = []
-        for name in sorted(set(deployments.values())):
-            try:
-                ready = self._direct.candidates(name)
-            except (NotFoundError, NoReadyDeploymentError):
-                continue
-            found.extend(u for u in ready if u.deployment_id in deployments)
-        return found
-
-    def models(self) -> list[str]:
-        """The routes' names, and each adapter whose base has a ready deployment."""
-        names = set(self._routes.models())
-        for adapter in self._manager.adapters():
-            if self._base_upstreams(adapter.base):
-                names.add(adapter.name)
-        return sorted(names)
-
-    def parent(self, model: str) -> str | None:
-        """The base model of the adapter ``model`` (``/v1/models``' ``parent``), else ``None``."""
-        adapter = self._manager.entry(model)
-        return None if adapter is None else adapter.base
-
-
-def with_lora(body: bytes, model: str | None, scales: tuple[float, ...]) -> bytes:
-    """``body`` (a JSON object) with its ``model`` set to ``model`` (when given) and its
-    ``lora`` field giving llama-server each adapter's scale by id (a client's own ``lora``
-    is replaced: berth decides which adapter a name means)."""
-    payload = json.loads(body)
-    if model is not None:
-        payload["model"] = model
-    payload["lora"] = [{"id": index, "scale": scale} for index, scale in enumerate(scales)]
-    return json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode()

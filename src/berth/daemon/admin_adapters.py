@@ -17,7 +17,10 @@ from fastapi import APIRouter
 from berth.api import Adapter, AdapterIn, AdapterLoaded, AdapterRemoved, AddedAdapter
 from berth.cluster.link import LOCAL_NODE_ID
 from berth.daemon.adapters import AdapterManager
+from berth.daemon.lora_plan import lora_notes, plan_lora
+from berth.daemon.planner import DeployOptions, PlannedDeployment
 from berth.errors import ConfigError
+from berth.placement import Placement
 from berth.runtime.adapter_files import (
     AdapterFacts,
     adapter_format_of,
@@ -69,6 +72,34 @@ def check_local_adapter(path: Path, base: ModelRecord) -> AdapterFacts:
                 f"adapter {path} does not fit model {base.name!r}: " + "; ".join(reasons)
             )
     return facts
+
+
+async def plan_notes(
+    store: Store, manager: AdapterManager, options: DeployOptions, planned: PlannedDeployment
+) -> list[str]:
+    """What ``berth plan`` says of the model's adapters: what the planned deployment would
+    start with (when it is placed), and which running deployments of the model need a
+    restart to serve adapters registered after they started. Raises ``ConfigError`` for a
+    ``max_adapters`` the deployment could not take (:func:`plan_lora`)."""
+    records = await asyncio.to_thread(store.list_adapters, planned.model.name)
+    notes: list[str] = []
+    result = planned.result
+    if isinstance(result, Placement):
+        lora = plan_lora(
+            planned.engine,
+            result.runtime,
+            result.node_id,
+            records,
+            max_adapters=options.max_adapters,
+            node_serves_adapters=manager.node_serves_adapters(result.node_id),
+        )
+        notes.extend(lora_notes(lora))
+    for deployment_id, names in manager.restarts_for(planned.model.name).items():
+        notes.append(
+            f"running deployment {deployment_id} needs a restart to serve "
+            f"{'adapter' if len(names) == 1 else 'adapters'} {', '.join(names)}"
+        )
+    return notes
 
 
 def build_adapter_router(services: LeaderServices) -> APIRouter:

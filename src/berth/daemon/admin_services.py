@@ -81,6 +81,7 @@ def service_view(
         created_at=record.created_at,
         routes=routes,
         ready=ready_count(lifecycle, record.name),
+        max_adapters=record.max_adapters,
     )
 
 
@@ -164,6 +165,7 @@ def service_router(
             extra_args=body.extra_args,
             image=body.image,
             node_label=body.node_label,
+            max_adapters=body.max_adapters,
         )
         await reload()
         return service_view(record, lifecycle, [])
@@ -208,6 +210,7 @@ def service_router(
                 served_model_name=record.name,
                 image=record.image,
                 force=force,
+                max_adapters=record.max_adapters,
             )
         )
         return deployment_view(deployment, lifecycle)

@@ -24,8 +24,8 @@ from pathlib import Path
 from berth.cluster.link import LOCAL_NODE_ID, AgentLink
 from berth.cluster.link_registry import LinkRegistry
 from berth.cluster.protocol.frames import AdoptedState, EngineState
-from berth.daemon.adapters import LoraPlan, plan_lora
 from berth.daemon.estimates import VramEstimator
+from berth.daemon.lora_plan import LoraPlan, plan_lora
 from berth.daemon.placement_facts import UsageLookup, no_usage
 from berth.daemon.planner import (
     DEFAULT_MIN_RESIDENCY_S,

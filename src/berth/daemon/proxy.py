@@ -25,7 +25,8 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 
-from berth.daemon.adapters import AdapterManager, LeasedAnswer, with_lora
+from berth.daemon.adapter_resolver import with_lora
+from berth.daemon.adapters import AdapterManager, LeasedAnswer
 from berth.daemon.engine_client import EngineAuth, EngineClient, TunnelOpener
 from berth.daemon.proxy_asgi import AsgiClientRequest, AsgiClientWriter
 from berth.daemon.proxy_dispatch import first_answer

@@ -41,7 +41,8 @@ from berth.cluster.listener import (
 )
 from berth.cluster.peer_identity import ForwardedFingerprintTrust
 from berth.config import Settings
-from berth.daemon.adapters import AdapterManager, AdapterResolver
+from berth.daemon.adapter_resolver import AdapterResolver
+from berth.daemon.adapters import AdapterManager
 from berth.daemon.admin_adapters import reload_adapters
 from berth.daemon.admin_services import load_routes
 from berth.daemon.app import build_apps

@@ -4,6 +4,7 @@ Requests for an adapter are counted by the proxy's own series with the adapter a
 ``model`` label (the name the client asked for); these series carry the base model as
 ``base``, so a query can group an adapter's traffic by its base (``docs/metrics.md``)::
 
+    berth_adapter_requests_total{adapter, base, node}           attempts sent with the adapter
     berth_adapter_loaded{adapter, base, deployment, node}        1 while loaded (series gone after)
     berth_adapter_loads_total{adapter, base, node, outcome}      outcome: loaded | failed
     berth_adapter_unloads_total{adapter, base, node}             unloaded to free a slot
@@ -23,6 +24,12 @@ class AdapterMetrics:
     """The adapter series, registered in ``registry`` (the proxy's)."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
+        self.requests = Counter(
+            "berth_adapter_requests",
+            "Attempts sent to an engine with the LoRA adapter (a retry elsewhere counts again).",
+            ("adapter", "base", "node"),
+            registry=registry,
+        )
         self.loaded = Gauge(
             "berth_adapter_loaded",
             "1 while the LoRA adapter is loaded in the deployment's engine.",
@@ -41,6 +48,9 @@ class AdapterMetrics:
             ("adapter", "base", "node"),
             registry=registry,
         )
+
+    def request_sent(self, adapter: str, base: str, node: str) -> None:
+        self.requests.labels(adapter, base, node).inc()
 
     def load_finished(
         self, adapter: str, base: str, deployment: str, node: str, outcome: LoadOutcome

@@ -208,6 +208,7 @@ def _v7_adapters(conn: Connection) -> None:
     conn.execute(text("ALTER TABLE deployments ADD COLUMN adapter_slots INTEGER"))
     spelled = JSON().compile(dialect=conn.dialect)
     conn.execute(text(f"ALTER TABLE deployments ADD COLUMN lora_adapters {spelled}"))
+    conn.execute(text("ALTER TABLE service_profiles ADD COLUMN max_adapters INTEGER"))
     metadata = MetaData()
     Table("models", metadata, Column("name", String(255), primary_key=True))
     Table("nodes", metadata, Column("id", String(16), primary_key=True))
@@ -247,7 +248,9 @@ MIGRATIONS: tuple[Migration, ...] = (
     Migration(2, "nodes, enrollment_tokens and model_locations", _v2_nodes),
     Migration(3, "deployments.image (the docker runtime's container image)", _v3_deployment_image),
     Migration(4, "service_profiles, routes and route_targets", _v4_services_and_routes),
-    Migration(7, "adapters, adapter_locations, deployments' adapter slots", _v7_adapters),
+    Migration(
+        7, "adapters, adapter_locations, deployments' and services' adapter slots", _v7_adapters
+    ),
 )
 
 LATEST_VERSION = MIGRATIONS[-1].version

@@ -154,6 +154,8 @@ class ServiceProfileRecord:
     default); ``image`` the container image of a ``docker`` profile (``None``: the engine's
     image setting); ``node_label`` the node its deployments run on (``None``: chosen at
     deploy time, ``local`` by default).  Its deployments serve the profile's ``name``.
+    ``max_adapters`` is their LoRA slot count (vLLM, SGLang; ``None``: 1 when the model has
+    adapters, else LoRA off, as ``berth run --max-adapters``).
     """
 
     name: str
@@ -166,6 +168,7 @@ class ServiceProfileRecord:
     image: str | None
     node_label: str | None
     created_at: datetime
+    max_adapters: int | None = None
 
 
 @dataclass(frozen=True)

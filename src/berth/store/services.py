@@ -67,6 +67,7 @@ class ServiceMethods:
         extra_args: Sequence[str] = (),
         image: str | None = None,
         node_label: str | None = None,
+        max_adapters: int | None = None,
     ) -> ServiceProfileRecord:
         """Record the service profile ``name``.
 
@@ -74,7 +75,8 @@ class ServiceMethods:
         :class:`ConflictError` when ``name`` is taken; :class:`NotFoundError` for an unknown
         model or a ``node_label`` no enrolled node has (removed nodes included);
         :class:`ConfigError` for an unknown engine or runtime, a negative GPU index, a
-        non-positive ``ctx``, or an ``image`` on a runtime other than ``docker``.
+        non-positive ``ctx``, an ``image`` on a runtime other than ``docker``, or a
+        ``max_adapters`` below 1 or for llama.cpp (which takes its adapters at start).
         """
         engine_name = parse_engine_name(engine)
         runtime_name = parse_runtime_name(runtime)
@@ -87,6 +89,7 @@ class ServiceMethods:
             raise ConfigError("an image applies to the docker runtime only (--runtime docker)")
         if image == "":
             raise ConfigError("the docker image name is empty")
+        _check_max_adapters(max_adapters, engine_name)
         with self._write() as session:
             if session.get(ServiceProfileRow, name) is not None:
                 raise ConflictError(f"service {name!r} already exists")
@@ -120,6 +123,7 @@ class ServiceMethods:
                 image=image,
                 node_label=node_label,
                 created_at=self._clock(),
+                max_adapters=max_adapters,
             )
             session.add(row)
             return _profile_record(row)
@@ -284,6 +288,18 @@ def models_used_by_services(session: Session, model_name: str) -> list[str]:
     )
 
 
+def _check_max_adapters(max_adapters: int | None, engine: str) -> None:
+    if max_adapters is None:
+        return
+    if max_adapters < 1:
+        raise ConfigError(f"max_adapters must be at least 1, not {max_adapters}")
+    if engine == "llamacpp":
+        raise ConfigError(
+            "max_adapters is for vLLM and SGLang: llama.cpp starts with every adapter of its "
+            "base on its node"
+        )
+
+
 def _refuse_adapter_name(session: Session, name: str, what: str) -> None:
     base = adapter_named(session, name)
     if base is not None:
@@ -387,6 +403,7 @@ def _profile_record(row: ServiceProfileRow) -> ServiceProfileRecord:
         image=row.image,
         node_label=row.node_label,
         created_at=_aware(row.created_at),
+        max_adapters=row.max_adapters,
     )
 
 

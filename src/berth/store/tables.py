@@ -191,6 +191,8 @@ class ServiceProfileRow(Base):
     image: Mapped[str | None] = mapped_column(String(512))
     node_label: Mapped[str | None] = mapped_column(String(63))
     created_at: Mapped[datetime] = mapped_column(UTCDateTime)
+    #: vLLM/SGLang: LoRA adapter slots of its deployments (``None``: berth's default)
+    max_adapters: Mapped[int | None] = mapped_column(Integer, nullable=True)
 
 
 class RouteRow(Base):
