@@ -12,12 +12,13 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
+from aiohttp import web
 from sqlalchemy import text
 
 from berth.cluster.link_registry import LinkRegistry
 from berth.daemon.adapters import AdapterManager
 from berth.daemon.lora_plan import lora_notes, plan_lora
-from berth.errors import ConfigError, ConflictError, NotFoundError
+from berth.errors import ConfigError, ConflictError, EngineError, NotFoundError
 from berth.routing.adapters import AdapterSlots, AdapterTier, eviction_choice, rank_tiers, tier_of
 from berth.routing.errors import AdapterUnavailableError, NoReadyDeploymentError
 from berth.routing.resolver import Upstream
@@ -27,7 +28,9 @@ from berth.runtime.engines import (
     EngineBinaries,
     build_container_spec,
     build_launch_spec,
+    find_free_port,
 )
+from berth.runtime.lora_api import load_adapter, unload_adapter
 from berth.store import AdapterRecord, DeploymentRecord, Store
 from berth.store.migrations import MIGRATIONS, migrate
 from berth.store.states import DeploymentState
@@ -380,8 +383,6 @@ async def test_a_failed_load_is_an_attempt_to_retry_elsewhere() -> None:
     manager, link, _now = _manager()
 
     async def refuse(deployment_id: str, engine: str, adapter: str, path: str) -> None:
-        from berth.errors import EngineError
-
         raise EngineError("the engine refused")
 
     link.load_adapter = refuse  # type: ignore[method-assign]
@@ -398,4 +399,56 @@ def test_deployments_started_without_lora_need_a_restart_for_adapters() -> None:
     assert lora_notes(plan_lora("vllm", "process", "n1", [], max_adapters=2,
                                 node_serves_adapters=True)) == [
         "starts with LoRA on: 2 adapter slots, loaded on demand"
+    ]  # fmt: skip
+
+
+# -- the engines' adapter API ------------------------------------------------------------------
+
+
+async def test_sglang_and_vllm_adapter_api_over_real_http() -> None:
+    """``runtime/lora_api``: each engine's paths, the key sent, and how each engine's own
+    refusals are read (an adapter already loaded or already gone is no failure)."""
+    seen: list[tuple[str, object, str | None]] = []
+
+    async def answer(request: web.Request) -> web.Response:
+        body = await request.json()
+        seen.append((request.path, body, request.headers.get("Authorization")))
+        name = body["lora_name"]
+        if request.path == "/load_lora_adapter" and name == "broken":
+            return web.json_response(
+                {"success": False, "error_message": "rank 64 is above --max-lora-rank 16"},
+                status=400,
+            )
+        if request.path == "/unload_lora_adapter" and name == "gone":
+            return web.json_response(
+                {"success": False, "error_message": "LoRA adapter gone not found"}, status=400
+            )
+        if request.path == "/v1/load_lora_adapter" and name == "twice":
+            message = "The lora adapter 'twice' has already been loaded."
+            return web.json_response({"error": {"message": message}}, status=400)
+        return web.json_response({"success": True})
+
+    app = web.Application()
+    for path in ("/load_lora_adapter", "/unload_lora_adapter", "/v1/load_lora_adapter"):
+        app.router.add_post(path, answer)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = find_free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    try:
+        url = f"http://127.0.0.1:{port}"
+        await load_adapter("sglang", url, "sql", "/a/sql", api_key="k1")
+        await unload_adapter("sglang", url, "gone", api_key=None)  # already gone: fine
+        await load_adapter("vllm", url, "twice", "/a/twice", api_key=None)  # already there
+        with pytest.raises(EngineError, match="rank 64 is above --max-lora-rank 16"):
+            await load_adapter("sglang", url, "broken", "/a/broken", api_key=None)
+        with pytest.raises(ConfigError, match="restart the deployment"):
+            await load_adapter("llamacpp", url, "x", "/a/x.gguf", api_key=None)
+    finally:
+        await runner.cleanup()
+    assert seen[0] == ("/load_lora_adapter", {"lora_name": "sql", "lora_path": "/a/sql"},
+                       "Bearer k1")  # fmt: skip
+    assert [path for path, _body, _key in seen] == [
+        "/load_lora_adapter", "/unload_lora_adapter", "/v1/load_lora_adapter",
+        "/load_lora_adapter",
     ]  # fmt: skip
