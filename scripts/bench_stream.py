@@ -23,8 +23,8 @@ in one run:
 * ``litellm``: LiteLLM's proxy (PyPI ``litellm[proxy]``), one worker, plain HTTP.
 
 vllm-router and LiteLLM are looked for in ``--bench-venv`` (or ``$BERTH_BENCH_VENV``): a
-virtualenv of their own, never the project's (``python -m venv /work/bench-venv &&
-/work/bench-venv/bin/pip install vllm-router 'litellm[proxy]'``). A path whose program is
+virtualenv of their own, never the project's (``python -m venv .bench-venv &&
+.bench-venv/bin/pip install vllm-router 'litellm[proxy]'``). A path whose program is
 missing is skipped with a note.
 
 Per path, after ``--warmup-s`` seconds of the load, ``--duration-s`` seconds are measured:
@@ -560,7 +560,7 @@ def main() -> None:
     parser.add_argument(
         "--bench-venv",
         type=Path,
-        default=Path(os.environ.get("BERTH_BENCH_VENV", "/work/bench-venv")),
+        default=Path(os.environ.get("BERTH_BENCH_VENV", ".bench-venv")),
         help="virtualenv with vllm-router and litellm (default $BERTH_BENCH_VENV)",
     )
     parser.add_argument("--keep", action="store_true", help="keep the temporary homes and logs")

@@ -30,6 +30,8 @@ from berth.store import Store
 from support import installed
 from support.clocks import StepClock
 from support.cluster_harness import Cluster, started_cluster
+from support.desk_harness import loopback_tls
+from support.desk_standin import ThreadedDeskStandin
 from support.docker_support import llama_server_image, require_docker_client
 from support.hub_standin import TINY_FILES, TINY_REPOS, HubStandin
 from support.link_pair import Linked, linked_in_memory
@@ -186,3 +188,14 @@ def docker_client() -> Iterator[Any]:
 def engine_image(docker_client: Any) -> str:
     """The tag of a local image running this machine's llama-server (built when missing)."""
     return llama_server_image(docker_client)
+
+
+@pytest.fixture(scope="module")
+def tls_desk(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[tuple[ThreadedDeskStandin, Path]]:
+    """A stand-in ow desk on 127.0.0.1 over real TLS for one test module, in a thread, and the
+    CA file that verifies its certificate (for ``SSL_CERT_FILE``)."""
+    server_tls, ca_file = loopback_tls(tmp_path_factory.mktemp("desk-tls"))
+    with ThreadedDeskStandin(tls=server_tls) as standin:
+        yield standin, ca_file

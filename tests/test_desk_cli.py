@@ -14,8 +14,9 @@ from pathlib import Path
 import pytest
 
 from berth.runtime.engines import find_free_port
-from support.cluster_harness import fake_engine_wrapper
-from support.desk_harness import Berth, DeskServe, clean_env, files_containing, loopback_tls
+from support.berth_cli import Berth
+from support.cluster_harness import clean_env, fake_engine_wrapper
+from support.desk_harness import DeskServe, files_containing
 from support.desk_standin import ThreadedDeskStandin
 from support.fake_llama_server import ANSWER, USAGE
 
@@ -28,26 +29,19 @@ EXIT_DAEMON = 3
 
 
 @pytest.fixture(scope="module")
-def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def desk_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("desk-cli")
 
 
 @pytest.fixture(scope="module")
-def desk(workdir: Path) -> Iterator[tuple[ThreadedDeskStandin, Path]]:
-    server_tls, ca_file = loopback_tls(workdir / "tls")
-    with ThreadedDeskStandin(tls=server_tls) as standin:
-        yield standin, ca_file
-
-
-@pytest.fixture(scope="module")
-def leader(workdir: Path, desk: tuple[ThreadedDeskStandin, Path]) -> Iterator[Berth]:
+def desk_leader(desk_dir: Path, tls_desk: tuple[ThreadedDeskStandin, Path]) -> Iterator[Berth]:
     """A leader serving ``smollm2`` and a model whose name no desk takes."""
-    _, ca_file = desk
-    wrapper = fake_engine_wrapper(workdir)
-    gguf = workdir / "tiny.gguf"
+    _, ca_file = tls_desk
+    wrapper = fake_engine_wrapper(desk_dir)
+    gguf = desk_dir / "tiny.gguf"
     gguf.write_bytes(b"GGUF" + bytes(60))
     env = clean_env({"BERTH_LLAMA_SERVER_BIN": str(wrapper), "SSL_CERT_FILE": str(ca_file)})
-    berth = Berth(workdir / "home", env=env, cwd=workdir)
+    berth = Berth(desk_dir / "home", env=env, cwd=desk_dir)
     berth("daemon", "start", "--public-port", str(find_free_port()),
           "--cluster-port", str(find_free_port()))  # fmt: skip
     try:
@@ -60,22 +54,22 @@ def leader(workdir: Path, desk: tuple[ThreadedDeskStandin, Path]) -> Iterator[Be
 
 
 @pytest.fixture(scope="module")
-def registered(leader: Berth, desk: tuple[ThreadedDeskStandin, Path]) -> str:
-    standin, _ = desk
-    result = leader("desk", "register", "--pool-url", standin.url, "--price", "150")
+def registered(desk_leader: Berth, tls_desk: tuple[ThreadedDeskStandin, Path]) -> str:
+    standin, _ = tls_desk
+    result = desk_leader("desk", "register", "--pool-url", standin.url, "--price", "150")
     return result.stdout + result.stderr
 
 
 def test_register_prints_each_code_and_price_and_skips_a_bad_name(
-    leader: Berth, desk: tuple[ThreadedDeskStandin, Path], registered: str
+    desk_leader: Berth, tls_desk: tuple[ThreadedDeskStandin, Path], registered: str
 ) -> None:
-    standin, _ = desk
+    standin, _ = tls_desk
     assert "smollm2: registered, node code N001, price 150 cents per million tokens (set by you)" \
         in registered  # fmt: skip
     assert f"warning: served model '{LONG_NAME}' is not a valid desk model id" in registered
     assert [r["model"] for r in standin.registrations] == ["smollm2"]
-    nodes = leader.home / "desk" / "nodes.json"
-    keys = leader.home / "desk" / "enckey.json"
+    nodes = desk_leader.home / "desk" / "nodes.json"
+    keys = desk_leader.home / "desk" / "enckey.json"
     for path in (nodes, keys):
         assert stat.S_IMODE(path.stat().st_mode) == 0o600
     book = json.loads(nodes.read_text())
@@ -83,29 +77,29 @@ def test_register_prints_each_code_and_price_and_skips_a_bad_name(
     assert book["nodes"][0]["secret"] == standin.node_for("smollm2").secret
     assert set(json.loads(keys.read_text())) == {"private_key", "public_key"}
 
-    again = leader("desk", "register")  # the registered pool is the default now
+    again = desk_leader("desk", "register")  # the registered pool is the default now
     assert "smollm2: already registered, node code N001" in again.stdout
     assert len(standin.registrations) == 1
 
 
 def test_serve_answers_plain_and_sealed_jobs_through_the_leader(
-    leader: Berth, desk: tuple[ThreadedDeskStandin, Path], registered: str, workdir: Path
+    desk_leader: Berth, tls_desk: tuple[ThreadedDeskStandin, Path], registered: str, desk_dir: Path
 ) -> None:
-    standin, _ = desk
+    standin, _ = tls_desk
     plain = standin.add_job("smollm2", PLAIN_PROMPT)
     sealed = standin.add_job("smollm2", SEALED_PROMPT, sealed=True)
     tampered = standin.add_job("smollm2", SEALED_PROMPT, sealed=True, tamper="wrap_aad")
-    serve = DeskServe(leader, workdir / "serve.out", "--wait", "2")
+    serve = DeskServe(desk_leader, desk_dir / "serve.out", "--wait", "2")
     try:
         outcomes = [standin.wait_outcome(job, timeout_s=60) for job in (plain, sealed, tampered)]
         node = standin.node_for("smollm2")
         standin_pulses = list(node.pulses)
 
-        status = leader("desk", "status")
-        status_json = json.loads(leader("desk", "status", "--json").stdout)
-        check = leader("desk", "check")
+        status = desk_leader("desk", "status")
+        status_json = json.loads(desk_leader("desk", "status", "--json").stdout)
+        check = desk_leader("desk", "check")
         standin.wait_outcome(node.check["job"], timeout_s=60)  # type: ignore[index]
-        link = leader("desk", "link")
+        link = desk_leader("desk", "link")
     finally:
         code = serve.stop()
     output = serve.text()
@@ -121,7 +115,7 @@ def test_serve_answers_plain_and_sealed_jobs_through_the_leader(
 
     first = standin_pulses[0]
     assert (first["slots"], first["busy"], first["models"]) == (1, False, ["smollm2"])
-    assert first["enc_pubkey"] == json.loads((leader.home / "desk" / "enckey.json")
+    assert first["enc_pubkey"] == json.loads((desk_leader.home / "desk" / "enckey.json")
                                              .read_text())["public_key"]  # fmt: skip
     assert {h.get("x-ow-wait") for h in node.claim_headers} == {"2"}  # one model offered
 
@@ -138,23 +132,23 @@ def test_serve_answers_plain_and_sealed_jobs_through_the_leader(
 
     for secret in ("4b7e", "81d2"):
         assert secret not in output
-        assert files_containing(leader.home, secret) == []
+        assert files_containing(desk_leader.home, secret) == []
 
 
 def test_bad_input_gets_one_clear_line(
-    leader: Berth, desk: tuple[ThreadedDeskStandin, Path], registered: str, workdir: Path
+    desk_leader: Berth, tls_desk: tuple[ThreadedDeskStandin, Path], registered: str, desk_dir: Path
 ) -> None:
     """What only the CLI checks (the rest is refused in-process: ``test_desk_worker.py``)."""
-    standin, _ = desk
-    assert "--wait 20: the desk holds a claim 1 to 15 s" in leader.fails(
+    standin, _ = tls_desk
+    assert "--wait 20: the desk holds a claim 1 to 15 s" in desk_leader.fails(
         "desk", "serve", "--wait", "20", exit_code=EXIT_CONFIG
     )
-    line = leader.fails("desk", "status", "--pool-url", "https://other.example",
+    line = desk_leader.fails("desk", "status", "--pool-url", "https://other.example",
                         exit_code=EXIT_CONFIG)  # fmt: skip
     assert f"are registered with {standin.url}, not https://other.example (desk_pool_url, " \
         "from flag)" in line  # fmt: skip
 
-    fresh = Berth(workdir / "fresh-home", env=leader.env, cwd=workdir)
+    fresh = Berth(desk_dir / "fresh-home", env=desk_leader.env, cwd=desk_dir)
     assert "the berth leader does not answer on" in fresh.fails(
         "desk", "register", "--pool-url", standin.url, exit_code=EXIT_DAEMON
     )
@@ -165,13 +159,13 @@ def test_bad_input_gets_one_clear_line(
     )
 
 
-def test_a_desk_that_is_down_is_a_clear_message(leader: Berth, workdir: Path) -> None:
-    home = workdir / "dead-pool-home"
+def test_a_desk_that_is_down_is_a_clear_message(desk_leader: Berth, desk_dir: Path) -> None:
+    home = desk_dir / "dead-pool-home"
     (home / "desk").mkdir(parents=True)
     dead = f"https://127.0.0.1:{find_free_port()}"
     node = {"model": "smollm2", "secret": "sk-node-" + "a" * 32, "code": "N7"}
     (home / "desk" / "nodes.json").write_text(json.dumps({"pool_url": dead, "nodes": [node]}))
-    berth = Berth(home, env=leader.env, cwd=workdir)
+    berth = Berth(home, env=desk_leader.env, cwd=desk_dir)
 
     assert f"error: the desk at {dead} did not answer: node/link" in berth.fails(
         "desk", "link", exit_code=1

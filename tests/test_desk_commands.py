@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import re
-from pathlib import Path
 
 import pytest
 
@@ -25,10 +24,10 @@ from berth.paths import BerthHome
 SECRET = "sk-node-" + "b" * 32
 
 
-@pytest.fixture
-def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> BerthHome:
+@pytest.fixture(autouse=True)
+def no_pool_setting(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The pool URL comes from what each test sets, never from the caller's environment."""
     monkeypatch.delenv("BERTH_DESK_POOL_URL", raising=False)
-    return BerthHome(tmp_path / "home")
 
 
 def registered(home: BerthHome, pool_url: str, *models: str) -> None:

@@ -18,7 +18,9 @@ import pytest
 
 from berth.runtime.bundled import smollm2_gguf
 from berth.runtime.engines import find_free_port
-from support.desk_harness import Berth, DeskServe, clean_env, files_containing, loopback_tls
+from support.berth_cli import Berth
+from support.cluster_harness import clean_env
+from support.desk_harness import DeskServe, files_containing
 from support.desk_standin import ThreadedDeskStandin
 
 pytestmark = [pytest.mark.slow, pytest.mark.needs("llama-server", "smollm2")]
@@ -28,21 +30,18 @@ SEALED_PROMPT = "Name one planet of the solar system. (sealed marker e61b)"
 
 
 @pytest.fixture(scope="module")
-def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def desk_e2e_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("desk-e2e")
 
 
 @pytest.fixture(scope="module")
-def desk(workdir: Path) -> Iterator[tuple[ThreadedDeskStandin, Path]]:
-    server_tls, ca_file = loopback_tls(workdir / "tls")
-    with ThreadedDeskStandin(tls=server_tls) as standin:
-        yield standin, ca_file
-
-
-@pytest.fixture(scope="module")
-def leader(workdir: Path, desk: tuple[ThreadedDeskStandin, Path]) -> Iterator[Berth]:
-    _, ca_file = desk
-    berth = Berth(workdir / "home", env=clean_env({"SSL_CERT_FILE": str(ca_file)}), cwd=workdir)
+def real_desk_leader(
+    desk_e2e_dir: Path, tls_desk: tuple[ThreadedDeskStandin, Path]
+) -> Iterator[Berth]:
+    _, ca_file = tls_desk
+    berth = Berth(
+        desk_e2e_dir / "home", env=clean_env({"SSL_CERT_FILE": str(ca_file)}), cwd=desk_e2e_dir
+    )
     berth("daemon", "start", "--public-port", str(find_free_port()),
           "--cluster-port", str(find_free_port()))  # fmt: skip
     try:
@@ -66,15 +65,15 @@ def prompt_tokens_of(berth: Berth, prompt: str) -> int:
 
 
 def test_register_and_serve_answer_plain_and_sealed_jobs_on_llama_cpp(
-    leader: Berth, desk: tuple[ThreadedDeskStandin, Path], workdir: Path
+    real_desk_leader: Berth, tls_desk: tuple[ThreadedDeskStandin, Path], desk_e2e_dir: Path
 ) -> None:
-    standin, _ = desk
-    registered = leader("desk", "register", "--pool-url", standin.url, "--price", "90")
+    standin, _ = tls_desk
+    registered = real_desk_leader("desk", "register", "--pool-url", standin.url, "--price", "90")
     assert "smollm2: registered, node code N001, price 90 cents" in registered.stdout
 
     plain = standin.add_job("smollm2", PLAIN_PROMPT)
     sealed = standin.add_job("smollm2", SEALED_PROMPT, sealed=True)
-    serve = DeskServe(leader, workdir / "serve.out")
+    serve = DeskServe(real_desk_leader, desk_e2e_dir / "serve.out")
     try:
         outcomes = {job: standin.wait_outcome(job, timeout_s=120) for job in (plain, sealed)}
     finally:
@@ -87,15 +86,15 @@ def test_register_and_serve_answer_plain_and_sealed_jobs_on_llama_cpp(
         assert outcome.kind == "finish", output
         assert outcome.body["output"].strip()
         assert outcome.body["completion_tokens"] > 0
-        assert outcome.body["prompt_tokens"] == prompt_tokens_of(leader, prompt)
+        assert outcome.body["prompt_tokens"] == prompt_tokens_of(real_desk_leader, prompt)
         assert f"job {job} (smollm2): finished: {outcome.body['prompt_tokens']} prompt + " \
             f"{outcome.body['completion_tokens']} completion tokens" in output  # fmt: skip
 
     pulses = standin.node_for("smollm2").pulses
     assert pulses and pulses[0]["slots"] == 1 and pulses[0]["models"] == ["smollm2"]
-    gpus = json.loads(leader("nodes", "show", "local", "--json").stdout)["gpus"]
+    gpus = json.loads(real_desk_leader("nodes", "show", "local", "--json").stdout)["gpus"]
     assert (pulses[0]["chip"] is None) == (not gpus)
 
     for marker in ("5d0c", "e61b"):
         assert marker not in output
-        assert files_containing(leader.home, marker) == [], "a prompt was written to disk"
+        assert files_containing(real_desk_leader.home, marker) == [], "a prompt was written to disk"

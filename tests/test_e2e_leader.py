@@ -24,7 +24,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.needs("llama-server", "smollm2")]
 
 
 @pytest.fixture(scope="module")
-def leader(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Berth, int]]:
+def real_leader(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Berth, int]]:
     home = tmp_path_factory.mktemp("leader-home")
     # A berth run of the real engine waits for it to load: minutes on a loaded machine.
     berth = Berth(home, env=clean_env({}), cwd=home, timeout_s=600)
@@ -33,8 +33,8 @@ def leader(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Berth, in
 
 
 @pytest.fixture(scope="module")
-def deployment(leader: tuple[Berth, int]) -> dict[str, object]:
-    berth, _port = leader
+def deployment(real_leader: tuple[Berth, int]) -> dict[str, object]:
+    berth, _port = real_leader
     berth("models", "add", "smollm2", "--path", str(smollm2_gguf()))
     berth(
         "run",
@@ -54,8 +54,10 @@ def deployment(leader: tuple[Berth, int]) -> dict[str, object]:
 
 
 @pytest.fixture(scope="module")
-def openai_client(leader: tuple[Berth, int], deployment: dict[str, object]) -> Iterator[object]:
-    berth, port = leader
+def openai_client(
+    real_leader: tuple[Berth, int], deployment: dict[str, object]
+) -> Iterator[object]:
+    berth, port = real_leader
     key = berth.json("key", "create", "e2e", "--tier", "standard")
     tls = ssl.create_default_context(cafile=str(berth.home / "ca" / "ca.pem"))
     with openai.DefaultHttpxClient(verify=tls) as http:
@@ -119,8 +121,8 @@ def test_models_and_errors(openai_client: openai.OpenAI) -> None:
         )
 
 
-def test_metrics_count_tokens(leader: tuple[Berth, int], openai_client: openai.OpenAI) -> None:
-    berth, port = leader
+def test_metrics_count_tokens(real_leader: tuple[Berth, int], openai_client: openai.OpenAI) -> None:
+    berth, port = real_leader
     openai_client.chat.completions.create(
         model="smollm2", messages=[{"role": "user", "content": "hi"}], max_tokens=4
     )
@@ -141,9 +143,9 @@ def test_metrics_count_tokens(leader: tuple[Berth, int], openai_client: openai.O
 
 
 def test_logs_show_the_engine_output(
-    leader: tuple[Berth, int], deployment: dict[str, object]
+    real_leader: tuple[Berth, int], deployment: dict[str, object]
 ) -> None:
-    berth, _port = leader
+    berth, _port = real_leader
     out = berth("logs", str(deployment["id"]), "--tail", "200").stdout
     # A line only the engine writes: llama-server says where it listens once the model is
     # loaded. berth's own header line ("=== berth ...") holds the command line, which names
@@ -156,9 +158,9 @@ def test_logs_show_the_engine_output(
 
 
 def test_the_engine_answers_only_berth_which_keeps_its_key_private(
-    leader: tuple[Berth, int], deployment: dict[str, object], openai_client: openai.OpenAI
+    real_leader: tuple[Berth, int], deployment: dict[str, object], openai_client: openai.OpenAI
 ) -> None:
-    berth, _port = leader
+    berth, _port = real_leader
     engine = f"http://127.0.0.1:{deployment['port']}"
     chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
     with httpx.Client(base_url=engine, trust_env=False, timeout=60) as direct:
@@ -185,9 +187,9 @@ def test_the_engine_answers_only_berth_which_keeps_its_key_private(
 
 
 def test_crash_reconcile_and_stop_leaves_no_engine(
-    leader: tuple[Berth, int], deployment: dict[str, object], openai_client: openai.OpenAI
+    real_leader: tuple[Berth, int], deployment: dict[str, object], openai_client: openai.OpenAI
 ) -> None:
-    berth, port = leader
+    berth, port = real_leader
     engine_pid = int(deployment["pid"])  # type: ignore[call-overload]
     daemon_pid = int((berth.home / "daemon.pid").read_text())
     os.kill(daemon_pid, signal.SIGKILL)  # a crash: no chance to stop the engine

@@ -36,26 +36,34 @@ CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+def isolated_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     root = tmp_path_factory.mktemp("isolation")
     (root / "tiny.gguf").write_bytes(b"GGUF" + bytes(60))
     env = clean_env(
         {"BERTH_LLAMA_SERVER_BIN": str(fake_engine_wrapper(root)), "BERTH_STOP_GRACE_S": "5"}
     )
-    cluster = Cluster(root, env)
-    cluster.start()
+    isolated_cluster = Cluster(root, env)
+    isolated_cluster.start()
     try:
-        cluster.add_agent("gpu-a")
-        yield cluster
+        isolated_cluster.add_agent("gpu-a")
+        yield isolated_cluster
     finally:
-        cluster.close()
+        isolated_cluster.close()
 
 
-def _deploy(cluster: Cluster, model: str, agent: Agent | None, pidfile: Path) -> dict[str, object]:
-    deployment_id = cluster.deploy(
-        model, cluster.root / "tiny.gguf", agent, "-x", "--x-setsid-grandchild", "-x", str(pidfile)
+def _deploy(
+    isolated_cluster: Cluster, model: str, agent: Agent | None, pidfile: Path
+) -> dict[str, object]:
+    deployment_id = isolated_cluster.deploy(
+        model,
+        isolated_cluster.root / "tiny.gguf",
+        agent,
+        "-x",
+        "--x-setsid-grandchild",
+        "-x",
+        str(pidfile),
     )
-    return cluster.deployment(deployment_id)
+    return isolated_cluster.deployment(deployment_id)
 
 
 def _grandchild(pidfile: Path) -> int:
@@ -102,20 +110,20 @@ def _engine_refuses_without_its_key(port: int, model: str) -> None:
 
 @pytest.mark.parametrize("where", ["local", "remote"])
 def test_an_engine_answers_berth_only_and_its_tree_goes_with_berth_stop(
-    cluster: Cluster, where: str
+    isolated_cluster: Cluster, where: str
 ) -> None:
-    agent = cluster.agents["gpu-a"] if where == "remote" else None
-    pidfile = cluster.root / f"grandchild-{where}.pid"
+    agent = isolated_cluster.agents["gpu-a"] if where == "remote" else None
+    pidfile = isolated_cluster.root / f"grandchild-{where}.pid"
     model = f"tiny-{where}"
-    record = _deploy(cluster, model, agent, pidfile)
+    record = _deploy(isolated_cluster, model, agent, pidfile)
     deployment_id, port, pid = str(record["id"]), int(record["port"]), int(record["pid"])
     grandchild = _grandchild(pidfile)
-    home = agent.home if agent else cluster.leader_home
+    home = agent.home if agent else isolated_cluster.leader_home
     journal = home / ("agent-engines.json" if agent else "local-engines.json")
     key = _journal_key(journal, deployment_id)
 
     _engine_refuses_without_its_key(port, model)
-    with cluster.http() as http:
+    with isolated_cluster.http() as http:
         answered = http.post("/v1/chat/completions", json={"model": model, **CHAT})
         assert answered.status_code == 200, answered.text
         admin = json.dumps(
@@ -126,24 +134,24 @@ def test_an_engine_answers_berth_only_and_its_tree_goes_with_berth_stop(
         )
     engine_log = (home / "logs" / f"engine-{deployment_id}.log").read_text()
     assert f"{AUTH_SEEN} <the engine's key>" in engine_log
-    assert cluster.api_key not in engine_log  # the client's berth key never reached it
-    ps = cluster.berth("ps", "--all", "--json").stdout
+    assert isolated_cluster.api_key not in engine_log  # the client's berth key never reached it
+    ps = isolated_cluster.berth("ps", "--all", "--json").stdout
     assert key not in ps and key not in admin
     assert key.encode() not in Path(f"/proc/{pid}/cmdline").read_bytes()
     assert _files_holding(home, key, skip=(journal,)) == []  # no log, no key file left
     if agent is not None:  # made on the agent, used there: it never reached the leader
-        assert _files_holding(cluster.leader_home, key) == []
+        assert _files_holding(isolated_cluster.leader_home, key) == []
 
-    cluster.berth("stop", deployment_id)
+    isolated_cluster.berth("stop", deployment_id)
 
     assert wait_gone(pid, 15)
     assert wait_gone(grandchild, 15), "the setsid grandchild outlived berth stop"
     assert deployment_id not in json.loads(journal.read_text())
 
 
-def test_an_adopted_server_is_told_its_key(cluster: Cluster) -> None:
+def test_an_adopted_server_is_told_its_key(isolated_cluster: Cluster) -> None:
     port = find_free_port()
-    log = cluster.root / "outside.log"
+    log = isolated_cluster.root / "outside.log"
     env = {**os.environ, "LLAMA_API_KEY": "sk-outside-key-1"}
     with log.open("ab") as out:
         outside = subprocess.Popen(
@@ -152,20 +160,26 @@ def test_an_adopted_server_is_told_its_key(cluster: Cluster) -> None:
             stdout=out, stderr=subprocess.STDOUT, env=env,
         )  # fmt: skip
     try:
-        key_file = cluster.root / "outside.key"
+        key_file = isolated_cluster.root / "outside.key"
         key_file.write_text("sk-outside-key-1\n")
         _wait_health(port)
         adopt = ("agent", "adopt", "--port", str(port), "--model", "outside-model")
-        refused = cli(cluster.leader_home, *adopt, env=cluster.env, check=False)
+        refused = cli(isolated_cluster.leader_home, *adopt, env=isolated_cluster.env, check=False)
         assert refused.returncode != 0 and "401" in refused.stderr
 
-        cli(cluster.leader_home, *adopt, "--api-key-file", str(key_file), env=cluster.env)
+        cli(
+            isolated_cluster.leader_home,
+            *adopt,
+            "--api-key-file",
+            str(key_file),
+            env=isolated_cluster.env,
+        )
 
-        kept = cluster.leader_home / "adopted-keys" / "outside-model.key"
+        kept = isolated_cluster.leader_home / "adopted-keys" / "outside-model.key"
         assert stat.S_IMODE(kept.stat().st_mode) == 0o600
-        assert "sk-outside-key-1" not in (cluster.leader_home / "adopted.yaml").read_text()
+        assert "sk-outside-key-1" not in (isolated_cluster.leader_home / "adopted.yaml").read_text()
         deadline = time.monotonic() + 30
-        with cluster.http() as http:
+        with isolated_cluster.http() as http:
             while True:
                 answered = http.post(
                     "/v1/chat/completions", json={"model": "outside-model", **CHAT}
@@ -175,31 +189,37 @@ def test_an_adopted_server_is_told_its_key(cluster: Cluster) -> None:
                 time.sleep(0.25)
         assert answered.status_code == 200, answered.text
         assert f"{AUTH_SEEN} <the engine's key>" in log.read_text()
-        cli(cluster.leader_home, "agent", "unadopt", "outside-model", env=cluster.env)
+        cli(
+            isolated_cluster.leader_home,
+            "agent",
+            "unadopt",
+            "outside-model",
+            env=isolated_cluster.env,
+        )
         assert not kept.exists()
     finally:
         outside.terminate()
         outside.wait()
 
 
-def test_a_restarted_leader_stops_an_orphan_and_its_whole_tree(cluster: Cluster) -> None:
-    pidfile = cluster.root / "grandchild-orphan.pid"
-    record = _deploy(cluster, "tiny-orphan", None, pidfile)
+def test_a_restarted_leader_stops_an_orphan_and_its_whole_tree(isolated_cluster: Cluster) -> None:
+    pidfile = isolated_cluster.root / "grandchild-orphan.pid"
+    record = _deploy(isolated_cluster, "tiny-orphan", None, pidfile)
     deployment_id, pid = str(record["id"]), int(record["pid"])
     grandchild = _grandchild(pidfile)
-    leader = cluster.leader_pid()
+    leader = isolated_cluster.leader_pid()
     os.kill(leader, signal.SIGKILL)  # a crash: the engine runs on
     assert wait_gone(leader, 30)
     assert alive(pid) and alive(grandchild)
     # While the leader was down, the deployment was given up: its engine is now an orphan.
-    _mark_failed(cluster.leader_home, deployment_id)
+    _mark_failed(isolated_cluster.leader_home, deployment_id)
 
-    cluster.berth("daemon", "start", "--public-port", str(cluster.public_port),
-                  "--cluster-port", str(cluster.cluster_port))  # fmt: skip
+    isolated_cluster.berth("daemon", "start", "--public-port", str(isolated_cluster.public_port),
+                  "--cluster-port", str(isolated_cluster.cluster_port))  # fmt: skip
 
     assert wait_gone(pid, 30), "the orphaned engine was not stopped"
     assert wait_gone(grandchild, 15), "the orphan's setsid grandchild survived reconcile"
-    daemon_log = (cluster.leader_home / "logs" / "daemon.log").read_text()
+    daemon_log = (isolated_cluster.leader_home / "logs" / "daemon.log").read_text()
     assert re.search(rf"runs engine {deployment_id} .* no active deployment owns", daemon_log)
 
 

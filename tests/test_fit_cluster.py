@@ -46,7 +46,7 @@ class Leader:
 
 
 @pytest.fixture
-async def leader(store: Store, tmp_path: Path) -> AsyncIterator[Leader]:
+async def fit_leader(store: Store, tmp_path: Path) -> AsyncIterator[Leader]:
     gguf = smollm2_gguf()
     assert gguf is not None
     agent_id = store.enroll_node("gpu-a", "ab" * 32).id
@@ -84,9 +84,9 @@ async def leader(store: Store, tmp_path: Path) -> AsyncIterator[Leader]:
 
 
 async def test_two_deployments_fill_the_simulated_gpus_and_a_third_is_refused(
-    leader: Leader,
+    fit_leader: Leader,
 ) -> None:
-    manager = leader.manager
+    manager = fit_leader.manager
     placed = []
     for served in ("smol-1", "smol-2"):
         record = await manager.deploy(DeployOptions("smol", "llamacpp", served_model_name=served))
@@ -94,7 +94,7 @@ async def test_two_deployments_fill_the_simulated_gpus_and_a_third_is_refused(
         assert settled.state is DeploymentState.READY, settled.failure_reason
         placed.append((settled.node_id, settled.gpus))
     # SmolLM2 needs 94 + 180 + 1280 = 1554 MiB: one per 2048 MiB GPU, each on its own GPU
-    assert placed == [(leader.agent_id, (0,)), (leader.agent_id, (1,))]
+    assert placed == [(fit_leader.agent_id, (0,)), (fit_leader.agent_id, (1,))]
 
     planned = await manager.plan(DeployOptions("smol", "llamacpp", served_model_name="smol-3"))
     assert isinstance(planned.result, Refusal)
@@ -110,12 +110,12 @@ async def test_two_deployments_fill_the_simulated_gpus_and_a_third_is_refused(
         "GPU 0)"
     )
     # nothing was created for the refusal
-    assert len(leader.store.list_deployments(active_only=True)) == 2
+    assert len(fit_leader.store.list_deployments(active_only=True)) == 2
     # at ctx 512 the KV cache is 12 MiB: 94 + 12 + 1280 = 1386 MiB, still more than 494 free
     small = await manager.plan(DeployOptions("smol", "llamacpp", ctx=512))
     assert isinstance(small.result, Refusal) and small.result.reason == "vram_no_room"
     # a stopped deployment gives its GPU back
-    await manager.stop(leader.store.list_deployments(active_only=True)[-1].id)
+    await manager.stop(fit_leader.store.list_deployments(active_only=True)[-1].id)
     again = await manager.plan(DeployOptions("smol", "llamacpp", served_model_name="smol-3"))
     assert isinstance(again.result, Placement)
-    assert again.result.node_id == leader.agent_id and len(again.result.gpus) == 1
+    assert again.result.node_id == fit_leader.agent_id and len(again.result.gpus) == 1

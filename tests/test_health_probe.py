@@ -72,7 +72,7 @@ async def engine(status: int = 200) -> AsyncIterator[CountingEngine]:
 
 
 @pytest.fixture
-def tls_contexts(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+def default_contexts_made(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Counts the TLS contexts built with ``ssl.create_default_context``, the ones that load
     the CA bundle (what httpx does for each client made with its defaults); the list's one
     item is the count."""
@@ -88,7 +88,7 @@ def tls_contexts(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
 
 async def test_probes_reuse_one_client_and_leave_no_connection_open(
-    tls_contexts: list[int],
+    default_contexts_made: list[int],
 ) -> None:
     prober = HealthProber()
     async with engine() as counting:
@@ -98,20 +98,24 @@ async def test_probes_reuse_one_client_and_leave_no_connection_open(
         )
 
     assert results == [True] * 10
-    assert tls_contexts[0] == 0
+    assert default_contexts_made[0] == 0
     assert counting.asked_to_close == counting.requests == 10
 
 
-async def test_probes_started_together_all_get_their_answer(tls_contexts: list[int]) -> None:
+async def test_probes_started_together_all_get_their_answer(
+    default_contexts_made: list[int],
+) -> None:
     prober = HealthProber()
     async with engine() as counting:
         results = await asyncio.gather(*(prober.probe(counting.url(), 2.0) for _ in range(8)))
 
     assert results == [True] * 8
-    assert tls_contexts[0] == 0
+    assert default_contexts_made[0] == 0
 
 
-async def test_a_runtime_probes_its_engines_through_one_client(tls_contexts: list[int]) -> None:
+async def test_a_runtime_probes_its_engines_through_one_client(
+    default_contexts_made: list[int],
+) -> None:
     runtime = ProcessRuntime()
     async with engine() as counting:
         handle = EngineHandle(deployment_id="d-0000aaaa", pid=0, port=counting.port)
@@ -126,11 +130,11 @@ async def test_a_runtime_probes_its_engines_through_one_client(tls_contexts: lis
         )
 
     assert waited == "healthy"
-    assert tls_contexts[0] == 0
+    assert default_contexts_made[0] == 0
 
 
 async def test_the_adopted_watcher_probes_through_one_client(
-    tls_contexts: list[int], tmp_path: Path
+    default_contexts_made: list[int], tmp_path: Path
 ) -> None:
     async with engine() as counting:
         endpoint = AdoptedEndpoint("vllm-a", "127.0.0.1", counting.port, "m", "m")
@@ -141,7 +145,7 @@ async def test_the_adopted_watcher_probes_through_one_client(
         assert [s.alive for s in watcher.states()] == [True]
         assert counting.requests == 4
 
-    assert tls_contexts[0] == 0
+    assert default_contexts_made[0] == 0
 
 
 @pytest.mark.parametrize("status", [503, 404])

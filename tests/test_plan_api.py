@@ -105,7 +105,7 @@ async def leader_with(store: Store, sizes: Sequence[str]) -> tuple[Leader, Route
 
 
 @pytest.fixture
-async def leader(store: Store) -> AsyncIterator[Leader]:
+async def plan_leader(store: Store) -> AsyncIterator[Leader]:
     found, _routes = await leader_with(store, ["2GiB,2GiB"])
     try:
         yield found
@@ -130,8 +130,8 @@ def printed(answer: Plan) -> list[str]:
     return captured.get().splitlines()
 
 
-async def test_a_plan_gives_the_estimate_and_where_it_would_go(leader: Leader) -> None:
-    answer = await leader.plan(target="smol")
+async def test_a_plan_gives_the_estimate_and_where_it_would_go(plan_leader: Leader) -> None:
+    answer = await plan_leader.plan(target="smol")
     assert (answer.kind, answer.placed, answer.node_id, answer.gpus) == (
         "model",
         True,
@@ -149,41 +149,41 @@ async def test_a_plan_gives_the_estimate_and_where_it_would_go(leader: Leader) -
     assert lines[lines.index("why:") + 1 :][:1] == ["  - node local is connected and offers the "
                                                    "process runtime"]  # fmt: skip
     assert any(line.startswith("would run on node local GPU 0 (model at /") for line in lines)
-    assert leader.store.list_deployments() == []  # a dry run
+    assert plan_leader.store.list_deployments() == []  # a dry run
 
 
-async def test_a_service_is_planned_with_its_own_settings(leader: Leader) -> None:
-    await leader.post("/admin/services", 201, name="chat", model="smol", ctx=2048)
-    answer = await leader.plan(target="chat")
+async def test_a_service_is_planned_with_its_own_settings(plan_leader: Leader) -> None:
+    await plan_leader.post("/admin/services", 201, name="chat", model="smol", ctx=2048)
+    answer = await plan_leader.plan(target="chat")
     assert (answer.kind, answer.model, answer.ctx) == ("service", "smol", 2048)
     assert answer.estimate is not None and answer.estimate.kv_cache_mb == 45  # a quarter
     # a context given to plan replaces the service's
-    wider = await leader.plan(target="chat", ctx=4096)
+    wider = await plan_leader.plan(target="chat", ctx=4096)
     assert wider.estimate is not None and wider.estimate.kv_cache_mb == 90
 
 
-async def test_full_gpus_refuse_and_force_places_anyway(leader: Leader) -> None:
-    await leader.post("/admin/services", 201, name="chat", model="smol")
+async def test_full_gpus_refuse_and_force_places_anyway(plan_leader: Leader) -> None:
+    await plan_leader.post("/admin/services", 201, name="chat", model="smol")
     for _ in range(2):
-        record = await leader.post("/admin/services/chat/deploy", 201)
-        await leader.lifecycle.wait_settled(record["id"], 5)
-    answer = await leader.plan(target="chat")
+        record = await plan_leader.post("/admin/services/chat/deploy", 201)
+        await plan_leader.lifecycle.wait_settled(record["id"], 5)
+    answer = await plan_leader.plan(target="chat")
     assert (answer.placed, answer.refusal_reason) == (False, "vram_no_room")
     assert answer.refusal is not None and "the most free VRAM seen is 494 MiB" in answer.refusal
     lines = printed(answer)
     assert lines[2 + len(answer.estimate.inputs if answer.estimate else [])].startswith(
         "refused (vram_no_room): no GPU can take model smol"
     )
-    refused = await leader.admin.post("/admin/services/chat/deploy", json={})
+    refused = await plan_leader.admin.post("/admin/services/chat/deploy", json={})
     assert refused.status_code == 409
     assert refused.json()["error"]["message"].startswith("no GPU can take model smol")
-    forced = await leader.post("/admin/services/chat/deploy", 201, force=True)
+    forced = await plan_leader.post("/admin/services/chat/deploy", 201, force=True)
     assert forced["gpus"] == [0]  # the GPU with the most free VRAM (a tie: the first)
-    assert len(leader.store.list_deployments(active_only=True)) == 3
+    assert len(plan_leader.store.list_deployments(active_only=True)) == 3
 
 
-async def test_unknown_targets_are_404_and_nothing_changes(leader: Leader) -> None:
-    response = await leader.admin.post("/admin/plan", json={"target": "nothing"})
+async def test_unknown_targets_are_404_and_nothing_changes(plan_leader: Leader) -> None:
+    response = await plan_leader.admin.post("/admin/plan", json={"target": "nothing"})
     assert response.status_code == 404
     assert response.json()["error"]["message"] == (
         "no service or model named 'nothing' (berth service ls, berth models ls)"

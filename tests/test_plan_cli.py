@@ -21,7 +21,7 @@ pytestmark = [
 
 
 @pytest.fixture(scope="module")
-def leader(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Cluster, str]]:
+def plan_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Cluster, str]]:
     root = tmp_path_factory.mktemp("plan")
     env = clean_env({
         "BERTH_LLAMA_SERVER_BIN": str(fake_engine_wrapper(root)),
@@ -39,8 +39,8 @@ def leader(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Cluster, 
         cluster.close()
 
 
-def test_the_start_banner_says_the_gpus_are_simulated(leader: tuple[Cluster, str]) -> None:
-    _cluster, banner = leader
+def test_the_start_banner_says_the_gpus_are_simulated(plan_cluster: tuple[Cluster, str]) -> None:
+    _cluster, banner = plan_cluster
     assert re.search(
         r"GPUs\s+simulated: 2048 MiB, 2048 MiB \(simulated_gpus, a testing aid: NVML is not "
         r"asked; engines run on the CPU\)",
@@ -48,8 +48,10 @@ def test_the_start_banner_says_the_gpus_are_simulated(leader: tuple[Cluster, str
     ), banner
 
 
-def test_plan_fills_the_gpus_then_refuses_with_the_estimate(leader: tuple[Cluster, str]) -> None:
-    cluster, _banner = leader
+def test_plan_fills_the_gpus_then_refuses_with_the_estimate(
+    plan_cluster: tuple[Cluster, str],
+) -> None:
+    cluster, _banner = plan_cluster
     printed = cluster.berth("plan", "smol").stdout
     lines = printed.splitlines()
     assert lines[0] == "plan for model smol on llamacpp (process)"
@@ -102,9 +104,9 @@ def test_plan_fills_the_gpus_then_refuses_with_the_estimate(leader: tuple[Cluste
     ids=["unknown target", "context too large", "cache type"],
 )  # fmt: skip
 def test_bad_input_is_refused_with_the_reason(
-    leader: tuple[Cluster, str], args: list[str], error: str
+    plan_cluster: tuple[Cluster, str], args: list[str], error: str
 ) -> None:
-    cluster, _banner = leader
+    cluster, _banner = plan_cluster
     before = cluster.admin("GET", "/admin/deployments")
     result = cluster.berth(*args, check=False)
     assert result.returncode == 2, (result.stdout, result.stderr)
@@ -112,8 +114,10 @@ def test_bad_input_is_refused_with_the_reason(
     assert cluster.admin("GET", "/admin/deployments") == before
 
 
-def test_a_context_that_is_not_a_positive_integer_is_refused(leader: tuple[Cluster, str]) -> None:
-    cluster, _banner = leader
+def test_a_context_that_is_not_a_positive_integer_is_refused(
+    plan_cluster: tuple[Cluster, str],
+) -> None:
+    cluster, _banner = plan_cluster
     result = cluster.berth("plan", "smol", "--ctx", "0", check=False)
     assert result.returncode == 2 and "--ctx" in result.stderr, result.stderr
     transport_answer = cluster_admin_status(cluster, {"target": "smol", "ctx": 0})

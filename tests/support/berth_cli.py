@@ -31,6 +31,10 @@ class Berth:
         self.cwd = cwd
         self.timeout_s = timeout_s
 
+    def argv(self, *args: str) -> list[str]:
+        """The command line of ``berth --home HOME ARGS...`` with this interpreter."""
+        return [sys.executable, "-m", "berth", "--home", str(self.home), *args]
+
     def __call__(
         self,
         *args: str,
@@ -39,7 +43,7 @@ class Berth:
         cwd: Path | None = None,
     ) -> subprocess.CompletedProcess[str]:
         result = subprocess.run(
-            [sys.executable, "-m", "berth", "--home", str(self.home), *args],
+            self.argv(*args),
             capture_output=True,
             text=True,
             timeout=self.timeout_s,
