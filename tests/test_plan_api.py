@@ -214,8 +214,9 @@ async def test_a_deployment_without_a_node_goes_where_it_fits(two_nodes: Leader)
 
 
 async def test_a_plan_says_what_adapters_it_starts_with_and_which_need_a_restart(
-    leader: Leader, tmp_path: Path
+    plan_leader: Leader, tmp_path: Path
 ) -> None:
+    leader = plan_leader
     running = await leader.lifecycle.deploy(DeployOptions("smol", "llamacpp"))
     await leader.lifecycle.wait_settled(running.id, 5)
     gguf = smollm2_gguf()
