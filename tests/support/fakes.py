@@ -95,7 +95,7 @@ class FakeLink:
     async def unload_adapter(self, deployment_id: str, engine: str, adapter: str) -> None:
         self.adapter_calls.append(("unload", deployment_id, adapter))
 
-    async def probe(self, deployment_id: str) -> ProbeResult:
+    async def probe(self, deployment_id: str, timeout_s: float = 5.0) -> ProbeResult:
         if deployment_id not in self.running:
             return "gone"
         return "unhealthy" if deployment_id in self.hung else "healthy"
@@ -114,18 +114,35 @@ class FakeLink:
 
 class MemorySocket:
     """One end of an in-memory WebSocket pair (see :func:`memory_socket_pair`): what the
-    agent link needs of a WebSocket, with no network."""
+    agent link needs of a WebSocket (pings and pongs included), with no network.
+
+    While ``silent`` is set, whatever this end sends is lost, its close handshake too (which
+    then never ends): set it on both ends to black-hole the link. ``pings_sent`` counts.
+    """
 
     def __init__(self) -> None:
         self.inbox: asyncio.Queue[aiohttp.WSMessage] = asyncio.Queue()
         self.peer: MemorySocket | None = None
         self.close_code: int | None = None
+        self.silent = False
+        self.pings_sent = 0
 
-    async def send_bytes(self, data: bytes) -> None:
+    def _deliver(self, kind: aiohttp.WSMsgType, data: object, extra: object = None) -> None:
         if self.close_code is not None:
             raise ConnectionResetError("the memory socket is closed")
         assert self.peer is not None
-        self.peer.inbox.put_nowait(aiohttp.WSMessage(aiohttp.WSMsgType.BINARY, data, None))
+        if not self.silent:
+            self.peer.inbox.put_nowait(aiohttp.WSMessage(kind, data, extra))
+
+    async def send_bytes(self, data: bytes) -> None:
+        self._deliver(aiohttp.WSMsgType.BINARY, data)
+
+    async def ping(self, message: bytes = b"") -> None:
+        self.pings_sent += 1
+        self._deliver(aiohttp.WSMsgType.PING, message)
+
+    async def pong(self, message: bytes = b"") -> None:
+        self._deliver(aiohttp.WSMsgType.PONG, message)
 
     async def receive(self, timeout: float | None = None) -> aiohttp.WSMessage:
         return await asyncio.wait_for(self.inbox.get(), timeout)
@@ -137,6 +154,8 @@ class MemorySocket:
         closed = aiohttp.WSMessage(aiohttp.WSMsgType.CLOSED, None, None)
         self.inbox.put_nowait(closed)
         assert self.peer is not None
+        if self.silent:
+            await asyncio.sleep(3600)  # a close handshake into a black hole never ends
         if self.peer.close_code is None:
             self.peer.close_code = code
             frame = aiohttp.WSMessage(aiohttp.WSMsgType.CLOSE, code, message.decode())

@@ -71,7 +71,7 @@ class FakeCore:
     async def stop(self, deployment_id: str, grace_s: float) -> None:
         self.stopped.append(deployment_id)
 
-    async def probe(self, deployment_id: str) -> str:
+    async def probe(self, deployment_id: str, timeout_s: float = 5.0) -> str:
         return "healthy"
 
     async def logs(
@@ -103,6 +103,7 @@ class Linked:
     core: FakeCore
     leader: LinkConnection
     agent: LinkConnection
+    service: AgentService
 
 
 @contextlib.asynccontextmanager
@@ -125,7 +126,7 @@ async def linked_in_memory() -> AsyncIterator[Linked]:
         tasks = [asyncio.create_task(agent.run()), asyncio.create_task(leader.run())]
         link = RemoteLink("n-1", leader, service.inventory(), hello.capabilities)
         try:
-            yield Linked(link, engine, core, leader, agent)
+            yield Linked(link, engine, core, leader, agent, service)
         finally:
             await leader.close(1000, "test over")
             await asyncio.gather(*tasks)

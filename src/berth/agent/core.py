@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from berth.agent.journal import EngineJournal, JournalEntry
 from berth.atomic import write_atomic
-from berth.cluster.link import EngineReport, ProbeResult, SpawnListener
+from berth.cluster.link import DEFAULT_PROBE_TIMEOUT_S, EngineReport, ProbeResult, SpawnListener
 from berth.engine_http.auth import bearer_header
 from berth.errors import EngineError, NotFoundError
 from berth.runtime.base import (
@@ -71,8 +71,6 @@ def read_host_facts() -> HostFacts:
 #: Engines without a recorded health path (re-attached after a restart) are probed here;
 #: llama.cpp, vLLM and SGLang all serve it.
 DEFAULT_HEALTH_PATH = "/health"
-#: Seconds one health probe may take before it counts as a failure.
-PROBE_TIMEOUT_S = 5.0
 #: What every engine API key starts with (so a leaked one is recognised as berth's).
 ENGINE_KEY_PREFIX = "berth-ek-"
 #: Seconds between SIGTERM and SIGKILL for what is left of an engine that died before a
@@ -431,8 +429,11 @@ class AgentCore:
             return False
         return self._runtime_for(managed.handle.runtime).is_alive(managed.handle)
 
-    async def probe(self, deployment_id: str) -> ProbeResult:
-        """Whether the engine runs and answers its health path within ``PROBE_TIMEOUT_S``.
+    async def probe(
+        self, deployment_id: str, timeout_s: float = DEFAULT_PROBE_TIMEOUT_S
+    ) -> ProbeResult:
+        """Whether the engine runs and answers its health path with 200 within ``timeout_s``
+        seconds in all (connecting included: a stopped process's socket still accepts).
 
         Raises ``EngineError`` when its runtime cannot tell (Docker unreachable).
         """
@@ -442,7 +443,11 @@ class AgentCore:
         runtime = self._runtime_for(managed.handle.runtime)
         if not await runtime.poll(managed.handle):
             return "gone"
-        healthy = await runtime.check_health(managed.handle, managed.health_path, PROBE_TIMEOUT_S)
+        try:
+            async with asyncio.timeout(timeout_s):
+                healthy = await runtime.check_health(managed.handle, managed.health_path, timeout_s)
+        except TimeoutError:
+            healthy = False
         return "healthy" if healthy else "unhealthy"
 
     async def load_adapter(

@@ -3,10 +3,14 @@
 It connects to ``wss://<cluster host>/cluster/agent`` with the agent's client certificate,
 trusting only the pinned cluster CA; sends Hello (inventory, capabilities, the engines it
 runs); waits for Welcome; then pumps the link through :class:`LinkConnection` while a task
-sends a heartbeat every interval the leader asked for. When the link ends, the close code
-decides (:func:`berth.cluster.protocol.errors.agent_should_redial`): a final refusal
-(removed node, bad certificate, superseded, no common version) stops the agent; anything
-else is redialled after a jittered, capped exponential backoff.
+sends a heartbeat every interval the leader asked for. The link pings the leader and is
+dead once nothing arrived for the link timeout the leader named in Welcome
+(:class:`~berth.cluster.connection.Liveness`); a dial (TCP, TLS and the WebSocket upgrade)
+that does not finish within ``dial_timeout_s`` fails, so a leader behind a black hole costs
+seconds per attempt. When the link ends, the close code decides
+(:func:`berth.cluster.protocol.errors.agent_should_redial`): a final refusal (removed node,
+bad certificate, superseded, no common version) stops the agent; anything else is redialled
+after a jittered, capped exponential backoff. The status file says so at once.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ import aiohttp
 from berth.agent.identity import AgentIdentity, client_ssl_context
 from berth.agent.service import AgentService
 from berth.atomic import write_atomic
-from berth.cluster.connection import LinkConnection
+from berth.cluster.connection import LINK_TIMEOUT_S, LinkConnection, Liveness
 from berth.cluster.protocol.errors import (
     CloseCode,
     LinkError,
@@ -45,6 +49,8 @@ BACKOFF_BASE_S = 1.0
 BACKOFF_CAP_S = 30.0
 #: Seconds the leader has to answer Hello.
 WELCOME_TIMEOUT_S = 10.0
+#: Seconds a dial may take: TCP connect, TLS handshake and the WebSocket upgrade together.
+DIAL_TIMEOUT_S = 5.0
 #: How many recent activity lines the status keeps.
 RECENT_LINES = 8
 
@@ -104,9 +110,15 @@ class AgentStatus:
         self.connected_since = time.time() if state == "connected" else None
         self.save()
 
+    @property
+    def connected(self) -> bool:
+        """Whether the link to the leader is up now (every other state is disconnected)."""
+        return self.state == "connected"
+
     def as_json(self) -> dict[str, object]:
         return {
             "state": self.state,
+            "connected": self.connected,
             "leader_url": self.leader_url,
             "node_id": self.node_id,
             "label": self.label,
@@ -137,8 +149,10 @@ class AgentDialer:
         *,
         limits: LinkLimits | None = None,
         backoff: Callable[[int], float] = backoff_delay,
+        dial_timeout_s: float = DIAL_TIMEOUT_S,
     ) -> None:
         self._identity = identity
+        self._dial_timeout_s = dial_timeout_s
         self._service = service
         self._status = status
         self._limits = limits or LinkLimits()
@@ -194,17 +208,21 @@ class AgentDialer:
         await self._service.check_runtimes()
         await self._service.read_gpus()  # for Hello, off the loop
         try:
-            ws = await http.ws_connect(
-                url,
-                ssl=ssl_context,
-                max_msg_size=self._limits.max_frame_bytes,
-                heartbeat=20.0,  # WebSocket pings: a leader that vanished is noticed
-                compress=0,
-                timeout=aiohttp.ClientWSTimeout(ws_close=5.0),
-            )
+            async with asyncio.timeout(self._dial_timeout_s):
+                ws = await http.ws_connect(
+                    url,
+                    ssl=ssl_context,
+                    max_msg_size=self._limits.max_frame_bytes,
+                    # The connection sends and answers pings itself (Liveness).
+                    autoping=False,
+                    compress=0,
+                    timeout=aiohttp.ClientWSTimeout(ws_close=5.0),
+                )
         except (aiohttp.ClientError, OSError, TimeoutError) as exc:
             # aiohttp's connector errors print the SSL context object; the OS error is the news.
-            why = getattr(exc, "os_error", None) or exc
+            why: object = getattr(exc, "os_error", None) or exc
+            if isinstance(exc, TimeoutError):
+                why = f"no answer within {self._dial_timeout_s:g} s (TCP, TLS, WebSocket upgrade)"
             self._status.set("backoff", error=f"cannot reach the leader at {url}: {why}")
             log.warning("cannot reach the leader at %s: %s", url, why)
             return None, False
@@ -220,6 +238,8 @@ class AgentDialer:
                 self._report_close(conn.close_code, conn.close_reason)
                 return conn.close_code, False
             self._conn = conn
+            timeout_s = welcome.link_timeout_s
+            conn.liveness = Liveness(timeout_s if timeout_s > 0 else LINK_TIMEOUT_S)
             self._status.set("connected")
             self._status.activity(f"connected as node {welcome.node_id}")
             heartbeats = asyncio.create_task(self._heartbeats(conn, welcome.heartbeat_interval_s))

@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator
 
 from berth.agent.core import AgentCore
 from berth.cluster.link import (
+    DEFAULT_PROBE_TIMEOUT_S,
     LOCAL_NODE_ID,
     EngineEndpoint,
     EngineReport,
@@ -62,8 +63,10 @@ class InProcessLink:
             f"register {repo_id} with a path on this host"
         )
 
-    async def probe(self, deployment_id: str) -> ProbeResult:
-        return await self._core.probe(deployment_id)
+    async def probe(
+        self, deployment_id: str, timeout_s: float = DEFAULT_PROBE_TIMEOUT_S
+    ) -> ProbeResult:
+        return await self._core.probe(deployment_id, timeout_s)
 
     async def load_adapter(
         self, deployment_id: str, engine: EngineName, adapter: str, path: str

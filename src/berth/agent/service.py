@@ -239,7 +239,7 @@ class AgentService:
                 return STOP.encode_result(None)
             case "probe":
                 probe = PROBE.decode_args(request.args)
-                result = await self._core.probe(probe.deployment_id)
+                result = await self._core.probe(probe.deployment_id, probe.timeout_s)
                 return PROBE.encode_result(ProbeResult(result=result))
             case "inventory":
                 await self.read_gpus()
@@ -328,7 +328,7 @@ class AgentService:
         self.meter.started(deployment_id)
         started_at = time.monotonic()
         status: int | None = None
-        completed = False
+        completed = withdrawn = False
         try:
             try:
                 response = await self._pool.request(
@@ -354,15 +354,21 @@ class AgentService:
             finally:
                 response.close()
         except (StreamResetError, asyncio.CancelledError):
-            status = status or 499  # the leader gave up (its client left): not an error
+            # The leader gave up: mid-answer, its client left (counted, not an error); before
+            # the engine answered, the request went to another node or its client left, and
+            # it is not counted here (the leader counts it once, where it ended).
+            withdrawn = status is None
             completed = True
             raise
         finally:
-            self.meter.finished(
-                deployment_id,
-                latency_ms=(time.monotonic() - started_at) * 1000.0,
-                error=is_error(status, failed=not completed),
-            )
+            if withdrawn:
+                self.meter.withdrawn(deployment_id)
+            else:
+                self.meter.finished(
+                    deployment_id,
+                    latency_ms=(time.monotonic() - started_at) * 1000.0,
+                    error=is_error(status, failed=not completed),
+                )
 
     async def _relay_answer(self, stream: TunnelStream, response: UpstreamResponse) -> bool:
         """Send the engine's answer on ``stream``; ``False`` when the engine broke it off."""

@@ -96,6 +96,8 @@ def status(
         print_json(data)
         raise typer.Exit(0 if data["running"] else 1)
     state = str(data["state"]) if data["running"] else "not running"
+    if data["running"] and state != "connected":
+        state = f"disconnected ({state})"  # the link is down: dialling or backing off
     console.print(f"agent   {state} (pid {data['pid']})")
     console.print(f"leader  {data['leader_url']}")
     console.print(f"node    {data['label']} ({data['node_id']})")

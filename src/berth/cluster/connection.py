@@ -9,6 +9,14 @@ no caller touches the session or flushes. :meth:`LinkConnection.handshake` is th
 exchange of both ends. One reader loop and one writer task; control requests are futures
 keyed by id and streams are :class:`TunnelStream` objects, so a slow engine start or a slow
 stream reader never blocks the link's other traffic.
+
+Liveness (``docs/protocol.md``, Liveness): with a :class:`Liveness`, each end sends a
+WebSocket ping (RFC 6455 section 5.5.2) every third of ``timeout_s`` and answers the peer's
+pings itself; a link on which nothing at all (frame, ping or pong) arrived for ``timeout_s``
+is dead. It ends at once, closed with ``HEARTBEAT_TIMEOUT`` without waiting for a close
+handshake the peer would never answer: pending requests fail, streams are aborted and
+``on_closed`` runs, so the leader stops routing to the node (and moves the requests waiting
+on it) and the agent redials.
 """
 
 from __future__ import annotations
@@ -19,6 +27,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar, assert_never, overload
 
 import aiohttp
@@ -68,12 +77,31 @@ log = logging.getLogger(__name__)
 # Compared per message: on CPython 3.11 an enum member read through its class costs ~0.3 us.
 _BINARY = aiohttp.WSMsgType.BINARY
 _TEXT = aiohttp.WSMsgType.TEXT
+_PING = aiohttp.WSMsgType.PING
+_PONG = aiohttp.WSMsgType.PONG
 
 #: Bytes queued for the socket above which stream writers wait for the writer to catch up.
 WRITE_HIGH_WATER_BYTES = 4 * 1024 * 1024
 #: Bytes queued for the socket at which the link is closed: stream data waits at the high
 #: water mark, so only a peer that sends requests but never reads its answers gets here.
 MAX_QUEUED_BYTES = 64 * 1024 * 1024
+#: Seconds a link that is already over (declared dead, or its reader ended) may spend on its
+#: close handshake before the socket is simply dropped: a black-holed peer never answers.
+CLOSE_TIMEOUT_S = 1.0
+#: Seconds of silence after which a link is dead, by default (the ``link_timeout_s`` setting).
+LINK_TIMEOUT_S = 6.0
+
+
+@dataclass(frozen=True)
+class Liveness:
+    """How a link notices a silent peer: dead after ``timeout_s`` seconds with nothing
+    received; a ping every ``timeout_s / 3`` keeps a healthy but idle link talking."""
+
+    timeout_s: float = LINK_TIMEOUT_S
+
+    @property
+    def ping_interval_s(self) -> float:
+        return self.timeout_s / 3
 
 
 class WebSocketLike(Protocol):
@@ -83,6 +111,10 @@ class WebSocketLike(Protocol):
     def close_code(self) -> int | None: ...
 
     async def send_bytes(self, data: bytes) -> None: ...
+
+    async def ping(self, message: bytes = b"") -> None: ...
+
+    async def pong(self, message: bytes = b"") -> None: ...
 
     async def receive(self, timeout: float | None = None) -> aiohttp.WSMessage: ...
 
@@ -126,7 +158,9 @@ class LinkConnection:
     Use: :meth:`handshake`, then :meth:`run` until the link ends; meanwhile :meth:`call`,
     :meth:`open_stream`, :meth:`send_heartbeat` and the handler's answers send on it.
     ``peer`` names the other end in logs and errors; ``on_closed`` runs once when the link
-    ends, before pending requests and streams fail.
+    ends, before pending requests and streams fail. ``liveness``, when given, turns on pings
+    and the dead-link timeout while :meth:`run` runs; the WebSocket must then hand pings and
+    pongs up instead of answering them itself (aiohttp's ``autoping=False``).
     """
 
     def __init__(
@@ -138,8 +172,18 @@ class LinkConnection:
         peer: str,
         limits: LinkLimits | None = None,
         on_closed: Callable[[], None] | None = None,
+        liveness: Liveness | None = None,
     ) -> None:
         self._session = LinkSession(role, limits)
+        #: pings and the dead-link timeout (may be set until :meth:`run` starts: the agent
+        #: learns the leader's timeout from Welcome)
+        self.liveness = liveness
+        self._keeper: asyncio.Task[None] | None = None
+        self._pinger: asyncio.Task[None] | None = None
+        self._ponger: asyncio.Task[None] | None = None
+        self._reader: asyncio.Task[Any] | None = None
+        #: set when the keepalive found the link dead (then it cancels the reader)
+        self._dead = False
         self.ws = ws
         self.peer = peer
         self._handler = handler
@@ -157,8 +201,12 @@ class LinkConnection:
         self._closed = False
         self.close_code: int | None = None
         self.close_reason = ""
-        #: ``time.monotonic()`` when the last message arrived (the hub's liveness watchdog)
+        #: ``time.monotonic()`` when anything last arrived, pings and pongs included (the
+        #: dead-link timeout)
         self.last_received_at = time.monotonic()
+        #: ``time.monotonic()`` when the last protocol frame arrived (the hub's heartbeat
+        #: watchdog)
+        self.last_frame_at = self.last_received_at
 
     @property
     def closed(self) -> bool:
@@ -239,11 +287,18 @@ class LinkConnection:
 
     async def _receive_greeting(self, timeout_s: float, silence: str) -> bytes:
         """The peer's first message (binary); what ends the handshake otherwise is raised."""
-        try:
-            message = await self.ws.receive(timeout=timeout_s)
-        except TimeoutError:
-            raise ProtocolError(f"{silence} within {timeout_s:g} s") from None
-        self.last_received_at = time.monotonic()
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                message = await self.ws.receive(timeout=max(0.001, deadline - time.monotonic()))
+            except TimeoutError:
+                raise ProtocolError(f"{silence} within {timeout_s:g} s") from None
+            self.last_received_at = time.monotonic()
+            if message.type is _PING:
+                self._answer_ping(message)
+            elif message.type is not _PONG:
+                self.last_frame_at = self.last_received_at
+                break
         if message.type is aiohttp.WSMsgType.BINARY:
             data: bytes = message.data
             return data
@@ -429,17 +484,26 @@ class LinkConnection:
             raise LinkError(f"the link to {self.peer} has not finished its handshake")
         self._start_writer()
         session = self._session
+        self._reader = asyncio.current_task()
+        if self.liveness is not None:
+            name = f"link-keepalive-{self.peer}"
+            self._keeper = asyncio.create_task(self._keep_alive(self.liveness), name=name)
         try:
             while True:
                 message = await self.ws.receive()
-                self.last_received_at = time.monotonic()
+                self.last_received_at = now = time.monotonic()
                 kind = message.type
                 if kind is _BINARY:
+                    self.last_frame_at = now
                     event = session.receive_message(message.data)
                     if event is not None:
                         self._process(event)
                     else:
                         self._flush()  # what the session answered by itself, if anything
+                elif kind is _PING:
+                    self._answer_ping(message)
+                elif kind is _PONG:
+                    pass  # its arrival is the news
                 elif kind is _TEXT:
                     raise ProtocolError("text message on the agent link")
                 else:  # CLOSE, CLOSING, CLOSED or ERROR
@@ -448,8 +512,66 @@ class LinkConnection:
         except ProtocolError as exc:
             log.warning("link to %s: protocol error: %s", self.peer, exc)
             await self.close(exc.code, str(exc))
+        except asyncio.CancelledError:
+            reader = self._reader
+            if not self._dead or reader is None or reader.uncancel() > 0:
+                raise  # not the keepalive's doing: whoever runs the link is ending it
+            # Declared dead by the keepalive: end now, without the peer's help.
         finally:
             await self._finish()
+
+    # -- liveness ------------------------------------------------------------------------
+
+    async def _keep_alive(self, liveness: Liveness) -> None:
+        """Ping the peer every ``ping_interval_s``; declare the link dead once nothing has
+        arrived for ``timeout_s``."""
+        interval_s = liveness.ping_interval_s
+        next_ping = time.monotonic() + interval_s
+        while not self._closed:
+            now = time.monotonic()
+            silent_s = now - self.last_received_at
+            if silent_s >= liveness.timeout_s:
+                self._declare_dead(silent_s)
+                return
+            if now >= next_ping:
+                self._ping()
+                next_ping = now + interval_s
+            wake_at = min(next_ping, self.last_received_at + liveness.timeout_s)
+            await asyncio.sleep(max(0.0, wake_at - now))
+
+    def _ping(self) -> None:
+        if self._pinger is not None and not self._pinger.done():
+            return  # the last one is still stuck in the socket: no pile of them
+        self._pinger = asyncio.ensure_future(self._send_control(self.ws.ping()))
+
+    def _answer_ping(self, message: aiohttp.WSMessage) -> None:
+        """Pong (RFC 6455 section 5.5.3), off the reader: a socket slow to take it must not
+        stop the link's reading. A ping that comes while the last pong waits is not
+        answered again: any pong tells the peer the link lives."""
+        if self._ponger is not None and not self._ponger.done():
+            return
+        data = message.data if isinstance(message.data, bytes) else b""
+        self._ponger = asyncio.ensure_future(self._send_control(self.ws.pong(data)))
+
+    async def _send_control(self, sending: Awaitable[None]) -> None:
+        try:
+            await sending
+        except (ConnectionError, aiohttp.ClientError, RuntimeError) as exc:
+            # The socket is going away; the reader sees the close, or the keepalive does.
+            log.debug("link to %s: ping or pong not sent: %s", self.peer, exc)
+
+    def _declare_dead(self, silent_s: float) -> None:
+        """Nothing arrived for the link timeout: end the link now (see the module docstring)."""
+        if self._closed:
+            return
+        reason = f"nothing received for {silent_s:.1f} s"
+        log.warning("link to %s is dead: %s", self.peer, reason)
+        if self.close_code is None:
+            self.close_code = CloseCode.HEARTBEAT_TIMEOUT
+            self.close_reason = reason
+        self._dead = True
+        if self._reader is not None:
+            self._reader.cancel()
 
     def _closed_by_peer(self, message: aiohttp.WSMessage) -> None:
         if message.type is aiohttp.WSMsgType.CLOSE and self.close_code is None:
@@ -544,14 +666,20 @@ class LinkConnection:
         self._streams.clear()
         for task in list(self._tasks):
             task.cancel()
+        for helper in (self._keeper, self._pinger, self._ponger):
+            if helper is not None and helper is not asyncio.current_task():
+                helper.cancel()
         if self._tasks:
             await asyncio.wait(list(self._tasks), timeout=30)
         if self._writer is not None:
             self._writer.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._writer
+        # Bounded: a dead peer never answers the close handshake (its socket is dropped).
         with contextlib.suppress(Exception):
-            await self.ws.close(code=self.close_code or CloseCode.NORMAL)
+            async with asyncio.timeout(CLOSE_TIMEOUT_S):
+                reason = self.close_reason.encode()[:120] if self._dead else b""
+                await self.ws.close(code=self.close_code or CloseCode.NORMAL, message=reason)
 
     def _code(self) -> CloseCode | None:
         code = self.close_code

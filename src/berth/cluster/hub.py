@@ -4,9 +4,12 @@ For every connection it: takes the node's identity from the verified client cert
 (never from a frame) and checks it against the store; refuses with a typed close code
 (``BAD_CERTIFICATE``, ``NODE_REMOVED``, ``PROTOCOL_ERROR``, ``UNSUPPORTED_VERSION``); waits for
 Hello and answers Welcome; closes an older session of the same node (``SUPERSEDED``); attaches
-a :class:`RemoteLink` to the leader's :class:`LinkRegistry`; and watches it: a node silent for
-``node_timeout_s`` is closed and marked ``unreachable``. When a link comes up or goes down the
-lifecycle manager hears of it, to reconcile deployments and stop routing to that node.
+a :class:`RemoteLink` to the leader's :class:`LinkRegistry`; and watches it: a link on which
+nothing (not even a pong) arrived for ``link_timeout_s`` is dead and ends at once
+(:class:`~berth.cluster.connection.Liveness`), and one that sent no frame for
+``node_timeout_s`` (pongs but no heartbeats) is closed; either way the node is marked
+``unreachable``. When a link comes up or goes down the lifecycle manager hears of it, to
+reconcile deployments and stop routing to that node.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from cryptography import x509
 from cryptography.x509.oid import NameOID
 
 from berth import __version__
-from berth.cluster.connection import LinkConnection
+from berth.cluster.connection import LINK_TIMEOUT_S, LinkConnection, Liveness
 from berth.cluster.enrollment import AuditLog
 from berth.cluster.inventory import gpu_infos
 from berth.cluster.link import LOCAL_NODE_ID
@@ -83,7 +86,9 @@ class NodeHub:
     node removal;
     ``audit``, when given, gets a ``node.lost`` line (id, label, close code) per lost link.
     ``forwarded``, when given, turns on the reverse-proxy fingerprint mode
-    (:mod:`berth.cluster.peer_identity`).
+    (:mod:`berth.cluster.peer_identity`). ``link_timeout_s`` is the dead-link timeout both
+    ends keep (told to agents in Welcome); ``node_timeout_s`` the longest an agent may go
+    without sending a frame.
     """
 
     def __init__(
@@ -95,6 +100,7 @@ class NodeHub:
         limits: LinkLimits | None = None,
         heartbeat_interval_s: float = HEARTBEAT_INTERVAL_S,
         node_timeout_s: float = NODE_TIMEOUT_S,
+        link_timeout_s: float = LINK_TIMEOUT_S,
         hello_timeout_s: float = HELLO_TIMEOUT_S,
         clock: Callable[[], float] = time.time,
         cluster_metrics: ClusterMetrics | None = None,
@@ -109,6 +115,7 @@ class NodeHub:
         self.limits = limits or LinkLimits()
         self._heartbeat_interval_s = heartbeat_interval_s
         self._node_timeout_s = node_timeout_s
+        self._liveness = Liveness(link_timeout_s)
         self._hello_timeout_s = hello_timeout_s
         self._clock = clock
         #: each node's live session: its link, which owns the connection
@@ -203,8 +210,10 @@ class NodeHub:
         # The WebSocket layer's own cap is looser than the protocol's, so that a frame a
         # little over the limit is read whole and refused by the decoder with a clean close
         # (1009) the agent can read; far larger ones are cut off by aiohttp.
+        # Pings and pongs go up to the connection, which answers and sends them itself and
+        # counts them as signs of life (autoping=False).
         ws = web.WebSocketResponse(
-            max_msg_size=4 * self.limits.max_frame_bytes, compress=False, autoping=True
+            max_msg_size=4 * self.limits.max_frame_bytes, compress=False, autoping=False
         )
         await ws.prepare(request)
         node_id, refusal = await self._identify(request)
@@ -223,12 +232,14 @@ class NodeHub:
             peer=node_id,
             limits=self.limits,
             on_closed=lambda: self._drop(node_id, conn),
+            liveness=self._liveness,
         )
         terms = WelcomeTerms(
             node_id=node_id,
             leader_version=__version__,
             heartbeat_interval_s=self._heartbeat_interval_s,
             capabilities=LEADER_CAPABILITIES,
+            link_timeout_s=self._liveness.timeout_s,
         )
         try:
             hello = await conn.handshake(
@@ -310,9 +321,9 @@ class NodeHub:
         interval = min(1.0, self._node_timeout_s / 5)
         while True:
             await asyncio.sleep(interval)
-            silent_s = time.monotonic() - conn.last_received_at
+            silent_s = time.monotonic() - conn.last_frame_at
             if silent_s > self._node_timeout_s:
-                log.warning("node %s silent for %.0f s: unreachable", node_id, silent_s)
+                log.warning("node %s sent no frame for %.0f s: unreachable", node_id, silent_s)
                 self._drop(node_id, conn)
                 await conn.close(CloseCode.HEARTBEAT_TIMEOUT, "no heartbeat in time")
                 return

@@ -19,6 +19,9 @@ from berth.runtime.engines import DeploymentRequest, EngineName
 from berth.runtime.gpu import GpuInfo
 
 LOCAL_NODE_ID = "local"
+#: Seconds an engine has to answer a health probe when the caller names no limit (the
+#: leader's ``probe_timeout_s`` setting is passed on every probe it sends).
+DEFAULT_PROBE_TIMEOUT_S = 5.0
 
 #: Called with ``(pid, port)`` once an engine process exists.
 SpawnListener = Callable[[int, int], Awaitable[None]]
@@ -112,8 +115,14 @@ class AgentLink(Protocol):
         """
         ...
 
-    async def probe(self, deployment_id: str) -> ProbeResult:
-        """Whether the deployment's engine is healthy, running but unhealthy, or gone."""
+    async def probe(
+        self, deployment_id: str, timeout_s: float = DEFAULT_PROBE_TIMEOUT_S
+    ) -> ProbeResult:
+        """Whether the deployment's engine is healthy, running but unhealthy (no 200 from its
+        health path within ``timeout_s`` seconds), or gone.
+
+        Raises ``EngineError`` when the node cannot tell (its runtime or its link failed).
+        """
         ...
 
     async def load_adapter(

@@ -19,6 +19,7 @@ from berth.cluster.connection import LinkConnection, RemoteOpError
 from berth.cluster.connection import ProgressListener as OpProgressListener
 from berth.cluster.inventory import node_inventory
 from berth.cluster.link import (
+    DEFAULT_PROBE_TIMEOUT_S,
     EngineEndpoint,
     EngineReport,
     NodeInventory,
@@ -72,6 +73,8 @@ from berth.runtime.engines import DeploymentRequest, EngineName
 
 #: Seconds a quick control request (stop excepted) may take before the link counts as stuck.
 CONTROL_TIMEOUT_S = 30.0
+#: Seconds a probe's answer may take beyond the probe's own timeout (the link's round trip).
+PROBE_ANSWER_SLACK_S = 1.0
 #: Seconds an agent may take to download a model from the hub.
 PULL_TIMEOUT_S = 3600.0
 #: Seconds an agent may take to load or unload an adapter (the engine's own wait, and more).
@@ -198,9 +201,15 @@ class RemoteLink:
         args = PullArgs(repo_id=repo_id, revision=revision)
         return (await self._call(PULL, args, PULL_TIMEOUT_S)).path
 
-    async def probe(self, deployment_id: str) -> ProbeResult:
-        args = ProbeArgs(deployment_id=deployment_id)
-        answer = await self._call(PROBE, args, CONTROL_TIMEOUT_S, engine_of=deployment_id)
+    async def probe(
+        self, deployment_id: str, timeout_s: float = DEFAULT_PROBE_TIMEOUT_S
+    ) -> ProbeResult:
+        """The agent probes its engine with ``timeout_s``; its answer may take
+        ``PROBE_ANSWER_SLACK_S`` longer to come back over the link."""
+        args = ProbeArgs(deployment_id=deployment_id, timeout_s=timeout_s)
+        answer = await self._call(
+            PROBE, args, timeout_s + PROBE_ANSWER_SLACK_S, engine_of=deployment_id
+        )
         return answer.result
 
     async def load_adapter(

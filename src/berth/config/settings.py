@@ -110,6 +110,9 @@ class Settings:
     log_level: str
     health_timeout_s: float
     stop_grace_s: float
+    probe_interval_s: float
+    probe_timeout_s: float
+    probes_to_fail: int
     default_runtime: str
     llama_server_bin: Path | None
     vllm_bin: Path | None
@@ -127,6 +130,7 @@ class Settings:
     leader_url: str | None
     heartbeat_interval_s: float
     node_timeout_s: float
+    link_timeout_s: float
     simulated_gpus: str | None
     desk_pool_url: str
 
@@ -179,6 +183,14 @@ class Settings:
                 f"node_timeout_s ({timeout_s}, {sources['node_timeout_s']}) must be at least "
                 f"twice heartbeat_interval_s ({heartbeat_s}, {sources['heartbeat_interval_s']}), "
                 "or healthy nodes would flap"
+            )
+
+        interval_s, probe_s = values["probe_interval_s"], values["probe_timeout_s"]
+        if probe_s >= interval_s:  # type: ignore[operator]
+            raise ConfigError(
+                f"probe_timeout_s ({probe_s}, {sources['probe_timeout_s']}) must be below "
+                f"probe_interval_s ({interval_s}, {sources['probe_interval_s']}): "
+                "each round of health probes ends before the next begins"
             )
 
         if (values["public_cert"] is None) != (values["public_key"] is None):

@@ -209,6 +209,17 @@ SETTINGS: tuple[SettingDef, ...] = (
     SettingDef("stop_grace_s", "float", "daemon",
                "seconds between SIGTERM and SIGKILL when stopping an engine",
                default=10.0, minimum=0.0),
+    SettingDef("probe_interval_s", "float", "daemon",
+               "seconds between health probes of each ready engine",
+               default=5.0, minimum=0.05),
+    SettingDef("probe_timeout_s", "float", "daemon",
+               "seconds one health probe may take; an engine slower than this is out of "
+               "routing until a probe answers in time (below probe_interval_s)",
+               default=2.0, minimum=0.01),
+    SettingDef("probes_to_fail", "int", "daemon",
+               "failed health probes in a row after which an engine is stopped and its "
+               "deployment failed",
+               default=3, minimum=1, maximum=100),
     SettingDef("default_runtime", "str", "daemon",
                "runtime used when a deploy names none (process or docker)",
                default="process", choices=RUNTIME_NAMES),
@@ -253,8 +264,13 @@ SETTINGS: tuple[SettingDef, ...] = (
                "seconds between an agent's heartbeats (told to agents on connect)",
                default=5.0, minimum=0.05),
     SettingDef("node_timeout_s", "float", "cluster",
-               "seconds of silence after which a node is unreachable",
+               "seconds without a frame from an agent after which its node is unreachable",
                default=15.0, minimum=0.1),
+    SettingDef("link_timeout_s", "float", "cluster",
+               "seconds with nothing received on an agent link (frames, pings, pongs) after "
+               "which either end closes it as dead; both ends ping every third of it "
+               "(told to agents on connect)",
+               default=6.0, minimum=0.3, maximum=300.0),
     SettingDef("simulated_gpus", "str", "gpu",
                "testing aid: report these GPUs (e.g. 24GiB,24GiB) instead of asking NVML; "
                "engines still run on the CPU",

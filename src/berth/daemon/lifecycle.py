@@ -34,7 +34,12 @@ from berth.daemon.planner import (
     Planner,
 )
 from berth.daemon.ready_table import LOADING_RETRY_AFTER_S, ReadyTable
-from berth.daemon.reconcile import WATCH_INTERVAL_S, Reconciler
+from berth.daemon.reconcile import (
+    PROBE_TIMEOUT_S,
+    UNHEALTHY_PROBES_TO_FAIL,
+    WATCH_INTERVAL_S,
+    Reconciler,
+)
 from berth.daemon.transitions import StateListener, StateWriter
 from berth.errors import (
     BerthError,
@@ -52,6 +57,7 @@ from berth.placement import (
     Refusal,
 )
 from berth.routing.resolver import Upstream
+from berth.routing.waiting import WaitingAttempts
 from berth.runtime.engines import (
     DEFAULT_GPU_IMAGES,
     DEFAULT_IMAGES,
@@ -83,7 +89,9 @@ class LifecycleManager:
     ``*_image`` settings); ``gpu_images`` replaces it for a deployment given GPUs
     (llama.cpp's default image has no CUDA).  ``usage`` tells placement how each
     deployment is used (for the eviction choice); ``min_residency_s`` is the eviction
-    choice's minimum residency.
+    choice's minimum residency.  ``watch_interval_s``, ``probe_timeout_s`` and
+    ``probes_to_fail`` drive the health watch (:mod:`berth.daemon.reconcile`), which wakes
+    the requests in ``waiting`` when it gives a deployment up.
     """
 
     def __init__(
@@ -95,6 +103,9 @@ class LifecycleManager:
         stop_grace_s: float,
         on_state: StateListener | None = None,
         watch_interval_s: float = WATCH_INTERVAL_S,
+        probe_timeout_s: float = PROBE_TIMEOUT_S,
+        probes_to_fail: int = UNHEALTHY_PROBES_TO_FAIL,
+        waiting: WaitingAttempts | None = None,
         images: Mapping[EngineName, str] = DEFAULT_IMAGES,
         gpu_images: Mapping[EngineName, str] = DEFAULT_GPU_IMAGES,
         usage: UsageLookup = no_usage,
@@ -128,6 +139,9 @@ class LifecycleManager:
             stop_grace_s=stop_grace_s,
             is_starting=self._starting.__contains__,
             watch_interval_s=watch_interval_s,
+            probe_timeout_s=probe_timeout_s,
+            probes_to_fail=probes_to_fail,
+            waiting=waiting,
         )
         self._watcher: asyncio.Task[None] | None = None
 

@@ -332,6 +332,7 @@ class OpenAIProxy:
                     signals=signals,
                     clock=self._clock,
                     request_id=request_id.decode(),
+                    waiting=self.router.waiting,
                 )
             except (EngineUnreachableError, EngineTimeoutError) as exc:
                 # Counted against the engine that failed last, as the client is told.

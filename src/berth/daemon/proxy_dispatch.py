@@ -3,21 +3,26 @@
 Each attempt goes to a node not tried yet, at most ``max_attempts`` in all. An attempt that
 fails before the answer's head (refused, reset, timed out, node unreachable) or is answered
 502/503/504 moves on to the next candidate, while there is one; the rules are
-:func:`berth.routing.retry.classify`. Nothing has been sent to the client yet, so nothing is
+:func:`berth.routing.retry.classify`. So does one whose engine the leader gives up while it
+waits (a failed health probe, a failed deployment, a dead link: :mod:`berth.routing.waiting`):
+its exchange is closed at once and the next candidate tried, without waiting for the engine
+to be stopped or for the read timeout. Nothing has been sent to the client yet, so nothing is
 done twice from its point of view. The last attempt's outcome stands: its error (an
 OpenAI-shaped 502/504) or its answer.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING
 
 from berth.engine_http.answer import EngineAnswer
-from berth.routing.errors import EngineTimeoutError, ProxyError
+from berth.routing.errors import EngineTimeoutError, EngineUnreachableError, ProxyError
 from berth.routing.retry import AttemptFailure, classify
 from berth.routing.signals import SignalBoard
+from berth.routing.waiting import WaitingAttempts
 
 if TYPE_CHECKING:
     from berth.routing.resolver import Upstream
@@ -35,14 +40,19 @@ async def first_answer(
     signals: SignalBoard,
     clock: Callable[[], float],
     request_id: str,
+    waiting: WaitingAttempts | None = None,
 ) -> tuple[Upstream, EngineAnswer]:
     """The first usable answer along ``plan``, and the upstream that gave it.
 
     ``attempt(upstream)`` sends the request and returns once the answer's head is in, or
-    raises a :class:`ProxyError` (nothing reached the client). The chosen upstream is left
-    counted in flight in ``signals``: the caller calls ``signals.finished`` when the
-    exchange is over. Raises the last attempt's ``ProxyError`` when none answered.
+    raises a :class:`ProxyError` (nothing reached the client). While it waits, the attempt
+    is registered in ``waiting``, so that giving its engine up cancels it (closing its
+    exchange) and moves the request on. The chosen upstream is left counted in flight in
+    ``signals``: the caller calls ``signals.finished`` when the exchange is over. Raises the
+    last attempt's ``ProxyError`` when none answered (``EngineUnreachableError`` for an
+    attempt whose engine was given up with nowhere else to go).
     """
+    task = asyncio.current_task() if waiting is not None else None
     tried: set[str] = set()
     for index, upstream in enumerate(plan):
         if upstream.node_id in tried:
@@ -51,8 +61,24 @@ async def first_answer(
         more = len(tried) < max_attempts and any(u.node_id not in tried for u in plan[index + 1 :])
         signals.started(upstream.deployment_id, upstream.node_id)
         begun = clock()
+        registered = None
+        if waiting is not None and task is not None:
+            registered = waiting.add(upstream, task, elsewhere=more)
         try:
             answer = await attempt(upstream)
+        except asyncio.CancelledError:
+            signals.finished(upstream.deployment_id, upstream.node_id)
+            if registered is None or registered.given_up is None or registered.task.uncancel():
+                raise  # the client left, or the server is shutting down
+            # Given up while waiting: the cancellation closed the exchange with the engine.
+            signals.failed(upstream.deployment_id)
+            if not more:
+                raise EngineUnreachableError(
+                    upstream, f"was given up before answering ({registered.reason})"
+                ) from None
+            log.warning("request %s: deployment %s %s; trying another node",
+                        request_id, upstream.deployment_id, registered.reason)  # fmt: skip
+            continue
         except ProxyError as exc:
             signals.finished(upstream.deployment_id, upstream.node_id)
             signals.failed(upstream.deployment_id)
@@ -67,6 +93,9 @@ async def first_answer(
         except BaseException:
             signals.finished(upstream.deployment_id, upstream.node_id)
             raise
+        finally:
+            if registered is not None and waiting is not None:
+                waiting.remove(registered)
         if answer.status < 500:
             # Only real answers are latency samples: a quick 503 must not look fast.
             signals.observe(upstream.deployment_id, clock() - begun)

@@ -3,7 +3,10 @@
 Memory only, read on every request, so no method here does I/O.  The lifecycle manager
 keeps it in step with the store: a deployment is in it from ready until it stops, fails or
 its node's link drops (then it is *parked*, so a request is told where its deployments
-are); an adopted endpoint is in it while its node reports it alive.
+are); an adopted endpoint is in it while its node reports it alive.  A ready deployment whose
+last health probe failed is *suspect*: it stays in the table (its state in the store is still
+ready) but gets no new request while another deployment of its model can take it, until a
+probe answers again.
 """
 
 from __future__ import annotations
@@ -39,6 +42,8 @@ class ReadyTable:
         self._known_models: set[str] = set()
         #: adopted endpoints as each node last reported them: node id -> name -> state
         self._adopted: dict[str, dict[str, AdoptedState]] = {}
+        #: ready deployments whose last health probe failed: deployment id -> why
+        self._suspect: dict[str, str] = {}
 
     # -- the proxy's view ---------------------------------------------------------------
 
@@ -51,6 +56,12 @@ class ReadyTable:
         """
         ready = self._ready.get(model)
         if ready:
+            if self._suspect:
+                sound = [u for d, u in ready.items() if d not in self._suspect]
+                if sound:
+                    return sound
+                # Every one is suspect: a slow probe is no proof that the engine is gone, and
+                # there is nowhere better to go (the failed state follows if it is).
             return list(ready.values())
         parked = self._parked.get(model)
         if parked:
@@ -96,11 +107,33 @@ class ReadyTable:
         )
         self._ready.setdefault(record.served_model_name, {})[record.id] = upstream
         self._parked.get(record.served_model_name, {}).pop(record.id, None)
+        self._suspect.pop(record.id, None)
 
     def unmark(self, model: str, deployment_id: str) -> None:
         """Stop routing ``model`` to the deployment (ready or parked)."""
         self._ready.get(model, {}).pop(deployment_id, None)
         self._parked.get(model, {}).pop(deployment_id, None)
+        self._suspect.pop(deployment_id, None)
+
+    def mark_suspect(self, deployment_id: str, reason: str) -> bool:
+        """The deployment's health probe failed (``reason`` says how): no new requests go to
+        it while another deployment of its model can take them.  Whether it was sound until
+        now (``False``: already suspect, or not ready)."""
+        if deployment_id in self._suspect or not self._is_ready(deployment_id):
+            return False
+        self._suspect[deployment_id] = reason
+        return True
+
+    def clear_suspect(self, deployment_id: str) -> bool:
+        """A probe answered: route to the deployment again.  Whether it was suspect."""
+        return self._suspect.pop(deployment_id, None) is not None
+
+    def suspect_reason(self, deployment_id: str) -> str | None:
+        """Why the deployment is suspect, or ``None`` when it is not."""
+        return self._suspect.get(deployment_id)
+
+    def _is_ready(self, deployment_id: str) -> bool:
+        return any(deployment_id in ready for ready in self._ready.values())
 
     def park_node(self, node_id: str) -> None:
         """The node's link ended: its deployments leave the table, remembered as parked, and
@@ -109,6 +142,7 @@ class ReadyTable:
         for model, upstreams in self._ready.items():
             for deployment_id in [d for d, u in upstreams.items() if u.node_id == node_id]:
                 del upstreams[deployment_id]
+                self._suspect.pop(deployment_id, None)
                 self._parked.setdefault(model, {})[deployment_id] = node_id
 
     # -- adopted endpoints ----------------------------------------------------------------

@@ -5,6 +5,16 @@ containers the local core took back), an agent's Hello (the engines it reports),
 watch interval (health probes of ready engines).  A ready deployment whose engine runs is
 routed to again; one caught mid-start is stopped and failed; one whose engine is gone, or
 stopped answering health checks, is failed; an engine no active deployment owns is stopped.
+
+The health watch, every ``watch_interval_s``: each ready engine is probed with a timeout of
+its own (``probe_timeout_s``, below the interval, so a hung engine costs one short wait, not
+the link's control timeout).  One failed probe makes the deployment *suspect*: out of routing
+for new requests at once (:meth:`ReadyTable.mark_suspect`), and the requests waiting on it
+for a first byte are sent to another candidate (:mod:`berth.routing.waiting`).  The next
+probe that answers puts it back.  ``probes_to_fail`` failed probes in a row fail it: its
+waiting requests end or move on at once, then its engine is stopped.  A probe the node could
+not answer (its link or its runtime failed) makes the deployment suspect too, without
+counting towards failing it: the engine itself may be fine.
 """
 
 from __future__ import annotations
@@ -22,16 +32,19 @@ from berth.daemon.ready_table import ReadyTable
 from berth.daemon.transitions import StateWriter
 from berth.errors import BerthError, EngineError, InvalidTransitionError, NotFoundError
 from berth.routing.resolver import Upstream
+from berth.routing.waiting import GiveUp, WaitingAttempts
 from berth.runtime.engines import parse_runtime_name
 from berth.store import DeploymentRecord, Store
 from berth.store.states import DeploymentState
 
 log = logging.getLogger(__name__)
 
-#: Seconds between health probes of ready engines.
+#: Seconds between health probes of ready engines (the ``probe_interval_s`` setting).
 WATCH_INTERVAL_S = 5.0
+#: Seconds one probe may take (the ``probe_timeout_s`` setting).
+PROBE_TIMEOUT_S = 2.0
 #: Consecutive failed health probes after which a running engine counts as hung: it is
-#: stopped and its deployment marked failed, so it stops receiving traffic.
+#: stopped and its deployment marked failed (the ``probes_to_fail`` setting).
 UNHEALTHY_PROBES_TO_FAIL = 3
 
 #: An engine as an agent reports it (in Hello) or the local core lists it.
@@ -42,7 +55,8 @@ class Reconciler:
     """Reconciles deployments with engines, at start-up, on reconnect and while watching.
 
     ``is_starting(deployment_id)`` says whether the lifecycle manager is starting it now
-    (such a deployment is left alone: its start owns it).
+    (such a deployment is left alone: its start owns it).  ``waiting`` holds the requests
+    waiting for a first byte, woken when a deployment is given up (``None``: no proxy).
     """
 
     def __init__(
@@ -55,6 +69,9 @@ class Reconciler:
         stop_grace_s: float,
         is_starting: Callable[[str], bool],
         watch_interval_s: float = WATCH_INTERVAL_S,
+        probe_timeout_s: float = PROBE_TIMEOUT_S,
+        probes_to_fail: int = UNHEALTHY_PROBES_TO_FAIL,
+        waiting: WaitingAttempts | None = None,
     ) -> None:
         self._store = store
         self._links = links
@@ -63,6 +80,9 @@ class Reconciler:
         self._stop_grace_s = stop_grace_s
         self._is_starting = is_starting
         self._watch_interval_s = watch_interval_s
+        self._probe_timeout_s = probe_timeout_s
+        self._probes_to_fail = probes_to_fail
+        self._waiting = waiting
         self._failed_probes: dict[str, int] = {}
         #: local deployments whose runtime could not be asked at start-up (Docker down)
         self._unreconciled: set[str] = set()
@@ -204,10 +224,15 @@ class Reconciler:
     # -- watching -----------------------------------------------------------------------------
 
     async def watch(self) -> None:
-        """Forever: mark ready deployments whose engine died or hung as failed, so they stop
-        getting traffic, and retry local deployments that could not be reconciled."""
+        """Forever, one round every ``watch_interval_s``: probe the ready engines (see the
+        module docstring), and retry local deployments that could not be reconciled."""
+        loop = asyncio.get_running_loop()
+        next_round = loop.time() + self._watch_interval_s
         while True:
-            await asyncio.sleep(self._watch_interval_s)
+            # Rounds start one interval apart, however long the probes took (each is
+            # bounded), so a hung engine is noticed within an interval and a probe timeout.
+            await asyncio.sleep(max(0.0, next_round - loop.time()))
+            next_round = loop.time() + self._watch_interval_s
             if self._unreconciled:
                 await self._retry_unreconciled()
             # All at once: a node that answers slowly must not delay the others' checks.
@@ -226,15 +251,26 @@ class Reconciler:
         if link is None:
             return
         deployment_id = upstream.deployment_id
-        result = await link.probe(deployment_id)
+        try:
+            result = await link.probe(deployment_id, self._probe_timeout_s)
+        except EngineError as exc:
+            # The node could not say (its link or its runtime failed): not routed to while
+            # that lasts, but not held against the engine.
+            self._suspect(upstream, f"could not be probed ({exc})")
+            return
         if result == "healthy":
             self._failed_probes.pop(deployment_id, None)
+            if self._table.clear_suspect(deployment_id):
+                log.info("deployment %s answers its health probe again: routed to", deployment_id)
             return
         if result == "unhealthy":
             failures = self._failed_probes.get(deployment_id, 0) + 1
             self._failed_probes[deployment_id] = failures
-            log.warning("deployment %s failed health probe %d", deployment_id, failures)
-            if failures < UNHEALTHY_PROBES_TO_FAIL:
+            log.warning("deployment %s failed health probe %d of %d", deployment_id, failures,
+                        self._probes_to_fail)  # fmt: skip
+            if failures < self._probes_to_fail:
+                why = f"failed a health probe (no 200 within {self._probe_timeout_s:g} s)"
+                self._suspect(upstream, why)
                 return
             reason = f"engine stopped answering health checks ({failures} probes in a row)"
         else:
@@ -242,6 +278,9 @@ class Reconciler:
         log.warning("deployment %s: %s", deployment_id, reason)
         self._failed_probes.pop(deployment_id, None)
         self._table.unmark(upstream.model, deployment_id)
+        if self._waiting is not None:
+            # First: its waiting requests move on now, not after the stop's grace.
+            self._waiting.give_up_deployment(deployment_id, GiveUp.FAILED, "failed")
         try:
             await link.stop_deployment(deployment_id, self._stop_grace_s)
         except NotFoundError:
@@ -249,3 +288,12 @@ class Reconciler:
         except EngineError as exc:  # still failed: it is not routed to any more either way
             reason = f"{reason}; stopping what was left failed: {exc}"
         await self._writer.transition(deployment_id, DeploymentState.FAILED, failure_reason=reason)
+
+    def _suspect(self, upstream: Upstream, why: str) -> None:
+        """Take the deployment out of routing for new requests and move its waiting ones."""
+        deployment_id = upstream.deployment_id
+        if self._table.mark_suspect(deployment_id, why):
+            log.warning("deployment %s %s: out of routing until a probe answers",
+                        deployment_id, why)  # fmt: skip
+        if self._waiting is not None:
+            self._waiting.give_up_deployment(deployment_id, GiveUp.SUSPECT, why)

@@ -64,6 +64,7 @@ from berth.paths import BerthHome
 from berth.routing.router import Router
 from berth.routing.routes import RouteResolver
 from berth.routing.signals import SignalBoard
+from berth.routing.waiting import WaitingAttempts
 from berth.runtime.docker import DockerRuntime, resolve_docker_host
 from berth.runtime.engines import EngineBinaries
 from berth.runtime.gpu import inventory_for
@@ -271,11 +272,16 @@ async def serve(home: BerthHome, settings: Settings) -> None:
             local_meter.forget(record.id)
             cluster_metrics.deployment_ended(record.id)  # its series go after a linger
 
+    waiting = WaitingAttempts()  # requests before their first byte, woken on a give-up
     lifecycle = LifecycleManager(
         store,
         links,
         health_timeout_s=settings.health_timeout_s,
         stop_grace_s=settings.stop_grace_s,
+        watch_interval_s=settings.probe_interval_s,
+        probe_timeout_s=settings.probe_timeout_s,
+        probes_to_fail=settings.probes_to_fail,
+        waiting=waiting,
         on_state=on_state,
         images=settings.docker_images(),
         gpu_images=settings.docker_gpu_images(),
@@ -289,6 +295,7 @@ async def serve(home: BerthHome, settings: Settings) -> None:
         listener=lifecycle,
         heartbeat_interval_s=settings.heartbeat_interval_s,
         node_timeout_s=settings.node_timeout_s,
+        link_timeout_s=settings.link_timeout_s,
         cluster_metrics=cluster_metrics,
         audit=audit,
         forwarded=forwarded,
@@ -303,7 +310,8 @@ async def serve(home: BerthHome, settings: Settings) -> None:
         signals=signals,
         node_reported=hub.has_reported,
         free_vram_mb=hub.free_vram_mb,
-        links=links,  # a node whose link goes loses its affinity
+        links=links,  # a node whose link goes loses its affinity and its waiting requests
+        waiting=waiting,
     )
     local_sampler = None
     if core is not None:

@@ -19,6 +19,7 @@ from berth.routing.scorer import (
     rank,
 )
 from berth.routing.signals import SignalBoard
+from berth.routing.waiting import WaitingAttempts
 
 if TYPE_CHECKING:
     from berth.cluster.link import AgentLink
@@ -33,7 +34,9 @@ class Router:
     ``node_reported(node_id)`` says whether a node has sent signals (a remote node before its
     first heartbeat has not); ``free_vram_mb(node_id)`` its free GPU memory when known.
     ``links``, when given, is watched: a node whose link goes loses its affinity entries
-    (:meth:`node_lost`).
+    and the requests waiting on it for a first byte are sent elsewhere (:meth:`node_lost`).
+    ``waiting`` holds those requests (shared with whoever gives up deployments: the
+    health watcher).
     """
 
     def __init__(
@@ -45,9 +48,11 @@ class Router:
         node_reported: Callable[[str], bool] = lambda _node: True,
         free_vram_mb: Callable[[str], int | None] = lambda _node: None,
         links: LinkRegistry | None = None,
+        waiting: WaitingAttempts | None = None,
     ) -> None:
         self.resolver = resolver
         self.signals = signals or SignalBoard()
+        self.waiting = waiting if waiting is not None else WaitingAttempts()
         self.affinity = affinity or AffinityMap()
         self._node_reported = node_reported
         self._free_vram_mb = free_vram_mb
@@ -125,7 +130,9 @@ class Router:
         self.affinity.record(affinity_key, upstream.node_id)
 
     def node_lost(self, node_id: str) -> int:
-        """A node became unreachable: forget its affinity entries; how many there were."""
+        """A node became unreachable: forget its affinity entries (how many there were are
+        returned), and send the requests waiting on it for a first byte elsewhere."""
+        self.waiting.give_up_node(node_id, f"is on node {node_id}, whose link was lost")
         return self.affinity.forget_node(node_id)
 
     def _link_changed(self, node_id: str, link: AgentLink | None) -> None:

@@ -257,6 +257,9 @@ class Welcome(_Body, kw_only=True):
     server_time: float
     heartbeat_interval_s: float = 5.0
     capabilities: list[str] = []
+    #: seconds with nothing received after which either end closes the link as dead; the
+    #: agent pings every third of it (absent from older leaders: the agent's default)
+    link_timeout_s: float = 6.0
 
 
 class Request(_Body, kw_only=True):

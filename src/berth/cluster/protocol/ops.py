@@ -87,6 +87,8 @@ class StopArgs(_Args, kw_only=True):
 
 class ProbeArgs(_Args, kw_only=True):
     deployment_id: str
+    #: seconds the engine has to answer its health path (older leaders: the agent's 5 s)
+    timeout_s: float = 5.0
 
 
 class ProbeResult(_Args, kw_only=True):

@@ -119,13 +119,14 @@ class LinkLimits:
 @dataclass(frozen=True)
 class WelcomeTerms:
     """What the leader says in Welcome besides the negotiated version and its clock: the node
-    id (from the agent's certificate), its own version, the heartbeat interval it wants, in
-    seconds, and its capabilities."""
+    id (from the agent's certificate), its own version, the heartbeat interval it wants and
+    the link timeout both ends keep, in seconds, and its capabilities."""
 
     node_id: str
     leader_version: str
     heartbeat_interval_s: float = 5.0
     capabilities: Sequence[str] = ()
+    link_timeout_s: float = 6.0
 
 
 def negotiate_version(peer_min: int, peer_max: int, ours: tuple[int, int]) -> int | None:
@@ -242,6 +243,7 @@ class LinkSession:
             server_time=server_time,
             heartbeat_interval_s=terms.heartbeat_interval_s,
             capabilities=list(terms.capabilities),
+            link_timeout_s=terms.link_timeout_s,
         )
         self._send(frame)
         self.protocol_version = version
