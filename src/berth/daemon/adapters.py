@@ -33,7 +33,7 @@ import asyncio
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field, replace
 
 from berth.cluster.link_registry import LinkRegistry
@@ -48,6 +48,11 @@ from berth.runtime.engines import EngineName, parse_engine_name
 from berth.store import AdapterRecord, DeploymentRecord
 
 log = logging.getLogger(__name__)
+
+#: The proxy's engine client's ``open``: (upstream, path, query, headers, body) -> answer.
+EngineOpener = Callable[
+    [Upstream, str, bytes, list[tuple[bytes, bytes]], bytes], Awaitable[EngineAnswer]
+]
 
 
 @dataclass(frozen=True)
@@ -331,6 +336,30 @@ class AdapterManager:
                 raise AdapterUnavailableError(
                     upstream, f"could not load adapter {use.name!r} ({exc})"
                 ) from exc
+
+    def gated(self, open_engine: EngineOpener) -> EngineOpener:
+        """``open_engine`` behind the gate: a request for an adapter has it loaded into the
+        engine first (:meth:`enter`, which may raise :class:`AdapterUnavailableError`), and
+        its answer holds the adapter in use until the answer is closed."""
+
+        async def gated_open(
+            upstream: Upstream,
+            path: str,
+            query: bytes,
+            forward: list[tuple[bytes, bytes]],
+            body: bytes,
+        ) -> EngineAnswer:
+            lease = await self.enter(upstream)
+            if lease is None:
+                return await open_engine(upstream, path, query, forward, body)
+            try:
+                answer = await open_engine(upstream, path, query, forward, body)
+            except BaseException:
+                lease.release(None)
+                raise
+            return LeasedAnswer(answer, lease)
+
+        return gated_open
 
     def _lease(self, engine: _Engine, name: str) -> AdapterLease:
         engine.in_flight[name] += 1

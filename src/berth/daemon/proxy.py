@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from berth.daemon.adapter_resolver import with_lora
-from berth.daemon.adapters import AdapterManager, LeasedAnswer
+from berth.daemon.adapters import AdapterManager
 from berth.daemon.engine_client import EngineAuth, EngineClient, TunnelOpener
 from berth.daemon.proxy_asgi import AsgiClientRequest, AsgiClientWriter
 from berth.daemon.proxy_dispatch import first_answer
@@ -159,13 +159,15 @@ class OpenAIProxy:
     ) -> None:
         self._resolver = resolver
         self._adapters = adapters
-        self._engines = EngineClient(
+        self._engines = engines = EngineClient(
             tunnels=tunnels,
             connect_timeout_s=connect_timeout_s,
             read_timeout_s=read_timeout_s,
             max_connections=max_connections,
             engine_auth=engine_auth,
         )
+        # an adapter request has its adapter loaded into the engine first
+        self._open = engines.open if adapters is None else adapters.gated(engines.open)
         self.router = router or Router(resolver)
         self._max_attempts = max_attempts
         self._relay_buffer_chunks = relay_buffer_chunks
@@ -327,7 +329,7 @@ class OpenAIProxy:
             try:
                 chosen, response = await first_answer(
                     plan,
-                    lambda u: self._attempt(u, path, query, forward, bodies.get(u)),
+                    lambda u: self._open(u, path, query, forward, bodies.get(u)),
                     max_attempts=self._max_attempts,
                     signals=signals,
                     clock=self._clock,
@@ -372,28 +374,6 @@ class OpenAIProxy:
                 completion_tokens=usage.completion_tokens if usage else 0,
                 error_reason=exchange.error_reason,
             )
-
-    async def _attempt(
-        self,
-        upstream: Upstream,
-        path: str,
-        query: bytes,
-        forward: list[tuple[bytes, bytes]],
-        body: bytes,
-    ) -> EngineAnswer:
-        """One attempt: the adapter loaded first when the request needs one, then the
-        request sent; the adapter counts as in use until the answer is closed."""
-        lease = None
-        if self._adapters is not None and upstream.adapter is not None:
-            lease = await self._adapters.enter(upstream)
-        if lease is None:
-            return await self._engines.open(upstream, path, query, forward, body)
-        try:
-            answer = await self._engines.open(upstream, path, query, forward, body)
-        except BaseException:
-            lease.release(None)
-            raise
-        return LeasedAnswer(answer, lease)
 
     async def _read_body(
         self, request: ClientRequest, content_length: bytes | None

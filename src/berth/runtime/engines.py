@@ -14,15 +14,7 @@ Flags come from each engine's own documentation:
 * SGLang: the "Server Arguments" page (``--model-path``, ``--host``, ``--port``,
   ``--served-model-name``, ``--context-length``, ``--tp``; ``GET /health``).
 
-LoRA adapters (``docs/adapters.md``): a vLLM or SGLang deployment given adapter slots starts
-with LoRA enabled and loads adapters later through its API (:mod:`berth.runtime.lora_api`):
-vLLM ``--enable-lora --max-loras N --max-lora-rank R`` with
-``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`` in its environment (its "Dynamically serving LoRA
-Adapters" docs); SGLang ``--enable-lora --max-loras-per-batch N --max-lora-rank R
---lora-target-modules M...`` (its "LoRA Serving" docs: rank and modules must be given when
-adapters are loaded after start). A llama.cpp deployment gets its node's adapters at start,
-``--lora FILE`` each, with ``--lora-init-without-apply`` so that none applies until a request
-asks for it in its ``lora`` field (``tools/server/README.md``).
+LoRA adapters' flags and environment: :mod:`berth.runtime.lora_flags`.
 
 Each engine gets an API key of its own (:attr:`DeploymentRequest.api_key`), told to it in a
 way other users of the host cannot read, since ``/proc/<pid>/cmdline`` is world-readable but
@@ -61,6 +53,7 @@ from berth.runtime.base import (
     RuntimeName,
     SecretFile,
 )
+from berth.runtime.lora_flags import LORA_FLAGS, lora_env, lora_serve_flags
 
 EngineName = Literal["llamacpp", "vllm", "sglang"]
 
@@ -85,17 +78,6 @@ API_KEY_ENV: dict[EngineName, str] = {"llamacpp": "LLAMA_API_KEY", "vllm": "VLLM
 CONTAINER_KEY_FILE = "/run/berth/engine-key.yaml"
 #: The flag that hands SGLang its configuration file (``--config``, SGLang 0.5).
 SGLANG_CONFIG_FLAG = "--config"
-#: The ranks vLLM's ``--max-lora-rank`` accepts (``MaxLoRARanks`` in its LoRA config); berth
-#: rounds an adapter's rank up to the next one.
-VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
-#: vLLM's own default ``--max-lora-rank``, used when no adapter's rank is known.
-DEFAULT_MAX_LORA_RANK = 16
-#: The environment variable that lets a vLLM server load adapters after it started.
-VLLM_RUNTIME_LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
-#: Flags berth sets for adapters itself, refused in extra arguments.
-LORA_FLAGS = frozenset({"--enable-lora", "--max-loras", "--max-lora-rank", "--max-loras-per-batch",
-                        "--lora-target-modules", "--lora", "--lora-init-without-apply",
-                        "--lora-scaled"})  # fmt: skip
 
 # A split GGUF shard as written by llama.cpp's gguf-split: ``name-00001-of-00003.gguf``.
 _GGUF_SHARD = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$")
@@ -141,7 +123,7 @@ class DeploymentRequest:
     runs without one); it never appears in a ``repr``.
 
     Adapters (vLLM, SGLang): ``adapter_slots`` enables LoRA with that many adapters loaded at
-    once, up to rank ``max_lora_rank`` (``None``: :data:`DEFAULT_MAX_LORA_RANK`), on the
+    once, up to rank ``max_lora_rank`` (``None``: vLLM's default, 16), on the
     modules ``lora_target_modules`` (SGLang needs them). llama.cpp: ``lora_files`` are
     given with ``--lora`` in this order (a request names one by its index).
     """
@@ -246,8 +228,7 @@ def build_launch_spec(
     argv.extend(key_flags)
     argv.extend(req.extra_args)
     env: dict[str, str] = {}
-    if req.engine == "vllm" and req.adapter_slots is not None:
-        env[VLLM_RUNTIME_LORA_ENV] = "True"
+    env.update(lora_env(req.engine, req.adapter_slots))
     if req.gpus:
         # CUDA numbers devices fastest-first by default; NVML (and berth) in PCI bus order.
         env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
@@ -380,43 +361,28 @@ def _serve_flags(req: DeploymentRequest, served: str, host: str, port: int) -> l
             flags += ["-c", str(req.ctx)]
         if req.gpus:
             flags += ["-ngl", str(LLAMACPP_ALL_LAYERS)]
-        for lora in req.lora_files:
-            flags += ["--lora", str(lora)]
-        if req.lora_files:
-            flags.append("--lora-init-without-apply")
     elif req.engine == "vllm":
         flags += ["--served-model-name", served]
         if req.ctx is not None:
             flags += ["--max-model-len", str(req.ctx)]
         if len(req.gpus) > 1:
             flags += ["--tensor-parallel-size", str(len(req.gpus))]
-        if req.adapter_slots is not None:
-            rank = vllm_lora_rank(req.max_lora_rank or DEFAULT_MAX_LORA_RANK)
-            flags += ["--enable-lora", "--max-loras", str(req.adapter_slots),
-                      "--max-lora-rank", str(rank)]  # fmt: skip
     elif req.engine == "sglang":
         flags += ["--served-model-name", served]
         if req.ctx is not None:
             flags += ["--context-length", str(req.ctx)]
         if len(req.gpus) > 1:
             flags += ["--tp", str(len(req.gpus))]
-        if req.adapter_slots is not None:
-            rank = req.max_lora_rank or DEFAULT_MAX_LORA_RANK
-            flags += ["--enable-lora", "--max-loras-per-batch", str(req.adapter_slots),
-                      "--max-lora-rank", str(rank)]  # fmt: skip
-            flags += ["--lora-target-modules", *(req.lora_target_modules or ("all",))]
     else:
         assert_never(req.engine)
+    flags += lora_serve_flags(
+        req.engine,
+        slots=req.adapter_slots,
+        max_rank=req.max_lora_rank,
+        target_modules=req.lora_target_modules,
+        files=req.lora_files,
+    )
     return flags
-
-
-def vllm_lora_rank(rank: int) -> int:
-    """The smallest rank vLLM's ``--max-lora-rank`` accepts that is at least ``rank``
-    (:data:`VLLM_LORA_RANKS`); ``ConfigError`` above the largest."""
-    for allowed in VLLM_LORA_RANKS:
-        if allowed >= rank:
-            return allowed
-    raise ConfigError(f"LoRA rank {rank} is above vLLM's largest, {VLLM_LORA_RANKS[-1]}")
 
 
 # -- containers (the docker runtime) ---------------------------------------------------------
