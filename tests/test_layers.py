@@ -55,7 +55,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("observability",),
     ("cluster",),
     ("agent", "routing"),
-    ("doctor", "desk", "backup"),
+    ("doctor", "desk", "backup", "console"),
     ("daemon",),
     ("cli",),
     ("__main__",),

@@ -87,6 +87,14 @@ def _smollm2() -> str | None:
     return None
 
 
+def _chromium() -> str | None:
+    if shutil.which("chromium") is None:
+        return "Chromium is not installed (apt-get install chromium; scripts/setup.sh does)"
+    if importlib.util.find_spec("playwright") is None:
+        return "the playwright package is not installed (scripts/setup.sh installs it)"
+    return None
+
+
 #: What ``needs`` accepts: each part's check, returning why it is missing or ``None``.
 PARTS: dict[str, Callable[[], str | None]] = {
     "llama-server": _llama_server,
@@ -95,6 +103,7 @@ PARTS: dict[str, Callable[[], str | None]] = {
     "caddy": _executable("caddy", "caddy"),
     "systemd-analyze": _executable("systemd-analyze", "systemd"),
     "systemctl": _executable("systemctl", "systemd"),
+    "chromium": _chromium,
 }
 
 

@@ -6,7 +6,9 @@ ASGI adapter. Authentication happens here, once, by listener: over TCP ``/v1/*``
 ``/metrics`` need any valid key and ``/admin/*`` an admin key; over the Unix socket (mode
 0600, so only its owner can connect) no key is needed. On the public listener, browsers on
 the origins of the ``cors_origins`` setting get their preflights answered and CORS headers on
-every answer (:mod:`berth.http_server.cors`).
+every answer (:mod:`berth.http_server.cors`). The web console (``/ui/*``, and ``/`` for a
+browser) needs no key; a browser signed in to it sends a session cookie instead of a key,
+which :class:`berth.daemon.console_routes.ConsoleGate` checks.
 """
 
 from __future__ import annotations
@@ -18,6 +20,12 @@ from fastapi import FastAPI
 from berth.daemon.admin import build_admin_app
 from berth.daemon.admin_services import build_service_router
 from berth.daemon.auth import require_tier, secret_from_headers
+from berth.daemon.console_routes import (
+    CONSOLE_HEADERS,
+    ConsoleGate,
+    build_console_router,
+    is_console_path,
+)
 from berth.daemon.proxy import OpenAIProxy
 from berth.daemon.services import LeaderServices
 from berth.errors import AuthError
@@ -26,6 +34,7 @@ from berth.http_server.cors import CorsPolicy
 from berth.http_server.request import Request
 from berth.http_server.writer import ResponseWriter
 from berth.openai_errors import error_from_exception
+from berth.store import ApiKeyRecord
 
 #: Paths that answer without a key on every listener.
 OPEN_PATHS = frozenset({"/healthz", "/readyz"})
@@ -44,12 +53,14 @@ class LeaderApp:
         *,
         trusted: bool,
         cors: CorsPolicy | None = None,
+        console: ConsoleGate | None = None,
     ) -> None:
         self._services = services
         self._admin = AsgiHandler(admin)
         self._proxy: OpenAIProxy = services.proxy
         self._trusted = trusted
         self._cors = cors if cors is not None and cors.enabled else None
+        self._console = console
 
     async def __call__(self, request: Request, writer: ResponseWriter) -> None:
         path = request.path
@@ -68,25 +79,36 @@ class LeaderApp:
                         await writer.end()
                         return
                 writer.extra_headers = cors.answer_headers(origin)
+        if is_console_path(path) or path == "/":
+            writer.extra_headers = [*writer.extra_headers, *CONSOLE_HEADERS]
+            await self._admin(request, writer)  # /ui/session checks what it is given
+            return
+        key_name = ""
         if not self._trusted and path not in OPEN_PATHS:
             tier = "admin" if path.startswith("/admin") else "standard"
             try:
-                await self._authenticate(request, tier)
+                key_name = (await self._authenticate(request, tier)).name
             except AuthError as exc:
                 await _send_error(writer, exc)
                 return
         if path.startswith("/v1/"):
-            await self._proxy.handle(request, writer)
+            await self._proxy.handle(request, writer, key_name=key_name)
         else:
             await self._admin(request, writer)
 
-    async def _authenticate(self, request: Request, tier: str) -> None:
+    async def _authenticate(self, request: Request, tier: str) -> ApiKeyRecord:
         authenticator = self._services.authenticator
         secret = secret_from_headers(request.headers)
+        if secret is None and self._console is not None:
+            signed_in = await self._console.authenticate(request)
+            if signed_in is not None:
+                require_tier(signed_in, tier)
+                return signed_in
         record = authenticator.cached(secret)
         if record is None:
             record = await asyncio.to_thread(authenticator.lookup, secret)
         require_tier(record, tier)
+        return record
 
 
 async def _send_error(writer: ResponseWriter, exc: AuthError) -> None:
@@ -106,8 +128,10 @@ def build_apps(services: LeaderServices) -> tuple[LeaderApp, LeaderApp]:
     """Return ``(public_app, socket_app)`` sharing one admin app and one proxy."""
     admin = build_admin_app(services)
     admin.include_router(build_service_router(services))
+    console = ConsoleGate(services.store, services.authenticator, services.pepper)
+    admin.include_router(build_console_router(console, services.proxy.request_log))
     cors = CorsPolicy.from_setting(services.settings.cors_origins)
     return (
-        LeaderApp(services, admin, trusted=False, cors=cors),
+        LeaderApp(services, admin, trusted=False, cors=cors, console=console),
         LeaderApp(services, admin, trusted=True),
     )

@@ -47,6 +47,7 @@ from berth.engine_http.answer import EngineAnswer
 from berth.errors import BerthError, NotFoundError
 from berth.http_server.errors import HttpServerError
 from berth.observability.metrics import ProxyMetrics, Target
+from berth.observability.request_log import RequestLog
 from berth.openai_errors import ErrorResponse, error_from_exception
 from berth.routing.errors import (
     EngineTimeoutError,
@@ -71,6 +72,8 @@ _COMPLETION_PATHS = frozenset(
     {"/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses"}
 )
 _MODELS_PATH = "/v1/models"
+#: How much of a request's ``model`` the request log keeps (a client may send anything).
+_MAX_LOGGED_MODEL_CHARS = 200
 _MODEL_PREFIX = "/v1/models/"
 
 
@@ -83,20 +86,28 @@ class _Bodies:
         self._rewritten: dict[str, bytes] = {}
 
     def get(self, upstream: Upstream) -> bytes:
-        name = upstream.engine_model
-        scales = upstream.lora_scales
-        if scales:  # llama.cpp with adapters: which one applies is said per request
-            key = f"{name}\0lora={scales}"
-            rewritten = self._rewritten.get(key)
-            if rewritten is None:
-                rewritten = self._rewritten[key] = with_lora(self._body, name, scales)
-            return rewritten
-        if name is None:
+        name, scales = upstream.engine_model, upstream.lora_scales
+        if name is None and not scales:
             return self._body
-        rewritten = self._rewritten.get(name)
+        key = f"{name}\0lora={scales}"  # llama.cpp with adapters: their scales per request
+        rewritten = self._rewritten.get(key)
         if rewritten is None:
-            rewritten = self._rewritten[name] = with_model(self._body, name)
+            if scales:
+                rewritten = with_lora(self._body, name, scales)
+            else:
+                assert name is not None  # checked above
+                rewritten = with_model(self._body, name)
+            self._rewritten[key] = rewritten
         return rewritten
+
+
+def _reason(exc: BerthError) -> str:
+    """The short reason a refused request is counted and logged under."""
+    if isinstance(exc, ProxyError):
+        return exc.error_code
+    if isinstance(exc, NotFoundError):
+        return f"{exc.kind}_not_found"
+    return "error"
 
 
 def _target(upstream: Upstream) -> Target:
@@ -129,9 +140,11 @@ class OpenAIProxy:
     is relayed chunk by chunk. ``max_event_bytes`` bounds how much of one unfinished SSE event
     is held back before it is relayed anyway. ``engine_auth(deployment_id)`` gives the
     ``authorization`` header of an engine reached directly (node ``local``'s own API key);
-    a client's credentials never reach an engine. ``adapters``, when given, loads a LoRA
-    adapter into the chosen engine before an attempt that needs it
-    (:meth:`berth.daemon.adapters.AdapterManager.enter`), and gives ``/v1/models`` each
+    a client's credentials never reach an engine. Every completion request answered (relayed
+    or refused) is recorded in ``request_log`` (:attr:`request_log`, a bounded ring of recent
+    requests with no prompt or answer text; a new one when none is given). ``adapters``, when
+    given, loads a LoRA adapter into the chosen engine before an attempt that needs it
+    (:meth:`berth.daemon.adapters.AdapterManager.gated`), and gives ``/v1/models`` each
     adapter's base as ``parent`` (vLLM's field for it).
 
     Call :meth:`startup` before serving and :meth:`shutdown` after (or let an ASGI server's
@@ -155,9 +168,12 @@ class OpenAIProxy:
         max_attempts: int = DEFAULT_MAX_ATTEMPTS,
         relay_buffer_chunks: int = DEFAULT_BUFFER_CHUNKS,
         engine_auth: EngineAuth | None = None,
+        request_log: RequestLog | None = None,
         adapters: AdapterManager | None = None,
     ) -> None:
         self._resolver = resolver
+        #: The recent requests (the console's requests view, ``GET /admin/requests``).
+        self.request_log = request_log if request_log is not None else RequestLog()
         self._adapters = adapters
         self._engines = engines = EngineClient(
             tunnels=tunnels,
@@ -218,14 +234,17 @@ class OpenAIProxy:
                 await send({"type": "lifespan.shutdown.complete"})
                 return
 
-    async def handle(self, request: ClientRequest, writer: ClientWriter) -> None:
-        """Serve one request (``request.path`` is the full ``/v1/...`` path)."""
+    async def handle(
+        self, request: ClientRequest, writer: ClientWriter, *, key_name: str = ""
+    ) -> None:
+        """Serve one request (``request.path`` is the full ``/v1/...`` path); ``key_name``
+        names the API key it came with, for :attr:`request_log`."""
         path = request.path
         method = request.method
         request_id, forward, content_length = scan_headers(request.headers)
         if path in _COMPLETION_PATHS:
             if method == "POST":
-                await self._proxy(request, request_id, forward, content_length, writer)
+                await self._proxy(request, request_id, forward, content_length, writer, key_name)
                 return
             allowed = "POST"
         elif path == _MODELS_PATH or path.startswith(_MODEL_PREFIX):
@@ -270,16 +289,9 @@ class OpenAIProxy:
 
     def _model_card(self, name: str) -> dict[str, object]:
         # OpenAI's Model object; "created" is unix seconds, here when the proxy started.
-        card: dict[str, object] = {
-            "id": name,
-            "object": "model",
-            "created": self._created,
-            "owned_by": "berth",
-        }
+        card = {"id": name, "object": "model", "created": self._created, "owned_by": "berth"}
         adapter = self._adapters.entry(name) if self._adapters is not None else None
-        if adapter is not None:
-            card["parent"] = adapter.base  # vLLM's field for an adapter's base model
-        return card
+        return card if adapter is None else {**card, "parent": adapter.base}  # vLLM's field
 
     # -- completions --------------------------------------------------------------------------
 
@@ -290,8 +302,11 @@ class OpenAIProxy:
         forward: list[tuple[bytes, bytes]],
         content_length: bytes | None,
         writer: ClientWriter,
+        key_name: str = "",
     ) -> None:
         start = self._clock()
+        started_at = self.request_log.now()
+        model = ""
         try:
             body = await self._read_body(request, content_length)
             if body is None:
@@ -302,9 +317,19 @@ class OpenAIProxy:
                     error_reason="client_disconnected",
                 )
                 return
-            plan, key = self.router.plan_request(model_of(body), request.headers)
+            model = model_of(body)
+            plan, key = self.router.plan_request(model, request.headers)
         except BerthError as exc:
-            await self._reject(writer, request_id, exc, start)
+            status = await self._reject(writer, request_id, exc, start)
+            self.request_log.add(
+                started_at=started_at,
+                request_id=request_id.decode(),
+                key_name=key_name,
+                model=model[:_MAX_LOGGED_MODEL_CHARS],
+                status=status,
+                duration_s=self._clock() - start,
+                error_reason=_reason(exc),
+            )
             return
 
         upstream = plan[0]
@@ -324,12 +349,24 @@ class OpenAIProxy:
         path = request.path
         query = request.query
         dispatched = False
+        # Why each attempt that did not serve the request moved on (the last one stands).
+        outcomes: list[str] = []
+        bodies = _Bodies(body)  # rewritten at most once per engine model
+
+        async def attempt(target: Upstream) -> EngineAnswer:
+            try:
+                answer = await self._open(target, path, query, forward, bodies.get(target))
+            except ProxyError as exc:
+                outcomes.append(exc.error_code)
+                raise
+            outcomes.append(f"status {answer.status}")
+            return answer
+
         try:
-            bodies = _Bodies(body)  # rewritten at most once per engine model
             try:
                 chosen, response = await first_answer(
                     plan,
-                    lambda u: self._open(u, path, query, forward, bodies.get(u)),
+                    attempt,
                     max_attempts=self._max_attempts,
                     signals=signals,
                     clock=self._clock,
@@ -372,6 +409,21 @@ class OpenAIProxy:
                 ttfb_s=exchange.ttfb_s,
                 prompt_tokens=usage.prompt_tokens if usage else 0,
                 completion_tokens=usage.completion_tokens if usage else 0,
+                error_reason=exchange.error_reason,
+            )
+            self.request_log.add(
+                started_at=started_at,
+                request_id=request_id.decode(),
+                key_name=key_name,
+                model=model[:_MAX_LOGGED_MODEL_CHARS],
+                node_id=upstream.node_id,
+                deployment_id=upstream.deployment_id,
+                status=exchange.status or 499,
+                ttfb_s=exchange.ttfb_s,
+                duration_s=self._clock() - start,
+                prompt_tokens=usage.prompt_tokens if usage else 0,
+                completion_tokens=usage.completion_tokens if usage else 0,
+                retries=tuple(outcomes[:-1]),
                 error_reason=exchange.error_reason,
             )
 
@@ -448,21 +500,17 @@ class OpenAIProxy:
         start: float,
         *,
         allow: str | None = None,
-    ) -> None:
-        """Answer a request no deployment was chosen for, and count it."""
+    ) -> int:
+        """Answer a request no deployment was chosen for, and count it; the status sent."""
         extra = [(b"allow", allow.encode())] if allow else []
         reply = await self._send_error(writer, request_id, exc, extra)
-        if isinstance(exc, ProxyError):
-            reason = exc.error_code
-        elif isinstance(exc, NotFoundError):
-            reason = f"{exc.kind}_not_found"
-        else:
-            reason = "error"
+        reason = _reason(exc)
         # Only a model berth knows may become a label value.
         model = exc.model if isinstance(exc, NoReadyDeploymentError) else ""
         self._metrics.request_rejected(
             model=model, status=reply.status, duration_s=self._clock() - start, error_reason=reason
         )
+        return reply.status
 
     async def _send_error(
         self,

@@ -1,0 +1,282 @@
+"""The web console in a real browser: Playwright driving Debian's Chromium against a real
+leader and an agent running the fake engine (``support/fake_llama_server.py``).
+
+One leader for the module; the main test walks the console as an operator would (sign in,
+watch the node, start a deployment and follow its log, create a key and see its usage,
+revoke it, chat in the playground, stop the deployment, sign out) and fails on any message
+the page logs as an error. Screenshots of each page go to ``BERTH_CONSOLE_SCREENSHOTS`` when
+set (``docs/console/`` holds the ones ``docs/console.md`` shows), else to the test's folder.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from support.cluster_harness import Cluster, started_cluster
+
+pytestmark = [pytest.mark.slow, pytest.mark.needs("chromium")]
+
+#: Milliseconds Playwright waits for what the page should show (a loaded machine is slow).
+WAIT_MS = 30_000
+#: The issue's bound for a node card's sparkline to show new traffic, plus a margin for a
+#: loaded CI machine (heartbeats here are 1 s apart and the page polls every 5 s).
+SPARKLINE_WAIT_MS = 15_000
+
+
+@pytest.fixture(scope="module")
+def console_leader(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Cluster, str]]:
+    """A leader with agent ``gpu-a`` (one simulated 8 GiB GPU), model ``tiny`` registered on
+    it, and an admin key (returned beside the cluster)."""
+    root = tmp_path_factory.mktemp("console")
+    with started_cluster(root, {"BERTH_HEARTBEAT_INTERVAL_S": "1"}) as cluster:
+        cluster.env["BERTH_SIMULATED_GPUS"] = "8GiB"
+        agent = cluster.add_agent("gpu-a")
+        cluster.berth("models", "add", "tiny", str(root / "tiny.gguf"), "--node", agent.label)
+        created = cluster.berth("key", "create", "operator", "--tier", "admin").stdout
+        found = re.search(r"sk-berth-\S+", created)
+        assert found, created
+        yield cluster, found.group(0)
+
+
+@pytest.fixture(scope="module")
+def chromium_browser() -> Iterator[Any]:
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as playwright:
+        chromium = playwright.chromium.launch(
+            executable_path=shutil.which("chromium"), args=["--disable-dev-shm-usage"]
+        )
+        try:
+            yield chromium
+        finally:
+            chromium.close()
+
+
+@pytest.fixture
+def screenshot_dir(tmp_path: Path) -> Path:
+    folder = Path(os.environ.get("BERTH_CONSOLE_SCREENSHOTS") or tmp_path)
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
+def _page(browser: Any, width: int = 1280, height: int = 800) -> tuple[Any, Any, list[str]]:
+    viewport = {"width": width, "height": height}
+    context = browser.new_context(ignore_https_errors=True, viewport=viewport)
+    page = context.new_page()
+    page.set_default_timeout(WAIT_MS)
+    errors: list[str] = []
+    page.on(
+        "console",
+        lambda msg: errors.append(f"{msg.text} at {msg.location}") if msg.type == "error" else None,
+    )
+    page.on("pageerror", lambda exc: errors.append(str(exc)))
+    page.on("dialog", lambda dialog: dialog.accept())
+    return context, page, errors
+
+
+def _sign_in(page: Any, base_url: str, key: str) -> Any:
+    answer = page.goto(base_url + "/")
+    assert page.url == base_url + "/ui/"  # a browser asking for / is sent to the console
+    page.get_by_label("Admin key").fill(key)
+    page.get_by_role("button", name="Sign in").click()
+    return answer
+
+
+def _chat_client(cluster: Cluster, key: str) -> openai.OpenAI:
+    return openai.OpenAI(
+        base_url=f"{cluster.base_url}/v1",
+        api_key=key,
+        http_client=openai.DefaultHttpxClient(verify=cluster.tls()),
+        max_retries=0,
+    )
+
+
+def test_an_operator_walks_the_console(
+    console_leader: tuple[Cluster, str], chromium_browser: Any, screenshot_dir: Path
+) -> None:
+    from playwright.sync_api import expect
+
+    cluster, admin_key = console_leader
+    context, page, errors = _page(chromium_browser)
+    answer = _sign_in(page, cluster.base_url, admin_key)
+    page.get_by_text("signed in as operator").wait_for()
+    csp = answer.headers["content-security-policy"]
+    assert "default-src 'none'" in csp and "script-src 'self'" in csp
+    assert "unsafe-inline" not in csp
+    cookie = next(c for c in context.cookies() if c["name"] == "berth_session")
+    assert cookie["httpOnly"] and cookie["secure"] and cookie["sameSite"] == "Strict"
+    assert admin_key not in str(context.cookies())
+
+    # Cluster: the node's card, with its simulated GPU.
+    card = page.locator("article[aria-label='node gpu-a']")
+    card.get_by_text("ready").wait_for()
+    card.locator(".gpu").first.wait_for()
+    # Enroll: the command for the new host and the CA fingerprint to check it against.
+    page.get_by_label("New node label").fill("gpu-b")
+    page.get_by_role("button", name="Enroll a node").click()
+    command = page.locator("#enroll-command").inner_text()
+    assert command.startswith("berth agent register --uri 'berth://enroll?")
+    fingerprint = cluster.admin("GET", "/admin/info")["ca_fingerprint"]
+    assert page.locator("#ca-fingerprint").inner_text() == fingerprint
+    page.screenshot(path=screenshot_dir / "cluster.png", full_page=True)
+
+    # Deployments: start tiny on gpu-a, follow its log.
+    page.get_by_role("link", name="Deployments").click()
+    page.get_by_label("Model").select_option("tiny")
+    page.get_by_label("Node").select_option("gpu-a")
+    page.get_by_role("button", name="Start").click()
+    row = page.locator("tr[data-deployment]").filter(has_text="tiny")
+    row.locator(".status-ready").wait_for(timeout=60_000)
+    row.get_by_role("button", name="Logs").click()
+    log = page.locator("#log-output")
+    log.get_by_text("fake llama-server: model").wait_for()
+    with _chat_client(cluster, cluster.api_key) as client:  # the followed log shows it
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}])
+    log.get_by_text("POST /v1/chat/completions").wait_for()
+    page.screenshot(path=screenshot_dir / "deployments.png", full_page=True)
+
+    # Keys: create a standard key, see its secret once.
+    page.get_by_role("link", name="Keys").click()
+    page.get_by_label("Name").fill("browser-client")
+    page.get_by_role("button", name="Create key").click()
+    secret = page.locator("#key-secret").inner_text().strip()
+    assert secret.startswith("sk-berth-")
+
+    # Traffic with that key: the node's sparkline moves, the key's usage shows it.
+    page.get_by_role("link", name="Cluster").click()
+    spark = card.locator("svg.spark")
+    spark.wait_for()
+    before = spark.get_attribute("data-values")
+    with _chat_client(cluster, secret) as client:
+        for _ in range(3):
+            client.chat.completions.create(
+                model="tiny", messages=[{"role": "user", "content": "hi"}]
+            )
+    # The line's values are requests per heartbeat over the last minute: they sum to 3 more.
+    page.wait_for_function(
+        "([sel, old]) => { const s = document.querySelector(sel);"
+        " const sum = (t) => t.split(',').reduce((a, v) => a + Number(v), 0);"
+        " return s && sum(s.dataset.values) >= sum(old) + 3; }",
+        arg=["article[aria-label='node gpu-a'] svg.spark", before],
+        timeout=SPARKLINE_WAIT_MS,
+    )
+    page.screenshot(path=screenshot_dir / "cluster-traffic.png", full_page=True)
+
+    page.get_by_role("link", name="Keys").click()
+    usage = page.locator("#usage-by-key .bar[data-name='browser-client']")
+    usage.get_by_text("3 req").wait_for()
+    page.screenshot(path=screenshot_dir / "keys.png", full_page=True)
+    page.get_by_role("button", name="Revoke browser-client").click()
+    page.locator("tr[data-key='browser-client']").get_by_text("revoked").wait_for()
+    with _chat_client(cluster, secret) as client, pytest.raises(openai.AuthenticationError):
+        client.models.list()
+
+    # Requests: the three, with the key's name, and no prompt text anywhere.
+    page.get_by_role("link", name="Requests").click()
+    page.locator("#request-rows tr").first.wait_for()
+    page.get_by_label("Filter").fill("browser-client")
+    expect(page.locator("#request-rows tr")).to_have_count(3)
+    expect(page.locator("#request-rows tr").first).to_contain_text("gpu-a")  # the node's label
+    assert "hi" not in page.locator("#request-rows").inner_text().split()
+    page.screenshot(path=screenshot_dir / "requests.png", full_page=True)
+
+    # Playground: a streamed answer, through the session (no key in the page).
+    page.get_by_role("link", name="Playground").click()
+    page.get_by_label("Model").select_option("tiny")
+    page.get_by_label("Message").fill("Say something")
+    page.get_by_role("button", name="Send").click()
+    reply = page.locator("#chat-log .msg.assistant[data-done='true']")
+    reply.wait_for()
+    assert reply.inner_text().strip()
+    page.screenshot(path=screenshot_dir / "playground.png", full_page=True)
+
+    # The other pages draw without errors.
+    for name, shot in (("Models", "models.png"), ("Services", "services.png")):
+        page.get_by_role("link", name=name).click()
+        page.locator("main table, main p.muted").first.wait_for()
+        page.screenshot(path=screenshot_dir / shot, full_page=True)
+
+    # Phone width: the cluster page still reads.
+    page.set_viewport_size({"width": 390, "height": 844})
+    page.get_by_role("link", name="Cluster").click()
+    card.get_by_text("ready").wait_for()
+    page.screenshot(path=screenshot_dir / "cluster-phone.png", full_page=True)
+    page.set_viewport_size({"width": 1280, "height": 800})
+
+    # Stop the deployment, sign out: the cookie no longer opens the admin API.
+    page.get_by_role("link", name="Deployments").click()
+    row.get_by_role("button", name="Stop").click()
+    page.get_by_text("No deployments running.").wait_for(timeout=60_000)
+    page.get_by_role("button", name="Sign out").click()
+    page.get_by_label("Admin key").wait_for()
+    assert context.request.get(cluster.base_url + "/admin/nodes").status == 401
+    assert errors == []
+    context.close()
+
+
+def test_a_standard_key_cannot_sign_in(
+    console_leader: tuple[Cluster, str], chromium_browser: Any
+) -> None:
+    """With the keyboard alone: the key field has the focus, Enter sends it."""
+    cluster, _ = console_leader
+    context, page, _errors = _page(chromium_browser)
+    page.goto(cluster.base_url + "/ui/")
+    page.get_by_label("Admin key").wait_for()
+    page.wait_for_function("document.activeElement && document.activeElement.id === 'signin-key'")
+    page.keyboard.type(cluster.api_key)
+    page.keyboard.press("Enter")
+    page.get_by_role("alert").get_by_text("the console needs an admin key").wait_for()
+    assert page.locator("#app").is_hidden()
+    assert not [c for c in context.cookies() if c["name"] == "berth_session"]
+    context.close()
+
+
+def test_the_session_needs_its_csrf_token_and_ends_with_its_key(
+    console_leader: tuple[Cluster, str],
+) -> None:
+    cluster, _ = console_leader
+    created = cluster.admin("POST", "/admin/keys", json={"name": "short-lived", "tier": "admin"})
+    with httpx.Client(base_url=cluster.base_url, verify=cluster.tls(), timeout=30) as http:
+        signed_in = http.post("/ui/session", json={"key": created["secret"]})
+        assert signed_in.status_code == 201
+        token = signed_in.json()["csrf_token"]
+        # httpx keeps Secure cookies over https: the session rides along from here on.
+        assert http.get("/admin/nodes").status_code == 200
+        refused = http.post("/admin/keys", json={"name": "sneaky"})
+        assert refused.status_code == 403
+        assert "x-csrf-token" in refused.json()["error"]["message"]
+        allowed = http.post("/admin/keys", json={"name": "fine"}, headers={"x-csrf-token": token})
+        assert allowed.status_code == 201
+        cluster.admin("DELETE", f"/admin/keys/{created['id']}")
+        assert http.get("/admin/nodes").status_code == 401
+        assert http.get("/ui/session").json() == {"signed_in": False, "session": None}
+
+
+def test_a_leader_that_goes_away_shows_as_disconnected_and_comes_back(
+    console_leader: tuple[Cluster, str], chromium_browser: Any
+) -> None:
+    """Last in the module: it restarts the leader."""
+    cluster, admin_key = console_leader
+    context, page, _errors = _page(chromium_browser)
+    _sign_in(page, cluster.base_url, admin_key)
+    page.locator("article[aria-label='node gpu-a']").wait_for()
+    cluster.berth("daemon", "stop")
+    page.get_by_text("Disconnected from the leader").wait_for()
+    cluster.start()
+    # Sessions live in the leader's memory: the page notices the new leader by itself and
+    # asks to sign in again, and the key still works.
+    page.get_by_text("Your session has ended").wait_for()
+    assert page.locator("#banner").is_hidden()
+    page.get_by_label("Admin key").fill(admin_key)
+    page.get_by_role("button", name="Sign in").click()
+    page.locator("article[aria-label='node local']").wait_for()
+    context.close()
