@@ -2,9 +2,9 @@
 
 A gateway's real load is many concurrent streams of small events, one per token, tens of
 milliseconds apart. This script holds ``--streams`` streaming chat completions open at once
-against one scripted stand-in engine and restarts each as it finishes. The engine (the
-``engine`` role of ``scripts/bench_tunnel.py``: raw asyncio + httptools on uvloop) answers
-with ``--tokens`` content events, each its own write, ``1000 / --rate`` ms apart, plus role,
+against one scripted stand-in engine and restarts each as it finishes. The engine
+(``scripts/bench_tunnel_engine.py``: raw asyncio + httptools on uvloop) answers with
+``--tokens`` content events, each its own write, ``1000 / --rate`` ms apart, plus role,
 finish, usage and ``[DONE]`` events. The same load goes over each path, one after the other
 in one run:
 
@@ -66,6 +66,7 @@ import uvloop
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_tunnel as harness
+from bench_tunnel_engine import serve_engine
 
 TOKEN_MARK = b'"content"'
 #: Connections opened at once while (re)connecting the streams (TLS handshakes).
@@ -407,7 +408,7 @@ def _wait_listening(port: int, process: subprocess.Popen[bytes], name: str, log:
 def vllm_router(venv: Path, engine_port: int, workdir: Path) -> Iterator[Target | None]:
     program = venv / "bin" / "vllm-router"
     if not program.exists():
-        harness._log(f"vllm-router skipped: {program} not found")
+        harness.log(f"vllm-router skipped: {program} not found")
         yield None
         return
     port = harness._free_port()
@@ -431,7 +432,7 @@ def vllm_router(venv: Path, engine_port: int, workdir: Path) -> Iterator[Target 
 def litellm(venv: Path, engine_port: int, workdir: Path) -> Iterator[Target | None]:
     program = venv / "bin" / "litellm"
     if not program.exists():
-        harness._log(f"litellm skipped: {program} not found")
+        harness.log(f"litellm skipped: {program} not found")
         yield None
         return
     port = harness._free_port()
@@ -530,7 +531,7 @@ async def _bench(targets: list[Target], args: argparse.Namespace) -> list[list[R
     for number in range(args.repeat):
         results = []
         for target in targets:
-            harness._log(f"round {number + 1}: {target.name}")
+            harness.log(f"round {number + 1}: {target.name}")
             results.append(await measure(target, args))
             await asyncio.sleep(1.0)
         rounds.append(results)
@@ -542,7 +543,7 @@ PATHS = ("engine", "vllm-router", "berth-proxy", "berth", "berth-socket", "berth
 
 def main() -> None:
     if sys.argv[1:2] == ["engine"]:
-        harness.serve_engine(sys.argv[2:])
+        serve_engine(sys.argv[2:])
         return
     if sys.argv[1:2] == ["proxy"]:
         serve_proxy(sys.argv[2:])

@@ -1,31 +1,37 @@
-"""Benchmark the agent tunnel: the same load direct, through the leader, and through an agent.
+"""Benchmark the paths to an engine: alone, through the leader to a local deployment, and
+through the leader to a deployment on an agent, by the tunnel and by the direct path.
 
 Real processes on loopback, set up with berth's own CLI in throw-away homes:
 
-* a leader (``berth daemon start``) with an API key and an enrolled node ``bench-agent``;
-* an agent (``berth agent start``, its own home) linked to the leader over mTLS;
-* two deployments of one stand-in engine, launched by berth as ``llama-server``
-  (``BERTH_LLAMA_SERVER_BIN`` points at a wrapper that runs this script's ``engine`` role):
-  ``bench-local`` on node ``local`` and ``bench-remote`` on ``bench-agent``. The engine is raw
-  asyncio + httptools on uvloop: a canned chat completion of about 300 bytes, or an SSE stream
-  of ``max_tokens`` content events plus role, finish, usage and ``[DONE]`` events, each event
-  its own write (``bench_interval_ms`` in the request body spaces them out);
-* this process, the load generator: keep-alive connections on uvloop, requests written raw,
-  answers parsed with httptools, one request in flight per connection (closed loop).
+* a leader (``berth daemon start``) with an API key and two enrolled nodes;
+* two agents (``berth agent start``, each its own home) linked to the leader over mTLS:
+  ``bench-agent`` reached only through its link's tunnel, and ``bench-direct`` started with
+  ``--advertise 127.0.0.1:PORT``, whose requests the leader sends straight to its ingress;
+* three deployments of one stand-in engine, launched by berth as ``llama-server``
+  (``BERTH_LLAMA_SERVER_BIN`` points at a wrapper that runs ``scripts/bench_tunnel_engine.py``):
+  ``bench-local`` on node ``local``, ``bench-remote`` on ``bench-agent`` and ``bench-direct``
+  on ``bench-direct``. The engine is raw asyncio + httptools on uvloop: a canned chat
+  completion of about 300 bytes, or an SSE stream of ``max_tokens`` content events plus role,
+  finish, usage and ``[DONE]`` events, each event its own write (``bench_interval_ms`` in the
+  request body spaces them out);
+* this process, the load generator (``scripts/bench_tunnel_load.py``): keep-alive
+  connections on uvloop, requests written raw, answers parsed with httptools, one request in
+  flight per connection (closed loop).
 
-Three paths get the same load: ``direct`` (plain HTTP to the local deployment's engine port),
-``leader → local`` (HTTPS to the leader's public listener, bearer key) and ``leader → agent``
-(the same, for the deployment on the agent, relayed over the tunnel). Per path: non-streamed
-and streamed requests with 1 and ``--concurrency`` clients for ``--duration-s`` seconds each
-(after ``--warmup-s``), then ``--streams`` streams held open at once (one connection each,
-an event every 250 ms). The leader's and the agent's RSS (``VmRSS`` in ``/proc/PID/status``)
-are sampled every 50 ms. Run: ``.venv/bin/python scripts/bench_tunnel.py`` (about 2 minutes).
+Four paths get the same load: ``engine alone`` (plain HTTP to the local deployment's engine
+port), ``leader → local`` (HTTPS to the leader's public listener, bearer key), ``leader →
+agent, tunnel`` and ``leader → agent, direct``. Per path: non-streamed and streamed requests
+with 1 and ``--concurrency`` clients for ``--duration-s`` seconds each (after
+``--warmup-s``), then ``--streams`` streams held open at once (one connection each, an event
+every 250 ms). The CPU time of the leader and of the path's agent (``utime + stime`` in
+``/proc/PID/stat``) is read at the start and end of each measured window, and their RSS
+(``VmRSS``) sampled every 50 ms. Run: ``.venv/bin/python scripts/bench_tunnel.py`` (about 3
+minutes); ``--repeat N`` runs the loads N times on the same cluster and prints each table.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import json
 import os
@@ -42,170 +48,19 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
-import httptools
 import uvloop
+from bench_tunnel_load import Cell, Path_, PathResult, RssSampler, log, measure_path, ms
 
 ROOT = Path(__file__).resolve().parent.parent
 AGENT_LABEL = "bench-agent"
+DIRECT_LABEL = "bench-direct"
 LOCAL_MODEL = "bench-local"
 REMOTE_MODEL = "bench-remote"
-#: Spacing of the events of the held-open streams, in milliseconds.
-HELD_STREAM_INTERVAL_MS = 250.0
-#: Connections opened at once while setting up the held-open streams (TLS handshakes).
-CONNECT_PARALLELISM = 64
-
-
-# -- the stand-in engine: `bench_tunnel.py engine -m PATH --host H --port P --alias NAME ...` ------
-
-
-def _sse_chunk(payload: object) -> bytes:
-    event = b"data: " + (payload if isinstance(payload, bytes) else json.dumps(payload).encode())
-    event += b"\n\n"
-    return b"%x\r\n%s\r\n" % (len(event), event)
-
-
-class _EngineAnswers:
-    """The engine's canned bytes for one served model name."""
-
-    def __init__(self, alias: str) -> None:
-        def chunk(delta: dict[str, str], finish: str | None) -> bytes:
-            choice = {"index": 0, "delta": delta, "finish_reason": finish}
-            return _sse_chunk(dict(head, choices=[choice]))
-
-        head = {"id": "chatcmpl-b", "object": "chat.completion.chunk", "created": 1, "model": alias}
-        usage = {"prompt_tokens": 5, "completion_tokens": 16, "total_tokens": 21}
-        completion = {
-            "id": "chatcmpl-b",
-            "object": "chat.completion",
-            "created": 1,
-            "model": alias,
-            "choices": [
-                {
-                    "index": 0,
-                    "message": {"role": "assistant", "content": "Hello! How can I help you?"},
-                    "finish_reason": "stop",
-                }
-            ],
-            "usage": usage,
-        }
-        self.plain = _http_answer(200, b"application/json", json.dumps(completion).encode())
-        self.health = _http_answer(200, b"application/json", b'{"status": "ok"}')
-        models = {"object": "list", "data": [{"id": alias, "object": "model"}]}
-        self.models = _http_answer(200, b"application/json", json.dumps(models).encode())
-        self.not_found = _http_answer(404, b"application/json", b'{"error": "not found"}')
-        self.stream_head = (
-            b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
-            b"transfer-encoding: chunked\r\n\r\n" + chunk({"role": "assistant"}, None)
-        )
-        self.token = chunk({"content": "tok "}, None)
-        self.stream_tail = (
-            chunk({}, "stop")
-            + _sse_chunk(dict(head, choices=[], usage=usage))
-            + _sse_chunk(b"[DONE]")
-            + b"0\r\n\r\n"
-        )
-
-
-def _http_answer(status: int, content_type: bytes, body: bytes) -> bytes:
-    reason = b"OK" if status == 200 else b"Not Found"
-    return b"HTTP/1.1 %d %s\r\ncontent-type: %s\r\ncontent-length: %d\r\n\r\n%s" % (
-        status, reason, content_type, len(body), body)  # fmt: skip
-
-
-class _EngineProtocol(asyncio.Protocol):
-    """One keep-alive connection to the stand-in engine."""
-
-    def __init__(self, answers: _EngineAnswers) -> None:
-        self._answers = answers
-        self._parser = httptools.HttpRequestParser(self)
-        self._url = b""
-        self._body: list[bytes] = []
-        self._transport: asyncio.Transport | None = None
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        # uvloop's transports implement asyncio.Transport without subclassing it
-        self._transport = cast(asyncio.Transport, transport)
-        sock = transport.get_extra_info("socket")
-        if sock is not None:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-
-    def data_received(self, data: bytes) -> None:
-        try:
-            self._parser.feed_data(data)
-        except httptools.HttpParserError:
-            assert self._transport is not None
-            self._transport.close()
-
-    def on_url(self, url: bytes) -> None:
-        self._url += url
-
-    def on_body(self, body: bytes) -> None:
-        self._body.append(body)
-
-    def on_message_complete(self) -> None:
-        transport = self._transport
-        assert transport is not None
-        path, self._url = self._url.split(b"?", 1)[0], b""
-        body, self._body = b"".join(self._body), []
-        answers = self._answers
-        if path == b"/health":
-            transport.write(answers.health)
-        elif path == b"/v1/models":
-            transport.write(answers.models)
-        elif path != b"/v1/chat/completions" or not body:
-            transport.write(answers.not_found)
-        else:
-            request = json.loads(body)
-            if not request.get("stream"):
-                transport.write(answers.plain)
-                return
-            tokens = int(request.get("max_tokens") or 16)
-            interval_s = float(request.get("bench_interval_ms") or 0) / 1000
-            transport.write(answers.stream_head)
-            if interval_s <= 0:
-                for _ in range(tokens):  # each event its own write, as an engine sends them
-                    transport.write(answers.token)
-                transport.write(answers.stream_tail)
-            else:
-                self._paced(transport, tokens, interval_s)
-
-    def _paced(self, transport: asyncio.Transport, left: int, interval_s: float) -> None:
-        if transport.is_closing():
-            return
-        if left == 0:
-            transport.write(self._answers.stream_tail)
-            return
-        transport.write(self._answers.token)
-        loop = asyncio.get_running_loop()
-        loop.call_later(interval_s, self._paced, transport, left - 1, interval_s)
-
-
-def serve_engine(argv: list[str]) -> None:
-    """Serve as ``llama-server``: llama.cpp's flags, unknown ones ignored."""
-    parser = argparse.ArgumentParser(prog="llama-server", add_help=False)
-    parser.add_argument("-m", "--model", required=True)
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, required=True)
-    parser.add_argument("--alias", default="model")
-    args, _ignored = parser.parse_known_args(argv)
-    answers = _EngineAnswers(args.alias)
-
-    async def main() -> None:
-        loop = asyncio.get_running_loop()
-        server = await loop.create_server(
-            lambda: _EngineProtocol(answers), args.host, args.port, backlog=4096
-        )
-        print(f"bench engine listening on {args.host}:{args.port}", flush=True)
-        stop = asyncio.Event()
-        loop.add_signal_handler(signal.SIGTERM, stop.set)
-        loop.add_signal_handler(signal.SIGINT, stop.set)
-        async with server:
-            await stop.wait()
-
-    uvloop.run(main())
-
+DIRECT_MODEL = "bench-direct"
+#: The stand-in engine berth launches as ``llama-server``.
+ENGINE_SCRIPT = Path(__file__).resolve().parent / "bench_tunnel_engine.py"
 
 # -- the cluster: a leader, an agent and two deployments, set up through the CLI ------------------
 
@@ -215,18 +70,6 @@ def _free_port() -> int:
         sock.bind(("127.0.0.1", 0))
         port: int = sock.getsockname()[1]
         return port
-
-
-def rss_mib(pid: int) -> float | None:
-    """The resident set size of ``pid`` in MiB (``VmRSS``), or ``None`` once it is gone."""
-    try:
-        with open(f"/proc/{pid}/status") as status:
-            for line in status:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) / 1024
-    except OSError:
-        return None
-    return None
 
 
 def _alive(pid: int) -> bool:
@@ -245,7 +88,7 @@ class Cluster:
     env: dict[str, str]
     public_port: int
     leader_pid: int = 0
-    agent: subprocess.Popen[bytes] | None = None
+    agents: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     api_key: str = ""
     engine_pids: dict[str, int] = field(default_factory=dict)
     engine_ports: dict[str, int] = field(default_factory=dict)
@@ -254,13 +97,12 @@ class Cluster:
     def leader_home(self) -> Path:
         return self.workdir / "leader"
 
-    @property
-    def agent_home(self) -> Path:
-        return self.workdir / "agent"
+    def agent_home(self, label: str) -> Path:
+        return self.workdir / label
 
-    @property
-    def agent_pid(self) -> int:
-        return self.agent.pid if self.agent is not None else 0
+    def agent_pid(self, label: str) -> int:
+        agent = self.agents.get(label)
+        return agent.pid if agent is not None else 0
 
     def berth(self, home: Path, *args: str, timeout_s: float = 120.0) -> str:
         """Run the ``berth`` CLI on ``home``; its stdout. Raises ``RuntimeError`` on failure."""
@@ -286,51 +128,60 @@ def _clean_env(extra: dict[str, str]) -> dict[str, str]:
     return env
 
 
-def _log(message: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
-
-
 def _set_up(cluster: Cluster) -> None:
     cluster.leader("daemon", "start")
     cluster.leader_pid = int((cluster.leader_home / "daemon.pid").read_text().split()[0])
-    _log(f"leader running (pid {cluster.leader_pid}, HTTPS port {cluster.public_port})")
+    log(f"leader running (pid {cluster.leader_pid}, HTTPS port {cluster.public_port})")
     keys = re.findall(r"sk-berth-\S+", cluster.leader("key", "create", "bench"))
     if not keys:
         raise RuntimeError("berth key create printed no key")
     cluster.api_key = keys[0]
-    enrolled = cluster.leader("nodes", "enroll", AGENT_LABEL)
-    uri = next(line for line in enrolled.splitlines() if line.startswith("berth://"))
-    cluster.berth(cluster.agent_home, "agent", "register", "--uri", uri.strip())
-    agent_log = (cluster.workdir / "agent.out").open("wb")
-    cluster.agent = subprocess.Popen(
-        [sys.executable, "-m", "berth", "--home", str(cluster.agent_home), "agent", "start"],
-        stdin=subprocess.DEVNULL, stdout=agent_log, stderr=subprocess.STDOUT, env=cluster.env,
-        cwd=cluster.workdir, start_new_session=True,
-    )  # fmt: skip
-    deadline = time.monotonic() + 60
-    while True:
-        nodes = json.loads(cluster.leader("nodes", "ls", "--json"))
-        if any(n["label"] == AGENT_LABEL and n["status"] == "ready" for n in nodes):
-            break
-        if cluster.agent.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError(f"the agent did not link; see {cluster.workdir / 'agent.out'}")
-        time.sleep(0.2)
-    _log(f"agent linked (pid {cluster.agent_pid})")
+    _start_agent(cluster, AGENT_LABEL, advertise=None)
+    _start_agent(cluster, DIRECT_LABEL, advertise=f"127.0.0.1:{_free_port()}")
     weights = cluster.workdir / "bench.gguf"
     weights.write_bytes(b"GGUF" + bytes(60))
     cluster.leader("models", "add", LOCAL_MODEL, str(weights))
-    cluster.leader("models", "add", REMOTE_MODEL, str(weights), "--node", AGENT_LABEL)
     cluster.leader("run", LOCAL_MODEL, "--engine", "llamacpp", "--timeout", "60")
-    cluster.leader(
-        "run", REMOTE_MODEL, "--engine", "llamacpp", "--node", AGENT_LABEL, "--timeout", "60"
-    )
+    for model, label in ((REMOTE_MODEL, AGENT_LABEL), (DIRECT_MODEL, DIRECT_LABEL)):
+        cluster.leader("models", "add", model, str(weights), "--node", label)
+        cluster.leader("run", model, "--engine", "llamacpp", "--node", label, "--timeout", "60")
     for deployment in json.loads(cluster.leader("ps", "--json")):
         name = deployment.get("served_model_name") or deployment.get("model_name")
         cluster.engine_pids[name] = int(deployment["pid"])
         cluster.engine_ports[name] = int(deployment["port"])
-    if set(cluster.engine_ports) != {LOCAL_MODEL, REMOTE_MODEL}:
+    if set(cluster.engine_ports) != {LOCAL_MODEL, REMOTE_MODEL, DIRECT_MODEL}:
         raise RuntimeError(f"unexpected deployments: {cluster.engine_ports}")
-    _log(f"deployments serving: {cluster.engine_ports}")
+    log(f"deployments serving: {cluster.engine_ports}")
+    paths = {n["label"]: n for n in json.loads(cluster.leader("nodes", "ls", "--json"))}
+    if paths[DIRECT_LABEL]["data_path"] != "direct" or paths[AGENT_LABEL]["data_path"] != "tunnel":
+        raise RuntimeError(f"unexpected data paths: {paths}")
+    log(f"data paths: {AGENT_LABEL} tunnel, {DIRECT_LABEL} direct")
+
+
+def _start_agent(cluster: Cluster, label: str, advertise: str | None) -> None:
+    """Enroll ``label``, register its home and start its agent; returns once it is ready
+    (and, when it advertises, its data path is direct)."""
+    enrolled = cluster.leader("nodes", "enroll", label)
+    uri = next(line for line in enrolled.splitlines() if line.startswith("berth://"))
+    home = cluster.agent_home(label)
+    cluster.berth(home, "agent", "register", "--uri", uri.strip())
+    extra = ["--advertise", advertise] if advertise else []
+    agent_log = (cluster.workdir / f"{label}.out").open("wb")
+    agent = cluster.agents[label] = subprocess.Popen(
+        [sys.executable, "-m", "berth", "--home", str(home), "agent", "start", *extra],
+        stdin=subprocess.DEVNULL, stdout=agent_log, stderr=subprocess.STDOUT, env=cluster.env,
+        cwd=cluster.workdir, start_new_session=True,
+    )  # fmt: skip
+    deadline = time.monotonic() + 60
+    want = "direct" if advertise else "tunnel"
+    while True:
+        nodes = json.loads(cluster.leader("nodes", "ls", "--json"))
+        if any(n["label"] == label and n["data_path"] == want for n in nodes):
+            break
+        if agent.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"the agent did not link; see {cluster.workdir / label}.out")
+        time.sleep(0.2)
+    log(f"agent {label} linked (pid {agent.pid}, data path {want})")
 
 
 def _tear_down(cluster: Cluster) -> None:
@@ -340,13 +191,14 @@ def _tear_down(cluster: Cluster) -> None:
             cluster.leader("stop", "--all", timeout_s=30)
         with contextlib.suppress(Exception):
             cluster.leader("daemon", "stop", timeout_s=30)
-    if cluster.agent is not None and cluster.agent.poll() is None:
-        cluster.agent.send_signal(signal.SIGINT)
-        try:
-            cluster.agent.wait(10)
-        except subprocess.TimeoutExpired:
-            cluster.agent.kill()
-            cluster.agent.wait()
+    for agent in cluster.agents.values():
+        if agent.poll() is None:
+            agent.send_signal(signal.SIGINT)
+            try:
+                agent.wait(10)
+            except subprocess.TimeoutExpired:
+                agent.kill()
+                agent.wait()
     # Whatever is left (an engine the agent leaves running, a daemon that did not stop).
     leftovers = [*cluster.engine_pids.values(), cluster.leader_pid]
     for pid in leftovers:
@@ -367,9 +219,7 @@ def running_cluster(keep: bool) -> Iterator[Cluster]:
     workdir = Path(tempfile.mkdtemp(prefix="berth-bench-tunnel-"))
     wrapper = workdir / "bin" / "llama-server"
     wrapper.parent.mkdir()
-    wrapper.write_text(
-        f'#!/bin/sh\nexec "{sys.executable}" "{Path(__file__).resolve()}" engine "$@"\n'
-    )
+    wrapper.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{ENGINE_SCRIPT}" "$@"\n')
     wrapper.chmod(0o755)
     public_port = _free_port()
     env = _clean_env(
@@ -386,314 +236,10 @@ def running_cluster(keep: bool) -> Iterator[Cluster]:
         _set_up(cluster)
         yield cluster
     finally:
-        _log("tearing down")
+        log("tearing down")
         _tear_down(cluster)
         if not keep:
             shutil.rmtree(workdir, ignore_errors=True)
-
-
-# -- the load generator ---------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Path_:
-    """Where one path's requests go."""
-
-    name: str
-    port: int
-    tls: ssl.SSLContext | None
-    authorization: bytes
-    model: str
-
-
-class _Connection(asyncio.Protocol):
-    """One keep-alive HTTP/1.1 connection; ``exchange`` sends a request and awaits its answer."""
-
-    def __init__(self, gauge: list[int] | None = None) -> None:
-        self._parser = httptools.HttpResponseParser(self)
-        self._transport: asyncio.Transport | None = None
-        self._done: asyncio.Future[None] | None = None
-        self._gauge = gauge  # [open now, most open at once]: streams between first byte and end
-        self.first_body_at = 0.0
-        self.events = 0
-        self._tail = b""
-        self.lost = False
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self._transport = cast(asyncio.Transport, transport)
-        sock = transport.get_extra_info("socket")
-        if sock is not None:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self.lost = True
-        if self._done is not None and not self._done.done():
-            self._done.set_exception(ConnectionError("connection lost"))
-
-    def data_received(self, data: bytes) -> None:
-        try:
-            self._parser.feed_data(data)
-        except httptools.HttpParserError as exc:
-            if self._done is not None and not self._done.done():
-                self._done.set_exception(ConnectionError(f"bad answer: {exc}"))
-            self.close()
-
-    def on_body(self, body: bytes) -> None:
-        if not self.first_body_at:
-            self.first_body_at = time.perf_counter()
-            if self._gauge is not None:
-                self._gauge[0] += 1
-                self._gauge[1] = max(self._gauge[1], self._gauge[0])
-        # SSE events end with a blank line; one may straddle two reads
-        joined = self._tail + body
-        self.events += joined.count(b"\n\n")
-        self._tail = joined[-1:]
-        if self._tail != b"\n":
-            self._tail = b""
-
-    def on_message_complete(self) -> None:
-        if self._gauge is not None and self.first_body_at:
-            self._gauge[0] -= 1
-        assert self._done is not None
-        status = self._parser.get_status_code()
-        if status != 200:
-            self._done.set_exception(RuntimeError(f"HTTP {status}"))
-        elif not self._done.done():
-            self._done.set_result(None)
-
-    def close(self) -> None:
-        if self._transport is not None:
-            self._transport.close()
-
-    async def exchange(self, request: bytes) -> None:
-        assert self._transport is not None
-        self._done = asyncio.get_running_loop().create_future()
-        self.first_body_at = 0.0
-        self.events = 0
-        self._tail = b""
-        self._transport.write(request)
-        await self._done
-
-
-async def _connect(path: Path_, gauge: list[int] | None = None) -> _Connection:
-    loop = asyncio.get_running_loop()
-    if path.tls is None:
-        _, protocol = await loop.create_connection(
-            lambda: _Connection(gauge), "127.0.0.1", path.port
-        )
-    else:
-        _, protocol = await loop.create_connection(
-            lambda: _Connection(gauge), "127.0.0.1", path.port, ssl=path.tls,
-            server_hostname="127.0.0.1",
-        )  # fmt: skip
-    return protocol
-
-
-def _request(path: Path_, streamed: bool, tokens: int, interval_ms: float = 0.0) -> bytes:
-    payload: dict[str, Any] = {
-        "model": path.model,
-        "messages": [{"role": "user", "content": "Say hello."}],
-        "max_tokens": tokens,
-    }
-    if streamed:
-        payload["stream"] = True
-        payload["stream_options"] = {"include_usage": True}
-    if interval_ms:
-        payload["bench_interval_ms"] = interval_ms
-    body = json.dumps(payload).encode()
-    return (
-        b"POST /v1/chat/completions HTTP/1.1\r\nhost: 127.0.0.1\r\n"
-        b"content-type: application/json\r\n%scontent-length: %d\r\n\r\n%s"
-        % (path.authorization, len(body), body)
-    )
-
-
-@dataclass
-class Cell:
-    """One closed-loop run: latencies and TTFBs of the requests sent while measuring."""
-
-    latencies_s: list[float]
-    ttfbs_s: list[float]
-    events: int
-    elapsed_s: float
-    errors: int
-
-    @property
-    def rps(self) -> float:
-        return len(self.latencies_s) / self.elapsed_s
-
-    @property
-    def events_per_s(self) -> float:
-        return self.events / self.elapsed_s
-
-
-def ms(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    return 1000 * ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
-async def closed_loop(
-    path: Path_, streamed: bool, clients: int, tokens: int, warmup_s: float, run_s: float
-) -> Cell:
-    request = _request(path, streamed, tokens)
-    connections = [await _connect(path) for _ in range(clients)]
-    cell = Cell([], [], 0, run_s, 0)
-    measure_from = time.perf_counter() + warmup_s
-    stop_at = measure_from + run_s
-
-    async def client(connection: _Connection) -> None:
-        while True:
-            sent = time.perf_counter()
-            if sent >= stop_at:
-                return
-            try:
-                await connection.exchange(request)
-            except (RuntimeError, ConnectionError):
-                cell.errors += 1
-                if connection.lost:
-                    return
-                continue
-            if sent >= measure_from:
-                cell.latencies_s.append(time.perf_counter() - sent)
-                cell.ttfbs_s.append(connection.first_body_at - sent)
-                cell.events += connection.events
-
-    await asyncio.gather(*(client(c) for c in connections))
-    for connection in connections:
-        connection.close()
-    return cell
-
-
-@dataclass
-class Held:
-    """``--streams`` streams held open at once."""
-
-    wanted: int
-    connected: int = 0
-    completed: int = 0
-    most_open: int = 0
-    ttfbs_s: list[float] = field(default_factory=list)
-    failures: dict[str, int] = field(default_factory=dict)
-
-    def fail(self, why: str) -> None:
-        self.failures[why] = self.failures.get(why, 0) + 1
-
-
-async def held_streams(path: Path_, streams: int, tokens: int) -> Held:
-    held = Held(streams)
-    gauge = [0, 0]
-    gate = asyncio.Semaphore(CONNECT_PARALLELISM)
-
-    async def connect() -> _Connection | None:
-        async with gate:
-            try:
-                return await _connect(path, gauge)
-            except (OSError, ssl.SSLError) as exc:
-                held.fail(type(exc).__name__)
-                return None
-
-    opened = await asyncio.gather(*(connect() for _ in range(streams)))
-    connections = [c for c in opened if c is not None]
-    held.connected = len(connections)
-    request = _request(path, True, tokens, HELD_STREAM_INTERVAL_MS)
-    expected_events = tokens + 4  # role, tokens, finish, usage, [DONE]
-
-    async def one(connection: _Connection) -> None:
-        sent = time.perf_counter()
-        try:
-            await connection.exchange(request)
-        except (RuntimeError, ConnectionError) as exc:
-            held.fail(str(exc))
-            return
-        if connection.events != expected_events:
-            held.fail(f"{connection.events} of {expected_events} events")
-            return
-        held.completed += 1
-        held.ttfbs_s.append(connection.first_body_at - sent)
-
-    timeout_s = 60 + tokens * HELD_STREAM_INTERVAL_MS / 1000
-    try:
-        async with asyncio.timeout(timeout_s):
-            await asyncio.gather(*(one(c) for c in connections))
-    except TimeoutError:
-        held.fail(f"not done within {timeout_s:.0f} s")
-    for connection in connections:
-        connection.close()
-    held.most_open = gauge[1]
-    return held
-
-
-class RssSampler:
-    """Samples the RSS of some processes every ``interval_s``; keeps the peak since a mark."""
-
-    def __init__(self, pids: dict[str, int], interval_s: float = 0.05) -> None:
-        self._pids = pids
-        self._interval_s = interval_s
-        self.peak: dict[str, float] = {}
-        self._task: asyncio.Task[None] | None = None
-
-    def now(self) -> dict[str, float]:
-        return {name: rss_mib(pid) or 0.0 for name, pid in self._pids.items()}
-
-    def mark(self) -> dict[str, float]:
-        """Start a new peak from the current values; returns them."""
-        current = self.now()
-        self.peak = dict(current)
-        return current
-
-    async def _run(self) -> None:
-        while True:
-            for name, value in self.now().items():
-                if value > self.peak.get(name, 0.0):
-                    self.peak[name] = value
-            await asyncio.sleep(self._interval_s)
-
-    def __enter__(self) -> RssSampler:
-        self._task = asyncio.get_running_loop().create_task(self._run())
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self._task is not None:
-            self._task.cancel()
-
-
-@dataclass
-class PathResult:
-    json_1: Cell
-    json_n: Cell
-    stream_1: Cell
-    stream_n: Cell
-    held: Held
-    rss_load: dict[str, tuple[float, float, float]]  # name -> (before, peak, after), MiB
-    rss_held: dict[str, tuple[float, float, float]]
-
-
-async def measure_path(path: Path_, sampler: RssSampler, args: argparse.Namespace) -> PathResult:
-    load = args.warmup_s, args.duration_s
-    tokens = args.events
-    _log(f"{path.name}: warming up")
-    await closed_loop(path, False, args.concurrency, tokens, 0.0, 1.0)
-    await asyncio.sleep(0.5)
-    before = sampler.mark()
-    _log(f"{path.name}: non-streamed and streamed, 1 and {args.concurrency} clients")
-    json_1 = await closed_loop(path, False, 1, tokens, *load)
-    json_n = await closed_loop(path, False, args.concurrency, tokens, *load)
-    stream_1 = await closed_loop(path, True, 1, tokens, *load)
-    stream_n = await closed_loop(path, True, args.concurrency, tokens, *load)
-    peak = dict(sampler.peak)
-    await asyncio.sleep(1.0)
-    after = sampler.now()
-    rss_load = {k: (before[k], peak[k], after[k]) for k in before}
-    _log(f"{path.name}: {args.streams} streams held open")
-    before = sampler.mark()
-    held = await held_streams(path, args.streams, tokens)
-    peak = dict(sampler.peak)
-    await asyncio.sleep(2.0)
-    after = sampler.now()
-    rss_held = {k: (before[k], peak[k], after[k]) for k in before}
-    return PathResult(json_1, json_n, stream_1, stream_n, held, rss_load, rss_held)
 
 
 # -- the report -----------------------------------------------------------------------------------
@@ -709,13 +255,20 @@ def _machine() -> str:
     return f"{cpu}, {os.cpu_count()} CPUs, Python {platform.python_version()}, {platform.system()}"
 
 
-def _report(results: dict[str, PathResult], args: argparse.Namespace) -> None:
+LOCAL = "leader → local"
+TUNNEL = "leader → agent, tunnel"
+DIRECT = "leader → agent, direct"
+
+
+def _report(results: dict[str, PathResult], paths: list[Path_], args: argparse.Namespace) -> None:
     n = args.concurrency
     names = list(results)
+    agent_of = {path.name: path.agent for path in paths}
     print(f"machine: {_machine()}; load average {os.getloadavg()[0]:.2f} at the end")
     print(
         f"each cell: {args.duration_s:g} s measured after {args.warmup_s:g} s warm-up; "
-        f"streams of {args.events} content events + 4 (role, finish, usage, [DONE])\n"
+        f"streams of {args.events} content events + 4 (role, finish, usage, [DONE]); CPU: "
+        "the leader's and the path's agent's user + system time in the measured window\n"
     )
     print("| measure | " + " | ".join(names) + " |")
     print("| --- |" + " ---: |" * len(names))
@@ -723,45 +276,99 @@ def _report(results: dict[str, PathResult], args: argparse.Namespace) -> None:
     def row(label: str, cell: Any) -> None:
         print(f"| {label} | " + " | ".join(cell(results[name]) for name in names) + " |")
 
-    def lat(cell: Cell, values: list[float]) -> str:
+    def lat(values: list[float]) -> str:
         return f"{ms(values, 0.5):.2f} / {ms(values, 0.99):.2f}"
 
-    row("json, 1 client: latency p50 / p99 ms", lambda r: lat(r.json_1, r.json_1.latencies_s))
+    def cpu(value: float, cell: Cell) -> str:
+        return f"{value:.0f}" if cell.cpu_s else "-"
+
+    row("json, 1 client: latency p50 / p99 ms", lambda r: lat(r.json_1.latencies_s))
     row("json, 1 client: req/s", lambda r: f"{r.json_1.rps:,.0f}")
-    row(f"json, {n} clients: latency p50 / p99 ms", lambda r: lat(r.json_n, r.json_n.latencies_s))
+    row(f"json, {n} clients: latency p50 / p99 ms", lambda r: lat(r.json_n.latencies_s))
     row(f"json, {n} clients: req/s", lambda r: f"{r.json_n.rps:,.0f}")
-    row("stream, 1 client: TTFB p50 / p99 ms", lambda r: lat(r.stream_1, r.stream_1.ttfbs_s))
+    row(f"json, {n} clients: CPU µs per request",
+        lambda r: cpu(r.json_n.cpu_per_request_us, r.json_n))  # fmt: skip
+    row(f"json, {n} clients: of which leader + agent",
+        lambda r: r.json_n.split_us(len(r.json_n.latencies_s)) or "-")  # fmt: skip
+    row("stream, 1 client: TTFB p50 / p99 ms", lambda r: lat(r.stream_1.ttfbs_s))
     row("stream, 1 client: SSE events/s", lambda r: f"{r.stream_1.events_per_s:,.0f}")
-    row(f"stream, {n} clients: TTFB p50 / p99 ms", lambda r: lat(r.stream_n, r.stream_n.ttfbs_s))
+    row(f"stream, {n} clients: TTFB p50 / p99 ms", lambda r: lat(r.stream_n.ttfbs_s))
     row(f"stream, {n} clients: SSE events/s", lambda r: f"{r.stream_n.events_per_s:,.0f}")
+    row(f"stream, {n} clients: CPU µs per SSE event",
+        lambda r: cpu(r.stream_n.cpu_per_event_us, r.stream_n))  # fmt: skip
+    row(f"stream, {n} clients: CPU µs per 100 SSE events, leader + agent",
+        lambda r: r.stream_n.split_us(r.stream_n.events // 100) or "-")  # fmt: skip
     row(
         "errors (all four loads)",
         lambda r: str(r.json_1.errors + r.json_n.errors + r.stream_1.errors + r.stream_n.errors),
     )
     s = args.streams
-    row(f"{s} held streams: completed / most open at once",
-        lambda r: f"{r.held.completed} / {r.held.most_open}")  # fmt: skip
-    row(f"{s} held streams: TTFB p50 / p99 ms", lambda r: lat(r.json_1, r.held.ttfbs_s))
+    if s:
+        row(f"{s} held streams: completed / most open at once",
+            lambda r: f"{r.held.completed} / {r.held.most_open}")  # fmt: skip
+        row(f"{s} held streams: TTFB p50 / p99 ms", lambda r: lat(r.held.ttfbs_s))
 
-    def rss(values: tuple[float, float, float]) -> str:
-        return " / ".join(f"{v:.0f}" for v in values)
+    def rss(values: tuple[float, float, float] | None) -> str:
+        return " / ".join(f"{v:.0f}" for v in values) if values else "-"
 
-    for proc in ("leader", "agent"):
-        row(f"{proc} RSS MiB before / peak / after, the four loads",
-            lambda r, p=proc: rss(r.rss_load[p]))  # fmt: skip
-        row(f"{proc} RSS MiB before / peak / after, held streams",
-            lambda r, p=proc: rss(r.rss_held[p]))  # fmt: skip
+    def agent_rss(result: PathResult, which: str) -> str:
+        name = next(k for k, v in results.items() if v is result)
+        agent = agent_of[name]
+        table = result.rss_load if which == "load" else result.rss_held
+        return rss(table.get(agent)) if agent else "-"
+
+    row("leader RSS MiB before / peak / after, the four loads", lambda r: rss(r.rss_load["leader"]))
+    row("agent RSS MiB before / peak / after, the four loads", lambda r: agent_rss(r, "load"))
+    if s:
+        row("leader RSS MiB before / peak / after, held streams",
+            lambda r: rss(r.rss_held["leader"]))  # fmt: skip
+        row("agent RSS MiB before / peak / after, held streams", lambda r: agent_rss(r, "held"))
     for name, result in results.items():
         if result.held.failures:
             print(f"\n{name}: held stream failures: {result.held.failures}")
-
-    local, remote = results.get("leader → local"), results.get("leader → agent")
-    if local is None or remote is None:
+    local, tunnel, direct = results.get(LOCAL), results.get(TUNNEL), results.get(DIRECT)
+    if local is None or tunnel is None or direct is None:
         return
+    _compare(local, tunnel, direct, n)
+    _targets(local, tunnel, args)
+
+
+def _compare(local: PathResult, tunnel: PathResult, direct: PathResult, n: int) -> None:
+    """The direct path beside the tunnel: what each adds to a local deployment, and what
+    each costs."""
+
+    def added(result: PathResult, pick: Any) -> float:
+        return ms(pick(result), 0.5) - ms(pick(local), 0.5)
+
+    rows: list[tuple[str, float, float, str]] = [
+        ("json, 1 client: p50 latency added to leader → local, ms",
+         added(tunnel, lambda r: r.json_1.latencies_s),
+         added(direct, lambda r: r.json_1.latencies_s), "{:+.2f}"),
+        ("stream, 1 client: p50 TTFB added to leader → local, ms",
+         added(tunnel, lambda r: r.stream_1.ttfbs_s),
+         added(direct, lambda r: r.stream_1.ttfbs_s), "{:+.2f}"),
+        (f"json, {n} clients: req/s", tunnel.json_n.rps, direct.json_n.rps, "{:,.0f}"),
+        (f"stream, {n} clients: SSE events/s", tunnel.stream_n.events_per_s,
+         direct.stream_n.events_per_s, "{:,.0f}"),
+        (f"json, {n} clients: CPU µs per request (leader + agent)",
+         tunnel.json_n.cpu_per_request_us, direct.json_n.cpu_per_request_us, "{:.0f}"),
+        (f"stream, {n} clients: CPU µs per SSE event (leader + agent)",
+         tunnel.stream_n.cpu_per_event_us, direct.stream_n.cpu_per_event_us, "{:.1f}"),
+    ]  # fmt: skip
+    print("\n| direct beside tunnel | tunnel | direct | direct / tunnel |")
+    print("| --- | ---: | ---: | ---: |")
+    for label, via_tunnel, via_direct, form in rows:
+        ratio = f"{via_direct / via_tunnel:.2f}" if via_tunnel > 0 and via_direct > 0 else "-"
+        print(f"| {label} | {form.format(via_tunnel)} | {form.format(via_direct)} | {ratio} |")
+
+
+def _targets(local: PathResult, remote: PathResult, args: argparse.Namespace) -> None:
+    """The tunnel's own targets (from its first benchmark)."""
+    n, s = args.concurrency, args.streams
     added_json = ms(remote.json_1.latencies_s, 0.5) - ms(local.json_1.latencies_s, 0.5)
     added_ttfb = ms(remote.stream_1.ttfbs_s, 0.5) - ms(local.stream_1.ttfbs_s, 0.5)
     met = {True: "met", False: "NOT met"}
-    print("\n| target | measured | |\n| --- | --- | --- |")
+    print("\n| tunnel target | measured | |\n| --- | --- | --- |")
     print(
         f"| 1 client: tunnel adds < 3 ms at p50 | json latency {added_json:+.2f} ms, "
         f"stream TTFB {added_ttfb:+.2f} ms | {met[max(added_json, added_ttfb) < 3.0]} |"
@@ -770,6 +377,8 @@ def _report(results: dict[str, PathResult], args: argparse.Namespace) -> None:
         f"| {n} clients through the agent: ≥ 1,500 json req/s | {remote.json_n.rps:,.0f} req/s "
         f"| {met[n >= 32 and remote.json_n.rps >= 1500]} |"
     )
+    if not s:
+        return
     before, peak, after = remote.rss_held["leader"]
     ok = remote.held.completed == s >= 1000 and remote.held.most_open >= min(s, 1000)
     print(
@@ -783,16 +392,26 @@ def _report(results: dict[str, PathResult], args: argparse.Namespace) -> None:
 async def _bench(cluster: Cluster, args: argparse.Namespace) -> None:
     tls = ssl.create_default_context(cafile=str(cluster.leader_home / "ca" / "ca.pem"))
     bearer = b"authorization: Bearer %s\r\n" % cluster.api_key.encode()
+    leader = cluster.leader_pid
+    tunnel_agent, direct_agent = cluster.agent_pid(AGENT_LABEL), cluster.agent_pid(DIRECT_LABEL)
     paths = [
-        Path_("direct", cluster.engine_ports[LOCAL_MODEL], None, b"", LOCAL_MODEL),
-        Path_("leader → local", cluster.public_port, tls, bearer, LOCAL_MODEL),
-        Path_("leader → agent", cluster.public_port, tls, bearer, REMOTE_MODEL),
-    ]
-    results: dict[str, PathResult] = {}
-    with RssSampler({"leader": cluster.leader_pid, "agent": cluster.agent_pid}) as sampler:
-        for path in paths:
-            results[path.name] = await measure_path(path, sampler, args)
-    _report(results, args)
+        Path_("engine alone", cluster.engine_ports[LOCAL_MODEL], None, b"", LOCAL_MODEL),
+        Path_(LOCAL, cluster.public_port, tls, bearer, LOCAL_MODEL, (leader,)),
+        Path_(TUNNEL, cluster.public_port, tls, bearer, REMOTE_MODEL, (leader, tunnel_agent),
+              AGENT_LABEL),
+        Path_(DIRECT, cluster.public_port, tls, bearer, DIRECT_MODEL, (leader, direct_agent),
+              DIRECT_LABEL),
+    ]  # fmt: skip
+    pids = {"leader": leader, AGENT_LABEL: tunnel_agent, DIRECT_LABEL: direct_agent}
+    for run in range(args.repeat):
+        if args.repeat > 1:
+            log(f"run {run + 1} of {args.repeat}")
+            print(f"\n### run {run + 1} of {args.repeat}\n")
+        results: dict[str, PathResult] = {}
+        with RssSampler(pids) as sampler:
+            for path in paths:
+                results[path.name] = await measure_path(path, sampler, args)
+        _report(results, paths, args)
 
 
 def _interrupt(signum: int, frame: object) -> None:
@@ -800,15 +419,13 @@ def _interrupt(signum: int, frame: object) -> None:
 
 
 def main() -> None:
-    if sys.argv[1:2] == ["engine"]:
-        serve_engine(sys.argv[2:])
-        return
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--duration-s", type=float, default=3.0, help="seconds measured per cell")
     parser.add_argument("--warmup-s", type=float, default=0.5, help="seconds before measuring")
     parser.add_argument("--concurrency", type=int, default=32, help="clients of the busy cells")
     parser.add_argument("--streams", type=int, default=1000, help="streams held open at once")
     parser.add_argument("--events", type=int, default=16, help="content events per stream")
+    parser.add_argument("--repeat", type=int, default=1, help="runs of every load, one table each")
     parser.add_argument("--keep", action="store_true", help="keep the temporary homes and logs")
     args = parser.parse_args()
     # SIGTERM ends the run like Ctrl-C, so the cluster is torn down either way.

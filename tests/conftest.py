@@ -32,6 +32,7 @@ from support.clocks import StepClock
 from support.cluster_harness import Cluster, started_cluster
 from support.desk_harness import loopback_tls
 from support.desk_standin import ThreadedDeskStandin
+from support.direct import Pki, make_pki
 from support.docker_support import llama_server_image, require_docker_client
 from support.hub_standin import TINY_FILES, TINY_REPOS, HubStandin
 from support.link_pair import Linked, linked_in_memory
@@ -147,6 +148,13 @@ async def linked() -> AsyncIterator[Linked]:
     with a stand-in engine behind the agent (``support/link_pair.py``)."""
     async with linked_in_memory() as pair:
         yield pair
+
+
+@pytest.fixture
+def pki(tmp_path: Path) -> Pki:
+    """A berth CA with the direct data path's identities: the leader's client certificate,
+    an agent's certificate and key (``support/direct.py``)."""
+    return make_pki(tmp_path)
 
 
 # -- real parts ----------------------------------------------------------------------------------

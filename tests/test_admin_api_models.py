@@ -204,12 +204,16 @@ BEFORE = {
         "updated_at": "2025-03-04T05:06:07.123456+00:00",
     },
     "node": {
+        "advertised_address": None,
         "agent_version": "0.1.0",
         "capabilities": [],
         "cert_fingerprint": None,
         "connected": False,
         "cpu_count": 16,
         "created_at": "2025-03-04T05:06:07.123456+00:00",
+        "data_path": None,
+        "data_path_reason": None,
+        "data_path_since": None,
         "gpu_count": 2,
         "gpus": [
             {

@@ -560,6 +560,12 @@ def test_nodes_enroll_register_list_and_remove(
     assert "already enrolled" in again and "--force" in again
     reused = agent.fails("agent", "register", "--uri", uri_line, "--force")
     assert "enrollment token already used" in reused
+    with socket.create_server(("127.0.0.1", 0)) as taken:  # the port to advertise is in use
+        port = taken.getsockname()[1]
+        busy = agent.fails("agent", "start", "--advertise", f"127.0.0.1:{port}")
+    assert (
+        busy == f"error: the direct ingress cannot listen on 0.0.0.0:{port}: address already in use"
+    )
 
     listed = {n["label"]: n for n in berth.json("nodes", "ls")}
     assert listed["local"]["status"] == "ready"
@@ -588,6 +594,15 @@ def test_nodes_refuse_local_unknown_and_bad_labels(cli_leader: tuple[Berth, int]
     )
     assert "invalid node label" in berth.fails("nodes", "enroll", "Bad_Label", exit_code=2)
     assert "'local'" in berth.fails("nodes", "enroll", "local", exit_code=2)
+
+
+@pytest.mark.parametrize("address", ["10.0.0.7", "10.0.0.7:99999", "2001:db8::7:11502"])
+def test_agent_start_refuses_a_malformed_advertise_address(fresh: Berth, address: str) -> None:
+    result = fresh("agent", "start", "--advertise", address, check=False)
+
+    assert result.returncode == 2
+    assert "Invalid value for '--advertise'" in result.stderr
+    assert not fresh.home.exists()
 
 
 def test_agent_register_refuses_a_malformed_uri(fresh: Berth) -> None:

@@ -113,6 +113,12 @@ def test_nodes_ls_shows_both_agents_ready(two_node_cluster: Cluster) -> None:
     status = {node["label"]: node["status"] for node in listed}
     assert status["local"] == "ready"
     assert status["gpu-a"] == status["gpu-b"] == "ready"
+    # Agents started without --advertise: their requests travel through the tunnel, and
+    # the leader says why.
+    path = {node["label"]: node["data_path"] for node in listed}
+    assert path == {"local": "local", "gpu-a": "tunnel", "gpu-b": "tunnel"}
+    shown = two_node_cluster.berth("nodes", "show", "gpu-a").stdout
+    assert "tunnel: the agent advertises no address" in shown
 
 
 def test_an_8_mib_request_body_crosses_the_tunnel(two_node_cluster: Cluster) -> None:

@@ -21,10 +21,14 @@ from berth.runtime.base import ProgressListener, RuntimeName
 from berth.runtime.engines import DeploymentRequest, EngineName
 
 #: What node ``local``'s in-process core offers: every op but ``pull`` (the leader's own host
-#: runs models from their registered paths) and both runtimes (whether Docker answers is
+#: runs models from their registered paths) and ``ingress`` (it is reached directly), and
+#: both runtimes (whether Docker answers is
 #: found when a container starts, and a start that cannot fails with the reason).
 LOCAL_CAPABILITIES = frozenset(
-    [*(c for op, c in OP_CAPABILITIES.items() if op != "pull"), *RUNTIME_CAPABILITIES.values()]
+    [
+        *(c for op, c in OP_CAPABILITIES.items() if op not in ("pull", "ingress")),
+        *RUNTIME_CAPABILITIES.values(),
+    ]
 )
 
 

@@ -16,7 +16,9 @@ import logging
 import os
 import signal
 import time
+from collections.abc import Mapping
 
+from cryptography import x509
 from rich.console import Console, Group
 from rich.live import Live
 from rich.panel import Panel
@@ -26,11 +28,12 @@ from rich.text import Text
 from berth.agent.adopted import AdoptedWatcher
 from berth.agent.core import AgentCore
 from berth.agent.dialer import AgentDialer, AgentStatus
-from berth.agent.identity import load_agent_identity
+from berth.agent.identity import AgentIdentity, load_agent_identity, pinned_certificate
+from berth.agent.ingress import AgentIngress
 from berth.agent.service import AgentService
 from berth.cluster.protocol.errors import CloseCode
 from berth.config import Settings
-from berth.errors import ConflictError
+from berth.errors import ConfigError, ConflictError
 from berth.eventloop import freeze_startup_objects
 from berth.humanize import age
 from berth.observability.loop_lag import LoopLagMonitor
@@ -101,11 +104,19 @@ def render_status(status: AgentStatus) -> Panel:
                  title="berth agent", expand=False)  # fmt: skip
 
 
-async def run_agent(home: BerthHome, *, verbose: bool, console: Console) -> int:
+async def run_agent(
+    home: BerthHome,
+    *,
+    verbose: bool,
+    console: Console,
+    flags: Mapping[str, object] | None = None,
+) -> int:
     """Run the agent until a final refusal (exit 1) or SIGINT/SIGTERM (exit 0).
 
-    Raises :class:`berth.errors.ConfigError` when the agent is not registered (no or a
-    malformed ``agent.yaml``) and :class:`ConflictError` when another agent runs on this home.
+    ``flags`` are settings given on the command line (``agent_advertise``). Raises
+    :class:`berth.errors.ConfigError` when the agent is not registered (no or a malformed
+    ``agent.yaml``) or its direct ingress cannot bind its port, and :class:`ConflictError`
+    when another agent runs on this home.
     """
     identity = load_agent_identity(home)
     home.ensure()
@@ -114,7 +125,7 @@ async def run_agent(home: BerthHome, *, verbose: bool, console: Console) -> int:
         raise ConflictError(f"an agent already runs for {home.root} (pid {running['pid']})")
     panel = console.is_terminal and not verbose
     _configure_logging(home, verbose=verbose, to_stderr=not panel)
-    settings = Settings.load(home)
+    settings = Settings.load(home, flags)
     core = AgentCore(
         ProcessRuntime(process_tree=settings.process_tree),
         EngineBinaries(
@@ -137,13 +148,19 @@ async def run_agent(home: BerthHome, *, verbose: bool, console: Console) -> int:
     status = AgentStatus(
         identity.leader_url, identity.node_id, identity.label, path=home.agent_status_file
     )
-    restored = await core.restore()
-    if restored:
-        status.activity(f"re-attached engines: {', '.join(restored)}")
     loop_lag = LoopLagMonitor()  # berth_event_loop_lag_seconds, carried in heartbeats
     service = AgentService(
         core, on_activity=status.activity, models_dir=home.models_dir, loop_lag=loop_lag.histogram
     )
+    try:  # a port in use fails the start before any engine is re-attached
+        ingress = _ingress(home, settings, identity, service)
+    except ConfigError:
+        await service.close()
+        core.close()
+        raise
+    restored = await core.restore()
+    if restored:
+        status.activity(f"re-attached engines: {', '.join(restored)}")
     assert core.adopted is not None
     await core.adopted.check_once()  # Hello reports the adopted servers as they are now
     core.adopted.start()
@@ -175,6 +192,8 @@ async def run_agent(home: BerthHome, *, verbose: bool, console: Console) -> int:
             code = await dialer.run()
     finally:
         await core.adopted.stop()
+        if ingress is not None:
+            await ingress.close()
         await service.close()
         core.close()
         loop_lag.stop()
@@ -189,6 +208,32 @@ async def run_agent(home: BerthHome, *, verbose: bool, console: Console) -> int:
         if hint:
             console.print(hint, soft_wrap=True)
     return code
+
+
+def _ingress(
+    home: BerthHome, settings: Settings, identity: AgentIdentity, service: AgentService
+) -> AgentIngress | None:
+    """The direct ingress when ``agent_advertise`` is set, its port bound (a port in use
+    fails the start here), else ``None``."""
+    if settings.agent_advertise is None:
+        return None
+    ingress = AgentIngress(
+        node_id=identity.node_id,
+        advertise=settings.agent_advertise,
+        bind_host=settings.agent_ingress_bind,
+        key_path=identity.key_path,
+        cert_path=home.root / "ingress.crt",
+        ca_certificate=x509.load_pem_x509_certificate(
+            pinned_certificate(identity.ca_path.read_bytes(), identity.ca_fingerprint)
+        ),
+        relay=service.relay_exchange,
+        limits=settings.listener_limits(),
+    )
+    ingress.bind()
+    service.use_ingress(ingress)
+    log.info("direct ingress bound on %s, advertised as %s", settings.agent_ingress_bind,
+             settings.agent_advertise)  # fmt: skip
+    return ingress
 
 
 async def _refresh(live: Live, status: AgentStatus) -> None:

@@ -1,12 +1,13 @@
 """What an agent does with the leader's requests and streams: runs them on its agent core.
 
 Control ops (``start``, ``stop``, ``probe``, ``inventory``, ``engines``, ``pull``,
-``load_adapter``, ``unload_adapter``) each run in their own task, so a long engine start
-never holds up the link. ``http`` streams are relayed to the deployment's engine on this
-host with berth's pooled HTTP/1.1 client, carrying the engine's own API key in place of any
-credential in the leader's headers; when the leader resets a stream, its task is cancelled
-and the engine connection closed, so the engine stops generating. ``logs`` streams send the
-engine's log file.
+``load_adapter``, ``unload_adapter``, ``ingress``) each run in their own task, so a long
+engine start never holds up the link. ``http`` streams are relayed to the deployment's engine
+on this host with berth's pooled HTTP/1.1 client (:meth:`AgentService.relay_exchange`, the
+one relay the agent's direct ingress uses too, :mod:`berth.agent.ingress`), carrying the
+engine's own API key in place of any credential in the leader's headers; when the leader
+resets a stream, its task is cancelled and the engine connection closed, so the engine stops
+generating. ``logs`` streams send the engine's log file.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import logging
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import assert_never
+from typing import Protocol, assert_never
 
 import msgspec
 
@@ -40,6 +41,7 @@ from berth.cluster.protocol.frames import (
 )
 from berth.cluster.protocol.ops import (
     ENGINES,
+    INGRESS,
     INVENTORY,
     LOAD_ADAPTER,
     OPS,
@@ -51,6 +53,7 @@ from berth.cluster.protocol.ops import (
     STREAM_CAPABILITIES,
     UNLOAD_ADAPTER,
     EnginesResult,
+    IngressArgs,
     PreparingEvent,
     ProbeResult,
     PullArgs,
@@ -84,6 +87,38 @@ ActivityListener = Callable[[str], None]
 RUNTIME_CHECK_TIMEOUT_S = 5.0
 
 
+class AnswerSink(Protocol):
+    """Where :meth:`AgentService.relay_exchange` sends an engine's answer: a tunnel stream
+    (:class:`~berth.cluster.tunnel_stream.TunnelStream`) or the ingress's HTTP reply
+    (:mod:`berth.agent.ingress`).
+
+    ``send_head`` once (status, headers without hop-by-hop ones, the first body bytes, and
+    whether they are all of it), then ``write`` until ``end``; ``reset`` instead when the
+    exchange fails (before the head: the leader tries elsewhere; after: the answer is cut
+    off). Writes wait while the leader reads slowly (backpressure); a leader that gave up
+    makes them raise (``StreamResetError``) or cancels the relaying task.
+    """
+
+    async def send_head(
+        self, status: int, headers: list[tuple[str, str]], payload: bytes, end: bool
+    ) -> None: ...
+
+    async def write(self, data: bytes, end: bool = False) -> None: ...
+
+    def reset(self, code: ResetCode = ResetCode.CANCELLED, message: str = "") -> None: ...
+
+
+class IngressControl(Protocol):
+    """The agent's direct ingress as the link's ``ingress`` op sees it
+    (:class:`berth.agent.ingress.AgentIngress`): where it is advertised, and starting it
+    with the certificates the leader sent."""
+
+    @property
+    def advertise(self) -> str: ...
+
+    async def configure(self, args: IngressArgs) -> None: ...
+
+
 class AgentService:
     """The agent's :class:`~berth.cluster.connection.LinkHandler` over an :class:`AgentCore`.
 
@@ -110,6 +145,11 @@ class AgentService:
         self.meter = meter if meter is not None else RequestMeter()
         self._on_activity = on_activity or (lambda _line: None)
         self._runtimes: list[RuntimeStatus] = [RuntimeStatus("process", True, "")]
+        self._ingress: IngressControl | None = None
+
+    def use_ingress(self, ingress: IngressControl) -> None:
+        """Advertise ``ingress`` in Hello and start it when the leader sends ``ingress``."""
+        self._ingress = ingress
 
     async def close(self) -> None:
         await self._pool.close()
@@ -176,14 +216,22 @@ class AgentService:
             protocol_max=PROTOCOL_MAX,
             agent_version=__version__,
             capabilities=[
-                *(op.capability for op in OPS.values() if op is not PULL or self._models_dir),
+                *(op.capability for op in OPS.values() if self._serves(op.name)),
                 *STREAM_CAPABILITIES,
                 *(RUNTIME_CAPABILITIES[r.name] for r in self._runtimes if r.available),
             ],
             inventory=self.inventory(),
             engines=self.engine_states(),
             adopted=self._core.adopted.states() if self._core.adopted is not None else [],
+            advertise=self._ingress.advertise if self._ingress is not None else "",
         )
+
+    def _serves(self, op: str) -> bool:
+        if op == PULL.name:
+            return self._models_dir is not None
+        if op == INGRESS.name:
+            return self._ingress is not None
+        return True
 
     def heartbeat(self, now: float) -> Heartbeat:
         """The heartbeat for ``now`` (epoch seconds), with the last :meth:`read_gpus`."""
@@ -263,6 +311,12 @@ class AgentService:
                 self._on_activity(f"unloading adapter {unload.adapter} from {unload.deployment_id}")
                 await self._core.unload_adapter(unload.deployment_id, unload.engine, unload.adapter)
                 return UNLOAD_ADAPTER.encode_result(None)
+            case "ingress":
+                if self._ingress is None:
+                    raise _Unsupported(request.op)
+                await self._ingress.configure(INGRESS.decode_args(request.args))
+                self._on_activity(f"direct ingress serving on {self._ingress.advertise}")
+                return INGRESS.encode_result(None)
             case _:
                 assert_never(request.op)
 
@@ -317,12 +371,41 @@ class AgentService:
     async def _relay_http(self, stream: TunnelStream) -> None:
         opening = stream.opening
         assert opening is not None
-        deployment_id = opening.deployment_id
-        host, port = self._core.engine_origin(deployment_id)
+        self._core.engine_origin(opening.deployment_id)  # NotFoundError before the body
         body = await stream.read_all(MAX_REQUEST_BODY_BYTES)
-        received = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in opening.headers]
+        headers = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in opening.headers]
+        await self.relay_exchange(
+            opening.deployment_id,
+            opening.method.encode("latin-1"),
+            opening.target.encode("latin-1"),
+            headers,
+            body,
+            stream,
+        )
+
+    async def relay_exchange(
+        self,
+        deployment_id: str,
+        method: bytes,
+        target: bytes,
+        headers: list[tuple[bytes, bytes]],
+        body: bytes,
+        sink: AnswerSink,
+    ) -> None:
+        """Send one request to ``deployment_id``'s engine on this host and its answer to
+        ``sink``, as it arrives: the relay of tunneled and direct exchanges alike.
+
+        ``target`` is the origin-form target (``/v1/chat/completions``), ``headers`` those
+        to send besides ``Host`` and ``Content-Length`` (lower-case bytes pairs; a credential
+        among them is replaced by the engine's own key). A failure
+        before the head becomes ``sink.reset`` with ``engine_timeout`` or
+        ``engine_unreachable``, one mid-answer ``engine_disconnect``. Raises
+        :class:`NotFoundError` for a deployment this agent does not run, and what ``sink``
+        raises when the leader gives up (the engine connection is closed then).
+        """
+        host, port = self._core.engine_origin(deployment_id)
         # Whatever credential came with it (the leader forwards none), the engine gets its own.
-        headers = with_engine_key(received, self._core.engine_auth(deployment_id))
+        headers = with_engine_key(headers, self._core.engine_auth(deployment_id))
         # Measured here, where the request is served (docs/metrics.md): from the body's
         # arrival to the answer's last byte.
         self.meter.started(deployment_id)
@@ -332,25 +415,21 @@ class AgentService:
         try:
             try:
                 response = await self._pool.request(
-                    Origin(host, port),
-                    opening.method.encode("latin-1"),
-                    opening.target.encode("latin-1"),
-                    headers,
-                    body,
+                    Origin(host, port), method, target, headers, body
                 )
             except UpstreamTimeoutError as exc:
-                stream.reset(ResetCode.ENGINE_TIMEOUT, exc.why)
+                sink.reset(ResetCode.ENGINE_TIMEOUT, exc.why)
                 return
             except UpstreamConnectError as exc:
-                stream.reset(ResetCode.ENGINE_UNREACHABLE, exc.why)
+                sink.reset(ResetCode.ENGINE_UNREACHABLE, exc.why)
                 return
             except UpstreamError as exc:
                 why = f"failed before answering ({exc.why})"
-                stream.reset(ResetCode.ENGINE_UNREACHABLE, why)
+                sink.reset(ResetCode.ENGINE_UNREACHABLE, why)
                 return
             status = response.status
             try:
-                completed = await self._relay_answer(stream, response)
+                completed = await self._relay_answer(sink, response)
             finally:
                 response.close()
         except (StreamResetError, asyncio.CancelledError):
@@ -370,8 +449,8 @@ class AgentService:
                     error=is_error(status, failed=not completed),
                 )
 
-    async def _relay_answer(self, stream: TunnelStream, response: UpstreamResponse) -> bool:
-        """Send the engine's answer on ``stream``; ``False`` when the engine broke it off."""
+    async def _relay_answer(self, stream: AnswerSink, response: UpstreamResponse) -> bool:
+        """Send the engine's answer to ``stream``; ``False`` when the engine broke it off."""
         head_headers = [
             (k.decode("latin-1"), v.decode("latin-1"))
             for k, v in response.headers

@@ -42,6 +42,7 @@ from berth.api.metrics import (
 from berth.api.models import LocatedModel, ModelIn, ModelRemoved, RegisteredModel
 from berth.api.nodes import (
     AdoptedEndpoint,
+    DataPathName,
     EnrollIn,
     EnrollmentIssued,
     Gpu,
@@ -82,6 +83,7 @@ __all__ = [
     "ApiModel",
     "CreatedApiKey",
     "DaemonInfo",
+    "DataPathName",
     "DeployIn",
     "Deployment",
     "DeploymentColumns",

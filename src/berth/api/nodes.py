@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from berth.api.base import ApiModel, Timestamp
 from berth.store.records import NodeStatus
+
+#: How the leader reaches a node's engines: on its own host (``local``), straight to the
+#: agent's ingress (``direct``), or through the agent's link (``tunnel``).
+DataPathName = Literal["local", "direct", "tunnel"]
 
 
 class EnrollIn(ApiModel):
@@ -52,7 +58,8 @@ class NodeSummary(ApiModel):
 
     ``connected``: its agent's link is up (node ``local``: the leader runs engines);
     ``hostname`` is ``None`` before the agent's first Hello; ``vram_total_mb`` is every GPU's
-    memory in MiB; ``last_heartbeat_at`` epoch seconds.
+    memory in MiB; ``last_heartbeat_at`` epoch seconds.  ``data_path`` is how its requests
+    travel now (``None`` while it is not connected) and ``data_path_reason`` why, in words.
     """
 
     id: str
@@ -64,12 +71,16 @@ class NodeSummary(ApiModel):
     vram_total_mb: int
     agent_version: str | None
     last_heartbeat_at: float | None
+    data_path: DataPathName | None = None
+    data_path_reason: str | None = None
 
 
 class NodeDetail(NodeSummary):
     """One node with its hardware (memory in MiB), capabilities and versions; the answer of
     ``DELETE /admin/nodes/{id}``.  ``cert_fingerprint`` is ``sha256:<hex>`` of the agent's
-    client certificate (``None`` for ``local``)."""
+    client certificate (``None`` for ``local``).  ``advertised_address`` is the
+    ``HOST:PORT`` its agent advertised for the direct data path (``None``: none, or not
+    connected); ``data_path_since`` when the data path last changed (epoch seconds)."""
 
     cpu_count: int | None
     memory_total_mb: int | None
@@ -78,6 +89,8 @@ class NodeDetail(NodeSummary):
     protocol_version: int | None
     cert_fingerprint: str | None
     created_at: Timestamp
+    advertised_address: str | None = None
+    data_path_since: float | None = None
 
 
 class NodeDetailWithAdopted(NodeDetail):

@@ -65,13 +65,26 @@ def start(
     verbose: bool = typer.Option(
         False, "--verbose", "-v", help="Log to the terminal (debug level) instead of the panel."
     ),
+    advertise: str | None = typer.Option(
+        None,
+        "--advertise",
+        metavar="HOST:PORT",
+        help="Serve the leader's requests directly at this address, which the leader must "
+        "reach (a LAN address; open the port to the leader): the direct data path. "
+        "Setting agent_advertise.",
+    ),
 ) -> None:
     """Dial the leader and serve this host's engines until stopped (Ctrl-C)."""
     from berth import eventloop
     from berth.agent.runner import run_agent
+    from berth.config.table import address_problem
 
+    problem = address_problem(advertise) if advertise is not None else None
+    if problem is not None:
+        raise typer.BadParameter(problem, param_hint="'--advertise'")
     home = context(ctx).home
-    code = eventloop.run(run_agent(home, verbose=verbose, console=console))
+    flags = {"agent_advertise": advertise}
+    code = eventloop.run(run_agent(home, verbose=verbose, console=console, flags=flags))
     raise typer.Exit(code)
 
 

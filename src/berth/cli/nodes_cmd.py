@@ -28,6 +28,12 @@ def _heartbeat(at: float | None) -> str:
     return "-" if at is None else f"{age(time.time() - at)} ago"
 
 
+def _data_path(path: str | None, reason: str | None) -> str:
+    if path is None:
+        return "- (not connected)"
+    return f"{path}: {reason}" if reason else path
+
+
 def _when(epoch_s: float) -> str:
     return datetime.fromtimestamp(epoch_s, UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
 
@@ -56,18 +62,20 @@ def enroll(
 
 @nodes_app.command("ls")
 def ls(ctx: typer.Context, as_json: bool = typer.Option(False, "--json")) -> None:
-    """List nodes: status, GPUs, VRAM, agent version, last heartbeat."""
+    """List nodes: status, data path (direct or tunnel), GPUs, VRAM, agent version, last
+    heartbeat."""
     with context(ctx).client() as client:
         nodes = client.nodes()
     if as_json:
         print_json(nodes)
         return
-    table = Table("ID", "LABEL", "STATUS", "GPUS", "VRAM", "AGENT", "HEARTBEAT")
+    table = Table("ID", "LABEL", "STATUS", "PATH", "GPUS", "VRAM", "AGENT", "HEARTBEAT")
     for n in nodes:
         table.add_row(
             n.id,
             n.label,
             n.status,
+            n.data_path or "-",
             str(n.gpu_count),
             _vram(n.vram_total_mb),
             n.agent_version or "-",
@@ -82,7 +90,7 @@ def show(
     ident: str = typer.Argument(..., metavar="ID", help="Node id or label."),
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
-    """One node in detail: hardware, GPUs, capabilities, versions."""
+    """One node in detail: data path and why, hardware, GPUs, capabilities, versions."""
     with context(ctx).client() as client:
         node = client.node(ident)
     if as_json:
@@ -98,6 +106,8 @@ def show(
         ("memory", f"{memory / 1024:.1f} GiB" if memory else "-"),
         ("agent", node.agent_version or "-"),
         ("protocol", str(node.protocol_version or "-")),
+        ("data path", _data_path(node.data_path, node.data_path_reason)),
+        ("advertised", node.advertised_address or "-"),
         ("capabilities", ", ".join(node.capabilities) or "-"),
         ("certificate", node.cert_fingerprint or "-"),
         ("heartbeat", _heartbeat(node.last_heartbeat_at)),

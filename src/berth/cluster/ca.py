@@ -4,7 +4,9 @@ The leader owns one private CA: an EC P-256 key (``ca.key``, mode 0600) and a se
 certificate valid for ten years (``ca.pem``).  It issues
 
 - the leader's **server certificates** (serverAuth, SANs for every host clients dial), and
-- **client certificates** for enrolled agents (clientAuth, a common name the leader picks).
+- **client certificates** for enrolled agents (clientAuth, a common name the leader picks),
+  and the direct data path's two identities (:mod:`berth.cluster.direct_tls`): the
+  leader's client certificate and each advertising agent's ingress certificate.
 
 Clients pin the CA by its **fingerprint**, ``sha256:`` followed by the lowercase hex SHA-256
 of the DER certificate.  Certificate profile per RFC 5280: CA has basicConstraints
@@ -234,6 +236,32 @@ class CertificateAuthority:
             usage=ExtendedKeyUsageOID.CLIENT_AUTH,
         )
         return builder.sign(self._key, hashes.SHA256()).public_bytes(_PEM)
+
+    def issue_leaf(
+        self,
+        public_key: ec.EllipticCurvePublicKey | rsa.RSAPublicKey | ed25519.Ed25519PublicKey,
+        *,
+        common_name: str,
+        usage: x509.ObjectIdentifier,
+        sans: Sequence[x509.GeneralName],
+        days: int,
+    ) -> x509.Certificate:
+        """Issue a leaf certificate for ``public_key``: ``CN=<common_name>``, one
+        extendedKeyUsage (``usage``: serverAuth or clientAuth) and ``sans`` as its subject
+        alternative names, valid ``days`` days from now (backdated by :data:`CLOCK_SKEW`).
+
+        For the direct data path's identities (:mod:`berth.cluster.direct_tls`); the caller
+        vouches that the key belongs to whom the names say.  Raises :class:`ConfigError`
+        when ``days`` is not positive or ``sans`` is empty.
+        """
+        if days <= 0:
+            raise ConfigError(f"certificate validity must be at least one day, got {days}")
+        if not sans:
+            raise ConfigError("a leaf certificate needs at least one subject alternative name")
+        builder = self._leaf_builder(
+            common_name=common_name, public_key=public_key, days=days, usage=usage
+        ).add_extension(x509.SubjectAlternativeName(list(sans)), critical=False)
+        return builder.sign(self._key, hashes.SHA256())
 
     def _leaf_builder(
         self,

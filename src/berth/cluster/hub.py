@@ -216,7 +216,7 @@ class NodeHub:
             max_msg_size=4 * self.limits.max_frame_bytes, compress=False, autoping=False
         )
         await ws.prepare(request)
-        node_id, refusal = await self._identify(request)
+        node_id, refusal, certificate_der = await self._identify(request)
         if refusal is not None:
             log.warning("refused agent link from %s: %s", peer, refusal[1])
             await ws.close(code=refusal[0], message=refusal[1].encode())
@@ -245,7 +245,7 @@ class NodeHub:
             hello = await conn.handshake(
                 terms,
                 timeout_s=self._hello_timeout_s,
-                admit=lambda hello: self._admit(node_id, conn, hello),
+                admit=lambda hello: self._admit(node_id, conn, hello, certificate_der),
                 clock=self._clock,
             )
         except LinkError:
@@ -264,24 +264,29 @@ class NodeHub:
             log.info("node %s link closed (code %s)", node_id, conn.close_code)
         return ws
 
-    async def _identify(self, request: web.Request) -> tuple[str | None, tuple[int, str] | None]:
+    async def _identify(
+        self, request: web.Request
+    ) -> tuple[str | None, tuple[int, str] | None, bytes | None]:
+        """(node id, refusal, the DER client certificate when the agent presented one)."""
         identity = client_identity(request, self._forwarded)
         if identity is None:
-            return None, (CloseCode.BAD_CERTIFICATE, "a client certificate is required")
+            return None, (CloseCode.BAD_CERTIFICATE, "a client certificate is required"), None
         node = await asyncio.to_thread(self._store.find_node_by_fingerprint, identity.fingerprint)
         if node is None:
-            return None, (CloseCode.BAD_CERTIFICATE, "this certificate belongs to no node")
+            return None, (CloseCode.BAD_CERTIFICATE, "this certificate belongs to no node"), None
         if node.status == "removed":
-            return None, (CloseCode.NODE_REMOVED, f"node {node.id} was removed")
+            return None, (CloseCode.NODE_REMOVED, f"node {node.id} was removed"), None
         der = identity.certificate_der
         # A forwarded fingerprint has no certificate to read; it matched the one issued.
         if der is not None and _common_name(der) != node.id:
-            return None, (CloseCode.BAD_CERTIFICATE, "the certificate names another node")
+            return None, (CloseCode.BAD_CERTIFICATE, "the certificate names another node"), None
         if identity.forwarded_by is not None:
             log.info("node %s: fingerprint forwarded by %s", node.id, identity.forwarded_by)
-        return node.id, None
+        return node.id, None, der
 
-    async def _admit(self, node_id: str, conn: LinkConnection, hello: Hello) -> None:
+    async def _admit(
+        self, node_id: str, conn: LinkConnection, hello: Hello, certificate_der: bytes | None
+    ) -> None:
         """Before Welcome: record the node's Hello, make ``conn`` the node's link, and close
         an older session of the node. Refuses a node removed meanwhile (``NODE_REMOVED``)."""
         try:
@@ -300,7 +305,14 @@ class NodeHub:
         # node is never without a link, and the old one's end changes nothing.
         previous = self._sessions.get(node_id)
         old = None if previous is None else previous.conn
-        link = RemoteLink(node_id, conn, hello.inventory, hello.capabilities)
+        link = RemoteLink(
+            node_id,
+            conn,
+            hello.inventory,
+            hello.capabilities,
+            advertise=hello.advertise,
+            certificate_der=certificate_der,
+        )
         self._sessions[node_id] = link
         self._links.attach(link)
         if self._cluster_metrics is not None:

@@ -37,6 +37,7 @@ from berth.cluster.protocol.frames import (
 )
 from berth.cluster.protocol.ops import (
     ENGINES,
+    INGRESS,
     INVENTORY,
     LOAD_ADAPTER,
     OP_CAPABILITIES,
@@ -46,6 +47,7 @@ from berth.cluster.protocol.ops import (
     START,
     STOP,
     UNLOAD_ADAPTER,
+    IngressArgs,
     LoadAdapterArgs,
     NoArgs,
     Op,
@@ -97,7 +99,12 @@ class NodeLoad:
 
 
 class RemoteLink:
-    """Drives one remote agent through its :class:`LinkConnection`."""
+    """Drives one remote agent through its :class:`LinkConnection`.
+
+    ``advertise`` is the address its Hello advertised for the direct data path (empty: none);
+    ``certificate_der`` the client certificate it linked with (``None`` when a proxy
+    forwarded only its fingerprint).
+    """
 
     def __init__(
         self,
@@ -105,12 +112,17 @@ class RemoteLink:
         conn: LinkConnection,
         inventory: Inventory,
         capabilities: Sequence[str] = tuple(OP_CAPABILITIES.values()),
+        *,
+        advertise: str = "",
+        certificate_der: bytes | None = None,
     ) -> None:
         self.node_id = node_id
         self.conn = conn
         self._inventory = inventory
         self.capabilities = frozenset(capabilities)
         self.load = NodeLoad()
+        self.advertise = advertise
+        self.certificate_der = certificate_der
 
     @property
     def last_inventory(self) -> Inventory:
@@ -200,6 +212,16 @@ class RemoteLink:
         """Have the agent download ``repo_id`` into its models folder; its path there."""
         args = PullArgs(repo_id=repo_id, revision=revision)
         return (await self._call(PULL, args, PULL_TIMEOUT_S)).path
+
+    async def configure_ingress(
+        self, certificate_pem: bytes, leader_certificate_pem: bytes
+    ) -> None:
+        """Have the agent serve its direct ingress with these certificates (the ``ingress``
+        op). Raises ``EngineError`` with the agent's reason when it cannot."""
+        args = IngressArgs(
+            certificate=certificate_pem.decode(), leader_certificate=leader_certificate_pem.decode()
+        )
+        await self._call(INGRESS, args, CONTROL_TIMEOUT_S)
 
     async def probe(
         self, deployment_id: str, timeout_s: float = DEFAULT_PROBE_TIMEOUT_S

@@ -131,6 +131,10 @@ class Settings:
     heartbeat_interval_s: float
     node_timeout_s: float
     link_timeout_s: float
+    direct_probe_interval_s: float
+    direct_probe_timeout_s: float
+    agent_advertise: str | None
+    agent_ingress_bind: str
     simulated_gpus: str | None
     desk_pool_url: str
 

@@ -134,6 +134,17 @@ def host_problem(text: str) -> str | None:
     return None
 
 
+def address_problem(text: str) -> str | None:
+    """Why ``text`` is not ``HOST:PORT`` (``[v6]:PORT``), or ``None`` when it is."""
+    host, sep, port = text.rpartition(":")
+    if not sep or not port.isdigit() or not 0 < int(port) < 65536:
+        return "expected HOST:PORT with a port from 1 to 65535, e.g. 10.0.0.7:11502"
+    bare = host.removeprefix("[").removesuffix("]")
+    if ":" in bare and not host.startswith("["):
+        return "an IPv6 address goes in brackets: [2001:db8::7]:11502"
+    return host_problem(bare) if bare else "expected HOST:PORT, the host is missing"
+
+
 def simulated_gpus_problem(text: str) -> str | None:
     """Why ``text`` is not a list of simulated GPU sizes (``24GiB,24GiB``), or ``None``."""
     try:
@@ -271,6 +282,18 @@ SETTINGS: tuple[SettingDef, ...] = (
                "which either end closes it as dead; both ends ping every third of it "
                "(told to agents on connect)",
                default=6.0, minimum=0.3, maximum=300.0),
+    SettingDef("direct_probe_interval_s", "float", "cluster",
+               "seconds between probes of an agent's direct ingress (0: always the tunnel)",
+               default=2.0, minimum=0.0),
+    SettingDef("direct_probe_timeout_s", "float", "cluster",
+               "seconds a probe of an agent's direct ingress may take before the tunnel is used",
+               default=2.0, minimum=0.05),
+    SettingDef("agent_advertise", "str", "agent",
+               "HOST:PORT the leader dials for this agent's direct ingress (unset: tunnel only)",
+               optional=True, check=address_problem),
+    SettingDef("agent_ingress_bind", "str", "agent",
+               "address the agent's direct ingress binds (at the advertised port)",
+               default="0.0.0.0", check=host_problem),
     SettingDef("simulated_gpus", "str", "gpu",
                "testing aid: report these GPUs (e.g. 24GiB,24GiB) instead of asking NVML; "
                "engines still run on the CPU",

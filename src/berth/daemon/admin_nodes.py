@@ -28,6 +28,8 @@ from berth.api import (
     NodeDetailWithAdopted,
     NodeSummary,
 )
+from berth.api.nodes import DataPathName
+from berth.cluster.direct_path import DataPath
 from berth.cluster.link import LOCAL_NODE_ID
 from berth.cluster.protocol.frames import AdoptedState
 from berth.daemon.services import LeaderServices
@@ -51,9 +53,21 @@ async def _live(services: LeaderServices, record: NodeRecord) -> NodeRecord:
     )
 
 
-def node_summary_view(record: NodeRecord, *, connected: bool) -> NodeSummary:
-    """One row of ``GET /admin/nodes``."""
+#: What the admin API says of node ``local``'s data path.
+LOCAL_PATH = DataPath("direct", "the leader's own engines, on its host", "", 0.0)
+
+
+def node_summary_view(
+    record: NodeRecord, *, connected: bool, path: DataPath | None = None
+) -> NodeSummary:
+    """One row of ``GET /admin/nodes``; ``path`` is the node's data path now (``None``:
+    not connected)."""
     inventory = record.inventory
+    path_name: DataPathName | None = None
+    if path is LOCAL_PATH:
+        path_name = "local"
+    elif path is not None:
+        path_name = path.path
     return NodeSummary(
         id=record.id,
         label=record.label,
@@ -64,10 +78,14 @@ def node_summary_view(record: NodeRecord, *, connected: bool) -> NodeSummary:
         vram_total_mb=inventory.vram_total_mb if inventory else 0,
         agent_version=record.agent_version,
         last_heartbeat_at=record.last_heartbeat_at,
+        data_path=path_name,
+        data_path_reason=path.reason if path is not None else None,
     )
 
 
-def node_detail_view(record: NodeRecord, *, connected: bool) -> NodeDetail:
+def node_detail_view(
+    record: NodeRecord, *, connected: bool, path: DataPath | None = None
+) -> NodeDetail:
     """``GET /admin/nodes/{id}``: the summary plus hardware, capabilities and versions."""
     inventory = record.inventory
     gpus = [
@@ -81,8 +99,10 @@ def node_detail_view(record: NodeRecord, *, connected: bool) -> NodeDetail:
         )
         for gpu in (inventory.gpus if inventory else ())
     ]
-    return node_summary_view(record, connected=connected).extended(
+    return node_summary_view(record, connected=connected, path=path).extended(
         NodeDetail,
+        advertised_address=(path.advertise or None) if path is not None else None,
+        data_path_since=path.since if path is not None and path is not LOCAL_PATH else None,
         cpu_count=inventory.cpu_count if inventory else None,
         memory_total_mb=inventory.memory_total_mb if inventory else None,
         gpus=gpus,
@@ -117,6 +137,13 @@ def build_node_router(services: LeaderServices) -> APIRouter:
             return not services.leader_only
         return services.hub.is_connected(record.id)
 
+    def path(record: NodeRecord) -> DataPath | None:
+        if record.id == LOCAL_NODE_ID:
+            return None if services.leader_only else LOCAL_PATH
+        if not services.hub.is_connected(record.id):
+            return None
+        return services.data_paths.data_path(record.id)
+
     @router.post("/admin/nodes/enroll", status_code=201)
     async def enroll(body: EnrollIn) -> EnrollmentIssued:
         issued = await asyncio.to_thread(services.enrollment.issue_token, body.label)
@@ -130,13 +157,16 @@ def build_node_router(services: LeaderServices) -> APIRouter:
         if services.leader_only:  # no engines on the leader's host: node local is not one
             records = [r for r in records if r.id != LOCAL_NODE_ID]
         return [
-            node_summary_view(await _live(services, r), connected=connected(r)) for r in records
+            node_summary_view(await _live(services, r), connected=connected(r), path=path(r))
+            for r in records
         ]
 
     @router.get("/admin/nodes/{ident}")
     async def show_node(ident: str) -> NodeDetailWithAdopted:
         record = await asyncio.to_thread(store.lookup_node, ident)
-        detail = node_detail_view(await _live(services, record), connected=connected(record))
+        detail = node_detail_view(
+            await _live(services, record), connected=connected(record), path=path(record)
+        )
         adopted = services.lifecycle.adopted().get(record.id, [])
         return detail.extended(
             NodeDetailWithAdopted, adopted=[adopted_view(state) for state in adopted]

@@ -29,6 +29,7 @@ from berth.agent.core import AgentCore
 from berth.agent.in_process_link import InProcessLink
 from berth.agent.node_sampler import LocalNodeSampler
 from berth.cluster.ca import CertificateAuthority
+from berth.cluster.direct_path import DataPaths
 from berth.cluster.enrollment import AuditLog, EnrollmentService
 from berth.cluster.hub import NodeHub
 from berth.cluster.link import LOCAL_NODE_ID
@@ -302,6 +303,15 @@ async def serve(home: BerthHome, settings: Settings) -> None:
     )
     if forwarded is not None:
         log.warning("cluster: trusting x-berth-client-fingerprint from %s", forwarded.describe())
+    # Requests to agents' engines: direct to an agent's ingress when it answers, else the hub.
+    data_paths = DataPaths(
+        hub,
+        links,
+        ca,
+        home.ca_dir,
+        probe_interval_s=settings.direct_probe_interval_s,
+        probe_timeout_s=settings.direct_probe_timeout_s,
+    )
     routes = RouteResolver(lifecycle)  # route names first, then the lifecycle's own names
     await load_routes(store, routes)
     resolver = AdapterResolver(routes, lifecycle, adapters)  # adapters' names, then routes'
@@ -326,7 +336,7 @@ async def serve(home: BerthHome, settings: Settings) -> None:
         resolver,
         metrics,
         max_body_bytes=settings.max_body_bytes,
-        tunnels=hub,
+        tunnels=data_paths,
         router=router,
         max_attempts=settings.max_attempts,
         relay_buffer_chunks=settings.relay_buffer_chunks,
@@ -354,6 +364,7 @@ async def serve(home: BerthHome, settings: Settings) -> None:
         local_core=core,
         links=links,
         hub=hub,
+        data_paths=data_paths,
         enrollment=enrollment,
         cluster_url=cluster_url,
         pid=os.getpid(),
@@ -395,6 +406,7 @@ async def serve(home: BerthHome, settings: Settings) -> None:
     home.pid_file.write_text(f"{os.getpid()}\n")
     await proxy.startup()
     try:
+        await data_paths.start()  # before the cluster listener: no agent links before it
         await public_server.start(public_sock)
         await socket_server.start(unix_sock)
         await cluster_listener.start()
@@ -436,6 +448,7 @@ async def serve(home: BerthHome, settings: Settings) -> None:
         if local_sampler is not None:
             await local_sampler.stop()
         await hub.shutdown()
+        await data_paths.close()
         await cluster_listener.stop()
         await lifecycle.shutdown()
         await proxy.shutdown()

@@ -7,6 +7,7 @@ from typing import Any
 
 from berth.agent.core import AgentCore, RuntimeStatus
 from berth.cluster.ca import CertificateAuthority
+from berth.cluster.direct_path import DataPaths
 from berth.cluster.enrollment import EnrollmentService
 from berth.cluster.hub import NodeHub
 from berth.cluster.link_registry import LinkRegistry
@@ -49,6 +50,9 @@ class LeaderServices:
     #: the leader's live links by node id (the hub attaches and detaches remote ones)
     links: LinkRegistry
     hub: NodeHub
+    #: each agent's data path (direct to its ingress, or the tunnel), for the proxy and
+    #: ``/admin/nodes``
+    data_paths: DataPaths
     enrollment: EnrollmentService
     #: The URL agents dial (``leader=`` in enrollment URIs).
     cluster_url: str

@@ -253,6 +253,22 @@ class UpstreamConnection(asyncio.Protocol):
         finally:
             response._waiter = None
 
+    @property
+    def busy(self) -> bool:
+        """An exchange is in flight on this connection."""
+        return self._busy
+
+    @property
+    def awaiting_head(self) -> bool:
+        """A request is out and the head of its answer has not arrived."""
+        return self._busy and not self._headers_done
+
+    def give_up(self, why: str) -> None:
+        """Fail the exchange in flight and close the connection: its reader raises
+        :class:`UpstreamDisconnectError`, ``answered`` saying whether the head had arrived
+        (if not, the request may be sent elsewhere)."""
+        self._fail(UpstreamDisconnectError(self.origin, why, answered=self._headers_done))
+
     def abandon(self) -> None:
         """The reader gave up on the answer in flight: close the connection."""
         self._stop_body_timer()

@@ -21,6 +21,7 @@ the message framing); the errors are in :mod:`berth.engine_http.errors`.
 from __future__ import annotations
 
 import asyncio
+import ssl
 from collections import deque
 from collections.abc import Sequence
 
@@ -45,8 +46,11 @@ class UpstreamPool:
     ``connect_timeout_s`` bounds making a connection; ``read_timeout_s`` (``None``: no limit)
     bounds every wait for the engine: for the head of an answer (its prefill, for an LLM) and
     for each piece of its body. ``high_water_bytes`` is how much unread body one answer may
-    hold before its connection stops reading from the socket. Create it on the event loop it
-    is used on; :meth:`close` closes every connection.
+    hold before its connection stops reading from the socket. ``ssl_context`` makes every
+    connection HTTPS, the TLS handshake checked against ``server_hostname`` (``None``: each
+    origin's host) and counted in the connect timeout: the leader's pools to agents'
+    ingresses (``cluster/direct_path.py``). Create it on the event loop it is used on;
+    :meth:`close` closes every connection.
     """
 
     def __init__(
@@ -57,6 +61,8 @@ class UpstreamPool:
         max_connections: int = 1024,
         max_idle_per_host: int = 256,
         high_water_bytes: int = DEFAULT_HIGH_WATER_BYTES,
+        ssl_context: ssl.SSLContext | None = None,
+        server_hostname: str | None = None,
     ) -> None:
         if max_connections < 1 or max_idle_per_host < 0 or high_water_bytes < 1:
             raise ValueError("UpstreamPool limits must be positive")
@@ -72,6 +78,8 @@ class UpstreamPool:
         self._slot_waiters: deque[asyncio.Future[None]] = deque()
         self._host_headers: dict[Origin, bytes] = {}
         self._closed = False
+        self._ssl = ssl_context
+        self._server_hostname = server_hostname
 
     @property
     def open_connections(self) -> int:
@@ -82,6 +90,11 @@ class UpstreamPool:
     def idle_connections(self) -> int:
         """Connections open and waiting in the pool for a request."""
         return sum(len(idle) for idle in self._idle.values())
+
+    @property
+    def connecting(self) -> int:
+        """Connections being made now (TCP, and TLS with ``ssl_context``)."""
+        return self._connecting
 
     async def request(
         self,
@@ -123,6 +136,34 @@ class UpstreamPool:
         # A new connection is never stale: closed before answering, it raises
         # UpstreamDisconnectError.
         return await conn.exchange(data, rest, self.read_timeout_s)
+
+    def fail_unanswered(self, why: str) -> int:
+        """Give up on every request still waiting for the head of its answer (it raises
+        :class:`UpstreamDisconnectError` with ``answered=False``, so it may be sent
+        elsewhere) and close idle connections; answers already streaming go on. Returns how
+        many requests were given up. For a path found dead while requests wait on it."""
+        given_up = 0
+        for conn in list(self._open):
+            if conn.awaiting_head:
+                conn.give_up(why)
+                given_up += 1
+            elif not conn.busy:
+                conn.close()
+        return given_up
+
+    def fail_all(self, why: str) -> int:
+        """Give up on every exchange in flight, answered or not (its reader raises
+        :class:`UpstreamDisconnectError` at once, without waiting for the connection to
+        close), and close idle connections. Returns how many were given up. For a path found
+        dead with answers still streaming over it."""
+        given_up = 0
+        for conn in list(self._open):
+            if conn.busy:
+                conn.give_up(why)
+                given_up += 1
+            else:
+                conn.close()
+        return given_up
 
     async def close(self) -> None:
         """Close every connection, busy or idle; the pool takes no more requests."""
@@ -198,7 +239,11 @@ class UpstreamPool:
         try:
             async with asyncio.timeout(self.connect_timeout_s):
                 _, protocol = await self.loop.create_connection(
-                    lambda: UpstreamConnection(self, origin), origin.host, origin.port
+                    lambda: UpstreamConnection(self, origin),
+                    origin.host,
+                    origin.port,
+                    ssl=self._ssl,
+                    server_hostname=(self._server_hostname or origin.host) if self._ssl else None,
                 )
         except TimeoutError:
             why = f"did not accept a connection within {self.connect_timeout_s} s"

@@ -61,7 +61,15 @@ class FrameType(IntEnum):
 
 #: The control operations (``ops.py`` ties each to its argument and result types).
 OpName = Literal[
-    "start", "stop", "probe", "inventory", "engines", "pull", "load_adapter", "unload_adapter"
+    "start",
+    "stop",
+    "probe",
+    "inventory",
+    "engines",
+    "pull",
+    "load_adapter",
+    "unload_adapter",
+    "ingress",
 ]
 OP_NAMES: frozenset[str] = frozenset(get_args(OpName))
 #: The events a running request reports in ``PROGRESS`` (v1: those of ``start``).
@@ -246,6 +254,8 @@ class Hello(_Body, kw_only=True):
     inventory: Inventory
     engines: list[EngineState] = []
     adopted: list[AdoptedState] = []
+    #: HOST:PORT of the agent's direct ingress (docs/protocol.md); "": none (older agents)
+    advertise: str = ""
 
 
 class Welcome(_Body, kw_only=True):

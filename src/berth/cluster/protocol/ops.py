@@ -126,6 +126,16 @@ class UnloadAdapterArgs(_Args, kw_only=True):
     adapter: str
 
 
+class IngressArgs(_Args, kw_only=True):
+    """Serve the direct data path (``docs/protocol.md``, Direct data path): ``certificate``
+    is the ingress's server certificate (PEM, the leaf then the CA) for the agent's own key,
+    ``leader_certificate`` the leader's client certificate (PEM), the only client the
+    ingress lets in."""
+
+    certificate: str
+    leader_certificate: str
+
+
 class NoArgs(_Args, kw_only=True):
     pass
 
@@ -180,11 +190,12 @@ ENGINES: Op[NoArgs, EnginesResult] = Op("engines", NoArgs, EnginesResult)
 PULL: Op[PullArgs, PullResult] = Op("pull", PullArgs, PullResult)
 LOAD_ADAPTER: Op[LoadAdapterArgs, None] = Op("load_adapter", LoadAdapterArgs, type(None))
 UNLOAD_ADAPTER: Op[UnloadAdapterArgs, None] = Op("unload_adapter", UnloadAdapterArgs, type(None))
+INGRESS: Op[IngressArgs, None] = Op("ingress", IngressArgs, type(None))
 
 #: Every op, by name.
 OPS: dict[OpName, Op[Any, Any]] = {
     op.name: op
-    for op in (START, STOP, PROBE, INVENTORY, ENGINES, PULL, LOAD_ADAPTER, UNLOAD_ADAPTER)
+    for op in (START, STOP, PROBE, INVENTORY, ENGINES, PULL, LOAD_ADAPTER, UNLOAD_ADAPTER, INGRESS)
 }
 #: The capability an agent advertises in Hello for each op it serves.
 OP_CAPABILITIES: dict[OpName, str] = {name: op.capability for name, op in OPS.items()}
