@@ -21,6 +21,16 @@ to answer complete), p50 time to the first body byte, requests per second, CPU t
 serving process spent per request, and the proxy/direct comparison.
 Every server first gets one untimed second of load. Run:
 ``.venv/bin/python scripts/bench_proxy.py`` (about 45 s).
+
+``--limits`` compares, side by side, the proxy without admission and the proxy with it:
+requests from a key with every limit set (none ever reached), its rate-limit headers on
+every answer, the usage ledger buffering each request and written to a SQLite store every
+5 s, each request taking a slot of its deployment at the fair admission gate and giving it
+back, and, for a stream that does not ask for usage, the body asking the engine and the usage
+event taken out. Each cell is measured ``--rounds`` times, off and on in turn, and the median
+CPU per request is printed; ``--control`` adds the same comparison between two proxies
+without admission, which shows how far two identical processes differ on this machine
+(``--limits --control --clients 32``: about 4 minutes).
 """
 
 from __future__ import annotations
@@ -84,12 +94,15 @@ def serve_engine() -> None:
     uvloop.run(main())
 
 
-def serve_proxy(engine_port: int) -> None:
+def serve_proxy(engine_port: int, *, limits: bool = False) -> None:
     from berth.daemon.proxy import OpenAIProxy
     from berth.observability.metrics import ProxyMetrics
     from berth.routing.resolver import Upstream
 
-    upstream = Upstream(f"http://127.0.0.1:{engine_port}", "d-bench", "local", MODEL)
+    # With limits, the deployment has slots (far more than the load), so every request also
+    # takes one and gives it back through the fair admission gate.
+    slots = 1_000_000 if limits else None
+    upstream = Upstream(f"http://127.0.0.1:{engine_port}", "d-bench", "local", MODEL, slots=slots)
 
     class FixedResolver:
         def candidates(self, model: str) -> list[Upstream]:
@@ -98,14 +111,51 @@ def serve_proxy(engine_port: int) -> None:
         def models(self) -> list[str]:
             return [MODEL]
 
-    proxy = OpenAIProxy(FixedResolver(), ProxyMetrics())
+    from berth.http_server.server import HttpServer
+
+    proxy_options: dict[str, Any] = {}
+    key: Any = None
+    ledger: Any = None
+    if limits:
+        # Every request made by one key with every limit set far above the load (so each
+        # check runs and none refuses), its usage ledger written to a SQLite store in a
+        # temporary folder by the flusher, as the leader runs it.
+        import tempfile
+
+        from berth.admission import Admission, SlotGate, UsageLedger
+        from berth.config import TierTable
+        from berth.limits import LimitOverrides
+        from berth.store import Store
+
+        folder = tempfile.mkdtemp(prefix="bench-proxy-")
+        store = Store(f"sqlite:///{folder}/berth.db")
+        store.migrate()
+        huge = 10**12
+        own = LimitOverrides(
+            rpm=huge,
+            tpm=huge,
+            max_concurrency=100_000,
+            daily_tokens=huge,
+            monthly_tokens=huge,
+            models=frozenset({MODEL, "other"}),
+        )
+        key = store.add_api_key("bench", "standard", "0" * 64, "sk-berth-0000", limits=own)
+        ledger = UsageLedger(store)
+        admission = Admission(TierTable(), ledger)
+        admission.load([key], {})
+        proxy_options["admission"] = admission
+        proxy_options["slots"] = SlotGate()
+    proxy = OpenAIProxy(FixedResolver(), ProxyMetrics(), **proxy_options)
+
+    async def handle(request: Any, writer: Any) -> None:
+        await proxy.handle(request, writer, key)  # the key the listener's auth hands the proxy
 
     async def main() -> None:
         # As the leader serves /v1: berth's own HTTP server, the proxy's own request and writer.
-        from berth.http_server.server import HttpServer
-
         await proxy.startup()
-        server = HttpServer("bench", proxy.handle)
+        if ledger is not None:
+            asyncio.get_running_loop().create_task(ledger.run())
+        server = HttpServer("bench", handle if limits else proxy.handle)
         await server.start(_bound_socket())
         await asyncio.Event().wait()
 
@@ -254,8 +304,13 @@ class Result:
         return 1000 * ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def _request(streamed: bool) -> bytes:
-    stream = ', "stream": true, "stream_options": {"include_usage": true}' if streamed else ""
+def _request(streamed: bool, *, asks_usage: bool = True) -> bytes:
+    stream = ""
+    if streamed:
+        stream = ', "stream": true'
+        if asks_usage:
+            stream += ', "stream_options": {"include_usage": true}'
+
     body = (
         f'{{"model": "{MODEL}", "messages": [{{"role": "user", "content": "Say hello."}}],'
         f' "max_tokens": 16{stream}}}'
@@ -267,10 +322,16 @@ def _request(streamed: bool) -> bytes:
 
 
 async def _load(
-    server: Server, streamed: bool, clients: int, warmup_s: float, run_s: float
+    server: Server,
+    streamed: bool,
+    clients: int,
+    warmup_s: float,
+    run_s: float,
+    *,
+    asks_usage: bool = True,
 ) -> Result:
     loop = asyncio.get_running_loop()
-    request = _request(streamed)
+    request = _request(streamed, asks_usage=asks_usage)
     connections = []
     for _ in range(clients):
         _, protocol = await loop.create_connection(_Connection, "127.0.0.1", server.port)
@@ -369,21 +430,88 @@ async def _bench(servers: dict[str, Server], args: argparse.Namespace) -> None:
         print(f"| {kind} | {clients} | {p50:+.3f} | {p99:+.3f} | {proxied.rps / direct.rps:.2f} |")
 
 
+async def _bench_limits(servers: dict[str, Server], args: argparse.Namespace) -> None:
+    """Median CPU per request of the proxy without and with admission, measured in turn."""
+    load = args.warmup, args.duration
+    for name in ("proxy", "limits", "control"):
+        if name not in servers:
+            continue
+        server = servers[name]
+        await _load(server, False, max(args.clients), 0.0, 1.0)
+        await _load(server, True, max(args.clients), 0.0, 1.0, asks_usage=False)
+    cells = [
+        ("json", False, True),
+        ("stream", True, True),
+        ("stream, usage not asked", True, False),
+    ]
+    # The control: a second proxy without admission measured as "on", to show how far two
+    # identical processes differ on this machine.
+    pairs = [("", servers["limits"])]
+    if "control" in servers:
+        pairs.append((" (control: off twice)", servers["control"]))
+    rows = []
+    for label, other in pairs:
+        for kind, streamed, asks in cells:
+            for clients in args.clients:
+                off: list[Result] = []
+                on: list[Result] = []
+                for _ in range(args.rounds):
+                    proxy = servers["proxy"]
+                    off.append(await _load(proxy, streamed, clients, *load, asks_usage=asks))
+                    on.append(await _load(other, streamed, clients, *load, asks_usage=asks))
+                rows.append((kind + label, clients, off, on))
+
+    def median(values: list[float]) -> float:
+        ordered = sorted(values)
+        return ordered[len(ordered) // 2]
+
+    print(f"machine: {_machine()}; load average {os.getloadavg()[0]:.2f} at the end")
+    print(f"each cell: {args.rounds} rounds of {args.duration:g} s, off and on in turn\n")
+    print(
+        "| answer | clients | CPU µs/req, limits off | CPU µs/req, limits on | added µs/req "
+        "| req/s off | req/s on | p50 ms off | p50 ms on | errors |\n"
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
+    )
+    for kind, clients, off, on in rows:
+        cpu_off = median([r.cpu_us_per_request for r in off])
+        cpu_on = median([r.cpu_us_per_request for r in on])
+        print(
+            f"| {kind} | {clients} | {cpu_off:.1f} | {cpu_on:.1f} | {cpu_on - cpu_off:+.1f} "
+            f"| {median([r.rps for r in off]):,.0f} | {median([r.rps for r in on]):,.0f} "
+            f"| {median([r.ms(r.latencies_s, 0.5) for r in off]):.3f} "
+            f"| {median([r.ms(r.latencies_s, 0.5) for r in on]):.3f} "
+            f"| {sum(r.errors for r in off + on)} |"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument(
-        "--role", choices=("bench", "engine", "proxy", "alone", "relay"), default="bench"
+        "--role",
+        choices=("bench", "engine", "proxy", "proxy-limits", "alone", "relay"),
+        default="bench",
     )
     parser.add_argument("--engine-port", type=int, default=0)
     parser.add_argument("--duration", type=float, default=3.0, help="seconds measured per cell")
     parser.add_argument("--warmup", type=float, default=0.5, help="seconds before measuring")
     parser.add_argument("--clients", type=lambda s: [int(x) for x in s.split(",")], default=[1, 32])
     parser.add_argument("--no-floor", action="store_true", help="skip the reference servers")
+    parser.add_argument(
+        "--limits", action="store_true", help="compare the proxy without and with admission"
+    )
+    parser.add_argument("--rounds", type=int, default=5, help="--limits: rounds per cell")
+    parser.add_argument(
+        "--control",
+        action="store_true",
+        help="--limits: also compare two proxies without admission (the machine's noise)",
+    )
     args = parser.parse_args()
     if args.role == "engine":
         serve_engine()
     elif args.role == "proxy":
         serve_proxy(args.engine_port)
+    elif args.role == "proxy-limits":
+        serve_proxy(args.engine_port, limits=True)
     elif args.role == "alone":
         serve_uvicorn_alone()
     elif args.role == "relay":
@@ -395,11 +523,17 @@ def main() -> None:
             "engine": engine,
             "proxy": _spawn("proxy", "--role", "proxy", "--engine-port", port),
         }
-        if not args.no_floor:
+        if args.limits:
+            servers["limits"] = _spawn(
+                "proxy with limits", "--role", "proxy-limits", "--engine-port", port
+            )
+            if args.control:
+                servers["control"] = _spawn("proxy", "--role", "proxy", "--engine-port", port)
+        elif not args.no_floor:
             servers["alone"] = _spawn("uvicorn alone", "--role", "alone")
             servers["relay"] = _spawn("bare relay", "--role", "relay", "--engine-port", port)
         try:
-            uvloop.run(_bench(servers, args))
+            uvloop.run(_bench_limits(servers, args) if args.limits else _bench(servers, args))
         finally:
             for server in servers.values():
                 server.process.terminate()

@@ -287,23 +287,28 @@ def test_the_registry_and_its_names(store: Store) -> None:
     assert store.list_adapters() == []
 
 
-def test_a_migration_numbered_below_one_already_applied_still_runs(store: Store) -> None:
+def test_a_migration_numbered_below_one_already_applied_still_runs(tmp_path: Path) -> None:
     """Numbers may skip (features reserve theirs): a database at 7 gets a later-landed 5."""
-    assert 5 not in [m.version for m in MIGRATIONS]
+    from sqlalchemy import create_engine
+
+    from berth.store.migrations import Migration
+
+    engine = create_engine(f"sqlite:///{tmp_path / 'late.db'}")
     applied: list[int] = []
 
     def five(conn: object) -> None:
         applied.append(5)
 
-    from berth.store.migrations import Migration
-
-    steps = tuple(sorted((*MIGRATIONS, Migration(5, "late", five)), key=lambda m: m.version))  # type: ignore[arg-type]
-    migrate(store.engine, migrations=steps)
-    migrate(store.engine, migrations=steps)
+    without_five = tuple(m for m in MIGRATIONS if m.version != 5)
+    migrate(engine, migrations=without_five)
+    steps = tuple(sorted((*without_five, Migration(5, "late", five)), key=lambda m: m.version))  # type: ignore[arg-type]
+    migrate(engine, migrations=steps)
+    migrate(engine, migrations=steps)
     assert applied == [5]
-    with store.engine.connect() as conn:
+    with engine.connect() as conn:
         versions = conn.execute(text("SELECT version FROM schema_version")).scalars().all()
-    assert sorted(versions) == sorted([*(m.version for m in MIGRATIONS), 5])
+    assert sorted(versions) == [m.version for m in steps]
+    engine.dispose()
 
 
 # -- the gate --------------------------------------------------------------------------------

@@ -28,7 +28,8 @@ from berth.api import Deployment, ServiceIn
 from berth.api.client import DaemonClient, error_from_response
 from berth.cli.common import request_body
 from berth.config import Settings
-from berth.daemon.admin import build_admin_app, deployment_view, key_view
+from berth.daemon.admin import build_admin_app, deployment_view
+from berth.daemon.admin_keys import key_view
 from berth.daemon.admin_nodes import node_detail_view
 from berth.daemon.admin_services import build_service_router
 from berth.errors import (
@@ -244,11 +245,28 @@ BEFORE = {
     },
     "key": {
         "created_at": "2025-03-04T05:06:07.123456+00:00",
+        "expires_at": None,
         "id": "k-2",
+        "limits": {
+            "daily_tokens": None,
+            "max_concurrency": None,
+            "models": None,
+            "monthly_tokens": None,
+            "rpm": None,
+            "tpm": None,
+        },
         "name": "b",
+        "overridden": [],
         "prefix": "sk-x",
         "revoked_at": "2025-03-04T05:06:08+00:00",
         "tier": "standard",
+        "use": {
+            "day_tokens": 0,
+            "in_flight": 0,
+            "month_tokens": 0,
+            "requests_remaining": None,
+            "tokens_remaining": None,
+        },
     },
 }
 

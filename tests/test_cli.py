@@ -319,8 +319,9 @@ def test_run_serve_logs_and_stop_the_fake_engine(cli_leader: tuple[Berth, int], 
         answer = http.post("/v1/chat/completions", json=body, headers=_bearer(secret))
         assert answer.status_code == 200, answer.text
         assert answer.json()["choices"][0]["message"]["content"] == ANSWER
+        usage_asked = {"stream": True, "stream_options": {"include_usage": True}}
         streamed = http.post(
-            "/v1/chat/completions", json={**body, "stream": True}, headers=_bearer(secret)
+            "/v1/chat/completions", json={**body, **usage_asked}, headers=_bearer(secret)
         )
         assert streamed.headers["content-type"].startswith("text/event-stream")
         events = [e[6:] for e in streamed.text.splitlines() if e.startswith("data: ")]
@@ -404,7 +405,10 @@ def test_an_unknown_key_tier_is_refused_listing_the_tiers(cli_leader: tuple[Bert
 
     line = berth.fails("key", "create", "x", "--tier", "root", exit_code=EXIT_CONFIG)
 
-    assert line == "error: unknown key tier 'root'; valid tiers: admin, standard"
+    assert line == (
+        "error: unknown tier 'root'; tiers: admin, standard "
+        "(define others as [tiers.NAME] in config.toml)"
+    )
     assert berth.admin("GET", "/admin/keys") == before
 
 
@@ -447,7 +451,7 @@ def test_keys_guard_the_public_listener_and_revoke_at_once(cli_leader: tuple[Ber
         assert all("secret" not in k for k in keys.json())
 
         assert berth("key", "revoke", standard["id"]).stdout.strip() == (
-            f"revoked {standard['id']}"
+            f"revoked {standard['id']} (std)"
         )
         revoked = http.get("/v1/models", headers=_bearer(standard["secret"]))
         assert revoked.status_code == 401

@@ -186,6 +186,40 @@ def test_the_engine_answers_only_berth_which_keeps_its_key_private(
         assert key not in log.read_text(errors="replace"), log
 
 
+def test_the_usage_ledger_equals_what_llama_server_reported(
+    real_leader: tuple[Berth, int], deployment: dict[str, object]
+) -> None:
+    berth, port = real_leader
+    secret = berth.json("key", "create", "ledger")["secret"]
+    tls = ssl.create_default_context(cafile=str(berth.home / "ca" / "ca.pem"))
+    ask = {"model": "smollm2", "messages": [{"role": "user", "content": "Count to three."}]}
+    ask |= {"max_tokens": 6, "temperature": 0.0, "seed": 1}
+    with (
+        openai.DefaultHttpxClient(verify=tls) as http,
+        openai.OpenAI(
+            base_url=f"https://127.0.0.1:{port}/v1", api_key=secret, http_client=http
+        ) as client,
+    ):
+        whole = client.chat.completions.create(**ask).usage
+        asked = [
+            chunk.usage
+            for chunk in client.chat.completions.create(
+                **ask, stream=True, stream_options={"include_usage": True}
+            )
+            if chunk.usage is not None
+        ]
+        # The same request without asking: berth asks llama-server for the usage and keeps
+        # that event from the client; at temperature 0 it is the same count again.
+        unasked = list(client.chat.completions.create(**ask, stream=True))
+    assert whole is not None and len(asked) == 1
+    assert all(chunk.usage is None for chunk in unasked)
+    (row,) = berth.json("usage", "--key", "ledger", "--by", "key")["rows"]
+
+    assert row["requests"] == 3 and row["estimated_requests"] == 0
+    assert row["prompt_tokens"] == whole.prompt_tokens + 2 * asked[0].prompt_tokens
+    assert row["completion_tokens"] == whole.completion_tokens + 2 * asked[0].completion_tokens
+
+
 def test_crash_reconcile_and_stop_leaves_no_engine(
     real_leader: tuple[Berth, int], deployment: dict[str, object], openai_client: openai.OpenAI
 ) -> None:

@@ -139,12 +139,12 @@ def test_verify_secret(pepper: bytes, candidate: str, expected: bool) -> None:
     [("admin", Tier.ADMIN), ("ADMIN", Tier.ADMIN), (" standard ", Tier.STANDARD)],
 )
 def test_parse_tier(text: str, tier: Tier) -> None:
-    assert parse_tier(text) is tier
+    assert parse_tier(text) == tier
 
 
-@pytest.mark.parametrize("text", ["root", "", "admins"])
-def test_unknown_tier_lists_the_valid_ones(text: str) -> None:
-    with pytest.raises(ConfigError, match="valid tiers: admin, standard"):
+@pytest.mark.parametrize("text", ["", "-x", "a b", "x" * 33, "gold!"])
+def test_an_invalid_tier_name_is_refused_naming_the_built_in_tiers(text: str) -> None:
+    with pytest.raises(ConfigError, match="built-in tiers: admin, standard"):
         parse_tier(text)
 
 
@@ -183,9 +183,10 @@ def test_duplicate_hash_is_a_conflict(store: Store, pepper: bytes) -> None:
         store.add_api_key("two", Tier.ADMIN, digest, "sk-berth-xxxx")
 
 
-def test_store_refuses_an_unknown_tier(store: Store) -> None:
-    with pytest.raises(ConfigError, match="valid tiers"):
-        store.add_api_key("x", "root", "0" * 64, "sk-berth-xxxx")
+def test_store_refuses_an_invalid_tier_name(store: Store) -> None:
+    # Whether a tier exists is the leader's config; the store only refuses a bad name.
+    with pytest.raises(ConfigError, match="invalid tier name"):
+        store.add_api_key("x", "no such tier", "0" * 64, "sk-berth-xxxx")
 
 
 def test_revoking_an_unknown_key_is_not_found(store: Store) -> None:

@@ -39,6 +39,7 @@ BASE: tuple[str, ...] = (
     "atomic",
     "humanize",
     "openai_errors",
+    "limits",
 )
 
 #: berth's layers, bottom up. A name is relative to ``berth``: a package (``cluster.protocol``
@@ -54,7 +55,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("api", "placement"),
     ("observability",),
     ("cluster",),
-    ("agent", "routing"),
+    ("agent", "routing", "admission"),
     ("doctor", "desk", "backup", "console"),
     ("daemon",),
     ("cli",),

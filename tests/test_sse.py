@@ -11,9 +11,11 @@ from berth.daemon.sse import (
     SSEEventSplitter,
     Usage,
     find_usage,
+    has_usage_object,
     last_usage,
     parse_event,
     split_events,
+    take_usage_event,
     usage_from_event,
     usage_from_json,
 )
@@ -216,3 +218,36 @@ def test_the_last_usage_of_a_run_of_events_wins(newline: bytes) -> None:
     )
     assert last_usage(events) == Usage(4, 2)
     assert last_usage(event('{"usage":null}')) is None
+
+
+@pytest.mark.parametrize(
+    ("events", "found"),
+    [
+        (b'data: {"choices":[],"usage":{"prompt_tokens":1}}\n\n', True),
+        (b'data: {"choices": [], "usage": {"prompt_tokens": 1}}\n\n', True),
+        (b'data: {"usage":null}\n\ndata: {"usage": null}\n\n', False),
+        (b'data: {"usage":null}\n\ndata: {"usage":{"prompt_tokens":2}}\n\n', True),
+        (b'data: {"content":"no counts here"}\n\n', False),
+    ],
+)
+def test_a_usage_object_is_told_from_a_null_one_without_parsing(events: bytes, found: bool) -> None:
+    assert has_usage_object(events) is found
+
+
+def test_the_usage_only_chunk_is_taken_out_and_the_rest_left_byte_for_byte() -> None:
+    text = b'data: {"choices":[{"index":0,"delta":{"content":"hi"}}]}\n\n'
+    usage = b'data: {"choices":[],"usage":{"prompt_tokens":7,"completion_tokens":5}}\n\n'
+    done = b"data: [DONE]\n\n"
+
+    assert take_usage_event(text + usage + done) == (text + done, Usage(7, 5))
+    crlf = (text + usage + done).replace(b"\n", b"\r\n")
+    assert take_usage_event(crlf) == (
+        (text + done).replace(b"\n", b"\r\n"),
+        Usage(7, 5),
+    )
+    riding = (
+        b'data: {"choices":[{"text":"","finish_reason":"length"}],'
+        b'"usage":{"prompt_tokens":1,"completion_tokens":3}}\n\n'
+    )
+    assert take_usage_event(text + riding + done) == (text + riding + done, Usage(1, 3))
+    assert take_usage_event(text + done) == (text + done, None)

@@ -1,8 +1,9 @@
 """Reading and writing the TOML text of ``config.toml``, with file and line in every error.
 
 Only what berth's config file needs: a parse that reports the line of a syntax error, a way
-to find the line of a ``[section]`` or key, and a writer for flat sections of str, int,
-float and bool values (``tomllib`` reads TOML but does not write it).
+to find the line of a ``[section]`` (or ``[section.sub]``) or key, and a writer for sections
+of str, int, float and bool values, lists of them, and sub-tables of those (``tomllib``
+reads TOML but does not write it).
 """
 
 from __future__ import annotations
@@ -18,7 +19,11 @@ from berth.errors import ConfigError
 
 _TOML_POSITION = re.compile(r"\s*\(at line (?P<line>\d+), column (?P<column>\d+)\)\s*$")
 _TOML_AT_END = re.compile(r"\s*\(at end of document\)\s*$")
-_SECTION_LINE = re.compile(r"^\s*\[\s*(?P<name>[A-Za-z0-9_-]+)\s*\]\s*(#.*)?$")
+# A table header; a dotted one (``[tiers.free]``) is read with the spaces around dots removed.
+_SECTION_LINE = re.compile(
+    r"^\s*\[\s*(?P<name>[A-Za-z0-9_-]+(?:\s*\.\s*[A-Za-z0-9_-]+)*)\s*\]\s*(#.*)?$"
+)
+_AROUND_DOTS = re.compile(r"\s*\.\s*")
 _KEY_LINE = re.compile(r"^\s*(?P<key>[A-Za-z0-9_-]+)\s*=")
 
 
@@ -51,12 +56,15 @@ def parse_toml(path: Path) -> tuple[dict[str, Any], str]:
 
 
 def locate_line(text: str, section: str | None, key: str | None) -> int | None:
-    """The 1-based line of ``[section]`` (``key`` None) or of ``key`` inside it, if found."""
+    """The 1-based line of ``[section]`` (``key`` None) or of ``key`` inside it, if found.
+
+    ``section`` may be dotted, for a sub-table: ``tiers.free`` finds ``[tiers.free]``.
+    """
     current: str | None = None
     for number, line in enumerate(text.splitlines(), start=1):
         header = _SECTION_LINE.match(line)
         if header is not None:
-            current = header["name"]
+            current = _AROUND_DOTS.sub(".", header["name"])
             if key is None and current == section:
                 return number
             continue
@@ -67,16 +75,25 @@ def locate_line(text: str, section: str | None, key: str | None) -> int | None:
 
 
 def render_toml(document: Mapping[str, Mapping[str, object]], section_order: list[str]) -> str:
-    """Render flat ``{section: {key: value}}`` as TOML, sections in ``section_order`` first."""
+    """Render ``{section: {key: value}}`` as TOML, sections in ``section_order`` first.
+
+    A value that is itself a mapping is a sub-table, written after its section's own keys
+    as ``[section.key]`` (its values flat); lists hold str, int, float or bool values.
+    """
     order = {name: i for i, name in enumerate(section_order)}
     blocks = []
     for section in sorted(document, key=lambda name: order.get(name, len(order))):
         table = document[section]
-        if not table:
-            continue
-        lines = [f"[{section}]"]
-        lines.extend(f"{key} = {_render_value(value)}" for key, value in table.items())
-        blocks.append("\n".join(lines))
+        flat = {k: v for k, v in table.items() if not isinstance(v, Mapping)}
+        if flat:
+            lines = [f"[{section}]"]
+            lines.extend(f"{key} = {_render_value(value)}" for key, value in flat.items())
+            blocks.append("\n".join(lines))
+        for key, value in table.items():
+            if isinstance(value, Mapping):
+                lines = [f"[{section}.{key}]"]
+                lines.extend(f"{k} = {_render_value(v)}" for k, v in value.items())
+                blocks.append("\n".join(lines))
     return "\n\n".join(blocks) + "\n" if blocks else ""
 
 
@@ -93,7 +110,11 @@ def _render_value(value: object) -> str:
         return repr(value)
     if isinstance(value, str):
         return _render_string(value)
-    raise ConfigError(f"cannot write {value!r} to config.toml: only str, int, float, bool")
+    if isinstance(value, list | tuple):
+        return "[" + ", ".join(_render_value(item) for item in value) + "]"
+    raise ConfigError(
+        f"cannot write {value!r} to config.toml: only str, int, float, bool and lists of them"
+    )
 
 
 def _render_string(text: str) -> str:

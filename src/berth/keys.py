@@ -1,4 +1,4 @@
-"""API keys: generation, display prefixes, HMAC-with-pepper hashing, tiers.
+"""API keys: generation, display prefixes, HMAC-with-pepper hashing, tier names.
 
 A key's secret is shown to the user once and never stored.  The store keeps
 ``HMAC-SHA256(pepper, secret)`` (RFC 2104 with SHA-256), where the pepper is 32 random bytes
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import re
 import secrets
 from enum import StrEnum
 from pathlib import Path
@@ -32,19 +33,31 @@ MAX_KEY_NAME_CHARS: Final = 200
 
 
 class Tier(StrEnum):
-    """What a key may do: ``admin`` also reaches ``/admin/*``; ``standard`` only ``/v1/*``."""
+    """The two tiers every leader has: ``admin`` keys also reach ``/admin/*``; ``standard``
+    ones, like every tier defined in ``config.toml``, only ``/v1/*``."""
 
     ADMIN = "admin"
     STANDARD = "standard"
 
 
-def parse_tier(text: str) -> Tier:
-    """Parse a tier name (case-insensitive); :class:`ConfigError` listing the valid tiers."""
-    try:
-        return Tier(text.strip().lower())
-    except ValueError:
-        valid = ", ".join(t.value for t in Tier)
-        raise ConfigError(f"unknown key tier {text!r}; valid tiers: {valid}") from None
+#: A tier's name: a lower-case letter or digit, then up to 31 of those, ``-`` and ``_``.
+_TIER_NAME = re.compile(r"[a-z0-9][a-z0-9_-]{0,31}")
+
+
+def parse_tier(text: str) -> str:
+    """A tier's name as typed (any case, edge spaces ignored), lower-cased.
+
+    Raises :class:`ConfigError` unless it is 1 to 32 lower-case letters, digits, ``-`` or
+    ``_`` starting with a letter or digit.  Whether a leader defines that tier is the
+    leader's to say (``[tiers.NAME]`` in ``config.toml``; ``admin`` and ``standard`` always).
+    """
+    name = text.strip().lower()
+    if not _TIER_NAME.fullmatch(name):
+        raise ConfigError(
+            f"invalid tier name {text!r}: use 1 to 32 letters, digits, '-' or '_' "
+            f"(built-in tiers: {', '.join(t.value for t in Tier)})"
+        )
+    return name
 
 
 def validate_key_name(name: str) -> str:

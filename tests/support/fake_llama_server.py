@@ -8,7 +8,8 @@ berth appends ``--extra-arg`` values verbatim.  It serves, on ``H:P``:
 * ``GET /health``: 200 ``{"status": "ok"}`` (llama-server answers 503 while loading);
 * ``GET /v1/models``: the alias as the only model;
 * ``POST /v1/chat/completions``: a fixed answer, as JSON or, with ``"stream": true``, as an
-  SSE stream (chunked, one event per word, a usage chunk, ``data: [DONE]``).
+  SSE stream (chunked, one event per word, ``data: [DONE]``), with a usage chunk before
+  ``[DONE]`` only when ``stream_options.include_usage`` asks for it (as llama-server does).
 
 Test-only request fields (the tunnel tests): ``"x_bulk_bytes": N`` with ``"stream": true``
 streams about N bytes of SSE events of 64 KiB each; ``"x_events": N`` with
@@ -16,7 +17,8 @@ streams about N bytes of SSE events of 64 KiB each; ``"x_events": N`` with
 :data:`CLIENT_GONE` if the client goes away first; every JSON answer carries
 ``"x_received_bytes"``, the size of the request body; ``"x_head_delay_s": S`` waits S seconds
 before answering at all (a request queued in the engine; it prints :data:`HOLDING` first),
-only on the engine listening on ``"x_head_delay_port"`` when that is given.
+only on the engine listening on ``"x_head_delay_port"`` when that is given;
+``"x_no_usage": true`` answers without any usage (an engine that reports none).
 
 With ``LLAMA_API_KEY`` in its environment (how berth gives llama-server its key) it checks
 ``Authorization: Bearer <key>`` as llama-server does: ``/health`` and ``/v1/health`` stay
@@ -113,7 +115,8 @@ def _chunk(alias: str, delta: dict[str, str], finish: str | None) -> dict[str, o
     }
 
 
-def _stream_events(alias: str) -> list[bytes]:
+def stream_events(alias: str, *, include_usage: bool) -> list[bytes]:
+    """The events of a streamed answer, as this engine writes them for ``alias``."""
     words = ANSWER.split(" ")
     chunks = [_chunk(alias, {"role": "assistant"}, None)]
     chunks += [
@@ -121,8 +124,9 @@ def _stream_events(alias: str) -> list[bytes]:
         for i, word in enumerate(words)
     ]
     chunks.append(_chunk(alias, {}, "stop"))
-    usage = {**_chunk(alias, {}, None), "choices": [], "usage": _usage()}
-    events = [f"data: {json.dumps(c)}\n\n".encode() for c in [*chunks, usage]]
+    if include_usage:
+        chunks.append({**_chunk(alias, {}, None), "choices": [], "usage": _usage()})
+    events = [f"data: {json.dumps(c)}\n\n".encode() for c in chunks]
     return [*events, b"data: [DONE]\n\n"]
 
 
@@ -188,22 +192,24 @@ class _Handler(BaseHTTPRequestHandler):
         if body.get("stream") and body.get("x_events"):
             self._slow(int(body["x_events"]), float(body.get("x_event_delay_s", 0.1)))
             return
+        reports_usage = not body.get("x_no_usage")
         if body.get("stream"):
-            self._sse(_stream_events(self.alias))
+            options = body.get("stream_options") or {}
+            asked = bool(options.get("include_usage")) and reports_usage
+            self._sse(stream_events(self.alias, include_usage=asked))
             return
         message = {"role": "assistant", "content": ANSWER}
-        self._json(
-            200,
-            {
-                "id": "chatcmpl-fake",
-                "object": "chat.completion",
-                "created": 1,
-                "model": self.alias,
-                "choices": [{"index": 0, "message": message, "finish_reason": "stop"}],
-                "usage": _usage(),
-                "x_received_bytes": len(raw),
-            },
-        )
+        answer: dict[str, object] = {
+            "id": "chatcmpl-fake",
+            "object": "chat.completion",
+            "created": 1,
+            "model": self.alias,
+            "choices": [{"index": 0, "message": message, "finish_reason": "stop"}],
+        }
+        if reports_usage:
+            answer["usage"] = _usage()
+        answer["x_received_bytes"] = len(raw)
+        self._json(200, answer)
 
     def _json(self, status: int, payload: object) -> None:
         data = json.dumps(payload).encode()

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import uvicorn
@@ -26,12 +26,16 @@ class StaticResolver:
     """An ``UpstreamResolver`` over a fixed table.
 
     ``routes`` maps a public model name to its engine's base URL (deployment ``d-<model>``
-    on node ``local``); names in ``loading`` are known but have no ready deployment.
+    on node ``local``, with ``slots``: ``None`` for unknown); names in ``loading`` are known
+    but have no ready deployment.
     """
 
-    def __init__(self, routes: dict[str, str], loading: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self, routes: dict[str, str], loading: tuple[str, ...] = (), *, slots: int | None = None
+    ) -> None:
         self.routes = routes
         self.loading = loading
+        self.slots = slots
 
     def candidates(self, model: str) -> list[Upstream]:
         if model in self.loading:
@@ -39,7 +43,7 @@ class StaticResolver:
         base_url = self.routes.get(model)
         if base_url is None:
             raise NotFoundError("model", model)
-        return [Upstream(base_url, f"d-{model}", "local", model)]
+        return [Upstream(base_url, f"d-{model}", "local", model, slots=self.slots)]
 
     def models(self) -> list[str]:
         return sorted({*self.routes, *self.loading})
@@ -96,12 +100,19 @@ async def serve_berth(handler: Handler, limits: ListenerLimits | None = None) ->
 
 @contextlib.asynccontextmanager
 async def running_proxy(
-    resolver: StaticResolver, metrics: ProxyMetrics, *, server: str = "berth", **options: Any
+    resolver: StaticResolver,
+    metrics: ProxyMetrics,
+    *,
+    server: str = "berth",
+    wrap: Callable[[OpenAIProxy], Handler] | None = None,
+    **options: Any,
 ) -> AsyncIterator[str]:
     """An :class:`OpenAIProxy` over ``resolver``, started and served; yields its base URL.
 
     ``server``: ``"berth"`` (berth's HTTP server, the proxy's own request and writer, as the
-    leader serves ``/v1``) or ``"uvicorn"`` (the proxy as an ASGI app).
+    leader serves ``/v1``) or ``"uvicorn"`` (the proxy as an ASGI app). ``wrap`` builds the
+    handler berth's server calls around the proxy (e.g. one that hands it an API key, as the
+    listener's authentication does).
     """
     proxy = OpenAIProxy(resolver, metrics, **options)
     await proxy.startup()
@@ -110,7 +121,7 @@ async def running_proxy(
             async with serve_asgi(proxy) as url:
                 yield url
         else:
-            async with serve_berth(proxy.handle) as url:
+            async with serve_berth(wrap(proxy) if wrap is not None else proxy.handle) as url:
                 yield url
     finally:
         await proxy.shutdown()

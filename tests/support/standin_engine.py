@@ -42,6 +42,12 @@ class Stall:
 
 
 @dataclass(frozen=True)
+class Hold:
+    """Wait until the test sets the request's :attr:`ReceivedRequest.release` (an engine
+    busy for exactly as long as the test wants)."""
+
+
+@dataclass(frozen=True)
 class Head:
     """Send the status line and headers; ``content_length=None`` means chunked encoding."""
 
@@ -64,7 +70,7 @@ class Die:
     """Close the connection now, mid-answer."""
 
 
-Step = Stall | Head | Write | Die
+Step = Stall | Hold | Head | Write | Die
 
 
 @dataclass(frozen=True)
@@ -217,6 +223,8 @@ class ReceivedRequest:
     died: bool = False
     disconnected_at: float | None = None
     disconnected: asyncio.Event = field(default_factory=asyncio.Event)
+    #: set by the test to end a :class:`Hold` step
+    release: asyncio.Event = field(default_factory=asyncio.Event)
 
     def json(self) -> Any:
         return json.loads(self.body)
@@ -299,6 +307,8 @@ class StandinEngine:
             for step in reply.steps:
                 if isinstance(step, Stall):
                     await asyncio.sleep(step.seconds)
+                elif isinstance(step, Hold):
+                    await record.release.wait()
                 elif isinstance(step, Head):
                     response = web.StreamResponse(status=step.status)
                     response.content_type = step.content_type

@@ -3,12 +3,11 @@ it (the CLI, ``berth doctor``).
 
 Pydantic models, one module per resource: the leader itself (:mod:`.leader`), registered
 models (:mod:`.models`), deployments, keys, nodes, services and routes, routing explanations,
-placement plans (:mod:`.plans`) and the metrics snapshot.  The daemon's routes declare them
-as FastAPI response models (so ``/admin/openapi.json`` describes every answer) and build
-them from the store's records;
-:class:`berth.api.client.DaemonClient` talks to a daemon over its Unix socket and decodes
-every answer into them.  Request bodies (``*In``) are here too: the daemon validates them,
-the CLI builds them.
+placement plans (:mod:`.plans`), the metrics snapshot and the usage ledger.  The daemon's
+routes declare them as FastAPI response models (so ``/admin/openapi.json`` describes every
+answer) and build them from the store's records; :class:`berth.api.client.DaemonClient`
+talks to a daemon over its Unix socket and decodes every answer into them.  Request bodies
+(``*In``) are here too: the daemon validates them, the CLI builds them.
 
 This package sits above ``store`` and below ``daemon``, ``cli`` and ``doctor``: it imports
 base modules, runtime's engine and runtime names, the store's closed sets and deployment
@@ -18,7 +17,14 @@ states, and nothing from ``daemon`` or ``cli``.
 from berth.api.adapters import Adapter, AdapterIn, AdapterLoaded, AdapterRemoved, AddedAdapter
 from berth.api.base import ApiModel, ErrorBody, ErrorDetail, Timestamp, describe_invalid
 from berth.api.deployments import Deployment, DeploymentIn, ListedDeployment
-from berth.api.keys import ApiKey, CreatedApiKey, KeyIn
+from berth.api.keys import (
+    ApiKey,
+    CreatedApiKey,
+    KeyChangeIn,
+    KeyIn,
+    KeyLimitsOut,
+    KeyUseOut,
+)
 from berth.api.leader import (
     DaemonInfo,
     Health,
@@ -71,8 +77,19 @@ from berth.api.services import (
     ServiceDetail,
     ServiceIn,
 )
+from berth.api.usage import (
+    DEFAULT_SINCE,
+    USAGE_GROUPINGS,
+    UsageGrouping,
+    UsageReport,
+    UsageRow,
+    parse_grouping,
+    parse_since,
+)
 
 __all__ = [
+    "DEFAULT_SINCE",
+    "USAGE_GROUPINGS",
     "Adapter",
     "AdapterIn",
     "AdapterLoaded",
@@ -102,7 +119,10 @@ __all__ = [
     "GpuOptionOut",
     "GpuSampleOut",
     "Health",
+    "KeyChangeIn",
     "KeyIn",
+    "KeyLimitsOut",
+    "KeyUseOut",
     "ListedDeployment",
     "ListenerInfo",
     "LocatedModel",
@@ -134,6 +154,11 @@ __all__ = [
     "SettingsReport",
     "ShutdownAccepted",
     "Timestamp",
+    "UsageGrouping",
+    "UsageReport",
+    "UsageRow",
     "VramEstimateOut",
     "describe_invalid",
+    "parse_grouping",
+    "parse_since",
 ]

@@ -34,6 +34,7 @@ from berth.api import (
     EnrollmentIssued,
     ErrorBody,
     FallbackIn,
+    KeyChangeIn,
     KeyIn,
     ListedDeployment,
     LocatedModel,
@@ -54,6 +55,8 @@ from berth.api import (
     ServiceDetail,
     ServiceIn,
     SettingsReport,
+    UsageGrouping,
+    UsageReport,
     describe_invalid,
 )
 from berth.errors import (
@@ -222,9 +225,31 @@ class DaemonClient:
         """``POST /admin/keys``: the new key with its secret, shown this once."""
         return self.call("POST", "/admin/keys", TypeAdapter(CreatedApiKey), body=body)
 
-    def revoke_key(self, key_id: str) -> ApiKey:
-        """``DELETE /admin/keys/{id}``."""
-        return self.call("DELETE", f"/admin/keys/{_segment(key_id)}", TypeAdapter(ApiKey))
+    def change_key(self, ident: str, body: KeyChangeIn) -> ApiKey:
+        """``PATCH /admin/keys/{name or id}``: tier, limits, expiry."""
+        path = f"/admin/keys/{_segment(ident)}"
+        return self.call("PATCH", path, TypeAdapter(ApiKey), body=body)
+
+    def revoke_key(self, ident: str) -> ApiKey:
+        """``DELETE /admin/keys/{name or id}``."""
+        return self.call("DELETE", f"/admin/keys/{_segment(ident)}", TypeAdapter(ApiKey))
+
+    # -- usage ---------------------------------------------------------------------------------
+    def usage(
+        self,
+        *,
+        since: str,
+        by: UsageGrouping,
+        key: str | None = None,
+        model: str | None = None,
+    ) -> UsageReport:
+        """``GET /admin/usage``: the usage ledger summed ``by`` day, key, model or node."""
+        params: dict[str, str] = {"since": since, "by": by}
+        if key is not None:
+            params["key"] = key
+        if model is not None:
+            params["model"] = model
+        return self.call("GET", "/admin/usage", TypeAdapter(UsageReport), params=params)
 
     # -- nodes ---------------------------------------------------------------------------------
     def enroll_node(self, body: EnrollIn) -> EnrollmentIssued:
@@ -321,7 +346,9 @@ class DaemonClient:
         Raises :class:`DaemonError` when no daemon answers or the answer does not decode,
         and the error of :func:`error_from_response` for an error status.
         """
-        content = None if body is None else body.model_dump_json().encode()
+        # Only the fields the body was given: a field left out of a change (PATCH) means "as
+        # it is", which a default written out would not say.
+        content = None if body is None else body.model_dump_json(exclude_unset=True).encode()
         headers = {} if content is None else {"content-type": "application/json"}
         try:
             response = self._client.request(

@@ -1,31 +1,138 @@
-"""API keys: ``/admin/keys``."""
+"""API keys: ``/admin/keys``.
+
+A key's limits in a request body: a number (0 to :data:`berth.limits.MAX_LIMIT`) sets the
+key's own value, ``null`` sets "no limit" (``models``: any model), and a field left out takes
+the tier's (on create) or keeps the key's (on change). ``clear`` names limits that go back
+to the tier's.
+"""
 
 from __future__ import annotations
 
-from pydantic import Field
+from typing import Annotated
+
+from pydantic import Field, field_validator
 
 from berth.api.base import ApiModel, Timestamp
-from berth.keys import Tier
+from berth.errors import ConfigError
+from berth.limits import (
+    INHERIT,
+    MAX_LIMIT,
+    NUMERIC_LIMITS,
+    KeyLimits,
+    LimitName,
+    LimitOverrides,
+    check_models,
+)
+
+#: A limit in a request body: a whole number (never text or a fraction), or ``null``.
+LimitIn = Annotated[int, Field(ge=0, le=MAX_LIMIT, strict=True)] | None
 
 
-class KeyIn(ApiModel):
-    """``POST /admin/keys``: a key labelled ``name``; ``tier`` as a user typed it (``admin``
-    or ``standard``, any case), checked by :func:`berth.keys.parse_tier`."""
+class _LimitsIn(ApiModel):
+    """The limit fields shared by :class:`KeyIn` and :class:`KeyChangeIn`."""
+
+    rpm: LimitIn = None
+    tpm: LimitIn = None
+    max_concurrency: LimitIn = None
+    daily_tokens: LimitIn = None
+    monthly_tokens: LimitIn = None
+    models: list[str] | None = None
+
+    @field_validator("models")
+    @classmethod
+    def _models(cls, value: list[str] | None) -> list[str] | None:
+        if value is None:
+            return None
+        try:
+            return sorted(check_models(value, where="models"))
+        except ConfigError as exc:  # as a ValueError pydantic reports it like its own checks
+            raise ValueError(str(exc).removeprefix("models: ")) from None
+
+    def overrides(self) -> LimitOverrides:
+        """The limits this body sets (the fields it gives, ``null`` ones included)."""
+        given = self.model_fields_set
+        values: dict[str, object] = {}
+        for name in NUMERIC_LIMITS:
+            values[name] = getattr(self, name) if name in given else INHERIT
+        if "models" in given:
+            values["models"] = None if self.models is None else frozenset(self.models)
+        return LimitOverrides(**values)  # type: ignore[arg-type]
+
+
+class KeyIn(_LimitsIn):
+    """``POST /admin/keys``: a key labelled ``name`` in ``tier`` (``admin``, ``standard``
+    or one of the leader's ``[tiers.NAME]``, any case), with its own limits and an expiry
+    (aware; ``null``: never) when given."""
 
     name: str = Field(min_length=1, max_length=200)
     tier: str = "standard"
+    expires_at: Timestamp | None = None
+
+
+class KeyChangeIn(_LimitsIn):
+    """``PATCH /admin/keys/{name or id}``: what to change; fields left out stay as they are.
+    ``expires_at: null`` removes the expiry; ``clear`` puts limits back to the tier's."""
+
+    tier: str | None = None
+    expires_at: Timestamp | None = None
+    clear: list[LimitName] = Field(default_factory=list)
+
+    @property
+    def changes_expiry(self) -> bool:
+        """Whether the body gives ``expires_at`` (``null`` included)."""
+        return "expires_at" in self.model_fields_set
+
+
+class KeyLimitsOut(ApiModel):
+    """Limits a key works under (its tier's with its own put in); ``null``: no limit."""
+
+    rpm: int | None = None
+    tpm: int | None = None
+    max_concurrency: int | None = None
+    daily_tokens: int | None = None
+    monthly_tokens: int | None = None
+    models: list[str] | None = None
+
+    @classmethod
+    def of(cls, limits: KeyLimits) -> KeyLimitsOut:
+        """The API form of ``limits`` (``models`` sorted)."""
+        return cls(
+            rpm=limits.rpm,
+            tpm=limits.tpm,
+            max_concurrency=limits.max_concurrency,
+            daily_tokens=limits.daily_tokens,
+            monthly_tokens=limits.monthly_tokens,
+            models=None if limits.models is None else sorted(limits.models),
+        )
+
+
+class KeyUseOut(ApiModel):
+    """What a key uses now: requests in flight, tokens of the UTC day and month so far, and
+    what its per-minute limits have left (``null``: no such limit)."""
+
+    in_flight: int = 0
+    day_tokens: int = 0
+    month_tokens: int = 0
+    requests_remaining: int | None = None
+    tokens_remaining: int | None = None
 
 
 class ApiKey(ApiModel):
     """A key's metadata: ``prefix`` is the start of its secret, for recognising it; the
-    secret itself is never stored.  ``revoked_at`` is set once revoked."""
+    secret itself is never stored.  ``revoked_at`` is set once revoked; from ``expires_at``
+    on it no longer authenticates.  ``limits`` are what it works under, ``overridden`` the
+    ones it sets itself (the rest are its tier's), ``use`` what it uses now."""
 
     id: str
     name: str
-    tier: Tier
+    tier: str
     prefix: str
     created_at: Timestamp
     revoked_at: Timestamp | None
+    expires_at: Timestamp | None = None
+    limits: KeyLimitsOut = KeyLimitsOut()
+    overridden: list[LimitName] = Field(default_factory=list)
+    use: KeyUseOut = KeyUseOut()
 
 
 class CreatedApiKey(ApiKey):

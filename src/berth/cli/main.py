@@ -25,6 +25,7 @@ from berth.cli import (
     plan_cmd,
     routing_cmd,
     service_cmd,
+    usage_cmd,
 )
 from berth.cli.common import HELP_OPTIONS, CliContext, err_console
 from berth.errors import BerthError
@@ -63,6 +64,7 @@ app.add_typer(daemon_cmd.daemon_app, name="daemon")
 app.add_typer(models_cmd.models_app, name="models")
 app.add_typer(adapters_cmd.adapters_app, name="adapters")
 app.add_typer(keys_cmd.key_app, name="key")
+app.command("usage")(usage_cmd.usage)
 app.add_typer(config_cmd.config_app, name="config")
 app.add_typer(nodes_cmd.nodes_app, name="nodes")
 app.add_typer(agent_cmd.app, name="agent")

@@ -5,7 +5,8 @@
 - :mod:`berth.config.convert`: a raw value to its type, with its checks;
 - :mod:`berth.config.settings`: resolution (:class:`Settings`) and the listeners'
   advertised hosts;
-- :mod:`berth.config.file`: reading and editing ``config.toml``.
+- :mod:`berth.config.file`: reading and editing ``config.toml``;
+- :mod:`berth.config.tiers`: the key tiers (``[tiers.NAME]``).
 
 The names callers use are importable from here.
 """
@@ -31,6 +32,7 @@ from berth.config.table import (
     host_problem,
     setting_definition,
 )
+from berth.config.tiers import TierDef, TierTable, read_tiers
 
 __all__ = [
     "ENV_PREFIX",
@@ -44,11 +46,14 @@ __all__ = [
     "SettingRow",
     "SettingSource",
     "Settings",
+    "TierDef",
+    "TierTable",
     "advertised_host",
     "convert_setting",
     "host_problem",
     "primary_address",
     "read_config_file",
+    "read_tiers",
     "setting_definition",
     "url_host",
     "write_config_values",

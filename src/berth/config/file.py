@@ -7,6 +7,9 @@ The file has flat sections; every key is a setting name::
 
     [engines]
     llama_server_bin = "/opt/llama.cpp/bin/llama-server"
+
+The key tiers (``[tiers.NAME]``) are read by :mod:`berth.config.tiers`; editing the settings
+keeps them.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from pathlib import Path
 from berth.atomic import write_atomic
 from berth.config.convert import convert_value
 from berth.config.table import SETTINGS, SETTINGS_BY_NAME, setting_definition
+from berth.config.tiers import TIERS_SECTION
 from berth.config_toml import locate_line, parse_toml, render_toml
 from berth.errors import ConfigError
 
@@ -42,12 +46,15 @@ def read_config_file(path: Path) -> dict[str, FileValue]:
     A missing file is empty.  Raises :class:`ConfigError` with ``path`` and ``line`` for a
     TOML syntax error, a key outside a section, an unknown section, or an unknown key (the
     message lists the valid ``section.key`` pairs).  Values are converted later, by
-    :meth:`Settings.load`.
+    :meth:`Settings.load`.  The ``[tiers.*]`` tables are left to
+    :func:`berth.config.tiers.read_tiers`.
     """
     document, text = parse_toml(path)
     sections = {d.section for d in SETTINGS}
     found: dict[str, FileValue] = {}
     for section, table in document.items():
+        if section == TIERS_SECTION:
+            continue
         if section not in sections or not isinstance(table, dict):
             line = locate_line(text, section, None) if isinstance(table, dict) else None
             if line is None:
@@ -75,10 +82,13 @@ def write_config_values(path: Path, updates: Mapping[str, object]) -> None:
     as given, so relative paths stay relative to the file's folder.  The existing file is
     parsed and re-rendered (comments are not kept) and replaced atomically, mode 0600.
     Raises :class:`ConfigError` for an unknown name, an invalid value, or an existing file
-    that does not parse or validate.
+    that does not parse or validate.  The ``[tiers.*]`` tables are written back as they were.
     """
     current = read_config_file(path)
     document: dict[str, dict[str, object]] = {}
+    tiers = parse_toml(path)[0].get(TIERS_SECTION)
+    if isinstance(tiers, dict) and tiers:
+        document[TIERS_SECTION] = tiers
     for name, file_value in current.items():
         document.setdefault(SETTINGS_BY_NAME[name].section, {})[name] = file_value.raw
     for name, value in updates.items():
@@ -91,4 +101,5 @@ def write_config_values(path: Path, updates: Mapping[str, object]) -> None:
         convert_value(defn, stored, defn.toml_location, path.parent)
         table[name] = stored
     path.parent.mkdir(parents=True, exist_ok=True)
-    write_atomic(path, render_toml(document, [d.section for d in SETTINGS]), mode=0o600)
+    order = [d.section for d in SETTINGS] + [TIERS_SECTION]
+    write_atomic(path, render_toml(document, order), mode=0o600)

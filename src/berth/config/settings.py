@@ -22,6 +22,7 @@ from urllib.parse import urlsplit
 from berth.config.convert import convert_value
 from berth.config.file import FileValue, read_config_file
 from berth.config.table import SETTINGS, SettingDef, SettingSource, setting_definition
+from berth.config.tiers import TierTable, read_tiers
 from berth.errors import ConfigError
 from berth.http_server.limits import ListenerLimits
 from berth.paths import BerthHome
@@ -84,11 +85,13 @@ class SettingRow:
 class Settings:
     """Resolved settings, each typed; :meth:`source` says where a value came from.
 
-    Build it with :meth:`load`; the fields mirror :data:`SETTINGS` one to one.
+    Build it with :meth:`load`; the fields mirror :data:`SETTINGS` one to one, and ``tiers``
+    holds the key tiers of ``config.toml`` (:mod:`berth.config.tiers`).
     """
 
     home: BerthHome
     sources: Mapping[str, SettingSource]
+    tiers: TierTable
     database_url: str
     public_host: str
     public_bind: str
@@ -98,6 +101,8 @@ class Settings:
     max_body_bytes: int
     max_attempts: int
     relay_buffer_chunks: int
+    queue_max_requests: int
+    queue_timeout_s: float
     cors_origins: str | None
     max_head_bytes: int
     max_header_count: int
@@ -155,7 +160,8 @@ class Settings:
         is a wildcard (``0.0.0.0``, ``::``): a wildcard is not an address clients can dial.
 
         Raises :class:`ConfigError` for an unknown flag name, a malformed ``config.toml``
-        (with file and line), an unknown section or key in it, a value that does not convert
+        (with file and line), an unknown section or key in it, a malformed ``[tiers.*]``
+        table (:func:`~berth.config.tiers.read_tiers`), a value that does not convert
         or is out of range (naming the flag, the environment variable, or file and line), or
         ``public_cert`` without ``public_key`` (or the reverse).
         """
@@ -164,6 +170,7 @@ class Settings:
         for name in given_flags:
             setting_definition(name)
         file_values = read_config_file(home.config_file)
+        tiers = read_tiers(home.config_file)
 
         values: dict[str, Any] = {}
         sources: dict[str, SettingSource] = {}
@@ -203,7 +210,7 @@ class Settings:
                 f"{given} is set ({sources[given]}) but its pair is not: "
                 "set both public_cert and public_key, or neither"
             )
-        return cls(home=home, sources=sources, **values)
+        return cls(home=home, sources=sources, tiers=tiers, **values)
 
     def listener_limits(self) -> ListenerLimits:
         """The bounds every listener applies (the ``max_head_bytes`` ... settings)."""
@@ -302,7 +309,7 @@ def _text(shown: JsonScalar) -> str:
 
 def _check_registry_matches_settings() -> None:
     declared = [d.name for d in SETTINGS]
-    typed = [f.name for f in fields(Settings) if f.name not in ("home", "sources")]
+    typed = [f.name for f in fields(Settings) if f.name not in ("home", "sources", "tiers")]
     if declared != typed:  # pragma: no cover - a programming error caught by any test run
         raise AssertionError(f"SETTINGS {declared} and Settings fields {typed} differ")
 

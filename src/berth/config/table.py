@@ -184,6 +184,14 @@ SETTINGS: tuple[SettingDef, ...] = (
     SettingDef("relay_buffer_chunks", "int", "server",
                "chunks of an answer read ahead of a slow client before berth stops reading",
                default=64, minimum=1, maximum=4096),
+    # Fair admission (berth.admission.gate): requests beyond their deployments' slots wait.
+    SettingDef("queue_max_requests", "int", "server",
+               "requests that may wait at the leader for an engine slot, all models together "
+               "(503 queue_full beyond; 0: none wait)",
+               default=1024, minimum=0, maximum=1_000_000),
+    SettingDef("queue_timeout_s", "float", "server",
+               "seconds a request may wait for an engine slot (503 queue_timeout after)",
+               default=60.0, minimum=0.1, maximum=3600.0),
     SettingDef("cors_origins", "str", "server",
                "browser origins allowed to call the public listener, comma-separated "
                "(https://chat.example.com; * for any, never with credentials); default none",

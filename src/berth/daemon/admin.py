@@ -1,5 +1,7 @@
 """The admin API (``/admin/*``) and the plain endpoints (``/healthz``, ``/readyz``, ``/metrics``).
 
+Keys and usage are in :mod:`berth.daemon.admin_keys`, nodes in :mod:`.admin_nodes`.
+
 Served by FastAPI; authentication happens before a request reaches these routes (see
 ``daemon/app.py``).  Every error is answered in the OpenAI error shape, like ``/v1/*``.
 """
@@ -20,14 +22,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from berth import __version__
 from berth.api import (
-    ApiKey,
-    CreatedApiKey,
     DaemonInfo,
     Deployment,
     DeploymentIn,
     ErrorBody,
     Health,
-    KeyIn,
     ListedDeployment,
     ListenerInfo,
     LocatedModel,
@@ -43,6 +42,7 @@ from berth.api import (
 )
 from berth.cluster.link import LOCAL_NODE_ID
 from berth.daemon.admin_adapters import build_adapter_router
+from berth.daemon.admin_keys import build_key_router
 from berth.daemon.admin_metrics import build_metrics_router
 from berth.daemon.admin_nodes import build_node_router
 from berth.daemon.admin_plans import build_plan_router
@@ -50,11 +50,10 @@ from berth.daemon.admin_routing import build_routing_router
 from berth.daemon.lifecycle import DeployOptions, LifecycleManager
 from berth.daemon.services import LeaderServices
 from berth.errors import BerthError, ConfigError, ConflictError, NotFoundError
-from berth.keys import generate_secret, hash_secret, key_prefix, parse_tier
 from berth.openai_errors import error_body, error_from_exception
 from berth.runtime.engines import parse_engine_name, parse_runtime_name
 from berth.runtime.gpu import parse_simulated_gpus
-from berth.store import ApiKeyRecord, DeploymentRecord, ModelRecord, Store
+from berth.store import DeploymentRecord, ModelRecord, Store
 from berth.store.states import TERMINAL_STATES
 
 #: Every admin error is an OpenAI-shaped body (``ErrorBody``); FastAPI's own 422 answer is
@@ -110,18 +109,6 @@ def deployment_view(
         updated_at=record.updated_at,
         image=record.image,
         progress=lifecycle.progress(record.id) if lifecycle is not None else None,
-    )
-
-
-def key_view(record: ApiKeyRecord) -> ApiKey:
-    """A key's metadata for the admin API (never its secret)."""
-    return ApiKey(
-        id=record.id,
-        name=record.name,
-        tier=record.tier,
-        prefix=record.prefix,
-        created_at=record.created_at,
-        revoked_at=record.revoked_at,
     )
 
 
@@ -392,30 +379,7 @@ def build_admin_app(services: LeaderServices) -> FastAPI:
 
         return StreamingResponse(body or whole(), media_type="text/plain; charset=utf-8")
 
-    # -- keys --------------------------------------------------------------------------------
-    @app.get("/admin/keys")
-    async def list_keys() -> list[ApiKey]:
-        return [key_view(r) for r in await asyncio.to_thread(store.list_api_keys)]
-
-    @app.post("/admin/keys", status_code=201)
-    async def create_key(body: KeyIn) -> CreatedApiKey:
-        tier = parse_tier(body.tier)
-        secret = generate_secret()
-        record = await asyncio.to_thread(
-            store.add_api_key,
-            body.name,
-            tier,
-            hash_secret(secret, services.pepper),
-            key_prefix(secret),
-        )
-        return key_view(record).extended(CreatedApiKey, secret=secret)
-
-    @app.delete("/admin/keys/{key_id}")
-    async def revoke_key(key_id: str) -> ApiKey:
-        record = await asyncio.to_thread(store.revoke_api_key, key_id)
-        services.authenticator.forget_all()
-        return key_view(record)
-
+    app.include_router(build_key_router(services))
     app.include_router(build_node_router(services))
     app.include_router(build_metrics_router(services))
     app.include_router(build_routing_router(services))

@@ -3,8 +3,9 @@
 ``/v1/*`` goes straight to the OpenAI proxy with the server's own request and writer (the
 hot path meets no framework); everything else goes to the admin app through the server's
 ASGI adapter. Authentication happens here, once, by listener: over TCP ``/v1/*`` and
-``/metrics`` need any valid key and ``/admin/*`` an admin key; over the Unix socket (mode
-0600, so only its owner can connect) no key is needed. On the public listener, browsers on
+``/metrics`` need any valid key that has not expired and ``/admin/*`` an admin key; over the
+Unix socket (mode 0600, so only its owner can connect) no key is needed. The key's record
+goes to the proxy, whose admission applies its limits. On the public listener, browsers on
 the origins of the ``cors_origins`` setting get their preflights answered and CORS headers on
 every answer (:mod:`berth.http_server.cors`). The web console (``/ui/*``, and ``/`` for a
 browser) needs no key; a browser signed in to it sends a session cookie instead of a key,
@@ -17,6 +18,7 @@ import asyncio
 
 from fastapi import FastAPI
 
+from berth.admission import AdmissionError
 from berth.daemon.admin import build_admin_app
 from berth.daemon.admin_services import build_service_router
 from berth.daemon.auth import require_tier, secret_from_headers
@@ -28,7 +30,7 @@ from berth.daemon.console_routes import (
 )
 from berth.daemon.proxy import OpenAIProxy
 from berth.daemon.services import LeaderServices
-from berth.errors import AuthError
+from berth.errors import AuthError, BerthError
 from berth.http_server.asgi import AsgiHandler
 from berth.http_server.cors import CorsPolicy
 from berth.http_server.request import Request
@@ -83,16 +85,17 @@ class LeaderApp:
             writer.extra_headers = [*writer.extra_headers, *CONSOLE_HEADERS]
             await self._admin(request, writer)  # /ui/session checks what it is given
             return
-        key_name = ""
+        key: ApiKeyRecord | None = None
         if not self._trusted and path not in OPEN_PATHS:
             tier = "admin" if path.startswith("/admin") else "standard"
             try:
-                key_name = (await self._authenticate(request, tier)).name
-            except AuthError as exc:
+                key = await self._authenticate(request, tier)
+            except (AuthError, AdmissionError) as exc:
                 await _send_error(writer, exc)
                 return
         if path.startswith("/v1/"):
-            await self._proxy.handle(request, writer, key_name=key_name)
+            # Its admission limits by key; the request log names it.
+            await self._proxy.handle(request, writer, key, key_name=key.name if key else "")
         else:
             await self._admin(request, writer)
 
@@ -102,16 +105,18 @@ class LeaderApp:
         if secret is None and self._console is not None:
             signed_in = await self._console.authenticate(request)
             if signed_in is not None:
+                self._services.admission.check_expiry(signed_in)  # 401 once expired
                 require_tier(signed_in, tier)
                 return signed_in
         record = authenticator.cached(secret)
         if record is None:
             record = await asyncio.to_thread(authenticator.lookup, secret)
+        self._services.admission.check_expiry(record)  # 401 once expired
         require_tier(record, tier)
         return record
 
 
-async def _send_error(writer: ResponseWriter, exc: AuthError) -> None:
+async def _send_error(writer: ResponseWriter, exc: BerthError) -> None:
     status, body, headers = error_from_exception(exc)
     raw_headers = [
         (b"content-type", b"application/json"),

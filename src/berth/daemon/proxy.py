@@ -2,10 +2,13 @@
 
 One request, on the hot path::
 
-    read the body (bounded) -> its JSON "model" -> Router.plan(model): ranked candidates
+    read the body (bounded) -> its JSON "model" -> admission.admit(key, model): the key's
+      limits (403/429), its rate-limit headers -> Router.plan(model): ranked candidates
+      -> slots.acquire(...): a slot at one of them, waiting in the fair queue if need be
       -> POST the same bytes to the best engine, the next node's before the first byte if it
          fails (proxy_dispatch; engine_client: pooled HTTP/1.1, or an agent's tunnel)
-      -> relay the answer: JSON whole, event streams event by event -> ProxyMetrics
+      -> relay the answer: JSON whole, event streams event by event -> ProxyMetrics, and
+         admission.settle(ticket, usage): the ledger
 
 There is no framework routing here: this module is called only after authentication, for the
 paths it serves (``POST /v1/chat/completions``, ``/v1/completions``, ``/v1/embeddings``,
@@ -25,6 +28,16 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 
+from berth.admission import (
+    SOCKET_KEY_ID,
+    Admission,
+    AdmissionError,
+    QueueRefusedError,
+    QuotaExceededError,
+    SlotGate,
+    Ticket,
+)
+from berth.admission import estimate as estimate_tokens
 from berth.daemon.adapter_resolver import with_lora
 from berth.daemon.adapters import AdapterManager
 from berth.daemon.engine_client import EngineAuth, EngineClient, TunnelOpener
@@ -36,12 +49,14 @@ from berth.daemon.proxy_http import (
     Receive,
     Scope,
     Send,
-    model_of,
+    model_in,
+    payload_of,
     scan_headers,
     send_json,
     with_model,
 )
 from berth.daemon.proxy_relay import AnswerRelay, Exchange
+from berth.daemon.proxy_usage import asking_for_usage
 from berth.daemon.read_ahead import DEFAULT_BUFFER_CHUNKS, ReadAhead
 from berth.engine_http.answer import EngineAnswer
 from berth.errors import BerthError, NotFoundError
@@ -60,6 +75,7 @@ from berth.routing.errors import (
 from berth.routing.resolver import Upstream, UpstreamResolver
 from berth.routing.retry import DEFAULT_MAX_ATTEMPTS
 from berth.routing.router import Router
+from berth.store.records import ApiKeyRecord
 
 __all__ = ["OpenAIProxy"]
 
@@ -103,7 +119,7 @@ class _Bodies:
 
 def _reason(exc: BerthError) -> str:
     """The short reason a refused request is counted and logged under."""
-    if isinstance(exc, ProxyError):
+    if isinstance(exc, ProxyError | AdmissionError):
         return exc.error_code
     if isinstance(exc, NotFoundError):
         return f"{exc.kind}_not_found"
@@ -147,6 +163,15 @@ class OpenAIProxy:
     (:meth:`berth.daemon.adapters.AdapterManager.gated`), and gives ``/v1/models`` each
     adapter's base as ``parent`` (vLLM's field for it).
 
+    ``admission``, when given, admits each completion request against its key's limits
+    (:mod:`berth.admission`; the key record is the ``api_key`` given to :meth:`handle`, none
+    over the Unix socket) before the router sees it, sends the key's rate-limit headers on
+    every answer, asks the engine for a stream's usage when the client did not (and keeps
+    that event from the client), and settles the request's tokens when the answer ends.
+
+    ``slots``, when given, holds each completion request to its deployments' slots after
+    the router planned it (:class:`berth.admission.SlotGate`: the fair admission queue).
+
     Call :meth:`startup` before serving and :meth:`shutdown` after (or let an ASGI server's
     lifespan protocol do it when this app is served directly).
     """
@@ -169,9 +194,13 @@ class OpenAIProxy:
         relay_buffer_chunks: int = DEFAULT_BUFFER_CHUNKS,
         engine_auth: EngineAuth | None = None,
         request_log: RequestLog | None = None,
+        admission: Admission | None = None,
+        slots: SlotGate | None = None,
         adapters: AdapterManager | None = None,
     ) -> None:
         self._resolver = resolver
+        self._admission = admission
+        self._slots = slots
         #: The recent requests (the console's requests view, ``GET /admin/requests``).
         self.request_log = request_log if request_log is not None else RequestLog()
         self._adapters = adapters
@@ -235,16 +264,24 @@ class OpenAIProxy:
                 return
 
     async def handle(
-        self, request: ClientRequest, writer: ClientWriter, *, key_name: str = ""
+        self,
+        request: ClientRequest,
+        writer: ClientWriter,
+        api_key: ApiKeyRecord | None = None,
+        *,
+        key_name: str = "",
     ) -> None:
-        """Serve one request (``request.path`` is the full ``/v1/...`` path); ``key_name``
-        names the API key it came with, for :attr:`request_log`."""
+        """Serve one request (``request.path`` is the full ``/v1/...`` path) of ``api_key``
+        (the listener's authentication found it; ``None``: the Unix socket, no key);
+        ``key_name`` names that key for :attr:`request_log`."""
         path = request.path
         method = request.method
         request_id, forward, content_length = scan_headers(request.headers)
         if path in _COMPLETION_PATHS:
             if method == "POST":
-                await self._proxy(request, request_id, forward, content_length, writer, key_name)
+                await self._proxy(
+                    request, request_id, forward, content_length, writer, api_key, key_name
+                )
                 return
             allowed = "POST"
         elif path == _MODELS_PATH or path.startswith(_MODEL_PREFIX):
@@ -302,11 +339,16 @@ class OpenAIProxy:
         forward: list[tuple[bytes, bytes]],
         content_length: bytes | None,
         writer: ClientWriter,
+        api_key: ApiKeyRecord | None,
         key_name: str = "",
     ) -> None:
         start = self._clock()
         started_at = self.request_log.now()
         model = ""
+        admission = self._admission
+        ticket: Ticket | None = None
+        strip_usage = False
+        path = request.path
         try:
             body = await self._read_body(request, content_length)
             if body is None:
@@ -317,10 +359,28 @@ class OpenAIProxy:
                     error_reason="client_disconnected",
                 )
                 return
-            model = model_of(body)
+            request_bytes = len(body)
+            payload = payload_of(body)
+            model = model_in(payload)
+            if admission is not None:
+                # Limits first: a request its key may not make never reaches the router.
+                ticket = admission.admit(api_key, model, request_bytes)
+                asked = asking_for_usage(path, body, payload)
+                if asked is not None:
+                    body, strip_usage = asked, True
             plan, key = self.router.plan_request(model, request.headers)
         except BerthError as exc:
-            status = await self._reject(writer, request_id, exc, start)
+            extra = _refusal_headers(exc, ticket)
+            if ticket is not None and admission is not None:
+                admission.settle(
+                    ticket,
+                    node_id=None,
+                    error=True,
+                    prompt_tokens=0,
+                    completion_tokens=0,
+                    estimated=False,
+                )
+            status = await self._reject(writer, request_id, exc, start, extra=extra)
             self.request_log.add(
                 started_at=started_at,
                 request_id=request_id.decode(),
@@ -334,7 +394,8 @@ class OpenAIProxy:
 
         upstream = plan[0]
         self._metrics.request_started(_target(upstream))  # moved if a retry goes elsewhere
-        exchange = Exchange(start)
+        headers = ticket.headers if ticket is not None else []
+        exchange = Exchange(start, headers, strip_usage=strip_usage)
         task = asyncio.current_task()
         assert task is not None, "requests are served in a task"
 
@@ -346,9 +407,11 @@ class OpenAIProxy:
 
         request.watch_disconnect(client_left)
         signals = self.router.signals
-        path = request.path
         query = request.query
         dispatched = False
+        gate = self._slots
+        held: str | None = None  # the deployment this request holds a slot at
+        reached = gate is None  # whether it passed the fair admission queue
         # Why each attempt that did not serve the request moved on (the last one stands).
         outcomes: list[str] = []
         bodies = _Bodies(body)  # rewritten at most once per engine model
@@ -363,6 +426,16 @@ class OpenAIProxy:
             return answer
 
         try:
+            if gate is not None:
+                # Fair admission: a slot at one of the planned deployments, waiting if need be.
+                key_id = ticket.key_id if ticket is not None else SOCKET_KEY_ID
+                priority = ticket.priority if ticket is not None else 0
+                held = await gate.acquire(key_id, priority, model, plan)
+                reached = True
+                if held is not None and held != upstream.deployment_id:
+                    plan = _first(plan, held)
+                    self._metrics.request_moved(_target(upstream), _target(plan[0]))
+                    upstream = plan[0]
             try:
                 chosen, response = await first_answer(
                     plan,
@@ -381,6 +454,8 @@ class OpenAIProxy:
             dispatched = True
             if chosen is not upstream:  # a retry served it elsewhere
                 self._metrics.request_moved(_target(upstream), _target(chosen))
+                if held is not None and gate is not None:
+                    held = gate.move(held, chosen)
             upstream = chosen
             self.router.succeeded(key, upstream)
             await self._relay(upstream, response, request_id, writer, exchange)
@@ -390,9 +465,9 @@ class OpenAIProxy:
             if not exchange.client_gone or task.uncancel() > 0:
                 raise
             exchange.error_reason = "client_disconnected"
-        except ProxyError as exc:  # raised only before the answer started
+        except (ProxyError, QueueRefusedError) as exc:  # raised only before the answer started
             exchange.done = True
-            reply = await self._send_error(writer, request_id, exc)
+            reply = await self._send_error(writer, request_id, exc, exchange.answer_headers)
             exchange.status = reply.status
             exchange.error_reason = exc.error_code
             _log.warning("request %s: %s", request_id.decode(), exc)
@@ -401,6 +476,8 @@ class OpenAIProxy:
             target = _target(upstream)
             if dispatched:
                 signals.finished(upstream.deployment_id, upstream.node_id)
+            if held is not None and gate is not None:
+                gate.release(held)
             usage = exchange.usage
             self._metrics.request_finished(
                 target,
@@ -426,6 +503,9 @@ class OpenAIProxy:
                 retries=tuple(outcomes[:-1]),
                 error_reason=exchange.error_reason,
             )
+            if ticket is not None and admission is not None:
+                node_id = upstream.node_id if reached else None  # None: queued, never sent
+                _settle(admission, ticket, exchange, node_id, request_bytes)
 
     async def _read_body(
         self, request: ClientRequest, content_length: bytes | None
@@ -500,10 +580,12 @@ class OpenAIProxy:
         start: float,
         *,
         allow: str | None = None,
+        extra: Sequence[tuple[bytes, bytes]] = (),
     ) -> int:
         """Answer a request no deployment was chosen for, and count it; the status sent."""
-        extra = [(b"allow", allow.encode())] if allow else []
-        reply = await self._send_error(writer, request_id, exc, extra)
+        headers = [(b"allow", allow.encode())] if allow else []
+        headers += extra
+        reply = await self._send_error(writer, request_id, exc, headers)
         reason = _reason(exc)
         # Only a model berth knows may become a label value.
         model = exc.model if isinstance(exc, NoReadyDeploymentError) else ""
@@ -527,3 +609,51 @@ class OpenAIProxy:
         # and drops the rest of the body instead.
         await send_json(writer, reply.status, reply.body, request_id, headers)
         return reply
+
+
+def _refusal_headers(exc: BerthError, ticket: Ticket | None) -> list[tuple[bytes, bytes]]:
+    """The key's rate-limit headers for an answer refused before any engine was asked, and
+    ``retry-after-ms`` on a 429 (the OpenAI SDKs prefer it to ``Retry-After``)."""
+    if isinstance(exc, QuotaExceededError):
+        ms = max(0, round(exc.retry_after_s * 1000))
+        return [*exc.headers, (b"retry-after-ms", b"%d" % ms)]
+    return list(ticket.headers) if ticket is not None else []
+
+
+def _first(plan: Sequence[Upstream], deployment_id: str) -> list[Upstream]:
+    """``plan`` with the upstream of ``deployment_id`` moved to its front."""
+    chosen = [u for u in plan if u.deployment_id == deployment_id]
+    return chosen + [u for u in plan if u.deployment_id != deployment_id]
+
+
+def _settle(
+    admission: Admission,
+    ticket: Ticket,
+    exchange: Exchange,
+    node_id: str | None,
+    request_bytes: int,
+) -> None:
+    """Settle ``ticket`` with the usage the engine reported, or with an estimate
+    (:mod:`berth.admission.estimate`) when an answer was made without one. An error answer
+    without usage used no tokens worth counting."""
+    status = exchange.status
+    error = status == 0 or status >= 400 or exchange.error_reason is not None
+    usage = exchange.usage
+    if usage is not None:
+        prompt, completion, estimated = usage.prompt_tokens, usage.completion_tokens, False
+    elif status == 0 or status >= 400:
+        prompt, completion, estimated = 0, 0, False
+    else:
+        prompt = estimate_tokens.prompt_tokens(request_bytes)
+        completion = estimate_tokens.completion_tokens(
+            answer_bytes=exchange.answer_bytes, events=exchange.events, streamed=exchange.streamed
+        )
+        estimated = True
+    admission.settle(
+        ticket,
+        node_id=node_id,
+        error=error,
+        prompt_tokens=prompt,
+        completion_tokens=completion,
+        estimated=estimated,
+    )

@@ -96,6 +96,11 @@ def scan_headers(
 
 def model_of(body: bytes) -> str:
     """The ``model`` of an OpenAI request body; :class:`InvalidRequestError` if it has none."""
+    return model_in(payload_of(body))
+
+
+def payload_of(body: bytes) -> dict[str, Any]:
+    """An OpenAI request body parsed; :class:`InvalidRequestError` unless a JSON object."""
     try:
         payload = json.loads(body)
     except ValueError as exc:  # also invalid UTF-8
@@ -104,6 +109,11 @@ def model_of(body: bytes) -> str:
         ) from exc
     if not isinstance(payload, dict):
         raise InvalidRequestError("the request body must be a JSON object", code="invalid_json")
+    return payload
+
+
+def model_in(payload: dict[str, Any]) -> str:
+    """The ``model`` of a parsed request body; :class:`InvalidRequestError` if it has none."""
     model = payload.get("model")
     if not isinstance(model, str) or not model:
         raise InvalidRequestError(

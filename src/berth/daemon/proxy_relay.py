@@ -14,7 +14,14 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from berth.daemon.proxy_http import ClientWriter, send_json
-from berth.daemon.sse import SSEEventSplitter, Usage, find_usage, last_usage
+from berth.daemon.sse import (
+    SSEEventSplitter,
+    Usage,
+    find_usage,
+    has_usage_object,
+    last_usage,
+    take_usage_event,
+)
 from berth.engine_http.answer import EngineAnswer
 from berth.engine_http.errors import UpstreamError, UpstreamTimeoutError
 from berth.openai_errors import error_body, stream_error_events
@@ -25,31 +32,53 @@ if TYPE_CHECKING:
 
 _log = logging.getLogger(__name__)
 
-_USAGE_KEY = b'"usage"'
 # How much of the end of a large, unbuffered JSON answer is kept to find its usage in.
 _USAGE_TAIL_BYTES = 16 * 1024
 _MAX_ENGINE_ERROR_BYTES = 64 * 1024
 
 
 class Exchange:
-    """What happened to one relayed request, for its metrics and for the disconnect watcher."""
+    """What happened to one relayed request, for its metrics, its key's usage and the
+    disconnect watcher.
+
+    ``answer_headers`` go on the answer whatever it is (a key's rate-limit headers);
+    ``strip_usage`` says berth asked the engine for a stream's usage on the client's behalf,
+    so the usage event is taken out of what the client receives. ``answer_bytes`` and
+    ``events`` measure the answer, for a token estimate when the engine reports no usage.
+    """
 
     __slots__ = (
+        "answer_bytes",
+        "answer_headers",
         "client_gone",
         "done",
         "error_reason",
+        "events",
         "start",
         "status",
+        "streamed",
+        "strip_usage",
         "ttfb_s",
         "usage",
     )
 
-    def __init__(self, start: float) -> None:
+    def __init__(
+        self,
+        start: float,
+        answer_headers: list[tuple[bytes, bytes]] | None = None,
+        *,
+        strip_usage: bool = False,
+    ) -> None:
         self.start = start
         self.status = 0
         self.ttfb_s: float | None = None
         self.usage: Usage | None = None
         self.error_reason: str | None = None
+        self.answer_headers = answer_headers or []
+        self.strip_usage = strip_usage
+        self.answer_bytes = 0
+        self.events = 0
+        self.streamed = False
         # Set just before the final body message: from then on a disconnect is not an abort.
         self.done = False
         self.client_gone = False
@@ -93,6 +122,7 @@ class AnswerRelay:
         headers = [(b"content-type", content_type), (b"x-request-id", request_id)]
         if encoding:
             headers.append((b"content-encoding", encoding))
+        headers += exchange.answer_headers
         length = response.content_length
         if length is not None and length <= self._max_buffered_response_bytes:
             try:
@@ -103,6 +133,7 @@ class AnswerRelay:
                 why = f"failed while answering ({exc.why})"
                 raise EngineUnreachableError(upstream, why) from exc
             headers.append((b"content-length", b"%d" % len(data)))
+            exchange.answer_bytes = len(data)
             exchange.status = status
             exchange.done = True
             await writer.start(status, headers)
@@ -120,6 +151,7 @@ class AnswerRelay:
             while chunk := await response.read_chunk():
                 if exchange.ttfb_s is None:
                     exchange.ttfb_s = self._clock() - exchange.start
+                exchange.answer_bytes += len(chunk)
                 keep = _USAGE_TAIL_BYTES - len(chunk)
                 tail = tail[-keep:] + chunk if keep > 0 else chunk[-_USAGE_TAIL_BYTES:]
                 if response.at_eof:
@@ -161,10 +193,13 @@ class AnswerRelay:
         ]
         if encoding:
             headers.append((b"content-encoding", encoding))
+        headers += exchange.answer_headers
         exchange.status = response.status
+        exchange.streamed = True
         await writer.start(response.status, headers)
         # Compressed bytes cannot be split into events; relay them as they come.
         splitter = SSEEventSplitter() if encoding is None else None
+        strip = exchange.strip_usage and splitter is not None
         last = b""
         try:
             while chunk := await response.read_chunk():
@@ -174,15 +209,22 @@ class AnswerRelay:
                         chunk += splitter.take_pending()
                     if not chunk:
                         continue
-                    if _USAGE_KEY in chunk:
-                        exchange.usage = last_usage(chunk) or exchange.usage
+                    exchange.events += chunk.count(b"\n\n")
+                    # Usage comes once, last; two substring tests skip every other event.
+                    if has_usage_object(chunk):
+                        if strip:
+                            chunk, usage = take_usage_event(chunk)
+                        else:
+                            usage = last_usage(chunk)
+                        exchange.usage = usage or exchange.usage
                 if exchange.ttfb_s is None:
                     exchange.ttfb_s = self._clock() - exchange.start
                 if response.at_eof:
                     # The engine's answer is complete: this chunk ends ours too, in one write.
                     last = chunk
                     break
-                await writer.write(chunk)
+                if chunk:  # empty when it held only the usage event taken out
+                    await writer.write(chunk)
         except UpstreamError as exc:
             exchange.error_reason = "stream_aborted"
             _log.warning("request %s: engine failed mid-stream: %r", request_id.decode(), exc)
@@ -214,7 +256,8 @@ class AnswerRelay:
         exchange.status = status
         exchange.error_reason = "engine_status"
         exchange.done = True
-        await send_json(writer, status, body, request_id, _relayed_error_headers(response))
+        extra = _relayed_error_headers(response) + exchange.answer_headers
+        await send_json(writer, status, body, request_id, extra)
 
 
 def _as_openai_error(data: bytes, content_type: bytes, status: int) -> bytes:

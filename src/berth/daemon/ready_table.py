@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from berth.admission.capacity import engine_slots
 from berth.agent.adopted import ADOPTED_ID_PREFIX
 from berth.cluster.link import LOCAL_NODE_ID, EngineEndpoint
 from berth.cluster.protocol.frames import AdoptedState
@@ -104,6 +105,7 @@ class ReadyTable:
             deployment_id=record.id,
             node_id=record.node_id,
             model=record.served_model_name,
+            slots=engine_slots(record.engine, record.extra_args),
         )
         self._ready.setdefault(record.served_model_name, {})[record.id] = upstream
         self._parked.get(record.served_model_name, {}).pop(record.id, None)

@@ -24,6 +24,7 @@ import ssl
 import time
 from pathlib import Path
 
+from berth.admission import Admission, QueueCollector, SlotGate, UsageCollector, UsageLedger
 from berth.agent.adopted import AdoptedWatcher
 from berth.agent.core import AgentCore
 from berth.agent.in_process_link import InProcessLink
@@ -243,6 +244,15 @@ async def serve(home: BerthHome, settings: Settings) -> None:
         cluster_tls_files, ca, settings.cluster_hosts(), home.ca_dir
     )
 
+    # Per-key limits and usage: in memory, the budgets starting from the ledger's totals.
+    ledger = UsageLedger(store)
+    admission = Admission(settings.tiers, ledger)
+    today, month_start = admission.budget_days()
+    admission.load(
+        await asyncio.to_thread(store.list_api_keys),
+        await asyncio.to_thread(store.token_totals, day=today, month_start=month_start),
+    )
+
     local_meter = RequestMeter()  # requests to node local's engines, served by the proxy
     metrics = ProxyMetrics(local_meter=local_meter, local_node=LOCAL_NODE_ID)
     # The labels of deployments still active carry over a restart (the cluster series' too).
@@ -254,6 +264,10 @@ async def serve(home: BerthHome, settings: Settings) -> None:
         local_node=LOCAL_NODE_ID,
     )
     cluster_metrics.register(metrics.registry)
+    metrics.registry.register(UsageCollector(admission))
+    # Fair admission: requests beyond their deployments' slots wait here, fair across keys.
+    slots = SlotGate(max_waiting=settings.queue_max_requests, timeout_s=settings.queue_timeout_s)
+    metrics.registry.register(QueueCollector(slots))
     core = None if settings.leader_only else build_local_core(home, settings)
     links = LinkRegistry([] if core is None else [InProcessLink(core)])
     audit = AuditLog(home.audit_log)
@@ -341,6 +355,8 @@ async def serve(home: BerthHome, settings: Settings) -> None:
         max_attempts=settings.max_attempts,
         relay_buffer_chunks=settings.relay_buffer_chunks,
         engine_auth=core.engine_auth if core is not None else None,
+        admission=admission,
+        slots=slots,
         adapters=adapters,
     )
     enrollment = EnrollmentService(
@@ -370,6 +386,7 @@ async def serve(home: BerthHome, settings: Settings) -> None:
         pid=os.getpid(),
         started_at=time.time(),
         routes=routes,
+        admission=admission,
         adapters=adapters,
         listeners=[
             Listener("public", f"https://{settings.public_host}:{public_port}"),
@@ -405,6 +422,7 @@ async def serve(home: BerthHome, settings: Settings) -> None:
 
     home.pid_file.write_text(f"{os.getpid()}\n")
     await proxy.startup()
+    flusher = asyncio.create_task(ledger.run())  # the usage ledger, written every few seconds
     try:
         await data_paths.start()  # before the cluster listener: no agent links before it
         await public_server.start(public_sock)
@@ -452,6 +470,8 @@ async def serve(home: BerthHome, settings: Settings) -> None:
         await cluster_listener.stop()
         await lifecycle.shutdown()
         await proxy.shutdown()
+        ledger.stop()  # every answer has been settled: write the rest of the usage
+        await flusher
         if core is not None:
             if core.adopted is not None:
                 await core.adopted.stop()

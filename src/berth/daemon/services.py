@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from berth.admission import Admission
 from berth.agent.core import AgentCore, RuntimeStatus
 from berth.cluster.ca import CertificateAuthority
 from berth.cluster.direct_path import DataPaths
@@ -62,6 +63,8 @@ class LeaderServices:
     routes: RouteResolver
     #: LoRA adapters: the registry the router serves them from, and where each is loaded.
     adapters: AdapterManager
+    #: Per-key limits and the usage ledger (updated by the admin API's key routes).
+    admission: Admission
     listeners: list[Listener] = field(default_factory=list)
     ready: bool = False
     extra: dict[str, Any] = field(default_factory=dict)

@@ -1,8 +1,10 @@
 """Server-sent event splitting and token-usage extraction: pure functions, no I/O.
 
-The proxy relays an engine's event stream byte for byte. It uses this module for two things
-only: to find where complete events end (so that it forwards whole events and can close a
-broken stream cleanly), and to read the token counts an engine reports, for metrics.
+The proxy relays an engine's event stream byte for byte. It uses this module for three
+things only: to find where complete events end (so that it forwards whole events and can
+close a broken stream cleanly), to read the token counts an engine reports (for metrics and
+the usage ledger), and to take out the usage event berth asked for on a client's behalf
+(:func:`take_usage_event`).
 
 Framing follows the WHATWG HTML Living Standard, "Server-sent events", section 9.2.5/9.2.6
 (https://html.spec.whatwg.org/multipage/server-sent-events.html#event-stream-interpretation):
@@ -35,6 +37,7 @@ _EVENT_END = re.compile(rb"(?:\r\n|\n|\r(?!\n))(?:\r\n|\n|\r(?!\n))")
 _BOM = "\ufeff"
 _USAGE_KEY = b'"usage"'
 _USAGE_OPENS = re.compile(rb'"usage"\s*:\s*\{')
+_NO_CHOICES = re.compile(rb'"choices"\s*:\s*\[\s*\]')
 # A count inside a usage object; "prompt_tokens_details" and the like do not match.
 _TOKEN_COUNT = re.compile(
     rb'"(prompt_tokens|completion_tokens|input_tokens|output_tokens)"\s*:\s*(\d+)'
@@ -211,6 +214,56 @@ def last_usage(events: bytes) -> Usage | None:
             return usage
         at = events.rfind(_USAGE_KEY, 0, begin)
     return None
+
+
+def has_usage_object(events: bytes) -> bool:
+    """Whether ``events`` may hold a usage object (not a ``null`` one): one substring search
+    for ``"usage"``, and a look at what follows each one found, so the relay can ask it of
+    every piece of a stream."""
+    at = events.find(_USAGE_KEY)
+    while at >= 0:
+        after = events[at + 7 : at + 10]  # len(b'"usage"') == 7
+        if after.startswith((b":{", b": {")):
+            return True
+        at = events.find(_USAGE_KEY, at + 7)
+    return False
+
+
+def take_usage_event(events: bytes) -> tuple[bytes, Usage | None]:
+    """``events`` (complete events, as :meth:`SSEEventSplitter.feed` returns them) without
+    the chunk of a chat or completion stream that carries only usage, and that usage.
+
+    That chunk is what an engine adds for ``stream_options.include_usage`` (the OpenAI API
+    reference: "an additional chunk ... before the data: [DONE] message", whose ``choices``
+    is empty and whose ``usage`` holds the request's counts), so the proxy removes it from
+    the stream of a client that did not ask for it. Only an event with an empty
+    ``choices`` and a usage object is removed; when the usage rides on a chunk that also
+    carries text or a finish reason (some engines' completions streams), the events are
+    returned unchanged with that usage. ``(events, None)`` when there is none.
+    """
+    if b"\r" in events:
+        raws = split_events(events)
+        for index in range(len(raws) - 1, -1, -1):
+            usage = usage_from_event(raws[index])
+            if usage is not None:
+                if _NO_CHOICES.search(raws[index]):
+                    return b"".join(raws[:index] + raws[index + 1 :]), usage
+                return events, usage
+        return events, None
+    at = events.rfind(_USAGE_KEY)
+    while at >= 0:
+        boundary = events.rfind(b"\n\n", 0, at)
+        begin = boundary + 2 if boundary >= 0 else 0
+        end = events.find(b"\n\n", at)
+        end = end + 2 if end >= 0 else len(events)
+        raw = events[begin:end]
+        usage = find_usage(raw)  # the event's own bytes: no need to decode its data lines
+        if usage is not None:
+            if _NO_CHOICES.search(raw):
+                return events[:begin] + events[end:], usage
+            return events, usage
+        at = events.rfind(_USAGE_KEY, 0, begin)
+    return events, None
 
 
 def usage_from_json(body: bytes) -> Usage | None:

@@ -44,6 +44,9 @@ class Upstream:
     #: all 0 for the base model (a request without the field gets the engine's global
     #: scales, which ``--lora-init-without-apply`` does not zero in every build)
     lora_scales: tuple[float, ...] = ()
+    #: requests the engine serves at once (its slots: ``--parallel``, ``--max-num-seqs``),
+    #: the most the leader's fair admission queue lets through; ``None``: unknown, not held
+    slots: int | None = None
 
 
 class UpstreamResolver(Protocol):

@@ -17,6 +17,7 @@ from berth.store.records import (
     RouteRecord,
     RouteTarget,
     ServiceProfileRecord,
+    UsageRecord,
 )
 from berth.store.store import UNCHANGED, Store, Unchanged
 
@@ -37,4 +38,5 @@ __all__ = [
     "ServiceProfileRecord",
     "Store",
     "Unchanged",
+    "UsageRecord",
 ]

@@ -22,12 +22,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from typing import Any
 
 from sqlalchemy import (
     JSON,
     BigInteger,
     Column,
     Connection,
+    Date,
     DateTime,
     Engine,
     Float,
@@ -203,6 +205,40 @@ def _v4_services_and_routes(conn: Connection) -> None:
         metadata.tables[name].create(conn)
 
 
+def _v5_reserved(_conn: Connection) -> None:
+    """Number 5 is reserved for another change made at the same time (issue 14's, if it needs
+    one); whoever takes it replaces this step, which changes nothing."""
+
+
+def _add_column(conn: Connection, table: str, column: Column[Any]) -> None:
+    # ADD COLUMN of a nullable column without a default: the same on SQLite and PostgreSQL;
+    # the type is spelled by the connection's dialect (JSON, TIMESTAMP WITH TIME ZONE, …).
+    spelled = column.type.compile(dialect=conn.dialect)
+    conn.execute(text(f"ALTER TABLE {table} ADD COLUMN {column.name} {spelled}"))
+
+
+def _v6_key_limits_and_usage(conn: Connection) -> None:
+    _add_column(conn, "api_keys", Column("limits", JSON, nullable=True))
+    _add_column(conn, "api_keys", Column("expires_at", DateTime(timezone=True), nullable=True))
+    metadata = MetaData()
+    Table(
+        "usage_ledger",
+        metadata,
+        Column("day", Date, primary_key=True),
+        Column("key_id", String(16), primary_key=True),
+        Column("model", String(255), primary_key=True),
+        Column("node_id", String(16), primary_key=True),
+        Column("requests", BigInteger, nullable=False),
+        Column("errors", BigInteger, nullable=False),
+        Column("prompt_tokens", BigInteger, nullable=False),
+        Column("completion_tokens", BigInteger, nullable=False),
+        Column("estimated_requests", BigInteger, nullable=False),
+        Column("estimated_tokens", BigInteger, nullable=False),
+        Index("ix_usage_ledger_key_id", "key_id"),
+    )
+    metadata.create_all(conn)
+
+
 def _v7_adapters(conn: Connection) -> None:
     # ADD COLUMN with a NULL default: the same statements on SQLite and PostgreSQL.
     conn.execute(text("ALTER TABLE deployments ADD COLUMN adapter_slots INTEGER"))
@@ -248,6 +284,8 @@ MIGRATIONS: tuple[Migration, ...] = (
     Migration(2, "nodes, enrollment_tokens and model_locations", _v2_nodes),
     Migration(3, "deployments.image (the docker runtime's container image)", _v3_deployment_image),
     Migration(4, "service_profiles, routes and route_targets", _v4_services_and_routes),
+    Migration(5, "reserved (no change)", _v5_reserved),
+    Migration(6, "api_keys.limits and expires_at, usage_ledger", _v6_key_limits_and_usage),
     Migration(
         7, "adapters, adapter_locations, deployments' and services' adapter slots", _v7_adapters
     ),

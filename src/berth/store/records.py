@@ -5,12 +5,12 @@ Timestamps are timezone-aware UTC datetimes.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from datetime import datetime
+from dataclasses import dataclass, field
+from datetime import date, datetime
 from pathlib import Path
 from typing import Literal
 
-from berth.keys import Tier
+from berth.limits import LimitOverrides
 from berth.runtime.gpu import GpuInfo
 from berth.store.states import TERMINAL_STATES, DeploymentState
 
@@ -82,21 +82,53 @@ class DeploymentRecord:
 class ApiKeyRecord:
     """An API key's metadata; the secret itself is never stored.
 
+    ``tier`` names its tier (``admin``, ``standard`` or one of ``config.toml``'s);
     ``prefix`` is the first characters of the secret, for display; ``revoked_at`` is set
-    once the key was revoked, after which it no longer authenticates.
+    once the key was revoked, after which it no longer authenticates.  ``limits`` are the
+    key's own values over its tier's; from ``expires_at`` on it no longer authenticates.
     """
 
     id: str
     name: str
-    tier: Tier
+    tier: str
     prefix: str
     created_at: datetime
     revoked_at: datetime | None
+    limits: LimitOverrides = field(default_factory=LimitOverrides)
+    expires_at: datetime | None = None
 
     @property
     def is_revoked(self) -> bool:
         """Whether the key was revoked."""
         return self.revoked_at is not None
+
+
+@dataclass(frozen=True, slots=True)
+class UsageRecord:
+    """Usage of one key (``""``: the leader's Unix socket) on one model or route (the name
+    the client asked for) and node, in one UTC ``day``: a row of the usage ledger, or what
+    one flush adds to it.
+
+    ``errors`` counts the requests whose answer was an error or broke off;
+    ``estimated_tokens`` is the part of ``prompt_tokens + completion_tokens`` that berth
+    estimated because the engine reported no usage, for ``estimated_requests`` requests.
+    """
+
+    day: date
+    key_id: str
+    model: str
+    node_id: str
+    requests: int = 0
+    errors: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    estimated_requests: int = 0
+    estimated_tokens: int = 0
+
+    @property
+    def total_tokens(self) -> int:
+        """Prompt plus completion tokens."""
+        return self.prompt_tokens + self.completion_tokens
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,8 @@ from berth.errors import (
     NotFoundError,
     StoreError,
 )
-from berth.keys import Tier, parse_tier, validate_key_name
+from berth.keys import parse_tier, validate_key_name
+from berth.limits import LimitOverrides
 from berth.store import migrations
 from berth.store.adapters import AdapterMethods, adapter_named, adapters_of
 from berth.store.db import WRITE_OPTIONS, create_store_engine
@@ -45,6 +46,7 @@ from berth.store.records import (
 from berth.store.services import ServiceMethods, models_used_by_services
 from berth.store.states import TERMINAL_STATES, DeploymentState, can_transition
 from berth.store.tables import ApiKeyRow, DeploymentRow, ModelRow
+from berth.store.usage import UsageMethods
 
 
 class Unchanged(enum.Enum):
@@ -64,13 +66,13 @@ def _utc_now() -> datetime:
     return datetime.now(UTC)
 
 
-class Store(NodeMethods, ServiceMethods, AdapterMethods):
+class Store(NodeMethods, ServiceMethods, AdapterMethods, UsageMethods):
     """The state database at ``url`` (the ``database_url`` setting).
 
     Nothing is touched until the first call; call :meth:`migrate` once at start-up before
     anything else.  The node registry, enrollment tokens and model locations are documented
     in :mod:`berth.store.nodes`; service profiles and routes in :mod:`berth.store.services`;
-    LoRA adapters in :mod:`berth.store.adapters`.
+    LoRA adapters in :mod:`berth.store.adapters`; the usage ledger in :mod:`berth.store.usage`.
     ``clock`` returns aware datetimes; tests may pass a fake one.
     """
 
@@ -338,12 +340,22 @@ class Store(NodeMethods, ServiceMethods, AdapterMethods):
 
     # --- API keys ----------------------------------------------------------------------
 
-    def add_api_key(self, name: str, tier: Tier | str, key_hash: str, prefix: str) -> ApiKeyRecord:
+    def add_api_key(
+        self,
+        name: str,
+        tier: str,
+        key_hash: str,
+        prefix: str,
+        *,
+        limits: LimitOverrides = LimitOverrides(),
+        expires_at: datetime | None = None,
+    ) -> ApiKeyRecord:
         """Record a key by its hash (see :func:`berth.keys.hash_secret`); id ``k-`` + 8 hex.
 
-        Raises :class:`ConfigError` for an unknown tier or an unsafe name
-        (:func:`berth.keys.validate_key_name`) and :class:`ConflictError` when the hash is
-        already stored.
+        ``limits`` are the key's own values over its tier's; ``expires_at`` (aware) the
+        moment it stops authenticating.  Raises :class:`ConfigError` for an invalid tier name
+        or an unsafe name (:func:`berth.keys.validate_key_name`) and :class:`ConflictError`
+        when the hash is already stored.  Whether the tier exists is the caller's to check.
         """
         parsed_tier = parse_tier(tier)
         validate_key_name(name)
@@ -354,11 +366,13 @@ class Store(NodeMethods, ServiceMethods, AdapterMethods):
             row = ApiKeyRow(
                 id=_fresh_id(session, ApiKeyRow, "k-"),
                 name=name,
-                tier=parsed_tier.value,
+                tier=parsed_tier,
                 key_hash=key_hash,
                 prefix=prefix,
                 created_at=self._clock(),
                 revoked_at=None,
+                limits=limits.to_json() or None,
+                expires_at=expires_at,
             )
             session.add(row)
         return _api_key_record(row)
@@ -379,15 +393,53 @@ class Store(NodeMethods, ServiceMethods, AdapterMethods):
             rows = session.scalars(select(ApiKeyRow).order_by(ApiKeyRow.created_at, ApiKeyRow.id))
             return [_api_key_record(row) for row in rows]
 
-    def revoke_api_key(self, key_id: str) -> ApiKeyRecord:
-        """Revoke the key ``key_id`` and return it; revoking twice keeps the first time.
+    def lookup_api_key(self, ident: str) -> ApiKeyRecord:
+        """The key whose id is ``ident``, else the one named ``ident``.
 
-        Raises :class:`NotFoundError` for an unknown id.
+        A name is looked up among unrevoked keys first, then revoked ones.  Raises
+        :class:`NotFoundError` when no key has that id or name, and :class:`ConflictError`
+        when several keys share the name (the message lists their ids, to use instead).
+        """
+        with self._read() as session:
+            return _api_key_record(_lookup_api_key_row(session, ident))
+
+    def update_api_key(
+        self,
+        ident: str,
+        *,
+        tier: str | Unchanged = UNCHANGED,
+        limits: LimitOverrides | Unchanged = UNCHANGED,
+        expires_at: datetime | Unchanged | None = UNCHANGED,
+    ) -> ApiKeyRecord:
+        """Change a key's tier, limit overrides (replaced whole) or expiry (``None``: never);
+        return the updated record.  ``ident`` is an id or name (:meth:`lookup_api_key`).
+
+        Raises :class:`NotFoundError` / :class:`ConflictError` as :meth:`lookup_api_key`
+        does, :class:`ConflictError` for a revoked key, and :class:`ConfigError` for an
+        invalid tier name.
+        """
+        parsed_tier = parse_tier(tier) if not isinstance(tier, Unchanged) else tier
+        with self._write() as session:
+            row = _lookup_api_key_row(session, ident)
+            if row.revoked_at is not None:
+                raise ConflictError(f"API key {row.id} ({row.name}) is revoked; create a new one")
+            if not isinstance(parsed_tier, Unchanged):
+                row.tier = parsed_tier
+            if not isinstance(limits, Unchanged):
+                row.limits = limits.to_json() or None
+            if not isinstance(expires_at, Unchanged):
+                row.expires_at = expires_at
+        return _api_key_record(row)
+
+    def revoke_api_key(self, ident: str) -> ApiKeyRecord:
+        """Revoke the key ``ident`` (an id or name, :meth:`lookup_api_key`) and return it;
+        revoking twice keeps the first time.
+
+        Raises :class:`NotFoundError` for an unknown key and :class:`ConflictError` for a
+        name several keys share.
         """
         with self._write() as session:
-            row = session.get(ApiKeyRow, key_id)
-            if row is None:
-                raise NotFoundError("API key", key_id)
+            row = _lookup_api_key_row(session, ident)
             if row.revoked_at is None:
                 row.revoked_at = self._clock()
         return _api_key_record(row)
@@ -424,6 +476,24 @@ def _fresh_id(
         if session.get(table, candidate) is None:
             return candidate
     raise StoreError(f"could not find a free {prefix}… id")  # pragma: no cover
+
+
+def _lookup_api_key_row(session: Session, ident: str) -> ApiKeyRow:
+    row = session.get(ApiKeyRow, ident)
+    if row is not None:
+        return row
+    named = session.scalars(
+        select(ApiKeyRow).where(ApiKeyRow.name == ident).order_by(ApiKeyRow.created_at)
+    ).all()
+    live = [r for r in named if r.revoked_at is None]
+    candidates = live or named
+    if not candidates:
+        raise NotFoundError("API key", ident)
+    if len(candidates) > 1:
+        ids = ", ".join(r.id for r in candidates)
+        state = "" if live else "revoked "
+        raise ConflictError(f"{len(candidates)} {state}keys are named {ident!r} ({ids}); use an id")
+    return candidates[0]
 
 
 def _get_deployment_row(session: Session, deployment_id: str) -> DeploymentRow:
@@ -472,10 +542,12 @@ def _api_key_record(row: ApiKeyRow) -> ApiKeyRecord:
     return ApiKeyRecord(
         id=row.id,
         name=row.name,
-        tier=Tier(row.tier),
+        tier=row.tier,
         prefix=row.prefix,
         created_at=_aware(row.created_at),
         revoked_at=None if row.revoked_at is None else _aware(row.revoked_at),
+        limits=LimitOverrides.from_json(row.limits, where=f"API key {row.id}'s stored limits"),
+        expires_at=None if row.expires_at is None else _aware(row.expires_at),
     )
 
 

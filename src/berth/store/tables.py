@@ -8,11 +8,12 @@ agree.
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
+from datetime import UTC, date, datetime
 
 from sqlalchemy import (
     JSON,
     BigInteger,
+    Date,
     DateTime,
     Dialect,
     Float,
@@ -114,7 +115,12 @@ class DeploymentRow(Base):
 
 
 class ApiKeyRow(Base):
-    """An API key, stored only as its peppered hash."""
+    """An API key, stored only as its peppered hash.
+
+    ``limits`` holds the key's overrides of its tier's limits
+    (:meth:`berth.limits.LimitOverrides.to_json`; ``NULL`` for none); ``expires_at`` the
+    moment it stops authenticating (``NULL``: never).
+    """
 
     __tablename__ = "api_keys"
 
@@ -125,6 +131,31 @@ class ApiKeyRow(Base):
     prefix: Mapped[str] = mapped_column(String(32))
     created_at: Mapped[datetime] = mapped_column(UTCDateTime)
     revoked_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    limits: Mapped[dict[str, object] | None] = mapped_column(JSON, nullable=True)
+    expires_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
+
+
+class UsageRow(Base):
+    """What one key asked of one model (or route) on one node in one UTC day.
+
+    ``key_id`` is ``""`` for requests over the leader's Unix socket (no key); it is not a
+    foreign key, so usage outlives a key.  ``estimated_tokens`` is the part of the prompt
+    and completion tokens berth estimated (the engine reported no usage), over
+    ``estimated_requests`` requests.
+    """
+
+    __tablename__ = "usage_ledger"
+
+    day: Mapped[date] = mapped_column(Date, primary_key=True)
+    key_id: Mapped[str] = mapped_column(String(16), primary_key=True, index=True)
+    model: Mapped[str] = mapped_column(String(NAME_LENGTH), primary_key=True)
+    node_id: Mapped[str] = mapped_column(String(16), primary_key=True)
+    requests: Mapped[int] = mapped_column(BigInteger)
+    errors: Mapped[int] = mapped_column(BigInteger)
+    prompt_tokens: Mapped[int] = mapped_column(BigInteger)
+    completion_tokens: Mapped[int] = mapped_column(BigInteger)
+    estimated_requests: Mapped[int] = mapped_column(BigInteger)
+    estimated_tokens: Mapped[int] = mapped_column(BigInteger)
 
 
 class NodeRow(Base):

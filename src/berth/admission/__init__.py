@@ -1,0 +1,74 @@
+"""Admission: what a key may do, checked on the request path before the router, and what
+it did, kept in the usage ledger.
+
+- :mod:`.quotas`: :class:`Admission` (admit, settle; per-key limits and counters in
+  memory), :class:`Ticket`, :class:`KeyUse`;
+- :mod:`.bucket`: the per-minute limits as token buckets; :mod:`.calendar`: UTC days and
+  months of the token budgets; :mod:`.estimate`: the token estimates;
+- :mod:`.headers`: OpenAI's rate-limit headers and duration format;
+- :mod:`.ledger`: the usage buffer written to the store in batches;
+- :mod:`.metrics`: the per-key Prometheus series; :mod:`.errors`: the refusals;
+- :mod:`.clock`: the clocks (a manual one for tests);
+- fair admission: :mod:`.capacity` (a deployment's slots from its engine's flags),
+  :mod:`.fair_queue` (:class:`SlotScheduler`: the slots and the queue fair across keys,
+  pure) and :mod:`.gate` (:class:`SlotGate`: the async wait in front of it).
+
+A request passes :meth:`Admission.admit`, then, once the router has planned it, waits for a
+slot at one of its deployments (:meth:`SlotGate.acquire`, ordered by :attr:`Ticket.priority`
+and round-robin across keys), then is answered, and :meth:`Admission.settle` accounts for
+it. The package sits beside ``routing`` (layer 9): it
+uses the tiers of ``config``, the records of ``store``, and nothing of the daemon.
+"""
+
+from berth.admission.capacity import engine_slots
+from berth.admission.clock import Clock, ManualClock, SystemClock
+from berth.admission.errors import (
+    AdmissionError,
+    KeyExpiredError,
+    KeyPausedError,
+    ModelNotAllowedError,
+    QueueFullError,
+    QueueRefusedError,
+    QueueTimeoutError,
+    QuotaExceededError,
+)
+from berth.admission.fair_queue import SlotScheduler, Waiter
+from berth.admission.gate import QueueStats, SlotGate
+from berth.admission.ledger import DEFAULT_FLUSH_INTERVAL_S, UsageLedger, UsageSink
+from berth.admission.metrics import QueueCollector, UsageCollector
+from berth.admission.quotas import (
+    SOCKET_KEY_ID,
+    SOCKET_KEY_NAME,
+    Admission,
+    KeyUse,
+    Ticket,
+)
+
+__all__ = [
+    "DEFAULT_FLUSH_INTERVAL_S",
+    "SOCKET_KEY_ID",
+    "SOCKET_KEY_NAME",
+    "Admission",
+    "AdmissionError",
+    "Clock",
+    "KeyExpiredError",
+    "KeyPausedError",
+    "KeyUse",
+    "ManualClock",
+    "ModelNotAllowedError",
+    "QueueCollector",
+    "QueueFullError",
+    "QueueRefusedError",
+    "QueueStats",
+    "QueueTimeoutError",
+    "QuotaExceededError",
+    "SlotGate",
+    "SlotScheduler",
+    "SystemClock",
+    "Ticket",
+    "UsageCollector",
+    "UsageLedger",
+    "UsageSink",
+    "Waiter",
+    "engine_slots",
+]

@@ -1,0 +1,453 @@
+"""Per-key limits on the request path: admit a request, then settle it when its answer ends.
+
+One request, as the proxy sees it::
+
+    admission.admit(key, model, request_bytes) -> Ticket     (or an AdmissionError)
+        ... a slot at a deployment, the engine's answer ...
+    admission.settle(ticket, node_id=..., error=..., prompt_tokens=..., ...)
+
+:meth:`Admission.admit` checks, in this order, and takes nothing unless every check passes:
+the key's tier exists and no limit is 0 (403), the model is one the key may use (403),
+requests in flight (``max_concurrency``), the token budgets of the UTC day and month, the
+requests of the last minute (``rpm``) and the tokens of the last minute (``tpm``, on the
+prompt estimate of :func:`berth.admission.estimate.prompt_tokens`); 429 for any of those.
+It then counts the request in flight, takes one request and the estimate from the minute
+buckets (:class:`~berth.admission.bucket.TokenBucket`), and returns a :class:`Ticket`
+carrying the key's rate-limit headers and its tier's priority.
+:meth:`Admission.settle` gives the in-flight slot back, settles the tokens-per-minute
+reservation against the real count, adds the tokens to the day's and month's, and records
+the request in the usage ledger (:mod:`berth.admission.ledger`).
+
+Everything here is in memory and takes microseconds: no store access, no I/O. Limits come
+from the key's record and its tier (:meth:`LimitOverrides.apply
+<berth.limits.LimitOverrides.apply>`); the budgets start from the ledger's totals
+(:meth:`Admission.load`). The minute buckets start full at each leader start.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from datetime import date
+
+from berth.admission.bucket import TokenBucket
+from berth.admission.calendar import CalendarPosition, day_of, month_start
+from berth.admission.clock import Clock, SystemClock
+from berth.admission.errors import (
+    Header,
+    KeyExpiredError,
+    KeyPausedError,
+    ModelNotAllowedError,
+    QuotaExceededError,
+)
+from berth.admission.estimate import prompt_tokens as estimate_prompt_tokens
+from berth.admission.headers import REQUESTS_HEADERS, TOKENS_HEADERS, bucket_headers
+from berth.admission.ledger import UsageLedger
+from berth.config.tiers import TierTable
+from berth.limits import NUMERIC_LIMITS, KeyLimits
+from berth.store.records import ApiKeyRecord
+
+#: The key id requests over the leader's Unix socket are counted under (they carry no key).
+SOCKET_KEY_ID = ""
+#: How that key is named in metrics and ``berth usage``.
+SOCKET_KEY_NAME = "(socket)"
+#: Seconds a request refused for ``max_concurrency`` is told to wait.
+CONCURRENCY_RETRY_S = 1.0
+
+
+class KeyQuota:
+    """One key's effective limits and what it has used (see the module doc)."""
+
+    __slots__ = (
+        "day_index",
+        "day_tokens",
+        "in_flight",
+        "key_id",
+        "limits",
+        "max_concurrency",
+        "models",
+        "month_index",
+        "month_tokens",
+        "name",
+        "priority",
+        "record",
+        "refusal",
+        "requests",
+        "tier",
+        "tokens",
+        "uses_calendar",
+    )
+
+    def __init__(self, key_id: str, name: str, record: ApiKeyRecord | None) -> None:
+        self.key_id = key_id
+        self.name = name
+        self.record = record
+        self.tier = record.tier if record is not None else ""
+        self.priority = 0
+        self.limits = KeyLimits()
+        self.models: frozenset[str] | None = None
+        self.max_concurrency: int | None = None
+        self.requests: TokenBucket | None = None
+        self.tokens: TokenBucket | None = None
+        self.uses_calendar = False
+        self.refusal: KeyPausedError | None = None
+        self.in_flight = 0
+        self.day_index = -1
+        self.day_tokens = 0
+        self.month_index = -1
+        self.month_tokens = 0
+
+    def configure(self, limits: KeyLimits, priority: int, now: float) -> None:
+        """Take ``limits`` on, keeping what was used (a bucket keeps its level, at most its
+        new size)."""
+        self.limits = limits
+        self.priority = priority
+        self.models = limits.models
+        self.max_concurrency = limits.max_concurrency
+        self.requests = _bucket(self.requests, limits.rpm, now)
+        self.tokens = _bucket(self.tokens, limits.tpm, now)
+        self.uses_calendar = limits.daily_tokens is not None or limits.monthly_tokens is not None
+        self.refusal = None
+        zero = [name for name in NUMERIC_LIMITS if getattr(limits, name) == 0]
+        if zero:
+            self.refusal = KeyPausedError(
+                f"this key may make no requests: its {zero[0]} limit is 0",
+                key_id=self.key_id,
+                error_code="key_paused",
+            )
+
+    def headers(self) -> list[Header]:
+        """The rate-limit headers for this key's answers, as its buckets are now."""
+        requests, tokens = self.requests, self.tokens
+        if requests is None:
+            return bucket_headers(TOKENS_HEADERS, tokens) if tokens is not None else []
+        out = bucket_headers(REQUESTS_HEADERS, requests)
+        if tokens is not None:
+            out += bucket_headers(TOKENS_HEADERS, tokens)
+        return out
+
+
+def _bucket(current: TokenBucket | None, per_minute: int | None, now: float) -> TokenBucket | None:
+    if per_minute is None or per_minute == 0:
+        return None
+    if current is None:
+        return TokenBucket(per_minute, now)
+    if current.capacity == per_minute:
+        return current
+    return current.resized(per_minute, now)
+
+
+class Ticket:
+    """An admitted request: what :meth:`Admission.settle` needs, the ``headers`` to send
+    on its answer, and its tier's ``priority`` (for an admission queue, higher first)."""
+
+    __slots__ = ("headers", "model", "priority", "quota", "reserved_tokens")
+
+    def __init__(
+        self, quota: KeyQuota, model: str, reserved_tokens: int, headers: list[Header]
+    ) -> None:
+        self.quota = quota
+        self.model = model
+        self.priority = quota.priority
+        self.reserved_tokens = reserved_tokens
+        self.headers = headers
+
+    @property
+    def key_id(self) -> str:
+        """The admitted key's id (``""`` over the Unix socket)."""
+        return self.quota.key_id
+
+
+@dataclass(frozen=True, slots=True)
+class KeyUse:
+    """What a key uses now: requests in flight, tokens of the UTC day and month, and what
+    its per-minute limits have left (``None``: no such limit)."""
+
+    in_flight: int
+    day_tokens: int
+    month_tokens: int
+    requests_remaining: int | None
+    tokens_remaining: int | None
+
+
+class Admission:
+    """Admits and settles requests against each key's limits (see the module doc).
+
+    ``tiers`` are the leader's tiers; ``ledger`` receives each settled request. Keys are
+    known from :meth:`load`, :meth:`update`, or the first request they make.
+    """
+
+    def __init__(
+        self, tiers: TierTable, ledger: UsageLedger, *, clock: Clock | None = None
+    ) -> None:
+        self.tiers = tiers
+        self.ledger = ledger
+        self._clock: Clock = clock or SystemClock()
+        self._monotonic = self._clock.monotonic
+        self._wall = self._clock.time
+        self._quotas: dict[str, KeyQuota] = {}
+        self._names: dict[str, str] = {SOCKET_KEY_ID: SOCKET_KEY_NAME}
+        self._socket = KeyQuota(SOCKET_KEY_ID, SOCKET_KEY_NAME, None)
+        self._socket.priority = tiers.require("admin").priority
+        self._calendar = CalendarPosition.at(self._clock.time())
+        #: Refusals since start: (key id, error code) -> count.
+        self.refusals: dict[tuple[str, str], int] = {}
+
+    # -- keys ---------------------------------------------------------------------------------
+
+    def load(self, keys: Iterable[ApiKeyRecord], totals: Mapping[str, tuple[int, int]]) -> None:
+        """Know ``keys`` (revoked ones only by name, for metrics), with the tokens each used
+        today and this month so far (``totals``: key id -> (day, month), from the ledger)."""
+        calendar = self._position()
+        for record in keys:
+            self._names[record.id] = record.name
+            if record.is_revoked:
+                continue
+            quota = self._configure(KeyQuota(record.id, record.name, record))
+            day, month = totals.get(record.id, (0, 0))
+            quota.day_index, quota.day_tokens = calendar.day_index, day
+            quota.month_index, quota.month_tokens = calendar.month_index, month
+            self._quotas[record.id] = quota
+
+    def budget_days(self) -> tuple[date, date]:
+        """``(today, the first day of this month)``, UTC: the ledger totals :meth:`load`
+        wants start there."""
+        today = day_of(self._position().day_index)
+        return today, month_start(today)
+
+    def update(self, record: ApiKeyRecord) -> None:
+        """Take a key's new record on (created, or its tier, limits or expiry changed)."""
+        self._names[record.id] = record.name
+        if record.is_revoked:
+            self._quotas.pop(record.id, None)
+            return
+        quota = self._quotas.get(record.id)
+        if quota is None:
+            quota = self._quotas[record.id] = KeyQuota(record.id, record.name, record)
+        quota.record, quota.name, quota.tier = record, record.name, record.tier
+        self._configure(quota)
+
+    def limits_of(self, record: ApiKeyRecord) -> KeyLimits:
+        """The limits ``record`` works under: its tier's with its own put in (no limits for a
+        tier that is not defined: such a key is refused anyway)."""
+        tier = self.tiers.get(record.tier)
+        return record.limits.apply(tier.limits if tier is not None else KeyLimits())
+
+    def use_of(self, key_id: str) -> KeyUse:
+        """What the key ``key_id`` uses now (zeros for a key that made no request)."""
+        quota = self._quotas.get(key_id)
+        if quota is None:
+            return KeyUse(0, 0, 0, None, None)
+        calendar = self._position()
+        self._roll(quota, calendar)
+        now = self._clock.monotonic()
+        requests = tokens = None
+        if quota.requests is not None:
+            quota.requests.refill(now)
+            requests = quota.requests.remaining
+        if quota.tokens is not None:
+            quota.tokens.refill(now)
+            tokens = quota.tokens.remaining
+        return KeyUse(quota.in_flight, quota.day_tokens, quota.month_tokens, requests, tokens)
+
+    def name_of(self, key_id: str) -> str:
+        """The name of the key ``key_id`` (its id when it is unknown here)."""
+        return self._names.get(key_id, key_id)
+
+    def names(self) -> Iterator[tuple[str, str]]:
+        """Every ``(key id, name)`` known, revoked keys and the Unix socket's included."""
+        return iter(self._names.items())
+
+    # -- the request path ---------------------------------------------------------------------
+
+    def check_expiry(self, key: ApiKeyRecord) -> None:
+        """Raise :class:`KeyExpiredError` (401) once ``key``'s expiry has passed."""
+        expires_at = key.expires_at
+        if expires_at is not None and expires_at.timestamp() <= self._clock.time():
+            raise KeyExpiredError(
+                f"this API key expired at {expires_at.isoformat()}", key_id=key.id
+            )
+
+    def admit(self, key: ApiKeyRecord | None, model: str, request_bytes: int) -> Ticket:
+        """Admit a request of ``key`` (``None``: over the Unix socket, never limited) for the
+        public model name ``model`` with a body of ``request_bytes``, or refuse it.
+
+        Raises :class:`KeyPausedError` or :class:`ModelNotAllowedError` (403), or
+        :class:`QuotaExceededError` (429, with ``retry_after_s`` and the rate-limit headers);
+        a refused request takes nothing. Never blocks, never touches the store.
+        """
+        if key is None:
+            quota = self._socket
+            quota.in_flight += 1
+            return Ticket(quota, model, 0, [])
+        found = self._quotas.get(key.id)
+        quota = found if found is not None and found.record is key else self._refresh(key, found)
+        if quota.refusal is not None:
+            self._refused(quota, quota.refusal.error_code)
+            raise quota.refusal
+        models = quota.models
+        if models is not None and model not in models:
+            self._refused(quota, "model_not_allowed")
+            allowed = ", ".join(sorted(models))
+            raise ModelNotAllowedError(
+                f"this key may not use the model {model!r}; it may use: {allowed}",
+                key_id=quota.key_id,
+            )
+        cap = quota.max_concurrency
+        if cap is not None and quota.in_flight >= cap:
+            raise self._over(
+                quota,
+                "max_concurrency",
+                f"this key already has {quota.in_flight} requests in flight, its limit",
+                CONCURRENCY_RETRY_S,
+            )
+        if quota.uses_calendar:
+            self._check_budgets(quota)
+        requests, tokens = quota.requests, quota.tokens
+        reserved = 0
+        if requests is not None or tokens is not None:
+            now = self._monotonic()
+            if requests is not None and requests.refill(now) < 1.0:
+                raise self._over(
+                    quota,
+                    "rpm",
+                    f"this key's limit of {requests.capacity:.0f} requests per minute is spent",
+                    requests.wait_s(1.0),
+                )
+            if tokens is not None:
+                reserved = estimate_prompt_tokens(request_bytes)
+                needed = min(float(reserved), tokens.capacity)
+                if tokens.refill(now) < needed:
+                    raise self._over(
+                        quota,
+                        "tpm",
+                        f"this key's limit of {tokens.capacity:.0f} tokens per minute is spent "
+                        f"(this request needs about {reserved})",
+                        tokens.wait_s(needed),
+                    )
+                tokens.take(reserved)
+            if requests is not None:
+                requests.take(1.0)
+            headers = quota.headers()
+        else:
+            headers = []
+        quota.in_flight += 1
+        return Ticket(quota, model, reserved, headers)
+
+    def settle(
+        self,
+        ticket: Ticket,
+        *,
+        node_id: str | None,
+        error: bool,
+        prompt_tokens: int,
+        completion_tokens: int,
+        estimated: bool,
+    ) -> None:
+        """End an admitted request: ``node_id`` is the node whose engine answered (``None``
+        when none was reached: nothing goes in the ledger), ``error`` whether the answer was
+        an error or broke off, the tokens as the engine reported them (``estimated``: as
+        berth estimated them). Call it once per ticket."""
+        quota = ticket.quota
+        quota.in_flight -= 1
+        used = prompt_tokens + completion_tokens
+        tokens = quota.tokens
+        if tokens is not None:
+            tokens.take(used - ticket.reserved_tokens)
+        calendar = self._position()
+        if quota.day_index != calendar.day_index or quota.month_index != calendar.month_index:
+            self._roll(quota, calendar)
+        quota.day_tokens += used
+        quota.month_tokens += used
+        if node_id is not None:
+            self.ledger.record(
+                calendar.day_index,
+                quota.key_id,
+                ticket.model,
+                node_id,
+                error=error,
+                prompt_tokens=prompt_tokens,
+                completion_tokens=completion_tokens,
+                estimated=estimated,
+            )
+
+    # -- inside -------------------------------------------------------------------------------
+
+    def _refresh(self, key: ApiKeyRecord, quota: KeyQuota | None) -> KeyQuota:
+        # A record the authenticator read again; the limits change only if the record did.
+        if quota is None:
+            quota = self._quotas[key.id] = KeyQuota(key.id, key.name, key)
+            self._names[key.id] = key.name
+            return self._configure(quota)
+        changed = quota.record != key
+        quota.record, quota.name, quota.tier = key, key.name, key.tier
+        return self._configure(quota) if changed else quota
+
+    def _configure(self, quota: KeyQuota) -> KeyQuota:
+        record = quota.record
+        assert record is not None
+        tier = self.tiers.get(record.tier)
+        now = self._clock.monotonic()
+        quota.configure(self.limits_of(record), tier.priority if tier else 0, now)
+        if tier is None:
+            quota.refusal = KeyPausedError(
+                f"this key's tier {record.tier!r} is not defined in the leader's config.toml; "
+                f"move the key to a defined tier (berth key set {record.id} --tier ...)",
+                key_id=quota.key_id,
+                error_code="unknown_tier",
+            )
+        return quota
+
+    def _position(self, wall: float | None = None) -> CalendarPosition:
+        calendar = self._calendar
+        if wall is None:
+            wall = self._wall()
+        if wall >= calendar.day_end_s:
+            calendar = self._calendar = CalendarPosition.at(wall)
+        return calendar
+
+    @staticmethod
+    def _roll(quota: KeyQuota, calendar: CalendarPosition) -> None:
+        if quota.day_index != calendar.day_index:
+            quota.day_index, quota.day_tokens = calendar.day_index, 0
+        if quota.month_index != calendar.month_index:
+            quota.month_index, quota.month_tokens = calendar.month_index, 0
+
+    def _check_budgets(self, quota: KeyQuota) -> None:
+        wall = self._wall()
+        calendar = self._position(wall)
+        self._roll(quota, calendar)
+        limits = quota.limits
+        daily, monthly = limits.daily_tokens, limits.monthly_tokens
+        if monthly is not None and quota.month_tokens >= monthly:
+            raise self._over(
+                quota,
+                "monthly_tokens",
+                f"this key has used {quota.month_tokens} tokens this month (UTC), its budget "
+                f"of {monthly}",
+                calendar.month_end_s - wall,
+            )
+        if daily is not None and quota.day_tokens >= daily:
+            raise self._over(
+                quota,
+                "daily_tokens",
+                f"this key has used {quota.day_tokens} tokens today (UTC), its budget of {daily}",
+                calendar.day_end_s - wall,
+            )
+
+    def _over(
+        self, quota: KeyQuota, limit: str, message: str, retry_after_s: float
+    ) -> QuotaExceededError:
+        code = f"{limit}_exceeded"
+        self._refused(quota, code)
+        return QuotaExceededError(
+            message,
+            key_id=quota.key_id,
+            error_code=code,
+            retry_after_s=retry_after_s,
+            headers=quota.headers(),
+        )
+
+    def _refused(self, quota: KeyQuota, code: str) -> None:
+        pair = (quota.key_id, code)
+        self.refusals[pair] = self.refusals.get(pair, 0) + 1

@@ -1,0 +1,274 @@
+"""Fair admission without the proxy: a deployment's slots from its engine's flags, the slot
+scheduler's order (tier priority, round-robin across keys, first come first served within
+a key), its bound, requests leaving it, and the async gate's answers (full, too long a
+wait, a client gone) and metrics."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from berth.admission import (
+    QueueCollector,
+    QueueFullError,
+    QueueTimeoutError,
+    SlotGate,
+    SlotScheduler,
+    Waiter,
+    engine_slots,
+)
+from berth.cluster.link import EngineEndpoint
+from berth.daemon.ready_table import ReadyTable
+from berth.store import DeploymentRecord
+from berth.store.states import DeploymentState
+
+
+@dataclass(frozen=True)
+class Deployment:
+    deployment_id: str
+    slots: int | None
+
+
+D1 = Deployment("d-1", 2)
+D2 = Deployment("d-2", 1)
+
+
+@pytest.mark.parametrize(
+    ("engine", "args", "slots"),
+    [
+        ("llamacpp", (), 4),
+        ("llamacpp", ("--parallel", "2"), 2),
+        ("llamacpp", ("-np", "3", "--ctx-size", "4096"), 3),
+        ("llamacpp", ("--parallel=6",), 6),
+        ("llamacpp", ("--parallel", "-1"), 4),
+        ("llamacpp", ("-np", "2", "-np", "5"), 5),
+        ("vllm", (), None),
+        ("vllm", ("--max-num-seqs", "64"), 64),
+        ("sglang", ("--max-running-requests=16",), 16),
+        ("sglang", ("--max-running-requests", "lots"), None),
+        ("llamacpp", ("--parallel",), 4),
+    ],
+)
+def test_slots_come_from_the_engines_flag_or_its_default(
+    engine: str, args: tuple[str, ...], slots: int | None
+) -> None:
+    assert engine_slots(engine, args) == slots
+
+
+def test_a_request_takes_a_free_slot_at_the_first_candidate_that_has_one() -> None:
+    scheduler = SlotScheduler(max_waiting=10)
+    assert scheduler.try_take([D2, D1]) == "d-2"
+    assert scheduler.try_take([D2, D1]) == "d-1"
+    assert scheduler.try_take([D2, D1]) == "d-1"
+    assert scheduler.try_take([D2, D1]) is None
+    assert (scheduler.in_use("d-1"), scheduler.in_use("d-2")) == (2, 1)
+    assert scheduler.release("d-2") is None  # nobody waits: the slot is free again
+    assert scheduler.try_take([D1, D2]) == "d-2"
+
+
+def waiter(key: str, priority: int = 50, deployments: tuple[str, ...] = ("d-1",)) -> Waiter:
+    return Waiter(key, priority, "m", deployments)
+
+
+def test_a_key_with_fifty_waiting_gets_one_slot_in_turn_with_a_key_sending_one_at_a_time() -> None:
+    scheduler = SlotScheduler(max_waiting=100)
+    assert scheduler.try_take([D1]) and scheduler.try_take([D1])  # both slots busy
+    heavy = [waiter("heavy") for _ in range(50)]
+    for each in heavy:
+        assert scheduler.enqueue(each)
+    granted: list[str] = []
+    for _ in range(10):
+        light = waiter("light")
+        assert scheduler.enqueue(light)
+        before = len(granted)
+        for _ in range(60):  # bounded: first come, first served would need 50 turns
+            if light.granted is not None:
+                break
+            served = scheduler.release("d-1")  # a request ends; its slot goes on
+            assert served is not None
+            granted.append(served.key_id)
+            if served.key_id == "heavy":
+                assert scheduler.enqueue(waiter("heavy"))  # the heavy key keeps 50 waiting
+        # The light key waited for at most one slot given to the heavy key.
+        assert granted[before:].count("heavy") <= 1
+    assert granted.count("light") == 10
+    assert scheduler.waiting == 50
+
+
+def test_within_a_key_requests_are_served_in_the_order_they_came() -> None:
+    scheduler = SlotScheduler(max_waiting=10)
+    scheduler.try_take([D2])
+    first, second = waiter("a", deployments=("d-2",)), waiter("a", deployments=("d-2",))
+    scheduler.enqueue(first)
+    scheduler.enqueue(second)
+    assert scheduler.release("d-2") is first
+    assert scheduler.release("d-2") is second
+
+
+def test_a_higher_tier_priority_is_served_first_however_late_it_came() -> None:
+    scheduler = SlotScheduler(max_waiting=10)
+    scheduler.try_take([D2])
+    low = [waiter("free", 10, ("d-2",)) for _ in range(3)]
+    for each in low:
+        scheduler.enqueue(each)
+    high = waiter("team", 60, ("d-2",))
+    scheduler.enqueue(high)
+    assert scheduler.release("d-2") is high
+    assert scheduler.release("d-2") is low[0]
+
+
+def test_a_queued_request_takes_a_slot_of_another_deployment_that_frees_first() -> None:
+    scheduler = SlotScheduler(max_waiting=10)
+    for _ in range(3):
+        scheduler.try_take([D1, D2])
+    only_d1 = waiter("a", deployments=("d-1",))
+    either = waiter("b", deployments=("d-1", "d-2"))
+    scheduler.enqueue(only_d1)
+    scheduler.enqueue(either)
+    assert scheduler.release("d-2") is either  # the first waiter cannot use d-2
+    assert either.granted == "d-2"
+    assert scheduler.release("d-1") is only_d1
+
+
+def test_the_queue_is_bounded_and_a_request_that_leaves_is_out_at_once() -> None:
+    scheduler = SlotScheduler(max_waiting=2)
+    scheduler.try_take([D2])
+    gone, stays = waiter("a", deployments=("d-2",)), waiter("b", deployments=("d-2",))
+    assert scheduler.enqueue(gone) and scheduler.enqueue(stays)
+    assert not scheduler.enqueue(waiter("c", deployments=("d-2",)))  # full
+    assert dict(scheduler.waiting_by_model()) == {"m": 2}
+    assert scheduler.leave(gone)
+    assert scheduler.waiting == 1
+    assert scheduler.release("d-2") is stays  # the slot skips the request that left
+    assert not scheduler.leave(stays)  # given a slot already: the caller gives it back
+    assert scheduler.waiting == 0
+    assert dict(scheduler.waiting_by_model()) == {}
+
+
+def test_a_queue_of_size_zero_refuses_at_once() -> None:
+    scheduler = SlotScheduler(max_waiting=0)
+    scheduler.try_take([D2])
+    assert not scheduler.enqueue(waiter("a", deployments=("d-2",)))
+
+
+# -- the async gate ------------------------------------------------------------------------
+
+
+async def until(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while not condition():
+        assert loop.time() < deadline, "condition not met"
+        await asyncio.sleep(0.001)
+
+
+async def test_a_waiting_request_wakes_with_the_slot_given_back() -> None:
+    gate = SlotGate(max_waiting=4, timeout_s=30)
+    assert await gate.acquire("a", 50, "m", [D2]) == "d-2"
+    waiting = asyncio.create_task(gate.acquire("b", 50, "m", [D2]))
+    await until(lambda: gate.scheduler.waiting == 1)
+    gate.release("d-2")
+    assert await waiting == "d-2"
+    assert gate.scheduler.in_use("d-2") == 1
+
+
+async def test_a_full_queue_and_a_wait_too_long_are_503_with_retry_after() -> None:
+    gate = SlotGate(max_waiting=1, timeout_s=0.05)
+    await gate.acquire("a", 50, "m", [D2])
+    waiting = asyncio.create_task(gate.acquire("b", 50, "m", [D2]))
+    await until(lambda: gate.scheduler.waiting == 1)
+    with pytest.raises(QueueFullError) as full:
+        await gate.acquire("c", 50, "m", [D2])
+    assert (full.value.http_status, full.value.error_code) == (503, "queue_full")
+    assert full.value.retry_after_s > 0
+    with pytest.raises(QueueTimeoutError) as late:
+        await waiting
+    assert (late.value.http_status, late.value.error_code) == (503, "queue_timeout")
+    assert gate.scheduler.waiting == 0
+    assert gate.stats.dropped == {("m", "queue_full"): 1, ("m", "queue_timeout"): 1}
+
+
+async def test_a_cancelled_waiter_leaves_the_queue_and_its_turn_goes_to_the_next() -> None:
+    gate = SlotGate(max_waiting=4, timeout_s=30)
+    await gate.acquire("a", 50, "m", [D2])
+    gone = asyncio.create_task(gate.acquire("b", 50, "m", [D2]))
+    next_one = asyncio.create_task(gate.acquire("c", 50, "m", [D2]))
+    await until(lambda: gate.scheduler.waiting == 2)
+    gone.cancel()
+    await until(lambda: gate.scheduler.waiting == 1)
+    gate.release("d-2")
+    assert await next_one == "d-2"
+    assert gone.cancelled()
+    assert gate.stats.dropped == {("m", "client_left"): 1}
+
+
+async def test_a_slot_given_to_a_waiter_cancelled_before_it_woke_is_passed_on() -> None:
+    gate = SlotGate(max_waiting=4, timeout_s=30)
+    await gate.acquire("a", 50, "m", [D2])
+    gone = asyncio.create_task(gate.acquire("b", 50, "m", [D2]))
+    next_one = asyncio.create_task(gate.acquire("c", 50, "m", [D2]))
+    await until(lambda: gate.scheduler.waiting == 2)
+    gate.release("d-2")  # to "b", which is cancelled before it runs again
+    gone.cancel()
+    assert await next_one == "d-2"
+    assert gate.scheduler.in_use("d-2") == 1
+
+
+async def test_a_request_that_may_go_to_an_engine_of_unknown_slots_is_not_held() -> None:
+    gate = SlotGate(max_waiting=0, timeout_s=30)
+    unknown = Deployment("adopted-x", None)
+    for _ in range(5):
+        assert await gate.acquire("a", 50, "m", [D2, unknown]) is None
+    assert gate.scheduler.in_use("d-2") == 0
+
+
+async def test_a_retry_moves_the_slot_to_the_deployment_that_answered() -> None:
+    gate = SlotGate(max_waiting=4, timeout_s=30)
+    held = await gate.acquire("a", 50, "m", [D2, D1])
+    assert held == "d-2"
+    waiting = asyncio.create_task(gate.acquire("b", 50, "m", [D2]))
+    await until(lambda: gate.scheduler.waiting == 1)
+    assert gate.move(held, D1) == "d-1"
+    assert await waiting == "d-2"
+    assert gate.scheduler.in_use("d-1") == 1
+
+
+async def test_the_metrics_show_the_depth_the_waits_and_the_requests_dropped() -> None:
+    gate = SlotGate(max_waiting=4, timeout_s=30)
+    registry = CollectorRegistry()
+    registry.register(QueueCollector(gate))
+    await gate.acquire("a", 50, "m", [D2])
+    waiting = asyncio.create_task(gate.acquire("b", 50, "m", [D2]))
+    await until(lambda: gate.scheduler.waiting == 1)
+    assert registry.get_sample_value("berth_admission_queue_depth", {"model": "m"}) == 1
+    gate.release("d-2")
+    await waiting
+    assert registry.get_sample_value("berth_admission_queue_depth", {"model": "m"}) is None
+    count = registry.get_sample_value("berth_admission_queue_wait_seconds_count", {"model": "m"})
+    assert count == 1
+    inf = {"model": "m", "le": "+Inf"}
+    assert registry.get_sample_value("berth_admission_queue_wait_seconds_bucket", inf) == 1
+    gone = asyncio.create_task(gate.acquire("c", 50, "m", [D2]))
+    await until(lambda: gate.scheduler.waiting == 1)
+    gone.cancel()
+    await until(lambda: gate.scheduler.waiting == 0)
+    dropped = {"model": "m", "reason": "client_left"}
+    assert registry.get_sample_value("berth_admission_queue_dropped_total", dropped) == 1
+
+
+def test_a_ready_deployment_carries_its_engines_slots_to_the_proxy() -> None:
+    table = ReadyTable()
+    now = datetime(2026, 1, 1, tzinfo=UTC)
+    for deployment_id, args in (("d-1", ("--parallel", "2")), ("d-2", ())):
+        record = DeploymentRecord(
+            deployment_id, "smollm2", "llamacpp", "process", "local", DeploymentState.READY,
+            8080, 1, (), None, args, "smollm2", None, now, now,
+        )  # fmt: skip
+        table.mark_ready(record, EngineEndpoint(deployment_id, "http://127.0.0.1:8080", 1, 8080))
+    slots = {u.deployment_id: u.slots for u in table.candidates("smollm2")}
+    assert slots == {"d-1": 2, "d-2": 4}
