@@ -62,6 +62,7 @@ def services(tmp_path: Path) -> Any:
         store=None,
         lifecycle=None,
         routes=None,
+        adapters=None,
         settings=Settings.load(BerthHome(tmp_path / "home")),
         leader_only=False,
         ready=False,

@@ -477,6 +477,31 @@ def test_pull_downloads_and_registers_a_hub_model(cli_leader: tuple[Berth, int])
     assert record["path"] == str(folder)
 
 
+def test_pull_registers_an_adapter_repository_for_the_model_it_was_trained_on(
+    cli_leader: tuple[Berth, int], hub: HubStandin
+) -> None:
+    berth, _ = cli_leader
+    config = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2}
+    hub.add_repo("org/tiny-hf", {"config.json": json.dumps(config).encode(), "w.bin": b"0"})
+    lora = {"peft_type": "LORA", "r": 4, "target_modules": ["q_proj"],
+            "base_model_name_or_path": "org/tiny-hf"}  # fmt: skip
+    hub.add_repo(
+        "org/tiny-lora",
+        {"adapter_config.json": json.dumps(lora).encode(), "adapter_model.bin": b"0"},
+    )
+    berth("pull", "org/tiny-hf", "--name", "tiny-hf")
+
+    result = berth("pull", "org/tiny-lora", "--name", "tiny-lora")
+
+    folder = berth.home / "models" / "org--tiny-lora"
+    assert f"pulled adapter tiny-lora into {folder}" in result.stdout
+    assert "added adapter tiny-lora of tiny-hf (peft, rank 4)" in result.stdout
+    shown = berth.json("adapters", "show", "tiny-lora")
+    assert shown["repo_id"] == "org/tiny-lora" and shown["source"] == "hub"
+    assert shown["locations"] == {"local": str(folder)}
+    berth("adapters", "rm", "tiny-lora")
+
+
 def test_pulling_a_missing_repository_fails_cleanly(cli_leader: tuple[Berth, int]) -> None:
     berth, _ = cli_leader
     before = berth.admin("GET", "/admin/models")

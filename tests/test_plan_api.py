@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -18,6 +19,7 @@ from berth.cli.common import console
 from berth.cli.plan_cmd import print_plan
 from berth.cluster.link import NodeInventory
 from berth.cluster.link_registry import LinkRegistry
+from berth.daemon.adapters import AdapterManager
 from berth.daemon.admin_plans import plan_router
 from berth.daemon.admin_services import load_routes, service_router
 from berth.daemon.lifecycle import DeployOptions, LifecycleManager
@@ -28,6 +30,7 @@ from berth.runtime.bundled import smollm2_gguf
 from berth.runtime.gpu import SimulatedInventory, parse_simulated_gpus
 from berth.store import Store
 from support.fakes import FakeLink
+from support.lora_gguf import write_lora_gguf
 
 pytestmark = pytest.mark.needs("smollm2")
 
@@ -49,6 +52,7 @@ class Leader:
     store: Store
     lifecycle: LifecycleManager
     agent_id: str
+    adapters: AdapterManager
 
     async def post(self, path: str, status: int = 200, **body: Any) -> Any:
         response = await self.admin.post(path, json=body)
@@ -59,7 +63,9 @@ class Leader:
         return Plan.model_validate(await self.post("/admin/plan", **body))
 
 
-def app_for(store: Store, lifecycle: LifecycleManager, routes: RouteResolver) -> FastAPI:
+def app_for(
+    store: Store, lifecycle: LifecycleManager, routes: RouteResolver, adapters: AdapterManager
+) -> FastAPI:
     app = FastAPI()
 
     @app.exception_handler(BerthError)
@@ -67,7 +73,11 @@ def app_for(store: Store, lifecycle: LifecycleManager, routes: RouteResolver) ->
         status, body, headers = error_from_exception(exc)
         return Response(body, status_code=status, headers=headers, media_type="application/json")
 
-    app.include_router(plan_router(store, lifecycle, default_runtime="process", leader_only=False))
+    app.include_router(
+        plan_router(
+            store, lifecycle, default_runtime="process", leader_only=False, adapters=adapters
+        )
+    )
     app.include_router(service_router(store, lifecycle, routes, default_runtime="process"))
     return app
 
@@ -81,13 +91,17 @@ async def leader_with(store: Store, sizes: Sequence[str]) -> tuple[Leader, Route
     links = [GpuLink("local", sizes[0])]
     if len(sizes) > 1:
         links.append(GpuLink(agent_id, sizes[1]))
-    lifecycle = LifecycleManager(store, LinkRegistry(links), health_timeout_s=5, stop_grace_s=1)
+    registry = LinkRegistry(links)
+    adapters = AdapterManager(registry)
+    lifecycle = LifecycleManager(
+        store, registry, health_timeout_s=5, stop_grace_s=1, on_state=adapters.deployment_changed
+    )
     await lifecycle.start()
     routes = RouteResolver(lifecycle)
     await load_routes(store, routes)
-    transport = httpx.ASGITransport(app=app_for(store, lifecycle, routes))
+    transport = httpx.ASGITransport(app=app_for(store, lifecycle, routes, adapters))
     admin = httpx.AsyncClient(transport=transport, base_url="http://berth")
-    return Leader(admin, store, lifecycle, agent_id), routes
+    return Leader(admin, store, lifecycle, agent_id, adapters), routes
 
 
 @pytest.fixture
@@ -197,3 +211,42 @@ async def test_a_deployment_without_a_node_goes_where_it_fits(two_nodes: Leader)
     second = await lifecycle.deploy(DeployOptions("smol", "llamacpp", served_model_name="b"))
     # different services: no spread rule, the most free VRAM after it; ties by node order
     assert (first.node_id, second.node_id) == ("local", two_nodes.agent_id)
+
+
+async def test_a_plan_says_what_adapters_it_starts_with_and_which_need_a_restart(
+    plan_leader: Leader, tmp_path: Path
+) -> None:
+    leader = plan_leader
+    running = await leader.lifecycle.deploy(DeployOptions("smol", "llamacpp"))
+    await leader.lifecycle.wait_settled(running.id, 5)
+    gguf = smollm2_gguf()
+    assert gguf is not None
+    late = write_lora_gguf(gguf, tmp_path / "late.gguf")
+    leader.store.add_adapter("late", "smol", "local", str(late), format="gguf", rank=8)
+    leader.adapters.load_registry(leader.store.list_adapters())
+
+    answer = await leader.plan(target="smol")
+    assert answer.adapter_notes == [
+        "starts with adapters late (--lora; each request for one applies it)",
+        f"running deployment {running.id} needs a restart to serve adapter late",
+    ]
+    assert f"adapters: running deployment {running.id} needs a restart to serve adapter late" in (
+        printed(answer)
+    )
+    refused = await leader.admin.post("/admin/plan", json={"target": "smol", "max_adapters": 2})
+    assert refused.status_code == 400
+    assert "--max-adapters is for vLLM and SGLang" in refused.json()["error"]["message"]
+
+    # A service's LoRA slots are its own setting; plan --max-adapters replaces it.
+    await leader.post("/admin/services", 201, name="chat", model="smol", engine="vllm",
+                      max_adapters=3)  # fmt: skip
+    service = await leader.plan(target="chat", force=True)  # vLLM's estimate needs --force
+    assert "starts with LoRA on: 3 adapter slots, loaded on demand" in service.adapter_notes
+    one = await leader.plan(target="chat", max_adapters=1, force=True)
+    assert "starts with LoRA on: 1 adapter slot, loaded on demand" in one.adapter_notes
+    deployed = await leader.post("/admin/services/chat/deploy", 201, force=True)
+    assert leader.store.get_deployment(deployed["id"]).adapter_slots == 3
+    bad = await leader.admin.post(
+        "/admin/services", json={"name": "c2", "model": "smol", "max_adapters": 2}
+    )
+    assert bad.status_code == 400 and "llama.cpp starts with every adapter" in bad.text

@@ -45,6 +45,8 @@ class FakeLink:
         self.capabilities = frozenset([*OP_CAPABILITIES.values(), *RUNTIME_CAPABILITIES.values()])
         self.pulled: dict[str, str] = {}
         self.pulls: list[tuple[str, str | None]] = []
+        #: (deployment id, adapter) loaded into each engine, in the order asked
+        self.adapter_calls: list[tuple[str, str, str]] = []
 
     async def start_deployment(
         self,
@@ -86,6 +88,12 @@ class FakeLink:
         if repo_id not in self.pulled:
             raise EngineError(f"node {self.node_id}: {repo_id} is not on the hub")
         return self.pulled[repo_id]
+
+    async def load_adapter(self, deployment_id: str, engine: str, adapter: str, path: str) -> None:
+        self.adapter_calls.append(("load", deployment_id, adapter))
+
+    async def unload_adapter(self, deployment_id: str, engine: str, adapter: str) -> None:
+        self.adapter_calls.append(("unload", deployment_id, adapter))
 
     async def probe(self, deployment_id: str, timeout_s: float = 5.0) -> ProbeResult:
         if deployment_id not in self.running:

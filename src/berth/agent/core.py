@@ -36,11 +36,13 @@ from berth.runtime.engines import (
     DEFAULT_SHM_SIZE,
     DeploymentRequest,
     EngineBinaries,
+    EngineName,
     build_container_spec,
     build_launch_spec,
     find_free_port,
 )
 from berth.runtime.gpu import GpuInfo, GpuInventory
+from berth.runtime.lora_api import load_adapter, unload_adapter
 from berth.runtime.process import ProcessRuntime, follow_log, read_log_tail
 
 if TYPE_CHECKING:
@@ -447,6 +449,32 @@ class AgentCore:
         except TimeoutError:
             healthy = False
         return "healthy" if healthy else "unhealthy"
+
+    async def load_adapter(
+        self, deployment_id: str, engine: EngineName, adapter: str, path: str
+    ) -> None:
+        """Have the deployment's engine load the LoRA adapter at ``path`` (on this host) as
+        ``adapter``, through the engine's API (:mod:`berth.runtime.lora_api`).
+
+        Raises ``NotFoundError`` when no such engine runs here or ``path`` does not exist,
+        ``ConfigError`` for an engine that takes adapters only at start (llama.cpp), and
+        ``EngineError`` when the engine refuses.
+        """
+        managed = self._engines.get(deployment_id)
+        if managed is None:
+            raise NotFoundError("engine", deployment_id)
+        if not await asyncio.to_thread(Path(path).exists):
+            raise NotFoundError("adapter path", path)
+        handle = managed.handle
+        await load_adapter(engine, handle.base_url, adapter, path, api_key=handle.api_key)
+
+    async def unload_adapter(self, deployment_id: str, engine: EngineName, adapter: str) -> None:
+        """Have the deployment's engine unload ``adapter``; raises as :meth:`load_adapter`."""
+        managed = self._engines.get(deployment_id)
+        if managed is None:
+            raise NotFoundError("engine", deployment_id)
+        handle = managed.handle
+        await unload_adapter(engine, handle.base_url, adapter, api_key=handle.api_key)
 
     def engines(self) -> list[EngineReport]:
         """Every engine this core manages, with its liveness as last seen."""

@@ -18,7 +18,7 @@ from berth.cluster.link import (
 from berth.cluster.protocol.ops import OP_CAPABILITIES, RUNTIME_CAPABILITIES
 from berth.errors import EngineError
 from berth.runtime.base import ProgressListener, RuntimeName
-from berth.runtime.engines import DeploymentRequest
+from berth.runtime.engines import DeploymentRequest, EngineName
 
 #: What node ``local``'s in-process core offers: every op but ``pull`` (the leader's own host
 #: runs models from their registered paths) and ``ingress`` (it is reached directly), and
@@ -71,6 +71,14 @@ class InProcessLink:
         self, deployment_id: str, timeout_s: float = DEFAULT_PROBE_TIMEOUT_S
     ) -> ProbeResult:
         return await self._core.probe(deployment_id, timeout_s)
+
+    async def load_adapter(
+        self, deployment_id: str, engine: EngineName, adapter: str, path: str
+    ) -> None:
+        await self._core.load_adapter(deployment_id, engine, adapter, path)
+
+    async def unload_adapter(self, deployment_id: str, engine: EngineName, adapter: str) -> None:
+        await self._core.unload_adapter(deployment_id, engine, adapter)
 
     async def engines(self) -> list[EngineReport]:
         return self._core.engines()

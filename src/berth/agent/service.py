@@ -1,13 +1,13 @@
 """What an agent does with the leader's requests and streams: runs them on its agent core.
 
 Control ops (``start``, ``stop``, ``probe``, ``inventory``, ``engines``, ``pull``,
-``ingress``) each run in their own task, so a long engine start never holds up the link.
-``http`` streams are relayed to the deployment's engine on this host with berth's pooled
-HTTP/1.1 client (:meth:`AgentService.relay_exchange`, the one relay the agent's direct
-ingress uses too, :mod:`berth.agent.ingress`), carrying the engine's own API key in place of
-any credential in the leader's headers; when the leader resets a stream, its task is
-cancelled and the engine connection closed, so the engine stops generating. ``logs`` streams
-send the engine's log file.
+``load_adapter``, ``unload_adapter``, ``ingress``) each run in their own task, so a long
+engine start never holds up the link. ``http`` streams are relayed to the deployment's engine
+on this host with berth's pooled HTTP/1.1 client (:meth:`AgentService.relay_exchange`, the
+one relay the agent's direct ingress uses too, :mod:`berth.agent.ingress`), carrying the
+engine's own API key in place of any credential in the leader's headers; when the leader
+resets a stream, its task is cancelled and the engine connection closed, so the engine stops
+generating. ``logs`` streams send the engine's log file.
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ from berth.cluster.protocol.ops import (
     ENGINES,
     INGRESS,
     INVENTORY,
+    LOAD_ADAPTER,
     OPS,
     PROBE,
     PULL,
@@ -50,6 +51,7 @@ from berth.cluster.protocol.ops import (
     START,
     STOP,
     STREAM_CAPABILITIES,
+    UNLOAD_ADAPTER,
     EnginesResult,
     IngressArgs,
     PreparingEvent,
@@ -297,6 +299,18 @@ class AgentService:
                     raise _Unsupported(request.op)
                 pulled = await self._pull(PULL.decode_args(request.args), self._models_dir)
                 return PULL.encode_result(pulled)
+            case "load_adapter":
+                load = LOAD_ADAPTER.decode_args(request.args)
+                self._on_activity(f"loading adapter {load.adapter} into {load.deployment_id}")
+                await self._core.load_adapter(
+                    load.deployment_id, load.engine, load.adapter, load.path
+                )
+                return LOAD_ADAPTER.encode_result(None)
+            case "unload_adapter":
+                unload = UNLOAD_ADAPTER.decode_args(request.args)
+                self._on_activity(f"unloading adapter {unload.adapter} from {unload.deployment_id}")
+                await self._core.unload_adapter(unload.deployment_id, unload.engine, unload.adapter)
+                return UNLOAD_ADAPTER.encode_result(None)
             case "ingress":
                 if self._ingress is None:
                     raise _Unsupported(request.op)
@@ -494,4 +508,8 @@ def _deployment_request(args: StartArgs) -> DeploymentRequest:
         served_model_name=args.served_model_name,
         runtime=args.runtime,
         image=args.image,
+        adapter_slots=args.adapter_slots,
+        max_lora_rank=args.max_lora_rank,
+        lora_target_modules=tuple(args.lora_target_modules),
+        lora_files=tuple(Path(path) for path in args.lora_files),
     )

@@ -14,6 +14,7 @@ base modules, runtime's engine and runtime names, the store's closed sets and de
 states, and nothing from ``daemon`` or ``cli``.
 """
 
+from berth.api.adapters import Adapter, AdapterIn, AdapterLoaded, AdapterRemoved, AddedAdapter
 from berth.api.base import ApiModel, ErrorBody, ErrorDetail, Timestamp, describe_invalid
 from berth.api.deployments import Deployment, DeploymentIn, ListedDeployment
 from berth.api.keys import (
@@ -92,6 +93,11 @@ from berth.api.usage import (
 __all__ = [
     "DEFAULT_SINCE",
     "USAGE_GROUPINGS",
+    "Adapter",
+    "AdapterIn",
+    "AdapterLoaded",
+    "AdapterRemoved",
+    "AddedAdapter",
     "AdoptedEndpoint",
     "ApiKey",
     "ApiModel",

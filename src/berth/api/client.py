@@ -20,6 +20,10 @@ import httpx
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from berth.api import (
+    Adapter,
+    AdapterIn,
+    AdapterRemoved,
+    AddedAdapter,
     ApiKey,
     CreatedApiKey,
     DaemonInfo,
@@ -75,6 +79,7 @@ _T = TypeVar("_T")
 _Params = Mapping[str, str | int | bool]
 
 _MODELS = TypeAdapter(list[LocatedModel])
+_ADAPTERS = TypeAdapter(list[Adapter])
 _ADDED_MODEL = TypeAdapter(LocatedModel | RegisteredModel)
 _DEPLOYMENTS = TypeAdapter(list[ListedDeployment])
 _KEYS = TypeAdapter(list[ApiKey])
@@ -154,6 +159,26 @@ class DaemonClient:
         """``DELETE /admin/models/{name}``."""
         path = f"/admin/models/{_segment(name, safe='/:')}"
         return self.call("DELETE", path, TypeAdapter(ModelRemoved))
+
+    # -- adapters ------------------------------------------------------------------------------
+    def adapters(self) -> list[Adapter]:
+        """``GET /admin/adapters``."""
+        return self.call("GET", "/admin/adapters", _ADAPTERS)
+
+    def add_adapter(self, body: AdapterIn) -> AddedAdapter:
+        """``POST /admin/adapters``."""
+        return self.call("POST", "/admin/adapters", TypeAdapter(AddedAdapter), body=body)
+
+    def adapter(self, name: str) -> Adapter:
+        """``GET /admin/adapters/{name}``."""
+        path = f"/admin/adapters/{_segment(name, safe='/:')}"
+        return self.call("GET", path, TypeAdapter(Adapter))
+
+    def remove_adapter(self, name: str, node: str | None = None) -> AdapterRemoved:
+        """``DELETE /admin/adapters/{name}``: the adapter, or only its copy on ``node``."""
+        path = f"/admin/adapters/{_segment(name, safe='/:')}"
+        params = {"node": node} if node is not None else None
+        return self.call("DELETE", path, TypeAdapter(AdapterRemoved), params=params)
 
     # -- deployments ---------------------------------------------------------------------------
     def deployments(self, *, active: bool = False) -> list[ListedDeployment]:

@@ -20,7 +20,8 @@ class DeploymentIn(ApiModel):
     fit), ``ctx`` the context length in tokens (``None``: the engine's default), ``image`` a
     ``docker`` deployment's container image (``None``: the engine's image setting).
     ``force``: place GPUs asked for (or the GPU with the most free memory) even where the
-    estimate does not fit.
+    estimate does not fit. ``max_adapters`` is a vLLM or SGLang engine's LoRA slot count
+    (``None``: 1 when the model has adapters, else LoRA off).
     """
 
     model: str
@@ -32,6 +33,7 @@ class DeploymentIn(ApiModel):
     extra_args: list[str] = Field(default_factory=list)
     served_model_name: str | None = None
     image: str | None = Field(default=None, max_length=512)
+    max_adapters: int | None = Field(default=None, ge=1)
     force: bool = False
 
 

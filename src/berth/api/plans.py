@@ -26,7 +26,7 @@ class PlanIn(ApiModel):
     extra arguments and node label are used), else a registered model's.  ``node`` (id or
     label), ``engine``, ``runtime``, ``gpus``, ``ctx`` (tokens) and ``extra_args`` replace
     the service's or the defaults (``None``: not given); ``force`` as ``berth run
-    --force``.
+    --force``; ``max_adapters`` as ``berth run --max-adapters`` (LoRA slots, vLLM/SGLang).
     """
 
     target: str = Field(min_length=1)
@@ -37,6 +37,7 @@ class PlanIn(ApiModel):
     ctx: int | None = Field(default=None, gt=0, le=2**31 - 1)
     extra_args: list[str] | None = None
     force: bool = False
+    max_adapters: int | None = Field(default=None, ge=1, le=2**31 - 1)
 
     @field_validator("gpus")
     @classmethod
@@ -108,7 +109,9 @@ class Plan(ApiModel):
     placed, on ``node_id``/``node_label`` with ``gpus`` (empty: none given to the engine),
     ``image`` (docker) and the model from ``model_source``; else ``refusal`` is the message
     and ``refusal_reason`` its code.  ``estimate`` is ``None`` when none could be made
-    (``estimate_problem`` says why).
+    (``estimate_problem`` says why).  ``adapter_notes`` says what LoRA adapters the
+    deployment would start with, and which running deployments of the model need a restart
+    to serve adapters registered since they started (``docs/adapters.md``).
     """
 
     target: str
@@ -130,3 +133,4 @@ class Plan(ApiModel):
     estimate_problem: str | None
     eviction: EvictionOut | None
     considered: list[GpuOptionOut]
+    adapter_notes: list[str] = Field(default_factory=list)

@@ -49,7 +49,8 @@ class ServiceIn(ApiModel):
     ``engine`` and ``runtime`` as a user typed them (checked by the store); ``runtime``
     ``None`` is the leader's ``default_runtime`` setting, recorded on the service.  ``gpus``
     are device indexes (0 to 1023), ``ctx`` the context length in tokens, ``node_label`` the
-    node its deployments run on (``None``: chosen at deploy time).
+    node its deployments run on (``None``: chosen at deploy time), ``max_adapters`` their LoRA
+    slots (vLLM, SGLang; ``None``: 1 when the model has adapters, else LoRA off).
 
     Scaling (:class:`berth.store.ScalingSettings`): ``min_replicas`` kept running (0: on
     demand), ``max_replicas`` berth starts at most, ``idle_timeout`` (``"10m"``, seconds, or
@@ -76,6 +77,7 @@ class ServiceIn(ApiModel):
     capacity: int | None = Field(default=None, ge=1, le=_INT32)
 
     _idle_timeout = field_validator("idle_timeout")(_check_idle_timeout)
+    max_adapters: int | None = Field(default=None, ge=1, le=_INT32)
 
     @field_validator("gpus")
     @classmethod
@@ -178,6 +180,7 @@ class Service(ApiModel):
     scaling: ServiceScaling
     replicas: dict[DeploymentState, int] = Field(default_factory=dict)
     queued: int = 0
+    max_adapters: int | None = None
 
 
 class ServiceDeployment(ApiModel):

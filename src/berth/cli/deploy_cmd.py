@@ -57,6 +57,12 @@ def run(
     image: str | None = typer.Option(
         None, "--image", help="Container image (docker runtime; default: the engine's setting)."
     ),
+    max_adapters: int | None = typer.Option(
+        None,
+        "--max-adapters",
+        min=1,
+        help="vLLM/SGLang: LoRA adapters loaded at once (default: 1 when the model has adapters).",
+    ),
     force: bool = typer.Option(
         False,
         "--force",
@@ -83,6 +89,7 @@ def run(
         served_model_name=served_name,
         runtime=runtime,
         image=image,
+        max_adapters=max_adapters,
         force=force,
     )
     with context(ctx).client() as client:

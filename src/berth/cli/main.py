@@ -9,6 +9,7 @@ import typer
 
 from berth import __version__
 from berth.cli import (
+    adapters_cmd,
     agent_cmd,
     backup_cmd,
     bootstrap_cmd,
@@ -61,6 +62,7 @@ def root(
 
 app.add_typer(daemon_cmd.daemon_app, name="daemon")
 app.add_typer(models_cmd.models_app, name="models")
+app.add_typer(adapters_cmd.adapters_app, name="adapters")
 app.add_typer(keys_cmd.key_app, name="key")
 app.command("usage")(usage_cmd.usage)
 app.add_typer(config_cmd.config_app, name="config")

@@ -33,6 +33,9 @@ def plan(
         None, "--extra-arg", "-x", help="Extra engine argument (repeatable)."
     ),
     force: bool = typer.Option(False, "--force", help="As berth run --force."),
+    max_adapters: int | None = typer.Option(
+        None, "--max-adapters", min=1, help="As berth run --max-adapters (vLLM/SGLang)."
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print JSON."),
 ) -> None:
     """Show a deployment's VRAM estimate and where it would go, with the reasons.
@@ -49,6 +52,7 @@ def plan(
         runtime=runtime,
         extra_args=list(extra) if extra else None,
         force=force,
+        max_adapters=max_adapters,
     )
     with context(ctx).client() as client:
         answer = client.plan(body)
@@ -91,6 +95,8 @@ def print_plan(answer: Plan) -> None:
         out.print(f"eviction: {lead} {', '.join(eviction.deployment_ids)}", soft_wrap=True)
         for line in eviction.reasons:
             out.print(f"  {line}", markup=False, soft_wrap=True)
+    for note in answer.adapter_notes:
+        out.print(f"adapters: {note}", markup=False, soft_wrap=True)
     if answer.reasons:
         out.print("why:")
         for line in answer.reasons:

@@ -90,6 +90,12 @@ def create_service(
         help="Requests one replica serves at once (default: the engine's slots, e.g. "
         "llama.cpp --parallel).",
     ),
+    max_adapters: int | None = typer.Option(
+        None,
+        "--max-adapters",
+        min=1,
+        help="vLLM/SGLang: LoRA adapters loaded at once (default: 1 when the model has adapters).",
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print JSON."),
 ) -> None:
     """Create a service profile."""
@@ -110,6 +116,7 @@ def create_service(
         pinned=pin,
         priority=priority,
         capacity=capacity,
+        max_adapters=max_adapters,
     )
     with context(ctx).client() as client:
         record = client.create_service(body)
@@ -176,6 +183,9 @@ def _settings(record: Service) -> str:
         parts.append("args " + " ".join(record.extra_args))
     if record.image:
         parts.append(f"image {record.image}")
+    if record.max_adapters:
+        plural = "s" if record.max_adapters != 1 else ""
+        parts.append(f"{record.max_adapters} adapter slot{plural}")
     parts.append(f"node {record.node_label}" if record.node_label else "any node")
     return ", ".join(parts)
 

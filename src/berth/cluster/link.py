@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
 from berth.runtime.base import ProgressListener, RuntimeName
-from berth.runtime.engines import DeploymentRequest
+from berth.runtime.engines import DeploymentRequest, EngineName
 from berth.runtime.gpu import GpuInfo
 
 LOCAL_NODE_ID = "local"
@@ -123,6 +123,22 @@ class AgentLink(Protocol):
 
         Raises ``EngineError`` when the node cannot tell (its runtime or its link failed).
         """
+        ...
+
+    async def load_adapter(
+        self, deployment_id: str, engine: EngineName, adapter: str, path: str
+    ) -> None:
+        """Have the deployment's running engine (vLLM, SGLang) load the LoRA adapter at
+        ``path`` on the node's host, under the name ``adapter``.
+
+        Raises ``EngineError`` when the engine refuses or the node lacks
+        ``op.load_adapter``, ``NotFoundError`` when the node runs no such engine.
+        """
+        ...
+
+    async def unload_adapter(self, deployment_id: str, engine: EngineName, adapter: str) -> None:
+        """Have the deployment's engine unload the adapter ``adapter`` (one it does not have
+        counts as unloaded). Raises as :meth:`load_adapter`."""
         ...
 
     async def engines(self) -> list[EngineReport]:

@@ -39,13 +39,16 @@ from berth.cluster.protocol.ops import (
     ENGINES,
     INGRESS,
     INVENTORY,
+    LOAD_ADAPTER,
     OP_CAPABILITIES,
     PROBE,
     PULL,
     RUNTIME_CAPABILITIES,
     START,
     STOP,
+    UNLOAD_ADAPTER,
     IngressArgs,
+    LoadAdapterArgs,
     NoArgs,
     Op,
     PreparingEvent,
@@ -54,6 +57,7 @@ from berth.cluster.protocol.ops import (
     SpawnedEvent,
     StartArgs,
     StopArgs,
+    UnloadAdapterArgs,
     decode_payload,
 )
 from berth.cluster.tunnel_stream import StreamResetError, TunnelStream
@@ -67,7 +71,7 @@ from berth.engine_http.errors import (
 from berth.engine_http.origin import TUNNEL_SCHEME, Origin
 from berth.errors import EngineError, NotFoundError
 from berth.runtime.base import ProgressListener, RuntimeName
-from berth.runtime.engines import DeploymentRequest
+from berth.runtime.engines import DeploymentRequest, EngineName
 
 #: Seconds a quick control request (stop excepted) may take before the link counts as stuck.
 CONTROL_TIMEOUT_S = 30.0
@@ -75,6 +79,8 @@ CONTROL_TIMEOUT_S = 30.0
 PROBE_ANSWER_SLACK_S = 1.0
 #: Seconds an agent may take to download a model from the hub.
 PULL_TIMEOUT_S = 3600.0
+#: Seconds an agent may take to load or unload an adapter (the engine's own wait, and more).
+ADAPTER_TIMEOUT_S = 150.0
 
 A = TypeVar("A", bound=msgspec.Struct)
 R = TypeVar("R")
@@ -158,6 +164,15 @@ class RemoteLink:
             runtime=request.runtime,
             image=request.image,
         )
+        if request.adapter_slots is not None or request.lora_files:
+            if LOAD_ADAPTER.capability not in self.capabilities:
+                raise EngineError(
+                    f"node {self.node_id}'s agent does not serve LoRA adapters; upgrade it"
+                )
+            args.adapter_slots = request.adapter_slots
+            args.max_lora_rank = request.max_lora_rank
+            args.lora_target_modules = list(request.lora_target_modules)
+            args.lora_files = [str(path) for path in request.lora_files]
 
         spawned = False
 
@@ -218,6 +233,18 @@ class RemoteLink:
             PROBE, args, timeout_s + PROBE_ANSWER_SLACK_S, engine_of=deployment_id
         )
         return answer.result
+
+    async def load_adapter(
+        self, deployment_id: str, engine: EngineName, adapter: str, path: str
+    ) -> None:
+        args = LoadAdapterArgs(
+            deployment_id=deployment_id, engine=engine, adapter=adapter, path=path
+        )
+        await self._call(LOAD_ADAPTER, args, ADAPTER_TIMEOUT_S, engine_of=deployment_id)
+
+    async def unload_adapter(self, deployment_id: str, engine: EngineName, adapter: str) -> None:
+        args = UnloadAdapterArgs(deployment_id=deployment_id, engine=engine, adapter=adapter)
+        await self._call(UNLOAD_ADAPTER, args, ADAPTER_TIMEOUT_S, engine_of=deployment_id)
 
     async def engines(self) -> list[EngineReport]:
         result = await self._call(ENGINES, NoArgs(), CONTROL_TIMEOUT_S)

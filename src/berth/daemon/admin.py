@@ -41,6 +41,7 @@ from berth.api import (
     describe_invalid,
 )
 from berth.cluster.link import LOCAL_NODE_ID
+from berth.daemon.admin_adapters import build_adapter_router
 from berth.daemon.admin_keys import build_key_router
 from berth.daemon.admin_metrics import build_metrics_router
 from berth.daemon.admin_nodes import build_node_router
@@ -347,6 +348,7 @@ def build_admin_app(services: LeaderServices) -> FastAPI:
                 extra_args=tuple(body.extra_args),
                 served_model_name=body.served_model_name,
                 image=body.image,
+                max_adapters=body.max_adapters,
                 force=body.force,
             )
         )
@@ -385,6 +387,7 @@ def build_admin_app(services: LeaderServices) -> FastAPI:
     app.include_router(build_node_router(services))
     app.include_router(build_metrics_router(services))
     app.include_router(build_routing_router(services))
+    app.include_router(build_adapter_router(services))
     app.include_router(build_plan_router(services))
 
     @app.post("/admin/shutdown", status_code=202)

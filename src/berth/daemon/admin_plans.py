@@ -23,6 +23,8 @@ from berth.api import (
     VramEstimateOut,
 )
 from berth.cluster.link import LOCAL_NODE_ID
+from berth.daemon.adapters import AdapterManager
+from berth.daemon.admin_adapters import plan_notes
 from berth.daemon.lifecycle import DeployOptions, LifecycleManager, PlannedDeployment
 from berth.errors import ConfigError, ConflictError, NotFoundError
 from berth.placement import ModelAt, Placement, VramEstimate
@@ -39,13 +41,20 @@ def build_plan_router(services: LeaderServices) -> APIRouter:
         services.lifecycle,
         default_runtime=services.settings.default_runtime,
         leader_only=services.leader_only,
+        adapters=services.adapters,
     )
 
 
 def plan_router(
-    store: Store, lifecycle: LifecycleManager, *, default_runtime: str, leader_only: bool
+    store: Store,
+    lifecycle: LifecycleManager,
+    *,
+    default_runtime: str,
+    leader_only: bool,
+    adapters: AdapterManager | None = None,
 ) -> APIRouter:
-    """The endpoint of the module docstring over explicit dependencies."""
+    """The endpoint of the module docstring over explicit dependencies; with ``adapters``,
+    a plan says what LoRA adapters the deployment starts with (:func:`plan_notes`)."""
     router = APIRouter()
 
     @router.post("/admin/plan")
@@ -73,6 +82,7 @@ def plan_router(
                 served_model_name=service.name,
                 image=service.image,
                 force=body.force,
+                max_adapters=body.max_adapters or service.max_adapters,
             )
         else:
             try:
@@ -93,6 +103,7 @@ def plan_router(
                 ctx=body.ctx,
                 extra_args=tuple(body.extra_args or ()),
                 force=body.force,
+                max_adapters=body.max_adapters,
             )
         if leader_only and (options.node_id == LOCAL_NODE_ID):
             raise ConflictError(
@@ -100,7 +111,11 @@ def plan_router(
                 "--node LABEL"
             )
         planned = await lifecycle.plan(options)
-        return plan_view(body.target, "service" if service else "model", options, planned)
+        view = plan_view(body.target, "service" if service else "model", options, planned)
+        if adapters is not None:
+            notes = await plan_notes(store, adapters, options, planned)
+            view = view.model_copy(update={"adapter_notes": notes})
+        return view
 
     return router
 

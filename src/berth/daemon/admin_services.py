@@ -130,6 +130,7 @@ def service_view(
         scaling=scaling_view(record),
         replicas=dict(status.replicas) if status is not None else {},
         queued=status.queued if status is not None else 0,
+        max_adapters=record.max_adapters,
     )
 
 
@@ -242,6 +243,7 @@ def service_router(
             image=body.image,
             node_label=body.node_label,
             scaling=settings,
+            max_adapters=body.max_adapters,
         )
         await reload()
         return service_view(record, lifecycle, [], scaling)

@@ -28,8 +28,8 @@ def deploy_options(
 ) -> DeployOptions:
     """A deployment of ``service`` on ``node`` (an id or label; ``None``: where placement
     finds room by fit): its model, engine, runtime,
-    GPUs, context, arguments and image, serving the service's name; ``force`` places its
-    GPUs even where the VRAM estimate does not fit."""
+    GPUs, context, arguments, image and LoRA slots, serving the service's name; ``force``
+    places its GPUs even where the VRAM estimate does not fit."""
     return DeployOptions(
         model_name=service.model_name,
         engine=service.engine,
@@ -41,6 +41,7 @@ def deploy_options(
         served_model_name=service.name,
         image=service.image,
         force=force,
+        max_adapters=service.max_adapters,
     )
 
 

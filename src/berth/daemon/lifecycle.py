@@ -25,6 +25,7 @@ from berth.cluster.link import LOCAL_NODE_ID, AgentLink
 from berth.cluster.link_registry import LinkRegistry
 from berth.cluster.protocol.frames import AdoptedState, EngineState
 from berth.daemon.estimates import VramEstimator
+from berth.daemon.lora_plan import LoraPlan, plan_lora
 from berth.daemon.placement_facts import UsageLookup, no_usage
 from berth.daemon.planner import (
     DEFAULT_MIN_RESIDENCY_S,
@@ -282,6 +283,16 @@ class LifecycleManager:
                 raise ConflictError(
                     f"node {placement.label} ({placement.node_id}) is not connected"
                 )
+            adapters = await asyncio.to_thread(self._store.list_adapters, planned.model.name)
+            lora = plan_lora(
+                planned.engine,
+                placement.runtime,
+                placement.node_id,
+                adapters,
+                max_adapters=options.max_adapters,
+                node_serves_adapters="op.load_adapter" in link.capabilities,
+            )
+            # Stops come last: a refusal above must not have cost another deployment.
             if placement.eviction is not None:
                 await self._evict(placement.eviction, on_evict)
             served = options.served_model_name or planned.model.name
@@ -296,13 +307,15 @@ class LifecycleManager:
                 extra_args=options.extra_args,
                 served_model_name=served,
                 image=placement.image,
+                adapter_slots=lora.slots,
+                lora_adapters=lora.names,
             )
             self._estimator.remember(record.id, planned.estimate)
         log.info("deployment %s placed: %s", record.id, "; ".join(placement.reasons))
         self._table.add_known_model(served)
         self._writer.notify(record)
         task = asyncio.create_task(
-            self._run_start(record, link, placement, planned.engine), name=record.id
+            self._run_start(record, link, placement, planned.engine, lora), name=record.id
         )
         self._starting[record.id] = task
         task.add_done_callback(lambda _t: self._starting.pop(record.id, None))
@@ -353,7 +366,12 @@ class LifecycleManager:
     # -- carrying a placement out ------------------------------------------------------------
 
     async def _run_start(
-        self, record: DeploymentRecord, link: AgentLink, placement: Placement, engine: EngineName
+        self,
+        record: DeploymentRecord,
+        link: AgentLink,
+        placement: Placement,
+        engine: EngineName,
+        lora: LoraPlan,
     ) -> None:
         try:
             await self._writer.transition(record.id, DeploymentState.LOADING)
@@ -370,6 +388,10 @@ class LifecycleManager:
                 served_model_name=record.served_model_name,
                 runtime=placement.runtime,
                 image=placement.image,
+                adapter_slots=lora.slots,
+                max_lora_rank=lora.max_rank,
+                lora_target_modules=lora.target_modules,
+                lora_files=lora.files,
             )
 
             async def record_spawn(pid: int, port: int) -> None:

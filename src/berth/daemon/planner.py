@@ -69,6 +69,8 @@ class DeployOptions:
     #: the container image (docker runtime only); ``None``: the engine's image setting
     image: str | None = None
     force: bool = False
+    #: vLLM/SGLang: LoRA adapter slots (``None``: 1 when the base has adapters, else off)
+    max_adapters: int | None = None
 
 
 @dataclass(frozen=True)

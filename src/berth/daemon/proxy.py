@@ -39,6 +39,8 @@ from berth.admission import (
     Ticket,
 )
 from berth.admission import estimate as estimate_tokens
+from berth.daemon.adapter_resolver import with_lora
+from berth.daemon.adapters import AdapterManager
 from berth.daemon.engine_client import EngineAuth, EngineClient, TunnelOpener
 from berth.daemon.proxy_asgi import AsgiClientRequest, AsgiClientWriter
 from berth.daemon.proxy_dispatch import first_answer
@@ -102,12 +104,18 @@ class _Bodies:
         self._rewritten: dict[str, bytes] = {}
 
     def get(self, upstream: Upstream) -> bytes:
-        name = upstream.engine_model
-        if name is None:
+        name, scales = upstream.engine_model, upstream.lora_scales
+        if name is None and not scales:
             return self._body
-        rewritten = self._rewritten.get(name)
+        key = f"{name}\0lora={scales}"  # llama.cpp with adapters: their scales per request
+        rewritten = self._rewritten.get(key)
         if rewritten is None:
-            rewritten = self._rewritten[name] = with_model(self._body, name)
+            if scales:
+                rewritten = with_lora(self._body, name, scales)
+            else:
+                assert name is not None  # checked above
+                rewritten = with_model(self._body, name)
+            self._rewritten[key] = rewritten
         return rewritten
 
 
@@ -152,7 +160,10 @@ class OpenAIProxy:
     ``authorization`` header of an engine reached directly (node ``local``'s own API key);
     a client's credentials never reach an engine. Every completion request answered (relayed
     or refused) is recorded in ``request_log`` (:attr:`request_log`, a bounded ring of recent
-    requests with no prompt or answer text; a new one when none is given).
+    requests with no prompt or answer text; a new one when none is given). ``adapters``, when
+    given, loads a LoRA adapter into the chosen engine before an attempt that needs it
+    (:meth:`berth.daemon.adapters.AdapterManager.gated`), and gives ``/v1/models`` each
+    adapter's base as ``parent`` (vLLM's field for it).
 
     ``on_demand``, when given, holds a request for a route whose services have nothing ready
     until one of them is loaded (:mod:`berth.scaling.on_demand`); nothing is sent to the
@@ -191,6 +202,7 @@ class OpenAIProxy:
         request_log: RequestLog | None = None,
         admission: Admission | None = None,
         slots: SlotGate | None = None,
+        adapters: AdapterManager | None = None,
     ) -> None:
         self._resolver = resolver
         self._on_demand = on_demand
@@ -198,13 +210,16 @@ class OpenAIProxy:
         self._slots = slots
         #: The recent requests (the console's requests view, ``GET /admin/requests``).
         self.request_log = request_log if request_log is not None else RequestLog()
-        self._engines = EngineClient(
+        self._adapters = adapters
+        self._engines = engines = EngineClient(
             tunnels=tunnels,
             connect_timeout_s=connect_timeout_s,
             read_timeout_s=read_timeout_s,
             max_connections=max_connections,
             engine_auth=engine_auth,
         )
+        # an adapter request has its adapter loaded into the engine first
+        self._open = engines.open if adapters is None else adapters.gated(engines.open)
         self.router = router or Router(resolver)
         self._max_attempts = max_attempts
         self._relay_buffer_chunks = relay_buffer_chunks
@@ -318,7 +333,9 @@ class OpenAIProxy:
 
     def _model_card(self, name: str) -> dict[str, object]:
         # OpenAI's Model object; "created" is unix seconds, here when the proxy started.
-        return {"id": name, "object": "model", "created": self._created, "owned_by": "berth"}
+        card = {"id": name, "object": "model", "created": self._created, "owned_by": "berth"}
+        adapter = self._adapters.entry(name) if self._adapters is not None else None
+        return card if adapter is None else {**card, "parent": adapter.base}  # vLLM's field
 
     # -- completions --------------------------------------------------------------------------
 
@@ -440,7 +457,7 @@ class OpenAIProxy:
 
         async def attempt(target: Upstream) -> EngineAnswer:
             try:
-                answer = await self._engines.open(target, path, query, forward, bodies.get(target))
+                answer = await self._open(target, path, query, forward, bodies.get(target))
             except ProxyError as exc:
                 outcomes.append(exc.error_code)
                 raise

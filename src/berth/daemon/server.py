@@ -43,6 +43,9 @@ from berth.cluster.listener import (
 )
 from berth.cluster.peer_identity import ForwardedFingerprintTrust
 from berth.config import Settings
+from berth.daemon.adapter_resolver import AdapterResolver
+from berth.daemon.adapters import AdapterManager
+from berth.daemon.admin_adapters import reload_adapters
 from berth.daemon.admin_services import load_routes
 from berth.daemon.app import build_apps
 from berth.daemon.auth import Authenticator
@@ -55,6 +58,7 @@ from berth.errors import DaemonError
 from berth.eventloop import freeze_startup_objects
 from berth.http_server.server import HttpServer
 from berth.keys import load_or_create_pepper
+from berth.observability.adapters import AdapterMetrics
 from berth.observability.cluster import ClusterMetrics
 from berth.observability.loop_lag import LoopLagMonitor
 from berth.observability.metrics import ProxyMetrics
@@ -271,8 +275,13 @@ async def serve(home: BerthHome, settings: Settings) -> None:
     audit = AuditLog(home.audit_log)
     signals = SignalBoard()
     scaling: ScalingController | None = None  # built below, once the lifecycle manager is
+    adapters = AdapterManager(links, metrics=AdapterMetrics(metrics.registry))
+    for active in await asyncio.to_thread(store.list_deployments, active_only=True):
+        adapters.deployment_changed(active)
+    await reload_adapters(store, adapters)
 
     def on_state(record: DeploymentRecord) -> None:
+        adapters.deployment_changed(record)
         metrics.set_deployment_state(
             record.id, model=record.served_model_name, node=record.node_id, state=record.state
         )
@@ -344,8 +353,9 @@ async def serve(home: BerthHome, settings: Settings) -> None:
         audit=audit.append,
     )
     await load_routes(store, routes)
+    resolver = AdapterResolver(routes, lifecycle, adapters)  # adapters' names, then routes'
     router = Router(
-        routes,
+        resolver,
         signals=signals,
         node_reported=hub.has_reported,
         free_vram_mb=hub.free_vram_mb,
@@ -362,7 +372,7 @@ async def serve(home: BerthHome, settings: Settings) -> None:
             interval_s=settings.heartbeat_interval_s,
         )
     proxy = OpenAIProxy(
-        routes,
+        resolver,
         metrics,
         max_body_bytes=settings.max_body_bytes,
         tunnels=data_paths,
@@ -373,6 +383,7 @@ async def serve(home: BerthHome, settings: Settings) -> None:
         on_demand=scaling.stage,
         admission=admission,
         slots=slots,
+        adapters=adapters,
     )
     enrollment = EnrollmentService(
         store=store,
@@ -403,6 +414,7 @@ async def serve(home: BerthHome, settings: Settings) -> None:
         routes=routes,
         scaling=scaling,
         admission=admission,
+        adapters=adapters,
         listeners=[
             Listener("public", f"https://{settings.public_host}:{public_port}"),
             Listener("cluster", cluster_url),

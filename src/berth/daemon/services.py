@@ -13,6 +13,7 @@ from berth.cluster.enrollment import EnrollmentService
 from berth.cluster.hub import NodeHub
 from berth.cluster.link_registry import LinkRegistry
 from berth.config import Settings
+from berth.daemon.adapters import AdapterManager
 from berth.daemon.auth import Authenticator
 from berth.daemon.lifecycle import LifecycleManager
 from berth.daemon.proxy import OpenAIProxy
@@ -61,6 +62,8 @@ class LeaderServices:
     started_at: float
     #: The proxy's resolver: routes, then the lifecycle's names (reloaded on route changes).
     routes: RouteResolver
+    #: LoRA adapters: the registry the router serves them from, and where each is loaded.
+    adapters: AdapterManager
     #: Per-key limits and the usage ledger (updated by the admin API's key routes).
     admission: Admission
     listeners: list[Listener] = field(default_factory=list)

@@ -11,6 +11,7 @@ retry rules are stated in them. They are answered in the OpenAI shape (:mod:`ber
         ├── RequestTooLargeError   413 body over max_body_bytes
         ├── NoReadyDeploymentError 503 + Retry-After: the model exists, nothing serves it yet
         ├── EngineUnreachableError 502 connection refused, or closed before an answer
+        │   └── AdapterUnavailableError 503 the LoRA adapter could not be loaded there
         └── EngineTimeoutError     504 the engine sent nothing for read_timeout_s
 
 An unknown model is the resolver's :class:`berth.errors.NotFoundError` (404).
@@ -88,6 +89,16 @@ class EngineUnreachableError(ProxyError):
         self.upstream = upstream
         self.deployment_id = upstream.deployment_id
         super().__init__(f"the engine of deployment {upstream.deployment_id} {why}")
+
+
+class AdapterUnavailableError(EngineUnreachableError):
+    """The deployment chosen for an adapter request could not take the adapter (its load
+    failed, or every slot holds an adapter in use): retried elsewhere like an unreachable
+    engine, answered 503 when it was the last try."""
+
+    http_status = 503
+    error_type = "server_error"
+    error_code = "adapter_unavailable"
 
 
 class EngineTimeoutError(ProxyError):

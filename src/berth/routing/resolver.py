@@ -13,8 +13,22 @@ from typing import Protocol
 
 
 @dataclass(frozen=True)
+class AdapterUse:
+    """The LoRA adapter a request for ``name`` (of base model ``base``) is served with."""
+
+    name: str
+    base: str
+
+
+@dataclass(frozen=True)
 class Upstream:
-    """Where one request goes: an engine serving the public model name ``model``."""
+    """Where one request goes: an engine serving the public model name ``model``.
+
+    ``adapter`` is set for a request for a LoRA adapter; ``tier`` then ranks the
+    deployment's readiness for it (0: loaded, 1: a free slot, 2: another adapter must be
+    unloaded first, :mod:`berth.routing.adapters`); the router scores each tier apart,
+    best first; ``lora_scales`` applies it on llama.cpp.
+    """
 
     base_url: str  # http://127.0.0.1:PORT of the engine
     deployment_id: str
@@ -23,6 +37,13 @@ class Upstream:
     #: the name the engine serves when it is not ``model`` (e.g. a route to a service): the
     #: request's ``"model"`` is rewritten to it, since vLLM and SGLang refuse other names
     engine_model: str | None = None
+    adapter: AdapterUse | None = None
+    tier: int = 0
+    #: llama.cpp started with adapters: the scale of each (by ``--lora`` index) for this
+    #: request, sent as its ``lora`` field: 1 for the adapter asked for, 0 for the others,
+    #: all 0 for the base model (a request without the field gets the engine's global
+    #: scales, which ``--lora-init-without-apply`` does not zero in every build)
+    lora_scales: tuple[float, ...] = ()
     #: requests the engine serves at once (its slots: ``--parallel``, ``--max-num-seqs``),
     #: the most the leader's fair admission queue lets through; ``None``: unknown, not held
     slots: int | None = None

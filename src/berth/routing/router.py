@@ -12,7 +12,9 @@ from berth.routing.affinity import affinity_key as request_affinity_key
 from berth.routing.scorer import (
     AFFINITY_MAX_EXTRA_IN_FLIGHT,
     Candidate,
+    Dropped,
     NodeSignals,
+    Ranked,
     Ranking,
     rank,
 )
@@ -104,12 +106,24 @@ class Router:
         affinity_node: str | None,
         rotation: int,
     ) -> Ranking:
-        candidates = [Candidate(u.deployment_id, u.node_id, self._signals_of(u)) for u in upstreams]
         # A key that is only the API key (no session header) may be shared by many
         # clients: it breaks ties between equally busy nodes but never outweighs load.
         weak = affinity_key is not None and affinity_key.startswith(API_KEY_PREFIX)
         slack = 0 if weak else AFFINITY_MAX_EXTRA_IN_FLIGHT
-        return rank(candidates, affinity_node, rotation, slack)
+        # An adapter's candidates come in tiers (routing/adapters.py): each tier is scored on
+        # its own, the best first, so a lower tier is only reached by a retry.
+        ranked: list[Ranked] = []
+        dropped: list[Dropped] = []
+        for tier in sorted({u.tier for u in upstreams}):
+            candidates = [
+                Candidate(u.deployment_id, u.node_id, self._signals_of(u))
+                for u in upstreams
+                if u.tier == tier
+            ]
+            ranking = rank(candidates, affinity_node, rotation, slack)
+            ranked.extend(ranking.ranked)
+            dropped.extend(ranking.dropped)
+        return Ranking(tuple(ranked), tuple(dropped))
 
     def succeeded(self, affinity_key: str | None, upstream: Upstream) -> None:
         """A dispatch to ``upstream`` answered: remember the node for this key."""

@@ -14,6 +14,8 @@ Flags come from each engine's own documentation:
 * SGLang: the "Server Arguments" page (``--model-path``, ``--host``, ``--port``,
   ``--served-model-name``, ``--context-length``, ``--tp``; ``GET /health``).
 
+LoRA adapters' flags and environment: :mod:`berth.runtime.lora_flags`.
+
 Each engine gets an API key of its own (:attr:`DeploymentRequest.api_key`), told to it in a
 way other users of the host cannot read, since ``/proc/<pid>/cmdline`` is world-readable but
 an engine's environment and berth's 0600 files are not:
@@ -51,6 +53,7 @@ from berth.runtime.base import (
     RuntimeName,
     SecretFile,
 )
+from berth.runtime.lora_flags import LORA_FLAGS, lora_env, lora_serve_flags
 
 EngineName = Literal["llamacpp", "vllm", "sglang"]
 
@@ -118,6 +121,11 @@ class DeploymentRequest:
     runtime (``None``: the engine's default image, :data:`DEFAULT_IMAGES`).  ``api_key`` is
     the engine's own API key, chosen by the agent core that starts it (``None``: the engine
     runs without one); it never appears in a ``repr``.
+
+    Adapters (vLLM, SGLang): ``adapter_slots`` enables LoRA with that many adapters loaded at
+    once, up to rank ``max_lora_rank`` (``None``: vLLM's default, 16), on the
+    modules ``lora_target_modules`` (SGLang needs them). llama.cpp: ``lora_files`` are
+    given with ``--lora`` in this order (a request names one by its index).
     """
 
     deployment_id: str
@@ -133,6 +141,10 @@ class DeploymentRequest:
     runtime: RuntimeName = "process"
     image: str | None = None
     api_key: str | None = field(default=None, repr=False)
+    adapter_slots: int | None = None
+    max_lora_rank: int | None = None
+    lora_target_modules: tuple[str, ...] = ()
+    lora_files: tuple[Path, ...] = ()
 
     @property
     def effective_served_name(self) -> str:
@@ -216,6 +228,7 @@ def build_launch_spec(
     argv.extend(key_flags)
     argv.extend(req.extra_args)
     env: dict[str, str] = {}
+    env.update(lora_env(req.engine, req.adapter_slots))
     if req.gpus:
         # CUDA numbers devices fastest-first by default; NVML (and berth) in PCI bus order.
         env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
@@ -275,6 +288,11 @@ def _check_request(req: DeploymentRequest, *, needs_port: bool = True) -> None:
                 f"extra argument {flag} is refused: berth gives each engine an API key of its "
                 "own and sends it with every request"
             )
+        if flag in LORA_FLAGS and (req.adapter_slots is not None or req.lora_files):
+            raise ConfigError(
+                f"extra argument {flag} is refused: berth sets the LoRA flags of a deployment "
+                "whose base has adapters (berth run --max-adapters N)"
+            )
         if req.engine == "sglang" and flag == SGLANG_CONFIG_FLAG:
             raise ConfigError(
                 f"extra argument {flag} is refused for SGLang: berth passes the engine's key "
@@ -286,6 +304,11 @@ def _check_request(req: DeploymentRequest, *, needs_port: bool = True) -> None:
         raise ConfigError(f"GPU indices must be >= 0, got {list(req.gpus)}")
     if not req.model_path.exists():
         raise NotFoundError("model path", str(req.model_path))
+    if req.adapter_slots is not None and req.adapter_slots < 1:
+        raise ConfigError(f"adapter slots must be at least 1, not {req.adapter_slots}")
+    for lora in req.lora_files:
+        if not lora.is_file():
+            raise NotFoundError("adapter file", str(lora))
 
 
 def _llamacpp_argv(req: DeploymentRequest, served: str, binaries: EngineBinaries) -> list[str]:
@@ -352,6 +375,13 @@ def _serve_flags(req: DeploymentRequest, served: str, host: str, port: int) -> l
             flags += ["--tp", str(len(req.gpus))]
     else:
         assert_never(req.engine)
+    flags += lora_serve_flags(
+        req.engine,
+        slots=req.adapter_slots,
+        max_rank=req.max_lora_rank,
+        target_modules=req.lora_target_modules,
+        files=req.lora_files,
+    )
     return flags
 
 
@@ -439,9 +469,15 @@ def build_container_spec(
     mounted read-only at :data:`CONTAINER_KEY_FILE` (SGLang).
 
     Raises the same errors as :func:`build_launch_spec`, except that no engine program is
-    needed on the host.
+    needed on the host, and ``ConfigError`` for a request with adapters (their files are
+    not mounted into containers).
     """
     _check_request(req, needs_port=False)
+    if req.adapter_slots is not None or req.lora_files:
+        raise ConfigError(
+            "LoRA adapters are served by engines of the process runtime only: deploy the base "
+            "with --runtime process"
+        )
     if not image.strip():
         raise ConfigError("the docker image name is empty")
     served = req.effective_served_name

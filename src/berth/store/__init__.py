@@ -5,6 +5,7 @@ Callers use :class:`Store` and the frozen records; the ORM tables stay inside th
 
 from berth.store.migrations import LATEST_VERSION
 from berth.store.records import (
+    AdapterRecord,
     ApiKeyRecord,
     DeploymentRecord,
     ModelLocation,
@@ -24,6 +25,7 @@ from berth.store.store import UNCHANGED, Store, Unchanged
 __all__ = [
     "LATEST_VERSION",
     "UNCHANGED",
+    "AdapterRecord",
     "ApiKeyRecord",
     "DeploymentRecord",
     "ModelLocation",

@@ -3,8 +3,14 @@
 The ``schema_version`` table holds one row per applied migration; the schema's version is the
 highest.  :data:`MIGRATIONS` is the ordered list of numbered steps.  Each step is applied in
 its own transaction together with its ``schema_version`` row, so a failed step leaves the
-database at the previous version.  A database whose version is higher than the last step
-known here was written by a newer berth and is refused.
+database as it was before it.  A database whose version is higher than the last step known
+here was written by a newer berth and is refused.
+
+Numbers increase but may skip: features built at the same time reserve their numbers, and
+whichever lands first leaves a gap for the others.  So a step is applied when its own row is
+missing, not when the version is below it: a database that already has step 7 still gets a
+step 5 that arrives later (each step touches its own tables, so their order between
+themselves does not matter).
 
 A migration's table definitions are frozen copies written with SQLAlchemy Core, not the ORM
 classes of :mod:`berth.store.tables`: those follow the latest schema, while migration 1 must
@@ -243,7 +249,46 @@ def _v6_key_limits_and_usage(conn: Connection) -> None:
     metadata.create_all(conn)
 
 
-#: Every migration, in order; versions are 1, 2, 3, … without gaps.
+def _v7_adapters(conn: Connection) -> None:
+    # ADD COLUMN with a NULL default: the same statements on SQLite and PostgreSQL.
+    conn.execute(text("ALTER TABLE deployments ADD COLUMN adapter_slots INTEGER"))
+    spelled = JSON().compile(dialect=conn.dialect)
+    conn.execute(text(f"ALTER TABLE deployments ADD COLUMN lora_adapters {spelled}"))
+    conn.execute(text("ALTER TABLE service_profiles ADD COLUMN max_adapters INTEGER"))
+    metadata = MetaData()
+    Table("models", metadata, Column("name", String(255), primary_key=True))
+    Table("nodes", metadata, Column("id", String(16), primary_key=True))
+    Table(
+        "adapters",
+        metadata,
+        Column("name", String(255), primary_key=True),
+        Column("base_model", String(255), ForeignKey("models.name"), nullable=False),
+        Column("format", String(16), nullable=False),
+        Column("rank", Integer, nullable=True),
+        Column("target_modules", JSON, nullable=False),
+        Column("source", String(16), nullable=False),
+        Column("repo_id", String(255), nullable=True),
+        Column("revision", String(255), nullable=True),
+        Column("created_at", DateTime(timezone=True), nullable=False),
+        Index("ix_adapters_base_model", "base_model"),
+    )
+    Table(
+        "adapter_locations",
+        metadata,
+        Column(
+            "adapter_name",
+            String(255),
+            ForeignKey("adapters.name", ondelete="CASCADE"),
+            primary_key=True,
+        ),
+        Column("node_id", String(16), ForeignKey("nodes.id", ondelete="CASCADE"), primary_key=True),
+        Column("path", Text, nullable=False),
+    )
+    for name in ("adapters", "adapter_locations"):
+        metadata.tables[name].create(conn)
+
+
+#: Every migration, in increasing order (numbers may skip: see the module docstring).
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(1, "models, deployments and api_keys", _v1_initial),
     Migration(2, "nodes, enrollment_tokens and model_locations", _v2_nodes),
@@ -251,6 +296,9 @@ MIGRATIONS: tuple[Migration, ...] = (
     Migration(4, "service_profiles, routes and route_targets", _v4_services_and_routes),
     Migration(5, "service_profiles scaling settings", _v5_service_scaling),
     Migration(6, "api_keys.limits and expires_at, usage_ledger", _v6_key_limits_and_usage),
+    Migration(
+        7, "adapters, adapter_locations, deployments' and services' adapter slots", _v7_adapters
+    ),
 )
 
 LATEST_VERSION = MIGRATIONS[-1].version
@@ -263,6 +311,13 @@ _schema_version = Table(
     Column("description", String(255), nullable=False),
     Column("applied_at", UTCDateTime, nullable=False),
 )
+
+
+def applied_versions(conn: Connection) -> set[int]:
+    """The migrations recorded in the database behind ``conn`` (empty if never migrated)."""
+    if not inspect(conn).has_table(_schema_version.name):
+        return set()
+    return {int(v) for v in conn.execute(select(_schema_version.c.version)).scalars()}
 
 
 def current_version(conn: Connection) -> int:
@@ -290,13 +345,13 @@ def migrate(
     """Apply every migration the database lacks and return the resulting version.
 
     Idempotent: an up-to-date database is left alone.  Safe against a concurrent migrator:
-    each step re-reads the version inside its own write transaction.  Raises
+    each step re-reads what is applied inside its own write transaction.  Raises
     :class:`StoreError` when the database is newer than ``migrations`` (nothing is changed),
-    or when ``migrations`` is not numbered 1, 2, 3, ….
+    or when ``migrations`` is not numbered upwards from 1.
     """
-    expected = list(range(1, len(migrations) + 1))
-    if [m.version for m in migrations] != expected:
-        raise StoreError("migrations must be numbered 1, 2, 3, … without gaps")
+    versions = [m.version for m in migrations]
+    if versions and (versions[0] != 1 or versions != sorted(set(versions))):
+        raise StoreError("migrations must be numbered upwards from 1")
     latest = migrations[-1].version if migrations else 0
 
     with engine.connect() as conn:
@@ -306,9 +361,8 @@ def migrate(
 
         for migration in migrations:
             with conn.begin():
-                version = current_version(conn)
-                _refuse_newer(version, latest)
-                if version >= migration.version:
+                _refuse_newer(current_version(conn), latest)
+                if migration.version in applied_versions(conn):
                     continue
                 migration.apply(conn)
                 conn.execute(

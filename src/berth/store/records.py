@@ -67,6 +67,10 @@ class DeploymentRecord:
     created_at: datetime
     updated_at: datetime
     image: str | None = None
+    #: LoRA slots a vLLM/SGLang engine was started with (``None``: adapters not enabled)
+    adapter_slots: int | None = None
+    #: llama.cpp: the adapters it was started with (``--lora``), in order: their ids
+    lora_adapters: tuple[str, ...] = ()
 
     @property
     def is_active(self) -> bool:
@@ -205,6 +209,8 @@ class ServiceProfileRecord:
     image setting); ``node_label`` the node its deployments run on (``None``: chosen at
     deploy time, ``local`` by default).  Its deployments serve the profile's ``name``.
     ``scaling`` says how many of them run and when (:class:`ScalingSettings`).
+    ``max_adapters`` is their LoRA slot count (vLLM, SGLang; ``None``: 1 when the model has
+    adapters, else LoRA off, as ``berth run --max-adapters``).
     """
 
     name: str
@@ -218,6 +224,7 @@ class ServiceProfileRecord:
     node_label: str | None
     created_at: datetime
     scaling: ScalingSettings = ScalingSettings()
+    max_adapters: int | None = None
 
 
 @dataclass(frozen=True)
@@ -237,3 +244,29 @@ class RouteRecord:
     targets: tuple[RouteTarget, ...]
     fallback: str | None
     created_at: datetime
+
+
+#: ``peft``: a PEFT folder (vLLM, SGLang); ``gguf``: a GGUF LoRA file (llama.cpp).
+AdapterFormatName = Literal["peft", "gguf"]
+
+
+@dataclass(frozen=True)
+class AdapterRecord:
+    """A registered LoRA adapter of ``base_model``, served under ``name``.
+
+    ``locations`` maps node ids to the adapter's path on that node's host. ``rank`` and
+    ``target_modules`` are read from the files when the leader could read them (``None``
+    and empty for a path only on another node's host). ``source`` is ``hub`` for one
+    ``berth pull`` fetched (``repo_id``, ``revision``), ``local`` otherwise.
+    """
+
+    name: str
+    base_model: str
+    format: AdapterFormatName
+    rank: int | None
+    target_modules: tuple[str, ...]
+    source: ModelSource
+    repo_id: str | None
+    revision: str | None
+    created_at: datetime
+    locations: dict[str, str]

@@ -32,6 +32,7 @@ from sqlalchemy.orm import Session
 
 from berth.errors import ConfigError, ConflictError, NotFoundError
 from berth.runtime.engines import parse_engine_name, parse_runtime_name
+from berth.store.adapters import adapter_named
 from berth.store.records import RouteRecord, RouteTarget, ScalingSettings, ServiceProfileRecord
 from berth.store.states import TERMINAL_STATES, DeploymentState
 from berth.store.tables import (
@@ -99,6 +100,7 @@ class ServiceMethods:
         image: str | None = None,
         node_label: str | None = None,
         scaling: ScalingSettings | None = None,
+        max_adapters: int | None = None,
     ) -> ServiceProfileRecord:
         """Record the service profile ``name``.
 
@@ -108,7 +110,8 @@ class ServiceMethods:
         :class:`NotFoundError` for an unknown model or a ``node_label`` no enrolled node has
         (removed nodes included); :class:`ConfigError` for an unknown engine or runtime, a
         negative GPU index, a non-positive ``ctx``, an ``image`` on a runtime other than
-        ``docker``, or scaling settings :func:`check_scaling` refuses.
+        ``docker``, scaling settings :func:`check_scaling` refuses, or a ``max_adapters``
+        below 1 or for llama.cpp (which takes its adapters at start).
         """
         scaling = check_scaling(scaling or ScalingSettings())
         engine_name = parse_engine_name(engine)
@@ -122,6 +125,7 @@ class ServiceMethods:
             raise ConfigError("an image applies to the docker runtime only (--runtime docker)")
         if image == "":
             raise ConfigError("the docker image name is empty")
+        _check_max_adapters(max_adapters, engine_name)
         with self._write() as session:
             if session.get(ServiceProfileRow, name) is not None:
                 raise ConflictError(f"service {name!r} already exists")
@@ -141,6 +145,7 @@ class ServiceMethods:
                     f"{name!r} is already a model's name or a running deployment's served name: "
                     "name the service differently"
                 )
+            _refuse_adapter_name(session, name, "service")
             if node_label is not None:
                 _check_node_label(session, node_label)
             row = ServiceProfileRow(
@@ -160,6 +165,7 @@ class ServiceMethods:
                 pinned=scaling.pinned,
                 priority=scaling.priority,
                 capacity=scaling.capacity,
+                max_adapters=max_adapters,
             )
             session.add(row)
             return _profile_record(row)
@@ -249,6 +255,7 @@ class ServiceMethods:
             _profile_row(session, service)
             route = session.get(RouteRow, name)
             if route is None:
+                _refuse_adapter_name(session, name, "route")
                 route = RouteRow(public_name=name, fallback=None, created_at=self._clock())
                 session.add(route)
             elif session.get(RouteTargetRow, (name, service)) is not None:
@@ -342,6 +349,26 @@ def models_used_by_services(session: Session, model_name: str) -> list[str]:
             .order_by(ServiceProfileRow.name)
         ).all()
     )
+
+
+def _check_max_adapters(max_adapters: int | None, engine: str) -> None:
+    if max_adapters is None:
+        return
+    if max_adapters < 1:
+        raise ConfigError(f"max_adapters must be at least 1, not {max_adapters}")
+    if engine == "llamacpp":
+        raise ConfigError(
+            "max_adapters is for vLLM and SGLang: llama.cpp starts with every adapter of its "
+            "base on its node"
+        )
+
+
+def _refuse_adapter_name(session: Session, name: str, what: str) -> None:
+    base = adapter_named(session, name)
+    if base is not None:
+        raise ConflictError(
+            f"{name!r} is already the name of an adapter of {base!r}: name the {what} differently"
+        )
 
 
 def _check_node_label(session: Session, label: str) -> None:
@@ -440,6 +467,7 @@ def _profile_record(row: ServiceProfileRow) -> ServiceProfileRecord:
         node_label=row.node_label,
         created_at=_aware(row.created_at),
         scaling=_scaling_of(row),
+        max_adapters=row.max_adapters,
     )
 
 

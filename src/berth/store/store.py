@@ -33,6 +33,7 @@ from berth.errors import (
 from berth.keys import parse_tier, validate_key_name
 from berth.limits import LimitOverrides
 from berth.store import migrations
+from berth.store.adapters import AdapterMethods, adapter_named, adapters_of
 from berth.store.db import WRITE_OPTIONS, create_store_engine
 from berth.store.nodes import NodeMethods, delete_model_locations
 from berth.store.records import (
@@ -65,13 +66,13 @@ def _utc_now() -> datetime:
     return datetime.now(UTC)
 
 
-class Store(NodeMethods, ServiceMethods, UsageMethods):
+class Store(NodeMethods, ServiceMethods, AdapterMethods, UsageMethods):
     """The state database at ``url`` (the ``database_url`` setting).
 
     Nothing is touched until the first call; call :meth:`migrate` once at start-up before
     anything else.  The node registry, enrollment tokens and model locations are documented
     in :mod:`berth.store.nodes`; service profiles and routes in :mod:`berth.store.services`;
-    the usage ledger in :mod:`berth.store.usage`.
+    LoRA adapters in :mod:`berth.store.adapters`; the usage ledger in :mod:`berth.store.usage`.
     ``clock`` returns aware datetimes; tests may pass a fake one.
     """
 
@@ -128,8 +129,9 @@ class Store(NodeMethods, ServiceMethods, UsageMethods):
         revision: str | None = None,
         size_bytes: int = 0,
     ) -> ModelRecord:
-        """Register a model.  Raises :class:`ConflictError` when ``name`` is taken and
-        :class:`ConfigError` for an unknown ``source`` or a negative ``size_bytes``."""
+        """Register a model.  Raises :class:`ConflictError` when ``name`` is taken (by a
+        model or an adapter) and :class:`ConfigError` for an unknown ``source`` or a negative
+        ``size_bytes``."""
         if source not in MODEL_SOURCES:
             raise ConfigError(f"unknown model source {source!r}; valid: {', '.join(MODEL_SOURCES)}")
         if size_bytes < 0:
@@ -146,6 +148,9 @@ class Store(NodeMethods, ServiceMethods, UsageMethods):
         with self._write() as session:
             if session.get(ModelRow, name) is not None:
                 raise ConflictError(f"model {name!r} already exists")
+            base = adapter_named(session, name)
+            if base is not None:
+                raise ConflictError(f"{name!r} is already the name of an adapter of {base!r}")
             session.add(row)
         return _model_record(row)
 
@@ -190,6 +195,12 @@ class Store(NodeMethods, ServiceMethods, UsageMethods):
                     f"model {name!r} is used by service(s) {', '.join(services)}; remove them "
                     "first (berth service rm NAME)"
                 )
+            adapters = adapters_of(session, name)
+            if adapters:
+                raise ConflictError(
+                    f"model {name!r} is the base of adapter(s) {', '.join(adapters)}; remove "
+                    "them first (berth adapters rm NAME)"
+                )
             record = _model_record(row)
             delete_model_locations(session, name)
             session.delete(row)
@@ -209,12 +220,16 @@ class Store(NodeMethods, ServiceMethods, UsageMethods):
         extra_args: tuple[str, ...] = (),
         served_model_name: str | None = None,
         image: str | None = None,
+        adapter_slots: int | None = None,
+        lora_adapters: tuple[str, ...] = (),
     ) -> DeploymentRecord:
         """Record a new deployment in state ``pending`` with a fresh id ``d-`` + 8 hex.
 
-        ``served_model_name`` defaults to ``model_name``.  Raises :class:`NotFoundError` when
-        the model is not registered and :class:`ConfigError` for a negative GPU index or a
-        non-positive ``ctx``.
+        ``served_model_name`` defaults to ``model_name``.  ``adapter_slots`` is the LoRA slot
+        count of a vLLM/SGLang engine started with adapters enabled; ``lora_adapters`` the
+        adapters a llama.cpp engine is started with, in ``--lora`` order.  Raises
+        :class:`NotFoundError` when the model is not registered and :class:`ConfigError` for
+        a negative GPU index or a non-positive ``ctx``.
         """
         if any(gpu < 0 for gpu in gpus):
             raise ConfigError(f"GPU indexes must not be negative, got {list(gpus)}")
@@ -241,6 +256,8 @@ class Store(NodeMethods, ServiceMethods, UsageMethods):
                 failure_reason=None,
                 created_at=now,
                 updated_at=now,
+                adapter_slots=adapter_slots,
+                lora_adapters=list(lora_adapters) or None,
             )
             session.add(row)
         return _deployment_record(row)
@@ -516,6 +533,8 @@ def _deployment_record(row: DeploymentRow) -> DeploymentRecord:
         created_at=_aware(row.created_at),
         updated_at=_aware(row.updated_at),
         image=row.image,
+        adapter_slots=row.adapter_slots,
+        lora_adapters=tuple(row.lora_adapters or ()),
     )
 
 

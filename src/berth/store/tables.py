@@ -109,6 +109,10 @@ class DeploymentRow(Base):
     failure_reason: Mapped[str | None] = mapped_column(Text)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, index=True)
     updated_at: Mapped[datetime] = mapped_column(UTCDateTime)
+    #: LoRA slots of a vLLM/SGLang engine started with adapters enabled (``None``: none)
+    adapter_slots: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    #: llama.cpp: the adapters given with ``--lora``, in that order (their ids)
+    lora_adapters: Mapped[list[str] | None] = mapped_column(JSON, nullable=True)
 
 
 class ApiKeyRow(Base):
@@ -225,6 +229,8 @@ class ServiceProfileRow(Base):
     pinned: Mapped[bool] = mapped_column(Boolean, default=False)
     priority: Mapped[int] = mapped_column(Integer, default=0)
     capacity: Mapped[int | None] = mapped_column(Integer)
+    #: vLLM/SGLang: LoRA adapter slots of its deployments (``None``: berth's default)
+    max_adapters: Mapped[int | None] = mapped_column(Integer, nullable=True)
 
 
 class RouteRow(Base):
@@ -255,3 +261,35 @@ class RouteTargetRow(Base):
     )
     priority: Mapped[int] = mapped_column(Integer)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime)
+
+
+class AdapterRow(Base):
+    """A LoRA adapter of a base model, served under its own name."""
+
+    __tablename__ = "adapters"
+
+    name: Mapped[str] = mapped_column(String(NAME_LENGTH), primary_key=True)
+    base_model: Mapped[str] = mapped_column(
+        String(NAME_LENGTH), ForeignKey("models.name"), index=True
+    )
+    format: Mapped[str] = mapped_column(String(16))
+    rank: Mapped[int | None] = mapped_column(Integer)
+    target_modules: Mapped[list[str]] = mapped_column(JSON)
+    source: Mapped[str] = mapped_column(String(16))
+    repo_id: Mapped[str | None] = mapped_column(String(NAME_LENGTH))
+    revision: Mapped[str | None] = mapped_column(String(NAME_LENGTH))
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime)
+
+
+class AdapterLocationRow(Base):
+    """Where an adapter's files are on one node (a path on that node's host)."""
+
+    __tablename__ = "adapter_locations"
+
+    adapter_name: Mapped[str] = mapped_column(
+        String(NAME_LENGTH), ForeignKey("adapters.name", ondelete="CASCADE"), primary_key=True
+    )
+    node_id: Mapped[str] = mapped_column(
+        String(16), ForeignKey("nodes.id", ondelete="CASCADE"), primary_key=True
+    )
+    path: Mapped[str] = mapped_column(Text)

@@ -60,7 +60,17 @@ class FrameType(IntEnum):
 # -- closed sets -------------------------------------------------------------------------------
 
 #: The control operations (``ops.py`` ties each to its argument and result types).
-OpName = Literal["start", "stop", "probe", "inventory", "engines", "pull", "ingress"]
+OpName = Literal[
+    "start",
+    "stop",
+    "probe",
+    "inventory",
+    "engines",
+    "pull",
+    "load_adapter",
+    "unload_adapter",
+    "ingress",
+]
 OP_NAMES: frozenset[str] = frozenset(get_args(OpName))
 #: The events a running request reports in ``PROGRESS`` (v1: those of ``start``).
 ProgressEvent = Literal["spawned", "preparing"]

@@ -52,6 +52,13 @@ class StartArgs(_Args, kw_only=True):
     health_timeout_s: float = 600.0
     runtime: RuntimeName = "process"
     image: str | None = None
+    #: vLLM/SGLang: LoRA enabled with this many slots (sent only to agents with
+    #: ``op.load_adapter``); an older agent ignores it and starts the engine without LoRA
+    adapter_slots: int | None = None
+    max_lora_rank: int | None = None
+    lora_target_modules: list[str] = []
+    #: llama.cpp: the adapter files (on the agent host) given with ``--lora``, in order
+    lora_files: list[str] = []
 
 
 class StartResult(_Args, kw_only=True):
@@ -99,6 +106,24 @@ class PullResult(_Args, kw_only=True):
     """Where the repository is on the agent's host."""
 
     path: str
+
+
+class LoadAdapterArgs(_Args, kw_only=True):
+    """Load the LoRA adapter at ``path`` (on the agent host) into the deployment's running
+    engine (vLLM or SGLang) under the name ``adapter``."""
+
+    deployment_id: str
+    engine: EngineName
+    adapter: str
+    path: str
+
+
+class UnloadAdapterArgs(_Args, kw_only=True):
+    """Unload the adapter ``adapter`` from the deployment's engine."""
+
+    deployment_id: str
+    engine: EngineName
+    adapter: str
 
 
 class IngressArgs(_Args, kw_only=True):
@@ -163,11 +188,14 @@ PROBE: Op[ProbeArgs, ProbeResult] = Op("probe", ProbeArgs, ProbeResult)
 INVENTORY: Op[NoArgs, Inventory] = Op("inventory", NoArgs, Inventory)
 ENGINES: Op[NoArgs, EnginesResult] = Op("engines", NoArgs, EnginesResult)
 PULL: Op[PullArgs, PullResult] = Op("pull", PullArgs, PullResult)
+LOAD_ADAPTER: Op[LoadAdapterArgs, None] = Op("load_adapter", LoadAdapterArgs, type(None))
+UNLOAD_ADAPTER: Op[UnloadAdapterArgs, None] = Op("unload_adapter", UnloadAdapterArgs, type(None))
 INGRESS: Op[IngressArgs, None] = Op("ingress", IngressArgs, type(None))
 
 #: Every op, by name.
 OPS: dict[OpName, Op[Any, Any]] = {
-    op.name: op for op in (START, STOP, PROBE, INVENTORY, ENGINES, PULL, INGRESS)
+    op.name: op
+    for op in (START, STOP, PROBE, INVENTORY, ENGINES, PULL, LOAD_ADAPTER, UNLOAD_ADAPTER, INGRESS)
 }
 #: The capability an agent advertises in Hello for each op it serves.
 OP_CAPABILITIES: dict[OpName, str] = {name: op.capability for name, op in OPS.items()}
