@@ -25,7 +25,7 @@ PROMPT = [{"role": "user", "content": "Name a color."}]
 
 
 @pytest.fixture(scope="module")
-def client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[openai.OpenAI]:
+def lora_client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[openai.OpenAI]:
     home = tmp_path_factory.mktemp("adapters-llamacpp")
     base = smollm2_gguf()
     assert base is not None
@@ -49,18 +49,18 @@ def client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[openai.OpenAI]:
             )
 
 
-def greedy(client: openai.OpenAI, model: str) -> str:
-    answer = client.chat.completions.create(
+def greedy(lora_client: openai.OpenAI, model: str) -> str:
+    answer = lora_client.chat.completions.create(
         model=model, messages=PROMPT, max_tokens=16, temperature=0, seed=7
     )
     return answer.choices[0].message.content or ""
 
 
-def test_zero_deltas_answer_as_the_base_and_others_do_not(client: openai.OpenAI) -> None:
-    listed = {m.id: (m.model_extra or {}).get("parent") for m in client.models.list()}
+def test_zero_deltas_answer_as_the_base_and_others_do_not(lora_client: openai.OpenAI) -> None:
+    listed = {m.id: (m.model_extra or {}).get("parent") for m in lora_client.models.list()}
     assert listed == {"smollm2": None, "smollm2-zero": "smollm2", "smollm2-noisy": "smollm2"}
-    base = greedy(client, "smollm2")
+    base = greedy(lora_client, "smollm2")
     assert base.strip()
-    assert greedy(client, "smollm2-zero") == base
-    assert greedy(client, "smollm2-noisy") != base
-    assert greedy(client, "smollm2") == base  # the adapter asked for last does not linger
+    assert greedy(lora_client, "smollm2-zero") == base
+    assert greedy(lora_client, "smollm2-noisy") != base
+    assert greedy(lora_client, "smollm2") == base  # the adapter asked for last does not linger

@@ -4,12 +4,14 @@ under the same model name, checked from the client's side and the leader's metri
 
 - requests with one ``X-Session-Id`` all land on one node; a node busy with a request gets
   none of the new sessions, which go to the idle one;
-- an agent killed while requests wait in its engine's queue: those requests are retried on the
-  other node and succeed; the stream flowing from the killed node ends with an error event
-  and ``[DONE]``.
+- an agent killed while requests for its session wait at the leader: those requests are served
+  by the other node and succeed; the stream flowing from the killed node ends with an error
+  event and ``[DONE]``.
 
 Each engine has one slot (``-np 1``), so a second request waits for the first to finish
-without a byte of its answer sent; ``--metrics`` shows how many wait.
+without a byte of its answer sent: at the leader, whose fair admission holds what is beyond a
+deployment's slots (``berth_admission_queue_depth`` shows how many wait); ``--metrics``
+shows the engines' own state.
 """
 
 from __future__ import annotations
@@ -147,6 +149,18 @@ def _engine_metric(engine: tuple[int, str], name: str) -> float:
     raise AssertionError(f"no {name} in the engine's metrics:\n{text}")
 
 
+def _leader_gauge(cluster: Cluster, name: str) -> float:
+    """The sum of the leader's ``name`` samples for :data:`MODEL` (its ``/metrics``)."""
+    with cluster.http() as http:
+        text = http.get("/metrics").text
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == name and sample.labels.get("model") == MODEL
+    )
+
+
 def _wait_until(condition: Callable[[], bool], what: str) -> None:
     deadline = time.monotonic() + WAIT_S
     while not condition():
@@ -202,11 +216,16 @@ def test_a_killed_node_s_queued_requests_succeed_elsewhere(real_routing_cluster:
     assert _content(_chat(real_routing_cluster, session))
     victim = _agent(real_routing_cluster, _affinity_node(real_routing_cluster, session))
     (survivor,) = [a for a in real_routing_cluster.agents.values() if a is not victim]
-    victim_engine = _engine(real_routing_cluster, victim)
 
     stream = Stream(real_routing_cluster, session)
     stream.start()
     stream.wait_flowing()
+    # The survivor busy too, so that the next requests wait at the leader (both engines'
+    # one slot taken) rather than go straight to the survivor.
+    other = Stream(real_routing_cluster, "keeps-the-survivor-busy")
+    other.start()
+    other.wait_flowing()
+    assert _affinity_node(real_routing_cluster, other.session) == survivor.node_id
 
     answers: list[httpx.Response] = []
     waiters = [
@@ -218,25 +237,28 @@ def test_a_killed_node_s_queued_requests_succeed_elsewhere(real_routing_cluster:
     before = served_by_node(real_routing_cluster, MODEL)
     for thread in waiters:
         thread.start()
-    # Deterministic: all three wait in the victim engine's queue behind the stream.
+    # Deterministic: all three wait at the leader for a slot.
     _wait_until(
-        lambda: _engine_metric(victim_engine, "llamacpp:requests_deferred") == 3,
-        "three requests queued in the victim's engine",
+        lambda: _leader_gauge(real_routing_cluster, "berth_admission_queue_depth") == 3,
+        "three requests waiting at the leader",
     )
     assert not answers
 
     assert victim.process is not None
     victim.process.send_signal(signal.SIGKILL)
     victim.process.wait()
-    for thread in [stream, *waiters]:
+    stream.join(WAIT_S)
+    assert not stream.is_alive()
+    other.stop.set()  # the survivor's slot frees: the waiting requests take it in turn
+    for thread in [other, *waiters]:
         thread.join(WAIT_S)
         assert not thread.is_alive()
 
     assert len(answers) == 3
     for answer in answers:
         assert _content(answer)
-    served = _served_since(real_routing_cluster, before, 4)
-    assert served[survivor.node_id] == 3, served
+    served = _served_since(real_routing_cluster, before, 5)
+    assert served == Counter({survivor.node_id: 4, victim.node_id: 1}), served
 
     events = [line for line in stream.lines if line.startswith("data: ")]
     assert events[-1] == "data: [DONE]", events[-3:]

@@ -62,7 +62,7 @@ def gpus_mb() -> tuple[int, ...]:
 
 
 @pytest.fixture
-async def manager(
+async def evicting_manager(
     store: Store, uses: Uses, gpus_mb: tuple[int, ...]
 ) -> AsyncIterator[LifecycleManager]:
     gguf = smollm2_gguf()
@@ -85,9 +85,11 @@ async def manager(
         await lifecycle.shutdown()
 
 
-async def ready(manager: LifecycleManager, served: str) -> DeploymentRecord:
-    record = await manager.deploy(DeployOptions("smol", "llamacpp", served_model_name=served))
-    settled = await manager.wait_settled(record.id, 10)
+async def ready(evicting_manager: LifecycleManager, served: str) -> DeploymentRecord:
+    record = await evicting_manager.deploy(
+        DeployOptions("smol", "llamacpp", served_model_name=served)
+    )
+    settled = await evicting_manager.wait_settled(record.id, 10)
     assert settled.state is DeploymentState.READY, settled.failure_reason
     return settled
 
@@ -102,14 +104,14 @@ def evicting() -> EvictionPolicy:
 
 
 async def test_a_start_allowed_to_evict_stops_the_idle_one_first_and_takes_its_gpu(
-    manager: LifecycleManager, store: Store
+    evicting_manager: LifecycleManager, store: Store
 ) -> None:
-    first = await ready(manager, "a")
+    first = await ready(evicting_manager, "a")
     assert first.gpus == (0,)
     options = DeployOptions("smol", "llamacpp", served_model_name="b")
 
     with pytest.raises(ConflictError) as refused:
-        await manager.deploy(options)  # no eviction allowed: refused, nothing stopped
+        await evicting_manager.deploy(options)  # no eviction allowed: refused, nothing stopped
     assert f"stopping idle {first.id} would make room" in str(refused.value)
     assert store.get_deployment(first.id).state is DeploymentState.READY
 
@@ -118,21 +120,21 @@ async def test_a_start_allowed_to_evict_stops_the_idle_one_first_and_takes_its_g
     def on_evict(deployment_id: str, reason: str) -> None:
         told.append((deployment_id, reason, store.get_deployment(deployment_id).state))
 
-    second = await manager.deploy(options, eviction=evicting(), on_evict=on_evict)
+    second = await evicting_manager.deploy(options, eviction=evicting(), on_evict=on_evict)
     # told before the stop, with placement's reason line
     ((evicted, reason, state_then),) = told
     assert evicted == first.id and state_then is DeploymentState.READY
     assert reason.startswith(f"stop {first.id} (a): no request since it started")
     assert store.get_deployment(first.id).state is DeploymentState.STOPPED
-    settled = await manager.wait_settled(second.id, 10)
+    settled = await evicting_manager.wait_settled(second.id, 10)
     assert settled.state is DeploymentState.READY and settled.gpus == (0,)
     assert [d.id for d in store.list_deployments(active_only=True)] == [second.id]
 
 
 async def test_a_pinned_or_busy_deployment_is_never_evicted(
-    manager: LifecycleManager, store: Store, uses: Uses
+    evicting_manager: LifecycleManager, store: Store, uses: Uses
 ) -> None:
-    first = await ready(manager, "a")
+    first = await ready(evicting_manager, "a")
     options = DeployOptions("smol", "llamacpp", served_model_name="b")
     told: list[str] = []
     for use, why in ((ResidentUsage(pinned=True), "pinned"),
@@ -140,7 +142,7 @@ async def test_a_pinned_or_busy_deployment_is_never_evicted(
                      (ResidentUsage(queued=1), "1 request(s) queued")):  # fmt: skip
         uses.by_id[first.id] = use
         with pytest.raises(ConflictError) as refused:
-            await manager.deploy(
+            await evicting_manager.deploy(
                 options, eviction=evicting(), on_evict=lambda d, _r: told.append(d)
             )
         assert "no eviction makes room" in str(refused.value)
@@ -153,20 +155,20 @@ async def test_a_pinned_or_busy_deployment_is_never_evicted(
 @pytest.mark.parametrize("gpus_mb", [(2048, 2048)])
 @pytest.mark.parametrize("older", ["a", "b"])
 async def test_with_both_gpus_full_the_least_recently_used_one_is_evicted(
-    manager: LifecycleManager, store: Store, uses: Uses, older: str
+    evicting_manager: LifecycleManager, store: Store, uses: Uses, older: str
 ) -> None:
-    placed = {served: await ready(manager, served) for served in ("a", "b")}
+    placed = {served: await ready(evicting_manager, served) for served in ("a", "b")}
     assert sorted(d.gpus for d in placed.values()) == [(0,), (1,)]
     for served, record in placed.items():
         ago_s = 1000.0 if served == older else 10.0
         uses.by_id[record.id] = ResidentUsage(last_request_at=LATER - ago_s)
     told: list[str] = []
-    third = await manager.deploy(
+    third = await evicting_manager.deploy(
         DeployOptions("smol", "llamacpp", served_model_name="c"),
         eviction=evicting(),
         on_evict=lambda d, _r: told.append(d),
     )
     assert told == [placed[older].id]
     assert store.get_deployment(placed[older].id).state is DeploymentState.STOPPED
-    settled = await manager.wait_settled(third.id, 10)
+    settled = await evicting_manager.wait_settled(third.id, 10)
     assert settled.state is DeploymentState.READY and settled.gpus == placed[older].gpus

@@ -49,6 +49,7 @@ from support.waiting import EVENT_TIMEOUT_S, wait_for_async
 pytestmark = pytest.mark.store_models(("tiny", "tiny.gguf"))
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}]}
+_STARTING = (DeploymentState.PENDING, DeploymentState.LOADING)
 
 
 class Clock:
@@ -73,6 +74,8 @@ class Leader:
     metrics: ProxyMetrics
     engine: StandinEngine
     audit_path: Path
+    #: the last state the controller was told of, by deployment id
+    told: dict[str, DeploymentState]
 
     async def ok(self, method: str, path: str, **kwargs: Any) -> Any:
         response = await self.admin.request(method, path, **kwargs)
@@ -97,7 +100,16 @@ class Leader:
         ]
 
     async def settle(self, deployment_id: str) -> DeploymentRecord:
-        return await self.lifecycle.wait_settled(deployment_id, EVENT_TIMEOUT_S)
+        """Wait until the controller has been told the deployment left pending/loading; its
+        record.  Not ``lifecycle.wait_settled``: a row read from the store can be seen before
+        its start task is registered (that returns it still pending), and the store has a
+        state before the controller hears of it."""
+        await wait_for_async(
+            lambda: self.told.get(deployment_id) not in (None, *_STARTING),
+            EVENT_TIMEOUT_S,
+            f"the controller to hear {deployment_id} settle",
+        )
+        return self.store.get_deployment(deployment_id)
 
     def audit(self) -> list[dict[str, Any]]:
         if not self.audit_path.exists():
@@ -136,10 +148,12 @@ async def leader(
 ) -> AsyncIterator[Leader]:
     link = FakeLink(base_url=engine.base_url)
     scaling: ScalingController | None = None
+    told: dict[str, DeploymentState] = {}
 
     def on_state(record: DeploymentRecord) -> None:
         assert scaling is not None
         scaling.deployment_changed(record)
+        told[record.id] = record.state
 
     lifecycle = LifecycleManager(
         store, LinkRegistry([link]), health_timeout_s=5, stop_grace_s=1, on_state=on_state
@@ -186,6 +200,7 @@ async def leader(
                 metrics,
                 engine,
                 tmp_path / "audit.log",
+                told,
             )
     finally:
         await scaling.close()
@@ -377,33 +392,35 @@ async def test_a_request_for_a_name_that_is_no_route_is_not_held(cold: Leader) -
 
 
 @pytest.fixture
-def clock() -> Clock:
+def manual_clock() -> Clock:
     return Clock()
 
 
 @pytest.fixture
 async def timed(
-    store: Store, engine: StandinEngine, metrics: ProxyMetrics, tmp_path: Path, clock: Clock
+    store: Store, engine: StandinEngine, metrics: ProxyMetrics, tmp_path: Path, manual_clock: Clock
 ) -> AsyncIterator[Leader]:
-    async with leader(store, engine, metrics, tmp_path, policy=MANUAL, clock=clock) as started:
+    async with leader(
+        store, engine, metrics, tmp_path, policy=MANUAL, clock=manual_clock
+    ) as started:
         yield started
 
 
 async def test_an_idle_replica_stops_after_its_idle_timeout_and_says_why(
-    timed: Leader, clock: Clock
+    timed: Leader, manual_clock: Clock
 ) -> None:
     await timed.service("chat", idle_timeout="10m")
     assert (await timed.chat("chat-route")).status_code == 200
     (replica,) = timed.active("chat")
 
-    clock.now += 9 * 60
+    manual_clock.now += 9 * 60
     timed.scaling.tick()
     assert (await timed.chat("chat-route")).status_code == 200  # used again: 10 more minutes
-    clock.now += 9 * 60
+    manual_clock.now += 9 * 60
     timed.scaling.tick()
     assert timed.active("chat") == [replica] or timed.active("chat")[0].id == replica.id
 
-    clock.now += 61
+    manual_clock.now += 61
     timed.scaling.tick()
     await wait_for_async(lambda: not timed.active("chat"), EVENT_TIMEOUT_S, "the replica to stop")
 
@@ -430,12 +447,7 @@ async def test_min_replicas_are_started_without_a_request_and_kept(timed: Leader
     await timed.service("warm", min_replicas=1, max_replicas=2, idle_timeout="1s")
     timed.scaling.tick()
     (replica,) = await wait_for_async(lambda: timed.active("warm"), EVENT_TIMEOUT_S, "a replica")
-    # the row can be seen before its start task is registered: wait on the state itself
-    await wait_for_async(
-        lambda: timed.store.get_deployment(replica.id).state is DeploymentState.READY,
-        EVENT_TIMEOUT_S,
-        "the replica ready",
-    )
+    assert (await timed.settle(replica.id)).state is DeploymentState.READY
     assert timed.engine.requests == []  # no request started it
     shown = await timed.ok("GET", "/admin/services/warm")
     assert shown["last_decision"]["reason"] == "0 replica(s) running, below min_replicas 1"
@@ -445,7 +457,7 @@ async def test_min_replicas_are_started_without_a_request_and_kept(timed: Leader
 
 
 async def test_sustained_load_starts_another_replica_then_idle_ones_go_back_to_zero(
-    timed: Leader, clock: Clock
+    timed: Leader, manual_clock: Clock
 ) -> None:
     await timed.service("chat", max_replicas=2, capacity=2, idle_timeout="30s")
     assert (await timed.chat("chat-route")).status_code == 200
@@ -457,7 +469,7 @@ async def test_sustained_load_starts_another_replica_then_idle_ones_go_back_to_z
     shown = await timed.ok("GET", "/admin/services/chat")
     assert shown["decision"]["action"] == "hold"
     assert "another starts after 10s" in shown["decision"]["reason"]
-    clock.now += 10
+    manual_clock.now += 10
     timed.scaling.tick()
     await wait_for_async(lambda: len(timed.active("chat")) == 2, EVENT_TIMEOUT_S, "a second")
     shown = await timed.ok("GET", "/admin/services/chat")
@@ -470,7 +482,7 @@ async def test_sustained_load_starts_another_replica_then_idle_ones_go_back_to_z
     assert (await timed.settle(second.id)).state is DeploymentState.READY
     use = timed.scaling.usage(first.id)  # what the eviction choice is told
     assert use.in_flight == 2 and use.last_request_at is not None and not use.protected
-    clock.now += 60
+    manual_clock.now += 60
     timed.scaling.tick()
     assert len(timed.active("chat")) == 2  # still busy: nothing stops
     assert (
@@ -479,7 +491,7 @@ async def test_sustained_load_starts_another_replica_then_idle_ones_go_back_to_z
 
     for _ in range(2):
         timed.signals.finished(first.id, first.node_id)
-    clock.now += 31
+    manual_clock.now += 31
     timed.scaling.tick()
     await wait_for_async(lambda: not timed.active("chat"), EVENT_TIMEOUT_S, "back to zero")
     # each unload is audited once its stop has returned
@@ -488,17 +500,18 @@ async def test_sustained_load_starts_another_replica_then_idle_ones_go_back_to_z
 
 
 async def test_a_lowered_max_stops_the_least_recently_used_surplus(
-    timed: Leader, clock: Clock
+    timed: Leader, manual_clock: Clock
 ) -> None:
     await timed.service("chat", min_replicas=2, max_replicas=2)
     timed.scaling.tick()
     await wait_for_async(lambda: len(timed.active("chat")) == 1, EVENT_TIMEOUT_S, "one")
-    await timed.settle(timed.active("chat")[0].id)
+    assert (await timed.settle(timed.active("chat")[0].id)).state is DeploymentState.READY
     timed.scaling.tick()
     await wait_for_async(lambda: len(timed.active("chat")) == 2, EVENT_TIMEOUT_S, "two")
     _older, newer = sorted(timed.active("chat"), key=lambda d: d.created_at)
-    await timed.settle(newer.id)
-    clock.now += 5
+    # ready as the controller sees it: one still starting would be the first surplus stopped
+    assert (await timed.settle(newer.id)).state is DeploymentState.READY
+    manual_clock.now += 5
     timed.signals.started(newer.id, newer.node_id)  # the newer one was used last
     timed.signals.finished(newer.id, newer.node_id)
 
