@@ -20,10 +20,11 @@ from berth.admission import (
     SlotGate,
     SlotScheduler,
     Waiter,
-    engine_slots,
+    gate_slots,
 )
 from berth.cluster.link import EngineEndpoint
 from berth.daemon.ready_table import ReadyTable
+from berth.runtime.slots import engine_slots
 from berth.store import DeploymentRecord
 from berth.store.states import DeploymentState
 
@@ -41,23 +42,44 @@ D2 = Deployment("d-2", 1)
 @pytest.mark.parametrize(
     ("engine", "args", "slots"),
     [
-        ("llamacpp", (), 4),
+        ("llamacpp", (), None),
         ("llamacpp", ("--parallel", "2"), 2),
         ("llamacpp", ("-np", "3", "--ctx-size", "4096"), 3),
         ("llamacpp", ("--parallel=6",), 6),
-        ("llamacpp", ("--parallel", "-1"), 4),
+        ("llamacpp", ("--parallel", "-1"), None),
         ("llamacpp", ("-np", "2", "-np", "5"), 5),
+        ("llamacpp", ("--parallel",), None),
+        ("llamacpp", ("--parallel", "²"), None),  # a digit to str.isdigit, not to int
         ("vllm", (), None),
         ("vllm", ("--max-num-seqs", "64"), 64),
         ("sglang", ("--max-running-requests=16",), 16),
         ("sglang", ("--max-running-requests", "lots"), None),
-        ("llamacpp", ("--parallel",), 4),
+        ("other", ("--parallel", "2"), None),
     ],
 )
-def test_slots_come_from_the_engines_flag_or_its_default(
+def test_an_engines_slots_come_from_its_flag_or_are_unknown(
     engine: str, args: tuple[str, ...], slots: int | None
 ) -> None:
     assert engine_slots(engine, args) == slots
+
+
+@pytest.mark.parametrize(
+    ("engine", "args", "capacity", "slots"),
+    [
+        ("llamacpp", (), None, 4),  # llama-server's --parallel -1 ("auto") gives 4
+        ("llamacpp", ("--parallel", "-1"), None, 4),
+        ("llamacpp", ("--parallel", "2"), None, 2),
+        ("vllm", (), None, None),  # vLLM and SGLang size themselves: not held
+        ("sglang", (), None, None),
+        ("vllm", ("--max-num-seqs", "64"), None, 64),
+        ("llamacpp", ("--parallel", "8"), 3, 3),  # the service's setting wins
+        ("vllm", (), 5, 5),
+    ],
+)
+def test_the_gates_slots_are_the_services_setting_else_the_engines(
+    engine: str, args: tuple[str, ...], capacity: int | None, slots: int | None
+) -> None:
+    assert gate_slots(engine, args, capacity) == slots
 
 
 def test_a_request_takes_a_free_slot_at_the_first_candidate_that_has_one() -> None:
@@ -272,3 +294,53 @@ def test_a_ready_deployment_carries_its_engines_slots_to_the_proxy() -> None:
         table.mark_ready(record, EngineEndpoint(deployment_id, "http://127.0.0.1:8080", 1, 8080))
     slots = {u.deployment_id: u.slots for u in table.candidates("smollm2")}
     assert slots == {"d-1": 2, "d-2": 4}
+
+
+def deployment(deployment_id: str, served: str, args: tuple[str, ...] = ()) -> DeploymentRecord:
+    now = datetime(2026, 1, 1, tzinfo=UTC)
+    return DeploymentRecord(
+        deployment_id, served, "llamacpp", "process", "local", DeploymentState.READY,
+        8080, 1, (), None, args, served, None, now, now,
+    )  # fmt: skip
+
+
+def test_a_services_capacity_setting_gives_its_deployments_their_slots_until_it_changes() -> None:
+    changed: list[tuple[str, int | None]] = []
+    table = ReadyTable(on_slots=lambda d, slots: changed.append((d, slots)))
+    table.set_service_capacities({"chat": 2, "other": None})
+    endpoint = EngineEndpoint("d-1", "http://127.0.0.1:8080", 1, 8080)
+    table.mark_ready(deployment("d-1", "chat", ("--parallel", "8")), endpoint)
+    table.mark_ready(deployment("d-2", "other", ("--parallel", "8")), endpoint)
+    assert [u.slots for u in table.candidates("chat")] == [2]
+    assert [u.slots for u in table.candidates("other")] == [8]
+    assert changed == []  # set before they were ready: nothing to tell
+
+    table.set_service_capacities({"chat": 5, "other": 1})  # `berth service scale --capacity`
+    assert [u.slots for u in table.candidates("chat")] == [5]
+    assert [u.slots for u in table.candidates("other")] == [1]
+    assert sorted(changed) == [("d-1", 5), ("d-2", 1)]
+
+    table.set_service_capacities({})  # the services are gone: the engines' slots again
+    assert [u.slots for u in table.candidates("chat")] == [8]
+    assert [u.slots for u in table.candidates("other")] == [8]
+
+
+async def test_waiters_take_the_slots_a_larger_capacity_adds_at_once() -> None:
+    gate = SlotGate(max_waiting=10, timeout_s=10.0)
+    small = Deployment("d-1", 1)
+    first = await gate.acquire("a", 50, "m", [small])
+    waiting = [asyncio.create_task(gate.acquire(k, 50, "m", [small])) for k in ("b", "c", "d")]
+    await until(lambda: gate.scheduler.waiting == 3)
+    gate.resize("d-1", 3)  # two more slots: the first two waiters in fair order go
+    await until(lambda: waiting[0].done() and waiting[1].done())
+    assert gate.scheduler.waiting == 1
+    assert gate.scheduler.in_use("d-1") == 3
+    gate.resize("d-1", 1)  # smaller: nobody goes until those in flight are down to it
+    for task in waiting[:2]:
+        gate.release(await task)
+    await asyncio.sleep(0)
+    assert not waiting[2].done()
+    assert gate.scheduler.in_use("d-1") == 1
+    assert first is not None
+    gate.release(first)  # now one in use, at the new capacity: the last waiter goes
+    assert await waiting[2] == "d-1"

@@ -304,6 +304,34 @@ def test_a_request_beyond_the_deployments_slots_waits_at_the_leader_for_its_turn
     assert metric(berth, port, secret, waited) == 1
 
 
+@pytest.mark.slow
+def test_a_services_capacity_holds_its_replicas_and_a_larger_one_lets_a_waiter_in_at_once(
+    quota_leader: tuple[Berth, int], sdk: Clients
+) -> None:
+    berth, port = quota_leader
+    # llama.cpp's default is 4 slots; the service's setting holds each replica to 1.
+    berth("service", "create", "held", "--model", MODEL, "--capacity", "1", "--max", "1")
+    berth("service", "deploy", "held")
+    secret = create_key(berth, "held-key")
+    client = sdk(berth, port, secret)
+    depth = 'berth_admission_queue_depth{model="held"}'
+    with ThreadPoolExecutor(2) as pool:
+        first = pool.submit(chat, client, "held", extra_body={"x_head_delay_s": 8})
+        deadline = time.monotonic() + 30
+        busy = "berth_proxy_in_flight_requests{"
+        while not (metric(berth, port, secret, busy) or 0) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        second = pool.submit(chat, client, "held")
+        while metric(berth, port, secret, depth) != 1 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert metric(berth, port, secret, depth) == 1  # held to the service's capacity
+        berth("service", "scale", "held", "--capacity", "2")  # no restart
+        assert second.result().http_response.status_code == 200
+        assert not first.done()  # the second went in beside it, not after it
+        assert first.result().http_response.status_code == 200
+    berth("service", "rm", "held")
+
+
 def test_keys_are_changed_listed_and_revoked_by_name(quota_leader: tuple[Berth, int]) -> None:
     berth, _ = quota_leader
     create_key(berth, "changing", "--tier", "three", "--tpm", "50k")

@@ -4,12 +4,13 @@ checks, an engine's slots, and what the controller does about a service at one m
 from __future__ import annotations
 
 import math
+from datetime import UTC, datetime
 
 import pytest
 
 from berth.errors import ConfigError
 from berth.humanize import duration, parse_duration
-from berth.scaling.capacity import engine_slots
+from berth.scaling.capacity import replica_capacity
 from berth.scaling.decisions import (
     Hold,
     Replica,
@@ -20,7 +21,7 @@ from berth.scaling.decisions import (
     decide,
     saturated,
 )
-from berth.store import ScalingSettings
+from berth.store import ScalingSettings, ServiceProfileRecord
 from berth.store.services import check_scaling
 from berth.store.states import DeploymentState
 
@@ -103,7 +104,7 @@ def test_valid_settings_pass_unchanged() -> None:
         ("llamacpp", ("--parallel=2",), 2),
         ("llamacpp", ("--parallel", "-1"), 4),
         ("llamacpp", ("-np", "2", "--parallel", "6"), 6),  # the last one wins
-        ("llamacpp", ("--parallel", "lots"), 8),
+        ("llamacpp", ("--parallel", "lots"), 4),  # not a number: the default
         ("llamacpp", ("--ctx-size", "512"), 4),
         ("vllm", (), 256),
         ("vllm", ("--max-num-seqs", "64"), 64),
@@ -111,10 +112,23 @@ def test_valid_settings_pass_unchanged() -> None:
         ("sglang", ("--max-running-requests", "32"), 32),
     ],
 )
-def test_an_engines_slots_come_from_its_arguments(
+def test_a_replicas_capacity_is_its_engines_slots_from_its_arguments(
     engine: str, args: tuple[str, ...], slots: int
 ) -> None:
-    assert engine_slots(engine, args) == slots
+    assert replica_capacity(service(engine, args)) == slots
+
+
+def test_a_services_capacity_setting_wins_over_its_engines_slots() -> None:
+    assert replica_capacity(service("vllm", ("--max-num-seqs", "64"), capacity=3)) == 3
+
+
+def service(
+    engine: str, args: tuple[str, ...], capacity: int | None = None
+) -> ServiceProfileRecord:
+    return ServiceProfileRecord(
+        "svc", "m", engine, "process", (), None, args, None, None, datetime(2026, 1, 1, tzinfo=UTC),
+        ScalingSettings(capacity=capacity),
+    )  # fmt: skip
 
 
 # -- decisions -------------------------------------------------------------------------------------

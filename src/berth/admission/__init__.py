@@ -9,7 +9,8 @@ it did, kept in the usage ledger.
 - :mod:`.ledger`: the usage buffer written to the store in batches;
 - :mod:`.metrics`: the per-key Prometheus series; :mod:`.errors`: the refusals;
 - :mod:`.clock`: the clocks (a manual one for tests);
-- fair admission: :mod:`.capacity` (a deployment's slots from its engine's flags),
+- fair admission: :mod:`.capacity` (a deployment's slots at the gate: its service's
+  setting, or its engine's flags),
   :mod:`.fair_queue` (:class:`SlotScheduler`: the slots and the queue fair across keys,
   pure) and :mod:`.gate` (:class:`SlotGate`: the async wait in front of it).
 
@@ -20,7 +21,7 @@ it. The package sits beside ``routing`` (layer 9): it
 uses the tiers of ``config``, the records of ``store``, and nothing of the daemon.
 """
 
-from berth.admission.capacity import engine_slots
+from berth.admission.capacity import gate_slots
 from berth.admission.clock import Clock, ManualClock, SystemClock
 from berth.admission.errors import (
     AdmissionError,
@@ -33,7 +34,7 @@ from berth.admission.errors import (
     QuotaExceededError,
 )
 from berth.admission.fair_queue import SlotScheduler, Waiter
-from berth.admission.gate import QueueStats, SlotGate
+from berth.admission.gate import MUST_WAIT, QueueStats, SlotGate
 from berth.admission.ledger import DEFAULT_FLUSH_INTERVAL_S, UsageLedger, UsageSink
 from berth.admission.metrics import QueueCollector, UsageCollector
 from berth.admission.quotas import (
@@ -46,6 +47,7 @@ from berth.admission.quotas import (
 
 __all__ = [
     "DEFAULT_FLUSH_INTERVAL_S",
+    "MUST_WAIT",
     "SOCKET_KEY_ID",
     "SOCKET_KEY_NAME",
     "Admission",
@@ -70,5 +72,5 @@ __all__ = [
     "UsageLedger",
     "UsageSink",
     "Waiter",
-    "engine_slots",
+    "gate_slots",
 ]

@@ -1,56 +1,39 @@
-"""How many requests a deployment's engine serves at once: its slots, the capacity the fair
-admission queue (:mod:`berth.admission.fair_queue`) fills and no more.
+"""How many requests of a deployment the fair admission gate lets through at once: its
+capacity, the slots :mod:`berth.admission.fair_queue` fills and no more.
 
-Each engine says it with a flag, which a service or a deployment gives in its engine
-arguments (``berth service create ... -- --parallel 2``):
+The rule, first match wins:
 
-=========  ===============================  ==========================================
-engine     flag                             without it
-=========  ===============================  ==========================================
-llamacpp   ``--parallel N`` / ``-np N``     4: llama-server's ``-1`` ("auto") gives 4
-                                            slots (its log: "n_parallel is set to auto,
-                                            using n_parallel = 4")
-vllm       ``--max-num-seqs N``             not gated: the default depends on the vLLM
-                                            version and the GPU, and vLLM queues itself
-sglang     ``--max-running-requests N``     not gated: SGLang sizes it from free memory
-=========  ===============================  ==========================================
+1. the ``capacity`` setting of the service the deployment is a replica of (``berth service
+   create|scale NAME --capacity N``; per replica, as scaling reads it: each deployment of
+   the service gets ``N``), so an operator can hold the leader's queue to what a replica
+   really serves whatever its engine says;
+2. the engine's slots from its arguments (:func:`berth.runtime.slots.engine_slots`:
+   llama.cpp ``--parallel``, vLLM ``--max-num-seqs``, SGLang ``--max-running-requests``);
+3. llama.cpp without a slot count: 4, what llama-server's default ``--parallel -1``
+   ("auto") gives (:data:`berth.runtime.slots.LLAMACPP_AUTO_SLOTS`);
+4. otherwise not gated (``None``): vLLM's default depends on its version and the GPU, and
+   SGLang sizes its batch from free memory; both queue by themselves, so the leader does
+   not hold their requests on a guess.
 
-``N`` may follow the flag or be joined to it with ``=``; the last one given wins, as in the
-engines' own argument parsers. A value that is not a positive whole number (llama.cpp's
-``-1`` included) is the engine's default.
+Scaling's idea of a replica's capacity (:mod:`berth.scaling.capacity`) follows the same
+first two steps but must have a number, so it assumes more in the last two.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Final
 
-#: The flags that set an engine's slots, by berth's engine name.
-SLOT_FLAGS: Final[dict[str, tuple[str, ...]]] = {
-    "llamacpp": ("--parallel", "-np"),
-    "vllm": ("--max-num-seqs",),
-    "sglang": ("--max-running-requests",),
-}
-#: Slots of an engine started without its flag (``None``: not gated by berth).
-DEFAULT_SLOTS: Final[dict[str, int | None]] = {"llamacpp": 4, "vllm": None, "sglang": None}
+from berth.runtime.slots import LLAMACPP_AUTO_SLOTS, engine_slots
 
 
-def engine_slots(engine: str, args: Sequence[str]) -> int | None:
-    """The slots of an ``engine`` (berth's name: ``llamacpp``, ``vllm``, ``sglang``) started
-    with the extra arguments ``args``; ``None`` when berth does not know them (another
-    engine, or one that sizes itself), so its requests are never held at the leader."""
-    flags = SLOT_FLAGS.get(engine)
-    if flags is None:
-        return None
-    given: str | None = None
-    for index, arg in enumerate(args):
-        name, sep, value = arg.partition("=")
-        if name not in flags:
-            continue
-        if sep:
-            given = value
-        elif index + 1 < len(args):
-            given = args[index + 1]
-    if given is not None and given.isdigit() and int(given) > 0:
-        return int(given)
-    return DEFAULT_SLOTS.get(engine)
+def gate_slots(engine: str, args: Sequence[str], capacity: int | None = None) -> int | None:
+    """The slots of a deployment of ``engine`` (berth's name) started with the extra
+    arguments ``args``, a replica of a service whose ``capacity`` setting is given
+    (``None``: no such setting, or no service); ``None`` when its requests are not held at
+    the leader. See the module doc for the rule."""
+    if capacity is not None:
+        return capacity
+    slots = engine_slots(engine, args)
+    if slots is not None:
+        return slots
+    return LLAMACPP_AUTO_SLOTS if engine == "llamacpp" else None

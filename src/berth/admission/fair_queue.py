@@ -3,7 +3,7 @@ in an order that is fair across keys. Pure: no ``await``, no clock; the async ga
 of it is :mod:`berth.admission.gate`.
 
 A request names its candidate deployments (the router's plan, best first) and each one's
-capacity (:func:`berth.admission.capacity.engine_slots`). :meth:`SlotScheduler.try_take`
+capacity (:func:`berth.admission.capacity.gate_slots`). :meth:`SlotScheduler.try_take`
 gives it the first candidate with a free slot. When every candidate is full it waits
 (:meth:`SlotScheduler.enqueue`), and each slot given back (:meth:`SlotScheduler.release`)
 goes to the next waiter that may use that deployment, in this order:
@@ -106,18 +106,40 @@ class SlotScheduler:
     def release(self, deployment_id: str) -> Waiter | None:
         """Give back a slot at ``deployment_id``: it goes to the next waiter for that
         deployment in fair order, which is returned (out of the queue, ``granted`` set), or,
-        with none, it is free again (``None``)."""
-        waiter = self._next_for(deployment_id)
-        if waiter is not None:
-            waiter.granted = deployment_id
-            return waiter
-        used = self._in_use.get(deployment_id, 0) - 1
+        with none, it is free again (``None``). A deployment over its capacity (it was made
+        smaller, :meth:`resize`) keeps the slot back instead."""
+        used = self._in_use.get(deployment_id, 0)
+        capacity = self._capacity.get(deployment_id)
+        if self._waiting and (capacity is None or used <= capacity):
+            waiter = self._next_for(deployment_id)
+            if waiter is not None:
+                waiter.granted = deployment_id
+                return waiter
+        used -= 1
         if used > 0:
             self._in_use[deployment_id] = used
         else:  # forget a deployment with nothing in use: ended ones leave no trace
             self._in_use.pop(deployment_id, None)
             self._capacity.pop(deployment_id, None)
         return None
+
+    def resize(self, deployment_id: str, slots: int | None) -> list[Waiter]:
+        """``deployment_id`` has ``slots`` from now on (``None``: unknown, unbounded): the
+        waiters for it that its new free slots take, out of the queue in fair order with
+        ``granted`` set (none when it shrank: its requests in flight finish first)."""
+        granted: list[Waiter] = []
+        if slots is None:
+            self._capacity.pop(deployment_id, None)
+        elif deployment_id in self._in_use:  # else the next request sets it
+            self._capacity[deployment_id] = slots
+        while slots is None or self._in_use.get(deployment_id, 0) < slots:
+            waiter = self._next_for(deployment_id)
+            if waiter is None:
+                break
+            waiter.granted = deployment_id
+            self._in_use[deployment_id] = self._in_use.get(deployment_id, 0) + 1
+            granted.append(waiter)
+        return granted
 
     def in_use(self, deployment_id: str) -> int:
         """Slots in use at ``deployment_id`` now."""
@@ -206,4 +228,7 @@ class SlotScheduler:
 def gated(candidates: Sequence[Candidate]) -> bool:
     """Whether a request that may go to ``candidates`` is held to their slots: only when
     every one of them has known slots (one that does not takes any number of requests)."""
-    return all(candidate.slots is not None for candidate in candidates)
+    for candidate in candidates:  # noqa: SIM110 (a loop, not all(...): it runs per request)
+        if candidate.slots is None:
+            return False
+    return True

@@ -7,6 +7,10 @@ engine (the decisions are :class:`~berth.admission.fair_queue.SlotScheduler`'s).
         ... dispatch to that deployment first, relay the answer ...
     gate.release(held)
 
+The proxy splits :meth:`SlotGate.acquire` in two so that a request finding a free slot
+costs no ``await``: :meth:`SlotGate.take_free` (synchronous: a slot taken at once, or why
+not) and, only when it must wait, :meth:`SlotGate.wait`.
+
 A request whose candidates all have known slots takes a free one at once, or waits in the
 fair queue until one is given back to it, at most ``timeout_s``. Full queue: 503
 ``queue_full``; waited too long: 503 ``queue_timeout`` (both with ``Retry-After``; the
@@ -23,11 +27,22 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import enum
 import time
 from collections.abc import Callable, Sequence
+from typing import Final, Literal
 
 from berth.admission.errors import QueueFullError, QueueTimeoutError
-from berth.admission.fair_queue import Candidate, SlotScheduler, Waiter, gated
+from berth.admission.fair_queue import Candidate, SlotScheduler, Waiter
+
+
+class Wait(enum.Enum):
+    """What :meth:`SlotGate.take_free` returns for a request that must wait for a slot."""
+
+    MUST_WAIT = "must wait"
+
+
+MUST_WAIT: Final = Wait.MUST_WAIT
 
 #: Requests that may wait at once, by default (the ``queue_max_requests`` setting).
 DEFAULT_MAX_WAITING = 1024
@@ -96,12 +111,27 @@ class SlotGate:
         Raises :class:`QueueFullError` or :class:`QueueTimeoutError` (503), and
         ``CancelledError`` when cancelled while waiting; in each case nothing is held.
         """
-        if not gated(candidates):
-            return None
-        scheduler = self.scheduler
-        held = scheduler.try_take(candidates)
-        if held is not None:
+        held = self.take_free(candidates)
+        if held is not MUST_WAIT:
             return held
+        return await self.wait(key_id, priority, model, candidates)
+
+    def take_free(self, candidates: Sequence[Candidate]) -> str | Literal[Wait.MUST_WAIT] | None:
+        """:meth:`acquire` without waiting: the id of the deployment a free slot was taken
+        at, ``None`` when the request is not held (a candidate's slots are unknown), or
+        :data:`MUST_WAIT` when every candidate is full (then :meth:`wait`)."""
+        for candidate in candidates:  # gated(candidates), inlined: this runs per request
+            if candidate.slots is None:
+                return None
+        held = self.scheduler.try_take(candidates)
+        return MUST_WAIT if held is None else held
+
+    async def wait(
+        self, key_id: str, priority: int, model: str, candidates: Sequence[Candidate]
+    ) -> str:
+        """Wait in the fair queue for a slot at one of ``candidates``, all full when
+        :meth:`take_free` looked (same arguments and errors as :meth:`acquire`)."""
+        scheduler = self.scheduler
         waiter = Waiter(key_id, priority, model, [c.deployment_id for c in candidates])
         if not scheduler.enqueue(waiter):
             self.stats.drop(model, "queue_full")
@@ -149,6 +179,14 @@ class SlotGate:
         waker = self._wakers.get(waiter)
         if waker is not None and not waker.done():
             waker.set_result(deployment_id)
+
+    def resize(self, deployment_id: str, slots: int | None) -> None:
+        """``deployment_id`` has ``slots`` from now on (a service's ``capacity`` changed):
+        waiters its new free slots take wake up with them."""
+        for waiter in self.scheduler.resize(deployment_id, slots):
+            waker = self._wakers.get(waiter)
+            if waker is not None and not waker.done():
+                waker.set_result(deployment_id)
 
     def move(self, held: str, to: Candidate) -> str | None:
         """A request holding a slot at ``held`` is being served by ``to`` (a retry went

@@ -61,13 +61,19 @@ if TYPE_CHECKING:
 
 
 async def load_routes(
-    store: Store, routes: RouteResolver, scaling: ScalingController | None = None
+    store: Store,
+    routes: RouteResolver,
+    scaling: ScalingController | None = None,
+    lifecycle: LifecycleManager | None = None,
 ) -> None:
-    """Read every route and service name from ``store`` into ``routes``' table, and the
-    services into the scaling controller when there is one."""
+    """Read every route and service name from ``store`` into ``routes``' table, the
+    services into the scaling controller when there is one, and their ``capacity`` settings
+    into ``lifecycle``'s ready table (the fair admission gate's slots)."""
     records = await asyncio.to_thread(store.list_routes)
     services = await asyncio.to_thread(store.list_service_profiles)
     routes.load(records, (s.name for s in services))
+    if lifecycle is not None:
+        lifecycle.set_service_capacities({s.name: s.scaling.capacity for s in services})
     if scaling is not None:
         scaling.services_changed(services)
 
@@ -192,7 +198,7 @@ def service_router(
 
     async def reload() -> None:
         async with reloading:
-            await load_routes(store, routes, scaling)
+            await load_routes(store, routes, scaling, lifecycle)
 
     async def detail(record: ServiceProfileRecord) -> ServiceDetail:
         name = record.name

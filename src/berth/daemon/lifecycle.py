@@ -97,7 +97,9 @@ class LifecycleManager:
     deployment is used (for the eviction choice); ``min_residency_s`` is the eviction
     choice's minimum residency.  ``watch_interval_s``, ``probe_timeout_s`` and
     ``probes_to_fail`` drive the health watch (:mod:`berth.daemon.reconcile`), which wakes
-    the requests in ``waiting`` when it gives a deployment up.
+    the requests in ``waiting`` when it gives a deployment up.  ``slots_changed(deployment_id,
+    slots)`` hears of a ready deployment whose slots at the fair admission gate changed
+    (:meth:`set_service_capacities`; the daemon passes :meth:`berth.admission.SlotGate.resize`).
     """
 
     def __init__(
@@ -116,6 +118,7 @@ class LifecycleManager:
         gpu_images: Mapping[EngineName, str] = DEFAULT_GPU_IMAGES,
         usage: UsageLookup = no_usage,
         min_residency_s: float = DEFAULT_MIN_RESIDENCY_S,
+        slots_changed: Callable[[str, int | None], None] | None = None,
     ) -> None:
         self._store = store
         self._links = links
@@ -125,7 +128,7 @@ class LifecycleManager:
         self._placing = asyncio.Lock()
         self._health_timeout_s = health_timeout_s
         self._stop_grace_s = stop_grace_s
-        self._table = ReadyTable()
+        self._table = ReadyTable(on_slots=slots_changed)
         self._planner = Planner(
             store,
             links,
@@ -211,6 +214,12 @@ class LifecycleManager:
         self._table.set_known_models(
             {m.name for m in models} | {d.served_model_name for d in active}
         )
+
+    def set_service_capacities(self, capacities: Mapping[str, int | None]) -> None:
+        """The services' ``capacity`` settings (service name -> setting, ``None``: the
+        engine's slots), held at the fair admission gate for the deployments serving each
+        name from now on (:meth:`ReadyTable.set_service_capacities`)."""
+        self._table.set_service_capacities(capacities)
 
     # -- nodes (the hub's NodeListener, and node removal) ---------------------------------
 

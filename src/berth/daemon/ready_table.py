@@ -7,13 +7,19 @@ are); an adopted endpoint is in it while its node reports it alive.  A ready dep
 last health probe failed is *suspect*: it stays in the table (its state in the store is still
 ready) but gets no new request while another deployment of its model can take it, until a
 probe answers again.
+
+Each upstream carries its deployment's slots at the fair admission gate
+(:func:`berth.admission.capacity.gate_slots`): a service's ``capacity`` setting for the
+deployments serving its name (:meth:`ReadyTable.set_service_capacities`, told of every
+change to services, so a new setting holds from the next request on), else its engine's.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
 
-from berth.admission.capacity import engine_slots
+from berth.admission.capacity import gate_slots
 from berth.agent.adopted import ADOPTED_ID_PREFIX
 from berth.cluster.link import LOCAL_NODE_ID, EngineEndpoint
 from berth.cluster.protocol.frames import AdoptedState
@@ -32,9 +38,16 @@ class ReadyTable:
     """Ready upstreams by public model name, plus what a refusal needs to explain itself.
 
     Implements the proxy's ``UpstreamResolver`` (:meth:`candidates`, :meth:`models`).
+    ``on_slots(deployment_id, slots)`` hears of a ready deployment whose slots changed (a
+    service's ``capacity`` set): the gate lets its waiters into new slots at once.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, on_slots: Callable[[str, int | None], None] | None = None) -> None:
+        self._on_slots = on_slots
+        #: service name -> its ``capacity`` setting (services without one are not here)
+        self._capacities: dict[str, int] = {}
+        #: deployment id -> (engine, extra args) of the ready ones berth started
+        self._engines: dict[str, tuple[str, tuple[str, ...]]] = {}
         #: model -> deployment id -> upstream
         self._ready: dict[str, dict[str, Upstream]] = {}
         #: ready deployments whose node is unreachable: model -> deployment id -> node id
@@ -105,14 +118,38 @@ class ReadyTable:
             deployment_id=record.id,
             node_id=record.node_id,
             model=record.served_model_name,
-            slots=engine_slots(record.engine, record.extra_args),
+            slots=gate_slots(
+                record.engine,
+                record.extra_args,
+                self._capacities.get(record.served_model_name),
+            ),
         )
+        self._engines[record.id] = (record.engine, record.extra_args)
         self._ready.setdefault(record.served_model_name, {})[record.id] = upstream
         self._parked.get(record.served_model_name, {}).pop(record.id, None)
         self._suspect.pop(record.id, None)
 
+    def set_service_capacities(self, capacities: Mapping[str, int | None]) -> None:
+        """The services are now those of ``capacities`` (service name -> its ``capacity``
+        setting, ``None``: none): the ready deployments serving each name get that many
+        slots at the gate, or their engine's again when it has none."""
+        self._capacities = {name: c for name, c in capacities.items() if c is not None}
+        for model, upstreams in self._ready.items():
+            capacity = self._capacities.get(model)
+            for deployment_id, upstream in upstreams.items():
+                engine = self._engines.get(deployment_id)
+                if engine is None:  # an adopted endpoint: no service's replica
+                    continue
+                slots = gate_slots(*engine, capacity)
+                if slots == upstream.slots:
+                    continue
+                upstreams[deployment_id] = dataclasses.replace(upstream, slots=slots)
+                if self._on_slots is not None:
+                    self._on_slots(deployment_id, slots)
+
     def unmark(self, model: str, deployment_id: str) -> None:
         """Stop routing ``model`` to the deployment (ready or parked)."""
+        self._engines.pop(deployment_id, None)
         self._ready.get(model, {}).pop(deployment_id, None)
         self._parked.get(model, {}).pop(deployment_id, None)
         self._suspect.pop(deployment_id, None)
@@ -145,6 +182,7 @@ class ReadyTable:
             for deployment_id in [d for d, u in upstreams.items() if u.node_id == node_id]:
                 del upstreams[deployment_id]
                 self._suspect.pop(deployment_id, None)
+                self._engines.pop(deployment_id, None)
                 self._parked.setdefault(model, {})[deployment_id] = node_id
 
     # -- adopted endpoints ----------------------------------------------------------------

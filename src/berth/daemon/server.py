@@ -315,6 +315,7 @@ async def serve(home: BerthHome, settings: Settings) -> None:
         gpu_images=settings.docker_gpu_images(),
         usage=resident_usage,
         min_residency_s=settings.min_residency_s,
+        slots_changed=slots.resize,  # a service's capacity changed: waiters may go now
     )
     hub = NodeHub(
         store,
@@ -352,7 +353,7 @@ async def serve(home: BerthHome, settings: Settings) -> None:
         metrics=ScalingMetrics(metrics.registry),
         audit=audit.append,
     )
-    await load_routes(store, routes)
+    await load_routes(store, routes, lifecycle=lifecycle)
     resolver = AdapterResolver(routes, lifecycle, adapters)  # adapters' names, then routes'
     router = Router(
         resolver,
