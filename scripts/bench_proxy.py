@@ -96,6 +96,7 @@ def serve_engine() -> None:
 
 def serve_proxy(engine_port: int, *, limits: bool = False) -> None:
     from berth.daemon.proxy import OpenAIProxy
+    from berth.eventloop import freeze_startup_objects
     from berth.observability.metrics import ProxyMetrics
     from berth.routing.resolver import Upstream
 
@@ -157,6 +158,7 @@ def serve_proxy(engine_port: int, *, limits: bool = False) -> None:
             asyncio.get_running_loop().create_task(ledger.run())
         server = HttpServer("bench", handle if limits else proxy.handle)
         await server.start(_bound_socket())
+        freeze_startup_objects()  # as the leader does once started
         await asyncio.Event().wait()
 
     uvloop.run(main())

@@ -38,8 +38,11 @@ class TokenBucket:
         """Add what flowed in since the last reading; return the level now."""
         elapsed = now - self.updated_at
         if elapsed > 0:
-            self.level = min(self.capacity, self.level + elapsed * self.rate_per_s)
+            level = self.level + elapsed * self.rate_per_s
+            capacity = self.capacity
+            self.level = level = level if level < capacity else capacity  # min(), inlined
             self.updated_at = now
+            return level
         return self.level
 
     def wait_s(self, amount: float) -> float:
@@ -49,7 +52,9 @@ class TokenBucket:
 
     def take(self, amount: float) -> None:
         """Take ``amount`` (a negative one gives back, never above capacity)."""
-        self.level = min(self.capacity, self.level - amount)
+        level = self.level - amount
+        capacity = self.capacity
+        self.level = level if level < capacity else capacity
 
     @property
     def remaining(self) -> int:

@@ -26,6 +26,7 @@ from the key's record and its tier (:meth:`LimitOverrides.apply
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import date
@@ -59,6 +60,9 @@ class KeyQuota:
     """One key's effective limits and what it has used (see the module doc)."""
 
     __slots__ = (
+        "_headers",
+        "_headers_levels",
+        "daily_cap",
         "day_index",
         "day_tokens",
         "in_flight",
@@ -68,6 +72,7 @@ class KeyQuota:
         "models",
         "month_index",
         "month_tokens",
+        "monthly_cap",
         "name",
         "priority",
         "record",
@@ -90,12 +95,17 @@ class KeyQuota:
         self.requests: TokenBucket | None = None
         self.tokens: TokenBucket | None = None
         self.uses_calendar = False
+        #: the token budgets of a day and a month (infinite: none)
+        self.daily_cap = self.monthly_cap = math.inf
         self.refusal: KeyPausedError | None = None
         self.in_flight = 0
         self.day_index = -1
         self.day_tokens = 0
         self.month_index = -1
         self.month_tokens = 0
+        # The last headers built, and the bucket levels they were built at.
+        self._headers: list[Header] = []
+        self._headers_levels = (math.nan, math.nan)
 
     def configure(self, limits: KeyLimits, priority: int, now: float) -> None:
         """Take ``limits`` on, keeping what was used (a bucket keeps its level, at most its
@@ -107,6 +117,10 @@ class KeyQuota:
         self.requests = _bucket(self.requests, limits.rpm, now)
         self.tokens = _bucket(self.tokens, limits.tpm, now)
         self.uses_calendar = limits.daily_tokens is not None or limits.monthly_tokens is not None
+        daily, monthly = limits.daily_tokens, limits.monthly_tokens
+        self.daily_cap = math.inf if daily is None else daily
+        self.monthly_cap = math.inf if monthly is None else monthly
+        self._headers_levels = (math.nan, math.nan)  # new buckets: new headers
         self.refusal = None
         zero = [name for name in NUMERIC_LIMITS if getattr(limits, name) == 0]
         if zero:
@@ -117,13 +131,24 @@ class KeyQuota:
             )
 
     def headers(self) -> list[Header]:
-        """The rate-limit headers for this key's answers, as its buckets are now."""
+        """The rate-limit headers for this key's answers, as its buckets are now: the list
+        built for the last answer when both buckets are at the same levels as then (the
+        same levels give the same values), so a key whose buckets stay full, or do not
+        move between two answers, costs two comparisons. Shared: never change it."""
         requests, tokens = self.requests, self.tokens
+        levels = self._headers_levels
+        requests_level = requests.level if requests is not None else 0.0
+        tokens_level = tokens.level if tokens is not None else 0.0
+        if requests_level == levels[0] and tokens_level == levels[1]:
+            return self._headers
         if requests is None:
-            return bucket_headers(TOKENS_HEADERS, tokens) if tokens is not None else []
-        out = bucket_headers(REQUESTS_HEADERS, requests)
-        if tokens is not None:
-            out += bucket_headers(TOKENS_HEADERS, tokens)
+            out = bucket_headers(TOKENS_HEADERS, tokens) if tokens is not None else []
+        else:
+            out = bucket_headers(REQUESTS_HEADERS, requests)
+            if tokens is not None:
+                out += bucket_headers(TOKENS_HEADERS, tokens)
+        self._headers = out
+        self._headers_levels = (requests_level, tokens_level)
         return out
 
 
@@ -302,7 +327,16 @@ class Admission:
                 CONCURRENCY_RETRY_S,
             )
         if quota.uses_calendar:
-            self._check_budgets(quota)
+            wall = self._wall()
+            calendar = self._calendar
+            if (
+                wall >= calendar.day_end_s  # a new day: roll, then check
+                or quota.day_index != calendar.day_index
+                or quota.month_index != calendar.month_index
+                or quota.day_tokens >= quota.daily_cap
+                or quota.month_tokens >= quota.monthly_cap
+            ):
+                self._check_budgets(quota, wall)
         requests, tokens = quota.requests, quota.tokens
         reserved = 0
         if requests is not None or tokens is not None:
@@ -354,7 +388,9 @@ class Admission:
         tokens = quota.tokens
         if tokens is not None:
             tokens.take(used - ticket.reserved_tokens)
-        calendar = self._position()
+        calendar = self._calendar
+        if self._wall() >= calendar.day_end_s:
+            calendar = self._position()
         if quota.day_index != calendar.day_index or quota.month_index != calendar.month_index:
             self._roll(quota, calendar)
         quota.day_tokens += used
@@ -413,8 +449,7 @@ class Admission:
         if quota.month_index != calendar.month_index:
             quota.month_index, quota.month_tokens = calendar.month_index, 0
 
-    def _check_budgets(self, quota: KeyQuota) -> None:
-        wall = self._wall()
+    def _check_budgets(self, quota: KeyQuota, wall: float) -> None:
         calendar = self._position(wall)
         self._roll(quota, calendar)
         limits = quota.limits

@@ -30,6 +30,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from berth.admission import (
+    MUST_WAIT,
     SOCKET_KEY_ID,
     Admission,
     AdmissionError,
@@ -466,10 +467,14 @@ class OpenAIProxy:
 
         try:
             if gate is not None:
-                # Fair admission: a slot at one of the planned deployments, waiting if need be.
-                key_id = ticket.key_id if ticket is not None else SOCKET_KEY_ID
-                priority = ticket.priority if ticket is not None else 0
-                held = await gate.acquire(key_id, priority, model, plan)
+                # Fair admission: a slot at one of the planned deployments, taken at once
+                # when one is free (no await), else waited for in the fair queue.
+                taken = gate.take_free(plan)
+                if taken is MUST_WAIT:
+                    key_id = ticket.key_id if ticket is not None else SOCKET_KEY_ID
+                    priority = ticket.priority if ticket is not None else 0
+                    taken = await gate.wait(key_id, priority, model, plan)
+                held = taken
                 reached = True
                 if held is not None and held != upstream.deployment_id:
                     plan = _first(plan, held)
