@@ -310,18 +310,19 @@ def test_a_services_capacity_holds_its_replicas_and_a_larger_one_lets_a_waiter_i
 ) -> None:
     berth, port = quota_leader
     # llama.cpp's default is 4 slots; the service's setting holds each replica to 1.
-    berth("service", "create", "held", "--model", MODEL, "--capacity", "1", "--max", "1")
+    berth("service", "create", "held", "--model", MODEL, "--capacity", "1")
+    berth("route", "create", "held-route", "--service", "held")
     berth("service", "deploy", "held")
     secret = create_key(berth, "held-key")
     client = sdk(berth, port, secret)
-    depth = 'berth_admission_queue_depth{model="held"}'
+    depth = 'berth_admission_queue_depth{model="held-route"}'
     with ThreadPoolExecutor(2) as pool:
-        first = pool.submit(chat, client, "held", extra_body={"x_head_delay_s": 8})
+        first = pool.submit(chat, client, "held-route", extra_body={"x_head_delay_s": 8})
         deadline = time.monotonic() + 30
         busy = "berth_proxy_in_flight_requests{"
         while not (metric(berth, port, secret, busy) or 0) and time.monotonic() < deadline:
             time.sleep(0.02)
-        second = pool.submit(chat, client, "held")
+        second = pool.submit(chat, client, "held-route")
         while metric(berth, port, secret, depth) != 1 and time.monotonic() < deadline:
             time.sleep(0.02)
         assert metric(berth, port, secret, depth) == 1  # held to the service's capacity
@@ -329,7 +330,6 @@ def test_a_services_capacity_holds_its_replicas_and_a_larger_one_lets_a_waiter_i
         assert second.result().http_response.status_code == 200
         assert not first.done()  # the second went in beside it, not after it
         assert first.result().http_response.status_code == 200
-    berth("service", "rm", "held")
 
 
 def test_keys_are_changed_listed_and_revoked_by_name(quota_leader: tuple[Berth, int]) -> None:

@@ -383,53 +383,23 @@ class OpenAIProxy:
                     raise
                 loaded = await self._hold(self._on_demand, model, request)
                 if loaded is None:  # the client left while its service loaded
-                    if ticket is not None and admission is not None:
-                        admission.settle(
-                            ticket,
-                            node_id=None,
-                            error=True,
-                            prompt_tokens=0,
-                            completion_tokens=0,
-                            estimated=False,
-                        )
+                    self._settle_unsent(ticket)
                     self._metrics.request_rejected(
                         model=model,
                         status=499,
                         duration_s=self._clock() - start,
                         error_reason="client_disconnected",
                     )
-                    self.request_log.add(
-                        started_at=started_at,
-                        request_id=request_id.decode(),
-                        key_name=key_name,
-                        model=model[:_MAX_LOGGED_MODEL_CHARS],
-                        status=499,
-                        duration_s=self._clock() - start,
-                        error_reason="client_disconnected",
+                    self._log_unsent(
+                        started_at, start, request_id, key_name, model, 499, "client_disconnected"
                     )
                     return
                 plan, key = loaded
         except BerthError as exc:
             extra = _refusal_headers(exc, ticket)
-            if ticket is not None and admission is not None:
-                admission.settle(
-                    ticket,
-                    node_id=None,
-                    error=True,
-                    prompt_tokens=0,
-                    completion_tokens=0,
-                    estimated=False,
-                )
+            self._settle_unsent(ticket)
             status = await self._reject(writer, request_id, exc, start, extra=extra)
-            self.request_log.add(
-                started_at=started_at,
-                request_id=request_id.decode(),
-                key_name=key_name,
-                model=model[:_MAX_LOGGED_MODEL_CHARS],
-                status=status,
-                duration_s=self._clock() - start,
-                error_reason=_reason(exc),
-            )
+            self._log_unsent(started_at, start, request_id, key_name, model, status, _reason(exc))
             return
 
         upstream = plan[0]
@@ -550,6 +520,41 @@ class OpenAIProxy:
             if ticket is not None and admission is not None:
                 node_id = upstream.node_id if reached else None  # None: queued, never sent
                 _settle(admission, ticket, exchange, node_id, request_bytes)
+
+    def _settle_unsent(self, ticket: Ticket | None) -> None:
+        """Settle the ticket of a request that reached no engine (refused, or its client
+        left before one was chosen): an error that used no tokens, and no ledger row."""
+        if ticket is not None and self._admission is not None:
+            self._admission.settle(
+                ticket,
+                node_id=None,
+                error=True,
+                prompt_tokens=0,
+                completion_tokens=0,
+                estimated=False,
+            )
+
+    def _log_unsent(
+        self,
+        started_at: float,
+        start: float,
+        request_id: bytes,
+        key_name: str,
+        model: str,
+        status: int,
+        reason: str,
+    ) -> None:
+        """Put a request that reached no engine in the request log, answered ``status``
+        for ``reason`` (``started_at``: wall clock, ``start``: the proxy's clock)."""
+        self.request_log.add(
+            started_at=started_at,
+            request_id=request_id.decode(),
+            key_name=key_name,
+            model=model[:_MAX_LOGGED_MODEL_CHARS],
+            status=status,
+            duration_s=self._clock() - start,
+            error_reason=reason,
+        )
 
     async def _hold(
         self, on_demand: OnDemandStage, model: str, request: ClientRequest
