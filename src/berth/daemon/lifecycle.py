@@ -17,6 +17,7 @@ Its parts, each with one reason to change:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -73,6 +74,9 @@ log = logging.getLogger(__name__)
 #: Told of each deployment a placement evicts, before it is stopped: its id and the
 #: eviction choice's reason line.
 EvictionListener = Callable[[str, str], None]
+
+#: the states :meth:`LifecycleManager.wait_settled` waits out
+_STARTING = frozenset({DeploymentState.PENDING, DeploymentState.LOADING})
 
 __all__ = [
     "DEFAULT_MIN_RESIDENCY_S",
@@ -357,11 +361,27 @@ class LifecycleManager:
                 )
 
     async def wait_settled(self, deployment_id: str, timeout_s: float) -> DeploymentRecord:
-        """Wait until the deployment leaves pending/loading (for tests and ``berth run``)."""
-        task = self._starting.get(deployment_id)
-        if task is not None:
-            await asyncio.wait({task}, timeout=timeout_s)
-        return await asyncio.to_thread(self._store.get_deployment, deployment_id)
+        """Wait up to ``timeout_s`` seconds until the deployment leaves pending/loading and
+        its start has finished (so a ready one is routed); its record then, still pending
+        or loading if the time ran out.
+
+        A record can be read from the store before its start task exists (the row is
+        written first): such a caller waits for the state writer's next changes, not for a
+        task that is not there yet.  Raises ``NotFoundError`` for an unknown id.
+        """
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while True:
+            changed = self._writer.next_change()
+            task = self._starting.get(deployment_id)
+            if task is not None:
+                await asyncio.wait({task}, timeout=max(0.0, deadline - loop.time()))
+            record = await asyncio.to_thread(self._store.get_deployment, deployment_id)
+            remaining_s = deadline - loop.time()
+            if record.state not in _STARTING or remaining_s <= 0:
+                return record
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(changed.wait(), remaining_s)
 
     # -- carrying a placement out ------------------------------------------------------------
 
