@@ -332,6 +332,31 @@ async def test_a_manager_that_never_started_changes_nothing_on_shutdown(
     assert store.get_deployment(record.id).state is DeploymentState.READY
 
 
+async def test_a_stop_that_breaks_at_shutdown_is_logged_and_the_others_still_stop(
+    manager: LifecycleManager,
+    link: FakeLink,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    broken = await manager.deploy(DeployOptions("tiny", "llamacpp", "local"))
+    other = await manager.deploy(DeployOptions("tiny", "llamacpp", "local"))
+    await manager.wait_settled(broken.id, 5)
+    await manager.wait_settled(other.id, 5)
+    stop = link.stop_deployment
+
+    async def stop_or_break(deployment_id: str, grace_s: float) -> None:
+        if deployment_id == broken.id:
+            raise RuntimeError("a bug in the stop")
+        await stop(deployment_id, grace_s)
+
+    monkeypatch.setattr(link, "stop_deployment", stop_or_break)
+    await manager.shutdown()
+
+    assert list(link.running) == [broken.id]  # the other one was stopped all the same
+    (logged,) = [r for r in caplog.records if "a bug in the stop" in r.getMessage()]
+    assert broken.id in logged.getMessage() and "local" in logged.getMessage()
+
+
 async def test_reconcile_stops_local_engines_no_deployment_owns(
     store: Store, link: FakeLink, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -206,7 +206,18 @@ class LifecycleManager:
             await asyncio.wait(starting, timeout=self._stop_grace_s + 30.0)
         everything = await asyncio.to_thread(self._store.list_deployments, active_only=True)
         active = [record for record in everything if record.node_id == LOCAL_NODE_ID]
-        await asyncio.gather(*(self._stop_one(record) for record in active), return_exceptions=True)
+        outcomes = await asyncio.gather(
+            *(self._stop_one(record) for record in active), return_exceptions=True
+        )
+        for record, outcome in zip(active, outcomes, strict=True):
+            # Shutting down goes on for the others; each failure is kept in the log.
+            if isinstance(outcome, ConflictError):
+                continue  # stopped meanwhile by another caller
+            if isinstance(outcome, BaseException):
+                log.error("shutdown: stopping deployment %s on node %s failed: %s",
+                          record.id, record.node_id, outcome, exc_info=outcome)  # fmt: skip
+            elif outcome.state is DeploymentState.FAILED:
+                log.warning("shutdown: deployment %s: %s", record.id, outcome.failure_reason)
 
     async def refresh_known_models(self) -> None:
         """Re-read the names that answer 503 rather than 404 while nothing serves them."""
