@@ -31,6 +31,7 @@ from berth.runtime.base import (
     RuntimeName,
     SecretFile,
 )
+from berth.runtime.engine_log import follow_log, read_log_tail
 from berth.runtime.engines import (
     DEFAULT_IMAGES,
     DEFAULT_SHM_SIZE,
@@ -43,7 +44,7 @@ from berth.runtime.engines import (
 )
 from berth.runtime.gpu import GpuInfo, GpuInventory
 from berth.runtime.lora_api import load_adapter, unload_adapter
-from berth.runtime.process import ProcessRuntime, follow_log, read_log_tail
+from berth.runtime.process import ProcessRuntime
 
 if TYPE_CHECKING:
     from berth.agent.adopted import AdoptedWatcher
