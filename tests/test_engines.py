@@ -18,11 +18,11 @@ from berth.runtime.engines import (
     EngineName,
     build_container_spec,
     build_launch_spec,
-    check_image_reference,
     find_free_port,
     parse_engine_name,
     parse_runtime_name,
 )
+from berth.runtime.images import check_image_reference
 
 BINARIES = EngineBinaries(
     llama_server="/opt/llama/llama-server", vllm="/opt/venv/bin/vllm", sglang_python="/usr/bin/py"

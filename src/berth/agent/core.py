@@ -33,7 +33,6 @@ from berth.runtime.base import (
 )
 from berth.runtime.engine_log import follow_log, read_log_tail
 from berth.runtime.engines import (
-    DEFAULT_IMAGES,
     DEFAULT_SHM_SIZE,
     DeploymentRequest,
     EngineBinaries,
@@ -43,6 +42,7 @@ from berth.runtime.engines import (
     find_free_port,
 )
 from berth.runtime.gpu import GpuInfo, GpuInventory
+from berth.runtime.images import DEFAULT_IMAGES
 from berth.runtime.lora_api import load_adapter, unload_adapter
 from berth.runtime.process import ProcessRuntime
 

@@ -60,12 +60,8 @@ from berth.placement import (
 )
 from berth.routing.resolver import Upstream
 from berth.routing.waiting import WaitingAttempts
-from berth.runtime.engines import (
-    DEFAULT_GPU_IMAGES,
-    DEFAULT_IMAGES,
-    DeploymentRequest,
-    EngineName,
-)
+from berth.runtime.engines import DeploymentRequest, EngineName
+from berth.runtime.images import DEFAULT_GPU_IMAGES, DEFAULT_IMAGES
 from berth.store import DeploymentRecord, Store
 from berth.store.states import TERMINAL_STATES, DeploymentState
 

@@ -54,7 +54,7 @@ from berth.placement.fit import (
 from berth.placement.request import NodeFacts, PlacementPolicy, PlacementRequest
 from berth.placement.result import ModelAt, ModelPull, Placement, Refusal
 from berth.runtime.base import RuntimeName
-from berth.runtime.engines import check_image_reference
+from berth.runtime.images import check_image_reference
 from berth.store.records import ModelRecord
 
 

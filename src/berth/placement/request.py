@@ -15,7 +15,8 @@ from pathlib import Path
 from berth.placement.estimate import VramEstimate
 from berth.placement.fit import GpuFacts, ReplicaAt
 from berth.runtime.base import RuntimeName
-from berth.runtime.engines import DEFAULT_GPU_IMAGES, DEFAULT_IMAGES, EngineName
+from berth.runtime.engines import EngineName
+from berth.runtime.images import DEFAULT_GPU_IMAGES, DEFAULT_IMAGES
 from berth.store.records import ModelRecord
 
 

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import importlib
 import os
-import re
 import shutil
 import socket
 import sys
@@ -53,6 +52,7 @@ from berth.runtime.base import (
     RuntimeName,
     SecretFile,
 )
+from berth.runtime.gguf_folder import resolve_gguf
 from berth.runtime.lora_flags import LORA_FLAGS, lora_env, lora_serve_flags
 
 EngineName = Literal["llamacpp", "vllm", "sglang"]
@@ -80,7 +80,6 @@ CONTAINER_KEY_FILE = "/run/berth/engine-key.yaml"
 SGLANG_CONFIG_FLAG = "--config"
 
 # A split GGUF shard as written by llama.cpp's gguf-split: ``name-00001-of-00003.gguf``.
-_GGUF_SHARD = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$")
 
 
 def parse_runtime_name(text: str) -> RuntimeName:
@@ -118,9 +117,10 @@ class DeploymentRequest:
     them; ``ctx`` is the context length in tokens (``None``: the engine's default, usually
     the model's own); ``extra_args`` are appended verbatim after berth's own flags.
     ``runtime`` says how the engine runs; ``image`` is the container image for the docker
-    runtime (``None``: the engine's default image, :data:`DEFAULT_IMAGES`).  ``api_key`` is
-    the engine's own API key, chosen by the agent core that starts it (``None``: the engine
-    runs without one); it never appears in a ``repr``.
+    runtime (``None``: the engine's default image,
+    :data:`~berth.runtime.images.DEFAULT_IMAGES`).  ``api_key`` is the engine's own API key,
+    chosen by the agent core that starts it (``None``: the engine runs without one); it
+    never appears in a ``repr``.
 
     Adapters (vLLM, SGLang): ``adapter_slots`` enables LoRA with that many adapters loaded at
     once, up to rank ``max_lora_rank`` (``None``: vLLM's default, 16), on the
@@ -387,20 +387,6 @@ def _serve_flags(req: DeploymentRequest, served: str, host: str, port: int) -> l
 
 # -- containers (the docker runtime) ---------------------------------------------------------
 
-#: Each engine's published image, used by the docker runtime unless a setting or ``--image``
-#: names another.  llama.cpp's ``server`` image runs ``llama-server`` as its entrypoint;
-#: vLLM's ``vllm-openai`` runs its OpenAI server as its entrypoint; SGLang's image has no
-#: server entrypoint, so berth gives it the whole command line.
-DEFAULT_IMAGES: dict[EngineName, str] = {
-    "llamacpp": "ghcr.io/ggml-org/llama.cpp:server",
-    "vllm": "vllm/vllm-openai:latest",
-    "sglang": "lmsysorg/sglang:latest",
-}
-
-#: The image used instead of :data:`DEFAULT_IMAGES` when a deployment gets GPUs: llama.cpp
-#: publishes its CUDA build as a separate tag.
-DEFAULT_GPU_IMAGES: dict[EngineName, str] = {"llamacpp": "ghcr.io/ggml-org/llama.cpp:server-cuda"}
-
 #: ``/dev/shm`` size of engine containers unless the ``docker_shm_size`` setting says: vLLM
 #: and SGLang document a large one for their workers (SGLang's examples use 32g); it is
 #: memory used only as filled.
@@ -424,31 +410,6 @@ CONTAINER_ULIMITS: tuple[tuple[str, int, int], ...] = (
     ("memlock", -1, -1),
     ("stack", 67108864, 67108864),
 )
-
-
-# Docker's image reference grammar (distribution/reference), simplified: an optional
-# registry host (with a dot or a port, or "localhost"), lower-case path components, an
-# optional tag, an optional digest.
-_IMAGE_REFERENCE = re.compile(
-    r"(?:(?:[a-zA-Z0-9-]+(?:\.[a-zA-Z0-9-]+)+(?::[0-9]+)?|localhost(?::[0-9]+)?"
-    r"|[a-zA-Z0-9-]+:[0-9]+)/)?"
-    r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*(?:/[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*)*"
-    r"(?::[\w][\w.-]{0,127})?(?:@sha256:[a-f0-9]{64})?"
-)
-
-
-def check_image_reference(image: str) -> str:
-    """``image`` stripped, when it is a valid image reference (``repository[:tag][@digest]``,
-    optionally behind a registry host); else ``ConfigError`` saying so."""
-    text = image.strip()
-    if not text:
-        raise ConfigError("the docker image name is empty")
-    if not _IMAGE_REFERENCE.fullmatch(text):
-        raise ConfigError(
-            f"{text!r} is not a docker image reference (repository[:tag], e.g. "
-            "vllm/vllm-openai:latest)"
-        )
-    return text
 
 
 def build_container_spec(
@@ -547,52 +508,6 @@ def _mount_root(folder: Path) -> Path:
         if entry.is_symlink():
             targets.append(entry.resolve().parent)
     return Path(os.path.commonpath(targets))
-
-
-def resolve_gguf(model_path: Path) -> Path:
-    """The GGUF file llama.cpp should load for ``model_path``.
-
-    A file is returned as is.  In a directory, multimodal projector files (``mmproj*``) are
-    ignored; the one remaining ``.gguf`` is chosen, or the first shard (``-00001-of-N``) when
-    all remaining files are shards of one split model (llama.cpp loads the rest itself).
-
-    Raises :class:`~berth.errors.ConfigError` when the directory holds no GGUF, or several
-    that are not shards of one model.
-    """
-    if not model_path.is_dir():
-        return model_path
-    candidates = sorted(
-        entry
-        for entry in model_path.iterdir()
-        if entry.is_file()
-        and entry.name.lower().endswith(".gguf")
-        and not entry.name.lower().startswith("mmproj")
-    )
-    if not candidates:
-        raise ConfigError(f"no .gguf file in {model_path}", path=model_path)
-    if len(candidates) == 1:
-        return candidates[0]
-    first_shard = _first_shard_of_one_model(candidates)
-    if first_shard is not None:
-        return first_shard
-    names = ", ".join(entry.name for entry in candidates)
-    raise ConfigError(
-        f"several .gguf files in {model_path} ({names}): pass the file to use",
-        path=model_path,
-    )
-
-
-def _first_shard_of_one_model(files: list[Path]) -> Path | None:
-    stems: set[tuple[str, str]] = set()
-    first: Path | None = None
-    for entry in files:
-        match = _GGUF_SHARD.search(entry.name)
-        if match is None:
-            return None
-        stems.add((entry.name[: match.start()], match.group(2)))
-        if int(match.group(1)) == 1:
-            first = entry
-    return first if len(stems) == 1 else None
 
 
 def find_free_port(host: str = ENGINE_HOST) -> int:
