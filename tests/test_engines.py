@@ -10,13 +10,12 @@ import pytest
 
 from berth.errors import ConfigError, EngineError, NotFoundError
 from berth.runtime.base import Mount
+from berth.runtime.engine_container import CONTAINER_ULIMITS, build_container_spec
 from berth.runtime.engines import (
-    CONTAINER_ULIMITS,
     ENGINE_NAMES,
     DeploymentRequest,
     EngineBinaries,
     EngineName,
-    build_container_spec,
     build_launch_spec,
     find_free_port,
     parse_engine_name,

@@ -31,13 +31,12 @@ from berth.runtime.base import (
     RuntimeName,
     SecretFile,
 )
+from berth.runtime.engine_container import DEFAULT_SHM_SIZE, build_container_spec
 from berth.runtime.engine_log import follow_log, read_log_tail
 from berth.runtime.engines import (
-    DEFAULT_SHM_SIZE,
     DeploymentRequest,
     EngineBinaries,
     EngineName,
-    build_container_spec,
     build_launch_spec,
     find_free_port,
 )
