@@ -388,7 +388,8 @@ class LifecycleManager:
             if record.state not in _STARTING or remaining_s <= 0:
                 return record
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(changed.wait(), remaining_s)
+                async with asyncio.timeout(remaining_s):
+                    await changed.wait()
 
     # -- carrying a placement out ------------------------------------------------------------
 
