@@ -271,9 +271,8 @@ def admission_alone(bench: Bench, rounds: int) -> None:
     print("\nadmission alone, best of", rounds, "rounds of 200,000:")
     print(f"- admit + settle: {best_us(admit_settle, 200_000, rounds):.2f} µs")
     print(f"- of which the rate-limit headers: {best_us(headers, 200_000, rounds):.2f} µs")
-    print(
-        f"- the gate's free slot taken and given back: {best_us(gate_free_slot, 200_000, rounds):.2f} µs"
-    )
+    gate_us = best_us(gate_free_slot, 200_000, rounds)
+    print(f"- the gate's free slot taken and given back: {gate_us:.2f} µs")
 
 
 async def main(args: argparse.Namespace) -> None:
