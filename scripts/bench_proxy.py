@@ -30,7 +30,9 @@ back, and, for a stream that does not ask for usage, the body asking the engine 
 event taken out. Each cell is measured ``--rounds`` times, off and on in turn, and the median
 CPU per request is printed; ``--control`` adds the same comparison between two proxies
 without admission, which shows how far two identical processes differ on this machine
-(``--limits --control --clients 32``: about 4 minutes).
+(``--limits --control --clients 32``: about 4 minutes). Each proxy freezes its start-up heap
+once serving, as the leader does. ``scripts/bench_admission.py`` measures the same in one
+process, without the sockets' noise.
 """
 
 from __future__ import annotations
