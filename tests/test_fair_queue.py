@@ -1,7 +1,7 @@
-"""Fair admission without the proxy: a deployment's slots from its engine's flags, the slot
-scheduler's order (tier priority, round-robin across keys, first come first served within
-a key), its bound, requests leaving it, and the async gate's answers (full, too long a
-wait, a client gone) and metrics."""
+"""Fair admission without the proxy: a deployment's slots (its engine's flags, or its
+service's capacity, changed while it serves), the slot scheduler's order (tier priority,
+round-robin across keys, first come first served within a key), its bound, requests leaving
+it, and the async gate's answers (full, too long a wait, a client gone) and metrics."""
 
 from __future__ import annotations
 
