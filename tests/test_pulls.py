@@ -1,0 +1,161 @@
+"""The leader's pull jobs through the admin API, in-process: ``/admin/pulls`` against the
+hub stand-in on loopback, registering into a real store (jobs, progress, a hub's refusal in
+plain words, cancelling, a name taken). The console's pull form against a real leader:
+``test_console_browser.py``."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import httpx
+import pytest
+
+from berth.config import Settings
+from berth.daemon.admin import build_admin_app
+from berth.paths import BerthHome
+from berth.store import Store
+from support.hub_standin import TINY_FILES, HubStandin
+
+SLOW_REPO = "org/pull-slow"
+TOTAL_BYTES = sum(len(data) for data in TINY_FILES.values())
+
+
+class _Lifecycle:
+    """What registering a model tells the lifecycle manager."""
+
+    def __init__(self) -> None:
+        self.refreshed = 0
+
+    async def refresh_known_models(self) -> None:
+        self.refreshed += 1
+
+
+@pytest.fixture
+async def admin(
+    store: Store, home: BerthHome, tmp_path: Path, hub: HubStandin, monkeypatch: pytest.MonkeyPatch
+) -> AsyncIterator[httpx.AsyncClient]:
+    """The admin app over a real store, pulling from the hub stand-in into
+    ``tmp_path/home/models``."""
+    monkeypatch.setenv("HF_ENDPOINT", hub.url)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf-cache"))
+    monkeypatch.setenv("HF_HUB_DISABLE_TELEMETRY", "1")
+    services = SimpleNamespace(
+        store=store,
+        lifecycle=_Lifecycle(),
+        routes=None,
+        adapters=None,
+        settings=Settings.load(home),
+        home=home,
+        leader_only=False,
+        ready=True,
+        scaling=None,
+    )
+    app = build_admin_app(services)  # type: ignore[arg-type]
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://leader") as client:
+        yield client
+
+
+async def _settled(admin: httpx.AsyncClient, pull_id: str) -> dict[str, Any]:
+    for _ in range(600):
+        job: dict[str, Any] = (await admin.get(f"/admin/pulls/{pull_id}")).json()
+        if job["state"] in ("done", "failed", "cancelled"):
+            return job
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"pull {pull_id} did not finish: {job}")
+
+
+async def _until(admin: httpx.AsyncClient, pull_id: str, check: Any) -> dict[str, Any]:
+    for _ in range(600):
+        job: dict[str, Any] = (await admin.get(f"/admin/pulls/{pull_id}")).json()
+        if check(job):
+            return job
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"pull {pull_id} never got there: {job}")
+
+
+async def test_a_pull_downloads_reports_its_bytes_and_registers_the_model(
+    admin: httpx.AsyncClient, tmp_path: Path
+) -> None:
+    started = await admin.post("/admin/pulls", json={"repo": "org/tiny", "name": "tiny"})
+
+    assert started.status_code == 202
+    job = started.json()
+    assert job["state"] in ("queued", "downloading")
+    assert job["name"] == "tiny" and job["repo"] == "org/tiny"
+    done = await _settled(admin, job["id"])
+    assert done["state"] == "done", done["error"]
+    assert done["error"] is None
+    assert done["kind"] == "model"
+    assert done["done_bytes"] == done["total_bytes"] == TOTAL_BYTES
+    assert {f["path"]: f["done_bytes"] for f in done["files"]} == {
+        name: len(data) for name, data in TINY_FILES.items()
+    }
+    folder = tmp_path / "home" / "models" / "org--tiny"
+    assert done["path"] == str(folder.resolve())
+    assert (folder / "tiny.gguf").read_bytes() == TINY_FILES["tiny.gguf"]
+    models = (await admin.get("/admin/models")).json()
+    (model,) = [m for m in models if m["name"] == "tiny"]
+    assert model["source"] == "hub" and model["repo_id"] == "org/tiny"
+    assert model["size_bytes"] >= TOTAL_BYTES
+    listed = (await admin.get("/admin/pulls")).json()
+    assert [j["id"] for j in listed] == [job["id"]]
+
+    # The name is taken now: refused at once, no job.
+    again = await admin.post("/admin/pulls", json={"repo": "org/tiny-remote", "name": "tiny"})
+    assert again.status_code == 409
+    assert again.json()["error"]["message"] == "a model or adapter named 'tiny' already exists"
+    assert len((await admin.get("/admin/pulls")).json()) == 1
+
+
+async def test_an_unknown_repository_fails_with_the_reason(admin: httpx.AsyncClient) -> None:
+    started = await admin.post("/admin/pulls", json={"repo": "org/missing"})
+
+    assert started.status_code == 202
+    failed = await _settled(admin, started.json()["id"])
+    assert failed["state"] == "failed"
+    assert failed["error"] == "hub repository 'org/missing' not found"
+    assert failed["total_bytes"] is None
+    assert (await admin.get("/admin/models")).json() == []
+
+
+async def test_progress_shows_mid_pull_and_cancelling_stops_it(
+    admin: httpx.AsyncClient, hub: HubStandin, tmp_path: Path
+) -> None:
+    hub.add_repo(SLOW_REPO, TINY_FILES)
+    gate = hub.stall(SLOW_REPO, "tiny.gguf")  # config.json comes whole, tiny.gguf half
+    try:
+        job = (await admin.post("/admin/pulls", json={"repo": SLOW_REPO})).json()
+        busy = await _until(
+            admin, job["id"], lambda j: j["done_bytes"] >= len(TINY_FILES["config.json"])
+        )
+        assert busy["state"] == "downloading"
+        assert busy["total_bytes"] == TOTAL_BYTES > busy["done_bytes"]
+        # A second pull of the same name while this one runs: refused at once.
+        twice = await admin.post("/admin/pulls", json={"repo": "org/tiny", "name": SLOW_REPO})
+        assert twice.status_code == 409
+
+        cancelling = asyncio.create_task(admin.delete(f"/admin/pulls/{job['id']}"))
+        await asyncio.sleep(0.2)
+        gate.set()  # the stalled file's rest arrives: the download stops at that chunk
+        cancelled = (await cancelling).json()
+    finally:
+        gate.set()
+    assert cancelled["state"] == "cancelled"
+    assert not (tmp_path / "home" / "models" / "org--pull-slow").exists()
+    assert (await admin.get("/admin/models")).json() == []
+    # A finished job is forgotten when deleted.
+    assert (await admin.delete(f"/admin/pulls/{job['id']}")).status_code == 200
+    missing = await admin.get(f"/admin/pulls/{job['id']}")
+    assert missing.status_code == 404
+
+
+async def test_a_bad_body_is_refused(admin: httpx.AsyncClient) -> None:
+    answer = await admin.post("/admin/pulls", json={"repo": "org/tiny", "name": "../x"})
+
+    assert answer.status_code == 400
+    assert (await admin.get("/admin/pulls")).json() == []
