@@ -6,6 +6,8 @@ plain words, cancelling, a name taken). The console's pull form against a real l
 from __future__ import annotations
 
 import asyncio
+import json
+import struct
 from collections.abc import AsyncIterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -14,13 +16,16 @@ from typing import Any
 import httpx
 import pytest
 
+from berth.cluster.link_registry import LinkRegistry
 from berth.config import Settings
+from berth.daemon.adapters import AdapterManager
 from berth.daemon.admin import build_admin_app
 from berth.paths import BerthHome
 from berth.store import Store
 from support.hub_standin import TINY_FILES, HubStandin
 
 SLOW_REPO = "org/pull-slow"
+LORA_REPO = "org/pull-lora"
 TOTAL_BYTES = sum(len(data) for data in TINY_FILES.values())
 
 
@@ -47,7 +52,7 @@ async def admin(
         store=store,
         lifecycle=_Lifecycle(),
         routes=None,
-        adapters=None,
+        adapters=AdapterManager(LinkRegistry([])),
         settings=Settings.load(home),
         home=home,
         leader_only=False,
@@ -152,6 +157,44 @@ async def test_progress_shows_mid_pull_and_cancelling_stops_it(
     assert (await admin.delete(f"/admin/pulls/{job['id']}")).status_code == 200
     missing = await admin.get(f"/admin/pulls/{job['id']}")
     assert missing.status_code == 404
+
+
+def _peft_files(trained_on: str) -> dict[str, bytes]:
+    """A PEFT LoRA repository's files: its config and a safetensors header with one lora_A."""
+    config = {"peft_type": "LORA", "r": 4, "target_modules": ["q_proj", "v_proj"],
+              "base_model_name_or_path": trained_on}  # fmt: skip
+    name = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
+    header = json.dumps({name: {"dtype": "F32", "shape": [4, 8], "data_offsets": [0, 0]}})
+    raw = header.encode()
+    return {
+        "adapter_config.json": json.dumps(config).encode(),
+        "adapter_model.safetensors": struct.pack("<Q", len(raw)) + raw,
+    }
+
+
+async def test_an_adapter_repository_is_registered_for_the_model_it_was_trained_on(
+    admin: httpx.AsyncClient, hub: HubStandin
+) -> None:
+    hub.add_repo(LORA_REPO, _peft_files("berth-test/tiny-model"))
+    base = (await admin.post("/admin/pulls", json={"repo": "berth-test/tiny-model"})).json()
+    assert (await _settled(admin, base["id"]))["state"] == "done"
+
+    job = (await admin.post("/admin/pulls", json={"repo": LORA_REPO, "name": "lora"})).json()
+    done = await _settled(admin, job["id"])
+
+    assert done["state"] == "done", done["error"]
+    assert done["kind"] == "adapter"
+    (adapter,) = (await admin.get("/admin/adapters")).json()
+    assert adapter["name"] == "lora"
+    assert adapter["base"] == "berth-test/tiny-model"
+    assert adapter["source"] == "hub" and adapter["repo_id"] == LORA_REPO
+    # An adapter whose base cannot be found: downloaded, not registered, and it says why.
+    hub.add_repo("org/pull-orphan", _peft_files("org/never-pulled"))
+    orphan = (await admin.post("/admin/pulls", json={"repo": "org/pull-orphan"})).json()
+    failed = await _settled(admin, orphan["id"])
+    assert failed["state"] == "failed"
+    assert "name its base model" in failed["error"]
+    assert "org/never-pulled" in failed["error"]
 
 
 async def test_a_bad_body_is_refused(admin: httpx.AsyncClient) -> None:

@@ -106,7 +106,8 @@ def base_model_for(trained_on: str | None, models: Sequence[RegisteredModel]) ->
                 return model.name
     named = f" ({trained_on})" if trained_on else ""
     raise ConfigError(
-        f"this is an adapter repository: name its base model with --base MODEL{named}"
+        f"this is an adapter repository: name its base model{named} "
+        "(berth pull --base MODEL, or base in the pull)"
     )
 
 
@@ -130,7 +131,7 @@ def pulled_registration(
             revision=body.revision,
         )
     if body.base is not None:
-        raise ConfigError(f"{body.repo} is not an adapter repository: --base is for adapters")
+        raise ConfigError(f"{body.repo} is not an adapter repository: a base is for adapters")
     return ModelIn(
         name=body.registered_name,
         path=str(folder),
