@@ -6,7 +6,8 @@ Each job downloads in a worker thread (:func:`berth.runtime.hub.pull_model` with
 counts each file's bytes under a lock, and the API reads a copy. At most
 ``max_parallel`` jobs download at once, the rest are ``queued``. Cancelling sets an event the
 sink checks on every chunk, so a download stops within one chunk (a first pull's partial
-folder is removed by ``pull_model``). Jobs live in memory only: a restarted leader has none,
+folder is removed by ``pull_model``); a leader that stops cancels its jobs' tasks, which
+cancels their downloads the same way. Jobs live in memory only: a restarted leader has none,
 and only the newest ``keep_finished`` finished ones are kept.
 """
 
@@ -164,6 +165,9 @@ class PullJobs:
         finished pulls the same name or the same repository.
         """
         name = body.registered_name
+        if name in await self._taken():
+            raise ConflictError(f"a model or adapter named {name!r} already exists")
+        # No await from here to the job's insertion: two starts cannot both pass the check.
         for job in self._jobs.values():
             if job.view().state in FINISHED_PULL_STATES:
                 continue
@@ -171,8 +175,6 @@ class PullJobs:
                 raise ConflictError(f"pull {job.id} is already pulling {name!r}")
             if job.body.repo == body.repo:
                 raise ConflictError(f"pull {job.id} is already pulling {body.repo}")
-        if name in await self._taken():
-            raise ConflictError(f"a model or adapter named {name!r} already exists")
         job = _Job(
             id=f"pull-{next(self._seq)}-{secrets.token_hex(3)}", body=body, created_at=_now()
         )
@@ -202,13 +204,6 @@ class PullJobs:
                 job.task.cancel()  # it waits for a download slot: nothing to stop
             await asyncio.wait([job.task])
         return job.view()
-
-    async def close(self) -> None:
-        """Cancel every job and wait for them (for a leader that stops)."""
-        tasks = [job.task for job in self._jobs.values() if job.task is not None]
-        for job in self._jobs.values():
-            job.cancel.set()
-        await asyncio.gather(*tasks, return_exceptions=True)
 
     def _job(self, pull_id: str) -> _Job:
         job = self._jobs.get(pull_id)

@@ -554,7 +554,8 @@ function servicesPage(main) {
   main.append(h("h1", {}, "Services and routes"), services, editor, h("h2", {}, "Routes"), routes,
     h("h2", {}, "Where would it go?"), form, result);
 
-  every(POLL_MS, async () => {
+  every(POLL_MS, refresh);
+  async function refresh() {
     const [list, rts] = await Promise.all([call("GET", "/admin/services"), call("GET", "/admin/routes")]);
     // The scaling controller's decisions come with each service's detail only.
     const svc = await Promise.all(list.map((s) =>
@@ -571,18 +572,18 @@ function servicesPage(main) {
             s.last_decision ? decisionText("last action", s.last_decision) : null),
           h("td", {}, s.routes.join(", ") || "—"),
           h("td", {}, h("button", { type: "button", class: "secondary",
-            "aria-label": `Edit scaling of ${s.name}`, onclick: () => editScaling(s, editor) },
+            "aria-label": `Edit scaling of ${s.name}`, onclick: () => editScaling(s, editor, refresh) },
           "Edit"))))));
     routes.replaceChildren(rts.length === 0 ? h("p", { class: "muted" }, "No routes.") :
       table(["route", "services", "serving", "why"], rts.map((r) => h("tr", {},
         h("td", {}, r.name), h("td", {}, r.services.map((s) => `${s.service} (${s.ready} ready)`).join(", ")),
         h("td", {}, r.serving.join(", ") || "—"), h("td", {}, r.reason || "—")))));
-  });
+  }
 }
 
 // The scaling settings of service ``s`` in a form (PATCH /admin/services/{name}); only the
 // fields changed are sent, so a field left alone keeps its value.
-function editScaling(s, editor) {
+function editScaling(s, editor, refresh) {
   const scaling = s.scaling;
   const number = (id, value, min) => h("input", { id, type: "number", min, inputmode: "numeric",
     value: value === null || value === undefined ? "" : String(value) });
@@ -620,6 +621,7 @@ function editScaling(s, editor) {
         await call("PATCH", `/admin/services/${encodeURIComponent(s.name)}`, body);
         editor.replaceChildren(h("p", { class: "muted", id: "service-edit-done" },
           `Scaling of ${s.name} saved.`));
+        await refresh();
       } catch (err) {
         if (err instanceof ApiError && err.status === 401) return;
         errorBox.textContent = err.message;
