@@ -385,6 +385,8 @@ def test_an_operator_pulls_adds_an_adapter_and_edits_limits_and_scaling(
     assert scaling["max_replicas"] == 3 and scaling["idle_timeout_s"] == 300
     page.get_by_role("button", name="Edit scaling of edit-svc").click()
     page.screenshot(path=screenshot_dir / "services-edit.png", full_page=True)
+    page.set_viewport_size({"width": 390, "height": 844})
+    page.screenshot(path=screenshot_dir / "services-edit-phone.png", full_page=True)
     cluster.admin("DELETE", "/admin/services/edit-svc")
     # Chromium logs each refused call the test made on purpose (409 pull, 400 key, 400
     # service) as a failed resource load; nothing else may show up.

@@ -9,6 +9,7 @@ import asyncio
 import json
 import struct
 from collections.abc import AsyncIterator
+from datetime import UTC, datetime
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -16,6 +17,8 @@ from typing import Any
 import httpx
 import pytest
 
+from berth.api.client import DaemonClient
+from berth.api.pulls import Pull, PullFile, PullIn
 from berth.cluster.link_registry import LinkRegistry
 from berth.config import Settings
 from berth.daemon.adapters import AdapterManager
@@ -197,8 +200,59 @@ async def test_an_adapter_repository_is_registered_for_the_model_it_was_trained_
     assert "org/never-pulled" in failed["error"]
 
 
-async def test_a_bad_body_is_refused(admin: httpx.AsyncClient) -> None:
-    answer = await admin.post("/admin/pulls", json={"repo": "org/tiny", "name": "../x"})
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"repo": "org/tiny", "name": "../x"},
+        {"repo": "../../etc"},
+        {"repo": "org/tiny/extra"},
+        {"repo": ""},
+        {"name": "tiny"},
+    ],
+)
+async def test_a_bad_body_is_refused(admin: httpx.AsyncClient, body: dict[str, str]) -> None:
+    answer = await admin.post("/admin/pulls", json=body)
 
     assert answer.status_code == 400
+    assert answer.json()["error"]["type"] == "invalid_request_error"
     assert (await admin.get("/admin/pulls")).json() == []
+
+
+def test_the_client_starts_lists_shows_and_cancels_pulls(tmp_path: Path) -> None:
+    job = Pull(
+        id="pull-1-abc",
+        repo="org/tiny",
+        name="tiny",
+        revision=None,
+        base=None,
+        state="downloading",
+        error=None,
+        done_bytes=58,
+        total_bytes=TOTAL_BYTES,
+        files=[PullFile(path="config.json", size_bytes=58, done_bytes=58)],
+        kind=None,
+        path=None,
+        created_at=datetime(2026, 1, 2, tzinfo=UTC),
+        finished_at=None,
+    )
+    seen: list[tuple[str, str, bytes]] = []
+
+    def daemon(request: httpx.Request) -> httpx.Response:
+        seen.append((request.method, request.url.path, request.content))
+        one = job.model_dump_json()
+        listing = request.method == "GET" and request.url.path == "/admin/pulls"
+        return httpx.Response(200, content=f"[{one}]" if listing else one)
+
+    with DaemonClient(BerthHome(tmp_path), transport=httpx.MockTransport(daemon)) as client:
+        assert client.start_pull(PullIn(repo="org/tiny", name="tiny")) == job
+        assert client.pulls() == [job]
+        assert client.pull(job.id) == job
+        assert client.cancel_pull(job.id) == job
+
+    assert [(method, path) for method, path, _ in seen] == [
+        ("POST", "/admin/pulls"),
+        ("GET", "/admin/pulls"),
+        ("GET", "/admin/pulls/pull-1-abc"),
+        ("DELETE", "/admin/pulls/pull-1-abc"),
+    ]
+    assert json.loads(seen[0][2])["repo"] == "org/tiny"

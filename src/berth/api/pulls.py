@@ -21,6 +21,9 @@ from berth.runtime.gguf_file import is_gguf, read_gguf_header
 #: Where a pull job is: waiting for a free download slot, downloading, registering what it
 #: downloaded, and the three ends.
 PullState = Literal["queued", "downloading", "registering", "done", "failed", "cancelled"]
+#: Hub repository ids: ``name`` or ``org/name``, each part letters, digits and ``. _ -``
+#: starting with a letter or digit (the hub's own rule, less its length limits).
+HUB_REPO_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?$"
 #: The states a job leaves no more.
 FINISHED_PULL_STATES: frozenset[str] = frozenset({"done", "failed", "cancelled"})
 
@@ -32,17 +35,17 @@ class PullIn(ApiModel):
     repository, as an adapter of ``base`` (default: the registered model pulled from the
     repository its ``adapter_config.json`` names)."""
 
-    repo: str = Field(min_length=1, max_length=200)
+    repo: str = Field(pattern=HUB_REPO_PATTERN, max_length=200)
     name: str | None = Field(default=None, pattern=MODEL_NAME_PATTERN)
     revision: str | None = Field(default=None, min_length=1, max_length=200)
     base: str | None = None
 
-    @field_validator("name")
+    @field_validator("name", "repo")
     @classmethod
-    def _no_parent_segments(cls, name: str | None) -> str | None:
-        if name is not None and ".." in name:
+    def _no_parent_segments(cls, value: str | None) -> str | None:
+        if value is not None and ".." in value:
             raise ValueError("must not contain '..'")
-        return name
+        return value
 
     @property
     def registered_name(self) -> str:

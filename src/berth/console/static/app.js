@@ -619,8 +619,10 @@ function editScaling(s, editor, refresh) {
       } catch (err) { errorBox.textContent = err.message; return; }
       try {
         await call("PATCH", `/admin/services/${encodeURIComponent(s.name)}`, body);
-        editor.replaceChildren(h("p", { class: "muted", id: "service-edit-done" },
-          `Scaling of ${s.name} saved.`));
+        const saved = h("p", { class: "muted", id: "service-edit-done", role: "status",
+          tabindex: -1 }, `Scaling of ${s.name} saved.`);
+        editor.replaceChildren(saved);
+        saved.focus(); // the form the focus was in is gone
         await refresh();
       } catch (err) {
         if (err instanceof ApiError && err.status === 401) return;
@@ -775,8 +777,10 @@ function keysPage(main) {
         }
         try {
           await call("PATCH", `/admin/keys/${key.id}`, body);
-          editor.replaceChildren(h("p", { class: "muted", id: "key-edit-done" },
-            `Limits of ${key.name} saved.`));
+          const saved = h("p", { class: "muted", id: "key-edit-done", role: "status",
+            tabindex: -1 }, `Limits of ${key.name} saved.`);
+          editor.replaceChildren(saved);
+          saved.focus(); // the form the focus was in is gone
           await refresh();
         } catch (err) {
           if (err instanceof ApiError && err.status === 401) return;
