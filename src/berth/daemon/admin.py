@@ -1,6 +1,7 @@
 """The admin API (``/admin/*``) and the plain endpoints (``/healthz``, ``/readyz``, ``/metrics``).
 
-Keys and usage are in :mod:`berth.daemon.admin_keys`, nodes in :mod:`.admin_nodes`.
+Keys and usage are in :mod:`berth.daemon.admin_keys`, nodes in :mod:`.admin_nodes`, pulls from
+the hub in :mod:`.admin_pulls`.
 
 Served by FastAPI; authentication happens before a request reaches these routes (see
 ``daemon/app.py``).  Every error is answered in the OpenAI error shape, like ``/v1/*``.
