@@ -212,10 +212,18 @@ def _download_reporting(
 def _reporting_bar(sink: PullSink, path: str) -> type:
     """A stand-in for the progress bar huggingface_hub draws per file, telling ``sink``
     instead (it is built as ``cls(total=..., initial=..., desc=..., ...)`` and used as a
-    context manager whose ``update(n)`` counts bytes)."""
+    context manager whose ``update(n)`` counts bytes written).
+
+    It has ``update_transfer`` like snapshot_download's own aggregating bar: then both the
+    plain HTTP download and the Xet one (huggingface_hub 2.x, ``http_get`` and
+    ``XetDownloadProgressReporter``) use this one bar for both counts and report network
+    bytes there, which are ignored, so that no byte is counted twice.
+    """
 
     class _Report:
         def __init__(self, *args: object, **kwargs: object) -> None:
+            self.n = 0
+            self.total = kwargs.get("total")
             initial = kwargs.get("initial")
             if isinstance(initial, int) and initial:
                 sink.advanced(path, initial)  # a resumed download's bytes already there
@@ -228,6 +236,15 @@ def _reporting_bar(sink: PullSink, path: str) -> type:
 
         def update(self, n: float | None = 1) -> None:
             sink.advanced(path, int(n or 0))
+
+        def update_transfer(self, n: float | None = 1) -> None:
+            return None  # bytes off the network; update() counts those written
+
+        def set_transfer_postfix_str(self, *args: object, **kwargs: object) -> None:
+            return None
+
+        def refresh(self) -> None:
+            return None
 
         def close(self) -> None:
             return None
