@@ -43,7 +43,7 @@ class _Lifecycle:
 
 
 @pytest.fixture
-async def admin(
+async def pull_admin(
     store: Store, home: BerthHome, tmp_path: Path, hub: HubStandin, monkeypatch: pytest.MonkeyPatch
 ) -> AsyncIterator[httpx.AsyncClient]:
     """The admin app over a real store, pulling from the hub stand-in into
@@ -68,18 +68,18 @@ async def admin(
         yield client
 
 
-async def _settled(admin: httpx.AsyncClient, pull_id: str) -> dict[str, Any]:
+async def _settled(pull_admin: httpx.AsyncClient, pull_id: str) -> dict[str, Any]:
     for _ in range(600):
-        job: dict[str, Any] = (await admin.get(f"/admin/pulls/{pull_id}")).json()
+        job: dict[str, Any] = (await pull_admin.get(f"/admin/pulls/{pull_id}")).json()
         if job["state"] in ("done", "failed", "cancelled"):
             return job
         await asyncio.sleep(0.05)
     raise AssertionError(f"pull {pull_id} did not finish: {job}")
 
 
-async def _until(admin: httpx.AsyncClient, pull_id: str, check: Any) -> dict[str, Any]:
+async def _until(pull_admin: httpx.AsyncClient, pull_id: str, check: Any) -> dict[str, Any]:
     for _ in range(600):
-        job: dict[str, Any] = (await admin.get(f"/admin/pulls/{pull_id}")).json()
+        job: dict[str, Any] = (await pull_admin.get(f"/admin/pulls/{pull_id}")).json()
         if check(job):
             return job
         await asyncio.sleep(0.05)
@@ -87,15 +87,15 @@ async def _until(admin: httpx.AsyncClient, pull_id: str, check: Any) -> dict[str
 
 
 async def test_a_pull_downloads_reports_its_bytes_and_registers_the_model(
-    admin: httpx.AsyncClient, tmp_path: Path
+    pull_admin: httpx.AsyncClient, tmp_path: Path
 ) -> None:
-    started = await admin.post("/admin/pulls", json={"repo": "org/tiny", "name": "tiny"})
+    started = await pull_admin.post("/admin/pulls", json={"repo": "org/tiny", "name": "tiny"})
 
     assert started.status_code == 202
     job = started.json()
     assert job["state"] in ("queued", "downloading")
     assert job["name"] == "tiny" and job["repo"] == "org/tiny"
-    done = await _settled(admin, job["id"])
+    done = await _settled(pull_admin, job["id"])
     assert done["state"] == "done", done["error"]
     assert done["error"] is None
     assert done["kind"] == "model"
@@ -106,48 +106,48 @@ async def test_a_pull_downloads_reports_its_bytes_and_registers_the_model(
     folder = tmp_path / "home" / "models" / "org--tiny"
     assert done["path"] == str(folder.resolve())
     assert (folder / "tiny.gguf").read_bytes() == TINY_FILES["tiny.gguf"]
-    models = (await admin.get("/admin/models")).json()
+    models = (await pull_admin.get("/admin/models")).json()
     (model,) = [m for m in models if m["name"] == "tiny"]
     assert model["source"] == "hub" and model["repo_id"] == "org/tiny"
     assert model["size_bytes"] >= TOTAL_BYTES
-    listed = (await admin.get("/admin/pulls")).json()
+    listed = (await pull_admin.get("/admin/pulls")).json()
     assert [j["id"] for j in listed] == [job["id"]]
 
     # The name is taken now: refused at once, no job.
-    again = await admin.post("/admin/pulls", json={"repo": "org/tiny-remote", "name": "tiny"})
+    again = await pull_admin.post("/admin/pulls", json={"repo": "org/tiny-remote", "name": "tiny"})
     assert again.status_code == 409
     assert again.json()["error"]["message"] == "a model or adapter named 'tiny' already exists"
-    assert len((await admin.get("/admin/pulls")).json()) == 1
+    assert len((await pull_admin.get("/admin/pulls")).json()) == 1
 
 
-async def test_an_unknown_repository_fails_with_the_reason(admin: httpx.AsyncClient) -> None:
-    started = await admin.post("/admin/pulls", json={"repo": "org/missing"})
+async def test_an_unknown_repository_fails_with_the_reason(pull_admin: httpx.AsyncClient) -> None:
+    started = await pull_admin.post("/admin/pulls", json={"repo": "org/missing"})
 
     assert started.status_code == 202
-    failed = await _settled(admin, started.json()["id"])
+    failed = await _settled(pull_admin, started.json()["id"])
     assert failed["state"] == "failed"
     assert failed["error"] == "hub repository 'org/missing' not found"
     assert failed["total_bytes"] is None
-    assert (await admin.get("/admin/models")).json() == []
+    assert (await pull_admin.get("/admin/models")).json() == []
 
 
 async def test_progress_shows_mid_pull_and_cancelling_stops_it(
-    admin: httpx.AsyncClient, hub: HubStandin, tmp_path: Path
+    pull_admin: httpx.AsyncClient, hub: HubStandin, tmp_path: Path
 ) -> None:
     hub.add_repo(SLOW_REPO, TINY_FILES)
     gate = hub.stall(SLOW_REPO, "tiny.gguf")  # config.json comes whole, tiny.gguf half
     try:
-        job = (await admin.post("/admin/pulls", json={"repo": SLOW_REPO})).json()
+        job = (await pull_admin.post("/admin/pulls", json={"repo": SLOW_REPO})).json()
         busy = await _until(
-            admin, job["id"], lambda j: j["done_bytes"] >= len(TINY_FILES["config.json"])
+            pull_admin, job["id"], lambda j: j["done_bytes"] >= len(TINY_FILES["config.json"])
         )
         assert busy["state"] == "downloading"
         assert busy["total_bytes"] == TOTAL_BYTES > busy["done_bytes"]
         # A second pull of the same name while this one runs: refused at once.
-        twice = await admin.post("/admin/pulls", json={"repo": "org/tiny", "name": SLOW_REPO})
+        twice = await pull_admin.post("/admin/pulls", json={"repo": "org/tiny", "name": SLOW_REPO})
         assert twice.status_code == 409
 
-        cancelling = asyncio.create_task(admin.delete(f"/admin/pulls/{job['id']}"))
+        cancelling = asyncio.create_task(pull_admin.delete(f"/admin/pulls/{job['id']}"))
         await asyncio.sleep(0.2)
         gate.set()  # the stalled file's rest arrives: the download stops at that chunk
         cancelled = (await cancelling).json()
@@ -155,10 +155,10 @@ async def test_progress_shows_mid_pull_and_cancelling_stops_it(
         gate.set()
     assert cancelled["state"] == "cancelled"
     assert not (tmp_path / "home" / "models" / "org--pull-slow").exists()
-    assert (await admin.get("/admin/models")).json() == []
+    assert (await pull_admin.get("/admin/models")).json() == []
     # A finished job is forgotten when deleted.
-    assert (await admin.delete(f"/admin/pulls/{job['id']}")).status_code == 200
-    missing = await admin.get(f"/admin/pulls/{job['id']}")
+    assert (await pull_admin.delete(f"/admin/pulls/{job['id']}")).status_code == 200
+    missing = await pull_admin.get(f"/admin/pulls/{job['id']}")
     assert missing.status_code == 404
 
 
@@ -176,25 +176,25 @@ def _peft_files(trained_on: str) -> dict[str, bytes]:
 
 
 async def test_an_adapter_repository_is_registered_for_the_model_it_was_trained_on(
-    admin: httpx.AsyncClient, hub: HubStandin
+    pull_admin: httpx.AsyncClient, hub: HubStandin
 ) -> None:
     hub.add_repo(LORA_REPO, _peft_files("berth-test/tiny-model"))
-    base = (await admin.post("/admin/pulls", json={"repo": "berth-test/tiny-model"})).json()
-    assert (await _settled(admin, base["id"]))["state"] == "done"
+    base = (await pull_admin.post("/admin/pulls", json={"repo": "berth-test/tiny-model"})).json()
+    assert (await _settled(pull_admin, base["id"]))["state"] == "done"
 
-    job = (await admin.post("/admin/pulls", json={"repo": LORA_REPO, "name": "lora"})).json()
-    done = await _settled(admin, job["id"])
+    job = (await pull_admin.post("/admin/pulls", json={"repo": LORA_REPO, "name": "lora"})).json()
+    done = await _settled(pull_admin, job["id"])
 
     assert done["state"] == "done", done["error"]
     assert done["kind"] == "adapter"
-    (adapter,) = (await admin.get("/admin/adapters")).json()
+    (adapter,) = (await pull_admin.get("/admin/adapters")).json()
     assert adapter["name"] == "lora"
     assert adapter["base"] == "berth-test/tiny-model"
     assert adapter["source"] == "hub" and adapter["repo_id"] == LORA_REPO
     # An adapter whose base cannot be found: downloaded, not registered, and it says why.
     hub.add_repo("org/pull-orphan", _peft_files("org/never-pulled"))
-    orphan = (await admin.post("/admin/pulls", json={"repo": "org/pull-orphan"})).json()
-    failed = await _settled(admin, orphan["id"])
+    orphan = (await pull_admin.post("/admin/pulls", json={"repo": "org/pull-orphan"})).json()
+    failed = await _settled(pull_admin, orphan["id"])
     assert failed["state"] == "failed"
     assert "name its base model" in failed["error"]
     assert "org/never-pulled" in failed["error"]
@@ -210,12 +210,12 @@ async def test_an_adapter_repository_is_registered_for_the_model_it_was_trained_
         {"name": "tiny"},
     ],
 )
-async def test_a_bad_body_is_refused(admin: httpx.AsyncClient, body: dict[str, str]) -> None:
-    answer = await admin.post("/admin/pulls", json=body)
+async def test_a_bad_body_is_refused(pull_admin: httpx.AsyncClient, body: dict[str, str]) -> None:
+    answer = await pull_admin.post("/admin/pulls", json=body)
 
     assert answer.status_code == 400
     assert answer.json()["error"]["type"] == "invalid_request_error"
-    assert (await admin.get("/admin/pulls")).json() == []
+    assert (await pull_admin.get("/admin/pulls")).json() == []
 
 
 def test_the_client_starts_lists_shows_and_cancels_pulls(tmp_path: Path) -> None:
