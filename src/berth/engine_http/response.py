@@ -118,17 +118,14 @@ class UpstreamResponse:
 
     def push_body(self, sink: BodySink) -> None:
         """Hand the body to ``sink`` from now on (what arrived already, at once)."""
+        conn = self._conn
+        if conn is not None:  # unfinished, and not failed
+            self._sink = sink
+            conn.start_push(self)  # before the first piece, which may pause it again
         if self._chunks or self._complete:
             self._push(sink)
-            if self._complete:
-                return
-        if self._error is not None:
+        if self._error is not None:  # after the bytes that came before it
             sink.body_failed(self._error)
-            return
-        conn = self._conn
-        assert conn is not None, "an unfinished answer without an error has a connection"
-        self._sink = sink
-        conn.start_push(self)
 
     def pause_body(self) -> None:
         """Stop reading the engine's socket until :meth:`resume_body`."""
