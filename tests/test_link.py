@@ -336,9 +336,7 @@ async def test_a_paused_pushed_answer_holds_the_engine_back_through_the_link(
 async def test_a_pushed_answer_silent_past_the_read_timeout_fails_and_reaches_the_engine(
     linked: Linked,
 ) -> None:
-    linked.engine.script(
-        Reply((Head(200, "text/event-stream"), Write(b"data: 1\n\n"), Stall(5.0)))
-    )
+    linked.engine.script(Reply((Head(200, "text/event-stream"), Write(b"data: 1\n\n"), Stall(5.0))))
     response = await linked.link.open_http(
         DEPLOYMENT, b"POST", b"/v1/chat/completions", [], b'{"model": "m"}', 0.2
     )
