@@ -2,10 +2,14 @@
 
 :class:`TunnelStream` turns the session's stream bookkeeping into an async reader of the
 peer's payload (reading grants the peer more credit) and a writer that waits for credit, so a
-slow reader slows the writer. :class:`~berth.cluster.connection.LinkConnection` makes it and
-hands it the events that arrive for it (``data_received``, ``head_received``,
-``credit_granted``, ``abort``); it sends through the connection's stream methods
-(:class:`StreamCarrier`), never touching the session itself.
+slow reader slows the writer. A reader that is no task pushes instead
+(:meth:`TunnelStream.push_to`: each payload handed to a sink as the link reader dispatches
+it, credit held back while the sink is paused), and a writer that is no task sends within
+the credit at once (:meth:`TunnelStream.write_nowait`).
+:class:`~berth.cluster.connection.LinkConnection` makes it and hands it the events that
+arrive for it (``data_received``, ``head_received``, ``credit_granted``, ``abort``); it sends
+through the connection's stream methods (:class:`StreamCarrier`), never touching the session
+itself.
 """
 
 from __future__ import annotations

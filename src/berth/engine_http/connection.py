@@ -3,7 +3,10 @@ client (:mod:`berth.engine_http.pool`).
 
 It writes a request, feeds the bytes that come back to ``httptools`` (llhttp, the parser
 uvicorn uses) and keeps what it parsed in an
-:class:`~berth.engine_http.response.UpstreamResponse` for the task that reads the answer.
+:class:`~berth.engine_http.response.UpstreamResponse` for the task that reads the answer, or,
+once the answer is pushed (``UpstreamResponse.push_body``), hands the body bytes of each
+socket read to the answer's sink from ``data_received`` itself, with no task in between;
+the read timeout then runs between two reads, and not while the sink has paused reading.
 
 Message framing follows RFC 9112: the body of an answer ends where its ``Content-Length`` says
 (section 6.3, rule 6), with the last chunk of a chunked transfer coding (section 7.1, decoded

@@ -9,7 +9,10 @@ one write (one TLS record, one system call).
 Flow control: when the transport's buffer passes its high-water mark it calls the
 connection's ``pause_writing``; the next :meth:`ResponseWriter.write` then waits until the
 buffer has drained below the low-water mark (``resume_writing``), so a slow client slows its
-writer instead of filling memory.
+writer instead of filling memory. A writer that is no task (the proxy's relay pushed from an
+engine connection's callback) uses :meth:`ResponseWriter.write_now` and
+:meth:`~ResponseWriter.end_now`, watches :attr:`~ResponseWriter.write_paused` and has a task
+:meth:`~ResponseWriter.drain`.
 """
 
 from __future__ import annotations
