@@ -13,6 +13,10 @@
 
 Mark ``needs("part", ...)`` names parts that ``scripts/setup.sh`` installs: a test whose part
 is missing is skipped, or fails under ``CI=true`` (``support/installed.py``).
+
+Processes a run leaves running (a daemon whose test was interrupted) are stopped when it
+ends, and those of a run that was killed are stopped when the next starts
+(``support/reaper.py``).
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from support.docker_support import llama_server_image, require_docker_client
 from support.hub_standin import TINY_FILES, TINY_REPOS, HubStandin
 from support.link_pair import Linked, linked_in_memory
 from support.proxy_fixtures import StaticResolver, running_proxy
+from support.reaper import Reaper
 from support.standin_engine import StandinEngine
 
 #: ``pytester`` runs pytest inside a test (``test_skip_policy.py``).
@@ -47,6 +52,8 @@ def pytest_configure(config: pytest.Config) -> None:
     # The plugin that registers and applies the ``needs`` mark (an object, not a name: the
     # module is already imported by the helpers above).
     config.pluginmanager.register(installed, "support.installed")
+    # Stops the daemons, agents and engines a run leaves behind (``support/reaper.py``).
+    config.pluginmanager.register(Reaper(), "support.reaper")
     config.addinivalue_line(
         "markers",
         "store_models(*models): (name, path[, size_bytes]) rows the store fixture adds; "

@@ -23,10 +23,10 @@ from berth.routing.adapters import AdapterSlots, AdapterTier, eviction_choice, r
 from berth.routing.errors import AdapterUnavailableError, NoReadyDeploymentError
 from berth.routing.resolver import Upstream
 from berth.runtime.adapter_files import check_fits, inspect_adapter, inspect_base
+from berth.runtime.engine_container import build_container_spec
 from berth.runtime.engines import (
     DeploymentRequest,
     EngineBinaries,
-    build_container_spec,
     build_launch_spec,
     find_free_port,
 )

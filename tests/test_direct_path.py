@@ -6,22 +6,25 @@ leader's ``DataPaths`` in front of both."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import msgspec
 import pytest
 
 from berth.cluster.connection import LinkConnection
-from berth.cluster.direct_path import DataPaths
+from berth.cluster.direct_path import RENEW_AFTER_S, DataPaths, HttpOpener
 from berth.cluster.link_registry import LinkRegistry
+from berth.cluster.protocol.direct import HEALTH_PATH
 from berth.cluster.protocol.ops import INGRESS
 from berth.cluster.protocol.session import Role, WelcomeTerms
 from berth.cluster.remote_link import RemoteLink
 from berth.engine_http.answer import EngineAnswer
-from berth.engine_http.errors import UpstreamConnectError, UpstreamDisconnectError
+from berth.engine_http.errors import UpstreamConnectError, UpstreamDisconnectError, UpstreamError
 from support.direct import DEPLOYMENT, Ingress, Pki, Relay, running_ingress
 from support.fakes import memory_socket_pair
 from support.link_pair import LeaderSide
@@ -30,6 +33,7 @@ from support.waiting import EVENT_TIMEOUT_S, wait_for_async
 
 BODY = b'{"model": "m"}'
 RELAY_HOST = "127.0.0.2"  # the address the agent advertises; the relay forwards it
+OTHER_NODE_ID = "n-0d1ec7a2"
 
 
 class CountingTunnel:
@@ -77,6 +81,52 @@ class Leader:
             answer.close()
 
 
+@contextlib.asynccontextmanager
+async def _linked(
+    side: Ingress, *, offers_ingress: bool = True, certificate: bool = True
+) -> AsyncIterator[RemoteLink]:
+    """The leader's ``RemoteLink`` to ``side``'s agent service over an in-memory tunnel.
+
+    ``offers_ingress``: its Hello lists ``op.ingress``; ``certificate``: the leader saw its
+    client certificate (not only a fingerprint forwarded by a proxy)."""
+    pki = side.pki
+    hello = side.service.hello()
+    if not offers_ingress:
+        offered = [c for c in hello.capabilities if c != INGRESS.capability]
+        hello = msgspec.structs.replace(hello, capabilities=offered)
+    agent_ws, leader_ws = memory_socket_pair()
+    agent = LinkConnection(Role.AGENT, agent_ws, side.service, peer="leader")
+    leader = LinkConnection(Role.LEADER, leader_ws, LeaderSide(), peer=pki.node_id)
+    terms = WelcomeTerms(node_id=pki.node_id, leader_version="test")
+    _welcome, hello = await asyncio.gather(
+        agent.handshake(hello, timeout_s=5.0),
+        leader.handshake(terms, timeout_s=5.0),
+    )
+    tasks = [asyncio.create_task(agent.run()), asyncio.create_task(leader.run())]
+    try:
+        yield RemoteLink(
+            pki.node_id,
+            leader,
+            hello.inventory,
+            hello.capabilities,
+            advertise=hello.advertise,
+            certificate_der=pki.agent_cert_der if certificate else None,
+        )
+    finally:
+        await leader.close(1000, "test over")
+        await asyncio.gather(*tasks)
+
+
+def _data_paths(tunnel: HttpOpener, registry: LinkRegistry, pki: Pki, **options: Any) -> DataPaths:
+    return DataPaths(
+        tunnel,
+        registry,
+        pki.ca,
+        pki.ca_dir,
+        **{"probe_timeout_s": 0.5, "connect_timeout_s": 1.0, **options},
+    )
+
+
 async def _leader(
     pki: Pki,
     *,
@@ -87,55 +137,24 @@ async def _leader(
 ) -> AsyncIterator[Leader]:
     """The leader's data paths to one agent linked through an in-memory tunnel.
 
-    ``advertise``: the agent was started with ``--advertise``; ``offers_ingress``: its
-    Hello lists ``op.ingress``; ``certificate``: the leader saw its client certificate (not
-    only a fingerprint forwarded by a proxy)."""
+    ``advertise``: the agent was started with ``--advertise``; ``offers_ingress`` and
+    ``certificate``: see :func:`_linked`."""
     async with running_ingress(
         pki, advertise_host=RELAY_HOST, configure=False, advertise=advertise
     ) as side:
         relay = Relay(("127.0.0.1", side.origin.port))
         await relay.start(RELAY_HOST, side.origin.port)
-        hello = side.service.hello()
-        if not offers_ingress:
-            offered = [c for c in hello.capabilities if c != INGRESS.capability]
-            hello = msgspec.structs.replace(hello, capabilities=offered)
-        agent_ws, leader_ws = memory_socket_pair()
-        agent = LinkConnection(Role.AGENT, agent_ws, side.service, peer="leader")
-        leader = LinkConnection(Role.LEADER, leader_ws, LeaderSide(), peer=pki.node_id)
-        terms = WelcomeTerms(node_id=pki.node_id, leader_version="test")
-        _welcome, hello = await asyncio.gather(
-            agent.handshake(hello, timeout_s=5.0),
-            leader.handshake(terms, timeout_s=5.0),
-        )
-        tasks = [asyncio.create_task(agent.run()), asyncio.create_task(leader.run())]
-        link = RemoteLink(
-            pki.node_id,
-            leader,
-            hello.inventory,
-            hello.capabilities,
-            advertise=hello.advertise,
-            certificate_der=pki.agent_cert_der if certificate else None,
-        )
-        tunnel = CountingTunnel(link)
-        registry = LinkRegistry()
-        paths = DataPaths(
-            tunnel,
-            registry,
-            pki.ca,
-            pki.ca_dir,
-            probe_interval_s=probe_interval_s,
-            probe_timeout_s=0.5,
-            connect_timeout_s=1.0,
-        )
-        await paths.start()
-        registry.attach(link)
-        try:
-            yield Leader(paths, tunnel, relay, side, pki.node_id)
-        finally:
-            await paths.close()
-            await leader.close(1000, "test over")
-            await asyncio.gather(*tasks)
-            await relay.close()
+        async with _linked(side, offers_ingress=offers_ingress, certificate=certificate) as link:
+            tunnel = CountingTunnel(link)
+            registry = LinkRegistry()
+            paths = _data_paths(tunnel, registry, pki, probe_interval_s=probe_interval_s)
+            await paths.start()
+            registry.attach(link)
+            try:
+                yield Leader(paths, tunnel, relay, side, pki.node_id)
+            finally:
+                await paths.close()
+                await relay.close()
 
 
 @pytest.fixture
@@ -276,3 +295,82 @@ async def test_a_stream_on_a_path_that_stays_dark_is_closed_not_left_hanging(
 
     assert raised.value.answered  # cut off after it began, as when a link dies
     assert leader.path() == "tunnel"
+
+
+class ManualClock:
+    """Epoch seconds that move only when a test says so."""
+
+    def __init__(self) -> None:
+        self.now_s = 0.0
+
+    def __call__(self) -> float:
+        return self.now_s
+
+
+def _direct(paths: DataPaths, side: Ingress) -> bool:
+    """Whether the leader sends ``side``'s requests direct (so it has configured its
+    ingress, and knows when)."""
+    found = paths.data_path(side.pki.node_id)
+    return found is not None and found.path == "direct"
+
+
+async def _lets_in_the_leader(side: Ingress) -> bool:
+    """Whether ``side``'s ingress answers a new connection that presents the leader
+    certificate on disk now (as every new connection of the leader's does)."""
+    try:
+        pool = side.pki.pool()
+    except FileNotFoundError:  # being renewed: not written yet
+        return False
+    try:
+        response = await pool.request(side.origin, b"GET", HEALTH_PATH, [], b"")
+        response.close()
+        return response.status == 200
+    except UpstreamError:
+        return False
+    finally:
+        await pool.close()
+
+
+async def test_a_leader_certificate_renewed_for_one_agent_is_sent_to_every_agent(
+    pki: Pki, tmp_path: Path
+) -> None:
+    clock = ManualClock()
+    other_pki = pki.another_agent(tmp_path / "other", OTHER_NODE_ID)
+    async with (
+        running_ingress(pki, configure=False) as first,
+        running_ingress(other_pki, configure=False) as other,
+        _linked(first) as first_link,
+        _linked(other) as other_link,
+    ):
+        registry = LinkRegistry()
+        paths = _data_paths(CountingTunnel(first_link), registry, pki, clock=clock)
+        await paths.start()
+        try:
+            registry.attach(first_link)
+            await wait_for_async(lambda: _direct(paths, first), EVENT_TIMEOUT_S, "first direct")
+            # The other agent links later: its ingress certificate is younger.
+            clock.now_s = 0.6 * RENEW_AFTER_S
+            registry.attach(other_link)
+            await wait_for_async(lambda: _direct(paths, other), EVENT_TIMEOUT_S, "other direct")
+
+            # The first agent's certificate is due for renewal, the other's is not; the
+            # leader's own certificate is renewed on the way (gone: issued anew).
+            pki.leader_cert.unlink()
+            clock.now_s = 1.1 * RENEW_AFTER_S
+            await _wait_until_let_in(first)
+
+            # Every new connection presents the renewed certificate, to the other agent
+            # too: its ingress must have been told of it.
+            await _wait_until_let_in(other)
+        finally:
+            await paths.close()
+
+
+async def _wait_until_let_in(side: Ingress) -> None:
+    deadline = asyncio.get_running_loop().time() + EVENT_TIMEOUT_S
+    while not await _lets_in_the_leader(side):
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(
+                f"node {side.pki.node_id}'s ingress refuses the leader's renewed certificate"
+            )
+        await asyncio.sleep(0.05)

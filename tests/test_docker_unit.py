@@ -34,7 +34,8 @@ from berth.runtime.docker.api import (
     PullMessage,
     decode_pull_message,
 )
-from berth.runtime.engines import DeploymentRequest, EngineBinaries, build_container_spec
+from berth.runtime.engine_container import build_container_spec
+from berth.runtime.engines import DeploymentRequest, EngineBinaries
 from berth.runtime.gpu import StaticInventory
 from berth.runtime.process import ProcessRuntime
 from support.waiting import EVENT_TIMEOUT_S, wait_for_async

@@ -23,12 +23,12 @@ from berth.agent.journal import EngineJournal, JournalEntry
 from berth.engine_http.auth import bearer_header, with_engine_key
 from berth.errors import ConfigError
 from berth.runtime.base import REDACTED, printable_command
+from berth.runtime.engine_container import build_container_spec
 from berth.runtime.engines import (
     CONTAINER_KEY_FILE,
     DeploymentRequest,
     EngineBinaries,
     EngineName,
-    build_container_spec,
     build_launch_spec,
     find_free_port,
 )

@@ -10,19 +10,18 @@ import pytest
 
 from berth.errors import ConfigError, EngineError, NotFoundError
 from berth.runtime.base import Mount
+from berth.runtime.engine_container import CONTAINER_ULIMITS, build_container_spec
 from berth.runtime.engines import (
-    CONTAINER_ULIMITS,
     ENGINE_NAMES,
     DeploymentRequest,
     EngineBinaries,
     EngineName,
-    build_container_spec,
     build_launch_spec,
-    check_image_reference,
     find_free_port,
     parse_engine_name,
     parse_runtime_name,
 )
+from berth.runtime.images import check_image_reference
 
 BINARIES = EngineBinaries(
     llama_server="/opt/llama/llama-server", vllm="/opt/venv/bin/vllm", sglang_python="/usr/bin/py"

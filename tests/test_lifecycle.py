@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import pytest
@@ -14,7 +16,7 @@ from berth.cluster.protocol.frames import AdoptedState
 from berth.daemon.lifecycle import DeployOptions, LifecycleManager
 from berth.errors import ConfigError, ConflictError, EngineError, NotFoundError
 from berth.routing.errors import NoReadyDeploymentError
-from berth.store import Store
+from berth.store import DeploymentRecord, Store
 from berth.store.states import DeploymentState
 from support.fakes import FakeLink
 from support.waiting import EVENT_TIMEOUT_S, wait_for_async
@@ -67,6 +69,42 @@ async def test_failed_start_keeps_its_reason(manager: LifecycleManager, link: Fa
     assert "exited with code 1" in (settled.failure_reason or "")
     with pytest.raises(NoReadyDeploymentError):
         manager.candidates("tiny")
+
+
+async def test_a_wait_begun_before_the_start_task_exists_waits_for_the_outcome(
+    manager: LifecycleManager, store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A caller that reads the new row from the store (a poller, the scaling controller)
+    while deploy() is still writing it, and waits on it, gets the start's outcome, not the
+    pending record."""
+    created, release, read = threading.Event(), threading.Event(), threading.Event()
+    row: list[str] = []
+    create, get = store.create_deployment, store.get_deployment
+
+    def create_and_hold(*args: Any, **kwargs: Any) -> DeploymentRecord:
+        record = create(*args, **kwargs)
+        row.append(record.id)
+        created.set()
+        release.wait(EVENT_TIMEOUT_S)  # deploy() resumes (and starts its task) after this
+        return record
+
+    def get_and_tell(deployment_id: str) -> DeploymentRecord:
+        record = get(deployment_id)
+        if row and deployment_id == row[0]:
+            read.set()
+        return record
+
+    monkeypatch.setattr(store, "create_deployment", create_and_hold)
+    monkeypatch.setattr(store, "get_deployment", get_and_tell)
+    deploying = asyncio.create_task(manager.deploy(DeployOptions("tiny", "llamacpp", "local")))
+    assert await asyncio.to_thread(created.wait, EVENT_TIMEOUT_S)
+    waiting = asyncio.create_task(manager.wait_settled(row[0], EVENT_TIMEOUT_S))
+    assert await asyncio.to_thread(read.wait, EVENT_TIMEOUT_S)  # it saw the row pending
+    release.set()
+    await deploying
+    settled = await waiting
+    assert settled.state is DeploymentState.READY
+    assert [u.deployment_id for u in manager.candidates("tiny")] == [row[0]]
 
 
 async def test_unknown_model_engine_and_node_are_refused(manager: LifecycleManager) -> None:
@@ -292,6 +330,31 @@ async def test_a_manager_that_never_started_changes_nothing_on_shutdown(
     manager = LifecycleManager(store, LinkRegistry([link]), health_timeout_s=5, stop_grace_s=1)
     await manager.shutdown()  # as after a start that failed before reconciling
     assert store.get_deployment(record.id).state is DeploymentState.READY
+
+
+async def test_a_stop_that_breaks_at_shutdown_is_logged_and_the_others_still_stop(
+    manager: LifecycleManager,
+    link: FakeLink,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    broken = await manager.deploy(DeployOptions("tiny", "llamacpp", "local"))
+    other = await manager.deploy(DeployOptions("tiny", "llamacpp", "local"))
+    await manager.wait_settled(broken.id, 5)
+    await manager.wait_settled(other.id, 5)
+    stop = link.stop_deployment
+
+    async def stop_or_break(deployment_id: str, grace_s: float) -> None:
+        if deployment_id == broken.id:
+            raise RuntimeError("a bug in the stop")
+        await stop(deployment_id, grace_s)
+
+    monkeypatch.setattr(link, "stop_deployment", stop_or_break)
+    await manager.shutdown()
+
+    assert list(link.running) == [broken.id]  # the other one was stopped all the same
+    (logged,) = [r for r in caplog.records if "a bug in the stop" in r.getMessage()]
+    assert broken.id in logged.getMessage() and "local" in logged.getMessage()
 
 
 async def test_reconcile_stops_local_engines_no_deployment_owns(

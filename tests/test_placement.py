@@ -28,7 +28,7 @@ from berth.placement import (
     RefusalReason,
     plan_placement,
 )
-from berth.runtime.engines import DEFAULT_GPU_IMAGES, DEFAULT_IMAGES
+from berth.runtime.images import DEFAULT_GPU_IMAGES, DEFAULT_IMAGES
 from berth.store import ModelRecord, Store
 from support.fakes import FakeLink
 

@@ -101,9 +101,8 @@ class Leader:
 
     async def settle(self, deployment_id: str) -> DeploymentRecord:
         """Wait until the controller has been told the deployment left pending/loading; its
-        record.  Not ``lifecycle.wait_settled``: a row read from the store can be seen before
-        its start task is registered (that returns it still pending), and the store has a
-        state before the controller hears of it."""
+        record.  Not ``lifecycle.wait_settled``: the store has a state before the
+        controller hears of it."""
         await wait_for_async(
             lambda: self.told.get(deployment_id) not in (None, *_STARTING),
             EVENT_TIMEOUT_S,

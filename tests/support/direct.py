@@ -60,7 +60,12 @@ class Pki:
 
     @property
     def ca_dir(self) -> Path:
-        return self.root / "ca"
+        return self.leader_cert.parent
+
+    def another_agent(self, root: Path, node_id: str) -> Pki:
+        """The same CA and leader, and a second agent (``node_id``, files in ``root``)."""
+        cert, key, der = _agent_identity(self.ca, root, node_id)
+        return Pki(root, self.ca, self.leader_cert, self.leader_key, cert, key, der, node_id)
 
     def ingress_args(self) -> IngressArgs:
         certificate = issue_ingress_certificate(self.ca, self.agent_cert_der, self.node_id)
@@ -90,17 +95,24 @@ class Pki:
 def make_pki(root: Path) -> Pki:
     ca = CertificateAuthority.load_or_create(root / "ca")
     leader_cert, leader_key = ensure_leader_certificate(ca, root / "ca")
+    agent_cert, agent_key, der = _agent_identity(ca, root, NODE_ID)
+    return Pki(root, ca, leader_cert, leader_key, agent_cert, agent_key, der)
+
+
+def _agent_identity(ca: CertificateAuthority, root: Path, node_id: str) -> tuple[Path, Path, bytes]:
+    """An agent's certificate for ``node_id`` and its key in ``root``; its DER form."""
     agent_key = ec.generate_private_key(ec.SECP256R1())
     csr = (
         x509.CertificateSigningRequestBuilder()
         .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "ignored")]))
         .sign(agent_key, hashes.SHA256())
     )
-    cert_pem = ca.sign_csr(csr.public_bytes(serialization.Encoding.PEM), NODE_ID, days=30)
+    cert_pem = ca.sign_csr(csr.public_bytes(serialization.Encoding.PEM), node_id, days=30)
+    root.mkdir(parents=True, exist_ok=True)
     (root / "agent.key").write_bytes(_key_pem(agent_key))
     (root / "agent.crt").write_bytes(cert_pem)
     der = x509.load_pem_x509_certificate(cert_pem).public_bytes(serialization.Encoding.DER)
-    return Pki(root, ca, leader_cert, leader_key, root / "agent.crt", root / "agent.key", der)
+    return root / "agent.crt", root / "agent.key", der
 
 
 def stranger_leader_certificate(root: Path) -> tuple[Path, Path]:

@@ -400,7 +400,7 @@ class AdoptedWatcher:
             try:
                 await self.check_once()
             except Exception:  # the watcher must survive; the log keeps why
-                log.exception("checking adopted endpoints failed")
+                log.exception("checking the adopted endpoints of %s failed", self._path)
             await asyncio.sleep(self._reload_interval_s)
 
     def _reload(self) -> bool:

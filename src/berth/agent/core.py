@@ -31,19 +31,19 @@ from berth.runtime.base import (
     RuntimeName,
     SecretFile,
 )
+from berth.runtime.engine_container import DEFAULT_SHM_SIZE, build_container_spec
+from berth.runtime.engine_log import follow_log, read_log_tail
 from berth.runtime.engines import (
-    DEFAULT_IMAGES,
-    DEFAULT_SHM_SIZE,
     DeploymentRequest,
     EngineBinaries,
     EngineName,
-    build_container_spec,
     build_launch_spec,
     find_free_port,
 )
 from berth.runtime.gpu import GpuInfo, GpuInventory
+from berth.runtime.images import DEFAULT_IMAGES
 from berth.runtime.lora_api import load_adapter, unload_adapter
-from berth.runtime.process import ProcessRuntime, follow_log, read_log_tail
+from berth.runtime.process import ProcessRuntime
 
 if TYPE_CHECKING:
     from berth.agent.adopted import AdoptedWatcher

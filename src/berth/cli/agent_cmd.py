@@ -135,7 +135,7 @@ def logs(
     import contextlib
     import sys
 
-    from berth.runtime.process import follow_log, read_log_tail
+    from berth.runtime.engine_log import follow_log, read_log_tail
 
     path = context(ctx).home.agent_log
     if not path.exists():

@@ -82,7 +82,8 @@ DEAD_AFTER_FAILED_PROBES = 3
 #: TLS handshakes to one ingress at a time; a request that would wait behind them (no idle
 #: connection) takes the tunnel instead, so a burst grows the pool gradually.
 MAX_CONNECTING = 8
-_RENEW_AFTER_S = INGRESS_CERT_DAYS * 86400 / 2
+#: Seconds after which an agent's ingress certificate is issued anew: half its lifetime.
+RENEW_AFTER_S = INGRESS_CERT_DAYS * 86400 / 2
 
 
 class HttpOpener(Protocol):
@@ -335,7 +336,7 @@ class DataPaths:
             # present the new one, which this agent's ingress does not let in yet.
             due = (
                 node.configured_at is None
-                or self._clock() - node.configured_at > _RENEW_AFTER_S
+                or self._clock() - node.configured_at > RENEW_AFTER_S
                 or node.leader_pem != self._leader_pem
             )
             if due and not await self._configure(node):

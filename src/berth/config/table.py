@@ -23,8 +23,9 @@ from berth.http_server.cors import cors_origins_problem
 from berth.http_server.limits import ListenerLimits
 from berth.paths import BerthHome
 from berth.runtime.base import RUNTIME_NAMES
-from berth.runtime.engines import DEFAULT_GPU_IMAGES, DEFAULT_IMAGES, DEFAULT_SHM_SIZE
+from berth.runtime.engine_container import DEFAULT_SHM_SIZE
 from berth.runtime.gpu import parse_simulated_gpus
+from berth.runtime.images import DEFAULT_GPU_IMAGES, DEFAULT_IMAGES
 from berth.runtime.trees import TREE_MODES
 
 SettingSource = Literal["flag", "env", "file", "autodetect", "default"]

@@ -17,7 +17,7 @@ from berth.daemon.lifecycle import DEFAULT_MIN_RESIDENCY_S, DeployOptions, Lifec
 from berth.errors import ConflictError, NotFoundError
 from berth.placement import EvictionPolicy
 from berth.routing.errors import NoReadyDeploymentError
-from berth.scaling.controller import EvictionNote, ProgressNote
+from berth.scaling.fleet import EvictionNote, ProgressNote
 from berth.store import ServiceProfileRecord
 
 log = logging.getLogger(__name__)

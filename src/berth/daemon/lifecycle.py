@@ -17,6 +17,7 @@ Its parts, each with one reason to change:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -59,12 +60,8 @@ from berth.placement import (
 )
 from berth.routing.resolver import Upstream
 from berth.routing.waiting import WaitingAttempts
-from berth.runtime.engines import (
-    DEFAULT_GPU_IMAGES,
-    DEFAULT_IMAGES,
-    DeploymentRequest,
-    EngineName,
-)
+from berth.runtime.engines import DeploymentRequest, EngineName
+from berth.runtime.images import DEFAULT_GPU_IMAGES, DEFAULT_IMAGES
 from berth.store import DeploymentRecord, Store
 from berth.store.states import TERMINAL_STATES, DeploymentState
 
@@ -73,6 +70,9 @@ log = logging.getLogger(__name__)
 #: Told of each deployment a placement evicts, before it is stopped: its id and the
 #: eviction choice's reason line.
 EvictionListener = Callable[[str, str], None]
+
+#: the states :meth:`LifecycleManager.wait_settled` waits out
+_STARTING = frozenset({DeploymentState.PENDING, DeploymentState.LOADING})
 
 __all__ = [
     "DEFAULT_MIN_RESIDENCY_S",
@@ -202,7 +202,18 @@ class LifecycleManager:
             await asyncio.wait(starting, timeout=self._stop_grace_s + 30.0)
         everything = await asyncio.to_thread(self._store.list_deployments, active_only=True)
         active = [record for record in everything if record.node_id == LOCAL_NODE_ID]
-        await asyncio.gather(*(self._stop_one(record) for record in active), return_exceptions=True)
+        outcomes = await asyncio.gather(
+            *(self._stop_one(record) for record in active), return_exceptions=True
+        )
+        for record, outcome in zip(active, outcomes, strict=True):
+            # Shutting down goes on for the others; each failure is kept in the log.
+            if isinstance(outcome, ConflictError):
+                continue  # stopped meanwhile by another caller
+            if isinstance(outcome, BaseException):
+                log.error("shutdown: stopping deployment %s on node %s failed: %s",
+                          record.id, record.node_id, outcome, exc_info=outcome)  # fmt: skip
+            elif outcome.state is DeploymentState.FAILED:
+                log.warning("shutdown: deployment %s: %s", record.id, outcome.failure_reason)
 
     async def refresh_known_models(self) -> None:
         """Re-read the names that answer 503 rather than 404 while nothing serves them."""
@@ -357,11 +368,28 @@ class LifecycleManager:
                 )
 
     async def wait_settled(self, deployment_id: str, timeout_s: float) -> DeploymentRecord:
-        """Wait until the deployment leaves pending/loading (for tests and ``berth run``)."""
-        task = self._starting.get(deployment_id)
-        if task is not None:
-            await asyncio.wait({task}, timeout=timeout_s)
-        return await asyncio.to_thread(self._store.get_deployment, deployment_id)
+        """Wait up to ``timeout_s`` seconds until the deployment leaves pending/loading and
+        its start has finished (so a ready one is routed); its record then, still pending
+        or loading if the time ran out.
+
+        A record can be read from the store before its start task exists (the row is
+        written first): such a caller waits for the state writer's next changes, not for a
+        task that is not there yet.  Raises ``NotFoundError`` for an unknown id.
+        """
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while True:
+            changed = self._writer.next_change()
+            task = self._starting.get(deployment_id)
+            if task is not None:
+                await asyncio.wait({task}, timeout=max(0.0, deadline - loop.time()))
+            record = await asyncio.to_thread(self._store.get_deployment, deployment_id)
+            remaining_s = deadline - loop.time()
+            if record.state not in _STARTING or remaining_s <= 0:
+                return record
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(remaining_s):
+                    await changed.wait()
 
     # -- carrying a placement out ------------------------------------------------------------
 

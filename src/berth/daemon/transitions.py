@@ -35,6 +35,8 @@ class StateWriter:
         self._on_state = on_state
         #: what a loading deployment is busy with, by deployment id
         self._progress: dict[str, str] = {}
+        #: set (and replaced) at every record written: see :meth:`next_change`
+        self._changed = asyncio.Event()
 
     async def transition(
         self,
@@ -67,8 +69,15 @@ class StateWriter:
 
     def notify(self, record: DeploymentRecord) -> None:
         """Tell the state listener of ``record`` (also for a record just created)."""
+        changed, self._changed = self._changed, asyncio.Event()
+        changed.set()
         if self._on_state is not None:
             self._on_state(record)
+
+    def next_change(self) -> asyncio.Event:
+        """An event set at the next record written (any deployment's); take it before
+        reading the store, so a change between the read and the wait is not missed."""
+        return self._changed
 
     def set_progress(self, deployment_id: str, line: str) -> None:
         self._progress[deployment_id] = line

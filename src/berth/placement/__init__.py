@@ -6,7 +6,9 @@
 - :mod:`.fit`: the free VRAM of a GPU for placement, and the choice of GPUs by fit and
   replica spread;
 - :mod:`.eviction`: which idle deployments to stop to make room;
-- :mod:`.plan`: :func:`plan_placement`, the whole decision.
+- :mod:`.plan`: :func:`plan_placement`, the whole decision, from what :mod:`.request`
+  holds (the request, each node's facts, the image settings) to what :mod:`.result` holds
+  (a placement or a typed refusal).
 
 The lifecycle manager gathers the facts (:class:`NodeFacts`), asks :func:`plan_placement`
 and carries the answer out; nothing here but the file readers does I/O.
@@ -15,19 +17,21 @@ and carries the answer out; nothing here but the file readers does I/O.
 from berth.placement.estimate import EstimateRequest, VramEstimate, estimate_vram, mib
 from berth.placement.eviction import Eviction, EvictionRefusal, choose_eviction
 from berth.placement.fit import GpuFacts, GpuOption, ReplicaAt, Resident
-from berth.placement.plan import (
-    CONFLICT_REASONS,
+from berth.placement.plan import plan_placement
+from berth.placement.request import (
     EvictionPolicy,
     GpuReservation,
-    ModelAt,
-    ModelPull,
     NodeFacts,
-    Placement,
     PlacementPolicy,
     PlacementRequest,
+)
+from berth.placement.result import (
+    CONFLICT_REASONS,
+    ModelAt,
+    ModelPull,
+    Placement,
     Refusal,
     RefusalReason,
-    plan_placement,
 )
 from berth.placement.shape import ModelShape
 

@@ -4,10 +4,11 @@
 (:class:`PlacementRequest`: the model, engine, runtime, the node and GPUs asked for if any,
 the VRAM estimate, the service's other replicas), the facts of the nodes that could run it
 (:class:`NodeFacts`, which the lifecycle manager gathers from the store, each node's link
-and its adopted endpoints) and the leader's image settings (:class:`PlacementPolicy`), and
-returns either a :class:`Placement` (the node, the runtime and image, the GPUs, where the
-model comes from, the deployments to evict first if any, and a reason per decision) or a
-:class:`Refusal` (a typed reason and the message the user sees).  The lifecycle manager only
+and its adopted endpoints) and the leader's image settings (:class:`PlacementPolicy`), all
+in :mod:`berth.placement.request`, and returns either a :class:`Placement` (the node, the
+runtime and image, the GPUs, where the model comes from, the deployments to evict first if
+any, and a reason per decision) or a :class:`Refusal` (a typed reason and the message the
+user sees), both in :mod:`berth.placement.result`.  The lifecycle manager only
 carries the result out, so a dry run (``berth plan``) prints the same reasons a real
 deployment acts on.
 
@@ -35,16 +36,14 @@ check: the engine runs on its CPU, and the reasons say so.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
 
-from berth.errors import BerthError, ConfigError, ConflictError
+from berth.errors import ConfigError
 from berth.placement.estimate import VramEstimate, mib
 from berth.placement.eviction import Eviction, EvictionRefusal, choose_eviction, last_used_at
 from berth.placement.fit import (
-    GpuFacts,
     GpuOption,
     ReplicaAt,
     choose_gpus,
@@ -52,171 +51,11 @@ from berth.placement.fit import (
     most_free,
     replicas_on,
 )
+from berth.placement.request import NodeFacts, PlacementPolicy, PlacementRequest
+from berth.placement.result import ModelAt, ModelPull, Placement, Refusal
 from berth.runtime.base import RuntimeName
-from berth.runtime.engines import (
-    DEFAULT_GPU_IMAGES,
-    DEFAULT_IMAGES,
-    EngineName,
-    check_image_reference,
-)
+from berth.runtime.images import check_image_reference
 from berth.store.records import ModelRecord
-
-#: Why a placement was refused; :data:`CONFLICT_REASONS` says which are the cluster's state
-#: (409) rather than a request that cannot work (400).
-RefusalReason = Literal[
-    "image_invalid",  # the image is no image reference
-    "image_without_docker",  # an image was given for the process runtime
-    "node_not_connected",  # the node has no live link
-    "runtime_unavailable",  # the node's agent does not offer the runtime
-    "model_elsewhere",  # on the leader's host, a model whose paths are on other nodes only
-    "model_not_on_node",  # no path on the node, and no download it could make
-    "gpu_reserved",  # a GPU asked for is declared by an adopted endpoint
-    "gpu_missing",  # a GPU asked for does not exist on the node
-    "estimate_unknown",  # GPUs to choose from, but no VRAM estimate to choose by
-    "vram_too_large",  # the estimate exceeds every GPU looked at, even an empty one
-    "vram_no_room",  # it would fit an empty GPU, but none has that much free now
-    "no_node",  # no connected node can take it (each node's reason is in the message)
-]
-CONFLICT_REASONS: frozenset[RefusalReason] = frozenset(
-    {"node_not_connected", "runtime_unavailable", "gpu_reserved", "vram_no_room", "no_node"}
-)
-
-
-@dataclass(frozen=True)
-class EvictionPolicy:
-    """Whether placement may evict idle deployments to make room (``allowed``), at time
-    ``now`` (epoch seconds) with the minimum residency ``min_residency_s``.  When not
-    allowed, a refusal still names the eviction that would have made room."""
-
-    now: float
-    min_residency_s: float
-    allowed: bool = False
-
-
-@dataclass(frozen=True)
-class PlacementRequest:
-    """A deployment asked for: ``model`` with ``engine`` and ``runtime``.
-
-    ``node_id``: the node asked for (``None``: placement chooses; with ``gpus`` but no node,
-    the leader's own host, as GPU indexes name one host's GPUs).  ``gpus`` are device
-    indexes (empty: placement chooses on a node that has GPUs); ``image`` the container
-    image asked for (docker only; ``None``: the engine's image setting).  ``estimate`` is
-    the deployment's VRAM (``None``: unknown, ``estimate_problem`` says why); ``force``
-    places GPUs asked for, or the GPU with the most free memory, even where the estimate
-    does not fit.  ``replicas`` are the active deployments of the same served model name;
-    ``eviction`` (``None``: never looked at) whether idle deployments may be evicted.
-    """
-
-    model: ModelRecord
-    engine: EngineName
-    runtime: RuntimeName
-    node_id: str | None = None
-    gpus: tuple[int, ...] = ()
-    image: str | None = None
-    estimate: VramEstimate | None = None
-    estimate_problem: str | None = None
-    force: bool = False
-    replicas: tuple[ReplicaAt, ...] = ()
-    eviction: EvictionPolicy | None = None
-
-
-@dataclass(frozen=True)
-class GpuReservation:
-    """GPU ``index`` declared by the adopted endpoint ``holder``: nothing else goes there."""
-
-    index: int
-    holder: str
-
-
-@dataclass(frozen=True)
-class NodeFacts:
-    """What the leader knows of one node, for one request.
-
-    ``connected``: it has a live link (the other facts are empty when not).
-    ``leader_host``: it is the leader's own host (node ``local``), where a model's registered
-    path is a path on the node.  ``runtimes``: those its agent offers.  ``can_pull``: its
-    agent downloads models from the hub.  ``model_location``: the request's model's path
-    recorded for this node (``None``: none).  ``gpus``: its GPUs as its agent reports them,
-    with berth's deployments on each.  ``reserved_gpus``: GPUs its adopted endpoints declare.
-    """
-
-    node_id: str
-    label: str
-    connected: bool
-    leader_host: bool = False
-    runtimes: frozenset[RuntimeName] = frozenset({"process"})
-    can_pull: bool = False
-    model_location: Path | None = None
-    gpus: tuple[GpuFacts, ...] = ()
-    reserved_gpus: tuple[GpuReservation, ...] = ()
-
-
-@dataclass(frozen=True)
-class PlacementPolicy:
-    """The leader's settings placement follows: the container image per engine
-    (``*_image`` settings) and the one used instead when a deployment gets GPUs."""
-
-    images: Mapping[EngineName, str] = field(default_factory=lambda: dict(DEFAULT_IMAGES))
-    gpu_images: Mapping[EngineName, str] = field(default_factory=lambda: dict(DEFAULT_GPU_IMAGES))
-
-
-@dataclass(frozen=True)
-class ModelAt:
-    """The model is at ``path`` on the node."""
-
-    path: Path
-
-
-@dataclass(frozen=True)
-class ModelPull:
-    """The node downloads ``repo_id`` at ``revision`` (``None``: default branch) from the hub
-    first; the deployment runs from where that lands."""
-
-    repo_id: str
-    revision: str | None
-
-
-@dataclass(frozen=True)
-class Placement:
-    """Where and how to start the deployment; ``reasons`` say why, one line per decision.
-
-    ``estimate`` is the VRAM it was placed by (``None``: no VRAM check); ``eviction`` names
-    the deployments to stop first (``None``: none); ``considered`` every GPU looked at.
-    """
-
-    node_id: str
-    label: str
-    runtime: RuntimeName
-    #: the container image (docker only)
-    image: str | None
-    gpus: tuple[int, ...]
-    model: ModelAt | ModelPull
-    reasons: tuple[str, ...]
-    estimate: VramEstimate | None = None
-    eviction: Eviction | None = None
-    considered: tuple[GpuOption, ...] = ()
-
-
-@dataclass(frozen=True)
-class Refusal:
-    """Why the deployment cannot be placed: ``reason`` for code, ``message`` for people;
-    ``node_id`` names the node it concerns (``None``: the request itself).  ``considered``
-    are the GPUs looked at, ``eviction`` one that would make room (when evicting was not
-    allowed)."""
-
-    reason: RefusalReason
-    message: str
-    node_id: str | None = None
-    estimate: VramEstimate | None = None
-    considered: tuple[GpuOption, ...] = ()
-    eviction: Eviction | None = None
-
-    def error(self) -> BerthError:
-        """The error to raise for it: ``ConflictError`` for :data:`CONFLICT_REASONS`, else
-        ``ConfigError``."""
-        if self.reason in CONFLICT_REASONS:
-            return ConflictError(self.message)
-        return ConfigError(self.message)
 
 
 @dataclass(frozen=True)

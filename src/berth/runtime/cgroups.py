@@ -24,15 +24,20 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import logging
 import os
 import secrets
 import signal
+import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
 #: The folder below berth's own cgroup that holds one cgroup per engine.
 CGROUP_FOLDER = "berth"
+log = logging.getLogger(__name__)
+
 #: Seconds after which an empty engine cgroup counts as left over (see
 #: :meth:`EngineCgroups.remove_stale`).
 STALE_AFTER_S = 60.0
@@ -250,3 +255,57 @@ def detect() -> EngineCgroups | CgroupsUnavailable:
     if not os.access(cgroups.parent, os.W_OK) or not os.access(own_procs, os.W_OK):
         return CgroupsUnavailable(f"{cgroups.parent} is not writable by this user")
     return cgroups
+
+
+def spawn_in(
+    cgroup: EngineCgroup | None,
+    spawn: Callable[[Callable[[], None] | None], subprocess.Popen[bytes]],
+    deployment_id: str,
+) -> subprocess.Popen[bytes] | None:
+    """``spawn(join)`` the engine inside ``cgroup``: ``join`` runs in the child between fork
+    and exec and moves it there (``spawn(None)`` without a cgroup).
+
+    ``None`` when it cannot join it (the child exits before exec; the cgroup is removed):
+    the caller starts the engine without one.  Raises :class:`OSError` when the program
+    cannot be executed.
+    """
+    if cgroup is None:
+        return spawn(None)
+    try:
+        procs = cgroup.open_procs()
+    except OSError as exc:
+        log.warning("cannot join cgroup %s (%s): following deployment %s from /proc",
+                    cgroup.name, exc.strerror or exc, deployment_id)  # fmt: skip
+        cgroup.remove()
+        return None
+
+    def join() -> None:
+        # Runs in the child between fork and exec: one write, nothing that takes a lock.
+        os.write(procs, b"0")
+
+    try:
+        return spawn(join)
+    except subprocess.SubprocessError as exc:  # raised for a failing preexec_fn
+        log.warning("moving deployment %s into cgroup %s failed (%s): following it from "
+                    "/proc", deployment_id, cgroup.name, exc)  # fmt: skip
+        cgroup.remove()
+        return None
+    finally:
+        os.close(procs)
+
+
+def existing_cgroup(cgroups: EngineCgroups | None, name: str | None) -> EngineCgroup | None:
+    """The engine cgroup ``name`` (recorded in an engine's handle) when it is one berth makes
+    and it exists; ``cgroups`` is this host's (``None``: engines get none now)."""
+    if name is None:
+        return None
+    if cgroups is None:
+        # Started when this host allowed cgroups (or another setting): still killed.
+        mount = cgroup2_mount()
+        if mount is None:
+            return None
+        cgroups = EngineCgroups(mount, "/")
+    if not cgroups.owns(name):
+        return None
+    found = cgroups.named(name)
+    return found if found.path.is_dir() else None

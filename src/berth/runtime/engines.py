@@ -34,8 +34,6 @@ an engine's environment and berth's 0600 files are not:
 from __future__ import annotations
 
 import importlib
-import os
-import re
 import shutil
 import socket
 import sys
@@ -47,12 +45,11 @@ from berth.errors import ConfigError, EngineError, NotFoundError
 from berth.runtime.base import (
     RUNTIME_NAMES,
     SECRET_FLAGS,
-    ContainerSpec,
     LaunchSpec,
-    Mount,
     RuntimeName,
     SecretFile,
 )
+from berth.runtime.gguf_folder import resolve_gguf
 from berth.runtime.lora_flags import LORA_FLAGS, lora_env, lora_serve_flags
 
 EngineName = Literal["llamacpp", "vllm", "sglang"]
@@ -80,7 +77,6 @@ CONTAINER_KEY_FILE = "/run/berth/engine-key.yaml"
 SGLANG_CONFIG_FLAG = "--config"
 
 # A split GGUF shard as written by llama.cpp's gguf-split: ``name-00001-of-00003.gguf``.
-_GGUF_SHARD = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$")
 
 
 def parse_runtime_name(text: str) -> RuntimeName:
@@ -118,9 +114,10 @@ class DeploymentRequest:
     them; ``ctx`` is the context length in tokens (``None``: the engine's default, usually
     the model's own); ``extra_args`` are appended verbatim after berth's own flags.
     ``runtime`` says how the engine runs; ``image`` is the container image for the docker
-    runtime (``None``: the engine's default image, :data:`DEFAULT_IMAGES`).  ``api_key`` is
-    the engine's own API key, chosen by the agent core that starts it (``None``: the engine
-    runs without one); it never appears in a ``repr``.
+    runtime (``None``: the engine's default image,
+    :data:`~berth.runtime.images.DEFAULT_IMAGES`).  ``api_key`` is the engine's own API key,
+    chosen by the agent core that starts it (``None``: the engine runs without one); it
+    never appears in a ``repr``.
 
     Adapters (vLLM, SGLang): ``adapter_slots`` enables LoRA with that many adapters loaded at
     once, up to rank ``max_lora_rank`` (``None``: vLLM's default, 16), on the
@@ -213,7 +210,7 @@ def build_launch_spec(
         NotFoundError: ``model_path`` does not exist.
         EngineError: the chosen engine is not installed (the message says how to get it).
     """
-    _check_request(req)
+    check_request(req)
     served = req.effective_served_name
     argv: list[str]
     if req.engine == "llamacpp":
@@ -224,7 +221,7 @@ def build_launch_spec(
         argv = _sglang_argv(req, served, binaries)
     else:
         assert_never(req.engine)
-    secret_env, secret_files, key_flags = _key_delivery(req, secrets_dir, container=False)
+    secret_env, secret_files, key_flags = key_delivery(req, secrets_dir, container=False)
     argv.extend(key_flags)
     argv.extend(req.extra_args)
     env: dict[str, str] = {}
@@ -248,7 +245,7 @@ def build_launch_spec(
     )
 
 
-def _key_delivery(
+def key_delivery(
     req: DeploymentRequest, secrets_dir: Path | None, *, container: bool
 ) -> tuple[dict[str, str], tuple[SecretFile, ...], list[str]]:
     """How ``req.api_key`` reaches the engine: environment entries, files to write, and
@@ -278,7 +275,10 @@ def health_path(engine: EngineName) -> str:
     return _HEALTH_PATHS[engine]
 
 
-def _check_request(req: DeploymentRequest, *, needs_port: bool = True) -> None:
+def check_request(req: DeploymentRequest, *, needs_port: bool = True) -> None:
+    """Refuse with ``ConfigError`` a request no engine may run: a port out of range (when
+    ``needs_port``), or extra arguments that set what berth sets itself (the API key, the
+    LoRA flags of a base with adapters, SGLang's ``--config``)."""
     if needs_port and not 1 <= req.port <= 65535:
         raise ConfigError(f"port {req.port} is out of range 1-65535")
     for arg in req.extra_args:
@@ -318,7 +318,7 @@ def _llamacpp_argv(req: DeploymentRequest, served: str, binaries: EngineBinaries
             deployment_id=req.deployment_id,
         )
     model = str(resolve_gguf(req.model_path))
-    return [binaries.llama_server, "-m", model, *_serve_flags(req, served, ENGINE_HOST, req.port)]
+    return [binaries.llama_server, "-m", model, *serve_flags(req, served, ENGINE_HOST, req.port)]
 
 
 def _vllm_argv(req: DeploymentRequest, served: str, binaries: EngineBinaries) -> list[str]:
@@ -328,7 +328,7 @@ def _vllm_argv(req: DeploymentRequest, served: str, binaries: EngineBinaries) ->
             deployment_id=req.deployment_id,
         )
     model = str(req.model_path)
-    return [binaries.vllm, "serve", model, *_serve_flags(req, served, ENGINE_HOST, req.port)]
+    return [binaries.vllm, "serve", model, *serve_flags(req, served, ENGINE_HOST, req.port)]
 
 
 def _sglang_argv(req: DeploymentRequest, served: str, binaries: EngineBinaries) -> list[str]:
@@ -343,12 +343,14 @@ def _sglang_argv(req: DeploymentRequest, served: str, binaries: EngineBinaries) 
         "sglang.launch_server",
         "--model-path",
         str(req.model_path),
-        *_serve_flags(req, served, ENGINE_HOST, req.port),
+        *serve_flags(req, served, ENGINE_HOST, req.port),
     ]
 
 
-def _serve_flags(req: DeploymentRequest, served: str, host: str, port: int) -> list[str]:
-    """The engine's flags after the model: address, served name, context, parallelism."""
+def serve_flags(req: DeploymentRequest, served: str, host: str, port: int) -> list[str]:
+    """The engine's flags after the model: address, served name, context, parallelism (the
+    same whether it runs as a process or in a container).  ``ConfigError`` for a llama.cpp
+    served name with a comma."""
     flags = ["--host", host, "--port", str(port)]
     if req.engine == "llamacpp":
         if "," in served:
@@ -383,216 +385,6 @@ def _serve_flags(req: DeploymentRequest, served: str, host: str, port: int) -> l
         files=req.lora_files,
     )
     return flags
-
-
-# -- containers (the docker runtime) ---------------------------------------------------------
-
-#: Each engine's published image, used by the docker runtime unless a setting or ``--image``
-#: names another.  llama.cpp's ``server`` image runs ``llama-server`` as its entrypoint;
-#: vLLM's ``vllm-openai`` runs its OpenAI server as its entrypoint; SGLang's image has no
-#: server entrypoint, so berth gives it the whole command line.
-DEFAULT_IMAGES: dict[EngineName, str] = {
-    "llamacpp": "ghcr.io/ggml-org/llama.cpp:server",
-    "vllm": "vllm/vllm-openai:latest",
-    "sglang": "lmsysorg/sglang:latest",
-}
-
-#: The image used instead of :data:`DEFAULT_IMAGES` when a deployment gets GPUs: llama.cpp
-#: publishes its CUDA build as a separate tag.
-DEFAULT_GPU_IMAGES: dict[EngineName, str] = {"llamacpp": "ghcr.io/ggml-org/llama.cpp:server-cuda"}
-
-#: ``/dev/shm`` size of engine containers unless the ``docker_shm_size`` setting says: vLLM
-#: and SGLang document a large one for their workers (SGLang's examples use 32g); it is
-#: memory used only as filled.
-DEFAULT_SHM_SIZE = "16g"
-
-#: The port each engine listens on inside its container: the images' documented defaults.
-CONTAINER_PORTS: dict[EngineName, int] = {"llamacpp": 8080, "vllm": 8000, "sglang": 30000}
-
-#: Where the model is mounted (read-only) inside a container.
-CONTAINER_MODEL_DIR = "/models"
-
-#: What the engine binds inside its container: Docker's published port arrives through the
-#: container's own interface, not its loopback.  The host side is published on 127.0.0.1 only.
-CONTAINER_BIND = "0.0.0.0"
-
-#: ``(name, soft, hard)`` limits NVIDIA documents for its CUDA containers (unlimited locked
-#: memory for pinned transfers, a 64 MiB stack), as SGLang's docker compose file also sets.
-#: Given to containers that get GPUs only: a CPU engine has no use for them, and a Docker
-#: engine without the right to raise ``memlock`` (inside another container) refuses them.
-CONTAINER_ULIMITS: tuple[tuple[str, int, int], ...] = (
-    ("memlock", -1, -1),
-    ("stack", 67108864, 67108864),
-)
-
-
-# Docker's image reference grammar (distribution/reference), simplified: an optional
-# registry host (with a dot or a port, or "localhost"), lower-case path components, an
-# optional tag, an optional digest.
-_IMAGE_REFERENCE = re.compile(
-    r"(?:(?:[a-zA-Z0-9-]+(?:\.[a-zA-Z0-9-]+)+(?::[0-9]+)?|localhost(?::[0-9]+)?"
-    r"|[a-zA-Z0-9-]+:[0-9]+)/)?"
-    r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*(?:/[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*)*"
-    r"(?::[\w][\w.-]{0,127})?(?:@sha256:[a-f0-9]{64})?"
-)
-
-
-def check_image_reference(image: str) -> str:
-    """``image`` stripped, when it is a valid image reference (``repository[:tag][@digest]``,
-    optionally behind a registry host); else ``ConfigError`` saying so."""
-    text = image.strip()
-    if not text:
-        raise ConfigError("the docker image name is empty")
-    if not _IMAGE_REFERENCE.fullmatch(text):
-        raise ConfigError(
-            f"{text!r} is not a docker image reference (repository[:tag], e.g. "
-            "vllm/vllm-openai:latest)"
-        )
-    return text
-
-
-def build_container_spec(
-    req: DeploymentRequest, image: str, *, shm_size: str, secrets_dir: Path | None = None
-) -> LaunchSpec:
-    """Translate ``req`` into a container for the docker runtime.
-
-    The model is bind-mounted read-only at ``/models``: a directory as a whole, a file with
-    the folder it is in (a split GGUF's other shards live beside its first); when that folder
-    holds symlinks (a Hugging Face cache snapshot), the common ancestor of the folder and the
-    links' targets is mounted instead, so relative links still resolve in the container.
-    The engine binds ``0.0.0.0`` at its image's usual port (:data:`CONTAINER_PORTS`); the
-    runtime publishes that port on the host's 127.0.0.1 at a free port.  GPUs go through a
-    device request, so no ``CUDA_VISIBLE_DEVICES`` is set; the engine sees them numbered
-    from 0.  ``shm_size`` sizes ``/dev/shm`` (vLLM and SGLang share tensors between workers
-    there); a container with GPUs also gets :data:`CONTAINER_ULIMITS`.  The API key goes
-    in the container's environment (llama.cpp, vLLM), or in a file from ``secrets_dir``
-    mounted read-only at :data:`CONTAINER_KEY_FILE` (SGLang).
-
-    Raises the same errors as :func:`build_launch_spec`, except that no engine program is
-    needed on the host, and ``ConfigError`` for a request with adapters (their files are
-    not mounted into containers).
-    """
-    _check_request(req, needs_port=False)
-    if req.adapter_slots is not None or req.lora_files:
-        raise ConfigError(
-            "LoRA adapters are served by engines of the process runtime only: deploy the base "
-            "with --runtime process"
-        )
-    if not image.strip():
-        raise ConfigError("the docker image name is empty")
-    served = req.effective_served_name
-    port = CONTAINER_PORTS[req.engine]
-    folder = (req.model_path if req.model_path.is_dir() else req.model_path.parent).resolve()
-    source = _mount_root(folder)
-    below = folder.relative_to(source).as_posix()
-    inside = CONTAINER_MODEL_DIR if below == "." else f"{CONTAINER_MODEL_DIR}/{below}"
-    if req.model_path.is_dir():
-        if req.engine == "llamacpp":
-            inside = f"{inside}/{resolve_gguf(req.model_path).name}"
-    else:
-        inside = f"{inside}/{req.model_path.name}"
-    flags = _serve_flags(req, served, CONTAINER_BIND, port)
-    secret_env, secret_files, key_flags = _key_delivery(req, secrets_dir, container=True)
-    flags.extend(key_flags)
-    command: list[str]
-    if req.engine == "llamacpp":
-        command = ["-m", inside, *flags]
-    elif req.engine == "vllm":
-        command = ["--model", inside, *flags]
-    elif req.engine == "sglang":
-        command = ["python3", "-m", "sglang.launch_server", "--model-path", inside, *flags]
-    else:
-        assert_never(req.engine)
-    command.extend(req.extra_args)
-    container = ContainerSpec(
-        image=image.strip(),
-        command=tuple(command),
-        container_port=port,
-        mounts=(
-            Mount(source=source, target=CONTAINER_MODEL_DIR),
-            *(Mount(f.path, f.container_path) for f in secret_files if f.container_path),
-        ),
-        gpus=req.gpus,
-        shm_size=shm_size,
-        ulimits=CONTAINER_ULIMITS if req.gpus else (),
-        labels={
-            "berth.deployment": req.deployment_id,
-            "berth.model": served,
-            "berth.engine": req.engine,
-        },
-    )
-    return LaunchSpec(
-        deployment_id=req.deployment_id,
-        argv=tuple(command),
-        port=0,
-        health_path=health_path(req.engine),
-        served_model_name=served,
-        log_path=req.log_path,
-        host=ENGINE_HOST,
-        container=container,
-        api_key=req.api_key,
-        secret_env=secret_env,
-        secret_files=secret_files,
-    )
-
-
-def _mount_root(folder: Path) -> Path:
-    """The folder to mount so that ``folder`` and whatever its symlinks point at are inside.
-
-    A Hugging Face cache snapshot holds relative links (``../../blobs/<hash>``), which resolve
-    inside the container too when their common ancestor is what is mounted.
-    """
-    targets = [folder]
-    for entry in folder.rglob("*"):
-        if entry.is_symlink():
-            targets.append(entry.resolve().parent)
-    return Path(os.path.commonpath(targets))
-
-
-def resolve_gguf(model_path: Path) -> Path:
-    """The GGUF file llama.cpp should load for ``model_path``.
-
-    A file is returned as is.  In a directory, multimodal projector files (``mmproj*``) are
-    ignored; the one remaining ``.gguf`` is chosen, or the first shard (``-00001-of-N``) when
-    all remaining files are shards of one split model (llama.cpp loads the rest itself).
-
-    Raises :class:`~berth.errors.ConfigError` when the directory holds no GGUF, or several
-    that are not shards of one model.
-    """
-    if not model_path.is_dir():
-        return model_path
-    candidates = sorted(
-        entry
-        for entry in model_path.iterdir()
-        if entry.is_file()
-        and entry.name.lower().endswith(".gguf")
-        and not entry.name.lower().startswith("mmproj")
-    )
-    if not candidates:
-        raise ConfigError(f"no .gguf file in {model_path}", path=model_path)
-    if len(candidates) == 1:
-        return candidates[0]
-    first_shard = _first_shard_of_one_model(candidates)
-    if first_shard is not None:
-        return first_shard
-    names = ", ".join(entry.name for entry in candidates)
-    raise ConfigError(
-        f"several .gguf files in {model_path} ({names}): pass the file to use",
-        path=model_path,
-    )
-
-
-def _first_shard_of_one_model(files: list[Path]) -> Path | None:
-    stems: set[tuple[str, str]] = set()
-    first: Path | None = None
-    for entry in files:
-        match = _GGUF_SHARD.search(entry.name)
-        if match is None:
-            return None
-        stems.add((entry.name[: match.start()], match.group(2)))
-        if int(match.group(1)) == 1:
-            first = entry
-    return first if len(stems) == 1 else None
 
 
 def find_free_port(host: str = ENGINE_HOST) -> int:

@@ -173,3 +173,32 @@ def signal_process(process: ProcessId, sig: signal.Signals) -> bool:
         return False
     finally:
         os.close(pidfd)
+
+
+def leads_own_group(pid: int) -> bool:
+    """Whether ``pid`` leads a process group of its own (not this process's group)."""
+    stat = read_stat(pid)
+    return stat is not None and stat.pgrp == pid and pid != os.getpgrp()
+
+
+def orphaned_group(pgid: int) -> bool:
+    """Whether ``pgid``'s leader is gone (or a zombie) while other members still run."""
+    return pgid != os.getpgrp() and not pid_running(pgid) and group_has_live_members(pgid)
+
+
+def runs_engine_on_port(pid: int, port: int) -> bool:
+    """Whether ``pid`` runs and its command line carries ``--port <port>``."""
+    if pid <= 1 or not pid_running(pid):
+        return False
+    try:
+        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+    argv = [part.decode(errors="replace") for part in raw.split(b"\0")]
+    wanted = str(port)
+    for index, arg in enumerate(argv):
+        if arg == f"--port={wanted}":
+            return True
+        if arg == "--port" and index + 1 < len(argv) and argv[index + 1] == wanted:
+            return True
+    return False

@@ -25,33 +25,30 @@ import os
 import signal
 import subprocess
 import time
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import Callable
 from pathlib import Path
 
 from berth.errors import EngineError
 from berth.runtime.base import EngineHandle, LaunchSpec, ProgressListener, printable_command
-from berth.runtime.cgroups import EngineCgroup, EngineCgroups, cgroup2_mount
+from berth.runtime.cgroups import EngineCgroup, existing_cgroup, spawn_in
+from berth.runtime.engine_log import DEFAULT_LOG_TAIL_LINES, read_log_tail
 from berth.runtime.health import HealthProber, bearer_headers
 from berth.runtime.proc import (
     all_processes,
     group_has_live_members,
+    leads_own_group,
+    orphaned_group,
     pid_running,
     process_id,
-    read_stat,
+    runs_engine_on_port,
 )
 from berth.runtime.trees import EngineTree, TreeMechanism, TreeMode, TreeTracking
 
 log = logging.getLogger(__name__)
 
-#: Lines of engine output carried by an :class:`EngineError`.
-DEFAULT_LOG_TAIL_LINES = 40
 #: Seconds between two ``/proc`` scans for engines' descendants (the ``proc`` mechanism).
 DEFAULT_TREE_SCAN_INTERVAL_S = 1.0
 
-# Bounds on how far back a tail read goes, so one huge line cannot exhaust memory.
-_TAIL_BLOCK_BYTES = 8192
-_TAIL_MAX_BYTES = 1 << 20
-_FOLLOW_CHUNK_BYTES = 64 * 1024
 # How often stop() looks whether the engine's processes are gone.
 _STOP_POLL_S = 0.05
 
@@ -160,7 +157,7 @@ class ProcessRuntime:
                 )
 
             try:
-                child = self._spawn_in(cgroup, spawn, spec.deployment_id)
+                child = spawn_in(cgroup, spawn, spec.deployment_id)
             except OSError as exc:
                 if cgroup is not None:
                     cgroup.remove()
@@ -195,42 +192,6 @@ class ProcessRuntime:
             log.warning("no cgroup for deployment %s (%s): following its processes from "
                         "/proc", deployment_id, exc.strerror or exc)  # fmt: skip
             return None
-
-    def _spawn_in(
-        self,
-        cgroup: EngineCgroup | None,
-        spawn: Callable[[Callable[[], None] | None], subprocess.Popen[bytes]],
-        deployment_id: str,
-    ) -> subprocess.Popen[bytes] | None:
-        """``spawn`` the engine inside ``cgroup`` (moved there between fork and exec).
-
-        ``None`` when it cannot join it (the child exits before exec; the cgroup is
-        removed): the caller starts the engine without one.  Raises :class:`OSError` when
-        the program cannot be executed.
-        """
-        if cgroup is None:
-            return spawn(None)
-        try:
-            procs = cgroup.open_procs()
-        except OSError as exc:
-            log.warning("cannot join cgroup %s (%s): following deployment %s from /proc",
-                        cgroup.name, exc.strerror or exc, deployment_id)  # fmt: skip
-            cgroup.remove()
-            return None
-
-        def join() -> None:
-            # Runs in the child between fork and exec: one write, nothing that takes a lock.
-            os.write(procs, b"0")
-
-        try:
-            return spawn(join)
-        except subprocess.SubprocessError as exc:  # raised for a failing preexec_fn
-            log.warning("moving deployment %s into cgroup %s failed (%s): following it from "
-                        "/proc", deployment_id, cgroup.name, exc)  # fmt: skip
-            cgroup.remove()
-            return None
-        finally:
-            os.close(procs)
 
     async def wait_healthy(self, handle: EngineHandle, spec: LaunchSpec, timeout_s: float) -> None:
         """Poll ``GET http://host:port{spec.health_path}`` until it answers 200.
@@ -336,7 +297,7 @@ class ProcessRuntime:
         child = self._children.get(handle.pid)
         if child is not None:
             return child.poll() is None
-        return _is_engine_process(handle.pid, handle.port)
+        return runs_engine_on_port(handle.pid, handle.port)
 
     async def poll(self, handle: EngineHandle) -> bool:
         """Same as :meth:`is_alive` (reading ``/proc`` is cheap)."""
@@ -365,7 +326,7 @@ class ProcessRuntime:
         """
         if pid <= 1 or pid == os.getpid():
             return None
-        if pid not in self._children and not _is_engine_process(pid, port):
+        if pid not in self._children and not runs_engine_on_port(pid, port):
             return None
         cgroups = self.trees.cgroups
         found = cgroups.cgroup_of(pid) if cgroups is not None else None
@@ -378,7 +339,9 @@ class ProcessRuntime:
             api_key=api_key,
         )
         if pid not in self._trees:
-            self._trees[pid] = EngineTree(process_id(pid), self._cgroup(handle))
+            self._trees[pid] = EngineTree(
+                process_id(pid), existing_cgroup(self.trees.cgroups, handle.cgroup)
+            )
             self._ensure_scanner()
         return handle
 
@@ -387,25 +350,11 @@ class ProcessRuntime:
         (gone before a restart), its recorded cgroup only."""
         tree = self._trees.get(handle.pid)
         if tree is None:
-            engine = process_id(handle.pid) if _is_engine_process(handle.pid, handle.port) else None
-            tree = EngineTree(engine, self._cgroup(handle))
+            engine = (
+                process_id(handle.pid) if runs_engine_on_port(handle.pid, handle.port) else None
+            )
+            tree = EngineTree(engine, existing_cgroup(self.trees.cgroups, handle.cgroup))
         return tree
-
-    def _cgroup(self, handle: EngineHandle) -> EngineCgroup | None:
-        """``handle``'s cgroup, when it names one berth makes (and exists)."""
-        cgroups = self.trees.cgroups
-        if handle.cgroup is None:
-            return None
-        if cgroups is None:
-            # Started when this host allowed cgroups (or another setting): still killed.
-            mount = cgroup2_mount()
-            if mount is None:
-                return None
-            cgroups = EngineCgroups(mount, "/")
-        if not cgroups.owns(handle.cgroup):
-            return None
-        found = cgroups.named(handle.cgroup)
-        return found if found.path.is_dir() else None
 
     # -- the /proc scan ------------------------------------------------------------------
 
@@ -521,76 +470,6 @@ def _anything_left(
     return tree.anything_left()
 
 
-def read_log_tail(path: Path, lines: int = DEFAULT_LOG_TAIL_LINES) -> str:
-    """The last ``lines`` lines of ``path`` as text (undecodable bytes replaced).
-
-    Returns ``""`` when the file does not exist.  Reads at most 1 MiB from the end.
-    """
-    data, _ = _tail_bytes(path, lines)
-    return data.decode("utf-8", errors="replace")
-
-
-async def follow_log(
-    path: Path, *, from_start_lines: int = DEFAULT_LOG_TAIL_LINES, poll_interval_s: float = 0.25
-) -> AsyncGenerator[bytes, None]:
-    """Yield what ``path`` holds and then what is appended to it, like ``tail -f``.
-
-    The first chunk is the last ``from_start_lines`` lines already in the file (none when
-    0); later chunks are new bytes, checked every ``poll_interval_s`` seconds.  A file that
-    does not exist yet is waited for; one that shrinks (truncated or replaced) is read again
-    from its start.  The generator never ends by itself: the consumer stops it with
-    ``aclose()`` (or by leaving ``async for`` and letting it be collected).
-    """
-    head, offset = await asyncio.to_thread(_tail_bytes, path, from_start_lines)
-    if head:
-        yield head
-    while True:
-        chunk, offset = await asyncio.to_thread(_read_from, path, offset)
-        if chunk:
-            yield chunk
-        else:
-            await asyncio.sleep(poll_interval_s)
-
-
-def _tail_bytes(path: Path, lines: int) -> tuple[bytes, int]:
-    """The last ``lines`` lines of ``path`` and the file offset they end at."""
-    try:
-        with path.open("rb") as handle:
-            end = handle.seek(0, os.SEEK_END)
-            if lines <= 0:
-                return b"", end
-            position = end
-            data = b""
-            # One newline more than ``lines`` is needed to know the first line is whole.
-            while position > 0 and data.count(b"\n") <= lines and len(data) < _TAIL_MAX_BYTES:
-                step = min(_TAIL_BLOCK_BYTES, position)
-                position -= step
-                handle.seek(position)
-                data = handle.read(step) + data
-            return b"".join(data.splitlines(keepends=True)[-lines:]), end
-    except FileNotFoundError:
-        return b"", 0
-
-
-def _read_from(path: Path, offset: int) -> tuple[bytes, int]:
-    """Bytes of ``path`` from ``offset`` (from 0 when the file shrank) and the new offset."""
-    try:
-        with path.open("rb") as handle:
-            size = os.fstat(handle.fileno()).st_size
-            if size < offset:
-                offset = 0
-            handle.seek(offset)
-            data = handle.read(_FOLLOW_CHUNK_BYTES)
-    except FileNotFoundError:
-        return b"", 0
-    return data, offset + len(data)
-
-
-def _leads_own_group(pid: int) -> bool:
-    stat = read_stat(pid)
-    return stat is not None and stat.pgrp == pid and pid != os.getpgrp()
-
-
 def _stop_scope(handle: EngineHandle, child: subprocess.Popen[bytes] | None) -> bool | None:
     """Whether to signal the engine's whole group (True), its pid alone (False) or neither
     (None; its cgroup or recorded descendants may still be signalled)."""
@@ -598,31 +477,8 @@ def _stop_scope(handle: EngineHandle, child: subprocess.Popen[bytes] | None) -> 
         if child.poll() is not None and not group_has_live_members(handle.pid):
             return None
         return True
-    if _is_engine_process(handle.pid, handle.port):
-        return _leads_own_group(handle.pid)
-    if _orphaned_group(handle.pid):
+    if runs_engine_on_port(handle.pid, handle.port):
+        return leads_own_group(handle.pid)
+    if orphaned_group(handle.pid):
         return True
     return None
-
-
-def _orphaned_group(pgid: int) -> bool:
-    """Whether ``pgid``'s leader is gone (or a zombie) while other members still run."""
-    return pgid != os.getpgrp() and not pid_running(pgid) and group_has_live_members(pgid)
-
-
-def _is_engine_process(pid: int, port: int) -> bool:
-    """Whether ``pid`` runs and its command line carries ``--port <port>``."""
-    if pid <= 1 or not pid_running(pid):
-        return False
-    try:
-        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return False
-    argv = [part.decode(errors="replace") for part in raw.split(b"\0")]
-    wanted = str(port)
-    for index, arg in enumerate(argv):
-        if arg == f"--port={wanted}":
-            return True
-        if arg == "--port" and index + 1 < len(argv) and argv[index + 1] == wanted:
-            return True
-    return False

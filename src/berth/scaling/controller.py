@@ -22,10 +22,9 @@ import asyncio
 import contextvars
 import logging
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Literal, Protocol
 
 from berth.errors import BerthError, ConflictError, NotFoundError
 from berth.routing.routes import RouteTable
@@ -42,9 +41,11 @@ from berth.scaling.decisions import (
     decide,
 )
 from berth.scaling.decisions import Start as StartDecision
+from berth.scaling.fleet import Activity, Audit, Fleet
 from berth.scaling.metrics import ScalingMetrics
 from berth.scaling.on_demand import DemandBoard, LoadFailure, OnDemandStage
 from berth.scaling.policy import ScalingPolicy
+from berth.scaling.status import DecisionRecord, ReplicaUsage, ServiceStatus
 from berth.store import DeploymentRecord, ServiceProfileRecord
 from berth.store.states import TERMINAL_STATES, DeploymentState
 
@@ -57,93 +58,6 @@ _STARTING = (DeploymentState.PENDING, DeploymentState.LOADING)
 _starting_priority: contextvars.ContextVar[int | None] = contextvars.ContextVar(
     "berth_starting_priority", default=None
 )
-
-#: Writes one audit-log event (``cluster.enrollment.AuditLog.append``).
-Audit = Callable[[Mapping[str, object]], None]
-#: Takes a line saying what a start is busy with (an eviction), for the waiting requests.
-ProgressNote = Callable[[str], None]
-#: Told of each deployment a start evicts, before it is stopped: its id and the reason.
-EvictionNote = Callable[[str, str], None]
-
-
-class Fleet(Protocol):
-    """What the controller asks of the leader; the daemon implements it over the lifecycle
-    manager (``berth.daemon.fleet``)."""
-
-    async def start_replica(
-        self, service: ServiceProfileRecord, note: ProgressNote, evicted: EvictionNote
-    ) -> str:
-        """Deploy one replica of ``service`` (placement chooses where, evicting idle
-        deployments when it must, each told to ``evicted`` before it is stopped);
-        the new deployment's id once it exists (pending).  Raises ``BerthError`` when it is
-        refused (nothing fits: the message names the estimate)."""
-        ...
-
-    async def stop_replica(self, deployment_id: str) -> None:
-        """Stop the deployment; ``ConflictError`` when it is already stopping or stopped."""
-        ...
-
-    def progress(self, deployment_id: str) -> str | None:
-        """What a loading deployment is busy with (an image pull), if it says."""
-        ...
-
-    def routable(self, service: str) -> frozenset[str]:
-        """The ids of the service's ready deployments the router can reach now."""
-        ...
-
-
-class Activity(Protocol):
-    """Requests on each deployment, as the router counts them (``routing.signals``)."""
-
-    def in_flight(self, deployment_id: str) -> int: ...
-
-    def last_active_at(self, deployment_id: str) -> float | None:
-        """When a request last started or finished on it, on the controller's clock."""
-        ...
-
-
-ScalingActionName = Literal["start", "stop", "hold"]
-
-
-@dataclass(frozen=True)
-class DecisionRecord:
-    """A decision as ``berth service show`` gives it: the action, why, when (epoch
-    seconds), and the deployments it concerns."""
-
-    action: ScalingActionName
-    reason: str
-    at: float
-    deployment_ids: tuple[str, ...] = ()
-
-    @property
-    def at_datetime(self) -> datetime:
-        return datetime.fromtimestamp(self.at, UTC)
-
-
-@dataclass(frozen=True)
-class ServiceStatus:
-    """A service as the controller sees it: active replicas by state, requests waiting for
-    a load, the capacity of one replica, its last start or stop and its latest decision."""
-
-    replicas: Mapping[DeploymentState, int]
-    queued: int
-    capacity: int
-    last_action: DecisionRecord | None
-    decision: DecisionRecord | None
-
-
-@dataclass(frozen=True)
-class ReplicaUsage:
-    """How a deployment is used, for the eviction choice: when its last request started or
-    finished (epoch seconds; ``None``: none since it became ready), requests in flight and
-    waiting for its service, and whether it may not be evicted now (``protected``: its
-    service is pinned, has a higher priority than the service being placed, or would drop
-    below its ``min_replicas``)."""
-
-    last_request_at: float | None
-    in_flight: int
-    queued: int
-    protected: bool
 
 
 @dataclass

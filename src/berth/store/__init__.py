@@ -20,7 +20,8 @@ from berth.store.records import (
     ServiceProfileRecord,
     UsageRecord,
 )
-from berth.store.store import UNCHANGED, Store, Unchanged
+from berth.store.store import Store
+from berth.store.values import UNCHANGED, Unchanged
 
 __all__ = [
     "LATEST_VERSION",

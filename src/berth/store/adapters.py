@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import cast
 
 from sqlalchemy import delete, select
@@ -38,6 +38,7 @@ from berth.store.tables import (
     RouteRow,
     ServiceProfileRow,
 )
+from berth.store.values import aware
 
 _ACTIVE_STATES = tuple(s.value for s in DeploymentState if s not in TERMINAL_STATES)
 _FORMATS: tuple[AdapterFormatName, ...] = ("peft", "gguf")
@@ -245,10 +246,6 @@ def _record(row: AdapterRow, locations: dict[str, str]) -> AdapterRecord:
         source=cast(ModelSource, row.source),
         repo_id=row.repo_id,
         revision=row.revision,
-        created_at=_aware(row.created_at),
+        created_at=aware(row.created_at),
         locations=dict(locations),
     )
-
-
-def _aware(value: datetime) -> datetime:
-    return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)

@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
-from datetime import UTC, datetime
+from datetime import datetime
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
@@ -43,6 +43,7 @@ from berth.store.tables import (
     RouteTargetRow,
     ServiceProfileRow,
 )
+from berth.store.values import aware
 
 _ACTIVE_STATES = tuple(s.value for s in DeploymentState if s not in TERMINAL_STATES)
 #: The largest replica count, capacity and priority magnitude a service may have (a 32-bit
@@ -450,7 +451,7 @@ def _route_record_of(row: RouteRow, targets: Sequence[RouteTargetRow]) -> RouteR
         name=row.public_name,
         targets=tuple(RouteTarget(t.profile_name, t.priority) for t in ordered),
         fallback=row.fallback,
-        created_at=_aware(row.created_at),
+        created_at=aware(row.created_at),
     )
 
 
@@ -465,7 +466,7 @@ def _profile_record(row: ServiceProfileRow) -> ServiceProfileRecord:
         extra_args=tuple(row.extra_args),
         image=row.image,
         node_label=row.node_label,
-        created_at=_aware(row.created_at),
+        created_at=aware(row.created_at),
         scaling=_scaling_of(row),
         max_adapters=row.max_adapters,
     )
@@ -480,7 +481,3 @@ def _scaling_of(row: ServiceProfileRow) -> ScalingSettings:
         priority=row.priority,
         capacity=row.capacity,
     )
-
-
-def _aware(value: datetime) -> datetime:
-    return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)

@@ -10,14 +10,12 @@ sequence cannot interleave with another writer.  Database failures surface as
 
 from __future__ import annotations
 
-import enum
-import secrets
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Final, Literal, cast
+from typing import Any, cast
 
 from sqlalchemy import CursorResult, Engine, select, update
 from sqlalchemy.exc import DBAPIError, IntegrityError
@@ -30,35 +28,23 @@ from berth.errors import (
     NotFoundError,
     StoreError,
 )
-from berth.keys import parse_tier, validate_key_name
-from berth.limits import LimitOverrides
 from berth.store import migrations
 from berth.store.adapters import AdapterMethods, adapter_named, adapters_of
+from berth.store.api_keys import ApiKeyMethods
 from berth.store.db import WRITE_OPTIONS, create_store_engine
 from berth.store.nodes import NodeMethods, delete_model_locations
 from berth.store.records import (
     MODEL_SOURCES,
-    ApiKeyRecord,
     DeploymentRecord,
     ModelRecord,
     ModelSource,
 )
 from berth.store.services import ServiceMethods, models_used_by_services
 from berth.store.states import TERMINAL_STATES, DeploymentState, can_transition
-from berth.store.tables import ApiKeyRow, DeploymentRow, ModelRow
+from berth.store.tables import DeploymentRow, ModelRow
 from berth.store.usage import UsageMethods
+from berth.store.values import UNCHANGED, Unchanged, aware, fresh_id
 
-
-class Unchanged(enum.Enum):
-    """Type of :data:`UNCHANGED`, the "leave this column as it is" default."""
-
-    UNCHANGED = enum.auto()
-
-
-#: Default of optional update arguments: keep the stored value (``None`` clears it).
-UNCHANGED: Final = Unchanged.UNCHANGED
-
-_ID_ATTEMPTS = 8
 _ACTIVE_STATES = tuple(s.value for s in DeploymentState if s not in TERMINAL_STATES)
 
 
@@ -66,7 +52,7 @@ def _utc_now() -> datetime:
     return datetime.now(UTC)
 
 
-class Store(NodeMethods, ServiceMethods, AdapterMethods, UsageMethods):
+class Store(NodeMethods, ServiceMethods, AdapterMethods, ApiKeyMethods, UsageMethods):
     """The state database at ``url`` (the ``database_url`` setting).
 
     Nothing is touched until the first call; call :meth:`migrate` once at start-up before
@@ -240,7 +226,7 @@ class Store(NodeMethods, ServiceMethods, AdapterMethods, UsageMethods):
             if session.get(ModelRow, model_name) is None:
                 raise NotFoundError("model", model_name)
             row = DeploymentRow(
-                id=_fresh_id(session, DeploymentRow, "d-"),
+                id=fresh_id(session, DeploymentRow, "d-"),
                 model_name=model_name,
                 engine=engine,
                 runtime=runtime,
@@ -338,112 +324,6 @@ class Store(NodeMethods, ServiceMethods, AdapterMethods, UsageMethods):
             row.updated_at = self._clock()
         return _deployment_record(row)
 
-    # --- API keys ----------------------------------------------------------------------
-
-    def add_api_key(
-        self,
-        name: str,
-        tier: str,
-        key_hash: str,
-        prefix: str,
-        *,
-        limits: LimitOverrides = LimitOverrides(),
-        expires_at: datetime | None = None,
-    ) -> ApiKeyRecord:
-        """Record a key by its hash (see :func:`berth.keys.hash_secret`); id ``k-`` + 8 hex.
-
-        ``limits`` are the key's own values over its tier's; ``expires_at`` (aware) the
-        moment it stops authenticating.  Raises :class:`ConfigError` for an invalid tier name
-        or an unsafe name (:func:`berth.keys.validate_key_name`) and :class:`ConflictError`
-        when the hash is already stored.  Whether the tier exists is the caller's to check.
-        """
-        parsed_tier = parse_tier(tier)
-        validate_key_name(name)
-        with self._write() as session:
-            existing = session.scalars(select(ApiKeyRow.id).where(ApiKeyRow.key_hash == key_hash))
-            if existing.first() is not None:
-                raise ConflictError("an API key with this hash already exists")
-            row = ApiKeyRow(
-                id=_fresh_id(session, ApiKeyRow, "k-"),
-                name=name,
-                tier=parsed_tier,
-                key_hash=key_hash,
-                prefix=prefix,
-                created_at=self._clock(),
-                revoked_at=None,
-                limits=limits.to_json() or None,
-                expires_at=expires_at,
-            )
-            session.add(row)
-        return _api_key_record(row)
-
-    def find_api_key(self, key_hash: str) -> ApiKeyRecord | None:
-        """The unrevoked key whose hash is ``key_hash``, or ``None``."""
-        with self._read() as session:
-            row = session.scalars(
-                select(ApiKeyRow)
-                .where(ApiKeyRow.key_hash == key_hash)
-                .where(ApiKeyRow.revoked_at.is_(None))
-            ).first()
-            return None if row is None else _api_key_record(row)
-
-    def list_api_keys(self) -> list[ApiKeyRecord]:
-        """Every key, revoked ones included, oldest first."""
-        with self._read() as session:
-            rows = session.scalars(select(ApiKeyRow).order_by(ApiKeyRow.created_at, ApiKeyRow.id))
-            return [_api_key_record(row) for row in rows]
-
-    def lookup_api_key(self, ident: str) -> ApiKeyRecord:
-        """The key whose id is ``ident``, else the one named ``ident``.
-
-        A name is looked up among unrevoked keys first, then revoked ones.  Raises
-        :class:`NotFoundError` when no key has that id or name, and :class:`ConflictError`
-        when several keys share the name (the message lists their ids, to use instead).
-        """
-        with self._read() as session:
-            return _api_key_record(_lookup_api_key_row(session, ident))
-
-    def update_api_key(
-        self,
-        ident: str,
-        *,
-        tier: str | Unchanged = UNCHANGED,
-        limits: LimitOverrides | Unchanged = UNCHANGED,
-        expires_at: datetime | Unchanged | None = UNCHANGED,
-    ) -> ApiKeyRecord:
-        """Change a key's tier, limit overrides (replaced whole) or expiry (``None``: never);
-        return the updated record.  ``ident`` is an id or name (:meth:`lookup_api_key`).
-
-        Raises :class:`NotFoundError` / :class:`ConflictError` as :meth:`lookup_api_key`
-        does, :class:`ConflictError` for a revoked key, and :class:`ConfigError` for an
-        invalid tier name.
-        """
-        parsed_tier = parse_tier(tier) if not isinstance(tier, Unchanged) else tier
-        with self._write() as session:
-            row = _lookup_api_key_row(session, ident)
-            if row.revoked_at is not None:
-                raise ConflictError(f"API key {row.id} ({row.name}) is revoked; create a new one")
-            if not isinstance(parsed_tier, Unchanged):
-                row.tier = parsed_tier
-            if not isinstance(limits, Unchanged):
-                row.limits = limits.to_json() or None
-            if not isinstance(expires_at, Unchanged):
-                row.expires_at = expires_at
-        return _api_key_record(row)
-
-    def revoke_api_key(self, ident: str) -> ApiKeyRecord:
-        """Revoke the key ``ident`` (an id or name, :meth:`lookup_api_key`) and return it;
-        revoking twice keeps the first time.
-
-        Raises :class:`NotFoundError` for an unknown key and :class:`ConflictError` for a
-        name several keys share.
-        """
-        with self._write() as session:
-            row = _lookup_api_key_row(session, ident)
-            if row.revoked_at is None:
-                row.revoked_at = self._clock()
-        return _api_key_record(row)
-
     # --- sessions ----------------------------------------------------------------------
 
     @contextmanager  # type: ignore[override]
@@ -468,34 +348,6 @@ def _translated() -> Iterator[None]:
         raise StoreError(f"database error: {exc.orig}") from exc
 
 
-def _fresh_id(
-    session: Session, table: type[DeploymentRow] | type[ApiKeyRow], prefix: Literal["d-", "k-"]
-) -> str:
-    for _ in range(_ID_ATTEMPTS):
-        candidate = prefix + secrets.token_hex(4)
-        if session.get(table, candidate) is None:
-            return candidate
-    raise StoreError(f"could not find a free {prefix}… id")  # pragma: no cover
-
-
-def _lookup_api_key_row(session: Session, ident: str) -> ApiKeyRow:
-    row = session.get(ApiKeyRow, ident)
-    if row is not None:
-        return row
-    named = session.scalars(
-        select(ApiKeyRow).where(ApiKeyRow.name == ident).order_by(ApiKeyRow.created_at)
-    ).all()
-    live = [r for r in named if r.revoked_at is None]
-    candidates = live or named
-    if not candidates:
-        raise NotFoundError("API key", ident)
-    if len(candidates) > 1:
-        ids = ", ".join(r.id for r in candidates)
-        state = "" if live else "revoked "
-        raise ConflictError(f"{len(candidates)} {state}keys are named {ident!r} ({ids}); use an id")
-    return candidates[0]
-
-
 def _get_deployment_row(session: Session, deployment_id: str) -> DeploymentRow:
     row = session.get(DeploymentRow, deployment_id)
     if row is None:
@@ -511,7 +363,7 @@ def _model_record(row: ModelRow) -> ModelRecord:
         repo_id=row.repo_id,
         revision=row.revision,
         size_bytes=row.size_bytes,
-        created_at=_aware(row.created_at),
+        created_at=aware(row.created_at),
     )
 
 
@@ -530,27 +382,9 @@ def _deployment_record(row: DeploymentRow) -> DeploymentRecord:
         extra_args=tuple(row.extra_args),
         served_model_name=row.served_model_name,
         failure_reason=row.failure_reason,
-        created_at=_aware(row.created_at),
-        updated_at=_aware(row.updated_at),
+        created_at=aware(row.created_at),
+        updated_at=aware(row.updated_at),
         image=row.image,
         adapter_slots=row.adapter_slots,
         lora_adapters=tuple(row.lora_adapters or ()),
     )
-
-
-def _api_key_record(row: ApiKeyRow) -> ApiKeyRecord:
-    return ApiKeyRecord(
-        id=row.id,
-        name=row.name,
-        tier=row.tier,
-        prefix=row.prefix,
-        created_at=_aware(row.created_at),
-        revoked_at=None if row.revoked_at is None else _aware(row.revoked_at),
-        limits=LimitOverrides.from_json(row.limits, where=f"API key {row.id}'s stored limits"),
-        expires_at=None if row.expires_at is None else _aware(row.expires_at),
-    )
-
-
-def _aware(value: datetime) -> datetime:
-    # Rows built in this process still hold the clock's value; normalise those to UTC too.
-    return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)

@@ -52,8 +52,8 @@ from berth.runtime.docker.spec import (
     owner_labels,
 )
 from berth.runtime.docker.threads import DockerThreads
+from berth.runtime.engine_log import DEFAULT_LOG_TAIL_LINES
 from berth.runtime.health import HealthProber, bearer_headers
-from berth.runtime.process import DEFAULT_LOG_TAIL_LINES
 
 log = logging.getLogger(__name__)
 
