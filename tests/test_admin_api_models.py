@@ -64,6 +64,7 @@ def services(tmp_path: Path) -> Any:
         routes=None,
         adapters=None,
         settings=Settings.load(BerthHome(tmp_path / "home")),
+        home=BerthHome(tmp_path / "home"),
         leader_only=False,
         ready=False,
         scaling=None,

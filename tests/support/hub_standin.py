@@ -63,6 +63,9 @@ class HubStandin:
     def __init__(self) -> None:
         self._repos: dict[str, _Repo] = {}
         self.requests: list[tuple[str, str]] = []
+        #: (repository id, file path) → an event: that file is sent half, then the rest once
+        #: the event is set (to watch a download in progress); :meth:`stall` adds one.
+        self.stalls: dict[tuple[str, str], threading.Event] = {}
         self._server: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
 
@@ -74,6 +77,12 @@ class HubStandin:
         commit = hashlib.sha1(f"{repo_id}\n{listing}".encode()).hexdigest()
         self._repos[repo_id] = _Repo(files=dict(files), commit=commit, branches={branch: commit})
         return commit
+
+    def stall(self, repo_id: str, path: str) -> threading.Event:
+        """From now on, send file ``path`` of ``repo_id`` half, then wait for the returned
+        event (at most a minute) before the rest."""
+        event = self.stalls[(repo_id, path)] = threading.Event()
+        return event
 
     @property
     def url(self) -> str:
@@ -205,8 +214,17 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_header("ETag", f'"{git_blob_sha1(data)}"')
         self.send_header("X-Repo-Commit", commit)
         self.end_headers()
-        if send_body:
+        if not send_body:
+            return
+        stall = self.hub.stalls.get((repo_id, path))
+        if stall is None:
             self.wfile.write(data)
+            return
+        half = len(data) // 2
+        self.wfile.write(data[:half])
+        self.wfile.flush()
+        stall.wait(60)
+        self.wfile.write(data[half:])
 
     def _json(self, payload: object, send_body: bool) -> None:
         body = json.dumps(payload).encode()

@@ -60,6 +60,7 @@ from berth.api import (
     UsageReport,
     describe_invalid,
 )
+from berth.api.pulls import Pull, PullIn
 from berth.errors import (
     AuthError,
     BerthError,
@@ -80,6 +81,7 @@ _Params = Mapping[str, str | int | bool]
 
 _MODELS = TypeAdapter(list[LocatedModel])
 _ADAPTERS = TypeAdapter(list[Adapter])
+_PULLS = TypeAdapter(list[Pull])
 _ADDED_MODEL = TypeAdapter(LocatedModel | RegisteredModel)
 _DEPLOYMENTS = TypeAdapter(list[ListedDeployment])
 _KEYS = TypeAdapter(list[ApiKey])
@@ -179,6 +181,23 @@ class DaemonClient:
         path = f"/admin/adapters/{_segment(name, safe='/:')}"
         params = {"node": node} if node is not None else None
         return self.call("DELETE", path, TypeAdapter(AdapterRemoved), params=params)
+
+    # -- pulls ---------------------------------------------------------------------------------
+    def start_pull(self, body: PullIn) -> Pull:
+        """``POST /admin/pulls``: the leader downloads and registers; the job, ``queued``."""
+        return self.call("POST", "/admin/pulls", TypeAdapter(Pull), body=body)
+
+    def pulls(self) -> list[Pull]:
+        """``GET /admin/pulls``."""
+        return self.call("GET", "/admin/pulls", _PULLS)
+
+    def pull(self, pull_id: str) -> Pull:
+        """``GET /admin/pulls/{id}``."""
+        return self.call("GET", f"/admin/pulls/{_segment(pull_id)}", TypeAdapter(Pull))
+
+    def cancel_pull(self, pull_id: str) -> Pull:
+        """``DELETE /admin/pulls/{id}``: stop the job (or forget a finished one)."""
+        return self.call("DELETE", f"/admin/pulls/{_segment(pull_id)}", TypeAdapter(Pull))
 
     # -- deployments ---------------------------------------------------------------------------
     def deployments(self, *, active: bool = False) -> list[ListedDeployment]:

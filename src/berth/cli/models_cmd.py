@@ -7,12 +7,11 @@ from pathlib import Path
 import typer
 from rich.table import Table
 
-from berth.api import AdapterIn, LocatedModel, ModelIn
+from berth.api import AdapterIn, ModelIn
+from berth.api.pulls import PullIn, pulled_registration
 from berth.cli.adapters_cmd import print_added
 from berth.cli.common import HELP_OPTIONS, console, context, print_json, request_body
 from berth.errors import ConfigError, ConflictError
-from berth.runtime.adapter_files import PEFT_CONFIG, AdapterFacts, inspect_adapter
-from berth.runtime.gguf_file import is_gguf, read_gguf_header
 
 models_app = typer.Typer(
     context_settings=HELP_OPTIONS,
@@ -99,67 +98,18 @@ def pull(
     from berth.runtime.hub import pull_model
 
     cli = context(ctx)
+    body = request_body(PullIn, repo=repo, name=name, revision=revision, base=base)
     with cli.client() as client:
         models = client.models()  # fails if no daemon
         taken = {m.name for m in models} | {a.name for a in client.adapters()}
-        if (name or repo) in taken:
-            raise ConflictError(f"a model or adapter named {name or repo!r} already exists")
+        if body.registered_name in taken:
+            raise ConflictError(f"a model or adapter named {body.registered_name!r} already exists")
         path = pull_model(repo, revision=revision, models_dir=cli.home.models_dir)
-        adapter = pulled_adapter(path)
-        if adapter is not None:
-            chosen = base or _base_for(adapter.trained_on, models)
-            added = client.add_adapter(
-                request_body(
-                    AdapterIn,
-                    name=name or repo,
-                    base=chosen,
-                    path=str(adapter.path),
-                    source="hub",
-                    repo_id=repo,
-                    revision=revision,
-                )
-            )
+        registration = pulled_registration(body, path, models)
+        if isinstance(registration, AdapterIn):
+            added = client.add_adapter(registration)
             console.print(f"pulled adapter [bold]{added.name}[/] into {path}")
             print_added(added, None)
             return
-        if base is not None:
-            raise ConfigError(f"{repo} is not an adapter repository: --base is for adapters")
-        body = request_body(
-            ModelIn,
-            name=name or repo,
-            path=str(path),
-            source="hub",
-            repo_id=repo,
-            revision=revision,
-        )
-        record = client.add_model(body)
+        record = client.add_model(registration)
     console.print(f"pulled [bold]{record.name}[/] into {path} ({_size(record.size_bytes)})")
-
-
-def pulled_adapter(folder: Path) -> AdapterFacts | None:
-    """The adapter a pulled repository holds: a PEFT folder (``adapter_config.json``), or
-    one GGUF file of type ``adapter``; ``None`` for a model. Raises ``ConfigError`` for a
-    PEFT folder that is not a usable adapter."""
-    if (folder / PEFT_CONFIG).is_file():
-        return inspect_adapter(folder)
-    ggufs = sorted(p for p in folder.glob("*.gguf") if is_gguf(p))
-    if len(ggufs) != 1:
-        return None
-    try:
-        kind = read_gguf_header(ggufs[0]).text("general.type")
-    except ConfigError:
-        return None  # not a readable header: registering it as a model says what is wrong
-    return inspect_adapter(ggufs[0]) if kind == "adapter" else None
-
-
-def _base_for(trained_on: str | None, models: list[LocatedModel]) -> str:
-    """The registered model pulled from ``trained_on`` (the adapter's
-    ``base_model_name_or_path``); ``ConfigError`` asking for ``--base`` otherwise."""
-    if trained_on:
-        for model in models:
-            if model.repo_id == trained_on or model.name == trained_on:
-                return model.name
-    named = f" ({trained_on})" if trained_on else ""
-    raise ConfigError(
-        f"this is an adapter repository: name its base model with --base MODEL{named}"
-    )

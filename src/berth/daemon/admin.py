@@ -1,6 +1,7 @@
 """The admin API (``/admin/*``) and the plain endpoints (``/healthz``, ``/readyz``, ``/metrics``).
 
-Keys and usage are in :mod:`berth.daemon.admin_keys`, nodes in :mod:`.admin_nodes`.
+Keys and usage are in :mod:`berth.daemon.admin_keys`, nodes in :mod:`.admin_nodes`, pulls from
+the hub in :mod:`.admin_pulls`.
 
 Served by FastAPI; authentication happens before a request reaches these routes (see
 ``daemon/app.py``).  Every error is answered in the OpenAI error shape, like ``/v1/*``.
@@ -13,7 +14,6 @@ import os
 import signal
 import time
 from collections.abc import AsyncIterator
-from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -46,14 +46,16 @@ from berth.daemon.admin_keys import build_key_router
 from berth.daemon.admin_metrics import build_metrics_router
 from berth.daemon.admin_nodes import build_node_router
 from berth.daemon.admin_plans import build_plan_router
+from berth.daemon.admin_pulls import build_pull_router, leader_pull_jobs
 from berth.daemon.admin_routing import build_routing_router
 from berth.daemon.lifecycle import DeployOptions, LifecycleManager
+from berth.daemon.model_registration import located_model_view, register_model
 from berth.daemon.services import LeaderServices
-from berth.errors import BerthError, ConfigError, ConflictError, NotFoundError
+from berth.errors import BerthError, ConfigError, ConflictError
 from berth.openai_errors import error_body, error_from_exception
 from berth.runtime.engines import parse_engine_name, parse_runtime_name
 from berth.runtime.gpu import parse_simulated_gpus
-from berth.store import DeploymentRecord, ModelRecord, Store
+from berth.store import DeploymentRecord, Store
 from berth.store.states import TERMINAL_STATES
 
 #: Every admin error is an OpenAI-shaped body (``ErrorBody``); FastAPI's own 422 answer is
@@ -66,24 +68,6 @@ ERROR_RESPONSES: dict[int | str, dict[str, object]] = {
     },
     "5XX": {"model": ErrorBody, "description": "an engine or the leader failed"},
 }
-
-
-def model_view(record: ModelRecord) -> RegisteredModel:
-    """A model for the admin API."""
-    return RegisteredModel(
-        name=record.name,
-        path=str(record.path),
-        source=record.source,
-        repo_id=record.repo_id,
-        revision=record.revision,
-        size_bytes=record.size_bytes,
-        created_at=record.created_at,
-    )
-
-
-def located_model_view(record: ModelRecord, locations: dict[str, str]) -> LocatedModel:
-    """A model with where it is on other nodes' hosts (node id → path)."""
-    return model_view(record).extended(LocatedModel, locations=locations)
 
 
 def deployment_view(
@@ -110,18 +94,6 @@ def deployment_view(
         image=record.image,
         progress=lifecycle.progress(record.id) if lifecycle is not None else None,
     )
-
-
-def _is_gguf(path: Path) -> bool:
-    """Whether ``path`` starts with the GGUF magic ``b"GGUF"`` (the GGUF spec's header)."""
-    with path.open("rb") as handle:
-        return handle.read(4) == b"GGUF"
-
-
-def _path_size_bytes(path: Path) -> int:
-    if path.is_file():
-        return path.stat().st_size
-    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
 #: Seconds between checks whether a followed deployment has stopped.
@@ -267,40 +239,7 @@ def build_admin_app(services: LeaderServices) -> FastAPI:
 
     @app.post("/admin/models", status_code=201)
     async def add_model(body: ModelIn) -> LocatedModel | RegisteredModel:
-        path = Path(body.path)
-        if not path.is_absolute():
-            raise ConfigError(f"model path must be absolute, not {body.path!r}")
-        if body.node is not None:
-            node = await asyncio.to_thread(store.lookup_node, body.node)
-            if node.id != LOCAL_NODE_ID:
-                return await _add_remote_location(body.name, node.id, str(path))
-        if not path.exists():
-            raise ConfigError(f"model path does not exist: {path}")
-        path = path.resolve()
-        if path.is_file() and not _is_gguf(path):
-            raise ConfigError(f"{path} is not a GGUF file; register a .gguf file or a model folder")
-        record = await asyncio.to_thread(
-            store.add_model,
-            body.name,
-            str(path),
-            source=body.source,
-            repo_id=body.repo_id,
-            revision=body.revision,
-            size_bytes=_path_size_bytes(path),
-        )
-        await lifecycle.refresh_known_models()
-        return model_view(record)
-
-    async def _add_remote_location(name: str, node_id: str, path: str) -> LocatedModel:
-        # The path lives on the agent's host: the leader cannot check it.
-        try:
-            record = await asyncio.to_thread(store.get_model, name)
-        except NotFoundError:
-            # The leader has no copy: "remote" keeps it from being run on node local.
-            record = await asyncio.to_thread(store.add_model, name, path, source="remote")
-        await asyncio.to_thread(store.set_model_location, name, node_id, path)
-        await lifecycle.refresh_known_models()
-        return located_model_view(record, {node_id: path})
+        return await register_model(store, lifecycle, body)
 
     @app.delete("/admin/models/{name:path}")
     async def remove_model(name: str) -> ModelRemoved:
@@ -389,6 +328,7 @@ def build_admin_app(services: LeaderServices) -> FastAPI:
     app.include_router(build_routing_router(services))
     app.include_router(build_adapter_router(services))
     app.include_router(build_plan_router(services))
+    app.include_router(build_pull_router(leader_pull_jobs(services)))
 
     @app.post("/admin/shutdown", status_code=202)
     async def shutdown() -> ShutdownAccepted:

@@ -102,6 +102,49 @@ async def plan_notes(
     return notes
 
 
+async def register_adapter(services: LeaderServices, body: AdapterIn) -> AddedAdapter:
+    """Register ``body``'s adapter (what ``POST /admin/adapters`` and a finished pull job
+    do) and reload the router's registry.
+
+    Raises ``ConfigError`` for a relative path or a local adapter refused
+    (:func:`check_local_adapter`), ``NotFoundError`` for an unknown base model or node,
+    ``ConflictError`` for a name already taken.
+    """
+    store = services.store
+    path = Path(body.path)
+    if not path.is_absolute():
+        raise ConfigError(f"adapter path must be absolute, not {body.path!r}")
+    base = await asyncio.to_thread(store.get_model, body.base)
+    node_id = LOCAL_NODE_ID
+    if body.node is not None:
+        node_id = (await asyncio.to_thread(store.lookup_node, body.node)).id
+    checked = node_id == LOCAL_NODE_ID
+    if checked:
+        facts = await asyncio.to_thread(check_local_adapter, path, base)
+        format_, rank, modules = facts.format, facts.rank, facts.target_modules
+        shown = str(path.resolve())
+    else:
+        format_, rank, modules, shown = adapter_format_of(path), None, (), str(path)
+    record = await asyncio.to_thread(
+        store.add_adapter,
+        body.name,
+        base.name,
+        node_id,
+        shown,
+        format=format_,
+        rank=rank,
+        target_modules=modules,
+        source=body.source,
+        repo_id=body.repo_id,
+        revision=body.revision,
+    )
+    manager = services.adapters
+    await reload_adapters(store, manager)
+    return adapter_view(record, manager).extended(
+        AddedAdapter, checked=checked, restart_needed=manager.restart_needed(record.name)
+    )
+
+
 def build_adapter_router(services: LeaderServices) -> APIRouter:
     """The adapter routes, bound to ``services``."""
     router = APIRouter()
@@ -114,38 +157,7 @@ def build_adapter_router(services: LeaderServices) -> APIRouter:
 
     @router.post("/admin/adapters", status_code=201)
     async def add_adapter(body: AdapterIn) -> AddedAdapter:
-        path = Path(body.path)
-        if not path.is_absolute():
-            raise ConfigError(f"adapter path must be absolute, not {body.path!r}")
-        base = await asyncio.to_thread(store.get_model, body.base)
-        node_id = LOCAL_NODE_ID
-        if body.node is not None:
-            node_id = (await asyncio.to_thread(store.lookup_node, body.node)).id
-        checked = node_id == LOCAL_NODE_ID
-        if checked:
-            facts = await asyncio.to_thread(check_local_adapter, path, base)
-            format_, rank, modules = facts.format, facts.rank, facts.target_modules
-            shown = str(path.resolve())
-        else:
-            format_, rank, modules, shown = adapter_format_of(path), None, (), str(path)
-        record = await asyncio.to_thread(
-            store.add_adapter,
-            body.name,
-            base.name,
-            node_id,
-            shown,
-            format=format_,
-            rank=rank,
-            target_modules=modules,
-            source=body.source,
-            repo_id=body.repo_id,
-            revision=body.revision,
-        )
-        manager = services.adapters
-        await reload_adapters(store, manager)
-        return adapter_view(record, manager).extended(
-            AddedAdapter, checked=checked, restart_needed=manager.restart_needed(record.name)
-        )
+        return await register_adapter(services, body)
 
     @router.get("/admin/adapters/{name:path}")
     async def show_adapter(name: str) -> Adapter:

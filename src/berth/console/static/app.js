@@ -79,6 +79,23 @@ function mib(bytes) {
   return `${Math.round(bytes / 1048576)} MiB`;
 }
 
+// Seconds as the API's durations read: "90s", "10m", "2h".
+function durationText(seconds) {
+  if (seconds >= 3600 && seconds % 3600 === 0) return `${seconds / 3600}h`;
+  if (seconds >= 60 && seconds % 60 === 0) return `${seconds / 60}m`;
+  return `${seconds}s`;
+}
+
+// "512 B", "16.0 KiB", "1.2 GiB"
+function bytesText(bytes) {
+  let value = bytes;
+  for (const unit of ["B", "KiB", "MiB", "GiB"]) {
+    if (value < 1024 || unit === "GiB") return unit === "B" ? `${value} B` : `${value.toFixed(1)} ${unit}`;
+    value /= 1024;
+  }
+  return `${value.toFixed(1)} TiB`;
+}
+
 function sinceIso(iso) {
   return ago((Date.now() - Date.parse(iso)) / 1000);
 }
@@ -368,13 +385,16 @@ function deploymentsPage(main) {
   every(POLL_MS, refresh);
 }
 
-// Models: the registry; add a local file or folder, remove.
+// Models: the registry (add a local file or folder, remove), pulls from the Hugging Face
+// hub run by the leader (POST /admin/pulls, polled while one runs), and LoRA adapters.
 function modelsPage(main) {
   const list = h("div", { id: "models" });
+  const adapterList = h("div", { id: "adapters" });
+  const pullList = h("div", { id: "pulls", "aria-live": "polite" });
   const name = h("input", { id: "model-name", required: true });
   const path = h("input", { id: "model-path", required: true, placeholder: "/models/x.gguf" });
   const node = h("input", { id: "model-node", placeholder: "optional: node label" });
-  const form = h("form", { class: "inline", onsubmit: async (e) => {
+  const form = h("form", { class: "inline", "aria-label": "Add a model", onsubmit: async (e) => {
     e.preventDefault();
     try {
       await call("POST", "/admin/models", { name: name.value, path: path.value,
@@ -384,21 +404,132 @@ function modelsPage(main) {
     } catch (err) { showError(err); }
   } }, h("label", {}, "Name", name), h("label", {}, "Path on the host", path),
   h("label", {}, "Node", node), h("button", { type: "submit" }, "Add"));
-  main.append(h("h1", {}, "Models"), form, list,
-    h("p", { class: "muted" }, "Pulling from Hugging Face: `berth pull` on the leader."));
 
+  const repo = h("input", { id: "pull-repo", required: true, placeholder: "org/model" });
+  const pullName = h("input", { id: "pull-name", placeholder: "default: the repository" });
+  const revision = h("input", { id: "pull-revision", placeholder: "default: main" });
+  const pullBase = h("input", { id: "pull-base", placeholder: "adapters: the base model" });
+  const pullForm = h("form", { class: "inline", "aria-label": "Pull from the hub",
+    onsubmit: async (e) => {
+      e.preventDefault();
+      try {
+        const job = await call("POST", "/admin/pulls", { repo: repo.value.trim(),
+          name: pullName.value.trim() || null, revision: revision.value.trim() || null,
+          base: pullBase.value.trim() || null });
+        seen.set(job.id, job.state);
+        repo.value = ""; pullName.value = ""; revision.value = ""; pullBase.value = "";
+        clearError();
+        await pollPulls();
+      } catch (err) { showError(err); }
+    } }, h("label", {}, "Hub repository", repo), h("label", {}, "Register as", pullName),
+  h("label", {}, "Revision", revision), h("label", {}, "Base (for an adapter)", pullBase),
+  h("button", { type: "submit" }, "Pull"));
+
+  const adapterName = h("input", { id: "adapter-name", required: true });
+  const adapterBase = h("select", { id: "adapter-base", required: true });
+  const adapterPath = h("input", { id: "adapter-path", required: true,
+    placeholder: "/adapters/x.gguf or a PEFT folder" });
+  const adapterNode = h("input", { id: "adapter-node", placeholder: "optional: node label" });
+  const adapterForm = h("form", { class: "inline", "aria-label": "Add an adapter",
+    onsubmit: async (e) => {
+      e.preventDefault();
+      try {
+        await call("POST", "/admin/adapters", { name: adapterName.value,
+          base: adapterBase.value, path: adapterPath.value, node: adapterNode.value || null });
+        adapterName.value = ""; adapterPath.value = ""; adapterNode.value = "";
+        await refresh();
+      } catch (err) { showError(err); }
+    } }, h("label", {}, "Adapter name", adapterName), h("label", {}, "Base model", adapterBase),
+  h("label", {}, "Adapter path", adapterPath), h("label", {}, "Adapter node", adapterNode),
+  h("button", { type: "submit" }, "Add adapter"));
+
+  main.append(h("h1", {}, "Models and adapters"), form, list,
+    h("h2", {}, "Pull from Hugging Face"),
+    h("p", { class: "muted" }, "The leader downloads into its models folder, then registers " +
+      "the model, or the adapter of an adapter repository."), pullForm, pullList,
+    h("h2", {}, "LoRA adapters"), adapterForm, adapterList);
+
+  let labels = {};
   async function refresh() {
-    const models = await call("GET", "/admin/models");
-    list.replaceChildren(table(["name", "path", "source", "size", "on nodes", ""], models.map((m) =>
-      h("tr", {}, h("td", {}, m.name), h("td", { class: "mono" }, m.path), h("td", {}, m.source),
-        h("td", {}, m.size_bytes ? mib(m.size_bytes) : "—"),
-        h("td", {}, Object.keys(m.locations || {}).join(", ") || "—"),
-        h("td", {}, h("button", { type: "button", class: "danger", onclick: async () => {
-          try { await call("DELETE", `/admin/models/${encodeURIComponent(m.name)}`); await refresh(); }
+    const [models, adapters, nodes] = await Promise.all([call("GET", "/admin/models"),
+      call("GET", "/admin/adapters"), call("GET", "/admin/nodes")]);
+    labels = Object.fromEntries(nodes.map((n) => [n.id, n.label]));
+    const chosen = adapterBase.value;
+    adapterBase.replaceChildren(...models.map((m) => h("option", { value: m.name }, m.name)));
+    if (models.some((m) => m.name === chosen)) adapterBase.value = chosen;
+    list.replaceChildren(models.length === 0 ? h("p", { class: "muted" }, "No models.") :
+      table(["name", "path", "source", "size", "on nodes", ""], models.map((m) =>
+        h("tr", { "data-model": m.name }, h("td", {}, m.name), h("td", { class: "mono" }, m.path),
+          h("td", {}, m.repo_id ? `hub: ${m.repo_id}` : m.source),
+          h("td", {}, m.size_bytes ? bytesText(m.size_bytes) : "—"),
+          h("td", {}, Object.keys(m.locations || {}).map((id) => labels[id] || id).join(", ") || "—"),
+          h("td", {}, h("button", { type: "button", class: "danger",
+            "aria-label": `Remove model ${m.name}`, onclick: async () => {
+              try { await call("DELETE", `/admin/models/${encodeURIComponent(m.name)}`); await refresh(); }
+              catch (err) { showError(err); }
+            } }, "Remove"))))));
+    adapterList.replaceChildren(adapters.length === 0 ? h("p", { class: "muted" }, "No adapters.") :
+      table(["name", "base model", "format", "source", "path", "loaded on", ""], adapters.map((a) =>
+        h("tr", { "data-adapter": a.name }, h("td", {}, a.name), h("td", {}, a.base),
+          h("td", {}, a.rank ? `${a.format}, rank ${a.rank}` : a.format),
+          h("td", {}, a.repo_id ? `hub: ${a.repo_id}` : a.source),
+          h("td", { class: "mono" }, Object.entries(a.locations || {}).map(([id, p]) =>
+            `${labels[id] || id}: ${p}`).join("\n") || "—"),
+          h("td", { class: "loaded" }, a.loaded_on.length === 0 ? "not loaded" :
+            a.loaded_on.map((l) => `${l.deployment_id} on ${labels[l.node_id] || l.node_id}`).join(", ")),
+          h("td", {}, h("button", { type: "button", class: "danger",
+            "aria-label": `Remove adapter ${a.name}`, onclick: async () => {
+              try { await call("DELETE", `/admin/adapters/${encodeURIComponent(a.name)}`); await refresh(); }
+              catch (err) { showError(err); }
+            } }, "Remove"))))));
+  }
+
+  // Polled each second while a pull runs (and every 5 s otherwise, for pulls started
+  // elsewhere); a pull that reaches "done" refreshes the lists above.
+  const finished = new Set(["done", "failed", "cancelled"]);
+  const seen = new Map();
+  let timer = null;
+  async function pollPulls() {
+    const jobs = await call("GET", "/admin/pulls");
+    let reload = false;
+    for (const job of jobs) {
+      if (job.state === "done" && seen.has(job.id) && seen.get(job.id) !== "done") reload = true;
+      seen.set(job.id, job.state);
+    }
+    pullList.replaceChildren(jobs.length === 0 ? "" : table(
+      ["repository", "name", "state", "progress", ""], jobs.slice().reverse().map(pullRow)));
+    if (reload) await refresh();
+    const busy = jobs.some((j) => !finished.has(j.state));
+    if (timer) clearTimeout(timer);
+    timer = setTimeout(() => { if (state.page === "models") pollPulls().catch(showError); },
+      busy ? 1000 : POLL_MS);
+    state.timers.push(timer);
+  }
+  function pullRow(job) {
+    const total = job.total_bytes;
+    const fraction = total ? job.done_bytes / total : (job.state === "done" ? 1 : 0);
+    const label = `pull of ${job.repo}: ${total === null ? "listing files" :
+      `${bytesText(job.done_bytes)} of ${bytesText(total)}`}`;
+    const bar = h("progress", { max: 100, value: Math.round(fraction * 100), "aria-label": label });
+    const files = job.files.filter((f) => f.done_bytes < f.size_bytes).map((f) => f.path);
+    return h("tr", { "data-pull": job.id, "data-state": job.state },
+      h("td", {}, job.repo, job.revision ? `@${job.revision}` : ""), h("td", {}, job.name),
+      h("td", { class: "pull-state" }, statusText(job.state), job.kind ? ` (${job.kind})` : "",
+        job.error ? h("span", { class: "error-text" }, `: ${job.error}`) : ""),
+      h("td", { class: "pull-progress" }, bar, " ",
+        total === null ? "—" :
+          `${bytesText(job.done_bytes)} of ${bytesText(total)} (${Math.round(fraction * 100)}%)`,
+        !finished.has(job.state) && files.length ? h("div", { class: "muted" },
+          `now: ${files.join(", ")}`) : ""),
+      h("td", {}, h("button", { type: "button", class: finished.has(job.state) ? "secondary" : "danger",
+        "aria-label": `${finished.has(job.state) ? "Dismiss" : "Cancel"} pull of ${job.repo}`,
+        onclick: async () => {
+          try { await call("DELETE", `/admin/pulls/${encodeURIComponent(job.id)}`); await pollPulls(); }
           catch (err) { showError(err); }
-        } }, "Remove"))))));
+        } }, finished.has(job.state) ? "Dismiss" : "Cancel")));
   }
   refresh().catch(showError);
+  pollPulls().catch(showError);
 }
 
 // Services and routes, and a dry-run placement (POST /admin/plan).
@@ -419,16 +550,18 @@ function servicesPage(main) {
         h("ul", {}, plan.reasons.map((r) => h("li", {}, r)))));
     } catch (err) { showError(err); }
   } }, h("label", {}, "Target", target), h("button", { type: "submit" }, "Dry-run placement"));
-  main.append(h("h1", {}, "Services and routes"), services, h("h2", {}, "Routes"), routes,
+  const editor = h("section", { id: "service-edit", "aria-label": "edit a service's scaling" });
+  main.append(h("h1", {}, "Services and routes"), services, editor, h("h2", {}, "Routes"), routes,
     h("h2", {}, "Where would it go?"), form, result);
 
-  every(POLL_MS, async () => {
+  every(POLL_MS, refresh);
+  async function refresh() {
     const [list, rts] = await Promise.all([call("GET", "/admin/services"), call("GET", "/admin/routes")]);
     // The scaling controller's decisions come with each service's detail only.
     const svc = await Promise.all(list.map((s) =>
       call("GET", `/admin/services/${encodeURIComponent(s.name)}`)));
     services.replaceChildren(svc.length === 0 ? h("p", { class: "muted" }, "No services.") :
-      table(["name", "model", "engine", "node", "ready", "replicas", "scaling", "decision", "routes"],
+      table(["name", "model", "engine", "node", "ready", "replicas", "scaling", "decision", "routes", ""],
         svc.map((s) => h("tr", { "data-service": s.name },
           h("td", {}, s.name), h("td", {}, s.model), h("td", {}, s.engine),
           h("td", {}, s.node_label || "any"), h("td", {}, String(s.ready)),
@@ -437,12 +570,81 @@ function servicesPage(main) {
           h("td", { class: "decision" }, decisionText("now", s.decision),
             s.last_decision ? h("br") : null,
             s.last_decision ? decisionText("last action", s.last_decision) : null),
-          h("td", {}, s.routes.join(", ") || "—")))));
+          h("td", {}, s.routes.join(", ") || "—"),
+          h("td", {}, h("button", { type: "button", class: "secondary",
+            "aria-label": `Edit scaling of ${s.name}`, onclick: () => editScaling(s, editor, refresh) },
+          "Edit"))))));
     routes.replaceChildren(rts.length === 0 ? h("p", { class: "muted" }, "No routes.") :
       table(["route", "services", "serving", "why"], rts.map((r) => h("tr", {},
         h("td", {}, r.name), h("td", {}, r.services.map((s) => `${s.service} (${s.ready} ready)`).join(", ")),
         h("td", {}, r.serving.join(", ") || "—"), h("td", {}, r.reason || "—")))));
-  });
+  }
+}
+
+// The scaling settings of service ``s`` in a form (PATCH /admin/services/{name}); only the
+// fields changed are sent, so a field left alone keeps its value.
+function editScaling(s, editor, refresh) {
+  const scaling = s.scaling;
+  const number = (id, value, min) => h("input", { id, type: "number", min, inputmode: "numeric",
+    value: value === null || value === undefined ? "" : String(value) });
+  const minReplicas = number("scale-min", scaling.min_replicas, 0);
+  const maxReplicas = number("scale-max", scaling.max_replicas, 0);
+  const idleShown = scaling.idle_timeout_s === null ? "never" : durationText(scaling.idle_timeout_s);
+  const idle = h("input", { id: "scale-idle", value: idleShown, placeholder: "10m, 1h or never" });
+  const priority = number("scale-priority", scaling.priority);
+  const capacity = number("scale-capacity", scaling.capacity, 1);
+  const pinned = h("input", { id: "scale-pinned", type: "checkbox", checked: scaling.pinned });
+  const errorBox = h("p", { class: "error", role: "alert", id: "service-edit-error" });
+  const whole = (input, label) => {
+    const text = input.value.trim();
+    if (!/^-?\d+$/.test(text)) throw new Error(`${label}: give a whole number`);
+    return Number(text);
+  };
+  const editForm = h("form", { class: "card edit", "aria-labelledby": "service-edit-title",
+    onsubmit: async (e) => {
+      e.preventDefault();
+      errorBox.textContent = "";
+      const body = {};
+      try {
+        if (minReplicas.value !== String(scaling.min_replicas)) body.min_replicas = whole(minReplicas, "min replicas");
+        if (maxReplicas.value !== String(scaling.max_replicas)) body.max_replicas = whole(maxReplicas, "max replicas");
+        if (idle.value.trim() !== idleShown) body.idle_timeout = idle.value.trim();
+        if (priority.value !== String(scaling.priority)) body.priority = whole(priority, "priority");
+        const cap = scaling.capacity === null ? "" : String(scaling.capacity);
+        if (capacity.value.trim() !== cap) {
+          if (capacity.value.trim() === "") throw new Error("capacity: give a number of 1 or more (it cannot be cleared here)");
+          body.capacity = whole(capacity, "capacity");
+        }
+        if (pinned.checked !== scaling.pinned) body.pinned = pinned.checked;
+      } catch (err) { errorBox.textContent = err.message; return; }
+      try {
+        await call("PATCH", `/admin/services/${encodeURIComponent(s.name)}`, body);
+        const saved = h("p", { class: "muted", id: "service-edit-done", role: "status",
+          tabindex: -1 }, `Scaling of ${s.name} saved.`);
+        editor.replaceChildren(saved);
+        saved.focus(); // the form the focus was in is gone
+        await refresh();
+      } catch (err) {
+        if (err instanceof ApiError && err.status === 401) return;
+        errorBox.textContent = err.message;
+      }
+    } },
+  h("h2", { id: "service-edit-title" }, `Scaling of ${s.name}`),
+  h("div", { class: "limit-row" }, h("label", { for: minReplicas.id }, "Min replicas"), minReplicas),
+  h("div", { class: "limit-row" }, h("label", { for: maxReplicas.id }, "Max replicas"), maxReplicas),
+  h("div", { class: "limit-row" }, h("label", { for: idle.id }, "Idle timeout"), idle,
+    h("span", { class: "muted" }, "e.g. 10m, 1h; never: stays loaded")),
+  h("div", { class: "limit-row" }, h("label", { for: priority.id }, "Priority"), priority),
+  h("div", { class: "limit-row" }, h("label", { for: capacity.id }, "Capacity per replica"), capacity,
+    h("span", { class: "muted" }, "empty: the engine's slots")),
+  h("div", { class: "limit-row" }, h("label", { for: pinned.id }, "Pinned"), pinned,
+    h("span", { class: "muted" }, "never evicted to make room")),
+  errorBox,
+  h("div", { class: "actions" }, h("button", { type: "submit" }, "Save scaling"), " ",
+    h("button", { type: "button", class: "secondary", onclick: () => editor.replaceChildren() },
+      "Cancel")));
+  editor.replaceChildren(editForm);
+  minReplicas.focus();
 }
 
 // "1 (min 0, max 2): 1 loading, 3 queued": active replicas, the bounds, by state.
@@ -469,11 +671,13 @@ function decisionText(label, decision) {
     h("strong", {}, decision.action), `${ids}: ${decision.reason} (${sinceIso(decision.at)} ago)`);
 }
 
-// Keys: create (the secret shown once), revoke; each key's limits and what it uses now
-// (GET /admin/keys), and usage from the ledger by key, model and day (GET /admin/usage).
+// Keys: create (the secret shown once), revoke, edit a key's limits and expiry (PATCH
+// /admin/keys/{id}); each key's limits and what it uses now (GET /admin/keys), and usage
+// from the ledger over a chosen window, by key, model, day or node (GET /admin/usage).
 function keysPage(main) {
   const list = h("div", { id: "keys" });
   const secretBox = h("div", { id: "new-secret", "aria-live": "polite" });
+  const editor = h("section", { id: "key-edit", "aria-label": "edit a key" });
   const usage = h("div", { id: "usage" });
   const name = h("input", { id: "key-name", required: true });
   const tier = h("select", { id: "key-tier" },
@@ -490,8 +694,17 @@ function keysPage(main) {
     } catch (err) { showError(err); }
   } }, h("label", {}, "Name", name), h("label", {}, "Tier", tier),
   h("button", { type: "submit" }, "Create key"));
-  main.append(h("h1", {}, "Keys and usage"), form, secretBox, list,
-    h("h2", {}, "Usage, last 30 days (UTC)"), usage);
+  const windowSelect = h("select", { id: "usage-window", onchange: () => refreshUsage().catch(showError) },
+    [["1d", "today"], ["7d", "last 7 days"], ["30d", "last 30 days"], ["90d", "last 90 days"]]
+      .map(([value, text]) => h("option", { value, selected: value === "30d" }, text)));
+  const groupSelect = h("select", { id: "usage-group", onchange: () => refreshUsage().catch(showError) },
+    [["all", "key, model and day"], ["key", "key"], ["model", "model"], ["day", "day"],
+      ["node", "node"]].map(([value, text]) => h("option", { value }, text)));
+  const usageForm = h("form", { class: "inline", "aria-label": "usage window",
+    onsubmit: (e) => e.preventDefault() },
+  h("label", {}, "Window (UTC days)", windowSelect), h("label", {}, "Group by", groupSelect));
+  main.append(h("h1", {}, "Keys and usage"), form, secretBox, list, editor,
+    h("h2", {}, "Usage"), usageForm, usage);
 
   async function refresh() {
     const keys = await call("GET", "/admin/keys");
@@ -500,32 +713,127 @@ function keysPage(main) {
         h("td", { class: "mono" }, k.prefix),
         h("td", { class: "limits" }, limitsText(k.limits, k.overridden)),
         h("td", { class: "use" }, useText(k.use)),
-        h("td", {}, `${sinceIso(k.created_at)} ago`,
+        h("td", { class: "created" }, `${sinceIso(k.created_at)} ago`,
           k.expires_at ? `, expires ${new Date(k.expires_at).toLocaleString()}` : ""),
         h("td", {}, k.revoked_at ? statusText("revoked") : statusText("active")),
-        h("td", {}, k.revoked_at ? "" : h("button", { type: "button", class: "danger",
-          "aria-label": `Revoke ${k.name}`, onclick: async () => {
-            if (!confirm(`Revoke key ${k.name}? Clients using it stop working at once.`)) return;
-            try { await call("DELETE", `/admin/keys/${k.id}`); await refresh(); }
-            catch (err) { showError(err); }
-          } }, "Revoke"))))));
+        h("td", {}, k.revoked_at ? "" : [
+          h("button", { type: "button", class: "secondary", "aria-label": `Edit limits of ${k.name}`,
+            onclick: () => editKey(k) }, "Edit"), " ",
+          h("button", { type: "button", class: "danger",
+            "aria-label": `Revoke ${k.name}`, onclick: async () => {
+              if (!confirm(`Revoke key ${k.name}? Clients using it stop working at once.`)) return;
+              try { await call("DELETE", `/admin/keys/${k.id}`); await refresh(); }
+              catch (err) { showError(err); }
+            } }, "Revoke")])))));
   }
+
+  // One field per limit: the key's own value, or (checked) its tier's. Typing in a field
+  // makes it the key's own; an empty field is "no limit".
+  function editKey(key) {
+    const own = new Set(key.overridden || []);
+    const fields = [];
+    const rows = LIMIT_FIELDS.map(([field, label]) => {
+      const current = key.limits[field];
+      const shown = current === null || current === undefined ? "" :
+        (Array.isArray(current) ? current.join(", ") : String(current));
+      const input = h("input", { id: `limit-${field}`, value: shown,
+        type: field === "models" ? "text" : "number", min: field === "models" ? null : 0,
+        placeholder: "no limit", inputmode: field === "models" ? null : "numeric" });
+      const inherit = h("input", { type: "checkbox", id: `limit-${field}-tier`,
+        checked: !own.has(field) });
+      input.addEventListener("input", () => { inherit.checked = false; });
+      fields.push({ field, input, inherit });
+      return h("div", { class: "limit-row" }, h("label", { for: input.id }, label), input,
+        h("label", { for: inherit.id, class: "check" }, inherit, "tier's"));
+    });
+    const initialExpiry = key.expires_at ? localInput(key.expires_at) : "";
+    const expiry = h("input", { id: "key-expiry", type: "datetime-local", value: initialExpiry });
+    const errorBox = h("p", { class: "error", role: "alert", id: "key-edit-error" });
+    const editForm = h("form", { class: "card edit", "aria-labelledby": "key-edit-title",
+      onsubmit: async (e) => {
+        e.preventDefault();
+        errorBox.textContent = "";
+        const body = { clear: [] };
+        for (const { field, input, inherit } of fields) {
+          if (inherit.checked) {
+            if (own.has(field)) body.clear.push(field);
+            continue;
+          }
+          const text = input.value.trim();
+          if (field === "models") {
+            body.models = text ? text.split(",").map((x) => x.trim()).filter(Boolean) : null;
+          } else if (text === "") {
+            body[field] = null;
+          } else if (!/^\d+$/.test(text)) {
+            errorBox.textContent = `${field}: give a whole number of 0 or more, or leave it empty for no limit`;
+            input.focus();
+            return;
+          } else {
+            body[field] = Number(text);
+          }
+        }
+        if (expiry.value !== initialExpiry) {
+          body.expires_at = expiry.value ? new Date(expiry.value).toISOString() : null;
+        }
+        try {
+          await call("PATCH", `/admin/keys/${key.id}`, body);
+          const saved = h("p", { class: "muted", id: "key-edit-done", role: "status",
+            tabindex: -1 }, `Limits of ${key.name} saved.`);
+          editor.replaceChildren(saved);
+          saved.focus(); // the form the focus was in is gone
+          await refresh();
+        } catch (err) {
+          if (err instanceof ApiError && err.status === 401) return;
+          errorBox.textContent = err.message;
+        }
+      } },
+    h("h2", { id: "key-edit-title" }, `Limits of ${key.name}`),
+    h("p", { class: "muted" }, "A field left to the tier's follows the tier; an empty field is no limit; " +
+      "models: names separated by commas."),
+    rows, h("div", { class: "limit-row" }, h("label", { for: expiry.id }, "Expires (local time)"), expiry,
+      h("span", { class: "muted" }, "empty: never")),
+    errorBox,
+    h("div", { class: "actions" }, h("button", { type: "submit" }, "Save limits"), " ",
+      h("button", { type: "button", class: "secondary", onclick: () => editor.replaceChildren() },
+        "Cancel")));
+    editor.replaceChildren(editForm);
+    fields[0].input.focus();
+  }
+
   async function refreshUsage() {
-    const [byKey, byModel, byDay] = await Promise.all(["key", "model", "day"].map((by) =>
-      call("GET", `/admin/usage?since=30d&by=${by}`)));
-    const t = byDay.total;
+    const since = windowSelect.value;
+    const group = groupSelect.value;
+    const groupings = group === "all" ? ["key", "model", "day"] : [group];
+    const reports = await Promise.all(groupings.map((by) =>
+      call("GET", `/admin/usage?since=${encodeURIComponent(since)}&by=${by}`)));
+    const first = reports[0];
+    const t = first.total;
+    const titles = { key: "By key", model: "By model", day: "By day", node: "By node" };
+    const names = { key: (r) => r.key || r.key_id, model: (r) => r.model, day: (r) => r.day,
+      node: (r) => r.node_id };
     usage.replaceChildren(
-      h("p", { class: "muted", id: "usage-total" }, `${byDay.since} to ${byDay.until}: ` +
+      h("p", { class: "muted", id: "usage-total" }, `${first.since} to ${first.until}: ` +
         `${t.requests} requests (${t.errors} errors), ${t.total_tokens} tokens ` +
         `(${t.prompt_tokens} in, ${t.completion_tokens} out` +
         `${t.estimated_tokens ? `, ${t.estimated_tokens} estimated` : ""}).`),
-      usageBars("By key", byKey.rows.map((r) => [r.key || r.key_id, r]), "usage-by-key"),
-      usageBars("By model", byModel.rows.map((r) => [r.model, r]), "usage-by-model"),
-      usageBars("By day", byDay.rows.map((r) => [r.day, r]), "usage-by-day"));
+      ...groupings.map((by, i) => usageBars(titles[by],
+        reports[i].rows.map((r) => [names[by](r), r]), `usage-by-${by}`)));
   }
   refresh().catch(showError);
   every(POLL_MS, refreshUsage);
 }
+
+// An ISO time as a datetime-local input's value (the browser's time zone).
+function localInput(iso) {
+  const at = new Date(iso);
+  const pad = (n) => String(n).padStart(2, "0");
+  return `${at.getFullYear()}-${pad(at.getMonth() + 1)}-${pad(at.getDate())}T` +
+    `${pad(at.getHours())}:${pad(at.getMinutes())}`;
+}
+
+const LIMIT_FIELDS = [["rpm", "Requests per minute"], ["tpm", "Tokens per minute"],
+  ["max_concurrency", "Max concurrency"], ["daily_tokens", "Tokens per day"],
+  ["monthly_tokens", "Tokens per month"], ["models", "Models"]];
 
 const LIMIT_NAMES = [["rpm", "rpm"], ["tpm", "tpm"], ["max_concurrency", "concurrent"],
   ["daily_tokens", "tokens/day"], ["monthly_tokens", "tokens/month"]];
