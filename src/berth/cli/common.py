@@ -22,8 +22,11 @@ _Body = TypeVar("_Body", bound=BaseModel)
 #: ``-h`` as well as ``--help`` on every command.
 HELP_OPTIONS = {"help_option_names": ["-h", "--help"]}
 
-console = Console(highlight=False)
-err_console = Console(stderr=True, highlight=False)
+#: Markup is off by default: names a user chose (keys, models, services, routes, nodes) may
+#: hold ``[`` and ``]`` and must print as written.  A message that styles itself passes
+#: ``markup=True`` and wraps every value it interpolates in :func:`rich.markup.escape`.
+console = Console(highlight=False, markup=False)
+err_console = Console(stderr=True, highlight=False, markup=False)
 
 
 @dataclass

@@ -8,7 +8,9 @@ from collections.abc import Sequence
 from datetime import UTC, datetime
 
 import typer
+from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
 
 from berth.api import Deployment, DeploymentIn, ListedDeployment
 from berth.api.client import DaemonClient
@@ -106,8 +108,9 @@ def run(
     if record.image:
         where += f", image {record.image}"
     console.print(
-        f"[green]{record.id} ready[/]: model [bold]{record.served_model_name}[/] "
-        f"on {record.engine} ({where})"
+        f"[green]{record.id} ready[/]: model [bold]{escape(record.served_model_name)}[/] "
+        f"on {record.engine} ({escape(where)})",
+        markup=True,
     )
 
 
@@ -194,7 +197,7 @@ def deployments_table(records: Sequence[ListedDeployment], *, title: str | None 
             r.engine,
             r.runtime,
             r.node_label or r.node_id,
-            f"[{colour}]{state}[/]",
+            Text(state, style=colour),
             str(r.port or "-"),
             str(r.pid or "-"),
             age((now - created).total_seconds()),

@@ -119,9 +119,10 @@ def create(
     if as_json:
         print_json(record)
         return
-    console.print(f"created {record.tier} key {record.id} ({record.name})")
+    # The secret first: it exists nowhere else, so nothing printed after it may lose it.
     console.print("secret (shown once, store it now):")
-    print(record.secret)
+    print(record.secret, flush=True)
+    console.print(f"created {record.tier} key {record.id} ({record.name})")
 
 
 @key_app.command("set")

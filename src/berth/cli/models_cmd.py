@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
 from berth.api import AdapterIn, ModelIn
@@ -53,9 +54,15 @@ def add(
     with context(ctx).client() as client:
         record = client.add_model(body)
     if remote:
-        console.print(f"added model [bold]{record.name}[/] at {shown} on node {node}")
+        console.print(
+            f"added model [bold]{escape(record.name)}[/] at {escape(str(shown))} "
+            f"on node {escape(str(node))}",
+            markup=True,
+        )
         return
-    console.print(f"added model [bold]{record.name}[/] ({_size(record.size_bytes)})")
+    console.print(
+        f"added model [bold]{escape(record.name)}[/] ({_size(record.size_bytes)})", markup=True
+    )
 
 
 @models_app.command("ls")
@@ -108,8 +115,15 @@ def pull(
         registration = pulled_registration(body, path, models)
         if isinstance(registration, AdapterIn):
             added = client.add_adapter(registration)
-            console.print(f"pulled adapter [bold]{added.name}[/] into {path}")
+            console.print(
+                f"pulled adapter [bold]{escape(added.name)}[/] into {escape(str(path))}",
+                markup=True,
+            )
             print_added(added, None)
             return
         record = client.add_model(registration)
-    console.print(f"pulled [bold]{record.name}[/] into {path} ({_size(record.size_bytes)})")
+    console.print(
+        f"pulled [bold]{escape(record.name)}[/] into {escape(str(path))} "
+        f"({_size(record.size_bytes)})",
+        markup=True,
+    )

@@ -7,7 +7,9 @@ from datetime import UTC, datetime
 from urllib.parse import parse_qs, urlsplit
 
 import typer
+from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
 
 from berth.api import EnrollIn
 from berth.cli.common import HELP_OPTIONS, console, context, err_console, print_json, request_body
@@ -45,7 +47,7 @@ def enroll(
     """Create a single-use enrollment URI for a new host (valid 10 minutes)."""
     with context(ctx).client() as client:
         issued = client.enroll_node(request_body(EnrollIn, label=label))
-    console.print(f"enrollment URI for [bold]{issued.label}[/] (single use):")
+    console.print(f"enrollment URI for [bold]{escape(issued.label)}[/] (single use):", markup=True)
     print(issued.uri)
     console.print("run this on the new host:")
     print(f"berth agent register --uri '{issued.uri}'")
@@ -133,7 +135,7 @@ def show(
                 endpoint.served_model_name,
                 f"{endpoint.host}:{endpoint.port}",
                 ",".join(map(str, endpoint.gpus)) or "-",
-                "[green]yes[/]" if endpoint.alive else "[red]no[/]",
+                Text("yes", style="green") if endpoint.alive else Text("no", style="red"),
             )
         console.print(table)
 
