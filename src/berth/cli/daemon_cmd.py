@@ -75,6 +75,10 @@ def start(
         leader_only=leader_only,
     )
     settings = Settings.load(cli.home, flags=flags)
+    if settings.public_cert is not None and settings.public_key is not None:
+        from berth.daemon.public_tls import public_ssl_context
+
+        public_ssl_context(settings.public_cert, settings.public_key)  # refused here, not in a log
     if foreground:
         _run_foreground(cli.home, settings)
         return
