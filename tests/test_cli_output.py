@@ -14,16 +14,19 @@ from pathlib import Path
 import httpx
 import pytest
 from pydantic import BaseModel
+from rich.console import Console
 from typer.testing import CliRunner, Result
 
-from berth.api import ApiKey, CreatedApiKey, UsageReport, UsageRow
+from berth.api import ApiKey, CreatedApiKey, ListedDeployment, UsageReport, UsageRow
 from berth.api.client import DaemonClient
+from berth.api.usage import UsageGrouping
 from berth.cli import common
 from berth.cli.main import app
 from berth.paths import BerthHome
+from berth.store.states import DeploymentState
 
 CREATED = datetime(2026, 11, 2, tzinfo=UTC)
-KEY_ID = "k-b3f1c2d4e5a6b7c8"
+KEY_ID = "k-b3f1c2d4"
 SECRET = "sk-berth-0123456789abcdefghijklmnopqrstuv"
 
 #: What one canned daemon answers: ``(method, path)`` → a model or a list of models.
@@ -87,13 +90,15 @@ def test_key_names_with_markup_print_literally_and_the_secret_is_shown(
     daemon[("GET", "/admin/keys")] = [_key(name)]
     daemon[("DELETE", f"/admin/keys/{KEY_ID}")] = _key(name)
 
-    created = berth("key", "create", name)
+    # A name with a '/' is refused now, but a key made before that is still listed.
+    created = berth("key", "create", name if "/" not in name else "[bold]boss")
     listed = berth("key", "ls")
     revoked = berth("key", "revoke", KEY_ID)
 
     assert created.exit_code == 0, created.output
     assert SECRET in created.stdout
     assert f"({name})" in created.stdout
+    assert created.stdout.index(SECRET) < created.stdout.index("created")
     assert listed.exit_code == 0, listed.output
     assert name in listed.stdout
     assert revoked.exit_code == 0, revoked.output
@@ -127,3 +132,116 @@ def test_usage_by_key_prints_a_marked_up_key_name_literally(
 
     assert shown.exit_code == 0, shown.output
     assert "[bold]boss" in shown.stdout
+
+
+# -- tables keep ids whole: piped at the width the rows need, on an 80-column terminal fitted ----
+
+
+@pytest.fixture(params=["piped", "terminal"])
+def shown_on(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Where the output goes: a pipe (``CliRunner``'s own), or an 80-column terminal."""
+    if request.param == "terminal":
+        monkeypatch.setattr(Console, "is_terminal", property(lambda self: True))
+    return str(request.param)
+
+
+def _fits(shown: Result, shown_on: str) -> None:
+    lines = shown.stdout.splitlines()
+    if shown_on == "terminal":
+        assert max(map(len, lines)) <= 80, shown.stdout
+
+
+def _usage_report(by: UsageGrouping, rows: list[UsageRow]) -> UsageReport:
+    return UsageReport(
+        since=date(2026, 11, 1),
+        until=date(2026, 11, 30),
+        by=by,
+        key=None,
+        model=None,
+        rows=rows,
+        total=UsageRow(**COUNTS),
+    )
+
+
+COUNTS = {
+    "requests": 1_234_567,
+    "errors": 12,
+    "prompt_tokens": 98_765_432,
+    "completion_tokens": 12_345_678,
+    "total_tokens": 111_111_110,
+    "estimated_requests": 3,
+    "estimated_tokens": 4_567,
+}
+
+
+def test_ps_shows_ids_states_ports_and_pids_whole(
+    daemon: Answers, berth: Callable[..., Result], shown_on: str
+) -> None:
+    deployment = ListedDeployment(
+        id="d-0a1b2c3d",
+        model_name="llama-3.1-8b-instruct-q4",
+        engine="llamacpp",
+        runtime="process",
+        node_id="n-5e6f7a8b",
+        node_label="gpu-box-west-1",
+        node_connected=True,
+        service="chat-production",
+        state=DeploymentState.LOADING,
+        port=41234,
+        pid=123456,
+        gpus=[0],
+        ctx=8192,
+        extra_args=[],
+        served_model_name="llama-3.1-8b-instruct-q4",
+        failure_reason=None,
+        created_at=CREATED,
+        updated_at=CREATED,
+        image=None,
+        progress=None,
+    )
+    daemon[("GET", "/admin/deployments")] = [deployment]
+
+    shown = berth("ps")
+
+    assert shown.exit_code == 0, shown.output
+    _fits(shown, shown_on)
+    if shown_on == "piped":
+        assert "llama-3.1-8b-instruct-q4" in shown.stdout, shown.stdout
+    for whole in ("d-0a1b2c3d", "loading", "41234", "123456", "llamacpp", "process"):
+        assert whole in shown.stdout, shown.stdout
+
+
+def test_key_ls_shows_key_ids_and_dates_whole(
+    daemon: Answers, berth: Callable[..., Result], shown_on: str
+) -> None:
+    key = _key("ci runner for the nightly builds").model_copy(
+        update={"expires_at": datetime(2027, 1, 1, tzinfo=UTC)}
+    )
+    daemon[("GET", "/admin/keys")] = [key]
+
+    shown = berth("key", "ls")
+
+    assert shown.exit_code == 0, shown.output
+    _fits(shown, shown_on)
+    for whole in (KEY_ID, "standard", "2027-01-01"):
+        assert whole in shown.stdout, shown.stdout
+
+
+@pytest.mark.parametrize("by", ["day", "key"])
+def test_usage_shows_days_key_ids_and_counts_whole(
+    daemon: Answers, berth: Callable[..., Result], by: UsageGrouping, shown_on: str
+) -> None:
+    row = (
+        UsageRow(day=date(2026, 11, 17), **COUNTS)
+        if by == "day"
+        else UsageRow(key="ci runner", key_id=KEY_ID, **COUNTS)
+    )
+    daemon[("GET", "/admin/usage")] = _usage_report(by, [row])
+
+    shown = berth("usage", "--by", by)
+
+    assert shown.exit_code == 0, shown.output
+    _fits(shown, shown_on)
+    assert ("2026-11-17" if by == "day" else KEY_ID) in shown.stdout, shown.stdout
+    if shown_on == "piped":  # a narrow terminal may fold a long count, never a day or an id
+        assert "1,234,567" in shown.stdout, shown.stdout

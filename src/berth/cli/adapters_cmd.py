@@ -9,7 +9,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from berth.api import Adapter, AdapterIn, AddedAdapter
-from berth.cli.common import HELP_OPTIONS, console, context, print_json, request_body
+from berth.cli.common import HELP_OPTIONS, console, context, print_json, print_table, request_body
 from berth.errors import ConfigError
 
 adapters_app = typer.Typer(
@@ -82,7 +82,7 @@ def ls(ctx: typer.Context, as_json: bool = typer.Option(False, "--json")) -> Non
             ", ".join(sorted(r.locations)),
             ", ".join(x.deployment_id for x in r.loaded_on) or "-",
         )
-    console.print(table)
+    print_table(table)
 
 
 @adapters_app.command("show")

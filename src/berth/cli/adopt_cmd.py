@@ -26,7 +26,7 @@ from berth.agent.adopted import (
     with_endpoint,
     without_endpoint,
 )
-from berth.cli.common import console, context, print_json
+from berth.cli.common import console, context, print_json, print_table
 from berth.cli.deploy_cmd import parse_gpus
 from berth.errors import ConfigError, NotFoundError
 from berth.paths import BerthHome
@@ -131,7 +131,7 @@ def adopted(
             str(endpoint.vram_mb) if endpoint.vram_mb is not None else "-",
             Text("yes", style="green") if alive else Text("no", style="red"),
         )
-    console.print(table)
+    print_table(table)
 
 
 def unadopt(

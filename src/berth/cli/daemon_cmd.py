@@ -17,7 +17,15 @@ from rich.table import Table
 
 from berth.api import DaemonInfo
 from berth.api.client import DaemonClient
-from berth.cli.common import HELP_OPTIONS, CliContext, console, context, err_console, print_json
+from berth.cli.common import (
+    HELP_OPTIONS,
+    CliContext,
+    console,
+    context,
+    err_console,
+    print_json,
+    print_table,
+)
 from berth.config import Settings
 from berth.errors import DaemonError
 from berth.humanize import age
@@ -315,7 +323,7 @@ def status(
             str(node.gpu_count),
             f"{vram_mb / 1024:.1f} GiB" if vram_mb else "-",
         )
-    console.print(node_table)
+    print_table(node_table)
     from berth.cli.deploy_cmd import print_deployments
 
     print_deployments(deployments, title="deployments")

@@ -5,10 +5,17 @@ from __future__ import annotations
 from datetime import UTC, date, datetime, time
 
 import typer
-from rich.table import Table
 
 from berth.api import ApiKey, KeyChangeIn, KeyIn
-from berth.cli.common import HELP_OPTIONS, console, context, print_json, request_body
+from berth.cli.common import (
+    HELP_OPTIONS,
+    console,
+    context,
+    print_json,
+    print_table,
+    record_table,
+    request_body,
+)
 from berth.errors import ConfigError
 from berth.keys import parse_tier, validate_key_name
 from berth.limits import (
@@ -204,10 +211,12 @@ def ls(ctx: typer.Context, as_json: bool = typer.Option(False, "--json")) -> Non
     if as_json:
         print_json(records)
         return
-    table = Table(
-        "ID", "NAME", "TIER", "PREFIX", "RPM", "TPM", "CONC", "TODAY", "MONTH", "MODELS",
-        "EXPIRES", "REVOKED",
-    )  # fmt: skip
+    # Ids, tiers and dates stay whole (a user copies an id to revoke it); the rest folds.
+    table = record_table()
+    for column in ("ID", "NAME", "TIER", "PREFIX", "RPM", "TPM", "CONC", "TODAY", "MONTH",
+                   "MODELS", "EXPIRES", "REVOKED"):  # fmt: skip
+        whole = column in ("ID", "TIER", "EXPIRES", "REVOKED")
+        table.add_column(column, no_wrap=whole, overflow="ellipsis" if whole else "fold")
     for r in records:
         table.add_row(
             r.id,
@@ -223,7 +232,7 @@ def ls(ctx: typer.Context, as_json: bool = typer.Option(False, "--json")) -> Non
             _when(r.expires_at),
             _when(r.revoked_at),
         )
-    console.print(table)
+    print_table(table)
 
 
 def _when(moment: datetime | None) -> str:

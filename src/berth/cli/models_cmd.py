@@ -6,12 +6,19 @@ from pathlib import Path
 
 import typer
 from rich.markup import escape
-from rich.table import Table
 
 from berth.api import AdapterIn, ModelIn
 from berth.api.pulls import PullIn, pulled_registration
 from berth.cli.adapters_cmd import print_added
-from berth.cli.common import HELP_OPTIONS, console, context, print_json, request_body
+from berth.cli.common import (
+    HELP_OPTIONS,
+    console,
+    context,
+    print_json,
+    print_table,
+    record_table,
+    request_body,
+)
 from berth.errors import ConfigError, ConflictError
 
 models_app = typer.Typer(
@@ -73,11 +80,15 @@ def ls(ctx: typer.Context, as_json: bool = typer.Option(False, "--json")) -> Non
     if as_json:
         print_json(records)
         return
-    table = Table("NAME", "SOURCE", "SIZE", "PATH")
+    # Names and sizes stay whole; a long path folds rather than being cut.
+    table = record_table()
+    for column in ("NAME", "SOURCE", "SIZE", "PATH"):
+        whole = column in ("NAME", "SIZE")
+        table.add_column(column, no_wrap=whole, overflow="ellipsis" if whole else "fold")
     for r in records:
         source = r.source if not r.repo_id else f"hub:{r.repo_id}"
         table.add_row(r.name, source, _size(r.size_bytes), r.path)
-    console.print(table)
+    print_table(table)
 
 
 @models_app.command("rm")

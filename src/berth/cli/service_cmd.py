@@ -27,7 +27,7 @@ from berth.api import (
     ServiceDetail,
     ServiceIn,
 )
-from berth.cli.common import HELP_OPTIONS, console, context, print_json, request_body
+from berth.cli.common import HELP_OPTIONS, console, context, print_json, print_table, request_body
 from berth.cli.deploy_cmd import parse_gpus, wait_settled
 from berth.errors import ConfigError, EngineError
 from berth.humanize import age, duration
@@ -231,7 +231,7 @@ def list_services(
             ready + (f" (+{r.queued} queued)" if r.queued else ""),
             ", ".join(r.routes) or "-",
         )
-    console.print(table)
+    print_table(table)
 
 
 @service_app.command("show")
@@ -428,7 +428,7 @@ def list_routes(
         services = ", ".join(f"{s.service} ({s.priority}, {s.ready})" for s in r.services)
         serving = Text(", ".join(r.serving)) if r.serving else Text("nothing ready", style="red")
         table.add_row(r.name, services, r.fallback or "-", serving)
-    console.print(table)
+    print_table(table)
 
 
 @route_app.command("show")
