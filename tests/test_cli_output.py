@@ -7,12 +7,15 @@ in a name is text, not style), tables readable at 80 columns, help text whole.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterator
 from datetime import UTC, date, datetime
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
+import typer
 from pydantic import BaseModel
 from rich.console import Console
 from typer.testing import CliRunner, Result
@@ -245,3 +248,29 @@ def test_usage_shows_days_key_ids_and_counts_whole(
     assert ("2026-11-17" if by == "day" else KEY_ID) in shown.stdout, shown.stdout
     if shown_on == "piped":  # a narrow terminal may fold a long count, never a day or an id
         assert "1,234,567" in shown.stdout, shown.stdout
+
+
+# -- help text is shown whole ---------------------------------------------------------------------
+
+
+def _commands(command: Any, path: list[str]) -> Iterator[tuple[list[str], Any]]:
+    yield path, command
+    if hasattr(command, "list_commands"):
+        for name in command.list_commands(None):
+            yield from _commands(command.get_command(None, name), [*path, name])
+
+
+def test_every_bracket_in_help_text_is_shown_not_read_as_markup() -> None:
+    """Typer renders help as rich markup: ``[tiers.NAME]`` written plainly vanishes."""
+    checked = 0
+    for path, command in _commands(typer.main.get_command(app), []):
+        texts = [command.help or "", *(getattr(p, "help", None) or "" for p in command.params)]
+        brackets = [b.replace("\\", "") for t in texts for b in re.findall(r"\\?\[[^\]]*\]", t)]
+        if not brackets:
+            continue
+        shown = CliRunner().invoke(app, [*path, "--help"], env={"COLUMNS": "200"})
+        assert shown.exit_code == 0, shown.output
+        for bracket in brackets:
+            assert bracket in shown.stdout, (path, bracket, shown.stdout)
+        checked += 1
+    assert checked >= 1

@@ -99,7 +99,8 @@ def _limits(
 def create(
     ctx: typer.Context,
     name: str = typer.Argument(..., help="A label for the key."),
-    tier: str = typer.Option("standard", "--tier", help="admin, standard or a [tiers.NAME]."),
+    # Help text is rich markup: a literal "[" is written "\\[".
+    tier: str = typer.Option("standard", "--tier", help="admin, standard or a \\[tiers.NAME]."),
     rpm: str | None = _RPM,
     tpm: str | None = _TPM,
     max_concurrency: str | None = _CONCURRENCY,
@@ -113,7 +114,7 @@ def create(
 ) -> None:
     """Create a key; its secret is shown once and never stored.
 
-    Limits not given are the tier's (config.toml's [tiers.NAME]).
+    Limits not given are the tier's (config.toml's \\[tiers.NAME]).
     """
     parse_tier(tier)  # refuse a bad tier name, limit or expiry before asking the daemon
     validate_key_name(name)
