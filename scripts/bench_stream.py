@@ -20,6 +20,8 @@ in one run:
   vllm-router's on equal terms, since neither then pays for TLS;
 * ``berth agent``: HTTPS to the leader, relayed over the mTLS link to a deployment on an
   enrolled agent (leader and agent both counted);
+* ``berth agent, direct``: the same through a second agent that the leader reaches on its
+  direct ingress (mTLS HTTP/1.1 from the leader's pool, no link framing; both counted);
 * ``litellm``: LiteLLM's proxy (PyPI ``litellm[proxy]``), one worker, plain HTTP.
 
 vllm-router and LiteLLM are looked for in ``--bench-venv`` (or ``$BERTH_BENCH_VENV``): a
@@ -538,7 +540,8 @@ async def _bench(targets: list[Target], args: argparse.Namespace) -> list[list[R
     return rounds
 
 
-PATHS = ("engine", "vllm-router", "berth-proxy", "berth", "berth-socket", "berth-agent", "litellm")
+PATHS = ("engine", "vllm-router", "berth-proxy", "berth", "berth-socket", "berth-agent",
+         "berth-direct", "litellm")  # fmt: skip
 
 
 def main() -> None:
@@ -606,6 +609,12 @@ def main() -> None:
                     agent = cluster.agent_pid(harness.AGENT_LABEL)
                     targets.append(Target("berth agent", port=cluster.public_port, tls=tls,
                                           authorization=bearer, model=harness.REMOTE_MODEL,
+                                          pids=(*leader, agent)))  # fmt: skip
+                elif name == "berth-direct":
+                    agent = cluster.agent_pid(harness.DIRECT_LABEL)
+                    targets.append(Target("berth agent, direct", port=cluster.public_port,
+                                          tls=tls, authorization=bearer,
+                                          model=harness.DIRECT_MODEL,
                                           pids=(*leader, agent)))  # fmt: skip
                 elif name == "litellm":
                     found = stack.enter_context(litellm(args.bench_venv, engine_port, workdir))

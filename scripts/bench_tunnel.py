@@ -59,6 +59,8 @@ DIRECT_LABEL = "bench-direct"
 LOCAL_MODEL = "bench-local"
 REMOTE_MODEL = "bench-remote"
 DIRECT_MODEL = "bench-direct"
+#: Requests each stand-in deployment serves at once, as its ``--parallel`` tells the leader.
+ENGINE_SLOTS = 4096
 #: The stand-in engine berth launches as ``llama-server``.
 ENGINE_SCRIPT = Path(__file__).resolve().parent / "bench_tunnel_engine.py"
 
@@ -141,10 +143,14 @@ def _set_up(cluster: Cluster) -> None:
     weights = cluster.workdir / "bench.gguf"
     weights.write_bytes(b"GGUF" + bytes(60))
     cluster.leader("models", "add", LOCAL_MODEL, str(weights))
-    cluster.leader("run", LOCAL_MODEL, "--engine", "llamacpp", "--timeout", "60")
+    # The stand-in serves any number of requests at once; said so, the leader's fair queue
+    # does not hold the load at llama-server's default of 4 slots.
+    slots = f"--extra-arg=--parallel={ENGINE_SLOTS}"
+    cluster.leader("run", LOCAL_MODEL, "--engine", "llamacpp", slots, "--timeout", "60")
     for model, label in ((REMOTE_MODEL, AGENT_LABEL), (DIRECT_MODEL, DIRECT_LABEL)):
         cluster.leader("models", "add", model, str(weights), "--node", label)
-        cluster.leader("run", model, "--engine", "llamacpp", "--node", label, "--timeout", "60")
+        cluster.leader("run", model, "--engine", "llamacpp", slots, "--node", label,
+                       "--timeout", "60")  # fmt: skip
     for deployment in json.loads(cluster.leader("ps", "--json")):
         name = deployment.get("served_model_name") or deployment.get("model_name")
         cluster.engine_pids[name] = int(deployment["pid"])

@@ -25,12 +25,12 @@ from berth.cluster.protocol.frames import (
 from berth.cluster.protocol.ops import PROBE, NoArgs, Op, ProbeArgs
 from berth.cluster.protocol.session import LinkLimits, LinkSession, Role, WelcomeTerms
 from berth.cluster.tunnel_stream import TunnelStream
-from berth.engine_http.errors import UpstreamConnectError
+from berth.engine_http.errors import UpstreamConnectError, UpstreamTimeoutError
 from berth.errors import EngineError
 from berth.runtime.engines import DeploymentRequest
 from support.fakes import memory_socket_pair
 from support.link_pair import DEPLOYMENT, ENGINE_KEY, LeaderSide, Linked
-from support.standin_engine import chat_chunks, json_reply, sse_reply
+from support.standin_engine import Head, Reply, Stall, Write, chat_chunks, json_reply, sse_reply
 
 
 def _start_request() -> DeploymentRequest:
@@ -280,3 +280,72 @@ async def test_a_stream_over_the_limit_is_refused_at_once() -> None:
     assert agent.open_streams == 1
     await agent.close(1000, "done")
     await reader
+
+
+# -- pushed answers: from the link reader to a sink, no task per frame ------------------------
+
+
+class _Collected:
+    """A :class:`~berth.engine_http.answer.BodySink` that keeps what the link hands it."""
+
+    def __init__(self) -> None:
+        self.pieces: list[bytes] = []
+        self.failure: Exception | None = None
+        self.over = asyncio.Event()
+
+    def body_received(self, data: bytes, end: bool) -> None:
+        self.pieces.append(data)
+        if end:
+            self.over.set()
+
+    def body_failed(self, error: Exception) -> None:
+        self.failure = error
+        self.over.set()
+
+
+async def test_a_paused_pushed_answer_holds_the_engine_back_through_the_link(
+    linked: Linked,
+) -> None:
+    event = b"data: " + b"x" * (16 * 1024 - 8) + b"\n\n"
+    count = 1024  # 16 MiB, far more than the window and every buffer on the way
+    linked.engine.script(Reply((Head(200, "text/event-stream"), *[Write(event)] * count)))
+    response = await _ask(linked)
+    record = await linked.engine.wait_for_request()
+    sink = _Collected()
+    response.push_body(sink)
+    response.pause_body()  # a slow client: no credit goes back to the agent
+
+    still, written = 0, -1
+    while still < 50:  # the engine held up by backpressure, not a byte more for 50 polls
+        assert not record.completed, "the whole answer crossed a link that granted no credit"
+        if record.writing and record.bytes_written == written:
+            still += 1
+        else:
+            still, written = 0, record.bytes_written
+        await asyncio.sleep(0.01)
+    assert written < count * len(event) // 2
+
+    response.resume_body()
+    await asyncio.wait_for(sink.over.wait(), 20.0)
+    response.close()
+    assert sink.failure is None
+    assert b"".join(sink.pieces) == event * count
+    assert record.completed
+
+
+async def test_a_pushed_answer_silent_past_the_read_timeout_fails_and_reaches_the_engine(
+    linked: Linked,
+) -> None:
+    linked.engine.script(Reply((Head(200, "text/event-stream"), Write(b"data: 1\n\n"), Stall(5.0))))
+    response = await linked.link.open_http(
+        DEPLOYMENT, b"POST", b"/v1/chat/completions", [], b'{"model": "m"}', 0.2
+    )
+    sink = _Collected()
+    response.push_body(sink)
+    await asyncio.wait_for(sink.over.wait(), 5.0)
+    assert b"".join(sink.pieces) == b"data: 1\n\n"
+    assert isinstance(sink.failure, UpstreamTimeoutError)
+    response.close()  # as the proxy does: the stream is reset, the agent closes the engine's
+    record = linked.engine.requests[0]
+    await asyncio.wait_for(record.disconnected.wait(), 5.0)
+    assert not record.completed

@@ -14,7 +14,12 @@ from berth.cluster.connection import LinkConnection
 from berth.cluster.protocol.frames import StreamOpen, decode_frame
 from berth.cluster.protocol.session import Role, SessionState
 from berth.cluster.tunnel_stream import StreamResetError, TunnelStream
-from berth.cluster.write_batch import FLUSH_AT_BYTES, BatchingTransport, coalesce_writes
+from berth.cluster.write_batch import (
+    FLUSH_AT_BYTES,
+    BatchingTransport,
+    coalesce_writes,
+    frame_writer,
+)
 
 
 class _Transport:
@@ -76,6 +81,39 @@ async def test_close_writes_what_is_held_and_the_rest_is_the_transports() -> Non
     batching.write(b"late")
     await asyncio.sleep(0)
     assert transport.writes == [b"close frame"]  # a closing transport gets nothing more
+
+
+class _FakeWsWriter:
+    """aiohttp's ``WebSocketWriter`` as ``frame_writer`` sees it."""
+
+    def __init__(self) -> None:
+        self.protocol = SimpleNamespace(writing_paused=False)
+        self.transport = _Transport()
+        self.compress = 0
+        self._closing = False
+        self.frames: list[tuple[bytes, int, int]] = []
+
+    def _write_websocket_frame(self, message: bytes, opcode: int, rsv: int) -> None:
+        self.frames.append((message, opcode, rsv))
+
+
+async def test_a_frame_writer_writes_binary_frames_with_aiohttps_writer_when_ready() -> None:
+    writer = _FakeWsWriter()
+    frames = frame_writer(SimpleNamespace(_writer=writer))
+    assert frames is not None and frames.ready
+    frames.write(b"payload")
+    assert writer.frames == [(b"payload", 0x2, 0)]  # RFC 6455: opcode 2, no RSV bits
+    writer.protocol.writing_paused = True
+    assert not frames.ready  # the socket is behind: the link leaves it to send_bytes
+    writer.protocol.writing_paused = False
+    writer._closing = True
+    assert not frames.ready
+
+    compressing = _FakeWsWriter()
+    compressing.compress = 15
+    assert frame_writer(SimpleNamespace(_writer=compressing)) is None
+    assert frame_writer(SimpleNamespace(_writer=SimpleNamespace(transport=_Transport()))) is None
+    assert frame_writer(object()) is None
 
 
 async def test_other_websockets_are_left_alone() -> None:

@@ -514,3 +514,152 @@ def test_parse_origin(url: str, origin: Origin) -> None:
 def test_parse_origin_refuses_what_it_cannot_reach(url: str) -> None:
     with pytest.raises(ValueError):
         parse_origin(url)
+
+
+# -- pushed bodies -----------------------------------------------------------------------------
+
+
+@dataclass
+class Collected:
+    """A :class:`~berth.engine_http.answer.BodySink` that keeps what it is handed."""
+
+    pieces: list[bytes] = field(default_factory=list)
+    ended: asyncio.Event = field(default_factory=asyncio.Event)
+    failure: Exception | None = None
+
+    @property
+    def body(self) -> bytes:
+        return b"".join(self.pieces)
+
+    def body_received(self, data: bytes, end: bool) -> None:
+        self.pieces.append(data)
+        if end:
+            self.ended.set()
+
+    def body_failed(self, error: Exception) -> None:
+        self.failure = error
+        self.ended.set()
+
+
+async def test_a_pushed_body_arrives_piece_by_piece_with_its_end_and_pools_the_connection() -> None:
+    async def events(request: RawRequest, _: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        w.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n")
+        w.write(b"transfer-encoding: chunked\r\n\r\n9\r\ndata: 1\n\n\r\n")
+        await w.drain()
+        await asyncio.sleep(0.05)
+        w.write(b"9\r\ndata: 2\n\n\r\n")
+        await w.drain()
+        await asyncio.sleep(0.05)
+        w.write(b"0\r\n\r\n")
+        await w.drain()
+
+    async with raw_server(events) as server, upstream_pool() as pool:
+        response = await pool.request(server.origin, b"POST", b"/", HEADERS, b"{}")
+        sink = Collected()
+        response.push_body(sink)
+        await asyncio.wait_for(sink.ended.wait(), 5.0)
+        assert sink.failure is None
+        assert sink.body == b"data: 1\n\ndata: 2\n\n"
+        assert len(sink.pieces) >= 3  # as the engine wrote them, the last with the end
+        response.close()
+        assert pool.idle_connections == 1
+
+
+async def test_a_paused_push_stops_the_reading_from_the_engine_and_resumes() -> None:
+    piece = b"y" * 65536
+    count = 512  # 32 MiB, far more than the socket buffers hold
+    written = 0
+
+    async def flood(request: RawRequest, _: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        nonlocal written
+        w.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n" % (len(piece) * count))
+        for _number in range(count):
+            w.write(piece)
+            await w.drain()
+            written += len(piece)
+
+    async with raw_server(flood) as server, upstream_pool() as pool:
+        response = await pool.request(server.origin, b"POST", b"/", HEADERS, b"{}")
+        sink = Collected()
+        response.push_body(sink)
+        response.pause_body()
+        await asyncio.sleep(0.5)  # paused meanwhile
+        stalled_at = written
+        assert stalled_at < 16 * 1024 * 1024
+        await asyncio.sleep(0.2)
+        assert written - stalled_at <= 4 * len(piece)  # it really stopped
+
+        response.resume_body()
+        await asyncio.wait_for(sink.ended.wait(), 10.0)
+        assert sink.failure is None
+        assert len(sink.body) == len(piece) * count
+        response.close()
+
+
+async def test_a_pushed_body_silent_past_the_read_timeout_fails_unless_paused() -> None:
+    async def pause(
+        request: RawRequest, reader: asyncio.StreamReader, w: asyncio.StreamWriter
+    ) -> None:
+        w.write(b"HTTP/1.1 200 OK\r\ncontent-length: 10\r\n\r\n12345")
+        await w.drain()
+        await reader.read()
+        raise ConnectionResetError
+
+    async with raw_server(pause) as server, upstream_pool(read_timeout_s=0.1) as pool:
+        response = await pool.request(server.origin, b"POST", b"/", HEADERS, b"{}")
+        sink = Collected()
+        response.push_body(sink)
+        await until(lambda: sink.body == b"12345")
+        response.pause_body()  # a slow client: the engine's silence does not count
+        await asyncio.sleep(0.3)
+        assert sink.failure is None
+
+        response.resume_body()
+        await asyncio.wait_for(sink.ended.wait(), 2.0)
+        assert isinstance(sink.failure, UpstreamTimeoutError)
+        response.close()
+        await asyncio.wait_for(server.closed_by_client[0].wait(), 1.0)
+
+
+async def test_a_connection_dropped_mid_push_fails_it_after_the_bytes_that_came() -> None:
+    async def die(
+        request: RawRequest, reader: asyncio.StreamReader, w: asyncio.StreamWriter
+    ) -> None:
+        w.write(b"HTTP/1.1 200 OK\r\ncontent-length: 10\r\n\r\n12345")
+        await w.drain()
+        w.close()
+
+    async with raw_server(die) as server, upstream_pool() as pool:
+        response = await pool.request(server.origin, b"POST", b"/", HEADERS, b"{}")
+        sink = Collected()
+        response.push_body(sink)
+        await asyncio.wait_for(sink.ended.wait(), 2.0)
+        assert sink.body == b"12345"
+        assert isinstance(sink.failure, UpstreamDisconnectError)
+        response.close()
+
+
+async def test_a_closed_answer_pushes_nothing_more_and_closes_its_connection() -> None:
+    async def endless(
+        request: RawRequest, reader: asyncio.StreamReader, w: asyncio.StreamWriter
+    ) -> None:
+        w.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+        with contextlib.suppress(ConnectionError):
+            for _ in range(200):
+                w.write(b"7\r\ndata: 1\r\n")
+                await w.drain()
+                await asyncio.sleep(0.01)
+        raise ConnectionResetError
+
+    async with raw_server(endless) as server, upstream_pool() as pool:
+        response = await pool.request(server.origin, b"POST", b"/", HEADERS, b"{}")
+        sink = Collected()
+        response.push_body(sink)
+        await until(lambda: len(sink.pieces) >= 2)
+        response.close()
+        count = len(sink.pieces)
+        await asyncio.wait_for(server.closed_by_client[0].wait(), 2.0)
+        await asyncio.sleep(0.05)
+        assert len(sink.pieces) == count
+        assert sink.failure is None
+        assert pool.open_connections == 0

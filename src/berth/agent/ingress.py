@@ -295,6 +295,21 @@ class _ReplySink:
         else:
             await self._reply.write(data)
 
+    def write_nowait(self, data: bytes, end: bool = False) -> bool:
+        # The transport buffers it; backlogged says when to wait for the leader.
+        if end:
+            self._reply.end_now(data)
+        else:
+            self._reply.write_now(data)
+        return True
+
+    @property
+    def backlogged(self) -> bool:
+        return self._reply.write_paused
+
+    async def drain(self) -> None:
+        await self._reply.drain()
+
     def reset(self, code: ResetCode = ResetCode.CANCELLED, message: str = "") -> None:
         # Before the head, the handler answers with the code; after it, the answer is left
         # unended and the server cuts the connection off: the leader sees it break off.

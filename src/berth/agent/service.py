@@ -22,6 +22,7 @@ from typing import Protocol, assert_never
 import msgspec
 
 from berth import __version__
+from berth.agent.answer_push import EnginePush, PushAnswerSink
 from berth.agent.core import AgentCore, RuntimeStatus
 from berth.agent.node_sampler import core_heartbeat
 from berth.cluster.connection import LinkConnection
@@ -465,6 +466,9 @@ class AgentService:
         await stream.send_head(response.status, head_headers, chunk, end=response.at_eof)
         if response.at_eof:
             return True
+        if isinstance(stream, PushAnswerSink):
+            # Each piece sent from the engine connection's callback, no task wake-up per piece.
+            return await EnginePush(response, stream).run()
         while True:
             try:
                 chunk = await response.read_chunk()

@@ -71,7 +71,7 @@ from berth.cluster.protocol.session import (
     WelcomeTerms,
 )
 from berth.cluster.tunnel_stream import StreamResetError, TunnelStream
-from berth.cluster.write_batch import coalesce_writes
+from berth.cluster.write_batch import FrameWriter, coalesce_writes, frame_writer
 
 log = logging.getLogger(__name__)
 
@@ -201,6 +201,9 @@ class LinkConnection:
         #: queue behind it, so that they reach the socket in order
         self._sending = False
         self._closer: asyncio.Future[bool] | None = None
+        #: writes a message without a coroutine (aiohttp's WebSockets, once :meth:`run`
+        #: starts); ``None``: every message goes through ``ws.send_bytes``
+        self._frames: FrameWriter | None = None
         self._on_closed = on_closed
         self._closed = False
         self.close_code: int | None = None
@@ -501,6 +504,30 @@ class LinkConnection:
         self._session.send_data(stream_id, payload, end)
         await self._send_now()
 
+    def send_data_nowait(self, stream_id: int, payload: bytes, end: bool) -> None:
+        """:meth:`send_data` without waiting, for a caller that is no task (an engine
+        connection's callback): written at once when nothing waits ahead of it and the
+        socket takes it, else queued for the writer task. It must fit :meth:`send_room`;
+        the caller watches :attr:`backlogged` to slow down."""
+        self._session.send_data(stream_id, payload, end)
+        frames = self._frames
+        out = self._out
+        if frames is None or out or self._sending or not frames.ready:
+            self._flush()
+            return
+        messages = self._session.data_to_send()
+        try:
+            for message in messages:
+                frames.write(message)
+        except (ConnectionError, aiohttp.ClientError) as exc:
+            self._write_failed(exc)
+
+    @property
+    def backlogged(self) -> bool:
+        """More than ``WRITE_HIGH_WATER_BYTES`` wait to be written: stream writers should
+        :meth:`drain` before sending more."""
+        return not self._drained.is_set()
+
     def consume(self, stream_id: int, size: int) -> None:
         """The stream's reader took ``size`` bytes: the peer may get more credit."""
         self._session.consume(stream_id, size)
@@ -525,6 +552,7 @@ class LinkConnection:
         self._start_writer()
         # The frames of one pass of the loop (e.g. events of many streams) in one write.
         coalesce_writes(self.ws)
+        self._frames = frame_writer(self.ws)
         session = self._session
         self._reader = asyncio.current_task()
         if self.liveness is not None:

@@ -61,7 +61,7 @@ from berth.cluster.protocol.ops import (
     decode_payload,
 )
 from berth.cluster.tunnel_stream import StreamResetError, TunnelStream
-from berth.engine_http.answer import read_body
+from berth.engine_http.answer import BodySink, read_body
 from berth.engine_http.errors import (
     UpstreamConnectError,
     UpstreamDisconnectError,
@@ -411,10 +411,41 @@ class TunnelResponse:
     async def read(self, limit_bytes: int | None = None) -> bytes:
         return await read_body(self, limit_bytes)
 
+    def push_body(self, sink: BodySink) -> None:
+        """Push the body to ``sink`` from the link reader, as each data frame arrives (a
+        :class:`~berth.engine_http.answer.PushedAnswer`); a reset or a read timeout fails it
+        as :meth:`read_chunk` would raise."""
+        self._stream.push_to(_TunnelSink(sink, self._origin), self._read_timeout_s)
+
+    def pause_body(self) -> None:
+        self._stream.pause_push()
+
+    def resume_body(self) -> None:
+        self._stream.resume_push()
+
     def close(self) -> None:
         """Done with the answer; an unfinished one resets its stream, which cancels the
         agent's request to the engine."""
         self._stream.release()
+
+
+class _TunnelSink:
+    """A tunnel stream's :class:`~berth.cluster.tunnel_stream.PayloadSink` over the proxy's
+    :class:`~berth.engine_http.answer.BodySink`: payloads as they are, failures as the
+    errors :meth:`TunnelResponse.read_chunk` raises."""
+
+    __slots__ = ("_origin", "_sink", "payload_received")
+
+    def __init__(self, sink: BodySink, origin: Origin) -> None:
+        self._sink = sink
+        self._origin = origin
+        self.payload_received = sink.body_received  # each frame: one call, no wrapper
+
+    def stream_aborted(self, error: StreamResetError) -> None:
+        self._sink.body_failed(UpstreamDisconnectError(self._origin, str(error), answered=True))
+
+    def read_timed_out(self, timeout_s: float) -> None:
+        self._sink.body_failed(UpstreamTimeoutError(self._origin, timeout_s))
 
 
 __all__ = ["RemoteLink", "TunnelResponse", "UpstreamError", "tunnel_url"]

@@ -2,10 +2,14 @@
 
 :class:`TunnelStream` turns the session's stream bookkeeping into an async reader of the
 peer's payload (reading grants the peer more credit) and a writer that waits for credit, so a
-slow reader slows the writer. :class:`~berth.cluster.connection.LinkConnection` makes it and
-hands it the events that arrive for it (``data_received``, ``head_received``,
-``credit_granted``, ``abort``); it sends through the connection's stream methods
-(:class:`StreamCarrier`), never touching the session itself.
+slow reader slows the writer. A reader that is no task pushes instead
+(:meth:`TunnelStream.push_to`: each payload handed to a sink as the link reader dispatches
+it, credit held back while the sink is paused), and a writer that is no task sends within
+the credit at once (:meth:`TunnelStream.write_nowait`).
+:class:`~berth.cluster.connection.LinkConnection` makes it and hands it the events that
+arrive for it (``data_received``, ``head_received``, ``credit_granted``, ``abort``); it sends
+through the connection's stream methods (:class:`StreamCarrier`), never touching the session
+itself.
 """
 
 from __future__ import annotations
@@ -38,11 +42,30 @@ class StreamCarrier(Protocol):
 
     async def send_data(self, stream_id: int, payload: bytes, end: bool) -> None: ...
 
+    def send_data_nowait(self, stream_id: int, payload: bytes, end: bool) -> None: ...
+
+    @property
+    def backlogged(self) -> bool: ...
+
     def consume(self, stream_id: int, size: int) -> None: ...
 
     def reset_stream(self, stream_id: int, code: ResetCode, message: str = "") -> None: ...
 
     def forget_stream(self, stream_id: int) -> None: ...
+
+
+class PayloadSink(Protocol):
+    """Where a stream's received payload is pushed (:meth:`TunnelStream.push_to`), from the
+    link reader's dispatch of each frame: ``payload_received(data, end)`` for each payload
+    (``end``: the peer's side is done), ``stream_aborted`` once when the stream is reset or
+    lost with its link, ``read_timed_out`` once when nothing came for the read timeout.
+    Nothing follows the end or either failure. It must not block and must not raise."""
+
+    def payload_received(self, data: bytes, end: bool) -> None: ...
+
+    def stream_aborted(self, error: StreamResetError) -> None: ...
+
+    def read_timed_out(self, timeout_s: float) -> None: ...
 
 
 class StreamResetError(LinkError):
@@ -76,6 +99,12 @@ class TunnelStream:
         self._read_timer: asyncio.TimerHandle | None = None
         self._waiting_since = 0.0
         self.task: asyncio.Task[None] | None = None
+        # Pushed (push_to): where the payload goes, and the credit held back while paused.
+        self._sink: PayloadSink | None = None
+        self._push_paused = False
+        self._unconsumed = 0
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._timeout_s: float | None = None
 
     @property
     def ended(self) -> bool:
@@ -86,6 +115,21 @@ class TunnelStream:
 
     def data_received(self, payload: bytes, end: bool) -> None:
         """The peer sent ``payload`` (``end``: and its side is done)."""
+        sink = self._sink
+        if sink is not None:
+            if end:
+                self._ended = True
+                self._sink = None
+                self._stop_read_timer()
+            elif self._loop is not None:
+                self._waiting_since = self._loop.time()
+            if payload:
+                if self._push_paused:
+                    self._unconsumed += len(payload)
+                else:
+                    self.conn.consume(self.id, len(payload))
+            sink.payload_received(payload, end)
+            return
         if payload:
             self._chunks.append(payload)
         if end:
@@ -109,6 +153,11 @@ class TunnelStream:
         self._reset = error
         self._wake()
         self.credit_granted()
+        sink = self._sink
+        if sink is not None:
+            self._sink = None
+            self._stop_read_timer()
+            sink.stream_aborted(error)
 
     def _wake(self) -> None:
         waiter = self._waiter
@@ -144,6 +193,64 @@ class TunnelStream:
         chunks.clear()
         self.conn.consume(self.id, len(data))
         return data
+
+    def push_to(self, sink: PayloadSink, timeout_s: float | None = None) -> None:
+        """Hand the received payload to ``sink`` from now on instead of :meth:`read`: what
+        arrived already at once, then each frame's from the link reader. Taking it grants
+        the sender credit, as reading does, except while paused (:meth:`pause_push`).
+        ``timeout_s`` bounds the silence between two payloads while not paused."""
+        chunks = self._chunks
+        if chunks:
+            data = chunks.popleft() if len(chunks) == 1 else b"".join(chunks)
+            chunks.clear()
+            self.conn.consume(self.id, len(data))
+            sink.payload_received(data, self._ended)
+            if self._ended:
+                return
+        elif self._ended:
+            sink.payload_received(b"", True)
+            return
+        if self._reset is not None:
+            sink.stream_aborted(self._reset)
+            return
+        self._sink = sink
+        self._loop = asyncio.get_running_loop()
+        self._timeout_s = timeout_s
+        self._arm_push_timer()
+
+    def pause_push(self) -> None:
+        """Stop granting credit for what is pushed (the sink's reader is slow), until
+        :meth:`resume_push`; the read timeout does not run meanwhile."""
+        self._push_paused = True
+
+    def resume_push(self) -> None:
+        """Grant the credit held back since :meth:`pause_push`, and go on."""
+        self._push_paused = False
+        if self._unconsumed:
+            size, self._unconsumed = self._unconsumed, 0
+            self.conn.consume(self.id, size)
+        if self._sink is not None:
+            self._arm_push_timer()
+
+    def _arm_push_timer(self) -> None:
+        loop, timeout_s = self._loop, self._timeout_s
+        if loop is None or timeout_s is None:
+            return
+        self._waiting_since = now = loop.time()
+        if self._read_timer is None:
+            self._read_timer = loop.call_at(now + timeout_s, self._push_timed_out, timeout_s)
+
+    def _push_timed_out(self, timeout_s: float) -> None:
+        self._read_timer = None
+        sink, loop = self._sink, self._loop
+        if sink is None or loop is None or self._push_paused:
+            return  # over, or paused: resuming arms the timer again
+        due = self._waiting_since + timeout_s
+        if loop.time() < due:  # something came since the timer was set
+            self._read_timer = loop.call_at(due, self._push_timed_out, timeout_s)
+            return
+        self._sink = None
+        sink.read_timed_out(timeout_s)
 
     async def read_all(self, limit_bytes: int) -> bytes:
         """Everything until the peer's end; ``LinkError`` past ``limit_bytes``."""
@@ -240,6 +347,29 @@ class TunnelStream:
             if last:
                 return
 
+    def write_nowait(self, data: bytes, end: bool = False) -> bool:
+        """Send ``data`` at once, without waiting, if it can be (one frame within the
+        stream's credit, on a live link): for a caller that is no task (an engine
+        connection's callback). ``False`` when it cannot: then :meth:`write` it, which
+        waits. Whether to slow down afterwards: :attr:`backlogged`."""
+        conn = self.conn
+        if self._reset is not None or conn.closed:
+            return False
+        room = conn.send_room(self.id)
+        if room is None or len(data) > room:
+            return False
+        conn.send_data_nowait(self.id, data, end)
+        return True
+
+    @property
+    def backlogged(self) -> bool:
+        """The link has more queued than its high-water mark: wait (:meth:`drain`)."""
+        return self.conn.backlogged
+
+    async def drain(self) -> None:
+        """Wait until the link's queue is below its high-water mark (or the link is over)."""
+        await self.conn.drain()
+
     def _raise_if_over(self) -> None:
         if self._reset is not None:
             raise self._reset
@@ -255,6 +385,7 @@ class TunnelStream:
 
     def release(self) -> None:
         """Done with the stream: reset it if it is still open on either side, then forget it."""
+        self._sink = None
         self._stop_read_timer()
         if self.conn.has_stream(self.id):
             self.reset(ResetCode.CANCELLED)

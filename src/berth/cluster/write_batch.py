@@ -12,12 +12,22 @@ aiohttp's WebSocket writer (``ClientWebSocketResponse._writer``,
 ``transport.is_closing()``; nothing else. :func:`coalesce_writes` puts a
 :class:`BatchingTransport` in front of its transport when it has that shape, and leaves any
 other WebSocket (the tests' in-memory ones, another aiohttp) as it is.
+
+:func:`frame_writer` gives the link a way to write one binary message without a coroutine,
+for a stream's data sent from an engine connection's callback: aiohttp's own frame writer
+(``WebSocketWriter._write_websocket_frame``: the header, the client's mask of RFC 6455
+section 5.3, the transport write), the one ``send_bytes`` calls when nothing is compressed,
+so the frames on the wire are the ones ``send_bytes`` would write.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import Any
+
+#: RFC 6455 section 5.2: the opcode of a binary frame.
+_BINARY_OPCODE = 0x2
 
 #: A write at least this long, or a batch grown this long, is written at once (after what
 #: is queued before it): batching pays for small frames only.
@@ -91,3 +101,45 @@ def coalesce_writes(ws: object) -> BatchingTransport | None:
     batching = BatchingTransport(transport, asyncio.get_running_loop())
     writer.transport = batching
     return batching
+
+
+class FrameWriter:
+    """Writes one binary WebSocket message at once, as aiohttp's ``send_bytes`` would (see
+    the module docstring), when :attr:`ready`: the transport is not paused by its high-water
+    mark and not closing (otherwise the caller leaves the message to ``send_bytes``, which
+    waits). :meth:`write` raises what aiohttp raises for a closing transport
+    (``ClientConnectionResetError``, a ``ConnectionError``)."""
+
+    __slots__ = ("_protocol", "_write_frame", "_writer")
+
+    def __init__(self, writer: Any, write_frame: Callable[[bytes, int, int], None]) -> None:
+        self._writer = writer
+        self._protocol = writer.protocol
+        self._write_frame = write_frame
+
+    @property
+    def ready(self) -> bool:
+        writer = self._writer
+        return (
+            not self._protocol.writing_paused
+            and not writer._closing
+            and not writer.transport.is_closing()
+        )
+
+    def write(self, message: bytes) -> None:
+        self._write_frame(message, _BINARY_OPCODE, 0)
+
+
+def frame_writer(ws: object) -> FrameWriter | None:
+    """A :class:`FrameWriter` for aiohttp WebSocket ``ws``, or ``None`` when ``ws`` is not of
+    that shape or compresses its messages (then the link sends with ``send_bytes`` only)."""
+    writer = getattr(ws, "_writer", None)
+    write_frame = getattr(writer, "_write_websocket_frame", None)
+    protocol = getattr(writer, "protocol", None)
+    if writer is None or not callable(write_frame) or protocol is None:
+        return None
+    if getattr(writer, "compress", 0) or not hasattr(protocol, "writing_paused"):
+        return None
+    if not hasattr(writer, "_closing") or getattr(writer, "transport", None) is None:
+        return None
+    return FrameWriter(writer, write_frame)

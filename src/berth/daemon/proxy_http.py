@@ -14,7 +14,7 @@ import json
 import os
 import re
 from collections.abc import Awaitable, Callable, MutableMapping, Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from berth.routing.errors import InvalidRequestError
 
@@ -58,6 +58,24 @@ class ClientWriter(Protocol):
     async def write(self, data: bytes) -> None: ...
 
     async def end(self, data: bytes = b"") -> None: ...
+
+
+@runtime_checkable
+class PushWriter(ClientWriter, Protocol):
+    """A :class:`ClientWriter` that can also be written to without waiting (berth's own
+    server's :class:`~berth.http_server.writer.ResponseWriter`), for a relay that is pushed
+    from the engine connection's callbacks: ``write_now`` and ``end_now`` write at once (the
+    transport buffers), ``write_paused`` says the client is slow, ``drain`` waits until it
+    is not."""
+
+    @property
+    def write_paused(self) -> bool: ...
+
+    def write_now(self, data: bytes) -> None: ...
+
+    def end_now(self, data: bytes = b"") -> None: ...
+
+    async def drain(self) -> None: ...
 
 
 # Request headers an engine may see. Credentials (Authorization, Cookie, x-api-key, api-key)

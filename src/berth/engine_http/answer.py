@@ -1,9 +1,18 @@
 """An engine's answer as the proxy reads it, whichever way it came (:class:`EngineAnswer`), so
-local and tunneled engines share one relay path."""
+local and tunneled engines share one relay path.
+
+A token stream is relayed without a task wake-up per event when its answer can be *pushed*
+(:class:`PushedAnswer`): the connection it arrives on hands each piece of the body to a
+:class:`BodySink` from its own callback (``data_received``, or the link reader's dispatch of a
+data frame), and the relaying task only waits for the end, a failure or backpressure.
+"""
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from berth.engine_http.errors import UpstreamError
 
 
 class EngineAnswer(Protocol):
@@ -31,6 +40,40 @@ class EngineAnswer(Protocol):
     async def read(self, limit_bytes: int | None = None) -> bytes: ...
 
     def close(self) -> None: ...
+
+
+class BodySink(Protocol):
+    """Where a pushed answer's body goes, as it arrives, called from the connection's own
+    callbacks (so it must not block, and must not raise: a sink keeps its own failures for
+    the task that waits on it).
+
+    ``body_received(data, end)``: the next body bytes (possibly empty when ``end``), ``end``
+    when they are the last. ``body_failed(error)``: the answer broke off (the engine closed
+    the connection, sent something malformed, or sent nothing for the read timeout); nothing
+    more comes after either ``end`` or a failure.
+    """
+
+    def body_received(self, data: bytes, end: bool) -> None: ...
+
+    def body_failed(self, error: UpstreamError) -> None: ...
+
+
+@runtime_checkable
+class PushedAnswer(EngineAnswer, Protocol):
+    """An answer whose body can be pushed to a :class:`BodySink` instead of read.
+
+    :meth:`push_body` hands over what has arrived already at once (and the end or the
+    failure, if it came), then each piece as it arrives; from then on :meth:`read_chunk`
+    may not be used. :meth:`pause_body` stops taking more from the engine (the client is
+    slow: backpressure), :meth:`resume_body` goes on; the read timeout runs only while not
+    paused. :meth:`close` still ends the exchange, and nothing reaches the sink after it.
+    """
+
+    def push_body(self, sink: BodySink) -> None: ...
+
+    def pause_body(self) -> None: ...
+
+    def resume_body(self) -> None: ...
 
 
 async def read_body(answer: EngineAnswer, limit_bytes: int | None = None) -> bytes:

@@ -3,7 +3,10 @@ client (:mod:`berth.engine_http.pool`).
 
 It writes a request, feeds the bytes that come back to ``httptools`` (llhttp, the parser
 uvicorn uses) and keeps what it parsed in an
-:class:`~berth.engine_http.response.UpstreamResponse` for the task that reads the answer.
+:class:`~berth.engine_http.response.UpstreamResponse` for the task that reads the answer, or,
+once the answer is pushed (``UpstreamResponse.push_body``), hands the body bytes of each
+socket read to the answer's sink from ``data_received`` itself, with no task in between;
+the read timeout then runs between two reads, and not while the sink has paused reading.
 
 Message framing follows RFC 9112: the body of an answer ends where its ``Content-Length`` says
 (section 6.3, rule 6), with the last chunk of a chunked transfer coding (section 7.1, decoded
@@ -111,6 +114,14 @@ class UpstreamConnection(asyncio.Protocol):
             self._fail(UpstreamProtocolError(self.origin, "sent bytes after its answer"))
         elif self._finished:
             self._finish()
+        else:
+            response = self._response
+            if response is not None and response._chunks:
+                sink = response._sink
+                if sink is not None:
+                    # Pushed: what this read brought, in one piece, with no task between.
+                    self._waiting_since = self._loop.time()
+                    response._push(sink)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.gone = True
@@ -177,6 +188,8 @@ class UpstreamConnection(asyncio.Protocol):
             self._unexpected = True
             return
         response._chunks.append(body)
+        if response._sink is not None:
+            return  # handed over at the end of this read (data_received), or its end
         response._size += len(body)
         if response._size > self._pool.high_water_bytes and not self.reading_paused:
             self.pause()
@@ -253,6 +266,26 @@ class UpstreamConnection(asyncio.Protocol):
         finally:
             response._waiter = None
 
+    def start_push(self, response: UpstreamResponse) -> None:
+        """``response``'s body is pushed to its sink from now on: the read timeout runs
+        from now, between the pieces, and only while reading is not paused."""
+        if self.reading_paused:
+            self.resume()
+        self._waiting_since = now = self._loop.time()
+        timeout_s = self._pool.read_timeout_s
+        if timeout_s is not None and self._body_timer is None:
+            self._body_timer = self._loop.call_at(
+                now + timeout_s, self._body_timed_out, response, timeout_s
+            )
+
+    def resume_push(self) -> None:
+        """Reading a pushed answer again after :meth:`pause`: its read timeout starts over."""
+        response = self._response
+        if response is not None and response._sink is not None:
+            self.start_push(response)
+        elif self.reading_paused:
+            self.resume()
+
     @property
     def busy(self) -> bool:
         """An exchange is in flight on this connection."""
@@ -299,7 +332,12 @@ class UpstreamConnection(asyncio.Protocol):
             self._response = None
             response._complete = True
             response._conn = None
-            response._wake()
+            sink = response._sink
+            if sink is not None:
+                response._sink = None
+                response._push(sink)
+            else:
+                response._wake()
 
     def _finish(self) -> None:
         """After the answer ended cleanly: pool the connection, or close it."""
@@ -323,7 +361,14 @@ class UpstreamConnection(asyncio.Protocol):
             self._response = None
             response._error = error
             response._conn = None
-            response._wake()
+            sink = response._sink
+            if sink is not None:
+                response._sink = None
+                if response._chunks:  # what arrived before the failure goes first
+                    response._push(sink)
+                sink.body_failed(error)
+            else:
+                response._wake()
         self._busy = False
         self._discard()
 
@@ -333,8 +378,13 @@ class UpstreamConnection(asyncio.Protocol):
 
     def _body_timed_out(self, response: UpstreamResponse, timeout_s: float) -> None:
         self._body_timer = None
-        if self._response is not response or response._waiter is None:
-            return  # done, or nobody waits now: the next wait arms the timer again
+        if self._response is not response:
+            return  # done
+        if response._sink is None:
+            if response._waiter is None:
+                return  # nobody waits now: the next wait arms the timer again
+        elif self.reading_paused:
+            return  # pushed, and the client is slow, not the engine: resuming re-arms it
         due = self._waiting_since + timeout_s
         if self._loop.time() < due:  # this wait began after the timer was set
             self._body_timer = self._loop.call_at(due, self._body_timed_out, response, timeout_s)

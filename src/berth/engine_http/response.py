@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 from typing import TYPE_CHECKING, Protocol
 
-from berth.engine_http.answer import read_body
+from berth.engine_http.answer import BodySink, read_body
 from berth.engine_http.errors import UpstreamDisconnectError, UpstreamError
 
 if TYPE_CHECKING:
@@ -33,12 +33,20 @@ class BodySource(Protocol):
 
     def abandon(self) -> None: ...
 
+    def start_push(self, response: UpstreamResponse) -> None: ...
+
+    def pause(self) -> None: ...
+
+    def resume_push(self) -> None: ...
+
 
 class UpstreamResponse:
     """One answer: ``status``, ``headers`` (names lower-cased, in order) and the body.
 
     The body is read with :meth:`read_chunk` (whatever has arrived, as one ``bytes``) or
-    :meth:`read` (up to its end). ``content_length`` is the announced length, ``None`` for a
+    :meth:`read` (up to its end), or pushed to a sink (:meth:`push_body`, a
+    :class:`~berth.engine_http.answer.PushedAnswer`: the pieces of one socket read in one
+    call, the last one with the end). ``content_length`` is the announced length, ``None`` for a
     chunked or close-delimited body. Call :meth:`close` when done, also after an error:
     an answer not received in full closes its connection.
     """
@@ -48,6 +56,7 @@ class UpstreamResponse:
         "_complete",
         "_conn",
         "_error",
+        "_sink",
         "_size",
         "_waiter",
         "content_length",
@@ -65,6 +74,7 @@ class UpstreamResponse:
         self._complete = False
         self._error: UpstreamError | None = None
         self._waiter: asyncio.Future[None] | None = None
+        self._sink: BodySink | None = None
 
     def header(self, name: bytes) -> bytes | None:
         """The value of the first header called ``name`` (lower-case bytes), or ``None``."""
@@ -106,10 +116,33 @@ class UpstreamResponse:
             return self._take() if self._chunks else b""
         return await read_body(self, limit_bytes)
 
+    def push_body(self, sink: BodySink) -> None:
+        """Hand the body to ``sink`` from now on (what arrived already, at once)."""
+        conn = self._conn
+        if conn is not None:  # unfinished, and not failed
+            self._sink = sink
+            conn.start_push(self)  # before the first piece, which may pause it again
+        if self._chunks or self._complete:
+            self._push(sink)
+        if self._error is not None:  # after the bytes that came before it
+            sink.body_failed(self._error)
+
+    def pause_body(self) -> None:
+        """Stop reading the engine's socket until :meth:`resume_body`."""
+        conn = self._conn
+        if conn is not None and not conn.reading_paused:
+            conn.pause()
+
+    def resume_body(self) -> None:
+        conn = self._conn
+        if conn is not None:
+            conn.resume_push()
+
     def close(self) -> None:
         """Done with this answer. One not yet received in full closes its connection (the
         engine sees the client leave); a complete one's connection is already back in the
         pool. Idempotent."""
+        self._sink = None
         conn = self._conn
         if conn is not None:
             self._conn = None
@@ -126,6 +159,14 @@ class UpstreamResponse:
         if conn is not None and conn.reading_paused:
             conn.resume()
         return data
+
+    def _push(self, sink: BodySink) -> None:
+        """Give ``sink`` what has arrived (with the end, once complete)."""
+        chunks = self._chunks
+        data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        chunks.clear()
+        self._size = 0
+        sink.body_received(data, self._complete)
 
     def _wake(self) -> None:
         waiter = self._waiter

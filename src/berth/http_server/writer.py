@@ -9,7 +9,10 @@ one write (one TLS record, one system call).
 Flow control: when the transport's buffer passes its high-water mark it calls the
 connection's ``pause_writing``; the next :meth:`ResponseWriter.write` then waits until the
 buffer has drained below the low-water mark (``resume_writing``), so a slow client slows its
-writer instead of filling memory.
+writer instead of filling memory. A writer that is no task (the proxy's relay pushed from an
+engine connection's callback) uses :meth:`ResponseWriter.write_now` and
+:meth:`~ResponseWriter.end_now`, watches :attr:`~ResponseWriter.write_paused` and has a task
+:meth:`~ResponseWriter.drain`.
 """
 
 from __future__ import annotations
@@ -141,6 +144,28 @@ class ResponseWriter:
 
     async def write(self, data: bytes) -> None:
         """Send ``data`` as the next piece of the body; waits while the client is slow."""
+        self.write_now(data)
+        if self._conn.write_paused:
+            await self._conn.drain()
+
+    async def end(self, data: bytes = b"") -> None:
+        """Send the last piece of the body (may be empty) and finish the answer."""
+        self.end_now(data)
+
+    @property
+    def write_paused(self) -> bool:
+        """The client is slow: its transport's buffer is above the high-water mark (until
+        :meth:`drain` returns)."""
+        return self._conn.write_paused
+
+    async def drain(self) -> None:
+        """Wait until the client has taken enough of what was written (or is gone)."""
+        await self._conn.drain()
+
+    def write_now(self, data: bytes) -> None:
+        """:meth:`write` without waiting: for a caller that watches :attr:`write_paused`
+        itself (a relay pushed from the engine connection's callback). Never raises for a
+        client that left (dropped, as :meth:`write`)."""
         conn = self._conn
         if self.complete or conn.lost:
             return
@@ -151,11 +176,9 @@ class ResponseWriter:
             out = head + out
         if out:
             conn.transport.write(out)
-        if conn.write_paused:
-            await conn.drain()
 
-    async def end(self, data: bytes = b"") -> None:
-        """Send the last piece of the body (may be empty) and finish the answer."""
+    def end_now(self, data: bytes = b"") -> None:
+        """:meth:`end`, which never waits, as a plain call."""
         if self.complete:
             return
         self.complete = True
