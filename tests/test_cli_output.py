@@ -202,15 +202,20 @@ def test_ps_shows_ids_states_ports_and_pids_whole(
         image=None,
         progress=None,
     )
-    daemon[("GET", "/admin/deployments")] = [deployment]
+    unreachable = deployment.model_copy(
+        update={"id": "d-9f8e7d6c", "state": DeploymentState.READY, "node_connected": False}
+    )
+    daemon[("GET", "/admin/deployments")] = [deployment, unreachable]
 
     shown = berth("ps")
 
     assert shown.exit_code == 0, shown.output
     _fits(shown, shown_on)
-    if shown_on == "piped":
+    if shown_on == "piped":  # one row a line, every value whole
         assert "llama-3.1-8b-instruct-q4" in shown.stdout, shown.stdout
-    for whole in ("d-0a1b2c3d", "loading", "41234", "123456", "llamacpp", "process"):
+        (row,) = [line for line in shown.stdout.splitlines() if "d-9f8e7d6c" in line]
+        assert "ready (node unreachable)" in row, shown.stdout
+    for whole in ("d-0a1b2c3d", "loading", "41234", "123456"):
         assert whole in shown.stdout, shown.stdout
 
 

@@ -40,7 +40,12 @@ def record_table(*, title: str | None = None) -> Table:
     rule under the header and no frame, so that 80 columns hold the values that must stay
     whole (mark those columns ``no_wrap``; give free text ``overflow="fold"``)."""
     return Table(
-        title=title, title_justify="left", box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False
+        title=title,
+        title_justify="left",
+        box=box.SIMPLE_HEAD,
+        show_edge=False,
+        pad_edge=False,
+        collapse_padding=True,
     )
 
 
@@ -54,14 +59,18 @@ def print_table(table: Table, *, out: Console | None = None) -> None:
     """Print ``table`` so that no value is cut short.
 
     On a terminal the table fits the terminal's width: columns made ``no_wrap`` (ids,
-    states, ports, dates, counts) keep their values whole and the others fold.  Piped or
-    redirected, where rich would assume 80 columns, it is printed at the width its rows
-    need, so a program or file reading it gets every value whole, one row a line.
+    ports, dates) keep their values whole, a column given a ``width`` (see
+    :func:`word_width`) wraps only between words, and the others fold.  Piped or redirected,
+    where rich would assume 80 columns, it is printed at the width its rows need (a
+    column's ``width`` is dropped), so a program or file reading it gets every value whole,
+    one row a line.
     """
     target = out or console
     if target.is_terminal:
         target.print(table)
         return
+    for column in table.columns:
+        column.width = None
     natural = target.measure(table, options=target.options.update_width(_UNBOUNDED_WIDTH))
     shown_width = target.width
     target.width = max(shown_width, natural.maximum)

@@ -177,16 +177,13 @@ def print_deployments(records: Sequence[ListedDeployment], *, title: str | None 
 
 
 def deployments_table(records: Sequence[ListedDeployment], *, title: str | None = None) -> Table:
-    """The deployments as ``berth ps`` shows them.  Ids, engines, runtimes, ports, pids and
-    ages stay whole (a user copies them), a state wraps only between words, and names fold
-    when the terminal is narrow."""
+    """The deployments as ``berth ps`` shows them.  Ids, ports, pids and ages stay whole (a
+    user copies them), a state wraps only between words, and names fold when the terminal
+    is narrow."""
     table = record_table(title=title)
     table.add_column("ID", no_wrap=True)
-    for column in ("MODEL", "SERVICE"):
+    for column in ("MODEL", "SERVICE", "ENGINE", "RUNTIME", "NODE"):
         table.add_column(column, overflow="fold")
-    for column in ("ENGINE", "RUNTIME"):
-        table.add_column(column, no_wrap=True)
-    table.add_column("NODE", overflow="fold")
     states = [_state(r) for r in records]
     table.add_column("STATE", width=word_width("STATE", (s for s, _ in states)))
     for column in ("PORT", "PID", "AGE"):
