@@ -26,6 +26,7 @@ from starlette.routing import BaseRoute
 
 from berth.api import Deployment, ServiceIn
 from berth.api.client import DaemonClient, error_from_response
+from berth.api.pulls import PullIn
 from berth.cli.common import request_body
 from berth.config import Settings
 from berth.daemon.admin import build_admin_app, deployment_view
@@ -375,4 +376,23 @@ async def test_a_body_the_cli_refuses_is_refused_with_the_daemons_words(
 
     assert answer.status_code == 400
     assert str(refused.value) == answer.json()["error"]["message"]
-    assert str(refused.value).startswith("name: String should match pattern")
+    assert str(refused.value).startswith("name: 'bad name' is not a valid service name: up to 128")
+
+
+def test_a_value_off_a_pattern_is_refused_in_words_not_the_regular_expression() -> None:
+    with pytest.raises(ConfigError) as refused:
+        request_body(PullIn, repo="bad repo!!")
+
+    assert str(refused.value) == (
+        "repo: 'bad repo!!' is not a Hugging Face repository id: ORG/NAME (or NAME) of "
+        "letters, digits, '.', '_' and '-', each part starting with a letter or digit"
+    )
+
+
+def test_a_validators_message_is_shown_without_pydantics_value_error_prefix() -> None:
+    with pytest.raises(ConfigError) as refused:
+        request_body(ServiceIn, name="chat", model="tiny", idle_timeout="5 minutes")
+
+    message = str(refused.value)
+    assert message.startswith("idle_timeout: '5 minutes' is not a duration"), message
+    assert "Value error" not in message

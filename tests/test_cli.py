@@ -131,7 +131,9 @@ def test_unknown_config_key_is_refused_listing_valid_keys(fresh: Berth) -> None:
     line = fresh.fails("config", "show", exit_code=EXIT_CONFIG)
 
     assert f"{config}:3: unknown key 'public_prot' in [server]" in line
-    assert "valid keys:" in line and "server.public_port" in line
+    assert "(did you mean 'public_port'?)" in line
+    assert "valid keys in [server]: " in line and "public_port" in line
+    assert "llama_server_bin" not in line  # another section's key
 
 
 def test_a_bad_environment_value_is_refused_naming_the_variable(fresh: Berth) -> None:

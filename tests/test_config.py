@@ -187,16 +187,37 @@ def test_malformed_toml_reports_file_and_line(home: BerthHome, text: str, line: 
 
 
 @pytest.mark.parametrize(
-    ("text", "line", "what"),
+    ("text", "line", "what", "listed"),
     [
-        ("[server]\npublic_port = 1\n\n[sever]\nx = 1\n", 4, "unknown section 'sever'"),
-        ("[server]\npublic_prot = 1\n", 2, "unknown key 'public_prot' in [server]"),
-        ('[server]\nlog_level = "info"\n', 2, "unknown key 'log_level' in [server]"),
-        ("public_port = 1\n", 1, "unknown top-level key 'public_port'"),
+        (
+            "[server]\npublic_port = 1\n\n[sever]\nx = 1\n",
+            4,
+            "unknown section 'sever' (did you mean 'server'?); sections: [store], [server], ",
+            "[tiers.NAME]",
+        ),
+        (
+            "[server]\npublic_prot = 1\n",
+            2,
+            "unknown key 'public_prot' in [server] (did you mean 'public_port'?); "
+            "valid keys in [server]: ",
+            "public_bind",
+        ),
+        (
+            '[server]\nlog_level = "info"\n',
+            2,
+            "unknown key 'log_level' in [server]; it is a setting of [daemon]",
+            "move it under that header",
+        ),
+        (
+            "public_port = 1\n",
+            1,
+            "unknown top-level key 'public_port'; it is a setting of [server]",
+            "move it under that header",
+        ),
     ],
 )
-def test_unknown_section_or_key_is_refused_listing_valid_keys(
-    home: BerthHome, text: str, line: int, what: str
+def test_unknown_section_or_key_is_refused_naming_the_closest_and_the_sections_keys(
+    home: BerthHome, text: str, line: int, what: str, listed: str
 ) -> None:
     path = write_config(home, text)
 
@@ -205,8 +226,8 @@ def test_unknown_section_or_key_is_refused_listing_valid_keys(
 
     assert (caught.value.path, caught.value.line) == (path, line)
     assert what in str(caught.value)
-    assert "server.public_port" in str(caught.value)
-    assert "daemon.log_level" in str(caught.value)
+    assert listed in str(caught.value)
+    assert "llama_server_bin" not in str(caught.value)  # no other section's keys
 
 
 @pytest.mark.parametrize(

@@ -498,3 +498,44 @@ def test_leader_only_in_the_file_reaches_admin_info_over_the_socket(tmp_path: Pa
         assert info()["leader_only"] is False
     finally:
         berth(home, "daemon", "stop")
+
+
+@pytest.fixture
+def no_spawn(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``berth daemon start`` must refuse before it spawns a daemon."""
+
+    def spawn(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a daemon was spawned")
+
+    monkeypatch.setattr("berth.cli.daemon_cmd.subprocess.Popen", spawn)
+
+
+def _start_refused(home: Path, cert: str, key: str) -> str:
+    started = invoke(home, "daemon", "start", "--public-cert", cert, "--public-key", key)
+    return refused(started)
+
+
+def test_daemon_start_with_a_missing_public_cert_or_key_names_the_setting_and_path(
+    populated_home: Path, server_pairs: tuple[Path, Path, Path], no_spawn: None
+) -> None:
+    cert, key, _ = server_pairs
+
+    no_cert = _start_refused(populated_home, "/nonexist", str(key))
+    no_key = _start_refused(populated_home, str(cert), "/nonexist2")
+
+    assert no_cert.startswith("public_cert /nonexist: No such file or directory")
+    assert no_key.startswith("public_key /nonexist2: No such file or directory")
+
+
+def test_daemon_start_with_a_broken_or_mismatched_pair_names_both_files(
+    populated_home: Path, server_pairs: tuple[Path, Path, Path], tmp_path: Path, no_spawn: None
+) -> None:
+    cert, key, other_key = server_pairs
+    junk = tmp_path / "junk.pem"
+    junk.write_text("not a certificate\n")
+
+    not_pem = _start_refused(populated_home, str(junk), str(key))
+    mismatched = _start_refused(populated_home, str(cert), str(other_key))
+
+    assert not_pem.startswith(f"public_cert {junk} and public_key {key} are not a PEM")
+    assert mismatched.startswith(f"public_cert {cert} and public_key {other_key} are not a PEM")

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
 
 from berth.errors import BerthError, ConfigError, NotFoundError
 from berth.runtime.engines import find_free_port
-from berth.runtime.hub import model_dirname, pull_model, resolve_endpoint
+from berth.runtime.hub import HubFile, model_dirname, pull_model, resolve_endpoint
 from support.hub_standin import TINY_FILES, HubStandin
 
 REPO = "berth-test/tiny-model"
@@ -113,6 +114,31 @@ def test_unreachable_hub_is_a_one_line_error(tmp_path: Path, cache_dir: Path) ->
 
     with pytest.raises(BerthError) as caught:
         pull_model(REPO, models_dir=tmp_path, endpoint=closed, progress=False, cache_dir=cache_dir)
+
+    assert not isinstance(caught.value, NotFoundError)
+    assert str(caught.value) == f"cannot reach the hub at {closed} to pull {REPO}"
+
+
+class _Sink:
+    """A pull's progress, thrown away (the leader's pulls pass one)."""
+
+    def listed(self, files: Sequence[HubFile]) -> None:
+        pass
+
+    def advanced(self, path: str, n_bytes: int) -> None:
+        pass
+
+    def finished(self, path: str) -> None:
+        pass
+
+
+def test_unreachable_hub_is_the_same_one_line_error_when_progress_is_reported(
+    tmp_path: Path, cache_dir: Path
+) -> None:
+    closed = f"http://127.0.0.1:{find_free_port()}"
+
+    with pytest.raises(BerthError) as caught:
+        pull_model(REPO, models_dir=tmp_path, endpoint=closed, cache_dir=cache_dir, sink=_Sink())
 
     assert not isinstance(caught.value, NotFoundError)
     assert str(caught.value) == f"cannot reach the hub at {closed} to pull {REPO}"

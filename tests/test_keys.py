@@ -5,9 +5,14 @@ from __future__ import annotations
 import re
 import stat
 from pathlib import Path
+from types import SimpleNamespace
 
+import httpx
 import pytest
 
+from berth.admission.quotas import KeyUse
+from berth.config import Settings
+from berth.daemon.admin import build_admin_app
 from berth.errors import ConfigError, ConflictError, NotFoundError
 from berth.keys import (
     Tier,
@@ -19,7 +24,9 @@ from berth.keys import (
     validate_key_name,
     verify_secret,
 )
-from berth.store import Store
+from berth.limits import KeyLimits
+from berth.paths import BerthHome
+from berth.store import ApiKeyRecord, Store
 
 
 @pytest.fixture
@@ -228,3 +235,57 @@ def test_the_store_refuses_a_key_name_with_a_newline(store: Store) -> None:
     with pytest.raises(ConfigError, match="key name"):
         store.add_api_key("two\nrows", Tier.STANDARD, "0" * 64, "sk-berth-abcd")
     assert store.list_api_keys() == []
+
+
+def test_a_key_name_with_a_slash_is_refused_saying_why() -> None:
+    with pytest.raises(ConfigError, match="must not contain '/'"):
+        validate_key_name("a b/c")
+
+
+class _Admission:
+    """What the key routes ask of admission: no tiers, no use."""
+
+    def update(self, record: object) -> None:
+        pass
+
+    def limits_of(self, record: ApiKeyRecord) -> KeyLimits:
+        return record.limits.apply(KeyLimits())
+
+    def use_of(self, key_id: str) -> KeyUse:
+        return KeyUse(0, 0, 0, None, None)
+
+
+async def test_a_key_named_with_a_slash_before_the_rule_is_still_changed_and_revoked(
+    store: Store, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with monkeypatch.context() as before_the_rule:
+        before_the_rule.setattr("berth.store.api_keys.validate_key_name", lambda name: name)
+        old = store.add_api_key("a b/c", Tier.STANDARD, "1" * 64, "sk-berth-abcd")
+    home = BerthHome(tmp_path / "home")
+    services = SimpleNamespace(
+        store=store,
+        settings=Settings.load(home),
+        home=home,
+        pepper=b"p" * 32,
+        admission=_Admission(),
+        authenticator=SimpleNamespace(forget_all=lambda: None),
+        lifecycle=None,
+        routes=None,
+        adapters=None,
+        leader_only=False,
+        ready=False,
+        scaling=None,
+    )
+    app = build_admin_app(services)  # type: ignore[arg-type]
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://berth") as http:
+        changed = await http.patch("/admin/keys/a%20b%2Fc", json={"rpm": 5})
+        revoked = await http.delete("/admin/keys/a%20b%2Fc")
+        unknown = await http.delete("/admin/keys/no%2Fsuch")
+
+    assert changed.status_code == 200, changed.text
+    assert changed.json()["limits"]["rpm"] == 5
+    assert revoked.status_code == 200, revoked.text
+    assert revoked.json()["id"] == old.id and revoked.json()["revoked_at"] is not None
+    assert unknown.status_code == 404
+    assert "no/such" in unknown.json()["error"]["message"]

@@ -67,7 +67,8 @@ def validate_key_name(name: str) -> str:
     control characters such as newlines, tabs or escapes, no invisible format characters
     such as bidirectional overrides, no line separators; the ASCII space is allowed) and
     neither starts nor ends with a space: it shows as one row in ``berth key ls`` and one
-    line in logs, and reads as what it is.
+    line in logs, and reads as what it is.  It holds no ``/``: a name is also a path segment
+    of the admin API (``/admin/keys/NAME``), and servers decode ``%2F`` before routing.
     """
     if not name:
         raise ConfigError("a key name must not be empty")
@@ -78,6 +79,11 @@ def validate_key_name(name: str) -> str:
         raise ConfigError(
             f"invalid key name {name!r}: it holds the unprintable character U+{ord(bad):04X}; "
             "use printable characters only (no newlines, tabs or other control characters)"
+        )
+    if "/" in name:
+        raise ConfigError(
+            f"invalid key name {name!r}: it must not contain '/' (a key is named in URLs); "
+            "use '-' or '_' instead"
         )
     if name != name.strip(" "):
         raise ConfigError(f"invalid key name {name!r}: it must not start or end with a space")

@@ -65,13 +65,39 @@ class ErrorBody(ApiModel):
     error: ErrorDetail
 
 
+#: What each field pattern means, in words a user reads (pattern → words); see
+#: :func:`named_pattern`.
+_PATTERN_WORDS: dict[str, str] = {}
+
+#: What pydantic puts before the message of an exception a validator raised
+#: (``"Value error, '5 minutes' is not a duration …"``): its name, not the user's concern.
+_VALIDATOR_PREFIXES = ("Value error, ", "Assertion failed, ")
+
+
+def named_pattern(pattern: str, words: str) -> str:
+    """``pattern``, remembered with ``words`` (``"a Hugging Face repository id, ORG/NAME"``)
+    so that a value that does not match it is refused in those words, not with the
+    regular expression."""
+    _PATTERN_WORDS[pattern] = words
+    return pattern
+
+
 def describe_invalid(error: Mapping[str, object]) -> tuple[str, str | None]:
     """A validation error (one of pydantic's ``ValidationError.errors()`` or FastAPI's
-    ``RequestValidationError.errors()``) as ``(message, param)``: ``"name: String should
-    match pattern …"`` and ``"name"``.  The leading ``body`` of a request body's location is
-    left out; ``param`` is ``None`` where the error has no location."""
+    ``RequestValidationError.errors()``) as ``(message, param)``: ``"name: 'bad name' is
+    not a valid name: …"`` and ``"name"``.  The leading ``body`` of a request body's
+    location is left out; ``param`` is ``None`` where the error has no location.  A value
+    that does not match a :func:`named_pattern` is described in that pattern's words, and
+    pydantic's ``Value error, `` before a validator's own message is dropped."""
     location = error.get("loc", ())
     parts = location if isinstance(location, tuple | list) else ()
     where = ".".join(str(part) for part in parts if part != "body")
     text = str(error.get("msg", "invalid request"))
+    for prefix in _VALIDATOR_PREFIXES:
+        text = text.removeprefix(prefix)
+    context = error.get("ctx")
+    if error.get("type") == "string_pattern_mismatch" and isinstance(context, Mapping):
+        words = _PATTERN_WORDS.get(str(context.get("pattern")))
+        if words is not None:
+            text = f"{error.get('input')!r} is not {words}"
     return (f"{where}: {text}" if where else "invalid request"), (where or None)

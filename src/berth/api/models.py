@@ -6,12 +6,16 @@ from typing import Literal
 
 from pydantic import Field, field_validator
 
-from berth.api.base import ApiModel, Timestamp
+from berth.api.base import ApiModel, Timestamp, named_pattern
 from berth.store.records import ModelSource
 
 #: Model names: letters, digits and ``. _ - : /`` (hub ids like ``org/model:q4``), starting
 #: with a letter or digit, no ``..``: safe in URLs, file names and the OpenAI ``model`` field.
-MODEL_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,199}$"
+MODEL_NAME_PATTERN = named_pattern(
+    r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,199}$",
+    "a valid name: up to 200 letters, digits, '.', '_', ':', '/' and '-', "
+    "starting with a letter or digit",
+)
 
 
 class ModelIn(ApiModel):

@@ -12,7 +12,7 @@ from typing import Literal
 from pydantic import Field, field_validator
 
 from berth.api.adapters import AdapterIn
-from berth.api.base import ApiModel, Timestamp
+from berth.api.base import ApiModel, Timestamp, named_pattern
 from berth.api.models import MODEL_NAME_PATTERN, ModelIn, RegisteredModel
 from berth.errors import ConfigError
 from berth.runtime.adapter_files import PEFT_CONFIG, AdapterFacts, inspect_adapter
@@ -23,7 +23,11 @@ from berth.runtime.gguf_file import is_gguf, read_gguf_header
 PullState = Literal["queued", "downloading", "registering", "done", "failed", "cancelled"]
 #: Hub repository ids: ``name`` or ``org/name``, each part letters, digits and ``. _ -``
 #: starting with a letter or digit (the hub's own rule, less its length limits).
-HUB_REPO_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?$"
+HUB_REPO_PATTERN = named_pattern(
+    r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?$",
+    "a Hugging Face repository id: ORG/NAME (or NAME) of letters, digits, '.', '_' and '-', "
+    "each part starting with a letter or digit",
+)
 #: The states a job leaves no more.
 FINISHED_PULL_STATES: frozenset[str] = frozenset({"done", "failed", "cancelled"})
 

@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator
 
-from berth.api.base import ApiModel, Timestamp
+from berth.api.base import ApiModel, Timestamp, named_pattern
 from berth.humanize import parse_duration
 from berth.runtime.base import RuntimeName
 from berth.runtime.engines import EngineName
@@ -38,9 +38,17 @@ def _check_idle_timeout(value: str | float | None) -> str | float | None:
 
 #: Service names: letters, digits and ``. _ - :``, starting with a letter or digit.  They
 #: become the engine's served model name and a URL path segment.
-SERVICE_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$"
+SERVICE_NAME_PATTERN = named_pattern(
+    r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$",
+    "a valid service name: up to 128 letters, digits, '.', '_', ':' and '-', "
+    "starting with a letter or digit",
+)
 #: Route names are what clients put in ``"model"``: the rules of model names (``org/m:q4``).
-ROUTE_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,199}$"
+ROUTE_NAME_PATTERN = named_pattern(
+    r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,199}$",
+    "a valid name: up to 200 letters, digits, '.', '_', ':', '/' and '-', "
+    "starting with a letter or digit",
+)
 
 
 class ServiceIn(ApiModel):

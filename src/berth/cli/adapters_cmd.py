@@ -5,10 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
 from berth.api import Adapter, AdapterIn, AddedAdapter
-from berth.cli.common import HELP_OPTIONS, console, context, print_json, request_body
+from berth.cli.common import HELP_OPTIONS, console, context, print_json, print_table, request_body
 from berth.errors import ConfigError
 
 adapters_app = typer.Typer(
@@ -50,7 +51,9 @@ def print_added(added: AddedAdapter, node: str | None) -> None:
     rank = f", rank {added.rank}" if added.rank is not None else ""
     where = f" on node {node}" if node not in (None, "local") else ""
     console.print(
-        f"added adapter [bold]{added.name}[/] of {added.base} ({added.format}{rank}){where}"
+        f"added adapter [bold]{escape(added.name)}[/] of {escape(added.base)} "
+        f"({added.format}{rank}){escape(where)}",
+        markup=True,
     )
     if not added.checked:
         console.print("  its files are on another host: the engine checks them when it loads it")
@@ -79,7 +82,7 @@ def ls(ctx: typer.Context, as_json: bool = typer.Option(False, "--json")) -> Non
             ", ".join(sorted(r.locations)),
             ", ".join(x.deployment_id for x in r.loaded_on) or "-",
         )
-    console.print(table)
+    print_table(table)
 
 
 @adapters_app.command("show")
@@ -98,7 +101,7 @@ def show(
 
 
 def _print_adapter(record: Adapter) -> None:
-    console.print(f"[bold]{record.name}[/] (adapter of {record.base})")
+    console.print(f"[bold]{escape(record.name)}[/] (adapter of {escape(record.base)})", markup=True)
     console.print(f"  format:         {record.format}")
     console.print(f"  rank:           {record.rank if record.rank is not None else 'unknown'}")
     modules = ", ".join(record.target_modules) or "unknown"

@@ -10,7 +10,9 @@ from dataclasses import replace
 from pathlib import Path
 
 import typer
+from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
 
 from berth.agent.adopted import (
     AdoptedEndpoint,
@@ -24,7 +26,7 @@ from berth.agent.adopted import (
     with_endpoint,
     without_endpoint,
 )
-from berth.cli.common import console, context, print_json
+from berth.cli.common import console, context, print_json, print_table
 from berth.cli.deploy_cmd import parse_gpus
 from berth.errors import ConfigError, NotFoundError
 from berth.paths import BerthHome
@@ -85,10 +87,11 @@ def adopt(
         endpoints = [*endpoints[:-1], endpoint]
     save_adopted(home.adopted_file, endpoints)
     console.print(
-        f"adopted [bold]{endpoint.name}[/]: {endpoint.base_url} serves {endpoint.engine_model!r}"
-        f" as [bold]{endpoint.served_model_name}[/]"
-        + _gpu_text(endpoint)
+        f"adopted [bold]{escape(endpoint.name)}[/]: {escape(endpoint.base_url)} serves "
+        f"{escape(repr(endpoint.engine_model))} as [bold]{escape(endpoint.served_model_name)}[/]"
+        + escape(_gpu_text(endpoint))
         + (", with its API key" if endpoint.api_key_file else ""),
+        markup=True,
         soft_wrap=True,
     )
     console.print(
@@ -126,9 +129,9 @@ def adopted(
             f"{endpoint.host}:{endpoint.port}",
             ",".join(map(str, endpoint.gpus)) or "-",
             str(endpoint.vram_mb) if endpoint.vram_mb is not None else "-",
-            "[green]yes[/]" if alive else "[red]no[/]",
+            Text("yes", style="green") if alive else Text("no", style="red"),
         )
-    console.print(table)
+    print_table(table)
 
 
 def unadopt(

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import typer
+from rich.markup import escape
 
 from berth.agent import systemd_unit
 from berth.agent.systemd_unit import UnitScope
@@ -53,8 +54,9 @@ def register(
         )
     identity = register_agent(parsed, home)
     console.print(
-        f"enrolled as node [bold]{identity.label}[/] ({identity.node_id}) "
-        f"with leader {identity.leader_url}"
+        f"enrolled as node [bold]{escape(identity.label)}[/] ({identity.node_id}) "
+        f"with leader {escape(identity.leader_url)}",
+        markup=True,
     )
     console.print(f"identity written to {home.agent_config}", soft_wrap=True)
 

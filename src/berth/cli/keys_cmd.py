@@ -5,10 +5,17 @@ from __future__ import annotations
 from datetime import UTC, date, datetime, time
 
 import typer
-from rich.table import Table
 
 from berth.api import ApiKey, KeyChangeIn, KeyIn
-from berth.cli.common import HELP_OPTIONS, console, context, print_json, request_body
+from berth.cli.common import (
+    HELP_OPTIONS,
+    console,
+    context,
+    print_json,
+    print_table,
+    record_table,
+    request_body,
+)
 from berth.errors import ConfigError
 from berth.keys import parse_tier, validate_key_name
 from berth.limits import (
@@ -92,7 +99,8 @@ def _limits(
 def create(
     ctx: typer.Context,
     name: str = typer.Argument(..., help="A label for the key."),
-    tier: str = typer.Option("standard", "--tier", help="admin, standard or a [tiers.NAME]."),
+    # Help text is rich markup: a literal "[" is written "\\[".
+    tier: str = typer.Option("standard", "--tier", help="admin, standard or a \\[tiers.NAME]."),
     rpm: str | None = _RPM,
     tpm: str | None = _TPM,
     max_concurrency: str | None = _CONCURRENCY,
@@ -106,7 +114,7 @@ def create(
 ) -> None:
     """Create a key; its secret is shown once and never stored.
 
-    Limits not given are the tier's (config.toml's [tiers.NAME]).
+    Limits not given are the tier's (config.toml's \\[tiers.NAME]).
     """
     parse_tier(tier)  # refuse a bad tier name, limit or expiry before asking the daemon
     validate_key_name(name)
@@ -119,9 +127,10 @@ def create(
     if as_json:
         print_json(record)
         return
-    console.print(f"created {record.tier} key {record.id} ({record.name})")
+    # The secret first: it exists nowhere else, so nothing printed after it may lose it.
     console.print("secret (shown once, store it now):")
-    print(record.secret)
+    print(record.secret, flush=True)
+    console.print(f"created {record.tier} key {record.id} ({record.name})")
 
 
 @key_app.command("set")
@@ -203,10 +212,12 @@ def ls(ctx: typer.Context, as_json: bool = typer.Option(False, "--json")) -> Non
     if as_json:
         print_json(records)
         return
-    table = Table(
-        "ID", "NAME", "TIER", "PREFIX", "RPM", "TPM", "CONC", "TODAY", "MONTH", "MODELS",
-        "EXPIRES", "REVOKED",
-    )  # fmt: skip
+    # Ids, tiers and dates stay whole (a user copies an id to revoke it); the rest folds.
+    table = record_table()
+    for column in ("ID", "NAME", "TIER", "PREFIX", "RPM", "TPM", "CONC", "TODAY", "MONTH",
+                   "MODELS", "EXPIRES", "REVOKED"):  # fmt: skip
+        whole = column in ("ID", "TIER", "EXPIRES", "REVOKED")
+        table.add_column(column, no_wrap=whole, overflow="ellipsis" if whole else "fold")
     for r in records:
         table.add_row(
             r.id,
@@ -222,7 +233,7 @@ def ls(ctx: typer.Context, as_json: bool = typer.Option(False, "--json")) -> Non
             _when(r.expires_at),
             _when(r.revoked_at),
         )
-    console.print(table)
+    print_table(table)
 
 
 def _when(moment: datetime | None) -> str:

@@ -91,7 +91,7 @@ def main() -> None:
         app()
     except BerthError as exc:
         message = str(exc)
-        err_console.print("[bold red]error:[/] ", end="")
+        err_console.print("[bold red]error:[/] ", end="", markup=True)
         err_console.print(message, markup=False, soft_wrap=True)
         sys.exit(exc.exit_code)
     except KeyboardInterrupt:

@@ -5,12 +5,20 @@ from __future__ import annotations
 from pathlib import Path
 
 import typer
-from rich.table import Table
+from rich.markup import escape
 
 from berth.api import AdapterIn, ModelIn
 from berth.api.pulls import PullIn, pulled_registration
 from berth.cli.adapters_cmd import print_added
-from berth.cli.common import HELP_OPTIONS, console, context, print_json, request_body
+from berth.cli.common import (
+    HELP_OPTIONS,
+    console,
+    context,
+    print_json,
+    print_table,
+    record_table,
+    request_body,
+)
 from berth.errors import ConfigError, ConflictError
 
 models_app = typer.Typer(
@@ -53,9 +61,15 @@ def add(
     with context(ctx).client() as client:
         record = client.add_model(body)
     if remote:
-        console.print(f"added model [bold]{record.name}[/] at {shown} on node {node}")
+        console.print(
+            f"added model [bold]{escape(record.name)}[/] at {escape(str(shown))} "
+            f"on node {escape(str(node))}",
+            markup=True,
+        )
         return
-    console.print(f"added model [bold]{record.name}[/] ({_size(record.size_bytes)})")
+    console.print(
+        f"added model [bold]{escape(record.name)}[/] ({_size(record.size_bytes)})", markup=True
+    )
 
 
 @models_app.command("ls")
@@ -66,11 +80,15 @@ def ls(ctx: typer.Context, as_json: bool = typer.Option(False, "--json")) -> Non
     if as_json:
         print_json(records)
         return
-    table = Table("NAME", "SOURCE", "SIZE", "PATH")
+    # Names and sizes stay whole; a long path folds rather than being cut.
+    table = record_table()
+    for column in ("NAME", "SOURCE", "SIZE", "PATH"):
+        whole = column in ("NAME", "SIZE")
+        table.add_column(column, no_wrap=whole, overflow="ellipsis" if whole else "fold")
     for r in records:
         source = r.source if not r.repo_id else f"hub:{r.repo_id}"
         table.add_row(r.name, source, _size(r.size_bytes), r.path)
-    console.print(table)
+    print_table(table)
 
 
 @models_app.command("rm")
@@ -108,8 +126,15 @@ def pull(
         registration = pulled_registration(body, path, models)
         if isinstance(registration, AdapterIn):
             added = client.add_adapter(registration)
-            console.print(f"pulled adapter [bold]{added.name}[/] into {path}")
+            console.print(
+                f"pulled adapter [bold]{escape(added.name)}[/] into {escape(str(path))}",
+                markup=True,
+            )
             print_added(added, None)
             return
         record = client.add_model(registration)
-    console.print(f"pulled [bold]{record.name}[/] into {path} ({_size(record.size_bytes)})")
+    console.print(
+        f"pulled [bold]{escape(record.name)}[/] into {escape(str(path))} "
+        f"({_size(record.size_bytes)})",
+        markup=True,
+    )

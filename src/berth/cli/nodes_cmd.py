@@ -7,10 +7,21 @@ from datetime import UTC, datetime
 from urllib.parse import parse_qs, urlsplit
 
 import typer
+from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
 
 from berth.api import EnrollIn
-from berth.cli.common import HELP_OPTIONS, console, context, err_console, print_json, request_body
+from berth.cli.common import (
+    HELP_OPTIONS,
+    console,
+    context,
+    err_console,
+    print_json,
+    print_table,
+    record_table,
+    request_body,
+)
 from berth.humanize import age
 
 nodes_app = typer.Typer(
@@ -45,7 +56,7 @@ def enroll(
     """Create a single-use enrollment URI for a new host (valid 10 minutes)."""
     with context(ctx).client() as client:
         issued = client.enroll_node(request_body(EnrollIn, label=label))
-    console.print(f"enrollment URI for [bold]{issued.label}[/] (single use):")
+    console.print(f"enrollment URI for [bold]{escape(issued.label)}[/] (single use):", markup=True)
     print(issued.uri)
     console.print("run this on the new host:")
     print(f"berth agent register --uri '{issued.uri}'")
@@ -69,7 +80,11 @@ def ls(ctx: typer.Context, as_json: bool = typer.Option(False, "--json")) -> Non
     if as_json:
         print_json(nodes)
         return
-    table = Table("ID", "LABEL", "STATUS", "PATH", "GPUS", "VRAM", "AGENT", "HEARTBEAT")
+    # Ids and statuses stay whole (a user copies an id); labels and paths fold.
+    table = record_table()
+    for column in ("ID", "LABEL", "STATUS", "PATH", "GPUS", "VRAM", "AGENT", "HEARTBEAT"):
+        whole = column in ("ID", "STATUS", "GPUS", "VRAM")
+        table.add_column(column, no_wrap=whole, overflow="ellipsis" if whole else "fold")
     for n in nodes:
         table.add_row(
             n.id,
@@ -81,7 +96,7 @@ def ls(ctx: typer.Context, as_json: bool = typer.Option(False, "--json")) -> Non
             n.agent_version or "-",
             _heartbeat(n.last_heartbeat_at),
         )
-    console.print(table)
+    print_table(table)
 
 
 @nodes_app.command("show")
@@ -124,7 +139,7 @@ def show(
                 _vram(gpu.memory_used_mb),
                 gpu.uuid,
             )
-        console.print(table)
+        print_table(table)
     if node.adopted:
         table = Table("ADOPTED", "SERVED AS", "ADDRESS", "GPUS", "ANSWERS")
         for endpoint in node.adopted:
@@ -133,9 +148,9 @@ def show(
                 endpoint.served_model_name,
                 f"{endpoint.host}:{endpoint.port}",
                 ",".join(map(str, endpoint.gpus)) or "-",
-                "[green]yes[/]" if endpoint.alive else "[red]no[/]",
+                Text("yes", style="green") if endpoint.alive else Text("no", style="red"),
             )
-        console.print(table)
+        print_table(table)
 
 
 @nodes_app.command("remove")

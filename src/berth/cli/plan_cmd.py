@@ -8,6 +8,7 @@ changes; a plan that would be refused exits 0 and says why.
 from __future__ import annotations
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
 from berth.api import Plan, PlanIn
@@ -71,7 +72,11 @@ def print_plan(answer: Plan) -> None:
         if answer.kind == "model"
         else (f"service {answer.target} (model {answer.model})")
     )
-    out.print(f"plan for [bold]{what}[/] on {answer.engine} ({answer.runtime})", soft_wrap=True)
+    out.print(
+        f"plan for [bold]{escape(what)}[/] on {answer.engine} ({answer.runtime})",
+        soft_wrap=True,
+        markup=True,
+    )
     estimate = answer.estimate
     if estimate is None:
         out.print(f"estimate: none ({answer.estimate_problem})", markup=False, soft_wrap=True)
@@ -85,9 +90,13 @@ def print_plan(answer: Plan) -> None:
     if answer.placed:
         gpus = f" GPU {','.join(map(str, answer.gpus))}" if answer.gpus else ""
         where = f"node {answer.node_label}{gpus}"
-        out.print(f"[green]would run on {where}[/] (model {answer.model_source})", soft_wrap=True)
+        out.print(
+            f"[green]would run on {escape(where)}[/] (model {escape(str(answer.model_source))})",
+            soft_wrap=True,
+            markup=True,
+        )
     else:
-        out.print(f"[red]refused[/] ({answer.refusal_reason}): ", end="")
+        out.print(f"[red]refused[/] ({answer.refusal_reason}): ", end="", markup=True)
         out.print(answer.refusal or "", markup=False, soft_wrap=True)
     eviction = answer.eviction
     if eviction is not None:

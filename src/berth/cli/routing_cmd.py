@@ -5,7 +5,7 @@ from __future__ import annotations
 import typer
 from rich.table import Table
 
-from berth.cli.common import console, context, print_json
+from berth.cli.common import context, print_json, print_table
 
 
 def routing(
@@ -27,4 +27,4 @@ def routing(
         )
     for dropped in explained.dropped:
         table.add_row("-", dropped.deployment_id, dropped.node_id, dropped.reason)
-    console.print(table)
+    print_table(table)

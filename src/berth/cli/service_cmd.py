@@ -12,7 +12,9 @@ from __future__ import annotations
 from datetime import UTC, datetime
 
 import typer
+from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
 
 from berth.api import (
     DeployIn,
@@ -25,7 +27,7 @@ from berth.api import (
     ServiceDetail,
     ServiceIn,
 )
-from berth.cli.common import HELP_OPTIONS, console, context, print_json, request_body
+from berth.cli.common import HELP_OPTIONS, console, context, print_json, print_table, request_body
 from berth.cli.deploy_cmd import parse_gpus, wait_settled
 from berth.errors import ConfigError, EngineError
 from berth.humanize import age, duration
@@ -123,7 +125,11 @@ def create_service(
     if as_json:
         print_json(record)
         return
-    console.print(f"service [bold]{record.name}[/] created: {_settings(record)}", soft_wrap=True)
+    console.print(
+        f"service [bold]{escape(record.name)}[/] created: {escape(_settings(record))}",
+        soft_wrap=True,
+        markup=True,
+    )
     console.print(f"scaling: {_scaling(record)}", markup=False, soft_wrap=True)
     if record.scaling.min_replicas == 0:
         how = "it loads on demand, at the first request for the route"
@@ -208,7 +214,7 @@ def list_services(
         table.add_column(column, no_wrap=column in ("NAME", "MODEL", "REPLICAS"))
     table.add_column("ROUTES")
     for r in records:
-        ready = f"[green]{r.ready}[/]" if r.ready else "0"
+        ready = Text(str(r.ready), style="green") if r.ready else Text("0")
         scaling = r.scaling
         marks = "".join((" pinned" if scaling.pinned else "",
                          f" p{scaling.priority}" if scaling.priority else ""))  # fmt: skip
@@ -225,7 +231,7 @@ def list_services(
             ready + (f" (+{r.queued} queued)" if r.queued else ""),
             ", ".join(r.routes) or "-",
         )
-    console.print(table)
+    print_table(table)
 
 
 @service_app.command("show")
@@ -245,7 +251,9 @@ def show_service(
 
 def print_detail(detail: ServiceDetail) -> None:
     """What ``berth service show`` prints: settings, scaling, replicas, last decision."""
-    console.print(f"[bold]{detail.name}[/]: {_settings(detail)}", soft_wrap=True)
+    console.print(
+        f"[bold]{escape(detail.name)}[/]: {escape(_settings(detail))}", soft_wrap=True, markup=True
+    )
     console.print(f"scaling: {_scaling(detail)}", markup=False, soft_wrap=True)
     console.print(f"routes: {', '.join(detail.routes) or 'none'}", markup=False)
     queued = f", {detail.queued} request(s) waiting for a load" if detail.queued else ""
@@ -346,8 +354,10 @@ def deploy_service(
         raise EngineError(f"{record.id} {record.state}: {record.failure_reason or 'no reason'}")
     gpus = f", GPU {','.join(map(str, record.gpus))}" if record.gpus else ""
     console.print(
-        f"[green]{record.id} ready[/]: service [bold]{name}[/] (model {record.model_name} "
-        f"on {record.engine}, node {record.node_id}, port {record.port}{gpus})"
+        f"[green]{record.id} ready[/]: service [bold]{escape(name)}[/] "
+        f"(model {escape(record.model_name)} "
+        f"on {record.engine}, node {escape(record.node_id)}, port {record.port}{gpus})",
+        markup=True,
     )
 
 
@@ -380,7 +390,11 @@ def create_route(
     if as_json:
         print_json(record)
         return
-    console.print(f"route [bold]{record.name}[/]: {_route_line(record)}", soft_wrap=True)
+    console.print(
+        f"route [bold]{escape(record.name)}[/]: {escape(_route_line(record))}",
+        soft_wrap=True,
+        markup=True,
+    )
 
 
 def _route_line(record: Route) -> str:
@@ -412,9 +426,9 @@ def list_routes(
     table.add_column("SERVED BY")
     for r in records:
         services = ", ".join(f"{s.service} ({s.priority}, {s.ready})" for s in r.services)
-        serving = ", ".join(r.serving) if r.serving else "[red]nothing ready[/]"
+        serving = Text(", ".join(r.serving)) if r.serving else Text("nothing ready", style="red")
         table.add_row(r.name, services, r.fallback or "-", serving)
-    console.print(table)
+    print_table(table)
 
 
 @route_app.command("show")
@@ -429,7 +443,11 @@ def show_route(
     if as_json:
         print_json(record)
         return
-    console.print(f"route [bold]{record.name}[/]: {_route_line(record)}", soft_wrap=True)
+    console.print(
+        f"route [bold]{escape(record.name)}[/]: {escape(_route_line(record))}",
+        soft_wrap=True,
+        markup=True,
+    )
     if record.reason:
         console.print(record.reason, markup=False, soft_wrap=True)
 
@@ -446,7 +464,11 @@ def set_fallback(
         raise ConfigError("give a fallback route, or --none to remove the fallback")
     with context(ctx).client() as client:
         record = client.set_route_fallback(public_name, request_body(FallbackIn, fallback=fallback))
-    console.print(f"route [bold]{record.name}[/]: {_route_line(record)}", soft_wrap=True)
+    console.print(
+        f"route [bold]{escape(record.name)}[/]: {escape(_route_line(record))}",
+        soft_wrap=True,
+        markup=True,
+    )
 
 
 @route_app.command("rm")

@@ -7,10 +7,9 @@ import sys
 from datetime import UTC, datetime
 
 import typer
-from rich.table import Table
 
 from berth.api import DEFAULT_SINCE, UsageReport, UsageRow, parse_grouping, parse_since
-from berth.cli.common import console, context, print_json
+from berth.cli.common import console, context, print_json, print_table, record_table
 from berth.errors import ConfigError
 
 #: The count columns, in the order the table and the CSV show them.
@@ -52,7 +51,7 @@ def usage(
     elif as_csv:
         write_csv(report)
     else:
-        print_table(report)
+        print_report(report)
 
 
 def _group_columns(report: UsageReport) -> tuple[str, ...]:
@@ -79,7 +78,7 @@ def write_csv(report: UsageReport) -> None:
         out.writerow([*(_cell(row, c) for c in groups), *(_cell(row, c) for c in COUNT_COLUMNS)])
 
 
-def print_table(report: UsageReport) -> None:
+def print_report(report: UsageReport) -> None:
     """The rows as a table, with a total line and what the report covers."""
     groups = _group_columns(report)
     headers = {
@@ -92,9 +91,17 @@ def print_table(report: UsageReport) -> None:
         "key_id": "KEY ID",
     }
     columns = [*groups, *COUNT_COLUMNS]
-    table = Table(*(headers.get(c, c.upper()) for c in columns))
-    for column in COUNT_COLUMNS:
-        table.columns[columns.index(column)].justify = "right"
+    # Days and ids stay whole; names and, on a narrow terminal, long counts fold.
+    table = record_table()
+    for column in columns:
+        counted = column in COUNT_COLUMNS
+        whole = column in ("day", "key_id", "node_id")
+        table.add_column(
+            headers.get(column, column.upper()),
+            justify="right" if counted else "left",
+            no_wrap=whole,
+            overflow="ellipsis" if whole else "fold",
+        )
     for row in report.rows:
         table.add_row(*(_number(row, c) for c in columns))
     if report.rows:
@@ -108,7 +115,7 @@ def print_table(report: UsageReport) -> None:
     if report.model:
         scope.append(f"model {report.model}")
     console.print(f"usage, {', '.join(scope)}, by {report.by}")
-    console.print(table)
+    print_table(table)
 
 
 def _number(row: UsageRow, column: str) -> str:

@@ -14,6 +14,7 @@ keeps them.
 
 from __future__ import annotations
 
+import difflib
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -36,8 +37,34 @@ class FileValue:
     line: int | None
 
 
-def _valid_keys() -> str:
-    return ", ".join(f"{d.section}.{d.name}" for d in SETTINGS)
+def _sections() -> list[str]:
+    """The sections ``config.toml`` may hold, in the table's order, the tiers' last."""
+    return [*dict.fromkeys(d.section for d in SETTINGS), TIERS_SECTION]
+
+
+def _closest(word: str, choices: list[str]) -> str:
+    """``" (did you mean 'X'?)"`` for the choice closest to a mistyped ``word``, or ``""``."""
+    close = difflib.get_close_matches(word, choices, n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _unknown_section(section: str) -> str:
+    sections = _sections()
+    shown = ", ".join(f"[{s}]" for s in sections[:-1]) + f", [{TIERS_SECTION}.NAME]"
+    return f"unknown section {section!r}{_closest(section, sections)}; sections: {shown}"
+
+
+def _unknown_key(key: str, section: str | None) -> str:
+    """What to say of ``key`` in ``section`` (``None``: outside any section): where it
+    belongs if it is another section's setting, else the closest key and the section's keys."""
+    defn = SETTINGS_BY_NAME.get(key)
+    unknown = f"unknown key {key!r} in [{section}]" if section else f"unknown top-level key {key!r}"
+    if defn is not None:
+        return f"{unknown}; it is a setting of [{defn.section}]: move it under that header"
+    if section is None:
+        return f"{unknown}; settings go in sections: {', '.join(_sections())}"
+    keys = [d.name for d in SETTINGS if d.section == section]
+    return f"{unknown}{_closest(key, keys)}; valid keys in [{section}]: {', '.join(keys)}"
 
 
 def read_config_file(path: Path) -> dict[str, FileValue]:
@@ -45,8 +72,8 @@ def read_config_file(path: Path) -> dict[str, FileValue]:
 
     A missing file is empty.  Raises :class:`ConfigError` with ``path`` and ``line`` for a
     TOML syntax error, a key outside a section, an unknown section, or an unknown key (the
-    message lists the valid ``section.key`` pairs).  Values are converted later, by
-    :meth:`Settings.load`.  The ``[tiers.*]`` tables are left to
+    message names the closest valid one and lists the section's keys, or the sections).
+    Values are converted later, by :meth:`Settings.load`.  The ``[tiers.*]`` tables are left to
     :func:`berth.config.tiers.read_tiers`.
     """
     document, text = parse_toml(path)
@@ -55,21 +82,17 @@ def read_config_file(path: Path) -> dict[str, FileValue]:
     for section, table in document.items():
         if section == TIERS_SECTION:
             continue
-        if section not in sections or not isinstance(table, dict):
-            line = locate_line(text, section, None) if isinstance(table, dict) else None
-            if line is None:
-                line = locate_line(text, None, section)
-            what = "section" if isinstance(table, dict) else "top-level key"
-            raise ConfigError(
-                f"unknown {what} {section!r}; valid keys: {_valid_keys()}", path=path, line=line
-            )
+        if not isinstance(table, dict):
+            line = locate_line(text, None, section)
+            raise ConfigError(_unknown_key(section, None), path=path, line=line)
+        if section not in sections:
+            line = locate_line(text, section, None) or locate_line(text, None, section)
+            raise ConfigError(_unknown_section(section), path=path, line=line)
         for key, raw in table.items():
             defn = SETTINGS_BY_NAME.get(key)
             if defn is None or defn.section != section:
                 raise ConfigError(
-                    f"unknown key {key!r} in [{section}]; valid keys: {_valid_keys()}",
-                    path=path,
-                    line=locate_line(text, section, key),
+                    _unknown_key(key, section), path=path, line=locate_line(text, section, key)
                 )
             found[key] = FileValue(raw=raw, path=path, line=locate_line(text, section, key))
     return found

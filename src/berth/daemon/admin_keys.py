@@ -120,7 +120,8 @@ def build_key_router(
         changed(record)
         return key_view(record, services).extended(CreatedApiKey, secret=secret)
 
-    @router.patch("/admin/keys/{ident}")
+    # ``:path``: a key made before names were refused a ``/`` is still found by its name.
+    @router.patch("/admin/keys/{ident:path}")
     async def change_key(ident: str, body: KeyChangeIn) -> ApiKey:
         changes = body.overrides()
         both = sorted(set(changes.overridden()) & set(body.clear))
@@ -142,7 +143,7 @@ def build_key_router(
         changed(record)
         return key_view(record, services)
 
-    @router.delete("/admin/keys/{ident}")
+    @router.delete("/admin/keys/{ident:path}")
     async def revoke_key(ident: str) -> ApiKey:
         record = await asyncio.to_thread(store.revoke_api_key, ident)
         changed(record)

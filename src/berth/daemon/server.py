@@ -20,7 +20,6 @@ import os
 import resource
 import signal
 import socket
-import ssl
 import time
 from pathlib import Path
 
@@ -53,6 +52,7 @@ from berth.daemon.fleet import LeaderFleet
 from berth.daemon.lifecycle import LifecycleManager
 from berth.daemon.placement_facts import ResidentUsage
 from berth.daemon.proxy import OpenAIProxy
+from berth.daemon.public_tls import public_ssl_context
 from berth.daemon.services import LeaderServices, Listener
 from berth.errors import DaemonError
 from berth.eventloop import freeze_startup_objects
@@ -185,15 +185,6 @@ def build_local_core(home: BerthHome, settings: Settings) -> AgentCore:
 
 def _optional_str(value: object) -> str | None:
     return None if value is None else str(value)
-
-
-def public_ssl_context(cert: Path, key: Path) -> ssl.SSLContext:
-    """The public listener's TLS 1.2+ server context for ``cert`` and ``key`` (PEM)."""
-    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    context.minimum_version = ssl.TLSVersion.TLSv1_2
-    context.load_cert_chain(str(cert), str(key))
-    context.set_alpn_protocols(["http/1.1"])
-    return context
 
 
 def raise_open_files_limit(wanted: int) -> None:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+import httpx
 from huggingface_hub import HfApi, hf_hub_download, snapshot_download
 from huggingface_hub.errors import (
     GatedRepoError,
@@ -33,6 +34,18 @@ from huggingface_hub.hf_api import RepoFile
 from huggingface_hub.utils.tqdm import tqdm as HubTqdm
 
 from berth.errors import BerthError, ConfigError, NotFoundError
+
+#: What huggingface_hub's own calls (``HfApi``) let through when no hub answers: its HTTP
+#: library's transport errors (connection refused, no such host, timeouts).
+#: ``snapshot_download`` wraps these in ``LocalEntryNotFoundError``; ``HfApi`` does not.
+#: huggingface_hub 2 talks through httpx2, earlier releases through httpx.
+HUB_TRANSPORT_ERRORS: tuple[type[Exception], ...] = (httpx.TransportError,)
+try:
+    import httpx2
+except ImportError:  # pragma: no cover - an older huggingface_hub
+    pass
+else:
+    HUB_TRANSPORT_ERRORS = (*HUB_TRANSPORT_ERRORS, httpx2.TransportError)
 
 #: The public hub, used when neither an argument nor ``$HF_ENDPOINT`` names another.
 DEFAULT_HUB_ENDPOINT = "https://huggingface.co"
@@ -168,6 +181,8 @@ def _download(
     except LocalEntryNotFoundError as exc:
         if isinstance(exc.__cause__, OfflineModeIsEnabled):
             raise BerthError(f"cannot pull {where}: HF_HUB_OFFLINE is set") from exc
+        raise BerthError(f"cannot reach the hub at {hub} to pull {where}") from exc
+    except HUB_TRANSPORT_ERRORS as exc:
         raise BerthError(f"cannot reach the hub at {hub} to pull {where}") from exc
     except HfHubHTTPError as exc:
         status = exc.response.status_code
