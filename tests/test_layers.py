@@ -40,6 +40,7 @@ BASE: tuple[str, ...] = (
     "humanize",
     "openai_errors",
     "limits",
+    "conforms",
 )
 
 #: berth's layers, bottom up. A name is relative to ``berth``: a package (``cluster.protocol``

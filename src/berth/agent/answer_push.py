@@ -18,9 +18,10 @@ engine connection as before.
 from __future__ import annotations
 
 import asyncio
-from typing import Protocol, runtime_checkable
+from typing import Protocol, TypeGuard, runtime_checkable
 
 from berth.cluster.protocol.frames import ResetCode
+from berth.conforms import conforms
 from berth.engine_http.answer import PushedAnswer
 from berth.engine_http.errors import UpstreamError
 
@@ -42,6 +43,11 @@ class PushAnswerSink(Protocol):
     def backlogged(self) -> bool: ...
 
     async def drain(self) -> None: ...
+
+
+def can_write_nowait(sink: object) -> TypeGuard[PushAnswerSink]:
+    """``sink`` is a :class:`PushAnswerSink` (decided once per class)."""
+    return conforms(sink, PushAnswerSink)
 
 
 class EnginePush:

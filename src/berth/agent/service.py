@@ -22,7 +22,7 @@ from typing import Protocol, assert_never
 import msgspec
 
 from berth import __version__
-from berth.agent.answer_push import EnginePush, PushAnswerSink
+from berth.agent.answer_push import EnginePush, can_write_nowait
 from berth.agent.core import AgentCore, RuntimeStatus
 from berth.agent.node_sampler import core_heartbeat
 from berth.cluster.connection import LinkConnection
@@ -466,7 +466,7 @@ class AgentService:
         await stream.send_head(response.status, head_headers, chunk, end=response.at_eof)
         if response.at_eof:
             return True
-        if isinstance(stream, PushAnswerSink):
+        if can_write_nowait(stream):
             # Each piece sent from the engine connection's callback, no task wake-up per piece.
             return await EnginePush(response, stream).run()
         while True:

@@ -14,8 +14,9 @@ import json
 import os
 import re
 from collections.abc import Awaitable, Callable, MutableMapping, Sequence
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, TypeGuard, runtime_checkable
 
+from berth.conforms import conforms
 from berth.routing.errors import InvalidRequestError
 
 Scope = MutableMapping[str, Any]
@@ -76,6 +77,11 @@ class PushWriter(ClientWriter, Protocol):
     def end_now(self, data: bytes = b"") -> None: ...
 
     async def drain(self) -> None: ...
+
+
+def can_write_now(writer: ClientWriter) -> TypeGuard[PushWriter]:
+    """``writer`` is a :class:`PushWriter` (decided once per class)."""
+    return conforms(writer, PushWriter)
 
 
 # Request headers an engine may see. Credentials (Authorization, Cookie, x-api-key, api-key)

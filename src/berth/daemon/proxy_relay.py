@@ -28,7 +28,7 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from berth.daemon.proxy_http import ClientWriter, PushWriter, send_json
+from berth.daemon.proxy_http import ClientWriter, PushWriter, can_write_now, send_json
 from berth.daemon.sse import (
     SSEEventSplitter,
     Usage,
@@ -37,7 +37,7 @@ from berth.daemon.sse import (
     last_usage,
     take_usage_event,
 )
-from berth.engine_http.answer import EngineAnswer, PushedAnswer
+from berth.engine_http.answer import EngineAnswer, PushedAnswer, can_push
 from berth.engine_http.errors import UpstreamError, UpstreamTimeoutError
 from berth.openai_errors import error_body, stream_error_events
 from berth.routing.errors import EngineTimeoutError, EngineUnreachableError
@@ -215,7 +215,7 @@ class AnswerRelay:
         # Compressed bytes cannot be split into events; relay them as they come.
         splitter = SSEEventSplitter() if encoding is None else None
         strip = exchange.strip_usage and splitter is not None
-        if isinstance(response, PushedAnswer) and isinstance(writer, PushWriter):
+        if can_push(response) and can_write_now(writer):
             push = StreamPush(
                 response, writer, exchange, splitter, strip, self._max_event_bytes, self._clock
             )

@@ -9,7 +9,9 @@ data frame), and the relaying task only waits for the end, a failure or backpres
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, TypeGuard, runtime_checkable
+
+from berth.conforms import conforms
 
 if TYPE_CHECKING:
     from berth.engine_http.errors import UpstreamError
@@ -74,6 +76,11 @@ class PushedAnswer(EngineAnswer, Protocol):
     def pause_body(self) -> None: ...
 
     def resume_body(self) -> None: ...
+
+
+def can_push(answer: EngineAnswer) -> TypeGuard[PushedAnswer]:
+    """``answer`` is a :class:`PushedAnswer` (decided once per class)."""
+    return conforms(answer, PushedAnswer)
 
 
 async def read_body(answer: EngineAnswer, limit_bytes: int | None = None) -> bytes:
