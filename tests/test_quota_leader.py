@@ -341,9 +341,12 @@ def test_keys_are_changed_listed_and_revoked_by_name(quota_leader: tuple[Berth, 
     back = berth.json("key", "set", "changing", "--clear", "all", "--tier", "standard")
     assert back["overridden"] == [] and back["tier"] == "standard"
 
-    (row,) = [line for line in berth("key", "ls").stdout.splitlines() if "three-a-minute" in line]
-    cells = [cell.strip() for cell in row.split("│")]
-    assert cells[3:6] == ["three", cells[4], "3"]  # its tier's rpm, not its own (no *)
+    listed = berth("key", "ls").stdout
+    rows = [line for line in listed.splitlines() if "three-a-minute" in line]
+    assert len(rows) == 1, listed
+    (row,) = rows
+    cells = row.split()  # ID NAME TIER PREFIX RPM ...: none of these is empty or has a space
+    assert cells[2:5] == ["three", cells[3], "3"]  # its tier's rpm, not its own (no *)
     revoked = berth("key", "revoke", "changing").stdout
     assert "revoked k-" in revoked and "(changing)" in revoked
     error = berth.fails("key", "set", "changing", "--rpm", "5")
