@@ -311,16 +311,18 @@ def _judge(load: Load, fault_at: float, scenario: str) -> Report:
     return Report(worst, baseline_s, len(judged), len(streaming))
 
 
-def _session_on(cluster: Cluster, load: Load, node_id: str) -> str:
-    """A conversation the leader routes to ``node_id`` (by its affinity), found by asking."""
+def _pinned_conversation(cluster: Cluster, load: Load) -> tuple[str, Agent, Agent]:
+    """A conversation the leader has routed (its affinity), the agent whose node it went to
+    (the scenario's victim) and the other one. The scorer picks the node: a test that named
+    its victim beforehand failed when, on a loaded machine, 40 conversations in a row went
+    to the other node."""
     with cluster.http(timeout_s=30) as http:
-        for _ in range(40):
-            session = uuid.uuid4().hex
-            assert load.one(http, session).ok
-            routing = cluster.admin("GET", f"/admin/routing/{MODEL}?session={session}")
-            if routing["affinity_node"] == node_id:
-                return session
-    raise AssertionError(f"no conversation went to node {node_id}")
+        session = uuid.uuid4().hex
+        assert load.one(http, session).ok
+    routing = cluster.admin("GET", f"/admin/routing/{MODEL}?session={session}")
+    (victim,) = [a for a in cluster.agents.values() if a.node_id == routing["affinity_node"]]
+    (survivor,) = [a for a in cluster.agents.values() if a is not victim]
+    return session, victim, survivor
 
 
 def _retries(cluster: Cluster) -> int:
@@ -361,13 +363,13 @@ def _watch_state(cluster: Cluster, agent: Agent) -> Iterator[dict[str, float]]:
 def test_a_sigstopped_engine_delays_requests_by_seconds(netns_cluster: Cluster) -> None:
     cluster = netns_cluster
     deployments = _ready_deployments(cluster)
-    victim, survivor = cluster.agents["b"], cluster.agents["a"]
-    pid = int(str(deployments["b"]["pid"]))
     load = Load(cluster)
     load.start()
     waiters: list[threading.Thread] = []
+    pid = 0
     try:
-        pinned = _session_on(cluster, load, victim.node_id)
+        pinned, victim, survivor = _pinned_conversation(cluster, load)
+        pid = int(str(deployments[victim.label]["pid"]))
         time.sleep(2)  # the undisturbed duration of a request
         retried = _retries(cluster)
         fault_at = time.monotonic()
@@ -381,8 +383,9 @@ def test_a_sigstopped_engine_delays_requests_by_seconds(netns_cluster: Cluster) 
         os.kill(pid, signal.SIGCONT)
         time.sleep(2)
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGCONT)
+        if pid:  # 0: the victim was not chosen yet
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
         load.stop()
         for thread in waiters:
             thread.join(timeout=90)
@@ -397,16 +400,14 @@ def test_a_sigstopped_engine_delays_requests_by_seconds(netns_cluster: Cluster) 
 def test_a_black_holed_link_delays_requests_by_seconds(netns_cluster: Cluster) -> None:
     cluster = netns_cluster
     _ready_deployments(cluster)
-    # Node a: b may still be ranked last for the failed attempts of the test above, so a
-    # carries the load, and every client waits on it when its link goes silent.
-    victim, survivor = cluster.agents["a"], cluster.agents["b"]
-    ns, inner = _namespace("a"), _veth("a")[1]
-    rules = [["INPUT", "-i", inner, "-j", "DROP"], ["OUTPUT", "-o", inner, "-j", "DROP"]]
     load = Load(cluster)
     load.start()
     waiters: list[threading.Thread] = []
+    ns, rules = "", []  # set once the victim is known; the finally block lifts them
     try:
-        pinned = _session_on(cluster, load, victim.node_id)
+        pinned, victim, survivor = _pinned_conversation(cluster, load)
+        ns, inner = _namespace(victim.label), _veth(victim.label)[1]
+        rules = [["INPUT", "-i", inner, "-j", "DROP"], ["OUTPUT", "-o", inner, "-j", "DROP"]]
         time.sleep(2)
         retried = _retries(cluster)
         with _watch_state(cluster, victim) as seen:
