@@ -136,6 +136,48 @@ async def until(condition: Callable[[], bool], timeout_s: float = 1.0) -> None:
             await asyncio.sleep(0.005)
 
 
+# -- engines for the read and the push tests alike ---------------------------------------------
+
+
+async def half_then_silent(
+    request: RawRequest, reader: asyncio.StreamReader, w: asyncio.StreamWriter
+) -> None:
+    """Five bytes of ten, then nothing until the client goes."""
+    w.write(b"HTTP/1.1 200 OK\r\ncontent-length: 10\r\n\r\n12345")
+    await w.drain()
+    await reader.read()
+    raise ConnectionResetError
+
+
+async def half_then_closed(
+    request: RawRequest, reader: asyncio.StreamReader, w: asyncio.StreamWriter
+) -> None:
+    """Five bytes of ten, then the connection closed."""
+    w.write(b"HTTP/1.1 200 OK\r\ncontent-length: 10\r\n\r\n12345")
+    await w.drain()
+    w.close()
+
+
+class Flood:
+    """An engine writing 32 MiB (far more than the socket buffers hold) as fast as it is
+    read; ``written`` counts what it got rid of."""
+
+    piece = b"y" * 65536
+    count = 512
+
+    def __init__(self) -> None:
+        self.written = 0
+
+    async def __call__(
+        self, request: RawRequest, _: asyncio.StreamReader, w: asyncio.StreamWriter
+    ) -> None:
+        w.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n" % (len(self.piece) * self.count))
+        for _number in range(self.count):
+            w.write(self.piece)
+            await w.drain()
+            self.written += len(self.piece)
+
+
 # -- requests and keep-alive -------------------------------------------------------------------
 
 
@@ -312,25 +354,16 @@ async def test_read_stops_at_its_limit_and_closes_the_rest() -> None:
 
 
 async def test_an_unread_body_stops_the_reading_from_the_engine() -> None:
-    piece = b"y" * 65536
-    count = 512  # 32 MiB, far more than the socket buffers hold
-    written = 0
-
-    async def flood(request: RawRequest, _: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
-        nonlocal written
-        w.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n" % (len(piece) * count))
-        for _number in range(count):
-            w.write(piece)
-            await w.drain()
-            written += len(piece)
+    flood = Flood()
+    piece, count = flood.piece, flood.count
 
     async with raw_server(flood) as server, upstream_pool(high_water_bytes=65536) as pool:
         response = await pool.request(server.origin, b"POST", b"/", HEADERS, b"{}")
         await asyncio.sleep(0.5)  # nothing is read meanwhile
-        stalled_at = written
+        stalled_at = flood.written
         assert stalled_at < 16 * 1024 * 1024
         await asyncio.sleep(0.2)
-        assert written - stalled_at <= 4 * len(piece)  # it really stopped
+        assert flood.written - stalled_at <= 4 * len(piece)  # it really stopped
 
         received = 0
         largest = 0
@@ -442,15 +475,7 @@ async def test_no_head_within_the_read_timeout_is_a_timeout_and_closes_the_conne
 
 
 async def test_a_pause_mid_body_past_the_read_timeout_is_a_timeout() -> None:
-    async def pause(
-        request: RawRequest, reader: asyncio.StreamReader, w: asyncio.StreamWriter
-    ) -> None:
-        w.write(b"HTTP/1.1 200 OK\r\ncontent-length: 10\r\n\r\n12345")
-        await w.drain()
-        await reader.read()
-        raise ConnectionResetError
-
-    async with raw_server(pause) as server, upstream_pool(read_timeout_s=0.1) as pool:
+    async with raw_server(half_then_silent) as server, upstream_pool(read_timeout_s=0.1) as pool:
         response = await pool.request(server.origin, b"POST", b"/", HEADERS, b"{}")
         assert await response.read_chunk() == b"12345"
         with pytest.raises(UpstreamTimeoutError):
@@ -460,14 +485,7 @@ async def test_a_pause_mid_body_past_the_read_timeout_is_a_timeout() -> None:
 
 
 async def test_a_connection_dropped_mid_body_is_a_disconnect_after_the_bytes_that_came() -> None:
-    async def die(
-        request: RawRequest, reader: asyncio.StreamReader, w: asyncio.StreamWriter
-    ) -> None:
-        w.write(b"HTTP/1.1 200 OK\r\ncontent-length: 10\r\n\r\n12345")
-        await w.drain()
-        w.close()
-
-    async with raw_server(die) as server, upstream_pool() as pool:
+    async with raw_server(half_then_closed) as server, upstream_pool() as pool:
         response = await pool.request(server.origin, b"POST", b"/", HEADERS, b"{}")
         chunks = []
         with pytest.raises(UpstreamDisconnectError) as caught:
@@ -566,17 +584,8 @@ async def test_a_pushed_body_arrives_piece_by_piece_with_its_end_and_pools_the_c
 
 
 async def test_a_paused_push_stops_the_reading_from_the_engine_and_resumes() -> None:
-    piece = b"y" * 65536
-    count = 512  # 32 MiB, far more than the socket buffers hold
-    written = 0
-
-    async def flood(request: RawRequest, _: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
-        nonlocal written
-        w.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n" % (len(piece) * count))
-        for _number in range(count):
-            w.write(piece)
-            await w.drain()
-            written += len(piece)
+    flood = Flood()
+    piece, count = flood.piece, flood.count
 
     async with raw_server(flood) as server, upstream_pool() as pool:
         response = await pool.request(server.origin, b"POST", b"/", HEADERS, b"{}")
@@ -584,10 +593,10 @@ async def test_a_paused_push_stops_the_reading_from_the_engine_and_resumes() -> 
         response.push_body(sink)
         response.pause_body()
         await asyncio.sleep(0.5)  # paused meanwhile
-        stalled_at = written
+        stalled_at = flood.written
         assert stalled_at < 16 * 1024 * 1024
         await asyncio.sleep(0.2)
-        assert written - stalled_at <= 4 * len(piece)  # it really stopped
+        assert flood.written - stalled_at <= 4 * len(piece)  # it really stopped
 
         response.resume_body()
         await asyncio.wait_for(sink.ended.wait(), 10.0)
@@ -597,15 +606,7 @@ async def test_a_paused_push_stops_the_reading_from_the_engine_and_resumes() -> 
 
 
 async def test_a_pushed_body_silent_past_the_read_timeout_fails_unless_paused() -> None:
-    async def pause(
-        request: RawRequest, reader: asyncio.StreamReader, w: asyncio.StreamWriter
-    ) -> None:
-        w.write(b"HTTP/1.1 200 OK\r\ncontent-length: 10\r\n\r\n12345")
-        await w.drain()
-        await reader.read()
-        raise ConnectionResetError
-
-    async with raw_server(pause) as server, upstream_pool(read_timeout_s=0.1) as pool:
+    async with raw_server(half_then_silent) as server, upstream_pool(read_timeout_s=0.1) as pool:
         response = await pool.request(server.origin, b"POST", b"/", HEADERS, b"{}")
         sink = Collected()
         response.push_body(sink)
@@ -622,14 +623,7 @@ async def test_a_pushed_body_silent_past_the_read_timeout_fails_unless_paused() 
 
 
 async def test_a_connection_dropped_mid_push_fails_it_after_the_bytes_that_came() -> None:
-    async def die(
-        request: RawRequest, reader: asyncio.StreamReader, w: asyncio.StreamWriter
-    ) -> None:
-        w.write(b"HTTP/1.1 200 OK\r\ncontent-length: 10\r\n\r\n12345")
-        await w.drain()
-        w.close()
-
-    async with raw_server(die) as server, upstream_pool() as pool:
+    async with raw_server(half_then_closed) as server, upstream_pool() as pool:
         response = await pool.request(server.origin, b"POST", b"/", HEADERS, b"{}")
         sink = Collected()
         response.push_body(sink)
