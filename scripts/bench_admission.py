@@ -27,12 +27,12 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import uvloop
+from bench_proxy import add_limited_key
 
 from berth.admission import Admission, SlotGate, UsageLedger
 from berth.cluster.remote_link import tunnel_url
 from berth.config import TierTable
 from berth.daemon.proxy import OpenAIProxy
-from berth.limits import LimitOverrides
 from berth.observability.metrics import ProxyMetrics
 from berth.routing.resolver import Upstream
 from berth.store import ApiKeyRecord, Store
@@ -185,16 +185,7 @@ def build(limits: bool) -> Bench:
         upstream = Upstream(url, "d-bench", "n-bench", MODEL, slots=1_000_000)
         store = Store(f"sqlite:///{tempfile.mkdtemp(prefix='bench-admission-')}/berth.db")
         store.migrate()
-        huge = 10**12
-        own = LimitOverrides(
-            rpm=huge,
-            tpm=huge,
-            max_concurrency=100_000,
-            daily_tokens=huge,
-            monthly_tokens=huge,
-            models=frozenset({MODEL, "other"}),
-        )
-        key = store.add_api_key("bench", "standard", "0" * 64, "sk-berth-0000", limits=own)
+        key = add_limited_key(store, MODEL)
         admission = Admission(TierTable(), UsageLedger(store))
         admission.load([key], {})
         gate = SlotGate()

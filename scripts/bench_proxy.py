@@ -96,6 +96,24 @@ def serve_engine() -> None:
     uvloop.run(main())
 
 
+def add_limited_key(store: Any, model: str) -> Any:
+    """A key in ``store`` (a migrated :class:`berth.store.Store`) with every limit set far
+    above any load this machine can make, so that each check runs and none refuses; its
+    model list names ``model``."""
+    from berth.limits import LimitOverrides
+
+    huge = 10**12
+    own = LimitOverrides(
+        rpm=huge,
+        tpm=huge,
+        max_concurrency=100_000,
+        daily_tokens=huge,
+        monthly_tokens=huge,
+        models=frozenset({model, "other"}),
+    )
+    return store.add_api_key("bench", "standard", "0" * 64, "sk-berth-0000", limits=own)
+
+
 def serve_proxy(engine_port: int, *, limits: bool = False) -> None:
     from berth.daemon.proxy import OpenAIProxy
     from berth.eventloop import freeze_startup_objects
@@ -127,22 +145,11 @@ def serve_proxy(engine_port: int, *, limits: bool = False) -> None:
 
         from berth.admission import Admission, SlotGate, UsageLedger
         from berth.config import TierTable
-        from berth.limits import LimitOverrides
         from berth.store import Store
 
-        folder = tempfile.mkdtemp(prefix="bench-proxy-")
-        store = Store(f"sqlite:///{folder}/berth.db")
+        store = Store(f"sqlite:///{tempfile.mkdtemp(prefix='bench-proxy-')}/berth.db")
         store.migrate()
-        huge = 10**12
-        own = LimitOverrides(
-            rpm=huge,
-            tpm=huge,
-            max_concurrency=100_000,
-            daily_tokens=huge,
-            monthly_tokens=huge,
-            models=frozenset({MODEL, "other"}),
-        )
-        key = store.add_api_key("bench", "standard", "0" * 64, "sk-berth-0000", limits=own)
+        key = add_limited_key(store, MODEL)
         ledger = UsageLedger(store)
         admission = Admission(TierTable(), ledger)
         admission.load([key], {})

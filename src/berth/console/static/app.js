@@ -147,6 +147,22 @@ async function call(method, path, body, extra) {
   return type.includes("json") ? response.json() : response.text();
 }
 
+// An edit form's save: PATCH `path` with `body`; on success the form (`editor`) is replaced by
+// a status line `message` (id `doneId`) that takes the focus, and `refresh` redraws the page;
+// a refusal is shown in `errorBox` (a 401 has already sent the page to sign-in).
+async function saveEdit(editor, errorBox, path, body, doneId, message, refresh) {
+  try {
+    await call("PATCH", path, body);
+    const saved = h("p", { class: "muted", id: doneId, role: "status", tabindex: -1 }, message);
+    editor.replaceChildren(saved);
+    saved.focus(); // the form the focus was in is gone
+    await refresh();
+  } catch (err) {
+    if (err instanceof ApiError && err.status === 401) return;
+    errorBox.textContent = err.message;
+  }
+}
+
 async function errorText(response) {
   try {
     const body = await response.json();
@@ -617,17 +633,8 @@ function editScaling(s, editor, refresh) {
         }
         if (pinned.checked !== scaling.pinned) body.pinned = pinned.checked;
       } catch (err) { errorBox.textContent = err.message; return; }
-      try {
-        await call("PATCH", `/admin/services/${encodeURIComponent(s.name)}`, body);
-        const saved = h("p", { class: "muted", id: "service-edit-done", role: "status",
-          tabindex: -1 }, `Scaling of ${s.name} saved.`);
-        editor.replaceChildren(saved);
-        saved.focus(); // the form the focus was in is gone
-        await refresh();
-      } catch (err) {
-        if (err instanceof ApiError && err.status === 401) return;
-        errorBox.textContent = err.message;
-      }
+      await saveEdit(editor, errorBox, `/admin/services/${encodeURIComponent(s.name)}`, body,
+        "service-edit-done", `Scaling of ${s.name} saved.`, refresh);
     } },
   h("h2", { id: "service-edit-title" }, `Scaling of ${s.name}`),
   h("div", { class: "limit-row" }, h("label", { for: minReplicas.id }, "Min replicas"), minReplicas),
@@ -775,17 +782,8 @@ function keysPage(main) {
         if (expiry.value !== initialExpiry) {
           body.expires_at = expiry.value ? new Date(expiry.value).toISOString() : null;
         }
-        try {
-          await call("PATCH", `/admin/keys/${key.id}`, body);
-          const saved = h("p", { class: "muted", id: "key-edit-done", role: "status",
-            tabindex: -1 }, `Limits of ${key.name} saved.`);
-          editor.replaceChildren(saved);
-          saved.focus(); // the form the focus was in is gone
-          await refresh();
-        } catch (err) {
-          if (err instanceof ApiError && err.status === 401) return;
-          errorBox.textContent = err.message;
-        }
+        await saveEdit(editor, errorBox, `/admin/keys/${key.id}`, body, "key-edit-done",
+          `Limits of ${key.name} saved.`, refresh);
       } },
     h("h2", { id: "key-edit-title" }, `Limits of ${key.name}`),
     h("p", { class: "muted" }, "A field left to the tier's follows the tier; an empty field is no limit; " +
