@@ -14,8 +14,6 @@ which :class:`berth.daemon.console_routes.ConsoleGate` checks.
 
 from __future__ import annotations
 
-import asyncio
-
 from fastapi import FastAPI
 
 from berth.admission import AdmissionError
@@ -108,9 +106,7 @@ class LeaderApp:
                 self._services.admission.check_expiry(signed_in)  # 401 once expired
                 require_tier(signed_in, tier)
                 return signed_in
-        record = authenticator.cached(secret)
-        if record is None:
-            record = await asyncio.to_thread(authenticator.lookup, secret)
+        record = await authenticator.authenticate(secret)
         self._services.admission.check_expiry(record)  # 401 once expired
         require_tier(record, tier)
         return record

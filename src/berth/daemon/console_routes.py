@@ -84,7 +84,7 @@ class ConsoleGate:
 
         Raises ``AuthError``: 401 for an unknown or revoked key, 403 for a standard one.
         """
-        record = await asyncio.to_thread(self._authenticator.lookup, secret.strip())
+        record = await self._authenticator.authenticate(secret.strip())
         if record.tier != "admin":
             raise AuthError(
                 f"key {record.name!r} is a standard key: the console needs an admin key",

@@ -1,0 +1,217 @@
+"""The API-key cache of :class:`berth.daemon.auth.Authenticator`, against a real store: steady
+traffic never waits for the store, concurrent misses share one read, and a key revoked or
+changed stops being served from the cache."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+
+import pytest
+
+from berth.daemon.auth import Authenticator
+from berth.errors import AuthError
+from berth.keys import generate_secret, hash_secret, key_prefix
+from berth.store import ApiKeyRecord, Store
+
+PEPPER = b"p" * 32
+TTL_S = 5.0
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class CountedReads:
+    """Counts the store's key reads; :attr:`gate`, when set, holds each read until opened."""
+
+    def __init__(self, store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.count = 0
+        self.gate: threading.Event | None = None
+        self.failure: Exception | None = None
+        read = store.find_api_key
+
+        def counted(key_hash: str) -> ApiKeyRecord | None:
+            self.count += 1
+            if self.gate is not None:
+                assert self.gate.wait(10), "the test never opened the gate"
+            if self.failure is not None:
+                raise self.failure
+            return read(key_hash)
+
+        monkeypatch.setattr(store, "find_api_key", counted)
+
+
+def add_key(store: Store, name: str = "app") -> tuple[str, ApiKeyRecord]:
+    secret = generate_secret()
+    record = store.add_api_key(name, "standard", hash_secret(secret, PEPPER), key_prefix(secret))
+    return secret, record
+
+
+@pytest.fixture
+def clock() -> Clock:
+    return Clock()
+
+
+@pytest.fixture
+def reads(store: Store, monkeypatch: pytest.MonkeyPatch) -> CountedReads:
+    return CountedReads(store, monkeypatch)
+
+
+@pytest.fixture
+def authenticator(store: Store, clock: Clock, reads: CountedReads) -> Authenticator:
+    return Authenticator(store, PEPPER, cache_ttl_s=TTL_S, clock=clock)
+
+
+async def settle(authenticator: Authenticator) -> None:
+    """Until the reads in flight (background ones included) have finished."""
+    async with asyncio.timeout(10):
+        while authenticator._reads:
+            await asyncio.sleep(0.005)
+
+
+async def test_a_record_in_use_is_read_again_in_the_background_while_requests_go_on(
+    store: Store, authenticator: Authenticator, clock: Clock, reads: CountedReads
+) -> None:
+    secret, record = add_key(store)
+    assert await authenticator.authenticate(secret) == record
+    assert reads.count == 1
+
+    clock.now += TTL_S * 0.5  # young: no read
+    assert await authenticator.authenticate(secret) == record
+    assert reads.count == 1
+
+    reads.gate = threading.Event()
+    clock.now += TTL_S * 0.3  # past three quarters of the lifetime: read again, not waited for
+    async with asyncio.timeout(2):
+        assert await authenticator.authenticate(secret) == record
+        assert await authenticator.authenticate(secret) == record  # one read in flight only
+    await asyncio.sleep(0.05)
+    assert reads.count == 2
+    reads.gate.set()
+    await settle(authenticator)
+
+    # The lifetime now counts from that read: past the first one's end, still no wait.
+    reads.gate = threading.Event()
+    clock.now += TTL_S * 0.5
+    async with asyncio.timeout(2):
+        assert await authenticator.authenticate(secret) == record
+    assert reads.count == 2
+    reads.gate.set()
+
+
+async def test_a_record_unused_past_its_lifetime_is_read_while_the_request_waits(
+    store: Store, authenticator: Authenticator, clock: Clock, reads: CountedReads
+) -> None:
+    secret, record = add_key(store)
+    await authenticator.authenticate(secret)
+
+    clock.now += TTL_S
+    store.revoke_api_key(record.id)  # by another leader on the same database, say
+
+    with pytest.raises(AuthError, match="invalid API key"):
+        await authenticator.authenticate(secret)
+    assert reads.count == 2
+
+
+async def test_requests_that_miss_together_share_one_read(
+    store: Store, authenticator: Authenticator, reads: CountedReads
+) -> None:
+    secret, record = add_key(store)
+    reads.gate = threading.Event()
+    waiting = [asyncio.ensure_future(authenticator.authenticate(secret)) for _ in range(5)]
+    await asyncio.sleep(0.05)
+    reads.gate.set()
+
+    assert await asyncio.gather(*waiting) == [record] * 5
+    assert reads.count == 1
+
+
+async def test_one_waiter_cancelled_does_not_end_the_read_of_the_others(
+    store: Store, authenticator: Authenticator, reads: CountedReads
+) -> None:
+    secret, record = add_key(store)
+    reads.gate = threading.Event()
+    leaving = asyncio.ensure_future(authenticator.authenticate(secret))
+    staying = asyncio.ensure_future(authenticator.authenticate(secret))
+    await asyncio.sleep(0.05)
+    leaving.cancel()
+    reads.gate.set()
+
+    assert await staying == record
+    with pytest.raises(asyncio.CancelledError):
+        await leaving
+
+
+async def test_a_key_the_background_read_finds_revoked_is_no_longer_served(
+    store: Store, authenticator: Authenticator, clock: Clock, reads: CountedReads
+) -> None:
+    secret, record = add_key(store)
+    await authenticator.authenticate(secret)
+    store.revoke_api_key(record.id)
+
+    clock.now += TTL_S * 0.8
+    assert await authenticator.authenticate(secret) == record  # within its lifetime still
+    await settle(authenticator)
+
+    with pytest.raises(AuthError, match="invalid API key"):
+        await authenticator.authenticate(secret)
+
+
+async def test_a_read_in_flight_when_the_cache_is_dropped_is_not_cached(
+    store: Store, authenticator: Authenticator, reads: CountedReads
+) -> None:
+    secret, record = add_key(store)
+    reads.gate = threading.Event()
+    first = asyncio.ensure_future(authenticator.authenticate(secret))
+    await asyncio.sleep(0.05)
+    # Revoked through the admin API while the read is under way (it read the row already,
+    # as far as this test is concerned: the gate holds it before the query).
+    authenticator.forget_all()
+    reads.gate.set()
+    assert await first == record  # that request was in before the revocation
+
+    reads.gate = None
+    store.revoke_api_key(record.id)
+    with pytest.raises(AuthError, match="invalid API key"):
+        await authenticator.authenticate(secret)
+    assert reads.count == 2
+
+
+async def test_a_store_failure_in_the_background_keeps_the_record_until_its_lifetime_ends(
+    store: Store,
+    authenticator: Authenticator,
+    clock: Clock,
+    reads: CountedReads,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    secret, record = add_key(store)
+    await authenticator.authenticate(secret)
+
+    reads.failure = OSError("database is locked")
+    clock.now += TTL_S * 0.8
+    with caplog.at_level(logging.WARNING, logger="berth.daemon.auth"):
+        assert await authenticator.authenticate(secret) == record
+        await settle(authenticator)
+    assert "reading an API key again failed" in caplog.text
+    assert await authenticator.authenticate(secret) == record  # and no read meanwhile
+    assert reads.count == 2
+
+    clock.now += TTL_S * 0.3  # its lifetime is over: the request waits, and sees the failure
+    with pytest.raises(OSError, match="database is locked"):
+        await authenticator.authenticate(secret)
+
+
+async def test_a_missing_or_unknown_secret_is_refused(
+    authenticator: Authenticator, reads: CountedReads
+) -> None:
+    with pytest.raises(AuthError, match="missing API key"):
+        await authenticator.authenticate(None)
+    with pytest.raises(AuthError, match="invalid API key"):
+        await authenticator.authenticate(generate_secret())
+    assert reads.count == 1
