@@ -28,7 +28,8 @@ class Clock:
 
 
 class CountedReads:
-    """Counts the store's key reads; :attr:`gate`, when set, holds each read until opened."""
+    """Counts the store's key reads; :attr:`gate`, when set, holds each read (the row already
+    read) until opened."""
 
     def __init__(self, store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
         self.count = 0
@@ -38,11 +39,12 @@ class CountedReads:
 
         def counted(key_hash: str) -> ApiKeyRecord | None:
             self.count += 1
+            found = read(key_hash)
             if self.gate is not None:
                 assert self.gate.wait(10), "the test never opened the gate"
             if self.failure is not None:
                 raise self.failure
-            return read(key_hash)
+            return found
 
         monkeypatch.setattr(store, "find_api_key", counted)
 
@@ -170,8 +172,7 @@ async def test_a_read_in_flight_when_the_cache_is_dropped_is_not_cached(
     reads.gate = threading.Event()
     first = asyncio.ensure_future(authenticator.authenticate(secret))
     await asyncio.sleep(0.05)
-    # Revoked through the admin API while the read is under way (it read the row already,
-    # as far as this test is concerned: the gate holds it before the query).
+    # Revoked through the admin API while the read is under way (it read the row already).
     authenticator.forget_all()
     reads.gate.set()
     assert await first == record  # that request was in before the revocation
@@ -180,6 +181,25 @@ async def test_a_read_in_flight_when_the_cache_is_dropped_is_not_cached(
     store.revoke_api_key(record.id)
     with pytest.raises(AuthError, match="invalid API key"):
         await authenticator.authenticate(secret)
+    assert reads.count == 2
+
+
+async def test_a_request_after_the_cache_is_dropped_does_not_share_a_read_begun_before(
+    store: Store, authenticator: Authenticator, reads: CountedReads
+) -> None:
+    secret, record = add_key(store)
+    reads.gate = threading.Event()
+    before = asyncio.ensure_future(authenticator.authenticate(secret))
+    await asyncio.sleep(0.05)  # its read found the key unrevoked and is held
+    store.revoke_api_key(record.id)  # what the admin API does: revoke, then drop the cache
+    authenticator.forget_all()
+    after = asyncio.ensure_future(authenticator.authenticate(secret))
+    await asyncio.sleep(0.05)
+    reads.gate.set()
+
+    assert await before == record
+    with pytest.raises(AuthError, match="invalid API key"):
+        await after
     assert reads.count == 2
 
 

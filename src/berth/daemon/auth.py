@@ -6,11 +6,12 @@ the store never holds a usable secret.
 
 Lookups are cached, to keep the database off the proxy's hot path: a record is used for at
 most ``cache_ttl_s`` seconds after its read began, and revoking or changing a key through the
-admin API clears the cache at once (a read in flight then is not cached).  So that steady
-traffic never waits for the store, a record past three quarters of its lifetime is read again
-in the background the first time it is used, while the request goes on with the cached one;
-only a key unused for longer than that is read while its request waits.  At most one read per
-secret is in flight: requests that arrive meanwhile wait for it instead of each reading.
+admin API clears the cache at once (a read in flight then is not cached, and answers only the
+requests that arrived before).  So that steady traffic never waits for the store, a record
+past three quarters of its lifetime is read again in the background the first time it is used,
+while the request goes on with the cached one; only a key unused for longer than that is read
+while its request waits.  At most one read per secret is in flight: requests that arrive
+meanwhile wait for it instead of each reading.
 """
 
 from __future__ import annotations
@@ -66,8 +67,10 @@ class Authenticator:
         # secret -> (record, when the read that found it began, whether to read it again
         # ahead of its end: not after that failed once)
         self._cache: dict[str, tuple[ApiKeyRecord, float, bool]] = {}
-        self._reads: dict[str, asyncio.Task[ApiKeyRecord]] = {}
-        # Bumped by forget_all: a read begun before it must not refill the cache.
+        # (secret, generation) -> the read in flight for it
+        self._reads: dict[tuple[str, int], asyncio.Task[ApiKeyRecord]] = {}
+        # Bumped by forget_all: a read begun before it must neither refill the cache nor
+        # answer a request that arrived after it.
         self._generation = 0
 
     async def authenticate(self, secret: str | None) -> ApiKeyRecord:
@@ -78,18 +81,19 @@ class Authenticator:
         if not secret:
             raise AuthError(_MISSING_KEY)
         hit = self._cache.get(secret)
+        reading = (secret, self._generation)
         if hit is not None:
             age = self._clock() - hit[1]
             if age < self._cache_ttl_s:
-                if age >= self._refresh_after_s and hit[2] and secret not in self._reads:
-                    self._start_read(secret, background=True)
+                if age >= self._refresh_after_s and hit[2] and reading not in self._reads:
+                    self._start_read(reading, background=True)
                 return hit[0]
-        read = self._reads.get(secret) or self._start_read(secret, background=False)
+        read = self._reads.get(reading) or self._start_read(reading, background=False)
         return await asyncio.shield(read)  # one waiter leaving does not end the others' read
 
     def forget_all(self) -> None:
         """Drop the cache (after a key is revoked or changed); reads in flight are not
-        cached when they finish."""
+        cached when they finish, and requests from now on do not wait for them."""
         self._cache.clear()
         self._generation += 1
 
@@ -106,14 +110,16 @@ class Authenticator:
             self._cache.pop(next(iter(self._cache)))
         self._cache[secret] = (record, read_at, True)
 
-    def _start_read(self, secret: str, *, background: bool) -> asyncio.Task[ApiKeyRecord]:
-        task = asyncio.create_task(self._read_in_thread(secret), name="api-key-read")
-        self._reads[secret] = task
-        task.add_done_callback(lambda done: self._read_done(secret, done, background))
+    def _start_read(
+        self, reading: tuple[str, int], *, background: bool
+    ) -> asyncio.Task[ApiKeyRecord]:
+        task = asyncio.create_task(self._read_in_thread(*reading), name="api-key-read")
+        self._reads[reading] = task
+        task.add_done_callback(lambda done: self._read_done(reading, done, background))
         return task
 
-    async def _read_in_thread(self, secret: str) -> ApiKeyRecord:
-        generation, read_at = self._generation, self._clock()
+    async def _read_in_thread(self, secret: str, generation: int) -> ApiKeyRecord:
+        read_at = self._clock()
         try:
             record = await asyncio.to_thread(self._read, secret)
         except AuthError:
@@ -123,9 +129,11 @@ class Authenticator:
         self._keep(secret, record, generation, read_at)
         return record
 
-    def _read_done(self, secret: str, task: asyncio.Task[ApiKeyRecord], background: bool) -> None:
-        if self._reads.get(secret) is task:
-            del self._reads[secret]
+    def _read_done(
+        self, reading: tuple[str, int], task: asyncio.Task[ApiKeyRecord], background: bool
+    ) -> None:
+        if self._reads.get(reading) is task:
+            del self._reads[reading]
         if task.cancelled():
             return
         error = task.exception()  # retrieved here, so an unawaited failure is not reported
@@ -133,8 +141,9 @@ class Authenticator:
             # The store failed: the cached record stays usable until its lifetime ends, and
             # is not read again before (then a request waits for the read, and sees it fail).
             _log.warning("reading an API key again failed: %r", error)
+            secret, generation = reading
             hit = self._cache.get(secret)
-            if hit is not None:
+            if hit is not None and generation == self._generation:
                 self._cache[secret] = (hit[0], hit[1], False)
 
 
