@@ -54,6 +54,7 @@ import shutil
 import signal
 import socket
 import ssl
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -244,6 +245,8 @@ class Result:
     sample: Sample
     window_s: float
     cpu_s: float
+    #: The CPU seconds of each of the path's processes, in ``Target.pids`` order.
+    cpu_s_each: list[float]
 
     @property
     def us_per_event(self) -> float:
@@ -298,9 +301,10 @@ async def measure(target: Target, args: argparse.Namespace) -> Result:
     await asyncio.sleep(args.warmup_s)
     sample.measuring = True
     profilers = _start_profilers(target, args)
-    cpu_before, started = cpu_s(target.pids), time.perf_counter()
+    cpu_before, started = [cpu_s((pid,)) for pid in target.pids], time.perf_counter()
     await asyncio.sleep(args.duration_s)
-    cpu_after, window_s = cpu_s(target.pids), time.perf_counter() - started
+    cpu_after = [cpu_s((pid,)) for pid in target.pids]
+    window_s = time.perf_counter() - started
     for profiler in profilers:
         await asyncio.to_thread(profiler.wait)
     sample.measuring = False
@@ -311,7 +315,8 @@ async def measure(target: Target, args: argparse.Namespace) -> Result:
         sample.fail("streams not finished after the window")
         for client in clients:
             client.cancel()
-    return Result(target.name, sample, window_s, cpu_after - cpu_before)
+    used = [after - before for before, after in zip(cpu_before, cpu_after, strict=True)]
+    return Result(target.name, sample, window_s, sum(used), used)
 
 
 def _start_profilers(target: Target, args: argparse.Namespace) -> list[subprocess.Popen[bytes]]:
@@ -509,9 +514,19 @@ def _report(rounds: list[list[Result]], args: argparse.Namespace) -> None:
                 f"| {pct_ms(s.gaps_s, 0.5):.1f} / {pct_ms(s.gaps_s, 0.99):.1f} "
                 f"/ {1000 * max(s.gaps_s, default=float('nan')):.1f} | {s.streams} | {errors} |"
             )
+    split = [r for results in rounds for r in results if len(r.cpu_s_each) == 2]
+    if split:
+        print("\n| round | path | CPU µs per event: leader + agent |")
+        print("| ---: | --- | ---: |")
+        for number, results in enumerate(rounds, 1):
+            for r in results:
+                if len(r.cpu_s_each) == 2:
+                    leader, agent = (1e6 * c / max(1, r.sample.events) for c in r.cpu_s_each)
+                    print(f"| {number} | {r.name} | {leader:.0f} + {agent:.0f} |")
     reference = [r for results in rounds for r in results if r.name == "vllm-router"]
     if not reference:
         return
+    ratios: dict[str, list[tuple[float, float, float]]] = {}
     print("\n| round | path | CPU per event ÷ vllm-router | TTFT p99 ÷ vllm-router "
           "| gap p99 - vllm-router ms |")  # fmt: skip
     print("| ---: | --- | ---: | ---: | ---: |")
@@ -522,10 +537,25 @@ def _report(rounds: list[list[Result]], args: argparse.Namespace) -> None:
         for r in results:
             if r.name in ("vllm-router", "engine alone"):
                 continue
+            cpu = r.us_per_event / ref.us_per_event
             ttft = pct_ms(r.sample.ttft_s, 0.99) / pct_ms(ref.sample.ttft_s, 0.99)
             gap = pct_ms(r.sample.gaps_s, 0.99) - pct_ms(ref.sample.gaps_s, 0.99)
-            print(f"| {number} | {r.name} | {r.us_per_event / ref.us_per_event:.2f} "
-                  f"| {ttft:.2f} | {gap:+.1f} |")  # fmt: skip
+            ratios.setdefault(r.name, []).append((cpu, ttft, gap))
+            print(f"| {number} | {r.name} | {cpu:.2f} | {ttft:.2f} | {gap:+.1f} |")
+    if len(rounds) < 3:
+        return
+    # One round moves with whatever else the machine does; the median of the rounds does less.
+    print(f"\nThe median of the {len(rounds)} rounds (lowest - highest):\n")
+    print("| path | CPU per event ÷ vllm-router | TTFT p99 ÷ vllm-router "
+          "| gap p99 - vllm-router ms |")  # fmt: skip
+    print("| --- | ---: | ---: | ---: |")
+    for name, values in ratios.items():
+        cells = []
+        for column, sign in ((0, ""), (1, ""), (2, "+")):
+            low, *_, high = found = sorted(v[column] for v in values)
+            middle = statistics.median(found)
+            cells.append(f"{middle:{sign}.2f} ({low:{sign}.2f} - {high:{sign}.2f})")
+        print(f"| {name} | {' | '.join(cells)} |")
 
 
 async def _bench(targets: list[Target], args: argparse.Namespace) -> list[list[Result]]:
