@@ -73,7 +73,7 @@ def authenticator(store: Store, clock: Clock, reads: CountedReads) -> Authentica
 async def settle(authenticator: Authenticator) -> None:
     """Until the reads in flight (background ones included) have finished."""
     async with asyncio.timeout(10):
-        while authenticator._reads:
+        while authenticator.reads_in_flight:
             await asyncio.sleep(0.005)
 
 

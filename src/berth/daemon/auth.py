@@ -91,6 +91,11 @@ class Authenticator:
         read = self._reads.get(reading) or self._start_read(reading, background=False)
         return await asyncio.shield(read)  # one waiter leaving does not end the others' read
 
+    @property
+    def reads_in_flight(self) -> int:
+        """How many key reads from the store are under way (background ones included)."""
+        return len(self._reads)
+
     def forget_all(self) -> None:
         """Drop the cache (after a key is revoked or changed); reads in flight are not
         cached when they finish, and requests from now on do not wait for them."""
