@@ -56,7 +56,7 @@ def add_key(store: Store, name: str = "app") -> tuple[str, ApiKeyRecord]:
 
 
 @pytest.fixture
-def clock() -> Clock:
+def monotonic() -> Clock:
     return Clock()
 
 
@@ -66,8 +66,8 @@ def reads(store: Store, monkeypatch: pytest.MonkeyPatch) -> CountedReads:
 
 
 @pytest.fixture
-def authenticator(store: Store, clock: Clock, reads: CountedReads) -> Authenticator:
-    return Authenticator(store, PEPPER, cache_ttl_s=TTL_S, clock=clock)
+def authenticator(store: Store, monotonic: Clock, reads: CountedReads) -> Authenticator:
+    return Authenticator(store, PEPPER, cache_ttl_s=TTL_S, clock=monotonic)
 
 
 async def settle(authenticator: Authenticator) -> None:
@@ -78,18 +78,18 @@ async def settle(authenticator: Authenticator) -> None:
 
 
 async def test_a_record_in_use_is_read_again_in_the_background_while_requests_go_on(
-    store: Store, authenticator: Authenticator, clock: Clock, reads: CountedReads
+    store: Store, authenticator: Authenticator, monotonic: Clock, reads: CountedReads
 ) -> None:
     secret, record = add_key(store)
     assert await authenticator.authenticate(secret) == record
     assert reads.count == 1
 
-    clock.now += TTL_S * 0.5  # young: no read
+    monotonic.now += TTL_S * 0.5  # young: no read
     assert await authenticator.authenticate(secret) == record
     assert reads.count == 1
 
     reads.gate = threading.Event()
-    clock.now += TTL_S * 0.3  # past three quarters of the lifetime: read again, not waited for
+    monotonic.now += TTL_S * 0.3  # past three quarters of the lifetime: read again, not waited for
     async with asyncio.timeout(2):
         assert await authenticator.authenticate(secret) == record
         assert await authenticator.authenticate(secret) == record  # one read in flight only
@@ -100,7 +100,7 @@ async def test_a_record_in_use_is_read_again_in_the_background_while_requests_go
 
     # The lifetime now counts from that read: past the first one's end, still no wait.
     reads.gate = threading.Event()
-    clock.now += TTL_S * 0.5
+    monotonic.now += TTL_S * 0.5
     async with asyncio.timeout(2):
         assert await authenticator.authenticate(secret) == record
     assert reads.count == 2
@@ -108,12 +108,12 @@ async def test_a_record_in_use_is_read_again_in_the_background_while_requests_go
 
 
 async def test_a_record_unused_past_its_lifetime_is_read_while_the_request_waits(
-    store: Store, authenticator: Authenticator, clock: Clock, reads: CountedReads
+    store: Store, authenticator: Authenticator, monotonic: Clock, reads: CountedReads
 ) -> None:
     secret, record = add_key(store)
     await authenticator.authenticate(secret)
 
-    clock.now += TTL_S
+    monotonic.now += TTL_S
     store.revoke_api_key(record.id)  # by another leader on the same database, say
 
     with pytest.raises(AuthError, match="invalid API key"):
@@ -151,13 +151,13 @@ async def test_one_waiter_cancelled_does_not_end_the_read_of_the_others(
 
 
 async def test_a_key_the_background_read_finds_revoked_is_no_longer_served(
-    store: Store, authenticator: Authenticator, clock: Clock, reads: CountedReads
+    store: Store, authenticator: Authenticator, monotonic: Clock, reads: CountedReads
 ) -> None:
     secret, record = add_key(store)
     await authenticator.authenticate(secret)
     store.revoke_api_key(record.id)
 
-    clock.now += TTL_S * 0.8
+    monotonic.now += TTL_S * 0.8
     assert await authenticator.authenticate(secret) == record  # within its lifetime still
     await settle(authenticator)
 
@@ -206,7 +206,7 @@ async def test_a_request_after_the_cache_is_dropped_does_not_share_a_read_begun_
 async def test_a_store_failure_in_the_background_keeps_the_record_until_its_lifetime_ends(
     store: Store,
     authenticator: Authenticator,
-    clock: Clock,
+    monotonic: Clock,
     reads: CountedReads,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
@@ -214,7 +214,7 @@ async def test_a_store_failure_in_the_background_keeps_the_record_until_its_life
     await authenticator.authenticate(secret)
 
     reads.failure = OSError("database is locked")
-    clock.now += TTL_S * 0.8
+    monotonic.now += TTL_S * 0.8
     with caplog.at_level(logging.WARNING, logger="berth.daemon.auth"):
         assert await authenticator.authenticate(secret) == record
         await settle(authenticator)
@@ -222,7 +222,7 @@ async def test_a_store_failure_in_the_background_keeps_the_record_until_its_life
     assert await authenticator.authenticate(secret) == record  # and no read meanwhile
     assert reads.count == 2
 
-    clock.now += TTL_S * 0.3  # its lifetime is over: the request waits, and sees the failure
+    monotonic.now += TTL_S * 0.3  # its lifetime is over: the request waits, and sees the failure
     with pytest.raises(OSError, match="database is locked"):
         await authenticator.authenticate(secret)
 
