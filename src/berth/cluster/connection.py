@@ -89,6 +89,10 @@ MAX_QUEUED_BYTES = 64 * 1024 * 1024
 #: Seconds a link that is already over (declared dead, or its reader ended) may spend on its
 #: close handshake before the socket is simply dropped: a black-holed peer never answers.
 CLOSE_TIMEOUT_S = 1.0
+# What closing a WebSocket whose socket is gone or going raises: the transport's errors
+# (ConnectionError and the close's TimeoutError are OSErrors), aiohttp's, and RuntimeError
+# for a WebSocket that was never prepared or is already closed by its other side.
+_CLOSE_ERRORS = (OSError, aiohttp.ClientError, RuntimeError)
 #: Seconds of silence after which a link is dead, by default (the ``link_timeout_s`` setting).
 LINK_TIMEOUT_S = 6.0
 
@@ -653,7 +657,7 @@ class LinkConnection:
         if self.close_code is None:
             self.close_code = code
             self.close_reason = reason
-        with contextlib.suppress(Exception):  # the socket may already be gone
+        with contextlib.suppress(*_CLOSE_ERRORS):  # the socket may already be gone
             await self.ws.close(code=code, message=reason.encode()[:120])
 
     def _process(self, event: LinkEvent) -> None:
@@ -746,7 +750,7 @@ class LinkConnection:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._writer
         # Bounded: a dead peer never answers the close handshake (its socket is dropped).
-        with contextlib.suppress(Exception):
+        with contextlib.suppress(*_CLOSE_ERRORS):  # TimeoutError is an OSError
             async with asyncio.timeout(CLOSE_TIMEOUT_S):
                 reason = self.close_reason.encode()[:120] if self._dead else b""
                 await self.ws.close(code=self.close_code or CloseCode.NORMAL, message=reason)
