@@ -138,6 +138,7 @@ async def test_a_model_with_no_ready_deployment_is_503_with_retry_after(
         (b'{"model": "m",', "invalid_json", None),
         (b"\xff\xfe", "invalid_json", None),
         (b'["m"]', "invalid_json", None),
+        (b"[" * 100_000 + b"]" * 100_000, "invalid_json", None),
         (b'{"messages": []}', "missing_model", "model"),
         (b'{"model": 3}', "missing_model", "model"),
     ],

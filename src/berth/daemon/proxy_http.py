@@ -127,7 +127,7 @@ def payload_of(body: bytes) -> dict[str, Any]:
     """An OpenAI request body parsed; :class:`InvalidRequestError` unless a JSON object."""
     try:
         payload = json.loads(body)
-    except ValueError as exc:  # also invalid UTF-8
+    except (ValueError, RecursionError) as exc:  # also invalid UTF-8, too deeply nested
         raise InvalidRequestError(
             f"the request body is not valid JSON: {exc}", code="invalid_json"
         ) from exc
