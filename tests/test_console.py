@@ -4,9 +4,14 @@ real leader: ``test_console_browser.py``."""
 
 from __future__ import annotations
 
+from datetime import UTC, datetime, timedelta
+
 import httpx
 import pytest
 
+from berth.admission import Admission, UsageLedger
+from berth.admission.errors import KeyExpiredError
+from berth.config import TierTable
 from berth.console import static_files
 from berth.console.sessions import (
     COOKIE_NAME,
@@ -199,8 +204,10 @@ def _key(store: Store, name: str, tier: str) -> tuple[str, str]:
     return secret, record.id
 
 
-def _gate(store: Store) -> ConsoleGate:
-    return ConsoleGate(store, Authenticator(store, PEPPER), PEPPER)
+def _gate(store: Store, authenticator: Authenticator | None = None) -> ConsoleGate:
+    admission = Admission(TierTable({}), UsageLedger(store))
+    authenticator = authenticator or Authenticator(store, PEPPER)
+    return ConsoleGate(store, authenticator, PEPPER, check_expiry=admission.check_expiry)
 
 
 async def test_an_admin_key_signs_in_and_its_revocation_ends_the_session(store: Store) -> None:
@@ -212,6 +219,22 @@ async def test_an_admin_key_signs_in_and_its_revocation_ends_the_session(store: 
     assert found is not None and found[1].id == key_id
     store.revoke_api_key(key_id)
     assert await gate.session(session_id) is None
+    assert len(gate.sessions) == 0
+
+
+async def test_an_expired_admin_key_cannot_sign_in_and_its_sessions_end(store: Store) -> None:
+    authenticator = Authenticator(store, PEPPER)
+    gate = _gate(store, authenticator)
+    secret, key_id = _key(store, "ops", "admin")
+    session_id, _ = await gate.sign_in(secret)
+    past = datetime.now(UTC) - timedelta(seconds=1)
+    store.update_api_key(key_id, expires_at=past)  # what the admin API does: change the key,
+    authenticator.forget_all()  # then drop the cache (an expiry reached later needs neither)
+
+    with pytest.raises(KeyExpiredError, match="expired") as refused:
+        await gate.sign_in(secret)
+    assert refused.value.http_status == 401
+    assert await gate.session(session_id) is None  # the session it had before ends too
     assert len(gate.sessions) == 0
 
 

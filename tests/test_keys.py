@@ -280,12 +280,19 @@ async def test_a_key_named_with_a_slash_before_the_rule_is_still_changed_and_rev
     transport = httpx.ASGITransport(app=app)
     async with httpx.AsyncClient(transport=transport, base_url="http://berth") as http:
         changed = await http.patch("/admin/keys/a%20b%2Fc", json={"rpm": 5})
+        misspelt = await http.patch("/admin/keys/a%20b%2Fc", json={"rpmm": 7})
         revoked = await http.delete("/admin/keys/a%20b%2Fc")
         unknown = await http.delete("/admin/keys/no%2Fsuch")
 
     assert changed.status_code == 200, changed.text
     assert changed.json()["limits"]["rpm"] == 5
+    # A field the request does not have is refused, not ignored (and nothing changes).
+    assert misspelt.status_code == 400, misspelt.text
+    assert misspelt.json()["error"]["message"] == "rpmm: no such field in this request"
+    assert misspelt.json()["error"]["param"] == "rpmm"
+    assert store.lookup_api_key(old.id).limits.rpm == 5
     assert revoked.status_code == 200, revoked.text
     assert revoked.json()["id"] == old.id and revoked.json()["revoked_at"] is not None
     assert unknown.status_code == 404
     assert "no/such" in unknown.json()["error"]["message"]
+    assert unknown.json()["error"]["code"] == "api_key_not_found"

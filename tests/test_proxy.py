@@ -139,6 +139,8 @@ async def test_a_model_with_no_ready_deployment_is_503_with_retry_after(
         (b"\xff\xfe", "invalid_json", None),
         (b'["m"]', "invalid_json", None),
         (b"[" * 100_000 + b"]" * 100_000, "invalid_json", None),
+        (b'{"model": "m", "temperature": NaN}', "invalid_json", None),
+        (b'{"model": "m", "max_tokens": -Infinity}', "invalid_json", None),
         (b'{"messages": []}', "missing_model", "model"),
         (b'{"model": 3}', "missing_model", "model"),
     ],

@@ -34,6 +34,14 @@ def test_error_body_has_the_openai_shape() -> None:
     [
         (NotFoundError("model", "x"), 404, "invalid_request_error", "model_not_found", None),
         (ConflictError("busy"), 409, "invalid_request_error", None, None),
+        (NotFoundError("API key", "k-1"), 404, "invalid_request_error", "api_key_not_found", None),
+        (
+            NotFoundError("registered desk model", "m"),
+            404,
+            "invalid_request_error",
+            "registered_desk_model_not_found",
+            None,
+        ),
         (AuthError("no key"), 401, "authentication_error", None, None),
         (AuthError("admin only", status=403), 403, "permission_error", None, None),
         (BerthError("plain"), 500, "server_error", None, None),

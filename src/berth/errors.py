@@ -72,6 +72,12 @@ class NotFoundError(BerthError):
         self.ident = ident
         super().__init__(message or f"{kind} {ident!r} not found")
 
+    @property
+    def not_found_code(self) -> str:
+        """The OpenAI error ``code`` of this error: ``<kind>_not_found``, the kind in lower
+        case with its spaces as underscores (``"API key"``: ``api_key_not_found``)."""
+        return "_".join(self.kind.lower().split()) + "_not_found"
+
 
 class ConflictError(BerthError):
     """The request clashes with existing state (a taken name, a busy object)."""

@@ -60,7 +60,7 @@ def error_from_exception(exc: BaseException) -> ErrorResponse:
         return ErrorResponse(500, error_body(_INTERNAL_MESSAGE, type="server_error"), {})
     code = _optional_str(exc, "error_code")
     if code is None and isinstance(exc, NotFoundError):
-        code = f"{exc.kind}_not_found"
+        code = exc.not_found_code
     body = error_body(str(exc), type=exc.error_type, code=code, param=_optional_str(exc, "param"))
     headers: dict[str, str] = {}
     retry_after_s = getattr(exc, "retry_after_s", None)

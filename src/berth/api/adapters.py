@@ -7,12 +7,12 @@ from typing import Literal
 
 from pydantic import Field, field_validator
 
-from berth.api.base import ApiModel, Timestamp
+from berth.api.base import ApiInput, ApiModel, Timestamp
 from berth.api.models import MODEL_NAME_PATTERN
 from berth.store.records import AdapterFormatName, ModelSource
 
 
-class AdapterIn(ApiModel):
+class AdapterIn(ApiInput):
     """``POST /admin/adapters``: register the adapter ``name`` of the model ``base``.
 
     ``path`` is absolute: a PEFT folder (vLLM, SGLang) or a GGUF LoRA file (llama.cpp) on the

@@ -21,8 +21,9 @@ class ApiModel(BaseModel):
     """Base of every admin API body: immutable values.
 
     Unknown fields are ignored when decoding, so a CLI reads the answers of a newer daemon
-    that added fields.  (Not ``defer_build``: FastAPI wraps body models in ``Annotated``
-    type adapters, which then cannot find the deferred schema.)
+    that added fields; request bodies are :class:`ApiInput`, which refuses them.  (Not
+    ``defer_build``: FastAPI wraps body models in ``Annotated`` type adapters, which then
+    cannot find the deferred schema.)
     """
 
     model_config = ConfigDict(frozen=True)
@@ -31,6 +32,13 @@ class ApiModel(BaseModel):
         """This body as ``model``, a subclass that adds ``fields`` (validated like any input:
         a missing or mistyped field raises pydantic's ``ValidationError``)."""
         return model.model_validate({**dict(self), **fields})
+
+
+class ApiInput(ApiModel):
+    """Base of every admin API request body: a field it does not have is refused (400, naming
+    the field), not ignored, so that a misspelt limit or setting is never dropped silently."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
 
 
 def _isoformat(value: datetime) -> str:
@@ -96,6 +104,8 @@ def describe_invalid(error: Mapping[str, object]) -> tuple[str, str | None]:
     for prefix in _VALIDATOR_PREFIXES:
         text = text.removeprefix(prefix)
     context = error.get("ctx")
+    if error.get("type") == "extra_forbidden":
+        text = "no such field in this request"
     if error.get("type") == "string_pattern_mismatch" and isinstance(context, Mapping):
         words = _PATTERN_WORDS.get(str(context.get("pattern")))
         if words is not None:

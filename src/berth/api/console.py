@@ -3,10 +3,10 @@
 
 from __future__ import annotations
 
-from berth.api.base import ApiModel
+from berth.api.base import ApiInput, ApiModel
 
 
-class SessionIn(ApiModel):
+class SessionIn(ApiInput):
     """``POST /ui/session``: sign in with an admin key (a standard key is refused, 403)."""
 
     key: str

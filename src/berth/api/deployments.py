@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from berth.api.base import ApiModel, Timestamp
+from berth.api.base import ApiInput, ApiModel, Timestamp
 from berth.runtime.base import RuntimeName
 from berth.runtime.engines import EngineName
 from berth.store.states import DeploymentState
 
 
-class DeploymentIn(ApiModel):
+class DeploymentIn(ApiInput):
     """``POST /admin/deployments``: run ``model`` on ``engine`` on ``node`` (an id or label;
     ``None``: where its VRAM estimate fits, or the leader's host when no node has GPUs).
 

@@ -12,7 +12,7 @@ from typing import Annotated
 
 from pydantic import Field, field_validator
 
-from berth.api.base import ApiModel, Timestamp
+from berth.api.base import ApiInput, ApiModel, Timestamp
 from berth.errors import ConfigError
 from berth.limits import (
     INHERIT,
@@ -28,7 +28,7 @@ from berth.limits import (
 LimitIn = Annotated[int, Field(ge=0, le=MAX_LIMIT, strict=True)] | None
 
 
-class _LimitsIn(ApiModel):
+class _LimitsIn(ApiInput):
     """The limit fields shared by :class:`KeyIn` and :class:`KeyChangeIn`."""
 
     rpm: LimitIn = None

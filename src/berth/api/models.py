@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator
 
-from berth.api.base import ApiModel, Timestamp, named_pattern
+from berth.api.base import ApiInput, ApiModel, Timestamp, named_pattern
 from berth.store.records import ModelSource
 
 #: Model names: letters, digits and ``. _ - : /`` (hub ids like ``org/model:q4``), starting
@@ -18,7 +18,7 @@ MODEL_NAME_PATTERN = named_pattern(
 )
 
 
-class ModelIn(ApiModel):
+class ModelIn(ApiInput):
     """``POST /admin/models``: register weights under ``name``.
 
     ``path`` is absolute: a GGUF file or a model folder on the leader's host, or, with

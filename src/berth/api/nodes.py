@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from berth.api.base import ApiModel, Timestamp
+from berth.api.base import ApiInput, ApiModel, Timestamp
 from berth.store.records import NodeStatus
 
 #: How the leader reaches a node's engines: on its own host (``local``), straight to the
@@ -12,7 +12,7 @@ from berth.store.records import NodeStatus
 DataPathName = Literal["local", "direct", "tunnel"]
 
 
-class EnrollIn(ApiModel):
+class EnrollIn(ApiInput):
     """``POST /admin/nodes/enroll``: a single-use enrollment URI for a new node ``label``."""
 
     label: str

@@ -11,7 +11,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator
 
-from berth.api.base import ApiModel
+from berth.api.base import ApiInput, ApiModel
 from berth.runtime.base import RuntimeName
 from berth.runtime.engines import EngineName
 
@@ -19,7 +19,7 @@ from berth.runtime.engines import EngineName
 GpuVerdict = Literal["fits", "too_small", "no_room", "reserved", "unchecked"]
 
 
-class PlanIn(ApiModel):
+class PlanIn(ApiInput):
     """``POST /admin/plan``: where a deployment of ``target`` would go.
 
     ``target`` is a service's name (its profile's model, engine, runtime, GPUs, context,

@@ -12,7 +12,7 @@ from typing import Literal
 from pydantic import Field, field_validator
 
 from berth.api.adapters import AdapterIn
-from berth.api.base import ApiModel, Timestamp, named_pattern
+from berth.api.base import ApiInput, ApiModel, Timestamp, named_pattern
 from berth.api.models import MODEL_NAME_PATTERN, ModelIn, RegisteredModel
 from berth.errors import ConfigError
 from berth.runtime.adapter_files import PEFT_CONFIG, AdapterFacts, inspect_adapter
@@ -32,7 +32,7 @@ HUB_REPO_PATTERN = named_pattern(
 FINISHED_PULL_STATES: frozenset[str] = frozenset({"done", "failed", "cancelled"})
 
 
-class PullIn(ApiModel):
+class PullIn(ApiInput):
     """``POST /admin/pulls``: download hub repository ``repo`` (``org/name``) at
     ``revision`` (a branch, tag or commit; default the main branch) into the leader's models
     folder and register it as ``name`` (default: ``repo``): as a model, or, for an adapter

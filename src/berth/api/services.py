@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator
 
-from berth.api.base import ApiModel, Timestamp, named_pattern
+from berth.api.base import ApiInput, ApiModel, Timestamp, named_pattern
 from berth.humanize import parse_duration
 from berth.runtime.base import RuntimeName
 from berth.runtime.engines import EngineName
@@ -51,7 +51,7 @@ ROUTE_NAME_PATTERN = named_pattern(
 )
 
 
-class ServiceIn(ApiModel):
+class ServiceIn(ApiInput):
     """``POST /admin/services``: a model and how to deploy it.
 
     ``engine`` and ``runtime`` as a user typed them (checked by the store); ``runtime``
@@ -95,7 +95,7 @@ class ServiceIn(ApiModel):
         return gpus
 
 
-class ScaleIn(ApiModel):
+class ScaleIn(ApiInput):
     """``PATCH /admin/services/{name}``: new scaling settings; a field left ``None`` keeps
     its value (``idle_timeout`` ``"never"`` clears the timeout).  Checked as a whole after
     the change: ``min_replicas`` above ``max_replicas`` is refused (400), nothing changed."""
@@ -110,7 +110,7 @@ class ScaleIn(ApiModel):
     _idle_timeout = field_validator("idle_timeout")(_check_idle_timeout)
 
 
-class DeployIn(ApiModel):
+class DeployIn(ApiInput):
     """``POST /admin/services/{name}/deploy``: the node (id or label) to deploy on;
     ``None``: the service's ``node_label``, else where its VRAM estimate fits (replicas
     spread over nodes first).  ``force`` as for a deployment (``DeploymentIn``)."""
@@ -119,7 +119,7 @@ class DeployIn(ApiModel):
     force: bool = False
 
 
-class RouteIn(ApiModel):
+class RouteIn(ApiInput):
     """``POST /admin/routes``: put ``service`` behind the route ``name`` (created if new) at
     ``priority`` (higher is tried first); ``fallback`` sets the route's fallback route."""
 
@@ -136,7 +136,7 @@ class RouteIn(ApiModel):
         return name
 
 
-class FallbackIn(ApiModel):
+class FallbackIn(ApiInput):
     """``PATCH /admin/routes/{name}``: the route's fallback; ``None`` clears it."""
 
     fallback: str | None

@@ -129,7 +129,12 @@ def build_apps(services: LeaderServices) -> tuple[LeaderApp, LeaderApp]:
     """Return ``(public_app, socket_app)`` sharing one admin app and one proxy."""
     admin = build_admin_app(services)
     admin.include_router(build_service_router(services))
-    console = ConsoleGate(services.store, services.authenticator, services.pepper)
+    console = ConsoleGate(
+        services.store,
+        services.authenticator,
+        services.pepper,
+        check_expiry=services.admission.check_expiry,
+    )
     admin.include_router(build_console_router(console, services.proxy.request_log))
     cors = CorsPolicy.from_setting(services.settings.cors_origins)
     return (

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import mimetypes
+from collections.abc import Callable
 
 from fastapi import APIRouter, Request
 from fastapi.responses import RedirectResponse, Response
 
+from berth.admission.errors import KeyExpiredError
 from berth.api.console import (
     RequestOut,
     RequestsPage,
@@ -73,18 +75,28 @@ class ConsoleGate:
     state-changing request must also carry the session's CSRF token.
     """
 
-    def __init__(self, store: Store, authenticator: Authenticator, pepper: bytes) -> None:
+    def __init__(
+        self,
+        store: Store,
+        authenticator: Authenticator,
+        pepper: bytes,
+        *,
+        check_expiry: Callable[[ApiKeyRecord], None],
+    ) -> None:
         self.sessions = SessionTable()
         self._store = store
         self._authenticator = authenticator
         self._pepper = pepper
+        self._check_expiry = check_expiry
 
     async def sign_in(self, secret: str) -> tuple[str, Session]:
         """Open a session for the admin key ``secret``: ``(session id, session)``.
 
-        Raises ``AuthError``: 401 for an unknown or revoked key, 403 for a standard one.
+        Raises ``AuthError``: 401 for an unknown or revoked key, 403 for a standard one;
+        ``KeyExpiredError`` (401) for a key past its expiry.
         """
         record = await self._authenticator.authenticate(secret.strip())
+        self._check_expiry(record)
         if record.tier != "admin":
             raise AuthError(
                 f"key {record.name!r} is a standard key: the console needs an admin key",
@@ -98,12 +110,13 @@ class ConsoleGate:
 
     async def session(self, session_id: str | None) -> tuple[Session, ApiKeyRecord] | None:
         """The live session of ``session_id`` and its key's record; ``None`` when there is
-        none, it expired, or its key was revoked (the session is dropped then)."""
+        none, it expired, or its key was revoked or is past its expiry (the key's sessions
+        are dropped then)."""
         session = self.sessions.get(session_id)
         if session is None:
             return None
         record = await asyncio.to_thread(self._store.find_api_key, session.key_hash)
-        if record is None:
+        if record is None or _expired(record, self._check_expiry):
             self.sessions.drop_key(session.key_id)
             return None
         return session, record
@@ -127,6 +140,14 @@ class ConsoleGate:
                     status=403,
                 )
         return record
+
+
+def _expired(record: ApiKeyRecord, check_expiry: Callable[[ApiKeyRecord], None]) -> bool:
+    try:
+        check_expiry(record)
+    except KeyExpiredError:
+        return True
+    return False
 
 
 def _session_info(session: Session) -> SessionInfo:

@@ -125,7 +125,7 @@ def _reason(exc: BerthError) -> str:
     if isinstance(exc, ProxyError | AdmissionError):
         return exc.error_code
     if isinstance(exc, NotFoundError):
-        return f"{exc.kind}_not_found"
+        return exc.not_found_code
     return "error"
 
 

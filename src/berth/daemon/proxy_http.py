@@ -126,7 +126,7 @@ def model_of(body: bytes) -> str:
 def payload_of(body: bytes) -> dict[str, Any]:
     """An OpenAI request body parsed; :class:`InvalidRequestError` unless a JSON object."""
     try:
-        payload = json.loads(body)
+        payload = json.loads(body, parse_constant=_refuse_constant)
     except (ValueError, RecursionError) as exc:  # also invalid UTF-8, too deeply nested
         raise InvalidRequestError(
             f"the request body is not valid JSON: {exc}", code="invalid_json"
@@ -134,6 +134,12 @@ def payload_of(body: bytes) -> dict[str, Any]:
     if not isinstance(payload, dict):
         raise InvalidRequestError("the request body must be a JSON object", code="invalid_json")
     return payload
+
+
+def _refuse_constant(name: str) -> Any:
+    # Python's json takes NaN, Infinity and -Infinity; RFC 8259 (section 6) has no such
+    # numbers, and engines refuse them, each in its own words.
+    raise ValueError(f"{name} is not a JSON number")
 
 
 def model_in(payload: dict[str, Any]) -> str:
