@@ -323,7 +323,8 @@ class Admission:
             raise self._over(
                 quota,
                 "max_concurrency",
-                f"this key already has {quota.in_flight} requests in flight, its limit",
+                f"this key already has {quota.in_flight} "
+                f"{'request' if quota.in_flight == 1 else 'requests'} in flight, its limit",
                 CONCURRENCY_RETRY_S,
             )
         if quota.uses_calendar:
