@@ -34,6 +34,8 @@ REFRESH_AFTER_SHARE = 0.75
 #: Most entries kept in the cache (oldest dropped first).
 MAX_CACHE_ENTRIES = 4096
 
+_MISSING_KEY = "missing API key: send 'Authorization: Bearer <key>'"
+
 
 def secret_from_headers(headers: Iterable[tuple[bytes, bytes]]) -> str | None:
     """The key a request carries in ``Authorization: Bearer`` or ``x-api-key``, if any."""
@@ -81,13 +83,15 @@ class Authenticator:
         if not secret:
             raise AuthError(_MISSING_KEY)
         hit = self._cache.get(secret)
-        reading = (secret, self._generation)
         if hit is not None:
             age = self._clock() - hit[1]
             if age < self._cache_ttl_s:
-                if age >= self._refresh_after_s and hit[2] and reading not in self._reads:
-                    self._start_read(reading, background=True)
+                if age >= self._refresh_after_s and hit[2]:
+                    ahead = (secret, self._generation)
+                    if ahead not in self._reads:
+                        self._start_read(ahead, background=True)
                 return hit[0]
+        reading = (secret, self._generation)
         read = self._reads.get(reading) or self._start_read(reading, background=False)
         return await asyncio.shield(read)  # one waiter leaving does not end the others' read
 
@@ -150,9 +154,6 @@ class Authenticator:
             hit = self._cache.get(secret)
             if hit is not None and generation == self._generation:
                 self._cache[secret] = (hit[0], hit[1], False)
-
-
-_MISSING_KEY = "missing API key: send 'Authorization: Bearer <key>'"
 
 
 def require_tier(record: ApiKeyRecord, tier: str) -> None:
