@@ -1,9 +1,10 @@
 """What an agent does with the leader's requests and streams: runs them on its agent core.
 
 Control ops (``start``, ``stop``, ``probe``, ``inventory``, ``engines``, ``pull``,
-``load_adapter``, ``unload_adapter``, ``ingress``, ``model_shape``) each run in their own task, so a long
-engine start never holds up the link. ``http`` streams are relayed to the deployment's engine
-on this host with berth's pooled HTTP/1.1 client (:meth:`AgentService.relay_exchange`, the
+``load_adapter``, ``unload_adapter``, ``ingress``, ``model_shape``) each run in their own
+task, so a long engine start never holds up the link (``model_shape`` reads a model's header
+on this host for the leader's VRAM estimate). ``http`` streams are relayed to the deployment's
+engine on this host with berth's pooled HTTP/1.1 client (:meth:`AgentService.relay_exchange`, the
 one relay the agent's direct ingress uses too, :mod:`berth.agent.ingress`), carrying the
 engine's own API key in place of any credential in the leader's headers; when the leader
 resets a stream, its task is cancelled and the engine connection closed, so the engine stops
@@ -74,8 +75,8 @@ from berth.engine_http.pool import UpstreamPool
 from berth.engine_http.response import UpstreamResponse
 from berth.errors import BerthError, EngineError, NotFoundError
 from berth.observability.loop_lag import LagHistogram
-from berth.placement.model_files import FileStamp, read_model_file
 from berth.observability.window import RequestMeter, is_error
+from berth.placement.model_files import FileStamp, read_model_file
 from berth.runtime.engines import DeploymentRequest
 from berth.runtime.gpu import GpuInfo
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from berth.cluster.link import LOCAL_NODE_ID, AgentLink
+from berth.cluster.protocol.ops import MODEL_SHAPE
 from berth.errors import ConfigError, EngineError
 from berth.placement import EstimateRequest, ModelShape, VramEstimate, estimate_vram
 from berth.placement.errors import ModelFileError
@@ -104,6 +105,11 @@ class VramEstimator:
         Raises ``EngineError`` when the agent lacks ``op.model_shape`` (an older agent) or
         cannot read the files, with its words.
         """
+        if MODEL_SHAPE.capability not in copy.link.capabilities:
+            raise EngineError(
+                f"node {copy.label}'s agent does not read model headers (no "
+                f"{MODEL_SHAPE.capability}); upgrade it"
+            )
         key = (copy.node_id, copy.path)
         cached = self._shapes.get(key)
         found = await copy.link.model_shape(copy.path, cached.stamp if cached else None)

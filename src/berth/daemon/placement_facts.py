@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from berth.cluster.link import LOCAL_NODE_ID, AgentLink
-from berth.cluster.protocol.ops import OP_CAPABILITIES, RUNTIME_CAPABILITIES
 from berth.cluster.link_registry import LinkRegistry
+from berth.cluster.protocol.ops import OP_CAPABILITIES, RUNTIME_CAPABILITIES
 from berth.daemon.estimates import NodeCopy, VramEstimator
 from berth.daemon.ready_table import ReadyTable
 from berth.errors import ConfigError, EngineError
@@ -152,9 +152,7 @@ async def gather_residents(
         link = links.get(record.node_id) if links is not None else None
         path = paths.get((record.model_name, record.node_id))
         copy = NodeCopy(link, record.node_id, path) if link and path else None
-        result = await estimator.of_deployment(
-            record, models.get(record.model_name), engine, copy
-        )
+        result = await estimator.of_deployment(record, models.get(record.model_name), engine, copy)
         if result.estimate is None:
             log.debug("deployment %s holds no counted VRAM: %s", record.id, result.problem)
             continue
