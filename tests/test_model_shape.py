@@ -7,6 +7,7 @@ over an in-memory WebSocket pair). ``test_plan_remote_cli.py`` does it with real
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -229,3 +230,38 @@ async def test_a_model_only_on_an_agent_is_placed_by_its_estimate(
     (copy,) = detail.copies
     assert copy.node_label == "gpu-a" and copy.problem is None
     assert copy.estimate is not None and copy.estimate.summary == expected.summary()
+
+
+async def test_a_deployment_of_it_from_before_counts_what_its_copy_needs(
+    gpu_agent: Leader, tmp_path: Path
+) -> None:
+    on_agent = write_model_gguf(tmp_path / "agent-home" / "m.gguf")
+    gpu_agent.store.add_model("m", str(on_agent), source="remote")
+    gpu_agent.store.set_model_location("m", gpu_agent.agent_id, str(on_agent))
+    # placed by an earlier leader: this one has no estimate remembered for it
+    gpu_agent.store.create_deployment("m", "llamacpp", "process", gpu_agent.agent_id, gpus=(0,))
+    planned = await gpu_agent.manager.plan(DeployOptions("m", "llamacpp", served_model_name="b"))
+    (option,) = planned.result.considered
+    assert option.free_mb == 4096 - (96 + 180 + 1280), option
+
+
+async def test_an_hf_folder_on_the_agent_is_read_there(linked: Linked, tmp_path: Path) -> None:
+    folder = tmp_path / "llama3"
+    folder.mkdir()
+    config = {"architectures": ["LlamaForCausalLM"], "num_hidden_layers": 32,
+              "hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 8,
+              "max_position_embeddings": 8192, "torch_dtype": "bfloat16"}  # fmt: skip
+    (folder / "config.json").write_text(json.dumps(config))
+    for number, size in enumerate((5_000_000_000, 3_000_000_000), start=1):
+        with (folder / f"model-{number:05d}-of-00002.safetensors").open("wb") as file:
+            file.truncate(size)  # sparse
+    found = await linked.link.model_shape(str(folder))
+    assert found.shape is not None
+    assert (found.shape.format, found.shape.weights_bytes) == ("hf", 8_000_000_000)
+    assert found.shape.layer_kv_heads == (8,) * 32 and found.shape.dtype == "bfloat16"
+    assert found.stamp.size_bytes == 8_000_000_000 + (folder / "config.json").stat().st_size
+    assert (await linked.link.model_shape(str(folder), found.stamp)).shape is None
+    with (folder / "model-00002-of-00002.safetensors").open("r+b") as file:
+        file.truncate(3_500_000_000)  # a weight file replaced: the stamp changes
+    changed = await linked.link.model_shape(str(folder), found.stamp)
+    assert changed.shape is not None and changed.shape.weights_bytes == 8_500_000_000
