@@ -265,3 +265,25 @@ async def test_an_hf_folder_on_the_agent_is_read_there(linked: Linked, tmp_path:
         file.truncate(3_500_000_000)  # a weight file replaced: the stamp changes
     changed = await linked.link.model_shape(str(folder), found.stamp)
     assert changed.shape is not None and changed.shape.weights_bytes == 8_500_000_000
+
+
+async def test_models_show_lists_every_copy_the_leader_s_first(
+    gpu_agent: Leader, tmp_path: Path
+) -> None:
+    on_leader = write_model_gguf(tmp_path / "leader" / "m.gguf")
+    gpu_agent.store.add_model("m", str(on_leader))
+    gpu_agent.store.set_model_location("m", gpu_agent.agent_id, str(tmp_path / "missing.gguf"))
+    gone = gpu_agent.store.enroll_node("gpu-z", "cd" * 32).id
+    gpu_agent.store.set_model_location("m", gone, "/srv/m.gguf")
+    detail = await model_detail(gpu_agent.store, gpu_agent.manager.estimator, gpu_agent.links, "m")
+    assert [(c.node_label, c.estimate is not None) for c in detail.copies] == [
+        ("local", True),
+        ("gpu-a", False),
+        ("gpu-z", False),
+    ]
+    assert detail.copies[0].shape is not None and detail.copies[0].shape.source == str(on_leader)
+    assert detail.copies[1].problem == (
+        f"node {gpu_agent.agent_id}: {tmp_path / 'missing.gguf'}: no such file or folder on "
+        "this host"
+    )
+    assert detail.copies[2].problem == "node gpu-z is not connected"
