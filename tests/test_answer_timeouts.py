@@ -13,14 +13,19 @@ from collections.abc import Sequence
 import httpx
 import pytest
 
+from berth.cluster.link_registry import LinkRegistry
 from berth.cluster.remote_link import tunnel_url
+from berth.daemon.lifecycle import DeployOptions, LifecycleManager
 from berth.daemon.proxy import OpenAIProxy
 from berth.engine_http.answer import EngineAnswer
 from berth.errors import NotFoundError
 from berth.observability.metrics import ProxyMetrics
 from berth.routing.resolver import Upstream
 from berth.routing.router import Router
-from berth.store import StreamTimeouts
+from berth.routing.waiting import WaitingAttempts
+from berth.store import Store, StreamTimeouts
+from berth.store.states import DeploymentState
+from support.fakes import FakeLink
 from support.link_pair import DEPLOYMENT, Linked
 from support.proxy_fixtures import running_proxy, sample, serve_berth
 from support.standin_engine import (
@@ -286,3 +291,51 @@ async def test_through_the_tunnel_a_stream_silent_past_its_idle_timeout_ends_wit
     )
     assert (done, rest) == (b"data: [DONE]", b"")
     await asyncio.wait_for(linked.engine.requests[0].disconnected.wait(), EVENT_TIMEOUT_S)
+
+
+# -- a stop wakes the requests waiting on the deployment ----------------------------------------
+
+
+@pytest.mark.store_models((MODEL, "m.gguf"))
+async def test_stopping_a_deployment_sends_its_waiting_request_to_another_at_once(
+    store: Store,
+) -> None:
+    node = store.enroll_node("gpu-a", "ab" * 32)
+    store.set_model_location(MODEL, node.id, "/agent/m.gguf")
+    healthy_events = chat_chunks(["from the other node"])
+    async with (
+        StandinEngine(SILENT_AFTER_HEAD) as silent,
+        StandinEngine(sse_reply(healthy_events)) as healthy,
+    ):
+        local, agent = FakeLink(base_url=silent.base_url), FakeLink(node.id, healthy.base_url)
+        waiting = WaitingAttempts()
+        manager = LifecycleManager(
+            store, LinkRegistry([local, agent]), health_timeout_s=5, stop_grace_s=1,
+            waiting=waiting,
+        )  # fmt: skip
+        await manager.start()
+        try:
+            stopping = await manager.deploy(DeployOptions(MODEL, "llamacpp", "local"))
+            other = await manager.deploy(DeployOptions(MODEL, "llamacpp", "gpu-a"))
+            for record in (stopping, other):
+                assert (await manager.wait_settled(record.id, 5)).state is DeploymentState.READY
+            router = Router(manager, waiting=waiting)
+            router.signals.observe(stopping.id, 0.001)  # it ranks first
+            router.signals.observe(other.id, 5.0)
+            metrics = ProxyMetrics()
+            # No first-byte timeout: only the stop can move the request on.
+            options = {"router": router, "first_byte_timeout_s": None}
+            async with running_proxy(manager, metrics, **options) as url:
+                asking = asyncio.create_task(_post_stream(url))
+                received = await silent.wait_for_request(EVENT_TIMEOUT_S)
+                assert len(waiting) == 1
+                assert (await manager.stop(stopping.id)).state is DeploymentState.STOPPED
+                status, body = await asking
+            # The stand-in is not stopped by the fake link: the proxy closed the exchange.
+            await asyncio.wait_for(received.disconnected.wait(), EVENT_TIMEOUT_S)
+        finally:
+            await manager.shutdown()
+    assert status == 200
+    assert body == b"".join(healthy_events)
+    left = {"model": MODEL, "deployment": stopping.id, "node": "local"}
+    assert sample(metrics, "berth_proxy_retries_total", reason="given_up", **left) == 1
