@@ -62,7 +62,7 @@ from berth.routing.resolver import Upstream
 from berth.routing.waiting import GiveUp, WaitingAttempts
 from berth.runtime.engines import DeploymentRequest, EngineName
 from berth.runtime.images import DEFAULT_GPU_IMAGES, DEFAULT_IMAGES
-from berth.store import DeploymentRecord, Store
+from berth.store import DeploymentRecord, Store, StreamTimeouts
 from berth.store.states import TERMINAL_STATES, DeploymentState
 
 log = logging.getLogger(__name__)
@@ -233,6 +233,11 @@ class LifecycleManager:
         engine's slots), held at the fair admission gate for the deployments serving each
         name from now on (:meth:`ReadyTable.set_service_capacities`)."""
         self._table.set_service_capacities(capacities)
+
+    def set_service_timeouts(self, timeouts: Mapping[str, StreamTimeouts]) -> None:
+        """The stream timeouts of each service (by name) hold for the deployments serving
+        its name from now on (:meth:`ReadyTable.set_service_timeouts`)."""
+        self._table.set_service_timeouts(timeouts)
 
     # -- nodes (the hub's NodeListener, and node removal) ---------------------------------
 
