@@ -95,7 +95,7 @@ _MODELS_PATH = "/v1/models"
 #: How much of a request's ``model`` the request log keeps (a client may send anything).
 _MAX_LOGGED_MODEL_CHARS = 200
 _MODEL_PREFIX = "/v1/models/"
-#: The ``[server]`` settings' defaults (``docs/fleet.md``, Timeouts): a stream's first byte
+#: The ``[server]`` settings' defaults (README, Engines and failures): a stream's first byte
 #: (its head and first event: prefill) within 120 s, then no silence over 60 s; a
 #: non-streamed answer, which comes whole once generation ends, within 600 s.
 FIRST_BYTE_TIMEOUT_S = 120.0
