@@ -10,14 +10,13 @@ from berth.api.base import ApiInput, ApiModel, Timestamp, named_pattern
 from berth.humanize import parse_duration
 from berth.runtime.base import RuntimeName
 from berth.runtime.engines import EngineName
+from berth.store.services import MAX_STREAM_TIMEOUT_S
 from berth.store.states import DeploymentState
 
 #: What an idle timeout may be given as: a duration (``"30s"``, ``"10m"``, ``"2h"``, or a
 #: number of seconds), or ``"never"`` (not stopped for idleness).
 NEVER = "never"
 _INT32 = 2**31 - 1
-#: The longest stream timeout a service may set (a day; the store checks the same).
-_MAX_TIMEOUT_S = 86400.0
 
 
 def idle_timeout_seconds(value: str | float | None) -> float | None:
@@ -91,8 +90,8 @@ class ServiceIn(ApiInput):
 
     _idle_timeout = field_validator("idle_timeout")(_check_idle_timeout)
     max_adapters: int | None = Field(default=None, ge=1, le=_INT32)
-    first_byte_timeout_s: float | None = Field(default=None, ge=0, le=_MAX_TIMEOUT_S)
-    stream_idle_timeout_s: float | None = Field(default=None, ge=0, le=_MAX_TIMEOUT_S)
+    first_byte_timeout_s: float | None = Field(default=None, ge=0, le=MAX_STREAM_TIMEOUT_S)
+    stream_idle_timeout_s: float | None = Field(default=None, ge=0, le=MAX_STREAM_TIMEOUT_S)
 
     @field_validator("gpus")
     @classmethod
@@ -114,8 +113,8 @@ class ScaleIn(ApiInput):
     pinned: bool | None = None
     priority: int | None = Field(default=None, ge=-_INT32, le=_INT32)
     capacity: int | None = Field(default=None, ge=1, le=_INT32)
-    first_byte_timeout_s: float | None = Field(default=None, ge=0, le=_MAX_TIMEOUT_S)
-    stream_idle_timeout_s: float | None = Field(default=None, ge=0, le=_MAX_TIMEOUT_S)
+    first_byte_timeout_s: float | None = Field(default=None, ge=0, le=MAX_STREAM_TIMEOUT_S)
+    stream_idle_timeout_s: float | None = Field(default=None, ge=0, le=MAX_STREAM_TIMEOUT_S)
 
     _idle_timeout = field_validator("idle_timeout")(_check_idle_timeout)
 

@@ -82,7 +82,7 @@ def check_scaling(settings: ScalingSettings) -> ScalingSettings:
 
 
 #: The longest stream timeout a service may set, in seconds (a day: far beyond any answer).
-_MAX_STREAM_TIMEOUT_S = 86400.0
+MAX_STREAM_TIMEOUT_S = 86400.0
 
 
 def check_timeouts(timeouts: StreamTimeouts) -> StreamTimeouts:
@@ -92,9 +92,9 @@ def check_timeouts(timeouts: StreamTimeouts) -> StreamTimeouts:
         ("first_byte_timeout_s", timeouts.first_byte_timeout_s),
         ("stream_idle_timeout_s", timeouts.stream_idle_timeout_s),
     ):
-        if value is not None and not (math.isfinite(value) and 0 <= value <= _MAX_STREAM_TIMEOUT_S):
+        if value is not None and not (math.isfinite(value) and 0 <= value <= MAX_STREAM_TIMEOUT_S):
             raise ConfigError(
-                f"{name} must be 0 (off) to {_MAX_STREAM_TIMEOUT_S:g} seconds, got {value}"
+                f"{name} must be 0 (off) to {MAX_STREAM_TIMEOUT_S:g} seconds, got {value}"
             )
     return timeouts
 
