@@ -422,6 +422,15 @@ class TunnelResponse:
     async def read(self, limit_bytes: int | None = None) -> bytes:
         return await read_body(self, limit_bytes)
 
+    async def wait_for_body(self) -> None:
+        """Return once body bytes, the end or a reset have arrived (a
+        :class:`~berth.engine_http.answer.TimedAnswer`); takes nothing."""
+        await self._stream.wait_readable()
+
+    def set_read_timeout(self, timeout_s: float | None) -> None:
+        """The longest silence between two pieces of the body from now on."""
+        self._read_timeout_s = timeout_s
+
     def push_body(self, sink: BodySink) -> None:
         """Push the body to ``sink`` from the link reader, as each data frame arrives (a
         :class:`~berth.engine_http.answer.PushedAnswer`); a reset or a read timeout fails it

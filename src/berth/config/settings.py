@@ -100,6 +100,9 @@ class Settings:
     public_key: Path | None
     max_body_bytes: int
     max_attempts: int
+    first_byte_timeout_s: float
+    stream_idle_timeout_s: float
+    read_timeout_s: float
     relay_buffer_chunks: int
     queue_max_requests: int
     queue_timeout_s: float

@@ -182,6 +182,19 @@ SETTINGS: tuple[SettingDef, ...] = (
     SettingDef("max_attempts", "int", "server",
                "attempts per request on different nodes before its first byte (1: no retry)",
                default=3, minimum=1, maximum=10),
+    # Timeouts of an engine's answer (berth.daemon.proxy; docs/fleet.md, Timeouts).
+    SettingDef("first_byte_timeout_s", "float", "server",
+               "seconds a streamed request waits for its answer's first byte (prefill) "
+               "before it goes to another deployment (0: no bound but read_timeout_s)",
+               default=120.0, minimum=0.0, maximum=86400.0),
+    SettingDef("stream_idle_timeout_s", "float", "server",
+               "longest silence inside a streamed answer, in seconds, after which it ends "
+               "with an error event (0: no bound but read_timeout_s)",
+               default=60.0, minimum=0.0, maximum=86400.0),
+    SettingDef("read_timeout_s", "float", "server",
+               "seconds any other wait for an engine may take: a non-streamed answer comes "
+               "whole once generated (504 after)",
+               default=600.0, minimum=1.0, maximum=86400.0),
     SettingDef("relay_buffer_chunks", "int", "server",
                "chunks of an answer read ahead of a slow client before berth stops reading",
                default=64, minimum=1, maximum=4096),

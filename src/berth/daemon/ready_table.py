@@ -11,7 +11,9 @@ probe answers again.
 Each upstream carries its deployment's slots at the fair admission gate
 (:func:`berth.admission.capacity.gate_slots`): a service's ``capacity`` setting for the
 deployments serving its name (:meth:`ReadyTable.set_service_capacities`, told of every
-change to services, so a new setting holds from the next request on), else its engine's.
+change to services, so a new setting holds from the next request on), else its engine's;
+and its service's stream timeouts, where the service set them
+(:meth:`ReadyTable.set_service_timeouts`, told likewise).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from berth.errors import NotFoundError
 from berth.placement import GpuReservation
 from berth.routing.errors import NoReadyDeploymentError
 from berth.routing.resolver import Upstream
-from berth.store import DeploymentRecord
+from berth.store import DeploymentRecord, StreamTimeouts
 
 #: Seconds a client is told to wait (``Retry-After``) for a model that is still loading.
 LOADING_RETRY_AFTER_S = 5
@@ -46,6 +48,8 @@ class ReadyTable:
         self._on_slots = on_slots
         #: service name -> its ``capacity`` setting (services without one are not here)
         self._capacities: dict[str, int] = {}
+        #: service name -> its stream timeouts (services that set none are not here)
+        self._timeouts: dict[str, StreamTimeouts] = {}
         #: deployment id -> (engine, extra args) of the ready ones berth started
         self._engines: dict[str, tuple[str, tuple[str, ...]]] = {}
         #: model -> deployment id -> upstream
@@ -123,6 +127,7 @@ class ReadyTable:
                 record.extra_args,
                 self._capacities.get(record.served_model_name),
             ),
+            timeouts=self._timeouts.get(record.served_model_name),
         )
         self._engines[record.id] = (record.engine, record.extra_args)
         self._ready.setdefault(record.served_model_name, {})[record.id] = upstream
@@ -146,6 +151,18 @@ class ReadyTable:
                 upstreams[deployment_id] = dataclasses.replace(upstream, slots=slots)
                 if self._on_slots is not None:
                     self._on_slots(deployment_id, slots)
+
+    def set_service_timeouts(self, timeouts: Mapping[str, StreamTimeouts]) -> None:
+        """The services' stream timeouts are now those of ``timeouts`` (service name ->
+        its :class:`StreamTimeouts`): the ready deployments serving each name carry them
+        from the next request on (the proxy's settings where a service set none)."""
+        unset = StreamTimeouts()
+        self._timeouts = {name: t for name, t in timeouts.items() if t != unset}
+        for model, upstreams in self._ready.items():
+            wanted = self._timeouts.get(model)
+            for deployment_id, upstream in upstreams.items():
+                if deployment_id in self._engines and upstream.timeouts != wanted:
+                    upstreams[deployment_id] = dataclasses.replace(upstream, timeouts=wanted)
 
     def unmark(self, model: str, deployment_id: str) -> None:
         """Stop routing ``model`` to the deployment (ready or parked)."""

@@ -370,6 +370,9 @@ async def serve(home: BerthHome, settings: Settings) -> None:
         tunnels=data_paths,
         router=router,
         max_attempts=settings.max_attempts,
+        read_timeout_s=settings.read_timeout_s,
+        first_byte_timeout_s=settings.first_byte_timeout_s or None,  # 0: off
+        stream_idle_timeout_s=settings.stream_idle_timeout_s or None,
         relay_buffer_chunks=settings.relay_buffer_chunks,
         engine_auth=core.engine_auth if core is not None else None,
         on_demand=scaling.stage,

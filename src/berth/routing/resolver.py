@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
+from berth.store.records import StreamTimeouts
+
 
 @dataclass(frozen=True)
 class AdapterUse:
@@ -47,6 +49,9 @@ class Upstream:
     #: requests the engine serves at once (its slots: ``--parallel``, ``--max-num-seqs``),
     #: the most the leader's fair admission queue lets through; ``None``: unknown, not held
     slots: int | None = None
+    #: its service's bounds on a streamed answer (first byte, longest silence), ``None``:
+    #: the proxy's own settings
+    timeouts: StreamTimeouts | None = None
 
 
 class UpstreamResolver(Protocol):
