@@ -64,22 +64,33 @@ def test_an_engines_slots_come_from_its_flag_or_are_unknown(
 
 
 @pytest.mark.parametrize(
-    ("engine", "args", "capacity", "slots"),
+    ("engine", "args", "capacity", "slots", "source", "detail"),
     [
-        ("llamacpp", (), None, 4),  # llama-server's --parallel -1 ("auto") gives 4
-        ("llamacpp", ("--parallel", "-1"), None, 4),
-        ("llamacpp", ("--parallel", "2"), None, 2),
-        ("vllm", (), None, None),  # vLLM and SGLang size themselves: not held
-        ("sglang", (), None, None),
-        ("vllm", ("--max-num-seqs", "64"), None, 64),
-        ("llamacpp", ("--parallel", "8"), 3, 3),  # the service's setting wins
-        ("vllm", (), 5, 5),
+        # llama-server's --parallel -1 ("auto") gives 4
+        ("llamacpp", (), None, 4, "engine_default", "llama.cpp's default, --parallel auto"),
+        ("llamacpp", ("--parallel", "-1"), None, 4, "engine_default",
+         "llama.cpp's default, --parallel auto"),
+        ("llamacpp", ("-np", "2"), None, 2, "flag", "--parallel 2"),
+        ("vllm", (), None, 256, "engine_default", "vLLM's default --max-num-seqs"),
+        # SGLang sizes itself at start, an adopted endpoint says nothing: default_slots
+        ("sglang", (), None, 6, "default_slots", "default_slots: its engine does not say"),
+        (None, (), None, 6, "default_slots", "default_slots: an adopted endpoint does not say"),
+        ("vllm", ("--max-num-seqs", "64"), None, 64, "flag", "--max-num-seqs 64"),
+        ("llamacpp", ("--parallel", "8"), 3, 3, "service", "the service's capacity setting"),
+        ("sglang", (), 5, 5, "service", "the service's capacity setting"),
     ],
-)
-def test_the_gates_slots_are_the_services_setting_else_the_engines(
-    engine: str, args: tuple[str, ...], capacity: int | None, slots: int | None
+)  # fmt: skip
+def test_the_gates_slots_are_the_services_setting_else_the_engines_else_default_slots(
+    engine: str | None,
+    args: tuple[str, ...],
+    capacity: int | None,
+    slots: int,
+    source: str,
+    detail: str,
 ) -> None:
-    assert gate_slots(engine, args, capacity) == slots
+    counted = gate_slots(engine, args, capacity, default_slots=6)
+    assert (counted.slots, counted.source, counted.detail) == (slots, source, detail)
+    assert counted.assumed == (source in ("engine_default", "default_slots"))
 
 
 def test_a_request_takes_a_free_slot_at_the_first_candidate_that_has_one() -> None:

@@ -103,7 +103,7 @@ def _config(tmp_path: Path, text: str) -> Path:
     return path
 
 
-def test_tiers_come_from_config_beside_the_built_in_two(tmp_path: Path) -> None:
+def test_tiers_come_from_config_beside_the_built_in_three(tmp_path: Path) -> None:
     path = _config(
         tmp_path,
         """
@@ -123,18 +123,19 @@ priority = 200
     )
     tiers = read_tiers(path)
 
-    assert list(tiers) == ["admin", "standard", "free"]  # by priority, highest first
+    assert list(tiers) == ["admin", "standard", "desk", "free"]  # by priority, highest first
     assert tiers["free"].limits == KeyLimits(
         rpm=3, tpm=20_000, daily_tokens=100_000, models=frozenset({"smollm2"})
     )
     assert (tiers["admin"].priority, tiers["standard"].priority) == (200, 50)
+    assert tiers["desk"].priority == 40  # desk jobs: below standard keys
     assert tiers["standard"].limits.unlimited
     assert tiers.require(" FREE ").name == "free"
 
 
 def test_an_unknown_tier_is_refused_listing_the_tiers(tmp_path: Path) -> None:
     tiers = read_tiers(tmp_path / "missing.toml")
-    with pytest.raises(ConfigError, match=r"unknown tier 'gold'; tiers: admin, standard"):
+    with pytest.raises(ConfigError, match=r"unknown tier 'gold'; tiers: admin, standard, desk"):
         tiers.require("gold")
 
 

@@ -11,22 +11,20 @@ not say, a default per engine:
   sizes the batch from free memory at start, which the leader cannot know, so
   :data:`UNKNOWN_SLOTS` is assumed.
 
-The fair admission gate uses the same setting and slots but not these guesses
-(:mod:`berth.admission.capacity`). Pure: no I/O.
+The fair admission gate assumes the same numbers (:mod:`berth.admission.capacity`), the last
+one through its ``default_slots`` setting. Pure: no I/O.
 """
 
 from __future__ import annotations
 
 from typing import Final
 
-from berth.runtime.slots import LLAMACPP_AUTO_SLOTS, engine_slots
+from berth.runtime.slots import ASSUMED_SLOTS, LLAMACPP_AUTO_SLOTS, VLLM_DEFAULT_SLOTS, engine_slots
 from berth.store import ServiceProfileRecord
 
-#: vLLM's ``--max-num-seqs`` default.
-VLLM_DEFAULT_SLOTS: Final = 256
 #: Assumed where an engine decides its slots at start (SGLang without
 #: ``--max-running-requests``), or an argument does not parse.
-UNKNOWN_SLOTS: Final = 8
+UNKNOWN_SLOTS: Final = ASSUMED_SLOTS
 
 _DEFAULT_SLOTS: Final[dict[str, int]] = {
     "llamacpp": LLAMACPP_AUTO_SLOTS,
