@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 
 import pytest
@@ -23,6 +23,7 @@ from berth.admission import (
     gate_slots,
 )
 from berth.cluster.link import EngineEndpoint
+from berth.cluster.protocol.frames import AdoptedState
 from berth.daemon.ready_table import ReadyTable
 from berth.runtime.slots import engine_slots
 from berth.store import DeploymentRecord
@@ -355,3 +356,32 @@ async def test_waiters_take_the_slots_a_larger_capacity_adds_at_once() -> None:
     assert first is not None
     gate.release(first)  # now one in use, at the new capacity: the last waiter goes
     assert await waiting[2] == "d-1"
+
+
+async def test_an_adopted_endpoint_and_an_sglang_engine_without_a_count_keep_the_queue_on() -> None:
+    # One deployment of unknown slots used to turn the fair queue off for its whole model:
+    # each now gets default_slots, and a request beyond every slot waits its turn.
+    table = ReadyTable(default_slots=2)
+    endpoint = EngineEndpoint("d-1", "http://127.0.0.1:8080", 1, 8080)
+    table.mark_ready(deployment("d-1", "chat", ("--parallel", "1")), endpoint)
+    sglang = replace(deployment("d-2", "chat"), engine="sglang")
+    table.mark_ready(sglang, EngineEndpoint("d-2", "http://127.0.0.1:8081", 1, 8081))
+    state = AdoptedState(name="ollama", served_model_name="chat", engine_model="qwen",
+                         host="127.0.0.1", port=11434, alive=True)  # fmt: skip
+    table.adopted_reported("local", [state])
+    candidates = {u.deployment_id: u for u in table.candidates("chat")}
+    assert {d: (u.slots, u.slots_assumed, u.slots_from) for d, u in candidates.items()} == {
+        "d-1": (1, False, "--parallel 1"),
+        "d-2": (2, True, "default_slots: its engine does not say"),
+        "adopted:ollama": (2, True, "default_slots: an adopted endpoint does not say"),
+    }
+    gate = SlotGate(max_waiting=10, timeout_s=30)
+    plan = list(candidates.values())
+    held = [await gate.acquire(f"k-{i}", 50, "chat", plan) for i in range(5)]
+    assert sorted(h for h in held if h is not None) == [
+        "adopted:ollama", "adopted:ollama", "d-1", "d-2", "d-2"
+    ]  # fmt: skip
+    sixth = asyncio.create_task(gate.acquire("k-6", 50, "chat", plan))
+    await until(lambda: gate.scheduler.waiting == 1)  # held, not sent past the slots
+    gate.release("adopted:ollama")
+    assert await sixth == "adopted:ollama"
