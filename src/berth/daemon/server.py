@@ -341,6 +341,7 @@ async def serve(home: BerthHome, settings: Settings) -> None:
             load_queue_max=settings.load_queue_max,
             scale_out_after_s=settings.scale_out_after_s,
             interval_s=settings.scaling_interval_s,
+            default_slots=settings.default_slots,
         ),
         metrics=ScalingMetrics(metrics.registry),
         audit=audit.append,

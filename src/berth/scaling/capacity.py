@@ -11,8 +11,8 @@ not say, a default per engine:
   sizes the batch from free memory at start, which the leader cannot know, so
   :data:`UNKNOWN_SLOTS` is assumed.
 
-The fair admission gate assumes the same numbers (:mod:`berth.admission.capacity`), the last
-one through its ``default_slots`` setting. Pure: no I/O.
+The fair admission gate assumes the same numbers (:mod:`berth.admission.capacity`); the last
+one is the ``default_slots`` setting for both. Pure: no I/O.
 """
 
 from __future__ import annotations
@@ -32,12 +32,13 @@ _DEFAULT_SLOTS: Final[dict[str, int]] = {
 }
 
 
-def replica_capacity(service: ServiceProfileRecord) -> int:
+def replica_capacity(service: ServiceProfileRecord, *, default_slots: int = UNKNOWN_SLOTS) -> int:
     """The concurrency capacity of one replica of ``service``: its ``capacity`` setting, else
-    its engine's slots, else the engine's default (see the module doc)."""
+    its engine's slots, else the engine's default, else ``default_slots`` (the setting; see
+    the module doc)."""
     if service.scaling.capacity is not None:
         return service.scaling.capacity
     slots = engine_slots(service.engine, service.extra_args)
     if slots is not None:
         return slots
-    return _DEFAULT_SLOTS.get(service.engine, UNKNOWN_SLOTS)
+    return _DEFAULT_SLOTS.get(service.engine, default_slots)
