@@ -175,6 +175,16 @@ def test_settings_refuse_a_malformed_tier_and_carry_good_ones(tmp_path: Path) ->
         Settings.load(home, env={})
 
 
+def test_the_desk_tier_setting_names_a_tier_that_exists(tmp_path: Path) -> None:
+    home = BerthHome(tmp_path / "home")
+    home.root.mkdir()
+    assert Settings.load(home, env={}).desk_tier == "desk"  # built in
+    home.config_file.write_text('[desk]\ndesk_tier = "market"\n\n[tiers.market]\npriority = 5\n')
+    assert Settings.load(home, env={}).desk_tier == "market"
+    with pytest.raises(ConfigError, match=r"desk_tier \(env\): unknown tier 'gold'; tiers: "):
+        Settings.load(home, env={"BERTH_DESK_TIER": "gold"})
+
+
 def test_changing_a_setting_keeps_the_tiers(tmp_path: Path) -> None:
     path = _config(
         tmp_path,
