@@ -424,7 +424,7 @@ def test_an_unknown_key_tier_is_refused_listing_the_tiers(cli_leader: tuple[Bert
     line = berth.fails("key", "create", "x", "--tier", "root", exit_code=EXIT_CONFIG)
 
     assert line == (
-        "error: unknown tier 'root'; tiers: admin, standard "
+        "error: unknown tier 'root'; tiers: admin, standard, desk "
         "(define others as [tiers.NAME] in config.toml)"
     )
     assert berth.admin("GET", "/admin/keys") == before

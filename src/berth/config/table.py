@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Literal
 from urllib.parse import urlsplit
 
+from berth.config.tiers import DESK_TIER
 from berth.errors import ConfigError
 from berth.http_server.cors import cors_origins_problem
 from berth.http_server.limits import ListenerLimits
@@ -26,6 +27,7 @@ from berth.runtime.base import RUNTIME_NAMES
 from berth.runtime.engine_container import DEFAULT_SHM_SIZE
 from berth.runtime.gpu import parse_simulated_gpus
 from berth.runtime.images import DEFAULT_GPU_IMAGES, DEFAULT_IMAGES
+from berth.runtime.slots import ASSUMED_SLOTS
 from berth.runtime.trees import TREE_MODES
 
 SettingSource = Literal["flag", "env", "file", "autodetect", "default"]
@@ -206,6 +208,10 @@ SETTINGS: tuple[SettingDef, ...] = (
     SettingDef("queue_timeout_s", "float", "server",
                "seconds a request may wait for an engine slot (503 queue_timeout after)",
                default=60.0, minimum=0.1, maximum=3600.0),
+    SettingDef("default_slots", "int", "server",
+               "slots the fair admission queue assumes for a deployment whose engine does not "
+               "say (an adopted endpoint, SGLang without --max-running-requests)",
+               default=ASSUMED_SLOTS, minimum=1, maximum=100_000),
     SettingDef("cors_origins", "str", "server",
                "browser origins allowed to call the public listener, comma-separated "
                "(https://chat.example.com; * for any, never with credentials); default none",
@@ -341,6 +347,10 @@ SETTINGS: tuple[SettingDef, ...] = (
                optional=True, check=simulated_gpus_problem),
     SettingDef("desk_pool_url", "str", "desk", "the ow desk `berth desk` offers models to",
                default="https://owterminal.com", check=http_url_problem),
+    SettingDef("desk_tier", "str", "desk",
+               "the tier ([tiers.NAME]) whose limits and priority `berth desk serve`'s jobs "
+               "run under at the leader",
+               default=DESK_TIER),
 )  # fmt: skip
 
 SETTINGS_BY_NAME: Mapping[str, SettingDef] = {d.name: d for d in SETTINGS}

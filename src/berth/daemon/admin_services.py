@@ -96,8 +96,9 @@ def ready_count(lifecycle: LifecycleManager, name: str) -> int:
         return 0
 
 
-def scaling_view(record: ServiceProfileRecord) -> ServiceScaling:
-    """A service's scaling settings for the admin API, with the capacity in force."""
+def scaling_view(record: ServiceProfileRecord, capacity: int | None = None) -> ServiceScaling:
+    """A service's scaling settings for the admin API, with the capacity in force
+    (``capacity``, the controller's, else counted here with the default settings)."""
     settings = record.scaling
     return ServiceScaling(
         min_replicas=settings.min_replicas,
@@ -106,7 +107,7 @@ def scaling_view(record: ServiceProfileRecord) -> ServiceScaling:
         pinned=settings.pinned,
         priority=settings.priority,
         capacity=settings.capacity,
-        replica_capacity=replica_capacity(record),
+        replica_capacity=capacity if capacity is not None else replica_capacity(record),
     )
 
 
@@ -143,7 +144,7 @@ def service_view(
         created_at=record.created_at,
         routes=routes,
         ready=ready_count(lifecycle, record.name),
-        scaling=scaling_view(record),
+        scaling=scaling_view(record, status.capacity if status is not None else None),
         replicas=dict(status.replicas) if status is not None else {},
         queued=status.queued if status is not None else 0,
         max_adapters=record.max_adapters,

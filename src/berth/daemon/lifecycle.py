@@ -22,6 +22,7 @@ import logging
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
+from berth.admission.capacity import DEFAULT_SLOTS
 from berth.cluster.link import LOCAL_NODE_ID, AgentLink
 from berth.cluster.link_registry import LinkRegistry
 from berth.cluster.protocol.frames import AdoptedState, EngineState
@@ -100,7 +101,8 @@ class LifecycleManager:
     the requests in ``waiting`` when it gives a deployment up; a stop (``berth stop``, a
     scale-in, an eviction, shutdown) wakes them too.  ``slots_changed(deployment_id,
     slots)`` hears of a ready deployment whose slots at the fair admission gate changed
-    (:meth:`set_service_capacities`; the daemon passes :meth:`berth.admission.SlotGate.resize`).
+    (:meth:`set_service_capacities`; the daemon passes :meth:`berth.admission.SlotGate.resize`);
+    ``default_slots`` are a ready deployment's slots there when its engine does not say.
     """
 
     def __init__(
@@ -120,6 +122,7 @@ class LifecycleManager:
         usage: UsageLookup = no_usage,
         min_residency_s: float = DEFAULT_MIN_RESIDENCY_S,
         slots_changed: Callable[[str, int | None], None] | None = None,
+        default_slots: int = DEFAULT_SLOTS,
     ) -> None:
         self._store = store
         self._links = links
@@ -129,8 +132,12 @@ class LifecycleManager:
         self._placing = asyncio.Lock()
         self._health_timeout_s = health_timeout_s
         self._stop_grace_s = stop_grace_s
+<<<<<<< HEAD
         self._waiting = waiting
         self._table = ReadyTable(on_slots=slots_changed)
+=======
+        self._table = ReadyTable(on_slots=slots_changed, default_slots=default_slots)
+>>>>>>> admit
         self._planner = Planner(
             store,
             links,

@@ -37,6 +37,7 @@ from berth.admission import (
     QueueRefusedError,
     QuotaExceededError,
     SlotGate,
+    SocketCaller,
     Ticket,
 )
 from berth.admission import estimate as estimate_tokens
@@ -295,12 +296,13 @@ class OpenAIProxy:
         self,
         request: ClientRequest,
         writer: ClientWriter,
-        api_key: ApiKeyRecord | None = None,
+        api_key: ApiKeyRecord | SocketCaller | None = None,
         *,
         key_name: str = "",
     ) -> None:
         """Serve one request (``request.path`` is the full ``/v1/...`` path) of ``api_key``
-        (the listener's authentication found it; ``None``: the Unix socket, no key);
+        (the listener's authentication found it; over the Unix socket, no key: its caller
+        there, ``None`` for the CLI);
         ``key_name`` names that key for :attr:`request_log`."""
         path = request.path
         method = request.method
@@ -367,7 +369,7 @@ class OpenAIProxy:
         forward: list[tuple[bytes, bytes]],
         content_length: bytes | None,
         writer: ClientWriter,
-        api_key: ApiKeyRecord | None,
+        api_key: ApiKeyRecord | SocketCaller | None,
         key_name: str = "",
     ) -> None:
         start = self._clock()

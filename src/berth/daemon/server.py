@@ -239,7 +239,7 @@ async def serve(home: BerthHome, settings: Settings) -> None:
 
     # Per-key limits and usage: in memory, the budgets starting from the ledger's totals.
     ledger = UsageLedger(store)
-    admission = Admission(settings.tiers, ledger)
+    admission = Admission(settings.tiers, ledger, desk_tier=settings.desk_tier)
     today, month_start = admission.budget_days()
     admission.load(
         await asyncio.to_thread(store.list_api_keys),
@@ -307,6 +307,7 @@ async def serve(home: BerthHome, settings: Settings) -> None:
         usage=resident_usage,
         min_residency_s=settings.min_residency_s,
         slots_changed=slots.resize,  # a service's capacity changed: waiters may go now
+        default_slots=settings.default_slots,
     )
     hub = NodeHub(
         store,
@@ -340,6 +341,7 @@ async def serve(home: BerthHome, settings: Settings) -> None:
             load_queue_max=settings.load_queue_max,
             scale_out_after_s=settings.scale_out_after_s,
             interval_s=settings.scaling_interval_s,
+            default_slots=settings.default_slots,
         ),
         metrics=ScalingMetrics(metrics.registry),
         audit=audit.append,
