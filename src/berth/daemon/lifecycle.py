@@ -132,12 +132,8 @@ class LifecycleManager:
         self._placing = asyncio.Lock()
         self._health_timeout_s = health_timeout_s
         self._stop_grace_s = stop_grace_s
-<<<<<<< HEAD
         self._waiting = waiting
-        self._table = ReadyTable(on_slots=slots_changed)
-=======
         self._table = ReadyTable(on_slots=slots_changed, default_slots=default_slots)
->>>>>>> admit
         self._planner = Planner(
             store,
             links,

@@ -9,19 +9,13 @@ ready) but gets no new request while another deployment of its model can take it
 probe answers again.
 
 Each upstream carries its deployment's slots at the fair admission gate
-<<<<<<< HEAD
-(:func:`berth.admission.capacity.gate_slots`): a service's ``capacity`` setting for the
-deployments serving its name (:meth:`ReadyTable.set_service_capacities`, told of every
-change to services, so a new setting holds from the next request on), else its engine's;
-and its service's stream timeouts, where the service set them
-(:meth:`ReadyTable.set_service_timeouts`, told likewise).
-=======
 (:func:`berth.admission.capacity.gate_slots`), and where they came from: a service's
 ``capacity`` setting for the deployments serving its name
 (:meth:`ReadyTable.set_service_capacities`, told of every change to services, so a new
 setting holds from the next request on), else its engine's, else the ``default_slots``
-setting (an adopted endpoint, SGLang without its flag), so every upstream is held.
->>>>>>> admit
+setting (an adopted endpoint, SGLang without its flag), so every upstream is held; and its
+service's stream timeouts, where the service set them (:meth:`ReadyTable.set_service_timeouts`,
+told likewise).
 """
 
 from __future__ import annotations
@@ -144,12 +138,9 @@ class ReadyTable:
                 deployment_id=record.id,
                 node_id=record.node_id,
                 model=record.served_model_name,
+                timeouts=self._timeouts.get(record.served_model_name),
             ),
-<<<<<<< HEAD
-            timeouts=self._timeouts.get(record.served_model_name),
-=======
             slots,
->>>>>>> admit
         )
         self._engines[record.id] = (record.engine, record.extra_args)
         self._ready.setdefault(record.served_model_name, {})[record.id] = upstream
