@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import signal
+import socket
 import ssl
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -34,8 +37,12 @@ from berth.http_server.tls_reload import (
 )
 from berth.http_server.writer import ResponseWriter
 from berth.paths import BerthHome
+from berth.runtime.engines import find_free_port
 from berth.store import Store
-from support.waiting import wait_for_async
+from support.berth_cli import Berth
+from support.cluster_harness import clean_env
+from support.processes import alive
+from support.waiting import wait_for, wait_for_async
 
 # -- the pure poll decision -----------------------------------------------------------------
 
@@ -305,3 +312,53 @@ async def test_the_cluster_listener_keeps_its_pair_over_a_broken_one_and_takes_a
     finally:
         await listener.stop()
         store.close()
+
+
+# -- a real leader process: SIGHUP --------------------------------------------------------------
+
+
+def _served_serial_sync(port: int) -> int:
+    with (
+        socket.create_connection(("127.0.0.1", port), timeout=10) as raw,
+        CLIENT.wrap_socket(raw) as tls,
+    ):
+        der = tls.getpeercert(binary_form=True)
+    assert der is not None
+    return x509.load_der_x509_certificate(der).serial_number
+
+
+@pytest.mark.slow
+def test_sighup_reloads_a_real_leaders_public_certificate_and_the_leader_stays_up(
+    tmp_path: Path, pki: Pki
+) -> None:
+    home = tmp_path / "home"
+    # The watch looks only once an hour: what this test sees is SIGHUP's doing.
+    berth = Berth(home, env=clean_env({"BERTH_TLS_RELOAD_INTERVAL_S": "3600"}), cwd=tmp_path)
+    port = find_free_port()
+    first = _serial(pki.cert)
+    try:
+        berth("daemon", "start", "--public-port", str(port), "--cluster-port",
+              str(find_free_port()), "--public-cert", str(pki.cert), "--public-key",
+              str(pki.key))  # fmt: skip
+        pid = int(BerthHome(home).pid_file.read_text())
+        log_file = BerthHome(home).daemon_log
+        assert _served_serial_sync(port) == first
+
+        cert_pem, key_pem, _ = _broken_pairs(pki)["mismatched key"]
+        pki.install(cert_pem, key_pem)
+        os.kill(pid, signal.SIGHUP)
+        wait_for(lambda: "refused, still serving" in log_file.read_text(), 30, "the refusal")
+        assert _served_serial_sync(port) == first
+
+        good_cert, good_key = pki.issue("second")
+        pki.install(good_cert.read_bytes(), good_key.read_bytes())
+        os.kill(pid, signal.SIGHUP)
+        second = _serial(good_cert)
+        wait_for(lambda: _served_serial_sync(port) == second, 30, "the new certificate")
+        assert alive(pid)
+        log_text = log_file.read_text()
+        assert f"public listener: SIGHUP: new certificate serial {second:X}" in log_text
+        assert "cluster listener: SIGHUP: certificate unchanged" in log_text  # also read
+        assert "running" in berth("daemon", "status").stdout
+    finally:
+        berth("daemon", "stop", check=False)

@@ -252,8 +252,9 @@ class ReloadingTLS:
             ssl_object.context = newest
 
     async def reload(self, *, reason: str = "SIGHUP") -> ReloadResult:
-        """Read and validate the files now (in a worker thread) and serve them if they pass;
-        ``kept`` (logged as one warning) when they do not. ``reason`` goes in the log line."""
+        """Read and validate the files now (in a worker thread) and serve them if they pass
+        (``reloaded``); ``kept`` (logged as one warning) when they do not; ``unchanged`` when
+        they hold the pair served already. ``reason`` goes in the log line."""
         stamp = pair_stamp(self.cert_path, self.key_path)
         try:
             pair = await asyncio.to_thread(load_pair, self.cert_path, self.key_path, self._build)
@@ -265,8 +266,12 @@ class ReloadingTLS:
                 exc.reason,
             )  # fmt: skip
             return "kept"
-        self._served = pair
         self._seen, self._refused = pair.stamp, None
+        if (pair.serial, pair.stamp) == (self._served.serial, self._served.stamp):
+            log.info("%s listener: %s: certificate unchanged (serial %s)", self.name, reason,
+                     pair.serial_hex)  # fmt: skip
+            return "unchanged"
+        self._served = pair
         log.info(
             "%s listener: %s: new certificate serial %s, notAfter %s (%s)",
             self.name, reason, pair.serial_hex, f"{pair.not_after:%Y-%m-%d %H:%M:%S} UTC",
