@@ -359,6 +359,12 @@ def test_sighup_reloads_a_real_leaders_public_certificate_and_the_leader_stays_u
         log_text = log_file.read_text()
         assert f"public listener: SIGHUP: new certificate serial {second:X}" in log_text
         assert "cluster listener: SIGHUP: certificate unchanged" in log_text  # also read
-        assert "running" in berth("daemon", "status").stdout
+        listeners = {x["name"]: x for x in berth.admin("GET", "/admin/info")["listeners"]}
+        assert listeners["public"]["certificate_serial"] == f"{second:X}"
+        assert listeners["cluster"]["certificate_not_after"] is not None
+        not_after = x509.load_pem_x509_certificate(good_cert.read_bytes()).not_valid_after_utc
+        status = berth("daemon", "status").stdout
+        assert "running" in status
+        assert f"(certificate until {not_after:%Y-%m-%d %H:%M} UTC)" in status, status
     finally:
         berth("daemon", "stop", check=False)

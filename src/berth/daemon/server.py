@@ -238,6 +238,15 @@ async def serve(home: BerthHome, settings: Settings) -> None:
     cluster_tls = await asyncio.to_thread(
         cluster_tls_files, ca, settings.cluster_hosts(), home.ca_dir
     )
+    # Both listeners' certificates are reloaded on SIGHUP and when their files change
+    # (berth.http_server.tls_reload: validated first, new connections only).
+    public_pair = await asyncio.to_thread(ReloadingTLS.load, "public", *tls, public_ssl_context)
+    cluster_pair = await asyncio.to_thread(
+        ReloadingTLS.load, "cluster", *cluster_tls, lambda c, k: cluster_ssl_context(ca, c, k)
+    )
+    reloads = CertificateReloads(
+        [public_pair, cluster_pair], interval_s=settings.tls_reload_interval_s
+    )
 
     # Per-key limits and usage: in memory, the budgets starting from the ledger's totals.
     ledger = UsageLedger(store)
@@ -410,8 +419,8 @@ async def serve(home: BerthHome, settings: Settings) -> None:
         admission=admission,
         adapters=adapters,
         listeners=[
-            Listener("public", f"https://{settings.public_host}:{public_port}"),
-            Listener("cluster", cluster_url),
+            Listener("public", f"https://{settings.public_host}:{public_port}", public_pair),
+            Listener("cluster", cluster_url, cluster_pair),
             Listener("socket", f"unix://{home.socket_file}"),
         ],
     )
@@ -419,15 +428,6 @@ async def serve(home: BerthHome, settings: Settings) -> None:
     limits = settings.listener_limits()
     # Three listeners, each its cap, plus engines, the store and the pool to engines.
     raise_open_files_limit(3 * limits.max_connections + 2048)
-    # Both listeners' certificates are reloaded on SIGHUP and when their files change
-    # (berth.http_server.tls_reload: validated first, new connections only).
-    public_pair = await asyncio.to_thread(ReloadingTLS.load, "public", *tls, public_ssl_context)
-    cluster_pair = await asyncio.to_thread(
-        ReloadingTLS.load, "cluster", *cluster_tls, lambda c, k: cluster_ssl_context(ca, c, k)
-    )
-    reloads = CertificateReloads(
-        [public_pair, cluster_pair], interval_s=settings.tls_reload_interval_s
-    )
     public_server = HttpServer("public", public_app, limits, ssl_context=public_pair.context)
     socket_server = HttpServer("socket", socket_app, limits)
     cluster_listener = ClusterListener(
