@@ -228,6 +228,8 @@ class ReloadingTLS:
         check raises :class:`PairRefused`. An expired leaf is served (and logged)."""
         build(cert_path, key_path)  # its errors, naming the settings, come first
         first = load_pair(cert_path, key_path, build, refuse_expired=False)
+        log.info("%s listener: certificate serial %s, notAfter %s (%s)", name, first.serial_hex,
+                 f"{first.not_after:%Y-%m-%d %H:%M:%S} UTC", cert_path)  # fmt: skip
         if first.not_after <= datetime.now(UTC):
             log.warning("%s listener: the certificate %s expired at %s", name, cert_path,
                         f"{first.not_after:%Y-%m-%d %H:%M} UTC")  # fmt: skip
