@@ -328,40 +328,50 @@ def _served_serial_sync(port: int) -> int:
 
 
 @pytest.mark.slow
-def test_sighup_reloads_a_real_leaders_public_certificate_and_the_leader_stays_up(
+def test_sighup_reloads_a_real_leaders_certificates_and_the_leader_stays_up(
     tmp_path: Path, pki: Pki
 ) -> None:
     home = tmp_path / "home"
     # The watch looks only once an hour: what this test sees is SIGHUP's doing.
     berth = Berth(home, env=clean_env({"BERTH_TLS_RELOAD_INTERVAL_S": "3600"}), cwd=tmp_path)
-    port = find_free_port()
+    port, cluster_port = find_free_port(), find_free_port()
     first = _serial(pki.cert)
     try:
         berth("daemon", "start", "--public-port", str(port), "--cluster-port",
-              str(find_free_port()), "--public-cert", str(pki.cert), "--public-key",
+              str(cluster_port), "--public-cert", str(pki.cert), "--public-key",
               str(pki.key))  # fmt: skip
         pid = int(BerthHome(home).pid_file.read_text())
         log_file = BerthHome(home).daemon_log
         assert _served_serial_sync(port) == first
+        cluster_cert = BerthHome(home).ca_dir / "cluster.pem"
+        cluster_first = _serial(cluster_cert)
+        assert _served_serial_sync(cluster_port) == cluster_first
 
         cert_pem, key_pem, _ = _broken_pairs(pki)["mismatched key"]
         pki.install(cert_pem, key_pem)
         os.kill(pid, signal.SIGHUP)
         wait_for(lambda: "refused, still serving" in log_file.read_text(), 30, "the refusal")
         assert _served_serial_sync(port) == first
+        assert "cluster listener: SIGHUP: certificate unchanged" in log_file.read_text()
 
         good_cert, good_key = pki.issue("second")
         pki.install(good_cert.read_bytes(), good_key.read_bytes())
+        # The cluster listener's own certificate, issued again by the leader's CA.
+        leader_ca = CertificateAuthority.load_or_create(BerthHome(home).ca_dir)
+        leader_ca.issue_server_certificate(
+            ["127.0.0.1", "localhost", "::1"], cluster_cert, cluster_cert.with_suffix(".key")
+        )
         os.kill(pid, signal.SIGHUP)
-        second = _serial(good_cert)
+        second, cluster_second = _serial(good_cert), _serial(cluster_cert)
         wait_for(lambda: _served_serial_sync(port) == second, 30, "the new certificate")
+        wait_for(lambda: _served_serial_sync(cluster_port) == cluster_second, 30, "the cluster's")
         assert alive(pid)
         log_text = log_file.read_text()
         assert f"public listener: SIGHUP: new certificate serial {second:X}" in log_text
-        assert "cluster listener: SIGHUP: certificate unchanged" in log_text  # also read
+        assert f"cluster listener: SIGHUP: new certificate serial {cluster_second:X}" in log_text
         listeners = {x["name"]: x for x in berth.admin("GET", "/admin/info")["listeners"]}
         assert listeners["public"]["certificate_serial"] == f"{second:X}"
-        assert listeners["cluster"]["certificate_not_after"] is not None
+        assert listeners["cluster"]["certificate_serial"] == f"{cluster_second:X}"
         not_after = x509.load_pem_x509_certificate(good_cert.read_bytes()).not_valid_after_utc
         status = berth("daemon", "status").stdout
         assert "running" in status
