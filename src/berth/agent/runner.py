@@ -223,7 +223,7 @@ def _ingress(
         bind_host=settings.agent_ingress_bind,
         key_path=identity.key_path,
         cert_path=home.root / "ingress.crt",
-        ca_certificate=x509.load_pem_x509_certificate(
+        ca_certificate=x509.load_pem_x509_certificates(  # every root, not the first only
             pinned_certificate(identity.ca_path.read_bytes(), identity.ca_fingerprint)
         ),
         relay=service.relay_exchange,

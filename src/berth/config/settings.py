@@ -98,6 +98,7 @@ class Settings:
     public_port: int
     public_cert: Path | None
     public_key: Path | None
+    tls_reload_interval_s: float
     max_body_bytes: int
     max_attempts: int
     first_byte_timeout_s: float

@@ -179,6 +179,10 @@ SETTINGS: tuple[SettingDef, ...] = (
                optional=True),
     SettingDef("public_key", "path", "server", "PEM private key matching public_cert",
                optional=True),
+    SettingDef("tls_reload_interval_s", "float", "server",
+               "seconds between looks at the public and cluster listeners' certificate files "
+               "(a changed pair is served once it holds still that long; SIGHUP reads them now)",
+               default=5.0, minimum=0.1, maximum=3600.0),
     SettingDef("max_body_bytes", "int", "server", "largest request body accepted, in bytes",
                default=16 * MiB, minimum=1),
     SettingDef("max_attempts", "int", "server",

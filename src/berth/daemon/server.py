@@ -57,6 +57,7 @@ from berth.daemon.services import LeaderServices, Listener
 from berth.errors import DaemonError
 from berth.eventloop import freeze_startup_objects
 from berth.http_server.server import HttpServer
+from berth.http_server.tls_reload import CertificateReloads, ReloadingTLS
 from berth.keys import load_or_create_pepper
 from berth.observability.adapters import AdapterMetrics
 from berth.observability.cluster import ClusterMetrics
@@ -200,7 +201,8 @@ def raise_open_files_limit(wanted: int) -> None:
 
 
 async def serve(home: BerthHome, settings: Settings) -> None:
-    """Run the leader until SIGTERM or SIGINT, then stop every engine it started.
+    """Run the leader until SIGTERM or SIGINT, then stop every engine it started; SIGHUP
+    reloads the public and cluster listeners' certificates.
 
     Raises ``DaemonError`` when a listener cannot bind (naming it, its address and port), or
     when ``leader_only`` is set while deployments on this host are still active.
@@ -235,6 +237,15 @@ async def serve(home: BerthHome, settings: Settings) -> None:
     pepper = await asyncio.to_thread(load_or_create_pepper, home.pepper_file)
     cluster_tls = await asyncio.to_thread(
         cluster_tls_files, ca, settings.cluster_hosts(), home.ca_dir
+    )
+    # Both listeners' certificates are reloaded on SIGHUP and when their files change
+    # (berth.http_server.tls_reload: validated first, new connections only).
+    public_pair = await asyncio.to_thread(ReloadingTLS.load, "public", *tls, public_ssl_context)
+    cluster_pair = await asyncio.to_thread(
+        ReloadingTLS.load, "cluster", *cluster_tls, lambda c, k: cluster_ssl_context(ca, c, k)
+    )
+    reloads = CertificateReloads(
+        [public_pair, cluster_pair], interval_s=settings.tls_reload_interval_s
     )
 
     # Per-key limits and usage: in memory, the budgets starting from the ledger's totals.
@@ -413,8 +424,8 @@ async def serve(home: BerthHome, settings: Settings) -> None:
         admission=admission,
         adapters=adapters,
         listeners=[
-            Listener("public", f"https://{settings.public_host}:{public_port}"),
-            Listener("cluster", cluster_url),
+            Listener("public", f"https://{settings.public_host}:{public_port}", public_pair),
+            Listener("cluster", cluster_url, cluster_pair),
             Listener("socket", f"unix://{home.socket_file}"),
         ],
     )
@@ -422,9 +433,7 @@ async def serve(home: BerthHome, settings: Settings) -> None:
     limits = settings.listener_limits()
     # Three listeners, each its cap, plus engines, the store and the pool to engines.
     raise_open_files_limit(3 * limits.max_connections + 2048)
-    public_server = HttpServer(
-        "public", public_app, limits, ssl_context=await asyncio.to_thread(public_ssl_context, *tls)
-    )
+    public_server = HttpServer("public", public_app, limits, ssl_context=public_pair.context)
     socket_server = HttpServer("socket", socket_app, limits)
     cluster_listener = ClusterListener(
         build_cluster_app(
@@ -435,7 +444,7 @@ async def serve(home: BerthHome, settings: Settings) -> None:
             body_timeout_s=limits.body_timeout_s,
         ),
         cluster_sock,
-        cluster_ssl_context(ca, *cluster_tls),
+        cluster_pair.context,
         limits,
     )
 
@@ -443,6 +452,7 @@ async def serve(home: BerthHome, settings: Settings) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    loop.add_signal_handler(signal.SIGHUP, reloads.reload_all)  # never the default: death
 
     home.pid_file.write_text(f"{os.getpid()}\n")
     await proxy.startup()
@@ -452,6 +462,7 @@ async def serve(home: BerthHome, settings: Settings) -> None:
         await public_server.start(public_sock)
         await socket_server.start(unix_sock)
         await cluster_listener.start()
+        reloads.start()
         if core is not None:
             services.runtimes = await core.runtime_status()
             for runtime in services.runtimes:
@@ -490,6 +501,7 @@ async def serve(home: BerthHome, settings: Settings) -> None:
             public_server.close(SHUTDOWN_GRACE_S), socket_server.close(SHUTDOWN_GRACE_S)
         )
     finally:
+        await reloads.close()
         await asyncio.gather(public_server.close(0.0), socket_server.close(0.0))
         if local_sampler is not None:
             await local_sampler.stop()
