@@ -30,6 +30,7 @@ from berth.agent.core import AgentCore
 from berth.agent.dialer import AgentDialer, AgentStatus
 from berth.agent.identity import AgentIdentity, load_agent_identity, pinned_certificate
 from berth.agent.ingress import AgentIngress
+from berth.agent.owner import own_engines
 from berth.agent.service import AgentService
 from berth.cluster.protocol.errors import CloseCode
 from berth.config import Settings
@@ -126,6 +127,8 @@ async def run_agent(
     panel = console.is_terminal and not verbose
     _configure_logging(home, verbose=verbose, to_stderr=not panel)
     settings = Settings.load(home, flags)
+    # Held until this process ends; its warden stops the engines if it does not come back.
+    await own_engines(home, "agent", settings, identity.node_id)
     core = AgentCore(
         ProcessRuntime(process_tree=settings.process_tree),
         EngineBinaries(
