@@ -55,7 +55,14 @@ from support.waiting import EVENT_TIMEOUT_S, wait_for
     [
         # The owner runs: watch, and forget any earlier absence.
         (True, 2, None, 100.0, 600.0, Watch(None, "the agent runs")),
-        (True, 2, 50.0, 100.0, 600.0, Watch(None, "the agent runs")),
+        (
+            True,
+            2,
+            50.0,
+            100.0,
+            600.0,
+            Watch(None, "the agent is back after 50.0 s: its engines are its own again"),
+        ),
         # Gone, first seen now: the grace starts.
         (False, 2, None, 100.0, 600.0, Watch(100.0, "")),
         # Gone for less than the grace: keep waiting, from when it was first seen gone.

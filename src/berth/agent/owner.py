@@ -178,8 +178,7 @@ class JournalOwnership:
         if earlier is not None and earlier.pid != self.warden_pid:
             try:
                 if signal_process(earlier, signal.SIGTERM):
-                    log.info("stopped the engine warden of an earlier %s (pid %d)",
-                             self.files.journal.name, earlier.pid)  # fmt: skip
+                    log.info("stopped the earlier engine warden (pid %d)", earlier.pid)
             except PermissionError:
                 log.warning("the engine warden pid %d is not ours to stop", earlier.pid)
         return self.warden_pid

@@ -115,7 +115,10 @@ def decide(
     5. else :class:`Watch`, ``gone_since`` kept (``now`` when first seen gone).
     """
     if owner_running:
-        return Watch(None, f"the {owner} runs")
+        if gone_since is None:
+            return Watch(None, f"the {owner} runs")
+        return Watch(None, f"the {owner} is back after {now - gone_since:.1f} s: its engines "
+                           "are its own again")  # fmt: skip
     if engines_running == 0:
         return NothingToGuard(f"the {owner} is gone and none of its engines runs")
     since = now if gone_since is None else gone_since
