@@ -117,7 +117,8 @@ async def run_agent(
     ``flags`` are settings given on the command line (``agent_advertise``). Raises
     :class:`berth.errors.ConfigError` when the agent is not registered (no or a malformed
     ``agent.yaml``) or its direct ingress cannot bind its port, and :class:`ConflictError`
-    when another agent runs on this home.
+    when another agent runs on this home (or holds its owner lock), or its engine warden
+    cannot be started (:mod:`berth.agent.owner`).
     """
     identity = load_agent_identity(home)
     home.ensure()

@@ -22,7 +22,7 @@ exits.  An owner back within the grace re-attaches its engines as before and rep
 warden with one of its own (its settings, its berth).
 
 The warden logs one line per action to ``$BERTH_HOME/logs/warden-<owner>.log``.  While it
-waits it imports only the standard library and the journal's reader (about 16 MiB resident);
+waits it imports only the standard library and the journal's reader (about 18 MiB resident);
 the agent core and the runtimes it stops engines with are imported when it acts.
 """
 
