@@ -128,8 +128,6 @@ async def run_agent(
     panel = console.is_terminal and not verbose
     _configure_logging(home, verbose=verbose, to_stderr=not panel)
     settings = Settings.load(home, flags)
-    # Held until this process ends; its warden stops the engines if it does not come back.
-    await own_engines(home, "agent", settings, identity.node_id)
     core = AgentCore(
         ProcessRuntime(process_tree=settings.process_tree),
         EngineBinaries(
@@ -156,9 +154,15 @@ async def run_agent(
     service = AgentService(
         core, on_activity=status.activity, models_dir=home.models_dir, loop_lag=loop_lag.histogram
     )
+    ingress = None
     try:  # a port in use fails the start before any engine is re-attached
         ingress = _ingress(home, settings, identity, service)
-    except ConfigError:
+        # Held until this process ends; its warden stops the engines if it does not come
+        # back.  A start that fails before this leaves the earlier warden in charge.
+        await own_engines(home, "agent", settings, identity.node_id)
+    except (ConfigError, ConflictError):
+        if ingress is not None:
+            await ingress.close()
         await service.close()
         core.close()
         raise
