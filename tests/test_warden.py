@@ -216,6 +216,12 @@ def test_a_new_owner_replaces_the_warden_and_grace_0_starts_none(home: BerthHome
     assert "replaced by a newer warden (SIGTERM): exiting" in log
 
 
+def test_a_malformed_journal_stops_nothing(home: BerthHome) -> None:
+    config = _config(home, grace_s=0.1)
+    config.files.journal.write_bytes(b"{not json")
+    assert Warden(config, sleep=lambda _s: None).run() == 1
+
+
 # -- a real leader and real agents ----------------------------------------------------------
 
 

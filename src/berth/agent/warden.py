@@ -259,7 +259,7 @@ class Warden:
 
     def run(self) -> int:
         """Watch until the engines are stopped, none is left, or SIGTERM; the exit status
-        (1 when the journal cannot be read)."""
+        (1 when the owner lock or the journal cannot be read, or stopping failed: logged)."""
         grace_s = self.config.orphan_grace_s
         log.info("watching the %s's engines (%s, orphan_grace_s %g)", self.config.owner,
                  self.files.journal.name, grace_s)  # fmt: skip
@@ -274,7 +274,11 @@ class Warden:
         journal = EngineJournal(self.files.journal)
         gone_since: float | None = None
         while not self.terminate_asked:
-            held = try_owner_lock(self.files.owner_lock)
+            try:
+                held = try_owner_lock(self.files.owner_lock)
+            except OSError as exc:  # the home was removed, say: nothing left to watch
+                log.error("cannot open %s: %s: exiting", self.files.owner_lock, exc)
+                return 1
             try:
                 engines = 0
                 if held is not None:
@@ -302,7 +306,11 @@ class Warden:
                     case StopOrphans():
                         log.info("%s", verdict.reason)
                         self.acting = True
-                        asyncio.run(stop_orphans(self.config))
+                        try:
+                            asyncio.run(stop_orphans(self.config))
+                        except Exception:  # the process's edge: say what broke, then end
+                            log.exception("stopping the %s's engines failed", self.config.owner)
+                            return 1
                         log.info("exiting")
                         return 0
             finally:
