@@ -398,6 +398,22 @@ def test_a_failing_engine_start_reports_its_log_tail(
     assert any("engine exited with code 1" in row and FAIL_LINE in row for row in rows)
 
 
+def test_an_engine_killed_by_sigill_fails_its_deployment_saying_why(
+    cli_leader: tuple[Berth, int], gguf: Path
+) -> None:
+    berth, _ = cli_leader
+    berth.add_model("m-sigill", gguf)
+
+    result = berth("run", "m-sigill", "-x", "--x-die-by", "-x", "ILL", check=False)
+
+    words = "engine was killed by SIGILL (built for instructions this CPU does not run)"
+    assert result.returncode != 0
+    assert words in result.stderr.splitlines()[0], result.stderr
+    (failed,) = [r for r in berth.deployments() if r["served_model_name"] == "m-sigill"]
+    assert failed["state"] == "failed" and words in failed["failure_reason"]
+    assert "`berth doctor` gives the command that rebuilds it" in failed["failure_reason"]
+
+
 # -- keys ----------------------------------------------------------------------------------------
 
 

@@ -172,7 +172,7 @@ async def run_agent(
     assert core.adopted is not None
     await core.adopted.check_once()  # Hello reports the adopted servers as they are now
     core.adopted.start()
-    dialer = AgentDialer(identity, service, status)
+    dialer = AgentDialer(identity, service, status, redial_max_s=settings.redial_max_s)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, lambda: asyncio.ensure_future(dialer.stop()))

@@ -40,6 +40,7 @@ from berth.cluster.protocol.ops import (
     INGRESS,
     INVENTORY,
     LOAD_ADAPTER,
+    MODEL_SHAPE,
     OP_CAPABILITIES,
     PROBE,
     PULL,
@@ -49,6 +50,7 @@ from berth.cluster.protocol.ops import (
     UNLOAD_ADAPTER,
     IngressArgs,
     LoadAdapterArgs,
+    ModelShapeArgs,
     NoArgs,
     Op,
     PreparingEvent,
@@ -60,6 +62,7 @@ from berth.cluster.protocol.ops import (
     UnloadAdapterArgs,
     decode_payload,
 )
+from berth.cluster.shape_wire import file_shape_from_wire
 from berth.cluster.tunnel_stream import StreamResetError, TunnelStream
 from berth.engine_http.answer import BodySink, read_body
 from berth.engine_http.errors import (
@@ -70,6 +73,7 @@ from berth.engine_http.errors import (
 )
 from berth.engine_http.origin import TUNNEL_SCHEME, Origin
 from berth.errors import EngineError, NotFoundError
+from berth.placement.model_files import FileStamp, ModelFileShape
 from berth.runtime.base import ProgressListener, RuntimeName
 from berth.runtime.engines import DeploymentRequest, EngineName
 
@@ -245,6 +249,13 @@ class RemoteLink:
     async def unload_adapter(self, deployment_id: str, engine: EngineName, adapter: str) -> None:
         args = UnloadAdapterArgs(deployment_id=deployment_id, engine=engine, adapter=adapter)
         await self._call(UNLOAD_ADAPTER, args, ADAPTER_TIMEOUT_S, engine_of=deployment_id)
+
+    async def model_shape(self, path: str, known: FileStamp | None = None) -> ModelFileShape:
+        args = ModelShapeArgs(path=path)
+        if known is not None:
+            args.known_size_bytes, args.known_mtime_ns = known.size_bytes, known.mtime_ns
+        result = await self._call(MODEL_SHAPE, args, CONTROL_TIMEOUT_S)
+        return file_shape_from_wire(result, host=self.node_id)
 
     async def engines(self) -> list[EngineReport]:
         result = await self._call(ENGINES, NoArgs(), CONTROL_TIMEOUT_S)

@@ -141,6 +141,7 @@ class Settings:
     direct_probe_timeout_s: float
     agent_advertise: str | None
     agent_ingress_bind: str
+    redial_max_s: float
     load_wait_s: float
     load_queue_max: int
     min_residency_s: float

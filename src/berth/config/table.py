@@ -308,6 +308,10 @@ SETTINGS: tuple[SettingDef, ...] = (
     SettingDef("agent_ingress_bind", "str", "agent",
                "address the agent's direct ingress binds (at the advertised port)",
                default="0.0.0.0", check=host_problem),
+    SettingDef("redial_max_s", "float", "agent",
+               "seconds an agent waits at most between dials of a leader it lost (the wait "
+               "doubles from 1 s up to this; each is drawn from the upper half of its step)",
+               default=30.0, minimum=1.0),
     SettingDef("load_wait_s", "float", "scaling",
                "seconds a request waits at the leader for its service to load before a 503",
                default=120.0, minimum=0.0),

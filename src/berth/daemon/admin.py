@@ -30,6 +30,7 @@ from berth.api import (
     ListedDeployment,
     ListenerInfo,
     LocatedModel,
+    ModelDetail,
     ModelIn,
     ModelRemoved,
     Readiness,
@@ -49,6 +50,7 @@ from berth.daemon.admin_plans import build_plan_router
 from berth.daemon.admin_pulls import build_pull_router, leader_pull_jobs
 from berth.daemon.admin_routing import build_routing_router
 from berth.daemon.lifecycle import DeployOptions, LifecycleManager
+from berth.daemon.model_detail import model_detail
 from berth.daemon.model_registration import located_model_view, register_model
 from berth.daemon.services import LeaderServices
 from berth.errors import BerthError, ConfigError, ConflictError
@@ -240,6 +242,10 @@ def build_admin_app(services: LeaderServices) -> FastAPI:
     @app.post("/admin/models", status_code=201)
     async def add_model(body: ModelIn) -> LocatedModel | RegisteredModel:
         return await register_model(store, lifecycle, body)
+
+    @app.get("/admin/models/{name:path}")
+    async def show_model(name: str) -> ModelDetail:
+        return await model_detail(store, lifecycle.estimator, services.links, name)
 
     @app.delete("/admin/models/{name:path}")
     async def remove_model(name: str) -> ModelRemoved:

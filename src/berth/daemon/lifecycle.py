@@ -267,6 +267,12 @@ class LifecycleManager:
                 record.id, DeploymentState.FAILED, failure_reason=f"node {node_id} was removed"
             )
 
+    @property
+    def estimator(self) -> VramEstimator:
+        """The model shapes and deployment estimates placement uses (``berth models show``
+        reads the same cache)."""
+        return self._estimator
+
     # -- commands --------------------------------------------------------------------------
 
     async def plan(
