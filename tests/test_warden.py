@@ -16,7 +16,8 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -32,9 +33,12 @@ from berth.agent.warden import (
     decide,
     poll_interval_s,
     running_engines,
+    stop_orphans,
 )
 from berth.errors import ConflictError
 from berth.paths import BerthHome
+from berth.runtime.docker.api import ContainerInfo, ContainerState, PortBinding
+from berth.runtime.docker.spec import DEPLOYMENT_LABEL, HOME_LABEL, NODE_LABEL
 from berth.runtime.engines import find_free_port
 from support.cluster_harness import (
     TINY_GGUF_BYTES,
@@ -220,6 +224,63 @@ def test_a_malformed_journal_stops_nothing(home: BerthHome) -> None:
     config = _config(home, grace_s=0.1)
     config.files.journal.write_bytes(b"{not json")
     assert Warden(config, sleep=lambda _s: None).run() == 1
+
+
+class OneContainerDocker:
+    """A Docker engine in memory (the ``DockerApi`` calls taking back and stopping a
+    container use) holding the running container ``info``."""
+
+    def __init__(self, info: ContainerInfo) -> None:
+        self.containers = {info.id: info}
+        self.stopped: list[str] = []
+        self.removed: list[str] = []
+
+    def list_containers(self, labels: Sequence[str]) -> list[str]:
+        def carries(info: ContainerInfo, label: str) -> bool:
+            key, _, value = label.partition("=")
+            return key in info.labels and (not value or info.labels[key] == value)
+
+        return [i for i, c in self.containers.items() if all(carries(c, x) for x in labels)]
+
+    def inspect_container(self, container: str) -> ContainerInfo | None:
+        return self.containers.get(container)
+
+    def follow_logs(self, container_id: str, *, since: float | None = None) -> Iterator[bytes]:
+        return iter(())
+
+    def stop_container(self, container_id: str, timeout_s: int) -> None:
+        self.stopped.append(container_id)
+        info = self.containers[container_id]
+        self.containers[container_id] = replace(info, state=ContainerState(running=False))
+
+    def remove_container(self, container_id: str) -> None:
+        self.removed.append(container_id)
+        del self.containers[container_id]
+
+    def close(self) -> None:
+        pass
+
+
+async def test_the_warden_stops_process_engines_and_the_containers_of_its_journal(
+    home: BerthHome, engine_like: tuple[subprocess.Popen[bytes], int]
+) -> None:
+    process, port = engine_like
+    config = _config(home, grace_s=1.0)
+    labels = {HOME_LABEL: str(home.root), NODE_LABEL: "n-1", DEPLOYMENT_LABEL: "d-2"}
+    container = ContainerInfo("c0ffee" * 4, "berth-d-2", labels, ContainerState(True, pid=4242),
+                              ports={"8080/tcp": (PortBinding("127.0.0.1", 45678),)})  # fmt: skip
+    docker = OneContainerDocker(container)
+    EngineJournal(config.files.journal).save({
+        "d-1": JournalEntry(process.pid, port, "/health"),
+        "d-2": JournalEntry(4242, 45678, "/health", "docker"),
+    })  # fmt: skip
+
+    stopped = await stop_orphans(config, lambda _host: docker)  # type: ignore[arg-type,return-value]
+
+    assert sorted(stopped) == ["d-1", "d-2"]
+    assert process.wait(timeout=EVENT_TIMEOUT_S) == -signal.SIGTERM
+    assert docker.stopped == docker.removed == [container.id]
+    assert EngineJournal(config.files.journal).load() == {}
 
 
 # -- a real leader and real agents ----------------------------------------------------------

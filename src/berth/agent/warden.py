@@ -43,7 +43,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
-from typing import get_args
+from typing import TYPE_CHECKING, get_args
 
 from berth.agent.journal import EngineJournal, JournalEntry
 from berth.atomic import write_atomic
@@ -51,6 +51,9 @@ from berth.errors import ConfigError
 from berth.paths import BerthHome, JournalOwner, WardenFiles
 from berth.runtime.proc import process_id, runs_engine_on_port
 from berth.runtime.trees import TREE_MODES, TreeMode
+
+if TYPE_CHECKING:
+    from berth.runtime.docker.api import DockerApi
 
 log = logging.getLogger("berth.warden")
 
@@ -331,13 +334,16 @@ class _Replaced(Exception):
     """Raised by SIGTERM's handler into the watch loop: a newer warden took over."""
 
 
-async def stop_orphans(config: WardenConfig) -> list[str]:
+async def stop_orphans(
+    config: WardenConfig, docker_client: Callable[[str], DockerApi] | None = None
+) -> list[str]:
     """Take back the journal's engines and stop each one's whole tree; the deployment ids
     stopped.
 
     Each is logged (deployment, pid, port) or, when it cannot be stopped, the reason; the
     journal ends without the engines stopped (those Docker did not answer for stay in it,
-    for the next agent).
+    for the next agent).  ``docker_client(host)`` connects to Docker when the journal names
+    a container (default: the docker SDK; tests pass an in-memory engine).
     """
     # Imported here: a warden spends its life waiting, and these double what it holds.
     from berth.agent.core import AgentCore
@@ -351,7 +357,8 @@ async def stop_orphans(config: WardenConfig) -> list[str]:
     entries = await asyncio.to_thread(EngineJournal(files.journal).load)
     docker = None
     if any(entry.runtime == "docker" for entry in entries.values()):
-        docker = DockerRuntime(host=config.docker_host, home=home.root, node_id=config.node_id)
+        docker = DockerRuntime(host=config.docker_host, home=home.root, node_id=config.node_id,
+                               client_factory=docker_client)  # fmt: skip
     core = AgentCore(
         ProcessRuntime(process_tree=config.process_tree),
         EngineBinaries(llama_server=None, vllm=None, sglang_python=sys.executable),
