@@ -252,6 +252,11 @@ SETTINGS: tuple[SettingDef, ...] = (
     SettingDef("stop_grace_s", "float", "daemon",
                "seconds between SIGTERM and SIGKILL when stopping an engine",
                default=10.0, minimum=0.0),
+    SettingDef("orphan_grace_s", "float", "daemon",
+               "seconds an agent (or a leader, for its own host) may be gone before the "
+               "engines it left running are stopped (0: never; a restart within it takes "
+               "them back)",
+               default=600.0, minimum=0.0),
     SettingDef("probe_interval_s", "float", "daemon",
                "seconds between health probes of each ready engine",
                default=5.0, minimum=0.05),

@@ -28,6 +28,7 @@ from berth.agent.adopted import AdoptedWatcher
 from berth.agent.core import AgentCore
 from berth.agent.in_process_link import InProcessLink
 from berth.agent.node_sampler import LocalNodeSampler
+from berth.agent.owner import own_engines
 from berth.cluster.ca import CertificateAuthority
 from berth.cluster.direct_path import DataPaths
 from berth.cluster.enrollment import AuditLog, EnrollmentService
@@ -468,6 +469,9 @@ async def serve(home: BerthHome, settings: Settings) -> None:
             for runtime in services.runtimes:
                 verdict = "available" if runtime.available else "unavailable"
                 log.info("runtime %s: %s (%s)", runtime.name, verdict, runtime.detail)
+            # Held until this process ends; its warden stops this host's engines if the
+            # leader does not come back.
+            await own_engines(home, "leader", settings, LOCAL_NODE_ID)
             # Engines (in the journal) and containers (by label) left running by the last
             # leader, with their keys, for reconcile.
             await core.restore()
