@@ -3,8 +3,10 @@
 ``/v1/*`` goes straight to the OpenAI proxy with the server's own request and writer (the
 hot path meets no framework); everything else goes to the admin app through the server's
 ASGI adapter. Authentication happens here, once, by listener: over TCP ``/v1/*`` and
-``/metrics`` need any valid key that has not expired and ``/admin/*`` an admin key; over the
-Unix socket (mode 0600, so only its owner can connect) no key is needed. The key's record
+``/metrics`` need any valid key that has not expired and ``/admin/*`` an admin key, and failed
+attempts are limited per client address (429 past the ``auth_failure_*`` settings; see
+:mod:`berth.daemon.auth`); over the Unix socket (mode 0600, so only its owner can connect) no
+key is needed. The key's record
 goes to the proxy, whose admission applies its limits. On the public listener, browsers on
 the origins of the ``cors_origins`` setting get their preflights answered and CORS headers on
 every answer (:mod:`berth.http_server.cors`). The web console (``/ui/*``, and ``/`` for a
@@ -106,10 +108,20 @@ class LeaderApp:
                 self._services.admission.check_expiry(signed_in)  # 401 once expired
                 require_tier(signed_in, tier)
                 return signed_in
-        record = await authenticator.authenticate(secret)
+        # Failed attempts are limited per client address; a key already found valid is not.
+        address = request.client[0] if request.client is not None else None
+        record = await authenticator.authenticate(
+            secret, address=address, surface=_surface(request.path)
+        )
         self._services.admission.check_expiry(record)  # 401 once expired
         require_tier(record, tier)
         return record
+
+
+def _surface(path: str) -> str:
+    """Where a keyed request came in, for the audit log: ``v1``, ``admin`` or ``metrics``."""
+    top = path.split("/", 2)[1] if path.startswith("/") else ""
+    return top if top in ("v1", "admin", "metrics") else "api"
 
 
 async def _send_error(writer: ResponseWriter, exc: BerthError) -> None:

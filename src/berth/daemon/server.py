@@ -48,6 +48,8 @@ from berth.daemon.admin_adapters import reload_adapters
 from berth.daemon.admin_services import load_routes
 from berth.daemon.app import build_apps
 from berth.daemon.auth import Authenticator
+from berth.daemon.auth_limiter import FailedAuthLimiter
+from berth.daemon.auth_metrics import AuthCollector
 from berth.daemon.fleet import LeaderFleet
 from berth.daemon.lifecycle import LifecycleManager
 from berth.daemon.placement_facts import ResidentUsage
@@ -384,6 +386,16 @@ async def serve(home: BerthHome, settings: Settings) -> None:
         cluster_url=cluster_url,
         audit=audit,
     )
+    # Keys checked with caches in front of the store, failures limited per client address.
+    authenticator = Authenticator(
+        store,
+        pepper,
+        limiter=FailedAuthLimiter(
+            burst=settings.auth_failure_burst, rate_per_s=settings.auth_failure_rate_per_s
+        ),
+        audit=audit.append,
+    )
+    metrics.registry.register(AuthCollector(authenticator.counts))
     services = LeaderServices(
         home=home,
         settings=settings,
@@ -394,7 +406,7 @@ async def serve(home: BerthHome, settings: Settings) -> None:
         cluster_metrics=cluster_metrics,
         proxy=proxy,
         lifecycle=lifecycle,
-        authenticator=Authenticator(store, pepper),
+        authenticator=authenticator,
         local_core=core,
         links=links,
         hub=hub,
