@@ -94,6 +94,7 @@ def _bearer(secret: str) -> dict[str, str]:
 
 def _refused_429(response: httpx.Response) -> None:
     assert response.status_code == 429, response.text
+    assert response.headers.get("connection") != "close"  # an answer, not a failed connection
     assert 0 < int(response.headers["retry-after"]) <= 1 / RATE_PER_S
     error = response.json()["error"]
     assert error["type"] == "rate_limit_error"

@@ -30,7 +30,7 @@ from berth.daemon.console_routes import (
 )
 from berth.daemon.proxy import OpenAIProxy
 from berth.daemon.services import LeaderServices
-from berth.errors import AuthError, BerthError
+from berth.errors import AuthError, BerthError, RateLimitError
 from berth.http_server.asgi import AsgiHandler
 from berth.http_server.cors import CorsPolicy
 from berth.http_server.request import Request
@@ -90,7 +90,7 @@ class LeaderApp:
             tier = "admin" if path.startswith("/admin") else "standard"
             try:
                 key = await self._authenticate(request, tier)
-            except (AuthError, AdmissionError) as exc:
+            except (AuthError, RateLimitError, AdmissionError) as exc:
                 await _send_error(writer, exc)
                 return
         if path.startswith("/v1/"):
