@@ -24,7 +24,8 @@ spray to alone, the spray's answers (401, 429) and rate, and the store's API-key
 the spray (``berth_auth_key_reads_total`` from ``/metrics``). Rounds show the noise of a
 shared machine.
 
-Run: ``.venv/bin/python scripts/bench_auth_spray.py [--rounds 3] [--sources 1,64]``.
+Run: ``.venv/bin/python scripts/bench_auth_spray.py [--rounds 3] [--sources 1,16]
+[--refusal-delay-s 0]``.
 """
 
 from __future__ import annotations
@@ -163,13 +164,15 @@ class Leader:
 
 
 @contextlib.contextmanager
-def running_leader(keep: bool) -> Iterator[Leader]:
+def running_leader(keep: bool, refusal_delay_s: float | None) -> Iterator[Leader]:
     workdir = Path(tempfile.mkdtemp(prefix="berth-bench-auth-spray-"))
     port = _free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("BERTH_", "HF_"))}
     env.update(
         BERTH_PUBLIC_PORT=str(port), BERTH_CLUSTER_PORT=str(_free_port()), BERTH_LEADER_ONLY="1"
     )
+    if refusal_delay_s is not None:
+        env["BERTH_AUTH_REFUSAL_DELAY_S"] = str(refusal_delay_s)
     leader = Leader(workdir, env, port)
     try:
         leader.berth("daemon", "start")
@@ -293,8 +296,9 @@ def _load() -> str:
 def report(rows: list[Row], args: argparse.Namespace, load_before: str) -> None:
     print(f"machine: {_machine()}")
     print(f"load average (1, 5, 15 min): {load_before} before, {_load()} after")
+    delay = "default" if args.refusal_delay_s is None else f"{args.refusal_delay_s:g} s"
     print(f"valid client: sequential GET /v1/models; spray: {args.keys:,} distinct invalid keys "
-          f"on {args.connections} connections\n")  # fmt: skip
+          f"on {args.connections} connections; auth_refusal_delay_s: {delay}\n")  # fmt: skip
     print("| round | valid client | requests | p50 ms | p99 ms | max ms | p99 / alone "
           "| spray answers | spray rate /s | store key reads |")  # fmt: skip
     print("| ---: | --- | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: |")
@@ -329,19 +333,27 @@ def main() -> None:
     parser.add_argument("--keys", type=int, default=10_000, help="distinct invalid keys a spray")
     parser.add_argument("--connections", type=int, default=16, help="the sprayer's connections")
     parser.add_argument(
-        "--sources", default="1,64", help="source addresses of each spray, e.g. 1,64 (at most 250)"
+        "--sources",
+        default="1,16",
+        help="source addresses of each spray, e.g. 1,16 (at most --connections, one each)",
     )
     parser.add_argument("--alone-s", type=float, default=5.0, help="seconds of the client alone")
     parser.add_argument("--rounds", type=int, default=1, help="times to measure every row")
+    parser.add_argument(
+        "--refusal-delay-s",
+        type=float,
+        default=None,
+        help="the leader's auth_refusal_delay_s (default: its own default)",
+    )
     parser.add_argument("--keep", action="store_true", help="keep the temporary home and logs")
     args = parser.parse_args()
     spreads = [int(s) for s in args.sources.split(",")]
-    if any(not 1 <= s <= 250 for s in spreads):
-        parser.error("--sources counts must be between 1 and 250")
+    if any(not 1 <= s <= min(250, args.connections) for s in spreads):
+        parser.error("--sources counts must be between 1 and --connections (250 at most)")
     signal.signal(signal.SIGTERM, lambda _signum, _frame: sys.exit(1))  # tear down on SIGTERM
     load_before = _load()
     rows: list[Row] = []
-    with running_leader(args.keep) as leader:
+    with running_leader(args.keep, args.refusal_delay_s) as leader:
         client = ValidClient(leader)
         client.measure(1.0)  # warm-up: TLS, the key cache
         for round_ in range(1, args.rounds + 1):

@@ -322,7 +322,9 @@ async def test_a_spray_of_distinct_secrets_reads_a_few_at_a_time(
     secret, record = add_key(store)
     assert await authenticator.authenticate(secret) == record  # found valid once
     reads.gate = threading.Event()
-    spray = [asyncio.ensure_future(authenticator.authenticate(generate_secret())) for _ in range(40)]
+    spray = [
+        asyncio.ensure_future(authenticator.authenticate(generate_secret())) for _ in range(40)
+    ]
     await asyncio.sleep(0.1)
     assert reads.count == 1 + MAX_CONCURRENT_MISSES  # the others wait for a turn
     reads.gate.set()
@@ -405,3 +407,20 @@ async def test_a_revoked_key_meets_the_limiter_again(
     with pytest.raises(RateLimitError):
         await authenticator.authenticate(secret, address=ADDRESS)
     assert reads.count == 2
+
+
+async def test_a_refusal_is_held_before_it_is_answered_and_tells_the_time_left(
+    store: Store, monotonic: Clock, reads: CountedReads
+) -> None:
+    limiter = FailedAuthLimiter(burst=1, rate_per_s=0.01)
+    authenticator = Authenticator(
+        store, PEPPER, limiter=limiter, refusal_delay_s=0.2, clock=monotonic
+    )
+    with pytest.raises(AuthError):
+        await authenticator.authenticate(generate_secret(), address=ADDRESS)
+    refusal = asyncio.ensure_future(authenticator.authenticate(generate_secret(), address=ADDRESS))
+    await asyncio.sleep(0.05)
+    assert not refusal.done()  # held
+    with pytest.raises(RateLimitError) as refused:
+        await refusal
+    assert refused.value.retry_after_s == pytest.approx(100.0 - 0.2)

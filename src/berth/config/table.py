@@ -226,6 +226,10 @@ SETTINGS: tuple[SettingDef, ...] = (
     SettingDef("auth_failure_rate_per_s", "float", "server",
                "failed API-key attempts a client address regains per second after its burst",
                default=1.0, minimum=0.001, maximum=1_000_000.0),
+    SettingDef("auth_refusal_delay_s", "float", "server",
+               "seconds such a refusal is held before it is answered, so a client retrying at "
+               "once is slowed (0: at once)",
+               default=0.25, minimum=0.0, maximum=10.0),
     SettingDef("leader_only", "bool", "server",
                "run no engines on the leader's host: a control plane only (engines on agents)",
                default=False),

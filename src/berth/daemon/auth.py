@@ -25,10 +25,12 @@ Bad secrets cost the store little, however many arrive:
 * with a :class:`~berth.daemon.auth_limiter.FailedAuthLimiter`, a request whose secret is not
   already known valid takes a token from its client address's bucket before its secret is
   looked up, and gives it back if the secret was valid; an address out of tokens is refused
-  with ``RateLimitError`` (429, ``Retry-After``) without a store read, and the first refusal
-  of each audit window is written to the audit log.  A secret once found valid (still in the
-  cache, even past its lifetime or after the cache was dropped) never meets the limiter: a
-  valid key is served from an address that sprays bad ones.
+  with ``RateLimitError`` (429, ``Retry-After``) without a store read, held
+  ``refusal_delay_s`` first (a sprayer that sends its next guess as soon as it is answered
+  then costs the leader a few answers a second per connection, not thousands), and the
+  first refusal of each audit window is written to the audit log.  A secret once found
+  valid (still in the cache, even past its lifetime or after the cache was dropped) never
+  meets the limiter: a valid key is served from an address that sprays bad ones.
 """
 
 from __future__ import annotations
@@ -111,7 +113,8 @@ class Authenticator:
     negative cache, a bound on concurrent misses and, with ``limiter``, a limit of failed
     attempts per client address (see the module docstring). ``clock`` gives monotonic
     seconds; ``audit`` writes the limiter's audit lines; ``negative_ttl_s`` is how long an
-    invalid secret is remembered, in seconds."""
+    invalid secret is remembered, and ``refusal_delay_s`` how long the limiter's refusal is
+    held before it is raised (at most its ``retry_after_s``), in seconds."""
 
     def __init__(
         self,
@@ -121,6 +124,7 @@ class Authenticator:
         cache_ttl_s: float = DEFAULT_CACHE_TTL_S,
         negative_ttl_s: float = NEGATIVE_CACHE_TTL_S,
         limiter: FailedAuthLimiter | None = None,
+        refusal_delay_s: float = 0.0,
         audit: Audit | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -130,6 +134,7 @@ class Authenticator:
         self._refresh_after_s = cache_ttl_s * REFRESH_AFTER_SHARE
         self._negative_ttl_s = negative_ttl_s
         self._limiter = limiter
+        self._refusal_delay_s = refusal_delay_s
         self._audit = audit
         self._clock = clock
         self.counts = AuthCounts()
@@ -178,9 +183,13 @@ class Authenticator:
             self.counts.rate_limited += 1
             if refused.audit:
                 await self._write_audit(address, surface, refused, limiter)
+            # Held a moment: a client that sends its next guess when told gets few answers.
+            delay_s = min(self._refusal_delay_s, refused.retry_after_s)
+            if delay_s > 0:
+                await asyncio.sleep(delay_s)
             raise RateLimitError(
                 "too many failed API key attempts from this address",
-                retry_after_s=refused.retry_after_s,
+                retry_after_s=refused.retry_after_s - delay_s,
             )
         try:
             record = await self._look_up(secret, known=False)

@@ -393,6 +393,7 @@ async def serve(home: BerthHome, settings: Settings) -> None:
         limiter=FailedAuthLimiter(
             burst=settings.auth_failure_burst, rate_per_s=settings.auth_failure_rate_per_s
         ),
+        refusal_delay_s=settings.auth_refusal_delay_s,
         audit=audit.append,
     )
     metrics.registry.register(AuthCollector(authenticator.counts))
