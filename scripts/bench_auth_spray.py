@@ -11,8 +11,9 @@ throw-away home:
 * the valid client, in this process: one keep-alive HTTPS connection, one ``GET /v1/models``
   with the valid key after another;
 * the sprayer, a subprocess (its own interpreter, so it does not share this one's GIL):
-  ``--connections`` keep-alive HTTPS connections sending ``--keys`` distinct random
-  ``sk-berth-...`` keys, each connection its next request as soon as the last was answered,
+  ``--connections`` keep-alive HTTPS connections (opened before the spray begins) sending
+  ``--keys`` distinct random ``sk-berth-...`` keys, each connection its next request as soon
+  as the last was answered,
   from ``--sources`` loopback source addresses: one is the valid client's own address
   (127.0.0.1: the per-address limiter refuses the spray past its burst, and must not refuse
   the valid key); more are fresh addresses each round (127.R.N.2, 127.R.N.3, ...), each with
@@ -53,6 +54,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+Connection = tuple[asyncio.StreamReader, asyncio.StreamWriter]
 _READS = re.compile(r"^berth_auth_key_reads_total (\S+)$", re.M)
 
 
@@ -70,12 +72,21 @@ def _log(message: str) -> None:
 # -- the sprayer: `bench_auth_spray.py spray PORT CA KEYS CONNECTIONS SOURCES NETWORK` -------------
 
 
-async def _spray_connection(
-    port: int, tls: ssl.SSLContext, source: str, keys: list[str], answers: Counter[int]
-) -> None:
-    reader, writer = await asyncio.open_connection(
+async def _open(port: int, tls: ssl.SSLContext, source: str) -> Connection:
+    return await asyncio.open_connection(
         "127.0.0.1", port, ssl=tls, server_hostname="127.0.0.1", local_addr=(source, 0)
     )
+
+
+async def _spray_connection(
+    port: int,
+    tls: ssl.SSLContext,
+    source: str,
+    connection: Connection,
+    keys: list[str],
+    answers: Counter[int],
+) -> None:
+    reader, writer = connection
     try:
         for key in keys:
             writer.write(
@@ -90,9 +101,7 @@ async def _spray_connection(
             answers[status] += 1
             if re.search(rb"connection: *close", head, re.I):
                 writer.close()
-                reader, writer = await asyncio.open_connection(
-                    "127.0.0.1", port, ssl=tls, server_hostname="127.0.0.1", local_addr=(source, 0)
-                )
+                reader, writer = await _open(port, tls, source)
     finally:
         writer.close()
 
@@ -108,14 +117,15 @@ async def _spray(
     addresses = [
         "127.0.0.1" if sources == 1 else f"{network}.{2 + i % sources}" for i in range(connections)
     ]
+    opened = [await _open(port, tls, a) for a in addresses]  # handshakes before the spray
     answers: Counter[int] = Counter()
     print("ready", flush=True)
     sys.stdin.readline()  # go
     began = time.perf_counter()
     await asyncio.gather(
         *(
-            _spray_connection(port, tls, a, s, answers)
-            for a, s in zip(addresses, shares, strict=True)
+            _spray_connection(port, tls, a, c, s, answers)
+            for a, c, s in zip(addresses, opened, shares, strict=True)
         )
     )
     elapsed_s = time.perf_counter() - began
@@ -331,7 +341,7 @@ def main() -> None:
         return
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--keys", type=int, default=10_000, help="distinct invalid keys a spray")
-    parser.add_argument("--connections", type=int, default=16, help="the sprayer's connections")
+    parser.add_argument("--connections", type=int, default=64, help="the sprayer's connections")
     parser.add_argument(
         "--sources",
         default="1,16",
