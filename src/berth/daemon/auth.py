@@ -189,7 +189,7 @@ class Authenticator:
                 await asyncio.sleep(delay_s)
             raise RateLimitError(
                 "too many failed API key attempts from this address",
-                retry_after_s=refused.retry_after_s - delay_s,
+                retry_after_s=refused.retry_after_s,  # from the refusal, rounded up: >= 1 s
             )
         try:
             record = await self._look_up(secret, known=False)
