@@ -17,6 +17,7 @@ from berth.daemon.auth_limiter import FailedAuthLimiter
 from berth.errors import AuthError, RateLimitError
 from berth.keys import generate_secret, hash_secret, key_prefix
 from berth.store import ApiKeyRecord, Store
+from support.waiting import wait_for_async
 
 PEPPER = b"p" * 32
 TTL_S = 5.0
@@ -325,6 +326,7 @@ async def test_a_spray_of_distinct_secrets_reads_a_few_at_a_time(
     spray = [
         asyncio.ensure_future(authenticator.authenticate(generate_secret())) for _ in range(40)
     ]
+    await wait_for_async(lambda: reads.count == 1 + MAX_CONCURRENT_MISSES, 30, "4 reads held")
     await asyncio.sleep(0.1)
     assert reads.count == 1 + MAX_CONCURRENT_MISSES  # the others wait for a turn
     reads.gate.set()
@@ -414,12 +416,13 @@ async def test_a_refusal_is_held_before_it_is_answered(
 ) -> None:
     limiter = FailedAuthLimiter(burst=1, rate_per_s=0.01)
     authenticator = Authenticator(
-        store, PEPPER, limiter=limiter, refusal_delay_s=0.2, clock=monotonic
+        store, PEPPER, limiter=limiter, refusal_delay_s=1.0, clock=monotonic
     )
     with pytest.raises(AuthError):
         await authenticator.authenticate(generate_secret(), address=ADDRESS)
     refusal = asyncio.ensure_future(authenticator.authenticate(generate_secret(), address=ADDRESS))
-    await asyncio.sleep(0.05)
+    for _ in range(5):
+        await asyncio.sleep(0)
     assert not refusal.done()  # held
     with pytest.raises(RateLimitError) as refused:
         await refusal
