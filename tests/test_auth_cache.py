@@ -427,3 +427,27 @@ async def test_a_refusal_is_held_before_it_is_answered(
     with pytest.raises(RateLimitError) as refused:
         await refusal
     assert refused.value.retry_after_s == pytest.approx(100.0)
+
+
+async def test_a_key_of_the_leader_is_served_on_its_first_use_while_its_address_is_refused(
+    store: Store, monotonic: Clock, reads: CountedReads
+) -> None:
+    authenticator, _ = limited(store, monotonic, burst=1)
+    secret, record = add_key(store)  # on the leader before it started, or created since
+    authenticator.know(store.api_key_hashes())
+    with pytest.raises(AuthError):
+        await authenticator.authenticate(generate_secret(), address=ADDRESS)
+    with pytest.raises(RateLimitError):
+        await authenticator.authenticate(generate_secret(), address=ADDRESS)
+
+    assert await authenticator.authenticate(secret, address=ADDRESS) == record  # never used yet
+
+    revoked_secret, revoked = add_key(store, "old")
+    authenticator.know(store.api_key_hashes())
+    store.revoke_api_key(revoked.id)
+    with pytest.raises(AuthError, match="invalid API key"):  # read once: known no more
+        await authenticator.authenticate(revoked_secret, address=ADDRESS)
+    monotonic.now += NEGATIVE_CACHE_TTL_S
+    with pytest.raises(RateLimitError):
+        await authenticator.authenticate(revoked_secret, address=ADDRESS)
+    assert reads.count == 3

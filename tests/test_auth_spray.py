@@ -1,8 +1,8 @@
 """A real leader (``berth daemon start``, a subprocess) on real TLS under a spray of bad keys:
 past ``auth_failure_burst`` failures an address is refused 429 with ``Retry-After`` on
 ``/v1``, ``/admin``, ``/metrics`` and the console's sign-in, in the OpenAI error shape,
-audited once; a key already used from the same address is still served, and the Unix
-socket, which needs no key, is not limited."""
+audited once; a key already used from the same address is still served, and so is one
+created meanwhile; the Unix socket, which needs no key, is not limited."""
 
 from __future__ import annotations
 
@@ -125,11 +125,17 @@ def test_a_spray_of_bad_keys_is_refused_while_good_keys_are_served(leader: Leade
         assert http.get("/v1/models").status_code == 401
         signed_in = http.post("/ui/session", json={"key": leader.admin})
         assert signed_in.status_code == 201, signed_in.text
+        http.cookies.clear()
 
-    # The Unix socket needs no key and is not limited.
-    transport = httpx.HTTPTransport(uds=str(leader.home / "berth.sock"))
-    with httpx.Client(transport=transport, base_url="http://berth", timeout=30.0) as local:
-        assert local.get("/admin/keys").status_code == 200
+        # The Unix socket needs no key and is not limited; a key created there now is
+        # served on its first use from the refused address.
+        transport = httpx.HTTPTransport(uds=str(leader.home / "berth.sock"))
+        with httpx.Client(transport=transport, base_url="http://berth", timeout=30.0) as local:
+            assert local.get("/admin/keys").status_code == 200
+            created = local.post("/admin/keys", json={"name": "late"})
+            assert created.status_code == 201, created.text
+        late = http.get("/v1/models", headers=_bearer(created.json()["secret"]))
+        assert late.status_code == 200, late.text
 
     audit_log = (leader.home / "logs" / "audit.log").read_text().splitlines()
     lines = [json.loads(line) for line in audit_log]

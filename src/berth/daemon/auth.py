@@ -28,9 +28,11 @@ Bad secrets cost the store little, however many arrive:
   with ``RateLimitError`` (429, ``Retry-After``) without a store read, held
   ``refusal_delay_s`` first (a sprayer that sends its next guess as soon as it is answered
   then costs the leader a few answers a second per connection, not thousands), and the
-  first refusal of each audit window is written to the audit log.  A secret once found
-  valid (still in the cache, even past its lifetime or after the cache was dropped) never
-  meets the limiter: a valid key is served from an address that sprays bad ones.
+  first refusal of each audit window is written to the audit log.  A secret known
+  valid never meets the limiter: one found valid (still in the cache, even past its
+  lifetime or after the cache was dropped), or whose keyed hash is one of the leader's keys
+  (:meth:`Authenticator.know`: every unrevoked key when the leader starts, and each one
+  created since). So a valid key is served from an address that sprays bad ones.
 """
 
 from __future__ import annotations
@@ -141,6 +143,8 @@ class Authenticator:
         # secret -> its record; kept past its lifetime and its generation (until dropped as
         # the oldest or found invalid), as the mark of a secret once found valid
         self._cache: dict[str, _Entry] = {}
+        # keyed hashes of the leader's keys, known without a read (see know())
+        self._known_hashes: set[str] = set()
         # keyed hash of a secret the store did not know -> when that read began
         self._invalid: dict[str, float] = {}
         # (secret, generation) -> the read in flight for it
@@ -172,11 +176,15 @@ class Authenticator:
                 if age >= self._refresh_after_s and hit.refresh:
                     ahead = (secret, self._generation)
                     if ahead not in self._reads:
-                        self._start_read(ahead, background=True, gated=False)
+                        self._start_read(
+                            ahead, hash_secret(secret, self._pepper), background=True, gated=False
+                        )
                 return hit.record
-        limiter = self._limiter if hit is None and address is not None else None
+        key_hash = hash_secret(secret, self._pepper)
+        known = hit is not None or key_hash in self._known_hashes
+        limiter = self._limiter if not known and address is not None else None
         if limiter is None:
-            return await self._look_up(secret, known=hit is not None)
+            return await self._look_up(secret, key_hash, known=known)
         assert address is not None
         refused = limiter.take(address, self._clock())
         if refused is not None:
@@ -192,7 +200,7 @@ class Authenticator:
                 retry_after_s=refused.retry_after_s,  # from the refusal, rounded up: >= 1 s
             )
         try:
-            record = await self._look_up(secret, known=False)
+            record = await self._look_up(secret, key_hash, known=False)
         except (AuthError, asyncio.CancelledError):
             raise  # a failure, or a client that left before it was told: the token stays taken
         except Exception:
@@ -213,8 +221,14 @@ class Authenticator:
         self._invalid.clear()
         self._generation += 1
 
-    async def _look_up(self, secret: str, *, known: bool) -> ApiKeyRecord:
-        key_hash = hash_secret(secret, self._pepper)
+    def know(self, key_hashes: Iterable[str]) -> None:
+        """``key_hashes`` are of this leader's keys (all of them when it starts, then each
+        one the admin API creates): a secret with one of them never meets the limiter, even
+        before its first use. It is still read from the store; one found revoked or unknown
+        is no longer known."""
+        self._known_hashes.update(key_hashes)
+
+    async def _look_up(self, secret: str, key_hash: str, *, known: bool) -> ApiKeyRecord:
         failed_at = self._invalid.get(key_hash)
         if failed_at is not None:
             if self._clock() - failed_at < self._negative_ttl_s:
@@ -223,7 +237,7 @@ class Authenticator:
             del self._invalid[key_hash]
         reading = (secret, self._generation)
         read = self._reads.get(reading) or self._start_read(
-            reading, background=False, gated=not known
+            reading, key_hash, background=False, gated=not known
         )
         return await asyncio.shield(read)  # one waiter leaving does not end the others' read
 
@@ -247,27 +261,32 @@ class Authenticator:
         self._invalid[key_hash] = read_at
 
     def _start_read(
-        self, reading: tuple[str, int], *, background: bool, gated: bool
+        self, reading: tuple[str, int], key_hash: str, *, background: bool, gated: bool
     ) -> asyncio.Task[ApiKeyRecord]:
-        task = asyncio.create_task(self._read_in_thread(*reading, gated), name="api-key-read")
+        secret, generation = reading
+        task = asyncio.create_task(
+            self._read_in_thread(secret, key_hash, generation, gated), name="api-key-read"
+        )
         self._reads[reading] = task
         task.add_done_callback(lambda done: self._read_done(reading, done, background))
         return task
 
-    async def _read_in_thread(self, secret: str, generation: int, gated: bool) -> ApiKeyRecord:
+    async def _read_in_thread(
+        self, secret: str, key_hash: str, generation: int, gated: bool
+    ) -> ApiKeyRecord:
         if gated:
             async with self._miss_slots:
-                return await self._read_and_keep(secret, generation)
-        return await self._read_and_keep(secret, generation)
+                return await self._read_and_keep(secret, key_hash, generation)
+        return await self._read_and_keep(secret, key_hash, generation)
 
-    async def _read_and_keep(self, secret: str, generation: int) -> ApiKeyRecord:
-        key_hash = hash_secret(secret, self._pepper)
+    async def _read_and_keep(self, secret: str, key_hash: str, generation: int) -> ApiKeyRecord:
         read_at = self._clock()
         self.counts.key_reads += 1
         try:
             record = await asyncio.to_thread(self._read, key_hash)
         except AuthError:
             self.counts.invalid += 1
+            self._known_hashes.discard(key_hash)
             if generation == self._generation:
                 self._cache.pop(secret, None)  # unknown or revoked now: no more cached use
                 self._remember_invalid(key_hash, read_at)

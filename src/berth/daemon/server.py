@@ -396,6 +396,7 @@ async def serve(home: BerthHome, settings: Settings) -> None:
         refusal_delay_s=settings.auth_refusal_delay_s,
         audit=audit.append,
     )
+    authenticator.know(await asyncio.to_thread(store.api_key_hashes))  # never rate limited
     metrics.registry.register(AuthCollector(authenticator.counts))
     services = LeaderServices(
         home=home,
