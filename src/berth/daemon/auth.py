@@ -286,8 +286,8 @@ class Authenticator:
             record = await asyncio.to_thread(self._read, key_hash)
         except AuthError:
             self.counts.invalid += 1
-            self._known_hashes.discard(key_hash)
-            if generation == self._generation:
+            if generation == self._generation:  # not a read begun before a key was created
+                self._known_hashes.discard(key_hash)
                 self._cache.pop(secret, None)  # unknown or revoked now: no more cached use
                 self._remember_invalid(key_hash, read_at)
             raise
