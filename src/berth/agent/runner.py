@@ -164,7 +164,7 @@ async def run_agent(
     assert core.adopted is not None
     await core.adopted.check_once()  # Hello reports the adopted servers as they are now
     core.adopted.start()
-    dialer = AgentDialer(identity, service, status)
+    dialer = AgentDialer(identity, service, status, redial_max_s=settings.redial_max_s)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, lambda: asyncio.ensure_future(dialer.stop()))
@@ -223,7 +223,7 @@ def _ingress(
         bind_host=settings.agent_ingress_bind,
         key_path=identity.key_path,
         cert_path=home.root / "ingress.crt",
-        ca_certificate=x509.load_pem_x509_certificate(
+        ca_certificate=x509.load_pem_x509_certificates(  # every root, not the first only
             pinned_certificate(identity.ca_path.read_bytes(), identity.ca_fingerprint)
         ),
         relay=service.relay_exchange,

@@ -6,8 +6,10 @@ ASGI adapter. Authentication happens here, once, by listener: over TCP ``/v1/*``
 ``/metrics`` need any valid key that has not expired and ``/admin/*`` an admin key, and failed
 attempts are limited per client address (429 past the ``auth_failure_*`` settings; see
 :mod:`berth.daemon.auth`); over the Unix socket (mode 0600, so only its owner can connect) no
-key is needed. The key's record
-goes to the proxy, whose admission applies its limits. On the public listener, browsers on
+key is needed: a request there is the desk worker's when it says so
+(:data:`berth.admission.SOCKET_CALLER_HEADER`, read on that listener only), else the CLI's.
+The key's record, or the socket's caller, goes to the proxy, whose admission applies its
+limits. On the public listener, browsers on
 the origins of the ``cors_origins`` setting get their preflights answered and CORS headers on
 every answer (:mod:`berth.http_server.cors`). The web console (``/ui/*``, and ``/`` for a
 browser) needs no key; a browser signed in to it sends a session cookie instead of a key,
@@ -18,7 +20,7 @@ from __future__ import annotations
 
 from fastapi import FastAPI
 
-from berth.admission import AdmissionError
+from berth.admission import SOCKET_CALLER_HEADER, AdmissionError, SocketCaller, socket_caller
 from berth.daemon.admin import build_admin_app
 from berth.daemon.admin_services import build_service_router
 from berth.daemon.auth import require_tier, secret_from_headers
@@ -40,6 +42,7 @@ from berth.store import ApiKeyRecord
 
 #: Paths that answer without a key on every listener.
 OPEN_PATHS = frozenset({"/healthz", "/readyz"})
+_CALLER_HEADER = SOCKET_CALLER_HEADER.encode()
 
 
 class LeaderApp:
@@ -85,8 +88,10 @@ class LeaderApp:
             writer.extra_headers = [*writer.extra_headers, *CONSOLE_HEADERS]
             await self._admin(request, writer)  # /ui/session checks what it is given
             return
-        key: ApiKeyRecord | None = None
-        if not self._trusted and path not in OPEN_PATHS:
+        key: ApiKeyRecord | SocketCaller | None = None
+        if self._trusted:  # the socket: no key, and its caller's word is trusted
+            key = socket_caller(request.header(_CALLER_HEADER))
+        elif path not in OPEN_PATHS:
             tier = "admin" if path.startswith("/admin") else "standard"
             try:
                 key = await self._authenticate(request, tier)
@@ -95,7 +100,8 @@ class LeaderApp:
                 return
         if path.startswith("/v1/"):
             # Its admission limits by key; the request log names it.
-            await self._proxy.handle(request, writer, key, key_name=key.name if key else "")
+            name = key.value if isinstance(key, SocketCaller) else key.name if key else ""
+            await self._proxy.handle(request, writer, key, key_name=name)
         else:
             await self._admin(request, writer)
 

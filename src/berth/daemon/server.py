@@ -59,6 +59,7 @@ from berth.daemon.services import LeaderServices, Listener
 from berth.errors import DaemonError
 from berth.eventloop import freeze_startup_objects
 from berth.http_server.server import HttpServer
+from berth.http_server.tls_reload import CertificateReloads, ReloadingTLS
 from berth.keys import load_or_create_pepper
 from berth.observability.adapters import AdapterMetrics
 from berth.observability.cluster import ClusterMetrics
@@ -202,7 +203,8 @@ def raise_open_files_limit(wanted: int) -> None:
 
 
 async def serve(home: BerthHome, settings: Settings) -> None:
-    """Run the leader until SIGTERM or SIGINT, then stop every engine it started.
+    """Run the leader until SIGTERM or SIGINT, then stop every engine it started; SIGHUP
+    reloads the public and cluster listeners' certificates.
 
     Raises ``DaemonError`` when a listener cannot bind (naming it, its address and port), or
     when ``leader_only`` is set while deployments on this host are still active.
@@ -238,10 +240,19 @@ async def serve(home: BerthHome, settings: Settings) -> None:
     cluster_tls = await asyncio.to_thread(
         cluster_tls_files, ca, settings.cluster_hosts(), home.ca_dir
     )
+    # Both listeners' certificates are reloaded on SIGHUP and when their files change
+    # (berth.http_server.tls_reload: validated first, new connections only).
+    public_pair = await asyncio.to_thread(ReloadingTLS.load, "public", *tls, public_ssl_context)
+    cluster_pair = await asyncio.to_thread(
+        ReloadingTLS.load, "cluster", *cluster_tls, lambda c, k: cluster_ssl_context(ca, c, k)
+    )
+    reloads = CertificateReloads(
+        [public_pair, cluster_pair], interval_s=settings.tls_reload_interval_s
+    )
 
     # Per-key limits and usage: in memory, the budgets starting from the ledger's totals.
     ledger = UsageLedger(store)
-    admission = Admission(settings.tiers, ledger)
+    admission = Admission(settings.tiers, ledger, desk_tier=settings.desk_tier)
     today, month_start = admission.budget_days()
     admission.load(
         await asyncio.to_thread(store.list_api_keys),
@@ -309,6 +320,7 @@ async def serve(home: BerthHome, settings: Settings) -> None:
         usage=resident_usage,
         min_residency_s=settings.min_residency_s,
         slots_changed=slots.resize,  # a service's capacity changed: waiters may go now
+        default_slots=settings.default_slots,
     )
     hub = NodeHub(
         store,
@@ -342,6 +354,7 @@ async def serve(home: BerthHome, settings: Settings) -> None:
             load_queue_max=settings.load_queue_max,
             scale_out_after_s=settings.scale_out_after_s,
             interval_s=settings.scaling_interval_s,
+            default_slots=settings.default_slots,
         ),
         metrics=ScalingMetrics(metrics.registry),
         audit=audit.append,
@@ -372,6 +385,9 @@ async def serve(home: BerthHome, settings: Settings) -> None:
         tunnels=data_paths,
         router=router,
         max_attempts=settings.max_attempts,
+        read_timeout_s=settings.read_timeout_s,
+        first_byte_timeout_s=settings.first_byte_timeout_s or None,  # 0: off
+        stream_idle_timeout_s=settings.stream_idle_timeout_s or None,
         relay_buffer_chunks=settings.relay_buffer_chunks,
         engine_auth=core.engine_auth if core is not None else None,
         on_demand=scaling.stage,
@@ -422,8 +438,8 @@ async def serve(home: BerthHome, settings: Settings) -> None:
         admission=admission,
         adapters=adapters,
         listeners=[
-            Listener("public", f"https://{settings.public_host}:{public_port}"),
-            Listener("cluster", cluster_url),
+            Listener("public", f"https://{settings.public_host}:{public_port}", public_pair),
+            Listener("cluster", cluster_url, cluster_pair),
             Listener("socket", f"unix://{home.socket_file}"),
         ],
     )
@@ -431,9 +447,7 @@ async def serve(home: BerthHome, settings: Settings) -> None:
     limits = settings.listener_limits()
     # Three listeners, each its cap, plus engines, the store and the pool to engines.
     raise_open_files_limit(3 * limits.max_connections + 2048)
-    public_server = HttpServer(
-        "public", public_app, limits, ssl_context=await asyncio.to_thread(public_ssl_context, *tls)
-    )
+    public_server = HttpServer("public", public_app, limits, ssl_context=public_pair.context)
     socket_server = HttpServer("socket", socket_app, limits)
     cluster_listener = ClusterListener(
         build_cluster_app(
@@ -444,7 +458,7 @@ async def serve(home: BerthHome, settings: Settings) -> None:
             body_timeout_s=limits.body_timeout_s,
         ),
         cluster_sock,
-        cluster_ssl_context(ca, *cluster_tls),
+        cluster_pair.context,
         limits,
     )
 
@@ -452,6 +466,7 @@ async def serve(home: BerthHome, settings: Settings) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    loop.add_signal_handler(signal.SIGHUP, reloads.reload_all)  # never the default: death
 
     home.pid_file.write_text(f"{os.getpid()}\n")
     await proxy.startup()
@@ -461,6 +476,7 @@ async def serve(home: BerthHome, settings: Settings) -> None:
         await public_server.start(public_sock)
         await socket_server.start(unix_sock)
         await cluster_listener.start()
+        reloads.start()
         if core is not None:
             services.runtimes = await core.runtime_status()
             for runtime in services.runtimes:
@@ -499,6 +515,7 @@ async def serve(home: BerthHome, settings: Settings) -> None:
             public_server.close(SHUTDOWN_GRACE_S), socket_server.close(SHUTDOWN_GRACE_S)
         )
     finally:
+        await reloads.close()
         await asyncio.gather(public_server.close(0.0), socket_server.close(0.0))
         if local_sampler is not None:
             await local_sampler.stop()

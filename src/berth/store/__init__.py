@@ -18,6 +18,7 @@ from berth.store.records import (
     RouteTarget,
     ScalingSettings,
     ServiceProfileRecord,
+    StreamTimeouts,
     UsageRecord,
 )
 from berth.store.store import Store
@@ -40,6 +41,7 @@ __all__ = [
     "ScalingSettings",
     "ServiceProfileRecord",
     "Store",
+    "StreamTimeouts",
     "Unchanged",
     "UsageRecord",
 ]

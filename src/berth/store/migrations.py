@@ -288,6 +288,12 @@ def _v7_adapters(conn: Connection) -> None:
         metadata.tables[name].create(conn)
 
 
+def _v9_service_timeouts(conn: Connection) -> None:
+    # Nullable, no default: existing services take the leader's settings, as before.
+    for name in ("first_byte_timeout_s", "stream_idle_timeout_s"):
+        _add_column(conn, "service_profiles", Column(name, Float, nullable=True))
+
+
 #: Every migration, in increasing order (numbers may skip: see the module docstring).
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(1, "models, deployments and api_keys", _v1_initial),
@@ -299,6 +305,7 @@ MIGRATIONS: tuple[Migration, ...] = (
     Migration(
         7, "adapters, adapter_locations, deployments' and services' adapter slots", _v7_adapters
     ),
+    Migration(9, "service_profiles stream timeouts (first byte, idle)", _v9_service_timeouts),
 )
 
 LATEST_VERSION = MIGRATIONS[-1].version

@@ -231,6 +231,9 @@ class ServiceProfileRow(Base):
     capacity: Mapped[int | None] = mapped_column(Integer)
     #: vLLM/SGLang: LoRA adapter slots of its deployments (``None``: berth's default)
     max_adapters: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    #: its streamed answers' bounds, seconds (``None``: the leader's settings; 0: none)
+    first_byte_timeout_s: Mapped[float | None] = mapped_column(Float, nullable=True)
+    stream_idle_timeout_s: Mapped[float | None] = mapped_column(Float, nullable=True)
 
 
 class RouteRow(Base):
