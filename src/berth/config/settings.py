@@ -116,6 +116,9 @@ class Settings:
     body_timeout_s: float
     max_connections: int
     max_connections_per_address: int
+    auth_failure_burst: int
+    auth_failure_rate_per_s: float
+    auth_refusal_delay_s: float
     leader_only: bool
     log_level: str
     health_timeout_s: float

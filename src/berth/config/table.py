@@ -241,6 +241,18 @@ SETTINGS: tuple[SettingDef, ...] = (
     SettingDef("max_connections_per_address", "int", "server",
                "most open connections per client address and listener (429 beyond)",
                default=_LIMITS.max_connections_per_address, minimum=1),
+    # Failed authentication per client address (berth.daemon.auth_limiter): 429 past it.
+    SettingDef("auth_failure_burst", "int", "server",
+               "failed API-key attempts a client address may make at once before it is "
+               "refused (429); a valid key is never refused for them",
+               default=20, minimum=1, maximum=1_000_000),
+    SettingDef("auth_failure_rate_per_s", "float", "server",
+               "failed API-key attempts a client address regains per second after its burst",
+               default=1.0, minimum=0.001, maximum=1_000_000.0),
+    SettingDef("auth_refusal_delay_s", "float", "server",
+               "seconds such a refusal is held before it is answered, so a client retrying at "
+               "once is slowed (0: at once)",
+               default=0.25, minimum=0.0, maximum=10.0),
     SettingDef("leader_only", "bool", "server",
                "run no engines on the leader's host: a control plane only (engines on agents)",
                default=False),

@@ -114,17 +114,19 @@ def build_key_router(
         tier = services.settings.tiers.require(body.tier)
         expires_at = _future_expiry(body.expires_at, now())
         secret = generate_secret()
+        key_hash = hash_secret(secret, services.pepper)
         record = await asyncio.to_thread(
             lambda: store.add_api_key(
                 body.name,
                 tier.name,
-                hash_secret(secret, services.pepper),
+                key_hash,
                 key_prefix(secret),
                 limits=body.overrides(),
                 expires_at=expires_at,
             )
         )
         changed(record)
+        services.authenticator.know([key_hash])  # its first use is never rate limited
         return key_view(record, services).extended(CreatedApiKey, secret=secret)
 
     # ``:path``: a key made before names were refused a ``/`` is still found by its name.

@@ -3,11 +3,13 @@
 ``/v1/*`` goes straight to the OpenAI proxy with the server's own request and writer (the
 hot path meets no framework); everything else goes to the admin app through the server's
 ASGI adapter. Authentication happens here, once, by listener: over TCP ``/v1/*`` and
-``/metrics`` need any valid key that has not expired and ``/admin/*`` an admin key; over the
-Unix socket (mode 0600, so only its owner can connect) no key is needed: a request there is
-the desk worker's when it says so (:data:`berth.admission.SOCKET_CALLER_HEADER`, read on that
-listener only), else the CLI's. The key's record, or the socket's caller, goes to the proxy,
-whose admission applies its limits. On the public listener, browsers on
+``/metrics`` need any valid key that has not expired and ``/admin/*`` an admin key, and failed
+attempts are limited per client address (429 past the ``auth_failure_*`` settings; see
+:mod:`berth.daemon.auth`); over the Unix socket (mode 0600, so only its owner can connect) no
+key is needed: a request there is the desk worker's when it says so
+(:data:`berth.admission.SOCKET_CALLER_HEADER`, read on that listener only), else the CLI's.
+The key's record, or the socket's caller, goes to the proxy, whose admission applies its
+limits. On the public listener, browsers on
 the origins of the ``cors_origins`` setting get their preflights answered and CORS headers on
 every answer (:mod:`berth.http_server.cors`). The web console (``/ui/*``, and ``/`` for a
 browser) needs no key; a browser signed in to it sends a session cookie instead of a key,
@@ -30,7 +32,7 @@ from berth.daemon.console_routes import (
 )
 from berth.daemon.proxy import OpenAIProxy
 from berth.daemon.services import LeaderServices
-from berth.errors import AuthError, BerthError
+from berth.errors import AuthError, BerthError, RateLimitError
 from berth.http_server.asgi import AsgiHandler
 from berth.http_server.cors import CorsPolicy
 from berth.http_server.request import Request
@@ -93,7 +95,7 @@ class LeaderApp:
             tier = "admin" if path.startswith("/admin") else "standard"
             try:
                 key = await self._authenticate(request, tier)
-            except (AuthError, AdmissionError) as exc:
+            except (AuthError, RateLimitError, AdmissionError) as exc:
                 await _send_error(writer, exc)
                 return
         if path.startswith("/v1/"):
@@ -112,10 +114,20 @@ class LeaderApp:
                 self._services.admission.check_expiry(signed_in)  # 401 once expired
                 require_tier(signed_in, tier)
                 return signed_in
-        record = await authenticator.authenticate(secret)
+        # Failed attempts are limited per client address; a key already found valid is not.
+        address = request.client[0] if request.client is not None else None
+        record = await authenticator.authenticate(
+            secret, address=address, surface=_surface(request.path)
+        )
         self._services.admission.check_expiry(record)  # 401 once expired
         require_tier(record, tier)
         return record
+
+
+def _surface(path: str) -> str:
+    """Where a keyed request came in, for the audit log: ``v1``, ``admin`` or ``metrics``."""
+    top = path.split("/", 2)[1] if path.startswith("/") else ""
+    return top if top in ("v1", "admin", "metrics") else "api"
 
 
 async def _send_error(writer: ResponseWriter, exc: BerthError) -> None:

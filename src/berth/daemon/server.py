@@ -49,6 +49,8 @@ from berth.daemon.admin_adapters import reload_adapters
 from berth.daemon.admin_services import load_routes
 from berth.daemon.app import build_apps
 from berth.daemon.auth import Authenticator
+from berth.daemon.auth_limiter import FailedAuthLimiter
+from berth.daemon.auth_metrics import AuthCollector
 from berth.daemon.fleet import LeaderFleet
 from berth.daemon.lifecycle import LifecycleManager
 from berth.daemon.placement_facts import ResidentUsage
@@ -401,6 +403,18 @@ async def serve(home: BerthHome, settings: Settings) -> None:
         cluster_url=cluster_url,
         audit=audit,
     )
+    # Keys checked with caches in front of the store, failures limited per client address.
+    authenticator = Authenticator(
+        store,
+        pepper,
+        limiter=FailedAuthLimiter(
+            burst=settings.auth_failure_burst, rate_per_s=settings.auth_failure_rate_per_s
+        ),
+        refusal_delay_s=settings.auth_refusal_delay_s,
+        audit=audit.append,
+    )
+    authenticator.know(await asyncio.to_thread(store.api_key_hashes))  # never rate limited
+    metrics.registry.register(AuthCollector(authenticator.counts))
     services = LeaderServices(
         home=home,
         settings=settings,
@@ -411,7 +425,7 @@ async def serve(home: BerthHome, settings: Settings) -> None:
         cluster_metrics=cluster_metrics,
         proxy=proxy,
         lifecycle=lifecycle,
-        authenticator=Authenticator(store, pepper),
+        authenticator=authenticator,
         local_core=core,
         links=links,
         hub=hub,
