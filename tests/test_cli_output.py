@@ -328,3 +328,12 @@ def test_every_bracket_in_help_text_is_shown_not_read_as_markup() -> None:
             assert bracket in shown.stdout, (path, bracket, shown.stdout)
         checked += 1
     assert checked >= 1
+
+
+def test_no_flag_is_cut_short_in_help_at_80_columns() -> None:
+    """Rich ends a flag that does not fit its column with '…': the user cannot type it."""
+    for path, _command in _commands(typer.main.get_command(app), []):
+        shown = CliRunner().invoke(app, [*path, "--help"], env={"COLUMNS": "80"})
+        assert shown.exit_code == 0, shown.output
+        cut = [line for line in shown.stdout.splitlines() if "…" in line]
+        assert cut == [], (path, cut)
