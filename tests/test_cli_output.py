@@ -23,6 +23,7 @@ from typer.testing import CliRunner, Result
 from berth.api import (
     ApiKey,
     CreatedApiKey,
+    Deployment,
     GpuOptionOut,
     ListedDeployment,
     LocatedModel,
@@ -312,6 +313,32 @@ def test_models_add_on_a_node_prints_its_path_whole(
     assert shown.exit_code == 0, shown.output
     # One line, so the path can be copied; a terminal folds it, a pipe keeps it.
     assert shown.stdout.splitlines() == [f"added model smol at {GGUF_ON_AGENT} on node gpu-b"]
+
+
+@pytest.mark.parametrize(
+    ("args", "path"),
+    [
+        (["run", "llama-3.1-8b-instruct-q4", "--node", "gpu-box-west-1"], "/admin/deployments"),
+        (["service", "deploy", "chat-production"], "/admin/services/chat-production/deploy"),
+    ],
+)
+def test_the_ready_line_is_one_line_when_piped(
+    daemon: Answers, berth: Callable[..., Result], args: list[str], path: str
+) -> None:
+    # Scripts read it (the id, the port); it broke before the port at 80 columns.
+    daemon[("POST", path)] = Deployment(
+        id="d-0a1b2c3d", model_name="llama-3.1-8b-instruct-q4", engine="llamacpp",
+        runtime="process", node_id="n-5e6f7a8b", state=DeploymentState.READY, port=41234,
+        pid=123456, gpus=[0], ctx=None, extra_args=[],
+        served_model_name="llama-3.1-8b-instruct-q4", failure_reason=None, created_at=CREATED,
+        updated_at=CREATED, image=None, progress=None,
+    )  # fmt: skip
+
+    shown = berth(*args)
+
+    assert shown.exit_code == 0, shown.output
+    (line,) = shown.stdout.splitlines()
+    assert line.startswith("d-0a1b2c3d ready: ") and line.endswith("port 41234, GPU 0)"), line
 
 
 def test_every_bracket_in_help_text_is_shown_not_read_as_markup() -> None:

@@ -410,6 +410,7 @@ def deploy_service(
         f"(model {escape(record.model_name)} "
         f"on {record.engine}, node {escape(record.node_id)}, port {record.port}{gpus})",
         markup=True,
+        soft_wrap=True,  # one line for scripts reading the id and port
     )
 
 
