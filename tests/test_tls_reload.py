@@ -141,6 +141,16 @@ def test_an_expired_certificate_is_refused_on_reload_and_a_missing_key_named(pki
         load_pair(pki.cert, pki.key, public_ssl_context)
 
 
+def test_a_certificate_not_valid_yet_is_refused_on_reload(pki: Pki) -> None:
+    # Served, it would fail every client's handshake until its notBefore.
+    cert, key = pki.issue("good")
+    pki.install(cert.read_bytes(), key.read_bytes())
+    earlier = datetime.now(UTC) - timedelta(days=2)
+    with pytest.raises(PairRefused, match="not valid until"):
+        load_pair(pki.cert, pki.key, public_ssl_context, now=earlier)
+    assert load_pair(pki.cert, pki.key, public_ssl_context).serial == _serial(cert)
+
+
 def test_a_certificate_file_that_holds_its_key_too_is_accepted(pki: Pki) -> None:
     cert, key = pki.issue("good")
     pki.install(key.read_bytes() + cert.read_bytes(), key.read_bytes())

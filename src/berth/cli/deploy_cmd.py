@@ -120,6 +120,7 @@ def run(
         f"[green]{record.id} ready[/]: model [bold]{escape(record.served_model_name)}[/] "
         f"on {record.engine} ({escape(where)})",
         markup=True,
+        soft_wrap=True,  # one line for scripts reading the id and port
     )
 
 

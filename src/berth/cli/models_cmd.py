@@ -65,6 +65,7 @@ def add(
             f"added model [bold]{escape(record.name)}[/] at {escape(str(shown))} "
             f"on node {escape(str(node))}",
             markup=True,
+            soft_wrap=True,  # one line, the path whole, so it can be copied
         )
         return
     console.print(

@@ -14,7 +14,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from berth.api import Plan, PlanIn
-from berth.cli.common import console, context, print_json, request_body
+from berth.cli.common import console, context, print_json, print_table, request_body
 from berth.cli.deploy_cmd import parse_gpus
 from berth.placement.estimate import mib
 
@@ -127,4 +127,4 @@ def print_plan(answer: Plan) -> None:
             name = f"{o.name} (simulated)" if o.simulated and "simulated" not in o.name else o.name
             table.add_row(o.node_label, str(o.index), name, mib(o.total_mb), mib(o.free_mb),
                           o.verdict.replace("_", " "), o.detail)  # fmt: skip
-        out.print(table)
+        print_table(table, out=out)

@@ -104,6 +104,7 @@ def create_service(
         min=0,
         help="Seconds a streamed request waits for its first byte before it goes to another "
         "deployment (0: off; default: the first_byte_timeout_s setting).",
+        rich_help_panel="Stream timeouts",
     ),
     stream_idle_timeout: float | None = typer.Option(
         None,
@@ -111,6 +112,7 @@ def create_service(
         min=0,
         help="Longest silence inside a stream, in seconds, before it ends with an error "
         "(0: off; default: the stream_idle_timeout_s setting).",
+        rich_help_panel="Stream timeouts",
     ),
     as_json: bool = typer.Option(False, "--json", help="Print JSON."),
 ) -> None:
@@ -408,6 +410,7 @@ def deploy_service(
         f"(model {escape(record.model_name)} "
         f"on {record.engine}, node {escape(record.node_id)}, port {record.port}{gpus})",
         markup=True,
+        soft_wrap=True,  # one line for scripts reading the id and port
     )
 
 

@@ -346,7 +346,7 @@ SETTINGS: tuple[SettingDef, ...] = (
     SettingDef("redial_max_s", "float", "agent",
                "seconds an agent waits at most between dials of a leader it lost (the wait "
                "doubles from 1 s up to this; each is drawn from the upper half of its step)",
-               default=30.0, minimum=1.0),
+               default=30.0, minimum=1.0, maximum=3600.0),
     SettingDef("load_wait_s", "float", "scaling",
                "seconds a request waits at the leader for its service to load before a 503",
                default=120.0, minimum=0.0),

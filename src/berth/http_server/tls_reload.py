@@ -11,7 +11,8 @@ pair lost their listener: bun#43815, netpulse#769).
 read; every PEM block of the certificate file is whole (as many ``END`` lines as ``BEGIN``
 lines: a file cut off in its chain still parses its leaf); every certificate of the chain and
 the key parse;
-the key is the leaf's; the leaf has not expired; OpenSSL accepts the pair and loads the chain
+the key is the leaf's; the leaf is valid now (not expired, and not dated in the future: every
+client would refuse it until then); OpenSSL accepts the pair and loads the chain
 into a fresh :class:`ssl.SSLContext` (built by the listener's own context builder); and the
 files still hold the bytes checked (else they changed while being read: the next poll reads
 them again).
@@ -135,10 +136,10 @@ def load_pair(
     """Validate the pair in ``cert_path`` and ``key_path`` (PEM) and build its context with
     ``build``; the checks and their order are in the module docstring.
 
-    ``now`` (aware; default the current time) is what expiry is judged against; an expired
-    leaf is refused only with ``refuse_expired`` (a listener's first pair is served as the
-    operator gave it, as before reloading existed). Raises :class:`PairRefused` with the
-    reason.
+    ``now`` (aware; default the current time) is what the leaf's validity is judged against;
+    a leaf outside it (expired, or not valid yet) is refused only with ``refuse_expired`` (a
+    listener's first pair is served as the operator gave it, as before reloading existed).
+    Raises :class:`PairRefused` with the reason.
     """
     stamp = pair_stamp(cert_path, key_path)
     cert_pem = _read(cert_path, "the certificate")
@@ -171,6 +172,11 @@ def load_pair(
     if refuse_expired and leaf.not_valid_after_utc <= when:
         raise PairRefused(
             f"the certificate expired at {leaf.not_valid_after_utc:%Y-%m-%d %H:%M} UTC"
+        )
+    if refuse_expired and leaf.not_valid_before_utc > when:
+        raise PairRefused(
+            f"the certificate is not valid until {leaf.not_valid_before_utc:%Y-%m-%d %H:%M} UTC "
+            "(clients refuse it until then)"
         )
     try:
         context = build(cert_path, key_path)
