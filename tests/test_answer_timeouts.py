@@ -117,6 +117,26 @@ async def test_a_silent_engine_past_the_first_byte_timeout_is_closed_and_another
     assert sample(metrics, "berth_proxy_requests_total", **served) == 1
 
 
+async def test_a_silent_replica_past_the_first_byte_timeout_hands_over_to_one_on_its_node() -> None:
+    # Two replicas on one host: the silence is the deployment's, not the node's, so the
+    # replica beside it answers (a failure that may be the node's would bar the node).
+    healthy_events = chat_chunks(["from the replica beside it"])
+    async with (
+        StandinEngine(SILENT_BEFORE_HEAD) as silent,
+        StandinEngine(sse_reply(healthy_events)) as healthy,
+    ):
+        one_node = [
+            Upstream(silent.base_url, "d-silent", "n-one", MODEL),
+            Upstream(healthy.base_url, "d-healthy", "n-one", MODEL),
+        ]
+        resolver = Ranked(one_node)
+        options = {"router": _router(resolver), "first_byte_timeout_s": 0.3}
+        async with running_proxy(resolver, ProxyMetrics(), **options) as url:
+            status, body = await _post_stream(url)
+        assert status == 200
+        assert body == b"".join(healthy_events)
+
+
 async def test_the_request_log_names_the_first_byte_timeout_as_a_retry() -> None:
     async with (
         StandinEngine(SILENT_AFTER_HEAD) as silent,

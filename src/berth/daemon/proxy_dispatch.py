@@ -1,6 +1,10 @@
 """Dispatch with retry before the first byte: walk the router's plan until an engine answers.
 
-Each attempt goes to a node not tried yet, at most ``max_attempts`` in all. An attempt that
+Each attempt goes to a deployment not tried yet, at most ``max_attempts`` in all. A failure
+that may be its node's (refused, reset, timed out, node unreachable, a 502/503/504 answer)
+bars the whole node for the rest of the request; one that is the deployment's own (a first
+byte that does not come in time, its deployment given up: failed, stopped or suspect) bars
+only that deployment, so a replica beside it on the same node is tried next. An attempt that
 fails before the answer's head (refused, reset, timed out, node unreachable), a streamed one
 whose first byte does not come within the first-byte timeout (the proxy closes its exchange
 and raises :class:`~berth.routing.errors.FirstByteTimeoutError`), or one answered 502/503/504
@@ -29,7 +33,7 @@ from berth.routing.errors import (
 )
 from berth.routing.retry import AttemptFailure, classify
 from berth.routing.signals import SignalBoard
-from berth.routing.waiting import WaitingAttempts
+from berth.routing.waiting import GiveUp, WaitingAttempts
 
 if TYPE_CHECKING:
     from berth.routing.resolver import Upstream
@@ -60,12 +64,17 @@ async def first_answer(
     attempt whose engine was given up with nowhere else to go).
     """
     task = asyncio.current_task() if waiting is not None else None
-    tried: set[str] = set()
+    tried: set[str] = set()  # deployments
+    barred: set[str] = set()  # nodes
     for index, upstream in enumerate(plan):
-        if upstream.node_id in tried:
+        if upstream.deployment_id in tried or upstream.node_id in barred:
             continue
-        tried.add(upstream.node_id)
-        more = len(tried) < max_attempts and any(u.node_id not in tried for u in plan[index + 1 :])
+        tried.add(upstream.deployment_id)
+        rest = plan[index + 1 :]
+        room = len(tried) < max_attempts
+        # Another candidate after a failure of this deployment's own, and after one of its node's.
+        more = room and _another(rest, tried, barred)
+        more_off_node = room and _another(rest, tried, barred | {upstream.node_id})
         signals.started(upstream.deployment_id, upstream.node_id)
         begun = clock()
         registered = None
@@ -79,11 +88,14 @@ async def first_answer(
                 raise  # the client left, or the server is shutting down
             # Given up while waiting: the cancellation closed the exchange with the engine.
             signals.failed(upstream.deployment_id)
+            if registered.given_up is GiveUp.NODE_LOST:
+                barred.add(upstream.node_id)
+                more = more_off_node
             if not more:
                 raise EngineUnreachableError(
                     upstream, f"was given up before answering ({registered.reason})"
                 ) from None
-            log.warning("request %s: deployment %s %s; trying another node",
+            log.warning("request %s: deployment %s %s; trying another deployment",
                         request_id, upstream.deployment_id, registered.reason)  # fmt: skip
             continue
         except ProxyError as exc:
@@ -94,9 +106,12 @@ async def first_answer(
                 else AttemptFailure.TIMEOUT if isinstance(exc, EngineTimeoutError)
                 else AttemptFailure.CONNECT
             )  # fmt: skip
+            if failure is not AttemptFailure.FIRST_BYTE_TIMEOUT:
+                barred.add(upstream.node_id)
+                more = more_off_node
             if not more or classify(failure) != "retry":
                 raise
-            log.warning("request %s: %s; trying another node", request_id, exc)
+            log.warning("request %s: %s; trying another candidate", request_id, exc)
             continue
         except BaseException:
             signals.finished(upstream.deployment_id, upstream.node_id)
@@ -110,7 +125,8 @@ async def first_answer(
             signals.succeeded(upstream.deployment_id)
         elif classify(None, answer.status) == "retry":
             signals.failed(upstream.deployment_id)
-            if more:
+            barred.add(upstream.node_id)
+            if more_off_node:
                 log.warning("request %s: deployment %s answered %d; trying another node",
                             request_id, upstream.deployment_id, answer.status)  # fmt: skip
                 answer.close()
@@ -118,3 +134,8 @@ async def first_answer(
                 continue
         return upstream, answer
     raise AssertionError("first_answer needs a non-empty plan")  # the resolver never gives one
+
+
+def _another(rest: Sequence[Upstream], tried: set[str], barred: set[str]) -> bool:
+    """Whether ``rest`` holds a deployment not tried yet on a node not barred."""
+    return any(u.deployment_id not in tried and u.node_id not in barred for u in rest)
