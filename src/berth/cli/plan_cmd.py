@@ -48,7 +48,8 @@ def plan(
 
     Nothing is started or changed. Exit codes: 0 it would be placed, 3 it would be refused
     (the reasons are printed, and kept with --json), 2 bad input (no such model, service
-    or node).
+    or node). 3 is also every command's code when the daemon cannot be reached: then
+    nothing is printed on stdout and stderr has an error line.
     """
     body = request_body(
         PlanIn,
