@@ -147,7 +147,7 @@ def test_a_plan_with_no_engine_serving_the_path_is_refused_naming_why() -> None:
         serving(plan, "/v1/messages")
     assert raised.value.http_status == 400 and raised.value.error_code == "path_not_served"
     assert str(raised.value) == (
-        "adopted endpoint ext's engine is not known to serve /v1/messages; "
+        "adopted:ext's engine is not known to serve /v1/messages; "
         "deployment d-1's engine (sglang) does not serve /v1/messages; "
         "translation to /v1/chat/completions is not supported yet"
     )

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from berth.agent.adopted import ADOPTED_ID_PREFIX
 from berth.routing.errors import InvalidRequestError
 from berth.routing.resolver import Upstream
 from berth.runtime.engines import serves_path
@@ -35,7 +34,6 @@ def serving(plan: Sequence[Upstream], path: str) -> list[Upstream]:
 
 
 def _why_not(upstream: Upstream, path: str) -> str:
-    if upstream.engine is None:
-        name = upstream.deployment_id.removeprefix(ADOPTED_ID_PREFIX)
-        return f"adopted endpoint {name}'s engine is not known to serve {path}"
+    if upstream.engine is None:  # an adopted endpoint (its id: "adopted:<name>")
+        return f"{upstream.deployment_id}'s engine is not known to serve {path}"
     return f"deployment {upstream.deployment_id}'s engine ({upstream.engine}) does not serve {path}"
