@@ -1,7 +1,8 @@
 """Anthropic's Messages API through the proxy: the error converter, the usage of its answers
 (streamed and not), the engine capability, and the Anthropic SDK as the client of the real
 listener app (:class:`berth.daemon.app.LeaderApp`, its auth over a stand-in authenticator)
-in front of the scripted stand-in engine, locally and through an agent's tunnel."""
+in front of the scripted stand-in engine: locally, through an agent's tunnel (the ``linked``
+fixture) and over the direct path to an agent's ingress (``test_direct_path``'s leader)."""
 
 from __future__ import annotations
 
@@ -37,6 +38,8 @@ from berth.routing.errors import (
 )
 from berth.routing.resolver import Upstream
 from berth.store import ApiKeyRecord, UsageRecord
+from support.direct import DEPLOYMENT as DIRECT_DEPLOYMENT
+from support.direct import Pki
 from support.link_pair import DEPLOYMENT, Linked
 from support.proxy_fixtures import running_proxy
 from support.standin_engine import (
@@ -47,6 +50,8 @@ from support.standin_engine import (
     message_events,
     sse_reply,
 )
+from support.waiting import EVENT_TIMEOUT_S, wait_for_async
+from test_direct_path import _leader as direct_leader
 
 ASK: dict[str, Any] = {
     "model": "m",
@@ -233,17 +238,18 @@ def local(engine: StandinEngine, kind: str | None = "llamacpp", name: str = "d-1
 
 @contextlib.asynccontextmanager
 async def leader(
-    upstreams: Sequence[Upstream], **options: Any
+    upstreams: Sequence[Upstream], *, trusted: bool = False, **options: Any
 ) -> AsyncIterator[tuple[str, Admission, list[OpenAIProxy]]]:
     """The proxy behind the real public :class:`LeaderApp` (authentication by
-    :class:`Authenticator`); yields its URL, its admission and the proxy (in a list)."""
+    :class:`Authenticator`; ``trusted``: the Unix socket's, no key); yields its URL, its
+    admission and the proxy (in a list)."""
     admission = Admission(TierTable(), UsageLedger(NoSink()), clock=ManualClock())
     built: list[OpenAIProxy] = []
 
     def wrap(proxy: OpenAIProxy) -> Any:
         built.append(proxy)
         services = SimpleNamespace(proxy=proxy, authenticator=Authenticator(), admission=admission)
-        return LeaderApp(services, FastAPI(), trusted=False)  # type: ignore[arg-type]
+        return LeaderApp(services, FastAPI(), trusted=trusted)  # type: ignore[arg-type]
 
     resolver = Engines(upstreams)
     async with running_proxy(
@@ -409,3 +415,43 @@ async def test_through_an_agents_tunnel(linked: Linked) -> None:
     assert received.path == "/v1/messages"
     assert received.headers["anthropic-version"] == SDK_VERSION
     assert ledger(admission) == [("k-plain", 1, 0, 3, 2, 0)]
+
+
+async def test_over_the_direct_path_to_an_agent(pki: Pki) -> None:
+    sides = direct_leader(pki)
+    side = await anext(sides)
+    try:
+        await wait_for_async(lambda: side.path() == "direct", EVENT_TIMEOUT_S, "the direct path")
+        side.side.engine.script(sse_reply(message_events(["went ", "direct"], usage=(4, 2, 1))))
+        upstream = Upstream(
+            tunnel_url(side.node_id, DIRECT_DEPLOYMENT),
+            DIRECT_DEPLOYMENT,
+            side.node_id,
+            "m",
+            engine="llamacpp",
+        )
+        async with (
+            leader([upstream], tunnels=side.paths) as (url, admission, _),
+            sdk(url) as client,
+            client.messages.stream(**ASK) as stream,
+        ):
+            texts = [text async for text in stream.text_stream]
+        assert "".join(texts) == "went direct"
+        assert side.tunnel.opened == 0  # not through the tunnel
+        received = side.side.engine.requests[0]
+        assert received.path == "/v1/messages"
+        assert received.headers["anthropic-version"] == SDK_VERSION
+        assert ledger(admission) == [("k-plain", 1, 0, 5, 2, 0)]
+    finally:
+        await sides.aclose()
+
+
+async def test_over_the_unix_sockets_listener_no_key_is_needed(engine: StandinEngine) -> None:
+    engine.script(json_reply(message("for the CLI", usage=(2, 1, 0))))
+    async with (
+        leader([local(engine)], trusted=True) as (url, admission, _),
+        sdk(url, "ignored") as client,
+    ):
+        answer = await client.messages.create(**ASK)
+    assert answer.content[0].text == "for the CLI"  # type: ignore[union-attr]
+    assert ledger(admission) == [("socket:cli", 1, 0, 2, 1, 0)]
