@@ -455,3 +455,24 @@ async def test_over_the_unix_sockets_listener_no_key_is_needed(engine: StandinEn
         answer = await client.messages.create(**ASK)
     assert answer.content[0].text == "for the CLI"  # type: ignore[union-attr]
     assert ledger(admission) == [("socket:cli", 1, 0, 2, 1, 0)]
+
+
+async def test_a_stream_the_engine_breaks_off_ends_with_an_anthropic_error_event(
+    engine: StandinEngine,
+) -> None:
+    events = message_events(["never ", "finished"])
+    engine.script(sse_reply(events, die_after=3))
+    async with (
+        leader([local(engine)]) as (url, admission, _),
+        sdk(url) as client,
+        client.messages.stream(**ASK) as stream,
+    ):
+        with pytest.raises(anthropic.APIStatusError) as broken:
+            async for _ in stream.text_stream:
+                pass
+    assert broken.value.body == {
+        "type": "error",
+        "error": {"type": "api_error", "message": "the engine failed while streaming the answer"},
+    }
+    (row,) = ledger(admission)
+    assert row[:3] == ("k-plain", 1, 1)  # one request, an error
