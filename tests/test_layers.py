@@ -39,6 +39,7 @@ BASE: tuple[str, ...] = (
     "atomic",
     "humanize",
     "openai_errors",
+    "anthropic_errors",
     "limits",
     "conforms",
 )

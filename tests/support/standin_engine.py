@@ -202,6 +202,48 @@ def responses_events(text: str, *, usage: tuple[int, int] = (11, 3)) -> list[byt
     ]
 
 
+def message(text: str, *, usage: tuple[int, int, int] = (5, 3, 2)) -> dict[str, Any]:
+    """An Anthropic Messages answer (as llama-server gives it); ``usage`` = (input not
+    cached, output, cache read)."""
+    uncached, output, cached = usage
+    counts = {"cache_read_input_tokens": cached, "input_tokens": uncached, "output_tokens": output}
+    return {
+        "id": "msg_1",
+        "type": "message",
+        "role": "assistant",
+        "content": [{"type": "text", "text": text}],
+        "model": "m",
+        "stop_reason": "end_turn",
+        "stop_sequence": None,
+        "usage": counts,
+    }
+
+
+def message_events(texts: Sequence[str], *, usage: tuple[int, int, int] = (5, 3, 2)) -> list[bytes]:
+    """A Messages stream, llama-server's way: the input counts in ``message_start``, the
+    output in ``message_delta``; one text delta per item of ``texts``."""
+
+    def event(kind: str, payload: dict[str, Any]) -> bytes:
+        return f"event: {kind}\ndata: {json.dumps({'type': kind, **payload})}\n\n".encode()
+
+    uncached, output, cached = usage
+    start = {**message(""), "content": [], "stop_reason": None}
+    start["usage"] = {"cache_read_input_tokens": cached, "input_tokens": uncached}
+    start["usage"]["output_tokens"] = 0
+    block = {"index": 0, "content_block": {"type": "text", "text": ""}}
+    deltas = [{"index": 0, "delta": {"type": "text_delta", "text": text}} for text in texts]
+    ending = {"delta": {"stop_reason": "end_turn", "stop_sequence": None}}
+    ending["usage"] = {"output_tokens": output}
+    return [
+        event("message_start", {"message": start}),
+        event("content_block_start", block),
+        *[event("content_block_delta", delta) for delta in deltas],
+        event("content_block_stop", {"index": 0}),
+        event("message_delta", ending),
+        event("message_stop", {}),
+    ]
+
+
 # -- the scripted engine -----------------------------------------------------------------------
 
 

@@ -57,6 +57,9 @@ class RequestOut(ApiModel):
     completion_tokens: int
     retries: list[str]
     error_reason: str | None
+    #: of ``prompt_tokens``, those the engine read from its prompt cache, where it says
+    #: (Anthropic's ``cache_read_input_tokens``)
+    cached_tokens: int = 0
 
 
 class RequestsPage(ApiModel):

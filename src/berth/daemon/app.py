@@ -3,7 +3,9 @@
 ``/v1/*`` goes straight to the OpenAI proxy with the server's own request and writer (the
 hot path meets no framework); everything else goes to the admin app through the server's
 ASGI adapter. Authentication happens here, once, by listener: over TCP ``/v1/*`` and
-``/metrics`` need any valid key that has not expired and ``/admin/*`` an admin key, and failed
+``/metrics`` need any valid key that has not expired (in ``Authorization: Bearer`` or, on
+every path alike, ``x-api-key``, which the Anthropic SDK sends; refusals under
+``/v1/messages`` are Anthropic-shaped) and ``/admin/*`` an admin key, and failed
 attempts are limited per client address (429 past the ``auth_failure_*`` settings; see
 :mod:`berth.daemon.auth`); over the Unix socket (mode 0600, so only its owner can connect) no
 key is needed: a request there is the desk worker's when it says so
@@ -21,6 +23,7 @@ from __future__ import annotations
 from fastapi import FastAPI
 
 from berth.admission import SOCKET_CALLER_HEADER, AdmissionError, SocketCaller, socket_caller
+from berth.anthropic_errors import is_messages_path, to_anthropic
 from berth.daemon.admin import build_admin_app
 from berth.daemon.admin_services import build_service_router
 from berth.daemon.auth import require_tier, secret_from_headers
@@ -96,7 +99,7 @@ class LeaderApp:
             try:
                 key = await self._authenticate(request, tier)
             except (AuthError, RateLimitError, AdmissionError) as exc:
-                await _send_error(writer, exc)
+                await _send_error(writer, exc, path)
                 return
         if path.startswith("/v1/"):
             # Its admission limits by key; the request log names it.
@@ -130,8 +133,13 @@ def _surface(path: str) -> str:
     return top if top in ("v1", "admin", "metrics") else "api"
 
 
-async def _send_error(writer: ResponseWriter, exc: BerthError) -> None:
-    status, body, headers = error_from_exception(exc)
+async def _send_error(writer: ResponseWriter, exc: BerthError, path: str) -> None:
+    """Answer a refused authentication: OpenAI-shaped, Anthropic-shaped under
+    ``/v1/messages``."""
+    reply = error_from_exception(exc)
+    if is_messages_path(path):
+        reply = to_anthropic(reply)
+    status, body, headers = reply
     raw_headers = [
         (b"content-type", b"application/json"),
         (b"content-length", b"%d" % len(body)),

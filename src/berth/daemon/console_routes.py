@@ -177,6 +177,7 @@ def _request_view(entry: RequestEntry) -> RequestOut:
         completion_tokens=entry.completion_tokens,
         retries=list(entry.retries),
         error_reason=entry.error_reason,
+        cached_tokens=entry.cached_tokens,
     )
 
 

@@ -13,12 +13,17 @@ One request, on the hot path::
 
 There is no framework routing here: this module is called only after authentication, for the
 paths it serves (``POST /v1/chat/completions``, ``/v1/completions``, ``/v1/embeddings``,
-``/v1/responses``; ``GET /v1/models`` and ``/v1/models/{id}``), and it matches ``scope["path"]``
-itself. Errors are answered in the OpenAI shape (:mod:`berth.openai_errors`); the ones
-this module raises are drawn in :mod:`berth.routing.errors`. What the proxy needs of the
-client's request and of the writer of its answer is in :mod:`berth.daemon.proxy_http`
-(berth's own HTTP server gives both as they are; :mod:`berth.daemon.proxy_asgi` adapts
-ASGI), the relaying of an engine's answer in :mod:`berth.daemon.proxy_relay`.
+``/v1/responses``, and Anthropic's ``/v1/messages`` and ``/v1/messages/count_tokens``;
+``GET /v1/models`` and ``/v1/models/{id}``), and it matches ``scope["path"]`` itself.
+Errors are answered in the OpenAI shape (:mod:`berth.openai_errors`), or under
+``/v1/messages`` in Anthropic's (:mod:`berth.anthropic_errors`, converted from the same
+errors at :meth:`OpenAIProxy._send_error`); the ones this module raises are drawn in
+:mod:`berth.routing.errors`. A Messages request goes the same way as a chat completion,
+only to the deployments whose engine serves its path (:mod:`berth.routing.capability`).
+What the proxy needs of the client's request and of the writer of its answer is in
+:mod:`berth.daemon.proxy_http` (berth's own HTTP server gives both as they are;
+:mod:`berth.daemon.proxy_asgi` adapts ASGI), the relaying of an engine's answer in
+:mod:`berth.daemon.proxy_relay`.
 """
 
 from __future__ import annotations
@@ -41,6 +46,12 @@ from berth.admission import (
     Ticket,
 )
 from berth.admission import estimate as estimate_tokens
+from berth.anthropic_errors import (
+    COUNT_TOKENS_PATH,
+    MESSAGES_PATH,
+    is_messages_path,
+    to_anthropic,
+)
 from berth.daemon.adapter_resolver import with_lora
 from berth.daemon.adapters import AdapterManager
 from berth.daemon.engine_client import EngineAuth, EngineClient, TunnelOpener
@@ -67,6 +78,7 @@ from berth.http_server.errors import HttpServerError
 from berth.observability.metrics import ProxyMetrics, Target
 from berth.observability.request_log import RequestLog
 from berth.openai_errors import ErrorResponse, error_from_exception
+from berth.routing.capability import serving
 from berth.routing.errors import (
     EngineTimeoutError,
     EngineUnreachableError,
@@ -89,9 +101,16 @@ _log = logging.getLogger(__name__)
 
 MiB = 1024 * 1024
 
-_COMPLETION_PATHS = frozenset(
-    {"/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses"}
-)
+#: The paths relayed to engines, and the API each speaks (:class:`Exchange`'s ``dialect``):
+#: OpenAI's, or Anthropic's Messages (passed through to the engines that serve it).
+_DIALECTS = {
+    "/v1/chat/completions": "",
+    "/v1/completions": "",
+    "/v1/embeddings": "",
+    "/v1/responses": "",
+    MESSAGES_PATH: "messages",
+    COUNT_TOKENS_PATH: "count_tokens",
+}
 _MODELS_PATH = "/v1/models"
 #: How much of a request's ``model`` the request log keeps (a client may send anything).
 _MAX_LOGGED_MODEL_CHARS = 200
@@ -307,10 +326,18 @@ class OpenAIProxy:
         path = request.path
         method = request.method
         request_id, forward, content_length = scan_headers(request.headers)
-        if path in _COMPLETION_PATHS:
+        dialect = _DIALECTS.get(path)
+        if dialect is not None:
             if method == "POST":
                 await self._proxy(
-                    request, request_id, forward, content_length, writer, api_key, key_name
+                    request,
+                    request_id,
+                    forward,
+                    content_length,
+                    writer,
+                    api_key,
+                    key_name,
+                    dialect,
                 )
                 return
             allowed = "POST"
@@ -327,6 +354,7 @@ class OpenAIProxy:
                     f"Invalid URL ({method} {path})", code="unknown_url", status=404
                 ),
                 self._clock(),
+                path=path,
             )
             return
         error = InvalidRequestError(
@@ -334,7 +362,7 @@ class OpenAIProxy:
             code="method_not_allowed",
             status=405,
         )
-        await self._reject(writer, request_id, error, self._clock(), allow=allowed)
+        await self._reject(writer, request_id, error, self._clock(), allow=allowed, path=path)
 
     # -- /v1/models ---------------------------------------------------------------------------
 
@@ -371,6 +399,7 @@ class OpenAIProxy:
         writer: ClientWriter,
         api_key: ApiKeyRecord | SocketCaller | None,
         key_name: str = "",
+        dialect: str = "",
     ) -> None:
         start = self._clock()
         started_at = self.request_log.now()
@@ -418,17 +447,19 @@ class OpenAIProxy:
                     )
                     return
                 plan, key = loaded
+            if dialect:  # only the engines that serve the path, in the router's order
+                plan = serving(plan, path)
         except BerthError as exc:
             extra = _refusal_headers(exc, ticket)
             self._settle_unsent(ticket)
-            status = await self._reject(writer, request_id, exc, start, extra=extra)
+            status = await self._reject(writer, request_id, exc, start, extra=extra, path=path)
             self._log_unsent(started_at, start, request_id, key_name, model, status, _reason(exc))
             return
 
         upstream = plan[0]
         self._metrics.request_started(_target(upstream))  # moved if a retry goes elsewhere
         headers = ticket.headers if ticket is not None else []
-        exchange = Exchange(start, headers, strip_usage=strip_usage)
+        exchange = Exchange(start, headers, strip_usage=strip_usage, dialect=dialect)
         task = asyncio.current_task()
         assert task is not None, "requests are served in a task"
 
@@ -510,7 +541,9 @@ class OpenAIProxy:
             exchange.error_reason = "client_disconnected"
         except (ProxyError, QueueRefusedError) as exc:  # raised only before the answer started
             exchange.done = True
-            reply = await self._send_error(writer, request_id, exc, exchange.answer_headers)
+            reply = await self._send_error(
+                writer, request_id, exc, exchange.answer_headers, path=path
+            )
             exchange.status = reply.status
             exchange.error_reason = exc.error_code
             _log.warning("request %s: %s", request_id.decode(), exc)
@@ -547,6 +580,7 @@ class OpenAIProxy:
                 completion_tokens=usage.completion_tokens if usage else 0,
                 retries=tuple(reason for _, reason in outcomes[:-1]),
                 error_reason=exchange.error_reason,
+                cached_tokens=usage.cached_tokens if usage else 0,
             )
             if ticket is not None and admission is not None:
                 node_id = upstream.node_id if reached else None  # None: queued, never sent
@@ -737,11 +771,12 @@ class OpenAIProxy:
         *,
         allow: str | None = None,
         extra: Sequence[tuple[bytes, bytes]] = (),
+        path: str = "",
     ) -> int:
         """Answer a request no deployment was chosen for, and count it; the status sent."""
         headers = [(b"allow", allow.encode())] if allow else []
         headers += extra
-        reply = await self._send_error(writer, request_id, exc, headers)
+        reply = await self._send_error(writer, request_id, exc, headers, path=path)
         reason = _reason(exc)
         # Only a model berth knows may become a label value.
         model = exc.model if isinstance(exc, NoReadyDeploymentError) else ""
@@ -756,8 +791,14 @@ class OpenAIProxy:
         request_id: bytes,
         exc: BerthError,
         extra: Sequence[tuple[bytes, bytes]] = (),
+        *,
+        path: str = "",
     ) -> ErrorResponse:
+        """Answer ``exc``: OpenAI-shaped, or Anthropic-shaped for a ``path`` under
+        ``/v1/messages``."""
         reply = error_from_exception(exc)
+        if is_messages_path(path):  # the Anthropic error shape for its paths
+            reply = to_anthropic(reply)
         headers = [(name.lower().encode(), value.encode()) for name, value in reply.headers.items()]
         headers.extend(extra)
         # No "Connection: close" on a 413: closing a socket with unread request bytes makes the

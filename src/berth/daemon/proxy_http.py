@@ -85,9 +85,19 @@ def can_write_now(writer: ClientWriter) -> TypeGuard[PushWriter]:
 
 
 # Request headers an engine may see. Credentials (Authorization, Cookie, x-api-key, api-key)
-# and everything else stay at the proxy. W3C Trace Context / Baggage headers pass for tracing.
+# and everything else stay at the proxy. W3C Trace Context / Baggage headers pass for tracing;
+# Anthropic's version and beta headers for the Messages API (a request without a version goes
+# without one: llama-server and vLLM do not require it).
 _FORWARDED_HEADERS = frozenset(
-    {b"content-type", b"accept", b"traceparent", b"tracestate", b"baggage"}
+    {
+        b"content-type",
+        b"accept",
+        b"traceparent",
+        b"tracestate",
+        b"baggage",
+        b"anthropic-version",
+        b"anthropic-beta",
+    }
 )
 _VALID_REQUEST_ID = re.compile(rb"[0-9A-Za-z._:/+=-]{1,128}")
 

@@ -28,6 +28,7 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from berth.anthropic_errors import anthropic_body, stream_error_event
 from berth.daemon.proxy_http import ClientWriter, PushWriter, can_write_now, send_json
 from berth.daemon.sse import (
     SSEEventSplitter,
@@ -35,6 +36,8 @@ from berth.daemon.sse import (
     find_usage,
     has_usage_object,
     last_usage,
+    messages_stream_usage,
+    messages_usage,
     take_usage_event,
 )
 from berth.engine_http.answer import EngineAnswer, PushedAnswer, can_push
@@ -60,12 +63,16 @@ class Exchange:
     ``strip_usage`` says berth asked the engine for a stream's usage on the client's behalf,
     so the usage event is taken out of what the client receives. ``answer_bytes`` and
     ``events`` measure the answer, for a token estimate when the engine reports no usage.
+    ``dialect`` is the API the request spoke: ``""`` for OpenAI's, ``"messages"`` for
+    Anthropic's Messages (its usage form, its error shape), ``"count_tokens"`` for its
+    token count (an answer that used no tokens).
     """
 
     __slots__ = (
         "answer_bytes",
         "answer_headers",
         "client_gone",
+        "dialect",
         "done",
         "error_reason",
         "events",
@@ -83,8 +90,10 @@ class Exchange:
         answer_headers: list[tuple[bytes, bytes]] | None = None,
         *,
         strip_usage: bool = False,
+        dialect: str = "",
     ) -> None:
         self.start = start
+        self.dialect = dialect
         self.status = 0
         self.ttfb_s: float | None = None
         self.usage: Usage | None = None
@@ -155,7 +164,8 @@ class AnswerRelay:
             exchange.ttfb_s = self._clock() - exchange.start
             await writer.end(data)
             if encoding is None:
-                exchange.usage = find_usage(data)
+                usage = _body_usage(data, exchange) if exchange.dialect else find_usage(data)
+                exchange.usage = usage
             return
 
         exchange.status = status
@@ -182,7 +192,7 @@ class AnswerRelay:
         exchange.done = True
         await writer.end(last)
         if encoding is None:
-            exchange.usage = find_usage(tail)
+            exchange.usage = _body_usage(tail, exchange) if exchange.dialect else find_usage(tail)
 
     async def relay_stream(
         self,
@@ -239,6 +249,8 @@ class AnswerRelay:
                     if has_usage_object(chunk):
                         if strip:
                             chunk, usage = take_usage_event(chunk)
+                        elif exchange.dialect:
+                            usage = messages_stream_usage(chunk, exchange.usage)
                         else:
                             usage = last_usage(chunk)
                         exchange.usage = usage or exchange.usage
@@ -275,6 +287,8 @@ class AnswerRelay:
         except UpstreamError:
             data = b""
         body = _as_openai_error(data, content_type, status)
+        if exchange.dialect:
+            body = anthropic_body(body, status)
         exchange.status = status
         exchange.error_reason = "engine_status"
         exchange.done = True
@@ -386,6 +400,8 @@ class StreamPush:
                 if has_usage_object(chunk):
                     if self._strip:
                         chunk, usage = take_usage_event(chunk)
+                    elif exchange.dialect:
+                        usage = messages_stream_usage(chunk, exchange.usage)
                     else:
                         usage = last_usage(chunk)
                     exchange.usage = usage or exchange.usage
@@ -430,7 +446,17 @@ def _broken_stream(failure: UpstreamError, request_id: bytes, exchange: Exchange
         exchange.error_reason = code = "stream_aborted"
         message = "the engine failed while streaming the answer"
         _log.warning("request %s: engine failed mid-stream: %r", rid, failure)
+    if exchange.dialect:
+        return stream_error_event(message)
     return stream_error_events(message, code=code)
+
+
+def _body_usage(data: bytes, exchange: Exchange) -> Usage | None:
+    """The usage of a non-streamed Messages API answer (``data``: it whole, or its last
+    bytes); a token count's answer used none."""
+    if exchange.dialect == "count_tokens":
+        return Usage(prompt_tokens=0, completion_tokens=0)
+    return messages_usage(data)
 
 
 def _as_openai_error(data: bytes, content_type: bytes, status: int) -> bytes:

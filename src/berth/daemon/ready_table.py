@@ -139,6 +139,7 @@ class ReadyTable:
                 node_id=record.node_id,
                 model=record.served_model_name,
                 timeouts=self._timeouts.get(record.served_model_name),
+                engine=record.engine,
             ),
             slots,
         )

@@ -20,6 +20,15 @@ Usage shapes come from the OpenAI API reference:
   or, when streaming, in ``response.usage`` of the ``response.completed`` event (also of
   ``response.incomplete`` and ``response.failed``).
 
+Anthropic's Messages API (its reference, "Messages" and "Streaming Messages") counts input
+apart from the cache: ``usage.input_tokens`` (not cached), ``cache_read_input_tokens`` and
+``cache_creation_input_tokens``, and ``output_tokens``; in the body, or, streamed, in
+``message_start``'s ``message.usage`` (the input, a first output count) and then
+``message_delta``'s ``usage`` (the output so far; some engines repeat the input there).
+:func:`messages_usage` and :func:`messages_stream_usage` read that form into the same
+:class:`Usage`, whose ``prompt_tokens`` is then every input token, cached or not (what
+OpenAI's ``prompt_tokens`` counts too), and ``cached_tokens`` the cache's share.
+
 Nothing here raises on bad input: a malformed event or body yields ``None``, because a parse
 failure may cost a metric but must never disturb the relay.
 """
@@ -43,6 +52,12 @@ _TOKEN_COUNT = re.compile(
     rb'"(prompt_tokens|completion_tokens|input_tokens|output_tokens)"\s*:\s*(\d+)'
 )
 
+# A count inside a Messages API usage object.
+_MESSAGES_COUNT = re.compile(
+    rb'"(input_tokens|output_tokens|cache_read_input_tokens|cache_creation_input_tokens)"'
+    rb"\s*:\s*(\d+)"
+)
+
 
 @dataclass(frozen=True, slots=True)
 class SSEEvent:
@@ -61,10 +76,13 @@ class SSEEvent:
 
 @dataclass(frozen=True, slots=True)
 class Usage:
-    """Token counts an engine reported for one request (OpenAI ``usage``)."""
+    """Token counts an engine reported for one request (OpenAI ``usage``; for the Messages
+    API, ``prompt_tokens`` is its input, cache reads and writes included, and
+    ``cached_tokens`` the ``cache_read_input_tokens`` among them)."""
 
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int = 0
 
 
 class SSEEventSplitter:
@@ -309,6 +327,54 @@ def find_usage(data: bytes) -> Usage | None:
         return None
     completion = counts.get(b"completion_tokens", counts.get(b"output_tokens", 0))
     return Usage(prompt_tokens=prompt, completion_tokens=completion)
+
+
+def messages_usage(data: bytes) -> Usage | None:
+    """Token usage of a Messages API answer (its JSON body, or the last bytes of one), from
+    its last ``"usage": {...}`` object, found without parsing as :func:`find_usage` does;
+    ``None`` when that object is absent, cut off, or counts no input."""
+    start = data.rfind(_USAGE_KEY)
+    return _messages_counts(data, start, None) if start >= 0 else None
+
+
+def messages_stream_usage(events: bytes, previous: Usage | None) -> Usage | None:
+    """The usage of a Messages stream so far: ``previous`` (what its earlier events said)
+    updated by every usage object in ``events`` (complete events, as
+    :meth:`SSEEventSplitter.feed` returns them), in order. A count an event gives replaces
+    the one before it (Anthropic's counts are cumulative); one it leaves out (the input, in
+    a ``message_delta``) stays. ``None`` while no input was counted."""
+    usage = previous
+    at = events.find(_USAGE_KEY)
+    while at >= 0:
+        usage = _messages_counts(events, at, usage) or usage
+        at = events.find(_USAGE_KEY, at + 7)
+    return usage
+
+
+def _messages_counts(data: bytes, start: int, previous: Usage | None) -> Usage | None:
+    """``previous`` updated by the Messages usage object whose ``"usage"`` key is at
+    ``start`` in ``data``; ``None`` when there is none there or no input is known."""
+    opens = _USAGE_OPENS.match(data, start)
+    if opens is None:
+        return None
+    end = _object_end(data, opens.end() - 1)
+    if end < 0:
+        return None
+    counts: dict[bytes, int] = {}
+    for found in _MESSAGES_COUNT.finditer(data, start, end):
+        counts.setdefault(found.group(1), int(found.group(2)))
+    completion = counts.get(b"output_tokens")
+    if previous is not None and completion is None:
+        completion = previous.completion_tokens
+    if b"input_tokens" in counts:
+        cached = counts.get(b"cache_read_input_tokens", 0)
+        written = counts.get(b"cache_creation_input_tokens", 0)
+        prompt = counts[b"input_tokens"] + cached + written
+    elif previous is not None:
+        prompt, cached = previous.prompt_tokens, previous.cached_tokens
+    else:
+        return None
+    return Usage(prompt_tokens=prompt, completion_tokens=completion or 0, cached_tokens=cached)
 
 
 def _object_end(data: bytes, opening: int) -> int:

@@ -34,7 +34,9 @@ class RequestEntry:
     ``None`` when none was sent; ``duration_ms`` the whole exchange. ``retries`` lists, for
     each attempt that did not serve the request, why it moved on (an error code such as
     ``engine_unreachable``, or ``status 503``). ``error_reason`` names what went wrong with the
-    request itself, ``None`` when nothing did.
+    request itself, ``None`` when nothing did. ``cached_tokens``: of ``prompt_tokens``,
+    those the engine read from its prompt cache, where it says (a Messages API answer's
+    ``cache_read_input_tokens``).
     """
 
     seq: int
@@ -51,6 +53,7 @@ class RequestEntry:
     completion_tokens: int
     retries: tuple[str, ...]
     error_reason: str | None
+    cached_tokens: int = 0
 
 
 class RequestLog:
@@ -91,6 +94,7 @@ class RequestLog:
         completion_tokens: int = 0,
         retries: tuple[str, ...] = (),
         error_reason: str | None = None,
+        cached_tokens: int = 0,
     ) -> RequestEntry:
         """Record one finished request (times in seconds, ``started_at`` epoch seconds);
         the oldest entry goes when the ring is full. Returns the entry."""
@@ -110,6 +114,7 @@ class RequestLog:
             completion_tokens=completion_tokens,
             retries=retries,
             error_reason=error_reason,
+            cached_tokens=cached_tokens,
         )
         self._entries.append(entry)
         return entry

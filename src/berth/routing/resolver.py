@@ -56,6 +56,10 @@ class Upstream:
     #: its service's bounds on a streamed answer (first byte, longest silence), ``None``:
     #: the proxy's own settings
     timeouts: StreamTimeouts | None = None
+    #: the kind of engine berth started (``llamacpp``, ``vllm``, ``sglang``), for the paths
+    #: only some serve (:func:`berth.runtime.engines.serves_path`); ``None``: an adopted
+    #: endpoint, whose engine berth does not know
+    engine: str | None = None
 
 
 class UpstreamResolver(Protocol):

@@ -69,6 +69,25 @@ _HEALTH_PATHS: dict[EngineName, str] = {
     "sglang": "/health",
 }
 
+#: The API paths beyond OpenAI's that each engine serves itself: Anthropic's Messages API
+#: (``/v1/messages``, ``/v1/messages/count_tokens``) on llama.cpp's llama-server (its
+#: ``tools/server/README.md``) and vLLM (its Anthropic-compatible endpoints); SGLang does not
+#: document it. The proxy sends a request for one of them only to an engine listed here
+#: (:func:`serves_path`).
+EXTRA_PATHS: dict[str, frozenset[str]] = {
+    "llamacpp": frozenset({"/v1/messages", "/v1/messages/count_tokens"}),
+    "vllm": frozenset({"/v1/messages", "/v1/messages/count_tokens"}),
+    "sglang": frozenset(),
+}
+
+
+def serves_path(engine: str | None, path: str) -> bool:
+    """Whether an engine of kind ``engine`` (an :data:`EngineName`; ``None``: one berth did
+    not start, an adopted endpoint, whose kind it does not know) serves ``path``, one of
+    :data:`EXTRA_PATHS`'s."""
+    return engine is not None and path in EXTRA_PATHS.get(engine, frozenset())
+
+
 #: The environment variable each engine reads its API key from, where it has one.
 API_KEY_ENV: dict[EngineName, str] = {"llamacpp": "LLAMA_API_KEY", "vllm": "VLLM_API_KEY"}
 #: Where a container sees the SGLang configuration file holding its key.
