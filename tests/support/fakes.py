@@ -16,7 +16,7 @@ from berth.cluster.link import (
 )
 from berth.cluster.protocol.ops import OP_CAPABILITIES, RUNTIME_CAPABILITIES
 from berth.errors import EngineError, NotFoundError
-from berth.runtime.base import ProgressListener
+from berth.runtime.base import EngineExit, ProgressListener
 from berth.runtime.engines import DeploymentRequest
 
 
@@ -47,6 +47,8 @@ class FakeLink:
         self.pulls: list[tuple[str, str | None]] = []
         #: (deployment id, adapter) loaded into each engine, in the order asked
         self.adapter_calls: list[tuple[str, str, str]] = []
+        #: how an engine the test removed from ``running`` ended (``last_exit``)
+        self.exits: dict[str, EngineExit] = {}
 
     async def start_deployment(
         self,
@@ -99,6 +101,9 @@ class FakeLink:
         if deployment_id not in self.running:
             return "gone"
         return "unhealthy" if deployment_id in self.hung else "healthy"
+
+    def last_exit(self, deployment_id: str) -> EngineExit | None:
+        return self.exits.get(deployment_id)
 
     async def engines(self) -> list[EngineReport]:
         return [EngineReport(d, e.pid, e.port, True) for d, e in self.running.items()]
