@@ -46,8 +46,12 @@ class StateWriter:
         port: int | Unchanged = UNCHANGED,
         pid: int | Unchanged = UNCHANGED,
         failure_reason: str | Unchanged = UNCHANGED,
+        restart_count: int | Unchanged = UNCHANGED,
+        last_exit: str | Unchanged = UNCHANGED,
+        last_exit_log: str | None | Unchanged = UNCHANGED,
     ) -> DeploymentRecord:
-        """Move the deployment to ``target``; the new record.
+        """Move the deployment to ``target``; the new record (the keyword arguments are
+        written with it: :meth:`berth.store.Store.transition_deployment`).
 
         Raises ``NotFoundError`` for an unknown id and ``InvalidTransitionError`` for a
         move ``store/states.py`` does not allow (nothing changes then).
@@ -59,6 +63,9 @@ class StateWriter:
             port=port,
             pid=pid,
             failure_reason=failure_reason,
+            restart_count=restart_count,
+            last_exit=last_exit,
+            last_exit_log=last_exit_log,
         )
         if target is not DeploymentState.LOADING:
             self._progress.pop(record.id, None)
