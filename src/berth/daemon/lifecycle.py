@@ -37,14 +37,14 @@ from berth.daemon.planner import (
     Planner,
 )
 from berth.daemon.ready_table import LOADING_RETRY_AFTER_S, ReadyTable
-from berth.daemon.restarts import Backoff, Ending
 from berth.daemon.reconcile import (
     PROBE_TIMEOUT_S,
     UNHEALTHY_PROBES_TO_FAIL,
     WATCH_INTERVAL_S,
     Reconciler,
 )
-from berth.daemon.supervisor import Supervisor
+from berth.daemon.restarts import Backoff, Ending
+from berth.daemon.supervisor import RestartListener, Supervisor
 from berth.daemon.transitions import StateListener, StateWriter
 from berth.errors import (
     BerthError,
@@ -76,10 +76,6 @@ from berth.store import DeploymentRecord, Store
 from berth.store.states import RESTARTING_STATES, TERMINAL_STATES, DeploymentState
 
 log = logging.getLogger(__name__)
-
-#: Told of each restart carried out: the deployment's record (now loading, its restart count
-#: raised) and how its engine had ended (metrics and the audit log use it).
-RestartListener = Callable[[DeploymentRecord, Ending], None]
 
 #: Told of each deployment a placement evicts, before it is stopped: its id and the
 #: eviction choice's reason line.
@@ -470,7 +466,9 @@ class LifecycleManager:
         self._starting[record.id] = task
         task.add_done_callback(lambda _t: self._starting.pop(record.id, None))
 
-    async def _restart_request(self, record: DeploymentRecord, link: AgentLink) -> DeploymentRequest:
+    async def _restart_request(
+        self, record: DeploymentRecord, link: AgentLink
+    ) -> DeploymentRequest:
         """What a restart asks of the node: the deployment's recorded spec, with the model's
         path on that node and the LoRA adapters its base has now.
 

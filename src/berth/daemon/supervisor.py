@@ -21,8 +21,9 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import replace
+from datetime import UTC, datetime
 
 from berth.cluster.link import AgentLink
 from berth.daemon.restarts import (
@@ -34,6 +35,7 @@ from berth.daemon.restarts import (
 )
 from berth.daemon.transitions import StateWriter
 from berth.errors import BerthError
+from berth.observability.metrics import ProxyMetrics
 from berth.store import DeploymentRecord, Store
 from berth.store.states import DeploymentState
 
@@ -49,6 +51,41 @@ EXIT_LOG_MAX_CHARS = 4000
 
 #: Starts the deployment's engine again once its backoff is over, told how it last ended.
 StartAgain = Callable[[str, Ending], Awaitable[None]]
+#: Told of each restart carried out: the deployment's record (now loading, its restart count
+#: raised) and how its engine had ended.
+RestartListener = Callable[[DeploymentRecord, Ending], None]
+#: Writes one audit-log event (:meth:`berth.cluster.enrollment.AuditLog.append`).
+Audit = Callable[[Mapping[str, object]], None]
+
+
+def restart_reporter(metrics: ProxyMetrics, audit: Audit | None) -> RestartListener:
+    """The leader's :data:`RestartListener`: each restart counted in
+    ``berth_deployment_restarts_total`` and written to the audit log as a
+    ``deployment_restarted`` event (its deployment, model, node, restart count, reason and
+    how the engine had ended)."""
+
+    def restarted(record: DeploymentRecord, ending: Ending) -> None:
+        metrics.deployment_restarted(
+            record.id, model=record.served_model_name, node=record.node_id, reason=ending.cause
+        )
+        if audit is None:
+            return
+        event: dict[str, object] = {
+            "event": "deployment_restarted",
+            "at": datetime.now(UTC).isoformat(),
+            "deployment": record.id,
+            "model": record.served_model_name,
+            "node": record.node_id,
+            "restart_count": record.restart_count,
+            "reason": ending.cause,
+            "exit": ending.detail,
+        }
+        try:
+            audit(event)
+        except OSError as exc:  # an unwritable audit log must not stop a restart
+            log.warning("cannot write the audit log (%s): %s", exc, event)
+
+    return restarted
 
 
 class Supervisor:
@@ -80,9 +117,7 @@ class Supervisor:
         """The deployment is ready (its engine answers health): the reset time counts from
         now."""
         history = self._history.get(deployment_id, RestartHistory())
-        self._history[deployment_id] = replace(
-            history, ready_since=self._clock(), ever_ready=True
-        )
+        self._history[deployment_id] = replace(history, ready_since=self._clock(), ever_ready=True)
 
     def is_pending(self, deployment_id: str) -> bool:
         """Whether a restart of the deployment is waiting out its backoff (or starting)."""

@@ -48,7 +48,7 @@ class StateWriter:
         failure_reason: str | Unchanged = UNCHANGED,
         restart_count: int | Unchanged = UNCHANGED,
         last_exit: str | Unchanged = UNCHANGED,
-        last_exit_log: str | None | Unchanged = UNCHANGED,
+        last_exit_log: str | Unchanged | None = UNCHANGED,
     ) -> DeploymentRecord:
         """Move the deployment to ``target``; the new record (the keyword arguments are
         written with it: :meth:`berth.store.Store.transition_deployment`).

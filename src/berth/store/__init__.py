@@ -28,8 +28,8 @@ from berth.store.values import UNCHANGED, Unchanged
 
 __all__ = [
     "DEFAULT_RESTART_POLICY",
-    "RESTART_POLICIES",
     "LATEST_VERSION",
+    "RESTART_POLICIES",
     "UNCHANGED",
     "AdapterRecord",
     "ApiKeyRecord",

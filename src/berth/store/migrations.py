@@ -317,7 +317,7 @@ MIGRATIONS: tuple[Migration, ...] = (
         7, "adapters, adapter_locations, deployments' and services' adapter slots", _v7_adapters
     ),
     Migration(
-        8, "restart policy of deployments and services, restart count, last exit", _v8_restart_policy
+        8, "deployments' and services' restart policy, restart count, last exit", _v8_restart_policy
     ),
 )
 
