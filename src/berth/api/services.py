@@ -10,6 +10,7 @@ from berth.api.base import ApiInput, ApiModel, Timestamp, named_pattern
 from berth.humanize import parse_duration
 from berth.runtime.base import RuntimeName
 from berth.runtime.engines import EngineName
+from berth.store import DEFAULT_RESTART_POLICY, RestartPolicy
 from berth.store.states import DeploymentState
 
 #: What an idle timeout may be given as: a duration (``"30s"``, ``"10m"``, ``"2h"``, or a
@@ -86,6 +87,8 @@ class ServiceIn(ApiInput):
 
     _idle_timeout = field_validator("idle_timeout")(_check_idle_timeout)
     max_adapters: int | None = Field(default=None, ge=1, le=_INT32)
+    #: its deployments' restart policy (``berth run --restart``)
+    restart: RestartPolicy = DEFAULT_RESTART_POLICY
 
     @field_validator("gpus")
     @classmethod
@@ -106,6 +109,8 @@ class ScaleIn(ApiInput):
     pinned: bool | None = None
     priority: int | None = Field(default=None, ge=-_INT32, le=_INT32)
     capacity: int | None = Field(default=None, ge=1, le=_INT32)
+    #: the restart policy of its deployments started from now on
+    restart: RestartPolicy | None = None
 
     _idle_timeout = field_validator("idle_timeout")(_check_idle_timeout)
 
@@ -189,6 +194,7 @@ class Service(ApiModel):
     replicas: dict[DeploymentState, int] = Field(default_factory=dict)
     queued: int = 0
     max_adapters: int | None = None
+    restart_policy: RestartPolicy = DEFAULT_RESTART_POLICY
 
 
 class ServiceDeployment(ApiModel):

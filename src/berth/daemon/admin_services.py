@@ -137,6 +137,7 @@ def service_view(
         replicas=dict(status.replicas) if status is not None else {},
         queued=status.queued if status is not None else 0,
         max_adapters=record.max_adapters,
+        restart_policy=record.restart_policy,
     )
 
 
@@ -250,6 +251,7 @@ def service_router(
             node_label=body.node_label,
             scaling=settings,
             max_adapters=body.max_adapters,
+            restart_policy=body.restart,
         )
         await reload()
         return service_view(record, lifecycle, [], scaling)
@@ -277,6 +279,8 @@ def service_router(
             return changed
 
         record = await asyncio.to_thread(store.update_service_scaling, name, change)
+        if body.restart is not None:
+            record = await asyncio.to_thread(store.set_service_restart_policy, name, body.restart)
         await reload()
         return await detail(record)
 

@@ -259,12 +259,20 @@ class Store(NodeMethods, ServiceMethods, AdapterMethods, ApiKeyMethods, UsageMet
         with self._read() as session:
             return _deployment_record(_get_deployment_row(session, deployment_id))
 
-    def list_deployments(self, active_only: bool = False) -> list[DeploymentRecord]:
-        """Deployments, newest first; only those not stopped or failed when ``active_only``."""
+    def list_deployments(
+        self, active_only: bool = False, *, ended_since: datetime | None = None
+    ) -> list[DeploymentRecord]:
+        """Deployments, newest first; only those not stopped or failed when ``active_only``,
+        and with it those that stopped or failed at ``ended_since`` or later (their last
+        write) when that is given."""
         query = select(DeploymentRow).order_by(
             DeploymentRow.created_at.desc(), DeploymentRow.id.desc()
         )
-        if active_only:
+        if active_only and ended_since is not None:
+            query = query.where(
+                DeploymentRow.state.in_(_ACTIVE_STATES) | (DeploymentRow.updated_at >= ended_since)
+            )
+        elif active_only:
             query = query.where(DeploymentRow.state.in_(_ACTIVE_STATES))
         with self._read() as session:
             return [_deployment_record(row) for row in session.scalars(query)]
