@@ -5,6 +5,7 @@ the lifecycle manager carrying it out over an in-memory link (real processes:
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import pytest
 
@@ -23,6 +24,8 @@ from berth.observability.metrics import ProxyMetrics
 from berth.runtime.base import EngineExit
 from berth.store import DeploymentRecord, RestartPolicy, Store
 from berth.store.states import DeploymentState
+from support.berth_cli import Berth
+from support.cluster_harness import clean_env
 from support.fakes import FakeLink
 from support.waiting import EVENT_TIMEOUT_S, wait_for_async
 
@@ -286,3 +289,21 @@ async def test_a_first_start_that_fails_is_not_restarted(
     assert failed.state is DeploymentState.FAILED
     assert failed.failure_reason == link.fail_with  # as before restart policies
     assert len(link.requests) == 1
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ("run", "tiny", "--restart", "sometimes"),
+        ("service", "create", "chat", "--model", "tiny", "--restart", "sometimes"),
+        ("service", "scale", "chat", "--restart", "sometimes"),
+    ],
+)
+def test_an_unknown_restart_policy_is_refused_by_the_cli(
+    tmp_path: Path, argv: tuple[str, ...]
+) -> None:
+    berth = Berth(tmp_path / "home", env=clean_env({}), cwd=tmp_path)
+    line = berth.fails(*argv)
+    assert line == (
+        "error: unknown restart policy 'sometimes': choose one of on-failure, always, never"
+    )

@@ -173,6 +173,8 @@ def _replicas(record: Service) -> str:
         DeploymentState.READY,
         DeploymentState.LOADING,
         DeploymentState.PENDING,
+        DeploymentState.RESTARTING,
+        DeploymentState.CRASHLOOP,
         DeploymentState.STOPPING,
     )
     parts = [f"{record.replicas[s]} {s}" for s in order if record.replicas.get(s)]
