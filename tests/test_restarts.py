@@ -7,9 +7,11 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from berth.cluster.link_registry import LinkRegistry
+from berth.cluster.protocol.ops import PROBE, ProbeResult
 from berth.daemon.lifecycle import DeployOptions, LifecycleManager
 from berth.daemon.restarts import (
     Backoff,
@@ -307,3 +309,11 @@ def test_an_unknown_restart_policy_is_refused_by_the_cli(
     assert line == (
         "error: unknown restart policy 'sometimes': choose one of on-failure, always, never"
     )
+
+
+def test_the_probe_answers_exit_fields_are_additive() -> None:
+    older = PROBE.decode_result(msgspec.Raw(b'{"result": "gone"}'))
+    assert (older.result, older.exit_code, older.exit_signal) == ("gone", None, None)
+    newer = ProbeResult(result="gone", exit_signal="SIGKILL")
+    again = PROBE.decode_result(PROBE.encode_result(newer))
+    assert (again.exit_code, again.exit_signal) == (None, "SIGKILL")
