@@ -180,10 +180,6 @@ class Supervisor:
             timer.cancel()
             await asyncio.wait({timer})
 
-    def forget(self, deployment_id: str) -> None:
-        """The deployment ended for good (stopped or failed): drop what was kept of it."""
-        self._history.pop(deployment_id, None)
-
     async def shutdown(self) -> None:
         """Cancel every pending restart (the leader stops)."""
         timers = list(self._timers.values())

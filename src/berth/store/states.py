@@ -3,24 +3,25 @@
 ::
 
     pending ──▶ loading ──▶ ready ──▶ stopping ──▶ stopped
-       │          ▲ │         │          │
-       │          │ ▼         ▼          │
-       │    restarting ◀──▶ crashloop   │
-       │          │             │        │
-       └──────────┴─────────────┴────────┴──▶ failed
+                  ▲  │        │
+                  │  ▼        ▼
+          restarting | crashloop
 
-``stopping`` is also reachable from ``pending``, ``loading``, ``restarting`` and
-``crashloop`` (a stop during start-up or while a restart waits: the stop wins, the pending
-restart is cancelled).  ``stopped`` and ``failed`` are terminal.  A failed deployment keeps
-its reason.
+    loading, ready ──▶ restarting | crashloop ──▶ loading
+    pending, loading, ready, restarting, crashloop, stopping ──▶ failed
+    pending, loading, ready, restarting, crashloop ──▶ stopping
+
+``stopping`` is reachable from every state that is not terminal (a stop during start-up, or
+while a restart waits: the stop wins, the pending restart is cancelled).  ``stopped`` and
+``failed`` are terminal.  A failed deployment keeps its reason.
 
 ``restarting`` and ``crashloop`` are the restart policy's (:mod:`berth.daemon.restarts`):
 an engine of a deployment that was ready ended (it exited, was killed by a signal, or was
 stopped after its failed health probes) and the deployment waits out its backoff before it
 is started again on the same node (then ``loading``).  ``crashloop`` is ``restarting`` once
 the deployment has been restarted ``crashloop_restarts`` times in a row without staying
-ready for ``restart_reset_after_s`` (its backoff is long by then); it keeps restarting, at
-the capped backoff.  A restart whose start fails goes back to ``restarting`` or
+ready for ``restart_reset_after_s`` (its backoff is long by then); it keeps restarting, its
+backoff doubling up to the cap.  A restart whose start fails goes back to ``restarting`` or
 ``crashloop`` from ``loading``.
 """
 
