@@ -8,7 +8,8 @@ starting the fake llama-server as its engine, killed, stopped and crashing for r
   log and the leader's hold a few lines per restart, not a flood;
 - a SIGSTOPped engine is restarted after its failed health probes;
 - ``--restart never`` keeps the old behaviour: failed, with why, and still in ``berth ps``;
-- ``berth stop`` during a backoff wins: no engine is started again.
+- ``berth stop`` during a backoff wins: no engine is started again;
+- an engine killed on an agent's host is restarted there (the remote link's path).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import httpx
 import pytest
 
 from support.berth_cli import Berth, running_daemon
-from support.cluster_harness import TINY_GGUF_BYTES, clean_env, fake_engine_wrapper
+from support.cluster_harness import TINY_GGUF_BYTES, Cluster, clean_env, fake_engine_wrapper
 from support.fake_llama_server import FAIL_LINE
 from support.processes import alive, wait_gone
 from support.waiting import wait_for
@@ -260,3 +261,38 @@ def test_a_stop_during_the_backoff_wins(short_leader: tuple[Berth, int], tmp_pat
     record = _deployment(berth, deployment["id"])
     assert (record["state"], record["restart_count"]) == ("stopped", count)
     assert len(_restarts(berth, deployment["id"])) == count
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    root = tmp_path_factory.mktemp("restart-cluster")
+    (root / "tiny.gguf").write_bytes(TINY_GGUF_BYTES)
+    env = clean_env({"BERTH_LLAMA_SERVER_BIN": str(fake_engine_wrapper(root)), **SHORT})
+    cluster = Cluster(root, env)
+    cluster.start()
+    try:
+        yield cluster
+    finally:
+        cluster.close()
+
+
+def test_an_engine_killed_on_an_agent_is_restarted_there(cluster: Cluster) -> None:
+    """The same restart through a remote node's link: the agent reports the signal in its
+    probe answer, and the leader starts the engine again on that node."""
+    agent = cluster.add_agent("gpu-a")
+    deployment_id = cluster.deploy("tiny", cluster.root / "tiny.gguf", agent)
+    first = cluster.deployment(deployment_id)
+    assert first["node_id"] == agent.node_id
+    os.kill(first["pid"], signal.SIGKILL)
+    again = wait_for(
+        lambda: (
+            (d := cluster.deployment(deployment_id))["state"] == "ready"
+            and d["pid"] != first["pid"]
+            and d
+        ),
+        30.0,
+        "the agent's engine to be restarted",
+    )
+    assert (again["node_id"], again["restart_count"]) == (agent.node_id, 1)
+    assert again["last_exit"] == "killed by SIGKILL"
+    assert alive(again["pid"])
