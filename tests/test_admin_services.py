@@ -20,10 +20,10 @@ from berth.errors import BerthError
 from berth.observability.metrics import ProxyMetrics
 from berth.openai_errors import error_from_exception
 from berth.routing.routes import RouteResolver
-from berth.store import Store
+from berth.store import Store, StreamTimeouts
 from support.fakes import FakeLink
 from support.proxy_fixtures import running_proxy, sample
-from support.standin_engine import StandinEngine
+from support.standin_engine import Head, Hold, Reply, StandinEngine
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}]}
 
@@ -332,3 +332,32 @@ async def test_a_service_carries_its_restart_policy_to_its_deployments(
         assert refused.status_code == 422
         assert "'on-failure', 'always' or 'never'" in refused.text
     assert app_leader.store.get_service_profile("svc").restart_policy == "never"
+
+
+async def test_a_service_s_stream_timeouts_reach_the_proxy_and_can_be_changed(
+    app_leader: Leader,
+) -> None:
+    body = {"name": "quick", "model": "tiny", "first_byte_timeout_s": 0.3}
+    created = await app_leader.ok("POST", "/admin/services", json=body)
+    assert (created["first_byte_timeout_s"], created["stream_idle_timeout_s"]) == (0.3, None)
+    await app_leader.ok("POST", "/admin/routes", json={"name": "fast", "service": "quick"})
+    await app_leader.deploy("quick")
+    # Accepted, then silent: the proxy's own setting (120 s) would wait; the service's does not.
+    app_leader.engine.script(Reply((Head(200, "text/event-stream"), Hold())))
+    answer = await app_leader.v1.post(
+        "/v1/chat/completions", json={"model": "fast", "stream": True, **CHAT}
+    )
+    assert error(answer, 504, "first_byte_timeout")
+
+    changed = await app_leader.ok(
+        "PATCH", "/admin/services/quick", json={"stream_idle_timeout_s": 0}
+    )
+    assert (changed["first_byte_timeout_s"], changed["stream_idle_timeout_s"]) == (0.3, 0)
+    assert changed["scaling"]["max_replicas"] == 1  # the scaling settings are untouched
+    (upstream,) = app_leader.lifecycle.candidates("quick")
+    assert upstream.timeouts == StreamTimeouts(0.3, 0.0)  # the ready deployment carries them
+    refused = await app_leader.admin.patch(
+        "/admin/services/quick", json={"first_byte_timeout_s": -1}
+    )
+    assert refused.status_code == 422  # the admin API's validation, before the store
+    assert refused.json()["detail"][0]["loc"][-1] == "first_byte_timeout_s"

@@ -18,12 +18,15 @@ from berth.admission import (
     ManualClock,
     ModelNotAllowedError,
     QuotaExceededError,
+    SocketCaller,
     Ticket,
     UsageLedger,
+    socket_caller,
 )
 from berth.admission.calendar import CalendarPosition, day_of
 from berth.admission.headers import format_duration
 from berth.config import TierDef, TierTable
+from berth.errors import ConfigError
 from berth.limits import KeyLimits, LimitOverrides
 from berth.store import ApiKeyRecord, UsageRecord
 
@@ -256,7 +259,8 @@ def test_the_socket_is_never_limited_and_settled_requests_reach_the_ledger(
     admission: Admission,
 ) -> None:
     socket = admission.admit(None, "m", 10)
-    assert socket.headers == [] and socket.key_id == ""
+    assert socket.headers == [] and socket.key_id == "socket:cli"
+    assert socket.priority == 100  # the admin tier's
     settle(admission, socket, (5, 6))
     unreached = admission.admit(key(), "m", 10)
     admission.settle(
@@ -266,13 +270,71 @@ def test_the_socket_is_never_limited_and_settled_requests_reach_the_ledger(
     (row,) = admission.ledger.pending
     assert row == UsageRecord(
         day=day_of(CalendarPosition.at(1_767_225_600).day_index),
-        key_id="",
+        key_id="socket:cli",
         model="m",
         node_id="local",
         requests=1,
         prompt_tokens=5,
         completion_tokens=6,
     )
+    assert admission.name_of("socket:cli") == "socket:cli"
+
+
+def test_the_desk_workers_requests_take_the_desk_tiers_priority_and_limits(
+    clock: ManualClock,
+) -> None:
+    tiers = TierTable({"desk": TierDef("desk", 20, KeyLimits(rpm=2, max_concurrency=1))})
+    admission = Admission(tiers, UsageLedger(Sink()), clock=clock)
+    first = admission.admit(SocketCaller.DESK, "m", 10)
+    assert (first.key_id, first.priority) == ("socket:desk", 20)
+    assert headers(first)["x-ratelimit-limit-requests"] == "2"
+    with pytest.raises(QuotaExceededError) as busy:
+        admission.admit(SocketCaller.DESK, "m", 10)
+    assert busy.value.error_code == "max_concurrency_exceeded"
+    settle(admission, first, (3, 4))
+    settle(admission, admission.admit(SocketCaller.DESK, "m", 10))
+    with pytest.raises(QuotaExceededError) as spent:
+        admission.admit(SocketCaller.DESK, "m", 10)
+    assert spent.value.error_code == "rpm_exceeded"
+    # The CLI over the same socket is not the desk: never limited, at admin priority.
+    assert admission.admit(SocketCaller.CLI, "m", 10).priority == 100
+    rows = {(r.key_id, r.requests) for r in admission.ledger.pending}
+    assert rows == {("socket:desk", 2)}
+    assert admission.refusals == {
+        ("socket:desk", "max_concurrency_exceeded"): 1,
+        ("socket:desk", "rpm_exceeded"): 1,
+    }
+
+
+def test_the_desk_tier_is_built_in_below_standard_and_its_budget_starts_from_the_ledger(
+    clock: ManualClock,
+) -> None:
+    builtin = Admission(TierTable(), UsageLedger(Sink()), clock=clock)
+    assert builtin.admit(SocketCaller.DESK, "m", 10).priority == 40  # standard is 50
+    tiers = TierTable({"market": TierDef("market", 5, KeyLimits(daily_tokens=100))})
+    admission = Admission(tiers, UsageLedger(Sink()), clock=clock, desk_tier="market")
+    admission.load([], {"socket:desk": (100, 100)})
+    with pytest.raises(QuotaExceededError) as spent:
+        admission.admit(SocketCaller.DESK, "m", 10)
+    assert spent.value.error_code == "daily_tokens_exceeded"
+    with pytest.raises(ConfigError, match="unknown tier 'gold'"):
+        Admission(tiers, UsageLedger(Sink()), clock=clock, desk_tier="gold")
+
+
+@pytest.mark.parametrize(
+    ("header", "caller"),
+    [
+        (None, SocketCaller.CLI),
+        (b"desk", SocketCaller.DESK),
+        (b" Desk ", SocketCaller.DESK),
+        (b"cli", SocketCaller.CLI),
+        (b"admin", SocketCaller.CLI),
+    ],
+)
+def test_a_socket_request_is_the_desks_only_when_it_says_so(
+    header: bytes | None, caller: SocketCaller
+) -> None:
+    assert socket_caller(header) is caller
 
 
 @pytest.mark.parametrize(

@@ -1,19 +1,23 @@
 """The API-key cache of :class:`berth.daemon.auth.Authenticator`, against a real store: steady
 traffic never waits for the store, concurrent misses share one read, and a key revoked or
-changed stops being served from the cache."""
+changed stops being served from the cache; bad secrets are remembered, read a few at a time,
+and limited per client address without ever refusing a key found valid."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import threading
+from collections.abc import Mapping
 
 import pytest
 
-from berth.daemon.auth import Authenticator
-from berth.errors import AuthError
+from berth.daemon.auth import MAX_CONCURRENT_MISSES, NEGATIVE_CACHE_TTL_S, Authenticator
+from berth.daemon.auth_limiter import FailedAuthLimiter
+from berth.errors import AuthError, RateLimitError
 from berth.keys import generate_secret, hash_secret, key_prefix
 from berth.store import ApiKeyRecord, Store
+from support.waiting import wait_for_async
 
 PEPPER = b"p" * 32
 TTL_S = 5.0
@@ -235,3 +239,215 @@ async def test_a_missing_or_unknown_secret_is_refused(
     with pytest.raises(AuthError, match="invalid API key"):
         await authenticator.authenticate(generate_secret())
     assert reads.count == 1
+
+
+# -- bad secrets: the negative cache, the bound on misses, the limiter -------------------------
+
+ADDRESS = "203.0.113.7"
+
+
+class AuditLines:
+    def __init__(self) -> None:
+        self.lines: list[dict[str, object]] = []
+
+    def __call__(self, event: Mapping[str, object]) -> None:
+        self.lines.append(dict(event))
+
+
+def limited(
+    store: Store, monotonic: Clock, *, burst: int = 3, rate_per_s: float = 0.01
+) -> tuple[Authenticator, AuditLines]:
+    audit = AuditLines()
+    limiter = FailedAuthLimiter(burst=burst, rate_per_s=rate_per_s)
+    return (
+        Authenticator(
+            store, PEPPER, cache_ttl_s=TTL_S, limiter=limiter, audit=audit, clock=monotonic
+        ),
+        audit,
+    )
+
+
+async def test_an_invalid_secret_is_remembered_without_another_read_until_it_expires(
+    authenticator: Authenticator, monotonic: Clock, reads: CountedReads
+) -> None:
+    bad = generate_secret()
+    for _ in range(5):
+        with pytest.raises(AuthError, match="invalid API key"):
+            await authenticator.authenticate(bad)
+    assert reads.count == 1
+    assert authenticator.counts.cached_invalid == 4
+
+    monotonic.now += NEGATIVE_CACHE_TTL_S
+    with pytest.raises(AuthError, match="invalid API key"):
+        await authenticator.authenticate(bad)
+    assert reads.count == 2
+
+
+async def test_creating_a_key_forgets_the_invalid_secrets(
+    store: Store, authenticator: Authenticator, reads: CountedReads
+) -> None:
+    secret = generate_secret()
+    with pytest.raises(AuthError):
+        await authenticator.authenticate(secret)
+    # The secret becomes valid (restored, or created elsewhere), and the admin API's
+    # change of a key drops the caches.
+    record = store.add_api_key("late", "standard", hash_secret(secret, PEPPER), key_prefix(secret))
+    authenticator.forget_all()
+
+    assert await authenticator.authenticate(secret) == record
+    assert reads.count == 2
+
+
+async def test_the_negative_cache_is_bounded_oldest_dropped_first(
+    authenticator: Authenticator, reads: CountedReads, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("berth.daemon.auth.MAX_NEGATIVE_ENTRIES", 3)
+    secrets = [generate_secret() for _ in range(4)]
+    for secret in secrets:
+        with pytest.raises(AuthError):
+            await authenticator.authenticate(secret)
+    assert reads.count == 4
+
+    for secret in secrets[1:]:  # the newest three are remembered
+        with pytest.raises(AuthError):
+            await authenticator.authenticate(secret)
+    assert reads.count == 4
+    with pytest.raises(AuthError):  # the oldest was dropped
+        await authenticator.authenticate(secrets[0])
+    assert reads.count == 5
+
+
+async def test_a_spray_of_distinct_secrets_reads_a_few_at_a_time(
+    store: Store, authenticator: Authenticator, reads: CountedReads
+) -> None:
+    secret, record = add_key(store)
+    assert await authenticator.authenticate(secret) == record  # found valid once
+    reads.gate = threading.Event()
+    spray = [
+        asyncio.ensure_future(authenticator.authenticate(generate_secret())) for _ in range(40)
+    ]
+    await wait_for_async(lambda: reads.count == 1 + MAX_CONCURRENT_MISSES, 30, "4 reads held")
+    await asyncio.sleep(0.1)
+    assert reads.count == 1 + MAX_CONCURRENT_MISSES  # the others wait for a turn
+    reads.gate.set()
+    results = await asyncio.gather(*spray, return_exceptions=True)
+    assert all(isinstance(r, AuthError) for r in results)
+    assert reads.count == 1 + 40
+
+
+async def test_a_burst_of_bad_secrets_is_refused_429_without_reads_and_audited_once(
+    store: Store, monotonic: Clock, reads: CountedReads
+) -> None:
+    authenticator, audit = limited(store, monotonic, burst=3, rate_per_s=0.01)
+    for _ in range(3):
+        with pytest.raises(AuthError, match="invalid API key"):
+            await authenticator.authenticate(generate_secret(), address=ADDRESS)
+    for _ in range(50):
+        with pytest.raises(RateLimitError) as refused:
+            await authenticator.authenticate(generate_secret(), address=ADDRESS, surface="admin")
+    assert refused.value.http_status == 429
+    assert refused.value.retry_after_s == pytest.approx(100.0)
+    assert reads.count == 3
+    assert authenticator.counts.rate_limited == 50
+    (line,) = audit.lines
+    assert line["event"] == "auth.rate_limited"
+    assert line["source_address"] == ADDRESS and line["surface"] == "admin"
+    assert line["burst"] == 3 and line["refused_before"] == 0
+    assert not any(isinstance(v, str) and "sk-berth" in v for v in line.values())
+
+    # Another address is not refused; the limited one is once its token has come back.
+    with pytest.raises(AuthError, match="invalid API key"):
+        await authenticator.authenticate(generate_secret(), address="198.51.100.2")
+    monotonic.now += 100.0
+    with pytest.raises(AuthError, match="invalid API key"):
+        await authenticator.authenticate(generate_secret(), address=ADDRESS)
+
+
+async def test_a_key_found_valid_is_served_while_its_address_is_refused(
+    store: Store, monotonic: Clock, reads: CountedReads
+) -> None:
+    authenticator, _ = limited(store, monotonic, burst=2)
+    secret, record = add_key(store)
+    assert await authenticator.authenticate(secret, address=ADDRESS) == record
+    for _ in range(2):
+        with pytest.raises(AuthError):
+            await authenticator.authenticate(generate_secret(), address=ADDRESS)
+    with pytest.raises(RateLimitError):
+        await authenticator.authenticate(generate_secret(), address=ADDRESS)
+
+    assert await authenticator.authenticate(secret, address=ADDRESS) == record  # cached
+    monotonic.now += TTL_S * 2  # past its lifetime: read again, not refused
+    assert await authenticator.authenticate(secret, address=ADDRESS) == record
+    authenticator.forget_all()  # another key changed: read again, still not refused
+    assert await authenticator.authenticate(secret, address=ADDRESS) == record
+    assert reads.count == 5
+
+
+async def test_valid_keys_do_not_spend_their_address_tokens(
+    store: Store, monotonic: Clock, reads: CountedReads
+) -> None:
+    authenticator, _ = limited(store, monotonic, burst=2)
+    keys = [add_key(store, f"k{i}") for i in range(10)]
+    for secret, record in keys:  # ten new keys from one address (a NAT, say)
+        assert await authenticator.authenticate(secret, address=ADDRESS) == record
+    with pytest.raises(AuthError, match="invalid API key"):
+        await authenticator.authenticate(generate_secret(), address=ADDRESS)
+
+
+async def test_a_revoked_key_meets_the_limiter_again(
+    store: Store, monotonic: Clock, reads: CountedReads
+) -> None:
+    authenticator, _ = limited(store, monotonic, burst=1)
+    secret, record = add_key(store)
+    await authenticator.authenticate(secret, address=ADDRESS)
+    store.revoke_api_key(record.id)
+    authenticator.forget_all()
+    with pytest.raises(AuthError, match="invalid API key"):  # once known: read, not limited
+        await authenticator.authenticate(secret, address=ADDRESS)
+    with pytest.raises(AuthError, match="invalid API key"):  # remembered invalid: a token
+        await authenticator.authenticate(secret, address=ADDRESS)
+    with pytest.raises(RateLimitError):
+        await authenticator.authenticate(secret, address=ADDRESS)
+    assert reads.count == 2
+
+
+async def test_a_refusal_is_held_before_it_is_answered(
+    store: Store, monotonic: Clock, reads: CountedReads
+) -> None:
+    limiter = FailedAuthLimiter(burst=1, rate_per_s=0.01)
+    authenticator = Authenticator(
+        store, PEPPER, limiter=limiter, refusal_delay_s=1.0, clock=monotonic
+    )
+    with pytest.raises(AuthError):
+        await authenticator.authenticate(generate_secret(), address=ADDRESS)
+    refusal = asyncio.ensure_future(authenticator.authenticate(generate_secret(), address=ADDRESS))
+    for _ in range(5):
+        await asyncio.sleep(0)
+    assert not refusal.done()  # held
+    with pytest.raises(RateLimitError) as refused:
+        await refusal
+    assert refused.value.retry_after_s == pytest.approx(100.0)
+
+
+async def test_a_key_of_the_leader_is_served_on_its_first_use_while_its_address_is_refused(
+    store: Store, monotonic: Clock, reads: CountedReads
+) -> None:
+    authenticator, _ = limited(store, monotonic, burst=1)
+    secret, record = add_key(store)  # on the leader before it started, or created since
+    authenticator.know(store.api_key_hashes())
+    with pytest.raises(AuthError):
+        await authenticator.authenticate(generate_secret(), address=ADDRESS)
+    with pytest.raises(RateLimitError):
+        await authenticator.authenticate(generate_secret(), address=ADDRESS)
+
+    assert await authenticator.authenticate(secret, address=ADDRESS) == record  # never used yet
+
+    revoked_secret, revoked = add_key(store, "old")
+    authenticator.know(store.api_key_hashes())
+    store.revoke_api_key(revoked.id)
+    with pytest.raises(AuthError, match="invalid API key"):  # read once: known no more
+        await authenticator.authenticate(revoked_secret, address=ADDRESS)
+    monotonic.now += NEGATIVE_CACHE_TTL_S
+    with pytest.raises(RateLimitError):
+        await authenticator.authenticate(revoked_secret, address=ADDRESS)
+    assert reads.count == 3

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from cryptography import x509
 
 from berth.runtime.engines import find_free_port
 from support.berth_cli import Berth, running_daemon
@@ -185,7 +186,9 @@ def test_starting_a_second_daemon_fails_and_keeps_the_first(cli_leader: tuple[Be
     assert line == f"error: a berth daemon is already running for {berth.home}"
     after = berth.admin("GET", "/admin/info")
     assert after["pid"] == before["pid"]
-    assert {"name": "public", "url": f"https://127.0.0.1:{port}"} in after["listeners"]
+    assert {"name": "public", "url": f"https://127.0.0.1:{port}"} in [
+        {"name": x["name"], "url": x["url"]} for x in after["listeners"]
+    ]
 
 
 def test_a_public_port_in_use_fails_the_start_and_leaves_no_daemon(fresh: Berth) -> None:
@@ -398,6 +401,22 @@ def test_a_failing_engine_start_reports_its_log_tail(
     assert any("engine exited with code 1" in row and FAIL_LINE in row for row in rows)
 
 
+def test_an_engine_killed_by_sigill_fails_its_deployment_saying_why(
+    cli_leader: tuple[Berth, int], gguf: Path
+) -> None:
+    berth, _ = cli_leader
+    berth.add_model("m-sigill", gguf)
+
+    result = berth("run", "m-sigill", "-x", "--x-die-by", "-x", "ILL", check=False)
+
+    words = "engine was killed by SIGILL (built for instructions this CPU does not run)"
+    assert result.returncode != 0
+    assert words in result.stderr.splitlines()[0], result.stderr
+    (failed,) = [r for r in berth.deployments() if r["served_model_name"] == "m-sigill"]
+    assert failed["state"] == "failed" and words in failed["failure_reason"]
+    assert "`berth doctor` gives the command that rebuilds it" in failed["failure_reason"]
+
+
 # -- keys ----------------------------------------------------------------------------------------
 
 
@@ -408,7 +427,7 @@ def test_an_unknown_key_tier_is_refused_listing_the_tiers(cli_leader: tuple[Bert
     line = berth.fails("key", "create", "x", "--tier", "root", exit_code=EXIT_CONFIG)
 
     assert line == (
-        "error: unknown tier 'root'; tiers: admin, standard "
+        "error: unknown tier 'root'; tiers: admin, standard, desk "
         "(define others as [tiers.NAME] in config.toml)"
     )
     assert berth.admin("GET", "/admin/keys") == before
@@ -527,11 +546,16 @@ def test_daemon_status_json_has_pid_and_listeners(cli_leader: tuple[Berth, int])
     assert info["pid"] == int((berth.home / "daemon.pid").read_text())
     assert alive(info["pid"]) and info["ready"] is True
     assert info["cluster_url"].startswith("https://127.0.0.1:")
-    assert info["listeners"] == [
+    assert [{"name": x["name"], "url": x["url"]} for x in info["listeners"]] == [
         {"name": "public", "url": f"https://127.0.0.1:{port}"},
         {"name": "cluster", "url": info["cluster_url"]},
         {"name": "socket", "url": f"unix://{berth.home / 'berth.sock'}"},
     ]
+    # The certificate each TLS listener serves now: the CA-issued public.pem here.
+    public = x509.load_pem_x509_certificate((berth.home / "ca" / "public.pem").read_bytes())
+    assert info["listeners"][0]["certificate_serial"] == f"{public.serial_number:X}"
+    assert info["listeners"][0]["certificate_not_after"] == public.not_valid_after_utc.isoformat()
+    assert info["listeners"][2]["certificate_serial"] is None  # the socket: no TLS
     assert info["ca_file"] == str(berth.home / "ca" / "ca.pem")
     # The daemon resolved its settings from the flag and environment `daemon start` got.
     settings = berth.admin("GET", "/admin/config")

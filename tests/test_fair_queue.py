@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 
 import pytest
@@ -23,6 +23,7 @@ from berth.admission import (
     gate_slots,
 )
 from berth.cluster.link import EngineEndpoint
+from berth.cluster.protocol.frames import AdoptedState
 from berth.daemon.ready_table import ReadyTable
 from berth.runtime.slots import engine_slots
 from berth.store import DeploymentRecord
@@ -64,22 +65,33 @@ def test_an_engines_slots_come_from_its_flag_or_are_unknown(
 
 
 @pytest.mark.parametrize(
-    ("engine", "args", "capacity", "slots"),
+    ("engine", "args", "capacity", "slots", "source", "detail"),
     [
-        ("llamacpp", (), None, 4),  # llama-server's --parallel -1 ("auto") gives 4
-        ("llamacpp", ("--parallel", "-1"), None, 4),
-        ("llamacpp", ("--parallel", "2"), None, 2),
-        ("vllm", (), None, None),  # vLLM and SGLang size themselves: not held
-        ("sglang", (), None, None),
-        ("vllm", ("--max-num-seqs", "64"), None, 64),
-        ("llamacpp", ("--parallel", "8"), 3, 3),  # the service's setting wins
-        ("vllm", (), 5, 5),
+        # llama-server's --parallel -1 ("auto") gives 4
+        ("llamacpp", (), None, 4, "engine_default", "llama.cpp's default, --parallel auto"),
+        ("llamacpp", ("--parallel", "-1"), None, 4, "engine_default",
+         "llama.cpp's default, --parallel auto"),
+        ("llamacpp", ("-np", "2"), None, 2, "flag", "--parallel 2"),
+        ("vllm", (), None, 256, "engine_default", "vLLM's default --max-num-seqs"),
+        # SGLang sizes itself at start, an adopted endpoint says nothing: default_slots
+        ("sglang", (), None, 6, "default_slots", "default_slots: its engine does not say"),
+        (None, (), None, 6, "default_slots", "default_slots: an adopted endpoint does not say"),
+        ("vllm", ("--max-num-seqs", "64"), None, 64, "flag", "--max-num-seqs 64"),
+        ("llamacpp", ("--parallel", "8"), 3, 3, "service", "the service's capacity setting"),
+        ("sglang", (), 5, 5, "service", "the service's capacity setting"),
     ],
-)
-def test_the_gates_slots_are_the_services_setting_else_the_engines(
-    engine: str, args: tuple[str, ...], capacity: int | None, slots: int | None
+)  # fmt: skip
+def test_the_gates_slots_are_the_services_setting_else_the_engines_else_default_slots(
+    engine: str | None,
+    args: tuple[str, ...],
+    capacity: int | None,
+    slots: int,
+    source: str,
+    detail: str,
 ) -> None:
-    assert gate_slots(engine, args, capacity) == slots
+    counted = gate_slots(engine, args, capacity, default_slots=6)
+    assert (counted.slots, counted.source, counted.detail) == (slots, source, detail)
+    assert counted.assumed == (source in ("engine_default", "default_slots"))
 
 
 def test_a_request_takes_a_free_slot_at_the_first_candidate_that_has_one() -> None:
@@ -344,3 +356,32 @@ async def test_waiters_take_the_slots_a_larger_capacity_adds_at_once() -> None:
     assert first is not None
     gate.release(first)  # now one in use, at the new capacity: the last waiter goes
     assert await waiting[2] == "d-1"
+
+
+async def test_an_adopted_endpoint_and_an_sglang_engine_without_a_count_keep_the_queue_on() -> None:
+    # One deployment of unknown slots used to turn the fair queue off for its whole model:
+    # each now gets default_slots, and a request beyond every slot waits its turn.
+    table = ReadyTable(default_slots=2)
+    endpoint = EngineEndpoint("d-1", "http://127.0.0.1:8080", 1, 8080)
+    table.mark_ready(deployment("d-1", "chat", ("--parallel", "1")), endpoint)
+    sglang = replace(deployment("d-2", "chat"), engine="sglang")
+    table.mark_ready(sglang, EngineEndpoint("d-2", "http://127.0.0.1:8081", 1, 8081))
+    state = AdoptedState(name="ollama", served_model_name="chat", engine_model="qwen",
+                         host="127.0.0.1", port=11434, alive=True)  # fmt: skip
+    table.adopted_reported("local", [state])
+    candidates = {u.deployment_id: u for u in table.candidates("chat")}
+    assert {d: (u.slots, u.slots_assumed, u.slots_from) for d, u in candidates.items()} == {
+        "d-1": (1, False, "--parallel 1"),
+        "d-2": (2, True, "default_slots: its engine does not say"),
+        "adopted:ollama": (2, True, "default_slots: an adopted endpoint does not say"),
+    }
+    gate = SlotGate(max_waiting=10, timeout_s=30)
+    plan = list(candidates.values())
+    held = [await gate.acquire(f"k-{i}", 50, "chat", plan) for i in range(5)]
+    assert sorted(h for h in held if h is not None) == [
+        "adopted:ollama", "adopted:ollama", "d-1", "d-2", "d-2"
+    ]  # fmt: skip
+    sixth = asyncio.create_task(gate.acquire("k-6", 50, "chat", plan))
+    await until(lambda: gate.scheduler.waiting == 1)  # held, not sent past the slots
+    gate.release("adopted:ollama")
+    assert await sixth == "adopted:ollama"

@@ -173,6 +173,14 @@ def test_key_is_found_by_the_hash_of_its_secret_until_revoked(store: Store, pepp
     assert store.revoke_api_key(added.id) == revoked
 
 
+def test_the_hashes_of_unrevoked_keys_are_listed(store: Store, pepper: bytes) -> None:
+    kept = store.add_api_key("kept", Tier.STANDARD, hash_secret("sk-1", pepper), "sk-1")
+    gone = store.add_api_key("gone", Tier.STANDARD, hash_secret("sk-2", pepper), "sk-2")
+    store.revoke_api_key(gone.id)
+
+    assert kept.id and store.api_key_hashes() == {hash_secret("sk-1", pepper)}
+
+
 def test_keys_are_listed_oldest_first(store: Store, pepper: bytes) -> None:
     names = ["a", "b", "c"]
     for name in names:

@@ -103,7 +103,7 @@ def _config(tmp_path: Path, text: str) -> Path:
     return path
 
 
-def test_tiers_come_from_config_beside_the_built_in_two(tmp_path: Path) -> None:
+def test_tiers_come_from_config_beside_the_built_in_three(tmp_path: Path) -> None:
     path = _config(
         tmp_path,
         """
@@ -123,18 +123,19 @@ priority = 200
     )
     tiers = read_tiers(path)
 
-    assert list(tiers) == ["admin", "standard", "free"]  # by priority, highest first
+    assert list(tiers) == ["admin", "standard", "desk", "free"]  # by priority, highest first
     assert tiers["free"].limits == KeyLimits(
         rpm=3, tpm=20_000, daily_tokens=100_000, models=frozenset({"smollm2"})
     )
     assert (tiers["admin"].priority, tiers["standard"].priority) == (200, 50)
+    assert tiers["desk"].priority == 40  # desk jobs: below standard keys
     assert tiers["standard"].limits.unlimited
     assert tiers.require(" FREE ").name == "free"
 
 
 def test_an_unknown_tier_is_refused_listing_the_tiers(tmp_path: Path) -> None:
     tiers = read_tiers(tmp_path / "missing.toml")
-    with pytest.raises(ConfigError, match=r"unknown tier 'gold'; tiers: admin, standard"):
+    with pytest.raises(ConfigError, match=r"unknown tier 'gold'; tiers: admin, standard, desk"):
         tiers.require("gold")
 
 
@@ -172,6 +173,16 @@ def test_settings_refuse_a_malformed_tier_and_carry_good_ones(tmp_path: Path) ->
     home.config_file.write_text("[tiers.free]\nrpm = -3\n")
     with pytest.raises(ConfigError, match=r"config.toml:2: \[tiers.free\]: rpm must not be"):
         Settings.load(home, env={})
+
+
+def test_the_desk_tier_setting_names_a_tier_that_exists(tmp_path: Path) -> None:
+    home = BerthHome(tmp_path / "home")
+    home.root.mkdir()
+    assert Settings.load(home, env={}).desk_tier == "desk"  # built in
+    home.config_file.write_text('[desk]\ndesk_tier = "market"\n\n[tiers.market]\npriority = 5\n')
+    assert Settings.load(home, env={}).desk_tier == "market"
+    with pytest.raises(ConfigError, match=r"desk_tier \(env\): unknown tier 'gold'; tiers: "):
+        Settings.load(home, env={"BERTH_DESK_TIER": "gold"})
 
 
 def test_changing_a_setting_keeps_the_tiers(tmp_path: Path) -> None:

@@ -78,7 +78,9 @@ def test_plan_fills_the_gpus_then_refuses_with_the_estimate(
     ran = [cluster.berth("run", "smol", "--served-name", f"smol-{n}").stdout for n in (1, 2)]
     assert "GPU 0)" in ran[0] and "GPU 1)" in ran[1], ran
 
-    refused = cluster.berth("plan", "smol").stdout
+    refusal = cluster.berth("plan", "smol", check=False)
+    assert refusal.returncode == 3, refusal.stderr  # a refused plan: exit 3, the reasons printed
+    refused = refusal.stdout
     assert "refused (vram_no_room): no GPU can take model smol: it needs 1.52 GiB" in refused
     assert "the most free VRAM seen is 494 MiB (node local GPU 0)" in refused
     # the two are younger than the minimum residency, so no eviction would make room

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import importlib.util
 import os
 import signal
@@ -200,6 +201,26 @@ async def test_engine_exiting_early_reports_exit_code_and_log_tail(engines: Engi
     assert "out of memory" in caught.value.log_tail
     assert "out of memory" in str(caught.value)
     assert not engines.runtime.is_alive(handle)
+
+
+async def test_an_engine_killed_by_sigill_says_it_was_built_for_another_cpu(
+    engines: Engines,
+) -> None:
+    program = engines.tmp_path / "llama-server"
+    program.write_text("#!/bin/sh\necho 'loading model'\nulimit -c 0\nkill -ILL $$\n")
+    program.chmod(0o755)
+    spec = dataclasses.replace(engines.spec(), argv=(str(program),))
+    handle = await engines.start(spec)
+
+    with pytest.raises(EngineError) as caught:
+        await engines.runtime.wait_healthy(handle, spec, timeout_s=20)
+
+    reason = str(caught.value)
+    assert reason.startswith(
+        "engine was killed by SIGILL (built for instructions this CPU does not run) before "
+    )
+    assert "`berth doctor` gives the command that rebuilds it" in reason
+    assert "loading model" in caught.value.log_tail
 
 
 async def test_log_is_appended_across_restarts(engines: Engines) -> None:

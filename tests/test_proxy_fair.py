@@ -9,14 +9,19 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Callable, Iterable
 from datetime import UTC, datetime
+from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import httpx
 import pytest
+from fastapi import FastAPI
 
 from berth.admission import Admission, SlotGate, UsageLedger
 from berth.config import TierTable
+from berth.daemon.app import LeaderApp
 from berth.daemon.proxy import OpenAIProxy
+from berth.desk.leader import LeaderClient, job_request
 from berth.limits import LimitOverrides
 from berth.observability.metrics import ProxyMetrics
 from berth.store import ApiKeyRecord, UsageRecord
@@ -200,3 +205,88 @@ async def test_a_full_queue_and_a_wait_too_long_answer_503_with_retry_after(
     assert tags(engine) == ["busy-0", "busy-1"]
     # Refused before an engine was tried: not in the ledger.
     assert [row.key_id for row in unlimited_admission.ledger.pending] == ["k-heavy"]
+
+
+class ToServer(httpx.AsyncBaseTransport):
+    """The desk worker's client, sent to the test's server instead of the leader's socket."""
+
+    def __init__(self, url: str) -> None:
+        self._url = httpx.URL(url)
+        self._inner = httpx.AsyncHTTPTransport()
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        request.url = request.url.copy_with(host=self._url.host, port=self._url.port)
+        return await self._inner.handle_async_request(request)
+
+    async def aclose(self) -> None:
+        await self._inner.aclose()
+
+
+def socket_and_keys(proxy: OpenAIProxy) -> Callable[[Any, Any], Any]:
+    """One server for both listeners: a request with ``x-test-key`` is that key's (the
+    public listener's auth, stood in for); any other is served as the leader's Unix socket
+    serves it (the real :class:`LeaderApp`, which tells the desk worker by its header)."""
+    keyed = KeyedHandler(proxy)
+    socket = LeaderApp(SimpleNamespace(proxy=proxy), FastAPI(), trusted=True)  # type: ignore[arg-type]
+
+    async def handler(request: Any, writer: Any) -> None:
+        if dict(request.headers).get(b"x-test-key") is not None:
+            await keyed(request, writer)
+        else:
+            await socket(request, writer)
+
+    return handler
+
+
+def tag_of(request: Any) -> str:
+    """A request's ``user``, or a desk job's prompt."""
+    body = request.json()
+    return str(body.get("user") or body["messages"][0]["content"])
+
+
+async def test_a_flood_of_desk_jobs_waits_behind_an_api_keys_requests(
+    engine: StandinEngine, metrics: ProxyMetrics, unlimited_admission: Admission
+) -> None:
+    # Desk jobs used to come in over the socket at the admin tier's priority: a key's
+    # request waited behind every one of them. Now they are the built-in desk tier's (40),
+    # below a standard key's (50).
+    gate = SlotGate(max_waiting=100, timeout_s=120)
+    engine.default = HELD
+    resolver = StaticResolver({"m": engine.base_url}, slots=2)
+    async with (
+        running_proxy(resolver, metrics, admission=unlimited_admission, slots=gate,
+                      wrap=socket_and_keys) as url,
+        httpx.AsyncClient(base_url=url, timeout=60) as http,
+        LeaderClient(Path("berth.sock"), transport=ToServer(url)) as desk,
+    ):  # fmt: skip
+        jobs = [
+            asyncio.create_task(desk.chat(job_request("m", f"desk-{i}", pool_test=False),
+                                          timeout_s=120))
+            for i in range(20)
+        ]  # fmt: skip
+        await until(lambda: len(held(engine)) == 2 and gate.scheduler.waiting == 18)
+        for turn in range(3):
+            start, desks = len(engine.requests), gate.scheduler.waiting
+            light = asyncio.create_task(post(http, "light", f"light-{turn}"))
+            await until(lambda n=desks: gate.scheduler.waiting == n + 1)  # type: ignore[misc]
+            held(engine)[0].release.set()  # a desk job ends: its slot goes to the key
+            await until(lambda n=start: len(engine.requests) == n + 1)  # type: ignore[misc]
+            assert tag_of(engine.requests[start]) == f"light-{turn}"
+            engine.requests[start].release.set()
+            assert (await light).status_code == 200
+            await until(lambda: len(held(engine)) == 2)  # a desk job took the slot back
+        sent = len(engine.requests)
+        cli = asyncio.create_task(http.post("/v1/chat/completions", json={
+            "model": "m", "messages": MESSAGES, "user": "cli"}))  # fmt: skip
+        await until(lambda n=desks: gate.scheduler.waiting == n)  # type: ignore[misc]
+        while not (cli.done() and all(job.done() for job in jobs)):
+            for request in held(engine):
+                request.release.set()
+            await asyncio.sleep(0.005)
+        assert (await cli).status_code == 200
+        assert {job.result().output for job in jobs} == {"hi"}
+    # The CLI over the socket still goes first (admin priority): into one of the two slots
+    # the next releases free, ahead of the desk jobs still waiting.
+    assert [tag_of(r) for r in engine.requests].index("cli") in (sent, sent + 1)
+    rows = {row.key_id: row.requests for row in unlimited_admission.ledger.pending}
+    assert rows == {"socket:desk": 20, "k-light": 3, "socket:cli": 1}

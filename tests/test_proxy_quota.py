@@ -104,7 +104,7 @@ async def test_a_stream_that_did_not_ask_gets_the_engines_bytes_without_the_usag
     usage_event = events[-2]
     assert b'"choices": []' in usage_event
     assert answer.content == b"".join(e for e in events if e is not usage_event)
-    assert ledger(quota_admission) == [("", 1, 0, 7, 5, 0)]
+    assert ledger(quota_admission) == [("socket:cli", 1, 0, 7, 5, 0)]
 
 
 async def test_a_stream_that_asked_for_usage_is_relayed_whole_and_its_body_unchanged(
@@ -121,7 +121,7 @@ async def test_a_stream_that_asked_for_usage_is_relayed_whole_and_its_body_uncha
 
     assert engine.requests[0].body == body
     assert answer.content == b"".join(events)
-    assert ledger(quota_admission) == [("", 1, 0, 3, 2, 0)]
+    assert ledger(quota_admission) == [("socket:cli", 1, 0, 3, 2, 0)]
 
 
 async def test_other_stream_options_are_kept_when_usage_is_asked_for(
@@ -154,7 +154,7 @@ async def test_usage_riding_on_a_chunk_with_text_is_counted_and_left_in_place(
     )
 
     assert answer.content == b"".join(events)
-    assert ledger(quota_admission) == [("", 1, 0, 1, 3, 0)]
+    assert ledger(quota_admission) == [("socket:cli", 1, 0, 1, 3, 0)]
 
 
 async def test_a_responses_stream_keeps_its_completed_event(
@@ -168,7 +168,7 @@ async def test_a_responses_stream_keeps_its_completed_event(
 
     assert "stream_options" not in engine.requests[0].json()
     assert answer.content == b"".join(events)
-    assert ledger(quota_admission) == [("", 1, 0, 11, 3, 0)]
+    assert ledger(quota_admission) == [("socket:cli", 1, 0, 11, 3, 0)]
 
 
 async def test_every_answer_to_a_limited_key_carries_its_rate_limit_headers(
@@ -234,7 +234,7 @@ async def test_an_engine_without_usage_is_estimated_and_an_error_costs_nothing(
     sent = [len(r.body) for r in engine.requests]
     sent[1] -= len(b',"stream_options":{"include_usage":true}')  # as the client sent it
     json_answer = len(json.dumps(plain))
-    assert (key, requests, errors) == ("", 3, 1)
+    assert (key, requests, errors) == ("socket:cli", 3, 1)
     assert prompt == -(-sent[0] // 4) + -(-sent[1] // 4)  # one token per 4 bytes
     assert completion == -(-json_answer // 4) + len(no_usage) - 1  # one per event but [DONE]
     assert estimated == prompt + completion

@@ -289,13 +289,13 @@ async def test_an_event_longer_than_the_hold_back_limit_is_relayed_before_it_end
     assert chunks[-1] == b"\n\n"
 
 
-async def test_an_engine_silent_mid_stream_past_the_read_timeout_ends_it_with_an_error_event(
+async def test_an_engine_silent_mid_stream_past_the_idle_timeout_ends_it_with_an_error_event(
     resolver: StaticResolver, metrics: ProxyMetrics, engine: StandinEngine
 ) -> None:
     events = chat_chunks(["a b"])[:2]
     engine.script(Reply((Head(200, "text/event-stream"), *map(Write, events), Stall(5.0))))
     async with (
-        running_proxy(resolver, metrics, read_timeout_s=0.3) as url,
+        running_proxy(resolver, metrics, stream_idle_timeout_s=0.3) as url,
         httpx.AsyncClient(base_url=url) as client,
     ):
         response, chunks = await stream_chunks(client)
@@ -304,7 +304,12 @@ async def test_an_engine_silent_mid_stream_past_the_read_timeout_ends_it_with_an
     assert body.startswith(b"".join(events))
     error_event, done, rest = body[len(b"".join(events)) :].split(b"\n\n")
     assert done == b"data: [DONE]" and rest == b""
-    assert json.loads(error_event.removeprefix(b"data: "))["error"]["code"] == "stream_aborted"
+    error = json.loads(error_event.removeprefix(b"data: "))["error"]
+    assert error["code"] == "stream_idle_timeout"
+    assert "sent nothing for 0.3 s" in error["message"]
     record = engine.requests[0]
     await asyncio.wait_for(record.disconnected.wait(), EVENT_TIMEOUT_S)  # the engine was told
     assert not record.completed
+    errors = "berth_proxy_errors_total"
+    labels = {"model": "m", "deployment": "d-m", "node": "local", "status_class": "2xx"}
+    assert sample(metrics, errors, reason="stream_idle_timeout", **labels) == 1

@@ -80,6 +80,9 @@ def test_one_session_stays_on_one_node_and_sessions_spread(routing_cluster: Clus
     assert explained["candidates"][0]["affinity_hit"] is True
     table = routing_cluster.berth("routing", MODEL, "--session", "conversation-1").stdout
     assert "affinity hit" in table and "no affinity" in table
+    # Started without --parallel: llama-server's 4 slots, assumed, held at the leader.
+    assert table.count("4, assumed (llama.cpp's default, --parallel auto)") == 2, table
+    assert {(c["slots"], c["slots_assumed"]) for c in explained["candidates"]} == {(4, True)}
     assert {c["node_id"] for c in explained["candidates"]} == {
         routing_cluster.agents["gpu-a"].node_id,
         routing_cluster.agents["gpu-b"].node_id,

@@ -8,6 +8,7 @@ from datetime import UTC, datetime
 
 import pytest
 
+from berth.admission import gate_slots
 from berth.errors import ConfigError
 from berth.humanize import duration, parse_duration
 from berth.scaling.capacity import replica_capacity
@@ -120,6 +121,13 @@ def test_a_replicas_capacity_is_its_engines_slots_from_its_arguments(
 
 def test_a_services_capacity_setting_wins_over_its_engines_slots() -> None:
     assert replica_capacity(service("vllm", ("--max-num-seqs", "64"), capacity=3)) == 3
+
+
+def test_an_engine_that_does_not_say_takes_the_default_slots_setting_as_the_gate_does() -> None:
+    # Scaling counts a replica full at the number the fair admission gate holds it to.
+    assert replica_capacity(service("sglang", ()), default_slots=3) == 3
+    assert replica_capacity(service("llamacpp", ()), default_slots=3) == 4
+    assert gate_slots("sglang", (), default_slots=3).slots == 3
 
 
 def service(

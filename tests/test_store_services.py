@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from berth.errors import ConfigError, ConflictError, NotFoundError
-from berth.store import RouteTarget, Store
+from berth.store import RouteTarget, Store, StreamTimeouts
 from berth.store.states import DeploymentState
 
 # The shared ``store`` fixture (conftest.py), with these models.
@@ -232,3 +232,25 @@ def test_a_service_cannot_take_a_models_or_a_running_deployments_name(store: Sto
         store.create_service_profile("chat", "tiny", "llamacpp", "process")
     store.transition_deployment(running.id, DeploymentState.FAILED, failure_reason="gone")
     assert store.create_service_profile("chat", "tiny", "llamacpp", "process").name == "chat"
+
+
+def test_a_service_s_stream_timeouts_are_kept_checked_and_changed(store: Store) -> None:
+    plain = store.create_service_profile("plain", "tiny", "llamacpp", "process")
+    assert plain.timeouts == StreamTimeouts()  # the leader's settings
+    own = StreamTimeouts(first_byte_timeout_s=30.0, stream_idle_timeout_s=0.0)
+    created = store.create_service_profile("own", "tiny", "llamacpp", "process", timeouts=own)
+    assert created.timeouts == own == store.get_service_profile("own").timeouts
+    for bad in (StreamTimeouts(first_byte_timeout_s=-1.0),
+                StreamTimeouts(stream_idle_timeout_s=float("nan"))):  # fmt: skip
+        with pytest.raises(ConfigError, match="must be 0 \\(off\\) to 86400 seconds"):
+            store.create_service_profile("bad", "tiny", "llamacpp", "process", timeouts=bad)
+        with pytest.raises(ConfigError):
+            store.update_service_timeouts("own", lambda _current, bad=bad: bad)
+    assert store.get_service_profile("own").timeouts == own  # nothing changed
+    changed = store.update_service_timeouts(
+        "own", lambda current: StreamTimeouts(current.first_byte_timeout_s, 90.0)
+    )
+    assert changed.timeouts == StreamTimeouts(30.0, 90.0)
+    assert changed.scaling == created.scaling
+    with pytest.raises(NotFoundError):
+        store.update_service_timeouts("nope", lambda current: current)

@@ -5,8 +5,13 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 DEFAULT_HOME = "~/.berth"
+
+#: Who owns an engine journal: an agent (``agent-engines.json``) or the leader, for the
+#: engines of node ``local`` (``local-engines.json``).
+JournalOwner = Literal["agent", "leader"]
 
 
 def resolve_home(explicit: str | os.PathLike[str] | None = None) -> Path:
@@ -14,6 +19,18 @@ def resolve_home(explicit: str | os.PathLike[str] | None = None) -> Path:
     ``~/.berth``."""
     raw = explicit if explicit is not None else (os.environ.get("BERTH_HOME") or DEFAULT_HOME)
     return Path(raw).expanduser().resolve()
+
+
+@dataclass(frozen=True)
+class WardenFiles:
+    """The files of one engine journal's owner and of its warden (``berth.agent.warden``):
+    the journal, the lock its running owner holds (``flock``) for its whole life, the
+    warden's pid file (pid and start time) and its log (one line per action)."""
+
+    journal: Path
+    owner_lock: Path
+    pid_file: Path
+    log: Path
 
 
 @dataclass(frozen=True)
@@ -121,6 +138,17 @@ class BerthHome:
         """The API keys of adopted servers (``berth agent adopt --api-key-file``), one
         ``<name>.key`` each, mode 0600."""
         return self.root / "adopted-keys"
+
+    def warden_files(self, owner: JournalOwner) -> WardenFiles:
+        """The journal of ``owner``'s engines and its warden's files (``agent.lock``,
+        ``warden-agent.pid``, ``logs/warden-agent.log``; ``leader.*`` for the leader)."""
+        journal = self.agent_engines_file if owner == "agent" else self.local_engines_file
+        return WardenFiles(
+            journal=journal,
+            owner_lock=self.root / f"{owner}.lock",
+            pid_file=self.root / f"warden-{owner}.pid",
+            log=self.logs_dir / f"warden-{owner}.log",
+        )
 
     def engine_log(self, deployment_id: str) -> Path:
         """The log file of one deployment's engine."""

@@ -163,6 +163,12 @@ class Cluster:
                     with contextlib.suppress(ProcessLookupError):
                         os.killpg(int(entry["pid"]), signal.SIGKILL)
         self.berth("daemon", "stop", check=False)
+        # Each home's engine warden exits within a second of its owner once nothing of its
+        # journal runs (berth.agent.warden); wait for that, so nothing is left behind.
+        homes = [self.leader_home, *(agent.home for agent in self.agents.values())]
+        with contextlib.suppress(AssertionError):
+            wait_for(lambda: not any(any(h.glob("warden-*.pid")) for h in homes),
+                     10.0, "the engine wardens to exit")  # fmt: skip
 
     # -- agents --------------------------------------------------------------------------
 

@@ -33,7 +33,9 @@ child calls ``setsid()`` and writes its pid to PIDFILE (a helper leaving the eng
 group and session); ``--x-unhealthy`` makes ``/health`` answer 503 forever;
 ``--x-start-delay-s S`` waits S seconds before listening (a model that takes a while to
 load); ``--x-fail-start-if PATH`` does as ``--fail-start`` once PATH exists (an engine that
-served, then exits at once on every start).  Lines it prints
+served, then exits at once on every start); ``--x-die-by SIGNAL`` (``ILL``, ``SEGV``) kills
+itself with that signal before listening (a binary built for another CPU, a crash).  Lines
+it prints
 go to stdout, flushed, so berth's engine log shows them.
 
 Only the standard library is used, so the engine starts in about 0.1 s
@@ -45,6 +47,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -98,6 +101,7 @@ def _parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--x-setsid-grandchild", default=None)
     parser.add_argument("--x-unhealthy", action="store_true")
     parser.add_argument("--x-start-delay-s", type=float, default=0.0)
+    parser.add_argument("--x-die-by", default=None)
     return parser.parse_known_args(argv)
 
 
@@ -277,6 +281,10 @@ def main(argv: list[str]) -> int:
     if args.fail_start or (args.x_fail_start_if is not None and args.x_fail_start_if.exists()):
         print(FAIL_LINE, flush=True)
         return 1
+    if args.x_die_by:
+        print(f"fake llama-server: killing itself with SIG{args.x_die_by}", flush=True)
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # no core file left in the cwd
+        os.kill(os.getpid(), signal.Signals[f"SIG{args.x_die_by}"])
     signal.signal(signal.SIGTERM, _on_sigterm)
     if args.x_start_delay_s:
         print(f"fake llama-server: loading for {args.x_start_delay_s} s", flush=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import aiohttp
 
@@ -15,7 +16,8 @@ from berth.cluster.link import (
     SpawnListener,
 )
 from berth.cluster.protocol.ops import OP_CAPABILITIES, RUNTIME_CAPABILITIES
-from berth.errors import EngineError, NotFoundError
+from berth.errors import BerthError, EngineError, NotFoundError
+from berth.placement.model_files import FileStamp, ModelFileShape, read_model_file
 from berth.runtime.base import EngineExit, ProgressListener
 from berth.runtime.engines import DeploymentRequest
 
@@ -45,6 +47,8 @@ class FakeLink:
         self.capabilities = frozenset([*OP_CAPABILITIES.values(), *RUNTIME_CAPABILITIES.values()])
         self.pulled: dict[str, str] = {}
         self.pulls: list[tuple[str, str | None]] = []
+        #: paths model_shape was asked about, in order
+        self.shape_reads: list[str] = []
         #: (deployment id, adapter) loaded into each engine, in the order asked
         self.adapter_calls: list[tuple[str, str, str]] = []
         #: how an engine the test removed from ``running`` ended (``last_exit``)
@@ -104,6 +108,14 @@ class FakeLink:
 
     def last_exit(self, deployment_id: str) -> EngineExit | None:
         return self.exits.get(deployment_id)
+
+    async def model_shape(self, path: str, known: FileStamp | None = None) -> ModelFileShape:
+        """Read on this host (the test's files), as an agent reads on its own."""
+        self.shape_reads.append(path)
+        try:
+            return read_model_file(Path(path), known)
+        except BerthError as exc:
+            raise EngineError(f"node {self.node_id}: {exc}") from exc
 
     async def engines(self) -> list[EngineReport]:
         return [EngineReport(d, e.pid, e.port, True) for d, e in self.running.items()]

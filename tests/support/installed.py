@@ -104,6 +104,8 @@ PARTS: dict[str, Callable[[], str | None]] = {
     "systemd-analyze": _executable("systemd-analyze", "systemd"),
     "systemctl": _executable("systemctl", "systemd"),
     "chromium": _chromium,
+    "objdump": _executable("objdump", "binutils"),
+    "gcc": _executable("gcc", "gcc"),
 }
 
 

@@ -19,7 +19,7 @@ from berth.http_server.protocol import Handler
 from berth.http_server.server import HttpServer
 from berth.observability.metrics import ProxyMetrics
 from berth.routing.errors import NoReadyDeploymentError
-from berth.routing.resolver import Upstream
+from berth.routing.resolver import Upstream, UpstreamResolver
 
 
 class StaticResolver:
@@ -100,7 +100,7 @@ async def serve_berth(handler: Handler, limits: ListenerLimits | None = None) ->
 
 @contextlib.asynccontextmanager
 async def running_proxy(
-    resolver: StaticResolver,
+    resolver: UpstreamResolver,
     metrics: ProxyMetrics,
     *,
     server: str = "berth",

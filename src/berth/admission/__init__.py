@@ -9,8 +9,10 @@ it did, kept in the usage ledger.
 - :mod:`.ledger`: the usage buffer written to the store in batches;
 - :mod:`.metrics`: the per-key Prometheus series; :mod:`.errors`: the refusals;
 - :mod:`.clock`: the clocks (a manual one for tests);
+- :mod:`.socket`: who calls over the Unix socket (:class:`SocketCaller`: the CLI, the desk
+  worker), told by a header only that listener reads;
 - fair admission: :mod:`.capacity` (a deployment's slots at the gate: its service's
-  setting, or its engine's flags),
+  setting, its engine's flags or default, else the ``default_slots`` setting),
   :mod:`.fair_queue` (:class:`SlotScheduler`: the slots and the queue fair across keys,
   pure) and :mod:`.gate` (:class:`SlotGate`: the async wait in front of it).
 
@@ -21,7 +23,7 @@ it. The package sits beside ``routing`` (layer 9): it
 uses the tiers of ``config``, the records of ``store``, and nothing of the daemon.
 """
 
-from berth.admission.capacity import gate_slots
+from berth.admission.capacity import DEFAULT_SLOTS, GateSlots, gate_slots
 from berth.admission.clock import Clock, ManualClock, SystemClock
 from berth.admission.errors import (
     AdmissionError,
@@ -44,15 +46,19 @@ from berth.admission.quotas import (
     KeyUse,
     Ticket,
 )
+from berth.admission.socket import SOCKET_CALLER_HEADER, SocketCaller, socket_caller
 
 __all__ = [
     "DEFAULT_FLUSH_INTERVAL_S",
+    "DEFAULT_SLOTS",
     "MUST_WAIT",
+    "SOCKET_CALLER_HEADER",
     "SOCKET_KEY_ID",
     "SOCKET_KEY_NAME",
     "Admission",
     "AdmissionError",
     "Clock",
+    "GateSlots",
     "KeyExpiredError",
     "KeyPausedError",
     "KeyUse",
@@ -66,6 +72,7 @@ __all__ = [
     "QuotaExceededError",
     "SlotGate",
     "SlotScheduler",
+    "SocketCaller",
     "SystemClock",
     "Ticket",
     "UsageCollector",
@@ -73,4 +80,5 @@ __all__ = [
     "UsageSink",
     "Waiter",
     "gate_slots",
+    "socket_caller",
 ]

@@ -4,7 +4,7 @@ The request path adds nothing to a Prometheus metric: :class:`UsageCollector` bu
 series when ``/metrics`` is scraped, from the usage ledger's totals since the leader started
 and the refusal counts. Keys are named by their ``name`` (never by secret, prefix or hash);
 keys sharing a name share their series, and requests over the Unix socket are
-``key="(socket)"``.
+``key="socket:cli"`` or ``key="socket:desk"`` (:class:`~berth.admission.socket.SocketCaller`).
 
 =========================================  ===========================================
 ``berth_key_requests_total{key,model}``    requests answered by an engine

@@ -44,13 +44,16 @@ from berth.admission.errors import (
 from berth.admission.estimate import prompt_tokens as estimate_prompt_tokens
 from berth.admission.headers import REQUESTS_HEADERS, TOKENS_HEADERS, bucket_headers
 from berth.admission.ledger import UsageLedger
-from berth.config.tiers import TierTable
+from berth.admission.socket import SocketCaller
+from berth.config.tiers import DESK_TIER, TierTable
 from berth.limits import NUMERIC_LIMITS, KeyLimits
 from berth.store.records import ApiKeyRecord
 
-#: The key id requests over the leader's Unix socket are counted under (they carry no key).
+#: The key id requests over the leader's Unix socket were counted under before berth told
+#: its callers apart (:class:`~berth.admission.socket.SocketCaller`: ``socket:cli`` and
+#: ``socket:desk`` since); older ledger rows keep it.
 SOCKET_KEY_ID = ""
-#: How that key is named in metrics and ``berth usage``.
+#: How those rows are named in metrics and ``berth usage``.
 SOCKET_KEY_NAME = "(socket)"
 #: Seconds a request refused for ``max_concurrency`` is told to wait.
 CONCURRENCY_RETRY_S = 1.0
@@ -179,7 +182,7 @@ class Ticket:
 
     @property
     def key_id(self) -> str:
-        """The admitted key's id (``""`` over the Unix socket)."""
+        """The admitted key's id (a :class:`SocketCaller`'s value over the Unix socket)."""
         return self.quota.key_id
 
 
@@ -199,11 +202,20 @@ class Admission:
     """Admits and settles requests against each key's limits (see the module doc).
 
     ``tiers`` are the leader's tiers; ``ledger`` receives each settled request. Keys are
-    known from :meth:`load`, :meth:`update`, or the first request they make.
+    known from :meth:`load`, :meth:`update`, or the first request they make. Requests over
+    the Unix socket carry no key: the CLI's (:attr:`SocketCaller.CLI`) are never limited and
+    wait at the ``admin`` priority; the desk worker's (:attr:`SocketCaller.DESK`) take the
+    limits and priority of the tier ``desk_tier`` names (:class:`ConfigError
+    <berth.errors.ConfigError>` when no tier has that name).
     """
 
     def __init__(
-        self, tiers: TierTable, ledger: UsageLedger, *, clock: Clock | None = None
+        self,
+        tiers: TierTable,
+        ledger: UsageLedger,
+        *,
+        clock: Clock | None = None,
+        desk_tier: str = DESK_TIER,
     ) -> None:
         self.tiers = tiers
         self.ledger = ledger
@@ -212,8 +224,15 @@ class Admission:
         self._wall = self._clock.time
         self._quotas: dict[str, KeyQuota] = {}
         self._names: dict[str, str] = {SOCKET_KEY_ID: SOCKET_KEY_NAME}
-        self._socket = KeyQuota(SOCKET_KEY_ID, SOCKET_KEY_NAME, None)
+        for caller in SocketCaller:
+            self._names[caller.value] = caller.value
+        cli = SocketCaller.CLI.value
+        self._socket = KeyQuota(cli, cli, None)
         self._socket.priority = tiers.require("admin").priority
+        desk = tiers.require(desk_tier)
+        self._desk = KeyQuota(SocketCaller.DESK.value, SocketCaller.DESK.value, None)
+        self._desk.tier = desk.name
+        self._desk.configure(desk.limits, desk.priority, self._clock.monotonic())
         self._calendar = CalendarPosition.at(self._clock.time())
         #: Refusals since start: (key id, error code) -> count.
         self.refusals: dict[tuple[str, str], int] = {}
@@ -222,17 +241,21 @@ class Admission:
 
     def load(self, keys: Iterable[ApiKeyRecord], totals: Mapping[str, tuple[int, int]]) -> None:
         """Know ``keys`` (revoked ones only by name, for metrics), with the tokens each used
-        today and this month so far (``totals``: key id -> (day, month), from the ledger)."""
+        today and this month so far (``totals``: key id -> (day, month), from the ledger;
+        the desk worker's too, for its tier's budgets)."""
         calendar = self._position()
+        quotas: list[KeyQuota] = [self._desk]
         for record in keys:
             self._names[record.id] = record.name
             if record.is_revoked:
                 continue
             quota = self._configure(KeyQuota(record.id, record.name, record))
-            day, month = totals.get(record.id, (0, 0))
+            self._quotas[record.id] = quota
+            quotas.append(quota)
+        for quota in quotas:
+            day, month = totals.get(quota.key_id, (0, 0))
             quota.day_index, quota.day_tokens = calendar.day_index, day
             quota.month_index, quota.month_tokens = calendar.month_index, month
-            self._quotas[record.id] = quota
 
     def budget_days(self) -> tuple[date, date]:
         """``(today, the first day of this month)``, UTC: the ledger totals :meth:`load`
@@ -280,7 +303,8 @@ class Admission:
         return self._names.get(key_id, key_id)
 
     def names(self) -> Iterator[tuple[str, str]]:
-        """Every ``(key id, name)`` known, revoked keys and the Unix socket's included."""
+        """Every ``(key id, name)`` known, revoked keys and the Unix socket's callers
+        included."""
         return iter(self._names.items())
 
     # -- the request path ---------------------------------------------------------------------
@@ -293,20 +317,29 @@ class Admission:
                 f"this API key expired at {expires_at.isoformat()}", key_id=key.id
             )
 
-    def admit(self, key: ApiKeyRecord | None, model: str, request_bytes: int) -> Ticket:
-        """Admit a request of ``key`` (``None``: over the Unix socket, never limited) for the
-        public model name ``model`` with a body of ``request_bytes``, or refuse it.
+    def admit(
+        self, key: ApiKeyRecord | SocketCaller | None, model: str, request_bytes: int
+    ) -> Ticket:
+        """Admit a request of ``key`` for the public model name ``model`` with a body of
+        ``request_bytes``, or refuse it. Over the Unix socket ``key`` is the caller there
+        (``None``: the CLI): the CLI's are never limited, the desk's go through its tier's
+        limits as a key's do.
 
         Raises :class:`KeyPausedError` or :class:`ModelNotAllowedError` (403), or
         :class:`QuotaExceededError` (429, with ``retry_after_s`` and the rate-limit headers);
         a refused request takes nothing. Never blocks, never touches the store.
         """
-        if key is None:
+        if key is None or key is SocketCaller.CLI:
             quota = self._socket
             quota.in_flight += 1
             return Ticket(quota, model, 0, [])
-        found = self._quotas.get(key.id)
-        quota = found if found is not None and found.record is key else self._refresh(key, found)
+        if key is SocketCaller.DESK:
+            quota = self._desk
+        else:
+            found = self._quotas.get(key.id)
+            quota = (
+                found if found is not None and found.record is key else self._refresh(key, found)
+            )
         if quota.refusal is not None:
             self._refused(quota, quota.refusal.error_code)
             raise quota.refusal

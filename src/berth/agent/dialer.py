@@ -10,13 +10,15 @@ that does not finish within ``dial_timeout_s`` fails, so a leader behind a black
 seconds per attempt. When the link ends, the close code decides
 (:func:`berth.cluster.protocol.errors.agent_should_redial`): a final refusal (removed node,
 bad certificate, superseded, no common version) stops the agent; anything else is redialled
-after a jittered, capped exponential backoff. The status file says so at once.
+after a capped exponential backoff with equal jitter (:func:`backoff_delay`, capped by the
+``redial_max_s`` setting). The status file says so at once.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -44,9 +46,10 @@ from berth.cluster.protocol.session import LinkLimits, Role
 
 log = logging.getLogger(__name__)
 
-#: First and largest redial delays, in seconds.
+#: The first redial delay before jitter, in seconds (it doubles up to ``redial_max_s``).
 BACKOFF_BASE_S = 1.0
-BACKOFF_CAP_S = 30.0
+#: The largest redial delay, in seconds: the ``redial_max_s`` setting's default.
+REDIAL_MAX_S = 30.0
 #: Seconds the leader has to answer Hello.
 WELCOME_TIMEOUT_S = 10.0
 #: Seconds a dial may take: TCP connect, TLS handshake and the WebSocket upgrade together.
@@ -59,16 +62,22 @@ def backoff_delay(
     attempt: int,
     *,
     base_s: float = BACKOFF_BASE_S,
-    cap_s: float = BACKOFF_CAP_S,
+    cap_s: float = REDIAL_MAX_S,
     rand: Callable[[], float] = random.random,
 ) -> float:
     """Seconds to wait before redial number ``attempt`` (0 for the first retry).
 
-    Exponential from ``base_s``, capped at ``cap_s``, with +-20% jitter so that agents cut
-    off together do not redial in step (never above ``cap_s``).
+    The delay doubles from ``base_s`` and is clamped to ``cap_s`` first, then jittered with
+    *equal jitter* (AWS Architecture Blog, "Exponential Backoff And Jitter", 2015): half of
+    the clamped delay ``d`` is kept and the other half drawn with ``rand`` (uniform in
+    ``[0, 1)``), so the wait lies in ``[d / 2, d)``: never above ``cap_s``, never below half
+    the clamped delay (``base_s / 2`` at the least, so a refused agent never redials in a
+    burst).  Clamping before the jitter keeps agents that lost the leader together spread
+    over ``[cap_s / 2, cap_s)`` at the cap; jitter first, then clamp, put half of them at
+    exactly ``cap_s``, redialling in step.
     """
-    delay = min(cap_s, base_s * 2.0 ** min(attempt, 30))
-    return min(cap_s, delay * (0.8 + 0.4 * rand()))
+    clamped_s = min(cap_s, base_s * 2.0 ** min(attempt, 30))
+    return clamped_s / 2 + clamped_s / 2 * rand()
 
 
 def cluster_ws_url(leader_url: str) -> str:
@@ -139,7 +148,12 @@ class AgentStatus:
 
 
 class AgentDialer:
-    """Keeps one link to the leader up until a final refusal or :meth:`stop`."""
+    """Keeps one link to the leader up until a final refusal or :meth:`stop`.
+
+    Between dials it waits ``backoff(attempt)`` seconds (default :func:`backoff_delay`
+    capped at ``redial_max_s``, the setting); ``attempt`` counts from 0 again after a link
+    the leader welcomed.
+    """
 
     def __init__(
         self,
@@ -148,7 +162,8 @@ class AgentDialer:
         status: AgentStatus,
         *,
         limits: LinkLimits | None = None,
-        backoff: Callable[[int], float] = backoff_delay,
+        backoff: Callable[[int], float] | None = None,
+        redial_max_s: float = REDIAL_MAX_S,
         dial_timeout_s: float = DIAL_TIMEOUT_S,
     ) -> None:
         self._identity = identity
@@ -156,7 +171,7 @@ class AgentDialer:
         self._service = service
         self._status = status
         self._limits = limits or LinkLimits()
-        self._backoff = backoff
+        self._backoff = backoff or functools.partial(backoff_delay, cap_s=redial_max_s)
         self._stopping = asyncio.Event()
         self._conn: LinkConnection | None = None
         #: the close code that ended the agent (a final refusal), if one did

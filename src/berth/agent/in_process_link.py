@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 from berth.agent.core import AgentCore
 from berth.cluster.link import (
@@ -16,7 +18,8 @@ from berth.cluster.link import (
     SpawnListener,
 )
 from berth.cluster.protocol.ops import OP_CAPABILITIES, RUNTIME_CAPABILITIES
-from berth.errors import EngineError
+from berth.errors import BerthError, EngineError
+from berth.placement.model_files import FileStamp, ModelFileShape, read_model_file
 from berth.runtime.base import EngineExit, ProgressListener, RuntimeName
 from berth.runtime.engines import DeploymentRequest, EngineName
 
@@ -82,6 +85,14 @@ class InProcessLink:
 
     async def unload_adapter(self, deployment_id: str, engine: EngineName, adapter: str) -> None:
         await self._core.unload_adapter(deployment_id, engine, adapter)
+
+    async def model_shape(self, path: str, known: FileStamp | None = None) -> ModelFileShape:
+        """Read on the leader's own host, as a remote agent reads on its own; its errors are
+        ``EngineError`` with their words, as a remote agent's are."""
+        try:
+            return await asyncio.to_thread(read_model_file, Path(path), known)
+        except BerthError as exc:
+            raise EngineError(f"node {self.node_id}: {exc}") from exc
 
     async def engines(self) -> list[EngineReport]:
         return self._core.engines()

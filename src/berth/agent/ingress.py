@@ -45,11 +45,10 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Final
 
-from cryptography import x509
-
 from berth.agent.service import MAX_REQUEST_BODY_BYTES, AnswerSink
 from berth.atomic import write_atomic
 from berth.cluster.direct_tls import (
+    TrustRoots,
     check_ingress_certificate,
     check_leader_certificate,
     ingress_server_context,
@@ -101,10 +100,10 @@ class AgentIngress:
     ``bind_host`` at the advertised port.
 
     ``key_path`` is the agent's key (the ingress certificate is for it), ``ca_certificate``
-    the pinned berth CA, ``cert_path`` where the ingress certificate is kept. ``relay``
-    serves each exchange; ``limits`` are the listeners' bounds (``Settings.listener_limits``),
-    passed through :func:`ingress_limits`. Call :meth:`bind` at start, :meth:`close` at the
-    end.
+    the pinned berth CA (or every root of its bundle), ``cert_path`` where the ingress
+    certificate is kept. ``relay`` serves each exchange; ``limits`` are the listeners' bounds
+    (``Settings.listener_limits``), passed through :func:`ingress_limits`. Call :meth:`bind`
+    at start, :meth:`close` at the end.
     """
 
     def __init__(
@@ -115,7 +114,7 @@ class AgentIngress:
         bind_host: str,
         key_path: Path,
         cert_path: Path,
-        ca_certificate: x509.Certificate,
+        ca_certificate: TrustRoots,
         relay: Relay,
         limits: ListenerLimits | None = None,
         max_open_exchanges: int = MAX_OPEN_EXCHANGES,

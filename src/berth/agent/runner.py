@@ -30,6 +30,7 @@ from berth.agent.core import AgentCore
 from berth.agent.dialer import AgentDialer, AgentStatus
 from berth.agent.identity import AgentIdentity, load_agent_identity, pinned_certificate
 from berth.agent.ingress import AgentIngress
+from berth.agent.owner import own_engines
 from berth.agent.service import AgentService
 from berth.cluster.protocol.errors import CloseCode
 from berth.config import Settings
@@ -116,7 +117,8 @@ async def run_agent(
     ``flags`` are settings given on the command line (``agent_advertise``). Raises
     :class:`berth.errors.ConfigError` when the agent is not registered (no or a malformed
     ``agent.yaml``) or its direct ingress cannot bind its port, and :class:`ConflictError`
-    when another agent runs on this home.
+    when another agent runs on this home (or holds its owner lock), or its engine warden
+    cannot be started (:mod:`berth.agent.owner`).
     """
     identity = load_agent_identity(home)
     home.ensure()
@@ -152,9 +154,15 @@ async def run_agent(
     service = AgentService(
         core, on_activity=status.activity, models_dir=home.models_dir, loop_lag=loop_lag.histogram
     )
+    ingress = None
     try:  # a port in use fails the start before any engine is re-attached
         ingress = _ingress(home, settings, identity, service)
-    except ConfigError:
+        # Held until this process ends; its warden stops the engines if it does not come
+        # back.  A start that fails before this leaves the earlier warden in charge.
+        await own_engines(home, "agent", settings, identity.node_id)
+    except (ConfigError, ConflictError):
+        if ingress is not None:
+            await ingress.close()
         await service.close()
         core.close()
         raise
@@ -164,7 +172,7 @@ async def run_agent(
     assert core.adopted is not None
     await core.adopted.check_once()  # Hello reports the adopted servers as they are now
     core.adopted.start()
-    dialer = AgentDialer(identity, service, status)
+    dialer = AgentDialer(identity, service, status, redial_max_s=settings.redial_max_s)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, lambda: asyncio.ensure_future(dialer.stop()))
@@ -223,7 +231,7 @@ def _ingress(
         bind_host=settings.agent_ingress_bind,
         key_path=identity.key_path,
         cert_path=home.root / "ingress.crt",
-        ca_certificate=x509.load_pem_x509_certificate(
+        ca_certificate=x509.load_pem_x509_certificates(  # every root, not the first only
             pinned_certificate(identity.ca_path.read_bytes(), identity.ca_fingerprint)
         ),
         relay=service.relay_exchange,

@@ -1,9 +1,10 @@
 """What an agent does with the leader's requests and streams: runs them on its agent core.
 
 Control ops (``start``, ``stop``, ``probe``, ``inventory``, ``engines``, ``pull``,
-``load_adapter``, ``unload_adapter``, ``ingress``) each run in their own task, so a long
-engine start never holds up the link. ``http`` streams are relayed to the deployment's engine
-on this host with berth's pooled HTTP/1.1 client (:meth:`AgentService.relay_exchange`, the
+``load_adapter``, ``unload_adapter``, ``ingress``, ``model_shape``) each run in their own
+task, so a long engine start never holds up the link (``model_shape`` reads a model's header
+on this host for the leader's VRAM estimate). ``http`` streams are relayed to the deployment's
+engine on this host with berth's pooled HTTP/1.1 client (:meth:`AgentService.relay_exchange`, the
 one relay the agent's direct ingress uses too, :mod:`berth.agent.ingress`), carrying the
 engine's own API key in place of any credential in the leader's headers; when the leader
 resets a stream, its task is cancelled and the engine connection closed, so the engine stops
@@ -45,6 +46,7 @@ from berth.cluster.protocol.ops import (
     INGRESS,
     INVENTORY,
     LOAD_ADAPTER,
+    MODEL_SHAPE,
     OPS,
     PROBE,
     PULL,
@@ -64,6 +66,7 @@ from berth.cluster.protocol.ops import (
     StartResult,
     encode_payload,
 )
+from berth.cluster.shape_wire import file_shape_to_wire
 from berth.cluster.tunnel_stream import StreamResetError, TunnelStream
 from berth.engine_http.auth import with_engine_key
 from berth.engine_http.errors import UpstreamConnectError, UpstreamError, UpstreamTimeoutError
@@ -73,6 +76,7 @@ from berth.engine_http.response import UpstreamResponse
 from berth.errors import BerthError, EngineError, NotFoundError
 from berth.observability.loop_lag import LagHistogram
 from berth.observability.window import RequestMeter, is_error
+from berth.placement.model_files import FileStamp, read_model_file
 from berth.runtime.engines import DeploymentRequest
 from berth.runtime.gpu import GpuInfo
 
@@ -325,6 +329,13 @@ class AgentService:
                 await self._ingress.configure(INGRESS.decode_args(request.args))
                 self._on_activity(f"direct ingress serving on {self._ingress.advertise}")
                 return INGRESS.encode_result(None)
+            case "model_shape":
+                ask = MODEL_SHAPE.decode_args(request.args)
+                known = None
+                if ask.known_size_bytes is not None and ask.known_mtime_ns is not None:
+                    known = FileStamp(ask.known_size_bytes, ask.known_mtime_ns)
+                found = await asyncio.to_thread(read_model_file, Path(ask.path), known)
+                return MODEL_SHAPE.encode_result(file_shape_to_wire(found))
             case _:
                 assert_never(request.op)
 

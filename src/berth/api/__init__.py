@@ -45,7 +45,15 @@ from berth.api.metrics import (
     NodeSampleOut,
     NodeSeriesColumns,
 )
-from berth.api.models import LocatedModel, ModelIn, ModelRemoved, RegisteredModel
+from berth.api.models import (
+    LocatedModel,
+    ModelCopy,
+    ModelDetail,
+    ModelIn,
+    ModelRemoved,
+    ModelShapeOut,
+    RegisteredModel,
+)
 from berth.api.nodes import (
     AdoptedEndpoint,
     DataPathName,
@@ -130,8 +138,11 @@ __all__ = [
     "ListenerInfo",
     "LocatedModel",
     "MetricsSnapshot",
+    "ModelCopy",
+    "ModelDetail",
     "ModelIn",
     "ModelRemoved",
+    "ModelShapeOut",
     "NodeDetail",
     "NodeDetailWithAdopted",
     "NodeMetrics",

@@ -39,6 +39,7 @@ from berth.api import (
     ListedDeployment,
     LocatedModel,
     MetricsSnapshot,
+    ModelDetail,
     ModelIn,
     ModelRemoved,
     NodeDetail,
@@ -156,6 +157,11 @@ class DaemonClient:
     def add_model(self, body: ModelIn) -> LocatedModel | RegisteredModel:
         """``POST /admin/models``; with ``locations`` when registered on another node."""
         return self.call("POST", "/admin/models", _ADDED_MODEL, body=body)
+
+    def model(self, name: str) -> ModelDetail:
+        """``GET /admin/models/{name}``: the model with each copy's shape and estimate."""
+        path = f"/admin/models/{_segment(name, safe='/:')}"
+        return self.call("GET", path, TypeAdapter(ModelDetail))
 
     def remove_model(self, name: str) -> ModelRemoved:
         """``DELETE /admin/models/{name}``."""

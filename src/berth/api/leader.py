@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from berth.api.base import ApiModel
+from berth.api.base import ApiModel, Timestamp
 from berth.config import JsonScalar, SettingSource
 from berth.runtime.base import RuntimeName
 
@@ -24,10 +24,14 @@ class Readiness(ApiModel):
 
 
 class ListenerInfo(ApiModel):
-    """One address the leader serves on: ``public``, ``cluster`` or ``socket``, and its URL."""
+    """One address the leader serves on: ``public``, ``cluster`` or ``socket``, and its URL;
+    for a TLS listener, the serial (upper-case hex) and ``notAfter`` of the certificate new
+    connections get now (it changes on a reload)."""
 
     name: str
     url: str
+    certificate_serial: str | None = None
+    certificate_not_after: Timestamp | None = None
 
 
 class RuntimeInfo(ApiModel):

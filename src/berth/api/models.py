@@ -7,6 +7,7 @@ from typing import Literal
 from pydantic import Field, field_validator
 
 from berth.api.base import ApiInput, ApiModel, Timestamp, named_pattern
+from berth.api.plans import VramEstimateOut
 from berth.store.records import ModelSource
 
 #: Model names: letters, digits and ``. _ - : /`` (hub ids like ``org/model:q4``), starting
@@ -59,6 +60,49 @@ class LocatedModel(RegisteredModel):
     """A model with where its weights are on other nodes' hosts: node id → path."""
 
     locations: dict[str, str]
+
+
+class ModelShapeOut(ApiModel):
+    """What the VRAM estimate reads of a model's files (``berth.placement.ModelShape``):
+    ``format`` ``gguf`` (a GGUF header) or ``hf`` (``config.json``); ``weights_bytes`` the
+    weight files' size; ``kv_heads`` the key/value heads of each layer; ``context_length``
+    the trained context (``None``: not stated); ``source`` the file read, on the copy's
+    host."""
+
+    format: Literal["gguf", "hf"]
+    architecture: str
+    weights_bytes: int
+    block_count: int
+    embedding_length: int
+    head_count: int
+    kv_heads: list[int]
+    key_length: int
+    value_length: int
+    context_length: int | None
+    vocab_size: int | None
+    dtype: str | None
+    source: str
+
+
+class ModelCopy(ApiModel):
+    """One copy of a model's files: on node ``node_id`` (``local``: the leader's host) at
+    ``path``, with the shape read there and the estimate of one deployment on one GPU at the
+    model's trained context (llama.cpp for GGUF, vLLM for an HF folder), or why there are
+    none (``problem``: the node is not connected, its agent cannot read headers, the files
+    cannot be read)."""
+
+    node_id: str
+    node_label: str
+    path: str
+    shape: ModelShapeOut | None
+    estimate: VramEstimateOut | None
+    problem: str | None
+
+
+class ModelDetail(LocatedModel):
+    """``GET /admin/models/{name}``: a model with each copy's shape and estimate."""
+
+    copies: list[ModelCopy]
 
 
 class ModelRemoved(ApiModel):

@@ -7,13 +7,22 @@ from berth.api.base import ApiModel
 
 class RankedCandidate(ApiModel):
     """A deployment in the order the router would try it (``rank`` 1 first), with the
-    reason in words; ``affinity_hit``: the request's session last went to its node."""
+    reason in words; ``affinity_hit``: the request's session last went to its node.
+
+    ``slots``: the requests the leader's fair admission queue lets through to it at once
+    (``None``: not held); ``slots_from``: where that number came from, in words (``the
+    service's capacity setting``, ``--parallel 2``, ``default_slots: ...``);
+    ``slots_assumed``: whether it is assumed (an engine's default, the ``default_slots``
+    setting) rather than known (the service's capacity, the engine's flag)."""
 
     rank: int
     deployment_id: str
     node_id: str
     affinity_hit: bool
     reason: str
+    slots: int | None = None
+    slots_from: str = ""
+    slots_assumed: bool = False
 
 
 class DroppedCandidate(ApiModel):

@@ -11,6 +11,7 @@ from berth.humanize import parse_duration
 from berth.runtime.base import RuntimeName
 from berth.runtime.engines import EngineName
 from berth.store import DEFAULT_RESTART_POLICY, RestartPolicy
+from berth.store.services import MAX_STREAM_TIMEOUT_S
 from berth.store.states import DeploymentState
 
 #: What an idle timeout may be given as: a duration (``"30s"``, ``"10m"``, ``"2h"``, or a
@@ -67,6 +68,9 @@ class ServiceIn(ApiInput):
     ``priority`` (a start evicts only services of at most its priority), ``capacity``
     (requests one replica serves at once; ``None``: the engine's slots).  ``min_replicas``
     above ``max_replicas`` is refused by the store (400).
+
+    Streamed answers (:class:`berth.store.StreamTimeouts`): ``first_byte_timeout_s`` and
+    ``stream_idle_timeout_s``, seconds (0: off; ``None``: the leader's settings).
     """
 
     name: str = Field(pattern=SERVICE_NAME_PATTERN)
@@ -89,6 +93,8 @@ class ServiceIn(ApiInput):
     max_adapters: int | None = Field(default=None, ge=1, le=_INT32)
     #: its deployments' restart policy (``berth run --restart``)
     restart: RestartPolicy = DEFAULT_RESTART_POLICY
+    first_byte_timeout_s: float | None = Field(default=None, ge=0, le=MAX_STREAM_TIMEOUT_S)
+    stream_idle_timeout_s: float | None = Field(default=None, ge=0, le=MAX_STREAM_TIMEOUT_S)
 
     @field_validator("gpus")
     @classmethod
@@ -99,9 +105,10 @@ class ServiceIn(ApiInput):
 
 
 class ScaleIn(ApiInput):
-    """``PATCH /admin/services/{name}``: new scaling settings; a field left ``None`` keeps
-    its value (``idle_timeout`` ``"never"`` clears the timeout).  Checked as a whole after
-    the change: ``min_replicas`` above ``max_replicas`` is refused (400), nothing changed."""
+    """``PATCH /admin/services/{name}``: new scaling settings, or stream timeouts; a field
+    left ``None`` keeps its value (``idle_timeout`` ``"never"`` clears the timeout).  Checked
+    as a whole after the change: ``min_replicas`` above ``max_replicas`` is refused (400),
+    nothing changed."""
 
     min_replicas: int | None = Field(default=None, ge=0, le=_INT32)
     max_replicas: int | None = Field(default=None, ge=0, le=_INT32)
@@ -111,6 +118,8 @@ class ScaleIn(ApiInput):
     capacity: int | None = Field(default=None, ge=1, le=_INT32)
     #: the restart policy of its deployments started from now on
     restart: RestartPolicy | None = None
+    first_byte_timeout_s: float | None = Field(default=None, ge=0, le=MAX_STREAM_TIMEOUT_S)
+    stream_idle_timeout_s: float | None = Field(default=None, ge=0, le=MAX_STREAM_TIMEOUT_S)
 
     _idle_timeout = field_validator("idle_timeout")(_check_idle_timeout)
 
@@ -176,7 +185,8 @@ class ScalingDecisionOut(ApiModel):
 class Service(ApiModel):
     """A service profile, with the routes that name it and how many ready deployments on
     reachable nodes serve it (``ready``).  ``replicas`` counts its active deployments by
-    state; ``queued`` is how many requests wait for it to load (on demand)."""
+    state; ``queued`` is how many requests wait for it to load (on demand).  The stream
+    timeouts are the service's own (``None``: the leader's settings, 0: off)."""
 
     name: str
     model: str
@@ -195,6 +205,8 @@ class Service(ApiModel):
     queued: int = 0
     max_adapters: int | None = None
     restart_policy: RestartPolicy = DEFAULT_RESTART_POLICY
+    first_byte_timeout_s: float | None = None
+    stream_idle_timeout_s: float | None = None
 
 
 class ServiceDeployment(ApiModel):

@@ -9,13 +9,14 @@ import signal
 import subprocess
 import sys
 import time
+from datetime import UTC
 from pathlib import Path
 
 import typer
 from rich.markup import escape
 from rich.table import Table
 
-from berth.api import DaemonInfo
+from berth.api import DaemonInfo, ListenerInfo
 from berth.api.client import DaemonClient
 from berth.cli.common import (
     HELP_OPTIONS,
@@ -288,8 +289,19 @@ def daemon_status(
     mode = ", leader-only (no local engines)" if info.leader_only else ""
     console.print(f"[green]running[/] pid {info.pid}, up {age(info.uptime_s)}{mode}", markup=True)
     for listener in info.listeners:
-        console.print(f"  {listener.name:<8} {listener.url}", soft_wrap=True)
+        console.print(f"  {listener.name:<8} {listener.url}{_certificate_note(listener)}",
+                      soft_wrap=True)  # fmt: skip
     console.print(f"  CA       {info.ca_fingerprint}", soft_wrap=True)
+
+
+def _certificate_note(listener: ListenerInfo) -> str:
+    """`` (certificate until 2027-12-02 03:13 UTC)``: when the certificate a TLS listener
+    serves now ends (its serial is in ``--json``); ``""`` for the socket."""
+    if listener.certificate_not_after is None:
+        return ""
+    return (
+        f" (certificate until {listener.certificate_not_after.astimezone(UTC):%Y-%m-%d %H:%M} UTC)"
+    )
 
 
 def status(
@@ -309,7 +321,7 @@ def status(
         markup=True,
     )
     for listener in info.listeners:
-        console.print(f"  {listener.name:<8} {listener.url}")
+        console.print(f"  {listener.name:<8} {listener.url}{_certificate_note(listener)}")
     node_table = Table(
         "NODE", "LABEL", "STATUS", "HOST", "GPUS", "VRAM", title="nodes", title_justify="left"
     )

@@ -1,4 +1,4 @@
-"""``berth models add|ls|rm`` and ``berth pull``."""
+"""``berth models add|ls|show|rm`` and ``berth pull``."""
 
 from __future__ import annotations
 
@@ -89,6 +89,42 @@ def ls(ctx: typer.Context, as_json: bool = typer.Option(False, "--json")) -> Non
         source = r.source if not r.repo_id else f"hub:{r.repo_id}"
         table.add_row(r.name, source, _size(r.size_bytes), r.path)
     print_table(table)
+
+
+@models_app.command("show")
+def show(
+    ctx: typer.Context,
+    name: str = typer.Argument(...),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON."),
+) -> None:
+    """Show a model and, for each copy of its files (on this host or an agent's), the shape
+    read there and the VRAM one deployment needs (one GPU, the trained context)."""
+    with context(ctx).client() as client:
+        detail = client.model(name)
+    if as_json:
+        print_json(detail)
+        return
+    source = detail.source if not detail.repo_id else f"hub:{detail.repo_id}"
+    console.print(f"model {detail.name} ({source})", markup=False, soft_wrap=True)
+    for copy in detail.copies:
+        console.print(f"node {copy.node_label}: {copy.path}", markup=False, soft_wrap=True)
+        shape = copy.shape
+        if shape is not None:
+            read = "GGUF header" if shape.format == "gguf" else "config.json"
+            kv = ",".join(str(h) for h in sorted(set(shape.kv_heads)))
+            console.print(
+                f"  shape: {shape.architecture} from its {read}, {shape.block_count} layers, "
+                f"embedding {shape.embedding_length}, {shape.head_count} heads ({kv} KV), "
+                f"key/value {shape.key_length}/{shape.value_length}, trained context "
+                f"{shape.context_length or 'not stated'}, weights {_size(shape.weights_bytes)}",
+                markup=False,
+                soft_wrap=True,
+            )
+        if copy.estimate is not None:
+            line = f"  estimate ({copy.estimate.engine}): {copy.estimate.summary}"
+            console.print(line, markup=False, soft_wrap=True)
+        if copy.problem is not None:
+            console.print(f"  no estimate: {copy.problem}", markup=False, soft_wrap=True)
 
 
 @models_app.command("rm")

@@ -2,7 +2,9 @@
 
 A dry run through the daemon (``POST /admin/plan``): the same facts, estimate and placement
 ``berth run`` and ``berth service deploy`` act on, printed with the reasons.  Nothing
-changes; a plan that would be refused exits 0 and says why.
+changes.  The exit code says the verdict, so a script can test it: 0 when the deployment
+would be placed, :data:`REFUSED_EXIT_CODE` when it would be refused (the reasons printed,
+or kept in ``--json``), 2 for bad input (no such model, service or node; a bad flag).
 """
 
 from __future__ import annotations
@@ -15,6 +17,9 @@ from berth.api import Plan, PlanIn
 from berth.cli.common import console, context, print_json, request_body
 from berth.cli.deploy_cmd import parse_gpus
 from berth.placement.estimate import mib
+
+#: ``berth plan``'s exit code for a plan placement refuses (0: it would place).
+REFUSED_EXIT_CODE = 3
 
 
 def plan(
@@ -41,7 +46,9 @@ def plan(
 ) -> None:
     """Show a deployment's VRAM estimate and where it would go, with the reasons.
 
-    Nothing is started or changed.
+    Nothing is started or changed. Exit codes: 0 it would be placed, 3 it would be refused
+    (the reasons are printed, and kept with --json), 2 bad input (no such model, service
+    or node).
     """
     body = request_body(
         PlanIn,
@@ -59,8 +66,10 @@ def plan(
         answer = client.plan(body)
     if as_json:
         print_json(answer)
-        return
-    print_plan(answer)
+    else:
+        print_plan(answer)
+    if not answer.placed:
+        raise typer.Exit(REFUSED_EXIT_CODE)
 
 
 def print_plan(answer: Plan) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import typer
 from rich.table import Table
 
+from berth.api import RankedCandidate
 from berth.cli.common import context, print_json, print_table
 
 
@@ -14,17 +15,32 @@ def routing(
     session: str | None = typer.Option(None, "--session", help="Explain for this X-Session-Id."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON."),
 ) -> None:
-    """Show the ranked candidates for MODEL (affinity, in flight, p95) and dropped ones."""
+    """Show the ranked candidates for MODEL (affinity, in flight, p95; their slots at the
+    admission queue, known or assumed) and dropped ones."""
     with context(ctx).client() as client:
         explained = client.explain_routing(model, session=session)
     if as_json:
         print_json(explained)
         return
-    table = Table("RANK", "DEPLOYMENT", "NODE", "WHY")
+    table = Table("RANK", "DEPLOYMENT", "NODE", "SLOTS", "WHY")
     for candidate in explained.candidates:
         table.add_row(
-            str(candidate.rank), candidate.deployment_id, candidate.node_id, candidate.reason
+            str(candidate.rank),
+            candidate.deployment_id,
+            candidate.node_id,
+            slots_text(candidate),
+            candidate.reason,
         )
     for dropped in explained.dropped:
-        table.add_row("-", dropped.deployment_id, dropped.node_id, dropped.reason)
+        table.add_row("-", dropped.deployment_id, dropped.node_id, "", dropped.reason)
     print_table(table)
+
+
+def slots_text(candidate: RankedCandidate) -> str:
+    """A candidate's slots as ``berth routing`` prints them: ``2 (--parallel 2)``, or
+    ``8, assumed (default_slots: an adopted endpoint does not say)``; ``-`` when not held."""
+    if candidate.slots is None:
+        return "-"
+    assumed = ", assumed" if candidate.slots_assumed else ""
+    source = f" ({candidate.slots_from})" if candidate.slots_from else ""
+    return f"{candidate.slots}{assumed}{source}"

@@ -104,6 +104,20 @@ def create_service(
         "--restart",
         help="Start its engine again when it ends: on-failure, always or never.",
     ),
+    first_byte_timeout: float | None = typer.Option(
+        None,
+        "--first-byte-timeout",
+        min=0,
+        help="Seconds a streamed request waits for its first byte before it goes to another "
+        "deployment (0: off; default: the first_byte_timeout_s setting).",
+    ),
+    stream_idle_timeout: float | None = typer.Option(
+        None,
+        "--stream-idle-timeout",
+        min=0,
+        help="Longest silence inside a stream, in seconds, before it ends with an error "
+        "(0: off; default: the stream_idle_timeout_s setting).",
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print JSON."),
 ) -> None:
     """Create a service profile."""
@@ -126,6 +140,8 @@ def create_service(
         capacity=capacity,
         max_adapters=max_adapters,
         restart=check_restart_policy(restart),
+        first_byte_timeout_s=first_byte_timeout,
+        stream_idle_timeout_s=stream_idle_timeout,
     )
     with context(ctx).client() as client:
         record = client.create_service(body)
@@ -203,6 +219,12 @@ def _settings(record: Service) -> str:
         parts.append(f"{record.max_adapters} adapter slot{plural}")
     parts.append(f"node {record.node_label}" if record.node_label else "any node")
     parts.append(f"restart {record.restart_policy}")
+    for what, value in (
+        ("first byte within", record.first_byte_timeout_s),
+        ("stream silence at most", record.stream_idle_timeout_s),
+    ):
+        if value is not None:
+            parts.append(f"{what} {duration(value)}" if value else f"{what}: no bound")
     return ", ".join(parts)
 
 
@@ -322,6 +344,34 @@ def scale_service(
         capacity=capacity,
         restart=None if restart is None else check_restart_policy(restart),
     )
+    with context(ctx).client() as client:
+        detail = client.scale_service(name, body)
+    if as_json:
+        print_json(detail)
+        return
+    print_detail(detail)
+
+
+@service_app.command("timeouts")
+def set_service_timeouts(
+    ctx: typer.Context,
+    name: str = typer.Argument(..., help="The service's name."),
+    first_byte: float | None = typer.Option(
+        None, "--first-byte", min=0, help="Seconds to a streamed answer's first byte (0: off)."
+    ),
+    stream_idle: float | None = typer.Option(
+        None, "--stream-idle", min=0, help="Longest silence inside a stream, seconds (0: off)."
+    ),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON."),
+) -> None:
+    """Set how long the service's streamed answers may take to begin, and be silent.
+
+    Past the first, a request that got nothing yet goes to another deployment (the silent
+    engine's exchange closed); past the second, the stream ends with an error event.
+    """
+    if first_byte is None and stream_idle is None:
+        raise ConfigError("give --first-byte, --stream-idle or both")
+    body = request_body(ScaleIn, first_byte_timeout_s=first_byte, stream_idle_timeout_s=stream_idle)
     with context(ctx).client() as client:
         detail = client.scale_service(name, body)
     if as_json:

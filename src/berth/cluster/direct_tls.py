@@ -28,6 +28,7 @@ agent's certificate, another CA's, or none at all fails the TLS handshake itself
 from __future__ import annotations
 
 import ssl
+from collections.abc import Sequence
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Final
@@ -54,6 +55,10 @@ INGRESS_CERT_DAYS: Final = 30
 INGRESS_NAME_SUFFIX: Final = ".node.berth.invalid"
 
 _PEM = serialization.Encoding.PEM
+
+#: The roots a check trusts: the berth CA's certificate, or every root of a trust bundle (old
+#: and new CA during a rotation: a leaf under any of them passes, not only the first's).
+TrustRoots = x509.Certificate | Sequence[x509.Certificate]
 
 
 def ingress_server_name(node_id: str) -> str:
@@ -136,9 +141,9 @@ def leader_client_context(ca_pem: bytes, cert_path: Path, key_path: Path) -> ssl
     return context
 
 
-def check_leader_certificate(pem: bytes, ca_cert: x509.Certificate) -> x509.Certificate:
-    """The leader's client certificate in ``pem``, once checked: issued by ``ca_cert``,
-    valid now, clientAuth, with the URI SAN :data:`LEADER_URI`.
+def check_leader_certificate(pem: bytes, ca_cert: TrustRoots) -> x509.Certificate:
+    """The leader's client certificate in ``pem``, once checked: issued by ``ca_cert`` (one
+    of them, for a bundle), valid now, clientAuth, with the URI SAN :data:`LEADER_URI`.
 
     Raises :class:`AuthError` saying which check failed.
     """
@@ -150,11 +155,10 @@ def check_leader_certificate(pem: bytes, ca_cert: x509.Certificate) -> x509.Cert
     return leaf
 
 
-def check_ingress_certificate(
-    pem: bytes, ca_cert: x509.Certificate, node_id: str
-) -> x509.Certificate:
+def check_ingress_certificate(pem: bytes, ca_cert: TrustRoots, node_id: str) -> x509.Certificate:
     """This node's ingress certificate in ``pem`` (the leaf first), once checked: issued by
-    ``ca_cert``, valid now, serverAuth, naming :func:`ingress_server_name` of ``node_id``.
+    ``ca_cert`` (one of them, for a bundle), valid now, serverAuth, naming
+    :func:`ingress_server_name` of ``node_id``.
 
     Raises :class:`AuthError` saying which check failed.
     """
@@ -188,19 +192,26 @@ def ingress_server_context(
     return context
 
 
-def _issued_leaf(pem: bytes, ca_cert: x509.Certificate, what: str) -> x509.Certificate:
+def _issued_leaf(pem: bytes, ca_cert: TrustRoots, what: str) -> x509.Certificate:
     try:
-        leaf = x509.load_pem_x509_certificates(pem)[0]
+        leaf = x509.load_pem_x509_certificates(pem)[0]  # the leaf; its chain follows it
     except (ValueError, IndexError) as exc:
         raise AuthError(f"{what} is not a PEM certificate: {exc}") from None
-    try:
-        leaf.verify_directly_issued_by(ca_cert)
-    except (ValueError, TypeError, InvalidSignature):
+    roots = [ca_cert] if isinstance(ca_cert, x509.Certificate) else list(ca_cert)
+    if not any(_directly_issued(leaf, root) for root in roots):
         raise AuthError(f"{what} was not issued by the berth CA") from None
     now = datetime.now(UTC)
     if not leaf.not_valid_before_utc <= now <= leaf.not_valid_after_utc:
         raise AuthError(f"{what} is not valid now")
     return leaf
+
+
+def _directly_issued(leaf: x509.Certificate, root: x509.Certificate) -> bool:
+    try:
+        leaf.verify_directly_issued_by(root)
+    except (ValueError, TypeError, InvalidSignature):
+        return False
+    return True
 
 
 def _usages(leaf: x509.Certificate) -> list[x509.ObjectIdentifier]:

@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
+from berth.placement.model_files import FileStamp, ModelFileShape
 from berth.runtime.base import EngineExit, ProgressListener, RuntimeName
 from berth.runtime.engines import DeploymentRequest, EngineName
 from berth.runtime.gpu import GpuInfo
@@ -145,6 +146,15 @@ class AgentLink(Protocol):
     async def unload_adapter(self, deployment_id: str, engine: EngineName, adapter: str) -> None:
         """Have the deployment's engine unload the adapter ``adapter`` (one it does not have
         counts as unloaded). Raises as :meth:`load_adapter`."""
+        ...
+
+    async def model_shape(self, path: str, known: FileStamp | None = None) -> ModelFileShape:
+        """The stamp and shape of the model at ``path`` on the node's host (the shape left
+        out when the stamp is ``known``), read there by its agent.
+
+        Raises ``EngineError`` when the node lacks ``op.model_shape`` or its files cannot be
+        read (no such path, a header that is not a model's; the message says which).
+        """
         ...
 
     async def engines(self) -> list[EngineReport]:

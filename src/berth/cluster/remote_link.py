@@ -40,6 +40,7 @@ from berth.cluster.protocol.ops import (
     INGRESS,
     INVENTORY,
     LOAD_ADAPTER,
+    MODEL_SHAPE,
     OP_CAPABILITIES,
     PROBE,
     PULL,
@@ -49,6 +50,7 @@ from berth.cluster.protocol.ops import (
     UNLOAD_ADAPTER,
     IngressArgs,
     LoadAdapterArgs,
+    ModelShapeArgs,
     NoArgs,
     Op,
     PreparingEvent,
@@ -60,6 +62,7 @@ from berth.cluster.protocol.ops import (
     UnloadAdapterArgs,
     decode_payload,
 )
+from berth.cluster.shape_wire import file_shape_from_wire
 from berth.cluster.tunnel_stream import StreamResetError, TunnelStream
 from berth.engine_http.answer import BodySink, read_body
 from berth.engine_http.errors import (
@@ -70,6 +73,7 @@ from berth.engine_http.errors import (
 )
 from berth.engine_http.origin import TUNNEL_SCHEME, Origin
 from berth.errors import EngineError, NotFoundError
+from berth.placement.model_files import FileStamp, ModelFileShape
 from berth.runtime.base import EngineExit, ProgressListener, RuntimeName
 from berth.runtime.engines import DeploymentRequest, EngineName
 
@@ -253,6 +257,13 @@ class RemoteLink:
         args = UnloadAdapterArgs(deployment_id=deployment_id, engine=engine, adapter=adapter)
         await self._call(UNLOAD_ADAPTER, args, ADAPTER_TIMEOUT_S, engine_of=deployment_id)
 
+    async def model_shape(self, path: str, known: FileStamp | None = None) -> ModelFileShape:
+        args = ModelShapeArgs(path=path)
+        if known is not None:
+            args.known_size_bytes, args.known_mtime_ns = known.size_bytes, known.mtime_ns
+        result = await self._call(MODEL_SHAPE, args, CONTROL_TIMEOUT_S)
+        return file_shape_from_wire(result, host=self.node_id)
+
     async def engines(self) -> list[EngineReport]:
         result = await self._call(ENGINES, NoArgs(), CONTROL_TIMEOUT_S)
         return [EngineReport(e.deployment_id, e.pid, e.port, e.alive) for e in result.engines]
@@ -417,6 +428,15 @@ class TunnelResponse:
 
     async def read(self, limit_bytes: int | None = None) -> bytes:
         return await read_body(self, limit_bytes)
+
+    async def wait_for_body(self) -> None:
+        """Return once body bytes, the end or a reset have arrived (a
+        :class:`~berth.engine_http.answer.TimedAnswer`); takes nothing."""
+        await self._stream.wait_readable()
+
+    def set_read_timeout(self, timeout_s: float | None) -> None:
+        """The longest silence between two pieces of the body from now on."""
+        self._read_timeout_s = timeout_s
 
     def push_body(self, sink: BodySink) -> None:
         """Push the body to ``sink`` from the link reader, as each data frame arrives (a

@@ -194,6 +194,12 @@ class TunnelStream:
         self.conn.consume(self.id, len(data))
         return data
 
+    async def wait_readable(self) -> None:
+        """Return once payload, the peer's end or a reset has arrived; takes nothing and
+        grants no credit (the next :meth:`read` or :meth:`push_to` does), raises nothing."""
+        while not (self._chunks or self._ended or self._reset is not None):
+            await self._wait()
+
     def push_to(self, sink: PayloadSink, timeout_s: float | None = None) -> None:
         """Hand the received payload to ``sink`` from now on instead of :meth:`read`: what
         arrived already at once, then each frame's from the link reader. Taking it grants

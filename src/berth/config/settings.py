@@ -98,11 +98,16 @@ class Settings:
     public_port: int
     public_cert: Path | None
     public_key: Path | None
+    tls_reload_interval_s: float
     max_body_bytes: int
     max_attempts: int
+    first_byte_timeout_s: float
+    stream_idle_timeout_s: float
+    read_timeout_s: float
     relay_buffer_chunks: int
     queue_max_requests: int
     queue_timeout_s: float
+    default_slots: int
     cors_origins: str | None
     max_head_bytes: int
     max_header_count: int
@@ -111,10 +116,14 @@ class Settings:
     body_timeout_s: float
     max_connections: int
     max_connections_per_address: int
+    auth_failure_burst: int
+    auth_failure_rate_per_s: float
+    auth_refusal_delay_s: float
     leader_only: bool
     log_level: str
     health_timeout_s: float
     stop_grace_s: float
+    orphan_grace_s: float
     probe_interval_s: float
     probe_timeout_s: float
     probes_to_fail: int
@@ -144,6 +153,7 @@ class Settings:
     direct_probe_timeout_s: float
     agent_advertise: str | None
     agent_ingress_bind: str
+    redial_max_s: float
     load_wait_s: float
     load_queue_max: int
     min_residency_s: float
@@ -151,6 +161,7 @@ class Settings:
     scaling_interval_s: float
     simulated_gpus: str | None
     desk_pool_url: str
+    desk_tier: str
 
     @classmethod
     def load(
@@ -212,6 +223,11 @@ class Settings:
                 f"probe_interval_s ({interval_s}, {sources['probe_interval_s']}): "
                 "each round of health probes ends before the next begins"
             )
+
+        try:  # an unknown tier is refused when it is given, not at the first desk job
+            values["desk_tier"] = tiers.require(values["desk_tier"]).name
+        except ConfigError as exc:
+            raise ConfigError(f"desk_tier ({sources['desk_tier']}): {exc}") from None
 
         if (values["public_cert"] is None) != (values["public_key"] is None):
             given = "public_cert" if values["public_cert"] is not None else "public_key"

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Literal
 from urllib.parse import urlsplit
 
+from berth.config.tiers import DESK_TIER
 from berth.errors import ConfigError
 from berth.http_server.cors import cors_origins_problem
 from berth.http_server.limits import ListenerLimits
@@ -26,6 +27,7 @@ from berth.runtime.base import RUNTIME_NAMES
 from berth.runtime.engine_container import DEFAULT_SHM_SIZE
 from berth.runtime.gpu import parse_simulated_gpus
 from berth.runtime.images import DEFAULT_GPU_IMAGES, DEFAULT_IMAGES
+from berth.runtime.slots import ASSUMED_SLOTS
 from berth.runtime.trees import TREE_MODES
 
 SettingSource = Literal["flag", "env", "file", "autodetect", "default"]
@@ -177,11 +179,28 @@ SETTINGS: tuple[SettingDef, ...] = (
                optional=True),
     SettingDef("public_key", "path", "server", "PEM private key matching public_cert",
                optional=True),
+    SettingDef("tls_reload_interval_s", "float", "server",
+               "seconds between looks at the public and cluster listeners' certificate files "
+               "(a changed pair is served once it holds still that long; SIGHUP reads them now)",
+               default=5.0, minimum=0.1, maximum=3600.0),
     SettingDef("max_body_bytes", "int", "server", "largest request body accepted, in bytes",
                default=16 * MiB, minimum=1),
     SettingDef("max_attempts", "int", "server",
                "attempts per request on different nodes before its first byte (1: no retry)",
                default=3, minimum=1, maximum=10),
+    # Timeouts of an engine's answer (berth.daemon.proxy; docs/fleet.md, Timeouts).
+    SettingDef("first_byte_timeout_s", "float", "server",
+               "seconds a streamed request waits for its answer's first byte (prefill) "
+               "before it goes to another deployment (0: no bound but read_timeout_s)",
+               default=120.0, minimum=0.0, maximum=86400.0),
+    SettingDef("stream_idle_timeout_s", "float", "server",
+               "longest silence inside a streamed answer, in seconds, after which it ends "
+               "with an error event (0: no bound but read_timeout_s)",
+               default=60.0, minimum=0.0, maximum=86400.0),
+    SettingDef("read_timeout_s", "float", "server",
+               "seconds any other wait for an engine may take: a non-streamed answer comes "
+               "whole once generated (504 after)",
+               default=600.0, minimum=1.0, maximum=86400.0),
     SettingDef("relay_buffer_chunks", "int", "server",
                "chunks of an answer read ahead of a slow client before berth stops reading",
                default=64, minimum=1, maximum=4096),
@@ -193,6 +212,10 @@ SETTINGS: tuple[SettingDef, ...] = (
     SettingDef("queue_timeout_s", "float", "server",
                "seconds a request may wait for an engine slot (503 queue_timeout after)",
                default=60.0, minimum=0.1, maximum=3600.0),
+    SettingDef("default_slots", "int", "server",
+               "slots the fair admission queue assumes for a deployment whose engine does not "
+               "say (an adopted endpoint, SGLang without --max-running-requests)",
+               default=ASSUMED_SLOTS, minimum=1, maximum=100_000),
     SettingDef("cors_origins", "str", "server",
                "browser origins allowed to call the public listener, comma-separated "
                "(https://chat.example.com; * for any, never with credentials); default none",
@@ -218,6 +241,18 @@ SETTINGS: tuple[SettingDef, ...] = (
     SettingDef("max_connections_per_address", "int", "server",
                "most open connections per client address and listener (429 beyond)",
                default=_LIMITS.max_connections_per_address, minimum=1),
+    # Failed authentication per client address (berth.daemon.auth_limiter): 429 past it.
+    SettingDef("auth_failure_burst", "int", "server",
+               "failed API-key attempts a client address may make at once before it is "
+               "refused (429); a valid key is never refused for them",
+               default=20, minimum=1, maximum=1_000_000),
+    SettingDef("auth_failure_rate_per_s", "float", "server",
+               "failed API-key attempts a client address regains per second after its burst",
+               default=1.0, minimum=0.001, maximum=1_000_000.0),
+    SettingDef("auth_refusal_delay_s", "float", "server",
+               "seconds such a refusal is held before it is answered, so a client retrying at "
+               "once is slowed (0: at once)",
+               default=0.25, minimum=0.0, maximum=10.0),
     SettingDef("leader_only", "bool", "server",
                "run no engines on the leader's host: a control plane only (engines on agents)",
                default=False),
@@ -229,6 +264,11 @@ SETTINGS: tuple[SettingDef, ...] = (
     SettingDef("stop_grace_s", "float", "daemon",
                "seconds between SIGTERM and SIGKILL when stopping an engine",
                default=10.0, minimum=0.0),
+    SettingDef("orphan_grace_s", "float", "daemon",
+               "seconds an agent (or a leader, for its own host) may be gone before the "
+               "engines it left running are stopped (0: never; a restart within it takes "
+               "them back)",
+               default=600.0, minimum=0.0),
     SettingDef("probe_interval_s", "float", "daemon",
                "seconds between health probes of each ready engine",
                default=5.0, minimum=0.05),
@@ -314,6 +354,10 @@ SETTINGS: tuple[SettingDef, ...] = (
     SettingDef("agent_ingress_bind", "str", "agent",
                "address the agent's direct ingress binds (at the advertised port)",
                default="0.0.0.0", check=host_problem),
+    SettingDef("redial_max_s", "float", "agent",
+               "seconds an agent waits at most between dials of a leader it lost (the wait "
+               "doubles from 1 s up to this; each is drawn from the upper half of its step)",
+               default=30.0, minimum=1.0),
     SettingDef("load_wait_s", "float", "scaling",
                "seconds a request waits at the leader for its service to load before a 503",
                default=120.0, minimum=0.0),
@@ -335,6 +379,10 @@ SETTINGS: tuple[SettingDef, ...] = (
                optional=True, check=simulated_gpus_problem),
     SettingDef("desk_pool_url", "str", "desk", "the ow desk `berth desk` offers models to",
                default="https://owterminal.com", check=http_url_problem),
+    SettingDef("desk_tier", "str", "desk",
+               "the tier ([tiers.NAME]) whose limits and priority `berth desk serve`'s jobs "
+               "run under at the leader",
+               default=DESK_TIER),
 )  # fmt: skip
 
 SETTINGS_BY_NAME: Mapping[str, SettingDef] = {d.name: d for d in SETTINGS}

@@ -1,5 +1,5 @@
-"""Key tiers: ``[tiers.NAME]`` tables of ``config.toml``, with ``admin`` and ``standard``
-built in.
+"""Key tiers: ``[tiers.NAME]`` tables of ``config.toml``, with ``admin``, ``standard`` and
+``desk`` (the desk worker's jobs, :data:`DESK_TIER`) built in.
 
 A tier names a set of limits (:class:`berth.limits.KeyLimits`) every key of the tier takes
 unless the key overrides them, and a ``priority``: where the tier's requests stand in the
@@ -15,8 +15,9 @@ leader's admission queue (higher first)::
     models = ["smollm2"]        # the models or routes its keys may use (absent: any)
 
 A number may be written as text with ``k``/``m``/``g`` after it, or as ``"unlimited"``; an
-absent limit is no limit. ``[tiers.admin]`` and ``[tiers.standard]`` may be given to set
-limits or a priority on the built-in tiers. Only ``admin`` keys reach ``/admin/*``.
+absent limit is no limit. ``[tiers.admin]``, ``[tiers.standard]`` and ``[tiers.desk]`` may
+be given to set limits or a priority on the built-in tiers. Only ``admin`` keys reach
+``/admin/*``.
 """
 
 from __future__ import annotations
@@ -34,8 +35,16 @@ from berth.limits import LIMIT_NAMES, NUMERIC_LIMITS, KeyLimits, check_models, p
 TIERS_SECTION = "tiers"
 #: Priorities run from 0 to this (higher first).
 MAX_PRIORITY = 1000
-#: The built-in tiers' priorities: admin keys' requests go first.
-BUILTIN_PRIORITIES: Mapping[str, int] = {Tier.ADMIN.value: 100, Tier.STANDARD.value: 50}
+#: The tier ``berth desk serve``'s jobs run under unless the ``desk_tier`` setting names
+#: another: built in, below ``standard``, so a key's waiting request goes before a
+#: marketplace job's (``[tiers.desk]`` may give it limits or another priority).
+DESK_TIER = "desk"
+#: The built-in tiers' priorities: admin keys' requests go first, desk jobs after keys'.
+BUILTIN_PRIORITIES: Mapping[str, int] = {
+    Tier.ADMIN.value: 100,
+    Tier.STANDARD.value: 50,
+    DESK_TIER: 40,
+}
 
 
 @dataclass(frozen=True)
@@ -49,7 +58,7 @@ class TierDef:
 
 
 class TierTable(Mapping[str, TierDef]):
-    """Every tier a leader knows, by name: the built-in two and those of ``config.toml``."""
+    """Every tier a leader knows, by name: the built-in three and those of ``config.toml``."""
 
     def __init__(self, tiers: Mapping[str, TierDef] | None = None) -> None:
         table = {name: TierDef(name, p) for name, p in BUILTIN_PRIORITIES.items()}
@@ -79,7 +88,7 @@ class TierTable(Mapping[str, TierDef]):
 
 
 def read_tiers(path: Path) -> TierTable:
-    """The tiers of ``config.toml`` at ``path`` (a missing file: the built-in two).
+    """The tiers of ``config.toml`` at ``path`` (a missing file: the built-in three).
 
     Raises :class:`ConfigError` with the file and line for a TOML syntax error, a
     ``[tiers]`` entry that is not a table, an invalid tier name, an unknown key in a tier,

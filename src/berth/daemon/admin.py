@@ -31,6 +31,7 @@ from berth.api import (
     ListedDeployment,
     ListenerInfo,
     LocatedModel,
+    ModelDetail,
     ModelIn,
     ModelRemoved,
     Readiness,
@@ -50,8 +51,9 @@ from berth.daemon.admin_plans import build_plan_router
 from berth.daemon.admin_pulls import build_pull_router, leader_pull_jobs
 from berth.daemon.admin_routing import build_routing_router
 from berth.daemon.lifecycle import DeployOptions, LifecycleManager
+from berth.daemon.model_detail import model_detail
 from berth.daemon.model_registration import located_model_view, register_model
-from berth.daemon.services import LeaderServices
+from berth.daemon.services import LeaderServices, Listener
 from berth.errors import BerthError, ConfigError, ConflictError
 from berth.openai_errors import error_body, error_from_exception
 from berth.runtime.engines import parse_engine_name, parse_runtime_name
@@ -141,6 +143,16 @@ async def _follow_until_settled(
         pumping.cancel()
 
 
+def _listener_info(listener: Listener) -> ListenerInfo:
+    served = listener.tls.served if listener.tls is not None else None
+    return ListenerInfo(
+        name=listener.name,
+        url=listener.url,
+        certificate_serial=served.serial_hex if served is not None else None,
+        certificate_not_after=served.not_after if served is not None else None,
+    )
+
+
 def build_admin_app(services: LeaderServices) -> FastAPI:
     """The FastAPI app for everything that is not ``/v1/*``.
 
@@ -205,7 +217,7 @@ def build_admin_app(services: LeaderServices) -> FastAPI:
             uptime_s=round(time.time() - services.started_at, 1),
             ca_fingerprint=services.ca.fingerprint_sha256,
             ca_file=str(services.home.ca_dir / "ca.pem"),
-            listeners=[ListenerInfo(name=x.name, url=x.url) for x in services.listeners],
+            listeners=[_listener_info(x) for x in services.listeners],
             cluster_url=services.cluster_url,
             # No --public-cert: clients must trust the berth CA (ca_file) to reach /v1.
             public_cert_from_ca=services.settings.public_cert is None,
@@ -245,6 +257,10 @@ def build_admin_app(services: LeaderServices) -> FastAPI:
     @app.post("/admin/models", status_code=201)
     async def add_model(body: ModelIn) -> LocatedModel | RegisteredModel:
         return await register_model(store, lifecycle, body)
+
+    @app.get("/admin/models/{name:path}")
+    async def show_model(name: str) -> ModelDetail:
+        return await model_detail(store, lifecycle.estimator, services.links, name)
 
     @app.delete("/admin/models/{name:path}")
     async def remove_model(name: str) -> ModelRemoved:

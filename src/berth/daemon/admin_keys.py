@@ -21,7 +21,7 @@ from datetime import UTC, datetime
 
 from fastapi import APIRouter
 
-from berth.admission import SOCKET_KEY_ID, SOCKET_KEY_NAME
+from berth.admission import SOCKET_KEY_ID, SOCKET_KEY_NAME, SocketCaller
 from berth.api import (
     DEFAULT_SINCE,
     ApiKey,
@@ -41,6 +41,13 @@ from berth.errors import ConfigError
 from berth.keys import generate_secret, hash_secret, key_prefix
 from berth.limits import KeyLimits
 from berth.store import ApiKeyRecord, UsageRecord
+
+#: The usage ledger's names for requests over the Unix socket, by name: each caller's, and
+#: the one rows from before berth told them apart have.
+_SOCKET_IDS: dict[str, str] = {
+    SOCKET_KEY_NAME: SOCKET_KEY_ID,
+    **{caller.value: caller.value for caller in SocketCaller},
+}
 
 
 def key_view(record: ApiKeyRecord, services: LeaderServices | None = None) -> ApiKey:
@@ -107,17 +114,19 @@ def build_key_router(
         tier = services.settings.tiers.require(body.tier)
         expires_at = _future_expiry(body.expires_at, now())
         secret = generate_secret()
+        key_hash = hash_secret(secret, services.pepper)
         record = await asyncio.to_thread(
             lambda: store.add_api_key(
                 body.name,
                 tier.name,
-                hash_secret(secret, services.pepper),
+                key_hash,
                 key_prefix(secret),
                 limits=body.overrides(),
                 expires_at=expires_at,
             )
         )
         changed(record)
+        services.authenticator.know([key_hash])  # its first use is never rate limited
         return key_view(record, services).extended(CreatedApiKey, secret=secret)
 
     # ``:path``: a key made before names were refused a ``/`` is still found by its name.
@@ -162,16 +171,17 @@ def build_key_router(
         await services.admission.ledger.flush()  # what is still in memory counts too
         key_id = None
         if key is not None:
+            found = _SOCKET_IDS.get(key)
             key_id = (
-                SOCKET_KEY_ID
-                if key == SOCKET_KEY_NAME
+                found
+                if found is not None
                 else (await asyncio.to_thread(store.lookup_api_key, key)).id
             )
         records = await asyncio.to_thread(
             lambda: store.list_usage(since=first, until=today, key_id=key_id, model=model)
         )
         names = {r.id: r.name for r in await asyncio.to_thread(store.list_api_keys)}
-        names[SOCKET_KEY_ID] = SOCKET_KEY_NAME
+        names.update({v: k for k, v in _SOCKET_IDS.items()})
         rows = summarise(records, grouping, names)
         return UsageReport(
             since=first,

@@ -2,9 +2,11 @@
 
 - ``GET /admin/services``; ``POST /admin/services`` ``{"name", "model", "engine", "runtime",
   "gpus", "ctx", "extra_args", "image", "node_label", "min_replicas", "max_replicas",
-  "idle_timeout", "pinned", "priority", "capacity"}`` (201);
+  "idle_timeout", "pinned", "priority", "capacity", "max_adapters", "first_byte_timeout_s",
+  "stream_idle_timeout_s"}`` (201);
 - ``GET /admin/services/{name}`` (with its active deployments and the scaling controller's
-  last decision); ``PATCH`` it with new scaling settings (``ScaleIn``); ``DELETE`` it (409
+  last decision); ``PATCH`` it with new scaling settings or stream timeouts (``ScaleIn``,
+  ``first_byte_timeout_s``, ``stream_idle_timeout_s``); ``DELETE`` it (409
   while a route names it or a deployment of it is active);
 - ``POST /admin/services/{name}/deploy`` ``{"node"}`` (201): a deployment with the service's
   settings, serving the service's name, on ``node`` (else its ``node_label``, else ``local``);
@@ -54,7 +56,13 @@ from berth.routing.routes import RouteResolver
 from berth.runtime.engines import parse_engine_name, parse_runtime_name
 from berth.scaling import DecisionRecord, ScalingController
 from berth.scaling.capacity import replica_capacity
-from berth.store import RouteRecord, ScalingSettings, ServiceProfileRecord, Store
+from berth.store import (
+    RouteRecord,
+    ScalingSettings,
+    ServiceProfileRecord,
+    Store,
+    StreamTimeouts,
+)
 
 if TYPE_CHECKING:
     from berth.daemon.services import LeaderServices
@@ -68,12 +76,14 @@ async def load_routes(
 ) -> None:
     """Read every route and service name from ``store`` into ``routes``' table, the
     services into the scaling controller when there is one, and their ``capacity`` settings
-    into ``lifecycle``'s ready table (the fair admission gate's slots)."""
+    and stream timeouts into ``lifecycle``'s ready table (the fair admission gate's slots,
+    the proxy's bounds on a stream)."""
     records = await asyncio.to_thread(store.list_routes)
     services = await asyncio.to_thread(store.list_service_profiles)
     routes.load(records, (s.name for s in services))
     if lifecycle is not None:
         lifecycle.set_service_capacities({s.name: s.scaling.capacity for s in services})
+        lifecycle.set_service_timeouts({s.name: s.timeouts for s in services})
     if scaling is not None:
         scaling.services_changed(services)
 
@@ -86,8 +96,9 @@ def ready_count(lifecycle: LifecycleManager, name: str) -> int:
         return 0
 
 
-def scaling_view(record: ServiceProfileRecord) -> ServiceScaling:
-    """A service's scaling settings for the admin API, with the capacity in force."""
+def scaling_view(record: ServiceProfileRecord, capacity: int | None = None) -> ServiceScaling:
+    """A service's scaling settings for the admin API, with the capacity in force
+    (``capacity``, the controller's, else counted here with the default settings)."""
     settings = record.scaling
     return ServiceScaling(
         min_replicas=settings.min_replicas,
@@ -96,7 +107,7 @@ def scaling_view(record: ServiceProfileRecord) -> ServiceScaling:
         pinned=settings.pinned,
         priority=settings.priority,
         capacity=settings.capacity,
-        replica_capacity=replica_capacity(record),
+        replica_capacity=capacity if capacity is not None else replica_capacity(record),
     )
 
 
@@ -133,11 +144,13 @@ def service_view(
         created_at=record.created_at,
         routes=routes,
         ready=ready_count(lifecycle, record.name),
-        scaling=scaling_view(record),
+        scaling=scaling_view(record, status.capacity if status is not None else None),
         replicas=dict(status.replicas) if status is not None else {},
         queued=status.queued if status is not None else 0,
         max_adapters=record.max_adapters,
         restart_policy=record.restart_policy,
+        first_byte_timeout_s=record.timeouts.first_byte_timeout_s,
+        stream_idle_timeout_s=record.timeouts.stream_idle_timeout_s,
     )
 
 
@@ -252,6 +265,7 @@ def service_router(
             scaling=settings,
             max_adapters=body.max_adapters,
             restart_policy=body.restart,
+            timeouts=StreamTimeouts(body.first_byte_timeout_s, body.stream_idle_timeout_s),
         )
         await reload()
         return service_view(record, lifecycle, [], scaling)
@@ -278,7 +292,20 @@ def service_router(
                 changed = replace(changed, capacity=body.capacity)
             return changed
 
-        record = await asyncio.to_thread(store.update_service_scaling, name, change)
+        def retime(current: StreamTimeouts) -> StreamTimeouts:
+            first, idle = body.first_byte_timeout_s, body.stream_idle_timeout_s
+            return StreamTimeouts(
+                current.first_byte_timeout_s if first is None else first,
+                current.stream_idle_timeout_s if idle is None else idle,
+            )
+
+        scaled = (body.min_replicas, body.max_replicas, body.idle_timeout, body.pinned,
+                  body.priority, body.capacity)  # fmt: skip
+        retimed = body.first_byte_timeout_s is not None or body.stream_idle_timeout_s is not None
+        if retimed:
+            record = await asyncio.to_thread(store.update_service_timeouts, name, retime)
+        if any(value is not None for value in scaled) or not retimed:
+            record = await asyncio.to_thread(store.update_service_scaling, name, change)
         if body.restart is not None:
             record = await asyncio.to_thread(store.set_service_restart_policy, name, body.restart)
         await reload()

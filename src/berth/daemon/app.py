@@ -3,9 +3,13 @@
 ``/v1/*`` goes straight to the OpenAI proxy with the server's own request and writer (the
 hot path meets no framework); everything else goes to the admin app through the server's
 ASGI adapter. Authentication happens here, once, by listener: over TCP ``/v1/*`` and
-``/metrics`` need any valid key that has not expired and ``/admin/*`` an admin key; over the
-Unix socket (mode 0600, so only its owner can connect) no key is needed. The key's record
-goes to the proxy, whose admission applies its limits. On the public listener, browsers on
+``/metrics`` need any valid key that has not expired and ``/admin/*`` an admin key, and failed
+attempts are limited per client address (429 past the ``auth_failure_*`` settings; see
+:mod:`berth.daemon.auth`); over the Unix socket (mode 0600, so only its owner can connect) no
+key is needed: a request there is the desk worker's when it says so
+(:data:`berth.admission.SOCKET_CALLER_HEADER`, read on that listener only), else the CLI's.
+The key's record, or the socket's caller, goes to the proxy, whose admission applies its
+limits. On the public listener, browsers on
 the origins of the ``cors_origins`` setting get their preflights answered and CORS headers on
 every answer (:mod:`berth.http_server.cors`). The web console (``/ui/*``, and ``/`` for a
 browser) needs no key; a browser signed in to it sends a session cookie instead of a key,
@@ -16,7 +20,7 @@ from __future__ import annotations
 
 from fastapi import FastAPI
 
-from berth.admission import AdmissionError
+from berth.admission import SOCKET_CALLER_HEADER, AdmissionError, SocketCaller, socket_caller
 from berth.daemon.admin import build_admin_app
 from berth.daemon.admin_services import build_service_router
 from berth.daemon.auth import require_tier, secret_from_headers
@@ -28,7 +32,7 @@ from berth.daemon.console_routes import (
 )
 from berth.daemon.proxy import OpenAIProxy
 from berth.daemon.services import LeaderServices
-from berth.errors import AuthError, BerthError
+from berth.errors import AuthError, BerthError, RateLimitError
 from berth.http_server.asgi import AsgiHandler
 from berth.http_server.cors import CorsPolicy
 from berth.http_server.request import Request
@@ -38,6 +42,7 @@ from berth.store import ApiKeyRecord
 
 #: Paths that answer without a key on every listener.
 OPEN_PATHS = frozenset({"/healthz", "/readyz"})
+_CALLER_HEADER = SOCKET_CALLER_HEADER.encode()
 
 
 class LeaderApp:
@@ -83,17 +88,20 @@ class LeaderApp:
             writer.extra_headers = [*writer.extra_headers, *CONSOLE_HEADERS]
             await self._admin(request, writer)  # /ui/session checks what it is given
             return
-        key: ApiKeyRecord | None = None
-        if not self._trusted and path not in OPEN_PATHS:
+        key: ApiKeyRecord | SocketCaller | None = None
+        if self._trusted:  # the socket: no key, and its caller's word is trusted
+            key = socket_caller(request.header(_CALLER_HEADER))
+        elif path not in OPEN_PATHS:
             tier = "admin" if path.startswith("/admin") else "standard"
             try:
                 key = await self._authenticate(request, tier)
-            except (AuthError, AdmissionError) as exc:
+            except (AuthError, RateLimitError, AdmissionError) as exc:
                 await _send_error(writer, exc)
                 return
         if path.startswith("/v1/"):
             # Its admission limits by key; the request log names it.
-            await self._proxy.handle(request, writer, key, key_name=key.name if key else "")
+            name = key.value if isinstance(key, SocketCaller) else key.name if key else ""
+            await self._proxy.handle(request, writer, key, key_name=name)
         else:
             await self._admin(request, writer)
 
@@ -106,10 +114,20 @@ class LeaderApp:
                 self._services.admission.check_expiry(signed_in)  # 401 once expired
                 require_tier(signed_in, tier)
                 return signed_in
-        record = await authenticator.authenticate(secret)
+        # Failed attempts are limited per client address; a key already found valid is not.
+        address = request.client[0] if request.client is not None else None
+        record = await authenticator.authenticate(
+            secret, address=address, surface=_surface(request.path)
+        )
         self._services.admission.check_expiry(record)  # 401 once expired
         require_tier(record, tier)
         return record
+
+
+def _surface(path: str) -> str:
+    """Where a keyed request came in, for the audit log: ``v1``, ``admin`` or ``metrics``."""
+    top = path.split("/", 2)[1] if path.startswith("/") else ""
+    return top if top in ("v1", "admin", "metrics") else "api"
 
 
 async def _send_error(writer: ResponseWriter, exc: BerthError) -> None:

@@ -89,13 +89,18 @@ class ConsoleGate:
         self._pepper = pepper
         self._check_expiry = check_expiry
 
-    async def sign_in(self, secret: str) -> tuple[str, Session]:
-        """Open a session for the admin key ``secret``: ``(session id, session)``.
+    async def sign_in(self, secret: str, *, address: str | None = None) -> tuple[str, Session]:
+        """Open a session for the admin key ``secret``, sent from the client ``address``:
+        ``(session id, session)``.
 
         Raises ``AuthError``: 401 for an unknown or revoked key, 403 for a standard one;
-        ``KeyExpiredError`` (401) for a key past its expiry.
+        ``KeyExpiredError`` (401) for a key past its expiry; ``RateLimitError`` (429) when
+        ``address`` failed too often (the limit of :mod:`berth.daemon.auth`, shared with the
+        API: a key already found valid is not refused).
         """
-        record = await self._authenticator.authenticate(secret.strip())
+        record = await self._authenticator.authenticate(
+            secret.strip(), address=address, surface="console"
+        )
         self._check_expiry(record)
         if record.tier != "admin":
             raise AuthError(
@@ -210,8 +215,9 @@ def build_console_router(gate: ConsoleGate, request_log: RequestLog) -> APIRoute
         return SessionState(signed_in=True, session=_session_info(found[0]))
 
     @router.post("/ui/session", status_code=201)
-    async def sign_in(body: SessionIn, response: Response) -> SessionInfo:
-        session_id, session = await gate.sign_in(body.key)
+    async def sign_in(body: SessionIn, request: Request, response: Response) -> SessionInfo:
+        address = request.client.host if request.client is not None else None
+        session_id, session = await gate.sign_in(body.key, address=address)
         response.headers["set-cookie"] = set_cookie(session_id, gate.sessions.max_age_s)
         response.headers["cache-control"] = "no-store"
         return _session_info(session)

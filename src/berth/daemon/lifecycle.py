@@ -24,6 +24,7 @@ import logging
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
 
+from berth.admission.capacity import DEFAULT_SLOTS
 from berth.cluster.link import LOCAL_NODE_ID, AgentLink
 from berth.cluster.link_registry import LinkRegistry
 from berth.cluster.protocol.frames import AdoptedState, EngineState
@@ -63,7 +64,7 @@ from berth.placement import (
     Refusal,
 )
 from berth.routing.resolver import Upstream
-from berth.routing.waiting import WaitingAttempts
+from berth.routing.waiting import GiveUp, WaitingAttempts
 from berth.runtime.base import RuntimeName
 from berth.runtime.engines import (
     DeploymentRequest,
@@ -72,7 +73,7 @@ from berth.runtime.engines import (
     parse_runtime_name,
 )
 from berth.runtime.images import DEFAULT_GPU_IMAGES, DEFAULT_IMAGES
-from berth.store import DeploymentRecord, Store
+from berth.store import DeploymentRecord, Store, StreamTimeouts
 from berth.store.states import RESTARTING_STATES, TERMINAL_STATES, DeploymentState
 
 log = logging.getLogger(__name__)
@@ -108,9 +109,11 @@ class LifecycleManager:
     deployment is used (for the eviction choice); ``min_residency_s`` is the eviction
     choice's minimum residency.  ``watch_interval_s``, ``probe_timeout_s`` and
     ``probes_to_fail`` drive the health watch (:mod:`berth.daemon.reconcile`), which wakes
-    the requests in ``waiting`` when it gives a deployment up.  ``slots_changed(deployment_id,
+    the requests in ``waiting`` when it gives a deployment up; a stop (``berth stop``, a
+    scale-in, an eviction, shutdown) wakes them too.  ``slots_changed(deployment_id,
     slots)`` hears of a ready deployment whose slots at the fair admission gate changed
-    (:meth:`set_service_capacities`; the daemon passes :meth:`berth.admission.SlotGate.resize`).
+    (:meth:`set_service_capacities`; the daemon passes :meth:`berth.admission.SlotGate.resize`);
+    ``default_slots`` are a ready deployment's slots there when its engine does not say.
     ``restart_backoff`` paces the restart policy's restarts (:mod:`berth.daemon.restarts`);
     ``on_restart`` hears of each one carried out.
     """
@@ -134,6 +137,7 @@ class LifecycleManager:
         slots_changed: Callable[[str, int | None], None] | None = None,
         restart_backoff: Backoff = Backoff(),
         on_restart: RestartListener | None = None,
+        default_slots: int = DEFAULT_SLOTS,
     ) -> None:
         self._store = store
         self._links = links
@@ -143,7 +147,8 @@ class LifecycleManager:
         self._placing = asyncio.Lock()
         self._health_timeout_s = health_timeout_s
         self._stop_grace_s = stop_grace_s
-        self._table = ReadyTable(on_slots=slots_changed)
+        self._waiting = waiting
+        self._table = ReadyTable(on_slots=slots_changed, default_slots=default_slots)
         self._planner = Planner(
             store,
             links,
@@ -253,6 +258,11 @@ class LifecycleManager:
         name from now on (:meth:`ReadyTable.set_service_capacities`)."""
         self._table.set_service_capacities(capacities)
 
+    def set_service_timeouts(self, timeouts: Mapping[str, StreamTimeouts]) -> None:
+        """The stream timeouts of each service (by name) hold for the deployments serving
+        its name from now on (:meth:`ReadyTable.set_service_timeouts`)."""
+        self._table.set_service_timeouts(timeouts)
+
     # -- nodes (the hub's NodeListener, and node removal) ---------------------------------
 
     async def node_connected(self, node_id: str, engines: Sequence[EngineState]) -> None:
@@ -288,6 +298,12 @@ class LifecycleManager:
             await self._writer.transition(
                 record.id, DeploymentState.FAILED, failure_reason=f"node {node_id} was removed"
             )
+
+    @property
+    def estimator(self) -> VramEstimator:
+        """The model shapes and deployment estimates placement uses (``berth models show``
+        reads the same cache)."""
+        return self._estimator
 
     # -- commands --------------------------------------------------------------------------
 
@@ -576,6 +592,9 @@ class LifecycleManager:
 
     async def _stop_one(self, record: DeploymentRecord) -> DeploymentRecord:
         self._table.unmark(record.served_model_name, record.id)
+        if self._waiting is not None:
+            # Its requests waiting for a first byte go elsewhere now, not after the stop.
+            self._waiting.give_up_deployment(record.id, GiveUp.STOPPED, "is being stopped")
         try:
             record = await self._writer.transition(record.id, DeploymentState.STOPPING)
         except InvalidTransitionError:  # another stop got there first

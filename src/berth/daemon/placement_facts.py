@@ -17,8 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from berth.cluster.link import LOCAL_NODE_ID, AgentLink
+from berth.cluster.link_registry import LinkRegistry
 from berth.cluster.protocol.ops import OP_CAPABILITIES, RUNTIME_CAPABILITIES
-from berth.daemon.estimates import VramEstimator
+from berth.daemon.estimates import NodeCopy, VramEstimator
 from berth.daemon.ready_table import ReadyTable
 from berth.errors import ConfigError, EngineError
 from berth.placement import GpuFacts, NodeFacts, ReplicaAt, Resident
@@ -123,10 +124,12 @@ async def gather_residents(
     *,
     usage: UsageLookup = no_usage,
     active: Sequence[DeploymentRecord] | None = None,
+    links: LinkRegistry | None = None,
 ) -> dict[str, dict[int, list[Resident]]]:
     """berth's active deployments on GPUs, by node id and GPU index, each with what its
     estimate holds on that GPU (``gpu_totals`` gives each ``(node, index)``'s total, in
-    MiB: vLLM holds a fraction of it).
+    MiB: vLLM holds a fraction of it).  A deployment of a model with paths only on other
+    nodes is estimated from its node's copy, read by that node's agent over ``links``.
 
     A deployment without GPUs recorded, or whose estimate is unknown, is left out: on a
     real GPU the node's report counts what it uses.
@@ -134,6 +137,10 @@ async def gather_residents(
     if active is None:
         active = await asyncio.to_thread(store.list_deployments, active_only=True)
     models = {m.name: m for m in await asyncio.to_thread(store.list_models)}
+    paths: dict[tuple[str, str], str] = {}
+    if links is not None and any(m.source == "remote" for m in models.values()):
+        located = await asyncio.to_thread(store.list_model_locations)
+        paths = {(x.model_name, x.node_id): x.path for x in located}
     found: dict[str, dict[int, list[Resident]]] = {}
     for record in active:
         if not record.gpus or not any((record.node_id, g) in gpu_totals for g in record.gpus):
@@ -142,7 +149,10 @@ async def gather_residents(
             engine = parse_engine_name(record.engine)
         except ConfigError:
             continue
-        result = await estimator.of_deployment(record, models.get(record.model_name), engine)
+        link = links.get(record.node_id) if links is not None else None
+        path = paths.get((record.model_name, record.node_id))
+        copy = NodeCopy(link, record.node_id, path) if link and path else None
+        result = await estimator.of_deployment(record, models.get(record.model_name), engine, copy)
         if result.estimate is None:
             log.debug("deployment %s holds no counted VRAM: %s", record.id, result.problem)
             continue

@@ -5,6 +5,10 @@ model, engine and node, asks every candidate node's link for its GPUs (all at on
 berth's deployments already on them with their estimates, estimates the new one, and asks
 placement.  The lifecycle manager calls it for every deployment (under its placement lock)
 and for ``berth plan``'s dry run, so both give the same answer with the same reasons.
+
+The estimate is made from the model's files on the leader's host; a model with paths only on
+other nodes is read by the agent of the node asked for, else of the first candidate node
+with a copy whose agent can read it (:class:`~berth.daemon.estimates.NodeCopy`).
 """
 
 from __future__ import annotations
@@ -14,9 +18,9 @@ import logging
 import time
 from dataclasses import dataclass
 
-from berth.cluster.link import LOCAL_NODE_ID
+from berth.cluster.link import LOCAL_NODE_ID, AgentLink
 from berth.cluster.link_registry import LinkRegistry
-from berth.daemon.estimates import EstimateResult, VramEstimator
+from berth.daemon.estimates import EstimateResult, NodeCopy, VramEstimator
 from berth.daemon.placement_facts import (
     UsageLookup,
     gather_node_facts,
@@ -165,10 +169,16 @@ class Planner:
                 ctx=options.ctx,
                 extra_args=options.extra_args,
                 gpu_count=max(1, len(options.gpus)),
+                copies=await self._copies(model, links, labels),
             )
             totals = {(n, g.index): g.memory_total_mb for n, found in gpus.items() for g in found}
             residents = await gather_residents(
-                self._store, self._estimator, totals, usage=self._usage, active=active
+                self._store,
+                self._estimator,
+                totals,
+                usage=self._usage,
+                active=active,
+                links=self._links,
             )
         facts: list[NodeFacts] = []
         for target, link in links.items():
@@ -200,6 +210,25 @@ class Planner:
         )
         result = plan_placement(request, facts, self._policy)
         return PlannedDeployment(model, engine, runtime, estimate, request, result)
+
+    async def _copies(
+        self,
+        model: ModelRecord,
+        links: dict[str, AgentLink | None],
+        labels: dict[str, str],
+    ) -> list[NodeCopy]:
+        """Where the agents can read ``model``'s header, when the leader cannot (a model with
+        paths only on other nodes): its copy on each candidate node with a live link, in
+        the candidates' order (the node asked for, else the leader's order)."""
+        if model.source != "remote":
+            return []
+        found = await asyncio.to_thread(self._store.list_model_locations, model.name)
+        paths = {location.node_id: location.path for location in found}
+        return [
+            NodeCopy(link, labels.get(node_id, node_id), paths[node_id])
+            for node_id, link in links.items()
+            if link is not None and node_id in paths
+        ]
 
     async def _resolve_node(self, node: str | None) -> str | None:
         """The node id of ``node`` (an id or label; ``None`` stays ``None``); a removed node

@@ -37,6 +37,7 @@ from berth.admission import (
     QueueRefusedError,
     QuotaExceededError,
     SlotGate,
+    SocketCaller,
     Ticket,
 )
 from berth.admission import estimate as estimate_tokens
@@ -60,7 +61,7 @@ from berth.daemon.proxy_http import (
 from berth.daemon.proxy_relay import AnswerRelay, Exchange
 from berth.daemon.proxy_usage import asking_for_usage
 from berth.daemon.read_ahead import DEFAULT_BUFFER_CHUNKS, ReadAhead
-from berth.engine_http.answer import EngineAnswer
+from berth.engine_http.answer import EngineAnswer, TimedAnswer, can_time
 from berth.errors import BerthError, NotFoundError
 from berth.http_server.errors import HttpServerError
 from berth.observability.metrics import ProxyMetrics, Target
@@ -69,6 +70,7 @@ from berth.openai_errors import ErrorResponse, error_from_exception
 from berth.routing.errors import (
     EngineTimeoutError,
     EngineUnreachableError,
+    FirstByteTimeoutError,
     InvalidRequestError,
     NoReadyDeploymentError,
     ProxyError,
@@ -94,6 +96,12 @@ _MODELS_PATH = "/v1/models"
 #: How much of a request's ``model`` the request log keeps (a client may send anything).
 _MAX_LOGGED_MODEL_CHARS = 200
 _MODEL_PREFIX = "/v1/models/"
+#: The ``[server]`` settings' defaults (README, Engines and failures): a stream's first byte
+#: (its head and first event: prefill) within 120 s, then no silence over 60 s; a
+#: non-streamed answer, which comes whole once generation ends, within 600 s.
+FIRST_BYTE_TIMEOUT_S = 120.0
+STREAM_IDLE_TIMEOUT_S = 60.0
+READ_TIMEOUT_S = 600.0
 
 
 class _Bodies:
@@ -151,9 +159,18 @@ class OpenAIProxy:
     ``owned_by`` is ``"berth"``).
 
     ``max_body_bytes`` bounds a request body (413 beyond it). ``connect_timeout_s`` bounds
-    connecting to an engine (502 when exceeded or refused); ``read_timeout_s`` bounds every wait
-    for the engine, including the wait for its first byte, i.e. prefill (504 before the answer
-    began; after that the stream ends with an error event). ``max_connections`` caps pooled
+    connecting to an engine (502 when exceeded or refused). A streamed request (``"stream":
+    true``) has its first byte within ``first_byte_timeout_s``: the engine's head and, for an
+    event stream, its first bytes (nothing reaches the client before them); past it the
+    exchange is closed (the engine stops) and the request goes to the next candidate, or
+    ends 504 ``first_byte_timeout``. Its stream then goes silent for at most
+    ``stream_idle_timeout_s`` (while the client keeps up), after which it ends with an error
+    event (``stream_idle_timeout``) and the exchange is closed. A deployment's service may
+    set either for its deployments (``upstream.timeouts``). ``None`` (or 0 for a service)
+    turns either off: only ``read_timeout_s`` bounds that wait then.
+    ``read_timeout_s`` bounds every other wait for an engine: a non-streamed answer, which
+    comes whole only once the engine has generated it, is waited for that long (504 before
+    the answer began). ``max_connections`` caps pooled
     connections to all engines together. ``max_buffered_response_bytes``: a non-streamed answer
     announced at most this long is read whole and sent with a ``Content-Length``; a longer one
     is relayed chunk by chunk. ``max_event_bytes`` bounds how much of one unfinished SSE event
@@ -189,7 +206,9 @@ class OpenAIProxy:
         *,
         max_body_bytes: int = 16 * MiB,
         connect_timeout_s: float = 5.0,
-        read_timeout_s: float | None = 600.0,
+        read_timeout_s: float | None = READ_TIMEOUT_S,
+        first_byte_timeout_s: float | None = FIRST_BYTE_TIMEOUT_S,
+        stream_idle_timeout_s: float | None = STREAM_IDLE_TIMEOUT_S,
         max_connections: int = 1024,
         max_buffered_response_bytes: int = 1 * MiB,
         max_event_bytes: int = 1 * MiB,
@@ -223,6 +242,8 @@ class OpenAIProxy:
         self._open = engines.open if adapters is None else adapters.gated(engines.open)
         self.router = router or Router(resolver)
         self._max_attempts = max_attempts
+        self._first_byte_timeout_s = first_byte_timeout_s
+        self._stream_idle_timeout_s = stream_idle_timeout_s
         self._relay_buffer_chunks = relay_buffer_chunks
         self._max_buffered_response_bytes = max_buffered_response_bytes
         self._metrics = metrics
@@ -275,12 +296,13 @@ class OpenAIProxy:
         self,
         request: ClientRequest,
         writer: ClientWriter,
-        api_key: ApiKeyRecord | None = None,
+        api_key: ApiKeyRecord | SocketCaller | None = None,
         *,
         key_name: str = "",
     ) -> None:
         """Serve one request (``request.path`` is the full ``/v1/...`` path) of ``api_key``
-        (the listener's authentication found it; ``None``: the Unix socket, no key);
+        (the listener's authentication found it; over the Unix socket, no key: its caller
+        there, ``None`` for the CLI);
         ``key_name`` names that key for :attr:`request_log`."""
         path = request.path
         method = request.method
@@ -347,7 +369,7 @@ class OpenAIProxy:
         forward: list[tuple[bytes, bytes]],
         content_length: bytes | None,
         writer: ClientWriter,
-        api_key: ApiKeyRecord | None,
+        api_key: ApiKeyRecord | SocketCaller | None,
         key_name: str = "",
     ) -> None:
         start = self._clock()
@@ -370,6 +392,7 @@ class OpenAIProxy:
             request_bytes = len(body)
             payload = payload_of(body)
             model = model_in(payload)
+            streamed = payload.get("stream") is True
             if admission is not None:
                 # Limits first: a request its key may not make never reaches the router.
                 ticket = admission.admit(api_key, model, request_bytes)
@@ -422,17 +445,23 @@ class OpenAIProxy:
         gate = self._slots
         held: str | None = None  # the deployment this request holds a slot at
         reached = gate is None  # whether it passed the fair admission queue
-        # Why each attempt that did not serve the request moved on (the last one stands).
-        outcomes: list[str] = []
+        # Where each attempt went and how it ended; all but the last moved on (retries).
+        outcomes: list[tuple[Upstream, str]] = []
         bodies = _Bodies(body)  # rewritten at most once per engine model
+        open_answer = self._open_stream if streamed else self._open
 
         async def attempt(target: Upstream) -> EngineAnswer:
             try:
-                answer = await self._open(target, path, query, forward, bodies.get(target))
+                answer = await open_answer(target, path, query, forward, bodies.get(target))
             except ProxyError as exc:
-                outcomes.append(exc.error_code)
+                outcomes.append((target, exc.error_code))
                 raise
-            outcomes.append(f"status {answer.status}")
+            except asyncio.CancelledError:
+                # Its engine given up (the request may go on elsewhere), or the client left.
+                outcomes.append((target, "client_disconnected" if exchange.client_gone
+                                 else "given_up"))  # fmt: skip
+                raise
+            outcomes.append((target, f"status {answer.status}"))
             return answer
 
         try:
@@ -488,6 +517,8 @@ class OpenAIProxy:
         finally:
             request.watch_disconnect(None)
             target = _target(upstream)
+            for left, reason in outcomes[:-1]:
+                self._metrics.request_retried(_target(left), reason)
             if dispatched:
                 signals.finished(upstream.deployment_id, upstream.node_id)
             if held is not None and gate is not None:
@@ -514,12 +545,60 @@ class OpenAIProxy:
                 duration_s=self._clock() - start,
                 prompt_tokens=usage.prompt_tokens if usage else 0,
                 completion_tokens=usage.completion_tokens if usage else 0,
-                retries=tuple(outcomes[:-1]),
+                retries=tuple(reason for _, reason in outcomes[:-1]),
                 error_reason=exchange.error_reason,
             )
             if ticket is not None and admission is not None:
                 node_id = upstream.node_id if reached else None  # None: queued, never sent
                 _settle(admission, ticket, exchange, node_id, request_bytes)
+
+    async def _open_stream(
+        self,
+        upstream: Upstream,
+        path: str,
+        query: bytes,
+        forward: list[tuple[bytes, bytes]],
+        body: bytes,
+    ) -> EngineAnswer:
+        """Open a streamed request's exchange: its answer once the first byte is in (the
+        head and, for an event stream, its first bytes), with the stream's idle timeout set.
+
+        Raises what opening raises, and :class:`FirstByteTimeoutError` when the first byte
+        did not come within the first-byte timeout; the exchange is closed then (the pooled
+        connection dropped, or the tunnel stream reset, on which the agent closes its own),
+        so the engine stops generating for nobody.
+        """
+        first_byte_s = self._first_byte_timeout_s
+        idle_s = self._stream_idle_timeout_s
+        timeouts = upstream.timeouts  # its service's, where it set them (0: none)
+        if timeouts is not None:
+            if timeouts.first_byte_timeout_s is not None:
+                first_byte_s = timeouts.first_byte_timeout_s or None
+            if timeouts.stream_idle_timeout_s is not None:
+                idle_s = timeouts.stream_idle_timeout_s or None
+        answer: EngineAnswer | None = None
+        timed: TimedAnswer | None = None  # an event stream whose first bytes are awaited
+        deadline = asyncio.timeout(first_byte_s)
+        try:
+            async with deadline:
+                answer = await self._open(upstream, path, query, forward, body)
+                if answer.status < 400 and can_time(answer) and _is_event_stream(answer):
+                    timed = answer
+                    await timed.wait_for_body()
+        except TimeoutError:
+            if answer is not None:
+                answer.close()
+            if not deadline.expired():
+                raise
+            assert first_byte_s is not None  # only a deadline expires
+            raise FirstByteTimeoutError(upstream, first_byte_s) from None
+        except BaseException:
+            if answer is not None:
+                answer.close()
+            raise
+        if timed is not None and idle_s is not None:
+            timed.set_read_timeout(idle_s)
+        return answer
 
     def _settle_unsent(self, ticket: Ticket | None) -> None:
         """Settle the ticket of a request that reached no engine (refused, or its client
@@ -695,6 +774,11 @@ def _refusal_headers(exc: BerthError, ticket: Ticket | None) -> list[tuple[bytes
         ms = max(0, round(exc.retry_after_s * 1000))
         return [*exc.headers, (b"retry-after-ms", b"%d" % ms)]
     return list(ticket.headers) if ticket is not None else []
+
+
+def _is_event_stream(answer: EngineAnswer) -> bool:
+    content_type = answer.header(b"content-type")
+    return content_type is not None and content_type.startswith(b"text/event-stream")
 
 
 def _first(plan: Sequence[Upstream], deployment_id: str) -> list[Upstream]:

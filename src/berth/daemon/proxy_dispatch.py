@@ -1,8 +1,10 @@
 """Dispatch with retry before the first byte: walk the router's plan until an engine answers.
 
 Each attempt goes to a node not tried yet, at most ``max_attempts`` in all. An attempt that
-fails before the answer's head (refused, reset, timed out, node unreachable) or is answered
-502/503/504 moves on to the next candidate, while there is one; the rules are
+fails before the answer's head (refused, reset, timed out, node unreachable), a streamed one
+whose first byte does not come within the first-byte timeout (the proxy closes its exchange
+and raises :class:`~berth.routing.errors.FirstByteTimeoutError`), or one answered 502/503/504
+moves on to the next candidate, while there is one; the rules are
 :func:`berth.routing.retry.classify`. So does one whose engine the leader gives up while it
 waits (a failed health probe, a failed deployment, a dead link: :mod:`berth.routing.waiting`):
 its exchange is closed at once and the next candidate tried, without waiting for the engine
@@ -19,7 +21,12 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING
 
 from berth.engine_http.answer import EngineAnswer
-from berth.routing.errors import EngineTimeoutError, EngineUnreachableError, ProxyError
+from berth.routing.errors import (
+    EngineTimeoutError,
+    EngineUnreachableError,
+    FirstByteTimeoutError,
+    ProxyError,
+)
 from berth.routing.retry import AttemptFailure, classify
 from berth.routing.signals import SignalBoard
 from berth.routing.waiting import WaitingAttempts
@@ -83,7 +90,8 @@ async def first_answer(
             signals.finished(upstream.deployment_id, upstream.node_id)
             signals.failed(upstream.deployment_id)
             failure = (
-                AttemptFailure.TIMEOUT if isinstance(exc, EngineTimeoutError)
+                AttemptFailure.FIRST_BYTE_TIMEOUT if isinstance(exc, FirstByteTimeoutError)
+                else AttemptFailure.TIMEOUT if isinstance(exc, EngineTimeoutError)
                 else AttemptFailure.CONNECT
             )  # fmt: skip
             if not more or classify(failure) != "retry":

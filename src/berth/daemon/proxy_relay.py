@@ -221,18 +221,9 @@ class AnswerRelay:
             )
             failure = await push.run()
             if failure is not None:
-                exchange.error_reason = "stream_aborted"
-                _log.warning(
-                    "request %s: engine failed mid-stream: %r", request_id.decode(), failure
-                )
+                ending = _broken_stream(failure, request_id, exchange)
                 exchange.done = True
-                writer.end_now(
-                    stream_error_events(
-                        "the engine failed while streaming the answer", code="stream_aborted"
-                    )
-                    if splitter is not None
-                    else b""
-                )
+                writer.end_now(ending if splitter is not None else b"")
             return
         last = b""
         try:
@@ -260,12 +251,9 @@ class AnswerRelay:
                 if chunk:  # empty when it held only the usage event taken out
                     await writer.write(chunk)
         except UpstreamError as exc:
-            exchange.error_reason = "stream_aborted"
-            _log.warning("request %s: engine failed mid-stream: %r", request_id.decode(), exc)
+            ending = _broken_stream(exc, request_id, exchange)
             if splitter is not None:
-                last = stream_error_events(
-                    "the engine failed while streaming the answer", code="stream_aborted"
-                )
+                last = ending
         else:
             if splitter is not None:
                 last += splitter.take_pending()
@@ -426,6 +414,23 @@ class StreamPush:
         waiter = self._waiter
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
+
+
+def _broken_stream(failure: UpstreamError, request_id: bytes, exchange: Exchange) -> bytes:
+    """Record why a stream broke off after it began (``exchange.error_reason``: the
+    engine's silence past the stream's idle timeout, ``stream_idle_timeout``, or another
+    failure, ``stream_aborted``), and return the error event (then ``[DONE]``) that ends
+    the client's stream."""
+    rid = request_id.decode()
+    if isinstance(failure, UpstreamTimeoutError):
+        exchange.error_reason = code = "stream_idle_timeout"
+        message = f"the engine sent nothing for {failure.timeout_s:g} s while streaming"
+        _log.warning("request %s: %s; the stream ends", rid, message)
+    else:
+        exchange.error_reason = code = "stream_aborted"
+        message = "the engine failed while streaming the answer"
+        _log.warning("request %s: engine failed mid-stream: %r", rid, failure)
+    return stream_error_events(message, code=code)
 
 
 def _as_openai_error(data: bytes, content_type: bytes, status: int) -> bytes:

@@ -9,9 +9,13 @@ ready) but gets no new request while another deployment of its model can take it
 probe answers again.
 
 Each upstream carries its deployment's slots at the fair admission gate
-(:func:`berth.admission.capacity.gate_slots`): a service's ``capacity`` setting for the
-deployments serving its name (:meth:`ReadyTable.set_service_capacities`, told of every
-change to services, so a new setting holds from the next request on), else its engine's.
+(:func:`berth.admission.capacity.gate_slots`), and where they came from: a service's
+``capacity`` setting for the deployments serving its name
+(:meth:`ReadyTable.set_service_capacities`, told of every change to services, so a new
+setting holds from the next request on), else its engine's, else the ``default_slots``
+setting (an adopted endpoint, SGLang without its flag), so every upstream is held; and its
+service's stream timeouts, where the service set them (:meth:`ReadyTable.set_service_timeouts`,
+told likewise).
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 
-from berth.admission.capacity import gate_slots
+from berth.admission.capacity import DEFAULT_SLOTS, GateSlots, gate_slots
 from berth.agent.adopted import ADOPTED_ID_PREFIX
 from berth.cluster.link import LOCAL_NODE_ID, EngineEndpoint
 from berth.cluster.protocol.frames import AdoptedState
@@ -28,7 +32,7 @@ from berth.errors import NotFoundError
 from berth.placement import GpuReservation
 from berth.routing.errors import NoReadyDeploymentError
 from berth.routing.resolver import Upstream
-from berth.store import DeploymentRecord
+from berth.store import DeploymentRecord, StreamTimeouts
 
 #: Seconds a client is told to wait (``Retry-After``) for a model that is still loading.
 LOADING_RETRY_AFTER_S = 5
@@ -40,12 +44,21 @@ class ReadyTable:
     Implements the proxy's ``UpstreamResolver`` (:meth:`candidates`, :meth:`models`).
     ``on_slots(deployment_id, slots)`` hears of a ready deployment whose slots changed (a
     service's ``capacity`` set): the gate lets its waiters into new slots at once.
+    ``default_slots`` is the gate's number for a deployment whose engine does not say.
     """
 
-    def __init__(self, on_slots: Callable[[str, int | None], None] | None = None) -> None:
+    def __init__(
+        self,
+        on_slots: Callable[[str, int | None], None] | None = None,
+        *,
+        default_slots: int = DEFAULT_SLOTS,
+    ) -> None:
         self._on_slots = on_slots
+        self._default_slots = default_slots
         #: service name -> its ``capacity`` setting (services without one are not here)
         self._capacities: dict[str, int] = {}
+        #: service name -> its stream timeouts (services that set none are not here)
+        self._timeouts: dict[str, StreamTimeouts] = {}
         #: deployment id -> (engine, extra args) of the ready ones berth started
         self._engines: dict[str, tuple[str, tuple[str, ...]]] = {}
         #: model -> deployment id -> upstream
@@ -113,16 +126,21 @@ class ReadyTable:
 
     def mark_ready(self, record: DeploymentRecord, endpoint: EngineEndpoint) -> None:
         """Route ``record``'s served name to ``endpoint``."""
-        upstream = Upstream(
-            base_url=endpoint.base_url,
-            deployment_id=record.id,
-            node_id=record.node_id,
-            model=record.served_model_name,
-            slots=gate_slots(
-                record.engine,
-                record.extra_args,
-                self._capacities.get(record.served_model_name),
+        slots = gate_slots(
+            record.engine,
+            record.extra_args,
+            self._capacities.get(record.served_model_name),
+            default_slots=self._default_slots,
+        )
+        upstream = _with_slots(
+            Upstream(
+                base_url=endpoint.base_url,
+                deployment_id=record.id,
+                node_id=record.node_id,
+                model=record.served_model_name,
+                timeouts=self._timeouts.get(record.served_model_name),
             ),
+            slots,
         )
         self._engines[record.id] = (record.engine, record.extra_args)
         self._ready.setdefault(record.served_model_name, {})[record.id] = upstream
@@ -140,12 +158,24 @@ class ReadyTable:
                 engine = self._engines.get(deployment_id)
                 if engine is None:  # an adopted endpoint: no service's replica
                     continue
-                slots = gate_slots(*engine, capacity)
-                if slots == upstream.slots:
+                slots = gate_slots(*engine, capacity, default_slots=self._default_slots)
+                if slots.slots == upstream.slots and slots.detail == upstream.slots_from:
                     continue
-                upstreams[deployment_id] = dataclasses.replace(upstream, slots=slots)
-                if self._on_slots is not None:
-                    self._on_slots(deployment_id, slots)
+                upstreams[deployment_id] = _with_slots(upstream, slots)
+                if self._on_slots is not None and slots.slots != upstream.slots:
+                    self._on_slots(deployment_id, slots.slots)
+
+    def set_service_timeouts(self, timeouts: Mapping[str, StreamTimeouts]) -> None:
+        """The services' stream timeouts are now those of ``timeouts`` (service name ->
+        its :class:`StreamTimeouts`): the ready deployments serving each name carry them
+        from the next request on (the proxy's settings where a service set none)."""
+        unset = StreamTimeouts()
+        self._timeouts = {name: t for name, t in timeouts.items() if t != unset}
+        for model, upstreams in self._ready.items():
+            wanted = self._timeouts.get(model)
+            for deployment_id, upstream in upstreams.items():
+                if deployment_id in self._engines and upstream.timeouts != wanted:
+                    upstreams[deployment_id] = dataclasses.replace(upstream, timeouts=wanted)
 
     def unmark(self, model: str, deployment_id: str) -> None:
         """Stop routing ``model`` to the deployment (ready or parked)."""
@@ -216,6 +246,8 @@ class ReadyTable:
                 model=state.served_model_name,
                 engine_model=engine_model,
             )
+            # Its engine is not berth's to know: the gate holds it to default_slots.
+            upstream = _with_slots(upstream, gate_slots(None, default_slots=self._default_slots))
             self._ready.setdefault(state.served_model_name, {})[endpoint_id] = upstream
 
     def adopted(self) -> dict[str, list[AdoptedState]]:
@@ -229,3 +261,10 @@ class ReadyTable:
             for state in self._adopted.get(node_id, {}).values()
             for gpu in state.gpus
         )
+
+
+def _with_slots(upstream: Upstream, slots: GateSlots) -> Upstream:
+    """``upstream`` held to ``slots`` at the gate, saying where they came from."""
+    return dataclasses.replace(
+        upstream, slots=slots.slots, slots_from=slots.detail, slots_assumed=slots.assumed
+    )

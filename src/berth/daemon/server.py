@@ -28,6 +28,7 @@ from berth.agent.adopted import AdoptedWatcher
 from berth.agent.core import AgentCore
 from berth.agent.in_process_link import InProcessLink
 from berth.agent.node_sampler import LocalNodeSampler
+from berth.agent.owner import own_engines
 from berth.cluster.ca import CertificateAuthority
 from berth.cluster.direct_path import DataPaths
 from berth.cluster.enrollment import AuditLog, EnrollmentService
@@ -48,6 +49,8 @@ from berth.daemon.admin_adapters import reload_adapters
 from berth.daemon.admin_services import load_routes
 from berth.daemon.app import build_apps
 from berth.daemon.auth import Authenticator
+from berth.daemon.auth_limiter import FailedAuthLimiter
+from berth.daemon.auth_metrics import AuthCollector
 from berth.daemon.fleet import LeaderFleet
 from berth.daemon.lifecycle import LifecycleManager
 from berth.daemon.placement_facts import ResidentUsage
@@ -59,6 +62,7 @@ from berth.daemon.supervisor import restart_reporter
 from berth.errors import DaemonError
 from berth.eventloop import freeze_startup_objects
 from berth.http_server.server import HttpServer
+from berth.http_server.tls_reload import CertificateReloads, ReloadingTLS
 from berth.keys import load_or_create_pepper
 from berth.observability.adapters import AdapterMetrics
 from berth.observability.cluster import ClusterMetrics
@@ -202,7 +206,8 @@ def raise_open_files_limit(wanted: int) -> None:
 
 
 async def serve(home: BerthHome, settings: Settings) -> None:
-    """Run the leader until SIGTERM or SIGINT, then stop every engine it started.
+    """Run the leader until SIGTERM or SIGINT, then stop every engine it started; SIGHUP
+    reloads the public and cluster listeners' certificates.
 
     Raises ``DaemonError`` when a listener cannot bind (naming it, its address and port), or
     when ``leader_only`` is set while deployments on this host are still active.
@@ -238,10 +243,19 @@ async def serve(home: BerthHome, settings: Settings) -> None:
     cluster_tls = await asyncio.to_thread(
         cluster_tls_files, ca, settings.cluster_hosts(), home.ca_dir
     )
+    # Both listeners' certificates are reloaded on SIGHUP and when their files change
+    # (berth.http_server.tls_reload: validated first, new connections only).
+    public_pair = await asyncio.to_thread(ReloadingTLS.load, "public", *tls, public_ssl_context)
+    cluster_pair = await asyncio.to_thread(
+        ReloadingTLS.load, "cluster", *cluster_tls, lambda c, k: cluster_ssl_context(ca, c, k)
+    )
+    reloads = CertificateReloads(
+        [public_pair, cluster_pair], interval_s=settings.tls_reload_interval_s
+    )
 
     # Per-key limits and usage: in memory, the budgets starting from the ledger's totals.
     ledger = UsageLedger(store)
-    admission = Admission(settings.tiers, ledger)
+    admission = Admission(settings.tiers, ledger, desk_tier=settings.desk_tier)
     today, month_start = admission.budget_days()
     admission.load(
         await asyncio.to_thread(store.list_api_keys),
@@ -316,6 +330,7 @@ async def serve(home: BerthHome, settings: Settings) -> None:
             crashloop_restarts=settings.crashloop_restarts,
         ),
         on_restart=restart_reporter(metrics, audit.append),
+        default_slots=settings.default_slots,
     )
     hub = NodeHub(
         store,
@@ -349,6 +364,7 @@ async def serve(home: BerthHome, settings: Settings) -> None:
             load_queue_max=settings.load_queue_max,
             scale_out_after_s=settings.scale_out_after_s,
             interval_s=settings.scaling_interval_s,
+            default_slots=settings.default_slots,
         ),
         metrics=ScalingMetrics(metrics.registry),
         audit=audit.append,
@@ -379,6 +395,9 @@ async def serve(home: BerthHome, settings: Settings) -> None:
         tunnels=data_paths,
         router=router,
         max_attempts=settings.max_attempts,
+        read_timeout_s=settings.read_timeout_s,
+        first_byte_timeout_s=settings.first_byte_timeout_s or None,  # 0: off
+        stream_idle_timeout_s=settings.stream_idle_timeout_s or None,
         relay_buffer_chunks=settings.relay_buffer_chunks,
         engine_auth=core.engine_auth if core is not None else None,
         on_demand=scaling.stage,
@@ -393,6 +412,18 @@ async def serve(home: BerthHome, settings: Settings) -> None:
         cluster_url=cluster_url,
         audit=audit,
     )
+    # Keys checked with caches in front of the store, failures limited per client address.
+    authenticator = Authenticator(
+        store,
+        pepper,
+        limiter=FailedAuthLimiter(
+            burst=settings.auth_failure_burst, rate_per_s=settings.auth_failure_rate_per_s
+        ),
+        refusal_delay_s=settings.auth_refusal_delay_s,
+        audit=audit.append,
+    )
+    authenticator.know(await asyncio.to_thread(store.api_key_hashes))  # never rate limited
+    metrics.registry.register(AuthCollector(authenticator.counts))
     services = LeaderServices(
         home=home,
         settings=settings,
@@ -403,7 +434,7 @@ async def serve(home: BerthHome, settings: Settings) -> None:
         cluster_metrics=cluster_metrics,
         proxy=proxy,
         lifecycle=lifecycle,
-        authenticator=Authenticator(store, pepper),
+        authenticator=authenticator,
         local_core=core,
         links=links,
         hub=hub,
@@ -417,8 +448,8 @@ async def serve(home: BerthHome, settings: Settings) -> None:
         admission=admission,
         adapters=adapters,
         listeners=[
-            Listener("public", f"https://{settings.public_host}:{public_port}"),
-            Listener("cluster", cluster_url),
+            Listener("public", f"https://{settings.public_host}:{public_port}", public_pair),
+            Listener("cluster", cluster_url, cluster_pair),
             Listener("socket", f"unix://{home.socket_file}"),
         ],
     )
@@ -426,9 +457,7 @@ async def serve(home: BerthHome, settings: Settings) -> None:
     limits = settings.listener_limits()
     # Three listeners, each its cap, plus engines, the store and the pool to engines.
     raise_open_files_limit(3 * limits.max_connections + 2048)
-    public_server = HttpServer(
-        "public", public_app, limits, ssl_context=await asyncio.to_thread(public_ssl_context, *tls)
-    )
+    public_server = HttpServer("public", public_app, limits, ssl_context=public_pair.context)
     socket_server = HttpServer("socket", socket_app, limits)
     cluster_listener = ClusterListener(
         build_cluster_app(
@@ -439,7 +468,7 @@ async def serve(home: BerthHome, settings: Settings) -> None:
             body_timeout_s=limits.body_timeout_s,
         ),
         cluster_sock,
-        cluster_ssl_context(ca, *cluster_tls),
+        cluster_pair.context,
         limits,
     )
 
@@ -447,6 +476,7 @@ async def serve(home: BerthHome, settings: Settings) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    loop.add_signal_handler(signal.SIGHUP, reloads.reload_all)  # never the default: death
 
     home.pid_file.write_text(f"{os.getpid()}\n")
     await proxy.startup()
@@ -456,11 +486,15 @@ async def serve(home: BerthHome, settings: Settings) -> None:
         await public_server.start(public_sock)
         await socket_server.start(unix_sock)
         await cluster_listener.start()
+        reloads.start()
         if core is not None:
             services.runtimes = await core.runtime_status()
             for runtime in services.runtimes:
                 verdict = "available" if runtime.available else "unavailable"
                 log.info("runtime %s: %s (%s)", runtime.name, verdict, runtime.detail)
+            # Held until this process ends; its warden stops this host's engines if the
+            # leader does not come back.
+            await own_engines(home, "leader", settings, LOCAL_NODE_ID)
             # Engines (in the journal) and containers (by label) left running by the last
             # leader, with their keys, for reconcile.
             await core.restore()
@@ -494,6 +528,7 @@ async def serve(home: BerthHome, settings: Settings) -> None:
             public_server.close(SHUTDOWN_GRACE_S), socket_server.close(SHUTDOWN_GRACE_S)
         )
     finally:
+        await reloads.close()
         await asyncio.gather(public_server.close(0.0), socket_server.close(0.0))
         if local_sampler is not None:
             await local_sampler.stop()

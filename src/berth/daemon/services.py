@@ -17,6 +17,7 @@ from berth.daemon.adapters import AdapterManager
 from berth.daemon.auth import Authenticator
 from berth.daemon.lifecycle import LifecycleManager
 from berth.daemon.proxy import OpenAIProxy
+from berth.http_server.tls_reload import ReloadingTLS
 from berth.observability.cluster import ClusterMetrics
 from berth.observability.metrics import ProxyMetrics
 from berth.paths import BerthHome
@@ -27,10 +28,12 @@ from berth.store import Store
 
 @dataclass
 class Listener:
-    """One address the daemon serves on, for banners and ``berth status``."""
+    """One address the daemon serves on, for banners and ``berth status``; ``tls``: the
+    certificate pair a TLS listener serves (reloadable)."""
 
     name: str
     url: str
+    tls: ReloadingTLS | None = None
 
 
 @dataclass

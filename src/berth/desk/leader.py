@@ -2,7 +2,9 @@
 
 :class:`Leader` is the interface; :class:`LeaderClient` is the real one, over the leader's
 Unix socket ``$BERTH_HOME/berth.sock`` as the CLI talks to it (mode 0600: reaching it proves
-the caller is the owner, so no key is sent). Jobs go to ``POST /v1/chat/completions``, so the
+the caller is the owner, so no key is sent). Every request names the worker as its caller
+(:data:`berth.admission.SOCKET_CALLER_HEADER`), so the leader admits its jobs under the desk
+tier and counts them as ``socket:desk``. Jobs go to ``POST /v1/chat/completions``, so the
 leader's router sends each to the best node of the cluster. What serves a model comes from
 the admin API:
 
@@ -31,6 +33,7 @@ import httpx
 import msgspec
 from pydantic import TypeAdapter, ValidationError
 
+from berth.admission.socket import DESK_CALLER, SOCKET_CALLER_HEADER
 from berth.api import ListedDeployment, MetricsSnapshot, NodeDetailWithAdopted, RoutingExplanation
 from berth.desk.errors import LeaderAnswerError, LeaderUnavailableError
 from berth.desk.pulse import GpuView, ModelServing, serving_of
@@ -173,6 +176,7 @@ class LeaderClient:
             # verify=False: no TLS on a Unix socket, and it skips loading a CA bundle.
             transport=transport or httpx.AsyncHTTPTransport(uds=str(socket_path), verify=False),
             base_url="http://berth",
+            headers={SOCKET_CALLER_HEADER: DESK_CALLER},  # the desk tier, socket:desk
             timeout=30.0,
         )
 

@@ -3,6 +3,9 @@ Docker engine and each engine's image (the docker runtime), and the NVIDIA GPUs 
 
 A missing engine, image or GPU warns: berth works without it, on what is there.  A program
 the operator configured that is not there, or one that is there but does not run, fails.
+Each engine program found is run once (``--version``, or the SGLang interpreter with a
+one-line script) under a timeout; one killed by SIGILL was built for instructions this CPU
+does not run, and its check says so with the command that rebuilds it.
 """
 
 from __future__ import annotations
@@ -14,7 +17,8 @@ import os
 import shutil
 import subprocess
 import sys
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from berth.config import SettingSource
@@ -22,14 +26,73 @@ from berth.doctor.check import Check, Verdict
 from berth.errors import ConfigError
 from berth.runtime.docker import DockerApi, DockerApiError, connect_docker
 from berth.runtime.engines import EngineName
+from berth.runtime.exits import exit_words, killed_by_illegal_instruction
+from berth.runtime.portable_build import LLAMA_CPP_BIN, rebuild_command
 from berth.runtime.trees import TreeMode, TreeTracking
 
 #: Engine names as people write them.
 ENGINE_TITLES: dict[EngineName, str] = {"llamacpp": "llama.cpp", "vllm": "vLLM", "sglang": "SGLang"}
 _CONFIGURED: frozenset[SettingSource] = frozenset({"flag", "env", "file"})
 _PROBE_TIMEOUT_S = 15.0
+#: The exit code of :func:`_package_script` for a package that is not installed.
+_NOT_INSTALLED = 3
 #: The program Docker runs to hand NVIDIA GPUs to a container (nvidia-container-toolkit).
 NVIDIA_HOOK = "nvidia-container-runtime-hook"
+
+
+@dataclass(frozen=True)
+class ProgramRun:
+    """What running a program once showed: its stdout and stderr lines (``output``), why it
+    does not run (``problem``, in words; ``None`` when it exited 0) and its exit status
+    (``returncode``, as :mod:`subprocess` gives it; ``None`` when it never ended).
+
+    ``illegal_instruction`` is set when a SIGILL killed it, ``timed_out`` when it was
+    killed for running past its time.
+    """
+
+    output: tuple[str, ...] = ()
+    problem: str | None = None
+    returncode: int | None = None
+    illegal_instruction: bool = False
+    timed_out: bool = False
+
+
+def run_program(argv: Sequence[str], *, timeout_s: float = _PROBE_TIMEOUT_S) -> ProgramRun:
+    """Run ``argv`` to its end with no input, for at most ``timeout_s`` seconds (then it is
+    killed), and say how it went.
+
+    ``problem`` reads ``exited with code 127: <its last line>``, ``was killed by SIGILL
+    (built for instructions this CPU does not run)`` (:func:`berth.runtime.exits.exit_words`),
+    ``did not finish within 15 s`` or ``cannot be started: <why>``.  Never raises for the
+    program's failures.
+    """
+    try:
+        done = subprocess.run(
+            list(argv),
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            text=True,
+            errors="replace",
+            timeout=timeout_s,
+            check=False,
+        )
+    except subprocess.TimeoutExpired:
+        return ProgramRun(problem=f"did not finish within {timeout_s:g} s", timed_out=True)
+    except OSError as exc:
+        return ProgramRun(problem=f"cannot be started: {exc.strerror or exc}")
+    output = tuple((done.stdout + done.stderr).splitlines())
+    if done.returncode == 0:
+        return ProgramRun(output, returncode=0)
+    problem = exit_words(done.returncode)
+    last = next((line.strip() for line in reversed(output) if line.strip()), "")
+    if done.returncode > 0 and last:
+        problem += f": {last}"
+    return ProgramRun(
+        output,
+        problem,
+        done.returncode,
+        illegal_instruction=killed_by_illegal_instruction(done.returncode),
+    )
 
 
 def process_tree_check(mode: TreeMode) -> Check:
@@ -51,9 +114,13 @@ def process_tree_check(mode: TreeMode) -> Check:
     )
 
 
-def llama_server_check(path: Path | None, source: SettingSource) -> Check:
+def llama_server_check(
+    path: Path | None, source: SettingSource, *, timeout_s: float = _PROBE_TIMEOUT_S
+) -> Check:
     """llama.cpp's ``llama-server``: found (``path``, and from where), and it runs
-    (``--version`` answers)."""
+    (``--version`` exits 0 within ``timeout_s``); killed by SIGILL, the hint is the
+    command that rebuilds it portably (:func:`~berth.runtime.portable_build.rebuild_command`).
+    """
     name = "engine llamacpp"
     set_it = "set [engines] llama_server_bin in config.toml (or BERTH_LLAMA_SERVER_BIN)"
     if path is None:
@@ -66,27 +133,27 @@ def llama_server_check(path: Path | None, source: SettingSource) -> Check:
     missing = _missing_program(name, path, source, set_it)
     if missing is not None:
         return missing
-    try:
-        done = subprocess.run(
-            [str(path), "--version"],
-            capture_output=True,
-            text=True,
-            timeout=_PROBE_TIMEOUT_S,
-            check=False,
+    run = run_program([str(path), "--version"], timeout_s=timeout_s)
+    if run.illegal_instruction:
+        hint = rebuild_command(path, version=_version_here(LLAMA_CPP_BIN) or None)
+        return Check(name, "fail", f"{path} does not run: {run.problem}", f"{hint}; or {set_it}")
+    if run.problem is not None:
+        return Check(
+            name, "fail", f"{path} does not run: {run.problem}", f"reinstall it, or {set_it}"
         )
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        return Check(name, "fail", f"{path} does not run: {exc}", f"reinstall it, or {set_it}")
-    output = (done.stdout + done.stderr).splitlines()
-    if done.returncode != 0:
-        last = output[-1] if output else f"exit code {done.returncode}"
-        return Check(name, "fail", f"{path} does not run: {last}", f"reinstall it, or {set_it}")
-    version = next((line.strip() for line in output if line.startswith("version:")), "")
+    version = next((line.strip() for line in run.output if line.startswith("version:")), "")
     return Check(name, "ok", f"{path} ({source}){f', {version}' if version else ''}")
 
 
-def vllm_check(path: Path | None, source: SettingSource) -> Check:
-    """vLLM's ``vllm`` program: found and executable (not run: importing vLLM takes
-    seconds)."""
+def vllm_check(
+    path: Path | None, source: SettingSource, *, timeout_s: float = _PROBE_TIMEOUT_S
+) -> Check:
+    """vLLM's ``vllm`` program: found, and it runs (``vllm --version`` answers within
+    ``timeout_s``).
+
+    A timeout only warns: ``vllm --version`` imports vLLM and torch, which can take that
+    long on a cold disk, and says nothing about the program's health.
+    """
     name = "engine vllm"
     set_it = "set [engines] vllm_bin in config.toml (or BERTH_VLLM_BIN)"
     if path is None:
@@ -94,12 +161,27 @@ def vllm_check(path: Path | None, source: SettingSource) -> Check:
             name, "warn", "vllm not found on PATH", f"pip install vllm (a CUDA host), or {set_it}"
         )
     missing = _missing_program(name, path, source, set_it)
-    return missing or Check(name, "ok", f"{path} ({source})")
+    if missing is not None:
+        return missing
+    run = run_program([str(path), "--version"], timeout_s=timeout_s)
+    if run.illegal_instruction:
+        hint = "reinstall a vLLM built for this CPU (pip install --force-reinstall vllm)"
+        return Check(name, "fail", f"{path} does not run: {run.problem}", f"{hint}, or {set_it}")
+    if run.timed_out:
+        return Check(name, "warn", f"{path} --version {run.problem}", "run it by hand to see why")
+    if run.problem is not None:
+        return Check(
+            name, "fail", f"{path} does not run: {run.problem}", f"reinstall it, or {set_it}"
+        )
+    version = next((line.strip() for line in run.output if line.strip()[:1].isdigit()), "")
+    return Check(name, "ok", f"{path} ({source}){f', {version}' if version else ''}")
 
 
-def sglang_check(python: Path, source: SettingSource) -> Check:
-    """SGLang: the ``sglang_python`` interpreter exists and has the ``sglang`` package (found
-    without importing it, which takes seconds)."""
+def sglang_check(
+    python: Path, source: SettingSource, *, timeout_s: float = _PROBE_TIMEOUT_S
+) -> Check:
+    """SGLang: the ``sglang_python`` interpreter exists, runs (within ``timeout_s``) and has
+    the ``sglang`` package (found without importing it, which takes seconds)."""
     name = "engine sglang"
     set_it = "set [engines] sglang_python to an interpreter that has it"
     if not python.exists():
@@ -109,7 +191,14 @@ def sglang_check(python: Path, source: SettingSource) -> Check:
         found = importlib.util.find_spec("sglang") is not None
         version = _version_here("sglang") if found else ""
     else:
-        found, version = _package_in(python, "sglang")
+        run = run_program([str(python), "-c", _package_script("sglang")], timeout_s=timeout_s)
+        if run.problem is not None and run.returncode != _NOT_INSTALLED:
+            fix = "reinstall a Python built for this CPU" if run.illegal_instruction else "fix it"
+            return Check(
+                name, "fail", f"{python} does not run: {run.problem}", f"{fix}, or {set_it}"
+            )
+        found = run.problem is None
+        version = run.output[0].strip() if found and run.output else ""
     if not found:
         return Check(
             name,
@@ -253,23 +342,12 @@ def _version_here(package: str) -> str:
     return ""
 
 
-def _package_in(python: Path, package: str) -> tuple[bool, str]:
-    """Whether the interpreter ``python`` has ``package``, and its version (``""`` when
-    unknown), found without importing it."""
-    code = (
+def _package_script(package: str) -> str:
+    """A script that exits :data:`_NOT_INSTALLED` without ``package`` and else prints its
+    version (``""`` when unknown), found without importing it."""
+    return (
         "import importlib.util, importlib.metadata as m, sys\n"
-        f"if importlib.util.find_spec({package!r}) is None: sys.exit(3)\n"
+        f"if importlib.util.find_spec({package!r}) is None: sys.exit({_NOT_INSTALLED})\n"
         f"try: print(m.version({package!r}))\n"
         "except m.PackageNotFoundError: print('')\n"
     )
-    try:
-        done = subprocess.run(
-            [str(python), "-c", code],
-            capture_output=True,
-            text=True,
-            timeout=_PROBE_TIMEOUT_S,
-            check=False,
-        )
-    except (OSError, subprocess.TimeoutExpired):
-        return False, ""
-    return done.returncode == 0, done.stdout.strip()

@@ -78,6 +78,27 @@ class PushedAnswer(EngineAnswer, Protocol):
     def resume_body(self) -> None: ...
 
 
+@runtime_checkable
+class TimedAnswer(EngineAnswer, Protocol):
+    """An answer whose first body bytes can be waited for, and whose read timeout can be
+    changed once they came: how the proxy bounds a stream's time to its first event and
+    then its longest silence (:mod:`berth.daemon.proxy`).
+
+    :meth:`wait_for_body` returns once body bytes, the end or a failure have arrived, and
+    takes nothing (the next read, or the push, has them). :meth:`set_read_timeout` is the
+    longest silence between two pieces of the body from then on (``None``: no limit).
+    """
+
+    async def wait_for_body(self) -> None: ...
+
+    def set_read_timeout(self, timeout_s: float | None) -> None: ...
+
+
+def can_time(answer: EngineAnswer) -> TypeGuard[TimedAnswer]:
+    """``answer`` is a :class:`TimedAnswer` (decided once per class)."""
+    return conforms(answer, TimedAnswer)
+
+
 def can_push(answer: EngineAnswer) -> TypeGuard[PushedAnswer]:
     """``answer`` is a :class:`PushedAnswer` (decided once per class)."""
     return conforms(answer, PushedAnswer)

@@ -88,6 +88,9 @@ class UpstreamConnection(asyncio.Protocol):
         # when the current wait began.
         self._body_timer: asyncio.TimerHandle | None = None
         self._waiting_since = 0.0
+        # The body's read timeout of the exchange in flight: the pool's, unless the reader
+        # set its own (set_body_timeout: a stream's longest silence).
+        self._body_timeout_s = pool.read_timeout_s
 
     # -- asyncio.Protocol ---------------------------------------------------------------------
 
@@ -219,6 +222,7 @@ class UpstreamConnection(asyncio.Protocol):
         self._headers_done = False
         self._close_delimited = False
         self._finished = False
+        self._body_timeout_s = self._pool.read_timeout_s
         self._response = UpstreamResponse(self)
         waiter: asyncio.Future[UpstreamResponse] = self._loop.create_future()
         self._head_waiter = waiter
@@ -251,12 +255,13 @@ class UpstreamConnection(asyncio.Protocol):
     async def wait_for_body(self, response: UpstreamResponse) -> None:
         """Wait until ``response`` has new body bytes, has ended or has failed; raise
         nothing, but fail the answer with :class:`UpstreamTimeoutError` when the engine sends
-        nothing for ``read_timeout_s`` during one wait."""
+        nothing for the body's read timeout during one wait (the pool's ``read_timeout_s``,
+        or what :meth:`set_body_timeout` set)."""
         if self.reading_paused:
             self.resume()
         waiter = response._waiter = self._loop.create_future()
         self._waiting_since = now = self._loop.time()
-        timeout_s = self._pool.read_timeout_s
+        timeout_s = self._body_timeout_s
         if timeout_s is not None and self._body_timer is None:
             self._body_timer = self._loop.call_at(
                 now + timeout_s, self._body_timed_out, response, timeout_s
@@ -272,11 +277,18 @@ class UpstreamConnection(asyncio.Protocol):
         if self.reading_paused:
             self.resume()
         self._waiting_since = now = self._loop.time()
-        timeout_s = self._pool.read_timeout_s
+        timeout_s = self._body_timeout_s
         if timeout_s is not None and self._body_timer is None:
             self._body_timer = self._loop.call_at(
                 now + timeout_s, self._body_timed_out, response, timeout_s
             )
+
+    def set_body_timeout(self, timeout_s: float | None) -> None:
+        """The longest silence of the answer in flight from the next wait on (``None``: no
+        limit), instead of the pool's read timeout: a timer armed for the old one is dropped,
+        the next wait (or push) arms it anew."""
+        self._body_timeout_s = timeout_s
+        self._stop_body_timer()
 
     def resume_push(self) -> None:
         """Reading a pushed answer again after :meth:`pause`: its read timeout starts over."""

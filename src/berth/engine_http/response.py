@@ -39,6 +39,8 @@ class BodySource(Protocol):
 
     def resume_push(self) -> None: ...
 
+    def set_body_timeout(self, timeout_s: float | None) -> None: ...
+
 
 class UpstreamResponse:
     """One answer: ``status``, ``headers`` (names lower-cased, in order) and the body.
@@ -115,6 +117,22 @@ class UpstreamResponse:
         if self._complete and (limit_bytes is None or self._size <= limit_bytes):
             return self._take() if self._chunks else b""
         return await read_body(self, limit_bytes)
+
+    async def wait_for_body(self) -> None:
+        """Return once some body bytes have arrived, or the end, or a failure; nothing is
+        taken (:meth:`read_chunk` or :meth:`push_body` then has it). Raises nothing of the
+        answer's: a failure is raised by the read that follows."""
+        while not (self._chunks or self._complete or self._error is not None):
+            conn = self._conn
+            assert conn is not None, "an unfinished answer without an error has a connection"
+            await conn.wait_for_body(self)
+
+    def set_read_timeout(self, timeout_s: float | None) -> None:
+        """The longest silence between two pieces of the body from now on (``None``: no
+        limit), instead of the pool's read timeout."""
+        conn = self._conn
+        if conn is not None:
+            conn.set_body_timeout(timeout_s)
 
     def push_body(self, sink: BodySink) -> None:
         """Hand the body to ``sink`` from now on (what arrived already, at once)."""

@@ -74,7 +74,8 @@ _STATUS_CLASSES = {status: status_class(status) for status in range(100, 600)}
 
 #: Reasons that mean the exchange with the engine broke (errors for the serving node's meter).
 _BROKEN_EXCHANGE = frozenset({"engine_unreachable", "engine_timeout", "engine_aborted",
-                              "stream_aborted"})  # fmt: skip
+                              "stream_aborted", "first_byte_timeout",
+                              "stream_idle_timeout"})  # fmt: skip
 
 _TARGET_LABELS = ("model", "deployment", "node")
 _STATUS_LABELS = (*_TARGET_LABELS, "status_class")
@@ -128,13 +129,16 @@ class _RequestCollector(Collector):
         self._metrics = metrics
 
     def describe(self) -> list[Metric]:
-        return list(self._families([], [], []))
+        return list(self._families([], [], [], []))
 
     def collect(self) -> Iterator[Metric]:
         m = self._metrics
         m.expire()
         return self._families(
-            list(m._requests.items()), list(m._targets.items()), list(m._errors.items())
+            list(m._requests.items()),
+            list(m._targets.items()),
+            list(m._errors.items()),
+            list(m._retries.items()),
         )
 
     def _families(
@@ -142,6 +146,7 @@ class _RequestCollector(Collector):
         requests: list[tuple[tuple[Target, str], _RequestSeries]],
         targets: list[tuple[Target, _TargetSeries]],
         errors: list[tuple[tuple[Target, str, str], int]],
+        retries: list[tuple[tuple[Target, str], int]],
     ) -> Iterator[Metric]:
         total = CounterMetricFamily(
             "berth_proxy_requests", "Requests answered by the OpenAI proxy.", labels=_STATUS_LABELS
@@ -173,6 +178,14 @@ class _RequestCollector(Collector):
         )
         for (target, klass, reason), count in errors:
             failed.add_metric([*target, klass, reason], count)
+        retried = CounterMetricFamily(
+            "berth_proxy_retries",
+            "Attempts that did not serve their request, which went on to another deployment, "
+            "by the deployment left and why.",
+            labels=(*_TARGET_LABELS, "reason"),
+        )
+        for (target, reason), count in retries:
+            retried.add_metric([*target, reason], count)
         in_flight = GaugeMetricFamily(
             "berth_proxy_in_flight_requests",
             "Requests the proxy is relaying right now.",
@@ -192,7 +205,7 @@ class _RequestCollector(Collector):
             in_flight.add_metric(list(target), counts.in_flight)
             prompt.add_metric(list(target), counts.prompt_tokens)
             completion.add_metric(list(target), counts.completion_tokens)
-        yield from (total, failed, in_flight, duration, ttfb, prompt, completion)
+        yield from (total, failed, retried, in_flight, duration, ttfb, prompt, completion)
 
 
 class ProxyMetrics:
@@ -224,6 +237,7 @@ class ProxyMetrics:
         self._requests: dict[tuple[Target, str], _RequestSeries] = {}
         self._targets: dict[Target, _TargetSeries] = {}
         self._errors: dict[tuple[Target, str, str], int] = {}
+        self._retries: dict[tuple[Target, str], int] = {}
         self._deployments: dict[str, tuple[str, str]] = {}
         #: when each stopped or failed deployment ended, on ``clock``
         self._ended: dict[str, float] = {}
@@ -264,6 +278,13 @@ class ProxyMetrics:
         if self._local_meter is not None and old.node == self._local_node:
             self._local_meter.withdrawn(old.deployment)
         self.request_started(new)
+
+    def request_retried(self, target: Target, reason: str) -> None:
+        """An attempt at ``target`` did not serve its request, which went on to another
+        deployment; ``reason`` is why (an error code such as ``first_byte_timeout``, or
+        ``status 503``: from the proxy's closed set, never the client's text)."""
+        key = (target, reason)
+        self._retries[key] = self._retries.get(key, 0) + 1
 
     def request_finished(
         self,
@@ -394,6 +415,8 @@ class ProxyMetrics:
                 self._requests.pop(key, None)
             for error in [k for k in list(self._errors) if k[0].deployment == deployment]:
                 self._errors.pop(error, None)
+            for retry in [k for k in list(self._retries) if k[0].deployment == deployment]:
+                self._retries.pop(retry, None)
 
     def _remove_state_series(self, deployment: str) -> None:
         labels = self._deployments.pop(deployment, None)

@@ -258,8 +258,9 @@ def _shape_inputs(shape: ModelShape) -> list[tuple[str, str]]:
     if len(set(shape.layer_kv_heads)) > 1:
         kv = f"{min(shape.layer_kv_heads)}-{shape.head_count_kv} (per layer)"
     source = "GGUF header" if shape.format == "gguf" else "config.json"
+    on = f" on node {shape.host}" if shape.host is not None else ""
     return [
-        ("read from", f"{source}: {shape.source}"),
+        ("read from", f"{source}: {shape.source}{on}"),
         ("architecture", shape.architecture),
         ("layers", str(shape.block_count)),
         ("embedding length", str(shape.embedding_length)),

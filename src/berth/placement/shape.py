@@ -27,7 +27,8 @@ class ModelShape:
     key and value vectors.  ``context_length``: the context the model was trained for
     (``None``: not stated).  ``dtype``: an HF model's ``torch_dtype`` (the KV cache's type
     when the engine is not told otherwise; ``None`` for GGUF, whose cache type is the
-    engine's ``--cache-type-k/-v``).  ``source`` is the file the shape was read from.
+    engine's ``--cache-type-k/-v``).  ``source`` is the file the shape was read from, on
+    the host of node ``host`` (a label; ``None``: the leader's own host).
     """
 
     format: ModelFormat
@@ -43,6 +44,7 @@ class ModelShape:
     vocab_size: int | None
     dtype: str | None
     source: Path
+    host: str | None = None
 
     @property
     def head_count_kv(self) -> int:

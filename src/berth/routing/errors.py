@@ -13,6 +13,7 @@ retry rules are stated in them. They are answered in the OpenAI shape (:mod:`ber
         ├── EngineUnreachableError 502 connection refused, or closed before an answer
         │   └── AdapterUnavailableError 503 the LoRA adapter could not be loaded there
         └── EngineTimeoutError     504 the engine sent nothing for read_timeout_s
+            └── FirstByteTimeoutError 504 a stream's first byte did not come in time
 
 An unknown model is the resolver's :class:`berth.errors.NotFoundError` (404).
 """
@@ -113,4 +114,21 @@ class EngineTimeoutError(ProxyError):
         self.deployment_id = upstream.deployment_id
         super().__init__(
             f"the engine of deployment {upstream.deployment_id} sent nothing for {timeout_s} s"
+        )
+
+
+class FirstByteTimeoutError(EngineTimeoutError):
+    """A streamed request's engine sent no first byte of its answer (its head, and the first
+    bytes of its event stream) within the first-byte timeout (504 when no other deployment
+    could take it). Its exchange was closed, so the engine stops working on it."""
+
+    error_code = "first_byte_timeout"
+
+    def __init__(self, upstream: Upstream, timeout_s: float) -> None:
+        self.upstream = upstream
+        self.deployment_id = upstream.deployment_id
+        ProxyError.__init__(
+            self,
+            f"the engine of deployment {upstream.deployment_id} sent no first byte of its "
+            f"answer within {timeout_s:g} s",
         )

@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
+from berth.store.records import StreamTimeouts
+
 
 @dataclass(frozen=True)
 class AdapterUse:
@@ -45,8 +47,15 @@ class Upstream:
     #: scales, which ``--lora-init-without-apply`` does not zero in every build)
     lora_scales: tuple[float, ...] = ()
     #: requests the engine serves at once (its slots: ``--parallel``, ``--max-num-seqs``),
-    #: the most the leader's fair admission queue lets through; ``None``: unknown, not held
+    #: the most the leader's fair admission queue lets through; ``None``: not held
     slots: int | None = None
+    #: where ``slots`` came from, in words (``--parallel 2``), and whether the number is
+    #: assumed (an engine's default, the ``default_slots`` setting) rather than known
+    slots_from: str = ""
+    slots_assumed: bool = False
+    #: its service's bounds on a streamed answer (first byte, longest silence), ``None``:
+    #: the proxy's own settings
+    timeouts: StreamTimeouts | None = None
 
 
 class UpstreamResolver(Protocol):

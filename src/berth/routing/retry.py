@@ -2,7 +2,9 @@
 
 An attempt that failed before any byte reached the client is retried on another node when
 the failure says nothing about the request itself: the connection was refused or reset, no
-answer head came in time, the node's link was down, or the engine answered 502, 503 or 504.
+answer head came in time, a stream's first byte did not come within the first-byte timeout
+(an engine that accepted the request and went silent), the node's link was down, or the
+engine answered 502, 503 or 504.
 An engine's other answers (its 4xx above all) are the caller's answer: never retried, and
 not held against the node.
 """
@@ -21,6 +23,7 @@ RETRYABLE_STATUSES = frozenset({502, 503, 504})
 class AttemptFailure(enum.Enum):
     CONNECT = "connect"  # refused, unreachable, or reset before the answer's head
     TIMEOUT = "timeout"  # no answer head within the read timeout
+    FIRST_BYTE_TIMEOUT = "first_byte_timeout"  # a stream's first byte not within its timeout
     NODE_UNREACHABLE = "node_unreachable"  # the node's agent link is down
 
 

@@ -10,14 +10,15 @@ stopped or for the read timeout:
   no proof that the engine is gone);
 - it has *failed* when enough probes in a row failed, or its engine exited (it is being
   stopped);
-- a node is *lost* when its link is dead or closed.
+- a node is *lost* when its link is dead or closed;
+- it is *stopped* when it is being stopped (``berth stop``, a scale-in, an eviction).
 
 Waking means cancelling the attempt's task. The cancellation closes its exchange with the
 engine (berth's pooled connection to it is dropped, or the tunnel stream reset, on which the
 agent closes its own connection to the engine), which is how llama.cpp, vLLM and SGLang
 learn to stop generating an answer nobody would read. The dispatch loop then sends the
 request to its next candidate. An attempt that has no other candidate keeps waiting on a
-suspect deployment, and ends at once (502) on a failed one or a lost node.
+suspect deployment, and ends at once (502) on a failed or stopped one or a lost node.
 
 Only attempts before the first byte are here: an answer already streaming to its client is
 never sent twice (the one-retry-before-first-byte rule).
@@ -43,6 +44,7 @@ class GiveUp(enum.Enum):
     SUSPECT = "suspect"  # a health probe failed: it may still answer
     FAILED = "failed"  # its deployment failed: the engine is being stopped
     NODE_LOST = "node_lost"  # its node's link is dead or closed
+    STOPPED = "stopped"  # its deployment is being stopped
 
     @property
     def final(self) -> bool:

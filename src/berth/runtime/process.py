@@ -38,6 +38,7 @@ from berth.runtime.base import (
 )
 from berth.runtime.cgroups import EngineCgroup, existing_cgroup, spawn_in
 from berth.runtime.engine_log import DEFAULT_LOG_TAIL_LINES, read_log_tail
+from berth.runtime.exits import REBUILD_POINTER, exit_words, killed_by_illegal_instruction
 from berth.runtime.health import HealthProber, bearer_headers
 from berth.runtime.proc import (
     all_processes,
@@ -224,8 +225,14 @@ class ProcessRuntime:
             headers=bearer_headers(handle.api_key),
         )
         if outcome == "exited":
+            child = self._children.get(handle.pid)
+            rebuild = (
+                f"; {REBUILD_POINTER}"
+                if child is not None and killed_by_illegal_instruction(child.returncode)
+                else ""
+            )
             raise EngineError(
-                f"engine {self._exit_description(handle)} before {url} answered 200",
+                f"engine {self._exit_description(handle)} before {url} answered 200{rebuild}",
                 deployment_id=handle.deployment_id,
                 log_tail=await self._log_tail(spec.log_path),
             )
@@ -457,14 +464,7 @@ class ProcessRuntime:
     def _exit_description(self, handle: EngineHandle) -> str:
         child = self._children.get(handle.pid)
         code = child.returncode if child is not None else None
-        if code is None:
-            return "exited"
-        if code < 0:
-            try:
-                return f"was killed by {signal.Signals(-code).name}"
-            except ValueError:
-                return f"was killed by signal {-code}"
-        return f"exited with code {code}"
+        return "exited" if code is None else exit_words(code)
 
     async def _log_tail(self, path: Path) -> str:
         return await asyncio.to_thread(read_log_tail, path, self._log_tail_lines)

@@ -15,10 +15,12 @@ vllm       ``--max-num-seqs N``             a default that depends on the vLLM v
 sglang     ``--max-running-requests N``     sized from free memory when SGLang starts
 =========  ===============================  =====================================================
 
-:func:`engine_slots` returns ``None`` for every "without it" case; the callers say what they
-assume instead: the fair admission gate holds llama.cpp to :data:`LLAMACPP_AUTO_SLOTS` and
-does not hold the others (:func:`berth.daemon.ready_table`), scaling assumes vLLM's 256 and 8
-for the rest (:mod:`berth.scaling.capacity`).
+:func:`engine_slots` returns ``None`` for every "without it" case; the callers assume the
+same numbers instead: :data:`LLAMACPP_AUTO_SLOTS` for llama.cpp, :data:`VLLM_DEFAULT_SLOTS`
+for vLLM, and :data:`ASSUMED_SLOTS` where the engine decides at start or is not known (an
+adopted endpoint): the fair admission gate (:mod:`berth.admission.capacity`, where the
+``default_slots`` setting replaces :data:`ASSUMED_SLOTS`) and scaling
+(:mod:`berth.scaling.capacity`).
 """
 
 from __future__ import annotations
@@ -34,6 +36,15 @@ SLOT_FLAGS: Final[dict[str, tuple[str, ...]]] = {
 }
 #: llama-server's slots when ``--parallel`` is left at ``-1`` ("auto"), as its log says.
 LLAMACPP_AUTO_SLOTS: Final = 4
+#: vLLM's ``--max-num-seqs`` default (its engine arguments; newer versions raise it to 1024 on
+#: the largest GPUs, so this is the least a vLLM engine without the flag runs at once).
+VLLM_DEFAULT_SLOTS: Final = 256
+#: Slots assumed for an engine whose count nothing says: SGLang without
+#: ``--max-running-requests`` (it sizes its batch from free memory at start), an adopted
+#: endpoint, an argument that does not parse.  8 keeps the leader's fair queue in front of a
+#: small engine (llama.cpp runs 4 by default, Ollama 1 to 4) without cutting a large one to
+#: a trickle; the ``default_slots`` setting changes it at the gate.
+ASSUMED_SLOTS: Final = 8
 
 
 def engine_slots(engine: str, args: Sequence[str]) -> int | None:

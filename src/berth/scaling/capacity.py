@@ -11,22 +11,20 @@ not say, a default per engine:
   sizes the batch from free memory at start, which the leader cannot know, so
   :data:`UNKNOWN_SLOTS` is assumed.
 
-The fair admission gate uses the same setting and slots but not these guesses
-(:mod:`berth.admission.capacity`). Pure: no I/O.
+The fair admission gate assumes the same numbers (:mod:`berth.admission.capacity`); the last
+one is the ``default_slots`` setting for both. Pure: no I/O.
 """
 
 from __future__ import annotations
 
 from typing import Final
 
-from berth.runtime.slots import LLAMACPP_AUTO_SLOTS, engine_slots
+from berth.runtime.slots import ASSUMED_SLOTS, LLAMACPP_AUTO_SLOTS, VLLM_DEFAULT_SLOTS, engine_slots
 from berth.store import ServiceProfileRecord
 
-#: vLLM's ``--max-num-seqs`` default.
-VLLM_DEFAULT_SLOTS: Final = 256
 #: Assumed where an engine decides its slots at start (SGLang without
 #: ``--max-running-requests``), or an argument does not parse.
-UNKNOWN_SLOTS: Final = 8
+UNKNOWN_SLOTS: Final = ASSUMED_SLOTS
 
 _DEFAULT_SLOTS: Final[dict[str, int]] = {
     "llamacpp": LLAMACPP_AUTO_SLOTS,
@@ -34,12 +32,13 @@ _DEFAULT_SLOTS: Final[dict[str, int]] = {
 }
 
 
-def replica_capacity(service: ServiceProfileRecord) -> int:
+def replica_capacity(service: ServiceProfileRecord, *, default_slots: int = UNKNOWN_SLOTS) -> int:
     """The concurrency capacity of one replica of ``service``: its ``capacity`` setting, else
-    its engine's slots, else the engine's default (see the module doc)."""
+    its engine's slots, else the engine's default, else ``default_slots`` (the setting; see
+    the module doc)."""
     if service.scaling.capacity is not None:
         return service.scaling.capacity
     slots = engine_slots(service.engine, service.extra_args)
     if slots is not None:
         return slots
-    return _DEFAULT_SLOTS.get(service.engine, UNKNOWN_SLOTS)
+    return _DEFAULT_SLOTS.get(service.engine, default_slots)

@@ -257,7 +257,7 @@ class ScalingController:
         return ServiceStatus(
             replicas=self._counts(service),
             queued=self.board.waiting(service),
-            capacity=replica_capacity(record),
+            capacity=replica_capacity(record, default_slots=self.policy.default_slots),
             last_action=self._last_action.get(service),
             decision=self._decision.get(service),
         )
@@ -338,7 +338,7 @@ class ScalingController:
         return ServiceLoad(
             service.name,
             service.scaling,
-            replica_capacity(service),
+            replica_capacity(service, default_slots=self.policy.default_slots),
             replicas,
             self.board.waiting(service.name),
             self._busy_since.get(service.name),

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Final
 
+from berth.runtime.slots import ASSUMED_SLOTS
+
 #: Defaults of the settings of the same names (``docs/fleet.md``).
 DEFAULT_LOAD_WAIT_S: Final = 120.0
 DEFAULT_LOAD_QUEUE_MAX: Final = 256
@@ -24,7 +26,9 @@ class ScalingPolicy:
     ``retry_after_s``: the ``Retry-After`` of a 503 for a load.  ``failed_load_hold_s``:
     for this long after a load failed, a new request for the service is answered 503 with
     that failure instead of starting another load (an engine that cannot start is not
-    restarted by every request).
+    restarted by every request).  ``default_slots``: a replica's capacity when neither its
+    service nor its engine says (the setting of that name, as the fair admission gate
+    holds it).
     """
 
     load_wait_s: float = DEFAULT_LOAD_WAIT_S
@@ -33,3 +37,4 @@ class ScalingPolicy:
     interval_s: float = DEFAULT_SCALING_INTERVAL_S
     retry_after_s: float = 5.0
     failed_load_hold_s: float = 10.0
+    default_slots: int = ASSUMED_SLOTS

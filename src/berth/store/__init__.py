@@ -21,6 +21,7 @@ from berth.store.records import (
     RouteTarget,
     ScalingSettings,
     ServiceProfileRecord,
+    StreamTimeouts,
     UsageRecord,
 )
 from berth.store.store import Store
@@ -46,6 +47,7 @@ __all__ = [
     "ScalingSettings",
     "ServiceProfileRecord",
     "Store",
+    "StreamTimeouts",
     "Unchanged",
     "UsageRecord",
 ]

@@ -80,6 +80,13 @@ class ApiKeyMethods:
             ).first()
             return None if row is None else _api_key_record(row)
 
+    def api_key_hashes(self) -> set[str]:
+        """The hashes of every unrevoked key."""
+        with self._read() as session:
+            return set(
+                session.scalars(select(ApiKeyRow.key_hash).where(ApiKeyRow.revoked_at.is_(None)))
+            )
+
     def list_api_keys(self) -> list[ApiKeyRecord]:
         """Every key, revoked ones included, oldest first."""
         with self._read() as session:

@@ -305,6 +305,12 @@ def _v8_restart_policy(conn: Connection) -> None:
     conn.execute(text("ALTER TABLE deployments ADD COLUMN last_exit_log TEXT"))
 
 
+def _v9_service_timeouts(conn: Connection) -> None:
+    # Nullable, no default: existing services take the leader's settings, as before.
+    for name in ("first_byte_timeout_s", "stream_idle_timeout_s"):
+        _add_column(conn, "service_profiles", Column(name, Float, nullable=True))
+
+
 #: Every migration, in increasing order (numbers may skip: see the module docstring).
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(1, "models, deployments and api_keys", _v1_initial),
@@ -319,6 +325,7 @@ MIGRATIONS: tuple[Migration, ...] = (
     Migration(
         8, "deployments' and services' restart policy, restart count, last exit", _v8_restart_policy
     ),
+    Migration(9, "service_profiles stream timeouts (first byte, idle)", _v9_service_timeouts),
 )
 
 LATEST_VERSION = MIGRATIONS[-1].version

@@ -225,6 +225,21 @@ class ScalingSettings:
 
 
 @dataclass(frozen=True)
+class StreamTimeouts:
+    """A service's own bounds on its streamed answers, in seconds; ``None`` takes the
+    leader's setting of the same name (``[server]``), 0 turns the bound off.
+
+    ``first_byte_timeout_s``: from sending a streamed request to the first byte of its
+    answer (the head and first event: prefill), past which the request goes to another
+    deployment. ``stream_idle_timeout_s``: the longest silence inside the stream after it,
+    past which the stream ends with an error event.
+    """
+
+    first_byte_timeout_s: float | None = None
+    stream_idle_timeout_s: float | None = None
+
+
+@dataclass(frozen=True)
 class ServiceProfileRecord:
     """A service profile: a model and how to deploy it.
 
@@ -235,7 +250,8 @@ class ServiceProfileRecord:
     deploy time, ``local`` by default).  Its deployments serve the profile's ``name``.
     ``scaling`` says how many of them run and when (:class:`ScalingSettings`).
     ``max_adapters`` is their LoRA slot count (vLLM, SGLang; ``None``: 1 when the model has
-    adapters, else LoRA off, as ``berth run --max-adapters``).
+    adapters, else LoRA off, as ``berth run --max-adapters``). ``timeouts`` bound their
+    streamed answers (:class:`StreamTimeouts`).
     """
 
     name: str
@@ -251,6 +267,7 @@ class ServiceProfileRecord:
     scaling: ScalingSettings = ScalingSettings()
     max_adapters: int | None = None
     restart_policy: RestartPolicy = DEFAULT_RESTART_POLICY
+    timeouts: StreamTimeouts = StreamTimeouts()
 
 
 @dataclass(frozen=True)

@@ -40,6 +40,7 @@ from berth.store.records import (
     RouteTarget,
     ScalingSettings,
     ServiceProfileRecord,
+    StreamTimeouts,
     check_restart_policy,
 )
 from berth.store.states import TERMINAL_STATES, DeploymentState
@@ -83,6 +84,24 @@ def check_scaling(settings: ScalingSettings) -> ScalingSettings:
     return settings
 
 
+#: The longest stream timeout a service may set, in seconds (a day: far beyond any answer).
+MAX_STREAM_TIMEOUT_S = 86400.0
+
+
+def check_timeouts(timeouts: StreamTimeouts) -> StreamTimeouts:
+    """``timeouts`` when each is ``None`` or a number of seconds from 0 (off) to a day;
+    :class:`ConfigError` naming the one that is not otherwise."""
+    for name, value in (
+        ("first_byte_timeout_s", timeouts.first_byte_timeout_s),
+        ("stream_idle_timeout_s", timeouts.stream_idle_timeout_s),
+    ):
+        if value is not None and not (math.isfinite(value) and 0 <= value <= MAX_STREAM_TIMEOUT_S):
+            raise ConfigError(
+                f"{name} must be 0 (off) to {MAX_STREAM_TIMEOUT_S:g} seconds, got {value}"
+            )
+    return timeouts
+
+
 class ServiceMethods:
     """Store methods for service profiles and routes (see the module doc)."""
 
@@ -111,6 +130,7 @@ class ServiceMethods:
         scaling: ScalingSettings | None = None,
         max_adapters: int | None = None,
         restart_policy: RestartPolicy = DEFAULT_RESTART_POLICY,
+        timeouts: StreamTimeouts | None = None,
     ) -> ServiceProfileRecord:
         """Record the service profile ``name``; its deployments get ``restart_policy``.
 
@@ -121,9 +141,11 @@ class ServiceMethods:
         (removed nodes included); :class:`ConfigError` for an unknown engine or runtime, a
         negative GPU index, a non-positive ``ctx``, an ``image`` on a runtime other than
         ``docker``, scaling settings :func:`check_scaling` refuses, or a ``max_adapters``
-        below 1 or for llama.cpp (which takes its adapters at start).
+        below 1 or for llama.cpp (which takes its adapters at start), or ``timeouts``
+        :func:`check_timeouts` refuses.
         """
         scaling = check_scaling(scaling or ScalingSettings())
+        timeouts = check_timeouts(timeouts or StreamTimeouts())
         engine_name = parse_engine_name(engine)
         runtime_name = parse_runtime_name(runtime)
         if any(gpu < 0 for gpu in gpus):
@@ -177,6 +199,8 @@ class ServiceMethods:
                 capacity=scaling.capacity,
                 max_adapters=max_adapters,
                 restart_policy=check_restart_policy(restart_policy),
+                first_byte_timeout_s=timeouts.first_byte_timeout_s,
+                stream_idle_timeout_s=timeouts.stream_idle_timeout_s,
             )
             session.add(row)
             return _profile_record(row)
@@ -211,6 +235,20 @@ class ServiceMethods:
             row.pinned = settings.pinned
             row.priority = settings.priority
             row.capacity = settings.capacity
+            session.flush()
+            return _profile_record(row)
+
+    def update_service_timeouts(
+        self, name: str, change: Callable[[StreamTimeouts], StreamTimeouts]
+    ) -> ServiceProfileRecord:
+        """Replace the stream timeouts of service ``name`` with ``change(current)`` in one
+        write transaction, and return the service. Raises :class:`NotFoundError` for an
+        unknown service and :class:`ConfigError` for invalid timeouts (nothing changes)."""
+        with self._write() as session:
+            row = _profile_row(session, name)
+            timeouts = check_timeouts(change(_timeouts_of(row)))
+            row.first_byte_timeout_s = timeouts.first_byte_timeout_s
+            row.stream_idle_timeout_s = timeouts.stream_idle_timeout_s
             session.flush()
             return _profile_record(row)
 
@@ -492,6 +530,14 @@ def _profile_record(row: ServiceProfileRow) -> ServiceProfileRecord:
         scaling=_scaling_of(row),
         max_adapters=row.max_adapters,
         restart_policy=check_restart_policy(row.restart_policy),
+        timeouts=_timeouts_of(row),
+    )
+
+
+def _timeouts_of(row: ServiceProfileRow) -> StreamTimeouts:
+    return StreamTimeouts(
+        first_byte_timeout_s=row.first_byte_timeout_s,
+        stream_idle_timeout_s=row.stream_idle_timeout_s,
     )
 
 

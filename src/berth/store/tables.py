@@ -240,6 +240,9 @@ class ServiceProfileRow(Base):
     max_adapters: Mapped[int | None] = mapped_column(Integer, nullable=True)
     #: its deployments' restart policy (``on-failure``, ``always`` or ``never``)
     restart_policy: Mapped[str] = mapped_column(String(16), default="on-failure")
+    #: its streamed answers' bounds, seconds (``None``: the leader's settings; 0: none)
+    first_byte_timeout_s: Mapped[float | None] = mapped_column(Float, nullable=True)
+    stream_idle_timeout_s: Mapped[float | None] = mapped_column(Float, nullable=True)
 
 
 class RouteRow(Base):

@@ -70,6 +70,7 @@ OpName = Literal[
     "load_adapter",
     "unload_adapter",
     "ingress",
+    "model_shape",
 ]
 OP_NAMES: frozenset[str] = frozenset(get_args(OpName))
 #: The events a running request reports in ``PROGRESS`` (v1: those of ``start``).

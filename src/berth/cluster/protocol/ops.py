@@ -140,6 +140,49 @@ class IngressArgs(_Args, kw_only=True):
     leader_certificate: str
 
 
+class ModelShapeArgs(_Args, kw_only=True):
+    """Read the shape of the model at ``path`` (absolute, on the agent's host: a GGUF file, or
+    a folder with a ``config.json`` or GGUF parts).  ``known_size_bytes`` and
+    ``known_mtime_ns`` are the stamp the leader already has a shape for: when the files
+    still have it, the answer carries no shape."""
+
+    path: str
+    known_size_bytes: int | None = None
+    known_mtime_ns: int | None = None
+
+
+ModelFormatName = Literal["gguf", "hf"]
+
+
+class ModelShapeInfo(_Args, kw_only=True):
+    """The wire form of :class:`berth.placement.ModelShape` (the field meanings are there;
+    ``berth.cluster.shape_wire`` converts both ways): what the VRAM estimate reads of a
+    model's files.  ``source`` is the file read, on the agent's host."""
+
+    format: ModelFormatName
+    architecture: str
+    weights_bytes: int
+    block_count: int
+    embedding_length: int
+    head_count: int
+    layer_kv_heads: list[int]
+    key_length: int
+    value_length: int
+    context_length: int | None = None
+    vocab_size: int | None = None
+    dtype: str | None = None
+    source: str
+
+
+class ModelShapeResult(_Args, kw_only=True):
+    """The files' stamp (total size in bytes, newest modification time in ns) and their
+    shape; ``shape`` absent: the stamp is the one the request said it knows."""
+
+    size_bytes: int
+    mtime_ns: int
+    shape: ModelShapeInfo | None = None
+
+
 class NoArgs(_Args, kw_only=True):
     pass
 
@@ -195,11 +238,25 @@ PULL: Op[PullArgs, PullResult] = Op("pull", PullArgs, PullResult)
 LOAD_ADAPTER: Op[LoadAdapterArgs, None] = Op("load_adapter", LoadAdapterArgs, type(None))
 UNLOAD_ADAPTER: Op[UnloadAdapterArgs, None] = Op("unload_adapter", UnloadAdapterArgs, type(None))
 INGRESS: Op[IngressArgs, None] = Op("ingress", IngressArgs, type(None))
+MODEL_SHAPE: Op[ModelShapeArgs, ModelShapeResult] = Op(
+    "model_shape", ModelShapeArgs, ModelShapeResult
+)
 
 #: Every op, by name.
 OPS: dict[OpName, Op[Any, Any]] = {
     op.name: op
-    for op in (START, STOP, PROBE, INVENTORY, ENGINES, PULL, LOAD_ADAPTER, UNLOAD_ADAPTER, INGRESS)
+    for op in (
+        START,
+        STOP,
+        PROBE,
+        INVENTORY,
+        ENGINES,
+        PULL,
+        LOAD_ADAPTER,
+        UNLOAD_ADAPTER,
+        INGRESS,
+        MODEL_SHAPE,
+    )
 }
 #: The capability an agent advertises in Hello for each op it serves.
 OP_CAPABILITIES: dict[OpName, str] = {name: op.capability for name, op in OPS.items()}

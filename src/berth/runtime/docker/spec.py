@@ -12,6 +12,7 @@ from __future__ import annotations
 from berth.runtime.base import ContainerSpec, EngineHandle, LaunchSpec
 from berth.runtime.docker.api import ContainerConfig, ContainerInfo
 from berth.runtime.docker.network import ENGINE_NETWORK
+from berth.runtime.exits import container_exit_words
 
 DEPLOYMENT_LABEL = "berth.deployment"
 NODE_LABEL = "berth.node"
@@ -87,7 +88,7 @@ def exit_description(info: ContainerInfo | None) -> str:
     if info is None:
         return "was removed"
     state = info.state
-    text = f"exited with code {'?' if state.exit_code is None else state.exit_code}"
+    text = container_exit_words(state.exit_code)
     if state.oom_killed:
         text += " (killed: out of memory)"
     if state.error:
