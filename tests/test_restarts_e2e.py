@@ -175,9 +175,13 @@ def test_an_engine_that_exits_at_once_backs_off_into_crashloop(
         # restarts n and n+1 is at least the backoff before n+1 (no busy loop).
         for n, gap in enumerate(gaps, start=1):
             assert gap >= 0.2 * 2**n - 0.05, (n, gaps)
-        listed = berth("ps").stdout
-        assert "crashloop" in listed
-        assert f"{deployment_id} crashloop: its engine start failed" in listed
+        # `berth ps` while it waits in crashloop (each wait longer than the last, so a slow
+        # CLI catches one of them).
+        wait_for(
+            lambda: f"{deployment_id} crashloop: its engine start failed" in berth("ps").stdout,
+            30.0,
+            "berth ps to show the crashloop",
+        )
     finally:
         _stop(berth, deployment_id)
     # Not flooded: one failure line per failed start in the engine's log, a few leader
