@@ -126,6 +126,9 @@ def test_an_exit_is_described_by_its_code_or_signal() -> None:
     assert EngineExit.from_returncode(1).describe() == "exit code 1"
     assert EngineExit.from_returncode(-9).describe() == "killed by SIGKILL"
     assert EngineExit.from_returncode(-200).describe() == "killed by signal 200"
+    assert EngineExit.from_returncode(-4).describe() == (
+        "killed by SIGILL (built for instructions this CPU does not run)"
+    )
 
 
 # -- the lifecycle manager carrying it out --------------------------------------------------

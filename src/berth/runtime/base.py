@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, Protocol
 
+from berth.runtime.exits import ILLEGAL_INSTRUCTION, signal_name
+
 RuntimeName = Literal["process", "docker"]
 #: Every runtime berth knows, in the order they are listed to users.
 RUNTIME_NAMES: tuple[RuntimeName, ...] = ("process", "docker")
@@ -172,13 +174,13 @@ class EngineExit:
         """From :attr:`subprocess.Popen.returncode` (``-N``: killed by signal ``N``)."""
         if returncode >= 0:
             return cls(code=returncode)
-        try:
-            return cls(signal=signal.Signals(-returncode).name)
-        except ValueError:
-            return cls(signal=f"signal {-returncode}")
+        return cls(signal=signal_name(-returncode))
 
     def describe(self) -> str:
-        """``exit code 1``, ``killed by SIGKILL``."""
+        """``exit code 1``, ``killed by SIGKILL``, ``killed by SIGILL (built for instructions
+        this CPU does not run)`` (:mod:`berth.runtime.exits`' words)."""
+        if self.signal == signal_name(signal.SIGILL):
+            return f"killed by {self.signal} ({ILLEGAL_INSTRUCTION})"
         if self.signal is not None:
             return f"killed by {self.signal}"
         return f"exit code {self.code}" if self.code is not None else "exited"
