@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import struct
+from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -457,3 +458,19 @@ async def test_sglang_and_vllm_adapter_api_over_real_http() -> None:
         "/load_lora_adapter", "/unload_lora_adapter", "/v1/load_lora_adapter",
         "/load_lora_adapter",
     ]  # fmt: skip
+
+
+async def test_a_restarted_engine_holds_no_adapter_it_had_loaded() -> None:
+    manager, link, _now = _manager()
+    lease = await manager.enter(_upstream(manager, "x"))
+    assert lease is not None
+    lease.release(200)
+    assert manager.loaded_on("x") == [("d-1", "n1")]
+    restarting = replace(_record("d-1", "n1", 2), state=DeploymentState.RESTARTING)
+    manager.deployment_changed(restarting)  # its engine ended: what it had loaded is gone
+    assert manager.loaded_on("x") == []
+    manager.deployment_changed(_record("d-1", "n1", 2))  # ready again, after the restart
+    lease = await manager.enter(_upstream(manager, "x"))
+    assert lease is not None
+    lease.release(200)
+    assert link.adapter_calls == [("load", "d-1", "x"), ("load", "d-1", "x")]

@@ -206,6 +206,11 @@ BEFORE = {
         "served_model_name": "svc",
         "state": "failed",
         "updated_at": "2025-03-04T05:06:07.123456+00:00",
+        # added with restart policies (additive: older clients ignore them)
+        "last_exit": None,
+        "last_exit_log": None,
+        "restart_count": 0,
+        "restart_policy": "on-failure",
     },
     "node": {
         "advertised_address": None,

@@ -311,6 +311,29 @@ async def test_out_of_range_numbers_are_refused_before_the_database(app_leader: 
         assert response.json()["detail"][0]["loc"][-1] in ("ctx", "gpus", "priority")
 
 
+async def test_a_service_carries_its_restart_policy_to_its_deployments(
+    app_leader: Leader,
+) -> None:
+    admin = app_leader.admin
+    body = {"name": "svc", "model": "tiny", "restart": "always"}
+    created = await app_leader.ok("POST", "/admin/services", json=body)
+    assert created["restart_policy"] == "always"
+    deployed = await app_leader.ok("POST", "/admin/services/svc/deploy")
+    assert deployed["restart_policy"] == "always"
+    changed = await app_leader.ok("PATCH", "/admin/services/svc", json={"restart": "never"})
+    assert changed["restart_policy"] == "never"
+    assert app_leader.store.get_service_profile("svc").restart_policy == "never"
+    for method, path, bad in (
+        ("POST", "/admin/services", {"name": "x", "model": "tiny", "restart": "sometimes"}),
+        ("PATCH", "/admin/services/svc", {"restart": "sometimes"}),
+    ):
+        # This test app keeps FastAPI's 422 (the admin app turns it into a 400 error body).
+        refused = await admin.request(method, path, json=bad)
+        assert refused.status_code == 422
+        assert "'on-failure', 'always' or 'never'" in refused.text
+    assert app_leader.store.get_service_profile("svc").restart_policy == "never"
+
+
 async def test_a_service_s_stream_timeouts_reach_the_proxy_and_can_be_changed(
     app_leader: Leader,
 ) -> None:

@@ -53,7 +53,7 @@ from berth.routing.resolver import Upstream
 from berth.routing.router import Router
 from berth.routing.signals import SignalBoard
 from berth.routing.waiting import GiveUp, WaitingAttempts
-from berth.store import Store
+from berth.store import RestartPolicy, Store
 from berth.store.states import DeploymentState
 from support.fakes import FakeLink, memory_socket_pair
 from support.link_pair import DEPLOYMENT, Linked
@@ -111,9 +111,12 @@ async def watched(
         await manager.shutdown()
 
 
-async def _two_ready(manager: LifecycleManager) -> tuple[str, str]:
-    first = await manager.deploy(DeployOptions(MODEL, "llamacpp", "local"))
-    second = await manager.deploy(DeployOptions(MODEL, "llamacpp", "local"))
+async def _two_ready(
+    manager: LifecycleManager, restart_policy: RestartPolicy = "on-failure"
+) -> tuple[str, str]:
+    options = DeployOptions(MODEL, "llamacpp", "local", restart_policy=restart_policy)
+    first = await manager.deploy(options)
+    second = await manager.deploy(options)
     for record in (first, second):
         assert (await manager.wait_settled(record.id, 5)).state is DeploymentState.READY
     return first.id, second.id
@@ -171,7 +174,7 @@ async def test_waiting_requests_move_on_a_failed_probe_and_end_on_the_failed_sta
     link = CountingLink()
     waiting = WaitingAttempts()
     async with watched(store, link, waiting, probes_to_fail=3) as manager:
-        hung, _sound = await _two_ready(manager)
+        hung, _sound = await _two_ready(manager, restart_policy="never")
         upstream = next(u for u in manager.candidates(MODEL) if u.deployment_id == hung)
         # Two requests waiting on it for a first byte: one with another candidate to go to,
         # one without.

@@ -201,7 +201,9 @@ async def test_dead_engine_is_marked_failed_by_the_watcher(store: Store, link: F
     )
     await manager.start()
     try:
-        record = await manager.deploy(DeployOptions("tiny", "llamacpp", "local"))
+        # Restarting a dead engine is tests/test_restarts.py's; here it stays failed.
+        options = DeployOptions("tiny", "llamacpp", "local", restart_policy="never")
+        record = await manager.deploy(options)
         await manager.wait_settled(record.id, 5)
         link.running.pop(record.id)  # the engine dies behind berth's back
         await wait_for_async(
@@ -226,7 +228,8 @@ async def test_a_hung_engine_is_failed_after_repeated_health_probes(
     )
     await manager.start()
     try:
-        record = await manager.deploy(DeployOptions("tiny", "llamacpp", "local"))
+        options = DeployOptions("tiny", "llamacpp", "local", restart_policy="never")
+        record = await manager.deploy(options)
         await manager.wait_settled(record.id, 5)
         assert store.get_deployment(record.id).pid == 4242  # recorded at spawn
         link.hung.add(record.id)  # runs, but no longer answers health

@@ -179,6 +179,15 @@ def load(
             id="on-demand",
         ),
         pytest.param(
+            load(
+                Replica("d-1", "gpu-a", DeploymentState.RESTARTING),
+                queued=3,
+                min_replicas=1,
+            ),
+            Hold("3 request(s) wait for d-1 to restart (max_replicas 1)"),
+            id="restarting-counts-as-a-replica",
+        ),
+        pytest.param(
             load(queued=3, max_replicas=0),
             Hold("3 request(s) wait, but max_replicas is 0: none started"),
             id="on-demand-max-0",

@@ -35,8 +35,18 @@ LEGAL = {
     (S.LOADING, S.READY),
     (S.LOADING, S.STOPPING),
     (S.LOADING, S.FAILED),
+    (S.LOADING, S.RESTARTING),  # a restart's start failed: the next backoff
+    (S.LOADING, S.CRASHLOOP),
     (S.READY, S.STOPPING),
     (S.READY, S.FAILED),
+    (S.READY, S.RESTARTING),  # its engine ended and the restart policy starts it again
+    (S.READY, S.CRASHLOOP),
+    (S.RESTARTING, S.LOADING),  # the backoff is over: started again
+    (S.RESTARTING, S.STOPPING),  # a stop wins over a pending restart
+    (S.RESTARTING, S.FAILED),
+    (S.CRASHLOOP, S.LOADING),
+    (S.CRASHLOOP, S.STOPPING),
+    (S.CRASHLOOP, S.FAILED),
     (S.STOPPING, S.STOPPED),
     (S.STOPPING, S.FAILED),
 }
@@ -45,6 +55,8 @@ PATH_TO = {
     S.PENDING: (),
     S.LOADING: (S.LOADING,),
     S.READY: (S.LOADING, S.READY),
+    S.RESTARTING: (S.LOADING, S.READY, S.RESTARTING),
+    S.CRASHLOOP: (S.LOADING, S.READY, S.CRASHLOOP),
     S.STOPPING: (S.STOPPING,),
     S.STOPPED: (S.STOPPING, S.STOPPED),
     S.FAILED: (S.FAILED,),

@@ -32,8 +32,10 @@ before listening; ``--x-setsid-grandchild PIDFILE`` first starts a helper proces
 child calls ``setsid()`` and writes its pid to PIDFILE (a helper leaving the engine's process
 group and session); ``--x-unhealthy`` makes ``/health`` answer 503 forever;
 ``--x-start-delay-s S`` waits S seconds before listening (a model that takes a while to
-load); ``--x-die-by SIGNAL`` (``ILL``, ``SEGV``) kills itself with that signal before
-listening (a binary built for another CPU, a crash).  Lines it prints
+load); ``--x-fail-start-if PATH`` does as ``--fail-start`` once PATH exists (an engine that
+served, then exits at once on every start); ``--x-die-by SIGNAL`` (``ILL``, ``SEGV``) kills
+itself with that signal before listening (a binary built for another CPU, a crash).  Lines
+it prints
 go to stdout, flushed, so berth's engine log shows them.
 
 Only the standard library is used, so the engine starts in about 0.1 s
@@ -95,6 +97,7 @@ def _parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("-c", "--ctx-size", type=int, default=None)
     parser.add_argument("-ngl", "--n-gpu-layers", default=None)
     parser.add_argument("--fail-start", action="store_true")
+    parser.add_argument("--x-fail-start-if", type=Path, default=None)
     parser.add_argument("--x-setsid-grandchild", default=None)
     parser.add_argument("--x-unhealthy", action="store_true")
     parser.add_argument("--x-start-delay-s", type=float, default=0.0)
@@ -275,7 +278,7 @@ def main(argv: list[str]) -> int:
     print(f"fake llama-server: model {args.model}, alias {args.alias}, extra {extra}", flush=True)
     if args.x_setsid_grandchild:
         subprocess.Popen([sys.executable, "-c", _SETSID_HELPER, args.x_setsid_grandchild])
-    if args.fail_start:
+    if args.fail_start or (args.x_fail_start_if is not None and args.x_fail_start_if.exists()):
         print(FAIL_LINE, flush=True)
         return 1
     if args.x_die_by:

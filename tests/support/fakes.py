@@ -18,7 +18,7 @@ from berth.cluster.link import (
 from berth.cluster.protocol.ops import OP_CAPABILITIES, RUNTIME_CAPABILITIES
 from berth.errors import BerthError, EngineError, NotFoundError
 from berth.placement.model_files import FileStamp, ModelFileShape, read_model_file
-from berth.runtime.base import ProgressListener
+from berth.runtime.base import EngineExit, ProgressListener
 from berth.runtime.engines import DeploymentRequest
 
 
@@ -51,6 +51,8 @@ class FakeLink:
         self.shape_reads: list[str] = []
         #: (deployment id, adapter) loaded into each engine, in the order asked
         self.adapter_calls: list[tuple[str, str, str]] = []
+        #: how an engine the test removed from ``running`` ended (``last_exit``)
+        self.exits: dict[str, EngineExit] = {}
 
     async def start_deployment(
         self,
@@ -103,6 +105,9 @@ class FakeLink:
         if deployment_id not in self.running:
             return "gone"
         return "unhealthy" if deployment_id in self.hung else "healthy"
+
+    def last_exit(self, deployment_id: str) -> EngineExit | None:
+        return self.exits.get(deployment_id)
 
     async def model_shape(self, path: str, known: FileStamp | None = None) -> ModelFileShape:
         """Read on this host (the test's files), as an agent reads on its own."""

@@ -74,6 +74,9 @@ class FakeCore:
     async def probe(self, deployment_id: str, timeout_s: float = 5.0) -> str:
         return "healthy"
 
+    def exit_status(self, deployment_id: str) -> None:
+        return None
+
     async def logs(
         self, deployment_id: str, *, tail_lines: int, follow: bool
     ) -> AsyncIterator[bytes]:

@@ -24,6 +24,7 @@ from berth.cluster.link import DEFAULT_PROBE_TIMEOUT_S, EngineReport, ProbeResul
 from berth.engine_http.auth import bearer_header
 from berth.errors import EngineError, NotFoundError
 from berth.runtime.base import (
+    EngineExit,
     EngineHandle,
     LaunchSpec,
     ProgressListener,
@@ -428,6 +429,14 @@ class AgentCore:
         if managed is None:
             return False
         return self._runtime_for(managed.handle.runtime).is_alive(managed.handle)
+
+    def exit_status(self, deployment_id: str) -> EngineExit | None:
+        """How the deployment's engine ended, once a probe found it gone; ``None`` while it
+        runs, when this core runs no such engine, or when its runtime cannot tell."""
+        managed = self._engines.get(deployment_id)
+        if managed is None:
+            return None
+        return self._runtime_for(managed.handle.runtime).exit_status(managed.handle)
 
     async def probe(
         self, deployment_id: str, timeout_s: float = DEFAULT_PROBE_TIMEOUT_S

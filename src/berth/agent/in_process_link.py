@@ -20,7 +20,7 @@ from berth.cluster.link import (
 from berth.cluster.protocol.ops import OP_CAPABILITIES, RUNTIME_CAPABILITIES
 from berth.errors import BerthError, EngineError
 from berth.placement.model_files import FileStamp, ModelFileShape, read_model_file
-from berth.runtime.base import ProgressListener, RuntimeName
+from berth.runtime.base import EngineExit, ProgressListener, RuntimeName
 from berth.runtime.engines import DeploymentRequest, EngineName
 
 #: What node ``local``'s in-process core offers: every op but ``pull`` (the leader's own host
@@ -74,6 +74,9 @@ class InProcessLink:
         self, deployment_id: str, timeout_s: float = DEFAULT_PROBE_TIMEOUT_S
     ) -> ProbeResult:
         return await self._core.probe(deployment_id, timeout_s)
+
+    def last_exit(self, deployment_id: str) -> EngineExit | None:
+        return self._core.exit_status(deployment_id)
 
     async def load_adapter(
         self, deployment_id: str, engine: EngineName, adapter: str, path: str

@@ -293,7 +293,14 @@ class AgentService:
             case "probe":
                 probe = PROBE.decode_args(request.args)
                 result = await self._core.probe(probe.deployment_id, probe.timeout_s)
-                return PROBE.encode_result(ProbeResult(result=result))
+                ended = self._core.exit_status(probe.deployment_id) if result == "gone" else None
+                return PROBE.encode_result(
+                    ProbeResult(
+                        result=result,
+                        exit_code=ended.code if ended is not None else None,
+                        exit_signal=ended.signal if ended is not None else None,
+                    )
+                )
             case "inventory":
                 await self.read_gpus()
                 return INVENTORY.encode_result(self.inventory())

@@ -206,9 +206,15 @@ class DaemonClient:
         return self.call("DELETE", f"/admin/pulls/{_segment(pull_id)}", TypeAdapter(Pull))
 
     # -- deployments ---------------------------------------------------------------------------
-    def deployments(self, *, active: bool = False) -> list[ListedDeployment]:
-        """``GET /admin/deployments``: every deployment, or the active ones."""
-        return self.call("GET", "/admin/deployments", _DEPLOYMENTS, params={"active": active})
+    def deployments(
+        self, *, active: bool = False, ended_within_s: int | None = None
+    ) -> list[ListedDeployment]:
+        """``GET /admin/deployments``: every deployment, or the active ones (with those that
+        ended ``ended_within_s`` seconds ago or less, when given)."""
+        params: dict[str, str | int | bool] = {"active": active}
+        if ended_within_s is not None:
+            params["ended_within_s"] = ended_within_s
+        return self.call("GET", "/admin/deployments", _DEPLOYMENTS, params=params)
 
     def deployment(self, deployment_id: str) -> Deployment:
         """``GET /admin/deployments/{id}``."""

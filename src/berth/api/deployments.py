@@ -7,6 +7,7 @@ from pydantic import Field
 from berth.api.base import ApiInput, ApiModel, Timestamp
 from berth.runtime.base import RuntimeName
 from berth.runtime.engines import EngineName
+from berth.store import DEFAULT_RESTART_POLICY, RestartPolicy
 from berth.store.states import DeploymentState
 
 
@@ -21,7 +22,8 @@ class DeploymentIn(ApiInput):
     ``docker`` deployment's container image (``None``: the engine's image setting).
     ``force``: place GPUs asked for (or the GPU with the most free memory) even where the
     estimate does not fit. ``max_adapters`` is a vLLM or SGLang engine's LoRA slot count
-    (``None``: 1 when the model has adapters, else LoRA off).
+    (``None``: 1 when the model has adapters, else LoRA off).  ``restart`` is when its engine
+    is started again after it ended (``docs/fleet.md``, Restarts).
     """
 
     model: str
@@ -35,6 +37,7 @@ class DeploymentIn(ApiInput):
     image: str | None = Field(default=None, max_length=512)
     max_adapters: int | None = Field(default=None, ge=1)
     force: bool = False
+    restart: RestartPolicy = DEFAULT_RESTART_POLICY
 
 
 class Deployment(ApiModel):
@@ -42,7 +45,10 @@ class Deployment(ApiModel):
 
     ``port`` and ``pid`` are the engine's once started (``None`` before); ``failure_reason``
     is kept once it failed (with the engine's log tail); ``progress`` says what a loading
-    one is busy with (an image pull), ``None`` otherwise.
+    one is busy with (an image pull), ``None`` otherwise.  ``restart_count`` is how many
+    times the restart policy started its engine again; ``last_exit`` how the engine last
+    ended (``exit code 1``, ``killed by SIGKILL``, ``stopped after 3 failed health probes``)
+    and ``last_exit_log`` the engine log's last lines then.
     """
 
     id: str
@@ -62,6 +68,10 @@ class Deployment(ApiModel):
     updated_at: Timestamp
     image: str | None
     progress: str | None
+    restart_policy: RestartPolicy = DEFAULT_RESTART_POLICY
+    restart_count: int = 0
+    last_exit: str | None = None
+    last_exit_log: str | None = None
 
 
 class ListedDeployment(Deployment):

@@ -10,6 +10,7 @@ from berth.api.base import ApiInput, ApiModel, Timestamp, named_pattern
 from berth.humanize import parse_duration
 from berth.runtime.base import RuntimeName
 from berth.runtime.engines import EngineName
+from berth.store import DEFAULT_RESTART_POLICY, RestartPolicy
 from berth.store.services import MAX_STREAM_TIMEOUT_S
 from berth.store.states import DeploymentState
 
@@ -90,6 +91,8 @@ class ServiceIn(ApiInput):
 
     _idle_timeout = field_validator("idle_timeout")(_check_idle_timeout)
     max_adapters: int | None = Field(default=None, ge=1, le=_INT32)
+    #: its deployments' restart policy (``berth run --restart``)
+    restart: RestartPolicy = DEFAULT_RESTART_POLICY
     first_byte_timeout_s: float | None = Field(default=None, ge=0, le=MAX_STREAM_TIMEOUT_S)
     stream_idle_timeout_s: float | None = Field(default=None, ge=0, le=MAX_STREAM_TIMEOUT_S)
 
@@ -113,6 +116,8 @@ class ScaleIn(ApiInput):
     pinned: bool | None = None
     priority: int | None = Field(default=None, ge=-_INT32, le=_INT32)
     capacity: int | None = Field(default=None, ge=1, le=_INT32)
+    #: the restart policy of its deployments started from now on
+    restart: RestartPolicy | None = None
     first_byte_timeout_s: float | None = Field(default=None, ge=0, le=MAX_STREAM_TIMEOUT_S)
     stream_idle_timeout_s: float | None = Field(default=None, ge=0, le=MAX_STREAM_TIMEOUT_S)
 
@@ -199,6 +204,7 @@ class Service(ApiModel):
     replicas: dict[DeploymentState, int] = Field(default_factory=dict)
     queued: int = 0
     max_adapters: int | None = None
+    restart_policy: RestartPolicy = DEFAULT_RESTART_POLICY
     first_byte_timeout_s: float | None = None
     stream_idle_timeout_s: float | None = None
 

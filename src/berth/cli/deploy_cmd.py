@@ -26,10 +26,14 @@ from berth.cli.common import (
 )
 from berth.errors import BerthError, ConfigError, EngineError
 from berth.humanize import age
+from berth.store.records import check_restart_policy
 from berth.store.states import DeploymentState
 
 #: The states of a deployment still starting.
 STARTING = (DeploymentState.PENDING, DeploymentState.LOADING)
+#: Seconds ``berth ps`` keeps listing a deployment after it stopped or failed (``--all``:
+#: all of them, however long ago).
+PS_ENDED_WITHIN_S = 600
 
 
 def parse_gpus(text: str | None) -> list[int]:
@@ -79,6 +83,11 @@ def run(
         "--force",
         help="Run on the GPUs asked for even where its VRAM estimate does not fit.",
     ),
+    restart: str = typer.Option(
+        "on-failure",
+        "--restart",
+        help="Start its engine again when it ends: on-failure, always or never.",
+    ),
     detach: bool = typer.Option(False, "--detach", "-d", help="Return without waiting."),
     timeout: float = typer.Option(
         900.0, min=1.0, help="Seconds to wait for the engine to be ready."
@@ -102,6 +111,7 @@ def run(
         image=image,
         max_adapters=max_adapters,
         force=force,
+        restart=check_restart_policy(restart),
     )
     with context(ctx).client() as client:
         record = client.create_deployment(body)
@@ -169,12 +179,23 @@ def print_deployments(records: Sequence[ListedDeployment], *, title: str | None 
     """The deployments table, then one line per failure reason or progress (too long for a
     table cell)."""
     print_table(deployments_table(records, title=title))
+    now = datetime.now(UTC)
     for r in records:
+        line = None
         if r.failure_reason:
             line = f"{r.id} {r.state}: {short_reason(r.failure_reason, width=200)}"
-            console.print(line, markup=False, soft_wrap=True)
+        elif r.state in (DeploymentState.RESTARTING, DeploymentState.CRASHLOOP):
+            line = f"{r.id} {r.state}: its engine {r.last_exit or 'ended'}; started again soon"
         elif r.progress:
-            console.print(f"{r.id} {r.state}: {r.progress}", markup=False, soft_wrap=True)
+            line = f"{r.id} {r.state}: {r.progress}"
+        elif r.state == DeploymentState.STOPPED:
+            line = f"{r.id} stopped {age((now - _aware(r.updated_at)).total_seconds())} ago"
+        if line is not None:
+            console.print(line, markup=False, soft_wrap=True)
+        if r.last_exit and r.state not in (DeploymentState.RESTARTING, DeploymentState.CRASHLOOP):
+            plural = "s" if r.restart_count != 1 else ""
+            line = f"{r.id} last exit: {r.last_exit} ({r.restart_count} restart{plural})"
+            console.print(line, markup=False, soft_wrap=True)
 
 
 def deployments_table(records: Sequence[ListedDeployment], *, title: str | None = None) -> Table:
@@ -187,13 +208,11 @@ def deployments_table(records: Sequence[ListedDeployment], *, title: str | None 
         table.add_column(column, overflow="fold")
     states = [_state(r) for r in records]
     table.add_column("STATE", width=word_width("STATE", (s for s, _ in states)))
-    for column in ("PORT", "PID", "AGE"):
+    for column in ("RESTARTS", "PORT", "PID", "AGE"):
         table.add_column(column, no_wrap=True)
     now = datetime.now(UTC)
     for r, (state, colour) in zip(records, states, strict=True):
-        created = r.created_at
-        if created.tzinfo is None:
-            created = created.replace(tzinfo=UTC)
+        created = _aware(r.created_at)
         table.add_row(
             r.id,
             r.served_model_name,
@@ -202,6 +221,7 @@ def deployments_table(records: Sequence[ListedDeployment], *, title: str | None 
             r.runtime,
             r.node_label or r.node_id,
             Text(state, style=colour),
+            str(r.restart_count),
             str(r.port or "-"),
             str(r.pid or "-"),
             age((now - created).total_seconds()),
@@ -209,9 +229,15 @@ def deployments_table(records: Sequence[ListedDeployment], *, title: str | None 
     return table
 
 
+def _aware(moment: datetime) -> datetime:
+    return moment.replace(tzinfo=UTC) if moment.tzinfo is None else moment
+
+
 _STATE_COLOURS = {
     DeploymentState.READY: "green",
     DeploymentState.FAILED: "red",
+    DeploymentState.CRASHLOOP: "red",
+    DeploymentState.RESTARTING: "yellow",
     DeploymentState.LOADING: "yellow",
     DeploymentState.PENDING: "yellow",
 }
@@ -227,12 +253,18 @@ def _state(record: ListedDeployment) -> tuple[str, str]:
 
 def ps(
     ctx: typer.Context,
-    all_: bool = typer.Option(False, "--all", "-a", help="Include stopped and failed ones."),
+    all_: bool = typer.Option(
+        False, "--all", "-a", help="Include every stopped and failed one, however old."
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print JSON."),
 ) -> None:
-    """List deployments (active ones unless --all)."""
+    """List deployments: the active ones and those that stopped or failed in the last 10
+    minutes, with why (--all: every one)."""
     with context(ctx).client() as client:
-        records = client.deployments(active=not all_)
+        if all_:
+            records = client.deployments()
+        else:
+            records = client.deployments(active=True, ended_within_s=PS_ENDED_WITHIN_S)
     if as_json:
         print_json(records)
     else:

@@ -31,6 +31,7 @@ from berth.cli.common import HELP_OPTIONS, console, context, print_json, print_t
 from berth.cli.deploy_cmd import parse_gpus, wait_settled
 from berth.errors import ConfigError, EngineError
 from berth.humanize import age, duration
+from berth.store.records import check_restart_policy
 from berth.store.states import DeploymentState
 
 service_app = typer.Typer(
@@ -98,6 +99,11 @@ def create_service(
         min=1,
         help="vLLM/SGLang: LoRA adapters loaded at once (default: 1 when the model has adapters).",
     ),
+    restart: str = typer.Option(
+        "on-failure",
+        "--restart",
+        help="Start its engine again when it ends: on-failure, always or never.",
+    ),
     first_byte_timeout: float | None = typer.Option(
         None,
         "--first-byte-timeout",
@@ -135,6 +141,7 @@ def create_service(
         priority=priority,
         capacity=capacity,
         max_adapters=max_adapters,
+        restart=check_restart_policy(restart),
         first_byte_timeout_s=first_byte_timeout,
         stream_idle_timeout_s=stream_idle_timeout,
     )
@@ -184,6 +191,8 @@ def _replicas(record: Service) -> str:
         DeploymentState.READY,
         DeploymentState.LOADING,
         DeploymentState.PENDING,
+        DeploymentState.RESTARTING,
+        DeploymentState.CRASHLOOP,
         DeploymentState.STOPPING,
     )
     parts = [f"{record.replicas[s]} {s}" for s in order if record.replicas.get(s)]
@@ -211,6 +220,7 @@ def _settings(record: Service) -> str:
         plural = "s" if record.max_adapters != 1 else ""
         parts.append(f"{record.max_adapters} adapter slot{plural}")
     parts.append(f"node {record.node_label}" if record.node_label else "any node")
+    parts.append(f"restart {record.restart_policy}")
     for what, value in (
         ("first byte within", record.first_byte_timeout_s),
         ("stream silence at most", record.stream_idle_timeout_s),
@@ -311,17 +321,21 @@ def scale_service(
     capacity: int | None = typer.Option(
         None, "--capacity", help="Requests one replica serves at once."
     ),
+    restart: str | None = typer.Option(
+        None, "--restart", help="Restart policy of replicas started from now on."
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print JSON."),
 ) -> None:
-    """Change how many replicas of a service run (and when they stop or are evicted).
+    """Change how many replicas of a service run (and when they stop or are evicted), or
+    their restart policy.
 
     Refused with the reason, and nothing changed, when the result is not valid (min above
     max, a negative count, an idle timeout that does not parse).
     """
-    changes = (min_replicas, max_replicas, idle_timeout, pin, priority, capacity)
+    changes = (min_replicas, max_replicas, idle_timeout, pin, priority, capacity, restart)
     if all(value is None for value in changes):
         raise ConfigError("give at least one of --min, --max, --idle-timeout, --pin, "
-                          "--priority, --capacity")  # fmt: skip
+                          "--priority, --capacity, --restart")  # fmt: skip
     body = request_body(
         ScaleIn,
         min_replicas=min_replicas,
@@ -330,6 +344,7 @@ def scale_service(
         pinned=pin,
         priority=priority,
         capacity=capacity,
+        restart=None if restart is None else check_restart_policy(restart),
     )
     with context(ctx).client() as client:
         detail = client.scale_service(name, body)

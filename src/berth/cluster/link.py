@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
 from berth.placement.model_files import FileStamp, ModelFileShape
-from berth.runtime.base import ProgressListener, RuntimeName
+from berth.runtime.base import EngineExit, ProgressListener, RuntimeName
 from berth.runtime.engines import DeploymentRequest, EngineName
 from berth.runtime.gpu import GpuInfo
 
@@ -124,6 +124,12 @@ class AgentLink(Protocol):
 
         Raises ``EngineError`` when the node cannot tell (its runtime or its link failed).
         """
+        ...
+
+    def last_exit(self, deployment_id: str) -> EngineExit | None:
+        """How the deployment's engine ended (its exit code or signal), as the last
+        :meth:`probe` that found it ``gone`` learnt; ``None`` when the node could not tell
+        (an older agent, an engine it re-attached to)."""
         ...
 
     async def load_adapter(

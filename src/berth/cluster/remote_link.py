@@ -74,7 +74,7 @@ from berth.engine_http.errors import (
 from berth.engine_http.origin import TUNNEL_SCHEME, Origin
 from berth.errors import EngineError, NotFoundError
 from berth.placement.model_files import FileStamp, ModelFileShape
-from berth.runtime.base import ProgressListener, RuntimeName
+from berth.runtime.base import EngineExit, ProgressListener, RuntimeName
 from berth.runtime.engines import DeploymentRequest, EngineName
 
 #: Seconds a quick control request (stop excepted) may take before the link counts as stuck.
@@ -127,6 +127,8 @@ class RemoteLink:
         self.load = NodeLoad()
         self.advertise = advertise
         self.certificate_der = certificate_der
+        #: how each engine a probe found gone ended, as the agent said (by deployment id)
+        self._exits: dict[str, EngineExit] = {}
 
     @property
     def last_inventory(self) -> Inventory:
@@ -236,7 +238,12 @@ class RemoteLink:
         answer = await self._call(
             PROBE, args, timeout_s + PROBE_ANSWER_SLACK_S, engine_of=deployment_id
         )
+        if answer.exit_code is not None or answer.exit_signal is not None:
+            self._exits[deployment_id] = EngineExit(answer.exit_code, answer.exit_signal)
         return answer.result
+
+    def last_exit(self, deployment_id: str) -> EngineExit | None:
+        return self._exits.pop(deployment_id, None)
 
     async def load_adapter(
         self, deployment_id: str, engine: EngineName, adapter: str, path: str

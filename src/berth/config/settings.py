@@ -127,6 +127,10 @@ class Settings:
     probe_interval_s: float
     probe_timeout_s: float
     probes_to_fail: int
+    restart_backoff_s: float
+    restart_backoff_max_s: float
+    restart_reset_after_s: float
+    crashloop_restarts: int
     default_runtime: str
     llama_server_bin: Path | None
     vllm_bin: Path | None

@@ -280,6 +280,17 @@ SETTINGS: tuple[SettingDef, ...] = (
                "failed health probes in a row after which an engine is stopped and its "
                "deployment failed",
                default=3, minimum=1, maximum=100),
+    SettingDef("restart_backoff_s", "float", "daemon",
+               "seconds before the restart policy starts an ended engine again the first "
+               "time; doubled with each restart in a row", default=1.0, minimum=0.0),
+    SettingDef("restart_backoff_max_s", "float", "daemon",
+               "longest wait between restarts of an engine", default=300.0, minimum=0.0),
+    SettingDef("restart_reset_after_s", "float", "daemon",
+               "seconds ready after which an engine's next restart waits restart_backoff_s "
+               "again", default=600.0, minimum=0.0),
+    SettingDef("crashloop_restarts", "int", "daemon",
+               "restarts in a row, none ready for restart_reset_after_s, after which a "
+               "deployment shows as crashloop", default=3, minimum=1, maximum=1000),
     SettingDef("default_runtime", "str", "daemon",
                "runtime used when a deploy names none (process or docker)",
                default="process", choices=RUNTIME_NAMES),

@@ -46,6 +46,7 @@ from berth.routing.errors import AdapterUnavailableError, NoReadyDeploymentError
 from berth.routing.resolver import AdapterUse, Upstream
 from berth.runtime.engines import EngineName, parse_engine_name
 from berth.store import AdapterRecord, DeploymentRecord
+from berth.store.states import RESTARTING_STATES
 
 log = logging.getLogger(__name__)
 
@@ -181,7 +182,8 @@ class AdapterManager:
     def deployment_changed(self, record: DeploymentRecord) -> None:
         """A deployment's state changed (or it is known at start): keep or forget it."""
         known = self._engines.get(record.id)
-        if not record.is_active:
+        # An engine that ended (restarted later, or not) holds no adapter any more.
+        if not record.is_active or record.state in RESTARTING_STATES:
             if known is not None:
                 del self._engines[record.id]
                 for name in list(known.loaded):

@@ -14,6 +14,7 @@ import os
 import signal
 import time
 from collections.abc import AsyncIterator
+from datetime import UTC, datetime, timedelta
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -95,6 +96,10 @@ def deployment_view(
         updated_at=record.updated_at,
         image=record.image,
         progress=lifecycle.progress(record.id) if lifecycle is not None else None,
+        restart_policy=record.restart_policy,
+        restart_count=record.restart_count,
+        last_exit=record.last_exit,
+        last_exit_log=record.last_exit_log,
     )
 
 
@@ -265,8 +270,17 @@ def build_admin_app(services: LeaderServices) -> FastAPI:
 
     # -- deployments -------------------------------------------------------------------------
     @app.get("/admin/deployments")
-    async def list_deployments(active: bool = False) -> list[ListedDeployment]:
-        records = await asyncio.to_thread(store.list_deployments, active_only=active)
+    async def list_deployments(
+        active: bool = False, ended_within_s: float | None = None
+    ) -> list[ListedDeployment]:
+        # ``active`` with ``ended_within_s``: also those that ended that many seconds ago or
+        # less (``berth ps``: a deployment never disappears silently).
+        since = None
+        if active and ended_within_s is not None and ended_within_s > 0:
+            since = datetime.now(UTC) - timedelta(seconds=ended_within_s)
+        records = await asyncio.to_thread(
+            store.list_deployments, active_only=active, ended_since=since
+        )
         nodes = {n.id: n for n in await asyncio.to_thread(store.list_nodes, True)}
         # A deployment serving a service's name is a replica of it.
         named = {s.name for s in await asyncio.to_thread(store.list_service_profiles)}
@@ -305,6 +319,7 @@ def build_admin_app(services: LeaderServices) -> FastAPI:
                 image=body.image,
                 max_adapters=body.max_adapters,
                 force=body.force,
+                restart_policy=body.restart,
             )
         )
         return deployment_view(record, lifecycle)

@@ -148,6 +148,7 @@ def service_view(
         replicas=dict(status.replicas) if status is not None else {},
         queued=status.queued if status is not None else 0,
         max_adapters=record.max_adapters,
+        restart_policy=record.restart_policy,
         first_byte_timeout_s=record.timeouts.first_byte_timeout_s,
         stream_idle_timeout_s=record.timeouts.stream_idle_timeout_s,
     )
@@ -263,6 +264,7 @@ def service_router(
             node_label=body.node_label,
             scaling=settings,
             max_adapters=body.max_adapters,
+            restart_policy=body.restart,
             timeouts=StreamTimeouts(body.first_byte_timeout_s, body.stream_idle_timeout_s),
         )
         await reload()
@@ -304,6 +306,8 @@ def service_router(
             record = await asyncio.to_thread(store.update_service_timeouts, name, retime)
         if any(value is not None for value in scaled) or not retimed:
             record = await asyncio.to_thread(store.update_service_scaling, name, change)
+        if body.restart is not None:
+            record = await asyncio.to_thread(store.set_service_restart_policy, name, body.restart)
         await reload()
         return await detail(record)
 

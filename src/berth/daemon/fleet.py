@@ -42,6 +42,7 @@ def deploy_options(
         image=service.image,
         force=force,
         max_adapters=service.max_adapters,
+        restart_policy=service.restart_policy,
     )
 
 

@@ -11,7 +11,9 @@ Its parts, each with one reason to change:
 - :mod:`berth.daemon.reconcile`: the store against the engines that really run (at start,
   on an agent's Hello, every watch interval);
 - :mod:`berth.daemon.ready_table`: the table of ready upstreams the proxy resolves from;
-- :mod:`berth.daemon.transitions`: the one path by which a state is written.
+- :mod:`berth.daemon.transitions`: the one path by which a state is written;
+- :mod:`berth.daemon.supervisor`: the restart policy carried out (an ended engine started
+  again after its backoff, through :meth:`LifecycleManager._start_again` here).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
 
 from berth.admission.capacity import DEFAULT_SLOTS
@@ -42,6 +44,8 @@ from berth.daemon.reconcile import (
     WATCH_INTERVAL_S,
     Reconciler,
 )
+from berth.daemon.restarts import Backoff, Ending
+from berth.daemon.supervisor import RestartListener, Supervisor
 from berth.daemon.transitions import StateListener, StateWriter
 from berth.errors import (
     BerthError,
@@ -61,10 +65,16 @@ from berth.placement import (
 )
 from berth.routing.resolver import Upstream
 from berth.routing.waiting import GiveUp, WaitingAttempts
-from berth.runtime.engines import DeploymentRequest, EngineName
+from berth.runtime.base import RuntimeName
+from berth.runtime.engines import (
+    DeploymentRequest,
+    EngineName,
+    parse_engine_name,
+    parse_runtime_name,
+)
 from berth.runtime.images import DEFAULT_GPU_IMAGES, DEFAULT_IMAGES
 from berth.store import DeploymentRecord, Store, StreamTimeouts
-from berth.store.states import TERMINAL_STATES, DeploymentState
+from berth.store.states import RESTARTING_STATES, TERMINAL_STATES, DeploymentState
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +93,7 @@ __all__ = [
     "EvictionListener",
     "LifecycleManager",
     "PlannedDeployment",
+    "RestartListener",
     "StateListener",
 ]
 
@@ -103,6 +114,8 @@ class LifecycleManager:
     slots)`` hears of a ready deployment whose slots at the fair admission gate changed
     (:meth:`set_service_capacities`; the daemon passes :meth:`berth.admission.SlotGate.resize`);
     ``default_slots`` are a ready deployment's slots there when its engine does not say.
+    ``restart_backoff`` paces the restart policy's restarts (:mod:`berth.daemon.restarts`);
+    ``on_restart`` hears of each one carried out.
     """
 
     def __init__(
@@ -122,6 +135,8 @@ class LifecycleManager:
         usage: UsageLookup = no_usage,
         min_residency_s: float = DEFAULT_MIN_RESIDENCY_S,
         slots_changed: Callable[[str, int | None], None] | None = None,
+        restart_backoff: Backoff = Backoff(),
+        on_restart: RestartListener | None = None,
         default_slots: int = DEFAULT_SLOTS,
     ) -> None:
         self._store = store
@@ -145,6 +160,10 @@ class LifecycleManager:
         )
         self._writer = StateWriter(store, self._table, on_state)
         self._starting: dict[str, asyncio.Task[None]] = {}
+        self._on_restart = on_restart
+        self._supervisor = Supervisor(
+            store, self._writer, self._start_again, backoff=restart_backoff
+        )
         self._reconciler = Reconciler(
             store,
             links,
@@ -156,6 +175,7 @@ class LifecycleManager:
             probe_timeout_s=probe_timeout_s,
             probes_to_fail=probes_to_fail,
             waiting=waiting,
+            supervisor=self._supervisor,
         )
         self._watcher: asyncio.Task[None] | None = None
 
@@ -202,6 +222,7 @@ class LifecycleManager:
         if self._watcher is None:
             return
         self._watcher.cancel()
+        await self._supervisor.shutdown()  # no restart may begin while engines are stopped
         starting = list(self._starting.values())
         for task in starting:
             task.cancel()
@@ -270,6 +291,7 @@ class LifecycleManager:
         for record in active:
             if record.node_id != node_id:
                 continue
+            await self._supervisor.cancel(record.id)
             starting = self._starting.get(record.id)
             if starting is not None:
                 starting.cancel()
@@ -345,6 +367,7 @@ class LifecycleManager:
                 image=placement.image,
                 adapter_slots=lora.slots,
                 lora_adapters=lora.names,
+                restart_policy=options.restart_policy,
             )
             self._estimator.remember(record.id, planned.estimate)
         log.info("deployment %s placed: %s", record.id, "; ".join(placement.reasons))
@@ -366,6 +389,8 @@ class LifecycleManager:
         record = await asyncio.to_thread(self._store.get_deployment, deployment_id)
         if record.state in TERMINAL_STATES or record.state is DeploymentState.STOPPING:
             raise ConflictError(f"deployment {deployment_id} is already {record.state}")
+        # A stop wins over a pending restart: its timer goes first, then any start it began.
+        await self._supervisor.cancel(deployment_id)
         starting = self._starting.get(deployment_id)
         if starting is not None:
             starting.cancel()
@@ -426,26 +451,80 @@ class LifecycleManager:
         engine: EngineName,
         lora: LoraPlan,
     ) -> None:
-        try:
+        async def request() -> DeploymentRequest:
             await self._writer.transition(record.id, DeploymentState.LOADING)
-            request = DeploymentRequest(
-                deployment_id=record.id,
-                model_name=record.model_name,
-                model_path=await self._model_path(record, link, placement.model),
-                engine=engine,
-                port=0,  # the agent core picks the port and the log file on its host
-                log_path=Path(),
-                gpus=placement.gpus,
-                ctx=record.ctx,
-                extra_args=record.extra_args,
-                served_model_name=record.served_model_name,
-                runtime=placement.runtime,
-                image=placement.image,
-                adapter_slots=lora.slots,
-                max_lora_rank=lora.max_rank,
-                lora_target_modules=lora.target_modules,
-                lora_files=lora.files,
-            )
+            model_path = await self._model_path(record, link, placement.model)
+            return _start_request(record, model_path, engine, placement.runtime, lora)
+
+        await self._carry_out_start(record, link, request)
+
+    async def _start_again(self, deployment_id: str, ending: Ending) -> None:
+        """The restart policy's backoff is over: start the deployment's engine again on its
+        node, from its recorded spec (the supervisor's ``start_again``)."""
+        record = await asyncio.to_thread(self._store.get_deployment, deployment_id)
+        if record.state not in RESTARTING_STATES:
+            return  # stopped meanwhile
+        record = await self._writer.transition(
+            deployment_id, DeploymentState.LOADING, restart_count=record.restart_count + 1
+        )
+        log.info("deployment %s: restart %d after its engine %s", deployment_id,
+                 record.restart_count, ending.detail)  # fmt: skip
+        if self._on_restart is not None:
+            self._on_restart(record, ending)
+        link = self._links.get(record.node_id)
+
+        async def request() -> DeploymentRequest:
+            if link is None:
+                raise EngineError(f"node {record.node_id} is not connected")
+            return await self._restart_request(record, link)
+
+        task = asyncio.create_task(self._carry_out_start(record, link, request), name=record.id)
+        self._starting[record.id] = task
+        task.add_done_callback(lambda _t: self._starting.pop(record.id, None))
+
+    async def _restart_request(
+        self, record: DeploymentRecord, link: AgentLink
+    ) -> DeploymentRequest:
+        """What a restart asks of the node: the deployment's recorded spec, with the model's
+        path on that node and the LoRA adapters its base has now.
+
+        Raises ``NotFoundError`` for a model removed since and ``EngineError`` when the
+        node has no recorded path for it.
+        """
+        model = await asyncio.to_thread(self._store.get_model, record.model_name)
+        path: str | None = None
+        if record.node_id == LOCAL_NODE_ID and model.source != "remote":
+            path = str(model.path)
+        else:
+            located = await asyncio.to_thread(self._store.list_model_locations, model.name)
+            path = next((m.path for m in located if m.node_id == record.node_id), None)
+        if path is None:
+            raise EngineError(f"model {model.name} has no recorded path on node {record.node_id}")
+        engine = parse_engine_name(record.engine)
+        runtime = parse_runtime_name(record.runtime)
+        adapters = await asyncio.to_thread(self._store.list_adapters, model.name)
+        lora = plan_lora(
+            engine,
+            runtime,
+            record.node_id,
+            adapters,
+            max_adapters=record.adapter_slots,
+            node_serves_adapters="op.load_adapter" in link.capabilities,
+        )
+        return _start_request(record, Path(path), engine, runtime, lora)
+
+    async def _carry_out_start(
+        self,
+        record: DeploymentRecord,
+        link: AgentLink | None,
+        request: Callable[[], Awaitable[DeploymentRequest]],
+    ) -> None:
+        """Start the engine ``request()`` describes on ``link``'s node, then mark the
+        deployment ready; a start that fails goes to the restart policy (a first start
+        fails, a restart's backs off again)."""
+        try:
+            built = await request()
+            assert link is not None  # request() raised otherwise
 
             async def record_spawn(pid: int, port: int) -> None:
                 # Recorded before the engine is healthy, so a crash mid-load can be cleaned up.
@@ -458,7 +537,7 @@ class LifecycleManager:
                     self._writer.set_progress(record.id, line)
 
             endpoint = await link.start_deployment(
-                request,
+                built,
                 self._health_timeout_s,
                 on_spawned=record_spawn,
                 on_progress=record_progress,
@@ -467,14 +546,12 @@ class LifecycleManager:
             return  # stop() owns the transition to stopping/stopped
         except BerthError as exc:
             log.warning("deployment %s failed to start: %s", record.id, exc)
-            await self._writer.transition(
-                record.id, DeploymentState.FAILED, failure_reason=str(exc)
-            )
+            await self._start_failed(record, link, str(exc))
             return
         except Exception as exc:  # a bug must not leave the deployment loading forever
             log.exception("deployment %s: unexpected failure while starting", record.id)
             reason = f"unexpected error while starting: {type(exc).__name__}: {exc}"
-            await self._writer.transition(record.id, DeploymentState.FAILED, failure_reason=reason)
+            await self._start_failed(record, link, reason)
             return
         current = await asyncio.to_thread(self._store.get_deployment, record.id)
         if current.state is not DeploymentState.LOADING:
@@ -482,6 +559,7 @@ class LifecycleManager:
         ready = await self._writer.transition(
             record.id, DeploymentState.READY, port=endpoint.port, pid=endpoint.pid
         )
+        self._supervisor.became_ready(record.id)
         if not self._links.is_current(link):
             # The node's link dropped as the start finished: routed again when its agent
             # reconnects and reports the engine (node_connected).
@@ -489,6 +567,14 @@ class LifecycleManager:
             return
         self._table.mark_ready(ready, endpoint)
         log.info("deployment %s ready at %s", record.id, endpoint.base_url)
+
+    async def _start_failed(
+        self, record: DeploymentRecord, link: AgentLink | None, reason: str
+    ) -> None:
+        """A start failed with ``reason``: failed, or restarted later (a restart's)."""
+        first_line = reason.strip().splitlines()[0] if reason.strip() else "start failed"
+        ending = Ending("start_failed", f"start failed: {first_line[:200]}")
+        await self._supervisor.ended(record.id, ending, link=link, reason=reason)
 
     async def _model_path(
         self, record: DeploymentRecord, link: AgentLink, source: ModelAt | ModelPull
@@ -525,3 +611,31 @@ class LifecycleManager:
                 record.id, DeploymentState.FAILED, failure_reason=f"stop failed: {exc}"
             )
         return await self._writer.transition(record.id, DeploymentState.STOPPED)
+
+
+def _start_request(
+    record: DeploymentRecord,
+    model_path: Path,
+    engine: EngineName,
+    runtime: RuntimeName,
+    lora: LoraPlan,
+) -> DeploymentRequest:
+    """What the node is asked to start for ``record`` (a first start's or a restart's)."""
+    return DeploymentRequest(
+        deployment_id=record.id,
+        model_name=record.model_name,
+        model_path=model_path,
+        engine=engine,
+        port=0,  # the agent core picks the port and the log file on its host
+        log_path=Path(),
+        gpus=record.gpus,
+        ctx=record.ctx,
+        extra_args=record.extra_args,
+        served_model_name=record.served_model_name,
+        runtime=runtime,
+        image=record.image,
+        adapter_slots=lora.slots,
+        max_lora_rank=lora.max_rank,
+        lora_target_modules=lora.target_modules,
+        lora_files=lora.files,
+    )

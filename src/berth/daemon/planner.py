@@ -44,7 +44,7 @@ from berth.placement import (
 from berth.runtime.base import RuntimeName
 from berth.runtime.engines import EngineName, parse_engine_name, parse_runtime_name
 from berth.runtime.gpu import GpuInfo
-from berth.store import ModelRecord, Store
+from berth.store import DEFAULT_RESTART_POLICY, ModelRecord, RestartPolicy, Store
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +75,8 @@ class DeployOptions:
     force: bool = False
     #: vLLM/SGLang: LoRA adapter slots (``None``: 1 when the base has adapters, else off)
     max_adapters: int | None = None
+    #: whether its engine is started again when it ends (:mod:`berth.daemon.restarts`)
+    restart_policy: RestartPolicy = DEFAULT_RESTART_POLICY
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,8 @@ from berth.cluster.link_registry import LinkRegistry
 from berth.cluster.protocol.frames import EngineState
 from berth.cluster.remote_link import tunnel_url
 from berth.daemon.ready_table import ReadyTable
+from berth.daemon.restarts import EndCause, Ending
+from berth.daemon.supervisor import Supervisor
 from berth.daemon.transitions import StateWriter
 from berth.errors import BerthError, EngineError, InvalidTransitionError, NotFoundError
 from berth.routing.resolver import Upstream
@@ -57,6 +59,8 @@ class Reconciler:
     ``is_starting(deployment_id)`` says whether the lifecycle manager is starting it now
     (such a deployment is left alone: its start owns it).  ``waiting`` holds the requests
     waiting for a first byte, woken when a deployment is given up (``None``: no proxy).
+    ``supervisor`` decides whether an engine found ended is started again (``None``: it
+    fails, as under the restart policy ``never``).
     """
 
     def __init__(
@@ -72,8 +76,10 @@ class Reconciler:
         probe_timeout_s: float = PROBE_TIMEOUT_S,
         probes_to_fail: int = UNHEALTHY_PROBES_TO_FAIL,
         waiting: WaitingAttempts | None = None,
+        supervisor: Supervisor | None = None,
     ) -> None:
         self._store = store
+        self._supervisor = supervisor
         self._links = links
         self._table = table
         self._writer = writer
@@ -197,6 +203,8 @@ class Reconciler:
                 return  # that session ended (or was superseded) meanwhile
             if record.node_id != node_id or self._is_starting(record.id):
                 continue
+            if self._supervisor is not None and self._supervisor.is_pending(record.id):
+                continue  # waiting out its backoff: its restart owns it
             try:
                 await self._reconcile_one(link, record, reported.pop(record.id, None))
             except (InvalidTransitionError, NotFoundError) as exc:
@@ -214,6 +222,10 @@ class Reconciler:
             return
         if engine is None:
             reason = f"engine was gone when node {node_id} reconnected"
+            if record.state is DeploymentState.READY:
+                ending = Ending("gone", f"gone when node {node_id} reconnected")
+                await self._ended(link, record.id, ending, reason)
+                return
         else:
             reason = f"node {node_id} reconnected while the deployment was {record.state}"
             with contextlib.suppress(NotFoundError, EngineError):
@@ -273,8 +285,16 @@ class Reconciler:
                 self._suspect(upstream, why)
                 return
             reason = f"engine stopped answering health checks ({failures} probes in a row)"
+            ending = Ending("unhealthy", f"stopped after {failures} failed health probes")
         else:
-            reason = "engine exited unexpectedly (its process or container is gone)"
+            exited = link.last_exit(deployment_id)  # asked before the stop forgets it
+            if exited is None:
+                reason = "engine exited unexpectedly (its process or container is gone)"
+                ending = Ending("gone", "exited (its process or container is gone)")
+            else:
+                reason = f"engine exited unexpectedly ({exited.describe()})"
+                cause: EndCause = "signal" if exited.signal is not None else "exit"
+                ending = Ending(cause, exited.describe(), exited.code)
         log.warning("deployment %s: %s", deployment_id, reason)
         self._failed_probes.pop(deployment_id, None)
         self._table.unmark(upstream.model, deployment_id)
@@ -287,7 +307,23 @@ class Reconciler:
             pass
         except EngineError as exc:  # still failed: it is not routed to any more either way
             reason = f"{reason}; stopping what was left failed: {exc}"
-        await self._writer.transition(deployment_id, DeploymentState.FAILED, failure_reason=reason)
+            await self._writer.transition(
+                deployment_id, DeploymentState.FAILED, failure_reason=reason
+            )
+            return
+        await self._ended(link, deployment_id, ending, reason)
+
+    async def _ended(
+        self, link: AgentLink, deployment_id: str, ending: Ending, reason: str
+    ) -> None:
+        """The engine ended and nothing of it is left: restart it or fail it, as the
+        restart policy says (``reason`` is the failure's sentence)."""
+        if self._supervisor is None:
+            await self._writer.transition(
+                deployment_id, DeploymentState.FAILED, failure_reason=reason
+            )
+            return
+        await self._supervisor.ended(deployment_id, ending, link=link, reason=reason)
 
     def _suspect(self, upstream: Upstream, why: str) -> None:
         """Take the deployment out of routing for new requests and move its waiting ones."""

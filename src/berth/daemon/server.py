@@ -56,7 +56,9 @@ from berth.daemon.lifecycle import LifecycleManager
 from berth.daemon.placement_facts import ResidentUsage
 from berth.daemon.proxy import OpenAIProxy
 from berth.daemon.public_tls import public_ssl_context
+from berth.daemon.restarts import Backoff
 from berth.daemon.services import LeaderServices, Listener
+from berth.daemon.supervisor import restart_reporter
 from berth.errors import DaemonError
 from berth.eventloop import freeze_startup_objects
 from berth.http_server.server import HttpServer
@@ -321,6 +323,13 @@ async def serve(home: BerthHome, settings: Settings) -> None:
         usage=resident_usage,
         min_residency_s=settings.min_residency_s,
         slots_changed=slots.resize,  # a service's capacity changed: waiters may go now
+        restart_backoff=Backoff(
+            initial_s=settings.restart_backoff_s,
+            max_s=settings.restart_backoff_max_s,
+            reset_after_s=settings.restart_reset_after_s,
+            crashloop_restarts=settings.crashloop_restarts,
+        ),
+        on_restart=restart_reporter(metrics, audit.append),
         default_slots=settings.default_slots,
     )
     hub = NodeHub(

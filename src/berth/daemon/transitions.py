@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 from berth.daemon.ready_table import ReadyTable
 from berth.store import UNCHANGED, DeploymentRecord, Store, Unchanged
-from berth.store.states import TERMINAL_STATES, DeploymentState
+from berth.store.states import RESTARTING_STATES, TERMINAL_STATES, DeploymentState
 
 #: Hears the new record after every state change.
 StateListener = Callable[[DeploymentRecord], None]
@@ -22,9 +22,9 @@ StateListener = Callable[[DeploymentRecord], None]
 class StateWriter:
     """Writes deployment transitions and keeps what mirrors them in step.
 
-    ``table`` loses a deployment when it stops or fails; ``on_state`` hears every record
-    written.  :meth:`progress` is what a loading deployment is busy with (an image pull),
-    kept only while it loads.
+    ``table`` loses a deployment when it stops, fails or waits to restart; ``on_state``
+    hears every record written.  :meth:`progress` is what a loading deployment is busy with
+    (an image pull), kept only while it loads.
     """
 
     def __init__(
@@ -46,8 +46,12 @@ class StateWriter:
         port: int | Unchanged = UNCHANGED,
         pid: int | Unchanged = UNCHANGED,
         failure_reason: str | Unchanged = UNCHANGED,
+        restart_count: int | Unchanged = UNCHANGED,
+        last_exit: str | Unchanged = UNCHANGED,
+        last_exit_log: str | Unchanged | None = UNCHANGED,
     ) -> DeploymentRecord:
-        """Move the deployment to ``target``; the new record.
+        """Move the deployment to ``target``; the new record (the keyword arguments are
+        written with it: :meth:`berth.store.Store.transition_deployment`).
 
         Raises ``NotFoundError`` for an unknown id and ``InvalidTransitionError`` for a
         move ``store/states.py`` does not allow (nothing changes then).
@@ -59,10 +63,13 @@ class StateWriter:
             port=port,
             pid=pid,
             failure_reason=failure_reason,
+            restart_count=restart_count,
+            last_exit=last_exit,
+            last_exit_log=last_exit_log,
         )
         if target is not DeploymentState.LOADING:
             self._progress.pop(record.id, None)
-        if target in TERMINAL_STATES:
+        if target in TERMINAL_STATES or target in RESTARTING_STATES:  # no engine serves it
             self._table.unmark(record.served_model_name, record.id)
         self.notify(record)
         return record

@@ -30,7 +30,13 @@ from bisect import bisect_left
 from collections.abc import Callable, Iterable, Iterator
 from typing import NamedTuple
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Gauge, generate_latest
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    generate_latest,
+)
 from prometheus_client.metrics_core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -242,6 +248,14 @@ class ProxyMetrics:
             ("deployment", "model", "node", "state"),
             registry=self.registry,
         )
+        self.deployment_restarts = Counter(
+            "berth_deployment_restarts_total",
+            "Engines the restart policy started again, by how the engine had ended.",
+            ("deployment", "model", "node", "reason"),
+            registry=self.registry,
+        )
+        #: the reason labels each deployment's restart series has
+        self._restart_reasons: dict[str, set[str]] = {}
 
     # -- requests ---------------------------------------------------------------------------
 
@@ -362,6 +376,13 @@ class ProxyMetrics:
         if state in TERMINAL_STATES:
             self._ended.setdefault(deployment, self._clock())
 
+    def deployment_restarted(self, deployment: str, *, model: str, node: str, reason: str) -> None:
+        """The restart policy started the deployment's engine again; ``reason`` is how it
+        had ended (:data:`berth.daemon.restarts.EndCause`).  The series go with the
+        deployment's state series."""
+        self.deployment_restarts.labels(deployment, model, node, reason).inc()
+        self._restart_reasons.setdefault(deployment, set()).add(reason)
+
     def restore(self, records: Iterable[DeploymentRecord]) -> None:
         """Record the state of each deployment in ``records`` (the store's, read when the
         leader starts) that is not stopped or failed, with the labels it had before: its
@@ -404,6 +425,8 @@ class ProxyMetrics:
         model, node = labels
         for candidate in DeploymentState:
             self.deployment_state.remove(deployment, model, node, candidate.value)
+        for reason in self._restart_reasons.pop(deployment, ()):
+            self.deployment_restarts.remove(deployment, model, node, reason)
 
     def deployment_model(self, deployment: str) -> str | None:
         """The model label of a deployment whose state was recorded, else ``None``."""

@@ -9,10 +9,13 @@ exist: ``process`` (``runtime/process.py``: the engine is a child process) and `
 
 from __future__ import annotations
 
+import signal
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, Protocol
+
+from berth.runtime.exits import ILLEGAL_INSTRUCTION, signal_name
 
 RuntimeName = Literal["process", "docker"]
 #: Every runtime berth knows, in the order they are listed to users.
@@ -157,6 +160,32 @@ class EngineHandle:
         return f"http://{self.host}:{self.port}"
 
 
+@dataclass(frozen=True)
+class EngineExit:
+    """How an engine ended: its exit ``code``, or the ``signal`` that killed it (``SIGKILL``;
+    then ``code`` is ``None``).  A container killed by a signal reports ``128 + N`` as its
+    code (Docker's convention)."""
+
+    code: int | None = None
+    signal: str | None = None
+
+    @classmethod
+    def from_returncode(cls, returncode: int) -> EngineExit:
+        """From :attr:`subprocess.Popen.returncode` (``-N``: killed by signal ``N``)."""
+        if returncode >= 0:
+            return cls(code=returncode)
+        return cls(signal=signal_name(-returncode))
+
+    def describe(self) -> str:
+        """``exit code 1``, ``killed by SIGKILL``, ``killed by SIGILL (built for instructions
+        this CPU does not run)`` (:mod:`berth.runtime.exits`' words)."""
+        if self.signal == signal_name(signal.SIGILL):
+            return f"killed by {self.signal} ({ILLEGAL_INSTRUCTION})"
+        if self.signal is not None:
+            return f"killed by {self.signal}"
+        return f"exit code {self.code}" if self.code is not None else "exited"
+
+
 class Runtime(Protocol):
     """Starts, probes and stops engines of one kind (child processes, containers)."""
 
@@ -198,4 +227,9 @@ class Runtime(Protocol):
 
     async def poll(self, handle: EngineHandle) -> bool:
         """Whether the engine runs, asked now (and remembered for :meth:`is_alive`)."""
+        ...
+
+    def exit_status(self, handle: EngineHandle) -> EngineExit | None:
+        """How the engine ended, as last seen (:meth:`poll` looks again); ``None`` while it
+        runs, or when this runtime cannot tell (an engine it re-attached to)."""
         ...

@@ -29,7 +29,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 from berth.errors import EngineError
-from berth.runtime.base import EngineHandle, LaunchSpec, ProgressListener, printable_command
+from berth.runtime.base import (
+    EngineExit,
+    EngineHandle,
+    LaunchSpec,
+    ProgressListener,
+    printable_command,
+)
 from berth.runtime.cgroups import EngineCgroup, existing_cgroup, spawn_in
 from berth.runtime.engine_log import DEFAULT_LOG_TAIL_LINES, read_log_tail
 from berth.runtime.exits import REBUILD_POINTER, exit_words, killed_by_illegal_instruction
@@ -309,6 +315,14 @@ class ProcessRuntime:
     async def poll(self, handle: EngineHandle) -> bool:
         """Same as :meth:`is_alive` (reading ``/proc`` is cheap)."""
         return self.is_alive(handle)
+
+    def exit_status(self, handle: EngineHandle) -> EngineExit | None:
+        """The exit code or signal of an engine this runtime started and reaped; ``None``
+        while it runs or for an adopted one (not our child: its status is not ours)."""
+        child = self._children.get(handle.pid)
+        if child is None or child.poll() is None:
+            return None
+        return EngineExit.from_returncode(child.returncode)
 
     def attach(
         self,

@@ -32,10 +32,11 @@ from typing import Literal
 
 from berth.humanize import duration
 from berth.store import ScalingSettings
-from berth.store.states import DeploymentState
+from berth.store.states import RESTARTING_STATES, DeploymentState
 
 _STARTING = frozenset({DeploymentState.PENDING, DeploymentState.LOADING})
-_ACTIVE = _STARTING | {DeploymentState.READY}
+# A replica waiting out a restart's backoff counts: it comes back by itself.
+_ACTIVE = _STARTING | {DeploymentState.READY} | RESTARTING_STATES
 
 
 @dataclass(frozen=True)
@@ -152,6 +153,12 @@ def decide(load: ServiceLoad, now: float, *, scale_out_after_s: float) -> Decisi
     if load.queued and not routable and not starting:
         if settings.max_replicas == 0:
             return Hold(f"{load.queued} request(s) wait, but max_replicas is 0: none started")
+        restarting = [r.deployment_id for r in active if r.state in RESTARTING_STATES]
+        if restarting and len(active) >= settings.max_replicas:
+            return Hold(
+                f"{load.queued} request(s) wait for {', '.join(restarting)} to restart "
+                f"(max_replicas {settings.max_replicas})"
+            )
         if len(active) >= settings.max_replicas:
             return Hold(
                 f"{load.queued} request(s) wait; every replica is on an unreachable node and "
@@ -184,7 +191,9 @@ def decide(load: ServiceLoad, now: float, *, scale_out_after_s: float) -> Decisi
 
 def _above_max(load: ServiceLoad, active: Sequence[Replica], now: float) -> Decision:
     surplus = len(active) - load.settings.max_replicas
-    starting = [r for r in active if r.state in _STARTING]
+    # Those serving nothing go first: waiting to restart, then still starting.
+    starting = [r for r in active if r.state in RESTARTING_STATES]
+    starting += [r for r in active if r.state in _STARTING]
     quiet = sorted(
         (r for r in active if r.state is DeploymentState.READY and r.in_flight == 0),
         key=lambda r: (r.last_used_at, r.deployment_id),

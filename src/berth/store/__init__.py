@@ -5,6 +5,8 @@ Callers use :class:`Store` and the frozen records; the ORM tables stay inside th
 
 from berth.store.migrations import LATEST_VERSION
 from berth.store.records import (
+    DEFAULT_RESTART_POLICY,
+    RESTART_POLICIES,
     AdapterRecord,
     ApiKeyRecord,
     DeploymentRecord,
@@ -14,6 +16,7 @@ from berth.store.records import (
     NodeHardware,
     NodeRecord,
     NodeStatus,
+    RestartPolicy,
     RouteRecord,
     RouteTarget,
     ScalingSettings,
@@ -25,7 +28,9 @@ from berth.store.store import Store
 from berth.store.values import UNCHANGED, Unchanged
 
 __all__ = [
+    "DEFAULT_RESTART_POLICY",
     "LATEST_VERSION",
+    "RESTART_POLICIES",
     "UNCHANGED",
     "AdapterRecord",
     "ApiKeyRecord",
@@ -36,6 +41,7 @@ __all__ = [
     "NodeHardware",
     "NodeRecord",
     "NodeStatus",
+    "RestartPolicy",
     "RouteRecord",
     "RouteTarget",
     "ScalingSettings",

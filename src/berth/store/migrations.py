@@ -288,6 +288,23 @@ def _v7_adapters(conn: Connection) -> None:
         metadata.tables[name].create(conn)
 
 
+def _v8_restart_policy(conn: Connection) -> None:
+    # ADD COLUMN with a constant default fills existing rows: the same statements on SQLite
+    # and PostgreSQL.  Existing deployments and services get the default policy.
+    for table in ("deployments", "service_profiles"):
+        conn.execute(
+            text(
+                f"ALTER TABLE {table} ADD COLUMN restart_policy VARCHAR(16) NOT NULL "
+                "DEFAULT 'on-failure'"
+            )
+        )
+    conn.execute(
+        text("ALTER TABLE deployments ADD COLUMN restart_count INTEGER NOT NULL DEFAULT 0")
+    )
+    conn.execute(text("ALTER TABLE deployments ADD COLUMN last_exit TEXT"))
+    conn.execute(text("ALTER TABLE deployments ADD COLUMN last_exit_log TEXT"))
+
+
 def _v9_service_timeouts(conn: Connection) -> None:
     # Nullable, no default: existing services take the leader's settings, as before.
     for name in ("first_byte_timeout_s", "stream_idle_timeout_s"):
@@ -304,6 +321,9 @@ MIGRATIONS: tuple[Migration, ...] = (
     Migration(6, "api_keys.limits and expires_at, usage_ledger", _v6_key_limits_and_usage),
     Migration(
         7, "adapters, adapter_locations, deployments' and services' adapter slots", _v7_adapters
+    ),
+    Migration(
+        8, "deployments' and services' restart policy, restart count, last exit", _v8_restart_policy
     ),
     Migration(9, "service_profiles stream timeouts (first byte, idle)", _v9_service_timeouts),
 )

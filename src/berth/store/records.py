@@ -10,6 +10,7 @@ from datetime import date, datetime
 from pathlib import Path
 from typing import Literal
 
+from berth.errors import ConfigError
 from berth.limits import LimitOverrides
 from berth.runtime.gpu import GpuInfo
 from berth.store.states import TERMINAL_STATES, DeploymentState
@@ -21,6 +22,22 @@ ModelSource = Literal["local", "hub", "remote"]
 NodeStatus = Literal["ready", "unreachable", "removed"]
 NODE_STATUSES: tuple[NodeStatus, ...] = ("ready", "unreachable", "removed")
 MODEL_SOURCES: tuple[ModelSource, ...] = ("local", "hub", "remote")
+#: When a deployment's engine is started again after it ended (``docs/fleet.md``, Restarts):
+#: ``on-failure`` after a non-zero exit, a kill by a signal or a stop after failed health
+#: probes; ``always`` after an exit with code 0 too; ``never``: it fails, as it ends.
+RestartPolicy = Literal["on-failure", "always", "never"]
+RESTART_POLICIES: tuple[RestartPolicy, ...] = ("on-failure", "always", "never")
+DEFAULT_RESTART_POLICY: RestartPolicy = "on-failure"
+
+
+def check_restart_policy(policy: str) -> RestartPolicy:
+    """``policy`` as a :data:`RestartPolicy`; ``ConfigError`` naming the valid ones."""
+    for known in RESTART_POLICIES:
+        if policy == known:
+            return known
+    raise ConfigError(
+        f"unknown restart policy {policy!r}: choose one of {', '.join(RESTART_POLICIES)}"
+    )
 
 
 @dataclass(frozen=True)
@@ -49,6 +66,10 @@ class DeploymentRecord:
     indexes for ``CUDA_VISIBLE_DEVICES``; ``ctx`` is the context length in tokens, ``None``
     for the engine's default.  ``failure_reason`` is kept once the deployment failed.
     ``image`` is the container image of a ``docker`` deployment (``None`` for ``process``).
+    ``restart_policy`` says whether its engine is started again when it ends;
+    ``restart_count`` is how many times it was; ``last_exit`` how its engine last ended
+    (``exit code 1``, ``SIGKILL``, ``3 failed health probes``; ``None`` before) and
+    ``last_exit_log`` the engine log's last lines then.
     """
 
     id: str
@@ -71,6 +92,10 @@ class DeploymentRecord:
     adapter_slots: int | None = None
     #: llama.cpp: the adapters it was started with (``--lora``), in order: their ids
     lora_adapters: tuple[str, ...] = ()
+    restart_policy: RestartPolicy = DEFAULT_RESTART_POLICY
+    restart_count: int = 0
+    last_exit: str | None = None
+    last_exit_log: str | None = None
 
     @property
     def is_active(self) -> bool:
@@ -241,6 +266,7 @@ class ServiceProfileRecord:
     created_at: datetime
     scaling: ScalingSettings = ScalingSettings()
     max_adapters: int | None = None
+    restart_policy: RestartPolicy = DEFAULT_RESTART_POLICY
     timeouts: StreamTimeouts = StreamTimeouts()
 
 

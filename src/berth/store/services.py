@@ -34,11 +34,14 @@ from berth.errors import ConfigError, ConflictError, NotFoundError
 from berth.runtime.engines import parse_engine_name, parse_runtime_name
 from berth.store.adapters import adapter_named
 from berth.store.records import (
+    DEFAULT_RESTART_POLICY,
+    RestartPolicy,
     RouteRecord,
     RouteTarget,
     ScalingSettings,
     ServiceProfileRecord,
     StreamTimeouts,
+    check_restart_policy,
 )
 from berth.store.states import TERMINAL_STATES, DeploymentState
 from berth.store.tables import (
@@ -126,9 +129,10 @@ class ServiceMethods:
         node_label: str | None = None,
         scaling: ScalingSettings | None = None,
         max_adapters: int | None = None,
+        restart_policy: RestartPolicy = DEFAULT_RESTART_POLICY,
         timeouts: StreamTimeouts | None = None,
     ) -> ServiceProfileRecord:
-        """Record the service profile ``name``.
+        """Record the service profile ``name``; its deployments get ``restart_policy``.
 
         ``engine`` and ``runtime`` are normalised (``"LlamaCpp "`` → ``llamacpp``); ``scaling``
         ``None`` is :class:`ScalingSettings`' defaults (on demand, one replica at most, never
@@ -194,10 +198,23 @@ class ServiceMethods:
                 priority=scaling.priority,
                 capacity=scaling.capacity,
                 max_adapters=max_adapters,
+                restart_policy=check_restart_policy(restart_policy),
                 first_byte_timeout_s=timeouts.first_byte_timeout_s,
                 stream_idle_timeout_s=timeouts.stream_idle_timeout_s,
             )
             session.add(row)
+            return _profile_record(row)
+
+    def set_service_restart_policy(
+        self, name: str, restart_policy: RestartPolicy
+    ) -> ServiceProfileRecord:
+        """Set the restart policy of service ``name``'s deployments from now on (those
+        running keep theirs until they are started anew).  Raises :class:`NotFoundError`
+        for an unknown service and :class:`ConfigError` for an unknown policy."""
+        with self._write() as session:
+            row = _profile_row(session, name)
+            row.restart_policy = check_restart_policy(restart_policy)
+            session.flush()
             return _profile_record(row)
 
     def update_service_scaling(
@@ -512,6 +529,7 @@ def _profile_record(row: ServiceProfileRow) -> ServiceProfileRecord:
         created_at=aware(row.created_at),
         scaling=_scaling_of(row),
         max_adapters=row.max_adapters,
+        restart_policy=check_restart_policy(row.restart_policy),
         timeouts=_timeouts_of(row),
     )
 

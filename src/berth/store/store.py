@@ -34,10 +34,13 @@ from berth.store.api_keys import ApiKeyMethods
 from berth.store.db import WRITE_OPTIONS, create_store_engine
 from berth.store.nodes import NodeMethods, delete_model_locations
 from berth.store.records import (
+    DEFAULT_RESTART_POLICY,
     MODEL_SOURCES,
     DeploymentRecord,
     ModelRecord,
     ModelSource,
+    RestartPolicy,
+    check_restart_policy,
 )
 from berth.store.services import ServiceMethods, models_used_by_services
 from berth.store.states import TERMINAL_STATES, DeploymentState, can_transition
@@ -208,6 +211,7 @@ class Store(NodeMethods, ServiceMethods, AdapterMethods, ApiKeyMethods, UsageMet
         image: str | None = None,
         adapter_slots: int | None = None,
         lora_adapters: tuple[str, ...] = (),
+        restart_policy: RestartPolicy = DEFAULT_RESTART_POLICY,
     ) -> DeploymentRecord:
         """Record a new deployment in state ``pending`` with a fresh id ``d-`` + 8 hex.
 
@@ -244,6 +248,8 @@ class Store(NodeMethods, ServiceMethods, AdapterMethods, ApiKeyMethods, UsageMet
                 updated_at=now,
                 adapter_slots=adapter_slots,
                 lora_adapters=list(lora_adapters) or None,
+                restart_policy=check_restart_policy(restart_policy),
+                restart_count=0,
             )
             session.add(row)
         return _deployment_record(row)
@@ -253,12 +259,20 @@ class Store(NodeMethods, ServiceMethods, AdapterMethods, ApiKeyMethods, UsageMet
         with self._read() as session:
             return _deployment_record(_get_deployment_row(session, deployment_id))
 
-    def list_deployments(self, active_only: bool = False) -> list[DeploymentRecord]:
-        """Deployments, newest first; only those not stopped or failed when ``active_only``."""
+    def list_deployments(
+        self, active_only: bool = False, *, ended_since: datetime | None = None
+    ) -> list[DeploymentRecord]:
+        """Deployments, newest first; only those not stopped or failed when ``active_only``,
+        and with it those that stopped or failed at ``ended_since`` or later (their last
+        write) when that is given."""
         query = select(DeploymentRow).order_by(
             DeploymentRow.created_at.desc(), DeploymentRow.id.desc()
         )
-        if active_only:
+        if active_only and ended_since is not None:
+            query = query.where(
+                DeploymentRow.state.in_(_ACTIVE_STATES) | (DeploymentRow.updated_at >= ended_since)
+            )
+        elif active_only:
             query = query.where(DeploymentRow.state.in_(_ACTIVE_STATES))
         with self._read() as session:
             return [_deployment_record(row) for row in session.scalars(query)]
@@ -271,9 +285,13 @@ class Store(NodeMethods, ServiceMethods, AdapterMethods, ApiKeyMethods, UsageMet
         port: int | Unchanged | None = UNCHANGED,
         pid: int | Unchanged | None = UNCHANGED,
         failure_reason: str | Unchanged | None = UNCHANGED,
+        restart_count: int | Unchanged = UNCHANGED,
+        last_exit: str | Unchanged | None = UNCHANGED,
+        last_exit_log: str | Unchanged | None = UNCHANGED,
     ) -> DeploymentRecord:
-        """Move a deployment to ``target``, optionally setting ``port``, ``pid`` and
-        ``failure_reason`` in the same write; return the updated record.
+        """Move a deployment to ``target``, optionally setting ``port``, ``pid``,
+        ``failure_reason``, ``restart_count``, ``last_exit`` and ``last_exit_log`` in the
+        same write; return the updated record.
 
         The move is checked with :func:`berth.store.states.can_transition` and applied with
         an UPDATE conditioned on the state just read, so two racing callers cannot both move
@@ -292,6 +310,9 @@ class Store(NodeMethods, ServiceMethods, AdapterMethods, ApiKeyMethods, UsageMet
                 ("port", port),
                 ("pid", pid),
                 ("failure_reason", failure_reason),
+                ("restart_count", restart_count),
+                ("last_exit", last_exit),
+                ("last_exit_log", last_exit_log),
             ):
                 if value is not UNCHANGED:
                     values[column] = value
@@ -387,4 +408,8 @@ def _deployment_record(row: DeploymentRow) -> DeploymentRecord:
         image=row.image,
         adapter_slots=row.adapter_slots,
         lora_adapters=tuple(row.lora_adapters or ()),
+        restart_policy=check_restart_policy(row.restart_policy),
+        restart_count=row.restart_count,
+        last_exit=row.last_exit,
+        last_exit_log=row.last_exit_log,
     )

@@ -113,6 +113,13 @@ class DeploymentRow(Base):
     adapter_slots: Mapped[int | None] = mapped_column(Integer, nullable=True)
     #: llama.cpp: the adapters given with ``--lora``, in that order (their ids)
     lora_adapters: Mapped[list[str] | None] = mapped_column(JSON, nullable=True)
+    #: ``on-failure``, ``always`` or ``never`` (:data:`berth.store.records.RestartPolicy`)
+    restart_policy: Mapped[str] = mapped_column(String(16), default="on-failure")
+    #: how many times its engine was started again by the restart policy
+    restart_count: Mapped[int] = mapped_column(Integer, default=0)
+    #: how its engine last ended (``exit code 1``, ``SIGKILL``, …) and its log's tail then
+    last_exit: Mapped[str | None] = mapped_column(Text, nullable=True)
+    last_exit_log: Mapped[str | None] = mapped_column(Text, nullable=True)
 
 
 class ApiKeyRow(Base):
@@ -231,6 +238,8 @@ class ServiceProfileRow(Base):
     capacity: Mapped[int | None] = mapped_column(Integer)
     #: vLLM/SGLang: LoRA adapter slots of its deployments (``None``: berth's default)
     max_adapters: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    #: its deployments' restart policy (``on-failure``, ``always`` or ``never``)
+    restart_policy: Mapped[str] = mapped_column(String(16), default="on-failure")
     #: its streamed answers' bounds, seconds (``None``: the leader's settings; 0: none)
     first_byte_timeout_s: Mapped[float | None] = mapped_column(Float, nullable=True)
     stream_idle_timeout_s: Mapped[float | None] = mapped_column(Float, nullable=True)

@@ -93,6 +93,10 @@ class ProbeArgs(_Args, kw_only=True):
 
 class ProbeResult(_Args, kw_only=True):
     result: Literal["healthy", "unhealthy", "gone"]
+    #: with ``gone``: the engine's exit code, or the signal that killed it (``SIGKILL``),
+    #: when the agent knows (older agents send neither)
+    exit_code: int | None = None
+    exit_signal: str | None = None
 
 
 class PullArgs(_Args, kw_only=True):

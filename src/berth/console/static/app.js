@@ -355,21 +355,26 @@ function deploymentsPage(main) {
   }).catch(showError);
 
   async function refresh() {
-    const rows = await call("GET", "/admin/deployments?active=true");
+    // Active ones, and those that ended in the last 10 minutes (as `berth ps`), with why.
+    const rows = await call("GET", "/admin/deployments?active=true&ended_within_s=600");
+    const ended = (d) => d.state === "stopped" || d.state === "failed";
     list.replaceChildren(rows.length === 0 ? h("p", { class: "muted" }, "No deployments running.") :
-      table(["id", "model", "served as", "state", "node", "GPUs", "uptime", ""], rows.map((d) =>
+      table(["id", "model", "served as", "state", "restarts", "node", "GPUs", "uptime", ""],
+        rows.map((d) =>
         h("tr", { "data-deployment": d.id },
           h("td", { class: "mono" }, d.id), h("td", {}, d.model_name),
           h("td", {}, d.served_model_name || d.model_name),
           h("td", {}, statusText(d.state), d.failure_reason ? ` ${d.failure_reason}` : "",
             d.progress ? ` (${d.progress})` : ""),
+          h("td", { title: d.last_exit_log || "" }, String(d.restart_count),
+            d.last_exit ? ` (last exit: ${d.last_exit})` : ""),
           h("td", {}, d.node_label, d.node_connected ? "" : " (unreachable)"),
           h("td", {}, d.gpus.length ? d.gpus.join(", ") : "—"),
           h("td", {}, sinceIso(d.created_at)),
           h("td", {},
             h("button", { type: "button", class: "secondary", onclick: () => follow(d.id) },
               "Logs"), " ",
-            h("button", { type: "button", class: "danger", onclick: async (ev) => {
+            ended(d) ? "" : h("button", { type: "button", class: "danger", onclick: async (ev) => {
               ev.target.disabled = true;
               try { await call("POST", `/admin/deployments/${d.id}/stop`); await refresh(); }
               catch (err) { showError(err); ev.target.disabled = false; }

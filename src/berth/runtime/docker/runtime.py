@@ -24,6 +24,7 @@ from pathlib import Path
 from berth.errors import EngineError
 from berth.runtime.base import (
     ContainerSpec,
+    EngineExit,
     EngineHandle,
     LaunchSpec,
     ProgressListener,
@@ -114,6 +115,8 @@ class DockerRuntime:
         self._client_lock = threading.Lock()
         self._threads = DockerThreads()
         self._running: dict[str, bool] = {}
+        #: how each container that ended exited, by container id (as :meth:`poll` saw it)
+        self._exits: dict[str, EngineExit] = {}
         self._logs = LogCopies()
         self._health = HealthProber()  # one HTTP client for every probe
         self._network_ready = False
@@ -289,6 +292,7 @@ class DockerRuntime:
                 deployment_id=handle.deployment_id,
             ) from exc
         self._running.pop(container_id, None)
+        self._exits.pop(container_id, None)
 
     def _stop_and_remove(self, container_id: str, grace_s: float) -> None:
         def drain(stopped_id: str) -> None:  # its last lines reach the log first
@@ -316,7 +320,14 @@ class DockerRuntime:
             ) from exc
         running = info is not None and info.state.running
         self._running[container_id] = running
+        if info is not None and not running and info.state.exit_code is not None:
+            self._exits[container_id] = EngineExit(code=info.state.exit_code)
         return running
+
+    def exit_status(self, handle: EngineHandle) -> EngineExit | None:
+        """The container's exit code as the last :meth:`poll` saw it (``None``: running,
+        or removed before it was seen)."""
+        return self._exits.get(_container_id(handle))
 
     def _inspect(self, container_id: str) -> ContainerInfo | None:
         return self._connected().inspect_container(container_id)
