@@ -327,7 +327,8 @@ def _pinned_conversation(cluster: Cluster, load: Load) -> tuple[str, Agent, Agen
 
 def _retries(cluster: Cluster) -> int:
     log = (cluster.leader_home / "logs" / "daemon.log").read_text()
-    return sum("trying another node" in line for line in log.splitlines())
+    # "trying another node", "... deployment" or "... candidate": each line is one retry
+    return sum("; trying another " in line for line in log.splitlines())
 
 
 @contextlib.contextmanager
