@@ -17,7 +17,6 @@ from berth.cluster.link_registry import LinkRegistry
 from berth.cluster.remote_link import tunnel_url
 from berth.daemon.lifecycle import DeployOptions, LifecycleManager
 from berth.daemon.proxy import OpenAIProxy
-from berth.engine_http.answer import EngineAnswer
 from berth.errors import NotFoundError
 from berth.observability.metrics import ProxyMetrics
 from berth.routing.resolver import Upstream
@@ -26,7 +25,7 @@ from berth.routing.waiting import WaitingAttempts
 from berth.store import Store, StreamTimeouts
 from berth.store.states import DeploymentState
 from support.fakes import FakeLink
-from support.link_pair import DEPLOYMENT, Linked
+from support.link_pair import DEPLOYMENT, Linked, OneLink
 from support.proxy_fixtures import running_proxy, sample, serve_berth
 from support.standin_engine import (
     Head,
@@ -238,27 +237,6 @@ async def test_a_service_s_own_idle_timeout_ends_a_silent_stream(server: str) ->
 
 
 # -- through an agent's tunnel ------------------------------------------------------------------
-
-
-class OneLink:
-    """The leader's ``TunnelOpener`` over the one link of the ``linked`` fixture."""
-
-    def __init__(self, linked: Linked) -> None:
-        self.link = linked.link
-
-    async def open_http(
-        self,
-        node_id: str,
-        deployment_id: str,
-        method: bytes,
-        target: bytes,
-        headers: Sequence[tuple[bytes, bytes]],
-        body: bytes,
-        read_timeout_s: float | None,
-    ) -> EngineAnswer:
-        return await self.link.open_http(
-            deployment_id, method, target, headers, body, read_timeout_s
-        )
 
 
 def _tunneled() -> Upstream:

@@ -25,7 +25,6 @@ from berth.config import TierTable
 from berth.daemon.app import LeaderApp
 from berth.daemon.proxy import OpenAIProxy
 from berth.daemon.sse import Usage, messages_stream_usage, messages_usage
-from berth.engine_http.answer import EngineAnswer
 from berth.errors import AuthError, BerthError, NotFoundError
 from berth.limits import LimitOverrides
 from berth.observability.metrics import ProxyMetrics
@@ -40,7 +39,7 @@ from berth.routing.resolver import Upstream
 from berth.store import ApiKeyRecord, UsageRecord
 from support.direct import DEPLOYMENT as DIRECT_DEPLOYMENT
 from support.direct import Pki
-from support.link_pair import DEPLOYMENT, Linked
+from support.link_pair import DEPLOYMENT, Linked, OneLink
 from support.proxy_fixtures import running_proxy
 from support.standin_engine import (
     StandinEngine,
@@ -209,27 +208,6 @@ class Engines:
 
     def models(self) -> list[str]:
         return ["m"]
-
-
-class OneLink:
-    """The leader's ``TunnelOpener`` over the ``linked`` fixture's one link."""
-
-    def __init__(self, linked: Linked) -> None:
-        self.link = linked.link
-
-    async def open_http(
-        self,
-        node_id: str,
-        deployment_id: str,
-        method: bytes,
-        target: bytes,
-        headers: Sequence[tuple[bytes, bytes]],
-        body: bytes,
-        read_timeout_s: float | None,
-    ) -> EngineAnswer:
-        return await self.link.open_http(
-            deployment_id, method, target, headers, body, read_timeout_s
-        )
 
 
 def local(engine: StandinEngine, kind: str | None = "llamacpp", name: str = "d-1") -> Upstream:

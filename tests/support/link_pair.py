@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
@@ -19,6 +19,7 @@ from berth.cluster.protocol.frames import Heartbeat, Request
 from berth.cluster.protocol.session import LinkLimits, Role, WelcomeTerms
 from berth.cluster.remote_link import RemoteLink
 from berth.cluster.tunnel_stream import TunnelStream
+from berth.engine_http.answer import EngineAnswer
 from berth.engine_http.auth import bearer_header
 from berth.errors import NotFoundError
 from berth.runtime.engines import DeploymentRequest
@@ -134,3 +135,25 @@ async def linked_in_memory() -> AsyncIterator[Linked]:
             await leader.close(1000, "test over")
             await asyncio.gather(*tasks)
             await service.close()
+
+
+class OneLink:
+    """The leader's ``TunnelOpener`` over the one link of the ``linked`` fixture (every
+    node's deployments are reached through it)."""
+
+    def __init__(self, linked: Linked) -> None:
+        self.link = linked.link
+
+    async def open_http(
+        self,
+        node_id: str,
+        deployment_id: str,
+        method: bytes,
+        target: bytes,
+        headers: Sequence[tuple[bytes, bytes]],
+        body: bytes,
+        read_timeout_s: float | None,
+    ) -> EngineAnswer:
+        return await self.link.open_http(
+            deployment_id, method, target, headers, body, read_timeout_s
+        )
