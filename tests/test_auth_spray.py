@@ -53,7 +53,7 @@ def _berth(home: Path, *args: str, env: dict[str, str]) -> str:
 
 
 @pytest.fixture(scope="module")
-def leader(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Leader]:
+def spray_leader(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Leader]:
     home = tmp_path_factory.mktemp("spray-leader")
     env = {k: v for k, v in os.environ.items() if not k.startswith("BERTH_")}
     env.update(
@@ -101,11 +101,11 @@ def _refused_429(response: httpx.Response) -> None:
     assert error["message"] == "too many failed API key attempts from this address"
 
 
-def test_a_spray_of_bad_keys_is_refused_while_good_keys_are_served(leader: Leader) -> None:
-    with httpx.Client(base_url=leader.url, verify=leader.tls, timeout=30.0) as http:
+def test_a_spray_of_bad_keys_is_refused_while_good_keys_are_served(spray_leader: Leader) -> None:
+    with httpx.Client(base_url=spray_leader.url, verify=spray_leader.tls, timeout=30.0) as http:
         # The good keys are used once before the spray: from then on they are known valid.
-        assert http.get("/v1/models", headers=_bearer(leader.standard)).status_code == 200
-        assert http.get("/admin/keys", headers=_bearer(leader.admin)).status_code == 200
+        assert http.get("/v1/models", headers=_bearer(spray_leader.standard)).status_code == 200
+        assert http.get("/admin/keys", headers=_bearer(spray_leader.admin)).status_code == 200
 
         for _ in range(BURST):
             bad = http.get("/v1/models", headers=_bearer(generate_secret()))
@@ -115,21 +115,21 @@ def test_a_spray_of_bad_keys_is_refused_while_good_keys_are_served(leader: Leade
         _refused_429(http.post("/ui/session", json={"key": generate_secret()}))
 
         # The same address with a good key: served on every surface.
-        assert http.get("/v1/models", headers=_bearer(leader.standard)).status_code == 200
-        metrics = http.get("/metrics", headers=_bearer(leader.standard))
+        assert http.get("/v1/models", headers=_bearer(spray_leader.standard)).status_code == 200
+        metrics = http.get("/metrics", headers=_bearer(spray_leader.standard))
         assert metrics.status_code == 200
         assert 'berth_auth_refusals_total{reason="rate_limited"} 4.0' in metrics.text
         assert "berth_auth_key_reads_total" in metrics.text
-        assert http.get("/admin/keys", headers=_bearer(leader.admin)).status_code == 200
+        assert http.get("/admin/keys", headers=_bearer(spray_leader.admin)).status_code == 200
         # No key at all is a plain 401, as before: it costs no lookup and counts for nothing.
         assert http.get("/v1/models").status_code == 401
-        signed_in = http.post("/ui/session", json={"key": leader.admin})
+        signed_in = http.post("/ui/session", json={"key": spray_leader.admin})
         assert signed_in.status_code == 201, signed_in.text
         http.cookies.clear()
 
         # The Unix socket needs no key and is not limited; a key created there now is
         # served on its first use from the refused address.
-        transport = httpx.HTTPTransport(uds=str(leader.home / "berth.sock"))
+        transport = httpx.HTTPTransport(uds=str(spray_leader.home / "berth.sock"))
         with httpx.Client(transport=transport, base_url="http://berth", timeout=30.0) as local:
             assert local.get("/admin/keys").status_code == 200
             created = local.post("/admin/keys", json={"name": "late"})
@@ -137,7 +137,7 @@ def test_a_spray_of_bad_keys_is_refused_while_good_keys_are_served(leader: Leade
         late = http.get("/v1/models", headers=_bearer(created.json()["secret"]))
         assert late.status_code == 200, late.text
 
-    audit_log = (leader.home / "logs" / "audit.log").read_text().splitlines()
+    audit_log = (spray_leader.home / "logs" / "audit.log").read_text().splitlines()
     lines = [json.loads(line) for line in audit_log]
     limited = [line for line in lines if line["event"] == "auth.rate_limited"]
     assert len(limited) == 1, limited  # one line per window, not one per refusal

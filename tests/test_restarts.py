@@ -137,17 +137,17 @@ FAST = Backoff(initial_s=0.01, max_s=0.05, crashloop_restarts=2)
 
 
 @pytest.fixture
-def link() -> FakeLink:
+def restart_link() -> FakeLink:
     return FakeLink()
 
 
 @pytest.fixture
-async def manager(store: Store, link: FakeLink) -> AsyncIterator[LifecycleManager]:
+async def restart_manager(store: Store, restart_link: FakeLink) -> AsyncIterator[LifecycleManager]:
     metrics = ProxyMetrics()
     audited: list[dict[str, object]] = []
-    manager = LifecycleManager(
+    restart_manager = LifecycleManager(
         store,
-        LinkRegistry([link]),
+        LinkRegistry([restart_link]),
         health_timeout_s=5,
         stop_grace_s=1,
         watch_interval_s=0.01,
@@ -155,16 +155,18 @@ async def manager(store: Store, link: FakeLink) -> AsyncIterator[LifecycleManage
         restart_backoff=FAST,
         on_restart=restart_reporter(metrics, lambda event: audited.append(dict(event))),
     )
-    manager.audited = audited  # type: ignore[attr-defined]
-    manager.metrics = metrics  # type: ignore[attr-defined]
-    await manager.start()
-    yield manager
-    await manager.shutdown()
+    restart_manager.audited = audited  # type: ignore[attr-defined]
+    restart_manager.metrics = metrics  # type: ignore[attr-defined]
+    await restart_manager.start()
+    yield restart_manager
+    await restart_manager.shutdown()
 
 
-async def _ready(manager: LifecycleManager, policy: RestartPolicy = "on-failure") -> str:
-    record = await manager.deploy(DeployOptions("tiny", "llamacpp", "local", restart_policy=policy))
-    assert (await manager.wait_settled(record.id, 5)).state is DeploymentState.READY
+async def _ready(restart_manager: LifecycleManager, policy: RestartPolicy = "on-failure") -> str:
+    record = await restart_manager.deploy(
+        DeployOptions("tiny", "llamacpp", "local", restart_policy=policy)
+    )
+    assert (await restart_manager.wait_settled(record.id, 5)).state is DeploymentState.READY
     return record.id
 
 
@@ -179,11 +181,11 @@ async def _until(store: Store, deployment_id: str, what: str, test: object) -> D
 
 
 async def test_a_dead_engine_is_started_again_under_the_same_id(
-    manager: LifecycleManager, store: Store, link: FakeLink
+    restart_manager: LifecycleManager, store: Store, restart_link: FakeLink
 ) -> None:
-    deployment_id = await _ready(manager)
-    link.running.pop(deployment_id)  # the engine dies behind berth's back
-    link.exits[deployment_id] = EngineExit(signal="SIGKILL")
+    deployment_id = await _ready(restart_manager)
+    restart_link.running.pop(deployment_id)  # the engine dies behind berth's back
+    restart_link.exits[deployment_id] = EngineExit(signal="SIGKILL")
     again = await _until(
         store,
         deployment_id,
@@ -192,27 +194,27 @@ async def test_a_dead_engine_is_started_again_under_the_same_id(
     )
     assert again.last_exit == "killed by SIGKILL"
     assert again.last_exit_log == f"log of {deployment_id}"
-    assert [r.deployment_id for r in link.requests] == [deployment_id, deployment_id]
-    assert [u.deployment_id for u in manager.candidates("tiny")] == [deployment_id]
-    [event] = manager.audited  # type: ignore[attr-defined]
+    assert [r.deployment_id for r in restart_link.requests] == [deployment_id, deployment_id]
+    assert [u.deployment_id for u in restart_manager.candidates("tiny")] == [deployment_id]
+    [event] = restart_manager.audited  # type: ignore[attr-defined]
     assert (event["event"], event["deployment"], event["reason"], event["restart_count"]) == (
         "deployment_restarted",
         deployment_id,
         "signal",
         1,
     )
-    metrics: ProxyMetrics = manager.metrics  # type: ignore[attr-defined]
+    metrics: ProxyMetrics = restart_manager.metrics  # type: ignore[attr-defined]
     labels = {"deployment": deployment_id, "model": "tiny", "node": "local", "reason": "signal"}
     sample = metrics.registry.get_sample_value("berth_deployment_restarts_total", labels)
     assert sample == 1.0
 
 
 async def test_failed_restarts_back_off_into_crashloop(
-    manager: LifecycleManager, store: Store, link: FakeLink
+    restart_manager: LifecycleManager, store: Store, restart_link: FakeLink
 ) -> None:
-    deployment_id = await _ready(manager)
-    link.fail_with = "engine exited with code 1 before /health answered 200"
-    link.running.pop(deployment_id)
+    deployment_id = await _ready(restart_manager)
+    restart_link.fail_with = "engine exited with code 1 before /health answered 200"
+    restart_link.running.pop(deployment_id)
     looping = await _until(
         store,
         deployment_id,
@@ -221,37 +223,37 @@ async def test_failed_restarts_back_off_into_crashloop(
     )
     assert looping.restart_count >= FAST.crashloop_restarts
     assert (looping.last_exit or "").startswith("start failed: engine exited with code 1")
-    link.fail_with = None  # the fault is fixed: the next restart serves again
+    restart_link.fail_with = None  # the fault is fixed: the next restart serves again
     served = await _until(
         store, deployment_id, "ready again", lambda r: r.state is DeploymentState.READY
     )
     assert served.restart_count > looping.restart_count
 
 
-async def test_a_stop_wins_over_a_pending_restart(store: Store, link: FakeLink) -> None:
+async def test_a_stop_wins_over_a_pending_restart(store: Store, restart_link: FakeLink) -> None:
     slow = Backoff(initial_s=30.0)
-    manager = LifecycleManager(
+    restart_manager = LifecycleManager(
         store,
-        LinkRegistry([link]),
+        LinkRegistry([restart_link]),
         health_timeout_s=5,
         stop_grace_s=1,
         watch_interval_s=0.01,
         probe_timeout_s=0.005,
         restart_backoff=slow,
     )
-    await manager.start()
+    await restart_manager.start()
     try:
-        deployment_id = await _ready(manager)
-        link.running.pop(deployment_id)
+        deployment_id = await _ready(restart_manager)
+        restart_link.running.pop(deployment_id)
         await _until(
             store, deployment_id, "restarting", lambda r: r.state is DeploymentState.RESTARTING
         )
-        stopped = await manager.stop(deployment_id)
+        stopped = await restart_manager.stop(deployment_id)
         assert stopped.state is DeploymentState.STOPPED
-        assert len(link.requests) == 1  # never started again
+        assert len(restart_link.requests) == 1  # never started again
         assert store.get_deployment(deployment_id).restart_count == 0
     finally:
-        await manager.shutdown()
+        await restart_manager.shutdown()
 
 
 @pytest.mark.parametrize(
@@ -263,16 +265,16 @@ async def test_a_stop_wins_over_a_pending_restart(store: Store, link: FakeLink) 
     ],
 )
 async def test_the_policy_decides_per_deployment(
-    manager: LifecycleManager,
+    restart_manager: LifecycleManager,
     store: Store,
-    link: FakeLink,
+    restart_link: FakeLink,
     policy: RestartPolicy,
     ending_exit: EngineExit,
     state: DeploymentState,
 ) -> None:
-    deployment_id = await _ready(manager, policy)
-    link.running.pop(deployment_id)
-    link.exits[deployment_id] = ending_exit
+    deployment_id = await _ready(restart_manager, policy)
+    restart_link.running.pop(deployment_id)
+    restart_link.exits[deployment_id] = ending_exit
     ended = await _until(
         store,
         deployment_id,
@@ -286,14 +288,14 @@ async def test_the_policy_decides_per_deployment(
 
 
 async def test_a_first_start_that_fails_is_not_restarted(
-    manager: LifecycleManager, store: Store, link: FakeLink
+    restart_manager: LifecycleManager, store: Store, restart_link: FakeLink
 ) -> None:
-    link.fail_with = "engine exited with code 1 before /health answered 200"
-    record = await manager.deploy(DeployOptions("tiny", "llamacpp", "local"))
-    failed = await manager.wait_settled(record.id, 5)
+    restart_link.fail_with = "engine exited with code 1 before /health answered 200"
+    record = await restart_manager.deploy(DeployOptions("tiny", "llamacpp", "local"))
+    failed = await restart_manager.wait_settled(record.id, 5)
     assert failed.state is DeploymentState.FAILED
-    assert failed.failure_reason == link.fail_with  # as before restart policies
-    assert len(link.requests) == 1
+    assert failed.failure_reason == restart_link.fail_with  # as before restart policies
+    assert len(restart_link.requests) == 1
 
 
 @pytest.mark.parametrize(

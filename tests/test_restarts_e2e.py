@@ -268,29 +268,29 @@ def test_a_stop_during_the_backoff_wins(short_leader: tuple[Berth, int], tmp_pat
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+def supervised_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     root = tmp_path_factory.mktemp("restart-cluster")
     (root / "tiny.gguf").write_bytes(TINY_GGUF_BYTES)
     env = clean_env({"BERTH_LLAMA_SERVER_BIN": str(fake_engine_wrapper(root)), **SHORT})
-    cluster = Cluster(root, env)
-    cluster.start()
+    supervised_cluster = Cluster(root, env)
+    supervised_cluster.start()
     try:
-        yield cluster
+        yield supervised_cluster
     finally:
-        cluster.close()
+        supervised_cluster.close()
 
 
-def test_an_engine_killed_on_an_agent_is_restarted_there(cluster: Cluster) -> None:
+def test_an_engine_killed_on_an_agent_is_restarted_there(supervised_cluster: Cluster) -> None:
     """The same restart through a remote node's link: the agent reports the signal in its
     probe answer, and the leader starts the engine again on that node."""
-    agent = cluster.add_agent("gpu-a")
-    deployment_id = cluster.deploy("tiny", cluster.root / "tiny.gguf", agent)
-    first = cluster.deployment(deployment_id)
+    agent = supervised_cluster.add_agent("gpu-a")
+    deployment_id = supervised_cluster.deploy("tiny", supervised_cluster.root / "tiny.gguf", agent)
+    first = supervised_cluster.deployment(deployment_id)
     assert first["node_id"] == agent.node_id
     os.kill(first["pid"], signal.SIGKILL)
     again = wait_for(
         lambda: (
-            (d := cluster.deployment(deployment_id))["state"] == "ready"
+            (d := supervised_cluster.deployment(deployment_id))["state"] == "ready"
             and d["pid"] != first["pid"]
             and d
         ),

@@ -94,19 +94,19 @@ def _serial(pem_path: Path) -> int:
 
 
 @pytest.fixture
-def pki(tmp_path: Path) -> Pki:
+def reload_pki(tmp_path: Path) -> Pki:
     ca = CertificateAuthority.load_or_create(tmp_path / "ca")
     spare = tmp_path / "spare"
     spare.mkdir()
-    pki = Pki(ca, tmp_path / "served.pem", tmp_path / "served.key", spare)
-    cert, key = pki.issue("first")
-    pki.install(cert.read_bytes(), key.read_bytes())
-    return pki
+    reload_pki = Pki(ca, tmp_path / "served.pem", tmp_path / "served.key", spare)
+    cert, key = reload_pki.issue("first")
+    reload_pki.install(cert.read_bytes(), key.read_bytes())
+    return reload_pki
 
 
-def _broken_pairs(pki: Pki) -> dict[str, tuple[bytes, bytes, str]]:
-    good_cert, good_key = pki.issue("good")
-    _, other_key = pki.issue("other")
+def _broken_pairs(reload_pki: Pki) -> dict[str, tuple[bytes, bytes, str]]:
+    good_cert, good_key = reload_pki.issue("good")
+    _, other_key = reload_pki.issue("other")
     cert_pem, key_pem = good_cert.read_bytes(), good_key.read_bytes()
     return {
         "chain cut off": (cert_pem[: len(cert_pem) - 40], key_pem, "cut off"),
@@ -123,38 +123,42 @@ def _broken_pairs(pki: Pki) -> dict[str, tuple[bytes, bytes, str]]:
     ["chain cut off", "leaf cut off", "empty certificate", "key cut off", "mismatched key",
      "not a certificate"],
 )  # fmt: skip
-def test_a_pair_that_is_not_whole_and_right_is_refused_with_its_reason(pki: Pki, case: str) -> None:
-    cert_pem, key_pem, reason = _broken_pairs(pki)[case]
-    pki.install(cert_pem, key_pem)
+def test_a_pair_that_is_not_whole_and_right_is_refused_with_its_reason(
+    reload_pki: Pki, case: str
+) -> None:
+    cert_pem, key_pem, reason = _broken_pairs(reload_pki)[case]
+    reload_pki.install(cert_pem, key_pem)
     with pytest.raises(PairRefused, match=reason):
-        load_pair(pki.cert, pki.key, public_ssl_context)
+        load_pair(reload_pki.cert, reload_pki.key, public_ssl_context)
 
 
-def test_an_expired_certificate_is_refused_on_reload_and_a_missing_key_named(pki: Pki) -> None:
-    cert, key = pki.issue("good")
-    pki.install(cert.read_bytes(), key.read_bytes())
+def test_an_expired_certificate_is_refused_on_reload_and_a_missing_key_named(
+    reload_pki: Pki,
+) -> None:
+    cert, key = reload_pki.issue("good")
+    reload_pki.install(cert.read_bytes(), key.read_bytes())
     later = datetime.now(UTC) + timedelta(days=400)
     with pytest.raises(PairRefused, match="expired at"):
-        load_pair(pki.cert, pki.key, public_ssl_context, now=later)
-    pki.key.unlink()
+        load_pair(reload_pki.cert, reload_pki.key, public_ssl_context, now=later)
+    reload_pki.key.unlink()
     with pytest.raises(PairRefused, match="the key cannot be read"):
-        load_pair(pki.cert, pki.key, public_ssl_context)
+        load_pair(reload_pki.cert, reload_pki.key, public_ssl_context)
 
 
-def test_a_certificate_not_valid_yet_is_refused_on_reload(pki: Pki) -> None:
+def test_a_certificate_not_valid_yet_is_refused_on_reload(reload_pki: Pki) -> None:
     # Served, it would fail every client's handshake until its notBefore.
-    cert, key = pki.issue("good")
-    pki.install(cert.read_bytes(), key.read_bytes())
+    cert, key = reload_pki.issue("good")
+    reload_pki.install(cert.read_bytes(), key.read_bytes())
     earlier = datetime.now(UTC) - timedelta(days=2)
     with pytest.raises(PairRefused, match="not valid until"):
-        load_pair(pki.cert, pki.key, public_ssl_context, now=earlier)
-    assert load_pair(pki.cert, pki.key, public_ssl_context).serial == _serial(cert)
+        load_pair(reload_pki.cert, reload_pki.key, public_ssl_context, now=earlier)
+    assert load_pair(reload_pki.cert, reload_pki.key, public_ssl_context).serial == _serial(cert)
 
 
-def test_a_certificate_file_that_holds_its_key_too_is_accepted(pki: Pki) -> None:
-    cert, key = pki.issue("good")
-    pki.install(key.read_bytes() + cert.read_bytes(), key.read_bytes())
-    assert load_pair(pki.cert, pki.key, public_ssl_context).serial == _serial(cert)
+def test_a_certificate_file_that_holds_its_key_too_is_accepted(reload_pki: Pki) -> None:
+    cert, key = reload_pki.issue("good")
+    reload_pki.install(key.read_bytes() + cert.read_bytes(), key.read_bytes())
+    assert load_pair(reload_pki.cert, reload_pki.key, public_ssl_context).serial == _serial(cert)
 
 
 # -- the public listener (berth's HTTP server) on real TLS ------------------------------------
@@ -190,8 +194,8 @@ async def _get(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> by
 
 
 @pytest.fixture
-async def public_listener(pki: Pki) -> AsyncIterator[tuple[int, ReloadingTLS]]:
-    tls = ReloadingTLS.load("public", pki.cert, pki.key, public_ssl_context)
+async def public_listener(reload_pki: Pki) -> AsyncIterator[tuple[int, ReloadingTLS]]:
+    tls = ReloadingTLS.load("public", reload_pki.cert, reload_pki.key, public_ssl_context)
     sock = bind_tcp("public", "127.0.0.1", 0)
     server = HttpServer("public", _hello, ssl_context=tls.context)
     await server.start(sock)
@@ -202,28 +206,28 @@ async def public_listener(pki: Pki) -> AsyncIterator[tuple[int, ReloadingTLS]]:
 
 
 async def test_the_public_listener_keeps_its_pair_over_a_broken_one_and_takes_a_good_one(
-    pki: Pki, public_listener: tuple[int, ReloadingTLS], caplog: pytest.LogCaptureFixture
+    reload_pki: Pki, public_listener: tuple[int, ReloadingTLS], caplog: pytest.LogCaptureFixture
 ) -> None:
     port, tls = public_listener
-    first = _serial(pki.cert)
+    first = _serial(reload_pki.cert)
     assert await _presented_serial(port) == first
     reader, writer = await asyncio.open_connection("127.0.0.1", port, ssl=CLIENT)
     assert (await _get(reader, writer)).endswith(b"ok")  # open before any reload
 
-    broken = _broken_pairs(pki)
+    broken = _broken_pairs(reload_pki)
     for case in ("chain cut off", "mismatched key"):
         cert_pem, key_pem, reason = broken[case]
-        pki.install(cert_pem, key_pem)
+        reload_pki.install(cert_pem, key_pem)
         caplog.clear()
         with caplog.at_level(logging.WARNING, logger="berth.http_server.tls_reload"):
             assert await tls.reload() == "kept"
         [line] = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-        assert str(pki.cert) in line and str(pki.key) in line and reason in line, line
+        assert str(reload_pki.cert) in line and str(reload_pki.key) in line and reason in line, line
         assert f"still serving serial {first:X}" in line
         assert await _presented_serial(port) == first  # new connections: the old pair
 
-    good_cert, good_key = pki.issue("second")
-    pki.install(good_cert.read_bytes(), good_key.read_bytes())
+    good_cert, good_key = reload_pki.issue("second")
+    reload_pki.install(good_cert.read_bytes(), good_key.read_bytes())
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="berth.http_server.tls_reload"):
         assert await tls.poll() == "unchanged"  # just changed: it may still be being written
@@ -240,23 +244,23 @@ async def test_the_public_listener_keeps_its_pair_over_a_broken_one_and_takes_a_
 
 
 async def test_a_pair_refused_by_the_watch_is_logged_once_and_the_next_good_one_served(
-    pki: Pki, public_listener: tuple[int, ReloadingTLS], caplog: pytest.LogCaptureFixture
+    reload_pki: Pki, public_listener: tuple[int, ReloadingTLS], caplog: pytest.LogCaptureFixture
 ) -> None:
     port, tls = public_listener
-    first = _serial(pki.cert)
+    first = _serial(reload_pki.cert)
     reloads = CertificateReloads([tls], interval_s=0.05)
     reloads.start()
     try:
-        cert_pem, key_pem, _ = _broken_pairs(pki)["key cut off"]
+        cert_pem, key_pem, _ = _broken_pairs(reload_pki)["key cut off"]
         with caplog.at_level(logging.WARNING, logger="berth.http_server.tls_reload"):
-            pki.install(cert_pem, key_pem)
+            reload_pki.install(cert_pem, key_pem)
             await wait_for_async(lambda: caplog.records, 10, "the refusal's warning")
             await asyncio.sleep(0.3)  # several more polls: the same pair is not read again
         assert len(caplog.records) == 1, [r.getMessage() for r in caplog.records]
         assert await _presented_serial(port) == first
 
-        good_cert, good_key = pki.issue("second")
-        pki.install(good_cert.read_bytes(), good_key.read_bytes())
+        good_cert, good_key = reload_pki.issue("second")
+        reload_pki.install(good_cert.read_bytes(), good_key.read_bytes())
         await wait_for_async(lambda: tls.served.serial == _serial(good_cert), 10, "the reload")
         assert await _presented_serial(port) == _serial(good_cert)
     finally:
@@ -271,7 +275,7 @@ async def _agent_handler(_request: web.Request) -> web.StreamResponse:
 
 
 async def test_the_cluster_listener_keeps_its_pair_over_a_broken_one_and_takes_a_good_one(
-    tmp_path: Path, pki: Pki
+    tmp_path: Path, reload_pki: Pki
 ) -> None:
     home = BerthHome(tmp_path / "leader")
     home.ensure()
@@ -280,31 +284,34 @@ async def test_the_cluster_listener_keeps_its_pair_over_a_broken_one_and_takes_a
     sock = bind_tcp("cluster", "127.0.0.1", 0)
     port = sock.getsockname()[1]
     enrollment = EnrollmentService(
-        store=store, ca=pki.ca, pepper=b"p" * 32, cluster_url=f"https://127.0.0.1:{port}",
+        store=store, ca=reload_pki.ca, pepper=b"p" * 32, cluster_url=f"https://127.0.0.1:{port}",
         audit=AuditLog(home.audit_log),
     )  # fmt: skip
     app = build_cluster_app(
-        enrollment=enrollment, ca_pem=pki.ca.cert_pem, agent_handler=_agent_handler
+        enrollment=enrollment, ca_pem=reload_pki.ca.cert_pem, agent_handler=_agent_handler
     )
     tls = ReloadingTLS.load(
-        "cluster", pki.cert, pki.key, lambda c, k: cluster_ssl_context(pki.ca, c, k)
+        "cluster",
+        reload_pki.cert,
+        reload_pki.key,
+        lambda c, k: cluster_ssl_context(reload_pki.ca, c, k),
     )
     listener = ClusterListener(app, sock, tls.context)
     await listener.start()
-    trusting = ssl.create_default_context(cafile=str(pki.ca.cert_path))
+    trusting = ssl.create_default_context(cafile=str(reload_pki.ca.cert_path))
     try:
-        first = _serial(pki.cert)
+        first = _serial(reload_pki.cert)
         assert await _presented_serial(port) == first
         reader, writer = await asyncio.open_connection(
             "127.0.0.1", port, ssl=trusting, server_hostname="127.0.0.1"
         )
-        cert_pem, key_pem, _ = _broken_pairs(pki)["mismatched key"]
-        pki.install(cert_pem, key_pem)
+        cert_pem, key_pem, _ = _broken_pairs(reload_pki)["mismatched key"]
+        reload_pki.install(cert_pem, key_pem)
         assert await tls.reload() == "kept"
         assert await _presented_serial(port) == first
 
-        good_cert, good_key = pki.issue("second")
-        pki.install(good_cert.read_bytes(), good_key.read_bytes())
+        good_cert, good_key = reload_pki.issue("second")
+        reload_pki.install(good_cert.read_bytes(), good_key.read_bytes())
         assert await tls.reload() == "reloaded"
         assert await _presented_serial(port) == _serial(good_cert)
         # A new connection verifies the new pair against the berth CA, by host name.
@@ -339,17 +346,17 @@ def _served_serial_sync(port: int) -> int:
 
 @pytest.mark.slow
 def test_sighup_reloads_a_real_leaders_certificates_and_the_leader_stays_up(
-    tmp_path: Path, pki: Pki
+    tmp_path: Path, reload_pki: Pki
 ) -> None:
     home = tmp_path / "home"
     # The watch looks only once an hour: what this test sees is SIGHUP's doing.
     berth = Berth(home, env=clean_env({"BERTH_TLS_RELOAD_INTERVAL_S": "3600"}), cwd=tmp_path)
     port, cluster_port = find_free_port(), find_free_port()
-    first = _serial(pki.cert)
+    first = _serial(reload_pki.cert)
     try:
         berth("daemon", "start", "--public-port", str(port), "--cluster-port",
-              str(cluster_port), "--public-cert", str(pki.cert), "--public-key",
-              str(pki.key))  # fmt: skip
+              str(cluster_port), "--public-cert", str(reload_pki.cert), "--public-key",
+              str(reload_pki.key))  # fmt: skip
         pid = int(BerthHome(home).pid_file.read_text())
         log_file = BerthHome(home).daemon_log
         assert _served_serial_sync(port) == first
@@ -357,15 +364,15 @@ def test_sighup_reloads_a_real_leaders_certificates_and_the_leader_stays_up(
         cluster_first = _serial(cluster_cert)
         assert _served_serial_sync(cluster_port) == cluster_first
 
-        cert_pem, key_pem, _ = _broken_pairs(pki)["mismatched key"]
-        pki.install(cert_pem, key_pem)
+        cert_pem, key_pem, _ = _broken_pairs(reload_pki)["mismatched key"]
+        reload_pki.install(cert_pem, key_pem)
         os.kill(pid, signal.SIGHUP)
         wait_for(lambda: "refused, still serving" in log_file.read_text(), 30, "the refusal")
         assert _served_serial_sync(port) == first
         assert "cluster listener: SIGHUP: certificate unchanged" in log_file.read_text()
 
-        good_cert, good_key = pki.issue("second")
-        pki.install(good_cert.read_bytes(), good_key.read_bytes())
+        good_cert, good_key = reload_pki.issue("second")
+        reload_pki.install(good_cert.read_bytes(), good_key.read_bytes())
         # The cluster listener's own certificate, issued again by the leader's CA.
         leader_ca = CertificateAuthority.load_or_create(BerthHome(home).ca_dir)
         leader_ca.issue_server_certificate(

@@ -133,7 +133,7 @@ def test_the_config_round_trips_through_its_command_line(tmp_path: Path) -> None
 
 
 @pytest.fixture
-def engine_like() -> Iterator[tuple[subprocess.Popen[bytes], int]]:
+def warden_engine() -> Iterator[tuple[subprocess.Popen[bytes], int]]:
     """A process whose command line carries ``--port P`` (how a pid is recognised as an
     engine), in a session of its own like an engine; killed at the end."""
     port = find_free_port()
@@ -167,9 +167,9 @@ def test_an_owner_holds_the_lock_until_it_lets_it_go(home: BerthHome) -> None:
 
 
 def test_the_warden_keeps_the_engines_of_a_running_owner_and_stops_them_once_it_is_gone(
-    home: BerthHome, engine_like: tuple[subprocess.Popen[bytes], int]
+    home: BerthHome, warden_engine: tuple[subprocess.Popen[bytes], int]
 ) -> None:
-    process, port = engine_like
+    process, port = warden_engine
     config = _config(home, grace_s=0.3)
     EngineJournal(config.files.journal).save({"d-1": JournalEntry(process.pid, port, "/health")})
     ownership = JournalOwnership(config.files)
@@ -262,9 +262,9 @@ class OneContainerDocker:
 
 
 async def test_the_warden_stops_process_engines_and_the_containers_of_its_journal(
-    home: BerthHome, engine_like: tuple[subprocess.Popen[bytes], int]
+    home: BerthHome, warden_engine: tuple[subprocess.Popen[bytes], int]
 ) -> None:
-    process, port = engine_like
+    process, port = warden_engine
     config = _config(home, grace_s=1.0)
     labels = {HOME_LABEL: str(home.root), NODE_LABEL: "n-1", DEPLOYMENT_LABEL: "d-2"}
     container = ContainerInfo("c0ffee" * 4, "berth-d-2", labels, ContainerState(True, pid=4242),
@@ -314,17 +314,17 @@ def _kill(agent: Agent) -> None:
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+def warden_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     settings = {"BERTH_STOP_GRACE_S": "2", "BERTH_HEARTBEAT_INTERVAL_S": "1",
                 "BERTH_NODE_TIMEOUT_S": "6"}  # fmt: skip
-    with started_cluster(tmp_path_factory.mktemp("orphans"), settings) as cluster:
-        yield cluster
+    with started_cluster(tmp_path_factory.mktemp("orphans"), settings) as warden_cluster:
+        yield warden_cluster
 
 
 @pytest.mark.slow
-def test_an_agent_killed_for_good_leaves_no_engine_after_the_grace(cluster: Cluster) -> None:
-    agent = cluster.add_agent("gone", env={"BERTH_ORPHAN_GRACE_S": "2"})
-    deployment = cluster.deploy("tiny-gone", cluster.root / "tiny.gguf", agent)
+def test_an_agent_killed_for_good_leaves_no_engine_after_the_grace(warden_cluster: Cluster) -> None:
+    agent = warden_cluster.add_agent("gone", env={"BERTH_ORPHAN_GRACE_S": "2"})
+    deployment = warden_cluster.deploy("tiny-gone", warden_cluster.root / "tiny.gguf", agent)
     engine = _engine_of(agent.home, deployment)
     [warden] = _wardens_of(agent.home)
 
@@ -340,20 +340,20 @@ def test_an_agent_killed_for_good_leaves_no_engine_after_the_grace(cluster: Clus
 
 
 @pytest.mark.slow
-def test_an_agent_back_within_the_grace_takes_its_engine_back(cluster: Cluster) -> None:
-    agent = cluster.add_agent("back", env={"BERTH_ORPHAN_GRACE_S": "120"})
-    deployment = cluster.deploy("tiny-back", cluster.root / "tiny.gguf", agent)
+def test_an_agent_back_within_the_grace_takes_its_engine_back(warden_cluster: Cluster) -> None:
+    agent = warden_cluster.add_agent("back", env={"BERTH_ORPHAN_GRACE_S": "120"})
+    deployment = warden_cluster.deploy("tiny-back", warden_cluster.root / "tiny.gguf", agent)
     engine = _engine_of(agent.home, deployment)
     [first_warden] = _wardens_of(agent.home)
 
     _kill(agent)
-    cluster.wait_node(agent.node_id, "unreachable")
-    cluster.start_agent(agent)
+    warden_cluster.wait_node(agent.node_id, "unreachable")
+    warden_cluster.start_agent(agent)
 
     wait_for(lambda: not alive(first_warden), EVENT_TIMEOUT_S, "the first warden to go")
     assert len(_wardens_of(agent.home)) == 1  # the new agent's own
     assert alive(engine) and _engine_of(agent.home, deployment) == engine
-    with cluster.http() as http:
+    with warden_cluster.http() as http:
         answer = wait_for(
             lambda: (r := http.post("/v1/chat/completions", json={
                 "model": "tiny-back", "messages": [{"role": "user", "content": "hi"}]})
@@ -361,13 +361,13 @@ def test_an_agent_back_within_the_grace_takes_its_engine_back(cluster: Cluster) 
             EVENT_TIMEOUT_S, "the deployment to be served again",
         )  # fmt: skip
     assert answer.json()["choices"]
-    assert cluster.deployment(deployment)["state"] == "ready"
+    assert warden_cluster.deployment(deployment)["state"] == "ready"
 
 
 @pytest.mark.slow
-def test_orphan_grace_0_leaves_engines_running(cluster: Cluster) -> None:
-    agent = cluster.add_agent("kept", env={"BERTH_ORPHAN_GRACE_S": "0"})
-    deployment = cluster.deploy("tiny-kept", cluster.root / "tiny.gguf", agent)
+def test_orphan_grace_0_leaves_engines_running(warden_cluster: Cluster) -> None:
+    agent = warden_cluster.add_agent("kept", env={"BERTH_ORPHAN_GRACE_S": "0"})
+    deployment = warden_cluster.deploy("tiny-kept", warden_cluster.root / "tiny.gguf", agent)
     engine = _engine_of(agent.home, deployment)
     assert _wardens_of(agent.home) == []  # nothing that could stop it
 
