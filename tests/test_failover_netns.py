@@ -316,11 +316,22 @@ def _pinned_conversation(cluster: Cluster, load: Load) -> tuple[str, Agent, Agen
     (the scenario's victim) and the other one. The scorer picks the node: a test that named
     its victim beforehand failed when, on a loaded machine, 40 conversations in a row went
     to the other node."""
-    with cluster.http(timeout_s=30) as http:
-        session = uuid.uuid4().hex
-        assert load.one(http, session).ok
-    routing = cluster.admin("GET", f"/admin/routing/{MODEL}?session={session}")
-    (victim,) = [a for a in cluster.agents.values() if a.node_id == routing["affinity_node"]]
+    by_node = {a.node_id: a for a in cluster.agents.values()}
+    deadline = time.monotonic() + 30
+    while True:
+        # The nodes settle first: a link the previous scenario left half-dead may end (and
+        # its node's affinity be forgotten) a moment after a conversation was routed.
+        for node_id in by_node:
+            cluster.wait_node(node_id, "ready", timeout_s=45)
+        with cluster.http(timeout_s=30) as http:
+            session = uuid.uuid4().hex
+            assert load.one(http, session).ok
+        routing = cluster.admin("GET", f"/admin/routing/{MODEL}?session={session}")
+        if routing["affinity_node"] in by_node:
+            break
+        assert time.monotonic() < deadline, f"no conversation kept its node: {routing}"
+        time.sleep(1)
+    victim = by_node[routing["affinity_node"]]
     (survivor,) = [a for a in cluster.agents.values() if a is not victim]
     return session, victim, survivor
 
