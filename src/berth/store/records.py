@@ -28,6 +28,11 @@ MODEL_SOURCES: tuple[ModelSource, ...] = ("local", "hub", "remote")
 RestartPolicy = Literal["on-failure", "always", "never"]
 RESTART_POLICIES: tuple[RestartPolicy, ...] = ("on-failure", "always", "never")
 DEFAULT_RESTART_POLICY: RestartPolicy = "on-failure"
+#: How the router picks among a model's ready deployments (``docs/fleet.md``, Routing):
+#: ``least-load``: the scorer's order (affinity, in flight, p95); ``prefix``: the one whose
+#: engine served the longest prefix of the prompt, within a bound on load.
+RoutingPolicy = Literal["least-load", "prefix"]
+ROUTING_POLICIES: tuple[RoutingPolicy, ...] = ("least-load", "prefix")
 
 
 def check_restart_policy(policy: str) -> RestartPolicy:
@@ -37,6 +42,16 @@ def check_restart_policy(policy: str) -> RestartPolicy:
             return known
     raise ConfigError(
         f"unknown restart policy {policy!r}: choose one of {', '.join(RESTART_POLICIES)}"
+    )
+
+
+def check_routing_policy(policy: str) -> RoutingPolicy:
+    """``policy`` as a :data:`RoutingPolicy`; ``ConfigError`` naming the valid ones."""
+    for known in ROUTING_POLICIES:
+        if policy == known:
+            return known
+    raise ConfigError(
+        f"unknown routing policy {policy!r}: choose one of {', '.join(ROUTING_POLICIES)}"
     )
 
 
