@@ -4,17 +4,32 @@ that leaves takes only its own prefixes with it)."""
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import random
 from collections.abc import Mapping
+from types import SimpleNamespace
 
+import httpx
 import pytest
+from fastapi import FastAPI
+from fastapi.testclient import TestClient
 
+from berth.api import RoutingExplanation
+from berth.cli.routing_cmd import decision_text
+from berth.config import Settings
+from berth.daemon.admin_routing import build_routing_router
+from berth.errors import ConfigError
+from berth.observability.metrics import ProxyMetrics
+from berth.paths import BerthHome
 from berth.routing.prefix import PrefixCandidate, choose, load_bound
 from berth.routing.prefix_blocks import BLOCK_CHARS, EMPTY, PromptBlocks, prompt_blocks
 from berth.routing.prefix_index import ENTRY_BYTES, PrefixIndex
 from berth.routing.resolver import Upstream
 from berth.routing.router import Router
 from berth.routing.signals import SignalBoard
+from support.proxy_fixtures import running_proxy, sample
+from support.standin_engine import StandinEngine
 
 
 def _chat(*contents: str, roles: tuple[str, ...] = ()) -> dict[str, object]:
@@ -310,3 +325,84 @@ def test_the_least_load_policy_ignores_prefixes_and_records_nothing() -> None:
     _serve(router, _chat(SYSTEM, "q"))
     assert len(router.prefixes) == 0
     assert router.last_decisions["m"].outcome == "least_loaded"
+
+
+# -- through the proxy, the admin API and the settings -----------------------------------
+
+
+class Engines:
+    """Model ``m`` on stand-in engines, one node each."""
+
+    def __init__(self, engines: list[StandinEngine]) -> None:
+        self.upstreams = [
+            Upstream(e.base_url, f"d-{i}", f"n-{i}", "m") for i, e in enumerate(engines)
+        ]
+
+    def candidates(self, model: str) -> list[Upstream]:
+        return list(self.upstreams)
+
+    def models(self) -> list[str]:
+        return ["m"]
+
+
+async def test_the_proxy_sends_a_shared_prefix_to_one_engine_and_counts_it(
+    metrics: ProxyMetrics,
+) -> None:
+    async with contextlib.AsyncExitStack() as stack:
+        engines = [await stack.enter_async_context(StandinEngine()) for _ in range(3)]
+        resolver = Engines(engines)
+        router = Router(resolver, policy="prefix", on_decision=metrics.routing_decided)
+        url = await stack.enter_async_context(
+            running_proxy(resolver, metrics, router=router)  # type: ignore[arg-type]
+        )
+        http = await stack.enter_async_context(httpx.AsyncClient(base_url=url))
+        for turn in range(4):  # one at a time: nothing in flight, the match always wins
+            body = {"model": "m", **_chat(SYSTEM, f"question {turn}")}
+            assert (await http.post("/v1/chat/completions", json=body)).status_code == 200
+    assert sorted(len(e.requests) for e in engines) == [0, 0, 4]
+    assert sample(metrics, "berth_routing_decisions_total", policy="prefix", outcome="matched") == 3
+    assert (
+        sample(metrics, "berth_routing_decisions_total", policy="prefix", outcome="no_match") == 1
+    )
+
+
+def test_berth_routing_shows_the_policy_and_the_last_match() -> None:
+    router = _prefix_router(Fleet("n1", "n2"))
+    _serve(router, _chat(SYSTEM, "q1"))
+    held = _serve(router, _chat(SYSTEM, "q2"))
+    app = FastAPI()
+    app.include_router(build_routing_router(SimpleNamespace(proxy=SimpleNamespace(  # type: ignore[arg-type]
+        router=router))))  # fmt: skip
+    with TestClient(app) as http:
+        answer = http.get("/admin/routing/m")
+    assert answer.status_code == 200, answer.text
+    explained = RoutingExplanation.model_validate_json(answer.content)
+    assert explained.policy == "prefix" and explained.last_decision is not None
+    assert decision_text(explained.last_decision) == (
+        f"matched on {held.deployment_id} (5 blocks, ~{len(SYSTEM) // 4} tokens): "
+        "longest cached prefix (5 blocks), within the load bound of 1"
+    )
+
+
+def test_the_policy_is_a_setting(home: BerthHome) -> None:
+    settings = Settings.load(home, env={})
+    assert (settings.routing_policy, settings.prefix_load_factor) == ("least-load", 1.25)
+    env = {"BERTH_ROUTING_POLICY": "prefix", "BERTH_PREFIX_LOAD_FACTOR": "2"}
+    settings = Settings.load(home, env=env)
+    assert (settings.routing_policy, settings.prefix_load_factor) == ("prefix", 2.0)
+    for refused in ({"BERTH_ROUTING_POLICY": "random"}, {"BERTH_PREFIX_LOAD_FACTOR": "0.9"}):
+        with pytest.raises(ConfigError, match=next(iter(refused))):
+            Settings.load(home, env=refused)
+
+
+def test_a_service_s_policy_wins_over_the_default() -> None:
+    class Served(Fleet):
+        def candidates(self, model: str) -> list[Upstream]:
+            return [
+                dataclasses.replace(u, routing_policy="least-load")
+                for u in super().candidates(model)
+            ]
+
+    router = _prefix_router(Served("n1", "n2"))
+    _serve(router, _chat(SYSTEM, "q"))
+    assert router.last_decisions["m"].outcome == "least_loaded" and len(router.prefixes) == 0

@@ -72,7 +72,7 @@ from berth.api.plans import (
     PlanIn,
     VramEstimateOut,
 )
-from berth.api.routing import DroppedCandidate, RankedCandidate, RoutingExplanation
+from berth.api.routing import DroppedCandidate, LastDecision, RankedCandidate, RoutingExplanation
 from berth.api.services import (
     DeployIn,
     FallbackIn,
@@ -134,6 +134,7 @@ __all__ = [
     "KeyIn",
     "KeyLimitsOut",
     "KeyUseOut",
+    "LastDecision",
     "ListedDeployment",
     "ListenerInfo",
     "LocatedModel",

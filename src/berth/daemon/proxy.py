@@ -32,7 +32,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from berth.admission import (
     MUST_WAIT,
@@ -429,11 +429,11 @@ class OpenAIProxy:
                 if asked is not None:
                     body, strip_usage = asked, True
             try:
-                plan, key = self.router.plan_request(model, request.headers)
+                plan, key = self.router.plan_request(model, request.headers, payload)
             except NoReadyDeploymentError:
                 if self._on_demand is None:
                     raise
-                loaded = await self._hold(self._on_demand, model, request)
+                loaded = await self._hold(self._on_demand, model, request, payload)
                 if loaded is None:  # the client left while its service loaded
                     self._settle_unsent(ticket)
                     self._metrics.request_rejected(
@@ -670,7 +670,11 @@ class OpenAIProxy:
         )
 
     async def _hold(
-        self, on_demand: OnDemandStage, model: str, request: ClientRequest
+        self,
+        on_demand: OnDemandStage,
+        model: str,
+        request: ClientRequest,
+        payload: Mapping[str, object],
     ) -> tuple[list[Upstream], str | None] | None:
         """The on-demand stage: the plan once ``model`` has a ready deployment (raising what
         the stage raises: 503 for a load that timed out, was refused or failed), ``None``
@@ -687,7 +691,7 @@ class OpenAIProxy:
         request.watch_disconnect(client_left)
         try:
             return await on_demand.until_ready(
-                model, lambda: self.router.plan_request(model, request.headers)
+                model, lambda: self.router.plan_request(model, request.headers, payload)
             )
         except asyncio.CancelledError:
             # Ours if the client left; anyone else's (a server shutting down) goes on up.

@@ -70,6 +70,7 @@ from berth.observability.loop_lag import LoopLagMonitor
 from berth.observability.metrics import ProxyMetrics
 from berth.observability.window import RequestMeter
 from berth.paths import BerthHome
+from berth.routing.prefix_index import PrefixIndex
 from berth.routing.router import Router
 from berth.routing.routes import RouteResolver
 from berth.routing.signals import SignalBoard
@@ -282,6 +283,7 @@ async def serve(home: BerthHome, settings: Settings) -> None:
     audit = AuditLog(home.audit_log)
     signals = SignalBoard()
     scaling: ScalingController | None = None  # built below, once the lifecycle manager is
+    router: Router | None = None  # built below, once the resolver is
     adapters = AdapterManager(links, metrics=AdapterMetrics(metrics.registry))
     for active in await asyncio.to_thread(store.list_deployments, active_only=True):
         adapters.deployment_changed(active)
@@ -297,6 +299,8 @@ async def serve(home: BerthHome, settings: Settings) -> None:
         if record.state in TERMINAL_STATES:  # its routing samples and window go with it
             signals.forget(record.id)
             local_meter.forget(record.id)
+            if router is not None:  # its prompt prefixes are gone from its engine too
+                router.deployment_gone(record.id)
             cluster_metrics.deployment_ended(record.id)  # its series go after a linger
 
     def resident_usage(deployment_id: str) -> ResidentUsage:
@@ -378,6 +382,10 @@ async def serve(home: BerthHome, settings: Settings) -> None:
         free_vram_mb=hub.free_vram_mb,
         links=links,  # a node whose link goes loses its affinity and its waiting requests
         waiting=waiting,
+        policy=settings.routing_policy,
+        prefixes=PrefixIndex(settings.prefix_cache_entries, settings.prefix_cache_mb),
+        load_factor=settings.prefix_load_factor,
+        on_decision=metrics.routing_decided,
     )
     local_sampler = None
     if core is not None:

@@ -5,7 +5,8 @@ its role and its content (text parts joined; any other part, such as an image, b
 text), cut into blocks of at most :data:`BLOCK_CHARS` characters; a message starts a new
 block. A completion request (``/v1/completions``) is its ``prompt`` string cut the same way
 (a prompt of token ids: :data:`BLOCK_TOKENS` ids a block). The tools a chat request declares
-come first, as one more message: engines render them into the system turn.
+come first, as one more message: engines render them into the system turn; so does an
+Anthropic Messages request's ``system``.
 
 Block ``i``'s hash covers block ``i`` and the hash of block ``i - 1``, so two requests share
 their first ``n`` hashes exactly when they share their first ``n`` blocks: a match of ``n``
@@ -67,6 +68,9 @@ def prompt_blocks(payload: Mapping[str, object]) -> PromptBlocks:
         tools = payload.get("tools")
         if tools:
             parts.append(("tools", _text(tools)))
+        system = payload.get("system")  # Anthropic's Messages API keeps it apart
+        if system:
+            parts.append(("system", _text(system)))
         for message in messages:
             if isinstance(message, Mapping):
                 role = message.get("role")

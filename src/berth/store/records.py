@@ -10,6 +10,8 @@ from datetime import date, datetime
 from pathlib import Path
 from typing import Literal
 
+from berth.config.table import ROUTING_POLICIES as ROUTING_POLICIES
+from berth.config.table import RoutingPolicy as RoutingPolicy
 from berth.errors import ConfigError
 from berth.limits import LimitOverrides
 from berth.runtime.gpu import GpuInfo
@@ -28,11 +30,6 @@ MODEL_SOURCES: tuple[ModelSource, ...] = ("local", "hub", "remote")
 RestartPolicy = Literal["on-failure", "always", "never"]
 RESTART_POLICIES: tuple[RestartPolicy, ...] = ("on-failure", "always", "never")
 DEFAULT_RESTART_POLICY: RestartPolicy = "on-failure"
-#: How the router picks among a model's ready deployments (``docs/fleet.md``, Routing):
-#: ``least-load``: the scorer's order (affinity, in flight, p95); ``prefix``: the one whose
-#: engine served the longest prefix of the prompt, within a bound on load.
-RoutingPolicy = Literal["least-load", "prefix"]
-ROUTING_POLICIES: tuple[RoutingPolicy, ...] = ("least-load", "prefix")
 
 
 def check_restart_policy(policy: str) -> RestartPolicy:
