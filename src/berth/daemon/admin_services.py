@@ -84,6 +84,7 @@ async def load_routes(
     if lifecycle is not None:
         lifecycle.set_service_capacities({s.name: s.scaling.capacity for s in services})
         lifecycle.set_service_timeouts({s.name: s.timeouts for s in services})
+        lifecycle.set_service_routing_policies({s.name: s.routing_policy for s in services})
     if scaling is not None:
         scaling.services_changed(services)
 
@@ -151,6 +152,7 @@ def service_view(
         restart_policy=record.restart_policy,
         first_byte_timeout_s=record.timeouts.first_byte_timeout_s,
         stream_idle_timeout_s=record.timeouts.stream_idle_timeout_s,
+        routing_policy=record.routing_policy,
     )
 
 
@@ -266,6 +268,7 @@ def service_router(
             max_adapters=body.max_adapters,
             restart_policy=body.restart,
             timeouts=StreamTimeouts(body.first_byte_timeout_s, body.stream_idle_timeout_s),
+            routing_policy=body.routing_policy,
         )
         await reload()
         return service_view(record, lifecycle, [], scaling)
@@ -304,10 +307,14 @@ def service_router(
         retimed = body.first_byte_timeout_s is not None or body.stream_idle_timeout_s is not None
         if retimed:
             record = await asyncio.to_thread(store.update_service_timeouts, name, retime)
-        if any(value is not None for value in scaled) or not retimed:
+        policy = body.routing_policy
+        if any(value is not None for value in scaled) or not (retimed or policy):
             record = await asyncio.to_thread(store.update_service_scaling, name, change)
         if body.restart is not None:
             record = await asyncio.to_thread(store.set_service_restart_policy, name, body.restart)
+        if policy is not None:
+            own = None if policy == "default" else policy
+            record = await asyncio.to_thread(store.set_service_routing_policy, name, own)
         await reload()
         return await detail(record)
 

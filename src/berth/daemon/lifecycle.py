@@ -73,7 +73,7 @@ from berth.runtime.engines import (
     parse_runtime_name,
 )
 from berth.runtime.images import DEFAULT_GPU_IMAGES, DEFAULT_IMAGES
-from berth.store import DeploymentRecord, Store, StreamTimeouts
+from berth.store import DeploymentRecord, RoutingPolicy, Store, StreamTimeouts
 from berth.store.states import RESTARTING_STATES, TERMINAL_STATES, DeploymentState
 
 log = logging.getLogger(__name__)
@@ -262,6 +262,12 @@ class LifecycleManager:
         """The stream timeouts of each service (by name) hold for the deployments serving
         its name from now on (:meth:`ReadyTable.set_service_timeouts`)."""
         self._table.set_service_timeouts(timeouts)
+
+    def set_service_routing_policies(self, policies: Mapping[str, RoutingPolicy | None]) -> None:
+        """The routing policy of each service (by name; ``None``: the leader's setting)
+        holds for the deployments serving its name from the next request on
+        (:meth:`ReadyTable.set_service_routing_policies`)."""
+        self._table.set_service_routing_policies(policies)
 
     # -- nodes (the hub's NodeListener, and node removal) ---------------------------------
 

@@ -311,6 +311,11 @@ def _v9_service_timeouts(conn: Connection) -> None:
         _add_column(conn, "service_profiles", Column(name, Float, nullable=True))
 
 
+def _v13_service_routing_policy(conn: Connection) -> None:
+    # Nullable, no default: existing services follow the leader's routing_policy, as before.
+    _add_column(conn, "service_profiles", Column("routing_policy", String(16), nullable=True))
+
+
 #: Every migration, in increasing order (numbers may skip: see the module docstring).
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(1, "models, deployments and api_keys", _v1_initial),
@@ -326,6 +331,7 @@ MIGRATIONS: tuple[Migration, ...] = (
         8, "deployments' and services' restart policy, restart count, last exit", _v8_restart_policy
     ),
     Migration(9, "service_profiles stream timeouts (first byte, idle)", _v9_service_timeouts),
+    Migration(13, "service_profiles routing policy", _v13_service_routing_policy),
 )
 
 LATEST_VERSION = MIGRATIONS[-1].version

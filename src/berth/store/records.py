@@ -263,7 +263,8 @@ class ServiceProfileRecord:
     ``scaling`` says how many of them run and when (:class:`ScalingSettings`).
     ``max_adapters`` is their LoRA slot count (vLLM, SGLang; ``None``: 1 when the model has
     adapters, else LoRA off, as ``berth run --max-adapters``). ``timeouts`` bound their
-    streamed answers (:class:`StreamTimeouts`).
+    streamed answers (:class:`StreamTimeouts`). ``routing_policy`` is how the router picks
+    among its deployments (``None``: the leader's ``routing_policy`` setting).
     """
 
     name: str
@@ -280,6 +281,7 @@ class ServiceProfileRecord:
     max_adapters: int | None = None
     restart_policy: RestartPolicy = DEFAULT_RESTART_POLICY
     timeouts: StreamTimeouts = StreamTimeouts()
+    routing_policy: RoutingPolicy | None = None
 
 
 @dataclass(frozen=True)
