@@ -15,10 +15,10 @@ import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
+from berth.admin.routing import build_routing_router
 from berth.api import RoutingExplanation
 from berth.cli.routing_cmd import decision_text
 from berth.config import Settings
-from berth.daemon.admin_routing import build_routing_router
 from berth.errors import ConfigError
 from berth.observability.metrics import ProxyMetrics
 from berth.paths import BerthHome

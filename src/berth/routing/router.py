@@ -1,7 +1,7 @@
 """The router: candidates from the table of ready deployments, ranked with live signals and
 the affinity map, then, under the ``prefix`` policy, reordered for the engines' prefix
 caches (:mod:`berth.routing.prefix`); the proxy walks the result
-(``daemon/proxy_dispatch.py``)."""
+(``gateway/dispatch.py``)."""
 
 from __future__ import annotations
 

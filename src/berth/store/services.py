@@ -229,7 +229,7 @@ class ServiceMethods:
     ) -> ServiceProfileRecord:
         """Set how the router picks among service ``name``'s deployments (``None``: the
         leader's ``routing_policy`` setting), from the next request on once the leader is
-        told (:meth:`berth.daemon.lifecycle.LifecycleManager.set_service_routing_policies`).
+        told (:meth:`berth.deployments.lifecycle.LifecycleManager.set_service_routing_policies`).
         Raises :class:`NotFoundError` for an unknown service and :class:`ConfigError` for
         an unknown policy."""
         policy = None if routing_policy is None else check_routing_policy(routing_policy)
