@@ -110,9 +110,9 @@ def choose(
         busy = next(c for c in over if c.matched_blocks == longest)
         outcome = "overridden_by_load"
         reason = (
-            f"{busy.deployment_id} holds the longest prefix ({longest} blocks) but has "
-            f"{busy.in_flight} in flight, over the bound of {bound} (load factor "
-            f"{load_factor:g} x mean); "
+            f"{busy.deployment_id} holds the longest prefix ({longest} blocks) but would "
+            f"have {busy.in_flight + 1} in flight with this request, over the bound of {bound} "
+            f"({load_factor:g} x the mean); "
             + (
                 f"next best match ({first.matched_blocks} blocks)"
                 if first.matched_blocks
