@@ -81,7 +81,7 @@ from berth.runtime.gpu import inventory_for
 from berth.runtime.process import ProcessRuntime
 from berth.scaling import ScalingController, ScalingMetrics, ScalingPolicy, route_services
 from berth.store import DeploymentRecord, Store
-from berth.store.states import TERMINAL_STATES
+from berth.store.states import TERMINAL_STATES, DeploymentState
 
 log = logging.getLogger(__name__)
 
@@ -296,11 +296,13 @@ async def serve(home: BerthHome, settings: Settings) -> None:
         )
         if scaling is not None:
             scaling.deployment_changed(record)
+        if record.state is not DeploymentState.READY and router is not None:
+            # Stopping, stopped, failed or restarting: its engine's prefix cache is gone (or
+            # going), so the prefix policy's record of it goes at once.
+            router.deployment_gone(record.id)
         if record.state in TERMINAL_STATES:  # its routing samples and window go with it
             signals.forget(record.id)
             local_meter.forget(record.id)
-            if router is not None:  # its prompt prefixes are gone from its engine too
-                router.deployment_gone(record.id)
             cluster_metrics.deployment_ended(record.id)  # its series go after a linger
 
     def resident_usage(deployment_id: str) -> ResidentUsage:
