@@ -23,7 +23,7 @@ from berth.errors import ConfigError
 from berth.observability.metrics import ProxyMetrics
 from berth.paths import BerthHome
 from berth.routing.prefix import PrefixCandidate, choose, load_bound
-from berth.routing.prefix_blocks import BLOCK_CHARS, EMPTY, PromptBlocks, prompt_blocks
+from berth.routing.prefix_blocks import BLOCK_BYTES, EMPTY, PromptBlocks, prompt_blocks
 from berth.routing.prefix_index import ENTRY_BYTES, PrefixIndex
 from berth.routing.resolver import Upstream
 from berth.routing.router import Router
@@ -79,7 +79,7 @@ def test_blocks_match_exactly_as_far_as_the_prompts_agree(
 @pytest.mark.parametrize(
     ("payload", "blocks"),
     [
-        ({"prompt": "p" * (BLOCK_CHARS * 3 + 1)}, 4),  # completions: fixed-size chunks
+        ({"prompt": "p" * (BLOCK_BYTES * 3 + 1)}, 4),  # completions: fixed-size chunks
         ({"prompt": ["p" * 10]}, 1),
         ({"prompt": list(range(130))}, 3),  # token ids, 64 a block
         ({"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]}, 1),

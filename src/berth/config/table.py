@@ -206,11 +206,11 @@ SETTINGS: tuple[SettingDef, ...] = (
                "would have more than this times the mean requests in flight",
                default=1.25, minimum=1.0, maximum=100.0),
     SettingDef("prefix_cache_entries", "int", "server",
-               "prompt blocks (of 256 characters) the prefix policy remembers per leader, "
+               "prompt blocks (of 256 bytes of text) the prefix policy remembers per leader, "
                "all deployments together (the least recently served go first)",
                default=200_000, minimum=1, maximum=100_000_000),
     SettingDef("prefix_cache_mb", "int", "server",
-               "MiB the prefix policy's record may take (estimated, 256 bytes a block)",
+               "MiB the prefix policy's record may take (estimated at 384 bytes a block)",
                default=64, minimum=1, maximum=65_536),
     # Timeouts of an engine's answer (berth.gateway.proxy; docs/fleet.md, Timeouts).
     SettingDef("first_byte_timeout_s", "float", "server",

@@ -2,8 +2,8 @@
 
 A chat request (``/v1/chat/completions``) is read as its messages in order: each message is
 its role and its content (text parts joined; any other part, such as an image, by its JSON
-text), cut into blocks of at most :data:`BLOCK_CHARS` characters; a message starts a new
-block. A completion request (``/v1/completions``) is its ``prompt`` string cut the same way
+text), its UTF-8 cut into blocks of at most :data:`BLOCK_BYTES` bytes; a message starts a
+new block. A completion request (``/v1/completions``) is its ``prompt`` string cut the same way
 (a prompt of token ids: :data:`BLOCK_TOKENS` ids a block). The tools a chat request declares
 come first, as one more message: engines render them into the system turn; so does an
 Anthropic Messages request's ``system``.
@@ -12,8 +12,8 @@ Block ``i``'s hash covers block ``i`` and the hash of block ``i - 1``, so two re
 their first ``n`` hashes exactly when they share their first ``n`` blocks: a match of ``n``
 blocks means the engine that served one has (had) the other's prefix in its cache. The
 hashes depend only on the messages, never on a chat template, so they are the same for every
-engine. A block is about :data:`CHARS_PER_TOKEN` characters per token of English text; the
-policy reports matches in blocks and in that estimate of tokens.
+engine. English text is about :data:`CHARS_PER_TOKEN` bytes a token; the policy reports
+matches in blocks and in that estimate of tokens.
 """
 
 from __future__ import annotations
@@ -23,11 +23,11 @@ import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-#: Characters a block holds (about 64 tokens of English text).
-BLOCK_CHARS = 256
+#: Bytes (of UTF-8) a block holds: 256 characters of English text, about 64 tokens.
+BLOCK_BYTES = 256
 #: Token ids a block holds, for a prompt given as token ids.
 BLOCK_TOKENS = 64
-#: The rough characters per token used to report a match in tokens.
+#: The rough bytes per token used to report a match in tokens.
 CHARS_PER_TOKEN = 4
 #: Blocks hashed per request at most: a match longer than this counts as this long
 #: (4,096 blocks: about a million characters).
@@ -38,9 +38,9 @@ _DIGEST_BYTES = 8
 @dataclass(frozen=True)
 class PromptBlocks:
     """The chained hashes of a prompt's blocks, first block first (64-bit ints), and where
-    each block ends, in characters from the prompt's start (``ends``; for token ids, in
-    ids x :data:`CHARS_PER_TOKEN`): ``approx_tokens`` turns a block count into a rough
-    number of tokens."""
+    each block ends, in bytes from the prompt's start (``ends``; for token ids, in ids x
+    :data:`CHARS_PER_TOKEN`): ``approx_tokens`` turns a block count into a rough number of
+    tokens."""
 
     hashes: tuple[int, ...]
     ends: tuple[int, ...] = ()
@@ -107,22 +107,20 @@ def _chain(parts: Sequence[tuple[str, str]]) -> PromptBlocks:
     hashes: list[int] = []
     ends: list[int] = []
     previous = b""
-    chars = 0
+    done = 0
+    blake2b = hashlib.blake2b
     for role, text in parts:
-        head = role.encode() + b"\x00"
+        data = text.encode("utf-8", "surrogatepass")
+        head = role.encode("utf-8", "surrogatepass") + b"\x00"
         # An empty message still takes a block: its role is part of the prefix.
-        for start in range(0, max(len(text), 1), BLOCK_CHARS):
+        for start in range(0, max(len(data), 1), BLOCK_BYTES):
             if len(hashes) == MAX_BLOCKS:
                 return PromptBlocks(tuple(hashes), tuple(ends))
-            block = text[start : start + BLOCK_CHARS]
-            chars += len(block)
-            digest = hashlib.blake2b(
-                previous + head + block.encode("utf-8", "surrogatepass"),
-                digest_size=_DIGEST_BYTES,
-            ).digest()
-            hashes.append(int.from_bytes(digest, "big"))
-            ends.append(chars)
-            previous = digest
+            block = data[start : start + BLOCK_BYTES]
+            done += len(block)
+            previous = blake2b(previous + head + block, digest_size=_DIGEST_BYTES).digest()
+            hashes.append(int.from_bytes(previous, "big"))
+            ends.append(done)
             head = b"\x01"  # a later block of the same message
     return PromptBlocks(tuple(hashes), tuple(ends))
 

@@ -23,8 +23,8 @@ from collections.abc import Iterable, Mapping
 from berth.routing.prefix_blocks import PromptBlocks
 
 #: What one entry costs in memory, in bytes, estimated (the LRU's node and key tuple, the
-#: holder map's and the per-deployment set's slots; measured with tracemalloc at ~230).
-ENTRY_BYTES = 256
+#: holder list's and the per-deployment set's slots; measured with tracemalloc at ~360).
+ENTRY_BYTES = 384
 #: Default bounds: entries, and MiB of entries.
 DEFAULT_MAX_ENTRIES = 200_000
 DEFAULT_MAX_MB = 64
@@ -43,7 +43,8 @@ class PrefixIndex:
             raise ValueError("PrefixIndex bounds must be positive")
         self.capacity = min(max_entries, max_mb * _MiB // ENTRY_BYTES)
         self._lru: OrderedDict[tuple[int, str], None] = OrderedDict()
-        self._holders: dict[int, dict[str, None]] = {}
+        #: block hash -> the deployments holding it (a list: a few at most, and far smaller)
+        self._holders: dict[int, list[str]] = {}
         self._by_deployment: dict[str, set[int]] = {}
 
     def __len__(self) -> int:
@@ -69,7 +70,7 @@ class PrefixIndex:
                 lru.move_to_end(key)
                 continue
             lru[key] = None
-            self._holders.setdefault(block, {})[deployment_id] = None
+            self._holders.setdefault(block, []).append(deployment_id)
             held.add(block)
         while len(lru) > self.capacity:
             (old, owner), _ = lru.popitem(last=False)
@@ -97,23 +98,22 @@ class PrefixIndex:
         held = self._by_deployment.pop(deployment_id, set())
         for block in held:
             del self._lru[(block, deployment_id)]
-            owners = self._holders.get(block)
-            if owners is not None:
-                owners.pop(deployment_id, None)
-                if not owners:
-                    del self._holders[block]
+            self._release(block, deployment_id)
         return len(held)
 
     def deployments(self) -> list[str]:
         """The deployments with entries."""
         return list(self._by_deployment)
 
-    def _unlink(self, block: int, deployment_id: str) -> None:
+    def _release(self, block: int, deployment_id: str) -> None:
         owners = self._holders.get(block)
-        if owners is not None:
-            owners.pop(deployment_id, None)
+        if owners is not None and deployment_id in owners:
+            owners.remove(deployment_id)
             if not owners:
                 del self._holders[block]
+
+    def _unlink(self, block: int, deployment_id: str) -> None:
+        self._release(block, deployment_id)
         held = self._by_deployment.get(deployment_id)
         if held is not None:
             held.discard(block)
