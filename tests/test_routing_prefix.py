@@ -407,3 +407,19 @@ def test_a_service_s_policy_wins_over_the_default() -> None:
     router = _prefix_router(Served("n1", "n2"))
     _serve(router, _chat(SYSTEM, "q"))
     assert router.last_decisions["m"].outcome == "least_loaded" and len(router.prefixes) == 0
+
+
+def test_an_adapter_s_tiers_still_come_first_under_the_prefix_policy() -> None:
+    class Tiered(Fleet):
+        def candidates(self, model: str) -> list[Upstream]:
+            # n1 must load the adapter first (tier 1); n2 and n3 have it (tier 0).
+            return [
+                dataclasses.replace(u, tier=1 if u.node_id == "n1" else 0)
+                for u in super().candidates(model)
+            ]
+
+    router = _prefix_router(Tiered("n1", "n2", "n3"))
+    router.prefixes.record("dep-n1", prompt_blocks(_chat(SYSTEM, "q")))  # n1 holds the prefix
+    plan, _key = router.plan_request("m", [], _chat(SYSTEM, "q"))
+    assert plan[-1].node_id == "n1"  # only a retry reaches the lower tier
+    assert router.last_decisions["m"].outcome == "no_match"  # within tier 0, nobody has it
