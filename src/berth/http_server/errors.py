@@ -66,3 +66,15 @@ class ClientDisconnectedError(HttpServerError):
 
     http_status = 499
     error_code = "client_disconnected"
+
+
+class BindError(HttpServerError):
+    """A listening socket could not be bound: ``name`` (the listener), ``host``, ``port``
+    and ``reason`` in words (``address already in use``, else the OS's ``strerror``)."""
+
+    def __init__(self, name: str, host: str, port: int, reason: str) -> None:
+        self.name = name
+        self.host = host
+        self.port = port
+        self.reason = reason
+        super().__init__(f"{name} listener {host}:{port}: {reason}")
