@@ -54,7 +54,7 @@ from berth.anthropic_errors import (
 )
 from berth.daemon.adapter_resolver import with_lora
 from berth.daemon.adapters import AdapterManager
-from berth.daemon.engine_client import EngineAuth, EngineClient, TunnelOpener
+from berth.daemon.engine_client import EngineAuth, EngineClient
 from berth.daemon.proxy_asgi import AsgiClientRequest, AsgiClientWriter
 from berth.daemon.proxy_dispatch import first_answer
 from berth.daemon.proxy_http import (
@@ -72,7 +72,7 @@ from berth.daemon.proxy_http import (
 from berth.daemon.proxy_relay import AnswerRelay, Exchange
 from berth.daemon.proxy_usage import asking_for_usage
 from berth.daemon.read_ahead import DEFAULT_BUFFER_CHUNKS, ReadAhead
-from berth.engine_http.answer import EngineAnswer, TimedAnswer, can_time
+from berth.engine_http.answer import EngineAnswer, HttpOpener, TimedAnswer, can_time
 from berth.errors import BerthError, NotFoundError
 from berth.http_server.errors import HttpServerError
 from berth.observability.metrics import ProxyMetrics, Target
@@ -232,7 +232,7 @@ class OpenAIProxy:
         max_buffered_response_bytes: int = 1 * MiB,
         max_event_bytes: int = 1 * MiB,
         clock: Callable[[], float] = time.perf_counter,
-        tunnels: TunnelOpener | None = None,
+        tunnels: HttpOpener | None = None,
         router: Router | None = None,
         max_attempts: int = DEFAULT_MAX_ATTEMPTS,
         relay_buffer_chunks: int = DEFAULT_BUFFER_CHUNKS,
