@@ -13,6 +13,7 @@ import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from berth.admin.services import load_routes
 from berth.admission import UsageLedger
 from berth.agent.in_process_link import InProcessLink
 from berth.agent.node_sampler import LocalNodeSampler
@@ -25,9 +26,8 @@ from berth.cluster.listener import (
 )
 from berth.cluster.peer_identity import ForwardedFingerprintTrust
 from berth.config import Settings
-from berth.daemon.adapter_resolver import AdapterResolver
-from berth.daemon.admin_services import load_routes
 from berth.daemon.app import build_apps
+from berth.daemon.graph import LeaderGraph, Listener
 from berth.daemon.pieces import (
     DeploymentEvents,
     LeaderTls,
@@ -43,8 +43,8 @@ from berth.daemon.pieces import (
     build_scaling,
     load_tls,
 )
-from berth.daemon.services import LeaderServices, Listener
 from berth.daemon.sockets import LeaderSockets, raise_open_files_limit
+from berth.gateway.adapter_resolver import AdapterResolver
 from berth.http_server.server import HttpServer
 from berth.observability.loop_lag import LoopLagMonitor
 from berth.paths import BerthHome
@@ -65,7 +65,7 @@ class LeaderParts:
     """Everything a built leader holds: the graph the apps see (``graph``), and what only
     the :class:`~berth.daemon.server.Leader` starts and stops."""
 
-    graph: LeaderServices
+    graph: LeaderGraph
     sockets: LeaderSockets
     tls: LeaderTls
     ledger: UsageLedger
@@ -77,7 +77,7 @@ class LeaderParts:
 
 
 def build_listeners(
-    graph: LeaderServices, sockets: LeaderSockets, tls: LeaderTls
+    graph: LeaderGraph, sockets: LeaderSockets, tls: LeaderTls
 ) -> tuple[HttpServer, HttpServer, ClusterListener]:
     """The public and socket HTTP servers and the cluster listener, with the settings'
     listener bounds; raises the open files limit to cover their connection caps."""
@@ -169,7 +169,7 @@ async def build_leader(
     authenticator = await build_authenticator(
         store, tls.pepper, settings, metrics=metrics.proxy, audit=audit
     )
-    graph = LeaderServices(
+    graph = LeaderGraph(
         home=home,
         settings=settings,
         store=store,

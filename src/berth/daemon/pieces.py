@@ -14,6 +14,7 @@ import asyncio
 import logging
 from dataclasses import dataclass
 
+from berth.admin.adapters import reload_adapters
 from berth.admission import Admission, QueueCollector, SlotGate, UsageCollector, UsageLedger
 from berth.agent.adopted import AdoptedWatcher
 from berth.agent.core import AgentCore
@@ -30,20 +31,19 @@ from berth.cluster.listener import (
 )
 from berth.cluster.peer_identity import ForwardedFingerprintTrust
 from berth.config import Settings
-from berth.daemon.adapter_resolver import AdapterResolver
-from berth.daemon.adapters import AdapterManager
-from berth.daemon.admin_adapters import reload_adapters
-from berth.daemon.auth import Authenticator
-from berth.daemon.auth_limiter import FailedAuthLimiter
-from berth.daemon.auth_metrics import AuthCollector
-from berth.daemon.fleet import LeaderFleet
-from berth.daemon.lifecycle import LifecycleManager
-from berth.daemon.placement_facts import ResidentUsage
-from berth.daemon.proxy import OpenAIProxy
 from berth.daemon.public_tls import public_ssl_context, public_tls_files
-from berth.daemon.restarts import Backoff
-from berth.daemon.supervisor import restart_reporter
+from berth.deployments.adapters import AdapterManager
+from berth.deployments.fleet import LeaderFleet
+from berth.deployments.lifecycle import LifecycleManager
+from berth.deployments.placement_facts import ResidentUsage
+from berth.deployments.restarts import Backoff
+from berth.deployments.supervisor import restart_reporter
 from berth.errors import DaemonError
+from berth.gateway.adapter_resolver import AdapterResolver
+from berth.gateway.auth import Authenticator
+from berth.gateway.auth_limiter import FailedAuthLimiter
+from berth.gateway.auth_metrics import AuthCollector
+from berth.gateway.proxy import OpenAIProxy
 from berth.http_server.tls_reload import CertificateReloads, ReloadingTLS
 from berth.keys import load_or_create_pepper
 from berth.observability.adapters import AdapterMetrics

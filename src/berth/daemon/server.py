@@ -31,8 +31,8 @@ from berth.agent.owner import JournalOwnership, own_engines
 from berth.cluster.link import LOCAL_NODE_ID
 from berth.config import Settings
 from berth.daemon.build import LeaderParts, build_leader
+from berth.daemon.graph import LeaderGraph
 from berth.daemon.pieces import open_store
-from berth.daemon.services import LeaderServices
 from berth.daemon.sockets import bind_sockets
 from berth.errors import DaemonError
 from berth.eventloop import freeze_startup_objects
@@ -80,7 +80,7 @@ class Leader:
         return self._parts
 
     @property
-    def graph(self) -> LeaderServices:
+    def graph(self) -> LeaderGraph:
         """The object graph the apps serve (store, lifecycle, proxy ...)."""
         return self.parts.graph
 
