@@ -69,10 +69,12 @@ class ClientDisconnectedError(HttpServerError):
 
 
 class BindError(HttpServerError):
-    """A listening socket could not be bound: ``name`` (the listener), ``host``, ``port``
-    and ``reason`` in words (``address already in use``, else the OS's ``strerror``)."""
+    """A listening socket could not be bound: ``name`` (the listener), ``host``, ``port``,
+    ``reason`` in words (``address already in use``, else the OS's ``strerror``) and the
+    ``OSError`` itself (``os_error``, for its ``errno``)."""
 
-    def __init__(self, name: str, host: str, port: int, reason: str) -> None:
+    def __init__(self, name: str, host: str, port: int, reason: str, os_error: OSError) -> None:
+        self.os_error = os_error
         self.name = name
         self.host = host
         self.port = port

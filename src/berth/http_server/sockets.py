@@ -32,7 +32,7 @@ def bind_tcp(name: str, host: str, port: int, *, backlog: int = 2048) -> socket.
     except OSError as exc:
         sock.close()
         reason = "address already in use" if exc.errno == errno.EADDRINUSE else exc.strerror
-        raise BindError(name, host, port, str(reason)) from exc
+        raise BindError(name, host, port, str(reason), exc) from exc
     sock.listen(backlog)
     sock.setblocking(False)
     return sock
