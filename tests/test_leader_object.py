@@ -63,25 +63,25 @@ def port_is_free(port: int) -> bool:
 
 
 @pytest.fixture
-def leader_home(tmp_path: Path) -> BerthHome:
+def in_process_home(tmp_path: Path) -> BerthHome:
     """An empty home for one in-process Leader."""
     return BerthHome(tmp_path / "leader-home")
 
 
 async def test_a_leader_starts_serves_stops_and_starts_again_on_its_ports(
-    leader_home: BerthHome,
+    in_process_home: BerthHome,
 ) -> None:
-    leader = Leader(leader_home, leader_settings(leader_home))
+    leader = Leader(in_process_home, leader_settings(in_process_home))
     await leader.start()
     try:
         public_port, cluster_port = leader.public_port, leader.cluster_port
         assert leader.graph.ready and leader.leading
-        assert leader_home.pid_file.exists() and leader_home.socket_file.exists()
-        healthz = await public_get(leader_home, public_port, "/healthz")
+        assert in_process_home.pid_file.exists() and in_process_home.socket_file.exists()
+        healthz = await public_get(in_process_home, public_port, "/healthz")
         assert healthz.status_code == 200
-        readyz = await public_get(leader_home, public_port, "/readyz")
+        readyz = await public_get(in_process_home, public_port, "/readyz")
         assert readyz.status_code == 200
-        info = await socket_get(leader_home, "/admin/info")
+        info = await socket_get(in_process_home, "/admin/info")
         assert info.status_code == 200, info.text
         assert info.json()["pid"] == leader.graph.pid
         with pytest.raises(DaemonError, match="already runs"):
@@ -89,21 +89,21 @@ async def test_a_leader_starts_serves_stops_and_starts_again_on_its_ports(
     finally:
         await leader.stop()
 
-    assert not leader_home.pid_file.exists()
-    assert not leader_home.socket_file.exists()
+    assert not in_process_home.pid_file.exists()
+    assert not in_process_home.socket_file.exists()
     assert port_is_free(public_port) and port_is_free(cluster_port)
     with pytest.raises(DaemonError, match="not been started"):
         _ = leader.graph
     await leader.stop()  # a second stop does nothing
 
     again = Leader(
-        leader_home,
-        leader_settings(leader_home, public_port=public_port, cluster_port=cluster_port),
+        in_process_home,
+        leader_settings(in_process_home, public_port=public_port, cluster_port=cluster_port),
     )
     await again.start()
     try:
         assert (again.public_port, again.cluster_port) == (public_port, cluster_port)
-        healthz = await public_get(leader_home, public_port, "/healthz")
+        healthz = await public_get(in_process_home, public_port, "/healthz")
         assert healthz.status_code == 200
     finally:
         await again.stop()
@@ -131,15 +131,15 @@ async def test_two_leaders_run_side_by_side_in_one_process(tmp_path: Path) -> No
 
 
 async def test_a_port_in_use_fails_the_start_and_leaves_nothing_behind(
-    leader_home: BerthHome,
+    in_process_home: BerthHome,
 ) -> None:
     taken = bind_tcp("squatter", "127.0.0.1", 0)
     try:
         port = taken.getsockname()[1]
-        leader = Leader(leader_home, leader_settings(leader_home, cluster_port=port))
+        leader = Leader(in_process_home, leader_settings(in_process_home, cluster_port=port))
         with pytest.raises(DaemonError, match=f"cluster listener 127.0.0.1:{port}"):
             await leader.start()
     finally:
         taken.close()
-    assert not leader_home.socket_file.exists()
-    assert not leader_home.pid_file.exists()
+    assert not in_process_home.socket_file.exists()
+    assert not in_process_home.pid_file.exists()
