@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 
 from fastapi import APIRouter
 
-from berth.admin.app import deployment_view
+from berth.admin.deployments import deployment_view
 from berth.api import (
     DeployIn,
     Deployment,
