@@ -194,4 +194,4 @@ async def test_direct_and_queued_sends_keep_their_order() -> None:
     ids = [(type(frame).__name__, frame.id) for frame in map(decode_frame, ws.sent) if frame]
     assert ids == [("StreamOpen", a), ("StreamOpen", b), ("StreamOpen", c),
                    ("StreamData", a), ("StreamData", b), ("StreamData", c)]  # fmt: skip
-    conn._writer.cancel()  # type: ignore[union-attr]
+    conn._output.writer.cancel()  # type: ignore[union-attr]
