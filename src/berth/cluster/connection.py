@@ -32,6 +32,7 @@ import aiohttp
 import msgspec
 
 from berth.cluster.link_output import LinkOutput, WebSocketLike
+from berth.cluster.link_streams import LinkStreams
 from berth.cluster.liveness import KeepAlive, Liveness
 from berth.cluster.protocol.errors import CloseCode, LinkError, ProtocolError
 from berth.cluster.protocol.events import (
@@ -56,9 +57,7 @@ from berth.cluster.protocol.frames import (
     Progress,
     ProgressEvent,
     Request,
-    ResetCode,
     Response,
-    StreamHead,
     StreamOpen,
     Welcome,
 )
@@ -160,9 +159,11 @@ class LinkConnection:
         self.peer = peer
         self._handler = handler
         self._pending: dict[int, tuple[asyncio.Future[Response], ProgressListener | None]] = {}
-        self._streams: dict[int, TunnelStream] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._output = LinkOutput(ws, peer, self._overflowed)
+        self._streams = LinkStreams(
+            self._session, self._output, peer=peer, flush=self._flush, closed=lambda: self._closed
+        )
         self._closer: asyncio.Future[bool] | None = None
         self._on_closed = on_closed
         self._closed = False
@@ -181,7 +182,7 @@ class LinkConnection:
 
     @property
     def open_streams(self) -> int:
-        return len(self._streams)
+        return len(self._streams.open)
 
     @property
     def limits(self) -> LinkLimits:
@@ -281,7 +282,7 @@ class LinkConnection:
 
     def _flush(self, wake: bool = True) -> None:
         """Queue what the session wants sent (:class:`LinkOutput`; ``wake``: wake its writer
-        task up; :meth:`_send_now` sends itself instead)."""
+        task up; a stream's direct send writes itself instead)."""
         messages = self._session.data_to_send()
         if not messages or self._closed:
             return
@@ -303,15 +304,6 @@ class LinkConnection:
 
     def _start_writer(self) -> None:
         self._output.start()
-
-    async def _send_now(self) -> None:
-        """Send what the session wants sent from the calling task when nothing is queued or
-        being sent (the common case: one stream event), else leave it to the writer task."""
-        if not self._output.idle:
-            self._flush()
-            return
-        self._flush(wake=False)
-        await self._output.send_queued()
 
     # -- requests ------------------------------------------------------------------------
 
@@ -382,65 +374,11 @@ class LinkConnection:
         """
         if self._closed:
             raise LinkError(f"the link to {self.peer} is closed", code=self._code())
-        stream_id = self._session.open_stream(frame)
-        stream = TunnelStream(self, stream_id, frame)
-        self._streams[stream_id] = stream
-        self._flush()
-        return stream
+        return self._streams.start(frame)
 
     def forget_stream(self, stream_id: int) -> None:
         """Stop routing events to the stream (its user is done with it)."""
-        self._streams.pop(stream_id, None)
-
-    # What a TunnelStream sends with: each is one session call, then the writer's queue.
-
-    def has_stream(self, stream_id: int) -> bool:
-        """Whether the stream is still open on either side."""
-        return self._session.has_stream(stream_id)
-
-    def send_room(self, stream_id: int) -> int | None:
-        """Payload bytes one frame on ``stream_id`` may carry now (the credit, at most
-        ``max_payload_bytes``), or ``None`` when the stream is gone (ended or reset)."""
-        return self._session.send_room(stream_id)
-
-    def send_head(self, head: StreamHead) -> None:
-        """Agent: the answer's head on ``head.id``; its payload must fit :meth:`send_room`."""
-        self._session.send_head(head)
-        self._flush()
-
-    async def send_data(self, stream_id: int, payload: bytes, end: bool) -> None:
-        """Payload on a stream; it must fit :meth:`send_room`. Written from the calling
-        task when nothing waits ahead of it (then it may wait for the socket), else queued."""
-        self._session.send_data(stream_id, payload, end)
-        await self._send_now()
-
-    def send_data_nowait(self, stream_id: int, payload: bytes, end: bool) -> None:
-        """:meth:`send_data` without waiting, for a caller that is no task (an engine
-        connection's callback): written at once when nothing waits ahead of it and the
-        socket takes it, else queued for the writer task. It must fit :meth:`send_room`;
-        the caller watches :attr:`backlogged` to slow down."""
-        self._session.send_data(stream_id, payload, end)
-        if not self._output.can_write_now:
-            self._flush()
-            return
-        self._output.write_now(self._session.data_to_send())
-
-    @property
-    def backlogged(self) -> bool:
-        """More than ``WRITE_HIGH_WATER_BYTES`` wait to be written: stream writers should
-        :meth:`drain` before sending more."""
-        return self._output.backlogged
-
-    def consume(self, stream_id: int, size: int) -> None:
-        """The stream's reader took ``size`` bytes: the peer may get more credit."""
-        self._session.consume(stream_id, size)
-        self._flush()
-
-    def reset_stream(self, stream_id: int, code: ResetCode, message: str = "") -> None:
-        """Abandon a stream (idempotent) and forget it."""
-        self._session.reset_stream(stream_id, code, message)
-        self._flush()
-        self._streams.pop(stream_id, None)
+        self._streams.forget_stream(stream_id)
 
     # -- the reader loop -----------------------------------------------------------------
 
@@ -522,30 +460,27 @@ class LinkConnection:
         """Act on one event of the session: the one place each kind is dispatched."""
         match event:  # the most frequent first (cases are tried in order)
             case DataReceived():
-                stream = self._streams.get(event.stream_id)
+                stream = self._streams.open.get(event.stream_id)
                 if stream is not None:
                     stream.data_received(event.data, event.end)
             case CreditGranted():
-                stream = self._streams.get(event.stream_id)
+                stream = self._streams.open.get(event.stream_id)
                 if stream is not None:
                     stream.credit_granted()
             case HeadReceived():
-                stream = self._streams.get(event.head.id)
+                stream = self._streams.open.get(event.head.id)
                 if stream is not None:
                     stream.head_received(event.head)
             case StreamOpened():
-                opening = event.opening
-                stream = TunnelStream(self, opening.id, opening)
-                stream.data_received(opening.payload, opening.end)
-                self._streams[opening.id] = stream
-                name = f"stream-{opening.id}"
+                stream = self._streams.opened(event.opening)
+                name = f"stream-{stream.id}"
                 stream.task = self._spawn(self._handler.on_stream(self, stream), name)
             case ResponseReceived():
                 pending = self._pending.get(event.response.id)
                 if pending is not None and not pending[0].done():
                     pending[0].set_result(event.response)
             case StreamResetReceived():
-                stream = self._streams.pop(event.stream_id, None)
+                stream = self._streams.open.pop(event.stream_id, None)
                 if stream is not None:
                     why = event.message or event.code
                     error = StreamResetError(f"stream reset by {self.peer}: {why}", event.code)
@@ -593,9 +528,9 @@ class LinkConnection:
         for future, _listener in self._pending.values():
             if not future.done():
                 future.set_exception(lost)
-        for stream in list(self._streams.values()):
+        for stream in list(self._streams.open.values()):
             stream.abort(StreamResetError(f"the link to {self.peer} was lost", None))
-        self._streams.clear()
+        self._streams.open.clear()
         for task in list(self._tasks):
             task.cancel()
         self._keepalive.cancel()
