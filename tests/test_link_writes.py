@@ -176,7 +176,7 @@ async def test_direct_and_queued_sends_keep_their_order() -> None:
     ws = _SlowSocket()
     conn = LinkConnection(Role.LEADER, ws, handler=None, peer="agent")  # type: ignore[arg-type]
     conn._session.state = SessionState.OPEN  # no handshake needed to send frames
-    conn._start_writer()
+    conn._output.start()
     streams = [conn.open_stream(StreamOpen(id=0, kind="http", deployment_id="d")) for _ in range(3)]
     ws.gate.set()
     await asyncio.sleep(0.01)  # the writer task sends the opening frames

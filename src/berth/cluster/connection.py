@@ -22,16 +22,16 @@ moves the requests waiting on it) and the agent redials.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any, Protocol, TypeVar, assert_never, overload
+from typing import Any, Protocol, assert_never, overload
 
 import aiohttp
 import msgspec
 
-from berth.cluster.link_output import LinkOutput, WebSocketLike
+from berth.cluster.link_calls import A, PendingCalls, ProgressListener, R
+from berth.cluster.link_output import CLOSE_TIMEOUT_S, LinkOutput, WebSocketLike
 from berth.cluster.link_streams import LinkStreams
 from berth.cluster.liveness import KeepAlive, Liveness
 from berth.cluster.protocol.errors import CloseCode, LinkError, ProtocolError
@@ -50,14 +50,11 @@ from berth.cluster.protocol.events import (
     WelcomeReceived,
 )
 from berth.cluster.protocol.frames import (
-    ErrorCode,
     ErrorInfo,
     Heartbeat,
     Hello,
-    Progress,
     ProgressEvent,
     Request,
-    Response,
     StreamOpen,
     Welcome,
 )
@@ -69,7 +66,7 @@ from berth.cluster.protocol.session import (
     SessionState,
     WelcomeTerms,
 )
-from berth.cluster.tunnel_stream import StreamResetError, TunnelStream
+from berth.cluster.tunnel_stream import TunnelStream
 
 log = logging.getLogger(__name__)
 
@@ -79,31 +76,10 @@ _TEXT = aiohttp.WSMsgType.TEXT
 _PING = aiohttp.WSMsgType.PING
 _PONG = aiohttp.WSMsgType.PONG
 
-#: Seconds a link that is already over (declared dead, or its reader ended) may spend on its
-#: close handshake before the socket is simply dropped: a black-holed peer never answers.
-CLOSE_TIMEOUT_S = 1.0
-# What closing a WebSocket whose socket is gone or going raises: the transport's errors
-# (ConnectionError and the close's TimeoutError are OSErrors), aiohttp's, and RuntimeError
-# for a WebSocket that was never prepared or is already closed by its other side.
-_CLOSE_ERRORS = (OSError, aiohttp.ClientError, RuntimeError)
 
-
-class RemoteOpError(LinkError):
-    """The peer answered a control request with an error (``info`` says which)."""
-
-    def __init__(self, op: str, info: ErrorInfo) -> None:
-        super().__init__(f"{op} failed on the agent: {info.message}")
-        self.op = op
-        self.info = info
-
-
-ProgressListener = Callable[[Progress], Awaitable[None]]
 #: The leader's admission of an agent that said Hello, before Welcome goes out: it records the
 #: node and makes the link the node's, or refuses by raising :class:`LinkError` with a code.
 Admission = Callable[[Hello], Awaitable[None]]
-
-A = TypeVar("A", bound=msgspec.Struct)
-R = TypeVar("R")
 
 
 class LinkHandler(Protocol):
@@ -158,7 +134,7 @@ class LinkConnection:
         self.ws = ws
         self.peer = peer
         self._handler = handler
-        self._pending: dict[int, tuple[asyncio.Future[Response], ProgressListener | None]] = {}
+        self._calls = PendingCalls()
         self._tasks: set[asyncio.Task[None]] = set()
         self._output = LinkOutput(ws, peer, self._overflowed)
         self._streams = LinkStreams(
@@ -230,7 +206,7 @@ class LinkConnection:
         first (:attr:`close_code` and :attr:`close_reason` say how) or ``admit`` refused
         (the link closed with the error's code). The connection is finished either way.
         """
-        self._start_writer()
+        self._output.start()
         try:
             if isinstance(greeting, Hello):
                 self._session.send_hello(greeting)
@@ -255,18 +231,7 @@ class LinkConnection:
 
     async def _receive_greeting(self, timeout_s: float, silence: str) -> bytes:
         """The peer's first message (binary); what ends the handshake otherwise is raised."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                message = await self.ws.receive(timeout=max(0.001, deadline - time.monotonic()))
-            except TimeoutError:
-                raise ProtocolError(f"{silence} within {timeout_s:g} s") from None
-            self.last_received_at = time.monotonic()
-            if message.type is _PING:
-                self._keepalive.answer_ping(message)
-            elif message.type is not _PONG:
-                self.last_frame_at = self.last_received_at
-                break
+        message = await self._keepalive.first_message(timeout_s, silence, self._arrived)
         if message.type is aiohttp.WSMsgType.BINARY:
             data: bytes = message.data
             return data
@@ -277,6 +242,11 @@ class LinkConnection:
             f"{self.peer} closed the link during the handshake (code {self.close_code})",
             code=self._code(),
         )
+
+    def _arrived(self, now: float, frame: bool) -> None:
+        self.last_received_at = now
+        if frame:
+            self.last_frame_at = now
 
     # -- output --------------------------------------------------------------------------
 
@@ -302,9 +272,6 @@ class LinkConnection:
         """Wait while more than ``WRITE_HIGH_WATER_BYTES`` wait to be written."""
         await self._output.drain()
 
-    def _start_writer(self) -> None:
-        self._output.start()
-
     # -- requests ------------------------------------------------------------------------
 
     async def call(
@@ -324,22 +291,9 @@ class LinkConnection:
         if self._closed:
             raise LinkError(f"the link to {self.peer} is closed", code=self._code())
         request_id = self._session.send_request(op.name, op.encode_args(args), timeout_s)
-        future: asyncio.Future[Response] = asyncio.get_running_loop().create_future()
-        self._pending[request_id] = (future, on_progress)
+        answer = self._calls.expect(request_id, on_progress)
         self._flush()
-        try:
-            async with asyncio.timeout(timeout_s):
-                response = await future
-        except TimeoutError:
-            raise LinkError(
-                f"{op.name} on {self.peer} got no answer within {timeout_s} s"
-            ) from None
-        finally:
-            self._pending.pop(request_id, None)
-        if not response.ok:
-            error = response.error or ErrorInfo(code=ErrorCode.INTERNAL, message="?")
-            raise RemoteOpError(op.name, error)
-        return op.decode_result(response.result)
+        return await self._calls.result(op, request_id, answer, timeout_s, self.peer)
 
     def respond(
         self, request_id: int, result: msgspec.Raw | None = None, error: ErrorInfo | None = None
@@ -390,7 +344,7 @@ class LinkConnection:
         """
         if self._session.state is not SessionState.OPEN:
             raise LinkError(f"the link to {self.peer} has not finished its handshake")
-        self._start_writer()
+        self._output.start()
         self._output.use_frame_writer()
         session = self._session
         self._reader = asyncio.current_task()
@@ -453,8 +407,7 @@ class LinkConnection:
         if self.close_code is None:
             self.close_code = code
             self.close_reason = reason
-        with contextlib.suppress(*_CLOSE_ERRORS):  # the socket may already be gone
-            await self.ws.close(code=code, message=reason.encode()[:120])
+        await self._output.close_socket(code, reason.encode()[:120])
 
     def _process(self, event: LinkEvent) -> None:
         """Act on one event of the session: the one place each kind is dispatched."""
@@ -476,23 +429,15 @@ class LinkConnection:
                 name = f"stream-{stream.id}"
                 stream.task = self._spawn(self._handler.on_stream(self, stream), name)
             case ResponseReceived():
-                pending = self._pending.get(event.response.id)
-                if pending is not None and not pending[0].done():
-                    pending[0].set_result(event.response)
+                self._calls.answered(event.response)
             case StreamResetReceived():
-                stream = self._streams.open.pop(event.stream_id, None)
-                if stream is not None:
-                    why = event.message or event.code
-                    error = StreamResetError(f"stream reset by {self.peer}: {why}", event.code)
-                    stream.abort(error)
-                    if stream.task is not None:
-                        stream.task.cancel()  # cancelling reaches the engine
+                self._streams.reset_received(event)
             case RequestReceived():
                 self._spawn(self._handler.on_request(self, event.request), "request")
             case ProgressReceived():
-                pending = self._pending.get(event.progress.id)
-                if pending is not None and pending[1] is not None:
-                    self._spawn(pending[1](event.progress), "progress")
+                listener = self._calls.listener(event.progress.id)
+                if listener is not None:
+                    self._spawn(listener(event.progress), "progress")
             case HeartbeatReceived():
                 self._handler.on_heartbeat(self, event.heartbeat)
             case HelloReceived() | WelcomeReceived():
@@ -525,12 +470,8 @@ class LinkConnection:
             self.close_code = self.ws.close_code
         self._session.close()
         lost = LinkError(f"the link to {self.peer} was lost", code=self._code())
-        for future, _listener in self._pending.values():
-            if not future.done():
-                future.set_exception(lost)
-        for stream in list(self._streams.open.values()):
-            stream.abort(StreamResetError(f"the link to {self.peer} was lost", None))
-        self._streams.open.clear()
+        self._calls.fail(lost)
+        self._streams.abort_all()
         for task in list(self._tasks):
             task.cancel()
         self._keepalive.cancel()
@@ -538,10 +479,9 @@ class LinkConnection:
             await asyncio.wait(list(self._tasks), timeout=30)
         await self._output.stop()
         # Bounded: a dead peer never answers the close handshake (its socket is dropped).
-        with contextlib.suppress(*_CLOSE_ERRORS):  # TimeoutError is an OSError
-            async with asyncio.timeout(CLOSE_TIMEOUT_S):
-                reason = self.close_reason.encode()[:120] if self._dead else b""
-                await self.ws.close(code=self.close_code or CloseCode.NORMAL, message=reason)
+        reason = self.close_reason.encode()[:120] if self._dead else b""
+        code = self.close_code or CloseCode.NORMAL
+        await self._output.close_socket(code, reason, timeout_s=CLOSE_TIMEOUT_S)
 
     def _code(self) -> CloseCode | None:
         code = self.close_code

@@ -29,6 +29,13 @@ WRITE_HIGH_WATER_BYTES = 4 * 1024 * 1024
 #: Bytes queued for the socket at which the link is closed: stream data waits at the high
 #: water mark, so only a peer that sends requests but never reads its answers gets here.
 MAX_QUEUED_BYTES = 64 * 1024 * 1024
+#: Seconds a link that is already over (declared dead, or its reader ended) may spend on its
+#: close handshake before the socket is simply dropped: a black-holed peer never answers.
+CLOSE_TIMEOUT_S = 1.0
+# What closing a WebSocket whose socket is gone or going raises: the transport's errors
+# (ConnectionError and the close's TimeoutError are OSErrors), aiohttp's, and RuntimeError
+# for a WebSocket that was never prepared or is already closed by its other side.
+_CLOSE_ERRORS = (OSError, aiohttp.ClientError, RuntimeError)
 
 
 class WebSocketLike(Protocol):
@@ -168,6 +175,16 @@ class LinkOutput:
             self.writer.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self.writer
+
+    async def close_socket(
+        self, code: int, message: bytes, *, timeout_s: float | None = None
+    ) -> None:
+        """Close the WebSocket with ``code`` and ``message`` (RFC 6455 section 7.4), waiting
+        at most ``timeout_s`` seconds for the peer's close (``None``: aiohttp's own bound);
+        a socket already gone is no error."""
+        with contextlib.suppress(*_CLOSE_ERRORS):  # TimeoutError is an OSError
+            async with asyncio.timeout(timeout_s):
+                await self._ws.close(code=code, message=message)
 
     async def _write_loop(self) -> None:
         out = self._out

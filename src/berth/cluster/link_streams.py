@@ -13,9 +13,10 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from berth.cluster.link_output import LinkOutput
+from berth.cluster.protocol.events import StreamResetReceived
 from berth.cluster.protocol.frames import ResetCode, StreamHead, StreamOpen
 from berth.cluster.protocol.session import LinkSession
-from berth.cluster.tunnel_stream import TunnelStream
+from berth.cluster.tunnel_stream import StreamResetError, TunnelStream
 
 
 class LinkStreams:
@@ -62,6 +63,23 @@ class LinkStreams:
         stream.data_received(opening.payload, opening.end)
         self.open[opening.id] = stream
         return stream
+
+    def reset_received(self, event: StreamResetReceived) -> None:
+        """The peer reset a stream: its user sees the reset, and its task (serving it) is
+        cancelled, which reaches the engine."""
+        stream = self.open.pop(event.stream_id, None)
+        if stream is not None:
+            why = event.message or event.code
+            error = StreamResetError(f"stream reset by {self.peer}: {why}", event.code)
+            stream.abort(error)
+            if stream.task is not None:
+                stream.task.cancel()  # cancelling reaches the engine
+
+    def abort_all(self) -> None:
+        """The link is lost: every open stream's user sees it, and the table is emptied."""
+        for stream in list(self.open.values()):
+            stream.abort(StreamResetError(f"the link to {self.peer} was lost", None))
+        self.open.clear()
 
     def forget_stream(self, stream_id: int) -> None:
         """Stop routing events to the stream (its user is done with it)."""

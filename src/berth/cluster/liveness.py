@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import aiohttp
 
 from berth.cluster.link_output import WebSocketLike
+from berth.cluster.protocol.errors import ProtocolError
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +77,29 @@ class KeepAlive:
             return
         data = message.data if isinstance(message.data, bytes) else b""
         self._ponger = asyncio.ensure_future(self._send_control(self._ws.pong(data)))
+
+    async def first_message(
+        self, timeout_s: float, silence: str, arrived: Callable[[float, bool], None]
+    ) -> aiohttp.WSMessage:
+        """The peer's first message that is no ping or pong (the handshake's), answering
+        pings meanwhile; ``arrived(now, frame)`` hears of each arrival (``frame``: not a
+        ping or pong). Raises ``ProtocolError`` (``"{silence} within N s"``) when none
+        comes within ``timeout_s`` seconds."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                message = await self._ws.receive(timeout=max(0.001, deadline - time.monotonic()))
+            except TimeoutError:
+                raise ProtocolError(f"{silence} within {timeout_s:g} s") from None
+            now = time.monotonic()
+            if message.type is aiohttp.WSMsgType.PING:
+                arrived(now, False)
+                self.answer_ping(message)
+            elif message.type is not aiohttp.WSMsgType.PONG:
+                arrived(now, True)
+                return message
+            else:
+                arrived(now, False)
 
     def cancel(self) -> None:
         """Stop the watch and any ping or pong in flight (not the calling task itself)."""
