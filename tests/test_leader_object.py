@@ -8,6 +8,7 @@ what it took: a second start on the very ports it had, and two Leaders side by s
 
 from __future__ import annotations
 
+import asyncio
 import ssl
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from berth.errors import DaemonError
 from berth.http_server.errors import BindError
 from berth.http_server.sockets import bind_tcp
 from berth.paths import BerthHome
+from support.waiting import EVENT_TIMEOUT_S, wait_for_async
 
 
 def leader_settings(home: BerthHome, **flags: object) -> Settings:
@@ -143,3 +145,22 @@ async def test_a_port_in_use_fails_the_start_and_leaves_nothing_behind(
         taken.close()
     assert not in_process_home.socket_file.exists()
     assert not in_process_home.pid_file.exists()
+
+
+async def test_serve_runs_the_leader_until_asked_to_stop(in_process_home: BerthHome) -> None:
+    leader = Leader(in_process_home, leader_settings(in_process_home, leader_only=True))
+    serving = asyncio.create_task(leader.serve())
+    try:
+        await wait_for_async(
+            lambda: serving.done() or (leader.started and leader.graph.ready),
+            EVENT_TIMEOUT_S,
+            "the leader to be ready",
+        )
+        assert not serving.done(), serving
+        readyz = await public_get(in_process_home, leader.public_port, "/readyz")
+        assert readyz.status_code == 200
+    finally:
+        leader.request_stop()
+        await serving
+    assert not leader.started
+    assert not in_process_home.socket_file.exists()

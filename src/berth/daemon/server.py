@@ -80,6 +80,11 @@ class Leader:
         return self._parts
 
     @property
+    def started(self) -> bool:
+        """Whether :meth:`start` has built the leader and :meth:`stop` not yet released it."""
+        return self._parts is not None
+
+    @property
     def graph(self) -> LeaderGraph:
         """The object graph the apps serve (store, lifecycle, proxy ...)."""
         return self.parts.graph
