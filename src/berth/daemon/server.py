@@ -281,6 +281,7 @@ class Leader:
         if self._ownership is not None:
             self._ownership.release()
         self._parts, self._flusher, self._ownership, self._leading = None, None, None, False
+        self.should_exit.clear()  # a stopped leader may serve again
         log.info("berth leader stopped")
 
 
