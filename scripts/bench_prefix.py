@@ -278,7 +278,7 @@ def serve_berth(policy_name: str, port: int, urls: Sequence[str], load_factor: f
             super().__init__(Fixed())
             self._next = itertools.count()
 
-        def plan_request(self, model, headers, payload=None):  # type: ignore[no-untyped-def, override]
+        def plan_request(self, model, headers, payload=None):  # type: ignore[no-untyped-def]
             turn = next(self._next) % len(upstreams)
             return upstreams[turn:] + upstreams[:turn], None
 
