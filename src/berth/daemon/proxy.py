@@ -1,15 +1,34 @@
 """The OpenAI-compatible proxy: a raw ASGI app relaying ``/v1/*`` requests to engines.
 
-One request, on the hot path::
+One completion request is one :class:`~berth.daemon.request.PublicRequest`, parsed once and
+handed through named stages, each of which takes the value and returns it (or what it
+decided), and each testable alone (``tests/test_request_stages.py``)::
 
-    read the body (bounded) -> its JSON "model" -> admission.admit(key, model): the key's
-      limits (403/429), its rate-limit headers -> Router.plan(model): ranked candidates
-      (nothing ready: held by the on-demand stage until its service loads, then planned)
-      -> slots.acquire(...): a slot at one of them, waiting in the fair queue if need be
-      -> POST the same bytes to the best engine, the next node's before the first byte if it
-         fails (proxy_dispatch; engine_client: pooled HTTP/1.1, or an agent's tunnel)
-      -> relay the answer: JSON whole, event streams event by event -> ProxyMetrics, and
-         admission.settle(ticket, usage): the ledger
+    read_body (bounded: 413) -> parse_request: the value (body parsed once, model, stream,
+      key, adapter; 400)                                          berth.daemon.request
+    -> admit: the key's limits (403/429), its rate-limit headers  berth.daemon.stages
+    -> ask_usage: a stream asks the engine for its usage (rewriter)
+    -> Routing.route: ranked candidates and the affinity key (nothing ready: held by the
+       on-demand stage until its service loads; a Messages request: only the engines that
+       serve its path)
+    -> take_slot: a slot at one of them, waiting in the fair queue if need be
+    -> first_answer: the attempts along the plan, the next node's before the first byte if
+       one fails (berth.daemon.proxy_dispatch), each an Attempts call: the engine request
+       for that upstream (its path, query, headers, and the body that engine must see:
+       EngineBodies, the model-name and LoRA rewriter), opened over engine_client (pooled
+       HTTP/1.1, or an agent's tunnel), a stream within its first-byte timeout
+                                                                  berth.daemon.attempt
+    -> relay the answer: JSON whole, event streams event by event (berth.daemon.proxy_relay)
+    -> Records.finished: ProxyMetrics, the request log, admission.settle (the ledger)
+                                                                  berth.daemon.record
+
+Hooks for what comes next: a router that hashes prompt prefixes reads the parsed body
+(``request.body["messages"]``) in the routing stage; a tracer wraps each stage call in
+:meth:`OpenAIProxy._proxy` and :meth:`OpenAIProxy._dispatch` (admission, routing, the slot,
+each attempt: :class:`~berth.daemon.attempt.Attempts`, the first byte: ``exchange.ttfb_s``,
+the stream); a dialect translator rewrites the engine request per upstream
+(:meth:`~berth.daemon.attempt.Attempts.engine_request` knows the target path and the
+upstream's engine).
 
 There is no framework routing here: this module is called only after authentication, for the
 paths it serves (``POST /v1/chat/completions``, ``/v1/completions``, ``/v1/embeddings``,
@@ -35,8 +54,6 @@ import time
 from collections.abc import Callable, Sequence
 
 from berth.admission import (
-    MUST_WAIT,
-    SOCKET_KEY_ID,
     Admission,
     AdmissionError,
     QueueRefusedError,
@@ -45,15 +62,9 @@ from berth.admission import (
     SocketCaller,
     Ticket,
 )
-from berth.admission import estimate as estimate_tokens
-from berth.anthropic_errors import (
-    COUNT_TOKENS_PATH,
-    MESSAGES_PATH,
-    is_messages_path,
-    to_anthropic,
-)
-from berth.daemon.adapter_resolver import with_lora
+from berth.anthropic_errors import is_messages_path, to_anthropic
 from berth.daemon.adapters import AdapterManager
+from berth.daemon.attempt import Attempts, StreamLimits
 from berth.daemon.engine_client import EngineAuth, EngineClient, TunnelOpener
 from berth.daemon.proxy_asgi import AsgiClientRequest, AsgiClientWriter
 from berth.daemon.proxy_dispatch import first_answer
@@ -63,30 +74,25 @@ from berth.daemon.proxy_http import (
     Receive,
     Scope,
     Send,
-    model_in,
-    payload_of,
     scan_headers,
     send_json,
-    with_model,
 )
 from berth.daemon.proxy_relay import AnswerRelay, Exchange
-from berth.daemon.proxy_usage import asking_for_usage
 from berth.daemon.read_ahead import DEFAULT_BUFFER_CHUNKS, ReadAhead
-from berth.engine_http.answer import EngineAnswer, TimedAnswer, can_time
+from berth.daemon.record import Flight, Records, target_of
+from berth.daemon.request import DIALECTS, PublicRequest, parse_request, read_body
+from berth.daemon.stages import Routing, admit, ask_usage, take_slot
+from berth.engine_http.answer import EngineAnswer
 from berth.errors import BerthError, NotFoundError
-from berth.http_server.errors import HttpServerError
-from berth.observability.metrics import ProxyMetrics, Target
+from berth.observability.metrics import ProxyMetrics
 from berth.observability.request_log import RequestLog
 from berth.openai_errors import ErrorResponse, error_from_exception
-from berth.routing.capability import serving
 from berth.routing.errors import (
     EngineTimeoutError,
     EngineUnreachableError,
-    FirstByteTimeoutError,
     InvalidRequestError,
     NoReadyDeploymentError,
     ProxyError,
-    RequestTooLargeError,
 )
 from berth.routing.resolver import Upstream, UpstreamResolver
 from berth.routing.retry import DEFAULT_MAX_ATTEMPTS
@@ -101,19 +107,7 @@ _log = logging.getLogger(__name__)
 
 MiB = 1024 * 1024
 
-#: The paths relayed to engines, and the API each speaks (:class:`Exchange`'s ``dialect``):
-#: OpenAI's, or Anthropic's Messages (passed through to the engines that serve it).
-_DIALECTS = {
-    "/v1/chat/completions": "",
-    "/v1/completions": "",
-    "/v1/embeddings": "",
-    "/v1/responses": "",
-    MESSAGES_PATH: "messages",
-    COUNT_TOKENS_PATH: "count_tokens",
-}
 _MODELS_PATH = "/v1/models"
-#: How much of a request's ``model`` the request log keeps (a client may send anything).
-_MAX_LOGGED_MODEL_CHARS = 200
 _MODEL_PREFIX = "/v1/models/"
 #: The ``[server]`` settings' defaults (README, Engines and failures): a stream's first byte
 #: (its head and first event: prefill) within 120 s, then no silence over 60 s; a
@@ -123,30 +117,6 @@ STREAM_IDLE_TIMEOUT_S = 60.0
 READ_TIMEOUT_S = 600.0
 
 
-class _Bodies:
-    """The request body as each upstream's engine must see it: as sent, or with its
-    ``"model"`` rewritten to the engine's name (done once per name, not per attempt)."""
-
-    def __init__(self, body: bytes) -> None:
-        self._body = body
-        self._rewritten: dict[str, bytes] = {}
-
-    def get(self, upstream: Upstream) -> bytes:
-        name, scales = upstream.engine_model, upstream.lora_scales
-        if name is None and not scales:
-            return self._body
-        key = f"{name}\0lora={scales}"  # llama.cpp with adapters: their scales per request
-        rewritten = self._rewritten.get(key)
-        if rewritten is None:
-            if scales:
-                rewritten = with_lora(self._body, name, scales)
-            else:
-                assert name is not None  # checked above
-                rewritten = with_model(self._body, name)
-            self._rewritten[key] = rewritten
-        return rewritten
-
-
 def _reason(exc: BerthError) -> str:
     """The short reason a refused request is counted and logged under."""
     if isinstance(exc, ProxyError | AdmissionError):
@@ -154,10 +124,6 @@ def _reason(exc: BerthError) -> str:
     if isinstance(exc, NotFoundError):
         return exc.not_found_code
     return "error"
-
-
-def _target(upstream: Upstream) -> Target:
-    return Target(upstream.model, upstream.deployment_id, upstream.node_id)
 
 
 class OpenAIProxy:
@@ -244,7 +210,6 @@ class OpenAIProxy:
         adapters: AdapterManager | None = None,
     ) -> None:
         self._resolver = resolver
-        self._on_demand = on_demand
         self._admission = admission
         self._slots = slots
         #: The recent requests (the console's requests view, ``GET /admin/requests``).
@@ -260,9 +225,10 @@ class OpenAIProxy:
         # an adapter request has its adapter loaded into the engine first
         self._open = engines.open if adapters is None else adapters.gated(engines.open)
         self.router = router or Router(resolver)
+        self._routing = Routing(self.router, on_demand)
+        self._records = Records(metrics, self.request_log, admission, clock)
         self._max_attempts = max_attempts
-        self._first_byte_timeout_s = first_byte_timeout_s
-        self._stream_idle_timeout_s = stream_idle_timeout_s
+        self._stream_limits = StreamLimits(first_byte_timeout_s, stream_idle_timeout_s)
         self._relay_buffer_chunks = relay_buffer_chunks
         self._max_buffered_response_bytes = max_buffered_response_bytes
         self._metrics = metrics
@@ -326,7 +292,7 @@ class OpenAIProxy:
         path = request.path
         method = request.method
         request_id, forward, content_length = scan_headers(request.headers)
-        dialect = _DIALECTS.get(path)
+        dialect = DIALECTS.get(path)
         if dialect is not None:
             if method == "POST":
                 await self._proxy(
@@ -392,7 +358,7 @@ class OpenAIProxy:
 
     async def _proxy(
         self,
-        request: ClientRequest,
+        client: ClientRequest,
         request_id: bytes,
         forward: list[tuple[bytes, bytes]],
         content_length: bytes | None,
@@ -401,65 +367,69 @@ class OpenAIProxy:
         key_name: str = "",
         dialect: str = "",
     ) -> None:
+        """A completion request, stage by stage (see the module docstring)."""
         start = self._clock()
         started_at = self.request_log.now()
-        model = ""
-        admission = self._admission
+        request: PublicRequest | None = None
         ticket: Ticket | None = None
-        strip_usage = False
-        path = request.path
         try:
-            body = await self._read_body(request, content_length)
-            if body is None:
-                self._metrics.request_rejected(
-                    model="",
-                    status=499,
-                    duration_s=self._clock() - start,
-                    error_reason="client_disconnected",
-                )
+            raw = await read_body(client, content_length, self._max_body_bytes)
+            if raw is None:  # the client left while sending it
+                self._rejected("", 499, start, "client_disconnected")
                 return
-            request_bytes = len(body)
-            payload = payload_of(body)
-            model = model_in(payload)
-            streamed = payload.get("stream") is True
-            if admission is not None:
-                # Limits first: a request its key may not make never reaches the router.
-                ticket = admission.admit(api_key, model, request_bytes)
-                asked = asking_for_usage(path, body, payload)
-                if asked is not None:
-                    body, strip_usage = asked, True
-            try:
-                plan, key = self.router.plan_request(model, request.headers)
-            except NoReadyDeploymentError:
-                if self._on_demand is None:
-                    raise
-                loaded = await self._hold(self._on_demand, model, request)
-                if loaded is None:  # the client left while its service loaded
-                    self._settle_unsent(ticket)
-                    self._metrics.request_rejected(
-                        model=model,
-                        status=499,
-                        duration_s=self._clock() - start,
-                        error_reason="client_disconnected",
-                    )
-                    self._log_unsent(
-                        started_at, start, request_id, key_name, model, 499, "client_disconnected"
-                    )
-                    return
-                plan, key = loaded
-            if dialect:  # only the engines that serve the path, in the router's order
-                plan = serving(plan, path)
+            request = parse_request(
+                raw,
+                path=client.path,
+                dialect=dialect,
+                query=client.query,
+                request_id=request_id,
+                headers=client.headers,
+                forward=forward,
+                key=api_key,
+                key_name=key_name,
+                is_adapter=self._is_adapter,
+            )
+            if self._admission is not None:
+                ticket = admit(self._admission, request)
+                request = ask_usage(request)
+            routed = await self._routing.route(request, client)
+            if routed is None:  # the client left while its service loaded
+                self._records.settle_unsent(ticket)
+                self._rejected(request.model, 499, start, "client_disconnected")
+                self._records.unsent(started_at, start, request_id, key_name, request.model,
+                                     499, "client_disconnected")  # fmt: skip
+                return
         except BerthError as exc:
+            model = request.model if request is not None else ""
             extra = _refusal_headers(exc, ticket)
-            self._settle_unsent(ticket)
-            status = await self._reject(writer, request_id, exc, start, extra=extra, path=path)
-            self._log_unsent(started_at, start, request_id, key_name, model, status, _reason(exc))
+            self._records.settle_unsent(ticket)
+            status = await self._reject(
+                writer, request_id, exc, start, extra=extra, path=client.path
+            )
+            self._records.unsent(started_at, start, request_id, key_name, model, status,
+                                 _reason(exc))  # fmt: skip
             return
+        request, plan = routed
+        await self._forward(request, plan, ticket, client, writer, start, started_at)
 
-        upstream = plan[0]
-        self._metrics.request_started(_target(upstream))  # moved if a retry goes elsewhere
+    async def _forward(
+        self,
+        request: PublicRequest,
+        plan: list[Upstream],
+        ticket: Ticket | None,
+        client: ClientRequest,
+        writer: ClientWriter,
+        start: float,
+        started_at: float,
+    ) -> None:
+        """A planned request: its slot, its attempts, its answer relayed, and its records,
+        whatever happened (the client may leave at any point: the engine request is closed)."""
+        flight = Flight(plan[0], reached=self._slots is None)
+        self._metrics.request_started(target_of(flight.upstream))  # moved if a retry goes elsewhere
         headers = ticket.headers if ticket is not None else []
-        exchange = Exchange(start, headers, strip_usage=strip_usage, dialect=dialect)
+        exchange = Exchange(
+            start, headers, strip_usage=request.strip_usage, dialect=request.dialect
+        )
         task = asyncio.current_task()
         assert task is not None, "requests are served in a task"
 
@@ -469,70 +439,10 @@ class OpenAIProxy:
                 exchange.client_gone = True
                 task.cancel()
 
-        request.watch_disconnect(client_left)
-        signals = self.router.signals
-        query = request.query
-        dispatched = False
-        gate = self._slots
-        held: str | None = None  # the deployment this request holds a slot at
-        reached = gate is None  # whether it passed the fair admission queue
-        # Where each attempt went and how it ended; all but the last moved on (retries).
-        outcomes: list[tuple[Upstream, str]] = []
-        bodies = _Bodies(body)  # rewritten at most once per engine model
-        open_answer = self._open_stream if streamed else self._open
-
-        async def attempt(target: Upstream) -> EngineAnswer:
-            try:
-                answer = await open_answer(target, path, query, forward, bodies.get(target))
-            except ProxyError as exc:
-                outcomes.append((target, exc.error_code))
-                raise
-            except asyncio.CancelledError:
-                # Its engine given up (the request may go on elsewhere), or the client left.
-                outcomes.append((target, "client_disconnected" if exchange.client_gone
-                                 else "given_up"))  # fmt: skip
-                raise
-            outcomes.append((target, f"status {answer.status}"))
-            return answer
-
+        client.watch_disconnect(client_left)
+        attempts = Attempts(request, self._open, self._stream_limits, exchange)
         try:
-            if gate is not None:
-                # Fair admission: a slot at one of the planned deployments, taken at once
-                # when one is free (no await), else waited for in the fair queue.
-                taken = gate.take_free(plan)
-                if taken is MUST_WAIT:
-                    key_id = ticket.key_id if ticket is not None else SOCKET_KEY_ID
-                    priority = ticket.priority if ticket is not None else 0
-                    taken = await gate.wait(key_id, priority, model, plan)
-                held = taken
-                reached = True
-                if held is not None and held != upstream.deployment_id:
-                    plan = _first(plan, held)
-                    self._metrics.request_moved(_target(upstream), _target(plan[0]))
-                    upstream = plan[0]
-            try:
-                chosen, response = await first_answer(
-                    plan,
-                    attempt,
-                    max_attempts=self._max_attempts,
-                    signals=signals,
-                    clock=self._clock,
-                    request_id=request_id.decode(),
-                    waiting=self.router.waiting,
-                )
-            except (EngineUnreachableError, EngineTimeoutError) as exc:
-                # Counted against the engine that failed last, as the client is told.
-                self._metrics.request_moved(_target(upstream), _target(exc.upstream))
-                upstream = exc.upstream
-                raise
-            dispatched = True
-            if chosen is not upstream:  # a retry served it elsewhere
-                self._metrics.request_moved(_target(upstream), _target(chosen))
-                if held is not None and gate is not None:
-                    held = gate.move(held, chosen)
-            upstream = chosen
-            self.router.succeeded(key, upstream)
-            await self._relay(upstream, response, request_id, writer, exchange)
+            await self._dispatch(request, plan, ticket, attempts, writer, exchange, flight)
         except asyncio.CancelledError:
             # Ours if the client left (the engine request is closed by now); anyone else's
             # (a server shutting down) goes on up.
@@ -542,182 +452,73 @@ class OpenAIProxy:
         except (ProxyError, QueueRefusedError) as exc:  # raised only before the answer started
             exchange.done = True
             reply = await self._send_error(
-                writer, request_id, exc, exchange.answer_headers, path=path
+                writer, request.request_id, exc, exchange.answer_headers, path=request.path
             )
             exchange.status = reply.status
             exchange.error_reason = exc.error_code
-            _log.warning("request %s: %s", request_id.decode(), exc)
+            _log.warning("request %s: %s", request.request_id.decode(), exc)
         finally:
-            request.watch_disconnect(None)
-            target = _target(upstream)
-            for left, reason in outcomes[:-1]:
-                self._metrics.request_retried(_target(left), reason)
-            if dispatched:
-                signals.finished(upstream.deployment_id, upstream.node_id)
-            if held is not None and gate is not None:
-                gate.release(held)
-            usage = exchange.usage
-            self._metrics.request_finished(
-                target,
-                status=exchange.status or 499,
-                duration_s=self._clock() - start,
-                ttfb_s=exchange.ttfb_s,
-                prompt_tokens=usage.prompt_tokens if usage else 0,
-                completion_tokens=usage.completion_tokens if usage else 0,
-                error_reason=exchange.error_reason,
-            )
-            self.request_log.add(
-                started_at=started_at,
-                request_id=request_id.decode(),
-                key_name=key_name,
-                model=model[:_MAX_LOGGED_MODEL_CHARS],
-                node_id=upstream.node_id,
-                deployment_id=upstream.deployment_id,
-                status=exchange.status or 499,
-                ttfb_s=exchange.ttfb_s,
-                duration_s=self._clock() - start,
-                prompt_tokens=usage.prompt_tokens if usage else 0,
-                completion_tokens=usage.completion_tokens if usage else 0,
-                retries=tuple(reason for _, reason in outcomes[:-1]),
-                error_reason=exchange.error_reason,
-                cached_tokens=usage.cached_tokens if usage else 0,
-            )
-            if ticket is not None and admission is not None:
-                node_id = upstream.node_id if reached else None  # None: queued, never sent
-                _settle(admission, ticket, exchange, node_id, request_bytes)
+            client.watch_disconnect(None)
+            upstream = flight.upstream
+            if flight.dispatched:
+                self.router.signals.finished(upstream.deployment_id, upstream.node_id)
+            if flight.held is not None and self._slots is not None:
+                self._slots.release(flight.held)
+            self._records.finished(request, flight, exchange, attempts.outcomes, ticket, started_at)
 
-    async def _open_stream(
+    async def _dispatch(
         self,
-        upstream: Upstream,
-        path: str,
-        query: bytes,
-        forward: list[tuple[bytes, bytes]],
-        body: bytes,
-    ) -> EngineAnswer:
-        """Open a streamed request's exchange: its answer once the first byte is in (the
-        head and, for an event stream, its first bytes), with the stream's idle timeout set.
-
-        Raises what opening raises, and :class:`FirstByteTimeoutError` when the first byte
-        did not come within the first-byte timeout; the exchange is closed then (the pooled
-        connection dropped, or the tunnel stream reset, on which the agent closes its own),
-        so the engine stops generating for nobody.
-        """
-        first_byte_s = self._first_byte_timeout_s
-        idle_s = self._stream_idle_timeout_s
-        timeouts = upstream.timeouts  # its service's, where it set them (0: none)
-        if timeouts is not None:
-            if timeouts.first_byte_timeout_s is not None:
-                first_byte_s = timeouts.first_byte_timeout_s or None
-            if timeouts.stream_idle_timeout_s is not None:
-                idle_s = timeouts.stream_idle_timeout_s or None
-        answer: EngineAnswer | None = None
-        timed: TimedAnswer | None = None  # an event stream whose first bytes are awaited
-        deadline = asyncio.timeout(first_byte_s)
-        try:
-            async with deadline:
-                answer = await self._open(upstream, path, query, forward, body)
-                if answer.status < 400 and can_time(answer) and _is_event_stream(answer):
-                    timed = answer
-                    await timed.wait_for_body()
-        except TimeoutError:
-            if answer is not None:
-                answer.close()
-            if not deadline.expired():
-                raise
-            assert first_byte_s is not None  # only a deadline expires
-            raise FirstByteTimeoutError(upstream, first_byte_s) from None
-        except BaseException:
-            if answer is not None:
-                answer.close()
-            raise
-        if timed is not None and idle_s is not None:
-            timed.set_read_timeout(idle_s)
-        return answer
-
-    def _settle_unsent(self, ticket: Ticket | None) -> None:
-        """Settle the ticket of a request that reached no engine (refused, or its client
-        left before one was chosen): an error that used no tokens, and no ledger row."""
-        if ticket is not None and self._admission is not None:
-            self._admission.settle(
-                ticket,
-                node_id=None,
-                error=True,
-                prompt_tokens=0,
-                completion_tokens=0,
-                estimated=False,
-            )
-
-    def _log_unsent(
-        self,
-        started_at: float,
-        start: float,
-        request_id: bytes,
-        key_name: str,
-        model: str,
-        status: int,
-        reason: str,
+        request: PublicRequest,
+        plan: list[Upstream],
+        ticket: Ticket | None,
+        attempts: Attempts,
+        writer: ClientWriter,
+        exchange: Exchange,
+        flight: Flight,
     ) -> None:
-        """Put a request that reached no engine in the request log, answered ``status``
-        for ``reason`` (``started_at``: wall clock, ``start``: the proxy's clock)."""
-        self.request_log.add(
-            started_at=started_at,
-            request_id=request_id.decode(),
-            key_name=key_name,
-            model=model[:_MAX_LOGGED_MODEL_CHARS],
-            status=status,
-            duration_s=self._clock() - start,
-            error_reason=reason,
+        """The fair queue's slot (when there is a gate), the attempts along the plan until
+        an engine answers (:func:`first_answer`), and its answer relayed; ``flight`` keeps
+        where the request went at each step, for the records."""
+        gate = self._slots
+        if gate is not None:
+            flight.held, plan = await take_slot(gate, request, ticket, plan)
+            flight.reached = True
+            if plan[0] is not flight.upstream:  # a slot was free at another deployment
+                self._metrics.request_moved(target_of(flight.upstream), target_of(plan[0]))
+                flight.upstream = plan[0]
+        upstream = flight.upstream
+        try:
+            chosen, response = await first_answer(
+                plan,
+                attempts,
+                max_attempts=self._max_attempts,
+                signals=self.router.signals,
+                clock=self._clock,
+                request_id=request.request_id.decode(),
+                waiting=self.router.waiting,
+            )
+        except (EngineUnreachableError, EngineTimeoutError) as exc:
+            # Counted against the engine that failed last, as the client is told.
+            self._metrics.request_moved(target_of(upstream), target_of(exc.upstream))
+            flight.upstream = exc.upstream
+            raise
+        flight.dispatched = True
+        if chosen is not upstream:  # a retry served it elsewhere
+            self._metrics.request_moved(target_of(upstream), target_of(chosen))
+            if flight.held is not None and gate is not None:
+                flight.held = gate.move(flight.held, chosen)
+        flight.upstream = chosen
+        self.router.succeeded(request.affinity_key, chosen)
+        await self._relay(chosen, response, request.request_id, writer, exchange)
+
+    def _rejected(self, model: str, status: int, start: float, reason: str) -> None:
+        """Count a request answered ``status`` before any deployment was chosen."""
+        self._metrics.request_rejected(
+            model=model, status=status, duration_s=self._clock() - start, error_reason=reason
         )
 
-    async def _hold(
-        self, on_demand: OnDemandStage, model: str, request: ClientRequest
-    ) -> tuple[list[Upstream], str | None] | None:
-        """The on-demand stage: the plan once ``model`` has a ready deployment (raising what
-        the stage raises: 503 for a load that timed out, was refused or failed), ``None``
-        when the client left while it waited (it leaves the stage's queue at once)."""
-        task = asyncio.current_task()
-        assert task is not None, "requests are served in a task"
-        left = False
-
-        def client_left() -> None:
-            nonlocal left
-            left = True
-            task.cancel()
-
-        request.watch_disconnect(client_left)
-        try:
-            return await on_demand.until_ready(
-                model, lambda: self.router.plan_request(model, request.headers)
-            )
-        except asyncio.CancelledError:
-            # Ours if the client left; anyone else's (a server shutting down) goes on up.
-            if not left or task.uncancel() > 0:
-                raise
-            return None
-        finally:
-            request.watch_disconnect(None)
-
-    async def _read_body(
-        self, request: ClientRequest, content_length: bytes | None
-    ) -> bytes | None:
-        """The request body, or ``None`` if the client left while sending it."""
-        limit = self._max_body_bytes
-        if content_length is not None:
-            if not content_length.isdigit():
-                raise InvalidRequestError("invalid Content-Length header", code="invalid_request")
-            if int(content_length) > limit:
-                raise RequestTooLargeError(limit)
-        parts: list[bytes] = []
-        size = 0
-        try:
-            while chunk := await request.read_chunk():
-                size += len(chunk)
-                if size > limit:
-                    raise RequestTooLargeError(limit)
-                parts.append(chunk)
-        except HttpServerError:
-            return None
-        return parts[0] if len(parts) == 1 else b"".join(parts)
+    def _is_adapter(self, model: str) -> bool:
+        return self._adapters is not None and self._adapters.entry(model) is not None
 
     async def _relay(
         self,
@@ -815,47 +616,3 @@ def _refusal_headers(exc: BerthError, ticket: Ticket | None) -> list[tuple[bytes
         ms = max(0, round(exc.retry_after_s * 1000))
         return [*exc.headers, (b"retry-after-ms", b"%d" % ms)]
     return list(ticket.headers) if ticket is not None else []
-
-
-def _is_event_stream(answer: EngineAnswer) -> bool:
-    content_type = answer.header(b"content-type")
-    return content_type is not None and content_type.startswith(b"text/event-stream")
-
-
-def _first(plan: Sequence[Upstream], deployment_id: str) -> list[Upstream]:
-    """``plan`` with the upstream of ``deployment_id`` moved to its front."""
-    chosen = [u for u in plan if u.deployment_id == deployment_id]
-    return chosen + [u for u in plan if u.deployment_id != deployment_id]
-
-
-def _settle(
-    admission: Admission,
-    ticket: Ticket,
-    exchange: Exchange,
-    node_id: str | None,
-    request_bytes: int,
-) -> None:
-    """Settle ``ticket`` with the usage the engine reported, or with an estimate
-    (:mod:`berth.admission.estimate`) when an answer was made without one. An error answer
-    without usage used no tokens worth counting."""
-    status = exchange.status
-    error = status == 0 or status >= 400 or exchange.error_reason is not None
-    usage = exchange.usage
-    if usage is not None:
-        prompt, completion, estimated = usage.prompt_tokens, usage.completion_tokens, False
-    elif status == 0 or status >= 400:
-        prompt, completion, estimated = 0, 0, False
-    else:
-        prompt = estimate_tokens.prompt_tokens(request_bytes)
-        completion = estimate_tokens.completion_tokens(
-            answer_bytes=exchange.answer_bytes, events=exchange.events, streamed=exchange.streamed
-        )
-        estimated = True
-    admission.settle(
-        ticket,
-        node_id=node_id,
-        error=error,
-        prompt_tokens=prompt,
-        completion_tokens=completion,
-        estimated=estimated,
-    )

@@ -1,6 +1,6 @@
 """The proxy's side of a client exchange (:mod:`berth.daemon.proxy`): what it needs of a
-request and of the writer of its answer, what of a request's headers reaches an engine, the
-``model`` of a request body, and a JSON answer.
+request and of the writer of its answer, what of a request's headers reaches an engine, a
+request body parsed and its ``model``, and a JSON answer.
 
 The proxy is served two ways, through the same two interfaces: by berth's own HTTP server
 (:mod:`berth.http_server`, whose ``Request`` and ``ResponseWriter`` are a
@@ -128,11 +128,6 @@ def scan_headers(
     return request_id, forward, content_length
 
 
-def model_of(body: bytes) -> str:
-    """The ``model`` of an OpenAI request body; :class:`InvalidRequestError` if it has none."""
-    return model_in(payload_of(body))
-
-
 def payload_of(body: bytes) -> dict[str, Any]:
     """An OpenAI request body parsed; :class:`InvalidRequestError` unless a JSON object."""
     try:
@@ -160,16 +155,6 @@ def model_in(payload: dict[str, Any]) -> str:
             "you must provide a model parameter", code="missing_model", param="model"
         )
     return model
-
-
-def with_model(body: bytes, model: str) -> bytes:
-    """``body`` (a JSON object :func:`model_of` accepted) with its ``model`` set to ``model``.
-
-    Re-serialised compactly; every other field keeps its value.
-    """
-    payload = json.loads(body)
-    payload["model"] = model
-    return json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode()
 
 
 async def send_json(
