@@ -1,34 +1,39 @@
 """The OpenAI-compatible proxy: a raw ASGI app relaying ``/v1/*`` requests to engines.
 
-One completion request is one :class:`~berth.daemon.request.PublicRequest`, parsed once and
+A completion request is one :class:`~berth.daemon.request.PublicRequest`, parsed once and
 handed through named stages, each of which takes the value and returns it (or what it
-decided), and each testable alone (``tests/test_request_stages.py``)::
+decided), each testable alone (``tests/test_request_stages.py``)::
 
-    read_body (bounded: 413) -> parse_request: the value (body parsed once, model, stream,
-      key, adapter; 400)                                          berth.daemon.request
-    -> admit: the key's limits (403/429), its rate-limit headers  berth.daemon.stages
-    -> ask_usage: a stream asks the engine for its usage (rewriter)
+    read_body (bounded: 413) -> parse_request: the value (its body parsed once, model,
+      stream, key, adapter; 400)                                   berth.daemon.request
+    -> admit: the key's limits (403/429), its rate-limit headers    berth.daemon.stages
+    -> ask_usage (a rewriter): a stream asks the engine for its usage
     -> Routing.route: ranked candidates and the affinity key (nothing ready: held by the
        on-demand stage until its service loads; a Messages request: only the engines that
        serve its path)
     -> take_slot: a slot at one of them, waiting in the fair queue if need be
     -> first_answer: the attempts along the plan, the next node's before the first byte if
-       one fails (berth.daemon.proxy_dispatch), each an Attempts call: the engine request
-       for that upstream (its path, query, headers, and the body that engine must see:
-       EngineBodies, the model-name and LoRA rewriter), opened over engine_client (pooled
-       HTTP/1.1, or an agent's tunnel), a stream within its first-byte timeout
-                                                                  berth.daemon.attempt
-    -> relay the answer: JSON whole, event streams event by event (berth.daemon.proxy_relay)
+       one fails (berth.daemon.proxy_dispatch); each an Attempts call: the EngineRequest
+       for that upstream (the path, query, forwarded headers, and the body that engine
+       must see: EngineBodies, the model-name and LoRA rewriter, written from the parsed
+       body), opened over the engine client (pooled HTTP/1.1, or an agent's tunnel), a
+       stream within its first-byte timeout                        berth.daemon.attempt
+    -> relay the answer: JSON whole, event streams event by event  berth.daemon.proxy_relay
     -> Records.finished: ProxyMetrics, the request log, admission.settle (the ledger)
-                                                                  berth.daemon.record
+                                                                    berth.daemon.record
 
-Hooks for what comes next: a router that hashes prompt prefixes reads the parsed body
+:class:`~berth.daemon.completions.Completions` runs that list (``serve`` up to the
+routing, ``_dispatch`` from the slot on); this module is the app around it: the paths, the
+methods, ``/v1/models``, the lifecycle.
+
+Where the next features hook in: a router that hashes prompt prefixes reads the parsed body
 (``request.body["messages"]``) in the routing stage; a tracer wraps each stage call in
-:meth:`OpenAIProxy._proxy` and :meth:`OpenAIProxy._dispatch` (admission, routing, the slot,
-each attempt: :class:`~berth.daemon.attempt.Attempts`, the first byte: ``exchange.ttfb_s``,
-the stream); a dialect translator rewrites the engine request per upstream
-(:meth:`~berth.daemon.attempt.Attempts.engine_request` knows the target path and the
-upstream's engine).
+``Completions.serve`` and ``Completions._dispatch`` (admission, routing, the slot), each
+attempt (:class:`~berth.daemon.attempt.Attempts`, which knows the upstream and the target
+path), the first byte (``exchange.ttfb_s``) and the stream (the relay); a dialect
+translator rewrites the engine request per upstream
+(:meth:`~berth.daemon.attempt.Attempts.engine_request`: its path and body for that engine)
+and the answer in the relay.
 
 There is no framework routing here: this module is called only after authentication, for the
 paths it serves (``POST /v1/chat/completions``, ``/v1/completions``, ``/v1/embeddings``,
@@ -36,8 +41,8 @@ paths it serves (``POST /v1/chat/completions``, ``/v1/completions``, ``/v1/embed
 ``GET /v1/models`` and ``/v1/models/{id}``), and it matches ``scope["path"]`` itself.
 Errors are answered in the OpenAI shape (:mod:`berth.openai_errors`), or under
 ``/v1/messages`` in Anthropic's (:mod:`berth.anthropic_errors`, converted from the same
-errors at :meth:`OpenAIProxy._send_error`); the ones this module raises are drawn in
-:mod:`berth.routing.errors`. A Messages request goes the same way as a chat completion,
+errors by :class:`~berth.daemon.refusals.Refusals`); the ones this module raises are drawn
+in :mod:`berth.routing.errors`. A Messages request goes the same way as a chat completion,
 only to the deployments whose engine serves its path (:mod:`berth.routing.capability`).
 What the proxy needs of the client's request and of the writer of its answer is in
 :mod:`berth.daemon.proxy_http` (berth's own HTTP server gives both as they are;
@@ -47,27 +52,16 @@ What the proxy needs of the client's request and of the writer of its answer is 
 
 from __future__ import annotations
 
-import asyncio
 import json
-import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
-from berth.admission import (
-    Admission,
-    AdmissionError,
-    QueueRefusedError,
-    QuotaExceededError,
-    SlotGate,
-    SocketCaller,
-    Ticket,
-)
-from berth.anthropic_errors import is_messages_path, to_anthropic
+from berth.admission import Admission, SlotGate, SocketCaller
 from berth.daemon.adapters import AdapterManager
-from berth.daemon.attempt import Attempts, StreamLimits
+from berth.daemon.attempt import StreamLimits
+from berth.daemon.completions import Completions
 from berth.daemon.engine_client import EngineAuth, EngineClient, TunnelOpener
 from berth.daemon.proxy_asgi import AsgiClientRequest, AsgiClientWriter
-from berth.daemon.proxy_dispatch import first_answer
 from berth.daemon.proxy_http import (
     ClientRequest,
     ClientWriter,
@@ -77,24 +71,17 @@ from berth.daemon.proxy_http import (
     scan_headers,
     send_json,
 )
-from berth.daemon.proxy_relay import AnswerRelay, Exchange
-from berth.daemon.read_ahead import DEFAULT_BUFFER_CHUNKS, ReadAhead
-from berth.daemon.record import Flight, Records, target_of
-from berth.daemon.request import DIALECTS, PublicRequest, parse_request, read_body
-from berth.daemon.stages import Routing, admit, ask_usage, take_slot
-from berth.engine_http.answer import EngineAnswer
-from berth.errors import BerthError, NotFoundError
+from berth.daemon.proxy_relay import AnswerRelay
+from berth.daemon.read_ahead import DEFAULT_BUFFER_CHUNKS
+from berth.daemon.record import Records
+from berth.daemon.refusals import Refusals
+from berth.daemon.request import DIALECTS
+from berth.daemon.stages import Routing
+from berth.errors import NotFoundError
 from berth.observability.metrics import ProxyMetrics
 from berth.observability.request_log import RequestLog
-from berth.openai_errors import ErrorResponse, error_from_exception
-from berth.routing.errors import (
-    EngineTimeoutError,
-    EngineUnreachableError,
-    InvalidRequestError,
-    NoReadyDeploymentError,
-    ProxyError,
-)
-from berth.routing.resolver import Upstream, UpstreamResolver
+from berth.routing.errors import InvalidRequestError
+from berth.routing.resolver import UpstreamResolver
 from berth.routing.retry import DEFAULT_MAX_ATTEMPTS
 from berth.routing.router import Router
 from berth.scaling.on_demand import OnDemandStage
@@ -102,8 +89,6 @@ from berth.store.records import ApiKeyRecord
 
 __all__ = ["OpenAIProxy"]
 
-
-_log = logging.getLogger(__name__)
 
 MiB = 1024 * 1024
 
@@ -115,15 +100,6 @@ _MODEL_PREFIX = "/v1/models/"
 FIRST_BYTE_TIMEOUT_S = 120.0
 STREAM_IDLE_TIMEOUT_S = 60.0
 READ_TIMEOUT_S = 600.0
-
-
-def _reason(exc: BerthError) -> str:
-    """The short reason a refused request is counted and logged under."""
-    if isinstance(exc, ProxyError | AdmissionError):
-        return exc.error_code
-    if isinstance(exc, NotFoundError):
-        return exc.not_found_code
-    return "error"
 
 
 class OpenAIProxy:
@@ -210,8 +186,6 @@ class OpenAIProxy:
         adapters: AdapterManager | None = None,
     ) -> None:
         self._resolver = resolver
-        self._admission = admission
-        self._slots = slots
         #: The recent requests (the console's requests view, ``GET /admin/requests``).
         self.request_log = request_log if request_log is not None else RequestLog()
         self._adapters = adapters
@@ -222,24 +196,33 @@ class OpenAIProxy:
             max_connections=max_connections,
             engine_auth=engine_auth,
         )
-        # an adapter request has its adapter loaded into the engine first
-        self._open = engines.open if adapters is None else adapters.gated(engines.open)
-        self.router = router or Router(resolver)
-        self._routing = Routing(self.router, on_demand)
-        self._records = Records(metrics, self.request_log, admission, clock)
-        self._max_attempts = max_attempts
-        self._stream_limits = StreamLimits(first_byte_timeout_s, stream_idle_timeout_s)
-        self._relay_buffer_chunks = relay_buffer_chunks
-        self._max_buffered_response_bytes = max_buffered_response_bytes
-        self._metrics = metrics
-        self._max_body_bytes = max_body_bytes
-        self._clock = clock
+        # an adapter request has its adapter loaded into the engine first (the gate)
+        self.router = router = router or Router(resolver)
         self._created = int(time.time())
-        self._answers = AnswerRelay(
-            read_timeout_s=read_timeout_s,
-            max_buffered_response_bytes=max_buffered_response_bytes,
-            max_event_bytes=max_event_bytes,
+        self._clock = clock
+        self._refusals = refusals = Refusals(metrics, clock)
+        self._completions = Completions(
+            router=router,
+            routing=Routing(router, on_demand),
+            open_engine=engines.open if adapters is None else adapters.gated(engines.open),
+            answers=AnswerRelay(
+                read_timeout_s=read_timeout_s,
+                max_buffered_response_bytes=max_buffered_response_bytes,
+                max_event_bytes=max_event_bytes,
+                clock=clock,
+            ),
+            records=Records(metrics, self.request_log, admission, clock),
+            refusals=refusals,
+            metrics=metrics,
             clock=clock,
+            stream_limits=StreamLimits(first_byte_timeout_s, stream_idle_timeout_s),
+            max_attempts=max_attempts,
+            max_body_bytes=max_body_bytes,
+            relay_buffer_chunks=relay_buffer_chunks,
+            max_buffered_response_bytes=max_buffered_response_bytes,
+            admission=admission,
+            slots=slots,
+            adapters=adapters,
         )
 
     # -- lifecycle ----------------------------------------------------------------------------
@@ -295,7 +278,7 @@ class OpenAIProxy:
         dialect = DIALECTS.get(path)
         if dialect is not None:
             if method == "POST":
-                await self._proxy(
+                await self._completions.serve(
                     request,
                     request_id,
                     forward,
@@ -313,7 +296,7 @@ class OpenAIProxy:
                 return
             allowed = "GET"
         else:
-            await self._reject(
+            await self._refusals.reject(
                 writer,
                 request_id,
                 InvalidRequestError(
@@ -328,7 +311,9 @@ class OpenAIProxy:
             code="method_not_allowed",
             status=405,
         )
-        await self._reject(writer, request_id, error, self._clock(), allow=allowed, path=path)
+        await self._refusals.reject(
+            writer, request_id, error, self._clock(), allow=allowed, path=path
+        )
 
     # -- /v1/models ---------------------------------------------------------------------------
 
@@ -343,7 +328,9 @@ class OpenAIProxy:
         else:
             ident = path[len(_MODEL_PREFIX) :]
             if ident not in names:
-                await self._reject(writer, request_id, NotFoundError("model", ident), start)
+                await self._refusals.reject(
+                    writer, request_id, NotFoundError("model", ident), start
+                )
                 return
             payload = self._model_card(ident)
         await send_json(writer, 200, json.dumps(payload).encode(), request_id)
@@ -353,266 +340,3 @@ class OpenAIProxy:
         card = {"id": name, "object": "model", "created": self._created, "owned_by": "berth"}
         adapter = self._adapters.entry(name) if self._adapters is not None else None
         return card if adapter is None else {**card, "parent": adapter.base}  # vLLM's field
-
-    # -- completions --------------------------------------------------------------------------
-
-    async def _proxy(
-        self,
-        client: ClientRequest,
-        request_id: bytes,
-        forward: list[tuple[bytes, bytes]],
-        content_length: bytes | None,
-        writer: ClientWriter,
-        api_key: ApiKeyRecord | SocketCaller | None,
-        key_name: str = "",
-        dialect: str = "",
-    ) -> None:
-        """A completion request, stage by stage (see the module docstring)."""
-        start = self._clock()
-        started_at = self.request_log.now()
-        request: PublicRequest | None = None
-        ticket: Ticket | None = None
-        try:
-            raw = await read_body(client, content_length, self._max_body_bytes)
-            if raw is None:  # the client left while sending it
-                self._rejected("", 499, start, "client_disconnected")
-                return
-            request = parse_request(
-                raw,
-                path=client.path,
-                dialect=dialect,
-                query=client.query,
-                request_id=request_id,
-                headers=client.headers,
-                forward=forward,
-                key=api_key,
-                key_name=key_name,
-                is_adapter=self._is_adapter,
-            )
-            if self._admission is not None:
-                ticket = admit(self._admission, request)
-                request = ask_usage(request)
-            routed = await self._routing.route(request, client)
-            if routed is None:  # the client left while its service loaded
-                self._records.settle_unsent(ticket)
-                self._rejected(request.model, 499, start, "client_disconnected")
-                self._records.unsent(started_at, start, request_id, key_name, request.model,
-                                     499, "client_disconnected")  # fmt: skip
-                return
-        except BerthError as exc:
-            model = request.model if request is not None else ""
-            extra = _refusal_headers(exc, ticket)
-            self._records.settle_unsent(ticket)
-            status = await self._reject(
-                writer, request_id, exc, start, extra=extra, path=client.path
-            )
-            self._records.unsent(started_at, start, request_id, key_name, model, status,
-                                 _reason(exc))  # fmt: skip
-            return
-        request, plan = routed
-        await self._forward(request, plan, ticket, client, writer, start, started_at)
-
-    async def _forward(
-        self,
-        request: PublicRequest,
-        plan: list[Upstream],
-        ticket: Ticket | None,
-        client: ClientRequest,
-        writer: ClientWriter,
-        start: float,
-        started_at: float,
-    ) -> None:
-        """A planned request: its slot, its attempts, its answer relayed, and its records,
-        whatever happened (the client may leave at any point: the engine request is closed)."""
-        flight = Flight(plan[0], reached=self._slots is None)
-        self._metrics.request_started(target_of(flight.upstream))  # moved if a retry goes elsewhere
-        headers = ticket.headers if ticket is not None else []
-        exchange = Exchange(
-            start, headers, strip_usage=request.strip_usage, dialect=request.dialect
-        )
-        task = asyncio.current_task()
-        assert task is not None, "requests are served in a task"
-
-        def client_left() -> None:
-            # Cancelling the relay closes the engine request: it stops generating for nobody.
-            if not exchange.done:
-                exchange.client_gone = True
-                task.cancel()
-
-        client.watch_disconnect(client_left)
-        attempts = Attempts(request, self._open, self._stream_limits, exchange)
-        try:
-            await self._dispatch(request, plan, ticket, attempts, writer, exchange, flight)
-        except asyncio.CancelledError:
-            # Ours if the client left (the engine request is closed by now); anyone else's
-            # (a server shutting down) goes on up.
-            if not exchange.client_gone or task.uncancel() > 0:
-                raise
-            exchange.error_reason = "client_disconnected"
-        except (ProxyError, QueueRefusedError) as exc:  # raised only before the answer started
-            exchange.done = True
-            reply = await self._send_error(
-                writer, request.request_id, exc, exchange.answer_headers, path=request.path
-            )
-            exchange.status = reply.status
-            exchange.error_reason = exc.error_code
-            _log.warning("request %s: %s", request.request_id.decode(), exc)
-        finally:
-            client.watch_disconnect(None)
-            upstream = flight.upstream
-            if flight.dispatched:
-                self.router.signals.finished(upstream.deployment_id, upstream.node_id)
-            if flight.held is not None and self._slots is not None:
-                self._slots.release(flight.held)
-            self._records.finished(request, flight, exchange, attempts.outcomes, ticket, started_at)
-
-    async def _dispatch(
-        self,
-        request: PublicRequest,
-        plan: list[Upstream],
-        ticket: Ticket | None,
-        attempts: Attempts,
-        writer: ClientWriter,
-        exchange: Exchange,
-        flight: Flight,
-    ) -> None:
-        """The fair queue's slot (when there is a gate), the attempts along the plan until
-        an engine answers (:func:`first_answer`), and its answer relayed; ``flight`` keeps
-        where the request went at each step, for the records."""
-        gate = self._slots
-        if gate is not None:
-            flight.held, plan = await take_slot(gate, request, ticket, plan)
-            flight.reached = True
-            if plan[0] is not flight.upstream:  # a slot was free at another deployment
-                self._metrics.request_moved(target_of(flight.upstream), target_of(plan[0]))
-                flight.upstream = plan[0]
-        upstream = flight.upstream
-        try:
-            chosen, response = await first_answer(
-                plan,
-                attempts,
-                max_attempts=self._max_attempts,
-                signals=self.router.signals,
-                clock=self._clock,
-                request_id=request.request_id.decode(),
-                waiting=self.router.waiting,
-            )
-        except (EngineUnreachableError, EngineTimeoutError) as exc:
-            # Counted against the engine that failed last, as the client is told.
-            self._metrics.request_moved(target_of(upstream), target_of(exc.upstream))
-            flight.upstream = exc.upstream
-            raise
-        flight.dispatched = True
-        if chosen is not upstream:  # a retry served it elsewhere
-            self._metrics.request_moved(target_of(upstream), target_of(chosen))
-            if flight.held is not None and gate is not None:
-                flight.held = gate.move(flight.held, chosen)
-        flight.upstream = chosen
-        self.router.succeeded(request.affinity_key, chosen)
-        await self._relay(chosen, response, request.request_id, writer, exchange)
-
-    def _rejected(self, model: str, status: int, start: float, reason: str) -> None:
-        """Count a request answered ``status`` before any deployment was chosen."""
-        self._metrics.request_rejected(
-            model=model, status=status, duration_s=self._clock() - start, error_reason=reason
-        )
-
-    def _is_adapter(self, model: str) -> bool:
-        return self._adapters is not None and self._adapters.entry(model) is not None
-
-    async def _relay(
-        self,
-        upstream: Upstream,
-        response: EngineAnswer,
-        request_id: bytes,
-        writer: ClientWriter,
-        exchange: Exchange,
-    ) -> None:
-        try:
-            content_type = response.header(b"content-type") or b"application/json"
-            encoding = response.header(b"content-encoding")
-            length = response.content_length
-            streamed = content_type.startswith(b"text/event-stream")
-            if (
-                not writer.buffers_writes
-                and response.status < 400
-                and (streamed or length is None or length > self._max_buffered_response_bytes)
-            ):
-                # Relayed piece by piece to a writer that waits on every piece: a bounded
-                # buffer lets the engine run a little ahead of the client, and stops reading
-                # it when the client stalls. (berth's own server needs none: its writes wait
-                # only while the client's transport buffer is full, which is the same bound.)
-                response = ReadAhead(response, self._relay_buffer_chunks)
-            if response.status >= 400:
-                await self._answers.relay_engine_error(
-                    response, content_type, request_id, writer, exchange
-                )
-            elif streamed:
-                await self._answers.relay_stream(
-                    response, content_type, encoding, request_id, writer, exchange
-                )
-            else:
-                await self._answers.relay_body(
-                    response, upstream, content_type, encoding, request_id, writer, exchange
-                )
-        finally:
-            # An answer read to its end has already put its connection back in the pool; one
-            # that was not (the client left, the engine failed) closes it, which is what tells
-            # the engine to stop generating.
-            response.close()
-
-    # -- errors -------------------------------------------------------------------------------
-
-    async def _reject(
-        self,
-        writer: ClientWriter,
-        request_id: bytes,
-        exc: BerthError,
-        start: float,
-        *,
-        allow: str | None = None,
-        extra: Sequence[tuple[bytes, bytes]] = (),
-        path: str = "",
-    ) -> int:
-        """Answer a request no deployment was chosen for, and count it; the status sent."""
-        headers = [(b"allow", allow.encode())] if allow else []
-        headers += extra
-        reply = await self._send_error(writer, request_id, exc, headers, path=path)
-        reason = _reason(exc)
-        # Only a model berth knows may become a label value.
-        model = exc.model if isinstance(exc, NoReadyDeploymentError) else ""
-        self._metrics.request_rejected(
-            model=model, status=reply.status, duration_s=self._clock() - start, error_reason=reason
-        )
-        return reply.status
-
-    async def _send_error(
-        self,
-        writer: ClientWriter,
-        request_id: bytes,
-        exc: BerthError,
-        extra: Sequence[tuple[bytes, bytes]] = (),
-        *,
-        path: str = "",
-    ) -> ErrorResponse:
-        """Answer ``exc``: OpenAI-shaped, or Anthropic-shaped for a ``path`` under
-        ``/v1/messages``."""
-        reply = error_from_exception(exc)
-        if is_messages_path(path):  # the Anthropic error shape for its paths
-            reply = to_anthropic(reply)
-        headers = [(name.lower().encode(), value.encode()) for name, value in reply.headers.items()]
-        headers.extend(extra)
-        # No "Connection: close" on a 413: closing a socket with unread request bytes makes the
-        # kernel reset the connection, and the client may lose the answer. The server reads
-        # and drops the rest of the body instead.
-        await send_json(writer, reply.status, reply.body, request_id, headers)
-        return reply
-
-
-def _refusal_headers(exc: BerthError, ticket: Ticket | None) -> list[tuple[bytes, bytes]]:
-    """The key's rate-limit headers for an answer refused before any engine was asked, and
-    ``retry-after-ms`` on a 429 (the OpenAI SDKs prefer it to ``Retry-After``)."""
-    if isinstance(exc, QuotaExceededError):
-        ms = max(0, round(exc.retry_after_s * 1000))
-        return [*exc.headers, (b"retry-after-ms", b"%d" % ms)]
-    return list(ticket.headers) if ticket is not None else []
