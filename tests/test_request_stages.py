@@ -1,8 +1,9 @@
 """The proxy's request stages one by one, in process: the request value and its parser, the
 admission stage, the usage rewriter, the routing stage (with its on-demand hold and the
 Messages filter), the fair-queue slot, the per-engine body rewriter, the attempt stage and
-the records (:mod:`berth.gateway.request`, :mod:`berth.gateway.stages`,
-:mod:`berth.gateway.attempt`, :mod:`berth.gateway.record`, :mod:`berth.gateway.refusals`).
+the records, and the relay path an answer takes (:mod:`berth.gateway.request`,
+:mod:`berth.gateway.stages`, :mod:`berth.gateway.attempt`, :mod:`berth.gateway.record`,
+:mod:`berth.gateway.refusals`, :func:`berth.gateway.relay.relay_path`).
 
 The stages get real collaborators (an :class:`Admission`, a :class:`Router` over a fixed
 resolver, a :class:`SlotGate`, a :class:`RequestLog`); the engine behind an attempt is a
@@ -31,9 +32,10 @@ from berth.config import TierTable
 from berth.errors import NotFoundError
 from berth.gateway.attempt import Attempts, EngineBodies, StreamLimits, engine_body
 from berth.gateway.engine_client import EngineRequest
+from berth.gateway.outcome import Exchange
 from berth.gateway.record import Flight, Records, target_of
 from berth.gateway.refusals import reason, refusal_headers
-from berth.gateway.relay import Exchange
+from berth.gateway.relay import RelayPath, relay_path
 from berth.gateway.request import PublicRequest, parse_request, read_body
 from berth.gateway.stages import Routing, admit, ask_usage, take_slot
 from berth.http_server.errors import ClientDisconnectedError
@@ -469,3 +471,102 @@ def test_a_finished_request_is_logged_with_its_retries_and_node() -> None:
     records.unsent(0.0, 1.0, b"rid-2", "tester", "x" * 500, 429, "rate_limited")
     refused = log.after(entry.seq)[0]
     assert refused.status == 429 and len(refused.model) == 200  # a client may send anything
+
+
+# -- the relay path ---------------------------------------------------------------------------
+
+
+class Pulled:
+    """An answer read chunk by chunk only (as the read-ahead buffer is)."""
+
+    headers: list[tuple[bytes, bytes]] = []  # noqa: RUF012 - the protocol's class member
+
+    def __init__(self, status: int = 200, content_length: int | None = None) -> None:
+        self.status = status
+        self.content_length = content_length
+
+    def header(self, name: bytes) -> bytes | None:
+        return None
+
+    @property
+    def at_eof(self) -> bool:
+        return False
+
+    async def read_chunk(self) -> bytes:
+        return b""
+
+    async def read(self, limit_bytes: int | None = None) -> bytes:
+        return b""
+
+    def close(self) -> None:
+        pass
+
+
+class Pushed(Pulled):
+    """An answer that can push its body (a local engine's, or a tunneled one)."""
+
+    def push_body(self, sink: Any) -> None:
+        pass
+
+    def pause_body(self) -> None:
+        pass
+
+    def resume_body(self) -> None:
+        pass
+
+
+class Buffering:
+    """A writer whose writes wait only while the client is slow."""
+
+    buffers_writes = True
+
+    async def start(self, status: int, headers: Any) -> None:
+        pass
+
+    async def write(self, data: bytes) -> None:
+        pass
+
+    async def end(self, data: bytes = b"") -> None:
+        pass
+
+
+class Waiting(Buffering):
+    """A writer that waits on every write (as ASGI's)."""
+
+    buffers_writes = False
+
+
+class Pushing(Buffering):
+    """A writer that can also be written without waiting (berth's own server's)."""
+
+    write_paused = False
+
+    def write_now(self, data: bytes) -> None:
+        pass
+
+    def end_now(self, data: bytes = b"") -> None:
+        pass
+
+    async def drain(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize(
+    ("answer", "writer", "streamed", "path"),
+    [
+        (Pushed(), Pushing(), True, RelayPath.PUSH),  # a stream to berth's own server
+        (Pulled(), Pushing(), True, RelayPath.PULL),  # an answer that cannot push
+        (Pushed(), Buffering(), True, RelayPath.PULL),  # a writer that cannot be pushed to
+        (Pushed(), Pushing(), False, RelayPath.PULL),  # JSON is read, never pushed
+        (Pushed(), Waiting(), True, RelayPath.READ_AHEAD),  # ASGI: read ahead of the client
+        (Pushed(content_length=2 << 20), Waiting(), False, RelayPath.READ_AHEAD),  # long
+        (Pushed(content_length=100), Waiting(), False, RelayPath.PULL),  # short: read whole
+        (Pushed(status=503), Waiting(), True, RelayPath.PULL),  # an engine error: read whole
+        (Pushed(status=500), Pushing(), True, RelayPath.PULL),
+    ],
+)
+def test_each_answer_goes_one_relay_path_decided_once(
+    answer: Pulled, writer: Buffering, streamed: bool, path: RelayPath
+) -> None:
+    decided = relay_path(answer, writer, streamed=streamed, max_buffered_bytes=1 << 20)  # type: ignore[arg-type]
+    assert decided is path

@@ -21,7 +21,7 @@ from typing import Any
 
 from berth.engine_http.answer import EngineAnswer, TimedAnswer, can_time
 from berth.gateway.engine_client import EngineRequest
-from berth.gateway.relay import Exchange
+from berth.gateway.outcome import Exchange
 from berth.gateway.request import PublicRequest
 from berth.routing.errors import FirstByteTimeoutError, ProxyError
 from berth.routing.resolver import Upstream

@@ -32,15 +32,14 @@ from collections.abc import Callable
 
 from berth.admission import Admission, QueueRefusedError, SlotGate, SocketCaller, Ticket
 from berth.deployments.adapters import AdapterManager
-from berth.engine_http.answer import EngineAnswer
 from berth.errors import BerthError
 from berth.gateway.attempt import Attempts, EngineOpener, StreamLimits
 from berth.gateway.dispatch import first_answer
 from berth.gateway.exchange import ClientRequest, ClientWriter
-from berth.gateway.read_ahead import ReadAhead
+from berth.gateway.outcome import Exchange
 from berth.gateway.record import Flight, Records, target_of
 from berth.gateway.refusals import Refusals, reason, refusal_headers
-from berth.gateway.relay import AnswerRelay, Exchange
+from berth.gateway.relay import AnswerRelay
 from berth.gateway.request import PublicRequest, parse_request, read_body
 from berth.gateway.stages import Routing, admit, ask_usage, take_slot
 from berth.observability.metrics import ProxyMetrics
@@ -60,9 +59,7 @@ class Completions:
 
     ``router`` and ``routing`` plan; ``admission`` and ``slots``, when given, admit and
     hold; ``open_engine`` sends each attempt (within ``stream_limits`` for a stream, at most
-    ``max_attempts``); ``answers`` relays (through a read-ahead buffer of
-    ``relay_buffer_chunks`` for a writer that waits on each write, for an answer over
-    ``max_buffered_response_bytes`` or streamed); ``records`` and ``refusals`` count and
+    ``max_attempts``); ``answers`` relays; ``records`` and ``refusals`` count and
     answer; ``adapters`` names the adapters; ``clock`` times it all (seconds).
     """
 
@@ -80,8 +77,6 @@ class Completions:
         stream_limits: StreamLimits,
         max_attempts: int,
         max_body_bytes: int,
-        relay_buffer_chunks: int,
-        max_buffered_response_bytes: int,
         admission: Admission | None = None,
         slots: SlotGate | None = None,
         adapters: AdapterManager | None = None,
@@ -97,8 +92,6 @@ class Completions:
         self._stream_limits = stream_limits
         self._max_attempts = max_attempts
         self._max_body_bytes = max_body_bytes
-        self._relay_buffer_chunks = relay_buffer_chunks
-        self._max_buffered_response_bytes = max_buffered_response_bytes
         self._admission = admission
         self._slots = slots
         self._adapters = adapters
@@ -261,49 +254,8 @@ class Completions:
                 flight.held = gate.move(flight.held, chosen)
         flight.upstream = chosen
         self.router.succeeded(request.affinity_key, chosen)
-        await self._relay(chosen, response, request.request_id, writer, exchange)
+        await self._answers.relay(chosen, response, request.request_id, writer, exchange)
 
     def _is_adapter(self, model: str) -> bool:
         adapters = self._adapters
         return adapters is not None and adapters.entry(model) is not None
-
-    async def _relay(
-        self,
-        upstream: Upstream,
-        response: EngineAnswer,
-        request_id: bytes,
-        writer: ClientWriter,
-        exchange: Exchange,
-    ) -> None:
-        try:
-            content_type = response.header(b"content-type") or b"application/json"
-            encoding = response.header(b"content-encoding")
-            length = response.content_length
-            streamed = content_type.startswith(b"text/event-stream")
-            if (
-                not writer.buffers_writes
-                and response.status < 400
-                and (streamed or length is None or length > self._max_buffered_response_bytes)
-            ):
-                # Relayed piece by piece to a writer that waits on every piece: a bounded
-                # buffer lets the engine run a little ahead of the client, and stops reading
-                # it when the client stalls. (berth's own server needs none: its writes wait
-                # only while the client's transport buffer is full, which is the same bound.)
-                response = ReadAhead(response, self._relay_buffer_chunks)
-            if response.status >= 400:
-                await self._answers.relay_engine_error(
-                    response, content_type, request_id, writer, exchange
-                )
-            elif streamed:
-                await self._answers.relay_stream(
-                    response, content_type, encoding, request_id, writer, exchange
-                )
-            else:
-                await self._answers.relay_body(
-                    response, upstream, content_type, encoding, request_id, writer, exchange
-                )
-        finally:
-            # An answer read to its end has already put its connection back in the pool; one
-            # that was not (the client left, the engine failed) closes it, which is what tells
-            # the engine to stop generating.
-            response.close()

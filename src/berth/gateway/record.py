@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 
 from berth.admission import Admission, Ticket
 from berth.admission import estimate as estimate_tokens
-from berth.gateway.relay import Exchange
+from berth.gateway.outcome import Exchange
 from berth.gateway.request import PublicRequest
 from berth.observability.metrics import ProxyMetrics, Target
 from berth.observability.request_log import RequestLog
