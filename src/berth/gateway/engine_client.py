@@ -11,8 +11,7 @@ may try another node.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 from berth.engine_http.answer import EngineAnswer
 from berth.engine_http.errors import UpstreamConnectError, UpstreamError, UpstreamTimeoutError
@@ -33,8 +32,7 @@ _MAX_CACHED_TARGETS = 4096
 _POST = b"POST"
 
 
-@dataclass(frozen=True, slots=True)
-class EngineRequest:
+class EngineRequest(NamedTuple):
     """What one attempt sends an engine (always a ``POST``): ``path`` the API path as the
     engine serves it (``/v1/chat/completions``; joined to a deployment's base URL here),
     ``query`` the raw query string (no ``?``), ``headers`` those the engine may see

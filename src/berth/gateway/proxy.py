@@ -196,7 +196,6 @@ class OpenAIProxy:
             max_connections=max_connections,
             engine_auth=engine_auth,
         )
-        # an adapter request has its adapter loaded into the engine first (the gate)
         self.router = router = router or Router(resolver)
         self._created = int(time.time())
         self._clock = clock
@@ -204,6 +203,7 @@ class OpenAIProxy:
         self._completions = Completions(
             router=router,
             routing=Routing(router, on_demand),
+            # an adapter request has its adapter loaded into the engine first (the gate)
             open_engine=engines.open if adapters is None else adapters.gated(engines.open),
             answers=AnswerRelay(
                 read_timeout_s=read_timeout_s,

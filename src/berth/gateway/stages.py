@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
-from dataclasses import replace
 
 from berth.admission import MUST_WAIT, SOCKET_KEY_ID, Admission, SlotGate, Ticket
 from berth.gateway.exchange import ClientRequest
@@ -50,7 +49,7 @@ def ask_usage(request: PublicRequest) -> PublicRequest:
     if asked is None:
         return request
     body, raw = asked
-    return replace(request, body=body, raw=raw, strip_usage=True)
+    return request._replace(body=body, raw=raw, strip_usage=True)
 
 
 class Routing:
@@ -87,7 +86,7 @@ class Routing:
         if request.dialect:  # only the engines that serve the path, in the router's order
             plan = serving(plan, request.path)
         if key is not None:
-            request = replace(request, affinity_key=key)
+            request = request._replace(affinity_key=key)
         return request, plan
 
     async def _hold(
