@@ -423,6 +423,15 @@ async def test_an_attempt_sends_the_engine_request_and_records_how_it_ended() ->
     assert attempts.engine_request(b) == sent_b
 
 
+def test_a_translated_request_is_sent_to_the_path_it_was_translated_to() -> None:
+    request = public({"model": "m", "max_tokens": 8}, path="/v1/messages", dialect="messages")
+    chat = {"model": "m", "messages": [], "max_tokens": 8}
+    translated = request._replace(body=chat, raw=json.dumps(chat).encode(), engine_path=CHAT)
+    sent = Attempts(translated, Opener(), LIMITS, Exchange(0.0)).engine_request(upstream("a"))
+    assert (sent.path, sent.body) == (CHAT, translated.raw)
+    assert translated.path == "/v1/messages"  # the client's, for the shape of its answers
+
+
 async def test_a_stream_whose_first_byte_does_not_come_is_closed_and_moves_on() -> None:
     request = public({"model": "m", "stream": True})
     limits = StreamLimits(first_byte_timeout_s=0.05, stream_idle_timeout_s=None)

@@ -106,12 +106,12 @@ class Attempts:
         self.outcomes: list[tuple[Upstream, str]] = []
 
     def engine_request(self, upstream: Upstream) -> EngineRequest:
-        """What ``upstream``'s engine is sent: the path the client asked for, its query and
-        forwarded headers, and the body that engine must see."""
+        """What ``upstream``'s engine is sent: the path the client asked for (or the one a
+        rewriter translated it to, ``engine_path``), its query and forwarded headers, and
+        the body that engine must see."""
         request = self._request
-        return EngineRequest(
-            request.path, request.query, request.forward, self._bodies.get(upstream)
-        )
+        path = request.engine_path or request.path
+        return EngineRequest(path, request.query, request.forward, self._bodies.get(upstream))
 
     async def __call__(self, upstream: Upstream) -> EngineAnswer:
         sent = self.engine_request(upstream)

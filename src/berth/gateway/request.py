@@ -62,7 +62,10 @@ class PublicRequest(NamedTuple):
     Set by later stages: ``strip_usage`` (the usage rewriter asked the engine for a stream's
     usage on the client's behalf, so the relay takes that event out) and ``affinity_key``
     (the routing stage's session key: a session header's, or the API key's; ``None`` when
-    the model had one candidate, or before routing).
+    the model had one candidate, or before routing). ``engine_path`` is the path the
+    engines are asked at when it is not ``path`` (a rewriter that translates the request to
+    another API sets it with the body; ``None``: ``path``); ``path`` stays the client's, for
+    the shape of its answers.
     """
 
     path: str
@@ -81,6 +84,7 @@ class PublicRequest(NamedTuple):
     adapter: str | None = None
     strip_usage: bool = False
     affinity_key: str | None = None
+    engine_path: str | None = None
 
 
 async def read_body(
