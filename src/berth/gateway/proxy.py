@@ -18,7 +18,8 @@ decided), each testable alone (``tests/test_request_stages.py``)::
        must see: EngineBodies, the model-name and LoRA rewriter, written from the parsed
        body), opened over the engine client (pooled HTTP/1.1, or an agent's tunnel), a
        stream within its first-byte timeout                        berth.gateway.attempt
-    -> relay the answer: JSON whole, event streams event by event  berth.gateway.relay
+    -> AnswerRelay.relay, on the path relay_path chose once (push, pull, read-ahead): JSON
+       whole, event streams event by event                          berth.gateway.relay
     -> Records.finished: ProxyMetrics, the request log, admission.settle (the ledger)
                                                                     berth.gateway.record
 
@@ -31,9 +32,10 @@ Where the next features hook in: a router that hashes prompt prefixes reads the 
 ``Completions.serve`` and ``Completions._dispatch`` (admission, routing, the slot), each
 attempt (:class:`~berth.gateway.attempt.Attempts`, which knows the upstream and the target
 path), the first byte (``exchange.ttfb_s``) and the stream (the relay); a dialect
-translator rewrites the engine request per upstream
-(:meth:`~berth.gateway.attempt.Attempts.engine_request`: its path and body for that engine)
-and the answer in the relay.
+translator rewrites the request after routing (its body and raw bytes, and
+``engine_path``, the path the engines are asked at) or per upstream
+(:meth:`~berth.gateway.attempt.Attempts.engine_request`), and the answer in the attempt or
+the relay.
 
 There is no framework routing here: this module is called only after authentication, for the
 paths it serves (``POST /v1/chat/completions``, ``/v1/completions``, ``/v1/embeddings``,
