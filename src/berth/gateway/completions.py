@@ -35,7 +35,7 @@ from berth.deployments.adapters import AdapterManager
 from berth.errors import BerthError
 from berth.gateway.attempt import Attempts, EngineOpener, StreamLimits
 from berth.gateway.dispatch import first_answer
-from berth.gateway.exchange import ClientRequest, ClientWriter
+from berth.gateway.exchange import ClientHead, ClientRequest, ClientWriter
 from berth.gateway.outcome import Exchange
 from berth.gateway.record import Flight, Records, target_of
 from berth.gateway.refusals import Refusals, reason, refusal_headers
@@ -100,9 +100,7 @@ class Completions:
     async def serve(
         self,
         client: ClientRequest,
-        request_id: bytes,
-        forward: list[tuple[bytes, bytes]],
-        content_length: bytes | None,
+        head: ClientHead,
         writer: ClientWriter,
         api_key: ApiKeyRecord | SocketCaller | None,
         key_name: str = "",
@@ -110,15 +108,15 @@ class Completions:
     ) -> None:
         """Serve one completion request of ``api_key`` (named ``key_name`` in the request
         log) for ``client.path``, whose API is ``dialect`` (see
-        :data:`~berth.gateway.request.DIALECTS`); ``request_id``, ``forward`` and
-        ``content_length`` are :func:`~berth.gateway.exchange.scan_headers`'s. Stage by
+        :data:`~berth.gateway.request.DIALECTS`) and whose headers said ``head``. Stage by
         stage: read and parse, admit, ask for usage, route; then :meth:`_forward`."""
+        request_id = head.request_id
         start = self._clock()
         started_at = self.request_log.now()
         request: PublicRequest | None = None
         ticket: Ticket | None = None
         try:
-            raw = await read_body(client, content_length, self._max_body_bytes)
+            raw = await read_body(client, head.content_length, self._max_body_bytes)
             if raw is None:  # the client left while sending it
                 self._refusals.count("", 499, start, "client_disconnected")
                 return
@@ -129,7 +127,7 @@ class Completions:
                 query=client.query,
                 request_id=request_id,
                 headers=client.headers,
-                forward=forward,
+                forward=head.forward,
                 key=api_key,
                 key_name=key_name,
                 is_adapter=self._is_adapter,

@@ -14,7 +14,7 @@ import json
 import os
 import re
 from collections.abc import Awaitable, Callable, MutableMapping, Sequence
-from typing import Any, Protocol, TypeGuard, runtime_checkable
+from typing import Any, NamedTuple, Protocol, TypeGuard, runtime_checkable
 
 from berth.conforms import conforms
 from berth.routing.errors import InvalidRequestError
@@ -102,10 +102,18 @@ _FORWARDED_HEADERS = frozenset(
 _VALID_REQUEST_ID = re.compile(rb"[0-9A-Za-z._:/+=-]{1,128}")
 
 
-def scan_headers(
-    raw: Sequence[tuple[bytes, bytes]],
-) -> tuple[bytes, list[tuple[bytes, bytes]], bytes | None]:
-    """``(request id, headers for the engine, Content-Length)`` from the ASGI headers."""
+class ClientHead(NamedTuple):
+    """What the proxy reads off a request's headers (:func:`scan_headers`): its id (the
+    client's ``X-Request-Id`` when valid, else 32 random hex digits), the headers an engine
+    may see, and its ``Content-Length`` (``None``: not sent)."""
+
+    request_id: bytes
+    forward: list[tuple[bytes, bytes]]
+    content_length: bytes | None
+
+
+def scan_headers(raw: Sequence[tuple[bytes, bytes]]) -> ClientHead:
+    """The request's :class:`ClientHead` from its (lower-case) headers."""
     request_id: bytes | None = None
     content_length: bytes | None = None
     forward: list[tuple[bytes, bytes]] = []
@@ -125,7 +133,7 @@ def scan_headers(
     forward.append((b"accept-encoding", b"identity"))
     if not content_type:
         forward.append((b"content-type", b"application/json"))
-    return request_id, forward, content_length
+    return ClientHead(request_id, forward, content_length)
 
 
 def payload_of(body: bytes) -> dict[str, Any]:

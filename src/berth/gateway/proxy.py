@@ -275,20 +275,12 @@ class OpenAIProxy:
         ``key_name`` names that key for :attr:`request_log`."""
         path = request.path
         method = request.method
-        request_id, forward, content_length = scan_headers(request.headers)
+        head = scan_headers(request.headers)
+        request_id = head.request_id
         dialect = DIALECTS.get(path)
         if dialect is not None:
             if method == "POST":
-                await self._completions.serve(
-                    request,
-                    request_id,
-                    forward,
-                    content_length,
-                    writer,
-                    api_key,
-                    key_name,
-                    dialect,
-                )
+                await self._completions.serve(request, head, writer, api_key, key_name, dialect)
                 return
             allowed = "POST"
         elif path == _MODELS_PATH or path.startswith(_MODEL_PREFIX):
