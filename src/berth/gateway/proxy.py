@@ -60,11 +60,12 @@ from collections.abc import Callable
 
 from berth.admission import Admission, SlotGate, SocketCaller
 from berth.deployments.adapters import AdapterManager
+from berth.engine_http.answer import HttpOpener
 from berth.errors import NotFoundError
 from berth.gateway.asgi import AsgiClientRequest, AsgiClientWriter
 from berth.gateway.attempt import StreamLimits
 from berth.gateway.completions import Completions
-from berth.gateway.engine_client import EngineAuth, EngineClient, TunnelOpener
+from berth.gateway.engine_client import EngineAuth, EngineClient
 from berth.gateway.exchange import (
     ClientRequest,
     ClientWriter,
@@ -176,7 +177,7 @@ class OpenAIProxy:
         max_buffered_response_bytes: int = 1 * MiB,
         max_event_bytes: int = 1 * MiB,
         clock: Callable[[], float] = time.perf_counter,
-        tunnels: TunnelOpener | None = None,
+        tunnels: HttpOpener | None = None,
         router: Router | None = None,
         max_attempts: int = DEFAULT_MAX_ATTEMPTS,
         relay_buffer_chunks: int = DEFAULT_BUFFER_CHUNKS,
