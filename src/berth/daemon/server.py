@@ -68,6 +68,7 @@ from berth.observability.adapters import AdapterMetrics
 from berth.observability.cluster import ClusterMetrics
 from berth.observability.loop_lag import LoopLagMonitor
 from berth.observability.metrics import ProxyMetrics
+from berth.observability.tracing_setup import open_tracing
 from berth.observability.window import RequestMeter
 from berth.paths import BerthHome
 from berth.routing.router import Router
@@ -277,6 +278,10 @@ async def serve(home: BerthHome, settings: Settings) -> None:
     # Fair admission: requests beyond their deployments' slots wait here, fair across keys.
     slots = SlotGate(max_waiting=settings.queue_max_requests, timeout_s=settings.queue_timeout_s)
     metrics.registry.register(QueueCollector(slots))
+    # OpenTelemetry traces of /v1 requests, when [tracing] or OTEL_* name a collector.
+    tracing = open_tracing(
+        settings, os.environ, service_name="berth-leader", registry=metrics.registry
+    )
     core = None if settings.leader_only else build_local_core(home, settings)
     links = LinkRegistry([] if core is None else [InProcessLink(core)])
     audit = AuditLog(home.audit_log)
@@ -404,6 +409,7 @@ async def serve(home: BerthHome, settings: Settings) -> None:
         admission=admission,
         slots=slots,
         adapters=adapters,
+        tracer=tracing.requests() if tracing is not None else None,
     )
     enrollment = EnrollmentService(
         store=store,
@@ -538,6 +544,8 @@ async def serve(home: BerthHome, settings: Settings) -> None:
         await cluster_listener.stop()
         await lifecycle.shutdown()
         await proxy.shutdown()
+        if tracing is not None:  # the spans still held are sent (the exporter's timeout)
+            await asyncio.to_thread(tracing.shutdown)
         ledger.stop()  # every answer has been settled: write the rest of the usage
         await flusher
         if core is not None:

@@ -33,6 +33,7 @@ import json
 import logging
 import time
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 from berth.admission import (
     MUST_WAIT,
@@ -93,6 +94,9 @@ from berth.routing.retry import DEFAULT_MAX_ATTEMPTS
 from berth.routing.router import Router
 from berth.scaling.on_demand import OnDemandStage
 from berth.store.records import ApiKeyRecord
+
+if TYPE_CHECKING:  # imported only where tracing is on (berth.daemon.server builds it)
+    from berth.observability.tracing import RequestTracer
 
 __all__ = ["OpenAIProxy"]
 
@@ -242,6 +246,7 @@ class OpenAIProxy:
         admission: Admission | None = None,
         slots: SlotGate | None = None,
         adapters: AdapterManager | None = None,
+        tracer: RequestTracer | None = None,
     ) -> None:
         self._resolver = resolver
         self._on_demand = on_demand
@@ -250,6 +255,7 @@ class OpenAIProxy:
         #: The recent requests (the console's requests view, ``GET /admin/requests``).
         self.request_log = request_log if request_log is not None else RequestLog()
         self._adapters = adapters
+        self._tracer = tracer
         self._engines = engines = EngineClient(
             tunnels=tunnels,
             connect_timeout_s=connect_timeout_s,
@@ -408,9 +414,15 @@ class OpenAIProxy:
         ticket: Ticket | None = None
         strip_usage = False
         path = request.path
+        # tracing off: None, and every hook below is one "is not None" test
+        trace = None
+        if self._tracer is not None:
+            trace = self._tracer.begin(request.method, path, request.headers, request_id)
         try:
             body = await self._read_body(request, content_length)
             if body is None:
+                if trace is not None:
+                    trace.finish(0, error_reason="client_disconnected")
                 self._metrics.request_rejected(
                     model="",
                     status=499,
@@ -422,9 +434,13 @@ class OpenAIProxy:
             payload = payload_of(body)
             model = model_in(payload)
             streamed = payload.get("stream") is True
+            if trace is not None:
+                trace.request(model, streamed)
             if admission is not None:
                 # Limits first: a request its key may not make never reaches the router.
                 ticket = admission.admit(api_key, model, request_bytes)
+                if trace is not None:
+                    trace.admitted(ticket.priority)
                 asked = asking_for_usage(path, body, payload)
                 if asked is not None:
                     body, strip_usage = asked, True
@@ -433,8 +449,13 @@ class OpenAIProxy:
             except NoReadyDeploymentError:
                 if self._on_demand is None:
                     raise
+                load_wait = trace.waiting("berth.load_wait") if trace is not None else None
                 loaded = await self._hold(self._on_demand, model, request)
+                if load_wait is not None:
+                    load_wait.end()
                 if loaded is None:  # the client left while its service loaded
+                    if trace is not None:
+                        trace.finish(0, error_reason="client_disconnected")
                     self._settle_unsent(ticket)
                     self._metrics.request_rejected(
                         model=model,
@@ -449,10 +470,15 @@ class OpenAIProxy:
                 plan, key = loaded
             if dialect:  # only the engines that serve the path, in the router's order
                 plan = serving(plan, path)
+            if trace is not None and plan:
+                why = self.router.why_first(plan, key)
+                trace.routed([u.deployment_id for u in plan], why)
         except BerthError as exc:
             extra = _refusal_headers(exc, ticket)
             self._settle_unsent(ticket)
             status = await self._reject(writer, request_id, exc, start, extra=extra, path=path)
+            if trace is not None:
+                trace.finish(status, error_reason=_reason(exc))
             self._log_unsent(started_at, start, request_id, key_name, model, status, _reason(exc))
             return
 
@@ -482,17 +508,25 @@ class OpenAIProxy:
         open_answer = self._open_stream if streamed else self._open
 
         async def attempt(target: Upstream) -> EngineAnswer:
+            traced = None if trace is None else trace.attempt(target.node_id, target.deployment_id)
+            headers = forward if traced is None else traced.headers(forward)  # its traceparent
             try:
-                answer = await open_answer(target, path, query, forward, bodies.get(target))
+                answer = await open_answer(target, path, query, headers, bodies.get(target))
             except ProxyError as exc:
                 outcomes.append((target, exc.error_code))
+                if traced is not None:
+                    traced.failed(exc.error_code)
                 raise
             except asyncio.CancelledError:
                 # Its engine given up (the request may go on elsewhere), or the client left.
                 outcomes.append((target, "client_disconnected" if exchange.client_gone
                                  else "given_up"))  # fmt: skip
+                if traced is not None:
+                    traced.failed(outcomes[-1][1])
                 raise
             outcomes.append((target, f"status {answer.status}"))
+            if traced is not None:
+                traced.answered(answer.status)
             return answer
 
         try:
@@ -503,7 +537,10 @@ class OpenAIProxy:
                 if taken is MUST_WAIT:
                     key_id = ticket.key_id if ticket is not None else SOCKET_KEY_ID
                     priority = ticket.priority if ticket is not None else 0
+                    queue_wait = trace.waiting("berth.queue_wait") if trace is not None else None
                     taken = await gate.wait(key_id, priority, model, plan)
+                    if queue_wait is not None:
+                        queue_wait.end()
                 held = taken
                 reached = True
                 if held is not None and held != upstream.deployment_id:
@@ -532,6 +569,8 @@ class OpenAIProxy:
                     held = gate.move(held, chosen)
             upstream = chosen
             self.router.succeeded(key, upstream)
+            if trace is not None:
+                trace.relaying(streamed)
             await self._relay(upstream, response, request_id, writer, exchange)
         except asyncio.CancelledError:
             # Ours if the client left (the engine request is closed by now); anyone else's
@@ -585,6 +624,19 @@ class OpenAIProxy:
             if ticket is not None and admission is not None:
                 node_id = upstream.node_id if reached else None  # None: queued, never sent
                 _settle(admission, ticket, exchange, node_id, request_bytes)
+            if trace is not None:
+                trace.finish(
+                    exchange.status,
+                    node_id=upstream.node_id if dispatched else None,
+                    deployment_id=upstream.deployment_id if dispatched else None,
+                    ttfb_s=exchange.ttfb_s,
+                    error_reason=exchange.error_reason,
+                    input_tokens=usage.prompt_tokens if usage else None,
+                    output_tokens=usage.completion_tokens if usage else None,
+                    cached_tokens=usage.cached_tokens if usage else None,
+                    events=exchange.events,
+                    answer_bytes=exchange.answer_bytes,
+                )
 
     async def _open_stream(
         self,

@@ -81,6 +81,8 @@ _OPERATIONS: Final = {
 _TRACE_HEADERS: Final = (b"traceparent", b"tracestate")
 _PROPAGATOR: Final = TraceContextTextMapPropagator()
 _NS: Final = 1_000_000_000
+#: How much of a request's ``model`` a span keeps (a client may send anything).
+_MAX_MODEL_CHARS: Final = 200
 
 
 def _carrier(headers: Headers) -> dict[str, str]:
@@ -205,7 +207,7 @@ class RequestTrace:
 
     def request(self, model: str, streamed: bool) -> None:
         """The request's body was read: it asks for ``model``, streamed or not."""
-        self._span.set_attribute("gen_ai.request.model", model)
+        self._span.set_attribute("gen_ai.request.model", model[:_MAX_MODEL_CHARS])
         self._span.set_attribute("berth.streamed", streamed)
 
     def admitted(self, priority: int) -> None:
@@ -222,9 +224,11 @@ class RequestTrace:
 
     def routed(self, deployments: Sequence[str], reason: str) -> None:
         """The router's plan: ``deployments`` best first, and why the first leads."""
-        self._span.add_event(
-            "berth.route", {"berth.route.candidates": list(deployments), "berth.route.reason": reason}
-        )
+        attributes: dict[str, AttributeValue] = {
+            "berth.route.candidates": list(deployments),
+            "berth.route.reason": reason,
+        }
+        self._span.add_event("berth.route", attributes)
 
     def attempt(self, node_id: str, deployment_id: str) -> AttemptTrace:
         """An attempt at ``deployment_id`` on ``node_id`` begins now."""
@@ -283,10 +287,15 @@ class RequestTrace:
         if ttfb_s is not None:
             at_ns = self._start_ns + int(ttfb_s * _NS)
             span.add_event("berth.first_byte", {"berth.ttfb_s": ttfb_s}, timestamp=at_ns)
-        failed = status >= 500 or (error_reason is not None and status < 400)
+        # a server error, or an answer that broke off after it began (a client that left,
+        # status 0, is not the server's failure)
+        failed = status >= 500 or (error_reason is not None and 0 < status < 400)
         stream = self._stream
         if stream is not None:
-            stream.set_attributes({"berth.answer_bytes": answer_bytes, "berth.events": events})
+            if events:  # an event stream's are counted, a body's bytes
+                stream.set_attribute("berth.events", events)
+            if answer_bytes:
+                stream.set_attribute("berth.answer_bytes", answer_bytes)
             if error_reason is not None:
                 stream.set_attribute("error.type", error_reason)
                 if failed:
