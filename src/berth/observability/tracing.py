@@ -189,11 +189,23 @@ class RequestTrace:
     :meth:`routed`, :meth:`attempt` per attempt, :meth:`relaying` (its answer's first byte is
     in) and :meth:`finish` once, whatever happened. Every call is cheap and none blocks."""
 
-    __slots__ = ("_attempts", "_context", "_span", "_start_ns", "_stream", "_tracer", "_waits")
+    __slots__ = (
+        "_attempts",
+        "_context",
+        "_recording",
+        "_span",
+        "_start_ns",
+        "_stream",
+        "_tracer",
+        "_waits",
+    )
 
     def __init__(self, tracer: Tracer, span: Span, start_ns: int) -> None:
         self._tracer = tracer
         self._span = span
+        # Not sampled: no child spans are made (they would record nothing either); the
+        # engine is handed the request's own span as parent, its sampled flag off.
+        self._recording = span.is_recording()
         self._context = set_span_in_context(span)
         self._start_ns = start_ns
         self._attempts: list[AttemptTrace] = []
@@ -217,6 +229,8 @@ class RequestTrace:
     def waiting(self, name: str) -> WaitTrace:
         """A wait begins now (``berth.queue_wait``: for a slot in the fair admission queue;
         ``berth.load_wait``: for its service to load); :meth:`WaitTrace.end` it."""
+        if not self._recording:
+            return WaitTrace(self._span)  # its calls do nothing to a span that records nothing
         span = self._tracer.start_span(name, context=self._context, kind=SpanKind.INTERNAL)
         wait = WaitTrace(span)
         self._waits.append(wait)
@@ -232,6 +246,8 @@ class RequestTrace:
 
     def attempt(self, node_id: str, deployment_id: str) -> AttemptTrace:
         """An attempt at ``deployment_id`` on ``node_id`` begins now."""
+        if not self._recording:
+            return AttemptTrace(self._span)  # as for a wait; the request's own traceparent
         number = len(self._attempts) + 1
         attributes: dict[str, AttributeValue] = {
             "berth.attempt": number,
@@ -247,6 +263,8 @@ class RequestTrace:
 
     def relaying(self, streamed: bool) -> None:
         """The answer's first byte is in: its relay to the client begins."""
+        if not self._recording:
+            return
         name = "berth.stream" if streamed else "berth.answer"
         self._stream = self._tracer.start_span(name, context=self._context)
 
@@ -268,6 +286,9 @@ class RequestTrace:
         metrics) by ``deployment_id`` on ``node_id`` (``None``: no engine served it):
         every span of it still open ends now."""
         span = self._span
+        if not self._recording:
+            span.end()
+            return
         attributes: dict[str, AttributeValue] = {
             "http.response.status_code": status or 499,
             "berth.attempts": len(self._attempts),
