@@ -265,3 +265,33 @@ async def test_a_request_without_a_traceparent_starts_a_trace_and_hands_it_to_th
     _version, trace_id, parent_id, _flags = engine_headers["traceparent"].split("-")
     assert (trace_id, parent_id) == (server.span.trace_id.hex(), attempt.span.span_id.hex())
     assert otlp_receiver.named("berth.answer")  # a whole answer, not a stream
+
+
+async def test_a_caller_s_unsampled_trace_is_followed_and_nothing_is_recorded(
+    otlp_receiver: OtlpReceiver,
+) -> None:
+    leader_tracing = _tracing(otlp_receiver, "berth-leader")
+    agent_tracing = _tracing(otlp_receiver, "berth-agent")
+    try:
+        async with linked_in_memory(tracer=agent_tracing.relays("n-1")) as linked:
+            tunneled = Upstream(tunnel_url("n-1", DEPLOYMENT), DEPLOYMENT, "n-1", MODEL)
+            resolver = Ranked([tunneled])
+            options = {"tunnels": OneLink(linked), "tracer": leader_tracing.requests()}
+            unsampled = {"traceparent": f"00-{CALLER_TRACE}-{CALLER_SPAN}-00"}
+            async with (
+                running_proxy(resolver, ProxyMetrics(), **options) as url,
+                httpx.AsyncClient(base_url=url, timeout=EVENT_TIMEOUT_S) as client,
+            ):
+                plain = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+                response = await client.post("/v1/chat/completions", json=plain, headers=unsampled)
+            assert response.status_code == 200
+            engine_headers = linked.engine.requests[-1].headers
+        await _flush(leader_tracing, agent_tracing)
+    finally:
+        leader_tracing.shutdown()
+        agent_tracing.shutdown()
+    assert otlp_receiver.spans == []
+    # The engine still gets the trace, not sampled: it records nothing either.
+    _version, trace_id, parent_id, flags = engine_headers["traceparent"].split("-")
+    assert (trace_id, flags) == (CALLER_TRACE, "00")
+    assert parent_id != CALLER_SPAN  # the agent's (unrecorded) span, not the caller's
