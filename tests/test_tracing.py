@@ -24,6 +24,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
 from opentelemetry.proto.trace.v1.trace_pb2 import Span, Status
 
+from berth.admission import SlotGate
 from berth.cluster.remote_link import tunnel_url
 from berth.errors import NotFoundError
 from berth.observability.metrics import ProxyMetrics
@@ -33,7 +34,7 @@ from berth.routing.resolver import Upstream
 from berth.routing.router import Router
 from support.link_pair import DEPLOYMENT, OneLink, linked_in_memory
 from support.proxy_fixtures import running_proxy
-from support.standin_engine import chat_chunks, sse_reply
+from support.standin_engine import Reply, Stall, StandinEngine, chat_chunks, json_reply, sse_reply
 from support.waiting import EVENT_TIMEOUT_S
 
 MODEL = "m"
@@ -295,3 +296,30 @@ async def test_a_caller_s_unsampled_trace_is_followed_and_nothing_is_recorded(
     _version, trace_id, parent_id, flags = engine_headers["traceparent"].split("-")
     assert (trace_id, flags) == (CALLER_TRACE, "00")
     assert parent_id != CALLER_SPAN  # the agent's (unrecorded) span, not the caller's
+
+
+async def test_a_request_that_waited_for_a_slot_shows_its_queue_wait(
+    otlp_receiver: OtlpReceiver,
+) -> None:
+    tracing = _tracing(otlp_receiver, "berth-leader")
+    slow = json_reply({"id": "x", "object": "chat.completion", "choices": []})
+    try:
+        async with StandinEngine(Reply((Stall(0.3), *slow.steps))) as engine:
+            one_slot = Upstream(engine.base_url, "d-one", "local", MODEL, slots=1)
+            options = {"slots": SlotGate(), "tracer": tracing.requests()}
+            async with (
+                running_proxy(Ranked([one_slot]), ProxyMetrics(), **options) as url,
+                httpx.AsyncClient(base_url=url, timeout=EVENT_TIMEOUT_S) as client,
+            ):
+                plain = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+                answers = await asyncio.gather(
+                    *(client.post("/v1/chat/completions", json=plain) for _ in range(2))
+                )
+            assert [a.status_code for a in answers] == [200, 200]
+        await _flush(tracing)
+    finally:
+        tracing.shutdown()
+    servers = otlp_receiver.named("POST /v1/chat/completions")
+    (wait,) = otlp_receiver.named("berth.queue_wait")  # the second waited for the first's slot
+    assert wait.span.parent_span_id in {server.span.span_id for server in servers}
+    assert wait.span.status.code != Status.STATUS_CODE_ERROR
