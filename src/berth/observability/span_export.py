@@ -11,8 +11,9 @@ drops one of its own. :class:`CountingExporter` sits behind it and counts the sp
 export takes (freeing room) and those an export failed to deliver.
 
 Threads: ``on_end`` runs on the thread that ends a span (the event loop's), ``export`` on
-the batch processor's worker. Each counter is written by one thread only, so none needs a
-lock; a reader (the scrape) sees each as it was at some instant.
+the batch processor's worker (or a thread that flushes it, serialised with the worker by the
+SDK's export lock). Each counter has one writer at a time, so none needs a lock of ours; a
+reader (the scrape) sees each as it was at some instant.
 """
 
 from __future__ import annotations
