@@ -12,8 +12,9 @@ an engine), the agent reads it and sends its own relay span's on to the engine.
 
 A leader's trace of a streamed chat request that was retried once::
 
-    POST /v1/chat/completions        SERVER  gen_ai.request.model, http.route, usage ...
-      events: berth.admitted, berth.route (candidates, reason), berth.first_byte
+    POST /v1/chat/completions        SERVER  gen_ai.request.model, http.route, the route's
+                                             candidates and reason, usage ...
+      event: berth.first_byte
       berth.queue_wait               INTERNAL  (only when it waited for a slot)
       berth.attempt                  CLIENT  berth.attempt=1, node, deployment, outcome (error)
       berth.attempt                  CLIENT  berth.attempt=2 ... outcome "status 200"
@@ -224,7 +225,7 @@ class RequestTrace:
 
     def admitted(self, priority: int) -> None:
         """Admission let it through at ``priority`` (its key's tier)."""
-        self._span.add_event("berth.admitted", {"berth.priority": priority})
+        self._span.set_attribute("berth.priority", priority)
 
     def waiting(self, name: str) -> WaitTrace:
         """A wait begins now (``berth.queue_wait``: for a slot in the fair admission queue;
@@ -237,12 +238,14 @@ class RequestTrace:
         return wait
 
     def routed(self, deployments: Sequence[str], reason: str) -> None:
-        """The router's plan: ``deployments`` best first, and why the first leads."""
+        """The router's plan: ``deployments`` best first, and why the first leads
+        (attributes of the request's span, not an event: a backend can search them, and
+        they cost less)."""
         attributes: dict[str, AttributeValue] = {
             "berth.route.candidates": list(deployments),
             "berth.route.reason": reason,
         }
-        self._span.add_event("berth.route", attributes)
+        self._span.set_attributes(attributes)
 
     def attempt(self, node_id: str, deployment_id: str) -> AttemptTrace:
         """An attempt at ``deployment_id`` on ``node_id`` begins now."""
