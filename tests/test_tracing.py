@@ -23,6 +23,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 )
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
 from opentelemetry.proto.trace.v1.trace_pb2 import Span, Status
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from berth.admission import SlotGate
 from berth.cluster.remote_link import tunnel_url
@@ -322,3 +323,35 @@ async def test_a_request_that_waited_for_a_slot_shows_its_queue_wait(
     (wait,) = otlp_receiver.named("berth.queue_wait")  # the second waited for the first's slot
     assert wait.span.parent_span_id in {server.span.span_id for server in servers}
     assert wait.span.status.code != Status.STATUS_CODE_ERROR
+
+
+@pytest.mark.parametrize(
+    ("status", "completed", "withdrawn", "outcome", "error"),
+    [
+        (200, True, False, "status 200", False),
+        (None, False, False, "engine_unreachable", True),
+        (200, False, False, "engine_disconnect", True),
+        (503, True, False, "status 503", True),
+        (None, True, True, "withdrawn", False),
+    ],
+    ids=["answered", "unreachable", "cut-off", "engine-5xx", "withdrawn"],
+)
+def test_the_agent_s_relay_span_says_how_the_relay_ended(
+    status: int | None, completed: bool, withdrawn: bool, outcome: str, error: bool
+) -> None:
+    memory = InMemorySpanExporter()
+    tracing = build_tracing(TracingConfig(endpoint="http://unused:4318/v1/traces"), exporter=memory)
+    try:
+        parent = [(b"traceparent", f"00-{CALLER_TRACE}-{CALLER_SPAN}-01".encode())]
+        relay = tracing.relays("n-1").begin(DEPLOYMENT, b"POST", b"/v1/chat/completions", parent)
+        relay.end(status, completed=completed, withdrawn=withdrawn)
+        assert tracing.force_flush()
+    finally:
+        tracing.shutdown()
+    (span,) = memory.get_finished_spans()
+    assert span.parent is not None and f"{span.parent.span_id:016x}" == CALLER_SPAN
+    assert span.attributes is not None and span.attributes["berth.relay.outcome"] == outcome
+    assert (span.status.status_code.name == "ERROR") is error
+    # the engine is sent the relay's own span as parent
+    (sent,) = [value for name, value in relay.headers if name == b"traceparent"]
+    assert sent.decode().split("-")[2] == f"{span.context.span_id:016x}"
