@@ -1,4 +1,4 @@
-"""The leadership loop (``berth.daemon.leadership``) of two leaders on one database, on
+"""The leadership loop (``berth.store.leadership``) of two leaders on one database, on
 SQLite and PostgreSQL: who is active, the fence it sets, a stalled active that comes back,
 a clean stop that hands over at once.  The store's clock and the loop's monotonic clock are
 the test's, moved by hand, and the loop's own task never fires (a long lease): each look at
@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from berth.daemon.leadership import Leadership
+from berth.store.leadership import Leadership
 from berth.store import Store
 from berth.store.errors import FencedError
 from berth.store.lease import LeaseState

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Final
 
 from berth.errors import StoreError
-from berth.store import Store
+from berth.store.store import Store
 from berth.store.lease import LeaseState, Role
 
 _log = logging.getLogger(__name__)
