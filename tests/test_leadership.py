@@ -10,9 +10,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from berth.store.leadership import Leadership
 from berth.store import Store
 from berth.store.errors import FencedError
+from berth.store.leadership import Leadership
 from berth.store.lease import LeaseState
 from support.clocks import HeldClock
 

@@ -36,6 +36,7 @@ from berth.api import (
     DeploymentIn,
     ErrorBody,
     Health,
+    LeaderStatus,
     ListedDeployment,
     ListenerInfo,
     LocatedModel,
@@ -59,6 +60,7 @@ from berth.openai_errors import error_body, error_from_exception
 from berth.runtime.engines import parse_engine_name, parse_runtime_name
 from berth.runtime.gpu import parse_simulated_gpus
 from berth.store import DeploymentRecord, Store
+from berth.store.leadership import single_leader_view
 from berth.store.states import TERMINAL_STATES
 
 #: Every admin error is an OpenAI-shaped body (``ErrorBody``); FastAPI's own 422 answer is
@@ -195,12 +197,36 @@ def build_admin_app(services: LeaderGraph) -> FastAPI:
     async def healthz() -> Health:
         return Health()
 
-    @app.get("/readyz", responses={503: {"model": Readiness, "description": "still starting"}})
+    @app.get(
+        "/readyz",
+        responses={503: {"model": Readiness, "description": "still starting, or a standby"}},
+    )
     async def readyz(response: Response) -> Readiness:
+        leadership = services.leadership
+        if leadership is not None and not leadership.is_active:
+            response.status_code = 503
+            return Readiness(status="standby")
         if services.ready:
             return Readiness(status="ready")
         response.status_code = 503
         return Readiness(status="starting")
+
+    @app.get("/admin/leader")
+    async def leader() -> LeaderStatus:
+        leadership = services.leadership
+        public = next((x.url for x in services.listeners if x.name == "public"), "")
+        view = (
+            single_leader_view(f"pid:{services.pid}", public)
+            if leadership is None
+            else leadership.view()
+        )
+        return LeaderStatus(
+            role=view.role,
+            id=view.id,
+            epoch=view.epoch,
+            active_address=view.active_address,
+            ha=view.ha,
+        )
 
     @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics() -> Response:

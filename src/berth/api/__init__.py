@@ -28,6 +28,7 @@ from berth.api.keys import (
 from berth.api.leader import (
     DaemonInfo,
     Health,
+    LeaderStatus,
     ListenerInfo,
     Readiness,
     RuntimeInfo,
@@ -134,6 +135,7 @@ __all__ = [
     "KeyIn",
     "KeyLimitsOut",
     "KeyUseOut",
+    "LeaderStatus",
     "ListedDeployment",
     "ListenerInfo",
     "LocatedModel",

@@ -18,9 +18,22 @@ class Health(ApiModel):
 
 
 class Readiness(ApiModel):
-    """``GET /readyz``: ``ready`` (200) once the leader serves, ``starting`` (503) before."""
+    """``GET /readyz``: ``ready`` (200) once the leader serves, ``starting`` (503) before,
+    ``standby`` (503) on a leader that shares leadership and is not the active one."""
 
-    status: Literal["ready", "starting"]
+    status: Literal["ready", "starting", "standby"]
+
+
+class LeaderStatus(ApiModel):
+    """``GET /admin/leader``: this leader's ``role`` and ``id``, the lease's ``epoch`` (0
+    without ``leader_ha``), the URL of the active leader (``None`` while no lease is live)
+    and whether leadership is shared (``ha``: the ``leader_ha`` setting)."""
+
+    role: Literal["active", "standby"]
+    id: str
+    epoch: int
+    active_address: str | None
+    ha: bool
 
 
 class ListenerInfo(ApiModel):

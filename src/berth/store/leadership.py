@@ -31,8 +31,9 @@ from dataclasses import dataclass
 from typing import Final
 
 from berth.errors import StoreError
-from berth.store.store import Store
+from berth.store.errors import StandbyError
 from berth.store.lease import LeaseState, Role
+from berth.store.store import Store
 
 _log = logging.getLogger(__name__)
 
@@ -95,6 +96,7 @@ class Leadership:
         self._held_since: float | None = None  # monotonic start of the last good renewal
         self._listeners: list[RoleListener] = []
         self._task: asyncio.Task[None] | None = None
+        self._active = asyncio.Event()
 
     @property
     def me(self) -> str:
@@ -121,6 +123,17 @@ class Leadership:
         return LeaderView(
             "active" if active else "standby", self._me, self._state.epoch, address, ha=True
         )
+
+    def refusal(self) -> StandbyError:
+        """What a standby answers on ``/v1``: 503 naming the active leader, to retry in a
+        renewal's time (a third of the lease) when there is one, else in a lease's."""
+        address = self.view().active_address
+        wait_s = self._lease_s / RENEWALS_PER_LEASE if address else self._lease_s
+        return StandbyError(address, retry_after_s=wait_s)
+
+    async def wait_active(self) -> None:
+        """Return once this leader holds the lease (at once when it does)."""
+        await self._active.wait()
 
     def subscribe(self, listener: RoleListener) -> None:
         """Call ``listener`` with the new state at every change of role."""
@@ -183,6 +196,10 @@ class Leadership:
         self._held_since = held_since
         if new.role == "active" and new.epoch != self._store.fence_epoch:
             self._store.fence(new.epoch)
+        if new.role == "active":
+            self._active.set()
+        else:
+            self._active.clear()
         if new.role != old.role:
             _log.info(
                 "leadership: %s (epoch %d%s)",
