@@ -33,6 +33,7 @@ from berth.errors import (
 from berth.store import migrations
 from berth.store.adapters import AdapterMethods, adapter_named, adapters_of
 from berth.store.api_keys import ApiKeyMethods
+from berth.store.changes import ChangeMethods
 from berth.store.db import WRITE_OPTIONS, create_store_engine
 from berth.store.lease import LeaseMethods
 from berth.store.nodes import NodeMethods, delete_model_locations
@@ -58,7 +59,15 @@ def _utc_now() -> datetime:
     return datetime.now(UTC)
 
 
-class Store(LeaseMethods, NodeMethods, ServiceMethods, AdapterMethods, ApiKeyMethods, UsageMethods):
+class Store(
+    LeaseMethods,
+    ChangeMethods,
+    NodeMethods,
+    ServiceMethods,
+    AdapterMethods,
+    ApiKeyMethods,
+    UsageMethods,
+):
     """The state database at ``url`` (the ``database_url`` setting).
 
     Nothing is touched until the first call; call :meth:`migrate` once at start-up before
@@ -66,8 +75,9 @@ class Store(LeaseMethods, NodeMethods, ServiceMethods, AdapterMethods, ApiKeyMet
     in :mod:`berth.store.nodes`; service profiles and routes in :mod:`berth.store.services`;
     LoRA adapters in :mod:`berth.store.adapters`; the usage ledger in :mod:`berth.store.usage`;
     the leadership lease and the fence on cluster-state writes (deployments here, services
-    and routes) in :mod:`berth.store.lease`.  ``clock`` returns aware datetimes; tests may
-    pass a fake one.
+    and routes) in :mod:`berth.store.lease`; change counters and feeds other leaders follow
+    in :mod:`berth.store.changes`.  ``clock`` returns aware datetimes; tests may pass a fake
+    one.
     """
 
     def __init__(self, url: str, *, clock: Callable[[], datetime] = _utc_now) -> None:
