@@ -15,8 +15,7 @@ from typing import TypeVar
 
 import msgspec
 
-from berth.cluster.connection import LinkConnection, RemoteOpError
-from berth.cluster.connection import ProgressListener as OpProgressListener
+from berth.cluster.connection import LinkConnection
 from berth.cluster.inventory import node_inventory
 from berth.cluster.link import (
     DEFAULT_PROBE_TIMEOUT_S,
@@ -26,6 +25,8 @@ from berth.cluster.link import (
     ProbeResult,
     SpawnListener,
 )
+from berth.cluster.link_calls import ProgressListener as OpProgressListener
+from berth.cluster.link_calls import RemoteOpError
 from berth.cluster.protocol.errors import LinkError
 from berth.cluster.protocol.frames import (
     ErrorCode,

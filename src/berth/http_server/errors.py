@@ -25,6 +25,14 @@ class HttpServerError(BerthError):
     error_code: str | None = None
 
 
+class MalformedRequestError(HttpServerError):
+    """What arrived is not an HTTP/1.1 request the parser accepts (400)."""
+
+    http_status = 400
+    error_type = "invalid_request_error"
+    error_code = "malformed_request"
+
+
 class HeadTooLargeError(HttpServerError):
     """The request line and headers are over ``max_head_bytes`` or ``max_header_count``
     (RFC 6585 section 5: 431 Request Header Fields Too Large)."""
