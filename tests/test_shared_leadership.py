@@ -69,16 +69,16 @@ async def test_the_standby_leads_once_the_active_stops(ha_graphs: tuple[Any, Any
     led: list[str] = []
     lost: list[str] = []
 
-    def parts(name: str) -> dict[str, Any]:
+    def leading(name: str) -> Any:
         async def start_leading() -> None:
             led.append(name)
 
-        return {"start_leading": start_leading, "on_lost": lambda: lost.append(name)}
+        return start_leading
 
-    a = SharedLeadership(graph_a, address="https://a:11500", **parts("a"))
-    b = SharedLeadership(graph_b, address="https://b:11500", **parts("b"))
-    await a.start()
-    await b.start()
+    a = SharedLeadership(graph_a, address="https://a:11500", on_lost=lambda: lost.append("a"))
+    b = SharedLeadership(graph_b, address="https://b:11500", on_lost=lambda: lost.append("b"))
+    await a.start(leading("a"))
+    await b.start(leading("b"))
     try:
         assert led == ["a"] and a.leading and not b.leading
         assert graph_b.leadership is b.leadership and not b.leadership.is_active
@@ -103,10 +103,8 @@ async def test_a_leader_that_loses_the_lease_asks_to_stop(ha_graphs: tuple[Any, 
     async def nothing() -> None:
         return None
 
-    a = SharedLeadership(
-        graph_a, address="https://a:11500", start_leading=nothing, on_lost=lambda: lost.append("a")
-    )
-    await a.start()
+    a = SharedLeadership(graph_a, address="https://a:11500", on_lost=lambda: lost.append("a"))
+    await a.start(nothing)
     try:
         assert a.leading
         # Another leader takes the lease as if a had stalled past it.

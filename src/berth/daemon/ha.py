@@ -6,6 +6,7 @@ loop (:class:`~berth.store.leadership.Leadership`, put on the graph so ``/readyz
 (:class:`~berth.gateway.key_sync.KeySync`), and the gate on the leader-only loops: the
 ``start_leading`` it is given (reconcile, the engine watcher, scaling) runs once this
 leader holds the lease, at once when it does at start, later when a standby takes over.
+The graph's ``leadership`` is set when it is built, so the listeners can start before.
 
 A leader that held the lease and lost it (another took over while it was stalled, or the
 store was out of reach past the lease) does not go on as a standby with loops that acted
@@ -37,16 +38,16 @@ class SharedLeadership:
         graph: LeaderGraph,
         *,
         address: str,
-        start_leading: Callable[[], Awaitable[None]],
         on_lost: Callable[[], None],
     ) -> None:
         store = graph.store
         self.leadership = Leadership(
             store, me=leader_id(), address=address, lease_s=graph.settings.leader_lease_s
         )
+        graph.leadership = self.leadership  # a standby's listeners answer as one at once
         self._graph = graph
         self._key_sync = KeySync(store, graph.authenticator, graph.admission)
-        self._start_leading = start_leading
+        self._start_leading: Callable[[], Awaitable[None]] | None = None
         self._on_lost = on_lost
         self._leading = False
         self._stopping = False
@@ -57,9 +58,10 @@ class SharedLeadership:
         """Whether the leader-only loops were started (this leader became active)."""
         return self._leading
 
-    async def start(self) -> None:
-        """Follow key changes, take part in the lease, and start leading now or once the
-        lease is this leader's."""
+    async def start(self, start_leading: Callable[[], Awaitable[None]]) -> None:
+        """Follow key changes, take part in the lease, and call ``start_leading`` now, or
+        once the lease is this leader's."""
+        self._start_leading = start_leading
         self._graph.leadership = self.leadership
         await self._key_sync.start()
         self.leadership.subscribe(self._role_changed)
@@ -93,6 +95,7 @@ class SharedLeadership:
         state = self.leadership.state
         _log.info("leadership: active under epoch %d; starting the leader's loops", state.epoch)
         self._leading = True
+        assert self._start_leading is not None, "start() gave it"
         await self._start_leading()
 
     def _role_changed(self, state: LeaseState) -> None:

@@ -47,6 +47,7 @@ from berth.cluster.peer_identity import ForwardedFingerprintTrust
 from berth.config import Settings
 from berth.daemon.app import build_apps
 from berth.daemon.graph import LeaderGraph, Listener
+from berth.daemon.ha import SharedLeadership
 from berth.daemon.public_tls import public_ssl_context
 from berth.deployments.adapters import AdapterManager
 from berth.deployments.fleet import LeaderFleet
@@ -473,6 +474,12 @@ async def serve(home: BerthHome, settings: Settings) -> None:
     )
 
     stop = asyncio.Event()
+    public_url = f"https://{settings.public_host}:{public_port}"
+    shared = (
+        SharedLeadership(services, address=public_url, on_lost=stop.set)
+        if settings.leader_ha
+        else None
+    )
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
@@ -498,11 +505,20 @@ async def serve(home: BerthHome, settings: Settings) -> None:
             # Engines (in the journal) and containers (by label) left running by the last
             # leader, with their keys, for reconcile.
             await core.restore()
-        await lifecycle.start()
-        scaling.start(
-            await asyncio.to_thread(store.list_service_profiles),
-            await asyncio.to_thread(store.list_deployments, active_only=True),
-        )
+
+        async def start_leading() -> None:
+            """The loops only the store's active leader runs: reconcile, the engine watcher
+            and its restarts, scaling."""
+            await lifecycle.start()
+            scaling.start(
+                await asyncio.to_thread(store.list_service_profiles),
+                await asyncio.to_thread(store.list_deployments, active_only=True),
+            )
+
+        if shared is not None:  # leader_ha: now if this leader holds the lease, else later
+            await shared.start(start_leading)
+        else:
+            await start_leading()
         if core is not None and core.adopted is not None:
             watcher = core.adopted  # the servers this host adopted: node local reports them
             watcher.on_change = lambda: lifecycle.adopted_reported(LOCAL_NODE_ID, watcher.states())
@@ -540,6 +556,8 @@ async def serve(home: BerthHome, settings: Settings) -> None:
         await proxy.shutdown()
         ledger.stop()  # every answer has been settled: write the rest of the usage
         await flusher
+        if shared is not None:  # the lease handed back: a standby takes over at once
+            await shared.stop()
         if core is not None:
             if core.adopted is not None:
                 await core.adopted.stop()
