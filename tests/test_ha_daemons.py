@@ -1,4 +1,5 @@
-"""Two real leader daemons on one PostgreSQL database with ``leader_ha`` (docs/ha.md): one is
+"""Two real leader daemons on one database with ``leader_ha`` (docs/ha.md), PostgreSQL and one
+SQLite file (two leaders on one host): one is
 active, the other a standby whose ``/readyz`` and ``/v1`` answer 503 naming the active; when
 the active is killed with SIGKILL the standby takes the lease over (a new epoch) and serves.
 
@@ -25,17 +26,22 @@ from support.postgres import PostgresServer
 from support.processes import wait_gone
 from support.waiting import wait_for
 
-pytestmark = [pytest.mark.slow, pytest.mark.needs("postgresql")]
+pytestmark = pytest.mark.slow
 
 #: A short lease, so the takeover after the kill comes within seconds.
 LEASE_S = "1.0"
 TAKEOVER_BOUND_S = 60.0
 
 
-@pytest.fixture
-def ha_pair(tmp_path: Path, postgres_server: PostgresServer) -> Iterator[tuple[Cluster, Cluster]]:
+@pytest.fixture(params=["sqlite", "postgresql"])
+def ha_pair(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[tuple[Cluster, Cluster]]:
     """Leaders ``a`` (started first: active) and ``b`` (standby) on one database."""
-    url = postgres_server.create_database()
+    server: PostgresServer | None = None
+    if request.param == "postgresql":
+        server = request.getfixturevalue("postgres_server")
+        url = server.create_database()
+    else:
+        url = f"sqlite:///{tmp_path / 'shared' / 'berth.db'}"
     env = clean_env(
         {
             "BERTH_DATABASE_URL": url,
@@ -60,7 +66,8 @@ def ha_pair(tmp_path: Path, postgres_server: PostgresServer) -> Iterator[tuple[C
     finally:
         for leader in started:
             leader.berth("daemon", "stop", check=False)
-        postgres_server.drop_database(url)
+        if server is not None:
+            server.drop_database(url)
 
 
 def _get(leader: Cluster, path: str, *, key: str = "") -> httpx.Response:
