@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from pathlib import Path
+from typing import Any
 
 from berth.cluster.link import LOCAL_NODE_ID, AgentLink
 from berth.cluster.link_registry import LinkRegistry
@@ -79,26 +80,19 @@ class EngineStarts:
     ) -> None:
         """Start ``record``'s engine on ``link``'s node as ``placement`` says, in the
         background (the task is in :attr:`starting` until it ends)."""
-        task = asyncio.create_task(
-            self._run_start(record, link, placement, engine, lora), name=record.id
-        )
-        self._starting[record.id] = task
-        task.add_done_callback(lambda _t: self._starting.pop(record.id, None))
 
-    async def _run_start(
-        self,
-        record: DeploymentRecord,
-        link: AgentLink,
-        placement: Placement,
-        engine: EngineName,
-        lora: LoraPlan,
-    ) -> None:
         async def request() -> DeploymentRequest:
             await self._writer.transition(record.id, DeploymentState.LOADING)
             model_path = await self._model_path(record, link, placement.model)
             return start_request(record, model_path, engine, placement.runtime, lora)
 
-        await self._carry_out_start(record, link, request)
+        self._track(record.id, self._carry_out_start(record, link, request))
+
+    def _track(self, deployment_id: str, start: Coroutine[Any, Any, None]) -> None:
+        """Run ``start`` as the deployment's start task, in :attr:`starting` until it ends."""
+        task = asyncio.create_task(start, name=deployment_id)
+        self._starting[deployment_id] = task
+        task.add_done_callback(lambda _t: self._starting.pop(deployment_id, None))
 
     async def _start_again(self, deployment_id: str, ending: Ending) -> None:
         """The restart policy's backoff is over: start the deployment's engine again on its
@@ -120,9 +114,7 @@ class EngineStarts:
                 raise EngineError(f"node {record.node_id} is not connected")
             return await self._restart_request(record, link)
 
-        task = asyncio.create_task(self._carry_out_start(record, link, request), name=record.id)
-        self._starting[record.id] = task
-        task.add_done_callback(lambda _t: self._starting.pop(record.id, None))
+        self._track(record.id, self._carry_out_start(record, link, request))
 
     async def _restart_request(
         self, record: DeploymentRecord, link: AgentLink
