@@ -13,7 +13,7 @@ import pytest
 
 from berth.errors import ConflictError, InvalidTransitionError
 from berth.limits import LimitOverrides
-from berth.store import Store, UsageRecord
+from berth.store import LATEST_VERSION, Store, UsageRecord
 from berth.store.states import DeploymentState
 
 pytestmark = pytest.mark.store_engines
@@ -121,3 +121,12 @@ def test_key_changes_from_two_writers_are_all_kept(two_stores: tuple[Store, Stor
         lambda: second.add_api_key("same", "standard", "hash-x", "bk-x"),
     )
     assert [type(e) for e in errors] == [ConflictError]
+
+
+def test_two_leaders_migrating_one_fresh_database_at_once_both_succeed(db_url: str) -> None:
+    with Store(db_url) as first, Store(db_url) as second:
+        versions: list[int] = []
+        errors = _at_once(lambda: versions.append(first.migrate()),
+                          lambda: versions.append(second.migrate()))  # fmt: skip
+        assert errors == []
+        assert versions == [LATEST_VERSION, LATEST_VERSION]
