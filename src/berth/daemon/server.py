@@ -188,6 +188,12 @@ class Leader:
         links before them), the listeners, node ``local``'s engines taken back, then the
         leader's own loops."""
         graph = parts.graph
+        if self.settings.leader_ha:  # on the graph before the listeners: a standby says so
+            self._shared = SharedLeadership(
+                graph,
+                address=f"https://{self.settings.public_host}:{self.public_port}",
+                on_lost=self.request_stop,
+            )
         self.home.pid_file.write_text(f"{os.getpid()}\n")
         await graph.proxy.startup()
         self._flusher = asyncio.create_task(parts.ledger.run())  # usage, every few seconds
@@ -208,12 +214,7 @@ class Leader:
             # Engines (in the journal) and containers (by label) left running by the last
             # leader, with their keys, for reconcile.
             await core.restore()
-        if self.settings.leader_ha:  # shared leadership: lead now, or once the lease is ours
-            self._shared = SharedLeadership(
-                graph,
-                address=f"https://{self.settings.public_host}:{self.public_port}",
-                on_lost=self.request_stop,
-            )
+        if self._shared is not None:  # shared leadership: lead now, or once the lease is ours
             await self._shared.start(self.start_leading)
         else:
             await self.start_leading()
