@@ -1,7 +1,9 @@
 """Two real leader daemons on one database with ``leader_ha`` (docs/ha.md), PostgreSQL and one
 SQLite file (two leaders on one host): one is
 active, the other a standby whose ``/readyz`` and ``/v1`` answer 503 naming the active; when
-the active is killed with SIGKILL the standby takes the lease over (a new epoch) and serves.
+the active is killed with SIGKILL the standby takes the lease over (a new epoch) and serves;
+an active stopped past its lease stands down when resumed; ``berth leader step-down`` hands
+over while a client that retries on 503 gets nothing else.
 
 The two homes share the CA and the key pepper, as leaders that share agents and keys must.
 The kill-to-served time is printed, not asserted (a speed target belongs in a benchmark).
@@ -23,7 +25,7 @@ from berth.cluster.ca import CertificateAuthority
 from berth.keys import load_or_create_pepper
 from support.cluster_harness import Cluster, clean_env
 from support.postgres import PostgresServer
-from support.processes import wait_gone
+from support.processes import alive, wait_gone
 from support.waiting import wait_for
 
 pytestmark = pytest.mark.slow
@@ -127,3 +129,39 @@ def test_a_stopped_active_that_resumes_after_a_takeover_stands_down(
     assert "lost the lease" in log
     now = b.admin("GET", "/admin/leader")
     assert (now["role"], now["epoch"]) == ("active", 2)
+
+
+def test_a_step_down_hands_over_while_a_client_that_retries_on_503_never_fails(
+    ha_pair: tuple[Cluster, Cluster],
+) -> None:
+    a, b = ha_pair
+    pid = a.leader_pid()
+    refused = b.berth("leader", "step-down", check=False)  # a standby has nothing to hand over
+    assert refused.returncode != 0 and "standby" in refused.stderr + refused.stdout
+
+    failures: list[str] = []
+    answered = 0
+    stepped_at = time.monotonic()
+    a.berth("leader", "step-down")
+    # A client behind a load balancer: either leader, retrying on 503 or a refused
+    # connection, until b answers; nothing else may come back.
+    while time.monotonic() - stepped_at < TAKEOVER_BOUND_S:
+        for leader in (a, b):
+            try:
+                reply = _get(leader, "/v1/models", key=a.api_key)
+            except httpx.TransportError:
+                continue  # a has closed its listener
+            if reply.status_code == 200:
+                answered += 1
+            elif reply.status_code != 503:
+                failures.append(f"{leader.leader_home.name}: {reply.status_code} {reply.text}")
+        if b.admin("GET", "/admin/leader")["role"] == "active" and not alive(pid):
+            break
+        time.sleep(0.05)
+    assert failures == []
+    assert wait_gone(pid, TAKEOVER_BOUND_S), "the old active did not exit"
+    print(f"step-down to the new active: {time.monotonic() - stepped_at:.2f} s, "
+          f"{answered} answers meanwhile")  # fmt: skip
+    assert _get(b, "/v1/models", key=a.api_key).status_code == 200
+    assert b.admin("GET", "/admin/leader")["epoch"] == 2
+    assert "active, epoch 2" in b.berth("leader", "status").stdout

@@ -39,10 +39,11 @@ from berth.api import (
     SettingsReport,
     SettingValue,
     ShutdownAccepted,
+    StepDownAccepted,
     describe_invalid,
 )
 from berth.daemon.graph import LeaderGraph, Listener
-from berth.errors import BerthError
+from berth.errors import BerthError, ConflictError
 from berth.openai_errors import error_body, error_from_exception
 from berth.runtime.engines import parse_runtime_name
 from berth.runtime.gpu import parse_simulated_gpus
@@ -213,6 +214,18 @@ def build_admin_app(services: LeaderGraph) -> FastAPI:
     app.include_router(build_adapter_router(services))
     app.include_router(build_plan_router(services))
     app.include_router(build_pull_router(leader_pull_jobs(services)))
+
+    @app.post("/admin/leader/step-down", status_code=202)
+    async def step_down() -> StepDownAccepted:
+        leadership = services.leadership
+        if leadership is None:
+            raise ConflictError(
+                "leadership is not shared here (leader_ha is off): no one to hand over to"
+            )
+        if not leadership.is_active:
+            raise ConflictError("this leader is a standby: step down on the active one")
+        os.kill(services.pid, signal.SIGTERM)  # the Leader's stop hands the lease over first
+        return StepDownAccepted()
 
     @app.post("/admin/shutdown", status_code=202)
     async def shutdown() -> ShutdownAccepted:

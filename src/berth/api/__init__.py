@@ -35,6 +35,7 @@ from berth.api.leader import (
     SettingsReport,
     SettingValue,
     ShutdownAccepted,
+    StepDownAccepted,
 )
 from berth.api.metrics import (
     DeploymentColumns,
@@ -172,6 +173,7 @@ __all__ = [
     "SettingValue",
     "SettingsReport",
     "ShutdownAccepted",
+    "StepDownAccepted",
     "Timestamp",
     "UsageGrouping",
     "UsageReport",

@@ -91,6 +91,13 @@ class SettingValue(ApiModel):
 SettingsReport = dict[str, SettingValue]
 
 
+class StepDownAccepted(ApiModel):
+    """``POST /admin/leader/step-down`` (202): the active leader hands its lease back at once
+    (a standby takes new requests at its next look), finishes what is in flight, and exits."""
+
+    status: Literal["stepping down"] = "stepping down"
+
+
 class ShutdownAccepted(ApiModel):
     """``POST /admin/shutdown`` (202): the leader stops its engines and exits."""
 

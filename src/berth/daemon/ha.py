@@ -75,6 +75,19 @@ class SharedLeadership:
             )
             self._waiting = asyncio.create_task(self._lead_when_active(), name="standby")
 
+    async def hand_over(self) -> None:
+        """Hand the lease back now, before the Leader drains its requests (a clean stop, or
+        ``berth leader step-down``): a standby takes new requests at its next look while
+        this one finishes what is in flight; it takes no lease again.  Key sync goes on
+        until :meth:`stop`."""
+        self._stopping = True
+        if self._waiting is not None:
+            self._waiting.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._waiting
+            self._waiting = None
+        await self.leadership.stop(release=True)
+
     async def stop(self) -> None:
         """Stop waiting, following and leasing; the lease is handed back when held, so a
         standby takes over at once."""

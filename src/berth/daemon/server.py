@@ -248,7 +248,8 @@ class Leader:
     # -- stop -----------------------------------------------------------------------------
 
     async def stop(self) -> None:
-        """Stop: not ready, requests in flight get :data:`SHUTDOWN_GRACE_S` to finish, then
+        """Stop: not ready (with ``leader_ha``, the lease handed over), requests in flight get
+        :data:`SHUTDOWN_GRACE_S` to finish, then
         every piece stops in order (node ``local``'s engines too) and the ports, the socket
         and pid files and the owner lock are released. A stopped leader may start again;
         stopping one that does not run does nothing."""
@@ -256,6 +257,8 @@ class Leader:
         if parts is None:
             return
         parts.graph.ready = False
+        if self._shared is not None:  # the lease first: a standby takes the new requests
+            await self._shared.hand_over()
         await asyncio.gather(
             parts.public_server.close(SHUTDOWN_GRACE_S), parts.socket_server.close(SHUTDOWN_GRACE_S)
         )
