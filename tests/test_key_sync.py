@@ -24,6 +24,7 @@ from berth.keys import hash_secret, load_or_create_pepper
 from berth.limits import LimitOverrides
 from berth.store import Store, UsageRecord
 from berth.store.changes import KEYS_TOPIC
+from support.waiting import wait_for_async
 
 pytestmark = pytest.mark.store_engines
 
@@ -76,10 +77,10 @@ async def other_leader(
 
 
 async def _until_heard(sync: KeySync, changes: int) -> None:
-    began = time.monotonic()
-    while sync.changes < changes or sync.reloading:
-        assert time.monotonic() - began < ARRIVAL_BOUND_S, "the change never arrived"
-        await asyncio.sleep(0.01)
+    def heard() -> bool:
+        return sync.changes >= changes and not sync.reloading
+
+    await wait_for_async(heard, ARRIVAL_BOUND_S, f"{changes} key change(s) to arrive")
 
 
 async def _until_refused(authenticator: Authenticator) -> float:

@@ -6,8 +6,6 @@ stop."""
 
 from __future__ import annotations
 
-import asyncio
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -22,6 +20,7 @@ from berth.gateway.auth import Authenticator
 from berth.keys import load_or_create_pepper
 from berth.store import Store, UsageRecord
 from berth.store.errors import StandbyError
+from support.waiting import wait_for_async
 
 pytestmark = pytest.mark.store_engines
 
@@ -57,13 +56,6 @@ def ha_graphs(db_url: str, tmp_path: Path) -> Iterator[tuple[Any, Any]]:
     b.store.close()
 
 
-async def _until(check: Any) -> None:
-    began = time.monotonic()
-    while not check():
-        assert time.monotonic() - began < TAKEOVER_BOUND_S, "it never happened"
-        await asyncio.sleep(0.02)
-
-
 async def test_the_standby_leads_once_the_active_stops(ha_graphs: tuple[Any, Any]) -> None:
     graph_a, graph_b = ha_graphs
     led: list[str] = []
@@ -87,7 +79,7 @@ async def test_the_standby_leads_once_the_active_stops(ha_graphs: tuple[Any, Any
         assert refusal.retry_after_s > 0
 
         await a.stop()  # a clean stop hands the lease over
-        await _until(lambda: b.leading)
+        await wait_for_async(lambda: b.leading, TAKEOVER_BOUND_S, "b to lead")
         assert led == ["a", "b"] and lost == []
         assert b.leadership.view().epoch == 2
     finally:
@@ -111,7 +103,7 @@ async def test_a_leader_that_loses_the_lease_asks_to_stop(ha_graphs: tuple[Any, 
         epoch = a.leadership.state.epoch
         graph_b.store.release_lease(a.leadership.me, epoch)
         graph_b.store.acquire_lease("b", "https://b:11500", 60.0)
-        await _until(lambda: lost == ["a"])
+        await wait_for_async(lambda: lost == ["a"], TAKEOVER_BOUND_S, "a to hear it lost")
         assert not a.leadership.is_active
         assert a.leadership.view().active_address == "https://b:11500"
     finally:
