@@ -165,3 +165,16 @@ def test_a_step_down_hands_over_while_a_client_that_retries_on_503_never_fails(
     assert _get(b, "/v1/models", key=a.api_key).status_code == 200
     assert b.admin("GET", "/admin/leader")["epoch"] == 2
     assert "active, epoch 2" in b.berth("leader", "status").stdout
+
+
+def test_a_standby_stops_cleanly_and_leaves_the_active_alone(
+    ha_pair: tuple[Cluster, Cluster],
+) -> None:
+    a, b = ha_pair
+    pid = b.leader_pid()
+    b.berth("daemon", "stop")
+    assert wait_gone(pid, TAKEOVER_BOUND_S)
+    assert "lost the lease" not in (b.leader_home / "logs" / "daemon.log").read_text()
+    now = a.admin("GET", "/admin/leader")
+    assert (now["role"], now["epoch"]) == ("active", 1)
+    assert _get(a, "/v1/models", key=a.api_key).status_code == 200
