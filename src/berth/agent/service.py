@@ -80,7 +80,7 @@ from berth.placement.model_files import FileStamp, read_model_file
 from berth.runtime.gpu import GpuInfo
 
 if TYPE_CHECKING:  # imported only where tracing is on (berth.agent.runner builds it)
-    from berth.observability.tracing import RelayTracer
+    from berth.observability.relay_tracing import RelayTracer
 
 log = logging.getLogger(__name__)
 

@@ -1,5 +1,6 @@
 """OpenTelemetry traces of the requests berth serves: the leader's spans of a ``/v1`` request
-(:class:`RequestTracer`), the agent's span of its relay to the engine (:class:`RelayTracer`),
+(:class:`RequestTracer`), the agent's span of its relay to the engine
+(:class:`~berth.observability.relay_tracing.RelayTracer`, built here by :meth:`Tracing.relays`),
 exported over OTLP/HTTP by the SDK (:func:`build_tracing`; docs/tracing.md).
 
 Built only when tracing is on (:func:`berth.observability.tracing_config.tracing_config`
@@ -33,7 +34,6 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Final
 
-from opentelemetry.context import Context
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
@@ -46,28 +46,25 @@ from opentelemetry.sdk.trace.sampling import (
     TraceIdRatioBased,
 )
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode, Tracer, set_span_in_context
-from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 from opentelemetry.util.types import AttributeValue
 
 from berth import __version__
+from berth.observability.relay_tracing import RelayTracer
 from berth.observability.span_export import (
     BoundedSpanProcessor,
     CountingExporter,
     SpanExportCollector,
 )
+from berth.observability.trace_context import Headers, parent_of, with_context
 from berth.observability.tracing_config import TracingConfig
 
 __all__ = [
     "AttemptTrace",
-    "RelayTrace",
-    "RelayTracer",
     "RequestTrace",
     "RequestTracer",
     "Tracing",
     "build_tracing",
 ]
-
-Headers = Sequence[tuple[bytes, bytes]]
 
 #: ``gen_ai.operation.name`` of each relayed path (OpenTelemetry GenAI semantic conventions;
 #: a token count is berth's own name: the conventions have none).
@@ -79,35 +76,9 @@ _OPERATIONS: Final = {
     "/v1/messages": "chat",
     "/v1/messages/count_tokens": "count_tokens",
 }
-_TRACE_HEADERS: Final = (b"traceparent", b"tracestate")
-_PROPAGATOR: Final = TraceContextTextMapPropagator()
 _NS: Final = 1_000_000_000
 #: How much of a request's ``model`` a span keeps (a client may send anything).
 _MAX_MODEL_CHARS: Final = 200
-
-
-def _carrier(headers: Headers) -> dict[str, str]:
-    """The W3C trace context headers of ``headers``, as the propagator reads them."""
-    carrier: dict[str, str] = {}
-    for name, value in headers:
-        if name in _TRACE_HEADERS:
-            carrier[name.decode()] = value.decode("latin-1")
-    return carrier
-
-
-def _parent_of(headers: Headers) -> Context | None:
-    carrier = _carrier(headers)
-    return _PROPAGATOR.extract(carrier) if carrier else None
-
-
-def _with_context(headers: Headers, span: Span) -> list[tuple[bytes, bytes]]:
-    """``headers`` with their trace context replaced by ``span``'s (``traceparent``, and
-    ``tracestate`` when it has one)."""
-    carrier: dict[str, str] = {}
-    _PROPAGATOR.inject(carrier, context=set_span_in_context(span))
-    kept = [header for header in headers if header[0] not in _TRACE_HEADERS]
-    kept.extend((name.encode(), value.encode("latin-1")) for name, value in carrier.items())
-    return kept
 
 
 def _sampler(config: TracingConfig) -> Sampler:
@@ -140,7 +111,7 @@ class AttemptTrace:
     def headers(self, forward: Headers) -> list[tuple[bytes, bytes]]:
         """``forward`` with this attempt's ``traceparent`` (the engine's, or the agent's,
         parent)."""
-        return _with_context(forward, self._span)
+        return with_context(forward, self._span)
 
     def answered(self, status: int) -> None:
         span = self._span
@@ -355,72 +326,12 @@ class RequestTracer:
             attributes["gen_ai.operation.name"] = operation
         span = self._tracer.start_span(
             f"{method} {path}",
-            context=_parent_of(headers),
+            context=parent_of(headers),
             kind=SpanKind.SERVER,
             attributes=attributes,
             start_time=start_ns,
         )
         return RequestTrace(self._tracer, span, start_ns)
-
-
-class RelayTrace:
-    """The agent's span of one relay to an engine: :attr:`headers` are the request's with
-    this span's ``traceparent`` (for the engine), :meth:`end` once it is over."""
-
-    __slots__ = ("_span", "headers")
-
-    def __init__(self, span: Span, headers: list[tuple[bytes, bytes]]) -> None:
-        self._span = span
-        self.headers = headers
-
-    def end(self, status: int | None, *, completed: bool, withdrawn: bool) -> None:
-        """The relay is over: the engine answered ``status`` (``None``: it did not), the
-        answer was relayed whole (``completed``), or the leader gave up on it before the
-        engine answered (``withdrawn``)."""
-        span = self._span
-        if status is not None:
-            span.set_attribute("http.response.status_code", status)
-        if withdrawn:
-            outcome = "withdrawn"
-        elif status is None:
-            outcome = "engine_unreachable"
-        elif not completed:
-            outcome = "engine_disconnect"
-        else:
-            outcome = f"status {status}"
-        span.set_attribute("berth.relay.outcome", outcome)
-        if not withdrawn and (status is None or not completed or status >= 500):
-            span.set_attribute("error.type", outcome)
-            span.set_status(Status(StatusCode.ERROR, outcome))
-        span.end()
-
-
-class RelayTracer:
-    """Begins a :class:`RelayTrace` per request an agent relays to an engine."""
-
-    def __init__(self, tracer: Tracer, node_id: str | None = None) -> None:
-        self._tracer = tracer
-        self._node_id = node_id
-
-    def begin(
-        self, deployment_id: str, method: bytes, target: bytes, headers: Headers
-    ) -> RelayTrace:
-        """The relay's span, begun now under the leader's attempt (the ``traceparent`` in
-        ``headers``), and the headers to send the engine."""
-        attributes: dict[str, AttributeValue] = {
-            "berth.deployment": deployment_id,
-            "http.request.method": method.decode("latin-1"),
-            "url.path": target.decode("latin-1"),
-        }
-        if self._node_id is not None:
-            attributes["berth.node"] = self._node_id
-        span = self._tracer.start_span(
-            "berth.agent.relay",
-            context=_parent_of(headers),
-            kind=SpanKind.SERVER,
-            attributes=attributes,
-        )
-        return RelayTrace(span, _with_context(headers, span))
 
 
 class Tracing:
