@@ -71,6 +71,7 @@ from berth.daemon.proxy_http import (
 )
 from berth.daemon.proxy_relay import AnswerRelay, Exchange
 from berth.daemon.proxy_usage import asking_for_usage
+from berth.gateway.messages_bridge import MessagesRoute, route_messages
 from berth.daemon.read_ahead import DEFAULT_BUFFER_CHUNKS, ReadAhead
 from berth.engine_http.answer import EngineAnswer, TimedAnswer, can_time
 from berth.errors import BerthError, NotFoundError
@@ -78,7 +79,6 @@ from berth.http_server.errors import HttpServerError
 from berth.observability.metrics import ProxyMetrics, Target
 from berth.observability.request_log import RequestLog
 from berth.openai_errors import ErrorResponse, error_from_exception
-from berth.routing.capability import serving
 from berth.routing.errors import (
     EngineTimeoutError,
     EngineUnreachableError,
@@ -447,8 +447,10 @@ class OpenAIProxy:
                     )
                     return
                 plan, key = loaded
-            if dialect:  # only the engines that serve the path, in the router's order
-                plan = serving(plan, path)
+            route: MessagesRoute | None = None
+            if dialect:  # the engines that serve the path, or all of them as chat completions
+                route = route_messages(plan, path, payload)
+                plan, body = route.plan, route.body(body)
         except BerthError as exc:
             extra = _refusal_headers(exc, ticket)
             self._settle_unsent(ticket)
@@ -481,9 +483,11 @@ class OpenAIProxy:
         bodies = _Bodies(body)  # rewritten at most once per engine model
         open_answer = self._open_stream if streamed else self._open
 
+        engine_path = path if route is None else route.path
+
         async def attempt(target: Upstream) -> EngineAnswer:
             try:
-                answer = await open_answer(target, path, query, forward, bodies.get(target))
+                answer = await open_answer(target, engine_path, query, forward, bodies.get(target))
             except ProxyError as exc:
                 outcomes.append((target, exc.error_code))
                 raise
@@ -493,7 +497,7 @@ class OpenAIProxy:
                                  else "given_up"))  # fmt: skip
                 raise
             outcomes.append((target, f"status {answer.status}"))
-            return answer
+            return answer if route is None else route.answer(answer, target, request_id.decode())
 
         try:
             if gate is not None:
