@@ -44,7 +44,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Final, NoReturn
+from typing import Any, Final, NoReturn, TypeGuard
 
 from berth.routing.errors import InvalidRequestError
 
@@ -211,9 +211,9 @@ def _message(message: object, where: str) -> list[dict[str, Any]]:
         return [_assistant(content, f"{where}.content")]
     tool_messages: list[dict[str, Any]] = []
     parts: list[dict[str, Any]] = []
-    for i, block in enumerate(content):
+    for i, raw in enumerate(content):
         at = f"{where}.content.{i}"
-        kind = _block_type(block, at)
+        kind, block = _block(raw, at)
         if kind == "text":
             parts.append({"type": "text", "text": _text(block, at)})
         elif kind == "image":
@@ -236,9 +236,9 @@ def _message(message: object, where: str) -> list[dict[str, Any]]:
 def _assistant(content: list[object], where: str) -> dict[str, Any]:
     texts: list[str] = []
     calls: list[dict[str, Any]] = []
-    for i, block in enumerate(content):
+    for i, raw in enumerate(content):
         at = f"{where}.{i}"
-        kind = _block_type(block, at)
+        kind, block = _block(raw, at)
         if kind == "text":
             texts.append(_text(block, at))
         elif kind == "tool_use":
@@ -255,11 +255,11 @@ def _assistant(content: list[object], where: str) -> dict[str, Any]:
     return out
 
 
-def _block_type(block: object, where: str) -> str:
+def _block(block: object, where: str) -> tuple[str, dict[str, Any]]:
+    """A content block's type, and the block."""
     if not isinstance(block, dict) or not isinstance(block.get("type"), str):
         raise _invalid("a content block must be an object with a type", where)
-    kind: str = block["type"]
-    return kind
+    return block["type"], block
 
 
 def _text(block: dict[str, Any], where: str) -> str:
@@ -280,9 +280,10 @@ def _image(block: dict[str, Any], where: str) -> dict[str, Any]:
             raise _invalid("a base64 image needs a media_type and data", f"{where}.source")
         url = f"data:{media_type};base64,{data}"
     elif kind == "url":
-        url = source.get("url")
-        if not isinstance(url, str):
+        found = source.get("url")
+        if not isinstance(found, str):
             raise _invalid("a url image needs a url", f"{where}.source.url")
+        url = found
     else:
         _refuse(f"an image from a {kind!r} source", f"{where}.source")
     return {"type": "image_url", "image_url": {"url": url}}
@@ -307,9 +308,9 @@ def _tool_result(block: dict[str, Any], where: str) -> dict[str, Any]:
         text = content
     elif isinstance(content, list):
         texts: list[str] = []
-        for i, inner in enumerate(content):
+        for i, raw in enumerate(content):
             at = f"{where}.content.{i}"
-            kind = _block_type(inner, at)
+            kind, inner = _block(raw, at)
             if kind != "text":
                 _refuse(f"a {kind!r} block in a tool_result", at)
             texts.append(_text(inner, at))
@@ -434,8 +435,8 @@ def usage_counts(usage: object) -> dict[str, int] | None:
     if not _is_count(prompt) or not _is_count(completion):
         return None
     details = usage.get("prompt_tokens_details")
-    cached = details.get("cached_tokens", 0) if isinstance(details, dict) else 0
-    cached = min(cached, prompt) if _is_count(cached) else 0
+    found = details.get("cached_tokens", 0) if isinstance(details, dict) else 0
+    cached = min(found, prompt) if _is_count(found) else 0
     return {
         "input_tokens": prompt - cached,
         "cache_creation_input_tokens": 0,
@@ -526,5 +527,5 @@ def translate_answer(data: bytes, translated: Translated, *, fallback_id: str) -
     return json.dumps(out, ensure_ascii=False, separators=(",", ":")).encode()
 
 
-def _is_count(value: object) -> bool:
+def _is_count(value: object) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0

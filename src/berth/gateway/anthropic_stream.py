@@ -131,7 +131,7 @@ class ChatToMessagesStream:
 
     def _start(self, chat_id: object) -> bytes:
         self._started = True
-        message = {
+        message: dict[str, object] = {
             "id": message_id(chat_id, self._fallback_id),
             "type": "message",
             "role": "assistant",

@@ -107,8 +107,11 @@ class _Translating:
     def at_eof(self) -> bool:
         return self._eof
 
+    async def read_chunk(self) -> bytes:
+        raise NotImplementedError  # each translation reads its own way
+
     async def read(self, limit_bytes: int | None = None) -> bytes:
-        return await read_body(self, limit_bytes)  # type: ignore[arg-type]
+        return await read_body(self, limit_bytes)
 
     def close(self) -> None:
         self._answer.close()
