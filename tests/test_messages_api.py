@@ -269,6 +269,7 @@ async def test_create_is_passed_through_with_its_version_and_counted_as_the_engi
     assert sent.headers["anthropic-version"] == SDK_VERSION
     assert "x-api-key" not in sent.headers  # a client's credentials never reach an engine
     assert ledger(admission) == [("k-plain", 1, 0, 7, 3, 0)]
+    assert admission.ledger.pending[0].cached_tokens == 2  # berth usage's CACHED
     (entry,) = proxy.request_log.after()
     assert (entry.prompt_tokens, entry.completion_tokens, entry.cached_tokens) == (7, 3, 2)
 

@@ -78,6 +78,7 @@ async def test_create_is_translated_and_counted_with_the_engines_cached_tokens(
         "stop": ["END"],
     }
     assert ledger(admission) == [("k-plain", 1, 0, 12, 4, 0)]
+    assert admission.ledger.pending[0].cached_tokens == 10  # berth usage's CACHED
     (entry,) = proxy.request_log.after()
     assert (entry.prompt_tokens, entry.completion_tokens, entry.cached_tokens) == (12, 4, 10)
 

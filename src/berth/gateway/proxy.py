@@ -862,4 +862,5 @@ def _settle(
         prompt_tokens=prompt,
         completion_tokens=completion,
         estimated=estimated,
+        cached_tokens=usage.cached_tokens if usage is not None else 0,
     )

@@ -311,6 +311,14 @@ def _v9_service_timeouts(conn: Connection) -> None:
         _add_column(conn, "service_profiles", Column(name, Float, nullable=True))
 
 
+def _v10_usage_cached_tokens(conn: Connection) -> None:
+    # ADD COLUMN with a constant default fills existing rows (no cache reads counted then):
+    # the same statement on SQLite and PostgreSQL.
+    conn.execute(
+        text("ALTER TABLE usage_ledger ADD COLUMN cached_tokens BIGINT NOT NULL DEFAULT 0")
+    )
+
+
 #: Every migration, in increasing order (numbers may skip: see the module docstring).
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(1, "models, deployments and api_keys", _v1_initial),
@@ -326,6 +334,9 @@ MIGRATIONS: tuple[Migration, ...] = (
         8, "deployments' and services' restart policy, restart count, last exit", _v8_restart_policy
     ),
     Migration(9, "service_profiles stream timeouts (first byte, idle)", _v9_service_timeouts),
+    Migration(
+        10, "usage_ledger.cached_tokens (prompt tokens read from a cache)", _v10_usage_cached_tokens
+    ),
 )
 
 LATEST_VERSION = MIGRATIONS[-1].version
