@@ -17,7 +17,10 @@ from berth.cluster.remote_link import tunnel_url
 from berth.routing.resolver import Upstream
 from support.link_pair import DEPLOYMENT, Linked, OneLink
 from support.standin_engine import (
+    Head,
+    Reply,
     StandinEngine,
+    Write,
     chat_chunks,
     chat_completion,
     error_reply,
@@ -268,3 +271,12 @@ async def test_a_translated_stream_the_engine_breaks_off_ends_with_an_anthropic_
     }
     (row,) = ledger(admission)
     assert row[:3] == ("k-plain", 1, 1)
+
+
+async def test_an_answer_of_unannounced_length_is_translated_too(engine: StandinEngine) -> None:
+    body = json.dumps(chat_completion("chunked " * 50, usage=(9, 100))).encode()
+    engine.script(Reply((Head(200, "application/json"), Write(body[:40]), Write(body[40:]))))
+    async with leader([adopted(engine)]) as (url, admission, _), sdk(url) as client:
+        message = await client.messages.create(**ASK)
+    assert message.content[0].text == "chunked " * 50  # type: ignore[union-attr]
+    assert ledger(admission) == [("k-plain", 1, 0, 9, 100, 0)]
