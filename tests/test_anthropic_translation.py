@@ -341,7 +341,7 @@ def test_a_malformed_request_is_refused_as_invalid(extra: dict[str, Any], param:
 
 # -- answers --------------------------------------------------------------------------------
 
-TRANSLATED = Translated(b"{}", "public-name", ("END",))
+TRANSLATED = Translated(b"{}", {}, "public-name", ("END",))
 
 
 def message_of(answer: dict[str, Any], translated: Translated = TRANSLATED) -> dict[str, Any]:

@@ -99,12 +99,14 @@ _STOP_REASONS: Final = {
 class Translated:
     """A Messages request as a chat completion request.
 
-    ``body``: the chat completion request, compact UTF-8 JSON. ``model``: the model as the
+    ``body``: the chat completion request, compact UTF-8 JSON; ``chat``: the same parsed (a
+    new dict, for a rewriter that sets an engine's model name). ``model``: the model as the
     client named it (the answer names it so). ``stop_sequences``: the client's, to tell a
     stop sequence from the end of a turn in the answer. ``streamed``: it asked for a stream.
     """
 
     body: bytes
+    chat: dict[str, Any]
     model: str
     stop_sequences: tuple[str, ...] = ()
     streamed: bool = False
@@ -172,7 +174,7 @@ def translate_request(payload: dict[str, object]) -> Translated:
         chat["stream"] = True
         chat["stream_options"] = {"include_usage": True}
     body = json.dumps(chat, ensure_ascii=False, separators=(",", ":")).encode()
-    return Translated(body, model, stops, streamed)
+    return Translated(body, chat, model, stops, streamed)
 
 
 def _system(value: object) -> str | None:
