@@ -204,14 +204,14 @@ async def test_cached_prompt_tokens_are_summed_apart_and_written(store: Store) -
     assert (row.requests, row.prompt_tokens, row.cached_tokens) == (3, 83, 42)
 
 
-def test_migration_10_gives_the_ledgers_rows_no_cached_tokens(tmp_path: Path) -> None:
+def test_migration_11_gives_the_ledgers_rows_no_cached_tokens(tmp_path: Path) -> None:
     from sqlalchemy import create_engine
 
     from berth.store.migrations import MIGRATIONS, migrate
 
     url = f"sqlite:///{tmp_path / 'ledger.db'}"
     engine = create_engine(url)
-    migrate(engine, migrations=tuple(m for m in MIGRATIONS if m.version < 10))
+    migrate(engine, migrations=tuple(m for m in MIGRATIONS if m.version < 11))
     with engine.begin() as conn:
         conn.execute(
             text(

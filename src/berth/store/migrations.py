@@ -311,7 +311,7 @@ def _v9_service_timeouts(conn: Connection) -> None:
         _add_column(conn, "service_profiles", Column(name, Float, nullable=True))
 
 
-def _v10_usage_cached_tokens(conn: Connection) -> None:
+def _v11_usage_cached_tokens(conn: Connection) -> None:
     # ADD COLUMN with a constant default fills existing rows (no cache reads counted then):
     # the same statement on SQLite and PostgreSQL.
     conn.execute(
@@ -334,8 +334,9 @@ MIGRATIONS: tuple[Migration, ...] = (
         8, "deployments' and services' restart policy, restart count, last exit", _v8_restart_policy
     ),
     Migration(9, "service_profiles stream timeouts (first byte, idle)", _v9_service_timeouts),
+    # 10 is reserved: the leader lease (issue 25's store work), landing on its own branch.
     Migration(
-        10, "usage_ledger.cached_tokens (prompt tokens read from a cache)", _v10_usage_cached_tokens
+        11, "usage_ledger.cached_tokens (prompt tokens read from a cache)", _v11_usage_cached_tokens
     ),
 )
 
