@@ -334,7 +334,7 @@ MIGRATIONS: tuple[Migration, ...] = (
         8, "deployments' and services' restart policy, restart count, last exit", _v8_restart_policy
     ),
     Migration(9, "service_profiles stream timeouts (first byte, idle)", _v9_service_timeouts),
-    # 10 is reserved: the leader lease (issue 25's store work), landing on its own branch.
+    # 10 is reserved: the leader lease (the store branch's HA work), landing on its own.
     Migration(
         11, "usage_ledger.cached_tokens (prompt tokens read from a cache)", _v11_usage_cached_tokens
     ),
