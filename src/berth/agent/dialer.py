@@ -35,7 +35,8 @@ import aiohttp
 from berth.agent.identity import AgentIdentity, client_ssl_context
 from berth.agent.service import AgentService
 from berth.atomic import write_atomic
-from berth.cluster.connection import LINK_TIMEOUT_S, LinkConnection, Liveness
+from berth.cluster.connection import LinkConnection
+from berth.cluster.liveness import LINK_TIMEOUT_S, Liveness
 from berth.cluster.protocol.errors import (
     CloseCode,
     LinkError,

@@ -77,7 +77,6 @@ from berth.errors import BerthError, EngineError, NotFoundError
 from berth.observability.loop_lag import LagHistogram
 from berth.observability.window import RequestMeter, is_error
 from berth.placement.model_files import FileStamp, read_model_file
-from berth.runtime.engines import DeploymentRequest
 from berth.runtime.gpu import GpuInfo
 
 log = logging.getLogger(__name__)
@@ -350,7 +349,7 @@ class AgentService:
             conn.progress(request_id, "preparing", encode_payload(PreparingEvent(message=line)))
 
         handle = await self._core.start(
-            _deployment_request(args), args.health_timeout_s, spawned, preparing
+            args.to_request(), args.health_timeout_s, spawned, preparing
         )
         self._on_activity(f"{args.deployment_id} ready on port {handle.port}")
         return StartResult(pid=handle.pid, port=handle.port)
@@ -514,24 +513,3 @@ class AgentService:
 class _Unsupported(BerthError):
     def __init__(self, op: str) -> None:
         super().__init__(f"operation {op[:40]!r} is not supported by this agent")
-
-
-def _deployment_request(args: StartArgs) -> DeploymentRequest:
-    return DeploymentRequest(
-        deployment_id=args.deployment_id,
-        model_name=args.model_name,
-        model_path=Path(args.model_path),
-        engine=args.engine,
-        port=0,
-        log_path=Path(),
-        gpus=tuple(args.gpus),
-        ctx=args.ctx,
-        extra_args=tuple(args.extra_args),
-        served_model_name=args.served_model_name,
-        runtime=args.runtime,
-        image=args.image,
-        adapter_slots=args.adapter_slots,
-        max_lora_rank=args.max_lora_rank,
-        lora_target_modules=tuple(args.lora_target_modules),
-        lora_files=tuple(Path(path) for path in args.lora_files),
-    )

@@ -10,10 +10,10 @@ may try another node.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Protocol
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-from berth.engine_http.answer import EngineAnswer
+from berth.engine_http.answer import EngineAnswer, HttpOpener
 from berth.engine_http.errors import UpstreamConnectError, UpstreamError, UpstreamTimeoutError
 from berth.engine_http.origin import TUNNEL_SCHEME, Origin, parse_origin
 from berth.engine_http.pool import UpstreamPool
@@ -32,24 +32,6 @@ _MAX_CACHED_TARGETS = 4096
 _POST = b"POST"
 
 
-class TunnelOpener(Protocol):
-    """Opens an HTTP exchange with a remote deployment's engine through its node's agent
-    (the leader's :class:`berth.cluster.hub.NodeHub`)."""
-
-    async def open_http(
-        self,
-        node_id: str,
-        deployment_id: str,
-        method: bytes,
-        target: bytes,
-        headers: Sequence[tuple[bytes, bytes]],
-        body: bytes,
-        read_timeout_s: float | None,
-    ) -> EngineAnswer:
-        """Raises the ``UpstreamError`` subclasses ``UpstreamPool.request`` raises."""
-        ...
-
-
 class EngineClient:
     """Sends ``POST`` requests to engines. ``connect_timeout_s``, ``read_timeout_s`` and
     ``max_connections`` are :class:`UpstreamPool`'s; ``tunnels`` reaches remote engines
@@ -60,7 +42,7 @@ class EngineClient:
     def __init__(
         self,
         *,
-        tunnels: TunnelOpener | None,
+        tunnels: HttpOpener | None,
         connect_timeout_s: float,
         read_timeout_s: float | None,
         max_connections: int,

@@ -55,12 +55,12 @@ from berth.anthropic_errors import (
     to_anthropic,
 )
 from berth.deployments.adapters import AdapterManager
-from berth.engine_http.answer import EngineAnswer, TimedAnswer, can_time
+from berth.engine_http.answer import EngineAnswer, HttpOpener, TimedAnswer, can_time
 from berth.errors import BerthError, NotFoundError
 from berth.gateway.adapter_resolver import with_lora
 from berth.gateway.asgi import AsgiClientRequest, AsgiClientWriter
 from berth.gateway.dispatch import first_answer
-from berth.gateway.engine_client import EngineAuth, EngineClient, TunnelOpener
+from berth.gateway.engine_client import EngineAuth, EngineClient
 from berth.gateway.exchange import (
     ClientRequest,
     ClientWriter,
@@ -234,7 +234,7 @@ class OpenAIProxy:
         max_buffered_response_bytes: int = 1 * MiB,
         max_event_bytes: int = 1 * MiB,
         clock: Callable[[], float] = time.perf_counter,
-        tunnels: TunnelOpener | None = None,
+        tunnels: HttpOpener | None = None,
         router: Router | None = None,
         max_attempts: int = DEFAULT_MAX_ATTEMPTS,
         relay_buffer_chunks: int = DEFAULT_BUFFER_CHUNKS,
