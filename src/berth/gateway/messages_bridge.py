@@ -1,22 +1,23 @@
 """Where a Messages API request goes: passed through, or translated to a chat completion.
 
-The proxy's one hook for Anthropic's paths (:mod:`berth.gateway.proxy`): after the router's
-plan, :func:`route_messages` keeps the deployments whose engine serves the path
-(:func:`berth.routing.capability.serving`); when none serves ``/v1/messages`` it sends the
-request to every planned deployment as a chat completion instead
-(:func:`berth.gateway.anthropic_chat.translate_request`), and :meth:`MessagesRoute.answer`
-gives the engine's answer back as a Message: whole (:class:`TranslatedAnswer`) or as a
-Messages stream (:class:`TranslatedStream`). Both are :class:`EngineAnswer`\\ s, so the
-relay, its usage reading (the Messages form, from the translated bytes), its error shape
-and its broken-stream ending are the same as for an engine that speaks the Messages API.
-A token count (``/v1/messages/count_tokens``) is not translated: chat completions count
-no tokens.
+The proxy's hook for Anthropic's paths, in two places. After the router's plan, the routing
+stage (:class:`berth.gateway.stages.Routing`) calls :func:`route_messages`: it keeps the
+deployments whose engine serves the path (:func:`berth.routing.capability.serving`), or,
+when none serves ``/v1/messages``, gives back the request rewritten as a chat completion
+(:func:`berth.gateway.anthropic_chat.translate_request`: its ``body`` and ``raw``, and
+``engine_path`` ``/v1/chat/completions``) for every planned deployment. Each attempt
+(:class:`berth.gateway.attempt.Attempts`) then hands the engine's answer to
+:func:`translated_answer`, which gives it back as a Message: whole
+(:class:`TranslatedAnswer`) or as a Messages stream (:class:`TranslatedStream`). Both are
+:class:`EngineAnswer`\\ s, so the relay, its usage reading (the Messages form, from the
+translated bytes), its error shape and its broken-stream ending are the same as for an
+engine that speaks the Messages API. A token count (``/v1/messages/count_tokens``) is not
+translated: chat completions count no tokens.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 from berth.anthropic_errors import MESSAGES_PATH
 from berth.engine_http.answer import EngineAnswer, read_body
@@ -29,57 +30,65 @@ from berth.gateway.anthropic_chat import (
     translate_request,
 )
 from berth.gateway.anthropic_stream import ChatToMessagesStream
+from berth.gateway.request import PublicRequest
 from berth.gateway.sse import SSEEventSplitter, parse_event, split_events
 from berth.routing.capability import serving
 from berth.routing.resolver import Upstream
 from berth.runtime.engines import serves_path
 
-__all__ = ["CHAT_PATH", "MessagesRoute", "TranslatedAnswer", "TranslatedStream", "route_messages"]
+__all__ = [
+    "CHAT_PATH",
+    "TranslatedAnswer",
+    "TranslatedStream",
+    "route_messages",
+    "translated_answer",
+]
 
 #: Where a translated Messages request is sent.
 CHAT_PATH = "/v1/chat/completions"
 
 
-@dataclass(frozen=True, slots=True)
-class MessagesRoute:
-    """A Messages API request's way to its engines: the ``plan`` (in the router's order),
-    the engine ``path``, and the ``translation`` when it goes as a chat completion
-    (``None``: passed through as it is)."""
-
-    plan: list[Upstream]
-    path: str
-    translation: Translated | None = None
-
-    def body(self, body: bytes) -> bytes:
-        """The request body to send: the client's, or its translation."""
-        return body if self.translation is None else self.translation.body
-
-    def answer(self, answer: EngineAnswer, upstream: Upstream, request_id: str) -> EngineAnswer:
-        """The engine's ``answer`` as the client must read it: as it is when passed through
-        or when it is an error (its body is made Anthropic-shaped by the relay), else
-        translated (``request_id`` names the message when the engine's has no id)."""
-        translation = self.translation
-        if translation is None or answer.status >= 400:
-            return answer
-        if translation.streamed:
-            return TranslatedStream(answer, translation, upstream, request_id)
-        return TranslatedAnswer(answer, translation, upstream, request_id)
-
-
 def route_messages(
-    plan: Sequence[Upstream], path: str, payload: dict[str, object]
-) -> MessagesRoute:
-    """The route of a request to ``path`` (one of Anthropic's) whose JSON is ``payload``.
+    request: PublicRequest, plan: Sequence[Upstream]
+) -> tuple[PublicRequest, list[Upstream]]:
+    """The request to one of Anthropic's paths as its engines must get it, and its plan.
 
-    Passed through to the planned deployments whose engine serves ``path`` when one does;
-    else, for ``/v1/messages``, translated for all of them. Raises
-    :class:`~berth.routing.errors.InvalidRequestError` (400): what the translation refuses
-    (:func:`~berth.gateway.anthropic_chat.translate_request`), or, for a token count no
-    engine serves, ``path_not_served``.
+    Passed through (``request`` as it is) to the planned deployments whose engine serves
+    its path when one does; else, for ``/v1/messages``, translated for all of them: the
+    request with the chat completion as its ``body`` and ``raw`` and ``engine_path`` set.
+    Raises :class:`~berth.routing.errors.InvalidRequestError` (400): what the translation
+    refuses (:func:`~berth.gateway.anthropic_chat.translate_request`), or, for a token
+    count no engine serves, ``path_not_served``.
     """
+    path = request.path
     if path != MESSAGES_PATH or any(serves_path(u.engine, path) for u in plan):
-        return MessagesRoute(serving(plan, path), path)
-    return MessagesRoute(list(plan), CHAT_PATH, translate_request(payload))
+        return request, serving(plan, path)
+    translation = translate_request(request.body)
+    rewritten = request._replace(body=translation.chat, raw=translation.body, engine_path=CHAT_PATH)
+    return rewritten, list(plan)
+
+
+def translated_answer(
+    request: PublicRequest, answer: EngineAnswer, upstream: Upstream
+) -> EngineAnswer:
+    """``upstream``'s ``answer`` to ``request`` as the client must read it: as it is unless
+    :func:`route_messages` translated the request; then an error stays as it is (the relay
+    makes its body Anthropic-shaped) and any other answer is translated (named by the
+    request id when the engine's has no id)."""
+    if request.engine_path != CHAT_PATH or request.dialect != "messages" or answer.status >= 400:
+        return answer
+    stop = request.body.get("stop")
+    translation = Translated(
+        request.raw,
+        request.body,
+        request.model,  # as the client named it
+        tuple(stop) if isinstance(stop, list) else (),
+        request.stream,
+    )
+    request_id = request.request_id.decode()
+    if translation.streamed:
+        return TranslatedStream(answer, translation, upstream, request_id)
+    return TranslatedAnswer(answer, translation, upstream, request_id)
 
 
 class _Translating:
