@@ -15,6 +15,8 @@ import pytest
 
 from berth.cluster.remote_link import tunnel_url
 from berth.routing.resolver import Upstream
+from support.direct import DEPLOYMENT as DIRECT_DEPLOYMENT
+from support.direct import Pki
 from support.link_pair import DEPLOYMENT, Linked, OneLink
 from support.standin_engine import (
     Head,
@@ -27,6 +29,8 @@ from support.standin_engine import (
     json_reply,
     sse_reply,
 )
+from support.waiting import EVENT_TIMEOUT_S, wait_for_async
+from test_direct_path import _leader as direct_leader
 from test_messages_api import ASK, leader, ledger, local, sdk
 
 WEATHER = {
@@ -280,3 +284,30 @@ async def test_an_answer_of_unannounced_length_is_translated_too(engine: Standin
         message = await client.messages.create(**ASK)
     assert message.content[0].text == "chunked " * 50  # type: ignore[union-attr]
     assert ledger(admission) == [("k-plain", 1, 0, 9, 100, 0)]
+
+
+async def test_a_translated_stream_over_the_direct_path_to_an_agent(pki: Pki) -> None:
+    sides = direct_leader(pki)
+    side = await anext(sides)
+    try:
+        await wait_for_async(lambda: side.path() == "direct", EVENT_TIMEOUT_S, "the direct path")
+        side.side.engine.script(sse_reply(chat_chunks(["went direct"], usage=(6, 2))))
+        upstream = Upstream(
+            tunnel_url(side.node_id, DIRECT_DEPLOYMENT),
+            DIRECT_DEPLOYMENT,
+            side.node_id,
+            "m",
+            engine="sglang",
+        )
+        async with (
+            leader([upstream], tunnels=side.paths) as (url, admission, _),
+            sdk(url) as client,
+            client.messages.stream(**ASK) as stream,
+        ):
+            texts = [text async for text in stream.text_stream]
+        assert "".join(texts) == "went direct"
+        assert side.tunnel.opened == 0  # not through the tunnel
+        assert side.side.engine.requests[0].path == "/v1/chat/completions"
+        assert ledger(admission) == [("k-plain", 1, 0, 6, 2, 0)]
+    finally:
+        await sides.aclose()  # type: ignore[attr-defined]
