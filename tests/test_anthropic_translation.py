@@ -1,6 +1,7 @@
 """The translation of Anthropic's Messages API to and from OpenAI's chat completions, pure:
 requests field by field (what is carried, what is ignored, what is refused), answers
-(content, stop reasons, usage with cached tokens) and the stream's state machine."""
+(content, stop reasons, usage with cached tokens) and the stream's state machine; and the
+answer wrappers over an engine's answer cut in any pieces."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from berth.engine_http.errors import UpstreamProtocolError
 from berth.gateway.anthropic_chat import (
     AnswerNotTranslatableError,
     Translated,
@@ -18,7 +20,9 @@ from berth.gateway.anthropic_chat import (
     usage_counts,
 )
 from berth.gateway.anthropic_stream import ChatToMessagesStream
+from berth.gateway.messages_bridge import TranslatedAnswer, TranslatedStream
 from berth.routing.errors import InvalidRequestError
+from berth.routing.resolver import Upstream
 from support.standin_engine import chat_chunks, chat_completion
 
 BASE: dict[str, Any] = {
@@ -600,3 +604,73 @@ def test_a_stream_that_fails_ends_with_anthropics_error_event(
     events = translate_stream(chunks)
     assert events[-1] == {"type": "error", "error": {"type": "api_error", "message": message}}
     assert "message_stop" not in [e["type"] for e in events]
+
+
+# -- the answer wrappers --------------------------------------------------------------------
+
+
+class PiecesAnswer:
+    """An engine's answer whose body comes in the given pieces (the last with the end)."""
+
+    def __init__(self, pieces: list[bytes], content_type: bytes) -> None:
+        self._pieces = list(pieces)
+        self.status = 200
+        self.headers = [(b"content-type", content_type)]
+        self.content_length: int | None = None
+        self.closed = False
+
+    def header(self, name: bytes) -> bytes | None:
+        return dict(self.headers).get(name)
+
+    @property
+    def at_eof(self) -> bool:
+        return not self._pieces
+
+    async def read_chunk(self) -> bytes:
+        return self._pieces.pop(0) if self._pieces else b""
+
+    async def read(self, limit_bytes: int | None = None) -> bytes:
+        return b"".join([await self.read_chunk() for _ in range(len(self._pieces))])
+
+    def close(self) -> None:
+        self.closed = True
+
+
+@pytest.mark.parametrize("size", [1, 7, 64, 100_000])
+@pytest.mark.parametrize("newline", ["\n", "\r\n"])
+async def test_a_translated_stream_is_the_same_however_the_engines_bytes_are_cut(
+    size: int, newline: str
+) -> None:
+    whole = b"".join(chat_chunks(["cut anywhere at all"], tool_call=True))
+    whole = whole.replace(b"\n", newline.encode())
+    pieces = [whole[i : i + size] for i in range(0, len(whole), size)]
+    translated = Translated(b"{}", {}, "m", (), True)
+    upstream = Upstream("http://127.0.0.1:1", "d-1", "local", "m")
+    answer = PiecesAnswer(pieces, b"text/event-stream")
+    stream = TranslatedStream(answer, translated, upstream, "rid")  # type: ignore[arg-type]
+    assert stream.header(b"content-type") == b"text/event-stream"
+    out = b""
+    while chunk := await stream.read_chunk():
+        out += chunk
+    assert stream.at_eof
+    expected = ChatToMessagesStream(translated, fallback_id="rid")
+    reference = b"".join(
+        expected.feed(event.decode().removeprefix("data: ").strip())
+        for event in chat_chunks(["cut anywhere at all"], tool_call=True)
+    )
+    assert out == reference + expected.finish()
+    stream.close()
+    assert answer.closed
+
+
+async def test_a_whole_answer_is_translated_at_its_first_read() -> None:
+    body = json.dumps(chat_completion("whole")).encode()
+    translated = Translated(b"{}", {}, "m", (), False)
+    upstream = Upstream("http://127.0.0.1:1", "d-1", "local", "m")
+    answer = PiecesAnswer([body[:10], body[10:]], b"application/json")
+    whole = TranslatedAnswer(answer, translated, upstream, "rid")  # type: ignore[arg-type]
+    message = json.loads(await whole.read())
+    assert message["content"] == [{"type": "text", "text": "whole"}] and whole.at_eof
+    broken = TranslatedAnswer(PiecesAnswer([b"[]"], b"application/json"), translated, upstream, "r")  # type: ignore[arg-type]
+    with pytest.raises(UpstreamProtocolError, match="answered what berth cannot translate"):
+        await broken.read()
