@@ -11,14 +11,13 @@ from typing import Any
 import pytest
 
 from berth.engine_http.errors import UpstreamProtocolError
-from berth.gateway.anthropic_chat import (
+from berth.gateway.anthropic_answer import (
     AnswerNotTranslatableError,
-    Translated,
     stop_reason,
     translate_answer,
-    translate_request,
     usage_counts,
 )
+from berth.gateway.anthropic_chat import Translated, translate_request
 from berth.gateway.anthropic_stream import ChatToMessagesStream
 from berth.gateway.messages_bridge import TranslatedAnswer, TranslatedStream
 from berth.routing.errors import InvalidRequestError

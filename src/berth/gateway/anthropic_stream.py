@@ -37,7 +37,8 @@ import json
 from typing import Any
 
 from berth.anthropic_errors import stream_error_event
-from berth.gateway.anthropic_chat import Translated, message_id, stop_reason, usage_counts
+from berth.gateway.anthropic_answer import message_id, stop_reason, usage_counts
+from berth.gateway.anthropic_chat import Translated
 
 __all__ = ["ChatToMessagesStream"]
 

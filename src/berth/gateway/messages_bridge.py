@@ -23,12 +23,8 @@ from berth.anthropic_errors import MESSAGES_PATH
 from berth.engine_http.answer import EngineAnswer, read_body
 from berth.engine_http.errors import UpstreamProtocolError
 from berth.engine_http.origin import parse_origin
-from berth.gateway.anthropic_chat import (
-    AnswerNotTranslatableError,
-    Translated,
-    translate_answer,
-    translate_request,
-)
+from berth.gateway.anthropic_answer import AnswerNotTranslatableError, translate_answer
+from berth.gateway.anthropic_chat import Translated, translate_request
 from berth.gateway.anthropic_stream import ChatToMessagesStream
 from berth.gateway.request import PublicRequest
 from berth.gateway.sse import SSEEventSplitter, parse_event, split_events
