@@ -279,11 +279,10 @@ class _ReplySink:
         self.reset_message = ""
 
     async def send_head(
-        self, status: int, headers: list[tuple[str, str]], payload: bytes, end: bool
+        self, status: int, headers: list[tuple[bytes, bytes]], payload: bytes, end: bool
     ) -> None:
         self.started = True
-        head = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in headers]
-        await self._reply.start(status, head)
+        await self._reply.start(status, headers)  # bytes from the engine, bytes to the leader
         if end:
             await self._reply.end(payload)
         elif payload:

@@ -96,15 +96,16 @@ class AnswerSink(Protocol):
     (:class:`~berth.cluster.tunnel_stream.TunnelStream`) or the ingress's HTTP reply
     (:mod:`berth.agent.ingress`).
 
-    ``send_head`` once (status, headers without hop-by-hop ones, the first body bytes, and
-    whether they are all of it), then ``write`` until ``end``; ``reset`` instead when the
-    exchange fails (before the head: the leader tries elsewhere; after: the answer is cut
-    off). Writes wait while the leader reads slowly (backpressure); a leader that gave up
+    ``send_head`` once (status, headers without hop-by-hop ones as the engine sent them:
+    lower-case byte pairs, the first body bytes, and whether they are all of it), then
+    ``write`` until ``end``; ``reset`` instead when the exchange fails (before the head: the
+    leader tries elsewhere; after: the answer is cut off). Writes wait while the leader
+    reads slowly (backpressure); a leader that gave up
     makes them raise (``StreamResetError``) or cancels the relaying task.
     """
 
     async def send_head(
-        self, status: int, headers: list[tuple[str, str]], payload: bytes, end: bool
+        self, status: int, headers: list[tuple[bytes, bytes]], payload: bytes, end: bool
     ) -> None: ...
 
     async def write(self, data: bytes, end: bool = False) -> None: ...
@@ -469,11 +470,7 @@ class AgentService:
 
     async def _relay_answer(self, stream: AnswerSink, response: UpstreamResponse) -> bool:
         """Send the engine's answer to ``stream``; ``False`` when the engine broke it off."""
-        head_headers = [
-            (k.decode("latin-1"), v.decode("latin-1"))
-            for k, v in response.headers
-            if k not in _HOP_BY_HOP
-        ]
+        head_headers = [header for header in response.headers if header[0] not in _HOP_BY_HOP]
         try:
             chunk = await response.read_chunk()
         except UpstreamError as exc:

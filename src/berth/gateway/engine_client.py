@@ -11,7 +11,7 @@ may try another node.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from berth.engine_http.answer import EngineAnswer, HttpOpener
 from berth.engine_http.errors import UpstreamConnectError, UpstreamError, UpstreamTimeoutError
@@ -30,6 +30,19 @@ EngineAuth = Callable[[str], tuple[bytes, bytes] | None]
 _TUNNELED = "<tunnel>"
 _MAX_CACHED_TARGETS = 4096
 _POST = b"POST"
+
+
+class EngineRequest(NamedTuple):
+    """What one attempt sends an engine (always a ``POST``): ``path`` the API path as the
+    engine serves it (``/v1/chat/completions``; joined to a deployment's base URL here),
+    ``query`` the raw query string (no ``?``), ``headers`` those the engine may see
+    (lower-case byte pairs; the engine's key is added here for a local engine, by its agent
+    for a tunneled one) and ``body`` the bytes to send."""
+
+    path: str
+    query: bytes
+    headers: list[tuple[bytes, bytes]]
+    body: bytes
 
 
 class EngineClient:
@@ -74,28 +87,22 @@ class EngineClient:
         if pool is not None:
             await pool.close()
 
-    async def open(
-        self,
-        upstream: Upstream,
-        path: str,
-        query: bytes,
-        forward: list[tuple[bytes, bytes]],
-        body: bytes,
-    ) -> EngineAnswer:
-        """Send the request for ``path`` (and ``query``) to ``upstream``; its answer once the
-        head is in. Raises :class:`EngineUnreachableError` or :class:`EngineTimeoutError`."""
+    async def open(self, upstream: Upstream, request: EngineRequest) -> EngineAnswer:
+        """Send ``request`` to ``upstream``; its answer once the head is in. Raises
+        :class:`EngineUnreachableError` or :class:`EngineTimeoutError`."""
         pool = self._pool
         if pool is None:
             raise RuntimeError("EngineClient.startup() was not awaited")
-        origin, target = self._engine_target(upstream.base_url, path)
-        if query:
-            target += b"?" + query
+        origin, target = self._engine_target(upstream.base_url, request.path)
+        if request.query:
+            target += b"?" + request.query
+        forward = request.headers
         try:
             if origin.host is _TUNNELED:
-                return await self._open_tunnel(upstream, target, forward, body)
+                return await self._open_tunnel(upstream, target, forward, request.body)
             auth = self._engine_auth(upstream.deployment_id) if self._engine_auth else None
             headers = forward if auth is None else [*forward, auth]
-            return await pool.request(origin, _POST, target, headers, body)
+            return await pool.request(origin, _POST, target, headers, request.body)
         except UpstreamConnectError as exc:
             raise EngineUnreachableError(upstream, exc.why) from exc
         except UpstreamTimeoutError as exc:
