@@ -374,3 +374,46 @@ async def _wait_until_let_in(side: Ingress) -> None:
                 f"node {side.pki.node_id}'s ingress refuses the leader's renewed certificate"
             )
         await asyncio.sleep(0.05)
+
+
+async def _stream(leader: Leader) -> bytes:
+    """One streamed exchange over the leader's data paths, read to its end."""
+    leader.side.engine.script(sse_reply(chat_chunks(["one ", "two ", "three"])))
+    answer = await leader.paths.open_http(
+        leader.node_id, DEPLOYMENT, b"POST", b"/v1/chat/completions", [], BODY, 10.0
+    )
+    try:
+        assert answer.status == 200
+        return await answer.read()
+    finally:
+        answer.close()
+
+
+async def test_sequential_streams_over_the_direct_path_share_one_connection(
+    rarely_probed: Leader,
+) -> None:
+    leader = rarely_probed
+    await wait_for_async(lambda: leader.path() == "direct", EVENT_TIMEOUT_S, "the direct path")
+
+    bodies = [await _stream(leader) for _ in range(8)]
+
+    assert all(b"three" in body and body.endswith(b"data: [DONE]\n\n") for body in bodies)
+    assert leader.tunnel.opened == 0
+    # The probe's connection carried every stream after it: one TLS handshake in all.
+    assert leader.relay.accepted == 1
+
+
+async def test_a_connection_broken_by_the_ingress_is_not_used_again(
+    rarely_probed: Leader,
+) -> None:
+    leader = rarely_probed
+    await wait_for_async(lambda: leader.path() == "direct", EVENT_TIMEOUT_S, "the direct path")
+    await _stream(leader)
+    assert leader.relay.cut() == 1  # the idle connection, broken off by the peer
+
+    body = await _stream(leader)
+
+    assert b"three" in body
+    assert leader.tunnel.opened == 0  # a new connection, not the tunnel
+    assert leader.relay.accepted == 2
+    assert leader.path() == "direct"
