@@ -226,7 +226,9 @@ async def leader(
 
     def wrap(proxy: OpenAIProxy) -> Any:
         built.append(proxy)
-        services = SimpleNamespace(proxy=proxy, authenticator=Authenticator(), admission=admission)
+        services = SimpleNamespace(
+            proxy=proxy, authenticator=Authenticator(), admission=admission, leadership=None
+        )
         return LeaderApp(services, FastAPI(), trusted=trusted)  # type: ignore[arg-type]
 
     resolver = Engines(upstreams)

@@ -20,6 +20,9 @@ from berth.errors import ConflictError, NotFoundError, StoreError
 from berth.limits import LimitOverrides
 from berth.store import Store, UsageRecord
 
+# Every test that uses the store runs on SQLite and on PostgreSQL (conftest.py).
+pytestmark = pytest.mark.store_engines
+
 DAY = date(2026, 3, 14)
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
+from collections.abc import Sequence
 from typing import Protocol
 
 from berth.cluster.protocol.errors import LinkError
@@ -304,9 +305,11 @@ class TunnelStream:
     # -- writing -------------------------------------------------------------------------
 
     async def send_head(
-        self, status: int, headers: list[tuple[str, str]], payload: bytes, end: bool
+        self, status: int, headers: Sequence[tuple[bytes, bytes]], payload: bytes, end: bool
     ) -> None:
-        """Agent: answer with ``status`` and ``headers``; the head frame carries as much of
+        """Agent: answer with ``status`` and ``headers`` (lower-case byte pairs, as the
+        engine sent them; the head frame carries them as latin-1 text, the wire's form, and
+        this is the one place they are converted); the head frame carries as much of
         ``payload`` as the credit allows (a small answer is one frame), the rest follows as
         data. ``end``: ``payload`` is the whole answer.
 
@@ -318,7 +321,8 @@ class TunnelStream:
             self._raise_if_over()
             return  # ended or reset under us: nothing more to send
         first, rest = payload[:room], payload[room:]
-        self.conn.send_head(StreamHead(id=self.id, status=status, headers=headers,
+        text = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in headers]
+        self.conn.send_head(StreamHead(id=self.id, status=status, headers=text,
                                        payload=first, end=end and not rest))  # fmt: skip
         if rest:
             await self.write(rest, end=end)

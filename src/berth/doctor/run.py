@@ -37,11 +37,12 @@ from berth.doctor.engines import (
 )
 from berth.doctor.install import home_check, packages_check, python_check, secrets_check
 from berth.doctor.ports import port_check
+from berth.doctor.store import store_check
 from berth.errors import BerthError, ConfigError
 from berth.paths import BerthHome
 
 #: Hosts the leader always puts in the certificates it issues itself (see
-#: ``berth.daemon.server.public_tls_files`` and ``berth.cluster.listener.cluster_tls_files``).
+#: ``berth.daemon.public_tls.public_tls_files`` and ``berth.cluster.listener.cluster_tls_files``).
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
 _FORWARDED_FP_ENV = "BERTH_TRUST_FORWARDED_FP"
 
@@ -86,6 +87,7 @@ def run_checks(
     if is_leader:
         daemon = daemon_state(home, timeout_s=timeout_s)
         checks.append(daemon.check)
+        checks.append(store_check(settings))
         checks.extend(listener_checks(home, settings))
         checks.extend(
             tls_checks(

@@ -74,3 +74,17 @@ class ClientDisconnectedError(HttpServerError):
 
     http_status = 499
     error_code = "client_disconnected"
+
+
+class BindError(HttpServerError):
+    """A listening socket could not be bound: ``name`` (the listener), ``host``, ``port``,
+    ``reason`` in words (``address already in use``, else the OS's ``strerror``) and the
+    ``OSError`` itself (``os_error``, for its ``errno``)."""
+
+    def __init__(self, name: str, host: str, port: int, reason: str, os_error: OSError) -> None:
+        self.os_error = os_error
+        self.name = name
+        self.host = host
+        self.port = port
+        self.reason = reason
+        super().__init__(f"{name} listener {host}:{port}: {reason}")

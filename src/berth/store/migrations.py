@@ -311,6 +311,28 @@ def _v9_service_timeouts(conn: Connection) -> None:
         _add_column(conn, "service_profiles", Column(name, Float, nullable=True))
 
 
+def _v10_leader_lease(conn: Connection) -> None:
+    metadata = MetaData()
+    Table(
+        "leader_lease",
+        metadata,
+        Column("name", String(32), primary_key=True),
+        Column("holder", String(255), nullable=False),
+        Column("address", String(512), nullable=False),
+        Column("epoch", BigInteger, nullable=False),
+        Column("acquired_at", Float, nullable=False),
+        Column("renewed_at", Float, nullable=False),
+        Column("expires_at", Float, nullable=False),
+    )
+    Table(
+        "change_counters",
+        metadata,
+        Column("topic", String(32), primary_key=True),
+        Column("counter", BigInteger, nullable=False),
+    )
+    metadata.create_all(conn)
+
+
 #: Every migration, in increasing order (numbers may skip: see the module docstring).
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(1, "models, deployments and api_keys", _v1_initial),
@@ -326,6 +348,7 @@ MIGRATIONS: tuple[Migration, ...] = (
         8, "deployments' and services' restart policy, restart count, last exit", _v8_restart_policy
     ),
     Migration(9, "service_profiles stream timeouts (first byte, idle)", _v9_service_timeouts),
+    Migration(10, "leader_lease (active leader and epoch), change_counters", _v10_leader_lease),
 )
 
 LATEST_VERSION = MIGRATIONS[-1].version

@@ -305,3 +305,28 @@ class AdapterLocationRow(Base):
         String(16), ForeignKey("nodes.id", ondelete="CASCADE"), primary_key=True
     )
     path: Mapped[str] = mapped_column(Text)
+
+
+class LeaderLeaseRow(Base):
+    """The leadership lease (one row, ``name`` ``leader``): who is active, under which
+    epoch, until when (Unix seconds of the holder's clock)."""
+
+    __tablename__ = "leader_lease"
+
+    name: Mapped[str] = mapped_column(String(32), primary_key=True)
+    holder: Mapped[str] = mapped_column(String(NAME_LENGTH))
+    address: Mapped[str] = mapped_column(String(512))
+    epoch: Mapped[int] = mapped_column(BigInteger)
+    acquired_at: Mapped[float] = mapped_column(Float)
+    renewed_at: Mapped[float] = mapped_column(Float)
+    expires_at: Mapped[float] = mapped_column(Float)
+
+
+class ChangeCounterRow(Base):
+    """How many changes of one kind (``topic``: ``keys``) were written, for leaders that
+    poll for them (:mod:`berth.store.changes`)."""
+
+    __tablename__ = "change_counters"
+
+    topic: Mapped[str] = mapped_column(String(32), primary_key=True)
+    counter: Mapped[int] = mapped_column(BigInteger)
