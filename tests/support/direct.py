@@ -178,13 +178,15 @@ class Relay:
     """A TCP relay from ``listen`` to ``target`` that can stop passing bytes: ``blocked``
     holds every byte in both directions (a black hole: no reset, no close), like a
     firewall's DROP rule. ``accepted`` counts the connections it took (each one is one
-    connection the ingress accepts); :meth:`cut` closes those open now, as a peer that
+    connection the ingress accepts) and ``ended`` has, for each in turn, an event set once
+    the leader's side of it has closed; :meth:`cut` closes those open now, as a peer that
     breaks them off."""
 
     target: tuple[str, int]
     blocked: bool = False
     server: asyncio.Server | None = None
     accepted: int = 0
+    ended: list[asyncio.Event] = field(default_factory=list)
     _pipes: set[asyncio.Task[None]] = field(default_factory=set)
     _writers: set[asyncio.StreamWriter] = field(default_factory=set)
 
@@ -207,6 +209,8 @@ class Relay:
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.accepted += 1
+        ended = asyncio.Event()
+        self.ended.append(ended)
         try:
             up_reader, up_writer = await asyncio.open_connection(*self.target)
         except OSError:
@@ -217,6 +221,8 @@ class Relay:
             task = asyncio.create_task(self._pipe(source, sink))
             self._pipes.add(task)
             task.add_done_callback(self._pipes.discard)
+            if source is reader:  # the leader's side: its end is the connection's
+                task.add_done_callback(lambda _task: ended.set())
 
     async def _pipe(self, source: asyncio.StreamReader, sink: asyncio.StreamWriter) -> None:
         try:
