@@ -669,13 +669,24 @@ def _report_against_caddy(rounds: list[list[Result]]) -> None:
         return
     print(f"\n| round | path | CPU per event ÷ {caddy} |")
     print("| ---: | --- | ---: |")
+    ratios: dict[str, list[float]] = {}
     for number, results in enumerate(rounds, 1):
         ref = next((r for r in results if r.name == caddy), None)
         if ref is None:
             continue
         for r in results:
             if r.name.startswith("berth"):
-                print(f"| {number} | {r.name} | {r.us_per_event / ref.us_per_event:.2f} |")
+                ratio = r.us_per_event / ref.us_per_event
+                ratios.setdefault(r.name, []).append(ratio)
+                print(f"| {number} | {r.name} | {ratio:.2f} |")
+    if len(rounds) < 3:
+        return
+    print(f"\n| path | CPU per event ÷ {caddy}, median of {len(rounds)} (lowest - highest) |")
+    print("| --- | ---: |")
+    for name, values in ratios.items():
+        found = sorted(values)
+        middle, low, high = statistics.median(found), found[0], found[-1]
+        print(f"| {name} | {middle:.2f} ({low:.2f} - {high:.2f}) |")
 
 
 async def _bench(targets: list[Target], args: argparse.Namespace) -> list[list[Result]]:
