@@ -333,6 +333,14 @@ def _v10_leader_lease(conn: Connection) -> None:
     metadata.create_all(conn)
 
 
+def _v11_usage_cached_tokens(conn: Connection) -> None:
+    # ADD COLUMN with a constant default fills existing rows (no cache reads counted then):
+    # the same statement on SQLite and PostgreSQL.
+    conn.execute(
+        text("ALTER TABLE usage_ledger ADD COLUMN cached_tokens BIGINT NOT NULL DEFAULT 0")
+    )
+
+
 #: Every migration, in increasing order (numbers may skip: see the module docstring).
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(1, "models, deployments and api_keys", _v1_initial),
@@ -349,6 +357,9 @@ MIGRATIONS: tuple[Migration, ...] = (
     ),
     Migration(9, "service_profiles stream timeouts (first byte, idle)", _v9_service_timeouts),
     Migration(10, "leader_lease (active leader and epoch), change_counters", _v10_leader_lease),
+    Migration(
+        11, "usage_ledger.cached_tokens (prompt tokens read from a cache)", _v11_usage_cached_tokens
+    ),
 )
 
 LATEST_VERSION = MIGRATIONS[-1].version

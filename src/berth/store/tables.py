@@ -149,7 +149,8 @@ class UsageRow(Base):
     ``key_id`` is ``""`` for requests over the leader's Unix socket (no key); it is not a
     foreign key, so usage outlives a key.  ``estimated_tokens`` is the part of the prompt
     and completion tokens berth estimated (the engine reported no usage), over
-    ``estimated_requests`` requests.
+    ``estimated_requests`` requests.  ``cached_tokens`` is the part of the prompt tokens the
+    engine read from its cache, where it said so.
     """
 
     __tablename__ = "usage_ledger"
@@ -164,6 +165,7 @@ class UsageRow(Base):
     completion_tokens: Mapped[int] = mapped_column(BigInteger)
     estimated_requests: Mapped[int] = mapped_column(BigInteger)
     estimated_tokens: Mapped[int] = mapped_column(BigInteger)
+    cached_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
 
 
 class NodeRow(Base):
