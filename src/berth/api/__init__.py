@@ -28,12 +28,14 @@ from berth.api.keys import (
 from berth.api.leader import (
     DaemonInfo,
     Health,
+    LeaderStatus,
     ListenerInfo,
     Readiness,
     RuntimeInfo,
     SettingsReport,
     SettingValue,
     ShutdownAccepted,
+    StepDownAccepted,
 )
 from berth.api.metrics import (
     DeploymentColumns,
@@ -135,6 +137,7 @@ __all__ = [
     "KeyLimitsOut",
     "KeyUseOut",
     "LastDecision",
+    "LeaderStatus",
     "ListedDeployment",
     "ListenerInfo",
     "LocatedModel",
@@ -171,6 +174,7 @@ __all__ = [
     "SettingValue",
     "SettingsReport",
     "ShutdownAccepted",
+    "StepDownAccepted",
     "Timestamp",
     "UsageGrouping",
     "UsageReport",
