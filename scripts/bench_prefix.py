@@ -29,7 +29,7 @@ and the load per engine from its ``/metrics`` (``requests_processing`` + ``reque
 sampled every 0.1 s): the time-averaged in flight of the busiest engine over the mean of the
 three (``max/mean``), and the peak. Prints a markdown table (and ``--json``).
 
-Run: ``.venv/bin/python scripts/bench_prefix.py`` (about 3 minutes per router at the
+Run: ``.venv/bin/python scripts/bench_prefix.py`` (2 to 3 minutes per router at the
 defaults on 2 cores; ``--routers berth-prefix,berth-least-load`` to pick).
 """
 
