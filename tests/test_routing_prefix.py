@@ -353,9 +353,7 @@ async def test_the_proxy_sends_a_shared_prefix_to_one_engine_and_counts_it(
         engines = [await stack.enter_async_context(StandinEngine()) for _ in range(3)]
         resolver = Engines(engines)
         router = Router(resolver, policy="prefix", on_decision=metrics.routing_decided)
-        url = await stack.enter_async_context(
-            running_proxy(resolver, metrics, router=router)  # type: ignore[arg-type]
-        )
+        url = await stack.enter_async_context(running_proxy(resolver, metrics, router=router))
         http = await stack.enter_async_context(httpx.AsyncClient(base_url=url))
         for turn in range(4):  # one at a time: nothing in flight, the match always wins
             body = {"model": "m", **_chat(SYSTEM, f"question {turn}")}
