@@ -42,6 +42,8 @@ SERVER_CERT_VALIDITY_DAYS: Final = 365
 RENEW_BEFORE_DAYS: Final = 30
 #: Backdating of notBefore, so a peer whose clock runs a little behind accepts a new cert.
 CLOCK_SKEW: Final = timedelta(minutes=5)
+#: The shortest lifetime of a client certificate, in seconds (tests use a few tens).
+MIN_LEAF_LIFETIME_S: Final = 10.0
 MIN_RSA_BITS: Final = 2048
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
@@ -150,7 +152,7 @@ class CertificateAuthority:
         builder = self._leaf_builder(
             common_name=hosts[0].strip(),
             public_key=leaf_key.public_key(),
-            days=days,
+            lifetime=timedelta(days=days),
             usage=ExtendedKeyUsageOID.SERVER_AUTH,
         ).add_extension(x509.SubjectAlternativeName(_dedupe(names)), critical=False)
         leaf = builder.sign(self._key, hashes.SHA256())
@@ -205,16 +207,33 @@ class CertificateAuthority:
                 return False
         return True
 
-    def sign_csr(self, csr_pem: bytes, common_name: str, days: int) -> bytes:
+    def sign_csr(
+        self,
+        csr_pem: bytes,
+        common_name: str,
+        days: int | None = None,
+        *,
+        lifetime_s: float | None = None,
+    ) -> bytes:
         """Issue a clientAuth certificate for the key in ``csr_pem``; return it in PEM.
 
-        The subject is ``CN=<common_name>`` as the leader chooses: the CSR's own subject and
-        extensions are ignored, only its (self-signature-checked) public key is used.
-        Raises :class:`ConfigError` when the CSR does not parse, its signature is invalid,
-        its key is weak or of an unsupported type, or ``days`` is not positive.
+        Valid ``lifetime_s`` seconds (at least :data:`MIN_LEAF_LIFETIME_S`), else ``days``
+        days, from now; notBefore is backdated by :data:`CLOCK_SKEW`.  The subject is
+        ``CN=<common_name>`` as the leader chooses: the CSR's own subject and extensions
+        are ignored, only its (self-signature-checked) public key is used: the signature
+        proves the requester holds the key.  Raises :class:`ConfigError` when the CSR does
+        not parse, its signature is invalid, its key is weak or of an unsupported type, or
+        the lifetime is missing or too short.
         """
-        if days <= 0:
-            raise ConfigError(f"certificate validity must be at least one day, got {days}")
+        if lifetime_s is None:
+            if days is None or days <= 0:
+                raise ConfigError(f"certificate validity must be at least one day, got {days}")
+            lifetime_s = days * 86400.0
+        if lifetime_s < MIN_LEAF_LIFETIME_S:
+            raise ConfigError(
+                f"a certificate's lifetime must be at least {MIN_LEAF_LIFETIME_S:g} s, "
+                f"got {lifetime_s:g}"
+            )
         if not common_name.strip():
             raise ConfigError("a client certificate needs a common name")
         try:
@@ -232,7 +251,7 @@ class CertificateAuthority:
         builder = self._leaf_builder(
             common_name=common_name,
             public_key=public_key,
-            days=days,
+            lifetime=timedelta(seconds=lifetime_s),
             usage=ExtendedKeyUsageOID.CLIENT_AUTH,
         )
         return builder.sign(self._key, hashes.SHA256()).public_bytes(_PEM)
@@ -259,7 +278,10 @@ class CertificateAuthority:
         if not sans:
             raise ConfigError("a leaf certificate needs at least one subject alternative name")
         builder = self._leaf_builder(
-            common_name=common_name, public_key=public_key, days=days, usage=usage
+            common_name=common_name,
+            public_key=public_key,
+            lifetime=timedelta(days=days),
+            usage=usage,
         ).add_extension(x509.SubjectAlternativeName(list(sans)), critical=False)
         return builder.sign(self._key, hashes.SHA256())
 
@@ -268,7 +290,7 @@ class CertificateAuthority:
         *,
         common_name: str,
         public_key: ec.EllipticCurvePublicKey | rsa.RSAPublicKey | ed25519.Ed25519PublicKey,
-        days: int,
+        lifetime: timedelta,
         usage: x509.ObjectIdentifier,
     ) -> x509.CertificateBuilder:
         now = datetime.now(UTC)
@@ -280,7 +302,7 @@ class CertificateAuthority:
             .public_key(public_key)
             .serial_number(x509.random_serial_number())
             .not_valid_before(now - CLOCK_SKEW)
-            .not_valid_after(now + timedelta(days=days))
+            .not_valid_after(now + lifetime)
             .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
             .add_extension(_key_usage(digital_signature=True), critical=True)
             .add_extension(x509.ExtendedKeyUsage([usage]), critical=False)

@@ -411,6 +411,7 @@ async def serve(home: BerthHome, settings: Settings) -> None:
         pepper=pepper,
         cluster_url=cluster_url,
         audit=audit,
+        cert_lifetime_s=settings.agent_cert_lifetime_s,
     )
     # Keys checked with caches in front of the store, failures limited per client address.
     authenticator = Authenticator(

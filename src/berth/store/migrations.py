@@ -311,6 +311,23 @@ def _v9_service_timeouts(conn: Connection) -> None:
         _add_column(conn, "service_profiles", Column(name, Float, nullable=True))
 
 
+def _v26_node_certificates(conn: Connection) -> None:
+    metadata = MetaData()
+    Table("nodes", metadata, Column("id", String(16), primary_key=True))
+    table = Table(
+        "node_certificates",
+        metadata,
+        Column("fingerprint", String(80), primary_key=True),
+        Column("node_id", String(16), ForeignKey("nodes.id", ondelete="CASCADE"), nullable=False),
+        Column("serial", String(48), nullable=False),
+        Column("not_after", Float, nullable=False),
+        Column("issuer_fingerprint", String(80), nullable=False),
+        Column("issued_at", Float, nullable=False),
+        Index("ix_node_certificates_node_id", "node_id"),
+    )
+    table.create(conn)
+
+
 #: Every migration, in increasing order (numbers may skip: see the module docstring).
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(1, "models, deployments and api_keys", _v1_initial),
@@ -326,6 +343,8 @@ MIGRATIONS: tuple[Migration, ...] = (
         8, "deployments' and services' restart policy, restart count, last exit", _v8_restart_policy
     ),
     Migration(9, "service_profiles stream timeouts (first byte, idle)", _v9_service_timeouts),
+    # 26: issue 26's number, so that steps other features reserve below it stay free.
+    Migration(26, "node_certificates (issued client certificates)", _v26_node_certificates),
 )
 
 LATEST_VERSION = MIGRATIONS[-1].version

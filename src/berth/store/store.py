@@ -31,6 +31,7 @@ from berth.errors import (
 from berth.store import migrations
 from berth.store.adapters import AdapterMethods, adapter_named, adapters_of
 from berth.store.api_keys import ApiKeyMethods
+from berth.store.certificates import CertificateMethods
 from berth.store.db import WRITE_OPTIONS, create_store_engine
 from berth.store.nodes import NodeMethods, delete_model_locations
 from berth.store.records import (
@@ -55,7 +56,9 @@ def _utc_now() -> datetime:
     return datetime.now(UTC)
 
 
-class Store(NodeMethods, ServiceMethods, AdapterMethods, ApiKeyMethods, UsageMethods):
+class Store(
+    NodeMethods, ServiceMethods, AdapterMethods, ApiKeyMethods, UsageMethods, CertificateMethods
+):
     """The state database at ``url`` (the ``database_url`` setting).
 
     Nothing is touched until the first call; call :meth:`migrate` once at start-up before
