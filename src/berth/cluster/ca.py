@@ -120,6 +120,11 @@ class CertificateAuthority:
         return self._cert.public_bytes(_PEM)
 
     @property
+    def trust_bundle_pem(self) -> bytes:
+        """Every root a peer of this cluster should trust, in PEM, the current CA first."""
+        return self.cert_pem
+
+    @property
     def certificate(self) -> x509.Certificate:
         """The CA certificate."""
         return self._cert

@@ -42,6 +42,7 @@ from berth.cluster.listener import (
     cluster_tls_files,
 )
 from berth.cluster.peer_identity import ForwardedFingerprintTrust
+from berth.cluster.renewal import LinkCertificates
 from berth.config import Settings
 from berth.daemon.adapter_resolver import AdapterResolver
 from berth.daemon.adapters import AdapterManager
@@ -342,6 +343,9 @@ async def serve(home: BerthHome, settings: Settings) -> None:
         cluster_metrics=cluster_metrics,
         audit=audit,
         forwarded=forwarded,
+        certificates=LinkCertificates(
+            store, ca, lifetime_s=settings.agent_cert_lifetime_s, audit=audit
+        ),
     )
     if forwarded is not None:
         log.warning("cluster: trusting x-berth-client-fingerprint from %s", forwarded.describe())
