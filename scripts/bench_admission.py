@@ -2,7 +2,7 @@
 
 ``bench_proxy.py --limits`` measures the same thing through real sockets, where the machine's
 noise (other processes on the same cores) moves a cell by more than admission costs. This one
-runs :class:`berth.daemon.proxy.OpenAIProxy.handle` in a loop, with an in-memory client
+runs :class:`berth.gateway.proxy.OpenAIProxy.handle` in a loop, with an in-memory client
 request and answer writer and an engine answer made in memory, for the proxy without
 admission and the proxy with it (the key of ``bench_proxy.py --limits``: every limit set, none
 reached; the usage ledger; the fair admission gate with free slots), and prints the best
@@ -32,7 +32,7 @@ from bench_proxy import add_limited_key
 from berth.admission import Admission, SlotGate, UsageLedger
 from berth.cluster.remote_link import tunnel_url
 from berth.config import TierTable
-from berth.daemon.proxy import OpenAIProxy
+from berth.gateway.proxy import OpenAIProxy
 from berth.observability.metrics import ProxyMetrics
 from berth.routing.resolver import Upstream
 from berth.store import ApiKeyRecord, Store

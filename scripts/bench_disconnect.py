@@ -2,7 +2,7 @@
 
 In one process on loopback: the scripted stand-in engine (``tests/support/standin_engine.py``)
 streaming a long answer (an event every 20 ms, for about 4 s), and the OpenAI proxy
-(:class:`berth.daemon.proxy.OpenAIProxy`, served by uvicorn as in the tests) in front of it.
+(:class:`berth.gateway.proxy.OpenAIProxy`, served by uvicorn as in the tests) in front of it.
 A raw client sends a streamed chat request, reads until the first event, and closes its
 socket. Measured: from the close to the moment the engine's handler sees its connection
 gone. ``tests/test_proxy_streaming.py`` checks that it happens before the answer ends; the

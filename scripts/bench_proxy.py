@@ -4,7 +4,7 @@ Processes on loopback, plain HTTP, each its own Python:
 
 * the fast stand-in engine (``tests/support/standin_engine.py``: raw asyncio + httptools, canned
   answers: a 257-byte chat completion, or a 19-event stream of 3.3 kB written in one piece);
-* the proxy: :class:`berth.daemon.proxy.OpenAIProxy` served by berth's own HTTP server
+* the proxy: :class:`berth.gateway.proxy.OpenAIProxy` served by berth's own HTTP server
   (:mod:`berth.http_server`, on uvloop) with a fixed resolver and no auth in front, as the
   leader serves ``/v1``; it reaches the engine with berth's own client
   (:mod:`berth.engine_http.pool`);
@@ -115,8 +115,8 @@ def add_limited_key(store: Any, model: str) -> Any:
 
 
 def serve_proxy(engine_port: int, *, limits: bool = False) -> None:
-    from berth.daemon.proxy import OpenAIProxy
     from berth.eventloop import freeze_startup_objects
+    from berth.gateway.proxy import OpenAIProxy
     from berth.observability.metrics import ProxyMetrics
     from berth.routing.resolver import Upstream
 

@@ -27,10 +27,10 @@ from typing import Any
 
 import uvloop
 
-from berth.daemon.proxy_relay import Exchange, StreamPush
-from berth.daemon.sse import SSEEventSplitter
 from berth.engine_http.connection import UpstreamConnection
 from berth.engine_http.origin import Origin
+from berth.gateway.relay import Exchange, StreamPush
+from berth.gateway.sse import SSEEventSplitter
 from berth.http_server.writer import ResponseWriter
 
 EVENT = (

@@ -7,7 +7,7 @@ Everything runs in this process, on one uvloop event loop, over real HTTP on loo
   order: a fast one (``--fast-ms``, default 20 ms) on node ``node-fast`` and a slow one
   (``--slow-ms``, default 120 ms: an older GPU or a busier host) on node ``node-slow``,
   8 slots each. Each answers a 300-byte chat completion naming itself;
-* the proxy: :class:`berth.daemon.proxy.OpenAIProxy` served by uvicorn (httptools) on
+* the proxy: :class:`berth.gateway.proxy.OpenAIProxy` served by uvicorn (httptools) on
   127.0.0.1, with a resolver whose ``candidates()`` returns both engines, and either the
   real :class:`berth.routing.router.Router` (``scorer``) or :class:`RoundRobinRouter`
   (``round-robin``: rotates the candidates, no signals, no affinity); a fresh proxy and
@@ -44,7 +44,7 @@ import httptools
 import uvicorn
 import uvloop
 
-from berth.daemon.proxy import OpenAIProxy
+from berth.gateway.proxy import OpenAIProxy
 from berth.observability.metrics import ProxyMetrics
 from berth.routing.resolver import Upstream
 from berth.routing.router import Router

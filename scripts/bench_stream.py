@@ -354,7 +354,7 @@ def _start_profilers(target: Target, args: argparse.Namespace) -> list[subproces
 def serve_proxy(argv: list[str]) -> None:
     """The ``proxy`` role: ``bench_stream.py proxy ENGINE_PORT``: berth's OpenAI proxy on
     berth's HTTP server, plain TCP on 127.0.0.1, a fixed route to the engine; prints its port."""
-    from berth.daemon.proxy import OpenAIProxy
+    from berth.gateway.proxy import OpenAIProxy
     from berth.http_server.server import HttpServer
     from berth.observability.metrics import ProxyMetrics
     from berth.routing.resolver import Upstream

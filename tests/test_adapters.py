@@ -17,8 +17,8 @@ from aiohttp import web
 from sqlalchemy import text
 
 from berth.cluster.link_registry import LinkRegistry
-from berth.daemon.adapters import AdapterManager
-from berth.daemon.lora_plan import lora_notes, plan_lora
+from berth.deployments.adapters import AdapterManager
+from berth.deployments.lora_plan import lora_notes, plan_lora
 from berth.errors import ConfigError, ConflictError, EngineError, NotFoundError
 from berth.routing.adapters import AdapterSlots, AdapterTier, eviction_choice, rank_tiers, tier_of
 from berth.routing.errors import AdapterUnavailableError, NoReadyDeploymentError

@@ -24,15 +24,15 @@ from fastapi.routing import APIRoute
 from pydantic import TypeAdapter
 from starlette.routing import BaseRoute
 
+from berth.admin.app import build_admin_app, deployment_view
+from berth.admin.keys import key_view
+from berth.admin.nodes import node_detail_view
+from berth.admin.services import build_service_router
 from berth.api import Deployment, ServiceIn
 from berth.api.client import DaemonClient, error_from_response
 from berth.api.pulls import PullIn
 from berth.cli.common import request_body
 from berth.config import Settings
-from berth.daemon.admin import build_admin_app, deployment_view
-from berth.daemon.admin_keys import key_view
-from berth.daemon.admin_nodes import node_detail_view
-from berth.daemon.admin_services import build_service_router
 from berth.errors import (
     AuthError,
     BerthError,

@@ -13,9 +13,9 @@ import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
+from berth.admin.services import load_routes, service_router
 from berth.cluster.link_registry import LinkRegistry
-from berth.daemon.admin_services import load_routes, service_router
-from berth.daemon.lifecycle import LifecycleManager
+from berth.deployments.lifecycle import LifecycleManager
 from berth.errors import BerthError
 from berth.observability.metrics import ProxyMetrics
 from berth.openai_errors import error_from_exception
@@ -187,7 +187,7 @@ async def test_route_changes_reach_the_proxy_at_once(app_leader: Leader) -> None
 async def test_direct_deployments_keep_their_names(app_leader: Leader) -> None:
     await make_services(app_leader, "svc")
     await app_leader.ok("POST", "/admin/routes", json={"name": "chat", "service": "svc"})
-    from berth.daemon.lifecycle import DeployOptions
+    from berth.deployments.lifecycle import DeployOptions
 
     record = await app_leader.lifecycle.deploy(DeployOptions("tiny", "llamacpp", "local"))
     await app_leader.lifecycle.wait_settled(record.id, 5)

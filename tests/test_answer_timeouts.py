@@ -15,9 +15,9 @@ import pytest
 
 from berth.cluster.link_registry import LinkRegistry
 from berth.cluster.remote_link import tunnel_url
-from berth.daemon.lifecycle import DeployOptions, LifecycleManager
-from berth.daemon.proxy import OpenAIProxy
+from berth.deployments.lifecycle import DeployOptions, LifecycleManager
 from berth.errors import NotFoundError
+from berth.gateway.proxy import OpenAIProxy
 from berth.observability.metrics import ProxyMetrics
 from berth.routing.resolver import Upstream
 from berth.routing.router import Router

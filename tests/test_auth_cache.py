@@ -1,4 +1,4 @@
-"""The API-key cache of :class:`berth.daemon.auth.Authenticator`, against a real store: steady
+"""The API-key cache of :class:`berth.gateway.auth.Authenticator`, against a real store: steady
 traffic never waits for the store, concurrent misses share one read, and a key revoked or
 changed stops being served from the cache; bad secrets are remembered, read a few at a time,
 and limited per client address without ever refusing a key found valid."""
@@ -12,9 +12,9 @@ from collections.abc import Mapping
 
 import pytest
 
-from berth.daemon.auth import MAX_CONCURRENT_MISSES, NEGATIVE_CACHE_TTL_S, Authenticator
-from berth.daemon.auth_limiter import FailedAuthLimiter
 from berth.errors import AuthError, RateLimitError
+from berth.gateway.auth import MAX_CONCURRENT_MISSES, NEGATIVE_CACHE_TTL_S, Authenticator
+from berth.gateway.auth_limiter import FailedAuthLimiter
 from berth.keys import generate_secret, hash_secret, key_prefix
 from berth.store import ApiKeyRecord, Store
 from support.waiting import wait_for_async
@@ -219,7 +219,7 @@ async def test_a_store_failure_in_the_background_keeps_the_record_until_its_life
 
     reads.failure = OSError("database is locked")
     monotonic.now += TTL_S * 0.8
-    with caplog.at_level(logging.WARNING, logger="berth.daemon.auth"):
+    with caplog.at_level(logging.WARNING, logger="berth.gateway.auth"):
         assert await authenticator.authenticate(secret) == record
         await settle(authenticator)
     assert "reading an API key again failed" in caplog.text
@@ -301,7 +301,7 @@ async def test_creating_a_key_forgets_the_invalid_secrets(
 async def test_the_negative_cache_is_bounded_oldest_dropped_first(
     authenticator: Authenticator, reads: CountedReads, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr("berth.daemon.auth.MAX_NEGATIVE_ENTRIES", 3)
+    monkeypatch.setattr("berth.gateway.auth.MAX_NEGATIVE_ENTRIES", 3)
     secrets = [generate_secret() for _ in range(4)]
     for secret in secrets:
         with pytest.raises(AuthError):

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry
 
+from berth.admin.metrics import snapshot_view
 from berth.cluster.protocol.frames import DeploymentLoad, GpuState, Heartbeat, LoopLag
-from berth.daemon.admin_metrics import snapshot_view
 from berth.observability.cluster import ClusterMetrics, counter_delta
 from berth.observability.metrics import ProxyMetrics, Target
 from berth.observability.window import RequestMeter

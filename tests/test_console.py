@@ -9,6 +9,7 @@ from datetime import UTC, datetime, timedelta
 import httpx
 import pytest
 
+from berth.admin.console import ConsoleGate
 from berth.admission import Admission, UsageLedger
 from berth.admission.errors import KeyExpiredError
 from berth.config import TierTable
@@ -20,9 +21,8 @@ from berth.console.sessions import (
     session_id_from_cookies,
     set_cookie,
 )
-from berth.daemon.auth import Authenticator
-from berth.daemon.console_routes import ConsoleGate
 from berth.errors import AuthError
+from berth.gateway.auth import Authenticator
 from berth.keys import generate_secret, hash_secret, key_prefix
 from berth.observability.metrics import ProxyMetrics
 from berth.observability.request_log import RequestLog

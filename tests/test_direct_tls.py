@@ -13,6 +13,7 @@ import pytest
 from cryptography import x509
 from cryptography.x509.oid import ExtendedKeyUsageOID
 
+from berth.admin.nodes import LOCAL_PATH, node_detail_view, node_summary_view
 from berth.cluster.ca import CertificateAuthority
 from berth.cluster.direct_path import DataPath
 from berth.cluster.direct_tls import (
@@ -27,7 +28,6 @@ from berth.cluster.direct_tls import (
 )
 from berth.cluster.protocol.direct import parse_address, split_deployment_target
 from berth.cluster.protocol.frames import Hello, Inventory, decode_frame, encode_frame
-from berth.daemon.admin_nodes import LOCAL_PATH, node_detail_view, node_summary_view
 from berth.errors import AuthError
 from berth.store import NodeHardware, NodeRecord
 from support.direct import NODE_ID, make_pki

@@ -42,10 +42,10 @@ from berth.cluster.protocol.ops import NoArgs, Op
 from berth.cluster.protocol.session import Role, WelcomeTerms
 from berth.cluster.tunnel_stream import TunnelStream
 from berth.config import Settings
-from berth.daemon.lifecycle import DeployOptions, LifecycleManager
-from berth.daemon.proxy import OpenAIProxy
-from berth.daemon.proxy_dispatch import first_answer
+from berth.deployments.lifecycle import DeployOptions, LifecycleManager
 from berth.errors import ConfigError, EngineError, NotFoundError
+from berth.gateway.dispatch import first_answer
+from berth.gateway.proxy import OpenAIProxy
 from berth.observability.metrics import ProxyMetrics
 from berth.paths import BerthHome
 from berth.routing.errors import EngineUnreachableError

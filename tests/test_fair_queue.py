@@ -24,7 +24,7 @@ from berth.admission import (
 )
 from berth.cluster.link import EngineEndpoint
 from berth.cluster.protocol.frames import AdoptedState
-from berth.daemon.ready_table import ReadyTable
+from berth.deployments.ready_table import ReadyTable
 from berth.runtime.slots import engine_slots
 from berth.store import DeploymentRecord
 from berth.store.states import DeploymentState

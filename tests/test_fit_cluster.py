@@ -22,7 +22,7 @@ from berth.cluster.connection import LinkConnection
 from berth.cluster.link_registry import LinkRegistry
 from berth.cluster.protocol.session import Role, WelcomeTerms
 from berth.cluster.remote_link import RemoteLink
-from berth.daemon.lifecycle import DeployOptions, LifecycleManager
+from berth.deployments.lifecycle import DeployOptions, LifecycleManager
 from berth.errors import ConflictError
 from berth.placement import Placement, Refusal
 from berth.runtime.bundled import smollm2_gguf

@@ -10,9 +10,9 @@ from types import SimpleNamespace
 import httpx
 import pytest
 
+from berth.admin.app import build_admin_app
 from berth.admission.quotas import KeyUse
 from berth.config import Settings
-from berth.daemon.admin import build_admin_app
 from berth.errors import ConfigError, ConflictError, NotFoundError
 from berth.keys import (
     Tier,

@@ -60,6 +60,10 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("agent", "routing", "admission"),
     ("scaling",),
     ("doctor", "desk", "backup", "console"),
+    ("deployments",),
+    ("gateway",),
+    ("daemon.graph",),
+    ("admin",),
     ("daemon",),
     ("cli",),
     ("__main__",),
@@ -367,3 +371,36 @@ def test_the_check_finds_a_cycle_and_shows_it(tmp_path: Path) -> None:
         "import cycle among 2 modules: berth.daemon.a (src/berth/daemon/a.py:1) -> "
         "berth.daemon.b (src/berth/daemon/b.py:3) -> berth.daemon.a"
     )
+
+
+def test_the_daemon_split_is_layered_one_way(tmp_path: Path) -> None:
+    """On the real table: the deployment manager may not reach up into the request path, nor
+    the request path into the admin routes, nor those into the daemon's wiring (only its
+    object graph, ``daemon.graph``, sits below them)."""
+    source = _tree(
+        tmp_path,
+        {
+            "__init__.py": "",
+            "deployments/__init__.py": "",
+            "deployments/lifecycle.py": "from berth.gateway.proxy import OpenAIProxy\n",
+            "gateway/__init__.py": "",
+            "gateway/proxy.py": "from berth.deployments import lifecycle\n",
+            "gateway/auth.py": "from berth.admin.app import build_admin_app\n",
+            "admin/__init__.py": "",
+            "admin/app.py": "from berth.daemon.graph import LeaderGraph\n",
+            "admin/keys.py": "from berth.daemon.server import serve\n",
+            "daemon/__init__.py": "",
+            "daemon/graph.py": "from berth.gateway import proxy\n",
+            "daemon/server.py": "from berth.admin import app\nfrom berth.daemon import graph\n",
+        },
+    )
+    problems = sorted(layer_violations(find_imports(source)))
+    assert problems == [
+        "src/berth/admin/keys.py:1: berth.admin.keys imports berth.daemon.server: "
+        "admin (layer 15) may not import from daemon (layer 16), a higher layer",
+        "src/berth/deployments/lifecycle.py:1: berth.deployments.lifecycle imports "
+        "berth.gateway.proxy: deployments (layer 12) may not import from gateway (layer 13), "
+        "a higher layer",
+        "src/berth/gateway/auth.py:1: berth.gateway.auth imports berth.admin.app: "
+        "gateway (layer 13) may not import from admin (layer 15), a higher layer",
+    ]

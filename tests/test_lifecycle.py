@@ -13,7 +13,7 @@ import pytest
 from berth.cluster.link import EngineEndpoint
 from berth.cluster.link_registry import LinkRegistry
 from berth.cluster.protocol.frames import AdoptedState
-from berth.daemon.lifecycle import DeployOptions, LifecycleManager
+from berth.deployments.lifecycle import DeployOptions, LifecycleManager
 from berth.errors import ConfigError, ConflictError, EngineError, NotFoundError
 from berth.routing.errors import NoReadyDeploymentError
 from berth.store import DeploymentRecord, Store

@@ -23,9 +23,9 @@ from berth.anthropic_errors import anthropic_body, is_messages_path, to_anthropi
 from berth.cluster.remote_link import tunnel_url
 from berth.config import TierTable
 from berth.daemon.app import LeaderApp
-from berth.daemon.proxy import OpenAIProxy
-from berth.daemon.sse import Usage, messages_stream_usage, messages_usage
 from berth.errors import AuthError, BerthError, NotFoundError
+from berth.gateway.proxy import OpenAIProxy
+from berth.gateway.sse import Usage, messages_stream_usage, messages_usage
 from berth.limits import LimitOverrides
 from berth.observability.metrics import ProxyMetrics
 from berth.openai_errors import error_from_exception

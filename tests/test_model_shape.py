@@ -17,6 +17,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
+from berth.admin.model_detail import model_detail
 from berth.agent.core import AgentCore
 from berth.agent.service import AgentService
 from berth.cluster.connection import LinkConnection, RemoteOpError
@@ -31,9 +32,8 @@ from berth.cluster.shape_wire import (
     shape_from_wire,
     shape_to_wire,
 )
-from berth.daemon.estimates import NodeCopy, VramEstimator
-from berth.daemon.lifecycle import DeployOptions, LifecycleManager
-from berth.daemon.model_detail import model_detail
+from berth.deployments.estimates import NodeCopy, VramEstimator
+from berth.deployments.lifecycle import DeployOptions, LifecycleManager
 from berth.errors import EngineError
 from berth.placement import EstimateRequest, Placement, Refusal, estimate_vram
 from berth.placement.model_files import FileStamp, ModelFileShape, read_model_shape

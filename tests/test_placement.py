@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 
 from berth.cluster.protocol.ops import OP_CAPABILITIES, RUNTIME_CAPABILITIES
-from berth.daemon.placement_facts import gather_node_facts, offered_runtimes
-from berth.daemon.ready_table import ReadyTable
+from berth.deployments.placement_facts import gather_node_facts, offered_runtimes
+from berth.deployments.ready_table import ReadyTable
 from berth.errors import ConfigError, ConflictError
 from berth.placement import (
     CONFLICT_REASONS,

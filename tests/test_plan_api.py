@@ -14,15 +14,15 @@ import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
+from berth.admin.plans import plan_router
+from berth.admin.services import load_routes, service_router
 from berth.api import Plan
 from berth.cli.common import console
 from berth.cli.plan_cmd import print_plan
 from berth.cluster.link import NodeInventory
 from berth.cluster.link_registry import LinkRegistry
-from berth.daemon.adapters import AdapterManager
-from berth.daemon.admin_plans import plan_router
-from berth.daemon.admin_services import load_routes, service_router
-from berth.daemon.lifecycle import DeployOptions, LifecycleManager
+from berth.deployments.adapters import AdapterManager
+from berth.deployments.lifecycle import DeployOptions, LifecycleManager
 from berth.errors import BerthError
 from berth.openai_errors import error_from_exception
 from berth.routing.routes import RouteResolver

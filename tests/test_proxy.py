@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator, MutableMapping
 import httpx
 import pytest
 
-from berth.daemon.proxy import OpenAIProxy
+from berth.gateway.proxy import OpenAIProxy
 from berth.observability.metrics import ProxyMetrics
 from support.proxy_fixtures import StaticResolver, running_proxy, sample
 from support.standin_engine import Head, Reply, Stall, StandinEngine, Write, error_reply, json_reply

@@ -1,5 +1,5 @@
 """The proxy served as an ASGI app (by uvicorn) answers as it does on berth's own server,
-which the other proxy tests use: the ASGI adapters (``daemon/proxy_asgi.py``) keep the
+which the other proxy tests use: the ASGI adapters (``gateway/asgi.py``) keep the
 relay, the read-ahead buffer and the disconnect watcher working."""
 
 from __future__ import annotations

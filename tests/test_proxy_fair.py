@@ -20,8 +20,8 @@ from fastapi import FastAPI
 from berth.admission import Admission, SlotGate, UsageLedger
 from berth.config import TierTable
 from berth.daemon.app import LeaderApp
-from berth.daemon.proxy import OpenAIProxy
 from berth.desk.leader import LeaderClient, job_request
+from berth.gateway.proxy import OpenAIProxy
 from berth.limits import LimitOverrides
 from berth.observability.metrics import ProxyMetrics
 from berth.store import ApiKeyRecord, UsageRecord

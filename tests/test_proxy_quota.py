@@ -15,7 +15,7 @@ import pytest
 
 from berth.admission import Admission, ManualClock, UsageLedger
 from berth.config import TierTable
-from berth.daemon.proxy import OpenAIProxy
+from berth.gateway.proxy import OpenAIProxy
 from berth.limits import LimitOverrides
 from berth.observability.metrics import ProxyMetrics
 from berth.store import ApiKeyRecord, UsageRecord

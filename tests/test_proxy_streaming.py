@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 import httpx
 
-from berth.daemon.sse import split_events
+from berth.gateway.sse import split_events
 from berth.observability.metrics import ProxyMetrics
 from support.proxy_fixtures import StaticResolver, running_proxy, sample
 from support.standin_engine import (

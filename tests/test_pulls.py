@@ -17,12 +17,12 @@ from typing import Any
 import httpx
 import pytest
 
+from berth.admin.app import build_admin_app
 from berth.api.client import DaemonClient
 from berth.api.pulls import Pull, PullFile, PullIn
 from berth.cluster.link_registry import LinkRegistry
 from berth.config import Settings
-from berth.daemon.adapters import AdapterManager
-from berth.daemon.admin import build_admin_app
+from berth.deployments.adapters import AdapterManager
 from berth.paths import BerthHome
 from berth.store import Store
 from support.hub_standin import TINY_FILES, HubStandin

@@ -6,9 +6,9 @@ import asyncio
 
 import pytest
 
-from berth.daemon.read_ahead import ReadAhead
 from berth.engine_http.errors import UpstreamDisconnectError
 from berth.engine_http.origin import Origin
+from berth.gateway.read_ahead import ReadAhead
 
 
 class EndlessAnswer:

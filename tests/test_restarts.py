@@ -1,4 +1,4 @@
-"""The restart policy: the pure decision (:func:`berth.daemon.restarts.decide_restart`), and
+"""The restart policy: the pure decision (:func:`berth.deployments.restarts.decide_restart`), and
 the lifecycle manager carrying it out over an in-memory link (real processes:
 ``tests/test_restarts_e2e.py``)."""
 
@@ -12,8 +12,8 @@ import pytest
 
 from berth.cluster.link_registry import LinkRegistry
 from berth.cluster.protocol.ops import PROBE, ProbeResult
-from berth.daemon.lifecycle import DeployOptions, LifecycleManager
-from berth.daemon.restarts import (
+from berth.deployments.lifecycle import DeployOptions, LifecycleManager
+from berth.deployments.restarts import (
     Backoff,
     Ending,
     GiveUp,
@@ -21,7 +21,7 @@ from berth.daemon.restarts import (
     RestartHistory,
     decide_restart,
 )
-from berth.daemon.supervisor import restart_reporter
+from berth.deployments.supervisor import restart_reporter
 from berth.observability.metrics import ProxyMetrics
 from berth.runtime.base import EngineExit
 from berth.store import DeploymentRecord, RestartPolicy, Store

@@ -9,8 +9,8 @@ import httpx
 import pytest
 
 from berth.config import Settings
-from berth.daemon.proxy_dispatch import first_answer
 from berth.errors import ConfigError
+from berth.gateway.dispatch import first_answer
 from berth.observability.metrics import ProxyMetrics
 from berth.paths import BerthHome
 from berth.routing.affinity import AffinityMap, affinity_key

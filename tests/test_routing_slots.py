@@ -11,12 +11,12 @@ from types import SimpleNamespace
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
+from berth.admin.routing import build_routing_router
 from berth.api import RoutingExplanation
 from berth.cli.routing_cmd import slots_text
 from berth.cluster.link import EngineEndpoint
 from berth.cluster.protocol.frames import AdoptedState
-from berth.daemon.admin_routing import build_routing_router
-from berth.daemon.ready_table import ReadyTable
+from berth.deployments.ready_table import ReadyTable
 from berth.routing.router import Router
 from berth.store import DeploymentRecord
 from berth.store.states import DeploymentState

@@ -16,8 +16,8 @@ import pytest
 
 from berth.cluster.link import NodeInventory
 from berth.cluster.link_registry import LinkRegistry
-from berth.daemon.lifecycle import DeployOptions, LifecycleManager
-from berth.daemon.placement_facts import ResidentUsage
+from berth.deployments.lifecycle import DeployOptions, LifecycleManager
+from berth.deployments.placement_facts import ResidentUsage
 from berth.errors import ConflictError
 from berth.placement import EvictionPolicy
 from berth.runtime.bundled import smollm2_gguf

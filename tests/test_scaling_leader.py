@@ -26,12 +26,12 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 
+from berth.admin.services import load_routes, service_router
 from berth.api import describe_invalid
 from berth.cluster.enrollment import AuditLog
 from berth.cluster.link_registry import LinkRegistry
-from berth.daemon.admin_services import load_routes, service_router
-from berth.daemon.fleet import LeaderFleet
-from berth.daemon.lifecycle import LifecycleManager
+from berth.deployments.fleet import LeaderFleet
+from berth.deployments.lifecycle import LifecycleManager
 from berth.errors import BerthError
 from berth.observability.metrics import ProxyMetrics
 from berth.openai_errors import error_body, error_from_exception

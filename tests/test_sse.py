@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from berth.daemon.sse import (
+from berth.gateway.sse import (
     SSEEvent,
     SSEEventSplitter,
     Usage,

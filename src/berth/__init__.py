@@ -1,3 +1,3 @@
 """berth: a small inference control plane for GPU hosts."""
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"

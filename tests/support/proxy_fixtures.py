@@ -12,8 +12,8 @@ from typing import Any
 import uvicorn
 from uvicorn.server import ServerState
 
-from berth.daemon.proxy import OpenAIProxy
 from berth.errors import NotFoundError
+from berth.gateway.proxy import OpenAIProxy
 from berth.http_server.limits import ListenerLimits
 from berth.http_server.protocol import Handler
 from berth.http_server.server import HttpServer

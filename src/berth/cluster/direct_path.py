@@ -14,7 +14,7 @@ agent links whose Hello advertised an address (and who lists ``op.ingress``), it
    :data:`DEAD_AFTER_FAILED_PROBES` failed probes in a row, answers still streaming over it
    are closed too (the client sees the stream end with an error, as when a link dies).
 
-It is the proxy's way to remote engines (``daemon/engine_client.py``'s ``TunnelOpener``):
+It is the proxy's way to remote engines (``gateway/engine_client.py``'s ``TunnelOpener``):
 :meth:`DataPaths.open_http` goes direct while the node's path is up, except a request that
 would queue behind :data:`MAX_CONNECTING` TLS handshakes to the ingress (a burst of new
 exchanges with no idle connection), which the tunnel, multiplexed on its one connection,

@@ -170,7 +170,7 @@ class NodeHub:
         body: bytes,
         read_timeout_s: float | None,
     ) -> TunnelResponse:
-        """The proxy's way to a remote engine (:class:`berth.daemon.engine_client.TunnelOpener`).
+        """The proxy's way to a remote engine (:class:`berth.gateway.engine_client.TunnelOpener`).
 
         Raises ``UpstreamConnectError`` when the node has no live link.
         """

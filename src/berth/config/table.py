@@ -188,7 +188,7 @@ SETTINGS: tuple[SettingDef, ...] = (
     SettingDef("max_attempts", "int", "server",
                "attempts per request on different nodes before its first byte (1: no retry)",
                default=3, minimum=1, maximum=10),
-    # Timeouts of an engine's answer (berth.daemon.proxy; docs/fleet.md, Timeouts).
+    # Timeouts of an engine's answer (berth.gateway.proxy; docs/fleet.md, Timeouts).
     SettingDef("first_byte_timeout_s", "float", "server",
                "seconds a streamed request waits for its answer's first byte (prefill) "
                "before it goes to another deployment (0: no bound but read_timeout_s)",
@@ -241,7 +241,7 @@ SETTINGS: tuple[SettingDef, ...] = (
     SettingDef("max_connections_per_address", "int", "server",
                "most open connections per client address and listener (429 beyond)",
                default=_LIMITS.max_connections_per_address, minimum=1),
-    # Failed authentication per client address (berth.daemon.auth_limiter): 429 past it.
+    # Failed authentication per client address (berth.gateway.auth_limiter): 429 past it.
     SettingDef("auth_failure_burst", "int", "server",
                "failed API-key attempts a client address may make at once before it is "
                "refused (429); a valid key is never refused for them",

@@ -5,7 +5,7 @@ The console is plain HTML, CSS and JavaScript under ``static/`` (no build step, 
 fetched from elsewhere at run time), talking only to the leader's admin API and ``/v1``.
 A browser signs in once with an admin key, which the leader exchanges for a session cookie
 (:mod:`berth.console.sessions`); the key itself is never kept in the browser. The daemon wires
-the routes (``daemon/console_routes.py``); docs in ``docs/console.md``.
+the routes (``admin/console.py``); docs in ``docs/console.md``.
 """
 
 from __future__ import annotations

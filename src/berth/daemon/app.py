@@ -7,7 +7,7 @@ ASGI adapter. Authentication happens here, once, by listener: over TCP ``/v1/*``
 every path alike, ``x-api-key``, which the Anthropic SDK sends; refusals under
 ``/v1/messages`` are Anthropic-shaped) and ``/admin/*`` an admin key, and failed
 attempts are limited per client address (429 past the ``auth_failure_*`` settings; see
-:mod:`berth.daemon.auth`); over the Unix socket (mode 0600, so only its owner can connect) no
+:mod:`berth.gateway.auth`); over the Unix socket (mode 0600, so only its owner can connect) no
 key is needed: a request there is the desk worker's when it says so
 (:data:`berth.admission.SOCKET_CALLER_HEADER`, read on that listener only), else the CLI's.
 The key's record, or the socket's caller, goes to the proxy, whose admission applies its
@@ -15,27 +15,27 @@ limits. On the public listener, browsers on
 the origins of the ``cors_origins`` setting get their preflights answered and CORS headers on
 every answer (:mod:`berth.http_server.cors`). The web console (``/ui/*``, and ``/`` for a
 browser) needs no key; a browser signed in to it sends a session cookie instead of a key,
-which :class:`berth.daemon.console_routes.ConsoleGate` checks.
+which :class:`berth.admin.console.ConsoleGate` checks.
 """
 
 from __future__ import annotations
 
 from fastapi import FastAPI
 
-from berth.admission import SOCKET_CALLER_HEADER, AdmissionError, SocketCaller, socket_caller
-from berth.anthropic_errors import is_messages_path, to_anthropic
-from berth.daemon.admin import build_admin_app
-from berth.daemon.admin_services import build_service_router
-from berth.daemon.auth import require_tier, secret_from_headers
-from berth.daemon.console_routes import (
+from berth.admin.app import build_admin_app
+from berth.admin.console import (
     CONSOLE_HEADERS,
     ConsoleGate,
     build_console_router,
     is_console_path,
 )
-from berth.daemon.proxy import OpenAIProxy
-from berth.daemon.services import LeaderServices
+from berth.admin.services import build_service_router
+from berth.admission import SOCKET_CALLER_HEADER, AdmissionError, SocketCaller, socket_caller
+from berth.anthropic_errors import is_messages_path, to_anthropic
+from berth.daemon.graph import LeaderGraph
 from berth.errors import AuthError, BerthError, RateLimitError
+from berth.gateway.auth import require_tier, secret_from_headers
+from berth.gateway.proxy import OpenAIProxy
 from berth.http_server.asgi import AsgiHandler
 from berth.http_server.cors import CorsPolicy
 from berth.http_server.request import Request
@@ -56,7 +56,7 @@ class LeaderApp:
 
     def __init__(
         self,
-        services: LeaderServices,
+        services: LeaderGraph,
         admin: FastAPI,
         *,
         trusted: bool,
@@ -151,7 +151,7 @@ async def _send_error(writer: ResponseWriter, exc: BerthError, path: str) -> Non
     await writer.end(body)
 
 
-def build_apps(services: LeaderServices) -> tuple[LeaderApp, LeaderApp]:
+def build_apps(services: LeaderGraph) -> tuple[LeaderApp, LeaderApp]:
     """Return ``(public_app, socket_app)`` sharing one admin app and one proxy."""
     admin = build_admin_app(services)
     admin.include_router(build_service_router(services))

@@ -23,6 +23,8 @@ import socket
 import time
 from pathlib import Path
 
+from berth.admin.adapters import reload_adapters
+from berth.admin.services import load_routes
 from berth.admission import Admission, QueueCollector, SlotGate, UsageCollector, UsageLedger
 from berth.agent.adopted import AdoptedWatcher
 from berth.agent.core import AgentCore
@@ -44,24 +46,22 @@ from berth.cluster.listener import (
 from berth.cluster.peer_identity import ForwardedFingerprintTrust
 from berth.cluster.renewal import LinkCertificates
 from berth.config import Settings
-from berth.daemon.adapter_resolver import AdapterResolver
-from berth.daemon.adapters import AdapterManager
-from berth.daemon.admin_adapters import reload_adapters
-from berth.daemon.admin_services import load_routes
 from berth.daemon.app import build_apps
-from berth.daemon.auth import Authenticator
-from berth.daemon.auth_limiter import FailedAuthLimiter
-from berth.daemon.auth_metrics import AuthCollector
-from berth.daemon.fleet import LeaderFleet
-from berth.daemon.lifecycle import LifecycleManager
-from berth.daemon.placement_facts import ResidentUsage
-from berth.daemon.proxy import OpenAIProxy
+from berth.daemon.graph import LeaderGraph, Listener
 from berth.daemon.public_tls import public_ssl_context
-from berth.daemon.restarts import Backoff
-from berth.daemon.services import LeaderServices, Listener
-from berth.daemon.supervisor import restart_reporter
+from berth.deployments.adapters import AdapterManager
+from berth.deployments.fleet import LeaderFleet
+from berth.deployments.lifecycle import LifecycleManager
+from berth.deployments.placement_facts import ResidentUsage
+from berth.deployments.restarts import Backoff
+from berth.deployments.supervisor import restart_reporter
 from berth.errors import DaemonError
 from berth.eventloop import freeze_startup_objects
+from berth.gateway.adapter_resolver import AdapterResolver
+from berth.gateway.auth import Authenticator
+from berth.gateway.auth_limiter import FailedAuthLimiter
+from berth.gateway.auth_metrics import AuthCollector
+from berth.gateway.proxy import OpenAIProxy
 from berth.http_server.server import HttpServer
 from berth.http_server.tls_reload import CertificateReloads, ReloadingTLS
 from berth.keys import load_or_create_pepper
@@ -429,7 +429,7 @@ async def serve(home: BerthHome, settings: Settings) -> None:
     )
     authenticator.know(await asyncio.to_thread(store.api_key_hashes))  # never rate limited
     metrics.registry.register(AuthCollector(authenticator.counts))
-    services = LeaderServices(
+    services = LeaderGraph(
         home=home,
         settings=settings,
         store=store,

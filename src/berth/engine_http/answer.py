@@ -82,7 +82,7 @@ class PushedAnswer(EngineAnswer, Protocol):
 class TimedAnswer(EngineAnswer, Protocol):
     """An answer whose first body bytes can be waited for, and whose read timeout can be
     changed once they came: how the proxy bounds a stream's time to its first event and
-    then its longest silence (:mod:`berth.daemon.proxy`).
+    then its longest silence (:mod:`berth.gateway.proxy`).
 
     :meth:`wait_for_body` returns once body bytes, the end or a failure have arrived, and
     takes nothing (the next read, or the push, has them). :meth:`set_read_timeout` is the

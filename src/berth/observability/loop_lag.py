@@ -129,7 +129,7 @@ class StackSample:
 def short_path(filename: str) -> str:
     """``filename`` without the part that only says where Python or the checkout is:
     ``.../site-packages/httpx/_client.py`` -> ``httpx/_client.py``,
-    ``.../src/berth/daemon/reconcile.py`` -> ``berth/daemon/reconcile.py``,
+    ``.../src/berth/deployments/reconcile.py`` -> ``berth/deployments/reconcile.py``,
     ``/usr/lib/python3.11/ssl.py`` -> ``ssl.py``."""
     for marker in ("/site-packages/", "/dist-packages/", "/src/"):
         _head, found, tail = filename.rpartition(marker)

@@ -378,7 +378,7 @@ class ProxyMetrics:
 
     def deployment_restarted(self, deployment: str, *, model: str, node: str, reason: str) -> None:
         """The restart policy started the deployment's engine again; ``reason`` is how it
-        had ended (:data:`berth.daemon.restarts.EndCause`).  The series go with the
+        had ended (:data:`berth.deployments.restarts.EndCause`).  The series go with the
         deployment's state series."""
         self.deployment_restarts.labels(deployment, model, node, reason).inc()
         self._restart_reasons.setdefault(deployment, set()).add(reason)

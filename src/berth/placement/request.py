@@ -2,7 +2,7 @@
 :class:`EvictionPolicy`), the facts of each node that could take it (:class:`NodeFacts`,
 :class:`GpuReservation`) and the leader's image settings (:class:`PlacementPolicy`).
 
-Plain frozen values, gathered by the lifecycle manager (``daemon/placement_facts.py``) and
+Plain frozen values, gathered by the lifecycle manager (``deployments/placement_facts.py``) and
 read by :func:`berth.placement.plan.plan_placement`.
 """
 

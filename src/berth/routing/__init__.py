@@ -2,5 +2,5 @@
 
 The decisions are pure (``scorer.rank``, ``retry.classify``, ``affinity.affinity_key``);
 ``router.Router`` feeds them the live signals and the affinity map, and the proxy walks the
-ranked list (``daemon/proxy_dispatch.py``).
+ranked list (``gateway/dispatch.py``).
 """

@@ -1,5 +1,5 @@
 """The errors a request meets before an engine answers it, which the OpenAI-compatible proxy
-(:mod:`berth.daemon.proxy`) answers itself: raised by the proxy's request checks, by the
+(:mod:`berth.gateway.proxy`) answers itself: raised by the proxy's request checks, by the
 resolvers (no ready deployment) and by each attempt to reach an engine.
 
 They live with routing because the resolver contract (:mod:`berth.routing.resolver`) and the

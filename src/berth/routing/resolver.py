@@ -3,7 +3,7 @@
 
 The lifecycle manager resolves from its in-memory table of ready deployments;
 :class:`berth.routing.routes.RouteResolver` wraps it for route names. The proxy
-(:mod:`berth.daemon.proxy`) sends a request to the upstreams the router ranked.
+(:mod:`berth.gateway.proxy`) sends a request to the upstreams the router ranked.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The router: candidates from the table of ready deployments, ranked with live signals and
-the affinity map; the proxy walks the result (``daemon/proxy_dispatch.py``)."""
+the affinity map; the proxy walks the result (``gateway/dispatch.py``)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Requests waiting for an engine's first byte, and what happens to them when berth gives the
 engine (or its node) up.
 
-The dispatch loop (``daemon/proxy_dispatch.py``) registers each attempt while it waits for
+The dispatch loop (``gateway/dispatch.py``) registers each attempt while it waits for
 the head of an engine's answer. When the leader gives up on a deployment or a node, every
 attempt still waiting on it is woken at once, instead of waiting for the engine to be
 stopped or for the read timeout:

@@ -1,5 +1,5 @@
 """What the scaling controller asks of the leader (:class:`Fleet`, which the daemon
-implements over its lifecycle manager in ``berth.daemon.fleet``) and reads of the router
+implements over its lifecycle manager in ``berth.deployments.fleet``) and reads of the router
 (:class:`Activity`), and the callbacks it hands out."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ EvictionNote = Callable[[str, str], None]
 
 class Fleet(Protocol):
     """What the controller asks of the leader; the daemon implements it over the lifecycle
-    manager (``berth.daemon.fleet``)."""
+    manager (``berth.deployments.fleet``)."""
 
     async def start_replica(
         self, service: ServiceProfileRecord, note: ProgressNote, evicted: EvictionNote

@@ -15,7 +15,7 @@
 while a restart waits: the stop wins, the pending restart is cancelled).  ``stopped`` and
 ``failed`` are terminal.  A failed deployment keeps its reason.
 
-``restarting`` and ``crashloop`` are the restart policy's (:mod:`berth.daemon.restarts`):
+``restarting`` and ``crashloop`` are the restart policy's (:mod:`berth.deployments.restarts`):
 an engine of a deployment that was ready ended (it exited, was killed by a signal, or was
 stopped after its failed health probes) and the deployment waits out its backoff before it
 is started again on the same node (then ``loading``).  ``crashloop`` is ``restarting`` once

@@ -1,0 +1,92 @@
+"""``GET /admin/models/{name}`` (``berth models show``): a model with, for each copy of its
+files, the shape read there and what one deployment of it would need.
+
+The leader's own copy is read here; a copy on another node is read by that node's agent
+(the ``model_shape`` op), through the same :class:`~berth.deployments.estimates.VramEstimator`
+cache placement uses, so showing a model warms the cache for the next plan.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from berth.admin.plans import estimate_view
+from berth.api import ModelCopy, ModelDetail, ModelShapeOut
+from berth.cluster.link import LOCAL_NODE_ID
+from berth.cluster.link_registry import LinkRegistry
+from berth.deployments.estimates import NodeCopy, VramEstimator
+from berth.deployments.model_registration import located_model_view
+from berth.errors import BerthError
+from berth.placement import EstimateRequest, ModelShape, estimate_vram
+from berth.runtime.engines import EngineName
+from berth.store import Store
+
+
+async def model_detail(
+    store: Store, estimator: VramEstimator, links: LinkRegistry, name: str
+) -> ModelDetail:
+    """Model ``name`` with its copies (the leader's first, then by node label).
+
+    Raises ``NotFoundError`` for an unknown model.
+    """
+    record = await asyncio.to_thread(store.get_model, name)
+    located = await asyncio.to_thread(store.list_model_locations, name)
+    labels = {n.id: n.label for n in await asyncio.to_thread(store.list_nodes)}
+    copies: list[ModelCopy] = []
+    if record.source != "remote":
+        try:
+            shape: ModelShape | None = await estimator.shape(record)
+            problem = None
+        except BerthError as exc:
+            shape, problem = None, str(exc)
+        copies.append(_copy(LOCAL_NODE_ID, labels.get(LOCAL_NODE_ID, LOCAL_NODE_ID),
+                            str(record.path), shape, problem))  # fmt: skip
+    for location in sorted(located, key=lambda x: labels.get(x.node_id, x.node_id)):
+        label = labels.get(location.node_id, location.node_id)
+        link = links.get(location.node_id)
+        shape, problem = None, None
+        if link is None:
+            problem = f"node {label} is not connected"
+        else:
+            try:
+                shape = await estimator.shape_on(NodeCopy(link, label, location.path))
+            except BerthError as exc:
+                problem = str(exc)
+        copies.append(_copy(location.node_id, label, location.path, shape, problem))
+    view = located_model_view(record, {x.node_id: x.path for x in located})
+    return view.extended(ModelDetail, copies=copies)
+
+
+def _copy(
+    node_id: str, label: str, path: str, shape: ModelShape | None, problem: str | None
+) -> ModelCopy:
+    if shape is None:
+        return ModelCopy(node_id=node_id, node_label=label, path=path, shape=None,
+                         estimate=None, problem=problem)  # fmt: skip
+    engine: EngineName = "llamacpp" if shape.format == "gguf" else "vllm"
+    try:
+        estimate = estimate_view(estimate_vram(shape, EstimateRequest(engine)))
+    except BerthError as exc:
+        return ModelCopy(node_id=node_id, node_label=label, path=path, shape=shape_view(shape),
+                         estimate=None, problem=str(exc))  # fmt: skip
+    return ModelCopy(node_id=node_id, node_label=label, path=path, shape=shape_view(shape),
+                     estimate=estimate, problem=None)  # fmt: skip
+
+
+def shape_view(shape: ModelShape) -> ModelShapeOut:
+    """A model's shape for the admin API."""
+    return ModelShapeOut(
+        format=shape.format,
+        architecture=shape.architecture,
+        weights_bytes=shape.weights_bytes,
+        block_count=shape.block_count,
+        embedding_length=shape.embedding_length,
+        head_count=shape.head_count,
+        kv_heads=list(shape.layer_kv_heads),
+        key_length=shape.key_length,
+        value_length=shape.value_length,
+        context_length=shape.context_length,
+        vocab_size=shape.vocab_size,
+        dtype=shape.dtype,
+        source=str(shape.source),
+    )

@@ -1,0 +1,183 @@
+"""The admin API's node routes: enrollment tokens, the node registry, removal.
+
+- ``POST /admin/nodes/enroll`` ``{"label"}`` → ``{"uri", "expires_at", "label"}``;
+- ``GET /admin/nodes``: every node not removed, ``local`` first;
+- ``GET /admin/nodes/{id-or-label}``: one node with its CPUs, memory, GPUs, capabilities;
+- ``DELETE /admin/nodes/{id-or-label}``: mark it removed and drop its live link
+  (``local`` → 409).
+
+Node ``local`` reports live figures from the in-process agent core; other nodes what their
+agent last said (Hello, heartbeats).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import replace
+
+from fastapi import APIRouter
+
+from berth import __version__
+from berth.api import (
+    AdoptedEndpoint,
+    EnrollIn,
+    EnrollmentIssued,
+    Gpu,
+    NodeDetail,
+    NodeDetailWithAdopted,
+    NodeSummary,
+)
+from berth.api.nodes import DataPathName
+from berth.cluster.direct_path import DataPath
+from berth.cluster.link import LOCAL_NODE_ID
+from berth.cluster.protocol.frames import AdoptedState
+from berth.daemon.graph import LeaderGraph
+from berth.store import NodeHardware, NodeRecord
+
+
+async def _live(services: LeaderGraph, record: NodeRecord) -> NodeRecord:
+    """``local`` with the in-process core's figures; other nodes as stored."""
+    link = services.links.get(LOCAL_NODE_ID)
+    if record.id != LOCAL_NODE_ID or link is None:
+        return record
+    inventory = await link.inventory()
+    hardware = NodeHardware(
+        hostname=inventory.hostname,
+        cpu_count=inventory.cpu_count,
+        memory_total_mb=inventory.memory_total_mb,
+        gpus=inventory.gpus,
+    )
+    return replace(
+        record, inventory=hardware, agent_version=__version__, last_heartbeat_at=time.time()
+    )
+
+
+#: What the admin API says of node ``local``'s data path.
+LOCAL_PATH = DataPath("direct", "the leader's own engines, on its host", "", 0.0)
+
+
+def node_summary_view(
+    record: NodeRecord, *, connected: bool, path: DataPath | None = None
+) -> NodeSummary:
+    """One row of ``GET /admin/nodes``; ``path`` is the node's data path now (``None``:
+    not connected)."""
+    inventory = record.inventory
+    path_name: DataPathName | None = None
+    if path is LOCAL_PATH:
+        path_name = "local"
+    elif path is not None:
+        path_name = path.path
+    return NodeSummary(
+        id=record.id,
+        label=record.label,
+        status=record.status,
+        connected=connected,
+        hostname=inventory.hostname if inventory else None,
+        gpu_count=len(inventory.gpus) if inventory else 0,
+        vram_total_mb=inventory.vram_total_mb if inventory else 0,
+        agent_version=record.agent_version,
+        last_heartbeat_at=record.last_heartbeat_at,
+        data_path=path_name,
+        data_path_reason=path.reason if path is not None else None,
+    )
+
+
+def node_detail_view(
+    record: NodeRecord, *, connected: bool, path: DataPath | None = None
+) -> NodeDetail:
+    """``GET /admin/nodes/{id}``: the summary plus hardware, capabilities and versions."""
+    inventory = record.inventory
+    gpus = [
+        Gpu(
+            index=gpu.index,
+            name=gpu.name,
+            uuid=gpu.uuid,
+            memory_total_mb=gpu.memory_total_mb,
+            memory_used_mb=gpu.memory_used_mb,
+            utilization_pct=gpu.utilization_pct,
+        )
+        for gpu in (inventory.gpus if inventory else ())
+    ]
+    return node_summary_view(record, connected=connected, path=path).extended(
+        NodeDetail,
+        advertised_address=(path.advertise or None) if path is not None else None,
+        data_path_since=path.since if path is not None and path is not LOCAL_PATH else None,
+        cpu_count=inventory.cpu_count if inventory else None,
+        memory_total_mb=inventory.memory_total_mb if inventory else None,
+        gpus=gpus,
+        capabilities=list(record.capabilities),
+        protocol_version=record.protocol_version,
+        cert_fingerprint=record.cert_fingerprint,
+        created_at=record.created_at,
+    )
+
+
+def adopted_view(state: AdoptedState) -> AdoptedEndpoint:
+    """An adopted server as its node last reported it."""
+    return AdoptedEndpoint(
+        name=state.name,
+        served_model_name=state.served_model_name,
+        engine_model=state.engine_model,
+        host=state.host,
+        port=state.port,
+        gpus=list(state.gpus),
+        vram_mb=state.vram_mb,
+        alive=state.alive,
+    )
+
+
+def build_node_router(services: LeaderGraph) -> APIRouter:
+    """The node routes, bound to ``services``."""
+    router = APIRouter()
+    store = services.store
+
+    def connected(record: NodeRecord) -> bool:
+        if record.id == LOCAL_NODE_ID:
+            return not services.leader_only
+        return services.hub.is_connected(record.id)
+
+    def path(record: NodeRecord) -> DataPath | None:
+        if record.id == LOCAL_NODE_ID:
+            return None if services.leader_only else LOCAL_PATH
+        if not services.hub.is_connected(record.id):
+            return None
+        return services.data_paths.data_path(record.id)
+
+    @router.post("/admin/nodes/enroll", status_code=201)
+    async def enroll(body: EnrollIn) -> EnrollmentIssued:
+        issued = await asyncio.to_thread(services.enrollment.issue_token, body.label)
+        return EnrollmentIssued(
+            uri=str(issued.uri), expires_at=issued.expires_at, label=issued.label
+        )
+
+    @router.get("/admin/nodes")
+    async def list_nodes() -> list[NodeSummary]:
+        records = await asyncio.to_thread(store.list_nodes)
+        if services.leader_only:  # no engines on the leader's host: node local is not one
+            records = [r for r in records if r.id != LOCAL_NODE_ID]
+        return [
+            node_summary_view(await _live(services, r), connected=connected(r), path=path(r))
+            for r in records
+        ]
+
+    @router.get("/admin/nodes/{ident}")
+    async def show_node(ident: str) -> NodeDetailWithAdopted:
+        record = await asyncio.to_thread(store.lookup_node, ident)
+        detail = node_detail_view(
+            await _live(services, record), connected=connected(record), path=path(record)
+        )
+        adopted = services.lifecycle.adopted().get(record.id, [])
+        return detail.extended(
+            NodeDetailWithAdopted, adopted=[adopted_view(state) for state in adopted]
+        )
+
+    @router.delete("/admin/nodes/{ident}")
+    async def remove_node(ident: str) -> NodeDetail:
+        record = await asyncio.to_thread(store.lookup_node, ident)
+        removed = await asyncio.to_thread(store.remove_node, record.id)
+        await services.hub.disconnect_node(record.id)
+        await services.lifecycle.node_removed(record.id)
+        return node_detail_view(removed, connected=False)
+
+    return router

@@ -1,0 +1,68 @@
+"""The admin API's pull routes: ``/admin/pulls`` (start, list, show, cancel), and the pull
+jobs wired to the leader's registries.
+
+A finished download is registered as ``berth pull`` registers it
+(:func:`berth.api.pulls.pulled_registration`), through the same code as ``POST
+/admin/models`` and ``POST /admin/adapters``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import TYPE_CHECKING, Literal
+
+from fastapi import APIRouter
+
+from berth.admin.adapters import register_adapter
+from berth.api import AdapterIn
+from berth.api.pulls import Pull, PullIn, pulled_registration
+from berth.deployments.model_registration import model_view, register_model
+from berth.deployments.pulls import PullJobs
+
+if TYPE_CHECKING:
+    from berth.daemon.graph import LeaderGraph
+
+
+def leader_pull_jobs(services: LeaderGraph) -> PullJobs:
+    """Pull jobs into ``$BERTH_HOME/models`` that register into ``services``' store."""
+    store = services.store
+
+    async def taken() -> set[str]:
+        models = await asyncio.to_thread(store.list_models)
+        adapters = await asyncio.to_thread(store.list_adapters)
+        return {m.name for m in models} | {a.name for a in adapters}
+
+    async def register(body: PullIn, folder: Path) -> Literal["model", "adapter"]:
+        models = [model_view(r) for r in await asyncio.to_thread(store.list_models)]
+        registration = await asyncio.to_thread(pulled_registration, body, folder, models)
+        if isinstance(registration, AdapterIn):
+            await register_adapter(services, registration)
+            return "adapter"
+        await register_model(store, services.lifecycle, registration)
+        return "model"
+
+    return PullJobs(models_dir=services.home.models_dir, register=register, taken=taken)
+
+
+def build_pull_router(jobs: PullJobs) -> APIRouter:
+    """The pull routes over ``jobs``."""
+    router = APIRouter()
+
+    @router.post("/admin/pulls", status_code=202)
+    async def start_pull(body: PullIn) -> Pull:
+        return await jobs.start(body)
+
+    @router.get("/admin/pulls")
+    async def list_pulls() -> list[Pull]:
+        return jobs.list()
+
+    @router.get("/admin/pulls/{pull_id}")
+    async def show_pull(pull_id: str) -> Pull:
+        return jobs.get(pull_id)
+
+    @router.delete("/admin/pulls/{pull_id}")
+    async def cancel_pull(pull_id: str) -> Pull:
+        return await jobs.cancel(pull_id)
+
+    return router

@@ -1,0 +1,69 @@
+"""``GET /admin/routing/{model}``: where a request for ``model`` would go, and why.
+
+The ranking the proxy would use right now, from the same router: each candidate with its
+place, the reason (affinity, in flight, p95, free GPU memory) and its slots at the fair
+admission queue with where they came from (known or assumed), and the ones the hard filter
+dropped. ``?session=ID`` (or ``?conversation=ID``) explains a request that carries
+that ``X-Session-Id`` (``X-Conversation-Id``).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from fastapi import APIRouter
+
+from berth.api import DroppedCandidate, RankedCandidate, RoutingExplanation
+from berth.routing.affinity import affinity_key
+from berth.routing.resolver import Upstream
+
+if TYPE_CHECKING:
+    from berth.daemon.graph import LeaderGraph
+
+
+def build_routing_router(services: LeaderGraph) -> APIRouter:
+    router = APIRouter()
+
+    @router.get("/admin/routing/{model:path}")
+    async def explain_route(
+        model: str, session: str | None = None, conversation: str | None = None
+    ) -> RoutingExplanation:
+        headers: list[tuple[bytes, bytes]] = []
+        if session:
+            headers.append((b"x-session-id", session.encode("latin-1", "replace")))
+        if conversation:
+            headers.append((b"x-conversation-id", conversation.encode("latin-1", "replace")))
+        key = affinity_key(headers)
+        routing = services.proxy.router
+        ranking = routing.explain(model, key)
+        # The same table the ranking just read (no await between): each one's gate slots.
+        upstreams = {u.deployment_id: u for u in routing.resolver.candidates(model)}
+        none = Upstream("", "", "", model)
+        return RoutingExplanation(
+            model=model,
+            affinity_node=routing.affinity.get(key),
+            candidates=[
+                RankedCandidate(
+                    rank=place,
+                    deployment_id=r.candidate.deployment_id,
+                    node_id=r.candidate.node_id,
+                    affinity_hit=r.affinity_hit,
+                    reason=r.reason,
+                    slots=u.slots,
+                    slots_from=u.slots_from,
+                    slots_assumed=u.slots_assumed,
+                )
+                for place, r in enumerate(ranking.ranked, start=1)
+                for u in (upstreams.get(r.candidate.deployment_id, none),)
+            ],
+            dropped=[
+                DroppedCandidate(
+                    deployment_id=d.candidate.deployment_id,
+                    node_id=d.candidate.node_id,
+                    reason=d.reason,
+                )
+                for d in ranking.dropped
+            ],
+        )
+
+    return router

@@ -1,0 +1,641 @@
+"""The lifecycle manager: deployments from request to ready, stop, failure and reconcile.
+
+It is the only writer of deployment state (through :class:`StateWriter`) and the keeper of
+the :class:`ReadyTable` the proxy reads on every request without touching the database.
+Its parts, each with one reason to change:
+
+- here: the commands (plan, deploy, stop) and carrying out a start; where a deployment goes
+  is decided by :func:`berth.placement.plan_placement` from facts gathered by
+  :mod:`berth.deployments.placement_facts`, with VRAM estimates from
+  :mod:`berth.deployments.estimates`;
+- :mod:`berth.deployments.reconcile`: the store against the engines that really run (at start,
+  on an agent's Hello, every watch interval);
+- :mod:`berth.deployments.ready_table`: the table of ready upstreams the proxy resolves from;
+- :mod:`berth.deployments.transitions`: the one path by which a state is written;
+- :mod:`berth.deployments.supervisor`: the restart policy carried out (an ended engine started
+  again after its backoff, through :meth:`LifecycleManager._start_again` here).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from pathlib import Path
+
+from berth.admission.capacity import DEFAULT_SLOTS
+from berth.cluster.link import LOCAL_NODE_ID, AgentLink
+from berth.cluster.link_registry import LinkRegistry
+from berth.cluster.protocol.frames import AdoptedState, EngineState
+from berth.deployments.estimates import VramEstimator
+from berth.deployments.lora_plan import LoraPlan, plan_lora
+from berth.deployments.placement_facts import UsageLookup, no_usage
+from berth.deployments.planner import (
+    DEFAULT_MIN_RESIDENCY_S,
+    DeployOptions,
+    PlannedDeployment,
+    Planner,
+)
+from berth.deployments.ready_table import LOADING_RETRY_AFTER_S, ReadyTable
+from berth.deployments.reconcile import (
+    PROBE_TIMEOUT_S,
+    UNHEALTHY_PROBES_TO_FAIL,
+    WATCH_INTERVAL_S,
+    Reconciler,
+)
+from berth.deployments.restarts import Backoff, Ending
+from berth.deployments.supervisor import RestartListener, Supervisor
+from berth.deployments.transitions import StateListener, StateWriter
+from berth.errors import (
+    BerthError,
+    ConflictError,
+    EngineError,
+    InvalidTransitionError,
+    NotFoundError,
+)
+from berth.placement import (
+    Eviction,
+    EvictionPolicy,
+    ModelAt,
+    ModelPull,
+    Placement,
+    PlacementPolicy,
+    Refusal,
+)
+from berth.routing.resolver import Upstream
+from berth.routing.waiting import GiveUp, WaitingAttempts
+from berth.runtime.base import RuntimeName
+from berth.runtime.engines import (
+    DeploymentRequest,
+    EngineName,
+    parse_engine_name,
+    parse_runtime_name,
+)
+from berth.runtime.images import DEFAULT_GPU_IMAGES, DEFAULT_IMAGES
+from berth.store import DeploymentRecord, Store, StreamTimeouts
+from berth.store.states import RESTARTING_STATES, TERMINAL_STATES, DeploymentState
+
+log = logging.getLogger(__name__)
+
+#: Told of each deployment a placement evicts, before it is stopped: its id and the
+#: eviction choice's reason line.
+EvictionListener = Callable[[str, str], None]
+
+#: the states :meth:`LifecycleManager.wait_settled` waits out
+_STARTING = frozenset({DeploymentState.PENDING, DeploymentState.LOADING})
+
+__all__ = [
+    "DEFAULT_MIN_RESIDENCY_S",
+    "LOADING_RETRY_AFTER_S",
+    "WATCH_INTERVAL_S",
+    "DeployOptions",
+    "EvictionListener",
+    "LifecycleManager",
+    "PlannedDeployment",
+    "RestartListener",
+    "StateListener",
+]
+
+
+class LifecycleManager:
+    """Owns every deployment's state and the table the router reads.
+
+    ``links`` is the leader's registry of live links (the hub attaches and detaches remote
+    ones).  ``on_state`` is called with the new record after every state change (metrics
+    use it).  ``images`` is the container image per engine for the docker runtime (the
+    ``*_image`` settings); ``gpu_images`` replaces it for a deployment given GPUs
+    (llama.cpp's default image has no CUDA).  ``usage`` tells placement how each
+    deployment is used (for the eviction choice); ``min_residency_s`` is the eviction
+    choice's minimum residency.  ``watch_interval_s``, ``probe_timeout_s`` and
+    ``probes_to_fail`` drive the health watch (:mod:`berth.deployments.reconcile`), which wakes
+    the requests in ``waiting`` when it gives a deployment up; a stop (``berth stop``, a
+    scale-in, an eviction, shutdown) wakes them too.  ``slots_changed(deployment_id,
+    slots)`` hears of a ready deployment whose slots at the fair admission gate changed
+    (:meth:`set_service_capacities`; the daemon passes :meth:`berth.admission.SlotGate.resize`);
+    ``default_slots`` are a ready deployment's slots there when its engine does not say.
+    ``restart_backoff`` paces the restart policy's restarts (:mod:`berth.deployments.restarts`);
+    ``on_restart`` hears of each one carried out.
+    """
+
+    def __init__(
+        self,
+        store: Store,
+        links: LinkRegistry,
+        *,
+        health_timeout_s: float,
+        stop_grace_s: float,
+        on_state: StateListener | None = None,
+        watch_interval_s: float = WATCH_INTERVAL_S,
+        probe_timeout_s: float = PROBE_TIMEOUT_S,
+        probes_to_fail: int = UNHEALTHY_PROBES_TO_FAIL,
+        waiting: WaitingAttempts | None = None,
+        images: Mapping[EngineName, str] = DEFAULT_IMAGES,
+        gpu_images: Mapping[EngineName, str] = DEFAULT_GPU_IMAGES,
+        usage: UsageLookup = no_usage,
+        min_residency_s: float = DEFAULT_MIN_RESIDENCY_S,
+        slots_changed: Callable[[str, int | None], None] | None = None,
+        restart_backoff: Backoff = Backoff(),
+        on_restart: RestartListener | None = None,
+        default_slots: int = DEFAULT_SLOTS,
+    ) -> None:
+        self._store = store
+        self._links = links
+        self._policy = PlacementPolicy(images=dict(images), gpu_images=dict(gpu_images))
+        self._estimator = VramEstimator()
+        #: one placement at a time: the next sees the last one's record (and its VRAM)
+        self._placing = asyncio.Lock()
+        self._health_timeout_s = health_timeout_s
+        self._stop_grace_s = stop_grace_s
+        self._waiting = waiting
+        self._table = ReadyTable(on_slots=slots_changed, default_slots=default_slots)
+        self._planner = Planner(
+            store,
+            links,
+            self._table,
+            self._policy,
+            estimator=self._estimator,
+            usage=usage,
+            min_residency_s=min_residency_s,
+        )
+        self._writer = StateWriter(store, self._table, on_state)
+        self._starting: dict[str, asyncio.Task[None]] = {}
+        self._on_restart = on_restart
+        self._supervisor = Supervisor(
+            store, self._writer, self._start_again, backoff=restart_backoff
+        )
+        self._reconciler = Reconciler(
+            store,
+            links,
+            self._table,
+            self._writer,
+            stop_grace_s=stop_grace_s,
+            is_starting=self._starting.__contains__,
+            watch_interval_s=watch_interval_s,
+            probe_timeout_s=probe_timeout_s,
+            probes_to_fail=probes_to_fail,
+            waiting=waiting,
+            supervisor=self._supervisor,
+        )
+        self._watcher: asyncio.Task[None] | None = None
+
+    # -- the router's view (hot path: no I/O) --------------------------------------------
+
+    def candidates(self, model: str) -> list[Upstream]:
+        """Every ready deployment serving ``model`` on a reachable node (the router ranks
+        them).
+
+        Raises ``NotFoundError`` for a model berth does not know and
+        ``NoReadyDeploymentError`` (503, ``Retry-After``) for one with no ready deployment.
+        """
+        return self._table.candidates(model)
+
+    def models(self) -> list[str]:
+        """Public model names with at least one ready deployment."""
+        return self._table.models()
+
+    def progress(self, deployment_id: str) -> str | None:
+        """What a loading deployment is busy with, e.g. ``pulling vllm/vllm-openai:latest:
+        1.2 GB of 8.3 GB, 3/12 layers done``; ``None`` when nothing is reported."""
+        return self._writer.progress(deployment_id)
+
+    def adopted(self) -> dict[str, list[AdoptedState]]:
+        """Adopted endpoints by node id, as last reported."""
+        return self._table.adopted()
+
+    # -- start-up and shut-down ---------------------------------------------------------
+
+    async def start(self) -> None:
+        """Load known models, reconcile deployments left by a previous run, start watching."""
+        await self.refresh_known_models()
+        await self._reconciler.reconcile_local()
+        self._watcher = asyncio.create_task(self._reconciler.watch(), name="berth-engine-watcher")
+
+    async def shutdown(self) -> None:
+        """Stop every engine on the leader's own node and mark its deployment stopped.
+
+        Engines on agents keep running: their agents redial, and the next leader reconciles
+        them when each says Hello again (:meth:`node_connected`).  A manager whose
+        :meth:`start` did not finish changes nothing: the engines it may not have reconciled
+        are left to the next start.
+        """
+        if self._watcher is None:
+            return
+        self._watcher.cancel()
+        await self._supervisor.shutdown()  # no restart may begin while engines are stopped
+        starting = list(self._starting.values())
+        for task in starting:
+            task.cancel()
+        if starting:
+            # Each cancelled start removes its half-started engine (or container) first.
+            await asyncio.wait(starting, timeout=self._stop_grace_s + 30.0)
+        everything = await asyncio.to_thread(self._store.list_deployments, active_only=True)
+        active = [record for record in everything if record.node_id == LOCAL_NODE_ID]
+        outcomes = await asyncio.gather(
+            *(self._stop_one(record) for record in active), return_exceptions=True
+        )
+        for record, outcome in zip(active, outcomes, strict=True):
+            # Shutting down goes on for the others; each failure is kept in the log.
+            if isinstance(outcome, ConflictError):
+                continue  # stopped meanwhile by another caller
+            if isinstance(outcome, BaseException):
+                log.error("shutdown: stopping deployment %s on node %s failed: %s",
+                          record.id, record.node_id, outcome, exc_info=outcome)  # fmt: skip
+            elif outcome.state is DeploymentState.FAILED:
+                log.warning("shutdown: deployment %s: %s", record.id, outcome.failure_reason)
+
+    async def refresh_known_models(self) -> None:
+        """Re-read the names that answer 503 rather than 404 while nothing serves them."""
+        models = await asyncio.to_thread(self._store.list_models)
+        active = await asyncio.to_thread(self._store.list_deployments, active_only=True)
+        self._table.set_known_models(
+            {m.name for m in models} | {d.served_model_name for d in active}
+        )
+
+    def set_service_capacities(self, capacities: Mapping[str, int | None]) -> None:
+        """The services' ``capacity`` settings (service name -> setting, ``None``: the
+        engine's slots), held at the fair admission gate for the deployments serving each
+        name from now on (:meth:`ReadyTable.set_service_capacities`)."""
+        self._table.set_service_capacities(capacities)
+
+    def set_service_timeouts(self, timeouts: Mapping[str, StreamTimeouts]) -> None:
+        """The stream timeouts of each service (by name) hold for the deployments serving
+        its name from now on (:meth:`ReadyTable.set_service_timeouts`)."""
+        self._table.set_service_timeouts(timeouts)
+
+    # -- nodes (the hub's NodeListener, and node removal) ---------------------------------
+
+    async def node_connected(self, node_id: str, engines: Sequence[EngineState]) -> None:
+        """An agent said Hello: reconcile its deployments with the engines it reports
+        (:meth:`berth.deployments.reconcile.Reconciler.node_connected`)."""
+        await self._reconciler.node_connected(node_id, engines)
+
+    def adopted_reported(self, node_id: str, adopted: Sequence[AdoptedState]) -> None:
+        """A node reported its adopted endpoints (in Hello, each heartbeat, or, for node
+        ``local``, when the leader's own set changes): route to those whose last probe
+        answered, under their served names; the others answer 503 naming them."""
+        self._table.adopted_reported(node_id, adopted)
+
+    def node_disconnected(self, node_id: str) -> None:
+        """A node's link ended: stop routing to its deployments until it reconnects (a
+        request for their model is told where they are)."""
+        self._table.park_node(node_id)
+
+    async def node_removed(self, node_id: str) -> None:
+        """A node was removed: its deployments stop getting traffic and are marked failed.
+
+        Its agent stops their engines itself when told it was removed.
+        """
+        self.node_disconnected(node_id)
+        active = await asyncio.to_thread(self._store.list_deployments, active_only=True)
+        for record in active:
+            if record.node_id != node_id:
+                continue
+            await self._supervisor.cancel(record.id)
+            starting = self._starting.get(record.id)
+            if starting is not None:
+                starting.cancel()
+            await self._writer.transition(
+                record.id, DeploymentState.FAILED, failure_reason=f"node {node_id} was removed"
+            )
+
+    @property
+    def estimator(self) -> VramEstimator:
+        """The model shapes and deployment estimates placement uses (``berth models show``
+        reads the same cache)."""
+        return self._estimator
+
+    # -- commands --------------------------------------------------------------------------
+
+    async def plan(
+        self, options: DeployOptions, *, eviction: EvictionPolicy | None = None
+    ) -> PlannedDeployment:
+        """Where a deployment of ``options`` would go, and why: a dry run (nothing changes).
+        See :meth:`berth.deployments.planner.Planner.plan`."""
+        return await self._planner.plan(options, eviction=eviction)
+
+    async def deploy(
+        self,
+        options: DeployOptions,
+        *,
+        eviction: EvictionPolicy | None = None,
+        on_evict: EvictionListener | None = None,
+    ) -> DeploymentRecord:
+        """Create a deployment and start its engine in the background.
+
+        Where it goes is :meth:`plan`'s answer (``eviction``: see there).  When placement
+        chose deployments to evict, each is told to ``on_evict(deployment_id, reason)`` and
+        stopped first, under the same placement lock, so no other placement sees the room
+        before this one takes it.  Returns the pending record at once; the state moves to
+        loading, then ready or failed.  Raises what :meth:`plan` raises, ``ConfigError`` for
+        a placement refused as a bad request and ``ConflictError`` for one refused by the
+        cluster's state (:class:`berth.placement.Refusal`) or an eviction whose stop failed.
+        """
+        async with self._placing:  # the next placement counts this one's VRAM
+            planned = await self._planner.plan(options, eviction=eviction)
+            placement = planned.result
+            if isinstance(placement, Refusal):
+                raise placement.error()
+            link = self._links.get(placement.node_id)  # the start goes over this one
+            if link is None:
+                raise ConflictError(
+                    f"node {placement.label} ({placement.node_id}) is not connected"
+                )
+            adapters = await asyncio.to_thread(self._store.list_adapters, planned.model.name)
+            lora = plan_lora(
+                planned.engine,
+                placement.runtime,
+                placement.node_id,
+                adapters,
+                max_adapters=options.max_adapters,
+                node_serves_adapters="op.load_adapter" in link.capabilities,
+            )
+            # Stops come last: a refusal above must not have cost another deployment.
+            if placement.eviction is not None:
+                await self._evict(placement.eviction, on_evict)
+            served = options.served_model_name or planned.model.name
+            record = await asyncio.to_thread(
+                self._store.create_deployment,
+                planned.model.name,
+                planned.engine,
+                planned.runtime,
+                placement.node_id,
+                gpus=placement.gpus,
+                ctx=options.ctx,
+                extra_args=options.extra_args,
+                served_model_name=served,
+                image=placement.image,
+                adapter_slots=lora.slots,
+                lora_adapters=lora.names,
+                restart_policy=options.restart_policy,
+            )
+            self._estimator.remember(record.id, planned.estimate)
+        log.info("deployment %s placed: %s", record.id, "; ".join(placement.reasons))
+        self._table.add_known_model(served)
+        self._writer.notify(record)
+        task = asyncio.create_task(
+            self._run_start(record, link, placement, planned.engine, lora), name=record.id
+        )
+        self._starting[record.id] = task
+        task.add_done_callback(lambda _t: self._starting.pop(record.id, None))
+        return record
+
+    async def stop(self, deployment_id: str) -> DeploymentRecord:
+        """Stop a deployment (cancelling its start if it is still loading).
+
+        Returns the final record.  Raises ``NotFoundError`` for an unknown id and
+        ``ConflictError`` for one that is already stopped or failed.
+        """
+        record = await asyncio.to_thread(self._store.get_deployment, deployment_id)
+        if record.state in TERMINAL_STATES or record.state is DeploymentState.STOPPING:
+            raise ConflictError(f"deployment {deployment_id} is already {record.state}")
+        # A stop wins over a pending restart: its timer goes first, then any start it began.
+        await self._supervisor.cancel(deployment_id)
+        starting = self._starting.get(deployment_id)
+        if starting is not None:
+            starting.cancel()
+            # The cancelled start stops its half-started engine; wait for that, so "stopped"
+            # is only reported once no engine process is left.
+            await asyncio.wait({starting})
+        return await self._stop_one(record)
+
+    async def _evict(self, eviction: Eviction, on_evict: EvictionListener | None) -> None:
+        """Stop ``eviction``'s deployments in order (the placement lock is held); one that
+        is already stopping or gone frees its room anyway.  Raises ``ConflictError`` when a
+        stop fails (its engine may still hold the memory)."""
+        for deployment_id, reason in zip(eviction.deployment_ids, eviction.reasons, strict=True):
+            log.info("evicting deployment %s: %s", deployment_id, reason)
+            if on_evict is not None:
+                on_evict(deployment_id, reason)
+            try:
+                stopped = await self.stop(deployment_id)
+            except (ConflictError, NotFoundError):
+                continue
+            if stopped.state is DeploymentState.FAILED:
+                raise ConflictError(
+                    f"cannot make room: stopping deployment {deployment_id} failed: "
+                    f"{stopped.failure_reason}"
+                )
+
+    async def wait_settled(self, deployment_id: str, timeout_s: float) -> DeploymentRecord:
+        """Wait up to ``timeout_s`` seconds until the deployment leaves pending/loading and
+        its start has finished (so a ready one is routed); its record then, still pending
+        or loading if the time ran out.
+
+        A record can be read from the store before its start task exists (the row is
+        written first): such a caller waits for the state writer's next changes, not for a
+        task that is not there yet.  Raises ``NotFoundError`` for an unknown id.
+        """
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while True:
+            changed = self._writer.next_change()
+            task = self._starting.get(deployment_id)
+            if task is not None:
+                await asyncio.wait({task}, timeout=max(0.0, deadline - loop.time()))
+            record = await asyncio.to_thread(self._store.get_deployment, deployment_id)
+            remaining_s = deadline - loop.time()
+            if record.state not in _STARTING or remaining_s <= 0:
+                return record
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(remaining_s):
+                    await changed.wait()
+
+    # -- carrying a placement out ------------------------------------------------------------
+
+    async def _run_start(
+        self,
+        record: DeploymentRecord,
+        link: AgentLink,
+        placement: Placement,
+        engine: EngineName,
+        lora: LoraPlan,
+    ) -> None:
+        async def request() -> DeploymentRequest:
+            await self._writer.transition(record.id, DeploymentState.LOADING)
+            model_path = await self._model_path(record, link, placement.model)
+            return _start_request(record, model_path, engine, placement.runtime, lora)
+
+        await self._carry_out_start(record, link, request)
+
+    async def _start_again(self, deployment_id: str, ending: Ending) -> None:
+        """The restart policy's backoff is over: start the deployment's engine again on its
+        node, from its recorded spec (the supervisor's ``start_again``)."""
+        record = await asyncio.to_thread(self._store.get_deployment, deployment_id)
+        if record.state not in RESTARTING_STATES:
+            return  # stopped meanwhile
+        record = await self._writer.transition(
+            deployment_id, DeploymentState.LOADING, restart_count=record.restart_count + 1
+        )
+        log.info("deployment %s: restart %d after its engine %s", deployment_id,
+                 record.restart_count, ending.detail)  # fmt: skip
+        if self._on_restart is not None:
+            self._on_restart(record, ending)
+        link = self._links.get(record.node_id)
+
+        async def request() -> DeploymentRequest:
+            if link is None:
+                raise EngineError(f"node {record.node_id} is not connected")
+            return await self._restart_request(record, link)
+
+        task = asyncio.create_task(self._carry_out_start(record, link, request), name=record.id)
+        self._starting[record.id] = task
+        task.add_done_callback(lambda _t: self._starting.pop(record.id, None))
+
+    async def _restart_request(
+        self, record: DeploymentRecord, link: AgentLink
+    ) -> DeploymentRequest:
+        """What a restart asks of the node: the deployment's recorded spec, with the model's
+        path on that node and the LoRA adapters its base has now.
+
+        Raises ``NotFoundError`` for a model removed since and ``EngineError`` when the
+        node has no recorded path for it.
+        """
+        model = await asyncio.to_thread(self._store.get_model, record.model_name)
+        path: str | None = None
+        if record.node_id == LOCAL_NODE_ID and model.source != "remote":
+            path = str(model.path)
+        else:
+            located = await asyncio.to_thread(self._store.list_model_locations, model.name)
+            path = next((m.path for m in located if m.node_id == record.node_id), None)
+        if path is None:
+            raise EngineError(f"model {model.name} has no recorded path on node {record.node_id}")
+        engine = parse_engine_name(record.engine)
+        runtime = parse_runtime_name(record.runtime)
+        adapters = await asyncio.to_thread(self._store.list_adapters, model.name)
+        lora = plan_lora(
+            engine,
+            runtime,
+            record.node_id,
+            adapters,
+            max_adapters=record.adapter_slots,
+            node_serves_adapters="op.load_adapter" in link.capabilities,
+        )
+        return _start_request(record, Path(path), engine, runtime, lora)
+
+    async def _carry_out_start(
+        self,
+        record: DeploymentRecord,
+        link: AgentLink | None,
+        request: Callable[[], Awaitable[DeploymentRequest]],
+    ) -> None:
+        """Start the engine ``request()`` describes on ``link``'s node, then mark the
+        deployment ready; a start that fails goes to the restart policy (a first start
+        fails, a restart's backs off again)."""
+        try:
+            built = await request()
+            assert link is not None  # request() raised otherwise
+
+            async def record_spawn(pid: int, port: int) -> None:
+                # Recorded before the engine is healthy, so a crash mid-load can be cleaned up.
+                await asyncio.to_thread(
+                    self._store.update_deployment_runtime, record.id, port=port, pid=pid
+                )
+
+            def record_progress(line: str) -> None:
+                if record.id in self._starting:  # a late line must not outlive the start
+                    self._writer.set_progress(record.id, line)
+
+            endpoint = await link.start_deployment(
+                built,
+                self._health_timeout_s,
+                on_spawned=record_spawn,
+                on_progress=record_progress,
+            )
+        except asyncio.CancelledError:
+            return  # stop() owns the transition to stopping/stopped
+        except BerthError as exc:
+            log.warning("deployment %s failed to start: %s", record.id, exc)
+            await self._start_failed(record, link, str(exc))
+            return
+        except Exception as exc:  # a bug must not leave the deployment loading forever
+            log.exception("deployment %s: unexpected failure while starting", record.id)
+            reason = f"unexpected error while starting: {type(exc).__name__}: {exc}"
+            await self._start_failed(record, link, reason)
+            return
+        current = await asyncio.to_thread(self._store.get_deployment, record.id)
+        if current.state is not DeploymentState.LOADING:
+            return
+        ready = await self._writer.transition(
+            record.id, DeploymentState.READY, port=endpoint.port, pid=endpoint.pid
+        )
+        self._supervisor.became_ready(record.id)
+        if not self._links.is_current(link):
+            # The node's link dropped as the start finished: routed again when its agent
+            # reconnects and reports the engine (node_connected).
+            log.warning("deployment %s is ready but node %s is gone", record.id, record.node_id)
+            return
+        self._table.mark_ready(ready, endpoint)
+        log.info("deployment %s ready at %s", record.id, endpoint.base_url)
+
+    async def _start_failed(
+        self, record: DeploymentRecord, link: AgentLink | None, reason: str
+    ) -> None:
+        """A start failed with ``reason``: failed, or restarted later (a restart's)."""
+        first_line = reason.strip().splitlines()[0] if reason.strip() else "start failed"
+        ending = Ending("start_failed", f"start failed: {first_line[:200]}")
+        await self._supervisor.ended(record.id, ending, link=link, reason=reason)
+
+    async def _model_path(
+        self, record: DeploymentRecord, link: AgentLink, source: ModelAt | ModelPull
+    ) -> Path:
+        """Where the model is on the node; one the node must pull is downloaded first, and
+        its path there recorded."""
+        if isinstance(source, ModelAt):
+            return source.path
+        log.info("deployment %s: node %s pulls %s", record.id, link.node_id, source.repo_id)
+        located = await link.pull_model(source.repo_id, source.revision)
+        await asyncio.to_thread(
+            self._store.set_model_location, record.model_name, link.node_id, located
+        )
+        return Path(located)
+
+    async def _stop_one(self, record: DeploymentRecord) -> DeploymentRecord:
+        self._table.unmark(record.served_model_name, record.id)
+        if self._waiting is not None:
+            # Its requests waiting for a first byte go elsewhere now, not after the stop.
+            self._waiting.give_up_deployment(record.id, GiveUp.STOPPED, "is being stopped")
+        try:
+            record = await self._writer.transition(record.id, DeploymentState.STOPPING)
+        except InvalidTransitionError:  # another stop got there first
+            current = await asyncio.to_thread(self._store.get_deployment, record.id)
+            raise ConflictError(f"deployment {record.id} is already {current.state}") from None
+        link = self._links.get(record.node_id)
+        try:
+            if link is not None:
+                await link.stop_deployment(record.id, self._stop_grace_s)
+        except NotFoundError:
+            pass  # the engine never started, or was already gone
+        except EngineError as exc:
+            return await self._writer.transition(
+                record.id, DeploymentState.FAILED, failure_reason=f"stop failed: {exc}"
+            )
+        return await self._writer.transition(record.id, DeploymentState.STOPPED)
+
+
+def _start_request(
+    record: DeploymentRecord,
+    model_path: Path,
+    engine: EngineName,
+    runtime: RuntimeName,
+    lora: LoraPlan,
+) -> DeploymentRequest:
+    """What the node is asked to start for ``record`` (a first start's or a restart's)."""
+    return DeploymentRequest(
+        deployment_id=record.id,
+        model_name=record.model_name,
+        model_path=model_path,
+        engine=engine,
+        port=0,  # the agent core picks the port and the log file on its host
+        log_path=Path(),
+        gpus=record.gpus,
+        ctx=record.ctx,
+        extra_args=record.extra_args,
+        served_model_name=record.served_model_name,
+        runtime=runtime,
+        image=record.image,
+        adapter_slots=lora.slots,
+        max_lora_rank=lora.max_rank,
+        lora_target_modules=lora.target_modules,
+        lora_files=lora.files,
+    )

@@ -1,0 +1,14 @@
+"""The ``/v1`` request path: an authenticated public request to an engine and its answer back.
+
+Owns the OpenAI-compatible proxy (:mod:`.proxy`), its ASGI twin (:mod:`.asgi`), the attempts
+across upstreams (:mod:`.dispatch`), one HTTP exchange with an engine (:mod:`.exchange`), the
+answer's relay (:mod:`.relay`, :mod:`.sse`, :mod:`.read_ahead`), token usage read off answers
+(:mod:`.usage`), the engine client (pooled HTTP/1.1 or an agent's tunnel, :mod:`.engine_client`),
+API-key authentication and its failure limiter (:mod:`.auth`, :mod:`.auth_limiter`,
+:mod:`.auth_metrics`), and the choice of a LoRA adapter's upstream (:mod:`.adapter_resolver`).
+
+May import: :mod:`berth.deployments` (the adapter registry) and every layer below it
+(``routing``, ``admission``, ``scaling``, ``observability``, ``http_server``, ``engine_http``,
+``store``, the base modules). Never :mod:`berth.admin` or :mod:`berth.daemon`: the daemon
+hands the gateway its collaborators.
+"""

@@ -1,0 +1,190 @@
+"""The proxy's side of a client exchange (:mod:`berth.gateway.proxy`): what it needs of a
+request and of the writer of its answer, what of a request's headers reaches an engine, the
+``model`` of a request body, and a JSON answer.
+
+The proxy is served two ways, through the same two interfaces: by berth's own HTTP server
+(:mod:`berth.http_server`, whose ``Request`` and ``ResponseWriter`` are a
+:class:`ClientRequest` and a :class:`ClientWriter` as they are), and as an ASGI app
+(:mod:`berth.gateway.asgi` adapts ``receive`` and ``send``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Awaitable, Callable, MutableMapping, Sequence
+from typing import Any, Protocol, TypeGuard, runtime_checkable
+
+from berth.conforms import conforms
+from berth.routing.errors import InvalidRequestError
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+
+class ClientRequest(Protocol):
+    """A client's request as the proxy reads it.
+
+    ``read_chunk`` returns the body piece by piece, ``b""`` at its end, and raises
+    :class:`berth.http_server.errors.HttpServerError` when the client went away first.
+    ``watch_disconnect(callback)`` calls ``callback`` (once) if the client goes away before
+    the answer ends, at once if it already has; ``None`` stops watching.
+    """
+
+    method: str
+    path: str
+    query: bytes
+    headers: list[tuple[bytes, bytes]]
+
+    async def read_chunk(self) -> bytes: ...
+
+    def watch_disconnect(self, callback: Callable[[], None] | None) -> None: ...
+
+
+class ClientWriter(Protocol):
+    """The writer of the answer to a client: ``start`` once, ``write`` pieces, ``end`` once.
+
+    ``buffers_writes`` is true when ``write`` only waits while the client is slow (berth's
+    own server); false when each ``write`` waits for its bytes to be taken (ASGI), in which
+    case the proxy reads the engine's answer ahead of it in a bounded buffer.
+    """
+
+    buffers_writes: bool
+
+    async def start(self, status: int, headers: Sequence[tuple[bytes, bytes]]) -> None: ...
+
+    async def write(self, data: bytes) -> None: ...
+
+    async def end(self, data: bytes = b"") -> None: ...
+
+
+@runtime_checkable
+class PushWriter(ClientWriter, Protocol):
+    """A :class:`ClientWriter` that can also be written to without waiting (berth's own
+    server's :class:`~berth.http_server.writer.ResponseWriter`), for a relay that is pushed
+    from the engine connection's callbacks: ``write_now`` and ``end_now`` write at once (the
+    transport buffers), ``write_paused`` says the client is slow, ``drain`` waits until it
+    is not."""
+
+    @property
+    def write_paused(self) -> bool: ...
+
+    def write_now(self, data: bytes) -> None: ...
+
+    def end_now(self, data: bytes = b"") -> None: ...
+
+    async def drain(self) -> None: ...
+
+
+def can_write_now(writer: ClientWriter) -> TypeGuard[PushWriter]:
+    """``writer`` is a :class:`PushWriter` (decided once per class)."""
+    return conforms(writer, PushWriter)
+
+
+# Request headers an engine may see. Credentials (Authorization, Cookie, x-api-key, api-key)
+# and everything else stay at the proxy. W3C Trace Context / Baggage headers pass for tracing;
+# Anthropic's version and beta headers for the Messages API (a request without a version goes
+# without one: llama-server and vLLM do not require it).
+_FORWARDED_HEADERS = frozenset(
+    {
+        b"content-type",
+        b"accept",
+        b"traceparent",
+        b"tracestate",
+        b"baggage",
+        b"anthropic-version",
+        b"anthropic-beta",
+    }
+)
+_VALID_REQUEST_ID = re.compile(rb"[0-9A-Za-z._:/+=-]{1,128}")
+
+
+def scan_headers(
+    raw: Sequence[tuple[bytes, bytes]],
+) -> tuple[bytes, list[tuple[bytes, bytes]], bytes | None]:
+    """``(request id, headers for the engine, Content-Length)`` from the ASGI headers."""
+    request_id: bytes | None = None
+    content_length: bytes | None = None
+    forward: list[tuple[bytes, bytes]] = []
+    content_type = False
+    for header in raw:
+        name = header[0]
+        if name in _FORWARDED_HEADERS:
+            forward.append(header)
+            content_type = content_type or name == b"content-type"
+        elif name == b"content-length":
+            content_length = header[1]
+        elif name == b"x-request-id" and _VALID_REQUEST_ID.fullmatch(header[1]):
+            request_id = header[1]
+    if request_id is None:
+        request_id = os.urandom(16).hex().encode()  # as uuid4().hex, at a fifth of the cost
+    forward.append((b"x-request-id", request_id))
+    forward.append((b"accept-encoding", b"identity"))
+    if not content_type:
+        forward.append((b"content-type", b"application/json"))
+    return request_id, forward, content_length
+
+
+def model_of(body: bytes) -> str:
+    """The ``model`` of an OpenAI request body; :class:`InvalidRequestError` if it has none."""
+    return model_in(payload_of(body))
+
+
+def payload_of(body: bytes) -> dict[str, Any]:
+    """An OpenAI request body parsed; :class:`InvalidRequestError` unless a JSON object."""
+    try:
+        payload = json.loads(body, parse_constant=_refuse_constant)
+    except (ValueError, RecursionError) as exc:  # also invalid UTF-8, too deeply nested
+        raise InvalidRequestError(
+            f"the request body is not valid JSON: {exc}", code="invalid_json"
+        ) from exc
+    if not isinstance(payload, dict):
+        raise InvalidRequestError("the request body must be a JSON object", code="invalid_json")
+    return payload
+
+
+def _refuse_constant(name: str) -> Any:
+    # Python's json takes NaN, Infinity and -Infinity; RFC 8259 (section 6) has no such
+    # numbers, and engines refuse them, each in its own words.
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def model_in(payload: dict[str, Any]) -> str:
+    """The ``model`` of a parsed request body; :class:`InvalidRequestError` if it has none."""
+    model = payload.get("model")
+    if not isinstance(model, str) or not model:
+        raise InvalidRequestError(
+            "you must provide a model parameter", code="missing_model", param="model"
+        )
+    return model
+
+
+def with_model(body: bytes, model: str) -> bytes:
+    """``body`` (a JSON object :func:`model_of` accepted) with its ``model`` set to ``model``.
+
+    Re-serialised compactly; every other field keeps its value.
+    """
+    payload = json.loads(body)
+    payload["model"] = model
+    return json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode()
+
+
+async def send_json(
+    writer: ClientWriter,
+    status: int,
+    body: bytes,
+    request_id: bytes,
+    extra: Sequence[tuple[bytes, bytes]] = (),
+) -> None:
+    """Answer ``status`` with the JSON ``body``, its length, the request id and ``extra``."""
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", b"%d" % len(body)),
+        (b"x-request-id", request_id),
+        *extra,
+    ]
+    await writer.start(status, headers)
+    await writer.end(body)
