@@ -34,7 +34,7 @@ from cryptography.x509.oid import NameOID
 from berth.agent.backoff import backoff_delay
 from berth.agent.cert_pair import save_trust_bundle, write_renewed_pair
 from berth.agent.status import AgentStatus
-from berth.cluster.ca import CLOCK_SKEW, fingerprint_of_pem
+from berth.cluster.ca import CLOCK_SKEW, fingerprint_of_der, fingerprint_of_pem
 from berth.cluster.connection import LinkConnection
 from berth.cluster.protocol.errors import LinkError
 from berth.cluster.protocol.frames import Welcome
@@ -64,6 +64,8 @@ class CertificateFacts:
     serial: str
     not_before: float
     not_after: float
+    #: ``sha256:<hex>`` of the DER certificate ("" when not read from one)
+    fingerprint: str = ""
 
     @property
     def issued_at(self) -> float:
@@ -101,6 +103,7 @@ def _facts(cert: x509.Certificate) -> CertificateFacts:
         serial=format(cert.serial_number, "x"),
         not_before=cert.not_valid_before_utc.timestamp(),
         not_after=cert.not_valid_after_utc.timestamp(),
+        fingerprint=fingerprint_of_der(cert.public_bytes(serialization.Encoding.DER)),
     )
 
 

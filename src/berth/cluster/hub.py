@@ -230,7 +230,8 @@ class NodeHub:
         node_id, refusal, certificate_der, not_after = await self._identify(request)
         if refusal is not None:
             log.warning("refused agent link from %s: %s", peer, refusal[1])
-            await ws.close(code=refusal[0], message=refusal[1].encode())
+            # A close frame's reason has room for 123 bytes (RFC 6455 section 5.5).
+            await ws.close(code=refusal[0], message=refusal[1].encode()[:120])
             return ws
         assert node_id is not None
         if self._shutting_down:

@@ -75,15 +75,11 @@ def certificate_not_after(der: bytes) -> float | None:
 
 def expiry_refusal(node: NodeRecord, not_after: float | None, now: float) -> str | None:
     """Why a link with a certificate valid until ``not_after`` is refused at ``now``, or
-    ``None`` when it is still valid (or its end is unknown).  Names the node and says how
-    to bring it back."""
+    ``None`` when it is still valid (or its end is unknown).  Names the node (the agent
+    adds how to bring it back: enrolling it again)."""
     if not_after is None or not_after > now:
         return None
-    return (
-        f"the certificate of node {node.id} ({node.label}) expired at {_iso(not_after)}; "
-        f"enroll it again: 'berth nodes enroll {node.label}', then 'berth agent register' "
-        "on its host"
-    )
+    return f"the certificate of node {node.id} ({node.label}) expired at {_iso(not_after)}"
 
 
 def renewal_refusal(
