@@ -136,6 +136,12 @@ class NodeHub:
         self._background: set[asyncio.Future[Any]] = set()
         self._saved_at: dict[str, float] = {}
 
+    @property
+    def renewal_refusals(self) -> dict[str, str]:
+        """Why each node's last certificate renewal was refused (nodes whose last one
+        succeeded are absent)."""
+        return {} if self._certificates is None else self._certificates.refusals
+
     def is_connected(self, node_id: str) -> bool:
         link = self._sessions.get(node_id)
         return link is not None and not link.conn.closed

@@ -130,6 +130,8 @@ class LinkCertificates:
         self._clock = clock
         #: the deadline of each live link, while :meth:`watch` runs for it
         self._deadlines: dict[LinkConnection, LinkDeadline] = {}
+        #: why each node's last renewal was refused (``berth nodes ls``)
+        self.refusals: dict[str, str] = {}
 
     def renew(self, node_id: str, not_after: float | None, csr_pem: str) -> RenewResult:
         """Issue ``node_id`` a certificate for the key of ``csr_pem`` (blocking).
@@ -154,8 +156,10 @@ class LinkCertificates:
             self._store.record_node_certificate(issued, replace=False)
             self._store.forget_expired_certificates(now)
         except BerthError as exc:
+            self.refusals[node_id] = str(exc)
             self._append({**event, "outcome": "refused", "reason": str(exc)})
             raise
+        self.refusals.pop(node_id, None)
         self._append(
             {**event, "outcome": "renewed", "serial": issued.serial, "not_after": issued.not_after}
         )
