@@ -27,6 +27,7 @@ from berth.agent.registration import register_agent
 from berth.agent.renewal import read_certificate, renewal_due_at
 from berth.agent.service import AgentService
 from berth.cluster.ca import CertificateAuthority
+from berth.cluster.dial_limit import DialRateLimiter
 from berth.cluster.enrollment import AuditLog, EnrollmentService
 from berth.cluster.hub import NodeHub
 from berth.cluster.link_registry import LinkRegistry
@@ -36,7 +37,7 @@ from berth.cluster.listener import (
     cluster_ssl_context,
     cluster_tls_files,
 )
-from berth.cluster.protocol.errors import CloseCode
+from berth.cluster.protocol.errors import CloseCode, rate_limited_reason, retry_after_of
 from berth.cluster.renewal import LinkCertificates, renewal_refusal
 from berth.daemon.server import bind_tcp
 from berth.paths import BerthHome
@@ -60,7 +61,9 @@ class RenewingLeader:
 
 
 @contextlib.asynccontextmanager
-async def renewing_leader(tmp_path: Path, lifetime_s: float) -> AsyncIterator[RenewingLeader]:
+async def renewing_leader(
+    tmp_path: Path, lifetime_s: float, dial_limiter: DialRateLimiter | None = None
+) -> AsyncIterator[RenewingLeader]:
     home = BerthHome(tmp_path / "leader")
     home.ensure()
     ca = CertificateAuthority.load_or_create(home.ca_dir)
@@ -75,7 +78,13 @@ async def renewing_leader(tmp_path: Path, lifetime_s: float) -> AsyncIterator[Re
         cert_lifetime_s=lifetime_s,
     )  # fmt: skip
     certificates = LinkCertificates(store, ca, lifetime_s=lifetime_s, audit=audit)
-    hub = NodeHub(store, LinkRegistry(), heartbeat_interval_s=0.5, certificates=certificates)
+    hub = NodeHub(
+        store,
+        LinkRegistry(),
+        heartbeat_interval_s=0.5,
+        certificates=certificates,
+        dial_limiter=dial_limiter,
+    )
     app = build_cluster_app(
         enrollment=enrollment, ca_pem=ca.cert_pem, agent_handler=hub.handle_agent
     )
@@ -264,3 +273,47 @@ def test_a_pair_replacement_cut_short_is_finished_or_dropped(tmp_path: Path) -> 
     settle_renewed_pair(home)
     assert home.agent_key.read_bytes() == b"newer key"
     assert not (tmp_path / "agent.key.next").exists()
+
+
+async def test_an_agent_that_dials_too_often_waits_as_long_as_the_leader_says(
+    tmp_path: Path,
+) -> None:
+    limiter = DialRateLimiter(max_dials=1, window_s=120.0)
+    async with renewing_leader(tmp_path, lifetime_s=3600.0, dial_limiter=limiter) as leader:
+        identity = await enroll(leader, tmp_path, "gpu-d")
+        first = agent_for(identity, DialingCore(1), renew=False)
+        running = asyncio.create_task(first.run())
+        await wait_for_async(lambda: leader.hub.is_connected(identity.node_id), 30, "a link")
+        await first.stop()
+        await running
+        # A second dial within the window is refused with RATE_LIMITED and a retry delay,
+        # which the agent honours over its own (much shorter) backoff.
+        second = agent_for(identity, DialingCore(1), renew=False)
+        second._backoff = lambda attempt: 0.01
+        running = asyncio.create_task(second.run())
+        status = second._status
+
+        def waiting() -> bool:
+            return any("redialling in" in line for line in status.recent)
+
+        await wait_for_async(waiting, 30, "the agent to back off")
+        await second.stop()
+        await running
+    assert "code 4429" in status.last_error and "retry_after_s=" in status.last_error
+    (line,) = [line for line in status.recent if "redialling in" in line]
+    delay_s = float(line.split("redialling in ")[1].split(" s")[0])
+    assert 100 < delay_s <= 120
+
+
+def test_the_rate_limit_reason_carries_the_delay_in_whole_seconds() -> None:
+    reason = rate_limited_reason(4.2)
+    assert reason.startswith("retry_after_s=5 ")
+    assert retry_after_of(CloseCode.RATE_LIMITED, reason) == 5.0
+    assert retry_after_of(CloseCode.HEARTBEAT_TIMEOUT, reason) is None
+    assert retry_after_of(CloseCode.RATE_LIMITED, "slow down") is None
+    assert retry_after_of(CloseCode.RATE_LIMITED, "retry_after_s=99999999") is None
+    limiter = DialRateLimiter(max_dials=2, window_s=10.0)
+    assert limiter.check("a", 0.0) is None and limiter.check("a", 1.0) is None
+    assert limiter.check("a", 2.0) == 8.0
+    assert limiter.check("b", 2.0) is None  # per address
+    assert limiter.check("a", 10.5) is None  # the first dial left the window

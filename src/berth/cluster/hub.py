@@ -27,12 +27,13 @@ from cryptography.x509.oid import NameOID
 
 from berth import __version__
 from berth.cluster.connection import LINK_TIMEOUT_S, LinkConnection, Liveness
+from berth.cluster.dial_limit import DialRateLimiter
 from berth.cluster.enrollment import AuditLog
 from berth.cluster.inventory import gpu_infos
 from berth.cluster.link import LOCAL_NODE_ID
 from berth.cluster.link_registry import LinkRegistry
 from berth.cluster.peer_identity import ForwardedFingerprintTrust, client_identity
-from berth.cluster.protocol.errors import CloseCode, LinkError
+from berth.cluster.protocol.errors import CloseCode, LinkError, rate_limited_reason
 from berth.cluster.protocol.frames import (
     AdoptedState,
     EngineState,
@@ -97,6 +98,7 @@ class NodeHub:
     ends keep (told to agents in Welcome); ``node_timeout_s`` the longest an agent may go
     without sending a frame. ``certificates``, when given, renews agents' certificates over
     their links and closes a link whose certificate expired (:mod:`berth.cluster.renewal`).
+    ``dial_limiter`` bounds how often one address may dial (``RATE_LIMITED`` beyond it).
     """
 
     def __init__(
@@ -115,7 +117,9 @@ class NodeHub:
         audit: AuditLog | None = None,
         forwarded: ForwardedFingerprintTrust | None = None,
         certificates: LinkCertificates | None = None,
+        dial_limiter: DialRateLimiter | None = None,
     ) -> None:
+        self._dial_limiter = dial_limiter or DialRateLimiter()
         self._store = store
         #: renewal over links and the expiry of their certificates (``None``: neither)
         self._certificates = certificates
@@ -233,6 +237,12 @@ class NodeHub:
             max_msg_size=4 * self.limits.max_frame_bytes, compress=False, autoping=False
         )
         await ws.prepare(request)
+        retry_after_s = self._dial_limiter.check(peer, time.monotonic())
+        if retry_after_s is not None:
+            log.warning("refused agent link from %s: it dials too often", peer)
+            reason = rate_limited_reason(retry_after_s).encode()
+            await ws.close(code=CloseCode.RATE_LIMITED, message=reason)
+            return ws
         node_id, refusal, certificate_der, not_after = await self._identify(request)
         if refusal is not None:
             log.warning("refused agent link from %s: %s", peer, refusal[1])
