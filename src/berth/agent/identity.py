@@ -121,6 +121,7 @@ def save_agent_identity(
     cert_pem: bytes,
     ca_pem: bytes,
     enrolled_at: datetime,
+    ca_fingerprints: list[str] | None = None,
 ) -> AgentIdentity:
     """Write the identity files (each replaced atomically; the key created mode 0600) and
     ``agent.yaml`` last, so a half-written registration is never taken for a whole one."""
@@ -129,13 +130,15 @@ def save_agent_identity(
     write_atomic(home.agent_key, key_pem, mode=0o600)
     write_atomic(home.agent_cert, cert_pem, mode=0o644)
     write_atomic(home.agent_ca, ca_pem, mode=0o644)
-    document = {
+    document: dict[str, object] = {
         "leader_url": leader_url,
         "node_id": node_id,
         "label": label,
         "ca_fingerprint": ca_fingerprint,
         "enrolled_at": enrolled_at.astimezone(UTC).isoformat(),
     }
+    if ca_fingerprints and ca_fingerprints != [ca_fingerprint]:
+        document["ca_fingerprints"] = list(ca_fingerprints)
     write_atomic(home.agent_config, yaml.safe_dump(document, sort_keys=False), mode=0o600)
     return load_agent_identity(home)
 
@@ -182,8 +185,8 @@ def pinned_bundle(pem: bytes, fingerprints: tuple[str, ...]) -> bytes:
         found = fingerprint_of_pem(canonical)
         if found not in fingerprints:
             raise AuthError(
-                f"the cluster CA file holds {found}, which is not pinned "
-                f"({', '.join(fingerprints)}); refusing to trust it"
+                f"the cluster CA file holds {found}, which does not match the pinned "
+                f"{', '.join(fingerprints)}; refusing to trust it"
             )
         out += canonical
     return out

@@ -28,7 +28,7 @@ from rich.text import Text
 from berth.agent.adopted import AdoptedWatcher
 from berth.agent.core import AgentCore
 from berth.agent.dialer import AgentDialer, AgentStatus
-from berth.agent.identity import AgentIdentity, load_agent_identity, pinned_certificate
+from berth.agent.identity import AgentIdentity, load_agent_identity, pinned_bundle
 from berth.agent.ingress import AgentIngress
 from berth.agent.owner import own_engines
 from berth.agent.renewal import CertificateFacts, certificate_line
@@ -240,7 +240,7 @@ def _ingress(
         key_path=identity.key_path,
         cert_path=home.root / "ingress.crt",
         ca_certificate=x509.load_pem_x509_certificates(  # every root, not the first only
-            pinned_certificate(identity.ca_path.read_bytes(), identity.ca_fingerprint)
+            pinned_bundle(identity.ca_path.read_bytes(), identity.pins)
         ),
         relay=service.relay_exchange,
         limits=settings.listener_limits(),

@@ -298,7 +298,8 @@ class EnrollmentService:
         self._store.create_enrollment_token(
             label, hash_enrollment_token(token, self._pepper), expires_at
         )
-        uri = EnrollmentURI(self.cluster_url, token, self._ca.fingerprint_sha256)
+        # The root the leader's server certificate chains to (the old one during a rotation).
+        uri = EnrollmentURI(self.cluster_url, token, self._ca.server_root_fingerprint)
         return IssuedToken(uri=uri, label=label, expires_at=expires_at)
 
     def register(self, token: str, csr_pem: str, source_address: str) -> Registration:
@@ -336,7 +337,7 @@ class EnrollmentService:
             node_id=record.id,
             label=record.label,
             certificate_pem=cert_pem.decode(),
-            ca_pem=self._ca.cert_pem.decode(),
+            ca_pem=self._ca.trust_bundle_pem.decode(),  # both roots during a rotation
             cluster_url=self.cluster_url,
         )
 

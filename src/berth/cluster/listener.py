@@ -10,7 +10,8 @@ certificate is *optional* at the TLS level (``CERT_OPTIONAL``) so ``GET /admin/c
 registration work without one, but one that is presented must chain to the berth CA (only
 that CA is trusted), else the handshake fails.  Routes:
 
-- ``GET /admin/ca.pem``: the CA certificate;
+- ``GET /admin/ca.pem``: the root the server certificate chains to (the CA; the old one
+  during a CA rotation), what enrollment URIs pin;
 - ``POST /admin/nodes/register``: ``{"token", "csr_pem"}`` → the agent's certificate
   (failed attempts rate-limited per source address; see :mod:`berth.cluster.enrollment`);
 - ``GET /cluster/agent``: the agents' WebSocket, handled by the injected ``agent_handler``.
@@ -110,7 +111,7 @@ def peer_certificate_der(request: web.Request) -> bytes | None:
 def build_cluster_app(
     *,
     enrollment: EnrollmentService,
-    ca_pem: bytes,
+    ca_pem: bytes | Callable[[], bytes],
     agent_handler: AgentHandler,
     on_registered: Callable[[str], Awaitable[None]] | None = None,
     rate_limiter: RegistrationRateLimiter | None = None,
@@ -140,7 +141,8 @@ def build_cluster_app(
             )
 
     async def ca_certificate(_request: web.Request) -> web.Response:
-        return web.Response(body=ca_pem, content_type=CA_PEM_MEDIA_TYPE)
+        body = ca_pem() if callable(ca_pem) else ca_pem
+        return web.Response(body=body, content_type=CA_PEM_MEDIA_TYPE)
 
     async def register(request: web.Request) -> web.Response:
         source = request.remote or "unknown"

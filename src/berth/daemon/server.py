@@ -467,7 +467,7 @@ async def serve(home: BerthHome, settings: Settings) -> None:
     cluster_listener = ClusterListener(
         build_cluster_app(
             enrollment=enrollment,
-            ca_pem=ca.cert_pem,
+            ca_pem=lambda: ca.server_root_pem,  # a CA rotation changes it
             agent_handler=hub.handle_agent,
             on_registered=hub.certificate_replaced,
             body_timeout_s=limits.body_timeout_s,
