@@ -6,11 +6,8 @@ agent status`` says then, the rate-limited redial, and the pure parts."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -20,110 +17,20 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
 from berth.agent.cert_pair import settle_renewed_pair, write_renewed_pair
-from berth.agent.core import RuntimeStatus
-from berth.agent.dialer import AgentDialer, AgentStatus
-from berth.agent.identity import AgentIdentity, load_agent_identity
-from berth.agent.registration import register_agent
+from berth.agent.identity import load_agent_identity
 from berth.agent.renewal import read_certificate, renewal_due_at
-from berth.agent.service import AgentService
-from berth.cluster.ca import CertificateAuthority
 from berth.cluster.dial_limit import DialRateLimiter
-from berth.cluster.enrollment import AuditLog, EnrollmentService
-from berth.cluster.hub import NodeHub
-from berth.cluster.link_registry import LinkRegistry
-from berth.cluster.listener import (
-    ClusterListener,
-    build_cluster_app,
-    cluster_ssl_context,
-    cluster_tls_files,
-)
 from berth.cluster.protocol.errors import CloseCode, rate_limited_reason, retry_after_of
-from berth.cluster.renewal import LinkCertificates, renewal_refusal
-from berth.daemon.server import bind_tcp
+from berth.cluster.renewal import renewal_refusal
 from berth.paths import BerthHome
 from berth.store import Store
 from support.cluster_harness import clean_env, cli
-from support.link_pair import DEPLOYMENT, ENGINE_KEY, FakeCore
+from support.link_pair import DEPLOYMENT, ENGINE_KEY
+from support.renewal_leader import DialingCore, agent_for, enroll, renewing_leader
 from support.standin_engine import StandinEngine, sse_event, sse_reply
 from support.waiting import wait_for_async
 
 HUB_LOG = "berth.cluster.hub"
-
-
-@dataclass
-class RenewingLeader:
-    """A cluster listener and hub on loopback TLS that renew certificates of ``lifetime_s``."""
-
-    hub: NodeHub
-    store: Store
-    enrollment: EnrollmentService
-    home: BerthHome
-
-
-@contextlib.asynccontextmanager
-async def renewing_leader(
-    tmp_path: Path, lifetime_s: float, dial_limiter: DialRateLimiter | None = None
-) -> AsyncIterator[RenewingLeader]:
-    home = BerthHome(tmp_path / "leader")
-    home.ensure()
-    ca = CertificateAuthority.load_or_create(home.ca_dir)
-    store = Store(f"sqlite:///{home.db_file}")
-    store.migrate()
-    store.ensure_local_node()
-    sock = bind_tcp("cluster", "127.0.0.1", 0)
-    url = f"https://127.0.0.1:{sock.getsockname()[1]}"
-    audit = AuditLog(home.audit_log)
-    enrollment = EnrollmentService(
-        store=store, ca=ca, pepper=b"p" * 32, cluster_url=url, audit=audit,
-        cert_lifetime_s=lifetime_s,
-    )  # fmt: skip
-    certificates = LinkCertificates(store, ca, lifetime_s=lifetime_s, audit=audit)
-    hub = NodeHub(
-        store,
-        LinkRegistry(),
-        heartbeat_interval_s=0.5,
-        certificates=certificates,
-        dial_limiter=dial_limiter,
-    )
-    app = build_cluster_app(
-        enrollment=enrollment, ca_pem=ca.cert_pem, agent_handler=hub.handle_agent
-    )
-    tls = cluster_ssl_context(ca, *cluster_tls_files(ca, "127.0.0.1", home.ca_dir))
-    listener = ClusterListener(app, sock, tls)
-    await listener.start()
-    try:
-        yield RenewingLeader(hub, store, enrollment, home)
-    finally:
-        await hub.shutdown()
-        await listener.stop()
-        store.close()
-
-
-async def enroll(leader: RenewingLeader, tmp_path: Path, label: str) -> AgentIdentity:
-    uri = leader.enrollment.issue_token(label).uri
-    return await asyncio.to_thread(register_agent, uri, BerthHome(tmp_path / label))
-
-
-class DialingCore(FakeCore):
-    """The fake core, with what the dial loop asks before each dial."""
-
-    async def runtime_status(self) -> list[RuntimeStatus]:
-        return [RuntimeStatus("process", True, "")]
-
-    async def retry_unresolved(self) -> list[str]:
-        return []
-
-    def heartbeat_engines(self) -> list[str]:
-        return []
-
-
-def agent_for(identity: AgentIdentity, core: FakeCore, *, renew: bool) -> AgentDialer:
-    service = AgentService(core, read_timeout_s=30.0)  # type: ignore[arg-type]
-    home = BerthHome(identity.cert_path.parent)
-    status = AgentStatus(
-        identity.leader_url, identity.node_id, identity.label, path=home.agent_status_file
-    )
-    return AgentDialer(identity, service, status, renew=renew)
 
 
 async def test_three_renewals_in_a_row_keep_the_link_and_a_stream_through_it(

@@ -90,7 +90,7 @@ class AgentDialer:
         renew: bool = True,
     ) -> None:
         self._identity = identity
-        home = BerthHome(identity.cert_path.parent)
+        self._home = home = BerthHome(identity.cert_path.parent)
         #: renews the certificate over each link (``renew=False``: never, for tests)
         self.renewer = CertificateRenewer(home, identity.node_id, status) if renew else None
         self._dial_timeout_s = dial_timeout_s
@@ -116,6 +116,7 @@ class AgentDialer:
 
         The identity files are read again at every dial, so a renewed certificate (or a
         new trust bundle) is used from the next dial on."""
+        self._reload_identity()
         ssl_context = client_ssl_context(self._identity)
         url = cluster_ws_url(self._identity.leader_url)
         attempt = 0
@@ -151,11 +152,17 @@ class AgentDialer:
         self._status.set("stopped")
         return 0
 
+    def _reload_identity(self) -> None:
+        """Read ``agent.yaml`` again (a renewal may have changed the pinned roots); an
+        identity given without one (tests) is kept.  Raises :class:`ConfigError`."""
+        if self._home.agent_config.exists():
+            self._identity = load_agent_identity(self._home)
+
     def _current_context(self, previous: ssl.SSLContext) -> ssl.SSLContext:
         """The TLS context from the identity files as they are now (``previous`` when they
         cannot be read: the status says why); says so when the certificate has expired."""
         try:
-            self._identity = load_agent_identity(BerthHome(self._identity.cert_path.parent))
+            self._reload_identity()
             context = client_ssl_context(self._identity)
         except ConfigError as exc:
             log.warning("cannot reload the agent's identity: %s", exc)

@@ -106,6 +106,11 @@ class CertificateAuthority:
         """The old root while a rotation is under way (``berth ca retire`` removes it)."""
         return None if self._previous is None else self._previous[0]
 
+    @property
+    def previous_fingerprint(self) -> str | None:
+        """The old root's fingerprint while a rotation is under way."""
+        return None if self._previous is None else _fingerprint(self._previous[0])
+
     def _server_issuer(self) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
         """Who issues the leader's own server certificates: the old root while a rotation
         is under way (agents that trust only it still verify the leader), else the CA."""

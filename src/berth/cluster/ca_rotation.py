@@ -77,6 +77,9 @@ def rotate(ca: CertificateAuthority) -> None:
     write_atomic(next_path(folder / CA_KEY_FILE), ca_files._private_pem(new_key), mode=0o600)
     write_atomic(next_path(folder / CA_CERT_FILE), new_cert.public_bytes(pem), mode=0o644)
     ca.reload()  # moves the new pair into place
+    # Still under the old root, but written anew: the listeners reload on the change and
+    # their trust stores then hold both roots (agents' new leaves come from the new one).
+    reissue_server_certificates(ca)
 
 
 def retire(ca: CertificateAuthority, holders: list[OldLeaf], *, force: bool = False) -> None:

@@ -1,0 +1,101 @@
+"""Rotating the cluster CA under two real agents on loopback mutual TLS, one of them offline
+during the rotation: both end on new-CA leaves through renewal over their links, with both
+roots in their trust stores; ``retire`` is refused naming a node while one holds an old-CA
+leaf, then succeeds; after it, agents dial the leader's re-issued server certificate."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+from cryptography import x509
+
+from berth.agent.dialer import AgentDialer
+from berth.agent.identity import AgentIdentity, load_agent_identity
+from berth.agent.renewal import read_certificate
+from berth.cluster.ca import CertificateAuthority, fingerprint_of_pem
+from berth.cluster.ca_rotation import holders_of_old_leaves, retire, rotate
+from berth.errors import ConflictError
+from berth.paths import BerthHome
+from support.renewal_leader import DialingCore, RenewingLeader, agent_for, enroll, renewing_leader
+from support.waiting import wait_for_async
+
+
+def issuer_of(identity: AgentIdentity, ca: CertificateAuthority) -> str:
+    """``new`` or ``old``: which root issued the agent's certificate on disk."""
+    leaf = x509.load_pem_x509_certificate(identity.cert_path.read_bytes())
+    return "new" if leaf.issuer == ca.certificate.subject else "old"
+
+
+async def renewed_to_new_ca(leader: RenewingLeader, identity: AgentIdentity) -> None:
+    await wait_for_async(
+        lambda: issuer_of(identity, leader.ca) == "new", 60, f"{identity.label} on the new CA"
+    )
+
+
+async def test_rotation_with_one_agent_offline_ends_with_both_on_the_new_ca(
+    tmp_path: Path,
+) -> None:
+    async with renewing_leader(tmp_path, lifetime_s=15.0) as leader:
+        online = await enroll(leader, tmp_path, "gpu-on")
+        offline = await enroll(leader, tmp_path, "gpu-off")
+        old_root = leader.ca.fingerprint_sha256
+        dialers: list[AgentDialer] = []
+        tasks: list[asyncio.Task[int]] = []
+
+        def start(identity: AgentIdentity) -> None:
+            dialer = agent_for(identity, DialingCore(1), renew=True)
+            dialers.append(dialer)
+            tasks.append(asyncio.create_task(dialer.run()))
+
+        try:
+            start(online)
+            await wait_for_async(lambda: leader.hub.is_connected(online.node_id), 30, "a link")
+
+            await asyncio.to_thread(rotate, leader.ca)
+            await leader.tls.reload(reason="the CA rotated")  # the daemon: on the file change
+            assert leader.ca.previous_fingerprint == old_root
+            assert leader.ca.fingerprint_sha256 != old_root
+            held = {h.label for h in holders_of_old_leaves(leader.store, leader.ca)}
+            assert held == {"gpu-on", "gpu-off"}
+            with pytest.raises(ConflictError, match="gpu-off"):
+                retire(leader.ca, holders_of_old_leaves(leader.store, leader.ca))
+
+            # The online agent renews over its live link; the offline one comes back with
+            # its old leaf (still valid) and renews too.
+            await renewed_to_new_ca(leader, online)
+            start(offline)
+            await renewed_to_new_ca(leader, offline)
+            for identity in (online, offline):
+                pins = load_agent_identity(BerthHome(identity.cert_path.parent)).pins
+                assert set(pins) == {old_root, leader.ca.fingerprint_sha256}
+                roots = x509.load_pem_x509_certificates(identity.ca_path.read_bytes())
+                assert len(roots) == 2
+            assert holders_of_old_leaves(leader.store, leader.ca) == []
+
+            await asyncio.to_thread(retire, leader.ca, [])
+            await leader.tls.reload(reason="the old root was retired")
+            assert leader.ca.previous is None
+            served = x509.load_pem_x509_certificates(
+                (leader.home.ca_dir / "cluster.pem").read_bytes()
+            )
+            assert served[0].issuer == leader.ca.certificate.subject
+        finally:
+            for dialer in dialers:
+                await dialer.stop()
+            await asyncio.gather(*tasks)
+
+        # A fresh dial verifies the re-issued server certificate with the new root.
+        again = agent_for(online, DialingCore(1), renew=False)
+        running = asyncio.create_task(again.run())
+        try:
+            await wait_for_async(
+                lambda: again._status.state == "connected", 30, "a dial after retirement"
+            )
+        finally:
+            await again.stop()
+            await running
+        facts = read_certificate(online.cert_path)
+        assert facts is not None
+        assert fingerprint_of_pem(leader.ca.server_root_pem) == leader.ca.fingerprint_sha256
