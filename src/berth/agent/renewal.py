@@ -173,7 +173,8 @@ class CertificateRenewer:
                 return
             wait_s = facts.renew_at - (self._clock() + offset_s)
             if attempt == 0:
-                self._status.renewal(f"next renewal in {age(max(0.0, wait_s))}")
+                due = time.localtime(self._clock() + max(0.0, wait_s))
+                self._status.renewal(f"next renewal at {time.strftime('%H:%M:%S', due)}")
             if wait_s > 0:
                 await asyncio.sleep(wait_s)
                 continue

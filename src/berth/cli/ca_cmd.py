@@ -19,11 +19,11 @@ ca_app = typer.Typer(
 
 def _print(status: CaStatus) -> None:
     left = age(status.not_after - time.time())
-    console.print(f"ca        {status.fingerprint} (valid {left} more)")
+    console.print(f"ca        {status.fingerprint} (valid {left} more)", soft_wrap=True)
     if status.previous_fingerprint is None:
         console.print("rotation  none under way")
     else:
-        console.print(f"old root  {status.previous_fingerprint} (still trusted)")
+        console.print(f"old root  {status.previous_fingerprint} (still trusted)", soft_wrap=True)
     if status.old_leaf_holders:
         console.print("nodes still on an old-CA certificate (they move at their next renewal):")
         for holder in status.old_leaf_holders:
