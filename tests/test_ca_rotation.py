@@ -6,6 +6,7 @@ leaf, then succeeds; after it, agents dial the leader's re-issued server certifi
 from __future__ import annotations
 
 import asyncio
+import json
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,7 @@ from berth.cluster.ca import CertificateAuthority, fingerprint_of_pem
 from berth.cluster.ca_rotation import holders_of_old_leaves, retire, rotate
 from berth.errors import ConflictError
 from berth.paths import BerthHome
+from support.cluster_harness import started_cluster
 from support.renewal_leader import DialingCore, RenewingLeader, agent_for, enroll, renewing_leader
 from support.waiting import wait_for_async
 
@@ -99,3 +101,48 @@ async def test_rotation_with_one_agent_offline_ends_with_both_on_the_new_ca(
         facts = read_certificate(online.cert_path)
         assert facts is not None
         assert fingerprint_of_pem(leader.ca.server_root_pem) == leader.ca.fingerprint_sha256
+
+
+async def test_a_node_enrolled_during_a_rotation_trusts_both_roots_and_holds_a_new_leaf(
+    tmp_path: Path,
+) -> None:
+    async with renewing_leader(tmp_path, lifetime_s=3600.0) as leader:
+        old_root = leader.ca.fingerprint_sha256
+        await asyncio.to_thread(rotate, leader.ca)
+        await leader.tls.reload(reason="the CA rotated")
+        identity = await enroll(leader, tmp_path, "gpu-new")
+        assert identity.ca_fingerprint == old_root  # the URI pins the root serving the leader
+        assert set(identity.pins) == {old_root, leader.ca.fingerprint_sha256}
+        assert issuer_of(identity, leader.ca) == "new"
+        dialer = agent_for(identity, DialingCore(1), renew=False)
+        running = asyncio.create_task(dialer.run())
+        try:
+            await wait_for_async(
+                lambda: leader.hub.is_connected(identity.node_id), 30, "its first link"
+            )
+        finally:
+            await dialer.stop()
+            await running
+        assert holders_of_old_leaves(leader.store, leader.ca) == []
+
+
+def test_berth_ca_status_rotate_and_retire_through_the_daemon(tmp_path: Path) -> None:
+    with started_cluster(tmp_path) as cluster:
+        before = json.loads(cluster.berth("ca", "status", "--json").stdout)
+        assert before["rotating"] is False and before["previous_fingerprint"] is None
+        rotated = cluster.berth("ca", "rotate").stdout
+        assert "old root  " + before["fingerprint"] in rotated
+        status = json.loads(cluster.berth("ca", "status", "--json").stdout)
+        assert status["rotating"] is True and status["fingerprint"] != before["fingerprint"]
+        # Nothing enrolled holds an old-CA leaf: retiring goes ahead, and the leader's
+        # server certificates come from the new CA from then on.
+        assert "rotation  none under way" in cluster.berth("ca", "retire").stdout
+        served = x509.load_pem_x509_certificate(
+            (cluster.leader_home / "ca" / "cluster.pem").read_bytes()
+        )
+        new_root = x509.load_pem_x509_certificate(
+            (cluster.leader_home / "ca" / "ca.pem").read_bytes()
+        )
+        assert served.issuer == new_root.subject
+        again = cluster.berth("ca", "retire", check=False)
+        assert again.returncode != 0 and "no CA rotation is under way" in again.stderr
