@@ -21,21 +21,16 @@ from berth.agent.renewal import read_certificate
 from support.cluster_harness import URI_PATTERN, Agent, Cluster, started_cluster
 from support.waiting import wait_for
 
-FAKETIME = shutil.which("faketime")
 #: How far behind the agent's clock runs.
 SKEW = "-60s"
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(
-        FAKETIME is None, reason="Debian's faketime is not installed (scripts/setup.sh does)"
-    ),
-]
+pytestmark = [pytest.mark.slow, pytest.mark.needs("faketime")]
 
 
 def behind(*argv: str) -> list[str]:
-    assert FAKETIME is not None
-    return [FAKETIME, "-f", SKEW, *argv]
+    faketime = shutil.which("faketime")
+    assert faketime is not None  # the needs mark checked it
+    return [faketime, "-f", SKEW, *argv]
 
 
 def test_an_agent_a_minute_behind_enrolls_serves_and_renews_on_time(tmp_path: Path) -> None:

@@ -106,6 +106,7 @@ PARTS: dict[str, Callable[[], str | None]] = {
     "chromium": _chromium,
     "objdump": _executable("objdump", "binutils"),
     "gcc": _executable("gcc", "gcc"),
+    "faketime": _executable("faketime", "faketime"),
 }
 
 
