@@ -29,7 +29,8 @@ import uvloop
 
 from berth.engine_http.connection import UpstreamConnection
 from berth.engine_http.origin import Origin
-from berth.gateway.relay import Exchange, StreamPush
+from berth.gateway.outcome import Exchange
+from berth.gateway.push import StreamPush
 from berth.gateway.sse import SSEEventSplitter
 from berth.http_server.writer import ResponseWriter
 

@@ -24,7 +24,8 @@ from fastapi.routing import APIRoute
 from pydantic import TypeAdapter
 from starlette.routing import BaseRoute
 
-from berth.admin.app import build_admin_app, deployment_view
+from berth.admin.app import build_admin_app
+from berth.admin.deployments import deployment_view
 from berth.admin.keys import key_view
 from berth.admin.nodes import node_detail_view
 from berth.admin.services import build_service_router

@@ -21,8 +21,8 @@ from berth.cluster.listener import (
     cluster_ssl_context,
     cluster_tls_files,
 )
-from berth.daemon.server import bind_tcp
 from berth.http_server.limits import ListenerLimits
+from berth.http_server.sockets import bind_tcp
 from berth.paths import BerthHome
 from berth.store import Store
 

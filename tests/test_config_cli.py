@@ -26,7 +26,7 @@ from berth.cli.config_cmd import CLUSTER_KEYS, PUBLIC_KEYS, TLS_KEYS, parse_pair
 from berth.cli.main import app
 from berth.cluster.ca import CertificateAuthority
 from berth.config import Settings, convert_setting
-from berth.daemon.server import refuse_local_leftovers
+from berth.daemon.pieces import refuse_local_leftovers
 from berth.errors import ConfigError, DaemonError
 from berth.paths import BerthHome
 from berth.store import Store

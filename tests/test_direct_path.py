@@ -17,13 +17,13 @@ import msgspec
 import pytest
 
 from berth.cluster.connection import LinkConnection
-from berth.cluster.direct_path import RENEW_AFTER_S, DataPaths, HttpOpener
+from berth.cluster.direct_path import RENEW_AFTER_S, DataPaths
 from berth.cluster.link_registry import LinkRegistry
 from berth.cluster.protocol.direct import HEALTH_PATH
 from berth.cluster.protocol.ops import INGRESS
 from berth.cluster.protocol.session import Role, WelcomeTerms
 from berth.cluster.remote_link import RemoteLink
-from berth.engine_http.answer import EngineAnswer
+from berth.engine_http.answer import EngineAnswer, HttpOpener
 from berth.engine_http.errors import UpstreamConnectError, UpstreamDisconnectError, UpstreamError
 from support.direct import DEPLOYMENT, Ingress, Pki, Relay, running_ingress
 from support.fakes import memory_socket_pair

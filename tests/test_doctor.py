@@ -35,7 +35,6 @@ from berth.cluster.listener import (
     cluster_tls_files,
 )
 from berth.config import Settings
-from berth.daemon.server import bind_tcp
 from berth.doctor import Check, run_checks
 from berth.doctor.certs import names_host
 from berth.doctor.engines import (
@@ -48,6 +47,7 @@ from berth.doctor.engines import (
 from berth.doctor.install import home_check, secrets_check
 from berth.doctor.ports import port_check
 from berth.doctor.run import tls_checks
+from berth.http_server.sockets import bind_tcp
 from berth.paths import BerthHome
 from berth.runtime.docker import resolve_docker_host
 from berth.runtime.engines import EngineName, find_free_port

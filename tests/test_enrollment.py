@@ -42,8 +42,8 @@ from berth.cluster.listener import (
     cluster_tls_files,
     peer_certificate_der,
 )
-from berth.daemon.server import bind_tcp
 from berth.errors import AuthError, ConfigError, RateLimitError
+from berth.http_server.sockets import bind_tcp
 from berth.paths import BerthHome
 from berth.store import Store
 from support.waiting import EVENT_TIMEOUT_S, wait_for_async

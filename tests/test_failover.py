@@ -34,8 +34,9 @@ from berth.agent.dialer import AgentDialer, AgentStatus
 from berth.agent.identity import AgentIdentity
 from berth.cli.main import app
 from berth.cluster.ca import CertificateAuthority
-from berth.cluster.connection import LinkConnection, Liveness
+from berth.cluster.connection import LinkConnection
 from berth.cluster.link_registry import LinkRegistry
+from berth.cluster.liveness import Liveness
 from berth.cluster.protocol.errors import CloseCode, LinkError
 from berth.cluster.protocol.frames import Heartbeat, Hello, Inventory, Request, StreamOpen
 from berth.cluster.protocol.ops import NoArgs, Op

@@ -46,8 +46,8 @@ from berth.cluster.protocol.frames import (
     decode_frame,
     encode_frame,
 )
-from berth.daemon.server import bind_tcp
 from berth.errors import ConfigError
+from berth.http_server.sockets import bind_tcp
 from berth.paths import BerthHome
 from berth.runtime.engines import find_free_port
 from berth.store import Store

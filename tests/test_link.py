@@ -11,7 +11,8 @@ from typing import Any
 
 import pytest
 
-from berth.cluster.connection import LinkConnection, RemoteOpError
+from berth.cluster.connection import LinkConnection
+from berth.cluster.link_calls import RemoteOpError
 from berth.cluster.protocol.errors import CloseCode, LinkError, ProtocolError
 from berth.cluster.protocol.frames import (
     Hello,

@@ -176,7 +176,7 @@ async def test_direct_and_queued_sends_keep_their_order() -> None:
     ws = _SlowSocket()
     conn = LinkConnection(Role.LEADER, ws, handler=None, peer="agent")  # type: ignore[arg-type]
     conn._session.state = SessionState.OPEN  # no handshake needed to send frames
-    conn._start_writer()
+    conn._output.start()
     streams = [conn.open_stream(StreamOpen(id=0, kind="http", deployment_id="d")) for _ in range(3)]
     ws.gate.set()
     await asyncio.sleep(0.01)  # the writer task sends the opening frames
@@ -194,4 +194,4 @@ async def test_direct_and_queued_sends_keep_their_order() -> None:
     ids = [(type(frame).__name__, frame.id) for frame in map(decode_frame, ws.sent) if frame]
     assert ids == [("StreamOpen", a), ("StreamOpen", b), ("StreamOpen", c),
                    ("StreamData", a), ("StreamData", b), ("StreamData", c)]  # fmt: skip
-    conn._writer.cancel()  # type: ignore[union-attr]
+    conn._output.writer.cancel()  # type: ignore[union-attr]

@@ -35,8 +35,8 @@ from berth.cluster.listener import (
 )
 from berth.cluster.protocol.errors import ProtocolError
 from berth.cluster.protocol.frames import Heartbeat, LoopLag, decode_frame, encode_frame
-from berth.daemon.server import bind_tcp
 from berth.eventloop import freeze_startup_objects
+from berth.http_server.sockets import bind_tcp
 from berth.observability.cluster import LINGER_S, ClusterMetrics
 from berth.observability.loop_lag import LAG_BUCKETS_S, LagHistogram, LoopLagMonitor
 from berth.observability.metrics import ProxyMetrics

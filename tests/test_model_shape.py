@@ -20,7 +20,8 @@ import pytest
 from berth.admin.model_detail import model_detail
 from berth.agent.core import AgentCore
 from berth.agent.service import AgentService
-from berth.cluster.connection import LinkConnection, RemoteOpError
+from berth.cluster.connection import LinkConnection
+from berth.cluster.link_calls import RemoteOpError
 from berth.cluster.link_registry import LinkRegistry
 from berth.cluster.protocol.frames import ErrorCode
 from berth.cluster.protocol.ops import MODEL_SHAPE, OP_CAPABILITIES, ModelShapeArgs

@@ -24,9 +24,9 @@ from berth.cluster.ca import CertificateAuthority
 from berth.cluster.enrollment import AuditLog, EnrollmentService
 from berth.cluster.listener import ClusterListener, build_cluster_app, cluster_ssl_context
 from berth.daemon.public_tls import public_ssl_context
-from berth.daemon.server import bind_tcp
 from berth.http_server.request import Request
 from berth.http_server.server import HttpServer
+from berth.http_server.sockets import bind_tcp
 from berth.http_server.tls_reload import (
     CertificateReloads,
     PairRefused,

@@ -1,6 +1,6 @@
 """Running berth's long-lived processes (the leader, the agent) on the fastest event loop.
 
-uvloop (installed with ``uvicorn[standard]``) is used when it can be imported: its TLS and
+uvloop (a dependency of berth) is used when it can be imported: its TLS and
 TCP transports are markedly faster than asyncio's on the leader's hot path, and it sets
 ``TCP_NODELAY`` on every TCP connection. Without it, asyncio's own loop runs the same code.
 :func:`freeze_startup_objects` keeps full garbage collections from stalling that loop.

@@ -100,7 +100,7 @@ class LimitOverrides:
         """These overrides with each one ``changes`` sets replaced, then ``clear`` inherited."""
         merged = replace(self, **dict(changes._set_items()))  # type: ignore[arg-type]
         cleared = {name: INHERIT for name in clear}
-        return replace(merged, **cleared) if cleared else merged  # type: ignore[arg-type]
+        return replace(merged, **cleared) if cleared else merged
 
     def to_json(self) -> dict[str, object]:
         """The set overrides as JSON values (``models`` sorted)."""

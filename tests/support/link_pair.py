@@ -138,7 +138,7 @@ async def linked_in_memory() -> AsyncIterator[Linked]:
 
 
 class OneLink:
-    """The leader's ``TunnelOpener`` over the one link of the ``linked`` fixture (every
+    """The leader's ``HttpOpener`` over the one link of the ``linked`` fixture (every
     node's deployments are reached through it)."""
 
     def __init__(self, linked: Linked) -> None:

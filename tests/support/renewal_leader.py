@@ -27,7 +27,7 @@ from berth.cluster.listener import (
     cluster_tls_files,
 )
 from berth.cluster.renewal import LinkCertificates
-from berth.daemon.server import bind_tcp
+from berth.http_server.sockets import bind_tcp
 from berth.http_server.tls_reload import ReloadingTLS
 from berth.paths import BerthHome
 from berth.store import Store

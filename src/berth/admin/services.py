@@ -24,12 +24,12 @@ OpenAI-shaped ones (404 unknown names, 409 names taken or in use, 400 bad values
 from __future__ import annotations
 
 import asyncio
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from fastapi import APIRouter
 
-from berth.admin.app import deployment_view
+from berth.admin.deployments import deployment_view
 from berth.api import (
     DeployIn,
     Deployment,
@@ -191,6 +191,76 @@ def build_service_router(services: LeaderGraph) -> APIRouter:
     )
 
 
+@dataclass
+class _Catalog:
+    """What the service and route endpoints read and change: the store, the lifecycle
+    manager and the resolver's table (reloaded after every write), and the controller."""
+
+    store: Store
+    lifecycle: LifecycleManager
+    routes: RouteResolver
+    default_runtime: str
+    leader_only: bool
+    scaling: ScalingController | None
+    # Reloads run one at a time, so the last one starts after the last write and wins.
+    reloading: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    async def reload(self) -> None:
+        async with self.reloading:
+            await load_routes(self.store, self.routes, self.scaling, self.lifecycle)
+
+    def routes_naming(self, name: str) -> list[str]:
+        table = self.routes.table
+        return sorted(r for r, tiers in table.tiers.items() if any(name in t for t in tiers))
+
+    def view(self, record: ServiceProfileRecord, routes: list[str] | None = None) -> Service:
+        named = self.routes_naming(record.name) if routes is None else routes
+        return service_view(record, self.lifecycle, named, self.scaling)
+
+    async def detail(self, record: ServiceProfileRecord) -> ServiceDetail:
+        name = record.name
+        active = await asyncio.to_thread(self.store.list_deployments, active_only=True)
+        deployments = [
+            ServiceDeployment(id=d.id, node_id=d.node_id, state=d.state, port=d.port)
+            for d in active
+            if d.served_model_name == name
+        ]
+        status = self.scaling.status(name) if self.scaling is not None else None
+        return self.view(record).extended(
+            ServiceDetail,
+            deployments=deployments,
+            last_decision=decision_view(status.last_action if status else None),
+            decision=decision_view(status.decision if status else None),
+        )
+
+
+def scaled(current: ScalingSettings, body: ScaleIn) -> ScalingSettings:
+    """``current`` with the scaling settings ``body`` names (the others kept)."""
+    changed = current
+    if body.min_replicas is not None:
+        changed = replace(changed, min_replicas=body.min_replicas)
+    if body.max_replicas is not None:
+        changed = replace(changed, max_replicas=body.max_replicas)
+    if body.idle_timeout is not None:
+        changed = replace(changed, idle_timeout_s=idle_timeout_seconds(body.idle_timeout))
+    if body.pinned is not None:
+        changed = replace(changed, pinned=body.pinned)
+    if body.priority is not None:
+        changed = replace(changed, priority=body.priority)
+    if body.capacity is not None:
+        changed = replace(changed, capacity=body.capacity)
+    return changed
+
+
+def retimed(current: StreamTimeouts, body: ScaleIn) -> StreamTimeouts:
+    """``current`` with the stream timeouts ``body`` names (the others kept)."""
+    first, idle = body.first_byte_timeout_s, body.stream_idle_timeout_s
+    return StreamTimeouts(
+        current.first_byte_timeout_s if first is None else first,
+        current.stream_idle_timeout_s if idle is None else idle,
+    )
+
+
 def service_router(
     store: Store,
     lifecycle: LifecycleManager,
@@ -206,40 +276,21 @@ def service_router(
     refused (409) with what to do instead.  ``scaling``: the scaling controller, told of
     every change to services and asked for their replicas and last decisions.
     """
+    catalog = _Catalog(store, lifecycle, routes, default_runtime, leader_only, scaling)
     router = APIRouter()
-    # Reloads run one at a time, so the last one starts after the last write and wins.
-    reloading = asyncio.Lock()
+    _add_service_routes(router, catalog)
+    _add_route_routes(router, catalog)
+    return router
 
-    async def reload() -> None:
-        async with reloading:
-            await load_routes(store, routes, scaling, lifecycle)
 
-    async def detail(record: ServiceProfileRecord) -> ServiceDetail:
-        name = record.name
-        active = await asyncio.to_thread(store.list_deployments, active_only=True)
-        deployments = [
-            ServiceDeployment(id=d.id, node_id=d.node_id, state=d.state, port=d.port)
-            for d in active
-            if d.served_model_name == name
-        ]
-        service = service_view(record, lifecycle, routes_naming(name), scaling)
-        status = scaling.status(name) if scaling is not None else None
-        return service.extended(
-            ServiceDetail,
-            deployments=deployments,
-            last_decision=decision_view(status.last_action if status else None),
-            decision=decision_view(status.decision if status else None),
-        )
+def _add_service_routes(router: APIRouter, catalog: _Catalog) -> None:
+    """``/admin/services[/{name}[/deploy]]`` onto ``router``."""
+    store = catalog.store
 
-    def routes_naming(name: str) -> list[str]:
-        table = routes.table
-        return sorted(r for r, tiers in table.tiers.items() if any(name in t for t in tiers))
-
-    # -- services ------------------------------------------------------------------------------
     @router.get("/admin/services")
     async def list_services() -> list[Service]:
         records = await asyncio.to_thread(store.list_service_profiles)
-        return [service_view(r, lifecycle, routes_naming(r.name), scaling) for r in records]
+        return [catalog.view(r) for r in records]
 
     @router.post("/admin/services", status_code=201)
     async def create_service(body: ServiceIn) -> Service:
@@ -256,7 +307,7 @@ def service_router(
             body.name,
             body.model,
             body.engine,
-            body.runtime or default_runtime,
+            body.runtime or catalog.default_runtime,
             gpus=body.gpus,
             ctx=body.ctx,
             extra_args=body.extra_args,
@@ -267,67 +318,52 @@ def service_router(
             restart_policy=body.restart,
             timeouts=StreamTimeouts(body.first_byte_timeout_s, body.stream_idle_timeout_s),
         )
-        await reload()
-        return service_view(record, lifecycle, [], scaling)
+        await catalog.reload()
+        return catalog.view(record, [])
 
     @router.get("/admin/services/{name}")
     async def show_service(name: str) -> ServiceDetail:
-        return await detail(await asyncio.to_thread(store.get_service_profile, name))
+        return await catalog.detail(await asyncio.to_thread(store.get_service_profile, name))
 
     @router.patch("/admin/services/{name}")
     async def scale_service(name: str, body: ScaleIn) -> ServiceDetail:
-        def change(current: ScalingSettings) -> ScalingSettings:
-            changed = current
-            if body.min_replicas is not None:
-                changed = replace(changed, min_replicas=body.min_replicas)
-            if body.max_replicas is not None:
-                changed = replace(changed, max_replicas=body.max_replicas)
-            if body.idle_timeout is not None:
-                changed = replace(changed, idle_timeout_s=idle_timeout_seconds(body.idle_timeout))
-            if body.pinned is not None:
-                changed = replace(changed, pinned=body.pinned)
-            if body.priority is not None:
-                changed = replace(changed, priority=body.priority)
-            if body.capacity is not None:
-                changed = replace(changed, capacity=body.capacity)
-            return changed
-
-        def retime(current: StreamTimeouts) -> StreamTimeouts:
-            first, idle = body.first_byte_timeout_s, body.stream_idle_timeout_s
-            return StreamTimeouts(
-                current.first_byte_timeout_s if first is None else first,
-                current.stream_idle_timeout_s if idle is None else idle,
+        scaling = (body.min_replicas, body.max_replicas, body.idle_timeout, body.pinned,
+                   body.priority, body.capacity)  # fmt: skip
+        timing = body.first_byte_timeout_s is not None or body.stream_idle_timeout_s is not None
+        if timing:
+            record = await asyncio.to_thread(
+                store.update_service_timeouts, name, lambda current: retimed(current, body)
             )
-
-        scaled = (body.min_replicas, body.max_replicas, body.idle_timeout, body.pinned,
-                  body.priority, body.capacity)  # fmt: skip
-        retimed = body.first_byte_timeout_s is not None or body.stream_idle_timeout_s is not None
-        if retimed:
-            record = await asyncio.to_thread(store.update_service_timeouts, name, retime)
-        if any(value is not None for value in scaled) or not retimed:
-            record = await asyncio.to_thread(store.update_service_scaling, name, change)
+        if any(value is not None for value in scaling) or not timing:
+            record = await asyncio.to_thread(
+                store.update_service_scaling, name, lambda current: scaled(current, body)
+            )
         if body.restart is not None:
             record = await asyncio.to_thread(store.set_service_restart_policy, name, body.restart)
-        await reload()
-        return await detail(record)
+        await catalog.reload()
+        return await catalog.detail(record)
 
     @router.delete("/admin/services/{name}")
     async def remove_service(name: str) -> Service:
         record = await asyncio.to_thread(store.delete_service_profile, name)
-        await reload()
-        return service_view(record, lifecycle, [], scaling)
+        await catalog.reload()
+        return catalog.view(record, [])
 
     @router.post("/admin/services/{name}/deploy", status_code=201)
     async def deploy_service(name: str, body: DeployIn | None = None) -> Deployment:
         record = await asyncio.to_thread(store.get_service_profile, name)
         node = await _deploy_node(store, record, body.node if body else None)
         force = body.force if body else False
-        if leader_only and node == LOCAL_NODE_ID:
+        if catalog.leader_only and node == LOCAL_NODE_ID:
             raise leader_only_refusal(name)
-        deployment = await lifecycle.deploy(deploy_options(record, node, force=force))
-        return deployment_view(deployment, lifecycle)
+        deployment = await catalog.lifecycle.deploy(deploy_options(record, node, force=force))
+        return deployment_view(deployment, catalog.lifecycle)
 
-    # -- routes --------------------------------------------------------------------------------
+
+def _add_route_routes(router: APIRouter, catalog: _Catalog) -> None:
+    """``/admin/routes[/{name}]`` onto ``router``."""
+    store, lifecycle, routes = catalog.store, catalog.lifecycle, catalog.routes
+
     @router.get("/admin/routes")
     async def list_routes() -> list[Route]:
         records = await asyncio.to_thread(store.list_routes)
@@ -338,7 +374,7 @@ def service_router(
         record = await asyncio.to_thread(
             store.add_route, body.name, body.service, priority=body.priority, fallback=body.fallback
         )
-        await reload()
+        await catalog.reload()
         return route_view(record, lifecycle, routes)
 
     @router.get("/admin/routes/{name:path}")
@@ -349,20 +385,18 @@ def service_router(
     @router.patch("/admin/routes/{name:path}")
     async def set_fallback(name: str, body: FallbackIn) -> Route:
         record = await asyncio.to_thread(store.set_route_fallback, name, body.fallback)
-        await reload()
+        await catalog.reload()
         return route_view(record, lifecycle, routes)
 
     @router.delete("/admin/routes/{name:path}")
     async def remove_route(name: str, service: str | None = None) -> RouteRemoved:
         left = await asyncio.to_thread(store.remove_route, name, service)
-        await reload()
+        await catalog.reload()
         return RouteRemoved(
             removed=name,
             service=service,
             route=None if left is None else route_view(left, lifecycle, routes),
         )
-
-    return router
 
 
 async def _deploy_node(store: Store, record: ServiceProfileRecord, node: str | None) -> str | None:

@@ -2,7 +2,8 @@
 it did, kept in the usage ledger.
 
 - :mod:`.quotas`: :class:`Admission` (admit, settle; per-key limits and counters in
-  memory), :class:`Ticket`, :class:`KeyUse`;
+  memory), :class:`KeyUse`; :mod:`.key_quota`: one key's limits and counters
+  (:class:`KeyQuota`) and an admitted request's :class:`Ticket`;
 - :mod:`.bucket`: the per-minute limits as token buckets; :mod:`.calendar`: UTC days and
   months of the token budgets; :mod:`.estimate`: the token estimates;
 - :mod:`.headers`: OpenAI's rate-limit headers and duration format;
@@ -37,15 +38,10 @@ from berth.admission.errors import (
 )
 from berth.admission.fair_queue import SlotScheduler, Waiter
 from berth.admission.gate import MUST_WAIT, QueueStats, SlotGate
+from berth.admission.key_quota import Ticket
 from berth.admission.ledger import DEFAULT_FLUSH_INTERVAL_S, UsageLedger, UsageSink
 from berth.admission.metrics import QueueCollector, UsageCollector
-from berth.admission.quotas import (
-    SOCKET_KEY_ID,
-    SOCKET_KEY_NAME,
-    Admission,
-    KeyUse,
-    Ticket,
-)
+from berth.admission.quotas import SOCKET_KEY_ID, SOCKET_KEY_NAME, Admission, KeyUse
 from berth.admission.socket import SOCKET_CALLER_HEADER, SocketCaller, socket_caller
 
 __all__ = [

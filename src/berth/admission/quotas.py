@@ -26,27 +26,24 @@ from the key's record and its tier (:meth:`LimitOverrides.apply
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import date
 
-from berth.admission.bucket import TokenBucket
 from berth.admission.calendar import CalendarPosition, day_of, month_start
 from berth.admission.clock import Clock, SystemClock
 from berth.admission.errors import (
-    Header,
     KeyExpiredError,
     KeyPausedError,
     ModelNotAllowedError,
     QuotaExceededError,
 )
 from berth.admission.estimate import prompt_tokens as estimate_prompt_tokens
-from berth.admission.headers import REQUESTS_HEADERS, TOKENS_HEADERS, bucket_headers
+from berth.admission.key_quota import KeyQuota, Ticket
 from berth.admission.ledger import UsageLedger
 from berth.admission.socket import SocketCaller
 from berth.config.tiers import DESK_TIER, TierTable
-from berth.limits import NUMERIC_LIMITS, KeyLimits
+from berth.limits import KeyLimits
 from berth.store.records import ApiKeyRecord
 
 #: The key id requests over the leader's Unix socket were counted under before berth told
@@ -57,133 +54,6 @@ SOCKET_KEY_ID = ""
 SOCKET_KEY_NAME = "(socket)"
 #: Seconds a request refused for ``max_concurrency`` is told to wait.
 CONCURRENCY_RETRY_S = 1.0
-
-
-class KeyQuota:
-    """One key's effective limits and what it has used (see the module doc)."""
-
-    __slots__ = (
-        "_headers",
-        "_headers_levels",
-        "daily_cap",
-        "day_index",
-        "day_tokens",
-        "in_flight",
-        "key_id",
-        "limits",
-        "max_concurrency",
-        "models",
-        "month_index",
-        "month_tokens",
-        "monthly_cap",
-        "name",
-        "priority",
-        "record",
-        "refusal",
-        "requests",
-        "tier",
-        "tokens",
-        "uses_calendar",
-    )
-
-    def __init__(self, key_id: str, name: str, record: ApiKeyRecord | None) -> None:
-        self.key_id = key_id
-        self.name = name
-        self.record = record
-        self.tier = record.tier if record is not None else ""
-        self.priority = 0
-        self.limits = KeyLimits()
-        self.models: frozenset[str] | None = None
-        self.max_concurrency: int | None = None
-        self.requests: TokenBucket | None = None
-        self.tokens: TokenBucket | None = None
-        self.uses_calendar = False
-        #: the token budgets of a day and a month (infinite: none)
-        self.daily_cap = self.monthly_cap = math.inf
-        self.refusal: KeyPausedError | None = None
-        self.in_flight = 0
-        self.day_index = -1
-        self.day_tokens = 0
-        self.month_index = -1
-        self.month_tokens = 0
-        # The last headers built, and the bucket levels they were built at.
-        self._headers: list[Header] = []
-        self._headers_levels = (math.nan, math.nan)
-
-    def configure(self, limits: KeyLimits, priority: int, now: float) -> None:
-        """Take ``limits`` on, keeping what was used (a bucket keeps its level, at most its
-        new size)."""
-        self.limits = limits
-        self.priority = priority
-        self.models = limits.models
-        self.max_concurrency = limits.max_concurrency
-        self.requests = _bucket(self.requests, limits.rpm, now)
-        self.tokens = _bucket(self.tokens, limits.tpm, now)
-        self.uses_calendar = limits.daily_tokens is not None or limits.monthly_tokens is not None
-        daily, monthly = limits.daily_tokens, limits.monthly_tokens
-        self.daily_cap = math.inf if daily is None else daily
-        self.monthly_cap = math.inf if monthly is None else monthly
-        self._headers_levels = (math.nan, math.nan)  # new buckets: new headers
-        self.refusal = None
-        zero = [name for name in NUMERIC_LIMITS if getattr(limits, name) == 0]
-        if zero:
-            self.refusal = KeyPausedError(
-                f"this key may make no requests: its {zero[0]} limit is 0",
-                key_id=self.key_id,
-                error_code="key_paused",
-            )
-
-    def headers(self) -> list[Header]:
-        """The rate-limit headers for this key's answers, as its buckets are now: the list
-        built for the last answer when both buckets are at the same levels as then (the
-        same levels give the same values), so a key whose buckets stay full, or do not
-        move between two answers, costs two comparisons. Shared: never change it."""
-        requests, tokens = self.requests, self.tokens
-        levels = self._headers_levels
-        requests_level = requests.level if requests is not None else 0.0
-        tokens_level = tokens.level if tokens is not None else 0.0
-        if requests_level == levels[0] and tokens_level == levels[1]:
-            return self._headers
-        if requests is None:
-            out = bucket_headers(TOKENS_HEADERS, tokens) if tokens is not None else []
-        else:
-            out = bucket_headers(REQUESTS_HEADERS, requests)
-            if tokens is not None:
-                out += bucket_headers(TOKENS_HEADERS, tokens)
-        self._headers = out
-        self._headers_levels = (requests_level, tokens_level)
-        return out
-
-
-def _bucket(current: TokenBucket | None, per_minute: int | None, now: float) -> TokenBucket | None:
-    if per_minute is None or per_minute == 0:
-        return None
-    if current is None:
-        return TokenBucket(per_minute, now)
-    if current.capacity == per_minute:
-        return current
-    return current.resized(per_minute, now)
-
-
-class Ticket:
-    """An admitted request: what :meth:`Admission.settle` needs, the ``headers`` to send
-    on its answer, and its tier's ``priority`` (for an admission queue, higher first)."""
-
-    __slots__ = ("headers", "model", "priority", "quota", "reserved_tokens")
-
-    def __init__(
-        self, quota: KeyQuota, model: str, reserved_tokens: int, headers: list[Header]
-    ) -> None:
-        self.quota = quota
-        self.model = model
-        self.priority = quota.priority
-        self.reserved_tokens = reserved_tokens
-        self.headers = headers
-
-    @property
-    def key_id(self) -> str:
-        """The admitted key's id (a :class:`SocketCaller`'s value over the Unix socket)."""
-        return self.quota.key_id
 
 
 @dataclass(frozen=True, slots=True)

@@ -31,7 +31,8 @@ from berth.agent.identity import AgentIdentity, client_ssl_context, load_agent_i
 from berth.agent.renewal import REENROLL_HINT, CertificateRenewer
 from berth.agent.service import AgentService
 from berth.agent.status import RECENT_LINES, AgentStatus
-from berth.cluster.connection import LINK_TIMEOUT_S, LinkConnection, Liveness
+from berth.cluster.connection import LinkConnection
+from berth.cluster.liveness import LINK_TIMEOUT_S, Liveness
 from berth.cluster.protocol.errors import (
     CloseCode,
     LinkError,

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import errno
 import json
 import logging
 import socket
@@ -64,9 +63,11 @@ from berth.cluster.protocol.direct import (
 from berth.cluster.protocol.frames import ResetCode
 from berth.cluster.protocol.ops import IngressArgs
 from berth.errors import ConfigError, NotFoundError
+from berth.http_server.errors import BindError
 from berth.http_server.limits import ListenerLimits
 from berth.http_server.request import Request
 from berth.http_server.server import HttpServer
+from berth.http_server.sockets import bind_tcp
 from berth.http_server.writer import ResponseWriter
 from berth.openai_errors import error_body
 
@@ -278,11 +279,10 @@ class _ReplySink:
         self.reset_message = ""
 
     async def send_head(
-        self, status: int, headers: list[tuple[str, str]], payload: bytes, end: bool
+        self, status: int, headers: list[tuple[bytes, bytes]], payload: bytes, end: bool
     ) -> None:
         self.started = True
-        head = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in headers]
-        await self._reply.start(status, head)
+        await self._reply.start(status, headers)  # bytes from the engine, bytes to the leader
         if end:
             await self._reply.end(payload)
         elif payload:
@@ -341,15 +341,9 @@ async def _reset_answer(reply: ResponseWriter, code: ResetCode, message: str) ->
 
 
 def _bind(host: str, port: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
-        sock.bind((host, port))
-    except OSError as exc:
-        sock.close()
-        reason = "address already in use" if exc.errno == errno.EADDRINUSE else exc.strerror
-        raise ConfigError(f"the direct ingress cannot listen on {host}:{port}: {reason}") from None
-    sock.listen(1024)
-    sock.setblocking(False)
-    return sock
+        return bind_tcp("direct ingress", host, port, backlog=1024)
+    except BindError as exc:
+        raise ConfigError(
+            f"the direct ingress cannot listen on {exc.host}:{exc.port}: {exc.reason}"
+        ) from None

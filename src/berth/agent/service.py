@@ -77,7 +77,6 @@ from berth.errors import BerthError, EngineError, NotFoundError
 from berth.observability.loop_lag import LagHistogram
 from berth.observability.window import RequestMeter, is_error
 from berth.placement.model_files import FileStamp, read_model_file
-from berth.runtime.engines import DeploymentRequest
 from berth.runtime.gpu import GpuInfo
 
 log = logging.getLogger(__name__)
@@ -97,15 +96,16 @@ class AnswerSink(Protocol):
     (:class:`~berth.cluster.tunnel_stream.TunnelStream`) or the ingress's HTTP reply
     (:mod:`berth.agent.ingress`).
 
-    ``send_head`` once (status, headers without hop-by-hop ones, the first body bytes, and
-    whether they are all of it), then ``write`` until ``end``; ``reset`` instead when the
-    exchange fails (before the head: the leader tries elsewhere; after: the answer is cut
-    off). Writes wait while the leader reads slowly (backpressure); a leader that gave up
+    ``send_head`` once (status, headers without hop-by-hop ones as the engine sent them:
+    lower-case byte pairs, the first body bytes, and whether they are all of it), then
+    ``write`` until ``end``; ``reset`` instead when the exchange fails (before the head: the
+    leader tries elsewhere; after: the answer is cut off). Writes wait while the leader
+    reads slowly (backpressure); a leader that gave up
     makes them raise (``StreamResetError``) or cancels the relaying task.
     """
 
     async def send_head(
-        self, status: int, headers: list[tuple[str, str]], payload: bytes, end: bool
+        self, status: int, headers: list[tuple[bytes, bytes]], payload: bytes, end: bool
     ) -> None: ...
 
     async def write(self, data: bytes, end: bool = False) -> None: ...
@@ -352,7 +352,7 @@ class AgentService:
             conn.progress(request_id, "preparing", encode_payload(PreparingEvent(message=line)))
 
         handle = await self._core.start(
-            _deployment_request(args), args.health_timeout_s, spawned, preparing
+            args.to_request(), args.health_timeout_s, spawned, preparing
         )
         self._on_activity(f"{args.deployment_id} ready on port {handle.port}")
         return StartResult(pid=handle.pid, port=handle.port)
@@ -472,11 +472,7 @@ class AgentService:
 
     async def _relay_answer(self, stream: AnswerSink, response: UpstreamResponse) -> bool:
         """Send the engine's answer to ``stream``; ``False`` when the engine broke it off."""
-        head_headers = [
-            (k.decode("latin-1"), v.decode("latin-1"))
-            for k, v in response.headers
-            if k not in _HOP_BY_HOP
-        ]
+        head_headers = [header for header in response.headers if header[0] not in _HOP_BY_HOP]
         try:
             chunk = await response.read_chunk()
         except UpstreamError as exc:
@@ -516,24 +512,3 @@ class AgentService:
 class _Unsupported(BerthError):
     def __init__(self, op: str) -> None:
         super().__init__(f"operation {op[:40]!r} is not supported by this agent")
-
-
-def _deployment_request(args: StartArgs) -> DeploymentRequest:
-    return DeploymentRequest(
-        deployment_id=args.deployment_id,
-        model_name=args.model_name,
-        model_path=Path(args.model_path),
-        engine=args.engine,
-        port=0,
-        log_path=Path(),
-        gpus=tuple(args.gpus),
-        ctx=args.ctx,
-        extra_args=tuple(args.extra_args),
-        served_model_name=args.served_model_name,
-        runtime=args.runtime,
-        image=args.image,
-        adapter_slots=args.adapter_slots,
-        max_lora_rank=args.max_lora_rank,
-        lora_target_modules=tuple(args.lora_target_modules),
-        lora_files=tuple(Path(path) for path in args.lora_files),
-    )

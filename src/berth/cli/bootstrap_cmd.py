@@ -205,7 +205,7 @@ def _issue_server_certificates(
     """The public and cluster certificates for the new hosts, now rather than at the first
     start, so they can be inspected (and handed to a proxy) before then."""
     from berth.cluster.listener import cluster_tls_files
-    from berth.daemon.server import public_tls_files  # the server stack loads only when needed
+    from berth.daemon.public_tls import public_tls_files
 
     public_tls_files(settings, home, ca)
     cluster_tls_files(ca, settings.cluster_hosts(), home.ca_dir)

@@ -24,6 +24,7 @@ from berth.cli import (
     models_cmd,
     nodes_cmd,
     plan_cmd,
+    route_cmd,
     routing_cmd,
     service_cmd,
     usage_cmd,
@@ -73,7 +74,7 @@ app.add_typer(agent_cmd.app, name="agent")
 app.add_typer(backup_cmd.backup_app, name="backup")
 app.add_typer(bootstrap_cmd.deploy_app, name="deploy")
 app.add_typer(service_cmd.service_app, name="service")
-app.add_typer(service_cmd.route_app, name="route")
+app.add_typer(route_cmd.route_app, name="route")
 app.add_typer(desk_cmd.desk_app, name="desk")
 app.command("status")(daemon_cmd.status)
 app.command("pull")(models_cmd.pull)

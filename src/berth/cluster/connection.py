@@ -10,29 +10,30 @@ exchange of both ends. One reader loop and one writer task; control requests are
 keyed by id and streams are :class:`TunnelStream` objects, so a slow engine start or a slow
 stream reader never blocks the link's other traffic.
 
-Liveness (``docs/protocol.md``, Liveness): with a :class:`Liveness`, each end sends a
-WebSocket ping (RFC 6455 section 5.5.2) every third of ``timeout_s`` and answers the peer's
-pings itself; a link on which nothing at all (frame, ping or pong) arrived for ``timeout_s``
-is dead. It ends at once, closed with ``HEARTBEAT_TIMEOUT`` without waiting for a close
-handshake the peer would never answer: pending requests fail, streams are aborted and
-``on_closed`` runs, so the leader stops routing to the node (and moves the requests waiting
-on it) and the agent redials.
+Its parts: :mod:`berth.cluster.link_output` writes (the queue, the writer task, the
+direct writes, the high water mark) and :mod:`berth.cluster.liveness` keeps the link alive
+(pings every third of the :class:`~berth.cluster.liveness.Liveness` timeout, pongs, the
+dead-link watch). A link found dead ends at once, closed with ``HEARTBEAT_TIMEOUT``
+without waiting for a close handshake the peer would never answer: pending requests fail,
+streams are aborted and ``on_closed`` runs, so the leader stops routing to the node (and
+moves the requests waiting on it) and the agent redials.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
-from collections import deque
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar, assert_never, overload
+from typing import Any, Protocol, assert_never, overload
 
 import aiohttp
 import msgspec
 
+from berth.cluster.link_calls import A, PendingCalls, ProgressListener, R
+from berth.cluster.link_output import CLOSE_TIMEOUT_S, LinkOutput, WebSocketLike
+from berth.cluster.link_streams import LinkStreams
+from berth.cluster.liveness import KeepAlive, Liveness
 from berth.cluster.protocol.errors import CloseCode, LinkError, ProtocolError
 from berth.cluster.protocol.events import (
     CreditGranted,
@@ -49,16 +50,11 @@ from berth.cluster.protocol.events import (
     WelcomeReceived,
 )
 from berth.cluster.protocol.frames import (
-    ErrorCode,
     ErrorInfo,
     Heartbeat,
     Hello,
-    Progress,
     ProgressEvent,
     Request,
-    ResetCode,
-    Response,
-    StreamHead,
     StreamOpen,
     Welcome,
 )
@@ -70,8 +66,7 @@ from berth.cluster.protocol.session import (
     SessionState,
     WelcomeTerms,
 )
-from berth.cluster.tunnel_stream import StreamResetError, TunnelStream
-from berth.cluster.write_batch import FrameWriter, coalesce_writes, frame_writer
+from berth.cluster.tunnel_stream import TunnelStream
 
 log = logging.getLogger(__name__)
 
@@ -81,67 +76,10 @@ _TEXT = aiohttp.WSMsgType.TEXT
 _PING = aiohttp.WSMsgType.PING
 _PONG = aiohttp.WSMsgType.PONG
 
-#: Bytes queued for the socket above which stream writers wait for the writer to catch up.
-WRITE_HIGH_WATER_BYTES = 4 * 1024 * 1024
-#: Bytes queued for the socket at which the link is closed: stream data waits at the high
-#: water mark, so only a peer that sends requests but never reads its answers gets here.
-MAX_QUEUED_BYTES = 64 * 1024 * 1024
-#: Seconds a link that is already over (declared dead, or its reader ended) may spend on its
-#: close handshake before the socket is simply dropped: a black-holed peer never answers.
-CLOSE_TIMEOUT_S = 1.0
-# What closing a WebSocket whose socket is gone or going raises: the transport's errors
-# (ConnectionError and the close's TimeoutError are OSErrors), aiohttp's, and RuntimeError
-# for a WebSocket that was never prepared or is already closed by its other side.
-_CLOSE_ERRORS = (OSError, aiohttp.ClientError, RuntimeError)
-#: Seconds of silence after which a link is dead, by default (the ``link_timeout_s`` setting).
-LINK_TIMEOUT_S = 6.0
 
-
-@dataclass(frozen=True)
-class Liveness:
-    """How a link notices a silent peer: dead after ``timeout_s`` seconds with nothing
-    received; a ping every ``timeout_s / 3`` keeps a healthy but idle link talking."""
-
-    timeout_s: float = LINK_TIMEOUT_S
-
-    @property
-    def ping_interval_s(self) -> float:
-        return self.timeout_s / 3
-
-
-class WebSocketLike(Protocol):
-    """What the link needs of a WebSocket: aiohttp's server and client sockets both fit."""
-
-    @property
-    def close_code(self) -> int | None: ...
-
-    async def send_bytes(self, data: bytes) -> None: ...
-
-    async def ping(self, message: bytes = b"") -> None: ...
-
-    async def pong(self, message: bytes = b"") -> None: ...
-
-    async def receive(self, timeout: float | None = None) -> aiohttp.WSMessage: ...
-
-    async def close(self, *, code: int = 1000, message: bytes = b"") -> bool: ...
-
-
-class RemoteOpError(LinkError):
-    """The peer answered a control request with an error (``info`` says which)."""
-
-    def __init__(self, op: str, info: ErrorInfo) -> None:
-        super().__init__(f"{op} failed on the agent: {info.message}")
-        self.op = op
-        self.info = info
-
-
-ProgressListener = Callable[[Progress], Awaitable[None]]
 #: The leader's admission of an agent that said Hello, before Welcome goes out: it records the
 #: node and makes the link the node's, or refuses by raising :class:`LinkError` with a code.
 Admission = Callable[[Hello], Awaitable[None]]
-
-A = TypeVar("A", bound=msgspec.Struct)
-R = TypeVar("R")
 
 
 class LinkHandler(Protocol):
@@ -183,31 +121,26 @@ class LinkConnection:
         #: pings and the dead-link timeout (may be set until :meth:`run` starts: the agent
         #: learns the leader's timeout from Welcome)
         self.liveness = liveness
-        self._keeper: asyncio.Task[None] | None = None
-        self._pinger: asyncio.Task[None] | None = None
-        self._ponger: asyncio.Task[None] | None = None
+        self._keepalive = KeepAlive(
+            ws,
+            peer,
+            last_received=lambda: self.last_received_at,
+            closed=lambda: self._closed,
+            on_dead=self._declare_dead,
+        )
         self._reader: asyncio.Task[Any] | None = None
         #: set when the keepalive found the link dead (then it cancels the reader)
         self._dead = False
         self.ws = ws
         self.peer = peer
         self._handler = handler
-        self._pending: dict[int, tuple[asyncio.Future[Response], ProgressListener | None]] = {}
-        self._streams: dict[int, TunnelStream] = {}
+        self._calls = PendingCalls()
         self._tasks: set[asyncio.Task[None]] = set()
-        self._out: deque[bytes] = deque()
-        self._out_bytes = 0
-        self._out_wakeup = asyncio.Event()
-        self._drained = asyncio.Event()
-        self._drained.set()
-        self._writer: asyncio.Task[None] | None = None
-        #: a ``ws.send_bytes`` is under way (the writer's or a direct one): later messages
-        #: queue behind it, so that they reach the socket in order
-        self._sending = False
+        self._output = LinkOutput(ws, peer, self._overflowed)
+        self._streams = LinkStreams(
+            self._session, self._output, peer=peer, flush=self._flush, closed=lambda: self._closed
+        )
         self._closer: asyncio.Future[bool] | None = None
-        #: writes a message without a coroutine (aiohttp's WebSockets, once :meth:`run`
-        #: starts); ``None``: every message goes through ``ws.send_bytes``
-        self._frames: FrameWriter | None = None
         self._on_closed = on_closed
         self._closed = False
         self.close_code: int | None = None
@@ -225,7 +158,7 @@ class LinkConnection:
 
     @property
     def open_streams(self) -> int:
-        return len(self._streams)
+        return len(self._streams.open)
 
     @property
     def limits(self) -> LinkLimits:
@@ -273,7 +206,7 @@ class LinkConnection:
         first (:attr:`close_code` and :attr:`close_reason` say how) or ``admit`` refused
         (the link closed with the error's code). The connection is finished either way.
         """
-        self._start_writer()
+        self._output.start()
         try:
             if isinstance(greeting, Hello):
                 self._session.send_hello(greeting)
@@ -298,18 +231,7 @@ class LinkConnection:
 
     async def _receive_greeting(self, timeout_s: float, silence: str) -> bytes:
         """The peer's first message (binary); what ends the handshake otherwise is raised."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                message = await self.ws.receive(timeout=max(0.001, deadline - time.monotonic()))
-            except TimeoutError:
-                raise ProtocolError(f"{silence} within {timeout_s:g} s") from None
-            self.last_received_at = time.monotonic()
-            if message.type is _PING:
-                self._answer_ping(message)
-            elif message.type is not _PONG:
-                self.last_frame_at = self.last_received_at
-                break
+        message = await self._keepalive.first_message(timeout_s, silence, self._arrived)
         if message.type is aiohttp.WSMsgType.BINARY:
             data: bytes = message.data
             return data
@@ -321,91 +243,34 @@ class LinkConnection:
             code=self._code(),
         )
 
+    def _arrived(self, now: float, frame: bool) -> None:
+        self.last_received_at = now
+        if frame:
+            self.last_frame_at = now
+
     # -- output --------------------------------------------------------------------------
 
     def _flush(self, wake: bool = True) -> None:
-        """Queue what the session wants sent; the writer task sends it in order (``wake``:
-        wake it up; :meth:`_send_now` sends itself instead)."""
+        """Queue what the session wants sent (:class:`LinkOutput`; ``wake``: wake its writer
+        task up; a stream's direct send writes itself instead)."""
         messages = self._session.data_to_send()
         if not messages or self._closed:
             return
-        self._out.extend(messages)
-        self._out_bytes += sum(map(len, messages))
-        if self._out_bytes > WRITE_HIGH_WATER_BYTES:
-            if self._out_bytes > MAX_QUEUED_BYTES and self.close_code is None:
-                log.warning("link to %s: %d bytes queued, the peer does not read; closing",
-                            self.peer, self._out_bytes)  # fmt: skip
-                self.close_code = CloseCode.PROTOCOL_ERROR
-                self.close_reason = "the peer does not read what it asked for"
-                self._closer = asyncio.ensure_future(
-                    self.ws.close(code=CloseCode.PROTOCOL_ERROR, message=b"not reading")
-                )
-            self._drained.clear()
-        if wake:
-            self._out_wakeup.set()
+        self._output.queue(messages, wake)
+
+    def _overflowed(self, queued_bytes: int) -> None:
+        if self.close_code is None:
+            log.warning("link to %s: %d bytes queued, the peer does not read; closing",
+                        self.peer, queued_bytes)  # fmt: skip
+            self.close_code = CloseCode.PROTOCOL_ERROR
+            self.close_reason = "the peer does not read what it asked for"
+            self._closer = asyncio.ensure_future(
+                self.ws.close(code=CloseCode.PROTOCOL_ERROR, message=b"not reading")
+            )
 
     async def drain(self) -> None:
         """Wait while more than ``WRITE_HIGH_WATER_BYTES`` wait to be written."""
-        if not self._drained.is_set():
-            await self._drained.wait()
-
-    def _start_writer(self) -> None:
-        if self._writer is None:
-            name = f"link-writer-{self.peer}"
-            self._writer = asyncio.create_task(self._write_loop(), name=name)
-
-    async def _write_loop(self) -> None:
-        out = self._out
-        while True:
-            await self._out_wakeup.wait()
-            self._out_wakeup.clear()
-            while out and not self._sending:
-                message = out.popleft()
-                self._out_bytes -= len(message)
-                self._sending = True
-                try:
-                    await self.ws.send_bytes(message)
-                except (ConnectionError, aiohttp.ClientError) as exc:
-                    self._write_failed(exc)
-                    return
-                finally:
-                    self._sending = False
-                if self._out_bytes <= WRITE_HIGH_WATER_BYTES:
-                    self._drained.set()
-
-    async def _send_now(self) -> None:
-        """Send what the session wants sent from the calling task when nothing is queued or
-        being sent (the common case: one stream event), else leave it to the writer task.
-        Saves the writer's wake-up per message, in the same order. What others queue
-        meanwhile, and what a cancelled caller has not sent, is left to the writer."""
-        out = self._out
-        if out or self._sending or self._writer is None:
-            self._flush()
-            return
-        self._flush(wake=False)
-        if not out:
-            return
-        self._sending = True
-        try:
-            for _ in range(len(out)):
-                message = out.popleft()
-                self._out_bytes -= len(message)
-                await self.ws.send_bytes(message)
-        except (ConnectionError, aiohttp.ClientError) as exc:
-            self._write_failed(exc)
-        finally:
-            self._sending = False
-            if out:  # queued by others while this task waited for the socket
-                self._out_wakeup.set()
-        if self._out_bytes <= WRITE_HIGH_WATER_BYTES:
-            self._drained.set()
-
-    def _write_failed(self, exc: BaseException) -> None:
-        # The socket is going away; the reader loop sees the close and ends.
-        log.debug("link to %s: write failed: %s", self.peer, exc)
-        self._out.clear()
-        self._out_bytes = 0
-        self._drained.set()
+        await self._output.drain()
 
     # -- requests ------------------------------------------------------------------------
 
@@ -426,22 +291,9 @@ class LinkConnection:
         if self._closed:
             raise LinkError(f"the link to {self.peer} is closed", code=self._code())
         request_id = self._session.send_request(op.name, op.encode_args(args), timeout_s)
-        future: asyncio.Future[Response] = asyncio.get_running_loop().create_future()
-        self._pending[request_id] = (future, on_progress)
+        answer = self._calls.expect(request_id, on_progress)
         self._flush()
-        try:
-            async with asyncio.timeout(timeout_s):
-                response = await future
-        except TimeoutError:
-            raise LinkError(
-                f"{op.name} on {self.peer} got no answer within {timeout_s} s"
-            ) from None
-        finally:
-            self._pending.pop(request_id, None)
-        if not response.ok:
-            error = response.error or ErrorInfo(code=ErrorCode.INTERNAL, message="?")
-            raise RemoteOpError(op.name, error)
-        return op.decode_result(response.result)
+        return await self._calls.result(op, request_id, answer, timeout_s, self.peer)
 
     def respond(
         self, request_id: int, result: msgspec.Raw | None = None, error: ErrorInfo | None = None
@@ -476,72 +328,11 @@ class LinkConnection:
         """
         if self._closed:
             raise LinkError(f"the link to {self.peer} is closed", code=self._code())
-        stream_id = self._session.open_stream(frame)
-        stream = TunnelStream(self, stream_id, frame)
-        self._streams[stream_id] = stream
-        self._flush()
-        return stream
+        return self._streams.start(frame)
 
     def forget_stream(self, stream_id: int) -> None:
         """Stop routing events to the stream (its user is done with it)."""
-        self._streams.pop(stream_id, None)
-
-    # What a TunnelStream sends with: each is one session call, then the writer's queue.
-
-    def has_stream(self, stream_id: int) -> bool:
-        """Whether the stream is still open on either side."""
-        return self._session.has_stream(stream_id)
-
-    def send_room(self, stream_id: int) -> int | None:
-        """Payload bytes one frame on ``stream_id`` may carry now (the credit, at most
-        ``max_payload_bytes``), or ``None`` when the stream is gone (ended or reset)."""
-        return self._session.send_room(stream_id)
-
-    def send_head(self, head: StreamHead) -> None:
-        """Agent: the answer's head on ``head.id``; its payload must fit :meth:`send_room`."""
-        self._session.send_head(head)
-        self._flush()
-
-    async def send_data(self, stream_id: int, payload: bytes, end: bool) -> None:
-        """Payload on a stream; it must fit :meth:`send_room`. Written from the calling
-        task when nothing waits ahead of it (then it may wait for the socket), else queued."""
-        self._session.send_data(stream_id, payload, end)
-        await self._send_now()
-
-    def send_data_nowait(self, stream_id: int, payload: bytes, end: bool) -> None:
-        """:meth:`send_data` without waiting, for a caller that is no task (an engine
-        connection's callback): written at once when nothing waits ahead of it and the
-        socket takes it, else queued for the writer task. It must fit :meth:`send_room`;
-        the caller watches :attr:`backlogged` to slow down."""
-        self._session.send_data(stream_id, payload, end)
-        frames = self._frames
-        out = self._out
-        if frames is None or out or self._sending or not frames.ready:
-            self._flush()
-            return
-        messages = self._session.data_to_send()
-        try:
-            for message in messages:
-                frames.write(message)
-        except (ConnectionError, aiohttp.ClientError) as exc:
-            self._write_failed(exc)
-
-    @property
-    def backlogged(self) -> bool:
-        """More than ``WRITE_HIGH_WATER_BYTES`` wait to be written: stream writers should
-        :meth:`drain` before sending more."""
-        return not self._drained.is_set()
-
-    def consume(self, stream_id: int, size: int) -> None:
-        """The stream's reader took ``size`` bytes: the peer may get more credit."""
-        self._session.consume(stream_id, size)
-        self._flush()
-
-    def reset_stream(self, stream_id: int, code: ResetCode, message: str = "") -> None:
-        """Abandon a stream (idempotent) and forget it."""
-        self._session.reset_stream(stream_id, code, message)
-        self._flush()
-        self._streams.pop(stream_id, None)
+        self._streams.forget_stream(stream_id)
 
     # -- the reader loop -----------------------------------------------------------------
 
@@ -553,15 +344,12 @@ class LinkConnection:
         """
         if self._session.state is not SessionState.OPEN:
             raise LinkError(f"the link to {self.peer} has not finished its handshake")
-        self._start_writer()
-        # The frames of one pass of the loop (e.g. events of many streams) in one write.
-        coalesce_writes(self.ws)
-        self._frames = frame_writer(self.ws)
+        self._output.start()
+        self._output.use_frame_writer()
         session = self._session
         self._reader = asyncio.current_task()
         if self.liveness is not None:
-            name = f"link-keepalive-{self.peer}"
-            self._keeper = asyncio.create_task(self._keep_alive(self.liveness), name=name)
+            self._keepalive.start(self.liveness)
         try:
             while True:
                 message = await self.ws.receive()
@@ -575,7 +363,7 @@ class LinkConnection:
                     else:
                         self._flush()  # what the session answered by itself, if anything
                 elif kind is _PING:
-                    self._answer_ping(message)
+                    self._keepalive.answer_ping(message)
                 elif kind is _PONG:
                     pass  # its arrival is the news
                 elif kind is _TEXT:
@@ -595,44 +383,6 @@ class LinkConnection:
             await self._finish()
 
     # -- liveness ------------------------------------------------------------------------
-
-    async def _keep_alive(self, liveness: Liveness) -> None:
-        """Ping the peer every ``ping_interval_s``; declare the link dead once nothing has
-        arrived for ``timeout_s``."""
-        interval_s = liveness.ping_interval_s
-        next_ping = time.monotonic() + interval_s
-        while not self._closed:
-            now = time.monotonic()
-            silent_s = now - self.last_received_at
-            if silent_s >= liveness.timeout_s:
-                self._declare_dead(silent_s)
-                return
-            if now >= next_ping:
-                self._ping()
-                next_ping = now + interval_s
-            wake_at = min(next_ping, self.last_received_at + liveness.timeout_s)
-            await asyncio.sleep(max(0.0, wake_at - now))
-
-    def _ping(self) -> None:
-        if self._pinger is not None and not self._pinger.done():
-            return  # the last one is still stuck in the socket: no pile of them
-        self._pinger = asyncio.ensure_future(self._send_control(self.ws.ping()))
-
-    def _answer_ping(self, message: aiohttp.WSMessage) -> None:
-        """Pong (RFC 6455 section 5.5.3), off the reader: a socket slow to take it must not
-        stop the link's reading. A ping that comes while the last pong waits is not
-        answered again: any pong tells the peer the link lives."""
-        if self._ponger is not None and not self._ponger.done():
-            return
-        data = message.data if isinstance(message.data, bytes) else b""
-        self._ponger = asyncio.ensure_future(self._send_control(self.ws.pong(data)))
-
-    async def _send_control(self, sending: Awaitable[None]) -> None:
-        try:
-            await sending
-        except (ConnectionError, aiohttp.ClientError, RuntimeError) as exc:
-            # The socket is going away; the reader sees the close, or the keepalive does.
-            log.debug("link to %s: ping or pong not sent: %s", self.peer, exc)
 
     def _declare_dead(self, silent_s: float) -> None:
         """Nothing arrived for the link timeout: end the link now (see the module docstring)."""
@@ -657,49 +407,37 @@ class LinkConnection:
         if self.close_code is None:
             self.close_code = code
             self.close_reason = reason
-        with contextlib.suppress(*_CLOSE_ERRORS):  # the socket may already be gone
-            await self.ws.close(code=code, message=reason.encode()[:120])
+        await self._output.close_socket(code, reason.encode()[:120])
 
     def _process(self, event: LinkEvent) -> None:
         """Act on one event of the session: the one place each kind is dispatched."""
         match event:  # the most frequent first (cases are tried in order)
             case DataReceived():
-                stream = self._streams.get(event.stream_id)
+                stream = self._streams.open.get(event.stream_id)
                 if stream is not None:
                     stream.data_received(event.data, event.end)
             case CreditGranted():
-                stream = self._streams.get(event.stream_id)
+                stream = self._streams.open.get(event.stream_id)
                 if stream is not None:
                     stream.credit_granted()
             case HeadReceived():
-                stream = self._streams.get(event.head.id)
+                stream = self._streams.open.get(event.head.id)
                 if stream is not None:
                     stream.head_received(event.head)
             case StreamOpened():
-                opening = event.opening
-                stream = TunnelStream(self, opening.id, opening)
-                stream.data_received(opening.payload, opening.end)
-                self._streams[opening.id] = stream
-                name = f"stream-{opening.id}"
+                stream = self._streams.opened(event.opening)
+                name = f"stream-{stream.id}"
                 stream.task = self._spawn(self._handler.on_stream(self, stream), name)
             case ResponseReceived():
-                pending = self._pending.get(event.response.id)
-                if pending is not None and not pending[0].done():
-                    pending[0].set_result(event.response)
+                self._calls.answered(event.response)
             case StreamResetReceived():
-                stream = self._streams.pop(event.stream_id, None)
-                if stream is not None:
-                    why = event.message or event.code
-                    error = StreamResetError(f"stream reset by {self.peer}: {why}", event.code)
-                    stream.abort(error)
-                    if stream.task is not None:
-                        stream.task.cancel()  # cancelling reaches the engine
+                self._streams.reset_received(event)
             case RequestReceived():
                 self._spawn(self._handler.on_request(self, event.request), "request")
             case ProgressReceived():
-                pending = self._pending.get(event.progress.id)
-                if pending is not None and pending[1] is not None:
-                    self._spawn(pending[1](event.progress), "progress")
+                listener = self._calls.listener(event.progress.id)
+                if listener is not None:
+                    self._spawn(listener(event.progress), "progress")
             case HeartbeatReceived():
                 self._handler.on_heartbeat(self, event.heartbeat)
             case HelloReceived() | WelcomeReceived():
@@ -727,33 +465,23 @@ class LinkConnection:
         self._closed = True
         if self._on_closed is not None:
             self._on_closed()  # first: the link stops getting new work at once
-        self._drained.set()  # writers waiting for room see the closed link
+        self._output.release()  # writers waiting for room see the closed link
         if self.close_code is None:
             self.close_code = self.ws.close_code
         self._session.close()
         lost = LinkError(f"the link to {self.peer} was lost", code=self._code())
-        for future, _listener in self._pending.values():
-            if not future.done():
-                future.set_exception(lost)
-        for stream in list(self._streams.values()):
-            stream.abort(StreamResetError(f"the link to {self.peer} was lost", None))
-        self._streams.clear()
+        self._calls.fail(lost)
+        self._streams.abort_all()
         for task in list(self._tasks):
             task.cancel()
-        for helper in (self._keeper, self._pinger, self._ponger):
-            if helper is not None and helper is not asyncio.current_task():
-                helper.cancel()
+        self._keepalive.cancel()
         if self._tasks:
             await asyncio.wait(list(self._tasks), timeout=30)
-        if self._writer is not None:
-            self._writer.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._writer
+        await self._output.stop()
         # Bounded: a dead peer never answers the close handshake (its socket is dropped).
-        with contextlib.suppress(*_CLOSE_ERRORS):  # TimeoutError is an OSError
-            async with asyncio.timeout(CLOSE_TIMEOUT_S):
-                reason = self.close_reason.encode()[:120] if self._dead else b""
-                await self.ws.close(code=self.close_code or CloseCode.NORMAL, message=reason)
+        reason = self.close_reason.encode()[:120] if self._dead else b""
+        code = self.close_code or CloseCode.NORMAL
+        await self._output.close_socket(code, reason, timeout_s=CLOSE_TIMEOUT_S)
 
     def _code(self) -> CloseCode | None:
         code = self.close_code

@@ -14,7 +14,7 @@ agent links whose Hello advertised an address (and who lists ``op.ingress``), it
    :data:`DEAD_AFTER_FAILED_PROBES` failed probes in a row, answers still streaming over it
    are closed too (the client sees the stream end with an error, as when a link dies).
 
-It is the proxy's way to remote engines (``gateway/engine_client.py``'s ``TunnelOpener``):
+It is the proxy's way to remote engines (:class:`berth.engine_http.answer.HttpOpener`):
 :meth:`DataPaths.open_http` goes direct while the node's path is up, except a request that
 would queue behind :data:`MAX_CONNECTING` TLS handshakes to the ingress (a burst of new
 exchanges with no idle connection), which the tunnel, multiplexed on its one connection,
@@ -37,7 +37,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, Protocol
+from typing import Literal
 
 from berth.cluster.ca import CertificateAuthority
 from berth.cluster.direct_tls import (
@@ -59,7 +59,7 @@ from berth.cluster.protocol.direct import (
 from berth.cluster.protocol.frames import ResetCode
 from berth.cluster.protocol.ops import INGRESS
 from berth.cluster.remote_link import RemoteLink
-from berth.engine_http.answer import EngineAnswer
+from berth.engine_http.answer import EngineAnswer, HttpOpener
 from berth.engine_http.errors import UpstreamConnectError, UpstreamError, UpstreamTimeoutError
 from berth.engine_http.origin import Origin
 from berth.engine_http.pool import UpstreamPool
@@ -84,22 +84,6 @@ DEAD_AFTER_FAILED_PROBES = 3
 MAX_CONNECTING = 8
 #: Seconds after which an agent's ingress certificate is issued anew: half its lifetime.
 RENEW_AFTER_S = INGRESS_CERT_DAYS * 86400 / 2
-
-
-class HttpOpener(Protocol):
-    """The tunnel: opens one HTTP exchange with a remote engine through its node's link
-    (:meth:`berth.cluster.hub.NodeHub.open_http`)."""
-
-    async def open_http(
-        self,
-        node_id: str,
-        deployment_id: str,
-        method: bytes,
-        target: bytes,
-        headers: Sequence[tuple[bytes, bytes]],
-        body: bytes,
-        read_timeout_s: float | None,
-    ) -> EngineAnswer: ...
 
 
 @dataclass(frozen=True)

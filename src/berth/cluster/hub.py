@@ -26,12 +26,13 @@ from cryptography import x509
 from cryptography.x509.oid import NameOID
 
 from berth import __version__
-from berth.cluster.connection import LINK_TIMEOUT_S, LinkConnection, Liveness
+from berth.cluster.connection import LinkConnection
 from berth.cluster.dial_limit import DialRateLimiter
 from berth.cluster.enrollment import AuditLog
 from berth.cluster.inventory import gpu_infos
 from berth.cluster.link import LOCAL_NODE_ID
 from berth.cluster.link_registry import LinkRegistry
+from berth.cluster.liveness import LINK_TIMEOUT_S, Liveness
 from berth.cluster.peer_identity import ForwardedFingerprintTrust, client_identity
 from berth.cluster.protocol.errors import CloseCode, LinkError, rate_limited_reason
 from berth.cluster.protocol.frames import (
@@ -180,7 +181,7 @@ class NodeHub:
         body: bytes,
         read_timeout_s: float | None,
     ) -> TunnelResponse:
-        """The proxy's way to a remote engine (:class:`berth.gateway.engine_client.TunnelOpener`).
+        """The proxy's way to a remote engine (:class:`berth.engine_http.answer.HttpOpener`).
 
         Raises ``UpstreamConnectError`` when the node has no live link.
         """

@@ -91,7 +91,7 @@ def cluster_ssl_context(
     context.load_cert_chain(str(cert_path), str(key_path))
     context.load_verify_locations(cadata=ca.trust_bundle_pem.decode())
     context.verify_mode = ssl.CERT_OPTIONAL
-    context.verify_flags |= _NO_CHECK_TIME  # type: ignore[assignment]
+    context.verify_flags |= _NO_CHECK_TIME
     return context
 
 

@@ -15,8 +15,7 @@ from typing import TypeVar
 
 import msgspec
 
-from berth.cluster.connection import LinkConnection, RemoteOpError
-from berth.cluster.connection import ProgressListener as OpProgressListener
+from berth.cluster.connection import LinkConnection
 from berth.cluster.inventory import node_inventory
 from berth.cluster.link import (
     DEFAULT_PROBE_TIMEOUT_S,
@@ -26,6 +25,8 @@ from berth.cluster.link import (
     ProbeResult,
     SpawnListener,
 )
+from berth.cluster.link_calls import ProgressListener as OpProgressListener
+from berth.cluster.link_calls import RemoteOpError
 from berth.cluster.protocol.errors import LinkError
 from berth.cluster.protocol.frames import (
     ErrorCode,
@@ -157,28 +158,11 @@ class RemoteLink:
                     f"none when it connected; `berth doctor` on that host says why)"
                 )
             timeout_s += PULL_TIMEOUT_S  # the agent may pull the image first
-        args = StartArgs(
-            deployment_id=request.deployment_id,
-            model_name=request.model_name,
-            model_path=str(request.model_path),
-            engine=request.engine,
-            gpus=list(request.gpus),
-            ctx=request.ctx,
-            extra_args=list(request.extra_args),
-            served_model_name=request.served_model_name,
-            health_timeout_s=health_timeout_s,
-            runtime=request.runtime,
-            image=request.image,
-        )
-        if request.adapter_slots is not None or request.lora_files:
-            if LOAD_ADAPTER.capability not in self.capabilities:
-                raise EngineError(
-                    f"node {self.node_id}'s agent does not serve LoRA adapters; upgrade it"
-                )
-            args.adapter_slots = request.adapter_slots
-            args.max_lora_rank = request.max_lora_rank
-            args.lora_target_modules = list(request.lora_target_modules)
-            args.lora_files = [str(path) for path in request.lora_files]
+        if request.uses_adapters and LOAD_ADAPTER.capability not in self.capabilities:
+            raise EngineError(
+                f"node {self.node_id}'s agent does not serve LoRA adapters; upgrade it"
+            )
+        args = StartArgs.from_request(request, health_timeout_s=health_timeout_s)
 
         spawned = False
 

@@ -6,16 +6,17 @@ slow reader slows the writer. A reader that is no task pushes instead
 (:meth:`TunnelStream.push_to`: each payload handed to a sink as the link reader dispatches
 it, credit held back while the sink is paused), and a writer that is no task sends within
 the credit at once (:meth:`TunnelStream.write_nowait`).
-:class:`~berth.cluster.connection.LinkConnection` makes it and hands it the events that
-arrive for it (``data_received``, ``head_received``, ``credit_granted``, ``abort``); it sends
-through the connection's stream methods (:class:`StreamCarrier`), never touching the session
-itself.
+:class:`~berth.cluster.connection.LinkConnection` makes it (through its
+:class:`~berth.cluster.link_streams.LinkStreams`) and hands it the events that arrive for it
+(``data_received``, ``head_received``, ``credit_granted``, ``abort``); it sends through the
+link's stream methods (:class:`StreamCarrier`), never touching the session itself.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections import deque
+from collections.abc import Sequence
 from typing import Protocol
 
 from berth.cluster.protocol.errors import LinkError
@@ -24,8 +25,9 @@ from berth.cluster.protocol.frames import ResetCode, StreamHead, StreamOpen
 
 class StreamCarrier(Protocol):
     """What a stream needs of the link that carries it
-    (:class:`berth.cluster.connection.LinkConnection`): its stream methods, each one session
-    call plus queueing what the session wants sent, and waiting for the socket to drain."""
+    (:class:`berth.cluster.link_streams.LinkStreams`, one per link): its stream methods,
+    each one session call plus queueing what the session wants sent, and waiting for the
+    socket to drain."""
 
     peer: str
 
@@ -303,9 +305,11 @@ class TunnelStream:
     # -- writing -------------------------------------------------------------------------
 
     async def send_head(
-        self, status: int, headers: list[tuple[str, str]], payload: bytes, end: bool
+        self, status: int, headers: Sequence[tuple[bytes, bytes]], payload: bytes, end: bool
     ) -> None:
-        """Agent: answer with ``status`` and ``headers``; the head frame carries as much of
+        """Agent: answer with ``status`` and ``headers`` (lower-case byte pairs, as the
+        engine sent them; the head frame carries them as latin-1 text, the wire's form, and
+        this is the one place they are converted); the head frame carries as much of
         ``payload`` as the credit allows (a small answer is one frame), the rest follows as
         data. ``end``: ``payload`` is the whole answer.
 
@@ -317,7 +321,8 @@ class TunnelStream:
             self._raise_if_over()
             return  # ended or reset under us: nothing more to send
         first, rest = payload[:room], payload[room:]
-        self.conn.send_head(StreamHead(id=self.id, status=status, headers=headers,
+        text = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in headers]
+        self.conn.send_head(StreamHead(id=self.id, status=status, headers=text,
                                        payload=first, end=end and not rest))  # fmt: skip
         if rest:
             await self.write(rest, end=end)

@@ -18,6 +18,10 @@ for a stream's data sent from an engine connection's callback: aiohttp's own fra
 (``WebSocketWriter._write_websocket_frame``: the header, the client's mask of RFC 6455
 section 5.3, the transport write), the one ``send_bytes`` calls when nothing is compressed,
 so the frames on the wire are the ones ``send_bytes`` would write.
+
+Both reach into aiohttp's private writer, so ``pyproject.toml`` caps aiohttp at the minor
+``tests/test_link_writes_aiohttp.py`` was run against: that test fails, on a real WebSocket,
+when either function would fall back on the installed aiohttp.
 """
 
 from __future__ import annotations

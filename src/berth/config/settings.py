@@ -210,7 +210,7 @@ class Settings:
                 f"leader_url ({sources['leader_url']}) must be an https:// URL, got {leader_url!r}"
             )
         heartbeat_s, timeout_s = values["heartbeat_interval_s"], values["node_timeout_s"]
-        if timeout_s < 2 * heartbeat_s:  # type: ignore[operator]
+        if timeout_s < 2 * heartbeat_s:
             raise ConfigError(
                 f"node_timeout_s ({timeout_s}, {sources['node_timeout_s']}) must be at least "
                 f"twice heartbeat_interval_s ({heartbeat_s}, {sources['heartbeat_interval_s']}), "
@@ -218,7 +218,7 @@ class Settings:
             )
 
         interval_s, probe_s = values["probe_interval_s"], values["probe_timeout_s"]
-        if probe_s >= interval_s:  # type: ignore[operator]
+        if probe_s >= interval_s:
             raise ConfigError(
                 f"probe_timeout_s ({probe_s}, {sources['probe_timeout_s']}) must be below "
                 f"probe_interval_s ({interval_s}, {sources['probe_interval_s']}): "

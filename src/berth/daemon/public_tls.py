@@ -1,4 +1,5 @@
-"""The public listener's TLS context from the operator's certificate and key.
+"""The public listener's certificate files and TLS context: the operator's, or one the CA
+issues.
 
 Loaded by the daemon, and by ``berth daemon start`` before it spawns one, so that a missing
 or broken file is one line naming the setting and the path, not a traceback in the log.
@@ -9,7 +10,26 @@ from __future__ import annotations
 import ssl
 from pathlib import Path
 
+from berth.cluster.ca import CertificateAuthority
+from berth.config import Settings
 from berth.errors import ConfigError
+from berth.paths import BerthHome
+
+
+def public_tls_files(
+    settings: Settings, home: BerthHome, ca: CertificateAuthority
+) -> tuple[Path, Path]:
+    """The public listener's certificate and key: the operator's, or one issued by the CA.
+
+    The issued certificate covers ``public_host``, ``localhost``, 127.0.0.1 and ::1, and is
+    re-issued when the configured host is not among its SANs.
+    """
+    if settings.public_cert and settings.public_key:
+        return Path(settings.public_cert), Path(settings.public_key)
+    cert, key = home.ca_dir / "public.pem", home.ca_dir / "public.key"
+    hosts = sorted({settings.public_host, "localhost", "127.0.0.1", "::1"})
+    ca.ensure_server_certificate(hosts, cert, key)
+    return cert, key
 
 
 def public_ssl_context(cert: Path, key: Path) -> ssl.SSLContext:

@@ -35,6 +35,7 @@ import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field, replace
+from typing import TypeVar
 
 from berth.cluster.link_registry import LinkRegistry
 from berth.deployments.lora_plan import FORMAT_OF_ENGINE
@@ -50,10 +51,11 @@ from berth.store.states import RESTARTING_STATES
 
 log = logging.getLogger(__name__)
 
-#: The proxy's engine client's ``open``: (upstream, path, query, headers, body) -> answer.
-EngineOpener = Callable[
-    [Upstream, str, bytes, list[tuple[bytes, bytes]], bytes], Awaitable[EngineAnswer]
-]
+#: What the proxy asks an engine (its engine request value), passed through the gate as is.
+R = TypeVar("R")
+
+#: The proxy's engine client's ``open``: (upstream, engine request) -> answer.
+EngineOpener = Callable[[Upstream, R], Awaitable[EngineAnswer]]
 
 
 @dataclass(frozen=True)
@@ -339,23 +341,18 @@ class AdapterManager:
                     upstream, f"could not load adapter {use.name!r} ({exc})"
                 ) from exc
 
-    def gated(self, open_engine: EngineOpener) -> EngineOpener:
+    def gated(self, open_engine: EngineOpener[R]) -> EngineOpener[R]:
         """``open_engine`` behind the gate: a request for an adapter has it loaded into the
         engine first (:meth:`enter`, which may raise :class:`AdapterUnavailableError`), and
-        its answer holds the adapter in use until the answer is closed."""
+        its answer holds the adapter in use until the answer is closed. The engine request
+        goes through untouched."""
 
-        async def gated_open(
-            upstream: Upstream,
-            path: str,
-            query: bytes,
-            forward: list[tuple[bytes, bytes]],
-            body: bytes,
-        ) -> EngineAnswer:
+        async def gated_open(upstream: Upstream, request: R) -> EngineAnswer:
             lease = await self.enter(upstream)
             if lease is None:
-                return await open_engine(upstream, path, query, forward, body)
+                return await open_engine(upstream, request)
             try:
-                answer = await open_engine(upstream, path, query, forward, body)
+                answer = await open_engine(upstream, request)
             except BaseException:
                 lease.release(None)
                 raise

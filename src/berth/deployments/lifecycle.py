@@ -12,8 +12,8 @@ Its parts, each with one reason to change:
   on an agent's Hello, every watch interval);
 - :mod:`berth.deployments.ready_table`: the table of ready upstreams the proxy resolves from;
 - :mod:`berth.deployments.transitions`: the one path by which a state is written;
-- :mod:`berth.deployments.supervisor`: the restart policy carried out (an ended engine started
-  again after its backoff, through :meth:`LifecycleManager._start_again` here).
+- :mod:`berth.deployments.starts`: carrying a start out (a placement's, or a restart's after
+  its backoff, which :mod:`berth.deployments.supervisor` asks for under the restart policy).
 """
 
 from __future__ import annotations
@@ -21,15 +21,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable, Mapping, Sequence
-from pathlib import Path
+from collections.abc import Callable, Mapping, Sequence
 
 from berth.admission.capacity import DEFAULT_SLOTS
-from berth.cluster.link import LOCAL_NODE_ID, AgentLink
+from berth.cluster.link import LOCAL_NODE_ID
 from berth.cluster.link_registry import LinkRegistry
 from berth.cluster.protocol.frames import AdoptedState, EngineState
 from berth.deployments.estimates import VramEstimator
-from berth.deployments.lora_plan import LoraPlan, plan_lora
+from berth.deployments.lora_plan import plan_lora
 from berth.deployments.placement_facts import UsageLookup, no_usage
 from berth.deployments.planner import (
     DEFAULT_MIN_RESIDENCY_S,
@@ -44,11 +43,11 @@ from berth.deployments.reconcile import (
     WATCH_INTERVAL_S,
     Reconciler,
 )
-from berth.deployments.restarts import Backoff, Ending
-from berth.deployments.supervisor import RestartListener, Supervisor
+from berth.deployments.restarts import Backoff
+from berth.deployments.starts import EngineStarts
+from berth.deployments.supervisor import RestartListener
 from berth.deployments.transitions import StateListener, StateWriter
 from berth.errors import (
-    BerthError,
     ConflictError,
     EngineError,
     InvalidTransitionError,
@@ -57,24 +56,17 @@ from berth.errors import (
 from berth.placement import (
     Eviction,
     EvictionPolicy,
-    ModelAt,
-    ModelPull,
-    Placement,
     PlacementPolicy,
     Refusal,
 )
 from berth.routing.resolver import Upstream
 from berth.routing.waiting import GiveUp, WaitingAttempts
-from berth.runtime.base import RuntimeName
 from berth.runtime.engines import (
-    DeploymentRequest,
     EngineName,
-    parse_engine_name,
-    parse_runtime_name,
 )
 from berth.runtime.images import DEFAULT_GPU_IMAGES, DEFAULT_IMAGES
 from berth.store import DeploymentRecord, Store, StreamTimeouts
-from berth.store.states import RESTARTING_STATES, TERMINAL_STATES, DeploymentState
+from berth.store.states import TERMINAL_STATES, DeploymentState
 
 log = logging.getLogger(__name__)
 
@@ -145,7 +137,6 @@ class LifecycleManager:
         self._estimator = VramEstimator()
         #: one placement at a time: the next sees the last one's record (and its VRAM)
         self._placing = asyncio.Lock()
-        self._health_timeout_s = health_timeout_s
         self._stop_grace_s = stop_grace_s
         self._waiting = waiting
         self._table = ReadyTable(on_slots=slots_changed, default_slots=default_slots)
@@ -159,11 +150,18 @@ class LifecycleManager:
             min_residency_s=min_residency_s,
         )
         self._writer = StateWriter(store, self._table, on_state)
-        self._starting: dict[str, asyncio.Task[None]] = {}
-        self._on_restart = on_restart
-        self._supervisor = Supervisor(
-            store, self._writer, self._start_again, backoff=restart_backoff
+        self._starts = EngineStarts(
+            store,
+            links,
+            self._table,
+            self._writer,
+            health_timeout_s=health_timeout_s,
+            restart_backoff=restart_backoff,
+            on_restart=on_restart,
         )
+        #: the starts in flight by deployment id, and the restart policy (both the starts')
+        self._starting = self._starts.starting
+        self._supervisor = self._starts.supervisor
         self._reconciler = Reconciler(
             store,
             links,
@@ -373,11 +371,7 @@ class LifecycleManager:
         log.info("deployment %s placed: %s", record.id, "; ".join(placement.reasons))
         self._table.add_known_model(served)
         self._writer.notify(record)
-        task = asyncio.create_task(
-            self._run_start(record, link, placement, planned.engine, lora), name=record.id
-        )
-        self._starting[record.id] = task
-        task.add_done_callback(lambda _t: self._starting.pop(record.id, None))
+        self._starts.begin(record, link, placement, planned.engine, lora)
         return record
 
     async def stop(self, deployment_id: str) -> DeploymentRecord:
@@ -441,155 +435,6 @@ class LifecycleManager:
                 async with asyncio.timeout(remaining_s):
                     await changed.wait()
 
-    # -- carrying a placement out ------------------------------------------------------------
-
-    async def _run_start(
-        self,
-        record: DeploymentRecord,
-        link: AgentLink,
-        placement: Placement,
-        engine: EngineName,
-        lora: LoraPlan,
-    ) -> None:
-        async def request() -> DeploymentRequest:
-            await self._writer.transition(record.id, DeploymentState.LOADING)
-            model_path = await self._model_path(record, link, placement.model)
-            return _start_request(record, model_path, engine, placement.runtime, lora)
-
-        await self._carry_out_start(record, link, request)
-
-    async def _start_again(self, deployment_id: str, ending: Ending) -> None:
-        """The restart policy's backoff is over: start the deployment's engine again on its
-        node, from its recorded spec (the supervisor's ``start_again``)."""
-        record = await asyncio.to_thread(self._store.get_deployment, deployment_id)
-        if record.state not in RESTARTING_STATES:
-            return  # stopped meanwhile
-        record = await self._writer.transition(
-            deployment_id, DeploymentState.LOADING, restart_count=record.restart_count + 1
-        )
-        log.info("deployment %s: restart %d after its engine %s", deployment_id,
-                 record.restart_count, ending.detail)  # fmt: skip
-        if self._on_restart is not None:
-            self._on_restart(record, ending)
-        link = self._links.get(record.node_id)
-
-        async def request() -> DeploymentRequest:
-            if link is None:
-                raise EngineError(f"node {record.node_id} is not connected")
-            return await self._restart_request(record, link)
-
-        task = asyncio.create_task(self._carry_out_start(record, link, request), name=record.id)
-        self._starting[record.id] = task
-        task.add_done_callback(lambda _t: self._starting.pop(record.id, None))
-
-    async def _restart_request(
-        self, record: DeploymentRecord, link: AgentLink
-    ) -> DeploymentRequest:
-        """What a restart asks of the node: the deployment's recorded spec, with the model's
-        path on that node and the LoRA adapters its base has now.
-
-        Raises ``NotFoundError`` for a model removed since and ``EngineError`` when the
-        node has no recorded path for it.
-        """
-        model = await asyncio.to_thread(self._store.get_model, record.model_name)
-        path: str | None = None
-        if record.node_id == LOCAL_NODE_ID and model.source != "remote":
-            path = str(model.path)
-        else:
-            located = await asyncio.to_thread(self._store.list_model_locations, model.name)
-            path = next((m.path for m in located if m.node_id == record.node_id), None)
-        if path is None:
-            raise EngineError(f"model {model.name} has no recorded path on node {record.node_id}")
-        engine = parse_engine_name(record.engine)
-        runtime = parse_runtime_name(record.runtime)
-        adapters = await asyncio.to_thread(self._store.list_adapters, model.name)
-        lora = plan_lora(
-            engine,
-            runtime,
-            record.node_id,
-            adapters,
-            max_adapters=record.adapter_slots,
-            node_serves_adapters="op.load_adapter" in link.capabilities,
-        )
-        return _start_request(record, Path(path), engine, runtime, lora)
-
-    async def _carry_out_start(
-        self,
-        record: DeploymentRecord,
-        link: AgentLink | None,
-        request: Callable[[], Awaitable[DeploymentRequest]],
-    ) -> None:
-        """Start the engine ``request()`` describes on ``link``'s node, then mark the
-        deployment ready; a start that fails goes to the restart policy (a first start
-        fails, a restart's backs off again)."""
-        try:
-            built = await request()
-            assert link is not None  # request() raised otherwise
-
-            async def record_spawn(pid: int, port: int) -> None:
-                # Recorded before the engine is healthy, so a crash mid-load can be cleaned up.
-                await asyncio.to_thread(
-                    self._store.update_deployment_runtime, record.id, port=port, pid=pid
-                )
-
-            def record_progress(line: str) -> None:
-                if record.id in self._starting:  # a late line must not outlive the start
-                    self._writer.set_progress(record.id, line)
-
-            endpoint = await link.start_deployment(
-                built,
-                self._health_timeout_s,
-                on_spawned=record_spawn,
-                on_progress=record_progress,
-            )
-        except asyncio.CancelledError:
-            return  # stop() owns the transition to stopping/stopped
-        except BerthError as exc:
-            log.warning("deployment %s failed to start: %s", record.id, exc)
-            await self._start_failed(record, link, str(exc))
-            return
-        except Exception as exc:  # a bug must not leave the deployment loading forever
-            log.exception("deployment %s: unexpected failure while starting", record.id)
-            reason = f"unexpected error while starting: {type(exc).__name__}: {exc}"
-            await self._start_failed(record, link, reason)
-            return
-        current = await asyncio.to_thread(self._store.get_deployment, record.id)
-        if current.state is not DeploymentState.LOADING:
-            return
-        ready = await self._writer.transition(
-            record.id, DeploymentState.READY, port=endpoint.port, pid=endpoint.pid
-        )
-        self._supervisor.became_ready(record.id)
-        if not self._links.is_current(link):
-            # The node's link dropped as the start finished: routed again when its agent
-            # reconnects and reports the engine (node_connected).
-            log.warning("deployment %s is ready but node %s is gone", record.id, record.node_id)
-            return
-        self._table.mark_ready(ready, endpoint)
-        log.info("deployment %s ready at %s", record.id, endpoint.base_url)
-
-    async def _start_failed(
-        self, record: DeploymentRecord, link: AgentLink | None, reason: str
-    ) -> None:
-        """A start failed with ``reason``: failed, or restarted later (a restart's)."""
-        first_line = reason.strip().splitlines()[0] if reason.strip() else "start failed"
-        ending = Ending("start_failed", f"start failed: {first_line[:200]}")
-        await self._supervisor.ended(record.id, ending, link=link, reason=reason)
-
-    async def _model_path(
-        self, record: DeploymentRecord, link: AgentLink, source: ModelAt | ModelPull
-    ) -> Path:
-        """Where the model is on the node; one the node must pull is downloaded first, and
-        its path there recorded."""
-        if isinstance(source, ModelAt):
-            return source.path
-        log.info("deployment %s: node %s pulls %s", record.id, link.node_id, source.repo_id)
-        located = await link.pull_model(source.repo_id, source.revision)
-        await asyncio.to_thread(
-            self._store.set_model_location, record.model_name, link.node_id, located
-        )
-        return Path(located)
-
     async def _stop_one(self, record: DeploymentRecord) -> DeploymentRecord:
         self._table.unmark(record.served_model_name, record.id)
         if self._waiting is not None:
@@ -611,31 +456,3 @@ class LifecycleManager:
                 record.id, DeploymentState.FAILED, failure_reason=f"stop failed: {exc}"
             )
         return await self._writer.transition(record.id, DeploymentState.STOPPED)
-
-
-def _start_request(
-    record: DeploymentRecord,
-    model_path: Path,
-    engine: EngineName,
-    runtime: RuntimeName,
-    lora: LoraPlan,
-) -> DeploymentRequest:
-    """What the node is asked to start for ``record`` (a first start's or a restart's)."""
-    return DeploymentRequest(
-        deployment_id=record.id,
-        model_name=record.model_name,
-        model_path=model_path,
-        engine=engine,
-        port=0,  # the agent core picks the port and the log file on its host
-        log_path=Path(),
-        gpus=record.gpus,
-        ctx=record.ctx,
-        extra_args=record.extra_args,
-        served_model_name=record.served_model_name,
-        runtime=runtime,
-        image=record.image,
-        adapter_slots=lora.slots,
-        max_lora_rank=lora.max_rank,
-        lora_target_modules=lora.target_modules,
-        lora_files=lora.files,
-    )

@@ -22,7 +22,7 @@ from berth.paths import BerthHome
 #: The packages whose versions the report shows (every requirement is checked).
 KEY_PACKAGES = (
     "fastapi",
-    "uvicorn",
+    "httptools",
     "httpx",
     "cryptography",
     "SQLAlchemy",

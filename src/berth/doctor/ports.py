@@ -1,9 +1,10 @@
 """Whether the leader's listeners could bind their configured ports.
 
-A port is tried the way ``berth daemon start`` binds it (a TCP socket, ``SO_REUSEADDR``, the
-configured address).  A port in use is the daemon of this very home when what answers there
-presents the certificate this home serves on that listener; anything else holding it fails
-the check, since the next start would fail the same way.
+A port is tried the way ``berth daemon start`` binds it
+(:func:`berth.http_server.sockets.bind_tcp`: a TCP socket, ``SO_REUSEADDR``, the configured
+address).  A port in use is the daemon of this very home when what answers there presents
+the certificate this home serves on that listener; anything else holding it fails the check,
+since the next start would fail the same way.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from cryptography.x509.oid import NameOID
 
 from berth.config import WILDCARD_BINDS
 from berth.doctor.check import Check
+from berth.http_server.errors import BindError
+from berth.http_server.sockets import bind_tcp
 
 
 def port_check(
@@ -67,15 +70,13 @@ def port_check(
 
 def bind_error(bind: str, port: int) -> OSError | None:
     """The error binding a listening TCP socket to ``bind:port`` raises, or ``None`` when it
-    binds (the socket is closed again at once)."""
-    family = socket.AF_INET6 if ":" in bind else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((bind.strip("[]"), port))
-            sock.listen(1)
-        except OSError as exc:
-            return exc
+    binds (the socket is closed again at once); bound as the daemon binds it
+    (:func:`berth.http_server.sockets.bind_tcp`)."""
+    try:
+        sock = bind_tcp("probe", bind, port, backlog=1)
+    except BindError as exc:
+        return exc.os_error
+    sock.close()
     return None
 
 

@@ -41,7 +41,7 @@ from berth.errors import BerthError, ConfigError
 from berth.paths import BerthHome
 
 #: Hosts the leader always puts in the certificates it issues itself (see
-#: ``berth.daemon.server.public_tls_files`` and ``berth.cluster.listener.cluster_tls_files``).
+#: ``berth.daemon.public_tls.public_tls_files`` and ``berth.cluster.listener.cluster_tls_files``).
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
 _FORWARDED_FP_ENV = "BERTH_TRUST_FORWARDED_FP"
 

@@ -9,6 +9,7 @@ data frame), and the relaying task only waits for the end, a failure or backpres
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol, TypeGuard, runtime_checkable
 
 from berth.conforms import conforms
@@ -117,3 +118,23 @@ async def read_body(answer: EngineAnswer, limit_bytes: int | None = None) -> byt
         size += len(chunk)
     data = b"".join(parts)
     return data if limit_bytes is None else data[:limit_bytes]
+
+
+class HttpOpener(Protocol):
+    """Opens one HTTP exchange with a deployment's engine on a remote node: the tunnel
+    through its node's link (:meth:`berth.cluster.hub.NodeHub.open_http`), or the data paths
+    that go direct when they can (:meth:`berth.cluster.direct_path.DataPaths.open_http`).
+    The proxy's engine client reaches remote engines through one."""
+
+    async def open_http(
+        self,
+        node_id: str,
+        deployment_id: str,
+        method: bytes,
+        target: bytes,
+        headers: Sequence[tuple[bytes, bytes]],
+        body: bytes,
+        read_timeout_s: float | None,
+    ) -> EngineAnswer:
+        """Raises the ``UpstreamError`` subclasses ``UpstreamPool.request`` raises."""
+        ...

@@ -1,8 +1,11 @@
 """The ``/v1`` request path: an authenticated public request to an engine and its answer back.
 
-Owns the OpenAI-compatible proxy (:mod:`.proxy`), its ASGI twin (:mod:`.asgi`), the attempts
-across upstreams (:mod:`.dispatch`), one HTTP exchange with an engine (:mod:`.exchange`), the
-answer's relay (:mod:`.relay`, :mod:`.sse`, :mod:`.read_ahead`), token usage read off answers
+Owns the OpenAI-compatible proxy (:mod:`.proxy`), its ASGI twin (:mod:`.asgi`), the request
+value parsed once (:mod:`.request`) and the stages it goes through (:mod:`.stages`, the
+attempt stage :mod:`.attempt`, in order in :mod:`.completions`; what each request leaves
+:mod:`.record`, refusals :mod:`.refusals`), the attempts across upstreams (:mod:`.dispatch`),
+one HTTP exchange with a client (:mod:`.exchange`), the answer's relay (:mod:`.relay`,
+:mod:`.push`, :mod:`.outcome`, :mod:`.sse`, :mod:`.read_ahead`), asking a stream's usage
 (:mod:`.usage`), the engine client (pooled HTTP/1.1 or an agent's tunnel, :mod:`.engine_client`),
 API-key authentication and its failure limiter (:mod:`.auth`, :mod:`.auth_limiter`,
 :mod:`.auth_metrics`), and the choice of a LoRA adapter's upstream (:mod:`.adapter_resolver`).

@@ -1,4 +1,5 @@
-"""The proxy's resolver with LoRA adapters, and the request body llama.cpp gets for one.
+"""The proxy's resolver with LoRA adapters (the request body llama.cpp gets for one is
+written per engine by :class:`berth.gateway.attempt.EngineBodies`).
 
 An adapter's name resolves to the ready deployments of its base that can serve it, tagged
 with the adapter and their tier (:meth:`berth.deployments.adapters.AdapterManager.upstreams`);
@@ -7,8 +8,6 @@ told to apply none (:meth:`~berth.deployments.adapters.AdapterManager.base_reque
 """
 
 from __future__ import annotations
-
-import json
 
 from berth.deployments.adapters import AdapterManager
 from berth.errors import NotFoundError
@@ -61,14 +60,3 @@ class AdapterResolver:
         """The base model of the adapter ``model`` (``/v1/models``' ``parent``), else ``None``."""
         adapter = self._manager.entry(model)
         return None if adapter is None else adapter.base
-
-
-def with_lora(body: bytes, model: str | None, scales: tuple[float, ...]) -> bytes:
-    """``body`` (a JSON object) with its ``model`` set to ``model`` (when given) and its
-    ``lora`` field giving llama-server each adapter's scale by id (a client's own ``lora``
-    is replaced: berth decides which adapter a name means)."""
-    payload = json.loads(body)
-    if model is not None:
-        payload["model"] = model
-    payload["lora"] = [{"id": index, "scale": scale} for index, scale in enumerate(scales)]
-    return json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode()

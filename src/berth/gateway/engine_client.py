@@ -10,10 +10,10 @@ may try another node.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Protocol
+from collections.abc import Callable
+from typing import TYPE_CHECKING, NamedTuple
 
-from berth.engine_http.answer import EngineAnswer
+from berth.engine_http.answer import EngineAnswer, HttpOpener
 from berth.engine_http.errors import UpstreamConnectError, UpstreamError, UpstreamTimeoutError
 from berth.engine_http.origin import TUNNEL_SCHEME, Origin, parse_origin
 from berth.engine_http.pool import UpstreamPool
@@ -32,22 +32,17 @@ _MAX_CACHED_TARGETS = 4096
 _POST = b"POST"
 
 
-class TunnelOpener(Protocol):
-    """Opens an HTTP exchange with a remote deployment's engine through its node's agent
-    (the leader's :class:`berth.cluster.hub.NodeHub`)."""
+class EngineRequest(NamedTuple):
+    """What one attempt sends an engine (always a ``POST``): ``path`` the API path as the
+    engine serves it (``/v1/chat/completions``; joined to a deployment's base URL here),
+    ``query`` the raw query string (no ``?``), ``headers`` those the engine may see
+    (lower-case byte pairs; the engine's key is added here for a local engine, by its agent
+    for a tunneled one) and ``body`` the bytes to send."""
 
-    async def open_http(
-        self,
-        node_id: str,
-        deployment_id: str,
-        method: bytes,
-        target: bytes,
-        headers: Sequence[tuple[bytes, bytes]],
-        body: bytes,
-        read_timeout_s: float | None,
-    ) -> EngineAnswer:
-        """Raises the ``UpstreamError`` subclasses ``UpstreamPool.request`` raises."""
-        ...
+    path: str
+    query: bytes
+    headers: list[tuple[bytes, bytes]]
+    body: bytes
 
 
 class EngineClient:
@@ -60,7 +55,7 @@ class EngineClient:
     def __init__(
         self,
         *,
-        tunnels: TunnelOpener | None,
+        tunnels: HttpOpener | None,
         connect_timeout_s: float,
         read_timeout_s: float | None,
         max_connections: int,
@@ -92,28 +87,22 @@ class EngineClient:
         if pool is not None:
             await pool.close()
 
-    async def open(
-        self,
-        upstream: Upstream,
-        path: str,
-        query: bytes,
-        forward: list[tuple[bytes, bytes]],
-        body: bytes,
-    ) -> EngineAnswer:
-        """Send the request for ``path`` (and ``query``) to ``upstream``; its answer once the
-        head is in. Raises :class:`EngineUnreachableError` or :class:`EngineTimeoutError`."""
+    async def open(self, upstream: Upstream, request: EngineRequest) -> EngineAnswer:
+        """Send ``request`` to ``upstream``; its answer once the head is in. Raises
+        :class:`EngineUnreachableError` or :class:`EngineTimeoutError`."""
         pool = self._pool
         if pool is None:
             raise RuntimeError("EngineClient.startup() was not awaited")
-        origin, target = self._engine_target(upstream.base_url, path)
-        if query:
-            target += b"?" + query
+        origin, target = self._engine_target(upstream.base_url, request.path)
+        if request.query:
+            target += b"?" + request.query
+        forward = request.headers
         try:
             if origin.host is _TUNNELED:
-                return await self._open_tunnel(upstream, target, forward, body)
+                return await self._open_tunnel(upstream, target, forward, request.body)
             auth = self._engine_auth(upstream.deployment_id) if self._engine_auth else None
             headers = forward if auth is None else [*forward, auth]
-            return await pool.request(origin, _POST, target, headers, body)
+            return await pool.request(origin, _POST, target, headers, request.body)
         except UpstreamConnectError as exc:
             raise EngineUnreachableError(upstream, exc.why) from exc
         except UpstreamTimeoutError as exc:

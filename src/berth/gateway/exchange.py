@@ -1,6 +1,6 @@
 """The proxy's side of a client exchange (:mod:`berth.gateway.proxy`): what it needs of a
-request and of the writer of its answer, what of a request's headers reaches an engine, the
-``model`` of a request body, and a JSON answer.
+request and of the writer of its answer, what of a request's headers reaches an engine, a
+request body parsed and its ``model``, and a JSON answer.
 
 The proxy is served two ways, through the same two interfaces: by berth's own HTTP server
 (:mod:`berth.http_server`, whose ``Request`` and ``ResponseWriter`` are a
@@ -14,7 +14,7 @@ import json
 import os
 import re
 from collections.abc import Awaitable, Callable, MutableMapping, Sequence
-from typing import Any, Protocol, TypeGuard, runtime_checkable
+from typing import Any, NamedTuple, Protocol, TypeGuard, runtime_checkable
 
 from berth.conforms import conforms
 from berth.routing.errors import InvalidRequestError
@@ -102,10 +102,18 @@ _FORWARDED_HEADERS = frozenset(
 _VALID_REQUEST_ID = re.compile(rb"[0-9A-Za-z._:/+=-]{1,128}")
 
 
-def scan_headers(
-    raw: Sequence[tuple[bytes, bytes]],
-) -> tuple[bytes, list[tuple[bytes, bytes]], bytes | None]:
-    """``(request id, headers for the engine, Content-Length)`` from the ASGI headers."""
+class ClientHead(NamedTuple):
+    """What the proxy reads off a request's headers (:func:`scan_headers`): its id (the
+    client's ``X-Request-Id`` when valid, else 32 random hex digits), the headers an engine
+    may see, and its ``Content-Length`` (``None``: not sent)."""
+
+    request_id: bytes
+    forward: list[tuple[bytes, bytes]]
+    content_length: bytes | None
+
+
+def scan_headers(raw: Sequence[tuple[bytes, bytes]]) -> ClientHead:
+    """The request's :class:`ClientHead` from its (lower-case) headers."""
     request_id: bytes | None = None
     content_length: bytes | None = None
     forward: list[tuple[bytes, bytes]] = []
@@ -125,12 +133,7 @@ def scan_headers(
     forward.append((b"accept-encoding", b"identity"))
     if not content_type:
         forward.append((b"content-type", b"application/json"))
-    return request_id, forward, content_length
-
-
-def model_of(body: bytes) -> str:
-    """The ``model`` of an OpenAI request body; :class:`InvalidRequestError` if it has none."""
-    return model_in(payload_of(body))
+    return ClientHead(request_id, forward, content_length)
 
 
 def payload_of(body: bytes) -> dict[str, Any]:
@@ -160,16 +163,6 @@ def model_in(payload: dict[str, Any]) -> str:
             "you must provide a model parameter", code="missing_model", param="model"
         )
     return model
-
-
-def with_model(body: bytes, model: str) -> bytes:
-    """``body`` (a JSON object :func:`model_of` accepted) with its ``model`` set to ``model``.
-
-    Re-serialised compactly; every other field keeps its value.
-    """
-    payload = json.loads(body)
-    payload["model"] = model
-    return json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode()
 
 
 async def send_json(

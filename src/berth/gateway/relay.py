@@ -2,36 +2,43 @@
 
 JSON is sent whole when small, otherwise chunk by chunk; an event stream is relayed event by
 event; an engine's own 4xx/5xx becomes an OpenAI-shaped error. What happened to the request
-(status, time to first byte, usage, why it failed) is kept in its :class:`Exchange` for the
-proxy's metrics.
+(status, time to first byte, usage, why it failed) is kept in its
+:class:`~berth.gateway.outcome.Exchange` for the proxy's records.
 
-An event stream whose answer can be pushed (:class:`~berth.engine_http.answer.PushedAnswer`:
-a local engine's, or one tunneled from an agent) to a writer that can be written without
-waiting (:class:`~berth.gateway.exchange.PushWriter`: berth's own server) is relayed with no
-task wake-up per event (:class:`StreamPush`): the answer hands each piece of its body to the
-sink from the callback that received it (the engine connection's ``data_received``, the
-agent link's reader dispatching a data frame), and the piece is split into events, counted,
-stripped of the usage event berth asked for and written to the client's transport there and
-then. The relaying task waits only for the end, a failure, or backpressure: when a write
-leaves the client's transport above its high-water mark the sink pauses the answer (the
-engine connection stops reading its socket; a tunnel stream stops granting credit) and the
-task resumes it once the client has drained. Cancelling the task (the client left) closes
-the answer, after which nothing reaches the sink. Any other pairing (the ASGI writer, the
-read-ahead buffer) is read chunk by chunk by the task, with the same bytes to the client.
+Which way an answer's body goes is decided once per answer, in one place
+(:func:`relay_path`, a :class:`RelayPath`). An event stream whose answer can be pushed
+(:class:`~berth.engine_http.answer.PushedAnswer`: a local engine's, or one tunneled from an
+agent) to a writer that can be written without waiting
+(:class:`~berth.gateway.exchange.PushWriter`: berth's own server) is relayed with no task
+wake-up per event (:attr:`RelayPath.PUSH`, :class:`~berth.gateway.push.StreamPush`): the
+answer hands each piece of its body to the sink from the callback that received it (the
+engine connection's ``data_received``, the agent link's reader dispatching a data frame),
+and the piece is split into events, counted, stripped of the usage event berth asked for
+and written to the client's transport there and then. The relaying task waits only for the
+end, a failure, or backpressure: when a write leaves the client's transport above its
+high-water mark the sink pauses the answer (the engine connection stops reading its socket;
+a tunnel stream stops granting credit) and the task resumes it once the client has drained.
+Cancelling the task (the client left) closes the answer, after which nothing reaches the
+sink. Any other pairing is read chunk by chunk by the task (:attr:`RelayPath.PULL`), with
+the same bytes to the client; for a writer that waits on every write (ASGI) through a
+bounded read-ahead buffer (:attr:`RelayPath.READ_AHEAD`).
 """
 
 from __future__ import annotations
 
-import asyncio
+import enum
 import json
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from berth.anthropic_errors import anthropic_body, stream_error_event
 from berth.engine_http.answer import EngineAnswer, PushedAnswer, can_push
 from berth.engine_http.errors import UpstreamError, UpstreamTimeoutError
 from berth.gateway.exchange import ClientWriter, PushWriter, can_write_now, send_json
+from berth.gateway.outcome import Exchange
+from berth.gateway.push import StreamPush
+from berth.gateway.read_ahead import ReadAhead
 from berth.gateway.sse import (
     SSEEventSplitter,
     Usage,
@@ -55,57 +62,41 @@ _USAGE_TAIL_BYTES = 16 * 1024
 _MAX_ENGINE_ERROR_BYTES = 64 * 1024
 
 
-class Exchange:
-    """What happened to one relayed request, for its metrics, its key's usage and the
-    disconnect watcher.
+class RelayPath(enum.Enum):
+    """How an answer's body reaches the client, decided once per answer
+    (:func:`relay_path`)."""
 
-    ``answer_headers`` go on the answer whatever it is (a key's rate-limit headers);
-    ``strip_usage`` says berth asked the engine for a stream's usage on the client's behalf,
-    so the usage event is taken out of what the client receives. ``answer_bytes`` and
-    ``events`` measure the answer, for a token estimate when the engine reports no usage.
-    ``dialect`` is the API the request spoke: ``""`` for OpenAI's, ``"messages"`` for
-    Anthropic's Messages (its usage form, its error shape), ``"count_tokens"`` for its
-    token count (an answer that used no tokens).
-    """
+    #: the answer hands each piece of its body to the client's transport from the callback
+    #: that received it (:class:`~berth.gateway.push.StreamPush`): an event stream from a
+    #: pushed answer to berth's own server
+    PUSH = "push"
+    #: the relaying task reads the answer chunk by chunk and writes each
+    PULL = "pull"
+    #: :attr:`PULL` through a bounded buffer that reads the engine ahead of a writer that
+    #: waits on every write (ASGI), for a streamed or long answer
+    READ_AHEAD = "read_ahead"
 
-    __slots__ = (
-        "answer_bytes",
-        "answer_headers",
-        "client_gone",
-        "dialect",
-        "done",
-        "error_reason",
-        "events",
-        "start",
-        "status",
-        "streamed",
-        "strip_usage",
-        "ttfb_s",
-        "usage",
-    )
 
-    def __init__(
-        self,
-        start: float,
-        answer_headers: list[tuple[bytes, bytes]] | None = None,
-        *,
-        strip_usage: bool = False,
-        dialect: str = "",
-    ) -> None:
-        self.start = start
-        self.dialect = dialect
-        self.status = 0
-        self.ttfb_s: float | None = None
-        self.usage: Usage | None = None
-        self.error_reason: str | None = None
-        self.answer_headers = answer_headers or []
-        self.strip_usage = strip_usage
-        self.answer_bytes = 0
-        self.events = 0
-        self.streamed = False
-        # Set just before the final body message: from then on a disconnect is not an abort.
-        self.done = False
-        self.client_gone = False
+def relay_path(
+    answer: EngineAnswer, writer: ClientWriter, *, streamed: bool, max_buffered_bytes: int
+) -> RelayPath:
+    """The relay path of ``answer`` to ``writer`` (``streamed``: an event stream; a
+    non-streamed answer announced at most ``max_buffered_bytes`` long is read whole). An
+    engine's error answer is read whole (:attr:`RelayPath.PULL`)."""
+    if answer.status >= 400:
+        return RelayPath.PULL
+    if not writer.buffers_writes:
+        # A writer that waits on every piece: a bounded buffer lets the engine run a little
+        # ahead of the client, and stops reading it when the client stalls. (berth's own
+        # server needs none: its writes wait only while the client's transport buffer is
+        # full, which is the same bound.)
+        length = answer.content_length
+        if streamed or length is None or length > max_buffered_bytes:
+            return RelayPath.READ_AHEAD
+        return RelayPath.PULL
+    if streamed and can_push(answer) and can_write_now(writer):
+        return RelayPath.PUSH
+    return RelayPath.PULL
 
 
 class AnswerRelay:
@@ -125,11 +116,53 @@ class AnswerRelay:
         max_buffered_response_bytes: int,
         max_event_bytes: int,
         clock: Callable[[], float],
+        read_ahead_chunks: int,
     ) -> None:
         self._read_timeout_s = read_timeout_s
         self._max_buffered_response_bytes = max_buffered_response_bytes
         self._max_event_bytes = max_event_bytes
         self._clock = clock
+        self._read_ahead_chunks = read_ahead_chunks
+
+    async def relay(
+        self,
+        upstream: Upstream,
+        response: EngineAnswer,
+        request_id: bytes,
+        writer: ClientWriter,
+        exchange: Exchange,
+    ) -> None:
+        """Relay ``response`` (``upstream``'s engine's answer) to ``writer`` on its path
+        (:func:`relay_path`): an engine error as an error, an event stream event by event,
+        anything else as a body; the answer is closed at the end, whatever happened."""
+        try:
+            content_type = response.header(b"content-type") or b"application/json"
+            encoding = response.header(b"content-encoding")
+            streamed = content_type.startswith(b"text/event-stream")
+            path = relay_path(
+                response,
+                writer,
+                streamed=streamed,
+                max_buffered_bytes=self._max_buffered_response_bytes,
+            )
+            if path is RelayPath.READ_AHEAD:
+                response = ReadAhead(response, self._read_ahead_chunks)
+            if response.status >= 400:
+                await self.relay_engine_error(response, content_type, request_id, writer, exchange)
+            elif streamed:
+                push = path is RelayPath.PUSH
+                await self.relay_stream(
+                    response, content_type, encoding, request_id, writer, exchange, push=push
+                )
+            else:
+                await self.relay_body(
+                    response, upstream, content_type, encoding, request_id, writer, exchange
+                )
+        finally:
+            # An answer read to its end has already put its connection back in the pool; one
+            # that was not (the client left, the engine failed) closes it, which is what tells
+            # the engine to stop generating.
+            response.close()
 
     async def relay_body(
         self,
@@ -202,11 +235,15 @@ class AnswerRelay:
         request_id: bytes,
         writer: ClientWriter,
         exchange: Exchange,
+        *,
+        push: bool = False,
     ) -> None:
         """An event stream: relay each complete event as soon as it arrives.
 
         Reads one chunk, sends it, then reads the next, so a slow client slows the reading
-        from the engine (the writer waits while the client's buffer is full).
+        from the engine (the writer waits while the client's buffer is full); with ``push``
+        (:attr:`RelayPath.PUSH`: ``response`` is a pushed answer, ``writer`` a push writer)
+        the answer hands each piece over instead (:class:`StreamPush`).
         Whole events are relayed, so that a failure can end the stream with a clean error
         event; a partial event is held back at most ``max_event_bytes``.
         """
@@ -225,15 +262,22 @@ class AnswerRelay:
         # Compressed bytes cannot be split into events; relay them as they come.
         splitter = SSEEventSplitter() if encoding is None else None
         strip = exchange.strip_usage and splitter is not None
-        if can_push(response) and can_write_now(writer):
-            push = StreamPush(
-                response, writer, exchange, splitter, strip, self._max_event_bytes, self._clock
+        if push:
+            pusher = cast(PushWriter, writer)
+            pushed = StreamPush(
+                cast(PushedAnswer, response),
+                pusher,
+                exchange,
+                splitter,
+                strip,
+                self._max_event_bytes,
+                self._clock,
             )
-            failure = await push.run()
+            failure = await pushed.run()
             if failure is not None:
                 ending = _broken_stream(failure, request_id, exchange)
                 exchange.done = True
-                writer.end_now(ending if splitter is not None else b"")
+                pusher.end_now(ending if splitter is not None else b"")
             return
         last = b""
         try:
@@ -294,142 +338,6 @@ class AnswerRelay:
         exchange.done = True
         extra = _relayed_error_headers(response) + exchange.answer_headers
         await send_json(writer, status, body, request_id, extra)
-
-
-class StreamPush:
-    """Relays a pushed event stream to ``writer`` (see the module docstring): the
-    :class:`~berth.engine_http.answer.BodySink` of ``answer``, and :meth:`run` for the task
-    that waits on it.
-
-    What it does with each piece is what :meth:`AnswerRelay.relay_stream` does when it
-    reads: ``splitter`` (``None`` for a compressed stream) holds back a partial event, at
-    most ``max_event_bytes``; ``exchange`` counts the events and takes the usage (``strip``:
-    and takes the usage event out); the first event times ``exchange.ttfb_s`` by ``clock``;
-    the last piece ends the answer in the same write.
-    """
-
-    __slots__ = (
-        "_answer",
-        "_bug",
-        "_clock",
-        "_ended",
-        "_exchange",
-        "_failure",
-        "_max_event_bytes",
-        "_paused",
-        "_splitter",
-        "_strip",
-        "_waiter",
-        "_writer",
-    )
-
-    def __init__(
-        self,
-        answer: PushedAnswer,
-        writer: PushWriter,
-        exchange: Exchange,
-        splitter: SSEEventSplitter | None,
-        strip: bool,
-        max_event_bytes: int,
-        clock: Callable[[], float],
-    ) -> None:
-        self._answer = answer
-        self._writer = writer
-        self._exchange = exchange
-        self._splitter = splitter
-        self._strip = strip
-        self._max_event_bytes = max_event_bytes
-        self._clock = clock
-        self._ended = False
-        self._paused = False
-        self._failure: UpstreamError | None = None
-        self._bug: Exception | None = None
-        self._waiter: asyncio.Future[None] | None = None
-
-    async def run(self) -> UpstreamError | None:
-        """Push the answer's body to the client until it ends: ``None`` once the answer
-        is complete (and ended), the engine's failure when it broke off (the answer is left
-        for the caller to end). Raises a bug of the sink's, and ``CancelledError``."""
-        answer = self._answer
-        answer.push_body(self)
-        loop = asyncio.get_running_loop()
-        while True:
-            if self._bug is not None:
-                raise self._bug
-            if self._ended:
-                return None
-            if self._failure is not None:
-                return self._failure
-            if self._paused:
-                await self._writer.drain()
-                self._paused = False
-                answer.resume_body()
-                continue
-            waiter = self._waiter = loop.create_future()
-            try:
-                await waiter
-            finally:
-                self._waiter = None
-
-    # -- BodySink: called from the answer's connection ------------------------------------
-
-    def body_received(self, data: bytes, end: bool) -> None:
-        if self._ended or self._failure is not None or self._bug is not None:
-            return
-        try:
-            self._relay(data, end)
-        except Exception as exc:  # a bug: kept for the task, which raises it
-            self._bug = exc
-            self._wake()
-
-    def body_failed(self, error: UpstreamError) -> None:
-        if not self._ended and self._failure is None:
-            self._failure = error
-            self._wake()
-
-    def _relay(self, chunk: bytes, end: bool) -> None:
-        exchange = self._exchange
-        splitter = self._splitter
-        if splitter is not None:
-            chunk = splitter.feed(chunk)
-            if splitter.pending_bytes > self._max_event_bytes:
-                chunk += splitter.take_pending()
-            if chunk:
-                exchange.events += chunk.count(b"\n\n")
-                # Usage comes once, last; two substring tests skip every other event.
-                if has_usage_object(chunk):
-                    if self._strip:
-                        chunk, usage = take_usage_event(chunk)
-                    elif exchange.dialect:
-                        usage = messages_stream_usage(chunk, exchange.usage)
-                    else:
-                        usage = last_usage(chunk)
-                    exchange.usage = usage or exchange.usage
-                if exchange.ttfb_s is None:
-                    exchange.ttfb_s = self._clock() - exchange.start
-            if end:
-                chunk += splitter.take_pending()
-        elif chunk and exchange.ttfb_s is None:
-            exchange.ttfb_s = self._clock() - exchange.start
-        writer = self._writer
-        if end:
-            # The engine's answer is complete: this piece ends ours too, in one write.
-            self._ended = True
-            exchange.done = True
-            writer.end_now(chunk)
-            self._wake()
-            return
-        if chunk:  # empty when it held only the usage event taken out
-            writer.write_now(chunk)
-            if writer.write_paused and not self._paused:
-                self._paused = True
-                self._answer.pause_body()
-                self._wake()
-
-    def _wake(self) -> None:
-        waiter = self._waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
 
 
 def _broken_stream(failure: UpstreamError, request_id: bytes, exchange: Exchange) -> bytes:

@@ -12,7 +12,7 @@ the engine's minus that event.
 from __future__ import annotations
 
 import json
-from typing import Final
+from typing import Any, Final
 
 #: The paths whose streams carry usage only when asked.
 USAGE_STREAM_PATHS: Final = frozenset({"/v1/chat/completions", "/v1/completions"})
@@ -20,10 +20,12 @@ USAGE_STREAM_PATHS: Final = frozenset({"/v1/chat/completions", "/v1/completions"
 _ASK = b',"stream_options":{"include_usage":true}'
 
 
-def asking_for_usage(path: str, body: bytes, payload: dict[str, object]) -> bytes | None:
-    """``body`` (whose parsed form is ``payload``) asking the engine for usage, or ``None``
-    when it need not change: not a stream of :data:`USAGE_STREAM_PATHS`, or the client asked
-    itself.
+def asking_for_usage(
+    path: str, body: bytes, payload: dict[str, Any]
+) -> tuple[dict[str, Any], bytes] | None:
+    """``payload`` (the parsed form of ``body``) asking the engine for usage, as a new dict
+    and its bytes, or ``None`` when it need not change: not a stream of
+    :data:`USAGE_STREAM_PATHS`, or the client asked itself. ``payload`` is not changed.
 
     Without a ``stream_options`` the field is written into the body's bytes just before its
     closing brace, the rest untouched (cheap: no JSON is written); with one, the body is
@@ -35,7 +37,9 @@ def asking_for_usage(path: str, body: bytes, payload: dict[str, object]) -> byte
     if options is None and "stream_options" not in payload:
         end = body.rstrip().rfind(b"}")
         if end > 0:
-            return body[:end].rstrip() + _ASK + body[end:]
+            # The same object json.loads would make of the new bytes: the field comes last.
+            appended = {**payload, "stream_options": {"include_usage": True}}
+            return appended, body[:end].rstrip() + _ASK + body[end:]
     if isinstance(options, dict):
         if options.get("include_usage") is True:
             return None
@@ -43,4 +47,4 @@ def asking_for_usage(path: str, body: bytes, payload: dict[str, object]) -> byte
     else:
         asked = {"include_usage": True}
     rewritten = {**payload, "stream_options": asked}
-    return json.dumps(rewritten, ensure_ascii=False, separators=(",", ":")).encode()
+    return rewritten, json.dumps(rewritten, ensure_ascii=False, separators=(",", ":")).encode()

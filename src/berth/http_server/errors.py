@@ -25,6 +25,14 @@ class HttpServerError(BerthError):
     error_code: str | None = None
 
 
+class MalformedRequestError(HttpServerError):
+    """What arrived is not an HTTP/1.1 request the parser accepts (400)."""
+
+    http_status = 400
+    error_type = "invalid_request_error"
+    error_code = "malformed_request"
+
+
 class HeadTooLargeError(HttpServerError):
     """The request line and headers are over ``max_head_bytes`` or ``max_header_count``
     (RFC 6585 section 5: 431 Request Header Fields Too Large)."""
@@ -66,3 +74,17 @@ class ClientDisconnectedError(HttpServerError):
 
     http_status = 499
     error_code = "client_disconnected"
+
+
+class BindError(HttpServerError):
+    """A listening socket could not be bound: ``name`` (the listener), ``host``, ``port``,
+    ``reason`` in words (``address already in use``, else the OS's ``strerror``) and the
+    ``OSError`` itself (``os_error``, for its ``errno``)."""
+
+    def __init__(self, name: str, host: str, port: int, reason: str, os_error: OSError) -> None:
+        self.os_error = os_error
+        self.name = name
+        self.host = host
+        self.port = port
+        self.reason = reason
+        super().__init__(f"{name} listener {host}:{port}: {reason}")

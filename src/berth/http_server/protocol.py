@@ -27,7 +27,6 @@ handler first reads the body, and not at all if it answers first.
 from __future__ import annotations
 
 import asyncio
-import http
 import logging
 import socket
 import urllib.parse
@@ -41,12 +40,12 @@ import httptools
 from berth.http_server.errors import (
     HeadTooLargeError,
     HttpServerError,
+    MalformedRequestError,
     RequestTimeoutError,
 )
 from berth.http_server.limits import ConnectionGate, ListenerLimits
 from berth.http_server.request import Request
-from berth.http_server.writer import ResponseWriter
-from berth.openai_errors import error_from_exception
+from berth.http_server.writer import ResponseWriter, error_answer
 
 log = logging.getLogger(__name__)
 
@@ -219,7 +218,7 @@ class HttpConnection(asyncio.Protocol):
                 return
             log.info("%s listener: malformed request from %s: %s", self._state.name,
                      self._address or "the socket", exc)  # fmt: skip
-            self._fail_connection(_BadRequest(f"malformed HTTP request: {exc}"))
+            self._fail_connection(MalformedRequestError(f"malformed HTTP request: {exc}"))
 
     # -- httptools callbacks ------------------------------------------------------------------
 
@@ -475,15 +474,7 @@ class HttpConnection(asyncio.Protocol):
         self._answer_error(error)
 
     def _answer_error(self, error: BaseException) -> None:
-        reply = error_from_exception(error)
-        head = [
-            b"HTTP/1.1 %d %s\r\n" % (reply.status, _reason(reply.status)),
-            b"content-type: application/json\r\n",
-            b"content-length: %d\r\n" % len(reply.body),
-            b"connection: close\r\n",
-        ]
-        head += [b"%s: %s\r\n" % (k.lower().encode(), v.encode()) for k, v in reply.headers.items()]
-        self.transport.write(b"".join(head) + b"\r\n" + reply.body)
+        self.transport.write(error_answer(error))
         self._linger()
 
     def _linger(self) -> None:
@@ -498,16 +489,3 @@ class HttpConnection(asyncio.Protocol):
         self._timer = None
         if not self.lost:
             self.transport.close()
-
-
-class _BadRequest(HttpServerError):
-    http_status = 400
-    error_type = "invalid_request_error"
-    error_code = "malformed_request"
-
-
-def _reason(status: int) -> bytes:
-    try:
-        return http.HTTPStatus(status).phrase.encode()
-    except ValueError:
-        return b""

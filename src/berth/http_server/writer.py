@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from berth.http_server.request import Request
+from berth.openai_errors import error_from_exception
 
 
 def _status_line(status: int) -> bytes:
@@ -35,6 +36,20 @@ def _status_line(status: int) -> bytes:
 
 _STATUS_LINES = {status: _status_line(status) for status in range(100, 600)}
 _LAST_CHUNK = b"0\r\n\r\n"
+
+
+def error_answer(error: BaseException) -> bytes:
+    """The whole answer (head and OpenAI-shaped JSON body) for ``error``, with
+    ``connection: close``: what a connection sends when it ends on an error."""
+    reply = error_from_exception(error)
+    head = [
+        _STATUS_LINES.get(reply.status) or _status_line(reply.status),
+        b"content-type: application/json\r\n",
+        b"content-length: %d\r\n" % len(reply.body),
+        b"connection: close\r\n",
+    ]
+    head += [b"%s: %s\r\n" % (k.lower().encode(), v.encode()) for k, v in reply.headers.items()]
+    return b"".join(head) + b"\r\n" + reply.body
 
 
 class WriterOwner(Protocol):

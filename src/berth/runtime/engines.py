@@ -167,6 +167,11 @@ class DeploymentRequest:
         """The name clients use in ``"model"``: ``served_model_name``, else ``model_name``."""
         return self.served_model_name or self.model_name
 
+    @property
+    def uses_adapters(self) -> bool:
+        """Whether the engine is started to serve LoRA adapters (slots or ``--lora`` files)."""
+        return self.adapter_slots is not None or bool(self.lora_files)
+
 
 @dataclass(frozen=True)
 class EngineBinaries:

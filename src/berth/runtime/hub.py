@@ -219,7 +219,7 @@ def _download_reporting(
             endpoint=hub,
             token=token,
             cache_dir=cache_dir,
-            tqdm_class=_reporting_bar(sink, file.path),  # type: ignore[arg-type]
+            tqdm_class=_reporting_bar(sink, file.path),
         )
         sink.finished(file.path)
 

@@ -350,12 +350,12 @@ class Store(
 
     # --- sessions ----------------------------------------------------------------------
 
-    @contextmanager  # type: ignore[override]
+    @contextmanager
     def _read(self) -> Iterator[Session]:
         with _translated(), self._sessions() as session:
             yield session
 
-    @contextmanager  # type: ignore[override]
+    @contextmanager
     def _write(self) -> Iterator[Session]:
         with _translated(), self._sessions() as session, session.begin():
             session.connection(execution_options=WRITE_OPTIONS)

@@ -11,6 +11,7 @@ argument is answered ``invalid`` instead of failing the link. Each op's contract
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Generic, Literal, TypeVar
 
 import msgspec
@@ -18,7 +19,7 @@ import msgspec
 from berth.cluster.protocol.errors import ProtocolError
 from berth.cluster.protocol.frames import EngineState, Inventory, OpName
 from berth.runtime.base import RuntimeName
-from berth.runtime.engines import EngineName
+from berth.runtime.engines import DeploymentRequest, EngineName
 
 #: Capabilities of this code's agents, beyond the ops.
 STREAM_CAPABILITIES = ("stream.http", "stream.logs")
@@ -59,6 +60,56 @@ class StartArgs(_Args, kw_only=True):
     lora_target_modules: list[str] = []
     #: llama.cpp: the adapter files (on the agent host) given with ``--lora``, in order
     lora_files: list[str] = []
+
+    @classmethod
+    def from_request(cls, request: DeploymentRequest, *, health_timeout_s: float) -> StartArgs:
+        """The wire form of ``request``, the leader's side (:meth:`to_request` is the agent's).
+
+        The LoRA fields are set only when the request uses adapters
+        (:attr:`DeploymentRequest.uses_adapters`), so they stay off the wire otherwise; the
+        port, log path and engine key are the agent's to choose and are not sent.
+        """
+        args = cls(
+            deployment_id=request.deployment_id,
+            model_name=request.model_name,
+            model_path=str(request.model_path),
+            engine=request.engine,
+            gpus=list(request.gpus),
+            ctx=request.ctx,
+            extra_args=list(request.extra_args),
+            served_model_name=request.served_model_name,
+            health_timeout_s=health_timeout_s,
+            runtime=request.runtime,
+            image=request.image,
+        )
+        if request.uses_adapters:
+            args.adapter_slots = request.adapter_slots
+            args.max_lora_rank = request.max_lora_rank
+            args.lora_target_modules = list(request.lora_target_modules)
+            args.lora_files = [str(path) for path in request.lora_files]
+        return args
+
+    def to_request(self) -> DeploymentRequest:
+        """The request these arguments carry, the agent's side: port 0 and an empty log path,
+        which the agent core fills in when it starts the engine."""
+        return DeploymentRequest(
+            deployment_id=self.deployment_id,
+            model_name=self.model_name,
+            model_path=Path(self.model_path),
+            engine=self.engine,
+            port=0,
+            log_path=Path(),
+            gpus=tuple(self.gpus),
+            ctx=self.ctx,
+            extra_args=tuple(self.extra_args),
+            served_model_name=self.served_model_name,
+            runtime=self.runtime,
+            image=self.image,
+            adapter_slots=self.adapter_slots,
+            max_lora_rank=self.max_lora_rank,
+            lora_target_modules=tuple(self.lora_target_modules),
+            lora_files=tuple(Path(path) for path in self.lora_files),
+        )
 
 
 class StartResult(_Args, kw_only=True):

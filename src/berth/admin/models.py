@@ -1,0 +1,48 @@
+"""``/admin/models``: the models the leader knows (``berth models``), where each has files,
+and one model's detail (:mod:`.model_detail`)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING
+
+from fastapi import APIRouter
+
+from berth.admin.model_detail import model_detail
+from berth.api import LocatedModel, ModelDetail, ModelIn, ModelRemoved, RegisteredModel
+from berth.deployments.model_registration import located_model_view, register_model
+
+if TYPE_CHECKING:
+    from berth.daemon.graph import LeaderGraph
+
+
+def build_model_router(services: LeaderGraph) -> APIRouter:
+    """List, register, show and remove models (``/admin/models[/{name}]``)."""
+    router = APIRouter()
+    store = services.store
+    lifecycle = services.lifecycle
+
+    @router.get("/admin/models")
+    async def list_models() -> list[LocatedModel]:
+        records = await asyncio.to_thread(store.list_models)
+        locations = await asyncio.to_thread(store.list_model_locations)
+        return [
+            located_model_view(r, {x.node_id: x.path for x in locations if x.model_name == r.name})
+            for r in records
+        ]
+
+    @router.post("/admin/models", status_code=201)
+    async def add_model(body: ModelIn) -> LocatedModel | RegisteredModel:
+        return await register_model(store, lifecycle, body)
+
+    @router.get("/admin/models/{name:path}")
+    async def show_model(name: str) -> ModelDetail:
+        return await model_detail(store, lifecycle.estimator, services.links, name)
+
+    @router.delete("/admin/models/{name:path}")
+    async def remove_model(name: str) -> ModelRemoved:
+        await asyncio.to_thread(store.remove_model, name)
+        await lifecycle.refresh_known_models()
+        return ModelRemoved(removed=name)
+
+    return router

@@ -1,0 +1,213 @@
+"""Builds the leader's object graph from its settings: :func:`build_leader`.
+
+It takes the home, the settings, the bound sockets (:func:`berth.daemon.sockets.bind_sockets`)
+and the opened store (:func:`berth.daemon.pieces.open_store`) and returns :class:`LeaderParts`,
+everything :class:`berth.daemon.server.Leader` starts and stops; each piece is built by a
+function of :mod:`berth.daemon.pieces`, in the order the pieces depend on each other. Nothing
+is started here.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from berth.admin.services import load_routes
+from berth.admission import UsageLedger
+from berth.agent.in_process_link import InProcessLink
+from berth.agent.node_sampler import LocalNodeSampler
+from berth.cluster.direct_path import DataPaths
+from berth.cluster.enrollment import AuditLog, EnrollmentService
+from berth.cluster.link_registry import LinkRegistry
+from berth.cluster.listener import (
+    ClusterListener,
+    build_cluster_app,
+)
+from berth.cluster.peer_identity import ForwardedFingerprintTrust
+from berth.config import Settings
+from berth.daemon.app import build_apps
+from berth.daemon.graph import LeaderGraph, Listener
+from berth.daemon.pieces import (
+    DeploymentEvents,
+    LeaderTls,
+    build_adapters,
+    build_admission,
+    build_authenticator,
+    build_hub,
+    build_lifecycle,
+    build_local_core,
+    build_local_sampler,
+    build_metrics,
+    build_proxy,
+    build_scaling,
+    load_tls,
+)
+from berth.daemon.sockets import LeaderSockets, raise_open_files_limit
+from berth.gateway.adapter_resolver import AdapterResolver
+from berth.http_server.server import HttpServer
+from berth.observability.loop_lag import LoopLagMonitor
+from berth.paths import BerthHome
+from berth.routing.router import Router
+from berth.routing.routes import RouteResolver
+from berth.routing.signals import SignalBoard
+from berth.routing.waiting import WaitingAttempts
+from berth.store import Store
+
+log = logging.getLogger(__name__)
+
+
+# -- the whole graph ------------------------------------------------------------------------
+
+
+@dataclass
+class LeaderParts:
+    """Everything a built leader holds: the graph the apps see (``graph``), and what only
+    the :class:`~berth.daemon.server.Leader` starts and stops."""
+
+    graph: LeaderGraph
+    sockets: LeaderSockets
+    tls: LeaderTls
+    ledger: UsageLedger
+    loop_lag: LoopLagMonitor
+    local_sampler: LocalNodeSampler | None
+    public_server: HttpServer
+    socket_server: HttpServer
+    cluster_listener: ClusterListener
+
+
+def build_listeners(
+    graph: LeaderGraph, sockets: LeaderSockets, tls: LeaderTls
+) -> tuple[HttpServer, HttpServer, ClusterListener]:
+    """The public and socket HTTP servers and the cluster listener, with the settings'
+    listener bounds; raises the open files limit to cover their connection caps."""
+    public_app, socket_app = build_apps(graph)
+    limits = graph.settings.listener_limits()
+    # Three listeners, each its cap, plus engines, the store and the pool to engines.
+    raise_open_files_limit(3 * limits.max_connections + 2048)
+    public_server = HttpServer("public", public_app, limits, ssl_context=tls.public.context)
+    socket_server = HttpServer("socket", socket_app, limits)
+    cluster_listener = ClusterListener(
+        build_cluster_app(
+            enrollment=graph.enrollment,
+            ca_pem=lambda: tls.ca.server_root_pem,  # a CA rotation changes it
+            agent_handler=graph.hub.handle_agent,
+            on_registered=graph.hub.certificate_replaced,
+            body_timeout_s=limits.body_timeout_s,
+        ),
+        sockets.cluster,
+        tls.cluster.context,
+        limits,
+    )
+    return public_server, socket_server, cluster_listener
+
+
+async def build_leader(
+    home: BerthHome,
+    settings: Settings,
+    sockets: LeaderSockets,
+    store: Store,
+    *,
+    environ: Mapping[str, str],
+    pid: int,
+    started_at: float,
+) -> LeaderParts:
+    """Build every piece of the leader on ``store`` (opened by :func:`open_store`) and the
+    bound ``sockets``; ``environ`` is read once, for the reverse proxy fingerprint mode
+    (:mod:`berth.cluster.peer_identity`). Starts nothing."""
+    forwarded = ForwardedFingerprintTrust.from_env(environ)
+    tls = await load_tls(home, settings)
+    metrics = await build_metrics(store)
+    admission, ledger, slots = await build_admission(store, settings, metrics.proxy)
+    core = None if settings.leader_only else build_local_core(home, settings)
+    links = LinkRegistry([] if core is None else [InProcessLink(core)])
+    audit = AuditLog(home.audit_log)
+    signals = SignalBoard()
+    adapters = await build_adapters(store, links, metrics.proxy)
+    events = DeploymentEvents(adapters, metrics, signals)
+    waiting = WaitingAttempts()  # requests before their first byte, woken on a give-up
+    lifecycle = build_lifecycle(
+        store, links, settings, events=events, waiting=waiting, slots=slots,
+        metrics=metrics.proxy, audit=audit,
+    )  # fmt: skip
+    hub = build_hub(
+        store, links, lifecycle, settings, cluster_metrics=metrics.cluster, audit=audit,
+        forwarded=forwarded, ca=tls.ca,
+    )  # fmt: skip
+    # Requests to agents' engines: direct to an agent's ingress when it answers, else the hub.
+    data_paths = DataPaths(
+        hub,
+        links,
+        tls.ca,
+        home.ca_dir,
+        probe_interval_s=settings.direct_probe_interval_s,
+        probe_timeout_s=settings.direct_probe_timeout_s,
+    )
+    routes = RouteResolver(lifecycle)  # route names first, then the lifecycle's own names
+    scaling = build_scaling(
+        lifecycle, signals, routes, settings, metrics=metrics.proxy, audit=audit
+    )
+    events.attach_scaling(scaling)
+    await load_routes(store, routes, lifecycle=lifecycle)
+    resolver = AdapterResolver(routes, lifecycle, adapters)  # adapters' names, then routes'
+    router = Router(
+        resolver,
+        signals=signals,
+        node_reported=hub.has_reported,
+        free_vram_mb=hub.free_vram_mb,
+        links=links,  # a node whose link goes loses its affinity and its waiting requests
+        waiting=waiting,
+    )
+    proxy = build_proxy(
+        resolver, router, settings, metrics=metrics.proxy, data_paths=data_paths, core=core,
+        scaling=scaling, admission=admission, slots=slots, adapters=adapters,
+    )  # fmt: skip
+    cluster_url = settings.cluster_url(sockets.cluster_port)
+    enrollment = EnrollmentService(
+        store=store, ca=tls.ca, pepper=tls.pepper, cluster_url=cluster_url, audit=audit,
+        cert_lifetime_s=settings.agent_cert_lifetime_s,
+    )  # fmt: skip
+    authenticator = await build_authenticator(
+        store, tls.pepper, settings, metrics=metrics.proxy, audit=audit
+    )
+    graph = LeaderGraph(
+        home=home,
+        settings=settings,
+        store=store,
+        ca=tls.ca,
+        pepper=tls.pepper,
+        metrics=metrics.proxy,
+        cluster_metrics=metrics.cluster,
+        proxy=proxy,
+        lifecycle=lifecycle,
+        authenticator=authenticator,
+        local_core=core,
+        links=links,
+        hub=hub,
+        data_paths=data_paths,
+        enrollment=enrollment,
+        cluster_url=cluster_url,
+        pid=pid,
+        started_at=started_at,
+        routes=routes,
+        scaling=scaling,
+        admission=admission,
+        adapters=adapters,
+        listeners=[
+            Listener("public", f"https://{settings.public_host}:{sockets.public_port}", tls.public),
+            Listener("cluster", cluster_url, tls.cluster),
+            Listener("socket", f"unix://{home.socket_file}"),
+        ],
+    )
+    public_server, socket_server, cluster_listener = build_listeners(graph, sockets, tls)
+    return LeaderParts(
+        graph=graph,
+        sockets=sockets,
+        tls=tls,
+        ledger=ledger,
+        loop_lag=metrics.loop_lag,
+        local_sampler=build_local_sampler(core, metrics, settings),
+        public_server=public_server,
+        socket_server=socket_server,
+        cluster_listener=cluster_listener,
+    )

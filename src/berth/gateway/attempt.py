@@ -1,0 +1,182 @@
+"""The attempt stage: one request sent to one engine, as the dispatch loop asks
+(:func:`berth.gateway.dispatch.first_answer` calls an :class:`Attempts` once per
+candidate).
+
+Each attempt builds the :class:`~berth.gateway.engine_client.EngineRequest` for its upstream
+(:meth:`Attempts.engine_request`: the request's path, query and forwarded headers, and the
+body that engine must see, :class:`EngineBodies`), opens it, and records how it ended
+(:attr:`Attempts.outcomes`: all but the last are the request's retries). A streamed request
+(``"stream": true``) gets its answer only once the first byte is in (the head and, for an
+event stream, its first bytes), within the first-byte timeout; its stream's idle timeout is
+set then (:func:`open_stream`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from berth.engine_http.answer import EngineAnswer, TimedAnswer, can_time
+from berth.gateway.engine_client import EngineRequest
+from berth.gateway.outcome import Exchange
+from berth.gateway.request import PublicRequest
+from berth.routing.errors import FirstByteTimeoutError, ProxyError
+from berth.routing.resolver import Upstream
+
+__all__ = ["Attempts", "EngineBodies", "EngineOpener", "StreamLimits", "open_stream"]
+
+#: Sends one engine request to an upstream; its answer once the head is in (the engine
+#: client's ``open``, behind the adapter gate when there are adapters).
+EngineOpener = Callable[[Upstream, EngineRequest], Awaitable[EngineAnswer]]
+
+
+@dataclass(frozen=True, slots=True)
+class StreamLimits:
+    """The proxy's bounds on a streamed answer, in seconds: its first byte, then its longest
+    silence (``None``: no bound; a service's own, ``upstream.timeouts``, win)."""
+
+    first_byte_timeout_s: float | None
+    stream_idle_timeout_s: float | None
+
+
+class EngineBodies:
+    """The body rewriter per engine: ``request``'s body as each upstream's engine must see
+    it: its bytes as they are (``raw``), or with its ``"model"`` set to the engine's name
+    and, for llama.cpp with adapters, the ``lora`` scales of the request
+    (``upstream.engine_model``, ``upstream.lora_scales``). Written from the parsed body, at
+    most once per name and scales, never per attempt."""
+
+    __slots__ = ("_body", "_raw", "_rewritten")
+
+    def __init__(self, request: PublicRequest) -> None:
+        self._body = request.body
+        self._raw = request.raw
+        self._rewritten: dict[tuple[str | None, tuple[float, ...]], bytes] = {}
+
+    def get(self, upstream: Upstream) -> bytes:
+        name, scales = upstream.engine_model, upstream.lora_scales
+        if name is None and not scales:
+            return self._raw
+        key = (name, scales)
+        rewritten = self._rewritten.get(key)
+        if rewritten is None:
+            rewritten = self._rewritten[key] = engine_body(self._body, name, scales)
+        return rewritten
+
+
+def engine_body(body: dict[str, Any], model: str | None, scales: tuple[float, ...]) -> bytes:
+    """``body`` written compactly with its ``model`` set to ``model`` (when given) and, when
+    ``scales`` are given, a ``lora`` field giving llama-server each adapter's scale by id (a
+    client's own ``lora`` is replaced: berth decides which adapter a name means). Every
+    other field keeps its value and its place; ``body`` itself is not changed."""
+    payload = dict(body)
+    if model is not None:
+        payload["model"] = model
+    if scales:
+        payload["lora"] = [{"id": index, "scale": scale} for index, scale in enumerate(scales)]
+    return json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode()
+
+
+class Attempts:
+    """The attempt stage of one request: ``await attempts(upstream)`` sends ``request`` to
+    ``upstream`` with ``open_engine`` and returns the answer once its head (streamed: its
+    first byte) is in, raising what opening raises (a :class:`ProxyError`: nothing reached
+    the client). Each attempt's end goes in :attr:`outcomes` as ``(upstream, reason)``:
+    the error code, ``"status N"`` for an answer, ``"given_up"`` (its engine given up while
+    it waited) or ``"client_disconnected"`` (per ``exchange.client_gone``)."""
+
+    __slots__ = ("_bodies", "_exchange", "_limits", "_open", "_request", "outcomes")
+
+    def __init__(
+        self,
+        request: PublicRequest,
+        open_engine: EngineOpener,
+        limits: StreamLimits,
+        exchange: Exchange,
+    ) -> None:
+        self._request = request
+        self._open = open_engine
+        self._limits = limits
+        self._exchange = exchange
+        self._bodies = EngineBodies(request)
+        #: Where each attempt went and how it ended; all but the last moved on (retries).
+        self.outcomes: list[tuple[Upstream, str]] = []
+
+    def engine_request(self, upstream: Upstream) -> EngineRequest:
+        """What ``upstream``'s engine is sent: the path the client asked for (or the one a
+        rewriter translated it to, ``engine_path``), its query and forwarded headers, and
+        the body that engine must see."""
+        request = self._request
+        path = request.engine_path or request.path
+        return EngineRequest(path, request.query, request.forward, self._bodies.get(upstream))
+
+    async def __call__(self, upstream: Upstream) -> EngineAnswer:
+        sent = self.engine_request(upstream)
+        try:
+            if self._request.stream:
+                answer = await open_stream(self._open, upstream, sent, self._limits)
+            else:
+                answer = await self._open(upstream, sent)
+        except ProxyError as exc:
+            self.outcomes.append((upstream, exc.error_code))
+            raise
+        except asyncio.CancelledError:
+            # Its engine given up (the request may go on elsewhere), or the client left.
+            gone = self._exchange.client_gone
+            self.outcomes.append((upstream, "client_disconnected" if gone else "given_up"))
+            raise
+        self.outcomes.append((upstream, f"status {answer.status}"))
+        return answer
+
+
+async def open_stream(
+    open_engine: EngineOpener, upstream: Upstream, request: EngineRequest, limits: StreamLimits
+) -> EngineAnswer:
+    """Open a streamed request's exchange: its answer once the first byte is in (the head
+    and, for an event stream, its first bytes), with the stream's idle timeout set.
+
+    Raises what opening raises, and :class:`FirstByteTimeoutError` when the first byte did
+    not come within the first-byte timeout; the exchange is closed then (the pooled
+    connection dropped, or the tunnel stream reset, on which the agent closes its own), so
+    the engine stops generating for nobody.
+    """
+    first_byte_s = limits.first_byte_timeout_s
+    idle_s = limits.stream_idle_timeout_s
+    timeouts = upstream.timeouts  # its service's, where it set them (0: none)
+    if timeouts is not None:
+        if timeouts.first_byte_timeout_s is not None:
+            first_byte_s = timeouts.first_byte_timeout_s or None
+        if timeouts.stream_idle_timeout_s is not None:
+            idle_s = timeouts.stream_idle_timeout_s or None
+    answer: EngineAnswer | None = None
+    timed: TimedAnswer | None = None  # an event stream whose first bytes are awaited
+    deadline = asyncio.timeout(first_byte_s)
+    try:
+        async with deadline:
+            answer = await open_engine(upstream, request)
+            if answer.status < 400 and can_time(answer) and is_event_stream(answer):
+                timed = answer
+                await timed.wait_for_body()
+    except TimeoutError:
+        if answer is not None:
+            answer.close()
+        if not deadline.expired():
+            raise
+        assert first_byte_s is not None  # only a deadline expires
+        raise FirstByteTimeoutError(upstream, first_byte_s) from None
+    except BaseException:
+        if answer is not None:
+            answer.close()
+        raise
+    if timed is not None and idle_s is not None:
+        timed.set_read_timeout(idle_s)
+    return answer
+
+
+def is_event_stream(answer: EngineAnswer) -> bool:
+    """Whether ``answer`` is an event stream (``text/event-stream``)."""
+    content_type = answer.header(b"content-type")
+    return content_type is not None and content_type.startswith(b"text/event-stream")

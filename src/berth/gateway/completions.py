@@ -1,0 +1,259 @@
+"""A completion request through the proxy's stages (:class:`Completions`), from its body
+read to its records; :class:`~berth.gateway.proxy.OpenAIProxy` hands it each ``POST`` to a
+completion path (:data:`~berth.gateway.request.DIALECTS`).
+
+:meth:`Completions.serve` is the list of the stages, in order:
+
+1. :func:`~berth.gateway.request.read_body` and :func:`~berth.gateway.request.parse_request`:
+   the :class:`~berth.gateway.request.PublicRequest` (400, 413; a client that leaves while
+   sending is counted 499);
+2. :func:`~berth.gateway.stages.admit`, then :func:`~berth.gateway.stages.ask_usage`, when
+   there is admission (403, 429);
+3. :meth:`~berth.gateway.stages.Routing.route` (404, 503; held while its service loads);
+4. in :meth:`Completions._dispatch`: :func:`~berth.gateway.stages.take_slot` (the fair
+   queue), :func:`~berth.gateway.dispatch.first_answer` over
+   :class:`~berth.gateway.attempt.Attempts` (each attempt, 502/504 when none answered), the
+   answer relayed (:mod:`berth.gateway.relay`);
+5. :meth:`~berth.gateway.record.Records.finished` (or ``unsent`` for a request refused before
+   it was planned): metrics, the request log, the key's ledger.
+
+A request refused before it was planned is answered by
+:class:`~berth.gateway.refusals.Refusals`; one refused or failed after (the queue, the
+engines, before the answer started) is answered in :meth:`Completions._forward`. Only a
+:class:`~berth.errors.BerthError` is answered; anything else is a bug and goes up to the
+server (a 500).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+
+from berth.admission import Admission, QueueRefusedError, SlotGate, SocketCaller, Ticket
+from berth.deployments.adapters import AdapterManager
+from berth.errors import BerthError
+from berth.gateway.attempt import Attempts, EngineOpener, StreamLimits
+from berth.gateway.dispatch import first_answer
+from berth.gateway.exchange import ClientHead, ClientRequest, ClientWriter
+from berth.gateway.outcome import Exchange
+from berth.gateway.record import Flight, Records, target_of
+from berth.gateway.refusals import Refusals, reason, refusal_headers
+from berth.gateway.relay import AnswerRelay
+from berth.gateway.request import PublicRequest, parse_request, read_body
+from berth.gateway.stages import Routing, admit, ask_usage, take_slot
+from berth.observability.metrics import ProxyMetrics
+from berth.routing.errors import EngineTimeoutError, EngineUnreachableError, ProxyError
+from berth.routing.resolver import Upstream
+from berth.routing.router import Router
+from berth.store.records import ApiKeyRecord
+
+__all__ = ["Completions"]
+
+_log = logging.getLogger(__name__)
+
+
+class Completions:
+    """The completion request path: the stages' parts, each given by the proxy that owns
+    it (:class:`~berth.gateway.proxy.OpenAIProxy` documents the settings).
+
+    ``router`` and ``routing`` plan; ``admission`` and ``slots``, when given, admit and
+    hold; ``open_engine`` sends each attempt (within ``stream_limits`` for a stream, at most
+    ``max_attempts``); ``answers`` relays; ``records`` and ``refusals`` count and
+    answer; ``adapters`` names the adapters; ``clock`` times it all (seconds).
+    """
+
+    def __init__(
+        self,
+        *,
+        router: Router,
+        routing: Routing,
+        open_engine: EngineOpener,
+        answers: AnswerRelay,
+        records: Records,
+        refusals: Refusals,
+        metrics: ProxyMetrics,
+        clock: Callable[[], float],
+        stream_limits: StreamLimits,
+        max_attempts: int,
+        max_body_bytes: int,
+        admission: Admission | None = None,
+        slots: SlotGate | None = None,
+        adapters: AdapterManager | None = None,
+    ) -> None:
+        self.router = router
+        self._routing = routing
+        self._open = open_engine
+        self._answers = answers
+        self._records = records
+        self._refusals = refusals
+        self._metrics = metrics
+        self._clock = clock
+        self._stream_limits = stream_limits
+        self._max_attempts = max_attempts
+        self._max_body_bytes = max_body_bytes
+        self._admission = admission
+        self._slots = slots
+        self._adapters = adapters
+        self.request_log = records.request_log
+
+    async def serve(
+        self,
+        client: ClientRequest,
+        head: ClientHead,
+        writer: ClientWriter,
+        api_key: ApiKeyRecord | SocketCaller | None,
+        key_name: str = "",
+        dialect: str = "",
+    ) -> None:
+        """Serve one completion request of ``api_key`` (named ``key_name`` in the request
+        log) for ``client.path``, whose API is ``dialect`` (see
+        :data:`~berth.gateway.request.DIALECTS`) and whose headers said ``head``. Stage by
+        stage: read and parse, admit, ask for usage, route; then :meth:`_forward`."""
+        request_id = head.request_id
+        start = self._clock()
+        started_at = self.request_log.now()
+        request: PublicRequest | None = None
+        ticket: Ticket | None = None
+        try:
+            raw = await read_body(client, head.content_length, self._max_body_bytes)
+            if raw is None:  # the client left while sending it
+                self._refusals.count("", 499, start, "client_disconnected")
+                return
+            request = parse_request(
+                raw,
+                path=client.path,
+                dialect=dialect,
+                query=client.query,
+                request_id=request_id,
+                headers=client.headers,
+                forward=head.forward,
+                key=api_key,
+                key_name=key_name,
+                is_adapter=self._is_adapter,
+            )
+            if self._admission is not None:
+                ticket = admit(self._admission, request)
+                request = ask_usage(request)
+            routed = await self._routing.route(request, client)
+            if routed is None:  # the client left while its service loaded
+                self._records.settle_unsent(ticket)
+                self._refusals.count(request.model, 499, start, "client_disconnected")
+                self._records.unsent(started_at, start, request_id, key_name, request.model,
+                                     499, "client_disconnected")  # fmt: skip
+                return
+        except BerthError as exc:
+            model = request.model if request is not None else ""
+            extra = refusal_headers(exc, ticket)
+            self._records.settle_unsent(ticket)
+            status = await self._refusals.reject(
+                writer, request_id, exc, start, extra=extra, path=client.path
+            )
+            self._records.unsent(started_at, start, request_id, key_name, model, status,
+                                 reason(exc))  # fmt: skip
+            return
+        request, plan = routed
+        await self._forward(request, plan, ticket, client, writer, start, started_at)
+
+    async def _forward(
+        self,
+        request: PublicRequest,
+        plan: list[Upstream],
+        ticket: Ticket | None,
+        client: ClientRequest,
+        writer: ClientWriter,
+        start: float,
+        started_at: float,
+    ) -> None:
+        """A planned request: its slot, its attempts, its answer relayed, and its records,
+        whatever happened (the client may leave at any point: the engine request is closed)."""
+        flight = Flight(plan[0], reached=self._slots is None)
+        self._metrics.request_started(target_of(flight.upstream))  # moved if a retry goes elsewhere
+        headers = ticket.headers if ticket is not None else []
+        exchange = Exchange(
+            start, headers, strip_usage=request.strip_usage, dialect=request.dialect
+        )
+        task = asyncio.current_task()
+        assert task is not None, "requests are served in a task"
+
+        def client_left() -> None:
+            # Cancelling the relay closes the engine request: it stops generating for nobody.
+            if not exchange.done:
+                exchange.client_gone = True
+                task.cancel()
+
+        client.watch_disconnect(client_left)
+        attempts = Attempts(request, self._open, self._stream_limits, exchange)
+        try:
+            await self._dispatch(request, plan, ticket, attempts, writer, exchange, flight)
+        except asyncio.CancelledError:
+            # Ours if the client left (the engine request is closed by now); anyone else's
+            # (a server shutting down) goes on up.
+            if not exchange.client_gone or task.uncancel() > 0:
+                raise
+            exchange.error_reason = "client_disconnected"
+        except (ProxyError, QueueRefusedError) as exc:  # raised only before the answer started
+            exchange.done = True
+            reply = await self._refusals.send_error(
+                writer, request.request_id, exc, exchange.answer_headers, path=request.path
+            )
+            exchange.status = reply.status
+            exchange.error_reason = exc.error_code
+            _log.warning("request %s: %s", request.request_id.decode(), exc)
+        finally:
+            client.watch_disconnect(None)
+            upstream = flight.upstream
+            if flight.dispatched:
+                self.router.signals.finished(upstream.deployment_id, upstream.node_id)
+            if flight.held is not None and self._slots is not None:
+                self._slots.release(flight.held)
+            self._records.finished(request, flight, exchange, attempts.outcomes, ticket, started_at)
+
+    async def _dispatch(
+        self,
+        request: PublicRequest,
+        plan: list[Upstream],
+        ticket: Ticket | None,
+        attempts: Attempts,
+        writer: ClientWriter,
+        exchange: Exchange,
+        flight: Flight,
+    ) -> None:
+        """The fair queue's slot (when there is a gate), the attempts along the plan until
+        an engine answers (:func:`first_answer`), and its answer relayed; ``flight`` keeps
+        where the request went at each step, for the records."""
+        gate = self._slots
+        if gate is not None:
+            flight.held, plan = await take_slot(gate, request, ticket, plan)
+            flight.reached = True
+            if plan[0] is not flight.upstream:  # a slot was free at another deployment
+                self._metrics.request_moved(target_of(flight.upstream), target_of(plan[0]))
+                flight.upstream = plan[0]
+        upstream = flight.upstream
+        try:
+            chosen, response = await first_answer(
+                plan,
+                attempts,
+                max_attempts=self._max_attempts,
+                signals=self.router.signals,
+                clock=self._clock,
+                request_id=request.request_id.decode(),
+                waiting=self.router.waiting,
+            )
+        except (EngineUnreachableError, EngineTimeoutError) as exc:
+            # Counted against the engine that failed last, as the client is told.
+            self._metrics.request_moved(target_of(upstream), target_of(exc.upstream))
+            flight.upstream = exc.upstream
+            raise
+        flight.dispatched = True
+        if chosen is not upstream:  # a retry served it elsewhere
+            self._metrics.request_moved(target_of(upstream), target_of(chosen))
+            if flight.held is not None and gate is not None:
+                flight.held = gate.move(flight.held, chosen)
+        flight.upstream = chosen
+        self.router.succeeded(request.affinity_key, chosen)
+        await self._answers.relay(chosen, response, request.request_id, writer, exchange)
+
+    def _is_adapter(self, model: str) -> bool:
+        adapters = self._adapters
+        return adapters is not None and adapters.entry(model) is not None
