@@ -21,7 +21,8 @@ from berth.agent.identity import load_agent_identity
 from berth.agent.renewal import read_certificate, renewal_due_at
 from berth.cluster.dial_limit import DialRateLimiter
 from berth.cluster.protocol.errors import CloseCode, rate_limited_reason, retry_after_of
-from berth.cluster.renewal import renewal_refusal
+from berth.cluster.protocol.ops import RenewResult
+from berth.cluster.renewal import RenewalRefused, renewal_refusal
 from berth.paths import BerthHome
 from berth.store import Store
 from support.cluster_harness import clean_env, cli
@@ -224,3 +225,50 @@ def test_the_rate_limit_reason_carries_the_delay_in_whole_seconds() -> None:
     assert limiter.check("a", 2.0) == 8.0
     assert limiter.check("b", 2.0) is None  # per address
     assert limiter.check("a", 10.5) is None  # the first dial left the window
+
+
+async def test_a_refused_renewal_is_retried_with_backoff_and_shown_until_one_succeeds(
+    tmp_path: Path,
+) -> None:
+    async with renewing_leader(tmp_path, lifetime_s=12.0) as leader:
+        certificates = leader.hub._certificates
+        assert certificates is not None
+        issue = certificates.renew
+        refusals = 2
+
+        def refuse_twice(node_id: str, not_after: float | None, csr_pem: str) -> RenewResult:
+            nonlocal refusals
+            if refusals > 0:
+                refusals -= 1
+                certificates.refusals[node_id] = "the signing service is down"
+                raise RenewalRefused("the signing service is down")
+            return issue(node_id, not_after, csr_pem)
+
+        certificates.renew = refuse_twice  # type: ignore[method-assign]
+        identity = await enroll(leader, tmp_path, "gpu-e")
+        dialer = agent_for(identity, DialingCore(1), renew=True)
+        status = dialer._status
+        seen: list[str] = []
+        shown: list[str | None] = []
+
+        def failing() -> bool:
+            if status.renewal_failing:
+                seen.append(status.renewal_state)
+                shown.append(leader.hub.renewal_refusals.get(identity.node_id))
+            return len(set(seen)) >= 2
+
+        running = asyncio.create_task(dialer.run())
+        try:
+            await wait_for_async(failing, 30, "two refused renewals in the status")
+            assert dialer.renewer is not None
+            renewer = dialer.renewer
+            await wait_for_async(lambda: renewer.renewals >= 1, 30, "the renewal that succeeds")
+        finally:
+            await dialer.stop()
+            await running
+    assert "renewal failed (attempt 1): " in seen[0] and "signing service is down" in seen[0]
+    assert any("renewal failed (attempt 2): " in line for line in seen)
+    assert "retrying in " in seen[0]
+    assert "the signing service is down" in shown  # what `berth nodes ls` shows meanwhile
+    assert not status.renewal_failing
+    assert identity.node_id not in leader.hub.renewal_refusals  # cleared by the success
