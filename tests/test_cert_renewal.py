@@ -223,7 +223,7 @@ def test_the_rate_limit_reason_carries_the_delay_in_whole_seconds() -> None:
     limiter = DialRateLimiter(max_dials=2, window_s=10.0)
     assert limiter.check("a", 0.0) is None and limiter.check("a", 1.0) is None
     assert limiter.check("a", 2.0) == 8.0
-    assert limiter.check("b", 2.0) is None  # per address
+    assert limiter.check("b", 2.0) is None  # per node
     assert limiter.check("a", 10.5) is None  # the first dial left the window
 
 

@@ -99,7 +99,7 @@ class NodeHub:
     ends keep (told to agents in Welcome); ``node_timeout_s`` the longest an agent may go
     without sending a frame. ``certificates``, when given, renews agents' certificates over
     their links and closes a link whose certificate expired (:mod:`berth.cluster.renewal`).
-    ``dial_limiter`` bounds how often one address may dial (``RATE_LIMITED`` beyond it).
+    ``dial_limiter`` bounds how often one node may dial (``RATE_LIMITED`` beyond it).
     """
 
     def __init__(
@@ -238,12 +238,6 @@ class NodeHub:
             max_msg_size=4 * self.limits.max_frame_bytes, compress=False, autoping=False
         )
         await ws.prepare(request)
-        retry_after_s = self._dial_limiter.check(peer, time.monotonic())
-        if retry_after_s is not None:
-            log.warning("refused agent link from %s: it dials too often", peer)
-            reason = rate_limited_reason(retry_after_s).encode()
-            await ws.close(code=CloseCode.RATE_LIMITED, message=reason)
-            return ws
         node_id, refusal, certificate_der, not_after = await self._identify(request)
         if refusal is not None:
             log.warning("refused agent link from %s: %s", peer, refusal[1])
@@ -251,6 +245,12 @@ class NodeHub:
             await ws.close(code=refusal[0], message=refusal[1].encode()[:120])
             return ws
         assert node_id is not None
+        retry_after_s = self._dial_limiter.check(node_id, time.monotonic())
+        if retry_after_s is not None:
+            log.warning("refused agent link from %s: node %s dials too often", peer, node_id)
+            reason = rate_limited_reason(retry_after_s).encode()
+            await ws.close(code=CloseCode.RATE_LIMITED, message=reason)
+            return ws
         if self._shutting_down:
             await ws.close(code=CloseCode.LEADER_SHUTTING_DOWN, message=b"shutting down")
             return ws
