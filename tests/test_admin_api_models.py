@@ -70,6 +70,7 @@ def services(tmp_path: Path) -> Any:
         leader_only=False,
         ready=False,
         scaling=None,
+        leadership=None,
     )
 
 

@@ -145,9 +145,9 @@ def test_the_database_copy_is_consistent_while_another_writer_writes(
     assert 20 <= count <= len(written)
 
 
-def test_only_sqlite_is_supported_for_now(leader_home: BerthHome, tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match="only SQLite"):
-        create_backup(leader_home, "postgresql://berth:pw@db/berth", tmp_path / "b.tar.gz")
+def test_only_sqlite_and_postgresql_are_backed_up(leader_home: BerthHome, tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="SQLite and PostgreSQL"):
+        create_backup(leader_home, "mysql://berth:pw@db/berth", tmp_path / "b.tar.gz")
     assert not (tmp_path / "b.tar.gz").exists()
 
 

@@ -12,12 +12,14 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import anthropic
 import openai
 import pytest
 
 from berth.runtime.bundled import smollm2_gguf
 from berth.runtime.engines import EngineBinaries, find_free_port
 from support.cluster_harness import FAKE_ENGINE, Agent, Cluster, cli, started_cluster
+from support.waiting import wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.needs("llama-server", "smollm2")]
 
@@ -27,9 +29,10 @@ SERVED = "smol-outside"
 class OutsideServer:
     """A llama-server berth did not start, on a fixed port so it can come back there."""
 
-    def __init__(self, port: int, log: Path) -> None:
+    def __init__(self, port: int, log: Path, alias: str = SERVED) -> None:
         self.port = port
         self.log = log
+        self.alias = alias
         self.process: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:
@@ -39,7 +42,7 @@ class OutsideServer:
         with self.log.open("ab") as out:
             self.process = subprocess.Popen(
                 [binary, "-m", str(model), "--host", "127.0.0.1", "--port", str(self.port),
-                 "--alias", SERVED, "-c", "2048"],
+                 "--alias", self.alias, "-c", "2048"],
                 stdout=out, stderr=subprocess.STDOUT,
             )  # fmt: skip
 
@@ -142,3 +145,65 @@ def test_the_leaders_own_host_adopts_too(real_cluster: Cluster) -> None:
         fake.kill()
         fake.wait()
         real_cluster.berth("agent", "unadopt", "fake", check=False)
+
+
+def test_the_anthropic_sdk_is_translated_to_an_adopted_server(
+    real_cluster: Cluster, tmp_path: Path
+) -> None:
+    """An adopted endpoint's engine kind is not known to serve /v1/messages: the Messages
+    API is translated to its /v1/chat/completions, whole and streamed, and the usage ledger
+    counts what llama-server reported."""
+    alias = "smol-messages"
+    server = OutsideServer(find_free_port(), tmp_path / "messages.log", alias)
+    server.start()
+    try:
+
+        def adopted() -> bool:
+            adopt = real_cluster.berth("agent", "adopt", "--port", str(server.port),
+                                       "--model", alias, "--name", alias, check=False)  # fmt: skip
+            return adopt.returncode == 0
+
+        wait_for(adopted, 120, "llama-server answering /v1/models", interval_s=0.5)
+        _wait_listed(real_cluster, alias, True, 30)
+        with anthropic.Anthropic(
+            base_url=real_cluster.base_url,
+            api_key=real_cluster.api_key,
+            http_client=anthropic.DefaultHttpxClient(verify=real_cluster.tls()),
+            max_retries=0,
+        ) as client:
+            ask = {
+                "model": alias,
+                "max_tokens": 8,
+                "system": "You answer briefly.",
+                "messages": [{"role": "user", "content": "Count to three."}],
+            }
+            whole = client.messages.create(**ask)  # type: ignore[arg-type]
+            with client.messages.stream(**ask) as stream:  # type: ignore[arg-type]
+                texts = list(stream.text_stream)
+                final = stream.get_final_message()
+            with pytest.raises(anthropic.BadRequestError) as refused:
+                client.messages.create(**ask, thinking={"type": "enabled", "budget_tokens": 1024})  # type: ignore[arg-type]
+        assert whole.type == "message" and whole.model == alias
+        assert whole.stop_reason in ("max_tokens", "end_turn")
+        assert whole.content[0].text  # type: ignore[union-attr]
+        assert texts and "".join(texts) == final.content[0].text  # type: ignore[union-attr]
+        assert final.stop_reason in ("max_tokens", "end_turn")
+        assert "extended thinking is not supported" in refused.value.message
+
+        def prompt(usage: anthropic.types.Usage) -> int:
+            return usage.input_tokens + (usage.cache_read_input_tokens or 0)
+
+        assert prompt(whole.usage) > 0 and prompt(whole.usage) == prompt(final.usage)
+        assert 0 < whole.usage.output_tokens <= 8 and 0 < final.usage.output_tokens <= 8
+        report = json.loads(real_cluster.berth("usage", "--model", alias, "--json").stdout)
+        total = report["total"]
+        assert (total["requests"], total["estimated_requests"]) == (2, 0)
+        assert total["prompt_tokens"] == prompt(whole.usage) + prompt(final.usage)
+        assert total["completion_tokens"] == whole.usage.output_tokens + final.usage.output_tokens
+        cached = (whole.usage.cache_read_input_tokens or 0) + (
+            final.usage.cache_read_input_tokens or 0
+        )
+        assert total["cached_tokens"] == cached
+    finally:
+        server.kill()
+        real_cluster.berth("agent", "unadopt", alias, check=False)

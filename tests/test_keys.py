@@ -28,6 +28,9 @@ from berth.limits import KeyLimits
 from berth.paths import BerthHome
 from berth.store import ApiKeyRecord, Store
 
+# Every test that uses the store runs on SQLite and on PostgreSQL (conftest.py).
+pytestmark = pytest.mark.store_engines
+
 
 @pytest.fixture
 def pepper(tmp_path: Path) -> bytes:

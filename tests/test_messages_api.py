@@ -148,12 +148,12 @@ def test_only_engines_that_serve_the_path_are_kept_in_the_routers_order() -> Non
 def test_a_plan_with_no_engine_serving_the_path_is_refused_naming_why() -> None:
     plan = [_upstream("d-1", "sglang"), _upstream("adopted:ext", None)]
     with pytest.raises(InvalidRequestError) as raised:
-        serving(plan, "/v1/messages")
+        serving(plan, "/v1/messages/count_tokens")
     assert raised.value.http_status == 400 and raised.value.error_code == "path_not_served"
     assert str(raised.value) == (
-        "adopted:ext's engine is not known to serve /v1/messages; "
-        "deployment d-1's engine (sglang) does not serve /v1/messages; "
-        "translation to /v1/chat/completions is not supported yet"
+        "adopted:ext's engine is not known to serve /v1/messages/count_tokens; "
+        "deployment d-1's engine (sglang) does not serve /v1/messages/count_tokens; "
+        "a token count is not translated to /v1/chat/completions, which counts none"
     )
 
 
@@ -226,7 +226,9 @@ async def leader(
 
     def wrap(proxy: OpenAIProxy) -> Any:
         built.append(proxy)
-        services = SimpleNamespace(proxy=proxy, authenticator=Authenticator(), admission=admission)
+        services = SimpleNamespace(
+            proxy=proxy, authenticator=Authenticator(), admission=admission, leadership=None
+        )
         return LeaderApp(services, FastAPI(), trusted=trusted)  # type: ignore[arg-type]
 
     resolver = Engines(upstreams)
@@ -269,6 +271,7 @@ async def test_create_is_passed_through_with_its_version_and_counted_as_the_engi
     assert sent.headers["anthropic-version"] == SDK_VERSION
     assert "x-api-key" not in sent.headers  # a client's credentials never reach an engine
     assert ledger(admission) == [("k-plain", 1, 0, 7, 3, 0)]
+    assert admission.ledger.pending[0].cached_tokens == 2  # berth usage's CACHED
     (entry,) = proxy.request_log.after()
     assert (entry.prompt_tokens, entry.completion_tokens, entry.cached_tokens) == (7, 3, 2)
 
@@ -329,25 +332,25 @@ async def test_a_wrong_key_a_missing_model_and_a_keys_limit_raise_the_sdks_own_e
     assert len(engine.requests) == 2  # the refused ones never reached it
 
 
-async def test_an_engine_that_does_not_serve_it_is_skipped_or_the_request_refused(
+async def test_an_engine_that_does_not_serve_it_is_skipped_or_a_token_count_refused(
     engine: StandinEngine,
 ) -> None:
     engine.default = json_reply(message("from llama"))
     async with StandinEngine() as sglang:
         both = [local(sglang, "sglang", "d-sg"), local(engine, "llamacpp", "d-ll")]
         async with leader(both) as (url, _, _), sdk(url) as client:
-            for _ in range(3):
+            for _ in range(3):  # passed through where it can be, not translated
                 answer = await client.messages.create(**ASK)
                 assert answer.content[0].text == "from llama"  # type: ignore[union-attr]
         only = [local(sglang, "sglang", "d-sg")]
         async with leader(only) as (url, admission, _), sdk(url) as client:
             with pytest.raises(anthropic.BadRequestError) as refused:
-                await client.messages.create(**ASK)
+                await client.messages.count_tokens(model="m", messages=ASK["messages"])
         assert sglang.requests == []
     assert refused.value.body["error"] == {  # type: ignore[index]
         "type": "invalid_request_error",
-        "message": "deployment d-sg's engine (sglang) does not serve /v1/messages; "
-        "translation to /v1/chat/completions is not supported yet",
+        "message": "deployment d-sg's engine (sglang) does not serve /v1/messages/count_tokens; "
+        "a token count is not translated to /v1/chat/completions, which counts none",
     }
     assert ledger(admission) == []  # refused before any engine: no ledger row
 

@@ -227,7 +227,7 @@ def socket_and_keys(proxy: OpenAIProxy) -> Callable[[Any, Any], Any]:
     public listener's auth, stood in for); any other is served as the leader's Unix socket
     serves it (the real :class:`LeaderApp`, which tells the desk worker by its header)."""
     keyed = KeyedHandler(proxy)
-    socket = LeaderApp(SimpleNamespace(proxy=proxy), FastAPI(), trusted=True)  # type: ignore[arg-type]
+    socket = LeaderApp(SimpleNamespace(proxy=proxy, leadership=None), FastAPI(), trusted=True)  # type: ignore[arg-type]
 
     async def handler(request: Any, writer: Any) -> None:
         if dict(request.headers).get(b"x-test-key") is not None:

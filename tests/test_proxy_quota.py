@@ -238,3 +238,14 @@ async def test_an_engine_without_usage_is_estimated_and_an_error_costs_nothing(
     assert prompt == -(-sent[0] // 4) + -(-sent[1] // 4)  # one token per 4 bytes
     assert completion == -(-json_answer // 4) + len(no_usage) - 1  # one per event but [DONE]
     assert estimated == prompt + completion
+
+
+async def test_a_chat_completions_cached_prompt_tokens_are_counted_apart(
+    quota_client: httpx.AsyncClient, engine: StandinEngine, quota_admission: Admission
+) -> None:
+    answer = chat_completion("hello", usage=(30, 2))
+    answer["usage"]["prompt_tokens_details"] = {"cached_tokens": 24}  # vLLM, llama.cpp
+    engine.script(json_reply(answer))
+    await quota_client.post("/v1/chat/completions", json={"model": "m", "messages": MESSAGES})
+    (row,) = quota_admission.ledger.pending
+    assert (row.prompt_tokens, row.completion_tokens, row.cached_tokens) == (30, 2, 24)

@@ -310,12 +310,30 @@ async def test_a_client_that_leaves_while_its_service_loads_is_let_go() -> None:
 async def test_a_messages_request_is_planned_to_the_engines_that_serve_its_path() -> None:
     plan = [upstream("s", engine="sglang"), upstream("l", "n2", engine="llamacpp")]
     routing = Routing(Router(Table({"m": plan, "sg": plan[:1]})), None)
-    request = public({"model": "m", "max_tokens": 8}, path="/v1/messages", dialect="messages")
+    ask = {"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}
+    request = public(ask, path="/v1/messages", dialect="messages")
     routed = await routing.route(request, Chunks([]))
     assert routed is not None and [u.deployment_id for u in routed[1]] == ["d-l"]
-    only_sglang = public({"model": "sg"}, path="/v1/messages", dialect="messages")
+    assert routed[0].engine_path is None and routed[0].raw == request.raw  # passed through
+    # no engine serves it: translated to a chat completion for them all
+    only_sglang = public({**ask, "model": "sg"}, path="/v1/messages", dialect="messages")
+    routed = await routing.route(only_sglang, Chunks([]))
+    assert routed is not None and [u.deployment_id for u in routed[1]] == ["d-s"]
+    translated = routed[0]
+    assert (translated.path, translated.engine_path) == ("/v1/messages", "/v1/chat/completions")
+    assert (
+        json.loads(translated.raw)
+        == translated.body
+        == {
+            "model": "sg",
+            "max_tokens": 8,
+            "messages": [{"role": "user", "content": "hi"}],
+        }
+    )
+    # a token count is not translated
+    counting = public({"model": "sg"}, path="/v1/messages/count_tokens", dialect="count_tokens")
     with pytest.raises(InvalidRequestError) as caught:
-        await routing.route(only_sglang, Chunks([]))
+        await routing.route(counting, Chunks([]))
     assert caught.value.error_code == "path_not_served"
 
 

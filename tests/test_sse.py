@@ -148,7 +148,7 @@ def test_usage_comes_from_the_responses_api_completed_event() -> None:
     }
     data = json.dumps({"type": "response.completed", "response": response})
     raw = f"event: response.completed\ndata: {data}\n\n".encode()
-    assert usage_from_event(raw) == Usage(20, 9)
+    assert usage_from_event(raw) == Usage(20, 9, cached_tokens=4)
 
 
 USAGE_BODIES = [
@@ -158,12 +158,12 @@ USAGE_BODIES = [
     (
         b'{"usage": {"input_tokens": 20, "input_tokens_details": {"cached_tokens": 4},'
         b' "output_tokens": 9, "output_tokens_details": {"reasoning_tokens": 2}}}',
-        Usage(20, 9),
+        Usage(20, 9, cached_tokens=4),
     ),
     (
         b'{"usage": {"prompt_tokens": 11, "prompt_tokens_details": {"cached_tokens": 3},'
         b' "completion_tokens": 1}}',
-        Usage(11, 1),
+        Usage(11, 1, cached_tokens=3),
     ),
     (b'{"choices": [{"text": "the \\"usage\\": {\\"prompt_tokens\\": 9}"}]}', None),
     (b'{"choices":[],"usage":null}', None),

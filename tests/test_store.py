@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import re
-import sqlite3
 import threading
 from collections.abc import Callable
 from datetime import UTC
@@ -63,8 +62,11 @@ PATH_TO = {
 }
 
 
-# The shared ``store`` fixture (conftest.py), with this model.
-pytestmark = pytest.mark.store_models(("tiny", "/models/tiny.gguf", 1234))
+# The shared ``store`` fixture (conftest.py), with this model, on SQLite and PostgreSQL.
+pytestmark = [
+    pytest.mark.store_models(("tiny", "/models/tiny.gguf", 1234)),
+    pytest.mark.store_engines,
+]
 
 
 @pytest.fixture
@@ -102,6 +104,8 @@ def test_migrated_schema_matches_the_orm_tables(store: Store) -> None:
     ("pragma", "expected"), [("journal_mode", "wal"), ("foreign_keys", 1), ("busy_timeout", 30000)]
 )
 def test_sqlite_connection_settings(store: Store, pragma: str, expected: object) -> None:
+    if store.engine.dialect.name != "sqlite":
+        pytest.skip("SQLite's connection settings")
     with store.engine.connect() as conn:
         assert conn.exec_driver_sql(f"PRAGMA {pragma}").scalar() == expected
 
@@ -109,15 +113,14 @@ def test_sqlite_connection_settings(store: Store, pragma: str, expected: object)
 def test_database_newer_than_the_code_is_refused(db_url: str) -> None:
     with Store(db_url) as store:
         store.migrate()
-        store.engine.dispose()
-    database = db_url.removeprefix("sqlite:///")
-    with sqlite3.connect(database) as raw:
-        raw.execute(
-            "INSERT INTO schema_version (version, description, applied_at) "
-            "VALUES (?, 'from the future', '2099-01-01 00:00:00.000000')",
-            (LATEST_VERSION + 1,),
-        )
-    raw.close()
+        with store.engine.begin() as conn:
+            conn.execute(
+                text(
+                    "INSERT INTO schema_version (version, description, applied_at) "
+                    "VALUES (:version, 'from the future', '2099-01-01 00:00:00')"
+                ),
+                {"version": LATEST_VERSION + 1},
+            )
 
     with Store(db_url) as newer, pytest.raises(StoreError, match="newer than this berth"):
         newer.migrate()

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from berth.errors import ConflictError, EnrollmentTokenError, NotFoundError
 from berth.runtime.gpu import GpuInfo
 from berth.store import NodeHardware, Store
+
+# Every test that uses the store runs on SQLite and on PostgreSQL (conftest.py).
+pytestmark = pytest.mark.store_engines
 
 FP_A = "sha256:" + "a" * 64
 FP_B = "sha256:" + "b" * 64
@@ -116,8 +117,8 @@ def test_enrollment_token_expiry(store: Store, consume_at: float, reason: str | 
         assert caught.value.reason == reason
 
 
-def test_enrollment_token_is_single_use_and_survives_a_restart(tmp_path: Path) -> None:
-    url = f"sqlite:///{tmp_path / 'berth.db'}"
+def test_enrollment_token_is_single_use_and_survives_a_restart(db_url: str) -> None:
+    url = db_url
     with Store(url) as store:
         store.migrate()
         store.create_enrollment_token("gpu-1", "hash-1", expires_at=100.0)

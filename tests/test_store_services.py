@@ -12,7 +12,10 @@ from berth.store import RouteTarget, Store, StreamTimeouts
 from berth.store.states import DeploymentState
 
 # The shared ``store`` fixture (conftest.py), with these models.
-pytestmark = pytest.mark.store_models(("tiny", "/models/tiny.gguf"), ("big", "/models/big"))
+pytestmark = [
+    pytest.mark.store_models(("tiny", "/models/tiny.gguf"), ("big", "/models/big")),
+    pytest.mark.store_engines,
+]
 
 
 @pytest.fixture

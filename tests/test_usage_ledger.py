@@ -7,11 +7,13 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Iterable
 from datetime import UTC, date, datetime, timedelta
+from pathlib import Path
 
 import pytest
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
+from sqlalchemy import text
 
 from berth.admission import Admission, ManualClock, UsageCollector, UsageLedger
 from berth.admission.calendar import day_index_of
@@ -19,6 +21,9 @@ from berth.config import TierTable
 from berth.errors import ConflictError, NotFoundError, StoreError
 from berth.limits import LimitOverrides
 from berth.store import Store, UsageRecord
+
+# Every test that uses the store runs on SQLite and on PostgreSQL (conftest.py).
+pytestmark = pytest.mark.store_engines
 
 DAY = date(2026, 3, 14)
 
@@ -180,3 +185,45 @@ def test_a_name_two_keys_share_is_refused_and_revoked_keys_step_aside(store: Sto
         store.lookup_api_key("nobody")
     with pytest.raises(ConflictError, match="revoked"):
         store.update_api_key(first.id, tier="standard")
+
+
+async def test_cached_prompt_tokens_are_summed_apart_and_written(store: Store) -> None:
+    ledger = UsageLedger(store)
+    for cached in (30, 12):
+        ledger.record(
+            day_index_of(DAY),
+            "k-1",
+            "m",
+            "local",
+            error=False,
+            prompt_tokens=40,
+            completion_tokens=5,
+            estimated=False,
+            cached_tokens=cached,
+        )
+    _record(ledger)  # a request whose engine said nothing of a cache
+    await ledger.flush()
+    (row,) = store.list_usage(since=DAY)
+    assert (row.requests, row.prompt_tokens, row.cached_tokens) == (3, 83, 42)
+
+
+def test_migration_11_gives_the_ledgers_rows_no_cached_tokens(tmp_path: Path) -> None:
+    from sqlalchemy import create_engine
+
+    from berth.store.migrations import MIGRATIONS, migrate
+
+    url = f"sqlite:///{tmp_path / 'ledger.db'}"
+    engine = create_engine(url)
+    migrate(engine, migrations=tuple(m for m in MIGRATIONS if m.version < 11))
+    with engine.begin() as conn:
+        conn.execute(
+            text(
+                "INSERT INTO usage_ledger VALUES "
+                "('2026-03-14', 'k-1', 'm', 'local', 2, 0, 10, 4, 0, 0)"
+            )
+        )
+    engine.dispose()
+    with Store(url) as migrated:
+        migrated.migrate()
+        (row,) = migrated.list_usage(since=DAY)
+    assert (row.requests, row.prompt_tokens, row.cached_tokens) == (2, 10, 0)

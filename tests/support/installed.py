@@ -95,6 +95,12 @@ def _chromium() -> str | None:
     return None
 
 
+def _postgresql() -> str | None:
+    from support import postgres
+
+    return postgres.missing()
+
+
 #: What ``needs`` accepts: each part's check, returning why it is missing or ``None``.
 PARTS: dict[str, Callable[[], str | None]] = {
     "llama-server": _llama_server,
@@ -106,6 +112,7 @@ PARTS: dict[str, Callable[[], str | None]] = {
     "chromium": _chromium,
     "objdump": _executable("objdump", "binutils"),
     "gcc": _executable("gcc", "gcc"),
+    "postgresql": _postgresql,
     "faketime": _executable("faketime", "faketime"),
 }
 

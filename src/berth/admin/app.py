@@ -33,19 +33,22 @@ from berth.api import (
     DaemonInfo,
     ErrorBody,
     Health,
+    LeaderStatus,
     ListenerInfo,
     Readiness,
     RuntimeInfo,
     SettingsReport,
     SettingValue,
     ShutdownAccepted,
+    StepDownAccepted,
     describe_invalid,
 )
 from berth.daemon.graph import LeaderGraph, Listener
-from berth.errors import BerthError
+from berth.errors import BerthError, ConflictError
 from berth.openai_errors import error_body, error_from_exception
 from berth.runtime.engines import parse_runtime_name
 from berth.runtime.gpu import parse_simulated_gpus
+from berth.store.leadership import single_leader_view
 
 #: Every admin error is an OpenAI-shaped body (``ErrorBody``); FastAPI's own 422 answer is
 #: never sent (a bad request body is a 400), so the schema lists the ranges instead.
@@ -135,12 +138,36 @@ def build_status_router(services: LeaderGraph) -> APIRouter:
     async def healthz() -> Health:
         return Health()
 
-    @router.get("/readyz", responses={503: {"model": Readiness, "description": "still starting"}})
+    @router.get(
+        "/readyz",
+        responses={503: {"model": Readiness, "description": "still starting, or a standby"}},
+    )
     async def readyz(response: Response) -> Readiness:
+        leadership = services.leadership
+        if leadership is not None and not leadership.is_active:
+            response.status_code = 503
+            return Readiness(status="standby")
         if services.ready:
             return Readiness(status="ready")
         response.status_code = 503
         return Readiness(status="starting")
+
+    @router.get("/admin/leader")
+    async def leader() -> LeaderStatus:
+        leadership = services.leadership
+        public = next((x.url for x in services.listeners if x.name == "public"), "")
+        view = (
+            single_leader_view(f"pid:{services.pid}", public)
+            if leadership is None
+            else leadership.view()
+        )
+        return LeaderStatus(
+            role=view.role,
+            id=view.id,
+            epoch=view.epoch,
+            active_address=view.active_address,
+            ha=view.ha,
+        )
 
     @router.get("/metrics", response_class=PlainTextResponse)
     async def metrics() -> Response:
@@ -189,6 +216,18 @@ def build_admin_app(services: LeaderGraph) -> FastAPI:
     app.include_router(build_adapter_router(services))
     app.include_router(build_plan_router(services))
     app.include_router(build_pull_router(leader_pull_jobs(services)))
+
+    @app.post("/admin/leader/step-down", status_code=202)
+    async def step_down() -> StepDownAccepted:
+        leadership = services.leadership
+        if leadership is None:
+            raise ConflictError(
+                "leadership is not shared here (leader_ha is off): no one to hand over to"
+            )
+        if not leadership.is_active:
+            raise ConflictError("this leader is a standby: step down on the active one")
+        os.kill(services.pid, signal.SIGTERM)  # the Leader's stop hands the lease over first
+        return StepDownAccepted()
 
     @app.post("/admin/shutdown", status_code=202)
     async def shutdown() -> ShutdownAccepted:

@@ -210,13 +210,14 @@ def summarise(
             group = record.model
         else:
             group = record.node_id
-        into = sums.setdefault(group, [0, 0, 0, 0, 0, 0])
+        into = sums.setdefault(group, [0, 0, 0, 0, 0, 0, 0])
         into[0] += record.requests
         into[1] += record.errors
         into[2] += record.prompt_tokens
         into[3] += record.completion_tokens
         into[4] += record.estimated_requests
         into[5] += record.estimated_tokens
+        into[6] += record.cached_tokens
 
     def order(group: str) -> tuple[str, str]:
         return (names.get(group, group), group) if grouping == "key" else (group, "")
@@ -248,12 +249,13 @@ def _row(counts: list[int], **group: object) -> UsageRow:
             "total_tokens": counts[2] + counts[3],
             "estimated_requests": counts[4],
             "estimated_tokens": counts[5],
+            "cached_tokens": counts[6],
         }
     )
 
 
 def _total(rows: list[UsageRow]) -> UsageRow:
-    counts = [0, 0, 0, 0, 0, 0]
+    counts = [0, 0, 0, 0, 0, 0, 0]
     for row in rows:
         counts[0] += row.requests
         counts[1] += row.errors
@@ -261,4 +263,5 @@ def _total(rows: list[UsageRow]) -> UsageRow:
         counts[3] += row.completion_tokens
         counts[4] += row.estimated_requests
         counts[5] += row.estimated_tokens
+        counts[6] += row.cached_tokens
     return _row(counts)

@@ -29,7 +29,7 @@ _log = logging.getLogger(__name__)
 DEFAULT_FLUSH_INTERVAL_S = 5.0
 
 # The counters of one ledger row, in this order.
-_REQUESTS, _ERRORS, _PROMPT, _COMPLETION, _EST_REQUESTS, _EST_TOKENS = range(6)
+_REQUESTS, _ERRORS, _PROMPT, _COMPLETION, _EST_REQUESTS, _EST_TOKENS, _CACHED = range(7)
 _Slot = list[int]
 _RowKey = tuple[int, str, str, str]  # (day index, key id, model, node id)
 
@@ -74,17 +74,20 @@ class UsageLedger:
         prompt_tokens: int,
         completion_tokens: int,
         estimated: bool,
+        cached_tokens: int = 0,
     ) -> None:
-        """Count one request (``estimated``: its token counts are berth's estimate)."""
+        """Count one request (``estimated``: its token counts are berth's estimate;
+        ``cached_tokens``: the part of ``prompt_tokens`` the engine read from its cache)."""
         row = (day_index, key_id, model, node_id)
         slot = self._pending.get(row)
         if slot is None:
-            slot = self._pending[row] = [0, 0, 0, 0, 0, 0]
+            slot = self._pending[row] = [0, 0, 0, 0, 0, 0, 0]
         slot[_REQUESTS] += 1
         if error:
             slot[_ERRORS] += 1
         slot[_PROMPT] += prompt_tokens
         slot[_COMPLETION] += completion_tokens
+        slot[_CACHED] += cached_tokens
         if estimated:
             slot[_EST_REQUESTS] += 1
             slot[_EST_TOKENS] += prompt_tokens + completion_tokens
@@ -186,4 +189,5 @@ def _usage_record(row: _RowKey, slot: _Slot) -> UsageRecord:
         completion_tokens=slot[_COMPLETION],
         estimated_requests=slot[_EST_REQUESTS],
         estimated_tokens=slot[_EST_TOKENS],
+        cached_tokens=slot[_CACHED],
     )

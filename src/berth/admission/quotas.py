@@ -281,11 +281,13 @@ class Admission:
         prompt_tokens: int,
         completion_tokens: int,
         estimated: bool,
+        cached_tokens: int = 0,
     ) -> None:
         """End an admitted request: ``node_id`` is the node whose engine answered (``None``
         when none was reached: nothing goes in the ledger), ``error`` whether the answer was
         an error or broke off, the tokens as the engine reported them (``estimated``: as
-        berth estimated them). Call it once per ticket."""
+        berth estimated them; ``cached_tokens``: the prompt's read from the engine's cache,
+        where it said). Call it once per ticket."""
         quota = ticket.quota
         quota.in_flight -= 1
         used = prompt_tokens + completion_tokens
@@ -309,6 +311,7 @@ class Admission:
                 prompt_tokens=prompt_tokens,
                 completion_tokens=completion_tokens,
                 estimated=estimated,
+                cached_tokens=cached_tokens,
             )
 
     # -- inside -------------------------------------------------------------------------------

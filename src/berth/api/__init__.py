@@ -28,12 +28,14 @@ from berth.api.keys import (
 from berth.api.leader import (
     DaemonInfo,
     Health,
+    LeaderStatus,
     ListenerInfo,
     Readiness,
     RuntimeInfo,
     SettingsReport,
     SettingValue,
     ShutdownAccepted,
+    StepDownAccepted,
 )
 from berth.api.metrics import (
     DeploymentColumns,
@@ -134,6 +136,7 @@ __all__ = [
     "KeyIn",
     "KeyLimitsOut",
     "KeyUseOut",
+    "LeaderStatus",
     "ListedDeployment",
     "ListenerInfo",
     "LocatedModel",
@@ -170,6 +173,7 @@ __all__ = [
     "SettingValue",
     "SettingsReport",
     "ShutdownAccepted",
+    "StepDownAccepted",
     "Timestamp",
     "UsageGrouping",
     "UsageReport",

@@ -36,6 +36,7 @@ from berth.api import (
     FallbackIn,
     KeyChangeIn,
     KeyIn,
+    LeaderStatus,
     ListedDeployment,
     LocatedModel,
     MetricsSnapshot,
@@ -57,6 +58,7 @@ from berth.api import (
     ServiceDetail,
     ServiceIn,
     SettingsReport,
+    StepDownAccepted,
     UsageGrouping,
     UsageReport,
     describe_invalid,
@@ -145,6 +147,14 @@ class DaemonClient:
     def info(self) -> DaemonInfo:
         """``GET /admin/info``: version, pid, listeners, CA, runtimes."""
         return self.call("GET", "/admin/info", TypeAdapter(DaemonInfo))
+
+    def leader(self) -> LeaderStatus:
+        """``GET /admin/leader``: this leader's role, the lease's epoch, the active's address."""
+        return self.call("GET", "/admin/leader", TypeAdapter(LeaderStatus))
+
+    def step_down(self) -> StepDownAccepted:
+        """``POST /admin/leader/step-down``: hand leadership over, finish, exit."""
+        return self.call("POST", "/admin/leader/step-down", TypeAdapter(StepDownAccepted))
 
     def settings(self) -> SettingsReport:
         """``GET /admin/config``: every setting the daemon runs with, and its source."""

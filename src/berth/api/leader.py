@@ -18,9 +18,22 @@ class Health(ApiModel):
 
 
 class Readiness(ApiModel):
-    """``GET /readyz``: ``ready`` (200) once the leader serves, ``starting`` (503) before."""
+    """``GET /readyz``: ``ready`` (200) once the leader serves, ``starting`` (503) before,
+    ``standby`` (503) on a leader that shares leadership and is not the active one."""
 
-    status: Literal["ready", "starting"]
+    status: Literal["ready", "starting", "standby"]
+
+
+class LeaderStatus(ApiModel):
+    """``GET /admin/leader``: this leader's ``role`` and ``id``, the lease's ``epoch`` (0
+    without ``leader_ha``), the URL of the active leader (``None`` while no lease is live)
+    and whether leadership is shared (``ha``: the ``leader_ha`` setting)."""
+
+    role: Literal["active", "standby"]
+    id: str
+    epoch: int
+    active_address: str | None
+    ha: bool
 
 
 class ListenerInfo(ApiModel):
@@ -76,6 +89,13 @@ class SettingValue(ApiModel):
 
 #: ``GET /admin/config``: every setting the daemon runs with, by name.
 SettingsReport = dict[str, SettingValue]
+
+
+class StepDownAccepted(ApiModel):
+    """``POST /admin/leader/step-down`` (202): the active leader hands its lease back at once
+    (a standby takes new requests at its next look), finishes what is in flight, and exits."""
+
+    status: Literal["stepping down"] = "stepping down"
 
 
 class ShutdownAccepted(ApiModel):

@@ -60,7 +60,8 @@ class UsageRow(ApiModel):
     """One row of a usage report: the group (``day``, or ``key_id`` and ``key`` (its name),
     or ``model``, or ``node_id``; the others ``null``) and its sums.  ``estimated_tokens``
     is the part of the tokens berth estimated (engines that reported no usage), over
-    ``estimated_requests`` requests."""
+    ``estimated_requests`` requests; ``cached_tokens`` the part of the prompt tokens the
+    engines read from their caches, where they said (Messages API answers)."""
 
     day: date | None = None
     key_id: str | None = None
@@ -74,6 +75,7 @@ class UsageRow(ApiModel):
     total_tokens: int
     estimated_requests: int
     estimated_tokens: int
+    cached_tokens: int = 0  # 0 from a leader before it counted them
 
 
 class UsageReport(ApiModel):

@@ -19,12 +19,14 @@ from berth.backup.manifest import (
     FORMAT_VERSION,
     OPTIONAL_FILES,
     PEPPER_NAME,
+    PG_DUMP_NAME,
     PRIVATE_MODE,
     PUBLIC_MODE,
     BackupFile,
     BackupManifest,
     member_refusal,
 )
+from berth.backup.postgres import dump_database, is_postgresql_url
 from berth.cluster.ca import CA_KEY_FILE
 from berth.errors import ConfigError, ConflictError
 from berth.paths import BerthHome
@@ -40,16 +42,19 @@ def create_backup(
 ) -> BackupManifest:
     """Write a backup of the leader ``home`` (database at ``database_url``) to ``dest``.
 
-    Safe while the daemon runs: the database is copied with SQLite's online backup API in
-    one step (a single read transaction; in WAL mode the daemon keeps writing meanwhile).
+    Safe while the daemon runs: a SQLite database is copied with SQLite's online backup API
+    in one step (a single read transaction; in WAL mode the daemon keeps writing meanwhile);
+    a PostgreSQL one is dumped with ``pg_dump`` (:mod:`berth.backup.postgres`).
     ``dest`` is written beside itself first and renamed into place, mode 0600.
 
-    Raises :class:`ConfigError` for a database that is not SQLite, a home that is not a
+    Raises :class:`ConfigError` for a database that is neither SQLite nor PostgreSQL (or
+    PostgreSQL without ``pg_dump``), a home that is not a
     leader's (no ``ca/ca.key``) or has no database, or a missing destination folder;
     :class:`ConflictError` when ``dest`` exists and ``force`` is false; :class:`StoreError`
     when the database cannot be copied or the copy fails its integrity check.
     """
-    db_path = sqlite_database_path(database_url)
+    postgres = is_postgresql_url(database_url)
+    db_path = None if postgres else sqlite_database_path(database_url)
     _require_leader_home(home)
     dest = dest.expanduser().absolute()
     if dest.is_dir():
@@ -58,14 +63,18 @@ def create_backup(
         raise ConflictError(f"{dest} already exists; pass --force to replace it")
     if not dest.parent.is_dir():
         raise ConfigError(f"the folder {dest.parent} does not exist")
-    if not db_path.is_file():
+    if db_path is not None and not db_path.is_file():
         raise ConfigError(f"no database at {db_path}: has this leader ever started?")
 
     staging = Path(tempfile.mkdtemp(prefix=".berth-backup-", dir=dest.parent))
     try:
-        snapshot = staging / DATABASE_NAME
-        schema_version = snapshot_database(db_path, snapshot)
-        sources = [(DATABASE_NAME, snapshot, PRIVATE_MODE), *_home_files(home)]
+        member = DATABASE_NAME if db_path is not None else PG_DUMP_NAME
+        snapshot = staging / member
+        if db_path is not None:
+            schema_version = snapshot_database(db_path, snapshot)
+        else:
+            schema_version = dump_database(database_url, snapshot)
+        sources = [(member, snapshot, PRIVATE_MODE), *_home_files(home)]
         files = tuple(_describe(name, path, mode) for name, path, mode in sources)
         manifest = BackupManifest(
             format_version=FORMAT_VERSION,

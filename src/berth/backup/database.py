@@ -13,14 +13,14 @@ from berth.store.nodes import LOCAL_NODE_ID
 def sqlite_database_path(database_url: str) -> Path:
     """The file of a SQLite ``database_url``.
 
-    Raises :class:`ConfigError` for another database (only SQLite is supported for now) or
-    an in-memory one.
+    Raises :class:`ConfigError` for another database (PostgreSQL has
+    :mod:`berth.backup.postgres`) or an in-memory one.
     """
     url = parse_database_url(database_url)
     if not is_sqlite(url):
         raise ConfigError(
-            f"database_url uses {url.get_backend_name()}: only SQLite databases can be backed "
-            "up and restored by berth for now (back that database up with its own tools)"
+            f"database_url uses {url.get_backend_name()}: berth backs up and restores SQLite "
+            "and PostgreSQL databases (back that one up with its own tools)"
         )
     if url.database in (None, "", ":memory:") or url.query.get("mode") == "memory":
         raise ConfigError("database_url names an in-memory SQLite database: nothing to back up")

@@ -21,6 +21,8 @@ from berth.errors import ConfigError
 FORMAT_VERSION: Final = 1
 MANIFEST_NAME: Final = "manifest.json"
 DATABASE_NAME: Final = "berth.db"
+#: The database of a leader on PostgreSQL: ``pg_dump``'s custom format (backup/postgres.py).
+PG_DUMP_NAME: Final = "berth.pgdump"
 PEPPER_NAME: Final = "key_pepper"
 #: Files of the home copied when present, besides the database, ``ca/`` and the pepper.
 OPTIONAL_FILES: Final = ("config.toml", "adopted.yaml")
@@ -31,8 +33,8 @@ COPY_CHUNK_BYTES = 1024 * 1024
 #: Modes files are restored with: private, and certificates (others may read them).
 PRIVATE_MODE, PUBLIC_MODE = 0o600, 0o644
 _CA_MEMBER = re.compile(r"ca/[A-Za-z0-9_][A-Za-z0-9._-]{0,127}")
-_TOP_MEMBERS = frozenset({DATABASE_NAME, PEPPER_NAME, *OPTIONAL_FILES})
-_REQUIRED = (DATABASE_NAME, f"ca/{CA_CERT_FILE}", f"ca/{CA_KEY_FILE}")
+_TOP_MEMBERS = frozenset({DATABASE_NAME, PG_DUMP_NAME, PEPPER_NAME, *OPTIONAL_FILES})
+_REQUIRED = (f"ca/{CA_CERT_FILE}", f"ca/{CA_KEY_FILE}")
 
 
 @dataclass(frozen=True)
@@ -55,6 +57,12 @@ class BackupManifest:
     schema_version: int
     created_at: str
     files: tuple[BackupFile, ...]
+
+    @property
+    def database_member(self) -> str:
+        """``berth.db`` (SQLite) or ``berth.pgdump`` (PostgreSQL): the one it holds."""
+        names = {f.name for f in self.files}
+        return PG_DUMP_NAME if PG_DUMP_NAME in names else DATABASE_NAME
 
     @property
     def size_bytes(self) -> int:
@@ -105,7 +113,11 @@ class BackupManifest:
                 raise bad(f"its {MANIFEST_NAME} lists {refusal}")
         if len(set(names)) != len(names):
             raise bad(f"its {MANIFEST_NAME} lists a file twice")
-        missing = [name for name in _REQUIRED if name not in names]
+        databases = [name for name in (DATABASE_NAME, PG_DUMP_NAME) if name in names]
+        if len(databases) > 1:
+            raise bad(f"it holds two databases ({', '.join(databases)})")
+        missing = [] if databases else [f"{DATABASE_NAME} (or {PG_DUMP_NAME})"]
+        missing += [name for name in _REQUIRED if name not in names]
         if missing:
             raise bad(f"it lacks {', '.join(missing)}")
         return manifest
@@ -114,7 +126,7 @@ class BackupManifest:
 def member_refusal(name: str) -> str | None:
     """Why an archive member named ``name`` may not be restored, or ``None`` when it may.
 
-    Only the files a backup writes are accepted: ``berth.db``, ``key_pepper``,
+    Only the files a backup writes are accepted: ``berth.db`` or ``berth.pgdump``, ``key_pepper``,
     ``config.toml``, ``adopted.yaml`` and plain names under ``ca/``.
     """
     path = PurePosixPath(name)

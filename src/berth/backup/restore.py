@@ -17,15 +17,18 @@ from berth.backup.database import sqlite_database_path
 from berth.backup.manifest import (
     DATABASE_NAME,
     OPTIONAL_FILES,
+    PG_DUMP_NAME,
     PRIVATE_MODE,
     PUBLIC_MODE,
     BackupManifest,
 )
+from berth.backup.postgres import dump_database, holds_state, is_postgresql_url, restore_dump
 from berth.config import Settings
 from berth.errors import BerthError, ConfigError, ConflictError, DaemonError, StoreError
 from berth.paths import BerthHome
 from berth.runtime.proc import pid_running
 from berth.store import LATEST_VERSION
+from berth.store.db import parse_database_url
 
 
 def running_daemon(home: BerthHome) -> str | None:
@@ -61,12 +64,15 @@ def _is_berth_daemon(pid: int) -> bool:
 
 @dataclass(frozen=True)
 class RestoreReport:
-    """What a restore did: the manifest, where the database went, and where the files it
-    replaced were moved (``None`` when nothing was replaced)."""
+    """What a restore did: the manifest, where the database went (a SQLite file, or a
+    PostgreSQL database), and where the files it replaced were moved (``None`` when nothing
+    was replaced; a replaced PostgreSQL database is dumped there too)."""
 
     manifest: BackupManifest
-    database_path: Path
+    database_path: Path | None
     replaced_dir: Path | None
+    #: the PostgreSQL database restored into (password masked); ``None`` for SQLite
+    database_url: str | None = None
 
 
 def restore_backup(
@@ -82,15 +88,19 @@ def restore_backup(
     The archive is verified whole (see :func:`verify_backup`) into a private folder first, so
     nothing in the home changes unless it is intact.  The database goes where the restored
     ``config.toml`` (with ``env``, default ``os.environ``) puts ``database_url``, normally
-    ``$BERTH_HOME/berth.db``.  With ``force``, the state it replaces (the database and its
-    ``-wal``/``-shm`` files, the whole ``ca/`` folder, the pepper, ``config.toml``,
-    ``adopted.yaml``) is moved to ``$BERTH_HOME/replaced-<UTC time>/``, never deleted.
+    ``$BERTH_HOME/berth.db``; a PostgreSQL dump is restored into the database that
+    ``database_url`` names (:mod:`berth.backup.postgres`), whose current tables, with
+    ``force``, are first dumped beside the replaced files.  With ``force``, the state it
+    replaces (the database and its ``-wal``/``-shm`` files, the whole ``ca/`` folder, the
+    pepper, ``config.toml``, ``adopted.yaml``) is moved to
+    ``$BERTH_HOME/replaced-<UTC time>/``, never deleted.
     Files are restored 0600 (certificates 0644), the home and ``ca/`` 0700.
 
     Raises :class:`DaemonError` when a daemon of ``home`` runs; :class:`ConflictError` when
     the home holds a leader's state and ``force`` is false; :class:`ConfigError` for an
     archive that fails verification, a backup's ``config.toml`` this berth cannot read, or a
-    database that is not SQLite; :class:`StoreError` for a schema newer than this berth's.
+    ``database_url`` of another kind than the backup's database; :class:`StoreError` for a
+    schema newer than this berth's, or a dump or restore PostgreSQL's tools refused.
     """
     running = running_daemon(home)
     if running is not None:
@@ -108,46 +118,84 @@ def restore_backup(
                 f"newer than this berth knows ({LATEST_VERSION}); restore it with berth "
                 f"{manifest.berth_version} or newer"
             )
-        db_path = _restored_database_path(home, staging, env)
+        settings = _restored_settings(staging, env)
+        postgres_url = _postgres_target(manifest, settings)
+        db_path = None if postgres_url else _restored_database_path(home, settings)
         # The manifest's own modes are not trusted (anyone can rewrite a manifest): private,
-        # except certificates.
+        # except certificates.  A PostgreSQL dump is not placed: pg_restore reads it.
         placements = [
             (
                 staging / f.name,
-                db_path if f.name == DATABASE_NAME else home.root / f.name,
+                db_path if f.name == DATABASE_NAME and db_path else home.root / f.name,
                 PUBLIC_MODE
                 if f.name.startswith("ca/") and f.name.endswith(".pem")
                 else PRIVATE_MODE,
             )
             for f in manifest.files
+            if f.name != PG_DUMP_NAME
         ]
         replaced = _existing_state(home, db_path)
+        in_database = postgres_url is not None and holds_state(postgres_url)
         replaced_dir: Path | None = None
-        if replaced:
+        if replaced or in_database:
             if not force:
-                names = ", ".join(_shown(home, p) for p in replaced)
+                names = ", ".join(
+                    [_shown(home, p) for p in replaced] + (["the database"] if in_database else [])
+                )
                 raise ConflictError(
                     f"{home.root} already holds a leader's state ({names}); pass --force to "
                     "replace it (the replaced files are kept in a replaced-<time> folder)"
                 )
             stamp = now().astimezone(UTC).strftime("%Y%m%dT%H%M%SZ")
             replaced_dir = _move_aside(home, replaced, home.root / f"replaced-{stamp}")
+            if in_database and postgres_url is not None:  # kept as a dump beside the files
+                dump_database(postgres_url, replaced_dir / PG_DUMP_NAME)
+        if postgres_url is not None:
+            restore_dump(postgres_url, staging / PG_DUMP_NAME)
         _install(home, placements)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    return RestoreReport(manifest=manifest, database_path=db_path, replaced_dir=replaced_dir)
+    return RestoreReport(
+        manifest=manifest,
+        database_path=db_path,
+        replaced_dir=replaced_dir,
+        database_url=None
+        if postgres_url is None
+        else parse_database_url(postgres_url).render_as_string(hide_password=True),
+    )
 
 
 def _restored_mode(name: str) -> int:
     return PUBLIC_MODE if name.startswith("ca/") and name.endswith(".pem") else PRIVATE_MODE
 
 
-def _restored_database_path(home: BerthHome, staging: Path, env: Mapping[str, str] | None) -> Path:
-    """Where the database goes, per the backup's ``config.toml`` and the environment."""
+def _restored_settings(staging: Path, env: Mapping[str, str] | None) -> Settings:
     try:
-        settings = Settings.load(BerthHome(staging), env=env)
+        return Settings.load(BerthHome(staging), env=env)
     except ConfigError as exc:
         raise ConfigError(f"the backup's config.toml cannot be used by this berth: {exc}") from None
+
+
+def _postgres_target(manifest: BackupManifest, settings: Settings) -> str | None:
+    """The PostgreSQL URL a dump is restored into, ``None`` for a SQLite backup; a backup
+    and a ``database_url`` of different kinds are refused (:class:`ConfigError`)."""
+    dump = manifest.database_member == PG_DUMP_NAME
+    postgres = is_postgresql_url(settings.database_url)
+    if dump and not postgres:
+        raise ConfigError(
+            "the backup holds a PostgreSQL dump but database_url is not PostgreSQL: set "
+            "BERTH_DATABASE_URL=postgresql+psycopg://... to the database to restore it into"
+        )
+    if postgres and not dump:
+        raise ConfigError(
+            "the backup holds a SQLite database but database_url is PostgreSQL: restore it "
+            "with a SQLite database_url (BERTH_DATABASE_URL=sqlite:///...)"
+        )
+    return settings.database_url if dump else None
+
+
+def _restored_database_path(home: BerthHome, settings: Settings) -> Path:
+    """Where a SQLite database goes, per the backup's ``config.toml`` and the environment."""
     if settings.source("database_url") == "default":
         return home.db_file
     path = sqlite_database_path(settings.database_url)
@@ -162,10 +210,15 @@ def _restored_database_path(home: BerthHome, staging: Path, env: Mapping[str, st
     return path
 
 
-def _existing_state(home: BerthHome, db_path: Path) -> list[Path]:
+def _existing_state(home: BerthHome, db_path: Path | None) -> list[Path]:
+    databases = [] if db_path is None else [db_path]
     candidates = [
-        db_path,
-        *(db_path.with_name(db_path.name + suffix) for suffix in ("-wal", "-shm", "-journal")),
+        *databases,
+        *(
+            p.with_name(p.name + suffix)
+            for p in databases
+            for suffix in ("-wal", "-shm", "-journal")
+        ),
         home.ca_dir,
         home.pepper_file,
         *(home.root / name for name in OPTIONAL_FILES),

@@ -101,7 +101,7 @@ def restore(
         markup=True,
     )
     _print_manifest(report.manifest)
-    console.print(f"  database  {report.database_path}", soft_wrap=True)
+    console.print(f"  database  {report.database_url or report.database_path}", soft_wrap=True)
     if report.replaced_dir is not None:
         console.print(f"  the state it replaced is in {report.replaced_dir}", soft_wrap=True)
     settings = Settings.load(home)

@@ -310,16 +310,24 @@ def status(
     """The daemon, its listeners, nodes and deployments at a glance."""
     with context(ctx).client() as client:
         info = client.info()
+        leader = client.leader()
         nodes = client.nodes()
         deployments = client.deployments(active=True)
     if as_json:
-        print_json({"daemon": info, "nodes": nodes, "deployments": deployments})
+        print_json({"daemon": info, "leader": leader, "nodes": nodes, "deployments": deployments})
         return
     console.print(
         f"[bold]daemon[/]  [green]running[/] pid {info.pid}, up {age(info.uptime_s)}, "
         f"home {escape(str(info.home))}{', leader-only' if info.leader_only else ''}",
         markup=True,
     )
+    if leader.ha:  # shared leadership (leader_ha): this leader's role and the active's address
+        console.print(
+            f"  leader   {leader.role}, epoch {leader.epoch}, active "
+            f"{leader.active_address or 'none'}",
+            soft_wrap=True,
+            markup=False,
+        )
     for listener in info.listeners:
         console.print(f"  {listener.name:<8} {listener.url}{_certificate_note(listener)}")
     node_table = Table(

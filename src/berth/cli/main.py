@@ -21,6 +21,7 @@ from berth.cli import (
     desk_cmd,
     doctor_cmd,
     keys_cmd,
+    leader_cmd,
     models_cmd,
     nodes_cmd,
     plan_cmd,
@@ -76,6 +77,7 @@ app.add_typer(bootstrap_cmd.deploy_app, name="deploy")
 app.add_typer(service_cmd.service_app, name="service")
 app.add_typer(route_cmd.route_app, name="route")
 app.add_typer(desk_cmd.desk_app, name="desk")
+app.add_typer(leader_cmd.leader_app, name="leader")
 app.command("status")(daemon_cmd.status)
 app.command("pull")(models_cmd.pull)
 app.command("run")(deploy_cmd.run)

@@ -17,6 +17,7 @@ COUNT_COLUMNS = (
     "requests",
     "errors",
     "prompt_tokens",
+    "cached_tokens",
     "completion_tokens",
     "total_tokens",
     "estimated_requests",
@@ -37,8 +38,9 @@ def usage(
 ) -> None:
     """Requests and tokens per day, key, model or node, from the usage ledger.
 
-    Tokens are the engines' own counts; ESTIMATED is the part berth estimated because an
-    engine reported none. Days are UTC days.
+    Tokens are the engines' own counts; CACHED is the part of the prompt an engine read
+    from its cache (where it said: Messages API answers); ESTIMATED is the part berth
+    estimated because an engine reported none. Days are UTC days.
     """
     if as_json and as_csv:
         raise ConfigError("--json and --csv: choose one")
@@ -83,6 +85,7 @@ def print_report(report: UsageReport) -> None:
     groups = _group_columns(report)
     headers = {
         "prompt_tokens": "PROMPT",
+        "cached_tokens": "CACHED",
         "completion_tokens": "COMPLETION",
         "total_tokens": "TOTAL",
         "estimated_requests": "EST. REQS",

@@ -93,6 +93,8 @@ class Settings:
     sources: Mapping[str, SettingSource]
     tiers: TierTable
     database_url: str
+    leader_ha: bool
+    leader_lease_s: float
     public_host: str
     public_bind: str
     public_port: int

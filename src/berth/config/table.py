@@ -168,6 +168,14 @@ SETTINGS: tuple[SettingDef, ...] = (
         "SQLAlchemy URL of the state database",
         default_factory=lambda home: f"sqlite:///{home.db_file}",
     ),
+    SettingDef("leader_ha", "bool", "store",
+               "share leadership with other leaders on the same database: one is active, "
+               "the others stand by and take over when its lease runs out (docs/ha.md)",
+               default=False),
+    SettingDef("leader_lease_s", "float", "store",
+               "seconds a leader's lease lasts unrenewed (renewed every third of it): the "
+               "longest a dead active goes unnoticed before a standby takes over",
+               default=5.0, minimum=0.5, maximum=600.0),
     SettingDef("public_host", "str", "server", "host name clients use to reach the leader",
                default="127.0.0.1", check=host_problem),
     SettingDef("public_bind", "str", "server", "address the public HTTPS listener binds",

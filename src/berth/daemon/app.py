@@ -15,7 +15,9 @@ limits. On the public listener, browsers on
 the origins of the ``cors_origins`` setting get their preflights answered and CORS headers on
 every answer (:mod:`berth.http_server.cors`). The web console (``/ui/*``, and ``/`` for a
 browser) needs no key; a browser signed in to it sends a session cookie instead of a key,
-which :class:`berth.admin.console.ConsoleGate` checks.
+which :class:`berth.admin.console.ConsoleGate` checks. A standby leader (``leader_ha``,
+:mod:`berth.store.leadership`) answers ``/v1/*`` with 503, ``Retry-After`` and the active
+leader's address, before any key is checked.
 """
 
 from __future__ import annotations
@@ -90,6 +92,10 @@ class LeaderApp:
         if is_console_path(path) or path == "/":
             writer.extra_headers = [*writer.extra_headers, *CONSOLE_HEADERS]
             await self._admin(request, writer)  # /ui/session checks what it is given
+            return
+        leadership = self._services.leadership
+        if leadership is not None and path.startswith("/v1/") and not leadership.is_active:
+            await _send_error(writer, leadership.refusal(), path)  # a standby: go to the active
             return
         key: ApiKeyRecord | SocketCaller | None = None
         if self._trusted:  # the socket: no key, and its caller's word is trusted

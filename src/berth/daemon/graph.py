@@ -24,6 +24,7 @@ from berth.paths import BerthHome
 from berth.routing.routes import RouteResolver
 from berth.scaling import ScalingController
 from berth.store import Store
+from berth.store.leadership import Leadership
 
 
 @dataclass
@@ -78,6 +79,8 @@ class LeaderGraph:
     cluster_metrics: ClusterMetrics = field(default_factory=ClusterMetrics)
     #: Starts and stops replicas of services (on demand, idle, scale out and in).
     scaling: ScalingController | None = None
+    #: Shared leadership (``leader_ha``): the lease loop; ``None`` for a lone leader.
+    leadership: Leadership | None = None
 
     @property
     def leader_only(self) -> bool:

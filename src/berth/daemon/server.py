@@ -32,6 +32,7 @@ from berth.cluster.link import LOCAL_NODE_ID
 from berth.config import Settings
 from berth.daemon.build import LeaderParts, build_leader
 from berth.daemon.graph import LeaderGraph
+from berth.daemon.ha import SharedLeadership
 from berth.daemon.pieces import open_store
 from berth.daemon.sockets import bind_sockets
 from berth.errors import DaemonError
@@ -53,9 +54,10 @@ class Leader:
     event :meth:`serve` waits on (SIGTERM and SIGINT set it; so does :meth:`request_stop`).
 
     Leadership: :meth:`start_leading` starts the loops only the leader of a store may run
-    (reconcile and the engine watcher, the supervisor's restarts, scaling). Today every
-    Leader leads from :meth:`start`; a standby leader on a shared store would start with the
-    listeners only and call it once it holds the store's leadership.
+    (reconcile and the engine watcher, the supervisor's restarts, scaling). A lone Leader
+    leads from :meth:`start`; with ``leader_ha`` its :class:`~berth.daemon.ha.SharedLeadership`
+    calls it once this leader holds the store's lease (at once, or when a standby takes
+    over), and stops the Leader (:meth:`request_stop`) if it loses the lease after leading.
     """
 
     def __init__(
@@ -69,6 +71,7 @@ class Leader:
         self._flusher: asyncio.Task[None] | None = None
         self._ownership: JournalOwnership | None = None
         self._leading = False
+        self._shared: SharedLeadership | None = None
 
     # -- what a started leader shows ------------------------------------------------------
 
@@ -185,6 +188,12 @@ class Leader:
         links before them), the listeners, node ``local``'s engines taken back, then the
         leader's own loops."""
         graph = parts.graph
+        if self.settings.leader_ha:  # on the graph before the listeners: a standby says so
+            self._shared = SharedLeadership(
+                graph,
+                address=f"https://{self.settings.public_host}:{self.public_port}",
+                on_lost=self.request_stop,
+            )
         self.home.pid_file.write_text(f"{os.getpid()}\n")
         await graph.proxy.startup()
         self._flusher = asyncio.create_task(parts.ledger.run())  # usage, every few seconds
@@ -205,7 +214,10 @@ class Leader:
             # Engines (in the journal) and containers (by label) left running by the last
             # leader, with their keys, for reconcile.
             await core.restore()
-        await self.start_leading()
+        if self._shared is not None:  # shared leadership: lead now, or once the lease is ours
+            await self._shared.start(self.start_leading)
+        else:
+            await self.start_leading()
         if core is not None and core.adopted is not None:
             watcher = core.adopted  # the servers this host adopted: node local reports them
             lifecycle = graph.lifecycle
@@ -236,7 +248,8 @@ class Leader:
     # -- stop -----------------------------------------------------------------------------
 
     async def stop(self) -> None:
-        """Stop: not ready, requests in flight get :data:`SHUTDOWN_GRACE_S` to finish, then
+        """Stop: not ready (with ``leader_ha``, the lease handed over), requests in flight get
+        :data:`SHUTDOWN_GRACE_S` to finish, then
         every piece stops in order (node ``local``'s engines too) and the ports, the socket
         and pid files and the owner lock are released. A stopped leader may start again;
         stopping one that does not run does nothing."""
@@ -244,6 +257,8 @@ class Leader:
         if parts is None:
             return
         parts.graph.ready = False
+        if self._shared is not None:  # the lease first: a standby takes the new requests
+            await self._shared.hand_over()
         await asyncio.gather(
             parts.public_server.close(SHUTDOWN_GRACE_S), parts.socket_server.close(SHUTDOWN_GRACE_S)
         )
@@ -275,6 +290,9 @@ class Leader:
                 await core.adopted.stop()
             core.close()
         parts.loop_lag.stop()
+        if self._shared is not None:  # the lease handed back: a standby takes over at once
+            await self._shared.stop()
+            self._shared = None
         graph.store.close()
         parts.sockets.close()
         self.home.pid_file.unlink(missing_ok=True)

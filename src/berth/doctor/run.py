@@ -37,6 +37,7 @@ from berth.doctor.engines import (
 )
 from berth.doctor.install import home_check, packages_check, python_check, secrets_check
 from berth.doctor.ports import port_check
+from berth.doctor.store import store_check
 from berth.errors import BerthError, ConfigError
 from berth.paths import BerthHome
 
@@ -86,6 +87,7 @@ def run_checks(
     if is_leader:
         daemon = daemon_state(home, timeout_s=timeout_s)
         checks.append(daemon.check)
+        checks.append(store_check(settings))
         checks.extend(listener_checks(home, settings))
         checks.extend(
             tls_checks(

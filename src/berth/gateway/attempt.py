@@ -21,6 +21,7 @@ from typing import Any
 
 from berth.engine_http.answer import EngineAnswer, TimedAnswer, can_time
 from berth.gateway.engine_client import EngineRequest
+from berth.gateway.messages_bridge import translated_answer
 from berth.gateway.outcome import Exchange
 from berth.gateway.request import PublicRequest
 from berth.routing.errors import FirstByteTimeoutError, ProxyError
@@ -129,7 +130,9 @@ class Attempts:
             self.outcomes.append((upstream, "client_disconnected" if gone else "given_up"))
             raise
         self.outcomes.append((upstream, f"status {answer.status}"))
-        return answer
+        if self._request.engine_path is None:
+            return answer
+        return translated_answer(self._request, answer, upstream)  # a Messages translation
 
 
 async def open_stream(

@@ -45,7 +45,9 @@ Errors are answered in the OpenAI shape (:mod:`berth.openai_errors`), or under
 ``/v1/messages`` in Anthropic's (:mod:`berth.anthropic_errors`, converted from the same
 errors by :class:`~berth.gateway.refusals.Refusals`); the ones this module raises are drawn
 in :mod:`berth.routing.errors`. A Messages request goes the same way as a chat completion,
-only to the deployments whose engine serves its path (:mod:`berth.routing.capability`).
+only to the deployments whose engine serves its path (:mod:`berth.routing.capability`), or,
+when none does, to all of them translated to a chat completion, its answer translated back
+(:mod:`berth.gateway.messages_bridge`: the routing stage and the attempt call it).
 What the proxy needs of the client's request and of the writer of its answer is in
 :mod:`berth.gateway.exchange` (berth's own HTTP server gives both as they are;
 :mod:`berth.gateway.asgi` adapts ASGI), the relaying of an engine's answer in

@@ -180,4 +180,5 @@ def settle(
         prompt_tokens=prompt,
         completion_tokens=completion,
         estimated=estimated,
+        cached_tokens=usage.cached_tokens if usage is not None else 0,
     )

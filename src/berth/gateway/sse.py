@@ -18,7 +18,10 @@ Usage shapes come from the OpenAI API reference:
   streaming with ``stream_options.include_usage``, in the last chunk before ``data: [DONE]``;
 * the Responses API carries ``usage.input_tokens`` and ``usage.output_tokens`` in the body,
   or, when streaming, in ``response.usage`` of the ``response.completed`` event (also of
-  ``response.incomplete`` and ``response.failed``).
+  ``response.incomplete`` and ``response.failed``);
+* the prompt tokens read from a cache, where an engine says, are ``cached_tokens`` in the
+  usage's ``prompt_tokens_details`` (``input_tokens_details`` for the Responses API):
+  :class:`Usage`'s ``cached_tokens``, a part of its ``prompt_tokens``.
 
 Anthropic's Messages API (its reference, "Messages" and "Streaming Messages") counts input
 apart from the cache: ``usage.input_tokens`` (not cached), ``cache_read_input_tokens`` and
@@ -51,6 +54,10 @@ _NO_CHOICES = re.compile(rb'"choices"\s*:\s*\[\s*\]')
 _TOKEN_COUNT = re.compile(
     rb'"(prompt_tokens|completion_tokens|input_tokens|output_tokens)"\s*:\s*(\d+)'
 )
+
+# The prompt tokens read from a cache: ``prompt_tokens_details`` (chat, completions) or
+# ``input_tokens_details`` (Responses) of a usage object.
+_CACHED_COUNT = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
 
 # A count inside a Messages API usage object.
 _MESSAGES_COUNT = re.compile(
@@ -326,7 +333,9 @@ def find_usage(data: bytes) -> Usage | None:
     if prompt is None:
         return None
     completion = counts.get(b"completion_tokens", counts.get(b"output_tokens", 0))
-    return Usage(prompt_tokens=prompt, completion_tokens=completion)
+    cached = _CACHED_COUNT.search(data, start, end)
+    cached_tokens = min(int(cached.group(1)), prompt) if cached is not None else 0
+    return Usage(prompt_tokens=prompt, completion_tokens=completion, cached_tokens=cached_tokens)
 
 
 def messages_usage(data: bytes) -> Usage | None:
@@ -407,7 +416,10 @@ def _usage_of(usage: object) -> Usage | None:
     completion = usage.get("completion_tokens", usage.get("output_tokens", 0))
     if not (_is_count(prompt) and _is_count(completion)):
         return None
-    return Usage(prompt_tokens=prompt, completion_tokens=completion)
+    details = usage.get("prompt_tokens_details", usage.get("input_tokens_details"))
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    cached_tokens = min(cached, prompt) if _is_count(cached) else 0
+    return Usage(prompt_tokens=prompt, completion_tokens=completion, cached_tokens=cached_tokens)
 
 
 def _is_count(value: object) -> TypeGuard[int]:

@@ -8,7 +8,8 @@ what it decided), testable alone:
   for it, the relay to take that event out (``strip_usage``);
 - :class:`Routing` (routing): the router's ranked plan and the request's affinity key,
   held by the on-demand stage while nothing is ready, kept to the engines that serve the
-  path for a Messages request;
+  path for a Messages request (or the request translated to a chat completion for
+  engines that serve none: :mod:`berth.gateway.messages_bridge`);
 - :func:`take_slot` (fair admission): a slot at one of the planned deployments, at once
   or after waiting in the fair queue, with that deployment first in the plan.
 
@@ -23,9 +24,9 @@ from collections.abc import Sequence
 
 from berth.admission import MUST_WAIT, SOCKET_KEY_ID, Admission, SlotGate, Ticket
 from berth.gateway.exchange import ClientRequest
+from berth.gateway.messages_bridge import route_messages
 from berth.gateway.request import PublicRequest
 from berth.gateway.usage import asking_for_usage
-from berth.routing.capability import serving
 from berth.routing.errors import NoReadyDeploymentError
 from berth.routing.resolver import Upstream
 from berth.routing.router import Router
@@ -70,9 +71,12 @@ class Routing:
         the client left while its service loaded.
 
         A Messages request's plan keeps only the engines that serve its path, in the
-        router's order. Raises :class:`NoReadyDeploymentError` (503) or the errors of the
-        resolver (404) and of the on-demand stage (503), and
-        :class:`~berth.routing.errors.InvalidRequestError` (``path_not_served``).
+        router's order, or, when none serves ``/v1/messages``, the request is translated to
+        a chat completion for all of them (:mod:`berth.gateway.messages_bridge`). Raises
+        :class:`NoReadyDeploymentError` (503) or the errors of the resolver (404) and of the
+        on-demand stage (503), and
+        :class:`~berth.routing.errors.InvalidRequestError` (``path_not_served``, or what
+        the translation refuses: ``not_translated``, ``invalid_request``).
         """
         try:
             plan, key = self._router.plan_request(request.model, request.headers)
@@ -83,8 +87,8 @@ class Routing:
             if loaded is None:  # the client left while its service loaded
                 return None
             plan, key = loaded
-        if request.dialect:  # only the engines that serve the path, in the router's order
-            plan = serving(plan, request.path)
+        if request.dialect:  # the engines that serve the path, or all as chat completions
+            request, plan = route_messages(request, plan)
         if key is not None:
             request = request._replace(affinity_key=key)
         return request, plan

@@ -3,9 +3,11 @@
 Every engine berth runs serves OpenAI's paths; Anthropic's Messages API (``/v1/messages``,
 ``/v1/messages/count_tokens``) only some (:data:`berth.runtime.engines.EXTRA_PATHS`). A
 request for such a path goes only to the deployments whose engine serves it, in the order
-the router ranked them; when none does, it is refused (400) with a message naming each
-deployment and why, rather than sent to an engine that would answer 404 or worse.
-Translating the Messages API to ``/v1/chat/completions`` for the others is not done.
+the router ranked them; when none does, a token count is refused (400) with a message naming
+each deployment and why, rather than sent to an engine that would answer 404 or worse. A
+Messages request is then translated to ``/v1/chat/completions`` instead
+(:mod:`berth.gateway.messages_bridge`, which calls :func:`serving` only when it passes a
+request through).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ def serving(plan: Sequence[Upstream], path: str) -> list[Upstream]:
         return kept
     why = "; ".join(sorted({_why_not(upstream, path) for upstream in plan}))
     raise InvalidRequestError(
-        f"{why}; translation to /v1/chat/completions is not supported yet",
+        f"{why}; a token count is not translated to /v1/chat/completions, which counts none",
         code="path_not_served",
     )
 

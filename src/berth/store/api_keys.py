@@ -3,6 +3,8 @@
 :class:`ApiKeyMethods` is mixed into :class:`berth.store.Store`.  A key is found by the
 hash of its secret when a request authenticates (:meth:`ApiKeyMethods.find_api_key`) and
 by its id or name when an operator manages it (:meth:`ApiKeyMethods.lookup_api_key`).
+Every change is recorded for the other leaders on the database (:mod:`berth.store.changes`,
+topic ``keys``).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from sqlalchemy.orm import Session
 from berth.errors import ConflictError, NotFoundError
 from berth.keys import parse_tier, validate_key_name
 from berth.limits import LimitOverrides
+from berth.store.changes import KEYS_TOPIC, record_change
 from berth.store.records import ApiKeyRecord
 from berth.store.tables import ApiKeyRow
 from berth.store.values import UNCHANGED, Unchanged, aware, fresh_id
@@ -68,6 +71,7 @@ class ApiKeyMethods:
                 expires_at=expires_at,
             )
             session.add(row)
+            record_change(session, KEYS_TOPIC, row.id)
         return _api_key_record(row)
 
     def find_api_key(self, key_hash: str) -> ApiKeyRecord | None:
@@ -129,6 +133,7 @@ class ApiKeyMethods:
                 row.limits = limits.to_json() or None
             if not isinstance(expires_at, Unchanged):
                 row.expires_at = expires_at
+            record_change(session, KEYS_TOPIC, row.id)
         return _api_key_record(row)
 
     def revoke_api_key(self, ident: str) -> ApiKeyRecord:
@@ -142,6 +147,7 @@ class ApiKeyMethods:
             row = _lookup_api_key_row(session, ident)
             if row.revoked_at is None:
                 row.revoked_at = self._clock()
+                record_change(session, KEYS_TOPIC, row.id)
         return _api_key_record(row)
 
 

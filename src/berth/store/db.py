@@ -1,14 +1,25 @@
 """Engine creation for the state database.
 
-The URL is the ``database_url`` setting; SQLite is the default and PostgreSQL is meant to work
-by URL alone, so everything SQLite-specific lives here, in connection events, and the rest of
-the store speaks portable SQLAlchemy.
+The URL is the ``database_url`` setting; SQLite is the default and PostgreSQL
+(``postgresql+psycopg://USER:PASSWORD@HOST:PORT/DB``, psycopg 3) works by URL alone, so
+everything engine-specific lives here, in connection events, and the rest of the store
+speaks portable SQLAlchemy.
 
 For SQLite each new connection gets ``journal_mode=WAL`` (readers never block the writer),
 ``foreign_keys=ON`` and a busy timeout.  SQLAlchemy, not the ``sqlite3`` module, emits
 ``BEGIN``, so DDL in migrations is transactional and a write transaction can take the write
 lock up front (``BEGIN IMMEDIATE``) instead of failing to upgrade a read lock under contention;
 see the SQLAlchemy SQLite dialect docs, "Enabling Non-Legacy SQLite Transactional Modes".
+
+On PostgreSQL a write transaction starts by taking one transaction-scoped advisory lock,
+:data:`WRITE_LOCK_KEY` (``pg_advisory_xact_lock``), released at commit or rollback.  That
+makes writers take turns exactly as SQLite's single write lock does, so every
+read-check-write of the store (a usage counter added, a key revoked, a deployment moved
+out of a state, a lease taken over) means the same with several leaders on one database as
+with one: under ``READ COMMITTED`` each statement after the lock sees every write committed
+before it.  Readers never wait for it.  The store writes little (batches, state changes),
+so one lock costs nothing measurable; advisory locks are per database, so two berth
+clusters on one server do not share it.
 """
 
 from __future__ import annotations
@@ -29,8 +40,16 @@ SQLITE_BUSY_TIMEOUT_S: Final = 30.0
 #: Execution option naming the SQLite ``BEGIN`` flavour of a transaction.
 SQLITE_BEGIN_OPTION: Final = "berth_sqlite_begin"
 
-#: Execution options for a transaction that will write (``BEGIN IMMEDIATE`` on SQLite).
+#: Execution options for a transaction that will write (``BEGIN IMMEDIATE`` on SQLite, the
+#: write lock on PostgreSQL).
 WRITE_OPTIONS: Final[dict[str, Any]] = {SQLITE_BEGIN_OPTION: "IMMEDIATE"}
+
+#: The PostgreSQL advisory lock every write transaction holds (a constant: "berth" in ASCII).
+WRITE_LOCK_KEY: Final = 0x6265727468
+
+#: Seconds a PostgreSQL connection attempt waits before failing (a dead server is an error,
+#: not a hang).
+POSTGRES_CONNECT_TIMEOUT_S: Final = 10
 
 
 def parse_database_url(url: str) -> URL:
@@ -44,6 +63,11 @@ def parse_database_url(url: str) -> URL:
 def is_sqlite(url: URL) -> bool:
     """Whether ``url`` names a SQLite database."""
     return url.get_backend_name() == "sqlite"
+
+
+def is_postgresql(url: URL) -> bool:
+    """Whether ``url`` names a PostgreSQL database."""
+    return url.get_backend_name() == "postgresql"
 
 
 def _is_memory(url: URL) -> bool:
@@ -67,12 +91,18 @@ def create_store_engine(url: str) -> Engine:
         elif parsed.database:
             Path(parsed.database).expanduser().parent.mkdir(parents=True, exist_ok=True)
         kwargs["connect_args"] = connect_args
+    elif is_postgresql(parsed):
+        # Connections a dead server left in the pool are found before use, not mid-write.
+        kwargs["pool_pre_ping"] = True
+        kwargs["connect_args"] = {"connect_timeout": POSTGRES_CONNECT_TIMEOUT_S}
     try:
         engine = create_engine(parsed, **kwargs)
     except (ArgumentError, ImportError) as exc:
         raise StoreError(f"cannot use database URL {url!r}: {exc}") from None
     if is_sqlite(parsed):
         _install_sqlite_events(engine)
+    elif is_postgresql(parsed):
+        _install_postgresql_events(engine)
     return engine
 
 
@@ -97,3 +127,11 @@ def _install_sqlite_events(engine: Engine) -> None:
         if mode not in ("DEFERRED", "IMMEDIATE", "EXCLUSIVE"):
             raise StoreError(f"unknown SQLite transaction mode {mode!r}")
         connection.exec_driver_sql(f"BEGIN {mode}")
+
+
+def _install_postgresql_events(engine: Engine) -> None:
+    @event.listens_for(engine, "begin")
+    def _on_begin(connection: Connection) -> None:
+        mode = connection.get_execution_options().get(SQLITE_BEGIN_OPTION, "DEFERRED")
+        if mode != "DEFERRED":
+            connection.exec_driver_sql(f"SELECT pg_advisory_xact_lock({WRITE_LOCK_KEY})")

@@ -311,6 +311,36 @@ def _v9_service_timeouts(conn: Connection) -> None:
         _add_column(conn, "service_profiles", Column(name, Float, nullable=True))
 
 
+def _v10_leader_lease(conn: Connection) -> None:
+    metadata = MetaData()
+    Table(
+        "leader_lease",
+        metadata,
+        Column("name", String(32), primary_key=True),
+        Column("holder", String(255), nullable=False),
+        Column("address", String(512), nullable=False),
+        Column("epoch", BigInteger, nullable=False),
+        Column("acquired_at", Float, nullable=False),
+        Column("renewed_at", Float, nullable=False),
+        Column("expires_at", Float, nullable=False),
+    )
+    Table(
+        "change_counters",
+        metadata,
+        Column("topic", String(32), primary_key=True),
+        Column("counter", BigInteger, nullable=False),
+    )
+    metadata.create_all(conn)
+
+
+def _v11_usage_cached_tokens(conn: Connection) -> None:
+    # ADD COLUMN with a constant default fills existing rows (no cache reads counted then):
+    # the same statement on SQLite and PostgreSQL.
+    conn.execute(
+        text("ALTER TABLE usage_ledger ADD COLUMN cached_tokens BIGINT NOT NULL DEFAULT 0")
+    )
+
+
 def _v26_node_certificates(conn: Connection) -> None:
     metadata = MetaData()
     Table("nodes", metadata, Column("id", String(16), primary_key=True))
@@ -343,6 +373,10 @@ MIGRATIONS: tuple[Migration, ...] = (
         8, "deployments' and services' restart policy, restart count, last exit", _v8_restart_policy
     ),
     Migration(9, "service_profiles stream timeouts (first byte, idle)", _v9_service_timeouts),
+    Migration(10, "leader_lease (active leader and epoch), change_counters", _v10_leader_lease),
+    Migration(
+        11, "usage_ledger.cached_tokens (prompt tokens read from a cache)", _v11_usage_cached_tokens
+    ),
     # 26: issue 26's number, so that steps other features reserve below it stay free.
     Migration(26, "node_certificates (issued client certificates)", _v26_node_certificates),
 )

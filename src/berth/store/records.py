@@ -136,7 +136,9 @@ class UsageRecord:
 
     ``errors`` counts the requests whose answer was an error or broke off;
     ``estimated_tokens`` is the part of ``prompt_tokens + completion_tokens`` that berth
-    estimated because the engine reported no usage, for ``estimated_requests`` requests.
+    estimated because the engine reported no usage, for ``estimated_requests`` requests;
+    ``cached_tokens`` the part of ``prompt_tokens`` the engine read from its cache, as it
+    reported (a Messages answer's ``cache_read_input_tokens``).
     """
 
     day: date
@@ -149,6 +151,7 @@ class UsageRecord:
     completion_tokens: int = 0
     estimated_requests: int = 0
     estimated_tokens: int = 0
+    cached_tokens: int = 0
 
     @property
     def total_tokens(self) -> int:

@@ -14,7 +14,7 @@ load) and an optional fallback: another route, tried when none of its targets ha
 deployment.  Fallbacks never form a cycle.
 
 :class:`ServiceMethods` is mixed into :class:`berth.store.Store`, like
-:class:`berth.store.nodes.NodeMethods`: short sessions, write transactions, frozen records.
+:class:`berth.store.nodes.NodeMethods`: short sessions, fenced writes (store.lease), records.
 Refusals are :class:`NotFoundError` (an unknown model, node, service or route),
 :class:`ConflictError` (a taken name; a profile or route still in use) and
 :class:`ConfigError` (an invalid setting, or a fallback that would loop).
@@ -110,7 +110,7 @@ class ServiceMethods:
     def _read(self) -> AbstractContextManager[Session]:
         raise NotImplementedError
 
-    def _write(self) -> AbstractContextManager[Session]:
+    def _fenced_write(self) -> AbstractContextManager[Session]:
         raise NotImplementedError
 
     # --- service profiles ----------------------------------------------------------------
@@ -158,7 +158,7 @@ class ServiceMethods:
         if image == "":
             raise ConfigError("the docker image name is empty")
         _check_max_adapters(max_adapters, engine_name)
-        with self._write() as session:
+        with self._fenced_write() as session:
             if session.get(ServiceProfileRow, name) is not None:
                 raise ConflictError(f"service {name!r} already exists")
             if session.get(ModelRow, model_name) is None:
@@ -211,7 +211,7 @@ class ServiceMethods:
         """Set the restart policy of service ``name``'s deployments from now on (those
         running keep theirs until they are started anew).  Raises :class:`NotFoundError`
         for an unknown service and :class:`ConfigError` for an unknown policy."""
-        with self._write() as session:
+        with self._fenced_write() as session:
             row = _profile_row(session, name)
             row.restart_policy = check_restart_policy(restart_policy)
             session.flush()
@@ -226,7 +226,7 @@ class ServiceMethods:
         Raises :class:`NotFoundError` for an unknown service and :class:`ConfigError` when
         the new settings are invalid (:func:`check_scaling`); nothing changes then.
         """
-        with self._write() as session:
+        with self._fenced_write() as session:
             row = _profile_row(session, name)
             settings = check_scaling(change(_scaling_of(row)))
             row.min_replicas = settings.min_replicas
@@ -244,7 +244,7 @@ class ServiceMethods:
         """Replace the stream timeouts of service ``name`` with ``change(current)`` in one
         write transaction, and return the service. Raises :class:`NotFoundError` for an
         unknown service and :class:`ConfigError` for invalid timeouts (nothing changes)."""
-        with self._write() as session:
+        with self._fenced_write() as session:
             row = _profile_row(session, name)
             timeouts = check_timeouts(change(_timeouts_of(row)))
             row.first_byte_timeout_s = timeouts.first_byte_timeout_s
@@ -270,7 +270,7 @@ class ServiceMethods:
         names it (the message names the routes) or a deployment that is not stopped or
         failed serves it.
         """
-        with self._write() as session:
+        with self._fenced_write() as session:
             row = _profile_row(session, name)
             routes = session.scalars(
                 select(RouteTargetRow.public_name)
@@ -312,7 +312,7 @@ class ServiceMethods:
         and :class:`ConfigError` when the fallback is the route itself or would lead back
         to it.
         """
-        with self._write() as session:
+        with self._fenced_write() as session:
             _profile_row(session, service)
             route = session.get(RouteRow, name)
             if route is None:
@@ -341,7 +341,7 @@ class ServiceMethods:
         Raises :class:`NotFoundError` for an unknown route or fallback route and
         :class:`ConfigError` when the fallback would lead back to ``name``.
         """
-        with self._write() as session:
+        with self._fenced_write() as session:
             route = _route_row(session, name)
             if fallback is not None:
                 _check_fallback(session, name, fallback)
@@ -372,7 +372,7 @@ class ServiceMethods:
         unknown route or a service that is not behind it, and :class:`ConflictError` when
         the route would go while another route falls back to it (the message names them).
         """
-        with self._write() as session:
+        with self._fenced_write() as session:
             route = _route_row(session, name)
             targets = _targets_of(session, name)
             if service is not None:

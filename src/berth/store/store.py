@@ -2,10 +2,12 @@
 
 Every method opens a short session of its own and returns frozen records, never ORM objects,
 so one ``Store`` can be shared by threads (the daemon calls it through ``asyncio.to_thread``).
-Writes run in a write transaction (``BEGIN IMMEDIATE`` on SQLite) so a read-check-write
-sequence cannot interleave with another writer.  Database failures surface as
+Writes run in a write transaction (``BEGIN IMMEDIATE`` on SQLite, the write lock on
+PostgreSQL: :mod:`berth.store.db`) so a read-check-write sequence cannot interleave with
+another writer, in this process or another leader's.  Database failures surface as
 :class:`StoreError`; domain refusals as :class:`NotFoundError`, :class:`ConflictError` and
-:class:`InvalidTransitionError`.
+:class:`InvalidTransitionError`; a fenced write of a leader that lost the lease as
+:class:`~berth.store.errors.FencedError`.
 """
 
 from __future__ import annotations
@@ -32,7 +34,9 @@ from berth.store import migrations
 from berth.store.adapters import AdapterMethods, adapter_named, adapters_of
 from berth.store.api_keys import ApiKeyMethods
 from berth.store.certificates import CertificateMethods
+from berth.store.changes import ChangeMethods
 from berth.store.db import WRITE_OPTIONS, create_store_engine
+from berth.store.lease import LeaseMethods
 from berth.store.nodes import NodeMethods, delete_model_locations
 from berth.store.records import (
     DEFAULT_RESTART_POLICY,
@@ -57,21 +61,32 @@ def _utc_now() -> datetime:
 
 
 class Store(
-    NodeMethods, ServiceMethods, AdapterMethods, ApiKeyMethods, UsageMethods, CertificateMethods
+    LeaseMethods,
+    ChangeMethods,
+    NodeMethods,
+    ServiceMethods,
+    AdapterMethods,
+    ApiKeyMethods,
+    UsageMethods,
+    CertificateMethods,
 ):
     """The state database at ``url`` (the ``database_url`` setting).
 
     Nothing is touched until the first call; call :meth:`migrate` once at start-up before
     anything else.  The node registry, enrollment tokens and model locations are documented
     in :mod:`berth.store.nodes`; service profiles and routes in :mod:`berth.store.services`;
-    LoRA adapters in :mod:`berth.store.adapters`; the usage ledger in :mod:`berth.store.usage`.
-    ``clock`` returns aware datetimes; tests may pass a fake one.
+    LoRA adapters in :mod:`berth.store.adapters`; the usage ledger in :mod:`berth.store.usage`;
+    the leadership lease and the fence on cluster-state writes (deployments here, services
+    and routes) in :mod:`berth.store.lease`; change counters and feeds other leaders follow
+    in :mod:`berth.store.changes`.  ``clock`` returns aware datetimes; tests may pass a fake
+    one.
     """
 
     def __init__(self, url: str, *, clock: Callable[[], datetime] = _utc_now) -> None:
         self._engine: Engine = create_store_engine(url)
         self._sessions = sessionmaker(self._engine, expire_on_commit=False)
         self._clock = clock
+        self._fence_epoch: int | None = None
 
     @property
     def engine(self) -> Engine:
@@ -229,7 +244,7 @@ class Store(
         if ctx is not None and ctx <= 0:
             raise ConfigError(f"ctx must be a positive number of tokens, got {ctx}")
         now = self._clock()
-        with self._write() as session:
+        with self._fenced_write() as session:
             if session.get(ModelRow, model_name) is None:
                 raise NotFoundError("model", model_name)
             row = DeploymentRow(
@@ -303,7 +318,7 @@ class Store(
         another writer moved the deployment first).
         """
         target = DeploymentState(target)
-        with self._write() as session:
+        with self._fenced_write() as session:
             row = _get_deployment_row(session, deployment_id)
             current = DeploymentState(row.state)
             if not can_transition(current, target):
@@ -341,7 +356,7 @@ class Store(
 
         Raises :class:`NotFoundError` for an unknown id.
         """
-        with self._write() as session:
+        with self._fenced_write() as session:
             row = _get_deployment_row(session, deployment_id)
             row.port = port
             row.pid = pid

@@ -149,7 +149,8 @@ class UsageRow(Base):
     ``key_id`` is ``""`` for requests over the leader's Unix socket (no key); it is not a
     foreign key, so usage outlives a key.  ``estimated_tokens`` is the part of the prompt
     and completion tokens berth estimated (the engine reported no usage), over
-    ``estimated_requests`` requests.
+    ``estimated_requests`` requests.  ``cached_tokens`` is the part of the prompt tokens the
+    engine read from its cache, where it said so.
     """
 
     __tablename__ = "usage_ledger"
@@ -164,6 +165,7 @@ class UsageRow(Base):
     completion_tokens: Mapped[int] = mapped_column(BigInteger)
     estimated_requests: Mapped[int] = mapped_column(BigInteger)
     estimated_tokens: Mapped[int] = mapped_column(BigInteger)
+    cached_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
 
 
 class NodeRow(Base):
@@ -305,6 +307,31 @@ class AdapterLocationRow(Base):
         String(16), ForeignKey("nodes.id", ondelete="CASCADE"), primary_key=True
     )
     path: Mapped[str] = mapped_column(Text)
+
+
+class LeaderLeaseRow(Base):
+    """The leadership lease (one row, ``name`` ``leader``): who is active, under which
+    epoch, until when (Unix seconds of the holder's clock)."""
+
+    __tablename__ = "leader_lease"
+
+    name: Mapped[str] = mapped_column(String(32), primary_key=True)
+    holder: Mapped[str] = mapped_column(String(NAME_LENGTH))
+    address: Mapped[str] = mapped_column(String(512))
+    epoch: Mapped[int] = mapped_column(BigInteger)
+    acquired_at: Mapped[float] = mapped_column(Float)
+    renewed_at: Mapped[float] = mapped_column(Float)
+    expires_at: Mapped[float] = mapped_column(Float)
+
+
+class ChangeCounterRow(Base):
+    """How many changes of one kind (``topic``: ``keys``) were written, for leaders that
+    poll for them (:mod:`berth.store.changes`)."""
+
+    __tablename__ = "change_counters"
+
+    topic: Mapped[str] = mapped_column(String(32), primary_key=True)
+    counter: Mapped[int] = mapped_column(BigInteger)
 
 
 class NodeCertificateRow(Base):

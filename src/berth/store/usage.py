@@ -27,6 +27,7 @@ _COUNTERS = (
     "completion_tokens",
     "estimated_requests",
     "estimated_tokens",
+    "cached_tokens",
 )
 
 
@@ -131,4 +132,5 @@ def _usage_record(row: UsageRow) -> UsageRecord:
         completion_tokens=row.completion_tokens,
         estimated_requests=row.estimated_requests,
         estimated_tokens=row.estimated_tokens,
+        cached_tokens=row.cached_tokens,
     )

@@ -1,0 +1,122 @@
+"""A leader's part in shared leadership (the ``leader_ha`` setting; docs/ha.md).
+
+:class:`SharedLeadership` is what the ``Leader`` owns when leadership is shared: the lease
+loop (:class:`~berth.store.leadership.Leadership`, put on the graph so ``/readyz``,
+``/admin/leader`` and the ``/v1`` guard read it), the key sync
+(:class:`~berth.gateway.key_sync.KeySync`), and the gate on the leader-only loops: the
+``start_leading`` it is given (reconcile, the engine watcher, scaling) runs once this
+leader holds the lease, at once when it does at start, later when a standby takes over.
+The graph's ``leadership`` is set when it is built, so the listeners can start before.
+
+A leader that held the lease and lost it (another took over while it was stalled, or the
+store was out of reach past the lease) does not go on as a standby with loops that acted
+on a stale view: ``on_lost`` is called (the ``Leader`` stops; its supervisor starts it
+again, as a standby).  Its writes are fenced from the moment the lease is another's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable
+
+from berth.daemon.graph import LeaderGraph
+from berth.gateway.key_sync import KeySync
+from berth.store.leadership import Leadership, leader_id
+from berth.store.lease import LeaseState
+
+_log = logging.getLogger(__name__)
+
+
+class SharedLeadership:
+    """Shared leadership for the leader whose object graph is ``graph`` (see the module
+    doc).  ``address`` is the URL clients reach this leader at (its public listener)."""
+
+    def __init__(
+        self,
+        graph: LeaderGraph,
+        *,
+        address: str,
+        on_lost: Callable[[], None],
+    ) -> None:
+        store = graph.store
+        self.leadership = Leadership(
+            store, me=leader_id(), address=address, lease_s=graph.settings.leader_lease_s
+        )
+        graph.leadership = self.leadership  # a standby's listeners answer as one at once
+        self._graph = graph
+        self._key_sync = KeySync(store, graph.authenticator, graph.admission)
+        self._start_leading: Callable[[], Awaitable[None]] | None = None
+        self._on_lost = on_lost
+        self._leading = False
+        self._stopping = False
+        self._waiting: asyncio.Task[None] | None = None
+
+    @property
+    def leading(self) -> bool:
+        """Whether the leader-only loops were started (this leader became active)."""
+        return self._leading
+
+    async def start(self, start_leading: Callable[[], Awaitable[None]]) -> None:
+        """Follow key changes, take part in the lease, and call ``start_leading`` now, or
+        once the lease is this leader's."""
+        self._start_leading = start_leading
+        self._graph.leadership = self.leadership
+        await self._key_sync.start()
+        self.leadership.subscribe(self._role_changed)
+        await self.leadership.start()
+        if self.leadership.is_active:
+            await self._lead()
+        else:
+            _log.info(
+                "leadership: standby; the active leader is %s",
+                self.leadership.view().active_address or "none yet",
+            )
+            self._waiting = asyncio.create_task(self._lead_when_active(), name="standby")
+
+    async def hand_over(self) -> None:
+        """Hand the lease back now, before the Leader drains its requests (a clean stop, or
+        ``berth leader step-down``): a standby takes new requests at its next look while
+        this one finishes what is in flight; it takes no lease again.  Key sync goes on
+        until :meth:`stop`."""
+        self._stopping = True
+        if self._waiting is not None:
+            self._waiting.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._waiting
+            self._waiting = None
+        await self.leadership.stop(release=True)
+
+    async def stop(self) -> None:
+        """Stop waiting, following and leasing; the lease is handed back when held, so a
+        standby takes over at once."""
+        self._stopping = True
+        if self._waiting is not None:
+            self._waiting.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._waiting
+            self._waiting = None
+        await self._key_sync.stop()
+        await self.leadership.stop(release=True)
+
+    async def _lead_when_active(self) -> None:
+        await self.leadership.wait_active()
+        await self._lead()
+
+    async def _lead(self) -> None:
+        state = self.leadership.state
+        _log.info("leadership: active under epoch %d; starting the leader's loops", state.epoch)
+        self._leading = True
+        assert self._start_leading is not None, "start() gave it"
+        await self._start_leading()
+
+    def _role_changed(self, state: LeaseState) -> None:
+        if state.role == "standby" and self._leading and not self._stopping:
+            _log.error(
+                "leadership: lost the lease (epoch %d is now %s's); stopping, to come back "
+                "as a standby",
+                state.epoch,
+                state.active_address or "nobody",
+            )
+            self._on_lost()

@@ -1,0 +1,197 @@
+"""Changes other leaders must hear of at once: a counter per topic, and PostgreSQL's
+``NOTIFY``.
+
+A write that changes what every leader caches (an API key created, changed or revoked:
+topic ``keys``) calls :func:`record_change` inside its transaction.  That adds one to the
+topic's row of ``change_counters`` and, on PostgreSQL, sends ``NOTIFY berth_<topic>`` with
+``"<counter> <id>"`` as payload; both take effect at commit, together with the change.
+
+A leader follows a topic with a :class:`ChangeFeed`.  On PostgreSQL it holds a connection of
+its own that ``LISTEN``\\ s, and hears each change within milliseconds, with its id.  On
+SQLite (leaders on one host) it reads the counter every ``poll_s`` seconds and hears "some
+change" (ids ``None``) when it moved.  The counter is read on PostgreSQL too, at each
+(re)connection and every ``poll_s``, so a change made while the listening connection was
+down is not missed: it is heard as "some change".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from typing import Final
+
+import psycopg
+from sqlalchemy import Engine, select, text
+from sqlalchemy.engine import URL
+from sqlalchemy.orm import Session
+
+from berth.errors import StoreError
+from berth.store.tables import ChangeCounterRow
+
+_log = logging.getLogger(__name__)
+
+#: The topic of API keys and their limits.
+KEYS_TOPIC: Final = "keys"
+#: Seconds between looks at the counter (SQLite: the delay of a change; PostgreSQL: the
+#: safety net behind ``LISTEN``).
+DEFAULT_POLL_S: Final = 0.25
+#: Seconds the listening thread waits for a notification before it looks at its stop flag.
+_LISTEN_WAKE_S: Final = 0.2
+#: Seconds before a lost listening connection is opened again.
+_RECONNECT_S: Final = 1.0
+
+#: Hears changed ids (a set), or ``None`` for "something changed: read it all again".
+ChangeListener = Callable[[frozenset[str] | None], None]
+
+
+def channel(topic: str) -> str:
+    """The ``NOTIFY`` channel of ``topic``."""
+    return f"berth_{topic}"
+
+
+def record_change(session: Session, topic: str, ident: str) -> None:
+    """Count a change of ``topic`` (row ``ident`` changed) in ``session``'s write
+    transaction, and notify PostgreSQL listeners of it at commit."""
+    row = session.get(ChangeCounterRow, topic)
+    if row is None:
+        row = ChangeCounterRow(topic=topic, counter=1)
+        session.add(row)
+    else:
+        row.counter += 1
+    if session.get_bind().dialect.name == "postgresql":
+        payload = f"{row.counter} {ident}"
+        session.execute(
+            text("SELECT pg_notify(:channel, :payload)"),
+            {"channel": channel(topic), "payload": payload},
+        )
+
+
+def read_counter(session: Session, topic: str) -> int:
+    """How many changes of ``topic`` were recorded (0: none yet)."""
+    value = session.scalar(select(ChangeCounterRow.counter).where(ChangeCounterRow.topic == topic))
+    return int(value or 0)
+
+
+def libpq_url(url: URL) -> str:
+    """``url`` (``postgresql+psycopg://...``) as a URL psycopg connects to."""
+    return url.set(drivername="postgresql").render_as_string(hide_password=False)
+
+
+class ChangeFeed:
+    """Follow one topic of the store (see the module doc) and call ``listener`` on the event
+    loop with what changed.
+
+    ``counter`` reads the topic's counter (``Store.change_counter``), ``listen_url`` is the
+    PostgreSQL URL to ``LISTEN`` on (``None`` on SQLite: counter only).
+    """
+
+    def __init__(
+        self,
+        topic: str,
+        counter: Callable[[], int],
+        listener: ChangeListener,
+        *,
+        listen_url: URL | None = None,
+        poll_s: float = DEFAULT_POLL_S,
+    ) -> None:
+        self._topic = topic
+        self._counter = counter
+        self._listener = listener
+        self._listen_url = listen_url
+        self._poll_s = poll_s
+        self._seen: int | None = None
+        self._stopping = threading.Event()
+        self._tasks: list[asyncio.Task[None]] = []
+
+    async def start(self) -> None:
+        """Read the counter once (what is already there is not a change), then follow."""
+        self._seen = await asyncio.to_thread(self._counter)
+        loop = asyncio.get_running_loop()
+        self._tasks.append(asyncio.create_task(self._poll(), name=f"changes-{self._topic}"))
+        if self._listen_url is not None:
+            listening = asyncio.to_thread(self._listen, loop, self._listen_url)
+            self._tasks.append(asyncio.ensure_future(listening))
+
+    async def stop(self) -> None:
+        """Stop following (the listening thread ends within a fraction of a second)."""
+        self._stopping.set()
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._tasks.clear()
+
+    async def _poll(self) -> None:
+        while True:
+            await asyncio.sleep(self._poll_s)
+            try:
+                counter = await asyncio.to_thread(self._counter)
+            except StoreError as exc:
+                _log.warning("changes of %s: cannot read the counter: %s", self._topic, exc)
+                continue
+            if counter != self._seen:
+                self._seen = counter
+                self._listener(None)
+
+    def _heard(self, payload: str) -> None:
+        counter, _, ident = payload.partition(" ")
+        if counter.isdigit() and self._seen is not None:
+            self._seen = max(self._seen, int(counter))  # the poll need not hear it again
+        self._listener(frozenset({ident}))
+
+    def _listen(self, loop: asyncio.AbstractEventLoop, url: URL) -> None:
+        """The listening thread: ``LISTEN``, hand each notification to the loop, reconnect
+        after a failure (and report "some change": one may have been missed meanwhile)."""
+        first = True
+        while not self._stopping.is_set():
+            try:
+                with psycopg.connect(libpq_url(url), autocommit=True) as conn:
+                    conn.execute(f'LISTEN "{channel(self._topic)}"')
+                    if not first:
+                        loop.call_soon_threadsafe(self._listener, None)
+                    first = False
+                    while not self._stopping.is_set():
+                        for note in conn.notifies(timeout=_LISTEN_WAKE_S):
+                            loop.call_soon_threadsafe(self._heard, note.payload)
+            except psycopg.Error as exc:
+                if self._stopping.is_set():
+                    return
+                _log.warning("changes of %s: listening failed, again in 1 s: %s", self._topic, exc)
+                first = False
+                self._stopping.wait(_RECONNECT_S)
+
+
+class ChangeMethods:
+    """Store methods for change counters and feeds (see the module doc)."""
+
+    def _read(self) -> AbstractContextManager[Session]:
+        raise NotImplementedError
+
+    @property
+    def engine(self) -> Engine:
+        raise NotImplementedError
+
+    def change_counter(self, topic: str) -> int:
+        """How many changes of ``topic`` were recorded (0: none yet)."""
+        with self._read() as session:
+            return read_counter(session, topic)
+
+    def change_feed(
+        self, topic: str, listener: ChangeListener, *, poll_s: float = DEFAULT_POLL_S
+    ) -> ChangeFeed:
+        """A :class:`ChangeFeed` of ``topic`` on this store: ``LISTEN`` on PostgreSQL and
+        the counter every ``poll_s``; the counter only on SQLite."""
+        url = self.engine.url
+        listen_url = url if url.get_backend_name() == "postgresql" else None
+        return ChangeFeed(
+            topic,
+            lambda: self.change_counter(topic),
+            listener,
+            listen_url=listen_url,
+            poll_s=poll_s,
+        )

@@ -1,0 +1,180 @@
+"""Two real leader daemons on one database with ``leader_ha`` (docs/ha.md), PostgreSQL and one
+SQLite file (two leaders on one host): one is
+active, the other a standby whose ``/readyz`` and ``/v1`` answer 503 naming the active; when
+the active is killed with SIGKILL the standby takes the lease over (a new epoch) and serves;
+an active stopped past its lease stands down when resumed; ``berth leader step-down`` hands
+over while a client that retries on 503 gets nothing else.
+
+The two homes share the CA and the key pepper, as leaders that share agents and keys must.
+The kill-to-served time is printed, not asserted (a speed target belongs in a benchmark).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from berth.cluster.ca import CertificateAuthority
+from berth.keys import load_or_create_pepper
+from support.cluster_harness import Cluster, clean_env
+from support.postgres import PostgresServer
+from support.processes import alive, wait_gone
+from support.waiting import wait_for
+
+pytestmark = pytest.mark.slow
+
+#: A short lease, so the takeover after the kill comes within seconds.
+LEASE_S = "1.0"
+TAKEOVER_BOUND_S = 60.0
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def ha_pair(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[tuple[Cluster, Cluster]]:
+    """Leaders ``a`` (started first: active) and ``b`` (standby) on one database."""
+    server: PostgresServer | None = None
+    if request.param == "postgresql":
+        server = request.getfixturevalue("postgres_server")
+        url = server.create_database()
+    else:
+        url = f"sqlite:///{tmp_path / 'shared' / 'berth.db'}"
+    env = clean_env(
+        {
+            "BERTH_DATABASE_URL": url,
+            "BERTH_LEADER_HA": "true",
+            "BERTH_LEADER_LEASE_S": LEASE_S,
+            "BERTH_LEADER_ONLY": "true",
+        }
+    )
+    a, b = Cluster(tmp_path / "a", env), Cluster(tmp_path / "b", env)
+    # One CA and one pepper for both (what docs/ha.md asks of leaders that share a cluster).
+    CertificateAuthority.load_or_create(a.leader_home / "ca")
+    load_or_create_pepper(a.leader_home / "key_pepper")
+    b.leader_home.mkdir(parents=True)
+    shutil.copytree(a.leader_home / "ca", b.leader_home / "ca")
+    shutil.copy2(a.leader_home / "key_pepper", b.leader_home / "key_pepper")
+    started: list[Cluster] = []
+    try:
+        for leader in (a, b):
+            leader.start()
+            started.append(leader)
+        yield a, b
+    finally:
+        for leader in started:
+            leader.berth("daemon", "stop", check=False)
+        if server is not None:
+            server.drop_database(url)
+
+
+def _get(leader: Cluster, path: str, *, key: str = "") -> httpx.Response:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    with httpx.Client(base_url=leader.base_url, verify=leader.tls(), timeout=30.0) as http:
+        return http.get(path, headers=headers)
+
+
+def test_the_standby_answers_503_and_takes_over_when_the_active_is_killed(
+    ha_pair: tuple[Cluster, Cluster],
+) -> None:
+    a, b = ha_pair
+    assert _get(a, "/readyz").status_code == 200
+    active = a.admin("GET", "/admin/leader")
+    assert (active["role"], active["epoch"], active["ha"]) == ("active", 1, True)
+    assert active["active_address"] == a.base_url
+
+    standby = b.admin("GET", "/admin/leader")
+    assert (standby["role"], standby["active_address"]) == ("standby", a.base_url)
+    ready = _get(b, "/readyz")
+    assert (ready.status_code, ready.json()) == (503, {"status": "standby"})
+    refused = _get(b, "/v1/models", key=a.api_key)
+    assert refused.status_code == 503 and int(refused.headers["retry-after"]) >= 1
+    assert a.base_url in refused.json()["error"]["message"]
+    assert refused.json()["error"]["code"] == "standby_leader"
+    # The key made on a works on a, and (one pepper, one database) on b once it leads.
+    assert _get(a, "/v1/models", key=b.api_key).status_code == 200
+
+    pid = a.leader_pid()
+    killed_at = time.monotonic()
+    os.kill(pid, signal.SIGKILL)
+    assert wait_gone(pid, 10.0)
+    wait_for(lambda: _get(b, "/readyz").status_code == 200, TAKEOVER_BOUND_S,
+             "the standby to take the lease over")  # fmt: skip
+    served = _get(b, "/v1/models", key=a.api_key)
+    print(f"kill -9 of the active to the new active's first answer: "
+          f"{time.monotonic() - killed_at:.2f} s (lease {LEASE_S} s)")  # fmt: skip
+    assert served.status_code == 200, served.text
+    now = b.admin("GET", "/admin/leader")
+    assert (now["role"], now["epoch"], now["active_address"]) == ("active", 2, b.base_url)
+
+
+def test_a_stopped_active_that_resumes_after_a_takeover_stands_down(
+    ha_pair: tuple[Cluster, Cluster],
+) -> None:
+    a, b = ha_pair
+    pid = a.leader_pid()
+    os.kill(pid, signal.SIGSTOP)  # past its lease: b takes over
+    try:
+        wait_for(lambda: _get(b, "/readyz").status_code == 200, TAKEOVER_BOUND_S,
+                 "the standby to take the lease over")  # fmt: skip
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    # a finds its lease gone at its next look, and stops so as to come back as a standby.
+    assert wait_gone(pid, TAKEOVER_BOUND_S), "the old active did not stand down"
+    log = (a.leader_home / "logs" / "daemon.log").read_text()
+    assert "lost the lease" in log
+    now = b.admin("GET", "/admin/leader")
+    assert (now["role"], now["epoch"]) == ("active", 2)
+
+
+def test_a_step_down_hands_over_while_a_client_that_retries_on_503_never_fails(
+    ha_pair: tuple[Cluster, Cluster],
+) -> None:
+    a, b = ha_pair
+    pid = a.leader_pid()
+    refused = b.berth("leader", "step-down", check=False)  # a standby has nothing to hand over
+    assert refused.returncode != 0 and "standby" in refused.stderr + refused.stdout
+
+    failures: list[str] = []
+    answered = 0
+    stepped_at = time.monotonic()
+    a.berth("leader", "step-down")
+    # A client behind a load balancer: either leader, retrying on 503 or a refused
+    # connection, until b answers; nothing else may come back.
+    while time.monotonic() - stepped_at < TAKEOVER_BOUND_S:
+        for leader in (a, b):
+            try:
+                reply = _get(leader, "/v1/models", key=a.api_key)
+            except httpx.TransportError:
+                continue  # a has closed its listener
+            if reply.status_code == 200:
+                answered += 1
+            elif reply.status_code != 503:
+                failures.append(f"{leader.leader_home.name}: {reply.status_code} {reply.text}")
+        if b.admin("GET", "/admin/leader")["role"] == "active" and not alive(pid):
+            break
+        time.sleep(0.05)
+    assert failures == []
+    assert wait_gone(pid, TAKEOVER_BOUND_S), "the old active did not exit"
+    print(f"step-down to the new active: {time.monotonic() - stepped_at:.2f} s, "
+          f"{answered} answers meanwhile")  # fmt: skip
+    assert _get(b, "/v1/models", key=a.api_key).status_code == 200
+    assert b.admin("GET", "/admin/leader")["epoch"] == 2
+    assert "active, epoch 2" in b.berth("leader", "status").stdout
+
+
+def test_a_standby_stops_cleanly_and_leaves_the_active_alone(
+    ha_pair: tuple[Cluster, Cluster],
+) -> None:
+    a, b = ha_pair
+    pid = b.leader_pid()
+    b.berth("daemon", "stop")
+    assert wait_gone(pid, TAKEOVER_BOUND_S)
+    assert "lost the lease" not in (b.leader_home / "logs" / "daemon.log").read_text()
+    now = a.admin("GET", "/admin/leader")
+    assert (now["role"], now["epoch"]) == ("active", 1)
+    assert _get(a, "/v1/models", key=a.api_key).status_code == 200

@@ -1,0 +1,110 @@
+"""Shared leadership as a Leader owns it (``berth.daemon.ha``): two leaders' graphs on one
+database, on SQLite and PostgreSQL, with the real lease loop on a short lease.  The first
+leads at once, the second stands by (its loops not started, ``/v1`` refused with the
+active's address) and leads once the first stops; a leader that loses the lease asks to
+stop."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from berth.admission import Admission, ManualClock, UsageLedger
+from berth.config import TierTable
+from berth.daemon.ha import SharedLeadership
+from berth.gateway.auth import Authenticator
+from berth.keys import load_or_create_pepper
+from berth.store import Store, UsageRecord
+from berth.store.errors import StandbyError
+from support.waiting import wait_for_async
+
+pytestmark = pytest.mark.store_engines
+
+#: The shortest lease the setting allows: the loop looks every third of it.
+LEASE_S = 0.5
+#: Longest wait for a takeover (a bound for a loaded machine, not a target).
+TAKEOVER_BOUND_S = 20.0
+
+
+class NoSink:
+    def add_usage(self, batch: list[UsageRecord]) -> int:
+        return len(batch)
+
+
+def _graph(db_url: str, tmp_path: Path, name: str) -> Any:
+    store = Store(db_url)
+    return SimpleNamespace(
+        store=store,
+        settings=SimpleNamespace(leader_lease_s=LEASE_S),
+        authenticator=Authenticator(store, load_or_create_pepper(tmp_path / f"pepper-{name}")),
+        admission=Admission(TierTable(), UsageLedger(NoSink()), clock=ManualClock()),
+        leadership=None,
+    )
+
+
+@pytest.fixture
+def ha_graphs(db_url: str, tmp_path: Path) -> Iterator[tuple[Any, Any]]:
+    """Leaders A and B's graphs (what SharedLeadership reads of them) on one database."""
+    a, b = _graph(db_url, tmp_path, "a"), _graph(db_url, tmp_path, "b")
+    a.store.migrate()
+    yield a, b
+    a.store.close()
+    b.store.close()
+
+
+async def test_the_standby_leads_once_the_active_stops(ha_graphs: tuple[Any, Any]) -> None:
+    graph_a, graph_b = ha_graphs
+    led: list[str] = []
+    lost: list[str] = []
+
+    def leading(name: str) -> Any:
+        async def start_leading() -> None:
+            led.append(name)
+
+        return start_leading
+
+    a = SharedLeadership(graph_a, address="https://a:11500", on_lost=lambda: lost.append("a"))
+    b = SharedLeadership(graph_b, address="https://b:11500", on_lost=lambda: lost.append("b"))
+    await a.start(leading("a"))
+    await b.start(leading("b"))
+    try:
+        assert led == ["a"] and a.leading and not b.leading
+        assert graph_b.leadership is b.leadership and not b.leadership.is_active
+        refusal = graph_b.leadership.refusal()
+        assert isinstance(refusal, StandbyError) and "https://a:11500" in str(refusal)
+        assert refusal.retry_after_s > 0
+
+        await a.stop()  # a clean stop hands the lease over
+        await wait_for_async(lambda: b.leading, TAKEOVER_BOUND_S, "b to lead")
+        assert led == ["a", "b"] and lost == []
+        assert b.leadership.view().epoch == 2
+    finally:
+        await b.stop()
+        await a.stop()
+    assert lost == []
+
+
+async def test_a_leader_that_loses_the_lease_asks_to_stop(ha_graphs: tuple[Any, Any]) -> None:
+    graph_a, graph_b = ha_graphs
+    lost: list[str] = []
+
+    async def nothing() -> None:
+        return None
+
+    a = SharedLeadership(graph_a, address="https://a:11500", on_lost=lambda: lost.append("a"))
+    await a.start(nothing)
+    try:
+        assert a.leading
+        # Another leader takes the lease as if a had stalled past it.
+        epoch = a.leadership.state.epoch
+        graph_b.store.release_lease(a.leadership.me, epoch)
+        graph_b.store.acquire_lease("b", "https://b:11500", 60.0)
+        await wait_for_async(lambda: lost == ["a"], TAKEOVER_BOUND_S, "a to hear it lost")
+        assert not a.leadership.is_active
+        assert a.leadership.view().active_address == "https://b:11500"
+    finally:
+        await a.stop()
