@@ -4,7 +4,8 @@ Each leader caches keys twice: the :class:`~berth.gateway.auth.Authenticator` (r
 secret, invalid secrets) and :class:`~berth.admission.Admission` (each key's limits).  The
 admin API of the leader that makes a change clears its own caches; :class:`KeySync` clears
 every other leader's, from the store's ``keys`` change feed (:mod:`berth.store.changes`:
-PostgreSQL ``LISTEN/NOTIFY``, milliseconds; on SQLite a counter read every ``poll_s``).
+PostgreSQL ``LISTEN/NOTIFY``, milliseconds; on SQLite a counter read every ``poll_s``,
+0.25 s by default).
 
 On a change the authenticator's caches are dropped at once (the next request with any key
 reads the store, so a revoked key is refused from then on), and admission takes the changed
@@ -20,7 +21,7 @@ from berth.admission import Admission
 from berth.errors import NotFoundError, StoreError
 from berth.gateway.auth import Authenticator
 from berth.store import ApiKeyRecord, Store
-from berth.store.changes import DEFAULT_POLL_S, KEYS_TOPIC, ChangeFeed
+from berth.store.changes import KEYS_TOPIC, ChangeFeed
 
 _log = logging.getLogger(__name__)
 
@@ -35,7 +36,7 @@ class KeySync:
         authenticator: Authenticator,
         admission: Admission,
         *,
-        poll_s: float = DEFAULT_POLL_S,
+        poll_s: float | None = None,
     ) -> None:
         self._store = store
         self._authenticator = authenticator

@@ -10,8 +10,8 @@ A leader follows a topic with a :class:`ChangeFeed`.  On PostgreSQL it holds a c
 its own that ``LISTEN``\\ s, and hears each change within milliseconds, with its id.  On
 SQLite (leaders on one host) it reads the counter every ``poll_s`` seconds and hears "some
 change" (ids ``None``) when it moved.  The counter is read on PostgreSQL too, at each
-(re)connection and every ``poll_s``, so a change made while the listening connection was
-down is not missed: it is heard as "some change".
+(re)connection and every :data:`LISTEN_POLL_S`, so a change made while the listening
+connection was down is not missed: it is heard as "some change".
 """
 
 from __future__ import annotations
@@ -30,17 +30,21 @@ from sqlalchemy.engine import URL
 from sqlalchemy.orm import Session
 
 from berth.errors import StoreError
+from berth.store.db import POSTGRES_CONNECT_TIMEOUT_S
 from berth.store.tables import ChangeCounterRow
 
 _log = logging.getLogger(__name__)
 
 #: The topic of API keys and their limits.
 KEYS_TOPIC: Final = "keys"
-#: Seconds between looks at the counter (SQLite: the delay of a change; PostgreSQL: the
-#: safety net behind ``LISTEN``).
+#: Seconds between looks at the counter on SQLite: the delay of a change there.
 DEFAULT_POLL_S: Final = 0.25
+#: Seconds between looks at the counter on PostgreSQL: the safety net behind ``LISTEN``.
+LISTEN_POLL_S: Final = 5.0
 #: Seconds the listening thread waits for a notification before it looks at its stop flag.
 _LISTEN_WAKE_S: Final = 0.2
+#: Seconds :meth:`ChangeFeed.start` waits for ``LISTEN`` to hold.
+_LISTEN_START_S: Final = 10.0
 #: Seconds before a lost listening connection is opened again.
 _RECONNECT_S: Final = 1.0
 
@@ -105,16 +109,29 @@ class ChangeFeed:
         self._poll_s = poll_s
         self._seen: int | None = None
         self._stopping = threading.Event()
+        self._listening = threading.Event()  # set once LISTEN holds the first time
         self._tasks: list[asyncio.Task[None]] = []
+        self._thread: threading.Thread | None = None
 
     async def start(self) -> None:
-        """Read the counter once (what is already there is not a change), then follow."""
-        self._seen = await asyncio.to_thread(self._counter)
+        """Start listening (PostgreSQL: returns once ``LISTEN`` holds, or after
+        :data:`_LISTEN_START_S` if the server does not answer: the counter covers), then
+        read the counter (what is already there is not a change), then follow."""
         loop = asyncio.get_running_loop()
-        self._tasks.append(asyncio.create_task(self._poll(), name=f"changes-{self._topic}"))
         if self._listen_url is not None:
-            listening = asyncio.to_thread(self._listen, loop, self._listen_url)
-            self._tasks.append(asyncio.ensure_future(listening))
+            # A thread of its own: it blocks for the feed's life, and must not hold one of
+            # the default executor's few workers (the store's calls need them).
+            self._thread = threading.Thread(
+                target=self._listen,
+                args=(loop, self._listen_url),
+                name=f"listen-{self._topic}",
+                daemon=True,
+            )
+            self._thread.start()
+            if not await asyncio.to_thread(self._listening.wait, _LISTEN_START_S):
+                _log.warning("changes of %s: not listening yet; reading the counter", self._topic)
+        self._seen = await asyncio.to_thread(self._counter)
+        self._tasks.append(asyncio.create_task(self._poll(), name=f"changes-{self._topic}"))
 
     async def stop(self) -> None:
         """Stop following (the listening thread ends within a fraction of a second)."""
@@ -125,6 +142,9 @@ class ChangeFeed:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         self._tasks.clear()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join, _LISTEN_WAKE_S + _RECONNECT_S + 1.0)
+            self._thread = None
 
     async def _poll(self) -> None:
         while True:
@@ -150,8 +170,11 @@ class ChangeFeed:
         first = True
         while not self._stopping.is_set():
             try:
-                with psycopg.connect(libpq_url(url), autocommit=True) as conn:
+                with psycopg.connect(
+                    libpq_url(url), autocommit=True, connect_timeout=POSTGRES_CONNECT_TIMEOUT_S
+                ) as conn:
                     conn.execute(f'LISTEN "{channel(self._topic)}"')
+                    self._listening.set()
                     if not first:
                         loop.call_soon_threadsafe(self._listener, None)
                     first = False
@@ -182,12 +205,15 @@ class ChangeMethods:
             return read_counter(session, topic)
 
     def change_feed(
-        self, topic: str, listener: ChangeListener, *, poll_s: float = DEFAULT_POLL_S
+        self, topic: str, listener: ChangeListener, *, poll_s: float | None = None
     ) -> ChangeFeed:
         """A :class:`ChangeFeed` of ``topic`` on this store: ``LISTEN`` on PostgreSQL and
-        the counter every ``poll_s``; the counter only on SQLite."""
+        the counter every ``poll_s`` (default :data:`LISTEN_POLL_S`); the counter only on
+        SQLite (default every :data:`DEFAULT_POLL_S`)."""
         url = self.engine.url
         listen_url = url if url.get_backend_name() == "postgresql" else None
+        if poll_s is None:
+            poll_s = DEFAULT_POLL_S if listen_url is None else LISTEN_POLL_S
         return ChangeFeed(
             topic,
             lambda: self.change_counter(topic),
