@@ -18,9 +18,9 @@ log = logging.getLogger(__name__)
 def build_ca_router(services: LeaderGraph) -> APIRouter:
     """The CA routes, bound to ``services``."""
     router = APIRouter()
-    ca, store = services.ca, services.store
 
     def status() -> CaStatus:
+        ca, store = services.ca, services.store
         return CaStatus(
             fingerprint=ca.fingerprint_sha256,
             not_after=ca.certificate.not_valid_after_utc.timestamp(),
@@ -38,14 +38,15 @@ def build_ca_router(services: LeaderGraph) -> APIRouter:
 
     @router.post("/admin/ca/rotate")
     async def ca_rotate() -> CaStatus:
-        await asyncio.to_thread(rotate, ca)
-        log.warning("cluster CA rotated: new leaves under %s", ca.fingerprint_sha256)
+        await asyncio.to_thread(rotate, services.ca)
+        log.warning("cluster CA rotated: new leaves under %s", services.ca.fingerprint_sha256)
         return await asyncio.to_thread(status)
 
     @router.post("/admin/ca/retire")
     async def ca_retire(body: RetireIn) -> CaStatus:
         def work() -> None:
-            retire(ca, holders_of_old_leaves(store, ca), force=body.force)
+            ca = services.ca
+            retire(ca, holders_of_old_leaves(services.store, ca), force=body.force)
 
         await asyncio.to_thread(work)
         log.warning("cluster CA: the old root was retired%s", " (forced)" if body.force else "")
