@@ -341,7 +341,7 @@ def _v11_usage_cached_tokens(conn: Connection) -> None:
     )
 
 
-def _v26_node_certificates(conn: Connection) -> None:
+def _v12_node_certificates(conn: Connection) -> None:
     metadata = MetaData()
     Table("nodes", metadata, Column("id", String(16), primary_key=True))
     table = Table(
@@ -377,8 +377,7 @@ MIGRATIONS: tuple[Migration, ...] = (
     Migration(
         11, "usage_ledger.cached_tokens (prompt tokens read from a cache)", _v11_usage_cached_tokens
     ),
-    # 26: issue 26's number, so that steps other features reserve below it stay free.
-    Migration(26, "node_certificates (issued client certificates)", _v26_node_certificates),
+    Migration(12, "node_certificates (issued client certificates)", _v12_node_certificates),
 )
 
 LATEST_VERSION = MIGRATIONS[-1].version
