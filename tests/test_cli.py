@@ -209,6 +209,27 @@ def test_a_public_port_in_use_fails_the_start_and_leaves_no_daemon(fresh: Berth)
     fresh.fails("daemon", "status", exit_code=EXIT_DAEMON)
 
 
+def test_a_database_out_of_reach_fails_the_start_on_one_line(fresh: Berth) -> None:
+    with socket.socket() as held:  # bound, not listening: a connection is refused
+        held.bind(("127.0.0.1", 0))
+        port = held.getsockname()[1]
+        url = f"postgresql+psycopg://berth:secret@127.0.0.1:{port}/berth"
+
+        result = fresh(
+            "daemon", "start", "--public-port", "0", "--cluster-port", "0",
+            env={"BERTH_DATABASE_URL": url}, check=False,
+        )  # fmt: skip
+
+    assert result.returncode == EXIT_DAEMON
+    first = result.stderr.splitlines()[0]
+    assert first.startswith(
+        "error: the daemon failed to start: database error: connection failed: "
+    ), result.stderr
+    assert first.endswith("Connection refused Is the server running on that host and "
+                          "accepting TCP/IP connections?"), result.stderr  # fmt: skip
+    assert not (fresh.home / "daemon.pid").exists()
+
+
 def test_daemon_stop_leaves_a_stranger_with_a_stale_pid_alone(fresh: Berth) -> None:
     fresh.home.mkdir()
     with subprocess.Popen(["sleep", "60"]) as stranger:
@@ -600,8 +621,11 @@ def test_nodes_enroll_register_list_and_remove(
     listed = {n["label"]: n for n in berth.json("nodes", "ls")}
     assert listed["local"]["status"] == "ready"
     assert listed["cli-node"]["status"] == "unreachable"
+    # A day's certificate (agent_cert_lifetime_s), renewed over the link at two thirds.
+    left_s = listed["cli-node"]["cert_not_after"] - time.time()
+    assert 23 * 3600 < left_s <= 24 * 3600
     table = berth("nodes", "ls").stdout
-    assert "local" in table and "cli-node" in table
+    assert "local" in table and "cli-node" in table and "23h left" in table
     shown = berth.json("nodes", "show", "cli-node")
     assert shown["cert_fingerprint"].startswith("sha256:")
 

@@ -341,6 +341,23 @@ def _v11_usage_cached_tokens(conn: Connection) -> None:
     )
 
 
+def _v12_node_certificates(conn: Connection) -> None:
+    metadata = MetaData()
+    Table("nodes", metadata, Column("id", String(16), primary_key=True))
+    table = Table(
+        "node_certificates",
+        metadata,
+        Column("fingerprint", String(80), primary_key=True),
+        Column("node_id", String(16), ForeignKey("nodes.id", ondelete="CASCADE"), nullable=False),
+        Column("serial", String(48), nullable=False),
+        Column("not_after", Float, nullable=False),
+        Column("issuer_fingerprint", String(80), nullable=False),
+        Column("issued_at", Float, nullable=False),
+        Index("ix_node_certificates_node_id", "node_id"),
+    )
+    table.create(conn)
+
+
 def _v13_service_routing_policy(conn: Connection) -> None:
     # Nullable, no default: existing services follow the leader's routing_policy, as before.
     _add_column(conn, "service_profiles", Column("routing_policy", String(16), nullable=True))
@@ -365,6 +382,7 @@ MIGRATIONS: tuple[Migration, ...] = (
     Migration(
         11, "usage_ledger.cached_tokens (prompt tokens read from a cache)", _v11_usage_cached_tokens
     ),
+    Migration(12, "node_certificates (issued client certificates)", _v12_node_certificates),
     Migration(13, "service_profiles routing policy", _v13_service_routing_policy),
 )
 

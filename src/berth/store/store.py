@@ -33,6 +33,7 @@ from berth.errors import (
 from berth.store import migrations
 from berth.store.adapters import AdapterMethods, adapter_named, adapters_of
 from berth.store.api_keys import ApiKeyMethods
+from berth.store.certificates import CertificateMethods
 from berth.store.changes import ChangeMethods
 from berth.store.db import WRITE_OPTIONS, create_store_engine
 from berth.store.lease import LeaseMethods
@@ -67,6 +68,7 @@ class Store(
     AdapterMethods,
     ApiKeyMethods,
     UsageMethods,
+    CertificateMethods,
 ):
     """The state database at ``url`` (the ``database_url`` setting).
 
@@ -382,7 +384,13 @@ def _translated() -> Iterator[None]:
     except IntegrityError as exc:
         raise ConflictError(f"conflicting write: {exc.orig}") from exc
     except DBAPIError as exc:
-        raise StoreError(f"database error: {exc.orig}") from exc
+        raise StoreError(f"database error: {_one_line(exc.orig)}") from exc
+
+
+def _one_line(error: BaseException | None) -> str:
+    """The driver's message on one line: libpq's has a hint on a second (``Connection
+    refused\n\tIs the server running ...``), and a CLI error or a log line is one line."""
+    return " ".join(str(error).split())
 
 
 def _get_deployment_row(session: Session, deployment_id: str) -> DeploymentRow:
