@@ -11,7 +11,9 @@ seconds per attempt. When the link ends, the close code decides
 (:func:`berth.cluster.protocol.errors.agent_should_redial`): a final refusal (removed node,
 bad certificate, superseded, no common version) stops the agent; anything else is redialled
 after a capped exponential backoff with equal jitter (:func:`backoff_delay`, capped by the
-``redial_max_s`` setting). The status file says so at once.
+``redial_max_s`` setting). The status file says so at once. Which leader it dials is the
+:class:`~berth.agent.leaders.LeaderList`'s to say: the next one in turn after a session
+ends, the active at once after a standby's ``NOT_LEADER`` (docs/ha.md).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from pathlib import Path
 import aiohttp
 
 from berth.agent.identity import AgentIdentity, client_ssl_context
+from berth.agent.leaders import LeaderList
 from berth.agent.service import AgentService
 from berth.atomic import write_atomic
 from berth.cluster.connection import LinkConnection
@@ -166,8 +169,11 @@ class AgentDialer:
         backoff: Callable[[int], float] | None = None,
         redial_max_s: float = REDIAL_MAX_S,
         dial_timeout_s: float = DIAL_TIMEOUT_S,
+        leaders: LeaderList | None = None,
     ) -> None:
         self._identity = identity
+        self._leaders = leaders or LeaderList([], identity.leader_url)
+        self._close_reason = ""
         self._dial_timeout_s = dial_timeout_s
         self._service = service
         self._status = status
@@ -187,11 +193,13 @@ class AgentDialer:
     async def run(self) -> int:
         """Dial, serve, redial; returns 0 after :meth:`stop`, 1 after a final refusal."""
         ssl_context = client_ssl_context(self._identity)
-        url = cluster_ws_url(self._identity.leader_url)
         attempt = 0
         async with aiohttp.ClientSession() as http:
             while not self._stopping.is_set():
+                url = cluster_ws_url(self._leaders.current)
+                self._status.leader_url = self._leaders.current
                 self._status.set("connecting")
+                self._close_reason = ""
                 try:
                     code, welcomed = await self._session(http, url, ssl_context)
                 except (LinkError, aiohttp.ClientError, OSError) as exc:
@@ -207,6 +215,10 @@ class AgentDialer:
                     self.final_code = code
                     self._status.set("stopped")
                     return 1
+                following = self._leaders.ended(code, self._close_reason)
+                if following.at_once:
+                    self._status.activity(f"dialling the active leader {following.url}")
+                    continue
                 delay = self._backoff(attempt)
                 attempt += 1
                 self._status.set("backoff")
@@ -251,8 +263,10 @@ class AgentDialer:
                 self._status.set("backoff", error=f"handshake failed: {exc}")
                 return conn.close_code, False
             except LinkError:  # the leader closed the link first: a refusal, or it went away
+                self._close_reason = conn.close_reason
                 self._report_close(conn.close_code, conn.close_reason)
                 return conn.close_code, False
+            self._leaders.welcomed(welcome.leaders)
             self._conn = conn
             timeout_s = welcome.link_timeout_s
             conn.liveness = Liveness(timeout_s if timeout_s > 0 else LINK_TIMEOUT_S)
@@ -261,6 +275,7 @@ class AgentDialer:
             heartbeats = asyncio.create_task(self._heartbeats(conn, welcome.heartbeat_interval_s))
             await conn.run()
             code = conn.close_code
+            self._close_reason = conn.close_reason
             self._report_close(code, conn.close_reason)
             return code, True
         finally:

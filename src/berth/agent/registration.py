@@ -24,6 +24,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
 from berth.agent.identity import AgentIdentity, pinned_certificate, save_agent_identity
+from berth.agent.leaders import LEADERS_FILE, LeaderList
 from berth.cluster.enrollment import EnrollmentURI
 from berth.errors import AuthError, BerthError, ConfigError, DaemonError, RateLimitError
 from berth.paths import BerthHome
@@ -113,7 +114,7 @@ def register_agent(
     if response.status_code != 200:
         raise _refusal(response)
     answer = response.json()
-    return save_agent_identity(
+    identity = save_agent_identity(
         home,
         leader_url=uri.leader_url,  # the URL that just worked
         node_id=str(answer["node_id"]),
@@ -124,3 +125,6 @@ def register_agent(
         ca_pem=ca_pem,
         enrolled_at=clock(),
     )
+    # The leaders to fail over to, from the URI; every Welcome brings the list up to date.
+    LeaderList(uri.leaders, uri.leader_url, home.root / LEADERS_FILE).save()
+    return identity

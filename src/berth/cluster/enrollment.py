@@ -24,7 +24,7 @@ import secrets
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
@@ -76,16 +76,21 @@ def validate_node_label(label: str) -> str:
 
 @dataclass(frozen=True)
 class EnrollmentURI:
-    """``berth://enroll?leader=<https URL>&token=<secret>&ca_fp=sha256:<hex>``."""
+    """``berth://enroll?leader=<https URL>&token=<secret>&ca_fp=sha256:<hex>``, and with
+    shared leadership ``&leaders=<URL>,<URL>...`` (every leader's cluster URL)."""
 
     leader_url: str
     token: str
     ca_fingerprint: str
+    leaders: tuple[str, ...] = ()
 
     def __str__(self) -> str:
+        fields = {"leader": self.leader_url, "token": self.token, "ca_fp": self.ca_fingerprint}
+        if self.leaders:
+            fields["leaders"] = ",".join(self.leaders)
         query = urlencode(
-            {"leader": self.leader_url, "token": self.token, "ca_fp": self.ca_fingerprint},
-            safe=":/",  # allowed in a query as they are (RFC 3986 section 3.4): readable
+            fields,
+            safe=":/,",  # allowed in a query as they are (RFC 3986 section 3.4): readable
         )
         return f"{URI_SCHEME}://{_URI_ACTION}?{query}"
 
@@ -114,7 +119,13 @@ class EnrollmentURI:
                 f"the enrollment URI's ca_fp must be sha256:<64 hex digits>, got "
                 f"{values['ca_fp']!r}"
             )
-        return cls(values["leader"].rstrip("/"), values["token"], values["ca_fp"])
+        leaders = tuple(
+            u.rstrip("/") for u in ",".join(query.get("leaders", [])).split(",") if u.strip()
+        )
+        for url in leaders:
+            if not url.startswith("https://"):
+                raise ConfigError(f"the enrollment URI's leaders must be https:// URLs: {url!r}")
+        return cls(values["leader"].rstrip("/"), values["token"], values["ca_fp"], leaders)
 
 
 def new_enrollment_token() -> str:
@@ -270,6 +281,8 @@ class EnrollmentService:
         self._audit = audit
         self._clock = clock
         self._cert_days = cert_validity_days
+        #: every shared leader's cluster URL, for the URI (set with ``leader_ha``)
+        self.leaders: Callable[[], Sequence[str]] | None = None
 
     def issue_token(self, label: str) -> IssuedToken:
         """Store a new token for ``label`` and return its URI and expiry (epoch s).
@@ -282,7 +295,8 @@ class EnrollmentService:
         self._store.create_enrollment_token(
             label, hash_enrollment_token(token, self._pepper), expires_at
         )
-        uri = EnrollmentURI(self.cluster_url, token, self._ca.fingerprint_sha256)
+        leaders = tuple(self.leaders()) if self.leaders is not None else ()
+        uri = EnrollmentURI(self.cluster_url, token, self._ca.fingerprint_sha256, leaders)
         return IssuedToken(uri=uri, label=label, expires_at=expires_at)
 
     def register(self, token: str, csr_pem: str, source_address: str) -> Registration:

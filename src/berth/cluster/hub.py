@@ -77,6 +77,18 @@ class NodeListener(Protocol):
     def adopted_reported(self, node_id: str, adopted: list[AdoptedState]) -> None: ...
 
 
+class AgentGate(Protocol):
+    """Shared leadership's say on agents (:class:`berth.daemon.leader_roster.LeaderRoster`)."""
+
+    def refusal(self) -> str | None:
+        """``None`` to take agents (this leader is active), else the ``NOT_LEADER`` reason."""
+        ...
+
+    def leaders(self) -> Sequence[str]:
+        """Every leader's cluster URL, for Welcome."""
+        ...
+
+
 class NodeHub:
     """Live agent sessions by node id, and the WebSocket endpoint that makes them.
 
@@ -125,6 +137,8 @@ class NodeHub:
         self._shutting_down = False
         self._background: set[asyncio.Future[Any]] = set()
         self._saved_at: dict[str, float] = {}
+        #: with shared leadership: who may take agents, and the leaders Welcome lists
+        self.agent_gate: AgentGate | None = None
 
     def is_connected(self, node_id: str) -> bool:
         link = self._sessions.get(node_id)
@@ -223,6 +237,11 @@ class NodeHub:
             await ws.close(code=refusal[0], message=refusal[1].encode())
             return ws
         assert node_id is not None
+        standby = self.agent_gate.refusal() if self.agent_gate is not None else None
+        if standby is not None:  # a standby leader: go to the active (docs/ha.md)
+            log.info("sent agent %s (%s) to the active leader: %s", node_id, peer, standby)
+            await ws.close(code=CloseCode.NOT_LEADER, message=standby.encode())
+            return ws
         if self._shutting_down:
             await ws.close(code=CloseCode.LEADER_SHUTTING_DOWN, message=b"shutting down")
             return ws
@@ -241,6 +260,7 @@ class NodeHub:
             heartbeat_interval_s=self._heartbeat_interval_s,
             capabilities=LEADER_CAPABILITIES,
             link_timeout_s=self._liveness.timeout_s,
+            leaders=self.agent_gate.leaders() if self.agent_gate is not None else (),
         )
         try:
             hello = await conn.handshake(

@@ -341,6 +341,18 @@ def _v11_usage_cached_tokens(conn: Connection) -> None:
     )
 
 
+def _v12_leader_members(conn: Connection) -> None:
+    metadata = MetaData()
+    Table(
+        "leader_members",
+        metadata,
+        Column("cluster_url", String(512), primary_key=True),
+        Column("holder", String(255), nullable=False),
+        Column("seen_at", Float, nullable=False),
+    )
+    metadata.create_all(conn)
+
+
 #: Every migration, in increasing order (numbers may skip: see the module docstring).
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(1, "models, deployments and api_keys", _v1_initial),
@@ -360,6 +372,7 @@ MIGRATIONS: tuple[Migration, ...] = (
     Migration(
         11, "usage_ledger.cached_tokens (prompt tokens read from a cache)", _v11_usage_cached_tokens
     ),
+    Migration(12, "leader_members (every shared leader's cluster URL)", _v12_leader_members),
 )
 
 LATEST_VERSION = MIGRATIONS[-1].version

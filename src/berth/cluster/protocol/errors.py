@@ -42,6 +42,9 @@ class CloseCode(IntEnum):
     SUPERSEDED = 4409
     #: too many connection attempts; the reason carries ``retry_after_s=<seconds>``
     RATE_LIMITED = 4429
+    #: this leader is a standby (``leader_ha``); the reason is the active leader's cluster
+    #: URL when one is known (:func:`active_named_in`), and the agent dials it at once
+    NOT_LEADER = 4421
     #: the leader is shutting down or restarting
     LEADER_SHUTTING_DOWN = 4503
 
@@ -66,6 +69,20 @@ def agent_should_redial(code: int | None) -> bool:
     close with no code, is retried.
     """
     return code not in _FINAL_CODES
+
+
+def not_leader_reason(active_cluster_url: str | None) -> str:
+    """The reason a standby closes an agent's link with (``NOT_LEADER``): ``active=<URL>``,
+    or ``active=`` when it knows of no active leader."""
+    return f"active={active_cluster_url or ''}"
+
+
+def active_named_in(reason: str) -> str | None:
+    """The active leader's cluster URL a ``NOT_LEADER`` reason names, or ``None``."""
+    if not reason.startswith("active="):
+        return None
+    url = reason.removeprefix("active=").strip()
+    return url if url.startswith("https://") else None
 
 
 class LinkError(BerthError):
