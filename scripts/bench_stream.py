@@ -10,6 +10,9 @@ in one run:
 
 * ``engine alone``: plain HTTP straight to the engine;
 * ``vllm-router``: the Rust router from PyPI's ``vllm-router``, plain HTTP, one worker URL;
+* ``caddy + vllm-router``: Caddy terminating TLS (HTTP/1.1, a self-signed certificate for
+  127.0.0.1 made here) in front of its own vllm-router: the stack a user who needs HTTPS
+  runs, to set beside berth over TLS (both processes counted);
 * ``berth local``: HTTPS to a real leader's public listener with a bearer key, relayed to a
   deployment on node ``local`` (the leader, its key and deployments are set up with berth's
   CLI by ``bench_tunnel.running_cluster``);
@@ -26,8 +29,8 @@ in one run:
 
 vllm-router and LiteLLM are looked for in ``--bench-venv`` (or ``$BERTH_BENCH_VENV``): a
 virtualenv of their own, never the project's (``python -m venv .bench-venv &&
-.bench-venv/bin/pip install vllm-router 'litellm[proxy]'``). A path whose program is
-missing is skipped with a note.
+.bench-venv/bin/pip install vllm-router 'litellm[proxy]'``), Caddy on ``PATH`` (``setup.sh``
+installs it). A path whose program is missing is skipped with a note.
 
 Per path, after ``--warmup-s`` seconds of the load, ``--duration-s`` seconds are measured:
 
@@ -48,6 +51,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import ipaddress
 import json
 import os
 import shutil
@@ -176,6 +180,8 @@ class Target:
     authorization: bytes = b""
     model: str = harness.LOCAL_MODEL
     pids: tuple[int, ...] = ()  # the proxy processes whose CPU is counted
+    #: What each of ``pids`` is, for the split of a two-process path's CPU.
+    roles: tuple[str, ...] = ("leader", "agent")
 
 
 async def _connect(target: Target, sample: Sample) -> _Stream:
@@ -247,6 +253,7 @@ class Result:
     cpu_s: float
     #: The CPU seconds of each of the path's processes, in ``Target.pids`` order.
     cpu_s_each: list[float]
+    roles: tuple[str, ...] = ("leader", "agent")
 
     @property
     def us_per_event(self) -> float:
@@ -316,7 +323,7 @@ async def measure(target: Target, args: argparse.Namespace) -> Result:
         for client in clients:
             client.cancel()
     used = [after - before for before, after in zip(cpu_before, cpu_after, strict=True)]
-    return Result(target.name, sample, window_s, sum(used), used)
+    return Result(target.name, sample, window_s, sum(used), used, target.roles)
 
 
 def _start_profilers(target: Target, args: argparse.Namespace) -> list[subprocess.Popen[bytes]]:
@@ -412,18 +419,22 @@ def _wait_listening(port: int, process: subprocess.Popen[bytes], name: str, log:
 
 
 @contextlib.contextmanager
-def vllm_router(venv: Path, engine_port: int, workdir: Path) -> Iterator[Target | None]:
+def vllm_router(
+    venv: Path, engine_port: int, workdir: Path, log_name: str = "vllm-router.out"
+) -> Iterator[Target | None]:
     program = venv / "bin" / "vllm-router"
     if not program.exists():
         harness.log(f"vllm-router skipped: {program} not found")
         yield None
         return
     port = harness._free_port()
-    log = workdir / "vllm-router.out"
+    log = workdir / log_name
     with log.open("wb") as out:
         process = subprocess.Popen(
             [str(program), "--worker-urls", f"http://127.0.0.1:{engine_port}",
-             "--host", "127.0.0.1", "--port", str(port), "--policy", "round_robin"],
+             "--host", "127.0.0.1", "--port", str(port), "--policy", "round_robin",
+             # its metrics on a free port: the default, 29000, would clash with a second one
+             "--prometheus-port", str(harness._free_port())],
             stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
             start_new_session=True,
         )  # fmt: skip
@@ -433,6 +444,94 @@ def vllm_router(venv: Path, engine_port: int, workdir: Path) -> Iterator[Target 
         yield Target("vllm-router", port=port, pids=tuple(descendants(process.pid)))
     finally:
         _stop(process)
+
+
+def _self_signed(workdir: Path) -> tuple[Path, Path]:
+    """A certificate for ``127.0.0.1`` (an IP address SAN) signed by its own key, and the key,
+    as PEM files in ``workdir``: Caddy's, which the client then trusts alone."""
+    import datetime
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(
+            x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+            critical=False,
+        )
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(key, hashes.SHA256())
+    )
+    cert_path, key_path = workdir / "caddy.crt", workdir / "caddy.key"
+    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_path.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
+    return cert_path, key_path
+
+
+@contextlib.contextmanager
+def caddy_vllm_router(venv: Path, engine_port: int, workdir: Path) -> Iterator[Target | None]:
+    """Caddy terminating TLS on a free port, reverse-proxying (HTTP/1.1, every event flushed
+    at once) to a vllm-router of its own in front of the engine."""
+    program = shutil.which("caddy")
+    if program is None:
+        harness.log("caddy + vllm-router skipped: caddy not on PATH")
+        yield None
+        return
+    with vllm_router(venv, engine_port, workdir, "vllm-router-behind-caddy.out") as router:
+        if router is None:
+            yield None
+            return
+        port = harness._free_port()
+        cert, key = _self_signed(workdir)
+        home = workdir / "caddy-home"  # its data and config dirs: not the user's
+        home.mkdir(exist_ok=True)
+        config = workdir / "Caddyfile"
+        config.write_text(
+            "{\n  admin off\n  auto_https off\n}\n"
+            f"https://127.0.0.1:{port} {{\n"
+            f"  tls {cert} {key}\n"
+            f"  reverse_proxy 127.0.0.1:{router.port} {{\n    flush_interval -1\n  }}\n"
+            "}\n"
+        )
+        log = workdir / "caddy.out"
+        env = dict(os.environ, HOME=str(home), XDG_DATA_HOME=str(home),
+                   XDG_CONFIG_HOME=str(home))  # fmt: skip
+        with log.open("wb") as out:
+            process = subprocess.Popen(
+                [program, "run", "--config", str(config), "--adapter", "caddyfile"],
+                stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env,
+                start_new_session=True, cwd=workdir,
+            )  # fmt: skip
+        try:
+            _wait_listening(port, process, "caddy", log)
+            tls = ssl.create_default_context(cafile=str(cert))
+            yield Target(
+                "caddy + vllm-router",
+                port=port,
+                tls=tls,
+                pids=(*descendants(process.pid), *router.pids),
+                roles=("caddy", "vllm-router"),
+            )
+        finally:
+            _stop(process)
 
 
 @contextlib.contextmanager
@@ -516,13 +615,16 @@ def _report(rounds: list[list[Result]], args: argparse.Namespace) -> None:
             )
     split = [r for results in rounds for r in results if len(r.cpu_s_each) == 2]
     if split:
-        print("\n| round | path | CPU µs per event: leader + agent |")
+        print("\n| round | path | CPU µs per event, by process |")
         print("| ---: | --- | ---: |")
         for number, results in enumerate(rounds, 1):
             for r in results:
                 if len(r.cpu_s_each) == 2:
-                    leader, agent = (1e6 * c / max(1, r.sample.events) for c in r.cpu_s_each)
-                    print(f"| {number} | {r.name} | {leader:.0f} + {agent:.0f} |")
+                    each = (1e6 * c / max(1, r.sample.events) for c in r.cpu_s_each)
+                    shares = " + ".join(
+                        f"{us:.0f} ({role})" for us, role in zip(each, r.roles, strict=True)
+                    )
+                    print(f"| {number} | {r.name} | {shares} |")
     reference = [r for results in rounds for r in results if r.name == "vllm-router"]
     if not reference:
         return
@@ -542,6 +644,7 @@ def _report(rounds: list[list[Result]], args: argparse.Namespace) -> None:
             gap = pct_ms(r.sample.gaps_s, 0.99) - pct_ms(ref.sample.gaps_s, 0.99)
             ratios.setdefault(r.name, []).append((cpu, ttft, gap))
             print(f"| {number} | {r.name} | {cpu:.2f} | {ttft:.2f} | {gap:+.1f} |")
+    _report_against_caddy(rounds)
     if len(rounds) < 3:
         return
     # One round moves with whatever else the machine does; the median of the rounds does less.
@@ -558,6 +661,34 @@ def _report(rounds: list[list[Result]], args: argparse.Namespace) -> None:
         print(f"| {name} | {' | '.join(cells)} |")
 
 
+def _report_against_caddy(rounds: list[list[Result]]) -> None:
+    """Each berth path's CPU per event over Caddy + vllm-router's in the same round: berth
+    over TLS beside the TLS-terminating stack a user would run instead."""
+    caddy = "caddy + vllm-router"
+    if not any(r.name == caddy for results in rounds for r in results):
+        return
+    print(f"\n| round | path | CPU per event ÷ {caddy} |")
+    print("| ---: | --- | ---: |")
+    ratios: dict[str, list[float]] = {}
+    for number, results in enumerate(rounds, 1):
+        ref = next((r for r in results if r.name == caddy), None)
+        if ref is None:
+            continue
+        for r in results:
+            if r.name.startswith("berth"):
+                ratio = r.us_per_event / ref.us_per_event
+                ratios.setdefault(r.name, []).append(ratio)
+                print(f"| {number} | {r.name} | {ratio:.2f} |")
+    if len(rounds) < 3:
+        return
+    print(f"\n| path | CPU per event ÷ {caddy}, median of {len(rounds)} (lowest - highest) |")
+    print("| --- | ---: |")
+    for name, values in ratios.items():
+        found = sorted(values)
+        middle, low, high = statistics.median(found), found[0], found[-1]
+        print(f"| {name} | {middle:.2f} ({low:.2f} - {high:.2f}) |")
+
+
 async def _bench(targets: list[Target], args: argparse.Namespace) -> list[list[Result]]:
     rounds = []
     for number in range(args.repeat):
@@ -570,8 +701,8 @@ async def _bench(targets: list[Target], args: argparse.Namespace) -> list[list[R
     return rounds
 
 
-PATHS = ("engine", "vllm-router", "berth-proxy", "berth", "berth-socket", "berth-agent",
-         "berth-direct", "litellm")  # fmt: skip
+PATHS = ("engine", "vllm-router", "caddy-vllm-router", "berth-proxy", "berth", "berth-socket",
+         "berth-agent", "berth-direct", "litellm")  # fmt: skip
 
 
 def main() -> None:
@@ -624,6 +755,11 @@ def main() -> None:
                     targets.append(Target("engine alone", port=engine_port, pids=engine))
                 elif name == "vllm-router":
                     found = stack.enter_context(vllm_router(args.bench_venv, engine_port, workdir))
+                    targets += [found] if found else []
+                elif name == "caddy-vllm-router":
+                    found = stack.enter_context(
+                        caddy_vllm_router(args.bench_venv, engine_port, workdir)
+                    )
                     targets += [found] if found else []
                 elif name == "berth-proxy":
                     targets.append(stack.enter_context(berth_proxy(engine_port)))

@@ -374,3 +374,78 @@ async def _wait_until_let_in(side: Ingress) -> None:
                 f"node {side.pki.node_id}'s ingress refuses the leader's renewed certificate"
             )
         await asyncio.sleep(0.05)
+
+
+async def _stream(leader: Leader) -> bytes:
+    """One streamed exchange over the leader's data paths, read to its end."""
+    leader.side.engine.script(sse_reply(chat_chunks(["one ", "two ", "three"])))
+    answer = await leader.paths.open_http(
+        leader.node_id, DEPLOYMENT, b"POST", b"/v1/chat/completions", [], BODY, 10.0
+    )
+    try:
+        assert answer.status == 200
+        return await answer.read()
+    finally:
+        answer.close()
+
+
+async def test_sequential_streams_over_the_direct_path_share_one_connection(
+    rarely_probed: Leader,
+) -> None:
+    leader = rarely_probed
+    await wait_for_async(lambda: leader.path() == "direct", EVENT_TIMEOUT_S, "the direct path")
+
+    bodies = [await _stream(leader) for _ in range(8)]
+
+    assert all(b"three" in body and body.endswith(b"data: [DONE]\n\n") for body in bodies)
+    assert leader.tunnel.opened == 0
+    # The probe's connection carried every stream after it: one TLS handshake in all.
+    assert leader.relay.accepted == 1
+
+
+async def test_a_connection_broken_by_the_ingress_is_not_used_again(
+    rarely_probed: Leader,
+) -> None:
+    leader = rarely_probed
+    await wait_for_async(lambda: leader.path() == "direct", EVENT_TIMEOUT_S, "the direct path")
+    await _stream(leader)
+    assert leader.relay.cut() == 1  # the idle connection, broken off by the peer
+
+    body = await _stream(leader)
+
+    assert b"three" in body
+    assert leader.tunnel.opened == 0  # a new connection, not the tunnel
+    assert leader.relay.accepted == 2
+    assert leader.path() == "direct"
+
+
+async def test_a_renewal_closes_the_idle_direct_connections_made_with_the_old_certificates(
+    pki: Pki,
+) -> None:
+    clock = ManualClock()
+    async with running_ingress(pki, advertise_host=RELAY_HOST, configure=False) as side:
+        relay = Relay(("127.0.0.1", side.origin.port))
+        await relay.start(RELAY_HOST, side.origin.port)
+        async with _linked(side) as link:
+            registry = LinkRegistry()
+            tunnel = CountingTunnel(link)
+            paths = _data_paths(tunnel, registry, pki, clock=clock, probe_interval_s=0.05)
+            await paths.start()
+            registry.attach(link)
+            leader = Leader(paths, tunnel, relay, side, pki.node_id)
+            try:
+                await wait_for_async(lambda: leader.path() == "direct", EVENT_TIMEOUT_S, "direct")
+                assert b"three" in await _stream(leader)
+                made = relay.accepted  # one, or two if a probe was out as the stream began
+                assert not any(ended.is_set() for ended in relay.ended)
+
+                clock.now_s = 1.1 * RENEW_AFTER_S  # the node's certificates are renewed
+                # The renewal runs between two probes: every connection is idle then.
+                async with asyncio.timeout(EVENT_TIMEOUT_S):
+                    await asyncio.gather(*(ended.wait() for ended in relay.ended[:made]))
+
+                assert b"three" in await _stream(leader)  # on a new connection
+                assert relay.accepted > made and tunnel.opened == 0
+            finally:
+                await paths.close()
+                await relay.close()

@@ -11,8 +11,10 @@ from collections.abc import AsyncIterator, MutableMapping
 import httpx
 import pytest
 
+from berth.gateway.exchange import payload_of
 from berth.gateway.proxy import OpenAIProxy
 from berth.observability.metrics import ProxyMetrics
+from berth.routing.errors import InvalidRequestError
 from support.proxy_fixtures import StaticResolver, running_proxy, sample
 from support.standin_engine import Head, Reply, Stall, StandinEngine, Write, error_reply, json_reply
 
@@ -153,6 +155,44 @@ async def test_a_malformed_request_is_400(
     error = error_of(response)
     assert (error["type"], error["code"], error["param"]) == ("invalid_request_error", code, param)
     assert engine.requests == []
+
+
+def _stdlib_read(body: bytes) -> object:
+    """What ``json.loads`` with NaN and the infinities refused makes of ``body``."""
+
+    def refuse(name: str) -> object:
+        raise ValueError(name)
+
+    try:
+        return json.loads(body, parse_constant=refuse)
+    except (ValueError, RecursionError):
+        return "refused"
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        rb'{"model": "m", "n": 1.5e3, "s": "caf\u00e9 \ud83d\ude00"}',
+        '{"model": "café"}'.encode("utf-16"),
+        '{"model": "m"}'.encode("utf-32-le"),
+        b"\xef\xbb\xbf" + b'{"model": "m"}',  # a UTF-8 BOM
+        b'{"model": "m", "x": NaN}',
+        b"\xff\xfe",
+        b'{"model": "\xe9"}',  # not UTF-8
+        b"[" * 100_000 + b"]" * 100_000,
+        b'["m"]',
+    ],
+    ids=["utf-8", "utf-16", "utf-32", "bom", "nan", "bad bytes", "latin-1", "deep", "array"],
+)
+def test_a_request_body_is_read_as_the_standard_library_reads_it(body: bytes) -> None:
+    expected = _stdlib_read(body)
+    try:
+        got: object = payload_of(body)
+    except InvalidRequestError:
+        got = "refused"
+    if isinstance(expected, list):
+        expected = "refused"  # not an object
+    assert got == expected
 
 
 async def raw_exchange(url: str, request: bytes) -> bytes:

@@ -216,6 +216,34 @@ async def test_concurrent_requests_each_get_a_connection_then_reuse_them() -> No
     assert len(server.requests) == 24
 
 
+async def test_a_connection_idle_past_the_idle_timeout_is_closed_and_not_reused() -> None:
+    async with raw_server(json_answer) as server, upstream_pool(idle_timeout_s=0.05) as pool:
+        assert await get(pool, server.origin) == JSON
+        await asyncio.wait_for(server.closed_by_client[0].wait(), 10.0)  # the pool closed it
+        assert pool.idle_connections == 0
+
+        assert await get(pool, server.origin) == JSON
+    assert [r.connection for r in server.requests] == [0, 1]
+
+
+async def test_a_connection_reused_within_the_idle_timeout_stays_open() -> None:
+    async with raw_server(json_answer) as server, upstream_pool(idle_timeout_s=3600.0) as pool:
+        for _ in range(3):
+            assert await get(pool, server.origin) == JSON
+        assert pool.idle_connections == 1
+    assert server.connections == 1
+
+
+async def test_close_idle_closes_idle_connections_and_the_next_request_makes_one() -> None:
+    async with raw_server(json_answer) as server, upstream_pool() as pool:
+        assert await get(pool, server.origin) == JSON
+        assert pool.close_idle() == 1
+        assert pool.idle_connections == 0
+
+        assert await get(pool, server.origin) == JSON
+    assert server.connections == 2
+
+
 async def test_max_connections_makes_requests_wait_for_a_free_one() -> None:
     async with raw_server(json_answer) as server, upstream_pool(max_connections=1) as pool:
         results = await asyncio.gather(*(get(pool, server.origin) for _ in range(4)))

@@ -177,12 +177,18 @@ async def running_ingress(
 class Relay:
     """A TCP relay from ``listen`` to ``target`` that can stop passing bytes: ``blocked``
     holds every byte in both directions (a black hole: no reset, no close), like a
-    firewall's DROP rule."""
+    firewall's DROP rule. ``accepted`` counts the connections it took (each one is one
+    connection the ingress accepts) and ``ended`` has, for each in turn, an event set once
+    the leader's side of it has closed; :meth:`cut` closes those open now, as a peer that
+    breaks them off."""
 
     target: tuple[str, int]
     blocked: bool = False
     server: asyncio.Server | None = None
+    accepted: int = 0
+    ended: list[asyncio.Event] = field(default_factory=list)
     _pipes: set[asyncio.Task[None]] = field(default_factory=set)
+    _writers: set[asyncio.StreamWriter] = field(default_factory=set)
 
     async def start(self, host: str, port: int) -> None:
         self.server = await asyncio.start_server(self._serve, host, port)
@@ -194,16 +200,29 @@ class Relay:
             task.cancel()
         await asyncio.gather(*self._pipes, return_exceptions=True)
 
+    def cut(self) -> int:
+        """Close every connection open now, both ways; how many were open."""
+        writers, self._writers = self._writers, set()
+        for writer in writers:
+            writer.close()
+        return len(writers) // 2
+
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.accepted += 1
+        ended = asyncio.Event()
+        self.ended.append(ended)
         try:
             up_reader, up_writer = await asyncio.open_connection(*self.target)
         except OSError:
             writer.close()
             return
+        self._writers.update((writer, up_writer))
         for source, sink in ((reader, up_writer), (up_reader, writer)):
             task = asyncio.create_task(self._pipe(source, sink))
             self._pipes.add(task)
             task.add_done_callback(self._pipes.discard)
+            if source is reader:  # the leader's side: its end is the connection's
+                task.add_done_callback(lambda _task: ended.set())
 
     async def _pipe(self, source: asyncio.StreamReader, sink: asyncio.StreamWriter) -> None:
         try:
@@ -216,3 +235,4 @@ class Relay:
             pass
         finally:
             sink.close()
+            self._writers.discard(sink)

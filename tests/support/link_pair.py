@@ -111,14 +111,15 @@ class Linked:
 
 
 @contextlib.asynccontextmanager
-async def linked_in_memory() -> AsyncIterator[Linked]:
+async def linked_in_memory(**service_options: Any) -> AsyncIterator[Linked]:
     """The leader's :class:`RemoteLink` to an :class:`AgentService` over an in-memory
     WebSocket pair, both ends past the handshake and running; a :class:`FakeCore` over a
-    stand-in engine behind the agent. Closed (code 1000) on exit."""
+    stand-in engine behind the agent. Closed (code 1000) on exit. ``service_options`` go to
+    the agent service (its ``tracer``)."""
     limits = LinkLimits(stream_window_bytes=64 * 1024)
     async with StandinEngine(api_key=ENGINE_KEY) as engine:
         core = FakeCore(engine.port)
-        service = AgentService(core, read_timeout_s=5.0)  # type: ignore[arg-type]
+        service = AgentService(core, read_timeout_s=5.0, **service_options)  # type: ignore[arg-type]
         agent_ws, leader_ws = memory_socket_pair()
         agent = LinkConnection(Role.AGENT, agent_ws, service, peer="leader", limits=limits)
         leader = LinkConnection(Role.LEADER, leader_ws, LeaderSide(), peer="n-1", limits=limits)

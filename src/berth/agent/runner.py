@@ -39,6 +39,7 @@ from berth.errors import ConfigError, ConflictError
 from berth.eventloop import freeze_startup_objects
 from berth.humanize import age
 from berth.observability.loop_lag import LoopLagMonitor
+from berth.observability.tracing_setup import open_tracing
 from berth.paths import BerthHome
 from berth.runtime.docker import DockerRuntime, resolve_docker_host
 from berth.runtime.engines import EngineBinaries
@@ -152,8 +153,17 @@ async def run_agent(
         identity.leader_url, identity.node_id, identity.label, path=home.agent_status_file
     )
     loop_lag = LoopLagMonitor()  # berth_event_loop_lag_seconds, carried in heartbeats
+    # OpenTelemetry: each relay to an engine traced under the leader's request, when
+    # [tracing] or OTEL_* name a collector (the agent has no /metrics: its drops are logged
+    # when it stops).
+    node = {"berth.node": identity.node_id}
+    tracing = open_tracing(settings, os.environ, service_name="berth-agent", attributes=node)
     service = AgentService(
-        core, on_activity=status.activity, models_dir=home.models_dir, loop_lag=loop_lag.histogram
+        core,
+        on_activity=status.activity,
+        models_dir=home.models_dir,
+        loop_lag=loop_lag.histogram,
+        tracer=tracing.relays(identity.node_id) if tracing is not None else None,
     )
     ingress = None
     try:  # a port in use fails the start before any engine is re-attached
@@ -209,6 +219,10 @@ async def run_agent(
         await service.close()
         core.close()
         loop_lag.stop()
+        if tracing is not None:
+            if tracing.dropped:
+                log.warning("tracing: %d spans dropped, the export queue full", tracing.dropped)
+            await asyncio.to_thread(tracing.shutdown)
         status.set("stopped")
     if dialer.final_code == CloseCode.NODE_REMOVED:
         # This host left the cluster: the engines it ran for the leader go with it.

@@ -18,7 +18,7 @@ import logging
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Protocol, assert_never
+from typing import TYPE_CHECKING, Protocol, assert_never
 
 import msgspec
 
@@ -79,6 +79,9 @@ from berth.observability.window import RequestMeter, is_error
 from berth.placement.model_files import FileStamp, read_model_file
 from berth.runtime.gpu import GpuInfo
 
+if TYPE_CHECKING:  # imported only where tracing is on (berth.agent.runner builds it)
+    from berth.observability.relay_tracing import RelayTracer
+
 log = logging.getLogger(__name__)
 
 #: Largest request body an agent accepts on one tunneled exchange, in bytes.
@@ -129,7 +132,8 @@ class AgentService:
 
     ``on_activity`` hears one line per operation (for the status panel). ``meter`` counts
     the tunneled requests this agent serves, and ``loop_lag`` reads the agent's event-loop
-    lag histogram; both are reported in each heartbeat.
+    lag histogram; both are reported in each heartbeat. ``tracer``, when tracing is on, traces
+    each relay to an engine (:mod:`berth.observability.tracing`).
     """
 
     def __init__(
@@ -141,8 +145,10 @@ class AgentService:
         models_dir: Path | None = None,
         meter: RequestMeter | None = None,
         loop_lag: Callable[[], LagHistogram] | None = None,
+        tracer: RelayTracer | None = None,
     ) -> None:
         self._core = core
+        self._tracer = tracer
         self._loop_lag = loop_lag
         self._gpus: list[GpuInfo] | None = None
         self._models_dir = models_dir
@@ -425,6 +431,11 @@ class AgentService:
         host, port = self._core.engine_origin(deployment_id)
         # Whatever credential came with it (the leader forwards none), the engine gets its own.
         headers = with_engine_key(headers, self._core.engine_auth(deployment_id))
+        # tracing on: a span under the leader's attempt, its traceparent sent to the engine
+        trace = None
+        if self._tracer is not None:
+            trace = self._tracer.begin(deployment_id, method, target, headers)
+            headers = trace.headers
         # Measured here, where the request is served (docs/metrics.md): from the body's
         # arrival to the answer's last byte.
         self.meter.started(deployment_id)
@@ -459,6 +470,8 @@ class AgentService:
             completed = True
             raise
         finally:
+            if trace is not None:
+                trace.end(status, completed=completed, withdrawn=withdrawn)
             if withdrawn:
                 self.meter.withdrawn(deployment_id)
             else:

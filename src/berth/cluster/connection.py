@@ -50,6 +50,7 @@ from berth.cluster.protocol.events import (
     WelcomeReceived,
 )
 from berth.cluster.protocol.frames import (
+    STREAM_DATA_PREFIX,
     ErrorInfo,
     Heartbeat,
     Hello,
@@ -347,6 +348,7 @@ class LinkConnection:
         self._output.start()
         self._output.use_frame_writer()
         session = self._session
+        deliver = self._data_received
         self._reader = asyncio.current_task()
         if self.liveness is not None:
             self._keepalive.start(self.liveness)
@@ -357,7 +359,12 @@ class LinkConnection:
                 kind = message.type
                 if kind is _BINARY:
                     self.last_frame_at = now
-                    event = session.receive_message(message.data)
+                    data = message.data
+                    if data[:1] == STREAM_DATA_PREFIX:
+                        # The per-event path: no frame or event object, nothing to send.
+                        session.receive_data(data, deliver)
+                        continue
+                    event = session.receive_message(data)
                     if event is not None:
                         self._process(event)
                     else:
@@ -408,6 +415,12 @@ class LinkConnection:
             self.close_code = code
             self.close_reason = reason
         await self._output.close_socket(code, reason.encode()[:120])
+
+    def _data_received(self, stream_id: int, payload: bytes, end: bool) -> None:
+        """A stream's payload (``LinkSession.receive_data``'s sink): to the stream's reader."""
+        stream = self._streams.open.get(stream_id)
+        if stream is not None:
+            stream.data_received(payload, end)
 
     def _process(self, event: LinkEvent) -> None:
         """Act on one event of the session: the one place each kind is dispatched."""

@@ -24,6 +24,15 @@ before the head) is sent through the tunnel at once, and the path stays down unt
 good probe. Failures of the engine itself (reported by the ingress with the tunnel's reset
 codes) are raised as the tunnel would raise them, without a second attempt. Every other
 node, and every request while the path is down, goes through the tunnel unchanged.
+
+Each node's connections are one keep-alive :class:`~berth.engine_http.pool.UpstreamPool`
+(the proxy's pool to engines, over TLS): an exchange takes an idle connection when there is
+one, so sequential streams pay one handshake in all, not one each. A connection goes back
+idle when its answer ends, is closed after :data:`IDLE_TIMEOUT_S` idle, and is never used
+again once it failed or its peer closed it; the whole pool goes when the node's link does
+(a new link, perhaps with a new certificate, gets a new pool), and idle connections are
+closed when the node's certificates are renewed. Concurrent streams still take one
+connection each: HTTP/1.1 does not multiplex.
 """
 
 from __future__ import annotations
@@ -82,6 +91,11 @@ DEAD_AFTER_FAILED_PROBES = 3
 #: TLS handshakes to one ingress at a time; a request that would wait behind them (no idle
 #: connection) takes the tunnel instead, so a burst grows the pool gradually.
 MAX_CONNECTING = 8
+#: Seconds a connection to an ingress stays open idle (it is reused until then): under the
+#: ingress's own keep-alive timeout (``ListenerLimits.keepalive_timeout_s``, 15 s by
+#: default), so the leader ends an idle connection before the ingress does and never sends a
+#: request on one being closed. The probes keep one warm.
+IDLE_TIMEOUT_S = 10.0
 #: Seconds after which an agent's ingress certificate is issued anew: half its lifetime.
 RENEW_AFTER_S = INGRESS_CERT_DAYS * 86400 / 2
 
@@ -287,6 +301,7 @@ class DataPaths:
             connect_timeout_s=self._connect_timeout_s,
             read_timeout_s=self._read_timeout_s,
             max_connections=MAX_DIRECT_CONNECTIONS,
+            idle_timeout_s=IDLE_TIMEOUT_S,
             ssl_context=self._context,
             server_hostname=ingress_server_name(node.node_id),
         )
@@ -352,8 +367,12 @@ class DataPaths:
             self._set(node, False, f"the agent could not start its ingress: {exc}")
             log.warning("node %s: direct ingress not started: %s", node.node_id, exc)
             return False
+        renewed = node.configured_at is not None
         node.configured_at = self._clock()
         node.leader_pem = leader_pem
+        if renewed and node.pool is not None:
+            # Idle connections were made with the old certificates: new ones take over.
+            node.pool.close_idle()
         return True
 
     async def _probe(self, node: _Node) -> str | None:

@@ -127,9 +127,10 @@ class LinkStreams:
         return self._output.backlogged
 
     def consume(self, stream_id: int, size: int) -> None:
-        """The stream's reader took ``size`` bytes: the peer may get more credit."""
-        self._session.consume(stream_id, size)
-        self._flush(True)
+        """The stream's reader took ``size`` bytes: the peer may get more credit (sent once
+        half a window is free; until then, per event, nothing is flushed)."""
+        if self._session.consume(stream_id, size):
+            self._flush(True)
 
     def reset_stream(self, stream_id: int, code: ResetCode, message: str = "") -> None:
         """Abandon a stream (idempotent) and forget it."""

@@ -164,6 +164,10 @@ class Settings:
     simulated_gpus: str | None
     desk_pool_url: str
     desk_tier: str
+    tracing_endpoint: str | None
+    tracing_headers: str | None
+    tracing_sample_ratio: float | None
+    tracing_queue_spans: int
 
     @classmethod
     def load(
@@ -298,7 +302,7 @@ class Settings:
     def rows(self) -> list[SettingRow]:
         """One row per setting in declaration order, values rendered as text (unset → ``""``).
 
-        Passwords in ``database_url`` are masked.
+        Passwords in ``database_url`` and the values of ``tracing_headers`` are masked.
         """
         rows = []
         for defn in SETTINGS:
@@ -377,6 +381,8 @@ def _jsonable(name: str, value: object) -> JsonScalar:
     text = str(value)
     if name == "database_url":
         text = _URL_PASSWORD.sub(r"\g<head>:***@", text)
+    elif name == "tracing_headers":  # a collector's token: the names only
+        text = ",".join(pair.partition("=")[0] + "=***" for pair in text.split(","))
     return text
 
 

@@ -137,6 +137,16 @@ def host_problem(text: str) -> str | None:
     return None
 
 
+def otlp_headers_problem(text: str) -> str | None:
+    """Why ``text`` is not ``key=value`` pairs joined by commas (the form of
+    ``OTEL_EXPORTER_OTLP_HEADERS``), or ``None`` when it is."""
+    for pair in text.split(","):
+        key, sep, _value = pair.partition("=")
+        if not sep or not key.strip():
+            return "expected key=value pairs separated by commas, e.g. authorization=Bearer%20t"
+    return None
+
+
 def address_problem(text: str) -> str | None:
     """Why ``text`` is not ``HOST:PORT`` (``[v6]:PORT``), or ``None`` when it is."""
     host, sep, port = text.rpartition(":")
@@ -391,6 +401,25 @@ SETTINGS: tuple[SettingDef, ...] = (
                "the tier ([tiers.NAME]) whose limits and priority `berth desk serve`'s jobs "
                "run under at the leader",
                default=DESK_TIER),
+    # OpenTelemetry traces (berth.observability.tracing; docs/tracing.md): off unless an
+    # endpoint is set here or in OTEL_EXPORTER_OTLP_(TRACES_)ENDPOINT.
+    SettingDef("tracing_endpoint", "str", "tracing",
+               "OTLP/HTTP collector to send traces to (http://collector:4318; /v1/traces is "
+               "added); unset: OTEL_EXPORTER_OTLP_TRACES_ENDPOINT or OTEL_EXPORTER_OTLP_ENDPOINT, "
+               "else tracing is off",
+               optional=True, check=http_url_problem),
+    SettingDef("tracing_headers", "str", "tracing",
+               "headers sent with each export, key=value,... (unset: "
+               "OTEL_EXPORTER_OTLP_HEADERS)",
+               optional=True, check=otlp_headers_problem),
+    SettingDef("tracing_sample_ratio", "float", "tracing",
+               "share of new traces recorded, 0 to 1 (unset: OTEL_TRACES_SAMPLER_ARG, else 1); "
+               "a request with a traceparent follows its caller's sampled flag",
+               optional=True, minimum=0.0, maximum=1.0),
+    SettingDef("tracing_queue_spans", "int", "tracing",
+               "ended spans held for export at most; beyond it a span is dropped and counted "
+               "(berth_tracing_spans_dropped_total), never waited for",
+               default=2048, minimum=1, maximum=1_000_000),
 )  # fmt: skip
 
 SETTINGS_BY_NAME: Mapping[str, SettingDef] = {d.name: d for d in SETTINGS}

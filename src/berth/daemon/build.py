@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from berth.admin.services import load_routes
 from berth.admission import UsageLedger
@@ -47,12 +48,16 @@ from berth.daemon.sockets import LeaderSockets, raise_open_files_limit
 from berth.gateway.adapter_resolver import AdapterResolver
 from berth.http_server.server import HttpServer
 from berth.observability.loop_lag import LoopLagMonitor
+from berth.observability.tracing_setup import open_tracing
 from berth.paths import BerthHome
 from berth.routing.router import Router
 from berth.routing.routes import RouteResolver
 from berth.routing.signals import SignalBoard
 from berth.routing.waiting import WaitingAttempts
 from berth.store import Store
+
+if TYPE_CHECKING:  # imported only where tracing is on
+    from berth.observability.tracing import Tracing
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +79,8 @@ class LeaderParts:
     public_server: HttpServer
     socket_server: HttpServer
     cluster_listener: ClusterListener
+    #: OpenTelemetry's export, when tracing is on (shut down after the proxy)
+    tracing: Tracing | None = None
 
 
 def build_listeners(
@@ -114,10 +121,15 @@ async def build_leader(
 ) -> LeaderParts:
     """Build every piece of the leader on ``store`` (opened by :func:`open_store`) and the
     bound ``sockets``; ``environ`` is read once, for the reverse proxy fingerprint mode
-    (:mod:`berth.cluster.peer_identity`). Starts nothing."""
+    (:mod:`berth.cluster.peer_identity`) and the ``OTEL_*`` variables of tracing
+    (:mod:`berth.observability.tracing_config`). Starts nothing."""
     forwarded = ForwardedFingerprintTrust.from_env(environ)
     tls = await load_tls(home, settings)
     metrics = await build_metrics(store)
+    # OpenTelemetry traces of /v1 requests, when [tracing] or OTEL_* name a collector.
+    tracing = open_tracing(
+        settings, environ, service_name="berth-leader", registry=metrics.proxy.registry
+    )
     admission, ledger, slots = await build_admission(store, settings, metrics.proxy)
     core = None if settings.leader_only else build_local_core(home, settings)
     links = LinkRegistry([] if core is None else [InProcessLink(core)])
@@ -161,6 +173,7 @@ async def build_leader(
     proxy = build_proxy(
         resolver, router, settings, metrics=metrics.proxy, data_paths=data_paths, core=core,
         scaling=scaling, admission=admission, slots=slots, adapters=adapters,
+        tracer=tracing.requests() if tracing is not None else None,
     )  # fmt: skip
     cluster_url = settings.cluster_url(sockets.cluster_port)
     enrollment = EnrollmentService(
@@ -209,4 +222,5 @@ async def build_leader(
         public_server=public_server,
         socket_server=socket_server,
         cluster_listener=cluster_listener,
+        tracing=tracing,
     )

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from berth.admin.adapters import reload_adapters
 from berth.admission import Admission, QueueCollector, SlotGate, UsageCollector, UsageLedger
@@ -63,6 +64,9 @@ from berth.runtime.process import ProcessRuntime
 from berth.scaling import ScalingController, ScalingMetrics, ScalingPolicy, route_services
 from berth.store import DeploymentRecord, Store
 from berth.store.states import TERMINAL_STATES
+
+if TYPE_CHECKING:  # imported only where tracing is on (build.py opens it)
+    from berth.observability.tracing import RequestTracer
 
 log = logging.getLogger(__name__)
 
@@ -382,8 +386,10 @@ def build_proxy(
     admission: Admission,
     slots: SlotGate,
     adapters: AdapterManager,
+    tracer: RequestTracer | None = None,
 ) -> OpenAIProxy:
-    """The ``/v1`` proxy with the settings' bounds and timeouts (0: off)."""
+    """The ``/v1`` proxy with the settings' bounds and timeouts (0: off); ``tracer`` traces
+    its requests when tracing is on."""
     return OpenAIProxy(
         resolver,
         metrics,
@@ -400,6 +406,7 @@ def build_proxy(
         admission=admission,
         slots=slots,
         adapters=adapters,
+        tracer=tracer,
     )
 
 

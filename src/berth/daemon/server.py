@@ -281,6 +281,8 @@ class Leader:
         await parts.cluster_listener.stop()
         await graph.lifecycle.shutdown()
         await graph.proxy.shutdown()
+        if parts.tracing is not None:  # the spans still held are sent (the exporter's timeout)
+            await asyncio.to_thread(parts.tracing.shutdown)
         parts.ledger.stop()  # every answer has been settled: write the rest of the usage
         if self._flusher is not None:
             await self._flusher

@@ -71,6 +71,7 @@ class UpstreamConnection(asyncio.Protocol):
         self._transport: asyncio.Transport | None = None
         self.gone = False  # closed, or closing: never used again
         self.reused = False  # has carried a complete answer before
+        self.idle_since = 0.0  # loop time it last went back to the pool idle
         self.reading_paused = False
         # The exchange in flight, if any.
         self._busy = False

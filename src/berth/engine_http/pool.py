@@ -41,7 +41,10 @@ _JOIN_BODY_BYTES = 64 * 1024
 class UpstreamPool:
     """Keep-alive HTTP/1.1 connections to engines, at most ``max_connections`` open in all
     (busy or idle) and ``max_idle_per_host`` idle per origin; a request beyond the first limit
-    waits for a connection to come free.
+    waits for a connection to come free. ``idle_timeout_s`` (``None``: none) closes a
+    connection left idle that long: set it below the server's keep-alive timeout, so that
+    the pool, not the server, ends an idle connection and a request never meets one the
+    server is closing.
 
     ``connect_timeout_s`` bounds making a connection; ``read_timeout_s`` (``None``: no limit)
     bounds every wait for the engine: for the head of an answer (its prefill, for an LLM) and
@@ -63,9 +66,12 @@ class UpstreamPool:
         high_water_bytes: int = DEFAULT_HIGH_WATER_BYTES,
         ssl_context: ssl.SSLContext | None = None,
         server_hostname: str | None = None,
+        idle_timeout_s: float | None = None,
     ) -> None:
         if max_connections < 1 or max_idle_per_host < 0 or high_water_bytes < 1:
             raise ValueError("UpstreamPool limits must be positive")
+        if idle_timeout_s is not None and idle_timeout_s <= 0:
+            raise ValueError("UpstreamPool idle_timeout_s must be positive")
         self.loop = asyncio.get_running_loop()
         self.connect_timeout_s = connect_timeout_s
         self.read_timeout_s = read_timeout_s
@@ -80,6 +86,8 @@ class UpstreamPool:
         self._closed = False
         self._ssl = ssl_context
         self._server_hostname = server_hostname
+        self._idle_timeout_s = idle_timeout_s
+        self._sweep: asyncio.TimerHandle | None = None  # closes expired idle connections
 
     @property
     def open_connections(self) -> int:
@@ -165,9 +173,21 @@ class UpstreamPool:
                 conn.close()
         return given_up
 
+    def close_idle(self) -> int:
+        """Close every idle connection now (busy ones go on, and are pooled again when their
+        answer ends); how many were closed. For a path whose certificates changed: the next
+        request makes a connection with the new ones."""
+        idle = [conn for conns in self._idle.values() for conn in conns]
+        for conn in idle:
+            conn.close()
+        return len(idle)
+
     async def close(self) -> None:
         """Close every connection, busy or idle; the pool takes no more requests."""
         self._closed = True
+        if self._sweep is not None:
+            self._sweep.cancel()
+            self._sweep = None
         for conn in list(self._open):
             conn.close()
         self._idle.clear()
@@ -187,6 +207,10 @@ class UpstreamPool:
             conn.close()
             return
         idle.append(conn)
+        if self._idle_timeout_s is not None:
+            conn.idle_since = self.loop.time()
+            if self._sweep is None:
+                self._sweep = self.loop.call_later(self._idle_timeout_s, self._close_expired)
         if self._slot_waiters:
             self._wake_one()
 
@@ -204,11 +228,35 @@ class UpstreamPool:
 
     def _take_idle(self, origin: Origin) -> UpstreamConnection | None:
         idle = self._idle.get(origin)
+        timeout_s = self._idle_timeout_s
         while idle:
             conn = idle.pop()  # the most recently used: the least likely to have timed out
-            if not conn.gone:
-                return conn
+            if conn.gone:
+                continue
+            if timeout_s is not None and self.loop.time() - conn.idle_since >= timeout_s:
+                conn.close()  # due for the sweep, which has not run yet
+                continue
+            return conn
         return None
+
+    def _close_expired(self) -> None:
+        """The sweep: close the connections idle for ``idle_timeout_s``, and come back when
+        the next one is due."""
+        self._sweep = None
+        timeout_s = self._idle_timeout_s
+        assert timeout_s is not None
+        now = self.loop.time()
+        expired = [
+            conn
+            for conns in self._idle.values()
+            for conn in conns
+            if now - conn.idle_since >= timeout_s
+        ]
+        for conn in expired:
+            conn.close()
+        oldest = min((c.idle_since for conns in self._idle.values() for c in conns), default=None)
+        if oldest is not None and not self._closed:
+            self._sweep = self.loop.call_at(oldest + timeout_s, self._close_expired)
 
     async def _acquire(self, origin: Origin, *, fresh: bool) -> UpstreamConnection:
         """An idle connection to ``origin`` (unless ``fresh``) or a new one, once there is

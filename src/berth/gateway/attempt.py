@@ -17,7 +17,7 @@ import asyncio
 import json
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from berth.engine_http.answer import EngineAnswer, TimedAnswer, can_time
 from berth.gateway.engine_client import EngineRequest
@@ -26,6 +26,9 @@ from berth.gateway.outcome import Exchange
 from berth.gateway.request import PublicRequest
 from berth.routing.errors import FirstByteTimeoutError, ProxyError
 from berth.routing.resolver import Upstream
+
+if TYPE_CHECKING:  # imported only where tracing is on (berth.daemon.build opens it)
+    from berth.observability.tracing import RequestTrace
 
 __all__ = ["Attempts", "EngineBodies", "EngineOpener", "StreamLimits", "open_stream"]
 
@@ -87,9 +90,10 @@ class Attempts:
     first byte) is in, raising what opening raises (a :class:`ProxyError`: nothing reached
     the client). Each attempt's end goes in :attr:`outcomes` as ``(upstream, reason)``:
     the error code, ``"status N"`` for an answer, ``"given_up"`` (its engine given up while
-    it waited) or ``"client_disconnected"`` (per ``exchange.client_gone``)."""
+    it waited) or ``"client_disconnected"`` (per ``exchange.client_gone``). With ``trace``
+    (tracing on) each attempt is a span, whose ``traceparent`` its engine request carries."""
 
-    __slots__ = ("_bodies", "_exchange", "_limits", "_open", "_request", "outcomes")
+    __slots__ = ("_bodies", "_exchange", "_limits", "_open", "_request", "_trace", "outcomes")
 
     def __init__(
         self,
@@ -97,8 +101,10 @@ class Attempts:
         open_engine: EngineOpener,
         limits: StreamLimits,
         exchange: Exchange,
+        trace: RequestTrace | None = None,
     ) -> None:
         self._request = request
+        self._trace = trace
         self._open = open_engine
         self._limits = limits
         self._exchange = exchange
@@ -116,6 +122,10 @@ class Attempts:
 
     async def __call__(self, upstream: Upstream) -> EngineAnswer:
         sent = self.engine_request(upstream)
+        trace = self._trace
+        traced = None if trace is None else trace.attempt(upstream.node_id, upstream.deployment_id)
+        if traced is not None:  # the engine's (or the agent's) parent: this attempt's span
+            sent = sent._replace(headers=traced.headers(sent.headers))
         try:
             if self._request.stream:
                 answer = await open_stream(self._open, upstream, sent, self._limits)
@@ -123,13 +133,19 @@ class Attempts:
                 answer = await self._open(upstream, sent)
         except ProxyError as exc:
             self.outcomes.append((upstream, exc.error_code))
+            if traced is not None:
+                traced.failed(exc.error_code)
             raise
         except asyncio.CancelledError:
             # Its engine given up (the request may go on elsewhere), or the client left.
             gone = self._exchange.client_gone
             self.outcomes.append((upstream, "client_disconnected" if gone else "given_up"))
+            if traced is not None:
+                traced.failed(self.outcomes[-1][1])
             raise
         self.outcomes.append((upstream, f"status {answer.status}"))
+        if traced is not None:
+            traced.answered(answer.status)
         if self._request.engine_path is None:
             return answer
         return translated_answer(self._request, answer, upstream)  # a Messages translation

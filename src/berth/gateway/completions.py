@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from berth.admission import Admission, QueueRefusedError, SlotGate, SocketCaller, Ticket
 from berth.deployments.adapters import AdapterManager
@@ -47,6 +48,9 @@ from berth.routing.errors import EngineTimeoutError, EngineUnreachableError, Pro
 from berth.routing.resolver import Upstream
 from berth.routing.router import Router
 from berth.store.records import ApiKeyRecord
+
+if TYPE_CHECKING:  # imported only where tracing is on (berth.daemon.build opens it)
+    from berth.observability.tracing import RequestTrace, RequestTracer
 
 __all__ = ["Completions"]
 
@@ -80,8 +84,10 @@ class Completions:
         admission: Admission | None = None,
         slots: SlotGate | None = None,
         adapters: AdapterManager | None = None,
+        tracer: RequestTracer | None = None,
     ) -> None:
         self.router = router
+        self._tracer = tracer
         self._routing = routing
         self._open = open_engine
         self._answers = answers
@@ -115,10 +121,16 @@ class Completions:
         started_at = self.request_log.now()
         request: PublicRequest | None = None
         ticket: Ticket | None = None
+        # tracing off: None, and every hook is one "is not None" test (docs/tracing.md)
+        trace = None
+        if self._tracer is not None:
+            trace = self._tracer.begin(client.method, client.path, client.headers, request_id)
         try:
             raw = await read_body(client, head.content_length, self._max_body_bytes)
             if raw is None:  # the client left while sending it
                 self._refusals.count("", 499, start, "client_disconnected")
+                if trace is not None:
+                    trace.finish(0, error_reason="client_disconnected")
                 return
             request = parse_request(
                 raw,
@@ -132,11 +144,17 @@ class Completions:
                 key_name=key_name,
                 is_adapter=self._is_adapter,
             )
+            if trace is not None:
+                trace.request(request.model, request.stream)
             if self._admission is not None:
                 ticket = admit(self._admission, request)
+                if trace is not None:
+                    trace.admitted(ticket.priority)
                 request = ask_usage(request)
-            routed = await self._routing.route(request, client)
+            routed = await self._routing.route(request, client, trace)
             if routed is None:  # the client left while its service loaded
+                if trace is not None:
+                    trace.finish(0, error_reason="client_disconnected")
                 self._records.settle_unsent(ticket)
                 self._refusals.count(request.model, 499, start, "client_disconnected")
                 self._records.unsent(started_at, start, request_id, key_name, request.model,
@@ -151,9 +169,11 @@ class Completions:
             )
             self._records.unsent(started_at, start, request_id, key_name, model, status,
                                  reason(exc))  # fmt: skip
+            if trace is not None:
+                trace.finish(status, error_reason=reason(exc))
             return
         request, plan = routed
-        await self._forward(request, plan, ticket, client, writer, start, started_at)
+        await self._forward(request, plan, ticket, client, writer, start, started_at, trace)
 
     async def _forward(
         self,
@@ -164,9 +184,11 @@ class Completions:
         writer: ClientWriter,
         start: float,
         started_at: float,
+        trace: RequestTrace | None = None,
     ) -> None:
-        """A planned request: its slot, its attempts, its answer relayed, and its records,
-        whatever happened (the client may leave at any point: the engine request is closed)."""
+        """A planned request: its slot, its attempts, its answer relayed, and its records
+        (its trace's end too), whatever happened (the client may leave at any point: the
+        engine request is closed)."""
         flight = Flight(plan[0], reached=self._slots is None)
         self._metrics.request_started(target_of(flight.upstream))  # moved if a retry goes elsewhere
         headers = ticket.headers if ticket is not None else []
@@ -183,9 +205,9 @@ class Completions:
                 task.cancel()
 
         client.watch_disconnect(client_left)
-        attempts = Attempts(request, self._open, self._stream_limits, exchange)
+        attempts = Attempts(request, self._open, self._stream_limits, exchange, trace)
         try:
-            await self._dispatch(request, plan, ticket, attempts, writer, exchange, flight)
+            await self._dispatch(request, plan, ticket, attempts, writer, exchange, flight, trace)
         except asyncio.CancelledError:
             # Ours if the client left (the engine request is closed by now); anyone else's
             # (a server shutting down) goes on up.
@@ -208,6 +230,8 @@ class Completions:
             if flight.held is not None and self._slots is not None:
                 self._slots.release(flight.held)
             self._records.finished(request, flight, exchange, attempts.outcomes, ticket, started_at)
+            if trace is not None:
+                _finish_trace(trace, flight, exchange)
 
     async def _dispatch(
         self,
@@ -218,13 +242,14 @@ class Completions:
         writer: ClientWriter,
         exchange: Exchange,
         flight: Flight,
+        trace: RequestTrace | None = None,
     ) -> None:
         """The fair queue's slot (when there is a gate), the attempts along the plan until
         an engine answers (:func:`first_answer`), and its answer relayed; ``flight`` keeps
         where the request went at each step, for the records."""
         gate = self._slots
         if gate is not None:
-            flight.held, plan = await take_slot(gate, request, ticket, plan)
+            flight.held, plan = await take_slot(gate, request, ticket, plan, trace)
             flight.reached = True
             if plan[0] is not flight.upstream:  # a slot was free at another deployment
                 self._metrics.request_moved(target_of(flight.upstream), target_of(plan[0]))
@@ -252,8 +277,28 @@ class Completions:
                 flight.held = gate.move(flight.held, chosen)
         flight.upstream = chosen
         self.router.succeeded(request.affinity_key, chosen)
+        if trace is not None:
+            trace.relaying(request.stream)
         await self._answers.relay(chosen, response, request.request_id, writer, exchange)
 
     def _is_adapter(self, model: str) -> bool:
         adapters = self._adapters
         return adapters is not None and adapters.entry(model) is not None
+
+
+def _finish_trace(trace: RequestTrace, flight: Flight, exchange: Exchange) -> None:
+    """End a request's trace with what its exchange measured (as its records do)."""
+    usage = exchange.usage
+    served = flight.dispatched
+    trace.finish(
+        exchange.status,
+        node_id=flight.upstream.node_id if served else None,
+        deployment_id=flight.upstream.deployment_id if served else None,
+        ttfb_s=exchange.ttfb_s,
+        error_reason=exchange.error_reason,
+        input_tokens=usage.prompt_tokens if usage else None,
+        output_tokens=usage.completion_tokens if usage else None,
+        cached_tokens=usage.cached_tokens if usage else None,
+        events=exchange.events,
+        answer_bytes=exchange.answer_bytes,
+    )

@@ -137,9 +137,15 @@ def scan_headers(raw: Sequence[tuple[bytes, bytes]]) -> ClientHead:
 
 
 def payload_of(body: bytes) -> dict[str, Any]:
-    """An OpenAI request body parsed; :class:`InvalidRequestError` unless a JSON object."""
+    """An OpenAI request body parsed; :class:`InvalidRequestError` unless a JSON object.
+
+    Read as ``json.loads(body, parse_constant=...)`` reads it (the encoding detected the
+    same way: UTF-8, -16 or -32, a UTF-8 BOM skipped), with one decoder for every request
+    instead of one made per call (``loads`` with an argument builds a decoder each time:
+    about 3 µs of a small request)."""
     try:
-        payload = json.loads(body, parse_constant=_refuse_constant)
+        text = body.decode(json.detect_encoding(body), "surrogatepass")
+        payload = _REQUEST_DECODER.decode(text)
     except (ValueError, RecursionError) as exc:  # also invalid UTF-8, too deeply nested
         raise InvalidRequestError(
             f"the request body is not valid JSON: {exc}", code="invalid_json"
@@ -153,6 +159,9 @@ def _refuse_constant(name: str) -> Any:
     # Python's json takes NaN, Infinity and -Infinity; RFC 8259 (section 6) has no such
     # numbers, and engines refuse them, each in its own words.
     raise ValueError(f"{name} is not a JSON number")
+
+
+_REQUEST_DECODER = json.JSONDecoder(parse_constant=_refuse_constant)
 
 
 def model_in(payload: dict[str, Any]) -> str:

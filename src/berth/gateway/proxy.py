@@ -28,10 +28,11 @@ routing, ``_dispatch`` from the slot on); this module is the app around it: the 
 methods, ``/v1/models``, the lifecycle.
 
 Where the next features hook in: a router that hashes prompt prefixes reads the parsed body
-(``request.body["messages"]``) in the routing stage; a tracer wraps each stage call in
-``Completions.serve`` and ``Completions._dispatch`` (admission, routing, the slot), each
-attempt (:class:`~berth.gateway.attempt.Attempts`, which knows the upstream and the target
-path), the first byte (``exchange.ttfb_s``) and the stream (the relay); a dialect
+(``request.body["messages"]``) in the routing stage; the tracer (``tracer``, when
+tracing is on: :mod:`berth.observability.tracing`) is handed each request's trace in
+``Completions.serve`` and ``Completions._dispatch`` (admission, routing, the slot), in each
+attempt (:class:`~berth.gateway.attempt.Attempts`, which puts the attempt's
+``traceparent`` in its engine request), and ends it with the records; a dialect
 translator rewrites the request after routing (its body and raw bytes, and
 ``engine_path``, the path the engines are asked at) or per upstream
 (:meth:`~berth.gateway.attempt.Attempts.engine_request`), and the answer in the attempt or
@@ -59,6 +60,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from berth.admission import Admission, SlotGate, SocketCaller
 from berth.deployments.adapters import AdapterManager
@@ -91,6 +93,9 @@ from berth.routing.retry import DEFAULT_MAX_ATTEMPTS
 from berth.routing.router import Router
 from berth.scaling.on_demand import OnDemandStage
 from berth.store.records import ApiKeyRecord
+
+if TYPE_CHECKING:  # imported only where tracing is on (berth.daemon.build opens it)
+    from berth.observability.tracing import RequestTracer
 
 __all__ = ["OpenAIProxy"]
 
@@ -161,6 +166,10 @@ class OpenAIProxy:
     ``slots``, when given, holds each completion request to its deployments' slots after
     the router planned it (:class:`berth.admission.SlotGate`: the fair admission queue).
 
+    ``tracer``, when given (tracing is on), traces each completion request
+    (:class:`berth.observability.tracing.RequestTracer`; docs/tracing.md); ``None`` costs a
+    request one ``is not None`` test per hook.
+
     Call :meth:`startup` before serving and :meth:`shutdown` after (or let an ASGI server's
     lifespan protocol do it when this app is served directly).
     """
@@ -189,6 +198,7 @@ class OpenAIProxy:
         admission: Admission | None = None,
         slots: SlotGate | None = None,
         adapters: AdapterManager | None = None,
+        tracer: RequestTracer | None = None,
     ) -> None:
         self._resolver = resolver
         #: The recent requests (the console's requests view, ``GET /admin/requests``).
@@ -227,6 +237,7 @@ class OpenAIProxy:
             admission=admission,
             slots=slots,
             adapters=adapters,
+            tracer=tracer,
         )
 
     # -- lifecycle ----------------------------------------------------------------------------

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from berth.admission import MUST_WAIT, SOCKET_KEY_ID, Admission, SlotGate, Ticket
 from berth.gateway.exchange import ClientRequest
@@ -31,6 +32,9 @@ from berth.routing.errors import NoReadyDeploymentError
 from berth.routing.resolver import Upstream
 from berth.routing.router import Router
 from berth.scaling.on_demand import OnDemandStage
+
+if TYPE_CHECKING:  # imported only where tracing is on (berth.daemon.build opens it)
+    from berth.observability.tracing import RequestTrace
 
 __all__ = ["Routing", "admit", "ask_usage", "take_slot"]
 
@@ -65,7 +69,7 @@ class Routing:
         self._on_demand = on_demand
 
     async def route(
-        self, request: PublicRequest, client: ClientRequest
+        self, request: PublicRequest, client: ClientRequest, trace: RequestTrace | None = None
     ) -> tuple[PublicRequest, list[Upstream]] | None:
         """``request`` with its ``affinity_key``, and its plan (never empty); ``None`` when
         the client left while its service loaded.
@@ -76,19 +80,26 @@ class Routing:
         :class:`NoReadyDeploymentError` (503) or the errors of the resolver (404) and of the
         on-demand stage (503), and
         :class:`~berth.routing.errors.InvalidRequestError` (``path_not_served``, or what
-        the translation refuses: ``not_translated``, ``invalid_request``).
+        the translation refuses: ``not_translated``, ``invalid_request``). With ``trace``
+        (tracing on): the load's wait is a span, the plan and why its first leads are the
+        request's span's attributes.
         """
         try:
             plan, key = self._router.plan_request(request.model, request.headers)
         except NoReadyDeploymentError:
             if self._on_demand is None:
                 raise
+            wait = None if trace is None else trace.waiting("berth.load_wait")
             loaded = await self._hold(self._on_demand, request, client)
+            if wait is not None:
+                wait.end()
             if loaded is None:  # the client left while its service loaded
                 return None
             plan, key = loaded
         if request.dialect:  # the engines that serve the path, or all as chat completions
             request, plan = route_messages(request, plan)
+        if trace is not None and plan:
+            trace.routed([u.deployment_id for u in plan], self._router.why_first(plan, key))
         if key is not None:
             request = request._replace(affinity_key=key)
         return request, plan
@@ -122,18 +133,25 @@ class Routing:
 
 
 async def take_slot(
-    gate: SlotGate, request: PublicRequest, ticket: Ticket | None, plan: list[Upstream]
+    gate: SlotGate,
+    request: PublicRequest,
+    ticket: Ticket | None,
+    plan: list[Upstream],
+    trace: RequestTrace | None = None,
 ) -> tuple[str | None, list[Upstream]]:
     """The fair admission stage: the deployment whose slot ``request`` now holds (``None``:
     none of the plan's deployments is held), taken at once when one is free (no await), else
     waited for in the fair queue by the ticket's key and priority; and ``plan`` with that
     deployment first. Raises :class:`~berth.admission.QueueRefusedError` (429/503) for a
-    full queue or a wait past its timeout."""
+    full queue or a wait past its timeout. With ``trace``, a wait is a span."""
     taken = gate.take_free(plan)
     if taken is MUST_WAIT:
         key_id = ticket.key_id if ticket is not None else SOCKET_KEY_ID
         priority = ticket.priority if ticket is not None else 0
+        wait = None if trace is None else trace.waiting("berth.queue_wait")
         taken = await gate.wait(key_id, priority, request.model, plan)
+        if wait is not None:
+            wait.end()
     if taken is not None and taken != plan[0].deployment_id:
         plan = first(plan, taken)
     return taken, plan

@@ -83,6 +83,19 @@ class Router:
         key = request_affinity_key(headers)
         return self._ordered(upstreams, key), key
 
+    def why_first(self, plan: Sequence[Upstream], affinity_key: str | None) -> str:
+        """Why ``plan[0]`` leads a plan made for ``affinity_key``: the scorer's reason in
+        words (for the request's trace). Changes neither the affinity map's order nor the
+        tie-break rotation; a reason does not depend on the rotation."""
+        if len(plan) == 1:
+            return "the only ready deployment"
+        ranking = self._rank(list(plan), affinity_key, self.affinity.peek(affinity_key), 0)
+        first = plan[0].deployment_id
+        for ranked in ranking.ranked:
+            if ranked.candidate.deployment_id == first:
+                return ranked.reason
+        return "ranked first"
+
     def _ordered(self, upstreams: list[Upstream], affinity_key: str | None) -> list[Upstream]:
         ranking = self.explain_upstreams(upstreams, affinity_key)
         by_id = {u.deployment_id: u for u in upstreams}

@@ -65,7 +65,9 @@ class SignalBoard:
 
     def observe(self, deployment_id: str, latency_s: float) -> None:
         """A sample of the deployment's time to the answer's head, in seconds."""
-        samples = self._samples.setdefault(deployment_id, deque(maxlen=self._max_samples))
+        samples = self._samples.get(deployment_id)
+        if samples is None:  # not setdefault: that would make a deque per sample
+            samples = self._samples[deployment_id] = deque(maxlen=self._max_samples)
         samples.append((self._clock(), latency_s * 1000.0))
 
     def failed(self, deployment_id: str) -> None:

@@ -8,6 +8,11 @@ on both ends) owns a session the way python-websockets' ``Connection`` owns its 
 it pumps messages through it and sends what it queues, so all of the protocol's rules are
 tested with bytes alone.
 
+The per-event frames, ``STREAM_DATA`` (one per token of a tunneled stream), may instead go
+through :meth:`LinkSession.receive_data`, which checks them by the same rules and hands
+each payload straight to a sink, with no frame or event object in between (the adapter
+picks them out by their first byte, ``frames.STREAM_DATA_PREFIX``).
+
 Rules enforced here (``docs/protocol.md`` is the specification):
 
 - the agent's first frame is Hello, the leader's is Welcome, each exactly once; the version
@@ -25,7 +30,7 @@ from __future__ import annotations
 
 import enum
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import assert_never
 
@@ -70,9 +75,14 @@ from berth.cluster.protocol.frames import (
     StreamReset,
     UnknownRequest,
     Welcome,
+    decode_data,
     decode_frame,
     encode_frame,
 )
+
+#: Where :meth:`LinkSession.receive_data` hands a stream's payload: ``(stream id, payload,
+#: end)``, ``end`` when the peer's side of the stream is done.
+DataSink = Callable[[int, bytes, bool], None]
 
 
 class Role(enum.Enum):
@@ -353,6 +363,22 @@ class LinkSession:
             case _:
                 assert_never(frame)
 
+    def receive_data(self, message: bytes, on_data: DataSink) -> None:
+        """Take one received ``STREAM_DATA`` message (it starts with
+        :data:`~berth.cluster.protocol.frames.STREAM_DATA_PREFIX`) and hand its payload to
+        ``on_data`` instead of returning a :class:`DataReceived`: the per-event path, with no
+        frame or event object made. The rules and errors are :meth:`receive_message`'s for
+        the same bytes: nothing is handed on for a stream already forgotten (or a closed
+        session), and data past the credit or after the stream's end raises
+        :class:`ProtocolError`. Taking a data frame never queues anything to send.
+        """
+        if self.state is not _OPEN:
+            self.receive_message(message)  # closed: ignored; in the handshake: refused
+            return
+        stream_id, payload, end = decode_data(message, self.limits.max_frame_bytes)
+        if self._take_data(stream_id, len(payload), end):
+            on_data(stream_id, payload, end)
+
     def _receive_open(self, frame: StreamOpen) -> StreamOpened | None:
         if self.role is not Role.AGENT:
             raise ProtocolError("only the leader opens streams")
@@ -383,15 +409,24 @@ class LinkSession:
         return HeadReceived(frame)
 
     def _receive_data(self, frame: StreamData) -> DataReceived | None:
-        stream = self._streams.get(frame.id)
-        if stream is None:
+        if not self._take_data(frame.id, len(frame.payload), frame.end):
             return None
-        if stream.remote_end:
-            raise ProtocolError(f"data on stream {frame.id} after its end")
-        self._take(stream, len(frame.payload), frame.id)
-        if frame.end:
-            self._end_remote(frame.id, stream)
         return DataReceived(frame.id, frame.payload, frame.end)
+
+    def _take_data(self, stream_id: int, size: int, end: bool) -> bool:
+        """Account for ``size`` payload bytes on ``stream_id`` (``end``: the last); whether
+        the stream is open, so that they go to its reader."""
+        stream = self._streams.get(stream_id)
+        if stream is None:
+            return False
+        if stream.remote_end:
+            raise ProtocolError(f"data on stream {stream_id} after its end")
+        if size > stream.recv_room:
+            self._take(stream, size, stream_id)  # raises
+        stream.recv_room -= size
+        if end:
+            self._end_remote(stream_id, stream)
+        return True
 
     def _receive_credit(self, frame: StreamCredit) -> CreditGranted | None:
         stream = self._streams.get(frame.id)
@@ -486,17 +521,20 @@ class LinkSession:
         if end:
             self._end_local(stream_id, stream)
 
-    def consume(self, stream_id: int, size: int) -> None:
+    def consume(self, stream_id: int, size: int) -> bool:
         """The reader of ``stream_id`` has taken ``size`` bytes; grant the sender more credit
-        once half the window is free again."""
+        once half the window is free again. Returns whether it queued a grant (only then is
+        there anything to send)."""
         stream = self._streams.get(stream_id)
         if stream is None or stream.remote_end:
-            return
+            return False
         stream.recv_unacked += size
         if stream.recv_unacked * 2 >= self.limits.stream_window_bytes:
             increment, stream.recv_unacked = stream.recv_unacked, 0
             stream.recv_room += increment
             self._send(StreamCredit(id=stream_id, increment=increment))
+            return True
+        return False
 
     def reset_stream(self, stream_id: int, code: ResetCode, message: str = "") -> None:
         """Abandon a stream from this side (e.g. the client went away); idempotent."""
