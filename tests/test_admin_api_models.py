@@ -219,6 +219,8 @@ BEFORE = {
         "agent_version": "0.1.0",
         "capabilities": [],
         "cert_fingerprint": None,
+        "cert_not_after": None,
+        "cert_renewal_error": None,
         "connected": False,
         "cpu_count": 16,
         "created_at": "2025-03-04T05:06:07.123456+00:00",

@@ -600,8 +600,11 @@ def test_nodes_enroll_register_list_and_remove(
     listed = {n["label"]: n for n in berth.json("nodes", "ls")}
     assert listed["local"]["status"] == "ready"
     assert listed["cli-node"]["status"] == "unreachable"
+    # A day's certificate (agent_cert_lifetime_s), renewed over the link at two thirds.
+    left_s = listed["cli-node"]["cert_not_after"] - time.time()
+    assert 23 * 3600 < left_s <= 24 * 3600
     table = berth("nodes", "ls").stdout
-    assert "local" in table and "cli-node" in table
+    assert "local" in table and "cli-node" in table and "23h left" in table
     shown = berth.json("nodes", "show", "cli-node")
     assert shown["cert_fingerprint"].startswith("sha256:")
 

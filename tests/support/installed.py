@@ -113,6 +113,7 @@ PARTS: dict[str, Callable[[], str | None]] = {
     "objdump": _executable("objdump", "binutils"),
     "gcc": _executable("gcc", "gcc"),
     "postgresql": _postgresql,
+    "faketime": _executable("faketime", "faketime"),
 }
 
 

@@ -20,6 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from berth import __version__
 from berth.admin.adapters import build_adapter_router
+from berth.admin.ca import build_ca_router
 from berth.admin.deployments import build_deployment_router
 from berth.admin.keys import build_key_router
 from berth.admin.metrics import build_metrics_router
@@ -209,6 +210,7 @@ def build_admin_app(services: LeaderGraph) -> FastAPI:
     app.include_router(build_deployment_router(services))
     app.include_router(build_key_router(services))
     app.include_router(build_node_router(services))
+    app.include_router(build_ca_router(services))
     app.include_router(build_metrics_router(services))
     app.include_router(build_routing_router(services))
     app.include_router(build_adapter_router(services))

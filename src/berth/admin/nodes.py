@@ -33,7 +33,7 @@ from berth.cluster.direct_path import DataPath
 from berth.cluster.link import LOCAL_NODE_ID
 from berth.cluster.protocol.frames import AdoptedState
 from berth.daemon.graph import LeaderGraph
-from berth.store import NodeHardware, NodeRecord
+from berth.store import NodeCertificate, NodeHardware, NodeRecord
 
 
 async def _live(services: LeaderGraph, record: NodeRecord) -> NodeRecord:
@@ -58,10 +58,16 @@ LOCAL_PATH = DataPath("direct", "the leader's own engines, on its host", "", 0.0
 
 
 def node_summary_view(
-    record: NodeRecord, *, connected: bool, path: DataPath | None = None
+    record: NodeRecord,
+    *,
+    connected: bool,
+    path: DataPath | None = None,
+    certificate: NodeCertificate | None = None,
+    renewal_error: str | None = None,
 ) -> NodeSummary:
     """One row of ``GET /admin/nodes``; ``path`` is the node's data path now (``None``:
-    not connected)."""
+    not connected), ``certificate`` its current client certificate, ``renewal_error`` why
+    its last renewal was refused."""
     inventory = record.inventory
     path_name: DataPathName | None = None
     if path is LOCAL_PATH:
@@ -80,6 +86,8 @@ def node_summary_view(
         last_heartbeat_at=record.last_heartbeat_at,
         data_path=path_name,
         data_path_reason=path.reason if path is not None else None,
+        cert_not_after=certificate.not_after if certificate is not None else None,
+        cert_renewal_error=renewal_error,
     )
 
 
@@ -154,10 +162,18 @@ def build_node_router(services: LeaderGraph) -> APIRouter:
     @router.get("/admin/nodes")
     async def list_nodes() -> list[NodeSummary]:
         records = await asyncio.to_thread(store.list_nodes)
+        certificates = await asyncio.to_thread(store.current_node_certificates)
+        refusals = services.hub.renewal_refusals
         if services.leader_only:  # no engines on the leader's host: node local is not one
             records = [r for r in records if r.id != LOCAL_NODE_ID]
         return [
-            node_summary_view(await _live(services, r), connected=connected(r), path=path(r))
+            node_summary_view(
+                await _live(services, r),
+                connected=connected(r),
+                path=path(r),
+                certificate=certificates.get(r.id),
+                renewal_error=refusals.get(r.id),
+            )
             for r in records
         ]
 

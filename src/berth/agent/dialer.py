@@ -21,23 +21,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import json
 import logging
-import os
-import random
 import ssl
 import time
-from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from pathlib import Path
 
 import aiohttp
 
-from berth.agent.identity import AgentIdentity, client_ssl_context
+from berth.agent.backoff import BACKOFF_BASE_S, REDIAL_MAX_S, backoff_delay
+from berth.agent.identity import AgentIdentity, client_ssl_context, load_agent_identity
 from berth.agent.leaders import LeaderList
+from berth.agent.renewal import REENROLL_HINT, CertificateRenewer
 from berth.agent.service import AgentService
-from berth.atomic import write_atomic
+from berth.agent.status import RECENT_LINES, AgentStatus
 from berth.cluster.connection import LinkConnection
 from berth.cluster.liveness import LINK_TIMEOUT_S, Liveness
 from berth.cluster.protocol.errors import (
@@ -45,43 +41,28 @@ from berth.cluster.protocol.errors import (
     LinkError,
     ProtocolError,
     agent_should_redial,
+    retry_after_of,
 )
 from berth.cluster.protocol.session import LinkLimits, Role
+from berth.errors import ConfigError
+from berth.paths import BerthHome
 
 log = logging.getLogger(__name__)
 
-#: The first redial delay before jitter, in seconds (it doubles up to ``redial_max_s``).
-BACKOFF_BASE_S = 1.0
-#: The largest redial delay, in seconds: the ``redial_max_s`` setting's default.
-REDIAL_MAX_S = 30.0
+__all__ = [
+    "BACKOFF_BASE_S",
+    "RECENT_LINES",
+    "REDIAL_MAX_S",
+    "AgentDialer",
+    "AgentStatus",
+    "backoff_delay",
+    "cluster_ws_url",
+]
+
 #: Seconds the leader has to answer Hello.
 WELCOME_TIMEOUT_S = 10.0
 #: Seconds a dial may take: TCP connect, TLS handshake and the WebSocket upgrade together.
 DIAL_TIMEOUT_S = 5.0
-#: How many recent activity lines the status keeps.
-RECENT_LINES = 8
-
-
-def backoff_delay(
-    attempt: int,
-    *,
-    base_s: float = BACKOFF_BASE_S,
-    cap_s: float = REDIAL_MAX_S,
-    rand: Callable[[], float] = random.random,
-) -> float:
-    """Seconds to wait before redial number ``attempt`` (0 for the first retry).
-
-    The delay doubles from ``base_s`` and is clamped to ``cap_s`` first, then jittered with
-    *equal jitter* (AWS Architecture Blog, "Exponential Backoff And Jitter", 2015): half of
-    the clamped delay ``d`` is kept and the other half drawn with ``rand`` (uniform in
-    ``[0, 1)``), so the wait lies in ``[d / 2, d)``: never above ``cap_s``, never below half
-    the clamped delay (``base_s / 2`` at the least, so a refused agent never redials in a
-    burst).  Clamping before the jitter keeps agents that lost the leader together spread
-    over ``[cap_s / 2, cap_s)`` at the cap; jitter first, then clamp, put half of them at
-    exactly ``cap_s``, redialling in step.
-    """
-    clamped_s = min(cap_s, base_s * 2.0 ** min(attempt, 30))
-    return clamped_s / 2 + clamped_s / 2 * rand()
 
 
 def cluster_ws_url(leader_url: str) -> str:
@@ -90,65 +71,6 @@ def cluster_ws_url(leader_url: str) -> str:
     if base.startswith("https://"):
         base = "wss://" + base.removeprefix("https://")
     return base + "/cluster/agent"
-
-
-@dataclass
-class AgentStatus:
-    """What the status panel and ``berth agent status`` show; written to a JSON file."""
-
-    leader_url: str
-    node_id: str
-    label: str
-    state: str = "starting"  # starting | connecting | connected | backoff | stopped
-    started_at: float = field(default_factory=time.time)
-    connected_since: float | None = None
-    operation: str = ""
-    last_error: str = ""
-    recent: deque[str] = field(default_factory=lambda: deque(maxlen=RECENT_LINES))
-    pid: int = field(default_factory=os.getpid)
-    path: Path | None = None
-
-    def activity(self, line: str) -> None:
-        self.recent.append(f"{time.strftime('%H:%M:%S')} {line}")
-        self.operation = line
-        log.info("%s", line)
-        self.save()
-
-    def set(self, state: str, *, error: str | None = None) -> None:
-        self.state = state
-        if error is not None:
-            self.last_error = error
-        elif state == "connected":
-            self.last_error = ""  # an error from before this link is history now
-        self.connected_since = time.time() if state == "connected" else None
-        self.save()
-
-    @property
-    def connected(self) -> bool:
-        """Whether the link to the leader is up now (every other state is disconnected)."""
-        return self.state == "connected"
-
-    def as_json(self) -> dict[str, object]:
-        return {
-            "state": self.state,
-            "connected": self.connected,
-            "leader_url": self.leader_url,
-            "node_id": self.node_id,
-            "label": self.label,
-            "pid": self.pid,
-            "started_at": self.started_at,
-            "connected_since": self.connected_since,
-            "operation": self.operation,
-            "last_error": self.last_error,
-            "recent": list(self.recent),
-        }
-
-    def save(self) -> None:
-        if self.path is None:
-            return
-        # A snapshot rewritten at every change: not synced to disk (losing the last one in a
-        # power cut is harmless), so a write on the event loop stays short.
-        write_atomic(self.path, json.dumps(self.as_json(), indent=1), mode=0o644, durable=False)
 
 
 class AgentDialer:
@@ -169,11 +91,14 @@ class AgentDialer:
         backoff: Callable[[int], float] | None = None,
         redial_max_s: float = REDIAL_MAX_S,
         dial_timeout_s: float = DIAL_TIMEOUT_S,
+        renew: bool = True,
         leaders: LeaderList | None = None,
     ) -> None:
         self._identity = identity
         self._leaders = leaders or LeaderList([], identity.leader_url)
-        self._close_reason = ""
+        self._home = home = BerthHome(identity.cert_path.parent)
+        #: renews the certificate over each link (``renew=False``: never, for tests)
+        self.renewer = CertificateRenewer(home, identity.node_id, status) if renew else None
         self._dial_timeout_s = dial_timeout_s
         self._service = service
         self._status = status
@@ -181,6 +106,8 @@ class AgentDialer:
         self._backoff = backoff or functools.partial(backoff_delay, cap_s=redial_max_s)
         self._stopping = asyncio.Event()
         self._conn: LinkConnection | None = None
+        #: the reason of the last link's close (a rate limit's ``retry_after_s``)
+        self._close_reason = ""
         #: the close code that ended the agent (a final refusal), if one did
         self.final_code: int | None = None
 
@@ -191,7 +118,11 @@ class AgentDialer:
             await self._conn.close(CloseCode.NORMAL, "agent stopping")
 
     async def run(self) -> int:
-        """Dial, serve, redial; returns 0 after :meth:`stop`, 1 after a final refusal."""
+        """Dial, serve, redial; returns 0 after :meth:`stop`, 1 after a final refusal.
+
+        The identity files are read again at every dial, so a renewed certificate (or a
+        new trust bundle) is used from the next dial on."""
+        self._reload_identity()
         ssl_context = client_ssl_context(self._identity)
         attempt = 0
         async with aiohttp.ClientSession() as http:
@@ -199,7 +130,7 @@ class AgentDialer:
                 url = cluster_ws_url(self._leaders.current)
                 self._status.leader_url = self._leaders.current
                 self._status.set("connecting")
-                self._close_reason = ""
+                ssl_context = self._current_context(ssl_context)
                 try:
                     code, welcomed = await self._session(http, url, ssl_context)
                 except (LinkError, aiohttp.ClientError, OSError) as exc:
@@ -213,7 +144,8 @@ class AgentDialer:
                     attempt = 0
                 if code is not None and not agent_should_redial(code):
                     self.final_code = code
-                    self._status.set("stopped")
+                    expired = code == CloseCode.CERTIFICATE_EXPIRED
+                    self._status.set("expired" if expired else "stopped")
                     return 1
                 following = self._leaders.ended(code, self._close_reason)
                 if following.at_once:
@@ -221,6 +153,9 @@ class AgentDialer:
                     continue
                 delay = self._backoff(attempt)
                 attempt += 1
+                retry_after_s = retry_after_of(code, self._close_reason)
+                if retry_after_s is not None and retry_after_s > delay:
+                    delay = retry_after_s  # the leader said when: not sooner
                 self._status.set("backoff")
                 self._status.activity(f"redialling in {delay:.1f} s")
                 with contextlib.suppress(TimeoutError):
@@ -228,10 +163,34 @@ class AgentDialer:
         self._status.set("stopped")
         return 0
 
+    def _reload_identity(self) -> None:
+        """Read ``agent.yaml`` again (a renewal may have changed the pinned roots); an
+        identity given without one (tests) is kept.  Raises :class:`ConfigError`."""
+        if self._home.agent_config.exists():
+            self._identity = load_agent_identity(self._home)
+
+    def _current_context(self, previous: ssl.SSLContext) -> ssl.SSLContext:
+        """The TLS context from the identity files as they are now (``previous`` when they
+        cannot be read: the status says why); says so when the certificate has expired."""
+        try:
+            self._reload_identity()
+            context = client_ssl_context(self._identity)
+        except ConfigError as exc:
+            log.warning("cannot reload the agent's identity: %s", exc)
+            self._status.set("connecting", error=str(exc))
+            return previous
+        if self.renewer is not None:
+            facts = self.renewer.show()
+            if facts is not None and facts.not_after <= time.time():
+                hint = REENROLL_HINT.format(label=self._identity.label)
+                self._status.set("expired", error=f"the certificate has expired; fix: {hint}")
+        return context
+
     async def _session(
         self, http: aiohttp.ClientSession, url: str, ssl_context: ssl.SSLContext
     ) -> tuple[int | None, bool]:
         """One connection, from dial to close: (close code or None, whether Welcome came)."""
+        self._close_reason = ""
         # Before dialing: the leader waits only seconds for Hello once the socket is open.
         await self._service.check_runtimes()
         await self._service.read_gpus()  # for Hello, off the loop
@@ -256,6 +215,7 @@ class AgentDialer:
             return None, False
         conn = LinkConnection(Role.AGENT, ws, self._service, peer="leader", limits=self._limits)
         heartbeats: asyncio.Task[None] | None = None
+        renewing: asyncio.Task[None] | None = None
         try:
             try:
                 welcome = await conn.handshake(self._service.hello(), timeout_s=WELCOME_TIMEOUT_S)
@@ -273,6 +233,8 @@ class AgentDialer:
             self._status.set("connected")
             self._status.activity(f"connected as node {welcome.node_id}")
             heartbeats = asyncio.create_task(self._heartbeats(conn, welcome.heartbeat_interval_s))
+            if self.renewer is not None:
+                renewing = asyncio.create_task(self.renewer.run(conn, welcome), name="renewal")
             await conn.run()
             code = conn.close_code
             self._close_reason = conn.close_reason
@@ -282,6 +244,8 @@ class AgentDialer:
             self._conn = None
             if heartbeats is not None:
                 heartbeats.cancel()
+            if renewing is not None:
+                renewing.cancel()
             if not ws.closed:
                 await ws.close()
 
@@ -302,7 +266,11 @@ class AgentDialer:
         if reason:
             text += f": {reason}"
         final = code is not None and not agent_should_redial(code)
-        self._status.set("stopped" if final else "backoff", error=text)
+        if code == CloseCode.CERTIFICATE_EXPIRED:
+            text += f"; fix: {REENROLL_HINT.format(label=self._identity.label)}"
+            self._status.set("expired", error=text)
+        else:
+            self._status.set("stopped" if final else "backoff", error=text)
         if final:
             log.error("%s; not redialling", text)
         else:

@@ -3,10 +3,14 @@
 Under the agent's ``$BERTH_HOME``:
 
 - ``agent.yaml``: ``leader_url`` (the cluster URL), ``node_id``, ``label``,
-  ``ca_fingerprint`` (``sha256:<hex>``), ``enrolled_at`` (ISO 8601, UTC);
+  ``ca_fingerprint`` (``sha256:<hex>``, pinned at registration), ``enrolled_at`` (ISO 8601,
+  UTC) and, once the leader sent a trust bundle over the link, ``ca_fingerprints`` (every
+  root of it);
 - ``agent.key``: the agent's EC P-256 private key, PKCS#8 PEM, mode 0600 from creation;
-- ``agent.crt``: its client certificate, signed by the leader's CA (CN = node id);
-- ``ca.pem``: the leader's CA certificate, pinned by fingerprint; the only trust root.
+- ``agent.crt``: its client certificate, signed by the leader's CA (CN = node id), short
+  lived and renewed over the link (:mod:`berth.agent.renewal`);
+- ``ca.pem``: the leader's CA certificates (one, or two during a CA rotation), each pinned
+  by fingerprint; the only trust roots.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import yaml
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 
+from berth.agent.cert_pair import settle_renewed_pair
 from berth.atomic import write_atomic
 from berth.cluster.ca import fingerprint_of_pem
 from berth.errors import AuthError, ConfigError
@@ -41,6 +46,13 @@ class AgentIdentity:
     cert_path: Path
     key_path: Path
     ca_path: Path
+    #: every CA fingerprint ``ca.pem`` may hold (the registration's pin, or the roots of
+    #: the last trust bundle the leader sent)
+    ca_fingerprints: tuple[str, ...] = ()
+
+    @property
+    def pins(self) -> tuple[str, ...]:
+        return self.ca_fingerprints or (self.ca_fingerprint,)
 
 
 def load_agent_identity(home: BerthHome) -> AgentIdentity:
@@ -51,6 +63,7 @@ def load_agent_identity(home: BerthHome) -> AgentIdentity:
     is missing.
     """
     path = home.agent_config
+    settle_renewed_pair(home)
     try:
         data = yaml.safe_load(path.read_text())
     except FileNotFoundError:
@@ -78,6 +91,9 @@ def load_agent_identity(home: BerthHome) -> AgentIdentity:
         enrolled_at = datetime.fromisoformat(fields["enrolled_at"])
     except ValueError:
         raise ConfigError(f"invalid enrolled_at; {_REGISTER_HINT} again", path=path) from None
+    pins = data.get("ca_fingerprints") or []
+    if not isinstance(pins, list) or not all(isinstance(p, str) for p in pins):
+        raise ConfigError(f"invalid ca_fingerprints; {_REGISTER_HINT} again", path=path)
     for needed in (home.agent_cert, home.agent_key, home.agent_ca):
         if not needed.is_file():
             raise ConfigError(f"{needed} is missing; {_REGISTER_HINT} again", path=path)
@@ -90,6 +106,7 @@ def load_agent_identity(home: BerthHome) -> AgentIdentity:
         cert_path=home.agent_cert,
         key_path=home.agent_key,
         ca_path=home.agent_ca,
+        ca_fingerprints=tuple(pins),
     )
 
 
@@ -104,6 +121,7 @@ def save_agent_identity(
     cert_pem: bytes,
     ca_pem: bytes,
     enrolled_at: datetime,
+    ca_fingerprints: list[str] | None = None,
 ) -> AgentIdentity:
     """Write the identity files (each replaced atomically; the key created mode 0600) and
     ``agent.yaml`` last, so a half-written registration is never taken for a whole one."""
@@ -112,13 +130,15 @@ def save_agent_identity(
     write_atomic(home.agent_key, key_pem, mode=0o600)
     write_atomic(home.agent_cert, cert_pem, mode=0o644)
     write_atomic(home.agent_ca, ca_pem, mode=0o644)
-    document = {
+    document: dict[str, object] = {
         "leader_url": leader_url,
         "node_id": node_id,
         "label": label,
         "ca_fingerprint": ca_fingerprint,
         "enrolled_at": enrolled_at.astimezone(UTC).isoformat(),
     }
+    if ca_fingerprints and ca_fingerprints != [ca_fingerprint]:
+        document["ca_fingerprints"] = list(ca_fingerprints)
     write_atomic(home.agent_config, yaml.safe_dump(document, sort_keys=False), mode=0o600)
     return load_agent_identity(home)
 
@@ -148,12 +168,37 @@ def pinned_certificate(pem: bytes, fingerprint: str) -> bytes:
     return canonical
 
 
-def client_ssl_context(identity: AgentIdentity) -> ssl.SSLContext:
-    """The agent's TLS 1.2+ client context: its certificate and key, the pinned CA as the
-    *only* trust root (never the system's), host names checked."""
-    # The CA file is checked against the fingerprint pinned at registration every time.
+def pinned_bundle(pem: bytes, fingerprints: tuple[str, ...]) -> bytes:
+    """Every certificate of ``pem`` re-encoded, if there is at least one and each one's
+    fingerprint is among ``fingerprints``; :class:`AuthError` otherwise.
+
+    Every root is read (a CA rotation puts two in the file), and none that was not pinned
+    is let in.
+    """
     try:
-        ca_pem = pinned_certificate(identity.ca_path.read_bytes(), identity.ca_fingerprint)
+        certificates = x509.load_pem_x509_certificates(pem)
+    except ValueError as exc:
+        raise AuthError(f"the cluster CA file holds no PEM certificate: {exc}") from None
+    out = b""
+    for certificate in certificates:
+        canonical = certificate.public_bytes(serialization.Encoding.PEM)
+        found = fingerprint_of_pem(canonical)
+        if found not in fingerprints:
+            raise AuthError(
+                f"the cluster CA file holds {found}, which does not match the pinned "
+                f"{', '.join(fingerprints)}; refusing to trust it"
+            )
+        out += canonical
+    return out
+
+
+def client_ssl_context(identity: AgentIdentity) -> ssl.SSLContext:
+    """The agent's TLS 1.2+ client context: its certificate and key, the pinned CA roots
+    (every one in ``ca.pem``) as the *only* trust roots (never the system's), host names
+    checked."""
+    # The CA file is checked against the pinned fingerprints every time.
+    try:
+        ca_pem = pinned_bundle(identity.ca_path.read_bytes(), identity.pins)
     except OSError as exc:
         raise ConfigError(f"cannot read the cluster CA: {exc}", path=identity.ca_path) from None
     except AuthError as exc:

@@ -25,6 +25,7 @@ from cryptography.x509.oid import NameOID
 
 from berth.agent.identity import AgentIdentity, pinned_certificate, save_agent_identity
 from berth.agent.leaders import LEADERS_FILE, LeaderList
+from berth.cluster.ca import fingerprint_of_pem
 from berth.cluster.enrollment import EnrollmentURI
 from berth.errors import AuthError, BerthError, ConfigError, DaemonError, RateLimitError
 from berth.paths import BerthHome
@@ -114,6 +115,9 @@ def register_agent(
     if response.status_code != 200:
         raise _refusal(response)
     answer = response.json()
+    # The answer's trust bundle came over TLS verified against the pinned root: every root
+    # in it is trusted (two during a CA rotation); it must hold the pinned one.
+    bundle, pins = _trust_bundle(str(answer.get("ca_pem") or ""), ca_pem, uri.ca_fingerprint)
     identity = save_agent_identity(
         home,
         leader_url=uri.leader_url,  # the URL that just worked
@@ -122,9 +126,24 @@ def register_agent(
         ca_fingerprint=uri.ca_fingerprint,
         key_pem=key_pem,
         cert_pem=str(answer["certificate_pem"]).encode(),
-        ca_pem=ca_pem,
+        ca_pem=bundle,
         enrolled_at=clock(),
+        ca_fingerprints=pins,
     )
     # The leaders to fail over to, from the URI; every Welcome brings the list up to date.
     LeaderList(uri.leaders, uri.leader_url, home.root / LEADERS_FILE).save()
     return identity
+
+
+def _trust_bundle(sent: str, pinned_pem: bytes, pin: str) -> tuple[bytes, list[str]]:
+    """The roots to trust: those of the registration answer's bundle when it holds the
+    pinned root (an older leader sends the one root), else the pinned root alone."""
+    try:
+        roots = x509.load_pem_x509_certificates(sent.encode())
+    except ValueError:
+        return pinned_pem, [pin]
+    pems = [root.public_bytes(serialization.Encoding.PEM) for root in roots]
+    fingerprints = [fingerprint_of_pem(pem) for pem in pems]
+    if pin not in fingerprints:
+        return pinned_pem, [pin]
+    return b"".join(pems), fingerprints

@@ -28,10 +28,11 @@ from rich.text import Text
 from berth.agent.adopted import AdoptedWatcher
 from berth.agent.core import AgentCore
 from berth.agent.dialer import AgentDialer, AgentStatus
-from berth.agent.identity import AgentIdentity, load_agent_identity, pinned_certificate
+from berth.agent.identity import AgentIdentity, load_agent_identity, pinned_bundle
 from berth.agent.ingress import AgentIngress
 from berth.agent.leaders import LEADERS_FILE, LeaderList
 from berth.agent.owner import own_engines
+from berth.agent.renewal import CertificateFacts, certificate_line
 from berth.agent.service import AgentService
 from berth.cluster.protocol.errors import CloseCode
 from berth.config import Settings
@@ -53,6 +54,7 @@ _REENROLL = "to rejoin: 'berth nodes enroll LABEL' on the leader, then 'berth ag
 _FINAL_HINTS = {
     CloseCode.NODE_REMOVED: _REENROLL,
     CloseCode.BAD_CERTIFICATE: _REENROLL,
+    CloseCode.CERTIFICATE_EXPIRED: "the certificate expired before it was renewed; " + _REENROLL,
     CloseCode.SUPERSEDED: "another agent with this identity is connected; stop one of them",
     CloseCode.UNSUPPORTED_VERSION: "the leader speaks another protocol version; upgrade berth",
 }
@@ -93,12 +95,18 @@ def render_status(status: AgentStatus) -> Panel:
     grid = Table.grid(padding=(0, 2))
     grid.add_column(style="bold")
     grid.add_column()
-    colour = {"connected": "green", "backoff": "yellow", "stopped": "red"}.get(status.state, "")
+    colour = {"connected": "green", "backoff": "yellow", "stopped": "red", "expired": "red"}.get(
+        status.state, ""
+    )
     grid.add_row("status", Text(status.state, style=colour))
     grid.add_row("leader", status.leader_url)
     grid.add_row("node", f"{status.label} ({status.node_id})")
     grid.add_row("uptime", age(time.time() - status.started_at))
     grid.add_row("operation", status.operation or "-")
+    if status.cert_not_after is not None:
+        line = certificate_line(CertificateFacts(status.cert_serial, 0.0, status.cert_not_after),
+                                time.time())  # fmt: skip
+        grid.add_row("certificate", f"{line}; {status.renewal_state or '-'}")
     grid.add_row(
         "last error", Text(status.last_error or "-", style="red" if status.last_error else "")
     )
@@ -250,7 +258,7 @@ def _ingress(
         key_path=identity.key_path,
         cert_path=home.root / "ingress.crt",
         ca_certificate=x509.load_pem_x509_certificates(  # every root, not the first only
-            pinned_certificate(identity.ca_path.read_bytes(), identity.ca_fingerprint)
+            pinned_bundle(identity.ca_path.read_bytes(), identity.pins)
         ),
         relay=service.relay_exchange,
         limits=settings.listener_limits(),

@@ -342,6 +342,8 @@ class AgentService:
                     known = FileStamp(ask.known_size_bytes, ask.known_mtime_ns)
                 found = await asyncio.to_thread(read_model_file, Path(ask.path), known)
                 return MODEL_SHAPE.encode_result(file_shape_to_wire(found))
+            case "renew":  # the leader's op: agents ask it, never serve it
+                raise _Unsupported(request.op)
             case _:
                 assert_never(request.op)
 

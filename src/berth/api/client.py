@@ -63,6 +63,7 @@ from berth.api import (
     UsageReport,
     describe_invalid,
 )
+from berth.api.ca import CaStatus, RetireIn
 from berth.api.pulls import Pull, PullIn
 from berth.errors import (
     AuthError,
@@ -310,6 +311,19 @@ class DaemonClient:
     def remove_node(self, ident: str) -> NodeDetail:
         """``DELETE /admin/nodes/{id-or-label}``: the node as removed."""
         return self.call("DELETE", f"/admin/nodes/{_segment(ident)}", TypeAdapter(NodeDetail))
+
+    # -- the cluster CA ------------------------------------------------------------------------
+    def ca_status(self) -> CaStatus:
+        """``GET /admin/ca``."""
+        return self.call("GET", "/admin/ca", TypeAdapter(CaStatus))
+
+    def rotate_ca(self) -> CaStatus:
+        """``POST /admin/ca/rotate``: a new CA issues leaves from now on."""
+        return self.call("POST", "/admin/ca/rotate", TypeAdapter(CaStatus))
+
+    def retire_ca(self, body: RetireIn) -> CaStatus:
+        """``POST /admin/ca/retire``: the old root is no longer trusted."""
+        return self.call("POST", "/admin/ca/retire", TypeAdapter(CaStatus), body=body)
 
     # -- routing and metrics -------------------------------------------------------------------
     def explain_routing(self, model: str, *, session: str | None = None) -> RoutingExplanation:

@@ -73,6 +73,11 @@ class NodeSummary(ApiModel):
     last_heartbeat_at: float | None
     data_path: DataPathName | None = None
     data_path_reason: str | None = None
+    #: when the node's current client certificate expires (epoch seconds; ``None``: node
+    #: ``local``, or enrolled before certificates were recorded)
+    cert_not_after: float | None = None
+    #: why the leader refused the node's last renewal (``None``: it did not)
+    cert_renewal_error: str | None = None
 
 
 class NodeDetail(NodeSummary):

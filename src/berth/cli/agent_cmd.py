@@ -12,6 +12,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import typer
@@ -111,6 +112,8 @@ def status(
         print_json(data)
         raise typer.Exit(0 if data["running"] else 1)
     state = str(data["state"]) if data["running"] else "not running"
+    if _certificate_expired(home):
+        state = "expired (the certificate; see fix below)"
     if data["running"] and state != "connected":
         state = f"disconnected ({state})"  # the link is down: dialling or backing off
     console.print(f"agent   {state} (pid {data['pid']})")
@@ -121,9 +124,37 @@ def status(
         console.print(f"linked  {age(time.time() - since)}")
     if data.get("last_error"):
         console.print(f"error   {data['last_error']}", soft_wrap=True)
+    expired = _print_certificate(home, data)
     for line in data.get("recent") or []:  # type: ignore[attr-defined]
         console.print(f"  {line}", style="dim", soft_wrap=True)
-    raise typer.Exit(0 if data["running"] else 1)
+    raise typer.Exit(0 if data["running"] and not expired else 1)
+
+
+def _certificate_expired(home: BerthHome) -> bool:
+    from berth.agent.renewal import read_certificate
+
+    facts = read_certificate(home.agent_cert)
+    return facts is not None and facts.not_after <= time.time()
+
+
+def _print_certificate(home: BerthHome, data: dict[str, object]) -> bool:
+    """Print the certificate line (read from ``agent.crt``: true also of an agent that is
+    not running), the renewal's state, and the fix when it expired; whether it did."""
+    from berth.agent.renewal import REENROLL_HINT, certificate_line, read_certificate
+
+    facts = read_certificate(home.agent_cert)
+    if facts is None:
+        return False
+    console.print(f"cert    {certificate_line(facts, time.time())}", soft_wrap=True)
+    certificate = data.get("certificate")
+    renewal = certificate.get("renewal") if isinstance(certificate, dict) else None
+    if renewal and data["running"]:
+        console.print(f"renewal {renewal}", soft_wrap=True)
+    if facts.not_after > time.time():
+        return False
+    label = str(data.get("label") or "LABEL")
+    console.print(f"fix     {REENROLL_HINT.format(label=label)}", soft_wrap=True)
+    return True
 
 
 @app.command("logs")

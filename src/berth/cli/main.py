@@ -13,6 +13,7 @@ from berth.cli import (
     agent_cmd,
     backup_cmd,
     bootstrap_cmd,
+    ca_cmd,
     config_cmd,
     daemon_cmd,
     demo,
@@ -69,6 +70,7 @@ app.add_typer(keys_cmd.key_app, name="key")
 app.command("usage")(usage_cmd.usage)
 app.add_typer(config_cmd.config_app, name="config")
 app.add_typer(nodes_cmd.nodes_app, name="nodes")
+app.add_typer(ca_cmd.ca_app, name="ca")
 app.add_typer(agent_cmd.app, name="agent")
 app.add_typer(backup_cmd.backup_app, name="backup")
 app.add_typer(bootstrap_cmd.deploy_app, name="deploy")

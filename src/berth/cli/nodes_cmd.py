@@ -74,7 +74,7 @@ def enroll(
 @nodes_app.command("ls")
 def ls(ctx: typer.Context, as_json: bool = typer.Option(False, "--json")) -> None:
     """List nodes: status, data path (direct or tunnel), GPUs, VRAM, agent version, last
-    heartbeat."""
+    heartbeat, the certificate's time left."""
     with context(ctx).client() as client:
         nodes = client.nodes()
     if as_json:
@@ -82,7 +82,8 @@ def ls(ctx: typer.Context, as_json: bool = typer.Option(False, "--json")) -> Non
         return
     # Ids and statuses stay whole (a user copies an id); labels and paths fold.
     table = record_table()
-    for column in ("ID", "LABEL", "STATUS", "PATH", "GPUS", "VRAM", "AGENT", "HEARTBEAT"):
+    columns = ("ID", "LABEL", "STATUS", "PATH", "GPUS", "VRAM", "AGENT", "HEARTBEAT", "CERT")
+    for column in columns:
         whole = column in ("ID", "STATUS", "GPUS", "VRAM")
         table.add_column(column, no_wrap=whole, overflow="ellipsis" if whole else "fold")
     for n in nodes:
@@ -95,8 +96,19 @@ def ls(ctx: typer.Context, as_json: bool = typer.Option(False, "--json")) -> Non
             _vram(n.vram_total_mb),
             n.agent_version or "-",
             _heartbeat(n.last_heartbeat_at),
+            _cert_left(n.cert_not_after, n.cert_renewal_error),
         )
     print_table(table)
+
+
+def _cert_left(not_after: float | None, renewal_error: str | None) -> str:
+    """The node certificate's time left (``15h left``), ``expired``, and whether its last
+    renewal was refused."""
+    if not_after is None:
+        return "-"
+    left = not_after - time.time()
+    text = f"{age(left)} left" if left > 0 else "expired"
+    return f"{text}, renewal refused: {renewal_error}" if renewal_error else text
 
 
 @nodes_app.command("show")

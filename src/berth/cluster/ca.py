@@ -36,12 +36,19 @@ from berth.errors import ConfigError
 
 CA_CERT_FILE: Final = "ca.pem"
 CA_KEY_FILE: Final = "ca.key"
+#: During a CA rotation (:mod:`berth.cluster.ca_rotation`): the old root and its key, still
+#: trusted for agents' leaves and still issuing the leader's own server certificates, so
+#: that an agent which trusts only the old root verifies the leader.
+PREVIOUS_CERT_FILE: Final = "ca-previous.pem"
+PREVIOUS_KEY_FILE: Final = "ca-previous.key"
 CA_VALIDITY_DAYS: Final = 3650
 SERVER_CERT_VALIDITY_DAYS: Final = 365
 #: A server certificate this close to expiry no longer "covers" its hosts, so it is renewed.
 RENEW_BEFORE_DAYS: Final = 30
 #: Backdating of notBefore, so a peer whose clock runs a little behind accepts a new cert.
 CLOCK_SKEW: Final = timedelta(minutes=5)
+#: The shortest lifetime of a client certificate, in seconds (tests use a few tens).
+MIN_LEAF_LIFETIME_S: Final = 10.0
 MIN_RSA_BITS: Final = 2048
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
@@ -77,6 +84,47 @@ class CertificateAuthority:
         self._cert = certificate
         self._key = private_key
         self._ca_dir = ca_dir
+        #: the old root and its key during a rotation (else ``None``)
+        self._previous: tuple[x509.Certificate, ec.EllipticCurvePrivateKey] | None = None
+        previous = ca_dir / PREVIOUS_CERT_FILE
+        if previous.exists():
+            self._previous = (_load_cert(previous), _load_ec_key(ca_dir / PREVIOUS_KEY_FILE))
+
+    def reload(self) -> None:
+        """Read the CA files again (after a rotation or a retirement changed them), in place:
+        every holder of this object issues and trusts as the files now say.  Raises
+        :class:`ConfigError` like :meth:`load_or_create`."""
+        fresh = CertificateAuthority.load_or_create(self._ca_dir)
+        self._cert, self._key, self._previous = fresh._cert, fresh._key, fresh._previous
+
+    @property
+    def ca_dir(self) -> Path:
+        return self._ca_dir
+
+    @property
+    def previous(self) -> x509.Certificate | None:
+        """The old root while a rotation is under way (``berth ca retire`` removes it)."""
+        return None if self._previous is None else self._previous[0]
+
+    @property
+    def previous_fingerprint(self) -> str | None:
+        """The old root's fingerprint while a rotation is under way."""
+        return None if self._previous is None else _fingerprint(self._previous[0])
+
+    def _server_issuer(self) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
+        """Who issues the leader's own server certificates: the old root while a rotation
+        is under way (agents that trust only it still verify the leader), else the CA."""
+        return self._previous or (self._cert, self._key)
+
+    @property
+    def server_root_pem(self) -> bytes:
+        """The root the leader's server certificates chain to (``/admin/ca.pem``)."""
+        return self._server_issuer()[0].public_bytes(_PEM)
+
+    @property
+    def server_root_fingerprint(self) -> str:
+        """The fingerprint enrollment URIs pin: that of :attr:`server_root_pem`."""
+        return _fingerprint(self._server_issuer()[0])
 
     @classmethod
     def load_or_create(cls, ca_dir: Path) -> CertificateAuthority:
@@ -94,6 +142,7 @@ class CertificateAuthority:
         try:
             ca_dir.mkdir(parents=True, exist_ok=True)
             os.chmod(ca_dir, 0o700)
+            _settle_next_pair(key_path, cert_path)
             if not key_path.exists():
                 new_key = ec.generate_private_key(ec.SECP256R1())
                 create_atomic(key_path, _private_pem(new_key), mode=0o600)
@@ -118,6 +167,13 @@ class CertificateAuthority:
         return self._cert.public_bytes(_PEM)
 
     @property
+    def trust_bundle_pem(self) -> bytes:
+        """Every root a peer of this cluster should trust, in PEM, the current CA first (and
+        the old one during a rotation)."""
+        previous = b"" if self._previous is None else self._previous[0].public_bytes(_PEM)
+        return self.cert_pem + previous
+
+    @property
     def certificate(self) -> x509.Certificate:
         """The CA certificate."""
         return self._cert
@@ -139,7 +195,8 @@ class CertificateAuthority:
 
         Each host becomes an IP-address SAN if it parses as an IP address, else a DNS-name
         SAN (internationalised names in their IDNA form); the first host is also the common
-        name.  The certificate file holds the leaf then the CA certificate; the key file
+        name.  The certificate file holds the leaf then its issuer (the old root during a
+        rotation); the key file
         (EC P-256, PKCS#8) gets mode 0600.  Both are replaced atomically.  Raises
         :class:`ConfigError` for an empty ``hosts`` or an unusable host name.
         """
@@ -147,15 +204,17 @@ class CertificateAuthority:
         if not names:
             raise ConfigError("a server certificate needs at least one host")
         leaf_key = ec.generate_private_key(ec.SECP256R1())
+        issuer, issuer_key = self._server_issuer()
         builder = self._leaf_builder(
+            issuer=issuer,
             common_name=hosts[0].strip(),
             public_key=leaf_key.public_key(),
-            days=days,
+            lifetime=timedelta(days=days),
             usage=ExtendedKeyUsageOID.SERVER_AUTH,
         ).add_extension(x509.SubjectAlternativeName(_dedupe(names)), critical=False)
-        leaf = builder.sign(self._key, hashes.SHA256())
+        leaf = builder.sign(issuer_key, hashes.SHA256())
         _replace(key_path, _private_pem(leaf_key), 0o600)
-        _replace(cert_path, leaf.public_bytes(_PEM) + self.cert_pem, 0o644)
+        _replace(cert_path, leaf.public_bytes(_PEM) + issuer.public_bytes(_PEM), 0o644)
 
     def ensure_server_certificate(
         self, hosts: Sequence[str], cert_path: Path, key_path: Path
@@ -179,7 +238,7 @@ class CertificateAuthority:
         """
         try:
             leaf = x509.load_pem_x509_certificate(cert_path.read_bytes())
-            leaf.verify_directly_issued_by(self._cert)
+            leaf.verify_directly_issued_by(self._server_issuer()[0])
         except (OSError, ValueError, TypeError, InvalidSignature):
             return False
         now = datetime.now(UTC)
@@ -205,16 +264,33 @@ class CertificateAuthority:
                 return False
         return True
 
-    def sign_csr(self, csr_pem: bytes, common_name: str, days: int) -> bytes:
+    def sign_csr(
+        self,
+        csr_pem: bytes,
+        common_name: str,
+        days: int | None = None,
+        *,
+        lifetime_s: float | None = None,
+    ) -> bytes:
         """Issue a clientAuth certificate for the key in ``csr_pem``; return it in PEM.
 
-        The subject is ``CN=<common_name>`` as the leader chooses: the CSR's own subject and
-        extensions are ignored, only its (self-signature-checked) public key is used.
-        Raises :class:`ConfigError` when the CSR does not parse, its signature is invalid,
-        its key is weak or of an unsupported type, or ``days`` is not positive.
+        Valid ``lifetime_s`` seconds (at least :data:`MIN_LEAF_LIFETIME_S`), else ``days``
+        days, from now; notBefore is backdated by :data:`CLOCK_SKEW`.  The subject is
+        ``CN=<common_name>`` as the leader chooses: the CSR's own subject and extensions
+        are ignored, only its (self-signature-checked) public key is used: the signature
+        proves the requester holds the key.  Raises :class:`ConfigError` when the CSR does
+        not parse, its signature is invalid, its key is weak or of an unsupported type, or
+        the lifetime is missing or too short.
         """
-        if days <= 0:
-            raise ConfigError(f"certificate validity must be at least one day, got {days}")
+        if lifetime_s is None:
+            if days is None or days <= 0:
+                raise ConfigError(f"certificate validity must be at least one day, got {days}")
+            lifetime_s = days * 86400.0
+        if lifetime_s < MIN_LEAF_LIFETIME_S:
+            raise ConfigError(
+                f"a certificate's lifetime must be at least {MIN_LEAF_LIFETIME_S:g} s, "
+                f"got {lifetime_s:g}"
+            )
         if not common_name.strip():
             raise ConfigError("a client certificate needs a common name")
         try:
@@ -232,7 +308,7 @@ class CertificateAuthority:
         builder = self._leaf_builder(
             common_name=common_name,
             public_key=public_key,
-            days=days,
+            lifetime=timedelta(seconds=lifetime_s),
             usage=ExtendedKeyUsageOID.CLIENT_AUTH,
         )
         return builder.sign(self._key, hashes.SHA256()).public_bytes(_PEM)
@@ -259,28 +335,33 @@ class CertificateAuthority:
         if not sans:
             raise ConfigError("a leaf certificate needs at least one subject alternative name")
         builder = self._leaf_builder(
-            common_name=common_name, public_key=public_key, days=days, usage=usage
+            common_name=common_name,
+            public_key=public_key,
+            lifetime=timedelta(days=days),
+            usage=usage,
         ).add_extension(x509.SubjectAlternativeName(list(sans)), critical=False)
         return builder.sign(self._key, hashes.SHA256())
 
     def _leaf_builder(
         self,
         *,
+        issuer: x509.Certificate | None = None,
         common_name: str,
         public_key: ec.EllipticCurvePublicKey | rsa.RSAPublicKey | ed25519.Ed25519PublicKey,
-        days: int,
+        lifetime: timedelta,
         usage: x509.ObjectIdentifier,
     ) -> x509.CertificateBuilder:
         now = datetime.now(UTC)
-        ca_ski = self._cert.extensions.get_extension_for_class(x509.SubjectKeyIdentifier).value
+        issuer = issuer or self._cert
+        ca_ski = issuer.extensions.get_extension_for_class(x509.SubjectKeyIdentifier).value
         return (
             x509.CertificateBuilder()
             .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)]))
-            .issuer_name(self._cert.subject)
+            .issuer_name(issuer.subject)
             .public_key(public_key)
             .serial_number(x509.random_serial_number())
             .not_valid_before(now - CLOCK_SKEW)
-            .not_valid_after(now + timedelta(days=days))
+            .not_valid_after(now + lifetime)
             .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
             .add_extension(_key_usage(digital_signature=True), critical=True)
             .add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
@@ -385,6 +466,23 @@ def _load_cert(path: Path) -> x509.Certificate:
         raise ConfigError(f"cannot read the CA certificate: {exc.strerror}", path=path) from None
     except ValueError as exc:
         raise ConfigError(f"the CA certificate is corrupt: {exc}", path=path) from None
+
+
+def next_path(path: Path) -> Path:
+    """Where a replacement of ``path`` is written first (a CA rotation's new pair)."""
+    return path.with_name(path.name + ".next")
+
+
+def _settle_next_pair(key_path: Path, cert_path: Path) -> None:
+    """Move a new CA pair written aside (``*.next``, by a rotation) into place, the key
+    first; a lone new key (cut off before its certificate) is dropped."""
+    key_next, cert_next = next_path(key_path), next_path(cert_path)
+    if not cert_next.exists():
+        key_next.unlink(missing_ok=True)
+        return
+    if key_next.exists():
+        os.replace(key_next, key_path)
+    os.replace(cert_next, cert_path)
 
 
 def _replace(path: Path, data: bytes, mode: int) -> None:

@@ -35,15 +35,16 @@ from cryptography import x509
 from berth.cluster.ca import CertificateAuthority, fingerprint_of_pem
 from berth.errors import BerthError, ConfigError, EnrollmentTokenError
 from berth.keys import hash_secret
-from berth.store import NodeRecord, Store
+from berth.store import NodeCertificate, NodeRecord, Store
 
 #: Seconds an enrollment token stays valid.
 TOKEN_VALIDITY_S: Final = 600.0
 #: Hex characters of a presented token's hash kept in the audit log (64 bits: enough to tell
 #: attempts with one token from those with another; nothing of the token itself).
 AUDIT_TOKEN_HASH_CHARS: Final = 16
-#: Validity of an agent's client certificate, in days.
-AGENT_CERT_VALIDITY_DAYS: Final = 365
+#: Validity of an agent's client certificate, in seconds (the ``agent_cert_lifetime_s``
+#: setting's default): a day, renewed over the link at two thirds of it.
+AGENT_CERT_LIFETIME_S: Final = 86400.0
 #: Registration attempts allowed per source address within :data:`RATE_WINDOW_S`.
 RATE_MAX_ATTEMPTS: Final = 10
 RATE_WINDOW_S: Final = 60.0
@@ -255,6 +256,21 @@ def check_csr(csr_pem: str) -> None:
         raise ConfigError("the certificate signing request's signature is invalid")
 
 
+def issued_certificate(
+    node_id: str, cert_pem: bytes, ca: CertificateAuthority, now: float
+) -> NodeCertificate:
+    """The store's record of ``cert_pem``, just issued to ``node_id`` by ``ca``."""
+    cert = x509.load_pem_x509_certificate(cert_pem)
+    return NodeCertificate(
+        node_id=node_id,
+        fingerprint=fingerprint_of_pem(cert_pem),
+        serial=format(cert.serial_number, "x"),
+        not_after=cert.not_valid_after_utc.timestamp(),
+        issuer_fingerprint=ca.fingerprint_sha256,
+        issued_at=now,
+    )
+
+
 class EnrollmentService:
     """The leader's enrollment logic: issue tokens, register agents, audit every attempt.
 
@@ -272,7 +288,7 @@ class EnrollmentService:
         cluster_url: str,
         audit: AuditLog,
         clock: Callable[[], float] = time.time,
-        cert_validity_days: int = AGENT_CERT_VALIDITY_DAYS,
+        cert_lifetime_s: float = AGENT_CERT_LIFETIME_S,
     ) -> None:
         self._store = store
         self._ca = ca
@@ -280,7 +296,7 @@ class EnrollmentService:
         self.cluster_url = cluster_url
         self._audit = audit
         self._clock = clock
-        self._cert_days = cert_validity_days
+        self.cert_lifetime_s = cert_lifetime_s
         #: every shared leader's cluster URL, for the URI (set with ``leader_ha``)
         self.leaders: Callable[[], Sequence[str]] | None = None
 
@@ -296,7 +312,8 @@ class EnrollmentService:
             label, hash_enrollment_token(token, self._pepper), expires_at
         )
         leaders = tuple(self.leaders()) if self.leaders is not None else ()
-        uri = EnrollmentURI(self.cluster_url, token, self._ca.fingerprint_sha256, leaders)
+        # The root the leader's server certificate chains to (the old one during a rotation).
+        uri = EnrollmentURI(self.cluster_url, token, self._ca.server_root_fingerprint, leaders)
         return IssuedToken(uri=uri, label=label, expires_at=expires_at)
 
     def register(self, token: str, csr_pem: str, source_address: str) -> Registration:
@@ -317,10 +334,13 @@ class EnrollmentService:
             node_id = self._store.propose_node_id(label)
             event["node_id"] = node_id
             cert_pem = self._ca.sign_csr(
-                csr_pem.encode(), common_name=node_id, days=self._cert_days
+                csr_pem.encode(), common_name=node_id, lifetime_s=self.cert_lifetime_s
             )
             record: NodeRecord = self._store.enroll_node(
                 label, fingerprint_of_pem(cert_pem), node_id=node_id
+            )
+            self._store.record_node_certificate(
+                issued_certificate(record.id, cert_pem, self._ca, self._clock()), replace=True
             )
         except BerthError as exc:
             reason = exc.reason if isinstance(exc, EnrollmentTokenError) else str(exc)
@@ -331,7 +351,7 @@ class EnrollmentService:
             node_id=record.id,
             label=record.label,
             certificate_pem=cert_pem.decode(),
-            ca_pem=self._ca.cert_pem.decode(),
+            ca_pem=self._ca.trust_bundle_pem.decode(),  # both roots during a rotation
             cluster_url=self.cluster_url,
         )
 

@@ -27,13 +27,14 @@ from cryptography.x509.oid import NameOID
 
 from berth import __version__
 from berth.cluster.connection import LinkConnection
+from berth.cluster.dial_limit import DialRateLimiter
 from berth.cluster.enrollment import AuditLog
 from berth.cluster.inventory import gpu_infos
 from berth.cluster.link import LOCAL_NODE_ID
 from berth.cluster.link_registry import LinkRegistry
 from berth.cluster.liveness import LINK_TIMEOUT_S, Liveness
 from berth.cluster.peer_identity import ForwardedFingerprintTrust, client_identity
-from berth.cluster.protocol.errors import CloseCode, LinkError
+from berth.cluster.protocol.errors import CloseCode, LinkError, rate_limited_reason
 from berth.cluster.protocol.frames import (
     AdoptedState,
     EngineState,
@@ -45,8 +46,15 @@ from berth.cluster.protocol.frames import (
     Request,
     ResetCode,
 )
+from berth.cluster.protocol.ops import RENEW
 from berth.cluster.protocol.session import LinkLimits, Role, WelcomeTerms
 from berth.cluster.remote_link import RemoteLink, TunnelResponse
+from berth.cluster.renewal import (
+    LinkCertificates,
+    LinkDeadline,
+    certificate_not_after,
+    expiry_refusal,
+)
 from berth.cluster.tunnel_stream import TunnelStream
 from berth.engine_http.errors import UpstreamConnectError
 from berth.engine_http.origin import Origin
@@ -101,7 +109,9 @@ class NodeHub:
     ``forwarded``, when given, turns on the reverse-proxy fingerprint mode
     (:mod:`berth.cluster.peer_identity`). ``link_timeout_s`` is the dead-link timeout both
     ends keep (told to agents in Welcome); ``node_timeout_s`` the longest an agent may go
-    without sending a frame.
+    without sending a frame. ``certificates``, when given, renews agents' certificates over
+    their links and closes a link whose certificate expired (:mod:`berth.cluster.renewal`).
+    ``dial_limiter`` bounds how often one node may dial (``RATE_LIMITED`` beyond it).
     """
 
     def __init__(
@@ -119,8 +129,13 @@ class NodeHub:
         cluster_metrics: ClusterMetrics | None = None,
         audit: AuditLog | None = None,
         forwarded: ForwardedFingerprintTrust | None = None,
+        certificates: LinkCertificates | None = None,
+        dial_limiter: DialRateLimiter | None = None,
     ) -> None:
+        self._dial_limiter = dial_limiter or DialRateLimiter()
         self._store = store
+        #: renewal over links and the expiry of their certificates (``None``: neither)
+        self._certificates = certificates
         self._forwarded = forwarded
         self._audit = audit
         self._cluster_metrics = cluster_metrics
@@ -139,6 +154,12 @@ class NodeHub:
         self._saved_at: dict[str, float] = {}
         #: with shared leadership: who may take agents, and the leaders Welcome lists
         self.agent_gate: AgentGate | None = None
+
+    @property
+    def renewal_refusals(self) -> dict[str, str]:
+        """Why each node's last certificate renewal was refused (nodes whose last one
+        succeeded are absent)."""
+        return {} if self._certificates is None else self._certificates.refusals
 
     def is_connected(self, node_id: str) -> bool:
         link = self._sessions.get(node_id)
@@ -231,16 +252,23 @@ class NodeHub:
             max_msg_size=4 * self.limits.max_frame_bytes, compress=False, autoping=False
         )
         await ws.prepare(request)
-        node_id, refusal, certificate_der = await self._identify(request)
+        node_id, refusal, certificate_der, not_after = await self._identify(request)
         if refusal is not None:
             log.warning("refused agent link from %s: %s", peer, refusal[1])
-            await ws.close(code=refusal[0], message=refusal[1].encode())
+            # A close frame's reason has room for 123 bytes (RFC 6455 section 5.5).
+            await ws.close(code=refusal[0], message=refusal[1].encode()[:120])
             return ws
         assert node_id is not None
         standby = self.agent_gate.refusal() if self.agent_gate is not None else None
         if standby is not None:  # a standby leader: go to the active (docs/ha.md)
             log.info("sent agent %s (%s) to the active leader: %s", node_id, peer, standby)
             await ws.close(code=CloseCode.NOT_LEADER, message=standby.encode())
+            return ws
+        retry_after_s = self._dial_limiter.check(node_id, time.monotonic())
+        if retry_after_s is not None:
+            log.warning("refused agent link from %s: node %s dials too often", peer, node_id)
+            reason = rate_limited_reason(retry_after_s).encode()
+            await ws.close(code=CloseCode.RATE_LIMITED, message=reason)
             return ws
         if self._shutting_down:
             await ws.close(code=CloseCode.LEADER_SHUTTING_DOWN, message=b"shutting down")
@@ -258,7 +286,11 @@ class NodeHub:
             node_id=node_id,
             leader_version=__version__,
             heartbeat_interval_s=self._heartbeat_interval_s,
-            capabilities=LEADER_CAPABILITIES,
+            capabilities=(
+                LEADER_CAPABILITIES
+                if self._certificates is None
+                else (*LEADER_CAPABILITIES, RENEW.capability)
+            ),
             link_timeout_s=self._liveness.timeout_s,
             leaders=self.agent_gate.leaders() if self.agent_gate is not None else (),
         )
@@ -273,6 +305,10 @@ class NodeHub:
             return ws  # refused or gone; the connection closed the socket and said why
         log.info("node %s connected from %s (agent %s)", node_id, peer, hello.agent_version)
         watchdog = asyncio.create_task(self._watch(node_id, conn), name=f"watch-{node_id}")
+        expiry = None
+        if self._certificates is not None:
+            watch = self._certificates.watch(conn, LinkDeadline(not_after))
+            expiry = asyncio.create_task(watch, name=f"expiry-{node_id}")
         if self._listener is not None:
             # After run() starts: reconciling sends requests whose answers the reader reads.
             self._listener.adopted_reported(node_id, hello.adopted)
@@ -281,29 +317,43 @@ class NodeHub:
             await conn.run()
         finally:
             watchdog.cancel()
+            if expiry is not None:
+                expiry.cancel()
             self._drop(node_id, conn)
             log.info("node %s link closed (code %s)", node_id, conn.close_code)
         return ws
 
     async def _identify(
         self, request: web.Request
-    ) -> tuple[str | None, tuple[int, str] | None, bytes | None]:
-        """(node id, refusal, the DER client certificate when the agent presented one)."""
+    ) -> tuple[str | None, tuple[int, str] | None, bytes | None, float | None]:
+        """(node id, refusal, the DER client certificate when the agent presented one, its
+        ``notAfter`` in epoch seconds when known)."""
         identity = client_identity(request, self._forwarded)
         if identity is None:
-            return None, (CloseCode.BAD_CERTIFICATE, "a client certificate is required"), None
+            refusal = (CloseCode.BAD_CERTIFICATE, "a client certificate is required")
+            return None, refusal, None, None
         node = await asyncio.to_thread(self._store.find_node_by_fingerprint, identity.fingerprint)
         if node is None:
-            return None, (CloseCode.BAD_CERTIFICATE, "this certificate belongs to no node"), None
+            refusal = (CloseCode.BAD_CERTIFICATE, "this certificate belongs to no node")
+            return None, refusal, None, None
         if node.status == "removed":
-            return None, (CloseCode.NODE_REMOVED, f"node {node.id} was removed"), None
+            return None, (CloseCode.NODE_REMOVED, f"node {node.id} was removed"), None, None
         der = identity.certificate_der
         # A forwarded fingerprint has no certificate to read; it matched the one issued.
         if der is not None and _common_name(der) != node.id:
-            return None, (CloseCode.BAD_CERTIFICATE, "the certificate names another node"), None
+            refusal = (CloseCode.BAD_CERTIFICATE, "the certificate names another node")
+            return None, refusal, None, None
         if identity.forwarded_by is not None:
             log.info("node %s: fingerprint forwarded by %s", node.id, identity.forwarded_by)
-        return node.id, None, der
+        if der is not None:
+            not_after = certificate_not_after(der)
+        else:
+            issued = await asyncio.to_thread(self._store.node_certificate, identity.fingerprint)
+            not_after = issued.not_after if issued is not None else None
+        expired = expiry_refusal(node, not_after, self._clock())
+        if expired is not None:
+            return None, (CloseCode.CERTIFICATE_EXPIRED, expired), None, None
+        return node.id, None, der, not_after
 
     async def _admit(
         self, node_id: str, conn: LinkConnection, hello: Hello, certificate_der: bytes | None
@@ -393,6 +443,9 @@ class NodeHub:
     # -- LinkHandler (what the agent sends outside answers and streams) ----------------------
 
     async def on_request(self, conn: LinkConnection, request: Request) -> None:
+        if request.op == RENEW.name and self._certificates is not None:
+            await self._certificates.serve(conn, request)
+            return
         error = ErrorInfo(
             code=ErrorCode.UNSUPPORTED, message=f"the leader serves no {request.op!r}"
         )

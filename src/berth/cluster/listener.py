@@ -10,7 +10,8 @@ certificate is *optional* at the TLS level (``CERT_OPTIONAL``) so ``GET /admin/c
 registration work without one, but one that is presented must chain to the berth CA (only
 that CA is trusted), else the handshake fails.  Routes:
 
-- ``GET /admin/ca.pem``: the CA certificate;
+- ``GET /admin/ca.pem``: the root the server certificate chains to (the CA; the old one
+  during a CA rotation), what enrollment URIs pin;
 - ``POST /admin/nodes/register``: ``{"token", "csr_pem"}`` → the agent's certificate
   (failed attempts rate-limited per source address; see :mod:`berth.cluster.enrollment`);
 - ``GET /cluster/agent``: the agents' WebSocket, handled by the injected ``agent_handler``.
@@ -69,16 +70,28 @@ def cluster_tls_files(
     return cert, key
 
 
+#: OpenSSL's ``X509_V_FLAG_NO_CHECK_TIME`` (x509_vfy.h; the ssl module has no name for it).
+_NO_CHECK_TIME: Final = 0x200000
+
+
 def cluster_ssl_context(
     ca: CertificateAuthority, cert_path: Path, key_path: Path
 ) -> ssl.SSLContext:
-    """A TLS 1.2+ server context: ``cert_path``/``key_path`` as the server identity, the
-    berth CA as the only trust root for client certificates, which are optional."""
+    """A TLS 1.2+ server context: ``cert_path``/``key_path`` as the server identity, every
+    root of the berth CA's trust bundle (two during a rotation) as the only trust roots for
+    client certificates, which are optional.
+
+    The handshake checks the client chain's signatures but not its dates: an expired agent
+    certificate is refused by the hub after the handshake, with the typed close code
+    ``CERTIFICATE_EXPIRED`` and a log line naming the node (:mod:`berth.cluster.renewal`),
+    instead of a TLS alert nobody can tell from a network fault.
+    """
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     context.minimum_version = ssl.TLSVersion.TLSv1_2
     context.load_cert_chain(str(cert_path), str(key_path))
-    context.load_verify_locations(cadata=ca.cert_pem.decode())
+    context.load_verify_locations(cadata=ca.trust_bundle_pem.decode())
     context.verify_mode = ssl.CERT_OPTIONAL
+    context.verify_flags |= _NO_CHECK_TIME
     return context
 
 
@@ -98,7 +111,7 @@ def peer_certificate_der(request: web.Request) -> bytes | None:
 def build_cluster_app(
     *,
     enrollment: EnrollmentService,
-    ca_pem: bytes,
+    ca_pem: bytes | Callable[[], bytes],
     agent_handler: AgentHandler,
     on_registered: Callable[[str], Awaitable[None]] | None = None,
     rate_limiter: RegistrationRateLimiter | None = None,
@@ -128,7 +141,8 @@ def build_cluster_app(
             )
 
     async def ca_certificate(_request: web.Request) -> web.Response:
-        return web.Response(body=ca_pem, content_type=CA_PEM_MEDIA_TYPE)
+        body = ca_pem() if callable(ca_pem) else ca_pem
+        return web.Response(body=body, content_type=CA_PEM_MEDIA_TYPE)
 
     async def register(request: web.Request) -> web.Response:
         source = request.remote or "unknown"

@@ -151,6 +151,7 @@ class Settings:
     heartbeat_interval_s: float
     node_timeout_s: float
     link_timeout_s: float
+    agent_cert_lifetime_s: float
     direct_probe_interval_s: float
     direct_probe_timeout_s: float
     agent_advertise: str | None

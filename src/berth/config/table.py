@@ -360,6 +360,10 @@ SETTINGS: tuple[SettingDef, ...] = (
                "which either end closes it as dead; both ends ping every third of it "
                "(told to agents on connect)",
                default=6.0, minimum=0.3, maximum=300.0),
+    SettingDef("agent_cert_lifetime_s", "float", "cluster",
+               "seconds an agent's client certificate is valid; agents renew it over their "
+               "link at two thirds of it (tests use a few tens)",
+               default=86400.0, minimum=10.0, maximum=400 * 86400.0),
     SettingDef("direct_probe_interval_s", "float", "cluster",
                "seconds between probes of an agent's direct ingress (0: always the tunnel)",
                default=2.0, minimum=0.0),

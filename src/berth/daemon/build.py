@@ -97,7 +97,7 @@ def build_listeners(
     cluster_listener = ClusterListener(
         build_cluster_app(
             enrollment=graph.enrollment,
-            ca_pem=tls.ca.cert_pem,
+            ca_pem=lambda: tls.ca.server_root_pem,  # a CA rotation changes it
             agent_handler=graph.hub.handle_agent,
             on_registered=graph.hub.certificate_replaced,
             body_timeout_s=limits.body_timeout_s,
@@ -144,7 +144,7 @@ async def build_leader(
     )  # fmt: skip
     hub = build_hub(
         store, links, lifecycle, settings, cluster_metrics=metrics.cluster, audit=audit,
-        forwarded=forwarded,
+        forwarded=forwarded, ca=tls.ca,
     )  # fmt: skip
     # Requests to agents' engines: direct to an agent's ingress when it answers, else the hub.
     data_paths = DataPaths(
@@ -177,8 +177,9 @@ async def build_leader(
     )  # fmt: skip
     cluster_url = settings.cluster_url(sockets.cluster_port)
     enrollment = EnrollmentService(
-        store=store, ca=tls.ca, pepper=tls.pepper, cluster_url=cluster_url, audit=audit
-    )
+        store=store, ca=tls.ca, pepper=tls.pepper, cluster_url=cluster_url, audit=audit,
+        cert_lifetime_s=settings.agent_cert_lifetime_s,
+    )  # fmt: skip
     authenticator = await build_authenticator(
         store, tls.pepper, settings, metrics=metrics.proxy, audit=audit
     )

@@ -31,6 +31,7 @@ from berth.cluster.listener import (
     cluster_tls_files,
 )
 from berth.cluster.peer_identity import ForwardedFingerprintTrust
+from berth.cluster.renewal import LinkCertificates
 from berth.config import Settings
 from berth.daemon.public_tls import public_ssl_context, public_tls_files
 from berth.deployments.adapters import AdapterManager
@@ -327,8 +328,10 @@ def build_hub(
     cluster_metrics: ClusterMetrics,
     audit: AuditLog,
     forwarded: ForwardedFingerprintTrust | None,
+    ca: CertificateAuthority,
 ) -> NodeHub:
-    """The agents' hub: their links, heartbeats and timeouts, reported to ``lifecycle``."""
+    """The agents' hub: their links, heartbeats and timeouts, reported to ``lifecycle``;
+    their certificates renewed over the links (``agent_cert_lifetime_s``)."""
     if forwarded is not None:
         log.warning("cluster: trusting x-berth-client-fingerprint from %s", forwarded.describe())
     return NodeHub(
@@ -341,6 +344,9 @@ def build_hub(
         cluster_metrics=cluster_metrics,
         audit=audit,
         forwarded=forwarded,
+        certificates=LinkCertificates(
+            store, ca, lifetime_s=settings.agent_cert_lifetime_s, audit=audit
+        ),
     )
 
 

@@ -15,14 +15,16 @@ from datetime import datetime
 from urllib.parse import urlsplit
 
 import httpx
+from cryptography import x509
 from cryptography.exceptions import InvalidSignature
 
 from berth.agent.identity import (
     AgentIdentity,
     client_ssl_context,
     load_agent_identity,
-    pinned_certificate,
+    pinned_bundle,
 )
+from berth.agent.renewal import renewal_due_at
 from berth.cluster.ca import fingerprint_of_pem
 from berth.doctor.certs import load_certificate, validity
 from berth.doctor.check import Check
@@ -65,27 +67,48 @@ def agent_checks(home: BerthHome, *, now: datetime, timeout_s: float = 5.0) -> l
 
 
 def agent_certificate_check(identity: AgentIdentity, now: datetime) -> Check:
-    """``agent.crt``: readable, issued by the pinned CA, valid for a while yet."""
+    """``agent.crt``: readable, issued by a pinned CA root, valid now and not past its
+    renewal (agent certificates are short lived: the agent renews them over its link at
+    two thirds of their lifetime, :mod:`berth.agent.renewal`)."""
     hint = reregister_hint(identity.label)
     try:
         cert = load_certificate(identity.cert_path)
     except (OSError, ValueError) as exc:
         return Check("agent cert", "fail", f"{identity.cert_path} cannot be read: {exc}", hint)
-    try:
-        cert.verify_directly_issued_by(load_certificate(identity.ca_path))
-    except (OSError, ValueError, TypeError, InvalidSignature):
+    if not _issued_by_a_root(cert, identity):
         detail = f"{identity.cert_path} is not issued by the pinned CA {identity.ca_path}"
         return Check("agent cert", "fail", detail, hint)
     verdict, when = validity(cert, now)
+    if verdict == "warn":  # weeks left is the server certificates' rule, not an agent's
+        verdict, when = "ok", f"valid until {cert.not_valid_after_utc:%Y-%m-%d %H:%M} UTC"
+    due = renewal_due_at(
+        cert.not_valid_before_utc.timestamp(), cert.not_valid_after_utc.timestamp()
+    )
+    if verdict == "ok" and now.timestamp() > due + 60:
+        verdict, when = "warn", f"{when}; its renewal is overdue (is the agent linked?)"
     return Check(
         "agent cert", verdict, f"{identity.cert_path}: {when}", hint if verdict != "ok" else ""
     )
 
 
-def pin_check(identity: AgentIdentity) -> Check:
-    """``ca.pem`` on this host still has the fingerprint pinned in ``agent.yaml``."""
+def _issued_by_a_root(cert: x509.Certificate, identity: AgentIdentity) -> bool:
     try:
-        pinned_certificate(identity.ca_path.read_bytes(), identity.ca_fingerprint)
+        roots = x509.load_pem_x509_certificates(identity.ca_path.read_bytes())
+    except (OSError, ValueError):
+        return False
+    for root in roots:
+        try:
+            cert.verify_directly_issued_by(root)
+        except (ValueError, TypeError, InvalidSignature):
+            continue
+        return True
+    return False
+
+
+def pin_check(identity: AgentIdentity) -> Check:
+    """``ca.pem`` on this host holds only roots pinned in ``agent.yaml``."""
+    try:
+        pinned_bundle(identity.ca_path.read_bytes(), identity.pins)
     except OSError as exc:
         return Check(
             "agent ca",
@@ -97,7 +120,8 @@ def pin_check(identity: AgentIdentity) -> Check:
         return Check(
             "agent ca", "fail", f"{identity.ca_path}: {exc}", reregister_hint(identity.label)
         )
-    return Check("agent ca", "ok", f"{identity.ca_path} matches the pin {identity.ca_fingerprint}")
+    pins = ", ".join(identity.pins)
+    return Check("agent ca", "ok", f"{identity.ca_path} matches the pin {pins}")
 
 
 def leader_check(identity: AgentIdentity, *, timeout_s: float = 5.0, verify: bool = True) -> Check:
@@ -128,12 +152,12 @@ def leader_check(identity: AgentIdentity, *, timeout_s: float = 5.0, verify: boo
         served = fingerprint_of_pem(response.content)
     except ConfigError:
         return Check("leader", "fail", f"{url} did not answer a certificate", _reach_hint(url))
-    if served != identity.ca_fingerprint:
+    if served not in identity.pins:
         return Check(
             "leader",
             "fail",
             f"the leader at {identity.leader_url} serves CA {served}, but this agent pinned "
-            f"{identity.ca_fingerprint}: the leader's CA was replaced (or another server "
+            f"{', '.join(identity.pins)}: the leader's CA was replaced (or another server "
             "answers there)",
             reregister_hint(identity.label),
         )

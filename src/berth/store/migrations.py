@@ -341,7 +341,7 @@ def _v11_usage_cached_tokens(conn: Connection) -> None:
     )
 
 
-def _v12_leader_members(conn: Connection) -> None:
+def _v25_leader_members(conn: Connection) -> None:
     metadata = MetaData()
     Table(
         "leader_members",
@@ -351,6 +351,23 @@ def _v12_leader_members(conn: Connection) -> None:
         Column("seen_at", Float, nullable=False),
     )
     metadata.create_all(conn)
+
+
+def _v26_node_certificates(conn: Connection) -> None:
+    metadata = MetaData()
+    Table("nodes", metadata, Column("id", String(16), primary_key=True))
+    table = Table(
+        "node_certificates",
+        metadata,
+        Column("fingerprint", String(80), primary_key=True),
+        Column("node_id", String(16), ForeignKey("nodes.id", ondelete="CASCADE"), nullable=False),
+        Column("serial", String(48), nullable=False),
+        Column("not_after", Float, nullable=False),
+        Column("issuer_fingerprint", String(80), nullable=False),
+        Column("issued_at", Float, nullable=False),
+        Index("ix_node_certificates_node_id", "node_id"),
+    )
+    table.create(conn)
 
 
 #: Every migration, in increasing order (numbers may skip: see the module docstring).
@@ -372,7 +389,10 @@ MIGRATIONS: tuple[Migration, ...] = (
     Migration(
         11, "usage_ledger.cached_tokens (prompt tokens read from a cache)", _v11_usage_cached_tokens
     ),
-    Migration(12, "leader_members (every shared leader's cluster URL)", _v12_leader_members),
+    # 25: issue 25's number, as 26 is issue 26's.
+    Migration(25, "leader_members (every shared leader's cluster URL)", _v25_leader_members),
+    # 26: issue 26's number, so that steps other features reserve below it stay free.
+    Migration(26, "node_certificates (issued client certificates)", _v26_node_certificates),
 )
 
 LATEST_VERSION = MIGRATIONS[-1].version

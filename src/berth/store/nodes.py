@@ -30,7 +30,13 @@ from berth.store.records import (
     NodeRecord,
     NodeStatus,
 )
-from berth.store.tables import EnrollmentTokenRow, ModelLocationRow, ModelRow, NodeRow
+from berth.store.tables import (
+    EnrollmentTokenRow,
+    ModelLocationRow,
+    ModelRow,
+    NodeCertificateRow,
+    NodeRow,
+)
 
 #: The leader's own host: always present, always this id and label, never removable.
 LOCAL_NODE_ID: Final = "local"
@@ -143,11 +149,15 @@ class NodeMethods:
             return _node_record(row)
 
     def find_node_by_fingerprint(self, cert_fingerprint: str) -> NodeRecord | None:
-        """The node enrolled with this client certificate (removed ones too), or ``None``."""
+        """The node enrolled with this client certificate, or renewed from it (removed ones
+        too), or ``None``."""
         with self._read() as session:
             row = session.scalars(
                 select(NodeRow).where(NodeRow.cert_fingerprint == cert_fingerprint)
             ).first()
+            if row is None:
+                issued = session.get(NodeCertificateRow, cert_fingerprint)
+                row = None if issued is None else session.get(NodeRow, issued.node_id)
             return None if row is None else _node_record(row)
 
     def list_nodes(self, include_removed: bool = False) -> list[NodeRecord]:

@@ -316,3 +316,17 @@ class AdapterRecord:
     revision: str | None
     created_at: datetime
     locations: dict[str, str]
+
+
+@dataclass(frozen=True)
+class NodeCertificate:
+    """A client certificate the leader issued to a node: ``fingerprint`` (``sha256:<hex>``
+    of the DER), the ``serial`` in hex, ``not_after`` and ``issued_at`` in epoch seconds, and
+    the fingerprint of the CA certificate that signed it."""
+
+    node_id: str
+    fingerprint: str
+    serial: str
+    not_after: float
+    issuer_fingerprint: str
+    issued_at: float

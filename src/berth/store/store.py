@@ -33,6 +33,7 @@ from berth.errors import (
 from berth.store import migrations
 from berth.store.adapters import AdapterMethods, adapter_named, adapters_of
 from berth.store.api_keys import ApiKeyMethods
+from berth.store.certificates import CertificateMethods
 from berth.store.changes import ChangeMethods
 from berth.store.db import WRITE_OPTIONS, create_store_engine
 from berth.store.lease import LeaseMethods
@@ -69,6 +70,7 @@ class Store(
     AdapterMethods,
     ApiKeyMethods,
     UsageMethods,
+    CertificateMethods,
 ):
     """The state database at ``url`` (the ``database_url`` setting).
 

@@ -343,3 +343,20 @@ class ChangeCounterRow(Base):
 
     topic: Mapped[str] = mapped_column(String(32), primary_key=True)
     counter: Mapped[int] = mapped_column(BigInteger)
+
+
+class NodeCertificateRow(Base):
+    """A client certificate the leader issued to a node (at enrollment or a renewal): what
+    ``berth ca status`` and ``berth nodes ls`` read, and the older fingerprints a node may
+    still dial with until they expire."""
+
+    __tablename__ = "node_certificates"
+
+    fingerprint: Mapped[str] = mapped_column(String(80), primary_key=True)
+    node_id: Mapped[str] = mapped_column(
+        String(16), ForeignKey("nodes.id", ondelete="CASCADE"), index=True
+    )
+    serial: Mapped[str] = mapped_column(String(48))
+    not_after: Mapped[float] = mapped_column(Float)
+    issuer_fingerprint: Mapped[str] = mapped_column(String(80))
+    issued_at: Mapped[float] = mapped_column(Float)

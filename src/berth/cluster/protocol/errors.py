@@ -12,6 +12,8 @@ I/O adapters translate it into a WebSocket close in one place.
 
 from __future__ import annotations
 
+import math
+import re
 from enum import IntEnum
 
 from berth.errors import BerthError
@@ -32,6 +34,9 @@ class CloseCode(IntEnum):
     PROTOCOL_ERROR = 4400
     #: no client certificate, or one whose fingerprint no node has
     BAD_CERTIFICATE = 4401
+    #: the certificate the link was made with (or last renewed to) has expired: the agent
+    #: must be enrolled again
+    CERTIFICATE_EXPIRED = 4402
     #: the node was removed with ``berth nodes remove``
     NODE_REMOVED = 4403
     #: no protocol version both sides speak
@@ -41,6 +46,7 @@ class CloseCode(IntEnum):
     #: a newer session of the same node replaced this one
     SUPERSEDED = 4409
     #: too many connection attempts; the reason carries ``retry_after_s=<seconds>``
+    #: (:func:`retry_after_of`)
     RATE_LIMITED = 4429
     #: this leader is a standby (``leader_ha``); the reason is the active leader's cluster
     #: URL when one is known (:func:`active_named_in`), and the agent dials it at once
@@ -54,6 +60,7 @@ class CloseCode(IntEnum):
 _FINAL_CODES = frozenset(
     {
         CloseCode.BAD_CERTIFICATE,
+        CloseCode.CERTIFICATE_EXPIRED,
         CloseCode.NODE_REMOVED,
         CloseCode.UNSUPPORTED_VERSION,
         CloseCode.SUPERSEDED,
@@ -64,11 +71,31 @@ _FINAL_CODES = frozenset(
 def agent_should_redial(code: int | None) -> bool:
     """Whether an agent whose link closed with ``code`` dials again (with backoff).
 
-    A refusal an operator must resolve (bad certificate, removed node, no common protocol
-    version, another session of the same node) is final; anything else, including an abrupt
+    A refusal an operator must resolve (bad or expired certificate, removed node, no common
+    protocol version, another session of the same node) is final; anything else, including an abrupt
     close with no code, is retried.
     """
     return code not in _FINAL_CODES
+
+
+def rate_limited_reason(retry_after_s: float) -> str:
+    """The close reason of a ``RATE_LIMITED`` close: ``retry_after_s=<whole seconds>`` and
+    a few words for a person reading the log."""
+    return f"retry_after_s={max(1, math.ceil(retry_after_s))} (dialling too often)"
+
+
+def retry_after_of(code: int | None, reason: str) -> float | None:
+    """The seconds a ``RATE_LIMITED`` close asks the agent to wait, or ``None`` for any
+    other close or a reason without a readable ``retry_after_s=`` (capped at an hour)."""
+    if code != CloseCode.RATE_LIMITED:
+        return None
+    match = _RETRY_AFTER.search(reason)
+    if match is None:
+        return None
+    return min(3600.0, float(match.group(1)))
+
+
+_RETRY_AFTER = re.compile(r"\bretry_after_s=([0-9]{1,7}(?:\.[0-9]{1,3})?)\b")
 
 
 def not_leader_reason(active_cluster_url: str | None) -> str:

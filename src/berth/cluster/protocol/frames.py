@@ -59,7 +59,8 @@ class FrameType(IntEnum):
 
 # -- closed sets -------------------------------------------------------------------------------
 
-#: The control operations (``ops.py`` ties each to its argument and result types).
+#: The control operations (``ops.py`` ties each to its argument and result types): those
+#: the agent serves, and ``renew``, which the leader serves.
 OpName = Literal[
     "start",
     "stop",
@@ -71,6 +72,7 @@ OpName = Literal[
     "unload_adapter",
     "ingress",
     "model_shape",
+    "renew",
 ]
 OP_NAMES: frozenset[str] = frozenset(get_args(OpName))
 #: The events a running request reports in ``PROGRESS`` (v1: those of ``start``).

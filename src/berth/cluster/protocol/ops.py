@@ -234,6 +234,24 @@ class ModelShapeResult(_Args, kw_only=True):
     shape: ModelShapeInfo | None = None
 
 
+class RenewArgs(_Args, kw_only=True):
+    """Agent to leader: issue a new client certificate for the key of ``csr_pem`` (a PEM
+    PKCS#10 request signed by that new key, its proof of possession).  The link's own
+    certificate says which node asks; the CSR's subject is ignored."""
+
+    csr_pem: str
+
+
+class RenewResult(_Args, kw_only=True):
+    """The new certificate (PEM, the leaf alone), when it expires (epoch seconds), and the
+    trust bundle the agent should trust from now on (PEM, every root of the cluster CA,
+    current first: two during a CA rotation)."""
+
+    certificate_pem: str
+    not_after: float
+    ca_bundle_pem: str
+
+
 class NoArgs(_Args, kw_only=True):
     pass
 
@@ -293,7 +311,10 @@ MODEL_SHAPE: Op[ModelShapeArgs, ModelShapeResult] = Op(
     "model_shape", ModelShapeArgs, ModelShapeResult
 )
 
-#: Every op, by name.
+#: The op the leader serves (agents ask it; see ``docs/protocol.md``, Renewal).
+RENEW: Op[RenewArgs, RenewResult] = Op("renew", RenewArgs, RenewResult)
+
+#: Every op an agent serves, by name.
 OPS: dict[OpName, Op[Any, Any]] = {
     op.name: op
     for op in (

@@ -1,0 +1,55 @@
+"""The CA routes: ``GET /admin/ca``, ``POST /admin/ca/rotate``, ``POST /admin/ca/retire``
+(:mod:`berth.cluster.ca_rotation` does the work, on a worker thread)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from fastapi import APIRouter
+
+from berth.api.ca import CaStatus, OldLeafHolder, RetireIn
+from berth.cluster.ca_rotation import holders_of_old_leaves, retire, rotate
+from berth.daemon.graph import LeaderGraph
+
+log = logging.getLogger(__name__)
+
+
+def build_ca_router(services: LeaderGraph) -> APIRouter:
+    """The CA routes, bound to ``services``."""
+    router = APIRouter()
+
+    def status() -> CaStatus:
+        ca, store = services.ca, services.store
+        return CaStatus(
+            fingerprint=ca.fingerprint_sha256,
+            not_after=ca.certificate.not_valid_after_utc.timestamp(),
+            previous_fingerprint=ca.previous_fingerprint,
+            rotating=ca.previous is not None,
+            old_leaf_holders=[
+                OldLeafHolder(node_id=h.node_id, label=h.label, issuer=h.issuer)
+                for h in holders_of_old_leaves(store, ca)
+            ],
+        )
+
+    @router.get("/admin/ca")
+    async def ca_status() -> CaStatus:
+        return await asyncio.to_thread(status)
+
+    @router.post("/admin/ca/rotate")
+    async def ca_rotate() -> CaStatus:
+        await asyncio.to_thread(rotate, services.ca)
+        log.warning("cluster CA rotated: new leaves under %s", services.ca.fingerprint_sha256)
+        return await asyncio.to_thread(status)
+
+    @router.post("/admin/ca/retire")
+    async def ca_retire(body: RetireIn) -> CaStatus:
+        def work() -> None:
+            ca = services.ca
+            retire(ca, holders_of_old_leaves(services.store, ca), force=body.force)
+
+        await asyncio.to_thread(work)
+        log.warning("cluster CA: the old root was retired%s", " (forced)" if body.force else "")
+        return await asyncio.to_thread(status)
+
+    return router
