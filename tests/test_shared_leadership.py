@@ -44,6 +44,9 @@ def _graph(db_url: str, tmp_path: Path, name: str) -> Any:
         authenticator=Authenticator(store, load_or_create_pepper(tmp_path / f"pepper-{name}")),
         admission=Admission(TierTable(), UsageLedger(NoSink()), clock=ManualClock()),
         leadership=None,
+        cluster_url=f"https://{name}.lan:11501",
+        hub=SimpleNamespace(agent_gate=None),
+        enrollment=SimpleNamespace(leaders=None),
     )
 
 
@@ -78,11 +81,20 @@ async def test_the_standby_leads_once_the_active_stops(ha_graphs: tuple[Any, Any
         refusal = graph_b.leadership.refusal()
         assert isinstance(refusal, StandbyError) and "https://a:11500" in str(refusal)
         assert refusal.retry_after_s > 0
+        # Agents: the active takes them and lists both leaders; the standby names the
+        # active's cluster URL (docs/ha.md, Agents fail over).
+        assert graph_a.hub.agent_gate.refusal() is None
+        assert graph_b.hub.agent_gate.refusal() == "active=https://a.lan:11501"
+        both = ["https://a.lan:11501", "https://b.lan:11501"]
+        await a.roster.refresh()  # a read the members before b noted itself
+        assert sorted(graph_a.hub.agent_gate.leaders()) == both
+        assert sorted(graph_b.enrollment.leaders()) == both
 
         await a.stop()  # a clean stop hands the lease over
         await wait_for_async(lambda: b.leading, TAKEOVER_BOUND_S, "b to lead")
         assert led == ["a", "b"] and lost == []
         assert b.leadership.view().epoch == 2
+        assert graph_b.hub.agent_gate.refusal() is None
     finally:
         await b.stop()
         await a.stop()

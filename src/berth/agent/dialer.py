@@ -11,7 +11,9 @@ seconds per attempt. When the link ends, the close code decides
 (:func:`berth.cluster.protocol.errors.agent_should_redial`): a final refusal (removed node,
 bad certificate, superseded, no common version) stops the agent; anything else is redialled
 after a capped exponential backoff with equal jitter (:func:`backoff_delay`, capped by the
-``redial_max_s`` setting). The status file says so at once.
+``redial_max_s`` setting). The status file says so at once. Which leader it dials is the
+:class:`~berth.agent.leaders.LeaderList`'s to say: the next one in turn after a session
+ends, the active at once after a standby's ``NOT_LEADER`` (docs/ha.md).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import aiohttp
 
 from berth.agent.backoff import BACKOFF_BASE_S, REDIAL_MAX_S, backoff_delay
 from berth.agent.identity import AgentIdentity, client_ssl_context, load_agent_identity
+from berth.agent.leaders import LeaderList
 from berth.agent.renewal import REENROLL_HINT, CertificateRenewer
 from berth.agent.service import AgentService
 from berth.agent.status import RECENT_LINES, AgentStatus
@@ -89,8 +92,10 @@ class AgentDialer:
         redial_max_s: float = REDIAL_MAX_S,
         dial_timeout_s: float = DIAL_TIMEOUT_S,
         renew: bool = True,
+        leaders: LeaderList | None = None,
     ) -> None:
         self._identity = identity
+        self._leaders = leaders or LeaderList([], identity.leader_url)
         self._home = home = BerthHome(identity.cert_path.parent)
         #: renews the certificate over each link (``renew=False``: never, for tests)
         self.renewer = CertificateRenewer(home, identity.node_id, status) if renew else None
@@ -119,10 +124,11 @@ class AgentDialer:
         new trust bundle) is used from the next dial on."""
         self._reload_identity()
         ssl_context = client_ssl_context(self._identity)
-        url = cluster_ws_url(self._identity.leader_url)
         attempt = 0
         async with aiohttp.ClientSession() as http:
             while not self._stopping.is_set():
+                url = cluster_ws_url(self._leaders.current)
+                self._status.leader_url = self._leaders.current
                 self._status.set("connecting")
                 ssl_context = self._current_context(ssl_context)
                 try:
@@ -141,6 +147,10 @@ class AgentDialer:
                     expired = code == CloseCode.CERTIFICATE_EXPIRED
                     self._status.set("expired" if expired else "stopped")
                     return 1
+                following = self._leaders.ended(code, self._close_reason)
+                if following.at_once:
+                    self._status.activity(f"dialling the active leader {following.url}")
+                    continue
                 delay = self._backoff(attempt)
                 attempt += 1
                 retry_after_s = retry_after_of(code, self._close_reason)
@@ -216,6 +226,7 @@ class AgentDialer:
                 self._close_reason = conn.close_reason
                 self._report_close(conn.close_code, conn.close_reason)
                 return conn.close_code, False
+            self._leaders.welcomed(welcome.leaders)
             self._conn = conn
             timeout_s = welcome.link_timeout_s
             conn.liveness = Liveness(timeout_s if timeout_s > 0 else LINK_TIMEOUT_S)

@@ -24,6 +24,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
 from berth.agent.identity import AgentIdentity, pinned_certificate, save_agent_identity
+from berth.agent.leaders import LEADERS_FILE, LeaderList
 from berth.cluster.ca import fingerprint_of_pem
 from berth.cluster.enrollment import EnrollmentURI
 from berth.errors import AuthError, BerthError, ConfigError, DaemonError, RateLimitError
@@ -117,7 +118,7 @@ def register_agent(
     # The answer's trust bundle came over TLS verified against the pinned root: every root
     # in it is trusted (two during a CA rotation); it must hold the pinned one.
     bundle, pins = _trust_bundle(str(answer.get("ca_pem") or ""), ca_pem, uri.ca_fingerprint)
-    return save_agent_identity(
+    identity = save_agent_identity(
         home,
         leader_url=uri.leader_url,  # the URL that just worked
         node_id=str(answer["node_id"]),
@@ -129,6 +130,9 @@ def register_agent(
         enrolled_at=clock(),
         ca_fingerprints=pins,
     )
+    # The leaders to fail over to, from the URI; every Welcome brings the list up to date.
+    LeaderList(uri.leaders, uri.leader_url, home.root / LEADERS_FILE).save()
+    return identity
 
 
 def _trust_bundle(sent: str, pinned_pem: bytes, pin: str) -> tuple[bytes, list[str]]:

@@ -30,6 +30,7 @@ from berth.agent.core import AgentCore
 from berth.agent.dialer import AgentDialer, AgentStatus
 from berth.agent.identity import AgentIdentity, load_agent_identity, pinned_bundle
 from berth.agent.ingress import AgentIngress
+from berth.agent.leaders import LEADERS_FILE, LeaderList
 from berth.agent.owner import own_engines
 from berth.agent.renewal import CertificateFacts, certificate_line
 from berth.agent.service import AgentService
@@ -190,7 +191,10 @@ async def run_agent(
     assert core.adopted is not None
     await core.adopted.check_once()  # Hello reports the adopted servers as they are now
     core.adopted.start()
-    dialer = AgentDialer(identity, service, status, redial_max_s=settings.redial_max_s)
+    leaders = LeaderList.load(home.root / LEADERS_FILE, identity.leader_url)
+    dialer = AgentDialer(
+        identity, service, status, redial_max_s=settings.redial_max_s, leaders=leaders
+    )
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, lambda: asyncio.ensure_future(dialer.stop()))

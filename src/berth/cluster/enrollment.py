@@ -24,7 +24,7 @@ import secrets
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
@@ -77,16 +77,21 @@ def validate_node_label(label: str) -> str:
 
 @dataclass(frozen=True)
 class EnrollmentURI:
-    """``berth://enroll?leader=<https URL>&token=<secret>&ca_fp=sha256:<hex>``."""
+    """``berth://enroll?leader=<https URL>&token=<secret>&ca_fp=sha256:<hex>``, and with
+    shared leadership ``&leaders=<URL>,<URL>...`` (every leader's cluster URL)."""
 
     leader_url: str
     token: str
     ca_fingerprint: str
+    leaders: tuple[str, ...] = ()
 
     def __str__(self) -> str:
+        fields = {"leader": self.leader_url, "token": self.token, "ca_fp": self.ca_fingerprint}
+        if self.leaders:
+            fields["leaders"] = ",".join(self.leaders)
         query = urlencode(
-            {"leader": self.leader_url, "token": self.token, "ca_fp": self.ca_fingerprint},
-            safe=":/",  # allowed in a query as they are (RFC 3986 section 3.4): readable
+            fields,
+            safe=":/,",  # allowed in a query as they are (RFC 3986 section 3.4): readable
         )
         return f"{URI_SCHEME}://{_URI_ACTION}?{query}"
 
@@ -115,7 +120,13 @@ class EnrollmentURI:
                 f"the enrollment URI's ca_fp must be sha256:<64 hex digits>, got "
                 f"{values['ca_fp']!r}"
             )
-        return cls(values["leader"].rstrip("/"), values["token"], values["ca_fp"])
+        leaders = tuple(
+            u.rstrip("/") for u in ",".join(query.get("leaders", [])).split(",") if u.strip()
+        )
+        for url in leaders:
+            if not url.startswith("https://"):
+                raise ConfigError(f"the enrollment URI's leaders must be https:// URLs: {url!r}")
+        return cls(values["leader"].rstrip("/"), values["token"], values["ca_fp"], leaders)
 
 
 def new_enrollment_token() -> str:
@@ -286,6 +297,8 @@ class EnrollmentService:
         self._audit = audit
         self._clock = clock
         self.cert_lifetime_s = cert_lifetime_s
+        #: every shared leader's cluster URL, for the URI (set with ``leader_ha``)
+        self.leaders: Callable[[], Sequence[str]] | None = None
 
     def issue_token(self, label: str) -> IssuedToken:
         """Store a new token for ``label`` and return its URI and expiry (epoch s).
@@ -298,8 +311,9 @@ class EnrollmentService:
         self._store.create_enrollment_token(
             label, hash_enrollment_token(token, self._pepper), expires_at
         )
+        leaders = tuple(self.leaders()) if self.leaders is not None else ()
         # The root the leader's server certificate chains to (the old one during a rotation).
-        uri = EnrollmentURI(self.cluster_url, token, self._ca.server_root_fingerprint)
+        uri = EnrollmentURI(self.cluster_url, token, self._ca.server_root_fingerprint, leaders)
         return IssuedToken(uri=uri, label=label, expires_at=expires_at)
 
     def register(self, token: str, csr_pem: str, source_address: str) -> Registration:

@@ -85,6 +85,18 @@ class NodeListener(Protocol):
     def adopted_reported(self, node_id: str, adopted: list[AdoptedState]) -> None: ...
 
 
+class AgentGate(Protocol):
+    """Shared leadership's say on agents (:class:`berth.daemon.leader_roster.LeaderRoster`)."""
+
+    def refusal(self) -> str | None:
+        """``None`` to take agents (this leader is active), else the ``NOT_LEADER`` reason."""
+        ...
+
+    def leaders(self) -> Sequence[str]:
+        """Every leader's cluster URL, for Welcome."""
+        ...
+
+
 class NodeHub:
     """Live agent sessions by node id, and the WebSocket endpoint that makes them.
 
@@ -140,6 +152,8 @@ class NodeHub:
         self._shutting_down = False
         self._background: set[asyncio.Future[Any]] = set()
         self._saved_at: dict[str, float] = {}
+        #: with shared leadership: who may take agents, and the leaders Welcome lists
+        self.agent_gate: AgentGate | None = None
 
     @property
     def renewal_refusals(self) -> dict[str, str]:
@@ -245,6 +259,11 @@ class NodeHub:
             await ws.close(code=refusal[0], message=refusal[1].encode()[:120])
             return ws
         assert node_id is not None
+        standby = self.agent_gate.refusal() if self.agent_gate is not None else None
+        if standby is not None:  # a standby leader: go to the active (docs/ha.md)
+            log.info("sent agent %s (%s) to the active leader: %s", node_id, peer, standby)
+            await ws.close(code=CloseCode.NOT_LEADER, message=standby.encode())
+            return ws
         retry_after_s = self._dial_limiter.check(node_id, time.monotonic())
         if retry_after_s is not None:
             log.warning("refused agent link from %s: node %s dials too often", peer, node_id)
@@ -273,6 +292,7 @@ class NodeHub:
                 else (*LEADER_CAPABILITIES, RENEW.capability)
             ),
             link_timeout_s=self._liveness.timeout_s,
+            leaders=self.agent_gate.leaders() if self.agent_gate is not None else (),
         )
         try:
             hello = await conn.handshake(

@@ -22,6 +22,7 @@ import logging
 from collections.abc import Awaitable, Callable
 
 from berth.daemon.graph import LeaderGraph
+from berth.daemon.leader_roster import LeaderRoster
 from berth.gateway.key_sync import KeySync
 from berth.store.leadership import Leadership, leader_id
 from berth.store.lease import LeaseState
@@ -45,6 +46,14 @@ class SharedLeadership:
             store, me=leader_id(), address=address, lease_s=graph.settings.leader_lease_s
         )
         graph.leadership = self.leadership  # a standby's listeners answer as one at once
+        self.roster = LeaderRoster(
+            store,
+            self.leadership,
+            cluster_url=graph.cluster_url,
+            lease_s=graph.settings.leader_lease_s,
+        )
+        graph.hub.agent_gate = self.roster  # a standby sends agents to the active
+        graph.enrollment.leaders = self.roster.leaders
         self._graph = graph
         self._key_sync = KeySync(store, graph.authenticator, graph.admission)
         self._start_leading: Callable[[], Awaitable[None]] | None = None
@@ -66,6 +75,7 @@ class SharedLeadership:
         await self._key_sync.start()
         self.leadership.subscribe(self._role_changed)
         await self.leadership.start()
+        await self.roster.start()
         if self.leadership.is_active:
             await self._lead()
         else:
@@ -98,6 +108,7 @@ class SharedLeadership:
                 await self._waiting
             self._waiting = None
         await self._key_sync.stop()
+        await self.roster.stop()
         await self.leadership.stop(release=True)
 
     async def _lead_when_active(self) -> None:

@@ -341,6 +341,18 @@ def _v11_usage_cached_tokens(conn: Connection) -> None:
     )
 
 
+def _v14_leader_members(conn: Connection) -> None:
+    metadata = MetaData()
+    Table(
+        "leader_members",
+        metadata,
+        Column("cluster_url", String(512), primary_key=True),
+        Column("holder", String(255), nullable=False),
+        Column("seen_at", Float, nullable=False),
+    )
+    metadata.create_all(conn)
+
+
 def _v12_node_certificates(conn: Connection) -> None:
     metadata = MetaData()
     Table("nodes", metadata, Column("id", String(16), primary_key=True))
@@ -384,6 +396,7 @@ MIGRATIONS: tuple[Migration, ...] = (
     ),
     Migration(12, "node_certificates (issued client certificates)", _v12_node_certificates),
     Migration(13, "service_profiles routing policy", _v13_service_routing_policy),
+    Migration(14, "leader_members (every shared leader's cluster URL)", _v14_leader_members),
 )
 
 LATEST_VERSION = MIGRATIONS[-1].version

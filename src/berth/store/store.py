@@ -37,6 +37,7 @@ from berth.store.certificates import CertificateMethods
 from berth.store.changes import ChangeMethods
 from berth.store.db import WRITE_OPTIONS, create_store_engine
 from berth.store.lease import LeaseMethods
+from berth.store.members import MemberMethods
 from berth.store.nodes import NodeMethods, delete_model_locations
 from berth.store.records import (
     DEFAULT_RESTART_POLICY,
@@ -62,6 +63,7 @@ def _utc_now() -> datetime:
 
 class Store(
     LeaseMethods,
+    MemberMethods,
     ChangeMethods,
     NodeMethods,
     ServiceMethods,

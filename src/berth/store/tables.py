@@ -326,6 +326,17 @@ class LeaderLeaseRow(Base):
     expires_at: Mapped[float] = mapped_column(Float)
 
 
+class LeaderMemberRow(Base):
+    """One leader sharing the database (``leader_ha``): the cluster URL agents dial it at,
+    the id of the process that last said so, and when (Unix seconds)."""
+
+    __tablename__ = "leader_members"
+
+    cluster_url: Mapped[str] = mapped_column(String(512), primary_key=True)
+    holder: Mapped[str] = mapped_column(String(NAME_LENGTH))
+    seen_at: Mapped[float] = mapped_column(Float)
+
+
 class ChangeCounterRow(Base):
     """How many changes of one kind (``topic``: ``keys``) were written, for leaders that
     poll for them (:mod:`berth.store.changes`)."""

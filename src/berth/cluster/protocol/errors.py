@@ -48,6 +48,9 @@ class CloseCode(IntEnum):
     #: too many connection attempts; the reason carries ``retry_after_s=<seconds>``
     #: (:func:`retry_after_of`)
     RATE_LIMITED = 4429
+    #: this leader is a standby (``leader_ha``); the reason is the active leader's cluster
+    #: URL when one is known (:func:`active_named_in`), and the agent dials it at once
+    NOT_LEADER = 4421
     #: the leader is shutting down or restarting
     LEADER_SHUTTING_DOWN = 4503
 
@@ -93,6 +96,20 @@ def retry_after_of(code: int | None, reason: str) -> float | None:
 
 
 _RETRY_AFTER = re.compile(r"\bretry_after_s=([0-9]{1,7}(?:\.[0-9]{1,3})?)\b")
+
+
+def not_leader_reason(active_cluster_url: str | None) -> str:
+    """The reason a standby closes an agent's link with (``NOT_LEADER``): ``active=<URL>``,
+    or ``active=`` when it knows of no active leader."""
+    return f"active={active_cluster_url or ''}"
+
+
+def active_named_in(reason: str) -> str | None:
+    """The active leader's cluster URL a ``NOT_LEADER`` reason names, or ``None``."""
+    if not reason.startswith("active="):
+        return None
+    url = reason.removeprefix("active=").strip()
+    return url if url.startswith("https://") else None
 
 
 class LinkError(BerthError):

@@ -273,6 +273,9 @@ class Welcome(_Body, kw_only=True):
     #: seconds with nothing received after which either end closes the link as dead; the
     #: agent pings every third of it (absent from older leaders: the agent's default)
     link_timeout_s: float = 6.0
+    #: the cluster URLs of every leader sharing this one's database (``leader_ha``), which
+    #: the agent dials in turn when its link dies; empty from a lone or older leader
+    leaders: list[str] = []
 
 
 class Request(_Body, kw_only=True):

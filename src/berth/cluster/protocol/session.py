@@ -130,13 +130,15 @@ class LinkLimits:
 class WelcomeTerms:
     """What the leader says in Welcome besides the negotiated version and its clock: the node
     id (from the agent's certificate), its own version, the heartbeat interval it wants and
-    the link timeout both ends keep, in seconds, and its capabilities."""
+    the link timeout both ends keep, in seconds, its capabilities, and the cluster URLs of
+    every leader sharing its database (empty for a lone leader)."""
 
     node_id: str
     leader_version: str
     heartbeat_interval_s: float = 5.0
     capabilities: Sequence[str] = ()
     link_timeout_s: float = 6.0
+    leaders: Sequence[str] = ()
 
 
 def negotiate_version(peer_min: int, peer_max: int, ours: tuple[int, int]) -> int | None:
@@ -254,6 +256,7 @@ class LinkSession:
             heartbeat_interval_s=terms.heartbeat_interval_s,
             capabilities=list(terms.capabilities),
             link_timeout_s=terms.link_timeout_s,
+            leaders=list(terms.leaders),
         )
         self._send(frame)
         self.protocol_version = version
