@@ -11,6 +11,7 @@ import sys
 import time
 from collections.abc import Iterator
 
+import anthropic
 import openai
 import pytest
 
@@ -51,6 +52,29 @@ def test_the_openai_sdk_streams_a_real_model_through_each_agent(
     usage = chunks[-1].usage
     assert text.strip(), "the model produced no text"
     assert usage is not None and usage.completion_tokens > 0
+
+
+def test_the_anthropic_sdk_creates_and_streams_through_an_agent(
+    smollm2_cluster: Cluster,
+) -> None:
+    # llama-server answers /v1/messages itself: berth passes it through the agent's tunnel.
+    cluster = smollm2_cluster
+    ask = {"model": "smollm2-gpu-a", "max_tokens": 8,
+           "messages": [{"role": "user", "content": "Count to three."}]}  # fmt: skip
+    with anthropic.Anthropic(
+        base_url=cluster.base_url,
+        api_key=cluster.api_key,
+        http_client=anthropic.DefaultHttpxClient(verify=cluster.tls()),
+        max_retries=0,
+    ) as client:
+        whole = client.messages.create(**ask)  # type: ignore[arg-type]
+        with client.messages.stream(**ask) as stream:  # type: ignore[arg-type]
+            texts = list(stream.text_stream)
+            final = stream.get_final_message()
+        counted = client.messages.count_tokens(model="smollm2-gpu-a", messages=ask["messages"])  # type: ignore[arg-type]
+    assert whole.type == "message" and whole.content[0].text  # type: ignore[union-attr]
+    assert texts and "".join(texts) == final.content[0].text  # type: ignore[union-attr]
+    assert counted.input_tokens > 0 and whole.usage.output_tokens > 0
 
 
 def test_remove_cuts_a_live_agent_off(smollm2_cluster: Cluster) -> None:
