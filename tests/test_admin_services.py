@@ -361,3 +361,26 @@ async def test_a_service_s_stream_timeouts_reach_the_proxy_and_can_be_changed(
     )
     assert refused.status_code == 422  # the admin API's validation, before the store
     assert refused.json()["detail"][0]["loc"][-1] == "first_byte_timeout_s"
+
+
+async def test_a_service_s_routing_policy_reaches_its_deployments_and_can_be_reset(
+    app_leader: Leader,
+) -> None:
+    body = {"name": "cached", "model": "tiny", "routing_policy": "prefix"}
+    created = await app_leader.ok("POST", "/admin/services", json=body)
+    assert created["routing_policy"] == "prefix"
+    await app_leader.ok("POST", "/admin/routes", json={"name": "chat-cached", "service": "cached"})
+    await app_leader.deploy("cached")
+    (upstream,) = app_leader.lifecycle.candidates("cached")
+    assert upstream.routing_policy == "prefix"  # the ready deployment carries it
+    reset = await app_leader.ok(
+        "PATCH", "/admin/services/cached", json={"routing_policy": "default"}
+    )
+    assert reset["routing_policy"] is None
+    assert reset["scaling"]["max_replicas"] == 1  # the scaling settings are untouched
+    (upstream,) = app_leader.lifecycle.candidates("cached")
+    assert upstream.routing_policy is None
+    refused = await app_leader.admin.patch(
+        "/admin/services/cached", json={"routing_policy": "random"}
+    )
+    assert refused.status_code == 422

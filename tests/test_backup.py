@@ -31,6 +31,7 @@ from berth.backup import (
     restore_backup,
     verify_backup,
 )
+from berth.backup.restore import database_elsewhere_note
 from berth.cluster.ca import CertificateAuthority
 from berth.errors import ConfigError, ConflictError, DaemonError, StoreError
 from berth.keys import Tier, hash_secret, load_or_create_pepper
@@ -499,3 +500,18 @@ def _chat_once_routed(client: openai.OpenAI, model: str, timeout_s: float = 30) 
             time.sleep(0.2)
             continue
         return answer.choices[0].message.content
+
+
+def test_a_restore_into_a_database_the_home_does_not_name_is_pointed_out() -> None:
+    # Restored with BERTH_DATABASE_URL into another database, while config.toml still names
+    # the source: a start without the variable would open the source, not the restore.
+    restored = "postgresql+psycopg://berth:***@db.lan:5432/berth2"
+    source = "postgresql+psycopg://berth:secret@db.lan:5432/berth"
+
+    note = database_elsewhere_note(restored, source)
+
+    assert note is not None and "secret" not in note
+    assert "postgresql+psycopg://berth:***@db.lan:5432/berth," in note
+    assert "keep BERTH_DATABASE_URL set" in note
+    assert database_elsewhere_note(restored, source + "2") is None
+    assert database_elsewhere_note(None, "sqlite:////srv/berth/berth.db") is None  # SQLite

@@ -209,6 +209,27 @@ def test_a_public_port_in_use_fails_the_start_and_leaves_no_daemon(fresh: Berth)
     fresh.fails("daemon", "status", exit_code=EXIT_DAEMON)
 
 
+def test_a_database_out_of_reach_fails_the_start_on_one_line(fresh: Berth) -> None:
+    with socket.socket() as held:  # bound, not listening: a connection is refused
+        held.bind(("127.0.0.1", 0))
+        port = held.getsockname()[1]
+        url = f"postgresql+psycopg://berth:secret@127.0.0.1:{port}/berth"
+
+        result = fresh(
+            "daemon", "start", "--public-port", "0", "--cluster-port", "0",
+            env={"BERTH_DATABASE_URL": url}, check=False,
+        )  # fmt: skip
+
+    assert result.returncode == EXIT_DAEMON
+    first = result.stderr.splitlines()[0]
+    assert first.startswith(
+        "error: the daemon failed to start: database error: connection failed: "
+    ), result.stderr
+    assert first.endswith("Connection refused Is the server running on that host and "
+                          "accepting TCP/IP connections?"), result.stderr  # fmt: skip
+    assert not (fresh.home / "daemon.pid").exists()
+
+
 def test_daemon_stop_leaves_a_stranger_with_a_stale_pid_alone(fresh: Berth) -> None:
     fresh.home.mkdir()
     with subprocess.Popen(["sleep", "60"]) as stranger:

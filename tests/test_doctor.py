@@ -233,6 +233,27 @@ async def test_a_port_held_by_this_homes_daemon_passes(cluster_listener: Listeni
     )
 
 
+async def test_a_port_held_with_this_homes_certificate_while_its_daemon_is_down_fails(
+    cluster_listener: Listening,
+) -> None:
+    # Two homes restored from one backup (or sharing ca/ for leader_ha) serve the same
+    # certificate: the port is not this home's daemon when that one does not run.
+    home = cluster_listener.home
+
+    check = await asyncio.to_thread(
+        port_check,
+        "cluster",
+        "127.0.0.1",
+        cluster_listener.port,
+        served_cert=home.ca_dir / "cluster.pem",
+        daemon_running=False,
+    )
+
+    assert check.verdict == "fail"
+    assert "address already in use" in check.detail
+    assert "another home with this home's certificate" in check.detail
+
+
 async def test_a_port_held_by_another_homes_daemon_fails(
     cluster_listener: Listening, tmp_path: Path
 ) -> None:

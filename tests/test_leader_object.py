@@ -17,7 +17,7 @@ import pytest
 
 from berth.config import Settings
 from berth.daemon.server import Leader
-from berth.errors import DaemonError
+from berth.errors import DaemonError, StoreError
 from berth.http_server.errors import BindError
 from berth.http_server.sockets import bind_tcp
 from berth.paths import BerthHome
@@ -164,3 +164,26 @@ async def test_serve_runs_the_leader_until_asked_to_stop(in_process_home: BerthH
         await serving
     assert not leader.started
     assert not in_process_home.socket_file.exists()
+
+
+async def test_a_piece_that_fails_to_stop_still_lets_the_leader_go(
+    in_process_home: BerthHome, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # As when the database is out of reach as the leader stops: the error is raised, but
+    # the ports, the socket and pid files are released all the same (a leader that kept
+    # them, with a key-sync thread alive, would never exit nor start again).
+    leader = Leader(in_process_home, leader_settings(in_process_home, leader_only=True))
+    await leader.start()
+    public_port, cluster_port = leader.public_port, leader.cluster_port
+
+    async def unreachable() -> None:
+        raise StoreError("database error: connection failed: Connection refused")
+
+    monkeypatch.setattr(leader.graph.lifecycle, "shutdown", unreachable)
+    with pytest.raises(StoreError, match="Connection refused"):
+        await leader.stop()
+
+    assert not leader.started
+    assert not in_process_home.pid_file.exists()
+    assert not in_process_home.socket_file.exists()
+    assert port_is_free(public_port) and port_is_free(cluster_port)

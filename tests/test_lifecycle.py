@@ -14,7 +14,7 @@ from berth.cluster.link import EngineEndpoint
 from berth.cluster.link_registry import LinkRegistry
 from berth.cluster.protocol.frames import AdoptedState
 from berth.deployments.lifecycle import DeployOptions, LifecycleManager
-from berth.errors import ConfigError, ConflictError, EngineError, NotFoundError
+from berth.errors import ConfigError, ConflictError, EngineError, NotFoundError, StoreError
 from berth.routing.errors import NoReadyDeploymentError
 from berth.store import DeploymentRecord, Store
 from berth.store.states import DeploymentState
@@ -358,6 +358,27 @@ async def test_a_stop_that_breaks_at_shutdown_is_logged_and_the_others_still_sto
     assert list(link.running) == [broken.id]  # the other one was stopped all the same
     (logged,) = [r for r in caplog.records if "a bug in the stop" in r.getMessage()]
     assert broken.id in logged.getMessage() and "local" in logged.getMessage()
+
+
+async def test_a_store_out_of_reach_at_shutdown_is_logged_and_ends_the_shutdown(
+    manager: LifecycleManager,
+    store: Store,
+    link: FakeLink,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    record = await manager.deploy(DeployOptions("tiny", "llamacpp", "local"))
+    await manager.wait_settled(record.id, 5)
+
+    def unreachable(**_: object) -> list[DeploymentRecord]:
+        raise StoreError("database error: connection failed: Connection refused")
+
+    monkeypatch.setattr(store, "list_deployments", unreachable)
+    await manager.shutdown()  # returns: the leader's stop goes on with the rest
+
+    assert list(link.running) == [record.id]  # left for the next start to take back
+    (logged,) = [r for r in caplog.records if "cannot list the deployments" in r.getMessage()]
+    assert "Connection refused" in logged.getMessage()
 
 
 async def test_reconcile_stops_local_engines_no_deployment_owns(

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import re
+import socket
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from datetime import UTC
 from pathlib import Path
 
@@ -129,6 +131,25 @@ def test_database_newer_than_the_code_is_refused(db_url: str) -> None:
 def test_unmigrated_database_raises_store_error(db_url: str) -> None:
     with Store(db_url) as store, pytest.raises(StoreError):
         store.list_models()
+
+
+@contextmanager
+def tcp_port_nobody_listens_on() -> Iterator[int]:
+    """A loopback port held bound but not listening: a connection to it is refused."""
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        yield held.getsockname()[1]
+
+
+def test_a_database_out_of_reach_raises_a_one_line_store_error() -> None:
+    # libpq's "Connection refused" has its hint on a line of its own; the CLI prints one.
+    with tcp_port_nobody_listens_on() as port:
+        store = Store(f"postgresql+psycopg://berth:secret@127.0.0.1:{port}/berth")
+        with store, pytest.raises(StoreError) as raised:
+            store.migrate()
+    message = str(raised.value)
+    assert message.startswith("database error: connection failed:"), message
+    assert "Connection refused Is the server running" in message and "\n" not in message
 
 
 def test_unusable_url_raises_store_error() -> None:

@@ -257,3 +257,21 @@ def test_a_service_s_stream_timeouts_are_kept_checked_and_changed(store: Store) 
     assert changed.scaling == created.scaling
     with pytest.raises(NotFoundError):
         store.update_service_timeouts("nope", lambda current: current)
+
+
+def test_a_service_s_routing_policy_is_kept_checked_and_changed(store: Store) -> None:
+    assert (
+        store.create_service_profile("plain", "tiny", "llamacpp", "process").routing_policy is None
+    )
+    own = store.create_service_profile(
+        "own", "tiny", "llamacpp", "process", routing_policy="prefix"
+    )
+    assert own.routing_policy == "prefix" == store.get_service_profile("own").routing_policy
+    with pytest.raises(ConfigError, match="unknown routing policy 'random'"):
+        store.create_service_profile("bad", "tiny", "llamacpp", "process", routing_policy="random")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="least-load, prefix"):
+        store.set_service_routing_policy("own", "random")  # type: ignore[arg-type]
+    assert store.set_service_routing_policy("own", "least-load").routing_policy == "least-load"
+    assert store.set_service_routing_policy("own", None).routing_policy is None
+    with pytest.raises(NotFoundError):
+        store.set_service_routing_policy("nope", "prefix")

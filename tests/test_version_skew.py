@@ -12,6 +12,7 @@ chat completion through the tunnel.
 
 from __future__ import annotations
 
+import os
 import shutil
 import site
 import subprocess
@@ -90,8 +91,9 @@ def _run_previous(python: Path, home: Path, *args: str, env: dict[str, str]) -> 
 
 def test_the_previous_release_is_what_runs(skewed_cluster: tuple[Cluster, Path]) -> None:
     _, python = skewed_cluster
-    where = subprocess.run([str(python), "-c", "import berth, sys; print(berth.__file__)"],
-                           capture_output=True, text=True, check=True)  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    where = subprocess.run([str(python), "-c", "import berth; print(berth.__file__)"],
+                           capture_output=True, text=True, check=True, env=env)  # fmt: skip
     assert "previous" in where.stdout and str(REPO / "src") not in where.stdout, where.stdout
 
 

@@ -3,8 +3,10 @@
 The ranking the proxy would use right now, from the same router: each candidate with its
 place, the reason (affinity, in flight, p95, free GPU memory) and its slots at the fair
 admission queue with where they came from (known or assumed), and the ones the hard filter
-dropped. ``?session=ID`` (or ``?conversation=ID``) explains a request that carries
-that ``X-Session-Id`` (``X-Conversation-Id``).
+dropped; the routing policy its requests follow and how the last one went (under
+``prefix``: the matched prefix, and why a load bound overrode it). ``?session=ID`` (or
+``?conversation=ID``) explains a request that carries that ``X-Session-Id``
+(``X-Conversation-Id``).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from fastapi import APIRouter
 
-from berth.api import DroppedCandidate, RankedCandidate, RoutingExplanation
+from berth.api import DroppedCandidate, LastDecision, RankedCandidate, RoutingExplanation
 from berth.routing.affinity import affinity_key
 from berth.routing.resolver import Upstream
 
@@ -37,10 +39,24 @@ def build_routing_router(services: LeaderGraph) -> APIRouter:
         routing = services.proxy.router
         ranking = routing.explain(model, key)
         # The same table the ranking just read (no await between): each one's gate slots.
-        upstreams = {u.deployment_id: u for u in routing.resolver.candidates(model)}
+        listed = routing.resolver.candidates(model)
+        upstreams = {u.deployment_id: u for u in listed}
         none = Upstream("", "", "", model)
+        last = routing.last_decisions.get(model)
         return RoutingExplanation(
             model=model,
+            policy=routing.policy_of(listed),
+            last_decision=None
+            if last is None
+            else LastDecision(
+                policy=last.policy,
+                outcome=last.outcome,
+                deployment_id=last.deployment_id,
+                matched_blocks=last.matched_blocks,
+                matched_tokens=last.matched_tokens,
+                longest_blocks=last.longest_blocks,
+                reason=last.reason,
+            ),
             affinity_node=routing.affinity.get(key),
             candidates=[
                 RankedCandidate(

@@ -84,6 +84,7 @@ async def load_routes(
     if lifecycle is not None:
         lifecycle.set_service_capacities({s.name: s.scaling.capacity for s in services})
         lifecycle.set_service_timeouts({s.name: s.timeouts for s in services})
+        lifecycle.set_service_routing_policies({s.name: s.routing_policy for s in services})
     if scaling is not None:
         scaling.services_changed(services)
 
@@ -151,6 +152,7 @@ def service_view(
         restart_policy=record.restart_policy,
         first_byte_timeout_s=record.timeouts.first_byte_timeout_s,
         stream_idle_timeout_s=record.timeouts.stream_idle_timeout_s,
+        routing_policy=record.routing_policy,
     )
 
 
@@ -317,6 +319,7 @@ def _add_service_routes(router: APIRouter, catalog: _Catalog) -> None:
             max_adapters=body.max_adapters,
             restart_policy=body.restart,
             timeouts=StreamTimeouts(body.first_byte_timeout_s, body.stream_idle_timeout_s),
+            routing_policy=body.routing_policy,
         )
         await catalog.reload()
         return catalog.view(record, [])
@@ -334,12 +337,16 @@ def _add_service_routes(router: APIRouter, catalog: _Catalog) -> None:
             record = await asyncio.to_thread(
                 store.update_service_timeouts, name, lambda current: retimed(current, body)
             )
-        if any(value is not None for value in scaling) or not timing:
+        policy = body.routing_policy
+        if any(value is not None for value in scaling) or not (timing or policy):
             record = await asyncio.to_thread(
                 store.update_service_scaling, name, lambda current: scaled(current, body)
             )
         if body.restart is not None:
             record = await asyncio.to_thread(store.set_service_restart_policy, name, body.restart)
+        if policy is not None:
+            own = None if policy == "default" else policy
+            record = await asyncio.to_thread(store.set_service_routing_policy, name, own)
         await catalog.reload()
         return await catalog.detail(record)
 

@@ -74,7 +74,7 @@ from berth.api.plans import (
     PlanIn,
     VramEstimateOut,
 )
-from berth.api.routing import DroppedCandidate, RankedCandidate, RoutingExplanation
+from berth.api.routing import DroppedCandidate, LastDecision, RankedCandidate, RoutingExplanation
 from berth.api.services import (
     DeployIn,
     FallbackIn,
@@ -136,6 +136,7 @@ __all__ = [
     "KeyIn",
     "KeyLimitsOut",
     "KeyUseOut",
+    "LastDecision",
     "LeaderStatus",
     "ListedDeployment",
     "ListenerInfo",

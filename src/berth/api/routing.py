@@ -33,11 +33,34 @@ class DroppedCandidate(ApiModel):
     reason: str
 
 
+class LastDecision(ApiModel):
+    """The model's last request that had a choice to make: its ``outcome`` (``matched``,
+    ``overridden_by_load``, ``no_match``: the prefix policy's; ``affinity``: a session
+    header's node took it; ``least_loaded``: the least-load policy's), the deployment first
+    tried, its match (prompt blocks it held, about ``matched_tokens`` tokens), the longest
+    match among the candidates (more than its own when the load bound overrode it), and
+    the reason in words."""
+
+    policy: str
+    outcome: str
+    deployment_id: str
+    matched_blocks: int = 0
+    matched_tokens: int = 0
+    longest_blocks: int = 0
+    reason: str = ""
+
+
 class RoutingExplanation(ApiModel):
     """The ranking for ``model``; ``affinity_node`` is where the request's session (if any)
-    last went."""
+    last went; ``policy`` the routing policy its requests follow (``least-load``,
+    ``prefix``) and ``last_decision`` how the last one went (``None``: none yet).
+
+    Under ``prefix`` the ranking shown is the scorer's, before a prompt reorders it: what a
+    request with no cached prefix anywhere would get."""
 
     model: str
     affinity_node: str | None
     candidates: list[RankedCandidate]
     dropped: list[DroppedCandidate]
+    policy: str = "least-load"
+    last_decision: LastDecision | None = None

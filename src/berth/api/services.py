@@ -10,7 +10,7 @@ from berth.api.base import ApiInput, ApiModel, Timestamp, named_pattern
 from berth.humanize import parse_duration
 from berth.runtime.base import RuntimeName
 from berth.runtime.engines import EngineName
-from berth.store import DEFAULT_RESTART_POLICY, RestartPolicy
+from berth.store import DEFAULT_RESTART_POLICY, RestartPolicy, RoutingPolicy
 from berth.store.services import MAX_STREAM_TIMEOUT_S
 from berth.store.states import DeploymentState
 
@@ -95,6 +95,8 @@ class ServiceIn(ApiInput):
     restart: RestartPolicy = DEFAULT_RESTART_POLICY
     first_byte_timeout_s: float | None = Field(default=None, ge=0, le=MAX_STREAM_TIMEOUT_S)
     stream_idle_timeout_s: float | None = Field(default=None, ge=0, le=MAX_STREAM_TIMEOUT_S)
+    #: how the router picks among its deployments (``None``: the leader's routing_policy)
+    routing_policy: RoutingPolicy | None = None
 
     @field_validator("gpus")
     @classmethod
@@ -120,6 +122,8 @@ class ScaleIn(ApiInput):
     restart: RestartPolicy | None = None
     first_byte_timeout_s: float | None = Field(default=None, ge=0, le=MAX_STREAM_TIMEOUT_S)
     stream_idle_timeout_s: float | None = Field(default=None, ge=0, le=MAX_STREAM_TIMEOUT_S)
+    #: its routing policy from the next request on (``default``: the leader's setting again)
+    routing_policy: RoutingPolicy | Literal["default"] | None = None
 
     _idle_timeout = field_validator("idle_timeout")(_check_idle_timeout)
 
@@ -207,6 +211,8 @@ class Service(ApiModel):
     restart_policy: RestartPolicy = DEFAULT_RESTART_POLICY
     first_byte_timeout_s: float | None = None
     stream_idle_timeout_s: float | None = None
+    #: its own routing policy (``None``: the leader's routing_policy setting)
+    routing_policy: RoutingPolicy | None = None
 
 
 class ServiceDeployment(ApiModel):

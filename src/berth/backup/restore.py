@@ -165,6 +165,24 @@ def restore_backup(
     )
 
 
+def database_elsewhere_note(restored_url: str | None, home_url: str) -> str | None:
+    """A line for the user when a PostgreSQL restore went into ``restored_url`` (masked, as
+    in :class:`RestoreReport`) but the home's own settings (``config.toml`` and defaults,
+    no environment) name ``home_url``: a start without ``BERTH_DATABASE_URL`` would open
+    that other database (the one the backup came from, or an empty SQLite file).  ``None``
+    when they agree, or for a SQLite restore."""
+    if restored_url is None:
+        return None
+    home_masked = parse_database_url(home_url).render_as_string(hide_password=True)
+    if home_masked == restored_url:
+        return None
+    return (
+        f"note: this home's config names the database {home_masked}, not {restored_url}: "
+        "keep BERTH_DATABASE_URL set for its commands, or set database_url under [store] "
+        "in its config.toml"
+    )
+
+
 def _restored_mode(name: str) -> int:
     return PUBLIC_MODE if name.startswith("ca/") and name.endswith(".pem") else PRIVATE_MODE
 

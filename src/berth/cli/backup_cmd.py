@@ -9,6 +9,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from berth.backup import BackupManifest, create_backup, restore_backup, verify_backup
+from berth.backup.restore import database_elsewhere_note
 from berth.cli.common import HELP_OPTIONS, console, context, print_json
 from berth.config import Settings
 from berth.paths import resolve_home
@@ -104,6 +105,9 @@ def restore(
     console.print(f"  database  {report.database_url or report.database_path}", soft_wrap=True)
     if report.replaced_dir is not None:
         console.print(f"  the state it replaced is in {report.replaced_dir}", soft_wrap=True)
+    note = database_elsewhere_note(report.database_url, Settings.load(home, env={}).database_url)
+    if note is not None:
+        console.print(note, soft_wrap=True, markup=False, style="yellow")
     settings = Settings.load(home)
     console.print(
         f"next: {_berth(home.root)} daemon start   (agents dial {settings.cluster_url()}: start "

@@ -5,7 +5,7 @@ from __future__ import annotations
 import typer
 from rich.table import Table
 
-from berth.api import RankedCandidate
+from berth.api import LastDecision, RankedCandidate
 from berth.cli.common import context, print_json, print_table
 
 
@@ -16,7 +16,8 @@ def routing(
     as_json: bool = typer.Option(False, "--json", help="Print JSON."),
 ) -> None:
     """Show the ranked candidates for MODEL (affinity, in flight, p95; their slots at the
-    admission queue, known or assumed) and dropped ones."""
+    admission queue, known or assumed) and dropped ones; the routing policy and how the last
+    request went (the matched prefix, and why a load bound overrode it)."""
     with context(ctx).client() as client:
         explained = client.explain_routing(model, session=session)
     if as_json:
@@ -34,6 +35,20 @@ def routing(
     for dropped in explained.dropped:
         table.add_row("-", dropped.deployment_id, dropped.node_id, "", dropped.reason)
     print_table(table)
+    typer.echo(f"policy: {explained.policy}")
+    last = explained.last_decision
+    if last is not None:
+        typer.echo(f"last request: {decision_text(last)}")
+
+
+def decision_text(last: LastDecision) -> str:
+    """A last decision as ``berth routing`` prints it: ``matched on dep-1 (12 blocks,
+    ~760 tokens): longest cached prefix ...``."""
+    matched = ""
+    if last.matched_blocks or last.longest_blocks:
+        matched = f" ({last.matched_blocks} blocks, ~{last.matched_tokens} tokens)"
+    reason = f": {last.reason}" if last.reason else ""
+    return f"{last.outcome} on {last.deployment_id}{matched}{reason}"
 
 
 def slots_text(candidate: RankedCandidate) -> str:

@@ -29,7 +29,7 @@ from berth.cli.common import HELP_OPTIONS, console, context, print_json, print_t
 from berth.cli.deploy_cmd import parse_gpus, wait_settled
 from berth.errors import ConfigError, EngineError
 from berth.humanize import age, duration
-from berth.store.records import check_restart_policy
+from berth.store.records import check_restart_policy, check_routing_policy
 from berth.store.states import DeploymentState
 
 service_app = typer.Typer(
@@ -113,6 +113,12 @@ def create_service(
         "(0: off; default: the stream_idle_timeout_s setting).",
         rich_help_panel="Stream timeouts",
     ),
+    routing_policy: str | None = typer.Option(
+        None,
+        "--routing-policy",
+        help="How a request picks among its replicas: least-load or prefix (the one whose "
+        "engine cached the longest prefix of the prompt); default: the routing_policy setting.",
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print JSON."),
 ) -> None:
     """Create a service profile."""
@@ -137,6 +143,7 @@ def create_service(
         restart=check_restart_policy(restart),
         first_byte_timeout_s=first_byte_timeout,
         stream_idle_timeout_s=stream_idle_timeout,
+        routing_policy=None if routing_policy is None else check_routing_policy(routing_policy),
     )
     with context(ctx).client() as client:
         record = client.create_service(body)
@@ -214,6 +221,8 @@ def _settings(record: Service) -> str:
         parts.append(f"{record.max_adapters} adapter slot{plural}")
     parts.append(f"node {record.node_label}" if record.node_label else "any node")
     parts.append(f"restart {record.restart_policy}")
+    if record.routing_policy is not None:
+        parts.append(f"routing {record.routing_policy}")
     for what, value in (
         ("first byte within", record.first_byte_timeout_s),
         ("stream silence at most", record.stream_idle_timeout_s),
@@ -367,6 +376,30 @@ def set_service_timeouts(
     if first_byte is None and stream_idle is None:
         raise ConfigError("give --first-byte, --stream-idle or both")
     body = request_body(ScaleIn, first_byte_timeout_s=first_byte, stream_idle_timeout_s=stream_idle)
+    with context(ctx).client() as client:
+        detail = client.scale_service(name, body)
+    if as_json:
+        print_json(detail)
+        return
+    print_detail(detail)
+
+
+@service_app.command("routing")
+def set_service_routing(
+    ctx: typer.Context,
+    name: str = typer.Argument(..., help="The service's name."),
+    policy: str = typer.Argument(..., help="least-load, prefix, or default (the setting)."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON."),
+) -> None:
+    """Set how a request for the service picks among its replicas, from the next one on.
+
+    ``prefix`` sends it where the longest prefix of its prompt was served before (that
+    engine's cache holds it), unless that replica is busier than prefix_load_factor times
+    the mean; ``least-load`` by session affinity, requests in flight and p95 latency.
+    """
+    body = request_body(
+        ScaleIn, routing_policy="default" if policy == "default" else check_routing_policy(policy)
+    )
     with context(ctx).client() as client:
         detail = client.scale_service(name, body)
     if as_json:

@@ -21,7 +21,13 @@ from urllib.parse import urlsplit
 
 from berth.config.convert import convert_value
 from berth.config.file import FileValue, read_config_file
-from berth.config.table import SETTINGS, SettingDef, SettingSource, setting_definition
+from berth.config.table import (
+    SETTINGS,
+    RoutingPolicy,
+    SettingDef,
+    SettingSource,
+    setting_definition,
+)
 from berth.config.tiers import TierTable, read_tiers
 from berth.errors import ConfigError
 from berth.http_server.limits import ListenerLimits
@@ -103,6 +109,10 @@ class Settings:
     tls_reload_interval_s: float
     max_body_bytes: int
     max_attempts: int
+    routing_policy: RoutingPolicy
+    prefix_load_factor: float
+    prefix_cache_entries: int
+    prefix_cache_mb: int
     first_byte_timeout_s: float
     stream_idle_timeout_s: float
     read_timeout_s: float

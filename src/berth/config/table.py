@@ -33,6 +33,13 @@ from berth.runtime.trees import TREE_MODES
 SettingSource = Literal["flag", "env", "file", "autodetect", "default"]
 SettingKind = Literal["str", "int", "float", "path", "bool"]
 
+#: How the router picks among a model's ready deployments (``routing_policy``, and a
+#: service's own): ``least-load``: the scorer's order (affinity, in flight, p95);
+#: ``prefix``: the one whose engine served the longest prefix of the prompt, within a
+#: bound on load (``berth.routing.prefix``).
+RoutingPolicy = Literal["least-load", "prefix"]
+ROUTING_POLICIES: tuple[RoutingPolicy, ...] = ("least-load", "prefix")
+
 ENV_PREFIX = "BERTH_"
 MiB = 1024 * 1024
 
@@ -206,6 +213,23 @@ SETTINGS: tuple[SettingDef, ...] = (
     SettingDef("max_attempts", "int", "server",
                "attempts per request on different nodes before its first byte (1: no retry)",
                default=3, minimum=1, maximum=10),
+    # The router's policy (berth.routing.router; docs/multi-node.md, Prefix-aware routing).
+    SettingDef("routing_policy", "str", "server",
+               "how a request picks among a model's deployments: least-load (affinity, in "
+               "flight, p95) or prefix (the engine that served the longest prefix of its "
+               "prompt, within prefix_load_factor); a service's own policy wins",
+               default="least-load", choices=ROUTING_POLICIES),
+    SettingDef("prefix_load_factor", "float", "server",
+               "the prefix policy's load bound: a match is passed over when its deployment "
+               "would have more than this times the mean requests in flight",
+               default=1.25, minimum=1.0, maximum=100.0),
+    SettingDef("prefix_cache_entries", "int", "server",
+               "prompt blocks (of 256 bytes of text) the prefix policy remembers per leader, "
+               "all deployments together (the least recently served go first)",
+               default=200_000, minimum=1, maximum=100_000_000),
+    SettingDef("prefix_cache_mb", "int", "server",
+               "MiB the prefix policy's record may take (estimated at 384 bytes a block)",
+               default=64, minimum=1, maximum=65_536),
     # Timeouts of an engine's answer (berth.gateway.proxy; docs/fleet.md, Timeouts).
     SettingDef("first_byte_timeout_s", "float", "server",
                "seconds a streamed request waits for its answer's first byte (prefill) "

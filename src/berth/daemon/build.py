@@ -50,6 +50,7 @@ from berth.http_server.server import HttpServer
 from berth.observability.loop_lag import LoopLagMonitor
 from berth.observability.tracing_setup import open_tracing
 from berth.paths import BerthHome
+from berth.routing.prefix_index import PrefixIndex
 from berth.routing.router import Router
 from berth.routing.routes import RouteResolver
 from berth.routing.signals import SignalBoard
@@ -169,7 +170,12 @@ async def build_leader(
         free_vram_mb=hub.free_vram_mb,
         links=links,  # a node whose link goes loses its affinity and its waiting requests
         waiting=waiting,
+        policy=settings.routing_policy,
+        prefixes=PrefixIndex(settings.prefix_cache_entries, settings.prefix_cache_mb),
+        load_factor=settings.prefix_load_factor,
+        on_decision=metrics.proxy.routing_decided,
     )
+    events.attach_router(router)
     proxy = build_proxy(
         resolver, router, settings, metrics=metrics.proxy, data_paths=data_paths, core=core,
         scaling=scaling, admission=admission, slots=slots, adapters=adapters,

@@ -64,7 +64,7 @@ from berth.runtime.gpu import inventory_for
 from berth.runtime.process import ProcessRuntime
 from berth.scaling import ScalingController, ScalingMetrics, ScalingPolicy, route_services
 from berth.store import DeploymentRecord, Store
-from berth.store.states import TERMINAL_STATES
+from berth.store.states import TERMINAL_STATES, DeploymentState
 
 if TYPE_CHECKING:  # imported only where tracing is on (build.py opens it)
     from berth.observability.tracing import RequestTracer
@@ -241,10 +241,15 @@ class DeploymentEvents:
         self._metrics = metrics
         self._signals = signals
         self._scaling: ScalingController | None = None
+        self._router: Router | None = None
 
     def attach_scaling(self, scaling: ScalingController) -> None:
         """From now on, state changes reach ``scaling`` and usage is its view."""
         self._scaling = scaling
+
+    def attach_router(self, router: Router) -> None:
+        """From now on, a deployment that leaves ready takes its prefix record with it."""
+        self._router = router
 
     def on_state(self, record: DeploymentRecord) -> None:
         """A deployment changed state: its adapters, its metric labels, the scaling
@@ -255,6 +260,10 @@ class DeploymentEvents:
         )
         if self._scaling is not None:
             self._scaling.deployment_changed(record)
+        if record.state is not DeploymentState.READY and self._router is not None:
+            # Stopping, stopped, failed or restarting: its engine's prefix cache is gone (or
+            # going), so the prefix policy's record of it goes at once.
+            self._router.deployment_gone(record.id)
         if record.state in TERMINAL_STATES:
             self._signals.forget(record.id)
             self._metrics.local_meter.forget(record.id)

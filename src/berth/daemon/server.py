@@ -266,9 +266,20 @@ class Leader:
 
     async def _release(self) -> None:
         """Stop every piece (those never started too), in the order that settles answers
-        before the usage ledger's last write, then release the files, ports and lock."""
+        before the usage ledger's last write, then release the files, ports and lock.
+
+        The release happens even when stopping a piece raises (a store out of reach: a
+        ``StoreError``), which is then raised: a leader that cannot stop cleanly still lets
+        go of its ports, socket, lease and key-sync thread, so its process exits and its
+        supervisor can start it again."""
         parts = self._parts
         assert parts is not None
+        try:
+            await self._stop_pieces(parts)
+        finally:
+            await self._let_go(parts)
+
+    async def _stop_pieces(self, parts: LeaderParts) -> None:
         graph = parts.graph
         await parts.tls.reloads.close()
         await asyncio.gather(parts.public_server.close(0.0), parts.socket_server.close(0.0))
@@ -291,7 +302,13 @@ class Leader:
             if core.adopted is not None:
                 await core.adopted.stop()
             core.close()
+
+    async def _let_go(self, parts: LeaderParts) -> None:
+        graph = parts.graph
         parts.loop_lag.stop()
+        if self._flusher is not None and not self._flusher.done():  # a piece failed first
+            parts.ledger.stop()
+            await self._flusher
         if self._shared is not None:  # the lease handed back: a standby takes over at once
             await self._shared.stop()
             self._shared = None

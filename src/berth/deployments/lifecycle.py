@@ -52,6 +52,7 @@ from berth.errors import (
     EngineError,
     InvalidTransitionError,
     NotFoundError,
+    StoreError,
 )
 from berth.placement import (
     Eviction,
@@ -65,7 +66,7 @@ from berth.runtime.engines import (
     EngineName,
 )
 from berth.runtime.images import DEFAULT_GPU_IMAGES, DEFAULT_IMAGES
-from berth.store import DeploymentRecord, Store, StreamTimeouts
+from berth.store import DeploymentRecord, RoutingPolicy, Store, StreamTimeouts
 from berth.store.states import TERMINAL_STATES, DeploymentState
 
 log = logging.getLogger(__name__)
@@ -215,7 +216,8 @@ class LifecycleManager:
         Engines on agents keep running: their agents redial, and the next leader reconciles
         them when each says Hello again (:meth:`node_connected`).  A manager whose
         :meth:`start` did not finish changes nothing: the engines it may not have reconciled
-        are left to the next start.
+        are left to the next start; so does one whose store is out of reach (logged), which
+        cannot tell which deployments this node runs.
         """
         if self._watcher is None:
             return
@@ -227,7 +229,13 @@ class LifecycleManager:
         if starting:
             # Each cancelled start removes its half-started engine (or container) first.
             await asyncio.wait(starting, timeout=self._stop_grace_s + 30.0)
-        everything = await asyncio.to_thread(self._store.list_deployments, active_only=True)
+        try:
+            everything = await asyncio.to_thread(self._store.list_deployments, active_only=True)
+        except StoreError as exc:
+            # Which engines this node runs is in the store: out of reach, they are left as
+            # they are, for the next start to take back or stop (or the warden).
+            log.error("shutdown: cannot list the deployments, engines left running: %s", exc)
+            return
         active = [record for record in everything if record.node_id == LOCAL_NODE_ID]
         outcomes = await asyncio.gather(
             *(self._stop_one(record) for record in active), return_exceptions=True
@@ -260,6 +268,12 @@ class LifecycleManager:
         """The stream timeouts of each service (by name) hold for the deployments serving
         its name from now on (:meth:`ReadyTable.set_service_timeouts`)."""
         self._table.set_service_timeouts(timeouts)
+
+    def set_service_routing_policies(self, policies: Mapping[str, RoutingPolicy | None]) -> None:
+        """The routing policy of each service (by name; ``None``: the leader's setting)
+        holds for the deployments serving its name from the next request on
+        (:meth:`ReadyTable.set_service_routing_policies`)."""
+        self._table.set_service_routing_policies(policies)
 
     # -- nodes (the hub's NodeListener, and node removal) ---------------------------------
 

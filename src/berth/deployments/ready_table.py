@@ -32,7 +32,7 @@ from berth.errors import NotFoundError
 from berth.placement import GpuReservation
 from berth.routing.errors import NoReadyDeploymentError
 from berth.routing.resolver import Upstream
-from berth.store import DeploymentRecord, StreamTimeouts
+from berth.store import DeploymentRecord, RoutingPolicy, StreamTimeouts
 
 #: Seconds a client is told to wait (``Retry-After``) for a model that is still loading.
 LOADING_RETRY_AFTER_S = 5
@@ -59,6 +59,8 @@ class ReadyTable:
         self._capacities: dict[str, int] = {}
         #: service name -> its stream timeouts (services that set none are not here)
         self._timeouts: dict[str, StreamTimeouts] = {}
+        #: service name -> its routing policy (services that set none are not here)
+        self._policies: dict[str, RoutingPolicy] = {}
         #: deployment id -> (engine, extra args) of the ready ones berth started
         self._engines: dict[str, tuple[str, tuple[str, ...]]] = {}
         #: model -> deployment id -> upstream
@@ -139,6 +141,7 @@ class ReadyTable:
                 node_id=record.node_id,
                 model=record.served_model_name,
                 timeouts=self._timeouts.get(record.served_model_name),
+                routing_policy=self._policies.get(record.served_model_name),
                 engine=record.engine,
             ),
             slots,
@@ -177,6 +180,17 @@ class ReadyTable:
             for deployment_id, upstream in upstreams.items():
                 if deployment_id in self._engines and upstream.timeouts != wanted:
                     upstreams[deployment_id] = dataclasses.replace(upstream, timeouts=wanted)
+
+    def set_service_routing_policies(self, policies: Mapping[str, RoutingPolicy | None]) -> None:
+        """The services' routing policies are now those of ``policies`` (service name ->
+        its policy, ``None``: the leader's setting): the ready deployments serving each
+        name carry it from the next request on."""
+        self._policies = {name: p for name, p in policies.items() if p is not None}
+        for model, upstreams in self._ready.items():
+            wanted = self._policies.get(model)
+            for deployment_id, upstream in upstreams.items():
+                if deployment_id in self._engines and upstream.routing_policy != wanted:
+                    upstreams[deployment_id] = dataclasses.replace(upstream, routing_policy=wanted)
 
     def unmark(self, model: str, deployment_id: str) -> None:
         """Stop routing ``model`` to the deployment (ready or parked)."""

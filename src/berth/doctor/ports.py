@@ -25,13 +25,21 @@ from berth.http_server.sockets import bind_tcp
 
 
 def port_check(
-    name: str, bind: str, port: int, *, served_cert: Path | None, timeout_s: float = 2.0
+    name: str,
+    bind: str,
+    port: int,
+    *,
+    served_cert: Path | None,
+    daemon_running: bool = True,
+    timeout_s: float = 2.0,
 ) -> Check:
     """Whether the ``name`` listener (``public``, ``cluster``) can bind ``bind:port``.
 
     ``served_cert`` is the certificate file this home's daemon serves on that listener: a
-    busy port whose TLS server presents it is that daemon (ok).  ``timeout_s`` bounds the
-    TLS probe of a busy port.
+    busy port whose TLS server presents it is that daemon (ok), if this home's daemon runs
+    (``daemon_running``); else it is another home with the same certificates (restored from
+    one backup, or sharing ``ca/`` for ``leader_ha``), and the next start would fail.
+    ``timeout_s`` bounds the TLS probe of a busy port.
     """
     check = f"port {name}"
     where = f"{bind}:{port}"
@@ -43,8 +51,13 @@ def port_check(
     move = f"berth config set-{name} port=N (or berth daemon start --{name}-port N)"
     if error.errno == errno.EADDRINUSE:
         holder = _holder(bind, port, served_cert, timeout_s)
-        if holder == "self":
+        if holder == "self" and daemon_running:
             return Check(check, "ok", f"{where} is in use by this home's daemon")
+        if holder == "self":
+            holder = (
+                "held by a berth daemon of another home with this home's certificate "
+                "(restored from the same backup, or sharing ca/)"
+            )
         return Check(
             check,
             "fail",

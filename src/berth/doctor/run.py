@@ -88,7 +88,7 @@ def run_checks(
         daemon = daemon_state(home, timeout_s=timeout_s)
         checks.append(daemon.check)
         checks.append(store_check(settings))
-        checks.extend(listener_checks(home, settings))
+        checks.extend(listener_checks(home, settings, daemon_running=daemon.running))
         checks.extend(
             tls_checks(
                 home,
@@ -130,16 +130,26 @@ def daemon_state(home: BerthHome, *, timeout_s: float = 5.0) -> DaemonState:
     return DaemonState(info, Check("daemon", "ok", detail))
 
 
-def listener_checks(home: BerthHome, settings: Settings) -> list[Check]:
-    """Each listener's configured port (see :func:`berth.doctor.ports.port_check`)."""
+def listener_checks(
+    home: BerthHome, settings: Settings, *, daemon_running: bool = True
+) -> list[Check]:
+    """Each listener's configured port (see :func:`berth.doctor.ports.port_check`); a busy
+    port is this home's daemon only while it runs (``daemon_running``)."""
     public_cert = settings.public_cert or home.ca_dir / "public.pem"
     return [
-        port_check("public", settings.public_bind, settings.public_port, served_cert=public_cert),
+        port_check(
+            "public",
+            settings.public_bind,
+            settings.public_port,
+            served_cert=public_cert,
+            daemon_running=daemon_running,
+        ),
         port_check(
             "cluster",
             settings.cluster_bind,
             settings.cluster_port,
             served_cert=home.ca_dir / "cluster.pem",
+            daemon_running=daemon_running,
         ),
     ]
 

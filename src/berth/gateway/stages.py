@@ -85,7 +85,8 @@ class Routing:
         request's span's attributes.
         """
         try:
-            plan, key = self._router.plan_request(request.model, request.headers)
+            # The body too: the prefix policy routes by its messages (or prompt).
+            plan, key = self._router.plan_request(request.model, request.headers, request.body)
         except NoReadyDeploymentError:
             if self._on_demand is None:
                 raise
@@ -119,10 +120,12 @@ class Routing:
             left = True
             task.cancel()
 
-        model, headers, router = request.model, request.headers, self._router
+        model, headers, body, router = request.model, request.headers, request.body, self._router
         client.watch_disconnect(client_left)
         try:
-            return await on_demand.until_ready(model, lambda: router.plan_request(model, headers))
+            return await on_demand.until_ready(
+                model, lambda: router.plan_request(model, headers, body)
+            )
         except asyncio.CancelledError:
             # Ours if the client left; anyone else's (a server shutting down) goes on up.
             if not left or task.uncancel() > 0:

@@ -256,6 +256,17 @@ class ProxyMetrics:
         )
         #: the reason labels each deployment's restart series has
         self._restart_reasons: dict[str, set[str]] = {}
+        self.routing_decisions = Counter(
+            "berth_routing_decisions_total",
+            "Requests routed among two or more deployments, by the routing policy and its "
+            "outcome (matched, overridden_by_load, no_match, affinity, least_loaded).",
+            ("policy", "outcome"),
+            registry=self.registry,
+        )
+
+    def routing_decided(self, policy: str, outcome: str) -> None:
+        """The router chose among two or more deployments (``berth.routing.router``)."""
+        self.routing_decisions.labels(policy, outcome).inc()
 
     # -- requests ---------------------------------------------------------------------------
 

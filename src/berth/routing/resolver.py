@@ -11,7 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-from berth.store.records import StreamTimeouts
+from berth.routing.prefix_blocks import PromptBlocks
+from berth.store.records import RoutingPolicy, StreamTimeouts
 
 
 @dataclass(frozen=True)
@@ -60,6 +61,11 @@ class Upstream:
     #: only some serve (:func:`berth.runtime.engines.serves_path`); ``None``: an adopted
     #: endpoint, whose engine berth does not know
     engine: str | None = None
+    #: its service's routing policy (``None``: the ``routing_policy`` setting)
+    routing_policy: RoutingPolicy | None = None
+    #: the request's prompt blocks, set by the router under the ``prefix`` policy so that
+    #: the deployment that answers (a retry's too) is recorded as holding them
+    prompt_blocks: PromptBlocks | None = None
 
 
 class UpstreamResolver(Protocol):

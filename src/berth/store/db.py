@@ -98,7 +98,10 @@ def create_store_engine(url: str) -> Engine:
     try:
         engine = create_engine(parsed, **kwargs)
     except (ArgumentError, ImportError) as exc:
-        raise StoreError(f"cannot use database URL {url!r}: {exc}") from None
+        raise StoreError(
+            f"cannot use database URL {url!r}: {exc} (berth's store is sqlite:///PATH or "
+            "postgresql+psycopg://USER@HOST/DB)"
+        ) from None
     if is_sqlite(parsed):
         _install_sqlite_events(engine)
     elif is_postgresql(parsed):

@@ -25,7 +25,7 @@ class FencedError(StoreError):
         held = f"held by {active_address}" if active_address else "not held by anyone now"
         super().__init__(
             f"write refused: this leader's epoch {epoch} is not the lease's "
-            f"(epoch {current}, {held}); it is no longer the active leader"
+            f"(epoch {current}, {held}); it is not the active leader"
         )
 
 

@@ -341,7 +341,7 @@ def _v11_usage_cached_tokens(conn: Connection) -> None:
     )
 
 
-def _v25_leader_members(conn: Connection) -> None:
+def _v14_leader_members(conn: Connection) -> None:
     metadata = MetaData()
     Table(
         "leader_members",
@@ -353,7 +353,7 @@ def _v25_leader_members(conn: Connection) -> None:
     metadata.create_all(conn)
 
 
-def _v26_node_certificates(conn: Connection) -> None:
+def _v12_node_certificates(conn: Connection) -> None:
     metadata = MetaData()
     Table("nodes", metadata, Column("id", String(16), primary_key=True))
     table = Table(
@@ -368,6 +368,11 @@ def _v26_node_certificates(conn: Connection) -> None:
         Index("ix_node_certificates_node_id", "node_id"),
     )
     table.create(conn)
+
+
+def _v13_service_routing_policy(conn: Connection) -> None:
+    # Nullable, no default: existing services follow the leader's routing_policy, as before.
+    _add_column(conn, "service_profiles", Column("routing_policy", String(16), nullable=True))
 
 
 #: Every migration, in increasing order (numbers may skip: see the module docstring).
@@ -389,10 +394,9 @@ MIGRATIONS: tuple[Migration, ...] = (
     Migration(
         11, "usage_ledger.cached_tokens (prompt tokens read from a cache)", _v11_usage_cached_tokens
     ),
-    # 25: issue 25's number, as 26 is issue 26's.
-    Migration(25, "leader_members (every shared leader's cluster URL)", _v25_leader_members),
-    # 26: issue 26's number, so that steps other features reserve below it stay free.
-    Migration(26, "node_certificates (issued client certificates)", _v26_node_certificates),
+    Migration(12, "node_certificates (issued client certificates)", _v12_node_certificates),
+    Migration(13, "service_profiles routing policy", _v13_service_routing_policy),
+    Migration(14, "leader_members (every shared leader's cluster URL)", _v14_leader_members),
 )
 
 LATEST_VERSION = MIGRATIONS[-1].version

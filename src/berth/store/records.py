@@ -10,6 +10,8 @@ from datetime import date, datetime
 from pathlib import Path
 from typing import Literal
 
+from berth.config.table import ROUTING_POLICIES as ROUTING_POLICIES
+from berth.config.table import RoutingPolicy as RoutingPolicy
 from berth.errors import ConfigError
 from berth.limits import LimitOverrides
 from berth.runtime.gpu import GpuInfo
@@ -37,6 +39,16 @@ def check_restart_policy(policy: str) -> RestartPolicy:
             return known
     raise ConfigError(
         f"unknown restart policy {policy!r}: choose one of {', '.join(RESTART_POLICIES)}"
+    )
+
+
+def check_routing_policy(policy: str) -> RoutingPolicy:
+    """``policy`` as a :data:`RoutingPolicy`; ``ConfigError`` naming the valid ones."""
+    for known in ROUTING_POLICIES:
+        if policy == known:
+            return known
+    raise ConfigError(
+        f"unknown routing policy {policy!r}: choose one of {', '.join(ROUTING_POLICIES)}"
     )
 
 
@@ -254,7 +266,8 @@ class ServiceProfileRecord:
     ``scaling`` says how many of them run and when (:class:`ScalingSettings`).
     ``max_adapters`` is their LoRA slot count (vLLM, SGLang; ``None``: 1 when the model has
     adapters, else LoRA off, as ``berth run --max-adapters``). ``timeouts`` bound their
-    streamed answers (:class:`StreamTimeouts`).
+    streamed answers (:class:`StreamTimeouts`). ``routing_policy`` is how the router picks
+    among its deployments (``None``: the leader's ``routing_policy`` setting).
     """
 
     name: str
@@ -271,6 +284,7 @@ class ServiceProfileRecord:
     max_adapters: int | None = None
     restart_policy: RestartPolicy = DEFAULT_RESTART_POLICY
     timeouts: StreamTimeouts = StreamTimeouts()
+    routing_policy: RoutingPolicy | None = None
 
 
 @dataclass(frozen=True)

@@ -38,10 +38,12 @@ from berth.store.records import (
     RestartPolicy,
     RouteRecord,
     RouteTarget,
+    RoutingPolicy,
     ScalingSettings,
     ServiceProfileRecord,
     StreamTimeouts,
     check_restart_policy,
+    check_routing_policy,
 )
 from berth.store.states import TERMINAL_STATES, DeploymentState
 from berth.store.tables import (
@@ -131,8 +133,10 @@ class ServiceMethods:
         max_adapters: int | None = None,
         restart_policy: RestartPolicy = DEFAULT_RESTART_POLICY,
         timeouts: StreamTimeouts | None = None,
+        routing_policy: RoutingPolicy | None = None,
     ) -> ServiceProfileRecord:
-        """Record the service profile ``name``; its deployments get ``restart_policy``.
+        """Record the service profile ``name``; its deployments get ``restart_policy``, its
+        requests ``routing_policy`` (``None``: the leader's setting).
 
         ``engine`` and ``runtime`` are normalised (``"LlamaCpp "`` → ``llamacpp``); ``scaling``
         ``None`` is :class:`ScalingSettings`' defaults (on demand, one replica at most, never
@@ -142,8 +146,10 @@ class ServiceMethods:
         negative GPU index, a non-positive ``ctx``, an ``image`` on a runtime other than
         ``docker``, scaling settings :func:`check_scaling` refuses, or a ``max_adapters``
         below 1 or for llama.cpp (which takes its adapters at start), or ``timeouts``
-        :func:`check_timeouts` refuses.
+        :func:`check_timeouts` refuses, or an unknown routing policy.
         """
+        if routing_policy is not None:
+            routing_policy = check_routing_policy(routing_policy)
         scaling = check_scaling(scaling or ScalingSettings())
         timeouts = check_timeouts(timeouts or StreamTimeouts())
         engine_name = parse_engine_name(engine)
@@ -201,6 +207,7 @@ class ServiceMethods:
                 restart_policy=check_restart_policy(restart_policy),
                 first_byte_timeout_s=timeouts.first_byte_timeout_s,
                 stream_idle_timeout_s=timeouts.stream_idle_timeout_s,
+                routing_policy=routing_policy,
             )
             session.add(row)
             return _profile_record(row)
@@ -214,6 +221,21 @@ class ServiceMethods:
         with self._fenced_write() as session:
             row = _profile_row(session, name)
             row.restart_policy = check_restart_policy(restart_policy)
+            session.flush()
+            return _profile_record(row)
+
+    def set_service_routing_policy(
+        self, name: str, routing_policy: RoutingPolicy | None
+    ) -> ServiceProfileRecord:
+        """Set how the router picks among service ``name``'s deployments (``None``: the
+        leader's ``routing_policy`` setting), from the next request on once the leader is
+        told (:meth:`berth.deployments.lifecycle.LifecycleManager.set_service_routing_policies`).
+        Raises :class:`NotFoundError` for an unknown service and :class:`ConfigError` for
+        an unknown policy."""
+        policy = None if routing_policy is None else check_routing_policy(routing_policy)
+        with self._fenced_write() as session:
+            row = _profile_row(session, name)
+            row.routing_policy = policy
             session.flush()
             return _profile_record(row)
 
@@ -531,6 +553,9 @@ def _profile_record(row: ServiceProfileRow) -> ServiceProfileRecord:
         max_adapters=row.max_adapters,
         restart_policy=check_restart_policy(row.restart_policy),
         timeouts=_timeouts_of(row),
+        routing_policy=None
+        if row.routing_policy is None
+        else check_routing_policy(row.routing_policy),
     )
 
 

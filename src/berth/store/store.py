@@ -386,7 +386,13 @@ def _translated() -> Iterator[None]:
     except IntegrityError as exc:
         raise ConflictError(f"conflicting write: {exc.orig}") from exc
     except DBAPIError as exc:
-        raise StoreError(f"database error: {exc.orig}") from exc
+        raise StoreError(f"database error: {_one_line(exc.orig)}") from exc
+
+
+def _one_line(error: BaseException | None) -> str:
+    """The driver's message on one line: libpq's has a hint on a second (``Connection
+    refused\n\tIs the server running ...``), and a CLI error or a log line is one line."""
+    return " ".join(str(error).split())
 
 
 def _get_deployment_row(session: Session, deployment_id: str) -> DeploymentRow:

@@ -245,6 +245,8 @@ class ServiceProfileRow(Base):
     #: its streamed answers' bounds, seconds (``None``: the leader's settings; 0: none)
     first_byte_timeout_s: Mapped[float | None] = mapped_column(Float, nullable=True)
     stream_idle_timeout_s: Mapped[float | None] = mapped_column(Float, nullable=True)
+    #: how the router picks among its deployments (``None``: the leader's routing_policy)
+    routing_policy: Mapped[str | None] = mapped_column(String(16), nullable=True)
 
 
 class RouteRow(Base):
