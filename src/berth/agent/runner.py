@@ -138,25 +138,7 @@ async def run_agent(
     panel = console.is_terminal and not verbose
     _configure_logging(home, verbose=verbose, to_stderr=not panel)
     settings = Settings.load(home, flags)
-    core = AgentCore(
-        ProcessRuntime(process_tree=settings.process_tree),
-        EngineBinaries(
-            llama_server=str(settings.llama_server_bin) if settings.llama_server_bin else None,
-            vllm=str(settings.vllm_bin) if settings.vllm_bin else None,
-            sglang_python=str(settings.sglang_python),
-        ),
-        inventory_for(settings.simulated_gpus),
-        logs_dir=home.logs_dir,
-        journal_path=home.agent_engines_file,
-        keys_dir=home.engine_keys_dir,
-        docker=DockerRuntime(
-            host=resolve_docker_host(settings.docker_host),
-            home=home.root,
-            node_id=identity.node_id,
-        ),
-        docker_shm_size=settings.docker_shm_size,
-        adopted=AdoptedWatcher(home.adopted_file),
-    )
+    core = _build_core(home, settings, identity)
     status = AgentStatus(
         identity.leader_url, identity.node_id, identity.label, path=home.agent_status_file
     )
@@ -210,16 +192,7 @@ async def run_agent(
     freeze_startup_objects()  # full collections then skip the start-up heap
     loop_lag.start()
     try:
-        if panel:
-            with Live(render_status(status), console=console, refresh_per_second=2) as live:
-                refresher = asyncio.create_task(_refresh(live, status))
-                try:
-                    code = await dialer.run()
-                finally:
-                    refresher.cancel()
-                live.update(render_status(status))
-        else:
-            code = await dialer.run()
+        code = await _dial(dialer, status, console, panel=panel)
     finally:
         await core.adopted.stop()
         if ingress is not None:
@@ -237,10 +210,52 @@ async def run_agent(
         status.activity("node removed: stopping every engine")
         await core.stop_all(grace_s=settings.stop_grace_s)
     if dialer.final_code is not None:
-        hint = _FINAL_HINTS.get(CloseCode(dialer.final_code), "")
-        console.print(f"berth agent stopped: {status.last_error}", soft_wrap=True)
-        if hint:
-            console.print(hint, soft_wrap=True)
+        _print_final(console, status, dialer.final_code)
+    return code
+
+
+def _print_final(console: Console, status: AgentStatus, final_code: int) -> None:
+    """Say why the agent stopped on the leader's final refusal ``final_code``, with a hint."""
+    hint = _FINAL_HINTS.get(CloseCode(final_code), "")
+    console.print(f"berth agent stopped: {status.last_error}", soft_wrap=True)
+    if hint:
+        console.print(hint, soft_wrap=True)
+
+
+def _build_core(home: BerthHome, settings: Settings, identity: AgentIdentity) -> AgentCore:
+    """The agent's engine core on ``home``: engines, runtimes and inventory of ``settings``."""
+    return AgentCore(
+        ProcessRuntime(process_tree=settings.process_tree),
+        EngineBinaries(
+            llama_server=str(settings.llama_server_bin) if settings.llama_server_bin else None,
+            vllm=str(settings.vllm_bin) if settings.vllm_bin else None,
+            sglang_python=str(settings.sglang_python),
+        ),
+        inventory_for(settings.simulated_gpus),
+        logs_dir=home.logs_dir,
+        journal_path=home.agent_engines_file,
+        keys_dir=home.engine_keys_dir,
+        docker=DockerRuntime(
+            host=resolve_docker_host(settings.docker_host),
+            home=home.root,
+            node_id=identity.node_id,
+        ),
+        docker_shm_size=settings.docker_shm_size,
+        adopted=AdoptedWatcher(home.adopted_file),
+    )
+
+
+async def _dial(dialer: AgentDialer, status: AgentStatus, console: Console, *, panel: bool) -> int:
+    """Run ``dialer`` to its exit code, under the live status panel when ``panel``."""
+    if not panel:
+        return await dialer.run()
+    with Live(render_status(status), console=console, refresh_per_second=2) as live:
+        refresher = asyncio.create_task(_refresh(live, status))
+        try:
+            code = await dialer.run()
+        finally:
+            refresher.cancel()
+        live.update(render_status(status))
     return code
 
 

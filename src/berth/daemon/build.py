@@ -20,6 +20,7 @@ from berth.agent.in_process_link import InProcessLink
 from berth.agent.node_sampler import LocalNodeSampler
 from berth.cluster.direct_path import DataPaths
 from berth.cluster.enrollment import AuditLog, EnrollmentService
+from berth.cluster.hub import NodeHub
 from berth.cluster.link_registry import LinkRegistry
 from berth.cluster.listener import (
     ClusterListener,
@@ -31,6 +32,7 @@ from berth.daemon.app import build_apps
 from berth.daemon.graph import LeaderGraph, Listener
 from berth.daemon.pieces import (
     DeploymentEvents,
+    LeaderMetrics,
     LeaderTls,
     build_adapters,
     build_admission,
@@ -110,6 +112,55 @@ def build_listeners(
     return public_server, socket_server, cluster_listener
 
 
+def _build_data_paths(
+    hub: NodeHub, links: LinkRegistry, tls: LeaderTls, home: BerthHome, settings: Settings
+) -> DataPaths:
+    """Requests to agents' engines: direct to an agent's ingress when it answers, else the hub."""
+    return DataPaths(
+        hub,
+        links,
+        tls.ca,
+        home.ca_dir,
+        probe_interval_s=settings.direct_probe_interval_s,
+        probe_timeout_s=settings.direct_probe_timeout_s,
+    )
+
+
+def _build_router(
+    resolver: AdapterResolver,
+    signals: SignalBoard,
+    hub: NodeHub,
+    links: LinkRegistry,
+    waiting: WaitingAttempts,
+    settings: Settings,
+    metrics: LeaderMetrics,
+) -> Router:
+    """The router over ``resolver``'s names, fed by the hub's reports and ``signals``."""
+    return Router(
+        resolver,
+        signals=signals,
+        node_reported=hub.has_reported,
+        free_vram_mb=hub.free_vram_mb,
+        links=links,  # a node whose link goes loses its affinity and its waiting requests
+        waiting=waiting,
+        policy=settings.routing_policy,
+        prefixes=PrefixIndex(settings.prefix_cache_entries, settings.prefix_cache_mb),
+        load_factor=settings.prefix_load_factor,
+        on_decision=metrics.proxy.routing_decided,
+    )
+
+
+def _listeners(
+    home: BerthHome, settings: Settings, sockets: LeaderSockets, tls: LeaderTls, cluster_url: str
+) -> list[Listener]:
+    """The three listeners the leader reports: public HTTPS, the cluster link, the unix socket."""
+    return [
+        Listener("public", f"https://{settings.public_host}:{sockets.public_port}", tls.public),
+        Listener("cluster", cluster_url, tls.cluster),
+        Listener("socket", f"unix://{home.socket_file}"),
+    ]
+
+
 async def build_leader(
     home: BerthHome,
     settings: Settings,
@@ -148,14 +199,7 @@ async def build_leader(
         forwarded=forwarded, ca=tls.ca,
     )  # fmt: skip
     # Requests to agents' engines: direct to an agent's ingress when it answers, else the hub.
-    data_paths = DataPaths(
-        hub,
-        links,
-        tls.ca,
-        home.ca_dir,
-        probe_interval_s=settings.direct_probe_interval_s,
-        probe_timeout_s=settings.direct_probe_timeout_s,
-    )
+    data_paths = _build_data_paths(hub, links, tls, home, settings)
     routes = RouteResolver(lifecycle)  # route names first, then the lifecycle's own names
     scaling = build_scaling(
         lifecycle, signals, routes, settings, metrics=metrics.proxy, audit=audit
@@ -163,18 +207,7 @@ async def build_leader(
     events.attach_scaling(scaling)
     await load_routes(store, routes, lifecycle=lifecycle)
     resolver = AdapterResolver(routes, lifecycle, adapters)  # adapters' names, then routes'
-    router = Router(
-        resolver,
-        signals=signals,
-        node_reported=hub.has_reported,
-        free_vram_mb=hub.free_vram_mb,
-        links=links,  # a node whose link goes loses its affinity and its waiting requests
-        waiting=waiting,
-        policy=settings.routing_policy,
-        prefixes=PrefixIndex(settings.prefix_cache_entries, settings.prefix_cache_mb),
-        load_factor=settings.prefix_load_factor,
-        on_decision=metrics.proxy.routing_decided,
-    )
+    router = _build_router(resolver, signals, hub, links, waiting, settings, metrics)
     events.attach_router(router)
     proxy = build_proxy(
         resolver, router, settings, metrics=metrics.proxy, data_paths=data_paths, core=core,
@@ -212,11 +245,7 @@ async def build_leader(
         scaling=scaling,
         admission=admission,
         adapters=adapters,
-        listeners=[
-            Listener("public", f"https://{settings.public_host}:{sockets.public_port}", tls.public),
-            Listener("cluster", cluster_url, tls.cluster),
-            Listener("socket", f"unix://{home.socket_file}"),
-        ],
+        listeners=_listeners(home, settings, sockets, tls, cluster_url),
     )
     public_server, socket_server, cluster_listener = build_listeners(graph, sockets, tls)
     return LeaderParts(
