@@ -17,7 +17,7 @@ from berth.routing.routes import (
     UnroutedServiceError,
 )
 from berth.store import RouteRecord, RouteTarget
-from berth.store.services import fallback_cycle
+from berth.store.routes import fallback_cycle
 
 EPOCH = datetime(2025, 1, 1, tzinfo=UTC)
 

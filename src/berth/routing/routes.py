@@ -1,6 +1,6 @@
 """Routes: the public model names clients use, resolved to the deployments of service profiles.
 
-A route (:mod:`berth.store.services`) names one or more service profiles, each with a
+A route (:mod:`berth.store.routes`) names one or more service profiles, each with a
 priority, and optionally a fallback route.  A request for a route goes to the ready
 deployments of its highest-priority targets that have any; targets of equal priority are
 merged, so the scorer balances them; when no target has a ready deployment, the fallback

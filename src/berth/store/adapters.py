@@ -189,6 +189,16 @@ def adapter_named(session: Session, name: str) -> str | None:
     return None if row is None else row.base_model
 
 
+def refuse_adapter_name(session: Session, name: str, what: str) -> None:
+    """Raise :class:`ConflictError` when ``name``, the name of a new ``what`` (``"service"``,
+    ``"route"``), is already an adapter's (the adapter would be hidden behind it)."""
+    base = adapter_named(session, name)
+    if base is not None:
+        raise ConflictError(
+            f"{name!r} is already the name of an adapter of {base!r}: name the {what} differently"
+        )
+
+
 def adapters_of(session: Session, base_model: str) -> list[str]:
     """The adapters of ``base_model``, by name (the model must stay while they do)."""
     return list(

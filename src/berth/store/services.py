@@ -1,29 +1,25 @@
-"""Service profiles and routes: the :class:`Store`'s half for the names clients use.
+"""Service profiles: the :class:`Store`'s half for how models are deployed.
 
 A **service profile** says how to deploy a model: engine, runtime, GPUs, context length,
 extra engine arguments, container image and, optionally, the node (by label) its deployments
-run on.  Its deployments serve the profile's name.
+run on.  Its deployments serve the profile's name; routes (:mod:`berth.store.routes`) put
+profiles behind public names.
 
 Its **scaling settings** (:class:`ScalingSettings`: replicas, idle timeout, pin, priority,
 capacity) say how many deployments of it berth keeps and when it starts or stops them;
 :func:`check_scaling` is their one check, applied on create and on every change.
 
-A **route** is a public model name.  It has one or more targets (service profiles, each with
-a priority: the highest priority with a ready deployment answers, equal priorities share the
-load) and an optional fallback: another route, tried when none of its targets has a ready
-deployment.  Fallbacks never form a cycle.
-
 :class:`ServiceMethods` is mixed into :class:`berth.store.Store`, like
 :class:`berth.store.nodes.NodeMethods`: short sessions, fenced writes (store.lease), records.
-Refusals are :class:`NotFoundError` (an unknown model, node, service or route),
-:class:`ConflictError` (a taken name; a profile or route still in use) and
-:class:`ConfigError` (an invalid setting, or a fallback that would loop).
+Refusals are :class:`NotFoundError` (an unknown model, node or service),
+:class:`ConflictError` (a taken name; a profile still in use by a route or deployment) and
+:class:`ConfigError` (an invalid setting).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from datetime import datetime
 
@@ -32,12 +28,10 @@ from sqlalchemy.orm import Session
 
 from berth.errors import ConfigError, ConflictError, NotFoundError
 from berth.runtime.engines import parse_engine_name, parse_runtime_name
-from berth.store.adapters import adapter_named
+from berth.store.adapters import refuse_adapter_name
 from berth.store.records import (
     DEFAULT_RESTART_POLICY,
     RestartPolicy,
-    RouteRecord,
-    RouteTarget,
     RoutingPolicy,
     ScalingSettings,
     ServiceProfileRecord,
@@ -50,11 +44,10 @@ from berth.store.tables import (
     DeploymentRow,
     ModelRow,
     NodeRow,
-    RouteRow,
     RouteTargetRow,
     ServiceProfileRow,
 )
-from berth.store.values import aware
+from berth.store.values import aware, not_found
 
 _ACTIVE_STATES = tuple(s.value for s in DeploymentState if s not in TERMINAL_STATES)
 #: The largest replica count, capacity and priority magnitude a service may have (a 32-bit
@@ -105,7 +98,7 @@ def check_timeouts(timeouts: StreamTimeouts) -> StreamTimeouts:
 
 
 class ServiceMethods:
-    """Store methods for service profiles and routes (see the module doc)."""
+    """Store methods for service profiles (see the module doc)."""
 
     _clock: Callable[[], datetime]
 
@@ -183,7 +176,7 @@ class ServiceMethods:
                     f"{name!r} is already a model's name or a running deployment's served name: "
                     "name the service differently"
                 )
-            _refuse_adapter_name(session, name, "service")
+            refuse_adapter_name(session, name, "service")
             if node_label is not None:
                 _check_node_label(session, node_label)
             row = ServiceProfileRow(
@@ -320,108 +313,6 @@ class ServiceMethods:
             session.delete(row)
             return record
 
-    # --- routes --------------------------------------------------------------------------
-
-    def add_route(
-        self, name: str, service: str, *, priority: int = 0, fallback: str | None = None
-    ) -> RouteRecord:
-        """Put the service profile ``service`` behind the route ``name`` with ``priority``,
-        creating the route if it is new; return the route.
-
-        ``fallback``, when given, becomes the route's fallback (a route has one; giving
-        another replaces it).  Raises :class:`NotFoundError` for an unknown service or
-        fallback route, :class:`ConflictError` when ``service`` is already behind ``name``,
-        and :class:`ConfigError` when the fallback is the route itself or would lead back
-        to it.
-        """
-        with self._fenced_write() as session:
-            _profile_row(session, service)
-            route = session.get(RouteRow, name)
-            if route is None:
-                _refuse_adapter_name(session, name, "route")
-                route = RouteRow(public_name=name, fallback=None, created_at=self._clock())
-                session.add(route)
-            elif session.get(RouteTargetRow, (name, service)) is not None:
-                raise ConflictError(f"service {service!r} is already behind route {name!r}")
-            if fallback is not None:
-                _check_fallback(session, name, fallback)
-                route.fallback = fallback
-            session.add(
-                RouteTargetRow(
-                    public_name=name,
-                    profile_name=service,
-                    priority=priority,
-                    created_at=self._clock(),
-                )
-            )
-            session.flush()
-            return _route_record(session, route)
-
-    def set_route_fallback(self, name: str, fallback: str | None) -> RouteRecord:
-        """Set (or, with ``None``, clear) the fallback of the route ``name``; return it.
-
-        Raises :class:`NotFoundError` for an unknown route or fallback route and
-        :class:`ConfigError` when the fallback would lead back to ``name``.
-        """
-        with self._fenced_write() as session:
-            route = _route_row(session, name)
-            if fallback is not None:
-                _check_fallback(session, name, fallback)
-            route.fallback = fallback
-            session.flush()
-            return _route_record(session, route)
-
-    def get_route(self, name: str) -> RouteRecord:
-        """The route ``name``; :class:`NotFoundError` if there is none."""
-        with self._read() as session:
-            return _route_record(session, _route_row(session, name))
-
-    def list_routes(self) -> list[RouteRecord]:
-        """Every route, by public name."""
-        with self._read() as session:
-            routes = session.scalars(select(RouteRow).order_by(RouteRow.public_name)).all()
-            targets = session.scalars(select(RouteTargetRow)).all()
-            by_route: dict[str, list[RouteTargetRow]] = {}
-            for target in targets:
-                by_route.setdefault(target.public_name, []).append(target)
-            return [_route_record_of(row, by_route.get(row.public_name, [])) for row in routes]
-
-    def remove_route(self, name: str, service: str | None = None) -> RouteRecord | None:
-        """Take ``service`` out of the route ``name``, or with ``service=None`` remove the
-        whole route; return what is left of the route, ``None`` once it is gone.
-
-        A route whose last target goes is removed.  Raises :class:`NotFoundError` for an
-        unknown route or a service that is not behind it, and :class:`ConflictError` when
-        the route would go while another route falls back to it (the message names them).
-        """
-        with self._fenced_write() as session:
-            route = _route_row(session, name)
-            targets = _targets_of(session, name)
-            if service is not None:
-                target = next((t for t in targets if t.profile_name == service), None)
-                if target is None:
-                    message = f"service {service!r} is not behind route {name!r}"
-                    raise _not_found("service", service, message)
-                if len(targets) > 1:
-                    session.delete(target)
-                    session.flush()
-                    return _route_record(session, route)
-            users = session.scalars(
-                select(RouteRow.public_name)
-                .where(RouteRow.fallback == name)
-                .order_by(RouteRow.public_name)
-            ).all()
-            if users:
-                raise ConflictError(
-                    f"route {name!r} is the fallback of route(s) {', '.join(users)}; "
-                    "change their fallback first"
-                )
-            for target in targets:
-                session.delete(target)
-            session.flush()
-            session.delete(route)
-            return None
-
 
 def models_used_by_services(session: Session, model_name: str) -> list[str]:
     """The service profiles that deploy ``model_name``, by name (the model must stay)."""
@@ -446,14 +337,6 @@ def _check_max_adapters(max_adapters: int | None, engine: str) -> None:
         )
 
 
-def _refuse_adapter_name(session: Session, name: str, what: str) -> None:
-    base = adapter_named(session, name)
-    if base is not None:
-        raise ConflictError(
-            f"{name!r} is already the name of an adapter of {base!r}: name the {what} differently"
-        )
-
-
 def _check_node_label(session: Session, label: str) -> None:
     node = session.scalars(select(NodeRow).where(NodeRow.label == label)).first()
     if node is None or node.status == "removed":
@@ -461,46 +344,7 @@ def _check_node_label(session: Session, label: str) -> None:
             select(NodeRow.label).where(NodeRow.status != "removed").order_by(NodeRow.label)
         ).all()
         known = ", ".join(labels) or "none"
-        raise _not_found("node", label, f"node {label!r} not found (nodes: {known})")
-
-
-def _not_found(kind: str, ident: str, message: str) -> NotFoundError:
-    """A :class:`NotFoundError` for ``kind``/``ident`` whose text is ``message``."""
-    error = NotFoundError(kind, ident)
-    error.args = (message,)
-    return error
-
-
-def fallback_cycle(
-    fallbacks: Mapping[str, str | None], name: str, fallback: str
-) -> tuple[str, ...] | None:
-    """The loop that making ``fallback`` the fallback of route ``name`` would close, as the
-    route names walked (``("a", "b", "a")``), or ``None`` when there is none.
-
-    ``fallbacks`` maps every route's name to its current fallback (``None``: none).
-    """
-    path = [name]
-    seen: set[str] = set()
-    current: str | None = fallback
-    while current is not None and current not in seen:
-        path.append(current)
-        if current == name:
-            return tuple(path)
-        seen.add(current)
-        current = fallbacks.get(current)
-    return None
-
-
-def _check_fallback(session: Session, name: str, fallback: str) -> None:
-    if session.get(RouteRow, fallback) is None:
-        raise NotFoundError("route", fallback)
-    rows = session.execute(select(RouteRow.public_name, RouteRow.fallback)).all()
-    fallbacks = {route: route_fallback for route, route_fallback in rows}
-    cycle = fallback_cycle(fallbacks, name, fallback)
-    if cycle is not None:
-        raise ConfigError(
-            f"route {name!r} cannot fall back to {fallback!r}: it would loop ({' -> '.join(cycle)})"
-        )
+        raise not_found("node", label, f"node {label!r} not found (nodes: {known})")
 
 
 def _profile_row(session: Session, name: str) -> ServiceProfileRow:
@@ -508,33 +352,6 @@ def _profile_row(session: Session, name: str) -> ServiceProfileRow:
     if row is None:
         raise NotFoundError("service", name)
     return row
-
-
-def _route_row(session: Session, name: str) -> RouteRow:
-    row = session.get(RouteRow, name)
-    if row is None:
-        raise NotFoundError("route", name)
-    return row
-
-
-def _targets_of(session: Session, name: str) -> list[RouteTargetRow]:
-    return list(
-        session.scalars(select(RouteTargetRow).where(RouteTargetRow.public_name == name)).all()
-    )
-
-
-def _route_record(session: Session, row: RouteRow) -> RouteRecord:
-    return _route_record_of(row, _targets_of(session, row.public_name))
-
-
-def _route_record_of(row: RouteRow, targets: Sequence[RouteTargetRow]) -> RouteRecord:
-    ordered = sorted(targets, key=lambda t: (-t.priority, t.profile_name))
-    return RouteRecord(
-        name=row.public_name,
-        targets=tuple(RouteTarget(t.profile_name, t.priority) for t in ordered),
-        fallback=row.fallback,
-        created_at=aware(row.created_at),
-    )
 
 
 def _profile_record(row: ServiceProfileRow) -> ServiceProfileRecord:

@@ -48,6 +48,7 @@ from berth.store.records import (
     RestartPolicy,
     check_restart_policy,
 )
+from berth.store.routes import RouteMethods
 from berth.store.services import ServiceMethods, models_used_by_services
 from berth.store.states import TERMINAL_STATES, DeploymentState, can_transition
 from berth.store.tables import DeploymentRow, ModelRow
@@ -67,6 +68,7 @@ class Store(
     ChangeMethods,
     NodeMethods,
     ServiceMethods,
+    RouteMethods,
     AdapterMethods,
     ApiKeyMethods,
     UsageMethods,
@@ -76,7 +78,8 @@ class Store(
 
     Nothing is touched until the first call; call :meth:`migrate` once at start-up before
     anything else.  The node registry, enrollment tokens and model locations are documented
-    in :mod:`berth.store.nodes`; service profiles and routes in :mod:`berth.store.services`;
+    in :mod:`berth.store.nodes`; service profiles in :mod:`berth.store.services`;
+    routes in :mod:`berth.store.routes`;
     LoRA adapters in :mod:`berth.store.adapters`; the usage ledger in :mod:`berth.store.usage`;
     the leadership lease and the fence on cluster-state writes (deployments here, services
     and routes) in :mod:`berth.store.lease`; change counters and feeds other leaders follow

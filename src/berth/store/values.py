@@ -1,5 +1,6 @@
 """Values the store's method groups share: the :data:`UNCHANGED` default of update
-arguments, fresh row ids and stored times read back as aware UTC datetimes."""
+arguments, fresh row ids, stored times read back as aware UTC datetimes and not-found
+errors with a message of their own."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from typing import Final, Literal
 
 from sqlalchemy.orm import Session
 
-from berth.errors import StoreError
+from berth.errors import NotFoundError, StoreError
 from berth.store.tables import ApiKeyRow, DeploymentRow
 
 
@@ -43,3 +44,10 @@ def aware(value: datetime) -> datetime:
     """A stored time as an aware UTC datetime (SQLite gives naive ones back; rows built in
     this process still hold the clock's value)."""
     return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+
+
+def not_found(kind: str, ident: str, message: str) -> NotFoundError:
+    """A :class:`NotFoundError` for ``kind``/``ident`` whose text is ``message``."""
+    error = NotFoundError(kind, ident)
+    error.args = (message,)
+    return error
