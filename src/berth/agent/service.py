@@ -32,12 +32,8 @@ from berth.cluster.protocol.errors import ProtocolError
 from berth.cluster.protocol.frames import (
     PROTOCOL_MAX,
     PROTOCOL_MIN,
-    EngineState,
-    ErrorCode,
-    ErrorInfo,
     Heartbeat,
     Hello,
-    Inventory,
     Request,
     ResetCode,
 )
@@ -66,6 +62,7 @@ from berth.cluster.protocol.ops import (
     StartResult,
     encode_payload,
 )
+from berth.cluster.protocol.payloads import EngineState, ErrorCode, ErrorInfo, Inventory
 from berth.cluster.shape_wire import file_shape_to_wire
 from berth.cluster.tunnel_stream import StreamResetError, TunnelStream
 from berth.engine_http.auth import with_engine_key

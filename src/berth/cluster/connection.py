@@ -51,7 +51,6 @@ from berth.cluster.protocol.events import (
 )
 from berth.cluster.protocol.frames import (
     STREAM_DATA_PREFIX,
-    ErrorInfo,
     Heartbeat,
     Hello,
     ProgressEvent,
@@ -59,14 +58,11 @@ from berth.cluster.protocol.frames import (
     StreamOpen,
     Welcome,
 )
+from berth.cluster.protocol.handshake import WelcomeTerms
+from berth.cluster.protocol.limits import LinkLimits
 from berth.cluster.protocol.ops import Op
-from berth.cluster.protocol.session import (
-    LinkLimits,
-    LinkSession,
-    Role,
-    SessionState,
-    WelcomeTerms,
-)
+from berth.cluster.protocol.payloads import ErrorInfo
+from berth.cluster.protocol.session import LinkSession, Role, SessionState
 from berth.cluster.tunnel_stream import TunnelStream
 
 log = logging.getLogger(__name__)

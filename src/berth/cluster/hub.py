@@ -35,19 +35,18 @@ from berth.cluster.link_registry import LinkRegistry
 from berth.cluster.liveness import LINK_TIMEOUT_S, Liveness
 from berth.cluster.peer_identity import ForwardedFingerprintTrust, client_identity
 from berth.cluster.protocol.errors import CloseCode, LinkError, rate_limited_reason
-from berth.cluster.protocol.frames import (
+from berth.cluster.protocol.frames import Heartbeat, Hello, Request, ResetCode
+from berth.cluster.protocol.handshake import WelcomeTerms
+from berth.cluster.protocol.limits import LinkLimits
+from berth.cluster.protocol.ops import RENEW
+from berth.cluster.protocol.payloads import (
     AdoptedState,
     EngineState,
     ErrorCode,
     ErrorInfo,
-    Heartbeat,
-    Hello,
     Inventory,
-    Request,
-    ResetCode,
 )
-from berth.cluster.protocol.ops import RENEW
-from berth.cluster.protocol.session import LinkLimits, Role, WelcomeTerms
+from berth.cluster.protocol.session import Role
 from berth.cluster.remote_link import RemoteLink, TunnelResponse
 from berth.cluster.renewal import (
     LinkCertificates,

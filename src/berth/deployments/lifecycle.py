@@ -26,7 +26,7 @@ from collections.abc import Callable, Mapping, Sequence
 from berth.admission.capacity import DEFAULT_SLOTS
 from berth.cluster.link import LOCAL_NODE_ID
 from berth.cluster.link_registry import LinkRegistry
-from berth.cluster.protocol.frames import AdoptedState, EngineState
+from berth.cluster.protocol.payloads import AdoptedState, EngineState
 from berth.deployments.estimates import VramEstimator
 from berth.deployments.lora_plan import plan_lora
 from berth.deployments.placement_facts import UsageLookup, no_usage
