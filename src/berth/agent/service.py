@@ -24,7 +24,8 @@ import msgspec
 
 from berth import __version__
 from berth.agent.answer_push import EnginePush, can_write_nowait
-from berth.agent.core import AgentCore, RuntimeStatus
+from berth.agent.core import AgentCore
+from berth.agent.host import RuntimeStatus
 from berth.agent.node_sampler import core_heartbeat
 from berth.cluster.connection import LinkConnection
 from berth.cluster.inventory import gpu_states
