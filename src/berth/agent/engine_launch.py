@@ -78,6 +78,7 @@ def _write_files(files: tuple[SecretFile, ...]) -> None:
 
 
 def remove_secret_files(files: tuple[SecretFile, ...]) -> None:
+    """Remove each file (one already gone is no error)."""
     for secret in files:
         secret.path.unlink(missing_ok=True)
 
