@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
-from berth.agent.core import HostFacts
+from berth.agent.host import HostFacts
 from berth.agent.service import AgentService
 from berth.cluster.connection import LinkConnection
 from berth.cluster.link import EngineReport

@@ -1,5 +1,5 @@
 """An engine's answer pushed from its connection's callback to the leader, with no task wake-up
-per piece (:class:`EnginePush`), for the agent's relay (:mod:`berth.agent.service`).
+per piece (:class:`EnginePush`), for the agent's relay (:mod:`berth.agent.relay`).
 
 A token stream through an agent is one small piece of body per token. Read by the relaying
 task, each piece costs that task a wake-up and a chain of coroutines (the read, the stream's
@@ -28,7 +28,7 @@ from berth.engine_http.errors import UpstreamError
 
 @runtime_checkable
 class PushAnswerSink(Protocol):
-    """An :class:`~berth.agent.service.AnswerSink` that can also take a piece without
+    """An :class:`~berth.agent.relay.AnswerSink` that can also take a piece without
     waiting (a tunnel stream, the ingress's reply): ``write_nowait`` sends it now and returns
     ``True``, or returns ``False`` when it cannot (then ``write`` it, which waits);
     ``backlogged`` says the leader reads slowly (``drain`` waits until it has caught up)."""
