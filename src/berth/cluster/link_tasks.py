@@ -17,6 +17,7 @@ import logging
 from collections.abc import Awaitable
 from typing import Any
 
+# The connection's logger: a failed handler task is the link's news, logged where it was.
 log = logging.getLogger("berth.cluster.connection")
 
 
