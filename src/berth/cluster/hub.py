@@ -440,6 +440,10 @@ class NodeHub:
     async def _mark_unreachable(self, node_id: str) -> None:
         if node_id in self._sessions:
             return  # a new session came up meanwhile
+        if self.agent_gate is not None and self.agent_gate.refusal() is not None:
+            # A standby, or an active resumed past its lease whose links died meanwhile:
+            # the node's status is the active's to write (it may be connected there).
+            return
         with contextlib.suppress(BerthError):  # removed nodes stay removed
             await asyncio.to_thread(self._store.set_node_status, node_id, "unreachable")
 
