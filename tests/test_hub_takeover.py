@@ -45,7 +45,7 @@ from berth.cluster.protocol.frames import (
 from berth.http_server.sockets import bind_tcp
 from berth.paths import BerthHome
 from berth.store import Store
-from support.waiting import EVENT_TIMEOUT_S
+from support.waiting import EVENT_TIMEOUT_S, wait_for_async
 
 #: The new active's wait before it marks detached nodes (``node_timeout_s`` in a leader).
 SWEEP_AFTER_S = 3.0
@@ -149,3 +149,32 @@ async def test_a_leader_standing_down_sends_its_agents_to_the_active(tmp_path: P
         assert not leader.hub.is_connected(a)
         await asyncio.sleep(0.5)  # a mark would be a background write: give it time
         assert leader.store.get_node(a).status == "ready"  # the active's to write now
+
+
+class StandingBy:
+    """An agent gate that says this leader is a standby (as shared leadership's roster does
+    once the lease is another's)."""
+
+    def refusal(self) -> str | None:
+        return "active=https://b.lan:11501"
+
+    def leaders(self) -> list[str]:
+        return []
+
+
+async def test_a_link_that_ends_on_a_leader_no_longer_active_marks_nothing(
+    tmp_path: Path,
+) -> None:
+    # As an active resumed past its lease finds its links dead: the agents are on the new
+    # active now, so it must not write their nodes unreachable.
+    async with hub_leader(tmp_path) as leader:
+        a, b = leader.agents["gpu-a"].node_id, leader.agents["gpu-b"].node_id
+        async with attached(leader, "gpu-b"):
+            pass  # an active's link that ends: its node is unreachable
+        await wait_for_async(lambda: leader.store.get_node(b).status == "unreachable",
+                             EVENT_TIMEOUT_S, "gpu-b to be marked")  # fmt: skip
+        async with attached(leader, "gpu-a"):
+            leader.hub.agent_gate = StandingBy()
+        await wait_for_async(lambda: not leader.hub.is_connected(a), EVENT_TIMEOUT_S, "the end")
+        await asyncio.sleep(0.5)  # a mark would be a background write: give it time
+        assert leader.store.get_node(a).status == "ready"
