@@ -132,6 +132,8 @@ def test_a_stopped_active_that_resumes_after_a_takeover_stands_by(
     assert alive(pid), "the old active exited rather than standing by"
     log = log_file.read_text()
     assert "lost the lease" in log and "stepping down to standby" in log
+    print("old active's log:", *[line for line in log.splitlines()
+          if "leadership:" in line or "standing by" in line][-5:], sep="\n  ")  # fmt: skip
     role = a.admin("GET", "/admin/leader")
     assert (role["role"], role["epoch"], role["active_address"]) == ("standby", 2, b.base_url)
     status = a.berth("leader", "status").stdout
