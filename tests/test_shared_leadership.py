@@ -1,8 +1,8 @@
 """Shared leadership as a Leader owns it (``berth.daemon.ha``): two leaders' graphs on one
 database, on SQLite and PostgreSQL, with the real lease loop on a short lease.  The first
 leads at once, the second stands by (its loops not started, ``/v1`` refused with the
-active's address) and leads once the first stops; a leader that loses the lease asks to
-stop."""
+active's address) and leads once the first stops; a leader that loses the lease steps down
+when given a ``stop_leading`` (and leads again once the lease is free), else asks to stop."""
 
 from __future__ import annotations
 
