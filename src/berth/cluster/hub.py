@@ -374,8 +374,9 @@ class NodeHub:
                 await conn.close(CloseCode.HEARTBEAT_TIMEOUT, "no heartbeat in time")
                 return
 
-    def _drop(self, node_id: str, conn: LinkConnection) -> None:
-        """Forget ``conn`` as the node's link (once); the node stops getting traffic."""
+    def _drop(self, node_id: str, conn: LinkConnection, *, lost: bool = True) -> None:
+        """Forget ``conn`` as the node's link (once); the node stops getting traffic.  With
+        ``lost`` (the link failed or was ended here), the node is marked unreachable."""
         link = self._sessions.get(node_id)
         if link is None or link.conn is not conn:
             return
@@ -383,6 +384,8 @@ class NodeHub:
         self._links.detach(link)
         if self._listener is not None:
             self._listener.node_disconnected(node_id)
+        if not lost:
+            return
         if self._audit is not None and not self._shutting_down:
             self._spawn(self._audit_loss(node_id, conn.close_code))
         self._spawn(self._mark_unreachable(node_id))
@@ -400,8 +403,40 @@ class NodeHub:
     async def _mark_unreachable(self, node_id: str) -> None:
         if node_id in self._sessions:
             return  # a new session came up meanwhile
+        if self.agent_gate is not None and self.agent_gate.refusal() is not None:
+            # A standby, or an active resumed past its lease whose links died meanwhile:
+            # the node's status is the active's to write (it may be connected there).
+            return
         with contextlib.suppress(BerthError):  # removed nodes stay removed
             await asyncio.to_thread(self._store.set_node_status, node_id, "unreachable")
+
+    async def mark_detached_unreachable(self, after_s: float) -> list[str]:
+        """Wait ``after_s`` seconds (a leader that just took over: ``node_timeout_s``, the
+        time its agents get to dial it), then mark ``unreachable`` every node the store
+        says is ``ready`` that has no live link to this hub: links that ended with another
+        leader (a dead active) are marked by no one else.  Returns the ids marked.  Raises
+        ``StoreError`` when the store cannot list the nodes."""
+        await asyncio.sleep(after_s)
+        nodes = await asyncio.to_thread(self._store.list_nodes)
+        marked = []
+        for node in nodes:
+            if node.id == LOCAL_NODE_ID or node.status != "ready" or self.is_connected(node.id):
+                continue
+            log.warning("node %s has no link to this leader: unreachable", node.id)
+            await self._mark_unreachable(node.id)
+            marked.append(node.id)
+        return marked
+
+    async def close_for_standby(self, reason: str) -> None:
+        """Close every link with ``NOT_LEADER`` and ``reason`` (``active=<cluster URL>``):
+        this leader lost the lease, and its agents dial the active at once.  Their nodes
+        are not marked unreachable: their status is the active's to write now."""
+        conns = [(node_id, link.conn) for node_id, link in self._sessions.items()]
+        for node_id, conn in conns:
+            self._drop(node_id, conn, lost=False)
+        await asyncio.gather(
+            *(c.close(CloseCode.NOT_LEADER, reason) for _n, c in conns), return_exceptions=True
+        )
 
     # -- LinkHandler (what the agent sends outside answers and streams) ----------------------
 
