@@ -439,8 +439,11 @@ class AgentService:
             trace = self._tracer.begin(deployment_id, method, target, headers)
             headers = trace.headers
         # Measured here, where the request is served (docs/metrics.md): from the body's
-        # arrival to the answer's last byte.
-        self.meter.started(deployment_id)
+        # arrival to the answer's last byte. A GET is the leader reading the engine's cache
+        # signal (/slots, /metrics), not a client's request: not metered.
+        metered = method != b"GET"
+        if metered:
+            self.meter.started(deployment_id)
         started_at = time.monotonic()
         status: int | None = None
         completed = withdrawn = False
@@ -474,9 +477,9 @@ class AgentService:
         finally:
             if trace is not None:
                 trace.end(status, completed=completed, withdrawn=withdrawn)
-            if withdrawn:
+            if metered and withdrawn:
                 self.meter.withdrawn(deployment_id)
-            else:
+            elif metered:
                 self.meter.finished(
                     deployment_id,
                     latency_ms=(time.monotonic() - started_at) * 1000.0,
