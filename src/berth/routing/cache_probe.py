@@ -56,6 +56,7 @@ class CacheProbe:
         """Read every one of ``upstreams`` that has a signal worth reading (see the module
         docstring), at once; never raises for one engine's failure."""
         wanted = [u for u in upstreams if self._wanted(u)]
+        self._failing &= {u.deployment_id for u in wanted}  # gone ones are forgotten
         if wanted:
             await asyncio.gather(*(self._read_one(u) for u in wanted))
 
