@@ -60,6 +60,30 @@ async def test_the_leaders_request_reaches_the_engine_and_its_answer_comes_back(
     assert seen.headers["host"] == f"127.0.0.1:{side.engine.port}"
 
 
+async def test_the_engines_cache_signals_are_relayed_to_a_get_and_nothing_else_is(
+    pki: Pki,
+) -> None:
+    async with running_ingress(pki) as side:
+        pool = pki.pool()
+        try:
+            answers = {}
+            for path in (b"/slots", b"/metrics", b"/v1/models"):
+                target = deployment_target(DEPLOYMENT, path)
+                response = await pool.request(side.origin, b"GET", target, [])
+                await response.read()
+                response.close()
+                answers[path] = response.status
+        finally:
+            await pool.close()
+    assert answers == {b"/slots": 200, b"/metrics": 200, b"/v1/models": 405}
+    assert [(r.method, r.path) for r in side.engine.requests] == [
+        ("GET", "/slots"),
+        ("GET", "/metrics"),
+    ]
+    # the leader reading a cache signal is not a client's request
+    assert side.service.meter.deployments() == []
+
+
 @pytest.mark.parametrize("who", ["no certificate", "an agent's certificate", "another CA's"])
 async def test_anyone_but_the_leader_is_refused_before_a_request_is_read(
     pki: Pki, tmp_path: Path, who: str

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,7 @@ from berth.cluster.protocol.payloads import AdoptedState
 from berth.deployments.lifecycle import DeployOptions, LifecycleManager
 from berth.errors import ConfigError, ConflictError, EngineError, NotFoundError, StoreError
 from berth.routing.errors import NoReadyDeploymentError
+from berth.routing.resolver import Upstream
 from berth.store import DeploymentRecord, Store
 from berth.store.states import DeploymentState
 from support.fakes import FakeLink
@@ -495,3 +497,30 @@ async def test_an_agent_without_docker_or_a_link_is_refused_before_anything_is_c
     with pytest.raises(ConflictError, match=rf"node gpu-a \({node.id}\) is not connected"):
         await manager.deploy(DeployOptions("tiny", "llamacpp", "gpu-a"))
     assert store.list_deployments() == []
+
+
+async def test_after_each_round_of_probes_the_engines_that_answered_are_heard(
+    store: Store, link: FakeLink
+) -> None:
+    manager = LifecycleManager(
+        store, LinkRegistry([link]), health_timeout_s=5, stop_grace_s=1, watch_interval_s=0.01
+    )
+    heard: list[list[str]] = []
+
+    async def after(upstreams: Sequence[Upstream]) -> None:
+        heard.append([u.deployment_id for u in upstreams])
+
+    manager.after_probes(after)  # the prefix policy's cache signals are read here
+    await manager.start()
+    try:
+        options = DeployOptions("tiny", "llamacpp", "local", restart_policy="never")
+        sound = await manager.deploy(options)
+        hung = await manager.deploy(options)
+        await manager.wait_settled(sound.id, 5)
+        await manager.wait_settled(hung.id, 5)
+        link.hung.add(hung.id)  # runs, but no longer answers health
+        heard.clear()
+        await wait_for_async(lambda: len(heard) >= 3, EVENT_TIMEOUT_S, "three rounds")
+        assert [sound.id] in heard and all(hung.id not in round_ for round_ in heard[1:])
+    finally:
+        await manager.shutdown()

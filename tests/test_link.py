@@ -27,9 +27,12 @@ from berth.cluster.protocol.limits import LinkLimits
 from berth.cluster.protocol.ops import PROBE, NoArgs, Op, ProbeArgs
 from berth.cluster.protocol.payloads import Inventory
 from berth.cluster.protocol.session import LinkSession, Role
+from berth.cluster.remote_link import tunnel_url
 from berth.cluster.tunnel_stream import TunnelStream
 from berth.engine_http.errors import UpstreamConnectError, UpstreamTimeoutError
 from berth.errors import EngineError
+from berth.gateway.engine_client import EngineClient
+from berth.routing.resolver import Upstream
 from berth.runtime.engines import DeploymentRequest
 from support.fakes import memory_socket_pair
 from support.link_pair import DEPLOYMENT, ENGINE_KEY, LeaderSide, Linked
@@ -352,3 +355,25 @@ async def test_a_pushed_answer_silent_past_the_read_timeout_fails_and_reaches_th
     record = linked.engine.requests[0]
     await asyncio.wait_for(record.disconnected.wait(), 5.0)
     assert not record.completed
+
+
+async def test_the_engine_client_reads_a_cache_signal_through_the_tunnel(linked: Linked) -> None:
+    class OverTheLink:
+        async def open_http(self, node_id: str, deployment_id: str, *rest: Any) -> Any:
+            return await linked.link.open_http(deployment_id, *rest)
+
+    client = EngineClient(
+        tunnels=OverTheLink(), connect_timeout_s=2, read_timeout_s=5, max_connections=4
+    )
+    await client.startup()
+    try:
+        linked.engine.script(json_reply([{"id": 0, "n_ctx": 2048}]))
+        upstream = Upstream(tunnel_url("n1", DEPLOYMENT), DEPLOYMENT, "n1", "m", engine="llamacpp")
+        body = await client.get(upstream, "/slots", limit_bytes=1024, timeout_s=5)
+    finally:
+        await client.shutdown()
+    assert body == b'[{"id": 0, "n_ctx": 2048}]'
+    (seen,) = linked.engine.requests
+    assert (seen.method, seen.path) == ("GET", "/slots")
+    assert seen.headers["authorization"] == f"Bearer {ENGINE_KEY}"  # the agent added it
+    assert linked.service.meter.deployments() == []  # not a client's request

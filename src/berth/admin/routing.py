@@ -18,6 +18,7 @@ from fastapi import APIRouter
 from berth.api import DroppedCandidate, LastDecision, RankedCandidate, RoutingExplanation
 from berth.routing.affinity import affinity_key
 from berth.routing.resolver import Upstream
+from berth.routing.router import Router
 
 if TYPE_CHECKING:
     from berth.daemon.graph import LeaderGraph
@@ -68,6 +69,7 @@ def build_routing_router(services: LeaderGraph) -> APIRouter:
                     slots=u.slots,
                     slots_from=u.slots_from,
                     slots_assumed=u.slots_assumed,
+                    cache_signal=cache_signal_text(routing, r.candidate.deployment_id),
                 )
                 for place, r in enumerate(ranking.ranked, start=1)
                 for u in (upstreams.get(r.candidate.deployment_id, none),)
@@ -83,3 +85,12 @@ def build_routing_router(services: LeaderGraph) -> APIRouter:
         )
 
     return router
+
+
+def cache_signal_text(router: Router, deployment_id: str) -> str:
+    """The deployment's last cache signal and its correction, in words (``""``: none read)."""
+    last = router.cache_signals.get(deployment_id)
+    if last is None:
+        return ""
+    signal, correction = last
+    return signal.describe() + (f"; {correction.reason}" if correction.reason else "")

@@ -53,6 +53,7 @@ from berth.cluster.direct_tls import (
     ingress_server_context,
 )
 from berth.cluster.protocol.direct import (
+    GET_ENGINE_PATHS,
     HEALTH_PATH,
     MAX_DIRECT_CONNECTIONS,
     MAX_DIRECT_EXCHANGES,
@@ -226,7 +227,8 @@ class AgentIngress:
             await _error(reply, 404, "no such route on the agent's ingress", "not_found_error")
             return
         deployment, engine_path = split
-        if request.method != "POST":
+        method = request.method.encode("ascii")
+        if method != b"POST" and not (method == b"GET" and engine_path in GET_ENGINE_PATHS):
             message = f"{request.method} is not served here"
             await _error(reply, 405, message, "invalid_request_error")
             return
@@ -248,7 +250,7 @@ class AgentIngress:
             request.watch_disconnect(lambda: _cancel(task))
         self.open_exchanges += 1
         try:
-            await self._relay(deployment, b"POST", target, headers, body_bytes, sink)
+            await self._relay(deployment, method, target, headers, body_bytes, sink)
         except NotFoundError as exc:
             sink.reset(ResetCode.NOT_FOUND, str(exc))
         except Exception as exc:  # the leader must hear the exchange is over; the log says why

@@ -112,8 +112,11 @@ class EngineRelay:
             trace = self._tracer.begin(deployment_id, method, target, headers)
             headers = trace.headers
         # Measured here, where the request is served (docs/metrics.md): from the body's
-        # arrival to the answer's last byte.
-        self._meter.started(deployment_id)
+        # arrival to the answer's last byte. A GET is the leader reading the engine's cache
+        # signal (/slots, /metrics), not a client's request: not metered.
+        metered = method != b"GET"
+        if metered:
+            self._meter.started(deployment_id)
         started_at = time.monotonic()
         status: int | None = None
         completed = withdrawn = False
@@ -147,9 +150,9 @@ class EngineRelay:
         finally:
             if trace is not None:
                 trace.end(status, completed=completed, withdrawn=withdrawn)
-            if withdrawn:
+            if metered and withdrawn:
                 self._meter.withdrawn(deployment_id)
-            else:
+            elif metered:
                 self._meter.finished(
                     deployment_id,
                     latency_ms=(time.monotonic() - started_at) * 1000.0,

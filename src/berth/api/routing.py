@@ -13,7 +13,11 @@ class RankedCandidate(ApiModel):
     (``None``: not held); ``slots_from``: where that number came from, in words (``the
     service's capacity setting``, ``--parallel 2``, ``default_slots: ...``);
     ``slots_assumed``: whether it is assumed (an engine's default, the ``default_slots``
-    setting) rather than known (the service's capacity, the engine's flag)."""
+    setting) rather than known (the service's capacity, the engine's flag).
+
+    ``cache_signal``: under the ``prefix`` policy, what its engine last said of its prefix
+    cache on the probe cycle and what that corrected, in words (``llama.cpp /slots: 1,532
+    tokens cached in 2 slots``; ``""``: not read)."""
 
     rank: int
     deployment_id: str
@@ -23,6 +27,7 @@ class RankedCandidate(ApiModel):
     slots: int | None = None
     slots_from: str = ""
     slots_assumed: bool = False
+    cache_signal: str = ""
 
 
 class DroppedCandidate(ApiModel):

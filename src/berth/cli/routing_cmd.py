@@ -17,7 +17,8 @@ def routing(
 ) -> None:
     """Show the ranked candidates for MODEL (affinity, in flight, p95; their slots at the
     admission queue, known or assumed) and dropped ones; the routing policy and how the last
-    request went (the matched prefix, and why a load bound overrode it)."""
+    request went (the matched prefix, and why a load bound overrode it); under ``prefix``, what
+    each engine last said of its cache (llama.cpp's /slots, vLLM's or SGLang's /metrics)."""
     with context(ctx).client() as client:
         explained = client.explain_routing(model, session=session)
     if as_json:
@@ -36,6 +37,9 @@ def routing(
         table.add_row("-", dropped.deployment_id, dropped.node_id, "", dropped.reason)
     print_table(table)
     typer.echo(f"policy: {explained.policy}")
+    for candidate in explained.candidates:
+        if candidate.cache_signal:
+            typer.echo(f"cache of {candidate.deployment_id}: {candidate.cache_signal}")
     last = explained.last_decision
     if last is not None:
         typer.echo(f"last request: {decision_text(last)}")

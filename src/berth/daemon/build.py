@@ -52,6 +52,7 @@ from berth.http_server.server import HttpServer
 from berth.observability.loop_lag import LoopLagMonitor
 from berth.observability.tracing_setup import open_tracing
 from berth.paths import BerthHome
+from berth.routing.cache_probe import CacheProbe
 from berth.routing.prefix_index import PrefixIndex
 from berth.routing.router import Router
 from berth.routing.routes import RouteResolver
@@ -214,6 +215,9 @@ async def build_leader(
         scaling=scaling, admission=admission, slots=slots, adapters=adapters,
         tracer=tracing.requests() if tracing is not None else None,
     )  # fmt: skip
+    # On the health watch's cycle, the engines' own cache signals correct the prefix record.
+    cache_probe = CacheProbe(router, proxy.engines, timeout_s=settings.probe_timeout_s)
+    lifecycle.after_probes(cache_probe.read_round)
     cluster_url = settings.cluster_url(sockets.cluster_port)
     enrollment = EnrollmentService(
         store=store, ca=tls.ca, pepper=tls.pepper, cluster_url=cluster_url, audit=audit,

@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 
 from berth.admission.capacity import DEFAULT_SLOTS
 from berth.cluster.link import LOCAL_NODE_ID
@@ -201,6 +201,11 @@ class LifecycleManager:
     def adopted(self) -> dict[str, list[AdoptedState]]:
         """Adopted endpoints by node id, as last reported."""
         return self._table.adopted()
+
+    def after_probes(self, listener: Callable[[Sequence[Upstream]], Awaitable[None]]) -> None:
+        """From now on, after each round of health probes, ``listener`` hears the ready
+        engines that answered (the prefix policy reads their cache signals then)."""
+        self._reconciler.after_probes = listener
 
     # -- start-up and shut-down ---------------------------------------------------------
 

@@ -14,7 +14,9 @@ for a first byte are sent to another candidate (:mod:`berth.routing.waiting`).  
 probe that answers puts it back.  ``probes_to_fail`` failed probes in a row fail it: its
 waiting requests end or move on at once, then its engine is stopped.  A probe the node could
 not answer (its link or its runtime failed) makes the deployment suspect too, without
-counting towards failing it: the engine itself may be fine.
+counting towards failing it: the engine itself may be fine.  After the probes, the engines
+that answered are handed to ``after_probes`` when one is set (the prefix policy reads their
+cache signals then: :mod:`berth.routing.cache_probe`), within the same round.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
 from berth.cluster.link import LOCAL_NODE_ID, AgentLink, EngineEndpoint, EngineReport
 from berth.cluster.link_registry import LinkRegistry
@@ -92,6 +94,8 @@ class Reconciler:
         self._failed_probes: dict[str, int] = {}
         #: local deployments whose runtime could not be asked at start-up (Docker down)
         self._unreconciled: set[str] = set()
+        #: heard after each round, with the engines that answered their probe
+        self.after_probes: Callable[[Sequence[Upstream]], Awaitable[None]] | None = None
 
     # -- the leader's start -----------------------------------------------------------------
 
@@ -249,19 +253,28 @@ class Reconciler:
                 await self._retry_unreconciled()
             # All at once: a node that answers slowly must not delay the others' checks.
             upstreams = self._table.engines_to_watch()
-            await asyncio.gather(*(self._check_alive_logged(u) for u in upstreams))
+            answered = await asyncio.gather(*(self._check_alive_logged(u) for u in upstreams))
+            if self.after_probes is not None:
+                healthy = [u for u, ok in zip(upstreams, answered, strict=True) if ok]
+                try:
+                    await self.after_probes(healthy)
+                except BerthError as exc:  # the watch must outlive it; the next round retries
+                    log.warning("after the health probes: %s", exc)
 
-    async def _check_alive_logged(self, upstream: Upstream) -> None:
+    async def _check_alive_logged(self, upstream: Upstream) -> bool:
+        """:meth:`_check_alive`: whether the engine answered its probe."""
         try:
-            await self._check_alive(upstream)
+            return await self._check_alive(upstream)
         except BerthError as exc:
             # The watcher must outlive one bad probe; the next round retries.
             log.warning("probing deployment %s failed: %s", upstream.deployment_id, exc)
+            return False
 
-    async def _check_alive(self, upstream: Upstream) -> None:
+    async def _check_alive(self, upstream: Upstream) -> bool:
+        """Probe ``upstream``'s engine and act on the answer; whether it answered healthy."""
         link = self._links.get(upstream.node_id)
         if link is None:
-            return
+            return False
         deployment_id = upstream.deployment_id
         try:
             result = await link.probe(deployment_id, self._probe_timeout_s)
@@ -269,12 +282,12 @@ class Reconciler:
             # The node could not say (its link or its runtime failed): not routed to while
             # that lasts, but not held against the engine.
             self._suspect(upstream, f"could not be probed ({exc})")
-            return
+            return False
         if result == "healthy":
             self._failed_probes.pop(deployment_id, None)
             if self._table.clear_suspect(deployment_id):
                 log.info("deployment %s answers its health probe again: routed to", deployment_id)
-            return
+            return True
         if result == "unhealthy":
             failures = self._failed_probes.get(deployment_id, 0) + 1
             self._failed_probes[deployment_id] = failures
@@ -283,7 +296,7 @@ class Reconciler:
             if failures < self._probes_to_fail:
                 why = f"failed a health probe (no 200 within {self._probe_timeout_s:g} s)"
                 self._suspect(upstream, why)
-                return
+                return False
             reason = f"engine stopped answering health checks ({failures} probes in a row)"
             ending = Ending("unhealthy", f"stopped after {failures} failed health probes")
         else:
@@ -310,8 +323,9 @@ class Reconciler:
             await self._writer.transition(
                 deployment_id, DeploymentState.FAILED, failure_reason=reason
             )
-            return
+            return False
         await self._ended(link, deployment_id, ending, reason)
+        return False
 
     async def _ended(
         self, link: AgentLink, deployment_id: str, ending: Ending, reason: str

@@ -10,6 +10,7 @@ may try another node.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -17,7 +18,7 @@ from berth.engine_http.answer import EngineAnswer, HttpOpener
 from berth.engine_http.errors import UpstreamConnectError, UpstreamError, UpstreamTimeoutError
 from berth.engine_http.origin import TUNNEL_SCHEME, Origin, parse_origin
 from berth.engine_http.pool import UpstreamPool
-from berth.routing.errors import EngineTimeoutError, EngineUnreachableError
+from berth.routing.errors import EngineSignalError, EngineTimeoutError, EngineUnreachableError
 
 if TYPE_CHECKING:
     from berth.routing.resolver import Upstream
@@ -30,6 +31,7 @@ EngineAuth = Callable[[str], tuple[bytes, bytes] | None]
 _TUNNELED = "<tunnel>"
 _MAX_CACHED_TARGETS = 4096
 _POST = b"POST"
+_GET = b"GET"
 
 
 class EngineRequest(NamedTuple):
@@ -109,6 +111,50 @@ class EngineClient:
             raise EngineTimeoutError(upstream, self.read_timeout_s) from exc
         except UpstreamError as exc:
             raise EngineUnreachableError(upstream, f"failed before answering ({exc.why})") from exc
+
+    async def get(
+        self, upstream: Upstream, path: str, *, limit_bytes: int, timeout_s: float
+    ) -> bytes:
+        """``GET path`` of ``upstream``'s engine (its ``/slots``, its ``/metrics``: the
+        routing policy's cache signals, :class:`berth.routing.cache_probe.EngineGetter`):
+        its body, at most ``limit_bytes``, once it answered 200, all within ``timeout_s``.
+        Raises :class:`EngineSignalError` when it is unreachable, too slow, answers another
+        status or more bytes than the limit."""
+        pool = self._pool
+        if pool is None:
+            raise RuntimeError("EngineClient.startup() was not awaited")
+        origin, target = self._engine_target(upstream.base_url, path)
+        deployment_id = upstream.deployment_id
+        try:
+            async with asyncio.timeout(timeout_s):
+                if origin.host is _TUNNELED:
+                    if self._tunnels is None:
+                        raise EngineSignalError("no agent links", deployment_id=deployment_id)
+                    answer: EngineAnswer = await self._tunnels.open_http(
+                        upstream.node_id, deployment_id, _GET, target, [], b"", timeout_s
+                    )
+                else:
+                    auth = self._engine_auth(deployment_id) if self._engine_auth else None
+                    answer = await pool.request(
+                        origin, _GET, target, [] if auth is None else [auth]
+                    )
+                try:
+                    body = await answer.read(limit_bytes + 1)
+                finally:
+                    answer.close()
+        except TimeoutError as exc:
+            why = f"GET {path} took over {timeout_s:g} s"
+            raise EngineSignalError(why, deployment_id=deployment_id) from exc
+        except UpstreamError as exc:
+            why = f"GET {path} failed ({exc.why})"
+            raise EngineSignalError(why, deployment_id=deployment_id) from exc
+        if answer.status != 200:
+            why = f"GET {path} answered {answer.status}"
+            raise EngineSignalError(why, deployment_id=deployment_id)
+        if len(body) > limit_bytes:
+            why = f"GET {path} answered over {limit_bytes} bytes"
+            raise EngineSignalError(why, deployment_id=deployment_id)
+        return body
 
     async def _open_tunnel(
         self,

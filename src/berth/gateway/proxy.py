@@ -204,7 +204,8 @@ class OpenAIProxy:
         #: The recent requests (the console's requests view, ``GET /admin/requests``).
         self.request_log = request_log if request_log is not None else RequestLog()
         self._adapters = adapters
-        self._engines = engines = EngineClient(
+        #: the engine client (also the prefix policy's way to the engines' cache signals)
+        self.engines = self._engines = engines = EngineClient(
             tunnels=tunnels,
             connect_timeout_s=connect_timeout_s,
             read_timeout_s=read_timeout_s,

@@ -15,6 +15,11 @@ retry rules are stated in them. They are answered in the OpenAI shape (:mod:`ber
         └── EngineTimeoutError     504 the engine sent nothing for read_timeout_s
             └── FirstByteTimeoutError 504 a stream's first byte did not come in time
 
+    BerthError
+    └── EngineSignalError          an engine's cache signal (/slots, /metrics) could not be
+                                   read or made sense of: the probe cycle logs it, no request
+                                   sees it
+
 An unknown model is the resolver's :class:`berth.errors.NotFoundError` (404).
 """
 
@@ -132,3 +137,15 @@ class FirstByteTimeoutError(EngineTimeoutError):
             f"the engine of deployment {upstream.deployment_id} sent no first byte of its "
             f"answer within {timeout_s:g} s",
         )
+
+
+class EngineSignalError(BerthError):
+    """An engine's prefix cache signal (llama.cpp's ``/slots``, vLLM's or SGLang's
+    ``/metrics``) could not be read or parsed; ``deployment_id`` (``""`` when parsing alone)
+    and ``reason`` say which and why. The prefix policy then keeps its own estimate."""
+
+    def __init__(self, reason: str, *, deployment_id: str = "") -> None:
+        self.reason = reason
+        self.deployment_id = deployment_id
+        where = f"deployment {deployment_id}: " if deployment_id else ""
+        super().__init__(f"{where}{reason}")

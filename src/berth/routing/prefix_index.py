@@ -101,6 +101,27 @@ class PrefixIndex:
             self._release(block, deployment_id)
         return len(held)
 
+    def trim(self, caps: Mapping[str, int]) -> dict[str, int]:
+        """Keep at most ``caps[d]`` entries of each deployment ``d`` (its engine's cache
+        capacity, in blocks), its least recently served going first; how many went, per
+        deployment that lost any. One pass over the record, only when one is over its cap."""
+        over = {d: self.entries_of(d) - cap for d, cap in caps.items() if self.entries_of(d) > cap}
+        if not over:
+            return {}
+        gone = dict.fromkeys(over, 0)
+        doomed: list[tuple[int, str]] = []
+        for key in self._lru:  # oldest first
+            owner = key[1]
+            if owner in over and gone[owner] < over[owner]:
+                gone[owner] += 1
+                doomed.append(key)
+                if len(doomed) == sum(over.values()):
+                    break
+        for block, owner in doomed:
+            del self._lru[(block, owner)]
+            self._unlink(block, owner)
+        return gone
+
     def deployments(self) -> list[str]:
         """The deployments with entries."""
         return list(self._by_deployment)

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Literal
 
 from berth.routing.affinity import API_KEY_PREFIX, AffinityMap
 from berth.routing.affinity import affinity_key as request_affinity_key
+from berth.routing.cache_signals import CacheSignal, Correction, correct
 from berth.routing.prefix import DEFAULT_LOAD_FACTOR, PrefixCandidate, PrefixOutcome, choose
 from berth.routing.prefix_blocks import PromptBlocks, prompt_blocks
 from berth.routing.prefix_index import PrefixIndex
@@ -111,6 +112,9 @@ class Router:
         self.last_decisions: dict[str, RoutingDecision] = {}
         #: deployment id -> node id, of the deployments with prefix entries
         self._node_of: dict[str, str] = {}
+        #: deployment id -> its engine's last cache signal and what it corrected (the
+        #: probe cycle's readings, :meth:`cache_reported`; ``berth routing`` shows them)
+        self.cache_signals: dict[str, tuple[CacheSignal, Correction]] = {}
         if links is not None:
             links.watch(self._link_changed)
 
@@ -293,10 +297,26 @@ class Router:
         if upstream.prompt_blocks is not None:
             self._record(upstream, upstream.prompt_blocks)
 
+    def cache_reported(self, deployment_id: str, signal: CacheSignal) -> Correction:
+        """The probe cycle read ``signal`` from the deployment's engine: correct its prefix
+        entries by it (:func:`berth.routing.cache_signals.correct`: a restarted or empty
+        engine's go, the rest are capped by its capacity) and keep it for ``berth routing``.
+        Returns the correction applied."""
+        last = self.cache_signals.get(deployment_id)
+        previous = None if last is None else last[0]
+        correction = correct(previous, signal, in_flight=self.signals.in_flight(deployment_id))
+        if correction.drop:
+            self.prefixes.drop(deployment_id)
+        elif correction.cap_blocks is not None:
+            self.prefixes.trim({deployment_id: correction.cap_blocks})
+        self.cache_signals[deployment_id] = (signal, correction)
+        return correction
+
     def deployment_gone(self, deployment_id: str) -> int:
         """The deployment stopped or was removed: forget its prefix entries at once (how
-        many there were) and its last decisions."""
+        many there were), its engine's cache signal and its last decisions."""
         self._node_of.pop(deployment_id, None)
+        self.cache_signals.pop(deployment_id, None)
         for model in [
             m for m, d in self.last_decisions.items() if d.deployment_id == deployment_id
         ]:

@@ -6,6 +6,9 @@
 - ``GET /healthz`` answers ``200`` with ``{"node_id", "exchanges"}``: the leader's probe;
 - ``POST /d/<deployment id><engine target>`` (``/d/d-1a2b3c4d/v1/chat/completions``) is one
   exchange with that deployment's engine, its body and answer relayed as through the tunnel;
+- ``GET /d/<deployment id>`` followed by one of :data:`GET_ENGINE_PATHS` (``/slots``,
+  ``/metrics``) is the same for the engines' cache signals, which the prefix routing
+  policy reads on the probe cycle (:mod:`berth.routing.cache_probe`);
 - a relay failure before the engine's head is answered ``502`` (``503`` for ``refused``) with
   :data:`RESET_HEADER` set to the :class:`~berth.cluster.protocol.frames.ResetCode` a tunnel
   stream would have been reset with; a failure after the head cuts the connection off.
@@ -23,6 +26,8 @@ MAX_DIRECT_EXCHANGES: Final = 4096
 MAX_DIRECT_CONNECTIONS: Final = MAX_DIRECT_EXCHANGES + 64
 HEALTH_PATH: Final = b"/healthz"
 DEPLOYMENT_PREFIX: Final = b"/d/"
+#: The engine paths an ingress relays a bodyless ``GET`` to (every other one is ``POST`` only).
+GET_ENGINE_PATHS: Final = frozenset({b"/slots", b"/metrics"})
 #: The header of an answer that reports a relay failure; its value is a reset code.
 RESET_HEADER: Final = b"x-berth-reset"
 
@@ -34,11 +39,14 @@ def deployment_target(deployment_id: str, target: bytes) -> bytes:
 
 def split_deployment_target(path: bytes) -> tuple[str, bytes] | None:
     """``(deployment id, engine path)`` of an ingress path (without its query), or ``None``
-    when it is not ``/d/<id>/v1/...``."""
+    when it is neither ``/d/<id>/v1/...`` nor ``/d/<id>`` and one of
+    :data:`GET_ENGINE_PATHS`."""
     if not path.startswith(DEPLOYMENT_PREFIX):
         return None
     deployment, sep, rest = path[len(DEPLOYMENT_PREFIX) :].partition(b"/")
-    if not deployment or not sep or not rest.startswith(b"v1/"):
+    if not deployment or not sep:
+        return None
+    if not rest.startswith(b"v1/") and b"/" + rest not in GET_ENGINE_PATHS:
         return None
     return deployment.decode("latin-1"), b"/" + rest
 
