@@ -23,7 +23,9 @@ ends as
 
 Kill rounds: SIGKILL to the active leader; the round's takeover is the time from the kill to
 the first 200 answered by the other leader, the new active (its head arriving at the
-client). The killed leader is started again (a standby now), and the next round waits until
+client). Step-down rounds time from the answer to ``berth leader step-down`` (the
+leader was told to hand the lease back) and count the requests from before the command
+started. The killed leader is started again (a standby now), and the next round waits until
 both agents are connected to the active, their nodes ready, and both models answered
 through it. Step-down rounds: ``berth leader step-down`` on the active, the same wait.
 
@@ -289,13 +291,15 @@ class Round:
     worst_wait_s: float
 
 
-def _judge(load: Load, kind: str, number: int, killed: str, fault_at: float, new: int,
-           agents_at: float, settled_at: float) -> Round:  # fmt: skip
-    """The round's numbers from the load's records between the fault and ``settled_at``."""
-    first = load.first_answer(new, fault_at)
-    both = [load.first_answer(new, fault_at, model) for model in load.models]
+def _judge(load: Load, kind: str, number: int, killed: str, began: float, fault_at: float,
+           new: int, agents_at: float, settled_at: float) -> Round:  # fmt: skip
+    """The round's numbers: times from ``fault_at``, requests that ended between ``began``
+    (just before the fault was set off) and ``settled_at``."""
+    # ``new`` was a standby until the fault: each 200 it gave since came after its takeover.
+    first = load.first_answer(new, began)
+    both = [load.first_answer(new, began, model) for model in load.models]
     assert first is not None and all(both)
-    ended = load.between(fault_at, settled_at)
+    ended = load.between(began, settled_at)
     counts = Counter(request.outcome for request in ended)
     retried = [r for r in ended if len(r.attempts) > 1]
     worst = max((r.ended - r.began for r in retried), default=0.0)
@@ -365,11 +369,15 @@ def main(rounds: int, step_downs: int, lease_s: float, clients: int, keep: bool)
                 time.sleep(STEADY_S)
                 old, new = leaders[active], leaders[1 - active]
                 pid = old.leader_pid()
-                fault_at = time.monotonic()
+                began = fault_at = time.monotonic()
                 if kind == "kill":
                     os.kill(pid, signal.SIGKILL)
                 else:
+                    # Times from the command's answer (202: the lease is handed back): its
+                    # own start-up takes seconds on a loaded machine.
                     old.berth("leader", "step-down")
+                    fault_at = time.monotonic()
+                    print(f"  step-down {number}: the command took {fault_at - began:.2f} s")
                 agents_at = _wait("the agents to reach the new active",
                                   lambda n=new: all(_on(x, n) for x in agents))  # fmt: skip
                 if not wait_gone(pid, SETTLE_BOUND_S):
@@ -377,7 +385,7 @@ def main(rounds: int, step_downs: int, lease_s: float, clients: int, keep: bool)
                 old.start()  # back as a standby
                 active = 1 - active
                 _settle(load, leaders, agents, active)
-                results.append(_judge(load, kind, number, old.root.name, fault_at, active,
+                results.append(_judge(load, kind, number, old.root.name, began, fault_at, active,
                                       agents_at, time.monotonic()))  # fmt: skip
                 r = results[-1]
                 print(f"{kind} {number} ({r.killed}): first 200 from the new active "
