@@ -434,6 +434,8 @@ def _report(load: Load, results: list[Round], active: Cluster, agents: list[Agen
               f"ok {total['ok']}, lost in flight {total['lost in flight']}, lost "
               f"{total['lost']}")  # fmt: skip
     lost = [r for r in load.requests if r.outcome != "ok"]
+    kinds = Counter((r.outcome, "stream" if r.stream else "plain", r.detail[:60]) for r in lost)
+    print(f"not ok, by kind: {dict(kinds)}")
     for request in lost[:20]:
         tries = [(t.leader, t.status, t.error) for t in request.attempts[-4:]]
         print(f"  {request.outcome}: client {request.client} {request.model} stream="
