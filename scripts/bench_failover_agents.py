@@ -23,18 +23,18 @@ ends as
 
 Kill rounds: SIGKILL to the active leader; the round's takeover is the time from the kill to
 the first 200 answered by the other leader, the new active (its head arriving at the
-client). Step-down rounds time from the answer to ``berth leader step-down`` (the
-leader was told to hand the lease back) and count the requests from before the command
-started. The killed leader is started again (a standby now), and the next round waits until
-both agents are connected to the active, their nodes ready, and both models answered
-through it. Step-down rounds: ``berth leader step-down`` on the active, the same wait.
+client). Step-down rounds: ``berth leader step-down`` on the active, timed from the
+command's answer (the leader was told to hand the lease back), the requests counted from
+before the command started. The old leader is started again (a standby now), and the next
+round waits until both agents are connected to the active, their nodes ready, and both
+models answered through it.
 
 At the end the engines' pids (the agents' journals and the deployments' records) and their
 start counts (the stand-in prints one "listening" line per start into the agent's
 ``engine-<deployment>.log``) are compared with the start.
 
 Run as root: ``PYTHONPATH=$PWD/src .venv/bin/python scripts/bench_failover_agents.py``
-(about ten minutes with the default 5 s lease and 10 kills).
+(seven to ten minutes with the default 5 s lease, 10 kills and 3 step-downs).
 """
 
 from __future__ import annotations
