@@ -12,7 +12,8 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from berth.admin.metrics import snapshot_view
-from berth.cluster.protocol.frames import DeploymentLoad, GpuState, Heartbeat, LoopLag
+from berth.cluster.protocol.frames import Heartbeat
+from berth.cluster.protocol.payloads import DeploymentLoad, GpuState, LoopLag
 from berth.observability.cluster import ClusterMetrics, counter_delta
 from berth.observability.metrics import ProxyMetrics, Target
 from berth.observability.window import RequestMeter

@@ -20,8 +20,9 @@ from berth.cluster.connection import LinkConnection
 from berth.cluster.direct_path import RENEW_AFTER_S, DataPaths
 from berth.cluster.link_registry import LinkRegistry
 from berth.cluster.protocol.direct import HEALTH_PATH
+from berth.cluster.protocol.handshake import WelcomeTerms
 from berth.cluster.protocol.ops import INGRESS
-from berth.cluster.protocol.session import Role, WelcomeTerms
+from berth.cluster.protocol.session import Role
 from berth.cluster.remote_link import RemoteLink
 from berth.engine_http.answer import EngineAnswer, HttpOpener
 from berth.engine_http.errors import UpstreamConnectError, UpstreamDisconnectError, UpstreamError

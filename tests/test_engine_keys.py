@@ -18,7 +18,8 @@ import httpx
 import pytest
 
 from berth.agent.adopted import AdoptedWatcher, load_adopted, read_api_key, store_api_key
-from berth.agent.core import ENGINE_KEY_PREFIX, AgentCore, new_engine_key
+from berth.agent.core import AgentCore
+from berth.agent.engine_launch import ENGINE_KEY_PREFIX, new_engine_key
 from berth.agent.journal import EngineJournal, JournalEntry
 from berth.engine_http.auth import bearer_header, with_engine_key
 from berth.errors import ConfigError

@@ -38,9 +38,11 @@ from berth.cluster.connection import LinkConnection
 from berth.cluster.link_registry import LinkRegistry
 from berth.cluster.liveness import Liveness
 from berth.cluster.protocol.errors import CloseCode, LinkError
-from berth.cluster.protocol.frames import Heartbeat, Hello, Inventory, Request, StreamOpen
+from berth.cluster.protocol.frames import Heartbeat, Hello, Request, StreamOpen
+from berth.cluster.protocol.handshake import WelcomeTerms
 from berth.cluster.protocol.ops import NoArgs, Op
-from berth.cluster.protocol.session import Role, WelcomeTerms
+from berth.cluster.protocol.payloads import Inventory
+from berth.cluster.protocol.session import Role
 from berth.cluster.tunnel_stream import TunnelStream
 from berth.config import Settings
 from berth.deployments.lifecycle import DeployOptions, LifecycleManager

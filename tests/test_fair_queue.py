@@ -23,7 +23,7 @@ from berth.admission import (
     gate_slots,
 )
 from berth.cluster.link import EngineEndpoint
-from berth.cluster.protocol.frames import AdoptedState
+from berth.cluster.protocol.payloads import AdoptedState
 from berth.deployments.ready_table import ReadyTable
 from berth.runtime.slots import engine_slots
 from berth.store import DeploymentRecord

@@ -41,11 +41,11 @@ from berth.cluster.protocol.frames import (
     PROTOCOL_MAX,
     PROTOCOL_MIN,
     Hello,
-    Inventory,
     Welcome,
     decode_frame,
     encode_frame,
 )
+from berth.cluster.protocol.payloads import Inventory
 from berth.errors import ConfigError
 from berth.http_server.sockets import bind_tcp
 from berth.paths import BerthHome

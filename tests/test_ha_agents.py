@@ -7,6 +7,9 @@ with the fake engine.
   request through the new active is answered.
 - An agent pointed first at the standby is refused with ``NOT_LEADER`` naming the active and
   ends on it.
+- SIGSTOP of the active past its lease, then SIGCONT: the agent is on the new active, the
+  old one steps down to standby, and no engine is started or stopped (engine starts are
+  counted by the engine's wrapper; the engine's pid is unchanged), the node ``ready``.
 
 The kill-to-reconnected and kill-to-answered times are printed, not asserted.
 """
@@ -173,3 +176,49 @@ def test_an_agent_pointed_at_the_standby_is_sent_to_the_active(
     assert kept["current"] == _cluster_url(a)
     assert sorted(kept["leaders"]) == sorted([_cluster_url(a), _cluster_url(b)])
     assert agent.status(a.env)["state"] == "connected"
+
+
+def test_an_active_stopped_past_its_lease_steps_down_and_starts_or_stops_no_engine(
+    ha_agent_pair: tuple[Cluster, Cluster],
+) -> None:
+    a, b = ha_agent_pair
+    # Every engine start, by either leader, leaves a line (the wrapper runs for each).
+    starts = a.root.parent / "engine-starts"
+    wrapper = a.root.parent / "bin" / "llama-server"
+    shebang, rest = wrapper.read_text().split("\n", 1)
+    wrapper.write_text(f"{shebang}\necho start >> '{starts}'\n{rest}")
+    agent = a.add_agent("gpu3")
+    deployment = a.deploy("tiny", a.root.parent / "tiny.gguf", agent)
+    assert _chat(a, a.api_key).status_code == 200
+    pids = _engine_pids(agent)
+    assert len(pids) == 1 and starts.read_text().count("start") == 1
+
+    leader_pid = a.leader_pid()
+    os.kill(leader_pid, signal.SIGSTOP)  # past its lease: b takes over, the agent moves
+    try:
+        wait_for(lambda: _connected_to(agent, b), BOUND_S, "the agent to reach b",
+                 interval_s=0.05)  # fmt: skip
+        wait_for(lambda: _chat(b, a.api_key).status_code == 200, BOUND_S,
+                 "b to answer through the agent")  # fmt: skip
+    finally:
+        os.kill(leader_pid, signal.SIGCONT)
+    log_file = a.leader_home / "logs" / "daemon.log"
+    wait_for(lambda: "standing by: the leader-only loops stopped" in log_file.read_text(),
+             BOUND_S, "the old active to step down")  # fmt: skip
+    time.sleep(3.0)  # a few of the old active's loop rounds, had they gone on
+    assert alive(leader_pid), "the old active exited rather than standing by"
+    role = a.admin("GET", "/admin/leader")
+    assert (role["role"], role["active_address"]) == ("standby", b.base_url)
+    lines = [line for line in log_file.read_text().splitlines() if "leadership:" in line]
+    print("old active's leadership lines:", *lines[-4:], sep="\n  ")
+    print(f"engine starts counted: {starts.read_text().count('start')}; pids {pids} now "
+          f"{_engine_pids(agent)}")  # fmt: skip
+
+    assert starts.read_text().count("start") == 1, "an engine was started again"
+    assert _engine_pids(agent) == pids and all(alive(pid) for pid in pids.values())
+    now = b.deployment(deployment)
+    assert now["state"] == "ready"
+    node = next(n for n in b.admin("GET", "/admin/nodes") if n["label"] == "gpu3")
+    assert node["status"] == "ready"  # the old active did not mark it unreachable
+    assert _connected_to(agent, b)
+    assert _chat(b, a.api_key).status_code == 200

@@ -2,7 +2,8 @@
 SQLite file (two leaders on one host): one is
 active, the other a standby whose ``/readyz`` and ``/v1`` answer 503 naming the active; when
 the active is killed with SIGKILL the standby takes the lease over (a new epoch) and serves;
-an active stopped past its lease stands down when resumed; ``berth leader step-down`` hands
+an active stopped past its lease steps down to standby when resumed (and leads again once
+the lease is free); ``berth leader step-down`` hands
 over while a client that retries on 503 gets nothing else.
 
 The two homes share the CA and the key pepper, as leaders that share agents and keys must.
@@ -113,7 +114,7 @@ def test_the_standby_answers_503_and_takes_over_when_the_active_is_killed(
     assert (now["role"], now["epoch"], now["active_address"]) == ("active", 2, b.base_url)
 
 
-def test_a_stopped_active_that_resumes_after_a_takeover_stands_down(
+def test_a_stopped_active_that_resumes_after_a_takeover_stands_by(
     ha_pair: tuple[Cluster, Cluster],
 ) -> None:
     a, b = ha_pair
@@ -124,12 +125,34 @@ def test_a_stopped_active_that_resumes_after_a_takeover_stands_down(
                  "the standby to take the lease over")  # fmt: skip
     finally:
         os.kill(pid, signal.SIGCONT)
-    # a finds its lease gone at its next look, and stops so as to come back as a standby.
-    assert wait_gone(pid, TAKEOVER_BOUND_S), "the old active did not stand down"
-    log = (a.leader_home / "logs" / "daemon.log").read_text()
-    assert "lost the lease" in log
+    # a finds its lease gone at its next look, steps down, and stays on as a standby.
+    log_file = a.leader_home / "logs" / "daemon.log"
+    wait_for(lambda: "standing by: the leader-only loops stopped" in log_file.read_text(),
+             TAKEOVER_BOUND_S, "the old active to step down")  # fmt: skip
+    assert alive(pid), "the old active exited rather than standing by"
+    log = log_file.read_text()
+    assert "lost the lease" in log and "stepping down to standby" in log
+    print("old active's log:", *[line for line in log.splitlines()
+          if "leadership:" in line or "standing by" in line][-5:], sep="\n  ")  # fmt: skip
+    role = a.admin("GET", "/admin/leader")
+    assert (role["role"], role["epoch"], role["active_address"]) == ("standby", 2, b.base_url)
+    status = a.berth("leader", "status").stdout
+    print(f"old active after SIGCONT: /admin/leader {role}; berth leader status: {status!r}")
+    assert "standby" in status
+    ready = _get(a, "/readyz")
+    assert (ready.status_code, ready.json()) == (503, {"status": "standby"})
+    refused = _get(a, "/v1/models", key=a.api_key)
+    assert refused.status_code == 503 and b.base_url in refused.json()["error"]["message"]
     now = b.admin("GET", "/admin/leader")
     assert (now["role"], now["epoch"]) == ("active", 2)
+
+    # b stops (handing the lease back): a, standing by, takes it and leads again.
+    b.berth("daemon", "stop")
+    wait_for(lambda: _get(a, "/readyz").status_code == 200, TAKEOVER_BOUND_S,
+             "the old active to lead again")  # fmt: skip
+    again = a.admin("GET", "/admin/leader")
+    assert (again["role"], again["epoch"]) == ("active", 3)
+    assert _get(a, "/v1/models", key=a.api_key).status_code == 200
 
 
 def test_a_step_down_hands_over_while_a_client_that_retries_on_503_never_fails(

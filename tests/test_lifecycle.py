@@ -12,7 +12,7 @@ import pytest
 
 from berth.cluster.link import EngineEndpoint
 from berth.cluster.link_registry import LinkRegistry
-from berth.cluster.protocol.frames import AdoptedState
+from berth.cluster.protocol.payloads import AdoptedState
 from berth.deployments.lifecycle import DeployOptions, LifecycleManager
 from berth.errors import ConfigError, ConflictError, EngineError, NotFoundError, StoreError
 from berth.routing.errors import NoReadyDeploymentError

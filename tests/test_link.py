@@ -16,15 +16,17 @@ from berth.cluster.link_calls import RemoteOpError
 from berth.cluster.protocol.errors import CloseCode, LinkError, ProtocolError
 from berth.cluster.protocol.frames import (
     Hello,
-    Inventory,
     ResetCode,
     StreamOpen,
     StreamReset,
     decode_frame,
     encode_frame,
 )
+from berth.cluster.protocol.handshake import WelcomeTerms
+from berth.cluster.protocol.limits import LinkLimits
 from berth.cluster.protocol.ops import PROBE, NoArgs, Op, ProbeArgs
-from berth.cluster.protocol.session import LinkLimits, LinkSession, Role, WelcomeTerms
+from berth.cluster.protocol.payloads import Inventory
+from berth.cluster.protocol.session import LinkSession, Role
 from berth.cluster.tunnel_stream import TunnelStream
 from berth.engine_http.errors import UpstreamConnectError, UpstreamTimeoutError
 from berth.errors import EngineError

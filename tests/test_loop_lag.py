@@ -34,7 +34,8 @@ from berth.cluster.listener import (
     cluster_tls_files,
 )
 from berth.cluster.protocol.errors import ProtocolError
-from berth.cluster.protocol.frames import Heartbeat, LoopLag, decode_frame, encode_frame
+from berth.cluster.protocol.frames import Heartbeat, decode_frame, encode_frame
+from berth.cluster.protocol.payloads import LoopLag
 from berth.eventloop import freeze_startup_objects
 from berth.http_server.sockets import bind_tcp
 from berth.observability.cluster import LINGER_S, ClusterMetrics

@@ -22,15 +22,8 @@ import aiohttp
 import httpx
 import pytest
 
-from berth.cluster.protocol.frames import (
-    PROTOCOL_MAX,
-    PROTOCOL_MIN,
-    GpuState,
-    Heartbeat,
-    Hello,
-    Inventory,
-    encode_frame,
-)
+from berth.cluster.protocol.frames import PROTOCOL_MAX, PROTOCOL_MIN, Heartbeat, Hello, encode_frame
+from berth.cluster.protocol.payloads import GpuState, Inventory
 from berth.runtime.engines import find_free_port
 from support.cluster_harness import Agent, Cluster, started_cluster
 

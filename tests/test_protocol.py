@@ -22,11 +22,8 @@ from berth.cluster.protocol.events import (
 )
 from berth.cluster.protocol.frames import (
     HEADER_BYTES,
-    ErrorCode,
-    ErrorInfo,
     Heartbeat,
     Hello,
-    Inventory,
     Progress,
     Request,
     ResetCode,
@@ -41,14 +38,11 @@ from berth.cluster.protocol.frames import (
     decode_frame,
     encode_frame,
 )
+from berth.cluster.protocol.handshake import WelcomeTerms, negotiate_version
+from berth.cluster.protocol.limits import LinkLimits
 from berth.cluster.protocol.ops import START, StartArgs, decode_payload, encode_payload
-from berth.cluster.protocol.session import (
-    LinkLimits,
-    LinkSession,
-    Role,
-    WelcomeTerms,
-    negotiate_version,
-)
+from berth.cluster.protocol.payloads import ErrorCode, ErrorInfo, Inventory
+from berth.cluster.protocol.session import LinkSession, Role
 
 
 def _hello(low: int = 1, high: int = 1) -> Hello:

@@ -16,7 +16,6 @@ from berth.cluster.protocol.frames import (
     STREAM_DATA_PREFIX,
     FrameType,
     Hello,
-    Inventory,
     StreamData,
     StreamHead,
     StreamOpen,
@@ -24,7 +23,10 @@ from berth.cluster.protocol.frames import (
     decode_frame,
     encode_frame,
 )
-from berth.cluster.protocol.session import LinkLimits, LinkSession, Role, WelcomeTerms
+from berth.cluster.protocol.handshake import WelcomeTerms
+from berth.cluster.protocol.limits import LinkLimits
+from berth.cluster.protocol.payloads import Inventory
+from berth.cluster.protocol.session import LinkSession, Role
 
 LIMITS = LinkLimits(stream_window_bytes=64 * 1024)
 WINDOW = LIMITS.stream_window_bytes

@@ -14,10 +14,8 @@ from berth.cluster.protocol.errors import CloseCode, LinkError, ProtocolError
 from berth.cluster.protocol.frames import (
     HEADER_BYTES,
     MAX_JSON_BYTES,
-    ErrorInfo,
     Heartbeat,
     Hello,
-    Inventory,
     Request,
     Response,
     StreamCredit,
@@ -29,7 +27,10 @@ from berth.cluster.protocol.frames import (
     decode_frame,
     encode_frame,
 )
-from berth.cluster.protocol.session import LinkLimits, LinkSession, Role, WelcomeTerms
+from berth.cluster.protocol.handshake import WelcomeTerms
+from berth.cluster.protocol.limits import LinkLimits
+from berth.cluster.protocol.payloads import ErrorInfo, Inventory
+from berth.cluster.protocol.session import LinkSession, Role
 
 TERMS = WelcomeTerms(node_id="n-1", leader_version="0.1.0")
 

@@ -1,8 +1,8 @@
 """Shared leadership as a Leader owns it (``berth.daemon.ha``): two leaders' graphs on one
 database, on SQLite and PostgreSQL, with the real lease loop on a short lease.  The first
 leads at once, the second stands by (its loops not started, ``/v1`` refused with the
-active's address) and leads once the first stops; a leader that loses the lease asks to
-stop."""
+active's address) and leads once the first stops; a leader that loses the lease steps down
+when given a ``stop_leading`` (and leads again once the lease is free), else asks to stop."""
 
 from __future__ import annotations
 
@@ -121,3 +121,44 @@ async def test_a_leader_that_loses_the_lease_asks_to_stop(ha_graphs: tuple[Any, 
         assert a.leadership.view().active_address == "https://b:11500"
     finally:
         await a.stop()
+
+
+async def test_a_leader_that_loses_the_lease_steps_down_and_leads_again_later(
+    ha_graphs: tuple[Any, Any],
+) -> None:
+    """Given a ``stop_leading``, a leader whose lease was taken (as if it stalled past it)
+    steps down once, stands by naming the new active, and leads again under a new epoch
+    when the lease is free: twice over."""
+    graph_a, graph_b = ha_graphs
+    calls: list[str] = []
+    lost: list[str] = []
+
+    async def start_leading() -> None:
+        calls.append("start")
+
+    async def stop_leading() -> None:
+        calls.append("stop")
+
+    a = SharedLeadership(graph_a, address="https://a:11500", on_lost=lambda: lost.append("a"))
+    await a.start(start_leading, stop_leading)
+    try:
+        for round_ in (1, 2):
+            assert a.leading and calls == ["start", "stop"] * (round_ - 1) + ["start"]
+            epoch = a.leadership.state.epoch
+            graph_b.store.release_lease(a.leadership.me, epoch)
+            taken = graph_b.store.acquire_lease("b", "https://b:11500", 60.0)
+            await wait_for_async(lambda: not a.leading and calls[-1] == "stop",
+                                 TAKEOVER_BOUND_S, "a to step down")  # fmt: skip
+            view = a.leadership.view()
+            assert (view.role, view.active_address) == ("standby", "https://b:11500")
+            assert graph_a.hub.agent_gate.refusal() == "active="  # b noted no cluster URL
+            assert isinstance(graph_a.leadership.refusal(), StandbyError)
+            # b lets go; a takes the lease like any standby, one epoch up, and leads again.
+            graph_b.store.release_lease("b", taken.epoch)
+            await wait_for_async(lambda: a.leading, TAKEOVER_BOUND_S, "a to lead again")
+            assert a.leadership.state.epoch == taken.epoch + 1
+        assert calls == ["start", "stop", "start", "stop", "start"]
+        assert lost == []  # it stood by; nobody was asked to stop
+    finally:
+        await a.stop()
+    assert calls[-1] == "start"  # a clean stop is the Leader's, not a demotion

@@ -158,7 +158,7 @@ async def running_ingress(
             key_path=pki.agent_key,
             cert_path=pki.root / "ingress.crt",
             ca_certificate=pki.ca.certificate,
-            relay=service.relay_exchange,
+            relay=service.relay.relay_exchange,
             **limits,  # type: ignore[arg-type]
         )
         ingress.bind()

@@ -11,12 +11,14 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
-from berth.agent.core import HostFacts
+from berth.agent.host import HostFacts
 from berth.agent.service import AgentService
 from berth.cluster.connection import LinkConnection
 from berth.cluster.link import EngineReport
 from berth.cluster.protocol.frames import Heartbeat, Request
-from berth.cluster.protocol.session import LinkLimits, Role, WelcomeTerms
+from berth.cluster.protocol.handshake import WelcomeTerms
+from berth.cluster.protocol.limits import LinkLimits
+from berth.cluster.protocol.session import Role
 from berth.cluster.remote_link import RemoteLink
 from berth.cluster.tunnel_stream import TunnelStream
 from berth.engine_http.answer import EngineAnswer

@@ -10,8 +10,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from berth.agent.core import RuntimeStatus
 from berth.agent.dialer import AgentDialer, AgentStatus
+from berth.agent.host import RuntimeStatus
 from berth.agent.identity import AgentIdentity
 from berth.agent.registration import register_agent
 from berth.agent.service import AgentService

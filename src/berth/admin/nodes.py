@@ -31,7 +31,7 @@ from berth.api import (
 from berth.api.nodes import DataPathName
 from berth.cluster.direct_path import DataPath
 from berth.cluster.link import LOCAL_NODE_ID
-from berth.cluster.protocol.frames import AdoptedState
+from berth.cluster.protocol.payloads import AdoptedState
 from berth.daemon.graph import LeaderGraph
 from berth.store import NodeCertificate, NodeHardware, NodeRecord
 

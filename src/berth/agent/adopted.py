@@ -40,7 +40,7 @@ import httpx
 import yaml
 
 from berth.atomic import write_atomic
-from berth.cluster.protocol.frames import AdoptedState
+from berth.cluster.protocol.payloads import AdoptedState
 from berth.engine_http.auth import bearer_header
 from berth.errors import ConfigError, ConflictError, NotFoundError
 from berth.runtime.health import HealthProber

@@ -1,5 +1,5 @@
 """An engine's answer pushed from its connection's callback to the leader, with no task wake-up
-per piece (:class:`EnginePush`), for the agent's relay (:mod:`berth.agent.service`).
+per piece (:class:`EnginePush`), for the agent's relay (:mod:`berth.agent.relay`).
 
 A token stream through an agent is one small piece of body per token. Read by the relaying
 task, each piece costs that task a wake-up and a chain of coroutines (the read, the stream's
@@ -17,18 +17,18 @@ engine connection as before.
 
 from __future__ import annotations
 
-import asyncio
 from typing import Protocol, TypeGuard, runtime_checkable
 
 from berth.cluster.protocol.frames import ResetCode
 from berth.conforms import conforms
 from berth.engine_http.answer import PushedAnswer
 from berth.engine_http.errors import UpstreamError
+from berth.engine_http.push_relay import PushRelay
 
 
 @runtime_checkable
 class PushAnswerSink(Protocol):
-    """An :class:`~berth.agent.service.AnswerSink` that can also take a piece without
+    """An :class:`~berth.agent.relay.AnswerSink` that can also take a piece without
     waiting (a tunnel stream, the ingress's reply): ``write_nowait`` sends it now and returns
     ``True``, or returns ``False`` when it cannot (then ``write`` it, which waits);
     ``backlogged`` says the leader reads slowly (``drain`` waits until it has caught up)."""
@@ -50,22 +50,19 @@ def can_write_nowait(sink: object) -> TypeGuard[PushAnswerSink]:
     return conforms(sink, PushAnswerSink)
 
 
-class EnginePush:
+class EnginePush(PushRelay):
     """Relays ``answer``'s body (its head already sent) to ``sink`` as it arrives: the
     answer's :class:`~berth.engine_http.answer.BodySink`, and :meth:`run` for the task."""
 
-    __slots__ = ("_answer", "_ended", "_failure", "_held", "_held_end", "_paused", "_sink",
-                 "_waiter")  # fmt: skip
+    __slots__ = ("_ended", "_failure", "_held", "_held_end", "_sink")
 
     def __init__(self, answer: PushedAnswer, sink: PushAnswerSink) -> None:
-        self._answer = answer
+        super().__init__(answer)
         self._sink = sink
         self._held: list[bytes] = []  # what could not be sent at once, in order
         self._held_end = False
         self._ended = False
-        self._paused = False
         self._failure: UpstreamError | None = None
-        self._waiter: asyncio.Future[None] | None = None
 
     async def run(self) -> bool:
         """Relay until the answer ends: ``True`` when it was sent whole, ``False`` when the
@@ -74,7 +71,6 @@ class EnginePush:
         answer = self._answer
         sink = self._sink
         answer.push_body(self)
-        loop = asyncio.get_running_loop()
         while True:
             held = self._held
             if held:
@@ -93,16 +89,7 @@ class EnginePush:
             if self._failure is not None:
                 sink.reset(ResetCode.ENGINE_DISCONNECT, self._failure.why)
                 return False
-            if self._paused:
-                await sink.drain()
-                self._paused = False
-                answer.resume_body()
-                continue
-            waiter = self._waiter = loop.create_future()
-            try:
-                await waiter
-            finally:
-                self._waiter = None
+            await self._drain_or_wait(sink.drain)
 
     # -- BodySink: called from the engine connection --------------------------------------
 
@@ -128,8 +115,3 @@ class EnginePush:
             self._paused = True
             self._answer.pause_body()
         self._wake()
-
-    def _wake(self) -> None:
-        waiter = self._waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)

@@ -8,41 +8,29 @@ talks to the store: the leader tells it what to run through an ``AgentLink``.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-import os
-import secrets
-import socket
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from berth.agent.engine_launch import (
+    launch_spec,
+    new_engine_key,
+    remove_key_files,
+    remove_secret_files,
+    write_secret_files,
+)
+from berth.agent.host import HostFacts, RuntimeStatus, read_host_facts, runtime_status
 from berth.agent.journal import EngineJournal, JournalEntry
-from berth.atomic import write_atomic
 from berth.cluster.link import DEFAULT_PROBE_TIMEOUT_S, EngineReport, ProbeResult, SpawnListener
 from berth.engine_http.auth import bearer_header
 from berth.errors import EngineError, NotFoundError
-from berth.runtime.base import (
-    EngineExit,
-    EngineHandle,
-    LaunchSpec,
-    ProgressListener,
-    Runtime,
-    RuntimeName,
-    SecretFile,
-)
-from berth.runtime.engine_container import DEFAULT_SHM_SIZE, build_container_spec
+from berth.runtime.base import EngineExit, EngineHandle, ProgressListener, Runtime, RuntimeName
+from berth.runtime.engine_container import DEFAULT_SHM_SIZE
 from berth.runtime.engine_log import follow_log, read_log_tail
-from berth.runtime.engines import (
-    DeploymentRequest,
-    EngineBinaries,
-    EngineName,
-    build_launch_spec,
-    find_free_port,
-)
+from berth.runtime.engines import DeploymentRequest, EngineBinaries, EngineName
 from berth.runtime.gpu import GpuInfo, GpuInventory
-from berth.runtime.images import DEFAULT_IMAGES
 from berth.runtime.lora_api import load_adapter, unload_adapter
 from berth.runtime.process import ProcessRuntime
 
@@ -53,45 +41,12 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class HostFacts:
-    hostname: str
-    cpu_count: int
-    memory_total_mb: int
-
-
-def read_host_facts() -> HostFacts:
-    """Hostname, CPU count and total memory (from ``os.sysconf``) of this host."""
-    try:
-        memory_mb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // (1024 * 1024)
-    except (ValueError, OSError):
-        memory_mb = 0
-    return HostFacts(socket.gethostname(), os.cpu_count() or 1, memory_mb)
-
-
 #: Engines without a recorded health path (re-attached after a restart) are probed here;
 #: llama.cpp, vLLM and SGLang all serve it.
 DEFAULT_HEALTH_PATH = "/health"
-#: What every engine API key starts with (so a leaked one is recognised as berth's).
-ENGINE_KEY_PREFIX = "berth-ek-"
 #: Seconds between SIGTERM and SIGKILL for what is left of an engine that died before a
 #: restart (its helpers, its cgroup).
 LEFTOVER_GRACE_S = 5.0
-
-
-def new_engine_key() -> str:
-    """A fresh engine API key: :data:`ENGINE_KEY_PREFIX` and 256 random bits (URL-safe
-    base64, so no character any engine splits keys on)."""
-    return ENGINE_KEY_PREFIX + secrets.token_urlsafe(32)
-
-
-@dataclass(frozen=True)
-class RuntimeStatus:
-    """Whether a runtime can start engines on this host, and a line saying why (not)."""
-
-    name: RuntimeName
-    available: bool
-    detail: str
 
 
 @dataclass
@@ -115,12 +70,13 @@ class AgentCore:
     ``/dev/shm``.  ``adopted`` watches the servers this host adopted (never started or
     stopped here; the tunnel reaches them like engines).
 
-    Every engine started here gets an API key of its own (:func:`new_engine_key`), made
-    here, on the host that runs it: it never crosses the link.  The core keeps it with the
-    engine's handle and in the journal (mode 0600), and hands it to whoever sends this
-    host's engines requests (:meth:`engine_auth`: the agent's relay, the leader's client for
-    node ``local``).  An engine that reads its key from a file gets one in ``keys_dir``
-    (mode 0600), removed once the engine answers.
+    Every engine started here gets an API key of its own
+    (:func:`~berth.agent.engine_launch.new_engine_key`), made here, on the host that runs it:
+    it never crosses the link.  The core keeps it with the engine's handle and in the journal
+    (mode 0600), and hands it to whoever sends this host's engines requests
+    (:meth:`engine_auth`: the agent's relay, the leader's client for node ``local``).  An
+    engine that reads its key from a file gets one in ``keys_dir`` (mode 0600), removed once
+    the engine answers.
     """
 
     def __init__(
@@ -168,18 +124,7 @@ class AgentCore:
 
     async def runtime_status(self) -> list[RuntimeStatus]:
         """Each runtime and whether it can start engines here (the docker one asks Docker)."""
-        found = [
-            f"llama-server {'found' if self._binaries.llama_server else 'not found'}",
-            f"vllm {'found' if self._binaries.vllm else 'not found'}",
-            f"process trees: {self._runtime.trees.describe()}",
-        ]
-        statuses = [RuntimeStatus("process", True, "; ".join(found))]
-        if self._docker is None:
-            statuses.append(RuntimeStatus("docker", False, "not set up on this node"))
-        else:
-            status = await self._docker.status()
-            statuses.append(RuntimeStatus("docker", status.available, status.detail))
-        return statuses
+        return await runtime_status(self._runtime, self._binaries, self._docker)
 
     async def start(
         self,
@@ -220,26 +165,14 @@ class AgentCore:
         log_path = self.log_path(request.deployment_id)
         runtime = self._runtime_for(request.runtime)
         request = replace(request, log_path=log_path, api_key=new_engine_key())
-        spec: LaunchSpec
-        if request.runtime == "docker":
-            image = request.image or DEFAULT_IMAGES[request.engine]
-            spec = build_container_spec(
-                request, image, shm_size=self._docker_shm_size, secrets_dir=self._keys_dir
-            )
-        else:
-            request = replace(request, port=request.port or find_free_port())
-            spec = build_launch_spec(request, self._binaries, secrets_dir=self._keys_dir)
-        try:
-            await asyncio.to_thread(_write_secret_files, spec.secret_files)
-        except OSError as exc:
-            raise EngineError(
-                f"cannot write the engine's key file: {exc.strerror or exc}",
-                deployment_id=request.deployment_id,
-            ) from exc
+        spec = launch_spec(
+            request, self._binaries, docker_shm_size=self._docker_shm_size, keys_dir=self._keys_dir
+        )
+        await write_secret_files(spec.secret_files, request.deployment_id)
         try:
             handle = await runtime.start(spec, on_progress)
         except BaseException:
-            await asyncio.to_thread(_remove_secret_files, spec.secret_files)
+            await asyncio.to_thread(remove_secret_files, spec.secret_files)
             raise
         self._engines[request.deployment_id] = _Managed(handle, log_path, spec.health_path)
         try:
@@ -247,7 +180,7 @@ class AgentCore:
             if on_spawned is not None:
                 await on_spawned(handle.pid, handle.port)
             await runtime.wait_healthy(handle, spec, health_timeout_s)
-            await asyncio.to_thread(_remove_secret_files, spec.secret_files)  # read by now
+            await asyncio.to_thread(remove_secret_files, spec.secret_files)  # read by now
         except BaseException:
             # Failed or cancelled: never leave a half-started engine behind.  A failing
             # cleanup is logged; the error that stopped the start is the one reported.
@@ -256,7 +189,7 @@ class AgentCore:
             except (EngineError, asyncio.CancelledError) as exc:
                 log.warning("stopping the engine of %s after a failed start: %s",
                             request.deployment_id, exc)  # fmt: skip
-            await asyncio.to_thread(_remove_secret_files, spec.secret_files)
+            await asyncio.to_thread(remove_secret_files, spec.secret_files)
             raise
         return handle
 
@@ -524,29 +457,10 @@ class AgentCore:
         try:
             await self._save_journal()
             await self._runtime_for(managed.handle.runtime).stop(managed.handle, grace_s)
-            await asyncio.to_thread(_remove_key_files, self._keys_dir, deployment_id)
+            await asyncio.to_thread(remove_key_files, self._keys_dir, deployment_id)
         except EngineError:
             # Still running as far as anyone knows: keep it, so it can be stopped later
             # (a reconnect or restart reports it, and an unowned engine is stopped then).
             self._engines.setdefault(deployment_id, managed)
             await self._save_journal()
             raise
-
-
-def _write_secret_files(files: tuple[SecretFile, ...]) -> None:
-    """Write each file with mode 0600 (its folder 0700, made when missing)."""
-    for secret in files:
-        secret.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        write_atomic(secret.path, secret.content, mode=0o600, durable=False)
-
-
-def _remove_secret_files(files: tuple[SecretFile, ...]) -> None:
-    for secret in files:
-        secret.path.unlink(missing_ok=True)
-
-
-def _remove_key_files(keys_dir: Path, deployment_id: str) -> None:
-    """Remove what ``keys_dir`` still holds of ``deployment_id`` (a start cut short)."""
-    with contextlib.suppress(OSError):
-        for path in keys_dir.glob(f"{deployment_id}.*"):
-            path.unlink(missing_ok=True)

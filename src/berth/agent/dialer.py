@@ -43,7 +43,8 @@ from berth.cluster.protocol.errors import (
     agent_should_redial,
     retry_after_of,
 )
-from berth.cluster.protocol.session import LinkLimits, Role
+from berth.cluster.protocol.limits import LinkLimits
+from berth.cluster.protocol.session import Role
 from berth.errors import ConfigError
 from berth.paths import BerthHome
 

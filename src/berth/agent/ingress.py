@@ -14,9 +14,9 @@ What it serves:
 
 - ``GET /healthz``: ``{"node_id", "exchanges"}`` (the leader's probe);
 - ``POST /d/<deployment id>/v1/...``: one exchange with that deployment's engine, relayed by
-  :meth:`berth.agent.service.AgentService.relay_exchange`, the tunnel's relay, with the
+  :meth:`berth.agent.relay.EngineRelay.relay_exchange`, the tunnel's relay, with the
   tunnel's bounds: a body of at most
-  :data:`~berth.agent.service.MAX_REQUEST_BODY_BYTES` (413), at most
+  :data:`~berth.agent.relay.MAX_REQUEST_BODY_BYTES` (413), at most
   :data:`MAX_OPEN_EXCHANGES` at once (503), writes that wait for a slow leader, and a leader
   that goes away closing the engine connection. A failure before the engine's head is
   answered ``502`` with ``x-berth-reset: <reset code>`` (the codes of a tunnel stream's
@@ -44,7 +44,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Final
 
-from berth.agent.service import MAX_REQUEST_BODY_BYTES, AnswerSink
+from berth.agent.relay import MAX_REQUEST_BODY_BYTES, AnswerSink
 from berth.atomic import write_atomic
 from berth.cluster.direct_tls import (
     TrustRoots,
@@ -81,7 +81,7 @@ _NOT_FORWARDED = frozenset({b"host", b"content-length", b"transfer-encoding", b"
                             b"expect"})  # fmt: skip
 _JSON = (b"content-type", b"application/json")
 
-#: ``AgentService.relay_exchange``: (deployment, method, target, headers, body, sink).
+#: ``EngineRelay.relay_exchange``: (deployment, method, target, headers, body, sink).
 Relay = Callable[[str, bytes, bytes, list[tuple[bytes, bytes]], bytes, AnswerSink], Awaitable[None]]
 
 
@@ -270,7 +270,7 @@ def ingress_limits(limits: ListenerLimits) -> ListenerLimits:
 
 
 class _ReplySink:
-    """An :class:`~berth.agent.service.AnswerSink` over one HTTP reply."""
+    """An :class:`~berth.agent.relay.AnswerSink` over one HTTP reply."""
 
     def __init__(self, reply: ResponseWriter) -> None:
         self._reply = reply

@@ -14,7 +14,8 @@ from collections.abc import Callable
 
 from berth.agent.core import AgentCore
 from berth.cluster.inventory import gpu_states
-from berth.cluster.protocol.frames import DeploymentLoad, Heartbeat, LoopLag
+from berth.cluster.protocol.frames import Heartbeat
+from berth.cluster.protocol.payloads import DeploymentLoad, LoopLag
 from berth.observability.cluster import ClusterMetrics
 from berth.observability.loop_lag import LagHistogram
 from berth.observability.window import RequestMeter

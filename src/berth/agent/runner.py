@@ -275,7 +275,7 @@ def _ingress(
         ca_certificate=x509.load_pem_x509_certificates(  # every root, not the first only
             pinned_bundle(identity.ca_path.read_bytes(), identity.pins)
         ),
-        relay=service.relay_exchange,
+        relay=service.relay.relay_exchange,
         limits=settings.listener_limits(),
     )
     ingress.bind()

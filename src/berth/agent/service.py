@@ -4,18 +4,16 @@ Control ops (``start``, ``stop``, ``probe``, ``inventory``, ``engines``, ``pull`
 ``load_adapter``, ``unload_adapter``, ``ingress``, ``model_shape``) each run in their own
 task, so a long engine start never holds up the link (``model_shape`` reads a model's header
 on this host for the leader's VRAM estimate). ``http`` streams are relayed to the deployment's
-engine on this host with berth's pooled HTTP/1.1 client (:meth:`AgentService.relay_exchange`, the
-one relay the agent's direct ingress uses too, :mod:`berth.agent.ingress`), carrying the
-engine's own API key in place of any credential in the leader's headers; when the leader
-resets a stream, its task is cancelled and the engine connection closed, so the engine stops
-generating. ``logs`` streams send the engine's log file.
+engine on this host by :class:`~berth.agent.relay.EngineRelay` (the one relay the agent's
+direct ingress uses too, :mod:`berth.agent.ingress`); when the leader resets a stream, its
+task is cancelled and the engine connection closed, so the engine stops generating. ``logs``
+streams send the engine's log file.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol, assert_never
@@ -23,21 +21,18 @@ from typing import TYPE_CHECKING, Protocol, assert_never
 import msgspec
 
 from berth import __version__
-from berth.agent.answer_push import EnginePush, can_write_nowait
-from berth.agent.core import AgentCore, RuntimeStatus
+from berth.agent.core import AgentCore
+from berth.agent.host import RuntimeStatus
 from berth.agent.node_sampler import core_heartbeat
+from berth.agent.relay import MAX_REQUEST_BODY_BYTES, EngineRelay
 from berth.cluster.connection import LinkConnection
 from berth.cluster.inventory import gpu_states
 from berth.cluster.protocol.errors import ProtocolError
 from berth.cluster.protocol.frames import (
     PROTOCOL_MAX,
     PROTOCOL_MIN,
-    EngineState,
-    ErrorCode,
-    ErrorInfo,
     Heartbeat,
     Hello,
-    Inventory,
     Request,
     ResetCode,
 )
@@ -66,16 +61,12 @@ from berth.cluster.protocol.ops import (
     StartResult,
     encode_payload,
 )
+from berth.cluster.protocol.payloads import EngineState, ErrorCode, ErrorInfo, Inventory
 from berth.cluster.shape_wire import file_shape_to_wire
 from berth.cluster.tunnel_stream import StreamResetError, TunnelStream
-from berth.engine_http.auth import with_engine_key
-from berth.engine_http.errors import UpstreamConnectError, UpstreamError, UpstreamTimeoutError
-from berth.engine_http.origin import Origin
-from berth.engine_http.pool import UpstreamPool
-from berth.engine_http.response import UpstreamResponse
 from berth.errors import BerthError, EngineError, NotFoundError
 from berth.observability.loop_lag import LagHistogram
-from berth.observability.window import RequestMeter, is_error
+from berth.observability.window import RequestMeter
 from berth.placement.model_files import FileStamp, read_model_file
 from berth.runtime.gpu import GpuInfo
 
@@ -84,36 +75,9 @@ if TYPE_CHECKING:  # imported only where tracing is on (berth.agent.runner build
 
 log = logging.getLogger(__name__)
 
-#: Largest request body an agent accepts on one tunneled exchange, in bytes.
-MAX_REQUEST_BODY_BYTES = 64 * 1024 * 1024
-#: Response headers that describe one HTTP/1.1 connection and are not relayed.
-_HOP_BY_HOP = frozenset({b"connection", b"keep-alive", b"transfer-encoding", b"te", b"trailer",
-                         b"upgrade", b"proxy-connection"})  # fmt: skip
 ActivityListener = Callable[[str], None]
 #: Seconds the agent waits for its runtimes (Docker) to say whether they work, before dialing.
 RUNTIME_CHECK_TIMEOUT_S = 5.0
-
-
-class AnswerSink(Protocol):
-    """Where :meth:`AgentService.relay_exchange` sends an engine's answer: a tunnel stream
-    (:class:`~berth.cluster.tunnel_stream.TunnelStream`) or the ingress's HTTP reply
-    (:mod:`berth.agent.ingress`).
-
-    ``send_head`` once (status, headers without hop-by-hop ones as the engine sent them:
-    lower-case byte pairs, the first body bytes, and whether they are all of it), then
-    ``write`` until ``end``; ``reset`` instead when the exchange fails (before the head: the
-    leader tries elsewhere; after: the answer is cut off). Writes wait while the leader
-    reads slowly (backpressure); a leader that gave up
-    makes them raise (``StreamResetError``) or cancels the relaying task.
-    """
-
-    async def send_head(
-        self, status: int, headers: list[tuple[bytes, bytes]], payload: bytes, end: bool
-    ) -> None: ...
-
-    async def write(self, data: bytes, end: bool = False) -> None: ...
-
-    def reset(self, code: ResetCode = ResetCode.CANCELLED, message: str = "") -> None: ...
 
 
 class IngressControl(Protocol):
@@ -148,12 +112,12 @@ class AgentService:
         tracer: RelayTracer | None = None,
     ) -> None:
         self._core = core
-        self._tracer = tracer
         self._loop_lag = loop_lag
         self._gpus: list[GpuInfo] | None = None
         self._models_dir = models_dir
-        self._pool = UpstreamPool(read_timeout_s=read_timeout_s)
         self.meter = meter if meter is not None else RequestMeter()
+        #: the relay of ``http`` streams, and of the direct ingress's exchanges
+        self.relay = EngineRelay(core, self.meter, read_timeout_s=read_timeout_s, tracer=tracer)
         self._on_activity = on_activity or (lambda _line: None)
         self._runtimes: list[RuntimeStatus] = [RuntimeStatus("process", True, "")]
         self._ingress: IngressControl | None = None
@@ -163,7 +127,7 @@ class AgentService:
         self._ingress = ingress
 
     async def close(self) -> None:
-        await self._pool.close()
+        await self.relay.close()
 
     # -- what the agent says -------------------------------------------------------------
 
@@ -401,7 +365,7 @@ class AgentService:
         self._core.engine_origin(opening.deployment_id)  # NotFoundError before the body
         body = await stream.read_all(MAX_REQUEST_BODY_BYTES)
         headers = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in opening.headers]
-        await self.relay_exchange(
+        await self.relay.relay_exchange(
             opening.deployment_id,
             opening.method.encode("latin-1"),
             opening.target.encode("latin-1"),
@@ -409,107 +373,6 @@ class AgentService:
             body,
             stream,
         )
-
-    async def relay_exchange(
-        self,
-        deployment_id: str,
-        method: bytes,
-        target: bytes,
-        headers: list[tuple[bytes, bytes]],
-        body: bytes,
-        sink: AnswerSink,
-    ) -> None:
-        """Send one request to ``deployment_id``'s engine on this host and its answer to
-        ``sink``, as it arrives: the relay of tunneled and direct exchanges alike.
-
-        ``target`` is the origin-form target (``/v1/chat/completions``), ``headers`` those
-        to send besides ``Host`` and ``Content-Length`` (lower-case bytes pairs; a credential
-        among them is replaced by the engine's own key). A failure
-        before the head becomes ``sink.reset`` with ``engine_timeout`` or
-        ``engine_unreachable``, one mid-answer ``engine_disconnect``. Raises
-        :class:`NotFoundError` for a deployment this agent does not run, and what ``sink``
-        raises when the leader gives up (the engine connection is closed then).
-        """
-        host, port = self._core.engine_origin(deployment_id)
-        # Whatever credential came with it (the leader forwards none), the engine gets its own.
-        headers = with_engine_key(headers, self._core.engine_auth(deployment_id))
-        # tracing on: a span under the leader's attempt, its traceparent sent to the engine
-        trace = None
-        if self._tracer is not None:
-            trace = self._tracer.begin(deployment_id, method, target, headers)
-            headers = trace.headers
-        # Measured here, where the request is served (docs/metrics.md): from the body's
-        # arrival to the answer's last byte.
-        self.meter.started(deployment_id)
-        started_at = time.monotonic()
-        status: int | None = None
-        completed = withdrawn = False
-        try:
-            try:
-                response = await self._pool.request(
-                    Origin(host, port), method, target, headers, body
-                )
-            except UpstreamTimeoutError as exc:
-                sink.reset(ResetCode.ENGINE_TIMEOUT, exc.why)
-                return
-            except UpstreamConnectError as exc:
-                sink.reset(ResetCode.ENGINE_UNREACHABLE, exc.why)
-                return
-            except UpstreamError as exc:
-                why = f"failed before answering ({exc.why})"
-                sink.reset(ResetCode.ENGINE_UNREACHABLE, why)
-                return
-            status = response.status
-            try:
-                completed = await self._relay_answer(sink, response)
-            finally:
-                response.close()
-        except (StreamResetError, asyncio.CancelledError):
-            # The leader gave up: mid-answer, its client left (counted, not an error); before
-            # the engine answered, the request went to another node or its client left, and
-            # it is not counted here (the leader counts it once, where it ended).
-            withdrawn = status is None
-            completed = True
-            raise
-        finally:
-            if trace is not None:
-                trace.end(status, completed=completed, withdrawn=withdrawn)
-            if withdrawn:
-                self.meter.withdrawn(deployment_id)
-            else:
-                self.meter.finished(
-                    deployment_id,
-                    latency_ms=(time.monotonic() - started_at) * 1000.0,
-                    error=is_error(status, failed=not completed),
-                )
-
-    async def _relay_answer(self, stream: AnswerSink, response: UpstreamResponse) -> bool:
-        """Send the engine's answer to ``stream``; ``False`` when the engine broke it off."""
-        head_headers = [header for header in response.headers if header[0] not in _HOP_BY_HOP]
-        try:
-            chunk = await response.read_chunk()
-        except UpstreamError as exc:
-            stream.reset(ResetCode.ENGINE_DISCONNECT, exc.why)
-            return False
-        # The head frame carries the first bytes too: a small answer is one frame.
-        await stream.send_head(response.status, head_headers, chunk, end=response.at_eof)
-        if response.at_eof:
-            return True
-        if can_write_nowait(stream):
-            # Each piece sent from the engine connection's callback, no task wake-up per piece.
-            return await EnginePush(response, stream).run()
-        while True:
-            try:
-                chunk = await response.read_chunk()
-            except UpstreamError as exc:
-                stream.reset(ResetCode.ENGINE_DISCONNECT, exc.why)
-                return False
-            if not chunk:
-                await stream.write(b"", end=True)
-                return True
-            await stream.write(chunk, end=response.at_eof)
-            if response.at_eof:
-                return True
 
     async def _send_logs(self, stream: TunnelStream) -> None:
         opening = stream.opening

@@ -149,7 +149,13 @@ def create_service(
         record = client.create_service(body)
     if as_json:
         print_json(record)
-        return
+    else:
+        _print_created(record)
+
+
+def _print_created(record: Service) -> None:
+    """What ``berth service create`` says of the new ``record``: its settings, its scaling
+    and the next step (a route in front of it)."""
     console.print(
         f"service [bold]{escape(record.name)}[/] created: {escape(_settings(record))}",
         soft_wrap=True,

@@ -6,17 +6,19 @@ session the way python-websockets' asyncio ``Connection`` owns its ``Protocol``:
 received message goes through the session, whose typed event is dispatched once (one
 ``match``); every send is a session call followed by queueing what the session wants sent, so
 no caller touches the session or flushes. :meth:`LinkConnection.handshake` is the Hello/Welcome
-exchange of both ends. One reader loop and one writer task; control requests are futures
-keyed by id and streams are :class:`TunnelStream` objects, so a slow engine start or a slow
-stream reader never blocks the link's other traffic.
+exchange of both ends.
 
-Its parts: :mod:`berth.cluster.link_output` writes (the queue, the writer task, the
-direct writes, the high water mark) and :mod:`berth.cluster.liveness` keeps the link alive
-(pings every third of the :class:`~berth.cluster.liveness.Liveness` timeout, pongs, the
-dead-link watch). A link found dead ends at once, closed with ``HEARTBEAT_TIMEOUT``
-without waiting for a close handshake the peer would never answer: pending requests fail,
-streams are aborted and ``on_closed`` runs, so the leader stops routing to the node (and
-moves the requests waiting on it) and the agent redials.
+Its parts: :mod:`berth.cluster.link_output` writes (the queue, the one writer task, the direct
+writes, the high water mark); :mod:`berth.cluster.liveness` keeps the link alive (pings every
+third of the :class:`~berth.cluster.liveness.Liveness` timeout, pongs, the dead-link watch);
+:mod:`berth.cluster.link_calls` keeps control requests as futures keyed by id,
+:mod:`berth.cluster.link_streams` the open :class:`TunnelStream` objects, and
+:mod:`berth.cluster.link_tasks` the reader task and a task per request and stream it hands
+on, so a slow engine start or a slow stream reader never blocks the link's other traffic. A
+link found dead ends at once, closed with ``HEARTBEAT_TIMEOUT`` without waiting for a close
+handshake the peer would never answer: pending requests fail, streams are aborted and
+``on_closed`` runs, so the leader stops routing to the node (and moves the requests waiting on
+it) and the agent redials.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any, Protocol, assert_never, overload
+from typing import Protocol, assert_never, overload
 
 import aiohttp
 import msgspec
@@ -33,6 +35,7 @@ import msgspec
 from berth.cluster.link_calls import A, PendingCalls, ProgressListener, R
 from berth.cluster.link_output import CLOSE_TIMEOUT_S, LinkOutput, WebSocketLike
 from berth.cluster.link_streams import LinkStreams
+from berth.cluster.link_tasks import LinkTasks
 from berth.cluster.liveness import KeepAlive, Liveness
 from berth.cluster.protocol.errors import CloseCode, LinkError, ProtocolError
 from berth.cluster.protocol.events import (
@@ -51,7 +54,6 @@ from berth.cluster.protocol.events import (
 )
 from berth.cluster.protocol.frames import (
     STREAM_DATA_PREFIX,
-    ErrorInfo,
     Heartbeat,
     Hello,
     ProgressEvent,
@@ -59,14 +61,11 @@ from berth.cluster.protocol.frames import (
     StreamOpen,
     Welcome,
 )
+from berth.cluster.protocol.handshake import WelcomeTerms
+from berth.cluster.protocol.limits import LinkLimits
 from berth.cluster.protocol.ops import Op
-from berth.cluster.protocol.session import (
-    LinkLimits,
-    LinkSession,
-    Role,
-    SessionState,
-    WelcomeTerms,
-)
+from berth.cluster.protocol.payloads import ErrorInfo
+from berth.cluster.protocol.session import LinkSession, Role, SessionState
 from berth.cluster.tunnel_stream import TunnelStream
 
 log = logging.getLogger(__name__)
@@ -129,14 +128,11 @@ class LinkConnection:
             closed=lambda: self._closed,
             on_dead=self._declare_dead,
         )
-        self._reader: asyncio.Task[Any] | None = None
-        #: set when the keepalive found the link dead (then it cancels the reader)
-        self._dead = False
         self.ws = ws
         self.peer = peer
         self._handler = handler
         self._calls = PendingCalls()
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tasks = LinkTasks(peer)
         self._output = LinkOutput(ws, peer, self._overflowed)
         self._streams = LinkStreams(
             self._session, self._output, peer=peer, flush=self._flush, closed=lambda: self._closed
@@ -348,8 +344,8 @@ class LinkConnection:
         self._output.start()
         self._output.use_frame_writer()
         session = self._session
-        deliver = self._data_received
-        self._reader = asyncio.current_task()
+        deliver = self._streams.data_received
+        self._tasks.hold_reader()
         if self.liveness is not None:
             self._keepalive.start(self.liveness)
         try:
@@ -382,8 +378,7 @@ class LinkConnection:
             log.warning("link to %s: protocol error: %s", self.peer, exc)
             await self.close(exc.code, str(exc))
         except asyncio.CancelledError:
-            reader = self._reader
-            if not self._dead or reader is None or reader.uncancel() > 0:
+            if not self._tasks.reader_killed():
                 raise  # not the keepalive's doing: whoever runs the link is ending it
             # Declared dead by the keepalive: end now, without the peer's help.
         finally:
@@ -400,9 +395,7 @@ class LinkConnection:
         if self.close_code is None:
             self.close_code = CloseCode.HEARTBEAT_TIMEOUT
             self.close_reason = reason
-        self._dead = True
-        if self._reader is not None:
-            self._reader.cancel()
+        self._tasks.kill_reader()
 
     def _closed_by_peer(self, message: aiohttp.WSMessage) -> None:
         if message.type is aiohttp.WSMsgType.CLOSE and self.close_code is None:
@@ -416,41 +409,29 @@ class LinkConnection:
             self.close_reason = reason
         await self._output.close_socket(code, reason.encode()[:120])
 
-    def _data_received(self, stream_id: int, payload: bytes, end: bool) -> None:
-        """A stream's payload (``LinkSession.receive_data``'s sink): to the stream's reader."""
-        stream = self._streams.open.get(stream_id)
-        if stream is not None:
-            stream.data_received(payload, end)
-
     def _process(self, event: LinkEvent) -> None:
         """Act on one event of the session: the one place each kind is dispatched."""
         match event:  # the most frequent first (cases are tried in order)
             case DataReceived():
-                stream = self._streams.open.get(event.stream_id)
-                if stream is not None:
-                    stream.data_received(event.data, event.end)
+                self._streams.data_received(event.stream_id, event.data, event.end)
             case CreditGranted():
-                stream = self._streams.open.get(event.stream_id)
-                if stream is not None:
-                    stream.credit_granted()
+                self._streams.credit_granted(event.stream_id)
             case HeadReceived():
-                stream = self._streams.open.get(event.head.id)
-                if stream is not None:
-                    stream.head_received(event.head)
+                self._streams.head_received(event.head)
             case StreamOpened():
                 stream = self._streams.opened(event.opening)
                 name = f"stream-{stream.id}"
-                stream.task = self._spawn(self._handler.on_stream(self, stream), name)
+                stream.task = self._tasks.spawn(self._handler.on_stream(self, stream), name)
             case ResponseReceived():
                 self._calls.answered(event.response)
             case StreamResetReceived():
                 self._streams.reset_received(event)
             case RequestReceived():
-                self._spawn(self._handler.on_request(self, event.request), "request")
+                self._tasks.spawn(self._handler.on_request(self, event.request), "request")
             case ProgressReceived():
                 listener = self._calls.listener(event.progress.id)
                 if listener is not None:
-                    self._spawn(listener(event.progress), "progress")
+                    self._tasks.spawn(listener(event.progress), "progress")
             case HeartbeatReceived():
                 self._handler.on_heartbeat(self, event.heartbeat)
             case HelloReceived() | WelcomeReceived():
@@ -458,19 +439,6 @@ class LinkConnection:
                 raise ProtocolError(f"{type(event).__name__} after the handshake")
             case _:
                 assert_never(event)
-
-    def _spawn(self, coro: Awaitable[Any], name: str) -> asyncio.Task[None]:
-        task: asyncio.Task[None] = asyncio.ensure_future(coro)
-        task.set_name(f"link-{self.peer}-{name}")
-        self._tasks.add(task)
-        task.add_done_callback(self._task_done)
-        return task
-
-    def _task_done(self, task: asyncio.Task[None]) -> None:
-        self._tasks.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            log.error("link %s task %s failed", self.peer, task.get_name(),
-                      exc_info=task.exception())  # fmt: skip
 
     async def _finish(self) -> None:
         if self._closed:
@@ -485,14 +453,12 @@ class LinkConnection:
         lost = LinkError(f"the link to {self.peer} was lost", code=self._code())
         self._calls.fail(lost)
         self._streams.abort_all()
-        for task in list(self._tasks):
-            task.cancel()
+        self._tasks.cancel()
         self._keepalive.cancel()
-        if self._tasks:
-            await asyncio.wait(list(self._tasks), timeout=30)
+        await self._tasks.wait(timeout_s=30)
         await self._output.stop()
         # Bounded: a dead peer never answers the close handshake (its socket is dropped).
-        reason = self.close_reason.encode()[:120] if self._dead else b""
+        reason = self.close_reason.encode()[:120] if self._tasks.dead else b""
         code = self.close_code or CloseCode.NORMAL
         await self._output.close_socket(code, reason, timeout_s=CLOSE_TIMEOUT_S)
 

@@ -1,15 +1,15 @@
 """The leader's hub of agent links: the ``/cluster/agent`` WebSocket endpoint.
 
-For every connection it: takes the node's identity from the verified client certificate
-(never from a frame) and checks it against the store; refuses with a typed close code
-(``BAD_CERTIFICATE``, ``NODE_REMOVED``, ``PROTOCOL_ERROR``, ``UNSUPPORTED_VERSION``); waits for
-Hello and answers Welcome; closes an older session of the same node (``SUPERSEDED``); attaches
-a :class:`RemoteLink` to the leader's :class:`LinkRegistry`; and watches it: a link on which
-nothing (not even a pong) arrived for ``link_timeout_s`` is dead and ends at once
-(:class:`~berth.cluster.connection.Liveness`), and one that sent no frame for
-``node_timeout_s`` (pongs but no heartbeats) is closed; either way the node is marked
-``unreachable``. When a link comes up or goes down the lifecycle manager hears of it, to
-reconcile deployments and stop routing to that node.
+For every connection it: takes the node's identity from the verified client certificate (never
+from a frame) and checks it against the store (:mod:`berth.cluster.node_identity`); refuses
+with a typed close code (``BAD_CERTIFICATE``, ``NODE_REMOVED``, ``PROTOCOL_ERROR``,
+``UNSUPPORTED_VERSION``); waits for Hello and answers Welcome; closes an older session of the
+same node (``SUPERSEDED``); attaches a :class:`RemoteLink` to the leader's
+:class:`LinkRegistry`; and watches it: a link on which nothing (not even a pong) arrived for
+``link_timeout_s`` is dead and ends at once (:class:`~berth.cluster.connection.Liveness`), and
+one that sent no frame for ``node_timeout_s`` (pongs but no heartbeats) is closed; either way
+the node is marked ``unreachable``. When a link comes up or goes down the lifecycle manager
+hears of it, to reconcile deployments and stop routing to that node.
 """
 
 from __future__ import annotations
@@ -22,8 +22,6 @@ from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, Protocol
 
 from aiohttp import web
-from cryptography import x509
-from cryptography.x509.oid import NameOID
 
 from berth import __version__
 from berth.cluster.connection import LinkConnection
@@ -33,28 +31,23 @@ from berth.cluster.inventory import gpu_infos
 from berth.cluster.link import LOCAL_NODE_ID
 from berth.cluster.link_registry import LinkRegistry
 from berth.cluster.liveness import LINK_TIMEOUT_S, Liveness
-from berth.cluster.peer_identity import ForwardedFingerprintTrust, client_identity
+from berth.cluster.node_identity import identify_node
+from berth.cluster.peer_identity import ForwardedFingerprintTrust
 from berth.cluster.protocol.errors import CloseCode, LinkError, rate_limited_reason
-from berth.cluster.protocol.frames import (
+from berth.cluster.protocol.frames import Heartbeat, Hello, Request, ResetCode
+from berth.cluster.protocol.handshake import WelcomeTerms
+from berth.cluster.protocol.limits import LinkLimits
+from berth.cluster.protocol.ops import RENEW
+from berth.cluster.protocol.payloads import (
     AdoptedState,
     EngineState,
     ErrorCode,
     ErrorInfo,
-    Heartbeat,
-    Hello,
     Inventory,
-    Request,
-    ResetCode,
 )
-from berth.cluster.protocol.ops import RENEW
-from berth.cluster.protocol.session import LinkLimits, Role, WelcomeTerms
+from berth.cluster.protocol.session import Role
 from berth.cluster.remote_link import RemoteLink, TunnelResponse
-from berth.cluster.renewal import (
-    LinkCertificates,
-    LinkDeadline,
-    certificate_not_after,
-    expiry_refusal,
-)
+from berth.cluster.renewal import LinkCertificates, LinkDeadline
 from berth.cluster.tunnel_stream import TunnelStream
 from berth.engine_http.errors import UpstreamConnectError
 from berth.engine_http.origin import Origin
@@ -252,7 +245,9 @@ class NodeHub:
             max_msg_size=4 * self.limits.max_frame_bytes, compress=False, autoping=False
         )
         await ws.prepare(request)
-        node_id, refusal, certificate_der, not_after = await self._identify(request)
+        node_id, refusal, certificate_der, not_after = await identify_node(
+            request, self._store, self._forwarded, self._clock
+        )
         if refusal is not None:
             log.warning("refused agent link from %s: %s", peer, refusal[1])
             # A close frame's reason has room for 123 bytes (RFC 6455 section 5.5).
@@ -323,38 +318,6 @@ class NodeHub:
             log.info("node %s link closed (code %s)", node_id, conn.close_code)
         return ws
 
-    async def _identify(
-        self, request: web.Request
-    ) -> tuple[str | None, tuple[int, str] | None, bytes | None, float | None]:
-        """(node id, refusal, the DER client certificate when the agent presented one, its
-        ``notAfter`` in epoch seconds when known)."""
-        identity = client_identity(request, self._forwarded)
-        if identity is None:
-            refusal = (CloseCode.BAD_CERTIFICATE, "a client certificate is required")
-            return None, refusal, None, None
-        node = await asyncio.to_thread(self._store.find_node_by_fingerprint, identity.fingerprint)
-        if node is None:
-            refusal = (CloseCode.BAD_CERTIFICATE, "this certificate belongs to no node")
-            return None, refusal, None, None
-        if node.status == "removed":
-            return None, (CloseCode.NODE_REMOVED, f"node {node.id} was removed"), None, None
-        der = identity.certificate_der
-        # A forwarded fingerprint has no certificate to read; it matched the one issued.
-        if der is not None and _common_name(der) != node.id:
-            refusal = (CloseCode.BAD_CERTIFICATE, "the certificate names another node")
-            return None, refusal, None, None
-        if identity.forwarded_by is not None:
-            log.info("node %s: fingerprint forwarded by %s", node.id, identity.forwarded_by)
-        if der is not None:
-            not_after = certificate_not_after(der)
-        else:
-            issued = await asyncio.to_thread(self._store.node_certificate, identity.fingerprint)
-            not_after = issued.not_after if issued is not None else None
-        expired = expiry_refusal(node, not_after, self._clock())
-        if expired is not None:
-            return None, (CloseCode.CERTIFICATE_EXPIRED, expired), None, None
-        return node.id, None, der, not_after
-
     async def _admit(
         self, node_id: str, conn: LinkConnection, hello: Hello, certificate_der: bytes | None
     ) -> None:
@@ -411,8 +374,9 @@ class NodeHub:
                 await conn.close(CloseCode.HEARTBEAT_TIMEOUT, "no heartbeat in time")
                 return
 
-    def _drop(self, node_id: str, conn: LinkConnection) -> None:
-        """Forget ``conn`` as the node's link (once); the node stops getting traffic."""
+    def _drop(self, node_id: str, conn: LinkConnection, *, lost: bool = True) -> None:
+        """Forget ``conn`` as the node's link (once); the node stops getting traffic.  With
+        ``lost`` (the link failed or was ended here), the node is marked unreachable."""
         link = self._sessions.get(node_id)
         if link is None or link.conn is not conn:
             return
@@ -420,6 +384,8 @@ class NodeHub:
         self._links.detach(link)
         if self._listener is not None:
             self._listener.node_disconnected(node_id)
+        if not lost:
+            return
         if self._audit is not None and not self._shutting_down:
             self._spawn(self._audit_loss(node_id, conn.close_code))
         self._spawn(self._mark_unreachable(node_id))
@@ -437,8 +403,40 @@ class NodeHub:
     async def _mark_unreachable(self, node_id: str) -> None:
         if node_id in self._sessions:
             return  # a new session came up meanwhile
+        if self.agent_gate is not None and self.agent_gate.refusal() is not None:
+            # A standby, or an active resumed past its lease whose links died meanwhile:
+            # the node's status is the active's to write (it may be connected there).
+            return
         with contextlib.suppress(BerthError):  # removed nodes stay removed
             await asyncio.to_thread(self._store.set_node_status, node_id, "unreachable")
+
+    async def mark_detached_unreachable(self, after_s: float) -> list[str]:
+        """Wait ``after_s`` seconds (a leader that just took over: ``node_timeout_s``, the
+        time its agents get to dial it), then mark ``unreachable`` every node the store
+        says is ``ready`` that has no live link to this hub: links that ended with another
+        leader (a dead active) are marked by no one else.  Returns the ids marked.  Raises
+        ``StoreError`` when the store cannot list the nodes."""
+        await asyncio.sleep(after_s)
+        nodes = await asyncio.to_thread(self._store.list_nodes)
+        marked = []
+        for node in nodes:
+            if node.id == LOCAL_NODE_ID or node.status != "ready" or self.is_connected(node.id):
+                continue
+            log.warning("node %s has no link to this leader: unreachable", node.id)
+            await self._mark_unreachable(node.id)
+            marked.append(node.id)
+        return marked
+
+    async def close_for_standby(self, reason: str) -> None:
+        """Close every link with ``NOT_LEADER`` and ``reason`` (``active=<cluster URL>``):
+        this leader lost the lease, and its agents dial the active at once.  Their nodes
+        are not marked unreachable: their status is the active's to write now."""
+        conns = [(node_id, link.conn) for node_id, link in self._sessions.items()]
+        for node_id, conn in conns:
+            self._drop(node_id, conn, lost=False)
+        await asyncio.gather(
+            *(c.close(CloseCode.NOT_LEADER, reason) for _n, c in conns), return_exceptions=True
+        )
 
     # -- LinkHandler (what the agent sends outside answers and streams) ----------------------
 
@@ -495,14 +493,3 @@ def node_hardware(inventory: Inventory) -> NodeHardware:
         inventory.memory_total_mb,
         gpu_infos(inventory.gpus),
     )
-
-
-def _common_name(der: bytes) -> str | None:
-    try:
-        names = x509.load_der_x509_certificate(der).subject.get_attributes_for_oid(
-            NameOID.COMMON_NAME
-        )
-    except ValueError:
-        return None
-    value = names[0].value if names else None
-    return value if isinstance(value, str) else None

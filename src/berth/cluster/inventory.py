@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from berth.cluster.link import NodeInventory
-from berth.cluster.protocol.frames import GpuState, Inventory
+from berth.cluster.protocol.payloads import GpuState, Inventory
 from berth.runtime.gpu import GpuInfo
 
 

@@ -14,8 +14,9 @@ from typing import TypeVar
 import msgspec
 
 from berth.cluster.protocol.errors import LinkError
-from berth.cluster.protocol.frames import ErrorCode, ErrorInfo, Progress, Response
+from berth.cluster.protocol.frames import Progress, Response
 from berth.cluster.protocol.ops import Op
+from berth.cluster.protocol.payloads import ErrorCode, ErrorInfo
 
 A = TypeVar("A", bound=msgspec.Struct)
 R = TypeVar("R")

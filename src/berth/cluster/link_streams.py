@@ -64,6 +64,24 @@ class LinkStreams:
         self.open[opening.id] = stream
         return stream
 
+    def data_received(self, stream_id: int, payload: bytes, end: bool) -> None:
+        """A stream's payload (also ``LinkSession.receive_data``'s sink): to its reader."""
+        stream = self.open.get(stream_id)
+        if stream is not None:
+            stream.data_received(payload, end)
+
+    def credit_granted(self, stream_id: int) -> None:
+        """The peer granted credit on a stream: its waiting writer may go on."""
+        stream = self.open.get(stream_id)
+        if stream is not None:
+            stream.credit_granted()
+
+    def head_received(self, head: StreamHead) -> None:
+        """Leader: the answer's head arrived on ``head.id``: to the stream's reader."""
+        stream = self.open.get(head.id)
+        if stream is not None:
+            stream.head_received(head)
+
     def reset_received(self, event: StreamResetReceived) -> None:
         """The peer reset a stream: its user sees the reset, and its task (serving it) is
         cancelled, which reaches the engine."""

@@ -28,14 +28,7 @@ from berth.cluster.link import (
 from berth.cluster.link_calls import ProgressListener as OpProgressListener
 from berth.cluster.link_calls import RemoteOpError
 from berth.cluster.protocol.errors import LinkError
-from berth.cluster.protocol.frames import (
-    ErrorCode,
-    Heartbeat,
-    Inventory,
-    Progress,
-    ResetCode,
-    StreamOpen,
-)
+from berth.cluster.protocol.frames import Heartbeat, Progress, ResetCode, StreamOpen
 from berth.cluster.protocol.ops import (
     ENGINES,
     INGRESS,
@@ -63,6 +56,7 @@ from berth.cluster.protocol.ops import (
     UnloadAdapterArgs,
     decode_payload,
 )
+from berth.cluster.protocol.payloads import ErrorCode, Inventory
 from berth.cluster.shape_wire import file_shape_from_wire
 from berth.cluster.tunnel_stream import StreamResetError, TunnelStream
 from berth.engine_http.answer import BodySink, read_body

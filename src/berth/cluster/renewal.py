@@ -38,8 +38,9 @@ from berth.cluster.ca import CertificateAuthority
 from berth.cluster.connection import LinkConnection
 from berth.cluster.enrollment import AuditLog, issued_certificate
 from berth.cluster.protocol.errors import CloseCode, ProtocolError
-from berth.cluster.protocol.frames import ErrorCode, ErrorInfo, Request
+from berth.cluster.protocol.frames import Request
 from berth.cluster.protocol.ops import RENEW, RenewResult
+from berth.cluster.protocol.payloads import ErrorCode, ErrorInfo
 from berth.errors import BerthError
 from berth.store import NodeRecord, Store
 

@@ -6,7 +6,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from berth.admission import Admission
-from berth.agent.core import AgentCore, RuntimeStatus
+from berth.agent.core import AgentCore
+from berth.agent.host import RuntimeStatus
 from berth.cluster.ca import CertificateAuthority
 from berth.cluster.direct_path import DataPaths
 from berth.cluster.enrollment import EnrollmentService

@@ -9,9 +9,13 @@ leader holds the lease, at once when it does at start, later when a standby take
 The graph's ``leadership`` is set when it is built, so the listeners can start before.
 
 A leader that held the lease and lost it (another took over while it was stalled, or the
-store was out of reach past the lease) does not go on as a standby with loops that acted
-on a stale view: ``on_lost`` is called (the ``Leader`` stops; its supervisor starts it
-again, as a standby).  Its writes are fenced from the moment the lease is another's.
+store was out of reach past the lease) must not go on acting on its stale view; its writes
+are fenced from the moment the lease is another's.  Given a ``stop_leading`` (a leader-only
+``Leader``), it *demotes*: ``stop_leading`` stops the leader-only loops and sends its
+agents to the active, then it waits for the lease again like any standby, and may lead
+again later (``start_leading`` once more).  Without one, ``on_lost`` is called (a
+``Leader`` that runs engines on its own host stops; its supervisor starts it again, as a
+standby).
 """
 
 from __future__ import annotations
@@ -60,17 +64,26 @@ class SharedLeadership:
         self._on_lost = on_lost
         self._leading = False
         self._stopping = False
+        self._stop_leading: Callable[[], Awaitable[None]] | None = None
         self._waiting: asyncio.Task[None] | None = None
+        self._demoting: asyncio.Task[None] | None = None
 
     @property
     def leading(self) -> bool:
         """Whether the leader-only loops were started (this leader became active)."""
         return self._leading
 
-    async def start(self, start_leading: Callable[[], Awaitable[None]]) -> None:
+    async def start(
+        self,
+        start_leading: Callable[[], Awaitable[None]],
+        stop_leading: Callable[[], Awaitable[None]] | None = None,
+    ) -> None:
         """Follow key changes, take part in the lease, and call ``start_leading`` now, or
-        once the lease is this leader's."""
+        once the lease is this leader's.  ``stop_leading``, when given, is called when the
+        lease is lost after leading, and this leader stands by again (see the module doc);
+        without it, ``on_lost`` is called."""
         self._start_leading = start_leading
+        self._stop_leading = stop_leading
         self._graph.leadership = self.leadership
         await self._key_sync.start()
         self.leadership.subscribe(self._role_changed)
@@ -91,25 +104,29 @@ class SharedLeadership:
         this one finishes what is in flight; it takes no lease again.  Key sync goes on
         until :meth:`stop`."""
         self._stopping = True
-        if self._waiting is not None:
-            self._waiting.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._waiting
-            self._waiting = None
+        await self._cancel_tasks()
         await self.leadership.stop(release=True)
 
     async def stop(self) -> None:
         """Stop waiting, following and leasing; the lease is handed back when held, so a
         standby takes over at once."""
         self._stopping = True
+        await self._cancel_tasks()
+        await self._key_sync.stop()
+        await self.roster.stop()
+        await self.leadership.stop(release=True)
+
+    async def _cancel_tasks(self) -> None:
+        """Stop waiting for the lease; a demotion under way is finished first (its
+        ``stop_leading`` must not be cut half way)."""
+        if self._demoting is not None:
+            await asyncio.shield(self._demoting)
+            self._demoting = None
         if self._waiting is not None:
             self._waiting.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._waiting
             self._waiting = None
-        await self._key_sync.stop()
-        await self.roster.stop()
-        await self.leadership.stop(release=True)
 
     async def _lead_when_active(self) -> None:
         await self.leadership.wait_active()
@@ -123,7 +140,9 @@ class SharedLeadership:
         await self._start_leading()
 
     def _role_changed(self, state: LeaseState) -> None:
-        if state.role == "standby" and self._leading and not self._stopping:
+        if state.role != "standby" or not self._leading or self._stopping:
+            return
+        if self._stop_leading is None:
             _log.error(
                 "leadership: lost the lease (epoch %d is now %s's); stopping, to come back "
                 "as a standby",
@@ -131,3 +150,28 @@ class SharedLeadership:
                 state.active_address or "nobody",
             )
             self._on_lost()
+            return
+        _log.error(
+            "leadership: lost the lease (epoch %d is now %s's); stepping down to standby",
+            state.epoch,
+            state.active_address or "nobody",
+        )
+        self._leading = False
+        self._demoting = asyncio.create_task(self._demote(), name="demote")
+
+    async def _demote(self) -> None:
+        """Stop leading (the leader-only loops, the agents' links), then wait for the lease
+        again like any standby."""
+        assert self._stop_leading is not None, "_role_changed checked"
+        try:
+            await self._stop_leading()
+        except Exception:  # a failed demotion must not leave a standby that would lead twice
+            _log.exception("leadership: stepping down failed; stopping instead")
+            self._on_lost()
+            return
+        _log.info(
+            "leadership: standby; the active leader is %s",
+            self.leadership.view().active_address or "none yet",
+        )
+        if not self._stopping:
+            self._waiting = asyncio.create_task(self._lead_when_active(), name="standby")

@@ -29,6 +29,7 @@ from collections.abc import Mapping
 
 from berth.agent.owner import JournalOwnership, own_engines
 from berth.cluster.link import LOCAL_NODE_ID
+from berth.cluster.protocol.errors import not_leader_reason
 from berth.config import Settings
 from berth.daemon.build import LeaderParts, build_leader
 from berth.daemon.graph import LeaderGraph
@@ -57,7 +58,11 @@ class Leader:
     (reconcile and the engine watcher, the supervisor's restarts, scaling). A lone Leader
     leads from :meth:`start`; with ``leader_ha`` its :class:`~berth.daemon.ha.SharedLeadership`
     calls it once this leader holds the store's lease (at once, or when a standby takes
-    over), and stops the Leader (:meth:`request_stop`) if it loses the lease after leading.
+    over).  If it loses the lease after leading, a ``leader_only`` Leader steps down
+    (:meth:`stop_leading`) and stays on as a standby, to lead again when the lease is free;
+    one that runs engines on its own host stops instead (:meth:`request_stop`): its
+    node ``local``'s engines and their deployments are its own host's, which a demotion
+    would leave unwatched, and which the new active cannot reach.
     """
 
     def __init__(
@@ -72,6 +77,7 @@ class Leader:
         self._ownership: JournalOwnership | None = None
         self._leading = False
         self._shared: SharedLeadership | None = None
+        self._detached_sweep: asyncio.Task[list[str]] | None = None
 
     # -- what a started leader shows ------------------------------------------------------
 
@@ -215,7 +221,9 @@ class Leader:
             # leader, with their keys, for reconcile.
             await core.restore()
         if self._shared is not None:  # shared leadership: lead now, or once the lease is ours
-            await self._shared.start(self.start_leading)
+            # Only a leader-only leader can stand by again without its host's engines.
+            demote = self.stop_leading if graph.leader_only else None
+            await self._shared.start(self.start_leading, demote)
         else:
             await self.start_leading()
         if core is not None and core.adopted is not None:
@@ -232,8 +240,12 @@ class Leader:
     async def start_leading(self) -> None:
         """Start the loops only a store's leader runs: reconcile what the last run left and
         watch the engines (the lifecycle manager, whose supervisor restarts them), and the
-        scaling controller. The hook a shared-store leader election would gate; called by
-        :meth:`start` today. Raises ``DaemonError`` when already leading."""
+        scaling controller; and, once, ``node_timeout_s`` from now, mark unreachable the
+        nodes the store says are ``ready`` whose agents have no link to this leader (links
+        that ended with the last active, or the last run: only the hub that held a link
+        marks its node when it ends). Called by :meth:`start` (a lone leader) or by shared
+        leadership once the lease is this leader's, again after each :meth:`stop_leading`.
+        Raises ``DaemonError`` when already leading."""
         if self._leading:
             raise DaemonError("the leader already leads")
         graph = self.graph
@@ -243,7 +255,39 @@ class Leader:
             await asyncio.to_thread(graph.store.list_service_profiles),
             await asyncio.to_thread(graph.store.list_deployments, active_only=True),
         )
+        self._detached_sweep = asyncio.create_task(
+            graph.hub.mark_detached_unreachable(self.settings.node_timeout_s),
+            name="detached-nodes",
+        )
         self._leading = True
+
+    async def stop_leading(self) -> None:
+        """Step down after the lease was lost (shared leadership, ``leader_only``): close
+        every agent's link with ``NOT_LEADER`` naming the active (the agents dial it at
+        once), then stop the leader-only loops (the engine watcher, restarts and starts in
+        flight, scaling, the sweep of detached nodes) without stopping any engine: the
+        agents' engines run on, for the new active to re-attach.  The listeners stay open
+        and answer as a standby's (they read the leadership).  :meth:`start_leading` may be
+        called again afterwards.  Raises ``DaemonError`` when not leading."""
+        if not self._leading:
+            raise DaemonError("the leader does not lead")
+        self._leading = False
+        graph = self.graph
+        await self._cancel_detached_sweep()
+        # The links first: a start or restart cut short below then reaches no agent.
+        gate = graph.hub.agent_gate
+        reason = gate.refusal() if gate is not None else None
+        await graph.hub.close_for_standby(reason or not_leader_reason(None))
+        if graph.scaling is not None:
+            await graph.scaling.close()
+        await graph.lifecycle.stand_down()
+        log.info("berth leader standing by: the leader-only loops stopped, no engine stopped")
+
+    async def _cancel_detached_sweep(self) -> None:
+        sweep, self._detached_sweep = self._detached_sweep, None
+        if sweep is not None:
+            sweep.cancel()
+            await asyncio.gather(sweep, return_exceptions=True)
 
     # -- stop -----------------------------------------------------------------------------
 
@@ -281,6 +325,7 @@ class Leader:
 
     async def _stop_pieces(self, parts: LeaderParts) -> None:
         graph = parts.graph
+        await self._cancel_detached_sweep()
         await parts.tls.reloads.close()
         await asyncio.gather(parts.public_server.close(0.0), parts.socket_server.close(0.0))
         if parts.local_sampler is not None:

@@ -26,7 +26,7 @@ from collections.abc import Callable, Mapping, Sequence
 from berth.admission.capacity import DEFAULT_SLOTS
 from berth.cluster.link import LOCAL_NODE_ID
 from berth.cluster.link_registry import LinkRegistry
-from berth.cluster.protocol.frames import AdoptedState, EngineState
+from berth.cluster.protocol.payloads import AdoptedState, EngineState
 from berth.deployments.estimates import VramEstimator
 from berth.deployments.lora_plan import plan_lora
 from berth.deployments.placement_facts import UsageLookup, no_usage
@@ -209,6 +209,25 @@ class LifecycleManager:
         await self.refresh_known_models()
         await self._reconciler.reconcile_local()
         self._watcher = asyncio.create_task(self._reconciler.watch(), name="berth-engine-watcher")
+
+    async def stand_down(self) -> None:
+        """Stop the loops only the store's leader runs (the engine watcher, the restart
+        policy's pending restarts, the starts in flight) and stop no engine: this leader
+        lost the lease (docs/ha.md); the engines on agents run on for the new active.
+        Call it once the agents' links are closed, so that a start cut short here (which
+        removes its half-started engine first) reaches no agent.  :meth:`start` may be
+        called again afterwards; a manager not started changes nothing."""
+        watcher, self._watcher = self._watcher, None
+        if watcher is None:
+            return
+        watcher.cancel()
+        await asyncio.gather(watcher, return_exceptions=True)
+        await self._supervisor.shutdown()
+        starting = list(self._starting.values())
+        for task in starting:
+            task.cancel()
+        if starting:
+            await asyncio.wait(starting, timeout=self._stop_grace_s + 30.0)
 
     async def shutdown(self) -> None:
         """Stop every engine on the leader's own node and mark its deployment stopped.

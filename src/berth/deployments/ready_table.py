@@ -26,7 +26,7 @@ from collections.abc import Callable, Mapping, Sequence
 from berth.admission.capacity import DEFAULT_SLOTS, GateSlots, gate_slots
 from berth.agent.adopted import ADOPTED_ID_PREFIX
 from berth.cluster.link import LOCAL_NODE_ID, EngineEndpoint
-from berth.cluster.protocol.frames import AdoptedState
+from berth.cluster.protocol.payloads import AdoptedState
 from berth.cluster.remote_link import tunnel_url
 from berth.errors import NotFoundError
 from berth.placement import GpuReservation

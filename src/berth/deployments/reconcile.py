@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 
 from berth.cluster.link import LOCAL_NODE_ID, AgentLink, EngineEndpoint, EngineReport
 from berth.cluster.link_registry import LinkRegistry
-from berth.cluster.protocol.frames import EngineState
+from berth.cluster.protocol.payloads import EngineState
 from berth.cluster.remote_link import tunnel_url
 from berth.deployments.ready_table import ReadyTable
 from berth.deployments.restarts import EndCause, Ending

@@ -5,11 +5,11 @@
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable
 
 from berth.engine_http.answer import PushedAnswer
 from berth.engine_http.errors import UpstreamError
+from berth.engine_http.push_relay import PushRelay
 from berth.gateway.exchange import PushWriter
 from berth.gateway.outcome import Exchange
 from berth.gateway.sse import (
@@ -23,7 +23,7 @@ from berth.gateway.sse import (
 __all__ = ["StreamPush"]
 
 
-class StreamPush:
+class StreamPush(PushRelay):
     """Relays a pushed event stream to ``writer`` (see the module docstring): the
     :class:`~berth.engine_http.answer.BodySink` of ``answer``, and :meth:`run` for the task
     that waits on it.
@@ -36,17 +36,14 @@ class StreamPush:
     """
 
     __slots__ = (
-        "_answer",
         "_bug",
         "_clock",
         "_ended",
         "_exchange",
         "_failure",
         "_max_event_bytes",
-        "_paused",
         "_splitter",
         "_strip",
-        "_waiter",
         "_writer",
     )
 
@@ -60,7 +57,7 @@ class StreamPush:
         max_event_bytes: int,
         clock: Callable[[], float],
     ) -> None:
-        self._answer = answer
+        super().__init__(answer)
         self._writer = writer
         self._exchange = exchange
         self._splitter = splitter
@@ -68,18 +65,15 @@ class StreamPush:
         self._max_event_bytes = max_event_bytes
         self._clock = clock
         self._ended = False
-        self._paused = False
         self._failure: UpstreamError | None = None
         self._bug: Exception | None = None
-        self._waiter: asyncio.Future[None] | None = None
 
     async def run(self) -> UpstreamError | None:
         """Push the answer's body to the client until it ends: ``None`` once the answer
         is complete (and ended), the engine's failure when it broke off (the answer is left
         for the caller to end). Raises a bug of the sink's, and ``CancelledError``."""
-        answer = self._answer
-        answer.push_body(self)
-        loop = asyncio.get_running_loop()
+        self._answer.push_body(self)
+        drain = self._writer.drain
         while True:
             if self._bug is not None:
                 raise self._bug
@@ -87,16 +81,7 @@ class StreamPush:
                 return None
             if self._failure is not None:
                 return self._failure
-            if self._paused:
-                await self._writer.drain()
-                self._paused = False
-                answer.resume_body()
-                continue
-            waiter = self._waiter = loop.create_future()
-            try:
-                await waiter
-            finally:
-                self._waiter = None
+            await self._drain_or_wait(drain)
 
     # -- BodySink: called from the answer's connection ------------------------------------
 
@@ -152,8 +137,3 @@ class StreamPush:
                 self._paused = True
                 self._answer.pause_body()
                 self._wake()
-
-    def _wake(self) -> None:
-        waiter = self._waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)

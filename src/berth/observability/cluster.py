@@ -47,7 +47,8 @@ from prometheus_client.metrics_core import (
 )
 from prometheus_client.registry import Collector
 
-from berth.cluster.protocol.frames import Heartbeat, LoopLag
+from berth.cluster.protocol.frames import Heartbeat
+from berth.cluster.protocol.payloads import LoopLag
 from berth.observability.loop_lag import LagHistogram
 
 #: Seconds of samples kept per node.

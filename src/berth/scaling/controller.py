@@ -125,7 +125,9 @@ class ScalingController:
     ) -> None:
         """Take the services and their active deployments as they are now, and start looking
         every ``interval_s``.  A deployment found ready counts as ready from now, so a
-        restarted leader gives each its full idle timeout."""
+        restarted leader gives each its full idle timeout; replicas tracked before (a
+        leader that stood by meanwhile) are forgotten."""
+        self._replicas.clear()
         self.services_changed(services)
         for record in active:
             self.deployment_changed(record)

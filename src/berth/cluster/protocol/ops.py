@@ -17,7 +17,8 @@ from typing import Any, Generic, Literal, TypeVar
 import msgspec
 
 from berth.cluster.protocol.errors import ProtocolError
-from berth.cluster.protocol.frames import EngineState, Inventory, OpName
+from berth.cluster.protocol.frames import OpName
+from berth.cluster.protocol.payloads import EngineState, Inventory
 from berth.runtime.base import RuntimeName
 from berth.runtime.engines import DeploymentRequest, EngineName
 

@@ -16,9 +16,10 @@ picks them out by their first byte, ``frames.STREAM_DATA_PREFIX``).
 Rules enforced here (``docs/protocol.md`` is the specification):
 
 - the agent's first frame is Hello, the leader's is Welcome, each exactly once; the version
-  is the highest both ranges share;
+  is the highest both ranges share (what each must hold: :mod:`~berth.cluster.protocol.handshake`);
 - a request for an op this code does not know is answered ``unsupported`` here;
-- only the leader opens streams, ids strictly increasing; at most ``max_streams`` are open;
+- only the leader opens streams, ids strictly increasing; at most ``max_streams`` are open
+  (:class:`~berth.cluster.protocol.limits.LinkLimits`);
 - each side may send at most the credit the other granted on a stream (initially
   ``stream_window_bytes``); the receiver grants more as its reader consumes (:meth:`consume`),
   so a slow reader slows the sender instead of filling memory; data beyond the credit is a
@@ -29,14 +30,12 @@ Rules enforced here (``docs/protocol.md`` is the specification):
 from __future__ import annotations
 
 import enum
-import functools
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable
 from typing import assert_never
 
 import msgspec
 
-from berth.cluster.protocol.errors import CloseCode, LinkError, ProtocolError
+from berth.cluster.protocol.errors import LinkError, ProtocolError
 from berth.cluster.protocol.events import (
     CreditGranted,
     DataReceived,
@@ -52,13 +51,8 @@ from berth.cluster.protocol.events import (
     WelcomeReceived,
 )
 from berth.cluster.protocol.frames import (
-    DEFAULT_MAX_FRAME_BYTES,
-    HEADER_BYTES,
-    MAX_JSON_BYTES,
     PROTOCOL_MAX,
     PROTOCOL_MIN,
-    ErrorCode,
-    ErrorInfo,
     Frame,
     Heartbeat,
     Hello,
@@ -79,6 +73,9 @@ from berth.cluster.protocol.frames import (
     decode_frame,
     encode_frame,
 )
+from berth.cluster.protocol.handshake import WelcomeTerms, read_hello, read_welcome, welcome_for
+from berth.cluster.protocol.limits import LinkLimits
+from berth.cluster.protocol.payloads import ErrorCode, ErrorInfo
 
 #: Where :meth:`LinkSession.receive_data` hands a stream's payload: ``(stream id, payload,
 #: end)``, ``end`` when the peer's side of the stream is done.
@@ -100,51 +97,6 @@ class SessionState(enum.Enum):
 # member through its class (``SessionState.OPEN``) costs about 0.3 us, a global a tenth of it.
 _OPEN = SessionState.OPEN
 _CLOSED = SessionState.CLOSED
-
-
-@dataclass(frozen=True)
-class LinkLimits:
-    """The bounds of one link; both sides should use the same values.
-
-    ``max_frame_bytes`` bounds every WebSocket message; ``max_streams`` the streams open at
-    once; ``stream_window_bytes`` the credit each side starts with per stream, which is also
-    the most payload one stream can have buffered at its receiver.
-    """
-
-    max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
-    max_streams: int = 4096
-    stream_window_bytes: int = 256 * 1024
-
-    def __post_init__(self) -> None:
-        # A STREAM_OPEN/STREAM_HEAD carries a full window of payload beside its JSON body.
-        if self.stream_window_bytes + MAX_JSON_BYTES + HEADER_BYTES > self.max_frame_bytes:
-            raise ValueError("stream_window_bytes + the JSON limit must fit max_frame_bytes")
-
-    @functools.cached_property
-    def max_payload_bytes(self) -> int:
-        """Largest payload one STREAM_DATA frame may carry (read once per frame sent)."""
-        return min(self.max_frame_bytes - HEADER_BYTES, self.stream_window_bytes)
-
-
-@dataclass(frozen=True)
-class WelcomeTerms:
-    """What the leader says in Welcome besides the negotiated version and its clock: the node
-    id (from the agent's certificate), its own version, the heartbeat interval it wants and
-    the link timeout both ends keep, in seconds, its capabilities, and the cluster URLs of
-    every leader sharing its database (empty for a lone leader)."""
-
-    node_id: str
-    leader_version: str
-    heartbeat_interval_s: float = 5.0
-    capabilities: Sequence[str] = ()
-    link_timeout_s: float = 6.0
-    leaders: Sequence[str] = ()
-
-
-def negotiate_version(peer_min: int, peer_max: int, ours: tuple[int, int]) -> int | None:
-    """The highest protocol version in both ``[peer_min, peer_max]`` and ``ours``, or None."""
-    high = min(peer_max, ours[1])
-    return high if high >= max(peer_min, ours[0]) else None
 
 
 class _Stream:
@@ -241,25 +193,9 @@ class LinkSession:
         hello = self.hello
         if hello is None or self.state is not SessionState.HANDSHAKE:
             raise LinkError("Welcome is sent once, after Hello")
-        version = negotiate_version(hello.protocol_min, hello.protocol_max, self.versions)
-        if version is None:
-            raise ProtocolError(
-                f"agent speaks protocol {hello.protocol_min}-{hello.protocol_max}, "
-                f"the leader {self.versions[0]}-{self.versions[1]}",
-                CloseCode.UNSUPPORTED_VERSION,
-            )
-        frame = Welcome(
-            protocol_version=version,
-            leader_version=terms.leader_version,
-            node_id=terms.node_id,
-            server_time=server_time,
-            heartbeat_interval_s=terms.heartbeat_interval_s,
-            capabilities=list(terms.capabilities),
-            link_timeout_s=terms.link_timeout_s,
-            leaders=list(terms.leaders),
-        )
+        frame = welcome_for(hello, terms, self.versions, server_time=server_time)
         self._send(frame)
-        self.protocol_version = version
+        self.protocol_version = frame.protocol_version
         self.state = SessionState.OPEN
         return frame
 
@@ -268,11 +204,10 @@ class LinkSession:
 
         Raises :class:`ProtocolError` for anything else (an unknown frame type included).
         """
-        frame = self._receive_greeting(message, Role.LEADER, "Hello")
-        if not isinstance(frame, Hello):
-            raise ProtocolError(f"the agent's first frame must be Hello, not {_name(frame)}")
-        self.hello = frame
-        return frame
+        self._require_greeting(Role.LEADER, "Hello")
+        hello = read_hello(message, self.limits.max_frame_bytes)
+        self.hello = hello
+        return hello
 
     def receive_welcome(self, message: bytes) -> Welcome:
         """Agent: take the leader's first message, which must be Welcome at a version this
@@ -281,28 +216,17 @@ class LinkSession:
         Raises :class:`ProtocolError` for anything else (``UNSUPPORTED_VERSION`` for a
         version outside our range).
         """
-        frame = self._receive_greeting(message, Role.AGENT, "Welcome")
-        if not isinstance(frame, Welcome):
-            raise ProtocolError(f"the leader's first frame must be Welcome, not {_name(frame)}")
-        low, high = self.versions
-        if not low <= frame.protocol_version <= high:
-            raise ProtocolError(
-                f"leader chose protocol {frame.protocol_version}, outside {low}-{high}",
-                CloseCode.UNSUPPORTED_VERSION,
-            )
+        self._require_greeting(Role.AGENT, "Welcome")
+        frame = read_welcome(message, self.limits.max_frame_bytes, self.versions)
         self.protocol_version = frame.protocol_version
         self.state = SessionState.OPEN
         return frame
 
-    def _receive_greeting(self, message: bytes, receiver: Role, what: str) -> Frame:
+    def _require_greeting(self, receiver: Role, what: str) -> None:
         if self.role is not receiver:
             raise LinkError(f"only the {receiver.value} receives {what}")
         if self.state is not SessionState.HANDSHAKE or self.hello is not None:
             raise LinkError("the handshake's first frame was already taken")
-        frame = decode_frame(message, self.limits.max_frame_bytes)
-        if frame is None:
-            raise ProtocolError("the first frame must be Hello or Welcome, not unknown")
-        return frame
 
     # -- receiving ----------------------------------------------------------------------------
 
@@ -359,7 +283,7 @@ class LinkSession:
                 self._send(Response(id=frame.id, ok=False, error=error))
                 return None
             case Hello() | Welcome():
-                raise ProtocolError(f"{_name(frame)} after the handshake")
+                raise ProtocolError(f"{type(frame).__name__} after the handshake")
             case _:
                 assert_never(frame)
 
@@ -560,7 +484,3 @@ class LinkSession:
     def _require_open(self) -> None:
         if self.state is not _OPEN:
             raise LinkError(f"the agent link is {self.state.value}, not open")
-
-
-def _name(frame: Frame) -> str:
-    return type(frame).__name__
