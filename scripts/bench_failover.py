@@ -49,29 +49,48 @@ def _answers(leader: Cluster, key: str) -> bool:
     return reply.status_code == 200
 
 
+def start_leader_pair(folder: Path, env: dict[str, str]) -> tuple[Cluster, Cluster]:
+    """Leaders ``a`` (started first: the active) and ``b`` (the standby) under ``folder``,
+    both started with ``env`` after ``b``'s home was given ``a``'s CA and key pepper (what
+    docs/ha.md asks of leaders that share a cluster). If ``b`` fails to start, ``a`` is
+    stopped before the error goes on."""
+    a, b = Cluster(folder / "a", env), Cluster(folder / "b", env)
+    CertificateAuthority.load_or_create(a.leader_home / "ca")
+    load_or_create_pepper(a.leader_home / "key_pepper")
+    b.leader_home.mkdir(parents=True)
+    shutil.copytree(a.leader_home / "ca", b.leader_home / "ca")
+    shutil.copy2(a.leader_home / "key_pepper", b.leader_home / "key_pepper")
+    a.start()
+    try:
+        b.start()
+    except BaseException:
+        a.berth("daemon", "stop", check=False)
+        raise
+    return a, b
+
+
+def ha_env(
+    database_url: str, lease_s: float, extra: dict[str, str] | None = None
+) -> dict[str, str]:
+    """Every process's environment: this tree's berth, the shared database, ``leader_ha``
+    with a ``lease_s`` lease, leader-only leaders, and ``extra``."""
+    settings = {
+        "BERTH_DATABASE_URL": database_url,
+        "BERTH_LEADER_HA": "true",
+        "BERTH_LEADER_LEASE_S": str(lease_s),
+        "BERTH_LEADER_ONLY": "true",
+        "PYTHONPATH": str(ROOT / "src"),
+    }
+    return clean_env({**settings, **(extra or {})})
+
+
 def main(rounds: int, lease_s: float) -> None:
     server = PostgresServer.start()
     folder = Path(tempfile.mkdtemp(prefix="berth-bench-failover-"))
     leaders: list[Cluster] = []
     try:
-        env = clean_env(
-            {
-                "BERTH_DATABASE_URL": server.create_database(),
-                "BERTH_LEADER_HA": "true",
-                "BERTH_LEADER_LEASE_S": str(lease_s),
-                "BERTH_LEADER_ONLY": "true",
-                "PYTHONPATH": str(ROOT / "src"),
-            }
-        )
-        a, b = Cluster(folder / "a", env), Cluster(folder / "b", env)
-        CertificateAuthority.load_or_create(a.leader_home / "ca")
-        load_or_create_pepper(a.leader_home / "key_pepper")
-        b.leader_home.mkdir(parents=True)
-        shutil.copytree(a.leader_home / "ca", b.leader_home / "ca")
-        shutil.copy2(a.leader_home / "key_pepper", b.leader_home / "key_pepper")
-        for leader in (a, b):
-            leader.start()
-            leaders.append(leader)
+        a, b = start_leader_pair(folder, ha_env(server.create_database(), lease_s))
+        leaders += [a, b]
         key = a.api_key
         active, standby = a, b
         takeovers: list[float] = []

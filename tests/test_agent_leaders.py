@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from berth.agent.leaders import LeaderList, NextDial, next_dial
+from berth.agent.leaders import HANDOVER_REFUSALS, LeaderList, NextDial, next_dial
 from berth.cluster.enrollment import EnrollmentURI
 from berth.cluster.protocol.errors import (
     CloseCode,
@@ -51,6 +51,24 @@ def test_a_standbys_refusal_sends_the_agent_to_the_named_active_at_once_once_in_
     assert agent_should_redial(CloseCode.NOT_LEADER)
 
 
+def test_once_a_standby_named_an_active_the_backoff_is_held_until_a_welcome() -> None:
+    # kill -9 of the active A: the link breaks, standby B names A until its lease runs out,
+    # A refuses connections. Without the hold the backoff doubled through the lease.
+    leaders = LeaderList([A, B], A)
+    assert leaders.ended(None, "") == NextDial(B, at_once=False, handing_over=False)
+    named = not_leader_reason(A)
+    for _ in range(HANDOVER_REFUSALS):
+        assert leaders.ended(CloseCode.NOT_LEADER, named) == NextDial(A, True, True)
+        assert leaders.ended(None, "") == NextDial(B, at_once=False, handing_over=True)
+    # Past the bound (a standby that never takes over): the doubling backoff again.
+    assert leaders.ended(CloseCode.NOT_LEADER, named).handing_over is False
+    assert leaders.ended(None, "").handing_over is False
+    leaders.welcomed([A, B])
+    assert leaders.ended(None, "").handing_over is False
+    # A standby that names no active says nothing of a handover.
+    assert leaders.ended(CloseCode.NOT_LEADER, not_leader_reason(None)).handing_over is False
+
+
 def test_the_list_is_kept_atomically_and_follows_each_welcome(tmp_path: Path) -> None:
     path = tmp_path / "agent-leaders.json"
     LeaderList([A, B], A, path).save()
@@ -64,7 +82,7 @@ def test_the_list_is_kept_atomically_and_follows_each_welcome(tmp_path: Path) ->
     leaders.welcomed([])  # a lone or older leader lists none: the list stays
     assert leaders.leaders == [A, B, C]
     jumped = leaders.ended(CloseCode.NOT_LEADER, not_leader_reason(A))
-    assert jumped == NextDial(A, at_once=True) and leaders.current == A
+    assert jumped == NextDial(A, at_once=True, handing_over=True) and leaders.current == A
 
 
 @pytest.mark.parametrize("text", ["not json", '["a list"]', '{"leaders": 3}'])

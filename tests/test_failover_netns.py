@@ -23,11 +23,8 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shutil
 import signal
 import statistics
-import subprocess
-import sys
 import threading
 import time
 import uuid
@@ -46,16 +43,15 @@ from support.cluster_harness import (
     fake_engine_wrapper,
     served_by_node,
 )
+from support.netns import Namespaces, run
 
 pytestmark = pytest.mark.slow
 
 MODEL = "shared"
-#: Names carry this worktree's prefix so that others' namespaces never collide with them.
-PREFIX = "failure"
-BRIDGE = f"{PREFIX}-br"
-SUBNET = "10.231.47"
-LEADER_IP = f"{SUBNET}.1"
 LABELS = ("a", "b")
+#: Names carry this module's prefix so that others' namespaces never collide with them.
+NETNS = Namespaces("failure", "10.231.47", LABELS)
+LEADER_IP = NETNS.host_ip
 #: Client threads keeping the cluster busy.
 CLIENTS = 6
 #: Seconds the engine takes before the head of each answer.
@@ -69,78 +65,11 @@ RELAY_DELAY_S = 0.2
 BOUND_S = 10.0
 
 
-def _run(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(args, capture_output=True, text=True, check=check, timeout=30)
-
-
-def _namespace(label: str) -> str:
-    return f"{PREFIX}-{label}"
-
-
-def _veth(label: str) -> tuple[str, str]:
-    """(the root end on the bridge, the end inside the namespace)."""
-    return f"{PREFIX}-{label}", f"{PREFIX}-{label}-ns"
-
-
-def _teardown() -> None:
-    for label in LABELS:
-        _run("ip", "netns", "del", _namespace(label), check=False)
-        _run("ip", "link", "del", _veth(label)[0], check=False)
-    _run("ip", "link", "del", BRIDGE, check=False)
-
-
-def _setup() -> None:
-    _teardown()  # what a crashed earlier run may have left
-    _run("ip", "link", "add", BRIDGE, "type", "bridge")
-    _run("ip", "addr", "add", f"{LEADER_IP}/24", "dev", BRIDGE)
-    _run("ip", "link", "set", BRIDGE, "up")
-    for index, label in enumerate(LABELS, start=2):
-        ns, (outer, inner) = _namespace(label), _veth(label)
-        _run("ip", "netns", "add", ns)
-        _run("ip", "link", "add", outer, "type", "veth", "peer", "name", inner)
-        _run("ip", "link", "set", inner, "netns", ns)
-        _run("ip", "link", "set", outer, "master", BRIDGE)
-        _run("ip", "link", "set", outer, "up")
-        _run("ip", "-n", ns, "addr", "add", f"{SUBNET}.{index}/24", "dev", inner)
-        _run("ip", "-n", ns, "link", "set", inner, "up")
-        _run("ip", "-n", ns, "link", "set", "lo", "up")  # the engines listen on its 127.0.0.1
-
-
-def _why_not() -> str | None:
-    if sys.platform != "linux" or os.geteuid() != 0:
-        return "network namespaces need root on Linux"
-    for tool in ("ip", "iptables"):
-        if shutil.which(tool) is None:
-            return f"{tool} is not installed"
-    probe = f"{PREFIX}-probe"
-    made = _run("ip", "netns", "add", probe, check=False)
-    if made.returncode != 0:
-        return f"`ip netns add` does not work here: {made.stderr.strip()}"
-    try:
-        rule = _run("ip", "netns", "exec", probe, "iptables", "-L", "-n", check=False)
-        if rule.returncode != 0:
-            return f"iptables does not work in a namespace: {rule.stderr.strip()}"
-    finally:
-        _run("ip", "netns", "del", probe, check=False)
-    return None
-
-
-def _start_agent_in(cluster: Cluster, agent: Agent, namespace: str) -> None:
-    with (agent.home / "agent.out").open("ab") as log:
-        agent.process = subprocess.Popen(
-            ["ip", "netns", "exec", namespace, sys.executable, "-m", "berth",
-             "--home", str(agent.home), "agent", "start", "--verbose"],
-            stdout=log, stderr=subprocess.STDOUT, env=cluster.env, cwd=agent.home,
-            start_new_session=True,
-        )  # fmt: skip
-    cluster.wait_node(agent.node_id, "ready")
-
-
 @pytest.fixture(scope="module")
 def netns_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     """A leader in the root namespace and agents ``a`` and ``b`` in namespaces of their own,
     each serving the model, for the tests of this module."""
-    reason = _why_not()
+    reason = NETNS.why_not(iptables=True)
     if reason is not None:
         pytest.skip(reason)
     root = tmp_path_factory.mktemp("failover")
@@ -154,20 +83,20 @@ def netns_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]
             "BERTH_STOP_GRACE_S": "2",
         }
     )
-    _setup()
+    NETNS.setup()
     cluster = Cluster(root, env)
     try:
         cluster.start()
         for label in LABELS:
             agent = cluster.enroll(label)
-            _start_agent_in(cluster, agent, _namespace(label))
+            NETNS.start_agent(cluster, agent, label)
         _ready_deployments(cluster)
         yield cluster
     finally:
         try:
             cluster.close()
         finally:
-            _teardown()
+            NETNS.teardown()
 
 
 def _ready_deployments(cluster: Cluster) -> dict[str, dict[str, object]]:
@@ -418,13 +347,13 @@ def test_a_black_holed_link_delays_requests_by_seconds(netns_cluster: Cluster) -
     ns, rules = "", []  # set once the victim is known; the finally block lifts them
     try:
         pinned, victim, survivor = _pinned_conversation(cluster, load)
-        ns, inner = _namespace(victim.label), _veth(victim.label)[1]
+        ns, inner = NETNS.namespace(victim.label), NETNS.veth(victim.label)[1]
         rules = [["INPUT", "-i", inner, "-j", "DROP"], ["OUTPUT", "-o", inner, "-j", "DROP"]]
         time.sleep(2)
         retried = _retries(cluster)
         with _watch_state(cluster, victim) as seen:
             for rule in rules:
-                _run("ip", "netns", "exec", ns, "iptables", "-I", *rule)
+                run("ip", "netns", "exec", ns, "iptables", "-I", *rule)
             fault_at = time.monotonic()  # in force from here on
             waiters = load.send_at_once(pinned, 3)
             time.sleep(0.5)
@@ -433,12 +362,12 @@ def test_a_black_holed_link_delays_requests_by_seconds(netns_cluster: Cluster) -
             during = served_by_node(cluster, MODEL) - served
             shown = cli(victim.home, "agent", "status", env=cluster.env, check=False).stdout
             for rule in rules:
-                _run("ip", "netns", "exec", ns, "iptables", "-D", *rule)
+                run("ip", "netns", "exec", ns, "iptables", "-D", *rule)
             lifted_at = time.monotonic()
             time.sleep(2)
     finally:
         for rule in rules:
-            _run("ip", "netns", "exec", ns, "iptables", "-D", *rule, check=False)
+            run("ip", "netns", "exec", ns, "iptables", "-D", *rule, check=False)
         load.stop()
         for thread in waiters:
             thread.join(timeout=90)

@@ -131,6 +131,26 @@ async def test_known_model_without_ready_deployment_is_503(manager: LifecycleMan
     assert caught.value.retry_after_s > 0
 
 
+async def test_before_the_models_are_loaded_every_name_is_503_not_404(
+    store: Store, link: FakeLink
+) -> None:
+    # A leader that has just taken the lease over serves /v1 a moment before its lifecycle
+    # starts (issue 25's step-down benchmark got a 404 for a registered model there).
+    manager = LifecycleManager(store, LinkRegistry([link]), health_timeout_s=5, stop_grace_s=1)
+    for name in ("tiny", "nope"):
+        with pytest.raises(NoReadyDeploymentError, match="still loading its models") as caught:
+            manager.candidates(name)
+        assert caught.value.retry_after_s == 1
+    await manager.start()
+    try:
+        with pytest.raises(NotFoundError):
+            manager.candidates("nope")
+        with pytest.raises(NoReadyDeploymentError):
+            manager.candidates("tiny")
+    finally:
+        await manager.shutdown()
+
+
 async def test_stop_during_loading_and_stop_twice(
     manager: LifecycleManager, link: FakeLink
 ) -> None:

@@ -152,6 +152,8 @@ class AgentDialer:
                 if following.at_once:
                     self._status.activity(f"dialling the active leader {following.url}")
                     continue
+                if following.handing_over:
+                    attempt = 0  # a standby named an active: it takes over within a lease
                 delay = self._backoff(attempt)
                 attempt += 1
                 retry_after_s = retry_after_of(code, self._close_reason)

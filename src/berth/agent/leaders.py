@@ -10,6 +10,12 @@ changes) and dials its *current* leader:
 - a standby's refusal (close code ``NOT_LEADER``) names the active leader: the agent dials
   that one next, at once (once in a row; a second refusal in a row waits the backoff, so two
   leaders with stale views cannot make it spin);
+- once a standby has named an active, the leaders are handing over (the named one is dead or
+  about to be replaced): until the next Welcome, for at most :data:`HANDOVER_REFUSALS`
+  refusals, the backoff stays at its first step (0.5 to 1 s) instead of doubling, so the
+  agent reaches the new active within a second of its takeover rather than several seconds
+  after it (the kill -9 benchmark, ``scripts/bench_failover_agents.py``, saw 11.7 s with the
+  doubling backoff and a 5 s lease);
 - a Welcome makes the leader that sent it current and replaces the list with the one it
   carries (an empty list, from a lone or older leader, leaves it as it is).
 
@@ -19,6 +25,7 @@ is lost or damaged starts from where it was enrolled.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from collections.abc import Sequence
@@ -32,15 +39,21 @@ log = logging.getLogger(__name__)
 
 #: The file in the agent's home that keeps the list.
 LEADERS_FILE = "agent-leaders.json"
+#: Refusals naming an active, since the last Welcome, for which the backoff is held at its
+#: first step: about 8 to 16 s of redials, past the default lease and its look; longer
+#: leases fall back to the doubling backoff.
+HANDOVER_REFUSALS = 16
 
 
 @dataclass(frozen=True)
 class NextDial:
     """Where the agent dials after a session ended: ``url``, and whether ``at_once``
-    (skipping the backoff) because a standby named the active leader."""
+    (skipping the backoff) because a standby named the active leader; ``handing_over``:
+    the backoff stays at its first step (see the module doc)."""
 
     url: str
     at_once: bool
+    handing_over: bool = False
 
 
 def next_dial(
@@ -78,6 +91,8 @@ class LeaderList:
         self._current = current.rstrip("/")
         self._path = path
         self._jumped = False
+        #: refusals naming an active since the last Welcome
+        self._named_refusals = 0
 
     @classmethod
     def load(cls, path: Path, enrolled_at: str) -> LeaderList:
@@ -109,6 +124,7 @@ class LeaderList:
     def welcomed(self, leaders: Sequence[str]) -> None:
         """The current leader welcomed the agent with ``leaders`` (maybe empty)."""
         self._jumped = False
+        self._named_refusals = 0
         if leaders:
             self._leaders = _unique([*leaders, self._current])
         self.save()
@@ -119,12 +135,15 @@ class LeaderList:
             self._leaders, self._current, code=code, reason=reason, jumped_last=self._jumped
         )
         self._jumped = decided.at_once
+        if code == CloseCode.NOT_LEADER and active_named_in(reason) is not None:
+            self._named_refusals += 1
         if decided.url not in self._leaders:
             self._leaders.append(decided.url)
         if decided.url != self._current:
             self._current = decided.url
             self.save()
-        return decided
+        handing_over = 0 < self._named_refusals <= HANDOVER_REFUSALS
+        return dataclasses.replace(decided, handing_over=handing_over)
 
     def save(self) -> None:
         if self._path is None:

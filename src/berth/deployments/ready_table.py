@@ -36,6 +36,9 @@ from berth.store import DeploymentRecord, RoutingPolicy, StreamTimeouts
 
 #: Seconds a client is told to wait (``Retry-After``) for a model that is still loading.
 LOADING_RETRY_AFTER_S = 5
+#: ... and for any model before the known names were first loaded (a leader starting or
+#: taking over: a moment).
+UNLOADED_RETRY_AFTER_S = 1
 
 
 class ReadyTable:
@@ -67,8 +70,9 @@ class ReadyTable:
         self._ready: dict[str, dict[str, Upstream]] = {}
         #: ready deployments whose node is unreachable: model -> deployment id -> node id
         self._parked: dict[str, dict[str, str]] = {}
-        #: names that answer 503 rather than 404 while nothing serves them
-        self._known_models: set[str] = set()
+        #: names that answer 503 rather than 404 while nothing serves them; ``None`` until
+        #: the lifecycle first loads them from the store
+        self._known_models: set[str] | None = None
         #: adopted endpoints as each node last reported them: node id -> name -> state
         self._adopted: dict[str, dict[str, AdoptedState]] = {}
         #: ready deployments whose last health probe failed: deployment id -> why
@@ -81,7 +85,8 @@ class ReadyTable:
         them).
 
         Raises ``NotFoundError`` for a model berth does not know and
-        ``NoReadyDeploymentError`` (503, ``Retry-After``) for one with no ready deployment.
+        ``NoReadyDeploymentError`` (503, ``Retry-After``) for one with no ready deployment,
+        and for any model before :meth:`set_known_models` was first called.
         """
         ready = self._ready.get(model)
         if ready:
@@ -103,6 +108,12 @@ class ReadyTable:
         if down:
             detail = f"its adopted endpoint does not answer ({', '.join(sorted(down))})"
             raise NoReadyDeploymentError(model, retry_after_s=LOADING_RETRY_AFTER_S, detail=detail)
+        if self._known_models is None:
+            # A leader that has just taken the lease over (or is starting) serves before its
+            # lifecycle has read the models: no name is unknown yet (issue 25's step-down
+            # benchmark caught a 404 here for a registered model).
+            detail = "this leader is still loading its models"
+            raise NoReadyDeploymentError(model, retry_after_s=UNLOADED_RETRY_AFTER_S, detail=detail)
         if model in self._known_models:
             raise NoReadyDeploymentError(model, retry_after_s=LOADING_RETRY_AFTER_S)
         raise NotFoundError("model", model)
@@ -124,7 +135,8 @@ class ReadyTable:
         self._known_models = set(names)
 
     def add_known_model(self, name: str) -> None:
-        self._known_models.add(name)
+        if self._known_models is not None:  # else the first load will hold it
+            self._known_models.add(name)
 
     def mark_ready(self, record: DeploymentRecord, endpoint: EngineEndpoint) -> None:
         """Route ``record``'s served name to ``endpoint``."""
