@@ -101,6 +101,7 @@ class Settings:
     database_url: str
     leader_ha: bool
     leader_lease_s: float
+    cluster_secret: str | None
     public_host: str
     public_bind: str
     public_port: int
@@ -313,7 +314,8 @@ class Settings:
     def rows(self) -> list[SettingRow]:
         """One row per setting in declaration order, values rendered as text (unset → ``""``).
 
-        Passwords in ``database_url`` and the values of ``tracing_headers`` are masked.
+        Passwords in ``database_url``, the values of ``tracing_headers`` and the
+        ``cluster_secret`` are masked.
         """
         rows = []
         for defn in SETTINGS:
@@ -390,7 +392,9 @@ def _jsonable(name: str, value: object) -> JsonScalar:
     if value is None or isinstance(value, bool | int | float):
         return value
     text = str(value)
-    if name == "database_url":
+    if name == "cluster_secret":  # it opens the CA key sealed in the database
+        text = "***"
+    elif name == "database_url":
         text = _URL_PASSWORD.sub(r"\g<head>:***@", text)
     elif name == "tracing_headers":  # a collector's token: the names only
         text = ",".join(pair.partition("=")[0] + "=***" for pair in text.split(","))

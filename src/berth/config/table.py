@@ -174,6 +174,23 @@ def simulated_gpus_problem(text: str) -> str | None:
     return None
 
 
+#: The shortest ``cluster_secret``, in characters: it is the only thing between a copy of
+#: the database and the cluster's CA key.
+MIN_CLUSTER_SECRET_CHARS = 16
+
+
+def cluster_secret_problem(text: str) -> str | None:
+    """Why ``text`` is not a usable ``cluster_secret`` (too short, edge spaces), or ``None``."""
+    if len(text) < MIN_CLUSTER_SECRET_CHARS:
+        return (
+            f"must be at least {MIN_CLUSTER_SECRET_CHARS} characters "
+            "(for example: python -c 'import secrets; print(secrets.token_urlsafe(32))')"
+        )
+    if text != text.strip():
+        return "must not start or end with a space"
+    return None
+
+
 _LIMITS = ListenerLimits()
 
 #: Every setting berth knows, in display order.
@@ -193,6 +210,10 @@ SETTINGS: tuple[SettingDef, ...] = (
                "seconds a leader's lease lasts unrenewed (renewed every third of it): the "
                "longest a dead active goes unnoticed before a standby takes over",
                default=5.0, minimum=0.5, maximum=600.0),
+    SettingDef("cluster_secret", "str", "store",
+               "with leader_ha: the secret the cluster's CA and key pepper are sealed under "
+               "in the database, so every leader shares them (never shown; docs/ha.md)",
+               optional=True, check=cluster_secret_problem),
     SettingDef("public_host", "str", "server", "host name clients use to reach the leader",
                default="127.0.0.1", check=host_problem),
     SettingDef("public_bind", "str", "server", "address the public HTTPS listener binds",

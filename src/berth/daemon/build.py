@@ -177,7 +177,7 @@ async def build_leader(
     (:mod:`berth.cluster.peer_identity`) and the ``OTEL_*`` variables of tracing
     (:mod:`berth.observability.tracing_config`). Starts nothing."""
     forwarded = ForwardedFingerprintTrust.from_env(environ)
-    tls = await load_tls(home, settings)
+    tls = await load_tls(home, settings, store)
     metrics = await build_metrics(store)
     # OpenTelemetry traces of /v1 requests, when [tracing] or OTEL_* name a collector.
     tracing = open_tracing(

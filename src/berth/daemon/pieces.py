@@ -20,6 +20,7 @@ from berth.admission import Admission, QueueCollector, SlotGate, UsageCollector,
 from berth.agent.adopted import AdoptedWatcher
 from berth.agent.core import AgentCore
 from berth.agent.node_sampler import LocalNodeSampler
+from berth.cluster.bootstrap import share_through_store
 from berth.cluster.ca import CertificateAuthority
 from berth.cluster.direct_path import DataPaths
 from berth.cluster.enrollment import AuditLog
@@ -116,10 +117,28 @@ class LeaderTls:
     reloads: CertificateReloads
 
 
-async def load_tls(home: BerthHome, settings: Settings) -> LeaderTls:
-    """Load or create the CA and the pepper, issue the listeners' certificates where the
-    operator gave none, and load both pairs (``berth.http_server.tls_reload``: validated
-    first, new connections only). ``ConfigError`` for an operator's pair OpenSSL refuses."""
+async def share_bootstrap(home: BerthHome, settings: Settings, store: Store) -> None:
+    """With ``leader_ha`` and a ``cluster_secret``: make the home hold the cluster's CA and
+    pepper sealed in ``store``, or publish its own (:mod:`berth.cluster.bootstrap`;
+    ``ConfigError`` for a wrong secret or a home with another CA).  With ``leader_ha``
+    alone: a log line saying the homes must be prepared by hand.  Else nothing."""
+    if not settings.leader_ha:
+        return
+    if settings.cluster_secret is None:
+        log.info(
+            "leader_ha without cluster_secret: the CA and key pepper are not shared through "
+            "the store; every leader's home must hold the same ones (docs/ha.md)"
+        )
+        return
+    await asyncio.to_thread(share_through_store, home, store, settings.cluster_secret)
+
+
+async def load_tls(home: BerthHome, settings: Settings, store: Store) -> LeaderTls:
+    """Load or create the CA and the pepper (shared through ``store`` first where
+    :func:`share_bootstrap` says so), issue the listeners' certificates where the operator
+    gave none, and load both pairs (``berth.http_server.tls_reload``: validated first, new
+    connections only). ``ConfigError`` for an operator's pair OpenSSL refuses."""
+    await share_bootstrap(home, settings, store)
     ca = await asyncio.to_thread(CertificateAuthority.load_or_create, home.ca_dir)
     public_files = await asyncio.to_thread(public_tls_files, settings, home, ca)
     pepper = await asyncio.to_thread(load_or_create_pepper, home.pepper_file)

@@ -36,6 +36,7 @@ from sqlalchemy import (
     ForeignKey,
     Index,
     Integer,
+    LargeBinary,
     MetaData,
     String,
     Table,
@@ -353,6 +354,20 @@ def _v14_leader_members(conn: Connection) -> None:
     metadata.create_all(conn)
 
 
+def _v15_cluster_bootstrap(conn: Connection) -> None:
+    metadata = MetaData()
+    Table(
+        "cluster_bootstrap",
+        metadata,
+        Column("name", String(32), primary_key=True),
+        Column("salt", LargeBinary, nullable=False),
+        Column("nonce", LargeBinary, nullable=False),
+        Column("ciphertext", LargeBinary, nullable=False),
+        Column("created_at", Float, nullable=False),
+    )
+    metadata.create_all(conn)
+
+
 def _v12_node_certificates(conn: Connection) -> None:
     metadata = MetaData()
     Table("nodes", metadata, Column("id", String(16), primary_key=True))
@@ -397,6 +412,7 @@ MIGRATIONS: tuple[Migration, ...] = (
     Migration(12, "node_certificates (issued client certificates)", _v12_node_certificates),
     Migration(13, "service_profiles routing policy", _v13_service_routing_policy),
     Migration(14, "leader_members (every shared leader's cluster URL)", _v14_leader_members),
+    Migration(15, "cluster_bootstrap (the sealed CA and key pepper)", _v15_cluster_bootstrap),
 )
 
 LATEST_VERSION = MIGRATIONS[-1].version

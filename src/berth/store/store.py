@@ -33,6 +33,7 @@ from berth.errors import (
 from berth.store import migrations
 from berth.store.adapters import AdapterMethods, adapter_named, adapters_of
 from berth.store.api_keys import ApiKeyMethods
+from berth.store.bootstrap import BootstrapMethods
 from berth.store.certificates import CertificateMethods
 from berth.store.changes import ChangeMethods
 from berth.store.db import WRITE_OPTIONS, create_store_engine
@@ -73,6 +74,7 @@ class Store(
     ApiKeyMethods,
     UsageMethods,
     CertificateMethods,
+    BootstrapMethods,
 ):
     """The state database at ``url`` (the ``database_url`` setting).
 

@@ -20,6 +20,7 @@ from sqlalchemy import (
     Float,
     ForeignKey,
     Integer,
+    LargeBinary,
     String,
     Text,
 )
@@ -335,6 +336,20 @@ class LeaderMemberRow(Base):
     cluster_url: Mapped[str] = mapped_column(String(512), primary_key=True)
     holder: Mapped[str] = mapped_column(String(NAME_LENGTH))
     seen_at: Mapped[float] = mapped_column(Float)
+
+
+class ClusterBootstrapRow(Base):
+    """The cluster's sealed CA and key pepper (one row, ``name`` ``cluster``; migration 15):
+    the key derivation's salt, the AES-GCM nonce and ciphertext, and when it was published
+    (Unix seconds); :mod:`berth.store.bootstrap`."""
+
+    __tablename__ = "cluster_bootstrap"
+
+    name: Mapped[str] = mapped_column(String(32), primary_key=True)
+    salt: Mapped[bytes] = mapped_column(LargeBinary)
+    nonce: Mapped[bytes] = mapped_column(LargeBinary)
+    ciphertext: Mapped[bytes] = mapped_column(LargeBinary)
+    created_at: Mapped[float] = mapped_column(Float)
 
 
 class ChangeCounterRow(Base):
