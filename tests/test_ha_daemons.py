@@ -6,7 +6,9 @@ an active stopped past its lease steps down to standby when resumed (and leads a
 the lease is free); ``berth leader step-down`` hands
 over while a client that retries on 503 gets nothing else.
 
-The two homes share the CA and the key pepper, as leaders that share agents and keys must.
+The two homes share the CA and the key pepper, as leaders that share agents and keys must:
+on PostgreSQL through the database, sealed under ``cluster_secret`` (the second home starts
+empty), on SQLite copied by hand.
 The kill-to-served time is printed, not asserted (a speed target belongs in a benchmark).
 """
 
@@ -35,6 +37,8 @@ pytestmark = pytest.mark.slow
 #: loaded machine does not let it lapse while the test looks.
 LEASE_S = "2.0"
 TAKEOVER_BOUND_S = 60.0
+#: The PostgreSQL pair's ``cluster_secret`` (the CA and pepper shared through the database).
+CLUSTER_SECRET = "test-cluster-secret-0123456789"
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])
@@ -54,18 +58,31 @@ def ha_pair(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[tuple[Cl
             "BERTH_LEADER_ONLY": "true",
         }
     )
+    if server is not None:
+        # On PostgreSQL the CA and pepper go through the database, sealed under the secret:
+        # b's home starts empty and gets a's at its start.
+        env["BERTH_CLUSTER_SECRET"] = CLUSTER_SECRET
     a, b = Cluster(tmp_path / "a", env), Cluster(tmp_path / "b", env)
-    # One CA and one pepper for both (what docs/ha.md asks of leaders that share a cluster).
-    CertificateAuthority.load_or_create(a.leader_home / "ca")
-    load_or_create_pepper(a.leader_home / "key_pepper")
-    b.leader_home.mkdir(parents=True)
-    shutil.copytree(a.leader_home / "ca", b.leader_home / "ca")
-    shutil.copy2(a.leader_home / "key_pepper", b.leader_home / "key_pepper")
+    if server is None:
+        # On SQLite they are copied by hand (the other way docs/ha.md gives).
+        CertificateAuthority.load_or_create(a.leader_home / "ca")
+        load_or_create_pepper(a.leader_home / "key_pepper")
+        b.leader_home.mkdir(parents=True)
+        shutil.copytree(a.leader_home / "ca", b.leader_home / "ca")
+        shutil.copy2(a.leader_home / "key_pepper", b.leader_home / "key_pepper")
     started: list[Cluster] = []
     try:
         for leader in (a, b):
             leader.start()
             started.append(leader)
+        if server is not None:
+            shared = CertificateAuthority.load_or_create(a.leader_home / "ca")
+            assert CertificateAuthority.load_or_create(b.leader_home / "ca").fingerprint_sha256 == (
+                shared.fingerprint_sha256
+            )
+            assert (b.leader_home / "key_pepper").read_bytes() == (
+                a.leader_home / "key_pepper"
+            ).read_bytes()
         yield a, b
     finally:
         for leader in started:
