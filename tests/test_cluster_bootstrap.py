@@ -4,6 +4,7 @@ engines, as two leaders have."""
 
 from __future__ import annotations
 
+import logging
 import stat
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,6 +20,7 @@ from berth.cluster.bootstrap import (
 )
 from berth.cluster.ca import CA_CERT_FILE, CA_KEY_FILE, CertificateAuthority
 from berth.config import Settings
+from berth.daemon.pieces import share_bootstrap
 from berth.errors import ConfigError
 from berth.keys import load_or_create_pepper
 from berth.paths import BerthHome
@@ -162,3 +164,21 @@ def test_the_secret_is_masked_and_checked(home: BerthHome) -> None:
     assert Settings.load(home, env={}).cluster_secret is None
     with pytest.raises(ConfigError, match="at least 16 characters"):
         Settings.load(home, env={"BERTH_CLUSTER_SECRET": "short"})
+
+
+async def test_the_start_step_shares_only_with_leader_ha_and_a_secret(
+    stores: tuple[Store, Store], home: BerthHome, caplog: pytest.LogCaptureFixture
+) -> None:
+    a, _ = stores
+    off = Settings.load(home, env={"BERTH_CLUSTER_SECRET": SECRET})
+    await share_bootstrap(home, off, a)
+    assert a.cluster_bootstrap() is None  # leader_ha off: the secret is not used
+    by_hand = Settings.load(home, env={"BERTH_LEADER_HA": "1"})
+    with caplog.at_level(logging.INFO, logger="berth.daemon.pieces"):
+        await share_bootstrap(home, by_hand, a)
+    assert a.cluster_bootstrap() is None
+    assert "not shared through the store" in caplog.text
+    shared = Settings.load(home, env={"BERTH_LEADER_HA": "1", "BERTH_CLUSTER_SECRET": SECRET})
+    await share_bootstrap(home, shared, a)
+    assert a.cluster_bootstrap() is not None
+    assert SECRET not in caplog.text
