@@ -19,6 +19,7 @@ from cryptography.x509.oid import NameOID
 from berth.agent.cert_pair import settle_renewed_pair, write_renewed_pair
 from berth.agent.identity import load_agent_identity
 from berth.agent.renewal import read_certificate, renewal_due_at
+from berth.cluster.connection import LinkConnection
 from berth.cluster.dial_limit import DialRateLimiter
 from berth.cluster.protocol.errors import CloseCode, rate_limited_reason, retry_after_of
 from berth.cluster.protocol.ops import RenewResult
@@ -211,6 +212,30 @@ async def test_an_agent_that_dials_too_often_waits_as_long_as_the_leader_says(
     (line,) = [line for line in status.recent if "redialling in" in line]
     delay_s = float(line.split("redialling in ")[1].split(" s")[0])
     assert 100 < delay_s <= 120
+
+
+async def test_a_stop_that_comes_during_the_handshake_ends_the_session(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``stop()`` while the Welcome is on its way (the leader already counts the node as
+    connected, the agent holds no link yet) ends ``run()``: it once left the link open for
+    good, and the rate-limit test above hung on it in a full run."""
+    async with renewing_leader(tmp_path, lifetime_s=3600.0) as leader:
+        identity = await enroll(leader, tmp_path, "gpu-s")
+        dialer = agent_for(identity, DialingCore(1), renew=False)
+        handshake = LinkConnection.handshake
+
+        async def handshake_then_stop(
+            conn: LinkConnection, greeting: object, **options: object
+        ) -> object:
+            answer = await handshake(conn, greeting, **options)  # type: ignore[call-overload]
+            if conn.peer == "leader":  # the agent's end (the leader's shares this class)
+                await dialer.stop()  # the dialer has no link to close yet
+            return answer
+
+        monkeypatch.setattr(LinkConnection, "handshake", handshake_then_stop)
+        assert await asyncio.wait_for(dialer.run(), 20) == 0
+        await wait_for_async(lambda: not leader.hub.is_connected(identity.node_id), 10, "a close")
 
 
 def test_the_rate_limit_reason_carries_the_delay_in_whole_seconds() -> None:

@@ -231,6 +231,9 @@ class AgentDialer:
                 return conn.close_code, False
             self._leaders.welcomed(welcome.leaders)
             self._conn = conn
+            if self._stopping.is_set():  # stop() came during the dial or the handshake
+                await conn.close(CloseCode.NORMAL, "agent stopping")
+                return conn.close_code, True
             timeout_s = welcome.link_timeout_s
             conn.liveness = Liveness(timeout_s if timeout_s > 0 else LINK_TIMEOUT_S)
             self._status.set("connected")
