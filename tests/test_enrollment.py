@@ -43,9 +43,9 @@ from berth.cluster.listener import (
     peer_certificate_der,
 )
 from berth.errors import AuthError, ConfigError, RateLimitError
-from berth.http_server.sockets import bind_tcp
 from berth.paths import BerthHome
 from berth.store import Store
+from support.leader_home import leader_home
 from support.waiting import EVENT_TIMEOUT_S, wait_for_async
 
 PEPPER = b"p" * 32
@@ -91,15 +91,9 @@ async def _whoami(request: web.Request) -> web.StreamResponse:
 
 @pytest.fixture
 async def enrollment_leader(tmp_path: Path) -> AsyncIterator[Leader]:
-    home = BerthHome(tmp_path / "leader")
-    home.ensure()
-    ca = CertificateAuthority.load_or_create(home.ca_dir)
-    store = Store(f"sqlite:///{home.db_file}")
-    store.migrate()
-    store.ensure_local_node()
+    made = leader_home(tmp_path)
+    home, ca, store, sock, url = made.home, made.ca, made.store, made.sock, made.url
     clock = Clock()
-    sock = bind_tcp("cluster", "127.0.0.1", 0)
-    url = f"https://127.0.0.1:{sock.getsockname()[1]}"
     enrollment = EnrollmentService(
         store=store,
         ca=ca,

@@ -47,10 +47,10 @@ from berth.cluster.protocol.frames import (
 )
 from berth.cluster.protocol.payloads import Inventory
 from berth.errors import ConfigError
-from berth.http_server.sockets import bind_tcp
 from berth.paths import BerthHome
 from berth.runtime.engines import find_free_port
 from berth.store import Store
+from support.leader_home import leader_home
 
 LOOPBACK_ONLY = ForwardedFingerprintTrust(parse_allow_list("127.0.0.1"))
 ELSEWHERE_ONLY = ForwardedFingerprintTrust(parse_allow_list("10.0.0.0/8, 192.0.2.7"))
@@ -80,14 +80,8 @@ async def running_leader(
     tmp_path: Path, forwarded: ForwardedFingerprintTrust | None
 ) -> AsyncIterator[Leader]:
     """A cluster listener with the real hub on loopback and two enrolled nodes."""
-    home = BerthHome(tmp_path / "leader")
-    home.ensure()
-    ca = CertificateAuthority.load_or_create(home.ca_dir)
-    store = Store(f"sqlite:///{home.db_file}")
-    store.migrate()
-    store.ensure_local_node()
-    sock = bind_tcp("cluster", "127.0.0.1", 0)
-    url = f"https://127.0.0.1:{sock.getsockname()[1]}"
+    made = leader_home(tmp_path)
+    home, ca, store, sock, url = made.home, made.ca, made.store, made.sock, made.url
     enrollment = EnrollmentService(
         store=store, ca=ca, pepper=b"p" * 32, cluster_url=url, audit=AuditLog(home.audit_log)
     )

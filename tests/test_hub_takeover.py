@@ -42,9 +42,9 @@ from berth.cluster.protocol.frames import (
     decode_frame,
     encode_frame,
 )
-from berth.http_server.sockets import bind_tcp
 from berth.paths import BerthHome
 from berth.store import Store
+from support.leader_home import leader_home
 from support.waiting import EVENT_TIMEOUT_S, wait_for_async
 
 #: The new active's wait before it marks detached nodes (``node_timeout_s`` in a leader).
@@ -70,14 +70,8 @@ class HubLeader:
 async def hub_leader(tmp_path: Path) -> AsyncIterator[HubLeader]:
     """The cluster listener and hub on loopback, nodes ``gpu-a`` and ``gpu-b`` enrolled and,
     as the last active left them, ``ready`` in the store."""
-    home = BerthHome(tmp_path / "leader")
-    home.ensure()
-    ca = CertificateAuthority.load_or_create(home.ca_dir)
-    store = Store(f"sqlite:///{home.db_file}")
-    store.migrate()
-    store.ensure_local_node()
-    sock = bind_tcp("cluster", "127.0.0.1", 0)
-    url = f"https://127.0.0.1:{sock.getsockname()[1]}"
+    made = leader_home(tmp_path)
+    home, ca, store, sock, url = made.home, made.ca, made.store, made.sock, made.url
     enrollment = EnrollmentService(
         store=store, ca=ca, pepper=b"p" * 32, cluster_url=url, audit=AuditLog(home.audit_log)
     )

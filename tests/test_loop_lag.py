@@ -23,7 +23,6 @@ from berth.agent.dialer import AgentDialer, AgentStatus
 from berth.agent.identity import AgentIdentity
 from berth.agent.registration import register_agent
 from berth.agent.service import AgentService
-from berth.cluster.ca import CertificateAuthority
 from berth.cluster.enrollment import AuditLog, EnrollmentService
 from berth.cluster.hub import NodeHub
 from berth.cluster.link_registry import LinkRegistry
@@ -37,7 +36,6 @@ from berth.cluster.protocol.errors import ProtocolError
 from berth.cluster.protocol.frames import Heartbeat, decode_frame, encode_frame
 from berth.cluster.protocol.payloads import LoopLag
 from berth.eventloop import freeze_startup_objects
-from berth.http_server.sockets import bind_tcp
 from berth.observability.cluster import LINGER_S, ClusterMetrics
 from berth.observability.loop_lag import LAG_BUCKETS_S, LagHistogram, LoopLagMonitor
 from berth.observability.metrics import ProxyMetrics
@@ -45,7 +43,7 @@ from berth.paths import BerthHome
 from berth.runtime.engines import EngineBinaries
 from berth.runtime.gpu import StaticInventory
 from berth.runtime.process import ProcessRuntime
-from berth.store import Store
+from support.leader_home import leader_home
 from support.waiting import EVENT_TIMEOUT_S, wait_for_async
 
 LOOPS: dict[str, Callable[[Coroutine[Any, Any, None]], None]] = {
@@ -312,14 +310,8 @@ def test_a_malformed_lag_histogram_is_a_protocol_error() -> None:
 async def leader_with_agent(tmp_path: Path) -> AsyncIterator[tuple[ClusterMetrics, AgentIdentity]]:
     """A cluster listener and hub on loopback TLS (heartbeats every 0.1 s), the leader's
     metrics registry, and one enrolled agent's identity."""
-    home = BerthHome(tmp_path / "leader")
-    home.ensure()
-    ca = CertificateAuthority.load_or_create(home.ca_dir)
-    store = Store(f"sqlite:///{home.db_file}")
-    store.migrate()
-    store.ensure_local_node()
-    sock = bind_tcp("cluster", "127.0.0.1", 0)
-    url = f"https://127.0.0.1:{sock.getsockname()[1]}"
+    made = leader_home(tmp_path)
+    home, ca, store, sock, url = made.home, made.ca, made.store, made.sock, made.url
     enrollment = EnrollmentService(
         store=store, ca=ca, pepper=b"p" * 32, cluster_url=url, audit=AuditLog(home.audit_log)
     )

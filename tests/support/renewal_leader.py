@@ -27,10 +27,10 @@ from berth.cluster.listener import (
     cluster_tls_files,
 )
 from berth.cluster.renewal import LinkCertificates
-from berth.http_server.sockets import bind_tcp
 from berth.http_server.tls_reload import ReloadingTLS
 from berth.paths import BerthHome
 from berth.store import Store
+from support.leader_home import leader_home
 from support.link_pair import FakeCore
 
 
@@ -52,14 +52,8 @@ async def renewing_leader(
     tmp_path: Path, lifetime_s: float, dial_limiter: DialRateLimiter | None = None
 ) -> AsyncIterator[RenewingLeader]:
     """A cluster listener and hub that issue certificates of ``lifetime_s`` seconds."""
-    home = BerthHome(tmp_path / "leader")
-    home.ensure()
-    ca = CertificateAuthority.load_or_create(home.ca_dir)
-    store = Store(f"sqlite:///{home.db_file}")
-    store.migrate()
-    store.ensure_local_node()
-    sock = bind_tcp("cluster", "127.0.0.1", 0)
-    url = f"https://127.0.0.1:{sock.getsockname()[1]}"
+    made = leader_home(tmp_path)
+    home, ca, store, sock, url = made.home, made.ca, made.store, made.sock, made.url
     audit = AuditLog(home.audit_log)
     enrollment = EnrollmentService(
         store=store, ca=ca, pepper=b"p" * 32, cluster_url=url, audit=audit,
