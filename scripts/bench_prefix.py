@@ -465,19 +465,23 @@ def summarize(
 
 def table(rows: Sequence[dict[str, object]]) -> str:
     lines = [
-        "| router | requests (errors) | TTFT p50 ms | TTFT p99 ms | e2e p50 ms | cached share "
-        "| in flight max/mean | mean in flight per engine | peak |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| round | router | requests (errors) | TTFT p50 ms | TTFT p99 ms | e2e p50 ms "
+        "| cached share | in flight max/mean | mean in flight per engine | peak | decisions |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         if "skipped" in r:
-            lines.append(f"| {r['router']} | skipped: {r['skipped']} |||||||| ")
+            lines.append(
+                f"| {r.get('round', 1)} | {r['router']} | skipped: {r['skipped']} |||||||||"
+            )
             continue
+        decisions = ", ".join(f"{k} {v}" for k, v in dict(r.get("decisions") or {}).items())
         lines.append(
-            f"| {r['router']} | {r['requests']} ({r['errors']}) | {r['ttft_p50_ms']:.0f} "
+            f"| {r.get('round', 1)} | {r['router']} | {r['requests']} ({r['errors']}) "
+            f"| {r['ttft_p50_ms']:.0f} "
             f"| {r['ttft_p99_ms']:.0f} | {r['e2e_p50_ms']:.0f} | {r['cached_share']:.1%} "
             f"| {r['max_over_mean_in_flight']:.2f} | {r['mean_in_flight_per_engine']} "
-            f"| {r['peak_in_flight_per_engine']} |"
+            f"| {r['peak_in_flight_per_engine']} | {decisions or '-'} |"
         )
     return "\n".join(lines)
 
@@ -504,6 +508,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--load-factor", type=float, default=1.25)
     parser.add_argument("--request-timeout-s", type=float, default=180.0)
     parser.add_argument("--seed", type=int, default=27)
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="passes over all routers, each starting one further on")  # fmt: skip
     parser.add_argument("--gguf", type=Path, default=None)
     parser.add_argument("--llama-server", type=Path, default=None)
     venv = os.environ.get("BERTH_ROUTERS_VENV", "/tmp/routers-venv")
@@ -534,19 +540,15 @@ def main() -> None:
     rows: list[dict[str, object]] = []
     workdir = Path(tempfile.mkdtemp(prefix="bench-prefix-"))
     try:
-        for name in names:
-            try:
-                with (
-                    engines(args, workdir) as started,
-                    router(name, [e.url for e in started], args, workdir) as port,
-                ):
-                    urls = [e.url for e in started]
-                    result, samples, wall = asyncio.run(run_trace(port, urls, trace, args))
-                row = summarize(name, result, samples, wall)
-            except (OSError, RuntimeError) as exc:
-                row = {"router": name, "skipped": str(exc)[:200]}
-            rows.append(row)
-            print(json.dumps(row), flush=True)
+        for round_no in range(args.rounds):
+            # Each round starts one router further on, so no router always runs first.
+            shift = round_no % len(names)
+            for name in names[shift:] + names[:shift]:
+                row = run_router(name, trace, args, workdir)
+                row["round"] = round_no + 1
+                row["load_at_start"] = round(os.getloadavg()[0], 2)
+                rows.append(row)
+                print(json.dumps(row), flush=True)
     finally:
         if os.environ.get("BENCH_KEEP_LOGS"):
             print(f"logs in {workdir}")
@@ -554,8 +556,83 @@ def main() -> None:
             shutil.rmtree(workdir, ignore_errors=True)
     print(f"load after: {os.getloadavg()[0]:.2f}")
     print(table(rows))
+    if args.rounds > 1:
+        print()
+        print(medians_table(rows, names))
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2))
+
+
+def run_router(
+    name: str, trace: Sequence[Conversation], args: argparse.Namespace, workdir: Path
+) -> dict[str, object]:
+    """One router over the trace on fresh engines: its summary row (``skipped`` and why
+    when it could not run)."""
+    try:
+        with (
+            engines(args, workdir) as started,
+            router(name, [e.url for e in started], args, workdir) as port,
+        ):
+            urls = [e.url for e in started]
+            result, samples, wall = asyncio.run(run_trace(port, urls, trace, args))
+        row = summarize(name, result, samples, wall)
+    except (OSError, RuntimeError) as exc:
+        return {"router": name, "skipped": str(exc)[:200]}
+    row["decisions"] = _decisions(workdir / f"{name}.log")
+    return row
+
+
+def _decisions(log: Path) -> dict[str, int]:
+    """The routing decisions a ``berth-*`` router printed as it stopped (``{}`` for the
+    others, which print none)."""
+    try:
+        text = log.read_text(errors="replace")
+    except OSError:
+        return {}
+    for line in reversed(text.splitlines()):
+        if line.startswith("routing decisions:"):
+            counts = line.split(":", 1)[1].strip().strip("{}")
+            pairs = (item.split(":") for item in counts.split(",") if ":" in item)
+            return {k.strip().strip("'\""): int(v) for k, v in pairs}
+    return {}
+
+
+def medians_table(rows: Sequence[dict[str, object]], names: Sequence[str]) -> str:
+    """Per router, the median over its rounds of TTFT p50/p99, e2e p50, cached share and
+    max/mean in flight, and its TTFT p50 over the better ``cache_aware`` router's in the
+    same round (the issue's ratio), median over the rounds."""
+    ran = [r for r in rows if "skipped" not in r]
+    peers = ("vllm-router", "sglang-router")
+    best_peer: dict[object, float] = {}
+    for r in ran:
+        if r["router"] in peers:
+            ttft = float(r["ttft_p50_ms"])  # type: ignore[arg-type]
+            best_peer[r["round"]] = min(best_peer.get(r["round"], ttft), ttft)
+    lines = [
+        "| router (median of rounds) | rounds | TTFT p50 ms | TTFT p99 ms | e2e p50 ms "
+        "| cached share | in flight max/mean | TTFT p50 / better cache_aware |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for name in names:
+        mine = [r for r in ran if r["router"] == name]
+        if not mine:
+            continue
+
+        def med(key: str, of: list[dict[str, object]] = mine) -> float:
+            return statistics.median(float(r[key]) for r in of)  # type: ignore[arg-type]
+
+        ratios = [
+            float(r["ttft_p50_ms"]) / best_peer[r["round"]]  # type: ignore[arg-type]
+            for r in mine
+            if r["round"] in best_peer
+        ]
+        ratio = f"{statistics.median(ratios):.2f} ({', '.join(f'{x:.2f}' for x in ratios)})"
+        lines.append(
+            f"| {name} | {len(mine)} | {med('ttft_p50_ms'):.0f} | {med('ttft_p99_ms'):.0f} "
+            f"| {med('e2e_p50_ms'):.0f} | {med('cached_share'):.1%} "
+            f"| {med('max_over_mean_in_flight'):.2f} | {ratio if ratios else '-'} |"
+        )
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
