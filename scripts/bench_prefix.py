@@ -27,10 +27,14 @@ p50, the engines' cached share of prompt tokens (the answers' ``usage.prompt_tok
 cached_tokens`` over ``usage.prompt_tokens``, which llama-server fills from ``timings.cache_n``),
 and the load per engine from its ``/metrics`` (``requests_processing`` + ``requests_deferred``
 sampled every 0.1 s): the time-averaged in flight of the busiest engine over the mean of the
-three (``max/mean``), and the peak. Prints a markdown table (and ``--json``).
+three (``max/mean``), and the peak; for berth's routers, the policy's decisions (matched,
+overridden by load, no match). Prints a markdown table (and ``--json``). ``--rounds N`` runs
+every router N times, each round starting one router further on, and adds a table of the
+medians with each row's TTFT p50 over the better ``cache_aware`` router's in the same round.
 
 Run: ``.venv/bin/python scripts/bench_prefix.py`` (2 to 3 minutes per router at the
-defaults on 2 cores; ``--routers berth-prefix,berth-least-load`` to pick).
+defaults on 2 cores; ``--routers berth-prefix,berth-least-load`` to pick). The issue's
+full-size trace: ``--conversations 60 --turns 5 --system-prompts 8 --system-tokens 1500``.
 """
 
 from __future__ import annotations
