@@ -44,6 +44,10 @@ The client is this process: one keep-alive connection per stream on uvloop, answ
 with httptools, TLS with the leader's CA. Run with ``--repeat N`` to measure every path N
 times in turn and see the noise. Run: ``.venv/bin/python scripts/bench_stream.py`` (about
 2 minutes with the defaults).
+
+``--mode requests`` measures the same paths per request instead of per event: small
+non-streamed chat completions by wrk at ``--connections`` (requests/s, latency, CPU per
+request, and one client's latency); ``scripts/bench_requests.py`` says how.
 """
 
 from __future__ import annotations
@@ -72,6 +76,7 @@ import httptools
 import uvloop
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_requests
 import bench_tunnel as harness
 from bench_tunnel_engine import serve_engine
 
@@ -701,6 +706,38 @@ async def _bench(targets: list[Target], args: argparse.Namespace) -> list[list[R
     return rounds
 
 
+def _bench_requests(targets: list[Target], args: argparse.Namespace) -> None:
+    """``--mode requests``: every path by wrk, ``--repeat`` rounds, then the report."""
+    if bench_requests.wrk_missing():
+        raise SystemExit("--mode requests needs wrk on PATH (apt-get install wrk)")
+    reachable = []
+    for target in targets:
+        if target.unix_path is not None:
+            harness.log(f"{target.name} skipped: wrk does not speak to a Unix socket")
+        else:
+            reachable.append(target)
+    rounds = []
+    for number in range(args.repeat):
+        results = []
+        for target in reachable:
+            harness.log(f"round {number + 1}: {target.name}")
+            results.append(
+                bench_requests.measure_requests(
+                    target, args.connections, args.warmup_s, args.duration_s, cpu_s
+                )
+            )
+            time.sleep(1.0)
+        rounds.append(results)
+    bench_requests.report_requests(
+        rounds,
+        args.connections,
+        f"machine: {harness._machine()}; load average {os.getloadavg()[0]:.2f} at the end\n"
+        f"small non-streamed chat completions by wrk, {args.connections} connections, "
+        f"{args.duration_s:g} s measured after {args.warmup_s:g} s warm-up, then one "
+        f"connection; {len(rounds)} round(s)\n",
+    )
+
+
 PATHS = ("engine", "vllm-router", "caddy-vllm-router", "berth-proxy", "berth", "berth-socket",
          "berth-agent", "berth-direct", "litellm")  # fmt: skip
 
@@ -728,6 +765,13 @@ def main() -> None:
         default=Path(os.environ.get("BERTH_BENCH_VENV", ".bench-venv")),
         help="virtualenv with vllm-router and litellm (default $BERTH_BENCH_VENV)",
     )
+    parser.add_argument(
+        "--mode", choices=("streams", "requests"), default="streams",
+        help="paced streams (per event), or small non-streamed requests by wrk (per request)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--connections", type=int, default=32, help="wrk's connections in --mode requests"
+    )
     parser.add_argument("--keep", action="store_true", help="keep the temporary homes and logs")
     parser.add_argument(
         "--profile-dir", type=Path, help="py-spy each proxy over its window, stacks saved here"
@@ -746,7 +790,10 @@ def main() -> None:
         ):
             engine_port = cluster.engine_ports[harness.LOCAL_MODEL]
             tls = ssl.create_default_context(cafile=str(cluster.leader_home / "ca" / "ca.pem"))
-            bearer = b"authorization: Bearer %s\r\n" % cluster.api_key.encode()
+            key = cluster.api_key
+            if args.mode == "requests":
+                key = bench_requests.quota_key(cluster.leader)
+            bearer = b"authorization: Bearer %s\r\n" % key.encode()
             leader = (cluster.leader_pid,)
             targets: list[Target] = []
             for name in wanted:
@@ -785,6 +832,9 @@ def main() -> None:
                 elif name == "litellm":
                     found = stack.enter_context(litellm(args.bench_venv, engine_port, workdir))
                     targets += [found] if found else []
+            if args.mode == "requests":
+                _bench_requests(targets, args)
+                return
             rounds = uvloop.run(_bench(targets, args))
         _report(rounds, args)
     finally:

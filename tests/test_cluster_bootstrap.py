@@ -171,8 +171,11 @@ async def test_the_start_step_shares_only_with_leader_ha_and_a_secret(
 ) -> None:
     a, _ = stores
     off = Settings.load(home, env={"BERTH_CLUSTER_SECRET": SECRET})
-    await share_bootstrap(home, off, a)
-    assert a.cluster_bootstrap() is None  # leader_ha off: the secret is not used
+    with caplog.at_level(logging.WARNING, logger="berth.daemon.pieces"):
+        await share_bootstrap(home, off, a)
+    assert a.cluster_bootstrap() is None  # leader_ha off: the secret is not used, and said so
+    assert "cluster_secret is set but leader_ha is off" in caplog.text
+    caplog.clear()
     by_hand = Settings.load(home, env={"BERTH_LEADER_HA": "1"})
     with caplog.at_level(logging.INFO, logger="berth.daemon.pieces"):
         await share_bootstrap(home, by_hand, a)

@@ -371,3 +371,26 @@ def test_a_failing_migration_leaves_the_previous_version(db_url: str) -> None:
         assert store.schema_version() == LATEST_VERSION
         with store.engine.connect() as conn:
             assert not inspect(conn).has_table("half_done")
+
+
+def test_leaders_not_seen_for_seven_days_are_forgotten(store: Store) -> None:
+    from berth.daemon.leader_roster import LeaderRoster
+    from berth.store.members import FORGET_AFTER_S
+
+    now = 1_800_000_000.0
+    store.note_leader_member("https://gone:7443", "holder-gone", now - FORGET_AFTER_S - 1)
+    store.note_leader_member("https://standby:7443", "holder-b", now - FORGET_AFTER_S + 60)
+
+    class Me:
+        me = "holder-a"
+
+    roster = LeaderRoster(
+        store,
+        Me(),
+        cluster_url="https://a:7443/",
+        lease_s=9.0,
+        clock=lambda: now,  # type: ignore[arg-type]
+    )
+    listed = roster._note_and_read()
+    assert [m.cluster_url for m in listed] == ["https://a:7443", "https://standby:7443"]
+    assert store.forget_leader_members(now - FORGET_AFTER_S) == 0  # nothing left that old

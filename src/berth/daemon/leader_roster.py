@@ -20,7 +20,7 @@ from collections.abc import Callable
 from berth.cluster.protocol.errors import not_leader_reason
 from berth.errors import StoreError
 from berth.store.leadership import RENEWALS_PER_LEASE, Leadership
-from berth.store.members import LeaderMember
+from berth.store.members import FORGET_AFTER_S, LeaderMember
 from berth.store.store import Store
 
 _log = logging.getLogger(__name__)
@@ -91,7 +91,11 @@ class LeaderRoster:
             _log.warning("leader roster: the store did not answer: %s", exc)
 
     def _note_and_read(self) -> list[LeaderMember]:
-        self._store.note_leader_member(self._cluster_url, self._leadership.me, self._clock())
+        now_s = self._clock()
+        self._store.note_leader_member(self._cluster_url, self._leadership.me, now_s)
+        forgotten = self._store.forget_leader_members(now_s - FORGET_AFTER_S)
+        if forgotten:
+            _log.info("leader roster: forgot %d leader(s) not seen for 7 days", forgotten)
         return self._store.leader_members()
 
     async def _run(self) -> None:

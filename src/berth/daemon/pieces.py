@@ -121,8 +121,16 @@ async def share_bootstrap(home: BerthHome, settings: Settings, store: Store) -> 
     """With ``leader_ha`` and a ``cluster_secret``: make the home hold the cluster's CA and
     pepper sealed in ``store``, or publish its own (:mod:`berth.cluster.bootstrap`;
     ``ConfigError`` for a wrong secret or a home with another CA).  With ``leader_ha``
-    alone: a log line saying the homes must be prepared by hand.  Else nothing."""
+    alone: a log line saying the homes must be prepared by hand.  A ``cluster_secret``
+    without ``leader_ha``: a warning that it is not used (nothing is shared).  Else
+    nothing."""
     if not settings.leader_ha:
+        if settings.cluster_secret is not None:
+            log.warning(
+                "cluster_secret is set but leader_ha is off: the secret is not used and "
+                "nothing is shared through the store; set leader_ha = true to share the CA "
+                "and key pepper (docs/ha.md)"
+            )
         return
     if settings.cluster_secret is None:
         log.info(

@@ -5,8 +5,10 @@ Welcome name) in ``leader_members`` at each look at the lease
 (:meth:`MemberMethods.note_leader_member`), keyed by that URL, so a restarted leader (a new
 process id) replaces its own row.  Agents get the list (:meth:`leader_members`) in their
 enrollment URI and in every Welcome, and the active's URL in a standby's refusal.  A leader
-taken out of the cluster for good stays listed until its row is deleted by hand (agents
-dialling it only lose a dial).
+taken out of the cluster for good is forgotten once no leader has seen it noted for
+:data:`FORGET_AFTER_S` (:meth:`MemberMethods.forget_leader_members`, run by every leader's
+roster; until then agents dialling it only lose a dial); one that starts again notes itself
+again.
 """
 
 from __future__ import annotations
@@ -14,10 +16,14 @@ from __future__ import annotations
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
-from sqlalchemy import select
+from sqlalchemy import delete, select
 from sqlalchemy.orm import Session
 
 from berth.store.tables import LeaderMemberRow
+
+#: A leader not noted for this long (seconds: 7 days) is dropped from ``leader_members``: a
+#: standby down that long is taken for one removed; it is listed again when it starts.
+FORGET_AFTER_S = 7 * 24 * 3600.0
 
 
 @dataclass(frozen=True)
@@ -49,6 +55,14 @@ class MemberMethods:
             else:
                 row.holder = holder
                 row.seen_at = now_s
+
+    def forget_leader_members(self, seen_before_s: float) -> int:
+        """Delete the leaders last noted before ``seen_before_s`` (Unix s); how many."""
+        with self._write() as session:
+            done = session.execute(
+                delete(LeaderMemberRow).where(LeaderMemberRow.seen_at < seen_before_s)
+            )
+            return int(getattr(done, "rowcount", 0) or 0)
 
     def leader_members(self) -> list[LeaderMember]:
         """Every leader ever noted, by cluster URL."""
