@@ -150,14 +150,19 @@ def run_wrk(target: RequestTarget, connections: int, seconds: float, workdir: Pa
 def measure_requests(
     target: RequestTarget, connections: int, warmup_s: float, duration_s: float,
     cpu_s: Callable[[tuple[int, ...]], float],
+    start_profilers: Callable[[], list[subprocess.Popen[bytes]]] = list,
 ) -> RequestResult:  # fmt: skip
-    """The warm-up run (discarded), the loaded run with its CPU, then the one-client run."""
+    """The warm-up run (discarded), the loaded run with its CPU (and the profilers
+    ``start_profilers`` starts, waited for after it), then the one-client run."""
     workdir = Path(tempfile.mkdtemp(prefix="berth-bench-requests-"))
     try:
         run_wrk(target, connections, warmup_s, workdir)
+        profilers = start_profilers()
         before = cpu_s(target.pids)
         loaded = run_wrk(target, connections, duration_s, workdir)
         used = cpu_s(target.pids) - before
+        for profiler in profilers:
+            profiler.wait()
         time.sleep(0.5)
         single = run_wrk(target, 1, max(2.0, duration_s / 2), workdir)
     finally:

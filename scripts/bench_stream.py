@@ -55,6 +55,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import ipaddress
 import json
 import os
@@ -723,7 +724,12 @@ def _bench_requests(targets: list[Target], args: argparse.Namespace) -> None:
             harness.log(f"round {number + 1}: {target.name}")
             results.append(
                 bench_requests.measure_requests(
-                    target, args.connections, args.warmup_s, args.duration_s, cpu_s
+                    target,
+                    args.connections,
+                    args.warmup_s,
+                    args.duration_s,
+                    cpu_s,
+                    functools.partial(_start_profilers, target, args),
                 )
             )
             time.sleep(1.0)
