@@ -28,9 +28,11 @@ cached_tokens`` over ``usage.prompt_tokens``, which llama-server fills from ``ti
 and the load per engine from its ``/metrics`` (``requests_processing`` + ``requests_deferred``
 sampled every 0.1 s): the time-averaged in flight of the busiest engine over the mean of the
 three (``max/mean``), and the peak; for berth's routers, the policy's decisions (matched,
-overridden by load, no match). Prints a markdown table (and ``--json``). ``--rounds N`` runs
-every router N times, each round starting one router further on, and adds a table of the
-medians with each row's TTFT p50 over the better ``cache_aware`` router's in the same round.
+overridden by load, no match) and how many attempts its proxy retried elsewhere (a
+first-byte timeout: ``--first-byte-timeout-s``, berth's 120 s default). Prints a markdown
+table (and ``--json``). ``--rounds N`` runs every router N times, each round starting one
+router further on, and adds a table of the medians with each row's TTFT p50 over the better
+``cache_aware`` router's in the same round.
 
 Run: ``.venv/bin/python scripts/bench_prefix.py`` (2 to 3 minutes per router at the
 defaults on 2 cores; ``--routers berth-prefix,berth-least-load`` to pick). The issue's
@@ -232,7 +234,8 @@ def router(
     port = free_port()
     if name.startswith("berth-"):
         command = [sys.executable, __file__, "--serve-berth", name, "--port", str(port),
-                   "--load-factor", str(args.load_factor), *urls]  # fmt: skip
+                   "--load-factor", str(args.load_factor),
+                   "--first-byte-timeout-s", str(args.first_byte_timeout_s), *urls]  # fmt: skip
     elif name == "vllm-router":
         command = [str(args.routers_venv / "bin" / "vllm-router"), "--host", "127.0.0.1",
                    "--port", str(port), "--policy", "cache_aware",
@@ -257,8 +260,11 @@ def router(
         _stop(process)
 
 
-def serve_berth(policy_name: str, port: int, urls: Sequence[str], load_factor: float) -> None:
-    """The ``berth-*`` routers' process: berth's proxy over ``urls``."""
+def serve_berth(
+    policy_name: str, port: int, urls: Sequence[str], load_factor: float, first_byte_s: float
+) -> None:
+    """The ``berth-*`` routers' process: berth's proxy over ``urls``, with a streamed
+    request's first-byte timeout of ``first_byte_s`` (0: none)."""
     import uvloop
 
     from berth.gateway.proxy import OpenAIProxy
@@ -300,7 +306,9 @@ def serve_berth(policy_name: str, port: int, urls: Sequence[str], load_factor: f
         )
 
     async def main() -> None:
-        proxy = OpenAIProxy(resolver, ProxyMetrics(), router=routing)
+        proxy = OpenAIProxy(
+            resolver, ProxyMetrics(), router=routing, first_byte_timeout_s=first_byte_s or None
+        )
         await proxy.startup()
         server = HttpServer("bench", proxy.handle)
         sock = socket.socket()
@@ -480,6 +488,8 @@ def table(rows: Sequence[dict[str, object]]) -> str:
             )
             continue
         decisions = ", ".join(f"{k} {v}" for k, v in dict(r.get("decisions") or {}).items())
+        if r.get("retries"):
+            decisions += f"; retries {r['retries']}"
         lines.append(
             f"| {r.get('round', 1)} | {r['router']} | {r['requests']} ({r['errors']}) "
             f"| {r['ttft_p50_ms']:.0f} "
@@ -511,6 +521,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--load-factor", type=float, default=1.25)
     parser.add_argument("--request-timeout-s", type=float, default=180.0)
+    parser.add_argument("--first-byte-timeout-s", type=float, default=120.0,
+                        help="berth's first-byte timeout (its default; 0: none)")  # fmt: skip
     parser.add_argument("--seed", type=int, default=27)
     parser.add_argument("--rounds", type=int, default=1,
                         help="passes over all routers, each starting one further on")  # fmt: skip
@@ -528,7 +540,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def main() -> None:
     args = parse_args()
     if args.serve_berth:
-        serve_berth(args.serve_berth, args.port, args.urls, args.load_factor)
+        serve_berth(args.serve_berth, args.port, args.urls, args.load_factor,
+                    args.first_byte_timeout_s)  # fmt: skip
         return
     args.gguf = args.gguf or default_gguf()
     args.llama_server = args.llama_server or default_llama_server()
@@ -583,7 +596,18 @@ def run_router(
     except (OSError, RuntimeError) as exc:
         return {"router": name, "skipped": str(exc)[:200]}
     row["decisions"] = _decisions(workdir / f"{name}.log")
+    row["retries"] = _retries(workdir / f"{name}.log")
     return row
+
+
+def _retries(log: Path) -> int:
+    """How many attempts a ``berth-*`` router's proxy gave up and retried elsewhere (its
+    log's "trying another" warnings; 0 for the others)."""
+    try:
+        text = log.read_text(errors="replace")
+    except OSError:
+        return 0
+    return sum("trying another" in line for line in text.splitlines())
 
 
 def _decisions(log: Path) -> dict[str, int]:

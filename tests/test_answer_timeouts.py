@@ -169,6 +169,32 @@ async def test_with_nowhere_else_to_go_the_first_byte_timeout_answers_504() -> N
     assert "no first byte of its answer within 0.3 s" in error["message"]
 
 
+async def test_a_stream_queued_behind_others_on_a_busy_engine_is_not_cut_by_the_timeout() -> None:
+    # The engine holds one stream's first byte for three first-byte periods while it answers
+    # others: that stream is queued, not hung, so it waits and gets its answer (a retry
+    # would only queue it again elsewhere); nowhere else to go would have made it a 504.
+    quick_events = chat_chunks(["quick"])
+    quick = sse_reply(quick_events)
+    held_events = chat_chunks(["held"])
+    async with StandinEngine(quick) as busy:
+        busy.script(Reply((Hold(), *sse_reply(held_events).steps)))
+        resolver = Ranked([_local(busy, "busy")])
+        metrics = ProxyMetrics()
+        async with running_proxy(resolver, metrics, first_byte_timeout_s=0.3) as url:
+            held = asyncio.create_task(_post_stream(url))
+            received = await busy.wait_for_request()
+            loop = asyncio.get_running_loop()
+            until = loop.time() + 0.9
+            while loop.time() < until:
+                assert await _post_stream(url) == (200, b"".join(quick_events))
+                await asyncio.sleep(0.05)
+            received.release.set()
+            status, body = await held
+    assert (status, body) == (200, b"".join(held_events))
+    left = {"model": MODEL, "deployment": "d-busy", "node": "n-busy"}
+    assert sample(metrics, "berth_proxy_retries_total", reason="first_byte_timeout", **left) == 0
+
+
 async def test_a_non_streamed_request_is_not_cut_by_the_stream_timeouts() -> None:
     # Its answer comes whole once generated: slower than both stream timeouts, well within
     # the read timeout.

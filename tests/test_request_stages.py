@@ -459,6 +459,57 @@ async def test_a_stream_whose_first_byte_does_not_come_is_closed_and_moves_on() 
     assert attempts.outcomes == [(upstream("a"), "first_byte_timeout")]
 
 
+class Answering:
+    """A deployment's answer count (``StreamLimits.answers``) that grows by one every
+    ``every_s`` seconds for ``for_s`` seconds (as a busy engine begins others' answers)."""
+
+    def __init__(self, every_s: float, for_s: float) -> None:
+        self.count = 0
+        self._task = asyncio.create_task(self._grow(every_s, for_s))
+
+    async def _grow(self, every_s: float, for_s: float) -> None:
+        loop = asyncio.get_running_loop()
+        end = loop.time() + for_s
+        while loop.time() < end:
+            await asyncio.sleep(every_s)
+            self.count += 1
+
+    def __call__(self, deployment_id: str) -> int:
+        return self.count
+
+
+class Late:
+    """An engine client whose answer comes after ``delay_s``."""
+
+    def __init__(self, delay_s: float) -> None:
+        self.delay_s = delay_s
+
+    async def __call__(self, target: Upstream, request: EngineRequest) -> Any:
+        await asyncio.sleep(self.delay_s)
+        return Answer()
+
+
+async def test_a_stream_queued_behind_others_waits_past_the_first_byte_timeout() -> None:
+    # The engine begins other answers all along: this request waits its turn, not retried.
+    answers = Answering(every_s=0.02, for_s=1.0)
+    limits = StreamLimits(first_byte_timeout_s=0.1, stream_idle_timeout_s=None, answers=answers)
+    attempts = Attempts(public({"model": "m", "stream": True}), Late(0.35), limits, Exchange(0.0))
+    answer = await attempts(upstream("a"))
+    assert answer.status == 200 and attempts.outcomes == [(upstream("a"), "status 200")]
+
+
+async def test_a_stream_times_out_once_its_engine_answers_nobody_for_a_whole_period() -> None:
+    # Busy for the first period, then silent for everyone: a hang, after two periods.
+    answers = Answering(every_s=0.02, for_s=0.05)
+    limits = StreamLimits(first_byte_timeout_s=0.1, stream_idle_timeout_s=None, answers=answers)
+    attempts = Attempts(public({"model": "m", "stream": True}), Opener(None), limits, Exchange(0.0))
+    begun = asyncio.get_running_loop().time()
+    with pytest.raises(FirstByteTimeoutError):
+        await attempts(upstream("a"))
+    assert asyncio.get_running_loop().time() - begun >= 0.2
+    assert attempts.outcomes == [(upstream("a"), "first_byte_timeout")]
+
+
 async def test_an_attempt_cancelled_while_it_waits_says_whether_the_client_left() -> None:
     exchange = Exchange(0.0)
     attempts = Attempts(public({"model": "m"}), Opener(None, None), LIMITS, exchange)

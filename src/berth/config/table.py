@@ -254,7 +254,8 @@ SETTINGS: tuple[SettingDef, ...] = (
     # Timeouts of an engine's answer (berth.gateway.proxy; docs/fleet.md, Timeouts).
     SettingDef("first_byte_timeout_s", "float", "server",
                "seconds a streamed request waits for its answer's first byte (prefill) "
-               "before it goes to another deployment (0: no bound but read_timeout_s)",
+               "before it goes to another deployment; a period in which the engine began "
+               "other answers extends the wait by one more (0: no bound but read_timeout_s)",
                default=120.0, minimum=0.0, maximum=86400.0),
     SettingDef("stream_idle_timeout_s", "float", "server",
                "longest silence inside a streamed answer, in seconds, after which it ends "

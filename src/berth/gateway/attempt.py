@@ -30,20 +30,41 @@ from berth.routing.resolver import Upstream
 if TYPE_CHECKING:  # imported only where tracing is on (berth.daemon.build opens it)
     from berth.observability.tracing import RequestTrace
 
-__all__ = ["Attempts", "EngineBodies", "EngineOpener", "StreamLimits", "open_stream"]
+__all__ = [
+    "AnswerCount",
+    "Attempts",
+    "EngineBodies",
+    "EngineOpener",
+    "FirstByteWatch",
+    "StreamLimits",
+    "open_stream",
+]
 
 #: Sends one engine request to an upstream; its answer once the head is in (the engine
 #: client's ``open``, behind the adapter gate when there are adapters).
 EngineOpener = Callable[[Upstream, EngineRequest], Awaitable[EngineAnswer]]
 
 
+#: How many answers a deployment has begun so far (a count that only grows):
+#: :meth:`berth.routing.signals.SignalBoard.answers`.
+AnswerCount = Callable[[str], int]
+
+
 @dataclass(frozen=True, slots=True)
 class StreamLimits:
     """The proxy's bounds on a streamed answer, in seconds: its first byte, then its longest
-    silence (``None``: no bound; a service's own, ``upstream.timeouts``, win)."""
+    silence (``None``: no bound; a service's own, ``upstream.timeouts``, win).
+
+    With ``answers`` (the router's signal board), the first-byte timeout tells a hung engine
+    from a queued one: a period in which the engine began answering another request only
+    means this one is waiting its turn, so the wait goes on for another period; the timeout
+    ends an attempt after a whole period in which the engine began no answer at all.
+    Without it, the first period ends the attempt.
+    """
 
     first_byte_timeout_s: float | None
     stream_idle_timeout_s: float | None
+    answers: AnswerCount | None = None
 
 
 class EngineBodies:
@@ -158,9 +179,10 @@ async def open_stream(
     and, for an event stream, its first bytes), with the stream's idle timeout set.
 
     Raises what opening raises, and :class:`FirstByteTimeoutError` when the first byte did
-    not come within the first-byte timeout; the exchange is closed then (the pooled
-    connection dropped, or the tunnel stream reset, on which the agent closes its own), so
-    the engine stops generating for nobody.
+    not come within the first-byte timeout, and the engine began no other answer in that
+    time either (``limits.answers``: a busy engine's queue is not a hang); the exchange is
+    closed then (the pooled connection dropped, or the tunnel stream reset, on which the
+    agent closes its own), so the engine stops generating for nobody.
     """
     first_byte_s = limits.first_byte_timeout_s
     idle_s = limits.stream_idle_timeout_s
@@ -172,9 +194,12 @@ async def open_stream(
             idle_s = timeouts.stream_idle_timeout_s or None
     answer: EngineAnswer | None = None
     timed: TimedAnswer | None = None  # an event stream whose first bytes are awaited
-    deadline = asyncio.timeout(first_byte_s)
+    deadline = asyncio.timeout(None)
+    watch: FirstByteWatch | None = None
     try:
         async with deadline:
+            if first_byte_s is not None:
+                watch = FirstByteWatch(deadline, first_byte_s, limits.answers, upstream)
             answer = await open_engine(upstream, request)
             if answer.status < 400 and can_time(answer) and is_event_stream(answer):
                 timed = answer
@@ -182,17 +207,65 @@ async def open_stream(
     except TimeoutError:
         if answer is not None:
             answer.close()
-        if not deadline.expired():
+        if watch is None or not deadline.expired():
             raise
-        assert first_byte_s is not None  # only a deadline expires
-        raise FirstByteTimeoutError(upstream, first_byte_s) from None
+        raise FirstByteTimeoutError(upstream, watch.waited_s()) from None
     except BaseException:
         if answer is not None:
             answer.close()
         raise
+    finally:
+        if watch is not None:
+            watch.cancel()
     if timed is not None and idle_s is not None:
         timed.set_read_timeout(idle_s)
     return answer
+
+
+class FirstByteWatch:
+    """The first-byte timeout of one attempt: every ``period_s`` seconds it looks at how
+    many answers ``upstream``'s deployment has begun (``answers``) and expires ``deadline``
+    (an entered :func:`asyncio.timeout` of no deadline) when that count has not moved since
+    the last look: a whole period in which the engine began answering nobody is a hang; one
+    in which it answered others means this request is queued behind them, and the wait goes
+    on. Without ``answers``, the first period expires it. :meth:`cancel` it once the wait is
+    over."""
+
+    __slots__ = ("_answers", "_deadline", "_deployment_id", "_handle", "_loop", "_period_s",
+                 "_periods", "_seen")  # fmt: skip
+
+    def __init__(
+        self,
+        deadline: asyncio.Timeout,
+        period_s: float,
+        answers: AnswerCount | None,
+        upstream: Upstream,
+    ) -> None:
+        self._loop = loop = asyncio.get_running_loop()
+        self._deadline = deadline
+        self._period_s = period_s
+        self._answers = answers
+        self._deployment_id = upstream.deployment_id
+        self._seen = 0 if answers is None else answers(upstream.deployment_id)
+        self._periods = 1
+        self._handle = loop.call_later(period_s, self._look)
+
+    def _look(self) -> None:
+        if self._answers is not None:
+            seen = self._answers(self._deployment_id)
+            if seen != self._seen:  # it answered others meanwhile: queued, not hung
+                self._seen = seen
+                self._periods += 1
+                self._handle = self._loop.call_later(self._period_s, self._look)
+                return
+        self._deadline.reschedule(self._loop.time())  # expires now: cancels the wait
+
+    def waited_s(self) -> float:
+        """Seconds the attempt has been given so far: its periods (whole ones, on expiry)."""
+        return self._periods * self._period_s
+
+    def cancel(self) -> None:
+        self._handle.cancel()
 
 
 def is_event_stream(answer: EngineAnswer) -> bool:

@@ -134,11 +134,13 @@ class OpenAIProxy:
     true``) has its first byte within ``first_byte_timeout_s``: the engine's head and, for an
     event stream, its first bytes (nothing reaches the client before them); past it the
     exchange is closed (the engine stops) and the request goes to the next candidate, or
-    ends 504 ``first_byte_timeout``. Its stream then goes silent for at most
-    ``stream_idle_timeout_s`` (while the client keeps up), after which it ends with an error
-    event (``stream_idle_timeout``) and the exchange is closed. A deployment's service may
-    set either for its deployments (``upstream.timeouts``). ``None`` (or 0 for a service)
-    turns either off: only ``read_timeout_s`` bounds that wait then.
+    ends 504 ``first_byte_timeout``; but while the engine begins answering other requests in
+    each such period, the request is queued behind them, not hung, and waits on. Its stream
+    then goes silent for at most ``stream_idle_timeout_s`` (while the client keeps up),
+    after which it ends with an error event (``stream_idle_timeout``) and the exchange is
+    closed. A deployment's service may set either for its deployments
+    (``upstream.timeouts``). ``None`` (or 0 for a service) turns either off: only
+    ``read_timeout_s`` bounds that wait then.
     ``read_timeout_s`` bounds every other wait for an engine: a non-streamed answer, which
     comes whole only once the engine has generated it, is waited for that long (504 before
     the answer began). ``max_connections`` caps pooled
@@ -232,7 +234,9 @@ class OpenAIProxy:
             refusals=refusals,
             metrics=metrics,
             clock=clock,
-            stream_limits=StreamLimits(first_byte_timeout_s, stream_idle_timeout_s),
+            stream_limits=StreamLimits(
+                first_byte_timeout_s, stream_idle_timeout_s, router.signals.answers
+            ),
             max_attempts=max_attempts,
             max_body_bytes=max_body_bytes,
             admission=admission,

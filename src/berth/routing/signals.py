@@ -1,8 +1,8 @@
 """Live per-deployment load as the leader sees it: requests in flight and recent latency.
 
 The proxy calls :meth:`SignalBoard.started` when it sends a request to a deployment,
-:meth:`SignalBoard.observe` when the answer's head arrives, and :meth:`SignalBoard.finished`
-when the exchange is over (or the attempt failed). In-flight
+:meth:`SignalBoard.observe` when the answer's head arrives (counted: :meth:`SignalBoard.answers`),
+and :meth:`SignalBoard.finished` when the exchange is over (or the attempt failed). In-flight
 counts are exact and immediate (every request goes through the leader); the p95 is over the
 samples of the last ``window_s`` seconds (at most ``max_samples`` per deployment). When a
 request last started or finished on a deployment (:meth:`SignalBoard.last_active_at`) is
@@ -43,6 +43,7 @@ class SignalBoard:
         self._samples: dict[str, deque[tuple[float, float]]] = {}
         self._failures: dict[str, tuple[int, float]] = {}  # consecutive count, demoted until
         self._last_active: dict[str, float] = {}
+        self._answers: dict[str, int] = {}
 
     def started(self, deployment_id: str, node_id: str) -> None:
         self._in_flight[deployment_id] = self._in_flight.get(deployment_id, 0) + 1
@@ -64,7 +65,9 @@ class SignalBoard:
             self._node_in_flight.pop(node_id, None)
 
     def observe(self, deployment_id: str, latency_s: float) -> None:
-        """A sample of the deployment's time to the answer's head, in seconds."""
+        """A sample of the deployment's time to the answer's head, in seconds: it began an
+        answer (:meth:`answers`)."""
+        self._answers[deployment_id] = self._answers.get(deployment_id, 0) + 1
         samples = self._samples.get(deployment_id)
         if samples is None:  # not setdefault: that would make a deque per sample
             samples = self._samples[deployment_id] = deque(maxlen=self._max_samples)
@@ -97,6 +100,12 @@ class SignalBoard:
         (``None``: never, or it was forgotten)."""
         return self._last_active.get(deployment_id)
 
+    def answers(self, deployment_id: str) -> int:
+        """How many answers the deployment has begun (heads observed) since it was first
+        seen or last forgotten: a count that only grows, which a request waiting for its
+        first byte reads to tell a busy engine (the count moves) from a hung one."""
+        return self._answers.get(deployment_id, 0)
+
     def p95_ms(self, deployment_id: str) -> float | None:
         """The 95th percentile (nearest rank) of the window's samples; ``None`` if none."""
         samples = self._samples.get(deployment_id)
@@ -114,3 +123,4 @@ class SignalBoard:
         self._samples.pop(deployment_id, None)
         self._failures.pop(deployment_id, None)
         self._last_active.pop(deployment_id, None)
+        self._answers.pop(deployment_id, None)
