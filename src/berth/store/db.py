@@ -24,6 +24,8 @@ clusters on one server do not share it.
 
 from __future__ import annotations
 
+import sqlite3
+import time
 from pathlib import Path
 from typing import Any, Final
 
@@ -118,9 +120,9 @@ def _install_sqlite_events(engine: Engine) -> None:
         dbapi_connection.isolation_level = None
         cursor = dbapi_connection.cursor()
         try:
-            cursor.execute("PRAGMA journal_mode=WAL")
-            cursor.execute("PRAGMA foreign_keys=ON")
             cursor.execute(f"PRAGMA busy_timeout={busy_timeout_ms}")
+            _enter_wal(cursor, SQLITE_BUSY_TIMEOUT_S)
+            cursor.execute("PRAGMA foreign_keys=ON")
         finally:
             cursor.close()
 
@@ -130,6 +132,23 @@ def _install_sqlite_events(engine: Engine) -> None:
         if mode not in ("DEFERRED", "IMMEDIATE", "EXCLUSIVE"):
             raise StoreError(f"unknown SQLite transaction mode {mode!r}")
         connection.exec_driver_sql(f"BEGIN {mode}")
+
+
+def _enter_wal(cursor: sqlite3.Cursor, timeout_s: float) -> None:
+    """Switch the database to write-ahead logging, retrying for up to ``timeout_s`` while
+    another connection holds it. SQLite does not always call the busy handler for this
+    pragma: on a new database that another process (or thread) is creating or switching at
+    the same moment, it answers "database is locked" at once (two leaders migrating one
+    fresh file). Raises ``sqlite3.OperationalError`` when it is still locked at the end."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            cursor.execute("PRAGMA journal_mode=WAL")
+            return
+        except sqlite3.OperationalError as exc:
+            if "locked" not in str(exc) or time.monotonic() >= deadline:
+                raise
+            time.sleep(0.01)
 
 
 def _install_postgresql_events(engine: Engine) -> None:
