@@ -464,18 +464,14 @@ class Answering:
     ``every_s`` seconds for ``for_s`` seconds (as a busy engine begins others' answers)."""
 
     def __init__(self, every_s: float, for_s: float) -> None:
-        self.count = 0
-        self._task = asyncio.create_task(self._grow(every_s, for_s))
-
-    async def _grow(self, every_s: float, for_s: float) -> None:
-        loop = asyncio.get_running_loop()
-        end = loop.time() + for_s
-        while loop.time() < end:
-            await asyncio.sleep(every_s)
-            self.count += 1
+        self._loop = asyncio.get_running_loop()
+        self._begun = self._loop.time()
+        self._every_s = every_s
+        self._for_s = for_s
 
     def __call__(self, deployment_id: str) -> int:
-        return self.count
+        elapsed = min(self._loop.time() - self._begun, self._for_s)
+        return int(elapsed // self._every_s)
 
 
 class Late:

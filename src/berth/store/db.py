@@ -146,7 +146,7 @@ def _enter_wal(cursor: sqlite3.Cursor, timeout_s: float) -> None:
             cursor.execute("PRAGMA journal_mode=WAL")
             return
         except sqlite3.OperationalError as exc:
-            if "locked" not in str(exc) or time.monotonic() >= deadline:
+            if exc.sqlite_errorcode != sqlite3.SQLITE_BUSY or time.monotonic() >= deadline:
                 raise
             time.sleep(0.01)
 
