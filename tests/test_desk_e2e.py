@@ -46,7 +46,11 @@ def real_desk_leader(
           "--cluster-port", str(find_free_port()))  # fmt: skip
     try:
         berth("models", "add", "smollm2", "--path", str(smollm2_gguf()))
-        berth("run", "smollm2", "--engine", "llamacpp")
+        # A job carries no max_tokens (the protocol leaves it to the caller), and SmolLM2
+        # sampled at the server's default temperature now and then rambles to the end of its
+        # context (about 1 answer in 200: minutes at CI's speed); the engine's own cap keeps
+        # every answer short, as an operator would set it.
+        berth("run", "smollm2", "--engine", "llamacpp", "-x", "--n-predict", "-x", "96")
         yield berth
     finally:
         berth("daemon", "stop", check=False)
