@@ -24,7 +24,10 @@ What runs, per router (each on fresh engines, so no cache carries over):
 
 Measured per router: TTFT (request sent to the first content token) p50 and p99, end to end
 p50, the engines' cached share of prompt tokens (the answers' ``usage.prompt_tokens_details.
-cached_tokens`` over ``usage.prompt_tokens``, which llama-server fills from ``timings.cache_n``),
+cached_tokens`` over ``usage.prompt_tokens``, which llama-server fills from ``timings.cache_n``)
+and how many requests were cold (under half their prompt cached: a prompt the engine had
+not seen, or had evicted; each one a whole prefill, seconds here, where a warm turn
+prefills only its new message),
 and the load per engine from its ``/metrics`` (``requests_processing`` + ``requests_deferred``
 sampled every 0.1 s): the time-averaged in flight of the busiest engine over the mean of the
 three (``max/mean``), and the peak; for berth's routers, the policy's decisions (matched,
@@ -336,6 +339,8 @@ class Result:
     e2e_s: list[float] = field(default_factory=list)
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    #: answers whose engine had under half of their prompt cached (a whole prefill)
+    cold: int = 0
     errors: list[str] = field(default_factory=list)
 
 
@@ -369,12 +374,14 @@ async def _turn(
                         text.append(piece)
                 usage = event.get("usage")
                 if usage:
-                    result.prompt_tokens += usage.get("prompt_tokens", 0)
+                    prompt = usage.get("prompt_tokens", 0)
                     details = usage.get("prompt_tokens_details") or {}
                     cached = details.get("cached_tokens")
                     if cached is None:  # the engine's own timings, where usage lacks it
                         cached = (event.get("timings") or {}).get("cache_n", 0)
+                    result.prompt_tokens += prompt
                     result.cached_tokens += cached
+                    result.cold += 2 * cached < prompt
     except (aiohttp.ClientError, TimeoutError) as exc:
         result.errors.append(f"{type(exc).__name__}: {exc}")
         return None
@@ -468,6 +475,7 @@ def summarize(
         "cached_share": result.cached_tokens / result.prompt_tokens
         if result.prompt_tokens
         else 0.0,
+        "cold_requests": result.cold,
         "max_over_mean_in_flight": max(means) / overall if overall else float("nan"),
         "mean_in_flight_per_engine": [round(m, 2) for m in means],
         "peak_in_flight_per_engine": [max(col) for col in zip(*busy, strict=True)],
@@ -478,13 +486,14 @@ def summarize(
 def table(rows: Sequence[dict[str, object]]) -> str:
     lines = [
         "| round | router | requests (errors) | TTFT p50 ms | TTFT p99 ms | e2e p50 ms "
-        "| cached share | in flight max/mean | mean in flight per engine | peak | decisions |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| cached share | cold | in flight max/mean | mean in flight per engine | peak "
+        "| decisions |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         if "skipped" in r:
             lines.append(
-                f"| {r.get('round', 1)} | {r['router']} | skipped: {r['skipped']} |||||||||"
+                f"| {r.get('round', 1)} | {r['router']} | skipped: {r['skipped']} ||||||||||"
             )
             continue
         decisions = ", ".join(f"{k} {v}" for k, v in dict(r.get("decisions") or {}).items())
@@ -494,6 +503,7 @@ def table(rows: Sequence[dict[str, object]]) -> str:
             f"| {r.get('round', 1)} | {r['router']} | {r['requests']} ({r['errors']}) "
             f"| {r['ttft_p50_ms']:.0f} "
             f"| {r['ttft_p99_ms']:.0f} | {r['e2e_p50_ms']:.0f} | {r['cached_share']:.1%} "
+            f"| {r.get('cold_requests', '-')} "
             f"| {r['max_over_mean_in_flight']:.2f} | {r['mean_in_flight_per_engine']} "
             f"| {r['peak_in_flight_per_engine']} | {decisions or '-'} |"
         )
@@ -638,8 +648,8 @@ def medians_table(rows: Sequence[dict[str, object]], names: Sequence[str]) -> st
             best_peer[r["round"]] = min(best_peer.get(r["round"], ttft), ttft)
     lines = [
         "| router (median of rounds) | rounds | TTFT p50 ms | TTFT p99 ms | e2e p50 ms "
-        "| cached share | in flight max/mean | TTFT p50 / better cache_aware |",
-        "|---|---|---|---|---|---|---|---|",
+        "| cached share | cold | in flight max/mean | TTFT p50 / better cache_aware |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for name in names:
         mine = [r for r in ran if r["router"] == name]
@@ -657,7 +667,7 @@ def medians_table(rows: Sequence[dict[str, object]], names: Sequence[str]) -> st
         ratio = f"{statistics.median(ratios):.2f} ({', '.join(f'{x:.2f}' for x in ratios)})"
         lines.append(
             f"| {name} | {len(mine)} | {med('ttft_p50_ms'):.0f} | {med('ttft_p99_ms'):.0f} "
-            f"| {med('e2e_p50_ms'):.0f} | {med('cached_share'):.1%} "
+            f"| {med('e2e_p50_ms'):.0f} | {med('cached_share'):.1%} | {med('cold_requests'):.0f} "
             f"| {med('max_over_mean_in_flight'):.2f} | {ratio if ratios else '-'} |"
         )
     return "\n".join(lines)
