@@ -503,7 +503,7 @@ def table(rows: Sequence[dict[str, object]]) -> str:
             f"| {r.get('round', 1)} | {r['router']} | {r['requests']} ({r['errors']}) "
             f"| {r['ttft_p50_ms']:.0f} "
             f"| {r['ttft_p99_ms']:.0f} | {r['e2e_p50_ms']:.0f} | {r['cached_share']:.1%} "
-            f"| {r.get('cold_requests', '-')} "
+            f"| {r['cold_requests']} "
             f"| {r['max_over_mean_in_flight']:.2f} | {r['mean_in_flight_per_engine']} "
             f"| {r['peak_in_flight_per_engine']} | {decisions or '-'} |"
         )
