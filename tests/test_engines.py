@@ -9,10 +9,12 @@ from typing import Any
 import pytest
 
 from berth.errors import ConfigError, EngineError, NotFoundError
+from berth.runtime import engines
 from berth.runtime.base import Mount
 from berth.runtime.engine_container import CONTAINER_ULIMITS, build_container_spec
 from berth.runtime.engines import (
     ENGINE_NAMES,
+    ENGINE_PORTS,
     DeploymentRequest,
     EngineBinaries,
     EngineName,
@@ -283,6 +285,26 @@ def test_find_free_port_can_be_bound() -> None:
 
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", port))
+
+
+def test_engine_ports_come_from_below_the_kernels_ephemeral_range() -> None:
+    """An ephemeral port released by ``bind(0)`` can be taken by any outgoing connection before
+    the engine binds it (a flake of the parallel suite, and a real race on a busy leader)."""
+    low, high = ENGINE_PORTS
+    ephemeral_low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    assert high < ephemeral_low
+    drawn = {find_free_port() for _ in range(20)}
+    assert all(low <= port <= high for port in drawn) and len(drawn) > 1
+
+
+def test_find_free_port_skips_a_port_in_use(monkeypatch: pytest.MonkeyPatch) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        used = taken.getsockname()[1]
+        draws = iter([used, used, 23456])
+        monkeypatch.setattr(engines.random, "randint", lambda _low, _high: next(draws))
+        assert find_free_port() == 23456
 
 
 # -- containers (the docker runtime) ---------------------------------------------------------

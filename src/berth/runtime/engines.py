@@ -34,6 +34,7 @@ an engine's environment and berth's 0600 files are not:
 from __future__ import annotations
 
 import importlib
+import random
 import shutil
 import socket
 import sys
@@ -411,13 +412,35 @@ def serve_flags(req: DeploymentRequest, served: str, host: str, port: int) -> li
     return flags
 
 
-def find_free_port(host: str = ENGINE_HOST) -> int:
-    """A TCP port on ``host`` that nothing listens on right now.
+#: The ports berth chooses for engines (inclusive): below Linux's ephemeral range
+#: (``net.ipv4.ip_local_port_range``, 32768-60999 by default), where the kernel takes the local
+#: port of every outgoing connection and of every bind to port 0. A port chosen there and
+#: released can be taken by any connection the host opens before the engine binds it; on a
+#: busy leader (every relayed request is a connection) that happens. Nomad's dynamic ports
+#: keep to 20000-32000 for the same reason.
+ENGINE_PORTS = (20000, 32000)
+#: Ports of :data:`ENGINE_PORTS` tried before the kernel is asked for any free port.
+_PORT_TRIES = 64
 
-    The port is chosen by the kernel (bind to port 0) and released before returning, so
-    another process may take it before the engine binds; callers treat a bind failure at
+
+def find_free_port(host: str = ENGINE_HOST) -> int:
+    """A TCP port on ``host`` that nothing listens on right now, from :data:`ENGINE_PORTS`.
+
+    Ports are drawn at random and tried with a bind (so two agents or leaders choosing at the
+    same moment rarely draw the same one); when :data:`_PORT_TRIES` draws are all taken, the
+    kernel chooses (bind to port 0). The port is released before returning, so another
+    process may still take it before the engine binds: callers treat a bind failure at
     start-up as an ordinary engine failure.
     """
+    low, high = ENGINE_PORTS
+    for _ in range(_PORT_TRIES):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind((host, random.randint(low, high)))
+            except OSError:
+                continue
+            drawn: int = sock.getsockname()[1]
+            return drawn
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         port: int = sock.getsockname()[1]
