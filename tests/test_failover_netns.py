@@ -45,13 +45,15 @@ from support.cluster_harness import (
 )
 from support.netns import Namespaces, run
 
-pytestmark = pytest.mark.slow
+pytestmark = [
+    pytest.mark.slow,
+    # Each asserts a bound in seconds on how long a fault holds requests, with its own load of
+    # clients: other workers' processes on the same cores would be its noise.
+    pytest.mark.serial("a bound in seconds under a load of its own"),
+]
 
 MODEL = "shared"
 LABELS = ("a", "b")
-#: Names carry this module's prefix so that others' namespaces never collide with them.
-NETNS = Namespaces("failure", "10.231.47", LABELS)
-LEADER_IP = NETNS.host_ip
 #: Client threads keeping the cluster busy.
 CLIENTS = 6
 #: Seconds the engine takes before the head of each answer.
@@ -66,10 +68,17 @@ BOUND_S = 10.0
 
 
 @pytest.fixture(scope="module")
-def netns_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+def netns() -> Namespaces:
+    """This process's namespaces for agents ``a`` and ``b``: names and a subnet no other test
+    process uses (``Namespaces.unique``)."""
+    return Namespaces.unique("fo", "10.231", LABELS)
+
+
+@pytest.fixture(scope="module")
+def netns_cluster(netns: Namespaces, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     """A leader in the root namespace and agents ``a`` and ``b`` in namespaces of their own,
     each serving the model, for the tests of this module."""
-    reason = NETNS.why_not(iptables=True)
+    reason = netns.why_not(iptables=True)
     if reason is not None:
         pytest.skip(reason)
     root = tmp_path_factory.mktemp("failover")
@@ -78,25 +87,25 @@ def netns_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]
     env = clean_env(
         {
             "BERTH_LLAMA_SERVER_BIN": str(wrapper),
-            "BERTH_CLUSTER_HOST": LEADER_IP,
-            "BERTH_CLUSTER_BIND": LEADER_IP,
+            "BERTH_CLUSTER_HOST": netns.host_ip,
+            "BERTH_CLUSTER_BIND": netns.host_ip,
             "BERTH_STOP_GRACE_S": "2",
         }
     )
-    NETNS.setup()
+    netns.setup()
     cluster = Cluster(root, env)
     try:
         cluster.start()
         for label in LABELS:
             agent = cluster.enroll(label)
-            NETNS.start_agent(cluster, agent, label)
+            netns.start_agent(cluster, agent, label)
         _ready_deployments(cluster)
         yield cluster
     finally:
         try:
             cluster.close()
         finally:
-            NETNS.teardown()
+            netns.teardown()
 
 
 def _ready_deployments(cluster: Cluster) -> dict[str, dict[str, object]]:
@@ -338,7 +347,9 @@ def test_a_sigstopped_engine_delays_requests_by_seconds(netns_cluster: Cluster) 
     assert "failed a health probe" in log
 
 
-def test_a_black_holed_link_delays_requests_by_seconds(netns_cluster: Cluster) -> None:
+def test_a_black_holed_link_delays_requests_by_seconds(
+    netns_cluster: Cluster, netns: Namespaces
+) -> None:
     cluster = netns_cluster
     _ready_deployments(cluster)
     load = Load(cluster)
@@ -347,7 +358,7 @@ def test_a_black_holed_link_delays_requests_by_seconds(netns_cluster: Cluster) -
     ns, rules = "", []  # set once the victim is known; the finally block lifts them
     try:
         pinned, victim, survivor = _pinned_conversation(cluster, load)
-        ns, inner = NETNS.namespace(victim.label), NETNS.veth(victim.label)[1]
+        ns, inner = netns.namespace(victim.label), netns.veth(victim.label)[1]
         rules = [["INPUT", "-i", inner, "-j", "DROP"], ["OUTPUT", "-o", inner, "-j", "DROP"]]
         time.sleep(2)
         retried = _retries(cluster)

@@ -7,7 +7,8 @@ things between a leader and its nodes.
 their cluster listener on the bridge's address; an agent started with
 :meth:`Namespaces.start_agent` dials it across its veth, and its engines listen on the
 namespace's own loopback. Every name carries ``prefix``, so two users with different
-prefixes and subnets never touch each other's.
+prefixes and subnets never touch each other's: :meth:`Namespaces.unique` picks both for a test
+that runs beside others.
 
 Needs root and ``ip`` (iptables too where a caller cuts links): :meth:`Namespaces.why_not`
 says why not, else ``None``.
@@ -16,6 +17,8 @@ says why not, else ``None``.
 from __future__ import annotations
 
 import os
+import random
+import re
 import shutil
 import subprocess
 import sys
@@ -52,6 +55,24 @@ class Namespaces:
     def veth(self, label: str) -> tuple[str, str]:
         """(the root end on the bridge, the end inside the namespace)."""
         return f"{self.prefix}-{label}", f"{self.prefix}-{label}-ns"
+
+    @classmethod
+    def unique(cls, name: str, network: str, labels: tuple[str, ...]) -> Namespaces:
+        """Namespaces that no other process uses now, for tests that run beside others
+        (pytest-xdist workers, another checkout's run): the prefix is ``name`` and this
+        process's pid in hex (``name`` of 2-3 letters keeps every interface name within
+        Linux's 15 bytes), and the subnet is a ``network.X`` /24 (``network`` holds two
+        octets) that no interface of the root namespace has an address in, X drawn at random.
+
+        Call it when the namespaces are about to be made (a fixture), not at import: every
+        worker imports every module.
+        """
+        listed = run("ip", "-o", "-4", "addr", "show").stdout
+        taken = {int(found) for found in re.findall(rf"inet {re.escape(network)}\.(\d+)\.", listed)}
+        free = [third for third in range(1, 255) if third not in taken]
+        if not free:
+            raise RuntimeError(f"every /24 in {network}.0.0/16 is taken on this host")
+        return cls(f"{name}{os.getpid():x}", f"{network}.{random.choice(free)}", labels)
 
     def why_not(self, *, iptables: bool = False) -> str | None:
         """Why namespaces cannot be made here (with ``iptables`` working inside them when
