@@ -88,7 +88,9 @@ def test_services_load_on_demand_scale_out_unload_and_evict_across_two_agents(
     fleet: Cluster,
 ) -> None:
     nodes = {a.node_id for a in fleet.agents.values()}
-    service(fleet, "a", "--max-replicas", "1", "--idle-timeout", "3s", "--capacity", "1")
+    # Idle for 10 minutes while the test looks at the replicas (a loaded machine's CLI calls
+    # outlasted a 3 s timeout between the scale-out and `service show`); 1 s once it has.
+    service(fleet, "a", "--max-replicas", "1", "--idle-timeout", "10m", "--capacity", "1")
 
     # a burst of 50 on the cold service: one start, every request answered
     limits = httpx.Limits(max_connections=60, max_keepalive_connections=60)
@@ -112,6 +114,7 @@ def test_services_load_on_demand_scale_out_unload_and_evict_across_two_agents(
         shown = fleet.berth("service", "show", "a").stdout
         assert "last decision: start" in shown and "every replica had its capacity" in shown
         slow.join(30)
+        fleet.berth("service", "scale", "a", "--idle-timeout", "1s")
 
         # after the idle timeout: back to zero, each unload audited with its reason
         wait_for(lambda: not active(fleet, "a"), 60, "service a back to zero")

@@ -306,7 +306,7 @@ def test_a_request_beyond_the_deployments_slots_waits_at_the_leader_for_its_turn
 
 @pytest.mark.slow
 def test_a_services_capacity_holds_its_replicas_and_a_larger_one_lets_a_waiter_in_at_once(
-    quota_leader: tuple[Berth, int], sdk: Clients
+    quota_leader: tuple[Berth, int], sdk: Clients, tmp_path: Path
 ) -> None:
     berth, port = quota_leader
     # llama.cpp's default is 4 slots; the service's setting holds each replica to 1.
@@ -316,19 +316,23 @@ def test_a_services_capacity_holds_its_replicas_and_a_larger_one_lets_a_waiter_i
     secret = create_key(berth, "held-key")
     client = sdk(berth, port, secret)
     depth = 'berth_admission_queue_depth{model="held-route"}'
+    release = tmp_path / "release-the-first"  # the engine holds the first until it exists
     with ThreadPoolExecutor(2) as pool:
-        first = pool.submit(chat, client, "held-route", extra_body={"x_head_delay_s": 8})
-        deadline = time.monotonic() + 30
-        busy = "berth_proxy_in_flight_requests{"
-        while not (metric(berth, port, secret, busy) or 0) and time.monotonic() < deadline:
-            time.sleep(0.02)
-        second = pool.submit(chat, client, "held-route")
-        while metric(berth, port, secret, depth) != 1 and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert metric(berth, port, secret, depth) == 1  # held to the service's capacity
-        berth("service", "scale", "held", "--capacity", "2")  # no restart
-        assert second.result().http_response.status_code == 200
-        assert not first.done()  # the second went in beside it, not after it
+        first = pool.submit(chat, client, "held-route", extra_body={"x_hold_file": str(release)})
+        try:
+            deadline = time.monotonic() + 30
+            busy = "berth_proxy_in_flight_requests{"
+            while not (metric(berth, port, secret, busy) or 0) and time.monotonic() < deadline:
+                time.sleep(0.02)
+            second = pool.submit(chat, client, "held-route")
+            while metric(berth, port, secret, depth) != 1 and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert metric(berth, port, secret, depth) == 1  # held to the service's capacity
+            berth("service", "scale", "held", "--capacity", "2")  # no restart
+            assert second.result().http_response.status_code == 200
+            assert not first.done()  # the second went in beside it, not after it
+        finally:
+            release.touch()
         assert first.result().http_response.status_code == 200
 
 

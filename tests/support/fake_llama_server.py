@@ -18,6 +18,9 @@ streams about N bytes of SSE events of 64 KiB each; ``"x_events": N`` with
 ``"x_received_bytes"``, the size of the request body; ``"x_head_delay_s": S`` waits S seconds
 before answering at all (a request queued in the engine; it prints :data:`HOLDING` first),
 only on the engine listening on ``"x_head_delay_port"`` when that is given;
+``"x_hold_file": PATH`` holds the answer likewise until PATH exists (at most
+:data:`HOLD_LIMIT_S`), for a test that releases it when it has seen what it asserts rather than
+after a time a loaded machine may outlast;
 ``"x_no_usage": true`` answers without any usage (an engine that reports none).
 
 With ``LLAMA_API_KEY`` in its environment (how berth gives llama-server its key) it checks
@@ -67,8 +70,11 @@ FAIL_LINE = "error: fake llama-server refuses to start (--fail-start)"
 LISTENING = "fake llama-server listening on"
 #: Printed when a client closes the connection before a slow stream ended.
 CLIENT_GONE = "fake llama-server: client went away mid-stream"
-#: Printed when a request starts waiting before its answer (``x_head_delay_s``).
+#: Printed when a request starts waiting before its answer (``x_head_delay_s``,
+#: ``x_hold_file``).
 HOLDING = "fake llama-server: holding a request before answering"
+#: The longest ``x_hold_file`` holds an answer whose file never comes (a test that failed first).
+HOLD_LIMIT_S = 120.0
 #: (prompt, completion) token counts reported in ``usage``.
 USAGE = (5, 6)
 #: Printed with the ``Authorization`` header (or ``-``) of each completion request.
@@ -195,6 +201,11 @@ class _Handler(BaseHTTPRequestHandler):
         if body.get("x_head_delay_s") and body.get("x_head_delay_port", port) == port:
             print(f"{HOLDING} for {body['x_head_delay_s']} s", flush=True)
             time.sleep(float(body["x_head_delay_s"]))  # a request queued in this engine
+        if body.get("x_hold_file"):
+            print(f"{HOLDING} until {body['x_hold_file']} exists", flush=True)
+            hold_file, deadline = Path(body["x_hold_file"]), time.monotonic() + HOLD_LIMIT_S
+            while not hold_file.exists() and time.monotonic() < deadline:
+                time.sleep(0.02)
         if body.get("stream") and body.get("x_bulk_bytes"):
             self._bulk(int(body["x_bulk_bytes"]))
             return
