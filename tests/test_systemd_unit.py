@@ -17,6 +17,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator, Mapping
 from datetime import UTC, datetime
 from pathlib import Path
@@ -73,21 +74,25 @@ def settings(text: str) -> dict[str, list[str]]:
     return found
 
 
-def verify(path: Path, scope: str, tmp_path: Path) -> subprocess.CompletedProcess[str]:
+def verify(path: Path, scope: str) -> subprocess.CompletedProcess[str]:
     """``systemd-analyze [--user] verify PATH``.
 
     The user manager that ``--user verify`` builds needs ``$XDG_RUNTIME_DIR`` to exist (in a
-    container without a login session it is unset): a private one under ``tmp_path`` is used.
+    container without a login session it is unset): a private one is made, directly under the
+    system's temporary folder rather than under ``tmp_path``. The user units the manager loads
+    name sockets below it (``gnupg/S.gpg-agent.browser``), and a socket's path holds at most
+    107 bytes: under a pytest-xdist worker's ``tmp_path`` it no longer fits.
     """
     assert SYSTEMD_ANALYZE is not None
     env = dict(os.environ)
     args = [SYSTEMD_ANALYZE, "verify", str(path)]
-    if scope == "user":
-        runtime = tmp_path / "xdg-runtime"
-        runtime.mkdir(mode=0o700, exist_ok=True)
-        env["XDG_RUNTIME_DIR"] = str(runtime)
+    if scope != "user":
+        return subprocess.run(args, capture_output=True, text=True, env=env, timeout=60)
+    with tempfile.TemporaryDirectory(prefix="xdg-") as runtime:
+        os.chmod(runtime, 0o700)
+        env["XDG_RUNTIME_DIR"] = runtime
         args.insert(1, "--user")
-    return subprocess.run(args, capture_output=True, text=True, env=env, timeout=60)
+        return subprocess.run(args, capture_output=True, text=True, env=env, timeout=60)
 
 
 def assert_verified(result: subprocess.CompletedProcess[str]) -> None:
@@ -269,7 +274,7 @@ def test_systemd_analyze_verify_accepts_the_units(
     path.parent.mkdir()
     text = render_unit(unit(scope, home=home, search_path=search_path_for(PYTHON, "/usr/bin")))
     path.write_text(text)
-    assert_verified(verify(path, scope, tmp_path))
+    assert_verified(verify(path, scope))
 
 
 @needs_systemd_analyze
@@ -278,7 +283,7 @@ def test_systemd_analyze_verify_catches_a_broken_unit(tmp_path: Path) -> None:
     path = tmp_path / UNIT_NAME
     text = render_unit(unit("system", python=tmp_path / "no-such-python"))
     path.write_text(text)
-    result = verify(path, "system", tmp_path)
+    result = verify(path, "system")
     assert result.returncode != 0
     assert "no-such-python" in result.stdout + result.stderr
 
@@ -415,7 +420,7 @@ def test_a_user_unit_is_written_under_home_and_verified(tmp_path: Path, user_hom
     found = settings(path.read_text())
     assert found["ExecStart"] == [f"{PYTHON} -m berth --home {home} agent start"]
     assert oct(path.stat().st_mode & 0o777) == "0o644"
-    assert_verified(verify(path, "user", tmp_path))
+    assert_verified(verify(path, "user"))
 
 
 def test_xdg_config_home_is_where_a_user_unit_goes(tmp_path: Path, user_home: Path) -> None:
@@ -521,7 +526,7 @@ def test_a_system_unit_runs_as_sudo_user_and_is_verified(
     found = settings(path.read_text())
     assert found["User"] == [service_account]
     assert found["ReadWritePaths"] == [str(home)]
-    check = verify(path, "system", tmp_path)
+    check = verify(path, "system")
     assert check.returncode == 0, check.stdout + check.stderr
     assert "Unknown" not in check.stderr
 
