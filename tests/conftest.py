@@ -17,6 +17,10 @@
 Mark ``needs("part", ...)`` names parts that ``scripts/setup.sh`` installs: a test whose part
 is missing is skipped, or fails under ``CI=true`` (``support/installed.py``).
 
+The suite runs in parallel (pytest-xdist) in two phases, ``--phase parallel`` and
+``--phase serial``; tests sharing a module-scoped fixture share a worker
+(``support/parallel.py``).
+
 Processes a run leaves running (a daemon whose test was interrupted) are stopped when it
 ends, and those of a run that was killed are stopped when the next starts
 (``support/reaper.py``).
@@ -34,7 +38,7 @@ import pytest
 from berth.observability.metrics import ProxyMetrics
 from berth.paths import BerthHome
 from berth.store import Store
-from support import installed, postgres
+from support import installed, parallel, postgres
 from support.clocks import StepClock
 from support.cluster_harness import Cluster, started_cluster
 from support.desk_harness import loopback_tls
@@ -51,7 +55,13 @@ from support.standin_engine import StandinEngine
 pytest_plugins = ("pytester",)
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parallel.add_options(parser)
+
+
 def pytest_configure(config: pytest.Config) -> None:
+    # The parallel suite's phases and worker groups (``support/parallel.py``).
+    config.pluginmanager.register(parallel.Parallel(config), "support.parallel")
     # The plugin that registers and applies the ``needs`` mark (an object, not a name: the
     # module is already imported by the helpers above).
     config.pluginmanager.register(installed, "support.installed")
