@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import anthropic
+import httpx
 import openai
 import pytest
 
@@ -45,6 +46,15 @@ class OutsideServer:
                  "--alias", self.alias, "-c", "2048"],
                 stdout=out, stderr=subprocess.STDOUT,
             )  # fmt: skip
+        # Adopting asks /v1/models, which llama-server answers 503 while it loads the model:
+        # an operator adopts a server that is up, so the test waits for that first.
+        wait_for(self._healthy, 60, f"the outside llama-server on port {self.port} to load")
+
+    def _healthy(self) -> bool:
+        try:
+            return httpx.get(f"http://127.0.0.1:{self.port}/health", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
 
     def kill(self) -> None:
         if self.process is not None and self.process.poll() is None:

@@ -230,7 +230,10 @@ def test_the_snapshot_has_every_node_with_short_series(
     while True:
         snapshot = scraped_cluster.admin("GET", "/admin/metrics/snapshot")
         nodes = {n["node"]: n for n in snapshot["nodes"]}
-        if {"local", agent.node_id, simulated.node_id} <= nodes.keys():
+        # every node, and the agent's first heartbeat after the traffic (one each 0.5 s)
+        if {"local", agent.node_id, simulated.node_id} <= nodes.keys() and any(
+            d["requests_total"] >= 3 for d in nodes[agent.node_id]["latest"]["deployments"]
+        ):
             break
         assert time.monotonic() < deadline, snapshot
         time.sleep(0.5)

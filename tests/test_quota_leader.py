@@ -345,8 +345,9 @@ def test_keys_are_changed_listed_and_revoked_by_name(quota_leader: tuple[Berth, 
     back = berth.json("key", "set", "changing", "--clear", "all", "--tier", "standard")
     assert back["overridden"] == [] and back["tier"] == "standard"
 
+    create_key(berth, "listed-three", "--tier", "three")  # its own: no other test's key
     listed = berth("key", "ls").stdout
-    rows = [line for line in listed.splitlines() if "three-a-minute" in line]
+    rows = [line for line in listed.splitlines() if "listed-three" in line]
     assert len(rows) == 1, listed
     (row,) = rows
     cells = row.split()  # ID NAME TIER PREFIX RPM ...: none of these is empty or has a space

@@ -97,9 +97,10 @@ def test_the_previous_release_is_what_runs(skewed_cluster: tuple[Cluster, Path])
     assert "previous" in where.stdout and str(REPO / "src") not in where.stdout, where.stdout
 
 
-def test_a_previous_release_agent_serves_a_stream_through_the_tunnel(
-    skewed_cluster: tuple[Cluster, Path],
-) -> None:
+@pytest.fixture(scope="module")
+def old_agent(skewed_cluster: tuple[Cluster, Path]) -> Agent:
+    """The previous release's agent, registered with an enrollment URI this leader printed,
+    ready, with ``skew-model`` deployed on its node."""
     cluster, python = skewed_cluster
     printed = cluster.berth("nodes", "enroll", "old").stdout
     uri = URI_PATTERN.search(printed)
@@ -120,17 +121,26 @@ def test_a_previous_release_agent_serves_a_stream_through_the_tunnel(
         )  # fmt: skip
     cluster.wait_node(node_id, "ready")
     cluster.deploy("skew-model", cluster.root / "tiny.gguf", agent)
+    return agent
+
+
+def test_a_previous_release_agent_serves_a_stream_through_the_tunnel(
+    skewed_cluster: tuple[Cluster, Path], old_agent: Agent
+) -> None:
+    cluster, _ = skewed_cluster
     with cluster.openai() as client:
         stream = client.chat.completions.create(
             model="skew-model", messages=[{"role": "user", "content": "hi"}], stream=True
         )
         text = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
     assert text, "the stream through the previous release's agent was empty"
-    served = cluster.node(node_id)
+    served = cluster.node(old_agent.node_id)
     assert served["status"] == "ready", served
 
 
-def test_what_the_previous_agent_lacks_is_named(skewed_cluster: tuple[Cluster, Path]) -> None:
+def test_what_the_previous_agent_lacks_is_named(
+    skewed_cluster: tuple[Cluster, Path], old_agent: Agent
+) -> None:
     # v0.1.0's agent does not read model headers for the leader (op.model_shape came after):
     # the model's copy on its node says so, naming the capability, instead of failing.
     cluster, _ = skewed_cluster
