@@ -42,6 +42,7 @@ BASE: tuple[str, ...] = (
     "anthropic_errors",
     "limits",
     "conforms",
+    "redact",
 )
 
 #: berth's layers, bottom up. A name is relative to ``berth``: a package (``cluster.protocol``
