@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import sqlite3
 from pathlib import Path
 
+from berth.backup.manifest import PRIVATE_MODE
 from berth.errors import ConfigError, StoreError
 from berth.store.db import SQLITE_BUSY_TIMEOUT_S, is_sqlite, parse_database_url
 from berth.store.nodes import LOCAL_NODE_ID
@@ -28,7 +30,8 @@ def sqlite_database_path(database_url: str) -> Path:
 
 
 def snapshot_database(source: Path, target: Path) -> int:
-    """Copy the SQLite database ``source`` to ``target`` consistently; its schema version.
+    """Copy the SQLite database ``source`` to ``target`` (made here, mode 0600: it must not
+    exist) consistently; its schema version.
 
     Uses the ``sqlite3`` module's :meth:`~sqlite3.Connection.backup` (SQLite's online backup
     API, all pages in one step).  The copy is switched out of WAL mode (one self-contained
@@ -37,9 +40,13 @@ def snapshot_database(source: Path, target: Path) -> int:
     otherwise.
     """
     try:
+        os.close(os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, PRIVATE_MODE))
+    except OSError as exc:
+        raise StoreError(f"cannot create the copy {target}: {exc.strerror}") from None
+    try:
         src = sqlite3.connect(source, timeout=SQLITE_BUSY_TIMEOUT_S)
         try:
-            dst = sqlite3.connect(target)
+            dst = sqlite3.connect(target)  # the file made 0600 above; SQLite keeps its mode
             try:
                 src.backup(dst)
                 dst.execute("PRAGMA journal_mode=DELETE")

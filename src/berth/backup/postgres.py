@@ -24,6 +24,7 @@ from typing import Final
 
 from sqlalchemy import text
 
+from berth.backup.manifest import PRIVATE_MODE
 from berth.errors import ConfigError, StoreError
 from berth.store import Store
 from berth.store.changes import libpq_url
@@ -75,6 +76,7 @@ def _run(tool: str, *args: str, env: dict[str, str]) -> None:
             text=True,
             timeout=TOOL_TIMEOUT_S,
             check=False,
+            umask=0o077,  # a dump pg_dump writes is 0600, as every file of a backup
         )
     except subprocess.TimeoutExpired:
         raise StoreError(f"{tool} took longer than {TOOL_TIMEOUT_S:.0f} s") from None
@@ -84,9 +86,9 @@ def _run(tool: str, *args: str, env: dict[str, str]) -> None:
 
 
 def dump_database(database_url: str, target: Path) -> int:
-    """Write ``pg_dump``'s custom-format dump of ``database_url`` to ``target``; the
-    database's schema version.  Raises :class:`StoreError` when the database cannot be read
-    or the dump fails, :class:`ConfigError` without ``pg_dump``."""
+    """Write ``pg_dump``'s custom-format dump of ``database_url`` to ``target`` (mode
+    0600); the database's schema version.  Raises :class:`StoreError` when the database
+    cannot be read or the dump fails, :class:`ConfigError` without ``pg_dump``."""
     with Store(database_url) as store:
         version = store.schema_version()
     url, env = _libpq(database_url)
@@ -94,6 +96,7 @@ def dump_database(database_url: str, target: Path) -> int:
         "pg_dump", "--format=custom", "--no-owner", "--no-privileges", f"--file={target}", url,
         env=env,
     )  # fmt: skip
+    os.chmod(target, PRIVATE_MODE)  # an existing file keeps its mode through the umask
     return version
 
 

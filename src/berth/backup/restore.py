@@ -19,7 +19,6 @@ from berth.backup.manifest import (
     OPTIONAL_FILES,
     PG_DUMP_NAME,
     PRIVATE_MODE,
-    PUBLIC_MODE,
     BackupManifest,
 )
 from berth.backup.postgres import dump_database, holds_state, is_postgresql_url, restore_dump
@@ -94,7 +93,8 @@ def restore_backup(
     replaces (the database and its ``-wal``/``-shm`` files, the whole ``ca/`` folder, the
     pepper, ``config.toml``, ``adopted.yaml``) is moved to
     ``$BERTH_HOME/replaced-<UTC time>/``, never deleted.
-    Files are restored 0600 (certificates 0644), the home and ``ca/`` 0700.
+    Every file it writes is 0600 (certificates too; a replaced database's dump as well),
+    the home and ``ca/`` 0700.
 
     Raises :class:`DaemonError` when a daemon of ``home`` runs; :class:`ConflictError` when
     the home holds a leader's state and ``force`` is false; :class:`ConfigError` for an
@@ -121,15 +121,13 @@ def restore_backup(
         settings = _restored_settings(staging, env)
         postgres_url = _postgres_target(manifest, settings)
         db_path = None if postgres_url else _restored_database_path(home, settings)
-        # The manifest's own modes are not trusted (anyone can rewrite a manifest): private,
-        # except certificates.  A PostgreSQL dump is not placed: pg_restore reads it.
+        # The manifest's own modes are not trusted (anyone can rewrite a manifest): every
+        # file is private.  A PostgreSQL dump is not placed: pg_restore reads it.
         placements = [
             (
                 staging / f.name,
                 db_path if f.name == DATABASE_NAME and db_path else home.root / f.name,
-                PUBLIC_MODE
-                if f.name.startswith("ca/") and f.name.endswith(".pem")
-                else PRIVATE_MODE,
+                PRIVATE_MODE,
             )
             for f in manifest.files
             if f.name != PG_DUMP_NAME
@@ -181,10 +179,6 @@ def database_elsewhere_note(restored_url: str | None, home_url: str) -> str | No
         "keep BERTH_DATABASE_URL set for its commands, or set database_url under [store] "
         "in its config.toml"
     )
-
-
-def _restored_mode(name: str) -> int:
-    return PUBLIC_MODE if name.startswith("ca/") and name.endswith(".pem") else PRIVATE_MODE
 
 
 def _restored_settings(staging: Path, env: Mapping[str, str] | None) -> Settings:

@@ -38,6 +38,7 @@ def _manifest_json(manifest: BackupManifest) -> dict[str, object]:
             {"name": f.name, "size_bytes": f.size_bytes, "sha256": f.sha256, "mode": f"{f.mode:o}"}
             for f in manifest.files
         ],
+        "secrets": list(manifest.secrets),
     }
 
 
@@ -66,8 +67,10 @@ def create(
 ) -> None:
     """Write a consistent snapshot of this leader (safe while the daemon runs).
 
-    The archive holds the database (SQLite's online backup), ca/ (the CA and its
-    certificates), the key pepper and config.toml; it is written with mode 0600.
+    The archive holds the database (SQLite's online backup, or pg_dump), ca/ (the CA and
+    its certificates), the key pepper and config.toml; it is written with mode 0600, and
+    names every secret it carries (keys, pepper, a database password or cluster_secret in
+    config.toml).
     """
     home = context(ctx).home
     settings = Settings.load(home)
@@ -82,7 +85,12 @@ def create(
         markup=True,
     )
     _print_manifest(manifest)
-    console.print("It holds the CA key and the key pepper: keep it as safe as the leader.")
+    console.print(
+        f"It holds secrets: {'; '.join(manifest.secrets)}. Keep it as safe as the leader.",
+        soft_wrap=True,
+        markup=False,
+        style="yellow",
+    )
 
 
 @backup_app.command("restore")
