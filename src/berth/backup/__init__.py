@@ -23,7 +23,9 @@ manifest does not list or a path that is absolute or climbs out with ``..``.
 Modules: :mod:`~berth.backup.manifest` (the archive format), :mod:`~berth.backup.archive`
 (writing and verifying archives), :mod:`~berth.backup.database` (the SQLite snapshot),
 :mod:`~berth.backup.postgres` (the PostgreSQL dump), :mod:`~berth.backup.secrets`,
-:mod:`~berth.backup.create` and :mod:`~berth.backup.restore`.
+:mod:`~berth.backup.target` (what a restore must find before it overwrites a database: no
+live leader, and the lease epoch to stay above), :mod:`~berth.backup.create` and
+:mod:`~berth.backup.restore`.
 """
 
 from berth.backup.archive import verify_backup
