@@ -43,6 +43,8 @@ BASE: tuple[str, ...] = (
     "limits",
     "conforms",
     "redact",
+    "unit_files",
+    "restart_backoff",
 )
 
 #: berth's layers, bottom up. A name is relative to ``berth``: a package (``cluster.protocol``

@@ -247,6 +247,7 @@ def build_admin_app(services: LeaderGraph) -> FastAPI:
             " (forced)" if force else "",
             ", ".join(m.cluster_url for m in standbys) or "none",
         )
+        services.handed_over = True  # it exits to be started again, as a standby
         os.kill(services.pid, signal.SIGTERM)  # the Leader's stop hands the lease over first
         return StepDownAccepted(standbys=[m.cluster_url for m in standbys])
 
