@@ -239,7 +239,11 @@ def test_the_write_lock_holds_off_a_leaders_lease_until_it_is_released(
 
         def waiting() -> bool:
             with watcher.engine.connect() as conn:
-                query = "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted"
+                query = (
+                    "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted"
+                    " AND database = (SELECT oid FROM pg_database"
+                    " WHERE datname = current_database())"
+                )
                 return int(conn.execute(text(query)).scalar_one()) > 0
 
         wait_for(waiting, 30.0, "the leader's write to wait for the lock")

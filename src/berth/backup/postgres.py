@@ -117,10 +117,17 @@ def write_lock(database_url: str) -> Iterator[Connection]:
     included, waits for it), while reads and ``pg_dump``/``pg_restore`` go on.  Waits up to
     :data:`LOCK_WAIT_S` for a writer to finish; raises :class:`StoreError` after that or
     when the database cannot be reached."""
-    with Store(database_url) as store, _translated(), store.engine.connect() as conn:
-        conn.execute(text(f"SET lock_timeout = '{int(LOCK_WAIT_S * 1000)}ms'"))
-        conn.execute(text("SELECT pg_advisory_lock(:key)"), {"key": WRITE_LOCK_KEY})
-        conn.commit()
+    with Store(database_url) as store:
+        try:
+            conn = store.engine.connect()
+            conn.execute(text(f"SET lock_timeout = '{int(LOCK_WAIT_S * 1000)}ms'"))
+            conn.execute(text("SELECT pg_advisory_lock(:key)"), {"key": WRITE_LOCK_KEY})
+            conn.commit()
+        except SQLAlchemyError as exc:
+            raise StoreError(
+                f"cannot take the store's write lock within {LOCK_WAIT_S:g} s (a leader or "
+                f"another restore holds it): {exc.__class__.__name__}"
+            ) from None
         try:
             yield conn
         finally:
@@ -128,6 +135,7 @@ def write_lock(database_url: str) -> Iterator[Connection]:
                 conn.rollback()
                 conn.execute(text("SELECT pg_advisory_unlock(:key)"), {"key": WRITE_LOCK_KEY})
                 conn.commit()
+            conn.close()
 
 
 def restore_dump(
