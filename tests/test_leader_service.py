@@ -22,6 +22,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -82,17 +83,22 @@ def settings(text: str) -> dict[str, list[str]]:
     return found
 
 
-def verify(path: Path, scope: str, tmp_path: Path) -> None:
-    """``systemd-analyze [--user] verify PATH`` passes, with no unknown or ignored key."""
+def verify(path: Path, scope: str) -> None:
+    """``systemd-analyze [--user] verify PATH`` passes, with no unknown or ignored key.
+
+    ``--user`` needs ``$XDG_RUNTIME_DIR``: a private one directly under the system's
+    temporary folder (the user units the manager loads name sockets below it, and a
+    socket's path holds at most 107 bytes, which an xdist worker's ``tmp_path`` outgrows).
+    """
     assert SYSTEMD_ANALYZE is not None
     env = dict(os.environ)
     args = [SYSTEMD_ANALYZE, "verify", str(path)]
-    if scope == "user":
-        runtime = tmp_path / "xdg-runtime"
-        runtime.mkdir(mode=0o700, exist_ok=True)
-        env["XDG_RUNTIME_DIR"] = str(runtime)
-        args.insert(1, "--user")
-    result = subprocess.run(args, capture_output=True, text=True, env=env, timeout=60)
+    with tempfile.TemporaryDirectory(prefix="xdg-") as runtime:
+        os.chmod(runtime, 0o700)
+        if scope == "user":
+            env["XDG_RUNTIME_DIR"] = runtime
+            args.insert(1, "--user")
+        result = subprocess.run(args, capture_output=True, text=True, env=env, timeout=60)
     output = result.stdout + result.stderr
     assert result.returncode == 0, output
     assert "Unknown" not in output and "ignoring" not in output, output
@@ -184,7 +190,7 @@ def test_systemd_analyze_verify_accepts_the_units(
             unit(scope, home=home, systemd_version=installed_systemd(), environment_file=env_file)
         )
     )
-    verify(path, scope, tmp_path)
+    verify(path, scope)
 
 
 # -- the restart delay where systemd has none ----------------------------------------------
@@ -275,7 +281,7 @@ def test_a_user_unit_is_written_for_a_new_home_and_verified(
     assert "systemctl --user enable --now berth-leader.service" in result.stdout
     assert home.is_dir() and home.stat().st_mode & 0o777 == 0o700
     assert oct(path.stat().st_mode & 0o777) == "0o644"
-    verify(path, "user", tmp_path)
+    verify(path, "user")
     again = install(home, "--no-start", user_home=user_home)
     assert again.returncode == 0 and f"{path} is up to date" in again.stdout
 
@@ -368,7 +374,7 @@ def test_a_system_unit_runs_as_sudo_user_in_a_home_made_for_it(
     assert home.stat().st_uid == pwd.getpwnam(service_account).pw_uid
     path = unit_dir / UNIT_NAME
     assert settings(path.read_text())["User"] == [service_account]
-    verify(path, "system", tmp_path)
+    verify(path, "system")
     as_root = install(home, "--system", "--user-name", "root", "--unit-dir", str(unit_dir),
                       "--no-start", user_home=user_home)  # fmt: skip
     assert as_root.returncode == EXIT_CONFIG and "as root" in error_line(as_root)
