@@ -107,9 +107,45 @@ def test_a_backup_holds_the_database_ca_pepper_and_config(
             data = tar.extractfile(member).read()  # type: ignore[union-attr]
             entry = next(f for f in manifest.files if f.name == member.name)
             assert hashlib.sha256(data).hexdigest() == entry.sha256
-            assert member.mode == (0o644 if member.name.endswith(".pem") else 0o600)
+            assert member.mode == 0o600, member.name  # certificates too (issue 37)
         pepper = tar.extractfile("key_pepper").read()  # type: ignore[union-attr]
     assert pepper == leader_home.pepper_file.read_bytes()
+
+
+def test_a_backup_names_every_secret_it_carries_and_shows_none(
+    leader_home: BerthHome, tmp_path: Path
+) -> None:
+    password, secret = "pw-in-the-config", "a-cluster-secret-in-the-config"
+    leader_home.config_file.write_text(
+        f'[store]\ndatabase_url = "postgresql+psycopg://berth:{password}@db.lan/berth"\n'
+        f'leader_ha = true\ncluster_secret = "{secret}"\n'
+        '[tracing]\ntracing_headers = "authorization=Bearer%20tok"\n'
+    )
+    dest = tmp_path / "backup.tar.gz"
+
+    manifest = create_backup(leader_home, _url(leader_home), dest)
+
+    assert manifest.secrets == (
+        "the CA key (ca/ca.key)",
+        "the private keys ca/cluster.key",
+        "the key pepper (key_pepper)",
+        "the database password (config.toml [store] database_url)",
+        "cluster_secret (config.toml [store] cluster_secret)",
+        "the values of tracing_headers (config.toml [tracing] tracing_headers)",
+    )
+    assert verify_backup(dest).secrets == manifest.secrets
+    listed = _read_members(dest)[MANIFEST_NAME].decode()
+    assert password not in listed and secret not in listed
+
+
+def test_a_database_url_without_a_password_is_no_secret(
+    leader_home: BerthHome, tmp_path: Path
+) -> None:
+    leader_home.config_file.write_text(
+        '[store]\ndatabase_url = "postgresql+psycopg://berth@db/b"\n'
+    )
+    manifest = create_backup(leader_home, _url(leader_home), tmp_path / "b.tar.gz")
+    assert not [s for s in manifest.secrets if "config.toml" in s]
 
 
 def test_the_database_copy_is_consistent_while_another_writer_writes(
@@ -260,9 +296,11 @@ def test_restore_brings_back_the_same_leader_with_private_permissions(
 
     assert report.database_path == home.db_file and report.replaced_dir is None
     assert _mode(home.root) == 0o700 and _mode(home.ca_dir) == 0o700
-    for name in ("berth.db", "key_pepper", "config.toml", "ca/ca.key", "ca/cluster.key"):
-        assert _mode(home.root / name) == 0o600, name
-    assert _mode(home.ca_dir / "ca.pem") == 0o644
+    for name in (
+        "berth.db", "key_pepper", "config.toml", "ca/ca.key", "ca/cluster.key", "ca/ca.pem",
+        "ca/cluster.pem",
+    ):  # fmt: skip
+        assert _mode(home.root / name) == 0o600, name  # every file a restore writes
     for name in ("key_pepper", "config.toml", "ca/ca.key", "ca/ca.pem"):
         assert (home.root / name).read_bytes() == (leader_home.root / name).read_bytes(), name
     original = CertificateAuthority.load_or_create(leader_home.ca_dir).fingerprint_sha256
@@ -390,7 +428,7 @@ def test_restored_modes_ignore_the_manifest(leader_home: BerthHome, tmp_path: Pa
 
     key = tmp_path / "new" / "ca" / "ca.key"
     assert key.stat().st_mode & 0o7777 == 0o600
-    assert (tmp_path / "new" / "ca" / "ca.pem").stat().st_mode & 0o7777 == 0o644
+    assert (tmp_path / "new" / "ca" / "ca.pem").stat().st_mode & 0o7777 == 0o600
 
 
 # -- the CLI ---------------------------------------------------------------------------------
@@ -408,6 +446,8 @@ def test_the_cli_says_what_is_wrong_in_one_line(leader_home: BerthHome, tmp_path
     made = _berth(leader_home.root, "backup", "create", str(tmp_path / "b.tar.gz"))
     assert made.returncode == 0, made.stderr
     assert "backup written" in made.stdout
+    assert "It holds secrets: the CA key (ca/ca.key);" in made.stdout
+    assert "the key pepper (key_pepper). Keep it as safe as the leader." in made.stdout
 
     again = _berth(leader_home.root, "backup", "create", str(tmp_path / "b.tar.gz"))
     assert again.returncode == 2

@@ -5,6 +5,7 @@ another database of a real server; a database that holds state is only replaced 
 
 from __future__ import annotations
 
+import stat
 import tarfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,6 +30,15 @@ def pg_pair(postgres_server: PostgresServer) -> Iterator[tuple[str, str]]:
     yield urls
     for url in urls:
         postgres_server.drop_database(url)
+
+
+def every_file_private(root: Path) -> bool:
+    """Whether every file under ``root`` is 0600 (what a backup or restore writes)."""
+    modes = {p: stat.S_IMODE(p.stat().st_mode) for p in root.rglob("*") if p.is_file()}
+    assert modes, f"no files under {root}"
+    loose = {str(p): f"{m:o}" for p, m in modes.items() if m != 0o600}
+    assert not loose, loose
+    return True
 
 
 def _pg_leader_home(root: Path, url: str) -> BerthHome:
@@ -87,7 +97,10 @@ def test_a_database_with_state_is_replaced_only_with_force_and_kept_as_a_dump(
         restore_backup(fresh, dest, env={"BERTH_DATABASE_URL": target})
     report = restore_backup(fresh, dest, force=True, env={"BERTH_DATABASE_URL": target})
     assert report.replaced_dir is not None
-    assert (report.replaced_dir / "berth.pgdump").stat().st_size > 0
+    kept = report.replaced_dir / "berth.pgdump"
+    assert kept.stat().st_size > 0
+    assert stat.S_IMODE(kept.stat().st_mode) == 0o600  # it was 0644: pg_dump's umask
+    assert every_file_private(fresh.root)
     with Store(target) as store:
         assert [k.name for k in store.list_api_keys()] == ["ops"]
 

@@ -5,6 +5,7 @@ SQLite and PostgreSQL, and for a server that does not answer."""
 from __future__ import annotations
 
 import socket
+import time
 from pathlib import Path
 
 import pytest
@@ -61,3 +62,39 @@ def test_a_server_that_does_not_answer_fails_with_a_hint(tmp_path: Path) -> None
     check = store_check(_settings(tmp_path, url))
     assert check.verdict == "fail" and "database_url" in check.hint
     assert "secret" not in check.detail and "***" in check.detail
+
+
+def test_no_leader_holding_the_lease_fails(db_url: str, tmp_path: Path) -> None:
+    """After a step-down with no standby (or with every leader stopped) nothing serves: the
+    store line fails, naming the lease it read (issue 37: it said ok)."""
+    with Store(db_url) as store:
+        store.migrate()
+        state = store.acquire_lease("a", "https://a.example:11500", 60.0)
+        store.release_lease("a", state.epoch)  # a clean stop or a step-down
+    check = store_check(_settings(tmp_path, db_url, ha=True))
+    assert check.verdict == "fail", check
+    assert "no leader holds the lease: it ran out" in check.detail
+    assert "epoch 1, last held by https://a.example:11500" in check.detail
+    assert "berth daemon start" in check.hint
+    # Without leader_ha there is no lease to hold: the one leader is active by itself.
+    assert store_check(_settings(tmp_path, db_url)).verdict == "ok"
+
+
+def test_a_lease_never_taken_fails_too(db_url: str, tmp_path: Path) -> None:
+    with Store(db_url) as store:
+        store.migrate()
+    check = store_check(_settings(tmp_path, db_url, ha=True))
+    assert check.verdict == "fail" and "none has ever taken it" in check.detail
+
+
+def test_the_leaders_seen_within_the_lease_are_counted(db_url: str, tmp_path: Path) -> None:
+    with Store(db_url) as store:
+        store.migrate()
+        store.acquire_lease("a", "https://a.example:11500", 60.0)
+        now_s = time.time()
+        store.note_leader_member("https://a.example:11501", "a", now_s)
+        store.note_leader_member("https://b.example:11501", "b", now_s)
+        store.note_leader_member("https://c.example:11501", "c", now_s - 3600)
+    check = store_check(_settings(tmp_path, db_url, ha=True))
+    assert check.verdict == "ok", check
+    assert "2 leader(s) seen within the lease" in check.detail

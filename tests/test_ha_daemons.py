@@ -14,6 +14,7 @@ The kill-to-served time is printed, not asserted (a speed target belongs in a be
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -219,3 +220,43 @@ def test_a_standby_stops_cleanly_and_leaves_the_active_alone(
     now = a.admin("GET", "/admin/leader")
     assert (now["role"], now["epoch"]) == ("active", 1)
     assert _get(a, "/v1/models", key=a.api_key).status_code == 200
+
+
+def _store_line(leader: Cluster) -> dict[str, str]:
+    """``berth doctor --json``'s store line."""
+    result = leader.berth("doctor", "--leader-only", "--json", check=False)
+    lines: list[dict[str, str]] = json.loads(result.stdout)
+    return next(line for line in lines if line["name"] == "store")
+
+
+def test_a_step_down_with_no_standby_is_refused_naming_what_was_checked(tmp_path: Path) -> None:
+    """A lone leader with ``leader_ha``: ``step-down`` would leave no active leader, so it is
+    refused (issue 37: it said "a standby takes over" and left none); ``--force`` does it,
+    and then ``berth doctor`` fails on the lease (it said ok)."""
+    url = f"sqlite:///{tmp_path / 'shared' / 'berth.db'}"
+    env = clean_env({"BERTH_DATABASE_URL": url, "BERTH_LEADER_HA": "true",
+                     "BERTH_LEADER_LEASE_S": LEASE_S, "BERTH_LEADER_ONLY": "true"})  # fmt: skip
+    lone = Cluster(tmp_path / "lone", env)
+    lone.start()
+    try:
+        pid = lone.leader_pid()
+        refused = lone.berth("leader", "step-down", check=False)
+        print("step-down with no standby:", refused.stderr.strip())
+        assert refused.returncode == 2
+        assert (
+            f"refused: no other leader was seen within the lease ({float(LEASE_S):g} s) in "
+            f"leader_members of {url} (no other leader at all)"
+        ) in refused.stderr
+        assert "--force" in refused.stderr
+        assert alive(pid) and lone.admin("GET", "/admin/leader")["role"] == "active"
+        assert _store_line(lone)["verdict"] == "ok"
+
+        forced = lone.berth("leader", "step-down", "--force")
+        assert "no other leader was seen (--force)" in forced.stdout
+        assert wait_gone(pid, TAKEOVER_BOUND_S), "the leader did not exit"
+        store = _store_line(lone)
+        print("berth doctor after it:", store)
+        assert store["verdict"] == "fail"
+        assert "no leader holds the lease" in store["detail"]
+    finally:
+        lone.berth("daemon", "stop", check=False)

@@ -42,6 +42,9 @@ BASE: tuple[str, ...] = (
     "anthropic_errors",
     "limits",
     "conforms",
+    "redact",
+    "unit_files",
+    "restart_backoff",
 )
 
 #: berth's layers, bottom up. A name is relative to ``berth``: a package (``cluster.protocol``

@@ -21,6 +21,13 @@ OpenAI-style JSON errors, the CLI maps them to a one-line message and an exit co
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Final
+
+#: The exit status of a leader that handed its lease over (``berth leader step-down``) or
+#: lost it while running engines on its own host: not an error, and a service manager should
+#: start it again, as a standby.  75 is ``EX_TEMPFAIL`` of sysexits.h ("try again later"),
+#: beside the errors' own exit codes (1 to 3).  Its unit restarts on it.
+STANDBY_RESTART_EXIT: Final = 75
 
 
 class BerthError(Exception):

@@ -75,6 +75,11 @@ class BerthHome:
     def pepper_file(self) -> Path:
         return self.root / "key_pepper"
 
+    def restart_record(self, service: str) -> Path:
+        """The record of ``service``'s last start (``leader``, ``agent``) that
+        ``--restart-backoff`` keeps (:mod:`berth.restart_backoff`)."""
+        return self.root / f"restarts-{service}.json"
+
     @property
     def audit_log(self) -> Path:
         """One JSON line per security-relevant event (node registrations) and per deployment

@@ -9,6 +9,8 @@ Served by FastAPI; authentication happens before a request reaches these routes 
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import os
 import signal
 import time
@@ -41,14 +43,18 @@ from berth.api import (
     SettingValue,
     ShutdownAccepted,
     StepDownAccepted,
+    StepDownIn,
     describe_invalid,
 )
 from berth.daemon.graph import LeaderGraph, Listener
 from berth.errors import BerthError, ConflictError
 from berth.openai_errors import error_body, error_from_exception
+from berth.redact import mask_url_password
 from berth.runtime.engines import parse_runtime_name
 from berth.runtime.gpu import parse_simulated_gpus
-from berth.store.leadership import single_leader_view
+from berth.store.leadership import single_leader_view, standbys_seen, step_down_refusal
+
+log = logging.getLogger(__name__)
 
 #: Every admin error is an OpenAI-shaped body (``ErrorBody``); FastAPI's own 422 answer is
 #: never sent (a bad request body is a 400), so the schema lists the ranges instead.
@@ -218,7 +224,7 @@ def build_admin_app(services: LeaderGraph) -> FastAPI:
     app.include_router(build_pull_router(leader_pull_jobs(services)))
 
     @app.post("/admin/leader/step-down", status_code=202)
-    async def step_down() -> StepDownAccepted:
+    async def step_down(body: StepDownIn | None = None) -> StepDownAccepted:
         leadership = services.leadership
         if leadership is None:
             raise ConflictError(
@@ -226,8 +232,24 @@ def build_admin_app(services: LeaderGraph) -> FastAPI:
             )
         if not leadership.is_active:
             raise ConflictError("this leader is a standby: step down on the active one")
+        # Read now, not the roster's copy: a standby that stopped a moment ago must not count.
+        members = await asyncio.to_thread(services.store.leader_members)
+        now_s, lease_s = time.time(), services.settings.leader_lease_s
+        force = body is not None and body.force
+        if not force:
+            database = mask_url_password(services.settings.database_url)
+            refusal = step_down_refusal(members, leadership.me, now_s, lease_s, database)
+            if refusal is not None:
+                raise ConflictError(refusal)
+        standbys = standbys_seen(members, leadership.me, now_s, lease_s)
+        log.warning(
+            "leadership: stepping down on request%s; standbys seen: %s",
+            " (forced)" if force else "",
+            ", ".join(m.cluster_url for m in standbys) or "none",
+        )
+        services.handed_over = True  # it exits to be started again, as a standby
         os.kill(services.pid, signal.SIGTERM)  # the Leader's stop hands the lease over first
-        return StepDownAccepted()
+        return StepDownAccepted(standbys=[m.cluster_url for m in standbys])
 
     @app.post("/admin/shutdown", status_code=202)
     async def shutdown() -> ShutdownAccepted:

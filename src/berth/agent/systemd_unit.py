@@ -36,12 +36,17 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
 
 from berth import __version__
 from berth.errors import ConfigError
-
-UnitScope = Literal["user", "system"]
+from berth.unit_files import UnitScope as UnitScope  # the agent CLI's type, defined once there
+from berth.unit_files import check_printable as _check_printable
+from berth.unit_files import check_user_name, pick_user_name
+from berth.unit_files import environment_line as _environment
+from berth.unit_files import escape_specifiers as _escape_specifiers
+from berth.unit_files import exec_word as _exec_word
+from berth.unit_files import quote_word as _quote
+from berth.unit_files import systemctl_commands as _systemctl_commands
 
 #: The unit's file name, in either scope.
 UNIT_NAME = "berth-agent.service"
@@ -178,13 +183,7 @@ def check_service_user_name(name: str) -> None:
     Raises :class:`ConfigError`.  The account's uid is checked by the caller, which can look
     it up; this only knows the name.
     """
-    if name == "root":
-        raise ConfigError(
-            "refusing to write a unit that runs the agent as root: run it via sudo from the "
-            "account that should run the agent, or pass --user-name NAME"
-        )
-    if not name or any(ch.isspace() or not ch.isprintable() or ch in "%/:" for ch in name):
-        raise ConfigError(f"not a usable user name for a systemd unit: {name!r}")
+    check_user_name(name, runs="the agent")
 
 
 def service_user_name(*, sudo_user: str | None, user_name: str | None) -> str:
@@ -193,14 +192,7 @@ def service_user_name(*, sudo_user: str | None, user_name: str | None) -> str:
 
     Raises :class:`ConfigError` when neither names one, or the one named is ``root``.
     """
-    chosen = user_name if user_name is not None else sudo_user
-    if not chosen:
-        raise ConfigError(
-            "--system needs the user to run the agent as, and $SUDO_USER is not set: run it via "
-            "sudo from the account that should run the agent, or pass --user-name NAME"
-        )
-    check_service_user_name(chosen)
-    return chosen
+    return pick_user_name(sudo_user=sudo_user, user_name=user_name, runs="the agent")
 
 
 def default_unit_dir(
@@ -225,13 +217,7 @@ def systemctl_commands(scope: UnitScope, *, restart: bool) -> list[list[str]]:
     ``restart`` (the unit replaced a different one) restarts a running agent so the new unit
     takes effect; ``enable --now`` alone would leave the old one running.
     """
-    base = ["systemctl", "--user"] if scope == "user" else ["systemctl"]
-    commands = [[*base, "daemon-reload"]]
-    if restart:
-        commands += [[*base, "enable", UNIT_NAME], [*base, "restart", UNIT_NAME]]
-    else:
-        commands.append([*base, "enable", "--now", UNIT_NAME])
-    return commands
+    return _systemctl_commands(scope, UNIT_NAME, restart=restart)
 
 
 def parse_systemd_version(text: str) -> int | None:
@@ -257,31 +243,3 @@ def search_path_for(python: Path, path_env: str | None) -> tuple[Path, ...]:
             seen.add(entry)
             unique.append(entry)
     return tuple(unique)
-
-
-def _check_printable(what: str, text: str) -> None:
-    if not text.isprintable():
-        raise ConfigError(f"{what} holds a control character a unit file cannot carry: {text!r}")
-
-
-def _escape_specifiers(text: str) -> str:
-    # "%" starts a specifier in most unit settings (systemd.unit(5), "Specifiers").
-    return text.replace("%", "%%")
-
-
-def _quote(word: str) -> str:
-    """``word`` as one item under systemd.syntax(7) "Quoting": double-quoted, with
-    backslashes and double quotes escaped, when it holds whitespace, a quote or a backslash."""
-    if word and not any(ch.isspace() or ch in "\"'\\" for ch in word):
-        return word
-    return '"' + word.replace("\\", "\\\\").replace('"', '\\"') + '"'
-
-
-def _exec_word(word: str) -> str:
-    # ExecStart= expands "$NAME" at run time; "$$" is a literal "$" (systemd.service(5)).
-    return _quote(_escape_specifiers(word).replace("$", "$$"))
-
-
-def _environment(name: str, value: str) -> str:
-    # Environment= does no "$" expansion, only specifiers (systemd.exec(5)).
-    return f"Environment={_quote(f'{name}={_escape_specifiers(value)}')}"

@@ -36,6 +36,7 @@ from berth.api.leader import (
     SettingValue,
     ShutdownAccepted,
     StepDownAccepted,
+    StepDownIn,
 )
 from berth.api.metrics import (
     DeploymentColumns,
@@ -175,6 +176,7 @@ __all__ = [
     "SettingsReport",
     "ShutdownAccepted",
     "StepDownAccepted",
+    "StepDownIn",
     "Timestamp",
     "UsageGrouping",
     "UsageReport",

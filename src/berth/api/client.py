@@ -59,6 +59,7 @@ from berth.api import (
     ServiceIn,
     SettingsReport,
     StepDownAccepted,
+    StepDownIn,
     UsageGrouping,
     UsageReport,
     describe_invalid,
@@ -152,9 +153,14 @@ class DaemonClient:
         """``GET /admin/leader``: this leader's role, the lease's epoch, the active's address."""
         return self.call("GET", "/admin/leader", TypeAdapter(LeaderStatus))
 
-    def step_down(self) -> StepDownAccepted:
-        """``POST /admin/leader/step-down``: hand leadership over, finish, exit."""
-        return self.call("POST", "/admin/leader/step-down", TypeAdapter(StepDownAccepted))
+    def step_down(self, *, force: bool = False) -> StepDownAccepted:
+        """``POST /admin/leader/step-down``: hand leadership over, finish, exit; refused
+        (:class:`ConflictError`) when no other leader was seen within the lease, unless
+        ``force``."""
+        body = StepDownIn(force=True) if force else StepDownIn()
+        return self.call(
+            "POST", "/admin/leader/step-down", TypeAdapter(StepDownAccepted), body=body
+        )
 
     def settings(self) -> SettingsReport:
         """``GET /admin/config``: every setting the daemon runs with, and its source."""

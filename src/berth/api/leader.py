@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from berth.api.base import ApiModel, Timestamp
+from berth.api.base import ApiInput, ApiModel, Timestamp
 from berth.config import JsonScalar, SettingSource
 from berth.runtime.base import RuntimeName
 
@@ -91,11 +91,22 @@ class SettingValue(ApiModel):
 SettingsReport = dict[str, SettingValue]
 
 
+class StepDownIn(ApiInput):
+    """``POST /admin/leader/step-down``: ``force`` steps down even when no other leader was
+    seen within the lease (the cluster is then left with no active leader)."""
+
+    force: bool = False
+
+
 class StepDownAccepted(ApiModel):
     """``POST /admin/leader/step-down`` (202): the active leader hands its lease back at once
-    (a standby takes new requests at its next look), finishes what is in flight, and exits."""
+    (a standby takes new requests at its next look), finishes what is in flight, and exits.
+    ``standbys`` are the cluster URLs of the other leaders seen within the lease (empty
+    only with ``force``).  Refused (409) on a standby, without ``leader_ha``, and, without
+    ``force``, when no other leader was seen within the lease, naming what was checked."""
 
     status: Literal["stepping down"] = "stepping down"
+    standbys: list[str] = Field(default_factory=list)
 
 
 class ShutdownAccepted(ApiModel):

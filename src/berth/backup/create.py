@@ -21,12 +21,12 @@ from berth.backup.manifest import (
     PEPPER_NAME,
     PG_DUMP_NAME,
     PRIVATE_MODE,
-    PUBLIC_MODE,
     BackupFile,
     BackupManifest,
     member_refusal,
 )
 from berth.backup.postgres import dump_database, is_postgresql_url
+from berth.backup.secrets import carried_secrets
 from berth.cluster.ca import CA_KEY_FILE
 from berth.errors import ConfigError, ConflictError
 from berth.paths import BerthHome
@@ -45,7 +45,9 @@ def create_backup(
     Safe while the daemon runs: a SQLite database is copied with SQLite's online backup API
     in one step (a single read transaction; in WAL mode the daemon keeps writing meanwhile);
     a PostgreSQL one is dumped with ``pg_dump`` (:mod:`berth.backup.postgres`).
-    ``dest`` is written beside itself first and renamed into place, mode 0600.
+    ``dest`` is written beside itself first and renamed into place, mode 0600, as is every
+    file written on the way (the database's copy, in a private folder beside ``dest``).
+    The manifest names the secrets it carries (:mod:`berth.backup.secrets`).
 
     Raises :class:`ConfigError` for a database that is neither SQLite nor PostgreSQL (or
     PostgreSQL without ``pg_dump``), a home that is not a
@@ -82,6 +84,7 @@ def create_backup(
             schema_version=schema_version,
             created_at=now().astimezone(UTC).isoformat(timespec="seconds"),
             files=files,
+            secrets=carried_secrets((f.name for f in files), home.config_file),
         )
         write_archive(dest, manifest, {name: path for name, path, _mode in sources})
     finally:
@@ -104,17 +107,12 @@ def _home_files(home: BerthHome) -> list[tuple[str, Path, int]]:
     for path in sorted(home.ca_dir.iterdir()):
         name = f"ca/{path.name}"
         if path.is_file() and not path.is_symlink() and member_refusal(name) is None:
-            found.append((name, path, PRIVATE_MODE if path.suffix == ".key" else _file_mode(path)))
+            found.append((name, path, PRIVATE_MODE))
     for name in (PEPPER_NAME, *OPTIONAL_FILES):
         path = home.root / name
         if path.is_file():
             found.append((name, path, PRIVATE_MODE))
     return found
-
-
-def _file_mode(path: Path) -> int:
-    """0644 for a file others may read (certificates), else 0600: never more."""
-    return PUBLIC_MODE if path.stat().st_mode & 0o044 else PRIVATE_MODE
 
 
 def _describe(name: str, path: Path, mode: int) -> BackupFile:

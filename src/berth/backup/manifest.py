@@ -30,8 +30,9 @@ OPTIONAL_FILES: Final = ("config.toml", "adopted.yaml")
 MAX_MANIFEST_BYTES: Final = 1024 * 1024
 #: Bytes read at a time when hashing or copying a file.
 COPY_CHUNK_BYTES = 1024 * 1024
-#: Modes files are restored with: private, and certificates (others may read them).
-PRIVATE_MODE, PUBLIC_MODE = 0o600, 0o644
+#: The mode of every file a backup or restore writes (certificates too: the home and ``ca/``
+#: are 0700, so nobody else could read them anyway).
+PRIVATE_MODE: Final = 0o600
 _CA_MEMBER = re.compile(r"ca/[A-Za-z0-9_][A-Za-z0-9._-]{0,127}")
 _TOP_MEMBERS = frozenset({DATABASE_NAME, PG_DUMP_NAME, PEPPER_NAME, *OPTIONAL_FILES})
 _REQUIRED = (f"ca/{CA_CERT_FILE}", f"ca/{CA_KEY_FILE}")
@@ -39,8 +40,8 @@ _REQUIRED = (f"ca/{CA_CERT_FILE}", f"ca/{CA_KEY_FILE}")
 
 @dataclass(frozen=True)
 class BackupFile:
-    """One file in a backup: its member name (``ca/ca.key``), size, SHA-256 (hex) and the
-    permission bits it is restored with (0600, or 0644 for certificates)."""
+    """One file in a backup: its member name (``ca/ca.key``), size, SHA-256 (hex) and its
+    permission bits in the archive (0600; a restore writes 0600 whatever they say)."""
 
     name: str
     size_bytes: int
@@ -50,13 +51,16 @@ class BackupFile:
 
 @dataclass(frozen=True)
 class BackupManifest:
-    """What ``manifest.json`` says: ``created_at`` is ISO 8601 in UTC."""
+    """What ``manifest.json`` says: ``created_at`` is ISO 8601 in UTC; ``secrets`` names
+    each secret the archive carries (:func:`berth.backup.secrets.carried_secrets`; empty in
+    archives of berth before it was recorded)."""
 
     format_version: int
     berth_version: str
     schema_version: int
     created_at: str
     files: tuple[BackupFile, ...]
+    secrets: tuple[str, ...] = ()
 
     @property
     def database_member(self) -> str:
@@ -72,6 +76,7 @@ class BackupManifest:
     def to_json(self) -> bytes:
         data = asdict(self)
         data["files"] = [asdict(f) for f in self.files]
+        data["secrets"] = list(self.secrets)
         return json.dumps(data, indent=2, sort_keys=True).encode() + b"\n"
 
     @classmethod
@@ -101,6 +106,7 @@ class BackupManifest:
                 schema_version=int(raw["schema_version"]),
                 created_at=str(raw["created_at"]),
                 files=files,
+                secrets=tuple(str(item) for item in raw.get("secrets", [])),
             )
         except (ValueError, KeyError, TypeError) as exc:
             raise bad(

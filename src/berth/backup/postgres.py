@@ -8,7 +8,8 @@ database the restoring login may write.  Restoring runs ``pg_restore --clean --i
 --no-owner --single-transaction`` into the database ``database_url`` names: berth's tables
 are replaced whole, or nothing changes.  Agents connected when the dump was taken count as
 ``unreachable`` in the restored database until they say Hello again, as after a SQLite
-restore.
+restore.  The restore holds the store's write lock (:func:`write_lock`) from before it reads
+the target's lease until the restored epoch is in place (:mod:`berth.backup.target`).
 
 The tools are Debian's ``postgresql-client`` (``/usr/bin/pg_dump`` picks the version that
 matches the server), else the newest ``/usr/lib/postgresql/N/bin``.
@@ -16,22 +17,31 @@ matches the server), else the newest ``/usr/lib/postgresql/N/bin``.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Final
 
-from sqlalchemy import text
+from sqlalchemy import Connection, text
+from sqlalchemy.exc import SQLAlchemyError
 
+from berth.backup.manifest import PRIVATE_MODE
+from berth.backup.target import raise_epoch
 from berth.errors import ConfigError, StoreError
 from berth.store import Store
 from berth.store.changes import libpq_url
-from berth.store.db import is_postgresql, parse_database_url
+from berth.store.db import WRITE_LOCK_KEY, is_postgresql, parse_database_url
 from berth.store.nodes import LOCAL_NODE_ID
 
 #: Seconds a dump or restore may take before it is given up.
 TOOL_TIMEOUT_S: Final = 3600.0
+#: Seconds a restore waits for the store's write lock (a leader's write holds it for
+#: milliseconds; another restore for as long as it runs).
+LOCK_WAIT_S: Final = 30.0
 _DEBIAN_ROOT = Path("/usr/lib/postgresql")
 
 
@@ -75,6 +85,7 @@ def _run(tool: str, *args: str, env: dict[str, str]) -> None:
             text=True,
             timeout=TOOL_TIMEOUT_S,
             check=False,
+            umask=0o077,  # a dump pg_dump writes is 0600, as every file of a backup
         )
     except subprocess.TimeoutExpired:
         raise StoreError(f"{tool} took longer than {TOOL_TIMEOUT_S:.0f} s") from None
@@ -84,9 +95,9 @@ def _run(tool: str, *args: str, env: dict[str, str]) -> None:
 
 
 def dump_database(database_url: str, target: Path) -> int:
-    """Write ``pg_dump``'s custom-format dump of ``database_url`` to ``target``; the
-    database's schema version.  Raises :class:`StoreError` when the database cannot be read
-    or the dump fails, :class:`ConfigError` without ``pg_dump``."""
+    """Write ``pg_dump``'s custom-format dump of ``database_url`` to ``target`` (mode
+    0600); the database's schema version.  Raises :class:`StoreError` when the database
+    cannot be read or the dump fails, :class:`ConfigError` without ``pg_dump``."""
     with Store(database_url) as store:
         version = store.schema_version()
     url, env = _libpq(database_url)
@@ -94,26 +105,84 @@ def dump_database(database_url: str, target: Path) -> int:
         "pg_dump", "--format=custom", "--no-owner", "--no-privileges", f"--file={target}", url,
         env=env,
     )  # fmt: skip
+    os.chmod(target, PRIVATE_MODE)  # an existing file keeps its mode through the umask
     return version
 
 
-def holds_state(database_url: str) -> bool:
-    """Whether the database at ``database_url`` holds berth's tables (a schema version)."""
+@contextmanager
+def write_lock(database_url: str) -> Iterator[Connection]:
+    """Hold the store's write lock on ``database_url`` (:data:`~berth.store.db.WRITE_LOCK_KEY`,
+    session-level) on a connection of its own until the block ends: no leader writes
+    meanwhile (every write transaction, lease renewals and takeovers and migrations
+    included, waits for it), while reads and ``pg_dump``/``pg_restore`` go on.  Waits up to
+    :data:`LOCK_WAIT_S` for a writer to finish; raises :class:`StoreError` after that or
+    when the database cannot be reached."""
     with Store(database_url) as store:
-        return store.schema_version() > 0
+        try:
+            conn = store.engine.connect()
+            conn.execute(text(f"SET lock_timeout = '{int(LOCK_WAIT_S * 1000)}ms'"))
+            conn.execute(text("SELECT pg_advisory_lock(:key)"), {"key": WRITE_LOCK_KEY})
+            conn.commit()
+        except SQLAlchemyError as exc:
+            raise StoreError(
+                f"cannot take the store's write lock within {LOCK_WAIT_S:g} s (a leader or "
+                f"another restore holds it): {exc.__class__.__name__}"
+            ) from None
+        try:
+            yield conn
+        finally:
+            with contextlib.suppress(SQLAlchemyError):  # the session's end releases it too
+                conn.rollback()
+                conn.execute(text("SELECT pg_advisory_unlock(:key)"), {"key": WRITE_LOCK_KEY})
+                conn.commit()
+            conn.close()
 
 
-def restore_dump(database_url: str, dump: Path) -> None:
+def restore_dump(
+    database_url: str,
+    dump: Path,
+    lock: Connection,
+    *,
+    target_epoch: int | None,
+    now_s: float,
+) -> int | None:
     """Replace berth's tables in ``database_url`` with those of ``dump``, in one
-    transaction, then mark the agents that were connected ``unreachable``.  Raises
-    :class:`StoreError` when ``pg_restore`` fails (the database is then as it was)."""
+    transaction, then, on ``lock`` (the connection of :func:`write_lock`, held by the
+    caller), mark the agents that were connected ``unreachable`` and, unless
+    ``target_epoch`` is ``None`` (the backup has no lease table), raise the lease's epoch
+    above ``target_epoch`` and the backup's (:func:`berth.backup.target.raise_epoch`).
+    The restored epoch, or ``None``.  Raises :class:`StoreError` when ``pg_restore``
+    fails (the database is then as it was)."""
     url, env = _libpq(database_url)
     _run(
         "pg_restore", "--clean", "--if-exists", "--no-owner", "--no-privileges",
         "--single-transaction", f"--dbname={url}", str(dump), env=env,
     )  # fmt: skip
-    with Store(database_url) as store, store.engine.begin() as conn:
-        conn.execute(
-            text("UPDATE nodes SET status = 'unreachable' WHERE status = 'ready' AND id != :local"),
-            {"local": LOCAL_NODE_ID},
-        )
+
+    def execute(sql: str, params: Mapping[str, object]) -> list[tuple[object, ...]]:
+        result = lock.execute(text(sql), dict(params))
+        return [tuple(row) for row in result] if result.returns_rows else []
+
+    with _translated():
+        try:
+            lock.execute(
+                text(
+                    "UPDATE nodes SET status = 'unreachable' "
+                    "WHERE status = 'ready' AND id != :local"
+                ),
+                {"local": LOCAL_NODE_ID},
+            )
+            epoch = None if target_epoch is None else raise_epoch(execute, target_epoch, now_s)
+            lock.commit()
+        except BaseException:
+            lock.rollback()
+            raise
+    return epoch
+
+
+@contextmanager
+def _translated() -> Iterator[None]:
+    try:
+        yield
+    except SQLAlchemyError as exc:
+        raise StoreError(f"the database did not take the restore's changes: {exc}") from None

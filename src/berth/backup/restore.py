@@ -3,6 +3,7 @@ it replaces moved aside, never deleted."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import socket
@@ -13,16 +14,21 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from berth.backup.archive import read_archive
-from berth.backup.database import sqlite_database_path
+from berth.backup.database import raise_copy_epoch, read_sqlite_target, sqlite_database_path
 from berth.backup.manifest import (
     DATABASE_NAME,
     OPTIONAL_FILES,
     PG_DUMP_NAME,
     PRIVATE_MODE,
-    PUBLIC_MODE,
     BackupManifest,
 )
-from berth.backup.postgres import dump_database, holds_state, is_postgresql_url, restore_dump
+from berth.backup.postgres import dump_database, is_postgresql_url, restore_dump, write_lock
+from berth.backup.target import (
+    TargetDatabase,
+    has_lease_table,
+    live_refusal,
+    read_target,
+)
 from berth.config import Settings
 from berth.errors import BerthError, ConfigError, ConflictError, DaemonError, StoreError
 from berth.paths import BerthHome
@@ -65,14 +71,20 @@ def _is_berth_daemon(pid: int) -> bool:
 @dataclass(frozen=True)
 class RestoreReport:
     """What a restore did: the manifest, where the database went (a SQLite file, or a
-    PostgreSQL database), and where the files it replaced were moved (``None`` when nothing
-    was replaced; a replaced PostgreSQL database is dumped there too)."""
+    PostgreSQL database), where the files it replaced were moved (``None`` when nothing
+    was replaced; a replaced PostgreSQL database is dumped there too), and the lease's
+    epoch before and after (:mod:`berth.backup.target`)."""
 
     manifest: BackupManifest
     database_path: Path | None
     replaced_dir: Path | None
     #: the PostgreSQL database restored into (password masked); ``None`` for SQLite
     database_url: str | None = None
+    #: the lease epoch the restored database holds (expired: the next leader takes one
+    #: more); ``None`` when neither the backup nor the database it replaced had a lease
+    lease_epoch: int | None = None
+    #: the highest epoch the replaced database had seen (0: none)
+    previous_epoch: int = 0
 
 
 def restore_backup(
@@ -94,10 +106,18 @@ def restore_backup(
     replaces (the database and its ``-wal``/``-shm`` files, the whole ``ca/`` folder, the
     pepper, ``config.toml``, ``adopted.yaml``) is moved to
     ``$BERTH_HOME/replaced-<UTC time>/``, never deleted.
-    Files are restored 0600 (certificates 0644), the home and ``ca/`` 0700.
+    Every file it writes is 0600 (certificates too; a replaced database's dump as well),
+    the home and ``ca/`` 0700.
+
+    The database it would overwrite is looked at first (:mod:`berth.backup.target`): while
+    a leader holds its lease or used it within the last three leases the restore is
+    refused, ``force`` or not, naming that database and the leaders; otherwise the
+    restored lease's epoch ends above every epoch either database had, expired, so the next
+    leader takes it one higher.  ``now`` is also the clock of that check.
 
     Raises :class:`DaemonError` when a daemon of ``home`` runs; :class:`ConflictError` when
-    the home holds a leader's state and ``force`` is false; :class:`ConfigError` for an
+    the database is in use by a live cluster, or when the home or the database holds a
+    leader's state and ``force`` is false; :class:`ConfigError` for an
     archive that fails verification, a backup's ``config.toml`` this berth cannot read, or a
     ``database_url`` of another kind than the backup's database; :class:`StoreError` for a
     schema newer than this berth's, or a dump or restore PostgreSQL's tools refused.
@@ -121,48 +141,96 @@ def restore_backup(
         settings = _restored_settings(staging, env)
         postgres_url = _postgres_target(manifest, settings)
         db_path = None if postgres_url else _restored_database_path(home, settings)
-        # The manifest's own modes are not trusted (anyone can rewrite a manifest): private,
-        # except certificates.  A PostgreSQL dump is not placed: pg_restore reads it.
+        # The manifest's own modes are not trusted (anyone can rewrite a manifest): every
+        # file is private.  A PostgreSQL dump is not placed: pg_restore reads it.
         placements = [
             (
                 staging / f.name,
                 db_path if f.name == DATABASE_NAME and db_path else home.root / f.name,
-                PUBLIC_MODE
-                if f.name.startswith("ca/") and f.name.endswith(".pem")
-                else PRIVATE_MODE,
+                PRIVATE_MODE,
             )
             for f in manifest.files
             if f.name != PG_DUMP_NAME
         ]
-        replaced = _existing_state(home, db_path)
-        in_database = postgres_url is not None and holds_state(postgres_url)
-        replaced_dir: Path | None = None
-        if replaced or in_database:
-            if not force:
-                names = ", ".join(
-                    [_shown(home, p) for p in replaced] + (["the database"] if in_database else [])
-                )
-                raise ConflictError(
-                    f"{home.root} already holds a leader's state ({names}); pass --force to "
-                    "replace it (the replaced files are kept in a replaced-<time> folder)"
-                )
-            stamp = now().astimezone(UTC).strftime("%Y%m%dT%H%M%SZ")
-            replaced_dir = _move_aside(home, replaced, home.root / f"replaced-{stamp}")
-            if in_database and postgres_url is not None:  # kept as a dump beside the files
-                dump_database(postgres_url, replaced_dir / PG_DUMP_NAME)
-        if postgres_url is not None:
-            restore_dump(postgres_url, staging / PG_DUMP_NAME)
-        _install(home, placements)
+        with contextlib.ExitStack() as held:
+            # On PostgreSQL no leader writes (no renewal, no takeover, no migration) from
+            # before the lease is read until the restored epoch is in place.
+            lock = None if postgres_url is None else held.enter_context(write_lock(postgres_url))
+            target = _read_target(postgres_url, db_path)
+            refusal = live_refusal(target, now().timestamp(), settings.leader_lease_s)
+            if refusal is not None:
+                raise ConflictError(refusal)
+            replaced = _existing_state(home, db_path)
+            replaced_dir: Path | None = None
+            if replaced or target.holds_state:
+                if not force:
+                    raise ConflictError(_overwrite_refusal(home, replaced, db_path, target))
+                stamp = now().astimezone(UTC).strftime("%Y%m%dT%H%M%SZ")
+                replaced_dir = _move_aside(home, replaced, home.root / f"replaced-{stamp}")
+                if postgres_url is not None and target.holds_state:  # kept as a dump
+                    dump_database(postgres_url, replaced_dir / PG_DUMP_NAME)
+            with_lease = has_lease_table(manifest.schema_version)
+            epoch: int | None = None
+            if postgres_url is not None and lock is not None:
+                epoch = restore_dump(
+                    postgres_url, staging / PG_DUMP_NAME, lock,
+                    target_epoch=target.epoch if with_lease else None,
+                    now_s=now().timestamp(),
+                )  # fmt: skip
+            elif with_lease:
+                epoch = raise_copy_epoch(staging / DATABASE_NAME, target.epoch, now().timestamp())
+            _install(home, placements)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return RestoreReport(
         manifest=manifest,
         database_path=db_path,
         replaced_dir=replaced_dir,
-        database_url=None
-        if postgres_url is None
-        else parse_database_url(postgres_url).render_as_string(hide_password=True),
+        database_url=None if postgres_url is None else target.shown,
+        lease_epoch=epoch,
+        previous_epoch=target.epoch,
     )
+
+
+def _read_target(postgres_url: str | None, db_path: Path | None) -> TargetDatabase:
+    """The database the restore would overwrite (none yet: schema version 0)."""
+    if postgres_url is not None:
+        shown = parse_database_url(postgres_url).render_as_string(hide_password=True)
+        return read_target(postgres_url, shown)
+    assert db_path is not None
+    if not db_path.exists():
+        return TargetDatabase(str(db_path), 0)
+    return read_sqlite_target(db_path)
+
+
+def _overwrite_refusal(
+    home: BerthHome, replaced: list[Path], db_path: Path | None, target: TargetDatabase
+) -> str:
+    """What ``--force`` would replace: the home's files, and the database by its own name
+    (it may be shared by several leaders, and live outside the home)."""
+    databases = [] if db_path is None else [db_path]
+    files = [_shown(home, p) for p in replaced if not any(p.name.startswith(d.name)
+             for d in databases)]  # fmt: skip
+    parts = []
+    if files:
+        parts.append(f"{home.root} already holds a leader's state ({', '.join(files)})")
+    if target.holds_state or (db_path is not None and db_path.exists()):
+        lease = target.lease
+        held = (
+            f"; lease epoch {lease.epoch}, last renewed by {lease.address or lease.holder}"
+            if lease is not None
+            else ""
+        )
+        parts.append(
+            f"the database {target.shown} holds a cluster's state (schema version "
+            f"{target.schema_version}{held})"
+        )
+    kept = (
+        "moved to a replaced-<time> folder"
+        if db_path is not None
+        else "the database dumped into a replaced-<time> folder first"
+    )
+    return f"{'; '.join(parts)}; pass --force to replace it ({kept}, not deleted)"
 
 
 def database_elsewhere_note(restored_url: str | None, home_url: str) -> str | None:
@@ -181,10 +249,6 @@ def database_elsewhere_note(restored_url: str | None, home_url: str) -> str | No
         "keep BERTH_DATABASE_URL set for its commands, or set database_url under [store] "
         "in its config.toml"
     )
-
-
-def _restored_mode(name: str) -> int:
-    return PUBLIC_MODE if name.startswith("ca/") and name.endswith(".pem") else PRIVATE_MODE
 
 
 def _restored_settings(staging: Path, env: Mapping[str, str] | None) -> Settings:

@@ -38,6 +38,7 @@ def _manifest_json(manifest: BackupManifest) -> dict[str, object]:
             {"name": f.name, "size_bytes": f.size_bytes, "sha256": f.sha256, "mode": f"{f.mode:o}"}
             for f in manifest.files
         ],
+        "secrets": list(manifest.secrets),
     }
 
 
@@ -66,8 +67,10 @@ def create(
 ) -> None:
     """Write a consistent snapshot of this leader (safe while the daemon runs).
 
-    The archive holds the database (SQLite's online backup), ca/ (the CA and its
-    certificates), the key pepper and config.toml; it is written with mode 0600.
+    The archive holds the database (SQLite's online backup, or pg_dump), ca/ (the CA and
+    its certificates), the key pepper and config.toml; it is written with mode 0600, and
+    names every secret it carries (keys, pepper, a database password or cluster_secret in
+    config.toml).
     """
     home = context(ctx).home
     settings = Settings.load(home)
@@ -82,7 +85,12 @@ def create(
         markup=True,
     )
     _print_manifest(manifest)
-    console.print("It holds the CA key and the key pepper: keep it as safe as the leader.")
+    console.print(
+        f"It holds secrets: {'; '.join(manifest.secrets)}. Keep it as safe as the leader.",
+        soft_wrap=True,
+        markup=False,
+        style="yellow",
+    )
 
 
 @backup_app.command("restore")
@@ -90,10 +98,18 @@ def restore(
     ctx: typer.Context,
     file: Path = typer.Argument(..., help="An archive written by berth backup create."),
     force: bool = typer.Option(
-        False, "--force", help="Replace the state this home holds (it is moved aside, not lost)."
+        False,
+        "--force",
+        help="Replace the state this home and its database hold (moved or dumped aside, not "
+        "lost). Never overrides the refusal of a database a live leader uses.",
     ),
 ) -> None:
-    """Bring a stopped leader back from a backup; its agents reconnect without re-enrolling."""
+    """Bring a stopped leader back from a backup; its agents reconnect without re-enrolling.
+
+    Refused while any leader holds or renewed the lease of the database it would overwrite
+    within the last 3 leases, with or without --force. The restored lease's epoch is above
+    every epoch that database had seen, so no leader of the old state passes the fence.
+    """
     home = context(ctx).home
     report = restore_backup(home, file, force=force)
     console.print(
@@ -103,6 +119,14 @@ def restore(
     )
     _print_manifest(report.manifest)
     console.print(f"  database  {report.database_url or report.database_path}", soft_wrap=True)
+    if report.lease_epoch is not None:
+        had = f"the {report.previous_epoch} the database had" if report.previous_epoch else "it"
+        console.print(
+            f"  lease     epoch {report.lease_epoch}, expired (above {had} and the backup's: "
+            f"the next leader to start takes {report.lease_epoch + 1})",
+            soft_wrap=True,
+            markup=False,
+        )
     if report.replaced_dir is not None:
         console.print(f"  the state it replaced is in {report.replaced_dir}", soft_wrap=True)
     note = database_elsewhere_note(report.database_url, Settings.load(home, env={}).database_url)

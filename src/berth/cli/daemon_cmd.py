@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import signal
@@ -27,10 +28,12 @@ from berth.cli.common import (
     print_json,
     print_table,
 )
+from berth.cli.daemon_service_cmd import install_service
 from berth.config import Settings
-from berth.errors import DaemonError
+from berth.errors import ConfigError, DaemonError
 from berth.humanize import age
 from berth.paths import BerthHome
+from berth.restart_backoff import RunRecord, next_run, read_record, start_delay_s, write_record
 from berth.runtime.proc import pid_running
 from berth.store import Store
 
@@ -39,6 +42,8 @@ daemon_app = typer.Typer(
     help="Start, stop and inspect the leader daemon.",
     no_args_is_help=True,
 )
+
+daemon_app.command("install-service")(install_service)
 
 #: Seconds ``berth daemon start`` waits for the daemon to answer on its socket.
 START_TIMEOUT_S = 60.0
@@ -52,6 +57,13 @@ def _flags(**values: object) -> dict[str, object]:
 def start(
     ctx: typer.Context,
     foreground: bool = typer.Option(False, "--foreground", help="Stay attached; log to stderr."),
+    restart_backoff: bool = typer.Option(
+        False,
+        "--restart-backoff",
+        help="With --foreground, under a service manager with no rising restart delay "
+        "(systemd before 254): wait longer before starting after each failed run in a row, "
+        "up to 5 minutes (install-service writes it where needed).",
+    ),
     public_host: str | None = typer.Option(None, help="Host name clients use for the leader."),
     public_port: int | None = typer.Option(None, help="Port of the public HTTPS listener."),
     public_bind: str | None = typer.Option(None, help="Address the public listener binds."),
@@ -89,8 +101,10 @@ def start(
 
         public_ssl_context(settings.public_cert, settings.public_key)  # refused here, not in a log
     if foreground:
-        _run_foreground(cli.home, settings)
+        _run_foreground(cli.home, settings, restart_backoff=restart_backoff)
         return
+    if restart_backoff:
+        raise ConfigError("--restart-backoff applies to --foreground (a service's own start)")
     with cli.client() as client:
         if client.is_running():
             raise DaemonError(f"a berth daemon is already running for {cli.home.root}")
@@ -126,7 +140,10 @@ def start(
     _print_banner(info, log_file)
 
 
-def _run_foreground(home: BerthHome, settings: Settings) -> None:
+def _run_foreground(home: BerthHome, settings: Settings, *, restart_backoff: bool) -> None:
+    """Run the leader in this process until it stops; exit with its status (0, or
+    ``STANDBY_RESTART_EXIT`` after a hand-over).  With ``restart_backoff``, wait first after
+    failed runs in a row and record this run (:mod:`berth.restart_backoff`)."""
     from berth import eventloop
     from berth.daemon.server import serve  # the server stack loads only when needed
 
@@ -136,7 +153,43 @@ def _run_foreground(home: BerthHome, settings: Settings) -> None:
     )
     # httpx logs every request at INFO: each health probe, every few seconds per engine.
     logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().level))
-    eventloop.run(serve(home, settings))
+    record = _wait_out_failures(home) if restart_backoff else None
+    status = eventloop.run(serve(home, settings))
+    if record is not None:  # ended cleanly: the next start waits for nothing
+        restart_backoff_record(home, dataclasses.replace(record, clean_exit=True))
+    if status:
+        raise typer.Exit(status)
+
+
+def _wait_out_failures(home: BerthHome) -> RunRecord:
+    """Wait as long as the failed runs before this one ask, then record this run."""
+    path = home.restart_record("leader")
+    previous = read_record(path)
+    run = next_run(previous, time.time())
+    delay_s = start_delay_s(run.failures)
+    if delay_s > 0 and previous is not None:
+        logging.getLogger("berth.daemon").warning(
+            "%d failed runs in a row (the last started %.0f s ago): waiting %.0f s more before "
+            "starting (--restart-backoff; %s)",
+            run.failures,
+            run.started_at - previous.started_at,
+            delay_s,
+            path,
+        )
+        time.sleep(delay_s)  # a service manager's stop (SIGTERM) ends it at once
+    run = dataclasses.replace(run, started_at=time.time())
+    restart_backoff_record(home, run)
+    return run
+
+
+def restart_backoff_record(home: BerthHome, record: RunRecord) -> None:
+    """Write the leader's restart record; a home that cannot take it is logged, not fatal
+    (the delay is a courtesy to the host, never a reason not to start)."""
+    try:
+        home.ensure()
+        write_record(home.restart_record("leader"), record)
+    except OSError as exc:
+        logging.getLogger("berth.daemon").warning("cannot write the restart record: %s", exc)
 
 
 def _wait_started(

@@ -33,12 +33,29 @@ def leader_status(
 
 
 @leader_app.command("step-down")
-def step_down(ctx: typer.Context) -> None:
+def step_down(
+    ctx: typer.Context,
+    force: bool = typer.Option(
+        False,
+        "--force",
+        help="Step down even when no other leader was seen within the lease: the cluster is "
+        "then left with no active leader until one starts.",
+    ),
+) -> None:
     """Hand leadership over: the lease goes back at once (a standby takes new requests at its
-    next look), this leader finishes what is in flight and exits (as berth daemon stop)."""
+    next look), this leader finishes what is in flight and exits (as berth daemon stop).
+
+    Refused when no other leader noted itself in the database within the lease (the refusal
+    says what it checked), unless --force.
+    """
     with context(ctx).client() as client:
-        client.step_down()
+        accepted = client.step_down(force=force)
+    if accepted.standbys:
+        taker = f"a standby takes over ({', '.join(accepted.standbys)} seen within the lease)"
+    else:
+        taker = "no other leader was seen (--force): none is active until one starts"
     console.print(
-        "stepping down: a standby takes over; this leader finishes its requests and exits",
+        f"stepping down: {taker}; this leader finishes its requests and exits",
+        soft_wrap=True,
         markup=False,
     )

@@ -18,8 +18,9 @@ def convert_setting(name: str, raw: object, *, where: str, relative_to: Path) ->
     """Convert and validate ``raw`` for setting ``name`` exactly as :meth:`Settings.load`
     does (text as from a flag or the environment, or a TOML value).
 
-    ``where`` starts the error message (e.g. ``"port=abc"``); relative paths are taken
-    relative to ``relative_to``.  Returns the typed value (``None`` for an empty optional
+    ``where`` starts the error message (e.g. ``"port=abc"``), and the value follows it,
+    masked when the setting is secret; relative paths are taken relative to
+    ``relative_to``.  Returns the typed value (``None`` for an empty optional
     one).  Raises :class:`ConfigError` for an unknown name or an invalid value.
     """
     return convert_value(setting_definition(name), raw, where, relative_to)
@@ -30,7 +31,9 @@ def convert_value(defn: SettingDef, raw: object, where: str, relative_to: Path) 
     ``defn``; :class:`ConfigError` starting with ``where`` when it is invalid."""
 
     def bad(reason: str) -> ConfigError:
-        return ConfigError(f"{where}: invalid {defn.name} {raw!r}: {reason}")
+        # A secret's value never goes into the message (it reaches terminals and logs).
+        shown = defn.shown(raw) if isinstance(raw, str) else raw
+        return ConfigError(f"{where}: invalid {defn.name} {shown!r}: {reason}")
 
     if raw is None or (isinstance(raw, str) and raw.strip() == "" and defn.optional):
         if defn.optional:

@@ -11,7 +11,6 @@ the environment or the disk at import time; :meth:`Settings.load` does, and only
 from __future__ import annotations
 
 import os
-import re
 import socket
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
@@ -314,8 +313,8 @@ class Settings:
     def rows(self) -> list[SettingRow]:
         """One row per setting in declaration order, values rendered as text (unset → ``""``).
 
-        Passwords in ``database_url``, the values of ``tracing_headers`` and the
-        ``cluster_secret`` are masked.
+        Settings marked secret are masked (:meth:`SettingDef.shown`): the password in
+        ``database_url``, the values of ``tracing_headers``, the ``cluster_secret``.
         """
         rows = []
         for defn in SETTINGS:
@@ -385,20 +384,10 @@ def _resolve(
     return defn.default, "default"
 
 
-_URL_PASSWORD = re.compile(r"(?P<head>://[^:/@]*):[^@/]*@")
-
-
 def _jsonable(name: str, value: object) -> JsonScalar:
     if value is None or isinstance(value, bool | int | float):
         return value
-    text = str(value)
-    if name == "cluster_secret":  # it opens the CA key sealed in the database
-        text = "***"
-    elif name == "database_url":
-        text = _URL_PASSWORD.sub(r"\g<head>:***@", text)
-    elif name == "tracing_headers":  # a collector's token: the names only
-        text = ",".join(pair.partition("=")[0] + "=***" for pair in text.split(","))
-    return text
+    return setting_definition(name).shown(str(value))  # a secret setting masked
 
 
 _check_registry_matches_settings()

@@ -23,6 +23,7 @@ from berth.errors import ConfigError
 from berth.http_server.cors import cors_origins_problem
 from berth.http_server.limits import ListenerLimits
 from berth.paths import BerthHome
+from berth.redact import mask_all, mask_header_values, mask_url_password
 from berth.runtime.base import RUNTIME_NAMES
 from berth.runtime.engine_container import DEFAULT_SHM_SIZE
 from berth.runtime.gpu import parse_simulated_gpus
@@ -55,6 +56,9 @@ class SettingDef:
     mapping (for ``PATH``) and returns a value or ``None`` when it finds nothing.
     ``minimum``/``maximum`` bound numbers; ``choices`` closes a string to a set; ``check``
     takes a converted string and returns why it is invalid, or ``None`` when it is fine.
+    ``mask`` marks a setting *secret*: it turns the value into what may be shown (in an
+    error, a log line, ``berth config show``, the admin API's ``/admin/config``); a secret's
+    value is never shown any other way (:meth:`shown`).
     """
 
     name: str
@@ -69,6 +73,16 @@ class SettingDef:
     maximum: float | None = None
     choices: tuple[str, ...] = ()
     check: Callable[[str], str | None] | None = None
+    mask: Callable[[str], str] | None = None
+
+    @property
+    def secret(self) -> bool:
+        """Whether the value (or a part of it, as a URL's password) is a secret."""
+        return self.mask is not None
+
+    def shown(self, text: str) -> str:
+        """``text``, a value of this setting, as it may be shown: masked when secret."""
+        return text if self.mask is None else self.mask(text)
 
     @property
     def env_var(self) -> str:
@@ -199,8 +213,9 @@ SETTINGS: tuple[SettingDef, ...] = (
         "database_url",
         "str",
         "store",
-        "SQLAlchemy URL of the state database",
+        "SQLAlchemy URL of the state database (its password is never shown)",
         default_factory=lambda home: f"sqlite:///{home.db_file}",
+        mask=mask_url_password,
     ),
     SettingDef("leader_ha", "bool", "store",
                "share leadership with other leaders on the same database: one is active, "
@@ -213,7 +228,7 @@ SETTINGS: tuple[SettingDef, ...] = (
     SettingDef("cluster_secret", "str", "store",
                "with leader_ha: the secret the cluster's CA and key pepper are sealed under "
                "in the database, so every leader shares them (never shown; docs/ha.md)",
-               optional=True, check=cluster_secret_problem),
+               optional=True, check=cluster_secret_problem, mask=mask_all),
     SettingDef("public_host", "str", "server", "host name clients use to reach the leader",
                default="127.0.0.1", check=host_problem),
     SettingDef("public_bind", "str", "server", "address the public HTTPS listener binds",
@@ -460,8 +475,8 @@ SETTINGS: tuple[SettingDef, ...] = (
                optional=True, check=http_url_problem),
     SettingDef("tracing_headers", "str", "tracing",
                "headers sent with each export, key=value,... (unset: "
-               "OTEL_EXPORTER_OTLP_HEADERS)",
-               optional=True, check=otlp_headers_problem),
+               "OTEL_EXPORTER_OTLP_HEADERS; the values are never shown)",
+               optional=True, check=otlp_headers_problem, mask=mask_header_values),
     SettingDef("tracing_sample_ratio", "float", "tracing",
                "share of new traces recorded, 0 to 1 (unset: OTEL_TRACES_SAMPLER_ARG, else 1); "
                "a request with a traceparent follows its caller's sampled flag",

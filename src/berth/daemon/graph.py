@@ -82,6 +82,10 @@ class LeaderGraph:
     scaling: ScalingController | None = None
     #: Shared leadership (``leader_ha``): the lease loop; ``None`` for a lone leader.
     leadership: Leadership | None = None
+    #: Set by ``berth leader step-down`` before it stops the leader: the process then exits
+    #: with ``STANDBY_RESTART_EXIT`` (:mod:`berth.errors`), so its service starts it again,
+    #: as a standby.
+    handed_over: bool = False
 
     @property
     def leader_only(self) -> bool:

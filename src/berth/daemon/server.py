@@ -36,7 +36,7 @@ from berth.daemon.graph import LeaderGraph
 from berth.daemon.ha import SharedLeadership
 from berth.daemon.pieces import open_store
 from berth.daemon.sockets import bind_sockets
-from berth.errors import DaemonError
+from berth.errors import STANDBY_RESTART_EXIT, DaemonError
 from berth.eventloop import freeze_startup_objects
 from berth.paths import BerthHome
 
@@ -60,7 +60,8 @@ class Leader:
     calls it once this leader holds the store's lease (at once, or when a standby takes
     over).  If it loses the lease after leading, a ``leader_only`` Leader steps down
     (:meth:`stop_leading`) and stays on as a standby, to lead again when the lease is free;
-    one that runs engines on its own host stops instead (:meth:`request_stop`): its
+    one that runs engines on its own host stops instead (:meth:`request_standby_restart`,
+    exiting with ``STANDBY_RESTART_EXIT`` for its service to start it again): its
     node ``local``'s engines and their deployments are its own host's, which a demotion
     would leave unwatched, and which the new active cannot reach.
     """
@@ -78,6 +79,7 @@ class Leader:
         self._leading = False
         self._shared: SharedLeadership | None = None
         self._detached_sweep: asyncio.Task[list[str]] | None = None
+        self._restart_as_standby = False
 
     # -- what a started leader shows ------------------------------------------------------
 
@@ -113,6 +115,14 @@ class Leader:
         """Whether the leader-only loops run (:meth:`start_leading`)."""
         return self._leading
 
+    @property
+    def exit_status(self) -> int:
+        """What the daemon's process exits with after :meth:`serve`:
+        :data:`~berth.errors.STANDBY_RESTART_EXIT` after a step-down or a lease lost while
+        running engines here (start it again, as a standby), else 0 (a stop on request:
+        SIGTERM, SIGINT, ``berth daemon stop``)."""
+        return STANDBY_RESTART_EXIT if self._restart_as_standby else 0
+
     # -- the daemon's run -----------------------------------------------------------------
 
     async def serve(self) -> None:
@@ -131,7 +141,14 @@ class Leader:
             await self.start()
             try:
                 await self.should_exit.wait()
-                log.info("berth leader stopping")
+                if self.graph.handed_over:
+                    self._restart_as_standby = True
+                log.info(
+                    "berth leader stopping%s",
+                    f" (exit status {STANDBY_RESTART_EXIT}: to be started again as a standby)"
+                    if self._restart_as_standby
+                    else "",
+                )
             finally:
                 await self.stop()
         finally:
@@ -140,6 +157,12 @@ class Leader:
 
     def request_stop(self) -> None:
         """Make :meth:`serve` stop the leader and return."""
+        self.should_exit.set()
+
+    def request_standby_restart(self) -> None:
+        """Make :meth:`serve` stop the leader and return, its :attr:`exit_status` asking its
+        service to start it again (it lost the lease while running engines here)."""
+        self._restart_as_standby = True
         self.should_exit.set()
 
     def _reload_certificates(self) -> None:
@@ -198,7 +221,7 @@ class Leader:
             self._shared = SharedLeadership(
                 graph,
                 address=f"https://{self.settings.public_host}:{self.public_port}",
-                on_lost=self.request_stop,
+                on_lost=self.request_standby_restart,
             )
         self.home.pid_file.write_text(f"{os.getpid()}\n")
         await graph.proxy.startup()
@@ -367,6 +390,9 @@ class Leader:
         log.info("berth leader stopped")
 
 
-async def serve(home: BerthHome, settings: Settings) -> None:
-    """``berth daemon start``'s run: :meth:`Leader.serve` of a Leader on ``home``."""
-    await Leader(home, settings).serve()
+async def serve(home: BerthHome, settings: Settings) -> int:
+    """``berth daemon start``'s run: :meth:`Leader.serve` of a Leader on ``home``; the
+    process's exit status (:attr:`Leader.exit_status`)."""
+    leader = Leader(home, settings)
+    await leader.serve()
+    return leader.exit_status

@@ -35,6 +35,7 @@ from sqlalchemy.exc import ArgumentError
 from sqlalchemy.pool import StaticPool
 
 from berth.errors import StoreError
+from berth.redact import mask_url_password, quoted_url
 
 #: Seconds a SQLite connection waits for another writer before giving up.
 SQLITE_BUSY_TIMEOUT_S: Final = 30.0
@@ -55,11 +56,16 @@ POSTGRES_CONNECT_TIMEOUT_S: Final = 10
 
 
 def parse_database_url(url: str) -> URL:
-    """Parse ``url``; :class:`StoreError` when SQLAlchemy cannot read it."""
+    """Parse ``url``; :class:`StoreError` when SQLAlchemy cannot read it (its password
+    masked in the message)."""
     try:
         return make_url(url)
-    except ArgumentError as exc:
-        raise StoreError(f"invalid database URL {url!r}: {exc}") from None
+    except (ArgumentError, ValueError) as exc:  # ValueError: a port that is not a number
+        # SQLAlchemy's message repeats the URL, password and all: never passed on.
+        raise StoreError(
+            f"invalid database URL {quoted_url(url)}: expected DRIVER://USER:PASSWORD@HOST"
+            f"[:PORT]/DATABASE or sqlite:///PATH ({type(exc).__name__})"
+        ) from None
 
 
 def is_sqlite(url: URL) -> bool:
@@ -101,7 +107,8 @@ def create_store_engine(url: str) -> Engine:
         engine = create_engine(parsed, **kwargs)
     except (ArgumentError, ImportError) as exc:
         raise StoreError(
-            f"cannot use database URL {url!r}: {exc} (berth's store is sqlite:///PATH or "
+            f"cannot use database URL {quoted_url(url)}: {mask_url_password(str(exc))} "
+            "(berth's store is sqlite:///PATH or "
             "postgresql+psycopg://USER@HOST/DB)"
         ) from None
     if is_sqlite(parsed):

@@ -26,13 +26,15 @@ import os
 import secrets
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Final
 
 from berth.errors import StoreError
+from berth.humanize import age
 from berth.store.errors import StandbyError
 from berth.store.lease import LeaseState, Role
+from berth.store.members import LeaderMember
 from berth.store.store import Store
 
 _log = logging.getLogger(__name__)
@@ -61,6 +63,39 @@ class LeaderView:
     epoch: int
     active_address: str | None
     ha: bool
+
+
+def standbys_seen(
+    members: Sequence[LeaderMember], me: str, now_s: float, lease_s: float
+) -> list[LeaderMember]:
+    """The leaders other than ``me`` (a holder id) that ``leader_members`` says were noted
+    less than ``lease_s`` before ``now_s`` (Unix seconds): those that could take the lease
+    over if ``me`` handed it back.  Each notes itself every third of a lease."""
+    return [m for m in members if m.holder != me and 0 <= now_s - m.seen_at < lease_s]
+
+
+def step_down_refusal(
+    members: Sequence[LeaderMember], me: str, now_s: float, lease_s: float, database: str
+) -> str | None:
+    """Why the active ``me`` should not step down at ``now_s``: no other leader seen within
+    ``lease_s`` in ``members`` (``leader_members`` of ``database``, named as shown), naming
+    what was checked and what was found; ``None`` when a standby was seen.  Pure."""
+    if standbys_seen(members, me, now_s, lease_s):
+        return None
+    others = [m for m in members if m.holder != me]
+    found = (
+        "; ".join(
+            f"{m.cluster_url} last seen {age(max(now_s - m.seen_at, 0.0))} ago" for m in others
+        )
+        if others
+        else "no other leader at all"
+    )
+    return (
+        f"refused: no other leader was seen within the lease ({lease_s:g} s) in "
+        f"leader_members of {database} ({found}); stepping down would leave no active leader, "
+        "and nothing would be served until one starts. Start a standby first (berth daemon "
+        "start with leader_ha on another host), or pass --force to step down anyway"
+    )
 
 
 def single_leader_view(me: str, address: str) -> LeaderView:
