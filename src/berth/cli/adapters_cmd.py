@@ -9,7 +9,8 @@ from rich.markup import escape
 from rich.table import Table
 
 from berth.api import Adapter, AdapterIn, AddedAdapter
-from berth.cli.common import HELP_OPTIONS, console, context, print_json, print_table, request_body
+from berth.cli.common import console, context, print_json, print_table, request_body
+from berth.cli.context import HELP_OPTIONS
 from berth.errors import ConfigError
 
 adapters_app = typer.Typer(

@@ -22,7 +22,8 @@ from berth.agent import systemd_unit
 from berth.agent.systemd_unit import UnitScope
 from berth.atomic import write_atomic
 from berth.cli import adopt_cmd
-from berth.cli.common import HELP_OPTIONS, console, context, err_console
+from berth.cli.common import console, context, err_console
+from berth.cli.context import HELP_OPTIONS
 from berth.errors import BerthError, ConfigError, ConflictError
 from berth.paths import BerthHome, resolve_home
 

@@ -10,7 +10,8 @@ from rich.table import Table
 
 from berth.backup import BackupManifest, create_backup, restore_backup, verify_backup
 from berth.backup.restore import database_elsewhere_note
-from berth.cli.common import HELP_OPTIONS, console, context, print_json
+from berth.cli.common import console, context, print_json
+from berth.cli.context import HELP_OPTIONS
 from berth.config import Settings
 from berth.paths import resolve_home
 

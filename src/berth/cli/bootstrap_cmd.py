@@ -18,7 +18,8 @@ import typer
 from rich.markup import escape
 
 from berth.backup import running_daemon
-from berth.cli.common import HELP_OPTIONS, console, context, err_console, print_json
+from berth.cli.common import console, context, err_console, print_json
+from berth.cli.context import HELP_OPTIONS
 from berth.cluster.ca import CertificateAuthority
 from berth.config import SETTINGS_BY_NAME, Settings, write_config_values
 from berth.errors import ConfigError, ConflictError

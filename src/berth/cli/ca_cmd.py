@@ -7,7 +7,8 @@ import time
 import typer
 
 from berth.api.ca import CaStatus, RetireIn
-from berth.cli.common import HELP_OPTIONS, console, context, print_json
+from berth.cli.common import console, context, print_json
+from berth.cli.context import HELP_OPTIONS
 from berth.humanize import age
 
 ca_app = typer.Typer(

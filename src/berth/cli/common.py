@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from typing import ParamSpec, TypeVar
 
 import typer
@@ -14,15 +13,12 @@ from rich.console import Console
 from rich.table import Table
 
 from berth.api import describe_invalid
-from berth.api.client import DaemonClient
+from berth.cli.context import CliContext
 from berth.errors import ConfigError
 from berth.paths import BerthHome, resolve_home
 
 _P = ParamSpec("_P")
 _Body = TypeVar("_Body", bound=BaseModel)
-
-#: ``-h`` as well as ``--help`` on every command.
-HELP_OPTIONS = {"help_option_names": ["-h", "--help"]}
 
 #: Markup is off by default: names a user chose (keys, models, services, routes, nodes) may
 #: hold ``[`` and ``]`` and must print as written.  A message that styles itself passes
@@ -78,14 +74,6 @@ def print_table(table: Table, *, out: Console | None = None) -> None:
         target.print(table)
     finally:
         target.width = shown_width
-
-
-@dataclass
-class CliContext:
-    home: BerthHome
-
-    def client(self, *, timeout_s: float = 30.0) -> DaemonClient:
-        return DaemonClient(self.home, timeout_s=timeout_s)
 
 
 def context(ctx: typer.Context) -> CliContext:

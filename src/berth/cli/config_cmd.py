@@ -15,7 +15,8 @@ import typer
 from rich.table import Table
 
 from berth.api.client import DaemonClient
-from berth.cli.common import HELP_OPTIONS, console, context, err_console, print_json
+from berth.cli.common import console, context, err_console, print_json
+from berth.cli.context import HELP_OPTIONS
 from berth.config import Settings, convert_setting, read_config_file, write_config_values
 from berth.errors import BerthError, ConfigError
 from berth.paths import BerthHome

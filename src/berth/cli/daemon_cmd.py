@@ -19,15 +19,8 @@ from rich.table import Table
 
 from berth.api import DaemonInfo, ListenerInfo
 from berth.api.client import DaemonClient
-from berth.cli.common import (
-    HELP_OPTIONS,
-    CliContext,
-    console,
-    context,
-    err_console,
-    print_json,
-    print_table,
-)
+from berth.cli.common import console, context, err_console, print_json, print_table
+from berth.cli.context import HELP_OPTIONS, CliContext
 from berth.cli.daemon_service_cmd import install_service
 from berth.config import Settings
 from berth.errors import ConfigError, DaemonError

@@ -13,7 +13,8 @@ from typing import TYPE_CHECKING
 
 import typer
 
-from berth.cli.common import HELP_OPTIONS, console, context, err_console, print_json
+from berth.cli.common import console, context, err_console, print_json
+from berth.cli.context import HELP_OPTIONS
 from berth.desk.client import WAIT_MAX_S, WAIT_MIN_S
 from berth.desk.wire import PRICE_MAX_CENTS, PRICE_MIN_CENTS
 from berth.errors import ConfigError

@@ -7,15 +7,8 @@ from datetime import UTC, date, datetime, time
 import typer
 
 from berth.api import ApiKey, KeyChangeIn, KeyIn
-from berth.cli.common import (
-    HELP_OPTIONS,
-    console,
-    context,
-    print_json,
-    print_table,
-    record_table,
-    request_body,
-)
+from berth.cli.common import console, context, print_json, print_table, record_table, request_body
+from berth.cli.context import HELP_OPTIONS
 from berth.errors import ConfigError
 from berth.keys import parse_tier, validate_key_name
 from berth.limits import (

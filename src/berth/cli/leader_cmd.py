@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import typer
 
-from berth.cli.common import HELP_OPTIONS, console, context, print_json
+from berth.cli.common import console, context, print_json
+from berth.cli.context import HELP_OPTIONS
 
 leader_app = typer.Typer(
     context_settings=HELP_OPTIONS,

@@ -10,15 +10,8 @@ from rich.markup import escape
 from berth.api import AdapterIn, ModelIn
 from berth.api.pulls import PullIn, pulled_registration
 from berth.cli.adapters_cmd import print_added
-from berth.cli.common import (
-    HELP_OPTIONS,
-    console,
-    context,
-    print_json,
-    print_table,
-    record_table,
-    request_body,
-)
+from berth.cli.common import console, context, print_json, print_table, record_table, request_body
+from berth.cli.context import HELP_OPTIONS
 from berth.errors import ConfigError, ConflictError
 
 models_app = typer.Typer(

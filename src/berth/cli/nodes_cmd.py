@@ -13,7 +13,6 @@ from rich.text import Text
 
 from berth.api import EnrollIn
 from berth.cli.common import (
-    HELP_OPTIONS,
     console,
     context,
     err_console,
@@ -22,6 +21,7 @@ from berth.cli.common import (
     record_table,
     request_body,
 )
+from berth.cli.context import HELP_OPTIONS
 from berth.humanize import age
 
 nodes_app = typer.Typer(

@@ -11,7 +11,8 @@ from rich.table import Table
 from rich.text import Text
 
 from berth.api import FallbackIn, Route, RouteIn
-from berth.cli.common import HELP_OPTIONS, console, context, print_json, print_table, request_body
+from berth.cli.common import console, context, print_json, print_table, request_body
+from berth.cli.context import HELP_OPTIONS
 from berth.errors import ConfigError
 
 route_app = typer.Typer(

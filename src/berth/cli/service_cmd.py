@@ -25,7 +25,8 @@ from berth.api import (
     ServiceDetail,
     ServiceIn,
 )
-from berth.cli.common import HELP_OPTIONS, console, context, print_json, print_table, request_body
+from berth.cli.common import console, context, print_json, print_table, request_body
+from berth.cli.context import HELP_OPTIONS
 from berth.cli.deploy_cmd import parse_gpus, wait_settled
 from berth.errors import ConfigError, EngineError
 from berth.humanize import age, duration
