@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator
 
-from berth.api.base import ApiInput, ApiModel, Timestamp
+from berth.api.base import AbsolutePath, ApiInput, ApiModel, Timestamp
 from berth.api.models import MODEL_NAME_PATTERN
 from berth.store.records import AdapterFormatName, ModelSource
 
@@ -24,7 +24,7 @@ class AdapterIn(ApiInput):
 
     name: str = Field(pattern=MODEL_NAME_PATTERN)
     base: str
-    path: str
+    path: AbsolutePath
     node: str | None = None
     source: Literal["local", "hub"] = "local"
     repo_id: str | None = None
