@@ -294,7 +294,8 @@ async def test_usage_since_a_later_day_is_an_empty_report(leader_api: httpx.Asyn
         ("/admin/keys/some-key", "PATCH, DELETE"),
         ("/admin/pulls/pull-1", "GET, DELETE"),
         ("/healthz", "GET"),
-        ("/ui/session", "GET, HEAD, POST, DELETE"),  # HEAD: the console's /ui/{name}
+        ("/ui/session", "GET, POST, DELETE"),  # not the console's files' /ui/{name}
+        ("/admin/nodes/enroll", "POST"),  # not /admin/nodes/{ident}
     ],
 )
 async def test_every_405_names_each_method_of_the_path_in_allow(

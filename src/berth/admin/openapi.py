@@ -7,7 +7,7 @@
 - A key's ``tier`` is one of this leader's tiers (the built-in ones and its
   ``[tiers.NAME]``): the schema lists them, as the leader knows them when it starts.
 - A method a path does not have is answered ``405`` with ``Allow`` listing every method the
-  path has, over all of its routes (RFC 9110, section 15.5.6). Starlette's own answer names
+  resource has, over all of its routes (RFC 9110, section 15.5.6). Starlette's own answer names
   only the methods of the first route that matched the path, and FastAPI makes one route per
   method.
 """
@@ -51,14 +51,19 @@ def _path_regex(path: str) -> re.Pattern[str]:
 
 
 def allowed_methods(app: FastAPI, path: str) -> list[str]:
-    """The methods of every route of ``app`` whose path template matches ``path``, in a
-    fixed order (empty when none does)."""
-    methods: set[str] = set()
-    for template, route_methods in _routes(app):
+    """The methods of the resource at ``path``: of the routes whose path template matches it
+    with the fewest parameters (``/admin/nodes/enroll`` is its own resource, not a node
+    named ``enroll``), in a fixed order; empty when no template matches."""
+    matched: dict[str, set[str]] = {}
+    for template, methods in _routes(app):
         if _path_regex(template).match(path):
-            methods |= route_methods
+            matched.setdefault(template, set()).update(methods)
+    if not matched:
+        return []
+    fewest = min(template.count("{") for template in matched)
+    chosen = set().union(*(m for t, m in matched.items() if t.count("{") == fewest))
     known = {method: rank for rank, method in enumerate(_METHOD_ORDER)}
-    return sorted(methods, key=lambda m: (known.get(m, len(known)), m))
+    return sorted(chosen, key=lambda m: (known.get(m, len(known)), m))
 
 
 def _errors_as_json(document: dict[str, Any]) -> None:

@@ -228,8 +228,9 @@ def describe_invalid(error: Mapping[str, object]) -> tuple[str, str | None]:
     ``RequestValidationError.errors()``) as ``(message, param)``: ``"name: 'bad name' is
     not a valid name: …"`` and ``"name"``.  The request part a location starts with
     (``body``, ``query``, ``path``) is left out; ``param`` is ``None`` where the error has
-    no location.  A value that does not match a :func:`named_pattern` is described in that pattern's words, and
-    pydantic's ``Value error, `` before a validator's own message is dropped."""
+    no location.  A value that does not match a :func:`named_pattern` is described in that
+    pattern's words, and pydantic's ``Value error, `` before a validator's own message is
+    dropped."""
     location = error.get("loc", ())
     parts = location if isinstance(location, tuple | list) else ()
     # The request part a field is in (``body``, ``query``, ``path``) is left out.
