@@ -147,6 +147,35 @@ async def test_a_path_that_cannot_be_read_is_refused_naming_it(
     assert _refused(response) == f"cannot read {named}: permission denied"
 
 
+async def test_a_name_past_the_file_systems_limit_is_refused_for_models_and_adapters(
+    leader_api: httpx.AsyncClient, tmp_path: Path
+) -> None:
+    long = "/" + "0" * 300  # one component past NAME_MAX (255): ENAMETOOLONG, was a 500
+    message = _refused(await leader_api.post("/admin/models", json={"name": "m", "path": long}))
+    assert message == f"cannot read {long}: file name too long"
+    weights = tmp_path / "base.gguf"
+    weights.write_bytes(b"GGUF" + bytes(60))
+    base = await leader_api.post("/admin/models", json={"name": "base", "path": str(weights)})
+    assert base.status_code == 201, base.text
+    refusals = {
+        long: f"cannot read {long}: file name too long",
+        "/dev/zero": "/dev/zero is a character device, not an adapter",
+    }
+    for path, says in refusals.items():
+        answer = await leader_api.post(
+            "/admin/adapters", json={"name": "a", "base": "base", "path": path}
+        )
+        assert _refused(answer).startswith(says), answer.text
+
+
+async def test_a_path_that_does_not_exist_is_not_found(
+    leader_api: httpx.AsyncClient, tmp_path: Path
+) -> None:
+    missing = tmp_path / "no-such.gguf"
+    response = await leader_api.post("/admin/models", json={"name": "m", "path": str(missing)})
+    assert _refused(response, 404) == f"model path does not exist: {missing}"
+
+
 async def test_a_gguf_file_and_a_model_folder_are_still_registered_with_their_size(
     leader_api: httpx.AsyncClient, tmp_path: Path
 ) -> None:

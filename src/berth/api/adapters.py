@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import ConfigDict, Field, field_validator
 
 from berth.api.base import AbsolutePath, ApiInput, ApiModel, Timestamp
 from berth.api.models import MODEL_NAME_PATTERN
@@ -21,6 +21,18 @@ class AdapterIn(ApiInput):
     another ``node`` adds that node's copy. ``source`` ``hub`` with ``repo_id`` and
     ``revision`` records what ``berth pull`` downloaded.
     """
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "examples": [
+                {
+                    "name": "llama-3.1-8b-sql",
+                    "base": "llama-3.1-8b-q4",
+                    "path": "/srv/adapters/sql-lora.gguf",
+                }
+            ]
+        }
+    )
 
     name: str = Field(pattern=MODEL_NAME_PATTERN)
     base: str

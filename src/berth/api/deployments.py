@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pydantic import Field, field_validator
+from pydantic import ConfigDict, Field, field_validator
 
 from berth.api.base import (
     MAX_ADAPTER_SLOTS,
@@ -39,6 +39,20 @@ class DeploymentIn(ApiInput):
     (``None``: 1 when the model has adapters, else LoRA off).  ``restart`` is when its engine
     is started again after it ended (``docs/fleet.md``, Restarts).
     """
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "examples": [
+                {
+                    "model": "llama-3.1-8b-q4",
+                    "engine": "llamacpp",
+                    "gpus": [0],
+                    "ctx": 8192,
+                    "served_model_name": "chat",
+                }
+            ]
+        }
+    )
 
     model: str = Field(min_length=1, max_length=200)
     engine: EngineIn = "llamacpp"

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from pydantic import Field, WithJsonSchema, field_validator
+from pydantic import ConfigDict, Field, WithJsonSchema, field_validator
 
 from berth.api.base import ApiInput, ApiModel, Timestamp, TimestampIn
 from berth.errors import ConfigError
@@ -91,6 +91,20 @@ class KeyIn(_LimitsIn):
     """``POST /admin/keys``: a key labelled ``name`` in ``tier`` (``admin``, ``standard``
     or one of the leader's ``[tiers.NAME]``, any case), with its own limits and an expiry
     (aware; ``null``: never) when given."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "examples": [
+                {
+                    "name": "ci-runner",
+                    "tier": "standard",
+                    "rpm": 60,
+                    "models": ["chat"],
+                    "expires_at": "2030-01-01T00:00:00+00:00",
+                }
+            ]
+        }
+    )
 
     name: Annotated[
         str,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import ConfigDict, Field, field_validator
 
 from berth.api.base import AbsolutePath, ApiInput, ApiModel, Timestamp, named_pattern
 from berth.api.plans import VramEstimateOut
@@ -36,6 +36,14 @@ class ModelIn(ApiInput):
     ``node`` (an id or label), on that node's host (not checked by the leader).  ``source``
     ``hub`` with ``repo_id`` and ``revision`` records what ``berth pull`` downloaded.
     """
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "examples": [
+                {"name": "llama-3.1-8b-q4", "path": "/srv/models/llama-3.1-8b-instruct-q4_k_m.gguf"}
+            ]
+        }
+    )
 
     name: str = Field(pattern=MODEL_NAME_PATTERN)
     path: AbsolutePath

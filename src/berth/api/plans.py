@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import ConfigDict, Field
 
 from berth.api.base import (
     MAX_ADAPTER_SLOTS,
@@ -39,6 +39,8 @@ class PlanIn(ApiInput):
     the service's or the defaults (``None``: not given); ``force`` as ``berth run
     --force``; ``max_adapters`` as ``berth run --max-adapters`` (LoRA slots, vLLM/SGLang).
     """
+
+    model_config = ConfigDict(json_schema_extra={"examples": [{"target": "chat", "ctx": 32768}]})
 
     target: str = Field(min_length=1, max_length=200)
     node: str | None = Field(default=None, min_length=1, max_length=200)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import Field, WithJsonSchema, field_validator
+from pydantic import ConfigDict, Field, WithJsonSchema, field_validator
 
 from berth.api.base import (
     MAX_ADAPTER_SLOTS,
@@ -102,6 +102,22 @@ class ServiceIn(ApiInput):
     Streamed answers (:class:`berth.store.StreamTimeouts`): ``first_byte_timeout_s`` and
     ``stream_idle_timeout_s``, seconds (0: off; ``None``: the leader's settings).
     """
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "examples": [
+                {
+                    "name": "chat",
+                    "model": "llama-3.1-8b-q4",
+                    "engine": "llamacpp",
+                    "ctx": 8192,
+                    "min_replicas": 0,
+                    "max_replicas": 2,
+                    "idle_timeout": "10m",
+                }
+            ]
+        }
+    )
 
     name: str = Field(pattern=SERVICE_NAME_PATTERN)
     model: str = Field(min_length=1, max_length=200)

@@ -14,7 +14,9 @@ runs it in a worker thread:
   a moment instead of walked for minutes; only regular files count towards its size;
 - a path that cannot be read (permissions, a link loop) is refused naming that path.
 
-Every refusal is a :class:`~berth.errors.ConfigError` (400 at the admin API).
+A path that does not exist is a :class:`~berth.errors.NotFoundError` (404 at the admin
+API, as an unknown name is); every other refusal a :class:`~berth.errors.ConfigError`
+(400). :func:`checked_path` is the first step, shared with the adapter checks.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from berth.errors import ConfigError
+from berth.errors import ConfigError, NotFoundError
 
 #: The GGUF specification's magic, the first four bytes of every GGUF file.
 GGUF_MAGIC = b"GGUF"
@@ -59,6 +61,10 @@ def _kind(mode: int) -> str:
     if stat.S_ISSOCK(mode):
         return "a socket"
     return "not a regular file"
+
+
+def _article(word: str) -> str:
+    return f"an {word}" if word[:1] in "aeiou" else f"a {word}"
 
 
 def _unreadable(path: Path | str, exc: OSError) -> ConfigError:
@@ -131,6 +137,32 @@ def _folder_size(
     return total
 
 
+def checked_path(path: Path, *, what: str) -> tuple[Path, os.stat_result]:
+    """``path`` resolved (links followed) and its status, when it is a regular file or a
+    folder that can be read. ``what`` names it in refusals (``model``, ``adapter``).
+
+    Raises :class:`~berth.errors.NotFoundError` when it does not exist (404: as a name that
+    does not exist), :class:`~berth.errors.ConfigError` when it cannot be read (naming the
+    path) or is a device, a FIFO or a socket. Blocking, but only a ``stat``.
+    """
+    try:
+        resolved = path.resolve(strict=True)
+        status = resolved.stat()
+    except FileNotFoundError:
+        message = f"{what} path does not exist: {path}"
+        raise NotFoundError(f"{what} path", str(path), message=message) from None
+    except OSError as exc:
+        raise _unreadable(path, exc) from None
+    except RuntimeError:  # a link loop, before Python 3.13
+        raise ConfigError(f"cannot read {path}: too many levels of symbolic links") from None
+    if not (stat.S_ISDIR(status.st_mode) or stat.S_ISREG(status.st_mode)):
+        raise ConfigError(
+            f"{resolved} is {_kind(status.st_mode)}, not {_article(what)}: register a .gguf "
+            f"file or {_article(what)} folder"
+        )
+    return resolved, status
+
+
 def inspect_model_path(
     path: Path,
     *,
@@ -140,25 +172,13 @@ def inspect_model_path(
 ) -> ModelFiles:
     """Check the model at ``path`` (absolute) on this host; see the module docstring.
 
-    Returns its :class:`ModelFiles`. Raises :class:`~berth.errors.ConfigError` when it does
-    not exist, cannot be read (naming the path that could not), is neither a regular file
-    nor a folder, is a file that is not GGUF, or is a folder past the bounds.
+    Returns its :class:`ModelFiles`. Raises :class:`~berth.errors.NotFoundError` when it
+    does not exist, :class:`~berth.errors.ConfigError` when it cannot be read (naming the
+    path that could not), is neither a regular file nor a folder, is a file that is not
+    GGUF, or is a folder past the bounds.
     """
-    try:
-        resolved = path.resolve(strict=True)
-        status = resolved.stat()
-    except FileNotFoundError:
-        raise ConfigError(f"model path does not exist: {path}") from None
-    except OSError as exc:
-        raise _unreadable(path, exc) from None
-    except RuntimeError:  # a link loop, before Python 3.13
-        raise ConfigError(f"cannot read {path}: too many levels of symbolic links") from None
+    resolved, status = checked_path(path, what="model")
     if stat.S_ISDIR(status.st_mode):
         size = _folder_size(resolved, max_entries=max_entries, max_walk_s=max_walk_s, clock=clock)
         return ModelFiles(resolved, True, size)
-    if not stat.S_ISREG(status.st_mode):
-        raise ConfigError(
-            f"{resolved} is {_kind(status.st_mode)}, not a model: register a .gguf file or a "
-            "model folder"
-        )
     return ModelFiles(resolved, False, _gguf_file_size(resolved))
