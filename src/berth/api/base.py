@@ -251,8 +251,10 @@ def describe_invalid(error: Mapping[str, object]) -> tuple[str, str | None]:
 
 
 #: An absolute path on a node's host: it starts with ``/``, holds no NUL (no file name
-#: can) and is at most 4096 characters (Linux's ``PATH_MAX``).
+#: can), each of its names is at most 255 characters (Linux's ``NAME_MAX``) and the whole
+#: at most 4096 (``PATH_MAX``).
 ABSOLUTE_PATH_PATTERN = named_pattern(
-    r"^/[^\x00]*$", "an absolute path (starting with '/', without NUL)"
+    r"^(/[^/\x00]{0,255})+$",
+    "an absolute path (starting with '/', without NUL, each name at most 255 characters)",
 )
 AbsolutePath = Annotated[str, Field(min_length=1, max_length=4096, pattern=ABSOLUTE_PATH_PATTERN)]
