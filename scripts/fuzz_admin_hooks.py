@@ -17,8 +17,10 @@ positive mode); every rule is enforced by the leader and tested on its own where
 - a model path on the leader's host exists and holds a model (the file system): a valid
   ``POST /admin/models`` without ``node`` registers the small GGUF file the script made
   (``$BERTH_FUZZ_MODEL_FILE``) instead of a drawn path, so the calls that follow a
-  registration (show, remove) are reached too; the paths themselves are
-  ``tests/test_admin_input.py``'s.
+  registration (show, remove) are reached too; a valid ``POST /admin/adapters`` without
+  ``node`` whose drawn path exists here (``/``, ``/tmp``) is dropped, as it is no LoRA
+  adapter of its base (one that does not exist is answered 404 and kept). The paths
+  themselves are ``tests/test_admin_input.py``'s.
 """
 
 from __future__ import annotations
@@ -90,6 +92,9 @@ def filter_case(context: schemathesis.HookContext, case: schemathesis.Case) -> b
         return _key_rules(method, case.body)
     if path in ("/admin/deployments", "/admin/services") or path.startswith("/admin/services/"):
         return _deployment_rules(case.body)
+    if path == "/admin/adapters" and method == "POST" and case.body.get("node") is None:
+        drawn = case.body.get("path")
+        return not (isinstance(drawn, str) and os.path.lexists(drawn))
     return True
 
 
