@@ -278,6 +278,27 @@ async def test_a_served_model_name_follows_the_rules_of_every_other_name(
     assert message.startswith("served_model_name: "), message
 
 
+@pytest.mark.parametrize(
+    ("route", "body"),
+    [
+        ("/admin/plan", {"target": "m", "engine": ""}),
+        ("/admin/plan", {"target": "m", "runtime": ""}),
+        ("/admin/deployments", {"model": "m", "runtime": ""}),
+        ("/admin/services", {"name": "s", "model": "m", "runtime": ""}),
+    ],
+)
+async def test_an_empty_engine_or_runtime_is_refused_not_read_as_the_default(
+    leader_api: httpx.AsyncClient, tmp_path: Path, route: str, body: dict[str, Any]
+) -> None:
+    weights = tmp_path / "m.gguf"
+    weights.write_bytes(b"GGUF" + bytes(60))
+    added = await leader_api.post("/admin/models", json={"name": "m", "path": str(weights)})
+    assert added.status_code == 201, added.text
+    # A plan of engine "" was answered 200 with llama.cpp's (schemathesis, issue 38).
+    message = _refused(await leader_api.post(route, json=body))
+    assert message.startswith(("unknown engine ''", "unknown runtime ''")), message
+
+
 async def test_text_that_is_not_unicode_is_refused_in_any_field(
     leader_api: httpx.AsyncClient,
 ) -> None:

@@ -150,7 +150,9 @@ def build_deployment_router(services: LeaderGraph) -> APIRouter:
                 model_name=body.model,
                 engine=body.engine,
                 node_id=body.node,
-                runtime=body.runtime or services.settings.default_runtime,
+                runtime=(
+                    services.settings.default_runtime if body.runtime is None else body.runtime
+                ),
                 gpus=tuple(body.gpus),
                 ctx=body.ctx,
                 extra_args=tuple(body.extra_args),
