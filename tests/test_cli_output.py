@@ -249,7 +249,7 @@ def test_ps_escapes_a_served_name_that_would_drive_the_terminal(
         ctx=None,
         extra_args=[],
         served_model_name=hostile,
-        failure_reason=None,
+        failure_reason="engine exited 1 … \x1b[31mERROR\x1b[0m out of memory",
         created_at=CREATED,
         updated_at=CREATED,
         image=None,
@@ -263,6 +263,8 @@ def test_ps_escapes_a_served_name_that_would_drive_the_terminal(
     assert "\x1b" not in shown.stdout and "\r" not in shown.stdout
     flat = "".join(shown.stdout.split())  # the name may fold across lines of its column
     assert "chat\\x1b[2J\\x1b[31m\\rfake[bold]" in flat, shown.stdout
+    # The engine log's colours in the failure line below the table, too.
+    assert "\\x1b[31mERROR\\x1b[0m" in shown.stdout, shown.stdout
 
 
 def test_key_ls_shows_key_ids_and_dates_whole(

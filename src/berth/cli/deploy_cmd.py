@@ -190,12 +190,13 @@ def print_deployments(records: Sequence[ListedDeployment], *, title: str | None 
             line = f"{r.id} {r.state}: {r.progress}"
         elif r.state == DeploymentState.STOPPED:
             line = f"{r.id} stopped {age((now - _aware(r.updated_at)).total_seconds())} ago"
+        # A reason carries the engine's log tail, whose colours (ESC) are shown as text.
         if line is not None:
-            console.print(line, markup=False, soft_wrap=True)
+            console.print(printable(line), markup=False, soft_wrap=True)
         if r.last_exit and r.state not in (DeploymentState.RESTARTING, DeploymentState.CRASHLOOP):
             plural = "s" if r.restart_count != 1 else ""
             line = f"{r.id} last exit: {r.last_exit} ({r.restart_count} restart{plural})"
-            console.print(line, markup=False, soft_wrap=True)
+            console.print(printable(line), markup=False, soft_wrap=True)
 
 
 def deployments_table(records: Sequence[ListedDeployment], *, title: str | None = None) -> Table:
