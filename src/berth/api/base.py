@@ -8,6 +8,7 @@ what is really sent.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from datetime import UTC, datetime
 from typing import Annotated, TypeVar, get_args
@@ -15,6 +16,7 @@ from typing import Annotated, TypeVar, get_args
 from pydantic import (
     AfterValidator,
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     PlainSerializer,
@@ -99,7 +101,7 @@ class ApiInput(ApiModel):
 
     @field_validator("*", mode="before")
     @classmethod
-    def _valid_unicode(cls, value: object, info: ValidationInfo) -> object:
+    def _checked_at_the_edge(cls, value: object, info: ValidationInfo) -> object:
         if _holds_lone_surrogate(value):
             raise ValueError("text must be valid Unicode (a lone surrogate such as \\ud800 is not)")
         field = cls.model_fields.get(info.field_name or "")
@@ -133,17 +135,32 @@ def _aware_and_in_range(value: datetime) -> datetime:
     return value
 
 
-#: A point in time a request gives (an expiry): ISO 8601 with its offset, in years 1 to
-#: 9999 in UTC as well as where it was written.
+#: An ISO 8601 time with its offset, as the schema states it (``format: date-time`` too).
+_TIMESTAMP_PATTERN = r"^[0-9]{4}-.*(Z|z|[+-][0-9]{2}:[0-9]{2})$"
+
+
+def _iso_text(value: object) -> object:
+    """``value`` when it is ISO 8601 text (or a ``datetime``, from the CLI in-process): not a
+    number of seconds, which pydantic would read as a Unix time."""
+    if isinstance(value, datetime):
+        return value
+    if not isinstance(value, str) or not re.match(_TIMESTAMP_PATTERN, value):
+        raise ValueError("must be an ISO 8601 time with its offset (2027-01-01T00:00:00+00:00)")
+    return value
+
+
+#: A point in time a request gives (an expiry): ISO 8601 text with its offset, in years 1
+#: to 9999 in UTC as well as where it was written.
 TimestampIn = Annotated[
     datetime,
-    Field(strict=False),  # an ISO 8601 string, as JSON carries it
+    Field(strict=False),  # parsed from its text, as JSON carries it
+    BeforeValidator(_iso_text),
     AfterValidator(_aware_and_in_range),
     WithJsonSchema(
         {
             "type": "string",
             "format": "date-time",
-            "pattern": r"^[0-9]{4}-.*(Z|z|[+-][0-9]{2}:[0-9]{2})$",
+            "pattern": _TIMESTAMP_PATTERN,
             "examples": ["2027-01-01T00:00:00+00:00"],
         }
     ),
