@@ -17,6 +17,7 @@ found each of these answered 500, accepted, or blocking the leader's loop:
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -372,6 +373,9 @@ async def test_the_schema_states_the_bounds_and_names_the_server_enforces(
     served = deployment["served_model_name"]["anyOf"][0]
     assert served["pattern"] == bodies["ModelIn"]["properties"]["name"]["pattern"]
     assert deployment["engine"]["enum"] == ["llamacpp", "vllm", "sglang"]
+    image = deployment["image"]["anyOf"][0]["pattern"]
+    assert re.fullmatch(image, "vllm/vllm-openai:v0.9.2")
+    assert not re.fullmatch(image, "]D")  # refused by the leader, so not "valid" in the schema
     # The leader's own tiers.
     tiers = bodies["KeyIn"]["properties"]["tier"]["enum"]
     assert {"admin", "standard"} <= set(tiers)

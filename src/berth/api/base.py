@@ -27,6 +27,7 @@ from pydantic import (
 
 from berth.runtime.base import RUNTIME_NAMES
 from berth.runtime.engines import ENGINE_NAMES
+from berth.runtime.images import IMAGE_REFERENCE_PATTERN
 
 _Extended = TypeVar("_Extended", bound="ApiModel")
 
@@ -186,9 +187,22 @@ MAX_EXTRA_ARG_CHARS = 4096
 ExtraArg = Annotated[str, Field(max_length=MAX_EXTRA_ARG_CHARS, pattern=r"^[^\x00]*$")]
 
 
-#: A container image reference (``vllm/vllm-openai:v0.9.2``): printable ASCII without
-#: blanks, as Docker's references are.
-DockerImage = Annotated[str, Field(min_length=1, max_length=512, pattern=r"^[!-~]+$")]
+#: A container image reference (``vllm/vllm-openai:v0.9.2``): the schema states Docker's
+#: grammar (:data:`berth.runtime.images.IMAGE_REFERENCE_PATTERN`); the leader checks it where
+#: the image is used, in words that name the form.
+DockerImage = Annotated[
+    str,
+    Field(min_length=1, max_length=512),
+    WithJsonSchema(
+        {
+            "type": "string",
+            "minLength": 1,
+            "maxLength": 512,
+            "pattern": f"^{IMAGE_REFERENCE_PATTERN}$",
+            "examples": ["vllm/vllm-openai:v0.9.2"],
+        }
+    ),
+]
 #: The most LoRA slots a deployment may ask for (a 32-bit count, as the engines read it).
 MAX_ADAPTER_SLOTS = 2**31 - 1
 
