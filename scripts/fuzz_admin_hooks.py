@@ -80,12 +80,9 @@ def _deployment_rules(body: dict[str, Any]) -> bool:
     return not (_number(low) and _number(high) and low > high)
 
 
-@schemathesis.hook
-def filter_case(context: schemathesis.HookContext, case: schemathesis.Case) -> bool:
-    """Whether to keep ``case``: every case that is meant to be invalid, and a valid one
-    that keeps the rules of the module docstring."""
-    meta = case.meta
-    if meta is None or not meta.generation.mode.is_positive or not isinstance(case.body, dict):
+def _keeps_the_rules(case: schemathesis.Case) -> bool:
+    """Whether a valid ``case`` keeps the rules of the module docstring."""
+    if not isinstance(case.body, dict):
         return True
     path, method = case.operation.path, case.operation.method.upper()
     if path.startswith("/admin/keys"):
@@ -98,15 +95,11 @@ def filter_case(context: schemathesis.HookContext, case: schemathesis.Case) -> b
     return True
 
 
-@schemathesis.hook
-def map_case(context: schemathesis.HookContext, case: schemathesis.Case) -> schemathesis.Case:
-    """``case`` with a real model file for a valid local registration (module docstring)."""
-    meta = case.meta
+def _with_a_real_model(case: schemathesis.Case) -> schemathesis.Case:
+    """``case`` with the script's model file for a valid local registration."""
     model_file = os.environ.get("BERTH_FUZZ_MODEL_FILE")
     if (
         model_file
-        and meta is not None
-        and meta.generation.mode.is_positive
         and case.operation.path == "/admin/models"
         and case.operation.method.upper() == "POST"
         and isinstance(case.body, dict)
@@ -114,3 +107,30 @@ def map_case(context: schemathesis.HookContext, case: schemathesis.Case) -> sche
     ):
         case.body = {**case.body, "path": model_file}
     return case
+
+
+def _positive(case: schemathesis.Case) -> bool:
+    meta = case.meta
+    return meta is not None and meta.generation.mode.is_positive
+
+
+@schemathesis.hook
+def filter_case(context: schemathesis.HookContext, case: schemathesis.Case) -> bool:
+    """Whether to keep ``case``: every case that is meant to be invalid, and a valid one
+    that keeps the rules of the module docstring."""
+    return not _positive(case) or _keeps_the_rules(case)
+
+
+@schemathesis.hook
+def map_case(context: schemathesis.HookContext, case: schemathesis.Case) -> schemathesis.Case:
+    """``case`` with a real model file for a valid local registration (module docstring)."""
+    return _with_a_real_model(case) if _positive(case) else case
+
+
+@schemathesis.hook
+def before_add_examples(
+    context: schemathesis.HookContext, examples: list[schemathesis.Case]
+) -> None:
+    """The examples phase's cases (the schema's examples, all meant to be valid; that phase
+    calls neither hook above), kept and given a model file by the same rules."""
+    examples[:] = [_with_a_real_model(case) for case in examples if _keeps_the_rules(case)]
