@@ -108,6 +108,7 @@ class KeyIn(_LimitsIn):
 
     name: Annotated[
         str,
+        Field(min_length=1, max_length=MAX_KEY_NAME_CHARS),
         WithJsonSchema(
             {
                 "type": "string",
