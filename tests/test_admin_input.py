@@ -253,7 +253,7 @@ async def _deploy_refused(api: httpx.AsyncClient, **fields: Any) -> str:
     return message
 
 
-@pytest.mark.parametrize("ctx", [2**63, 10**12, 2**24 + 1, 0, -1])
+@pytest.mark.parametrize("ctx", [2**63, 10**12, 2**31, 0, -1])
 async def test_a_context_length_past_any_engine_is_refused(
     leader_api: httpx.AsyncClient, ctx: int
 ) -> None:
@@ -367,7 +367,7 @@ async def test_the_schema_states_the_bounds_and_names_the_server_enforces(
     assert deployment["ctx"]["anyOf"][0] == {
         "type": "integer",
         "exclusiveMinimum": 0,
-        "maximum": 2**24,
+        "maximum": 2**31 - 1,
     }
     assert deployment["gpus"]["items"] == {"type": "integer", "minimum": 0, "maximum": 1023}
     served = deployment["served_model_name"]["anyOf"][0]

@@ -174,10 +174,11 @@ MAX_GPUS = 64
 #: A GPU index in a request: a whole number 0 to :data:`MAX_GPU_INDEX`, never ``false``
 #: or ``true`` (which Python would read as 0 and 1).
 GpuIndex = Annotated[int, Field(strict=True, ge=0, le=MAX_GPU_INDEX)]
-#: The longest context a request may ask for, in tokens: 2^24 (16,777,216), above the
-#: longest any released model is trained at (10M tokens), and what every engine's own
-#: integer (llama.cpp's ``n_ctx`` is 32 bits) and the store's column hold.
-MAX_CTX_TOKENS = 2**24
+#: The longest context a request may ask for, in tokens: 2^31 - 1, what every engine's own
+#: integer (llama.cpp's ``n_ctx`` is 32 bits) and the store's column hold. Far above any
+#: model's trained context (10M tokens), so a large one is refused by the VRAM estimate,
+#: with its reason; 2^63 overflowed the store and 10^12 was launched (issue 38).
+MAX_CTX_TOKENS = 2**31 - 1
 #: A context length in a request: a whole number of tokens, 1 to :data:`MAX_CTX_TOKENS`.
 CtxTokens = Annotated[int, Field(strict=True, gt=0, le=MAX_CTX_TOKENS)]
 #: The most and the longest engine arguments a request may give.
