@@ -229,6 +229,44 @@ def test_ps_shows_ids_states_ports_and_pids_whole(
         assert whole in shown.stdout, shown.stdout
 
 
+def test_ps_escapes_a_served_name_that_would_drive_the_terminal(
+    daemon: Answers, berth: Callable[..., Result]
+) -> None:
+    # A name the admin API refuses now (issue 38), as a store from before the rule holds it.
+    hostile = "chat\x1b[2J\x1b[31m\rfake[bold]"
+    deployment = ListedDeployment(
+        id="d-0a1b2c3d",
+        model_name="m",
+        engine="llamacpp",
+        runtime="process",
+        node_id="local",
+        node_label="local",
+        node_connected=True,
+        state=DeploymentState.READY,
+        port=41234,
+        pid=123456,
+        gpus=[],
+        ctx=None,
+        extra_args=[],
+        served_model_name=hostile,
+        failure_reason="engine exited 1 … \x1b[31mERROR\x1b[0m out of memory",
+        created_at=CREATED,
+        updated_at=CREATED,
+        image=None,
+        progress=None,
+    )
+    daemon[("GET", "/admin/deployments")] = [deployment]
+
+    shown = berth("ps")
+
+    assert shown.exit_code == 0, shown.output
+    assert "\x1b" not in shown.stdout and "\r" not in shown.stdout
+    flat = "".join(shown.stdout.split())  # the name may fold across lines of its column
+    assert "chat\\x1b[2J\\x1b[31m\\rfake[bold]" in flat, shown.stdout
+    # The engine log's colours in the failure line below the table, too.
+    assert "\\x1b[31mERROR\\x1b[0m" in shown.stdout, shown.stdout
+
+
 def test_key_ls_shows_key_ids_and_dates_whole(
     daemon: Answers, berth: Callable[..., Result], shown_on: str
 ) -> None:

@@ -52,6 +52,19 @@ def test_status_classes() -> None:
     ]
 
 
+def test_a_served_name_with_a_carriage_return_never_reaches_the_exposition_raw() -> None:
+    # A name stored before the admin API checked served names (issue 38: a raw CR in
+    # /metrics); the text format itself escapes only backslash, quote and newline.
+    metrics = ProxyMetrics()
+    metrics.set_deployment_state(
+        "d-1", model="chat\rfake 1", node="local", state=DeploymentState.READY
+    )
+    metrics.deployment_restarted("d-1", model="chat\rfake 1", node="local", reason="exit")
+    body, _ = metrics.render()
+    assert b"\r" not in body
+    assert b'model="chat\\\\rfake 1"' in body  # \r as text, its backslash escaped
+
+
 def test_deployment_state_is_one_for_the_current_state_only() -> None:
     metrics = ProxyMetrics()
     metrics.set_deployment_state("d-1", model="m", node="local", state=DeploymentState.LOADING)

@@ -129,6 +129,11 @@ async def test_an_unknown_repository_fails_with_the_reason(pull_admin: httpx.Asy
     assert failed["error"] == "hub repository 'org/missing' not found"
     assert failed["total_bytes"] is None
     assert (await pull_admin.get("/admin/models")).json() == []
+    # A finished job is forgotten when deleted.
+    forgotten = await pull_admin.delete(f"/admin/pulls/{failed['id']}")
+    assert forgotten.status_code == 200
+    assert forgotten.json()["state"] == "failed"
+    assert (await pull_admin.get(f"/admin/pulls/{failed['id']}")).status_code == 404
 
 
 async def test_progress_shows_mid_pull_and_cancelling_stops_it(
@@ -156,10 +161,12 @@ async def test_progress_shows_mid_pull_and_cancelling_stops_it(
     assert cancelled["state"] == "cancelled"
     assert not (tmp_path / "home" / "models" / "org--pull-slow").exists()
     assert (await pull_admin.get("/admin/models")).json() == []
-    # A finished job is forgotten when deleted.
-    assert (await pull_admin.delete(f"/admin/pulls/{job['id']}")).status_code == 200
+    # A cancelled job goes away with its cancel (issue 38: it stayed readable at the
+    # address it was deleted at): not found, not listed, not deleted twice.
     missing = await pull_admin.get(f"/admin/pulls/{job['id']}")
     assert missing.status_code == 404
+    assert (await pull_admin.get("/admin/pulls")).json() == []
+    assert (await pull_admin.delete(f"/admin/pulls/{job['id']}")).status_code == 404
 
 
 def _peft_files(trained_on: str) -> dict[str, bytes]:

@@ -20,6 +20,16 @@ def age(seconds: float) -> str:
     return f"{int(seconds)}s"
 
 
+def printable(text: str) -> str:
+    """``text`` with each character ``str.isprintable`` refuses (a control character such as
+    ESC or CR, a line separator, a bidirectional override) written as its Python escape
+    (``\\x1b``, ``\\r``, ``\\u202e``): a name a terminal shows as what it is, on one line,
+    that can neither move its cursor nor colour it."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
 def parse_duration(text: str) -> float:
     """Seconds in a duration as people type it: a number with a unit (``ms``, ``s``, ``m``,
     ``h``, ``d``), or several run together (``1h30m``); a bare number is seconds (``90``,

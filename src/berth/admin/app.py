@@ -1,7 +1,7 @@
 """The admin API (``/admin/*``) and the plain endpoints (``/healthz``, ``/readyz``, ``/metrics``).
 
 Keys and usage are in :mod:`berth.admin.keys`, nodes in :mod:`.nodes`, pulls from
-the hub in :mod:`.pulls`.
+the hub in :mod:`.pulls`; the schema and the ``Allow`` of a 405 in :mod:`.openapi`.
 
 Served by FastAPI; authentication happens before a request reaches these routes (see
 ``daemon/app.py``).  Every error is answered in the OpenAI error shape, like ``/v1/*``.
@@ -28,6 +28,7 @@ from berth.admin.keys import build_key_router
 from berth.admin.metrics import build_metrics_router
 from berth.admin.models import build_model_router
 from berth.admin.nodes import build_node_router
+from berth.admin.openapi import allowed_methods, install_schema
 from berth.admin.plans import build_plan_router
 from berth.admin.pulls import build_pull_router, leader_pull_jobs
 from berth.admin.routing import build_routing_router
@@ -88,10 +89,15 @@ def _answer_errors_in_openai_shape(app: FastAPI) -> None:
         return Response(body, status_code=status, headers=headers, media_type="application/json")
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_request: Request, exc: StarletteHTTPException) -> Response:
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         body = error_body(str(exc.detail), type=kind)
-        return Response(body, status_code=exc.status_code, media_type="application/json")
+        headers = dict(exc.headers or {})
+        if exc.status_code == 405:
+            headers["Allow"] = ", ".join(allowed_methods(app, request.url.path))
+        return Response(
+            body, status_code=exc.status_code, headers=headers, media_type="application/json"
+        )
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_request: Request, exc: RequestValidationError) -> Response:
@@ -211,6 +217,7 @@ def build_admin_app(services: LeaderGraph) -> FastAPI:
         responses=ERROR_RESPONSES,
     )
     _answer_errors_in_openai_shape(app)
+    install_schema(app, tiers=list(services.settings.tiers))
     app.include_router(build_status_router(services))
     app.include_router(build_model_router(services))
     app.include_router(build_deployment_router(services))

@@ -13,7 +13,7 @@ import asyncio
 import mimetypes
 from collections.abc import Callable
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Query, Request
 from fastapi.responses import RedirectResponse, Response
 
 from berth.admission.errors import KeyExpiredError
@@ -247,8 +247,11 @@ def build_console_router(gate: ConsoleGate, request_log: RequestLog) -> APIRoute
         return await static("index.html")
 
     @router.get("/admin/requests")
-    async def recent_requests(after: int = 0, limit: int = 200) -> RequestsPage:
-        entries = request_log.after(after, limit=max(0, min(limit, MAX_REQUESTS_PAGE)))
+    async def recent_requests(
+        after: int = Query(0, ge=0, le=2**63 - 1),
+        limit: int = Query(200, ge=0, le=MAX_REQUESTS_PAGE),
+    ) -> RequestsPage:
+        entries = request_log.after(after, limit=limit)
         return RequestsPage(
             last_seq=request_log.last_seq,
             capacity=request_log.capacity,

@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Query
 from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 
 from berth.api import Deployment, DeploymentIn, ListedDeployment
@@ -52,6 +52,12 @@ def deployment_view(
         last_exit_log=record.last_exit_log,
     )
 
+
+#: The longest look back ``ended_within_s`` may ask for: ten years, in seconds (a window the
+#: clock and the store's timestamps can hold; ``inf`` and ``1e20`` overflowed them).
+MAX_ENDED_WITHIN_S = 10 * 366 * 86_400
+#: The most log lines ``tail`` may ask for (the agent's engine logs keep fewer).
+MAX_LOG_TAIL_LINES = 1_000_000
 
 #: Seconds between checks whether a followed deployment has stopped.
 FOLLOW_CHECK_INTERVAL_S = 1.0
@@ -101,7 +107,10 @@ def build_deployment_router(services: LeaderGraph) -> APIRouter:
 
     @router.get("/admin/deployments")
     async def list_deployments(
-        active: bool = False, ended_within_s: float | None = None
+        active: bool = False,
+        ended_within_s: float | None = Query(
+            None, ge=0, le=MAX_ENDED_WITHIN_S, allow_inf_nan=False, examples=[3600]
+        ),
     ) -> list[ListedDeployment]:
         # ``active`` with ``ended_within_s``: also those that ended that many seconds ago or
         # less (``berth ps``: a deployment never disappears silently).
@@ -141,7 +150,9 @@ def build_deployment_router(services: LeaderGraph) -> APIRouter:
                 model_name=body.model,
                 engine=body.engine,
                 node_id=body.node,
-                runtime=body.runtime or services.settings.default_runtime,
+                runtime=(
+                    services.settings.default_runtime if body.runtime is None else body.runtime
+                ),
                 gpus=tuple(body.gpus),
                 ctx=body.ctx,
                 extra_args=tuple(body.extra_args),
@@ -165,13 +176,15 @@ def build_deployment_router(services: LeaderGraph) -> APIRouter:
 
     @router.get("/admin/deployments/{deployment_id}/logs", response_class=PlainTextResponse)
     async def deployment_logs(
-        deployment_id: str, tail: int = 100, follow: bool = False
+        deployment_id: str,
+        tail: int = Query(100, ge=0, le=MAX_LOG_TAIL_LINES),
+        follow: bool = False,
     ) -> Response:
         record = await asyncio.to_thread(store.get_deployment, deployment_id)
         link = services.links.get(record.node_id)
         if link is None:
             raise ConfigError(f"node {record.node_id} is not connected")
-        chunks = link.logs(deployment_id, tail_lines=max(tail, 0), follow=follow)
+        chunks = link.logs(deployment_id, tail_lines=tail, follow=follow)
         # Pull the first chunk now so a missing log is a clean 404, not a broken stream.
         first = await anext(chunks, b"")
         body = _follow_until_settled(store, deployment_id, first, chunks) if follow else None

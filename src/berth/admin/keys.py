@@ -18,12 +18,15 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from datetime import UTC, datetime
+from typing import Annotated
 
 from fastapi import APIRouter
+from pydantic import WithJsonSchema
 
 from berth.admission import SOCKET_KEY_ID, SOCKET_KEY_NAME, SocketCaller
 from berth.api import (
     DEFAULT_SINCE,
+    SINCE_DAYS_PATTERN,
     ApiKey,
     CreatedApiKey,
     KeyChangeIn,
@@ -41,6 +44,17 @@ from berth.errors import ConfigError
 from berth.keys import generate_secret, hash_secret, key_prefix
 from berth.limits import KeyLimits
 from berth.store import ApiKeyRecord, UsageRecord
+
+#: ``since`` in the schema: a number of days or a date.
+SINCE_SCHEMA = WithJsonSchema(
+    {
+        "anyOf": [
+            {"type": "string", "pattern": SINCE_DAYS_PATTERN},
+            {"type": "string", "format": "date"},
+        ],
+        "examples": ["30d", "2026-01-31"],
+    }
+)
 
 #: The usage ledger's names for requests over the Unix socket, by name: each caller's, and
 #: the one rows from before berth told them apart have.
@@ -160,13 +174,13 @@ def build_key_router(
 
     @router.get("/admin/usage")
     async def usage(
-        since: str = DEFAULT_SINCE,
-        by: str = "day",
+        since: Annotated[str, SINCE_SCHEMA] = DEFAULT_SINCE,
+        by: UsageGrouping = "day",
         key: str | None = None,
         model: str | None = None,
     ) -> UsageReport:
         today = now().date()
-        first = parse_since(since, today)
+        first = parse_since(since, today, future_ok=True)
         grouping = parse_grouping(by)
         await services.admission.ledger.flush()  # what is still in memory counts too
         key_id = None

@@ -71,9 +71,9 @@ def plan_router(
                     )
             options = DeployOptions(
                 model_name=service.model_name,
-                engine=body.engine or service.engine,
+                engine=service.engine if body.engine is None else body.engine,
                 node_id=node,
-                runtime=body.runtime or service.runtime,
+                runtime=service.runtime if body.runtime is None else body.runtime,
                 gpus=tuple(service.gpus if body.gpus is None else body.gpus),
                 ctx=body.ctx if body.ctx is not None else service.ctx,
                 extra_args=tuple(
@@ -96,9 +96,9 @@ def plan_router(
                 ) from None
             options = DeployOptions(
                 model_name=body.target,
-                engine=body.engine or "llamacpp",
+                engine="llamacpp" if body.engine is None else body.engine,
                 node_id=body.node,
-                runtime=body.runtime or default_runtime,
+                runtime=default_runtime if body.runtime is None else body.runtime,
                 gpus=tuple(body.gpus or ()),
                 ctx=body.ctx,
                 extra_args=tuple(body.extra_args or ()),

@@ -6,7 +6,8 @@ admission queue with where they came from (known or assumed), and the ones the h
 dropped; the routing policy its requests follow and how the last one went (under
 ``prefix``: the matched prefix, and why a load bound overrode it). ``?session=ID`` (or
 ``?conversation=ID``) explains a request that carries that ``X-Session-Id``
-(``X-Conversation-Id``).
+(``X-Conversation-Id``). A model that nothing serves now is answered 409 with the reason
+(the proxy's 503 is for a request that cannot be served; this one asks about the router).
 """
 
 from __future__ import annotations
@@ -16,7 +17,9 @@ from typing import TYPE_CHECKING
 from fastapi import APIRouter
 
 from berth.api import DroppedCandidate, LastDecision, RankedCandidate, RoutingExplanation
+from berth.errors import ConflictError
 from berth.routing.affinity import affinity_key
+from berth.routing.errors import NoReadyDeploymentError
 from berth.routing.resolver import Upstream
 from berth.routing.router import Router
 
@@ -38,9 +41,12 @@ def build_routing_router(services: LeaderGraph) -> APIRouter:
             headers.append((b"x-conversation-id", conversation.encode("latin-1", "replace")))
         key = affinity_key(headers)
         routing = services.proxy.router
-        ranking = routing.explain(model, key)
-        # The same table the ranking just read (no await between): each one's gate slots.
-        listed = routing.resolver.candidates(model)
+        try:
+            ranking = routing.explain(model, key)
+            # The same table the ranking just read (no await between): each one's slots.
+            listed = routing.resolver.candidates(model)
+        except NoReadyDeploymentError as exc:
+            raise ConflictError(str(exc)) from None
         upstreams = {u.deployment_id: u for u in listed}
         none = Upstream("", "", "", model)
         last = routing.last_decisions.get(model)

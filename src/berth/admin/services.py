@@ -309,7 +309,7 @@ def _add_service_routes(router: APIRouter, catalog: _Catalog) -> None:
             body.name,
             body.model,
             body.engine,
-            body.runtime or catalog.default_runtime,
+            catalog.default_runtime if body.runtime is None else body.runtime,
             gpus=body.gpus,
             ctx=body.ctx,
             extra_args=body.extra_args,

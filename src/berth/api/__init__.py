@@ -93,6 +93,7 @@ from berth.api.services import (
 )
 from berth.api.usage import (
     DEFAULT_SINCE,
+    SINCE_DAYS_PATTERN,
     USAGE_GROUPINGS,
     UsageGrouping,
     UsageReport,
@@ -103,6 +104,7 @@ from berth.api.usage import (
 
 __all__ = [
     "DEFAULT_SINCE",
+    "SINCE_DAYS_PATTERN",
     "USAGE_GROUPINGS",
     "Adapter",
     "AdapterIn",

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import ConfigDict, Field, field_validator
 
-from berth.api.base import ApiInput, ApiModel, Timestamp
+from berth.api.base import AbsolutePath, ApiInput, ApiModel, Timestamp
 from berth.api.models import MODEL_NAME_PATTERN
 from berth.store.records import AdapterFormatName, ModelSource
 
@@ -22,9 +22,21 @@ class AdapterIn(ApiInput):
     ``revision`` records what ``berth pull`` downloaded.
     """
 
+    model_config = ConfigDict(
+        json_schema_extra={
+            "examples": [
+                {
+                    "name": "llama-3.1-8b-sql",
+                    "base": "llama-3.1-8b-q4",
+                    "path": "/srv/adapters/sql-lora.gguf",
+                }
+            ]
+        }
+    )
+
     name: str = Field(pattern=MODEL_NAME_PATTERN)
     base: str
-    path: str
+    path: AbsolutePath
     node: str | None = None
     source: Literal["local", "hub"] = "local"
     repo_id: str | None = None

@@ -2,9 +2,23 @@
 
 from __future__ import annotations
 
-from pydantic import Field
+from pydantic import ConfigDict, Field, field_validator
 
-from berth.api.base import ApiInput, ApiModel, Timestamp
+from berth.api.base import (
+    MAX_ADAPTER_SLOTS,
+    MAX_EXTRA_ARGS,
+    MAX_GPUS,
+    ApiInput,
+    ApiModel,
+    CtxTokens,
+    DockerImage,
+    EngineIn,
+    ExtraArg,
+    GpuIndex,
+    RuntimeIn,
+    Timestamp,
+)
+from berth.api.models import MODEL_NAME_PATTERN, no_parent_segments
 from berth.runtime.base import RuntimeName
 from berth.runtime.engines import EngineName
 from berth.store import DEFAULT_RESTART_POLICY, RestartPolicy
@@ -26,18 +40,35 @@ class DeploymentIn(ApiInput):
     is started again after it ended (``docs/fleet.md``, Restarts).
     """
 
-    model: str
-    engine: str = "llamacpp"
-    node: str | None = None
-    runtime: str | None = None
-    gpus: list[int] = Field(default_factory=list)
-    ctx: int | None = Field(default=None, gt=0)
-    extra_args: list[str] = Field(default_factory=list)
-    served_model_name: str | None = None
-    image: str | None = Field(default=None, max_length=512)
-    max_adapters: int | None = Field(default=None, ge=1)
+    model_config = ConfigDict(
+        json_schema_extra={
+            "examples": [
+                {
+                    "model": "llama-3.1-8b-q4",
+                    "engine": "llamacpp",
+                    "gpus": [0],
+                    "ctx": 8192,
+                    "served_model_name": "chat",
+                }
+            ]
+        }
+    )
+
+    model: str = Field(min_length=1, max_length=200)
+    engine: EngineIn = "llamacpp"
+    node: str | None = Field(default=None, min_length=1, max_length=200)
+    runtime: RuntimeIn | None = None
+    gpus: list[GpuIndex] = Field(default_factory=list, max_length=MAX_GPUS)
+    ctx: CtxTokens | None = None
+    extra_args: list[ExtraArg] = Field(default_factory=list, max_length=MAX_EXTRA_ARGS)
+    #: the name clients ask for (``None``: the model's): the rules of model names
+    served_model_name: str | None = Field(default=None, pattern=MODEL_NAME_PATTERN)
+    image: DockerImage | None = None
+    max_adapters: int | None = Field(default=None, strict=True, ge=1, le=MAX_ADAPTER_SLOTS)
     force: bool = False
     restart: RestartPolicy = DEFAULT_RESTART_POLICY
+
+    _served_model_name = field_validator("served_model_name")(no_parent_segments)
 
 
 class Deployment(ApiModel):

@@ -10,13 +10,15 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from pydantic import Field, field_validator
+from pydantic import ConfigDict, Field, WithJsonSchema, field_validator
 
-from berth.api.base import ApiInput, ApiModel, Timestamp
+from berth.api.base import ApiInput, ApiModel, Timestamp, TimestampIn
 from berth.errors import ConfigError
+from berth.keys import MAX_KEY_NAME_CHARS
 from berth.limits import (
     INHERIT,
     MAX_LIMIT,
+    MAX_MODEL_NAME_CHARS,
     NUMERIC_LIMITS,
     KeyLimits,
     LimitName,
@@ -26,6 +28,32 @@ from berth.limits import (
 
 #: A limit in a request body: a whole number (never text or a fraction), or ``null``.
 LimitIn = Annotated[int, Field(ge=0, le=MAX_LIMIT, strict=True)] | None
+#: A name in a key's ``models`` as the schema states it (:func:`berth.limits.check_models`
+#: checks it, printable characters only besides, which JSON Schema has no class for): no
+#: comma, no blank at either end, no control character.
+_MODEL_ITEM_PATTERN = (
+    r"^[^\s,\x00-\x1f\x7f-\x9f](?:[^,\x00-\x1f\x7f-\x9f]*[^\s,\x00-\x1f\x7f-\x9f])?$"
+)
+#: A key's name as the schema states it (:func:`berth.keys.validate_key_name` checks it,
+#: printable characters only besides): no ``/``, no space at either end, no control
+#: character.
+KEY_NAME_PATTERN = r"^[^ /\x00-\x1f\x7f-\x9f](?:[^/\x00-\x1f\x7f-\x9f]*[^ /\x00-\x1f\x7f-\x9f])?$"
+ModelNames = Annotated[
+    list[str],
+    WithJsonSchema(
+        {
+            "type": "array",
+            "minItems": 1,
+            "items": {
+                "type": "string",
+                "minLength": 1,
+                "maxLength": MAX_MODEL_NAME_CHARS,
+                "pattern": _MODEL_ITEM_PATTERN,
+            },
+            "examples": [["llama-3.1-8b", "qwen2.5-7b"], ["*"]],
+        }
+    ),
+]
 
 
 class _LimitsIn(ApiInput):
@@ -36,7 +64,7 @@ class _LimitsIn(ApiInput):
     max_concurrency: LimitIn = None
     daily_tokens: LimitIn = None
     monthly_tokens: LimitIn = None
-    models: list[str] | None = None
+    models: ModelNames | None = None
 
     @field_validator("models")
     @classmethod
@@ -64,9 +92,35 @@ class KeyIn(_LimitsIn):
     or one of the leader's ``[tiers.NAME]``, any case), with its own limits and an expiry
     (aware; ``null``: never) when given."""
 
-    name: str = Field(min_length=1, max_length=200)
+    model_config = ConfigDict(
+        json_schema_extra={
+            "examples": [
+                {
+                    "name": "ci-runner",
+                    "tier": "standard",
+                    "rpm": 60,
+                    "models": ["chat"],
+                    "expires_at": "2030-01-01T00:00:00+00:00",
+                }
+            ]
+        }
+    )
+
+    name: Annotated[
+        str,
+        Field(min_length=1, max_length=MAX_KEY_NAME_CHARS),
+        WithJsonSchema(
+            {
+                "type": "string",
+                "minLength": 1,
+                "maxLength": MAX_KEY_NAME_CHARS,
+                "pattern": KEY_NAME_PATTERN,
+                "examples": ["ci-runner"],
+            }
+        ),
+    ]
     tier: str = "standard"
-    expires_at: Timestamp | None = None
+    expires_at: TimestampIn | None = None
 
 
 class KeyChangeIn(_LimitsIn):
@@ -74,7 +128,7 @@ class KeyChangeIn(_LimitsIn):
     ``expires_at: null`` removes the expiry; ``clear`` puts limits back to the tier's."""
 
     tier: str | None = None
-    expires_at: Timestamp | None = None
+    expires_at: TimestampIn | None = None
     clear: list[LimitName] = Field(default_factory=list)
 
     @property

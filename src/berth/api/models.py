@@ -4,19 +4,29 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import ConfigDict, Field, field_validator
 
-from berth.api.base import ApiInput, ApiModel, Timestamp, named_pattern
+from berth.api.base import AbsolutePath, ApiInput, ApiModel, Timestamp, named_pattern
 from berth.api.plans import VramEstimateOut
 from berth.store.records import ModelSource
 
 #: Model names: letters, digits and ``. _ - : /`` (hub ids like ``org/model:q4``), starting
 #: with a letter or digit, no ``..``: safe in URLs, file names and the OpenAI ``model`` field.
+#: The same rule names deployments' served model names, adapters and routes.
 MODEL_NAME_PATTERN = named_pattern(
-    r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,199}$",
+    r"^(?!.*\.\.)[A-Za-z0-9][A-Za-z0-9._:/-]{0,199}$",
     "a valid name: up to 200 letters, digits, '.', '_', ':', '/' and '-', "
-    "starting with a letter or digit",
+    "starting with a letter or digit, without '..'",
 )
+
+
+def no_parent_segments(value: str | None) -> str | None:
+    """``value`` when it holds no ``..`` (a name is a URL path segment and a file name);
+    ``ValueError`` otherwise. A field validator of every name that follows a
+    :data:`MODEL_NAME_PATTERN`-like rule."""
+    if value is not None and ".." in value:
+        raise ValueError("must not contain '..'")
+    return value
 
 
 class ModelIn(ApiInput):
@@ -27,19 +37,22 @@ class ModelIn(ApiInput):
     ``hub`` with ``repo_id`` and ``revision`` records what ``berth pull`` downloaded.
     """
 
+    model_config = ConfigDict(
+        json_schema_extra={
+            "examples": [
+                {"name": "llama-3.1-8b-q4", "path": "/srv/models/llama-3.1-8b-instruct-q4_k_m.gguf"}
+            ]
+        }
+    )
+
     name: str = Field(pattern=MODEL_NAME_PATTERN)
-    path: str
+    path: AbsolutePath
     source: Literal["local", "hub"] = "local"
     repo_id: str | None = None
     revision: str | None = None
     node: str | None = None
 
-    @field_validator("name")
-    @classmethod
-    def _no_parent_segments(cls, name: str) -> str:
-        if ".." in name:
-            raise ValueError("must not contain '..'")
-        return name
+    _name = field_validator("name")(no_parent_segments)
 
 
 class RegisteredModel(ApiModel):

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
+
+from pydantic import WithJsonSchema
 
 from berth.api.base import ApiInput, ApiModel, Timestamp
 from berth.store.records import NodeStatus
@@ -12,10 +14,20 @@ from berth.store.records import NodeStatus
 DataPathName = Literal["local", "direct", "tunnel"]
 
 
+#: A new node's label, as the schema states it: an RFC 1123 host label, lowercase, that
+#: neither looks like a node id (``n-`` and 8 hex digits) nor is ``local``. The leader checks
+#: it with :func:`berth.cluster.enrollment.validate_node_label`, whose refusals say which
+#: rule a label broke (``tests/test_admin_input.py`` keeps the two in step).
+NODE_LABEL_PATTERN = r"^(?!n-[0-9a-f]{8}$)(?!local$)[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$"
+
+
 class EnrollIn(ApiInput):
     """``POST /admin/nodes/enroll``: a single-use enrollment URI for a new node ``label``."""
 
-    label: str
+    label: Annotated[
+        str,
+        WithJsonSchema({"type": "string", "pattern": NODE_LABEL_PATTERN, "examples": ["gpu-1"]}),
+    ]
 
 
 class EnrollmentIssued(ApiModel):

@@ -9,9 +9,20 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import ConfigDict, Field
 
-from berth.api.base import ApiInput, ApiModel
+from berth.api.base import (
+    MAX_ADAPTER_SLOTS,
+    MAX_EXTRA_ARGS,
+    MAX_GPUS,
+    ApiInput,
+    ApiModel,
+    CtxTokens,
+    EngineIn,
+    ExtraArg,
+    GpuIndex,
+    RuntimeIn,
+)
 from berth.runtime.base import RuntimeName
 from berth.runtime.engines import EngineName
 
@@ -29,22 +40,17 @@ class PlanIn(ApiInput):
     --force``; ``max_adapters`` as ``berth run --max-adapters`` (LoRA slots, vLLM/SGLang).
     """
 
-    target: str = Field(min_length=1)
-    node: str | None = None
-    engine: str | None = None
-    runtime: str | None = None
-    gpus: list[int] | None = Field(default=None, max_length=64)
-    ctx: int | None = Field(default=None, gt=0, le=2**31 - 1)
-    extra_args: list[str] | None = None
-    force: bool = False
-    max_adapters: int | None = Field(default=None, ge=1, le=2**31 - 1)
+    model_config = ConfigDict(json_schema_extra={"examples": [{"target": "chat", "ctx": 32768}]})
 
-    @field_validator("gpus")
-    @classmethod
-    def _gpu_indexes(cls, gpus: list[int] | None) -> list[int] | None:
-        if gpus is not None and any(not 0 <= gpu <= 1023 for gpu in gpus):
-            raise ValueError("GPU indexes are 0 to 1023")
-        return gpus
+    target: str = Field(min_length=1, max_length=200)
+    node: str | None = Field(default=None, min_length=1, max_length=200)
+    engine: EngineIn | None = None
+    runtime: RuntimeIn | None = None
+    gpus: list[GpuIndex] | None = Field(default=None, max_length=MAX_GPUS)
+    ctx: CtxTokens | None = None
+    extra_args: list[ExtraArg] | None = Field(default=None, max_length=MAX_EXTRA_ARGS)
+    force: bool = False
+    max_adapters: int | None = Field(default=None, ge=1, le=MAX_ADAPTER_SLOTS)
 
 
 class EstimateInput(ApiModel):

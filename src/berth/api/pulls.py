@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import ConfigDict, Field, field_validator
 
 from berth.api.adapters import AdapterIn
 from berth.api.base import ApiInput, ApiModel, Timestamp, named_pattern
@@ -38,6 +38,12 @@ class PullIn(ApiInput):
     folder and register it as ``name`` (default: ``repo``): as a model, or, for an adapter
     repository, as an adapter of ``base`` (default: the registered model pulled from the
     repository its ``adapter_config.json`` names)."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "examples": [{"repo": "bartowski/Llama-3.2-1B-Instruct-GGUF", "name": "llama-3.2-1b"}]
+        }
+    )
 
     repo: str = Field(pattern=HUB_REPO_PATTERN, max_length=200)
     name: str | None = Field(default=None, pattern=MODEL_NAME_PATTERN)

@@ -2,11 +2,26 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import Field, field_validator
+from pydantic import ConfigDict, Field, WithJsonSchema, field_validator
 
-from berth.api.base import ApiInput, ApiModel, Timestamp, named_pattern
+from berth.api.base import (
+    MAX_ADAPTER_SLOTS,
+    MAX_EXTRA_ARGS,
+    MAX_GPUS,
+    ApiInput,
+    ApiModel,
+    CtxTokens,
+    DockerImage,
+    EngineIn,
+    ExtraArg,
+    GpuIndex,
+    RuntimeIn,
+    Timestamp,
+    named_pattern,
+)
+from berth.api.models import MODEL_NAME_PATTERN, no_parent_segments
 from berth.humanize import parse_duration
 from berth.runtime.base import RuntimeName
 from berth.runtime.engines import EngineName
@@ -33,6 +48,25 @@ def idle_timeout_seconds(value: str | float | None) -> float | None:
     return parse_duration(str(value))
 
 
+#: An idle timeout as the schema states it: ``never``, or a duration of
+#: :func:`berth.humanize.parse_duration` (a number of seconds, or numbers with units run
+#: together: ``90``, ``30s``, ``1h30m``), or a number of seconds.
+_NUMBER = r"[0-9]{1,15}(\.[0-9]{1,15})?"
+IDLE_TIMEOUT_PATTERN = rf"^(never|{_NUMBER}|({_NUMBER}(ms|s|m|h|d))+)$"
+IdleTimeoutIn = Annotated[
+    str | float,
+    WithJsonSchema(
+        {
+            "anyOf": [
+                {"type": "string", "pattern": IDLE_TIMEOUT_PATTERN},
+                {"type": "number", "minimum": 0},
+            ],
+            "examples": ["10m", 600, "never"],
+        }
+    ),
+]
+
+
 def _check_idle_timeout(value: str | float | None) -> str | float | None:
     idle_timeout_seconds(value)  # raises ValueError, which pydantic reports on the field
     return value
@@ -46,11 +80,7 @@ SERVICE_NAME_PATTERN = named_pattern(
     "starting with a letter or digit",
 )
 #: Route names are what clients put in ``"model"``: the rules of model names (``org/m:q4``).
-ROUTE_NAME_PATTERN = named_pattern(
-    r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,199}$",
-    "a valid name: up to 200 letters, digits, '.', '_', ':', '/' and '-', "
-    "starting with a letter or digit",
-)
+ROUTE_NAME_PATTERN = MODEL_NAME_PATTERN
 
 
 class ServiceIn(ApiInput):
@@ -73,37 +103,46 @@ class ServiceIn(ApiInput):
     ``stream_idle_timeout_s``, seconds (0: off; ``None``: the leader's settings).
     """
 
+    model_config = ConfigDict(
+        json_schema_extra={
+            "examples": [
+                {
+                    "name": "chat",
+                    "model": "llama-3.1-8b-q4",
+                    "engine": "llamacpp",
+                    "ctx": 8192,
+                    "min_replicas": 0,
+                    "max_replicas": 2,
+                    "idle_timeout": "10m",
+                }
+            ]
+        }
+    )
+
     name: str = Field(pattern=SERVICE_NAME_PATTERN)
-    model: str
-    engine: str = "llamacpp"
-    runtime: str | None = None
-    gpus: list[int] = Field(default_factory=list, max_length=64)
-    ctx: int | None = Field(default=None, gt=0, le=2**31 - 1)
-    extra_args: list[str] = Field(default_factory=list)
-    image: str | None = Field(default=None, max_length=512)
-    node_label: str | None = None
+    model: str = Field(min_length=1, max_length=200)
+    engine: EngineIn = "llamacpp"
+    runtime: RuntimeIn | None = None
+    gpus: list[GpuIndex] = Field(default_factory=list, max_length=MAX_GPUS)
+    ctx: CtxTokens | None = None
+    extra_args: list[ExtraArg] = Field(default_factory=list, max_length=MAX_EXTRA_ARGS)
+    image: DockerImage | None = None
+    node_label: str | None = Field(default=None, min_length=1, max_length=63)
     min_replicas: int = Field(default=0, ge=0, le=_INT32)
     max_replicas: int = Field(default=1, ge=0, le=_INT32)
-    idle_timeout: str | float | None = None
+    idle_timeout: IdleTimeoutIn | None = None
     pinned: bool = False
     priority: int = Field(default=0, ge=-_INT32, le=_INT32)
     capacity: int | None = Field(default=None, ge=1, le=_INT32)
 
     _idle_timeout = field_validator("idle_timeout")(_check_idle_timeout)
-    max_adapters: int | None = Field(default=None, ge=1, le=_INT32)
+    max_adapters: int | None = Field(default=None, ge=1, le=MAX_ADAPTER_SLOTS)
     #: its deployments' restart policy (``berth run --restart``)
     restart: RestartPolicy = DEFAULT_RESTART_POLICY
     first_byte_timeout_s: float | None = Field(default=None, ge=0, le=MAX_STREAM_TIMEOUT_S)
     stream_idle_timeout_s: float | None = Field(default=None, ge=0, le=MAX_STREAM_TIMEOUT_S)
     #: how the router picks among its deployments (``None``: the leader's routing_policy)
     routing_policy: RoutingPolicy | None = None
-
-    @field_validator("gpus")
-    @classmethod
-    def _gpu_indexes(cls, gpus: list[int]) -> list[int]:
-        if any(not 0 <= gpu <= 1023 for gpu in gpus):
-            raise ValueError("GPU indexes are 0 to 1023")
-        return gpus
 
 
 class ScaleIn(ApiInput):
@@ -114,7 +153,7 @@ class ScaleIn(ApiInput):
 
     min_replicas: int | None = Field(default=None, ge=0, le=_INT32)
     max_replicas: int | None = Field(default=None, ge=0, le=_INT32)
-    idle_timeout: str | float | None = None
+    idle_timeout: IdleTimeoutIn | None = None
     pinned: bool | None = None
     priority: int | None = Field(default=None, ge=-_INT32, le=_INT32)
     capacity: int | None = Field(default=None, ge=1, le=_INT32)
@@ -142,16 +181,11 @@ class RouteIn(ApiInput):
     ``priority`` (higher is tried first); ``fallback`` sets the route's fallback route."""
 
     name: str = Field(pattern=ROUTE_NAME_PATTERN)
-    service: str
+    service: str = Field(min_length=1, max_length=200)
     priority: int = Field(default=0, ge=-(2**31), le=2**31 - 1)
-    fallback: str | None = None
+    fallback: str | None = Field(default=None, min_length=1, max_length=200)
 
-    @field_validator("name")
-    @classmethod
-    def _no_parent_segments(cls, name: str) -> str:
-        if ".." in name:
-            raise ValueError("must not contain '..'")
-        return name
+    _name = field_validator("name")(no_parent_segments)
 
 
 class FallbackIn(ApiInput):

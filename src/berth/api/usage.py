@@ -25,10 +25,17 @@ MAX_SINCE_DAYS = 3660
 _DAYS = re.compile(r"(\d{1,5})d")
 
 
-def parse_since(text: str, today: date) -> date:
+#: ``since`` as the schema states it: ``1d`` to ``3660d`` (:data:`MAX_SINCE_DAYS`), or a
+#: date (``format: date``, beside it).
+SINCE_DAYS_PATTERN = r"^([1-9][0-9]{0,2}|[1-2][0-9]{3}|3[0-5][0-9]{2}|36[0-5][0-9]|3660)[dD]$"
+
+
+def parse_since(text: str, today: date, *, future_ok: bool = False) -> date:
     """The first day a ``since`` value covers: ``Nd`` is ``today`` and the N-1 days before
     (``1d``: today only), a date is itself.  Raises :class:`ConfigError` for anything else,
-    ``0d``, more than :data:`MAX_SINCE_DAYS` days, or a date after ``today``."""
+    ``0d``, more than :data:`MAX_SINCE_DAYS` days, or a date after ``today`` unless
+    ``future_ok`` (the admin API: a window that starts later holds no usage yet; the CLI
+    refuses it as a likely typo)."""
     value = text.strip().lower()
     found = _DAYS.fullmatch(value)
     if found is not None:
@@ -42,7 +49,7 @@ def parse_since(text: str, today: date) -> date:
         raise ConfigError(
             f"--since: {text!r} is neither a number of days (30d) nor a date (2026-01-31)"
         ) from None
-    if day > today:
+    if day > today and not future_ok:
         raise ConfigError(f"--since: {day.isoformat()} is after today ({today.isoformat()}, UTC)")
     return day
 

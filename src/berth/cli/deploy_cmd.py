@@ -25,7 +25,7 @@ from berth.cli.common import (
     word_width,
 )
 from berth.errors import BerthError, ConfigError, EngineError
-from berth.humanize import age
+from berth.humanize import age, printable
 from berth.store.records import check_restart_policy
 from berth.store.states import DeploymentState
 
@@ -190,18 +190,19 @@ def print_deployments(records: Sequence[ListedDeployment], *, title: str | None 
             line = f"{r.id} {r.state}: {r.progress}"
         elif r.state == DeploymentState.STOPPED:
             line = f"{r.id} stopped {age((now - _aware(r.updated_at)).total_seconds())} ago"
+        # A reason carries the engine's log tail, whose colours (ESC) are shown as text.
         if line is not None:
-            console.print(line, markup=False, soft_wrap=True)
+            console.print(printable(line), markup=False, soft_wrap=True)
         if r.last_exit and r.state not in (DeploymentState.RESTARTING, DeploymentState.CRASHLOOP):
             plural = "s" if r.restart_count != 1 else ""
             line = f"{r.id} last exit: {r.last_exit} ({r.restart_count} restart{plural})"
-            console.print(line, markup=False, soft_wrap=True)
+            console.print(printable(line), markup=False, soft_wrap=True)
 
 
 def deployments_table(records: Sequence[ListedDeployment], *, title: str | None = None) -> Table:
     """The deployments as ``berth ps`` shows them.  Ids, ports, pids and ages stay whole (a
     user copies them), a state wraps only between words, and names fold when the terminal
-    is narrow."""
+    is narrow; a name is shown as text, its unprintable characters escaped."""
     table = record_table(title=title)
     table.add_column("ID", no_wrap=True)
     for column in ("MODEL", "SERVICE", "ENGINE", "RUNTIME", "NODE"):
@@ -215,8 +216,10 @@ def deployments_table(records: Sequence[ListedDeployment], *, title: str | None 
         created = _aware(r.created_at)
         table.add_row(
             r.id,
-            r.served_model_name,
-            r.service or "-",
+            # Text, never markup; escaped: a name registered before names were checked may
+            # hold ESC or CR (issue 38).
+            Text(printable(r.served_model_name)),
+            Text(printable(r.service or "-")),
             r.engine,
             r.runtime,
             r.node_label or r.node_id,

@@ -1,7 +1,9 @@
 """Registering a model's weights: what ``POST /admin/models`` and a finished pull job do.
 
-A path on the leader's host is checked (it exists; a file is GGUF) and its size recorded; a
-path on another node's host is taken as given and recorded as that node's copy.
+A path on the leader's host is checked in a worker thread, with bounds on a folder's entries
+and time (:func:`berth.runtime.model_files.inspect_model_path`: only a regular GGUF file or a
+folder is a model) and its size recorded; a path on another node's host is taken as given and
+recorded as that node's copy.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from berth.api import LocatedModel, ModelIn, RegisteredModel
 from berth.cluster.link import LOCAL_NODE_ID
 from berth.deployments.lifecycle import LifecycleManager
 from berth.errors import ConfigError, NotFoundError
+from berth.runtime.model_files import inspect_model_path
 from berth.store import ModelRecord, Store
 
 
@@ -34,25 +37,15 @@ def located_model_view(record: ModelRecord, locations: dict[str, str]) -> Locate
     return model_view(record).extended(LocatedModel, locations=locations)
 
 
-def _is_gguf(path: Path) -> bool:
-    """Whether ``path`` starts with the GGUF magic ``b"GGUF"`` (the GGUF spec's header)."""
-    with path.open("rb") as handle:
-        return handle.read(4) == b"GGUF"
-
-
-def _path_size_bytes(path: Path) -> int:
-    if path.is_file():
-        return path.stat().st_size
-    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
-
-
 async def register_model(
     store: Store, lifecycle: LifecycleManager, body: ModelIn
 ) -> LocatedModel | RegisteredModel:
     """Register ``body``'s weights and tell the lifecycle manager.
 
-    Raises ``ConfigError`` for a relative path, or a local path that is missing or not GGUF,
-    ``NotFoundError`` for an unknown node, ``ConflictError`` for a name already taken.
+    Raises ``ConfigError`` for a relative path, or a local path that is missing, unreadable,
+    neither a regular file nor a folder, a file that is not GGUF, or a folder past the bounds
+    of :func:`~berth.runtime.model_files.inspect_model_path`; ``NotFoundError`` for an
+    unknown node, ``ConflictError`` for a name already taken.
     """
     path = Path(body.path)
     if not path.is_absolute():
@@ -61,19 +54,15 @@ async def register_model(
         node = await asyncio.to_thread(store.lookup_node, body.node)
         if node.id != LOCAL_NODE_ID:
             return await _add_remote_location(store, lifecycle, body.name, node.id, str(path))
-    if not path.exists():
-        raise ConfigError(f"model path does not exist: {path}")
-    path = path.resolve()
-    if path.is_file() and not _is_gguf(path):
-        raise ConfigError(f"{path} is not a GGUF file; register a .gguf file or a model folder")
+    files = await asyncio.to_thread(inspect_model_path, path)
     record = await asyncio.to_thread(
         store.add_model,
         body.name,
-        str(path),
+        str(files.path),
         source=body.source,
         repo_id=body.repo_id,
         revision=body.revision,
-        size_bytes=_path_size_bytes(path),
+        size_bytes=files.size_bytes,
     )
     await lifecycle.refresh_known_models()
     return model_view(record)

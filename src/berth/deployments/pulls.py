@@ -192,17 +192,17 @@ class PullJobs:
         return self._job(pull_id).view()
 
     async def cancel(self, pull_id: str) -> Pull:
-        """Stop the job ``pull_id`` and return it once it has stopped (``cancelled``); a
-        finished job is forgotten instead (returned as it was). Raises ``NotFoundError``."""
+        """Stop the job ``pull_id`` (unless it finished) and forget it: its last view is
+        returned (``cancelled`` once stopped), and it is no longer listed or found at its
+        address, as a deleted resource is not. Raises ``NotFoundError``."""
         job = self._job(pull_id)
-        if job.view().state in FINISHED_PULL_STATES:
-            del self._jobs[pull_id]
-            return job.view()
-        job.cancel.set()
-        if job.task is not None:
-            if job.view().state == "queued":
-                job.task.cancel()  # it waits for a download slot: nothing to stop
-            await asyncio.wait([job.task])
+        if job.view().state not in FINISHED_PULL_STATES:
+            job.cancel.set()
+            if job.task is not None:
+                if job.view().state == "queued":
+                    job.task.cancel()  # it waits for a download slot: nothing to stop
+                await asyncio.wait([job.task])
+        self._jobs.pop(pull_id, None)
         return job.view()
 
     def _job(self, pull_id: str) -> _Job:

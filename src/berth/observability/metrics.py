@@ -45,6 +45,7 @@ from prometheus_client.metrics_core import (
 )
 from prometheus_client.registry import Collector
 
+from berth.humanize import printable
 from berth.observability.cluster import LINGER_S
 from berth.observability.window import RequestMeter, is_error
 from berth.store.records import DeploymentRecord
@@ -374,8 +375,12 @@ class ProxyMetrics:
         """Record ``state`` as the deployment's current one (1) and every other state as 0.
 
         A terminal state (``stopped``, ``failed``) starts the deployment's linger: all its
-        series go ``linger_s`` later.
+        series go ``linger_s`` later. ``model`` is written with its unprintable characters
+        escaped (:func:`berth.humanize.printable`): the text format escapes only ``\\``,
+        ``"`` and newline in a label, and a name stored before the admin API checked names
+        may hold a CR.
         """
+        model = printable(model)
         self.expire()
         previous = self._deployments.get(deployment)
         if previous is not None and previous != (model, node):
@@ -391,7 +396,7 @@ class ProxyMetrics:
         """The restart policy started the deployment's engine again; ``reason`` is how it
         had ended (:data:`berth.deployments.restarts.EndCause`).  The series go with the
         deployment's state series."""
-        self.deployment_restarts.labels(deployment, model, node, reason).inc()
+        self.deployment_restarts.labels(deployment, printable(model), node, reason).inc()
         self._restart_reasons.setdefault(deployment, set()).add(reason)
 
     def restore(self, records: Iterable[DeploymentRecord]) -> None:

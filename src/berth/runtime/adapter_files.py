@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import re
+import stat
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +30,7 @@ from typing import Literal
 
 from berth.errors import ConfigError
 from berth.runtime.gguf_file import GgufHeader, GgufTensor, is_gguf, read_gguf_header
+from berth.runtime.model_files import checked_path
 
 AdapterFormat = Literal["peft", "gguf"]
 ADAPTER_FORMATS: tuple[AdapterFormat, ...] = ("peft", "gguf")
@@ -98,20 +100,21 @@ def adapter_format_of(path: Path) -> AdapterFormat:
 def inspect_adapter(path: Path) -> AdapterFacts:
     """Read the adapter at ``path`` (a PEFT folder or a GGUF LoRA file).
 
-    Raises :class:`~berth.errors.ConfigError` saying why ``path`` is not an adapter: it does
-    not exist, a folder lacks ``adapter_config.json`` or weights, the config is not a LoRA
-    one or has no positive rank, a file is not GGUF, or the GGUF is not a LoRA adapter.
+    Raises :class:`~berth.errors.NotFoundError` when it does not exist, and
+    :class:`~berth.errors.ConfigError` saying why ``path`` is not an adapter: it cannot be
+    read, is neither a regular file nor a folder (:func:`~berth.runtime.model_files.
+    checked_path`), a folder lacks ``adapter_config.json`` or weights, the config is not a
+    LoRA one or has no positive rank, a file is not GGUF, or the GGUF is not a LoRA adapter.
     """
-    if path.is_dir():
+    _, status = checked_path(path, what="adapter")
+    if stat.S_ISDIR(status.st_mode):
         return _inspect_peft(path)
-    if path.is_file():
-        if not is_gguf(path):
-            raise ConfigError(
-                f"{path} is not an adapter: a LoRA adapter is a PEFT folder (with "
-                f"{PEFT_CONFIG}) for vLLM and SGLang, or a GGUF LoRA file for llama.cpp"
-            )
-        return _inspect_gguf(path)
-    raise ConfigError(f"adapter path does not exist: {path}")
+    if not is_gguf(path):
+        raise ConfigError(
+            f"{path} is not an adapter: a LoRA adapter is a PEFT folder (with "
+            f"{PEFT_CONFIG}) for vLLM and SGLang, or a GGUF LoRA file for llama.cpp"
+        )
+    return _inspect_gguf(path)
 
 
 def _inspect_peft(path: Path) -> AdapterFacts:

@@ -27,15 +27,17 @@ DEFAULT_IMAGES: dict[EngineName, str] = {
 DEFAULT_GPU_IMAGES: dict[EngineName, str] = {"llamacpp": "ghcr.io/ggml-org/llama.cpp:server-cuda"}
 
 
-# Docker's image reference grammar (distribution/reference), simplified: an optional
-# registry host (with a dot or a port, or "localhost"), lower-case path components, an
-# optional tag, an optional digest.
-_IMAGE_REFERENCE = re.compile(
+#: Docker's image reference grammar (distribution/reference), simplified: an optional
+#: registry host (with a dot or a port, or "localhost"), lower-case path components, an
+#: optional tag (ASCII word characters, as Go's ``\w``), an optional digest. Also the
+#: admin API schema's pattern for an image (anchored there).
+IMAGE_REFERENCE_PATTERN = (
     r"(?:(?:[a-zA-Z0-9-]+(?:\.[a-zA-Z0-9-]+)+(?::[0-9]+)?|localhost(?::[0-9]+)?"
     r"|[a-zA-Z0-9-]+:[0-9]+)/)?"
     r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*(?:/[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*)*"
-    r"(?::[\w][\w.-]{0,127})?(?:@sha256:[a-f0-9]{64})?"
+    r"(?::[A-Za-z0-9_][A-Za-z0-9_.-]{0,127})?(?:@sha256:[a-f0-9]{64})?"
 )
+_IMAGE_REFERENCE = re.compile(IMAGE_REFERENCE_PATTERN)
 
 
 def check_image_reference(image: str) -> str:
