@@ -109,6 +109,10 @@ class Settings:
     public_key: Path | None
     tls_reload_interval_s: float
     max_body_bytes: int
+    max_body_elements: int
+    max_messages: int
+    max_content_parts: int
+    max_body_bytes_per_key: int
     max_attempts: int
     routing_policy: RoutingPolicy
     prefix_load_factor: float
