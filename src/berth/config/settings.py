@@ -133,6 +133,7 @@ class Settings:
     body_timeout_s: float
     max_connections: int
     max_connections_per_address: int
+    discard_bytes_per_s: int
     auth_failure_burst: int
     auth_failure_rate_per_s: float
     auth_refusal_delay_s: float
@@ -269,6 +270,7 @@ class Settings:
             body_timeout_s=self.body_timeout_s,
             max_connections=self.max_connections,
             max_connections_per_address=self.max_connections_per_address,
+            discard_bytes_per_s=self.discard_bytes_per_s,
         )
 
     def docker_images(self) -> dict[EngineName, str]:

@@ -324,6 +324,11 @@ SETTINGS: tuple[SettingDef, ...] = (
     SettingDef("max_connections_per_address", "int", "server",
                "most open connections per client address and listener (429 beyond)",
                default=_LIMITS.max_connections_per_address, minimum=1),
+    SettingDef("discard_bytes_per_s", "int", "server",
+               "bytes a second a listener reads and drops of request bodies it answered "
+               "without reading them (refused), all connections together; past it a "
+               "connection waits and TCP holds its client back",
+               default=_LIMITS.discard_bytes_per_s, minimum=64 * 1024),
     # Failed authentication per client address (berth.gateway.auth_limiter): 429 past it.
     SettingDef("auth_failure_burst", "int", "server",
                "failed API-key attempts a client address may make at once before it is "
