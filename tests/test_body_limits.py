@@ -226,6 +226,7 @@ async def test_a_keys_bodies_in_flight_are_bounded_in_bytes() -> None:
         second.take(500)
     assert (refused.value.http_status, refused.value.error_code) == (429, "body_bytes_exceeded")
     assert "max_body_bytes_per_key" in str(refused.value)
+    assert admission.refusals[(KEY.id, "body_bytes_exceeded")] == 1  # counted as others are
     second.take(400)  # nothing was taken by the refusal
     assert admission.use_of(KEY.id).body_bytes == 1_000
     first.release()

@@ -11,6 +11,7 @@ the rate-limit headers built from its minute buckets (reused while the buckets s
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 from berth.admission.bucket import TokenBucket
 from berth.admission.errors import Header, KeyPausedError, QuotaExceededError
@@ -161,11 +162,14 @@ class BodyHold:
     the body arrives (or at once, by its ``Content-Length``), :meth:`release` when the
     request is over (once or more: the second does nothing)."""
 
-    __slots__ = ("_max_bytes", "_quota", "held")
+    __slots__ = ("_max_bytes", "_quota", "_refused", "held")
 
-    def __init__(self, quota: KeyQuota, max_bytes: int) -> None:
+    def __init__(
+        self, quota: KeyQuota, max_bytes: int, refused: Callable[[KeyQuota, str], None]
+    ) -> None:
         self._quota = quota
         self._max_bytes = max_bytes
+        self._refused = refused  # counts a refusal, as admission's own are counted
         self.held = 0
 
     def take(self, size: int) -> None:
@@ -174,6 +178,7 @@ class BodyHold:
         more than the bound."""
         quota = self._quota
         if quota.body_bytes + size > self._max_bytes:
+            self._refused(quota, "body_bytes_exceeded")
             others = quota.body_bytes - self.held
             raise QuotaExceededError(
                 f"this key's requests would hold {others + self.held + size} bytes of request "

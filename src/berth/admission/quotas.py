@@ -216,7 +216,7 @@ class Admission:
         max_bytes = self.max_body_bytes_per_key
         if max_bytes is None or key is None or key is SocketCaller.CLI:
             return None
-        return BodyHold(self._quota_of(key), max_bytes)
+        return BodyHold(self._quota_of(key), max_bytes, self._refused)
 
     def admit(
         self, key: ApiKeyRecord | SocketCaller | None, model: str, request_bytes: int
