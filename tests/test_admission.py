@@ -172,6 +172,24 @@ def test_concurrency_counts_requests_in_flight(admission: Admission) -> None:
     admission.admit(frank, "m", 10)
 
 
+def test_a_ticket_is_settled_once_and_release_gives_back_only_an_unsettled_one(
+    admission: Admission,
+) -> None:
+    gina = key(max_concurrency=2, tpm=1000)
+    served = admission.admit(gina, "m", 400)  # 100 reserved each
+    failed = admission.admit(gina, "m", 400)
+    settle(admission, served, (30, 20))
+    admission.release(served)  # settled already: nothing more given back
+    settle(admission, served, (30, 20))  # nor counted twice
+    admission.release(failed)  # its request ended before an engine answered
+    admission.release(failed)
+    use = admission.use_of("k-1")
+    assert (use.in_flight, use.day_tokens) == (0, 50)
+    assert use.tokens_remaining == 950  # only what the served one used
+    (row,) = admission.ledger.pending  # the released one left no row
+    assert (row.requests, row.prompt_tokens, row.completion_tokens) == (1, 30, 20)
+
+
 def test_a_daily_budget_stops_the_key_once_spent_until_the_next_utc_day(
     admission: Admission, clock: ManualClock
 ) -> None:

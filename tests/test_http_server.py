@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import socket
 import ssl
@@ -17,7 +18,7 @@ import httpx
 import pytest
 
 from berth.cluster.ca import CertificateAuthority
-from berth.http_server.limits import ConnectionGate, ListenerLimits
+from berth.http_server.limits import ConnectionGate, DiscardBudget, ListenerLimits
 from berth.http_server.request import Request
 from berth.http_server.server import HttpServer
 from berth.http_server.writer import ResponseWriter
@@ -468,6 +469,53 @@ async def _until(condition: object, timeout_s: float = 5.0) -> None:
         await asyncio.sleep(0.01)
 
 
+async def refuse_unread(request: Request, writer: ResponseWriter) -> None:
+    """``/refuse``: 413 without reading the body (as the proxy refuses one); else echo."""
+    if request.path != "/refuse":
+        await echo(request, writer)
+        return
+    payload = b'{"error": "refused"}'
+    await writer.start(
+        413, [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(payload))]
+    )
+    await writer.end(payload)
+
+
+async def test_a_body_answered_unread_is_dropped_at_the_listeners_pace() -> None:
+    # 4 MiB/s, 1 MiB at once: the 2 MiB refused body's second half waits for the budget.
+    limits = dataclasses.replace(FAST, discard_bytes_per_s=4 * 1024 * 1024)
+    async with serving(limits, handler=refuse_unread) as served:
+        reader, writer = await served.open()
+        body = b"x" * (2 * 1024 * 1024)
+        writer.write(b"POST /refuse HTTP/1.1\r\nhost: t\r\ncontent-length: %d\r\n\r\n" % len(body))
+        writer.write(body)
+        writer.write(GET % b"after")
+        await writer.drain()
+        refused, after = await read_answers(reader, 2)
+        assert (refused.status, after.status) == (413, 200)  # the connection stays usable
+        assert after.json()["x"] == "after"
+        assert served.server.discard.waits > 0
+        writer.close()
+
+
+async def test_a_body_read_for_its_request_is_never_paced() -> None:
+    limits = dataclasses.replace(FAST, discard_bytes_per_s=64 * 1024)
+    async with serving(limits) as served, httpx.AsyncClient(base_url=served.url) as client:
+        answer = await client.post("/x", content=b"x" * 900_000)
+        assert answer.json()["body_bytes"] == 900_000
+        assert served.server.discard.waits == 0
+
+
+def test_the_discard_budget_is_a_token_bucket() -> None:
+    budget = DiscardBudget(1000)  # 250 bytes at once
+    assert budget.take(200, now=0.0) == 0.0
+    assert budget.take(100, now=0.0) == pytest.approx(0.05)  # 50 in debt at 1,000 a second
+    assert budget.take(0, now=0.05) == 0.0  # paid back
+    assert budget.take(250, now=10.0) == 0.0  # refilled, to a quarter second's worth only
+    assert budget.take(1, now=10.0) == pytest.approx(0.001)
+    assert budget.waits == 2
+
+
 def test_the_defaults_are_the_documented_ones() -> None:
     limits = ListenerLimits()
     assert (limits.max_head_bytes, limits.max_header_count) == (32 * 1024, 100)
@@ -477,3 +525,4 @@ def test_the_defaults_are_the_documented_ones() -> None:
         30.0,
     )
     assert (limits.max_connections, limits.max_connections_per_address) == (4096, 1024)
+    assert limits.discard_bytes_per_s == 64 * 1024 * 1024

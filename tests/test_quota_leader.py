@@ -336,6 +336,35 @@ def test_a_services_capacity_holds_its_replicas_and_a_larger_one_lets_a_waiter_i
         assert first.result().http_response.status_code == 200
 
 
+def test_malformed_bodies_are_refused_and_leave_a_one_at_a_time_key_free(
+    quota_leader: tuple[Berth, int], sdk: Clients
+) -> None:
+    # Issue 38: a streamed chat holding a lone surrogate failed with a 500 after admission
+    # (the usage rewrite could not encode it) and kept a key of --max-concurrency 1 refused
+    # with 429 until the leader restarted.
+    berth, port = quota_leader
+    secret = create_key(berth, "one-at-a-time", "--max-concurrency", "1")
+    tls = ssl.create_default_context(cafile=str(berth.home / "ca" / "ca.pem"))
+    flood = b'{"model":"m","messages":[' + b"[]," * 500_000 + b"[]]}"
+    bodies = {
+        b'{"model":"m","stream":true,"stream_options":{"include_usage":false},'
+        b'"messages":[{"role":"user","content":"\\ud800"}]}': (400, "invalid_json"),
+        b'{"model":"m","stream":"true","messages":[]}': (400, "invalid_type"),
+        b'{"model":"m","temperature":1e400,"messages":[]}': (400, "invalid_json"),
+        flood: (413, "too_many_elements"),
+    }
+    with httpx.Client(
+        base_url=f"https://127.0.0.1:{port}",
+        verify=tls,
+        headers={"authorization": f"Bearer {secret}"},
+    ) as http:
+        for body, (status, code) in bodies.items():
+            answer = http.post("/v1/chat/completions", content=body)
+            assert (answer.status_code, answer.json()["error"]["code"]) == (status, code)
+    served = chat(sdk(berth, port, secret), stream=True)  # at once: nothing kept its place
+    assert served.status_code == 200
+
+
 def test_keys_are_changed_listed_and_revoked_by_name(quota_leader: tuple[Berth, int]) -> None:
     berth, _ = quota_leader
     create_key(berth, "changing", "--tier", "three", "--tpm", "50k")

@@ -30,6 +30,7 @@ from berth.admission import (
 )
 from berth.config import TierTable
 from berth.errors import NotFoundError
+from berth.gateway import stages
 from berth.gateway.attempt import Attempts, EngineBodies, StreamLimits, engine_body
 from berth.gateway.engine_client import EngineRequest
 from berth.gateway.outcome import Exchange
@@ -353,6 +354,22 @@ async def test_a_free_slot_is_taken_at_once_and_its_deployment_goes_first() -> N
 async def test_unknown_slots_hold_nothing() -> None:
     plan = [upstream("a")]
     assert await take_slot(SlotGate(), public({"model": "m"}), None, plan) == (None, plan)
+
+
+async def test_a_slot_taken_is_given_back_when_the_stage_fails_after(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The slot is free at the plan's second deployment; putting it first fails (a bug).
+    gate = SlotGate(max_waiting=10, timeout_s=60)
+    plan = [upstream("a", slots=0), upstream("b", "n2", slots=1)]
+
+    def broken(plan: list[Upstream], deployment_id: str) -> list[Upstream]:
+        raise RuntimeError("reordering failed")
+
+    monkeypatch.setattr(stages, "first", broken)
+    with pytest.raises(RuntimeError):
+        await take_slot(gate, public({"model": "m"}), None, plan)
+    assert gate.scheduler.in_use("d-b") == 0
 
 
 # -- the per-engine body rewriter -------------------------------------------------------------

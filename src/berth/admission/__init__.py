@@ -3,7 +3,8 @@ it did, kept in the usage ledger.
 
 - :mod:`.quotas`: :class:`Admission` (admit, settle; per-key limits and counters in
   memory), :class:`KeyUse`; :mod:`.key_quota`: one key's limits and counters
-  (:class:`KeyQuota`) and an admitted request's :class:`Ticket`;
+  (:class:`KeyQuota`), an admitted request's :class:`Ticket` and the body bytes a
+  request holds (:class:`BodyHold`);
 - :mod:`.bucket`: the per-minute limits as token buckets; :mod:`.calendar`: UTC days and
   months of the token budgets; :mod:`.estimate`: the token estimates;
 - :mod:`.headers`: OpenAI's rate-limit headers and duration format;
@@ -38,7 +39,7 @@ from berth.admission.errors import (
 )
 from berth.admission.fair_queue import SlotScheduler, Waiter
 from berth.admission.gate import MUST_WAIT, QueueStats, SlotGate
-from berth.admission.key_quota import Ticket
+from berth.admission.key_quota import BodyHold, Ticket
 from berth.admission.ledger import DEFAULT_FLUSH_INTERVAL_S, UsageLedger, UsageSink
 from berth.admission.metrics import QueueCollector, UsageCollector
 from berth.admission.quotas import SOCKET_KEY_ID, SOCKET_KEY_NAME, Admission, KeyUse
@@ -53,6 +54,7 @@ __all__ = [
     "SOCKET_KEY_NAME",
     "Admission",
     "AdmissionError",
+    "BodyHold",
     "Clock",
     "GateSlots",
     "KeyExpiredError",

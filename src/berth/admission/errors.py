@@ -13,6 +13,7 @@
 
 ``error_code`` names the limit (``rpm_exceeded``, ``tpm_exceeded``,
 ``max_concurrency_exceeded``, ``daily_tokens_exceeded``, ``monthly_tokens_exceeded``,
+``body_bytes_exceeded``,
 ``model_not_allowed``, ``key_paused``, ``unknown_tier``, ``key_expired``, ``queue_full``,
 ``queue_timeout``); it becomes the
 OpenAI error's ``code`` (:func:`berth.openai_errors.error_from_exception`).

@@ -1,5 +1,6 @@
 """One key's state on the request path: its effective limits and what it has used
-(:class:`KeyQuota`), and an admitted request's claim on it (:class:`Ticket`).
+(:class:`KeyQuota`), an admitted request's claim on it (:class:`Ticket`), and the body
+bytes its requests hold (:class:`BodyHold`).
 
 :class:`~berth.admission.quotas.Admission` decides with these; here is only what a key
 holds: the limits taken on from its record and tier (a bucket keeps its level when its
@@ -10,9 +11,10 @@ the rate-limit headers built from its minute buckets (reused while the buckets s
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 from berth.admission.bucket import TokenBucket
-from berth.admission.errors import Header, KeyPausedError
+from berth.admission.errors import Header, KeyPausedError, QuotaExceededError
 from berth.admission.headers import REQUESTS_HEADERS, TOKENS_HEADERS, bucket_headers
 from berth.limits import NUMERIC_LIMITS, KeyLimits
 from berth.store.records import ApiKeyRecord
@@ -24,6 +26,7 @@ class KeyQuota:
     __slots__ = (
         "_headers",
         "_headers_levels",
+        "body_bytes",
         "daily_cap",
         "day_index",
         "day_tokens",
@@ -61,6 +64,8 @@ class KeyQuota:
         self.daily_cap = self.monthly_cap = math.inf
         self.refusal: KeyPausedError | None = None
         self.in_flight = 0
+        #: request body bytes its requests hold now (:class:`BodyHold`)
+        self.body_bytes = 0
         self.day_index = -1
         self.day_tokens = 0
         self.month_index = -1
@@ -127,9 +132,9 @@ def _bucket(current: TokenBucket | None, per_minute: int | None, now: float) -> 
 class Ticket:
     """An admitted request: what :meth:`~berth.admission.quotas.Admission.settle` needs,
     the ``headers`` to send on its answer, and its tier's ``priority`` (for an admission
-    queue, higher first)."""
+    queue, higher first). ``settled`` once its claim is given back (settled once only)."""
 
-    __slots__ = ("headers", "model", "priority", "quota", "reserved_tokens")
+    __slots__ = ("headers", "model", "priority", "quota", "reserved_tokens", "settled")
 
     def __init__(
         self, quota: KeyQuota, model: str, reserved_tokens: int, headers: list[Header]
@@ -139,8 +144,54 @@ class Ticket:
         self.priority = quota.priority
         self.reserved_tokens = reserved_tokens
         self.headers = headers
+        self.settled = False
 
     @property
     def key_id(self) -> str:
         """The admitted key's id (a :class:`SocketCaller`'s value over the Unix socket)."""
         return self.quota.key_id
+
+
+#: Seconds a request refused for its key's body bytes in flight is told to wait.
+BODY_BYTES_RETRY_S = 1.0
+
+
+class BodyHold:
+    """The request body bytes one request of a key holds, counted against the key's bound
+    on body bytes in flight (``max_bytes``: all its requests together): :meth:`take` as
+    the body arrives (or at once, by its ``Content-Length``), :meth:`release` when the
+    request is over (once or more: the second does nothing)."""
+
+    __slots__ = ("_max_bytes", "_quota", "_refused", "held")
+
+    def __init__(
+        self, quota: KeyQuota, max_bytes: int, refused: Callable[[KeyQuota, str], None]
+    ) -> None:
+        self._quota = quota
+        self._max_bytes = max_bytes
+        self._refused = refused  # counts a refusal, as admission's own are counted
+        self.held = 0
+
+    def take(self, size: int) -> None:
+        """Hold ``size`` more bytes. Raises :class:`QuotaExceededError` (429
+        ``body_bytes_exceeded``, nothing taken) when the key's requests would then hold
+        more than the bound."""
+        quota = self._quota
+        if quota.body_bytes + size > self._max_bytes:
+            self._refused(quota, "body_bytes_exceeded")
+            others = quota.body_bytes - self.held
+            raise QuotaExceededError(
+                f"this key's requests would hold {others + self.held + size} bytes of request "
+                f"bodies at once, over the server's limit of {self._max_bytes} "
+                "(max_body_bytes_per_key); send fewer large requests at a time",
+                key_id=quota.key_id,
+                error_code="body_bytes_exceeded",
+                retry_after_s=BODY_BYTES_RETRY_S,
+            )
+        quota.body_bytes += size
+        self.held += size
+
+    def release(self) -> None:
+        """Give back every byte held."""
+        self._quota.body_bytes -= self.held
+        self.held = 0

@@ -16,7 +16,16 @@ buckets (:class:`~berth.admission.bucket.TokenBucket`), and returns a :class:`Ti
 carrying the key's rate-limit headers and its tier's priority.
 :meth:`Admission.settle` gives the in-flight slot back, settles the tokens-per-minute
 reservation against the real count, adds the tokens to the day's and month's, and records
-the request in the usage ledger (:mod:`berth.admission.ledger`).
+the request in the usage ledger (:mod:`berth.admission.ledger`). A ticket is settled once:
+:meth:`Admission.release` settles one that nothing settled (its request ended before an
+engine answered, or failed) as an error that used no tokens, and does nothing to one
+already settled, so the request path calls it in a ``finally`` around everything after
+admission, whatever way the request ends.
+
+Before admission, while its body arrives, a request holds its body's bytes against its
+key's bound on body bytes in flight (:meth:`Admission.hold_body`, a
+:class:`~berth.admission.key_quota.BodyHold`): what a key's bodies cost the leader to hold
+and parse is bounded before any other limit can be checked.
 
 Everything here is in memory and takes microseconds: no store access, no I/O. Limits come
 from the key's record and its tier (:meth:`LimitOverrides.apply
@@ -39,7 +48,7 @@ from berth.admission.errors import (
     QuotaExceededError,
 )
 from berth.admission.estimate import prompt_tokens as estimate_prompt_tokens
-from berth.admission.key_quota import KeyQuota, Ticket
+from berth.admission.key_quota import BodyHold, KeyQuota, Ticket
 from berth.admission.ledger import UsageLedger
 from berth.admission.socket import SocketCaller
 from berth.config.tiers import DESK_TIER, TierTable
@@ -58,14 +67,16 @@ CONCURRENCY_RETRY_S = 1.0
 
 @dataclass(frozen=True, slots=True)
 class KeyUse:
-    """What a key uses now: requests in flight, tokens of the UTC day and month, and what
-    its per-minute limits have left (``None``: no such limit)."""
+    """What a key uses now: requests in flight, tokens of the UTC day and month, what its
+    per-minute limits have left (``None``: no such limit), and the request body bytes its
+    requests hold."""
 
     in_flight: int
     day_tokens: int
     month_tokens: int
     requests_remaining: int | None
     tokens_remaining: int | None
+    body_bytes: int = 0
 
 
 class Admission:
@@ -77,6 +88,8 @@ class Admission:
     wait at the ``admin`` priority; the desk worker's (:attr:`SocketCaller.DESK`) take the
     limits and priority of the tier ``desk_tier`` names (:class:`ConfigError
     <berth.errors.ConfigError>` when no tier has that name).
+    ``max_body_bytes_per_key`` bounds the request body bytes one key's requests (the desk
+    worker's too) hold at once (``None``: no bound).
     """
 
     def __init__(
@@ -86,9 +99,11 @@ class Admission:
         *,
         clock: Clock | None = None,
         desk_tier: str = DESK_TIER,
+        max_body_bytes_per_key: int | None = None,
     ) -> None:
         self.tiers = tiers
         self.ledger = ledger
+        self.max_body_bytes_per_key = max_body_bytes_per_key
         self._clock: Clock = clock or SystemClock()
         self._monotonic = self._clock.monotonic
         self._wall = self._clock.time
@@ -166,7 +181,14 @@ class Admission:
         if quota.tokens is not None:
             quota.tokens.refill(now)
             tokens = quota.tokens.remaining
-        return KeyUse(quota.in_flight, quota.day_tokens, quota.month_tokens, requests, tokens)
+        return KeyUse(
+            quota.in_flight,
+            quota.day_tokens,
+            quota.month_tokens,
+            requests,
+            tokens,
+            quota.body_bytes,
+        )
 
     def name_of(self, key_id: str) -> str:
         """The name of the key ``key_id`` (its id when it is unknown here)."""
@@ -187,6 +209,15 @@ class Admission:
                 f"this API key expired at {expires_at.isoformat()}", key_id=key.id
             )
 
+    def hold_body(self, key: ApiKeyRecord | SocketCaller | None) -> BodyHold | None:
+        """A hold for the body of a request of ``key`` (see :class:`BodyHold`), to take its
+        bytes as they arrive and release them when the request is over; ``None`` when they
+        are not bounded (the CLI's requests, or no ``max_body_bytes_per_key``)."""
+        max_bytes = self.max_body_bytes_per_key
+        if max_bytes is None or key is None or key is SocketCaller.CLI:
+            return None
+        return BodyHold(self._quota_of(key), max_bytes, self._refused)
+
     def admit(
         self, key: ApiKeyRecord | SocketCaller | None, model: str, request_bytes: int
     ) -> Ticket:
@@ -203,13 +234,7 @@ class Admission:
             quota = self._socket
             quota.in_flight += 1
             return Ticket(quota, model, 0, [])
-        if key is SocketCaller.DESK:
-            quota = self._desk
-        else:
-            found = self._quotas.get(key.id)
-            quota = (
-                found if found is not None and found.record is key else self._refresh(key, found)
-            )
+        quota = self._quota_of(key)
         if quota.refusal is not None:
             self._refused(quota, quota.refusal.error_code)
             raise quota.refusal
@@ -287,7 +312,11 @@ class Admission:
         when none was reached: nothing goes in the ledger), ``error`` whether the answer was
         an error or broke off, the tokens as the engine reported them (``estimated``: as
         berth estimated them; ``cached_tokens``: the prompt's read from the engine's cache,
-        where it said). Call it once per ticket."""
+        where it said). A ticket is settled once: later calls (and :meth:`release`) do
+        nothing."""
+        if ticket.settled:
+            return
+        ticket.settled = True
         quota = ticket.quota
         quota.in_flight -= 1
         used = prompt_tokens + completion_tokens
@@ -314,7 +343,31 @@ class Admission:
                 cached_tokens=cached_tokens,
             )
 
+    def release(self, ticket: Ticket) -> None:
+        """Give back what ``ticket`` holds if nothing settled it: its request ended before
+        an engine answered, or failed on its way (:meth:`settle` as an error that used no
+        tokens, with no ledger row). Does nothing to a settled ticket."""
+        if not ticket.settled:
+            self.settle(
+                ticket,
+                node_id=None,
+                error=True,
+                prompt_tokens=0,
+                completion_tokens=0,
+                estimated=False,
+            )
+
     # -- inside -------------------------------------------------------------------------------
+
+    def _quota_of(self, key: ApiKeyRecord | SocketCaller) -> KeyQuota:
+        # The quota of a key (or of the desk worker); a record the authenticator read again
+        # is taken on first.
+        if key is SocketCaller.DESK:
+            return self._desk
+        if key is SocketCaller.CLI:
+            return self._socket
+        found = self._quotas.get(key.id)
+        return found if found is not None and found.record is key else self._refresh(key, found)
 
     def _refresh(self, key: ApiKeyRecord, quota: KeyQuota | None) -> KeyQuota:
         # A record the authenticator read again; the limits change only if the record did.

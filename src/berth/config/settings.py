@@ -108,6 +108,10 @@ class Settings:
     public_key: Path | None
     tls_reload_interval_s: float
     max_body_bytes: int
+    max_body_elements: int
+    max_messages: int
+    max_content_parts: int
+    max_body_bytes_per_key: int
     max_attempts: int
     routing_policy: RoutingPolicy
     prefix_load_factor: float
@@ -128,6 +132,7 @@ class Settings:
     body_timeout_s: float
     max_connections: int
     max_connections_per_address: int
+    discard_bytes_per_s: int
     auth_failure_burst: int
     auth_failure_rate_per_s: float
     auth_refusal_delay_s: float
@@ -264,6 +269,7 @@ class Settings:
             body_timeout_s=self.body_timeout_s,
             max_connections=self.max_connections,
             max_connections_per_address=self.max_connections_per_address,
+            discard_bytes_per_s=self.discard_bytes_per_s,
         )
 
     def docker_images(self) -> dict[EngineName, str]:

@@ -246,6 +246,25 @@ SETTINGS: tuple[SettingDef, ...] = (
                default=5.0, minimum=0.1, maximum=3600.0),
     SettingDef("max_body_bytes", "int", "server", "largest request body accepted, in bytes",
                default=16 * MiB, minimum=1),
+    # What a /v1 body may hold beyond its size (berth.gateway.body_limits.BodyLimits, whose
+    # defaults these are: tests/test_body_limits.py keeps the two equal).
+    SettingDef("max_body_elements", "int", "server",
+               "most JSON elements (array items and object members) a /v1 request body may "
+               "hold, counted as it arrives (413 too_many_elements beyond)",
+               default=500_000, minimum=1_000, maximum=100_000_000),
+    SettingDef("max_messages", "int", "server",
+               "most messages in one chat completion or Messages request, or items in a "
+               "Responses request's input (413 too_many_messages beyond)",
+               default=100_000, minimum=1, maximum=100_000_000),
+    SettingDef("max_content_parts", "int", "server",
+               "most content parts (text, image, audio, file) in one message of a request "
+               "(413 too_many_content_parts beyond)",
+               default=10_000, minimum=1, maximum=100_000_000),
+    SettingDef("max_body_bytes_per_key", "int", "server",
+               "request body bytes one API key's requests may hold at once, all together "
+               "(429 body_bytes_exceeded beyond; at least max_body_bytes, or the largest "
+               "bodies are never served)",
+               default=64 * MiB, minimum=1),
     SettingDef("max_attempts", "int", "server",
                "attempts per request on different nodes before its first byte (1: no retry)",
                default=3, minimum=1, maximum=10),
@@ -320,6 +339,11 @@ SETTINGS: tuple[SettingDef, ...] = (
     SettingDef("max_connections_per_address", "int", "server",
                "most open connections per client address and listener (429 beyond)",
                default=_LIMITS.max_connections_per_address, minimum=1),
+    SettingDef("discard_bytes_per_s", "int", "server",
+               "bytes a second a listener reads and drops of request bodies it answered "
+               "without reading them (refused), all connections together; past it a "
+               "connection waits and TCP holds its client back",
+               default=_LIMITS.discard_bytes_per_s, minimum=64 * 1024),
     # Failed authentication per client address (berth.gateway.auth_limiter): 429 past it.
     SettingDef("auth_failure_burst", "int", "server",
                "failed API-key attempts a client address may make at once before it is "

@@ -46,6 +46,7 @@ from berth.gateway.adapter_resolver import AdapterResolver
 from berth.gateway.auth import Authenticator
 from berth.gateway.auth_limiter import FailedAuthLimiter
 from berth.gateway.auth_metrics import AuthCollector
+from berth.gateway.body_limits import BodyLimits
 from berth.gateway.proxy import OpenAIProxy
 from berth.http_server.tls_reload import CertificateReloads, ReloadingTLS
 from berth.keys import load_or_create_pepper
@@ -196,7 +197,12 @@ async def build_admission(
     """Per-key limits and usage (in memory, the budgets starting from the ledger's totals),
     the usage ledger, and the fair queue of requests beyond their deployments' slots."""
     ledger = UsageLedger(store)
-    admission = Admission(settings.tiers, ledger, desk_tier=settings.desk_tier)
+    admission = Admission(
+        settings.tiers,
+        ledger,
+        desk_tier=settings.desk_tier,
+        max_body_bytes_per_key=settings.max_body_bytes_per_key,
+    )
     today, month_start = admission.budget_days()
     admission.load(
         await asyncio.to_thread(store.list_api_keys),
@@ -436,6 +442,11 @@ def build_proxy(
         resolver,
         metrics,
         max_body_bytes=settings.max_body_bytes,
+        body_limits=BodyLimits(
+            max_elements=settings.max_body_elements,
+            max_messages=settings.max_messages,
+            max_content_parts=settings.max_content_parts,
+        ),
         tunnels=data_paths,
         router=router,
         max_attempts=settings.max_attempts,

@@ -102,7 +102,9 @@ def engine_body(body: dict[str, Any], model: str | None, scales: tuple[float, ..
         payload["model"] = model
     if scales:
         payload["lora"] = [{"id": index, "scale": scale} for index, scale in enumerate(scales)]
-    return json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode()
+    # allow_nan=False: a rewritten body is JSON or nothing (the edge refuses non-finite
+    # numbers already).
+    return json.dumps(payload, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode()
 
 
 class Attempts:
@@ -164,12 +166,16 @@ class Attempts:
             if traced is not None:
                 traced.failed(self.outcomes[-1][1])
             raise
-        self.outcomes.append((upstream, f"status {answer.status}"))
-        if traced is not None:
-            traced.answered(answer.status)
-        if self._request.engine_path is None:
-            return answer
-        return translated_answer(self._request, answer, upstream)  # a Messages translation
+        try:
+            self.outcomes.append((upstream, f"status {answer.status}"))
+            if traced is not None:
+                traced.answered(answer.status)
+            if self._request.engine_path is None:
+                return answer
+            return translated_answer(self._request, answer, upstream)  # a Messages translation
+        except BaseException:
+            answer.close()  # returned to nobody: the engine's exchange ends here
+            raise
 
 
 async def open_stream(

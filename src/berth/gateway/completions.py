@@ -5,17 +5,26 @@ completion path (:data:`~berth.gateway.request.DIALECTS`).
 :meth:`Completions.serve` is the list of the stages, in order:
 
 1. :func:`~berth.gateway.request.read_body` and :func:`~berth.gateway.request.parse_request`:
-   the :class:`~berth.gateway.request.PublicRequest` (400, 413; a client that leaves while
-   sending is counted 499);
+   the :class:`~berth.gateway.request.PublicRequest` (400; 413 for a body over its size,
+   elements, messages or content parts; 429 for a key whose bodies in flight are over its
+   bound; a client that leaves while sending is counted 499);
 2. :func:`~berth.gateway.stages.admit`, then :func:`~berth.gateway.stages.ask_usage`, when
    there is admission (403, 429);
 3. :meth:`~berth.gateway.stages.Routing.route` (404, 503; held while its service loads);
 4. in :meth:`Completions._dispatch`: :func:`~berth.gateway.stages.take_slot` (the fair
-   queue), :func:`~berth.gateway.dispatch.first_answer` over
+   queue); in :meth:`Completions._relay`: :func:`~berth.gateway.dispatch.first_answer` over
    :class:`~berth.gateway.attempt.Attempts` (each attempt, 502/504 when none answered), the
    answer relayed (:mod:`berth.gateway.relay`);
 5. :meth:`~berth.gateway.record.Records.finished` (or ``unsent`` for a request refused before
    it was planned): metrics, the request log, the key's ledger.
+
+Each stage that takes something gives it back in a ``finally`` of its own, so no way out of
+the request (an answer, a refusal, the client leaving, a failure of a later stage, a bug)
+can keep it: the key's body bytes and ticket in :meth:`Completions.serve`, the fair queue's
+slot in :meth:`Completions._dispatch`, the engine's answer (its connection or tunnel
+stream, its adapter lease) in :meth:`Completions._relay`, the router's in-flight count and
+the proxy's metrics in :meth:`Completions._forward` (``tests/test_admission_scope.py``
+injects a failure at each stage and finds every counter back at zero).
 
 A request refused before it was planned is answered by
 :class:`~berth.gateway.refusals.Refusals`; one refused or failed after (the queue, the
@@ -35,6 +44,7 @@ from berth.admission import Admission, QueueRefusedError, SlotGate, SocketCaller
 from berth.deployments.adapters import AdapterManager
 from berth.errors import BerthError
 from berth.gateway.attempt import Attempts, EngineOpener, StreamLimits
+from berth.gateway.body_limits import BodyLimits
 from berth.gateway.dispatch import first_answer
 from berth.gateway.exchange import ClientHead, ClientRequest, ClientWriter
 from berth.gateway.outcome import Exchange
@@ -81,6 +91,7 @@ class Completions:
         stream_limits: StreamLimits,
         max_attempts: int,
         max_body_bytes: int,
+        body_limits: BodyLimits | None = None,
         admission: Admission | None = None,
         slots: SlotGate | None = None,
         adapters: AdapterManager | None = None,
@@ -98,6 +109,7 @@ class Completions:
         self._stream_limits = stream_limits
         self._max_attempts = max_attempts
         self._max_body_bytes = max_body_bytes
+        self._body_limits = body_limits if body_limits is not None else BodyLimits()
         self._admission = admission
         self._slots = slots
         self._adapters = adapters
@@ -114,66 +126,142 @@ class Completions:
     ) -> None:
         """Serve one completion request of ``api_key`` (named ``key_name`` in the request
         log) for ``client.path``, whose API is ``dialect`` (see
-        :data:`~berth.gateway.request.DIALECTS`) and whose headers said ``head``. Stage by
-        stage: read and parse, admit, ask for usage, route; then :meth:`_forward`."""
+        :data:`~berth.gateway.request.DIALECTS`) and whose headers said ``head``: read and
+        parse it (its body's bytes held against its key's bound from the first byte),
+        admit it, then :meth:`_admitted`.
+
+        What admission takes is given back in the ``finally`` of this one stage, whatever
+        way the request ends (an answer, a refusal, the client leaving, a failure in any
+        later stage, a bug): the body's bytes (:class:`~berth.admission.BodyHold`) and the
+        ticket (:meth:`Admission.release <berth.admission.Admission.release>`, which does
+        nothing to a ticket the records settled with the engine's usage). Later stages take
+        and give back their own the same way: the fair queue's slot in :meth:`_dispatch`,
+        the engine's answer (and its adapter lease) in :meth:`_relay`, the router's
+        in-flight count and the records in :meth:`_forward`.
+        """
         request_id = head.request_id
         start = self._clock()
         started_at = self.request_log.now()
         request: PublicRequest | None = None
-        ticket: Ticket | None = None
         # tracing off: None, and every hook is one "is not None" test (docs/tracing.md)
         trace = None
         if self._tracer is not None:
             trace = self._tracer.begin(client.method, client.path, client.headers, request_id)
+        admission = self._admission
+        hold = admission.hold_body(api_key) if admission is not None else None
         try:
-            raw = await read_body(client, head.content_length, self._max_body_bytes)
-            if raw is None:  # the client left while sending it
-                self._refusals.count("", 499, start, "client_disconnected")
+            try:
+                raw = await read_body(
+                    client,
+                    head.content_length,
+                    self._max_body_bytes,
+                    max_elements=self._body_limits.max_elements,
+                    hold=hold,
+                )
+                if raw is None:  # the client left while sending it
+                    self._refusals.count("", 499, start, "client_disconnected")
+                    if trace is not None:
+                        trace.finish(0, error_reason="client_disconnected")
+                    return
+                request = parse_request(
+                    raw,
+                    path=client.path,
+                    dialect=dialect,
+                    query=client.query,
+                    request_id=request_id,
+                    headers=client.headers,
+                    forward=head.forward,
+                    key=api_key,
+                    key_name=key_name,
+                    is_adapter=self._is_adapter,
+                    limits=self._body_limits,
+                )
                 if trace is not None:
-                    trace.finish(0, error_reason="client_disconnected")
+                    trace.request(request.model, request.stream)
+                ticket = admit(admission, request) if admission is not None else None
+            except BerthError as exc:
+                model = request.model if request is not None else ""
+                await self._refuse(exc, None, client, writer, request_id, key_name, model,
+                                   start, started_at, trace)  # fmt: skip
                 return
-            request = parse_request(
-                raw,
-                path=client.path,
-                dialect=dialect,
-                query=client.query,
-                request_id=request_id,
-                headers=client.headers,
-                forward=head.forward,
-                key=api_key,
-                key_name=key_name,
-                is_adapter=self._is_adapter,
-            )
-            if trace is not None:
-                trace.request(request.model, request.stream)
-            if self._admission is not None:
-                ticket = admit(self._admission, request)
+            try:
+                await self._admitted(request, ticket, client, writer, start, started_at, trace)
+            finally:
+                if ticket is not None and admission is not None:
+                    admission.release(ticket)
+        finally:
+            if hold is not None:
+                hold.release()
+
+    async def _admitted(
+        self,
+        request: PublicRequest,
+        ticket: Ticket | None,
+        client: ClientRequest,
+        writer: ClientWriter,
+        start: float,
+        started_at: float,
+        trace: RequestTrace | None,
+    ) -> None:
+        """An admitted request (its ticket is released by :meth:`serve`): asked for its
+        stream's usage, routed, then :meth:`_forward`."""
+        try:
+            if ticket is not None:
                 if trace is not None:
                     trace.admitted(ticket.priority)
                 request = ask_usage(request)
             routed = await self._routing.route(request, client, trace)
-            if routed is None:  # the client left while its service loaded
-                if trace is not None:
-                    trace.finish(0, error_reason="client_disconnected")
-                self._records.settle_unsent(ticket)
-                self._refusals.count(request.model, 499, start, "client_disconnected")
-                self._records.unsent(started_at, start, request_id, key_name, request.model,
-                                     499, "client_disconnected")  # fmt: skip
-                return
         except BerthError as exc:
-            model = request.model if request is not None else ""
-            extra = refusal_headers(exc, ticket)
-            self._records.settle_unsent(ticket)
-            status = await self._refusals.reject(
-                writer, request_id, exc, start, extra=extra, path=client.path
+            self._release(ticket)  # before the answer: a client that retries finds it free
+            await self._refuse(
+                exc,
+                ticket,
+                client,
+                writer,
+                request.request_id,
+                request.key_name,
+                request.model,
+                start,
+                started_at,
+                trace,
             )
-            self._records.unsent(started_at, start, request_id, key_name, model, status,
-                                 reason(exc))  # fmt: skip
+            return
+        if routed is None:  # the client left while its service loaded
             if trace is not None:
-                trace.finish(status, error_reason=reason(exc))
+                trace.finish(0, error_reason="client_disconnected")
+            self._release(ticket)
+            self._refusals.count(request.model, 499, start, "client_disconnected")
+            self._records.unsent(started_at, start, request.request_id, request.key_name,
+                                 request.model, 499, "client_disconnected")  # fmt: skip
             return
         request, plan = routed
         await self._forward(request, plan, ticket, client, writer, start, started_at, trace)
+
+    async def _refuse(
+        self,
+        exc: BerthError,
+        ticket: Ticket | None,
+        client: ClientRequest,
+        writer: ClientWriter,
+        request_id: bytes,
+        key_name: str,
+        model: str,
+        start: float,
+        started_at: float,
+        trace: RequestTrace | None,
+    ) -> None:
+        """Answer a request refused before it was planned, and record it."""
+        extra = refusal_headers(exc, ticket)
+        status = await self._refusals.reject(
+            writer, request_id, exc, start, extra=extra, path=client.path
+        )
+        self._records.unsent(started_at, start, request_id, key_name, model, status, reason(exc))
+        if trace is not None:
+            trace.finish(status, error_reason=reason(exc))
+
+    def _release(self, ticket: Ticket | None) -> None:
+        if ticket is not None and self._admission is not None:
+            self._admission.release(ticket)
 
     async def _forward(
         self,
@@ -190,11 +278,11 @@ class Completions:
         (its trace's end too), whatever happened (the client may leave at any point: the
         engine request is closed)."""
         flight = Flight(plan[0], reached=self._slots is None)
-        self._metrics.request_started(target_of(flight.upstream))  # moved if a retry goes elsewhere
         headers = ticket.headers if ticket is not None else []
         exchange = Exchange(
             start, headers, strip_usage=request.strip_usage, dialect=request.dialect
         )
+        attempts = Attempts(request, self._open, self._stream_limits, exchange, trace)
         task = asyncio.current_task()
         assert task is not None, "requests are served in a task"
 
@@ -204,9 +292,11 @@ class Completions:
                 exchange.client_gone = True
                 task.cancel()
 
-        client.watch_disconnect(client_left)
-        attempts = Attempts(request, self._open, self._stream_limits, exchange, trace)
+        # Counted in flight from here to the records, in the finally below (moved if a
+        # retry goes elsewhere).
+        self._metrics.request_started(target_of(flight.upstream))
         try:
+            client.watch_disconnect(client_left)
             await self._dispatch(request, plan, ticket, attempts, writer, exchange, flight, trace)
         except asyncio.CancelledError:
             # Ours if the client left (the engine request is closed by now); anyone else's
@@ -227,8 +317,6 @@ class Completions:
             upstream = flight.upstream
             if flight.dispatched:
                 self.router.signals.finished(upstream.deployment_id, upstream.node_id)
-            if flight.held is not None and self._slots is not None:
-                self._slots.release(flight.held)
             self._records.finished(request, flight, exchange, attempts.outcomes, ticket, started_at)
             if trace is not None:
                 _finish_trace(trace, flight, exchange)
@@ -244,16 +332,38 @@ class Completions:
         flight: Flight,
         trace: RequestTrace | None = None,
     ) -> None:
-        """The fair queue's slot (when there is a gate), the attempts along the plan until
-        an engine answers (:func:`first_answer`), and its answer relayed; ``flight`` keeps
-        where the request went at each step, for the records."""
+        """The fair queue's slot (when there is a gate), held until the answer is over and
+        given back here whatever happened, then :meth:`_relay`; ``flight`` keeps where the
+        request went at each step, for the records."""
         gate = self._slots
-        if gate is not None:
-            flight.held, plan = await take_slot(gate, request, ticket, plan, trace)
+        if gate is None:
+            await self._relay(request, plan, attempts, writer, exchange, flight, trace)
+            return
+        flight.held, plan = await take_slot(gate, request, ticket, plan, trace)
+        try:
             flight.reached = True
             if plan[0] is not flight.upstream:  # a slot was free at another deployment
                 self._metrics.request_moved(target_of(flight.upstream), target_of(plan[0]))
                 flight.upstream = plan[0]
+            await self._relay(request, plan, attempts, writer, exchange, flight, trace)
+        finally:
+            if flight.held is not None:  # where it is held now (a retry moves it)
+                gate.release(flight.held)
+                flight.held = None
+
+    async def _relay(
+        self,
+        request: PublicRequest,
+        plan: list[Upstream],
+        attempts: Attempts,
+        writer: ClientWriter,
+        exchange: Exchange,
+        flight: Flight,
+        trace: RequestTrace | None,
+    ) -> None:
+        """The attempts along the plan until an engine answers (:func:`first_answer`), and
+        its answer relayed, then closed whatever happened (which also gives back its
+        adapter lease, where it holds one)."""
         upstream = flight.upstream
         try:
             chosen, response = await first_answer(
@@ -271,15 +381,19 @@ class Completions:
             flight.upstream = exc.upstream
             raise
         flight.dispatched = True
-        if chosen is not upstream:  # a retry served it elsewhere
-            self._metrics.request_moved(target_of(upstream), target_of(chosen))
-            if flight.held is not None and gate is not None:
-                flight.held = gate.move(flight.held, chosen)
-        flight.upstream = chosen
-        self.router.succeeded(request.affinity_key, chosen)
-        if trace is not None:
-            trace.relaying(request.stream)
-        await self._answers.relay(chosen, response, request.request_id, writer, exchange)
+        try:
+            if chosen is not upstream:  # a retry served it elsewhere
+                self._metrics.request_moved(target_of(upstream), target_of(chosen))
+                gate = self._slots
+                if flight.held is not None and gate is not None:
+                    flight.held = gate.move(flight.held, chosen)
+            flight.upstream = chosen
+            self.router.succeeded(request.affinity_key, chosen)
+            if trace is not None:
+                trace.relaying(request.stream)
+            await self._answers.relay(chosen, response, request.request_id, writer, exchange)
+        finally:
+            response.close()  # the relay closes it too; a close is idempotent
 
     def _is_adapter(self, model: str) -> bool:
         adapters = self._adapters

@@ -10,7 +10,9 @@ The proxy is served two ways, through the same two interfaces: by berth's own HT
 
 from __future__ import annotations
 
+import gc
 import json
+import math
 import os
 import re
 from collections.abc import Awaitable, Callable, MutableMapping, Sequence
@@ -137,22 +139,62 @@ def scan_headers(raw: Sequence[tuple[bytes, bytes]]) -> ClientHead:
 
 
 def payload_of(body: bytes) -> dict[str, Any]:
-    """An OpenAI request body parsed; :class:`InvalidRequestError` unless a JSON object.
+    """An OpenAI request body parsed (:func:`decode_body`'s first half)."""
+    return decode_body(body)[0]
 
-    Read as ``json.loads(body, parse_constant=...)`` reads it (the encoding detected the
-    same way: UTF-8, -16 or -32, a UTF-8 BOM skipped), with one decoder for every request
-    instead of one made per call (``loads`` with an argument builds a decoder each time:
-    about 3 µs of a small request)."""
+
+def decode_body(body: bytes) -> tuple[dict[str, Any], bytes]:
+    """An OpenAI request body parsed, and its bytes as UTF-8: ``body`` itself, unless it
+    came in UTF-16 or -32 or with a byte order mark (then its text in UTF-8, which is what
+    engines read). Raises :class:`InvalidRequestError` (``invalid_json``) unless ``body``
+    is a JSON object whose every value can be written again as JSON.
+
+    Read as ``json.loads`` reads bytes (the encoding detected the same way: UTF-8, -16 or
+    -32, a UTF-8 BOM skipped), with one decoder for every request instead of one made per
+    call (``loads`` with an argument builds a decoder each time: about 3 µs of a small
+    request), and stricter where the standard library takes what no engine can read back
+    and no rewriter can write again: ``NaN`` and the infinities, numbers beyond a double's
+    range (``1e400``, which Python reads as infinity), and strings with a lone UTF-16
+    surrogate (``"\\ud800"`` unpaired, or its bytes in the text), which no UTF-8 text can
+    carry (RFC 8259 section 8.2). A body over :data:`_GC_PAUSE_BYTES` is parsed with the
+    garbage collector paused (:func:`_decode_large`).
+    """
     try:
-        text = body.decode(json.detect_encoding(body), "surrogatepass")
-        payload = _REQUEST_DECODER.decode(text)
+        encoding = json.detect_encoding(body)
+        text = body.decode(encoding)  # strict: a surrogate's bytes are not UTF-8 (RFC 3629)
+        if len(body) < _GC_PAUSE_BYTES:
+            payload = _REQUEST_DECODER.decode(text)
+        else:
+            payload = _decode_large(text)
     except (ValueError, RecursionError) as exc:  # also invalid UTF-8, too deeply nested
         raise InvalidRequestError(
             f"the request body is not valid JSON: {exc}", code="invalid_json"
         ) from exc
     if not isinstance(payload, dict):
         raise InvalidRequestError("the request body must be a JSON object", code="invalid_json")
-    return payload
+    if "\\ud" in text or "\\uD" in text:  # an escaped surrogate: is every one paired?
+        _refuse_lone_surrogates(payload)
+    if encoding != "utf-8":
+        body = text.encode()
+    return payload, body
+
+
+#: Bodies at least this long are parsed with the garbage collector paused.
+_GC_PAUSE_BYTES = 64 * 1024
+
+
+def _decode_large(text: str) -> Any:
+    """``text`` parsed with the garbage collector paused: a parse makes only new lists and
+    dicts, in a tree (no cycles), so no collection during it can free anything, and a
+    large body's parse triggers many (each visiting what the parse made so far). Paused,
+    a body of 500,000 empty arrays parses in 29 ms instead of 102 ms here."""
+    if not gc.isenabled():
+        return _REQUEST_DECODER.decode(text)
+    gc.disable()
+    try:
+        return _REQUEST_DECODER.decode(text)
+    finally:
+        gc.enable()
 
 
 def _refuse_constant(name: str) -> Any:
@@ -161,7 +203,47 @@ def _refuse_constant(name: str) -> Any:
     raise ValueError(f"{name} is not a JSON number")
 
 
-_REQUEST_DECODER = json.JSONDecoder(parse_constant=_refuse_constant)
+def _finite_float(text: str) -> float:
+    # A number beyond a double's range reads as an infinity, which json.dumps would write
+    # back as Infinity (not JSON) in any body a rewriter writes.
+    value = float(text)
+    if math.isinf(value):
+        raise ValueError(f"{text} is beyond the range of a double")
+    return value
+
+
+_REQUEST_DECODER = json.JSONDecoder(parse_constant=_refuse_constant, parse_float=_finite_float)
+
+
+def _refuse_lone_surrogates(payload: dict[str, Any]) -> None:
+    """Raise :class:`InvalidRequestError` if a key or string of ``payload`` holds a
+    surrogate (the decoder joins each escaped pair into one character; what is left was
+    unpaired)."""
+    stack: list[Any] = [payload]
+    while stack:
+        value = stack.pop()
+        items = value.items() if isinstance(value, dict) else enumerate(value)
+        for key, item in items:
+            if isinstance(key, str):
+                _check_text(key)
+            if isinstance(item, str):
+                _check_text(item)
+            elif isinstance(item, dict | list):
+                stack.append(item)
+
+
+def _check_text(text: str) -> None:
+    if text.isascii():
+        return
+    try:
+        text.encode()
+    except UnicodeEncodeError as exc:
+        raise InvalidRequestError(
+            "the request body is not valid JSON: a string holds the lone surrogate "
+            f"\\u{ord(text[exc.start]):04x} (half of a UTF-16 pair without the other half), "
+            "which is no Unicode character",
+            code="invalid_json",
+        ) from None
 
 
 def model_in(payload: dict[str, Any]) -> str:

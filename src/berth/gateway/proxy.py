@@ -4,8 +4,9 @@ A completion request is one :class:`~berth.gateway.request.PublicRequest`, parse
 handed through named stages, each of which takes the value and returns it (or what it
 decided), each testable alone (``tests/test_request_stages.py``)::
 
-    read_body (bounded: 413) -> parse_request: the value (its body parsed once, model,
-      stream, key, adapter; 400)                                   berth.gateway.request
+    read_body (bounded in bytes and JSON elements as it arrives, its bytes held against
+      its key's bound: 413, 429) -> parse_request: the value (its body parsed once, model,
+      stream, key, adapter; 400; 413 for too many messages or parts) berth.gateway.request
     -> admit: the key's limits (403/429), its rate-limit headers    berth.gateway.stages
     -> ask_usage (a rewriter): a stream asks the engine for its usage
     -> Routing.route: ranked candidates and the affinity key (nothing ready: held by the
@@ -68,6 +69,7 @@ from berth.engine_http.answer import HttpOpener
 from berth.errors import NotFoundError
 from berth.gateway.asgi import AsgiClientRequest, AsgiClientWriter
 from berth.gateway.attempt import StreamLimits
+from berth.gateway.body_limits import BodyLimits
 from berth.gateway.completions import Completions
 from berth.gateway.engine_client import EngineAuth, EngineClient
 from berth.gateway.exchange import (
@@ -129,7 +131,9 @@ class OpenAIProxy:
     ``resolver.models()`` as OpenAI ``Model`` objects (``created`` is the proxy's start time,
     ``owned_by`` is ``"berth"``).
 
-    ``max_body_bytes`` bounds a request body (413 beyond it). ``connect_timeout_s`` bounds
+    ``max_body_bytes`` bounds a request body (413 beyond it), and ``body_limits`` what it
+    may hold (JSON elements, counted as it arrives, messages and content parts: 413 beyond
+    one; :mod:`berth.gateway.body_limits`). ``connect_timeout_s`` bounds
     connecting to an engine (502 when exceeded or refused). A streamed request (``"stream":
     true``) has its first byte within ``first_byte_timeout_s``: the engine's head and, for an
     event stream, its first bytes (nothing reaches the client before them); past it the
@@ -182,6 +186,7 @@ class OpenAIProxy:
         metrics: ProxyMetrics,
         *,
         max_body_bytes: int = 16 * MiB,
+        body_limits: BodyLimits | None = None,
         connect_timeout_s: float = 5.0,
         read_timeout_s: float | None = READ_TIMEOUT_S,
         first_byte_timeout_s: float | None = FIRST_BYTE_TIMEOUT_S,
@@ -239,6 +244,7 @@ class OpenAIProxy:
             ),
             max_attempts=max_attempts,
             max_body_bytes=max_body_bytes,
+            body_limits=body_limits,
             admission=admission,
             slots=slots,
             adapters=adapters,

@@ -66,19 +66,6 @@ class Records:
         self._admission = admission
         self._clock = clock
 
-    def settle_unsent(self, ticket: Ticket | None) -> None:
-        """Settle the ticket of a request that reached no engine (refused, or its client
-        left before one was chosen): an error that used no tokens, and no ledger row."""
-        if ticket is not None and self._admission is not None:
-            self._admission.settle(
-                ticket,
-                node_id=None,
-                error=True,
-                prompt_tokens=0,
-                completion_tokens=0,
-                estimated=False,
-            )
-
     def unsent(
         self,
         started_at: float,

@@ -8,18 +8,27 @@ earlier ones made of it. The parsed body is a ``dict`` shared by every stage and
 changed in place: a rewriter builds a new one (``{**body, ...}``).
 
 Shapes: ``body`` is the JSON object the client sent (``str`` keys); ``raw`` its bytes, as
-received or as the last rewriter wrote them (they always encode ``body``); headers are
-lower-case ``(name, value)`` byte pairs, as the HTTP server gives them.
+received or as the last rewriter wrote them (they always encode ``body``, in UTF-8); headers
+are lower-case ``(name, value)`` byte pairs, as the HTTP server gives them.
+
+What a body may be is checked here, at the edge, before any stage sees it: its size and
+elements as it arrives (:func:`read_body`, :mod:`berth.gateway.body_limits`), then, parsed,
+that it is a JSON object whose text every stage can write again as JSON (no lone surrogate,
+no number beyond a double's range: :func:`berth.gateway.exchange.decode_body`), with a
+``"model"`` string, a boolean ``"stream"`` and no more messages or content parts than the
+limits allow (:func:`parse_request`).
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from typing import Any, Final, NamedTuple
 
-from berth.admission import SocketCaller
+from berth.admission import BodyHold, SocketCaller
 from berth.anthropic_errors import COUNT_TOKENS_PATH, MESSAGES_PATH
-from berth.gateway.exchange import ClientRequest, model_in, payload_of
+from berth.gateway.body_limits import BodyLimits, ElementCounter, check_shape, too_many_elements
+from berth.gateway.exchange import ClientRequest, decode_body, model_in
 from berth.http_server.errors import HttpServerError
 from berth.routing.errors import InvalidRequestError, RequestTooLargeError
 from berth.store.records import ApiKeyRecord
@@ -88,30 +97,65 @@ class PublicRequest(NamedTuple):
 
 
 async def read_body(
-    request: ClientRequest, content_length: bytes | None, limit: int
+    request: ClientRequest,
+    content_length: bytes | None,
+    limit: int,
+    *,
+    max_elements: int | None = None,
+    hold: BodyHold | None = None,
 ) -> bytes | None:
-    """The request body (at most ``limit`` bytes), or ``None`` if the client left while
-    sending it.
+    """The request body (at most ``limit`` bytes, and at most ``max_elements`` JSON
+    elements when given), or ``None`` if the client left while sending it. ``hold``, when
+    given, takes the body's bytes against its key's bound on body bytes in flight: all at
+    once by its ``Content-Length``, else as they arrive (the caller releases it).
+
+    A body is refused as soon as it is known to be over a bound, without reading (or
+    holding) the rest. Its elements are counted only once it is larger than
+    ``max_elements`` bytes (:class:`~berth.gateway.body_limits.ElementCounter`).
 
     Raises :class:`InvalidRequestError` (400) for a ``Content-Length`` that is not a number,
-    :class:`RequestTooLargeError` (413) for a body announced or found over ``limit``.
+    :class:`RequestTooLargeError` (413) for a body announced or found over ``limit``,
+    :class:`InvalidRequestError` (413, ``too_many_elements``) for one over
+    ``max_elements``, and what ``hold.take`` raises (429).
     """
+    announced = None
     if content_length is not None:
         if not content_length.isdigit():
             raise InvalidRequestError("invalid Content-Length header", code="invalid_request")
-        if int(content_length) > limit:
+        announced = int(content_length)
+        if announced > limit:
             raise RequestTooLargeError(limit)
+        if hold is not None:
+            hold.take(announced)
+            hold = None  # taken: the server reads no more than announced
     parts: list[bytes] = []
     size = 0
+    counter: ElementCounter | None = None
     try:
         while chunk := await request.read_chunk():
             size += len(chunk)
             if size > limit:
                 raise RequestTooLargeError(limit)
+            if hold is not None:
+                hold.take(len(chunk))
             parts.append(chunk)
+            if max_elements is not None and size > max_elements:
+                if counter is None:  # no smaller body can hold more elements than bytes
+                    counter = _counter_for(parts)
+                    for part in parts[:-1]:
+                        counter.feed(part)
+                if counter.feed(chunk) > max_elements:
+                    raise too_many_elements(max_elements)
     except HttpServerError:
         return None
     return parts[0] if len(parts) == 1 else b"".join(parts)
+
+
+def _counter_for(parts: list[bytes]) -> ElementCounter:
+    """An element counter for a body that begins with ``parts`` (at least 4 bytes): one
+    that tells strings apart for UTF-8, else one that counts every comma and bracket."""
+    head = parts[0] if len(parts[0]) >= 4 else b"".join(parts)[:4]
+    return ElementCounter(utf8=json.detect_encoding(head).startswith("utf-8"))
 
 
 def parse_request(
@@ -126,16 +170,32 @@ def parse_request(
     key: ApiKeyRecord | SocketCaller | None = None,
     key_name: str = "",
     is_adapter: Callable[[str], bool] | None = None,
+    limits: BodyLimits | None = None,
 ) -> PublicRequest:
     """The request whose body is ``raw``, parsed once.
 
     ``is_adapter(model)``, when given, says whether ``model`` names a LoRA adapter (then
-    ``adapter`` is set to it). Raises :class:`InvalidRequestError` (400): ``invalid_json``
-    unless ``raw`` is a JSON object (no ``NaN`` or ``Infinity``), ``missing_model`` without a
-    ``"model"`` string.
+    ``adapter`` is set to it). ``raw`` is the body as the engines get it, unless it came in
+    UTF-16 or -32 or with a byte order mark (then ``raw`` is its UTF-8 text). Raises
+    :class:`InvalidRequestError`: 400 ``invalid_json`` unless ``raw`` is a JSON object
+    whose text can be written again as JSON
+    (:func:`~berth.gateway.exchange.decode_body`), ``missing_model`` without a ``"model"``
+    string, ``invalid_type`` for a ``"stream"`` that is not a boolean (or null); 413 for
+    more messages or content parts than ``limits`` allow
+    (:func:`~berth.gateway.body_limits.check_shape`).
     """
-    body = payload_of(raw)
+    received_bytes = len(raw)
+    body, raw = decode_body(raw)
     model = model_in(body)
+    stream = body.get("stream")
+    if stream is not True and stream is not False and stream is not None:
+        raise InvalidRequestError(
+            f"'stream' must be a boolean, not {_json_type(stream)}",
+            code="invalid_type",
+            param="stream",
+        )
+    if limits is not None:
+        check_shape(path, body, limits, len(raw))
     return PublicRequest(  # by position: a named tuple is built fastest so
         path,
         dialect,
@@ -147,8 +207,19 @@ def parse_request(
         key_name,
         body,
         raw,
-        len(raw),
+        received_bytes,
         model,
-        body.get("stream") is True,
+        stream is True,
         model if is_adapter is not None and is_adapter(model) else None,
     )
+
+
+def _json_type(value: object) -> str:
+    """The JSON type of a parsed value, in words (``a string``, ``a number``...)."""
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, int | float):
+        return "a number"
+    if isinstance(value, list):
+        return "an array"
+    return "an object"

@@ -146,17 +146,27 @@ async def take_slot(
     none of the plan's deployments is held), taken at once when one is free (no await), else
     waited for in the fair queue by the ticket's key and priority; and ``plan`` with that
     deployment first. Raises :class:`~berth.admission.QueueRefusedError` (429/503) for a
-    full queue or a wait past its timeout. With ``trace``, a wait is a span."""
+    full queue or a wait past its timeout. With ``trace``, a wait is a span.
+
+    It returns holding the slot or holding nothing: a failure after the slot was taken
+    gives it back before it goes up (the caller's ``finally`` begins at the return)."""
     taken = gate.take_free(plan)
+    wait = None
     if taken is MUST_WAIT:
         key_id = ticket.key_id if ticket is not None else SOCKET_KEY_ID
         priority = ticket.priority if ticket is not None else 0
         wait = None if trace is None else trace.waiting("berth.queue_wait")
         taken = await gate.wait(key_id, priority, request.model, plan)
+    if taken is None:
+        return None, plan
+    try:
         if wait is not None:
             wait.end()
-    if taken is not None and taken != plan[0].deployment_id:
-        plan = first(plan, taken)
+        if taken != plan[0].deployment_id:
+            plan = first(plan, taken)
+    except BaseException:
+        gate.release(taken)
+        raise
     return taken, plan
 
 

@@ -47,4 +47,10 @@ def asking_for_usage(
     else:
         asked = {"include_usage": True}
     rewritten = {**payload, "stream_options": asked}
-    return rewritten, json.dumps(rewritten, ensure_ascii=False, separators=(",", ":")).encode()
+    return rewritten, _dumps(rewritten)
+
+
+def _dumps(payload: dict[str, Any]) -> bytes:
+    # allow_nan=False: a rewritten body is JSON or nothing (the edge refuses non-finite
+    # numbers already; this keeps a rewrite from ever writing Infinity).
+    return json.dumps(payload, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode()

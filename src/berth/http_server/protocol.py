@@ -43,7 +43,7 @@ from berth.http_server.errors import (
     MalformedRequestError,
     RequestTimeoutError,
 )
-from berth.http_server.limits import ConnectionGate, ListenerLimits
+from berth.http_server.limits import ConnectionGate, DiscardBudget, ListenerLimits
 from berth.http_server.request import Request
 from berth.http_server.writer import ResponseWriter, error_answer
 
@@ -71,6 +71,7 @@ class ListenerState:
     handler: Handler
     limits: ListenerLimits
     gate: ConnectionGate
+    discard: DiscardBudget
     connections: set[HttpConnection] = field(default_factory=set)
     tasks: set[asyncio.Task[None]] = field(default_factory=set)
     accepting: bool = True
@@ -91,6 +92,7 @@ class HttpConnection(asyncio.Protocol):
         self.write_paused = False
         self._drain_waiter: asyncio.Future[None] | None = None
         self._reading_paused = False
+        self._discard_paused = False  # paused by the listener's DiscardBudget
         self._admitted = False
         self._address: str | None = None
         self._client: tuple[str, int] | None = None
@@ -184,7 +186,13 @@ class HttpConnection(asyncio.Protocol):
             self._phase = _HEAD
             self._arm(self._limits.head_timeout_s, self._head_timed_out)
         elif phase == _BODY:
-            self._body_read_at = self.loop.time()
+            self._body_read_at = now = self.loop.time()
+            if self._parsing_answered:  # the rest of a body answered unread: dropped, paced
+                wait_s = self._state.discard.take(len(data), now)
+                if wait_s > 0 and not self._reading_paused:
+                    self.pause_reading()
+                    self._discard_paused = True
+                    self.loop.call_later(wait_s, self._discard_resume)
         limit = self._limits.max_head_bytes
         try:
             while data:
@@ -308,6 +316,11 @@ class HttpConnection(asyncio.Protocol):
         if self._reading_paused and not self._queue and not self.lost:
             self._reading_paused = False
             self.transport.resume_reading()
+
+    def _discard_resume(self) -> None:
+        if self._discard_paused:
+            self._discard_paused = False
+            self.resume_reading()
 
     def send_interim(self, request: Request, data: bytes) -> None:
         active = self._active

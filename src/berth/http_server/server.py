@@ -8,7 +8,7 @@ import logging
 import socket
 import ssl
 
-from berth.http_server.limits import ConnectionGate, ListenerLimits
+from berth.http_server.limits import ConnectionGate, DiscardBudget, ListenerLimits
 from berth.http_server.protocol import Handler, HttpConnection, ListenerState
 
 log = logging.getLogger(__name__)
@@ -30,7 +30,9 @@ class HttpServer:
         ssl_context: ssl.SSLContext | None = None,
     ) -> None:
         limits = limits or ListenerLimits()
-        self._state = ListenerState(name, handler, limits, ConnectionGate(limits))
+        self._state = ListenerState(
+            name, handler, limits, ConnectionGate(limits), DiscardBudget(limits.discard_bytes_per_s)
+        )
         self._ssl = ssl_context
         self._server: asyncio.Server | None = None
 
@@ -42,6 +44,11 @@ class HttpServer:
     @property
     def gate(self) -> ConnectionGate:
         return self._state.gate
+
+    @property
+    def discard(self) -> DiscardBudget:
+        """The pace at which bodies answered unread are read and dropped."""
+        return self._state.discard
 
     async def start(self, sock: socket.socket) -> None:
         """Start accepting on ``sock`` (bound and listening)."""
