@@ -26,8 +26,11 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from berth.api.nodes import NODE_LABEL_PATTERN
+from berth.cluster.enrollment import validate_node_label
 from berth.config import Settings
 from berth.daemon.server import Leader
+from berth.errors import ConfigError
 from berth.paths import BerthHome
 
 
@@ -399,3 +402,20 @@ async def test_a_model_that_nothing_serves_is_explained_as_a_conflict_not_an_out
     ).status_code == 201
     response = await leader_api.get("/admin/routing/m")
     assert "has no ready deployment" in _refused(response, 409)
+
+
+@pytest.mark.parametrize(
+    "label",
+    ["gpu-1", "a", "a" * 63, "a" * 64, "-gpu", "gpu-", "GPU", "gpu_1", "local", "locals",
+     "n-1a2b3c4d", "n-1a2b3c4", "n-1a2b3c4dd", "", "g.pu", "0", "9-9"],
+)  # fmt: skip
+def test_the_schemas_node_label_pattern_is_the_leaders_rule(label: str) -> None:
+    """``EnrollIn.label``'s pattern (for the schema) and ``validate_node_label`` (whose messages
+    the leader answers) are two spellings of one rule: they must accept the same labels."""
+    try:
+        validate_node_label(label)
+    except ConfigError:
+        accepted = False
+    else:
+        accepted = True
+    assert (re.match(NODE_LABEL_PATTERN, label) is not None) is accepted
