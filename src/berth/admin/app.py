@@ -24,6 +24,7 @@ from berth import __version__
 from berth.admin.adapters import build_adapter_router
 from berth.admin.ca import build_ca_router
 from berth.admin.deployments import build_deployment_router
+from berth.admin.drains import build_drain_router
 from berth.admin.keys import build_key_router
 from berth.admin.metrics import build_metrics_router
 from berth.admin.models import build_model_router
@@ -216,6 +217,7 @@ def build_admin_app(services: LeaderGraph) -> FastAPI:
     app.include_router(build_deployment_router(services))
     app.include_router(build_key_router(services))
     app.include_router(build_node_router(services))
+    app.include_router(build_drain_router(services.store, services.drains))
     app.include_router(build_ca_router(services))
     app.include_router(build_metrics_router(services))
     app.include_router(build_routing_router(services))

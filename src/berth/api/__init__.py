@@ -58,14 +58,21 @@ from berth.api.models import (
     RegisteredModel,
 )
 from berth.api.nodes import (
+    DEFAULT_DRAIN_GRACE_S,
     AdoptedEndpoint,
     DataPathName,
+    DrainActionOut,
+    DrainIn,
+    DrainMoveOut,
     EnrollIn,
     EnrollmentIssued,
     Gpu,
+    MaintenanceState,
     NodeDetail,
     NodeDetailWithAdopted,
+    NodeMaintenance,
     NodeSummary,
+    Uncordoned,
 )
 from berth.api.plans import (
     EstimateInput,
@@ -102,6 +109,7 @@ from berth.api.usage import (
 )
 
 __all__ = [
+    "DEFAULT_DRAIN_GRACE_S",
     "DEFAULT_SINCE",
     "USAGE_GROUPINGS",
     "Adapter",
@@ -120,6 +128,9 @@ __all__ = [
     "DeploymentColumns",
     "DeploymentIn",
     "DeploymentSampleOut",
+    "DrainActionOut",
+    "DrainIn",
+    "DrainMoveOut",
     "DroppedCandidate",
     "EnrollIn",
     "EnrollmentIssued",
@@ -142,6 +153,7 @@ __all__ = [
     "ListedDeployment",
     "ListenerInfo",
     "LocatedModel",
+    "MaintenanceState",
     "MetricsSnapshot",
     "ModelCopy",
     "ModelDetail",
@@ -150,6 +162,7 @@ __all__ = [
     "ModelShapeOut",
     "NodeDetail",
     "NodeDetailWithAdopted",
+    "NodeMaintenance",
     "NodeMetrics",
     "NodeSampleOut",
     "NodeSeriesColumns",
@@ -178,6 +191,7 @@ __all__ = [
     "StepDownAccepted",
     "StepDownIn",
     "Timestamp",
+    "Uncordoned",
     "UsageGrouping",
     "UsageReport",
     "UsageRow",
