@@ -71,6 +71,7 @@ def services(tmp_path: Path) -> Any:
         ready=False,
         scaling=None,
         drains=None,
+        history=None,
         leadership=None,
     )
 

@@ -239,6 +239,7 @@ async def build_leader(
         pepper=tls.pepper,
         metrics=metrics.proxy,
         cluster_metrics=metrics.cluster,
+        history=metrics.history,
         proxy=proxy,
         lifecycle=lifecycle,
         authenticator=authenticator,

@@ -258,6 +258,8 @@ class Leader:
             parts.local_sampler.start()
         freeze_startup_objects()  # full collections then skip the start-up heap
         parts.loop_lag.start()
+        if graph.history is not None:  # every leader keeps its own last hour
+            graph.history.start()
         graph.ready = True
 
     async def start_leading(self) -> None:
@@ -357,6 +359,8 @@ class Leader:
         await asyncio.gather(parts.public_server.close(0.0), parts.socket_server.close(0.0))
         if parts.local_sampler is not None:
             await parts.local_sampler.stop()
+        if graph.history is not None:
+            await graph.history.stop()
         if graph.drains is not None:
             await graph.drains.stop()
         if graph.scaling is not None:
