@@ -280,8 +280,17 @@ class DrainRunner:
                 replacement = await self._lifecycle.deploy(_same_as(record))
         except BerthError as exc:
             refused = after_refusal(record.id, str(exc), force=drain.force)
-            log.info("drain: no replacement for %s: %s", record.id, exc)
-            await self._act(drain, refused, record, services, now)
+            if refused.kind != "leave":
+                log.info("drain: no replacement for %s: %s", record.id, exc)
+                await self._act(drain, refused, record, services, now)
+                return
+            await self._write(node_id, record.id, "left", now, note=refused.reason)
+            before = drain.move(record.id)
+            if before is None or before.note != refused.reason:  # said once, not every try
+                log.info("drain: %s left on node %s: %s", record.id, node_id, refused.reason)
+                self._write_audit(
+                    "drain_left", node=node_id, deployment=record.id, reason=refused.reason
+                )
             return
         note = f"its replacement {replacement.id} is starting on node {replacement.node_id}"
         await self._write(
