@@ -35,7 +35,8 @@ def on(state: S = S.READY, *, in_flight: int = 0, service: str | None = "s",
 def act(deployment: OnNode, found: DrainMove | None, replacement: Replacement | None = None,
         *, force: bool = False) -> Action:  # fmt: skip
     return next_action(deployment, found, replacement, node_label="gpu-a", force=force,
-                       grace_s=GRACE_S, now=NOW, settle_s=2.0, retry_s=30.0)  # fmt: skip
+                       grace_s=GRACE_S, now=NOW, settle_s=2.0, retry_s=30.0,
+                       again_s=10.0)  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -51,9 +52,9 @@ def act(deployment: OnNode, found: DrainMove | None, replacement: Replacement | 
          "retire", "its replacement d-new is ready"),
         (on(), move("replacing", replacement="d-new"),
          Replacement("d-new", S.FAILED, "engine exited"),
-         "leave", "its replacement d-new failed: engine exited; tried again later"),
-        (on(), move("replacing", replacement="d-new"), Replacement("d-new", None),
-         "leave", "its replacement d-new is gone; tried again later"),
+         "wait", "its replacement d-new failed: engine exited; another is started in 9s"),
+        (on(), move("replacing", replacement="d-new", at=NOW - 11), Replacement("d-new", None),
+         "replace", "its replacement d-new is gone; another is started"),
         (on(in_flight=2), move("retired", replacement="d-new", retired_at=NOW - 10),
          Replacement("d-new", S.READY), "wait",
          "2 request(s) in flight; stopped when they finish, at the latest in 50s"),

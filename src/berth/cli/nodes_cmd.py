@@ -268,7 +268,7 @@ def drain(
     with context(ctx).client() as client:
         started = client.drain_node(ident, request_body(DrainIn, grace_s=grace_s, force=force))
     console.print(
-        f"node {ident} draining ({started.summary}); follow it with: berth nodes show {ident}",
+        f"node {ident}: {started.summary}; follow it with: berth nodes show {ident}",
         markup=False,
         soft_wrap=True,
     )

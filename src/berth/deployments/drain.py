@@ -231,7 +231,10 @@ class DrainRunner:
         match action.kind:
             case "done":
                 if move is not None and move.step != "stopped":
-                    await self._write(node_id, deployment_id, "stopped", now, note=action.reason)
+                    await self._write(
+                        node_id, deployment_id, "stopped", now, replacement_id=move.replacement_id,
+                        retired_at=move.retired_at, note=action.reason,
+                    )  # fmt: skip
             case "wait":
                 pass
             case "retire":
@@ -250,7 +253,12 @@ class DrainRunner:
                     )
             case "stop":
                 if move is None or move.step != "stopped":
-                    await self._write(node_id, deployment_id, "stopped", now, note=action.reason)
+                    await self._write(
+                        node_id, deployment_id, "stopped", now,
+                        replacement_id=move.replacement_id if move is not None else None,
+                        retired_at=move.retired_at if move is not None else None,
+                        note=action.reason,
+                    )  # fmt: skip
                 self._stop(node_id, deployment_id, action.reason)
             case "replace":
                 if record is not None:

@@ -21,8 +21,9 @@ The rules for one deployment, in the order they are looked at:
    grace ran out; else **wait**.  A replacement that is no longer ready sends it back to
    being replaced (it serves again meanwhile);
 5. it is being **replaced**: the replacement loading or restarting: **wait**; ready:
-   **retire** the old one; gone or failed: **leave** it (tried again after ``retry_s``),
-   or with ``force`` **stop** it;
+   **retire** the old one; gone or failed (a failover cancels the starts in flight):
+   **replace** it again once ``again_s`` have passed since that replacement was placed
+   (**wait** until then), or with ``force`` **stop** it;
 6. it was **left**: tried again ``retry_s`` after (not when it is pinned);
 7. otherwise it has no move yet: **pinned** to this node (its service names the node:
    ``node_label``) it is **left**, with ``force`` **stopped**; else **replace** it.
@@ -49,6 +50,9 @@ from berth.store.states import RESTARTING_STATES, TERMINAL_STATES, DeploymentSta
 SETTLE_S = 2.0
 #: Seconds before a deployment left for want of room is tried again.
 RETRY_S = 30.0
+#: Seconds after a replacement was placed before another is, when it failed (a failover
+#: cancels the starts in flight; an engine that cannot start is not started in a loop).
+AGAIN_S = 10.0
 
 _STARTING = frozenset({DeploymentState.PENDING, DeploymentState.LOADING})
 
@@ -116,6 +120,7 @@ def plan_drain(
     now: float,
     settle_s: float = SETTLE_S,
     retry_s: float = RETRY_S,
+    again_s: float = AGAIN_S,
 ) -> DrainPlan:
     """The next action for each deployment of ``deployments`` (every deployment on the node
     that has not ended, and those the drain has a move for) under ``drain``; see the
@@ -134,6 +139,7 @@ def plan_drain(
             now=now,
             settle_s=settle_s,
             retry_s=retry_s,
+            again_s=again_s,
         )
         for d in ordered
     ]
@@ -178,6 +184,7 @@ def next_action(
     now: float,
     settle_s: float = SETTLE_S,
     retry_s: float = RETRY_S,
+    again_s: float = AGAIN_S,
 ) -> Action:
     """The next action for one deployment (rules 1-7 of the module docstring)."""
     d = deployment.deployment_id
@@ -190,8 +197,8 @@ def next_action(
         return Action("stop", d, "its stop did not finish: stopping it again")
     if step == "retired" and move is not None:
         return _retired(deployment, move, replacement, grace_s, now, settle_s)
-    if step == "replacing" and replacement is not None:
-        return _replacing(deployment, replacement, force)
+    if step == "replacing" and replacement is not None and move is not None:
+        return _replacing(deployment, move, replacement, force, now, again_s)
     if step == "left" and move is not None:
         if _pinned(deployment, node_label) is None and now - move.updated_at >= retry_s:
             return Action("replace", d, f"tried again ({move.note or 'left'})")
@@ -214,8 +221,8 @@ def after_refusal(deployment_id: str, message: str, *, force: bool) -> Action:
 
 
 def drain_summary(drain: NodeDrain, plan: DrainPlan | None = None) -> str:
-    """One line for ``berth nodes ls`` and the console: ``cordoned``, ``draining: 1 of 2
-    moved``, ``drained``, ``drained; 1 left``."""
+    """One line for ``berth nodes ls`` and the console: ``cordoned``, ``draining`` (not looked
+    at yet), ``draining: 1 of 2 moved``, ``drained``, ``drained; 1 left``."""
     if drain.drain_started_at is None:
         return "cordoned"
     moves = drain.moves
@@ -225,6 +232,8 @@ def drain_summary(drain: NodeDrain, plan: DrainPlan | None = None) -> str:
         return f"drained; {left} left" if left else "drained"
     total = len(plan.actions) if plan is not None else len(moves)
     total = max(total, moved + left)
+    if total == 0:
+        return "draining"  # asked for, not looked at yet
     text = f"draining: {moved} of {total} moved"
     return f"{text}, {left} left" if left else text
 
@@ -245,7 +254,14 @@ def _pinned(deployment: OnNode, node_label: str) -> str | None:
     return None
 
 
-def _replacing(deployment: OnNode, replacement: Replacement, force: bool) -> Action:
+def _replacing(
+    deployment: OnNode,
+    move: DrainMove,
+    replacement: Replacement,
+    force: bool,
+    now: float,
+    again_s: float,
+) -> Action:
     d, r = deployment.deployment_id, replacement.deployment_id
     state = replacement.state
     if state is DeploymentState.READY:
@@ -255,7 +271,10 @@ def _replacing(deployment: OnNode, replacement: Replacement, force: bool) -> Act
     why = f"its replacement {r} {_ended(replacement)}"
     if force:
         return Action("stop", d, f"{why}; stopped anyway (--force)")
-    return Action("leave", d, f"{why}; tried again later")
+    wait_s = again_s - (now - move.updated_at)
+    if wait_s > 0:
+        return Action("wait", d, f"{why}; another is started in {duration(round(wait_s))}")
+    return Action("replace", d, f"{why}; another is started")
 
 
 def _retired(
