@@ -8,12 +8,14 @@ import re
 
 import pytest
 
-from berth.admin.overview import history_view
+from berth.admin.overview import history_view, leader_members
 from berth.cluster.protocol.frames import Heartbeat
 from berth.cluster.protocol.payloads import GpuState
 from berth.observability.cluster import ClusterMetrics
 from berth.observability.history import MetricsHistory, histogram_quantile
 from berth.observability.metrics import TTFB_BUCKETS_S, ProxyMetrics, Target
+from berth.store import Store
+from berth.store.leadership import Leadership
 
 A = Target("tiny", "d-aaaa0001", "n-a")
 B = Target("small", "d-bbbb0002", "local")
@@ -106,3 +108,31 @@ def test_the_rings_keep_the_last_hour_and_drop_what_has_no_data_left() -> None:
     assert history.recent_rate() == 0.0
     with pytest.raises(ValueError, match="step_s must be positive"):
         MetricsHistory(metrics, ClusterMetrics(), step_s=10.0, kept_s=5.0)
+
+
+async def test_the_leaders_are_listed_with_role_epoch_and_this_ones_load(store: Store) -> None:
+    """With shared leadership, every leader of the store: the lease's holder active with its
+    epoch, the others standing by; only this leader's load is known here."""
+    metrics = ProxyMetrics()
+    history = MetricsHistory(metrics, ClusterMetrics())
+    store.note_leader_member("https://a:11501", "host-a:1:aa", 100.0)
+    store.note_leader_member("https://b:11501", "host-b:2:bb", 100.0)
+    state = store.acquire_lease("host-b:2:bb", "https://b:11500", 60.0)
+    metrics.request_started(A)  # one in flight on this leader
+    me = Leadership(store, me="host-a:1:aa", address="https://a:11500", lease_s=60.0)
+    lease = store.read_lease()
+    assert lease is not None
+    listed = await leader_members(
+        store, me, me="unused", cluster_url="https://a:11501", metrics=metrics, history=history,
+        clock=lambda: lease.acquired_at + 1,  # the store's clock (a test's may be fixed)
+    )  # fmt: skip
+    assert [(m.id, m.role, m.epoch, m.this, m.in_flight) for m in listed] == [
+        ("host-b:2:bb", "active", state.epoch, False, None),
+        ("host-a:1:aa", "standby", None, True, 1),
+    ]
+    alone = await leader_members(
+        store, None, me="pid:7", cluster_url="https://a:11501", metrics=metrics, history=history
+    )
+    assert [(m.id, m.role, m.epoch, m.this, m.in_flight) for m in alone] == [
+        ("pid:7", "active", 0, True, 1)
+    ]
