@@ -70,6 +70,8 @@ def services(tmp_path: Path) -> Any:
         leader_only=False,
         ready=False,
         scaling=None,
+        drains=None,
+        history=None,
         leadership=None,
     )
 
@@ -221,6 +223,8 @@ BEFORE = {
         "cert_fingerprint": None,
         "cert_not_after": None,
         "cert_renewal_error": None,
+        # added with cordon and drain (additive: older clients ignore it)
+        "maintenance": None,
         "connected": False,
         "cpu_count": 16,
         "created_at": "2025-03-04T05:06:07.123456+00:00",

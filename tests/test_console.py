@@ -4,6 +4,7 @@ real leader: ``test_console_browser.py``."""
 
 from __future__ import annotations
 
+import re
 from datetime import UTC, datetime, timedelta
 
 import httpx
@@ -133,6 +134,30 @@ def test_the_console_files_ship_inside_the_package() -> None:
     # The strict CSP allows no inline code: every script and style is a file of ours.
     assert "<script>" not in html and "style=" not in html and "<style" not in html
     assert "http://" not in html and "https://" not in html  # nothing from elsewhere
+
+
+def test_the_chart_library_is_vendored_with_its_licence_and_every_file_is_ours() -> None:
+    """uPlot (from npm) ships beside the console with its MIT licence; every script and
+    stylesheet the page names is a file the leader serves, and no script fetches anything
+    from elsewhere."""
+    folder = static_files()
+    html = (folder / "index.html").read_text()
+    named = re.findall(r'(?:src|href)="/ui/([^"]+)"', html)
+    assert {"uPlot.iife.min.js", "uPlot.min.css", "charts.js", "overview.js", "app.js"} <= set(
+        named
+    )
+    assert all((folder / name).is_file() for name in named), named
+    assert named.index("uPlot.iife.min.js") < named.index("charts.js") < named.index("app.js")
+    licence = (folder / "uPlot.LICENSE.txt").read_text()
+    assert "MIT" in licence and "Leon Sorokin" in licence
+    assert (
+        (folder / "uPlot.iife.min.js")
+        .read_text()
+        .startswith("/*! https://github.com/leeoniya/uPlot (v1.6.32) */")
+    )
+    for script in ("uPlot.iife.min.js", "charts.js", "overview.js", "app.js"):
+        text = (folder / script).read_text()
+        assert not re.search(r"fetch\(\s*[\"'`]https?:", text), script
 
 
 # -- the ring of recent requests -------------------------------------------------------------

@@ -15,6 +15,7 @@ import os
 import re
 import shutil
 import struct
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -24,15 +25,23 @@ import openai
 import pytest
 
 from support.cluster_harness import Cluster, started_cluster
+from support.fake_llama_server import USAGE
 from support.hub_standin import HubStandin
 
 pytestmark = [pytest.mark.slow, pytest.mark.needs("chromium")]
 
 #: Milliseconds Playwright waits for what the page should show (a loaded machine is slow).
 WAIT_MS = 30_000
-#: The issue's bound for a node card's sparkline to show new traffic, plus a margin for a
-#: loaded CI machine (heartbeats here are 1 s apart and the page polls every 5 s).
-SPARKLINE_WAIT_MS = 15_000
+#: The issue's bound for a node card's traffic chart to show new traffic, plus a margin for
+#: a loaded CI machine (heartbeats here are 1 s apart and the page polls every 5 s).
+TRAFFIC_WAIT_MS = 15_000
+#: The Overview's steps are 10 s and the page polls every 5 s: a step closes, then is drawn.
+HISTORY_WAIT_MS = 45_000
+#: The sum of a drawn series (a uPlot chart's data), in the page.
+SERIES_SUM = (
+    "([sel, i]) => { const f = document.querySelector(sel);"
+    " return f && f.chart ? f.chart.data[i].reduce((a, v) => a + (v || 0), 0) : null; }"
+)
 
 
 @pytest.fixture(scope="module")
@@ -127,7 +136,9 @@ def test_an_operator_walks_the_console(
     assert cookie["httpOnly"] and cookie["secure"] and cookie["sameSite"] == "Strict"
     assert admin_key not in str(context.cookies())
 
-    # Cluster: the node's card, with its simulated GPU.
+    # The Overview is the first page; the Cluster page: the node's card, with its GPU.
+    page.locator("#chart-requests").wait_for()
+    page.get_by_role("link", name="Cluster").click()
     card = page.locator("article[aria-label='node gpu-a']")
     card.get_by_text("ready").wait_for()
     card.locator(".gpu").first.wait_for()
@@ -171,23 +182,21 @@ def test_an_operator_walks_the_console(
     expect(key_row.locator(".limits")).to_contain_text("77 rpm*")
     expect(key_row.locator(".use")).to_contain_text("0 in flight")
 
-    # Traffic with that key: the node's sparkline moves, the key's usage shows it.
+    # Traffic with that key: the node's traffic chart (uPlot) moves, the key's usage shows it.
     page.get_by_role("link", name="Cluster").click()
-    spark = card.locator("svg.spark")
-    spark.wait_for()
-    before = spark.get_attribute("data-values")
+    node_chart = "article[aria-label='node gpu-a'] figure.chart"
+    page.wait_for_function(f"(arg) => ({SERIES_SUM})(arg) !== null", arg=[node_chart, 1])
+    before = page.evaluate(SERIES_SUM, [node_chart, 1])
     with _chat_client(cluster, secret) as client:
         for _ in range(3):
             client.chat.completions.create(
                 model="tiny", messages=[{"role": "user", "content": "hi"}]
             )
-    # The line's values are requests per heartbeat over the last minute: they sum to 3 more.
+    # The chart's values are requests per heartbeat over the last minute: they sum to 3 more.
     page.wait_for_function(
-        "([sel, old]) => { const s = document.querySelector(sel);"
-        " const sum = (t) => t.split(',').reduce((a, v) => a + Number(v), 0);"
-        " return s && sum(s.dataset.values) >= sum(old) + 3; }",
-        arg=["article[aria-label='node gpu-a'] svg.spark", before],
-        timeout=SPARKLINE_WAIT_MS,
+        f"([sel, old]) => ({SERIES_SUM})([sel, 1]) >= old + 3",
+        arg=[node_chart, before],
+        timeout=TRAFFIC_WAIT_MS,
     )
     page.screenshot(path=screenshot_dir / "cluster-traffic.png", full_page=True)
 
@@ -266,6 +275,137 @@ def test_an_operator_walks_the_console(
     page.get_by_role("button", name="Sign out").click()
     page.get_by_label("Admin key").wait_for()
     assert context.request.get(cluster.base_url + "/admin/nodes").status == 401
+    assert errors == []
+    context.close()
+
+
+def _scraped(cluster: Cluster) -> dict[str, dict[str, float]]:
+    """``/metrics``' request and token counters, by family and label set."""
+    with cluster.http() as http:
+        text = http.get("/metrics").text
+    found: dict[str, dict[str, float]] = {}
+    for family in ("requests", "prompt_tokens", "completion_tokens"):
+        name = f"berth_proxy_{family}_total"
+        pattern = rf"^{name}(\{{[^}}]*\}}) (\S+)$"
+        found[family] = {labels: float(v) for labels, v in re.findall(pattern, text, re.M)}
+    return found
+
+
+def _grew(before: dict[str, float], after: dict[str, float]) -> float:
+    """How much a counter family grew (series that went in between grew by nothing)."""
+    return sum(value - before.get(labels, 0.0) for labels, value in after.items())
+
+
+def test_the_overview_charts_agree_with_metrics_and_work_with_the_keyboard(
+    console_leader: tuple[Cluster, str], chromium_browser: Any, screenshot_dir: Path
+) -> None:
+    """The Overview's charts (uPlot) over a window agree with ``/metrics``: the requests
+    within one, the tokens exactly; "no data" where a series has none; the page and a drain
+    from the Cluster page with the keyboard alone; screenshots at 1280x800 and phone width."""
+    from playwright.sync_api import expect
+
+    cluster, admin_key = console_leader
+    ran = cluster.berth("run", "tiny", "--node", "gpu-a").stdout
+    deployment = re.search(r"\bd-[0-9a-f]{8}\b", ran)
+    assert deployment, ran
+    context, page, errors = _page(chromium_browser)
+    _sign_in(page, cluster.base_url, admin_key)
+    page.get_by_text("signed in as operator").wait_for()
+    assert page.url.endswith("/ui/")  # the first page
+    expect(page.get_by_role("link", name="Overview")).to_have_attribute("aria-current", "page")
+    expect(page.locator("#overview-kept")).to_contain_text("a restart of the leader starts it anew")
+
+    def drawn_after(at: float) -> None:
+        """Wait until the charts show a step that closed after ``at`` (epoch s)."""
+        page.wait_for_function(
+            "t => { const f = document.querySelector('#chart-requests');"
+            " if (!f || !f.chart) return false; const xs = f.chart.data[0];"
+            " return xs.length > 0 && xs[xs.length - 1] > t; }",
+            arg=at,
+            timeout=HISTORY_WAIT_MS,
+        )
+
+    def drawn() -> tuple[float, float, float]:
+        step = cluster.admin("GET", "/admin/metrics/history")["step_s"]
+        per_s = [
+            page.evaluate(SERIES_SUM, ["#chart-requests", 1]),
+            page.evaluate(SERIES_SUM, ["#chart-tokens", 1]),
+            page.evaluate(SERIES_SUM, ["#chart-tokens", 2]),
+        ]
+        return (per_s[0] * step, per_s[1] * step, per_s[2] * step)
+
+    # Quiet now: once a step has closed after this moment, the charts hold every request.
+    drawn_after(time.time())
+    scraped_before, charted_before = _scraped(cluster), drawn()
+    sent = 7
+    with _chat_client(cluster, cluster.api_key) as client:
+        for _ in range(sent):
+            client.chat.completions.create(
+                model="tiny", messages=[{"role": "user", "content": "count me"}]
+            )
+    drawn_after(time.time())
+    scraped_after, charted_after = _scraped(cluster), drawn()
+    requests = _grew(scraped_before["requests"], scraped_after["requests"])
+    prompt = _grew(scraped_before["prompt_tokens"], scraped_after["prompt_tokens"])
+    completion = _grew(scraped_before["completion_tokens"], scraped_after["completion_tokens"])
+    assert requests == sent and prompt == sent * USAGE[0] and completion == sent * USAGE[1]
+    assert abs(round(charted_after[0] - charted_before[0]) - requests) <= 1
+    assert round(charted_after[1] - charted_before[1]) == prompt
+    assert round(charted_after[2] - charted_before[2]) == completion
+    expect(page.locator("#chart-ttft")).to_have_attribute("data-empty", "false")
+    # A simulated GPU reports no utilisation: its chart says so, it draws no zero line.
+    gpu_chart = page.locator("figure.chart[id^='chart-gpu-']").first
+    expect(gpu_chart.locator(".chart-summary")).to_contain_text("utilisation: no data")
+    assert page.evaluate(
+        "sel => document.querySelector(sel).chart.data[1].every((v) => v === null)",
+        "figure.chart[id^='chart-gpu-']",
+    )
+    # The leaders: this one, active (no shared leadership: epoch 0), with its load.
+    leader_row = page.locator("tr[data-leader]")
+    expect(leader_row).to_have_count(1)
+    expect(leader_row).to_contain_text("(this one)")
+    expect(leader_row).to_contain_text("active")
+    page.screenshot(path=screenshot_dir / "overview.png", full_page=True)
+    page.set_viewport_size({"width": 390, "height": 844})
+    page.locator("#chart-requests canvas").wait_for()
+    page.screenshot(path=screenshot_dir / "overview-phone.png", full_page=True)
+    page.set_viewport_size({"width": 1280, "height": 800})
+
+    # With the keyboard alone: the skip link, then Tab to the scope and choose a model.
+    page.reload()
+    page.locator("#chart-requests").wait_for()
+    page.keyboard.press("Tab")
+    expect(page.locator(".skip")).to_be_focused()
+    for _ in range(20):
+        page.keyboard.press("Tab")
+        if page.evaluate("document.activeElement.id") == "overview-scope":
+            break
+    expect(page.locator("#overview-scope")).to_be_focused()
+    page.wait_for_function(
+        "document.querySelector('#overview-scope option[value=\"model:tiny\"]') !== null"
+    )
+    while page.evaluate("document.activeElement.value") != "model:tiny":
+        page.keyboard.press("ArrowDown")
+    expect(page.locator("#chart-requests-summary")).to_contain_text("requests: now")
+
+    # The Cluster page with the keyboard: drain gpu-a (its deployment fits nowhere else, so
+    # it is left and named), then uncordon it.
+    page.get_by_role("link", name="Cluster").focus()
+    page.keyboard.press("Enter")
+    card = page.locator("article[aria-label='node gpu-a']")
+    card.get_by_role("button", name="Drain node gpu-a").focus()
+    page.keyboard.press("Enter")  # the confirmation is accepted (_page)
+    expect(card.locator(".maintenance")).to_have_text("drained; 1 left", timeout=60_000)
+    expect(card.locator(f"li[data-move='{deployment.group(0)}']")).to_contain_text(
+        "fits nowhere else"
+    )
+    page.screenshot(path=screenshot_dir / "cluster-drained.png", full_page=True)
+    uncordon = card.get_by_role("button", name="Uncordon node gpu-a")
+    uncordon.focus()
+    page.keyboard.press("Enter")
+    expect(card.locator(".maintenance")).to_have_count(0)
+    assert cluster.node(cluster.agents["gpu-a"].node_id)["maintenance"] is None
+    cluster.berth("stop", deployment.group(0))
     assert errors == []
     context.close()
 
@@ -446,6 +586,7 @@ def test_a_leader_that_goes_away_shows_as_disconnected_and_comes_back(
     cluster, admin_key = console_leader
     context, page, _errors = _page(chromium_browser)
     _sign_in(page, cluster.base_url, admin_key)
+    page.get_by_role("link", name="Cluster").click()
     page.locator("article[aria-label='node gpu-a']").wait_for()
     cluster.berth("daemon", "stop")
     page.get_by_text("Disconnected from the leader").wait_for()

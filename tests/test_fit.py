@@ -379,3 +379,29 @@ def test_vllm_holds_its_fraction_of_the_gpu_it_lands_on() -> None:
                                                  node("b", gpu(0, 48_000, 48_000))])  # fmt: skip
     assert isinstance(placed, Placement) and placed.node_id == "b"
     assert "fits, takes 42.2 GiB of 46.9 GiB free" in placed.reasons[-1]
+
+
+def test_a_cordoned_node_takes_nothing_new_and_is_named_as_left_out() -> None:
+    """Cordoned nodes are skipped by placement by fit (on-demand loads and scale-out place
+    by fit too), and a start asked of one is refused, naming the way back."""
+    roomy = node("a", gpu(0, 80_000), cordoned=True)
+    small = node("b", gpu(0, 24_000))
+    placed = plan_placement(ask(), [roomy, small])
+    assert isinstance(placed, Placement) and placed.node_id == "b"
+    assert placed.reasons[0] == (
+        "left out: node a-label is cordoned: nothing new is placed there "
+        "(berth nodes uncordon a-label)"
+    )
+    only = plan_placement(ask(), [roomy])
+    assert isinstance(only, Refusal) and only.reason == "no_node"
+    assert "node a-label is cordoned" in only.message
+    named = plan_placement(ask(node_id="a"), [roomy, small])
+    assert isinstance(named, Refusal) and named.reason == "node_cordoned"
+    assert isinstance(named.error(), ConflictError)
+    leader = node("local", cordoned=True)  # no GPUs anywhere: the leader's host, cordoned
+    assert plan_placement(ask(), [leader]) == Refusal(
+        "node_cordoned",
+        "node local-label is cordoned: nothing new is placed there "
+        "(berth nodes uncordon local-label)",
+        "local",
+    )

@@ -24,11 +24,13 @@ from berth import __version__
 from berth.admin.adapters import build_adapter_router
 from berth.admin.ca import build_ca_router
 from berth.admin.deployments import build_deployment_router
+from berth.admin.drains import build_drain_router
 from berth.admin.keys import build_key_router
 from berth.admin.metrics import build_metrics_router
 from berth.admin.models import build_model_router
 from berth.admin.nodes import build_node_router
 from berth.admin.openapi import allowed_methods, install_schema
+from berth.admin.overview import build_overview_router, leader_members
 from berth.admin.plans import build_plan_router
 from berth.admin.pulls import build_pull_router, leader_pull_jobs
 from berth.admin.routing import build_routing_router
@@ -223,8 +225,20 @@ def build_admin_app(services: LeaderGraph) -> FastAPI:
     app.include_router(build_deployment_router(services))
     app.include_router(build_key_router(services))
     app.include_router(build_node_router(services))
+    app.include_router(build_drain_router(services.store, services.drains))
     app.include_router(build_ca_router(services))
     app.include_router(build_metrics_router(services))
+    history = services.history
+    if history is not None:
+        app.include_router(
+            build_overview_router(
+                history,
+                lambda: leader_members(
+                    services.store, services.leadership, me=f"pid:{services.pid}",
+                    cluster_url=services.cluster_url, metrics=services.metrics, history=history,
+                ),
+            )
+        )  # fmt: skip
     app.include_router(build_routing_router(services))
     app.include_router(build_adapter_router(services))
     app.include_router(build_plan_router(services))

@@ -6,6 +6,9 @@
 - ``DELETE /admin/nodes/{id-or-label}``: mark it removed and drop its live link
   (``local`` → 409).
 
+Each node says whether it is cordoned or drained (``maintenance``; the routes that change
+it are in :mod:`berth.admin.drains`).
+
 Node ``local`` reports live figures from the in-process agent core; other nodes what their
 agent last said (Hello, heartbeats).
 """
@@ -19,6 +22,7 @@ from dataclasses import replace
 from fastapi import APIRouter
 
 from berth import __version__
+from berth.admin.drains import maintenance_view
 from berth.api import (
     AdoptedEndpoint,
     EnrollIn,
@@ -26,6 +30,7 @@ from berth.api import (
     Gpu,
     NodeDetail,
     NodeDetailWithAdopted,
+    NodeMaintenance,
     NodeSummary,
 )
 from berth.api.nodes import DataPathName
@@ -64,10 +69,11 @@ def node_summary_view(
     path: DataPath | None = None,
     certificate: NodeCertificate | None = None,
     renewal_error: str | None = None,
+    maintenance: NodeMaintenance | None = None,
 ) -> NodeSummary:
     """One row of ``GET /admin/nodes``; ``path`` is the node's data path now (``None``:
     not connected), ``certificate`` its current client certificate, ``renewal_error`` why
-    its last renewal was refused."""
+    its last renewal was refused, ``maintenance`` its cordon and drain (``None``: none)."""
     inventory = record.inventory
     path_name: DataPathName | None = None
     if path is LOCAL_PATH:
@@ -88,11 +94,16 @@ def node_summary_view(
         data_path_reason=path.reason if path is not None else None,
         cert_not_after=certificate.not_after if certificate is not None else None,
         cert_renewal_error=renewal_error,
+        maintenance=maintenance,
     )
 
 
 def node_detail_view(
-    record: NodeRecord, *, connected: bool, path: DataPath | None = None
+    record: NodeRecord,
+    *,
+    connected: bool,
+    path: DataPath | None = None,
+    maintenance: NodeMaintenance | None = None,
 ) -> NodeDetail:
     """``GET /admin/nodes/{id}``: the summary plus hardware, capabilities and versions."""
     inventory = record.inventory
@@ -107,7 +118,8 @@ def node_detail_view(
         )
         for gpu in (inventory.gpus if inventory else ())
     ]
-    return node_summary_view(record, connected=connected, path=path).extended(
+    summary = node_summary_view(record, connected=connected, path=path, maintenance=maintenance)
+    return summary.extended(
         NodeDetail,
         advertised_address=(path.advertise or None) if path is not None else None,
         data_path_since=path.since if path is not None and path is not LOCAL_PATH else None,
@@ -145,6 +157,11 @@ def build_node_router(services: LeaderGraph) -> APIRouter:
             return not services.leader_only
         return services.hub.is_connected(record.id)
 
+    async def maintenance() -> dict[str, NodeMaintenance]:
+        drains = await asyncio.to_thread(store.node_drains)
+        plans = services.drains.plans if services.drains is not None else {}
+        return {d.node_id: maintenance_view(d, plans.get(d.node_id)) for d in drains}
+
     def path(record: NodeRecord) -> DataPath | None:
         if record.id == LOCAL_NODE_ID:
             return None if services.leader_only else LOCAL_PATH
@@ -164,6 +181,7 @@ def build_node_router(services: LeaderGraph) -> APIRouter:
         records = await asyncio.to_thread(store.list_nodes)
         certificates = await asyncio.to_thread(store.current_node_certificates)
         refusals = services.hub.renewal_refusals
+        cordoned = await maintenance()
         if services.leader_only:  # no engines on the leader's host: node local is not one
             records = [r for r in records if r.id != LOCAL_NODE_ID]
         return [
@@ -173,6 +191,7 @@ def build_node_router(services: LeaderGraph) -> APIRouter:
                 path=path(r),
                 certificate=certificates.get(r.id),
                 renewal_error=refusals.get(r.id),
+                maintenance=cordoned.get(r.id),
             )
             for r in records
         ]
@@ -181,7 +200,10 @@ def build_node_router(services: LeaderGraph) -> APIRouter:
     async def show_node(ident: str) -> NodeDetailWithAdopted:
         record = await asyncio.to_thread(store.lookup_node, ident)
         detail = node_detail_view(
-            await _live(services, record), connected=connected(record), path=path(record)
+            await _live(services, record),
+            connected=connected(record),
+            path=path(record),
+            maintenance=(await maintenance()).get(record.id),
         )
         adopted = services.lifecycle.adopted().get(record.id, [])
         return detail.extended(

@@ -30,6 +30,7 @@ from berth.api import (
     DeployIn,
     Deployment,
     DeploymentIn,
+    DrainIn,
     EnrollIn,
     EnrollmentIssued,
     ErrorBody,
@@ -45,6 +46,7 @@ from berth.api import (
     ModelRemoved,
     NodeDetail,
     NodeDetailWithAdopted,
+    NodeMaintenance,
     NodeSummary,
     Plan,
     PlanIn,
@@ -60,6 +62,7 @@ from berth.api import (
     SettingsReport,
     StepDownAccepted,
     StepDownIn,
+    Uncordoned,
     UsageGrouping,
     UsageReport,
     describe_invalid,
@@ -317,6 +320,21 @@ class DaemonClient:
     def remove_node(self, ident: str) -> NodeDetail:
         """``DELETE /admin/nodes/{id-or-label}``: the node as removed."""
         return self.call("DELETE", f"/admin/nodes/{_segment(ident)}", TypeAdapter(NodeDetail))
+
+    def cordon_node(self, ident: str) -> NodeMaintenance:
+        """``POST /admin/nodes/{id-or-label}/cordon``."""
+        path = f"/admin/nodes/{_segment(ident)}/cordon"
+        return self.call("POST", path, TypeAdapter(NodeMaintenance))
+
+    def uncordon_node(self, ident: str) -> Uncordoned:
+        """``DELETE /admin/nodes/{id-or-label}/cordon``."""
+        path = f"/admin/nodes/{_segment(ident)}/cordon"
+        return self.call("DELETE", path, TypeAdapter(Uncordoned))
+
+    def drain_node(self, ident: str, body: DrainIn) -> NodeMaintenance:
+        """``POST /admin/nodes/{id-or-label}/drain``."""
+        path = f"/admin/nodes/{_segment(ident)}/drain"
+        return self.call("POST", path, TypeAdapter(NodeMaintenance), body=body)
 
     # -- the cluster CA ------------------------------------------------------------------------
     def ca_status(self) -> CaStatus:

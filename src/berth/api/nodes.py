@@ -6,7 +6,10 @@ from typing import Annotated, Literal
 
 from pydantic import WithJsonSchema
 
+from pydantic import Field
+
 from berth.api.base import ApiInput, ApiModel, Timestamp
+from berth.store.drains import MoveStep
 from berth.store.records import NodeStatus
 
 #: How the leader reaches a node's engines: on its own host (``local``), straight to the
@@ -65,6 +68,73 @@ class AdoptedEndpoint(ApiModel):
     alive: bool
 
 
+#: A drain's default grace for requests in flight on a deployment it stops (seconds).
+DEFAULT_DRAIN_GRACE_S = 300.0
+
+#: Where a node stands in maintenance: ``cordoned`` (nothing new is placed there),
+#: ``draining`` (its deployments are being moved), ``drained`` (nothing left to move).
+MaintenanceState = Literal["cordoned", "draining", "drained"]
+#: What a drain does about one deployment now (:mod:`berth.placement.drain`).
+DrainActionKind = Literal["done", "wait", "replace", "retire", "stop", "leave"]
+
+
+class DrainIn(ApiInput):
+    """``POST /admin/nodes/{id}/drain``: cordon the node and move its deployments off it;
+    ``grace_s`` (seconds, default 5 minutes) is how long a deployment's requests in flight
+    may take before it is stopped anyway; ``force`` stops the deployments that cannot move
+    (pinned to the node, or fitting nowhere else) instead of leaving them."""
+
+    grace_s: float = Field(default=DEFAULT_DRAIN_GRACE_S, ge=0)
+    force: bool = False
+
+
+class DrainMoveOut(ApiModel):
+    """One deployment a drain moves: the ``step`` it is at (``replacing``, ``retired``: its
+    replacement is ready and it gets no new requests since ``retired_at``, ``stopped``,
+    ``left``), its replacement, and ``note``: what happened, in words."""
+
+    deployment_id: str
+    step: MoveStep
+    replacement_id: str | None
+    retired_at: float | None
+    note: str | None
+    updated_at: float
+
+
+class DrainActionOut(ApiModel):
+    """What the drain does about a deployment on the node at its last look, and why."""
+
+    deployment_id: str
+    action: DrainActionKind
+    reason: str
+
+
+class NodeMaintenance(ApiModel):
+    """A cordoned node and its drain: ``state``, ``summary`` (one line: ``draining: 1 of 2
+    moved``), since when it is cordoned and the drain began and finished (epoch seconds),
+    its grace and ``force``, the moves as the store holds them and, on the active leader,
+    the drain's last look (``actions``; empty elsewhere)."""
+
+    state: MaintenanceState
+    summary: str
+    cordoned_at: float
+    drain_started_at: float | None
+    grace_s: float | None
+    force: bool
+    finished_at: float | None
+    moves: list[DrainMoveOut]
+    actions: list[DrainActionOut] = Field(default_factory=list)
+
+
+class Uncordoned(ApiModel):
+    """``DELETE /admin/nodes/{id}/cordon``: the node takes placements again; ``was`` its
+    maintenance until then (``None``: it was not cordoned)."""
+
+    node_id: str
+    label: str
+    was: NodeMaintenance | None
+
+
 class NodeSummary(ApiModel):
     """A row of ``GET /admin/nodes``.
 
@@ -90,6 +160,8 @@ class NodeSummary(ApiModel):
     cert_not_after: float | None = None
     #: why the leader refused the node's last renewal (``None``: it did not)
     cert_renewal_error: str | None = None
+    #: cordoned or drained: nothing new is placed on it (``None``: it takes placements)
+    maintenance: NodeMaintenance | None = None
 
 
 class NodeDetail(NodeSummary):

@@ -78,7 +78,7 @@ COMMANDS = (
     LazyCommand("key", "keys_cmd", "key_app", "Create, change, list and revoke API keys."),
     LazyCommand("config", "config_cmd", "config_app", "Inspect and change berth's settings."),
     LazyCommand("nodes", "nodes_cmd", "nodes_app",
-                "Enroll, list, inspect and remove the cluster's nodes."),
+                "Enroll, list, inspect, cordon, drain and remove the cluster's nodes."),
     LazyCommand("ca", "ca_cmd", "ca_app",
                 "Rotate the cluster CA: status, rotate, retire the old root."),
     LazyCommand("agent", "agent_cmd", "app", "Run this host as a node of a berth leader."),

@@ -1,4 +1,4 @@
-"""``berth nodes enroll|ls|show|remove``."""
+"""``berth nodes enroll|ls|show|remove|cordon|uncordon|drain``."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
-from berth.api import EnrollIn
+from berth.api import DEFAULT_DRAIN_GRACE_S, DrainIn, EnrollIn, NodeMaintenance
 from berth.cli.common import (
     console,
     context,
@@ -22,11 +22,12 @@ from berth.cli.common import (
     request_body,
 )
 from berth.cli.context import HELP_OPTIONS
-from berth.humanize import age
+from berth.errors import ConfigError
+from berth.humanize import age, duration, parse_duration
 
 nodes_app = typer.Typer(
     context_settings=HELP_OPTIONS,
-    help="Enroll, list, inspect and remove the cluster's nodes.",
+    help="Enroll, list, inspect, cordon, drain and remove the cluster's nodes.",
     no_args_is_help=True,
 )
 
@@ -84,13 +85,13 @@ def ls(ctx: typer.Context, as_json: bool = typer.Option(False, "--json")) -> Non
     table = record_table()
     columns = ("ID", "LABEL", "STATUS", "PATH", "GPUS", "VRAM", "AGENT", "HEARTBEAT", "CERT")
     for column in columns:
-        whole = column in ("ID", "STATUS", "GPUS", "VRAM")
+        whole = column in ("ID", "GPUS", "VRAM")
         table.add_column(column, no_wrap=whole, overflow="ellipsis" if whole else "fold")
     for n in nodes:
         table.add_row(
             n.id,
             n.label,
-            n.status,
+            _status(n.status, n.maintenance),
             n.data_path or "-",
             str(n.gpu_count),
             _vram(n.vram_total_mb),
@@ -99,6 +100,12 @@ def ls(ctx: typer.Context, as_json: bool = typer.Option(False, "--json")) -> Non
             _cert_left(n.cert_not_after, n.cert_renewal_error),
         )
     print_table(table)
+
+
+def _status(status: str, maintenance: NodeMaintenance | None) -> str:
+    """The node's status, with its maintenance: ``ready, cordoned``, ``ready, draining: 1 of
+    2 moved``."""
+    return status if maintenance is None else f"{status}, {maintenance.summary}"
 
 
 def _cert_left(not_after: float | None, renewal_error: str | None) -> str:
@@ -127,7 +134,7 @@ def show(
     rows = [
         ("id", node.id),
         ("label", node.label),
-        ("status", node.status),
+        ("status", _status(node.status, node.maintenance)),
         ("host", node.hostname or "-"),
         ("cpus", str(node.cpu_count or "-")),
         ("memory", f"{memory / 1024:.1f} GiB" if memory else "-"),
@@ -141,6 +148,8 @@ def show(
     ]
     for name, value in rows:
         console.print(f"{name:<13} {value}", markup=False, soft_wrap=True)
+    if node.maintenance is not None:
+        _print_maintenance(node.maintenance)
     if node.gpus:
         table = Table("GPU", "NAME", "MEMORY", "USED", "UUID")
         for gpu in node.gpus:
@@ -174,3 +183,92 @@ def remove(
     with context(ctx).client() as client:
         removed = client.remove_node(ident)
     console.print(f"removed node {removed.label} ({removed.id})")
+
+
+def _print_maintenance(maintenance: NodeMaintenance) -> None:
+    """The drain of ``nodes show``: when, its grace, and each deployment's step and why."""
+    if maintenance.drain_started_at is not None:
+        grace = duration(maintenance.grace_s or 0.0)
+        force = ", --force" if maintenance.force else ""
+        line = f"started {_when(maintenance.drain_started_at)}, grace {grace}{force}"
+        if maintenance.finished_at is not None:
+            line += f", finished {_when(maintenance.finished_at)}"
+        console.print(f"{'drain':<13} {line}", markup=False, soft_wrap=True)
+    moves = {m.deployment_id: m for m in maintenance.moves}
+    now = {a.deployment_id: a for a in maintenance.actions}
+    if not moves and not now:
+        return
+    table = Table("DEPLOYMENT", "STEP", "REPLACEMENT", "WHY")
+    for deployment_id in sorted(set(moves) | set(now)):
+        move = moves.get(deployment_id)
+        action = now.get(deployment_id)
+        step = move.step if move is not None else "-"
+        why = action.reason if action is not None else (move.note if move else None)
+        table.add_row(
+            deployment_id,
+            step,
+            (move.replacement_id if move is not None else None) or "-",
+            why or "-",
+        )
+    print_table(table)
+
+
+@nodes_app.command("cordon")
+def cordon(
+    ctx: typer.Context,
+    ident: str = typer.Argument(..., metavar="ID", help="Node id or label."),
+) -> None:
+    """Place nothing new on a node (deployments, on-demand loads, scale-out); what runs
+    there keeps running."""
+    with context(ctx).client() as client:
+        client.cordon_node(ident)
+    console.print(f"node {ident} cordoned: nothing new is placed there", markup=False)
+
+
+@nodes_app.command("uncordon")
+def uncordon(
+    ctx: typer.Context,
+    ident: str = typer.Argument(..., metavar="ID", help="Node id or label."),
+) -> None:
+    """Let placement use a node again; a drain under way stops where it is."""
+    with context(ctx).client() as client:
+        done = client.uncordon_node(ident)
+    if done.was is None:
+        console.print(f"node {done.label} was not cordoned", markup=False)
+        return
+    console.print(
+        f"node {done.label} uncordoned (it was {done.was.summary})", markup=False, soft_wrap=True
+    )
+
+
+@nodes_app.command("drain")
+def drain(
+    ctx: typer.Context,
+    ident: str = typer.Argument(..., metavar="ID", help="Node id or label."),
+    grace: str = typer.Option(
+        duration(DEFAULT_DRAIN_GRACE_S),
+        "--grace",
+        help="How long a deployment's requests in flight may take once its replacement is "
+        "ready, before it is stopped anyway (30s, 5m, ...).",
+    ),
+    force: bool = typer.Option(
+        False,
+        "--force",
+        help="Stop the deployments that cannot move (pinned to the node, or fitting nowhere "
+        "else) instead of leaving them running.",
+    ),
+) -> None:
+    """Cordon a node, then move each deployment off it: a replacement starts elsewhere
+    first, the old one stops once its requests in flight have finished. Follow it with
+    `berth nodes ls` or `berth nodes show`."""
+    try:
+        grace_s = parse_duration(grace)
+    except ValueError as exc:
+        raise ConfigError(f"--grace: {exc}") from None
+    with context(ctx).client() as client:
+        started = client.drain_node(ident, request_body(DrainIn, grace_s=grace_s, force=force))
+    console.print(
+        f"node {ident}: {started.summary}; follow it with: berth nodes show {ident}",
+        markup=False,
+        soft_wrap=True,
+    )

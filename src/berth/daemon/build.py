@@ -47,6 +47,7 @@ from berth.daemon.pieces import (
     load_tls,
 )
 from berth.daemon.sockets import LeaderSockets, raise_open_files_limit
+from berth.deployments.drain import DrainRunner
 from berth.gateway.adapter_resolver import AdapterResolver
 from berth.http_server.server import HttpServer
 from berth.observability.loop_lag import LoopLagMonitor
@@ -206,6 +207,10 @@ async def build_leader(
         lifecycle, signals, routes, settings, metrics=metrics.proxy, audit=audit
     )
     events.attach_scaling(scaling)
+    drains = DrainRunner(
+        store, lifecycle, in_flight=signals.in_flight, on_draining=scaling.set_draining_nodes,
+        audit=audit.append, min_residency_s=settings.min_residency_s,
+    )  # fmt: skip
     await load_routes(store, routes, lifecycle=lifecycle)
     resolver = AdapterResolver(routes, lifecycle, adapters)  # adapters' names, then routes'
     router = _build_router(resolver, signals, hub, links, waiting, settings, metrics)
@@ -234,6 +239,7 @@ async def build_leader(
         pepper=tls.pepper,
         metrics=metrics.proxy,
         cluster_metrics=metrics.cluster,
+        history=metrics.history,
         proxy=proxy,
         lifecycle=lifecycle,
         authenticator=authenticator,
@@ -247,6 +253,7 @@ async def build_leader(
         started_at=started_at,
         routes=routes,
         scaling=scaling,
+        drains=drains,
         admission=admission,
         adapters=adapters,
         listeners=_listeners(home, settings, sockets, tls, cluster_url),

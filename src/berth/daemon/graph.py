@@ -15,11 +15,13 @@ from berth.cluster.hub import NodeHub
 from berth.cluster.link_registry import LinkRegistry
 from berth.config import Settings
 from berth.deployments.adapters import AdapterManager
+from berth.deployments.drain import DrainRunner
 from berth.deployments.lifecycle import LifecycleManager
 from berth.gateway.auth import Authenticator
 from berth.gateway.proxy import OpenAIProxy
 from berth.http_server.tls_reload import ReloadingTLS
 from berth.observability.cluster import ClusterMetrics
+from berth.observability.history import MetricsHistory
 from berth.observability.metrics import ProxyMetrics
 from berth.paths import BerthHome
 from berth.routing.routes import RouteResolver
@@ -80,6 +82,10 @@ class LeaderGraph:
     cluster_metrics: ClusterMetrics = field(default_factory=ClusterMetrics)
     #: Starts and stops replicas of services (on demand, idle, scale out and in).
     scaling: ScalingController | None = None
+    #: The last hour of requests, tokens, TTFT, errors and GPUs (the console's Overview).
+    history: MetricsHistory | None = None
+    #: Carries the store's drains out (the active leader's loop).
+    drains: DrainRunner | None = None
     #: Shared leadership (``leader_ha``): the lease loop; ``None`` for a lone leader.
     leadership: Leadership | None = None
     #: Set by ``berth leader step-down`` before it stops the leader: the process then exits

@@ -52,6 +52,7 @@ from berth.http_server.tls_reload import CertificateReloads, ReloadingTLS
 from berth.keys import load_or_create_pepper
 from berth.observability.adapters import AdapterMetrics
 from berth.observability.cluster import ClusterMetrics
+from berth.observability.history import MetricsHistory
 from berth.observability.loop_lag import LoopLagMonitor
 from berth.observability.metrics import ProxyMetrics
 from berth.observability.window import RequestMeter
@@ -168,12 +169,14 @@ async def load_tls(home: BerthHome, settings: Settings, store: Store) -> LeaderT
 @dataclass
 class LeaderMetrics:
     """The leader's metrics: the proxy's registry, the cluster series, the loop lag monitor
-    of the leader's own loop, and the meter of requests to node ``local``'s engines."""
+    of the leader's own loop, the meter of requests to node ``local``'s engines, and the
+    last hour's history for the console."""
 
     proxy: ProxyMetrics
     cluster: ClusterMetrics
     loop_lag: LoopLagMonitor
     local_meter: RequestMeter
+    history: MetricsHistory
 
 
 async def build_metrics(store: Store) -> LeaderMetrics:
@@ -188,7 +191,8 @@ async def build_metrics(store: Store) -> LeaderMetrics:
         local_node=LOCAL_NODE_ID,
     )
     cluster_metrics.register(metrics.registry)
-    return LeaderMetrics(metrics, cluster_metrics, loop_lag, local_meter)
+    history = MetricsHistory(metrics, cluster_metrics)  # the console's last hour
+    return LeaderMetrics(metrics, cluster_metrics, loop_lag, local_meter, history)
 
 
 async def build_admission(

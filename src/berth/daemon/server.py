@@ -55,7 +55,7 @@ class Leader:
     event :meth:`serve` waits on (SIGTERM and SIGINT set it; so does :meth:`request_stop`).
 
     Leadership: :meth:`start_leading` starts the loops only the leader of a store may run
-    (reconcile and the engine watcher, the supervisor's restarts, scaling). A lone Leader
+    (reconcile and the engine watcher, the supervisor's restarts, scaling, drains). A lone Leader
     leads from :meth:`start`; with ``leader_ha`` its :class:`~berth.daemon.ha.SharedLeadership`
     calls it once this leader holds the store's lease (at once, or when a standby takes
     over).  If it loses the lease after leading, a ``leader_only`` Leader steps down
@@ -258,6 +258,8 @@ class Leader:
             parts.local_sampler.start()
         freeze_startup_objects()  # full collections then skip the start-up heap
         parts.loop_lag.start()
+        if graph.history is not None:  # every leader keeps its own last hour
+            graph.history.start()
         graph.ready = True
 
     async def start_leading(self) -> None:
@@ -278,6 +280,8 @@ class Leader:
             await asyncio.to_thread(graph.store.list_service_profiles),
             await asyncio.to_thread(graph.store.list_deployments, active_only=True),
         )
+        if graph.drains is not None:  # the store's drains resume where they were
+            graph.drains.start()
         self._detached_sweep = asyncio.create_task(
             graph.hub.mark_detached_unreachable(self.settings.node_timeout_s),
             name="detached-nodes",
@@ -301,6 +305,8 @@ class Leader:
         gate = graph.hub.agent_gate
         reason = gate.refusal() if gate is not None else None
         await graph.hub.close_for_standby(reason or not_leader_reason(None))
+        if graph.drains is not None:
+            await graph.drains.stop()
         if graph.scaling is not None:
             await graph.scaling.close()
         await graph.lifecycle.stand_down()
@@ -353,6 +359,10 @@ class Leader:
         await asyncio.gather(parts.public_server.close(0.0), parts.socket_server.close(0.0))
         if parts.local_sampler is not None:
             await parts.local_sampler.stop()
+        if graph.history is not None:
+            await graph.history.stop()
+        if graph.drains is not None:
+            await graph.drains.stop()
         if graph.scaling is not None:
             await graph.scaling.close()
         await graph.hub.shutdown()

@@ -202,6 +202,19 @@ class LifecycleManager:
         """Adopted endpoints by node id, as last reported."""
         return self._table.adopted()
 
+    def retire(self, deployment_id: str) -> None:
+        """Send no new request to the deployment while another of its model can take it
+        (a drain moved it: its replacement is ready); requests in flight go on."""
+        self._table.retire(deployment_id)
+
+    def unretire(self, deployment_id: str) -> None:
+        """Route to a retired deployment again."""
+        self._table.unretire(deployment_id)
+
+    def retired(self) -> frozenset[str]:
+        """The deployments :meth:`retire` took out of routing (until they stop)."""
+        return self._table.retired()
+
     def after_probes(self, listener: Callable[[Sequence[Upstream]], Awaitable[None]]) -> None:
         """From now on, after each round of health probes, ``listener`` hears the ready
         engines that answered (the prefix policy reads their cache signals then)."""

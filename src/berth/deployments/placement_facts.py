@@ -75,9 +75,10 @@ async def gather_node_facts(
     model: ModelRecord,
     gpus: Sequence[GpuInfo] | None = None,
     residents: Mapping[int, Sequence[Resident]] | None = None,
+    cordoned: bool = False,
 ) -> NodeFacts:
     """The facts of node ``node_id`` (``label``), reached by ``link`` (``None``: it has no
-    live link), for a deployment of ``model``.
+    live link), for a deployment of ``model``; ``cordoned``: it is in maintenance.
 
     ``gpus`` are the node's GPUs when already asked (:func:`inventories`), else they are
     asked of its link (one round trip to a remote agent); ``residents`` are berth's
@@ -85,7 +86,9 @@ async def gather_node_facts(
     """
     leader_host = node_id == LOCAL_NODE_ID
     if link is None:
-        return NodeFacts(node_id, label, connected=False, leader_host=leader_host)
+        return NodeFacts(
+            node_id, label, connected=False, leader_host=leader_host, cordoned=cordoned
+        )
     location: str | None = None
     if not leader_host:
         location = await asyncio.to_thread(store.model_path_on_node, model.name, node_id)
@@ -102,6 +105,7 @@ async def gather_node_facts(
         model_location=None if location is None else Path(location),
         gpus=tuple(gpu_facts(gpu, on_gpu.get(gpu.index, ())) for gpu in gpus),
         reserved_gpus=table.reserved_gpus(node_id),
+        cordoned=cordoned,
     )
 
 

@@ -138,6 +138,7 @@ class Planner:
         node_id = await self._resolve_node(options.node_id)
         model = await asyncio.to_thread(self._store.get_model, options.model_name)
         labels = {n.id: n.label for n in await asyncio.to_thread(self._store.list_nodes)}
+        cordoned = {d.node_id for d in await asyncio.to_thread(self._store.node_drains)}
         if node_id is not None:
             targets = [node_id]
         elif options.gpus:
@@ -192,6 +193,7 @@ class Planner:
                     model=model,
                     gpus=gpus.get(target, ()),
                     residents=residents.get(target, {}),
+                    cordoned=target in cordoned,
                 )
             )
         served = options.served_model_name or model.name

@@ -6,7 +6,8 @@ its node's link drops (then it is *parked*, so a request is told where its deplo
 are); an adopted endpoint is in it while its node reports it alive.  A ready deployment whose
 last health probe failed is *suspect*: it stays in the table (its state in the store is still
 ready) but gets no new request while another deployment of its model can take it, until a
-probe answers again.
+probe answers again.  A ready deployment a drain *retired* (its replacement elsewhere is
+ready) likewise gets no new request while another of its model can take it, until it stops.
 
 Each upstream carries its deployment's slots at the fair admission gate
 (:func:`berth.admission.capacity.gate_slots`), and where they came from: a service's
@@ -77,6 +78,8 @@ class ReadyTable:
         self._adopted: dict[str, dict[str, AdoptedState]] = {}
         #: ready deployments whose last health probe failed: deployment id -> why
         self._suspect: dict[str, str] = {}
+        #: ready deployments a drain retired (their replacement is ready): no new requests
+        self._retired: set[str] = set()
 
     # -- the proxy's view ---------------------------------------------------------------
 
@@ -90,6 +93,10 @@ class ReadyTable:
         """
         ready = self._ready.get(model)
         if ready:
+            if self._retired:
+                serving = {d: u for d, u in ready.items() if d not in self._retired}
+                # Every one retired: none is refused a request while it still runs.
+                ready = serving or ready
             if self._suspect:
                 sound = [u for d, u in ready.items() if d not in self._suspect]
                 if sound:
@@ -210,6 +217,21 @@ class ReadyTable:
         self._ready.get(model, {}).pop(deployment_id, None)
         self._parked.get(model, {}).pop(deployment_id, None)
         self._suspect.pop(deployment_id, None)
+        self._retired.discard(deployment_id)
+
+    def retire(self, deployment_id: str) -> None:
+        """A drain retired the deployment (its replacement is ready): it gets no new
+        request while another deployment of its model can take it; those in flight go on."""
+        self._retired.add(deployment_id)
+
+    def unretire(self, deployment_id: str) -> None:
+        """Route to the deployment again (its drain was called off, or its replacement
+        went)."""
+        self._retired.discard(deployment_id)
+
+    def retired(self) -> frozenset[str]:
+        """The deployments a drain retired."""
+        return frozenset(self._retired)
 
     def mark_suspect(self, deployment_id: str, reason: str) -> bool:
         """The deployment's health probe failed (``reason`` says how): no new requests go to

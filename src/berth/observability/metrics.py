@@ -123,6 +123,20 @@ class _TargetSeries:
         self.completion_tokens = 0
 
 
+class TargetTotals(NamedTuple):
+    """A target's running totals since the leader started, as ``/metrics`` counts them:
+    requests (every status class), those that failed (``berth_proxy_errors_total``), the
+    tokens engines reported, and the time-to-first-byte histogram's per-bucket counts (not
+    cumulative; the last is +Inf) over :data:`TTFB_BUCKETS_S`."""
+
+    target: Target
+    requests: int
+    errors: int
+    prompt_tokens: int
+    completion_tokens: int
+    ttfb_counts: tuple[int, ...]
+
+
 class _RequestCollector(Collector):
     """Turns the request tables into Prometheus families at scrape time."""
 
@@ -367,6 +381,35 @@ class ProxyMetrics:
             error_key = (target, klass, error_reason)
             self._errors[error_key] = self._errors.get(error_key, 0) + 1
 
+    def request_totals(self) -> list[TargetTotals]:
+        """Every target's running totals now (the request history samples them; see
+        :class:`TargetTotals`).  Series dropped after their linger are not listed."""
+        totals: dict[Target, list[int]] = {}
+        ttfb: dict[Target, list[int]] = {}
+        width = len(TTFB_BUCKETS_S) + 1
+        for (target, _klass), series in list(self._requests.items()):
+            row = totals.setdefault(target, [0, 0, 0, 0])
+            row[0] += series.requests
+            counts = ttfb.setdefault(target, [0] * width)
+            for index, count in enumerate(series.ttfb.counts):
+                counts[index] += count
+        for (target, _klass, _reason), count in list(self._errors.items()):
+            totals.setdefault(target, [0, 0, 0, 0])[1] += count
+        for target, series_ in list(self._targets.items()):
+            row = totals.setdefault(target, [0, 0, 0, 0])
+            row[2] += series_.prompt_tokens
+            row[3] += series_.completion_tokens
+        return [
+            TargetTotals(
+                target, row[0], row[1], row[2], row[3], tuple(ttfb.get(target, [0] * width))
+            )
+            for target, row in totals.items()
+        ]
+
+    def in_flight(self) -> int:
+        """Requests the proxy is relaying right now, over every target."""
+        return sum(series.in_flight for series in list(self._targets.values()))
+
     # -- deployments ------------------------------------------------------------------------
 
     def set_deployment_state(
@@ -461,5 +504,6 @@ __all__ = [
     "TTFB_BUCKETS_S",
     "ProxyMetrics",
     "Target",
+    "TargetTotals",
     "status_class",
 ]

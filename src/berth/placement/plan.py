@@ -17,7 +17,8 @@ The checks, in this order (the first that fails is the refusal):
 1. the image asked for: it must be an image reference, and only for the docker runtime;
 2. the node: the one asked for, else every connected node that reports GPUs (none: the
    leader's own host, as before placement by fit, with no VRAM check); it must have a live
-   link, and its agent must offer the runtime;
+   link, must not be cordoned (``berth nodes cordon`` or ``drain``), and its agent must
+   offer the runtime;
 3. the model: on the leader's own host its registered path, unless that path is on other
    nodes only; elsewhere the path recorded for that node, else a download from the hub when
    the model came from there and the node's agent can pull;
@@ -112,6 +113,12 @@ def _check_node(
         label = node_id if node is None else node.label
         message = f"node {label} ({node_id}) is not connected"
         return Refusal("node_not_connected", message, node_id)
+    if node.cordoned:
+        message = (
+            f"node {node.label} is cordoned: nothing new is placed there "
+            f"(berth nodes uncordon {node.label})"
+        )
+        return Refusal("node_cordoned", message, node.node_id)
     if request.runtime not in node.runtimes:
         return Refusal("runtime_unavailable", _no_runtime(node, request.runtime), node.node_id)
     reasons = [f"node {node.label} is connected and offers the {request.runtime} runtime"]

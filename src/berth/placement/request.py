@@ -76,6 +76,8 @@ class NodeFacts:
     agent downloads models from the hub.  ``model_location``: the request's model's path
     recorded for this node (``None``: none).  ``gpus``: its GPUs as its agent reports them,
     with berth's deployments on each.  ``reserved_gpus``: GPUs its adopted endpoints declare.
+    ``cordoned``: its operator took it out of placement (``berth nodes cordon`` or
+    ``drain``): nothing new goes there.
     """
 
     node_id: str
@@ -87,6 +89,7 @@ class NodeFacts:
     model_location: Path | None = None
     gpus: tuple[GpuFacts, ...] = ()
     reserved_gpus: tuple[GpuReservation, ...] = ()
+    cordoned: bool = False
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ RefusalReason = Literal[
     "image_invalid",  # the image is no image reference
     "image_without_docker",  # an image was given for the process runtime
     "node_not_connected",  # the node has no live link
+    "node_cordoned",  # the node is cordoned or drained (berth nodes uncordon)
     "runtime_unavailable",  # the node's agent does not offer the runtime
     "model_elsewhere",  # on the leader's host, a model whose paths are on other nodes only
     "model_not_on_node",  # no path on the node, and no download it could make
@@ -32,7 +33,14 @@ RefusalReason = Literal[
     "no_node",  # no connected node can take it (each node's reason is in the message)
 ]
 CONFLICT_REASONS: frozenset[RefusalReason] = frozenset(
-    {"node_not_connected", "runtime_unavailable", "gpu_reserved", "vram_no_room", "no_node"}
+    {
+        "node_not_connected",
+        "node_cordoned",
+        "runtime_unavailable",
+        "gpu_reserved",
+        "vram_no_room",
+        "no_node",
+    }
 )
 
 

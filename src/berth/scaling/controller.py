@@ -117,6 +117,8 @@ class ScalingController:
         self._last_action: dict[str, DecisionRecord] = {}
         self._decision: dict[str, DecisionRecord] = {}
         self._loop: asyncio.Task[None] | None = None
+        #: nodes being drained: their replicas are leaving (:mod:`berth.scaling.decisions`)
+        self._draining: frozenset[str] = frozenset()
 
     # -- start-up and shut-down -----------------------------------------------------------
 
@@ -188,6 +190,11 @@ class ScalingController:
                 tracked.ready_since = self._clock()
         self.board.changed(service)
         self._count(service)
+
+    def set_draining_nodes(self, nodes: frozenset[str]) -> None:
+        """The nodes being drained are now ``nodes``: their replicas are leaving (the drain
+        replaces and stops them; the controller counts them towards no surplus)."""
+        self._draining = frozenset(nodes)
 
     def evicted(self, deployment_id: str, for_service: str, reason: str) -> None:
         """The fleet stops ``deployment_id`` to make room for ``for_service``: audited and
@@ -333,6 +340,7 @@ class ScalingController:
                 ready_since=t.ready_since,
                 last_request_at=self._last_request(t),
                 routable=t.deployment_id in routable,
+                leaving=t.node_id in self._draining,
             )
             for t in self._replicas.values()
             if t.service == service.name

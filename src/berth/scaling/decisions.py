@@ -7,6 +7,11 @@ or :class:`Hold`, each with the reason a person reads in ``berth service show``.
 controller (:mod:`berth.scaling.controller`) gathers the values and carries the decision
 out.  The rules, in the order they are looked at:
 
+Replicas on a node being drained are *leaving* (the drain moves each: its replacement
+starts elsewhere first, then it stops): they count towards ``min_replicas`` until they
+stop, but not towards ``max_replicas``, and the controller stops none of them itself, so a
+drain's replacement is never taken for a surplus.
+
 1. **above max_replicas**: more active replicas than ``max_replicas`` (it was lowered):
    stop the surplus, those still starting first, then the least recently used of those
    with nothing in flight; one with requests in flight is waited for;
@@ -53,6 +58,7 @@ class Replica:
     ready_since: float | None = None
     last_request_at: float | None = None
     routable: bool = True
+    leaving: bool = False
 
     @property
     def last_used_at(self) -> float:
@@ -142,8 +148,9 @@ def decide(load: ServiceLoad, now: float, *, scale_out_after_s: float) -> Decisi
     starting = [r for r in active if r.state in _STARTING]
     ready = [r for r in active if r.state is DeploymentState.READY]
     bounds = f"min {settings.min_replicas}, max {settings.max_replicas}"
-    if len(active) > settings.max_replicas:
-        return _above_max(load, active, now)
+    staying = [r for r in active if not r.leaving]
+    if len(staying) > settings.max_replicas:
+        return _above_max(load, staying, now)
     if len(active) < settings.min_replicas:
         return Start(
             "min_replicas",
@@ -176,7 +183,7 @@ def decide(load: ServiceLoad, now: float, *, scale_out_after_s: float) -> Decisi
             f"{duration(round(busy_s))}: {in_flight} in flight, {load.queued} queued over "
             f"{len(ready)} replica(s)"
         )
-        if len(active) >= settings.max_replicas:
+        if len(staying) >= settings.max_replicas:
             return Hold(f"{what}; at max_replicas {settings.max_replicas}")
         if busy_s >= scale_out_after_s:
             return Start("scale_out", what)
@@ -211,10 +218,11 @@ def _idle(load: ServiceLoad, ready: Sequence[Replica], now: float) -> Stop | Non
     if timeout is None or load.queued:
         return None
     idle = sorted(
-        (r for r in ready if r.in_flight == 0 and now - r.last_used_at >= timeout),
+        (r for r in ready
+         if not r.leaving and r.in_flight == 0 and now - r.last_used_at >= timeout),
         key=lambda r: (r.last_used_at, r.deployment_id),
-    )
-    active = len(active_replicas(load.replicas))
+    )  # fmt: skip
+    active = len([r for r in active_replicas(load.replicas) if not r.leaving])
     room = active - load.settings.min_replicas
     chosen = idle[: max(0, room)]
     if not chosen:

@@ -3,6 +3,7 @@
 Callers use :class:`Store` and the frozen records; the ORM tables stay inside this package.
 """
 
+from berth.store.drains import MOVE_STEPS, DrainMove, MoveStep, NodeDrain
 from berth.store.migrations import LATEST_VERSION
 from berth.store.records import (
     DEFAULT_RESTART_POLICY,
@@ -33,16 +34,20 @@ from berth.store.values import UNCHANGED, Unchanged
 __all__ = [
     "DEFAULT_RESTART_POLICY",
     "LATEST_VERSION",
+    "MOVE_STEPS",
     "RESTART_POLICIES",
     "ROUTING_POLICIES",
     "UNCHANGED",
     "AdapterRecord",
     "ApiKeyRecord",
     "DeploymentRecord",
+    "DrainMove",
     "ModelLocation",
     "ModelRecord",
     "ModelSource",
+    "MoveStep",
     "NodeCertificate",
+    "NodeDrain",
     "NodeHardware",
     "NodeRecord",
     "NodeStatus",

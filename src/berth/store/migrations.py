@@ -27,6 +27,7 @@ from typing import Any
 from sqlalchemy import (
     JSON,
     BigInteger,
+    Boolean,
     Column,
     Connection,
     Date,
@@ -390,6 +391,37 @@ def _v13_service_routing_policy(conn: Connection) -> None:
     _add_column(conn, "service_profiles", Column("routing_policy", String(16), nullable=True))
 
 
+def _v16_node_drains(conn: Connection) -> None:
+    # Two new tables and nothing else: the step stands alone, so it keeps its meaning under
+    # any number (cordon and drain, berth.store.drains).
+    metadata = MetaData()
+    Table("nodes", metadata, Column("id", String(16), primary_key=True))
+    Table(
+        "node_drains",
+        metadata,
+        Column("node_id", String(16), ForeignKey("nodes.id", ondelete="CASCADE"), primary_key=True),
+        Column("cordoned_at", Float, nullable=False),
+        Column("drain_started_at", Float, nullable=True),
+        Column("grace_s", Float, nullable=True),
+        Column("force", Boolean, nullable=False),
+        Column("finished_at", Float, nullable=True),
+    )
+    Table(
+        "drain_moves",
+        metadata,
+        Column("deployment_id", String(16), primary_key=True),
+        Column("node_id", String(16), ForeignKey("nodes.id", ondelete="CASCADE"), nullable=False),
+        Column("step", String(16), nullable=False),
+        Column("replacement_id", String(16), nullable=True),
+        Column("retired_at", Float, nullable=True),
+        Column("note", Text, nullable=True),
+        Column("updated_at", Float, nullable=False),
+        Index("ix_drain_moves_node_id", "node_id"),
+    )
+    for name in ("node_drains", "drain_moves"):
+        metadata.tables[name].create(conn)
+
+
 #: Every migration, in increasing order (numbers may skip: see the module docstring).
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(1, "models, deployments and api_keys", _v1_initial),
@@ -413,6 +445,7 @@ MIGRATIONS: tuple[Migration, ...] = (
     Migration(13, "service_profiles routing policy", _v13_service_routing_policy),
     Migration(14, "leader_members (every shared leader's cluster URL)", _v14_leader_members),
     Migration(15, "cluster_bootstrap (the sealed CA and key pepper)", _v15_cluster_bootstrap),
+    Migration(16, "node_drains and drain_moves (cordon and drain)", _v16_node_drains),
 )
 
 LATEST_VERSION = MIGRATIONS[-1].version

@@ -37,6 +37,7 @@ from berth.store.bootstrap import BootstrapMethods
 from berth.store.certificates import CertificateMethods
 from berth.store.changes import ChangeMethods
 from berth.store.db import WRITE_OPTIONS, create_store_engine
+from berth.store.drains import DrainMethods
 from berth.store.lease import LeaseMethods
 from berth.store.members import MemberMethods
 from berth.store.nodes import NodeMethods, delete_model_locations
@@ -75,6 +76,7 @@ class Store(
     UsageMethods,
     CertificateMethods,
     BootstrapMethods,
+    DrainMethods,
 ):
     """The state database at ``url`` (the ``database_url`` setting).
 
@@ -85,7 +87,8 @@ class Store(
     LoRA adapters in :mod:`berth.store.adapters`; the usage ledger in :mod:`berth.store.usage`;
     the leadership lease and the fence on cluster-state writes (deployments here, services
     and routes) in :mod:`berth.store.lease`; change counters and feeds other leaders follow
-    in :mod:`berth.store.changes`.  ``clock`` returns aware datetimes; tests may pass a fake
+    in :mod:`berth.store.changes`; cordoned and drained nodes in :mod:`berth.store.drains`.
+    ``clock`` returns aware datetimes; tests may pass a fake
     one.
     """
 

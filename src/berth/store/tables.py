@@ -377,3 +377,36 @@ class NodeCertificateRow(Base):
     not_after: Mapped[float] = mapped_column(Float)
     issuer_fingerprint: Mapped[str] = mapped_column(String(80))
     issued_at: Mapped[float] = mapped_column(Float)
+
+
+class NodeDrainRow(Base):
+    """A cordoned node (migration 16): since when, and the drain asked of it if any (when it
+    began, the grace for requests in flight, ``--force``, when it finished)."""
+
+    __tablename__ = "node_drains"
+
+    node_id: Mapped[str] = mapped_column(
+        String(16), ForeignKey("nodes.id", ondelete="CASCADE"), primary_key=True
+    )
+    cordoned_at: Mapped[float] = mapped_column(Float)
+    drain_started_at: Mapped[float | None] = mapped_column(Float)
+    grace_s: Mapped[float | None] = mapped_column(Float)
+    force: Mapped[bool] = mapped_column(Boolean)
+    finished_at: Mapped[float | None] = mapped_column(Float)
+
+
+class DrainMoveRow(Base):
+    """One deployment a drain moves off its node (migration 16): the step it is at, its
+    replacement, when it stopped getting requests, and what happened in words."""
+
+    __tablename__ = "drain_moves"
+
+    deployment_id: Mapped[str] = mapped_column(String(16), primary_key=True)
+    node_id: Mapped[str] = mapped_column(
+        String(16), ForeignKey("nodes.id", ondelete="CASCADE"), index=True
+    )
+    step: Mapped[str] = mapped_column(String(16))
+    replacement_id: Mapped[str | None] = mapped_column(String(16))
+    retired_at: Mapped[float | None] = mapped_column(Float)
+    note: Mapped[str | None] = mapped_column(Text)
+    updated_at: Mapped[float] = mapped_column(Float)

@@ -1,4 +1,5 @@
-// berth console: plain JavaScript, no build step, no third-party code.
+// berth console: plain JavaScript, no build step; its one third-party file is uPlot, the chart
+// library, vendored from npm (uPlot.iife.min.js; charts.js draws with it).
 // It talks only to the leader that served it: /ui/session, /admin/* and /v1/*, with the
 // session cookie the leader set at sign-in. Every state-changing call sends the session's
 // CSRF token (X-CSRF-Token), which lives in this page's memory only.
@@ -22,25 +23,6 @@ function h(tag, attrs, ...children) {
     el.append(child instanceof Node ? child : document.createTextNode(String(child)));
   }
   return el;
-}
-
-const SVG_NS = "http://www.w3.org/2000/svg";
-function sparkline(values, label) {
-  const svg = document.createElementNS(SVG_NS, "svg");
-  svg.setAttribute("class", "spark");
-  svg.setAttribute("viewBox", "0 0 100 40");
-  svg.setAttribute("preserveAspectRatio", "none");
-  svg.setAttribute("role", "img");
-  svg.setAttribute("aria-label", label);
-  const line = document.createElementNS(SVG_NS, "polyline");
-  const nums = values.map((v) => (typeof v === "number" ? v : 0));
-  const max = Math.max(1, ...nums);
-  const step = nums.length > 1 ? 100 / (nums.length - 1) : 100;
-  const points = nums.map((v, i) => `${(i * step).toFixed(1)},${(38 - (v / max) * 36).toFixed(1)}`);
-  line.setAttribute("points", points.join(" "));
-  svg.dataset.values = nums.join(",");
-  svg.append(line);
-  return svg;
 }
 
 function meter(fraction, kind, label) {
@@ -242,8 +224,9 @@ function every(ms, fn) {
 
 function route() {
   if (!state.csrf) return;
-  const name = (location.hash.replace(/^#\//, "") || "cluster").split("/")[0];
-  const page = PAGES[name] || PAGES.cluster;
+  const asked = (location.hash.replace(/^#\//, "") || "overview").split("/")[0];
+  const name = PAGES[asked] ? asked : "overview";
+  const page = PAGES[name];
   stopPage();
   clearError();
   for (const link of document.querySelectorAll("nav a")) {
@@ -256,7 +239,9 @@ function route() {
   page(main);
 }
 
-// Cluster: a card per node, polled every 5 s from /admin/nodes and /admin/metrics/snapshot.
+// Cluster: a card per node, polled every 5 s from /admin/nodes and /admin/metrics/snapshot;
+// each card updated in place (its buttons keep the keyboard's focus), its traffic drawn by
+// uPlot; cordon, uncordon and drain from the card.
 function clusterPage(main) {
   const cards = h("div", { class: "cards", id: "node-cards" });
   const enrollBox = h("div", { id: "enroll-box" });
@@ -280,39 +265,78 @@ function clusterPage(main) {
   } }, h("label", {}, "New node label", label), h("button", { type: "submit" }, "Enroll a node"));
   main.append(h("h1", {}, "Cluster"), cards, h("h2", {}, "Add a node"), form, enrollBox);
 
-  every(POLL_MS, async () => {
+  const shown = new Map(); // node id -> its card
+  const refresh = async () => {
     const [nodes, snapshot] = await Promise.all([
       call("GET", "/admin/nodes"), call("GET", "/admin/metrics/snapshot")]);
     const metrics = Object.fromEntries(snapshot.nodes.map((n) => [n.node, n]));
-    cards.replaceChildren(...nodes.map((node) => nodeCard(node, metrics[node.id])));
-  });
+    for (const node of nodes) {
+      let card = shown.get(node.id);
+      if (!card) {
+        card = nodeCard(node, refresh);
+        shown.set(node.id, card);
+        cards.append(card.element);
+      }
+      card.update(node, metrics[node.id]);
+    }
+    for (const [id, card] of shown) {
+      if (!nodes.some((n) => n.id === id)) { card.element.remove(); shown.delete(id); }
+    }
+  };
+  every(POLL_MS, refresh);
 }
 
-function nodeCard(node, metrics) {
-  const latest = metrics ? metrics.latest : null;
-  const deployments = latest ? latest.deployments : [];
-  const inFlight = deployments.reduce((sum, d) => sum + d.in_flight, 0);
-  const p95s = deployments.map((d) => d.latency_p95_ms).filter((v) => typeof v === "number");
-  const gpus = latest ? latest.gpus : [];
-  // Requests per sample, summed over the node's deployments: differences of the counters.
-  let rates = [];
-  if (metrics) {
-    const columns = Object.values(metrics.series.deployments);
-    const totals = metrics.series.at.map((_, i) =>
-      columns.reduce((sum, c) => sum + (c.requests_total[i] || 0), 0));
-    rates = totals.slice(1).map((v, i) => Math.max(0, v - totals[i]));
-  }
-  return h("article", { class: "card node", "data-node": node.id, "aria-label": `node ${node.label}` },
-    h("h3", {}, node.label, " ", statusText(node.connected ? node.status : "unreachable")),
-    facts([
-      ["host", node.hostname || "—"],
-      ["agent", node.agent_version || "—"],
-      ["GPUs", `${node.gpu_count} (${node.vram_total_mb} MiB)`],
-      ["data path", h("span", { class: "data-path" }, node.data_path || "—",
-        node.data_path_reason ? `: ${node.data_path_reason}` : "")],
+// What a node's maintenance reads as: "cordoned", "draining: 1 of 2 moved", "drained".
+function maintenanceText(node) {
+  return node.maintenance ? node.maintenance.summary : null;
+}
+
+function nodeCard(node, refresh) {
+  const title = h("h3", {});
+  const body = h("div", {});
+  const drainBox = h("div", { class: "drain", "aria-live": "polite" });
+  const act = async (button, method, path, body_) => {
+    button.disabled = true;
+    try { await call(method, path, body_); await refresh(); }
+    catch (err) { showError(err); } finally { button.disabled = false; }
+  };
+  const cordonButton = h("button", { type: "button", class: "secondary" });
+  const drainButton = h("button", { type: "button", class: "danger" }, "Drain");
+  cordonButton.addEventListener("click", () => {
+    const cordoned = cordonButton.dataset.cordoned === "true";
+    act(cordonButton, cordoned ? "DELETE" : "POST", `/admin/nodes/${node.id}/cordon`);
+  });
+  drainButton.addEventListener("click", () => {
+    if (!confirm(`Drain node ${node.label}? Its deployments are started elsewhere first, then ` +
+      "stopped once their requests finish (at most 5 minutes later).")) return;
+    act(drainButton, "POST", `/admin/nodes/${node.id}/drain`, { grace_s: 300 });
+  });
+  const chart = timeChart(`chart-node-${node.id}`, "requests per heartbeat, last minute",
+    [{ label: "requests" }], { height: 90 });
+  const element = h("article", { class: "card node", "data-node": node.id,
+    "aria-label": `node ${node.label}` }, title, body, drainBox,
+  h("div", { class: "actions" }, cordonButton, drainButton), chart.element);
+
+  function update(current, metrics) {
+    const latest = metrics ? metrics.latest : null;
+    const deployments = latest ? latest.deployments : [];
+    const inFlight = deployments.reduce((sum, d) => sum + d.in_flight, 0);
+    const p95s = deployments.map((d) => d.latency_p95_ms).filter((v) => typeof v === "number");
+    const gpus = latest ? latest.gpus : [];
+    const maintenance = current.maintenance;
+    title.replaceChildren(current.label, " ",
+      statusText(current.connected ? current.status : "unreachable"),
+      ...(maintenance ? [" ", h("span", { class: `maintenance status-${maintenance.state}` },
+        maintenanceText(current))] : []));
+    body.replaceChildren(facts([
+      ["host", current.hostname || "—"],
+      ["agent", current.agent_version || "—"],
+      ["GPUs", `${current.gpu_count} (${current.vram_total_mb} MiB)`],
+      ["data path", h("span", { class: "data-path" }, current.data_path || "—",
+        current.data_path_reason ? `: ${current.data_path_reason}` : "")],
       ["in flight", h("span", { class: "in-flight" }, String(inFlight))],
       ["p95", p95s.length ? `${Math.round(Math.max(...p95s))} ms` : "—"],
-      ["heartbeat", node.last_heartbeat_at ? `${ago(Date.now() / 1000 - node.last_heartbeat_at)} ago` : "—"],
+      ["heartbeat", current.last_heartbeat_at ? `${ago(Date.now() / 1000 - current.last_heartbeat_at)} ago` : "—"],
     ]),
     h("div", { class: "gpus" }, gpus.map((g) => h("div", { class: "gpu" },
       h("span", {}, `GPU ${g.index}`),
@@ -321,9 +345,40 @@ function nodeCard(node, metrics) {
         `GPU ${g.index} memory ${mib(g.mem_used_bytes)} of ${mib(g.mem_total_bytes)}`),
       h("span", { class: "gpu-text" }, `${g.name}: ` +
         `${g.util_pct === null ? "utilisation not reported" : `${g.util_pct}% busy`}, ` +
-        `${mib(g.mem_used_bytes)} of ${mib(g.mem_total_bytes)}`)))),
-    h("div", { class: "muted" }, "requests per heartbeat, last minute"),
-    sparkline(rates, `requests on ${node.label} over the last minute`));
+        `${mib(g.mem_used_bytes)} of ${mib(g.mem_total_bytes)}`)))));
+    drainBox.replaceChildren(...drainLines(maintenance));
+    const cordoned = Boolean(maintenance);
+    cordonButton.dataset.cordoned = String(cordoned);
+    cordonButton.textContent = cordoned ? "Uncordon" : "Cordon";
+    cordonButton.setAttribute("aria-label", `${cordoned ? "Uncordon" : "Cordon"} node ${current.label}`);
+    drainButton.setAttribute("aria-label", `Drain node ${current.label}`);
+    drainButton.hidden = Boolean(maintenance && maintenance.state === "draining");
+    // Requests per heartbeat, summed over the node's deployments: growth of the counters.
+    let xs = [];
+    let rates = [];
+    if (metrics) {
+      const columns = Object.values(metrics.series.deployments);
+      const totals = metrics.series.at.map((_, i) =>
+        columns.reduce((sum, c) => sum + (c.requests_total[i] || 0), 0));
+      rates = totals.slice(1).map((v, i) => Math.max(0, v - totals[i]));
+      xs = metrics.series.at.slice(1);
+    }
+    chart.update(xs, [rates]);
+  }
+  return { element, update };
+}
+
+// A drain's lines in a node card: each deployment's step and why.
+function drainLines(maintenance) {
+  if (!maintenance || maintenance.state === "cordoned") {
+    return maintenance ? [h("p", { class: "muted" }, "Nothing new is placed on this node.")] : [];
+  }
+  const reasons = Object.fromEntries(maintenance.actions.map((a) => [a.deployment_id, a.reason]));
+  const rows = maintenance.moves.map((m) => h("li", { "data-move": m.deployment_id },
+    h("span", { class: "mono" }, m.deployment_id), `: ${m.step}`,
+    m.replacement_id ? ` (replacement ${m.replacement_id})` : "",
+    reasons[m.deployment_id] || m.note ? ` — ${reasons[m.deployment_id] || m.note}` : ""));
+  return [h("ul", { class: "moves" }, rows)];
 }
 
 // Deployments: the list, start, stop, and a log panel that follows.
@@ -966,6 +1021,7 @@ function playgroundPage(main) {
 }
 
 const PAGES = {
+  overview: overviewPage,
   cluster: clusterPage,
   deployments: deploymentsPage,
   models: modelsPage,
