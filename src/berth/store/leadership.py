@@ -9,9 +9,17 @@ and hears every change of role through :meth:`Leadership.subscribe`.
 
 Stepping down happens three ways: a renewal the store refuses (another leader holds the
 lease under a newer epoch, or it ran out while this process was stalled: SIGSTOP, a long
-GC, a frozen VM); a lease that ran out by this process's own monotonic clock while the
-store could not be reached (the database is down: better no active than two); and
-:meth:`Leadership.stop`, which releases the lease so a standby takes over at once.
+GC, a frozen VM); a lease that ran out by this process's own monotonic clock (better no
+active than two); and :meth:`Leadership.stop`, which releases the lease so a standby takes
+over at once.
+
+The lease is kept by this leader's own clock, whatever the database call does: while it is
+active a timer runs to the end of its lease (``lease_s`` after its last good renewal began),
+and when it fires unrenewed this leader stands by at that moment, even with a renewal still
+waiting on a database that stopped answering (a silent network partition).  That call ends
+within the store's deadlines (:mod:`berth.store.deadlines`); an answer that comes back after
+the lease ran out by this clock counts for nothing.  The worker processes and serving
+leaders of a cluster follow the same :attr:`Leadership.is_active` and role changes.
 
 Without ``leader_ha`` there is no loop: the one leader is active with epoch 0 and its
 store is not fenced (:func:`single_leader_view`).
@@ -97,6 +105,7 @@ class Leadership:
         self._listeners: list[RoleListener] = []
         self._task: asyncio.Task[None] | None = None
         self._active = asyncio.Event()
+        self._expiry: asyncio.TimerHandle | None = None  # the end of the lease held
 
     @property
     def me(self) -> str:
@@ -154,6 +163,7 @@ class Leadership:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             self._task = None
+        self._cancel_expiry()
         held = self._state
         if release and held.role == "active":
             try:
@@ -170,7 +180,9 @@ class Leadership:
 
     async def tick(self) -> None:
         """One look at the lease: renew it when active, else try to take it.  A store
-        error changes nothing but the local expiry (see the module doc); it is logged."""
+        error changes nothing but the local expiry (see the module doc); it is logged.  An
+        answer that comes after the lease ran out by this leader's clock is not taken as
+        holding it."""
         began = self._monotonic()
         held = self._state
         try:
@@ -184,16 +196,53 @@ class Leadership:
                 )
         except StoreError as exc:
             _log.warning("leadership: the store did not answer the lease call: %s", exc)
-            if held.role == "active" and not self.is_active:
-                _log.warning("leadership: the lease ran out unrenewed; standing by")
-                self._set(LeaseState("standby", held.epoch, None, None, held.expires_at), None)
+            if self._state.role == "active" and not self.is_active:
+                self._lapse()
             return
+        if new.role == "active" and self._monotonic() - began >= self._lease_s:
+            _log.warning(
+                "leadership: the lease call took %.1f s, past the %g s lease; not taken as "
+                "holding it",
+                self._monotonic() - began,
+                self._lease_s,
+            )
+            new = LeaseState("standby", new.epoch, None, None, new.expires_at)
         self._set(new, began if new.role == "active" else None)
+
+    def _lapse(self) -> None:
+        """The lease ran out by this leader's clock, unrenewed: stand by now."""
+        self._expiry = None
+        held = self._state
+        if held.role != "active":
+            return
+        if self.is_active:  # renewed since the timer was set
+            self._arm_expiry()
+            return
+        _log.warning(
+            "leadership: the lease (epoch %d) ran out unrenewed by this leader's clock; "
+            "standing by",
+            held.epoch,
+        )
+        self._set(LeaseState("standby", held.epoch, None, None, held.expires_at), None)
+
+    def _arm_expiry(self) -> None:
+        """Set the timer to the end of the lease this leader holds (none when it holds none)."""
+        self._cancel_expiry()
+        if self._state.role != "active" or self._held_since is None:
+            return
+        remaining_s = self._held_since + self._lease_s - self._monotonic()
+        self._expiry = asyncio.get_running_loop().call_later(max(0.0, remaining_s), self._lapse)
+
+    def _cancel_expiry(self) -> None:
+        if self._expiry is not None:
+            self._expiry.cancel()
+            self._expiry = None
 
     def _set(self, new: LeaseState, held_since: float | None) -> None:
         old = self._state
         self._state = new
         self._held_since = held_since
+        self._arm_expiry()
         if new.role == "active" and new.epoch != self._store.fence_epoch:
             self._store.fence(new.epoch)
         if new.role == "active":
