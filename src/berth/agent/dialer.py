@@ -11,7 +11,9 @@ seconds per attempt. When the link ends, the close code decides
 (:func:`berth.cluster.protocol.errors.agent_should_redial`): a final refusal (removed node,
 bad certificate, superseded, no common version) stops the agent; anything else is redialled
 after a capped exponential backoff with equal jitter (:func:`backoff_delay`, capped by the
-``redial_max_s`` setting). The status file says so at once. Which leader it dials is the
+``redial_max_s`` setting), which grows only while no leader answers: after a leader's
+``NOT_LEADER`` refusal the redial is its first or second step (0.5 to 2 s) and the backoff
+starts over. The status file says so at once. Which leader it dials is the
 :class:`~berth.agent.leaders.LeaderList`'s to say: the next one in turn after a session
 ends, the active at once after a standby's ``NOT_LEADER`` (docs/ha.md).
 """
@@ -152,10 +154,14 @@ class AgentDialer:
                 if following.at_once:
                     self._status.activity(f"dialling the active leader {following.url}")
                     continue
-                if following.handing_over:
-                    attempt = 0  # a standby named an active: it takes over within a lease
-                delay = self._backoff(attempt)
-                attempt += 1
+                if following.refused:
+                    # A leader answered (no active yet, or not it): short, jittered, not
+                    # growing; the backoff starts over (berth.agent.leaders).
+                    attempt = 0
+                    delay = self._backoff(0 if following.names_active else 1)
+                else:
+                    delay = self._backoff(attempt)
+                    attempt += 1
                 retry_after_s = retry_after_of(code, self._close_reason)
                 if retry_after_s is not None and retry_after_s > delay:
                     delay = retry_after_s  # the leader said when: not sooner

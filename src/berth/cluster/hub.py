@@ -51,7 +51,7 @@ from berth.cluster.renewal import LinkCertificates, LinkDeadline
 from berth.cluster.tunnel_stream import TunnelStream
 from berth.engine_http.errors import UpstreamConnectError
 from berth.engine_http.origin import Origin
-from berth.errors import BerthError
+from berth.errors import BerthError, StoreError
 from berth.observability.cluster import ClusterMetrics
 from berth.store import Store
 from berth.store.records import NodeHardware
@@ -245,9 +245,13 @@ class NodeHub:
             max_msg_size=4 * self.limits.max_frame_bytes, compress=False, autoping=False
         )
         await ws.prepare(request)
-        node_id, refusal, certificate_der, not_after = await identify_node(
-            request, self._store, self._forwarded, self._clock
-        )
+        try:
+            node_id, refusal, certificate_der, not_after = await identify_node(
+                request, self._store, self._forwarded, self._clock
+            )
+        except StoreError as exc:  # the store is out of reach: refuse, and say what to do
+            await self._refuse_unidentified(ws, peer, exc)
+            return ws
         if refusal is not None:
             log.warning("refused agent link from %s: %s", peer, refusal[1])
             # A close frame's reason has room for 123 bytes (RFC 6455 section 5.5).
@@ -317,6 +321,21 @@ class NodeHub:
             self._drop(node_id, conn)
             log.info("node %s link closed (code %s)", node_id, conn.close_code)
         return ws
+
+    async def _refuse_unidentified(
+        self, ws: web.WebSocketResponse, peer: str, exc: StoreError
+    ) -> None:
+        """Close an agent's link whose node could not be looked up (the store did not
+        answer): ``NOT_LEADER`` from a standby (a database outage makes every leader one, and
+        the agent redials within seconds, docs/ha.md), else 1011 with the error."""
+        standby = self.agent_gate.refusal() if self.agent_gate is not None else None
+        if standby is not None:
+            log.info("sent agent %s to the active leader (the store is out of reach): %s",
+                     peer, standby)  # fmt: skip
+            await ws.close(code=CloseCode.NOT_LEADER, message=standby.encode())
+            return
+        log.warning("refused agent link from %s: the store did not answer: %s", peer, exc)
+        await ws.close(code=CloseCode.INTERNAL_ERROR, message=b"the leader's store did not answer")
 
     async def _admit(
         self, node_id: str, conn: LinkConnection, hello: Hello, certificate_der: bytes | None
