@@ -1,18 +1,19 @@
 """A TCP relay on loopback that the test controls: it can add latency to each direction, and
-it can turn into a black hole that swallows every byte without closing or resetting anything.
+it can turn into a black hole that delivers nothing and closes or resets nothing.
 
 Put it between a client and a server (PostgreSQL, for the store's deadlines) and hand the
 client its ``port``.  Each accepted connection gets a connection of its own to the target;
 bytes are forwarded as they come, each chunk ``delay_s`` seconds after it arrived (order
 kept, so a 200 ms relay adds 200 ms each way, not per chunk).
 
-:meth:`TcpRelay.black_hole` is a silent network partition as the client sees it: the relay
-goes on accepting connections and reading what both sides send (so the kernel acknowledges
-it), forwards nothing, and closes nothing; no FIN, no RST, no error reaches either side.
-Connections made while it is one are held the same way.  :meth:`TcpRelay.heal` forwards
-again for connections made from then on (those cut meanwhile stay swallowed: bytes were
-lost in the middle of them).  The relay runs its own event loop on a thread of its own, so
-a test's blocked thread or loop does not stop it.
+:meth:`TcpRelay.black_hole` is a silent network partition as both ends see it: the relay goes
+on accepting connections and reading what either side sends (so their kernels see every
+byte acknowledged), and delivers nothing; no FIN, no RST, no error reaches either side.
+:meth:`TcpRelay.heal` ends it: what was held is delivered, in order, and new connections
+reach the target again, as TCP's retransmissions would after a partition.  A side that gave
+up meanwhile (closed its socket) has its close delivered after its bytes.  The relay runs
+its own event loop on a thread of its own, so a test's blocked thread or loop does not stop
+it.
 """
 
 from __future__ import annotations
@@ -22,21 +23,12 @@ import contextlib
 import threading
 import time
 from collections.abc import Coroutine
-from dataclasses import dataclass, field
 from typing import Any
 
 #: Bytes read at a time.
 _CHUNK = 65536
-
-
-@dataclass
-class _Pipe:
-    """One accepted connection and its connection to the target."""
-
-    client: asyncio.StreamWriter
-    server: asyncio.StreamWriter | None
-    swallowed: bool
-    tasks: list[asyncio.Task[None]] = field(default_factory=list)
+#: What a direction's queue carries: when to deliver, and the bytes (``b""``: the close).
+_Held = tuple[float, bytes]
 
 
 class TcpRelay:
@@ -50,27 +42,26 @@ class TcpRelay:
         self._thread = threading.Thread(target=self._loop.run_forever, name="tcp-relay",
                                         daemon=True)  # fmt: skip
         self._server: asyncio.Server | None = None
-        self._pipes: list[_Pipe] = []
-        self._black_hole = False
+        self._flowing: asyncio.Event | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._writers: list[asyncio.StreamWriter] = []
         #: connections accepted so far
         self.accepted = 0
 
     def start(self) -> TcpRelay:
         """Listen on a free loopback port (``port``) and start relaying."""
         self._thread.start()
-        self._server = self._call(
-            asyncio.start_server(self._accept, "127.0.0.1", 0, reuse_address=True)
-        )
+        self._server = self._call(self._listen())
         self.port = int(self._server.sockets[0].getsockname()[1])
         return self
 
     def black_hole(self) -> None:
-        """Forward nothing from now on, on every connection, and close nothing."""
-        self._loop.call_soon_threadsafe(self._swallow_all)
+        """Deliver nothing from now on, on every connection, and close nothing."""
+        self._call(self._set_flowing(False))
 
     def heal(self) -> None:
-        """Forward again, for the connections made from now on."""
-        self._loop.call_soon_threadsafe(setattr, self, "_black_hole", False)
+        """Deliver again: what was held, then what comes."""
+        self._call(self._set_flowing(True))
 
     def close(self) -> None:
         """Stop listening, close every connection and end the relay's thread."""
@@ -92,70 +83,66 @@ class TcpRelay:
     def _call(self, coro: Coroutine[Any, Any, Any]) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(30.0)
 
-    def _swallow_all(self) -> None:
-        self._black_hole = True
-        for pipe in self._pipes:
-            pipe.swallowed = True
+    async def _listen(self) -> asyncio.Server:
+        self._flowing = asyncio.Event()
+        self._flowing.set()
+        return await asyncio.start_server(self._accept, "127.0.0.1", 0, reuse_address=True)
+
+    async def _set_flowing(self, flowing: bool) -> None:
+        assert self._flowing is not None
+        if flowing:
+            self._flowing.set()
+        else:
+            self._flowing.clear()
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        assert self._flowing is not None
+        accepting = asyncio.current_task()
+        if accepting is not None:  # cancelled by close() while held
+            self._tasks.add(accepting)
+            accepting.add_done_callback(self._tasks.discard)
         self.accepted += 1
-        pipe = _Pipe(writer, None, self._black_hole)
-        self._pipes.append(pipe)
-        if pipe.swallowed:
-            pipe.tasks.append(asyncio.create_task(self._drain(reader)))
-            return
+        self._writers.append(writer)
+        to_server: asyncio.Queue[_Held] = asyncio.Queue()
+        self._spawn(self._read(reader, to_server))
+        await self._flowing.wait()  # a connection made in the black hole is held
         try:
             up_reader, up_writer = await asyncio.open_connection(*self._target)
         except OSError:
             writer.close()
             return
-        pipe.server = up_writer
-        pipe.tasks += [
-            asyncio.create_task(self._forward(pipe, reader, up_writer)),
-            asyncio.create_task(self._forward(pipe, up_reader, writer)),
-        ]
+        self._writers.append(up_writer)
+        to_client: asyncio.Queue[_Held] = asyncio.Queue()
+        self._spawn(self._send(to_server, up_writer))
+        self._spawn(self._read(up_reader, to_client))
+        self._spawn(self._send(to_client, writer))
 
-    async def _drain(self, reader: asyncio.StreamReader) -> None:
-        with contextlib.suppress(OSError):
-            while await reader.read(_CHUNK):
-                pass
+    async def _read(self, reader: asyncio.StreamReader, queue: asyncio.Queue[_Held]) -> None:
+        """Read everything (the sender's kernel sees it acknowledged) into ``queue``."""
+        while True:
+            try:
+                data = await reader.read(_CHUNK)
+            except OSError:
+                data = b""
+            await queue.put((time.monotonic() + self.delay_s, data))
+            if not data:
+                return
 
-    async def _forward(
-        self, pipe: _Pipe, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
-    ) -> None:
-        """Copy ``reader`` to ``writer``, each chunk ``delay_s`` after it came, until the
-        pipe is swallowed (then read on and drop) or a side closes (then close the other)."""
-        queue: asyncio.Queue[tuple[float, bytes]] = asyncio.Queue()
-        sender = asyncio.create_task(self._send(pipe, queue, writer))
-        pipe.tasks.append(sender)
-        try:
-            while True:
-                try:
-                    data = await reader.read(_CHUNK)
-                except OSError:
-                    data = b""
-                if pipe.swallowed:
-                    if not data:
-                        return  # the side went away: nothing more to swallow
-                    continue
-                await queue.put((time.monotonic() + self.delay_s, data))
-                if not data:
-                    return
-        finally:
-            if pipe.swallowed:
-                sender.cancel()
-
-    async def _send(
-        self, pipe: _Pipe, queue: asyncio.Queue[tuple[float, bytes]], writer: asyncio.StreamWriter
-    ) -> None:
+    async def _send(self, queue: asyncio.Queue[_Held], writer: asyncio.StreamWriter) -> None:
+        """Deliver ``queue`` to ``writer``, each chunk when due and only while flowing."""
+        assert self._flowing is not None
         with contextlib.suppress(OSError):
             while True:
                 due, data = await queue.get()
                 wait_s = due - time.monotonic()
                 if wait_s > 0:
                     await asyncio.sleep(wait_s)
-                if pipe.swallowed:
-                    return
+                await self._flowing.wait()
                 if not data:
                     writer.close()
                     return
@@ -165,12 +152,9 @@ class TcpRelay:
     async def _close(self) -> None:
         if self._server is not None:
             self._server.close()
-        for pipe in self._pipes:
-            for task in pipe.tasks:
-                task.cancel()
-            for writer in (pipe.client, pipe.server):
-                if writer is not None:
-                    writer.close()
-        tasks = [task for pipe in self._pipes for task in pipe.tasks]
-        await asyncio.gather(*tasks, return_exceptions=True)
-        self._pipes.clear()
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for writer in self._writers:
+            writer.close()
+        self._writers.clear()
