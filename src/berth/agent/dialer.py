@@ -81,7 +81,8 @@ class AgentDialer:
 
     Between dials it waits ``backoff(attempt)`` seconds (default :func:`backoff_delay`
     capped at ``redial_max_s``, the setting); ``attempt`` counts from 0 again after a link
-    the leader welcomed.
+    the leader welcomed.  The first dial waits ``first_dial_after_s`` (paced restarts:
+    :mod:`berth.agent.exit_status`).
     """
 
     def __init__(
@@ -96,6 +97,7 @@ class AgentDialer:
         dial_timeout_s: float = DIAL_TIMEOUT_S,
         renew: bool = True,
         leaders: LeaderList | None = None,
+        first_dial_after_s: float = 0.0,
     ) -> None:
         self._identity = identity
         self._leaders = leaders or LeaderList([], identity.leader_url)
@@ -107,6 +109,7 @@ class AgentDialer:
         self._status = status
         self._limits = limits or LinkLimits()
         self._backoff = backoff or functools.partial(backoff_delay, cap_s=redial_max_s)
+        self._first_dial_after_s = first_dial_after_s
         self._stopping = asyncio.Event()
         self._conn: LinkConnection | None = None
         #: the reason of the last link's close (a rate limit's ``retry_after_s``)
@@ -128,6 +131,10 @@ class AgentDialer:
         self._reload_identity()
         ssl_context = client_ssl_context(self._identity)
         attempt = 0
+        if self._first_dial_after_s > 0:
+            self._status.set("backoff")
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stopping.wait(), self._first_dial_after_s)
         async with aiohttp.ClientSession() as http:
             while not self._stopping.is_set():
                 url = cluster_ws_url(self._leaders.current)
