@@ -52,9 +52,9 @@ def relayed(postgres_server: PostgresServer) -> Iterator[tuple[str, TcpRelay]]:
 
 
 def test_the_limits_follow_the_lease_and_reach_the_server(postgres_server: PostgresServer) -> None:
-    assert StoreDeadlines.within_lease(5.0) == StoreDeadlines(2.5, 2.5, 2)
-    assert StoreDeadlines.within_lease(30.0).connect_s == 15
-    assert DEADLINES.libpq_parameters()["tcp_user_timeout"] == 1000
+    assert StoreDeadlines.within_lease(5.0) == StoreDeadlines(4.0, 4.0, 4)
+    assert StoreDeadlines.within_lease(2.0).connect_s == 2  # libpq's least
+    assert DEADLINES.libpq_parameters()["tcp_user_timeout"] == 1600
     with pytest.raises(ValueError, match="connect_s"):
         StoreDeadlines(1.0, 1.0, 1)
     url = postgres_server.create_database()
@@ -65,8 +65,8 @@ def test_the_limits_follow_the_lease_and_reach_the_server(postgres_server: Postg
                 for name in ("statement_timeout", "idle_in_transaction_session_timeout")
             }
             assert shown == {
-                "statement_timeout": "1s",
-                "idle_in_transaction_session_timeout": "1s",
+                "statement_timeout": "1600ms",
+                "idle_in_transaction_session_timeout": "1600ms",
             }
     finally:
         postgres_server.drop_database(url)
@@ -83,7 +83,7 @@ def test_a_connection_that_hangs_mid_query_is_cut_and_discarded(
         with store.engine.connect() as conn:
             # The query is on its way when the network goes silent.
             threading.Timer(0.3, relay.black_hole).start()
-            with pytest.raises(StoreDeadlineError, match=r"1 s deadline") as raised:
+            with pytest.raises(StoreDeadlineError, match=r"1.6 s deadline") as raised:
                 conn.execute(text("SELECT pg_sleep(0.6)"))
             took_s = time.monotonic() - began
             assert conn.invalidated, "the cut connection would be reused"

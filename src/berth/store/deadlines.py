@@ -53,6 +53,8 @@ DEFAULT_CALL_S: Final = 10.0
 #: The least time libpq waits for a connection, in seconds (a smaller ``connect_timeout``
 #: is read as this).
 LIBPQ_MIN_CONNECT_S: Final = 2
+#: The share of the lease a leader's database call may take (:meth:`StoreDeadlines.within_lease`).
+LEASE_SHARE: Final = 0.8
 
 
 @dataclass(frozen=True)
@@ -76,15 +78,17 @@ class StoreDeadlines:
 
     @classmethod
     def within_lease(cls, lease_s: float) -> StoreDeadlines:
-        """The limits of a leader whose lease lasts ``lease_s`` seconds: half of it for a
-        call and for a checkout, so a call that hangs is cut well before the lease runs out
-        (the lease is kept by the leader's own clock whatever the call does; this frees the
-        threads and connections for the next renewal)."""
-        half_s = lease_s / 2
+        """The limits of a leader whose lease lasts ``lease_s`` seconds:
+        :data:`LEASE_SHARE` of it for a call and for a checkout, so a call that hangs is cut
+        before the lease runs out (the lease is kept by the leader's own clock whatever the
+        call does; this frees the threads and connections, and the write lock a vanished
+        session held, for the next renewal and for a standby's takeover), while a renewal
+        on a slow database still fits (five round trips: 2 s at 200 ms each way)."""
+        share_s = lease_s * LEASE_SHARE
         return cls(
-            call_s=half_s,
-            checkout_s=half_s,
-            connect_s=max(LIBPQ_MIN_CONNECT_S, math.floor(half_s)),
+            call_s=share_s,
+            checkout_s=share_s,
+            connect_s=max(LIBPQ_MIN_CONNECT_S, math.floor(share_s)),
         )
 
     def server_settings(self) -> dict[str, int]:
