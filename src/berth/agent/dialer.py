@@ -269,12 +269,16 @@ class AgentDialer:
                 await ws.close()
 
     async def _heartbeats(self, conn: LinkConnection, interval_s: float) -> None:
+        """A heartbeat every ``interval_s``, and one at once when an engine ends."""
+        due = self._service.report_due
         while not conn.closed:
-            await self._service.read_gpus()  # NVML blocks: on a worker thread, not the loop
+            if not due.is_set():  # an end reported now waits for no GPU reading
+                await self._service.read_gpus()  # NVML blocks: on a worker thread
             if conn.closed:
                 return
             conn.send_heartbeat(self._service.heartbeat(time.time()))
-            await asyncio.sleep(interval_s)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(due.wait(), interval_s)
 
     def _report_close(self, code: int | None, reason: str) -> None:
         try:

@@ -9,7 +9,8 @@ same node (``SUPERSEDED``); attaches a :class:`RemoteLink` to the leader's
 ``link_timeout_s`` is dead and ends at once (:class:`~berth.cluster.connection.Liveness`), and
 one that sent no frame for ``node_timeout_s`` (pongs but no heartbeats) is closed; either way
 the node is marked ``unreachable``. When a link comes up or goes down the lifecycle manager
-hears of it, to reconcile deployments and stop routing to that node.
+hears of it, to reconcile deployments and stop routing to that node; an engine an agent
+reports ended (in a heartbeat it sends at once) leaves routing as the heartbeat is read.
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ from berth.engine_http.errors import UpstreamConnectError
 from berth.engine_http.origin import Origin
 from berth.errors import BerthError, StoreError
 from berth.observability.cluster import ClusterMetrics
+from berth.runtime.base import EngineExit
 from berth.store import Store
 from berth.store.records import NodeHardware
 
@@ -76,6 +78,10 @@ class NodeListener(Protocol):
     def node_disconnected(self, node_id: str) -> None: ...
 
     def adopted_reported(self, node_id: str, adopted: list[AdoptedState]) -> None: ...
+
+    def engine_ended(self, node_id: str, deployment_id: str, exited: EngineExit | None) -> None:
+        """An agent reported that one of its engines ended by itself."""
+        ...
 
 
 class AgentGate(Protocol):
@@ -479,6 +485,12 @@ class NodeHub:
         if link is not None and link.conn is conn:
             link.record_heartbeat(heartbeat, now)
             if self._listener is not None:
+                # An engine that ended leaves routing now, before the next request.
+                for ended in heartbeat.ended:
+                    exited = None
+                    if ended.exit_code is not None or ended.exit_signal is not None:
+                        exited = EngineExit(ended.exit_code, ended.exit_signal)
+                    self._listener.engine_ended(node_id, ended.deployment_id, exited)
                 self._listener.adopted_reported(node_id, heartbeat.adopted)
             if self._cluster_metrics is not None:
                 self._cluster_metrics.record_heartbeat(node_id, heartbeat, now)
