@@ -1,7 +1,9 @@
 """The leader's hub of agent links: the ``/cluster/agent`` WebSocket endpoint.
 
-For every connection it: takes the node's identity from the verified client certificate (never
-from a frame) and checks it against the store (:mod:`berth.cluster.node_identity`); refuses
+For every connection it: sends the agent to the active leader (``NOT_LEADER``) when this one
+is a standby, before asking the store anything; takes the node's identity from the verified
+client certificate (never from a frame) and checks it against the store
+(:mod:`berth.cluster.node_identity`; a store that does not answer closes with 1011); refuses
 with a typed close code (``BAD_CERTIFICATE``, ``NODE_REMOVED``, ``PROTOCOL_ERROR``,
 ``UNSUPPORTED_VERSION``); waits for Hello and answers Welcome; closes an older session of the
 same node (``SUPERSEDED``); attaches a :class:`RemoteLink` to the leader's
@@ -251,12 +253,23 @@ class NodeHub:
             max_msg_size=4 * self.limits.max_frame_bytes, compress=False, autoping=False
         )
         await ws.prepare(request)
+        # A standby sends the agent on before asking the store anything: it answers at once
+        # even while the database does not (an outage makes every leader a standby), and the
+        # active checks the agent's identity when it dials there (docs/ha.md).
+        standby = self.agent_gate.refusal() if self.agent_gate is not None else None
+        if standby is not None:
+            log.info("sent the agent at %s to the active leader: %s", peer, standby)
+            await ws.close(code=CloseCode.NOT_LEADER, message=standby.encode())
+            return ws
         try:
             node_id, refusal, certificate_der, not_after = await identify_node(
                 request, self._store, self._forwarded, self._clock
             )
-        except StoreError as exc:  # the store is out of reach: refuse, and say what to do
-            await self._refuse_unidentified(ws, peer, exc)
+        except StoreError as exc:  # the store is out of reach: the agent redials
+            log.warning("refused agent link from %s: the store did not answer: %s", peer, exc)
+            await ws.close(
+                code=CloseCode.INTERNAL_ERROR, message=b"the leader's store did not answer"
+            )
             return ws
         if refusal is not None:
             log.warning("refused agent link from %s: %s", peer, refusal[1])
@@ -264,11 +277,6 @@ class NodeHub:
             await ws.close(code=refusal[0], message=refusal[1].encode()[:120])
             return ws
         assert node_id is not None
-        standby = self.agent_gate.refusal() if self.agent_gate is not None else None
-        if standby is not None:  # a standby leader: go to the active (docs/ha.md)
-            log.info("sent agent %s (%s) to the active leader: %s", node_id, peer, standby)
-            await ws.close(code=CloseCode.NOT_LEADER, message=standby.encode())
-            return ws
         retry_after_s = self._dial_limiter.check(node_id, time.monotonic())
         if retry_after_s is not None:
             log.warning("refused agent link from %s: node %s dials too often", peer, node_id)
@@ -327,21 +335,6 @@ class NodeHub:
             self._drop(node_id, conn)
             log.info("node %s link closed (code %s)", node_id, conn.close_code)
         return ws
-
-    async def _refuse_unidentified(
-        self, ws: web.WebSocketResponse, peer: str, exc: StoreError
-    ) -> None:
-        """Close an agent's link whose node could not be looked up (the store did not
-        answer): ``NOT_LEADER`` from a standby (a database outage makes every leader one, and
-        the agent redials within seconds, docs/ha.md), else 1011 with the error."""
-        standby = self.agent_gate.refusal() if self.agent_gate is not None else None
-        if standby is not None:
-            log.info("sent agent %s to the active leader (the store is out of reach): %s",
-                     peer, standby)  # fmt: skip
-            await ws.close(code=CloseCode.NOT_LEADER, message=standby.encode())
-            return
-        log.warning("refused agent link from %s: the store did not answer: %s", peer, exc)
-        await ws.close(code=CloseCode.INTERNAL_ERROR, message=b"the leader's store did not answer")
 
     async def _admit(
         self, node_id: str, conn: LinkConnection, hello: Hello, certificate_der: bytes | None
