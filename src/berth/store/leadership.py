@@ -211,7 +211,7 @@ class Leadership:
 
     def _lapse(self) -> None:
         """The lease ran out by this leader's clock, unrenewed: stand by now."""
-        self._expiry = None
+        self._cancel_expiry()
         held = self._state
         if held.role != "active":
             return
