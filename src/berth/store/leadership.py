@@ -173,9 +173,15 @@ class Leadership:
         self._set(LeaseState("standby", held.epoch, None, None, held.expires_at), None)
 
     async def _run(self) -> None:
+        # Looks begin a third of a lease apart, however long each takes (on a database 200 ms
+        # away a renewal is five round trips, 2 s): timed from the end of the last one, the
+        # renewals of a slow database would come later than the lease lasts.
+        loop = asyncio.get_running_loop()
         interval = self._lease_s / RENEWALS_PER_LEASE
+        next_at = loop.time() + interval
         while True:
-            await asyncio.sleep(interval)
+            await asyncio.sleep(max(0.0, next_at - loop.time()))
+            next_at = loop.time() + interval
             await self.tick()
 
     async def tick(self) -> None:
