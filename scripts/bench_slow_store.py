@@ -122,7 +122,13 @@ def main(delay_ms: int, rounds: int, clients: int, round_s: float) -> None:
                 results: list[Round] = []
                 for number in range(rounds):
                     for delay in (0, delay_ms) if number % 2 == 0 else (delay_ms, 0):
-                        result = _round(leader, relay, delay, clients, round_s)
+                        try:
+                            result = _round(leader, relay, delay, clients, round_s)
+                        except httpx.HTTPError:
+                            log = leader.leader_home / "logs" / "daemon.log"
+                            print("the leader stopped answering; its log ends:",
+                                  *log.read_text().splitlines()[-30:], sep="\n")  # fmt: skip
+                            raise
                         results.append(result)
                         print(f"delay {delay:>3} ms each way: {result.requests} requests, "
                               f"{result.errors} errors, p50 {result.p50_ms:.2f} ms, p99 "

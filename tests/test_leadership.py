@@ -203,3 +203,22 @@ async def test_renewals_that_take_long_still_keep_the_lease(db_url: str) -> None
         print("renewals began apart by", [round(gap, 2) for gap in gaps], "s")
         assert roles == ["active", "standby"]  # the standby is the stop's, not a lapse
         assert max(gaps) < 0.4 * lease_s + lease_s / 3
+
+
+async def test_the_lease_is_renewed_while_every_shared_worker_thread_is_busy(db_url: str) -> None:
+    """A slow database fills the default executor's few threads with the leader's other
+    calls; the lease's calls run on a thread of their own and do not queue behind them."""
+    with Store(db_url) as store:
+        store.migrate()
+        a = Leadership(store, me="a", address="https://a:11500", lease_s=LEASE_S)
+        await a.tick()
+        busy = threading.Event()
+        workers = [asyncio.create_task(asyncio.to_thread(busy.wait, EVENT_TIMEOUT_S))
+                   for _ in range(64)]  # fmt: skip
+        try:
+            await asyncio.wait_for(a.tick(), EVENT_TIMEOUT_S / 2)  # a renewal, not queued
+            assert a.is_active
+        finally:
+            busy.set()
+            await asyncio.gather(*workers)
+            await a.stop()

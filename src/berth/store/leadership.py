@@ -18,7 +18,10 @@ active a timer runs to the end of its lease (``lease_s`` after its last good ren
 and when it fires unrenewed this leader stands by at that moment, even with a renewal still
 waiting on a database that stopped answering (a silent network partition).  That call ends
 within the store's deadlines (:mod:`berth.store.deadlines`); an answer that comes back after
-the lease ran out by this clock counts for nothing.  The worker processes and serving
+the lease ran out by this clock counts for nothing.  The lease's calls run on a thread of
+their own, so they never wait behind the leader's other database calls (a slow database
+fills the shared worker threads), and its looks begin a third of a lease apart however long
+each takes.  The worker processes and serving
 leaders of a cluster follow the same :attr:`Leadership.is_active` and role changes.
 
 Without ``leader_ha`` there is no loop: the one leader is active with epoch 0 and its
@@ -35,8 +38,9 @@ import secrets
 import socket
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Final
+from typing import Final, TypeVar
 
 from berth.errors import StoreError
 from berth.store.errors import StandbyError
@@ -50,6 +54,8 @@ RENEWALS_PER_LEASE: Final = 3
 
 #: Hears a change of role (the new state).  Called on the event loop; must not block.
 RoleListener = Callable[[LeaseState], None]
+
+T = TypeVar("T")
 
 
 def leader_id() -> str:
@@ -106,6 +112,8 @@ class Leadership:
         self._task: asyncio.Task[None] | None = None
         self._active = asyncio.Event()
         self._expiry: asyncio.TimerHandle | None = None  # the end of the lease held
+        #: the lease's calls: never queued behind the leader's other database calls
+        self._calls: ThreadPoolExecutor | None = None
 
     @property
     def me(self) -> str:
@@ -167,10 +175,13 @@ class Leadership:
         held = self._state
         if release and held.role == "active":
             try:
-                await asyncio.to_thread(self._store.release_lease, self._me, held.epoch)
+                await self._call(self._store.release_lease, self._me, held.epoch)
             except StoreError as exc:
                 _log.warning("leadership: cannot release the lease: %s", exc)
         self._set(LeaseState("standby", held.epoch, None, None, held.expires_at), None)
+        calls, self._calls = self._calls, None
+        if calls is not None:
+            calls.shutdown(wait=False)  # a call that hangs ends within its deadline
 
     async def _run(self) -> None:
         # Looks begin a third of a lease apart, however long each takes (on a database 200 ms
@@ -193,11 +204,9 @@ class Leadership:
         held = self._state
         try:
             if held.role == "active":
-                new = await asyncio.to_thread(
-                    self._store.renew_lease, self._me, held.epoch, self._lease_s
-                )
+                new = await self._call(self._store.renew_lease, self._me, held.epoch, self._lease_s)
             else:
-                new = await asyncio.to_thread(
+                new = await self._call(
                     self._store.acquire_lease, self._me, self._address, self._lease_s
                 )
         except StoreError as exc:
@@ -214,6 +223,12 @@ class Leadership:
             )
             new = LeaseState("standby", new.epoch, None, None, new.expires_at)
         self._set(new, began if new.role == "active" else None)
+
+    async def _call(self, call: Callable[..., T], *args: object) -> T:
+        """``call(*args)`` on the lease's own thread."""
+        if self._calls is None:
+            self._calls = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lease")
+        return await asyncio.get_running_loop().run_in_executor(self._calls, call, *args)
 
     def _lapse(self) -> None:
         """The lease ran out by this leader's clock, unrenewed: stand by now."""
