@@ -2,8 +2,10 @@
 
 Real processes on loopback, set up with the tests' harnesses: a throwaway PostgreSQL server
 (``tests/support/postgres.py``) behind a TCP relay that delays every chunk by ``--delay-ms``
-each way (``tests/support/tcp_relay.py``), and one leader daemon (``leader_ha``, a 5 s lease,
-its store through the relay) with a deployment of the fake engine on its own host.  Each
+each way (``tests/support/tcp_relay.py``), and one leader daemon (``leader_ha``,
+its store through the relay; a lease of ``--lease-s``, 10 s by default: a renewal is six
+round trips, 2.4 s at 200 ms each way and up to 4.5 s seen under this load, which a lease
+must outlast twice) with a deployment of the fake engine on its own host.  Each
 round sends ``--clients`` clients' non-streamed chat completions, one after another per
 client, for ``--round-s`` seconds (several lives of the 5 s key cache, so the key is read
 again several times per round), with one key used from the start, and reports p50 and p99
@@ -100,7 +102,7 @@ def _round(leader: Cluster, relay: TcpRelay, delay_ms: int, clients: int, round_
     )
 
 
-def main(delay_ms: int, rounds: int, clients: int, round_s: float) -> None:
+def main(delay_ms: int, rounds: int, clients: int, round_s: float, lease_s: float) -> None:
     server = PostgresServer.start()
     relay: TcpRelay | None = None
     try:
@@ -110,7 +112,7 @@ def main(delay_ms: int, rounds: int, clients: int, round_s: float) -> None:
         settings = {
             "BERTH_DATABASE_URL": relayed,
             "BERTH_LEADER_HA": "true",
-            "BERTH_LEADER_LEASE_S": "5.0",
+            "BERTH_LEADER_LEASE_S": str(lease_s),
             "PYTHONPATH": str(ROOT / "src"),
         }
         with tempfile.TemporaryDirectory(prefix="berth-bench-slow-store-") as folder:
@@ -127,7 +129,7 @@ def main(delay_ms: int, rounds: int, clients: int, round_s: float) -> None:
                         except httpx.HTTPError:
                             log = leader.leader_home / "logs" / "daemon.log"
                             print("the leader stopped answering; its log ends:",
-                                  *log.read_text().splitlines()[-30:], sep="\n")  # fmt: skip
+                                  *log.read_text().splitlines()[-120:], sep="\n")  # fmt: skip
                             raise
                         results.append(result)
                         print(f"delay {delay:>3} ms each way: {result.requests} requests, "
@@ -159,5 +161,6 @@ if __name__ == "__main__":
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--clients", type=int, default=3)
     parser.add_argument("--round-s", type=float, default=20.0)
+    parser.add_argument("--lease-s", type=float, default=10.0)
     args = parser.parse_args()
-    main(args.delay_ms, args.rounds, args.clients, args.round_s)
+    main(args.delay_ms, args.rounds, args.clients, args.round_s, args.lease_s)
