@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from berth.agent.leaders import HANDOVER_REFUSALS, LeaderList, NextDial, next_dial
+from berth.agent.leaders import LeaderList, NextDial, next_dial
 from berth.cluster.enrollment import EnrollmentURI
 from berth.cluster.protocol.errors import (
     CloseCode,
@@ -36,37 +36,35 @@ def test_a_standbys_refusal_sends_the_agent_to_the_named_active_at_once_once_in_
     reason = not_leader_reason(C)
     assert active_named_in(reason) == C
     assert next_dial([A, B], A, code=CloseCode.NOT_LEADER, reason=reason, jumped_last=False) == (
-        NextDial(C, at_once=True)
+        NextDial(C, at_once=True, refused=True, names_active=True)
     )
-    # A second refusal in a row waits the backoff (two stale standbys cannot make it spin).
+    # A second refusal in a row waits a short redial (two stale standbys cannot make it spin).
     assert next_dial([A, B], A, code=CloseCode.NOT_LEADER, reason=reason, jumped_last=True) == (
-        NextDial(C, at_once=False)
+        NextDial(C, at_once=False, refused=True, names_active=True)
     )
-    # A standby that knows no active: the next in turn, after the backoff.
+    # A standby that knows no active: the next in turn, after a short redial.
     unknown = not_leader_reason(None)
     assert active_named_in(unknown) is None
     assert next_dial([A, B], A, code=CloseCode.NOT_LEADER, reason=unknown, jumped_last=False) == (
-        NextDial(B, at_once=False)
+        NextDial(B, at_once=False, refused=True)
     )
     assert agent_should_redial(CloseCode.NOT_LEADER)
 
 
-def test_once_a_standby_named_an_active_the_backoff_is_held_until_a_welcome() -> None:
+def test_only_a_dial_no_leader_answers_is_not_a_refusal() -> None:
     # kill -9 of the active A: the link breaks, standby B names A until its lease runs out,
-    # A refuses connections. Without the hold the backoff doubled through the lease.
+    # A refuses connections; or a database outage: every leader refuses naming none.
     leaders = LeaderList([A, B], A)
-    assert leaders.ended(None, "") == NextDial(B, at_once=False, handing_over=False)
+    assert leaders.ended(None, "") == NextDial(B, at_once=False)
     named = not_leader_reason(A)
-    for _ in range(HANDOVER_REFUSALS):
-        assert leaders.ended(CloseCode.NOT_LEADER, named) == NextDial(A, True, True)
-        assert leaders.ended(None, "") == NextDial(B, at_once=False, handing_over=True)
-    # Past the bound (a standby that never takes over): the doubling backoff again.
-    assert leaders.ended(CloseCode.NOT_LEADER, named).handing_over is False
-    assert leaders.ended(None, "").handing_over is False
-    leaders.welcomed([A, B])
-    assert leaders.ended(None, "").handing_over is False
-    # A standby that names no active says nothing of a handover.
-    assert leaders.ended(CloseCode.NOT_LEADER, not_leader_reason(None)).handing_over is False
+    for _ in range(40):  # however long the handover or the outage lasts
+        assert leaders.ended(CloseCode.NOT_LEADER, named) == NextDial(A, True, True, True)
+        assert leaders.ended(None, "") == NextDial(B, at_once=False)
+    for _ in range(40):
+        refused = leaders.ended(CloseCode.NOT_LEADER, not_leader_reason(None))
+        assert (refused.refused, refused.names_active, refused.at_once) == (True, False, False)
+    for code in (CloseCode.LEADER_SHUTTING_DOWN, CloseCode.HEARTBEAT_TIMEOUT):
+        assert not leaders.ended(code, "").refused
 
 
 def test_the_list_is_kept_atomically_and_follows_each_welcome(tmp_path: Path) -> None:
@@ -82,7 +80,8 @@ def test_the_list_is_kept_atomically_and_follows_each_welcome(tmp_path: Path) ->
     leaders.welcomed([])  # a lone or older leader lists none: the list stays
     assert leaders.leaders == [A, B, C]
     jumped = leaders.ended(CloseCode.NOT_LEADER, not_leader_reason(A))
-    assert jumped == NextDial(A, at_once=True, handing_over=True) and leaders.current == A
+    assert jumped == NextDial(A, at_once=True, refused=True, names_active=True)
+    assert leaders.current == A
 
 
 @pytest.mark.parametrize("text", ["not json", '["a list"]', '{"leaders": 3}'])

@@ -1,7 +1,8 @@
-"""The API-key cache of :class:`berth.gateway.auth.Authenticator`, against a real store: steady
-traffic never waits for the store, concurrent misses share one read, and a key revoked or
-changed stops being served from the cache; bad secrets are remembered, read a few at a time,
-and limited per client address without ever refusing a key found valid."""
+"""The API-key cache of :class:`berth.gateway.auth.Authenticator`, against a real store: no
+request with a key found valid waits for its re-read (stale-while-revalidate, up to
+``MAX_STALE_S``), concurrent misses share one read, and a key revoked or changed stops being
+served from the cache; bad secrets are remembered, read a few at a time, and limited per
+client address without ever refusing a key found valid."""
 
 from __future__ import annotations
 
@@ -13,7 +14,12 @@ from collections.abc import Mapping
 import pytest
 
 from berth.errors import AuthError, RateLimitError
-from berth.gateway.auth import MAX_CONCURRENT_MISSES, NEGATIVE_CACHE_TTL_S, Authenticator
+from berth.gateway.auth import (
+    MAX_CONCURRENT_MISSES,
+    MAX_STALE_S,
+    NEGATIVE_CACHE_TTL_S,
+    Authenticator,
+)
 from berth.gateway.auth_limiter import FailedAuthLimiter
 from berth.keys import generate_secret, hash_secret, key_prefix
 from berth.store import ApiKeyRecord, Store
@@ -111,18 +117,66 @@ async def test_a_record_in_use_is_read_again_in_the_background_while_requests_go
     reads.gate.set()
 
 
-async def test_a_record_unused_past_its_lifetime_is_read_while_the_request_waits(
+async def test_a_record_past_its_lifetime_is_served_while_it_is_read_again(
+    store: Store, authenticator: Authenticator, monotonic: Clock, reads: CountedReads
+) -> None:
+    """Stale-while-revalidate: however slow the read (held here), the request does not wait
+    for it; the read that finds the key revoked ends its use."""
+    secret, record = add_key(store)
+    await authenticator.authenticate(secret)
+    assert authenticator.counts.waits == {"new": 1}  # its first use waited, nothing since
+
+    monotonic.now += TTL_S * 4  # long past its lifetime, within MAX_STALE_S
+    store.revoke_api_key(record.id)  # by another leader whose notification was lost, say
+    reads.gate = threading.Event()
+    async with asyncio.timeout(2):  # the read is held: a wait for it would time out
+        assert await authenticator.authenticate(secret) == record
+        assert await authenticator.authenticate(secret) == record
+    await wait_for_async(lambda: reads.count == 2, 10, "the read in the background")
+    assert authenticator.reads_in_flight == 1
+    reads.gate.set()
+    await settle(authenticator)
+
+    with pytest.raises(AuthError, match="invalid API key"):
+        await authenticator.authenticate(secret)
+    assert authenticator.counts.waits == {"new": 1}  # the refusal came from the negative cache
+
+
+async def test_past_the_stale_bound_the_request_waits_for_the_read(
     store: Store, authenticator: Authenticator, monotonic: Clock, reads: CountedReads
 ) -> None:
     secret, record = add_key(store)
     await authenticator.authenticate(secret)
+    monotonic.now += MAX_STALE_S
+    reads.gate = threading.Event()
+    waiting = asyncio.ensure_future(authenticator.authenticate(secret))
+    await wait_for_async(lambda: reads.count == 2, 10, "the read")
+    assert not waiting.done()
+    reads.gate.set()
+    assert await waiting == record
+    assert authenticator.counts.waits == {"new": 1, "stale": 1}
 
-    monotonic.now += TTL_S
-    store.revoke_api_key(record.id)  # by another leader on the same database, say
 
+async def test_a_changed_key_waits_for_its_read_and_the_others_do_not(
+    store: Store, authenticator: Authenticator, reads: CountedReads
+) -> None:
+    changed_secret, changed = add_key(store, "changed")
+    other_secret, other = add_key(store, "other")
+    await authenticator.authenticate(changed_secret)
+    await authenticator.authenticate(other_secret)
+    store.revoke_api_key(changed.id)
+    authenticator.forget([changed.id])  # what the admin API and the key sync do
+
+    reads.gate = threading.Event()
+    async with asyncio.timeout(2):
+        assert await authenticator.authenticate(other_secret) == other
+    refused = asyncio.ensure_future(authenticator.authenticate(changed_secret))
+    await wait_for_async(lambda: reads.count == 3, 10, "the changed key's read")
+    assert not refused.done()
+    reads.gate.set()
     with pytest.raises(AuthError, match="invalid API key"):
-        await authenticator.authenticate(secret)
-    assert reads.count == 2
+        await refused
+    assert authenticator.counts.waits == {"new": 2, "changed": 1}
 
 
 async def test_requests_that_miss_together_share_one_read(
@@ -207,7 +261,7 @@ async def test_a_request_after_the_cache_is_dropped_does_not_share_a_read_begun_
     assert reads.count == 2
 
 
-async def test_a_store_failure_in_the_background_keeps_the_record_until_its_lifetime_ends(
+async def test_a_store_failure_in_the_background_keeps_the_record_up_to_the_stale_bound(
     store: Store,
     authenticator: Authenticator,
     monotonic: Clock,
@@ -226,9 +280,17 @@ async def test_a_store_failure_in_the_background_keeps_the_record_until_its_life
     assert await authenticator.authenticate(secret) == record  # and no read meanwhile
     assert reads.count == 2
 
-    monotonic.now += TTL_S * 0.3  # its lifetime is over: the request waits, and sees the failure
+    # Past its lifetime: still served, and read again a while after the failure.
+    monotonic.now += TTL_S
+    assert await authenticator.authenticate(secret) == record
+    await settle(authenticator)
+    assert reads.count == 3
+
+    # Past the stale bound: the request waits for the read, and sees the failure.
+    monotonic.now += MAX_STALE_S
     with pytest.raises(OSError, match="database is locked"):
         await authenticator.authenticate(secret)
+    assert authenticator.counts.waits == {"new": 1, "stale": 1}
 
 
 async def test_a_missing_or_unknown_secret_is_refused(

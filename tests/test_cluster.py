@@ -26,6 +26,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
+from berth.agent.exit_status import EXIT_REENROLL
 from berth.cluster.protocol.errors import CloseCode
 from berth.cluster.protocol.frames import Heartbeat, encode_frame
 from support.cluster_harness import Agent, Cluster, rss_mb, started_cluster
@@ -291,7 +292,7 @@ def test_remove_cuts_a_live_agent_off_and_its_certificate_stops_working(
     )
     agent.process.wait(timeout=EVENT_TIMEOUT_S)
 
-    assert agent.process.returncode == 1
+    assert agent.process.returncode == EXIT_REENROLL  # its unit does not restart it
     assert "4403" in agent.status(two_node_cluster.env)["last_error"]
     record = two_node_cluster.deployment(_deployment_id_of(two_node_cluster, "tiny-gpu-c"))
     assert record["state"] == "failed" and "removed" in record["failure_reason"]

@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from berth.errors import EngineError
-from berth.runtime.base import LaunchSpec
+from berth.runtime.base import EngineExit, LaunchSpec
 from berth.runtime.bundled import smollm2_gguf
 from berth.runtime.docker import DockerRuntime, resolve_docker_host
 from berth.runtime.docker.network import ENGINE_NETWORK
@@ -22,6 +22,7 @@ from berth.runtime.engine_container import build_container_spec
 from berth.runtime.engines import DeploymentRequest
 from support.docker_support import berth_containers
 from support.installed import check_needs
+from support.waiting import EVENT_TIMEOUT_S, wait_for_async
 
 pytestmark = [pytest.mark.slow, pytest.mark.docker]
 
@@ -34,6 +35,7 @@ def runtime(tmp_path: Path, docker_client: Any) -> Iterator[DockerRuntime]:
     yield runtime
     for container in berth_containers(docker_client, home=str(tmp_path)):
         container.remove(force=True)  # nothing a failed test started outlives it
+    runtime.close()
 
 
 def _spec(tmp_path: Path, image: str, *extra: str, api_key: str | None = None) -> LaunchSpec:
@@ -160,3 +162,20 @@ async def test_a_new_runtime_finds_a_running_container_by_its_labels(
     await after_restart.stop(found, grace_s=5)
     assert berth_containers(docker_client, deployment=spec.deployment_id) == []
     assert await after_restart.attach(spec.deployment_id, tmp_path / "engine.log") is None
+
+
+async def test_a_container_killed_is_heard_from_the_events_stream(
+    runtime: DockerRuntime, docker_client: Any, engine_image: str, tmp_path: Path
+) -> None:
+    """``docker kill`` of a ready engine's container: the runtime hears Docker's ``die``
+    event, with the exit code (137: SIGKILL), without a poll (issue 37)."""
+    spec = _spec(tmp_path, engine_image)
+    handle = await runtime.start(spec)
+    await runtime.wait_healthy(handle, spec, timeout_s=120)
+    heard: list[EngineExit | None] = []
+    runtime.watch_exit(handle, heard.append)
+    docker_client.containers.get(handle.container_id).kill()
+    await wait_for_async(lambda: heard, EVENT_TIMEOUT_S, "the container's die event")
+    assert heard == [EngineExit(code=137)]
+    assert not runtime.is_alive(handle)
+    await runtime.stop(handle, grace_s=1)

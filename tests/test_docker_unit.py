@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import queue
 import threading
 from collections.abc import Generator, Iterator, Mapping, Sequence
 from dataclasses import replace
@@ -17,10 +18,11 @@ import pytest
 
 from berth.agent.core import AgentCore
 from berth.errors import EngineError
-from berth.runtime.base import LaunchSpec
+from berth.runtime.base import EngineExit, LaunchSpec
 from berth.runtime.docker import DockerRuntime, PullProgress, docker_error_text
 from berth.runtime.docker.api import (
     ContainerConfig,
+    ContainerEnded,
     ContainerInfo,
     ContainerState,
     DockerApi,
@@ -28,6 +30,7 @@ from berth.runtime.docker.api import (
     DockerNotFound,
     EngineInfo,
     EngineVersion,
+    EventStream,
     ImageInfo,
     NetworkInfo,
     PortBinding,
@@ -62,6 +65,8 @@ class RecordingDocker:
         self.networks: dict[str, NetworkInfo] = {}
         self.exit_code_on_start: int | None = None
         self._ids = itertools.count(1)
+        #: the ``die`` events Docker would stream (``None`` ends the stream)
+        self.ends: queue.Queue[ContainerEnded | None] = queue.Queue()
 
     def _seen(self) -> None:
         self.threads.append(threading.get_ident())
@@ -172,6 +177,26 @@ class RecordingDocker:
     def follow_logs(self, container_id: str, *, since: float | None = None) -> Iterator[bytes]:
         self._seen()
         return iter([b"engine output\n"])
+
+    def container_ends(self, labels: Sequence[str]) -> EventStream:
+        self._seen()
+        ends = self.ends
+
+        class Stream:
+            def __iter__(self) -> Iterator[ContainerEnded]:
+                while (ended := ends.get()) is not None:
+                    yield ended
+
+            def close(self) -> None:
+                ends.put(None)
+
+        return Stream()
+
+    def die(self, container_id: str, exit_code: int) -> None:
+        """The container's process ends by itself (killed, crashed): Docker says so."""
+        stopped = ContainerState(running=False, exit_code=exit_code)
+        self.containers_by_id[container_id] = replace(self._existing(container_id), state=stopped)
+        self.ends.put(ContainerEnded(container_id, exit_code))
 
     def close(self) -> None:
         self._seen()
@@ -345,3 +370,34 @@ async def test_a_container_that_exits_at_once_reports_how(
     with pytest.raises(EngineError, match="container exited with code 2") as failure:
         await runtime.wait_healthy(handle, spec, timeout_s=5)
     assert "engine output" in (failure.value.log_tail or "")
+
+
+async def test_a_container_that_dies_is_reported_from_the_events_stream(
+    tmp_path: Path, fake: RecordingDocker
+) -> None:
+    """Its end is heard from Docker's events as it happens (no poll), with its exit code; a
+    container stopped on purpose is not reported."""
+    runtime = _runtime(tmp_path, fake)
+    try:
+        handle = await runtime.start(_spec(tmp_path))
+        heard: list[EngineExit | None] = []
+        runtime.watch_exit(handle, heard.append)
+        assert handle.container_id is not None
+        await asyncio.to_thread(fake.die, handle.container_id, 137)
+        await wait_for_async(lambda: heard, EVENT_TIMEOUT_S, "the container's end")
+        assert heard == [EngineExit(code=137)]
+        assert not runtime.is_alive(handle)
+
+        stopped = await runtime.start(_spec(tmp_path))
+        runtime.watch_exit(stopped, heard.append)
+        runtime.unwatch_exit(stopped)  # stopping it: not news
+        await runtime.stop(stopped, grace_s=1)
+        marker = await runtime.start(_spec(tmp_path))
+        runtime.watch_exit(marker, heard.append)
+        assert stopped.container_id is not None and marker.container_id is not None
+        fake.ends.put(ContainerEnded(stopped.container_id, 143))
+        await asyncio.to_thread(fake.die, marker.container_id, 1)  # after it, in order
+        await wait_for_async(lambda: len(heard) == 2, EVENT_TIMEOUT_S, "the marker's end")
+        assert heard == [EngineExit(code=137), EngineExit(code=1)]
+    finally:
+        runtime.close()

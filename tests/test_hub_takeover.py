@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
+import pytest
 
 from berth.agent.identity import AgentIdentity
 from berth.agent.registration import register_agent
@@ -42,6 +43,7 @@ from berth.cluster.protocol.frames import (
     decode_frame,
     encode_frame,
 )
+from berth.errors import StoreError
 from berth.paths import BerthHome
 from berth.store import Store
 from support.leader_home import leader_home
@@ -172,3 +174,34 @@ async def test_a_link_that_ends_on_a_leader_no_longer_active_marks_nothing(
         await wait_for_async(lambda: not leader.hub.is_connected(a), EVENT_TIMEOUT_S, "the end")
         await asyncio.sleep(0.5)  # a mark would be a background write: give it time
         assert leader.store.get_node(a).status == "ready"
+
+
+async def _dial_close(leader: HubLeader, label: str) -> tuple[int, str]:
+    """``label``'s agent dials; the close code and reason it is answered with."""
+    url = leader.url.replace("https://", "wss://") + "/cluster/agent"
+    async with (
+        aiohttp.ClientSession() as http,
+        http.ws_connect(url, ssl=leader.agent_tls(label), max_msg_size=0) as ws,
+    ):
+        message = await ws.receive(timeout=15)
+        assert message.type is aiohttp.WSMsgType.CLOSE, message
+        return int(message.data), str(message.extra)
+
+
+async def test_a_leader_whose_store_does_not_answer_still_answers_agents(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A database outage (issue 37): a standby sends agents on without asking the store; an
+    active that cannot look the node up closes with 1011; either way the agent hears a
+    close it redials after, not a broken handshake."""
+    async with hub_leader(tmp_path) as leader:
+
+        def out_of_reach(_fingerprint: str) -> None:
+            raise StoreError("database error: no answer within the call's 4 s deadline")
+
+        monkeypatch.setattr(leader.store, "find_node_by_fingerprint", out_of_reach)
+        assert await _dial_close(leader, "gpu-a") == (
+            CloseCode.INTERNAL_ERROR, "the leader's store did not answer")  # fmt: skip
+        leader.hub.agent_gate = StandingBy()
+        assert await _dial_close(leader, "gpu-a") == (
+            CloseCode.NOT_LEADER, "active=https://b.lan:11501")  # fmt: skip

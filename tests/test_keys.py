@@ -279,7 +279,7 @@ async def test_a_key_named_with_a_slash_before_the_rule_is_still_changed_and_rev
         home=home,
         pepper=b"p" * 32,
         admission=_Admission(),
-        authenticator=SimpleNamespace(forget_all=lambda: None),
+        authenticator=SimpleNamespace(forget=lambda ids: None),
         lifecycle=None,
         routes=None,
         adapters=None,

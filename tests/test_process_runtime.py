@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from berth.errors import EngineError
-from berth.runtime.base import EngineHandle, LaunchSpec
+from berth.runtime.base import EngineExit, EngineHandle, LaunchSpec
 from berth.runtime.engines import (
     DeploymentRequest,
     EngineBinaries,
@@ -26,6 +26,7 @@ from berth.runtime.engines import (
 )
 from berth.runtime.process import ProcessRuntime
 from support.installed import check_needs
+from support.waiting import EVENT_TIMEOUT_S, wait_for_async
 
 # A stand-in engine: serves GET /health like llama-server (503 while "loading", then 200).
 FAKE_ENGINE = r"""
@@ -362,3 +363,38 @@ async def test_real_llama_server_answers_a_chat_completion(tmp_path: Path) -> No
     assert body["choices"][0]["message"]["content"].strip()
     assert body["usage"]["completion_tokens"] > 0
     assert not runtime.is_alive(handle)
+
+
+async def test_an_engines_exit_is_heard_the_moment_it_happens(engines: Engines) -> None:
+    """A pidfd on the event loop: heard with its signal, for our child and for an engine
+    taken back after a restart (not our child: how it ended is not ours to read); an engine
+    stopped on purpose after unwatching it is not heard."""
+    heard: list[tuple[str, object]] = []
+    spec = engines.spec()
+    child = await engines.start(spec)
+    await engines.runtime.wait_healthy(child, spec, timeout_s=20)
+    engines.runtime.watch_exit(child, lambda ended: heard.append(("child", ended)))
+
+    os.kill(child.pid, signal.SIGKILL)
+    await wait_for_async(lambda: heard, EVENT_TIMEOUT_S, "the child's exit")
+    assert heard == [("child", EngineExit(signal="SIGKILL"))]
+
+    other = engines.spec()
+    started = await engines.start(other)
+    await engines.runtime.wait_healthy(started, other, timeout_s=20)
+    after_restart = ProcessRuntime()
+    adopted = after_restart.attach("d-test0001", started.pid, other.port)
+    assert adopted is not None
+    after_restart.watch_exit(adopted, lambda ended: heard.append(("adopted", ended)))
+    os.kill(started.pid, signal.SIGKILL)
+    await wait_for_async(lambda: len(heard) == 2, EVENT_TIMEOUT_S, "the adopted engine's exit")
+    assert heard[1] == ("adopted", None)
+    after_restart.close()
+
+    stopped_spec = engines.spec()
+    stopped = await engines.start(stopped_spec)
+    await engines.runtime.wait_healthy(stopped, stopped_spec, timeout_s=20)
+    engines.runtime.watch_exit(stopped, lambda ended: heard.append(("stopped", ended)))
+    engines.runtime.unwatch_exit(stopped)
+    await engines.runtime.stop(stopped, grace_s=5)
+    assert len(heard) == 2

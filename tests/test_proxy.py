@@ -258,19 +258,25 @@ async def test_a_body_at_the_limit_is_relayed(
     assert engine.requests[0].body == body
 
 
-async def test_an_unreachable_engine_is_502(metrics: ProxyMetrics) -> None:
+async def test_an_engine_that_refuses_the_connection_is_503_with_retry_after(
+    metrics: ProxyMetrics,
+) -> None:
+    """Never a 502: an engine berth believes ready that refuses is berth's to deal with (a
+    retry elsewhere, its restart), and the client is told when to come back."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         dead_port = sock.getsockname()[1]  # nothing listens there once closed
     resolver = StaticResolver({"m": f"http://127.0.0.1:{dead_port}"})
     async with running_proxy(resolver, metrics) as url, httpx.AsyncClient(base_url=url) as client:
         response = await client.post("/v1/chat/completions", json={"model": "m"})
-    assert response.status_code == 502
+    assert response.status_code == 503
+    assert int(response.headers["retry-after"]) >= 1
     error = error_of(response)
-    assert (error["type"], error["code"]) == ("engine_error", "engine_unreachable")
+    assert (error["type"], error["code"]) == ("server_error", "engine_unavailable")
+    assert "refused the connection" in str(error["message"])
     assert str(dead_port) not in str(error["message"])
     errors = sample(
-        metrics, "berth_proxy_errors_total", **M, status_class="5xx", reason="engine_unreachable"
+        metrics, "berth_proxy_errors_total", **M, status_class="5xx", reason="engine_unavailable"
     )
     assert errors == 1
     assert sample(metrics, "berth_proxy_in_flight_requests", **M) == 0

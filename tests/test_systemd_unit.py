@@ -107,12 +107,15 @@ def assert_verified(result: subprocess.CompletedProcess[str]) -> None:
 def test_the_user_unit_runs_the_agent_for_its_home_with_absolute_paths() -> None:
     text = render_unit(unit("user"))
     found = settings(text)
-    assert found["ExecStart"] == [f"{PYTHON} -m berth --home /srv/berth-agent agent start"]
+    assert found["ExecStart"] == [
+        f"{PYTHON} -m berth --home /srv/berth-agent agent start --paced-restarts"
+    ]
     assert "Environment" in found
     assert "BERTH_HOME=/srv/berth-agent" in found["Environment"]
     assert f"PATH={PYTHON.parent}:/usr/bin" in found["Environment"]
     assert found["Restart"] == ["on-failure"]
     assert found["RestartSec"] == ["5s"]
+    assert found["RestartPreventExitStatus"] == ["78"]  # enroll the node again first
     assert found["KillMode"] == ["process"]  # engines outlive an agent restart
     assert found["WantedBy"] == ["default.target"]
     assert "User" not in found
@@ -142,20 +145,23 @@ def test_the_system_unit_runs_as_its_user_after_the_network_with_sandboxing() ->
 @pytest.mark.parametrize(
     ("version", "backoff"), [(None, False), (252, False), (253, False), (254, True), (257, True)]
 )
-def test_the_restart_delay_grows_only_where_systemd_knows_how(
+def test_the_restart_delay_grows_on_every_systemd_version(
     version: int | None, backoff: bool
 ) -> None:
+    """systemd raises it itself from 254 on; before, the agent paces its own restarts."""
     found = settings(render_unit(unit("system", systemd_version=version)))
     assert ("RestartSteps" in found) is backoff
     assert ("RestartMaxDelaySec" in found) is backoff
+    assert found["ExecStart"][0].endswith("agent start --paced-restarts") is not backoff
     assert found["RestartSec"] == ["5s"]
+    assert found["RestartPreventExitStatus"] == ["78"]
 
 
 def test_paths_with_spaces_percent_dollar_and_quotes_are_escaped() -> None:
     home = Path('/srv/my agent/100%$HOME"x\\y')
     found = settings(render_unit(unit("system", home=home)))
     quoted = '"/srv/my agent/100%%$$HOME\\"x\\\\y"'
-    assert found["ExecStart"] == [f"{PYTHON} -m berth --home {quoted} agent start"]
+    assert found["ExecStart"] == [f"{PYTHON} -m berth --home {quoted} agent start --paced-restarts"]
     # Environment= and ReadWritePaths= take "$" literally; "%" is still a specifier.
     assert '"BERTH_HOME=/srv/my agent/100%%$HOME\\"x\\\\y"' in found["Environment"]
     assert found["ReadWritePaths"] == ['"/srv/my agent/100%%$HOME\\"x\\\\y"']
@@ -418,7 +424,9 @@ def test_a_user_unit_is_written_under_home_and_verified(tmp_path: Path, user_hom
     assert "systemctl --user daemon-reload" in result.stdout
     assert "systemctl --user enable --now berth-agent.service" in result.stdout
     found = settings(path.read_text())
-    assert found["ExecStart"] == [f"{PYTHON} -m berth --home {home} agent start"]
+    start = f"{PYTHON} -m berth --home {home} agent start"
+    # --paced-restarts where this host's systemd is older than 254 (or unknown)
+    assert found["ExecStart"][0] in (start, f"{start} --paced-restarts")
     assert oct(path.stat().st_mode & 0o777) == "0o644"
     assert_verified(verify(path, "user"))
 
@@ -440,7 +448,7 @@ def test_dry_run_prints_the_unit_and_writes_nothing(tmp_path: Path, user_home: P
         result = install(home, flag, user_home=user_home)
         assert result.returncode == 0, result.stderr
         assert result.stdout.startswith("# Written by `berth agent install-service`")
-        assert f"ExecStart={PYTHON} -m berth --home {home} agent start\n" in result.stdout
+        assert f"ExecStart={PYTHON} -m berth --home {home} agent start" in result.stdout
     assert not (user_home / ".config").exists()
 
 

@@ -42,8 +42,13 @@ class FakeCore:
         self.start_delay_s = 0.0
         self.stopped: list[str] = []
         self.requests: list[DeploymentRequest] = []
+        #: who hears an engine end (the agent service): the test calls them as a runtime would
+        self.end_listeners: list[Any] = []
 
     adopted = None
+
+    def on_engine_end(self, listener: Any) -> None:
+        self.end_listeners.append(listener)
 
     def engine_auth(self, deployment_id: str) -> tuple[bytes, bytes] | None:
         return bearer_header(ENGINE_KEY) if deployment_id == DEPLOYMENT else None

@@ -116,7 +116,7 @@ def build_key_router(
 
     def changed(record: ApiKeyRecord) -> None:
         services.admission.update(record)
-        services.authenticator.forget_all()
+        services.authenticator.forget([record.id])
 
     @router.get("/admin/keys")
     async def list_keys() -> list[ApiKey]:

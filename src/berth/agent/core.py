@@ -3,13 +3,18 @@
 The same core runs in-process on the leader's host (node ``local``) and inside every remote
 agent.  It owns the engines' handles, chooses ports and log files on its own host, and never
 talks to the store: the leader tells it what to run through an ``AgentLink``.
+
+It hears a running engine's end the moment its runtime does (a pidfd, Docker's events) and
+tells its listeners (:meth:`AgentCore.on_engine_end`): the leader's lifecycle for node
+``local``, the agent's link, which reports it to the leader at once.  An engine stopped on
+purpose is not reported.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -47,6 +52,10 @@ DEFAULT_HEALTH_PATH = "/health"
 #: Seconds between SIGTERM and SIGKILL for what is left of an engine that died before a
 #: restart (its helpers, its cgroup).
 LEFTOVER_GRACE_S = 5.0
+
+#: Told, on the event loop, that a running engine ended by itself: its deployment id and
+#: how it ended (``None``: its runtime cannot tell).  It must not block.
+EngineEndListener = Callable[[str, EngineExit | None], None]
 
 
 @dataclass
@@ -108,6 +117,25 @@ class AgentCore:
         self._starting: dict[str, asyncio.Task[Any]] = {}
         #: journal entries not taken back yet because Docker did not answer
         self._unresolved: dict[str, JournalEntry] = {}
+        self._end_listeners: list[EngineEndListener] = []
+
+    def on_engine_end(self, listener: EngineEndListener) -> None:
+        """From now on, ``listener`` hears of every running engine that ends by itself."""
+        self._end_listeners.append(listener)
+
+    def _watch(self, deployment_id: str, managed: _Managed) -> None:
+        """Watch the engine's end (it runs and answers now)."""
+        runtime = self._runtime_for(managed.handle.runtime)
+
+        def ended(exited: EngineExit | None) -> None:
+            if self._engines.get(deployment_id) is not managed:
+                return  # stopped or replaced meanwhile
+            how = exited.describe() if exited is not None else "exited"
+            log.warning("the engine of deployment %s ended by itself (%s)", deployment_id, how)
+            for listener in self._end_listeners:
+                listener(deployment_id, exited)
+
+        runtime.watch_exit(managed.handle, ended)
 
     def close(self) -> None:
         """Release the runtimes' threads and connections; engines keep running."""
@@ -174,13 +202,16 @@ class AgentCore:
         except BaseException:
             await asyncio.to_thread(remove_secret_files, spec.secret_files)
             raise
-        self._engines[request.deployment_id] = _Managed(handle, log_path, spec.health_path)
+        managed = self._engines[request.deployment_id] = _Managed(
+            handle, log_path, spec.health_path
+        )
         try:
             await self._save_journal()
             if on_spawned is not None:
                 await on_spawned(handle.pid, handle.port)
             await runtime.wait_healthy(handle, spec, health_timeout_s)
             await asyncio.to_thread(remove_secret_files, spec.secret_files)  # read by now
+            self._watch(request.deployment_id, managed)
         except BaseException:
             # Failed or cancelled: never leave a half-started engine behind.  A failing
             # cleanup is logged; the error that stopped the start is the one reported.
@@ -227,7 +258,8 @@ class AgentCore:
         if handle is None:
             return None
         log_path = self.log_path(deployment_id)
-        self._engines[deployment_id] = _Managed(handle, log_path)
+        managed = self._engines[deployment_id] = _Managed(handle, log_path)
+        self._watch(deployment_id, managed)
         await self._save_journal()
         return handle
 
@@ -291,7 +323,9 @@ class AgentCore:
             del self._unresolved[deployment_id]
             if handle is not None and deployment_id not in self._engines:
                 log_path = self.log_path(deployment_id)
-                self._engines[deployment_id] = _Managed(handle, log_path, entry.health_path)
+                managed = _Managed(handle, log_path, entry.health_path)
+                self._engines[deployment_id] = managed
+                self._watch(deployment_id, managed)
                 restored.append(deployment_id)
         await self._save_journal()
         return restored
@@ -454,9 +488,11 @@ class AgentCore:
         managed = self._engines.pop(deployment_id, None)
         if managed is None:
             return
+        runtime = self._runtime_for(managed.handle.runtime)
+        runtime.unwatch_exit(managed.handle)  # an end asked for is not news
         try:
             await self._save_journal()
-            await self._runtime_for(managed.handle.runtime).stop(managed.handle, grace_s)
+            await runtime.stop(managed.handle, grace_s)
             await asyncio.to_thread(remove_key_files, self._keys_dir, deployment_id)
         except EngineError:
             # Still running as far as anyone knows: keep it, so it can be stopped later

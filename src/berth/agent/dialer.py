@@ -11,7 +11,9 @@ seconds per attempt. When the link ends, the close code decides
 (:func:`berth.cluster.protocol.errors.agent_should_redial`): a final refusal (removed node,
 bad certificate, superseded, no common version) stops the agent; anything else is redialled
 after a capped exponential backoff with equal jitter (:func:`backoff_delay`, capped by the
-``redial_max_s`` setting). The status file says so at once. Which leader it dials is the
+``redial_max_s`` setting), which grows only while no leader answers: after a leader's
+``NOT_LEADER`` refusal the redial is its first or second step (0.5 to 2 s) and the backoff
+starts over. The status file says so at once. Which leader it dials is the
 :class:`~berth.agent.leaders.LeaderList`'s to say: the next one in turn after a session
 ends, the active at once after a standby's ``NOT_LEADER`` (docs/ha.md).
 """
@@ -79,7 +81,8 @@ class AgentDialer:
 
     Between dials it waits ``backoff(attempt)`` seconds (default :func:`backoff_delay`
     capped at ``redial_max_s``, the setting); ``attempt`` counts from 0 again after a link
-    the leader welcomed.
+    the leader welcomed.  The first dial waits ``first_dial_after_s`` (paced restarts:
+    :mod:`berth.agent.exit_status`).
     """
 
     def __init__(
@@ -94,6 +97,7 @@ class AgentDialer:
         dial_timeout_s: float = DIAL_TIMEOUT_S,
         renew: bool = True,
         leaders: LeaderList | None = None,
+        first_dial_after_s: float = 0.0,
     ) -> None:
         self._identity = identity
         self._leaders = leaders or LeaderList([], identity.leader_url)
@@ -105,6 +109,7 @@ class AgentDialer:
         self._status = status
         self._limits = limits or LinkLimits()
         self._backoff = backoff or functools.partial(backoff_delay, cap_s=redial_max_s)
+        self._first_dial_after_s = first_dial_after_s
         self._stopping = asyncio.Event()
         self._conn: LinkConnection | None = None
         #: the reason of the last link's close (a rate limit's ``retry_after_s``)
@@ -126,6 +131,10 @@ class AgentDialer:
         self._reload_identity()
         ssl_context = client_ssl_context(self._identity)
         attempt = 0
+        if self._first_dial_after_s > 0:
+            self._status.set("backoff")
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stopping.wait(), self._first_dial_after_s)
         async with aiohttp.ClientSession() as http:
             while not self._stopping.is_set():
                 url = cluster_ws_url(self._leaders.current)
@@ -152,10 +161,14 @@ class AgentDialer:
                 if following.at_once:
                     self._status.activity(f"dialling the active leader {following.url}")
                     continue
-                if following.handing_over:
-                    attempt = 0  # a standby named an active: it takes over within a lease
-                delay = self._backoff(attempt)
-                attempt += 1
+                if following.refused:
+                    # A leader answered (no active yet, or not it): short, jittered, not
+                    # growing; the backoff starts over (berth.agent.leaders).
+                    attempt = 0
+                    delay = self._backoff(0 if following.names_active else 1)
+                else:
+                    delay = self._backoff(attempt)
+                    attempt += 1
                 retry_after_s = retry_after_of(code, self._close_reason)
                 if retry_after_s is not None and retry_after_s > delay:
                     delay = retry_after_s  # the leader said when: not sooner
@@ -256,12 +269,16 @@ class AgentDialer:
                 await ws.close()
 
     async def _heartbeats(self, conn: LinkConnection, interval_s: float) -> None:
+        """A heartbeat every ``interval_s``, and one at once when an engine ends."""
+        due = self._service.report_due
         while not conn.closed:
-            await self._service.read_gpus()  # NVML blocks: on a worker thread, not the loop
+            if not due.is_set():  # an end reported now waits for no GPU reading
+                await self._service.read_gpus()  # NVML blocks: on a worker thread
             if conn.closed:
                 return
             conn.send_heartbeat(self._service.heartbeat(time.time()))
-            await asyncio.sleep(interval_s)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(due.wait(), interval_s)
 
     def _report_close(self, code: int | None, reason: str) -> None:
         try:

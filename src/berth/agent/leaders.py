@@ -10,12 +10,14 @@ changes) and dials its *current* leader:
 - a standby's refusal (close code ``NOT_LEADER``) names the active leader: the agent dials
   that one next, at once (once in a row; a second refusal in a row waits the backoff, so two
   leaders with stale views cannot make it spin);
-- once a standby has named an active, the leaders are handing over (the named one is dead or
-  about to be replaced): until the next Welcome, for at most :data:`HANDOVER_REFUSALS`
-  refusals, the backoff stays at its first step (0.5 to 1 s) instead of doubling, so the
-  agent reaches the new active within a second of its takeover rather than several seconds
-  after it (the kill -9 benchmark, ``scripts/bench_failover_agents.py``, saw 11.7 s with the
-  doubling backoff and a 5 s lease);
+- while leaders answer but refuse (``NOT_LEADER``, naming an active or not: a handover, or
+  no active at all while the database is out), the redial stays short and jittered: 0.5 to
+  1 s after a refusal that names an active, 1 to 2 s after one that names none, never
+  growing, so the agent reaches a new active within about two seconds of its election.
+  The backoff grows only while no leader answers at all (failed dials, links that break
+  without a close); a refusal starts it from its first step again.  Before, refusals that
+  named no active doubled the backoff, and an agent reached the active elected after a
+  database outage up to 12.6 s late (issue 37);
 - a Welcome makes the leader that sent it current and replaces the list with the one it
   carries (an empty list, from a lone or older leader, leaves it as it is).
 
@@ -25,7 +27,6 @@ is lost or damaged starts from where it was enrolled.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 from collections.abc import Sequence
@@ -39,21 +40,19 @@ log = logging.getLogger(__name__)
 
 #: The file in the agent's home that keeps the list.
 LEADERS_FILE = "agent-leaders.json"
-#: Refusals naming an active, since the last Welcome, for which the backoff is held at its
-#: first step: about 8 to 16 s of redials, past the default lease and its look; longer
-#: leases fall back to the doubling backoff.
-HANDOVER_REFUSALS = 16
 
 
 @dataclass(frozen=True)
 class NextDial:
     """Where the agent dials after a session ended: ``url``, and whether ``at_once``
-    (skipping the backoff) because a standby named the active leader; ``handing_over``:
-    the backoff stays at its first step (see the module doc)."""
+    (skipping the backoff) because a standby named the active leader.  ``refused``: a
+    leader answered and refused (``NOT_LEADER``), so the redial is short and the backoff
+    starts over (see the module doc); ``names_active``: that refusal named an active."""
 
     url: str
     at_once: bool
-    handing_over: bool = False
+    refused: bool = False
+    names_active: bool = False
 
 
 def next_dial(
@@ -69,17 +68,18 @@ def next_dial(
 
     ``NOT_LEADER`` naming an active leader: that one, at once unless ``jumped_last`` (the
     last dial was already such a jump).  Anything else: the leader after ``current`` in
-    ``leaders`` (wrapping; ``current`` itself when it is the only one), after the backoff.
+    ``leaders`` (wrapping; ``current`` itself when it is the only one), after the backoff
+    (a short one after any ``NOT_LEADER``: :attr:`NextDial.refused`).
     """
-    if code == CloseCode.NOT_LEADER:
-        named = active_named_in(reason)
-        if named is not None and named != current:
-            return NextDial(named, at_once=not jumped_last)
+    refused = code == CloseCode.NOT_LEADER
+    named = active_named_in(reason) if refused else None
+    if named is not None and named != current:
+        return NextDial(named, at_once=not jumped_last, refused=True, names_active=True)
     if current in leaders:
         following = leaders[(leaders.index(current) + 1) % len(leaders)]
     else:
         following = leaders[0] if leaders else current
-    return NextDial(following, at_once=False)
+    return NextDial(following, at_once=False, refused=refused, names_active=named is not None)
 
 
 class LeaderList:
@@ -91,8 +91,6 @@ class LeaderList:
         self._current = current.rstrip("/")
         self._path = path
         self._jumped = False
-        #: refusals naming an active since the last Welcome
-        self._named_refusals = 0
 
     @classmethod
     def load(cls, path: Path, enrolled_at: str) -> LeaderList:
@@ -124,7 +122,6 @@ class LeaderList:
     def welcomed(self, leaders: Sequence[str]) -> None:
         """The current leader welcomed the agent with ``leaders`` (maybe empty)."""
         self._jumped = False
-        self._named_refusals = 0
         if leaders:
             self._leaders = _unique([*leaders, self._current])
         self.save()
@@ -135,15 +132,12 @@ class LeaderList:
             self._leaders, self._current, code=code, reason=reason, jumped_last=self._jumped
         )
         self._jumped = decided.at_once
-        if code == CloseCode.NOT_LEADER and active_named_in(reason) is not None:
-            self._named_refusals += 1
         if decided.url not in self._leaders:
             self._leaders.append(decided.url)
         if decided.url != self._current:
             self._current = decided.url
             self.save()
-        handing_over = 0 < self._named_refusals <= HANDOVER_REFUSALS
-        return dataclasses.replace(decided, handing_over=handing_over)
+        return decided
 
     def save(self) -> None:
         if self._path is None:

@@ -28,11 +28,12 @@ from rich.text import Text
 from berth.agent.adopted import AdoptedWatcher
 from berth.agent.core import AgentCore
 from berth.agent.dialer import AgentDialer, AgentStatus
+from berth.agent.exit_status import EXIT_REENROLL, exit_status, paced_wait_s
 from berth.agent.identity import AgentIdentity, load_agent_identity, pinned_bundle
 from berth.agent.ingress import AgentIngress
 from berth.agent.leaders import LEADERS_FILE, LeaderList
 from berth.agent.owner import own_engines
-from berth.agent.renewal import CertificateFacts, certificate_line
+from berth.agent.renewal import REENROLL_HINT, CertificateFacts, certificate_line
 from berth.agent.service import AgentService
 from berth.cluster.protocol.errors import CloseCode
 from berth.config import Settings
@@ -50,11 +51,10 @@ from berth.runtime.process import ProcessRuntime
 
 log = logging.getLogger("berth.agent")
 
-_REENROLL = "to rejoin: 'berth nodes enroll LABEL' on the leader, then 'berth agent register'"
 _FINAL_HINTS = {
-    CloseCode.NODE_REMOVED: _REENROLL,
-    CloseCode.BAD_CERTIFICATE: _REENROLL,
-    CloseCode.CERTIFICATE_EXPIRED: "the certificate expired before it was renewed; " + _REENROLL,
+    CloseCode.NODE_REMOVED: "the node was removed from the cluster",
+    CloseCode.BAD_CERTIFICATE: "the leader knows no node of this certificate",
+    CloseCode.CERTIFICATE_EXPIRED: "the certificate expired before it was renewed",
     CloseCode.SUPERSEDED: "another agent with this identity is connected; stop one of them",
     CloseCode.UNSUPPORTED_VERSION: "the leader speaks another protocol version; upgrade berth",
 }
@@ -121,10 +121,15 @@ async def run_agent(
     verbose: bool,
     console: Console,
     flags: Mapping[str, object] | None = None,
+    failures_in_a_row: int = 0,
 ) -> int:
-    """Run the agent until a final refusal (exit 1) or SIGINT/SIGTERM (exit 0).
+    """Run the agent until a final refusal or SIGINT/SIGTERM; its exit status
+    (:func:`berth.agent.exit_status.exit_status`: 0 stopped, 78 the node must be enrolled
+    again, 1 another final refusal).
 
-    ``flags`` are settings given on the command line (``agent_advertise``). Raises
+    ``flags`` are settings given on the command line (``agent_advertise``);
+    ``failures_in_a_row`` (paced restarts) delays the first dial by
+    :func:`~berth.agent.exit_status.paced_wait_s`. Raises
     :class:`berth.errors.ConfigError` when the agent is not registered (no or a malformed
     ``agent.yaml``) or its direct ingress cannot bind its port, and :class:`ConflictError`
     when another agent runs on this home (or holds its owner lock), or its engine warden
@@ -174,8 +179,18 @@ async def run_agent(
     await core.adopted.check_once()  # Hello reports the adopted servers as they are now
     core.adopted.start()
     leaders = LeaderList.load(home.root / LEADERS_FILE, identity.leader_url)
+    paced_s = paced_wait_s(failures_in_a_row)
+    if paced_s > 0:
+        status.activity(
+            f"paced restart: {failures_in_a_row} failure(s) in a row; dialling in {paced_s:.0f} s"
+        )
     dialer = AgentDialer(
-        identity, service, status, redial_max_s=settings.redial_max_s, leaders=leaders
+        identity,
+        service,
+        status,
+        redial_max_s=settings.redial_max_s,
+        leaders=leaders,
+        first_dial_after_s=paced_s,
     )
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -192,7 +207,7 @@ async def run_agent(
     freeze_startup_objects()  # full collections then skip the start-up heap
     loop_lag.start()
     try:
-        code = await _dial(dialer, status, console, panel=panel)
+        await _dial(dialer, status, console, panel=panel)
     finally:
         await core.adopted.stop()
         if ingress is not None:
@@ -209,17 +224,24 @@ async def run_agent(
         # This host left the cluster: the engines it ran for the leader go with it.
         status.activity("node removed: stopping every engine")
         await core.stop_all(grace_s=settings.stop_grace_s)
+    code = exit_status(dialer.final_code)
     if dialer.final_code is not None:
-        _print_final(console, status, dialer.final_code)
+        _print_final(console, status, dialer.final_code, code)
     return code
 
 
-def _print_final(console: Console, status: AgentStatus, final_code: int) -> None:
-    """Say why the agent stopped on the leader's final refusal ``final_code``, with a hint."""
+def _print_final(console: Console, status: AgentStatus, final_code: int, code: int) -> None:
+    """Say why the agent stopped on the leader's final refusal ``final_code``, with a hint;
+    when the node must be enrolled again, the command comes last (``systemctl status`` shows
+    the last lines) and goes to the status file (``berth agent status``)."""
     hint = _FINAL_HINTS.get(CloseCode(final_code), "")
     console.print(f"berth agent stopped: {status.last_error}", soft_wrap=True)
     if hint:
         console.print(hint, soft_wrap=True)
+    if code == EXIT_REENROLL:
+        status.needs_reenrollment(REENROLL_HINT.format(label=status.label))
+        log.error("this node must be enrolled again; fix: %s", status.fix)
+        console.print(f"fix: {status.fix}", soft_wrap=True)
 
 
 def _build_core(home: BerthHome, settings: Settings, identity: AgentIdentity) -> AgentCore:

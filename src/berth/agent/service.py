@@ -61,13 +61,20 @@ from berth.cluster.protocol.ops import (
     StartResult,
     encode_payload,
 )
-from berth.cluster.protocol.payloads import EngineState, ErrorCode, ErrorInfo, Inventory
+from berth.cluster.protocol.payloads import (
+    EngineEnded,
+    EngineState,
+    ErrorCode,
+    ErrorInfo,
+    Inventory,
+)
 from berth.cluster.shape_wire import file_shape_to_wire
 from berth.cluster.tunnel_stream import StreamResetError, TunnelStream
 from berth.errors import BerthError, EngineError, NotFoundError
 from berth.observability.loop_lag import LagHistogram
 from berth.observability.window import RequestMeter
 from berth.placement.model_files import FileStamp, read_model_file
+from berth.runtime.base import EngineExit
 from berth.runtime.gpu import GpuInfo
 
 if TYPE_CHECKING:  # imported only where tracing is on (berth.agent.runner builds it)
@@ -121,6 +128,23 @@ class AgentService:
         self._on_activity = on_activity or (lambda _line: None)
         self._runtimes: list[RuntimeStatus] = [RuntimeStatus("process", True, "")]
         self._ingress: IngressControl | None = None
+        #: engines that ended by themselves since the last heartbeat (sent at once)
+        self._ended: list[EngineEnded] = []
+        #: set when a heartbeat should go now, not at the next interval
+        self.report_due = asyncio.Event()
+        core.on_engine_end(self._engine_ended)
+
+    def _engine_ended(self, deployment_id: str, exited: EngineExit | None) -> None:
+        """An engine ended by itself: the leader hears it in a heartbeat sent at once."""
+        self._ended.append(
+            EngineEnded(
+                deployment_id=deployment_id,
+                exit_code=exited.code if exited is not None else None,
+                exit_signal=exited.signal if exited is not None else None,
+            )
+        )
+        self._on_activity(f"the engine of {deployment_id} ended by itself; telling the leader")
+        self.report_due.set()
 
     def use_ingress(self, ingress: IngressControl) -> None:
         """Advertise ``ingress`` in Hello and start it when the leader sends ``ingress``."""
@@ -209,9 +233,13 @@ class AgentService:
         return True
 
     def heartbeat(self, now: float) -> Heartbeat:
-        """The heartbeat for ``now`` (epoch seconds), with the last :meth:`read_gpus`."""
+        """The heartbeat for ``now`` (epoch seconds), with the last :meth:`read_gpus` and
+        the engines that ended since the last one (handed over: not sent twice)."""
         lag = self._loop_lag() if self._loop_lag is not None else None
-        return core_heartbeat(self._core, self.meter, now, self._gpu_reading(), loop_lag=lag)
+        beat = core_heartbeat(self._core, self.meter, now, self._gpu_reading(), loop_lag=lag)
+        beat.ended, self._ended = self._ended, []
+        self.report_due.clear()
+        return beat
 
     # -- LinkHandler ---------------------------------------------------------------------
 

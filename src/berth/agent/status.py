@@ -42,6 +42,8 @@ class AgentStatus:
     #: one line on the renewal: when the next is due, or why the last failed
     renewal_state: str = ""
     renewal_failing: bool = False
+    #: the command that fixes an agent the leader refused for good ("": none needed)
+    fix: str = ""
 
     def certificate(self, serial: str, not_after: float) -> None:
         """The certificate on disk now (read at start and after each renewal)."""
@@ -51,6 +53,11 @@ class AgentStatus:
     def renewal(self, line: str, *, error: bool = False) -> None:
         """The renewal's state, in a line (``error``: the last attempt failed)."""
         self.renewal_state, self.renewal_failing = line, error
+        self.save()
+
+    def needs_reenrollment(self, command: str) -> None:
+        """The leader refused this node for good: ``command`` enrolls it again."""
+        self.fix = command
         self.save()
 
     def activity(self, line: str) -> None:
@@ -85,6 +92,7 @@ class AgentStatus:
             "connected_since": self.connected_since,
             "operation": self.operation,
             "last_error": self.last_error,
+            "fix": self.fix,
             "recent": list(self.recent),
             "certificate": {
                 "serial": self.cert_serial,

@@ -24,6 +24,12 @@ What the unit must not break (the agent's contract, see :mod:`berth.agent.runner
   models and caches live under the home directory (no ``ProtectHome=``), and the docker
   runtime needs Docker's socket (no ``RestrictAddressFamilies=``).
 
+Restarts: a failing agent is restarted for ever (``Restart=on-failure``,
+``StartLimitIntervalSec=0``) with an interval that grows from 5 s to 300 s: systemd's own
+``RestartSteps=`` from 254 on, the agent's ``--paced-restarts`` before; an agent the leader
+refused for good (its node must be enrolled again) exits 78 and is not restarted
+(``RestartPreventExitStatus=78``; :mod:`berth.agent.exit_status`).
+
 The system unit keeps what is left and costs nothing: ``/usr``, ``/boot`` and ``/etc``
 read-only (``ProtectSystem=full``, with the berth home writable wherever it lives) and the
 cgroup tree read-only (``ProtectControlGroups=yes``).  A user manager cannot set up those
@@ -38,6 +44,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from berth import __version__
+from berth.agent.exit_status import (
+    EXIT_REENROLL,
+    RESTART_DELAY_S,
+    RESTART_MAX_DELAY_S,
+    RESTART_STEPS,
+)
 from berth.errors import ConfigError
 from berth.unit_files import UnitScope as UnitScope  # the agent CLI's type, defined once there
 from berth.unit_files import check_printable as _check_printable
@@ -52,14 +64,13 @@ from berth.unit_files import systemctl_commands as _systemctl_commands
 UNIT_NAME = "berth-agent.service"
 #: Where system units written by an administrator live (systemd.unit(5), "Unit File Load Path").
 SYSTEM_UNIT_DIR = Path("/etc/systemd/system")
-#: Seconds systemd waits before restarting a failed agent.
-RESTART_DELAY_S = 5
-#: With systemd 254 or newer, the delay grows over this many restarts up to
-#: :data:`RESTART_MAX_DELAY_S` (``RestartSteps=``, ``RestartMaxDelaySec=``, new in 254).
-RESTART_STEPS = 6
-RESTART_MAX_DELAY_S = 300
-#: The systemd release that added ``RestartSteps=`` and ``RestartMaxDelaySec=``.
+#: The systemd release that added ``RestartSteps=`` and ``RestartMaxDelaySec=``: from it on
+#: systemd raises the restart interval (:data:`RESTART_DELAY_S` growing to
+#: :data:`RESTART_MAX_DELAY_S` over :data:`RESTART_STEPS` restarts); before it the agent
+#: paces its own restarts the same way (``--paced-restarts``, :mod:`berth.agent.exit_status`).
 SYSTEMD_RESTART_BACKOFF_VERSION = 254
+#: The flag of ``berth agent start`` that makes the agent space out its own restarts.
+PACED_RESTARTS_FLAG = "--paced-restarts"
 #: Seconds systemd waits for the agent to close its link after SIGTERM before SIGKILL.
 STOP_TIMEOUT_S = 30
 #: Open files for the system unit: each tunneled request holds a socket to its engine, and
@@ -114,10 +125,11 @@ def render_unit(unit: AgentUnit) -> str:
         _check_printable("a PATH entry", str(entry))
     description = f"berth agent: node {unit.label} of {unit.leader_url}"
     _check_printable("the node label and leader URL", description)
-    exec_start = " ".join(
-        _exec_word(word)
-        for word in (str(unit.python), "-m", "berth", "--home", str(unit.home), "agent", "start")
-    )
+    native_backoff = (unit.systemd_version or 0) >= SYSTEMD_RESTART_BACKOFF_VERSION
+    command = [str(unit.python), "-m", "berth", "--home", str(unit.home), "agent", "start"]
+    if not native_backoff:
+        command.append(PACED_RESTARTS_FLAG)
+    exec_start = " ".join(_exec_word(word) for word in command)
     lines = [
         f"# Written by `berth agent install-service` (berth {__version__}).",
         "# Replace it with `berth agent install-service --force`; logs: `berth agent logs`.",
@@ -135,7 +147,8 @@ def render_unit(unit: AgentUnit) -> str:
             "# the agent redials the leader with backoff until the network is up.",
         ]
     lines += [
-        "# Never give up restarting: the agent exits only on a final refusal or a crash.",
+        "# Never give up restarting a failure (the interval grows); a node the leader",
+        f"# refused for good exits {EXIT_REENROLL} and stays stopped until it is enrolled again.",
         "StartLimitIntervalSec=0",
         "",
         "[Service]",
@@ -151,9 +164,17 @@ def render_unit(unit: AgentUnit) -> str:
         f"ExecStart={exec_start}",
         "Restart=on-failure",
         f"RestartSec={RESTART_DELAY_S}s",
+        f"RestartPreventExitStatus={EXIT_REENROLL}",
     ]
-    if (unit.systemd_version or 0) >= SYSTEMD_RESTART_BACKOFF_VERSION:
+    if native_backoff:
         lines += [f"RestartSteps={RESTART_STEPS}", f"RestartMaxDelaySec={RESTART_MAX_DELAY_S}s"]
+    else:
+        lines += [
+            f"# systemd {unit.systemd_version or '(version unknown)'} keeps RestartSec= fixed: "
+            f"{PACED_RESTARTS_FLAG}",
+            "# has the agent wait longer after each failure in a row (up to "
+            f"{RESTART_MAX_DELAY_S} s).",
+        ]
     lines += [
         "# Engines outlive an agent restart (the next agent re-attaches them); `berth stop`",
         "# on the leader ends them.  So only the agent itself is signalled on stop.",

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import WithJsonSchema
-
-from pydantic import Field
+from pydantic import Field, WithJsonSchema
 
 from berth.api.base import ApiInput, ApiModel, Timestamp
 from berth.store.drains import MoveStep

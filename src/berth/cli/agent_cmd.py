@@ -77,9 +77,25 @@ def start(
         "reach (a LAN address; open the port to the leader): the direct data path. "
         "Setting agent_advertise.",
     ),
+    paced_restarts: bool = typer.Option(
+        False,
+        "--paced-restarts",
+        help="After failing exits in a row, wait longer before dialling (5 s growing to "
+        "300 s): the unit passes it where systemd cannot raise the interval itself.",
+    ),
 ) -> None:
-    """Dial the leader and serve this host's engines until stopped (Ctrl-C)."""
+    """Dial the leader and serve this host's engines until stopped (Ctrl-C).
+
+    Exits 0 when stopped, 78 when the leader refused the node for good (enroll it again:
+    the command is printed), 1 on another final refusal."""
     from berth import eventloop
+    from berth.agent.exit_status import (
+        EXIT_FAILED,
+        Failures,
+        after_exit,
+        read_failures,
+        write_failures,
+    )
     from berth.agent.runner import run_agent
     from berth.config.table import address_problem
 
@@ -88,7 +104,22 @@ def start(
         raise typer.BadParameter(problem, param_hint="'--advertise'")
     home = context(ctx).home
     flags = {"agent_advertise": advertise}
-    code = eventloop.run(run_agent(home, verbose=verbose, console=console, flags=flags))
+    started_at = time.time()
+    failures = read_failures(home.root) if paced_restarts else Failures()
+    code = EXIT_FAILED  # unless run_agent returns: an error is a failing exit too
+    try:
+        code = eventloop.run(
+            run_agent(
+                home,
+                verbose=verbose,
+                console=console,
+                flags=flags,
+                failures_in_a_row=failures.in_a_row,
+            )
+        )
+    finally:
+        if paced_restarts and home.root.is_dir():
+            write_failures(home.root, after_exit(failures, code, started_at, time.time()))
     raise typer.Exit(code)
 
 
@@ -126,6 +157,8 @@ def status(
     if data.get("last_error"):
         console.print(f"error   {data['last_error']}", soft_wrap=True)
     expired = _print_certificate(home, data)
+    if data.get("fix") and not expired:  # refused for good: enroll the node again
+        console.print(f"fix     {data['fix']}", soft_wrap=True)
     for line in data.get("recent") or []:  # type: ignore[attr-defined]
         console.print(f"  {line}", style="dim", soft_wrap=True)
     raise typer.Exit(0 if data["running"] and not expired else 1)

@@ -1,7 +1,9 @@
 """The leader's hub of agent links: the ``/cluster/agent`` WebSocket endpoint.
 
-For every connection it: takes the node's identity from the verified client certificate (never
-from a frame) and checks it against the store (:mod:`berth.cluster.node_identity`); refuses
+For every connection it: sends the agent to the active leader (``NOT_LEADER``) when this one
+is a standby, before asking the store anything; takes the node's identity from the verified
+client certificate (never from a frame) and checks it against the store
+(:mod:`berth.cluster.node_identity`; a store that does not answer closes with 1011); refuses
 with a typed close code (``BAD_CERTIFICATE``, ``NODE_REMOVED``, ``PROTOCOL_ERROR``,
 ``UNSUPPORTED_VERSION``); waits for Hello and answers Welcome; closes an older session of the
 same node (``SUPERSEDED``); attaches a :class:`RemoteLink` to the leader's
@@ -9,7 +11,8 @@ same node (``SUPERSEDED``); attaches a :class:`RemoteLink` to the leader's
 ``link_timeout_s`` is dead and ends at once (:class:`~berth.cluster.connection.Liveness`), and
 one that sent no frame for ``node_timeout_s`` (pongs but no heartbeats) is closed; either way
 the node is marked ``unreachable``. When a link comes up or goes down the lifecycle manager
-hears of it, to reconcile deployments and stop routing to that node.
+hears of it, to reconcile deployments and stop routing to that node; an engine an agent
+reports ended (in a heartbeat it sends at once) leaves routing as the heartbeat is read.
 """
 
 from __future__ import annotations
@@ -51,8 +54,9 @@ from berth.cluster.renewal import LinkCertificates, LinkDeadline
 from berth.cluster.tunnel_stream import TunnelStream
 from berth.engine_http.errors import UpstreamConnectError
 from berth.engine_http.origin import Origin
-from berth.errors import BerthError
+from berth.errors import BerthError, StoreError
 from berth.observability.cluster import ClusterMetrics
+from berth.runtime.base import EngineExit
 from berth.store import Store
 from berth.store.records import NodeHardware
 
@@ -76,6 +80,10 @@ class NodeListener(Protocol):
     def node_disconnected(self, node_id: str) -> None: ...
 
     def adopted_reported(self, node_id: str, adopted: list[AdoptedState]) -> None: ...
+
+    def engine_ended(self, node_id: str, deployment_id: str, exited: EngineExit | None) -> None:
+        """An agent reported that one of its engines ended by itself."""
+        ...
 
 
 class AgentGate(Protocol):
@@ -245,20 +253,30 @@ class NodeHub:
             max_msg_size=4 * self.limits.max_frame_bytes, compress=False, autoping=False
         )
         await ws.prepare(request)
-        node_id, refusal, certificate_der, not_after = await identify_node(
-            request, self._store, self._forwarded, self._clock
-        )
+        # A standby sends the agent on before asking the store anything: it answers at once
+        # even while the database does not (an outage makes every leader a standby), and the
+        # active checks the agent's identity when it dials there (docs/ha.md).
+        standby = self.agent_gate.refusal() if self.agent_gate is not None else None
+        if standby is not None:
+            log.info("sent the agent at %s to the active leader: %s", peer, standby)
+            await ws.close(code=CloseCode.NOT_LEADER, message=standby.encode())
+            return ws
+        try:
+            node_id, refusal, certificate_der, not_after = await identify_node(
+                request, self._store, self._forwarded, self._clock
+            )
+        except StoreError as exc:  # the store is out of reach: the agent redials
+            log.warning("refused agent link from %s: the store did not answer: %s", peer, exc)
+            await ws.close(
+                code=CloseCode.INTERNAL_ERROR, message=b"the leader's store did not answer"
+            )
+            return ws
         if refusal is not None:
             log.warning("refused agent link from %s: %s", peer, refusal[1])
             # A close frame's reason has room for 123 bytes (RFC 6455 section 5.5).
             await ws.close(code=refusal[0], message=refusal[1].encode()[:120])
             return ws
         assert node_id is not None
-        standby = self.agent_gate.refusal() if self.agent_gate is not None else None
-        if standby is not None:  # a standby leader: go to the active (docs/ha.md)
-            log.info("sent agent %s (%s) to the active leader: %s", node_id, peer, standby)
-            await ws.close(code=CloseCode.NOT_LEADER, message=standby.encode())
-            return ws
         retry_after_s = self._dial_limiter.check(node_id, time.monotonic())
         if retry_after_s is not None:
             log.warning("refused agent link from %s: node %s dials too often", peer, node_id)
@@ -460,6 +478,12 @@ class NodeHub:
         if link is not None and link.conn is conn:
             link.record_heartbeat(heartbeat, now)
             if self._listener is not None:
+                # An engine that ended leaves routing now, before the next request.
+                for ended in heartbeat.ended:
+                    exited = None
+                    if ended.exit_code is not None or ended.exit_signal is not None:
+                        exited = EngineExit(ended.exit_code, ended.exit_signal)
+                    self._listener.engine_ended(node_id, ended.deployment_id, exited)
                 self._listener.adopted_reported(node_id, heartbeat.adopted)
             if self._cluster_metrics is not None:
                 self._cluster_metrics.record_heartbeat(node_id, heartbeat, now)

@@ -314,7 +314,11 @@ class RemoteLink:
             stream.reset(ResetCode.CANCELLED)
             if exc.reset_code == ResetCode.ENGINE_TIMEOUT:
                 raise UpstreamTimeoutError(origin, read_timeout_s or 0.0) from None
-            raise UpstreamConnectError(origin, f"could not be reached ({exc})") from exc
+            # The agent answered: the engine behind it did not take the request.
+            engine_side = exc.reset_code in (ResetCode.ENGINE_UNREACHABLE,
+                                             ResetCode.ENGINE_DISCONNECT)  # fmt: skip
+            why = f"could not be reached ({exc})"
+            raise UpstreamConnectError(origin, why, engine_side=engine_side) from exc
         except BaseException:
             stream.reset(ResetCode.CANCELLED)
             raise

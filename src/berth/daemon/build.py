@@ -9,6 +9,7 @@ is started here.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ from berth.agent.node_sampler import LocalNodeSampler
 from berth.cluster.direct_path import DataPaths
 from berth.cluster.enrollment import AuditLog, EnrollmentService
 from berth.cluster.hub import NodeHub
+from berth.cluster.link import LOCAL_NODE_ID
 from berth.cluster.link_registry import LinkRegistry
 from berth.cluster.listener import (
     ClusterListener,
@@ -196,6 +198,8 @@ async def build_leader(
         store, links, settings, events=events, waiting=waiting, slots=slots,
         metrics=metrics.proxy, audit=audit,
     )  # fmt: skip
+    if core is not None:  # this host's engines: an end is heard by the lifecycle at once
+        core.on_engine_end(functools.partial(lifecycle.engine_ended, LOCAL_NODE_ID))
     hub = build_hub(
         store, links, lifecycle, settings, cluster_metrics=metrics.cluster, audit=audit,
         forwarded=forwarded, ca=tls.ca,

@@ -67,6 +67,7 @@ from berth.runtime.gpu import inventory_for
 from berth.runtime.process import ProcessRuntime
 from berth.scaling import ScalingController, ScalingMetrics, ScalingPolicy, route_services
 from berth.store import DeploymentRecord, Store
+from berth.store.deadlines import StoreDeadlines
 from berth.store.states import TERMINAL_STATES, DeploymentState
 
 if TYPE_CHECKING:  # imported only where tracing is on (build.py opens it)
@@ -94,8 +95,10 @@ def refuse_local_leftovers(store: Store) -> None:
 async def open_store(settings: Settings) -> Store:
     """The store at ``database_url``, migrated, with node ``local``; for ``leader_only`` it
     raises ``DaemonError`` (and closes the store) while deployments on this host are active
-    (:func:`refuse_local_leftovers`)."""
-    store = Store(settings.database_url)
+    (:func:`refuse_local_leftovers`).  With ``leader_ha`` every call on it is bounded
+    within the lease (:meth:`StoreDeadlines.within_lease`), else by the store's defaults."""
+    deadlines = StoreDeadlines.within_lease(settings.leader_lease_s) if settings.leader_ha else None
+    store = Store(settings.database_url, deadlines=deadlines)
     try:
         await asyncio.to_thread(store.migrate)
         await asyncio.to_thread(store.ensure_local_node)

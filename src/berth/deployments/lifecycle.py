@@ -62,6 +62,7 @@ from berth.placement import (
 )
 from berth.routing.resolver import Upstream
 from berth.routing.waiting import GiveUp, WaitingAttempts
+from berth.runtime.base import EngineExit
 from berth.runtime.engines import (
     EngineName,
 )
@@ -177,6 +178,8 @@ class LifecycleManager:
             supervisor=self._supervisor,
         )
         self._watcher: asyncio.Task[None] | None = None
+        if waiting is not None:  # a request that finds an engine not taking it says so
+            waiting.on_engine_failed = self._reconciler.engine_refused
 
     # -- the router's view (hot path: no I/O) --------------------------------------------
 
@@ -240,6 +243,7 @@ class LifecycleManager:
             return
         watcher.cancel()
         await asyncio.gather(watcher, return_exceptions=True)
+        await self._reconciler.stop_ending()
         await self._supervisor.shutdown()
         starting = list(self._starting.values())
         for task in starting:
@@ -259,6 +263,7 @@ class LifecycleManager:
         if self._watcher is None:
             return
         self._watcher.cancel()
+        await self._reconciler.stop_ending()
         await self._supervisor.shutdown()  # no restart may begin while engines are stopped
         starting = list(self._starting.values())
         for task in starting:
@@ -324,6 +329,16 @@ class LifecycleManager:
         ``local``, when the leader's own set changes): route to those whose last probe
         answered, under their served names; the others answer 503 naming them."""
         self._table.adopted_reported(node_id, adopted)
+
+    def engine_ended(self, node_id: str, deployment_id: str, exited: EngineExit | None) -> None:
+        """A ready engine on ``node_id`` ended by itself, the moment its runtime saw it (node
+        ``local``'s core, or an agent's report over its link; ``exited``: how, when known):
+        out of routing now, then stopped and restarted or failed by its restart policy
+        (:meth:`berth.deployments.reconcile.Reconciler.engine_ended`).  A leader that does
+        not lead (a standby) leaves it to the active."""
+        if self._watcher is None:
+            return
+        self._reconciler.engine_ended(node_id, deployment_id, exited)
 
     def node_disconnected(self, node_id: str) -> None:
         """A node's link ended: stop routing to its deployments until it reconnects (a

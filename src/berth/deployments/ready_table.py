@@ -253,6 +253,14 @@ class ReadyTable:
     def _is_ready(self, deployment_id: str) -> bool:
         return any(deployment_id in ready for ready in self._ready.values())
 
+    def ready_upstream(self, deployment_id: str) -> Upstream | None:
+        """The deployment's upstream while it is ready (suspect or not), else ``None``."""
+        for ready in self._ready.values():
+            upstream = ready.get(deployment_id)
+            if upstream is not None:
+                return upstream
+        return None
+
     def park_node(self, node_id: str) -> None:
         """The node's link ended: its deployments leave the table, remembered as parked, and
         its adopted endpoints are forgotten until it reports them again."""

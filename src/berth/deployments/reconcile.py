@@ -1,8 +1,10 @@
 """Keeping the store in line with the engines that really run.
 
-Three moments: the leader's start (engines of node ``local`` that outlived a crash, and
-containers the local core took back), an agent's Hello (the engines it reports), and every
-watch interval (health probes of ready engines).  A ready deployment whose engine runs is
+Four moments: the leader's start (engines of node ``local`` that outlived a crash, and
+containers the local core took back), an agent's Hello (the engines it reports), an engine's
+exit the moment its runtime sees it (:meth:`Reconciler.engine_ended`: node ``local``'s core
+calls it, an agent reports it over its link at once), and every watch interval (health
+probes of ready engines).  A ready deployment whose engine runs is
 routed to again; one caught mid-start is stopped and failed; one whose engine is gone, or
 stopped answering health checks, is failed; an engine no active deployment owns is stopped.
 
@@ -37,6 +39,7 @@ from berth.deployments.transitions import StateWriter
 from berth.errors import BerthError, EngineError, InvalidTransitionError, NotFoundError
 from berth.routing.resolver import Upstream
 from berth.routing.waiting import GiveUp, WaitingAttempts
+from berth.runtime.base import EngineExit
 from berth.runtime.engines import parse_runtime_name
 from berth.store import DeploymentRecord, Store
 from berth.store.states import DeploymentState
@@ -92,6 +95,8 @@ class Reconciler:
         self._probes_to_fail = probes_to_fail
         self._waiting = waiting
         self._failed_probes: dict[str, int] = {}
+        #: deployments whose ended engine is being dealt with (stopped, restarted or failed)
+        self._ending: dict[str, asyncio.Task[None]] = {}
         #: local deployments whose runtime could not be asked at start-up (Docker down)
         self._unreconciled: set[str] = set()
         #: heard after each round, with the engines that answered their probe
@@ -300,20 +305,64 @@ class Reconciler:
             reason = f"engine stopped answering health checks ({failures} probes in a row)"
             ending = Ending("unhealthy", f"stopped after {failures} failed health probes")
         else:
-            exited = link.last_exit(deployment_id)  # asked before the stop forgets it
-            if exited is None:
-                reason = "engine exited unexpectedly (its process or container is gone)"
-                ending = Ending("gone", "exited (its process or container is gone)")
-            else:
-                reason = f"engine exited unexpectedly ({exited.describe()})"
-                cause: EndCause = "signal" if exited.signal is not None else "exit"
-                ending = Ending(cause, exited.describe(), exited.code)
+            if deployment_id in self._ending:
+                return False  # its exit was heard first: being dealt with
+            # Asked before the stop forgets it.
+            reason, ending = _exit_words(link.last_exit(deployment_id))
+        self._take_out(upstream, reason)
+        await self._stop_and_end(link, deployment_id, ending, reason)
+        return False
+
+    def engine_ended(self, node_id: str, deployment_id: str, exited: EngineExit | None) -> None:
+        """The ready engine of ``deployment_id`` on ``node_id`` ended by itself, as its
+        runtime saw it (``exited``: how, when known): out of routing now, before the next
+        request, its waiting requests moved on; then, in the background, what is left of it
+        stopped and the restart policy applied, as when a probe finds an engine gone.  An
+        engine that is not ready here (starting: its start owns it; stopping) is left
+        alone."""
+        upstream = self._table.ready_upstream(deployment_id)
+        link = self._links.get(node_id)
+        if upstream is None or upstream.node_id != node_id or link is None:
+            return
+        if deployment_id in self._ending:
+            return
+        reason, ending = _exit_words(exited)
+        self._take_out(upstream, reason)
+        task = asyncio.create_task(
+            self._stop_and_end(link, deployment_id, ending, reason), name=f"ended-{deployment_id}"
+        )
+        self._ending[deployment_id] = task
+        task.add_done_callback(lambda done: self._ending_done(deployment_id, done))
+
+    async def stop_ending(self) -> None:
+        """Cancel what is being done about ended engines (the leader stops leading)."""
+        tasks = list(self._ending.values())
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.wait(tasks)
+
+    def _ending_done(self, deployment_id: str, task: asyncio.Task[None]) -> None:
+        if self._ending.get(deployment_id) is task:
+            del self._ending[deployment_id]
+        if not task.cancelled() and task.exception() is not None:
+            log.error("dealing with the ended engine of deployment %s failed", deployment_id,
+                      exc_info=task.exception())  # fmt: skip
+
+    def _take_out(self, upstream: Upstream, reason: str) -> None:
+        """The engine is gone: no request goes to it from now on, and those waiting on it
+        for a first byte move on at once, not after the stop's grace."""
+        deployment_id = upstream.deployment_id
         log.warning("deployment %s: %s", deployment_id, reason)
         self._failed_probes.pop(deployment_id, None)
         self._table.unmark(upstream.model, deployment_id)
         if self._waiting is not None:
-            # First: its waiting requests move on now, not after the stop's grace.
             self._waiting.give_up_deployment(deployment_id, GiveUp.FAILED, "failed")
+
+    async def _stop_and_end(
+        self, link: AgentLink, deployment_id: str, ending: Ending, reason: str
+    ) -> None:
+        """Stop what is left of an ended engine, then apply the restart policy."""
         try:
             await link.stop_deployment(deployment_id, self._stop_grace_s)
         except NotFoundError:
@@ -323,9 +372,8 @@ class Reconciler:
             await self._writer.transition(
                 deployment_id, DeploymentState.FAILED, failure_reason=reason
             )
-            return False
+            return
         await self._ended(link, deployment_id, ending, reason)
-        return False
 
     async def _ended(
         self, link: AgentLink, deployment_id: str, ending: Ending, reason: str
@@ -339,6 +387,14 @@ class Reconciler:
             return
         await self._supervisor.ended(deployment_id, ending, link=link, reason=reason)
 
+    def engine_refused(self, upstream: Upstream, why: str) -> None:
+        """A request found the engine of ``upstream``, believed ready, not taking it (``why``:
+        it refused the connection, or broke it before answering): suspect, out of routing
+        until a probe answers (the engine may have ended: its end, heard or probed, fails or
+        restarts it)."""
+        if self._table.ready_upstream(upstream.deployment_id) is not None:
+            self._suspect(upstream, why)
+
     def _suspect(self, upstream: Upstream, why: str) -> None:
         """Take the deployment out of routing for new requests and move its waiting ones."""
         deployment_id = upstream.deployment_id
@@ -347,3 +403,14 @@ class Reconciler:
                         deployment_id, why)  # fmt: skip
         if self._waiting is not None:
             self._waiting.give_up_deployment(deployment_id, GiveUp.SUSPECT, why)
+
+
+def _exit_words(exited: EngineExit | None) -> tuple[str, Ending]:
+    """The failure's sentence and the restart policy's :class:`Ending` of an engine that
+    exited as ``exited`` says (``None``: how is not known)."""
+    if exited is None:
+        reason = "engine exited unexpectedly (its process or container is gone)"
+        return reason, Ending("gone", "exited (its process or container is gone)")
+    cause: EndCause = "signal" if exited.signal is not None else "exit"
+    reason = f"engine exited unexpectedly ({exited.describe()})"
+    return reason, Ending(cause, exited.describe(), exited.code)

@@ -30,10 +30,15 @@ class UpstreamError(BerthError):
 
 class UpstreamConnectError(UpstreamError):
     """No connection: refused, unreachable, or not accepted within the connect timeout
-    (``timed_out``). Nothing was sent."""
+    (``timed_out``). Nothing was sent.  ``engine_side``: the engine itself did not take it
+    (it refused the connection, or, through an agent, the agent could not reach it), while
+    the host or the agent answered."""
 
-    def __init__(self, origin: Origin, why: str, *, timed_out: bool = False) -> None:
+    def __init__(
+        self, origin: Origin, why: str, *, timed_out: bool = False, engine_side: bool = False
+    ) -> None:
         self.timed_out = timed_out
+        self.engine_side = engine_side
         super().__init__(origin, why)
 
 

@@ -297,12 +297,13 @@ class UpstreamPool:
             why = f"did not accept a connection within {self.connect_timeout_s} s"
             raise UpstreamConnectError(origin, why, timed_out=True) from None
         except OSError as exc:
+            refused = isinstance(exc, ConnectionRefusedError)
             why = (
                 "refused the connection"
-                if isinstance(exc, ConnectionRefusedError)
+                if refused
                 else f"could not be connected to ({exc.strerror or exc})"
             )
-            raise UpstreamConnectError(origin, why) from exc
+            raise UpstreamConnectError(origin, why, engine_side=refused) from exc
         finally:
             self._connecting -= 1
             if self._slot_waiters:

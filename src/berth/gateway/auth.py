@@ -4,14 +4,24 @@ Keys arrive as ``Authorization: Bearer <secret>`` (what the OpenAI SDKs send) or
 ``x-api-key: <secret>``.  A key is looked up by its HMAC-SHA256 under the leader's pepper, so
 the store never holds a usable secret.
 
-Lookups are cached, to keep the database off the proxy's hot path: a record is used for at
-most ``cache_ttl_s`` seconds after its read began, and revoking or changing a key through the
-admin API clears the cache at once (a read in flight then is not cached, and answers only the
-requests that arrived before).  So that steady traffic never waits for the store, a record
-past three quarters of its lifetime is read again in the background the first time it is used,
-while the request goes on with the cached one; only a key unused for longer than that is read
-while its request waits.  At most one read per secret is in flight: requests that arrive
-meanwhile wait for it instead of each reading.
+Lookups are cached, to keep the database off the proxy's hot path, and no request waits for
+a key it found valid to be read again (stale-while-revalidate): a record past three quarters
+of ``cache_ttl_s`` is read again in the background the first time it is used, while the
+request goes on with the cached one, and the entry is served until the new read replaces it,
+however slow the store is, for up to ``max_stale_s`` (:data:`MAX_STALE_S`, 60 s) after its
+last good read.  A read that fails (the store out of reach) is tried again a quarter of
+``cache_ttl_s`` later, still in the background.  Past ``max_stale_s`` unread, a request
+waits for the read (bounded by the store's call deadline, :mod:`berth.store.deadlines`).
+
+A key changed (revoked, its limits or tier or expiry changed) is dropped from the cache at
+once when this leader hears of it (:meth:`Authenticator.forget`: its own admin API, or another
+leader's change through :mod:`berth.gateway.key_sync`), so its next request waits for the
+read and a revoked key is refused; a read begun before the change answers only the requests
+that arrived before it, and is not cached.  When the change feed cannot say which key changed
+(:meth:`Authenticator.forget_all`), every key is read again that way.  At most one read per
+secret is in flight: requests that arrive meanwhile wait for it instead of each reading.
+:attr:`AuthCounts.waits` counts the requests that waited for a read, by why: ``new`` (a key
+not cached on this leader), ``changed``, ``stale`` (past ``max_stale_s``).
 
 Bad secrets cost the store little, however many arrive:
 
@@ -41,7 +51,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Final
 
@@ -56,6 +66,9 @@ _log = logging.getLogger(__name__)
 DEFAULT_CACHE_TTL_S = 5.0
 #: Share of that lifetime after which a record in use is read again in the background.
 REFRESH_AFTER_SHARE = 0.75
+#: Seconds a record found valid is served after its last good read while reads of it fail
+#: or have not come back: the bound of stale-while-revalidate.
+MAX_STALE_S: Final = 60.0
 #: Most entries kept in the cache (oldest dropped first).
 MAX_CACHE_ENTRIES = 4096
 #: Seconds a secret the store did not know is answered 401 without reading it again.
@@ -97,6 +110,8 @@ class AuthCounts:
     invalid: int = 0
     #: Requests refused 429 by the limiter of failed authentication.
     rate_limited: int = 0
+    #: Requests that waited for a key read, by why (``new``, ``changed``, ``stale``).
+    waits: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -104,10 +119,12 @@ class _Entry:
     record: ApiKeyRecord
     #: when the read that found it began (monotonic seconds)
     read_at: float
-    #: whether to read it again ahead of its end (not after that failed once)
-    refresh: bool
+    #: not before this is it read again (a failed read waits a while; monotonic seconds)
+    next_read_at: float
     #: the cache's generation it was read in: served only while that is the current one
     generation: int
+    #: False once its key changed: its next request waits for a read
+    usable: bool = True
 
 
 class Authenticator:
@@ -115,8 +132,9 @@ class Authenticator:
     negative cache, a bound on concurrent misses and, with ``limiter``, a limit of failed
     attempts per client address (see the module docstring). ``clock`` gives monotonic
     seconds; ``audit`` writes the limiter's audit lines; ``negative_ttl_s`` is how long an
-    invalid secret is remembered, and ``refusal_delay_s`` how long the limiter's refusal is
-    held before it is raised (at most its ``retry_after_s``), in seconds."""
+    invalid secret is remembered, ``max_stale_s`` how long a record is served unread, and
+    ``refusal_delay_s`` how long the limiter's refusal is held before it is raised (at most
+    its ``retry_after_s``), in seconds."""
 
     def __init__(
         self,
@@ -125,6 +143,7 @@ class Authenticator:
         *,
         cache_ttl_s: float = DEFAULT_CACHE_TTL_S,
         negative_ttl_s: float = NEGATIVE_CACHE_TTL_S,
+        max_stale_s: float = MAX_STALE_S,
         limiter: FailedAuthLimiter | None = None,
         refusal_delay_s: float = 0.0,
         audit: Audit | None = None,
@@ -134,6 +153,8 @@ class Authenticator:
         self._pepper = pepper
         self._cache_ttl_s = cache_ttl_s
         self._refresh_after_s = cache_ttl_s * REFRESH_AFTER_SHARE
+        self._retry_read_s = cache_ttl_s - self._refresh_after_s
+        self._max_stale_s = max(max_stale_s, cache_ttl_s)
         self._negative_ttl_s = negative_ttl_s
         self._limiter = limiter
         self._refusal_delay_s = refusal_delay_s
@@ -147,12 +168,14 @@ class Authenticator:
         self._known_hashes: set[str] = set()
         # keyed hash of a secret the store did not know -> when that read began
         self._invalid: dict[str, float] = {}
-        # (secret, generation) -> the read in flight for it
+        # (secret, read generation) -> the read in flight for it
         self._reads: dict[tuple[str, int], asyncio.Task[ApiKeyRecord]] = {}
         self._miss_slots = asyncio.Semaphore(MAX_CONCURRENT_MISSES)
-        # Bumped by forget_all: a read begun before it must neither refill the cache nor
-        # answer a request that arrived after it.
+        # Bumped by forget_all: no entry read before it is served.
         self._generation = 0
+        # Bumped by every forget (and forget_all): a read begun before it must neither
+        # refill the cache nor answer a request that arrived after it.
+        self._read_generation = 0
 
     async def authenticate(
         self, secret: str | None, *, address: str | None = None, surface: str = "v1"
@@ -170,21 +193,22 @@ class Authenticator:
         if not secret:
             raise AuthError(_MISSING_KEY)
         hit = self._cache.get(secret)
-        if hit is not None and hit.generation == self._generation:
-            age = self._clock() - hit.read_at
-            if age < self._cache_ttl_s:
-                if age >= self._refresh_after_s and hit.refresh:
-                    ahead = (secret, self._generation)
-                    if ahead not in self._reads:
-                        self._start_read(
-                            ahead, hash_secret(secret, self._pepper), background=True, gated=False
-                        )
-                return hit.record
+        why = "new"
+        if hit is not None:
+            why = "changed"
+            if hit.usable and hit.generation == self._generation:
+                now = self._clock()
+                age = now - hit.read_at
+                if age < self._max_stale_s:
+                    if age >= self._refresh_after_s and now >= hit.next_read_at:
+                        self._read_ahead(secret)
+                    return hit.record
+                why = "stale"
         key_hash = hash_secret(secret, self._pepper)
         known = hit is not None or key_hash in self._known_hashes
         limiter = self._limiter if not known and address is not None else None
         if limiter is None:
-            return await self._look_up(secret, key_hash, known=known)
+            return await self._look_up(secret, key_hash, known=known, why=why)
         assert address is not None
         refused = limiter.take(address, self._clock())
         if refused is not None:
@@ -200,7 +224,7 @@ class Authenticator:
                 retry_after_s=refused.retry_after_s,  # from the refusal, rounded up: >= 1 s
             )
         try:
-            record = await self._look_up(secret, key_hash, known=False)
+            record = await self._look_up(secret, key_hash, known=False, why=why)
         except (AuthError, asyncio.CancelledError):
             raise  # a failure, or a client that left before it was told: the token stays taken
         except Exception:
@@ -214,12 +238,23 @@ class Authenticator:
         """How many key reads from the store are under way (background ones included)."""
         return len(self._reads)
 
+    def forget(self, key_ids: Iterable[str]) -> None:
+        """The keys ``key_ids`` were created, revoked or changed: stop serving them from
+        the cache (their next request waits for a read), and forget the invalid secrets (one
+        may be valid now); reads in flight are not cached when they finish, and requests
+        from now on do not wait for them.  Other keys are served on as before."""
+        changed = set(key_ids)
+        for entry in self._cache.values():
+            if entry.record.id in changed:
+                entry.usable = False
+        self._invalid.clear()
+        self._read_generation += 1
+
     def forget_all(self) -> None:
-        """Stop serving what is cached (after a key is created, revoked or changed), and
-        forget the invalid secrets; reads in flight are not cached when they finish, and
-        requests from now on do not wait for them."""
+        """As :meth:`forget`, for every key (a change whose key is not known)."""
         self._invalid.clear()
         self._generation += 1
+        self._read_generation += 1
 
     def know(self, key_hashes: Iterable[str]) -> None:
         """``key_hashes`` are of this leader's keys (all of them when it starts, then each
@@ -228,18 +263,26 @@ class Authenticator:
         is no longer known."""
         self._known_hashes.update(key_hashes)
 
-    async def _look_up(self, secret: str, key_hash: str, *, known: bool) -> ApiKeyRecord:
+    async def _look_up(self, secret: str, key_hash: str, *, known: bool, why: str) -> ApiKeyRecord:
         failed_at = self._invalid.get(key_hash)
         if failed_at is not None:
             if self._clock() - failed_at < self._negative_ttl_s:
                 self.counts.cached_invalid += 1
                 raise AuthError(_INVALID_KEY)
             del self._invalid[key_hash]
-        reading = (secret, self._generation)
+        reading = (secret, self._read_generation)
         read = self._reads.get(reading) or self._start_read(
             reading, key_hash, background=False, gated=not known
         )
+        self.counts.waits[why] = self.counts.waits.get(why, 0) + 1
         return await asyncio.shield(read)  # one waiter leaving does not end the others' read
+
+    def _read_ahead(self, secret: str) -> None:
+        """Read ``secret`` again in the background (unless a read of it is in flight)."""
+        ahead = (secret, self._read_generation)
+        if ahead not in self._reads:
+            self._start_read(ahead, hash_secret(secret, self._pepper), background=True,
+                             gated=False)  # fmt: skip
 
     def _read(self, key_hash: str) -> ApiKeyRecord:
         record = self._store.find_api_key(key_hash)
@@ -248,11 +291,11 @@ class Authenticator:
         return record
 
     def _keep(self, secret: str, record: ApiKeyRecord, generation: int, read_at: float) -> None:
-        if generation != self._generation:
+        if generation != self._read_generation:
             return
         if secret not in self._cache and len(self._cache) >= MAX_CACHE_ENTRIES:
             self._cache.pop(next(iter(self._cache)))
-        self._cache[secret] = _Entry(record, read_at, True, generation)
+        self._cache[secret] = _Entry(record, read_at, read_at, self._generation)
 
     def _remember_invalid(self, key_hash: str, read_at: float) -> None:
         self._invalid.pop(key_hash, None)
@@ -286,7 +329,7 @@ class Authenticator:
             record = await asyncio.to_thread(self._read, key_hash)
         except AuthError:
             self.counts.invalid += 1
-            if generation == self._generation:  # not a read begun before a key was created
+            if generation == self._read_generation:  # not one begun before a key was created
                 self._known_hashes.discard(key_hash)
                 self._cache.pop(secret, None)  # unknown or revoked now: no more cached use
                 self._remember_invalid(key_hash, read_at)
@@ -303,13 +346,12 @@ class Authenticator:
             return
         error = task.exception()  # retrieved here, so an unawaited failure is not reported
         if background and error is not None and not isinstance(error, AuthError):
-            # The store failed: the cached record stays usable until its lifetime ends, and
-            # is not read again before (then a request waits for the read, and sees it fail).
+            # The store failed: the cached record stays usable up to max_stale_s after its
+            # last good read, and is read again a while later, still in the background.
             _log.warning("reading an API key again failed: %r", error)
-            secret, generation = reading
-            hit = self._cache.get(secret)
-            if hit is not None and generation == self._generation:
-                hit.refresh = False
+            hit = self._cache.get(reading[0])
+            if hit is not None:
+                hit.next_read_at = self._clock() + self._retry_read_s
 
     async def _write_audit(
         self, address: str, surface: str, refused: Refused, limiter: FailedAuthLimiter

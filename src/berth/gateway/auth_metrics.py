@@ -9,6 +9,10 @@ metric).
                                                   did not know the secret),
                                                   ``cached_invalid`` (remembered invalid, no
                                                   read), ``rate_limited`` (429, no read)
+``berth_auth_key_read_waits_total{why}``          requests that waited for a key read:
+                                                  ``new`` (not cached here), ``changed``
+                                                  (changed since it was), ``stale`` (unread
+                                                  past ``MAX_STALE_S``)
 ================================================  ==========================================
 """
 
@@ -42,5 +46,13 @@ class AuthCollector(Collector):
         refusals.add_metric(["invalid"], counts.invalid)
         refusals.add_metric(["cached_invalid"], counts.cached_invalid)
         refusals.add_metric(["rate_limited"], counts.rate_limited)
+        waits = CounterMetricFamily(
+            "berth_auth_key_read_waits",
+            "Requests that waited for an API-key read from the store, by why",
+            labels=["why"],
+        )
+        for why in ("new", "changed", "stale"):
+            waits.add_metric([why], counts.waits.get(why, 0))
         yield reads
         yield refusals
+        yield waits

@@ -15,6 +15,14 @@ its exchange is closed at once and the next candidate tried, without waiting for
 to be stopped or for the read timeout. Nothing has been sent to the client yet, so nothing is
 done twice from its point of view. The last attempt's outcome stands: its error (an
 OpenAI-shaped 502/504) or its answer.
+
+An engine berth believes ready that refuses the connection or breaks it before answering is
+the deployment's failure, not its node's: the deployment is reported (``waiting``'s
+``engine_failed``: the lifecycle marks it suspect, out of routing until a probe answers) and
+the request goes to another ready deployment, on the same node too.  When none is left, the
+request is answered 503 with ``Retry-After``
+(:class:`~berth.routing.errors.EngineUnavailableError`), as it is when its engine ended while
+it waited; never 502, which stays for a node that could not be reached.
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ from typing import TYPE_CHECKING
 from berth.engine_http.answer import EngineAnswer
 from berth.routing.errors import (
     EngineTimeoutError,
+    EngineUnavailableError,
     EngineUnreachableError,
     FirstByteTimeoutError,
     ProxyError,
@@ -92,9 +101,10 @@ async def first_answer(
                 barred.add(upstream.node_id)
                 more = more_off_node
             if not more:
-                raise EngineUnreachableError(
-                    upstream, f"was given up before answering ({registered.reason})"
-                ) from None
+                why = f"was given up before answering ({registered.reason})"
+                if registered.given_up is GiveUp.NODE_LOST:
+                    raise EngineUnreachableError(upstream, why) from None
+                raise EngineUnavailableError(upstream, why) from None
             log.warning("request %s: deployment %s %s; trying another deployment",
                         request_id, upstream.deployment_id, registered.reason)  # fmt: skip
             continue
@@ -106,10 +116,18 @@ async def first_answer(
                 else AttemptFailure.TIMEOUT if isinstance(exc, EngineTimeoutError)
                 else AttemptFailure.CONNECT
             )  # fmt: skip
-            if failure is not AttemptFailure.FIRST_BYTE_TIMEOUT:
+            engine_side = isinstance(exc, EngineUnreachableError) and exc.engine_side
+            if engine_side:
+                assert isinstance(exc, EngineUnreachableError)
+                if waiting is not None:  # suspect: out of routing until a probe answers
+                    waiting.engine_failed(upstream, exc.why)
+            elif failure is not AttemptFailure.FIRST_BYTE_TIMEOUT:
                 barred.add(upstream.node_id)
                 more = more_off_node
             if not more or classify(failure) != "retry":
+                if engine_side and not isinstance(exc, EngineUnavailableError):
+                    assert isinstance(exc, EngineUnreachableError)
+                    raise EngineUnavailableError(upstream, exc.why) from exc
                 raise
             log.warning("request %s: %s; trying another candidate", request_id, exc)
             continue

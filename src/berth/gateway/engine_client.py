@@ -106,11 +106,12 @@ class EngineClient:
             headers = forward if auth is None else [*forward, auth]
             return await pool.request(origin, _POST, target, headers, request.body)
         except UpstreamConnectError as exc:
-            raise EngineUnreachableError(upstream, exc.why) from exc
+            raise EngineUnreachableError(upstream, exc.why, engine_side=exc.engine_side) from exc
         except UpstreamTimeoutError as exc:
             raise EngineTimeoutError(upstream, self.read_timeout_s) from exc
-        except UpstreamError as exc:
-            raise EngineUnreachableError(upstream, f"failed before answering ({exc.why})") from exc
+        except UpstreamError as exc:  # a connection the engine broke before its answer
+            why = f"failed before answering ({exc.why})"
+            raise EngineUnreachableError(upstream, why, engine_side=True) from exc
 
     async def get(
         self, upstream: Upstream, path: str, *, limit_bytes: int, timeout_s: float

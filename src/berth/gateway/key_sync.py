@@ -7,9 +7,10 @@ every other leader's, from the store's ``keys`` change feed (:mod:`berth.store.c
 PostgreSQL ``LISTEN/NOTIFY``, milliseconds; on SQLite a counter read every ``poll_s``,
 0.25 s by default).
 
-On a change the authenticator's caches are dropped at once (the next request with any key
-reads the store, so a revoked key is refused from then on), and admission takes the changed
-keys' records on: those named, or, when the feed only knows "something changed", every key.
+On a change the changed keys leave the authenticator's cache at once (their next request
+reads the store, so a revoked key is refused from then on; the other keys are served on), and
+admission takes the changed keys' records on: those named, or, when the feed only knows
+"something changed", every key (and every key is read again by the authenticator).
 """
 
 from __future__ import annotations
@@ -63,7 +64,10 @@ class KeySync:
         self._reloads.clear()
 
     def _changed(self, ids: frozenset[str] | None) -> None:
-        self._authenticator.forget_all()
+        if ids is None:
+            self._authenticator.forget_all()
+        else:
+            self._authenticator.forget(ids)
         self.changes += 1
         task = asyncio.create_task(self._reload(ids), name="key-sync")
         self._reloads.add(task)

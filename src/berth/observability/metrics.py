@@ -74,8 +74,8 @@ _STATUS_CLASSES = {status: status_class(status) for status in range(100, 600)}
 
 
 #: Reasons that mean the exchange with the engine broke (errors for the serving node's meter).
-_BROKEN_EXCHANGE = frozenset({"engine_unreachable", "engine_timeout", "engine_aborted",
-                              "stream_aborted", "first_byte_timeout",
+_BROKEN_EXCHANGE = frozenset({"engine_unreachable", "engine_unavailable", "engine_timeout",
+                              "engine_aborted", "stream_aborted", "first_byte_timeout",
                               "stream_idle_timeout"})  # fmt: skip
 
 _TARGET_LABELS = ("model", "deployment", "node")

@@ -10,7 +10,11 @@ retry rules are stated in them. They are answered in the OpenAI shape (:mod:`ber
         ├── InvalidRequestError    400 bad JSON / no model; 404 unknown URL; 405 wrong method
         ├── RequestTooLargeError   413 body over max_body_bytes
         ├── NoReadyDeploymentError 503 + Retry-After: the model exists, nothing serves it yet
-        ├── EngineUnreachableError 502 connection refused, or closed before an answer
+        ├── EngineUnreachableError 502 its node could not be reached, or closed before
+        │   │                          an answer
+        │   ├── EngineUnavailableError 503 + Retry-After: an engine believed ready refused
+        │   │                          or broke the connection, or ended, and no other
+        │   │                          deployment could take the request
         │   └── AdapterUnavailableError 503 the LoRA adapter could not be loaded there
         └── EngineTimeoutError     504 the engine sent nothing for read_timeout_s
             └── FirstByteTimeoutError 504 a stream's first byte did not come in time
@@ -25,12 +29,17 @@ An unknown model is the resolver's :class:`berth.errors.NotFoundError` (404).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Final
 
 from berth.errors import BerthError
 
 if TYPE_CHECKING:
     from berth.routing.resolver import Upstream
+
+
+#: Seconds a client is told to wait after an engine believed ready did not take its request
+#: (its restart, or the next health probe, is about that far off).
+ENGINE_GONE_RETRY_AFTER_S: Final = 2.0
 
 
 class ProxyError(BerthError):
@@ -85,16 +94,39 @@ class NoReadyDeploymentError(ProxyError):
 
 
 class EngineUnreachableError(ProxyError):
-    """The engine refused the connection or closed it before answering (502)."""
+    """The engine could not be reached or closed the exchange before answering (502).
+
+    ``engine_side``: the engine itself did not take the request (it refused the connection,
+    or broke it before answering) while its node answered: the deployment's own failure,
+    not its node's (the dispatch loop tries a replica on the same node next)."""
 
     http_status = 502
     error_type = "engine_error"
     error_code = "engine_unreachable"
 
-    def __init__(self, upstream: Upstream, why: str) -> None:
+    def __init__(self, upstream: Upstream, why: str, *, engine_side: bool = False) -> None:
         self.upstream = upstream
         self.deployment_id = upstream.deployment_id
+        self.why = why
+        self.engine_side = engine_side
         super().__init__(f"the engine of deployment {upstream.deployment_id} {why}")
+
+
+class EngineUnavailableError(EngineUnreachableError):
+    """An engine berth believed ready did not take the request (it refused or broke the
+    connection before answering, or ended while the request waited) and no other deployment
+    could: 503 with ``Retry-After`` (``retry_after_s``), never a 502: the engine's end is
+    berth's to deal with (its restart), not a fault the client should see as a bad gateway."""
+
+    http_status = 503
+    error_type = "server_error"
+    error_code = "engine_unavailable"
+
+    def __init__(
+        self, upstream: Upstream, why: str, *, retry_after_s: float = ENGINE_GONE_RETRY_AFTER_S
+    ) -> None:
+        super().__init__(upstream, why, engine_side=True)
+        self.retry_after_s = retry_after_s
 
 
 class AdapterUnavailableError(EngineUnreachableError):

@@ -22,6 +22,10 @@ suspect deployment, and ends at once (502) on a failed or stopped one or a lost 
 
 Only attempts before the first byte are here: an answer already streaming to its client is
 never sent twice (the one-retry-before-first-byte rule).
+
+The other way round, an attempt tells whoever watches the engines (``on_engine_failed``: the
+lifecycle manager) when an engine believed ready refused its connection or broke it before
+answering, so that no new request goes there until a probe says it answers again.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -76,6 +81,14 @@ class WaitingAttempts:
     def __init__(self) -> None:
         self._by_deployment: dict[str, set[WaitingAttempt]] = {}
         self._by_node: dict[str, set[WaitingAttempt]] = {}
+        #: hears of an engine believed ready that did not take an attempt (see the module doc)
+        self.on_engine_failed: Callable[[Upstream, str], None] | None = None
+
+    def engine_failed(self, upstream: Upstream, why: str) -> None:
+        """An attempt found ``upstream``'s engine not taking requests (``why``: it refused
+        the connection, or broke it before answering)."""
+        if self.on_engine_failed is not None:
+            self.on_engine_failed(upstream, why)
 
     def __len__(self) -> int:
         return sum(len(attempts) for attempts in self._by_deployment.values())

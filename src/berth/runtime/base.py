@@ -233,3 +233,15 @@ class Runtime(Protocol):
         """How the engine ended, as last seen (:meth:`poll` looks again); ``None`` while it
         runs, or when this runtime cannot tell (an engine it re-attached to)."""
         ...
+
+    def watch_exit(
+        self, handle: EngineHandle, on_exit: Callable[[EngineExit | None], None]
+    ) -> None:
+        """Call ``on_exit`` on the event loop as soon as the engine ends, with how it ended
+        when the runtime can tell (the process runtime: a pidfd; the docker runtime: the
+        engine's events stream).  Called on the event loop."""
+        ...
+
+    def unwatch_exit(self, handle: EngineHandle) -> None:
+        """Stop watching the engine's end (it is being stopped on purpose)."""
+        ...

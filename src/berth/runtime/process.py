@@ -9,6 +9,10 @@ stopping it signals its process group and its whole tree, SIGTERM first and SIGK
 grace period, and returns once none of them is left.  stdout and stderr are appended to the
 deployment's log file, whose last lines travel in every :class:`~berth.errors.EngineError`.
 
+An engine's exit is known the moment it happens (:meth:`ProcessRuntime.watch_exit`: a pidfd
+per engine on the event loop, :mod:`berth.runtime.exit_watch`), for a child and for an engine
+taken back after a restart alike; a child's exit code or signal comes with it.
+
 After a daemon restart the engines started by the previous daemon are no longer our children.
 :meth:`ProcessRuntime.attach` adopts one again only when its pid still runs the engine (its
 command line carries ``--port P``), so a recycled pid is never signalled; stopping such a
@@ -38,6 +42,7 @@ from berth.runtime.base import (
 )
 from berth.runtime.cgroups import EngineCgroup, existing_cgroup, spawn_in
 from berth.runtime.engine_log import DEFAULT_LOG_TAIL_LINES, read_log_tail
+from berth.runtime.exit_watch import ExitWatch
 from berth.runtime.exits import REBUILD_POINTER, exit_words, killed_by_illegal_instruction
 from berth.runtime.health import HealthProber, bearer_headers
 from berth.runtime.proc import (
@@ -97,6 +102,7 @@ class ProcessRuntime:
         #: what is known of each engine's processes, by the engine's pid
         self._trees: dict[int, EngineTree] = {}
         self._scanner: asyncio.Task[None] | None = None
+        self._exits = ExitWatch()
 
     @property
     def tree_mechanism(self) -> TreeMechanism:
@@ -104,10 +110,31 @@ class ProcessRuntime:
         return self.trees.mechanism
 
     def close(self) -> None:
-        """Stop scanning ``/proc`` (engines keep running)."""
+        """Stop scanning ``/proc`` and watching exits (engines keep running)."""
         if self._scanner is not None:
             self._scanner.cancel()
             self._scanner = None
+        self._exits.close()
+
+    def watch_exit(
+        self, handle: EngineHandle, on_exit: Callable[[EngineExit | None], None]
+    ) -> None:
+        """Call ``on_exit`` on the event loop as soon as the engine's main process exits,
+        with how it ended (its exit code or signal; ``None`` for an engine that is not our
+        child, whose status is not ours to read).  Call it on the event loop."""
+
+        def exited() -> None:
+            child = self._children.get(handle.pid)
+            ended = None
+            if child is not None and child.poll() is not None:  # reaped here
+                ended = EngineExit.from_returncode(child.returncode)
+            on_exit(ended)
+
+        self._exits.watch(handle.pid, exited, lambda: self.is_alive(handle))
+
+    def unwatch_exit(self, handle: EngineHandle) -> None:
+        """Stop watching the engine's exit (it is being stopped on purpose)."""
+        self._exits.unwatch(handle.pid)
 
     async def start(
         self, spec: LaunchSpec, on_progress: ProgressListener | None = None

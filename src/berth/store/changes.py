@@ -20,9 +20,9 @@ import asyncio
 import contextlib
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
-from typing import Final
+from typing import Any, Final
 
 import psycopg
 from sqlalchemy import Engine, select, text
@@ -31,6 +31,7 @@ from sqlalchemy.orm import Session
 
 from berth.errors import StoreError
 from berth.store.db import POSTGRES_CONNECT_TIMEOUT_S
+from berth.store.deadlines import StoreDeadlines
 from berth.store.tables import ChangeCounterRow
 
 _log = logging.getLogger(__name__)
@@ -90,7 +91,9 @@ class ChangeFeed:
     loop with what changed.
 
     ``counter`` reads the topic's counter (``Store.change_counter``), ``listen_url`` is the
-    PostgreSQL URL to ``LISTEN`` on (``None`` on SQLite: counter only).
+    PostgreSQL URL to ``LISTEN`` on (``None`` on SQLite: counter only), with the libpq
+    ``connect_parameters`` (the store's connect timeout and TCP keepalives:
+    :meth:`berth.store.deadlines.StoreDeadlines.libpq_parameters`).
     """
 
     def __init__(
@@ -101,7 +104,11 @@ class ChangeFeed:
         *,
         listen_url: URL | None = None,
         poll_s: float = DEFAULT_POLL_S,
+        connect_parameters: Mapping[str, Any] | None = None,
     ) -> None:
+        self._connect_parameters = dict(
+            connect_parameters or {"connect_timeout": POSTGRES_CONNECT_TIMEOUT_S}
+        )
         self._topic = topic
         self._counter = counter
         self._listener = listener
@@ -171,7 +178,7 @@ class ChangeFeed:
         while not self._stopping.is_set():
             try:
                 with psycopg.connect(
-                    libpq_url(url), autocommit=True, connect_timeout=POSTGRES_CONNECT_TIMEOUT_S
+                    libpq_url(url), autocommit=True, **self._connect_parameters
                 ) as conn:
                     conn.execute(f'LISTEN "{channel(self._topic)}"')
                     self._listening.set()
@@ -194,6 +201,8 @@ class ChangeMethods:
 
     def _read(self) -> AbstractContextManager[Session]:
         raise NotImplementedError
+
+    deadlines: StoreDeadlines
 
     @property
     def engine(self) -> Engine:
@@ -220,4 +229,5 @@ class ChangeMethods:
             listener,
             listen_url=listen_url,
             poll_s=poll_s,
+            connect_parameters=self.deadlines.libpq_parameters(),
         )

@@ -20,6 +20,14 @@ with one: under ``READ COMMITTED`` each statement after the lock sees every writ
 before it.  Readers never wait for it.  The store writes little (batches, state changes),
 so one lock costs nothing measurable; advisory locks are per database, so two berth
 clusters on one server do not share it.
+
+Every PostgreSQL call has a deadline (:mod:`berth.store.deadlines`): the connect timeout,
+TCP keepalives and ``tcp_user_timeout`` as connection parameters, the server's
+``statement_timeout`` and ``idle_in_transaction_session_timeout`` set on each new
+connection, the pool's checkout timeout, and the call's own limit, kept by a
+:class:`~berth.store.deadlines.CallWatchdog` from checkout (the liveness ping, which berth
+sends itself so that it falls under the limit) to return.  A call the watchdog cut fails
+with :class:`~berth.store.errors.StoreDeadlineError`, and its connection is discarded.
 """
 
 from __future__ import annotations
@@ -29,13 +37,16 @@ import time
 from pathlib import Path
 from typing import Any, Final
 
+import psycopg
 from sqlalchemy import Connection, Engine, create_engine, event, make_url
-from sqlalchemy.engine import URL
-from sqlalchemy.exc import ArgumentError
-from sqlalchemy.pool import StaticPool
+from sqlalchemy.engine import URL, ExceptionContext
+from sqlalchemy.exc import ArgumentError, DisconnectionError
+from sqlalchemy.pool import ConnectionPoolEntry, PoolProxiedConnection, StaticPool
 
 from berth.errors import StoreError
 from berth.redact import mask_url_password, quoted_url
+from berth.store.deadlines import CallWatchdog, StoreDeadlines
+from berth.store.errors import StoreDeadlineError
 
 #: Seconds a SQLite connection waits for another writer before giving up.
 SQLITE_BUSY_TIMEOUT_S: Final = 30.0
@@ -51,8 +62,10 @@ WRITE_OPTIONS: Final[dict[str, Any]] = {SQLITE_BEGIN_OPTION: "IMMEDIATE"}
 WRITE_LOCK_KEY: Final = 0x6265727468
 
 #: Seconds a PostgreSQL connection attempt waits before failing (a dead server is an error,
-#: not a hang).
+#: not a hang), where no deadlines say otherwise.
 POSTGRES_CONNECT_TIMEOUT_S: Final = 10
+#: Marks a pooled connection made since its last checkout (it needs no liveness ping).
+_FRESH: Final = "berth_fresh"
 
 
 def parse_database_url(url: str) -> URL:
@@ -82,14 +95,21 @@ def _is_memory(url: URL) -> bool:
     return url.database in (None, "", ":memory:") or url.query.get("mode") == "memory"
 
 
-def create_store_engine(url: str) -> Engine:
-    """Create the engine for ``url``, with the SQLite connection settings described above.
+def create_store_engine(
+    url: str,
+    deadlines: StoreDeadlines | None = None,
+    watchdog: CallWatchdog | None = None,
+) -> Engine:
+    """Create the engine for ``url``, with the SQLite connection settings described above,
+    or on PostgreSQL the ``deadlines`` (default :class:`StoreDeadlines`), whose call limit
+    ``watchdog`` keeps (a new one when not given).
 
     A file-backed SQLite database's folder is created if missing.  An in-memory SQLite
     database is shared by every thread of this engine (one connection, ``StaticPool``).
     Raises :class:`StoreError` for a URL SQLAlchemy cannot use (bad syntax, missing driver).
     """
     parsed = parse_database_url(url)
+    deadlines = deadlines or StoreDeadlines()
     kwargs: dict[str, Any] = {}
     if is_sqlite(parsed):
         connect_args: dict[str, Any] = {"timeout": SQLITE_BUSY_TIMEOUT_S}
@@ -100,9 +120,9 @@ def create_store_engine(url: str) -> Engine:
             Path(parsed.database).expanduser().parent.mkdir(parents=True, exist_ok=True)
         kwargs["connect_args"] = connect_args
     elif is_postgresql(parsed):
-        # Connections a dead server left in the pool are found before use, not mid-write.
-        kwargs["pool_pre_ping"] = True
-        kwargs["connect_args"] = {"connect_timeout": POSTGRES_CONNECT_TIMEOUT_S}
+        # No pool_pre_ping: berth pings at checkout itself, under the call's deadline.
+        kwargs["connect_args"] = deadlines.libpq_parameters()
+        kwargs["pool_timeout"] = deadlines.checkout_s
     try:
         engine = create_engine(parsed, **kwargs)
     except (ArgumentError, ImportError) as exc:
@@ -115,6 +135,7 @@ def create_store_engine(url: str) -> Engine:
         _install_sqlite_events(engine)
     elif is_postgresql(parsed):
         _install_postgresql_events(engine)
+        _install_postgresql_deadlines(engine, deadlines, watchdog or CallWatchdog())
     return engine
 
 
@@ -164,3 +185,54 @@ def _install_postgresql_events(engine: Engine) -> None:
         mode = connection.get_execution_options().get(SQLITE_BEGIN_OPTION, "DEFERRED")
         if mode != "DEFERRED":
             connection.exec_driver_sql(f"SELECT pg_advisory_xact_lock({WRITE_LOCK_KEY})")
+
+
+def _install_postgresql_deadlines(
+    engine: Engine, deadlines: StoreDeadlines, watchdog: CallWatchdog
+) -> None:
+    call_s = deadlines.call_s
+    settings = deadlines.server_settings()
+
+    @event.listens_for(engine, "connect")
+    def _on_connect(dbapi_connection: Any, record: ConnectionPoolEntry) -> None:
+        watchdog.arm(dbapi_connection, call_s)
+        try:
+            with dbapi_connection.cursor() as cursor:
+                for name, value_ms in settings.items():
+                    cursor.execute(f"SET {name} = {int(value_ms)}")
+            dbapi_connection.commit()
+        finally:
+            watchdog.disarm(dbapi_connection)
+        record.info[_FRESH] = True
+
+    @event.listens_for(engine, "checkout")
+    def _on_checkout(
+        dbapi_connection: Any, record: ConnectionPoolEntry, _proxy: PoolProxiedConnection
+    ) -> None:
+        watchdog.arm(dbapi_connection, call_s)
+        if record.info.pop(_FRESH, False):
+            return
+        try:  # what pool_pre_ping does, but under the deadline
+            engine.dialect.do_ping(dbapi_connection)
+        except psycopg.Error as exc:
+            watchdog.disarm(dbapi_connection)
+            # The pool discards this connection and opens another (SQLAlchemy's rule).
+            raise DisconnectionError(f"the pooled connection is gone: {exc}") from exc
+
+    @event.listens_for(engine, "checkin")
+    def _on_checkin(dbapi_connection: Any, _record: ConnectionPoolEntry) -> None:
+        if dbapi_connection is not None:
+            watchdog.disarm(dbapi_connection)
+
+    @event.listens_for(engine, "close")
+    def _on_close(dbapi_connection: Any, _record: ConnectionPoolEntry) -> None:
+        watchdog.disarm(dbapi_connection)
+
+    @event.listens_for(engine, "handle_error")
+    def _on_error(context: ExceptionContext) -> BaseException | None:
+        proxied = context.connection.connection if context.connection is not None else None
+        dbapi_connection = proxied.dbapi_connection if proxied is not None else None
+        if dbapi_connection is None or not watchdog.was_cut(dbapi_connection):
+            return None
+        context.is_disconnect = True  # never reused
+        return StoreDeadlineError(call_s)

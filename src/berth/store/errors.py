@@ -44,3 +44,17 @@ class StandbyError(BerthError):
         else:
             message = "no berth leader is active right now (a standby is taking over)"
         super().__init__(f"{message}; retry in {max(1, round(retry_after_s))} s")
+
+
+class StoreDeadlineError(StoreError):
+    """A database call that outlived its deadline (``call_s`` seconds) and was cut
+    (:mod:`berth.store.deadlines`); its connection was discarded.  Through the APIs: 503."""
+
+    http_status = 503
+
+    def __init__(self, call_s: float):
+        self.call_s = call_s
+        super().__init__(
+            f"database error: no answer within the call's {call_s:g} s deadline "
+            "(the database or the network to it stopped answering)"
+        )

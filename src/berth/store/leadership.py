@@ -9,9 +9,20 @@ and hears every change of role through :meth:`Leadership.subscribe`.
 
 Stepping down happens three ways: a renewal the store refuses (another leader holds the
 lease under a newer epoch, or it ran out while this process was stalled: SIGSTOP, a long
-GC, a frozen VM); a lease that ran out by this process's own monotonic clock while the
-store could not be reached (the database is down: better no active than two); and
-:meth:`Leadership.stop`, which releases the lease so a standby takes over at once.
+GC, a frozen VM); a lease that ran out by this process's own monotonic clock (better no
+active than two); and :meth:`Leadership.stop`, which releases the lease so a standby takes
+over at once.
+
+The lease is kept by this leader's own clock, whatever the database call does: while it is
+active a timer runs to the end of its lease (``lease_s`` after its last good renewal began),
+and when it fires unrenewed this leader stands by at that moment, even with a renewal still
+waiting on a database that stopped answering (a silent network partition).  That call ends
+within the store's deadlines (:mod:`berth.store.deadlines`); an answer that comes back after
+the lease ran out by this clock counts for nothing.  The lease's calls run on a thread of
+their own, so they never wait behind the leader's other database calls (a slow database
+fills the shared worker threads), and its looks begin a third of a lease apart however long
+each takes.  The worker processes and serving
+leaders of a cluster follow the same :attr:`Leadership.is_active` and role changes.
 
 Without ``leader_ha`` there is no loop: the one leader is active with epoch 0 and its
 store is not fenced (:func:`single_leader_view`).
@@ -27,8 +38,9 @@ import secrets
 import socket
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Final
+from typing import Final, TypeVar
 
 from berth.errors import StoreError
 from berth.humanize import age
@@ -44,6 +56,8 @@ RENEWALS_PER_LEASE: Final = 3
 
 #: Hears a change of role (the new state).  Called on the event loop; must not block.
 RoleListener = Callable[[LeaseState], None]
+
+T = TypeVar("T")
 
 
 def leader_id() -> str:
@@ -132,6 +146,9 @@ class Leadership:
         self._listeners: list[RoleListener] = []
         self._task: asyncio.Task[None] | None = None
         self._active = asyncio.Event()
+        self._expiry: asyncio.TimerHandle | None = None  # the end of the lease held
+        #: the lease's calls: never queued behind the leader's other database calls
+        self._calls: ThreadPoolExecutor | None = None
 
     @property
     def me(self) -> str:
@@ -189,46 +206,99 @@ class Leadership:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             self._task = None
+        self._cancel_expiry()
         held = self._state
         if release and held.role == "active":
             try:
-                await asyncio.to_thread(self._store.release_lease, self._me, held.epoch)
+                await self._call(self._store.release_lease, self._me, held.epoch)
             except StoreError as exc:
                 _log.warning("leadership: cannot release the lease: %s", exc)
         self._set(LeaseState("standby", held.epoch, None, None, held.expires_at), None)
+        calls, self._calls = self._calls, None
+        if calls is not None:
+            calls.shutdown(wait=False)  # a call that hangs ends within its deadline
 
     async def _run(self) -> None:
+        # Looks begin a third of a lease apart, however long each takes (on a database 200 ms
+        # away a renewal is five round trips, 2 s): timed from the end of the last one, the
+        # renewals of a slow database would come later than the lease lasts.
+        loop = asyncio.get_running_loop()
         interval = self._lease_s / RENEWALS_PER_LEASE
+        next_at = loop.time() + interval
         while True:
-            await asyncio.sleep(interval)
+            await asyncio.sleep(max(0.0, next_at - loop.time()))
+            next_at = loop.time() + interval
             await self.tick()
 
     async def tick(self) -> None:
         """One look at the lease: renew it when active, else try to take it.  A store
-        error changes nothing but the local expiry (see the module doc); it is logged."""
+        error changes nothing but the local expiry (see the module doc); it is logged.  An
+        answer that comes after the lease ran out by this leader's clock is not taken as
+        holding it."""
         began = self._monotonic()
         held = self._state
         try:
             if held.role == "active":
-                new = await asyncio.to_thread(
-                    self._store.renew_lease, self._me, held.epoch, self._lease_s
-                )
+                new = await self._call(self._store.renew_lease, self._me, held.epoch, self._lease_s)
             else:
-                new = await asyncio.to_thread(
+                new = await self._call(
                     self._store.acquire_lease, self._me, self._address, self._lease_s
                 )
         except StoreError as exc:
             _log.warning("leadership: the store did not answer the lease call: %s", exc)
-            if held.role == "active" and not self.is_active:
-                _log.warning("leadership: the lease ran out unrenewed; standing by")
-                self._set(LeaseState("standby", held.epoch, None, None, held.expires_at), None)
+            if self._state.role == "active" and not self.is_active:
+                self._lapse()
             return
+        if new.role == "active" and self._monotonic() - began >= self._lease_s:
+            _log.warning(
+                "leadership: the lease call took %.1f s, past the %g s lease; not taken as "
+                "holding it",
+                self._monotonic() - began,
+                self._lease_s,
+            )
+            new = LeaseState("standby", new.epoch, None, None, new.expires_at)
         self._set(new, began if new.role == "active" else None)
+
+    async def _call(self, call: Callable[..., T], *args: object) -> T:
+        """``call(*args)`` on the lease's own thread."""
+        if self._calls is None:
+            self._calls = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lease")
+        return await asyncio.get_running_loop().run_in_executor(self._calls, call, *args)
+
+    def _lapse(self) -> None:
+        """The lease ran out by this leader's clock, unrenewed: stand by now."""
+        self._cancel_expiry()
+        held = self._state
+        if held.role != "active":
+            return
+        if self.is_active:  # renewed since the timer was set
+            self._arm_expiry()
+            return
+        _log.warning(
+            "leadership: the lease (epoch %d) ran out unrenewed by this leader's clock; "
+            "standing by",
+            held.epoch,
+        )
+        self._set(LeaseState("standby", held.epoch, None, None, held.expires_at), None)
+
+    def _arm_expiry(self) -> None:
+        """Set the timer to the end of the lease this leader holds (none when it holds none)."""
+        self._cancel_expiry()
+        if self._state.role != "active" or self._held_since is None:
+            return
+        remaining_s = self._held_since + self._lease_s - self._monotonic()
+        self._expiry = asyncio.get_running_loop().call_later(max(0.0, remaining_s), self._lapse)
+
+    def _cancel_expiry(self) -> None:
+        if self._expiry is not None:
+            self._expiry.cancel()
+            self._expiry = None
 
     def _set(self, new: LeaseState, held_since: float | None) -> None:
         old = self._state
         self._state = new
         self._held_since = held_since
+        self._arm_expiry()
         if new.role == "active" and new.epoch != self._store.fence_epoch:
             self._store.fence(new.epoch)
         if new.role == "active":

@@ -483,6 +483,14 @@ def _refuse_newer(version: int, latest: int) -> None:
         )
 
 
+def _lift_server_limits(conn: Connection) -> None:
+    """On PostgreSQL, no statement limit for this transaction (``SET LOCAL``): a migration
+    may take long on a big database (the store's limits: :mod:`berth.store.deadlines`)."""
+    if conn.dialect.name == "postgresql":
+        conn.exec_driver_sql("SET LOCAL statement_timeout = 0")
+        conn.exec_driver_sql("SET LOCAL idle_in_transaction_session_timeout = 0")
+
+
 def migrate(
     engine: Engine,
     *,
@@ -508,6 +516,7 @@ def migrate(
 
         for migration in migrations:
             with conn.begin():
+                _lift_server_limits(conn)
                 _refuse_newer(current_version(conn), latest)
                 if migration.version in applied_versions(conn):
                     continue

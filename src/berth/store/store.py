@@ -21,6 +21,7 @@ from typing import Any, cast
 
 from sqlalchemy import CursorResult, Engine, select, update
 from sqlalchemy.exc import DBAPIError, IntegrityError
+from sqlalchemy.exc import TimeoutError as PoolTimeoutError
 from sqlalchemy.orm import Session, sessionmaker
 
 from berth.errors import (
@@ -37,6 +38,7 @@ from berth.store.bootstrap import BootstrapMethods
 from berth.store.certificates import CertificateMethods
 from berth.store.changes import ChangeMethods
 from berth.store.db import WRITE_OPTIONS, create_store_engine
+from berth.store.deadlines import CallWatchdog, StoreDeadlines
 from berth.store.drains import DrainMethods
 from berth.store.lease import LeaseMethods
 from berth.store.members import MemberMethods
@@ -88,12 +90,23 @@ class Store(
     the leadership lease and the fence on cluster-state writes (deployments here, services
     and routes) in :mod:`berth.store.lease`; change counters and feeds other leaders follow
     in :mod:`berth.store.changes`; cordoned and drained nodes in :mod:`berth.store.drains`.
-    ``clock`` returns aware datetimes; tests may pass a fake
-    one.
+    ``clock`` returns aware datetimes; tests may pass a fake one.  ``deadlines`` bound every
+    call on PostgreSQL (:mod:`berth.store.deadlines`; a leader in shared leadership passes
+    :meth:`StoreDeadlines.within_lease`); a call past them raises
+    :class:`~berth.store.errors.StoreDeadlineError`.
     """
 
-    def __init__(self, url: str, *, clock: Callable[[], datetime] = _utc_now) -> None:
-        self._engine: Engine = create_store_engine(url)
+    def __init__(
+        self,
+        url: str,
+        *,
+        clock: Callable[[], datetime] = _utc_now,
+        deadlines: StoreDeadlines | None = None,
+    ) -> None:
+        self.deadlines = deadlines or StoreDeadlines()
+        #: keeps every PostgreSQL call's deadline (its ``cuts`` say how many were cut)
+        self.watchdog = CallWatchdog()
+        self._engine: Engine = create_store_engine(url, self.deadlines, self.watchdog)
         self._sessions = sessionmaker(self._engine, expire_on_commit=False)
         self._clock = clock
         self._fence_epoch: int | None = None
@@ -106,6 +119,7 @@ class Store(
     def close(self) -> None:
         """Close every pooled connection.  The store may not be used afterwards."""
         self._engine.dispose()
+        self.watchdog.close()
 
     def __enter__(self) -> Store:
         return self
@@ -124,9 +138,10 @@ class Store(
         """Apply the missing schema migrations; return the schema version now in force.
 
         Raises :class:`StoreError` when the database was written by a newer berth, or cannot
-        be opened or changed.
+        be opened or changed.  A migration has no call deadline (on a big database one may
+        take minutes); opening the connection still has.
         """
-        with _translated():
+        with _translated(), self.watchdog.unbounded():
             return migrations.migrate(self._engine, now=self._clock)
 
     def schema_version(self) -> int:
@@ -395,6 +410,8 @@ def _translated() -> Iterator[None]:
         raise ConflictError(f"conflicting write: {exc.orig}") from exc
     except DBAPIError as exc:
         raise StoreError(f"database error: {_one_line(exc.orig)}") from exc
+    except PoolTimeoutError as exc:  # every pooled connection busy past the checkout limit
+        raise StoreError(f"database error: no free connection: {_one_line(exc)}") from exc
 
 
 def _one_line(error: BaseException | None) -> str:

@@ -30,6 +30,9 @@ class CloseCode(IntEnum):
     NORMAL = 1000
     #: the frame exceeded ``max_frame_bytes`` (RFC 6455 "message too big")
     FRAME_TOO_LARGE = 1009
+    #: the leader met a condition it could not serve the link under (its store did not
+    #: answer); the agent redials (RFC 6455 "internal error")
+    INTERNAL_ERROR = 1011
     #: malformed frame, a first frame that is not Hello, a frame out of order
     PROTOCOL_ERROR = 4400
     #: no client certificate, or one whose fingerprint no node has

@@ -31,6 +31,7 @@ from berth.cluster.protocol.errors import CloseCode, ProtocolError
 from berth.cluster.protocol.payloads import (
     AdoptedState,
     DeploymentLoad,
+    EngineEnded,
     EngineState,
     ErrorInfo,
     GpuState,
@@ -215,13 +216,16 @@ class _AnyProgress(_Body, kw_only=True):
 
 class Heartbeat(_Body, kw_only=True):
     """Sent by the agent every heartbeat interval: GPUs, per-deployment load, the adopted
-    endpoints with their liveness and, optionally, its event loop's lag histogram."""
+    endpoints with their liveness and, optionally, its event loop's lag histogram; sent at
+    once, with ``ended``, when an engine ends by itself (older leaders ignore the field and
+    find the end at their next probe)."""
 
     sent_at: float
     gpus: list[GpuState] = []
     deployments: list[DeploymentLoad] = []
     adopted: list[AdoptedState] = []
     loop_lag: LoopLag | None = None
+    ended: list[EngineEnded] = []
 
 
 StreamKind = Literal["http", "logs"]

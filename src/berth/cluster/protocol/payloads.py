@@ -3,7 +3,8 @@
 What frames carry inside them: a host's hardware (:class:`Inventory`, :class:`GpuState`) and
 the engines and adopted servers its agent runs (:class:`EngineState`, :class:`AdoptedState`),
 in ``HELLO`` and op results; per-deployment load and the loop-lag histogram
-(:class:`DeploymentLoad`, :class:`LoopLag`) in ``HEARTBEAT``; and why a request failed
+(:class:`DeploymentLoad`, :class:`LoopLag`) and the engines that ended
+(:class:`EngineEnded`) in ``HEARTBEAT``; and why a request failed
 (:class:`ErrorInfo` with its :class:`ErrorCode`) in ``RESPONSE``. Like the frames, they leave
 defaults out on the wire and ignore unknown fields; :mod:`berth.cluster.protocol.frames` is
 their one codec and ``docs/protocol.md`` the specification.
@@ -49,6 +50,16 @@ class EngineState(_Body, kw_only=True):
     pid: int
     port: int
     alive: bool = True
+
+
+class EngineEnded(_Body, kw_only=True):
+    """A running engine that ended by itself, reported in the next ``HEARTBEAT``, which the
+    agent sends at once: its deployment, and its exit code or the signal that killed it when
+    the agent knows (a container's code is 128 + N for signal N)."""
+
+    deployment_id: str
+    exit_code: int | None = None
+    exit_signal: str | None = None
 
 
 class DeploymentLoad(_Body, kw_only=True):

@@ -199,6 +199,24 @@ def _integer(value: object) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
+@dataclass(frozen=True)
+class ContainerEnded:
+    """A container's ``die`` event: its id and exit code (``None`` when the event has
+    none)."""
+
+    container_id: str
+    exit_code: int | None
+
+
+class EventStream(Protocol):
+    """Docker's events stream, as :meth:`DockerApi.container_ends` opens it: iterating
+    blocks for the next event; :meth:`close`, from any thread, ends the iteration."""
+
+    def __iter__(self) -> Iterator[ContainerEnded]: ...
+
+    def close(self) -> None: ...
+
+
 class DockerApi(Protocol):
     """The calls berth makes to one Docker engine.  Every one blocks on the engine's socket
     (run them off the event loop) and raises :class:`DockerApiError` (a subclass where one
@@ -270,6 +288,11 @@ class DockerApi(Protocol):
     def follow_logs(self, container_id: str, *, since: float | None = None) -> Iterator[bytes]:
         """The container's output from ``since`` (default: its start) as it is written, until
         the container stops."""
+        ...
+
+    def container_ends(self, labels: Sequence[str]) -> EventStream:
+        """Follow the ``die`` events of the containers carrying all of ``labels``, as they
+        happen (``GET /events``), until the stream is closed or the engine goes away."""
         ...
 
     def close(self) -> None:

@@ -41,6 +41,7 @@ from berth.runtime.docker.containers import (
     find_containers,
     stop_and_remove,
 )
+from berth.runtime.docker.ends import ContainerEnds
 from berth.runtime.docker.logs import LogCopies, append_log, log_stamp
 from berth.runtime.docker.network import ensure_engine_network
 from berth.runtime.docker.pull import ensure_image
@@ -120,6 +121,7 @@ class DockerRuntime:
         self._logs = LogCopies()
         self._health = HealthProber()  # one HTTP client for every probe
         self._network_ready = False
+        self._ends = ContainerEnds(self._connected, owner_labels(self._home, node_id, None))
 
     # -- the engine connection -------------------------------------------------------------
 
@@ -329,6 +331,25 @@ class DockerRuntime:
         or removed before it was seen)."""
         return self._exits.get(_container_id(handle))
 
+    def watch_exit(
+        self, handle: EngineHandle, on_exit: Callable[[EngineExit | None], None]
+    ) -> None:
+        """Call ``on_exit`` on the event loop as soon as Docker reports the container's end
+        (its ``die`` event: :mod:`berth.runtime.docker.ends`), with its exit code."""
+        container_id = _container_id(handle)
+
+        def ended(exit_code: int | None) -> None:
+            self._running[container_id] = False
+            if exit_code is not None:
+                self._exits[container_id] = EngineExit(code=exit_code)
+            on_exit(self._exits.get(container_id))
+
+        self._ends.watch(container_id, ended)
+
+    def unwatch_exit(self, handle: EngineHandle) -> None:
+        """Stop watching the container's end (it is being stopped on purpose)."""
+        self._ends.unwatch(_container_id(handle))
+
     def _inspect(self, container_id: str) -> ContainerInfo | None:
         return self._connected().inspect_container(container_id)
 
@@ -388,6 +409,7 @@ class DockerRuntime:
 
     def close(self) -> None:
         """Release the thread pool and the Docker client (containers keep running)."""
+        self._ends.close()
         self._threads.shutdown()
         with self._client_lock:
             if self._client is not None:

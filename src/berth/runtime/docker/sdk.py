@@ -24,6 +24,7 @@ from docker.constants import DEFAULT_DOCKER_API_VERSION
 
 from berth.runtime.docker.api import (
     ContainerConfig,
+    ContainerEnded,
     ContainerInfo,
     ContainerState,
     DockerApiError,
@@ -32,6 +33,7 @@ from berth.runtime.docker.api import (
     DockerUnreachable,
     EngineInfo,
     EngineVersion,
+    EventStream,
     ImageInfo,
     NetworkInfo,
     PortBinding,
@@ -232,9 +234,34 @@ class SdkDockerApi:
             finally:
                 stream.close()
 
+    def container_ends(self, labels: Sequence[str]) -> EventStream:
+        filters = {"type": "container", "event": "die", "label": list(labels)}
+        with _translated():
+            return _DieEvents(self._api.events(decode=True, filters=filters))
+
     def close(self) -> None:
         with contextlib.suppress(*_SDK_ERRORS):
             self._client.close()
+
+
+class _DieEvents:
+    """The SDK's cancellable events stream, read as :class:`ContainerEnded` values."""
+
+    def __init__(self, stream: Any) -> None:
+        self._stream = stream
+
+    def __iter__(self) -> Iterator[ContainerEnded]:
+        with _translated():
+            for raw in self._stream:
+                if not isinstance(raw, Mapping) or raw.get("status") != "die":
+                    continue
+                attributes = (raw.get("Actor") or {}).get("Attributes") or {}
+                code = str(attributes.get("exitCode", ""))
+                yield ContainerEnded(str(raw.get("id", "")), int(code) if code.isdigit() else None)
+
+    def close(self) -> None:
+        with contextlib.suppress(*_SDK_ERRORS, OSError):
+            self._stream.close()
 
 
 def _create_options(config: ContainerConfig) -> dict[str, Any]:
