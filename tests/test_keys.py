@@ -286,6 +286,9 @@ async def test_a_key_named_with_a_slash_before_the_rule_is_still_changed_and_rev
         leader_only=False,
         ready=False,
         scaling=None,
+        drains=None,
+        history=None,
+        leadership=None,
     )
     app = build_admin_app(services)  # type: ignore[arg-type]
     transport = httpx.ASGITransport(app=app)

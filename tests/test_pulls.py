@@ -61,6 +61,9 @@ async def pull_admin(
         leader_only=False,
         ready=True,
         scaling=None,
+        drains=None,
+        history=None,
+        leadership=None,
     )
     app = build_admin_app(services)  # type: ignore[arg-type]
     transport = httpx.ASGITransport(app=app)

@@ -37,7 +37,13 @@ from berth.agent.warden import (
 )
 from berth.errors import ConflictError
 from berth.paths import BerthHome
-from berth.runtime.docker.api import ContainerInfo, ContainerState, PortBinding
+from berth.runtime.docker.api import (
+    ContainerEnded,
+    ContainerInfo,
+    ContainerState,
+    EventStream,
+    PortBinding,
+)
 from berth.runtime.docker.spec import DEPLOYMENT_LABEL, HOME_LABEL, NODE_LABEL
 from berth.runtime.engines import find_free_port
 from support.cluster_harness import (
@@ -247,6 +253,21 @@ class OneContainerDocker:
 
     def follow_logs(self, container_id: str, *, since: float | None = None) -> Iterator[bytes]:
         return iter(())
+
+    def container_ends(self, labels: Sequence[str]) -> EventStream:
+        """An events stream that reports no end (the warden stops its containers on
+        purpose) and ends when closed."""
+        closed = threading.Event()
+
+        class Quiet:
+            def __iter__(self) -> Iterator[ContainerEnded]:
+                closed.wait()
+                yield from ()
+
+            def close(self) -> None:
+                closed.set()
+
+        return Quiet()
 
     def stop_container(self, container_id: str, timeout_s: int) -> None:
         self.stopped.append(container_id)
