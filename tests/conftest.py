@@ -50,6 +50,7 @@ from support.link_pair import Linked, linked_in_memory
 from support.proxy_fixtures import StaticResolver, running_proxy
 from support.reaper import Reaper
 from support.standin_engine import StandinEngine
+from support.waiting import EVENT_TIMEOUT_S
 
 #: ``pytester`` runs pytest inside a test (``test_skip_policy.py``).
 pytest_plugins = ("pytester",)
@@ -190,8 +191,10 @@ async def proxy_url(resolver: StaticResolver, metrics: ProxyMetrics) -> AsyncIte
 
 @pytest.fixture
 async def client(proxy_url: str) -> AsyncIterator[httpx.AsyncClient]:
-    """An HTTP client for the proxy at ``proxy_url``."""
-    async with httpx.AsyncClient(base_url=proxy_url) as http:
+    """An HTTP client for the proxy at ``proxy_url``, its deadlines the suite's generous one
+    (httpx's default 5 s connect timeout ran out once on loopback, four workers and other runs
+    sharing two cores)."""
+    async with httpx.AsyncClient(base_url=proxy_url, timeout=EVENT_TIMEOUT_S) as http:
         yield http
 
 
