@@ -14,7 +14,7 @@ from pydantic import ConfigDict, Field, WithJsonSchema, field_validator
 
 from berth.api.base import ApiInput, ApiModel, Timestamp, TimestampIn
 from berth.errors import ConfigError
-from berth.keys import MAX_KEY_NAME_CHARS
+from berth.keys import MAX_KEY_NAME_CHARS, Role
 from berth.limits import (
     INHERIT,
     MAX_LIMIT,
@@ -90,7 +90,8 @@ class _LimitsIn(ApiInput):
 class KeyIn(_LimitsIn):
     """``POST /admin/keys``: a key labelled ``name`` in ``tier`` (``admin``, ``standard``
     or one of the leader's ``[tiers.NAME]``, any case), with its own limits and an expiry
-    (aware; ``null``: never) when given."""
+    (aware; ``null``: never) when given. ``role`` is for admin keys only (``viewer``,
+    ``operator`` or ``admin``; left out: ``admin``)."""
 
     model_config = ConfigDict(
         json_schema_extra={
@@ -121,13 +122,16 @@ class KeyIn(_LimitsIn):
     ]
     tier: str = "standard"
     expires_at: TimestampIn | None = None
+    role: Role | None = None
 
 
 class KeyChangeIn(_LimitsIn):
     """``PATCH /admin/keys/{name or id}``: what to change; fields left out stay as they are.
-    ``expires_at: null`` removes the expiry; ``clear`` puts limits back to the tier's."""
+    ``expires_at: null`` removes the expiry; ``clear`` puts limits back to the tier's;
+    ``role`` is an admin key's new role."""
 
     tier: str | None = None
+    role: Role | None = None
     expires_at: TimestampIn | None = None
     clear: list[LimitName] = Field(default_factory=list)
 
@@ -175,11 +179,13 @@ class ApiKey(ApiModel):
     """A key's metadata: ``prefix`` is the start of its secret, for recognising it; the
     secret itself is never stored.  ``revoked_at`` is set once revoked; from ``expires_at``
     on it no longer authenticates.  ``limits`` are what it works under, ``overridden`` the
-    ones it sets itself (the rest are its tier's), ``use`` what it uses now."""
+    ones it sets itself (the rest are its tier's), ``use`` what it uses now. ``role`` is
+    an admin key's role on the admin API (``null`` for other tiers)."""
 
     id: str
     name: str
     tier: str
+    role: Role | None = None
     prefix: str
     created_at: Timestamp
     revoked_at: Timestamp | None
