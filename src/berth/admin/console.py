@@ -18,6 +18,7 @@ from fastapi.responses import RedirectResponse, Response
 
 from berth.admin.roles import OPEN, needs
 from berth.admission.errors import KeyExpiredError
+from berth.api import role_name
 from berth.api.console import (
     RequestOut,
     RequestsPage,
@@ -159,7 +160,7 @@ def _expired(record: ApiKeyRecord, check_expiry: Callable[[ApiKeyRecord], None])
 def _session_info(session: Session, record: ApiKeyRecord) -> SessionInfo:
     return SessionInfo(
         key_name=session.key_name,
-        role=record.role or Role.ADMIN,
+        role=role_name(record.role or Role.ADMIN),
         csrf_token=session.csrf_token,
         expires_at=session.expires_at,
     )

@@ -42,10 +42,19 @@ from berth.api import (
     UsageRow,
     parse_grouping,
     parse_since,
+    role_name,
 )
 from berth.daemon.graph import LeaderGraph
 from berth.errors import ConfigError
-from berth.keys import Role, Tier, generate_secret, hash_secret, key_prefix, role_of_tier
+from berth.keys import (
+    Role,
+    Tier,
+    generate_secret,
+    hash_secret,
+    key_prefix,
+    parse_role,
+    role_of_tier,
+)
 from berth.limits import KeyLimits
 from berth.store import UNCHANGED, ApiKeyRecord, Unchanged, UsageRecord
 
@@ -89,7 +98,7 @@ def key_view(record: ApiKeyRecord, services: LeaderGraph | None = None) -> ApiKe
         id=record.id,
         name=record.name,
         tier=record.tier,
-        role=record.role,
+        role=None if record.role is None else role_name(record.role),
         prefix=record.prefix,
         created_at=record.created_at,
         revoked_at=record.revoked_at,
@@ -165,7 +174,7 @@ def build_key_router(
         if Tier.ADMIN in (current.tier, tier) or body.role is not None:
             require_role(request, Role.ADMIN, "changing an admin key")
         limits = current.limits.updated(changes, body.clear)
-        role: Role | Unchanged = UNCHANGED if body.role is None else body.role
+        role: Role | Unchanged = UNCHANGED if body.role is None else parse_role(body.role)
 
         def update() -> ApiKeyRecord:
             if body.changes_expiry:

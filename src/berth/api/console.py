@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from berth.api.base import ApiInput, ApiModel
-from berth.keys import Role
+from berth.api.keys import RoleName
 
 
 class SessionIn(ApiInput):
@@ -19,7 +19,7 @@ class SessionInfo(ApiModel):
     must send as ``X-CSRF-Token``, and when the session ends at the latest (epoch seconds)."""
 
     key_name: str
-    role: Role = Role.ADMIN
+    role: RoleName = "admin"
     csrf_token: str
     expires_at: float
 

@@ -8,13 +8,13 @@ to the tier's.
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Literal, cast
 
 from pydantic import ConfigDict, Field, WithJsonSchema, field_validator
 
 from berth.api.base import ApiInput, ApiModel, Timestamp, TimestampIn
 from berth.errors import ConfigError
-from berth.keys import MAX_KEY_NAME_CHARS, Role
+from berth.keys import MAX_KEY_NAME_CHARS
 from berth.limits import (
     INHERIT,
     MAX_LIMIT,
@@ -25,6 +25,15 @@ from berth.limits import (
     LimitOverrides,
     check_models,
 )
+
+#: An admin key's role (:class:`berth.keys.Role`) as the API states it.
+RoleName = Literal["viewer", "operator", "admin"]
+
+
+def role_name(role: str) -> RoleName:
+    """``role`` (a :class:`berth.keys.Role`, already checked) as the API names it."""
+    return cast(RoleName, str(role))
+
 
 #: A limit in a request body: a whole number (never text or a fraction), or ``null``.
 LimitIn = Annotated[int, Field(ge=0, le=MAX_LIMIT, strict=True)] | None
@@ -122,7 +131,7 @@ class KeyIn(_LimitsIn):
     ]
     tier: str = "standard"
     expires_at: TimestampIn | None = None
-    role: Role | None = None
+    role: RoleName | None = None
 
 
 class KeyChangeIn(_LimitsIn):
@@ -131,7 +140,7 @@ class KeyChangeIn(_LimitsIn):
     ``role`` is an admin key's new role."""
 
     tier: str | None = None
-    role: Role | None = None
+    role: RoleName | None = None
     expires_at: TimestampIn | None = None
     clear: list[LimitName] = Field(default_factory=list)
 
@@ -185,7 +194,7 @@ class ApiKey(ApiModel):
     id: str
     name: str
     tier: str
-    role: Role | None = None
+    role: RoleName | None = None
     prefix: str
     created_at: Timestamp
     revoked_at: Timestamp | None

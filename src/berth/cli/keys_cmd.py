@@ -121,7 +121,7 @@ def create(
     validate_key_name(name)
     fields = _limits(rpm, tpm, max_concurrency, daily_tokens, monthly_tokens, models)
     if role is not None:
-        fields["role"] = parse_role(role)
+        fields["role"] = parse_role(role).value
     if expires is not None:
         fields["expires_at"] = parse_expiry(expires, datetime.now(UTC))
     body = request_body(KeyIn, name=name, tier=tier, **fields)  # type: ignore[arg-type]
@@ -165,7 +165,7 @@ def set_(
     if tier is not None:
         fields["tier"] = parse_tier(tier)
     if role is not None:
-        fields["role"] = parse_role(role)
+        fields["role"] = parse_role(role).value
     if expires is not None:
         is_never = expires.strip().lower() == NEVER_WORD
         fields["expires_at"] = None if is_never else parse_expiry(expires, datetime.now(UTC))
