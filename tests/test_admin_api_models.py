@@ -275,6 +275,7 @@ BEFORE = {
         "overridden": [],
         "prefix": "sk-x",
         "revoked_at": "2025-03-04T05:06:08+00:00",
+        "role": None,  # an admin key's role (issue 44); a standard key has none
         "tier": "standard",
         "use": {
             "day_tokens": 0,

@@ -558,6 +558,71 @@ def test_a_standard_key_cannot_sign_in(
     context.close()
 
 
+def test_the_console_hides_what_the_keys_role_cannot_do(
+    console_leader: tuple[Cluster, str], chromium_browser: Any
+) -> None:
+    """A viewer sees every page but no control that changes anything; an operator sees those
+    of its role but not enrollment or an admin key's; the API refuses a hidden call anyway."""
+    from playwright.sync_api import expect
+
+    cluster, _ = console_leader
+    keys = {
+        role: cluster.admin("POST", "/admin/keys",
+                            json={"name": f"{role}-{os.getpid()}", "tier": "admin", "role": role})
+        for role in ("viewer", "operator")
+    }  # fmt: skip
+    watcher = keys["viewer"]["name"]
+
+    context, page, errors = _page(chromium_browser)
+    _sign_in(page, cluster.base_url, keys["viewer"]["secret"])
+    page.get_by_text(f"signed in as {watcher} (viewer)").wait_for()
+    page.get_by_role("link", name="Cluster").click()
+    expect(page.locator("article.node").first).to_be_visible()
+    expect(page.locator("article.node .actions").first).to_be_hidden()  # no cordon, no drain
+    expect(page.locator("#enroll-label")).to_have_count(1)
+    expect(page.locator("#enroll-label")).to_be_hidden()
+    page.get_by_role("link", name="Deployments").click()
+    expect(page.locator("#deploy-model")).to_have_count(1)
+    expect(page.locator("#deploy-model")).to_be_hidden()
+    page.get_by_role("link", name="Models").click()
+    expect(page.locator("tr[data-model='tiny']")).to_be_visible()
+    expect(page.locator("button[aria-label='Remove model tiny']")).to_have_count(1)
+    expect(page.locator("button[aria-label='Remove model tiny']")).to_be_hidden()
+    expect(page.locator("#pull-repo")).to_be_hidden()
+    page.get_by_role("link", name="Keys").click()
+    expect(page.locator(f"tr[data-key='{watcher}']")).to_be_visible()
+    expect(page.locator("#key-name")).to_be_hidden()
+    expect(page.locator(f"tr[data-key='{watcher}'] button")).to_have_count(2)
+    expect(page.locator(f"tr[data-key='{watcher}'] button").first).to_be_hidden()
+    assert not errors, errors  # no page asked for what the role may not have
+    # What the page hides, the API refuses (the session's own CSRF token, from the page).
+    refused = page.evaluate(
+        """async () => {
+          const answer = await fetch('/admin/models/tiny',
+            { method: 'DELETE', headers: { 'x-csrf-token': state.csrf } });
+          return [answer.status, (await answer.json()).error.code];
+        }"""
+    )
+    assert refused == [403, "role_too_low"]
+    context.close()
+
+    context, page, errors = _page(chromium_browser)
+    _sign_in(page, cluster.base_url, keys["operator"]["secret"])
+    page.get_by_text("(operator)").wait_for()
+    page.get_by_role("link", name="Cluster").click()
+    expect(page.locator("article.node .actions").first).to_be_visible()
+    expect(page.locator("#enroll-label")).to_have_count(1)
+    expect(page.locator("#enroll-label")).to_be_hidden()  # enrolling a node is an admin's
+    page.get_by_role("link", name="Keys").click()
+    expect(page.locator("#key-name")).to_be_visible()
+    expect(page.locator("tr[data-key='tests'] button").first).to_be_visible()  # a standard key
+    expect(page.locator(f"tr[data-key='{watcher}'] button").first).to_be_hidden()  # an admin's
+    assert not errors, errors
+    context.close()
+    for created in keys.values():
+        cluster.admin("DELETE", f"/admin/keys/{created['id']}")
+
+
 def test_the_session_needs_its_csrf_token_and_ends_with_its_key(
     console_leader: tuple[Cluster, str],
 ) -> None:

@@ -10,7 +10,8 @@
     ├── InvalidTransitionError a deployment state change the state machine forbids
     ├── EngineError            an engine failed to start, answer health or stop (log tail)
     ├── AuthError              a missing, unknown or insufficient API key
-    │   └── EnrollmentTokenError  an enrollment token that is unknown, used or expired
+    │   ├── EnrollmentTokenError  an enrollment token that is unknown, used or expired
+    │   └── RoleError          an admin key whose role is too low for the route (403)
     ├── RateLimitError         too many attempts from one source (``retry_after_s``)
     └── DaemonError            the daemon is not running, or could not be reached
 
@@ -135,6 +136,18 @@ class AuthError(BerthError):
         if status == 403:
             self.error_type = "permission_error"
         super().__init__(message)
+
+
+class RoleError(AuthError):
+    """An admin key's role is below the one a route needs (403, code ``role_too_low``);
+    ``needed`` and ``held`` are the role names (:class:`berth.keys.Role`)."""
+
+    error_code = "role_too_low"
+
+    def __init__(self, message: str, *, needed: str, held: str):
+        self.needed = needed
+        self.held = held
+        super().__init__(message, status=403)
 
 
 class EnrollmentTokenError(AuthError):

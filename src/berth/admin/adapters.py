@@ -14,12 +14,14 @@ from typing import TYPE_CHECKING
 
 from fastapi import APIRouter
 
+from berth.admin.roles import needs
 from berth.api import Adapter, AdapterIn, AdapterLoaded, AdapterRemoved, AddedAdapter
 from berth.cluster.link import LOCAL_NODE_ID
 from berth.deployments.adapters import AdapterManager
 from berth.deployments.lora_plan import lora_notes, plan_lora
 from berth.deployments.planner import DeployOptions, PlannedDeployment
 from berth.errors import ConfigError
+from berth.keys import Role
 from berth.placement import Placement
 from berth.runtime.adapter_files import (
     AdapterFacts,
@@ -150,20 +152,20 @@ def build_adapter_router(services: LeaderGraph) -> APIRouter:
     router = APIRouter()
     store = services.store
 
-    @router.get("/admin/adapters")
+    @router.get("/admin/adapters", dependencies=[needs(Role.VIEWER)])
     async def list_adapters() -> list[Adapter]:
         records = await asyncio.to_thread(store.list_adapters)
         return [adapter_view(r, services.adapters) for r in records]
 
-    @router.post("/admin/adapters", status_code=201)
+    @router.post("/admin/adapters", status_code=201, dependencies=[needs(Role.OPERATOR)])
     async def add_adapter(body: AdapterIn) -> AddedAdapter:
         return await register_adapter(services, body)
 
-    @router.get("/admin/adapters/{name:path}")
+    @router.get("/admin/adapters/{name:path}", dependencies=[needs(Role.VIEWER)])
     async def show_adapter(name: str) -> Adapter:
         return adapter_view(await asyncio.to_thread(store.get_adapter, name), services.adapters)
 
-    @router.delete("/admin/adapters/{name:path}")
+    @router.delete("/admin/adapters/{name:path}", dependencies=[needs(Role.OPERATOR)])
     async def remove_adapter(name: str, node: str | None = None) -> AdapterRemoved:
         node_id = None
         if node is not None:

@@ -33,6 +33,7 @@ from berth.admin.openapi import allowed_methods, install_schema
 from berth.admin.overview import build_overview_router, leader_members
 from berth.admin.plans import build_plan_router
 from berth.admin.pulls import build_pull_router, leader_pull_jobs
+from berth.admin.roles import OPEN, needs
 from berth.admin.routing import build_routing_router
 from berth.api import (
     DaemonInfo,
@@ -51,6 +52,7 @@ from berth.api import (
 )
 from berth.daemon.graph import LeaderGraph, Listener
 from berth.errors import BerthError, ConflictError
+from berth.keys import Role
 from berth.openai_errors import error_body, error_from_exception
 from berth.redact import mask_url_password
 from berth.runtime.engines import parse_runtime_name
@@ -148,13 +150,14 @@ def build_status_router(services: LeaderGraph) -> APIRouter:
     state (``/admin/info``, ``/admin/config``)."""
     router = APIRouter()
 
-    @router.get("/healthz")
+    @router.get("/healthz", dependencies=[OPEN])
     async def healthz() -> Health:
         return Health()
 
     @router.get(
         "/readyz",
         responses={503: {"model": Readiness, "description": "still starting, or a standby"}},
+        dependencies=[OPEN],
     )
     async def readyz(response: Response) -> Readiness:
         leadership = services.leadership
@@ -166,7 +169,7 @@ def build_status_router(services: LeaderGraph) -> APIRouter:
         response.status_code = 503
         return Readiness(status="starting")
 
-    @router.get("/admin/leader")
+    @router.get("/admin/leader", dependencies=[needs(Role.VIEWER)])
     async def leader() -> LeaderStatus:
         leadership = services.leadership
         public = next((x.url for x in services.listeners if x.name == "public"), "")
@@ -183,16 +186,16 @@ def build_status_router(services: LeaderGraph) -> APIRouter:
             ha=view.ha,
         )
 
-    @router.get("/metrics", response_class=PlainTextResponse)
+    @router.get("/metrics", response_class=PlainTextResponse, dependencies=[OPEN])
     async def metrics() -> Response:
         payload, content_type = services.metrics.render()
         return Response(payload, media_type=content_type)
 
-    @router.get("/admin/info")
+    @router.get("/admin/info", dependencies=[needs(Role.VIEWER)])
     async def info() -> DaemonInfo:
         return daemon_info(services)
 
-    @router.get("/admin/config")
+    @router.get("/admin/config", dependencies=[needs(Role.VIEWER)])
     async def config() -> SettingsReport:
         return {
             name: SettingValue(value=shown["value"], source=services.settings.source(name))
@@ -244,7 +247,7 @@ def build_admin_app(services: LeaderGraph) -> FastAPI:
     app.include_router(build_plan_router(services))
     app.include_router(build_pull_router(leader_pull_jobs(services)))
 
-    @app.post("/admin/leader/step-down", status_code=202)
+    @app.post("/admin/leader/step-down", status_code=202, dependencies=[needs(Role.ADMIN)])
     async def step_down(body: StepDownIn | None = None) -> StepDownAccepted:
         leadership = services.leadership
         if leadership is None:
@@ -272,7 +275,7 @@ def build_admin_app(services: LeaderGraph) -> FastAPI:
         os.kill(services.pid, signal.SIGTERM)  # the Leader's stop hands the lease over first
         return StepDownAccepted(standbys=[m.cluster_url for m in standbys])
 
-    @app.post("/admin/shutdown", status_code=202)
+    @app.post("/admin/shutdown", status_code=202, dependencies=[needs(Role.ADMIN)])
     async def shutdown() -> ShutdownAccepted:
         os.kill(services.pid, signal.SIGTERM)
         return ShutdownAccepted()

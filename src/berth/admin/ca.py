@@ -8,9 +8,11 @@ import logging
 
 from fastapi import APIRouter
 
+from berth.admin.roles import needs
 from berth.api.ca import CaStatus, OldLeafHolder, RetireIn
 from berth.cluster.ca_rotation import holders_of_old_leaves, retire, rotate
 from berth.daemon.graph import LeaderGraph
+from berth.keys import Role
 
 log = logging.getLogger(__name__)
 
@@ -32,17 +34,17 @@ def build_ca_router(services: LeaderGraph) -> APIRouter:
             ],
         )
 
-    @router.get("/admin/ca")
+    @router.get("/admin/ca", dependencies=[needs(Role.VIEWER)])
     async def ca_status() -> CaStatus:
         return await asyncio.to_thread(status)
 
-    @router.post("/admin/ca/rotate")
+    @router.post("/admin/ca/rotate", dependencies=[needs(Role.ADMIN)])
     async def ca_rotate() -> CaStatus:
         await asyncio.to_thread(rotate, services.ca)
         log.warning("cluster CA rotated: new leaves under %s", services.ca.fingerprint_sha256)
         return await asyncio.to_thread(status)
 
-    @router.post("/admin/ca/retire")
+    @router.post("/admin/ca/retire", dependencies=[needs(Role.ADMIN)])
     async def ca_retire(body: RetireIn) -> CaStatus:
         def work() -> None:
             ca = services.ca

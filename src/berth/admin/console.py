@@ -16,7 +16,9 @@ from collections.abc import Callable
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import RedirectResponse, Response
 
+from berth.admin.roles import OPEN, needs
 from berth.admission.errors import KeyExpiredError
+from berth.api import role_name
 from berth.api.console import (
     RequestOut,
     RequestsPage,
@@ -39,7 +41,7 @@ from berth.console.sessions import (
 from berth.errors import AuthError, NotFoundError
 from berth.gateway.auth import Authenticator
 from berth.http_server.request import Request as HttpRequest
-from berth.keys import hash_secret
+from berth.keys import Role, hash_secret
 from berth.observability.request_log import RequestEntry, RequestLog
 from berth.store import ApiKeyRecord, Store
 
@@ -155,9 +157,12 @@ def _expired(record: ApiKeyRecord, check_expiry: Callable[[ApiKeyRecord], None])
     return False
 
 
-def _session_info(session: Session) -> SessionInfo:
+def _session_info(session: Session, record: ApiKeyRecord) -> SessionInfo:
     return SessionInfo(
-        key_name=session.key_name, csrf_token=session.csrf_token, expires_at=session.expires_at
+        key_name=session.key_name,
+        role=role_name(record.role or Role.ADMIN),
+        csrf_token=session.csrf_token,
+        expires_at=session.expires_at,
     )
 
 
@@ -198,32 +203,35 @@ def build_console_router(gate: ConsoleGate, request_log: RequestLog) -> APIRoute
     router = APIRouter()
     files = _load_static()
 
-    @router.get("/", include_in_schema=False)
+    @router.get("/", include_in_schema=False, dependencies=[OPEN])
     async def root(request: Request) -> Response:
         if "text/html" in request.headers.get("accept", ""):
             return RedirectResponse("/ui/", status_code=303)
         raise NotFoundError("path", "/")
 
-    @router.get("/ui", include_in_schema=False)
+    @router.get("/ui", include_in_schema=False, dependencies=[OPEN])
     async def ui_bare() -> Response:
         return RedirectResponse("/ui/", status_code=303)
 
-    @router.get("/ui/session")
+    @router.get("/ui/session", dependencies=[OPEN])
     async def current_session(request: Request) -> SessionState:
         found = await gate.session(request.cookies.get(COOKIE_NAME))
         if found is None:
             return SessionState(signed_in=False, session=None)
-        return SessionState(signed_in=True, session=_session_info(found[0]))
+        return SessionState(signed_in=True, session=_session_info(*found))
 
-    @router.post("/ui/session", status_code=201)
+    @router.post("/ui/session", status_code=201, dependencies=[OPEN])
     async def sign_in(body: SessionIn, request: Request, response: Response) -> SessionInfo:
         address = request.client.host if request.client is not None else None
         session_id, session = await gate.sign_in(body.key, address=address)
+        found = await gate.session(session_id)  # the key as stored now, with its role
+        if found is None:
+            raise AuthError("the key was revoked while signing in: sign in again")
         response.headers["set-cookie"] = set_cookie(session_id, gate.sessions.max_age_s)
         response.headers["cache-control"] = "no-store"
-        return _session_info(session)
+        return _session_info(session, found[1])
 
-    @router.delete("/ui/session")
+    @router.delete("/ui/session", dependencies=[OPEN])
     async def sign_out(request: Request, response: Response) -> SignedOut:
         session_id = request.cookies.get(COOKIE_NAME)
         found = await gate.session(session_id)
@@ -234,7 +242,9 @@ def build_console_router(gate: ConsoleGate, request_log: RequestLog) -> APIRoute
         response.headers["set-cookie"] = clear_cookie()
         return SignedOut()
 
-    @router.api_route("/ui/{name}", methods=["GET", "HEAD"], include_in_schema=False)
+    @router.api_route(
+        "/ui/{name}", methods=["GET", "HEAD"], include_in_schema=False, dependencies=[OPEN]
+    )
     async def static(name: str) -> Response:
         found = files.get(name or "index.html")
         if found is None:
@@ -242,11 +252,11 @@ def build_console_router(gate: ConsoleGate, request_log: RequestLog) -> APIRoute
         body, kind = found
         return Response(body, media_type=kind, headers={"cache-control": "no-cache"})
 
-    @router.api_route("/ui/", methods=["GET", "HEAD"], include_in_schema=False)
+    @router.api_route("/ui/", methods=["GET", "HEAD"], include_in_schema=False, dependencies=[OPEN])
     async def index() -> Response:
         return await static("index.html")
 
-    @router.get("/admin/requests")
+    @router.get("/admin/requests", dependencies=[needs(Role.VIEWER)])
     async def recent_requests(
         after: int = Query(0, ge=0, le=2**63 - 1),
         limit: int = Query(200, ge=0, le=MAX_REQUESTS_PAGE),

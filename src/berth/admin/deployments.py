@@ -11,10 +11,12 @@ from typing import TYPE_CHECKING
 from fastapi import APIRouter, Query
 from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 
+from berth.admin.roles import needs
 from berth.api import Deployment, DeploymentIn, ListedDeployment
 from berth.cluster.link import LOCAL_NODE_ID
 from berth.deployments.lifecycle import DeployOptions, LifecycleManager
 from berth.errors import ConfigError, ConflictError
+from berth.keys import Role
 from berth.runtime.engines import parse_engine_name, parse_runtime_name
 from berth.store import DeploymentRecord, Store
 from berth.store.states import TERMINAL_STATES
@@ -105,7 +107,7 @@ def build_deployment_router(services: LeaderGraph) -> APIRouter:
     store = services.store
     lifecycle = services.lifecycle
 
-    @router.get("/admin/deployments")
+    @router.get("/admin/deployments", dependencies=[needs(Role.VIEWER)])
     async def list_deployments(
         active: bool = False,
         ended_within_s: float | None = Query(
@@ -138,7 +140,7 @@ def build_deployment_router(services: LeaderGraph) -> APIRouter:
             )
         return listed
 
-    @router.post("/admin/deployments", status_code=201)
+    @router.post("/admin/deployments", status_code=201, dependencies=[needs(Role.OPERATOR)])
     async def create_deployment(body: DeploymentIn) -> Deployment:
         if services.leader_only and body.node == LOCAL_NODE_ID:
             raise ConflictError(
@@ -165,16 +167,20 @@ def build_deployment_router(services: LeaderGraph) -> APIRouter:
         )
         return deployment_view(record, lifecycle)
 
-    @router.get("/admin/deployments/{deployment_id}")
+    @router.get("/admin/deployments/{deployment_id}", dependencies=[needs(Role.VIEWER)])
     async def get_deployment(deployment_id: str) -> Deployment:
         record = await asyncio.to_thread(store.get_deployment, deployment_id)
         return deployment_view(record, lifecycle)
 
-    @router.post("/admin/deployments/{deployment_id}/stop")
+    @router.post("/admin/deployments/{deployment_id}/stop", dependencies=[needs(Role.OPERATOR)])
     async def stop_deployment(deployment_id: str) -> Deployment:
         return deployment_view(await lifecycle.stop(deployment_id), lifecycle)
 
-    @router.get("/admin/deployments/{deployment_id}/logs", response_class=PlainTextResponse)
+    @router.get(
+        "/admin/deployments/{deployment_id}/logs",
+        response_class=PlainTextResponse,
+        dependencies=[needs(Role.VIEWER)],
+    )
     async def deployment_logs(
         deployment_id: str,
         tail: int = Query(100, ge=0, le=MAX_LOG_TAIL_LINES),

@@ -21,6 +21,7 @@ from collections.abc import Callable
 
 from fastapi import APIRouter
 
+from berth.admin.roles import needs
 from berth.api import (
     DrainActionOut,
     DrainIn,
@@ -30,6 +31,7 @@ from berth.api import (
     Uncordoned,
 )
 from berth.deployments.drain import DrainRunner
+from berth.keys import Role
 from berth.placement.drain import DrainPlan, drain_summary
 from berth.store import NodeDrain, Store
 
@@ -84,14 +86,14 @@ def build_drain_router(
         if runner is not None:
             runner.wake()
 
-    @router.post("/admin/nodes/{ident}/cordon")
+    @router.post("/admin/nodes/{ident}/cordon", dependencies=[needs(Role.OPERATOR)])
     async def cordon(ident: str) -> NodeMaintenance:
         record = await asyncio.to_thread(store.lookup_node, ident)
         drain = await asyncio.to_thread(store.cordon_node, record.id, clock())
         wake()
         return view(drain)
 
-    @router.delete("/admin/nodes/{ident}/cordon")
+    @router.delete("/admin/nodes/{ident}/cordon", dependencies=[needs(Role.OPERATOR)])
     async def uncordon(ident: str) -> Uncordoned:
         record = await asyncio.to_thread(store.lookup_node, ident)
         was = await asyncio.to_thread(store.uncordon_node, record.id)
@@ -100,7 +102,7 @@ def build_drain_router(
             node_id=record.id, label=record.label, was=None if was is None else view(was)
         )
 
-    @router.post("/admin/nodes/{ident}/drain", status_code=202)
+    @router.post("/admin/nodes/{ident}/drain", status_code=202, dependencies=[needs(Role.OPERATOR)])
     async def drain(ident: str, body: DrainIn) -> NodeMaintenance:
         record = await asyncio.to_thread(store.lookup_node, ident)
         started = await asyncio.to_thread(

@@ -3,11 +3,14 @@
 - ``GET /admin/keys``: every key, with the limits it works under and what it uses now;
 - ``POST /admin/keys`` (:class:`~berth.api.KeyIn`): a new key; its secret is in this answer
   only;
-- ``PATCH /admin/keys/{name or id}`` (:class:`~berth.api.KeyChangeIn`): tier, limits,
-  expiry;
+- ``PATCH /admin/keys/{name or id}`` (:class:`~berth.api.KeyChangeIn`): tier, role,
+  limits, expiry;
 - ``DELETE /admin/keys/{name or id}``: revoke;
 - ``GET /admin/usage``: the usage ledger (:mod:`berth.api.usage`), with what is not yet
   written to the store.
+
+An ``operator`` manages the keys of every tier but ``admin``: creating, changing or revoking
+an admin key (or giving a role) needs the ``admin`` role.
 
 Every change is written to the store, then handed to admission (the request path's limits
 live in memory) and the authenticator's cache is dropped, so the next request sees it.
@@ -20,9 +23,10 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Annotated
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 from pydantic import WithJsonSchema
 
+from berth.admin.roles import needs, require_role
 from berth.admission import SOCKET_KEY_ID, SOCKET_KEY_NAME, SocketCaller
 from berth.api import (
     DEFAULT_SINCE,
@@ -38,12 +42,21 @@ from berth.api import (
     UsageRow,
     parse_grouping,
     parse_since,
+    role_name,
 )
 from berth.daemon.graph import LeaderGraph
 from berth.errors import ConfigError
-from berth.keys import generate_secret, hash_secret, key_prefix
+from berth.keys import (
+    Role,
+    Tier,
+    generate_secret,
+    hash_secret,
+    key_prefix,
+    parse_role,
+    role_of_tier,
+)
 from berth.limits import KeyLimits
-from berth.store import ApiKeyRecord, UsageRecord
+from berth.store import UNCHANGED, ApiKeyRecord, Unchanged, UsageRecord
 
 #: ``since`` in the schema: a number of days or a date.
 SINCE_SCHEMA = WithJsonSchema(
@@ -85,6 +98,7 @@ def key_view(record: ApiKeyRecord, services: LeaderGraph | None = None) -> ApiKe
         id=record.id,
         name=record.name,
         tier=record.tier,
+        role=None if record.role is None else role_name(record.role),
         prefix=record.prefix,
         created_at=record.created_at,
         revoked_at=record.revoked_at,
@@ -118,14 +132,17 @@ def build_key_router(
         services.admission.update(record)
         services.authenticator.forget([record.id])
 
-    @router.get("/admin/keys")
+    @router.get("/admin/keys", dependencies=[needs(Role.VIEWER)])
     async def list_keys() -> list[ApiKey]:
         records = await asyncio.to_thread(store.list_api_keys)
         return [key_view(r, services) for r in records]
 
-    @router.post("/admin/keys", status_code=201)
-    async def create_key(body: KeyIn) -> CreatedApiKey:
+    @router.post("/admin/keys", status_code=201, dependencies=[needs(Role.OPERATOR)])
+    async def create_key(body: KeyIn, request: Request) -> CreatedApiKey:
         tier = services.settings.tiers.require(body.tier)
+        role = role_of_tier(tier.name, body.role)
+        if role is not None:
+            require_role(request, Role.ADMIN, "creating an admin key")
         expires_at = _future_expiry(body.expires_at, now())
         secret = generate_secret()
         key_hash = hash_secret(secret, services.pepper)
@@ -137,6 +154,7 @@ def build_key_router(
                 key_prefix(secret),
                 limits=body.overrides(),
                 expires_at=expires_at,
+                role=role,
             )
         )
         changed(record)
@@ -144,8 +162,8 @@ def build_key_router(
         return key_view(record, services).extended(CreatedApiKey, secret=secret)
 
     # ``:path``: a key made before names were refused a ``/`` is still found by its name.
-    @router.patch("/admin/keys/{ident:path}")
-    async def change_key(ident: str, body: KeyChangeIn) -> ApiKey:
+    @router.patch("/admin/keys/{ident:path}", dependencies=[needs(Role.OPERATOR)])
+    async def change_key(ident: str, body: KeyChangeIn, request: Request) -> ApiKey:
         changes = body.overrides()
         both = sorted(set(changes.overridden()) & set(body.clear))
         if both:
@@ -153,26 +171,38 @@ def build_key_router(
         tier = services.settings.tiers.require(body.tier).name if body.tier else None
         expires_at = _future_expiry(body.expires_at, now()) if body.changes_expiry else None
         current = await asyncio.to_thread(store.lookup_api_key, ident)
+        if Tier.ADMIN in (current.tier, tier) or body.role is not None:
+            require_role(request, Role.ADMIN, "changing an admin key")
         limits = current.limits.updated(changes, body.clear)
+        role: Role | Unchanged = UNCHANGED if body.role is None else parse_role(body.role)
 
         def update() -> ApiKeyRecord:
             if body.changes_expiry:
                 return store.update_api_key(
-                    current.id, tier=tier or current.tier, limits=limits, expires_at=expires_at
+                    current.id,
+                    tier=tier or current.tier,
+                    limits=limits,
+                    expires_at=expires_at,
+                    role=role,
                 )
-            return store.update_api_key(current.id, tier=tier or current.tier, limits=limits)
+            return store.update_api_key(
+                current.id, tier=tier or current.tier, limits=limits, role=role
+            )
 
         record = await asyncio.to_thread(update)
         changed(record)
         return key_view(record, services)
 
-    @router.delete("/admin/keys/{ident:path}")
-    async def revoke_key(ident: str) -> ApiKey:
-        record = await asyncio.to_thread(store.revoke_api_key, ident)
+    @router.delete("/admin/keys/{ident:path}", dependencies=[needs(Role.OPERATOR)])
+    async def revoke_key(ident: str, request: Request) -> ApiKey:
+        current = await asyncio.to_thread(store.lookup_api_key, ident)
+        if current.tier == Tier.ADMIN:
+            require_role(request, Role.ADMIN, "revoking an admin key")
+        record = await asyncio.to_thread(store.revoke_api_key, current.id)
         changed(record)
         return key_view(record, services)
 
-    @router.get("/admin/usage")
+    @router.get("/admin/usage", dependencies=[needs(Role.VIEWER)])
     async def usage(
         since: Annotated[str, SINCE_SCHEMA] = DEFAULT_SINCE,
         by: UsageGrouping = "day",

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
+from berth.admin.roles import needs
 from berth.api import (
     DeploymentColumns,
     DeploymentSampleOut,
@@ -35,6 +36,7 @@ from berth.api import (
     NodeSeriesColumns,
 )
 from berth.daemon.graph import LeaderGraph
+from berth.keys import Role
 from berth.observability.cluster import ClusterSnapshot, NodeSample, NodeSeries
 
 
@@ -121,7 +123,7 @@ def build_metrics_router(services: LeaderGraph) -> APIRouter:
     """The metrics routes, bound to ``services``."""
     router = APIRouter()
 
-    @router.get("/admin/metrics/snapshot")
+    @router.get("/admin/metrics/snapshot", dependencies=[needs(Role.VIEWER)])
     async def metrics_snapshot() -> MetricsSnapshot:
         return snapshot_view(services.cluster_metrics.snapshot())
 

@@ -9,8 +9,10 @@ from typing import TYPE_CHECKING
 from fastapi import APIRouter
 
 from berth.admin.model_detail import model_detail
+from berth.admin.roles import needs
 from berth.api import LocatedModel, ModelDetail, ModelIn, ModelRemoved, RegisteredModel
 from berth.deployments.model_registration import located_model_view, register_model
+from berth.keys import Role
 
 if TYPE_CHECKING:
     from berth.daemon.graph import LeaderGraph
@@ -22,7 +24,7 @@ def build_model_router(services: LeaderGraph) -> APIRouter:
     store = services.store
     lifecycle = services.lifecycle
 
-    @router.get("/admin/models")
+    @router.get("/admin/models", dependencies=[needs(Role.VIEWER)])
     async def list_models() -> list[LocatedModel]:
         records = await asyncio.to_thread(store.list_models)
         locations = await asyncio.to_thread(store.list_model_locations)
@@ -31,15 +33,15 @@ def build_model_router(services: LeaderGraph) -> APIRouter:
             for r in records
         ]
 
-    @router.post("/admin/models", status_code=201)
+    @router.post("/admin/models", status_code=201, dependencies=[needs(Role.OPERATOR)])
     async def add_model(body: ModelIn) -> LocatedModel | RegisteredModel:
         return await register_model(store, lifecycle, body)
 
-    @router.get("/admin/models/{name:path}")
+    @router.get("/admin/models/{name:path}", dependencies=[needs(Role.VIEWER)])
     async def show_model(name: str) -> ModelDetail:
         return await model_detail(store, lifecycle.estimator, services.links, name)
 
-    @router.delete("/admin/models/{name:path}")
+    @router.delete("/admin/models/{name:path}", dependencies=[needs(Role.OPERATOR)])
     async def remove_model(name: str) -> ModelRemoved:
         await asyncio.to_thread(store.remove_model, name)
         await lifecycle.refresh_known_models()

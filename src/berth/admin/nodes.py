@@ -23,6 +23,7 @@ from fastapi import APIRouter
 
 from berth import __version__
 from berth.admin.drains import maintenance_view
+from berth.admin.roles import needs
 from berth.api import (
     AdoptedEndpoint,
     EnrollIn,
@@ -38,6 +39,7 @@ from berth.cluster.direct_path import DataPath
 from berth.cluster.link import LOCAL_NODE_ID
 from berth.cluster.protocol.payloads import AdoptedState
 from berth.daemon.graph import LeaderGraph
+from berth.keys import Role
 from berth.store import NodeCertificate, NodeHardware, NodeRecord
 
 
@@ -169,14 +171,14 @@ def build_node_router(services: LeaderGraph) -> APIRouter:
             return None
         return services.data_paths.data_path(record.id)
 
-    @router.post("/admin/nodes/enroll", status_code=201)
+    @router.post("/admin/nodes/enroll", status_code=201, dependencies=[needs(Role.ADMIN)])
     async def enroll(body: EnrollIn) -> EnrollmentIssued:
         issued = await asyncio.to_thread(services.enrollment.issue_token, body.label)
         return EnrollmentIssued(
             uri=str(issued.uri), expires_at=issued.expires_at, label=issued.label
         )
 
-    @router.get("/admin/nodes")
+    @router.get("/admin/nodes", dependencies=[needs(Role.VIEWER)])
     async def list_nodes() -> list[NodeSummary]:
         records = await asyncio.to_thread(store.list_nodes)
         certificates = await asyncio.to_thread(store.current_node_certificates)
@@ -196,7 +198,7 @@ def build_node_router(services: LeaderGraph) -> APIRouter:
             for r in records
         ]
 
-    @router.get("/admin/nodes/{ident}")
+    @router.get("/admin/nodes/{ident}", dependencies=[needs(Role.VIEWER)])
     async def show_node(ident: str) -> NodeDetailWithAdopted:
         record = await asyncio.to_thread(store.lookup_node, ident)
         detail = node_detail_view(
@@ -210,7 +212,7 @@ def build_node_router(services: LeaderGraph) -> APIRouter:
             NodeDetailWithAdopted, adopted=[adopted_view(state) for state in adopted]
         )
 
-    @router.delete("/admin/nodes/{ident}")
+    @router.delete("/admin/nodes/{ident}", dependencies=[needs(Role.ADMIN)])
     async def remove_node(ident: str) -> NodeDetail:
         record = await asyncio.to_thread(store.lookup_node, ident)
         removed = await asyncio.to_thread(store.remove_node, record.id)

@@ -6,6 +6,7 @@
   error with the route's own media type.
 - A key's ``tier`` is one of this leader's tiers (the built-in ones and its
   ``[tiers.NAME]``): the schema lists them, as the leader knows them when it starts.
+- Each operation names the role it needs as ``x-berth-role`` (:mod:`berth.admin.roles`).
 - A method a path does not have is answered ``405`` with ``Allow`` listing every method the
   resource has, over all of its routes (RFC 9110, section 15.5.6). Starlette's own answer names
   only the methods of the first route that matched the path, and FastAPI makes one route per
@@ -21,6 +22,8 @@ from typing import Any
 
 from fastapi import FastAPI
 from starlette.routing import compile_path
+
+from berth.admin.roles import roles_in_schema
 
 #: Where the error body's schema is in the document.
 ERROR_BODY_REF = "#/components/schemas/ErrorBody"
@@ -101,6 +104,7 @@ def install_schema(app: FastAPI, *, tiers: list[str]) -> None:
             document = build()
             _errors_as_json(document)
             _tiers_listed(document, tiers)
+            roles_in_schema(app, document)
             app.openapi_schema = document
         return app.openapi_schema
 

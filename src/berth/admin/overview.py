@@ -17,7 +17,9 @@ from collections.abc import Awaitable, Callable
 
 from fastapi import APIRouter
 
+from berth.admin.roles import needs
 from berth.api import GpuHistory, LeaderMember, MetricsHistory, SeriesSet
+from berth.keys import Role
 from berth.observability.history import COUNTERS, LATENCIES, HistoryView
 from berth.observability.history import MetricsHistory as History
 from berth.observability.metrics import ProxyMetrics
@@ -120,11 +122,11 @@ def build_overview_router(
     """The history and leaders routes."""
     router = APIRouter()
 
-    @router.get("/admin/metrics/history")
+    @router.get("/admin/metrics/history", dependencies=[needs(Role.VIEWER)])
     async def metrics_history() -> MetricsHistory:
         return history_view(history.view())
 
-    @router.get("/admin/leaders")
+    @router.get("/admin/leaders", dependencies=[needs(Role.VIEWER)])
     async def list_leaders() -> list[LeaderMember]:
         return await leaders()
 

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 from fastapi import APIRouter
 
 from berth.admin.adapters import plan_notes
+from berth.admin.roles import needs
 from berth.api import (
     EstimateInput,
     EvictionOut,
@@ -27,6 +28,7 @@ from berth.cluster.link import LOCAL_NODE_ID
 from berth.deployments.adapters import AdapterManager
 from berth.deployments.lifecycle import DeployOptions, LifecycleManager, PlannedDeployment
 from berth.errors import ConfigError, ConflictError, NotFoundError
+from berth.keys import Role
 from berth.placement import ModelAt, Placement, VramEstimate
 from berth.store import ServiceProfileRecord, Store
 
@@ -57,7 +59,7 @@ def plan_router(
     a plan says what LoRA adapters the deployment starts with (:func:`plan_notes`)."""
     router = APIRouter()
 
-    @router.post("/admin/plan")
+    @router.post("/admin/plan", dependencies=[needs(Role.VIEWER)])
     async def plan(body: PlanIn) -> Plan:
         service = await _service_or_none(store, body.target)
         if service is not None:

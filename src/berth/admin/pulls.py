@@ -15,10 +15,12 @@ from typing import TYPE_CHECKING, Literal
 from fastapi import APIRouter
 
 from berth.admin.adapters import register_adapter
+from berth.admin.roles import needs
 from berth.api import AdapterIn
 from berth.api.pulls import Pull, PullIn, pulled_registration
 from berth.deployments.model_registration import model_view, register_model
 from berth.deployments.pulls import PullJobs
+from berth.keys import Role
 
 if TYPE_CHECKING:
     from berth.daemon.graph import LeaderGraph
@@ -49,19 +51,19 @@ def build_pull_router(jobs: PullJobs) -> APIRouter:
     """The pull routes over ``jobs``."""
     router = APIRouter()
 
-    @router.post("/admin/pulls", status_code=202)
+    @router.post("/admin/pulls", status_code=202, dependencies=[needs(Role.OPERATOR)])
     async def start_pull(body: PullIn) -> Pull:
         return await jobs.start(body)
 
-    @router.get("/admin/pulls")
+    @router.get("/admin/pulls", dependencies=[needs(Role.VIEWER)])
     async def list_pulls() -> list[Pull]:
         return jobs.list()
 
-    @router.get("/admin/pulls/{pull_id}")
+    @router.get("/admin/pulls/{pull_id}", dependencies=[needs(Role.VIEWER)])
     async def show_pull(pull_id: str) -> Pull:
         return jobs.get(pull_id)
 
-    @router.delete("/admin/pulls/{pull_id}")
+    @router.delete("/admin/pulls/{pull_id}", dependencies=[needs(Role.OPERATOR)])
     async def cancel_pull(pull_id: str) -> Pull:
         return await jobs.cancel(pull_id)
 

@@ -16,8 +16,10 @@ from typing import TYPE_CHECKING
 
 from fastapi import APIRouter
 
+from berth.admin.roles import needs
 from berth.api import DroppedCandidate, LastDecision, RankedCandidate, RoutingExplanation
 from berth.errors import ConflictError
+from berth.keys import Role
 from berth.routing.affinity import affinity_key
 from berth.routing.errors import NoReadyDeploymentError
 from berth.routing.resolver import Upstream
@@ -30,7 +32,7 @@ if TYPE_CHECKING:
 def build_routing_router(services: LeaderGraph) -> APIRouter:
     router = APIRouter()
 
-    @router.get("/admin/routing/{model:path}")
+    @router.get("/admin/routing/{model:path}", dependencies=[needs(Role.VIEWER)])
     async def explain_route(
         model: str, session: str | None = None, conversation: str | None = None
     ) -> RoutingExplanation:

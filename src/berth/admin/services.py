@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 from fastapi import APIRouter
 
 from berth.admin.deployments import deployment_view
+from berth.admin.roles import needs
 from berth.api import (
     DeployIn,
     Deployment,
@@ -51,6 +52,7 @@ from berth.cluster.link import LOCAL_NODE_ID
 from berth.deployments.fleet import deploy_options, leader_only_refusal
 from berth.deployments.lifecycle import LifecycleManager
 from berth.errors import ConfigError, NotFoundError
+from berth.keys import Role
 from berth.routing.errors import NoReadyDeploymentError
 from berth.routing.routes import RouteResolver
 from berth.runtime.engines import parse_engine_name, parse_runtime_name
@@ -289,12 +291,12 @@ def _add_service_routes(router: APIRouter, catalog: _Catalog) -> None:
     """``/admin/services[/{name}[/deploy]]`` onto ``router``."""
     store = catalog.store
 
-    @router.get("/admin/services")
+    @router.get("/admin/services", dependencies=[needs(Role.VIEWER)])
     async def list_services() -> list[Service]:
         records = await asyncio.to_thread(store.list_service_profiles)
         return [catalog.view(r) for r in records]
 
-    @router.post("/admin/services", status_code=201)
+    @router.post("/admin/services", status_code=201, dependencies=[needs(Role.OPERATOR)])
     async def create_service(body: ServiceIn) -> Service:
         settings = ScalingSettings(
             min_replicas=body.min_replicas,
@@ -324,11 +326,11 @@ def _add_service_routes(router: APIRouter, catalog: _Catalog) -> None:
         await catalog.reload()
         return catalog.view(record, [])
 
-    @router.get("/admin/services/{name}")
+    @router.get("/admin/services/{name}", dependencies=[needs(Role.VIEWER)])
     async def show_service(name: str) -> ServiceDetail:
         return await catalog.detail(await asyncio.to_thread(store.get_service_profile, name))
 
-    @router.patch("/admin/services/{name}")
+    @router.patch("/admin/services/{name}", dependencies=[needs(Role.OPERATOR)])
     async def scale_service(name: str, body: ScaleIn) -> ServiceDetail:
         scaling = (body.min_replicas, body.max_replicas, body.idle_timeout, body.pinned,
                    body.priority, body.capacity)  # fmt: skip
@@ -350,13 +352,15 @@ def _add_service_routes(router: APIRouter, catalog: _Catalog) -> None:
         await catalog.reload()
         return await catalog.detail(record)
 
-    @router.delete("/admin/services/{name}")
+    @router.delete("/admin/services/{name}", dependencies=[needs(Role.OPERATOR)])
     async def remove_service(name: str) -> Service:
         record = await asyncio.to_thread(store.delete_service_profile, name)
         await catalog.reload()
         return catalog.view(record, [])
 
-    @router.post("/admin/services/{name}/deploy", status_code=201)
+    @router.post(
+        "/admin/services/{name}/deploy", status_code=201, dependencies=[needs(Role.OPERATOR)]
+    )
     async def deploy_service(name: str, body: DeployIn | None = None) -> Deployment:
         record = await asyncio.to_thread(store.get_service_profile, name)
         node = await _deploy_node(store, record, body.node if body else None)
@@ -371,12 +375,12 @@ def _add_route_routes(router: APIRouter, catalog: _Catalog) -> None:
     """``/admin/routes[/{name}]`` onto ``router``."""
     store, lifecycle, routes = catalog.store, catalog.lifecycle, catalog.routes
 
-    @router.get("/admin/routes")
+    @router.get("/admin/routes", dependencies=[needs(Role.VIEWER)])
     async def list_routes() -> list[Route]:
         records = await asyncio.to_thread(store.list_routes)
         return [route_view(r, lifecycle, routes) for r in records]
 
-    @router.post("/admin/routes", status_code=201)
+    @router.post("/admin/routes", status_code=201, dependencies=[needs(Role.OPERATOR)])
     async def add_route(body: RouteIn) -> Route:
         record = await asyncio.to_thread(
             store.add_route, body.name, body.service, priority=body.priority, fallback=body.fallback
@@ -384,18 +388,18 @@ def _add_route_routes(router: APIRouter, catalog: _Catalog) -> None:
         await catalog.reload()
         return route_view(record, lifecycle, routes)
 
-    @router.get("/admin/routes/{name:path}")
+    @router.get("/admin/routes/{name:path}", dependencies=[needs(Role.VIEWER)])
     async def show_route(name: str) -> Route:
         record = await asyncio.to_thread(store.get_route, name)
         return route_view(record, lifecycle, routes)
 
-    @router.patch("/admin/routes/{name:path}")
+    @router.patch("/admin/routes/{name:path}", dependencies=[needs(Role.OPERATOR)])
     async def set_fallback(name: str, body: FallbackIn) -> Route:
         record = await asyncio.to_thread(store.set_route_fallback, name, body.fallback)
         await catalog.reload()
         return route_view(record, lifecycle, routes)
 
-    @router.delete("/admin/routes/{name:path}")
+    @router.delete("/admin/routes/{name:path}", dependencies=[needs(Role.OPERATOR)])
     async def remove_route(name: str, service: str | None = None) -> RouteRemoved:
         left = await asyncio.to_thread(store.remove_route, name, service)
         await catalog.reload()

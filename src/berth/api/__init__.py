@@ -24,6 +24,8 @@ from berth.api.keys import (
     KeyIn,
     KeyLimitsOut,
     KeyUseOut,
+    RoleName,
+    role_name,
 )
 from berth.api.leader import (
     DaemonInfo,
@@ -181,6 +183,7 @@ __all__ = [
     "RankedCandidate",
     "Readiness",
     "RegisteredModel",
+    "RoleName",
     "Route",
     "RouteIn",
     "RouteRemoved",
@@ -209,4 +212,5 @@ __all__ = [
     "describe_invalid",
     "parse_grouping",
     "parse_since",
+    "role_name",
 ]

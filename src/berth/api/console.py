@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from berth.api.base import ApiInput, ApiModel
+from berth.api.keys import RoleName
 
 
 class SessionIn(ApiInput):
@@ -13,10 +14,12 @@ class SessionIn(ApiInput):
 
 
 class SessionInfo(ApiModel):
-    """The signed-in session: the key's name, the CSRF token every state-changing call must
-    send as ``X-CSRF-Token``, and when the session ends at the latest (epoch seconds)."""
+    """The signed-in session: the key's name and role (what the console offers follows it;
+    the API refuses the rest with 403 either way), the CSRF token every state-changing call
+    must send as ``X-CSRF-Token``, and when the session ends at the latest (epoch seconds)."""
 
     key_name: str
+    role: RoleName = "admin"
     csrf_token: str
     expires_at: float
 

@@ -8,7 +8,7 @@ to the tier's.
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Literal, cast
 
 from pydantic import ConfigDict, Field, WithJsonSchema, field_validator
 
@@ -25,6 +25,15 @@ from berth.limits import (
     LimitOverrides,
     check_models,
 )
+
+#: An admin key's role (:class:`berth.keys.Role`) as the API states it.
+RoleName = Literal["viewer", "operator", "admin"]
+
+
+def role_name(role: str) -> RoleName:
+    """``role`` (a :class:`berth.keys.Role`, already checked) as the API names it."""
+    return cast(RoleName, str(role))
+
 
 #: A limit in a request body: a whole number (never text or a fraction), or ``null``.
 LimitIn = Annotated[int, Field(ge=0, le=MAX_LIMIT, strict=True)] | None
@@ -90,7 +99,8 @@ class _LimitsIn(ApiInput):
 class KeyIn(_LimitsIn):
     """``POST /admin/keys``: a key labelled ``name`` in ``tier`` (``admin``, ``standard``
     or one of the leader's ``[tiers.NAME]``, any case), with its own limits and an expiry
-    (aware; ``null``: never) when given."""
+    (aware; ``null``: never) when given. ``role`` is for admin keys only (``viewer``,
+    ``operator`` or ``admin``; left out: ``admin``)."""
 
     model_config = ConfigDict(
         json_schema_extra={
@@ -121,13 +131,16 @@ class KeyIn(_LimitsIn):
     ]
     tier: str = "standard"
     expires_at: TimestampIn | None = None
+    role: RoleName | None = None
 
 
 class KeyChangeIn(_LimitsIn):
     """``PATCH /admin/keys/{name or id}``: what to change; fields left out stay as they are.
-    ``expires_at: null`` removes the expiry; ``clear`` puts limits back to the tier's."""
+    ``expires_at: null`` removes the expiry; ``clear`` puts limits back to the tier's;
+    ``role`` is an admin key's new role."""
 
     tier: str | None = None
+    role: RoleName | None = None
     expires_at: TimestampIn | None = None
     clear: list[LimitName] = Field(default_factory=list)
 
@@ -175,11 +188,13 @@ class ApiKey(ApiModel):
     """A key's metadata: ``prefix`` is the start of its secret, for recognising it; the
     secret itself is never stored.  ``revoked_at`` is set once revoked; from ``expires_at``
     on it no longer authenticates.  ``limits`` are what it works under, ``overridden`` the
-    ones it sets itself (the rest are its tier's), ``use`` what it uses now."""
+    ones it sets itself (the rest are its tier's), ``use`` what it uses now. ``role`` is
+    an admin key's role on the admin API (``null`` for other tiers)."""
 
     id: str
     name: str
     tier: str
+    role: RoleName | None = None
     prefix: str
     created_at: Timestamp
     revoked_at: Timestamp | None

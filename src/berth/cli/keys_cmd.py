@@ -10,7 +10,7 @@ from berth.api import ApiKey, KeyChangeIn, KeyIn
 from berth.cli.common import console, context, print_json, print_table, record_table, request_body
 from berth.cli.context import HELP_OPTIONS
 from berth.errors import ConfigError
-from berth.keys import parse_tier, validate_key_name
+from berth.keys import parse_role, parse_tier, role_of_tier, validate_key_name
 from berth.limits import (
     ANY_MODEL_WORD,
     NUMERIC_LIMITS,
@@ -32,6 +32,12 @@ key_app = typer.Typer(
 NEVER_WORD = "never"
 
 _LIMIT_HELP = f"a whole number (200k, 2m also work) or {UNLIMITED_WORD!r}"
+_ROLE = typer.Option(
+    None,
+    "--role",
+    help="An admin key's role: viewer (reads only), operator (deploys, stops, manages models, "
+    "services and keys of other tiers) or admin (everything; the default).",
+)
 _RPM = typer.Option(None, "--rpm", help=f"Requests per minute: {_LIMIT_HELP}.")
 _TPM = typer.Option(None, "--tpm", help=f"Tokens per minute (prompt + completion): {_LIMIT_HELP}.")
 _CONCURRENCY = typer.Option(
@@ -94,6 +100,7 @@ def create(
     name: str = typer.Argument(..., help="A label for the key."),
     # Help text is rich markup: a literal "[" is written "\\[".
     tier: str = typer.Option("standard", "--tier", help="admin, standard or a \\[tiers.NAME]."),
+    role: str | None = _ROLE,
     rpm: str | None = _RPM,
     tpm: str | None = _TPM,
     max_concurrency: str | None = _CONCURRENCY,
@@ -109,9 +116,12 @@ def create(
 
     Limits not given are the tier's (config.toml's \\[tiers.NAME]).
     """
-    parse_tier(tier)  # refuse a bad tier name, limit or expiry before asking the daemon
+    # refuse a bad tier name, role, limit or expiry before asking the daemon
+    role_of_tier(parse_tier(tier), role)
     validate_key_name(name)
     fields = _limits(rpm, tpm, max_concurrency, daily_tokens, monthly_tokens, models)
+    if role is not None:
+        fields["role"] = parse_role(role).value
     if expires is not None:
         fields["expires_at"] = parse_expiry(expires, datetime.now(UTC))
     body = request_body(KeyIn, name=name, tier=tier, **fields)  # type: ignore[arg-type]
@@ -123,7 +133,8 @@ def create(
     # The secret first: it exists nowhere else, so nothing printed after it may lose it.
     console.print("secret (shown once, store it now):")
     print(record.secret, flush=True)
-    console.print(f"created {record.tier} key {record.id} ({record.name})")
+    role_shown = f" with the {record.role} role" if record.role is not None else ""
+    console.print(f"created {record.tier} key {record.id} ({record.name}){role_shown}")
 
 
 @key_app.command("set")
@@ -131,6 +142,7 @@ def set_(
     ctx: typer.Context,
     ident: str = typer.Argument(..., metavar="NAME_OR_ID", help="The key's name or id."),
     tier: str | None = typer.Option(None, "--tier", help="Move the key to this tier."),
+    role: str | None = _ROLE,
     rpm: str | None = _RPM,
     tpm: str | None = _TPM,
     max_concurrency: str | None = _CONCURRENCY,
@@ -148,10 +160,12 @@ def set_(
     ),
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
-    """Change a key's tier, limits or expiry; what is not given stays as it is."""
+    """Change a key's tier, role, limits or expiry; what is not given stays as it is."""
     fields = _limits(rpm, tpm, max_concurrency, daily_tokens, monthly_tokens, models)
     if tier is not None:
         fields["tier"] = parse_tier(tier)
+    if role is not None:
+        fields["role"] = parse_role(role).value
     if expires is not None:
         is_never = expires.strip().lower() == NEVER_WORD
         fields["expires_at"] = None if is_never else parse_expiry(expires, datetime.now(UTC))
@@ -159,7 +173,7 @@ def set_(
     if cleared:
         fields["clear"] = cleared
     if not fields:
-        raise ConfigError("nothing to change: give --tier, a limit, --expires or --clear")
+        raise ConfigError("nothing to change: give --tier, --role, a limit, --expires or --clear")
     body = request_body(KeyChangeIn, **fields)  # type: ignore[arg-type]
     with context(ctx).client() as client:
         record = client.change_key(ident, body)
@@ -190,7 +204,8 @@ def _summary(record: ApiKey) -> str:
     ]
     if limits.models is not None:
         shown.append(f"models={','.join(limits.models)}")
-    return f"tier {record.tier}, " + (", ".join(shown) if shown else "no limits")
+    role = f"role {record.role}, " if record.role is not None else ""
+    return f"tier {record.tier}, {role}" + (", ".join(shown) if shown else "no limits")
 
 
 @key_app.command("ls")
@@ -207,15 +222,16 @@ def ls(ctx: typer.Context, as_json: bool = typer.Option(False, "--json")) -> Non
         return
     # Ids, tiers and dates stay whole (a user copies an id to revoke it); the rest folds.
     table = record_table()
-    for column in ("ID", "NAME", "TIER", "PREFIX", "RPM", "TPM", "CONC", "TODAY", "MONTH",
+    for column in ("ID", "NAME", "TIER", "ROLE", "PREFIX", "RPM", "TPM", "CONC", "TODAY", "MONTH",
                    "MODELS", "EXPIRES", "REVOKED"):  # fmt: skip
-        whole = column in ("ID", "TIER", "EXPIRES", "REVOKED")
+        whole = column in ("ID", "TIER", "ROLE", "EXPIRES", "REVOKED")
         table.add_column(column, no_wrap=whole, overflow="ellipsis" if whole else "fold")
     for r in records:
         table.add_row(
             r.id,
             r.name,
             r.tier,
+            r.role or "",
             r.prefix,
             _limit(r, "rpm"),
             _limit(r, "tpm"),

@@ -5,7 +5,9 @@ hot path meets no framework); everything else goes to the admin app through the 
 ASGI adapter. Authentication happens here, once, by listener: over TCP ``/v1/*`` and
 ``/metrics`` need any valid key that has not expired (in ``Authorization: Bearer`` or, on
 every path alike, ``x-api-key``, which the Anthropic SDK sends; refusals under
-``/v1/messages`` are Anthropic-shaped) and ``/admin/*`` an admin key, and failed
+``/v1/messages`` are Anthropic-shaped) and ``/admin/*`` an admin key whose role the route
+allows (the caller goes to the admin app in its request state, :mod:`berth.admin.roles`),
+and failed
 attempts are limited per client address (429 past the ``auth_failure_*`` settings; see
 :mod:`berth.gateway.auth`); over the Unix socket (mode 0600, so only its owner can connect) no
 key is needed: a request there is the desk worker's when it says so
@@ -31,6 +33,7 @@ from berth.admin.console import (
     build_console_router,
     is_console_path,
 )
+from berth.admin.roles import KEY_STATE, NO_KEY, check_roles_declared
 from berth.admin.services import build_service_router
 from berth.admission import SOCKET_CALLER_HEADER, AdmissionError, SocketCaller, socket_caller
 from berth.anthropic_errors import is_messages_path, to_anthropic
@@ -91,7 +94,8 @@ class LeaderApp:
                 writer.extra_headers = cors.answer_headers(origin)
         if is_console_path(path) or path == "/":
             writer.extra_headers = [*writer.extra_headers, *CONSOLE_HEADERS]
-            await self._admin(request, writer)  # /ui/session checks what it is given
+            # /ui/session checks what it is given
+            await self._admin(request, writer, state={KEY_STATE: NO_KEY})
             return
         leadership = self._services.leadership
         if leadership is not None and path.startswith("/v1/") and not leadership.is_active:
@@ -112,7 +116,9 @@ class LeaderApp:
             name = key.value if isinstance(key, SocketCaller) else key.name if key else ""
             await self._proxy.handle(request, writer, key, key_name=name)
         else:
-            await self._admin(request, writer)
+            # The admin routes check the caller's role (berth.admin.roles).
+            caller = NO_KEY if key is None else key
+            await self._admin(request, writer, state={KEY_STATE: caller})
 
     async def _authenticate(self, request: Request, tier: str) -> ApiKeyRecord:
         authenticator = self._services.authenticator
@@ -168,6 +174,7 @@ def build_apps(services: LeaderGraph) -> tuple[LeaderApp, LeaderApp]:
         check_expiry=services.admission.check_expiry,
     )
     admin.include_router(build_console_router(console, services.proxy.request_log))
+    check_roles_declared(admin)
     cors = CorsPolicy.from_setting(services.settings.cors_origins)
     return (
         LeaderApp(services, admin, trusted=False, cors=cors, console=console),

@@ -41,7 +41,11 @@ class AsgiHandler:
     def __init__(self, app: AsgiApp) -> None:
         self._app = app
 
-    async def __call__(self, request: Request, writer: ResponseWriter) -> None:
+    async def __call__(
+        self, request: Request, writer: ResponseWriter, *, state: dict[str, Any] | None = None
+    ) -> None:
+        """Run the app for ``request``; ``state`` starts the scope's ``state`` (what the
+        app reads as ``request.state``: the caller the listener authenticated)."""
         scope: dict[str, Any] = {
             "type": "http",
             "asgi": {"version": "3.0", "spec_version": "2.3"},
@@ -55,7 +59,7 @@ class AsgiHandler:
             "headers": request.headers,
             "client": request.client,
             "server": request.server,
-            "state": {},
+            "state": dict(state) if state is not None else {},
         }
         exchange = _Exchange(request, writer)
         await self._app(scope, exchange.receive, exchange.send)

@@ -17,7 +17,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from berth.errors import ConflictError, NotFoundError
-from berth.keys import parse_tier, validate_key_name
+from berth.keys import Role, parse_role, parse_tier, role_of_tier, validate_key_name
 from berth.limits import LimitOverrides
 from berth.store.changes import KEYS_TOPIC, record_change
 from berth.store.records import ApiKeyRecord
@@ -45,15 +45,19 @@ class ApiKeyMethods:
         *,
         limits: LimitOverrides = LimitOverrides(),
         expires_at: datetime | None = None,
+        role: str | None = None,
     ) -> ApiKeyRecord:
         """Record a key by its hash (see :func:`berth.keys.hash_secret`); id ``k-`` + 8 hex.
 
         ``limits`` are the key's own values over its tier's; ``expires_at`` (aware) the
-        moment it stops authenticating.  Raises :class:`ConfigError` for an invalid tier name
-        or an unsafe name (:func:`berth.keys.validate_key_name`) and :class:`ConflictError`
-        when the hash is already stored.  Whether the tier exists is the caller's to check.
+        moment it stops authenticating; ``role`` an admin key's role (default ``admin``;
+        :func:`berth.keys.role_of_tier`).  Raises :class:`ConfigError` for an invalid tier
+        name, a role for a key of another tier or an unknown one, or an unsafe name
+        (:func:`berth.keys.validate_key_name`) and :class:`ConflictError` when the hash is
+        already stored.  Whether the tier exists is the caller's to check.
         """
         parsed_tier = parse_tier(tier)
+        parsed_role = role_of_tier(parsed_tier, role)
         validate_key_name(name)
         with self._write() as session:
             existing = session.scalars(select(ApiKeyRow.id).where(ApiKeyRow.key_hash == key_hash))
@@ -69,6 +73,7 @@ class ApiKeyMethods:
                 revoked_at=None,
                 limits=limits.to_json() or None,
                 expires_at=expires_at,
+                role=None if parsed_role is None else parsed_role.value,
             )
             session.add(row)
             record_change(session, KEYS_TOPIC, row.id)
@@ -114,19 +119,28 @@ class ApiKeyMethods:
         tier: str | Unchanged = UNCHANGED,
         limits: LimitOverrides | Unchanged = UNCHANGED,
         expires_at: datetime | Unchanged | None = UNCHANGED,
+        role: str | Unchanged = UNCHANGED,
     ) -> ApiKeyRecord:
-        """Change a key's tier, limit overrides (replaced whole) or expiry (``None``: never);
-        return the updated record.  ``ident`` is an id or name (:meth:`lookup_api_key`).
+        """Change a key's tier, role, limit overrides (replaced whole) or expiry (``None``:
+        never); return the updated record.  ``ident`` is an id or name
+        (:meth:`lookup_api_key`).  A key moved into the ``admin`` tier without a role is an
+        ``admin``; one moved out of it loses its role.
 
         Raises :class:`NotFoundError` / :class:`ConflictError` as :meth:`lookup_api_key`
         does, :class:`ConflictError` for a revoked key, and :class:`ConfigError` for an
-        invalid tier name.
+        invalid tier name, an unknown role or a role for a key outside the admin tier.
         """
         parsed_tier = parse_tier(tier) if not isinstance(tier, Unchanged) else tier
+        if not isinstance(role, Unchanged):
+            parse_role(role)
         with self._write() as session:
             row = _lookup_api_key_row(session, ident)
             if row.revoked_at is not None:
                 raise ConflictError(f"API key {row.id} ({row.name}) is revoked; create a new one")
+            new_tier = row.tier if isinstance(parsed_tier, Unchanged) else parsed_tier
+            kept_role = row.role if new_tier == row.tier else None
+            new_role = role_of_tier(new_tier, kept_role if isinstance(role, Unchanged) else role)
+            row.role = None if new_role is None else new_role.value
             if not isinstance(parsed_tier, Unchanged):
                 row.tier = parsed_tier
             if not isinstance(limits, Unchanged):
@@ -179,4 +193,18 @@ def _api_key_record(row: ApiKeyRow) -> ApiKeyRecord:
         revoked_at=None if row.revoked_at is None else aware(row.revoked_at),
         limits=LimitOverrides.from_json(row.limits, where=f"API key {row.id}'s stored limits"),
         expires_at=None if row.expires_at is None else aware(row.expires_at),
+        role=_stored_role(row),
     )
+
+
+def _stored_role(row: ApiKeyRow) -> Role | None:
+    """The role of a stored key: ``None`` outside the admin tier, ``admin`` for an admin
+    key with none, and the lowest (``viewer``) for one this berth does not know."""
+    if row.tier != "admin":
+        return None
+    if row.role is None:
+        return Role.ADMIN
+    try:
+        return Role(row.role)
+    except ValueError:
+        return Role.VIEWER

@@ -422,6 +422,14 @@ def _v16_node_drains(conn: Connection) -> None:
         metadata.tables[name].create(conn)
 
 
+def _v17_key_roles(conn: Connection) -> None:
+    # Nullable, no default: keys outside the admin tier have no role; every admin key made
+    # before roles existed keeps what it could do (admin). The same statements on SQLite and
+    # PostgreSQL.
+    _add_column(conn, "api_keys", Column("role", String(16), nullable=True))
+    conn.execute(text("UPDATE api_keys SET role = 'admin' WHERE tier = 'admin'"))
+
+
 #: Every migration, in increasing order (numbers may skip: see the module docstring).
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(1, "models, deployments and api_keys", _v1_initial),
@@ -446,6 +454,7 @@ MIGRATIONS: tuple[Migration, ...] = (
     Migration(14, "leader_members (every shared leader's cluster URL)", _v14_leader_members),
     Migration(15, "cluster_bootstrap (the sealed CA and key pepper)", _v15_cluster_bootstrap),
     Migration(16, "node_drains and drain_moves (cordon and drain)", _v16_node_drains),
+    Migration(17, "api_keys.role (viewer, operator or admin for admin keys)", _v17_key_roles),
 )
 
 LATEST_VERSION = MIGRATIONS[-1].version

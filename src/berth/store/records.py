@@ -13,6 +13,7 @@ from typing import Literal
 from berth.config.table import ROUTING_POLICIES as ROUTING_POLICIES
 from berth.config.table import RoutingPolicy as RoutingPolicy
 from berth.errors import ConfigError
+from berth.keys import Role
 from berth.limits import LimitOverrides
 from berth.runtime.gpu import GpuInfo
 from berth.store.states import TERMINAL_STATES, DeploymentState
@@ -123,6 +124,7 @@ class ApiKeyRecord:
     ``prefix`` is the first characters of the secret, for display; ``revoked_at`` is set
     once the key was revoked, after which it no longer authenticates.  ``limits`` are the
     key's own values over its tier's; from ``expires_at`` on it no longer authenticates.
+    ``role`` is an ``admin`` key's role (:class:`berth.keys.Role`), ``None`` for other tiers.
     """
 
     id: str
@@ -133,6 +135,7 @@ class ApiKeyRecord:
     revoked_at: datetime | None
     limits: LimitOverrides = field(default_factory=LimitOverrides)
     expires_at: datetime | None = None
+    role: Role | None = None
 
     @property
     def is_revoked(self) -> bool:

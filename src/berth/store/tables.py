@@ -128,7 +128,8 @@ class ApiKeyRow(Base):
 
     ``limits`` holds the key's overrides of its tier's limits
     (:meth:`berth.limits.LimitOverrides.to_json`; ``NULL`` for none); ``expires_at`` the
-    moment it stops authenticating (``NULL``: never).
+    moment it stops authenticating (``NULL``: never); ``role`` what an admin key may do on
+    the admin API (:class:`berth.keys.Role`; ``NULL`` for keys of other tiers).
     """
 
     __tablename__ = "api_keys"
@@ -142,6 +143,7 @@ class ApiKeyRow(Base):
     revoked_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
     limits: Mapped[dict[str, object] | None] = mapped_column(JSON, nullable=True)
     expires_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
+    role: Mapped[str | None] = mapped_column(String(16), nullable=True)
 
 
 class UsageRow(Base):

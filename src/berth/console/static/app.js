@@ -7,7 +7,7 @@
 
 const POLL_MS = 5000;
 const DISCONNECTED = "the leader did not answer (disconnected)";
-const state = { csrf: null, keyName: "", timers: [], aborts: [], page: null };
+const state = { csrf: null, keyName: "", role: "admin", timers: [], aborts: [], page: null };
 
 // -- DOM helpers (text only: nothing from the API is ever parsed as HTML) ---------------------
 
@@ -22,6 +22,14 @@ function h(tag, attrs, ...children) {
     if (child === null || child === undefined || child === false) continue;
     el.append(child instanceof Node ? child : document.createTextNode(String(child)));
   }
+  return el;
+}
+
+// What a role may do: a control the signed-in key's role cannot use is hidden (style.css hides
+// .needs-operator for a viewer, .needs-admin for a viewer or an operator); the API refuses it
+// with 403 either way (berth.admin.roles).
+function needs(role, el) {
+  el.classList.add(`needs-${role}`);
   return el;
 }
 
@@ -177,9 +185,12 @@ function showSignIn(message) {
 function showApp(session) {
   state.csrf = session.csrf_token;
   state.keyName = session.key_name;
+  state.role = session.role || "admin";
+  document.body.dataset.role = state.role;
   document.getElementById("signin").hidden = true;
   document.getElementById("app").hidden = false;
-  document.getElementById("who").textContent = `signed in as ${session.key_name}`;
+  document.getElementById("who").textContent =
+    `signed in as ${session.key_name} (${state.role})`;
   route();
 }
 
@@ -263,7 +274,9 @@ function clusterPage(main) {
       label.value = "";
     } catch (err) { showError(err); }
   } }, h("label", {}, "New node label", label), h("button", { type: "submit" }, "Enroll a node"));
-  main.append(h("h1", {}, "Cluster"), cards, h("h2", {}, "Add a node"), form, enrollBox);
+  main.append(h("h1", {}, "Cluster"), cards,
+    needs("admin", h("section", { "aria-label": "Add a node" },
+      h("h2", {}, "Add a node"), form, enrollBox)));
 
   const shown = new Map(); // node id -> its card
   const refresh = async () => {
@@ -315,7 +328,7 @@ function nodeCard(node, refresh) {
     [{ label: "requests" }], { height: 90 });
   const element = h("article", { class: "card node", "data-node": node.id,
     "aria-label": `node ${node.label}` }, title, body, drainBox,
-  h("div", { class: "actions" }, cordonButton, drainButton), chart.element);
+  needs("operator", h("div", { class: "actions" }, cordonButton, drainButton)), chart.element);
 
   function update(current, metrics) {
     const latest = metrics ? metrics.latest : null;
@@ -401,7 +414,7 @@ function deploymentsPage(main) {
   } },
   h("label", {}, "Model", model), h("label", {}, "Node", node), h("label", {}, "Engine", engine),
   h("button", { type: "submit" }, "Start"));
-  main.append(h("h1", {}, "Deployments"), form, list, logs);
+  main.append(h("h1", {}, "Deployments"), needs("operator", form), list, logs);
 
   Promise.all([call("GET", "/admin/models"), call("GET", "/admin/nodes")]).then(([models, nodes]) => {
     model.replaceChildren(...models.map((m) => h("option", { value: m.name }, m.name)));
@@ -429,11 +442,11 @@ function deploymentsPage(main) {
           h("td", {},
             h("button", { type: "button", class: "secondary", onclick: () => follow(d.id) },
               "Logs"), " ",
-            ended(d) ? "" : h("button", { type: "button", class: "danger", onclick: async (ev) => {
+            ended(d) ? "" : needs("operator", h("button", { type: "button", class: "danger", onclick: async (ev) => {
               ev.target.disabled = true;
               try { await call("POST", `/admin/deployments/${d.id}/stop`); await refresh(); }
               catch (err) { showError(err); ev.target.disabled = false; }
-            } }, "Stop"))))));
+            } }, "Stop")))))));
   }
 
   async function follow(id) {
@@ -519,11 +532,11 @@ function modelsPage(main) {
   h("label", {}, "Adapter path", adapterPath), h("label", {}, "Adapter node", adapterNode),
   h("button", { type: "submit" }, "Add adapter"));
 
-  main.append(h("h1", {}, "Models and adapters"), form, list,
+  main.append(h("h1", {}, "Models and adapters"), needs("operator", form), list,
     h("h2", {}, "Pull from Hugging Face"),
     h("p", { class: "muted" }, "The leader downloads into its models folder, then registers " +
-      "the model, or the adapter of an adapter repository."), pullForm, pullList,
-    h("h2", {}, "LoRA adapters"), adapterForm, adapterList);
+      "the model, or the adapter of an adapter repository."), needs("operator", pullForm), pullList,
+    h("h2", {}, "LoRA adapters"), needs("operator", adapterForm), adapterList);
 
   let labels = {};
   async function refresh() {
@@ -539,11 +552,11 @@ function modelsPage(main) {
           h("td", {}, m.repo_id ? `hub: ${m.repo_id}` : m.source),
           h("td", {}, m.size_bytes ? bytesText(m.size_bytes) : "—"),
           h("td", {}, Object.keys(m.locations || {}).map((id) => labels[id] || id).join(", ") || "—"),
-          h("td", {}, h("button", { type: "button", class: "danger",
+          h("td", {}, needs("operator", h("button", { type: "button", class: "danger",
             "aria-label": `Remove model ${m.name}`, onclick: async () => {
               try { await call("DELETE", `/admin/models/${encodeURIComponent(m.name)}`); await refresh(); }
               catch (err) { showError(err); }
-            } }, "Remove"))))));
+            } }, "Remove")))))));
     adapterList.replaceChildren(adapters.length === 0 ? h("p", { class: "muted" }, "No adapters.") :
       table(["name", "base model", "format", "source", "path", "loaded on", ""], adapters.map((a) =>
         h("tr", { "data-adapter": a.name }, h("td", {}, a.name), h("td", {}, a.base),
@@ -553,11 +566,11 @@ function modelsPage(main) {
             `${labels[id] || id}: ${p}`).join("\n") || "—"),
           h("td", { class: "loaded" }, a.loaded_on.length === 0 ? "not loaded" :
             a.loaded_on.map((l) => `${l.deployment_id} on ${labels[l.node_id] || l.node_id}`).join(", ")),
-          h("td", {}, h("button", { type: "button", class: "danger",
+          h("td", {}, needs("operator", h("button", { type: "button", class: "danger",
             "aria-label": `Remove adapter ${a.name}`, onclick: async () => {
               try { await call("DELETE", `/admin/adapters/${encodeURIComponent(a.name)}`); await refresh(); }
               catch (err) { showError(err); }
-            } }, "Remove"))))));
+            } }, "Remove")))))));
   }
 
   // Polled each second while a pull runs (and every 5 s otherwise, for pulls started
@@ -597,12 +610,12 @@ function modelsPage(main) {
           `${bytesText(job.done_bytes)} of ${bytesText(total)} (${Math.round(fraction * 100)}%)`,
         !finished.has(job.state) && files.length ? h("div", { class: "muted" },
           `now: ${files.join(", ")}`) : ""),
-      h("td", {}, h("button", { type: "button", class: finished.has(job.state) ? "secondary" : "danger",
+      h("td", {}, needs("operator", h("button", { type: "button", class: finished.has(job.state) ? "secondary" : "danger",
         "aria-label": `${finished.has(job.state) ? "Dismiss" : "Cancel"} pull of ${job.repo}`,
         onclick: async () => {
           try { await call("DELETE", `/admin/pulls/${encodeURIComponent(job.id)}`); await pollPulls(); }
           catch (err) { showError(err); }
-        } }, finished.has(job.state) ? "Dismiss" : "Cancel")));
+        } }, finished.has(job.state) ? "Dismiss" : "Cancel"))));
   }
   refresh().catch(showError);
   pollPulls().catch(showError);
@@ -647,9 +660,9 @@ function servicesPage(main) {
             s.last_decision ? h("br") : null,
             s.last_decision ? decisionText("last action", s.last_decision) : null),
           h("td", {}, s.routes.join(", ") || "—"),
-          h("td", {}, h("button", { type: "button", class: "secondary",
+          h("td", {}, needs("operator", h("button", { type: "button", class: "secondary",
             "aria-label": `Edit scaling of ${s.name}`, onclick: () => editScaling(s, editor, refresh) },
-          "Edit"))))));
+          "Edit")))))));
     routes.replaceChildren(rts.length === 0 ? h("p", { class: "muted" }, "No routes.") :
       table(["route", "services", "serving", "why"], rts.map((r) => h("tr", {},
         h("td", {}, r.name), h("td", {}, r.services.map((s) => `${s.service} (${s.ready} ready)`).join(", ")),
@@ -748,7 +761,8 @@ function keysPage(main) {
   const usage = h("div", { id: "usage" });
   const name = h("input", { id: "key-name", required: true });
   const tier = h("select", { id: "key-tier" },
-    h("option", { value: "standard" }, "standard"), h("option", { value: "admin" }, "admin"));
+    h("option", { value: "standard" }, "standard"),
+    needs("admin", h("option", { value: "admin" }, "admin")));
   const form = h("form", { class: "inline", onsubmit: async (e) => {
     e.preventDefault();
     try {
@@ -770,7 +784,7 @@ function keysPage(main) {
   const usageForm = h("form", { class: "inline", "aria-label": "usage window",
     onsubmit: (e) => e.preventDefault() },
   h("label", {}, "Window (UTC days)", windowSelect), h("label", {}, "Group by", groupSelect));
-  main.append(h("h1", {}, "Keys and usage"), form, secretBox, list, editor,
+  main.append(h("h1", {}, "Keys and usage"), needs("operator", form), secretBox, list, editor,
     h("h2", {}, "Usage"), usageForm, usage);
 
   async function refresh() {
@@ -783,7 +797,7 @@ function keysPage(main) {
         h("td", { class: "created" }, `${sinceIso(k.created_at)} ago`,
           k.expires_at ? `, expires ${new Date(k.expires_at).toLocaleString()}` : ""),
         h("td", {}, k.revoked_at ? statusText("revoked") : statusText("active")),
-        h("td", {}, k.revoked_at ? "" : [
+        h("td", {}, k.revoked_at ? "" : needs(k.tier === "admin" ? "admin" : "operator", h("span", {},
           h("button", { type: "button", class: "secondary", "aria-label": `Edit limits of ${k.name}`,
             onclick: () => editKey(k) }, "Edit"), " ",
           h("button", { type: "button", class: "danger",
@@ -791,7 +805,7 @@ function keysPage(main) {
               if (!confirm(`Revoke key ${k.name}? Clients using it stop working at once.`)) return;
               try { await call("DELETE", `/admin/keys/${k.id}`); await refresh(); }
               catch (err) { showError(err); }
-            } }, "Revoke")])))));
+            } }, "Revoke"))))))));
   }
 
   // One field per limit: the key's own value, or (checked) its tier's. Typing in a field
