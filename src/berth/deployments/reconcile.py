@@ -227,7 +227,8 @@ class Reconciler:
         node_id = link.node_id
         if engine is not None and engine.alive and record.state is DeploymentState.READY:
             url = tunnel_url(node_id, record.id)
-            self._writer.route(record, EngineEndpoint(record.id, url, engine.pid, engine.port))
+            endpoint = EngineEndpoint(record.id, url, engine.pid, engine.port, remote=True)
+            self._writer.route(record, endpoint)
             return
         if engine is None:
             reason = f"engine was gone when node {node_id} reconnected"
