@@ -111,11 +111,7 @@ class MemoryEngine:
     request asks for one, its usage event only when it asks for usage."""
 
     async def open_http(
-        self,
-        node_id: str,
-        deployment_id: str,
-        request: EngineRequest,
-        read_timeout_s: float | None,
+        self, node_id: str, deployment_id: str, request: EngineRequest, read_timeout_s: float | None
     ) -> MemoryAnswer:
         body = request.body
         streamed = b'"stream": true' in body or b'"stream":true' in body

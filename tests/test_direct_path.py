@@ -47,11 +47,7 @@ class CountingTunnel:
         self.opened = 0
 
     async def open_http(
-        self,
-        node_id: str,
-        deployment_id: str,
-        request: EngineRequest,
-        read_timeout_s: float | None,
+        self, node_id: str, deployment_id: str, request: EngineRequest, read_timeout_s: float | None
     ) -> EngineAnswer:
         self.opened += 1
         return await self.link.open_http(deployment_id, request, read_timeout_s)

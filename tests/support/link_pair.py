@@ -154,10 +154,6 @@ class OneLink:
         self.link = linked.link
 
     async def open_http(
-        self,
-        node_id: str,
-        deployment_id: str,
-        request: EngineRequest,
-        read_timeout_s: float | None,
+        self, node_id: str, deployment_id: str, request: EngineRequest, read_timeout_s: float | None
     ) -> EngineAnswer:
         return await self.link.open_http(deployment_id, request, read_timeout_s)

@@ -206,11 +206,7 @@ class DataPaths:
     # -- the proxy's opener ------------------------------------------------------------------
 
     async def open_http(
-        self,
-        node_id: str,
-        deployment_id: str,
-        request: EngineRequest,
-        read_timeout_s: float | None,
+        self, node_id: str, deployment_id: str, request: EngineRequest, read_timeout_s: float | None
     ) -> EngineAnswer:
         """Open one exchange with ``deployment_id``'s engine on ``node_id``, direct when the
         node's path is up, else (or when the direct attempt fails before the first byte)

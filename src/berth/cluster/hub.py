@@ -188,11 +188,7 @@ class NodeHub:
         return self._sessions.get(node_id)
 
     async def open_http(
-        self,
-        node_id: str,
-        deployment_id: str,
-        request: EngineRequest,
-        read_timeout_s: float | None,
+        self, node_id: str, deployment_id: str, request: EngineRequest, read_timeout_s: float | None
     ) -> TunnelResponse:
         """The proxy's way to a remote engine (:class:`berth.engine_http.answer.HttpOpener`).
 

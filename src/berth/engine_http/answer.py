@@ -127,11 +127,7 @@ class HttpOpener(Protocol):
     The proxy's engine client reaches remote engines through one."""
 
     async def open_http(
-        self,
-        node_id: str,
-        deployment_id: str,
-        request: EngineRequest,
-        read_timeout_s: float | None,
+        self, node_id: str, deployment_id: str, request: EngineRequest, read_timeout_s: float | None
     ) -> EngineAnswer:
         """Send ``request`` to ``deployment_id``'s engine on ``node_id``; its answer once
         the head is in (within ``read_timeout_s``, ``None``: no bound). Raises the
