@@ -34,6 +34,7 @@ from bench_proxy import add_limited_key
 from berth.admission import Admission, SlotGate, UsageLedger
 from berth.cluster.remote_link import tunnel_url
 from berth.config import TierTable
+from berth.engine_http.request import EngineRequest
 from berth.gateway.proxy import OpenAIProxy
 from berth.observability.metrics import ProxyMetrics
 from berth.routing.resolver import Upstream
@@ -110,15 +111,9 @@ class MemoryEngine:
     request asks for one, its usage event only when it asks for usage."""
 
     async def open_http(
-        self,
-        node_id: str,
-        deployment_id: str,
-        method: bytes,
-        target: bytes,
-        headers: Sequence[tuple[bytes, bytes]],
-        body: bytes,
-        read_timeout_s: float | None,
+        self, node_id: str, deployment_id: str, request: EngineRequest, read_timeout_s: float | None
     ) -> MemoryAnswer:
+        body = request.body
         streamed = b'"stream": true' in body or b'"stream":true' in body
         return MemoryAnswer(streamed, b"include_usage" in body)
 
@@ -183,7 +178,7 @@ class Bench:
 def build(limits: bool) -> Bench:
     """The proxy without admission, or with it (see :class:`Bench`)."""
     url = tunnel_url("n-bench", "d-bench")
-    upstream = Upstream(url, "d-bench", "n-bench", MODEL)
+    upstream = Upstream(url, "d-bench", "n-bench", MODEL, remote=True)
     options: dict[str, Any] = {"tunnels": MemoryEngine()}
     key = admission = gate = None
     if limits:

@@ -73,7 +73,7 @@ class Discard(SpanExporter):
 
 
 def build(tracing: Tracing | None) -> OpenAIProxy:
-    upstream = Upstream(tunnel_url("n-bench", "d-bench"), "d-bench", "n-bench", MODEL)
+    upstream = Upstream(tunnel_url("n-bench", "d-bench"), "d-bench", "n-bench", MODEL, remote=True)
 
     class Resolver:
         def candidates(self, model: str) -> list[Upstream]:

@@ -266,7 +266,7 @@ async def test_a_service_s_own_idle_timeout_ends_a_silent_stream(server: str) ->
 
 
 def _tunneled() -> Upstream:
-    return Upstream(tunnel_url("n-1", DEPLOYMENT), DEPLOYMENT, "n-1", MODEL)
+    return Upstream(tunnel_url("n-1", DEPLOYMENT), DEPLOYMENT, "n-1", MODEL, remote=True)
 
 
 @pytest.mark.parametrize(

@@ -24,6 +24,7 @@ from berth.cluster.dial_limit import DialRateLimiter
 from berth.cluster.protocol.errors import CloseCode, rate_limited_reason, retry_after_of
 from berth.cluster.protocol.ops import RenewResult
 from berth.cluster.renewal import RenewalRefused, renewal_refusal
+from berth.engine_http.request import EngineRequest
 from berth.paths import BerthHome
 from berth.store import Store
 from support.cluster_harness import clean_env, cli
@@ -56,10 +57,11 @@ async def test_three_renewals_in_a_row_keep_the_link_and_a_stream_through_it(
             )
             link = leader.hub.remote_link(identity.node_id)
             assert link is not None
-            response = await leader.hub.open_http(
-                identity.node_id, DEPLOYMENT, b"POST", b"/v1/chat/completions",
-                [(b"content-type", b"application/json")], b'{"stream": true}', 30.0,
+            request = EngineRequest(
+                "/v1/chat/completions", b"", [(b"content-type", b"application/json")],
+                b'{"stream": true}',
             )  # fmt: skip
+            response = await leader.hub.open_http(identity.node_id, DEPLOYMENT, request, 30.0)
             assert response.status == 200
             body = bytearray()
 

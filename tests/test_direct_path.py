@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,6 +26,7 @@ from berth.cluster.protocol.session import Role
 from berth.cluster.remote_link import RemoteLink
 from berth.engine_http.answer import EngineAnswer, HttpOpener
 from berth.engine_http.errors import UpstreamConnectError, UpstreamDisconnectError, UpstreamError
+from berth.engine_http.request import EngineRequest
 from support.direct import DEPLOYMENT, Ingress, Pki, Relay, running_ingress
 from support.fakes import memory_socket_pair
 from support.link_pair import LeaderSide
@@ -33,6 +34,7 @@ from support.standin_engine import Reply, Stall, chat_chunks, chat_completion, j
 from support.waiting import EVENT_TIMEOUT_S, wait_for_async
 
 BODY = b'{"model": "m"}'
+CHAT_REQUEST = EngineRequest("/v1/chat/completions", b"", [], BODY)
 RELAY_HOST = "127.0.0.2"  # the address the agent advertises; the relay forwards it
 OTHER_NODE_ID = "n-0d1ec7a2"
 
@@ -45,19 +47,10 @@ class CountingTunnel:
         self.opened = 0
 
     async def open_http(
-        self,
-        node_id: str,
-        deployment_id: str,
-        method: bytes,
-        target: bytes,
-        headers: Sequence[tuple[bytes, bytes]],
-        body: bytes,
-        read_timeout_s: float | None,
+        self, node_id: str, deployment_id: str, request: EngineRequest, read_timeout_s: float | None
     ) -> EngineAnswer:
         self.opened += 1
-        return await self.link.open_http(
-            deployment_id, method, target, headers, body, read_timeout_s
-        )
+        return await self.link.open_http(deployment_id, request, read_timeout_s)
 
 
 @dataclass
@@ -73,9 +66,7 @@ class Leader:
         return None if found is None else found.path
 
     async def ask(self, deployment: str = DEPLOYMENT) -> tuple[int, bytes]:
-        answer = await self.paths.open_http(
-            self.node_id, deployment, b"POST", b"/v1/chat/completions", [], BODY, 10.0
-        )
+        answer = await self.paths.open_http(self.node_id, deployment, CHAT_REQUEST, 10.0)
         try:
             return answer.status, await answer.read()
         finally:
@@ -282,9 +273,7 @@ async def test_a_stream_on_a_path_that_stays_dark_is_closed_not_left_hanging(
 ) -> None:
     await wait_for_async(lambda: leader.path() == "direct", EVENT_TIMEOUT_S, "the direct path")
     leader.side.engine.script(sse_reply(chat_chunks(["word "] * 600), pause_s=0.05))
-    answer = await leader.paths.open_http(
-        leader.node_id, DEPLOYMENT, b"POST", b"/v1/chat/completions", [], BODY, 600.0
-    )
+    answer = await leader.paths.open_http(leader.node_id, DEPLOYMENT, CHAT_REQUEST, 600.0)
     assert await answer.read_chunk()
 
     leader.relay.blocked = True  # mid-stream, the path goes dark and stays dark
@@ -380,9 +369,7 @@ async def _wait_until_let_in(side: Ingress) -> None:
 async def _stream(leader: Leader) -> bytes:
     """One streamed exchange over the leader's data paths, read to its end."""
     leader.side.engine.script(sse_reply(chat_chunks(["one ", "two ", "three"])))
-    answer = await leader.paths.open_http(
-        leader.node_id, DEPLOYMENT, b"POST", b"/v1/chat/completions", [], BODY, 10.0
-    )
+    answer = await leader.paths.open_http(leader.node_id, DEPLOYMENT, CHAT_REQUEST, 10.0)
     try:
         assert answer.status == 200
         return await answer.read()

@@ -46,6 +46,7 @@ from berth.cluster.protocol.session import Role
 from berth.cluster.tunnel_stream import TunnelStream
 from berth.config import Settings
 from berth.deployments.lifecycle import DeployOptions, LifecycleManager
+from berth.engine_http.request import EngineRequest
 from berth.errors import ConfigError, EngineError, NotFoundError
 from berth.gateway.dispatch import first_answer
 from berth.gateway.proxy import OpenAIProxy
@@ -435,7 +436,9 @@ async def test_an_exchange_the_leader_withdraws_before_its_head_is_closed_and_no
 ) -> None:
     linked.engine.script(Reply((Stall(60),)))
     asking = asyncio.create_task(
-        linked.link.open_http(DEPLOYMENT, b"POST", b"/v1/chat/completions", [], b"{}", 60.0)
+        linked.link.open_http(
+            DEPLOYMENT, EngineRequest("/v1/chat/completions", b"", [], b"{}"), 60.0
+        )
     )
     received = await linked.engine.wait_for_request(5.0)
     asking.cancel()  # the leader gives the attempt up before any byte came back

@@ -30,6 +30,7 @@ from berth.cluster.protocol.session import LinkSession, Role
 from berth.cluster.remote_link import tunnel_url
 from berth.cluster.tunnel_stream import TunnelStream
 from berth.engine_http.errors import UpstreamConnectError, UpstreamTimeoutError
+from berth.engine_http.request import EngineRequest
 from berth.errors import EngineError
 from berth.gateway.engine_client import EngineClient
 from berth.routing.resolver import Upstream
@@ -51,10 +52,10 @@ def _start_request() -> DeploymentRequest:
 
 
 async def _ask(linked: Linked, body: bytes = b'{"model": "m"}') -> Any:
-    return await linked.link.open_http(
-        DEPLOYMENT, b"POST", b"/v1/chat/completions",
-        [(b"content-type", b"application/json")], body, 5.0,
-    )  # fmt: skip
+    request = EngineRequest(
+        "/v1/chat/completions", b"", [(b"content-type", b"application/json")], body
+    )
+    return await linked.link.open_http(DEPLOYMENT, request, 5.0)
 
 
 async def test_a_json_exchange_crosses_the_link(linked: Linked) -> None:
@@ -110,7 +111,7 @@ async def test_engine_errors_are_relayed_with_their_status(linked: Linked) -> No
 
 async def test_an_unknown_deployment_is_a_connect_error(linked: Linked) -> None:
     with pytest.raises(UpstreamConnectError):
-        await linked.link.open_http("d-99999999", b"POST", b"/v1/x", [], b"{}", 5.0)
+        await linked.link.open_http("d-99999999", EngineRequest("/v1/x", b"", [], b"{}"), 5.0)
 
 
 async def test_control_ops_and_progress(linked: Linked) -> None:
@@ -343,9 +344,8 @@ async def test_a_pushed_answer_silent_past_the_read_timeout_fails_and_reaches_th
     linked: Linked,
 ) -> None:
     linked.engine.script(Reply((Head(200, "text/event-stream"), Write(b"data: 1\n\n"), Stall(5.0))))
-    response = await linked.link.open_http(
-        DEPLOYMENT, b"POST", b"/v1/chat/completions", [], b'{"model": "m"}', 0.2
-    )
+    request = EngineRequest("/v1/chat/completions", b"", [], b'{"model": "m"}')
+    response = await linked.link.open_http(DEPLOYMENT, request, 0.2)
     sink = _Collected()
     response.push_body(sink)
     await asyncio.wait_for(sink.over.wait(), 5.0)
@@ -368,7 +368,9 @@ async def test_the_engine_client_reads_a_cache_signal_through_the_tunnel(linked:
     await client.startup()
     try:
         linked.engine.script(json_reply([{"id": 0, "n_ctx": 2048}]))
-        upstream = Upstream(tunnel_url("n1", DEPLOYMENT), DEPLOYMENT, "n1", "m", engine="llamacpp")
+        upstream = Upstream(
+            tunnel_url("n1", DEPLOYMENT), DEPLOYMENT, "n1", "m", engine="llamacpp", remote=True
+        )
         body = await client.get(upstream, "/slots", limit_bytes=1024, timeout_s=5)
     finally:
         await client.shutdown()
@@ -377,3 +379,40 @@ async def test_the_engine_client_reads_a_cache_signal_through_the_tunnel(linked:
     assert (seen.method, seen.path) == ("GET", "/slots")
     assert seen.headers["authorization"] == f"Bearer {ENGINE_KEY}"  # the agent added it
     assert linked.service.meter.deployments() == []  # not a client's request
+
+
+async def test_a_remote_upstream_is_reached_through_its_agent_whatever_its_base_url(
+    linked: Linked,
+) -> None:
+    """Local or remote is the upstream's field, not its URL's scheme: a remote upstream with
+    a plain http:// base URL (nothing listens there) still goes through the link."""
+
+    class OverTheLink:
+        def __init__(self) -> None:
+            self.requests: list[EngineRequest] = []
+
+        async def open_http(
+            self, node_id: str, deployment_id: str, request: EngineRequest, timeout: float | None
+        ) -> Any:
+            self.requests.append(request)
+            return await linked.link.open_http(deployment_id, request, timeout)
+
+    opener = OverTheLink()
+    client = EngineClient(tunnels=opener, connect_timeout_s=2, read_timeout_s=5, max_connections=4)
+    await client.startup()
+    try:
+        linked.engine.script(json_reply({"ok": True}))
+        upstream = Upstream("http://127.0.0.1:9", DEPLOYMENT, "n1", "m", remote=True)
+        request = EngineRequest("/v1/chat/completions", b"x=1", [(b"x-a", b"\xe9")], b"{}")
+        answer = await client.open(upstream, request)
+        try:
+            assert answer.status == 200
+        finally:
+            answer.close()
+    finally:
+        await client.shutdown()
+    assert opener.requests == [request]
+    (seen,) = linked.engine.requests
+    assert (seen.method, seen.path, seen.query) == ("POST", "/v1/chat/completions", "x=1")
+    # the header's one byte as it was sent (aiohttp reads it as UTF-8, surrogate-escaped)
+    assert seen.headers["x-a"].encode("utf-8", "surrogateescape") == b"\xe9"

@@ -383,7 +383,9 @@ async def test_engine_errors_and_unknown_paths_are_anthropic_shaped_and_openai_p
 
 async def test_through_an_agents_tunnel(linked: Linked) -> None:
     linked.engine.script(sse_reply(message_events(["over ", "the link"], usage=(3, 2, 0))))
-    tunneled = Upstream(tunnel_url("n-1", DEPLOYMENT), DEPLOYMENT, "n-1", "m", engine="vllm")
+    tunneled = Upstream(
+        tunnel_url("n-1", DEPLOYMENT), DEPLOYMENT, "n-1", "m", engine="vllm", remote=True
+    )
     async with (
         leader([tunneled], tunnels=OneLink(linked)) as (url, admission, _),
         sdk(url) as client,
@@ -410,6 +412,7 @@ async def test_over_the_direct_path_to_an_agent(pki: Pki) -> None:
             side.node_id,
             "m",
             engine="llamacpp",
+            remote=True,
         )
         async with (
             leader([upstream], tunnels=side.paths) as (url, admission, _),

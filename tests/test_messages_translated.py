@@ -242,7 +242,9 @@ async def test_an_answer_that_is_not_a_chat_completion_is_a_502(engine: StandinE
 
 async def test_a_translated_stream_through_an_agents_tunnel(linked: Linked) -> None:
     linked.engine.script(sse_reply(chat_chunks(["over the link"], usage=(8, 3))))
-    tunneled = Upstream(tunnel_url("n-1", DEPLOYMENT), DEPLOYMENT, "n-1", "m", engine="sglang")
+    tunneled = Upstream(
+        tunnel_url("n-1", DEPLOYMENT), DEPLOYMENT, "n-1", "m", engine="sglang", remote=True
+    )
     async with (
         leader([tunneled], tunnels=OneLink(linked)) as (url, admission, _),
         sdk(url) as client,
@@ -298,6 +300,7 @@ async def test_a_translated_stream_over_the_direct_path_to_an_agent(pki: Pki) ->
             side.node_id,
             "m",
             engine="sglang",
+            remote=True,
         )
         async with (
             leader([upstream], tunnels=side.paths) as (url, admission, _),

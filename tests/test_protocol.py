@@ -78,8 +78,8 @@ def _pump(src: LinkSession, dst: LinkSession) -> list[object]:
         Response(id=7, ok=True, result=msgspec.Raw(b'{"pid":1}')),
         Heartbeat(sent_at=1.0),
         StreamOpen(id=3, kind="http", deployment_id="d-1", method="POST", target="/v1/x",
-                   headers=[("content-type", "application/json")], payload=b"\x00{}", end=True),
-        StreamHead(id=3, status=200, headers=[("a", "b")], payload=b"bin\xff"),
+                   headers=[(b"content-type", b"application/json")], payload=b"\x00{}", end=True),
+        StreamHead(id=3, status=200, headers=[(b"a", b"\xe9")], payload=b"bin\xff"),
         StreamData(id=3, payload=b"\x00" * 100, end=True),
         StreamReset(id=3, code="cancelled"),
         StreamCredit(id=3, increment=4096),
@@ -87,6 +87,18 @@ def _pump(src: LinkSession, dst: LinkSession) -> list[object]:
 )  # fmt: skip
 def test_frames_round_trip(frame: object) -> None:
     assert decode_frame(encode_frame(frame)) == frame  # type: ignore[arg-type]
+
+
+def test_headers_are_bytes_in_memory_and_latin1_text_on_the_wire() -> None:
+    """The JSON body keeps the form a 0.1 agent reads (strings, one character a byte)."""
+    opening = StreamOpen(kind="http", deployment_id="d-1", method="POST", target="/v1/x",
+                         headers=[(b"x-name", b"caf\xe9")])  # fmt: skip
+    message = encode_frame(opening)
+    assert b'"headers":[["x-name","caf\xc3\xa9"]]' in message  # JSON's UTF-8 of U+00E9
+    decoded = decode_frame(message)
+    assert isinstance(decoded, StreamOpen) and decoded.headers == [(b"x-name", b"caf\xe9")]
+    head = decode_frame(encode_frame(StreamHead(id=1, status=200, headers=[(b"a", b"\xff")])))
+    assert isinstance(head, StreamHead) and head.headers == [(b"a", b"\xff")]
 
 
 def test_payload_travels_raw_not_base64() -> None:
@@ -243,7 +255,7 @@ def test_limits_must_leave_room_for_a_full_window_and_its_json() -> None:
 
 # -- events: bytes in, one typed event out ------------------------------------------------------
 
-HEAD = StreamHead(id=1, status=200, headers=[("content-type", "text/plain")], payload=b"ab")
+HEAD = StreamHead(id=1, status=200, headers=[(b"content-type", b"text/plain")], payload=b"ab")
 OPENING = StreamOpen(id=1, kind="http", deployment_id="d", method="GET", target="/v1/models")
 WELCOME = Welcome(protocol_version=1, leader_version="0.1.0", node_id="n-1", server_time=1.0)
 START_REQUEST = Request(id=4, op="start", args=encode_payload({"deployment_id": "d"}))

@@ -29,10 +29,10 @@ from berth.admission import (
     UsageLedger,
 )
 from berth.config import TierTable
+from berth.engine_http.request import EngineRequest
 from berth.errors import NotFoundError
 from berth.gateway import stages
 from berth.gateway.attempt import Attempts, EngineBodies, StreamLimits, engine_body
-from berth.gateway.engine_client import EngineRequest
 from berth.gateway.outcome import Exchange
 from berth.gateway.record import Flight, Records, target_of
 from berth.gateway.refusals import reason, refusal_headers

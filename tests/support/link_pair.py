@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
@@ -23,6 +23,7 @@ from berth.cluster.remote_link import RemoteLink
 from berth.cluster.tunnel_stream import TunnelStream
 from berth.engine_http.answer import EngineAnswer
 from berth.engine_http.auth import bearer_header
+from berth.engine_http.request import EngineRequest
 from berth.errors import NotFoundError
 from berth.runtime.engines import DeploymentRequest
 from support.fakes import memory_socket_pair
@@ -153,15 +154,6 @@ class OneLink:
         self.link = linked.link
 
     async def open_http(
-        self,
-        node_id: str,
-        deployment_id: str,
-        method: bytes,
-        target: bytes,
-        headers: Sequence[tuple[bytes, bytes]],
-        body: bytes,
-        read_timeout_s: float | None,
+        self, node_id: str, deployment_id: str, request: EngineRequest, read_timeout_s: float | None
     ) -> EngineAnswer:
-        return await self.link.open_http(
-            deployment_id, method, target, headers, body, read_timeout_s
-        )
+        return await self.link.open_http(deployment_id, request, read_timeout_s)

@@ -63,6 +63,7 @@ from berth.cluster.protocol.direct import (
 )
 from berth.cluster.protocol.frames import ResetCode
 from berth.cluster.protocol.ops import IngressArgs
+from berth.engine_http.request import EngineRequest
 from berth.errors import ConfigError, NotFoundError
 from berth.http_server.errors import BindError
 from berth.http_server.limits import ListenerLimits
@@ -82,8 +83,8 @@ _NOT_FORWARDED = frozenset({b"host", b"content-length", b"transfer-encoding", b"
                             b"expect"})  # fmt: skip
 _JSON = (b"content-type", b"application/json")
 
-#: ``EngineRelay.relay_exchange``: (deployment, method, target, headers, body, sink).
-Relay = Callable[[str, bytes, bytes, list[tuple[bytes, bytes]], bytes, AnswerSink], Awaitable[None]]
+#: ``EngineRelay.relay_exchange``: (deployment, request, sink).
+Relay = Callable[[str, EngineRequest, AnswerSink], Awaitable[None]]
 
 
 def parse_advertise(text: str) -> tuple[str, int]:
@@ -241,8 +242,10 @@ class AgentIngress:
             message = f"request body is larger than the limit of {self._max_body} bytes"
             await _error(reply, 413, message, "invalid_request_error", code="request_too_large")
             return
-        target = engine_path + (b"?" + request.query if request.query else b"")
         headers = [(k, v) for k, v in request.headers if k not in _NOT_FORWARDED]
+        exchange = EngineRequest(
+            engine_path.decode("latin-1"), request.query, headers, body_bytes, method
+        )
         sink = _ReplySink(reply)
         task = asyncio.current_task()
         if task is not None:
@@ -250,7 +253,7 @@ class AgentIngress:
             request.watch_disconnect(lambda: _cancel(task))
         self.open_exchanges += 1
         try:
-            await self._relay(deployment, method, target, headers, body_bytes, sink)
+            await self._relay(deployment, exchange, sink)
         except NotFoundError as exc:
             sink.reset(ResetCode.NOT_FOUND, str(exc))
         except Exception as exc:  # the leader must hear the exchange is over; the log says why

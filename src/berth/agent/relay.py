@@ -23,6 +23,7 @@ from berth.engine_http.auth import with_engine_key
 from berth.engine_http.errors import UpstreamConnectError, UpstreamError, UpstreamTimeoutError
 from berth.engine_http.origin import Origin
 from berth.engine_http.pool import UpstreamPool
+from berth.engine_http.request import EngineRequest
 from berth.engine_http.response import UpstreamResponse
 from berth.observability.window import RequestMeter, is_error
 
@@ -84,20 +85,12 @@ class EngineRelay:
         await self._pool.close()
 
     async def relay_exchange(
-        self,
-        deployment_id: str,
-        method: bytes,
-        target: bytes,
-        headers: list[tuple[bytes, bytes]],
-        body: bytes,
-        sink: AnswerSink,
+        self, deployment_id: str, request: EngineRequest, sink: AnswerSink
     ) -> None:
-        """Send one request to ``deployment_id``'s engine on this host and its answer to
+        """Send ``request`` to ``deployment_id``'s engine on this host and its answer to
         ``sink``, as it arrives: the relay of tunneled and direct exchanges alike.
 
-        ``target`` is the origin-form target (``/v1/chat/completions``), ``headers`` those
-        to send besides ``Host`` and ``Content-Length`` (lower-case bytes pairs; a credential
-        among them is replaced by the engine's own key). A failure
+        A credential among ``request.headers`` is replaced by the engine's own key. A failure
         before the head becomes ``sink.reset`` with ``engine_timeout`` or
         ``engine_unreachable``, one mid-answer ``engine_disconnect``. Raises
         :class:`~berth.errors.NotFoundError` for a deployment this agent does not run, and
@@ -105,7 +98,8 @@ class EngineRelay:
         """
         host, port = self._core.engine_origin(deployment_id)
         # Whatever credential came with it (the leader forwards none), the engine gets its own.
-        headers = with_engine_key(headers, self._core.engine_auth(deployment_id))
+        method, target = request.method, request.target
+        headers = with_engine_key(request.headers, self._core.engine_auth(deployment_id))
         # tracing on: a span under the leader's attempt, its traceparent sent to the engine
         trace = None
         if self._tracer is not None:
@@ -123,7 +117,7 @@ class EngineRelay:
         try:
             try:
                 response = await self._pool.request(
-                    Origin(host, port), method, target, headers, body
+                    Origin(host, port), method, target, headers, request.body
                 )
             except UpstreamTimeoutError as exc:
                 sink.reset(ResetCode.ENGINE_TIMEOUT, exc.why)

@@ -70,6 +70,7 @@ from berth.cluster.protocol.payloads import (
 )
 from berth.cluster.shape_wire import file_shape_to_wire
 from berth.cluster.tunnel_stream import StreamResetError, TunnelStream
+from berth.engine_http.request import EngineRequest
 from berth.errors import BerthError, EngineError, NotFoundError
 from berth.observability.loop_lag import LagHistogram
 from berth.observability.window import RequestMeter
@@ -392,15 +393,11 @@ class AgentService:
         assert opening is not None
         self._core.engine_origin(opening.deployment_id)  # NotFoundError before the body
         body = await stream.read_all(MAX_REQUEST_BODY_BYTES)
-        headers = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in opening.headers]
-        await self.relay.relay_exchange(
-            opening.deployment_id,
-            opening.method.encode("latin-1"),
-            opening.target.encode("latin-1"),
-            headers,
-            body,
-            stream,
-        )
+        request = EngineRequest.from_target(
+            opening.method.encode("latin-1"), opening.target.encode("latin-1"),
+            opening.headers, body,
+        )  # fmt: skip
+        await self.relay.relay_exchange(opening.deployment_id, request, stream)
 
     async def _send_logs(self, stream: TunnelStream) -> None:
         opening = stream.opening

@@ -43,7 +43,7 @@ import json
 import logging
 import ssl
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -72,6 +72,7 @@ from berth.engine_http.answer import EngineAnswer, HttpOpener
 from berth.engine_http.errors import UpstreamConnectError, UpstreamError, UpstreamTimeoutError
 from berth.engine_http.origin import Origin
 from berth.engine_http.pool import UpstreamPool
+from berth.engine_http.request import EngineRequest
 from berth.errors import BerthError
 
 log = logging.getLogger(__name__)
@@ -205,14 +206,7 @@ class DataPaths:
     # -- the proxy's opener ------------------------------------------------------------------
 
     async def open_http(
-        self,
-        node_id: str,
-        deployment_id: str,
-        method: bytes,
-        target: bytes,
-        headers: Sequence[tuple[bytes, bytes]],
-        body: bytes,
-        read_timeout_s: float | None,
+        self, node_id: str, deployment_id: str, request: EngineRequest, read_timeout_s: float | None
     ) -> EngineAnswer:
         """Open one exchange with ``deployment_id``'s engine on ``node_id``, direct when the
         node's path is up, else (or when the direct attempt fails before the first byte)
@@ -221,29 +215,22 @@ class DataPaths:
         node = self._nodes.get(node_id)
         if node is not None and node.up and not _saturated(node):
             try:
-                return await self._open_direct(node, deployment_id, method, target, headers, body)
+                return await self._open_direct(node, deployment_id, request)
             except _PathFailed as exc:
                 if node.up:  # else a probe put it down and gave this request up: its reason
                     self._set(node, False, f"a direct request failed before its answer "
                               f"({exc}); the tunnel until the next good probe")  # fmt: skip
-        return await self._tunnel.open_http(
-            node_id, deployment_id, method, target, headers, body, read_timeout_s
-        )
+        return await self._tunnel.open_http(node_id, deployment_id, request, read_timeout_s)
 
     async def _open_direct(
-        self,
-        node: _Node,
-        deployment_id: str,
-        method: bytes,
-        target: bytes,
-        headers: Sequence[tuple[bytes, bytes]],
-        body: bytes,
+        self, node: _Node, deployment_id: str, request: EngineRequest
     ) -> EngineAnswer:
         pool, origin = node.pool, node.origin
         assert pool is not None and origin is not None
         try:
+            target = deployment_target(deployment_id, request.target)
             response = await pool.request(
-                origin, method, deployment_target(deployment_id, target), headers, body
+                origin, request.method, target, request.headers, request.body
             )
         except UpstreamTimeoutError:
             raise  # the engine is slow: the tunnel would wait as long

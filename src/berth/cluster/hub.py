@@ -54,6 +54,7 @@ from berth.cluster.renewal import LinkCertificates, LinkDeadline
 from berth.cluster.tunnel_stream import TunnelStream
 from berth.engine_http.errors import UpstreamConnectError
 from berth.engine_http.origin import Origin
+from berth.engine_http.request import EngineRequest
 from berth.errors import BerthError, StoreError
 from berth.observability.cluster import ClusterMetrics
 from berth.runtime.base import EngineExit
@@ -187,14 +188,7 @@ class NodeHub:
         return self._sessions.get(node_id)
 
     async def open_http(
-        self,
-        node_id: str,
-        deployment_id: str,
-        method: bytes,
-        target: bytes,
-        headers: Sequence[tuple[bytes, bytes]],
-        body: bytes,
-        read_timeout_s: float | None,
+        self, node_id: str, deployment_id: str, request: EngineRequest, read_timeout_s: float | None
     ) -> TunnelResponse:
         """The proxy's way to a remote engine (:class:`berth.engine_http.answer.HttpOpener`).
 
@@ -205,7 +199,7 @@ class NodeHub:
             raise UpstreamConnectError(
                 Origin(node_id, 0), f"could not be reached (node {node_id} is not connected)"
             )
-        return await link.open_http(deployment_id, method, target, headers, body, read_timeout_s)
+        return await link.open_http(deployment_id, request, read_timeout_s)
 
     async def disconnect_node(self, node_id: str) -> None:
         """Close the node's live link at once with ``NODE_REMOVED`` (the node was removed)

@@ -51,6 +51,9 @@ class EngineEndpoint:
     base_url: str
     pid: int
     port: int
+    #: on a remote node: reached through its agent, not at ``base_url`` (which then only
+    #: names it: ``berth-tunnel://NODE/DEPLOYMENT``)
+    remote: bool = False
 
 
 @dataclass(frozen=True)

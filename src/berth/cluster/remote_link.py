@@ -67,6 +67,7 @@ from berth.engine_http.errors import (
     UpstreamTimeoutError,
 )
 from berth.engine_http.origin import TUNNEL_SCHEME, Origin
+from berth.engine_http.request import EngineRequest
 from berth.errors import EngineError, NotFoundError
 from berth.placement.model_files import FileStamp, ModelFileShape
 from berth.runtime.base import EngineExit, ProgressListener, RuntimeName
@@ -175,6 +176,7 @@ class RemoteLink:
             tunnel_url(self.node_id, request.deployment_id),
             result.pid,
             result.port,
+            remote=True,
         )
 
     async def stop_deployment(self, deployment_id: str, grace_s: float) -> None:
@@ -189,7 +191,7 @@ class RemoteLink:
         for engine in await self.engines():
             if engine.deployment_id == deployment_id and engine.alive:
                 url = tunnel_url(self.node_id, deployment_id)
-                return EngineEndpoint(deployment_id, url, engine.pid, engine.port)
+                return EngineEndpoint(deployment_id, url, engine.pid, engine.port, remote=True)
         return None
 
     async def pull_model(self, repo_id: str, revision: str | None) -> str:
@@ -270,15 +272,9 @@ class RemoteLink:
     # -- the tunnel --------------------------------------------------------------------------
 
     async def open_http(
-        self,
-        deployment_id: str,
-        method: bytes,
-        target: bytes,
-        headers: Sequence[tuple[bytes, bytes]],
-        body: bytes,
-        read_timeout_s: float | None,
+        self, deployment_id: str, request: EngineRequest, read_timeout_s: float | None
     ) -> TunnelResponse:
-        """Send one HTTP exchange to the deployment's engine through the agent.
+        """Send ``request`` to the deployment's engine through the agent.
 
         Returns once the answer's head is in. Raises the errors of
         :meth:`berth.engine_http.pool.UpstreamPool.request`, so the proxy treats both alike:
@@ -287,13 +283,14 @@ class RemoteLink:
         """
         origin = Origin(self.node_id, 0)
         limits = self.conn.limits
+        body = request.body
         first = body[: min(limits.stream_window_bytes, limits.max_payload_bytes)]
         opening = StreamOpen(
             kind="http",
             deployment_id=deployment_id,
-            method=method.decode("latin-1"),
-            target=target.decode("latin-1"),
-            headers=[(k.decode("latin-1"), v.decode("latin-1")) for k, v in headers],
+            method=request.method.decode("latin-1"),
+            target=request.target.decode("latin-1"),
+            headers=request.headers,
             payload=first,
             end=len(first) == len(body),
         )
@@ -377,13 +374,13 @@ class TunnelResponse:
         self,
         stream: TunnelStream,
         status: int,
-        headers: list[tuple[str, str]],
+        headers: list[tuple[bytes, bytes]],
         origin: Origin,
         read_timeout_s: float | None,
     ) -> None:
         self._stream = stream
         self.status = status
-        self.headers = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in headers]
+        self.headers = headers
         self._origin = origin
         self._read_timeout_s = read_timeout_s
         length = self.header(b"content-length")

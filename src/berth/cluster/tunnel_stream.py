@@ -308,10 +308,9 @@ class TunnelStream:
         self, status: int, headers: Sequence[tuple[bytes, bytes]], payload: bytes, end: bool
     ) -> None:
         """Agent: answer with ``status`` and ``headers`` (lower-case byte pairs, as the
-        engine sent them; the head frame carries them as latin-1 text, the wire's form, and
-        this is the one place they are converted); the head frame carries as much of
-        ``payload`` as the credit allows (a small answer is one frame), the rest follows as
-        data. ``end``: ``payload`` is the whole answer.
+        engine sent them; the frame codec writes them in the wire's form); the head frame
+        carries as much of ``payload`` as the credit allows (a small answer is one frame),
+        the rest follows as data. ``end``: ``payload`` is the whole answer.
 
         Raises ``StreamResetError`` when the peer resets the stream or the link is lost.
         """
@@ -321,8 +320,7 @@ class TunnelStream:
             self._raise_if_over()
             return  # ended or reset under us: nothing more to send
         first, rest = payload[:room], payload[room:]
-        text = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in headers]
-        self.conn.send_head(StreamHead(id=self.id, status=status, headers=text,
+        self.conn.send_head(StreamHead(id=self.id, status=status, headers=list(headers),
                                        payload=first, end=end and not rest))  # fmt: skip
         if rest:
             await self.write(rest, end=end)

@@ -155,7 +155,6 @@ class LifecycleManager:
         self._starts = EngineStarts(
             store,
             links,
-            self._table,
             self._writer,
             health_timeout_s=health_timeout_s,
             restart_backoff=restart_backoff,

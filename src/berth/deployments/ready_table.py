@@ -162,6 +162,7 @@ class ReadyTable:
                 timeouts=self._timeouts.get(record.served_model_name),
                 routing_policy=self._policies.get(record.served_model_name),
                 engine=record.engine,
+                remote=endpoint.remote,
             ),
             slots,
         )
@@ -302,6 +303,7 @@ class ReadyTable:
                 node_id=node_id,
                 model=state.served_model_name,
                 engine_model=engine_model,
+                remote=node_id != LOCAL_NODE_ID,
             )
             # Its engine is not berth's to know: the gate holds it to default_slots.
             upstream = _with_slots(upstream, gate_slots(None, default_slots=self._default_slots))

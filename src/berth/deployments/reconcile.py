@@ -149,7 +149,7 @@ class Reconciler:
             await self._writer.transition(record.id, DeploymentState.FAILED, failure_reason=reason)
         elif record.state is DeploymentState.READY:
             log.info("re-attached deployment %s (pid %d)", record.id, endpoint.pid)
-            self._table.mark_ready(record, endpoint)
+            self._writer.route(record, endpoint)
         else:
             assert link is not None
             reason = f"daemon restarted while the deployment was {record.state}"
@@ -227,7 +227,8 @@ class Reconciler:
         node_id = link.node_id
         if engine is not None and engine.alive and record.state is DeploymentState.READY:
             url = tunnel_url(node_id, record.id)
-            self._table.mark_ready(record, EngineEndpoint(record.id, url, engine.pid, engine.port))
+            endpoint = EngineEndpoint(record.id, url, engine.pid, engine.port, remote=True)
+            self._writer.route(record, endpoint)
             return
         if engine is None:
             reason = f"engine was gone when node {node_id} reconnected"

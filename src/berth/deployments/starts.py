@@ -18,7 +18,6 @@ from typing import Any
 from berth.cluster.link import LOCAL_NODE_ID, AgentLink
 from berth.cluster.link_registry import LinkRegistry
 from berth.deployments.lora_plan import LoraPlan, plan_lora
-from berth.deployments.ready_table import ReadyTable
 from berth.deployments.restarts import Backoff, Ending
 from berth.deployments.supervisor import RestartListener, Supervisor
 from berth.deployments.transitions import StateWriter
@@ -49,7 +48,6 @@ class EngineStarts:
         self,
         store: Store,
         links: LinkRegistry,
-        table: ReadyTable,
         writer: StateWriter,
         *,
         health_timeout_s: float,
@@ -58,7 +56,6 @@ class EngineStarts:
     ) -> None:
         self._store = store
         self._links = links
-        self._table = table
         self._writer = writer
         self._health_timeout_s = health_timeout_s
         self._on_restart = on_restart
@@ -190,16 +187,20 @@ class EngineStarts:
         current = await asyncio.to_thread(self._store.get_deployment, record.id)
         if current.state is not DeploymentState.LOADING:
             return
-        ready = await self._writer.transition(
-            record.id, DeploymentState.READY, port=endpoint.port, pid=endpoint.pid
+        await self._writer.transition(
+            record.id,
+            DeploymentState.READY,
+            endpoint=endpoint,
+            # A link that dropped as the start finished: routed again when its agent
+            # reconnects and reports the engine (node_connected).
+            routable=lambda: self._links.is_current(link),
+            port=endpoint.port,
+            pid=endpoint.pid,
         )
         self.supervisor.became_ready(record.id)
         if not self._links.is_current(link):
-            # The node's link dropped as the start finished: routed again when its agent
-            # reconnects and reports the engine (node_connected).
             log.warning("deployment %s is ready but node %s is gone", record.id, record.node_id)
             return
-        self._table.mark_ready(ready, endpoint)
         log.info("deployment %s ready at %s", record.id, endpoint.base_url)
 
     async def _start_failed(

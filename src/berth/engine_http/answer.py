@@ -9,13 +9,13 @@ data frame), and the relaying task only waits for the end, a failure or backpres
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol, TypeGuard, runtime_checkable
 
 from berth.conforms import conforms
 
 if TYPE_CHECKING:
     from berth.engine_http.errors import UpstreamError
+    from berth.engine_http.request import EngineRequest
 
 
 class EngineAnswer(Protocol):
@@ -127,14 +127,9 @@ class HttpOpener(Protocol):
     The proxy's engine client reaches remote engines through one."""
 
     async def open_http(
-        self,
-        node_id: str,
-        deployment_id: str,
-        method: bytes,
-        target: bytes,
-        headers: Sequence[tuple[bytes, bytes]],
-        body: bytes,
-        read_timeout_s: float | None,
+        self, node_id: str, deployment_id: str, request: EngineRequest, read_timeout_s: float | None
     ) -> EngineAnswer:
-        """Raises the ``UpstreamError`` subclasses ``UpstreamPool.request`` raises."""
+        """Send ``request`` to ``deployment_id``'s engine on ``node_id``; its answer once
+        the head is in (within ``read_timeout_s``, ``None``: no bound). Raises the
+        ``UpstreamError`` subclasses ``UpstreamPool.request`` raises."""
         ...

@@ -1,9 +1,9 @@
 """Where an engine answers: the :class:`Origin` (host and port) berth's HTTP/1.1 client
 connects to, read from a deployment's base URL.
 
-A deployment on a remote node has no origin the leader can reach: its base URL is
-``berth-tunnel://NODE/DEPLOYMENT`` (:data:`TUNNEL_SCHEME`), and the proxy sends it through
-that node's agent link instead.
+A deployment on a remote node has no origin the leader connects to: the proxy reaches it
+through that node's agent (its ``Upstream`` is ``remote``), and its base URL only names it,
+``berth-tunnel://NODE/DEPLOYMENT`` (:data:`TUNNEL_SCHEME`), in logs and answers.
 """
 
 from __future__ import annotations

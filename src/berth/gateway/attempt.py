@@ -2,7 +2,7 @@
 (:func:`berth.gateway.dispatch.first_answer` calls an :class:`Attempts` once per
 candidate).
 
-Each attempt builds the :class:`~berth.gateway.engine_client.EngineRequest` for its upstream
+Each attempt builds the :class:`~berth.engine_http.request.EngineRequest` for its upstream
 (:meth:`Attempts.engine_request`: the request's path, query and forwarded headers, and the
 body that engine must see, :class:`EngineBodies`), opens it, and records how it ended
 (:attr:`Attempts.outcomes`: all but the last are the request's retries). A streamed request
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from berth.engine_http.answer import EngineAnswer, TimedAnswer, can_time
-from berth.gateway.engine_client import EngineRequest
+from berth.engine_http.request import EngineRequest
 from berth.gateway.messages_bridge import translated_answer
 from berth.gateway.outcome import Exchange
 from berth.gateway.request import PublicRequest

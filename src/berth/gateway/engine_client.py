@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING
 
 from berth.engine_http.answer import EngineAnswer, HttpOpener
 from berth.engine_http.errors import UpstreamConnectError, UpstreamError, UpstreamTimeoutError
-from berth.engine_http.origin import TUNNEL_SCHEME, Origin, parse_origin
+from berth.engine_http.origin import Origin, parse_origin
 from berth.engine_http.pool import UpstreamPool
+from berth.engine_http.request import EngineRequest
 from berth.routing.errors import EngineSignalError, EngineTimeoutError, EngineUnreachableError
 
 if TYPE_CHECKING:
@@ -27,24 +28,8 @@ if TYPE_CHECKING:
 #: ``None`` (:meth:`berth.agent.core.AgentCore.engine_auth`).
 EngineAuth = Callable[[str], tuple[bytes, bytes] | None]
 
-#: The origin host that marks a tunneled engine in the target cache (compared by identity).
-_TUNNELED = "<tunnel>"
 _MAX_CACHED_TARGETS = 4096
-_POST = b"POST"
 _GET = b"GET"
-
-
-class EngineRequest(NamedTuple):
-    """What one attempt sends an engine (always a ``POST``): ``path`` the API path as the
-    engine serves it (``/v1/chat/completions``; joined to a deployment's base URL here),
-    ``query`` the raw query string (no ``?``), ``headers`` those the engine may see
-    (lower-case byte pairs; the engine's key is added here for a local engine, by its agent
-    for a tunneled one) and ``body`` the bytes to send."""
-
-    path: str
-    query: bytes
-    headers: list[tuple[bytes, bytes]]
-    body: bytes
 
 
 class EngineClient:
@@ -95,16 +80,16 @@ class EngineClient:
         pool = self._pool
         if pool is None:
             raise RuntimeError("EngineClient.startup() was not awaited")
-        origin, target = self._engine_target(upstream.base_url, request.path)
-        if request.query:
-            target += b"?" + request.query
-        forward = request.headers
         try:
-            if origin.host is _TUNNELED:
-                return await self._open_tunnel(upstream, target, forward, request.body)
+            if upstream.remote:
+                return await self._open_remote(upstream, request)
+            origin, target = self._engine_target(upstream.base_url, request.path)
+            if request.query:
+                target += b"?" + request.query
+            forward = request.headers
             auth = self._engine_auth(upstream.deployment_id) if self._engine_auth else None
             headers = forward if auth is None else [*forward, auth]
-            return await pool.request(origin, _POST, target, headers, request.body)
+            return await pool.request(origin, request.method, target, headers, request.body)
         except UpstreamConnectError as exc:
             raise EngineUnreachableError(upstream, exc.why, engine_side=exc.engine_side) from exc
         except UpstreamTimeoutError as exc:
@@ -124,17 +109,18 @@ class EngineClient:
         pool = self._pool
         if pool is None:
             raise RuntimeError("EngineClient.startup() was not awaited")
-        origin, target = self._engine_target(upstream.base_url, path)
         deployment_id = upstream.deployment_id
         try:
             async with asyncio.timeout(timeout_s):
-                if origin.host is _TUNNELED:
+                if upstream.remote:
                     if self._tunnels is None:
                         raise EngineSignalError("no agent links", deployment_id=deployment_id)
+                    request = EngineRequest(path, b"", [], b"", _GET)
                     answer: EngineAnswer = await self._tunnels.open_http(
-                        upstream.node_id, deployment_id, _GET, target, [], b"", timeout_s
+                        upstream.node_id, deployment_id, request, timeout_s
                     )
                 else:
+                    origin, target = self._engine_target(upstream.base_url, path)
                     auth = self._engine_auth(deployment_id) if self._engine_auth else None
                     answer = await pool.request(
                         origin, _GET, target, [] if auth is None else [auth]
@@ -157,37 +143,22 @@ class EngineClient:
             raise EngineSignalError(why, deployment_id=deployment_id)
         return body
 
-    async def _open_tunnel(
-        self,
-        upstream: Upstream,
-        target: bytes,
-        forward: list[tuple[bytes, bytes]],
-        body: bytes,
-    ) -> EngineAnswer:
+    async def _open_remote(self, upstream: Upstream, request: EngineRequest) -> EngineAnswer:
         if self._tunnels is None:
             why = "could not be reached (this leader has no agent links)"
             raise UpstreamConnectError(Origin(upstream.node_id, 0), why)
         return await self._tunnels.open_http(
-            upstream.node_id,
-            upstream.deployment_id,
-            _POST,
-            target,
-            forward,
-            body,
-            self.read_timeout_s,
+            upstream.node_id, upstream.deployment_id, request, self.read_timeout_s
         )
 
     def _engine_target(self, base_url: str, path: str) -> tuple[Origin, bytes]:
-        """The engine's origin and the request target for ``path``; cached (a handful of
-        entries per deployment). A tunneled engine's origin host is ``_TUNNELED``."""
+        """A local engine's origin and the request target for ``path`` (its base URL's path
+        first); cached (a handful of entries per deployment)."""
         key = (base_url, path)
         found = self._targets.get(key)
         if found is None:
             if len(self._targets) >= _MAX_CACHED_TARGETS:
                 self._targets.clear()
-            if base_url.startswith(TUNNEL_SCHEME + "://"):
-                found = self._targets[key] = (Origin(_TUNNELED, 0), path.encode("latin-1"))
-                return found
             prefix = base_url.split("://", 1)[-1].partition("/")[2].rstrip("/")
             target = (f"/{prefix}{path}" if prefix else path).encode("latin-1")
             found = self._targets[key] = (parse_origin(base_url), target)

@@ -33,7 +33,7 @@ class Upstream:
     best first; ``lora_scales`` applies it on llama.cpp.
     """
 
-    base_url: str  # http://127.0.0.1:PORT of the engine
+    base_url: str  # http://127.0.0.1:PORT of a local engine; a remote one's is for display
     deployment_id: str
     node_id: str
     model: str  # the public model name the client asked for
@@ -66,6 +66,9 @@ class Upstream:
     #: the request's prompt blocks, set by the router under the ``prefix`` policy so that
     #: the deployment that answers (a retry's too) is recorded as holding them
     prompt_blocks: PromptBlocks | None = None
+    #: on another node: reached through the agent there (its link, or its direct data
+    #: path: :class:`berth.engine_http.answer.HttpOpener`), not at ``base_url``
+    remote: bool = False
 
 
 class UpstreamResolver(Protocol):

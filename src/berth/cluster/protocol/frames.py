@@ -10,6 +10,9 @@ Each WebSocket binary message (RFC 6455 section 5.6) carries exactly one frame::
 All integers are big-endian. ``id`` is the request id of ``REQUEST``/``RESPONSE``/``PROGRESS``
 and the stream id of the ``STREAM_*`` frames (0 otherwise). The JSON body holds the frame's
 typed fields; ``payload`` is raw bytes (tunneled HTTP bodies, log output), never base64.
+HTTP headers are byte pairs in memory on both sides (as the HTTP parsers give them and the
+sockets take them); on the wire they are JSON strings, each byte one character (latin-1),
+converted here and nowhere else.
 ``flags`` bit 0 (``END``) closes the sender's side of a stream. ``docs/protocol.md`` is the
 specification; this module is its only encoder and decoder.
 
@@ -235,8 +238,8 @@ class StreamOpen(_Body, kw_only=True):
     """Opens stream ``id`` (leader to agent only).
 
     ``kind="http"``: a tunneled HTTP exchange with the deployment's engine (``method``,
-    ``target``, ``headers``; the request body follows as payload). ``kind="logs"``: the
-    engine's log, ``tail_lines`` lines then more while ``follow``.
+    ``target``, ``headers``: lower-case byte pairs; the request body follows as payload).
+    ``kind="logs"``: the engine's log, ``tail_lines`` lines then more while ``follow``.
     """
 
     id: int = 0
@@ -244,7 +247,7 @@ class StreamOpen(_Body, kw_only=True):
     deployment_id: str
     method: str = ""
     target: str = ""
-    headers: list[tuple[str, str]] = []
+    headers: list[tuple[bytes, bytes]] = []
     tail_lines: int = 0
     follow: bool = False
     payload: bytes = b""
@@ -252,13 +255,34 @@ class StreamOpen(_Body, kw_only=True):
 
 
 class StreamHead(_Body, kw_only=True):
-    """The answer's status and headers on stream ``id`` (agent to leader)."""
+    """The answer's status and headers on stream ``id`` (agent to leader); ``headers`` are
+    lower-case byte pairs, as in :class:`StreamOpen`."""
 
     id: int = 0
     status: int
-    headers: list[tuple[str, str]] = []
+    headers: list[tuple[bytes, bytes]] = []
     payload: bytes = b""
     end: bool = False
+
+
+class _StreamOpenText(StreamOpen, kw_only=True):
+    """:class:`StreamOpen` as its JSON body is decoded: headers as the wire's text."""
+
+    headers: list[tuple[str, str]] = []  # type: ignore[assignment]
+
+
+class _StreamHeadText(StreamHead, kw_only=True):
+    """:class:`StreamHead` as its JSON body is decoded: headers as the wire's text."""
+
+    headers: list[tuple[str, str]] = []  # type: ignore[assignment]
+
+
+def _text_headers(headers: list[tuple[bytes, bytes]]) -> list[tuple[str, str]]:
+    return [(name.decode("latin-1"), value.decode("latin-1")) for name, value in headers]
+
+
+def _byte_headers(headers: list[tuple[str, str]]) -> list[tuple[bytes, bytes]]:
+    return [(name.encode("latin-1"), value.encode("latin-1")) for name, value in headers]
 
 
 class StreamData(_Body, kw_only=True):
@@ -321,8 +345,8 @@ _Decoded = (
     | Response
     | _AnyProgress
     | Heartbeat
-    | StreamOpen
-    | StreamHead
+    | _StreamOpenText
+    | _StreamHeadText
     | StreamReset
     | StreamCredit
 )
@@ -333,8 +357,8 @@ _BODY_OF: dict[FrameType, type[_Decoded]] = {
     FrameType.RESPONSE: Response,
     FrameType.PROGRESS: _AnyProgress,
     FrameType.HEARTBEAT: Heartbeat,
-    FrameType.STREAM_OPEN: StreamOpen,
-    FrameType.STREAM_HEAD: StreamHead,
+    FrameType.STREAM_OPEN: _StreamOpenText,
+    FrameType.STREAM_HEAD: _StreamHeadText,
     FrameType.STREAM_RESET: StreamReset,
     FrameType.STREAM_CREDIT: StreamCredit,
 }
@@ -342,7 +366,6 @@ _DECODERS: dict[int, msgspec.json.Decoder[Any]] = {
     int(kind): msgspec.json.Decoder(cls) for kind, cls in _BODY_OF.items()
 }
 _ENCODER = msgspec.json.Encoder()
-_WITH_PAYLOAD = (StreamOpen, StreamHead)
 # Per data frame: on CPython 3.11 an enum member read through its class costs ~0.3 us.
 _STREAM_DATA = int(FrameType.STREAM_DATA)
 #: The first byte of every ``STREAM_DATA`` message: ``message[:1] == STREAM_DATA_PREFIX``
@@ -365,7 +388,10 @@ def encode_frame(frame: Frame) -> bytes:
         case StreamOpen() | StreamHead():
             frame_id, payload = frame.id, frame.payload
             flags = FLAG_END if frame.end else 0
-            body = _ENCODER.encode(msgspec.structs.replace(frame, id=0, payload=b"", end=False))
+            text = _text_headers(frame.headers)  # the wire's form (see the module docstring)
+            body = _ENCODER.encode(
+                msgspec.structs.replace(frame, id=0, headers=text, payload=b"", end=False)
+            )
         case (
             Request() | UnknownRequest() | Response() | Progress() | StreamReset() | StreamCredit()
         ):
@@ -434,11 +460,19 @@ def decode_frame(message: bytes, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES)
         decoded: _Decoded = decoder.decode(message[HEADER_BYTES:body_end])
     except msgspec.DecodeError as exc:
         raise ProtocolError(f"malformed {FrameType(kind).name} frame: {exc}") from None
-    if isinstance(decoded, _WITH_PAYLOAD):
-        decoded.id = frame_id
-        decoded.payload = message[body_end:]
-        decoded.end = end
-        return decoded
+    payload = message[body_end:]
+    if isinstance(decoded, _StreamOpenText):
+        return StreamOpen(
+            id=frame_id, kind=decoded.kind, deployment_id=decoded.deployment_id,
+            method=decoded.method, target=decoded.target,
+            headers=_byte_headers(decoded.headers), tail_lines=decoded.tail_lines,
+            follow=decoded.follow, payload=payload, end=end,
+        )  # fmt: skip
+    if isinstance(decoded, _StreamHeadText):
+        return StreamHead(
+            id=frame_id, status=decoded.status, headers=_byte_headers(decoded.headers),
+            payload=payload, end=end,
+        )  # fmt: skip
     if body_end != size:
         raise ProtocolError(f"{FrameType(kind).name} frame carries a payload")
     match decoded:
