@@ -104,9 +104,17 @@ def _page(browser: Any, width: int = 1280, height: int = 800) -> tuple[Any, Any,
 
 
 def _sign_in(page: Any, base_url: str, key: str) -> Any:
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
+
+    failed: list[str] = []  # what the page could not load: the form shows once app.js ran
+    page.on("requestfailed", lambda request: failed.append(f"{request.url}: {request.failure}"))
     answer = page.goto(base_url + "/")
     assert page.url == base_url + "/ui/"  # a browser asking for / is sent to the console
-    page.get_by_label("Admin key").fill(key)
+    try:
+        page.get_by_label("Admin key").fill(key)
+    except PlaywrightTimeout as exc:  # seen once in a full run under load; say what the page had
+        shown = page.evaluate("() => document.body.innerText.slice(0, 400)")
+        raise AssertionError(f"no sign-in form; failed: {failed}; page: {shown!r}") from exc
     page.get_by_role("button", name="Sign in").click()
     return answer
 
