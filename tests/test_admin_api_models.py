@@ -46,9 +46,9 @@ from berth.errors import (
 )
 from berth.keys import Tier
 from berth.paths import BerthHome
-from berth.runtime.gpu import GpuInfo
-from berth.store import ApiKeyRecord, DeploymentRecord, NodeHardware, NodeRecord
-from berth.store.states import DeploymentState
+from berth.vocab.gpu import GpuInfo
+from berth.vocab.records import ApiKeyRecord, DeploymentRecord, NodeHardware, NodeRecord
+from berth.vocab.states import DeploymentState
 
 #: Routes that answer text, not JSON: Prometheus' exposition format and an engine's log.
 TEXT_ROUTES = {"/metrics", "/admin/deployments/{deployment_id}/logs"}

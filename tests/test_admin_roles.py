@@ -32,8 +32,9 @@ from berth.errors import ConfigError
 from berth.keys import Role, Tier, parse_role, role_of_tier
 from berth.observability.request_log import RequestLog
 from berth.paths import BerthHome
-from berth.store import ApiKeyRecord, Store
+from berth.store import Store
 from berth.store.migrations import MIGRATIONS, migrate
+from berth.vocab.records import ApiKeyRecord
 
 CREATED = datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)
 #: The only operations that change nothing though not a GET: a viewer may use them.

@@ -20,7 +20,8 @@ from berth.errors import BerthError
 from berth.observability.metrics import ProxyMetrics
 from berth.openai_errors import error_from_exception
 from berth.routing.routes import RouteResolver
-from berth.store import Store, StreamTimeouts
+from berth.store import Store
+from berth.vocab.records import StreamTimeouts
 from support.fakes import FakeLink
 from support.proxy_fixtures import running_proxy, sample
 from support.standin_engine import Head, Hold, Reply, StandinEngine

@@ -22,7 +22,8 @@ from berth.gateway.auth import (
 )
 from berth.gateway.auth_limiter import FailedAuthLimiter
 from berth.keys import generate_secret, hash_secret, key_prefix
-from berth.store import ApiKeyRecord, Store
+from berth.store import Store
+from berth.vocab.records import ApiKeyRecord
 from support.waiting import wait_for_async
 
 PEPPER = b"p" * 32

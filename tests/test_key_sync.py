@@ -21,9 +21,10 @@ from berth.errors import AuthError
 from berth.gateway.auth import Authenticator
 from berth.gateway.key_sync import KeySync
 from berth.keys import hash_secret, load_or_create_pepper
-from berth.limits import LimitOverrides
-from berth.store import Store, UsageRecord
+from berth.store import Store
 from berth.store.changes import KEYS_TOPIC
+from berth.vocab.limits import LimitOverrides
+from berth.vocab.records import UsageRecord
 from support.waiting import wait_for_async
 
 pytestmark = pytest.mark.store_engines

@@ -24,9 +24,10 @@ from berth.keys import (
     validate_key_name,
     verify_secret,
 )
-from berth.limits import KeyLimits
 from berth.paths import BerthHome
-from berth.store import ApiKeyRecord, Store
+from berth.store import Store
+from berth.vocab.limits import KeyLimits
+from berth.vocab.records import ApiKeyRecord
 
 # Every test that uses the store runs on SQLite and on PostgreSQL (conftest.py).
 pytestmark = pytest.mark.store_engines

@@ -40,7 +40,6 @@ BASE: tuple[str, ...] = (
     "humanize",
     "openai_errors",
     "anthropic_errors",
-    "limits",
     "conforms",
     "redact",
     "unit_files",
@@ -53,14 +52,12 @@ BASE: tuple[str, ...] = (
 #: ``cluster.protocol``, not ``cluster``. Why this order: ``docs/architecture.md``, Layers.
 LAYERS: tuple[tuple[str, ...], ...] = (
     BASE,
-    ("runtime",),
-    ("engine_http", "http_server", "cluster.protocol"),
+    ("vocab", "weights"),
+    ("runtime", "engine_http", "http_server", "cluster.protocol", "store", "api", "placement"),
     ("config",),
-    ("store",),
-    ("api", "placement"),
-    ("observability",),
+    ("admission", "observability"),
     ("cluster",),
-    ("agent", "routing", "admission"),
+    ("agent", "routing"),
     ("scaling",),
     ("doctor", "desk", "backup", "console"),
     ("deployments",),
@@ -400,10 +397,10 @@ def test_the_daemon_split_is_layered_one_way(tmp_path: Path) -> None:
     problems = sorted(layer_violations(find_imports(source)))
     assert problems == [
         "src/berth/admin/keys.py:1: berth.admin.keys imports berth.daemon.server: "
-        "admin (layer 15) may not import from daemon (layer 16), a higher layer",
+        "admin (layer 13) may not import from daemon (layer 14), a higher layer",
         "src/berth/deployments/lifecycle.py:1: berth.deployments.lifecycle imports "
-        "berth.gateway.proxy: deployments (layer 12) may not import from gateway (layer 13), "
+        "berth.gateway.proxy: deployments (layer 10) may not import from gateway (layer 11), "
         "a higher layer",
         "src/berth/gateway/auth.py:1: berth.gateway.auth imports berth.admin.app: "
-        "gateway (layer 13) may not import from admin (layer 15), a higher layer",
+        "gateway (layer 11) may not import from admin (layer 13), a higher layer",
     ]

@@ -27,8 +27,9 @@ from berth.errors import BerthError
 from berth.openai_errors import error_from_exception
 from berth.routing.routes import RouteResolver
 from berth.runtime.bundled import smollm2_gguf
-from berth.runtime.gpu import SimulatedInventory, parse_simulated_gpus
+from berth.runtime.gpu import SimulatedInventory
 from berth.store import Store
+from berth.vocab.gpu import parse_simulated_gpus
 from support.fakes import FakeLink
 from support.lora_gguf import write_lora_gguf
 

@@ -22,9 +22,9 @@ from berth.config import TierTable
 from berth.daemon.app import LeaderApp
 from berth.desk.leader import LeaderClient, job_request
 from berth.gateway.proxy import OpenAIProxy
-from berth.limits import LimitOverrides
 from berth.observability.metrics import ProxyMetrics
-from berth.store import ApiKeyRecord, UsageRecord
+from berth.vocab.limits import LimitOverrides
+from berth.vocab.records import ApiKeyRecord, UsageRecord
 from support.proxy_fixtures import StaticResolver, running_proxy
 from support.standin_engine import Hold, Reply, StandinEngine, chat_completion, json_reply
 

@@ -18,8 +18,8 @@ from berth.cluster.link import EngineEndpoint
 from berth.cluster.protocol.payloads import AdoptedState
 from berth.deployments.ready_table import ReadyTable
 from berth.routing.router import Router
-from berth.store import DeploymentRecord
-from berth.store.states import DeploymentState
+from berth.vocab.records import DeploymentRecord
+from berth.vocab.states import DeploymentState
 
 NOW = datetime(2026, 1, 1, tzinfo=UTC)
 

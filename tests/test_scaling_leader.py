@@ -39,8 +39,9 @@ from berth.routing.router import Router
 from berth.routing.routes import RouteResolver
 from berth.routing.signals import SignalBoard
 from berth.scaling import ScalingController, ScalingMetrics, ScalingPolicy, route_services
-from berth.store import DeploymentRecord, Store
-from berth.store.states import DeploymentState
+from berth.store import Store
+from berth.vocab.records import DeploymentRecord
+from berth.vocab.states import DeploymentState
 from support.fakes import FakeLink
 from support.proxy_fixtures import running_proxy, sample
 from support.standin_engine import StandinEngine

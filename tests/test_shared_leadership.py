@@ -18,8 +18,9 @@ from berth.config import TierTable
 from berth.daemon.ha import SharedLeadership
 from berth.gateway.auth import Authenticator
 from berth.keys import load_or_create_pepper
-from berth.store import Store, UsageRecord
+from berth.store import Store
 from berth.store.errors import StandbyError
+from berth.vocab.records import UsageRecord
 from support.waiting import wait_for_async
 
 pytestmark = pytest.mark.store_engines

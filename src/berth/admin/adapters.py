@@ -1,7 +1,7 @@
 """The admin API's LoRA adapter routes: ``/admin/adapters`` (register, list, show, remove).
 
 Registering an adapter on the leader's own host reads its files and the base model's
-(:mod:`berth.runtime.adapter_files`) and refuses, with every reason, one that is not an
+(:mod:`berth.weights.adapter_files`) and refuses, with every reason, one that is not an
 adapter or does not fit its base; a path on another node's host is taken as given (the
 engine checks it when it loads it). After each change the router's registry is reloaded.
 """
@@ -23,14 +23,15 @@ from berth.deployments.planner import DeployOptions, PlannedDeployment
 from berth.errors import ConfigError
 from berth.keys import Role
 from berth.placement import Placement
-from berth.runtime.adapter_files import (
+from berth.store import Store
+from berth.vocab.records import AdapterRecord, ModelRecord
+from berth.weights.adapter_files import (
     AdapterFacts,
     adapter_format_of,
     check_fits,
     inspect_adapter,
     inspect_base,
 )
-from berth.store import AdapterRecord, ModelRecord, Store
 
 if TYPE_CHECKING:
     from berth.daemon.graph import LeaderGraph

@@ -55,9 +55,9 @@ from berth.errors import BerthError, ConflictError
 from berth.keys import Role
 from berth.openai_errors import error_body, error_from_exception
 from berth.redact import mask_url_password
-from berth.runtime.engines import parse_runtime_name
-from berth.runtime.gpu import parse_simulated_gpus
 from berth.store.leadership import single_leader_view, standbys_seen, step_down_refusal
+from berth.vocab.engines import parse_runtime_name
+from berth.vocab.gpu import parse_simulated_gpus
 
 log = logging.getLogger(__name__)
 

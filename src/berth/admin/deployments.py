@@ -17,9 +17,10 @@ from berth.cluster.link import LOCAL_NODE_ID
 from berth.deployments.lifecycle import DeployOptions, LifecycleManager
 from berth.errors import ConfigError, ConflictError
 from berth.keys import Role
-from berth.runtime.engines import parse_engine_name, parse_runtime_name
-from berth.store import DeploymentRecord, Store
-from berth.store.states import TERMINAL_STATES
+from berth.store import Store
+from berth.vocab.engines import parse_engine_name, parse_runtime_name
+from berth.vocab.records import DeploymentRecord
+from berth.vocab.states import TERMINAL_STATES
 
 if TYPE_CHECKING:
     from berth.daemon.graph import LeaderGraph

@@ -55,8 +55,9 @@ from berth.keys import (
     parse_role,
     role_of_tier,
 )
-from berth.limits import KeyLimits
-from berth.store import UNCHANGED, ApiKeyRecord, Unchanged, UsageRecord
+from berth.store import UNCHANGED, Unchanged
+from berth.vocab.limits import KeyLimits
+from berth.vocab.records import ApiKeyRecord, UsageRecord
 
 #: ``since`` in the schema: a number of days or a date.
 SINCE_SCHEMA = WithJsonSchema(

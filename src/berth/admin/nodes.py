@@ -40,7 +40,7 @@ from berth.cluster.link import LOCAL_NODE_ID
 from berth.cluster.protocol.payloads import AdoptedState
 from berth.daemon.graph import LeaderGraph
 from berth.keys import Role
-from berth.store import NodeCertificate, NodeHardware, NodeRecord
+from berth.vocab.records import NodeCertificate, NodeHardware, NodeRecord
 
 
 async def _live(services: LeaderGraph, record: NodeRecord) -> NodeRecord:

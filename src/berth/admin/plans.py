@@ -30,7 +30,8 @@ from berth.deployments.lifecycle import DeployOptions, LifecycleManager, Planned
 from berth.errors import ConfigError, ConflictError, NotFoundError
 from berth.keys import Role
 from berth.placement import ModelAt, Placement, VramEstimate
-from berth.store import ServiceProfileRecord, Store
+from berth.store import Store
+from berth.vocab.records import ServiceProfileRecord
 
 if TYPE_CHECKING:
     from berth.daemon.graph import LeaderGraph

@@ -55,16 +55,11 @@ from berth.errors import ConfigError, NotFoundError
 from berth.keys import Role
 from berth.routing.errors import NoReadyDeploymentError
 from berth.routing.routes import RouteResolver
-from berth.runtime.engines import parse_engine_name, parse_runtime_name
 from berth.scaling import DecisionRecord, ScalingController
 from berth.scaling.capacity import replica_capacity
-from berth.store import (
-    RouteRecord,
-    ScalingSettings,
-    ServiceProfileRecord,
-    Store,
-    StreamTimeouts,
-)
+from berth.store import Store
+from berth.vocab.engines import parse_engine_name, parse_runtime_name
+from berth.vocab.records import RouteRecord, ScalingSettings, ServiceProfileRecord, StreamTimeouts
 
 if TYPE_CHECKING:
     from berth.daemon.graph import LeaderGraph

@@ -76,7 +76,7 @@ from berth.observability.loop_lag import LagHistogram
 from berth.observability.window import RequestMeter
 from berth.placement.model_files import FileStamp, read_model_file
 from berth.runtime.base import EngineExit
-from berth.runtime.gpu import GpuInfo
+from berth.vocab.gpu import GpuInfo
 
 if TYPE_CHECKING:  # imported only where tracing is on (berth.agent.runner builds it)
     from berth.observability.relay_tracing import RelayTracer

@@ -11,7 +11,7 @@ from berth.cli.common import console, context, print_json, print_table, record_t
 from berth.cli.context import HELP_OPTIONS
 from berth.errors import ConfigError
 from berth.keys import parse_role, parse_tier, role_of_tier, validate_key_name
-from berth.limits import (
+from berth.vocab.limits import (
     ANY_MODEL_WORD,
     NUMERIC_LIMITS,
     UNLIMITED_WORD,

@@ -1,7 +1,7 @@
 """Key tiers: ``[tiers.NAME]`` tables of ``config.toml``, with ``admin``, ``standard`` and
 ``desk`` (the desk worker's jobs, :data:`DESK_TIER`) built in.
 
-A tier names a set of limits (:class:`berth.limits.KeyLimits`) every key of the tier takes
+A tier names a set of limits (:class:`berth.vocab.limits.KeyLimits`) every key of the tier takes
 unless the key overrides them, and a ``priority``: where the tier's requests stand in the
 leader's admission queue (higher first)::
 
@@ -29,7 +29,7 @@ from pathlib import Path
 from berth.config_toml import locate_line, parse_toml
 from berth.errors import ConfigError
 from berth.keys import Tier, parse_tier
-from berth.limits import LIMIT_NAMES, NUMERIC_LIMITS, KeyLimits, check_models, parse_limit
+from berth.vocab.limits import LIMIT_NAMES, NUMERIC_LIMITS, KeyLimits, check_models, parse_limit
 
 #: The section of ``config.toml`` holding the tiers.
 TIERS_SECTION = "tiers"

@@ -46,7 +46,7 @@ from berth.http_server.cors import CorsPolicy
 from berth.http_server.request import Request
 from berth.http_server.writer import ResponseWriter
 from berth.openai_errors import error_from_exception
-from berth.store import ApiKeyRecord
+from berth.vocab.records import ApiKeyRecord
 
 #: Paths that answer without a key on every listener.
 OPEN_PATHS = frozenset({"/healthz", "/readyz"})

@@ -66,9 +66,10 @@ from berth.runtime.engines import EngineBinaries
 from berth.runtime.gpu import inventory_for
 from berth.runtime.process import ProcessRuntime
 from berth.scaling import ScalingController, ScalingMetrics, ScalingPolicy, route_services
-from berth.store import DeploymentRecord, Store
+from berth.store import Store
 from berth.store.deadlines import StoreDeadlines
-from berth.store.states import TERMINAL_STATES, DeploymentState
+from berth.vocab.records import DeploymentRecord
+from berth.vocab.states import TERMINAL_STATES, DeploymentState
 
 if TYPE_CHECKING:  # imported only where tracing is on (build.py opens it)
     from berth.observability.tracing import RequestTracer

@@ -33,7 +33,8 @@ from berth.errors import NotFoundError
 from berth.placement import GpuReservation
 from berth.routing.errors import NoReadyDeploymentError
 from berth.routing.resolver import Upstream
-from berth.store import DeploymentRecord, RoutingPolicy, StreamTimeouts
+from berth.vocab.policies import RoutingPolicy
+from berth.vocab.records import DeploymentRecord, StreamTimeouts
 
 #: Seconds a client is told to wait (``Retry-After``) for a model that is still loading.
 LOADING_RETRY_AFTER_S = 5

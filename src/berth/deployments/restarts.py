@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from berth.humanize import duration
-from berth.store import RestartPolicy
+from berth.vocab.policies import RestartPolicy
 
 #: Why an engine ended, the ``reason`` label of ``berth_deployment_restarts_total``:
 #: ``exit`` (an exit code), ``signal`` (killed by one), ``unhealthy`` (stopped after its

@@ -58,7 +58,8 @@ from typing import Final
 from berth.errors import AuthError, RateLimitError
 from berth.gateway.auth_limiter import FailedAuthLimiter, Refused
 from berth.keys import hash_secret
-from berth.store import ApiKeyRecord, Store
+from berth.store import Store
+from berth.vocab.records import ApiKeyRecord
 
 _log = logging.getLogger(__name__)
 

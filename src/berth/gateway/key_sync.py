@@ -21,8 +21,9 @@ import logging
 from berth.admission import Admission
 from berth.errors import NotFoundError, StoreError
 from berth.gateway.auth import Authenticator
-from berth.store import ApiKeyRecord, Store
+from berth.store import Store
 from berth.store.changes import KEYS_TOPIC, ChangeFeed
+from berth.vocab.records import ApiKeyRecord
 
 _log = logging.getLogger(__name__)
 

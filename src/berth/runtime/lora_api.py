@@ -22,7 +22,7 @@ from typing import Final
 import httpx
 
 from berth.errors import ConfigError, EngineError
-from berth.runtime.engines import EngineName
+from berth.vocab.engines import EngineName
 
 #: Seconds an engine may take to load an adapter (it reads the weights from disk).
 LOAD_TIMEOUT_S: Final = 120.0

@@ -46,8 +46,8 @@ from berth.scaling.metrics import ScalingMetrics
 from berth.scaling.on_demand import DemandBoard, LoadFailure, OnDemandStage
 from berth.scaling.policy import ScalingPolicy
 from berth.scaling.status import DecisionRecord, ReplicaUsage, ServiceStatus
-from berth.store import DeploymentRecord, ServiceProfileRecord
-from berth.store.states import TERMINAL_STATES, DeploymentState
+from berth.vocab.records import DeploymentRecord, ServiceProfileRecord
+from berth.vocab.states import TERMINAL_STATES, DeploymentState
 
 log = logging.getLogger(__name__)
 

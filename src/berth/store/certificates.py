@@ -15,8 +15,8 @@ from sqlalchemy import delete, select
 from sqlalchemy.orm import Session
 
 from berth.errors import NotFoundError
-from berth.store.records import NodeCertificate
 from berth.store.tables import NodeCertificateRow, NodeRow
+from berth.vocab.records import NodeCertificate
 
 
 class CertificateMethods:

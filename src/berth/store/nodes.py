@@ -22,14 +22,6 @@ from sqlalchemy import delete, select
 from sqlalchemy.orm import Session
 
 from berth.errors import ConfigError, ConflictError, EnrollmentTokenError, NotFoundError
-from berth.runtime.gpu import GpuInfo
-from berth.store.records import (
-    NODE_STATUSES,
-    ModelLocation,
-    NodeHardware,
-    NodeRecord,
-    NodeStatus,
-)
 from berth.store.tables import (
     EnrollmentTokenRow,
     ModelLocationRow,
@@ -37,6 +29,8 @@ from berth.store.tables import (
     NodeCertificateRow,
     NodeRow,
 )
+from berth.vocab.gpu import GpuInfo
+from berth.vocab.records import NODE_STATUSES, ModelLocation, NodeHardware, NodeRecord, NodeStatus
 
 #: The leader's own host: always present, always this id and label, never removable.
 LOCAL_NODE_ID: Final = "local"
