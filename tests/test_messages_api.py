@@ -10,7 +10,6 @@ import contextlib
 import json
 from collections.abc import AsyncIterator, Iterable, Sequence
 from datetime import UTC, datetime
-from types import SimpleNamespace
 from typing import Any
 
 import anthropic
@@ -226,10 +225,7 @@ async def leader(
 
     def wrap(proxy: OpenAIProxy) -> Any:
         built.append(proxy)
-        services = SimpleNamespace(
-            proxy=proxy, authenticator=Authenticator(), admission=admission, leadership=None
-        )
-        return LeaderApp(services, FastAPI(), trusted=trusted)  # type: ignore[arg-type]
+        return LeaderApp(proxy, FastAPI(), Authenticator(), admission, None, trusted=trusted)
 
     resolver = Engines(upstreams)
     async with running_proxy(

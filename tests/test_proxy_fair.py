@@ -10,7 +10,6 @@ import contextlib
 from collections.abc import AsyncIterator, Callable, Iterable
 from datetime import UTC, datetime
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import httpx
@@ -227,7 +226,7 @@ def socket_and_keys(proxy: OpenAIProxy) -> Callable[[Any, Any], Any]:
     public listener's auth, stood in for); any other is served as the leader's Unix socket
     serves it (the real :class:`LeaderApp`, which tells the desk worker by its header)."""
     keyed = KeyedHandler(proxy)
-    socket = LeaderApp(SimpleNamespace(proxy=proxy, leadership=None), FastAPI(), trusted=True)  # type: ignore[arg-type]
+    socket = LeaderApp(proxy, FastAPI(), None, None, None, trusted=True)  # type: ignore[arg-type]
 
     async def handler(request: Any, writer: Any) -> None:
         if dict(request.headers).get(b"x-test-key") is not None:

@@ -26,7 +26,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 
-from berth.admin.services import load_routes, service_router
+from berth.admin.services import build_service_router, load_routes
 from berth.api import describe_invalid
 from berth.cluster.enrollment import AuditLog
 from berth.cluster.link_registry import LinkRegistry
@@ -132,7 +132,7 @@ def admin_app(router_args: dict[str, Any]) -> FastAPI:
         body = error_body(message, type="invalid_request_error", param=param)
         return Response(body, status_code=400, media_type="application/json")
 
-    app.include_router(service_router(**router_args))
+    app.include_router(build_service_router(**router_args))
     return app
 
 

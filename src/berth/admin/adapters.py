@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from fastapi import APIRouter
 
@@ -32,9 +31,6 @@ from berth.weights.adapter_files import (
     inspect_adapter,
     inspect_base,
 )
-
-if TYPE_CHECKING:
-    from berth.daemon.graph import LeaderGraph
 
 
 def adapter_view(record: AdapterRecord, manager: AdapterManager) -> Adapter:
@@ -105,15 +101,14 @@ async def plan_notes(
     return notes
 
 
-async def register_adapter(services: LeaderGraph, body: AdapterIn) -> AddedAdapter:
-    """Register ``body``'s adapter (what ``POST /admin/adapters`` and a finished pull job
-    do) and reload the router's registry.
+async def register_adapter(store: Store, manager: AdapterManager, body: AdapterIn) -> AddedAdapter:
+    """Register ``body``'s adapter in ``store`` (what ``POST /admin/adapters`` and a finished
+    pull job do) and reload the router's registry, ``manager``'s.
 
     Raises ``ConfigError`` for a relative path or a local adapter refused
     (:func:`check_local_adapter`), ``NotFoundError`` for an unknown base model or node,
     ``ConflictError`` for a name already taken.
     """
-    store = services.store
     path = Path(body.path)
     if not path.is_absolute():
         raise ConfigError(f"adapter path must be absolute, not {body.path!r}")
@@ -141,30 +136,29 @@ async def register_adapter(services: LeaderGraph, body: AdapterIn) -> AddedAdapt
         repo_id=body.repo_id,
         revision=body.revision,
     )
-    manager = services.adapters
     await reload_adapters(store, manager)
     return adapter_view(record, manager).extended(
         AddedAdapter, checked=checked, restart_needed=manager.restart_needed(record.name)
     )
 
 
-def build_adapter_router(services: LeaderGraph) -> APIRouter:
-    """The adapter routes, bound to ``services``."""
+def build_adapter_router(store: Store, manager: AdapterManager) -> APIRouter:
+    """The adapter routes over the store's registry and ``manager`` (the router's registry
+    and where each adapter is loaded)."""
     router = APIRouter()
-    store = services.store
 
     @router.get("/admin/adapters", dependencies=[needs(Role.VIEWER)])
     async def list_adapters() -> list[Adapter]:
         records = await asyncio.to_thread(store.list_adapters)
-        return [adapter_view(r, services.adapters) for r in records]
+        return [adapter_view(r, manager) for r in records]
 
     @router.post("/admin/adapters", status_code=201, dependencies=[needs(Role.OPERATOR)])
     async def add_adapter(body: AdapterIn) -> AddedAdapter:
-        return await register_adapter(services, body)
+        return await register_adapter(store, manager, body)
 
     @router.get("/admin/adapters/{name:path}", dependencies=[needs(Role.VIEWER)])
     async def show_adapter(name: str) -> Adapter:
-        return adapter_view(await asyncio.to_thread(store.get_adapter, name), services.adapters)
+        return adapter_view(await asyncio.to_thread(store.get_adapter, name), manager)
 
     @router.delete("/admin/adapters/{name:path}", dependencies=[needs(Role.OPERATOR)])
     async def remove_adapter(name: str, node: str | None = None) -> AdapterRemoved:
@@ -172,7 +166,7 @@ def build_adapter_router(services: LeaderGraph) -> APIRouter:
         if node is not None:
             node_id = (await asyncio.to_thread(store.lookup_node, node)).id
         await asyncio.to_thread(store.remove_adapter, name, node_id)
-        await reload_adapters(store, services.adapters)
+        await reload_adapters(store, manager)
         return AdapterRemoved(removed=name, node=node_id)
 
     return router

@@ -10,7 +10,6 @@ model, service or node), and nothing changes either way.
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING
 
 from fastapi import APIRouter
 
@@ -33,22 +32,8 @@ from berth.placement import ModelAt, Placement, VramEstimate
 from berth.store import Store
 from berth.vocab.records import ServiceProfileRecord
 
-if TYPE_CHECKING:
-    from berth.daemon.graph import LeaderGraph
 
-
-def build_plan_router(services: LeaderGraph) -> APIRouter:
-    """The plan endpoint over a running leader's services."""
-    return plan_router(
-        services.store,
-        services.lifecycle,
-        default_runtime=services.settings.default_runtime,
-        leader_only=services.leader_only,
-        adapters=services.adapters,
-    )
-
-
-def plan_router(
+def build_plan_router(
     store: Store,
     lifecycle: LifecycleManager,
     *,
