@@ -14,9 +14,9 @@ from typing import Any
 import pytest
 
 from berth.admission import Admission, ManualClock, UsageLedger
+from berth.auth.authenticator import Authenticator
 from berth.config import TierTable
 from berth.daemon.ha import SharedLeadership, build_shared_leadership
-from berth.gateway.auth import Authenticator
 from berth.keys import load_or_create_pepper
 from berth.store import Store
 from berth.store.errors import StandbyError

@@ -9,8 +9,8 @@ routes that end its run (:mod:`.status`), and one router module per area: keys a
 uses, so its signature says what its routes touch. The typed request and answer shapes
 these routes speak are :mod:`berth.api`'s, shared with the CLI.
 
-May import :mod:`berth.gateway`, :mod:`berth.deployments` and every layer below
-(``console``, ``scaling``, ``routing``, ``admission``, ``cluster``, ``api``, ...). Never
-:mod:`berth.daemon`, which builds the routers from its object graph
-(:mod:`berth.daemon.admin_routes`).
+May import :mod:`berth.deployments` and every layer below (``auth``, ``console``,
+``scaling``, ``routing``, ``admission``, ``cluster``, ``api``, ...). Never
+:mod:`berth.gateway`, beside it, nor :mod:`berth.daemon`, which builds the routers from its
+object graph (:mod:`berth.daemon.admin_routes`).
 """

@@ -44,9 +44,9 @@ from berth.api import (
     parse_since,
     role_name,
 )
+from berth.auth.authenticator import Authenticator
 from berth.config import TierTable
 from berth.errors import ConfigError
-from berth.gateway.auth import Authenticator
 from berth.keys import (
     Role,
     Tier,

@@ -337,7 +337,7 @@ SETTINGS: tuple[SettingDef, ...] = (
                "without reading them (refused), all connections together; past it a "
                "connection waits and TCP holds its client back",
                default=_LIMITS.discard_bytes_per_s, minimum=64 * 1024),
-    # Failed authentication per client address (berth.gateway.auth_limiter): 429 past it.
+    # Failed authentication per client address (berth.auth.limiter): 429 past it.
     SettingDef("auth_failure_burst", "int", "server",
                "failed API-key attempts a client address may make at once before it is "
                "refused (429); a valid key is never refused for them",

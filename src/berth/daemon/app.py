@@ -9,7 +9,7 @@ every path alike, ``x-api-key``, which the Anthropic SDK sends; refusals under
 allows (the caller goes to the admin app in its request state, :mod:`berth.admin.roles`),
 and failed
 attempts are limited per client address (429 past the ``auth_failure_*`` settings; see
-:mod:`berth.gateway.auth`); over the Unix socket (mode 0600, so only its owner can connect) no
+:mod:`berth.auth.authenticator`); over the Unix socket (mode 0600, so only its owner can connect) no
 key is needed: a request there is the desk worker's when it says so
 (:data:`berth.admission.SOCKET_CALLER_HEADER`, read on that listener only), else the CLI's.
 The key's record, or the socket's caller, goes to the proxy, whose admission applies its
@@ -36,10 +36,10 @@ from berth.admission import (
     socket_caller,
 )
 from berth.anthropic_errors import is_messages_path, to_anthropic
+from berth.auth.authenticator import Authenticator, require_tier, secret_from_headers
 from berth.daemon.admin_routes import build_admin
 from berth.daemon.graph import LeaderGraph
 from berth.errors import AuthError, BerthError, RateLimitError
-from berth.gateway.auth import Authenticator, require_tier, secret_from_headers
 from berth.gateway.proxy import OpenAIProxy
 from berth.http_server.asgi import AsgiHandler
 from berth.http_server.cors import CorsPolicy

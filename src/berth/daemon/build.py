@@ -20,6 +20,7 @@ from berth.admin.status import Listener, RunState
 from berth.admission import Admission, UsageLedger
 from berth.agent.in_process_link import InProcessLink
 from berth.agent.node_sampler import LocalNodeSampler
+from berth.auth.authenticator import Authenticator
 from berth.cluster.direct_path import DataPaths
 from berth.cluster.enrollment import AuditLog, EnrollmentService
 from berth.cluster.hub import NodeHub
@@ -53,7 +54,6 @@ from berth.daemon.pieces import (
 from berth.daemon.sockets import LeaderSockets, raise_open_files_limit
 from berth.deployments.drain import DrainRunner
 from berth.gateway.adapter_resolver import AdapterResolver
-from berth.gateway.auth import Authenticator
 from berth.http_server.server import HttpServer
 from berth.observability.loop_lag import LoopLagMonitor
 from berth.observability.tracing_setup import open_tracing

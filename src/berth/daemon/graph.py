@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from berth.admin.status import LeaderFacts, Listener, RunState
 from berth.admission import Admission
 from berth.agent.core import AgentCore
+from berth.auth.authenticator import Authenticator
 from berth.cluster.ca import CertificateAuthority
 from berth.cluster.direct_path import DataPaths
 from berth.cluster.enrollment import EnrollmentService
@@ -24,7 +25,6 @@ from berth.daemon.ha import SharedLeadership
 from berth.deployments.adapters import AdapterManager
 from berth.deployments.drain import DrainRunner
 from berth.deployments.lifecycle import LifecycleManager
-from berth.gateway.auth import Authenticator
 from berth.gateway.proxy import OpenAIProxy
 from berth.observability.cluster import ClusterMetrics
 from berth.observability.history import MetricsHistory

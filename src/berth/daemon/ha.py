@@ -4,7 +4,7 @@
 loop (:class:`~berth.store.leadership.Leadership`, which ``/readyz``, ``/admin/leader`` and
 the ``/v1`` guard read), the roster of leaders (:class:`~berth.daemon.leader_roster.
 LeaderRoster`, which the hub and enrollment ask), the key sync
-(:class:`~berth.gateway.key_sync.KeySync`), and the gate on the leader-only loops: the
+(:class:`~berth.auth.key_sync.KeySync`), and the gate on the leader-only loops: the
 ``start_leading`` it is given (reconcile, the engine watcher, scaling) runs once this
 leader holds the lease, at once when it does at start, later when a standby takes over.
 :func:`build_shared_leadership` builds it with the rest of the leader, so its listeners
@@ -28,11 +28,11 @@ import logging
 from collections.abc import Awaitable, Callable
 
 from berth.admission import Admission
+from berth.auth.authenticator import Authenticator
+from berth.auth.key_sync import KeySync
 from berth.cluster.enrollment import EnrollmentService
 from berth.cluster.hub import NodeHub
 from berth.daemon.leader_roster import LeaderRoster
-from berth.gateway.auth import Authenticator
-from berth.gateway.key_sync import KeySync
 from berth.store import Store
 from berth.store.leadership import Leadership, leader_id
 from berth.store.lease import LeaseState
