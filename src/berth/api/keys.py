@@ -23,6 +23,7 @@ from berth.vocab.limits import (
     KeyLimits,
     LimitName,
     LimitOverrides,
+    OverrideFields,
     check_models,
 )
 
@@ -88,12 +89,13 @@ class _LimitsIn(ApiInput):
     def overrides(self) -> LimitOverrides:
         """The limits this body sets (the fields it gives, ``null`` ones included)."""
         given = self.model_fields_set
-        values: dict[str, object] = {}
+        values: OverrideFields = {}
         for name in NUMERIC_LIMITS:
-            values[name] = getattr(self, name) if name in given else INHERIT
+            numeric: int | None = getattr(self, name)
+            values[name] = numeric if name in given else INHERIT
         if "models" in given:
             values["models"] = None if self.models is None else frozenset(self.models)
-        return LimitOverrides(**values)  # type: ignore[arg-type]
+        return LimitOverrides(**values)
 
 
 class KeyIn(_LimitsIn):
