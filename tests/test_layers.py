@@ -43,6 +43,7 @@ BASE: tuple[str, ...] = (
     "conforms",
     "redact",
     "unit_files",
+    "backoff",
     "restart_backoff",
 )
 

@@ -33,6 +33,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from berth.backoff import capped_delay_s
 from berth.humanize import duration
 from berth.vocab.policies import RestartPolicy
 
@@ -65,16 +66,12 @@ class Backoff:
     crashloop_restarts: int = CRASHLOOP_RESTARTS
 
     def delay_s(self, streak: int) -> float:
-        """The delay before the restart that follows ``streak`` restarts in a row."""
+        """The delay before the restart that follows ``streak`` restarts in a row: the
+        first delay doubled ``streak`` times, at most ``max_s`` (no jitter: one leader
+        decides every restart); 0 when ``initial_s`` is 0."""
         if self.initial_s <= 0:
             return 0.0
-        # Doubling stops once past the cap: 2**streak never overflows a float.
-        delay = self.initial_s
-        for _ in range(streak):
-            delay *= 2
-            if delay >= self.max_s:
-                return self.max_s
-        return min(delay, self.max_s)
+        return capped_delay_s(streak, first_s=self.initial_s, cap_s=self.max_s)
 
 
 @dataclass(frozen=True)
