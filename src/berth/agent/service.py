@@ -357,7 +357,7 @@ class AgentService:
         return StartResult(pid=handle.pid, port=handle.port)
 
     async def _pull(self, pull: PullArgs, models_dir: Path) -> PullResult:
-        from berth.runtime.hub import pull_model  # huggingface_hub: ~18 MiB, when needed
+        from berth.runtime.hf_pull import pull_model  # huggingface_hub: ~18 MiB, when needed
 
         self._on_activity(f"pulling {pull.repo_id} from the hub")
         path = await asyncio.to_thread(
