@@ -248,10 +248,6 @@ class ReadyTable:
         """A probe answered: route to the deployment again.  Whether it was suspect."""
         return self._suspect.pop(deployment_id, None) is not None
 
-    def suspect_reason(self, deployment_id: str) -> str | None:
-        """Why the deployment is suspect, or ``None`` when it is not."""
-        return self._suspect.get(deployment_id)
-
     def _is_ready(self, deployment_id: str) -> bool:
         return any(deployment_id in ready for ready in self._ready.values())
 

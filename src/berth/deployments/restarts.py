@@ -42,7 +42,6 @@ from berth.vocab.policies import RestartPolicy
 #: failed health probes), ``gone`` (not running, how it ended unknown), ``start_failed`` (a
 #: restart's start did not reach ready).
 EndCause = Literal["exit", "signal", "unhealthy", "gone", "start_failed"]
-END_CAUSES: tuple[EndCause, ...] = ("exit", "signal", "unhealthy", "gone", "start_failed")
 
 #: Seconds before the first restart (the ``restart_backoff_s`` setting).
 RESTART_BACKOFF_S = 1.0

@@ -33,11 +33,6 @@ _PATHS: dict[EngineName, tuple[str, str]] = {
 }
 
 
-def supports_runtime_loading(engine: EngineName) -> bool:
-    """Whether ``engine`` loads adapters while it runs (vLLM, SGLang; not llama.cpp)."""
-    return engine in _PATHS
-
-
 async def load_adapter(
     engine: EngineName,
     base_url: str,

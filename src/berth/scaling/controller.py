@@ -271,11 +271,6 @@ class ScalingController:
             decision=self._decision.get(service),
         )
 
-    def service_of(self, deployment_id: str) -> str | None:
-        """The service ``deployment_id`` is an active replica of, if any."""
-        tracked = self._replicas.get(deployment_id)
-        return tracked.service if tracked is not None else None
-
     def usage(self, deployment_id: str) -> ReplicaUsage:
         """How ``deployment_id`` is used, for the eviction choice (a deployment of no
         service: only what is in flight on it)."""

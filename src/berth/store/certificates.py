@@ -57,12 +57,6 @@ class CertificateMethods:
             )
             node.cert_fingerprint = certificate.fingerprint
 
-    def node_for_certificate(self, fingerprint: str) -> str | None:
-        """The id of the node an issued, recorded certificate belongs to, or ``None``."""
-        with self._read() as session:
-            row = session.get(NodeCertificateRow, fingerprint)
-            return None if row is None else row.node_id
-
     def node_certificate(self, fingerprint: str) -> NodeCertificate | None:
         """The recorded certificate with ``fingerprint``, or ``None``."""
         with self._read() as session:
