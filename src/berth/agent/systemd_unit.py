@@ -58,7 +58,6 @@ from berth.unit_files import environment_line as _environment
 from berth.unit_files import escape_specifiers as _escape_specifiers
 from berth.unit_files import exec_word as _exec_word
 from berth.unit_files import quote_word as _quote
-from berth.unit_files import systemctl_commands as _systemctl_commands
 
 #: The unit's file name, in either scope.
 UNIT_NAME = "berth-agent.service"
@@ -230,15 +229,6 @@ def default_unit_dir(
     if config is None or not config.is_absolute():
         config = user_home / ".config"
     return config / "systemd" / "user"
-
-
-def systemctl_commands(scope: UnitScope, *, restart: bool) -> list[list[str]]:
-    """The ``systemctl`` command lines that load, enable and start the unit.
-
-    ``restart`` (the unit replaced a different one) restarts a running agent so the new unit
-    takes effect; ``enable --now`` alone would leave the old one running.
-    """
-    return _systemctl_commands(scope, UNIT_NAME, restart=restart)
 
 
 def parse_systemd_version(text: str) -> int | None:
