@@ -53,8 +53,7 @@ from berth.agent.exit_status import (
 from berth.errors import ConfigError
 from berth.unit_files import UnitScope as UnitScope  # the agent CLI's type, defined once there
 from berth.unit_files import check_printable as _check_printable
-from berth.unit_files import check_user_name, pick_user_name
-from berth.unit_files import environment_line as _environment
+from berth.unit_files import check_user_name, install_section, pick_user_name, service_head
 from berth.unit_files import escape_specifiers as _escape_specifiers
 from berth.unit_files import exec_word as _exec_word
 from berth.unit_files import quote_word as _quote
@@ -150,16 +149,9 @@ def render_unit(unit: AgentUnit) -> str:
         f"# refused for good exits {EXIT_REENROLL} and stays stopped until it is enrolled again.",
         "StartLimitIntervalSec=0",
         "",
-        "[Service]",
-        "Type=simple",
-    ]
-    if unit.scope == "system":
-        lines.append(f"User={_escape_specifiers(str(unit.user_name))}")
-    lines.append(_environment("BERTH_HOME", str(unit.home)))
-    if unit.search_path:
-        lines.append(_environment("PATH", ":".join(str(p) for p in unit.search_path)))
-    lines += [
-        _environment("PYTHONUNBUFFERED", "1"),
+        *service_head(
+            unit.scope, user_name=unit.user_name, home=unit.home, search_path=unit.search_path
+        ),
         f"ExecStart={exec_start}",
         "Restart=on-failure",
         f"RestartSec={RESTART_DELAY_S}s",
@@ -189,11 +181,7 @@ def render_unit(unit: AgentUnit) -> str:
             f"ReadWritePaths={_quote(_escape_specifiers(str(unit.home)))}",
             "ProtectControlGroups=yes",
         ]
-    lines += [
-        "",
-        "[Install]",
-        f"WantedBy={'multi-user.target' if unit.scope == 'system' else 'default.target'}",
-    ]
+    lines += install_section(unit.scope)
     return "\n".join(lines) + "\n"
 
 

@@ -28,6 +28,27 @@ from berth.unit_files import UnitScope, systemctl_commands
 SYSTEMCTL_TIMEOUT_S = 120
 
 
+# The options both install-service commands take, defined once.
+SYSTEM_OPTION = typer.Option(
+    False,
+    "--system/--user",
+    help="A system unit in /etc/systemd/system running as $SUDO_USER (run it via sudo), "
+    "or a unit for your own user manager (the default).",
+)
+UNIT_DIR_OPTION = typer.Option(
+    None,
+    "--unit-dir",
+    help="Write the unit in this folder instead of systemd's (packaging, tests).",
+)
+NO_START_OPTION = typer.Option(
+    False, "--no-start", help="Write the unit; print the systemctl commands, run none."
+)
+DRY_RUN_OPTION = typer.Option(
+    False, "--dry-run", "--print", help="Print the unit on stdout; write nothing."
+)
+FORCE_OPTION = typer.Option(False, "--force", help="Replace a different existing unit.")
+
+
 @dataclass(frozen=True)
 class UnitWrite:
     """Where a unit went: its ``path``, whether one was there (``existed``) and whether it
