@@ -297,17 +297,10 @@ def test_the_architecture_doc_mirrors_the_table() -> None:
     assert documented_layers(ARCHITECTURE_DOC.read_text()) == [tuple(u) for u in LAYERS]
 
 
-#: Packages whose docstring is still to come: ``cluster`` is being divided by reason to change
-#: (issue 39), and each of its parts gets its own. Remove a name once its package has one.
-DOCSTRING_TO_COME = frozenset({"cluster"})
-
-
 def test_every_package_opens_with_a_docstring_stating_its_job() -> None:
     missing = []
     for init in sorted(SOURCE.rglob("__init__.py")):
         package = ".".join(init.parent.relative_to(SOURCE.parent).parts)
-        if package.removeprefix("berth.") in DOCSTRING_TO_COME:
-            continue
         if not ast.get_docstring(ast.parse(init.read_text())):
             missing.append(package)
     assert not missing, f"packages without a docstring saying what they own: {missing}"
