@@ -3,7 +3,7 @@ the leader's event loop stalled meanwhile.
 
 Issue 38 found that registering ``/`` walked the whole tree on the event loop (6.2 s for
 ``/root``) and then failed with a 500. The path is now checked in a worker thread with a
-bound on entries and time (:mod:`berth.runtime.model_files`). This script starts a leader in
+bound on entries and time (:mod:`berth.weights.model_files`). This script starts a leader in
 its own process (:class:`berth.daemon.server.Leader`, leader-only, on a temporary home), asks
 it ``--requests`` times over its Unix socket, and prints the answers' median and max, and
 from ``berth_event_loop_lag_seconds{node="local"}`` (a tick every 20 ms) how many ticks of

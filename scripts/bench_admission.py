@@ -38,7 +38,8 @@ from berth.engine_http.request import EngineRequest
 from berth.gateway.proxy import OpenAIProxy
 from berth.observability.metrics import ProxyMetrics
 from berth.routing.resolver import Upstream
-from berth.store import ApiKeyRecord, Store
+from berth.store import Store
+from berth.vocab.records import ApiKeyRecord
 
 MODEL = "bench"
 #: Whether this tree's admission bounds a key's body bytes in flight (issue 38): a tree

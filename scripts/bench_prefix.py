@@ -275,7 +275,7 @@ def serve_berth(
     from berth.observability.metrics import ProxyMetrics
     from berth.routing.resolver import Upstream
     from berth.routing.router import Router
-    from berth.store import RoutingPolicy
+    from berth.vocab.policies import RoutingPolicy
 
     upstreams = [Upstream(url, f"engine-{i}", f"node-{i}", MODEL) for i, url in enumerate(urls)]
 

@@ -100,7 +100,7 @@ def add_limited_key(store: Any, model: str) -> Any:
     """A key in ``store`` (a migrated :class:`berth.store.Store`) with every limit set far
     above any load this machine can make, so that each check runs and none refuses; its
     model list names ``model``."""
-    from berth.limits import LimitOverrides
+    from berth.vocab.limits import LimitOverrides
 
     huge = 10**12
     own = LimitOverrides(

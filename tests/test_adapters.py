@@ -23,18 +23,15 @@ from berth.errors import ConfigError, ConflictError, EngineError, NotFoundError
 from berth.routing.adapters import AdapterSlots, AdapterTier, eviction_choice, rank_tiers, tier_of
 from berth.routing.errors import AdapterUnavailableError, NoReadyDeploymentError
 from berth.routing.resolver import Upstream
-from berth.runtime.adapter_files import check_fits, inspect_adapter, inspect_base
 from berth.runtime.engine_container import build_container_spec
-from berth.runtime.engines import (
-    DeploymentRequest,
-    EngineBinaries,
-    build_launch_spec,
-    find_free_port,
-)
+from berth.runtime.engines import EngineBinaries, build_launch_spec, find_free_port
 from berth.runtime.lora_api import load_adapter, unload_adapter
-from berth.store import AdapterRecord, DeploymentRecord, Store
+from berth.store import Store
 from berth.store.migrations import MIGRATIONS, migrate
-from berth.store.states import DeploymentState
+from berth.vocab.deployment_request import DeploymentRequest
+from berth.vocab.records import AdapterRecord, DeploymentRecord
+from berth.vocab.states import DeploymentState
+from berth.weights.adapter_files import check_fits, inspect_adapter, inspect_base
 from support.fakes import FakeLink
 from support.lora_gguf import write_lora_gguf
 

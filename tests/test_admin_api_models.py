@@ -2,8 +2,8 @@
 OpenAPI schema describes it, the JSON keeps its shape through the CLI, and the client turns
 the daemon's errors into berth's error types.
 
-The admin app is built in-process, as ``daemon/app.py`` builds it, over a stand-in for the
-leader's services that carries only what building the routes reads: no request here
+The admin app is built in-process, as ``daemon/admin_routes.py`` builds it, over a stand-in
+for the leader's graph that carries only what building the routes reads: no request here
 reaches the store or the lifecycle manager.
 """
 
@@ -28,12 +28,13 @@ from berth.admin.app import build_admin_app
 from berth.admin.deployments import deployment_view
 from berth.admin.keys import key_view
 from berth.admin.nodes import node_detail_view
-from berth.admin.services import build_service_router
+from berth.admin.status import LeaderFacts, RunState
 from berth.api import Deployment, ServiceIn
 from berth.api.client import DaemonClient, error_from_response
 from berth.api.pulls import PullIn
 from berth.cli.common import request_body
 from berth.config import Settings
+from berth.daemon.admin_routes import admin_routers
 from berth.errors import (
     AuthError,
     BerthError,
@@ -46,9 +47,9 @@ from berth.errors import (
 )
 from berth.keys import Tier
 from berth.paths import BerthHome
-from berth.runtime.gpu import GpuInfo
-from berth.store import ApiKeyRecord, DeploymentRecord, NodeHardware, NodeRecord
-from berth.store.states import DeploymentState
+from berth.vocab.gpu import GpuInfo
+from berth.vocab.records import ApiKeyRecord, DeploymentRecord, NodeHardware, NodeRecord
+from berth.vocab.states import DeploymentState
 
 #: Routes that answer text, not JSON: Prometheus' exposition format and an engine's log.
 TEXT_ROUTES = {"/metrics", "/admin/deployments/{deployment_id}/logs"}
@@ -58,30 +59,33 @@ UPDATED = datetime(2025, 3, 4, 5, 6, 8, tzinfo=UTC)
 
 
 @pytest.fixture
-def services(tmp_path: Path) -> Any:
-    """What building the admin routes reads of the leader's services, and ``ready``."""
+def graph(tmp_path: Path) -> Any:
+    """What building the admin routes reads of the leader's graph; ``run`` says ``ready``."""
+    home = BerthHome(tmp_path / "home")
+    facts = LeaderFacts(1, 0.0, home, "https://leader:11501", (), leader_only=False)
+    names = (
+        "store lifecycle routes adapters scaling leadership ca metrics links hub admission drains"
+    )
+    stand_ins = dict.fromkeys([*names.split(), "authenticator", "data_paths", "history"])
     return SimpleNamespace(
-        store=None,
-        lifecycle=None,
-        routes=None,
-        adapters=None,
-        settings=Settings.load(BerthHome(tmp_path / "home")),
-        home=BerthHome(tmp_path / "home"),
+        **stand_ins,
+        settings=Settings.load(home),
+        home=home,
+        pid=1,
+        pepper=b"p" * 32,
         leader_only=False,
-        ready=False,
-        scaling=None,
-        drains=None,
-        history=None,
-        leadership=None,
+        facts=facts,
+        run=RunState(),
+        enrollment=None,
+        cluster_metrics=None,
+        proxy=SimpleNamespace(router=None),
     )
 
 
 @pytest.fixture
-def admin(services: Any) -> FastAPI:
-    """The admin app with the service router, as ``build_apps`` puts them together."""
-    app = build_admin_app(services)
-    app.include_router(build_service_router(services))
-    return app
+def admin(graph: Any) -> FastAPI:
+    """The admin app as the daemon puts it together (the console's routes aside)."""
+    return build_admin_app(admin_routers(graph), tiers=graph.settings.tiers)
 
 
 @pytest.fixture
@@ -147,10 +151,10 @@ async def test_the_schema_describes_every_answer_and_error(http: httpx.AsyncClie
 
 
 async def test_readyz_says_starting_with_503_then_ready(
-    services: Any, http: httpx.AsyncClient
+    graph: Any, http: httpx.AsyncClient
 ) -> None:
     starting = await http.get("/readyz")
-    services.ready = True
+    graph.run.ready = True
     ready = await http.get("/readyz")
 
     assert (starting.status_code, starting.json()) == (503, {"status": "starting"})

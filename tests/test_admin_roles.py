@@ -22,18 +22,18 @@ import pytest
 from fastapi import FastAPI
 from sqlalchemy import create_engine, text
 
-from berth.admin.app import build_admin_app
-from berth.admin.console import ConsoleGate, build_console_router
+from berth.admin.console import ConsoleGate
 from berth.admin.roles import KEY_STATE, NO_KEY, SCHEMA_FIELD, check_roles_declared, needs
-from berth.admin.services import build_service_router
 from berth.admission import SocketCaller
 from berth.config import Settings
+from berth.daemon.admin_routes import build_admin
 from berth.errors import ConfigError
 from berth.keys import Role, Tier, parse_role, role_of_tier
 from berth.observability.request_log import RequestLog
 from berth.paths import BerthHome
-from berth.store import ApiKeyRecord, Store
+from berth.store import Store
 from berth.store.migrations import MIGRATIONS, migrate
+from berth.vocab.records import ApiKeyRecord
 
 CREATED = datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)
 #: The only operations that change nothing though not a GET: a viewer may use them.
@@ -51,26 +51,24 @@ ADMIN_ONLY = {
 
 @pytest.fixture
 def admin_app(tmp_path: Path) -> FastAPI:
-    """The admin app with every router ``daemon/app.py`` includes, over stand-in services."""
-    services: Any = SimpleNamespace(
-        store=None,
-        lifecycle=None,
-        routes=None,
-        adapters=None,
-        settings=Settings.load(BerthHome(tmp_path / "home")),
-        home=BerthHome(tmp_path / "home"),
+    """The admin app with every router ``daemon/app.py`` includes (built by
+    :func:`berth.daemon.admin_routes.build_admin`), over a stand-in graph."""
+    home = BerthHome(tmp_path / "home")
+    graph: Any = SimpleNamespace(
+        settings=Settings.load(home),
+        home=home,
+        pid=0,
         leader_only=False,
-        ready=False,
-        scaling=None,
-        drains=None,
-        history=None,
-        leadership=None,
-    )
-    app = build_admin_app(services)
-    app.include_router(build_service_router(services))
+        proxy=SimpleNamespace(router=None, request_log=RequestLog()),
+        **dict.fromkeys(
+            ("store", "lifecycle", "routes", "adapters", "scaling", "drains", "history",
+             "leadership", "facts", "run", "ca", "metrics", "hub", "links", "admission",
+             "authenticator", "pepper", "data_paths", "enrollment", "cluster_metrics",
+             "cluster_url"),
+        ),
+    )  # fmt: skip
     gate = ConsoleGate(None, None, b"", check_expiry=lambda _record: None)  # type: ignore[arg-type]
-    app.include_router(build_console_router(gate, RequestLog()))
-    return app
+    return build_admin(graph, gate)
 
 
 def _key(role: Role | None, tier: str = Tier.ADMIN) -> ApiKeyRecord:

@@ -13,14 +13,15 @@ import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
-from berth.admin.services import load_routes, service_router
+from berth.admin.services import build_service_router, load_routes
 from berth.cluster.link_registry import LinkRegistry
 from berth.deployments.lifecycle import LifecycleManager
 from berth.errors import BerthError
 from berth.observability.metrics import ProxyMetrics
 from berth.openai_errors import error_from_exception
 from berth.routing.routes import RouteResolver
-from berth.store import Store, StreamTimeouts
+from berth.store import Store
+from berth.vocab.records import StreamTimeouts
 from support.fakes import FakeLink
 from support.proxy_fixtures import running_proxy, sample
 from support.standin_engine import Head, Hold, Reply, StandinEngine
@@ -66,7 +67,7 @@ def admin_app(
         status, body, headers = error_from_exception(exc)
         return Response(body, status_code=status, headers=headers, media_type="application/json")
 
-    router = service_router(
+    router = build_service_router(
         store, lifecycle, routes, default_runtime="process", leader_only=leader_only
     )
     app.include_router(router)

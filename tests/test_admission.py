@@ -27,8 +27,8 @@ from berth.admission.calendar import CalendarPosition, day_of
 from berth.admission.headers import format_duration
 from berth.config import TierDef, TierTable
 from berth.errors import ConfigError
-from berth.limits import KeyLimits, LimitOverrides
-from berth.store import ApiKeyRecord, UsageRecord
+from berth.vocab.limits import KeyLimits, LimitOverrides
+from berth.vocab.records import ApiKeyRecord, UsageRecord
 
 CREATED = datetime(2025, 1, 1, tzinfo=UTC)
 

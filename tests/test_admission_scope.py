@@ -27,11 +27,11 @@ from berth.gateway import completions, stages
 from berth.gateway.engine_client import EngineClient
 from berth.gateway.proxy import OpenAIProxy
 from berth.gateway.relay import AnswerRelay
-from berth.limits import LimitOverrides
 from berth.observability.metrics import ProxyMetrics
 from berth.observability.request_log import RequestLog
 from berth.routing.resolver import Upstream
-from berth.store import ApiKeyRecord, UsageRecord
+from berth.vocab.limits import LimitOverrides
+from berth.vocab.records import ApiKeyRecord, UsageRecord
 from support.proxy_fixtures import StaticResolver, running_proxy, sample
 from support.standin_engine import Head, Hold, Reply, StandinEngine, Write, chat_chunks, sse_reply
 from support.waiting import EVENT_TIMEOUT_S, wait_for_async

@@ -22,8 +22,9 @@ from berth.observability.metrics import ProxyMetrics
 from berth.routing.resolver import Upstream
 from berth.routing.router import Router
 from berth.routing.waiting import WaitingAttempts
-from berth.store import Store, StreamTimeouts
-from berth.store.states import DeploymentState
+from berth.store import Store
+from berth.vocab.records import StreamTimeouts
+from berth.vocab.states import DeploymentState
 from support.fakes import FakeLink
 from support.link_pair import DEPLOYMENT, Linked, OneLink
 from support.proxy_fixtures import running_proxy, sample, serve_berth

@@ -1,4 +1,4 @@
-"""The API-key cache of :class:`berth.gateway.auth.Authenticator`, against a real store: no
+"""The API-key cache of :class:`berth.auth.authenticator.Authenticator`, against a real store: no
 request with a key found valid waits for its re-read (stale-while-revalidate, up to
 ``MAX_STALE_S``), concurrent misses share one read, and a key revoked or changed stops being
 served from the cache; bad secrets are remembered, read a few at a time, and limited per
@@ -13,16 +13,17 @@ from collections.abc import Mapping
 
 import pytest
 
-from berth.errors import AuthError, RateLimitError
-from berth.gateway.auth import (
+from berth.auth.authenticator import (
     MAX_CONCURRENT_MISSES,
     MAX_STALE_S,
     NEGATIVE_CACHE_TTL_S,
     Authenticator,
 )
-from berth.gateway.auth_limiter import FailedAuthLimiter
+from berth.auth.limiter import FailedAuthLimiter
+from berth.errors import AuthError, RateLimitError
 from berth.keys import generate_secret, hash_secret, key_prefix
-from berth.store import ApiKeyRecord, Store
+from berth.store import Store
+from berth.vocab.records import ApiKeyRecord
 from support.waiting import wait_for_async
 
 PEPPER = b"p" * 32
@@ -273,7 +274,7 @@ async def test_a_store_failure_in_the_background_keeps_the_record_up_to_the_stal
 
     reads.failure = OSError("database is locked")
     monotonic.now += TTL_S * 0.8
-    with caplog.at_level(logging.WARNING, logger="berth.gateway.auth"):
+    with caplog.at_level(logging.WARNING, logger="berth.auth.authenticator"):
         assert await authenticator.authenticate(secret) == record
         await settle(authenticator)
     assert "reading an API key again failed" in caplog.text
@@ -363,7 +364,7 @@ async def test_creating_a_key_forgets_the_invalid_secrets(
 async def test_the_negative_cache_is_bounded_oldest_dropped_first(
     authenticator: Authenticator, reads: CountedReads, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr("berth.gateway.auth.MAX_NEGATIVE_ENTRIES", 3)
+    monkeypatch.setattr("berth.auth.authenticator.MAX_NEGATIVE_ENTRIES", 3)
     secrets = [generate_secret() for _ in range(4)]
     for secret in secrets:
         with pytest.raises(AuthError):

@@ -1,4 +1,4 @@
-"""The limit on failed authentication per client address (:mod:`berth.gateway.auth_limiter`):
+"""The limit on failed authentication per client address (:mod:`berth.auth.limiter`):
 a token bucket per address, tokens given back by valid keys, one audit line per window, a
 bounded table of addresses."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from berth.gateway.auth_limiter import FailedAuthLimiter, Refused, address_key
+from berth.auth.limiter import FailedAuthLimiter, Refused, address_key
 
 ADDRESS = "203.0.113.7"
 

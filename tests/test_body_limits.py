@@ -17,11 +17,11 @@ from berth.config import TierTable
 from berth.config.settings import Settings
 from berth.gateway.body_limits import BodyLimits, ElementCounter, check_shape
 from berth.gateway.request import read_body
-from berth.limits import LimitOverrides
 from berth.observability.metrics import ProxyMetrics
 from berth.paths import BerthHome
 from berth.routing.errors import InvalidRequestError, RequestTooLargeError
-from berth.store import ApiKeyRecord, UsageRecord
+from berth.vocab.limits import LimitOverrides
+from berth.vocab.records import ApiKeyRecord, UsageRecord
 from support.proxy_fixtures import StaticResolver, running_proxy
 from support.standin_engine import StandinEngine
 

@@ -36,7 +36,7 @@ from berth.api.usage import UsageGrouping
 from berth.cli import common
 from berth.cli.main import app
 from berth.paths import BerthHome
-from berth.store.states import DeploymentState
+from berth.vocab.states import DeploymentState
 
 CREATED = datetime(2026, 11, 2, tzinfo=UTC)
 KEY_ID = "k-b3f1c2d4"

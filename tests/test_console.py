@@ -13,6 +13,7 @@ import pytest
 from berth.admin.console import ConsoleGate
 from berth.admission import Admission, UsageLedger
 from berth.admission.errors import KeyExpiredError
+from berth.auth.authenticator import Authenticator
 from berth.config import TierTable
 from berth.console import static_files
 from berth.console.sessions import (
@@ -23,7 +24,6 @@ from berth.console.sessions import (
     set_cookie,
 )
 from berth.errors import AuthError
-from berth.gateway.auth import Authenticator
 from berth.keys import generate_secret, hash_secret, key_prefix
 from berth.observability.metrics import ProxyMetrics
 from berth.observability.request_log import RequestLog

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+from berth.backoff import Backoff
 from berth.desk.errors import DeskProtocolError
 from berth.desk.leader import job_request, speed_test_request
 from berth.desk.pulse import (
-    Backoff,
     GpuView,
     ModelServing,
     SentPulse,
@@ -106,7 +106,7 @@ def test_speed_is_completion_tokens_over_wall_time(
 
 
 def test_backoff_doubles_to_its_cap_and_resets() -> None:
-    backoff = Backoff(2.0, 60.0, uniform=lambda _low, high: high)
+    backoff = Backoff(2.0, 60.0, rand=lambda: 1.0)  # the top of each step
     assert [backoff.next_delay_s() for _ in range(7)] == [2, 4, 8, 16, 32, 60, 60]
     backoff.reset()
     assert backoff.next_delay_s() == 2.0
@@ -116,11 +116,10 @@ def test_backoff_doubles_to_its_cap_and_resets() -> None:
 
 
 def test_backoff_jitters_in_the_upper_half() -> None:
-    seen: list[tuple[float, float]] = []
-    backoff = Backoff(2.0, 60.0, uniform=lambda low, high: seen.append((low, high)) or low)
-    backoff.next_delay_s()
-    backoff.next_delay_s()
-    assert seen == [(1.0, 2.0), (2.0, 4.0)]
+    lowest = Backoff(2.0, 60.0, rand=lambda: 0.0)
+    middle = Backoff(2.0, 60.0, rand=lambda: 0.5)
+    assert [lowest.next_delay_s(), lowest.next_delay_s()] == [1.0, 2.0]
+    assert [middle.next_delay_s(), middle.next_delay_s()] == [1.5, 3.0]
 
 
 @pytest.mark.parametrize(

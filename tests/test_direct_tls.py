@@ -30,7 +30,7 @@ from berth.cluster.protocol.direct import parse_address, split_deployment_target
 from berth.cluster.protocol.frames import Hello, decode_frame, encode_frame
 from berth.cluster.protocol.payloads import Inventory
 from berth.errors import AuthError
-from berth.store import NodeHardware, NodeRecord
+from berth.vocab.records import NodeHardware, NodeRecord
 from support.direct import NODE_ID, make_pki
 
 

@@ -19,7 +19,7 @@ from berth.runtime.bundled import smollm2_gguf
 from berth.runtime.docker import DockerRuntime, resolve_docker_host
 from berth.runtime.docker.network import ENGINE_NETWORK
 from berth.runtime.engine_container import build_container_spec
-from berth.runtime.engines import DeploymentRequest
+from berth.vocab.deployment_request import DeploymentRequest
 from support.docker_support import berth_containers
 from support.installed import check_needs
 from support.waiting import EVENT_TIMEOUT_S, wait_for_async

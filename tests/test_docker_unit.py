@@ -38,9 +38,10 @@ from berth.runtime.docker.api import (
     decode_pull_message,
 )
 from berth.runtime.engine_container import build_container_spec
-from berth.runtime.engines import DeploymentRequest, EngineBinaries
+from berth.runtime.engines import EngineBinaries
 from berth.runtime.gpu import StaticInventory
 from berth.runtime.process import ProcessRuntime
+from berth.vocab.deployment_request import DeploymentRequest
 from support.waiting import EVENT_TIMEOUT_S, wait_for_async
 
 

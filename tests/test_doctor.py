@@ -50,9 +50,10 @@ from berth.doctor.run import tls_checks
 from berth.http_server.sockets import bind_tcp
 from berth.paths import BerthHome
 from berth.runtime.docker import resolve_docker_host
-from berth.runtime.engines import EngineName, find_free_port
+from berth.runtime.engines import find_free_port
 from berth.runtime.portable_build import llama_cpp_cmake_args
 from berth.store import Store
+from berth.vocab.engines import EngineName
 from support.cluster_harness import Cluster, clean_env, cli
 
 NOW = datetime.now(UTC)

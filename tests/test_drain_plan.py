@@ -14,8 +14,8 @@ from berth.placement.drain import (
     next_action,
     plan_drain,
 )
-from berth.store import DrainMove, MoveStep, NodeDrain
-from berth.store.states import DeploymentState as S
+from berth.vocab.drains import DrainMove, MoveStep, NodeDrain
+from berth.vocab.states import DeploymentState as S
 
 NOW = 1000.0
 GRACE_S = 60.0

@@ -30,7 +30,7 @@ from berth.routing.signals import SignalBoard
 from berth.routing.waiting import GiveUp, WaitingAttempts
 from berth.runtime.base import EngineExit
 from berth.store import Store
-from berth.store.states import DeploymentState
+from berth.vocab.states import DeploymentState
 from support.fakes import FakeLink
 from support.link_pair import FakeCore
 from support.waiting import EVENT_TIMEOUT_S, wait_for_async

@@ -227,7 +227,7 @@ def _mark_failed(home: Path, deployment_id: str) -> None:
     script = (
         "import sys\n"
         "from berth.store import Store\n"
-        "from berth.store.states import DeploymentState\n"
+        "from berth.vocab.states import DeploymentState\n"
         "store = Store(sys.argv[1])\n"
         "store.transition_deployment(sys.argv[2], DeploymentState.FAILED,"
         " failure_reason='given up while the leader was down')\n"

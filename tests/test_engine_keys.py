@@ -27,14 +27,14 @@ from berth.runtime.base import REDACTED, printable_command
 from berth.runtime.engine_container import build_container_spec
 from berth.runtime.engines import (
     CONTAINER_KEY_FILE,
-    DeploymentRequest,
     EngineBinaries,
-    EngineName,
     build_launch_spec,
     find_free_port,
 )
 from berth.runtime.gpu import StaticInventory
 from berth.runtime.process import ProcessRuntime
+from berth.vocab.deployment_request import DeploymentRequest
+from berth.vocab.engines import EngineName
 from support.cluster_harness import FAKE_ENGINE, fake_engine_wrapper
 
 KEY = "berth-ek-Secret_Key-0123456789"

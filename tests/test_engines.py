@@ -12,18 +12,10 @@ from berth.errors import ConfigError, EngineError, NotFoundError
 from berth.runtime import engines
 from berth.runtime.base import Mount
 from berth.runtime.engine_container import CONTAINER_ULIMITS, build_container_spec
-from berth.runtime.engines import (
-    ENGINE_NAMES,
-    ENGINE_PORTS,
-    DeploymentRequest,
-    EngineBinaries,
-    EngineName,
-    build_launch_spec,
-    find_free_port,
-    parse_engine_name,
-    parse_runtime_name,
-)
-from berth.runtime.images import check_image_reference
+from berth.runtime.engines import ENGINE_PORTS, EngineBinaries, build_launch_spec, find_free_port
+from berth.vocab.deployment_request import DeploymentRequest
+from berth.vocab.engines import ENGINE_NAMES, EngineName, parse_engine_name, parse_runtime_name
+from berth.vocab.images import check_image_reference
 
 BINARIES = EngineBinaries(
     llama_server="/opt/llama/llama-server", vllm="/opt/venv/bin/vllm", sglang_python="/usr/bin/py"

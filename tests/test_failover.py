@@ -57,8 +57,9 @@ from berth.routing.resolver import Upstream
 from berth.routing.router import Router
 from berth.routing.signals import SignalBoard
 from berth.routing.waiting import GiveUp, WaitingAttempts
-from berth.store import RestartPolicy, Store
-from berth.store.states import DeploymentState
+from berth.store import Store
+from berth.vocab.policies import RestartPolicy
+from berth.vocab.states import DeploymentState
 from support.fakes import FakeLink, memory_socket_pair
 from support.link_pair import DEPLOYMENT, Linked
 from support.proxy_fixtures import sample, serve_asgi

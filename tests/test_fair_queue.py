@@ -25,9 +25,9 @@ from berth.admission import (
 from berth.cluster.link import EngineEndpoint
 from berth.cluster.protocol.payloads import AdoptedState
 from berth.deployments.ready_table import ReadyTable
-from berth.runtime.slots import engine_slots
-from berth.store import DeploymentRecord
-from berth.store.states import DeploymentState
+from berth.vocab.records import DeploymentRecord
+from berth.vocab.slots import engine_slots
+from berth.vocab.states import DeploymentState
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ from berth.placement import (
     VramEstimate,
     plan_placement,
 )
-from berth.store import ModelRecord
+from berth.vocab.records import ModelRecord
 
 MODEL = ModelRecord(
     "m", Path("/models/m.gguf"), "local", None, None, 0, datetime(2025, 1, 1, tzinfo=UTC)

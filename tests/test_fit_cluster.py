@@ -28,10 +28,11 @@ from berth.errors import ConflictError
 from berth.placement import Placement, Refusal
 from berth.runtime.bundled import smollm2_gguf
 from berth.runtime.engines import EngineBinaries
-from berth.runtime.gpu import SimulatedInventory, parse_simulated_gpus
+from berth.runtime.gpu import SimulatedInventory
 from berth.runtime.process import ProcessRuntime
 from berth.store import Store
-from berth.store.states import DeploymentState
+from berth.vocab.gpu import parse_simulated_gpus
+from berth.vocab.states import DeploymentState
 from support.cluster_harness import fake_engine_wrapper
 from support.fakes import FakeLink, memory_socket_pair
 from support.link_pair import LeaderSide

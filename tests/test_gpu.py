@@ -19,15 +19,14 @@ from berth.doctor.engines import gpu_check
 from berth.errors import ConfigError
 from berth.paths import BerthHome
 from berth.runtime.gpu import (
-    GpuInfo,
     GpuInventory,
     NvmlInventory,
     SimulatedInventory,
     StaticInventory,
     inventory_for,
-    parse_simulated_gpus,
     read_gpus,
 )
+from berth.vocab.gpu import GpuInfo, parse_simulated_gpus
 
 GIB = 1 << 30
 

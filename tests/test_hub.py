@@ -9,7 +9,7 @@ import pytest
 
 from berth.errors import BerthError, ConfigError, NotFoundError
 from berth.runtime.engines import find_free_port
-from berth.runtime.hub import HubFile, model_dirname, pull_model, resolve_endpoint
+from berth.runtime.hf_pull import HubFile, model_dirname, pull_model, resolve_endpoint
 from support.hub_standin import TINY_FILES, HubStandin
 
 REPO = "berth-test/tiny-model"

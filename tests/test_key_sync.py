@@ -1,4 +1,4 @@
-"""Key changes reach every leader at once (``berth.gateway.key_sync``,
+"""Key changes reach every leader at once (``berth.auth.key_sync``,
 ``berth.store.changes``): a key revoked or limited through one leader's store is refused, or
 limited, by another leader's authenticator and admission on the same database.  On
 PostgreSQL the news comes by ``LISTEN/NOTIFY``: the counter poll and the authenticator's
@@ -16,14 +16,15 @@ from pathlib import Path
 import pytest
 
 from berth.admission import Admission, ManualClock, UsageLedger
+from berth.auth.authenticator import Authenticator
+from berth.auth.key_sync import KeySync
 from berth.config import TierTable
 from berth.errors import AuthError
-from berth.gateway.auth import Authenticator
-from berth.gateway.key_sync import KeySync
 from berth.keys import hash_secret, load_or_create_pepper
-from berth.limits import LimitOverrides
-from berth.store import Store, UsageRecord
+from berth.store import Store
 from berth.store.changes import KEYS_TOPIC
+from berth.vocab.limits import LimitOverrides
+from berth.vocab.records import UsageRecord
 from support.waiting import wait_for_async
 
 pytestmark = pytest.mark.store_engines

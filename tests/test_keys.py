@@ -11,6 +11,7 @@ import httpx
 import pytest
 
 from berth.admin.app import build_admin_app
+from berth.admin.keys import build_key_router
 from berth.admission.quotas import KeyUse
 from berth.config import Settings
 from berth.errors import ConfigError, ConflictError, NotFoundError
@@ -24,9 +25,10 @@ from berth.keys import (
     validate_key_name,
     verify_secret,
 )
-from berth.limits import KeyLimits
 from berth.paths import BerthHome
-from berth.store import ApiKeyRecord, Store
+from berth.store import Store
+from berth.vocab.limits import KeyLimits
+from berth.vocab.records import ApiKeyRecord
 
 # Every test that uses the store runs on SQLite and on PostgreSQL (conftest.py).
 pytestmark = pytest.mark.store_engines
@@ -272,25 +274,10 @@ async def test_a_key_named_with_a_slash_before_the_rule_is_still_changed_and_rev
     with monkeypatch.context() as before_the_rule:
         before_the_rule.setattr("berth.store.api_keys.validate_key_name", lambda name: name)
         old = store.add_api_key("a b/c", Tier.STANDARD, "1" * 64, "sk-berth-abcd")
-    home = BerthHome(tmp_path / "home")
-    services = SimpleNamespace(
-        store=store,
-        settings=Settings.load(home),
-        home=home,
-        pepper=b"p" * 32,
-        admission=_Admission(),
-        authenticator=SimpleNamespace(forget=lambda ids: None),
-        lifecycle=None,
-        routes=None,
-        adapters=None,
-        leader_only=False,
-        ready=False,
-        scaling=None,
-        drains=None,
-        history=None,
-        leadership=None,
-    )
-    app = build_admin_app(services)  # type: ignore[arg-type]
+    tiers = Settings.load(BerthHome(tmp_path / "home")).tiers
+    authenticator = SimpleNamespace(forget=lambda ids: None)
+    keys = build_key_router(store, _Admission(), authenticator, b"p" * 32, tiers)  # type: ignore[arg-type]
+    app = build_admin_app([keys], tiers=tiers)
     transport = httpx.ASGITransport(app=app)
     async with httpx.AsyncClient(transport=transport, base_url="http://berth") as http:
         changed = await http.patch("/admin/keys/a%20b%2Fc", json={"rpm": 5})

@@ -11,7 +11,7 @@ import pytest
 from berth.store import Store
 from berth.store.errors import FencedError
 from berth.store.lease import LeaseDecision, LeaseRecord, decide
-from berth.store.states import DeploymentState
+from berth.vocab.states import DeploymentState
 from support.clocks import HeldClock
 
 # The database tests run on SQLite (one file, two stores) and on PostgreSQL (conftest.py).

@@ -77,7 +77,7 @@ async def test_a_leader_starts_serves_stops_and_starts_again_on_its_ports(
     await leader.start()
     try:
         public_port, cluster_port = leader.public_port, leader.cluster_port
-        assert leader.graph.ready and leader.leading
+        assert leader.graph.run.ready and leader.leading
         assert in_process_home.pid_file.exists() and in_process_home.socket_file.exists()
         healthz = await public_get(in_process_home, public_port, "/healthz")
         assert healthz.status_code == 200
@@ -152,7 +152,7 @@ async def test_serve_runs_the_leader_until_asked_to_stop(in_process_home: BerthH
     serving = asyncio.create_task(leader.serve())
     try:
         await wait_for_async(
-            lambda: serving.done() or (leader.started and leader.graph.ready),
+            lambda: serving.done() or (leader.started and leader.graph.run.ready),
             EVENT_TIMEOUT_S,
             "the leader to be ready",
         )

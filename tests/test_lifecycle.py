@@ -18,8 +18,9 @@ from berth.deployments.lifecycle import DeployOptions, LifecycleManager
 from berth.errors import ConfigError, ConflictError, EngineError, NotFoundError, StoreError
 from berth.routing.errors import NoReadyDeploymentError
 from berth.routing.resolver import Upstream
-from berth.store import DeploymentRecord, Store
-from berth.store.states import DeploymentState
+from berth.store import Store
+from berth.vocab.records import DeploymentRecord
+from berth.vocab.states import DeploymentState
 from support.fakes import FakeLink
 from support.waiting import EVENT_TIMEOUT_S, wait_for_async
 

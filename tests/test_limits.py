@@ -1,4 +1,4 @@
-"""Key limits (`berth.limits`) and tiers (`[tiers.NAME]` in config.toml): values, overrides,
+"""Key limits (`berth.vocab.limits`) and tiers (`[tiers.NAME]` in config.toml): values, overrides,
 and bad input refused with its reason (and file and line for the config file)."""
 
 from __future__ import annotations
@@ -10,7 +10,8 @@ import pytest
 from berth.config import Settings, read_tiers, write_config_values
 from berth.config_toml import parse_toml
 from berth.errors import ConfigError
-from berth.limits import (
+from berth.paths import BerthHome
+from berth.vocab.limits import (
     INHERIT,
     KeyLimits,
     LimitOverrides,
@@ -18,7 +19,6 @@ from berth.limits import (
     parse_limit_name,
     parse_models,
 )
-from berth.paths import BerthHome
 
 
 @pytest.mark.parametrize(

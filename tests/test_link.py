@@ -34,7 +34,7 @@ from berth.engine_http.request import EngineRequest
 from berth.errors import EngineError
 from berth.gateway.engine_client import EngineClient
 from berth.routing.resolver import Upstream
-from berth.runtime.engines import DeploymentRequest
+from berth.vocab.deployment_request import DeploymentRequest
 from support.fakes import memory_socket_pair
 from support.link_pair import DEPLOYMENT, ENGINE_KEY, LeaderSide, Linked
 from support.standin_engine import Head, Reply, Stall, Write, chat_chunks, json_reply, sse_reply

@@ -10,7 +10,6 @@ import contextlib
 import json
 from collections.abc import AsyncIterator, Iterable, Sequence
 from datetime import UTC, datetime
-from types import SimpleNamespace
 from typing import Any
 
 import anthropic
@@ -26,7 +25,6 @@ from berth.daemon.app import LeaderApp
 from berth.errors import AuthError, BerthError, NotFoundError
 from berth.gateway.proxy import OpenAIProxy
 from berth.gateway.sse import Usage, messages_stream_usage, messages_usage
-from berth.limits import LimitOverrides
 from berth.observability.metrics import ProxyMetrics
 from berth.openai_errors import error_from_exception
 from berth.routing.capability import serving
@@ -36,7 +34,8 @@ from berth.routing.errors import (
     RequestTooLargeError,
 )
 from berth.routing.resolver import Upstream
-from berth.store import ApiKeyRecord, UsageRecord
+from berth.vocab.limits import LimitOverrides
+from berth.vocab.records import ApiKeyRecord, UsageRecord
 from support.direct import DEPLOYMENT as DIRECT_DEPLOYMENT
 from support.direct import Pki
 from support.link_pair import DEPLOYMENT, Linked, OneLink
@@ -226,10 +225,7 @@ async def leader(
 
     def wrap(proxy: OpenAIProxy) -> Any:
         built.append(proxy)
-        services = SimpleNamespace(
-            proxy=proxy, authenticator=Authenticator(), admission=admission, leadership=None
-        )
-        return LeaderApp(services, FastAPI(), trusted=trusted)  # type: ignore[arg-type]
+        return LeaderApp(proxy, FastAPI(), Authenticator(), admission, None, trusted=trusted)
 
     resolver = Engines(upstreams)
     async with running_proxy(

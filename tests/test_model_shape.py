@@ -40,9 +40,11 @@ from berth.errors import EngineError
 from berth.placement import EstimateRequest, Placement, Refusal, estimate_vram
 from berth.placement.model_files import FileStamp, ModelFileShape, read_model_shape
 from berth.runtime.engines import EngineBinaries
-from berth.runtime.gpu import SimulatedInventory, parse_simulated_gpus
+from berth.runtime.gpu import SimulatedInventory
 from berth.runtime.process import ProcessRuntime
-from berth.store import ModelRecord, Store
+from berth.store import Store
+from berth.vocab.gpu import parse_simulated_gpus
+from berth.vocab.records import ModelRecord
 from support.cluster_harness import fake_engine_wrapper
 from support.fakes import FakeLink, memory_socket_pair
 from support.link_pair import LeaderSide, Linked

@@ -28,8 +28,9 @@ from berth.placement import (
     RefusalReason,
     plan_placement,
 )
-from berth.runtime.images import DEFAULT_GPU_IMAGES, DEFAULT_IMAGES
-from berth.store import ModelRecord, Store
+from berth.store import Store
+from berth.vocab.images import DEFAULT_GPU_IMAGES, DEFAULT_IMAGES
+from berth.vocab.records import ModelRecord
 from support.fakes import FakeLink
 
 # The shared ``store`` fixture (conftest.py), with this model.

@@ -14,8 +14,8 @@ import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
-from berth.admin.plans import plan_router
-from berth.admin.services import load_routes, service_router
+from berth.admin.plans import build_plan_router
+from berth.admin.services import build_service_router, load_routes
 from berth.api import Plan
 from berth.cli.common import console
 from berth.cli.plan_cmd import print_plan
@@ -27,8 +27,9 @@ from berth.errors import BerthError
 from berth.openai_errors import error_from_exception
 from berth.routing.routes import RouteResolver
 from berth.runtime.bundled import smollm2_gguf
-from berth.runtime.gpu import SimulatedInventory, parse_simulated_gpus
+from berth.runtime.gpu import SimulatedInventory
 from berth.store import Store
+from berth.vocab.gpu import parse_simulated_gpus
 from support.fakes import FakeLink
 from support.lora_gguf import write_lora_gguf
 
@@ -74,11 +75,11 @@ def app_for(
         return Response(body, status_code=status, headers=headers, media_type="application/json")
 
     app.include_router(
-        plan_router(
+        build_plan_router(
             store, lifecycle, default_runtime="process", leader_only=False, adapters=adapters
         )
     )
-    app.include_router(service_router(store, lifecycle, routes, default_runtime="process"))
+    app.include_router(build_service_router(store, lifecycle, routes, default_runtime="process"))
     return app
 
 

@@ -18,13 +18,9 @@ import pytest
 
 from berth.errors import EngineError
 from berth.runtime.base import EngineExit, EngineHandle, LaunchSpec
-from berth.runtime.engines import (
-    DeploymentRequest,
-    EngineBinaries,
-    build_launch_spec,
-    find_free_port,
-)
+from berth.runtime.engines import EngineBinaries, build_launch_spec, find_free_port
 from berth.runtime.process import ProcessRuntime
+from berth.vocab.deployment_request import DeploymentRequest
 from support.installed import check_needs
 from support.waiting import EVENT_TIMEOUT_S, wait_for_async
 

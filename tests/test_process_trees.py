@@ -25,11 +25,12 @@ from berth.doctor.engines import process_tree_check
 from berth.errors import ConfigError, EngineError
 from berth.runtime.base import EngineHandle, LaunchSpec
 from berth.runtime.cgroups import cgroup2_mount, own_cgroup
-from berth.runtime.engines import DeploymentRequest, EngineBinaries, find_free_port
+from berth.runtime.engines import EngineBinaries, find_free_port
 from berth.runtime.gpu import StaticInventory
 from berth.runtime.proc import read_stat
 from berth.runtime.process import ProcessRuntime
 from berth.runtime.trees import TreeMechanism, TreeTracking
+from berth.vocab.deployment_request import DeploymentRequest
 from support.cluster_harness import fake_engine_wrapper
 from support.processes import alive
 

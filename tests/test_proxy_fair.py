@@ -10,7 +10,6 @@ import contextlib
 from collections.abc import AsyncIterator, Callable, Iterable
 from datetime import UTC, datetime
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import httpx
@@ -22,9 +21,9 @@ from berth.config import TierTable
 from berth.daemon.app import LeaderApp
 from berth.desk.leader import LeaderClient, job_request
 from berth.gateway.proxy import OpenAIProxy
-from berth.limits import LimitOverrides
 from berth.observability.metrics import ProxyMetrics
-from berth.store import ApiKeyRecord, UsageRecord
+from berth.vocab.limits import LimitOverrides
+from berth.vocab.records import ApiKeyRecord, UsageRecord
 from support.proxy_fixtures import StaticResolver, running_proxy
 from support.standin_engine import Hold, Reply, StandinEngine, chat_completion, json_reply
 
@@ -227,7 +226,7 @@ def socket_and_keys(proxy: OpenAIProxy) -> Callable[[Any, Any], Any]:
     public listener's auth, stood in for); any other is served as the leader's Unix socket
     serves it (the real :class:`LeaderApp`, which tells the desk worker by its header)."""
     keyed = KeyedHandler(proxy)
-    socket = LeaderApp(SimpleNamespace(proxy=proxy, leadership=None), FastAPI(), trusted=True)  # type: ignore[arg-type]
+    socket = LeaderApp(proxy, FastAPI(), None, None, None, trusted=True)  # type: ignore[arg-type]
 
     async def handler(request: Any, writer: Any) -> None:
         if dict(request.headers).get(b"x-test-key") is not None:

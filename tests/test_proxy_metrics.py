@@ -7,8 +7,8 @@ from datetime import UTC, datetime
 from prometheus_client.parser import text_string_to_metric_families
 
 from berth.observability.metrics import ProxyMetrics, Target, status_class
-from berth.store.records import DeploymentRecord
-from berth.store.states import DeploymentState
+from berth.vocab.records import DeploymentRecord
+from berth.vocab.states import DeploymentState
 
 T = Target("m", "d-1", "local")
 

@@ -16,9 +16,9 @@ import pytest
 from berth.admission import Admission, ManualClock, UsageLedger
 from berth.config import TierTable
 from berth.gateway.proxy import OpenAIProxy
-from berth.limits import LimitOverrides
 from berth.observability.metrics import ProxyMetrics
-from berth.store import ApiKeyRecord, UsageRecord
+from berth.vocab.limits import LimitOverrides
+from berth.vocab.records import ApiKeyRecord, UsageRecord
 from support.proxy_fixtures import StaticResolver, running_proxy
 from support.standin_engine import (
     StandinEngine,

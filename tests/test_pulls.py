@@ -11,13 +11,15 @@ import struct
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import httpx
 import pytest
 
+from berth.admin.adapters import build_adapter_router
 from berth.admin.app import build_admin_app
+from berth.admin.models import build_model_router
+from berth.admin.pulls import build_pull_router, leader_pull_jobs
 from berth.api.client import DaemonClient
 from berth.api.pulls import Pull, PullFile, PullIn
 from berth.cluster.link_registry import LinkRegistry
@@ -51,21 +53,14 @@ async def pull_admin(
     monkeypatch.setenv("HF_ENDPOINT", hub.url)
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf-cache"))
     monkeypatch.setenv("HF_HUB_DISABLE_TELEMETRY", "1")
-    services = SimpleNamespace(
-        store=store,
-        lifecycle=_Lifecycle(),
-        routes=None,
-        adapters=AdapterManager(LinkRegistry([])),
-        settings=Settings.load(home),
-        home=home,
-        leader_only=False,
-        ready=True,
-        scaling=None,
-        drains=None,
-        history=None,
-        leadership=None,
-    )
-    app = build_admin_app(services)  # type: ignore[arg-type]
+    adapters, lifecycle = AdapterManager(LinkRegistry([])), _Lifecycle()
+    jobs = leader_pull_jobs(store, lifecycle, adapters, home.models_dir)  # type: ignore[arg-type]
+    routers = [
+        build_model_router(store, lifecycle, LinkRegistry([])),  # type: ignore[arg-type]
+        build_adapter_router(store, adapters),
+        build_pull_router(jobs),
+    ]
+    app = build_admin_app(routers, tiers=Settings.load(home).tiers)
     transport = httpx.ASGITransport(app=app)
     async with httpx.AsyncClient(transport=transport, base_url="http://leader") as client:
         yield client

@@ -1,6 +1,7 @@
-"""The agent's redial delay (``berth.agent.dialer.backoff_delay``): clamped to its cap first,
-then jittered, so agents that lost the leader together do not redial together (issue 23: the
-jitter came first and the clamp after it, so at the cap half the delays were exactly 30 s).
+"""The agent's redial delay (``berth.backoff.jittered_delay_s`` from the dialer's first
+delay): clamped to its cap first, then jittered, so agents that lost the leader together do
+not redial together (issue 23: the jitter came first and the clamp after it, so at the cap
+half the delays were exactly 30 s).
 """
 
 from __future__ import annotations
@@ -10,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from berth.agent.dialer import REDIAL_MAX_S, backoff_delay
+from berth.agent.dialer import BACKOFF_BASE_S, REDIAL_MAX_S
+from berth.backoff import jittered_delay_s
 from berth.config import Settings
 from berth.errors import ConfigError
 from berth.paths import BerthHome
@@ -22,7 +24,10 @@ AT_THE_CAP = 20
 def spread(attempt: int, cap_s: float, draws: int = 10_000) -> list[float]:
     """``draws`` delays for ``attempt`` under ``cap_s``, from a seeded uniform source."""
     rng = random.Random(23)
-    return [backoff_delay(attempt, cap_s=cap_s, rand=rng.random) for _ in range(draws)]
+    return [
+        jittered_delay_s(attempt, first_s=BACKOFF_BASE_S, cap_s=cap_s, rand=rng.random)
+        for _ in range(draws)
+    ]
 
 
 @pytest.mark.parametrize(
@@ -42,7 +47,9 @@ def spread(attempt: int, cap_s: float, draws: int = 10_000) -> list[float]:
 def test_the_delay_doubles_is_clamped_then_keeps_half_and_draws_half(
     attempt: int, rand: float, delay_s: float
 ) -> None:
-    assert backoff_delay(attempt, rand=lambda: rand) == pytest.approx(delay_s)
+    assert jittered_delay_s(
+        attempt, first_s=BACKOFF_BASE_S, cap_s=REDIAL_MAX_S, rand=lambda: rand
+    ) == pytest.approx(delay_s)
 
 
 @pytest.mark.parametrize("cap_s", [REDIAL_MAX_S, 5.0, 1.0, 300.0])

@@ -6,8 +6,9 @@ after an outage up to 12.6 s late).
 
 The leaders are real TLS WebSocket servers on loopback that refuse every agent with close
 code 4421; a leader that does not answer is a closed port.  The dialer's backoff is given a
-stand-in that records the delay the real one (``backoff_delay``) would wait and waits a
-moment instead, so the test runs in a fraction of a second.
+stand-in that records the delay the real one (``berth.backoff.jittered_delay_s`` from the
+dialer's first delay) would wait and waits a moment instead, so the test runs in a fraction
+of a second.
 """
 
 from __future__ import annotations
@@ -20,8 +21,9 @@ from pathlib import Path
 import pytest
 from aiohttp import web
 
-from berth.agent.dialer import REDIAL_MAX_S, AgentDialer, AgentStatus, backoff_delay
+from berth.agent.dialer import BACKOFF_BASE_S, REDIAL_MAX_S, AgentDialer, AgentStatus
 from berth.agent.leaders import LeaderList
+from berth.backoff import jittered_delay_s
 from berth.cluster.ca import CertificateAuthority
 from berth.cluster.protocol.errors import CloseCode, not_leader_reason
 from berth.cluster.protocol.frames import PROTOCOL_MAX, PROTOCOL_MIN, Hello
@@ -94,7 +96,7 @@ async def _delays(
     delays: list[float] = []
 
     def recording(attempt: int) -> float:
-        delays.append(backoff_delay(attempt, cap_s=REDIAL_MAX_S))
+        delays.append(jittered_delay_s(attempt, first_s=BACKOFF_BASE_S, cap_s=REDIAL_MAX_S))
         return 0.001
 
     status = AgentStatus(leaders[0], "n-1", "gpu-1", path=home.agent_status_file)

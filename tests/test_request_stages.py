@@ -40,7 +40,6 @@ from berth.gateway.relay import RelayPath, relay_path
 from berth.gateway.request import PublicRequest, parse_request, read_body
 from berth.gateway.stages import Routing, admit, ask_usage, take_slot
 from berth.http_server.errors import ClientDisconnectedError
-from berth.limits import LimitOverrides
 from berth.observability.metrics import ProxyMetrics
 from berth.observability.request_log import RequestLog
 from berth.routing.errors import (
@@ -52,7 +51,8 @@ from berth.routing.errors import (
 )
 from berth.routing.resolver import Upstream
 from berth.routing.router import Router
-from berth.store import ApiKeyRecord, UsageRecord
+from berth.vocab.limits import LimitOverrides
+from berth.vocab.records import ApiKeyRecord, UsageRecord
 
 CHAT = "/v1/chat/completions"
 FORWARD = [(b"content-type", b"application/json"), (b"x-request-id", b"rid-1")]

@@ -24,8 +24,10 @@ from berth.deployments.restarts import (
 from berth.deployments.supervisor import restart_reporter
 from berth.observability.metrics import ProxyMetrics
 from berth.runtime.base import EngineExit
-from berth.store import DeploymentRecord, RestartPolicy, Store
-from berth.store.states import DeploymentState
+from berth.store import Store
+from berth.vocab.policies import RestartPolicy
+from berth.vocab.records import DeploymentRecord
+from berth.vocab.states import DeploymentState
 from support.berth_cli import Berth
 from support.cluster_harness import clean_env
 from support.fakes import FakeLink

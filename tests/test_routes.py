@@ -16,8 +16,8 @@ from berth.routing.routes import (
     RouteTable,
     UnroutedServiceError,
 )
-from berth.store import RouteRecord, RouteTarget
 from berth.store.routes import fallback_cycle
+from berth.vocab.records import RouteRecord, RouteTarget
 
 EPOCH = datetime(2025, 1, 1, tzinfo=UTC)
 

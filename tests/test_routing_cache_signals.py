@@ -293,8 +293,7 @@ def _serve(router: Router, content: str) -> Upstream:
 
 def _explain(router: Router) -> RoutingExplanation:
     app = FastAPI()
-    app.include_router(build_routing_router(SimpleNamespace(proxy=SimpleNamespace(  # type: ignore[arg-type]
-        router=router))))  # fmt: skip
+    app.include_router(build_routing_router(router))
     with TestClient(app) as http:
         answer = http.get("/admin/routing/m")
     assert answer.status_code == 200, answer.text

@@ -8,7 +8,6 @@ import contextlib
 import dataclasses
 import random
 from collections.abc import Mapping
-from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -370,8 +369,7 @@ def test_berth_routing_shows_the_policy_and_the_last_match() -> None:
     _serve(router, _chat(SYSTEM, "q1"))
     held = _serve(router, _chat(SYSTEM, "q2"))
     app = FastAPI()
-    app.include_router(build_routing_router(SimpleNamespace(proxy=SimpleNamespace(  # type: ignore[arg-type]
-        router=router))))  # fmt: skip
+    app.include_router(build_routing_router(router))
     with TestClient(app) as http:
         answer = http.get("/admin/routing/m")
     assert answer.status_code == 200, answer.text

@@ -6,7 +6,6 @@ endpoint). The admin route is served in-process over the real ready table and ro
 from __future__ import annotations
 
 from datetime import UTC, datetime
-from types import SimpleNamespace
 
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
@@ -18,8 +17,8 @@ from berth.cluster.link import EngineEndpoint
 from berth.cluster.protocol.payloads import AdoptedState
 from berth.deployments.ready_table import ReadyTable
 from berth.routing.router import Router
-from berth.store import DeploymentRecord
-from berth.store.states import DeploymentState
+from berth.vocab.records import DeploymentRecord
+from berth.vocab.states import DeploymentState
 
 NOW = datetime(2026, 1, 1, tzinfo=UTC)
 
@@ -33,8 +32,7 @@ def deployment(deployment_id: str, engine: str, args: tuple[str, ...] = ()) -> D
 
 def explained(table: ReadyTable) -> RoutingExplanation:
     app = FastAPI()
-    app.include_router(build_routing_router(SimpleNamespace(proxy=SimpleNamespace(  # type: ignore[arg-type]
-        router=Router(table)))))  # fmt: skip
+    app.include_router(build_routing_router(Router(table)))
     with TestClient(app) as http:
         answer = http.get("/admin/routing/chat")
     assert answer.status_code == 200, answer.text

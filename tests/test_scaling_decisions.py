@@ -22,9 +22,9 @@ from berth.scaling.decisions import (
     decide,
     saturated,
 )
-from berth.store import ScalingSettings, ServiceProfileRecord
 from berth.store.services import check_scaling
-from berth.store.states import DeploymentState
+from berth.vocab.records import ScalingSettings, ServiceProfileRecord
+from berth.vocab.states import DeploymentState
 
 READY = DeploymentState.READY
 LOADING = DeploymentState.LOADING

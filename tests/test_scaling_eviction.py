@@ -22,8 +22,9 @@ from berth.errors import ConflictError
 from berth.placement import EvictionPolicy
 from berth.runtime.bundled import smollm2_gguf
 from berth.runtime.gpu import SimulatedInventory
-from berth.store import DeploymentRecord, Store
-from berth.store.states import DeploymentState
+from berth.store import Store
+from berth.vocab.records import DeploymentRecord
+from berth.vocab.states import DeploymentState
 from support.fakes import FakeLink
 
 pytestmark = pytest.mark.needs("smollm2")

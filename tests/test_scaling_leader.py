@@ -26,7 +26,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 
-from berth.admin.services import load_routes, service_router
+from berth.admin.services import build_service_router, load_routes
 from berth.api import describe_invalid
 from berth.cluster.enrollment import AuditLog
 from berth.cluster.link_registry import LinkRegistry
@@ -39,8 +39,9 @@ from berth.routing.router import Router
 from berth.routing.routes import RouteResolver
 from berth.routing.signals import SignalBoard
 from berth.scaling import ScalingController, ScalingMetrics, ScalingPolicy, route_services
-from berth.store import DeploymentRecord, Store
-from berth.store.states import DeploymentState
+from berth.store import Store
+from berth.vocab.records import DeploymentRecord
+from berth.vocab.states import DeploymentState
 from support.fakes import FakeLink
 from support.proxy_fixtures import running_proxy, sample
 from support.standin_engine import StandinEngine
@@ -131,7 +132,7 @@ def admin_app(router_args: dict[str, Any]) -> FastAPI:
         body = error_body(message, type="invalid_request_error", param=param)
         return Response(body, status_code=400, media_type="application/json")
 
-    app.include_router(service_router(**router_args))
+    app.include_router(build_service_router(**router_args))
     return app
 
 

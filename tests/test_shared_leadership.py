@@ -14,12 +14,13 @@ from typing import Any
 import pytest
 
 from berth.admission import Admission, ManualClock, UsageLedger
+from berth.auth.authenticator import Authenticator
 from berth.config import TierTable
-from berth.daemon.ha import SharedLeadership
-from berth.gateway.auth import Authenticator
+from berth.daemon.ha import SharedLeadership, build_shared_leadership
 from berth.keys import load_or_create_pepper
-from berth.store import Store, UsageRecord
+from berth.store import Store
 from berth.store.errors import StandbyError
+from berth.vocab.records import UsageRecord
 from support.waiting import wait_for_async
 
 pytestmark = pytest.mark.store_engines
@@ -40,13 +41,25 @@ def _graph(db_url: str, tmp_path: Path, name: str) -> Any:
     store = Store(db_url)
     return SimpleNamespace(
         store=store,
-        settings=SimpleNamespace(leader_lease_s=LEASE_S),
         authenticator=Authenticator(store, load_or_create_pepper(tmp_path / f"pepper-{name}")),
         admission=Admission(TierTable(), UsageLedger(NoSink()), clock=ManualClock()),
-        leadership=None,
         cluster_url=f"https://{name}.lan:11501",
         hub=SimpleNamespace(agent_gate=None),
         enrollment=SimpleNamespace(leaders=None),
+    )
+
+
+def _shared(graph: Any, address: str) -> SharedLeadership:
+    """``graph``'s leader's part in shared leadership, as the daemon builds it."""
+    return build_shared_leadership(
+        graph.store,
+        graph.authenticator,
+        graph.admission,
+        graph.hub,
+        graph.enrollment,
+        address=address,
+        cluster_url=graph.cluster_url,
+        lease_s=LEASE_S,
     )
 
 
@@ -71,14 +84,14 @@ async def test_the_standby_leads_once_the_active_stops(ha_graphs: tuple[Any, Any
 
         return start_leading
 
-    a = SharedLeadership(graph_a, address="https://a:11500", on_lost=lambda: lost.append("a"))
-    b = SharedLeadership(graph_b, address="https://b:11500", on_lost=lambda: lost.append("b"))
-    await a.start(leading("a"))
-    await b.start(leading("b"))
+    a = _shared(graph_a, "https://a:11500")
+    b = _shared(graph_b, "https://b:11500")
+    await a.start(leading("a"), on_lost=lambda: lost.append("a"))
+    await b.start(leading("b"), on_lost=lambda: lost.append("b"))
     try:
         assert led == ["a"] and a.leading and not b.leading
-        assert graph_b.leadership is b.leadership and not b.leadership.is_active
-        refusal = graph_b.leadership.refusal()
+        assert not b.leadership.is_active
+        refusal = b.leadership.refusal()
         assert isinstance(refusal, StandbyError) and "https://a:11500" in str(refusal)
         assert refusal.retry_after_s > 0
         # Agents: the active takes them and lists both leaders; the standby names the
@@ -108,8 +121,8 @@ async def test_a_leader_that_loses_the_lease_asks_to_stop(ha_graphs: tuple[Any, 
     async def nothing() -> None:
         return None
 
-    a = SharedLeadership(graph_a, address="https://a:11500", on_lost=lambda: lost.append("a"))
-    await a.start(nothing)
+    a = _shared(graph_a, "https://a:11500")
+    await a.start(nothing, on_lost=lambda: lost.append("a"))
     try:
         assert a.leading
         # Another leader takes the lease as if a had stalled past it.
@@ -139,8 +152,8 @@ async def test_a_leader_that_loses_the_lease_steps_down_and_leads_again_later(
     async def stop_leading() -> None:
         calls.append("stop")
 
-    a = SharedLeadership(graph_a, address="https://a:11500", on_lost=lambda: lost.append("a"))
-    await a.start(start_leading, stop_leading)
+    a = _shared(graph_a, "https://a:11500")
+    await a.start(start_leading, stop_leading, on_lost=lambda: lost.append("a"))
     try:
         for round_ in (1, 2):
             assert a.leading and calls == ["start", "stop"] * (round_ - 1) + ["start"]
@@ -152,7 +165,7 @@ async def test_a_leader_that_loses_the_lease_steps_down_and_leads_again_later(
             view = a.leadership.view()
             assert (view.role, view.active_address) == ("standby", "https://b:11500")
             assert graph_a.hub.agent_gate.refusal() == "active="  # b noted no cluster URL
-            assert isinstance(graph_a.leadership.refusal(), StandbyError)
+            assert isinstance(a.leadership.refusal(), StandbyError)
             # b lets go; a takes the lease like any standby, one epoch up, and leads again.
             graph_b.store.release_lease("b", taken.epoch)
             await wait_for_async(lambda: a.leading, TAKEOVER_BOUND_S, "a to lead again")

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from berth.gateway.auth import Authenticator
+from berth.auth.authenticator import Authenticator
 from berth.keys import generate_secret, hash_secret, key_prefix
 from berth.store import Store
 from berth.store.deadlines import StoreDeadlines

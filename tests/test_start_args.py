@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 from berth.cluster.protocol.ops import START, StartArgs
-from berth.runtime.engines import DeploymentRequest
+from berth.vocab.deployment_request import DeploymentRequest
 
 
 def over_the_wire(request: DeploymentRequest) -> tuple[dict[str, object], DeploymentRequest]:

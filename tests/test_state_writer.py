@@ -11,8 +11,9 @@ from berth.cluster.link import EngineEndpoint
 from berth.deployments.ready_table import ReadyTable
 from berth.deployments.transitions import StateWriter
 from berth.errors import InvalidTransitionError
-from berth.store import DeploymentRecord, Store
-from berth.store.states import DeploymentState
+from berth.store import Store
+from berth.vocab.records import DeploymentRecord
+from berth.vocab.states import DeploymentState
 
 pytestmark = pytest.mark.store_models(("tiny", "/models/tiny.gguf"))
 

@@ -20,14 +20,15 @@ from berth.errors import (
     NotFoundError,
     StoreError,
 )
-from berth.store import LATEST_VERSION, DeploymentRecord, Store
+from berth.store import LATEST_VERSION, Store
 from berth.store.migrations import MIGRATIONS, Migration, migrate
-from berth.store.states import DeploymentState
 from berth.store.tables import Base
+from berth.vocab.records import DeploymentRecord
+from berth.vocab.states import DeploymentState
 
 S = DeploymentState
 
-# The state machine as the docs draw it (store/states.py): the expected answers, written
+# The state machine as the docs draw it (vocab/states.py): the expected answers, written
 # out here rather than read from the module under test.
 LEGAL = {
     (S.PENDING, S.LOADING),

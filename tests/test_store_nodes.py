@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 
 from berth.errors import ConflictError, EnrollmentTokenError, NotFoundError
-from berth.runtime.gpu import GpuInfo
-from berth.store import NodeHardware, Store
+from berth.store import Store
+from berth.vocab.gpu import GpuInfo
+from berth.vocab.records import NodeHardware
 
 # Every test that uses the store runs on SQLite and on PostgreSQL (conftest.py).
 pytestmark = pytest.mark.store_engines

@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 
 from berth.errors import ConfigError, ConflictError, NotFoundError
-from berth.store import RouteTarget, Store, StreamTimeouts
-from berth.store.states import DeploymentState
+from berth.store import Store
+from berth.vocab.records import RouteTarget, StreamTimeouts
+from berth.vocab.states import DeploymentState
 
 # The shared ``store`` fixture (conftest.py), with these models.
 pytestmark = [

@@ -12,9 +12,10 @@ from datetime import date
 import pytest
 
 from berth.errors import ConflictError, InvalidTransitionError
-from berth.limits import LimitOverrides
-from berth.store import LATEST_VERSION, Store, UsageRecord
-from berth.store.states import DeploymentState
+from berth.store import LATEST_VERSION, Store
+from berth.vocab.limits import LimitOverrides
+from berth.vocab.records import UsageRecord
+from berth.vocab.states import DeploymentState
 
 pytestmark = pytest.mark.store_engines
 

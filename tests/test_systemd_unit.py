@@ -33,10 +33,10 @@ from berth.agent.systemd_unit import (
     render_unit,
     search_path_for,
     service_user_name,
-    systemctl_commands,
 )
 from berth.errors import ConfigError
 from berth.paths import BerthHome
+from berth.unit_files import systemctl_commands
 from support.cluster_harness import Cluster, clean_env
 
 #: The interpreter berth runs in: a real executable, as ``systemd-analyze verify`` requires.
@@ -247,11 +247,11 @@ def test_the_systemd_version_is_read_from_systemctl(text: str, version: int | No
 
 
 def test_a_replaced_unit_is_restarted_a_new_one_enabled_now() -> None:
-    assert systemctl_commands("user", restart=False) == [
+    assert systemctl_commands("user", UNIT_NAME, restart=False) == [
         ["systemctl", "--user", "daemon-reload"],
         ["systemctl", "--user", "enable", "--now", UNIT_NAME],
     ]
-    assert systemctl_commands("system", restart=True) == [
+    assert systemctl_commands("system", UNIT_NAME, restart=True) == [
         ["systemctl", "daemon-reload"],
         ["systemctl", "enable", UNIT_NAME],
         ["systemctl", "restart", UNIT_NAME],

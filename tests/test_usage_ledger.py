@@ -19,8 +19,9 @@ from berth.admission import Admission, ManualClock, UsageCollector, UsageLedger
 from berth.admission.calendar import day_index_of
 from berth.config import TierTable
 from berth.errors import ConflictError, NotFoundError, StoreError
-from berth.limits import LimitOverrides
-from berth.store import Store, UsageRecord
+from berth.store import Store
+from berth.vocab.limits import LimitOverrides
+from berth.vocab.records import UsageRecord
 
 # Every test that uses the store runs on SQLite and on PostgreSQL (conftest.py).
 pytestmark = pytest.mark.store_engines

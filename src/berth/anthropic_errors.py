@@ -24,7 +24,6 @@ from berth.openai_errors import ErrorResponse
 #: The paths of the Messages API that berth serves; their errors are Anthropic-shaped.
 MESSAGES_PATH: Final = "/v1/messages"
 COUNT_TOKENS_PATH: Final = "/v1/messages/count_tokens"
-MESSAGES_PATHS: Final = frozenset({MESSAGES_PATH, COUNT_TOKENS_PATH})
 
 # The Anthropic error type for each status it documents; others by their class (4xx, 5xx).
 _TYPES: Final = {

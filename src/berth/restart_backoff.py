@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Final
 
 from berth.atomic import write_atomic
+from berth.backoff import capped_delay_s
 
 #: The unit's ``RestartSec=``: systemd's own wait before every restart.
 RESTART_SEC_S: Final = 5.0
@@ -71,7 +72,7 @@ def start_delay_s(failures: int) -> float:
     :data:`RESTART_SEC_S`: 0 for none or one, then 5, 15, 35, 75, 155, 295.  Pure."""
     if failures <= 1:
         return 0.0
-    total_s = min(MAX_DELAY_S, RESTART_SEC_S * 2.0 ** (failures - 1))
+    total_s = capped_delay_s(failures - 1, first_s=RESTART_SEC_S, cap_s=MAX_DELAY_S)
     return max(total_s - RESTART_SEC_S, 0.0)
 
 

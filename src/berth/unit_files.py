@@ -10,6 +10,8 @@ systemd.service(5) ``ExecStart=`` and systemd.exec(5) ``Environment=``.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from pathlib import Path
 from typing import Literal
 
 from berth.errors import ConfigError
@@ -91,3 +93,26 @@ def systemctl_commands(scope: UnitScope, unit_name: str, *, restart: bool) -> li
     else:
         commands.append([*base, "enable", "--now", unit_name])
     return commands
+
+
+def service_head(
+    scope: UnitScope, *, user_name: str | None, home: Path, search_path: Sequence[Path]
+) -> list[str]:
+    """The first lines of the ``[Service]`` section every berth unit shares: a simple
+    service, its account (a system unit's ``User=``), ``BERTH_HOME``, berth's ``PATH``
+    (none when ``search_path`` is empty) and unbuffered Python output."""
+    lines = ["[Service]", "Type=simple"]
+    if scope == "system":
+        lines.append(f"User={escape_specifiers(str(user_name))}")
+    lines.append(environment_line("BERTH_HOME", str(home)))
+    if search_path:
+        lines.append(environment_line("PATH", ":".join(str(p) for p in search_path)))
+    lines.append(environment_line("PYTHONUNBUFFERED", "1"))
+    return lines
+
+
+def install_section(scope: UnitScope) -> list[str]:
+    """The unit's last lines: the ``[Install]`` section, after a blank line; a system unit
+    starts with the machine, a user unit with its user's manager."""
+    target = "multi-user.target" if scope == "system" else "default.target"
+    return ["", "[Install]", f"WantedBy={target}"]

@@ -19,7 +19,7 @@ from berth.cluster.protocol.ops import OP_CAPABILITIES, RUNTIME_CAPABILITIES
 from berth.errors import BerthError, EngineError, NotFoundError
 from berth.placement.model_files import FileStamp, ModelFileShape, read_model_file
 from berth.runtime.base import EngineExit, ProgressListener
-from berth.runtime.engines import DeploymentRequest
+from berth.vocab.deployment_request import DeploymentRequest
 
 
 class FakeLink:

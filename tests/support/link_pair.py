@@ -25,7 +25,7 @@ from berth.engine_http.answer import EngineAnswer
 from berth.engine_http.auth import bearer_header
 from berth.engine_http.request import EngineRequest
 from berth.errors import NotFoundError
-from berth.runtime.engines import DeploymentRequest
+from berth.vocab.deployment_request import DeploymentRequest
 from support.fakes import memory_socket_pair
 from support.standin_engine import StandinEngine
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-from berth.runtime.gguf_file import read_gguf_header
+from berth.weights.gguf_file import read_gguf_header
 
 
 def write_lora_gguf(

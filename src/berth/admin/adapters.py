@@ -1,7 +1,7 @@
 """The admin API's LoRA adapter routes: ``/admin/adapters`` (register, list, show, remove).
 
 Registering an adapter on the leader's own host reads its files and the base model's
-(:mod:`berth.runtime.adapter_files`) and refuses, with every reason, one that is not an
+(:mod:`berth.weights.adapter_files`) and refuses, with every reason, one that is not an
 adapter or does not fit its base; a path on another node's host is taken as given (the
 engine checks it when it loads it). After each change the router's registry is reloaded.
 """
@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from fastapi import APIRouter
 
@@ -23,17 +22,15 @@ from berth.deployments.planner import DeployOptions, PlannedDeployment
 from berth.errors import ConfigError
 from berth.keys import Role
 from berth.placement import Placement
-from berth.runtime.adapter_files import (
+from berth.store import Store
+from berth.vocab.records import AdapterRecord, ModelRecord
+from berth.weights.adapter_files import (
     AdapterFacts,
     adapter_format_of,
     check_fits,
     inspect_adapter,
     inspect_base,
 )
-from berth.store import AdapterRecord, ModelRecord, Store
-
-if TYPE_CHECKING:
-    from berth.daemon.graph import LeaderGraph
 
 
 def adapter_view(record: AdapterRecord, manager: AdapterManager) -> Adapter:
@@ -104,15 +101,14 @@ async def plan_notes(
     return notes
 
 
-async def register_adapter(services: LeaderGraph, body: AdapterIn) -> AddedAdapter:
-    """Register ``body``'s adapter (what ``POST /admin/adapters`` and a finished pull job
-    do) and reload the router's registry.
+async def register_adapter(store: Store, manager: AdapterManager, body: AdapterIn) -> AddedAdapter:
+    """Register ``body``'s adapter in ``store`` (what ``POST /admin/adapters`` and a finished
+    pull job do) and reload the router's registry, ``manager``'s.
 
     Raises ``ConfigError`` for a relative path or a local adapter refused
     (:func:`check_local_adapter`), ``NotFoundError`` for an unknown base model or node,
     ``ConflictError`` for a name already taken.
     """
-    store = services.store
     path = Path(body.path)
     if not path.is_absolute():
         raise ConfigError(f"adapter path must be absolute, not {body.path!r}")
@@ -140,30 +136,29 @@ async def register_adapter(services: LeaderGraph, body: AdapterIn) -> AddedAdapt
         repo_id=body.repo_id,
         revision=body.revision,
     )
-    manager = services.adapters
     await reload_adapters(store, manager)
     return adapter_view(record, manager).extended(
         AddedAdapter, checked=checked, restart_needed=manager.restart_needed(record.name)
     )
 
 
-def build_adapter_router(services: LeaderGraph) -> APIRouter:
-    """The adapter routes, bound to ``services``."""
+def build_adapter_router(store: Store, manager: AdapterManager) -> APIRouter:
+    """The adapter routes over the store's registry and ``manager`` (the router's registry
+    and where each adapter is loaded)."""
     router = APIRouter()
-    store = services.store
 
     @router.get("/admin/adapters", dependencies=[needs(Role.VIEWER)])
     async def list_adapters() -> list[Adapter]:
         records = await asyncio.to_thread(store.list_adapters)
-        return [adapter_view(r, services.adapters) for r in records]
+        return [adapter_view(r, manager) for r in records]
 
     @router.post("/admin/adapters", status_code=201, dependencies=[needs(Role.OPERATOR)])
     async def add_adapter(body: AdapterIn) -> AddedAdapter:
-        return await register_adapter(services, body)
+        return await register_adapter(store, manager, body)
 
     @router.get("/admin/adapters/{name:path}", dependencies=[needs(Role.VIEWER)])
     async def show_adapter(name: str) -> Adapter:
-        return adapter_view(await asyncio.to_thread(store.get_adapter, name), services.adapters)
+        return adapter_view(await asyncio.to_thread(store.get_adapter, name), manager)
 
     @router.delete("/admin/adapters/{name:path}", dependencies=[needs(Role.OPERATOR)])
     async def remove_adapter(name: str, node: str | None = None) -> AdapterRemoved:
@@ -171,7 +166,7 @@ def build_adapter_router(services: LeaderGraph) -> APIRouter:
         if node is not None:
             node_id = (await asyncio.to_thread(store.lookup_node, node)).id
         await asyncio.to_thread(store.remove_adapter, name, node_id)
-        await reload_adapters(store, services.adapters)
+        await reload_adapters(store, manager)
         return AdapterRemoved(removed=name, node=node_id)
 
     return router

@@ -10,19 +10,19 @@ from fastapi import APIRouter
 
 from berth.admin.roles import needs
 from berth.api.ca import CaStatus, OldLeafHolder, RetireIn
+from berth.cluster.ca import CertificateAuthority
 from berth.cluster.ca_rotation import holders_of_old_leaves, retire, rotate
-from berth.daemon.graph import LeaderGraph
 from berth.keys import Role
+from berth.store import Store
 
 log = logging.getLogger(__name__)
 
 
-def build_ca_router(services: LeaderGraph) -> APIRouter:
-    """The CA routes, bound to ``services``."""
+def build_ca_router(ca: CertificateAuthority, store: Store) -> APIRouter:
+    """The CA routes over the cluster's ``ca`` and the store (its nodes' certificates)."""
     router = APIRouter()
 
     def status() -> CaStatus:
-        ca, store = services.ca, services.store
         return CaStatus(
             fingerprint=ca.fingerprint_sha256,
             not_after=ca.certificate.not_valid_after_utc.timestamp(),
@@ -40,15 +40,14 @@ def build_ca_router(services: LeaderGraph) -> APIRouter:
 
     @router.post("/admin/ca/rotate", dependencies=[needs(Role.ADMIN)])
     async def ca_rotate() -> CaStatus:
-        await asyncio.to_thread(rotate, services.ca)
-        log.warning("cluster CA rotated: new leaves under %s", services.ca.fingerprint_sha256)
+        await asyncio.to_thread(rotate, ca)
+        log.warning("cluster CA rotated: new leaves under %s", ca.fingerprint_sha256)
         return await asyncio.to_thread(status)
 
     @router.post("/admin/ca/retire", dependencies=[needs(Role.ADMIN)])
     async def ca_retire(body: RetireIn) -> CaStatus:
         def work() -> None:
-            ca = services.ca
-            retire(ca, holders_of_old_leaves(services.store, ca), force=body.force)
+            retire(ca, holders_of_old_leaves(store, ca), force=body.force)
 
         await asyncio.to_thread(work)
         log.warning("cluster CA: the old root was retired%s", " (forced)" if body.force else "")

@@ -27,6 +27,7 @@ from berth.api.console import (
     SessionState,
     SignedOut,
 )
+from berth.auth.authenticator import Authenticator
 from berth.console import static_files
 from berth.console.sessions import (
     COOKIE_NAME,
@@ -39,11 +40,11 @@ from berth.console.sessions import (
     set_cookie,
 )
 from berth.errors import AuthError, NotFoundError
-from berth.gateway.auth import Authenticator
 from berth.http_server.request import Request as HttpRequest
 from berth.keys import Role, hash_secret
 from berth.observability.request_log import RequestEntry, RequestLog
-from berth.store import ApiKeyRecord, Store
+from berth.store import Store
+from berth.vocab.records import ApiKeyRecord
 
 #: The Content-Security-Policy of every console answer: only the leader's own files and API;
 #: no inline scripts or styles, no plugins, no frames, no <base>, forms post only to us.
@@ -97,7 +98,7 @@ class ConsoleGate:
 
         Raises ``AuthError``: 401 for an unknown or revoked key, 403 for a standard one;
         ``KeyExpiredError`` (401) for a key past its expiry; ``RateLimitError`` (429) when
-        ``address`` failed too often (the limit of :mod:`berth.gateway.auth`, shared with the
+        ``address`` failed too often (the limit of :mod:`berth.auth.authenticator`, shared with the
         API: a key already found valid is not refused).
         """
         record = await self._authenticator.authenticate(

@@ -6,23 +6,22 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
-from typing import TYPE_CHECKING
 
 from fastapi import APIRouter, Query
 from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 
 from berth.admin.roles import needs
 from berth.api import Deployment, DeploymentIn, ListedDeployment
+from berth.cluster.hub import NodeHub
 from berth.cluster.link import LOCAL_NODE_ID
+from berth.cluster.link_registry import LinkRegistry
 from berth.deployments.lifecycle import DeployOptions, LifecycleManager
 from berth.errors import ConfigError, ConflictError
 from berth.keys import Role
-from berth.runtime.engines import parse_engine_name, parse_runtime_name
-from berth.store import DeploymentRecord, Store
-from berth.store.states import TERMINAL_STATES
-
-if TYPE_CHECKING:
-    from berth.daemon.graph import LeaderGraph
+from berth.store import Store
+from berth.vocab.engines import parse_engine_name, parse_runtime_name
+from berth.vocab.records import DeploymentRecord
+from berth.vocab.states import TERMINAL_STATES
 
 
 def deployment_view(
@@ -101,11 +100,20 @@ async def _follow_until_settled(
         pumping.cancel()
 
 
-def build_deployment_router(services: LeaderGraph) -> APIRouter:
-    """The deployment routes (``/admin/deployments[/{id}[/stop|/logs]]``)."""
+def build_deployment_router(
+    store: Store,
+    lifecycle: LifecycleManager,
+    hub: NodeHub,
+    links: LinkRegistry,
+    *,
+    default_runtime: str,
+    leader_only: bool,
+) -> APIRouter:
+    """The deployment routes (``/admin/deployments[/{id}[/stop|/logs]]``) over the store and
+    the deployment manager; ``hub`` says which agents are connected, ``links`` reach a
+    node's engine logs. A deployment without a runtime gets ``default_runtime``; with
+    ``leader_only`` none may go to node ``local``."""
     router = APIRouter()
-    store = services.store
-    lifecycle = services.lifecycle
 
     @router.get("/admin/deployments", dependencies=[needs(Role.VIEWER)])
     async def list_deployments(
@@ -128,7 +136,7 @@ def build_deployment_router(services: LeaderGraph) -> APIRouter:
         listed = []
         for record in records:
             node = nodes.get(record.node_id)
-            connected = record.node_id == LOCAL_NODE_ID or services.hub.is_connected(record.node_id)
+            connected = record.node_id == LOCAL_NODE_ID or hub.is_connected(record.node_id)
             service = record.served_model_name if record.served_model_name in named else None
             listed.append(
                 deployment_view(record, lifecycle).extended(
@@ -142,7 +150,7 @@ def build_deployment_router(services: LeaderGraph) -> APIRouter:
 
     @router.post("/admin/deployments", status_code=201, dependencies=[needs(Role.OPERATOR)])
     async def create_deployment(body: DeploymentIn) -> Deployment:
-        if services.leader_only and body.node == LOCAL_NODE_ID:
+        if leader_only and body.node == LOCAL_NODE_ID:
             raise ConflictError(
                 "this leader runs no engines (leader_only is set): run the deployment on an "
                 "agent with --node LABEL (`berth nodes ls` lists them)"
@@ -152,9 +160,7 @@ def build_deployment_router(services: LeaderGraph) -> APIRouter:
                 model_name=body.model,
                 engine=body.engine,
                 node_id=body.node,
-                runtime=(
-                    services.settings.default_runtime if body.runtime is None else body.runtime
-                ),
+                runtime=default_runtime if body.runtime is None else body.runtime,
                 gpus=tuple(body.gpus),
                 ctx=body.ctx,
                 extra_args=tuple(body.extra_args),
@@ -187,7 +193,7 @@ def build_deployment_router(services: LeaderGraph) -> APIRouter:
         follow: bool = False,
     ) -> Response:
         record = await asyncio.to_thread(store.get_deployment, deployment_id)
-        link = services.links.get(record.node_id)
+        link = links.get(record.node_id)
         if link is None:
             raise ConfigError(f"node {record.node_id} is not connected")
         chunks = link.logs(deployment_id, tail_lines=tail, follow=follow)

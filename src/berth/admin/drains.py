@@ -33,7 +33,8 @@ from berth.api import (
 from berth.deployments.drain import DrainRunner
 from berth.keys import Role
 from berth.placement.drain import DrainPlan, drain_summary
-from berth.store import NodeDrain, Store
+from berth.store import Store
+from berth.vocab.drains import NodeDrain
 
 
 def maintenance_view(drain: NodeDrain, plan: DrainPlan | None = None) -> NodeMaintenance:

@@ -27,7 +27,7 @@ from fastapi import APIRouter, Request
 from pydantic import WithJsonSchema
 
 from berth.admin.roles import needs, require_role
-from berth.admission import SOCKET_KEY_ID, SOCKET_KEY_NAME, SocketCaller
+from berth.admission import SOCKET_KEY_ID, SOCKET_KEY_NAME, Admission, SocketCaller
 from berth.api import (
     DEFAULT_SINCE,
     SINCE_DAYS_PATTERN,
@@ -44,7 +44,8 @@ from berth.api import (
     parse_since,
     role_name,
 )
-from berth.daemon.graph import LeaderGraph
+from berth.auth.authenticator import Authenticator
+from berth.config import TierTable
 from berth.errors import ConfigError
 from berth.keys import (
     Role,
@@ -55,8 +56,9 @@ from berth.keys import (
     parse_role,
     role_of_tier,
 )
-from berth.limits import KeyLimits
-from berth.store import UNCHANGED, ApiKeyRecord, Unchanged, UsageRecord
+from berth.store import UNCHANGED, Store, Unchanged
+from berth.vocab.limits import KeyLimits
+from berth.vocab.records import ApiKeyRecord, UsageRecord
 
 #: ``since`` in the schema: a number of days or a date.
 SINCE_SCHEMA = WithJsonSchema(
@@ -77,13 +79,12 @@ _SOCKET_IDS: dict[str, str] = {
 }
 
 
-def key_view(record: ApiKeyRecord, services: LeaderGraph | None = None) -> ApiKey:
+def key_view(record: ApiKeyRecord, admission: Admission | None = None) -> ApiKey:
     """A key for the admin API (never its secret): its limits and use as the leader's
-    admission knows them (without ``services``, its own limits only)."""
+    ``admission`` knows them (without it, its own limits only)."""
     use = KeyUseOut()
     limits = record.limits.apply(KeyLimits())
-    if services is not None:
-        admission = services.admission
+    if admission is not None:
         limits = admission.limits_of(record)
         if not record.is_revoked:
             now = admission.use_of(record.id)
@@ -122,30 +123,37 @@ def _future_expiry(expires_at: datetime | None, now: datetime) -> datetime | Non
 
 
 def build_key_router(
-    services: LeaderGraph, *, now: Callable[[], datetime] = lambda: datetime.now(UTC)
+    store: Store,
+    admission: Admission,
+    authenticator: Authenticator,
+    pepper: bytes,
+    tiers: TierTable,
+    *,
+    now: Callable[[], datetime] = lambda: datetime.now(UTC),
 ) -> APIRouter:
-    """The routes of the module doc; ``now`` is the wall clock expiries are checked with."""
+    """The routes of the module doc over the store, the request path's ``admission`` and
+    ``authenticator`` (told of every change), the ``pepper`` new keys are hashed with and
+    the key ``tiers``; ``now`` is the wall clock expiries are checked with."""
     router = APIRouter()
-    store = services.store
 
     def changed(record: ApiKeyRecord) -> None:
-        services.admission.update(record)
-        services.authenticator.forget([record.id])
+        admission.update(record)
+        authenticator.forget([record.id])
 
     @router.get("/admin/keys", dependencies=[needs(Role.VIEWER)])
     async def list_keys() -> list[ApiKey]:
         records = await asyncio.to_thread(store.list_api_keys)
-        return [key_view(r, services) for r in records]
+        return [key_view(r, admission) for r in records]
 
     @router.post("/admin/keys", status_code=201, dependencies=[needs(Role.OPERATOR)])
     async def create_key(body: KeyIn, request: Request) -> CreatedApiKey:
-        tier = services.settings.tiers.require(body.tier)
+        tier = tiers.require(body.tier)
         role = role_of_tier(tier.name, body.role)
         if role is not None:
             require_role(request, Role.ADMIN, "creating an admin key")
         expires_at = _future_expiry(body.expires_at, now())
         secret = generate_secret()
-        key_hash = hash_secret(secret, services.pepper)
+        key_hash = hash_secret(secret, pepper)
         record = await asyncio.to_thread(
             lambda: store.add_api_key(
                 body.name,
@@ -158,8 +166,8 @@ def build_key_router(
             )
         )
         changed(record)
-        services.authenticator.know([key_hash])  # its first use is never rate limited
-        return key_view(record, services).extended(CreatedApiKey, secret=secret)
+        authenticator.know([key_hash])  # its first use is never rate limited
+        return key_view(record, admission).extended(CreatedApiKey, secret=secret)
 
     # ``:path``: a key made before names were refused a ``/`` is still found by its name.
     @router.patch("/admin/keys/{ident:path}", dependencies=[needs(Role.OPERATOR)])
@@ -168,7 +176,7 @@ def build_key_router(
         both = sorted(set(changes.overridden()) & set(body.clear))
         if both:
             raise ConfigError(f"{', '.join(both)}: set and cleared at once; do one or the other")
-        tier = services.settings.tiers.require(body.tier).name if body.tier else None
+        tier = tiers.require(body.tier).name if body.tier else None
         expires_at = _future_expiry(body.expires_at, now()) if body.changes_expiry else None
         current = await asyncio.to_thread(store.lookup_api_key, ident)
         if Tier.ADMIN in (current.tier, tier) or body.role is not None:
@@ -191,7 +199,7 @@ def build_key_router(
 
         record = await asyncio.to_thread(update)
         changed(record)
-        return key_view(record, services)
+        return key_view(record, admission)
 
     @router.delete("/admin/keys/{ident:path}", dependencies=[needs(Role.OPERATOR)])
     async def revoke_key(ident: str, request: Request) -> ApiKey:
@@ -200,7 +208,7 @@ def build_key_router(
             require_role(request, Role.ADMIN, "revoking an admin key")
         record = await asyncio.to_thread(store.revoke_api_key, current.id)
         changed(record)
-        return key_view(record, services)
+        return key_view(record, admission)
 
     @router.get("/admin/usage", dependencies=[needs(Role.VIEWER)])
     async def usage(
@@ -212,7 +220,7 @@ def build_key_router(
         today = now().date()
         first = parse_since(since, today, future_ok=True)
         grouping = parse_grouping(by)
-        await services.admission.ledger.flush()  # what is still in memory counts too
+        await admission.ledger.flush()  # what is still in memory counts too
         key_id = None
         if key is not None:
             found = _SOCKET_IDS.get(key)

@@ -35,9 +35,8 @@ from berth.api import (
     NodeSampleOut,
     NodeSeriesColumns,
 )
-from berth.daemon.graph import LeaderGraph
 from berth.keys import Role
-from berth.observability.cluster import ClusterSnapshot, NodeSample, NodeSeries
+from berth.observability.cluster import ClusterMetrics, ClusterSnapshot, NodeSample, NodeSeries
 
 
 def _sample_view(sample: NodeSample) -> NodeSampleOut:
@@ -119,12 +118,13 @@ def snapshot_view(snapshot: ClusterSnapshot) -> MetricsSnapshot:
     )
 
 
-def build_metrics_router(services: LeaderGraph) -> APIRouter:
-    """The metrics routes, bound to ``services``."""
+def build_metrics_router(cluster_metrics: ClusterMetrics) -> APIRouter:
+    """``GET /admin/metrics/snapshot``: every node's load over the last minute, from
+    ``cluster_metrics``."""
     router = APIRouter()
 
     @router.get("/admin/metrics/snapshot", dependencies=[needs(Role.VIEWER)])
     async def metrics_snapshot() -> MetricsSnapshot:
-        return snapshot_view(services.cluster_metrics.snapshot())
+        return snapshot_view(cluster_metrics.snapshot())
 
     return router

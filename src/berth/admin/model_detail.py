@@ -18,8 +18,8 @@ from berth.deployments.estimates import NodeCopy, VramEstimator
 from berth.deployments.model_registration import located_model_view
 from berth.errors import BerthError
 from berth.placement import EstimateRequest, ModelShape, estimate_vram
-from berth.runtime.engines import EngineName
 from berth.store import Store
+from berth.vocab.engines import EngineName
 
 
 async def model_detail(

@@ -4,25 +4,23 @@ and one model's detail (:mod:`.model_detail`)."""
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING
 
 from fastapi import APIRouter
 
 from berth.admin.model_detail import model_detail
 from berth.admin.roles import needs
 from berth.api import LocatedModel, ModelDetail, ModelIn, ModelRemoved, RegisteredModel
+from berth.cluster.link_registry import LinkRegistry
+from berth.deployments.lifecycle import LifecycleManager
 from berth.deployments.model_registration import located_model_view, register_model
 from berth.keys import Role
-
-if TYPE_CHECKING:
-    from berth.daemon.graph import LeaderGraph
+from berth.store import Store
 
 
-def build_model_router(services: LeaderGraph) -> APIRouter:
-    """List, register, show and remove models (``/admin/models[/{name}]``)."""
+def build_model_router(store: Store, lifecycle: LifecycleManager, links: LinkRegistry) -> APIRouter:
+    """List, register, show and remove models (``/admin/models[/{name}]``); a model's detail
+    asks each node's link where its files are (``links``)."""
     router = APIRouter()
-    store = services.store
-    lifecycle = services.lifecycle
 
     @router.get("/admin/models", dependencies=[needs(Role.VIEWER)])
     async def list_models() -> list[LocatedModel]:
@@ -39,7 +37,7 @@ def build_model_router(services: LeaderGraph) -> APIRouter:
 
     @router.get("/admin/models/{name:path}", dependencies=[needs(Role.VIEWER)])
     async def show_model(name: str) -> ModelDetail:
-        return await model_detail(store, lifecycle.estimator, services.links, name)
+        return await model_detail(store, lifecycle.estimator, links, name)
 
     @router.delete("/admin/models/{name:path}", dependencies=[needs(Role.OPERATOR)])
     async def remove_model(name: str) -> ModelRemoved:

@@ -35,17 +35,22 @@ from berth.api import (
     NodeSummary,
 )
 from berth.api.nodes import DataPathName
-from berth.cluster.direct_path import DataPath
+from berth.cluster.direct_path import DataPath, DataPaths
+from berth.cluster.enrollment import EnrollmentService
+from berth.cluster.hub import NodeHub
 from berth.cluster.link import LOCAL_NODE_ID
+from berth.cluster.link_registry import LinkRegistry
 from berth.cluster.protocol.payloads import AdoptedState
-from berth.daemon.graph import LeaderGraph
+from berth.deployments.drain import DrainRunner
+from berth.deployments.lifecycle import LifecycleManager
 from berth.keys import Role
-from berth.store import NodeCertificate, NodeHardware, NodeRecord
+from berth.store import Store
+from berth.vocab.records import NodeCertificate, NodeHardware, NodeRecord
 
 
-async def _live(services: LeaderGraph, record: NodeRecord) -> NodeRecord:
+async def _live(links: LinkRegistry, record: NodeRecord) -> NodeRecord:
     """``local`` with the in-process core's figures; other nodes as stored."""
-    link = services.links.get(LOCAL_NODE_ID)
+    link = links.get(LOCAL_NODE_ID)
     if record.id != LOCAL_NODE_ID or link is None:
         return record
     inventory = await link.inventory()
@@ -149,31 +154,44 @@ def adopted_view(state: AdoptedState) -> AdoptedEndpoint:
     )
 
 
-def build_node_router(services: LeaderGraph) -> APIRouter:
-    """The node routes, bound to ``services``."""
+def build_node_router(
+    store: Store,
+    hub: NodeHub,
+    links: LinkRegistry,
+    data_paths: DataPaths,
+    enrollment: EnrollmentService,
+    lifecycle: LifecycleManager,
+    drains: DrainRunner | None,
+    *,
+    leader_only: bool,
+) -> APIRouter:
+    """The node routes over the store's registry; ``hub`` holds the agents' links (and
+    drops a removed node's), ``links`` node ``local``'s, ``data_paths`` each agent's way in,
+    ``enrollment`` issues tokens and ``lifecycle`` knows the adopted endpoints (and hears of
+    a removal); ``drains`` has each drain's last plan on this leader (``None``: it runs none).
+    With ``leader_only`` node ``local`` is not listed."""
     router = APIRouter()
-    store = services.store
 
     def connected(record: NodeRecord) -> bool:
         if record.id == LOCAL_NODE_ID:
-            return not services.leader_only
-        return services.hub.is_connected(record.id)
+            return not leader_only
+        return hub.is_connected(record.id)
 
     async def maintenance() -> dict[str, NodeMaintenance]:
-        drains = await asyncio.to_thread(store.node_drains)
-        plans = services.drains.plans if services.drains is not None else {}
-        return {d.node_id: maintenance_view(d, plans.get(d.node_id)) for d in drains}
+        cordons = await asyncio.to_thread(store.node_drains)
+        plans = drains.plans if drains is not None else {}
+        return {d.node_id: maintenance_view(d, plans.get(d.node_id)) for d in cordons}
 
     def path(record: NodeRecord) -> DataPath | None:
         if record.id == LOCAL_NODE_ID:
-            return None if services.leader_only else LOCAL_PATH
-        if not services.hub.is_connected(record.id):
+            return None if leader_only else LOCAL_PATH
+        if not hub.is_connected(record.id):
             return None
-        return services.data_paths.data_path(record.id)
+        return data_paths.data_path(record.id)
 
     @router.post("/admin/nodes/enroll", status_code=201, dependencies=[needs(Role.ADMIN)])
     async def enroll(body: EnrollIn) -> EnrollmentIssued:
-        issued = await asyncio.to_thread(services.enrollment.issue_token, body.label)
+        issued = await asyncio.to_thread(enrollment.issue_token, body.label)
         return EnrollmentIssued(
             uri=str(issued.uri), expires_at=issued.expires_at, label=issued.label
         )
@@ -182,13 +200,13 @@ def build_node_router(services: LeaderGraph) -> APIRouter:
     async def list_nodes() -> list[NodeSummary]:
         records = await asyncio.to_thread(store.list_nodes)
         certificates = await asyncio.to_thread(store.current_node_certificates)
-        refusals = services.hub.renewal_refusals
+        refusals = hub.renewal_refusals
         cordoned = await maintenance()
-        if services.leader_only:  # no engines on the leader's host: node local is not one
+        if leader_only:  # no engines on the leader's host: node local is not one
             records = [r for r in records if r.id != LOCAL_NODE_ID]
         return [
             node_summary_view(
-                await _live(services, r),
+                await _live(links, r),
                 connected=connected(r),
                 path=path(r),
                 certificate=certificates.get(r.id),
@@ -202,12 +220,12 @@ def build_node_router(services: LeaderGraph) -> APIRouter:
     async def show_node(ident: str) -> NodeDetailWithAdopted:
         record = await asyncio.to_thread(store.lookup_node, ident)
         detail = node_detail_view(
-            await _live(services, record),
+            await _live(links, record),
             connected=connected(record),
             path=path(record),
             maintenance=(await maintenance()).get(record.id),
         )
-        adopted = services.lifecycle.adopted().get(record.id, [])
+        adopted = lifecycle.adopted().get(record.id, [])
         return detail.extended(
             NodeDetailWithAdopted, adopted=[adopted_view(state) for state in adopted]
         )
@@ -216,8 +234,8 @@ def build_node_router(services: LeaderGraph) -> APIRouter:
     async def remove_node(ident: str) -> NodeDetail:
         record = await asyncio.to_thread(store.lookup_node, ident)
         removed = await asyncio.to_thread(store.remove_node, record.id)
-        await services.hub.disconnect_node(record.id)
-        await services.lifecycle.node_removed(record.id)
+        await hub.disconnect_node(record.id)
+        await lifecycle.node_removed(record.id)
         return node_detail_view(removed, connected=False)
 
     return router

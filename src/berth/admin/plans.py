@@ -10,7 +10,6 @@ model, service or node), and nothing changes either way.
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING
 
 from fastapi import APIRouter
 
@@ -30,24 +29,11 @@ from berth.deployments.lifecycle import DeployOptions, LifecycleManager, Planned
 from berth.errors import ConfigError, ConflictError, NotFoundError
 from berth.keys import Role
 from berth.placement import ModelAt, Placement, VramEstimate
-from berth.store import ServiceProfileRecord, Store
-
-if TYPE_CHECKING:
-    from berth.daemon.graph import LeaderGraph
+from berth.store import Store
+from berth.vocab.records import ServiceProfileRecord
 
 
-def build_plan_router(services: LeaderGraph) -> APIRouter:
-    """The plan endpoint over a running leader's services."""
-    return plan_router(
-        services.store,
-        services.lifecycle,
-        default_runtime=services.settings.default_runtime,
-        leader_only=services.leader_only,
-        adapters=services.adapters,
-    )
-
-
-def plan_router(
+def build_plan_router(
     store: Store,
     lifecycle: LifecycleManager,
     *,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 from fastapi import APIRouter
 
@@ -18,17 +18,20 @@ from berth.admin.adapters import register_adapter
 from berth.admin.roles import needs
 from berth.api import AdapterIn
 from berth.api.pulls import Pull, PullIn, pulled_registration
+from berth.deployments.adapters import AdapterManager
+from berth.deployments.lifecycle import LifecycleManager
 from berth.deployments.model_registration import model_view, register_model
 from berth.deployments.pulls import PullJobs
 from berth.keys import Role
-
-if TYPE_CHECKING:
-    from berth.daemon.graph import LeaderGraph
+from berth.store import Store
 
 
-def leader_pull_jobs(services: LeaderGraph) -> PullJobs:
-    """Pull jobs into ``$BERTH_HOME/models`` that register into ``services``' store."""
-    store = services.store
+def leader_pull_jobs(
+    store: Store, lifecycle: LifecycleManager, adapters: AdapterManager, models_dir: Path
+) -> PullJobs:
+    """Pull jobs into ``models_dir`` (``$BERTH_HOME/models``) that register what they pulled
+    in ``store``: a model (``lifecycle`` learns its name) or an adapter (``adapters``
+    reloads its registry)."""
 
     async def taken() -> set[str]:
         models = await asyncio.to_thread(store.list_models)
@@ -39,12 +42,12 @@ def leader_pull_jobs(services: LeaderGraph) -> PullJobs:
         models = [model_view(r) for r in await asyncio.to_thread(store.list_models)]
         registration = await asyncio.to_thread(pulled_registration, body, folder, models)
         if isinstance(registration, AdapterIn):
-            await register_adapter(services, registration)
+            await register_adapter(store, adapters, registration)
             return "adapter"
-        await register_model(store, services.lifecycle, registration)
+        await register_model(store, lifecycle, registration)
         return "model"
 
-    return PullJobs(models_dir=services.home.models_dir, register=register, taken=taken)
+    return PullJobs(models_dir=models_dir, register=register, taken=taken)
 
 
 def build_pull_router(jobs: PullJobs) -> APIRouter:

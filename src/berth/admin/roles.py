@@ -26,7 +26,7 @@ from fastapi import Depends, FastAPI, Request
 
 from berth.errors import AuthError, RoleError
 from berth.keys import Role, Tier
-from berth.store import ApiKeyRecord
+from berth.vocab.records import ApiKeyRecord
 
 #: The key of :attr:`starlette.requests.Request.state` that holds the caller.
 KEY_STATE: Final = "berth_caller"

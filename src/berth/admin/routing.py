@@ -12,8 +12,6 @@ dropped; the routing policy its requests follow and how the last one went (under
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from fastapi import APIRouter
 
 from berth.admin.roles import needs
@@ -25,11 +23,10 @@ from berth.routing.errors import NoReadyDeploymentError
 from berth.routing.resolver import Upstream
 from berth.routing.router import Router
 
-if TYPE_CHECKING:
-    from berth.daemon.graph import LeaderGraph
 
-
-def build_routing_router(services: LeaderGraph) -> APIRouter:
+def build_routing_router(routing: Router) -> APIRouter:
+    """``GET /admin/routing/{model}``: how ``routing`` (the proxy's router) ranks a
+    model's deployments now, and why."""
     router = APIRouter()
 
     @router.get("/admin/routing/{model:path}", dependencies=[needs(Role.VIEWER)])
@@ -42,7 +39,6 @@ def build_routing_router(services: LeaderGraph) -> APIRouter:
         if conversation:
             headers.append((b"x-conversation-id", conversation.encode("latin-1", "replace")))
         key = affinity_key(headers)
-        routing = services.proxy.router
         try:
             ranking = routing.explain(model, key)
             # The same table the ranking just read (no await between): each one's slots.

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING
 
 from fastapi import APIRouter
 
@@ -55,19 +54,11 @@ from berth.errors import ConfigError, NotFoundError
 from berth.keys import Role
 from berth.routing.errors import NoReadyDeploymentError
 from berth.routing.routes import RouteResolver
-from berth.runtime.engines import parse_engine_name, parse_runtime_name
 from berth.scaling import DecisionRecord, ScalingController
 from berth.scaling.capacity import replica_capacity
-from berth.store import (
-    RouteRecord,
-    ScalingSettings,
-    ServiceProfileRecord,
-    Store,
-    StreamTimeouts,
-)
-
-if TYPE_CHECKING:
-    from berth.daemon.graph import LeaderGraph
+from berth.store import Store
+from berth.vocab.engines import parse_engine_name, parse_runtime_name
+from berth.vocab.records import RouteRecord, ScalingSettings, ServiceProfileRecord, StreamTimeouts
 
 
 async def load_routes(
@@ -183,18 +174,6 @@ def route_view(record: RouteRecord, lifecycle: LifecycleManager, routes: RouteRe
     )
 
 
-def build_service_router(services: LeaderGraph) -> APIRouter:
-    """The service and route endpoints, bound to the leader's store, lifecycle and routes."""
-    return service_router(
-        services.store,
-        services.lifecycle,
-        services.routes,
-        default_runtime=services.settings.default_runtime,
-        leader_only=services.leader_only,
-        scaling=services.scaling,
-    )
-
-
 @dataclass
 class _Catalog:
     """What the service and route endpoints read and change: the store, the lifecycle
@@ -265,7 +244,7 @@ def retimed(current: StreamTimeouts, body: ScaleIn) -> StreamTimeouts:
     )
 
 
-def service_router(
+def build_service_router(
     store: Store,
     lifecycle: LifecycleManager,
     routes: RouteResolver,
@@ -274,7 +253,8 @@ def service_router(
     leader_only: bool = False,
     scaling: ScalingController | None = None,
 ) -> APIRouter:
-    """The endpoints of the module doc over explicit dependencies (tests build it so).
+    """The endpoints of the module doc over the store, the deployment manager and the
+    proxy's route table (``routes``, reloaded after every change).
 
     ``leader_only``: this leader runs no engines, so a deployment on node ``local`` is
     refused (409) with what to do instead.  ``scaling``: the scaling controller, told of

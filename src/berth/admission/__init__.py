@@ -21,8 +21,9 @@ it did, kept in the usage ledger.
 A request passes :meth:`Admission.admit`, then, once the router has planned it, waits for a
 slot at one of its deployments (:meth:`SlotGate.acquire`, ordered by :attr:`Ticket.priority`
 and round-robin across keys), then is answered, and :meth:`Admission.settle` accounts for
-it. The package sits beside ``routing`` (layer 9): it
-uses the tiers of ``config``, the records of ``store``, and nothing of the daemon.
+it. The package sits beside ``observability`` (layer 5): it uses the tiers of ``config`` and
+the key and usage records of the vocabulary (:mod:`berth.vocab.records`), and nothing of
+the store, the cluster or the daemon.
 """
 
 from berth.admission.capacity import DEFAULT_SLOTS, GateSlots, gate_slots

@@ -8,13 +8,13 @@ The rule, first match wins:
    create|scale NAME --capacity N``; per replica, as scaling reads it: each deployment of
    the service gets ``N``), so an operator can hold the leader's queue to what a replica
    really serves whatever its engine says;
-2. the engine's slots from its arguments (:func:`berth.runtime.slots.engine_slots`:
+2. the engine's slots from its arguments (:func:`berth.vocab.slots.engine_slots`:
    llama.cpp ``--parallel``, vLLM ``--max-num-seqs``, SGLang ``--max-running-requests``);
 3. the engine's own default where it has a fixed one: llama.cpp 4, what llama-server's
-   default ``--parallel -1`` ("auto") gives (:data:`~berth.runtime.slots.LLAMACPP_AUTO_SLOTS`),
-   vLLM 256, its ``--max-num-seqs`` default (:data:`~berth.runtime.slots.VLLM_DEFAULT_SLOTS`);
+   default ``--parallel -1`` ("auto") gives (:data:`~berth.vocab.slots.LLAMACPP_AUTO_SLOTS`),
+   vLLM 256, its ``--max-num-seqs`` default (:data:`~berth.vocab.slots.VLLM_DEFAULT_SLOTS`);
 4. otherwise the ``default_slots`` setting (8 unless set,
-   :data:`~berth.runtime.slots.ASSUMED_SLOTS`): SGLang without the flag sizes its batch from
+   :data:`~berth.vocab.slots.ASSUMED_SLOTS`): SGLang without the flag sizes its batch from
    free memory, and an adopted endpoint says nothing of its engine.
 
 The first two are *known*; the last two are *assumed* (:attr:`GateSlots.assumed`). Every
@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Final, Literal
 
-from berth.runtime.slots import (
+from berth.vocab.slots import (
     ASSUMED_SLOTS,
     LLAMACPP_AUTO_SLOTS,
     SLOT_FLAGS,

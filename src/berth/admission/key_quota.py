@@ -16,8 +16,8 @@ from collections.abc import Callable
 from berth.admission.bucket import TokenBucket
 from berth.admission.errors import Header, KeyPausedError, QuotaExceededError
 from berth.admission.headers import REQUESTS_HEADERS, TOKENS_HEADERS, bucket_headers
-from berth.limits import NUMERIC_LIMITS, KeyLimits
-from berth.store.records import ApiKeyRecord
+from berth.vocab.limits import NUMERIC_LIMITS, KeyLimits
+from berth.vocab.records import ApiKeyRecord
 
 
 class KeyQuota:

@@ -21,7 +21,7 @@ from typing import Protocol
 
 from berth.admission.calendar import day_of
 from berth.errors import BerthError
-from berth.store.records import UsageRecord
+from berth.vocab.records import UsageRecord
 
 _log = logging.getLogger(__name__)
 

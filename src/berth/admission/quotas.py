@@ -29,7 +29,7 @@ and parse is bounded before any other limit can be checked.
 
 Everything here is in memory and takes microseconds: no store access, no I/O. Limits come
 from the key's record and its tier (:meth:`LimitOverrides.apply
-<berth.limits.LimitOverrides.apply>`); the budgets start from the ledger's totals
+<berth.vocab.limits.LimitOverrides.apply>`); the budgets start from the ledger's totals
 (:meth:`Admission.load`). The minute buckets start full at each leader start.
 """
 
@@ -52,8 +52,8 @@ from berth.admission.key_quota import BodyHold, KeyQuota, Ticket
 from berth.admission.ledger import UsageLedger
 from berth.admission.socket import SocketCaller
 from berth.config.tiers import DESK_TIER, TierTable
-from berth.limits import KeyLimits
-from berth.store.records import ApiKeyRecord
+from berth.vocab.limits import KeyLimits
+from berth.vocab.records import ApiKeyRecord
 
 #: The key id requests over the leader's Unix socket were counted under before berth told
 #: its callers apart (:class:`~berth.admission.socket.SocketCaller`: ``socket:cli`` and

@@ -31,13 +31,16 @@ from berth.agent.journal import EngineJournal, JournalEntry
 from berth.cluster.link import DEFAULT_PROBE_TIMEOUT_S, EngineReport, ProbeResult, SpawnListener
 from berth.engine_http.auth import bearer_header
 from berth.errors import EngineError, NotFoundError
-from berth.runtime.base import EngineExit, EngineHandle, ProgressListener, Runtime, RuntimeName
+from berth.runtime.base import EngineExit, EngineHandle, ProgressListener, Runtime
 from berth.runtime.engine_container import DEFAULT_SHM_SIZE
 from berth.runtime.engine_log import follow_log, read_log_tail
-from berth.runtime.engines import DeploymentRequest, EngineBinaries, EngineName
-from berth.runtime.gpu import GpuInfo, GpuInventory
+from berth.runtime.engines import EngineBinaries
+from berth.runtime.gpu import GpuInventory
 from berth.runtime.lora_api import load_adapter, unload_adapter
 from berth.runtime.process import ProcessRuntime
+from berth.vocab.deployment_request import DeploymentRequest
+from berth.vocab.engines import EngineName, RuntimeName
+from berth.vocab.gpu import GpuInfo
 
 if TYPE_CHECKING:
     from berth.agent.adopted import AdoptedWatcher

@@ -10,12 +10,12 @@ that does not finish within ``dial_timeout_s`` fails, so a leader behind a black
 seconds per attempt. When the link ends, the close code decides
 (:func:`berth.cluster.protocol.errors.agent_should_redial`): a final refusal (removed node,
 bad certificate, superseded, no common version) stops the agent; anything else is redialled
-after a capped exponential backoff with equal jitter (:func:`backoff_delay`, capped by the
-``redial_max_s`` setting), which grows only while no leader answers: after a leader's
-``NOT_LEADER`` refusal the redial is its first or second step (0.5 to 2 s) and the backoff
-starts over. The status file says so at once. Which leader it dials is the
-:class:`~berth.agent.leaders.LeaderList`'s to say: the next one in turn after a session
-ends, the active at once after a standby's ``NOT_LEADER`` (docs/ha.md).
+after a capped exponential backoff with equal jitter (:func:`berth.backoff.jittered_delay_s`
+from :data:`BACKOFF_BASE_S`, capped by the ``redial_max_s`` setting), which grows only while
+no leader answers: after a leader's ``NOT_LEADER`` refusal the redial is its first or second
+step (0.5 to 2 s) and the backoff starts over. The status file says so at once. Which leader
+it dials is the :class:`~berth.agent.leaders.LeaderList`'s to say: the next one in turn after
+a session ends, the active at once after a standby's ``NOT_LEADER`` (docs/ha.md).
 """
 
 from __future__ import annotations
@@ -30,12 +30,12 @@ from collections.abc import Callable
 
 import aiohttp
 
-from berth.agent.backoff import BACKOFF_BASE_S, REDIAL_MAX_S, backoff_delay
 from berth.agent.identity import AgentIdentity, client_ssl_context, load_agent_identity
 from berth.agent.leaders import LeaderList
 from berth.agent.renewal import REENROLL_HINT, CertificateRenewer
 from berth.agent.service import AgentService
 from berth.agent.status import RECENT_LINES, AgentStatus
+from berth.backoff import jittered_delay_s
 from berth.cluster.connection import LinkConnection
 from berth.cluster.liveness import LINK_TIMEOUT_S, Liveness
 from berth.cluster.protocol.errors import (
@@ -52,13 +52,17 @@ from berth.paths import BerthHome
 
 log = logging.getLogger(__name__)
 
+#: The first redial delay before jitter, in seconds (it doubles up to ``redial_max_s``).
+BACKOFF_BASE_S = 1.0
+#: The largest redial delay, in seconds: the ``redial_max_s`` setting's default.
+REDIAL_MAX_S = 30.0
+
 __all__ = [
     "BACKOFF_BASE_S",
     "RECENT_LINES",
     "REDIAL_MAX_S",
     "AgentDialer",
     "AgentStatus",
-    "backoff_delay",
     "cluster_ws_url",
 ]
 
@@ -79,10 +83,10 @@ def cluster_ws_url(leader_url: str) -> str:
 class AgentDialer:
     """Keeps one link to the leader up until a final refusal or :meth:`stop`.
 
-    Between dials it waits ``backoff(attempt)`` seconds (default :func:`backoff_delay`
-    capped at ``redial_max_s``, the setting); ``attempt`` counts from 0 again after a link
-    the leader welcomed.  The first dial waits ``first_dial_after_s`` (paced restarts:
-    :mod:`berth.agent.exit_status`).
+    Between dials it waits ``backoff(attempt)`` seconds (default
+    :func:`~berth.backoff.jittered_delay_s` capped at ``redial_max_s``, the setting);
+    ``attempt`` counts from 0 again after a link the leader welcomed.  The first dial waits
+    ``first_dial_after_s`` (paced restarts: :mod:`berth.agent.exit_status`).
     """
 
     def __init__(
@@ -108,7 +112,9 @@ class AgentDialer:
         self._service = service
         self._status = status
         self._limits = limits or LinkLimits()
-        self._backoff = backoff or functools.partial(backoff_delay, cap_s=redial_max_s)
+        self._backoff = backoff or functools.partial(
+            jittered_delay_s, first_s=BACKOFF_BASE_S, cap_s=redial_max_s
+        )
         self._first_dial_after_s = first_dial_after_s
         self._stopping = asyncio.Event()
         self._conn: LinkConnection | None = None

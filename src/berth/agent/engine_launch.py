@@ -20,13 +20,9 @@ from berth.atomic import write_atomic
 from berth.errors import EngineError
 from berth.runtime.base import LaunchSpec, SecretFile
 from berth.runtime.engine_container import build_container_spec
-from berth.runtime.engines import (
-    DeploymentRequest,
-    EngineBinaries,
-    build_launch_spec,
-    find_free_port,
-)
-from berth.runtime.images import DEFAULT_IMAGES
+from berth.runtime.engines import EngineBinaries, build_launch_spec, find_free_port
+from berth.vocab.deployment_request import DeploymentRequest
+from berth.vocab.images import DEFAULT_IMAGES
 
 #: What every engine API key starts with (so a leaked one is recognised as berth's).
 ENGINE_KEY_PREFIX = "berth-ek-"

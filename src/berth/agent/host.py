@@ -13,9 +13,9 @@ import socket
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from berth.runtime.base import RuntimeName
 from berth.runtime.engines import EngineBinaries
 from berth.runtime.process import ProcessRuntime
+from berth.vocab.engines import RuntimeName
 
 if TYPE_CHECKING:
     from berth.runtime.docker import DockerRuntime

@@ -20,8 +20,9 @@ from berth.cluster.link import (
 from berth.cluster.protocol.ops import OP_CAPABILITIES, RUNTIME_CAPABILITIES
 from berth.errors import BerthError, EngineError
 from berth.placement.model_files import FileStamp, ModelFileShape, read_model_file
-from berth.runtime.base import EngineExit, ProgressListener, RuntimeName
-from berth.runtime.engines import DeploymentRequest, EngineName
+from berth.runtime.base import EngineExit, ProgressListener
+from berth.vocab.deployment_request import DeploymentRequest
+from berth.vocab.engines import EngineName, RuntimeName
 
 #: What node ``local``'s in-process core offers: every op but ``pull`` (the leader's own host
 #: runs models from their registered paths) and ``ingress`` (it is reached directly), and

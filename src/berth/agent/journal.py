@@ -26,7 +26,7 @@ import msgspec
 
 from berth.atomic import write_atomic
 from berth.errors import ConfigError
-from berth.runtime.base import RuntimeName
+from berth.vocab.engines import RuntimeName
 
 #: The journal's permission bits: it holds the engines' API keys.
 JOURNAL_MODE = 0o600

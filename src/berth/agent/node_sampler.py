@@ -19,7 +19,7 @@ from berth.cluster.protocol.payloads import DeploymentLoad, LoopLag
 from berth.observability.cluster import ClusterMetrics
 from berth.observability.loop_lag import LagHistogram
 from berth.observability.window import RequestMeter
-from berth.runtime.gpu import GpuInfo
+from berth.vocab.gpu import GpuInfo
 
 log = logging.getLogger(__name__)
 

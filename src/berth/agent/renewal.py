@@ -31,9 +31,9 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from berth.agent.backoff import backoff_delay
 from berth.agent.cert_pair import save_trust_bundle, write_renewed_pair
 from berth.agent.status import AgentStatus
+from berth.backoff import jittered_delay_s
 from berth.cluster.ca import CLOCK_SKEW, fingerprint_of_der, fingerprint_of_pem
 from berth.cluster.connection import LinkConnection
 from berth.cluster.protocol.errors import LinkError
@@ -119,7 +119,7 @@ def retry_delay(attempt: int, facts: CertificateFacts, rand: Callable[[], float]
     """Seconds before renewal retry ``attempt`` (0 first): the redial backoff, capped at
     a twentieth of the lifetime (at least 1 s, at most :data:`RETRY_MAX_S`)."""
     cap_s = min(RETRY_MAX_S, max(1.0, facts.lifetime_s / 20))
-    return backoff_delay(attempt, base_s=min(1.0, cap_s), cap_s=cap_s, rand=rand)
+    return jittered_delay_s(attempt, first_s=min(1.0, cap_s), cap_s=cap_s, rand=rand)
 
 
 class RenewalRejected(BerthError):

@@ -76,7 +76,7 @@ from berth.observability.loop_lag import LagHistogram
 from berth.observability.window import RequestMeter
 from berth.placement.model_files import FileStamp, read_model_file
 from berth.runtime.base import EngineExit
-from berth.runtime.gpu import GpuInfo
+from berth.vocab.gpu import GpuInfo
 
 if TYPE_CHECKING:  # imported only where tracing is on (berth.agent.runner builds it)
     from berth.observability.relay_tracing import RelayTracer
@@ -357,7 +357,7 @@ class AgentService:
         return StartResult(pid=handle.pid, port=handle.port)
 
     async def _pull(self, pull: PullArgs, models_dir: Path) -> PullResult:
-        from berth.runtime.hub import pull_model  # huggingface_hub: ~18 MiB, when needed
+        from berth.runtime.hf_pull import pull_model  # huggingface_hub: ~18 MiB, when needed
 
         self._on_activity(f"pulling {pull.repo_id} from the hub")
         path = await asyncio.to_thread(

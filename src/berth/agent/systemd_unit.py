@@ -53,12 +53,10 @@ from berth.agent.exit_status import (
 from berth.errors import ConfigError
 from berth.unit_files import UnitScope as UnitScope  # the agent CLI's type, defined once there
 from berth.unit_files import check_printable as _check_printable
-from berth.unit_files import check_user_name, pick_user_name
-from berth.unit_files import environment_line as _environment
+from berth.unit_files import check_user_name, install_section, pick_user_name, service_head
 from berth.unit_files import escape_specifiers as _escape_specifiers
 from berth.unit_files import exec_word as _exec_word
 from berth.unit_files import quote_word as _quote
-from berth.unit_files import systemctl_commands as _systemctl_commands
 
 #: The unit's file name, in either scope.
 UNIT_NAME = "berth-agent.service"
@@ -151,16 +149,9 @@ def render_unit(unit: AgentUnit) -> str:
         f"# refused for good exits {EXIT_REENROLL} and stays stopped until it is enrolled again.",
         "StartLimitIntervalSec=0",
         "",
-        "[Service]",
-        "Type=simple",
-    ]
-    if unit.scope == "system":
-        lines.append(f"User={_escape_specifiers(str(unit.user_name))}")
-    lines.append(_environment("BERTH_HOME", str(unit.home)))
-    if unit.search_path:
-        lines.append(_environment("PATH", ":".join(str(p) for p in unit.search_path)))
-    lines += [
-        _environment("PYTHONUNBUFFERED", "1"),
+        *service_head(
+            unit.scope, user_name=unit.user_name, home=unit.home, search_path=unit.search_path
+        ),
         f"ExecStart={exec_start}",
         "Restart=on-failure",
         f"RestartSec={RESTART_DELAY_S}s",
@@ -190,11 +181,7 @@ def render_unit(unit: AgentUnit) -> str:
             f"ReadWritePaths={_quote(_escape_specifiers(str(unit.home)))}",
             "ProtectControlGroups=yes",
         ]
-    lines += [
-        "",
-        "[Install]",
-        f"WantedBy={'multi-user.target' if unit.scope == 'system' else 'default.target'}",
-    ]
+    lines += install_section(unit.scope)
     return "\n".join(lines) + "\n"
 
 
@@ -230,15 +217,6 @@ def default_unit_dir(
     if config is None or not config.is_absolute():
         config = user_home / ".config"
     return config / "systemd" / "user"
-
-
-def systemctl_commands(scope: UnitScope, *, restart: bool) -> list[list[str]]:
-    """The ``systemctl`` command lines that load, enable and start the unit.
-
-    ``restart`` (the unit replaced a different one) restarts a running agent so the new unit
-    takes effect; ``enable --now`` alone would leave the old one running.
-    """
-    return _systemctl_commands(scope, UNIT_NAME, restart=restart)
 
 
 def parse_systemd_version(text: str) -> int | None:

@@ -9,9 +9,11 @@ answer) and build them from the store's records; :class:`berth.api.client.Daemon
 talks to a daemon over its Unix socket and decodes every answer into them.  Request bodies
 (``*In``) are here too: the daemon validates them, the CLI builds them.
 
-This package sits above ``store`` and below ``daemon``, ``cli`` and ``doctor``: it imports
-base modules, runtime's engine and runtime names, the store's closed sets and deployment
-states, and nothing from ``daemon`` or ``cli``.
+This package sits beside ``store`` and ``runtime`` (layer 3), below ``admin``, ``cli`` and
+``doctor``: it imports the vocabulary (engine and runtime names, the closed sets, deployment
+states, limits), :mod:`berth.weights` (what a pulled folder holds) and base modules, so a
+client loads neither SQLAlchemy nor NVML; nothing of ``store``, ``runtime``, ``admin`` or
+``cli``.
 """
 
 from berth.api.adapters import Adapter, AdapterIn, AdapterLoaded, AdapterRemoved, AddedAdapter

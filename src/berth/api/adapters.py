@@ -9,7 +9,7 @@ from pydantic import ConfigDict, Field, field_validator
 
 from berth.api.base import AbsolutePath, ApiInput, ApiModel, Timestamp
 from berth.api.models import MODEL_NAME_PATTERN
-from berth.store.records import AdapterFormatName, ModelSource
+from berth.vocab.records import AdapterFormatName, ModelSource
 
 
 class AdapterIn(ApiInput):

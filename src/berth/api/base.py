@@ -25,9 +25,8 @@ from pydantic import (
     field_validator,
 )
 
-from berth.runtime.base import RUNTIME_NAMES
-from berth.runtime.engines import ENGINE_NAMES
-from berth.runtime.images import IMAGE_REFERENCE_PATTERN
+from berth.vocab.engines import ENGINE_NAMES, RUNTIME_NAMES
+from berth.vocab.images import IMAGE_REFERENCE_PATTERN
 
 _Extended = TypeVar("_Extended", bound="ApiModel")
 
@@ -189,7 +188,7 @@ ExtraArg = Annotated[str, Field(max_length=MAX_EXTRA_ARG_CHARS, pattern=r"^[^\x0
 
 
 #: A container image reference (``vllm/vllm-openai:v0.9.2``): the schema states Docker's
-#: grammar (:data:`berth.runtime.images.IMAGE_REFERENCE_PATTERN`); the leader checks it where
+#: grammar (:data:`berth.vocab.images.IMAGE_REFERENCE_PATTERN`); the leader checks it where
 #: the image is used, in words that name the form.
 DockerImage = Annotated[
     str,

@@ -19,10 +19,9 @@ from berth.api.base import (
     Timestamp,
 )
 from berth.api.models import MODEL_NAME_PATTERN, no_parent_segments
-from berth.runtime.base import RuntimeName
-from berth.runtime.engines import EngineName
-from berth.store import DEFAULT_RESTART_POLICY, RestartPolicy
-from berth.store.states import DeploymentState
+from berth.vocab.engines import EngineName, RuntimeName
+from berth.vocab.policies import DEFAULT_RESTART_POLICY, RestartPolicy
+from berth.vocab.states import DeploymentState
 
 
 class DeploymentIn(ApiInput):

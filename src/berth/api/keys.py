@@ -1,6 +1,6 @@
 """API keys: ``/admin/keys``.
 
-A key's limits in a request body: a number (0 to :data:`berth.limits.MAX_LIMIT`) sets the
+A key's limits in a request body: a number (0 to :data:`berth.vocab.limits.MAX_LIMIT`) sets the
 key's own value, ``null`` sets "no limit" (``models``: any model), and a field left out takes
 the tier's (on create) or keeps the key's (on change). ``clear`` names limits that go back
 to the tier's.
@@ -15,7 +15,7 @@ from pydantic import ConfigDict, Field, WithJsonSchema, field_validator
 from berth.api.base import ApiInput, ApiModel, Timestamp, TimestampIn
 from berth.errors import ConfigError
 from berth.keys import MAX_KEY_NAME_CHARS
-from berth.limits import (
+from berth.vocab.limits import (
     INHERIT,
     MAX_LIMIT,
     MAX_MODEL_NAME_CHARS,
@@ -23,6 +23,7 @@ from berth.limits import (
     KeyLimits,
     LimitName,
     LimitOverrides,
+    OverrideFields,
     check_models,
 )
 
@@ -37,7 +38,7 @@ def role_name(role: str) -> RoleName:
 
 #: A limit in a request body: a whole number (never text or a fraction), or ``null``.
 LimitIn = Annotated[int, Field(ge=0, le=MAX_LIMIT, strict=True)] | None
-#: A name in a key's ``models`` as the schema states it (:func:`berth.limits.check_models`
+#: A name in a key's ``models`` as the schema states it (:func:`berth.vocab.limits.check_models`
 #: checks it, printable characters only besides, which JSON Schema has no class for): no
 #: comma, no blank at either end, no control character.
 _MODEL_ITEM_PATTERN = (
@@ -88,12 +89,13 @@ class _LimitsIn(ApiInput):
     def overrides(self) -> LimitOverrides:
         """The limits this body sets (the fields it gives, ``null`` ones included)."""
         given = self.model_fields_set
-        values: dict[str, object] = {}
+        values: OverrideFields = {}
         for name in NUMERIC_LIMITS:
-            values[name] = getattr(self, name) if name in given else INHERIT
+            numeric: int | None = getattr(self, name)
+            values[name] = numeric if name in given else INHERIT
         if "models" in given:
             values["models"] = None if self.models is None else frozenset(self.models)
-        return LimitOverrides(**values)  # type: ignore[arg-type]
+        return LimitOverrides(**values)
 
 
 class KeyIn(_LimitsIn):

@@ -7,8 +7,8 @@ from typing import Literal
 from pydantic import Field
 
 from berth.api.base import ApiInput, ApiModel, Timestamp
-from berth.config import JsonScalar, SettingSource
-from berth.runtime.base import RuntimeName
+from berth.vocab.engines import RuntimeName
+from berth.vocab.setting_values import JsonScalar, SettingSource
 
 
 class Health(ApiModel):

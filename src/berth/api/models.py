@@ -8,7 +8,7 @@ from pydantic import ConfigDict, Field, field_validator
 
 from berth.api.base import AbsolutePath, ApiInput, ApiModel, Timestamp, named_pattern
 from berth.api.plans import VramEstimateOut
-from berth.store.records import ModelSource
+from berth.vocab.records import ModelSource
 
 #: Model names: letters, digits and ``. _ - : /`` (hub ids like ``org/model:q4``), starting
 #: with a letter or digit, no ``..``: safe in URLs, file names and the OpenAI ``model`` field.

@@ -7,8 +7,8 @@ from typing import Annotated, Literal
 from pydantic import Field, WithJsonSchema
 
 from berth.api.base import ApiInput, ApiModel, Timestamp
-from berth.store.drains import MoveStep
-from berth.store.records import NodeStatus
+from berth.vocab.drains import MoveStep
+from berth.vocab.records import NodeStatus
 
 #: How the leader reaches a node's engines: on its own host (``local``), straight to the
 #: agent's ingress (``direct``), or through the agent's link (``tunnel``).

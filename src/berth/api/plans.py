@@ -23,8 +23,7 @@ from berth.api.base import (
     GpuIndex,
     RuntimeIn,
 )
-from berth.runtime.base import RuntimeName
-from berth.runtime.engines import EngineName
+from berth.vocab.engines import EngineName, RuntimeName
 
 #: A GPU looked at: whether the estimate fits it, or why it was not judged.
 GpuVerdict = Literal["fits", "too_small", "no_room", "reserved", "unchecked"]

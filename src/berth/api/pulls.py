@@ -15,8 +15,8 @@ from berth.api.adapters import AdapterIn
 from berth.api.base import ApiInput, ApiModel, Timestamp, named_pattern
 from berth.api.models import MODEL_NAME_PATTERN, ModelIn, RegisteredModel
 from berth.errors import ConfigError
-from berth.runtime.adapter_files import PEFT_CONFIG, AdapterFacts, inspect_adapter
-from berth.runtime.gguf_file import is_gguf, read_gguf_header
+from berth.weights.adapter_files import PEFT_CONFIG, AdapterFacts, inspect_adapter
+from berth.weights.gguf_file import is_gguf, read_gguf_header
 
 #: Where a pull job is: waiting for a free download slot, downloading, registering what it
 #: downloaded, and the three ends.

@@ -23,11 +23,10 @@ from berth.api.base import (
 )
 from berth.api.models import MODEL_NAME_PATTERN, no_parent_segments
 from berth.humanize import parse_duration
-from berth.runtime.base import RuntimeName
-from berth.runtime.engines import EngineName
-from berth.store import DEFAULT_RESTART_POLICY, RestartPolicy, RoutingPolicy
-from berth.store.services import MAX_STREAM_TIMEOUT_S
-from berth.store.states import DeploymentState
+from berth.vocab.engines import EngineName, RuntimeName
+from berth.vocab.policies import DEFAULT_RESTART_POLICY, RestartPolicy, RoutingPolicy
+from berth.vocab.records import MAX_STREAM_TIMEOUT_S
+from berth.vocab.states import DeploymentState
 
 #: What an idle timeout may be given as: a duration (``"30s"``, ``"10m"``, ``"2h"``, or a
 #: number of seconds), or ``"never"`` (not stopped for idleness).

@@ -8,9 +8,6 @@ from __future__ import annotations
 
 import os
 import pwd
-import shlex
-import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -20,12 +17,14 @@ from rich.markup import escape
 
 from berth.agent import systemd_unit
 from berth.agent.systemd_unit import UnitScope
-from berth.atomic import write_atomic
-from berth.cli import adopt_cmd
+from berth.cli import adopt_cmd, service_install
 from berth.cli.common import console, context, err_console
 from berth.cli.context import HELP_OPTIONS
-from berth.errors import BerthError, ConfigError, ConflictError
+from berth.errors import ConfigError, ConflictError
 from berth.paths import BerthHome, resolve_home
+
+#: Who the service runs, in the install messages.
+_RUNS = "the agent"
 
 app = typer.Typer(
     context_settings=HELP_OPTIONS,
@@ -45,7 +44,6 @@ def register(
     """Enroll this host: pin the leader's CA, get a client certificate, save the identity."""
     from berth.agent.registration import register_agent
     from berth.cluster.enrollment import EnrollmentURI
-    from berth.errors import ConflictError
 
     home = context(ctx).home
     parsed = EnrollmentURI.parse(uri)
@@ -224,27 +222,14 @@ def logs(
 @app.command("install-service")
 def install_service(
     ctx: typer.Context,
-    system: bool = typer.Option(
-        False,
-        "--system/--user",
-        help="A system unit in /etc/systemd/system running as $SUDO_USER (run it via sudo), "
-        "or a unit for your own user manager (the default).",
-    ),
+    system: bool = service_install.SYSTEM_OPTION,
     user_name: str | None = typer.Option(
         None, "--user-name", help="With --system: the account to run the agent as (not root)."
     ),
-    unit_dir: Path | None = typer.Option(
-        None,
-        "--unit-dir",
-        help="Write the unit in this folder instead of systemd's (packaging, tests).",
-    ),
-    no_start: bool = typer.Option(
-        False, "--no-start", help="Write the unit; print the systemctl commands, run none."
-    ),
-    dry_run: bool = typer.Option(
-        False, "--dry-run", "--print", help="Print the unit on stdout; write nothing."
-    ),
-    force: bool = typer.Option(False, "--force", help="Replace a different existing unit."),
+    unit_dir: Path | None = service_install.UNIT_DIR_OPTION,
+    no_start: bool = service_install.NO_START_OPTION,
+    dry_run: bool = service_install.DRY_RUN_OPTION,
+    force: bool = service_install.FORCE_OPTION,
 ) -> None:
     """Run the agent as a systemd service: write berth-agent.service, enable and start it.
 
@@ -262,12 +247,12 @@ def install_service(
         name = systemd_unit.service_user_name(
             sudo_user=os.environ.get("SUDO_USER"), user_name=user_name
         )
-        account = _account(name)
-        if not _home_given(ctx):
+        account = service_install.service_account(name, runs=_RUNS)
+        if not service_install.home_given(ctx):
             # sudo sets HOME to root's: the default home is the service user's, not root's.
             home = BerthHome(resolve_home(Path(account.pw_dir) / ".berth"))
     elif os.geteuid() == 0:
-        _warn(
+        service_install.warn(
             "this user unit runs the agent as root; prefer `sudo berth agent install-service "
             "--system` from the account that should run it"
         )
@@ -278,8 +263,8 @@ def install_service(
         )
     identity = load_agent_identity(home)
     if account is not None:
-        _check_home_owner(home, account)
-    systemctl = shutil.which("systemctl")
+        service_install.check_home_owner(home.root, account, runs=_RUNS, reads="its key")
+    systemctl = service_install.find_systemctl()
     unit = systemd_unit.AgentUnit(
         scope=scope,
         python=Path(sys.executable).absolute(),  # not resolved: a venv's python is a symlink
@@ -290,7 +275,7 @@ def install_service(
         search_path=systemd_unit.search_path_for(
             Path(sys.executable).absolute(), os.environ.get("PATH")
         ),
-        systemd_version=_systemd_version(systemctl),
+        systemd_version=service_install.systemd_version(systemctl),
     )
     text = systemd_unit.render_unit(unit)
     if dry_run:
@@ -300,158 +285,46 @@ def install_service(
     directory = unit_dir or systemd_unit.default_unit_dir(
         scope, user_home=Path.home(), xdg_config_home=os.environ.get("XDG_CONFIG_HOME")
     )
-    path = directory.absolute() / systemd_unit.UNIT_NAME
-    try:
-        existing = path.read_text() if path.exists() else None
-    except OSError as exc:
-        raise ConfigError(f"cannot read {path}: {exc.strerror}") from None
-    replaced = existing is not None and existing != text
-    if replaced and not force:
-        raise ConflictError(
-            f"{path} exists and differs from the unit berth would write; add --force to "
-            "replace it (--dry-run prints the new one)"
-        )
-    if existing == text:
-        console.print(f"{path} is up to date", soft_wrap=True, markup=False)
+    written = service_install.write_unit(
+        directory.absolute() / systemd_unit.UNIT_NAME, text, force=force, system=system
+    )
+    if written.existed and not written.replaced:
+        console.print(f"{written.path} is up to date", soft_wrap=True, markup=False)
     else:
-        _write_unit(path, text, system=system)
         runs_as = f"runs as {unit.user_name}" if unit.user_name else "runs as you"
         console.print(
-            f"wrote {path} ({scope} unit; node {identity.label}, {runs_as}, home {home.root})",
+            f"wrote {written.path} ({scope} unit; node {identity.label}, {runs_as}, "
+            f"home {home.root})",
             soft_wrap=True,
             markup=False,
         )
-    if existing is None:
+    if not written.existed:
         _warn_if_agent_running(home)
-    _activate(scope, systemctl, restart=replaced, no_start=no_start)
+    if service_install.activate(
+        scope, systemctl, systemd_unit.UNIT_NAME, restart=written.replaced, no_start=no_start
+    ):
+        flag = "--user " if scope == "user" else ""
+        console.print(
+            f"{systemd_unit.UNIT_NAME} is enabled and started; check it with `berth agent "
+            f"status` and `journalctl {flag}-u berth-agent -f`",
+            soft_wrap=True,
+        )
     if scope == "user":
-        _hint_linger()
-
-
-def _home_given(ctx: typer.Context) -> bool:
-    """Whether the home was chosen (``--home`` or ``$BERTH_HOME``) rather than defaulted."""
-    return ctx.find_root().params.get("home") is not None or bool(os.environ.get("BERTH_HOME"))
-
-
-def _account(name: str) -> pwd.struct_passwd:
-    """The passwd entry of ``name``; :class:`ConfigError` when there is none or it is uid 0."""
-    try:
-        account = pwd.getpwnam(name)
-    except KeyError:
-        raise ConfigError(f"there is no user {name!r} on this host") from None
-    if account.pw_uid == 0:
-        raise ConfigError(
-            f"refusing to write a unit that runs the agent as root ({name} has uid 0): run it "
-            "via sudo from the account that should run the agent, or pass --user-name NAME"
-        )
-    return account
-
-
-def _check_home_owner(home: BerthHome, account: pwd.struct_passwd) -> None:
-    """Refuse a home the service user does not own: the agent could not read its key."""
-    owner_uid = home.root.stat().st_uid
-    if owner_uid == account.pw_uid:
-        return
-    try:
-        owner = pwd.getpwuid(owner_uid).pw_name
-    except KeyError:
-        owner = f"uid {owner_uid}"
-    fix = f"sudo chown -R {account.pw_name} {shlex.quote(str(home.root))}"
-    if owner_uid != 0:
-        fix = f"pass --user-name {owner}, or {fix}"
-    raise ConfigError(
-        f"{home.root} belongs to {owner}, not {account.pw_name}, who would run the agent "
-        f"and could not read its key; {fix}"
-    )
-
-
-def _systemd_version(systemctl: str | None) -> int | None:
-    """The running systemd's release from ``systemctl --version``; ``None`` if unknown."""
-    if systemctl is None:
-        return None
-    try:
-        result = subprocess.run(
-            [systemctl, "--version"], capture_output=True, text=True, timeout=10, check=False
-        )
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return systemd_unit.parse_systemd_version(result.stdout) if result.returncode == 0 else None
-
-
-def _write_unit(path: Path, text: str, *, system: bool) -> None:
-    """Write ``path`` atomically, mode 0644 (systemd reads units as any user)."""
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        write_atomic(path, text, mode=0o644)
-    except OSError as exc:
-        hint = " (a --system unit needs root: run it via sudo)" if system else ""
-        raise ConfigError(f"cannot write {path}: {exc.strerror}{hint}") from None
-
-
-def _activate(scope: UnitScope, systemctl: str | None, *, restart: bool, no_start: bool) -> None:
-    """Run (or, where that cannot work, print) the systemctl commands that start the unit."""
-    commands = systemd_unit.systemctl_commands(scope, restart=restart)
-    flag = "--user " if scope == "user" else ""
-    reason = None
-    if no_start:
-        reason = "to load and start it"
-    elif systemctl is None:
-        reason = "systemctl is not installed here; on a systemd host, run"
-    elif not Path("/run/systemd/system").is_dir():
-        reason = "systemd is not running on this host (no /run/systemd/system); where it is, run"
-    if reason is not None:
-        console.print(f"{reason}:")
-        for command in commands:
-            console.print(f"  {shlex.join(command)}", soft_wrap=True, markup=False)
-        return
-    assert systemctl is not None
-    for command in commands:
-        console.print(f"$ {shlex.join(command)}", soft_wrap=True, markup=False)
-        result = subprocess.run(
-            [systemctl, *command[1:]], capture_output=True, text=True, timeout=120, check=False
-        )
-        if result.returncode != 0:
-            detail = (result.stderr or result.stdout).strip().splitlines()
-            raise BerthError(
-                f"`{shlex.join(command)}` failed ({detail[0] if detail else result.returncode}); "
-                "the unit is written: fix that and run the remaining systemctl commands"
-            )
-    console.print(
-        f"{systemd_unit.UNIT_NAME} is enabled and started; check it with `berth agent status` and "
-        f"`journalctl {flag}-u berth-agent -f`",
-        soft_wrap=True,
-    )
+        service_install.hint_linger()
 
 
 def _warn_if_agent_running(home: BerthHome) -> None:
     from berth.agent.runner import read_status
-    from berth.errors import ConflictError
 
     try:
         data = read_status(home)
     except ConflictError:
         return  # a malformed status file says nothing about a running agent
     if data is not None and data["running"]:
-        _warn(
+        service_install.warn(
             f"an agent already runs for {home.root} (pid {data['pid']}); stop it, or the "
             "service keeps failing (and retrying) until it does"
         )
-
-
-def _hint_linger() -> None:
-    """Say how to start a user unit at boot, unless lingering is already on."""
-    name = pwd.getpwuid(os.geteuid()).pw_name
-    if not (Path("/var/lib/systemd/linger") / name).exists():
-        console.print(
-            f"a user unit runs while {name} is logged in; to start it at boot: "
-            f"sudo loginctl enable-linger {name}",
-            soft_wrap=True,
-            markup=False,
-        )
-
-
-def _warn(message: str) -> None:
-    err_console.print(f"warning: {message}", markup=False, soft_wrap=True)
 
 
 # Servers this host runs without berth (src/berth/cli/adopt_cmd.py).

@@ -34,12 +34,7 @@ _RUNS = "the leader"
 
 def install_service(
     ctx: typer.Context,
-    system: bool = typer.Option(
-        False,
-        "--system/--user",
-        help="A system unit in /etc/systemd/system running as $SUDO_USER (run it via sudo), "
-        "or a unit for your own user manager (the default).",
-    ),
+    system: bool = service_install.SYSTEM_OPTION,
     user_name: str | None = typer.Option(
         None, "--user-name", help="With --system: the account to run the leader as (not root)."
     ),
@@ -49,18 +44,10 @@ def install_service(
         help="A file of BERTH_*=value lines for the service (EnvironmentFile=, mode 0600): "
         "for settings that stay out of config.toml, such as a database password.",
     ),
-    unit_dir: Path | None = typer.Option(
-        None,
-        "--unit-dir",
-        help="Write the unit in this folder instead of systemd's (packaging, tests).",
-    ),
-    no_start: bool = typer.Option(
-        False, "--no-start", help="Write the unit; print the systemctl commands, run none."
-    ),
-    dry_run: bool = typer.Option(
-        False, "--dry-run", "--print", help="Print the unit on stdout; write nothing."
-    ),
-    force: bool = typer.Option(False, "--force", help="Replace a different existing unit."),
+    unit_dir: Path | None = service_install.UNIT_DIR_OPTION,
+    no_start: bool = service_install.NO_START_OPTION,
+    dry_run: bool = service_install.DRY_RUN_OPTION,
+    force: bool = service_install.FORCE_OPTION,
 ) -> None:
     """Run the leader as a systemd service: write berth-leader.service, start it.
 

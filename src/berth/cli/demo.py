@@ -27,7 +27,7 @@ from berth.errors import BerthError, EngineError
 from berth.paths import BerthHome
 from berth.runtime.bundled import smollm2_gguf
 from berth.runtime.engines import find_free_port
-from berth.store.states import DeploymentState
+from berth.vocab.states import DeploymentState
 
 DEMO_PROMPT = "In one sentence, what is a GPU?"
 

@@ -26,8 +26,8 @@ from berth.cli.common import (
 )
 from berth.errors import BerthError, ConfigError, EngineError
 from berth.humanize import age, printable
-from berth.store.records import check_restart_policy
-from berth.store.states import DeploymentState
+from berth.vocab.policies import check_restart_policy
+from berth.vocab.states import DeploymentState
 
 #: The states of a deployment still starting.
 STARTING = (DeploymentState.PENDING, DeploymentState.LOADING)

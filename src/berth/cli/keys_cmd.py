@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 from datetime import UTC, date, datetime, time
+from typing import TypedDict
 
 import typer
 
-from berth.api import ApiKey, KeyChangeIn, KeyIn
+from berth.api import ApiKey, KeyChangeIn, KeyIn, RoleName, role_name
 from berth.cli.common import console, context, print_json, print_table, record_table, request_body
 from berth.cli.context import HELP_OPTIONS
 from berth.errors import ConfigError
 from berth.keys import parse_role, parse_tier, role_of_tier, validate_key_name
-from berth.limits import (
+from berth.vocab.limits import (
     ANY_MODEL_WORD,
     NUMERIC_LIMITS,
     UNLIMITED_WORD,
@@ -74,24 +75,51 @@ def parse_expiry(text: str, now: datetime) -> datetime:
     return moment.astimezone(UTC)
 
 
-def _limits(
+class _LimitFields(TypedDict, total=False):
+    """The limit fields of a key's request body (:class:`~berth.api.KeyIn`,
+    :class:`~berth.api.KeyChangeIn`), for the flags given."""
+
+    rpm: int | None
+    tpm: int | None
+    max_concurrency: int | None
+    daily_tokens: int | None
+    monthly_tokens: int | None
+    models: list[str] | None
+
+
+class _NewKey(_LimitFields, total=False):
+    """What ``berth key create`` sends beside the name and tier."""
+
+    role: RoleName
+    expires_at: datetime
+
+
+class _KeyChanges(_LimitFields, total=False):
+    """What ``berth key set`` sends: only what it was told to change."""
+
+    tier: str
+    role: RoleName
+    expires_at: datetime | None
+    clear: list[LimitName]
+
+
+def _add_limits(
+    fields: _LimitFields,
     rpm: str | None,
     tpm: str | None,
     max_concurrency: str | None,
     daily_tokens: str | None,
     monthly_tokens: str | None,
     models: str | None,
-) -> dict[str, object]:
-    """The limit fields of a request body, only for the flags given."""
+) -> None:
+    """Put the limit fields of a request body in ``fields``, only for the flags given."""
     texts = (rpm, tpm, max_concurrency, daily_tokens, monthly_tokens)
-    given = dict(zip(NUMERIC_LIMITS, texts, strict=True))
-    fields: dict[str, object] = {
-        name: parse_limit(name, text) for name, text in given.items() if text is not None
-    }
+    for name, text in zip(NUMERIC_LIMITS, texts, strict=True):
+        if text is not None:
+            fields[name] = parse_limit(name, text)
     if models is not None:
         allowed = parse_models(models)
         fields["models"] = None if allowed is None else sorted(allowed)
-    return fields
 
 
 @key_app.command("create")
@@ -119,12 +147,13 @@ def create(
     # refuse a bad tier name, role, limit or expiry before asking the daemon
     role_of_tier(parse_tier(tier), role)
     validate_key_name(name)
-    fields = _limits(rpm, tpm, max_concurrency, daily_tokens, monthly_tokens, models)
+    fields: _NewKey = {}
+    _add_limits(fields, rpm, tpm, max_concurrency, daily_tokens, monthly_tokens, models)
     if role is not None:
-        fields["role"] = parse_role(role).value
+        fields["role"] = role_name(parse_role(role))
     if expires is not None:
         fields["expires_at"] = parse_expiry(expires, datetime.now(UTC))
-    body = request_body(KeyIn, name=name, tier=tier, **fields)  # type: ignore[arg-type]
+    body = request_body(KeyIn, name=name, tier=tier, **fields)
     with context(ctx).client() as client:
         record = client.create_key(body)
     if as_json:
@@ -161,11 +190,12 @@ def set_(
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
     """Change a key's tier, role, limits or expiry; what is not given stays as it is."""
-    fields = _limits(rpm, tpm, max_concurrency, daily_tokens, monthly_tokens, models)
+    fields: _KeyChanges = {}
+    _add_limits(fields, rpm, tpm, max_concurrency, daily_tokens, monthly_tokens, models)
     if tier is not None:
         fields["tier"] = parse_tier(tier)
     if role is not None:
-        fields["role"] = parse_role(role).value
+        fields["role"] = role_name(parse_role(role))
     if expires is not None:
         is_never = expires.strip().lower() == NEVER_WORD
         fields["expires_at"] = None if is_never else parse_expiry(expires, datetime.now(UTC))
@@ -174,7 +204,7 @@ def set_(
         fields["clear"] = cleared
     if not fields:
         raise ConfigError("nothing to change: give --tier, --role, a limit, --expires or --clear")
-    body = request_body(KeyChangeIn, **fields)  # type: ignore[arg-type]
+    body = request_body(KeyChangeIn, **fields)
     with context(ctx).client() as client:
         record = client.change_key(ident, body)
     if as_json:

@@ -143,7 +143,7 @@ def pull(
 ) -> None:
     """Download a model, or a LoRA adapter, from the Hugging Face hub into
     $BERTH_HOME/models and register it."""
-    from berth.runtime.hub import pull_model
+    from berth.runtime.hf_pull import pull_model
 
     cli = context(ctx)
     body = request_body(PullIn, repo=repo, name=name, revision=revision, base=base)

@@ -48,6 +48,10 @@ def create_route(
     if as_json:
         print_json(record)
         return
+    _print_route(record)
+
+
+def _print_route(record: Route) -> None:
     console.print(
         f"route [bold]{escape(record.name)}[/]: {escape(_route_line(record))}",
         soft_wrap=True,
@@ -101,11 +105,7 @@ def show_route(
     if as_json:
         print_json(record)
         return
-    console.print(
-        f"route [bold]{escape(record.name)}[/]: {escape(_route_line(record))}",
-        soft_wrap=True,
-        markup=True,
-    )
+    _print_route(record)
     if record.reason:
         console.print(record.reason, markup=False, soft_wrap=True)
 
@@ -122,11 +122,7 @@ def set_fallback(
         raise ConfigError("give a fallback route, or --none to remove the fallback")
     with context(ctx).client() as client:
         record = client.set_route_fallback(public_name, request_body(FallbackIn, fallback=fallback))
-    console.print(
-        f"route [bold]{escape(record.name)}[/]: {escape(_route_line(record))}",
-        soft_wrap=True,
-        markup=True,
-    )
+    _print_route(record)
 
 
 @route_app.command("rm")

@@ -30,8 +30,8 @@ from berth.cli.context import HELP_OPTIONS
 from berth.cli.deploy_cmd import parse_gpus, wait_settled
 from berth.errors import ConfigError, EngineError
 from berth.humanize import age, duration
-from berth.store.records import check_restart_policy, check_routing_policy
-from berth.store.states import DeploymentState
+from berth.vocab.policies import check_restart_policy, check_routing_policy
+from berth.vocab.states import DeploymentState
 
 service_app = typer.Typer(
     context_settings=HELP_OPTIONS,

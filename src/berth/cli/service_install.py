@@ -3,8 +3,8 @@ does around the unit text (:mod:`berth.daemon.systemd_unit`): the service accoun
 running systemd's version, the unit written (replaced only with ``--force``), and
 ``systemctl`` run, or printed where it cannot run.
 
-Written for the leader's unit; ``berth agent install-service`` (``cli/agent_cmd.py``) does
-the same steps with copies of its own, which can move here.
+Both units go through it: the leader's (``cli/daemon_service_cmd.py``) and the agent's
+(``berth agent install-service``, ``cli/agent_cmd.py``).
 """
 
 from __future__ import annotations
@@ -26,6 +26,27 @@ from berth.unit_files import UnitScope, systemctl_commands
 
 #: Seconds ``systemctl`` (``--version``, or one command) may take.
 SYSTEMCTL_TIMEOUT_S = 120
+
+
+# The options both install-service commands take, defined once.
+SYSTEM_OPTION = typer.Option(
+    False,
+    "--system/--user",
+    help="A system unit in /etc/systemd/system running as $SUDO_USER (run it via sudo), "
+    "or a unit for your own user manager (the default).",
+)
+UNIT_DIR_OPTION = typer.Option(
+    None,
+    "--unit-dir",
+    help="Write the unit in this folder instead of systemd's (packaging, tests).",
+)
+NO_START_OPTION = typer.Option(
+    False, "--no-start", help="Write the unit; print the systemctl commands, run none."
+)
+DRY_RUN_OPTION = typer.Option(
+    False, "--dry-run", "--print", help="Print the unit on stdout; write nothing."
+)
+FORCE_OPTION = typer.Option(False, "--force", help="Replace a different existing unit.")
 
 
 @dataclass(frozen=True)
@@ -58,8 +79,11 @@ def service_account(name: str, *, runs: str) -> pwd.struct_passwd:
     return account
 
 
-def check_home_owner(root: Path, account: pwd.struct_passwd, *, runs: str) -> None:
-    """Refuse a home the service account does not own: ``runs`` could not read its keys."""
+def check_home_owner(
+    root: Path, account: pwd.struct_passwd, *, runs: str, reads: str = "its keys"
+) -> None:
+    """Refuse a home the service account does not own: ``runs`` could not read what it
+    must (``reads``: the leader's keys, the agent's key)."""
     owner_uid = root.stat().st_uid
     if owner_uid == account.pw_uid:
         return
@@ -72,7 +96,7 @@ def check_home_owner(root: Path, account: pwd.struct_passwd, *, runs: str) -> No
         fix = f"pass --user-name {owner}, or {fix}"
     raise ConfigError(
         f"{root} belongs to {owner}, not {account.pw_name}, who would run {runs} and could "
-        f"not read its keys; {fix}"
+        f"not read {reads}; {fix}"
     )
 
 

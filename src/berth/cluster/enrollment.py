@@ -35,7 +35,8 @@ from cryptography import x509
 from berth.cluster.ca import CertificateAuthority, fingerprint_of_pem
 from berth.errors import BerthError, ConfigError, EnrollmentTokenError
 from berth.keys import hash_secret
-from berth.store import NodeCertificate, NodeRecord, Store
+from berth.store import Store
+from berth.vocab.records import NodeCertificate, NodeRecord
 
 #: Seconds an enrollment token stays valid.
 TOKEN_VALIDITY_S: Final = 600.0

@@ -59,7 +59,7 @@ from berth.errors import BerthError, StoreError
 from berth.observability.cluster import ClusterMetrics
 from berth.runtime.base import EngineExit
 from berth.store import Store
-from berth.store.records import NodeHardware
+from berth.vocab.records import NodeHardware
 
 log = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 from berth.cluster.link import NodeInventory
 from berth.cluster.protocol.payloads import GpuState, Inventory
-from berth.runtime.gpu import GpuInfo
+from berth.vocab.gpu import GpuInfo
 
 
 def gpu_states(gpus: Sequence[GpuInfo]) -> list[GpuState]:

@@ -15,9 +15,10 @@ from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
 from berth.placement.model_files import FileStamp, ModelFileShape
-from berth.runtime.base import EngineExit, ProgressListener, RuntimeName
-from berth.runtime.engines import DeploymentRequest, EngineName
-from berth.runtime.gpu import GpuInfo
+from berth.runtime.base import EngineExit, ProgressListener
+from berth.vocab.deployment_request import DeploymentRequest
+from berth.vocab.engines import EngineName, RuntimeName
+from berth.vocab.gpu import GpuInfo
 
 LOCAL_NODE_ID = "local"
 #: Seconds an engine has to answer a health probe when the caller names no limit (the

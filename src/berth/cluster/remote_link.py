@@ -70,8 +70,9 @@ from berth.engine_http.origin import TUNNEL_SCHEME, Origin
 from berth.engine_http.request import EngineRequest
 from berth.errors import EngineError, NotFoundError
 from berth.placement.model_files import FileStamp, ModelFileShape
-from berth.runtime.base import EngineExit, ProgressListener, RuntimeName
-from berth.runtime.engines import DeploymentRequest, EngineName
+from berth.runtime.base import EngineExit, ProgressListener
+from berth.vocab.deployment_request import DeploymentRequest
+from berth.vocab.engines import EngineName, RuntimeName
 
 #: Seconds a quick control request (stop excepted) may take before the link counts as stuck.
 CONTROL_TIMEOUT_S = 30.0

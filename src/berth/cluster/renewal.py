@@ -42,7 +42,8 @@ from berth.cluster.protocol.frames import Request
 from berth.cluster.protocol.ops import RENEW, RenewResult
 from berth.cluster.protocol.payloads import ErrorCode, ErrorInfo
 from berth.errors import BerthError
-from berth.store import NodeRecord, Store
+from berth.store import Store
+from berth.vocab.records import NodeRecord
 
 log = logging.getLogger(__name__)
 

@@ -15,7 +15,6 @@ from berth.config.convert import convert_setting
 from berth.config.file import FileValue, read_config_file, write_config_values
 from berth.config.settings import (
     WILDCARD_BINDS,
-    JsonScalar,
     SettingRow,
     Settings,
     advertised_host,
@@ -28,7 +27,6 @@ from berth.config.table import (
     SETTINGS_BY_NAME,
     SettingDef,
     SettingKind,
-    SettingSource,
     host_problem,
     setting_definition,
 )
@@ -40,11 +38,9 @@ __all__ = [
     "SETTINGS_BY_NAME",
     "WILDCARD_BINDS",
     "FileValue",
-    "JsonScalar",
     "SettingDef",
     "SettingKind",
     "SettingRow",
-    "SettingSource",
     "Settings",
     "TierDef",
     "TierTable",

@@ -20,21 +20,15 @@ from urllib.parse import urlsplit
 
 from berth.config.convert import convert_value
 from berth.config.file import FileValue, read_config_file
-from berth.config.table import (
-    SETTINGS,
-    RoutingPolicy,
-    SettingDef,
-    SettingSource,
-    setting_definition,
-)
+from berth.config.table import SETTINGS, SettingDef, setting_definition
 from berth.config.tiers import TierTable, read_tiers
 from berth.errors import ConfigError
 from berth.http_server.limits import ListenerLimits
 from berth.paths import BerthHome
-from berth.runtime.engines import EngineName
 from berth.runtime.trees import TreeMode
-
-JsonScalar = str | int | float | bool | None
+from berth.vocab.engines import EngineName
+from berth.vocab.policies import RoutingPolicy
+from berth.vocab.setting_values import JsonScalar, SettingSource
 
 #: Bind addresses that mean "every interface": no use as an address others can dial.
 WILDCARD_BINDS = frozenset({"0.0.0.0", "::", "[::]", ""})

@@ -24,22 +24,15 @@ from berth.http_server.cors import cors_origins_problem
 from berth.http_server.limits import ListenerLimits
 from berth.paths import BerthHome
 from berth.redact import mask_all, mask_header_values, mask_url_password
-from berth.runtime.base import RUNTIME_NAMES
 from berth.runtime.engine_container import DEFAULT_SHM_SIZE
-from berth.runtime.gpu import parse_simulated_gpus
-from berth.runtime.images import DEFAULT_GPU_IMAGES, DEFAULT_IMAGES
-from berth.runtime.slots import ASSUMED_SLOTS
 from berth.runtime.trees import TREE_MODES
+from berth.vocab.engines import RUNTIME_NAMES
+from berth.vocab.gpu import parse_simulated_gpus
+from berth.vocab.images import DEFAULT_GPU_IMAGES, DEFAULT_IMAGES
+from berth.vocab.policies import ROUTING_POLICIES
+from berth.vocab.slots import ASSUMED_SLOTS
 
-SettingSource = Literal["flag", "env", "file", "autodetect", "default"]
 SettingKind = Literal["str", "int", "float", "path", "bool"]
-
-#: How the router picks among a model's ready deployments (``routing_policy``, and a
-#: service's own): ``least-load``: the scorer's order (affinity, in flight, p95);
-#: ``prefix``: the one whose engine served the longest prefix of the prompt, within a
-#: bound on load (``berth.routing.prefix``).
-RoutingPolicy = Literal["least-load", "prefix"]
-ROUTING_POLICIES: tuple[RoutingPolicy, ...] = ("least-load", "prefix")
 
 ENV_PREFIX = "BERTH_"
 MiB = 1024 * 1024
@@ -344,7 +337,7 @@ SETTINGS: tuple[SettingDef, ...] = (
                "without reading them (refused), all connections together; past it a "
                "connection waits and TCP holds its client back",
                default=_LIMITS.discard_bytes_per_s, minimum=64 * 1024),
-    # Failed authentication per client address (berth.gateway.auth_limiter): 429 past it.
+    # Failed authentication per client address (berth.auth.limiter): 429 past it.
     SettingDef("auth_failure_burst", "int", "server",
                "failed API-key attempts a client address may make at once before it is "
                "refused (429); a valid key is never refused for them",

@@ -1,7 +1,7 @@
 """Key tiers: ``[tiers.NAME]`` tables of ``config.toml``, with ``admin``, ``standard`` and
 ``desk`` (the desk worker's jobs, :data:`DESK_TIER`) built in.
 
-A tier names a set of limits (:class:`berth.limits.KeyLimits`) every key of the tier takes
+A tier names a set of limits (:class:`berth.vocab.limits.KeyLimits`) every key of the tier takes
 unless the key overrides them, and a ``priority``: where the tier's requests stand in the
 leader's admission queue (higher first)::
 
@@ -29,7 +29,14 @@ from pathlib import Path
 from berth.config_toml import locate_line, parse_toml
 from berth.errors import ConfigError
 from berth.keys import Tier, parse_tier
-from berth.limits import LIMIT_NAMES, NUMERIC_LIMITS, KeyLimits, check_models, parse_limit
+from berth.vocab.limits import (
+    LIMIT_NAMES,
+    KeyLimits,
+    LimitFields,
+    check_models,
+    numeric_limit,
+    parse_limit,
+)
 
 #: The section of ``config.toml`` holding the tiers.
 TIERS_SECTION = "tiers"
@@ -131,23 +138,24 @@ def read_tiers(path: Path) -> TierTable:
 def _read_tier(name: str, table: Mapping[str, object], text: str, path: Path) -> TierDef:
     header = f"{TIERS_SECTION}.{name}"
     priority = BUILTIN_PRIORITIES.get(name, 0)
-    limits: dict[str, object] = {}
+    limits: LimitFields = {}
     for key, raw in table.items():
         line = locate_line(text, header, key)
         where = f"[{header}]"
+        numeric = numeric_limit(key)
         try:
             if key == "priority":
                 priority = _priority(raw, where)
             elif key == "models":
-                limits[key] = check_models(raw, where=where)
-            elif key in NUMERIC_LIMITS:
-                limits[key] = _limit(key, raw, where)
+                limits["models"] = check_models(raw, where=where)
+            elif numeric is not None:
+                limits[numeric] = _limit(key, raw, where)
             else:
                 valid = ", ".join(("priority", *LIMIT_NAMES))
                 raise ConfigError(f"{where}: unknown key {key!r}; valid keys: {valid}")
         except ConfigError as exc:
             raise ConfigError(str(exc), path=path, line=line) from None
-    return TierDef(name, priority, KeyLimits(**limits))  # type: ignore[arg-type]
+    return TierDef(name, priority, KeyLimits(**limits))
 
 
 def _priority(raw: object, where: str) -> int:

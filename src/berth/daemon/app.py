@@ -9,7 +9,7 @@ every path alike, ``x-api-key``, which the Anthropic SDK sends; refusals under
 allows (the caller goes to the admin app in its request state, :mod:`berth.admin.roles`),
 and failed
 attempts are limited per client address (429 past the ``auth_failure_*`` settings; see
-:mod:`berth.gateway.auth`); over the Unix socket (mode 0600, so only its owner can connect) no
+:mod:`berth.auth.authenticator`); over the Unix socket (mode 0600, so only its owner can connect) no
 key is needed: a request there is the desk worker's when it says so
 (:data:`berth.admission.SOCKET_CALLER_HEADER`, read on that listener only), else the CLI's.
 The key's record, or the socket's caller, goes to the proxy, whose admission applies its
@@ -26,27 +26,28 @@ from __future__ import annotations
 
 from fastapi import FastAPI
 
-from berth.admin.app import build_admin_app
-from berth.admin.console import (
-    CONSOLE_HEADERS,
-    ConsoleGate,
-    build_console_router,
-    is_console_path,
-)
+from berth.admin.console import CONSOLE_HEADERS, ConsoleGate, is_console_path
 from berth.admin.roles import KEY_STATE, NO_KEY, check_roles_declared
-from berth.admin.services import build_service_router
-from berth.admission import SOCKET_CALLER_HEADER, AdmissionError, SocketCaller, socket_caller
+from berth.admission import (
+    SOCKET_CALLER_HEADER,
+    Admission,
+    AdmissionError,
+    SocketCaller,
+    socket_caller,
+)
 from berth.anthropic_errors import is_messages_path, to_anthropic
+from berth.auth.authenticator import Authenticator, require_tier, secret_from_headers
+from berth.daemon.admin_routes import build_admin
 from berth.daemon.graph import LeaderGraph
 from berth.errors import AuthError, BerthError, RateLimitError
-from berth.gateway.auth import require_tier, secret_from_headers
 from berth.gateway.proxy import OpenAIProxy
 from berth.http_server.asgi import AsgiHandler
 from berth.http_server.cors import CorsPolicy
 from berth.http_server.request import Request
 from berth.http_server.writer import ResponseWriter
 from berth.openai_errors import error_from_exception
-from berth.store import ApiKeyRecord
+from berth.store.leadership import Leadership
+from berth.vocab.records import ApiKeyRecord
 
 #: Paths that answer without a key on every listener.
 OPEN_PATHS = frozenset({"/healthz", "/readyz"})
@@ -54,23 +55,31 @@ _CALLER_HEADER = SOCKET_CALLER_HEADER.encode()
 
 
 class LeaderApp:
-    """Serves one listener's requests: the proxy or the admin app, after auth.
+    """Serves one listener's requests: the ``proxy`` or the ``admin`` app, after auth.
 
-    ``trusted`` is True for the Unix socket listener; ``cors`` applies on the public one.
+    Keys are checked by ``authenticator``, their expiry by ``admission``; ``leadership``
+    (``None`` for a lone leader) turns ``/v1`` away while this leader stands by.
+    ``trusted`` is True for the Unix socket listener; ``cors`` applies on the public one,
+    where ``console`` lets a signed-in browser's session stand for an admin key.
     """
 
     def __init__(
         self,
-        services: LeaderGraph,
+        proxy: OpenAIProxy,
         admin: FastAPI,
+        authenticator: Authenticator,
+        admission: Admission,
+        leadership: Leadership | None,
         *,
         trusted: bool,
         cors: CorsPolicy | None = None,
         console: ConsoleGate | None = None,
     ) -> None:
-        self._services = services
         self._admin = AsgiHandler(admin)
-        self._proxy: OpenAIProxy = services.proxy
+        self._proxy = proxy
+        self._authenticator = authenticator
+        self._admission = admission
+        self._leadership = leadership
         self._trusted = trusted
         self._cors = cors if cors is not None and cors.enabled else None
         self._console = console
@@ -97,7 +106,7 @@ class LeaderApp:
             # /ui/session checks what it is given
             await self._admin(request, writer, state={KEY_STATE: NO_KEY})
             return
-        leadership = self._services.leadership
+        leadership = self._leadership
         if leadership is not None and path.startswith("/v1/") and not leadership.is_active:
             await _send_error(writer, leadership.refusal(), path)  # a standby: go to the active
             return
@@ -121,12 +130,12 @@ class LeaderApp:
             await self._admin(request, writer, state={KEY_STATE: caller})
 
     async def _authenticate(self, request: Request, tier: str) -> ApiKeyRecord:
-        authenticator = self._services.authenticator
+        authenticator = self._authenticator
         secret = secret_from_headers(request.headers)
         if secret is None and self._console is not None:
             signed_in = await self._console.authenticate(request)
             if signed_in is not None:
-                self._services.admission.check_expiry(signed_in)  # 401 once expired
+                self._admission.check_expiry(signed_in)  # 401 once expired
                 require_tier(signed_in, tier)
                 return signed_in
         # Failed attempts are limited per client address; a key already found valid is not.
@@ -134,7 +143,7 @@ class LeaderApp:
         record = await authenticator.authenticate(
             secret, address=address, surface=_surface(request.path)
         )
-        self._services.admission.check_expiry(record)  # 401 once expired
+        self._admission.check_expiry(record)  # 401 once expired
         require_tier(record, tier)
         return record
 
@@ -163,20 +172,19 @@ async def _send_error(writer: ResponseWriter, exc: BerthError, path: str) -> Non
     await writer.end(body)
 
 
-def build_apps(services: LeaderGraph) -> tuple[LeaderApp, LeaderApp]:
+def build_apps(graph: LeaderGraph) -> tuple[LeaderApp, LeaderApp]:
     """Return ``(public_app, socket_app)`` sharing one admin app and one proxy."""
-    admin = build_admin_app(services)
-    admin.include_router(build_service_router(services))
     console = ConsoleGate(
-        services.store,
-        services.authenticator,
-        services.pepper,
-        check_expiry=services.admission.check_expiry,
+        graph.store,
+        graph.authenticator,
+        graph.pepper,
+        check_expiry=graph.admission.check_expiry,
     )
-    admin.include_router(build_console_router(console, services.proxy.request_log))
+    admin = build_admin(graph, console)
     check_roles_declared(admin)
-    cors = CorsPolicy.from_setting(services.settings.cors_origins)
+    cors = CorsPolicy.from_setting(graph.settings.cors_origins)
+    shared = (graph.proxy, admin, graph.authenticator, graph.admission, graph.leadership)
     return (
-        LeaderApp(services, admin, trusted=False, cors=cors, console=console),
-        LeaderApp(services, admin, trusted=True),
+        LeaderApp(*shared, trusted=False, cors=cors, console=console),
+        LeaderApp(*shared, trusted=True),
     )

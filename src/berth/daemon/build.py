@@ -16,9 +16,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from berth.admin.services import load_routes
-from berth.admission import UsageLedger
+from berth.admin.status import Listener, RunState
+from berth.admission import Admission, UsageLedger
 from berth.agent.in_process_link import InProcessLink
 from berth.agent.node_sampler import LocalNodeSampler
+from berth.auth.authenticator import Authenticator
 from berth.cluster.direct_path import DataPaths
 from berth.cluster.enrollment import AuditLog, EnrollmentService
 from berth.cluster.hub import NodeHub
@@ -31,7 +33,8 @@ from berth.cluster.listener import (
 from berth.cluster.peer_identity import ForwardedFingerprintTrust
 from berth.config import Settings
 from berth.daemon.app import build_apps
-from berth.daemon.graph import LeaderGraph, Listener
+from berth.daemon.graph import LeaderGraph
+from berth.daemon.ha import SharedLeadership, build_shared_leadership
 from berth.daemon.pieces import (
     DeploymentEvents,
     LeaderMetrics,
@@ -156,13 +159,36 @@ def _build_router(
 
 def _listeners(
     home: BerthHome, settings: Settings, sockets: LeaderSockets, tls: LeaderTls, cluster_url: str
-) -> list[Listener]:
+) -> tuple[Listener, ...]:
     """The three listeners the leader reports: public HTTPS, the cluster link, the unix socket."""
-    return [
+    return (
         Listener("public", f"https://{settings.public_host}:{sockets.public_port}", tls.public),
         Listener("cluster", cluster_url, tls.cluster),
         Listener("socket", f"unix://{home.socket_file}"),
-    ]
+    )
+
+
+def _shared_leadership(
+    settings: Settings,
+    store: Store,
+    sockets: LeaderSockets,
+    cluster_url: str,
+    *,
+    authenticator: Authenticator,
+    admission: Admission,
+    hub: NodeHub,
+    enrollment: EnrollmentService,
+) -> SharedLeadership | None:
+    """With ``leader_ha``: this leader's lease loop, roster and key sync, the roster
+    answering for the hub (a standby sends agents to the active) and enrollment (every
+    leader's URL in a new URI). ``None`` without it."""
+    if not settings.leader_ha:
+        return None
+    return build_shared_leadership(
+        store, authenticator, admission, hub, enrollment,
+        address=f"https://{settings.public_host}:{sockets.public_port}",
+        cluster_url=cluster_url, lease_s=settings.leader_lease_s,
+    )  # fmt: skip
 
 
 async def build_leader(
@@ -235,6 +261,10 @@ async def build_leader(
     authenticator = await build_authenticator(
         store, tls.pepper, settings, metrics=metrics.proxy, audit=audit
     )
+    shared = _shared_leadership(
+        settings, store, sockets, cluster_url,
+        authenticator=authenticator, admission=admission, hub=hub, enrollment=enrollment,
+    )  # fmt: skip
     graph = LeaderGraph(
         home=home,
         settings=settings,
@@ -261,6 +291,8 @@ async def build_leader(
         admission=admission,
         adapters=adapters,
         listeners=_listeners(home, settings, sockets, tls, cluster_url),
+        shared=shared,
+        run=RunState(),
     )
     public_server, socket_server, cluster_listener = build_listeners(graph, sockets, tls)
     return LeaderParts(

@@ -1,25 +1,31 @@
-"""The leader's long-lived objects, built once by the daemon and handed to the apps."""
+"""The leader's long-lived objects: :class:`LeaderGraph`, built once by
+:func:`berth.daemon.build.build_leader` and never assigned to after.
+
+Nothing outside :mod:`berth.daemon` takes the graph. The daemon hands each subsystem and
+each admin router the few objects it uses (:mod:`berth.daemon.admin_routes`,
+:mod:`berth.daemon.app`), so a signature says what a route touches. What changes while the
+leader runs is not a field of the graph but one object in it, :class:`RunState`.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
+from berth.admin.status import LeaderFacts, Listener, RunState
 from berth.admission import Admission
 from berth.agent.core import AgentCore
-from berth.agent.host import RuntimeStatus
+from berth.auth.authenticator import Authenticator
 from berth.cluster.ca import CertificateAuthority
 from berth.cluster.direct_path import DataPaths
 from berth.cluster.enrollment import EnrollmentService
 from berth.cluster.hub import NodeHub
 from berth.cluster.link_registry import LinkRegistry
 from berth.config import Settings
+from berth.daemon.ha import SharedLeadership
 from berth.deployments.adapters import AdapterManager
 from berth.deployments.drain import DrainRunner
 from berth.deployments.lifecycle import LifecycleManager
-from berth.gateway.auth import Authenticator
 from berth.gateway.proxy import OpenAIProxy
-from berth.http_server.tls_reload import ReloadingTLS
 from berth.observability.cluster import ClusterMetrics
 from berth.observability.history import MetricsHistory
 from berth.observability.metrics import ProxyMetrics
@@ -30,26 +36,19 @@ from berth.store import Store
 from berth.store.leadership import Leadership
 
 
-@dataclass
-class Listener:
-    """One address the daemon serves on, for banners and ``berth status``; ``tls``: the
-    certificate pair a TLS listener serves (reloadable)."""
-
-    name: str
-    url: str
-    tls: ReloadingTLS | None = None
-
-
-@dataclass
+@dataclass(frozen=True)
 class LeaderGraph:
-    """Everything the HTTP apps need; no module-level globals anywhere."""
+    """Everything the leader's apps and loops share; no module-level globals anywhere."""
 
     home: BerthHome
     settings: Settings
     store: Store
     ca: CertificateAuthority
+    #: The secret API keys are hashed with.
     pepper: bytes
     metrics: ProxyMetrics
+    #: Every node's load over the last minute (``/metrics``, ``/admin/metrics/snapshot``).
+    cluster_metrics: ClusterMetrics
     proxy: OpenAIProxy
     lifecycle: LifecycleManager
     authenticator: Authenticator
@@ -73,27 +72,39 @@ class LeaderGraph:
     adapters: AdapterManager
     #: Per-key limits and the usage ledger (updated by the admin API's key routes).
     admission: Admission
-    listeners: list[Listener] = field(default_factory=list)
-    ready: bool = False
-    extra: dict[str, Any] = field(default_factory=dict)
-    #: The local node's runtimes as found at start-up (``/admin/info``, the start banner).
-    runtimes: list[RuntimeStatus] = field(default_factory=list)
-    #: Every node's load over the last minute (``/metrics``, ``/admin/metrics/snapshot``).
-    cluster_metrics: ClusterMetrics = field(default_factory=ClusterMetrics)
     #: Starts and stops replicas of services (on demand, idle, scale out and in).
-    scaling: ScalingController | None = None
+    scaling: ScalingController
     #: The last hour of requests, tokens, TTFT, errors and GPUs (the console's Overview).
-    history: MetricsHistory | None = None
+    history: MetricsHistory
     #: Carries the store's drains out (the active leader's loop).
-    drains: DrainRunner | None = None
-    #: Shared leadership (``leader_ha``): the lease loop; ``None`` for a lone leader.
-    leadership: Leadership | None = None
-    #: Set by ``berth leader step-down`` before it stops the leader: the process then exits
-    #: with ``STANDBY_RESTART_EXIT`` (:mod:`berth.errors`), so its service starts it again,
-    #: as a standby.
-    handed_over: bool = False
+    drains: DrainRunner
+    #: The public listener, the cluster listener, the Unix socket.
+    listeners: tuple[Listener, ...]
+    #: Shared leadership (``leader_ha``): the lease loop, the roster and key sync; ``None``
+    #: for a lone leader.
+    shared: SharedLeadership | None
+    #: What changes while it runs: ready, the runtimes found at start, handed over.
+    run: RunState
 
     @property
     def leader_only(self) -> bool:
         """Whether this leader is a control plane only: no engines on its own host."""
         return self.local_core is None
+
+    @property
+    def leadership(self) -> Leadership | None:
+        """The lease loop (``leader_ha``), which a standby's listeners read; ``None`` for a
+        lone leader."""
+        return self.shared.leadership if self.shared is not None else None
+
+    @property
+    def facts(self) -> LeaderFacts:
+        """What ``/admin/info`` says of this leader that does not change while it runs."""
+        return LeaderFacts(
+            pid=self.pid,
+            started_at=self.started_at,
+            home=self.home,
+            cluster_url=self.cluster_url,
+            listeners=self.listeners,
+            leader_only=self.leader_only,
+        )

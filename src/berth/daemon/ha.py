@@ -1,12 +1,14 @@
 """A leader's part in shared leadership (the ``leader_ha`` setting; docs/ha.md).
 
 :class:`SharedLeadership` is what the ``Leader`` owns when leadership is shared: the lease
-loop (:class:`~berth.store.leadership.Leadership`, put on the graph so ``/readyz``,
-``/admin/leader`` and the ``/v1`` guard read it), the key sync
-(:class:`~berth.gateway.key_sync.KeySync`), and the gate on the leader-only loops: the
+loop (:class:`~berth.store.leadership.Leadership`, which ``/readyz``, ``/admin/leader`` and
+the ``/v1`` guard read), the roster of leaders (:class:`~berth.daemon.leader_roster.
+LeaderRoster`, which the hub and enrollment ask), the key sync
+(:class:`~berth.auth.key_sync.KeySync`), and the gate on the leader-only loops: the
 ``start_leading`` it is given (reconcile, the engine watcher, scaling) runs once this
 leader holds the lease, at once when it does at start, later when a standby takes over.
-The graph's ``leadership`` is set when it is built, so the listeners can start before.
+:func:`build_shared_leadership` builds it with the rest of the leader, so its listeners
+answer as a standby's from the start.
 
 A leader that held the lease and lost it (another took over while it was stalled, or the
 store was out of reach past the lease) must not go on acting on its stale view; its writes
@@ -25,43 +27,55 @@ import contextlib
 import logging
 from collections.abc import Awaitable, Callable
 
-from berth.daemon.graph import LeaderGraph
+from berth.admission import Admission
+from berth.auth.authenticator import Authenticator
+from berth.auth.key_sync import KeySync
+from berth.cluster.enrollment import EnrollmentService
+from berth.cluster.hub import NodeHub
 from berth.daemon.leader_roster import LeaderRoster
-from berth.gateway.key_sync import KeySync
+from berth.store import Store
 from berth.store.leadership import Leadership, leader_id
 from berth.store.lease import LeaseState
 
 _log = logging.getLogger(__name__)
 
 
-class SharedLeadership:
-    """Shared leadership for the leader whose object graph is ``graph`` (see the module
-    doc).  ``address`` is the URL clients reach this leader at (its public listener)."""
+def build_shared_leadership(
+    store: Store,
+    authenticator: Authenticator,
+    admission: Admission,
+    hub: NodeHub,
+    enrollment: EnrollmentService,
+    *,
+    address: str,
+    cluster_url: str,
+    lease_s: float,
+) -> SharedLeadership:
+    """This leader's part in shared leadership over ``store``: a lease loop under a fresh
+    :func:`~berth.store.leadership.leader_id`, reachable at ``address`` (its public
+    listener's URL) and holding leases of ``lease_s``; the roster noting ``cluster_url``
+    (the URL its agents dial), which answers for the ``hub`` (a standby sends agents to the
+    active) and for ``enrollment`` (every leader's URL in a new URI); key changes followed
+    into ``authenticator`` and ``admission``. Nothing starts until
+    :meth:`SharedLeadership.start`."""
+    leadership = Leadership(store, me=leader_id(), address=address, lease_s=lease_s)
+    roster = LeaderRoster(store, leadership, cluster_url=cluster_url, lease_s=lease_s)
+    hub.agent_gate = roster
+    enrollment.leaders = roster.leaders
+    return SharedLeadership(leadership, roster, KeySync(store, authenticator, admission))
 
-    def __init__(
-        self,
-        graph: LeaderGraph,
-        *,
-        address: str,
-        on_lost: Callable[[], None],
-    ) -> None:
-        store = graph.store
-        self.leadership = Leadership(
-            store, me=leader_id(), address=address, lease_s=graph.settings.leader_lease_s
-        )
-        graph.leadership = self.leadership  # a standby's listeners answer as one at once
-        self.roster = LeaderRoster(
-            store,
-            self.leadership,
-            cluster_url=graph.cluster_url,
-            lease_s=graph.settings.leader_lease_s,
-        )
-        graph.hub.agent_gate = self.roster  # a standby sends agents to the active
-        graph.enrollment.leaders = self.roster.leaders
-        self._graph = graph
-        self._key_sync = KeySync(store, graph.authenticator, graph.admission)
+
+class SharedLeadership:
+    """Shared leadership (see the module doc): ``leadership``, the lease loop; ``roster``,
+    the leaders the store lists, for agents (the active takes them, a standby names the
+    active); ``key_sync``, the key changes other leaders write."""
+
+    def __init__(self, leadership: Leadership, roster: LeaderRoster, key_sync: KeySync) -> None:
+        self.leadership = leadership
+        self.roster = roster
+        self._key_sync = key_sync
         self._start_leading: Callable[[], Awaitable[None]] | None = None
-        self._on_lost = on_lost
+        self._on_lost: Callable[[], None] | None = None
         self._leading = False
         self._stopping = False
         self._stop_leading: Callable[[], Awaitable[None]] | None = None
@@ -77,14 +91,17 @@ class SharedLeadership:
         self,
         start_leading: Callable[[], Awaitable[None]],
         stop_leading: Callable[[], Awaitable[None]] | None = None,
+        *,
+        on_lost: Callable[[], None],
     ) -> None:
         """Follow key changes, take part in the lease, and call ``start_leading`` now, or
         once the lease is this leader's.  ``stop_leading``, when given, is called when the
         lease is lost after leading, and this leader stands by again (see the module doc);
-        without it, ``on_lost`` is called."""
+        without it, ``on_lost`` is called (the ``Leader`` stops, to come back as a
+        standby)."""
         self._start_leading = start_leading
         self._stop_leading = stop_leading
-        self._graph.leadership = self.leadership
+        self._on_lost = on_lost
         await self._key_sync.start()
         self.leadership.subscribe(self._role_changed)
         await self.leadership.start()
@@ -149,7 +166,7 @@ class SharedLeadership:
                 state.epoch,
                 state.active_address or "nobody",
             )
-            self._on_lost()
+            self._lost()
             return
         _log.error(
             "leadership: lost the lease (epoch %d is now %s's); stepping down to standby",
@@ -167,7 +184,7 @@ class SharedLeadership:
             await self._stop_leading()
         except Exception:  # a failed demotion must not leave a standby that would lead twice
             _log.exception("leadership: stepping down failed; stopping instead")
-            self._on_lost()
+            self._lost()
             return
         _log.info(
             "leadership: standby; the active leader is %s",
@@ -175,3 +192,7 @@ class SharedLeadership:
         )
         if not self._stopping:
             self._waiting = asyncio.create_task(self._lead_when_active(), name="standby")
+
+    def _lost(self) -> None:
+        assert self._on_lost is not None, "start() gave it"
+        self._on_lost()

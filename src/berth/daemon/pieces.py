@@ -20,6 +20,9 @@ from berth.admission import Admission, QueueCollector, SlotGate, UsageCollector,
 from berth.agent.adopted import AdoptedWatcher
 from berth.agent.core import AgentCore
 from berth.agent.node_sampler import LocalNodeSampler
+from berth.auth.authenticator import Authenticator
+from berth.auth.limiter import FailedAuthLimiter
+from berth.auth.metrics import AuthCollector
 from berth.cluster.bootstrap import share_through_store
 from berth.cluster.ca import CertificateAuthority
 from berth.cluster.direct_path import DataPaths
@@ -43,9 +46,6 @@ from berth.deployments.restarts import Backoff
 from berth.deployments.supervisor import restart_reporter
 from berth.errors import DaemonError
 from berth.gateway.adapter_resolver import AdapterResolver
-from berth.gateway.auth import Authenticator
-from berth.gateway.auth_limiter import FailedAuthLimiter
-from berth.gateway.auth_metrics import AuthCollector
 from berth.gateway.body_limits import BodyLimits
 from berth.gateway.proxy import OpenAIProxy
 from berth.http_server.tls_reload import CertificateReloads, ReloadingTLS
@@ -66,9 +66,10 @@ from berth.runtime.engines import EngineBinaries
 from berth.runtime.gpu import inventory_for
 from berth.runtime.process import ProcessRuntime
 from berth.scaling import ScalingController, ScalingMetrics, ScalingPolicy, route_services
-from berth.store import DeploymentRecord, Store
+from berth.store import Store
 from berth.store.deadlines import StoreDeadlines
-from berth.store.states import TERMINAL_STATES, DeploymentState
+from berth.vocab.records import DeploymentRecord
+from berth.vocab.states import TERMINAL_STATES, DeploymentState
 
 if TYPE_CHECKING:  # imported only where tracing is on (build.py opens it)
     from berth.observability.tracing import RequestTracer

@@ -141,7 +141,7 @@ class Leader:
             await self.start()
             try:
                 await self.should_exit.wait()
-                if self.graph.handed_over:
+                if self.graph.run.handed_over:
                     self._restart_as_standby = True
                 log.info(
                     "berth leader stopping%s",
@@ -217,12 +217,7 @@ class Leader:
         links before them), the listeners, node ``local``'s engines taken back, then the
         leader's own loops."""
         graph = parts.graph
-        if self.settings.leader_ha:  # on the graph before the listeners: a standby says so
-            self._shared = SharedLeadership(
-                graph,
-                address=f"https://{self.settings.public_host}:{self.public_port}",
-                on_lost=self.request_standby_restart,
-            )
+        self._shared = graph.shared  # built with the graph: a standby says so at once
         self.home.pid_file.write_text(f"{os.getpid()}\n")
         await graph.proxy.startup()
         self._flusher = asyncio.create_task(parts.ledger.run())  # usage, every few seconds
@@ -233,8 +228,8 @@ class Leader:
         parts.tls.reloads.start()
         core = graph.local_core
         if core is not None:
-            graph.runtimes = await core.runtime_status()
-            for runtime in graph.runtimes:
+            graph.run.runtimes = tuple(await core.runtime_status())
+            for runtime in graph.run.runtimes:
                 verdict = "available" if runtime.available else "unavailable"
                 log.info("runtime %s: %s (%s)", runtime.name, verdict, runtime.detail)
             # Held until this leader stops; its warden stops this host's engines if the
@@ -246,7 +241,9 @@ class Leader:
         if self._shared is not None:  # shared leadership: lead now, or once the lease is ours
             # Only a leader-only leader can stand by again without its host's engines.
             demote = self.stop_leading if graph.leader_only else None
-            await self._shared.start(self.start_leading, demote)
+            await self._shared.start(
+                self.start_leading, demote, on_lost=self.request_standby_restart
+            )
         else:
             await self.start_leading()
         if core is not None and core.adopted is not None:
@@ -258,9 +255,8 @@ class Leader:
             parts.local_sampler.start()
         freeze_startup_objects()  # full collections then skip the start-up heap
         parts.loop_lag.start()
-        if graph.history is not None:  # every leader keeps its own last hour
-            graph.history.start()
-        graph.ready = True
+        graph.history.start()  # every leader keeps its own last hour
+        graph.run.ready = True
 
     async def start_leading(self) -> None:
         """Start the loops only a store's leader runs: reconcile what the last run left and
@@ -275,13 +271,11 @@ class Leader:
             raise DaemonError("the leader already leads")
         graph = self.graph
         await graph.lifecycle.start()
-        assert graph.scaling is not None, "build_leader builds it"
         graph.scaling.start(
             await asyncio.to_thread(graph.store.list_service_profiles),
             await asyncio.to_thread(graph.store.list_deployments, active_only=True),
         )
-        if graph.drains is not None:  # the store's drains resume where they were
-            graph.drains.start()
+        graph.drains.start()  # the store's drains resume where they were
         self._detached_sweep = asyncio.create_task(
             graph.hub.mark_detached_unreachable(self.settings.node_timeout_s),
             name="detached-nodes",
@@ -305,10 +299,8 @@ class Leader:
         gate = graph.hub.agent_gate
         reason = gate.refusal() if gate is not None else None
         await graph.hub.close_for_standby(reason or not_leader_reason(None))
-        if graph.drains is not None:
-            await graph.drains.stop()
-        if graph.scaling is not None:
-            await graph.scaling.close()
+        await graph.drains.stop()
+        await graph.scaling.close()
         await graph.lifecycle.stand_down()
         log.info("berth leader standing by: the leader-only loops stopped, no engine stopped")
 
@@ -329,7 +321,7 @@ class Leader:
         parts = self._parts
         if parts is None:
             return
-        parts.graph.ready = False
+        parts.graph.run.ready = False
         if self._shared is not None:  # the lease first: a standby takes the new requests
             await self._shared.hand_over()
         await asyncio.gather(
@@ -359,12 +351,9 @@ class Leader:
         await asyncio.gather(parts.public_server.close(0.0), parts.socket_server.close(0.0))
         if parts.local_sampler is not None:
             await parts.local_sampler.stop()
-        if graph.history is not None:
-            await graph.history.stop()
-        if graph.drains is not None:
-            await graph.drains.stop()
-        if graph.scaling is not None:
-            await graph.scaling.close()
+        await graph.history.stop()
+        await graph.drains.stop()
+        await graph.scaling.close()
         await graph.hub.shutdown()
         await graph.data_paths.close()
         await parts.cluster_listener.stop()

@@ -49,10 +49,11 @@ from berth.unit_files import (
     UnitScope,
     check_printable,
     check_user_name,
-    environment_line,
     escape_specifiers,
     exec_word,
+    install_section,
     quote_word,
+    service_head,
 )
 
 #: The unit's file name, in either scope.
@@ -159,15 +160,10 @@ def render_unit(unit: LeaderUnit) -> str:
         "# hand-over, and comes back (as a standby after a hand-over).",
         "StartLimitIntervalSec=0",
         "",
-        "[Service]",
-        "Type=simple",
+        *service_head(
+            unit.scope, user_name=unit.user_name, home=unit.home, search_path=unit.search_path
+        ),
     ]
-    if unit.scope == "system":
-        lines.append(f"User={escape_specifiers(str(unit.user_name))}")
-    lines.append(environment_line("BERTH_HOME", str(unit.home)))
-    if unit.search_path:
-        lines.append(environment_line("PATH", ":".join(str(p) for p in unit.search_path)))
-    lines.append(environment_line("PYTHONUNBUFFERED", "1"))
     if unit.environment_file is not None:
         lines.append(f"EnvironmentFile={quote_word(escape_specifiers(str(unit.environment_file)))}")
     lines += [
@@ -202,9 +198,5 @@ def render_unit(unit: LeaderUnit) -> str:
             f"ReadWritePaths={quote_word(escape_specifiers(str(unit.home)))}",
             "ProtectControlGroups=yes",
         ]
-    lines += [
-        "",
-        "[Install]",
-        f"WantedBy={'multi-user.target' if unit.scope == 'system' else 'default.target'}",
-    ]
+    lines += install_section(unit.scope)
     return "\n".join(lines) + "\n"

@@ -9,7 +9,7 @@ LoRA adapters and their load plans (:mod:`.adapters`, :mod:`.lora_plan`), and th
 controller's view of the fleet (:mod:`.fleet`).
 
 May import: ``scaling``, ``agent``, ``routing``, ``admission``, ``cluster``,
-``observability``, ``api``, ``placement``, ``store``, ``runtime``, ``engine_http`` and the
-base modules. Never :mod:`berth.gateway`, :mod:`berth.admin` or :mod:`berth.daemon`: they
-sit above it and call into it.
+``observability``, ``api``, ``placement``, ``store``, ``runtime``, ``engine_http``,
+``weights``, the vocabulary and the base modules. Never :mod:`berth.gateway`,
+:mod:`berth.admin` or :mod:`berth.daemon`: they sit above it and call into it.
 """

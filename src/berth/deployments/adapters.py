@@ -45,9 +45,9 @@ from berth.observability.adapters import AdapterMetrics
 from berth.routing.adapters import AdapterSlots, AdapterTier, eviction_choice, rank_tiers
 from berth.routing.errors import AdapterUnavailableError, NoReadyDeploymentError
 from berth.routing.resolver import AdapterUse, Upstream
-from berth.runtime.engines import EngineName, parse_engine_name
-from berth.store import AdapterRecord, DeploymentRecord
-from berth.store.states import RESTARTING_STATES
+from berth.vocab.engines import EngineName, parse_engine_name
+from berth.vocab.records import AdapterRecord, DeploymentRecord
+from berth.vocab.states import RESTARTING_STATES
 
 log = logging.getLogger(__name__)
 

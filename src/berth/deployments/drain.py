@@ -45,8 +45,10 @@ from berth.placement.drain import (
     after_refusal,
     plan_drain,
 )
-from berth.store import DeploymentRecord, MoveStep, NodeDrain, ServiceProfileRecord, Store
-from berth.store.states import DeploymentState
+from berth.store import Store
+from berth.vocab.drains import MoveStep, NodeDrain
+from berth.vocab.records import DeploymentRecord, ServiceProfileRecord
+from berth.vocab.states import DeploymentState
 
 log = logging.getLogger(__name__)
 

@@ -29,8 +29,8 @@ from berth.errors import ConfigError, EngineError
 from berth.placement import EstimateRequest, ModelShape, VramEstimate, estimate_vram
 from berth.placement.errors import ModelFileError
 from berth.placement.model_files import FileStamp, model_stamp, read_model_shape
-from berth.runtime.engines import EngineName
-from berth.store import DeploymentRecord, ModelRecord
+from berth.vocab.engines import EngineName
+from berth.vocab.records import DeploymentRecord, ModelRecord
 
 #: Shapes kept (one per model file and node) and deployment estimates remembered.
 MAX_SHAPES = 256

@@ -18,7 +18,7 @@ from berth.errors import ConflictError, NotFoundError
 from berth.placement import EvictionPolicy
 from berth.routing.errors import NoReadyDeploymentError
 from berth.scaling.fleet import EvictionNote, ProgressNote
-from berth.store import ServiceProfileRecord
+from berth.vocab.records import ServiceProfileRecord
 
 log = logging.getLogger(__name__)
 

@@ -63,12 +63,12 @@ from berth.placement import (
 from berth.routing.resolver import Upstream
 from berth.routing.waiting import GiveUp, WaitingAttempts
 from berth.runtime.base import EngineExit
-from berth.runtime.engines import (
-    EngineName,
-)
-from berth.runtime.images import DEFAULT_GPU_IMAGES, DEFAULT_IMAGES
-from berth.store import DeploymentRecord, RoutingPolicy, Store, StreamTimeouts
-from berth.store.states import TERMINAL_STATES, DeploymentState
+from berth.store import Store
+from berth.vocab.engines import EngineName
+from berth.vocab.images import DEFAULT_GPU_IMAGES, DEFAULT_IMAGES
+from berth.vocab.policies import RoutingPolicy
+from berth.vocab.records import DeploymentRecord, StreamTimeouts
+from berth.vocab.states import TERMINAL_STATES, DeploymentState
 
 log = logging.getLogger(__name__)
 

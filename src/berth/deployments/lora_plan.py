@@ -13,9 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from berth.errors import ConfigError
-from berth.runtime.base import RuntimeName
-from berth.runtime.engines import EngineName
-from berth.store import AdapterRecord
+from berth.vocab.engines import EngineName, RuntimeName
+from berth.vocab.records import AdapterRecord
 
 #: The adapter format each engine takes.
 FORMAT_OF_ENGINE: dict[EngineName, str] = {"llamacpp": "gguf", "vllm": "peft", "sglang": "peft"}

@@ -1,7 +1,7 @@
 """Registering a model's weights: what ``POST /admin/models`` and a finished pull job do.
 
 A path on the leader's host is checked in a worker thread, with bounds on a folder's entries
-and time (:func:`berth.runtime.model_files.inspect_model_path`: only a regular GGUF file or a
+and time (:func:`berth.weights.model_files.inspect_model_path`: only a regular GGUF file or a
 folder is a model) and its size recorded; a path on another node's host is taken as given and
 recorded as that node's copy.
 """
@@ -15,8 +15,9 @@ from berth.api import LocatedModel, ModelIn, RegisteredModel
 from berth.cluster.link import LOCAL_NODE_ID
 from berth.deployments.lifecycle import LifecycleManager
 from berth.errors import ConfigError, NotFoundError
-from berth.runtime.model_files import inspect_model_path
-from berth.store import ModelRecord, Store
+from berth.store import Store
+from berth.vocab.records import ModelRecord
+from berth.weights.model_files import inspect_model_path
 
 
 def model_view(record: ModelRecord) -> RegisteredModel:
@@ -44,7 +45,7 @@ async def register_model(
 
     Raises ``ConfigError`` for a relative path, or a local path that is missing, unreadable,
     neither a regular file nor a folder, a file that is not GGUF, or a folder past the bounds
-    of :func:`~berth.runtime.model_files.inspect_model_path`; ``NotFoundError`` for an
+    of :func:`~berth.weights.model_files.inspect_model_path`; ``NotFoundError`` for an
     unknown node, ``ConflictError`` for a name already taken.
     """
     path = Path(body.path)

@@ -23,11 +23,11 @@ from berth.deployments.estimates import NodeCopy, VramEstimator
 from berth.deployments.ready_table import ReadyTable
 from berth.errors import ConfigError, EngineError
 from berth.placement import GpuFacts, NodeFacts, ReplicaAt, Resident
-from berth.runtime.base import RuntimeName
-from berth.runtime.engines import parse_engine_name
-from berth.runtime.gpu import GpuInfo
-from berth.store import DeploymentRecord, ModelRecord, Store
-from berth.store.states import DeploymentState
+from berth.store import Store
+from berth.vocab.engines import RuntimeName, parse_engine_name
+from berth.vocab.gpu import GpuInfo
+from berth.vocab.records import DeploymentRecord, ModelRecord
+from berth.vocab.states import DeploymentState
 
 log = logging.getLogger(__name__)
 

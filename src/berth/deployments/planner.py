@@ -41,10 +41,11 @@ from berth.placement import (
     Resident,
     plan_placement,
 )
-from berth.runtime.base import RuntimeName
-from berth.runtime.engines import EngineName, parse_engine_name, parse_runtime_name
-from berth.runtime.gpu import GpuInfo
-from berth.store import DEFAULT_RESTART_POLICY, ModelRecord, RestartPolicy, Store
+from berth.store import Store
+from berth.vocab.engines import EngineName, RuntimeName, parse_engine_name, parse_runtime_name
+from berth.vocab.gpu import GpuInfo
+from berth.vocab.policies import DEFAULT_RESTART_POLICY, RestartPolicy
+from berth.vocab.records import ModelRecord
 
 log = logging.getLogger(__name__)
 

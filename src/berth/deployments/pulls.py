@@ -1,8 +1,8 @@
 """Pull jobs on the leader: download a hub repository into the models folder, then register
 it (``/admin/pulls``).
 
-Each job downloads in a worker thread (:func:`berth.runtime.hub.pull_model` with a
-:class:`~berth.runtime.hub.PullSink`), so the event loop never waits on the hub; the sink
+Each job downloads in a worker thread (:func:`berth.runtime.hf_pull.pull_model` with a
+:class:`~berth.runtime.hf_pull.PullSink`), so the event loop never waits on the hub; the sink
 counts each file's bytes under a lock, and the API reads a copy. At most
 ``max_parallel`` jobs download at once, the rest are ``queued``. Cancelling sets an event the
 sink checks on every chunk, so a download stops within one chunk (a first pull's partial
@@ -26,7 +26,7 @@ from typing import Literal
 
 from berth.api.pulls import FINISHED_PULL_STATES, Pull, PullFile, PullIn, PullState
 from berth.errors import BerthError, ConflictError, NotFoundError
-from berth.runtime.hub import HubFile, PullCancelled, pull_model
+from berth.runtime.hf_pull import HubFile, PullCancelled, pull_model
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +98,7 @@ class _Job:
 
 
 class _JobSink:
-    """The job's :class:`~berth.runtime.hub.PullSink`; called from the download thread."""
+    """The job's :class:`~berth.runtime.hf_pull.PullSink`; called from the download thread."""
 
     def __init__(self, job: _Job) -> None:
         self._job = job

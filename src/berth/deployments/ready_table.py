@@ -33,7 +33,8 @@ from berth.errors import NotFoundError
 from berth.placement import GpuReservation
 from berth.routing.errors import NoReadyDeploymentError
 from berth.routing.resolver import Upstream
-from berth.store import DeploymentRecord, RoutingPolicy, StreamTimeouts
+from berth.vocab.policies import RoutingPolicy
+from berth.vocab.records import DeploymentRecord, StreamTimeouts
 
 #: Seconds a client is told to wait (``Retry-After``) for a model that is still loading.
 LOADING_RETRY_AFTER_S = 5
@@ -246,10 +247,6 @@ class ReadyTable:
     def clear_suspect(self, deployment_id: str) -> bool:
         """A probe answered: route to the deployment again.  Whether it was suspect."""
         return self._suspect.pop(deployment_id, None) is not None
-
-    def suspect_reason(self, deployment_id: str) -> str | None:
-        """Why the deployment is suspect, or ``None`` when it is not."""
-        return self._suspect.get(deployment_id)
 
     def _is_ready(self, deployment_id: str) -> bool:
         return any(deployment_id in ready for ready in self._ready.values())

@@ -40,9 +40,10 @@ from berth.errors import BerthError, EngineError, InvalidTransitionError, NotFou
 from berth.routing.resolver import Upstream
 from berth.routing.waiting import GiveUp, WaitingAttempts
 from berth.runtime.base import EngineExit
-from berth.runtime.engines import parse_runtime_name
-from berth.store import DeploymentRecord, Store
-from berth.store.states import DeploymentState
+from berth.store import Store
+from berth.vocab.engines import parse_runtime_name
+from berth.vocab.records import DeploymentRecord
+from berth.vocab.states import DeploymentState
 
 log = logging.getLogger(__name__)
 

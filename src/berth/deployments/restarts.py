@@ -33,15 +33,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from berth.backoff import capped_delay_s
 from berth.humanize import duration
-from berth.store import RestartPolicy
+from berth.vocab.policies import RestartPolicy
 
 #: Why an engine ended, the ``reason`` label of ``berth_deployment_restarts_total``:
 #: ``exit`` (an exit code), ``signal`` (killed by one), ``unhealthy`` (stopped after its
 #: failed health probes), ``gone`` (not running, how it ended unknown), ``start_failed`` (a
 #: restart's start did not reach ready).
 EndCause = Literal["exit", "signal", "unhealthy", "gone", "start_failed"]
-END_CAUSES: tuple[EndCause, ...] = ("exit", "signal", "unhealthy", "gone", "start_failed")
 
 #: Seconds before the first restart (the ``restart_backoff_s`` setting).
 RESTART_BACKOFF_S = 1.0
@@ -65,16 +65,12 @@ class Backoff:
     crashloop_restarts: int = CRASHLOOP_RESTARTS
 
     def delay_s(self, streak: int) -> float:
-        """The delay before the restart that follows ``streak`` restarts in a row."""
+        """The delay before the restart that follows ``streak`` restarts in a row: the
+        first delay doubled ``streak`` times, at most ``max_s`` (no jitter: one leader
+        decides every restart); 0 when ``initial_s`` is 0."""
         if self.initial_s <= 0:
             return 0.0
-        # Doubling stops once past the cap: 2**streak never overflows a float.
-        delay = self.initial_s
-        for _ in range(streak):
-            delay *= 2
-            if delay >= self.max_s:
-                return self.max_s
-        return min(delay, self.max_s)
+        return capped_delay_s(streak, first_s=self.initial_s, cap_s=self.max_s)
 
 
 @dataclass(frozen=True)

@@ -23,15 +23,11 @@ from berth.deployments.supervisor import RestartListener, Supervisor
 from berth.deployments.transitions import StateWriter
 from berth.errors import BerthError, EngineError
 from berth.placement import ModelAt, ModelPull, Placement
-from berth.runtime.base import RuntimeName
-from berth.runtime.engines import (
-    DeploymentRequest,
-    EngineName,
-    parse_engine_name,
-    parse_runtime_name,
-)
-from berth.store import DeploymentRecord, Store
-from berth.store.states import RESTARTING_STATES, DeploymentState
+from berth.store import Store
+from berth.vocab.deployment_request import DeploymentRequest
+from berth.vocab.engines import EngineName, RuntimeName, parse_engine_name, parse_runtime_name
+from berth.vocab.records import DeploymentRecord
+from berth.vocab.states import RESTARTING_STATES, DeploymentState
 
 log = logging.getLogger(__name__)
 

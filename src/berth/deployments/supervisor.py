@@ -36,8 +36,9 @@ from berth.deployments.restarts import (
 from berth.deployments.transitions import StateWriter
 from berth.errors import BerthError
 from berth.observability.metrics import ProxyMetrics
-from berth.store import DeploymentRecord, Store
-from berth.store.states import DeploymentState
+from berth.store import Store
+from berth.vocab.records import DeploymentRecord
+from berth.vocab.states import DeploymentState
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """The one writer of deployment state.
 
 Every change goes through the store's ``transition_deployment`` (which enforces
-``store/states.py``), then the ready table, the loading progress and the state listener
+``vocab/states.py``), then the ready table, the loading progress and the state listener
 (metrics) are brought in line with the new record, so none of them can disagree with the
 store.  The lifecycle manager's commands and its reconciler both write through here.
 
@@ -20,8 +20,9 @@ from collections.abc import Callable
 
 from berth.cluster.link import EngineEndpoint
 from berth.deployments.ready_table import ReadyTable
-from berth.store import UNCHANGED, DeploymentRecord, Store, Unchanged
-from berth.store.states import RESTARTING_STATES, TERMINAL_STATES, DeploymentState
+from berth.store import UNCHANGED, Store, Unchanged
+from berth.vocab.records import DeploymentRecord
+from berth.vocab.states import RESTARTING_STATES, TERMINAL_STATES, DeploymentState
 
 #: Hears the new record after every state change.
 StateListener = Callable[[DeploymentRecord], None]
@@ -68,7 +69,7 @@ class StateWriter:
         dropped meanwhile: it is routed again when the agent reports the engine).
 
         Raises ``NotFoundError`` for an unknown id and ``InvalidTransitionError`` for a
-        move ``store/states.py`` does not allow (nothing changes then, the table included).
+        move ``vocab/states.py`` does not allow (nothing changes then, the table included).
         """
         routed: DeploymentRecord | None = None
         if target is DeploymentState.READY and endpoint is not None:

@@ -31,8 +31,6 @@ from berth.desk.wire import (
     is_node_secret,
 )
 
-#: The desk's default address (the protocol's ``POOL_URL`` default).
-DEFAULT_POOL_URL: Final = "https://owterminal.com"
 #: Seconds allowed for one ordinary call.
 CALL_TIMEOUT_S: Final = 30.0
 #: Longest ``x-ow-wait`` the protocol allows, in seconds (and the shortest).

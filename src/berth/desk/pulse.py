@@ -1,4 +1,4 @@
-"""The desk worker's pure decisions: what a pulse says, when one is due, how long to back off.
+"""The desk worker's pure decisions: what a pulse says and when one is due.
 
 A pulse (the protocol's "Heartbeat") describes one offered model:
 
@@ -19,8 +19,7 @@ A pulse is sent when ``busy`` or the model list changed since the last one, othe
 
 from __future__ import annotations
 
-import random
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Final
 
@@ -126,35 +125,3 @@ def tokens_per_second(completion_tokens: int, wall_s: float) -> float | None:
     if completion_tokens <= 0 or wall_s <= 0:
         return None
     return round(completion_tokens / wall_s, 1)
-
-
-class Backoff:
-    """Capped exponential backoff with jitter: ``first_s``, doubling up to ``max_s``, each
-    delay drawn from its upper half (so many hosts do not retry in step)."""
-
-    def __init__(
-        self,
-        first_s: float,
-        max_s: float,
-        *,
-        uniform: Callable[[float, float], float] | None = None,
-    ) -> None:
-        self.first_s = first_s
-        self.max_s = max_s
-        self._uniform = uniform or random.uniform
-        self._failures = 0
-
-    @property
-    def failures(self) -> int:
-        """Failures in a row since the last :meth:`reset`."""
-        return self._failures
-
-    def next_delay_s(self) -> float:
-        """Record one more failure and return how long to wait before trying again."""
-        ceiling = min(self.max_s, self.first_s * 2 ** min(self._failures, 32))
-        self._failures += 1
-        return self._uniform(ceiling / 2, ceiling)
-
-    def reset(self) -> None:
-        """A success: the next failure starts from ``first_s`` again."""
-        self._failures = 0

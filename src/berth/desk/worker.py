@@ -30,6 +30,7 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
+from berth.backoff import Backoff
 from berth.desk.client import DeskClient
 from berth.desk.errors import (
     DeskError,
@@ -40,7 +41,6 @@ from berth.desk.errors import (
 from berth.desk.leader import ChatAnswer, Leader, job_request, speed_test_request
 from berth.desk.pulse import (
     PULSE_EVERY_S,
-    Backoff,
     ModelServing,
     SentPulse,
     build_pulse,

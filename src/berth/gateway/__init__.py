@@ -9,9 +9,9 @@ one HTTP exchange with a client (:mod:`.exchange`), the answer's relay (:mod:`.r
 (:mod:`.usage`), Anthropic's Messages API translated to and from chat completions for
 engines that do not serve it (:mod:`.messages_bridge` over :mod:`.anthropic_chat`,
 :mod:`.anthropic_answer`, :mod:`.anthropic_stream`), the engine client (pooled HTTP/1.1 or
-an agent's tunnel, :mod:`.engine_client`), API-key authentication and its failure limiter
-(:mod:`.auth`, :mod:`.auth_limiter`, :mod:`.auth_metrics`), and the choice of a LoRA
-adapter's upstream (:mod:`.adapter_resolver`).
+an agent's tunnel, :mod:`.engine_client`) and the choice of a LoRA adapter's upstream
+(:mod:`.adapter_resolver`). Who the caller is, the daemon asks :mod:`berth.auth` before a
+request reaches the gateway.
 
 May import: :mod:`berth.deployments` (the adapter registry) and every layer below it
 (``routing``, ``admission``, ``scaling``, ``observability``, ``http_server``, ``engine_http``,

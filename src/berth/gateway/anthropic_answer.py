@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from typing import Any, Final, TypeGuard
+from typing import Final, TypeGuard
 
 from berth.gateway.anthropic_chat import Translated
+from berth.gateway.anthropic_shapes import ContentBlock, JsonObject, Message, Usage
 
 __all__ = [
     "AnswerNotTranslatableError",
@@ -71,7 +72,7 @@ def stop_reason(
     return reason or "end_turn", None
 
 
-def usage_counts(usage: object) -> dict[str, int] | None:
+def usage_counts(usage: object) -> Usage | None:
     """Anthropic's usage counts for an OpenAI ``usage`` object, ``None`` when it has no
     prompt count: ``input_tokens`` the prompt tokens not read from the cache,
     ``cache_read_input_tokens`` those that were (``prompt_tokens_details.cached_tokens``),
@@ -99,7 +100,7 @@ def message_id(chat_id: object, fallback: str) -> str:
     return ident if ident.startswith("msg_") else f"msg_{ident}"
 
 
-def tool_input(arguments: object) -> dict[str, Any]:
+def tool_input(arguments: object) -> JsonObject:
     """A tool call's ``arguments`` (JSON text) as a ``tool_use`` block's input: ``{}``
     when they are not a JSON object."""
     if isinstance(arguments, dict):
@@ -133,7 +134,7 @@ def translate_answer(data: bytes, translated: Translated, *, fallback_id: str) -
     message = choice.get("message")
     if not isinstance(message, dict):
         raise AnswerNotTranslatableError("the engine's choice has no message")
-    content: list[dict[str, Any]] = []
+    content: list[ContentBlock] = []
     text = message.get("content")
     if isinstance(text, str) and text:
         content.append({"type": "text", "text": text})
@@ -142,13 +143,11 @@ def translate_answer(data: bytes, translated: Translated, *, fallback_id: str) -
         if not isinstance(call, dict) or not isinstance(call.get("function"), dict):
             continue
         function = call["function"]
-        name = function.get("name")
+        ident, name = call.get("id"), function.get("name")
         content.append(
             {
                 "type": "tool_use",
-                "id": call.get("id")
-                if isinstance(call.get("id"), str)
-                else f"toolu_{len(content)}",
+                "id": ident if isinstance(ident, str) else f"toolu_{len(content)}",
                 "name": name if isinstance(name, str) else "",
                 "input": tool_input(function.get("arguments")),
             }
@@ -161,7 +160,7 @@ def translate_answer(data: bytes, translated: Translated, *, fallback_id: str) -
         called_tools=called,
     )
     usage = usage_counts(answer.get("usage")) or {"input_tokens": 0, "output_tokens": 0}
-    out = {
+    out: Message = {
         "id": message_id(answer.get("id"), fallback_id),
         "type": "message",
         "role": "assistant",

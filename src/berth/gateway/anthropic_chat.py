@@ -36,8 +36,21 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any, Final, NoReturn
+from typing import Final, Literal, NoReturn
 
+from berth.gateway.anthropic_shapes import (
+    AssistantMessage,
+    ChatMessage,
+    ChatRequest,
+    ContentPart,
+    FunctionSpec,
+    ImagePart,
+    JsonObject,
+    ToolCall,
+    ToolChoice,
+    ToolMessage,
+    ToolSpec,
+)
 from berth.routing.errors import InvalidRequestError
 
 __all__ = ["NOT_TRANSLATED", "Translated", "translate_request"]
@@ -67,6 +80,11 @@ _TOOL_FIELDS: Final = frozenset(
     {"type", "name", "description", "input_schema", "cache_control", "strict"}
 )
 _TOOL_IGNORED: Final = frozenset({"eager_input_streaming"})
+_SAMPLING: Final[tuple[Literal["temperature", "top_p", "top_k"], ...]] = (
+    "temperature",
+    "top_p",
+    "top_k",
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,7 +98,7 @@ class Translated:
     """
 
     body: bytes
-    chat: dict[str, Any]
+    chat: JsonObject
     model: str
     stop_sequences: tuple[str, ...] = ()
     streamed: bool = False
@@ -109,8 +127,7 @@ def translate_request(payload: dict[str, object]) -> Translated:
     if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 0:
         raise _invalid("max_tokens must be a whole number", "max_tokens")
     streamed = payload.get("stream") is True
-    chat: dict[str, Any] = {"model": model, "max_tokens": max_tokens}
-    messages: list[dict[str, Any]] = []
+    messages: list[ChatMessage] = []
     system = _system(payload.get("system"))
     if system is not None:
         messages.append({"role": "system", "content": system})
@@ -119,11 +136,11 @@ def translate_request(payload: dict[str, object]) -> Translated:
         raise _invalid("messages must be a non-empty array", "messages")
     for i, message in enumerate(raw_messages):
         messages.extend(_message(message, f"messages.{i}"))
-    chat["messages"] = messages
+    chat: ChatRequest = {"model": model, "max_tokens": max_tokens, "messages": messages}
     stops = _stop_sequences(payload.get("stop_sequences"))
     if stops:
         chat["stop"] = list(stops)
-    for name in ("temperature", "top_p", "top_k"):
+    for name in _SAMPLING:
         value = payload.get(name)
         if value is not None:
             if not isinstance(value, int | float) or isinstance(value, bool):
@@ -134,12 +151,14 @@ def translate_request(payload: dict[str, object]) -> Translated:
         chat["tools"] = _tools(tools)
     choice = payload.get("tool_choice")
     if choice is not None:
-        chat.update(_tool_choice(choice))
+        chat["tool_choice"], parallel = _tool_choice(choice)
+        if not parallel:
+            chat["parallel_tool_calls"] = False
     if streamed:
         chat["stream"] = True
         chat["stream_options"] = {"include_usage": True}
     body = json.dumps(chat, ensure_ascii=False, separators=(",", ":")).encode()
-    return Translated(body, chat, model, stops, streamed)
+    return Translated(body, dict(chat), model, stops, streamed)
 
 
 def _system(value: object) -> str | None:
@@ -160,7 +179,7 @@ def _system(value: object) -> str | None:
     return "\n".join(texts) or None
 
 
-def _message(message: object, where: str) -> list[dict[str, Any]]:
+def _message(message: object, where: str) -> list[ChatMessage]:
     """The chat messages of one Messages turn: a user turn's tool results come first (as
     ``tool`` messages, which must follow the assistant's tool calls), then its other
     content."""
@@ -171,13 +190,18 @@ def _message(message: object, where: str) -> list[dict[str, Any]]:
     if role not in ("user", "assistant"):
         raise _invalid("a message's role must be 'user' or 'assistant'", f"{where}.role")
     if isinstance(content, str):
-        return [{"role": role, "content": content}]
+        turn: ChatMessage = (
+            {"role": "user", "content": content}
+            if role == "user"
+            else {"role": "assistant", "content": content}
+        )
+        return [turn]
     if not isinstance(content, list):
         raise _invalid("content must be a string or an array of blocks", f"{where}.content")
     if role == "assistant":
         return [_assistant(content, f"{where}.content")]
-    tool_messages: list[dict[str, Any]] = []
-    parts: list[dict[str, Any]] = []
+    tool_messages: list[ToolMessage] = []
+    parts: list[ContentPart] = []
     for i, raw in enumerate(content):
         at = f"{where}.content.{i}"
         kind, block = _block(raw, at)
@@ -189,20 +213,20 @@ def _message(message: object, where: str) -> list[dict[str, Any]]:
             tool_messages.append(_tool_result(block, at))
         else:
             _refuse(f"a {kind!r} content block", at)
-    out = tool_messages
-    if parts:
-        if len(parts) == 1 and parts[0]["type"] == "text":
-            out.append({"role": "user", "content": parts[0]["text"]})
-        else:
-            out.append({"role": "user", "content": parts})
+    out: list[ChatMessage] = [*tool_messages]
+    first = parts[0] if len(parts) == 1 else None
+    if first is not None and first["type"] == "text":
+        out.append({"role": "user", "content": first["text"]})
+    elif parts:
+        out.append({"role": "user", "content": parts})
     elif not tool_messages:
         out.append({"role": "user", "content": ""})
     return out
 
 
-def _assistant(content: list[object], where: str) -> dict[str, Any]:
+def _assistant(content: list[object], where: str) -> AssistantMessage:
     texts: list[str] = []
-    calls: list[dict[str, Any]] = []
+    calls: list[ToolCall] = []
     for i, raw in enumerate(content):
         at = f"{where}.{i}"
         kind, block = _block(raw, at)
@@ -214,7 +238,7 @@ def _assistant(content: list[object], where: str) -> dict[str, Any]:
             continue  # an earlier turn's thinking: out of the context, as at Anthropic
         else:
             _refuse(f"a {kind!r} block in an assistant turn", at)
-    out: dict[str, Any] = {"role": "assistant", "content": "".join(texts) if texts else None}
+    out: AssistantMessage = {"role": "assistant", "content": "".join(texts) if texts else None}
     if calls:
         out["tool_calls"] = calls
     elif out["content"] is None:
@@ -222,21 +246,22 @@ def _assistant(content: list[object], where: str) -> dict[str, Any]:
     return out
 
 
-def _block(block: object, where: str) -> tuple[str, dict[str, Any]]:
+def _block(block: object, where: str) -> tuple[str, JsonObject]:
     """A content block's type, and the block."""
-    if not isinstance(block, dict) or not isinstance(block.get("type"), str):
+    kind = block.get("type") if isinstance(block, dict) else None
+    if not isinstance(block, dict) or not isinstance(kind, str):
         raise _invalid("a content block must be an object with a type", where)
-    return block["type"], block
+    return kind, block
 
 
-def _text(block: dict[str, Any], where: str) -> str:
+def _text(block: JsonObject, where: str) -> str:
     text = block.get("text")
     if not isinstance(text, str):
         raise _invalid("a text block must have a string text", f"{where}.text")
     return text
 
 
-def _image(block: dict[str, Any], where: str) -> dict[str, Any]:
+def _image(block: JsonObject, where: str) -> ImagePart:
     source = block.get("source")
     if not isinstance(source, dict):
         raise _invalid("an image block must have a source", f"{where}.source")
@@ -256,7 +281,7 @@ def _image(block: dict[str, Any], where: str) -> dict[str, Any]:
     return {"type": "image_url", "image_url": {"url": url}}
 
 
-def _tool_call(block: dict[str, Any], where: str) -> dict[str, Any]:
+def _tool_call(block: JsonObject, where: str) -> ToolCall:
     ident, name, arguments = block.get("id"), block.get("name"), block.get("input", {})
     if not isinstance(ident, str) or not isinstance(name, str):
         raise _invalid("a tool_use block needs an id and a name", where)
@@ -266,7 +291,7 @@ def _tool_call(block: dict[str, Any], where: str) -> dict[str, Any]:
     return {"id": ident, "type": "function", "function": {"name": name, "arguments": encoded}}
 
 
-def _tool_result(block: dict[str, Any], where: str) -> dict[str, Any]:
+def _tool_result(block: JsonObject, where: str) -> ToolMessage:
     ident = block.get("tool_use_id")
     if not isinstance(ident, str):
         raise _invalid("a tool_result block needs a tool_use_id", f"{where}.tool_use_id")
@@ -297,10 +322,10 @@ def _stop_sequences(value: object) -> tuple[str, ...]:
     return tuple(value)
 
 
-def _tools(value: object) -> list[dict[str, Any]]:
+def _tools(value: object) -> list[ToolSpec]:
     if not isinstance(value, list):
         raise _invalid("tools must be an array", "tools")
-    out: list[dict[str, Any]] = []
+    out: list[ToolSpec] = []
     for i, tool in enumerate(value):
         where = f"tools.{i}"
         if not isinstance(tool, dict):
@@ -314,40 +339,40 @@ def _tools(value: object) -> list[dict[str, Any]]:
         name, schema = tool.get("name"), tool.get("input_schema")
         if not isinstance(name, str) or not isinstance(schema, dict):
             raise _invalid("a tool needs a name and an input_schema object", where)
-        function: dict[str, Any] = {"name": name, "parameters": schema}
-        description = tool.get("description")
+        function: FunctionSpec = {"name": name, "parameters": schema}
+        description, strict = tool.get("description"), tool.get("strict")
         if isinstance(description, str):
             function["description"] = description
-        if isinstance(tool.get("strict"), bool):
-            function["strict"] = tool["strict"]
+        if isinstance(strict, bool):
+            function["strict"] = strict
         out.append({"type": "function", "function": function})
     return out
 
 
-def _tool_choice(value: object) -> dict[str, Any]:
+def _tool_choice(value: object) -> tuple[ToolChoice, bool]:
+    """The chat request's ``tool_choice``, and whether the model may call tools in
+    parallel (``False``: ``parallel_tool_calls: false``)."""
     if not isinstance(value, dict):
         raise _invalid("tool_choice must be an object", "tool_choice")
     kind = _type(value)
-    out: dict[str, Any]
+    choice: ToolChoice
     if kind == "auto":
-        out = {"tool_choice": "auto"}
+        choice = "auto"
     elif kind == "any":
-        out = {"tool_choice": "required"}
+        choice = "required"
     elif kind == "none":
-        out = {"tool_choice": "none"}
+        choice = "none"
     elif kind == "tool":
         name = value.get("name")
         if not isinstance(name, str):
             raise _invalid("a tool_choice of type 'tool' needs a name", "tool_choice.name")
-        out = {"tool_choice": {"type": "function", "function": {"name": name}}}
+        choice = {"type": "function", "function": {"name": name}}
     else:
         raise _invalid(f"unknown tool_choice type {kind!r}", "tool_choice.type")
-    if value.get("disable_parallel_tool_use") is True:
-        out["parallel_tool_calls"] = False
-    return out
+    return choice, value.get("disable_parallel_tool_use") is not True
 
 
-def _type(value: dict[str, Any]) -> object:
+def _type(value: JsonObject) -> object:
     return value.get("type")
 
 

@@ -34,16 +34,18 @@ translated request never asks for more); an engine's ``reasoning_content`` is no
 from __future__ import annotations
 
 import json
-from typing import Any
+from collections.abc import Mapping
 
 from berth.anthropic_errors import stream_error_event
 from berth.gateway.anthropic_answer import message_id, stop_reason, usage_counts
 from berth.gateway.anthropic_chat import Translated
+from berth.gateway.anthropic_shapes import ContentBlock, JsonObject, Message, Usage
 
 __all__ = ["ChatToMessagesStream"]
 
 
-def _event(kind: str, payload: dict[str, Any]) -> bytes:
+def _event(kind: str, payload: Mapping[str, object]) -> bytes:
+    """One event of a Messages stream: its name and its data, ``type`` first."""
     data = json.dumps({"type": kind, **payload}, ensure_ascii=False, separators=(",", ":"))
     return f"event: {kind}\ndata: {data}\n\n".encode()
 
@@ -78,7 +80,7 @@ class ChatToMessagesStream:
         self._finish_reason: object = None
         self._matched: object = None
         self._called_tools = False
-        self._usage: dict[str, int] | None = None
+        self._usage: Usage | None = None
         self.ended = False
 
     def feed(self, data: str) -> bytes:
@@ -123,7 +125,7 @@ class ChatToMessagesStream:
             self._translated.stop_sequences,
             called_tools=self._called_tools,
         )
-        usage: dict[str, int] = self._usage or {"output_tokens": 0}
+        usage: Usage = self._usage or {"output_tokens": 0}
         delta = {"stop_reason": reason, "stop_sequence": sequence}
         out += _event("message_delta", {"delta": delta, "usage": usage})
         return out + _event("message_stop", {})
@@ -132,7 +134,7 @@ class ChatToMessagesStream:
 
     def _start(self, chat_id: object) -> bytes:
         self._started = True
-        message: dict[str, object] = {
+        message: Message = {
             "id": message_id(chat_id, self._fallback_id),
             "type": "message",
             "role": "assistant",
@@ -144,7 +146,7 @@ class ChatToMessagesStream:
         }
         return _event("message_start", {"message": message}) + _event("ping", {})
 
-    def _choice(self, choice: dict[str, Any]) -> bytes:
+    def _choice(self, choice: JsonObject) -> bytes:
         out = b""
         delta = choice.get("delta")
         if isinstance(delta, dict):
@@ -168,15 +170,15 @@ class ChatToMessagesStream:
         delta = {"type": "text_delta", "text": text}
         return out + _event("content_block_delta", {"index": self._next_index - 1, "delta": delta})
 
-    def _tool_call(self, call: dict[str, Any]) -> bytes:
+    def _tool_call(self, call: JsonObject) -> bytes:
         out = b""
         index = call.get("index", 0)
-        function = call.get("function")
-        function = function if isinstance(function, dict) else {}
+        found = call.get("function")
+        function: JsonObject = found if isinstance(found, dict) else {}
         if self._block_kind != "tool_use" or self._block_tool != index:
             ident = call.get("id")
             name = function.get("name")
-            block = {
+            block: ContentBlock = {
                 "type": "tool_use",
                 "id": ident if isinstance(ident, str) and ident else f"toolu_{self._next_index}",
                 "name": name if isinstance(name, str) else "",
@@ -191,7 +193,7 @@ class ChatToMessagesStream:
             out += _event("content_block_delta", {"index": self._next_index - 1, "delta": delta})
         return out
 
-    def _open(self, block: dict[str, Any], kind: str) -> bytes:
+    def _open(self, block: ContentBlock, kind: str) -> bytes:
         self._block_kind = kind
         index = self._next_index
         self._next_index += 1

@@ -57,7 +57,7 @@ from berth.observability.metrics import ProxyMetrics
 from berth.routing.errors import EngineTimeoutError, EngineUnreachableError, ProxyError
 from berth.routing.resolver import Upstream
 from berth.routing.router import Router
-from berth.store.records import ApiKeyRecord
+from berth.vocab.records import ApiKeyRecord
 
 if TYPE_CHECKING:  # imported only where tracing is on (berth.daemon.build opens it)
     from berth.observability.tracing import RequestTrace, RequestTracer

@@ -30,7 +30,7 @@ from berth.gateway.request import PublicRequest
 from berth.gateway.sse import SSEEventSplitter, parse_event, split_events
 from berth.routing.capability import serving
 from berth.routing.resolver import Upstream
-from berth.runtime.engines import serves_path
+from berth.vocab.engines import serves_path
 
 __all__ = [
     "CHAT_PATH",

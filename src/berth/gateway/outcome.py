@@ -4,7 +4,7 @@ the relay and the disconnect watcher, read by the records (:mod:`berth.gateway.r
 
 from __future__ import annotations
 
-from berth.gateway.sse import Usage
+from berth.gateway.sse import Usage, last_usage, messages_stream_usage, take_usage_event
 
 __all__ = ["Exchange"]
 
@@ -60,3 +60,17 @@ class Exchange:
         # Set just before the final body message: from then on a disconnect is not an abort.
         self.done = False
         self.client_gone = False
+
+    def note_stream_usage(self, events: bytes, *, strip: bool) -> bytes:
+        """Note the usage that ``events`` (complete SSE events, one of them holding a usage
+        object) report, and return them as the client receives them: with the usage event
+        taken out when ``strip`` (berth asked the engine for it, the client did not).
+        OpenAI's usage comes once, last; a Messages stream's counts are cumulative."""
+        if strip:
+            events, usage = take_usage_event(events)
+        elif self.dialect:
+            usage = messages_stream_usage(events, self.usage)
+        else:
+            usage = last_usage(events)
+        self.usage = usage or self.usage
+        return events

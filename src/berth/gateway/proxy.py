@@ -94,7 +94,7 @@ from berth.routing.resolver import UpstreamResolver
 from berth.routing.retry import DEFAULT_MAX_ATTEMPTS
 from berth.routing.router import Router
 from berth.scaling.on_demand import OnDemandStage
-from berth.store.records import ApiKeyRecord
+from berth.vocab.records import ApiKeyRecord
 
 if TYPE_CHECKING:  # imported only where tracing is on (berth.daemon.build opens it)
     from berth.observability.tracing import RequestTracer

@@ -15,9 +15,6 @@ from berth.gateway.outcome import Exchange
 from berth.gateway.sse import (
     SSEEventSplitter,
     has_usage_object,
-    last_usage,
-    messages_stream_usage,
-    take_usage_event,
 )
 
 __all__ = ["StreamPush"]
@@ -110,13 +107,7 @@ class StreamPush(PushRelay):
                 exchange.events += chunk.count(b"\n\n")
                 # Usage comes once, last; two substring tests skip every other event.
                 if has_usage_object(chunk):
-                    if self._strip:
-                        chunk, usage = take_usage_event(chunk)
-                    elif exchange.dialect:
-                        usage = messages_stream_usage(chunk, exchange.usage)
-                    else:
-                        usage = last_usage(chunk)
-                    exchange.usage = usage or exchange.usage
+                    chunk = exchange.note_stream_usage(chunk, strip=self._strip)
                 if exchange.ttfb_s is None:
                     exchange.ttfb_s = self._clock() - exchange.start
             if end:

@@ -57,11 +57,6 @@ class ReadAhead:
     def at_eof(self) -> bool:
         return self._eof
 
-    @property
-    def buffered_chunks(self) -> int:
-        """Chunks read from the engine and not yet taken by the relay."""
-        return self._queue.qsize()
-
     async def read_chunk(self) -> bytes:
         if self._eof:
             return b""

@@ -44,10 +44,7 @@ from berth.gateway.sse import (
     Usage,
     find_usage,
     has_usage_object,
-    last_usage,
-    messages_stream_usage,
     messages_usage,
-    take_usage_event,
 )
 from berth.openai_errors import error_body, stream_error_events
 from berth.routing.errors import EngineTimeoutError, EngineUnreachableError
@@ -291,13 +288,7 @@ class AnswerRelay:
                     exchange.events += chunk.count(b"\n\n")
                     # Usage comes once, last; two substring tests skip every other event.
                     if has_usage_object(chunk):
-                        if strip:
-                            chunk, usage = take_usage_event(chunk)
-                        elif exchange.dialect:
-                            usage = messages_stream_usage(chunk, exchange.usage)
-                        else:
-                            usage = last_usage(chunk)
-                        exchange.usage = usage or exchange.usage
+                        chunk = exchange.note_stream_usage(chunk, strip=strip)
                 if exchange.ttfb_s is None:
                     exchange.ttfb_s = self._clock() - exchange.start
                 if response.at_eof:

@@ -31,7 +31,7 @@ from berth.gateway.body_limits import BodyLimits, ElementCounter, check_shape, t
 from berth.gateway.exchange import ClientRequest, decode_body, model_in
 from berth.http_server.errors import HttpServerError
 from berth.routing.errors import InvalidRequestError, RequestTooLargeError
-from berth.store.records import ApiKeyRecord
+from berth.vocab.records import ApiKeyRecord
 
 __all__ = ["DIALECTS", "PublicRequest", "parse_request", "read_body"]
 

@@ -320,15 +320,10 @@ def find_usage(data: bytes) -> Usage | None:
     ``None`` when that key is absent, ``null``, cut off or has no prompt/input count.
     """
     start = data.rfind(_USAGE_KEY)
-    opens = _USAGE_OPENS.match(data, start) if start >= 0 else None
-    if opens is None:
+    found = _usage_object(data, start, _TOKEN_COUNT) if start >= 0 else None
+    if found is None:
         return None
-    end = _object_end(data, opens.end() - 1)
-    if end < 0:
-        return None
-    counts: dict[bytes, int] = {}
-    for found in _TOKEN_COUNT.finditer(data, start, end):
-        counts.setdefault(found.group(1), int(found.group(2)))
+    counts, end = found
     prompt = counts.get(b"prompt_tokens", counts.get(b"input_tokens"))
     if prompt is None:
         return None
@@ -360,9 +355,12 @@ def messages_stream_usage(events: bytes, previous: Usage | None) -> Usage | None
     return usage
 
 
-def _messages_counts(data: bytes, start: int, previous: Usage | None) -> Usage | None:
-    """``previous`` updated by the Messages usage object whose ``"usage"`` key is at
-    ``start`` in ``data``; ``None`` when there is none there or no input is known."""
+def _usage_object(
+    data: bytes, start: int, count: re.Pattern[bytes]
+) -> tuple[dict[bytes, int], int] | None:
+    """The token counts ``count`` finds (name, then number) in the usage object whose
+    ``"usage"`` key is at ``start`` in ``data``, the first of each name, and where the object
+    ends; ``None`` when no whole object follows the key."""
     opens = _USAGE_OPENS.match(data, start)
     if opens is None:
         return None
@@ -370,8 +368,18 @@ def _messages_counts(data: bytes, start: int, previous: Usage | None) -> Usage |
     if end < 0:
         return None
     counts: dict[bytes, int] = {}
-    for found in _MESSAGES_COUNT.finditer(data, start, end):
+    for found in count.finditer(data, start, end):
         counts.setdefault(found.group(1), int(found.group(2)))
+    return counts, end
+
+
+def _messages_counts(data: bytes, start: int, previous: Usage | None) -> Usage | None:
+    """``previous`` updated by the Messages usage object whose ``"usage"`` key is at
+    ``start`` in ``data``; ``None`` when there is none there or no input is known."""
+    found = _usage_object(data, start, _MESSAGES_COUNT)
+    if found is None:
+        return None
+    counts, _ = found
     completion = counts.get(b"output_tokens")
     if previous is not None and completion is None:
         completion = previous.completion_tokens

@@ -48,8 +48,8 @@ from prometheus_client.registry import Collector
 from berth.humanize import printable
 from berth.observability.cluster import LINGER_S
 from berth.observability.window import RequestMeter, is_error
-from berth.store.records import DeploymentRecord
-from berth.store.states import TERMINAL_STATES, DeploymentState
+from berth.vocab.records import DeploymentRecord
+from berth.vocab.states import TERMINAL_STATES, DeploymentState
 
 #: Request latency buckets (seconds): from a cached short answer to a long generation.
 LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)

@@ -42,8 +42,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 from berth.humanize import duration
-from berth.store.drains import DrainMove, NodeDrain
-from berth.store.states import RESTARTING_STATES, TERMINAL_STATES, DeploymentState
+from berth.vocab.drains import DrainMove, NodeDrain
+from berth.vocab.states import RESTARTING_STATES, TERMINAL_STATES, DeploymentState
 
 #: Seconds a retired deployment is kept after it stopped getting requests, at least, before
 #: "nothing in flight" counts (a request routed to it just before holds no slot yet).

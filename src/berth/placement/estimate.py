@@ -48,7 +48,7 @@ from typing import Literal, assert_never
 
 from berth.errors import ConfigError
 from berth.placement.shape import ModelShape
-from berth.runtime.engines import EngineName
+from berth.vocab.engines import EngineName
 
 MIB = 1 << 20
 

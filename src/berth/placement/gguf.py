@@ -1,6 +1,6 @@
 """A GGUF model's shape: the header values the VRAM estimate needs, nothing else.
 
-The header is read by berth's one GGUF reader (:mod:`berth.runtime.gguf_file`, which
+The header is read by berth's one GGUF reader (:mod:`berth.weights.gguf_file`, which
 describes the format); its errors become :class:`ModelFileError` here, message unchanged.
 The keys read are the spec's "LLM" keys, prefixed by ``general.architecture`` (``llama``,
 ``qwen2``, ...): ``{arch}.block_count``, ``.embedding_length``, ``.context_length``,
@@ -17,7 +17,7 @@ from pathlib import Path
 
 from berth.placement.errors import ModelFileError
 from berth.placement.shape import ModelShape
-from berth.runtime.gguf_file import GgufError, GgufHeader, read_gguf_header
+from berth.weights.gguf_file import GgufError, GgufHeader, read_gguf_header
 
 _SPLIT_NAME = re.compile(r"^(?P<prefix>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
 

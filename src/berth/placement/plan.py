@@ -54,9 +54,9 @@ from berth.placement.fit import (
 )
 from berth.placement.request import NodeFacts, PlacementPolicy, PlacementRequest
 from berth.placement.result import ModelAt, ModelPull, Placement, Refusal
-from berth.runtime.base import RuntimeName
-from berth.runtime.images import check_image_reference
-from berth.store.records import ModelRecord
+from berth.vocab.engines import RuntimeName
+from berth.vocab.images import check_image_reference
+from berth.vocab.records import ModelRecord
 
 
 @dataclass(frozen=True)

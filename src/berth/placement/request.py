@@ -14,10 +14,9 @@ from pathlib import Path
 
 from berth.placement.estimate import VramEstimate
 from berth.placement.fit import GpuFacts, ReplicaAt
-from berth.runtime.base import RuntimeName
-from berth.runtime.engines import EngineName
-from berth.runtime.images import DEFAULT_GPU_IMAGES, DEFAULT_IMAGES
-from berth.store.records import ModelRecord
+from berth.vocab.engines import EngineName, RuntimeName
+from berth.vocab.images import DEFAULT_GPU_IMAGES, DEFAULT_IMAGES
+from berth.vocab.records import ModelRecord
 
 
 @dataclass(frozen=True)

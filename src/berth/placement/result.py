@@ -13,7 +13,7 @@ from berth.errors import BerthError, ConfigError, ConflictError
 from berth.placement.estimate import VramEstimate
 from berth.placement.eviction import Eviction
 from berth.placement.fit import GpuOption
-from berth.runtime.base import RuntimeName
+from berth.vocab.engines import RuntimeName
 
 #: Why a placement was refused; :data:`CONFLICT_REASONS` says which are the cluster's state
 #: (409) rather than a request that cannot work (400).

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 from berth.routing.errors import InvalidRequestError
 from berth.routing.resolver import Upstream
-from berth.runtime.engines import serves_path
+from berth.vocab.engines import serves_path
 
 
 def serving(plan: Sequence[Upstream], path: str) -> list[Upstream]:

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from berth.routing.prefix_blocks import PromptBlocks
-from berth.store.records import RoutingPolicy, StreamTimeouts
+from berth.vocab.policies import RoutingPolicy
+from berth.vocab.records import StreamTimeouts
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,7 @@ from berth.routing.scorer import (
 )
 from berth.routing.signals import SignalBoard
 from berth.routing.waiting import WaitingAttempts
-from berth.store.records import RoutingPolicy
+from berth.vocab.policies import RoutingPolicy
 
 if TYPE_CHECKING:
     from berth.cluster.link import AgentLink

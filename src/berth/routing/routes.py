@@ -25,7 +25,7 @@ from berth.routing.errors import NoReadyDeploymentError
 
 if TYPE_CHECKING:
     from berth.routing.resolver import Upstream, UpstreamResolver
-    from berth.store.records import RouteRecord
+    from berth.vocab.records import RouteRecord
 
 #: Seconds a client is told to wait (``Retry-After``) when nothing behind a route is ready
 #: and no service reported its own estimate (the lifecycle's loading wait).

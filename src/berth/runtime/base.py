@@ -13,13 +13,10 @@ import signal
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal, Protocol
+from typing import Protocol
 
 from berth.runtime.exits import ILLEGAL_INSTRUCTION, signal_name
-
-RuntimeName = Literal["process", "docker"]
-#: Every runtime berth knows, in the order they are listed to users.
-RUNTIME_NAMES: tuple[RuntimeName, ...] = ("process", "docker")
+from berth.vocab.engines import RuntimeName
 
 #: Called with a one-line progress message while an engine is being prepared (an image
 #: pull, for instance); it must not block.

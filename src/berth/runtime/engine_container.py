@@ -13,16 +13,10 @@ from typing import assert_never
 
 from berth.errors import ConfigError
 from berth.runtime.base import ContainerSpec, LaunchSpec, Mount
-from berth.runtime.engines import (
-    ENGINE_HOST,
-    DeploymentRequest,
-    EngineName,
-    check_request,
-    health_path,
-    key_delivery,
-    serve_flags,
-)
+from berth.runtime.engines import ENGINE_HOST, check_request, health_path, key_delivery, serve_flags
 from berth.runtime.gguf_folder import resolve_gguf
+from berth.vocab.deployment_request import DeploymentRequest
+from berth.vocab.engines import EngineName
 
 #: ``/dev/shm`` size of engine containers unless the ``docker_shm_size`` setting says: vLLM
 #: and SGLang document a large one for their workers (SGLang's examples use 32g); it is

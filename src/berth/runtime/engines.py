@@ -38,25 +38,16 @@ import random
 import shutil
 import socket
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, assert_never, get_args
+from typing import assert_never
 
 from berth.errors import ConfigError, EngineError, NotFoundError
-from berth.runtime.base import (
-    RUNTIME_NAMES,
-    SECRET_FLAGS,
-    LaunchSpec,
-    RuntimeName,
-    SecretFile,
-)
+from berth.runtime.base import SECRET_FLAGS, LaunchSpec, SecretFile
 from berth.runtime.gguf_folder import resolve_gguf
 from berth.runtime.lora_flags import LORA_FLAGS, lora_env, lora_serve_flags
-
-EngineName = Literal["llamacpp", "vllm", "sglang"]
-
-#: Every engine name berth accepts, in the order they are listed to users.
-ENGINE_NAMES: tuple[EngineName, ...] = get_args(EngineName)
+from berth.vocab.deployment_request import DeploymentRequest
+from berth.vocab.engines import EngineName
 
 #: The loopback address engines bind to: only the leader's proxy talks to them.
 ENGINE_HOST = "127.0.0.1"
@@ -70,108 +61,12 @@ _HEALTH_PATHS: dict[EngineName, str] = {
     "sglang": "/health",
 }
 
-#: The API paths beyond OpenAI's that each engine serves itself: Anthropic's Messages API
-#: (``/v1/messages``, ``/v1/messages/count_tokens``) on llama.cpp's llama-server (its
-#: ``tools/server/README.md``) and vLLM (its Anthropic-compatible endpoints); SGLang does not
-#: document it. The proxy sends a request for one of them only to an engine listed here
-#: (:func:`serves_path`).
-EXTRA_PATHS: dict[str, frozenset[str]] = {
-    "llamacpp": frozenset({"/v1/messages", "/v1/messages/count_tokens"}),
-    "vllm": frozenset({"/v1/messages", "/v1/messages/count_tokens"}),
-    "sglang": frozenset(),
-}
-
-
-def serves_path(engine: str | None, path: str) -> bool:
-    """Whether an engine of kind ``engine`` (an :data:`EngineName`; ``None``: one berth did
-    not start, an adopted endpoint, whose kind it does not know) serves ``path``, one of
-    :data:`EXTRA_PATHS`'s."""
-    return engine is not None and path in EXTRA_PATHS.get(engine, frozenset())
-
-
 #: The environment variable each engine reads its API key from, where it has one.
 API_KEY_ENV: dict[EngineName, str] = {"llamacpp": "LLAMA_API_KEY", "vllm": "VLLM_API_KEY"}
 #: Where a container sees the SGLang configuration file holding its key.
 CONTAINER_KEY_FILE = "/run/berth/engine-key.yaml"
 #: The flag that hands SGLang its configuration file (``--config``, SGLang 0.5).
 SGLANG_CONFIG_FLAG = "--config"
-
-# A split GGUF shard as written by llama.cpp's gguf-split: ``name-00001-of-00003.gguf``.
-
-
-def parse_runtime_name(text: str) -> RuntimeName:
-    """Return the runtime named by ``text`` (case and surrounding blanks ignored).
-
-    Raises :class:`~berth.errors.ConfigError` naming the valid runtimes otherwise.
-    """
-    wanted = text.strip().lower()
-    for name in RUNTIME_NAMES:
-        if name == wanted:
-            return name
-    raise ConfigError(f"unknown runtime {text!r}: expected one of {', '.join(RUNTIME_NAMES)}")
-
-
-def parse_engine_name(text: str) -> EngineName:
-    """Return the engine named by ``text`` (case and surrounding blanks ignored).
-
-    Raises :class:`~berth.errors.ConfigError` naming the valid engines when ``text`` is
-    not one of them.
-    """
-    wanted = text.strip().lower()
-    for name in ENGINE_NAMES:
-        if name == wanted:
-            return name
-    valid = ", ".join(ENGINE_NAMES)
-    raise ConfigError(f"unknown engine {text!r}: expected one of {valid}")
-
-
-@dataclass(frozen=True)
-class DeploymentRequest:
-    """What to run: one model on one engine, on a port chosen by the caller.
-
-    ``model_path`` is a GGUF file or a directory (an HF-style checkpoint for vLLM and SGLang,
-    a folder holding one GGUF for llama.cpp).  ``gpus`` are device indices as NVML numbers
-    them; ``ctx`` is the context length in tokens (``None``: the engine's default, usually
-    the model's own); ``extra_args`` are appended verbatim after berth's own flags.
-    ``runtime`` says how the engine runs; ``image`` is the container image for the docker
-    runtime (``None``: the engine's default image,
-    :data:`~berth.runtime.images.DEFAULT_IMAGES`).  ``api_key`` is the engine's own API key,
-    chosen by the agent core that starts it (``None``: the engine runs without one); it
-    never appears in a ``repr``.
-
-    Adapters (vLLM, SGLang): ``adapter_slots`` enables LoRA with that many adapters loaded at
-    once, up to rank ``max_lora_rank`` (``None``: vLLM's default, 16), on the
-    modules ``lora_target_modules`` (SGLang needs them). llama.cpp: ``lora_files`` are
-    given with ``--lora`` in this order (a request names one by its index).
-    """
-
-    deployment_id: str
-    model_name: str
-    model_path: Path
-    engine: EngineName
-    port: int
-    log_path: Path
-    gpus: tuple[int, ...] = ()
-    ctx: int | None = None
-    extra_args: tuple[str, ...] = ()
-    served_model_name: str | None = None
-    runtime: RuntimeName = "process"
-    image: str | None = None
-    api_key: str | None = field(default=None, repr=False)
-    adapter_slots: int | None = None
-    max_lora_rank: int | None = None
-    lora_target_modules: tuple[str, ...] = ()
-    lora_files: tuple[Path, ...] = ()
-
-    @property
-    def effective_served_name(self) -> str:
-        """The name clients use in ``"model"``: ``served_model_name``, else ``model_name``."""
-        return self.served_model_name or self.model_name
-
-    @property
-    def uses_adapters(self) -> bool:
-        """Whether the engine is started to serve LoRA adapters (slots or ``--lora`` files)."""
-        return self.adapter_slots is not None or bool(self.lora_files)
 
 
 @dataclass(frozen=True)

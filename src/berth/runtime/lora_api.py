@@ -22,7 +22,7 @@ from typing import Final
 import httpx
 
 from berth.errors import ConfigError, EngineError
-from berth.runtime.engines import EngineName
+from berth.vocab.engines import EngineName
 
 #: Seconds an engine may take to load an adapter (it reads the weights from disk).
 LOAD_TIMEOUT_S: Final = 120.0
@@ -31,11 +31,6 @@ _PATHS: dict[EngineName, tuple[str, str]] = {
     "vllm": ("/v1/load_lora_adapter", "/v1/unload_lora_adapter"),
     "sglang": ("/load_lora_adapter", "/unload_lora_adapter"),
 }
-
-
-def supports_runtime_loading(engine: EngineName) -> bool:
-    """Whether ``engine`` loads adapters while it runs (vLLM, SGLang; not llama.cpp)."""
-    return engine in _PATHS
 
 
 async def load_adapter(

@@ -1,11 +1,11 @@
 """How many requests one replica of a service serves at once: its concurrency capacity.
 
 A service may set it (``capacity``); otherwise it is the engine's slots, read from the
-service's engine arguments (:func:`berth.runtime.slots.engine_slots`), and where those do
+service's engine arguments (:func:`berth.vocab.slots.engine_slots`), and where those do
 not say, a default per engine:
 
 - llama.cpp's ``llama-server``: its default ``--parallel -1`` ("auto") is 4 slots
-  (:data:`~berth.runtime.slots.LLAMACPP_AUTO_SLOTS`);
+  (:data:`~berth.vocab.slots.LLAMACPP_AUTO_SLOTS`);
 - vLLM: 256, vLLM's ``--max-num-seqs`` default (its engine arguments);
 - SGLang, or an argument that does not parse: without ``--max-running-requests`` SGLang
   sizes the batch from free memory at start, which the leader cannot know, so
@@ -19,8 +19,8 @@ from __future__ import annotations
 
 from typing import Final
 
-from berth.runtime.slots import ASSUMED_SLOTS, LLAMACPP_AUTO_SLOTS, VLLM_DEFAULT_SLOTS, engine_slots
-from berth.store import ServiceProfileRecord
+from berth.vocab.records import ServiceProfileRecord
+from berth.vocab.slots import ASSUMED_SLOTS, LLAMACPP_AUTO_SLOTS, VLLM_DEFAULT_SLOTS, engine_slots
 
 #: Assumed where an engine decides its slots at start (SGLang without
 #: ``--max-running-requests``), or an argument does not parse.

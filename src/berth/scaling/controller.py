@@ -46,8 +46,8 @@ from berth.scaling.metrics import ScalingMetrics
 from berth.scaling.on_demand import DemandBoard, LoadFailure, OnDemandStage
 from berth.scaling.policy import ScalingPolicy
 from berth.scaling.status import DecisionRecord, ReplicaUsage, ServiceStatus
-from berth.store import DeploymentRecord, ServiceProfileRecord
-from berth.store.states import TERMINAL_STATES, DeploymentState
+from berth.vocab.records import DeploymentRecord, ServiceProfileRecord
+from berth.vocab.states import TERMINAL_STATES, DeploymentState
 
 log = logging.getLogger(__name__)
 
@@ -270,11 +270,6 @@ class ScalingController:
             last_action=self._last_action.get(service),
             decision=self._decision.get(service),
         )
-
-    def service_of(self, deployment_id: str) -> str | None:
-        """The service ``deployment_id`` is an active replica of, if any."""
-        tracked = self._replicas.get(deployment_id)
-        return tracked.service if tracked is not None else None
 
     def usage(self, deployment_id: str) -> ReplicaUsage:
         """How ``deployment_id`` is used, for the eviction choice (a deployment of no

@@ -36,8 +36,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 from berth.humanize import duration
-from berth.store import ScalingSettings
-from berth.store.states import RESTARTING_STATES, DeploymentState
+from berth.vocab.records import ScalingSettings
+from berth.vocab.states import RESTARTING_STATES, DeploymentState
 
 _STARTING = frozenset({DeploymentState.PENDING, DeploymentState.LOADING})
 # A replica waiting out a restart's backoff counts: it comes back by itself.

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Protocol
 
-from berth.store import ServiceProfileRecord
+from berth.vocab.records import ServiceProfileRecord
 
 #: Writes one audit-log event (``cluster.enrollment.AuditLog.append``).
 Audit = Callable[[Mapping[str, object]], None]

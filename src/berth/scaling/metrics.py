@@ -21,7 +21,7 @@ from typing import Final, Literal, get_args
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from berth.store.states import DeploymentState
+from berth.vocab.states import DeploymentState
 
 #: Wait-time buckets in seconds: a warm start is well under a second, a cold model load
 #: takes seconds to minutes, and the wait gives up at ``load_wait_s`` (120 s by default).

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Final
 
-from berth.runtime.slots import ASSUMED_SLOTS
+from berth.vocab.slots import ASSUMED_SLOTS
 
 #: Defaults of the settings of the same names (``docs/fleet.md``).
 DEFAULT_LOAD_WAIT_S: Final = 120.0

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Literal
 
-from berth.store.states import DeploymentState
+from berth.vocab.states import DeploymentState
 
 ScalingActionName = Literal["start", "stop", "hold"]
 

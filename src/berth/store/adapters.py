@@ -22,13 +22,6 @@ from sqlalchemy import delete, select
 from sqlalchemy.orm import Session
 
 from berth.errors import ConfigError, ConflictError, NotFoundError
-from berth.store.records import (
-    MODEL_SOURCES,
-    AdapterFormatName,
-    AdapterRecord,
-    ModelSource,
-)
-from berth.store.states import TERMINAL_STATES, DeploymentState
 from berth.store.tables import (
     AdapterLocationRow,
     AdapterRow,
@@ -39,6 +32,8 @@ from berth.store.tables import (
     ServiceProfileRow,
 )
 from berth.store.values import aware
+from berth.vocab.records import MODEL_SOURCES, AdapterFormatName, AdapterRecord, ModelSource
+from berth.vocab.states import TERMINAL_STATES, DeploymentState
 
 _ACTIVE_STATES = tuple(s.value for s in DeploymentState if s not in TERMINAL_STATES)
 _FORMATS: tuple[AdapterFormatName, ...] = ("peft", "gguf")

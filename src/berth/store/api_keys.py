@@ -18,11 +18,11 @@ from sqlalchemy.orm import Session
 
 from berth.errors import ConflictError, NotFoundError
 from berth.keys import Role, parse_role, parse_tier, role_of_tier, validate_key_name
-from berth.limits import LimitOverrides
 from berth.store.changes import KEYS_TOPIC, record_change
-from berth.store.records import ApiKeyRecord
 from berth.store.tables import ApiKeyRow
 from berth.store.values import UNCHANGED, Unchanged, aware, fresh_id
+from berth.vocab.limits import LimitOverrides
+from berth.vocab.records import ApiKeyRecord
 
 
 class ApiKeyMethods:

@@ -15,8 +15,8 @@ from sqlalchemy import delete, select
 from sqlalchemy.orm import Session
 
 from berth.errors import NotFoundError
-from berth.store.records import NodeCertificate
 from berth.store.tables import NodeCertificateRow, NodeRow
+from berth.vocab.records import NodeCertificate
 
 
 class CertificateMethods:
@@ -56,12 +56,6 @@ class CertificateMethods:
                 )
             )
             node.cert_fingerprint = certificate.fingerprint
-
-    def node_for_certificate(self, fingerprint: str) -> str | None:
-        """The id of the node an issued, recorded certificate belongs to, or ``None``."""
-        with self._read() as session:
-            row = session.get(NodeCertificateRow, fingerprint)
-            return None if row is None else row.node_id
 
     def node_certificate(self, fingerprint: str) -> NodeCertificate | None:
         """The recorded certificate with ``fingerprint``, or ``None``."""

@@ -22,14 +22,6 @@ from sqlalchemy import delete, select
 from sqlalchemy.orm import Session
 
 from berth.errors import ConfigError, ConflictError, EnrollmentTokenError, NotFoundError
-from berth.runtime.gpu import GpuInfo
-from berth.store.records import (
-    NODE_STATUSES,
-    ModelLocation,
-    NodeHardware,
-    NodeRecord,
-    NodeStatus,
-)
 from berth.store.tables import (
     EnrollmentTokenRow,
     ModelLocationRow,
@@ -37,6 +29,8 @@ from berth.store.tables import (
     NodeCertificateRow,
     NodeRow,
 )
+from berth.vocab.gpu import GpuInfo
+from berth.vocab.records import NODE_STATUSES, ModelLocation, NodeHardware, NodeRecord, NodeStatus
 
 #: The leader's own host: always present, always this id and label, never removable.
 LOCAL_NODE_ID: Final = "local"
@@ -62,18 +56,7 @@ class NodeMethods:
         with self._write() as session:
             row = session.get(NodeRow, LOCAL_NODE_ID)
             if row is None:
-                row = NodeRow(
-                    id=LOCAL_NODE_ID,
-                    label=LOCAL_NODE_ID,
-                    status="ready",
-                    cert_fingerprint=None,
-                    agent_version=None,
-                    protocol_version=None,
-                    capabilities=[],
-                    inventory=None,
-                    last_heartbeat_at=None,
-                    created_at=self._clock(),
-                )
+                row = _new_node(LOCAL_NODE_ID, LOCAL_NODE_ID, "ready", None, self._clock())
                 session.add(row)
         return _node_record(row)
 
@@ -111,18 +94,8 @@ class NodeMethods:
                 row.cert_fingerprint = cert_fingerprint
                 row.status = "unreachable"
                 return _node_record(row)
-            row = NodeRow(
-                id=node_id or "n-" + secrets.token_hex(4),
-                label=label,
-                status="unreachable",
-                cert_fingerprint=cert_fingerprint,
-                agent_version=None,
-                protocol_version=None,
-                capabilities=[],
-                inventory=None,
-                last_heartbeat_at=None,
-                created_at=self._clock(),
-            )
+            node_id = node_id or "n-" + secrets.token_hex(4)
+            row = _new_node(node_id, label, "unreachable", cert_fingerprint, self._clock())
             session.add(row)
             session.flush()
             return _node_record(row)
@@ -379,4 +352,23 @@ def _node_record(row: NodeRow) -> NodeRecord:
         inventory=_inventory(cast("dict[str, Any] | None", row.inventory)),
         last_heartbeat_at=row.last_heartbeat_at,
         created_at=created,
+    )
+
+
+def _new_node(
+    node_id: str, label: str, status: NodeStatus, fingerprint: str | None, now: datetime
+) -> NodeRow:
+    """A node's row before its agent's first Hello: no version, capabilities, inventory or
+    heartbeat yet."""
+    return NodeRow(
+        id=node_id,
+        label=label,
+        status=status,
+        cert_fingerprint=fingerprint,
+        agent_version=None,
+        protocol_version=None,
+        capabilities=[],
+        inventory=None,
+        last_heartbeat_at=None,
+        created_at=now,
     )

@@ -24,9 +24,9 @@ from sqlalchemy.orm import Session
 
 from berth.errors import ConfigError, ConflictError, NotFoundError
 from berth.store.adapters import refuse_adapter_name
-from berth.store.records import RouteRecord, RouteTarget
 from berth.store.tables import RouteRow, RouteTargetRow, ServiceProfileRow
 from berth.store.values import aware, not_found
+from berth.vocab.records import RouteRecord, RouteTarget
 
 
 class RouteMethods:

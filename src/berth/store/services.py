@@ -27,19 +27,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from berth.errors import ConfigError, ConflictError, NotFoundError
-from berth.runtime.engines import parse_engine_name, parse_runtime_name
 from berth.store.adapters import refuse_adapter_name
-from berth.store.records import (
-    DEFAULT_RESTART_POLICY,
-    RestartPolicy,
-    RoutingPolicy,
-    ScalingSettings,
-    ServiceProfileRecord,
-    StreamTimeouts,
-    check_restart_policy,
-    check_routing_policy,
-)
-from berth.store.states import TERMINAL_STATES, DeploymentState
 from berth.store.tables import (
     DeploymentRow,
     ModelRow,
@@ -48,6 +36,21 @@ from berth.store.tables import (
     ServiceProfileRow,
 )
 from berth.store.values import aware, not_found
+from berth.vocab.engines import parse_engine_name, parse_runtime_name
+from berth.vocab.policies import (
+    DEFAULT_RESTART_POLICY,
+    RestartPolicy,
+    RoutingPolicy,
+    check_restart_policy,
+    check_routing_policy,
+)
+from berth.vocab.records import (
+    MAX_STREAM_TIMEOUT_S,
+    ScalingSettings,
+    ServiceProfileRecord,
+    StreamTimeouts,
+)
+from berth.vocab.states import TERMINAL_STATES, DeploymentState
 
 _ACTIVE_STATES = tuple(s.value for s in DeploymentState if s not in TERMINAL_STATES)
 #: The largest replica count, capacity and priority magnitude a service may have (a 32-bit
@@ -77,10 +80,6 @@ def check_scaling(settings: ScalingSettings) -> ScalingSettings:
     if not -_MAX_SETTING <= settings.priority <= _MAX_SETTING:
         raise ConfigError(f"priority must fit in 32 bits, got {settings.priority}")
     return settings
-
-
-#: The longest stream timeout a service may set, in seconds (a day: far beyond any answer).
-MAX_STREAM_TIMEOUT_S = 86400.0
 
 
 def check_timeouts(timeouts: StreamTimeouts) -> StreamTimeouts:

@@ -43,21 +43,14 @@ from berth.store.drains import DrainMethods
 from berth.store.lease import LeaseMethods
 from berth.store.members import MemberMethods
 from berth.store.nodes import NodeMethods, delete_model_locations
-from berth.store.records import (
-    DEFAULT_RESTART_POLICY,
-    MODEL_SOURCES,
-    DeploymentRecord,
-    ModelRecord,
-    ModelSource,
-    RestartPolicy,
-    check_restart_policy,
-)
 from berth.store.routes import RouteMethods
 from berth.store.services import ServiceMethods, models_used_by_services
-from berth.store.states import TERMINAL_STATES, DeploymentState, can_transition
 from berth.store.tables import DeploymentRow, ModelRow
 from berth.store.usage import UsageMethods
 from berth.store.values import UNCHANGED, Unchanged, aware, fresh_id
+from berth.vocab.policies import DEFAULT_RESTART_POLICY, RestartPolicy, check_restart_policy
+from berth.vocab.records import MODEL_SOURCES, DeploymentRecord, ModelRecord, ModelSource
+from berth.vocab.states import TERMINAL_STATES, DeploymentState, can_transition
 
 _ACTIVE_STATES = tuple(s.value for s in DeploymentState if s not in TERMINAL_STATES)
 
@@ -336,7 +329,7 @@ class Store(
         ``failure_reason``, ``restart_count``, ``last_exit`` and ``last_exit_log`` in the
         same write; return the updated record.
 
-        The move is checked with :func:`berth.store.states.can_transition` and applied with
+        The move is checked with :func:`berth.vocab.states.can_transition` and applied with
         an UPDATE conditioned on the state just read, so two racing callers cannot both move
         the same deployment out of one state.  Raises :class:`NotFoundError` for an unknown
         id and :class:`InvalidTransitionError` when the state machine forbids the move (or

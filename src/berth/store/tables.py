@@ -1,7 +1,7 @@
 """ORM tables of the state database (SQLAlchemy 2 typed declarative mapping).
 
 These classes describe the schema at the *latest* migration and are used only inside the
-store; callers get the frozen records of :mod:`berth.store.records`.  A schema change adds a
+store; callers get the frozen records of :mod:`berth.vocab.records`.  A schema change adds a
 migration in :mod:`berth.store.migrations` and updates the class here; a test checks the two
 agree.
 """
@@ -114,7 +114,7 @@ class DeploymentRow(Base):
     adapter_slots: Mapped[int | None] = mapped_column(Integer, nullable=True)
     #: llama.cpp: the adapters given with ``--lora``, in that order (their ids)
     lora_adapters: Mapped[list[str] | None] = mapped_column(JSON, nullable=True)
-    #: ``on-failure``, ``always`` or ``never`` (:data:`berth.store.records.RestartPolicy`)
+    #: ``on-failure``, ``always`` or ``never`` (:data:`berth.vocab.records.RestartPolicy`)
     restart_policy: Mapped[str] = mapped_column(String(16), default="on-failure")
     #: how many times its engine was started again by the restart policy
     restart_count: Mapped[int] = mapped_column(Integer, default=0)
@@ -127,7 +127,7 @@ class ApiKeyRow(Base):
     """An API key, stored only as its peppered hash.
 
     ``limits`` holds the key's overrides of its tier's limits
-    (:meth:`berth.limits.LimitOverrides.to_json`; ``NULL`` for none); ``expires_at`` the
+    (:meth:`berth.vocab.limits.LimitOverrides.to_json`; ``NULL`` for none); ``expires_at`` the
     moment it stops authenticating (``NULL``: never); ``role`` what an admin key may do on
     the admin API (:class:`berth.keys.Role`; ``NULL`` for keys of other tiers).
     """

@@ -17,8 +17,8 @@ from typing import Any, cast
 from sqlalchemy import CursorResult, func, insert, select, update
 from sqlalchemy.orm import Session
 
-from berth.store.records import UsageRecord
 from berth.store.tables import UsageRow
+from berth.vocab.records import UsageRecord
 
 _COUNTERS = (
     "requests",

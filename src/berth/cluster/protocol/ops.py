@@ -19,8 +19,8 @@ import msgspec
 from berth.cluster.protocol.errors import ProtocolError
 from berth.cluster.protocol.frames import OpName
 from berth.cluster.protocol.payloads import EngineState, Inventory
-from berth.runtime.base import RuntimeName
-from berth.runtime.engines import DeploymentRequest, EngineName
+from berth.vocab.deployment_request import DeploymentRequest
+from berth.vocab.engines import EngineName, RuntimeName
 
 #: Capabilities of this code's agents, beyond the ops.
 STREAM_CAPABILITIES = ("stream.http", "stream.logs")

@@ -1,5 +1,5 @@
 """Prometheus series of API-key authentication, read from the authenticator's counts at
-scrape time (:class:`~berth.gateway.auth.AuthCounts`; the request path adds nothing to a
+scrape time (:class:`~berth.auth.authenticator.AuthCounts`; the request path adds nothing to a
 metric).
 
 ================================================  ==========================================
@@ -23,7 +23,7 @@ from collections.abc import Iterator
 from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from berth.gateway.auth import AuthCounts
+from berth.auth.authenticator import AuthCounts
 
 
 class AuthCollector(Collector):

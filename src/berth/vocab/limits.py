@@ -21,7 +21,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, fields, replace
-from typing import Final, Literal, get_args
+from typing import Final, Literal, TypedDict, get_args
 
 from berth.errors import ConfigError
 
@@ -52,6 +52,38 @@ class Inherit(enum.Enum):
 
 #: An override that is not set: the key takes its tier's value.
 INHERIT: Final = Inherit.INHERIT
+
+
+def numeric_limit(name: str) -> NumericLimit | None:
+    """``name`` as a :data:`NumericLimit` when it is one (exactly as spelt), else ``None``."""
+    for known in NUMERIC_LIMITS:
+        if name == known:
+            return known
+    return None
+
+
+class LimitFields(TypedDict, total=False):
+    """Some of a key's limits by name: keyword arguments of :class:`KeyLimits` (``None``: no
+    limit)."""
+
+    rpm: int | None
+    tpm: int | None
+    max_concurrency: int | None
+    daily_tokens: int | None
+    monthly_tokens: int | None
+    models: frozenset[str] | None
+
+
+class OverrideFields(TypedDict, total=False):
+    """Some of a key's overrides by name: keyword arguments of :class:`LimitOverrides`
+    (:data:`INHERIT`: the tier's)."""
+
+    rpm: int | Inherit | None
+    tpm: int | Inherit | None
+    max_concurrency: int | Inherit | None
+    daily_tokens: int | Inherit | None
+    monthly_tokens: int | Inherit | None
+    models: frozenset[str] | Inherit | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,23 +121,23 @@ class LimitOverrides:
 
     def apply(self, base: KeyLimits) -> KeyLimits:
         """``base`` with every override that is set put in."""
-        changes = {name: value for name, value in self._set_items()}
-        return replace(base, **changes) if changes else base  # type: ignore[arg-type]
+        changes = self.set_fields()
+        return replace(base, **changes) if changes else base
 
     def overridden(self) -> tuple[LimitName, ...]:
         """The names this key sets itself, in :data:`LIMIT_NAMES` order."""
-        return tuple(name for name, _ in self._set_items())
+        return tuple(name for name in LIMIT_NAMES if name in self.set_fields())
 
     def updated(self, changes: LimitOverrides, clear: Iterable[LimitName] = ()) -> LimitOverrides:
         """These overrides with each one ``changes`` sets replaced, then ``clear`` inherited."""
-        merged = replace(self, **dict(changes._set_items()))  # type: ignore[arg-type]
+        merged = replace(self, **changes.set_fields())
         cleared = {name: INHERIT for name in clear}
         return replace(merged, **cleared) if cleared else merged
 
     def to_json(self) -> dict[str, object]:
         """The set overrides as JSON values (``models`` sorted)."""
         out: dict[str, object] = {}
-        for name, value in self._set_items():
+        for name, value in self.set_fields().items():
             out[name] = sorted(value) if isinstance(value, frozenset) else value
         return out
 
@@ -116,23 +148,27 @@ class LimitOverrides:
         :func:`check_models` refuses."""
         if not data:
             return cls()
-        values: dict[str, object] = {}
+        values: OverrideFields = {}
         for name, raw in data.items():
+            numeric = numeric_limit(name)
             if name == "models":
-                values[name] = None if raw is None else check_models(raw, where=where)
-            elif name in NUMERIC_LIMITS:
-                values[name] = None if raw is None else check_limit(name, raw, where=where)
+                values["models"] = None if raw is None else check_models(raw, where=where)
+            elif numeric is not None:
+                values[numeric] = None if raw is None else check_limit(name, raw, where=where)
             else:
                 raise ConfigError(f"{where}: unknown limit {name!r}; limits: {_names()}")
-        return cls(**values)  # type: ignore[arg-type]
+        return cls(**values)
 
-    def _set_items(self) -> list[tuple[LimitName, int | frozenset[str] | None]]:
-        items: list[tuple[LimitName, int | frozenset[str] | None]] = []
-        for name in LIMIT_NAMES:
-            value = getattr(self, name)
-            if value is not INHERIT:
-                items.append((name, value))
-        return items
+    def set_fields(self) -> LimitFields:
+        """The overrides this key sets, by name, in :data:`LIMIT_NAMES` order."""
+        fields: LimitFields = {}
+        for name in NUMERIC_LIMITS:
+            value: int | Inherit | None = getattr(self, name)
+            if not isinstance(value, Inherit):
+                fields[name] = value
+        if not isinstance(self.models, Inherit):
+            fields["models"] = self.models
+        return fields
 
 
 def _names() -> str:

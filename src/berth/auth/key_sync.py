@@ -1,6 +1,6 @@
 """Key and limit changes written by another leader on the same database, taken on at once.
 
-Each leader caches keys twice: the :class:`~berth.gateway.auth.Authenticator` (records by
+Each leader caches keys twice: the :class:`~berth.auth.authenticator.Authenticator` (records by
 secret, invalid secrets) and :class:`~berth.admission.Admission` (each key's limits).  The
 admin API of the leader that makes a change clears its own caches; :class:`KeySync` clears
 every other leader's, from the store's ``keys`` change feed (:mod:`berth.store.changes`:
@@ -19,10 +19,11 @@ import asyncio
 import logging
 
 from berth.admission import Admission
+from berth.auth.authenticator import Authenticator
 from berth.errors import NotFoundError, StoreError
-from berth.gateway.auth import Authenticator
-from berth.store import ApiKeyRecord, Store
+from berth.store import Store
 from berth.store.changes import KEYS_TOPIC, ChangeFeed
+from berth.vocab.records import ApiKeyRecord
 
 _log = logging.getLogger(__name__)
 

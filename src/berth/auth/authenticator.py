@@ -15,7 +15,7 @@ waits for the read (bounded by the store's call deadline, :mod:`berth.store.dead
 
 A key changed (revoked, its limits or tier or expiry changed) is dropped from the cache at
 once when this leader hears of it (:meth:`Authenticator.forget`: its own admin API, or another
-leader's change through :mod:`berth.gateway.key_sync`), so its next request waits for the
+leader's change through :mod:`berth.auth.key_sync`), so its next request waits for the
 read and a revoked key is refused; a read begun before the change answers only the requests
 that arrived before it, and is not cached.  When the change feed cannot say which key changed
 (:meth:`Authenticator.forget_all`), every key is read again that way.  At most one read per
@@ -32,7 +32,7 @@ Bad secrets cost the store little, however many arrive:
 * at most :data:`MAX_CONCURRENT_MISSES` reads for secrets never found valid run at once (the
   others wait their turn), so a spray of distinct secrets cannot take the worker threads that
   the rest of the leader reads and writes the store with;
-* with a :class:`~berth.gateway.auth_limiter.FailedAuthLimiter`, a request whose secret is not
+* with a :class:`~berth.auth.limiter.FailedAuthLimiter`, a request whose secret is not
   already known valid takes a token from its client address's bucket before its secret is
   looked up, and gives it back if the secret was valid; an address out of tokens is refused
   with ``RateLimitError`` (429, ``Retry-After``) without a store read, held
@@ -55,10 +55,11 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Final
 
+from berth.auth.limiter import FailedAuthLimiter, Refused
 from berth.errors import AuthError, RateLimitError
-from berth.gateway.auth_limiter import FailedAuthLimiter, Refused
 from berth.keys import hash_secret
-from berth.store import ApiKeyRecord, Store
+from berth.store import Store
+from berth.vocab.records import ApiKeyRecord
 
 _log = logging.getLogger(__name__)
 

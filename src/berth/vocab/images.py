@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 
 from berth.errors import ConfigError
-from berth.runtime.engines import EngineName
+from berth.vocab.engines import EngineName
 
 #: Each engine's published image, used by the docker runtime unless a setting or ``--image``
 #: names another.  llama.cpp's ``server`` image runs ``llama-server`` as its entrypoint;

@@ -15,7 +15,7 @@ stepped over and only their length kept, so a model's header costs one buffered 
 few MiB. Versions 2 and 3 are read (version 1 counted in ``uint32``; llama.cpp dropped it); a
 version-3 file may be big-endian, which the version field gives away.
 
-The one GGUF reader of berth: the adapter checks (:mod:`berth.runtime.adapter_files`), the
+The one GGUF reader of berth: the adapter checks (:mod:`berth.weights.adapter_files`), the
 pull's kind check and placement's model shape (:mod:`berth.placement.gguf`) all read here.
 """
 

@@ -10,13 +10,11 @@ from datetime import date, datetime
 from pathlib import Path
 from typing import Literal
 
-from berth.config.table import ROUTING_POLICIES as ROUTING_POLICIES
-from berth.config.table import RoutingPolicy as RoutingPolicy
-from berth.errors import ConfigError
 from berth.keys import Role
-from berth.limits import LimitOverrides
-from berth.runtime.gpu import GpuInfo
-from berth.store.states import TERMINAL_STATES, DeploymentState
+from berth.vocab.gpu import GpuInfo
+from berth.vocab.limits import LimitOverrides
+from berth.vocab.policies import DEFAULT_RESTART_POLICY, RestartPolicy, RoutingPolicy
+from berth.vocab.states import TERMINAL_STATES, DeploymentState
 
 #: ``remote``: registered only with a path on an agent's host (``models add --node``).
 ModelSource = Literal["local", "hub", "remote"]
@@ -25,32 +23,6 @@ ModelSource = Literal["local", "hub", "remote"]
 NodeStatus = Literal["ready", "unreachable", "removed"]
 NODE_STATUSES: tuple[NodeStatus, ...] = ("ready", "unreachable", "removed")
 MODEL_SOURCES: tuple[ModelSource, ...] = ("local", "hub", "remote")
-#: When a deployment's engine is started again after it ended (``docs/fleet.md``, Restarts):
-#: ``on-failure`` after a non-zero exit, a kill by a signal or a stop after failed health
-#: probes; ``always`` after an exit with code 0 too; ``never``: it fails, as it ends.
-RestartPolicy = Literal["on-failure", "always", "never"]
-RESTART_POLICIES: tuple[RestartPolicy, ...] = ("on-failure", "always", "never")
-DEFAULT_RESTART_POLICY: RestartPolicy = "on-failure"
-
-
-def check_restart_policy(policy: str) -> RestartPolicy:
-    """``policy`` as a :data:`RestartPolicy`; ``ConfigError`` naming the valid ones."""
-    for known in RESTART_POLICIES:
-        if policy == known:
-            return known
-    raise ConfigError(
-        f"unknown restart policy {policy!r}: choose one of {', '.join(RESTART_POLICIES)}"
-    )
-
-
-def check_routing_policy(policy: str) -> RoutingPolicy:
-    """``policy`` as a :data:`RoutingPolicy`; ``ConfigError`` naming the valid ones."""
-    for known in ROUTING_POLICIES:
-        if policy == known:
-            return known
-    raise ConfigError(
-        f"unknown routing policy {policy!r}: choose one of {', '.join(ROUTING_POLICIES)}"
-    )
 
 
 @dataclass(frozen=True)
@@ -240,6 +212,10 @@ class ScalingSettings:
     pinned: bool = False
     priority: int = 0
     capacity: int | None = None
+
+
+#: The longest stream timeout a service may set, in seconds (a day: far beyond any answer).
+MAX_STREAM_TIMEOUT_S = 86400.0
 
 
 @dataclass(frozen=True)

@@ -29,8 +29,8 @@ from pathlib import Path
 from typing import Literal
 
 from berth.errors import ConfigError
-from berth.runtime.gguf_file import GgufHeader, GgufTensor, is_gguf, read_gguf_header
-from berth.runtime.model_files import checked_path
+from berth.weights.gguf_file import GgufHeader, GgufTensor, is_gguf, read_gguf_header
+from berth.weights.model_files import checked_path
 
 AdapterFormat = Literal["peft", "gguf"]
 ADAPTER_FORMATS: tuple[AdapterFormat, ...] = ("peft", "gguf")
@@ -102,7 +102,7 @@ def inspect_adapter(path: Path) -> AdapterFacts:
 
     Raises :class:`~berth.errors.NotFoundError` when it does not exist, and
     :class:`~berth.errors.ConfigError` saying why ``path`` is not an adapter: it cannot be
-    read, is neither a regular file nor a folder (:func:`~berth.runtime.model_files.
+    read, is neither a regular file nor a folder (:func:`~berth.weights.model_files.
     checked_path`), a folder lacks ``adapter_config.json`` or weights, the config is not a
     LoRA one or has no positive rank, a file is not GGUF, or the GGUF is not a LoRA adapter.
     """
