@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import functools
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 from fastapi import FastAPI
 from starlette.routing import compile_path
 
-from berth.admin.roles import roles_in_schema
+from berth.admin.roles import listed_routes, roles_in_schema
 
 #: Where the error body's schema is in the document.
 ERROR_BODY_REF = "#/components/schemas/ErrorBody"
@@ -34,15 +34,8 @@ _METHOD_ORDER = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS")
 
 
 def _routes(app: FastAPI) -> Iterator[tuple[str, set[str]]]:
-    """Each route's path and methods, through included routers (FastAPI 0.120 and later keep
-    them behind ``iter_route_contexts``; earlier ones list them in ``app.routes``)."""
-    try:
-        from fastapi.routing import iter_route_contexts
-    except ImportError:  # FastAPI before 0.120
-        listed: Iterable[Any] = app.routes
-    else:
-        listed = iter_route_contexts(app.routes)
-    for route in listed:
+    """Each route's path and methods, through included routers."""
+    for route in listed_routes(app):
         path, methods = getattr(route, "path", None), getattr(route, "methods", None)
         if isinstance(path, str) and methods:
             yield path, set(methods)

@@ -100,16 +100,19 @@ def declared_role(route: Any) -> RoleNeeded | None:
     return None
 
 
-def api_routes(app: FastAPI) -> Iterator[Any]:
-    """Each route of ``app`` that FastAPI runs (not the schema's own), through its included
-    routers (FastAPI 0.120 and later keep them behind ``iter_route_contexts``)."""
+def listed_routes(app: FastAPI) -> Iterable[Any]:
+    """Every route of ``app``, through its included routers (FastAPI 0.120 and later keep
+    them behind ``iter_route_contexts``; earlier ones list them in ``app.routes``)."""
     try:
         from fastapi.routing import iter_route_contexts
     except ImportError:  # FastAPI before 0.120
-        listed: Iterable[Any] = app.routes
-    else:
-        listed = iter_route_contexts(app.routes)
-    for route in listed:
+        return app.routes
+    return iter_route_contexts(app.routes)
+
+
+def api_routes(app: FastAPI) -> Iterator[Any]:
+    """Each route of ``app`` that FastAPI runs (not the schema's own)."""
+    for route in listed_routes(app):
         if getattr(route, "dependencies", None) is not None and getattr(route, "methods", None):
             yield route
 
