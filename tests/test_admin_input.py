@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import jsonschema_rs
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -383,6 +384,17 @@ async def test_the_schema_states_the_bounds_and_names_the_server_enforces(
     tiers = bodies["KeyIn"]["properties"]["tier"]["enum"]
     assert {"admin", "standard"} <= set(tiers)
     assert bodies["KeyChangeIn"]["properties"]["tier"]["anyOf"][0]["enum"] == tiers
+    # A role is for admin keys: the schema says so, as the leader refuses it otherwise.
+    created = jsonschema_rs.validator_for({**bodies["KeyIn"], "components": schema["components"]})
+    assert created.is_valid({"name": "ops", "tier": "admin", "role": "viewer"})
+    assert created.is_valid({"name": "ci", "tier": "standard", "role": None})
+    assert not created.is_valid({"name": "ci", "tier": "standard", "role": "admin"})
+    assert not created.is_valid({"name": "ci", "role": "viewer"})  # the default tier: standard
+    change = jsonschema_rs.validator_for(
+        {**bodies["KeyChangeIn"], "components": schema["components"]}
+    )
+    assert change.is_valid({"role": "viewer"}) and change.is_valid({"tier": "standard"})
+    assert not change.is_valid({"tier": "standard", "role": "viewer"})
     listing = schema["paths"]["/admin/deployments"]["get"]["parameters"]
     window = next(p for p in listing if p["name"] == "ended_within_s")["schema"]["anyOf"][0]
     assert window["maximum"] == 316224000

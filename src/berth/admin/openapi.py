@@ -6,6 +6,9 @@
   error with the route's own media type.
 - A key's ``tier`` is one of this leader's tiers (the built-in ones and its
   ``[tiers.NAME]``): the schema lists them, as the leader knows them when it starts.
+- A ``role`` in a key body is for an admin key only: when a body gives one, its ``tier`` is
+  ``admin`` (given, in ``POST /admin/keys``, whose default tier is ``standard``), as the leader
+  refuses otherwise (:func:`berth.keys.role_of_tier`).
 - Each operation names the role it needs as ``x-berth-role`` (:mod:`berth.admin.roles`).
 - A method a path does not have is answered ``405`` with ``Allow`` listing every method the
   resource has, over all of its routes (RFC 9110, section 15.5.6). Starlette's own answer names
@@ -87,6 +90,25 @@ def _tiers_listed(document: dict[str, Any], tiers: list[str]) -> None:
             properties["tier"] = {**described, **shape}
 
 
+#: When a new key's body gives a ``role``: it gives the ``admin`` tier.
+_ROLE_NEEDS_ADMIN_TIER: dict[str, Any] = {
+    "if": {"required": ["role"], "properties": {"role": {"type": "string"}}},
+    "then": {"required": ["tier"], "properties": {"tier": {"const": "admin"}}},
+}
+
+
+def _role_for_admin_keys(document: dict[str, Any]) -> None:
+    """The rule of :func:`berth.keys.role_of_tier` in the key bodies of ``document``: a new
+    key with a role names the ``admin`` tier (its default is ``standard``); a change giving
+    both a role and a tier names ``admin``."""
+    schemas = document.get("components", {}).get("schemas", {})
+    if "KeyIn" in schemas:
+        schemas["KeyIn"].update(_ROLE_NEEDS_ADMIN_TIER)
+    if "KeyChangeIn" in schemas:  # a null tier leaves the key's own
+        schemas["KeyChangeIn"]["if"] = _ROLE_NEEDS_ADMIN_TIER["if"]
+        schemas["KeyChangeIn"]["then"] = {"properties": {"tier": {"enum": ["admin", None]}}}
+
+
 def install_schema(app: FastAPI, *, tiers: list[str]) -> None:
     """Make ``app.openapi()`` return FastAPI's schema with the changes of the module doc
     (built once, on first use); ``tiers`` are the leader's tier names."""
@@ -97,6 +119,7 @@ def install_schema(app: FastAPI, *, tiers: list[str]) -> None:
             document = build()
             _errors_as_json(document)
             _tiers_listed(document, tiers)
+            _role_for_admin_keys(document)
             roles_in_schema(app, document)
             app.openapi_schema = document
         return app.openapi_schema
