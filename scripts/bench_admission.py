@@ -32,7 +32,7 @@ import uvloop
 from bench_proxy import add_limited_key
 
 from berth.admission import Admission, SlotGate, UsageLedger
-from berth.cluster.remote_link import tunnel_url
+from berth.cluster.leader.remote_link import tunnel_url
 from berth.config import TierTable
 from berth.engine_http.request import EngineRequest
 from berth.gateway.proxy import OpenAIProxy

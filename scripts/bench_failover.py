@@ -30,7 +30,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
-from berth.cluster.ca import CertificateAuthority  # noqa: E402
+from berth.cluster.pki.ca import CertificateAuthority  # noqa: E402
 from berth.keys import load_or_create_pepper  # noqa: E402
 from support.cluster_harness import Cluster, clean_env  # noqa: E402
 from support.postgres import PostgresServer  # noqa: E402

@@ -38,7 +38,7 @@ import uvloop
 from bench_admission import MemoryEngine, MemoryRequest, MemoryWriter, request_body
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
-from berth.cluster.remote_link import tunnel_url
+from berth.cluster.leader.remote_link import tunnel_url
 from berth.gateway.proxy import OpenAIProxy
 from berth.observability.metrics import ProxyMetrics
 from berth.observability.tracing import Tracing, build_tracing

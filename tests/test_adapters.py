@@ -16,7 +16,7 @@ import pytest
 from aiohttp import web
 from sqlalchemy import text
 
-from berth.cluster.link_registry import LinkRegistry
+from berth.cluster.leader.link_registry import LinkRegistry
 from berth.deployments.adapters import AdapterManager
 from berth.deployments.lora_plan import lora_notes, plan_lora
 from berth.errors import ConfigError, ConflictError, EngineError, NotFoundError

@@ -28,7 +28,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from berth.api.nodes import NODE_LABEL_PATTERN
-from berth.cluster.enrollment import validate_node_label
+from berth.cluster.pki.enrollment import validate_node_label
 from berth.config import Settings
 from berth.daemon.server import Leader
 from berth.errors import ConfigError

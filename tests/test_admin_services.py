@@ -14,7 +14,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
 from berth.admin.services import build_service_router, load_routes
-from berth.cluster.link_registry import LinkRegistry
+from berth.cluster.leader.link_registry import LinkRegistry
 from berth.deployments.lifecycle import LifecycleManager
 from berth.errors import BerthError
 from berth.observability.metrics import ProxyMetrics

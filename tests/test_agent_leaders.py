@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from berth.agent.leaders import LeaderList, NextDial, next_dial
-from berth.cluster.enrollment import EnrollmentURI
+from berth.cluster.pki.enrollment import EnrollmentURI
 from berth.cluster.protocol.errors import (
     CloseCode,
     active_named_in,

@@ -13,8 +13,8 @@ from collections.abc import Sequence
 import httpx
 import pytest
 
-from berth.cluster.link_registry import LinkRegistry
-from berth.cluster.remote_link import tunnel_url
+from berth.cluster.leader.link_registry import LinkRegistry
+from berth.cluster.leader.remote_link import tunnel_url
 from berth.deployments.lifecycle import DeployOptions, LifecycleManager
 from berth.errors import NotFoundError
 from berth.gateway.proxy import OpenAIProxy

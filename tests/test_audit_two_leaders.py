@@ -10,7 +10,7 @@ import json
 import threading
 from pathlib import Path
 
-from berth.cluster.enrollment import AuditLog
+from berth.cluster.pki.enrollment import AuditLog
 
 LINES = 500
 

@@ -32,7 +32,7 @@ from berth.backup import (
     verify_backup,
 )
 from berth.backup.restore import database_elsewhere_note
-from berth.cluster.ca import CertificateAuthority
+from berth.cluster.pki.ca import CertificateAuthority
 from berth.errors import ConfigError, ConflictError, DaemonError, StoreError
 from berth.keys import Tier, hash_secret, load_or_create_pepper
 from berth.paths import BerthHome

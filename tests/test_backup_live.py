@@ -29,7 +29,7 @@ from berth.backup.target import (
     live_refusal,
     restored_epoch,
 )
-from berth.cluster.ca import CertificateAuthority
+from berth.cluster.pki.ca import CertificateAuthority
 from berth.errors import ConflictError
 from berth.keys import load_or_create_pepper
 from berth.paths import BerthHome

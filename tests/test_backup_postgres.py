@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from berth.backup import create_backup, restore_backup, verify_backup
-from berth.cluster.ca import CertificateAuthority
+from berth.cluster.pki.ca import CertificateAuthority
 from berth.errors import ConfigError, ConflictError
 from berth.keys import Tier, hash_secret, load_or_create_pepper
 from berth.paths import BerthHome

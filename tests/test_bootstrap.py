@@ -19,7 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from berth.cluster.ca import CertificateAuthority
+from berth.cluster.pki.ca import CertificateAuthority
 from berth.config import SETTINGS_BY_NAME, read_config_file
 from berth.keys import hash_secret
 from berth.runtime.engines import find_free_port

@@ -17,7 +17,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec, rsa
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from berth.cluster.ca import CertificateAuthority, fingerprint_of_pem
+from berth.cluster.pki.ca import CertificateAuthority, fingerprint_of_pem
 from berth.errors import ConfigError
 
 

@@ -15,8 +15,8 @@ from cryptography import x509
 from berth.agent.dialer import AgentDialer
 from berth.agent.identity import AgentIdentity, load_agent_identity
 from berth.agent.renewal import read_certificate
-from berth.cluster.ca import CertificateAuthority, fingerprint_of_pem
-from berth.cluster.ca_rotation import holders_of_old_leaves, retire, rotate
+from berth.cluster.pki.ca import CertificateAuthority, fingerprint_of_pem
+from berth.cluster.pki.ca_rotation import holders_of_old_leaves, retire, rotate
 from berth.errors import ConflictError
 from berth.paths import BerthHome
 from support.cluster_harness import started_cluster

@@ -19,11 +19,11 @@ from cryptography.x509.oid import NameOID
 from berth.agent.cert_pair import settle_renewed_pair, write_renewed_pair
 from berth.agent.identity import load_agent_identity
 from berth.agent.renewal import read_certificate, renewal_due_at
-from berth.cluster.connection import LinkConnection
-from berth.cluster.dial_limit import DialRateLimiter
+from berth.cluster.leader.dial_limit import DialRateLimiter
+from berth.cluster.link.connection import LinkConnection
+from berth.cluster.pki.renewal import RenewalRefused, renewal_refusal
 from berth.cluster.protocol.errors import CloseCode, rate_limited_reason, retry_after_of
 from berth.cluster.protocol.ops import RenewResult
-from berth.cluster.renewal import RenewalRefused, renewal_refusal
 from berth.engine_http.request import EngineRequest
 from berth.paths import BerthHome
 from berth.store import Store
@@ -33,7 +33,7 @@ from support.renewal_leader import DialingCore, agent_for, enroll, renewing_lead
 from support.standin_engine import StandinEngine, sse_event, sse_reply
 from support.waiting import wait_for_async
 
-HUB_LOG = "berth.cluster.hub"
+HUB_LOG = "berth.cluster.leader.hub"
 
 
 async def test_three_renewals_in_a_row_keep_the_link_and_a_stream_through_it(

@@ -591,7 +591,7 @@ def test_daemon_status_json_has_pid_and_listeners(cli_leader: tuple[Berth, int])
 def test_nodes_enroll_register_list_and_remove(
     cli_leader: tuple[Berth, int], tmp_path: Path
 ) -> None:
-    from berth.cluster.enrollment import EnrollmentURI
+    from berth.cluster.pki.enrollment import EnrollmentURI
 
     berth, _ = cli_leader
     info = berth.admin("GET", "/admin/info")

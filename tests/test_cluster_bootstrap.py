@@ -1,5 +1,5 @@
 """The cluster's CA and key pepper shared through the store, sealed under ``cluster_secret``
-(``berth.cluster.bootstrap``, ``berth.store.bootstrap``): two homes on one database, on both
+(``berth.cluster.pki.bootstrap``, ``berth.store.bootstrap``): two homes on one database, on both
 engines, as two leaders have."""
 
 from __future__ import annotations
@@ -11,14 +11,14 @@ from pathlib import Path
 
 import pytest
 
-from berth.cluster.bootstrap import (
+from berth.cluster.pki.bootstrap import (
     WRONG_SECRET,
     BootstrapData,
     seal,
     share_through_store,
     unseal,
 )
-from berth.cluster.ca import CA_CERT_FILE, CA_KEY_FILE, CertificateAuthority
+from berth.cluster.pki.ca import CA_CERT_FILE, CA_KEY_FILE, CertificateAuthority
 from berth.config import Settings
 from berth.daemon.pieces import share_bootstrap
 from berth.errors import ConfigError

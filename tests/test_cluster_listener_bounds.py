@@ -13,14 +13,14 @@ from pathlib import Path
 import pytest
 from aiohttp import web
 
-from berth.cluster.ca import CertificateAuthority
-from berth.cluster.enrollment import AuditLog, EnrollmentService
-from berth.cluster.listener import (
+from berth.cluster.leader.listener import (
     ClusterListener,
     build_cluster_app,
     cluster_ssl_context,
     cluster_tls_files,
 )
+from berth.cluster.pki.ca import CertificateAuthority
+from berth.cluster.pki.enrollment import AuditLog, EnrollmentService
 from berth.http_server.limits import ListenerLimits
 from berth.http_server.sockets import bind_tcp
 from berth.paths import BerthHome

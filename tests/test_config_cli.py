@@ -24,7 +24,7 @@ from typer.testing import CliRunner, Result
 
 from berth.cli.config_cmd import CLUSTER_KEYS, PUBLIC_KEYS, TLS_KEYS, parse_pairs
 from berth.cli.main import app
-from berth.cluster.ca import CertificateAuthority
+from berth.cluster.pki.ca import CertificateAuthority
 from berth.config import Settings, convert_setting
 from berth.daemon.pieces import refuse_local_leftovers
 from berth.errors import ConfigError, DaemonError

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from berth.cluster.direct_tls import ensure_leader_certificate
+from berth.cluster.pki.direct_tls import ensure_leader_certificate
 from berth.cluster.protocol.direct import RESET_HEADER, deployment_target
 from berth.cluster.protocol.ops import IngressArgs
 from berth.engine_http.errors import UpstreamDisconnectError, UpstreamError

@@ -16,14 +16,14 @@ from typing import Any
 import msgspec
 import pytest
 
-from berth.cluster.connection import LinkConnection
-from berth.cluster.direct_path import RENEW_AFTER_S, DataPaths
-from berth.cluster.link_registry import LinkRegistry
+from berth.cluster.leader.direct_path import RENEW_AFTER_S, DataPaths
+from berth.cluster.leader.link_registry import LinkRegistry
+from berth.cluster.leader.remote_link import RemoteLink
+from berth.cluster.link.connection import LinkConnection
 from berth.cluster.protocol.direct import HEALTH_PATH
 from berth.cluster.protocol.handshake import WelcomeTerms
 from berth.cluster.protocol.ops import INGRESS
 from berth.cluster.protocol.session import Role
-from berth.cluster.remote_link import RemoteLink
 from berth.engine_http.answer import EngineAnswer, HttpOpener
 from berth.engine_http.errors import UpstreamConnectError, UpstreamDisconnectError, UpstreamError
 from berth.engine_http.request import EngineRequest

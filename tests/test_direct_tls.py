@@ -14,9 +14,9 @@ from cryptography import x509
 from cryptography.x509.oid import ExtendedKeyUsageOID
 
 from berth.admin.nodes import LOCAL_PATH, node_detail_view, node_summary_view
-from berth.cluster.ca import CertificateAuthority
-from berth.cluster.direct_path import DataPath
-from berth.cluster.direct_tls import (
+from berth.cluster.leader.direct_path import DataPath
+from berth.cluster.pki.ca import CertificateAuthority
+from berth.cluster.pki.direct_tls import (
     LEADER_URI,
     check_ingress_certificate,
     check_leader_certificate,

@@ -26,14 +26,14 @@ from typer.testing import CliRunner
 
 from berth.agent.registration import register_agent
 from berth.cli.main import app
-from berth.cluster.ca import CertificateAuthority
-from berth.cluster.enrollment import AuditLog, EnrollmentService
-from berth.cluster.listener import (
+from berth.cluster.leader.listener import (
     ClusterListener,
     build_cluster_app,
     cluster_ssl_context,
     cluster_tls_files,
 )
+from berth.cluster.pki.ca import CertificateAuthority
+from berth.cluster.pki.enrollment import AuditLog, EnrollmentService
 from berth.config import Settings
 from berth.doctor import Check, run_checks
 from berth.doctor.certs import names_host

@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 from berth.agent.service import AgentService
-from berth.cluster.link_registry import LinkRegistry
+from berth.cluster.leader.link_registry import LinkRegistry
 from berth.deployments.lifecycle import DeployOptions, LifecycleManager
 from berth.gateway.dispatch import first_answer
 from berth.routing.errors import EngineUnavailableError, EngineUnreachableError

@@ -25,8 +25,15 @@ from sqlalchemy import text
 
 from berth.agent.identity import client_ssl_context, load_agent_identity
 from berth.agent.registration import register_agent
-from berth.cluster.ca import CertificateAuthority, fingerprint_of_der, fingerprint_of_pem
-from berth.cluster.enrollment import (
+from berth.cluster.leader.listener import (
+    ClusterListener,
+    build_cluster_app,
+    cluster_ssl_context,
+    cluster_tls_files,
+    peer_certificate_der,
+)
+from berth.cluster.pki.ca import CertificateAuthority, fingerprint_of_der, fingerprint_of_pem
+from berth.cluster.pki.enrollment import (
     TOKEN_VALIDITY_S,
     AuditLog,
     EnrollmentService,
@@ -34,13 +41,6 @@ from berth.cluster.enrollment import (
     RegistrationRateLimiter,
     audit_token_hash,
     validate_node_label,
-)
-from berth.cluster.listener import (
-    ClusterListener,
-    build_cluster_app,
-    cluster_ssl_context,
-    cluster_tls_files,
-    peer_certificate_der,
 )
 from berth.errors import AuthError, ConfigError, RateLimitError
 from berth.paths import BerthHome

@@ -33,17 +33,17 @@ from typer.testing import CliRunner
 from berth.agent.dialer import AgentDialer, AgentStatus
 from berth.agent.identity import AgentIdentity
 from berth.cli.main import app
-from berth.cluster.ca import CertificateAuthority
-from berth.cluster.connection import LinkConnection
-from berth.cluster.link_registry import LinkRegistry
-from berth.cluster.liveness import Liveness
+from berth.cluster.leader.link_registry import LinkRegistry
+from berth.cluster.link.connection import LinkConnection
+from berth.cluster.link.liveness import Liveness
+from berth.cluster.link.tunnel_stream import TunnelStream
+from berth.cluster.pki.ca import CertificateAuthority
 from berth.cluster.protocol.errors import CloseCode, LinkError
 from berth.cluster.protocol.frames import Heartbeat, Hello, Request, StreamOpen
 from berth.cluster.protocol.handshake import WelcomeTerms
 from berth.cluster.protocol.ops import NoArgs, Op
 from berth.cluster.protocol.payloads import Inventory
 from berth.cluster.protocol.session import Role
-from berth.cluster.tunnel_stream import TunnelStream
 from berth.config import Settings
 from berth.deployments.lifecycle import DeployOptions, LifecycleManager
 from berth.engine_http.request import EngineRequest

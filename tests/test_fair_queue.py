@@ -22,7 +22,7 @@ from berth.admission import (
     Waiter,
     gate_slots,
 )
-from berth.cluster.link import EngineEndpoint
+from berth.cluster.leader.agent_link import EngineEndpoint
 from berth.cluster.protocol.payloads import AdoptedState
 from berth.deployments.ready_table import ReadyTable
 from berth.vocab.records import DeploymentRecord

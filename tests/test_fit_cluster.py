@@ -18,11 +18,11 @@ import pytest
 
 from berth.agent.core import AgentCore
 from berth.agent.service import AgentService
-from berth.cluster.connection import LinkConnection
-from berth.cluster.link_registry import LinkRegistry
+from berth.cluster.leader.link_registry import LinkRegistry
+from berth.cluster.leader.remote_link import RemoteLink
+from berth.cluster.link.connection import LinkConnection
 from berth.cluster.protocol.handshake import WelcomeTerms
 from berth.cluster.protocol.session import Role
-from berth.cluster.remote_link import RemoteLink
 from berth.deployments.lifecycle import DeployOptions, LifecycleManager
 from berth.errors import ConflictError
 from berth.placement import Placement, Refusal

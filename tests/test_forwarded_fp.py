@@ -20,17 +20,17 @@ import pytest
 
 from berth.agent.identity import AgentIdentity
 from berth.agent.registration import register_agent
-from berth.cluster.ca import CertificateAuthority, fingerprint_of_pem
-from berth.cluster.enrollment import AuditLog, EnrollmentService
-from berth.cluster.hub import NodeHub
-from berth.cluster.link_registry import LinkRegistry
-from berth.cluster.listener import (
+from berth.cluster.leader.hub import NodeHub
+from berth.cluster.leader.link_registry import LinkRegistry
+from berth.cluster.leader.listener import (
     ClusterListener,
     build_cluster_app,
     cluster_ssl_context,
     cluster_tls_files,
 )
-from berth.cluster.peer_identity import (
+from berth.cluster.pki.ca import CertificateAuthority, fingerprint_of_pem
+from berth.cluster.pki.enrollment import AuditLog, EnrollmentService
+from berth.cluster.pki.peer_identity import (
     FORWARDED_FINGERPRINT_HEADER,
     ForwardedFingerprintTrust,
     parse_allow_list,

@@ -29,7 +29,7 @@ import httpx
 import pytest
 
 from berth.agent.leaders import LEADERS_FILE
-from berth.cluster.ca import CertificateAuthority
+from berth.cluster.pki.ca import CertificateAuthority
 from berth.cluster.protocol.errors import CloseCode
 from berth.keys import load_or_create_pepper
 from support.cluster_harness import (

@@ -25,7 +25,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from berth.cluster.ca import CertificateAuthority
+from berth.cluster.pki.ca import CertificateAuthority
 from berth.keys import load_or_create_pepper
 from support.cluster_harness import Cluster, clean_env
 from support.postgres import PostgresServer

@@ -17,7 +17,7 @@ import httptools
 import httpx
 import pytest
 
-from berth.cluster.ca import CertificateAuthority
+from berth.cluster.pki.ca import CertificateAuthority
 from berth.http_server.limits import ConnectionGate, DiscardBudget, ListenerLimits
 from berth.http_server.request import Request
 from berth.http_server.server import HttpServer

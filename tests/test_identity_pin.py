@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from berth.agent.identity import pinned_certificate
-from berth.cluster.ca import CertificateAuthority
+from berth.cluster.pki.ca import CertificateAuthority
 from berth.errors import AuthError
 
 

@@ -11,8 +11,8 @@ from typing import Any
 import msgspec
 import pytest
 
-from berth.cluster.link import EngineEndpoint
-from berth.cluster.link_registry import LinkRegistry
+from berth.cluster.leader.agent_link import EngineEndpoint
+from berth.cluster.leader.link_registry import LinkRegistry
 from berth.cluster.protocol.payloads import AdoptedState
 from berth.deployments.lifecycle import DeployOptions, LifecycleManager
 from berth.errors import ConfigError, ConflictError, EngineError, NotFoundError, StoreError

@@ -11,8 +11,10 @@ from typing import Any
 
 import pytest
 
-from berth.cluster.connection import LinkConnection
-from berth.cluster.link_calls import RemoteOpError
+from berth.cluster.leader.remote_link import tunnel_url
+from berth.cluster.link.connection import LinkConnection
+from berth.cluster.link.link_calls import RemoteOpError
+from berth.cluster.link.tunnel_stream import TunnelStream
 from berth.cluster.protocol.errors import CloseCode, LinkError, ProtocolError
 from berth.cluster.protocol.frames import (
     Hello,
@@ -27,8 +29,6 @@ from berth.cluster.protocol.limits import LinkLimits
 from berth.cluster.protocol.ops import PROBE, NoArgs, Op, ProbeArgs
 from berth.cluster.protocol.payloads import Inventory
 from berth.cluster.protocol.session import LinkSession, Role
-from berth.cluster.remote_link import tunnel_url
-from berth.cluster.tunnel_stream import TunnelStream
 from berth.engine_http.errors import UpstreamConnectError, UpstreamTimeoutError
 from berth.engine_http.request import EngineRequest
 from berth.errors import EngineError

@@ -3,8 +3,8 @@ nothing, and whoever watches hears each change (the router forgets a lost node's
 
 from __future__ import annotations
 
-from berth.cluster.link import AgentLink
-from berth.cluster.link_registry import LinkRegistry
+from berth.cluster.leader.agent_link import AgentLink
+from berth.cluster.leader.link_registry import LinkRegistry
 from berth.routing.resolver import Upstream
 from berth.routing.router import Router
 from support.fakes import FakeLink

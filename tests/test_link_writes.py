@@ -10,16 +10,16 @@ from typing import Any
 
 import pytest
 
-from berth.cluster.connection import LinkConnection
-from berth.cluster.protocol.frames import StreamOpen, decode_frame
-from berth.cluster.protocol.session import Role, SessionState
-from berth.cluster.tunnel_stream import StreamResetError, TunnelStream
-from berth.cluster.write_batch import (
+from berth.cluster.link.connection import LinkConnection
+from berth.cluster.link.tunnel_stream import StreamResetError, TunnelStream
+from berth.cluster.link.write_batch import (
     FLUSH_AT_BYTES,
     BatchingTransport,
     coalesce_writes,
     frame_writer,
 )
+from berth.cluster.protocol.frames import StreamOpen, decode_frame
+from berth.cluster.protocol.session import Role, SessionState
 
 
 class _Transport:

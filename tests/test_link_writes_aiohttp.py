@@ -18,7 +18,7 @@ from contextlib import asynccontextmanager
 import aiohttp
 from aiohttp import web
 
-from berth.cluster.write_batch import BatchingTransport, coalesce_writes, frame_writer
+from berth.cluster.link.write_batch import BatchingTransport, coalesce_writes, frame_writer
 
 
 @asynccontextmanager

@@ -23,15 +23,15 @@ from berth.agent.dialer import AgentDialer, AgentStatus
 from berth.agent.identity import AgentIdentity
 from berth.agent.registration import register_agent
 from berth.agent.service import AgentService
-from berth.cluster.enrollment import AuditLog, EnrollmentService
-from berth.cluster.hub import NodeHub
-from berth.cluster.link_registry import LinkRegistry
-from berth.cluster.listener import (
+from berth.cluster.leader.hub import NodeHub
+from berth.cluster.leader.link_registry import LinkRegistry
+from berth.cluster.leader.listener import (
     ClusterListener,
     build_cluster_app,
     cluster_ssl_context,
     cluster_tls_files,
 )
+from berth.cluster.pki.enrollment import AuditLog, EnrollmentService
 from berth.cluster.protocol.errors import ProtocolError
 from berth.cluster.protocol.frames import Heartbeat, decode_frame, encode_frame
 from berth.cluster.protocol.payloads import LoopLag

@@ -19,7 +19,7 @@ from fastapi import FastAPI
 
 from berth.admission import Admission, ManualClock, UsageLedger
 from berth.anthropic_errors import anthropic_body, is_messages_path, to_anthropic
-from berth.cluster.remote_link import tunnel_url
+from berth.cluster.leader.remote_link import tunnel_url
 from berth.config import TierTable
 from berth.daemon.app import LeaderApp
 from berth.errors import AuthError, BerthError, NotFoundError

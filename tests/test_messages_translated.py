@@ -13,7 +13,7 @@ from typing import Any
 import anthropic
 import pytest
 
-from berth.cluster.remote_link import tunnel_url
+from berth.cluster.leader.remote_link import tunnel_url
 from berth.routing.resolver import Upstream
 from support.direct import DEPLOYMENT as DIRECT_DEPLOYMENT
 from support.direct import Pki

@@ -20,14 +20,14 @@ import pytest
 from berth.admin.model_detail import model_detail
 from berth.agent.core import AgentCore
 from berth.agent.service import AgentService
-from berth.cluster.connection import LinkConnection
-from berth.cluster.link_calls import RemoteOpError
-from berth.cluster.link_registry import LinkRegistry
+from berth.cluster.leader.link_registry import LinkRegistry
+from berth.cluster.leader.remote_link import RemoteLink
+from berth.cluster.link.connection import LinkConnection
+from berth.cluster.link.link_calls import RemoteOpError
 from berth.cluster.protocol.handshake import WelcomeTerms
 from berth.cluster.protocol.ops import MODEL_SHAPE, OP_CAPABILITIES, ModelShapeArgs
 from berth.cluster.protocol.payloads import ErrorCode
 from berth.cluster.protocol.session import Role
-from berth.cluster.remote_link import RemoteLink
 from berth.cluster.shape_wire import (
     file_shape_from_wire,
     file_shape_to_wire,

@@ -19,8 +19,8 @@ from berth.admin.services import build_service_router, load_routes
 from berth.api import Plan
 from berth.cli.common import console
 from berth.cli.plan_cmd import print_plan
-from berth.cluster.link import NodeInventory
-from berth.cluster.link_registry import LinkRegistry
+from berth.cluster.leader.agent_link import NodeInventory
+from berth.cluster.leader.link_registry import LinkRegistry
 from berth.deployments.adapters import AdapterManager
 from berth.deployments.lifecycle import DeployOptions, LifecycleManager
 from berth.errors import BerthError

@@ -22,7 +22,7 @@ from berth.admin.models import build_model_router
 from berth.admin.pulls import build_pull_router, leader_pull_jobs
 from berth.api.client import DaemonClient
 from berth.api.pulls import Pull, PullFile, PullIn
-from berth.cluster.link_registry import LinkRegistry
+from berth.cluster.leader.link_registry import LinkRegistry
 from berth.config import Settings
 from berth.deployments.adapters import AdapterManager
 from berth.paths import BerthHome

@@ -24,7 +24,7 @@ from aiohttp import web
 from berth.agent.dialer import BACKOFF_BASE_S, REDIAL_MAX_S, AgentDialer, AgentStatus
 from berth.agent.leaders import LeaderList
 from berth.backoff import jittered_delay_s
-from berth.cluster.ca import CertificateAuthority
+from berth.cluster.pki.ca import CertificateAuthority
 from berth.cluster.protocol.errors import CloseCode, not_leader_reason
 from berth.cluster.protocol.frames import PROTOCOL_MAX, PROTOCOL_MIN, Hello
 from berth.cluster.protocol.payloads import Inventory

@@ -10,7 +10,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from berth.cluster.link_registry import LinkRegistry
+from berth.cluster.leader.link_registry import LinkRegistry
 from berth.cluster.protocol.ops import PROBE, ProbeResult
 from berth.deployments.lifecycle import DeployOptions, LifecycleManager
 from berth.deployments.restarts import (

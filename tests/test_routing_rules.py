@@ -10,7 +10,7 @@ import math
 
 import pytest
 
-from berth.cluster.link_registry import LinkRegistry
+from berth.cluster.leader.link_registry import LinkRegistry
 from berth.routing.affinity import API_KEY_PREFIX, AffinityMap, affinity_key
 from berth.routing.errors import (
     EngineTimeoutError,

@@ -13,7 +13,7 @@ from fastapi.testclient import TestClient
 from berth.admin.routing import build_routing_router
 from berth.api import RoutingExplanation
 from berth.cli.routing_cmd import slots_text
-from berth.cluster.link import EngineEndpoint
+from berth.cluster.leader.agent_link import EngineEndpoint
 from berth.cluster.protocol.payloads import AdoptedState
 from berth.deployments.ready_table import ReadyTable
 from berth.routing.router import Router

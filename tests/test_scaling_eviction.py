@@ -14,8 +14,8 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from berth.cluster.link import NodeInventory
-from berth.cluster.link_registry import LinkRegistry
+from berth.cluster.leader.agent_link import NodeInventory
+from berth.cluster.leader.link_registry import LinkRegistry
 from berth.deployments.lifecycle import DeployOptions, LifecycleManager
 from berth.deployments.placement_facts import ResidentUsage
 from berth.errors import ConflictError

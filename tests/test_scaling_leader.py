@@ -28,8 +28,8 @@ from fastapi.responses import Response
 
 from berth.admin.services import build_service_router, load_routes
 from berth.api import describe_invalid
-from berth.cluster.enrollment import AuditLog
-from berth.cluster.link_registry import LinkRegistry
+from berth.cluster.leader.link_registry import LinkRegistry
+from berth.cluster.pki.enrollment import AuditLog
 from berth.deployments.fleet import LeaderFleet
 from berth.deployments.lifecycle import LifecycleManager
 from berth.errors import BerthError

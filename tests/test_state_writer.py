@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from berth.cluster.link import EngineEndpoint
+from berth.cluster.leader.agent_link import EngineEndpoint
 from berth.deployments.ready_table import ReadyTable
 from berth.deployments.transitions import StateWriter
 from berth.errors import InvalidTransitionError

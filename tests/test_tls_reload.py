@@ -20,9 +20,9 @@ import pytest
 from aiohttp import web
 from cryptography import x509
 
-from berth.cluster.ca import CertificateAuthority
-from berth.cluster.enrollment import AuditLog, EnrollmentService
-from berth.cluster.listener import ClusterListener, build_cluster_app, cluster_ssl_context
+from berth.cluster.leader.listener import ClusterListener, build_cluster_app, cluster_ssl_context
+from berth.cluster.pki.ca import CertificateAuthority
+from berth.cluster.pki.enrollment import AuditLog, EnrollmentService
 from berth.daemon.public_tls import public_ssl_context
 from berth.http_server.request import Request
 from berth.http_server.server import HttpServer

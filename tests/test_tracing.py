@@ -26,7 +26,7 @@ from opentelemetry.proto.trace.v1.trace_pb2 import Span, Status
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from berth.admission import SlotGate
-from berth.cluster.remote_link import tunnel_url
+from berth.cluster.leader.remote_link import tunnel_url
 from berth.errors import NotFoundError
 from berth.observability.metrics import ProxyMetrics
 from berth.observability.tracing import Tracing, build_tracing

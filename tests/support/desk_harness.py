@@ -13,7 +13,7 @@ import subprocess
 from pathlib import Path
 from typing import IO, Any
 
-from berth.cluster.ca import CertificateAuthority
+from berth.cluster.pki.ca import CertificateAuthority
 from support.berth_cli import Berth
 
 

@@ -18,8 +18,8 @@ from cryptography.x509.oid import NameOID
 
 from berth.agent.ingress import AgentIngress
 from berth.agent.service import AgentService
-from berth.cluster.ca import CertificateAuthority
-from berth.cluster.direct_tls import (
+from berth.cluster.pki.ca import CertificateAuthority
+from berth.cluster.pki.direct_tls import (
     ensure_leader_certificate,
     ingress_server_name,
     issue_ingress_certificate,

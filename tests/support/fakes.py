@@ -8,7 +8,7 @@ from pathlib import Path
 
 import aiohttp
 
-from berth.cluster.link import (
+from berth.cluster.leader.agent_link import (
     EngineEndpoint,
     EngineReport,
     NodeInventory,

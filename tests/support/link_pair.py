@@ -13,14 +13,14 @@ from typing import Any
 
 from berth.agent.host import HostFacts
 from berth.agent.service import AgentService
-from berth.cluster.connection import LinkConnection
-from berth.cluster.link import EngineReport
+from berth.cluster.leader.agent_link import EngineReport
+from berth.cluster.leader.remote_link import RemoteLink
+from berth.cluster.link.connection import LinkConnection
+from berth.cluster.link.tunnel_stream import TunnelStream
 from berth.cluster.protocol.frames import Heartbeat, Request
 from berth.cluster.protocol.handshake import WelcomeTerms
 from berth.cluster.protocol.limits import LinkLimits
 from berth.cluster.protocol.session import Role
-from berth.cluster.remote_link import RemoteLink
-from berth.cluster.tunnel_stream import TunnelStream
 from berth.engine_http.answer import EngineAnswer
 from berth.engine_http.auth import bearer_header
 from berth.engine_http.request import EngineRequest

@@ -15,18 +15,18 @@ from berth.agent.host import RuntimeStatus
 from berth.agent.identity import AgentIdentity
 from berth.agent.registration import register_agent
 from berth.agent.service import AgentService
-from berth.cluster.ca import CertificateAuthority
-from berth.cluster.dial_limit import DialRateLimiter
-from berth.cluster.enrollment import AuditLog, EnrollmentService
-from berth.cluster.hub import NodeHub
-from berth.cluster.link_registry import LinkRegistry
-from berth.cluster.listener import (
+from berth.cluster.leader.dial_limit import DialRateLimiter
+from berth.cluster.leader.hub import NodeHub
+from berth.cluster.leader.link_registry import LinkRegistry
+from berth.cluster.leader.listener import (
     ClusterListener,
     build_cluster_app,
     cluster_ssl_context,
     cluster_tls_files,
 )
-from berth.cluster.renewal import LinkCertificates
+from berth.cluster.pki.ca import CertificateAuthority
+from berth.cluster.pki.enrollment import AuditLog, EnrollmentService
+from berth.cluster.pki.renewal import LinkCertificates
 from berth.http_server.tls_reload import ReloadingTLS
 from berth.paths import BerthHome
 from berth.store import Store

@@ -15,7 +15,7 @@ from fastapi import APIRouter
 
 from berth.admin.roles import needs
 from berth.api import Adapter, AdapterIn, AdapterLoaded, AdapterRemoved, AddedAdapter
-from berth.cluster.link import LOCAL_NODE_ID
+from berth.cluster.leader.agent_link import LOCAL_NODE_ID
 from berth.deployments.adapters import AdapterManager
 from berth.deployments.lora_plan import lora_notes, plan_lora
 from berth.deployments.planner import DeployOptions, PlannedDeployment

@@ -1,5 +1,5 @@
 """The CA routes: ``GET /admin/ca``, ``POST /admin/ca/rotate``, ``POST /admin/ca/retire``
-(:mod:`berth.cluster.ca_rotation` does the work, on a worker thread)."""
+(:mod:`berth.cluster.pki.ca_rotation` does the work, on a worker thread)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from fastapi import APIRouter
 
 from berth.admin.roles import needs
 from berth.api.ca import CaStatus, OldLeafHolder, RetireIn
-from berth.cluster.ca import CertificateAuthority
-from berth.cluster.ca_rotation import holders_of_old_leaves, retire, rotate
+from berth.cluster.pki.ca import CertificateAuthority
+from berth.cluster.pki.ca_rotation import holders_of_old_leaves, retire, rotate
 from berth.keys import Role
 from berth.store import Store
 

@@ -12,9 +12,9 @@ from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 
 from berth.admin.roles import needs
 from berth.api import Deployment, DeploymentIn, ListedDeployment
-from berth.cluster.hub import NodeHub
-from berth.cluster.link import LOCAL_NODE_ID
-from berth.cluster.link_registry import LinkRegistry
+from berth.cluster.leader.agent_link import LOCAL_NODE_ID
+from berth.cluster.leader.hub import NodeHub
+from berth.cluster.leader.link_registry import LinkRegistry
 from berth.deployments.lifecycle import DeployOptions, LifecycleManager
 from berth.errors import ConfigError, ConflictError
 from berth.keys import Role

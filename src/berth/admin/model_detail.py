@@ -12,8 +12,8 @@ import asyncio
 
 from berth.admin.plans import estimate_view
 from berth.api import ModelCopy, ModelDetail, ModelShapeOut
-from berth.cluster.link import LOCAL_NODE_ID
-from berth.cluster.link_registry import LinkRegistry
+from berth.cluster.leader.agent_link import LOCAL_NODE_ID
+from berth.cluster.leader.link_registry import LinkRegistry
 from berth.deployments.estimates import NodeCopy, VramEstimator
 from berth.deployments.model_registration import located_model_view
 from berth.errors import BerthError

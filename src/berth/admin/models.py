@@ -10,7 +10,7 @@ from fastapi import APIRouter
 from berth.admin.model_detail import model_detail
 from berth.admin.roles import needs
 from berth.api import LocatedModel, ModelDetail, ModelIn, ModelRemoved, RegisteredModel
-from berth.cluster.link_registry import LinkRegistry
+from berth.cluster.leader.link_registry import LinkRegistry
 from berth.deployments.lifecycle import LifecycleManager
 from berth.deployments.model_registration import located_model_view, register_model
 from berth.keys import Role

@@ -35,11 +35,11 @@ from berth.api import (
     NodeSummary,
 )
 from berth.api.nodes import DataPathName
-from berth.cluster.direct_path import DataPath, DataPaths
-from berth.cluster.enrollment import EnrollmentService
-from berth.cluster.hub import NodeHub
-from berth.cluster.link import LOCAL_NODE_ID
-from berth.cluster.link_registry import LinkRegistry
+from berth.cluster.leader.agent_link import LOCAL_NODE_ID
+from berth.cluster.leader.direct_path import DataPath, DataPaths
+from berth.cluster.leader.hub import NodeHub
+from berth.cluster.leader.link_registry import LinkRegistry
+from berth.cluster.pki.enrollment import EnrollmentService
 from berth.cluster.protocol.payloads import AdoptedState
 from berth.deployments.drain import DrainRunner
 from berth.deployments.lifecycle import LifecycleManager

@@ -23,7 +23,7 @@ from berth.api import (
     PlanIn,
     VramEstimateOut,
 )
-from berth.cluster.link import LOCAL_NODE_ID
+from berth.cluster.leader.agent_link import LOCAL_NODE_ID
 from berth.deployments.adapters import AdapterManager
 from berth.deployments.lifecycle import DeployOptions, LifecycleManager, PlannedDeployment
 from berth.errors import ConfigError, ConflictError, NotFoundError

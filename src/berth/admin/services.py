@@ -47,7 +47,7 @@ from berth.api import (
     ServiceScaling,
 )
 from berth.api.services import idle_timeout_seconds
-from berth.cluster.link import LOCAL_NODE_ID
+from berth.cluster.leader.agent_link import LOCAL_NODE_ID
 from berth.deployments.fleet import deploy_options, leader_only_refusal
 from berth.deployments.lifecycle import LifecycleManager
 from berth.errors import ConfigError, NotFoundError

@@ -37,7 +37,7 @@ from berth.api import (
     StepDownAccepted,
     StepDownIn,
 )
-from berth.cluster.ca import CertificateAuthority
+from berth.cluster.pki.ca import CertificateAuthority
 from berth.config import Settings
 from berth.errors import ConflictError
 from berth.http_server.tls_reload import ReloadingTLS

@@ -28,7 +28,12 @@ from berth.agent.engine_launch import (
 )
 from berth.agent.host import HostFacts, RuntimeStatus, read_host_facts, runtime_status
 from berth.agent.journal import EngineJournal, JournalEntry
-from berth.cluster.link import DEFAULT_PROBE_TIMEOUT_S, EngineReport, ProbeResult, SpawnListener
+from berth.cluster.leader.agent_link import (
+    DEFAULT_PROBE_TIMEOUT_S,
+    EngineReport,
+    ProbeResult,
+    SpawnListener,
+)
 from berth.engine_http.auth import bearer_header
 from berth.errors import EngineError, NotFoundError
 from berth.runtime.base import EngineExit, EngineHandle, ProgressListener, Runtime

@@ -5,7 +5,7 @@ trusting only the pinned cluster CA; sends Hello (inventory, capabilities, the e
 runs); waits for Welcome; then pumps the link through :class:`LinkConnection` while a task
 sends a heartbeat every interval the leader asked for. The link pings the leader and is
 dead once nothing arrived for the link timeout the leader named in Welcome
-(:class:`~berth.cluster.connection.Liveness`); a dial (TCP, TLS and the WebSocket upgrade)
+(:class:`~berth.cluster.link.connection.Liveness`); a dial (TCP, TLS and the WebSocket upgrade)
 that does not finish within ``dial_timeout_s`` fails, so a leader behind a black hole costs
 seconds per attempt. When the link ends, the close code decides
 (:func:`berth.cluster.protocol.errors.agent_should_redial`): a final refusal (removed node,
@@ -36,8 +36,8 @@ from berth.agent.renewal import REENROLL_HINT, CertificateRenewer
 from berth.agent.service import AgentService
 from berth.agent.status import RECENT_LINES, AgentStatus
 from berth.backoff import jittered_delay_s
-from berth.cluster.connection import LinkConnection
-from berth.cluster.liveness import LINK_TIMEOUT_S, Liveness
+from berth.cluster.link.connection import LinkConnection
+from berth.cluster.link.liveness import LINK_TIMEOUT_S, Liveness
 from berth.cluster.protocol.errors import (
     CloseCode,
     LinkError,

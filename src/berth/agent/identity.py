@@ -27,7 +27,7 @@ from cryptography.hazmat.primitives import serialization
 
 from berth.agent.cert_pair import settle_renewed_pair
 from berth.atomic import write_atomic
-from berth.cluster.ca import fingerprint_of_pem
+from berth.cluster.pki.ca import fingerprint_of_pem
 from berth.errors import AuthError, ConfigError
 from berth.paths import BerthHome
 

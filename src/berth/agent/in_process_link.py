@@ -1,5 +1,6 @@
 """The link to the agent core running inside the leader's own process (node ``local``): the
-:class:`~berth.cluster.link.AgentLink` calls become direct calls on :class:`AgentCore`."""
+:class:`~berth.cluster.leader.agent_link.AgentLink` calls become direct calls on
+:class:`AgentCore`."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 from berth.agent.core import AgentCore
-from berth.cluster.link import (
+from berth.cluster.leader.agent_link import (
     DEFAULT_PROBE_TIMEOUT_S,
     LOCAL_NODE_ID,
     EngineEndpoint,

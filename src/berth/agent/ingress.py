@@ -5,7 +5,7 @@ An agent started with ``--advertise HOST:PORT`` (setting ``agent_advertise``) bi
 at start, on ``agent_ingress_bind`` (all addresses by default), says ``advertise`` in Hello
 and lists ``op.ingress``. The leader answers with the ``ingress`` op: this node's ingress
 certificate and the leader's client certificate, both checked here against the pinned berth
-CA (:mod:`berth.cluster.direct_tls`); only then does the ingress serve, over TLS that lets
+CA (:mod:`berth.cluster.pki.direct_tls`); only then does the ingress serve, over TLS that lets
 in exactly that leader certificate. Each later ``ingress`` op (a new link, a renewal)
 replaces the certificates for the handshakes that follow, without restarting the server:
 answers streaming on connections made with the old ones go on.
@@ -46,7 +46,7 @@ from typing import Final
 
 from berth.agent.relay import MAX_REQUEST_BODY_BYTES, AnswerSink
 from berth.atomic import write_atomic
-from berth.cluster.direct_tls import (
+from berth.cluster.pki.direct_tls import (
     TrustRoots,
     check_ingress_certificate,
     check_leader_certificate,

@@ -25,8 +25,8 @@ from cryptography.x509.oid import NameOID
 
 from berth.agent.identity import AgentIdentity, pinned_certificate, save_agent_identity
 from berth.agent.leaders import LEADERS_FILE, LeaderList
-from berth.cluster.ca import fingerprint_of_pem
-from berth.cluster.enrollment import EnrollmentURI
+from berth.cluster.pki.ca import fingerprint_of_pem
+from berth.cluster.pki.enrollment import EnrollmentURI
 from berth.errors import AuthError, BerthError, ConfigError, DaemonError, RateLimitError
 from berth.paths import BerthHome
 

@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, Protocol
 
 from berth.agent.answer_push import EnginePush, can_write_nowait
 from berth.agent.core import AgentCore
+from berth.cluster.link.tunnel_stream import StreamResetError
 from berth.cluster.protocol.frames import ResetCode
-from berth.cluster.tunnel_stream import StreamResetError
 from berth.engine_http.auth import with_engine_key
 from berth.engine_http.errors import UpstreamConnectError, UpstreamError, UpstreamTimeoutError
 from berth.engine_http.origin import Origin
@@ -39,7 +39,7 @@ _HOP_BY_HOP = frozenset({b"connection", b"keep-alive", b"transfer-encoding", b"t
 
 class AnswerSink(Protocol):
     """Where :meth:`EngineRelay.relay_exchange` sends an engine's answer: a tunnel stream
-    (:class:`~berth.cluster.tunnel_stream.TunnelStream`) or the ingress's HTTP reply
+    (:class:`~berth.cluster.link.tunnel_stream.TunnelStream`) or the ingress's HTTP reply
     (:mod:`berth.agent.ingress`).
 
     ``send_head`` once (status, headers without hop-by-hop ones as the engine sent them:

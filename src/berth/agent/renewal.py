@@ -34,8 +34,8 @@ from cryptography.x509.oid import NameOID
 from berth.agent.cert_pair import save_trust_bundle, write_renewed_pair
 from berth.agent.status import AgentStatus
 from berth.backoff import jittered_delay_s
-from berth.cluster.ca import CLOCK_SKEW, fingerprint_of_der, fingerprint_of_pem
-from berth.cluster.connection import LinkConnection
+from berth.cluster.link.connection import LinkConnection
+from berth.cluster.pki.ca import CLOCK_SKEW, fingerprint_of_der, fingerprint_of_pem
 from berth.cluster.protocol.errors import LinkError
 from berth.cluster.protocol.frames import Welcome
 from berth.cluster.protocol.ops import RENEW, RenewArgs, RenewResult

@@ -25,8 +25,9 @@ from berth.agent.core import AgentCore
 from berth.agent.host import RuntimeStatus
 from berth.agent.node_sampler import core_heartbeat
 from berth.agent.relay import MAX_REQUEST_BODY_BYTES, EngineRelay
-from berth.cluster.connection import LinkConnection
 from berth.cluster.inventory import gpu_states
+from berth.cluster.link.connection import LinkConnection
+from berth.cluster.link.tunnel_stream import StreamResetError, TunnelStream
 from berth.cluster.protocol.errors import ProtocolError
 from berth.cluster.protocol.frames import (
     PROTOCOL_MAX,
@@ -69,7 +70,6 @@ from berth.cluster.protocol.payloads import (
     Inventory,
 )
 from berth.cluster.shape_wire import file_shape_to_wire
-from berth.cluster.tunnel_stream import StreamResetError, TunnelStream
 from berth.engine_http.request import EngineRequest
 from berth.errors import BerthError, EngineError, NotFoundError
 from berth.observability.loop_lag import LagHistogram
@@ -100,7 +100,7 @@ class IngressControl(Protocol):
 
 
 class AgentService:
-    """The agent's :class:`~berth.cluster.connection.LinkHandler` over an :class:`AgentCore`.
+    """The agent's :class:`~berth.cluster.link.connection.LinkHandler` over an :class:`AgentCore`.
 
     ``on_activity`` hears one line per operation (for the status panel). ``meter`` counts
     the tunneled requests this agent serves, and ``loop_lag`` reads the agent's event-loop

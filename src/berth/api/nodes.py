@@ -17,7 +17,7 @@ DataPathName = Literal["local", "direct", "tunnel"]
 
 #: A new node's label, as the schema states it: an RFC 1123 host label, lowercase, that
 #: neither looks like a node id (``n-`` and 8 hex digits) nor is ``local``. The leader checks
-#: it with :func:`berth.cluster.enrollment.validate_node_label`, whose refusals say which
+#: it with :func:`berth.cluster.pki.enrollment.validate_node_label`, whose refusals say which
 #: rule a label broke (``tests/test_admin_input.py`` keeps the two in step).
 NODE_LABEL_PATTERN = r"^(?!n-[0-9a-f]{8}$)(?!local$)[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$"
 

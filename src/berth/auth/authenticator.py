@@ -83,7 +83,7 @@ MAX_CONCURRENT_MISSES: Final = 4
 _MISSING_KEY = "missing API key: send 'Authorization: Bearer <key>'"
 _INVALID_KEY = "invalid API key"
 
-#: Writes one event to the audit log (:meth:`berth.cluster.enrollment.AuditLog.append`).
+#: Writes one event to the audit log (:meth:`berth.cluster.pki.enrollment.AuditLog.append`).
 Audit = Callable[[Mapping[str, object]], None]
 
 

@@ -27,7 +27,7 @@ from berth.backup.manifest import (
 )
 from berth.backup.postgres import dump_database, is_postgresql_url
 from berth.backup.secrets import carried_secrets
-from berth.cluster.ca import CA_KEY_FILE
+from berth.cluster.pki.ca import CA_KEY_FILE
 from berth.errors import ConfigError, ConflictError
 from berth.paths import BerthHome
 

@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path, PurePosixPath
 from typing import Final
 
-from berth.cluster.ca import CA_CERT_FILE, CA_KEY_FILE
+from berth.cluster.pki.ca import CA_CERT_FILE, CA_KEY_FILE
 from berth.errors import ConfigError
 
 #: Version of the archive layout; a reader refuses a newer one.

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Final
 
 from berth.backup.manifest import PEPPER_NAME
-from berth.cluster.ca import CA_KEY_FILE
+from berth.cluster.pki.ca import CA_KEY_FILE
 from berth.config import read_config_file
 from berth.config.table import SETTINGS
 from berth.errors import ConfigError

@@ -43,7 +43,7 @@ def register(
 ) -> None:
     """Enroll this host: pin the leader's CA, get a client certificate, save the identity."""
     from berth.agent.registration import register_agent
-    from berth.cluster.enrollment import EnrollmentURI
+    from berth.cluster.pki.enrollment import EnrollmentURI
 
     home = context(ctx).home
     parsed = EnrollmentURI.parse(uri)

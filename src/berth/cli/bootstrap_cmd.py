@@ -20,7 +20,7 @@ from rich.markup import escape
 from berth.backup import running_daemon
 from berth.cli.common import console, context, err_console, print_json
 from berth.cli.context import HELP_OPTIONS
-from berth.cluster.ca import CertificateAuthority
+from berth.cluster.pki.ca import CertificateAuthority
 from berth.config import SETTINGS_BY_NAME, Settings, write_config_values
 from berth.errors import ConfigError, ConflictError
 from berth.keys import (
@@ -205,7 +205,7 @@ def _issue_server_certificates(
 ) -> None:
     """The public and cluster certificates for the new hosts, now rather than at the first
     start, so they can be inspected (and handed to a proxy) before then."""
-    from berth.cluster.listener import cluster_tls_files
+    from berth.cluster.leader.listener import cluster_tls_files
     from berth.daemon.public_tls import public_tls_files
 
     public_tls_files(settings, home, ca)

@@ -21,7 +21,7 @@ from berth.agent.systemd_unit import default_unit_dir, search_path_for
 from berth.api.client import DaemonClient
 from berth.cli import service_install
 from berth.cli.common import console, context
-from berth.cluster.ca import CA_KEY_FILE
+from berth.cluster.pki.ca import CA_KEY_FILE
 from berth.config import Settings
 from berth.config.table import ENV_PREFIX
 from berth.daemon.systemd_unit import UNIT_NAME, LeaderUnit, render_unit

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from berth.cluster.link import NodeInventory
+from berth.cluster.leader.agent_link import NodeInventory
 from berth.cluster.protocol.payloads import GpuState, Inventory
 from berth.vocab.gpu import GpuInfo
 

@@ -4,7 +4,7 @@ result), in this one place.
 
 The protocol package sits below placement, so the wire struct cannot name the placement
 type; the conversion lives here, where both are in reach, and both ends of the link use it
-(the agent's service to answer, the leader's :class:`~berth.cluster.remote_link.RemoteLink`
+(the agent's service to answer, the leader's :class:`~berth.cluster.leader.remote_link.RemoteLink`
 to read the answer).
 """
 

@@ -21,16 +21,16 @@ from berth.admission import Admission, UsageLedger
 from berth.agent.in_process_link import InProcessLink
 from berth.agent.node_sampler import LocalNodeSampler
 from berth.auth.authenticator import Authenticator
-from berth.cluster.direct_path import DataPaths
-from berth.cluster.enrollment import AuditLog, EnrollmentService
-from berth.cluster.hub import NodeHub
-from berth.cluster.link import LOCAL_NODE_ID
-from berth.cluster.link_registry import LinkRegistry
-from berth.cluster.listener import (
+from berth.cluster.leader.agent_link import LOCAL_NODE_ID
+from berth.cluster.leader.direct_path import DataPaths
+from berth.cluster.leader.hub import NodeHub
+from berth.cluster.leader.link_registry import LinkRegistry
+from berth.cluster.leader.listener import (
     ClusterListener,
     build_cluster_app,
 )
-from berth.cluster.peer_identity import ForwardedFingerprintTrust
+from berth.cluster.pki.enrollment import AuditLog, EnrollmentService
+from berth.cluster.pki.peer_identity import ForwardedFingerprintTrust
 from berth.config import Settings
 from berth.daemon.app import build_apps
 from berth.daemon.graph import LeaderGraph
@@ -203,7 +203,7 @@ async def build_leader(
 ) -> LeaderParts:
     """Build every piece of the leader on ``store`` (opened by :func:`open_store`) and the
     bound ``sockets``; ``environ`` is read once, for the reverse proxy fingerprint mode
-    (:mod:`berth.cluster.peer_identity`) and the ``OTEL_*`` variables of tracing
+    (:mod:`berth.cluster.pki.peer_identity`) and the ``OTEL_*`` variables of tracing
     (:mod:`berth.observability.tracing_config`). Starts nothing."""
     forwarded = ForwardedFingerprintTrust.from_env(environ)
     tls = await load_tls(home, settings, store)

@@ -15,11 +15,11 @@ from berth.admin.status import LeaderFacts, Listener, RunState
 from berth.admission import Admission
 from berth.agent.core import AgentCore
 from berth.auth.authenticator import Authenticator
-from berth.cluster.ca import CertificateAuthority
-from berth.cluster.direct_path import DataPaths
-from berth.cluster.enrollment import EnrollmentService
-from berth.cluster.hub import NodeHub
-from berth.cluster.link_registry import LinkRegistry
+from berth.cluster.leader.direct_path import DataPaths
+from berth.cluster.leader.hub import NodeHub
+from berth.cluster.leader.link_registry import LinkRegistry
+from berth.cluster.pki.ca import CertificateAuthority
+from berth.cluster.pki.enrollment import EnrollmentService
 from berth.config import Settings
 from berth.daemon.ha import SharedLeadership
 from berth.deployments.adapters import AdapterManager

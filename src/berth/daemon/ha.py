@@ -30,8 +30,8 @@ from collections.abc import Awaitable, Callable
 from berth.admission import Admission
 from berth.auth.authenticator import Authenticator
 from berth.auth.key_sync import KeySync
-from berth.cluster.enrollment import EnrollmentService
-from berth.cluster.hub import NodeHub
+from berth.cluster.leader.hub import NodeHub
+from berth.cluster.pki.enrollment import EnrollmentService
 from berth.daemon.leader_roster import LeaderRoster
 from berth.store import Store
 from berth.store.leadership import Leadership, leader_id

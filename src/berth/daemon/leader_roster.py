@@ -3,7 +3,7 @@
 With ``leader_ha`` each leader runs a :class:`LeaderRoster`: every third of the lease it
 notes its own cluster URL in the store (``leader_members``, :mod:`berth.store.members`) and
 reads every leader's back.  The hub asks it (as its
-:class:`~berth.cluster.hub.AgentGate`) before it takes an agent: the active takes it and
+:class:`~berth.cluster.leader.hub.AgentGate`) before it takes an agent: the active takes it and
 lists every leader's cluster URL in Welcome; a standby refuses it with ``NOT_LEADER`` naming
 the active's cluster URL (the member row whose process holds the lease), so the agent
 goes there at once.  Enrollment URIs carry the same list.

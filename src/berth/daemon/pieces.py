@@ -23,19 +23,19 @@ from berth.agent.node_sampler import LocalNodeSampler
 from berth.auth.authenticator import Authenticator
 from berth.auth.limiter import FailedAuthLimiter
 from berth.auth.metrics import AuthCollector
-from berth.cluster.bootstrap import share_through_store
-from berth.cluster.ca import CertificateAuthority
-from berth.cluster.direct_path import DataPaths
-from berth.cluster.enrollment import AuditLog
-from berth.cluster.hub import NodeHub
-from berth.cluster.link import LOCAL_NODE_ID
-from berth.cluster.link_registry import LinkRegistry
-from berth.cluster.listener import (
+from berth.cluster.leader.agent_link import LOCAL_NODE_ID
+from berth.cluster.leader.direct_path import DataPaths
+from berth.cluster.leader.hub import NodeHub
+from berth.cluster.leader.link_registry import LinkRegistry
+from berth.cluster.leader.listener import (
     cluster_ssl_context,
     cluster_tls_files,
 )
-from berth.cluster.peer_identity import ForwardedFingerprintTrust
-from berth.cluster.renewal import LinkCertificates
+from berth.cluster.pki.bootstrap import share_through_store
+from berth.cluster.pki.ca import CertificateAuthority
+from berth.cluster.pki.enrollment import AuditLog
+from berth.cluster.pki.peer_identity import ForwardedFingerprintTrust
+from berth.cluster.pki.renewal import LinkCertificates
 from berth.config import Settings
 from berth.daemon.public_tls import public_ssl_context, public_tls_files
 from berth.deployments.adapters import AdapterManager
@@ -125,7 +125,7 @@ class LeaderTls:
 
 async def share_bootstrap(home: BerthHome, settings: Settings, store: Store) -> None:
     """With ``leader_ha`` and a ``cluster_secret``: make the home hold the cluster's CA and
-    pepper sealed in ``store``, or publish its own (:mod:`berth.cluster.bootstrap`;
+    pepper sealed in ``store``, or publish its own (:mod:`berth.cluster.pki.bootstrap`;
     ``ConfigError`` for a wrong secret or a home with another CA).  With ``leader_ha``
     alone: a log line saying the homes must be prepared by hand.  A ``cluster_secret``
     without ``leader_ha``: a warning that it is not used (nothing is shared).  Else

@@ -10,7 +10,7 @@ from __future__ import annotations
 import ssl
 from pathlib import Path
 
-from berth.cluster.ca import CertificateAuthority
+from berth.cluster.pki.ca import CertificateAuthority
 from berth.config import Settings
 from berth.errors import ConfigError
 from berth.paths import BerthHome

@@ -28,7 +28,7 @@ import time
 from collections.abc import Mapping
 
 from berth.agent.owner import JournalOwnership, own_engines
-from berth.cluster.link import LOCAL_NODE_ID
+from berth.cluster.leader.agent_link import LOCAL_NODE_ID
 from berth.cluster.protocol.errors import not_leader_reason
 from berth.config import Settings
 from berth.daemon.build import LeaderParts, build_leader
@@ -51,7 +51,7 @@ class Leader:
     """One leader on ``home`` with ``settings``; see the module docstring.
 
     ``environ`` is read once by :meth:`start` (the reverse proxy fingerprint mode,
-    :mod:`berth.cluster.peer_identity`; default ``os.environ``). :attr:`should_exit` is the
+    :mod:`berth.cluster.pki.peer_identity`; default ``os.environ``). :attr:`should_exit` is the
     event :meth:`serve` waits on (SIGTERM and SIGINT set it; so does :meth:`request_stop`).
 
     Leadership: :meth:`start_leading` starts the loops only the leader of a store may run

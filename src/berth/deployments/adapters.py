@@ -37,7 +37,7 @@ from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field, replace
 from typing import TypeVar
 
-from berth.cluster.link_registry import LinkRegistry
+from berth.cluster.leader.link_registry import LinkRegistry
 from berth.deployments.lora_plan import FORMAT_OF_ENGINE
 from berth.engine_http.answer import EngineAnswer
 from berth.errors import BerthError, NotFoundError

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from berth.cluster.link import LOCAL_NODE_ID, AgentLink
+from berth.cluster.leader.agent_link import LOCAL_NODE_ID, AgentLink
 from berth.cluster.protocol.ops import MODEL_SHAPE
 from berth.errors import ConfigError, EngineError
 from berth.placement import EstimateRequest, ModelShape, VramEstimate, estimate_vram

@@ -24,8 +24,8 @@ import logging
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 
 from berth.admission.capacity import DEFAULT_SLOTS
-from berth.cluster.link import LOCAL_NODE_ID
-from berth.cluster.link_registry import LinkRegistry
+from berth.cluster.leader.agent_link import LOCAL_NODE_ID
+from berth.cluster.leader.link_registry import LinkRegistry
 from berth.cluster.protocol.payloads import AdoptedState, EngineState
 from berth.deployments.estimates import VramEstimator
 from berth.deployments.lora_plan import plan_lora

@@ -12,7 +12,7 @@ import asyncio
 from pathlib import Path
 
 from berth.api import LocatedModel, ModelIn, RegisteredModel
-from berth.cluster.link import LOCAL_NODE_ID
+from berth.cluster.leader.agent_link import LOCAL_NODE_ID
 from berth.deployments.lifecycle import LifecycleManager
 from berth.errors import ConfigError, NotFoundError
 from berth.store import Store

@@ -16,8 +16,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from berth.cluster.link import LOCAL_NODE_ID, AgentLink
-from berth.cluster.link_registry import LinkRegistry
+from berth.cluster.leader.agent_link import LOCAL_NODE_ID, AgentLink
+from berth.cluster.leader.link_registry import LinkRegistry
 from berth.cluster.protocol.ops import OP_CAPABILITIES, RUNTIME_CAPABILITIES
 from berth.deployments.estimates import NodeCopy, VramEstimator
 from berth.deployments.ready_table import ReadyTable

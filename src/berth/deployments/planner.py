@@ -18,8 +18,8 @@ import logging
 import time
 from dataclasses import dataclass
 
-from berth.cluster.link import LOCAL_NODE_ID, AgentLink
-from berth.cluster.link_registry import LinkRegistry
+from berth.cluster.leader.agent_link import LOCAL_NODE_ID, AgentLink
+from berth.cluster.leader.link_registry import LinkRegistry
 from berth.deployments.estimates import EstimateResult, NodeCopy, VramEstimator
 from berth.deployments.placement_facts import (
     UsageLookup,

@@ -26,9 +26,9 @@ from collections.abc import Callable, Mapping, Sequence
 
 from berth.admission.capacity import DEFAULT_SLOTS, GateSlots, gate_slots
 from berth.agent.adopted import ADOPTED_ID_PREFIX
-from berth.cluster.link import LOCAL_NODE_ID, EngineEndpoint
+from berth.cluster.leader.agent_link import LOCAL_NODE_ID, EngineEndpoint
+from berth.cluster.leader.remote_link import tunnel_url
 from berth.cluster.protocol.payloads import AdoptedState
-from berth.cluster.remote_link import tunnel_url
 from berth.errors import NotFoundError
 from berth.placement import GpuReservation
 from berth.routing.errors import NoReadyDeploymentError

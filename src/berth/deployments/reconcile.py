@@ -28,10 +28,10 @@ import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 
-from berth.cluster.link import LOCAL_NODE_ID, AgentLink, EngineEndpoint, EngineReport
-from berth.cluster.link_registry import LinkRegistry
+from berth.cluster.leader.agent_link import LOCAL_NODE_ID, AgentLink, EngineEndpoint, EngineReport
+from berth.cluster.leader.link_registry import LinkRegistry
+from berth.cluster.leader.remote_link import tunnel_url
 from berth.cluster.protocol.payloads import EngineState
-from berth.cluster.remote_link import tunnel_url
 from berth.deployments.ready_table import ReadyTable
 from berth.deployments.restarts import EndCause, Ending
 from berth.deployments.supervisor import Supervisor

@@ -15,8 +15,8 @@ from collections.abc import Awaitable, Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
-from berth.cluster.link import LOCAL_NODE_ID, AgentLink
-from berth.cluster.link_registry import LinkRegistry
+from berth.cluster.leader.agent_link import LOCAL_NODE_ID, AgentLink
+from berth.cluster.leader.link_registry import LinkRegistry
 from berth.deployments.lora_plan import LoraPlan, plan_lora
 from berth.deployments.restarts import Backoff, Ending
 from berth.deployments.supervisor import RestartListener, Supervisor

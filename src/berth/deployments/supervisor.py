@@ -25,7 +25,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import replace
 from datetime import UTC, datetime
 
-from berth.cluster.link import AgentLink
+from berth.cluster.leader.agent_link import AgentLink
 from berth.deployments.restarts import (
     Backoff,
     Ending,
@@ -55,7 +55,7 @@ StartAgain = Callable[[str, Ending], Awaitable[None]]
 #: Told of each restart carried out: the deployment's record (now loading, its restart count
 #: raised) and how its engine had ended.
 RestartListener = Callable[[DeploymentRecord, Ending], None]
-#: Writes one audit-log event (:meth:`berth.cluster.enrollment.AuditLog.append`).
+#: Writes one audit-log event (:meth:`berth.cluster.pki.enrollment.AuditLog.append`).
 Audit = Callable[[Mapping[str, object]], None]
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
-from berth.cluster.link import EngineEndpoint
+from berth.cluster.leader.agent_link import EngineEndpoint
 from berth.deployments.ready_table import ReadyTable
 from berth.store import UNCHANGED, Store, Unchanged
 from berth.vocab.records import DeploymentRecord

@@ -25,7 +25,7 @@ from berth.agent.identity import (
     pinned_bundle,
 )
 from berth.agent.renewal import renewal_due_at
-from berth.cluster.ca import fingerprint_of_pem
+from berth.cluster.pki.ca import fingerprint_of_pem
 from berth.doctor.certs import load_certificate, validity
 from berth.doctor.check import Check
 from berth.errors import AuthError, ConfigError

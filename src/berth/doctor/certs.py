@@ -2,8 +2,8 @@
 and cluster listeners (validity, issuer, key, SANs).
 
 The leader issues its listeners' certificates itself at every start
-(:meth:`~berth.cluster.ca.CertificateAuthority.ensure_server_certificate`), re-issuing one
-that is expired, within :data:`~berth.cluster.ca.RENEW_BEFORE_DAYS` of expiry, from another
+(:meth:`~berth.cluster.pki.ca.CertificateAuthority.ensure_server_certificate`), re-issuing one
+that is expired, within :data:`~berth.cluster.pki.ca.RENEW_BEFORE_DAYS` of expiry, from another
 CA or missing a host.  So such a problem only fails while a daemon serves the old file;
 otherwise the next start mends it and the check warns.  A certificate the operator supplies
 (``public_cert``) is never replaced by berth: its problems fail.
@@ -21,7 +21,7 @@ from pathlib import Path
 from cryptography import x509
 from cryptography.exceptions import InvalidSignature
 
-from berth.cluster.ca import CA_CERT_FILE, CA_KEY_FILE, RENEW_BEFORE_DAYS, fingerprint_of_pem
+from berth.cluster.pki.ca import CA_CERT_FILE, CA_KEY_FILE, RENEW_BEFORE_DAYS, fingerprint_of_pem
 from berth.doctor.check import Check, Verdict
 
 #: A certificate this close to its end warns (the leader renews its own at this distance).

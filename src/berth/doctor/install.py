@@ -15,7 +15,7 @@ from pathlib import Path
 from packaging.requirements import InvalidRequirement, Requirement
 from packaging.specifiers import SpecifierSet
 
-from berth.cluster.ca import CA_KEY_FILE
+from berth.cluster.pki.ca import CA_KEY_FILE
 from berth.doctor.check import Check
 from berth.paths import BerthHome
 

@@ -17,7 +17,7 @@ from urllib.parse import urlsplit
 from cryptography import x509
 
 from berth.api import DaemonInfo
-from berth.cluster.ca import CA_CERT_FILE, CA_KEY_FILE
+from berth.cluster.pki.ca import CA_CERT_FILE, CA_KEY_FILE
 from berth.config import Settings
 from berth.doctor.agent import agent_checks
 from berth.doctor.certs import (
@@ -42,7 +42,8 @@ from berth.errors import BerthError, ConfigError
 from berth.paths import BerthHome
 
 #: Hosts the leader always puts in the certificates it issues itself (see
-#: ``berth.daemon.public_tls.public_tls_files`` and ``berth.cluster.listener.cluster_tls_files``).
+#: ``berth.daemon.public_tls.public_tls_files`` and
+#: ``berth.cluster.leader.listener.cluster_tls_files``).
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
 _FORWARDED_FP_ENV = "BERTH_TRUST_FORWARDED_FP"
 
@@ -156,7 +157,7 @@ def listener_checks(
 
 def cluster_tls_proxied(env: Mapping[str, str]) -> bool:
     """Whether a TLS-terminating proxy fronts the cluster listener (the reverse-proxy
-    fingerprint mode, ``BERTH_TRUST_FORWARDED_FP``; see ``berth.cluster.peer_identity``)."""
+    fingerprint mode, ``BERTH_TRUST_FORWARDED_FP``; see ``berth.cluster.pki.peer_identity``)."""
     return env.get(_FORWARDED_FP_ENV, "").strip().lower() in {"1", "true", "yes", "on"}
 
 

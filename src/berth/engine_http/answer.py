@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 class EngineAnswer(Protocol):
     """How the proxy reads an engine's answer, local
     (:class:`berth.engine_http.response.UpstreamResponse`) or tunneled through an agent
-    (:class:`berth.cluster.remote_link.TunnelResponse`).
+    (:class:`berth.cluster.leader.remote_link.TunnelResponse`).
 
     ``status``; ``headers`` as lower-case ``(name, value)`` bytes pairs; ``content_length``
     (``None`` when not announced). :meth:`read_chunk` and :meth:`read` raise
@@ -122,8 +122,8 @@ async def read_body(answer: EngineAnswer, limit_bytes: int | None = None) -> byt
 
 class HttpOpener(Protocol):
     """Opens one HTTP exchange with a deployment's engine on a remote node: the tunnel
-    through its node's link (:meth:`berth.cluster.hub.NodeHub.open_http`), or the data paths
-    that go direct when they can (:meth:`berth.cluster.direct_path.DataPaths.open_http`).
+    through its node's link (:meth:`berth.cluster.leader.hub.NodeHub.open_http`), or the data paths
+    that go direct when they can (:meth:`berth.cluster.leader.direct_path.DataPaths.open_http`).
     The proxy's engine client reaches remote engines through one."""
 
     async def open_http(

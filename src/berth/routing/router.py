@@ -31,8 +31,8 @@ from berth.routing.waiting import WaitingAttempts
 from berth.vocab.policies import RoutingPolicy
 
 if TYPE_CHECKING:
-    from berth.cluster.link import AgentLink
-    from berth.cluster.link_registry import LinkRegistry
+    from berth.cluster.leader.agent_link import AgentLink
+    from berth.cluster.leader.link_registry import LinkRegistry
     from berth.routing.resolver import Upstream, UpstreamResolver
 
 

@@ -1,7 +1,7 @@
 """The cluster's sealed bootstrap data: one row, written once, read by every shared leader.
 
 With ``leader_ha`` and a ``cluster_secret`` the first leader to start seals its CA key and
-certificate and its key pepper (:mod:`berth.cluster.bootstrap` does the sealing) and
+certificate and its key pepper (:mod:`berth.cluster.pki.bootstrap` does the sealing) and
 publishes them in ``cluster_bootstrap``; every later leader reads that row and unseals it
 into its home.  The store keeps only the sealed form: ``salt`` (the key derivation's),
 ``nonce`` (AES-GCM's) and ``ciphertext`` (with its tag), so the database alone opens

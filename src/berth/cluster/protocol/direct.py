@@ -1,7 +1,7 @@
 """The HTTP contract of the direct data path: how the leader addresses an agent's ingress
 (``docs/protocol.md``, Direct data path). No I/O; the agent's ingress
 (:mod:`berth.agent.ingress`) serves it and the leader's data paths
-(:mod:`berth.cluster.direct_path`) speak it.
+(:mod:`berth.cluster.leader.direct_path`) speak it.
 
 - ``GET /healthz`` answers ``200`` with ``{"node_id", "exchanges"}``: the leader's probe;
 - ``POST /d/<deployment id><engine target>`` (``/d/d-1a2b3c4d/v1/chat/completions``) is one

@@ -4,7 +4,7 @@
 event; frames the session deals with itself (credit bookkeeping aside, an unknown frame type,
 data for a stream already forgotten, a stream refused for being over the limit, an unknown
 op, which it answers ``unsupported``) produce none. The I/O adapter
-(:class:`berth.cluster.connection.LinkConnection`) dispatches each event once, over the closed
+(:class:`berth.cluster.link.connection.LinkConnection`) dispatches each event once, over the closed
 union :data:`LinkEvent`, ending in ``assert_never``.
 
 Events carry the frame when its fields are what the receiver acts on (a request, a stream's

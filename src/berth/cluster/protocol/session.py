@@ -3,10 +3,10 @@
 A :class:`LinkSession` is fed each received WebSocket message with :meth:`receive_message`
 and returns the typed event the caller should act on (:mod:`berth.cluster.protocol.events`),
 or ``None`` when the session dealt with the frame itself; what it wants sent, answers included,
-piles up in :meth:`data_to_send`. The I/O adapter (:class:`berth.cluster.connection.LinkConnection`,
-on both ends) owns a session the way python-websockets' ``Connection`` owns its ``Protocol``:
-it pumps messages through it and sends what it queues, so all of the protocol's rules are
-tested with bytes alone.
+piles up in :meth:`data_to_send`. The I/O adapter
+(:class:`berth.cluster.link.connection.LinkConnection`, on both ends) owns a session the way
+python-websockets' ``Connection`` owns its ``Protocol``: it pumps messages through it and sends
+what it queues, so all of the protocol's rules are tested with bytes alone.
 
 The per-event frames, ``STREAM_DATA`` (one per token of a tunneled stream), may instead go
 through :meth:`LinkSession.receive_data`, which checks them by the same rules and hands

@@ -5,9 +5,9 @@ Both ends are certified by the berth CA, under names no other certificate of tha
 
 * **the leader's client certificate** (``$BERTH_HOME/ca/leader-client.pem`` and ``.key``):
   clientAuth, ``CN=berth leader`` and the URI SAN :data:`LEADER_URI`.  The leader issues it
-  at start and renews it :data:`~berth.cluster.ca.RENEW_BEFORE_DAYS` days before it expires.
+  at start and renews it :data:`~berth.cluster.pki.ca.RENEW_BEFORE_DAYS` days before it expires.
   Agents' certificates are issued from their CSRs with a common name only
-  (:meth:`~berth.cluster.ca.CertificateAuthority.sign_csr` ignores a CSR's extensions), so no
+  (:meth:`~berth.cluster.pki.ca.CertificateAuthority.sign_csr` ignores a CSR's extensions), so no
   agent certificate carries that URI.
 * **an agent's ingress certificate**: serverAuth, ``CN=<node id>`` and the DNS SAN
   :func:`ingress_server_name` (``<node id>.node.berth.invalid``: ``.invalid`` is reserved by
@@ -40,7 +40,7 @@ from cryptography.hazmat.primitives.asymmetric import ec, ed25519, rsa
 from cryptography.x509.oid import ExtendedKeyUsageOID
 
 from berth.atomic import write_atomic
-from berth.cluster.ca import RENEW_BEFORE_DAYS, CertificateAuthority
+from berth.cluster.pki.ca import RENEW_BEFORE_DAYS, CertificateAuthority
 from berth.errors import AuthError, ConfigError
 
 #: The URI SAN that marks the leader's client certificate.
@@ -69,7 +69,7 @@ def ingress_server_name(node_id: str) -> str:
 def ensure_leader_certificate(ca: CertificateAuthority, ca_dir: Path) -> tuple[Path, Path]:
     """The leader's client certificate and key under ``ca_dir``, issued (with a new EC P-256
     key, mode 0600) when missing, not this CA's, not the leader's, or within
-    :data:`~berth.cluster.ca.RENEW_BEFORE_DAYS` days of expiry."""
+    :data:`~berth.cluster.pki.ca.RENEW_BEFORE_DAYS` days of expiry."""
     cert_path, key_path = ca_dir / LEADER_CERT_FILE, ca_dir / LEADER_KEY_FILE
     if not _leader_certificate_current(ca, cert_path, key_path):
         key = ec.generate_private_key(ec.SECP256R1())

@@ -1,4 +1,5 @@
-"""The leader's :class:`~berth.cluster.link.AgentLink` to a remote agent, over its WebSocket.
+"""The leader's :class:`~berth.cluster.leader.agent_link.AgentLink` to a remote agent, over
+its WebSocket.
 
 Control calls become protocol requests (``docs/protocol.md``); ``logs`` and tunneled ``/v1``
 exchanges become streams. :class:`TunnelResponse` gives the proxy the same reading interface
@@ -15,9 +16,8 @@ from typing import TypeVar
 
 import msgspec
 
-from berth.cluster.connection import LinkConnection
 from berth.cluster.inventory import node_inventory
-from berth.cluster.link import (
+from berth.cluster.leader.agent_link import (
     DEFAULT_PROBE_TIMEOUT_S,
     EngineEndpoint,
     EngineReport,
@@ -25,8 +25,10 @@ from berth.cluster.link import (
     ProbeResult,
     SpawnListener,
 )
-from berth.cluster.link_calls import ProgressListener as OpProgressListener
-from berth.cluster.link_calls import RemoteOpError
+from berth.cluster.link.connection import LinkConnection
+from berth.cluster.link.link_calls import ProgressListener as OpProgressListener
+from berth.cluster.link.link_calls import RemoteOpError
+from berth.cluster.link.tunnel_stream import StreamResetError, TunnelStream
 from berth.cluster.protocol.errors import LinkError
 from berth.cluster.protocol.frames import Heartbeat, Progress, ResetCode, StreamOpen
 from berth.cluster.protocol.ops import (
@@ -58,7 +60,6 @@ from berth.cluster.protocol.ops import (
 )
 from berth.cluster.protocol.payloads import ErrorCode, Inventory
 from berth.cluster.shape_wire import file_shape_from_wire
-from berth.cluster.tunnel_stream import StreamResetError, TunnelStream
 from berth.engine_http.answer import BodySink, read_body
 from berth.engine_http.errors import (
     UpstreamConnectError,
@@ -437,7 +438,7 @@ class TunnelResponse:
 
 
 class _TunnelSink:
-    """A tunnel stream's :class:`~berth.cluster.tunnel_stream.PayloadSink` over the proxy's
+    """A tunnel stream's :class:`~berth.cluster.link.tunnel_stream.PayloadSink` over the proxy's
     :class:`~berth.engine_http.answer.BodySink`: payloads as they are, failures as the
     errors :meth:`TunnelResponse.read_chunk` raises."""
 

@@ -1,10 +1,10 @@
 """The leader's data path to each agent: straight to the agent's ingress when it answers,
 else through the link's tunnel (``docs/protocol.md``, Direct data path).
 
-:class:`DataPaths` watches the :class:`~berth.cluster.link_registry.LinkRegistry`. When an
+:class:`DataPaths` watches the :class:`~berth.cluster.leader.link_registry.LinkRegistry`. When an
 agent links whose Hello advertised an address (and who lists ``op.ingress``), it
 
-1. issues the agent's ingress certificate (:mod:`berth.cluster.direct_tls`) and sends it,
+1. issues the agent's ingress certificate (:mod:`berth.cluster.pki.direct_tls`) and sends it,
    with the leader's client certificate, in the ``ingress`` op;
 2. probes ``GET /healthz`` at the advertised address over mutual TLS at once and then every
    ``probe_interval_s``, each probe bounded by ``probe_timeout_s``;
@@ -48,16 +48,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from berth.cluster.ca import CertificateAuthority
-from berth.cluster.direct_tls import (
+from berth.cluster.leader.agent_link import AgentLink
+from berth.cluster.leader.link_registry import LinkRegistry
+from berth.cluster.leader.remote_link import RemoteLink
+from berth.cluster.pki.ca import CertificateAuthority
+from berth.cluster.pki.direct_tls import (
     INGRESS_CERT_DAYS,
     ensure_leader_certificate,
     ingress_server_name,
     issue_ingress_certificate,
     leader_client_context,
 )
-from berth.cluster.link import AgentLink
-from berth.cluster.link_registry import LinkRegistry
 from berth.cluster.protocol.direct import (
     HEALTH_PATH,
     MAX_DIRECT_CONNECTIONS,
@@ -67,7 +68,6 @@ from berth.cluster.protocol.direct import (
 )
 from berth.cluster.protocol.frames import ResetCode
 from berth.cluster.protocol.ops import INGRESS
-from berth.cluster.remote_link import RemoteLink
 from berth.engine_http.answer import EngineAnswer, HttpOpener
 from berth.engine_http.errors import UpstreamConnectError, UpstreamError, UpstreamTimeoutError
 from berth.engine_http.origin import Origin
@@ -211,7 +211,7 @@ class DataPaths:
         """Open one exchange with ``deployment_id``'s engine on ``node_id``, direct when the
         node's path is up, else (or when the direct attempt fails before the first byte)
         through the tunnel. Raises what the tunnel raises
-        (:meth:`berth.cluster.remote_link.RemoteLink.open_http`)."""
+        (:meth:`berth.cluster.leader.remote_link.RemoteLink.open_http`)."""
         node = self._nodes.get(node_id)
         if node is not None and node.up and not _saturated(node):
             try:

@@ -32,7 +32,7 @@ from urllib.parse import parse_qs, urlencode, urlsplit
 
 from cryptography import x509
 
-from berth.cluster.ca import CertificateAuthority, fingerprint_of_pem
+from berth.cluster.pki.ca import CertificateAuthority, fingerprint_of_pem
 from berth.errors import BerthError, ConfigError, EnrollmentTokenError
 from berth.keys import hash_secret
 from berth.store import Store

@@ -1,19 +1,19 @@
 """The I/O half of the agent link: a WebSocket adapter that owns a sans-I/O :class:`LinkSession`.
 
 Both ends use :class:`LinkConnection`: the leader's ``/cluster/agent`` endpoint
-(:mod:`berth.cluster.hub`) and the agent's dial loop (:mod:`berth.agent.dialer`). It owns the
+(:mod:`berth.cluster.leader.hub`) and the agent's dial loop (:mod:`berth.agent.dialer`). It owns the
 session the way python-websockets' asyncio ``Connection`` owns its ``Protocol``: every
 received message goes through the session, whose typed event is dispatched once (one
 ``match``); every send is a session call followed by queueing what the session wants sent, so
 no caller touches the session or flushes. :meth:`LinkConnection.handshake` is the Hello/Welcome
 exchange of both ends.
 
-Its parts: :mod:`berth.cluster.link_output` writes (the queue, the one writer task, the direct
-writes, the high water mark); :mod:`berth.cluster.liveness` keeps the link alive (pings every
-third of the :class:`~berth.cluster.liveness.Liveness` timeout, pongs, the dead-link watch);
-:mod:`berth.cluster.link_calls` keeps control requests as futures keyed by id,
-:mod:`berth.cluster.link_streams` the open :class:`TunnelStream` objects, and
-:mod:`berth.cluster.link_tasks` the reader task and a task per request and stream it hands
+Its parts: :mod:`berth.cluster.link.link_output` writes (the queue, the one writer task, the direct
+writes, the high water mark); :mod:`berth.cluster.link.liveness` keeps the link alive (pings every
+third of the :class:`~berth.cluster.link.liveness.Liveness` timeout, pongs, the dead-link watch);
+:mod:`berth.cluster.link.link_calls` keeps control requests as futures keyed by id,
+:mod:`berth.cluster.link.link_streams` the open :class:`TunnelStream` objects, and
+:mod:`berth.cluster.link.link_tasks` the reader task and a task per request and stream it hands
 on, so a slow engine start or a slow stream reader never blocks the link's other traffic. A
 link found dead ends at once, closed with ``HEARTBEAT_TIMEOUT`` without waiting for a close
 handshake the peer would never answer: pending requests fail, streams are aborted and
@@ -32,11 +32,12 @@ from typing import Protocol, assert_never, overload
 import aiohttp
 import msgspec
 
-from berth.cluster.link_calls import A, PendingCalls, ProgressListener, R
-from berth.cluster.link_output import CLOSE_TIMEOUT_S, LinkOutput, WebSocketLike
-from berth.cluster.link_streams import LinkStreams
-from berth.cluster.link_tasks import LinkTasks
-from berth.cluster.liveness import KeepAlive, Liveness
+from berth.cluster.link.link_calls import A, PendingCalls, ProgressListener, R
+from berth.cluster.link.link_output import CLOSE_TIMEOUT_S, LinkOutput, WebSocketLike
+from berth.cluster.link.link_streams import LinkStreams
+from berth.cluster.link.link_tasks import LinkTasks
+from berth.cluster.link.liveness import KeepAlive, Liveness
+from berth.cluster.link.tunnel_stream import TunnelStream
 from berth.cluster.protocol.errors import CloseCode, LinkError, ProtocolError
 from berth.cluster.protocol.events import (
     CreditGranted,
@@ -66,7 +67,6 @@ from berth.cluster.protocol.limits import LinkLimits
 from berth.cluster.protocol.ops import Op
 from berth.cluster.protocol.payloads import ErrorInfo
 from berth.cluster.protocol.session import LinkSession, Role, SessionState
-from berth.cluster.tunnel_stream import TunnelStream
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """The control requests one end of an agent link asked, waiting for their answers.
 
 :class:`PendingCalls` pairs each answer (and progress event) that arrives with the request
-:meth:`~berth.cluster.connection.LinkConnection.call` sent, by request id, and turns an error
+:meth:`~berth.cluster.link.connection.LinkConnection.call` sent, by request id, and turns an error
 answer into :class:`RemoteOpError`.
 """
 

@@ -29,8 +29,8 @@ from typing import Final
 
 from aiohttp import web
 
-from berth.cluster.ca import fingerprint_of_der
-from berth.cluster.listener import peer_certificate_der
+from berth.cluster.leader.listener import peer_certificate_der
+from berth.cluster.pki.ca import fingerprint_of_der
 from berth.errors import ConfigError
 
 #: The header a trusted proxy sets to the SHA-256 fingerprint of the agent's certificate.

@@ -1,10 +1,10 @@
 """The tunnel streams of one agent link, and what each sends with.
 
-:class:`LinkStreams` is :class:`~berth.cluster.connection.LinkConnection`'s table of open
-streams (by id) and the :class:`~berth.cluster.tunnel_stream.StreamCarrier` its
-:class:`~berth.cluster.tunnel_stream.TunnelStream` objects send through: each send is one
+:class:`LinkStreams` is :class:`~berth.cluster.link.connection.LinkConnection`'s table of open
+streams (by id) and the :class:`~berth.cluster.link.tunnel_stream.StreamCarrier` its
+:class:`~berth.cluster.link.tunnel_stream.TunnelStream` objects send through: each send is one
 call of the link's session, then what the session wants sent goes to the link's output
-(:class:`~berth.cluster.link_output.LinkOutput`), written from the sending task when
+(:class:`~berth.cluster.link.link_output.LinkOutput`), written from the sending task when
 nothing waits ahead of it.
 """
 
@@ -12,11 +12,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from berth.cluster.link_output import LinkOutput
+from berth.cluster.link.link_output import LinkOutput
+from berth.cluster.link.tunnel_stream import StreamResetError, TunnelStream
 from berth.cluster.protocol.events import StreamResetReceived
 from berth.cluster.protocol.frames import ResetCode, StreamHead, StreamOpen
 from berth.cluster.protocol.session import LinkSession
-from berth.cluster.tunnel_stream import StreamResetError, TunnelStream
 
 
 class LinkStreams:

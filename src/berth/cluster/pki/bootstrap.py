@@ -9,7 +9,7 @@ same key pepper (API keys are HMACs under it).  Given a ``cluster_secret``,
   leader published first, its data is used as below;
 - the store holds one: it is opened, and the CA key, the CA certificate and the pepper are
   written into the home where it has none (atomically; 0600 for the key and the pepper,
-  0644 for the certificate, as :mod:`berth.cluster.ca` and :mod:`berth.keys` make them);
+  0644 for the certificate, as :mod:`berth.cluster.pki.ca` and :mod:`berth.keys` make them);
   a home that already holds a different CA or pepper is refused (:class:`ConfigError`
   naming both CA fingerprints), since agents pinned to one would not trust the other.
 
@@ -39,7 +39,7 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.scrypt import Scrypt
 
 from berth.atomic import create_atomic, write_atomic
-from berth.cluster.ca import CA_CERT_FILE, CA_KEY_FILE, CertificateAuthority, fingerprint_of_pem
+from berth.cluster.pki.ca import CA_CERT_FILE, CA_KEY_FILE, CertificateAuthority, fingerprint_of_pem
 from berth.errors import ConfigError
 from berth.keys import PEPPER_BYTES, load_or_create_pepper
 from berth.paths import BerthHome

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
 
-from berth.cluster.link import AgentLink
+from berth.cluster.leader.agent_link import AgentLink
 
 #: Hears ``(node_id, link)`` after every change: the node's link now, ``None`` once it has
 #: none.  Called synchronously by :meth:`LinkRegistry.attach` and :meth:`LinkRegistry.detach`,

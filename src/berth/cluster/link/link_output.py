@@ -1,6 +1,6 @@
 """The agent link's output: what the session wants sent, reaching the socket in order.
 
-:class:`LinkOutput` is the half of :class:`~berth.cluster.connection.LinkConnection` that
+:class:`LinkOutput` is the half of :class:`~berth.cluster.link.connection.LinkConnection` that
 writes. Messages queue behind each other (one writer task sends them), except that a sender
 finding nothing queued or being sent writes its own message from its task
 (:meth:`LinkOutput.send_queued`), or, for a caller that is no task, straight into the socket
@@ -20,7 +20,7 @@ from typing import Protocol
 
 import aiohttp
 
-from berth.cluster.write_batch import FrameWriter, coalesce_writes, frame_writer
+from berth.cluster.link.write_batch import FrameWriter, coalesce_writes, frame_writer
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +97,7 @@ class LinkOutput:
 
     def use_frame_writer(self) -> None:
         """Write through aiohttp's frame writer from now on, the frames of one pass of the
-        loop (e.g. events of many streams) in one write (:mod:`berth.cluster.write_batch`)."""
+        loop (e.g. events of many streams) in one write (:mod:`berth.cluster.link.write_batch`)."""
         coalesce_writes(self._ws)
         self._frames = frame_writer(self._ws)
 

@@ -3,12 +3,12 @@
 For every connection it: sends the agent to the active leader (``NOT_LEADER``) when this one
 is a standby, before asking the store anything; takes the node's identity from the verified
 client certificate (never from a frame) and checks it against the store
-(:mod:`berth.cluster.node_identity`; a store that does not answer closes with 1011); refuses
+(:mod:`berth.cluster.pki.node_identity`; a store that does not answer closes with 1011); refuses
 with a typed close code (``BAD_CERTIFICATE``, ``NODE_REMOVED``, ``PROTOCOL_ERROR``,
 ``UNSUPPORTED_VERSION``); waits for Hello and answers Welcome; closes an older session of the
 same node (``SUPERSEDED``); attaches a :class:`RemoteLink` to the leader's
 :class:`LinkRegistry`; and watches it: a link on which nothing (not even a pong) arrived for
-``link_timeout_s`` is dead and ends at once (:class:`~berth.cluster.connection.Liveness`), and
+``link_timeout_s`` is dead and ends at once (:class:`~berth.cluster.link.connection.Liveness`), and
 one that sent no frame for ``node_timeout_s`` (pongs but no heartbeats) is closed; either way
 the node is marked ``unreachable``. When a link comes up or goes down the lifecycle manager
 hears of it, to reconcile deployments and stop routing to that node; an engine an agent
@@ -27,15 +27,18 @@ from typing import Any, Protocol
 from aiohttp import web
 
 from berth import __version__
-from berth.cluster.connection import LinkConnection
-from berth.cluster.dial_limit import DialRateLimiter
-from berth.cluster.enrollment import AuditLog
 from berth.cluster.inventory import gpu_infos
-from berth.cluster.link import LOCAL_NODE_ID
-from berth.cluster.link_registry import LinkRegistry
-from berth.cluster.liveness import LINK_TIMEOUT_S, Liveness
-from berth.cluster.node_identity import identify_node
-from berth.cluster.peer_identity import ForwardedFingerprintTrust
+from berth.cluster.leader.agent_link import LOCAL_NODE_ID
+from berth.cluster.leader.dial_limit import DialRateLimiter
+from berth.cluster.leader.link_registry import LinkRegistry
+from berth.cluster.leader.remote_link import RemoteLink, TunnelResponse
+from berth.cluster.link.connection import LinkConnection
+from berth.cluster.link.liveness import LINK_TIMEOUT_S, Liveness
+from berth.cluster.link.tunnel_stream import TunnelStream
+from berth.cluster.pki.enrollment import AuditLog
+from berth.cluster.pki.node_identity import identify_node
+from berth.cluster.pki.peer_identity import ForwardedFingerprintTrust
+from berth.cluster.pki.renewal import LinkCertificates, LinkDeadline
 from berth.cluster.protocol.errors import CloseCode, LinkError, rate_limited_reason
 from berth.cluster.protocol.frames import Heartbeat, Hello, Request, ResetCode
 from berth.cluster.protocol.handshake import WelcomeTerms
@@ -49,9 +52,6 @@ from berth.cluster.protocol.payloads import (
     Inventory,
 )
 from berth.cluster.protocol.session import Role
-from berth.cluster.remote_link import RemoteLink, TunnelResponse
-from berth.cluster.renewal import LinkCertificates, LinkDeadline
-from berth.cluster.tunnel_stream import TunnelStream
 from berth.engine_http.errors import UpstreamConnectError
 from berth.engine_http.origin import Origin
 from berth.engine_http.request import EngineRequest
@@ -109,10 +109,10 @@ class NodeHub:
     node removal;
     ``audit``, when given, gets a ``node.lost`` line (id, label, close code) per lost link.
     ``forwarded``, when given, turns on the reverse-proxy fingerprint mode
-    (:mod:`berth.cluster.peer_identity`). ``link_timeout_s`` is the dead-link timeout both
+    (:mod:`berth.cluster.pki.peer_identity`). ``link_timeout_s`` is the dead-link timeout both
     ends keep (told to agents in Welcome); ``node_timeout_s`` the longest an agent may go
     without sending a frame. ``certificates``, when given, renews agents' certificates over
-    their links and closes a link whose certificate expired (:mod:`berth.cluster.renewal`).
+    their links and closes a link whose certificate expired (:mod:`berth.cluster.pki.renewal`).
     ``dial_limiter`` bounds how often one node may dial (``RATE_LIMITED`` beyond it).
     """
 

@@ -3,7 +3,7 @@
 With a :class:`Liveness`, each end sends a WebSocket ping (RFC 6455 section 5.5.2) every
 third of ``timeout_s`` and answers the peer's pings itself; a link on which nothing at all
 (frame, ping or pong) arrived for ``timeout_s`` is dead. :class:`KeepAlive` does the pinging,
-the ponging and the watch for one :class:`~berth.cluster.connection.LinkConnection`, which
+the ponging and the watch for one :class:`~berth.cluster.link.connection.LinkConnection`, which
 ends the link when told it is dead.
 """
 
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import aiohttp
 
-from berth.cluster.link_output import WebSocketLike
+from berth.cluster.link.link_output import WebSocketLike
 from berth.cluster.protocol.errors import ProtocolError
 
 log = logging.getLogger(__name__)

@@ -16,7 +16,7 @@ and its streams carry on, the agent dials with the new pair next time.  A link w
 deadline passes is closed with ``CERTIFICATE_EXPIRED`` (:meth:`LinkCertificates.watch`),
 and a dial with an expired certificate is refused with the same code, naming the node
 (:func:`expiry_refusal`): the cluster listener leaves certificate times to this module
-(:func:`berth.cluster.listener.cluster_ssl_context`) so that the refusal is typed and
+(:func:`berth.cluster.leader.listener.cluster_ssl_context`) so that the refusal is typed and
 logged, not a TLS alert.
 
 The decisions (:func:`renewal_refusal`, :func:`expiry_refusal`) are pure; times are epoch
@@ -34,9 +34,9 @@ from datetime import UTC, datetime
 
 from cryptography import x509
 
-from berth.cluster.ca import CertificateAuthority
-from berth.cluster.connection import LinkConnection
-from berth.cluster.enrollment import AuditLog, issued_certificate
+from berth.cluster.link.connection import LinkConnection
+from berth.cluster.pki.ca import CertificateAuthority
+from berth.cluster.pki.enrollment import AuditLog, issued_certificate
 from berth.cluster.protocol.errors import CloseCode, ProtocolError
 from berth.cluster.protocol.frames import Request
 from berth.cluster.protocol.ops import RENEW, RenewResult

@@ -13,7 +13,7 @@ that CA is trusted), else the handshake fails.  Routes:
 - ``GET /admin/ca.pem``: the root the server certificate chains to (the CA; the old one
   during a CA rotation), what enrollment URIs pin;
 - ``POST /admin/nodes/register``: ``{"token", "csr_pem"}`` → the agent's certificate
-  (failed attempts rate-limited per source address; see :mod:`berth.cluster.enrollment`);
+  (failed attempts rate-limited per source address; see :mod:`berth.cluster.pki.enrollment`);
 - ``GET /cluster/agent``: the agents' WebSocket, handled by the injected ``agent_handler``.
 
 Bounds (the listener settings, :class:`berth.http_server.limits.ListenerLimits`): aiohttp
@@ -40,8 +40,8 @@ from typing import Final
 
 from aiohttp import web
 
-from berth.cluster.ca import CertificateAuthority
-from berth.cluster.enrollment import EnrollmentService, RegistrationRateLimiter
+from berth.cluster.pki.ca import CertificateAuthority
+from berth.cluster.pki.enrollment import EnrollmentService, RegistrationRateLimiter
 from berth.errors import BerthError, ConfigError, RateLimitError
 from berth.http_server.errors import RequestTimeoutError
 from berth.http_server.guard import GuardedProtocol, request_began
@@ -83,7 +83,7 @@ def cluster_ssl_context(
 
     The handshake checks the client chain's signatures but not its dates: an expired agent
     certificate is refused by the hub after the handshake, with the typed close code
-    ``CERTIFICATE_EXPIRED`` and a log line naming the node (:mod:`berth.cluster.renewal`),
+    ``CERTIFICATE_EXPIRED`` and a log line naming the node (:mod:`berth.cluster.pki.renewal`),
     instead of a TLS alert nobody can tell from a network fault.
     """
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)

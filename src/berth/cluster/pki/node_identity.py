@@ -2,10 +2,10 @@
 
 :func:`identify_node` is the hub's first check of a ``/cluster/agent`` connection, before
 its WebSocket handshake: the identity comes from the verified client certificate (or, in the
-reverse-proxy fingerprint mode, the forwarded fingerprint: :mod:`berth.cluster.peer_identity`),
+reverse-proxy fingerprint mode, the forwarded fingerprint: :mod:`berth.cluster.pki.peer_identity`),
 never from a frame; the node is the store's node of that fingerprint; a removed node, a
 certificate naming another node, and an expired certificate
-(:func:`~berth.cluster.renewal.expiry_refusal`) are refused, each with the close code the
+(:func:`~berth.cluster.pki.renewal.expiry_refusal`) are refused, each with the close code the
 agent acts on.
 """
 
@@ -19,13 +19,13 @@ from aiohttp import web
 from cryptography import x509
 from cryptography.x509.oid import NameOID
 
-from berth.cluster.peer_identity import ForwardedFingerprintTrust, client_identity
+from berth.cluster.pki.peer_identity import ForwardedFingerprintTrust, client_identity
+from berth.cluster.pki.renewal import certificate_not_after, expiry_refusal
 from berth.cluster.protocol.errors import CloseCode
-from berth.cluster.renewal import certificate_not_after, expiry_refusal
 from berth.store import Store
 
 # The hub's logger: these lines are the hub's refusals, where they always were.
-log = logging.getLogger("berth.cluster.hub")
+log = logging.getLogger("berth.cluster.leader.hub")
 
 
 async def identify_node(

@@ -1,13 +1,13 @@
 """The tasks one agent link runs besides its writer and its keepalive.
 
-:class:`LinkTasks` holds, for one :class:`~berth.cluster.connection.LinkConnection`, the
-reader task (the one running :meth:`~berth.cluster.connection.LinkConnection.run`, which the
+:class:`LinkTasks` holds, for one :class:`~berth.cluster.link.connection.LinkConnection`, the
+reader task (the one running :meth:`~berth.cluster.link.connection.LinkConnection.run`, which the
 keepalive's verdict of a dead link cancels) and the handler tasks the reader starts: one per
 request, stream and progress event the peer sends, so that a slow handler never blocks the
 reader. A handler task is kept referenced until it is done and a failure is logged (it has
 no caller to raise to); when the link ends they are cancelled and waited for, within a bound.
-The writer task is :class:`~berth.cluster.link_output.LinkOutput`'s, the pings
-:class:`~berth.cluster.liveness.KeepAlive`'s.
+The writer task is :class:`~berth.cluster.link.link_output.LinkOutput`'s, the pings
+:class:`~berth.cluster.link.liveness.KeepAlive`'s.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from collections.abc import Awaitable
 from typing import Any
 
 # The connection's logger: a failed handler task is the link's news, logged where it was.
-log = logging.getLogger("berth.cluster.connection")
+log = logging.getLogger("berth.cluster.link.connection")
 
 
 class LinkTasks:

@@ -5,7 +5,7 @@ certificate valid for ten years (``ca.pem``).  It issues
 
 - the leader's **server certificates** (serverAuth, SANs for every host clients dial), and
 - **client certificates** for enrolled agents (clientAuth, a common name the leader picks),
-  and the direct data path's two identities (:mod:`berth.cluster.direct_tls`): the
+  and the direct data path's two identities (:mod:`berth.cluster.pki.direct_tls`): the
   leader's client certificate and each advertising agent's ingress certificate.
 
 Clients pin the CA by its **fingerprint**, ``sha256:`` followed by the lowercase hex SHA-256
@@ -36,7 +36,7 @@ from berth.errors import ConfigError
 
 CA_CERT_FILE: Final = "ca.pem"
 CA_KEY_FILE: Final = "ca.key"
-#: During a CA rotation (:mod:`berth.cluster.ca_rotation`): the old root and its key, still
+#: During a CA rotation (:mod:`berth.cluster.pki.ca_rotation`): the old root and its key, still
 #: trusted for agents' leaves and still issuing the leader's own server certificates, so
 #: that an agent which trusts only the old root verifies the leader.
 PREVIOUS_CERT_FILE: Final = "ca-previous.pem"
@@ -326,7 +326,7 @@ class CertificateAuthority:
         extendedKeyUsage (``usage``: serverAuth or clientAuth) and ``sans`` as its subject
         alternative names, valid ``days`` days from now (backdated by :data:`CLOCK_SKEW`).
 
-        For the direct data path's identities (:mod:`berth.cluster.direct_tls`); the caller
+        For the direct data path's identities (:mod:`berth.cluster.pki.direct_tls`); the caller
         vouches that the key belongs to whom the names say.  Raises :class:`ConfigError`
         when ``days`` is not positive or ``sans`` is empty.
         """

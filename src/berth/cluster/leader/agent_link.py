@@ -2,7 +2,7 @@
 
 The leader's own host is node ``local``; its agent core runs in-process behind
 :class:`berth.agent.in_process_link.InProcessLink`.  Remote agents sit behind
-:class:`berth.cluster.remote_link.RemoteLink`, which carries the same calls over the mTLS
+:class:`berth.cluster.leader.remote_link.RemoteLink`, which carries the same calls over the mTLS
 WebSocket.  The lifecycle manager only ever sees this interface, so local and remote
 deployments share one code path.  The values the calls return are defined here, with the
 interface, so its users need no implementation.

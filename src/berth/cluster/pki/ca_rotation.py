@@ -32,8 +32,8 @@ from cryptography import x509
 from cryptography.hazmat.primitives.asymmetric import ec
 
 from berth.atomic import write_atomic
-from berth.cluster import ca as ca_files
-from berth.cluster.ca import (
+from berth.cluster.pki import ca as ca_files
+from berth.cluster.pki.ca import (
     CA_CERT_FILE,
     CA_KEY_FILE,
     PREVIOUS_CERT_FILE,

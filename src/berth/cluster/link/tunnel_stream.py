@@ -6,8 +6,8 @@ slow reader slows the writer. A reader that is no task pushes instead
 (:meth:`TunnelStream.push_to`: each payload handed to a sink as the link reader dispatches
 it, credit held back while the sink is paused), and a writer that is no task sends within
 the credit at once (:meth:`TunnelStream.write_nowait`).
-:class:`~berth.cluster.connection.LinkConnection` makes it (through its
-:class:`~berth.cluster.link_streams.LinkStreams`) and hands it the events that arrive for it
+:class:`~berth.cluster.link.connection.LinkConnection` makes it (through its
+:class:`~berth.cluster.link.link_streams.LinkStreams`) and hands it the events that arrive for it
 (``data_received``, ``head_received``, ``credit_granted``, ``abort``); it sends through the
 link's stream methods (:class:`StreamCarrier`), never touching the session itself.
 """
@@ -25,7 +25,7 @@ from berth.cluster.protocol.frames import ResetCode, StreamHead, StreamOpen
 
 class StreamCarrier(Protocol):
     """What a stream needs of the link that carries it
-    (:class:`berth.cluster.link_streams.LinkStreams`, one per link): its stream methods,
+    (:class:`berth.cluster.link.link_streams.LinkStreams`, one per link): its stream methods,
     each one session call plus queueing what the session wants sent, and waiting for the
     socket to drain."""
 
