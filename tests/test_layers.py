@@ -85,7 +85,8 @@ class Import:
 
 def module_names(source: Path) -> dict[str, Path]:
     """Every module under ``source`` (the ``berth`` package folder), by its name relative to
-    ``berth`` (``cluster.hub``; a package by its own name; ``berth`` itself as ``__init__``)."""
+    ``berth`` (``cluster.leader.hub``; a package by its own name; ``berth`` itself as
+    ``__init__``)."""
     names: dict[str, Path] = {}
     for path in sorted(source.rglob("*.py")):
         parts = list(path.relative_to(source).with_suffix("").parts)

@@ -1,5 +1,5 @@
 """The link's per-event shortcuts: writes coalesced per pass of the loop
-(``cluster/write_batch.py``), a tunnel stream's one read timer, and stream data sent from the
+(``cluster/link/write_batch.py``), a tunnel stream's one read timer, and stream data sent from the
 relaying task in order with what the writer task has queued."""
 
 from __future__ import annotations

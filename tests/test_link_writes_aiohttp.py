@@ -1,4 +1,4 @@
-"""The link's write shortcuts (``cluster/write_batch.py``) against the aiohttp installed here.
+"""The link's write shortcuts (``cluster/link/write_batch.py``) against the aiohttp installed here.
 
 They reach into aiohttp's private WebSocket writer (``_writer``, its ``transport``,
 ``_write_websocket_frame``, ``_closing``, ``protocol.writing_paused``). When an aiohttp

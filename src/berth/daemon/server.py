@@ -9,7 +9,7 @@ Two Leaders on different homes and ports may run in one process.
 
 Two listeners of berth's own HTTP server (:mod:`berth.http_server`) share one event loop: the
 public HTTPS listener and the Unix socket for the local CLI; the cluster listener for agents
-(aiohttp, see ``cluster/listener.py``) runs on the same loop. All three apply the listener
+(aiohttp, see ``cluster/leader/listener.py``) runs on the same loop. All three apply the listener
 bounds of the settings (``max_head_bytes`` ...). Sockets are bound first, before anything else
 starts, so a port in use fails the start with the listener's name, and the socket file is
 created with mode 0600 from the first instant.

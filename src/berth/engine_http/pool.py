@@ -52,7 +52,7 @@ class UpstreamPool:
     hold before its connection stops reading from the socket. ``ssl_context`` makes every
     connection HTTPS, the TLS handshake checked against ``server_hostname`` (``None``: each
     origin's host) and counted in the connect timeout: the leader's pools to agents'
-    ingresses (``cluster/direct_path.py``). Create it on the event loop it is used on;
+    ingresses (``cluster/leader/direct_path.py``). Create it on the event loop it is used on;
     :meth:`close` closes every connection.
     """
 

@@ -1,5 +1,5 @@
 """Connection bounds around another server's protocol: for the cluster listener, which is
-aiohttp's (it needs the client certificate and a WebSocket; see ``cluster/listener.py``).
+aiohttp's (it needs the client certificate and a WebSocket; see ``cluster/leader/listener.py``).
 
 aiohttp bounds a head's lines itself (``max_line_size``, ``max_field_size``,
 ``max_headers``, given from :class:`~berth.http_server.limits.ListenerLimits`) and closes an

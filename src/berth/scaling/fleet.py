@@ -9,7 +9,7 @@ from typing import Protocol
 
 from berth.vocab.records import ServiceProfileRecord
 
-#: Writes one audit-log event (``cluster.enrollment.AuditLog.append``).
+#: Writes one audit-log event (``cluster.pki.enrollment.AuditLog.append``).
 Audit = Callable[[Mapping[str, object]], None]
 #: Takes a line saying what a start is busy with (an eviction), for the waiting requests.
 ProgressNote = Callable[[str], None]
