@@ -30,7 +30,6 @@ from berth.cluster.leader.listener import (
     build_cluster_app,
     cluster_ssl_context,
     cluster_tls_files,
-    peer_certificate_der,
 )
 from berth.cluster.pki.ca import CertificateAuthority, fingerprint_of_der, fingerprint_of_pem
 from berth.cluster.pki.enrollment import (
@@ -42,6 +41,7 @@ from berth.cluster.pki.enrollment import (
     audit_token_hash,
     validate_node_label,
 )
+from berth.cluster.pki.peer_identity import peer_certificate_der
 from berth.errors import AuthError, ConfigError, RateLimitError
 from berth.paths import BerthHome
 from berth.store import Store

@@ -28,7 +28,7 @@ from berth.cluster.protocol.handshake import WelcomeTerms
 from berth.cluster.protocol.ops import MODEL_SHAPE, OP_CAPABILITIES, ModelShapeArgs
 from berth.cluster.protocol.payloads import ErrorCode
 from berth.cluster.protocol.session import Role
-from berth.cluster.shape_wire import (
+from berth.cluster.wire_forms import (
     file_shape_from_wire,
     file_shape_to_wire,
     shape_from_wire,

@@ -13,9 +13,9 @@ import time
 from collections.abc import Callable
 
 from berth.agent.core import AgentCore
-from berth.cluster.inventory import gpu_states
 from berth.cluster.protocol.frames import Heartbeat
 from berth.cluster.protocol.payloads import DeploymentLoad, LoopLag
+from berth.cluster.wire_forms import gpu_states
 from berth.observability.cluster import ClusterMetrics
 from berth.observability.loop_lag import LagHistogram
 from berth.observability.window import RequestMeter

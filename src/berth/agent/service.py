@@ -25,7 +25,6 @@ from berth.agent.core import AgentCore
 from berth.agent.host import RuntimeStatus
 from berth.agent.node_sampler import core_heartbeat
 from berth.agent.relay import MAX_REQUEST_BODY_BYTES, EngineRelay
-from berth.cluster.inventory import gpu_states
 from berth.cluster.link.connection import LinkConnection
 from berth.cluster.link.tunnel_stream import StreamResetError, TunnelStream
 from berth.cluster.protocol.errors import ProtocolError
@@ -69,7 +68,7 @@ from berth.cluster.protocol.payloads import (
     ErrorInfo,
     Inventory,
 )
-from berth.cluster.shape_wire import file_shape_to_wire
+from berth.cluster.wire_forms import file_shape_to_wire, gpu_states
 from berth.engine_http.request import EngineRequest
 from berth.errors import BerthError, EngineError, NotFoundError
 from berth.observability.loop_lag import LagHistogram

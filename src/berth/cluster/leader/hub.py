@@ -27,7 +27,6 @@ from typing import Any, Protocol
 from aiohttp import web
 
 from berth import __version__
-from berth.cluster.inventory import gpu_infos
 from berth.cluster.leader.agent_link import LOCAL_NODE_ID
 from berth.cluster.leader.dial_limit import DialRateLimiter
 from berth.cluster.leader.link_registry import LinkRegistry
@@ -52,6 +51,7 @@ from berth.cluster.protocol.payloads import (
     Inventory,
 )
 from berth.cluster.protocol.session import Role
+from berth.cluster.wire_forms import gpu_infos
 from berth.engine_http.errors import UpstreamConnectError
 from berth.engine_http.origin import Origin
 from berth.engine_http.request import EngineRequest

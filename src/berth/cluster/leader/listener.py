@@ -95,19 +95,6 @@ def cluster_ssl_context(
     return context
 
 
-def peer_certificate_der(request: web.Request) -> bytes | None:
-    """The DER client certificate the peer presented (already verified against the berth
-    CA by the handshake), or ``None`` when it presented none or the link is not TLS."""
-    transport = request.transport
-    if transport is None:
-        return None
-    ssl_object = transport.get_extra_info("ssl_object")
-    if ssl_object is None:
-        return None
-    der: bytes | None = ssl_object.getpeercert(binary_form=True)
-    return der
-
-
 def build_cluster_app(
     *,
     enrollment: EnrollmentService,

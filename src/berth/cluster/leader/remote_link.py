@@ -16,7 +16,6 @@ from typing import TypeVar
 
 import msgspec
 
-from berth.cluster.inventory import node_inventory
 from berth.cluster.leader.agent_link import (
     DEFAULT_PROBE_TIMEOUT_S,
     EngineEndpoint,
@@ -59,7 +58,7 @@ from berth.cluster.protocol.ops import (
     decode_payload,
 )
 from berth.cluster.protocol.payloads import ErrorCode, Inventory
-from berth.cluster.shape_wire import file_shape_from_wire
+from berth.cluster.wire_forms import file_shape_from_wire, gpu_infos
 from berth.engine_http.answer import BodySink, read_body
 from berth.engine_http.errors import (
     UpstreamConnectError,
@@ -457,3 +456,14 @@ class _TunnelSink:
 
 
 __all__ = ["RemoteLink", "TunnelResponse", "UpstreamError", "tunnel_url"]
+
+
+def node_inventory(node_id: str, inventory: Inventory) -> NodeInventory:
+    """The inventory agent ``node_id`` sent in its Hello, as the link API returns it."""
+    return NodeInventory(
+        node_id=node_id,
+        hostname=inventory.hostname,
+        cpu_count=inventory.cpu_count,
+        memory_total_mb=inventory.memory_total_mb,
+        gpus=gpu_infos(inventory.gpus),
+    )

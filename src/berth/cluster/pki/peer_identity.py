@@ -29,7 +29,6 @@ from typing import Final
 
 from aiohttp import web
 
-from berth.cluster.leader.listener import peer_certificate_der
 from berth.cluster.pki.ca import fingerprint_of_der
 from berth.errors import ConfigError
 
@@ -49,6 +48,19 @@ _FALSE = frozenset({"", "0", "false", "no", "off"})
 _FINGERPRINT = re.compile(r"(?:sha-?256[:=])?((?:[0-9a-f]{2}:?){31}[0-9a-f]{2})", re.IGNORECASE)
 
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
+
+
+def peer_certificate_der(request: web.Request) -> bytes | None:
+    """The DER client certificate the peer presented (already verified against the berth
+    CA by the handshake), or ``None`` when it presented none or the link is not TLS."""
+    transport = request.transport
+    if transport is None:
+        return None
+    ssl_object = transport.get_extra_info("ssl_object")
+    if ssl_object is None:
+        return None
+    der: bytes | None = ssl_object.getpeercert(binary_form=True)
+    return der
 
 
 def parse_forwarded_fingerprint(value: str) -> str | None:

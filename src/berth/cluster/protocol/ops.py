@@ -208,7 +208,7 @@ ModelFormatName = Literal["gguf", "hf"]
 
 class ModelShapeInfo(_Args, kw_only=True):
     """The wire form of :class:`berth.placement.ModelShape` (the field meanings are there;
-    ``berth.cluster.shape_wire`` converts both ways): what the VRAM estimate reads of a
+    ``berth.cluster.wire_forms`` converts both ways): what the VRAM estimate reads of a
     model's files.  ``source`` is the file read, on the agent's host."""
 
     format: ModelFormatName

@@ -1,20 +1,25 @@
-"""A model's shape on the agent link: :class:`berth.placement.ModelShape` to and from its
-wire form (:class:`~berth.cluster.protocol.ops.ModelShapeInfo`, the ``model_shape`` op's
-result), in this one place.
+"""The wire forms of values other packages own, converted in this one place by both ends of
+the agent link: a host's GPUs (the vocabulary's ``GpuInfo`` <-> the wire's ``GpuState``, in
+an agent's Hello and heartbeats) and a model's shape (:class:`berth.placement.ModelShape`
+<-> :class:`~berth.cluster.protocol.ops.ModelShapeInfo`, the ``model_shape`` op's result).
 
-The protocol package sits below placement, so the wire struct cannot name the placement
-type; the conversion lives here, where both are in reach, and both ends of the link use it
-(the agent's service to answer, the leader's :class:`~berth.cluster.leader.remote_link.RemoteLink`
-to read the answer).
+The protocol package sits below the vocabulary's users and below placement, so its structs
+cannot name their types; the conversions live here, where both are in reach. The agent uses
+them to send (its service, its node sampler), the leader's side to read (the hub, the remote
+link). Agents import this module, so it stays free of the store (and SQLAlchemy), and of the
+leader's side: it imports the protocol, the vocabulary and placement only.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 from berth.cluster.protocol.ops import ModelShapeInfo, ModelShapeResult
+from berth.cluster.protocol.payloads import GpuState
 from berth.placement.model_files import FileStamp, ModelFileShape
 from berth.placement.shape import ModelShape
+from berth.vocab.gpu import GpuInfo
 
 
 def shape_to_wire(shape: ModelShape) -> ModelShapeInfo:
@@ -70,3 +75,33 @@ def file_shape_from_wire(result: ModelShapeResult, *, host: str | None) -> Model
     """What node ``host``'s agent answered to ``model_shape``."""
     shape = None if result.shape is None else shape_from_wire(result.shape, host=host)
     return ModelFileShape(FileStamp(result.size_bytes, result.mtime_ns), shape)
+
+
+def gpu_states(gpus: Sequence[GpuInfo]) -> list[GpuState]:
+    """The agent's GPUs as Hello and heartbeats carry them."""
+    return [
+        GpuState(
+            index=g.index,
+            name=g.name,
+            uuid=g.uuid,
+            memory_total_mb=g.memory_total_mb,
+            memory_used_mb=g.memory_used_mb,
+            utilization_pct=g.utilization_pct,
+        )
+        for g in gpus
+    ]
+
+
+def gpu_infos(states: Sequence[GpuState]) -> tuple[GpuInfo, ...]:
+    """GPUs received from an agent, as the rest of the leader handles them."""
+    return tuple(
+        GpuInfo(
+            index=g.index,
+            name=g.name,
+            uuid=g.uuid,
+            memory_total_mb=g.memory_total_mb,
+            memory_used_mb=g.memory_used_mb,
+            utilization_pct=g.utilization_pct,
+        )
+        for g in states
+    )
