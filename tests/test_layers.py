@@ -255,6 +255,32 @@ def import_cycles(imports: Iterable[Import]) -> list[str]:
     return lines
 
 
+def package_of(name: str, modules: dict[str, Path], *, top: bool) -> str:
+    """The package that holds module ``name``: its folder (``cluster.leader.hub`` ->
+    ``cluster.leader``; a package's ``__init__`` is its own), or with ``top`` the folder
+    right under ``berth`` (``cluster``). A module directly under ``berth`` (``errors``,
+    ``__main__``) is a unit of its own."""
+    path = modules[name]
+    if name == "__init__" or ("." not in name and path.name != "__init__.py"):
+        return name
+    folder = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    return folder.partition(".")[0] if top else folder
+
+
+def package_imports(
+    imports: Iterable[Import], modules: dict[str, Path], *, top: bool
+) -> list[Import]:
+    """``imports`` with each module replaced by its package (:func:`package_of`), those
+    inside one package dropped: the graph whose circles are package cycles."""
+    found = []
+    for imp in imports:
+        importer = package_of(imp.importer, modules, top=top)
+        imported = package_of(imp.imported, modules, top=top)
+        if importer != imported:
+            found.append(Import(importer, imported, imp.path, imp.line))
+    return found
+
+
 def documented_layers(doc: str) -> list[tuple[str, ...]]:
     """The layer table of ``docs/architecture.md``: the backticked names of the second column
     of each row of the first table under the heading ``## Layers``, bottom up."""
@@ -292,6 +318,17 @@ def test_no_import_goes_up_the_layers() -> None:
 def test_no_modules_import_each_other_in_a_circle() -> None:
     cycles = import_cycles(find_imports(SOURCE))
     assert not cycles, "\n".join(cycles)
+
+
+def test_no_packages_import_each_other_in_a_circle() -> None:
+    """Counting every import, no folders use each other in a circle: neither the packages
+    right under ``berth`` (``cluster`` with all its parts) nor any package folder
+    (``cluster.leader``, ``cluster.pki`` ...)."""
+    imports = find_imports(SOURCE)
+    modules = module_names(SOURCE)
+    for top in (True, False):
+        cycles = import_cycles(package_imports(imports, modules, top=top))
+        assert not cycles, "\n".join(cycles)
 
 
 def test_the_architecture_doc_mirrors_the_table() -> None:
@@ -419,3 +456,75 @@ def test_the_daemon_split_is_layered_one_way(tmp_path: Path) -> None:
         "gateway (layer 11: gateway | admin) may not import from admin (layer 11: gateway | "
         "admin), independent of it in the same layer",
     ]
+
+
+def test_the_cluster_parts_are_layered_one_way(tmp_path: Path) -> None:
+    """On the real table: the link adapter may use neither the certificates nor the leader's
+    side, the certificates may not use the leader's side, and the wire forms (both ends') may
+    not use the link adapter beside them; the leader's side may use them all."""
+    source = _tree(
+        tmp_path,
+        {
+            "__init__.py": "",
+            "cluster/__init__.py": "",
+            "cluster/link/__init__.py": "",
+            "cluster/link/connection.py": "from berth.cluster.pki import ca\n",
+            "cluster/link/liveness.py": "from berth.cluster.leader.hub import NodeHub\n",
+            "cluster/pki/__init__.py": "",
+            "cluster/pki/ca.py": "from berth.cluster.leader import listener\n",
+            "cluster/wire_forms.py": "from berth.cluster.link.connection import LinkConnection\n",
+            "cluster/leader/__init__.py": "",
+            "cluster/leader/listener.py": "",
+            "cluster/leader/hub.py": (
+                "from berth.cluster.link import connection\nfrom berth.cluster.pki import ca\n"
+                "from berth.cluster import wire_forms\n"
+            ),
+        },
+    )
+    problems = sorted(layer_violations(find_imports(source)))
+    assert problems == [
+        "src/berth/cluster/link/connection.py:1: berth.cluster.link.connection imports "
+        "berth.cluster.pki.ca: cluster.link (layer 4: config | cluster.link | "
+        "cluster.wire_forms) may not import from cluster.pki (layer 5: admission | "
+        "observability | cluster.pki), a higher layer",
+        "src/berth/cluster/link/liveness.py:1: berth.cluster.link.liveness imports "
+        "berth.cluster.leader.hub: cluster.link (layer 4: config | cluster.link | "
+        "cluster.wire_forms) may not import from cluster.leader (layer 6: cluster.leader | "
+        "cluster | auth), a higher layer",
+        "src/berth/cluster/pki/ca.py:1: berth.cluster.pki.ca imports "
+        "berth.cluster.leader.listener: cluster.pki (layer 5: admission | observability | "
+        "cluster.pki) may not import from cluster.leader (layer 6: cluster.leader | cluster "
+        "| auth), a higher layer",
+        "src/berth/cluster/wire_forms.py:1: berth.cluster.wire_forms imports "
+        "berth.cluster.link.connection: cluster.wire_forms (layer 4: config | cluster.link | "
+        "cluster.wire_forms) may not import from cluster.link (layer 4: config | "
+        "cluster.link | cluster.wire_forms), independent of it in the same layer",
+    ]
+
+
+def test_the_check_finds_a_package_cycle_with_no_module_cycle(tmp_path: Path) -> None:
+    """Two packages that use each other through different modules: no module circle, but a
+    package one, at the top and at the folder level."""
+    source = _tree(
+        tmp_path,
+        {
+            "__init__.py": "",
+            "errors.py": "",
+            "cluster/__init__.py": "",
+            "cluster/leader/__init__.py": "",
+            "cluster/leader/hub.py": "from berth.observability.series import Series\n",
+            "cluster/protocol/__init__.py": "",
+            "cluster/protocol/frames.py": "from berth import errors\n",
+            "observability/__init__.py": "",
+            "observability/series.py": "from berth.cluster.protocol.frames import Heartbeat\n",
+        },
+    )
+    imports = find_imports(source)
+    modules = module_names(source)
+    assert import_cycles(imports) == []
+    assert import_cycles(package_imports(imports, modules, top=False)) == []
+    (cycle,) = import_cycles(package_imports(imports, modules, top=True))
+    assert cycle == (
+        "import cycle among 2 modules: berth.cluster (src/berth/cluster/leader/hub.py:1) -> "
+        "berth.observability (src/berth/observability/series.py:1) -> berth.cluster"
+    )

@@ -9,7 +9,7 @@ leader's spans (:mod:`.tracing`), the agent's (:mod:`.relay_tracing`), W3C Trace
 byte headers (:mod:`.trace_context`) and an export that never waits (:mod:`.span_export`).
 It records and reports; it decides nothing.
 
-May import the settings, the heartbeat frame of :mod:`berth.cluster.protocol`, the
-vocabulary and the base modules; never the cluster's links, routing or the leader's
+May import the settings, the vocabulary and the base modules; nothing of ``cluster`` (what
+it reads of a heartbeat is its own protocols, :mod:`.node_report`), routing or the leader's
 subsystems, which feed it.
 """

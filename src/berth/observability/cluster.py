@@ -47,9 +47,8 @@ from prometheus_client.metrics_core import (
 )
 from prometheus_client.registry import Collector
 
-from berth.cluster.protocol.frames import Heartbeat
-from berth.cluster.protocol.payloads import LoopLag
 from berth.observability.loop_lag import LagHistogram
+from berth.observability.node_report import LagReport, NodeReport
 
 #: Seconds of samples kept per node.
 WINDOW_S = 60.0
@@ -136,14 +135,14 @@ class _LagTotals:
 
     __slots__ = ("bounds_s", "counts", "reported", "reported_sum_s", "sum_s")
 
-    def __init__(self, report: LoopLag) -> None:
+    def __init__(self, report: LagReport) -> None:
         self.bounds_s = tuple(report.bounds_s)
         self.counts = [0] * len(report.counts)
         self.sum_s = 0.0
         self.reported = list(report.counts)
         self.reported_sum_s = report.sum_s
 
-    def add(self, report: LoopLag) -> None:
+    def add(self, report: LagReport) -> None:
         if sum(report.counts) < sum(self.reported):  # the agent restarted: all of it is new
             deltas, delta_sum_s = list(report.counts), report.sum_s
         else:
@@ -213,7 +212,7 @@ class ClusterMetrics:
     # -- input ------------------------------------------------------------------------------
 
     def record_heartbeat(
-        self, node_id: str, heartbeat: Heartbeat, now: float | None = None
+        self, node_id: str, heartbeat: NodeReport, now: float | None = None
     ) -> None:
         """Take one report of ``node_id``, received at ``now`` (default: the clock)."""
         at = self._clock() if now is None else now
@@ -267,7 +266,7 @@ class ClusterMetrics:
             self._record_loop_lag(node_id, heartbeat.loop_lag)
         self._expire(at)
 
-    def _record_loop_lag(self, node_id: str, report: LoopLag) -> None:
+    def _record_loop_lag(self, node_id: str, report: LagReport) -> None:
         totals = self._lag.get(node_id)
         if totals is None or totals.bounds_s != tuple(report.bounds_s):
             # The first report this leader has (or one with other buckets: a new agent
