@@ -12,8 +12,7 @@ from typing import Any
 import pytest
 
 from berth.cluster.leader.remote_link import tunnel_url
-from berth.cluster.link.connection import LinkConnection
-from berth.cluster.link.link_calls import RemoteOpError
+from berth.cluster.link.connection import LinkConnection, RemoteOpError
 from berth.cluster.link.tunnel_stream import TunnelStream
 from berth.cluster.protocol.errors import CloseCode, LinkError, ProtocolError
 from berth.cluster.protocol.frames import (

@@ -22,8 +22,7 @@ from berth.agent.core import AgentCore
 from berth.agent.service import AgentService
 from berth.cluster.leader.link_registry import LinkRegistry
 from berth.cluster.leader.remote_link import RemoteLink
-from berth.cluster.link.connection import LinkConnection
-from berth.cluster.link.link_calls import RemoteOpError
+from berth.cluster.link.connection import LinkConnection, RemoteOpError
 from berth.cluster.protocol.handshake import WelcomeTerms
 from berth.cluster.protocol.ops import MODEL_SHAPE, OP_CAPABILITIES, ModelShapeArgs
 from berth.cluster.protocol.payloads import ErrorCode

@@ -24,9 +24,8 @@ from berth.cluster.leader.agent_link import (
     ProbeResult,
     SpawnListener,
 )
-from berth.cluster.link.connection import LinkConnection
-from berth.cluster.link.link_calls import ProgressListener as OpProgressListener
-from berth.cluster.link.link_calls import RemoteOpError
+from berth.cluster.link.connection import LinkConnection, RemoteOpError
+from berth.cluster.link.connection import ProgressListener as OpProgressListener
 from berth.cluster.link.tunnel_stream import StreamResetError, TunnelStream
 from berth.cluster.protocol.errors import LinkError
 from berth.cluster.protocol.frames import Heartbeat, Progress, ResetCode, StreamOpen

@@ -11,10 +11,12 @@ exchange of both ends.
 Its parts: :mod:`berth.cluster.link.link_output` writes (the queue, the one writer task, the direct
 writes, the high water mark); :mod:`berth.cluster.link.liveness` keeps the link alive (pings every
 third of the :class:`~berth.cluster.link.liveness.Liveness` timeout, pongs, the dead-link watch);
-:mod:`berth.cluster.link.link_calls` keeps control requests as futures keyed by id,
+:class:`PendingCalls` (here) keeps control requests as futures keyed by id,
 :mod:`berth.cluster.link.link_streams` the open :class:`TunnelStream` objects, and
-:mod:`berth.cluster.link.link_tasks` the reader task and a task per request and stream it hands
-on, so a slow engine start or a slow stream reader never blocks the link's other traffic. A
+:class:`LinkTasks` (here) the reader task and a task per request and stream it hands on, so
+a slow engine start or a slow stream reader never blocks the link's other traffic. A handler
+task is kept referenced until it is done and a failure is logged (it has no caller to raise
+to); when the link ends they are cancelled and waited for, within a bound. A
 link found dead ends at once, closed with ``HEARTBEAT_TIMEOUT`` without waiting for a close
 handshake the peer would never answer: pending requests fail, streams are aborted and
 ``on_closed`` runs, so the leader stops routing to the node (and moves the requests waiting on
@@ -27,15 +29,13 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from typing import Protocol, assert_never, overload
+from typing import Any, Protocol, TypeVar, assert_never, overload
 
 import aiohttp
 import msgspec
 
-from berth.cluster.link.link_calls import A, PendingCalls, ProgressListener, R
 from berth.cluster.link.link_output import CLOSE_TIMEOUT_S, LinkOutput, WebSocketLike
 from berth.cluster.link.link_streams import LinkStreams
-from berth.cluster.link.link_tasks import LinkTasks
 from berth.cluster.link.liveness import KeepAlive, Liveness
 from berth.cluster.link.tunnel_stream import TunnelStream
 from berth.cluster.protocol.errors import CloseCode, LinkError, ProtocolError
@@ -57,15 +57,17 @@ from berth.cluster.protocol.frames import (
     STREAM_DATA_PREFIX,
     Heartbeat,
     Hello,
+    Progress,
     ProgressEvent,
     Request,
+    Response,
     StreamOpen,
     Welcome,
 )
 from berth.cluster.protocol.handshake import WelcomeTerms
 from berth.cluster.protocol.limits import LinkLimits
 from berth.cluster.protocol.ops import Op
-from berth.cluster.protocol.payloads import ErrorInfo
+from berth.cluster.protocol.payloads import ErrorCode, ErrorInfo
 from berth.cluster.protocol.session import LinkSession, Role, SessionState
 
 log = logging.getLogger(__name__)
@@ -76,6 +78,137 @@ _TEXT = aiohttp.WSMsgType.TEXT
 _PING = aiohttp.WSMsgType.PING
 _PONG = aiohttp.WSMsgType.PONG
 
+
+# -- the requests waiting for answers, and the link's tasks ---------------------------------
+
+A = TypeVar("A", bound=msgspec.Struct)
+R = TypeVar("R")
+
+#: Hears a running request's progress events (e.g. a pull's bytes).
+ProgressListener = Callable[[Progress], Awaitable[None]]
+
+
+class RemoteOpError(LinkError):
+    """The peer answered a control request with an error (``info`` says which)."""
+
+    def __init__(self, op: str, info: ErrorInfo) -> None:
+        super().__init__(f"{op} failed on the agent: {info.message}")
+        self.op = op
+        self.info = info
+
+
+class PendingCalls:
+    """The requests waiting for an answer, by request id, each with its progress listener."""
+
+    def __init__(self) -> None:
+        self._pending: dict[int, tuple[asyncio.Future[Response], ProgressListener | None]] = {}
+
+    def expect(
+        self, request_id: int, on_progress: ProgressListener | None
+    ) -> asyncio.Future[Response]:
+        """Wait for the answer to ``request_id`` (sent, or about to be)."""
+        future: asyncio.Future[Response] = asyncio.get_running_loop().create_future()
+        self._pending[request_id] = (future, on_progress)
+        return future
+
+    async def result(
+        self,
+        op: Op[A, R],
+        request_id: int,
+        answer: asyncio.Future[Response],
+        timeout_s: float,
+        peer: str,
+    ) -> R:
+        """The result of ``op`` once ``answer`` arrives, decoded as the op's result type.
+
+        Raises :class:`RemoteOpError` for an error answer, ``ProtocolError`` for a result
+        not of the op's shape, and :class:`LinkError` when nothing comes within
+        ``timeout_s`` seconds (or the link is lost: :meth:`fail`).
+        """
+        try:
+            async with asyncio.timeout(timeout_s):
+                response = await answer
+        except TimeoutError:
+            raise LinkError(f"{op.name} on {peer} got no answer within {timeout_s} s") from None
+        finally:
+            self._pending.pop(request_id, None)
+        if not response.ok:
+            error = response.error or ErrorInfo(code=ErrorCode.INTERNAL, message="?")
+            raise RemoteOpError(op.name, error)
+        return op.decode_result(response.result)
+
+    def answered(self, response: Response) -> None:
+        """``response`` arrived: its waiting request (if still waiting) has it."""
+        pending = self._pending.get(response.id)
+        if pending is not None and not pending[0].done():
+            pending[0].set_result(response)
+
+    def listener(self, request_id: int) -> ProgressListener | None:
+        """Who hears the progress of request ``request_id`` (``None``: nobody, or no such
+        request)."""
+        pending = self._pending.get(request_id)
+        return pending[1] if pending is not None else None
+
+    def fail(self, error: LinkError) -> None:
+        """The link is lost: every request still waiting fails with ``error``."""
+        for future, _listener in self._pending.values():
+            if not future.done():
+                future.set_exception(error)
+
+
+class LinkTasks:
+    """The reader and handler tasks of the link to ``peer`` (which names them in logs)."""
+
+    def __init__(self, peer: str) -> None:
+        self._peer = peer
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._reader: asyncio.Task[Any] | None = None
+        #: set when the keepalive found the link dead (then it cancels the reader)
+        self.dead = False
+
+    def hold_reader(self) -> None:
+        """The calling task is the link's reader (what :meth:`kill_reader` cancels)."""
+        self._reader = asyncio.current_task()
+
+    def kill_reader(self) -> None:
+        """The link is dead: mark it so and cancel the reader (if one is running)."""
+        self.dead = True
+        if self._reader is not None:
+            self._reader.cancel()
+
+    def reader_killed(self) -> bool:
+        """On the reader's ``CancelledError``: whether it came from :meth:`kill_reader`
+        alone (then the reader ends the link itself), not from whoever runs the link."""
+        reader = self._reader
+        return self.dead and reader is not None and reader.uncancel() == 0
+
+    def spawn(self, coro: Awaitable[Any], name: str) -> asyncio.Task[None]:
+        """Run ``coro`` as the task ``link-<peer>-<name>``, kept until done; a failure is
+        logged."""
+        task: asyncio.Task[None] = asyncio.ensure_future(coro)
+        task.set_name(f"link-{self._peer}-{name}")
+        self._tasks.add(task)
+        task.add_done_callback(self._task_done)
+        return task
+
+    def _task_done(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("link %s task %s failed", self._peer, task.get_name(),
+                      exc_info=task.exception())  # fmt: skip
+
+    def cancel(self) -> None:
+        """The link ended: cancel every handler task still running."""
+        for task in list(self._tasks):
+            task.cancel()
+
+    async def wait(self, timeout_s: float) -> None:
+        """Wait (at most ``timeout_s`` seconds) for the handler tasks still running."""
+        if self._tasks:
+            await asyncio.wait(list(self._tasks), timeout=timeout_s)
+
+
+# -- the connection ------------------------------------------------------------------------
 
 #: The leader's admission of an agent that said Hello, before Welcome goes out: it records the
 #: node and makes the link the node's, or refuses by raising :class:`LinkError` with a code.
