@@ -17,9 +17,10 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from berth.admin.model_detail import model_detail
+from berth.admin.model_detail import model_detail, shape_view
 from berth.agent.core import AgentCore
 from berth.agent.service import AgentService
+from berth.api import ModelShapeOut
 from berth.cluster.leader.link_registry import LinkRegistry
 from berth.cluster.leader.remote_link import RemoteLink
 from berth.cluster.link.connection import LinkConnection, RemoteOpError
@@ -65,6 +66,21 @@ def test_a_shape_crosses_the_wire_unchanged_but_for_its_host(tmp_path: Path) -> 
     unchanged = file_shape_to_wire(ModelFileShape(found.stamp, None))
     assert b"shape" not in msgspec.json.encode(unchanged)
     assert file_shape_from_wire(unchanged, host="gpu-a").shape is None
+
+
+def test_the_admin_view_of_a_shape_is_its_wire_form_field_for_field(tmp_path: Path) -> None:
+    """``GET /admin/models/{name}``'s shape is read from the wire form (one copy of a shape's
+    fields, not two): every field of the response model comes from the wire struct, the
+    per-layer heads under the API's name ``kv_heads``."""
+    shape = read_model_shape(write_model_gguf(tmp_path / "m.gguf"))
+    view = shape_view(shape)
+    wire = msgspec.structs.asdict(shape_to_wire(shape))
+    wire["kv_heads"] = wire.pop("layer_kv_heads")
+    assert view.model_dump() == wire
+    assert set(ModelShapeOut.model_fields) == set(wire)
+    assert view.kv_heads == list(shape.layer_kv_heads) and view.source == str(shape.source)
+    # what the CLI decodes from the JSON is the same value
+    assert ModelShapeOut.model_validate_json(view.model_dump_json()) == view
 
 
 # -- the op over the link -----------------------------------------------------------------------

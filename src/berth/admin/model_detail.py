@@ -14,6 +14,7 @@ from berth.admin.plans import estimate_view
 from berth.api import ModelCopy, ModelDetail, ModelShapeOut
 from berth.cluster.leader.agent_link import LOCAL_NODE_ID
 from berth.cluster.leader.link_registry import LinkRegistry
+from berth.cluster.wire_forms import shape_to_wire
 from berth.deployments.estimates import NodeCopy, VramEstimator
 from berth.deployments.model_registration import located_model_view
 from berth.errors import BerthError
@@ -74,19 +75,6 @@ def _copy(
 
 
 def shape_view(shape: ModelShape) -> ModelShapeOut:
-    """A model's shape for the admin API."""
-    return ModelShapeOut(
-        format=shape.format,
-        architecture=shape.architecture,
-        weights_bytes=shape.weights_bytes,
-        block_count=shape.block_count,
-        embedding_length=shape.embedding_length,
-        head_count=shape.head_count,
-        kv_heads=list(shape.layer_kv_heads),
-        key_length=shape.key_length,
-        value_length=shape.value_length,
-        context_length=shape.context_length,
-        vocab_size=shape.vocab_size,
-        dtype=shape.dtype,
-        source=str(shape.source),
-    )
+    """A model's shape for the admin API: its wire form (the one field-by-field copy of a
+    shape, :func:`berth.cluster.wire_forms.shape_to_wire`), read by the response model."""
+    return ModelShapeOut.model_validate(shape_to_wire(shape), from_attributes=True)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import ConfigDict, Field, field_validator
+from pydantic import AliasChoices, ConfigDict, Field, field_validator
 
 from berth.api.base import AbsolutePath, ApiInput, ApiModel, Timestamp, named_pattern
 from berth.api.plans import VramEstimateOut
@@ -88,7 +88,9 @@ class ModelShapeOut(ApiModel):
     block_count: int
     embedding_length: int
     head_count: int
-    kv_heads: list[int]
+    #: read from ``kv_heads`` (the JSON) or from ``layer_kv_heads`` (a shape's attribute:
+    #: the admin API builds this body from the shape's wire form, ``berth.cluster.wire_forms``)
+    kv_heads: list[int] = Field(validation_alias=AliasChoices("kv_heads", "layer_kv_heads"))
     key_length: int
     value_length: int
     context_length: int | None
