@@ -45,10 +45,10 @@ from berth.errors import (
     NotFoundError,
     RateLimitError,
 )
-from berth.keys import Tier
 from berth.paths import BerthHome
 from berth.vocab.gpu import GpuInfo
 from berth.vocab.records import ApiKeyRecord, DeploymentRecord, NodeHardware, NodeRecord
+from berth.vocab.roles import Tier
 from berth.vocab.states import DeploymentState
 
 #: Routes that answer text, not JSON: Prometheus' exposition format and an engine's log.

@@ -28,12 +28,12 @@ from berth.admission import SocketCaller
 from berth.config import Settings
 from berth.daemon.admin_routes import build_admin
 from berth.errors import ConfigError
-from berth.keys import Role, Tier, parse_role, role_of_tier
 from berth.observability.request_log import RequestLog
 from berth.paths import BerthHome
 from berth.store import Store
 from berth.store.migrations import MIGRATIONS, migrate
 from berth.vocab.records import ApiKeyRecord
+from berth.vocab.roles import Role, Tier, parse_role, role_of_tier
 
 CREATED = datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)
 #: The only operations that change nothing though not a GET: a viewer may use them.

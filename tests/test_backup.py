@@ -34,9 +34,10 @@ from berth.backup import (
 from berth.backup.restore import database_elsewhere_note
 from berth.cluster.pki.ca import CertificateAuthority
 from berth.errors import ConfigError, ConflictError, DaemonError, StoreError
-from berth.keys import Tier, hash_secret, load_or_create_pepper
+from berth.keys import hash_secret, load_or_create_pepper
 from berth.paths import BerthHome
 from berth.store import LATEST_VERSION, Store
+from berth.vocab.roles import Tier
 from support.cluster_harness import Cluster, clean_env, served_by_node
 from support.fake_llama_server import ANSWER
 

@@ -15,9 +15,10 @@ import pytest
 from berth.backup import create_backup, restore_backup, verify_backup
 from berth.cluster.pki.ca import CertificateAuthority
 from berth.errors import ConfigError, ConflictError
-from berth.keys import Tier, hash_secret, load_or_create_pepper
+from berth.keys import hash_secret, load_or_create_pepper
 from berth.paths import BerthHome
 from berth.store import Store
+from berth.vocab.roles import Tier
 from support.postgres import PostgresServer
 
 pytestmark = pytest.mark.needs("postgresql")

@@ -16,12 +16,10 @@ from berth.admission.quotas import KeyUse
 from berth.config import Settings
 from berth.errors import ConfigError, ConflictError, NotFoundError
 from berth.keys import (
-    Tier,
     generate_secret,
     hash_secret,
     key_prefix,
     load_or_create_pepper,
-    parse_tier,
     validate_key_name,
     verify_secret,
 )
@@ -29,6 +27,7 @@ from berth.paths import BerthHome
 from berth.store import Store
 from berth.vocab.limits import KeyLimits
 from berth.vocab.records import ApiKeyRecord
+from berth.vocab.roles import Tier, parse_tier
 
 # Every test that uses the store runs on SQLite and on PostgreSQL (conftest.py).
 pytestmark = pytest.mark.store_engines

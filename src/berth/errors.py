@@ -140,7 +140,7 @@ class AuthError(BerthError):
 
 class RoleError(AuthError):
     """An admin key's role is below the one a route needs (403, code ``role_too_low``);
-    ``needed`` and ``held`` are the role names (:class:`berth.keys.Role`)."""
+    ``needed`` and ``held`` are the role names (:class:`berth.vocab.roles.Role`)."""
 
     error_code = "role_too_low"
 

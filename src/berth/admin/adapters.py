@@ -20,10 +20,10 @@ from berth.deployments.adapters import AdapterManager
 from berth.deployments.lora_plan import lora_notes, plan_lora
 from berth.deployments.planner import DeployOptions, PlannedDeployment
 from berth.errors import ConfigError
-from berth.keys import Role
 from berth.placement import Placement
 from berth.store import Store
 from berth.vocab.records import AdapterRecord, ModelRecord
+from berth.vocab.roles import Role
 from berth.weights.adapter_files import (
     AdapterFacts,
     adapter_format_of,

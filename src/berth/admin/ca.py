@@ -12,8 +12,8 @@ from berth.admin.roles import needs
 from berth.api.ca import CaStatus, OldLeafHolder, RetireIn
 from berth.cluster.pki.ca import CertificateAuthority
 from berth.cluster.pki.ca_rotation import holders_of_old_leaves, retire, rotate
-from berth.keys import Role
 from berth.store import Store
+from berth.vocab.roles import Role
 
 log = logging.getLogger(__name__)
 

@@ -41,10 +41,11 @@ from berth.console.sessions import (
 )
 from berth.errors import AuthError, NotFoundError
 from berth.http_server.request import Request as HttpRequest
-from berth.keys import Role, hash_secret
+from berth.keys import hash_secret
 from berth.observability.request_log import RequestEntry, RequestLog
 from berth.store import Store
 from berth.vocab.records import ApiKeyRecord
+from berth.vocab.roles import Role
 
 #: The Content-Security-Policy of every console answer: only the leader's own files and API;
 #: no inline scripts or styles, no plugins, no frames, no <base>, forms post only to us.

@@ -17,10 +17,10 @@ from berth.cluster.leader.hub import NodeHub
 from berth.cluster.leader.link_registry import LinkRegistry
 from berth.deployments.lifecycle import DeployOptions, LifecycleManager
 from berth.errors import ConfigError, ConflictError
-from berth.keys import Role
 from berth.store import Store
 from berth.vocab.engines import parse_engine_name, parse_runtime_name
 from berth.vocab.records import DeploymentRecord
+from berth.vocab.roles import Role
 from berth.vocab.states import TERMINAL_STATES
 
 

@@ -31,10 +31,10 @@ from berth.api import (
     Uncordoned,
 )
 from berth.deployments.drain import DrainRunner
-from berth.keys import Role
 from berth.placement.drain import DrainPlan, drain_summary
 from berth.store import Store
 from berth.vocab.drains import NodeDrain
+from berth.vocab.roles import Role
 
 
 def maintenance_view(drain: NodeDrain, plan: DrainPlan | None = None) -> NodeMaintenance:

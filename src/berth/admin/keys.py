@@ -47,18 +47,11 @@ from berth.api import (
 from berth.auth.authenticator import Authenticator
 from berth.config import TierTable
 from berth.errors import ConfigError
-from berth.keys import (
-    Role,
-    Tier,
-    generate_secret,
-    hash_secret,
-    key_prefix,
-    parse_role,
-    role_of_tier,
-)
+from berth.keys import generate_secret, hash_secret, key_prefix
 from berth.store import UNCHANGED, Store, Unchanged
 from berth.vocab.limits import KeyLimits
 from berth.vocab.records import ApiKeyRecord, UsageRecord
+from berth.vocab.roles import Role, Tier, parse_role, role_of_tier
 
 #: ``since`` in the schema: a number of days or a date.
 SINCE_SCHEMA = WithJsonSchema(

@@ -35,8 +35,8 @@ from berth.api import (
     NodeSampleOut,
     NodeSeriesColumns,
 )
-from berth.keys import Role
 from berth.observability.cluster import ClusterMetrics, ClusterSnapshot, NodeSample, NodeSeries
+from berth.vocab.roles import Role
 
 
 def _sample_view(sample: NodeSample) -> NodeSampleOut:

@@ -13,8 +13,8 @@ from berth.api import LocatedModel, ModelDetail, ModelIn, ModelRemoved, Register
 from berth.cluster.leader.link_registry import LinkRegistry
 from berth.deployments.lifecycle import LifecycleManager
 from berth.deployments.model_registration import located_model_view, register_model
-from berth.keys import Role
 from berth.store import Store
+from berth.vocab.roles import Role
 
 
 def build_model_router(store: Store, lifecycle: LifecycleManager, links: LinkRegistry) -> APIRouter:

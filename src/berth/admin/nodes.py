@@ -43,9 +43,9 @@ from berth.cluster.pki.enrollment import EnrollmentService
 from berth.cluster.protocol.payloads import AdoptedState
 from berth.deployments.drain import DrainRunner
 from berth.deployments.lifecycle import LifecycleManager
-from berth.keys import Role
 from berth.store import Store
 from berth.vocab.records import NodeCertificate, NodeHardware, NodeRecord
+from berth.vocab.roles import Role
 
 
 async def _live(links: LinkRegistry, record: NodeRecord) -> NodeRecord:

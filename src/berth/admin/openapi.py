@@ -8,7 +8,7 @@
   ``[tiers.NAME]``): the schema lists them, as the leader knows them when it starts.
 - A ``role`` in a key body is for an admin key only: when a body gives one, its ``tier`` is
   ``admin`` (given, in ``POST /admin/keys``, whose default tier is ``standard``), as the leader
-  refuses otherwise (:func:`berth.keys.role_of_tier`).
+  refuses otherwise (:func:`berth.vocab.roles.role_of_tier`).
 - Each operation names the role it needs as ``x-berth-role`` (:mod:`berth.admin.roles`).
 - A method a path does not have is answered ``405`` with ``Allow`` listing every method the
   resource has, over all of its routes (RFC 9110, section 15.5.6). Starlette's own answer names
@@ -98,7 +98,7 @@ _ROLE_NEEDS_ADMIN_TIER: dict[str, Any] = {
 
 
 def _role_for_admin_keys(document: dict[str, Any]) -> None:
-    """The rule of :func:`berth.keys.role_of_tier` in the key bodies of ``document``: a new
+    """The rule of :func:`berth.vocab.roles.role_of_tier` in the key bodies of ``document``: a new
     key with a role names the ``admin`` tier (its default is ``standard``); a change giving
     both a role and a tier names ``admin``."""
     schemas = document.get("components", {}).get("schemas", {})

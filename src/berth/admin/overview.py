@@ -19,12 +19,12 @@ from fastapi import APIRouter
 
 from berth.admin.roles import needs
 from berth.api import GpuHistory, LeaderMember, MetricsHistory, SeriesSet
-from berth.keys import Role
 from berth.observability.history import COUNTERS, LATENCIES, HistoryView
 from berth.observability.history import MetricsHistory as History
 from berth.observability.metrics import ProxyMetrics
 from berth.store import Store
 from berth.store.leadership import Leadership
+from berth.vocab.roles import Role
 
 _NAMES = (*COUNTERS, *LATENCIES)
 

@@ -27,10 +27,10 @@ from berth.cluster.leader.agent_link import LOCAL_NODE_ID
 from berth.deployments.adapters import AdapterManager
 from berth.deployments.lifecycle import DeployOptions, LifecycleManager, PlannedDeployment
 from berth.errors import ConfigError, ConflictError, NotFoundError
-from berth.keys import Role
 from berth.placement import ModelAt, Placement, VramEstimate
 from berth.store import Store
 from berth.vocab.records import ServiceProfileRecord
+from berth.vocab.roles import Role
 
 
 def build_plan_router(

@@ -22,8 +22,8 @@ from berth.deployments.adapters import AdapterManager
 from berth.deployments.lifecycle import LifecycleManager
 from berth.deployments.model_registration import model_view, register_model
 from berth.deployments.pulls import PullJobs
-from berth.keys import Role
 from berth.store import Store
+from berth.vocab.roles import Role
 
 
 def leader_pull_jobs(

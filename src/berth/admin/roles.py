@@ -25,8 +25,8 @@ from typing import Any, Final
 from fastapi import Depends, FastAPI, Request
 
 from berth.errors import AuthError, RoleError
-from berth.keys import Role, Tier
 from berth.vocab.records import ApiKeyRecord
+from berth.vocab.roles import Role, Tier
 
 #: The key of :attr:`starlette.requests.Request.state` that holds the caller.
 KEY_STATE: Final = "berth_caller"

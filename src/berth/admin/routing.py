@@ -17,11 +17,11 @@ from fastapi import APIRouter
 from berth.admin.roles import needs
 from berth.api import DroppedCandidate, LastDecision, RankedCandidate, RoutingExplanation
 from berth.errors import ConflictError
-from berth.keys import Role
 from berth.routing.affinity import affinity_key
 from berth.routing.errors import NoReadyDeploymentError
 from berth.routing.resolver import Upstream
 from berth.routing.router import Router
+from berth.vocab.roles import Role
 
 
 def build_routing_router(routing: Router) -> APIRouter:

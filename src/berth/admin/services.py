@@ -51,7 +51,6 @@ from berth.cluster.leader.agent_link import LOCAL_NODE_ID
 from berth.deployments.fleet import deploy_options, leader_only_refusal
 from berth.deployments.lifecycle import LifecycleManager
 from berth.errors import ConfigError, NotFoundError
-from berth.keys import Role
 from berth.routing.errors import NoReadyDeploymentError
 from berth.routing.routes import RouteResolver
 from berth.scaling import DecisionRecord, ScalingController
@@ -59,6 +58,7 @@ from berth.scaling.capacity import replica_capacity
 from berth.store import Store
 from berth.vocab.engines import parse_engine_name, parse_runtime_name
 from berth.vocab.records import RouteRecord, ScalingSettings, ServiceProfileRecord, StreamTimeouts
+from berth.vocab.roles import Role
 
 
 async def load_routes(

@@ -41,7 +41,6 @@ from berth.cluster.pki.ca import CertificateAuthority
 from berth.config import Settings
 from berth.errors import ConflictError
 from berth.http_server.tls_reload import ReloadingTLS
-from berth.keys import Role
 from berth.observability.metrics import ProxyMetrics
 from berth.paths import BerthHome
 from berth.redact import mask_url_password
@@ -54,6 +53,7 @@ from berth.store.leadership import (
 )
 from berth.vocab.engines import parse_runtime_name
 from berth.vocab.gpu import parse_simulated_gpus
+from berth.vocab.roles import Role
 
 log = logging.getLogger(__name__)
 

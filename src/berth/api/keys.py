@@ -27,12 +27,12 @@ from berth.vocab.limits import (
     check_models,
 )
 
-#: An admin key's role (:class:`berth.keys.Role`) as the API states it.
+#: An admin key's role (:class:`berth.vocab.roles.Role`) as the API states it.
 RoleName = Literal["viewer", "operator", "admin"]
 
 
 def role_name(role: str) -> RoleName:
-    """``role`` (a :class:`berth.keys.Role`, already checked) as the API names it."""
+    """``role`` (a :class:`berth.vocab.roles.Role`, already checked) as the API names it."""
     return cast(RoleName, str(role))
 
 

@@ -24,7 +24,6 @@ from berth.cluster.pki.ca import CertificateAuthority
 from berth.config import SETTINGS_BY_NAME, Settings, write_config_values
 from berth.errors import ConfigError, ConflictError
 from berth.keys import (
-    Tier,
     generate_secret,
     hash_secret,
     key_prefix,
@@ -34,6 +33,7 @@ from berth.keys import (
 from berth.paths import BerthHome, resolve_home
 from berth.store import Store
 from berth.store.db import is_sqlite, parse_database_url
+from berth.vocab.roles import Tier
 
 deploy_app = typer.Typer(
     context_settings=HELP_OPTIONS,

@@ -11,7 +11,7 @@ from berth.api import ApiKey, KeyChangeIn, KeyIn, RoleName, role_name
 from berth.cli.common import console, context, print_json, print_table, record_table, request_body
 from berth.cli.context import HELP_OPTIONS
 from berth.errors import ConfigError
-from berth.keys import parse_role, parse_tier, role_of_tier, validate_key_name
+from berth.keys import validate_key_name
 from berth.vocab.limits import (
     ANY_MODEL_WORD,
     NUMERIC_LIMITS,
@@ -22,6 +22,7 @@ from berth.vocab.limits import (
     parse_limit_name,
     parse_models,
 )
+from berth.vocab.roles import parse_role, parse_tier, role_of_tier
 
 key_app = typer.Typer(
     context_settings=HELP_OPTIONS,

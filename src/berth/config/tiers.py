@@ -28,7 +28,6 @@ from pathlib import Path
 
 from berth.config_toml import locate_line, parse_toml
 from berth.errors import ConfigError
-from berth.keys import Tier, parse_tier
 from berth.vocab.limits import (
     LIMIT_NAMES,
     KeyLimits,
@@ -37,6 +36,7 @@ from berth.vocab.limits import (
     numeric_limit,
     parse_limit,
 )
+from berth.vocab.roles import Tier, parse_tier
 
 #: The section of ``config.toml`` holding the tiers.
 TIERS_SECTION = "tiers"
@@ -82,7 +82,7 @@ class TierTable(Mapping[str, TierDef]):
         return len(self._tiers)
 
     def require(self, text: str) -> TierDef:
-        """The tier ``text`` names (see :func:`berth.keys.parse_tier`); :class:`ConfigError`
+        """The tier ``text`` names (see :func:`berth.vocab.roles.parse_tier`); :class:`ConfigError`
         when the name is invalid or no tier has it (listing the tiers)."""
         name = parse_tier(text)
         found = self._tiers.get(name)

@@ -17,12 +17,13 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from berth.errors import ConflictError, NotFoundError
-from berth.keys import Role, parse_role, parse_tier, role_of_tier, validate_key_name
+from berth.keys import validate_key_name
 from berth.store.changes import KEYS_TOPIC, record_change
 from berth.store.tables import ApiKeyRow
 from berth.store.values import UNCHANGED, Unchanged, aware, fresh_id
 from berth.vocab.limits import LimitOverrides
 from berth.vocab.records import ApiKeyRecord
+from berth.vocab.roles import Role, parse_role, parse_tier, role_of_tier
 
 
 class ApiKeyMethods:
@@ -51,7 +52,7 @@ class ApiKeyMethods:
 
         ``limits`` are the key's own values over its tier's; ``expires_at`` (aware) the
         moment it stops authenticating; ``role`` an admin key's role (default ``admin``;
-        :func:`berth.keys.role_of_tier`).  Raises :class:`ConfigError` for an invalid tier
+        :func:`berth.vocab.roles.role_of_tier`).  Raises :class:`ConfigError` for an invalid tier
         name, a role for a key of another tier or an unknown one, or an unsafe name
         (:func:`berth.keys.validate_key_name`) and :class:`ConflictError` when the hash is
         already stored.  Whether the tier exists is the caller's to check.

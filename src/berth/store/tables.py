@@ -129,7 +129,7 @@ class ApiKeyRow(Base):
     ``limits`` holds the key's overrides of its tier's limits
     (:meth:`berth.vocab.limits.LimitOverrides.to_json`; ``NULL`` for none); ``expires_at`` the
     moment it stops authenticating (``NULL``: never); ``role`` what an admin key may do on
-    the admin API (:class:`berth.keys.Role`; ``NULL`` for keys of other tiers).
+    the admin API (:class:`berth.vocab.roles.Role`; ``NULL`` for keys of other tiers).
     """
 
     __tablename__ = "api_keys"

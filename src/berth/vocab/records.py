@@ -10,10 +10,10 @@ from datetime import date, datetime
 from pathlib import Path
 from typing import Literal
 
-from berth.keys import Role
 from berth.vocab.gpu import GpuInfo
 from berth.vocab.limits import LimitOverrides
 from berth.vocab.policies import DEFAULT_RESTART_POLICY, RestartPolicy, RoutingPolicy
+from berth.vocab.roles import Role
 from berth.vocab.states import TERMINAL_STATES, DeploymentState
 
 #: ``remote``: registered only with a path on an agent's host (``models add --node``).
@@ -96,7 +96,7 @@ class ApiKeyRecord:
     ``prefix`` is the first characters of the secret, for display; ``revoked_at`` is set
     once the key was revoked, after which it no longer authenticates.  ``limits`` are the
     key's own values over its tier's; from ``expires_at`` on it no longer authenticates.
-    ``role`` is an ``admin`` key's role (:class:`berth.keys.Role`), ``None`` for other tiers.
+    ``role`` is an ``admin`` key's role (:class:`berth.vocab.roles.Role`), ``None`` for other tiers.
     """
 
     id: str
