@@ -17,7 +17,9 @@ is refused.
       allow_args: []
       refuse_args: []
 
-Every key may be left out (its default stays); no ``policy:`` at all is the default policy.
+Every key may be left out: it keeps the value of the agent's ``[agent_policy]`` settings
+(``config.toml`` in its home, or ``BERTH_POLICY_*``), else of the default policy
+(:func:`~berth.vocab.agent_policy.default_agent_policy`).
 """
 
 from __future__ import annotations
@@ -34,7 +36,6 @@ from berth.vocab.agent_policy import (
     PolicyRefusal,
     check_mounts,
     check_start,
-    default_agent_policy,
     policy_from_fields,
 )
 from berth.vocab.deployment_request import DeploymentRequest
@@ -44,15 +45,14 @@ POLICY_KEY = "policy"
 
 
 def policy_from_document(
-    document: Mapping[str, object], *, path: Path, models_dir: Path, env: Mapping[str, str]
+    document: Mapping[str, object], *, path: Path, base: AgentPolicy
 ) -> AgentPolicy:
     """The policy ``agent.yaml`` (read into ``document``, found at ``path``) gives: its
-    ``policy:`` mapping over the default (:func:`default_agent_policy` for ``models_dir``
-    and the Hugging Face cache of ``env``).
+    ``policy:`` mapping over ``base`` (the agent's ``[agent_policy]`` settings over the
+    default policy, :meth:`berth.config.Settings.agent_policy`).
 
     Raises :class:`ConfigError` naming ``path`` and the key when the policy is malformed.
     """
-    base = default_agent_policy(models_dir, env)
     fields = document.get(POLICY_KEY)
     if fields is None:
         return base

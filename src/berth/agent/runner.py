@@ -143,12 +143,6 @@ async def run_agent(
     owner lock), or its engine warden cannot be started (:mod:`berth.agent.owner`).
     """
     identity = load_agent_identity(home)
-    policy = policy_from_document(
-        read_agent_document(home.agent_config),
-        path=home.agent_config,
-        models_dir=home.models_dir,
-        env=os.environ,
-    )
     home.ensure()
     running = read_status(home)
     if running is not None and running["running"] and running.get("pid") != os.getpid():
@@ -156,6 +150,11 @@ async def run_agent(
     panel = console.is_terminal and not verbose
     _configure_logging(home, verbose=verbose, to_stderr=not panel)
     settings = Settings.load(home, flags)
+    policy = policy_from_document(
+        read_agent_document(home.agent_config),
+        path=home.agent_config,
+        base=settings.agent_policy(os.environ),
+    )
     core = _build_core(home, settings, identity, policy)
     status = AgentStatus(
         identity.leader_url, identity.node_id, identity.label, path=home.agent_status_file

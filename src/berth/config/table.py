@@ -474,25 +474,26 @@ SETTINGS: tuple[SettingDef, ...] = (
                "doubles from 1 s up to this; each is drawn from the upper half of its step)",
                default=30.0, minimum=1.0, maximum=3600.0),
     SettingDef("policy_engines", "str", "agent_policy",
-               "engines the leader's own node may start (comma list; unset: all three)",
+               "engines this host's node may start: the leader's node local, or an agent's "
+               "(agent.yaml's policy: comes first there); comma list, unset: all three",
                optional=True, check=policy_problem("engines")),
     SettingDef("policy_images", "str", "agent_policy",
-               "container images the leader's own node may run: fnmatch patterns or "
+               "container images this host's node may run: fnmatch patterns or "
                "name@sha256:DIGEST, comma list (unset: the official vLLM, SGLang and "
                "llama.cpp images)", optional=True, check=policy_problem("images")),
     SettingDef("policy_model_roots", "str", "agent_policy",
-               "the only folders whose files the leader's own node gives engines (comma list "
+               "the only folders whose files this host's node gives engines (comma list "
                "of absolute paths; unset: $BERTH_HOME/models and the Hugging Face hub cache)",
                optional=True, check=policy_problem("model_roots")),
     SettingDef("policy_gpus", "str", "agent_policy",
-               "GPU indexes the leader's own node hands out (comma list, or all)",
+               "GPU indexes this host's node hands out (comma list, or all)",
                optional=True, check=policy_problem("gpus")),
     SettingDef("policy_allow_args", "str", "agent_policy",
-               "engine flags berth refuses by default that the leader's own node allows "
+               "engine flags berth refuses by default that this host's node allows "
                "(comma list, e.g. --trust-remote-code)",
                optional=True, check=policy_problem("allow_args")),
     SettingDef("policy_refuse_args", "str", "agent_policy",
-               "further engine flags the leader's own node refuses (comma list)",
+               "further engine flags this host's node refuses (comma list)",
                optional=True, check=policy_problem("refuse_args")),
     SettingDef("load_wait_s", "float", "scaling",
                "seconds a request waits at the leader for its service to load before a 503",
