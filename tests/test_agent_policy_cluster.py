@@ -113,3 +113,21 @@ def test_a_malformed_policy_stops_the_agent_naming_the_file(
     assert f"{config}: policy: model_roots: 'models' is not an absolute path" in (
         started.stdout + started.stderr
     )
+
+
+def test_the_agent_reports_its_policy_and_nodes_show_prints_it(
+    policed: tuple[Cluster, Agent, Path],
+) -> None:
+    cluster, agent, root = policed
+    reported = cluster.node(agent.node_id)["policy"]
+    assert (reported["model_roots"], reported["images"]) == (
+        [str(root / "models")],
+        ["vllm/vllm-openai*"],
+    )
+    assert "--trust-remote-code" not in reported["allow_args"]
+    shown = cluster.berth("nodes", "show", "gpu-a").stdout
+    assert f"policy        engines: llamacpp, sglang, vllm; images: vllm/vllm-openai*; model " \
+        f"roots: {root / 'models'}; GPUs: all" in shown  # fmt: skip
+    # The leader's own node: its [agent_policy] settings (the suite's, here).
+    local = cluster.node("local")["policy"]
+    assert local is not None and "berth-test/*" in local["images"]
