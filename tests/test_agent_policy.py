@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from berth.agent.core import AgentCore
-from berth.agent.policy import enforce_mounts, policy_from_document
+from berth.agent.policy import enforce_mounts, enforce_path, policy_from_document
 from berth.config import Settings
 from berth.errors import ConfigError, PolicyError
 from berth.paths import BerthHome
@@ -396,3 +396,11 @@ def test_placement_checks_arguments_and_the_model_path_on_each_node() -> None:
                       Placement)  # fmt: skip
     # An agent from before policies reports none: nothing is checked at the leader.
     assert isinstance(plan_placement(request, [_node("a", None)]), Placement)
+
+
+def test_an_adapter_to_load_must_lie_under_the_roots(roots: Path) -> None:
+    enforce_path("adapter path", str(roots / "models" / "m.gguf"), _policy(roots))
+    with pytest.raises(PolicyError) as refused:
+        enforce_path("adapter path", str(roots / "outside" / "secret.txt"), _policy(roots))
+    assert refused.value.rule == "model_roots"
+    assert str(refused.value).startswith("refused by the agent policy (model_roots): adapter path")

@@ -28,7 +28,7 @@ from berth.agent.engine_launch import (
 )
 from berth.agent.host import HostFacts, RuntimeStatus, read_host_facts, runtime_status
 from berth.agent.journal import EngineJournal, JournalEntry
-from berth.agent.policy import enforce_mounts, enforce_start
+from berth.agent.policy import enforce_mounts, enforce_path, enforce_start
 from berth.cluster.leader.agent_link import (
     DEFAULT_PROBE_TIMEOUT_S,
     EngineReport,
@@ -450,13 +450,15 @@ class AgentCore:
         """Have the deployment's engine load the LoRA adapter at ``path`` (on this host) as
         ``adapter``, through the engine's API (:mod:`berth.runtime.lora_api`).
 
-        Raises ``NotFoundError`` when no such engine runs here or ``path`` does not exist,
+        Raises ``PolicyError`` when ``path`` lies outside the policy's model roots,
+        ``NotFoundError`` when no such engine runs here or ``path`` does not exist,
         ``ConfigError`` for an engine that takes adapters only at start (llama.cpp), and
         ``EngineError`` when the engine refuses.
         """
         managed = self._engines.get(deployment_id)
         if managed is None:
             raise NotFoundError("engine", deployment_id)
+        await asyncio.to_thread(enforce_path, "adapter path", path, self.policy)
         if not await asyncio.to_thread(Path(path).exists):
             raise NotFoundError("adapter path", path)
         handle = managed.handle

@@ -35,6 +35,7 @@ from berth.vocab.agent_policy import (
     PolicyFormatError,
     PolicyRefusal,
     check_mounts,
+    check_path,
     check_start,
     policy_from_fields,
 )
@@ -75,6 +76,13 @@ def enforce_start(request: DeploymentRequest, policy: AgentPolicy | None) -> Non
     host, so call it off the event loop."""
     if policy is not None:
         _raise(check_start(request, policy, resolve=os.path.realpath))
+
+
+def enforce_path(what: str, path: str, policy: AgentPolicy | None) -> None:
+    """Raise :class:`PolicyError` (rule ``model_roots``) when ``path``, a file an engine is
+    told to read while it runs (a LoRA adapter to load), lies outside the model roots."""
+    if policy is not None:
+        _raise(check_path(what, path, policy, os.path.realpath))
 
 
 def enforce_mounts(spec: LaunchSpec, policy: AgentPolicy | None, own: Sequence[Path]) -> None:
