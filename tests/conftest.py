@@ -21,6 +21,9 @@ The suite runs in parallel (pytest-xdist) in two phases, ``--phase parallel`` an
 ``--phase serial``; tests sharing a module-scoped fixture share a worker
 (``support/parallel.py``).
 
+Every leader and agent the suite starts gets an agent policy that allows the tests' own
+model folders and images (``support/test_policy.py``).
+
 Processes a run leaves running (a daemon whose test was interrupted) are stopped when it
 ends, and those of a run that was killed are stopped when the next starts
 (``support/reaper.py``).
@@ -28,6 +31,7 @@ ends, and those of a run that was killed are stopped when the next starts
 
 from __future__ import annotations
 
+import os
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -50,6 +54,7 @@ from support.link_pair import Linked, linked_in_memory
 from support.proxy_fixtures import StaticResolver, running_proxy
 from support.reaper import Reaper
 from support.standin_engine import StandinEngine
+from support.test_policy import policy_env
 from support.waiting import EVENT_TIMEOUT_S
 
 #: ``pytester`` runs pytest inside a test (``test_skip_policy.py``).
@@ -61,6 +66,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    # Every leader and agent of the suite may run models from the tests' folders
+    # (``support/test_policy.py``); the processes tests start inherit it.
+    os.environ.update(policy_env())
     # The parallel suite's phases and worker groups (``support/parallel.py``).
     config.pluginmanager.register(parallel.Parallel(config), "support.parallel")
     # The plugin that registers and applies the ``needs`` mark (an object, not a name: the

@@ -9,6 +9,7 @@
     ├── ConflictError          a name is taken, or an operation clashes with current state
     ├── InvalidTransitionError a deployment state change the state machine forbids
     ├── EngineError            an engine failed to start, answer health or stop (log tail)
+    ├── PolicyError            a node's agent policy refuses a start (the rule, the node)
     ├── AuthError              a missing, unknown or insufficient API key
     │   ├── EnrollmentTokenError  an enrollment token that is unknown, used or expired
     │   └── RoleError          an admin key whose role is too low for the route (403)
@@ -124,6 +125,25 @@ class EngineError(BerthError):
         if log_tail:
             full = f"{message}\n--- engine log tail ---\n{log_tail.rstrip()}"
         super().__init__(full)
+
+
+class PolicyError(BerthError):
+    """A node's agent policy refuses to start what was asked (403, code ``policy_refused``).
+
+    ``rule`` names the rule broken (``engines``, ``images``, ``model_roots``,
+    ``engine_args``, ``gpus``, ``docker``: :mod:`berth.vocab.agent_policy`); ``node_id``
+    the node whose policy it is, when known.
+    """
+
+    http_status = 403
+    error_type = "permission_error"
+    error_code = "policy_refused"
+    exit_code = 2
+
+    def __init__(self, message: str, *, rule: str, node_id: str | None = None):
+        self.rule = rule
+        self.node_id = node_id
+        super().__init__(message)
 
 
 class AuthError(BerthError):

@@ -30,6 +30,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from berth.runtime.engines import find_free_port
 from support import fake_llama_server
 from support.processes import wait_gone
+from support.test_policy import policy_env
 from support.waiting import wait_for
 
 URI_PATTERN = re.compile(r"berth://enroll\?\S+")
@@ -62,9 +63,11 @@ def served_by_node(cluster: Cluster, model: str) -> Counter[str]:
 
 
 def clean_env(extra: Mapping[str, str]) -> dict[str, str]:
-    """This process's environment without berth's settings, plus ``extra``."""
+    """This process's environment without berth's settings, plus the suite's agent policy
+    (``support/test_policy.py``) and ``extra``."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("BERTH_", "HF_"))}
     env["COLUMNS"] = "160"
+    env.update(policy_env())
     env.update(extra)
     return env
 

@@ -19,6 +19,7 @@ from berth.cluster.protocol.ops import OP_CAPABILITIES, RUNTIME_CAPABILITIES
 from berth.errors import BerthError, EngineError, NotFoundError
 from berth.placement.model_files import FileStamp, ModelFileShape, read_model_file
 from berth.runtime.base import EngineExit, ProgressListener
+from berth.vocab.agent_policy import AgentPolicy
 from berth.vocab.deployment_request import DeploymentRequest
 
 
@@ -45,6 +46,8 @@ class FakeLink:
         #: raised by reattach while set (a runtime that cannot be asked: Docker down)
         self.reattach_error: EngineError | None = None
         self.capabilities = frozenset([*OP_CAPABILITIES.values(), *RUNTIME_CAPABILITIES.values()])
+        #: the agent policy it reports (``None``: none, an older agent)
+        self.agent_policy: AgentPolicy | None = None
         self.pulled: dict[str, str] = {}
         self.pulls: list[tuple[str, str | None]] = []
         #: paths model_shape was asked about, in order

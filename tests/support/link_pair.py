@@ -47,6 +47,8 @@ class FakeCore:
         self.end_listeners: list[Any] = []
 
     adopted = None
+    #: the agent policy the service reports in Hello (``None``: none)
+    policy = None
 
     def on_engine_end(self, listener: Any) -> None:
         self.end_listeners.append(listener)

@@ -34,7 +34,7 @@ from berth.api import (
     NodeMaintenance,
     NodeSummary,
 )
-from berth.api.nodes import DataPathName
+from berth.api.nodes import AgentPolicyView, DataPathName
 from berth.cluster.leader.agent_link import LOCAL_NODE_ID
 from berth.cluster.leader.direct_path import DataPath, DataPaths
 from berth.cluster.leader.hub import NodeHub
@@ -44,6 +44,7 @@ from berth.cluster.protocol.payloads import AdoptedState
 from berth.deployments.drain import DrainRunner
 from berth.deployments.lifecycle import LifecycleManager
 from berth.store import Store
+from berth.vocab.agent_policy import AgentPolicy
 from berth.vocab.records import NodeCertificate, NodeHardware, NodeRecord
 from berth.vocab.roles import Role
 
@@ -140,6 +141,19 @@ def node_detail_view(
     )
 
 
+def policy_view(policy: AgentPolicy) -> AgentPolicyView:
+    """A node's reported agent policy as the API shows it."""
+    return AgentPolicyView(
+        engines=sorted(policy.engines),
+        images=list(policy.images),
+        model_roots=[str(root) for root in policy.model_roots],
+        gpus=None if policy.gpus is None else list(policy.gpus),
+        allow_args=sorted(policy.allow_args),
+        refuse_args=sorted(policy.refuse_args),
+        summary=policy.summary(),
+    )
+
+
 def adopted_view(state: AdoptedState) -> AdoptedEndpoint:
     """An adopted server as its node last reported it."""
     return AdoptedEndpoint(
@@ -226,8 +240,12 @@ def build_node_router(
             maintenance=(await maintenance()).get(record.id),
         )
         adopted = lifecycle.adopted().get(record.id, [])
+        link = links.get(record.id) if connected(record) else None
+        policy = link.agent_policy if link is not None else None
         return detail.extended(
-            NodeDetailWithAdopted, adopted=[adopted_view(state) for state in adopted]
+            NodeDetailWithAdopted,
+            adopted=[adopted_view(state) for state in adopted],
+            policy=policy_view(policy) if policy is not None else None,
         )
 
     @router.delete("/admin/nodes/{ident}", dependencies=[needs(Role.ADMIN)])

@@ -28,6 +28,7 @@ from berth.agent.engine_launch import (
 )
 from berth.agent.host import HostFacts, RuntimeStatus, read_host_facts, runtime_status
 from berth.agent.journal import EngineJournal, JournalEntry
+from berth.agent.policy import enforce_mounts, enforce_path, enforce_start
 from berth.cluster.leader.agent_link import (
     DEFAULT_PROBE_TIMEOUT_S,
     EngineReport,
@@ -43,6 +44,7 @@ from berth.runtime.engines import EngineBinaries
 from berth.runtime.gpu import GpuInventory
 from berth.runtime.lora_api import load_adapter, unload_adapter
 from berth.runtime.process import ProcessRuntime
+from berth.vocab.agent_policy import AgentPolicy
 from berth.vocab.deployment_request import DeploymentRequest
 from berth.vocab.engines import EngineName, RuntimeName
 from berth.vocab.gpu import GpuInfo
@@ -94,6 +96,9 @@ class AgentCore:
     (:meth:`engine_auth`: the agent's relay, the leader's client for node ``local``).  An
     engine that reads its key from a file gets one in ``keys_dir`` (mode 0600), removed once
     the engine answers.
+
+    ``policy`` is the host's agent policy (:mod:`berth.agent.policy`): a start it refuses
+    raises :class:`~berth.errors.PolicyError` naming the rule, before anything is prepared.
     """
 
     def __init__(
@@ -108,8 +113,11 @@ class AgentCore:
         docker_shm_size: str = DEFAULT_SHM_SIZE,
         adopted: AdoptedWatcher | None = None,
         keys_dir: Path | None = None,
+        policy: AgentPolicy | None = None,
     ) -> None:
         self.adopted = adopted
+        #: what this host lets berth start (``None``: anything, for cores built by hand)
+        self.policy = policy
         self._keys_dir = keys_dir if keys_dir is not None else logs_dir.parent / "engine-keys"
         self._journal = EngineJournal(journal_path) if journal_path is not None else None
         #: one journal write at a time, in the order they were asked for
@@ -201,9 +209,11 @@ class AgentCore:
         log_path = self.log_path(request.deployment_id)
         runtime = self._runtime_for(request.runtime)
         request = replace(request, log_path=log_path, api_key=new_engine_key())
+        await asyncio.to_thread(enforce_start, request, self.policy)
         spec = launch_spec(
             request, self._binaries, docker_shm_size=self._docker_shm_size, keys_dir=self._keys_dir
         )
+        enforce_mounts(spec, self.policy, own=(self._keys_dir,))
         await write_secret_files(spec.secret_files, request.deployment_id)
         try:
             handle = await runtime.start(spec, on_progress)
@@ -440,13 +450,15 @@ class AgentCore:
         """Have the deployment's engine load the LoRA adapter at ``path`` (on this host) as
         ``adapter``, through the engine's API (:mod:`berth.runtime.lora_api`).
 
-        Raises ``NotFoundError`` when no such engine runs here or ``path`` does not exist,
+        Raises ``PolicyError`` when ``path`` lies outside the policy's model roots,
+        ``NotFoundError`` when no such engine runs here or ``path`` does not exist,
         ``ConfigError`` for an engine that takes adapters only at start (llama.cpp), and
         ``EngineError`` when the engine refuses.
         """
         managed = self._engines.get(deployment_id)
         if managed is None:
             raise NotFoundError("engine", deployment_id)
+        await asyncio.to_thread(enforce_path, "adapter path", path, self.policy)
         if not await asyncio.to_thread(Path(path).exists):
             raise NotFoundError("adapter path", path)
         handle = managed.handle

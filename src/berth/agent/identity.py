@@ -5,7 +5,8 @@ Under the agent's ``$BERTH_HOME``:
 - ``agent.yaml``: ``leader_url`` (the cluster URL), ``node_id``, ``label``,
   ``ca_fingerprint`` (``sha256:<hex>``, pinned at registration), ``enrolled_at`` (ISO 8601,
   UTC) and, once the leader sent a trust bundle over the link, ``ca_fingerprints`` (every
-  root of it);
+  root of it); the operator may add ``policy:``, the host's agent policy
+  (:mod:`berth.agent.policy`);
 - ``agent.key``: the agent's EC P-256 private key, PKCS#8 PEM, mode 0600 from creation;
 - ``agent.crt``: its client certificate, signed by the leader's CA (CN = node id), short
   lived and renewed over the link (:mod:`berth.agent.renewal`);
@@ -55,15 +56,13 @@ class AgentIdentity:
         return self.ca_fingerprints or (self.ca_fingerprint,)
 
 
-def load_agent_identity(home: BerthHome) -> AgentIdentity:
-    """Read ``agent.yaml`` under ``home`` and check its certificate files exist.
+def read_agent_document(path: Path) -> dict[str, object]:
+    """``agent.yaml`` at ``path`` as a mapping (its identity fields, and ``policy:``).
 
-    Raises :class:`ConfigError` naming the file, and saying to run ``berth agent
-    register``, when it is missing, is not valid YAML, lacks a field, or a file it needs
-    is missing.
+    Raises :class:`ConfigError` naming the file (and the line, for invalid YAML), and
+    saying to run ``berth agent register``, when it is missing, unreadable, not YAML or
+    not a mapping.
     """
-    path = home.agent_config
-    settle_renewed_pair(home)
     try:
         data = yaml.safe_load(path.read_text())
     except FileNotFoundError:
@@ -79,6 +78,19 @@ def load_agent_identity(home: BerthHome) -> AgentIdentity:
         raise ConfigError(f"invalid YAML; {_REGISTER_HINT} again", path=path, line=line) from None
     if not isinstance(data, dict):
         raise ConfigError(f"expected a mapping; {_REGISTER_HINT} again", path=path)
+    return data
+
+
+def load_agent_identity(home: BerthHome) -> AgentIdentity:
+    """Read ``agent.yaml`` under ``home`` and check its certificate files exist.
+
+    Raises :class:`ConfigError` naming the file, and saying to run ``berth agent
+    register``, when it is missing, is not valid YAML, lacks a field, or a file it needs
+    is missing.
+    """
+    path = home.agent_config
+    settle_renewed_pair(home)
+    data = read_agent_document(path)
     fields: dict[str, str] = {}
     for name in ("leader_url", "node_id", "label", "ca_fingerprint", "enrolled_at"):
         value = data.get(name)

@@ -22,6 +22,7 @@ from berth.cluster.protocol.ops import OP_CAPABILITIES, RUNTIME_CAPABILITIES
 from berth.errors import BerthError, EngineError
 from berth.placement.model_files import FileStamp, ModelFileShape, read_model_file
 from berth.runtime.base import EngineExit, ProgressListener
+from berth.vocab.agent_policy import AgentPolicy
 from berth.vocab.deployment_request import DeploymentRequest
 from berth.vocab.engines import EngineName, RuntimeName
 
@@ -44,6 +45,10 @@ class InProcessLink:
         self.node_id = node_id
         self.capabilities = LOCAL_CAPABILITIES
         self._core = core
+
+    @property
+    def agent_policy(self) -> AgentPolicy | None:
+        return self._core.policy
 
     async def start_deployment(
         self,

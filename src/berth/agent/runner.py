@@ -29,10 +29,16 @@ from berth.agent.adopted import AdoptedWatcher
 from berth.agent.core import AgentCore
 from berth.agent.dialer import AgentDialer, AgentStatus
 from berth.agent.exit_status import EXIT_REENROLL, exit_status, paced_wait_s
-from berth.agent.identity import AgentIdentity, load_agent_identity, pinned_bundle
+from berth.agent.identity import (
+    AgentIdentity,
+    load_agent_identity,
+    pinned_bundle,
+    read_agent_document,
+)
 from berth.agent.ingress import AgentIngress
 from berth.agent.leaders import LEADERS_FILE, LeaderList
 from berth.agent.owner import own_engines
+from berth.agent.policy import policy_from_document
 from berth.agent.renewal import REENROLL_HINT, CertificateFacts, certificate_line
 from berth.agent.service import AgentService
 from berth.cluster.protocol.errors import CloseCode
@@ -48,6 +54,7 @@ from berth.runtime.engines import EngineBinaries
 from berth.runtime.gpu import inventory_for
 from berth.runtime.proc import pid_running
 from berth.runtime.process import ProcessRuntime
+from berth.vocab.agent_policy import AgentPolicy
 
 log = logging.getLogger("berth.agent")
 
@@ -131,9 +138,9 @@ async def run_agent(
     ``failures_in_a_row`` (paced restarts) delays the first dial by
     :func:`~berth.agent.exit_status.paced_wait_s`. Raises
     :class:`berth.errors.ConfigError` when the agent is not registered (no or a malformed
-    ``agent.yaml``) or its direct ingress cannot bind its port, and :class:`ConflictError`
-    when another agent runs on this home (or holds its owner lock), or its engine warden
-    cannot be started (:mod:`berth.agent.owner`).
+    ``agent.yaml``, or a malformed ``policy:`` in it) or its direct ingress cannot bind its
+    port, and :class:`ConflictError` when another agent runs on this home (or holds its
+    owner lock), or its engine warden cannot be started (:mod:`berth.agent.owner`).
     """
     identity = load_agent_identity(home)
     home.ensure()
@@ -143,7 +150,12 @@ async def run_agent(
     panel = console.is_terminal and not verbose
     _configure_logging(home, verbose=verbose, to_stderr=not panel)
     settings = Settings.load(home, flags)
-    core = _build_core(home, settings, identity)
+    policy = policy_from_document(
+        read_agent_document(home.agent_config),
+        path=home.agent_config,
+        base=settings.agent_policy(os.environ),
+    )
+    core = _build_core(home, settings, identity, policy)
     status = AgentStatus(
         identity.leader_url, identity.node_id, identity.label, path=home.agent_status_file
     )
@@ -197,6 +209,7 @@ async def run_agent(
         loop.add_signal_handler(sig, lambda: asyncio.ensure_future(dialer.stop()))
     log.info("agent %s (%s) starting; leader %s", identity.label, identity.node_id,
              identity.leader_url)  # fmt: skip
+    log.info("agent policy: %s", policy.summary())
     if settings.simulated_gpus:
         # A testing aid that must never go unnoticed on a real GPU host: in the status
         # panel's recent activity and the log.
@@ -244,8 +257,11 @@ def _print_final(console: Console, status: AgentStatus, final_code: int, code: i
         console.print(f"fix: {status.fix}", soft_wrap=True)
 
 
-def _build_core(home: BerthHome, settings: Settings, identity: AgentIdentity) -> AgentCore:
-    """The agent's engine core on ``home``: engines, runtimes and inventory of ``settings``."""
+def _build_core(
+    home: BerthHome, settings: Settings, identity: AgentIdentity, policy: AgentPolicy
+) -> AgentCore:
+    """The agent's engine core on ``home``: engines, runtimes and inventory of ``settings``,
+    starting only what ``policy`` allows."""
     return AgentCore(
         ProcessRuntime(process_tree=settings.process_tree),
         EngineBinaries(
@@ -264,6 +280,7 @@ def _build_core(home: BerthHome, settings: Settings, identity: AgentIdentity) ->
         ),
         docker_shm_size=settings.docker_shm_size,
         adopted=AdoptedWatcher(home.adopted_file),
+        policy=policy,
     )
 
 

@@ -67,10 +67,11 @@ from berth.cluster.protocol.payloads import (
     ErrorCode,
     ErrorInfo,
     Inventory,
+    policy_state,
 )
 from berth.cluster.wire_forms import file_shape_to_wire, gpu_states
 from berth.engine_http.request import EngineRequest
-from berth.errors import BerthError, EngineError, NotFoundError
+from berth.errors import BerthError, EngineError, NotFoundError, PolicyError
 from berth.observability.loop_lag import LagHistogram
 from berth.observability.window import RequestMeter
 from berth.placement.model_files import FileStamp, read_model_file
@@ -223,6 +224,7 @@ class AgentService:
             engines=self.engine_states(),
             adopted=self._core.adopted.states() if self._core.adopted is not None else [],
             advertise=self._ingress.advertise if self._ingress is not None else "",
+            policy=policy_state(self._core.policy) if self._core.policy is not None else None,
         )
 
     def _serves(self, op: str) -> bool:
@@ -265,6 +267,10 @@ class AgentService:
             info = ErrorInfo(
                 code=ErrorCode.ENGINE_ERROR, message=str(exc), log_tail=exc.log_tail or ""
             )
+            conn.respond(request.id, error=info)
+        except PolicyError as exc:
+            log.warning("request %s (%s) refused: %s", request.id, request.op, exc)
+            info = ErrorInfo(code=ErrorCode.POLICY_REFUSED, message=str(exc), rule=exc.rule)
             conn.respond(request.id, error=info)
         except BerthError as exc:
             conn.respond(request.id, error=ErrorInfo(code=ErrorCode.INVALID, message=str(exc)))

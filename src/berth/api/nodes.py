@@ -180,7 +180,23 @@ class NodeDetail(NodeSummary):
     data_path_since: float | None = None
 
 
+class AgentPolicyView(ApiModel):
+    """What a node's agent lets berth start there, as it reported it
+    (:class:`berth.vocab.agent_policy.AgentPolicy`; ``gpus`` ``None``: every GPU)."""
+
+    engines: list[str]
+    images: list[str]
+    model_roots: list[str]
+    gpus: list[int] | None
+    allow_args: list[str]
+    refuse_args: list[str]
+    #: the policy in one line, as ``berth nodes show`` prints it
+    summary: str
+
+
 class NodeDetailWithAdopted(NodeDetail):
-    """``GET /admin/nodes/{id}``: the node and the servers adopted on it."""
+    """``GET /admin/nodes/{id}``: the node, the servers adopted on it, and its agent policy
+    (``None``: not connected, or an agent from before policies)."""
 
     adopted: list[AdoptedEndpoint]
+    policy: AgentPolicyView | None = None

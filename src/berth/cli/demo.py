@@ -7,6 +7,7 @@ cleans everything up, also when interrupted.
 
 from __future__ import annotations
 
+import os
 import shutil
 import ssl
 import subprocess
@@ -53,7 +54,11 @@ def demo(
         start = [*base, "daemon", "start", "--public-port", str(port)]
         # A free cluster port too: the demo must not clash with a leader already running.
         start += ["--cluster-port", str(find_free_port())]
-        subprocess.run(start, check=True)
+        # The demo's model ships inside a Python package: its folder is a model root of
+        # this throwaway leader's own node, beside the default ones.
+        roots = [*Settings.load(home).agent_policy(os.environ).model_roots, gguf.parent]
+        env = {**os.environ, "BERTH_POLICY_MODEL_ROOTS": ",".join(map(str, roots))}
+        subprocess.run(start, check=True, env=env)
         _main_job(home, port, gguf, prompt)
     except subprocess.CalledProcessError as exc:
         raise BerthError(f"`{' '.join(exc.cmd[3:])}` failed (exit {exc.returncode})") from None

@@ -124,7 +124,8 @@ def show(
     ident: str = typer.Argument(..., metavar="ID", help="Node id or label."),
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
-    """One node in detail: data path and why, hardware, GPUs, capabilities, versions."""
+    """One node in detail: data path and why, hardware, GPUs, capabilities, versions, and
+    the agent policy it reported."""
     with context(ctx).client() as client:
         node = client.node(ident)
     if as_json:
@@ -145,6 +146,7 @@ def show(
         ("capabilities", ", ".join(node.capabilities) or "-"),
         ("certificate", node.cert_fingerprint or "-"),
         ("heartbeat", _heartbeat(node.last_heartbeat_at)),
+        ("policy", node.policy.summary if node.policy is not None else "-"),
     ]
     for name, value in rows:
         console.print(f"{name:<13} {value}", markup=False, soft_wrap=True)

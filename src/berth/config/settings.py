@@ -26,6 +26,7 @@ from berth.errors import ConfigError
 from berth.http_server.limits import ListenerLimits
 from berth.paths import BerthHome
 from berth.runtime.trees import TreeMode
+from berth.vocab.agent_policy import AgentPolicy, default_agent_policy, policy_from_fields
 from berth.vocab.engines import EngineName
 from berth.vocab.policies import RoutingPolicy
 from berth.vocab.setting_values import JsonScalar, SettingSource
@@ -166,6 +167,12 @@ class Settings:
     agent_advertise: str | None
     agent_ingress_bind: str
     redial_max_s: float
+    policy_engines: str | None
+    policy_images: str | None
+    policy_model_roots: str | None
+    policy_gpus: str | None
+    policy_allow_args: str | None
+    policy_refuse_args: str | None
     load_wait_s: float
     load_queue_max: int
     min_residency_s: float
@@ -273,6 +280,22 @@ class Settings:
             "vllm": self.vllm_image,
             "sglang": self.sglang_image,
         }
+
+    def agent_policy(self, env: Mapping[str, str]) -> AgentPolicy:
+        """The leader's policy for its own node (``[agent_policy]``): the default policy
+        (:func:`~berth.vocab.agent_policy.default_agent_policy`, its Hugging Face cache
+        read from ``env``) with each setting given in its place.  Each setting was checked
+        when loaded."""
+        given = {
+            "engines": self.policy_engines,
+            "images": self.policy_images,
+            "model_roots": self.policy_model_roots,
+            "gpus": self.policy_gpus,
+            "allow_args": self.policy_allow_args,
+            "refuse_args": self.policy_refuse_args,
+        }
+        base = default_agent_policy(self.home.models_dir, env)
+        return policy_from_fields({k: v for k, v in given.items() if v is not None}, base)
 
     def docker_gpu_images(self) -> dict[EngineName, str]:
         """Images that replace :meth:`docker_images` for a deployment given GPUs."""

@@ -26,6 +26,7 @@ from berth.paths import BerthHome
 from berth.redact import mask_all, mask_header_values, mask_url_password
 from berth.runtime.engine_container import DEFAULT_SHM_SIZE
 from berth.runtime.trees import TREE_MODES
+from berth.vocab.agent_policy import AgentPolicy, PolicyFormatError, policy_from_fields
 from berth.vocab.engines import RUNTIME_NAMES
 from berth.vocab.gpu import parse_simulated_gpus
 from berth.vocab.images import DEFAULT_GPU_IMAGES, DEFAULT_IMAGES
@@ -170,6 +171,20 @@ def address_problem(text: str) -> str | None:
     if ":" in bare and not host.startswith("["):
         return "an IPv6 address goes in brackets: [2001:db8::7]:11502"
     return host_problem(bare) if bare else "expected HOST:PORT, the host is missing"
+
+
+def policy_problem(key: str) -> Callable[[str], str | None]:
+    """A check of one ``[agent_policy]`` setting: why ``text`` is not a valid ``key`` of an
+    agent policy (:func:`berth.vocab.agent_policy.policy_from_fields`), or ``None``."""
+
+    def problem(text: str) -> str | None:
+        try:
+            policy_from_fields({key: text}, AgentPolicy())
+        except PolicyFormatError as exc:
+            return str(exc)
+        return None
+
+    return problem
 
 
 def simulated_gpus_problem(text: str) -> str | None:
@@ -458,6 +473,28 @@ SETTINGS: tuple[SettingDef, ...] = (
                "seconds an agent waits at most between dials of a leader it lost (the wait "
                "doubles from 1 s up to this; each is drawn from the upper half of its step)",
                default=30.0, minimum=1.0, maximum=3600.0),
+    SettingDef("policy_engines", "str", "agent_policy",
+               "engines this host's node may start: the leader's node local, or an agent's "
+               "(agent.yaml's policy: comes first there); comma list, unset: all three",
+               optional=True, check=policy_problem("engines")),
+    SettingDef("policy_images", "str", "agent_policy",
+               "container images this host's node may run: fnmatch patterns or "
+               "name@sha256:DIGEST, comma list (unset: the official vLLM, SGLang and "
+               "llama.cpp images)", optional=True, check=policy_problem("images")),
+    SettingDef("policy_model_roots", "str", "agent_policy",
+               "the only folders whose files this host's node gives engines (comma list "
+               "of absolute paths; unset: $BERTH_HOME/models and the Hugging Face hub cache)",
+               optional=True, check=policy_problem("model_roots")),
+    SettingDef("policy_gpus", "str", "agent_policy",
+               "GPU indexes this host's node hands out (comma list, or all)",
+               optional=True, check=policy_problem("gpus")),
+    SettingDef("policy_allow_args", "str", "agent_policy",
+               "engine flags berth refuses by default that this host's node allows "
+               "(comma list, e.g. --trust-remote-code)",
+               optional=True, check=policy_problem("allow_args")),
+    SettingDef("policy_refuse_args", "str", "agent_policy",
+               "further engine flags this host's node refuses (comma list)",
+               optional=True, check=policy_problem("refuse_args")),
     SettingDef("load_wait_s", "float", "scaling",
                "seconds a request waits at the leader for its service to load before a 503",
                default=120.0, minimum=0.0),

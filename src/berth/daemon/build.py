@@ -191,6 +191,12 @@ def _shared_leadership(
     )  # fmt: skip
 
 
+#: Set to ``1`` in a leader's environment, its placement does not leave out nodes whose
+#: agent policy would refuse: a test seam, so tests show the agent refusing by itself.  The
+#: agents check their policy either way.
+SKIP_POLICY_CHECK_ENV = "BERTH_TESTING_SKIP_LEADER_POLICY_CHECK"
+
+
 async def build_leader(
     home: BerthHome,
     settings: Settings,
@@ -204,7 +210,8 @@ async def build_leader(
     """Build every piece of the leader on ``store`` (opened by :func:`open_store`) and the
     bound ``sockets``; ``environ`` is read once, for the reverse proxy fingerprint mode
     (:mod:`berth.cluster.pki.peer_identity`) and the ``OTEL_*`` variables of tracing
-    (:mod:`berth.observability.tracing_config`). Starts nothing."""
+    (:mod:`berth.observability.tracing_config`), and for :data:`SKIP_POLICY_CHECK_ENV`.
+    Starts nothing."""
     forwarded = ForwardedFingerprintTrust.from_env(environ)
     tls = await load_tls(home, settings, store)
     metrics = await build_metrics(store)
@@ -213,7 +220,7 @@ async def build_leader(
         settings, environ, service_name="berth-leader", registry=metrics.proxy.registry
     )
     admission, ledger, slots = await build_admission(store, settings, metrics.proxy)
-    core = None if settings.leader_only else build_local_core(home, settings)
+    core = None if settings.leader_only else build_local_core(home, settings, environ)
     links = LinkRegistry([] if core is None else [InProcessLink(core)])
     audit = AuditLog(home.audit_log)
     signals = SignalBoard()
@@ -223,6 +230,7 @@ async def build_leader(
     lifecycle = build_lifecycle(
         store, links, settings, events=events, waiting=waiting, slots=slots,
         metrics=metrics.proxy, audit=audit,
+        check_agent_policies=environ.get(SKIP_POLICY_CHECK_ENV) != "1",
     )  # fmt: skip
     if core is not None:  # this host's engines: an end is heard by the lifecycle at once
         core.on_engine_end(functools.partial(lifecycle.engine_ended, LOCAL_NODE_ID))

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -222,8 +223,10 @@ async def build_admission(
     return admission, ledger, slots
 
 
-def build_local_core(home: BerthHome, settings: Settings) -> AgentCore:
-    """The agent core for node ``local``: this host's engines, as processes or containers."""
+def build_local_core(home: BerthHome, settings: Settings, environ: Mapping[str, str]) -> AgentCore:
+    """The agent core for node ``local``: this host's engines, as processes or containers,
+    started only as the ``[agent_policy]`` settings allow (the Hugging Face cache of the
+    default model roots read from ``environ``)."""
     return AgentCore(
         ProcessRuntime(process_tree=settings.process_tree),
         EngineBinaries(
@@ -240,6 +243,7 @@ def build_local_core(home: BerthHome, settings: Settings) -> AgentCore:
         ),
         docker_shm_size=settings.docker_shm_size,
         adopted=AdoptedWatcher(home.adopted_file),
+        policy=settings.agent_policy(environ),
     )
 
 
@@ -340,12 +344,15 @@ def build_lifecycle(
     slots: SlotGate,
     metrics: ProxyMetrics,
     audit: AuditLog,
+    check_agent_policies: bool = True,
 ) -> LifecycleManager:
     """The deployment manager, with the settings' timeouts, probes, images and restart
-    backoff; ``slots`` hears of capacity changes (waiters may go)."""
+    backoff; ``slots`` hears of capacity changes (waiters may go);
+    ``check_agent_policies`` whether placement leaves out nodes whose policy refuses."""
     return LifecycleManager(
         store,
         links,
+        check_agent_policies=check_agent_policies,
         health_timeout_s=settings.health_timeout_s,
         stop_grace_s=settings.stop_grace_s,
         watch_interval_s=settings.probe_interval_s,

@@ -109,7 +109,9 @@ class LifecycleManager:
     (:meth:`set_service_capacities`; the daemon passes :meth:`berth.admission.SlotGate.resize`);
     ``default_slots`` are a ready deployment's slots there when its engine does not say.
     ``restart_backoff`` paces the restart policy's restarts (:mod:`berth.deployments.restarts`);
-    ``on_restart`` hears of each one carried out.
+    ``on_restart`` hears of each one carried out.  ``check_agent_policies``: placement
+    leaves out nodes whose agent policy would refuse (off only to test the agents' own
+    refusal).
     """
 
     def __init__(
@@ -132,10 +134,15 @@ class LifecycleManager:
         restart_backoff: Backoff = Backoff(),
         on_restart: RestartListener | None = None,
         default_slots: int = DEFAULT_SLOTS,
+        check_agent_policies: bool = True,
     ) -> None:
         self._store = store
         self._links = links
-        self._policy = PlacementPolicy(images=dict(images), gpu_images=dict(gpu_images))
+        self._policy = PlacementPolicy(
+            check_agent_policies=check_agent_policies,
+            images=dict(images),
+            gpu_images=dict(gpu_images),
+        )
         self._estimator = VramEstimator()
         #: one placement at a time: the next sees the last one's record (and its VRAM)
         self._placing = asyncio.Lock()

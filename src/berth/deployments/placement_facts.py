@@ -106,6 +106,7 @@ async def gather_node_facts(
         gpus=tuple(gpu_facts(gpu, on_gpu.get(gpu.index, ())) for gpu in gpus),
         reserved_gpus=table.reserved_gpus(node_id),
         cordoned=cordoned,
+        policy=link.agent_policy,
     )
 
 

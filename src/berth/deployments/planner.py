@@ -210,6 +210,7 @@ class Planner:
             force=options.force,
             replicas=replicas_of(served, active),
             eviction=eviction or EvictionPolicy(time.time(), self._min_residency_s),
+            extra_args=options.extra_args,
         )
         result = plan_placement(request, facts, self._policy)
         return PlannedDeployment(model, engine, runtime, estimate, request, result)

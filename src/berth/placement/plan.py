@@ -21,7 +21,9 @@ The checks, in this order (the first that fails is the refusal):
    offer the runtime;
 3. the model: on the leader's own host its registered path, unless that path is on other
    nodes only; elsewhere the path recorded for that node, else a download from the hub when
-   the model came from there and the node's agent can pull;
+   the model came from there and the node's agent can pull; then the node's agent policy
+   (:mod:`berth.placement.node_policy`: engine, image asked for, model path, extra
+   arguments, GPUs asked for), and only the GPUs it hands out are chosen from;
 4. the GPUs asked for: none may be reserved by an adopted endpoint, and each must exist;
 5. VRAM (:mod:`berth.placement.fit`): GPUs asked for must fit the estimate (unless
    ``force``); otherwise the deployment goes to the GPUs that fit, replicas of one service
@@ -29,7 +31,8 @@ The checks, in this order (the first that fails is the refusal):
    evicted (:mod:`berth.placement.eviction`) if the request allows it, and a refusal names
    the estimate, the most free VRAM seen and the eviction that would make room;
 6. the image setting: the engine's GPU image when the deployment gets GPUs (llama.cpp's
-   default image has no CUDA), else the engine's image; it must be an image reference.
+   default image has no CUDA), else the engine's image; it must be an image reference, and
+   the node's agent policy must allow it and the GPUs chosen.
 
 A node without GPUs (a CPU host, or the leader's host with no simulated ones) gets no VRAM
 check: the engine runs on its CPU, and the reasons say so.
@@ -45,6 +48,7 @@ from berth.errors import ConfigError
 from berth.placement.estimate import VramEstimate, mib
 from berth.placement.eviction import Eviction, EvictionRefusal, choose_eviction, last_used_at
 from berth.placement.fit import (
+    GpuFacts,
     GpuOption,
     ReplicaAt,
     choose_gpus,
@@ -52,6 +56,7 @@ from berth.placement.fit import (
     most_free,
     replicas_on,
 )
+from berth.placement.node_policy import handed_out, node_policy_refusal
 from berth.placement.request import NodeFacts, PlacementPolicy, PlacementRequest
 from berth.placement.result import ModelAt, ModelPull, Placement, Refusal
 from berth.vocab.engines import RuntimeName
@@ -85,7 +90,7 @@ def plan_placement(
         node_id = next((n.node_id for n in nodes if n.leader_host), "local")
     if node_id is not None:
         node = next((n for n in nodes if n.node_id == node_id), None)
-        on = _check_node(request, node, node_id)
+        on = _check_node(request, node, node_id, policy)
         if isinstance(on, Refusal):
             return on
         return _place_on_named(request, on, policy)
@@ -107,7 +112,7 @@ def _check_asked_image(request: PlacementRequest) -> Refusal | None:
 
 
 def _check_node(
-    request: PlacementRequest, node: NodeFacts | None, node_id: str
+    request: PlacementRequest, node: NodeFacts | None, node_id: str, policy: PlacementPolicy
 ) -> _OnNode | Refusal:
     if node is None or not node.connected:
         label = node_id if node is None else node.label
@@ -125,6 +130,10 @@ def _check_node(
     model = _model_source(request.model, node, reasons)
     if isinstance(model, Refusal):
         return model
+    if policy.check_agent_policies:
+        refused = node_policy_refusal(request, node, model=model)
+        if refused is not None:
+            return refused
     return _OnNode(node, model, tuple(reasons))
 
 
@@ -149,7 +158,7 @@ def _place_on_named(
             "no GPU list (it sees every GPU)"
         )
         return _finish(request, on, (), reasons, policy)
-    options = gpu_options(request.estimate, node.node_id, node.label, node.gpus,
+    options = gpu_options(request.estimate, node.node_id, node.label, _gpus_of(node, policy),
                           [r.index for r in node.reserved_gpus])  # fmt: skip
     return _choose(request, [on], options, reasons, policy)
 
@@ -202,7 +211,7 @@ def _place_anywhere(
                 "with --node LABEL (`berth nodes ls` lists them)"
             )
             return Refusal("no_node", message)
-        on = _check_node(request, leader, leader.node_id)
+        on = _check_node(request, leader, leader.node_id, policy)
         if isinstance(on, Refusal):
             return on
         first = ["no connected node reports GPUs: the leader's own host, no VRAM check "
@@ -219,12 +228,13 @@ def _place_anywhere(
     refusals: list[Refusal] = []
     options: list[GpuOption] = []
     for node in with_gpus:
-        on = _check_node(request, node, node.node_id)
+        on = _check_node(request, node, node.node_id, policy)
         if isinstance(on, Refusal):
             refusals.append(on)
             continue
         ons.append(on)
-        options += gpu_options(request.estimate, node.node_id, node.label, node.gpus,
+        options += gpu_options(request.estimate, node.node_id, node.label,
+                               _gpus_of(node, policy),
                                [r.index for r in node.reserved_gpus])  # fmt: skip
     if not ons:
         lines = "; ".join(r.message for r in refusals)
@@ -356,6 +366,10 @@ def _finish(
     image = _choose_image(request, gpus, policy, reasons)
     if isinstance(image, Refusal):
         return image
+    if policy.check_agent_policies:
+        refused = node_policy_refusal(request, on.node, image=image, gpus=gpus)
+        if refused is not None:
+            return refused
     return Placement(
         node_id=on.node.node_id,
         label=on.node.label,
@@ -387,6 +401,11 @@ def _choose_image(
         return Refusal("image_invalid", str(exc))
     reasons.insert(0, f"image {image} ({why})")
     return image
+
+
+def _gpus_of(node: NodeFacts, policy: PlacementPolicy) -> tuple[GpuFacts, ...]:
+    """The GPUs placement may choose on ``node``: those its agent policy hands out."""
+    return handed_out(node) if policy.check_agent_policies else node.gpus
 
 
 def _no_runtime(node: NodeFacts, runtime: RuntimeName) -> str:

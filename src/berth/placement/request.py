@@ -14,6 +14,7 @@ from pathlib import Path
 
 from berth.placement.estimate import VramEstimate
 from berth.placement.fit import GpuFacts, ReplicaAt
+from berth.vocab.agent_policy import AgentPolicy
 from berth.vocab.engines import EngineName, RuntimeName
 from berth.vocab.images import DEFAULT_GPU_IMAGES, DEFAULT_IMAGES
 from berth.vocab.records import ModelRecord
@@ -55,6 +56,8 @@ class PlacementRequest:
     force: bool = False
     replicas: tuple[ReplicaAt, ...] = ()
     eviction: EvictionPolicy | None = None
+    #: the engine's extra arguments, checked against each node's agent policy
+    extra_args: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -76,7 +79,8 @@ class NodeFacts:
     recorded for this node (``None``: none).  ``gpus``: its GPUs as its agent reports them,
     with berth's deployments on each.  ``reserved_gpus``: GPUs its adopted endpoints declare.
     ``cordoned``: its operator took it out of placement (``berth nodes cordon`` or
-    ``drain``): nothing new goes there.
+    ``drain``): nothing new goes there.  ``policy``: what its agent lets berth start there
+    (``None``: it reported none, an older agent).
     """
 
     node_id: str
@@ -89,12 +93,16 @@ class NodeFacts:
     gpus: tuple[GpuFacts, ...] = ()
     reserved_gpus: tuple[GpuReservation, ...] = ()
     cordoned: bool = False
+    policy: AgentPolicy | None = None
 
 
 @dataclass(frozen=True)
 class PlacementPolicy:
     """The leader's settings placement follows: the container image per engine
-    (``*_image`` settings) and the one used instead when a deployment gets GPUs."""
+    (``*_image`` settings) and the one used instead when a deployment gets GPUs.
+    ``check_agent_policies``: leave out nodes whose agent policy would refuse (off only in
+    tests that show the agent refusing by itself)."""
 
+    check_agent_policies: bool = True
     images: Mapping[EngineName, str] = field(default_factory=lambda: dict(DEFAULT_IMAGES))
     gpu_images: Mapping[EngineName, str] = field(default_factory=lambda: dict(DEFAULT_GPU_IMAGES))

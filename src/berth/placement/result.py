@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from berth.errors import BerthError, ConfigError, ConflictError
+from berth.errors import BerthError, ConfigError, ConflictError, PolicyError
 from berth.placement.estimate import VramEstimate
 from berth.placement.eviction import Eviction
 from berth.placement.fit import GpuOption
@@ -31,6 +31,7 @@ RefusalReason = Literal[
     "vram_too_large",  # the estimate exceeds every GPU looked at, even an empty one
     "vram_no_room",  # it would fit an empty GPU, but none has that much free now
     "no_node",  # no connected node can take it (each node's reason is in the message)
+    "node_policy",  # the node's agent policy refuses it (the rule is in the message)
 ]
 CONFLICT_REASONS: frozenset[RefusalReason] = frozenset(
     {
@@ -94,10 +95,14 @@ class Refusal:
     estimate: VramEstimate | None = None
     considered: tuple[GpuOption, ...] = ()
     eviction: Eviction | None = None
+    #: the agent policy rule broken (``node_policy`` only)
+    rule: str | None = None
 
     def error(self) -> BerthError:
-        """The error to raise for it: ``ConflictError`` for :data:`CONFLICT_REASONS`, else
-        ``ConfigError``."""
+        """The error to raise for it: ``PolicyError`` for ``node_policy``, ``ConflictError``
+        for :data:`CONFLICT_REASONS`, else ``ConfigError``."""
+        if self.reason == "node_policy":
+            return PolicyError(self.message, rule=self.rule or "", node_id=self.node_id)
         if self.reason in CONFLICT_REASONS:
             return ConflictError(self.message)
         return ConfigError(self.message)

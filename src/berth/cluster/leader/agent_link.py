@@ -16,6 +16,7 @@ from typing import Literal, Protocol
 
 from berth.placement.model_files import FileStamp, ModelFileShape
 from berth.runtime.base import EngineExit, ProgressListener
+from berth.vocab.agent_policy import AgentPolicy
 from berth.vocab.deployment_request import DeploymentRequest
 from berth.vocab.engines import EngineName, RuntimeName
 from berth.vocab.gpu import GpuInfo
@@ -76,6 +77,13 @@ class AgentLink(Protocol):
     """
 
     node_id: str
+
+    @property
+    def agent_policy(self) -> AgentPolicy | None:
+        """What the node's agent lets the leader start there, as it reported it (``None``:
+        an agent from before policies).  Placement leaves out a node whose policy would
+        refuse; the agent checks again at every start."""
+        ...
 
     @property
     def capabilities(self) -> frozenset[str]:

@@ -49,6 +49,7 @@ from berth.cluster.protocol.payloads import (
     ErrorCode,
     ErrorInfo,
     Inventory,
+    policy_of,
 )
 from berth.cluster.protocol.session import Role
 from berth.cluster.wire_forms import gpu_infos
@@ -358,6 +359,7 @@ class NodeHub:
             hello.capabilities,
             advertise=hello.advertise,
             certificate_der=certificate_der,
+            agent_policy=policy_of(hello.policy) if hello.policy is not None else None,
         )
         self._sessions[node_id] = link
         self._links.attach(link)

@@ -67,9 +67,10 @@ from berth.engine_http.errors import (
 )
 from berth.engine_http.origin import TUNNEL_SCHEME, Origin
 from berth.engine_http.request import EngineRequest
-from berth.errors import EngineError, NotFoundError
+from berth.errors import EngineError, NotFoundError, PolicyError
 from berth.placement.model_files import FileStamp, ModelFileShape
 from berth.runtime.base import EngineExit, ProgressListener
+from berth.vocab.agent_policy import AgentPolicy
 from berth.vocab.deployment_request import DeploymentRequest
 from berth.vocab.engines import EngineName, RuntimeName
 
@@ -103,7 +104,8 @@ class RemoteLink:
 
     ``advertise`` is the address its Hello advertised for the direct data path (empty: none);
     ``certificate_der`` the client certificate it linked with (``None`` when a proxy
-    forwarded only its fingerprint).
+    forwarded only its fingerprint); ``agent_policy`` the policy its Hello reported
+    (``None``: an agent from before policies, which refuses nothing by policy).
     """
 
     def __init__(
@@ -115,8 +117,10 @@ class RemoteLink:
         *,
         advertise: str = "",
         certificate_der: bytes | None = None,
+        agent_policy: AgentPolicy | None = None,
     ) -> None:
         self.node_id = node_id
+        self.agent_policy = agent_policy
         self.conn = conn
         self._inventory = inventory
         self.capabilities = frozenset(capabilities)
@@ -349,6 +353,12 @@ class RemoteLink:
         except RemoteOpError as exc:
             if exc.info.code == ErrorCode.NOT_FOUND and engine_of is not None:
                 raise NotFoundError("engine", engine_of) from exc
+            if exc.info.code == ErrorCode.POLICY_REFUSED:
+                raise PolicyError(
+                    f"node {self.node_id}: {exc.info.message}",
+                    rule=exc.info.rule,
+                    node_id=self.node_id,
+                ) from exc
             raise EngineError(
                 f"node {self.node_id}: {exc.info.message}", log_tail=exc.info.log_tail
             ) from exc

@@ -40,6 +40,7 @@ from berth.cluster.protocol.payloads import (
     GpuState,
     Inventory,
     LoopLag,
+    PolicyState,
 )
 
 #: Protocol versions this code speaks; see ``docs/protocol.md`` for what each adds.
@@ -148,6 +149,8 @@ class Hello(_Body, kw_only=True):
     adopted: list[AdoptedState] = []
     #: HOST:PORT of the agent's direct ingress (docs/protocol.md); "": none (older agents)
     advertise: str = ""
+    #: what the agent's policy lets the leader start there; absent from older agents
+    policy: PolicyState | None = None
 
 
 class Welcome(_Body, kw_only=True):

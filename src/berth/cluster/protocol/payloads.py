@@ -14,8 +14,12 @@ from __future__ import annotations
 
 import itertools
 from enum import StrEnum
+from pathlib import Path
 
 import msgspec
+
+from berth.vocab.agent_policy import AgentPolicy
+from berth.vocab.engines import ENGINE_NAMES
 
 
 class _Body(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -138,6 +142,9 @@ class ErrorCode(StrEnum):
     NOT_FOUND = "not_found"
     #: the engine failed (to start, or was stopped while starting); ``log_tail`` says more
     ENGINE_ERROR = "engine_error"
+    #: the agent's policy refuses the start; ``rule`` names the rule (a leader older than
+    #: this code reads it as ``internal``, and shows the message all the same)
+    POLICY_REFUSED = "policy_refused"
     #: an unexpected failure; the agent's log has the traceback
     INTERNAL = "internal"
 
@@ -153,3 +160,42 @@ class ErrorInfo(_Body, kw_only=True):
     code: ErrorCode
     message: str
     log_tail: str = ""
+    #: the policy rule broken (``policy_refused`` only)
+    rule: str = ""
+
+
+class PolicyState(_Body, kw_only=True):
+    """An agent's policy as it reports it in Hello (:class:`berth.vocab.agent_policy.AgentPolicy`):
+    ``gpus`` ``None`` means every GPU."""
+
+    engines: list[str] = []
+    images: list[str] = []
+    model_roots: list[str] = []
+    gpus: list[int] | None = None
+    allow_args: list[str] = []
+    refuse_args: list[str] = []
+
+
+def policy_state(policy: AgentPolicy) -> PolicyState:
+    """``policy`` as an agent reports it."""
+    return PolicyState(
+        engines=sorted(policy.engines),
+        images=list(policy.images),
+        model_roots=[str(root) for root in policy.model_roots],
+        gpus=None if policy.gpus is None else list(policy.gpus),
+        allow_args=sorted(policy.allow_args),
+        refuse_args=sorted(policy.refuse_args),
+    )
+
+
+def policy_of(state: PolicyState) -> AgentPolicy:
+    """The policy an agent reported; engines this side does not know are left out (a
+    newer agent's), so the leader never places one there."""
+    return AgentPolicy(
+        engines=frozenset(e for e in ENGINE_NAMES if e in state.engines),
+        images=tuple(state.images),
+        model_roots=tuple(Path(root) for root in state.model_roots),
+        gpus=None if state.gpus is None else tuple(state.gpus),
+        allow_args=frozenset(state.allow_args),
+        refuse_args=frozenset(state.refuse_args),
+    )

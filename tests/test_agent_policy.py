@@ -1,0 +1,406 @@
+"""The agent policy in-process: its checker (one table of cases), paths resolved on the host
+(a symlink or ``..`` leaving a root), the ``=`` spelling of flags, image patterns and
+digests, the docker mounts, reading it from ``agent.yaml`` and ``[agent_policy]``, the
+agent core refusing before anything starts, and placement leaving out a node whose policy
+would refuse, with the reason."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import replace
+from datetime import UTC, datetime
+from pathlib import Path
+
+import pytest
+
+from berth.agent.core import AgentCore
+from berth.agent.policy import enforce_mounts, enforce_path, policy_from_document
+from berth.config import Settings
+from berth.errors import ConfigError, PolicyError
+from berth.paths import BerthHome
+from berth.placement import (
+    GpuFacts,
+    NodeFacts,
+    PlacementPolicy,
+    PlacementRequest,
+    VramEstimate,
+    plan_placement,
+)
+from berth.placement.result import Placement, Refusal
+from berth.runtime.base import ContainerSpec, LaunchSpec, Mount
+from berth.runtime.engines import EngineBinaries
+from berth.runtime.gpu import StaticInventory
+from berth.runtime.process import ProcessRuntime
+from berth.vocab.agent_policy import (
+    DEFAULT_IMAGE_PATTERNS,
+    AgentPolicy,
+    PolicyFormatError,
+    check_start,
+    default_agent_policy,
+    image_allowed,
+    policy_from_fields,
+)
+from berth.vocab.deployment_request import DeploymentRequest
+from berth.vocab.engine_args import ENGINE_ARGS, KNOWN_FLAGS
+from berth.vocab.records import ModelRecord
+
+DIGEST = "sha256:" + "ab" * 32
+
+
+@pytest.fixture
+def roots(tmp_path: Path) -> Path:
+    """``tmp_path/models`` (the one root) holding ``m.gguf``, and ``tmp_path/outside``
+    holding ``secret.txt``."""
+    (tmp_path / "models").mkdir()
+    (tmp_path / "models" / "m.gguf").write_bytes(b"GGUF")
+    (tmp_path / "outside").mkdir()
+    (tmp_path / "outside" / "secret.txt").write_text("no")
+    return tmp_path
+
+
+def _policy(root: Path, **changes: object) -> AgentPolicy:
+    return replace(AgentPolicy(model_roots=(root / "models",)), **changes)  # type: ignore[arg-type]
+
+
+def _request(root: Path, **changes: object) -> DeploymentRequest:
+    base = DeploymentRequest("d-00000001", "m", root / "models" / "m.gguf", "llamacpp", 0, Path())
+    return replace(base, **changes)  # type: ignore[arg-type]
+
+
+# (what, request changes, policy changes, rule or None, words of the message)
+CASES: list[tuple[str, dict[str, object], dict[str, object], str | None, str]] = [
+    ("a start inside every rule", {}, {}, None, ""),
+    ("an engine not allowed", {"engine": "vllm"}, {"engines": frozenset({"llamacpp"})},
+     "engines", "engine vllm is not allowed (engines: llamacpp)"),
+    ("an image outside the patterns", {"runtime": "docker", "image": "evil/miner:1"}, {},
+     "images", "image evil/miner:1 is not allowed"),
+    ("the official vLLM image", {"engine": "vllm", "runtime": "docker",
+                                 "image": "vllm/vllm-openai:v0.9.0"}, {}, None, ""),
+    ("llama.cpp's default image, when none is named", {"runtime": "docker"}, {}, None, ""),
+    ("a default image the host does not allow", {"runtime": "docker"},
+     {"images": ("vllm/*",)}, "images", "image ghcr.io/ggml-org/llama.cpp:server is not"),
+    ("vLLM's --trust-remote-code", {"engine": "vllm", "extra_args": ("--trust-remote-code",)},
+     {}, "engine_args", "--trust-remote-code is refused: it runs the Python code"),
+    ("SGLang's --trust-remote-code", {"engine": "sglang",
+                                      "extra_args": ("--trust-remote-code",)},
+     {}, "engine_args", "--trust-remote-code is refused"),
+    ("--trust-remote-code allowed by the host", {"engine": "vllm",
+                                                 "extra_args": ("--trust-remote-code",)},
+     {"allow_args": frozenset({"--trust-remote-code"})}, None, ""),
+    ("--log-file FILE", {"extra_args": ("--log-file", "/tmp/x.log")}, {}, "engine_args",
+     "extra argument --log-file is refused: it writes to any file"),
+    ("--slot-save-path=DIR", {"extra_args": ("--slot-save-path=/tmp",)}, {}, "engine_args",
+     "extra argument --slot-save-path is refused"),
+    ("a short spelling, -ag", {"extra_args": ("-ag",)}, {}, "engine_args",
+     "extra argument -ag is refused"),
+    ("a flag another engine refuses", {"extra_args": ("--trust-remote-code",)}, {}, None, ""),
+    ("a host's own refuse_args", {"extra_args": ("--props",)},
+     {"refuse_args": frozenset({"--props"})}, "engine_args", "--props is refused by this host"),
+    ("a GPU the host keeps", {"gpus": (0, 2)}, {"gpus": (0, 1)}, "gpus",
+     "GPU 2 is not handed out here (gpus: 0, 1)"),
+    ("GPUs the host hands out", {"gpus": (1,)}, {"gpus": (0, 1)}, None, ""),
+    ("an inline chat template", {"engine": "vllm",
+                                 "extra_args": ("--chat-template", "{{ messages }}")},
+     {}, None, ""),
+    ("a hub tokenizer", {"engine": "vllm", "extra_args": ("--tokenizer", "org/tok")},
+     {}, None, ""),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("changes", "policy_changes", "rule", "words"),
+    [case[1:] for case in CASES],
+    ids=[case[0] for case in CASES],
+)
+def test_check_start(
+    roots: Path,
+    changes: dict[str, object],
+    policy_changes: dict[str, object],
+    rule: str | None,
+    words: str,
+) -> None:
+    found = check_start(
+        _request(roots, **changes), _policy(roots, **policy_changes), resolve=os.path.realpath
+    )
+    if rule is None:
+        assert found is None
+        return
+    assert found is not None
+    assert (found.rule, words in found.message) == (rule, True), found.message
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("--chat-template-file", "{outside}/secret.txt"),
+        ("--chat-template-file={outside}/secret.txt",),
+        ("--chat-template-file", "{root}/models/../outside/secret.txt"),
+        ("--chat-template-file", "{root}/models/link/secret.txt"),
+        ("--chat-template-file", "relative/secret.txt"),
+        ("--lora", "{root}/models/m.gguf,{outside}/secret.txt"),
+        ("-m", "{outside}/secret.txt"),
+    ],
+    ids=["space", "equals", "dot-dot", "symlink", "relative", "comma-list", "second-model"],
+)
+def test_a_file_flag_outside_the_roots_is_refused(roots: Path, args: tuple[str, ...]) -> None:
+    (roots / "models" / "link").symlink_to(roots / "outside")
+    given = tuple(a.format(root=roots, outside=roots / "outside") for a in args)
+    found = check_start(_request(roots, extra_args=given), _policy(roots), resolve=os.path.realpath)
+    assert found is not None and found.rule == "engine_args", found
+    assert "is outside the model roots" in found.message
+
+
+def test_a_file_flag_inside_the_roots_is_allowed(roots: Path) -> None:
+    template = roots / "models" / "chat.jinja"
+    template.write_text("{{ messages }}")
+    args = ("--chat-template-file", str(template), f"--grammar-file={template}")
+    assert check_start(_request(roots, extra_args=args), _policy(roots),
+                       resolve=os.path.realpath) is None  # fmt: skip
+
+
+def test_a_model_behind_a_symlink_that_leaves_the_roots_is_refused(roots: Path) -> None:
+    (roots / "outside" / "real.gguf").write_bytes(b"GGUF")
+    (roots / "models" / "looks-inside.gguf").symlink_to(roots / "outside" / "real.gguf")
+    request = _request(roots, model_path=roots / "models" / "looks-inside.gguf")
+    found = check_start(request, _policy(roots), resolve=os.path.realpath)
+    assert found is not None and found.rule == "model_roots"
+    assert found.message == (
+        f"model path {roots}/models/looks-inside.gguf is outside the model roots ({roots}/models)"
+    )
+    # The leader compares as written: it cannot see the agent's links.
+    assert check_start(request, _policy(roots), resolve=os.path.normpath) is None
+
+
+def test_a_root_is_not_a_prefix_of_its_neighbour(roots: Path) -> None:
+    (roots / "models-evil").mkdir()
+    (roots / "models-evil" / "m.gguf").write_bytes(b"GGUF")
+    request = _request(roots, model_path=roots / "models-evil" / "m.gguf")
+    found = check_start(request, _policy(roots), resolve=os.path.realpath)
+    assert found is not None and found.rule == "model_roots"
+
+
+def test_lora_files_must_lie_under_the_roots(roots: Path) -> None:
+    request = _request(roots, lora_files=(roots / "outside" / "secret.txt",))
+    found = check_start(request, _policy(roots), resolve=os.path.realpath)
+    assert found is not None and found.rule == "model_roots"
+    assert found.message.startswith("LoRA file ")
+
+
+@pytest.mark.parametrize(
+    ("image", "patterns", "allowed"),
+    [
+        ("vllm/vllm-openai:latest", DEFAULT_IMAGE_PATTERNS, True),
+        ("lmsysorg/sglang:v0.5.0-cu126", DEFAULT_IMAGE_PATTERNS, True),
+        ("ghcr.io/ggml-org/llama.cpp:server-cuda", DEFAULT_IMAGE_PATTERNS, True),
+        ("vllm/vllm-openai-evil:latest", ("vllm/vllm-openai:*",), False),
+        ("docker.io/vllm/vllm-openai:latest", DEFAULT_IMAGE_PATTERNS, False),
+        (f"vllm/vllm-openai@{DIGEST}", (f"vllm/vllm-openai@{DIGEST}",), True),
+        (f"vllm/vllm-openai:v1@{DIGEST}", (f"vllm/vllm-openai@{DIGEST}",), True),
+        ("vllm/vllm-openai:latest", (f"vllm/vllm-openai@{DIGEST}",), False),
+        (f"other/image@{DIGEST}", (f"vllm/vllm-openai@{DIGEST}",), False),
+        (f"vllm/vllm-openai@sha256:{'cd' * 32}", (f"vllm/vllm-openai@{DIGEST}",), False),
+        ("localhost:5000/berth/llama:1", ("localhost:5000/berth/*",), True),
+    ],
+)
+def test_image_patterns_and_digests(image: str, patterns: tuple[str, ...], allowed: bool) -> None:
+    assert image_allowed(image, patterns) is allowed
+
+
+def test_the_table_names_its_sources_and_refuses_what_the_issue_lists() -> None:
+    assert all(entry.source and entry.why for entry in ENGINE_ARGS)
+    refused = {flag for e in ENGINE_ARGS if e.rule == "refused" for flag in e.flags}
+    assert {"--trust-remote-code", "--log-file", "--slot-save-path"} <= refused
+    assert "--chat-template-file" in KNOWN_FLAGS and "--chat-template-file" not in refused
+
+
+def test_docker_mounts_come_from_the_roots_or_berths_own_folders(roots: Path) -> None:
+    keys = roots / "engine-keys"
+
+    def spec(*sources: Path) -> LaunchSpec:
+        mounts = tuple(Mount(source, f"/m{i}") for i, source in enumerate(sources))
+        container = ContainerSpec("vllm/vllm-openai:latest", (), 8000, mounts=mounts)
+        return LaunchSpec("d-1", (), 0, "/health", "m", Path(), container=container)
+
+    enforce_mounts(spec(roots / "models", keys / "d-1.sglang.yaml"), _policy(roots), own=(keys,))
+    with pytest.raises(PolicyError) as refused:
+        enforce_mounts(spec(roots), _policy(roots), own=(keys,))
+    assert refused.value.rule == "docker"
+    assert f"the container would mount {roots}, outside the model roots" in str(refused.value)
+
+
+def test_berths_docker_containers_ask_for_no_privilege_or_host_namespace() -> None:
+    """What ``runtime/docker`` can ask Docker for: nothing of ``privileged``,
+    ``network_mode``, ``pid_mode``, capabilities or devices besides the GPUs."""
+    from dataclasses import fields
+
+    from berth.runtime.docker.api import ContainerConfig
+
+    names = {f.name for f in fields(ContainerConfig)}
+    assert not names & {"privileged", "network_mode", "pid_mode", "cap_add", "devices",
+                        "ipc_mode", "userns_mode", "security_opt"}  # fmt: skip
+    source = Path(__file__).parents[1] / "src" / "berth" / "runtime" / "docker" / "sdk.py"
+    text = source.read_text()
+    for option in ("privileged", "network_mode", "pid_mode", "cap_add", "ipc_mode"):
+        assert f'"{option}"' not in text
+
+
+# -- reading ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("fields", "words"),
+    [
+        ({"colour": "red"}, "unknown policy key 'colour'"),
+        ({"engines": ["llamacpp", "ollama"]}, "engines: unknown engine 'ollama'"),
+        ({"images": "vllm/*"}, None),
+        ({"images": [1]}, "images: expected a list of strings"),
+        ({"model_roots": ["models"]}, "model_roots: 'models' is not an absolute path"),
+        ({"gpus": "all"}, None),
+        ({"gpus": [0, -1]}, "gpus: expected 'all' or a list of GPU indexes"),
+        ({"gpus": "0,x"}, "gpus: expected 'all' or GPU indexes"),
+        ({"allow_args": ["--frobnicate"]}, "allow_args: --frobnicate is not a flag berth refuses"),
+        ({"refuse_args": ["props"]}, "refuse_args: 'props' is not a flag"),
+    ],
+)
+def test_policy_fields_are_checked(fields: dict[str, object], words: str | None) -> None:
+    if words is None:
+        policy_from_fields(fields, AgentPolicy())
+        return
+    with pytest.raises(PolicyFormatError, match=words):
+        policy_from_fields(fields, AgentPolicy())
+
+
+def test_agent_yaml_policy_over_the_settings(tmp_path: Path) -> None:
+    path = tmp_path / "agent.yaml"
+    base = default_agent_policy(tmp_path / "models", {"HF_HOME": "/srv/hf"})
+    assert base.model_roots == (tmp_path / "models", Path("/srv/hf/hub"))
+    assert policy_from_document({"node_id": "n"}, path=path, base=base) == base
+    read = policy_from_document({"policy": {"gpus": [1, 0]}}, path=path, base=base)
+    assert read == replace(base, gpus=(0, 1))
+    with pytest.raises(ConfigError) as malformed:
+        policy_from_document({"policy": ["engines"]}, path=path, base=base)
+    assert str(malformed.value) == f"{path}: policy: expected a mapping of policy keys"
+
+
+def test_the_leaders_agent_policy_settings(tmp_path: Path) -> None:
+    home = BerthHome(tmp_path / "home")
+    env = {"BERTH_POLICY_MODEL_ROOTS": "/data/models, /srv/hf", "BERTH_POLICY_GPUS": "1",
+           "HOME": "/home/u"}  # fmt: skip
+    policy = Settings.load(home, env=env).agent_policy({"HOME": "/home/u"})
+    assert policy.model_roots == (Path("/data/models"), Path("/srv/hf"))
+    assert policy.gpus == (1,)
+    default = Settings.load(home, env={}).agent_policy({"HOME": "/home/u"})
+    assert default.model_roots == (home.models_dir, Path("/home/u/.cache/huggingface/hub"))
+    with pytest.raises(ConfigError) as bad:
+        Settings.load(home, env={"BERTH_POLICY_ENGINES": "llamacpp,tgi"})
+    assert "BERTH_POLICY_ENGINES" in str(bad.value) and "unknown engine 'tgi'" in str(bad.value)
+
+
+# -- the agent core -----------------------------------------------------------------------------
+
+
+async def test_the_agent_core_refuses_before_anything_starts(roots: Path) -> None:
+    core = AgentCore(
+        ProcessRuntime(),
+        EngineBinaries(llama_server=None, vllm=None, sglang_python=""),
+        StaticInventory(),
+        logs_dir=roots / "logs",
+        policy=_policy(roots),
+    )
+    try:
+        request = _request(roots, extra_args=("--log-file=/tmp/x",))
+        with pytest.raises(PolicyError) as refused:
+            await core.start(request, health_timeout_s=5.0)
+        assert refused.value.rule == "engine_args"
+        assert core.engines() == []
+        assert not (roots / "engine-keys").exists()  # no key file written either
+    finally:
+        core.close()
+
+
+# -- placement ----------------------------------------------------------------------------------
+
+MODEL = ModelRecord(
+    "m", Path("/srv/models/m.gguf"), "local", None, None, 0, datetime(2026, 1, 1, tzinfo=UTC)
+)
+
+
+def _node(node_id: str, policy: AgentPolicy | None, *gpus: GpuFacts) -> NodeFacts:
+    return NodeFacts(node_id, f"gpu-{node_id}", connected=True,
+                     runtimes=frozenset({"process", "docker"}),
+                     model_location=Path("/srv/models/m.gguf"), gpus=gpus,
+                     policy=policy)  # fmt: skip
+
+
+def _gpu(index: int) -> GpuFacts:
+    return GpuFacts(index, "L4", 24_000, 24_000, ())
+
+
+ESTIMATE = VramEstimate(
+    engine="llamacpp", weights_mb=10_000, kv_cache_mb=0, overhead_mb=0, gpu_count=1, ctx=4096,
+    cache_type="f16", budget_fraction=None, budget_flag=None, holds_fraction=None, inputs=(),
+)  # fmt: skip
+
+
+def test_placement_by_fit_skips_a_refusing_node_and_keeps_to_the_gpus_handed_out() -> None:
+    request = PlacementRequest(MODEL, "vllm", "process", estimate=ESTIMATE,
+                               extra_args=("--trust-remote-code",))  # fmt: skip
+    lenient = AgentPolicy(model_roots=(Path("/srv"),), gpus=(1,),
+                          allow_args=frozenset({"--trust-remote-code"}))  # fmt: skip
+    strict = AgentPolicy(model_roots=(Path("/srv"),))
+    nodes = [_node("a", strict, _gpu(0)), _node("b", lenient, _gpu(0), _gpu(1))]
+    placed = plan_placement(request, nodes)
+    assert isinstance(placed, Placement)
+    assert (placed.node_id, placed.gpus) == ("b", (1,))
+    assert placed.reasons[0] == (
+        "left out: node gpu-a refuses it by its policy (engine_args): extra argument "
+        "--trust-remote-code is refused: it runs the Python code shipped in the model folder "
+        "(allow it on this host with allow_args: [--trust-remote-code])"
+    )
+    refused = plan_placement(request, nodes[:1])
+    assert isinstance(refused, Refusal) and refused.reason == "no_node"
+    assert "node gpu-a refuses it by its policy (engine_args)" in refused.message
+
+
+def test_placement_leaves_out_a_node_whose_policy_refuses_and_says_why() -> None:
+    strict = AgentPolicy(model_roots=(Path("/srv/models"),), images=("vllm/*",))
+    request = PlacementRequest(MODEL, "llamacpp", "docker", "a", image="evil/miner:1")
+    refused = plan_placement(request, [_node("a", strict)], PlacementPolicy())
+    assert isinstance(refused, Refusal)
+    assert refused.reason == "node_policy"
+    assert refused.message == (
+        "node gpu-a refuses it by its policy (images): image evil/miner:1 is not allowed "
+        "(images: vllm/*)"
+    )
+    error = refused.error()
+    assert (type(error).__name__, getattr(error, "rule", None)) == ("PolicyError", "images")
+    # The test seam: the leader skips its check and sends it to the agent.
+    skipped = plan_placement(request, [_node("a", strict)], PlacementPolicy(False))
+    assert isinstance(skipped, Placement)
+
+
+def test_placement_checks_arguments_and_the_model_path_on_each_node() -> None:
+    elsewhere = AgentPolicy(model_roots=(Path("/data"),))
+    request = PlacementRequest(MODEL, "vllm", "process", "a",
+                               extra_args=("--trust-remote-code",))  # fmt: skip
+    inside = AgentPolicy(model_roots=(Path("/srv/models"),))
+    found = plan_placement(request, [_node("a", inside)])
+    assert isinstance(found, Refusal) and "(engine_args): extra argument --trust" in found.message
+    found = plan_placement(replace(request, extra_args=()), [_node("a", elsewhere)])
+    assert isinstance(found, Refusal)
+    assert found.message == (
+        "node gpu-a refuses it by its policy (model_roots): model path /srv/models/m.gguf is "
+        "outside the model roots (/data)"
+    )
+    assert isinstance(plan_placement(replace(request, extra_args=()), [_node("a", inside)]),
+                      Placement)  # fmt: skip
+    # An agent from before policies reports none: nothing is checked at the leader.
+    assert isinstance(plan_placement(request, [_node("a", None)]), Placement)
+
+
+def test_an_adapter_to_load_must_lie_under_the_roots(roots: Path) -> None:
+    enforce_path("adapter path", str(roots / "models" / "m.gguf"), _policy(roots))
+    with pytest.raises(PolicyError) as refused:
+        enforce_path("adapter path", str(roots / "outside" / "secret.txt"), _policy(roots))
+    assert refused.value.rule == "model_roots"
+    assert str(refused.value).startswith("refused by the agent policy (model_roots): adapter path")
