@@ -14,7 +14,6 @@ import httpx
 import pytest
 
 from berth.cluster.leader.link_registry import LinkRegistry
-from berth.cluster.leader.remote_link import tunnel_url
 from berth.deployments.lifecycle import DeployOptions, LifecycleManager
 from berth.errors import NotFoundError
 from berth.gateway.proxy import OpenAIProxy
@@ -267,7 +266,7 @@ async def test_a_service_s_own_idle_timeout_ends_a_silent_stream(server: str) ->
 
 
 def _tunneled() -> Upstream:
-    return Upstream(tunnel_url("n-1", DEPLOYMENT), DEPLOYMENT, "n-1", MODEL, remote=True)
+    return Upstream("", DEPLOYMENT, "n-1", MODEL, remote=True)
 
 
 @pytest.mark.parametrize(

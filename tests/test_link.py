@@ -11,7 +11,6 @@ from typing import Any
 
 import pytest
 
-from berth.cluster.leader.remote_link import tunnel_url
 from berth.cluster.link.connection import LinkConnection, RemoteOpError
 from berth.cluster.link.tunnel_stream import TunnelStream
 from berth.cluster.protocol.errors import CloseCode, LinkError, ProtocolError
@@ -121,7 +120,8 @@ async def test_control_ops_and_progress(linked: Linked) -> None:
 
     request = _start_request()
     endpoint = await linked.link.start_deployment(request, 10.0, on_spawned)
-    assert endpoint.base_url == f"berth-tunnel://n-1/{DEPLOYMENT}"
+    # a remote engine has no URL of its own: it is reached through the agent
+    assert (endpoint.base_url, endpoint.remote, endpoint.port) == ("", True, linked.core.port)
     assert spawned == [(4321, linked.core.port)]
     assert linked.core.requests[-1].runtime == "process"
     assert await linked.link.probe(DEPLOYMENT) == "healthy"
@@ -367,9 +367,7 @@ async def test_the_engine_client_reads_a_cache_signal_through_the_tunnel(linked:
     await client.startup()
     try:
         linked.engine.script(json_reply([{"id": 0, "n_ctx": 2048}]))
-        upstream = Upstream(
-            tunnel_url("n1", DEPLOYMENT), DEPLOYMENT, "n1", "m", engine="llamacpp", remote=True
-        )
+        upstream = Upstream("", DEPLOYMENT, "n1", "m", engine="llamacpp", remote=True)
         body = await client.get(upstream, "/slots", limit_bytes=1024, timeout_s=5)
     finally:
         await client.shutdown()

@@ -19,7 +19,6 @@ from fastapi import FastAPI
 
 from berth.admission import Admission, ManualClock, UsageLedger
 from berth.anthropic_errors import anthropic_body, is_messages_path, to_anthropic
-from berth.cluster.leader.remote_link import tunnel_url
 from berth.config import TierTable
 from berth.daemon.app import LeaderApp
 from berth.errors import AuthError, BerthError, NotFoundError
@@ -379,9 +378,7 @@ async def test_engine_errors_and_unknown_paths_are_anthropic_shaped_and_openai_p
 
 async def test_through_an_agents_tunnel(linked: Linked) -> None:
     linked.engine.script(sse_reply(message_events(["over ", "the link"], usage=(3, 2, 0))))
-    tunneled = Upstream(
-        tunnel_url("n-1", DEPLOYMENT), DEPLOYMENT, "n-1", "m", engine="vllm", remote=True
-    )
+    tunneled = Upstream("", DEPLOYMENT, "n-1", "m", engine="vllm", remote=True)
     async with (
         leader([tunneled], tunnels=OneLink(linked)) as (url, admission, _),
         sdk(url) as client,
@@ -403,7 +400,7 @@ async def test_over_the_direct_path_to_an_agent(pki: Pki) -> None:
         await wait_for_async(lambda: side.path() == "direct", EVENT_TIMEOUT_S, "the direct path")
         side.side.engine.script(sse_reply(message_events(["went ", "direct"], usage=(4, 2, 1))))
         upstream = Upstream(
-            tunnel_url(side.node_id, DIRECT_DEPLOYMENT),
+            "",
             DIRECT_DEPLOYMENT,
             side.node_id,
             "m",

@@ -13,7 +13,6 @@ from typing import Any
 import anthropic
 import pytest
 
-from berth.cluster.leader.remote_link import tunnel_url
 from berth.routing.resolver import Upstream
 from support.direct import DEPLOYMENT as DIRECT_DEPLOYMENT
 from support.direct import Pki
@@ -242,9 +241,7 @@ async def test_an_answer_that_is_not_a_chat_completion_is_a_502(engine: StandinE
 
 async def test_a_translated_stream_through_an_agents_tunnel(linked: Linked) -> None:
     linked.engine.script(sse_reply(chat_chunks(["over the link"], usage=(8, 3))))
-    tunneled = Upstream(
-        tunnel_url("n-1", DEPLOYMENT), DEPLOYMENT, "n-1", "m", engine="sglang", remote=True
-    )
+    tunneled = Upstream("", DEPLOYMENT, "n-1", "m", engine="sglang", remote=True)
     async with (
         leader([tunneled], tunnels=OneLink(linked)) as (url, admission, _),
         sdk(url) as client,
@@ -257,6 +254,23 @@ async def test_a_translated_stream_through_an_agents_tunnel(linked: Linked) -> N
     assert received.path == "/v1/chat/completions"
     assert json.loads(received.body)["messages"] == [{"role": "user", "content": "hi"}]
     assert ledger(admission) == [("k-plain", 1, 0, 8, 3, 0)]
+
+
+async def test_an_untranslatable_answer_through_an_agents_tunnel_is_a_502(
+    linked: Linked,
+) -> None:
+    """A remote engine's answer berth cannot translate is the same 502 as a local one's (the
+    error names the node: a remote engine has no address the leader connects to)."""
+    linked.engine.script(json_reply({"object": "list", "data": []}))
+    tunneled = Upstream("", DEPLOYMENT, "n-1", "m", engine="sglang", remote=True)
+    async with (
+        leader([tunneled], tunnels=OneLink(linked)) as (url, _, _),
+        sdk(url) as client,
+    ):
+        with pytest.raises(anthropic.APIStatusError) as failed:
+            await client.messages.create(**ASK)
+    assert failed.value.status_code == 502
+    assert "cannot translate" in failed.value.body["error"]["message"]  # type: ignore[index]
 
 
 async def test_a_translated_stream_the_engine_breaks_off_ends_with_an_anthropic_error(
@@ -295,7 +309,7 @@ async def test_a_translated_stream_over_the_direct_path_to_an_agent(pki: Pki) ->
         await wait_for_async(lambda: side.path() == "direct", EVENT_TIMEOUT_S, "the direct path")
         side.side.engine.script(sse_reply(chat_chunks(["went direct"], usage=(6, 2))))
         upstream = Upstream(
-            tunnel_url(side.node_id, DIRECT_DEPLOYMENT),
+            "",
             DIRECT_DEPLOYMENT,
             side.node_id,
             "m",

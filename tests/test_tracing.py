@@ -26,7 +26,6 @@ from opentelemetry.proto.trace.v1.trace_pb2 import Span, Status
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from berth.admission import SlotGate
-from berth.cluster.leader.remote_link import tunnel_url
 from berth.errors import NotFoundError
 from berth.observability.metrics import ProxyMetrics
 from berth.observability.tracing import Tracing, build_tracing
@@ -159,9 +158,7 @@ async def test_a_streamed_request_through_the_tunnel_is_one_trace_from_the_calle
         async with linked_in_memory(tracer=agent_tracing.relays("n-1")) as linked:
             linked.engine.script(sse_reply(events))
             down = Upstream(_refusing_url(), "d-down", "n-down", MODEL)
-            tunneled = Upstream(
-                tunnel_url("n-1", DEPLOYMENT), DEPLOYMENT, "n-1", MODEL, remote=True
-            )
+            tunneled = Upstream("", DEPLOYMENT, "n-1", MODEL, remote=True)
             resolver = Ranked([down, tunneled])
             router = Router(resolver)
             router.signals.observe("d-down", 0.001)  # the node that is down ranks first
@@ -248,9 +245,7 @@ async def test_a_request_without_a_traceparent_starts_a_trace_and_hands_it_to_th
     tracing = _tracing(otlp_receiver, "berth-leader")
     try:
         async with linked_in_memory() as linked:  # the agent does not trace: the engine
-            tunneled = Upstream(
-                tunnel_url("n-1", DEPLOYMENT), DEPLOYMENT, "n-1", MODEL, remote=True
-            )
+            tunneled = Upstream("", DEPLOYMENT, "n-1", MODEL, remote=True)
             resolver = Ranked([tunneled])
             options = {"tunnels": OneLink(linked), "tracer": tracing.requests()}
             async with (
@@ -279,9 +274,7 @@ async def test_a_caller_s_unsampled_trace_is_followed_and_nothing_is_recorded(
     agent_tracing = _tracing(otlp_receiver, "berth-agent")
     try:
         async with linked_in_memory(tracer=agent_tracing.relays("n-1")) as linked:
-            tunneled = Upstream(
-                tunnel_url("n-1", DEPLOYMENT), DEPLOYMENT, "n-1", MODEL, remote=True
-            )
+            tunneled = Upstream("", DEPLOYMENT, "n-1", MODEL, remote=True)
             resolver = Ranked([tunneled])
             options = {"tunnels": OneLink(linked), "tracer": leader_tracing.requests()}
             unsampled = {"traceparent": f"00-{CALLER_TRACE}-{CALLER_SPAN}-00"}

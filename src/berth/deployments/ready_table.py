@@ -27,7 +27,6 @@ from collections.abc import Callable, Mapping, Sequence
 from berth.admission.capacity import DEFAULT_SLOTS, GateSlots, gate_slots
 from berth.agent.adopted import ADOPTED_ID_PREFIX
 from berth.cluster.leader.agent_link import LOCAL_NODE_ID, EngineEndpoint
-from berth.cluster.leader.remote_link import tunnel_url
 from berth.cluster.protocol.payloads import AdoptedState
 from berth.errors import NotFoundError
 from berth.placement import GpuReservation
@@ -287,10 +286,8 @@ class ReadyTable:
             self._parked.get(state.served_model_name, {}).pop(endpoint_id, None)
             if not state.alive:
                 continue
-            if node_id == LOCAL_NODE_ID:
-                base_url = f"http://{state.host}:{state.port}"
-            else:
-                base_url = tunnel_url(node_id, endpoint_id)
+            # a remote one is reached through its node's agent, at no URL of its own
+            base_url = f"http://{state.host}:{state.port}" if node_id == LOCAL_NODE_ID else ""
             engine_model = None
             if state.engine_model != state.served_model_name:
                 engine_model = state.engine_model

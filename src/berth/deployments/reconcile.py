@@ -30,7 +30,6 @@ from collections.abc import Awaitable, Callable, Sequence
 
 from berth.cluster.leader.agent_link import LOCAL_NODE_ID, AgentLink, EngineEndpoint, EngineReport
 from berth.cluster.leader.link_registry import LinkRegistry
-from berth.cluster.leader.remote_link import tunnel_url
 from berth.cluster.protocol.payloads import EngineState
 from berth.deployments.ready_table import ReadyTable
 from berth.deployments.restarts import EndCause, Ending
@@ -227,8 +226,7 @@ class Reconciler:
     ) -> None:
         node_id = link.node_id
         if engine is not None and engine.alive and record.state is DeploymentState.READY:
-            url = tunnel_url(node_id, record.id)
-            endpoint = EngineEndpoint(record.id, url, engine.pid, engine.port, remote=True)
+            endpoint = EngineEndpoint(record.id, "", engine.pid, engine.port, remote=True)
             self._writer.route(record, endpoint)
             return
         if engine is None:

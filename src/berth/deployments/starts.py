@@ -197,7 +197,11 @@ class EngineStarts:
         if not self._links.is_current(link):
             log.warning("deployment %s is ready but node %s is gone", record.id, record.node_id)
             return
-        log.info("deployment %s ready at %s", record.id, endpoint.base_url)
+        if endpoint.remote:
+            log.info("deployment %s ready on node %s (port %d there, through its agent)",
+                     record.id, record.node_id, endpoint.port)  # fmt: skip
+        else:
+            log.info("deployment %s ready at %s", record.id, endpoint.base_url)
 
     async def _start_failed(
         self, record: DeploymentRecord, link: AgentLink | None, reason: str

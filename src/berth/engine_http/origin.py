@@ -2,17 +2,14 @@
 connects to, read from a deployment's base URL.
 
 A deployment on a remote node has no origin the leader connects to: the proxy reaches it
-through that node's agent (its ``Upstream`` is ``remote``), and its base URL only names it,
-``berth-tunnel://NODE/DEPLOYMENT`` (:data:`TUNNEL_SCHEME`), in logs and answers.
+through that node's agent (its ``Upstream`` is ``remote``, with no base URL), and an error
+of that exchange names the node as ``Origin(NODE, 0)``.
 """
 
 from __future__ import annotations
 
 from typing import NamedTuple
 from urllib.parse import urlsplit
-
-#: The scheme of an engine reached through an agent's tunnel: ``berth-tunnel://NODE/DEPLOYMENT``.
-TUNNEL_SCHEME = "berth-tunnel"
 
 
 class Origin(NamedTuple):

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from berth.anthropic_errors import MESSAGES_PATH
 from berth.engine_http.answer import EngineAnswer, read_body
 from berth.engine_http.errors import UpstreamProtocolError
-from berth.engine_http.origin import parse_origin
+from berth.engine_http.origin import Origin, parse_origin
 from berth.gateway.anthropic_answer import AnswerNotTranslatableError, translate_answer
 from berth.gateway.anthropic_chat import Translated, translate_request
 from berth.gateway.anthropic_stream import ChatToMessagesStream
@@ -122,7 +122,10 @@ class _Translating:
         self._answer.close()
 
     def _untranslatable(self, why: str) -> UpstreamProtocolError:
-        origin = parse_origin(self._upstream.base_url)
+        upstream = self._upstream
+        # a remote engine has no address of its own: the error names its node, as the
+        # tunnel's and the direct path's errors do
+        origin = Origin(upstream.node_id, 0) if upstream.remote else parse_origin(upstream.base_url)
         return UpstreamProtocolError(origin, f"answered what berth cannot translate: {why}")
 
     def _check_encoding(self) -> None:

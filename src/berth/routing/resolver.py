@@ -34,7 +34,9 @@ class Upstream:
     best first; ``lora_scales`` applies it on llama.cpp.
     """
 
-    base_url: str  # http://127.0.0.1:PORT of a local engine; a remote one's is for display
+    #: ``http://127.0.0.1:PORT`` of a local engine; empty for a remote one (``remote``),
+    #: which is reached through its node's agent, at no URL of its own
+    base_url: str
     deployment_id: str
     node_id: str
     model: str  # the public model name the client asked for

@@ -50,11 +50,12 @@ class EngineEndpoint:
     """Where a healthy engine answers, as seen from the leader."""
 
     deployment_id: str
+    #: ``http://HOST:PORT`` of a local engine; empty for a remote one, which the leader
+    #: reaches through its node's agent, at no URL of its own
     base_url: str
     pid: int
     port: int
-    #: on a remote node: reached through its agent, not at ``base_url`` (which then only
-    #: names it: ``berth-tunnel://NODE/DEPLOYMENT``)
+    #: on a remote node: reached through its agent (``port`` and ``pid`` are on that host)
     remote: bool = False
 
 

@@ -65,7 +65,7 @@ from berth.engine_http.errors import (
     UpstreamError,
     UpstreamTimeoutError,
 )
-from berth.engine_http.origin import TUNNEL_SCHEME, Origin
+from berth.engine_http.origin import Origin
 from berth.engine_http.request import EngineRequest
 from berth.errors import EngineError, NotFoundError, PolicyError
 from berth.placement.model_files import FileStamp, ModelFileShape
@@ -85,10 +85,6 @@ ADAPTER_TIMEOUT_S = 150.0
 
 A = TypeVar("A", bound=msgspec.Struct)
 R = TypeVar("R")
-
-
-def tunnel_url(node_id: str, deployment_id: str) -> str:
-    return f"{TUNNEL_SCHEME}://{node_id}/{deployment_id}"
 
 
 @dataclass
@@ -175,13 +171,7 @@ class RemoteLink:
                 on_progress(decode_payload(frame.data, PreparingEvent, "preparing event").message)
 
         result = await self._call(START, args, timeout_s, progress)
-        return EngineEndpoint(
-            request.deployment_id,
-            tunnel_url(self.node_id, request.deployment_id),
-            result.pid,
-            result.port,
-            remote=True,
-        )
+        return EngineEndpoint(request.deployment_id, "", result.pid, result.port, remote=True)
 
     async def stop_deployment(self, deployment_id: str, grace_s: float) -> None:
         args = StopArgs(deployment_id=deployment_id, grace_s=grace_s)
@@ -194,8 +184,7 @@ class RemoteLink:
         Hello and the leader reconciles (``LifecycleManager.node_connected``)."""
         for engine in await self.engines():
             if engine.deployment_id == deployment_id and engine.alive:
-                url = tunnel_url(self.node_id, deployment_id)
-                return EngineEndpoint(deployment_id, url, engine.pid, engine.port, remote=True)
+                return EngineEndpoint(deployment_id, "", engine.pid, engine.port, remote=True)
         return None
 
     async def pull_model(self, repo_id: str, revision: str | None) -> str:
@@ -464,7 +453,7 @@ class _TunnelSink:
         self._sink.body_failed(UpstreamTimeoutError(self._origin, timeout_s))
 
 
-__all__ = ["RemoteLink", "TunnelResponse", "UpstreamError", "tunnel_url"]
+__all__ = ["RemoteLink", "TunnelResponse", "UpstreamError"]
 
 
 def node_inventory(node_id: str, inventory: Inventory) -> NodeInventory:
