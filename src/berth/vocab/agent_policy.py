@@ -29,15 +29,21 @@ from __future__ import annotations
 import fnmatch
 import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Literal
 
 from berth.errors import ConfigError
 from berth.vocab.deployment_request import DeploymentRequest
-from berth.vocab.engine_args import KNOWN_FLAGS, entries_for, flag_values, names_a_path
+from berth.vocab.engine_args import (
+    KNOWN_FLAGS,
+    entries_for,
+    flag_values,
+    names_a_path,
+    uses_argparse,
+)
 from berth.vocab.engines import ENGINE_NAMES, EngineName, parse_engine_name
-from berth.vocab.images import DEFAULT_GPU_IMAGES, DEFAULT_IMAGES
+from berth.vocab.images import DEFAULT_IMAGES
 
 PolicyRule = Literal["engines", "images", "model_roots", "engine_args", "gpus", "docker"]
 
@@ -82,7 +88,7 @@ class AgentPolicy:
     model_roots: tuple[Path, ...] = ()
     gpus: tuple[int, ...] | None = None
     allow_args: frozenset[str] = frozenset()
-    refuse_args: frozenset[str] = field(default_factory=frozenset)
+    refuse_args: frozenset[str] = frozenset()
 
     def summary(self) -> str:
         """One line for logs and ``berth nodes show``."""
@@ -215,12 +221,11 @@ def check_start(
     """The first rule ``request`` breaks (in the module docstring's order), or ``None``.
 
     A docker request without an image is checked with the engine's default image (the one
-    the runtime would run).
+    the agent's runtime then runs: :data:`~berth.vocab.images.DEFAULT_IMAGES`).
     """
     image = None
     if request.runtime == "docker":
-        default = DEFAULT_GPU_IMAGES if request.gpus else DEFAULT_IMAGES
-        image = request.image or default.get(request.engine) or DEFAULT_IMAGES[request.engine]
+        image = request.image or DEFAULT_IMAGES[request.engine]
     return (
         check_engine(request.engine, policy)
         or (check_image(image, policy) if image is not None else None)
@@ -300,11 +305,14 @@ def check_args(
 ) -> PolicyRefusal | None:
     """Refusal ``engine_args`` for the first argument the table or ``refuse_args`` refuses,
     or whose file lies outside the model roots; both ``--flag VALUE`` and ``--flag=VALUE``."""
+    argparse = uses_argparse(engine)
     for entry in entries_for(engine):
         if entry.rule == "refused":
             if any(flag in policy.allow_args for flag in entry.flags):
                 continue
-            found = flag_values(args, frozenset(entry.flags), takes_value=entry.takes_value)
+            found = flag_values(
+                args, frozenset(entry.flags), takes_value=entry.takes_value, argparse=argparse
+            )
             if found:
                 return PolicyRefusal(
                     "engine_args",
@@ -312,7 +320,7 @@ def check_args(
                     f"(allow it on this host with allow_args: [{entry.name}])",
                 )
             continue
-        for given in flag_values(args, frozenset(entry.flags), takes_value=True):
+        for given in flag_values(args, frozenset(entry.flags), takes_value=True, argparse=argparse):
             if given.value is None:
                 continue
             values = given.value.split(",") if entry.comma_list else [given.value]
@@ -327,7 +335,7 @@ def check_args(
                         f"extra argument {given.flag} {value}: the file is outside the model "
                         f"roots ({roots}); it {entry.why}",
                     )
-    for given in flag_values(args, policy.refuse_args, takes_value=False):
+    for given in flag_values(args, policy.refuse_args, takes_value=False, argparse=argparse):
         return PolicyRefusal(
             "engine_args", f"extra argument {given.flag} is refused by this host's refuse_args"
         )

@@ -16,7 +16,12 @@ the policy does with it (:data:`ArgRule`):
   path, as ``path``.
 
 Both spellings of a flag with a value are read: ``--flag VALUE`` and ``--flag=VALUE``
-(:func:`flag_values`).  Sources, read for berth 0.x in December 2026:
+(:func:`flag_values`).  vLLM and SGLang parse their flags with Python's ``argparse``, which
+takes an unambiguous prefix of a flag for the flag (``--trust-remote`` for
+``--trust-remote-code``), and vLLM reads ``_`` as ``-`` in a flag's name; so for them a
+flag is compared with ``_`` read as ``-`` and a prefix of a flag of the table counts as it.
+
+Sources, read in December 2026:
 
 * llama.cpp: ``llama-server --help`` of the build in berth's ``.venv`` (0.6.0-dev), the
   same text as ``tools/server/README.md`` in ggml-org/llama.cpp;
@@ -98,6 +103,8 @@ ENGINE_ARGS: tuple[EngineArg, ...] = (
              "runs the Python code shipped in the model folder", f"{_VLLM_DOCS}; {_SGLANG_DOCS}",
              takes_value=False),
     _refused(("--middleware",), _VLLM, "imports a Python class into the server", _VLLM_DOCS),
+    _refused(("--config",), _VLLM,
+             "reads more flags from a file, where the policy cannot see them", _VLLM_DOCS),
     _refused(("--tool-parser-plugin",), _VLLM, "runs a Python file as a tool parser",
              _VLLM_DOCS),
     _refused(("--enable-custom-logit-processor",), _SGLANG,
@@ -189,16 +196,18 @@ class GivenFlag:
 
 
 def flag_values(
-    args: Sequence[str], flags: frozenset[str], *, takes_value: bool
+    args: Sequence[str], flags: frozenset[str], *, takes_value: bool, argparse: bool = False
 ) -> list[GivenFlag]:
     """Each occurrence in ``args`` of a flag among ``flags``, as ``--flag VALUE`` or
-    ``--flag=VALUE`` (for a flag that ``takes_value``; a trailing one has value ``None``)."""
+    ``--flag=VALUE`` (for a flag that ``takes_value``; a trailing one has value ``None``).
+    With ``argparse`` (vLLM, SGLang), ``_`` in a given flag reads as ``-`` and a long flag
+    that is a prefix of one of ``flags`` counts as it."""
     found: list[GivenFlag] = []
     index = 0
     while index < len(args):
         arg = args[index]
         flag, equals, inline = arg.partition("=")
-        if flag in flags:
+        if _matches(flag, flags, argparse=argparse):
             if equals:
                 found.append(GivenFlag(flag, inline))
             elif takes_value and index + 1 < len(args):
@@ -208,6 +217,20 @@ def flag_values(
                 found.append(GivenFlag(flag, None))
         index += 1
     return found
+
+
+def _matches(flag: str, flags: frozenset[str], *, argparse: bool) -> bool:
+    if flag in flags:
+        return True
+    if not argparse or not flag.startswith("--") or len(flag) < 4:
+        return False
+    name = flag.replace("_", "-")
+    return any(known.startswith(name) for known in flags if known.startswith("--"))
+
+
+def uses_argparse(engine: EngineName) -> bool:
+    """Whether ``engine`` parses its flags with Python's ``argparse`` (vLLM, SGLang)."""
+    return engine in _PYTHON
 
 
 def names_a_path(rule: ArgRule, value: str) -> bool:
