@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from berth.agent.core import AgentCore
-from berth.agent.policy import enforce_mounts, enforce_path, policy_from_document
+from berth.agent.policy import enforce_mounts, enforce_path, enforce_start, policy_from_document
 from berth.config import Settings
 from berth.errors import ConfigError, PolicyError
 from berth.paths import BerthHome
@@ -413,3 +413,19 @@ def test_an_adapter_to_load_must_lie_under_the_roots(roots: Path) -> None:
         enforce_path("adapter path", str(roots / "outside" / "secret.txt"), _policy(roots))
     assert refused.value.rule == "model_roots"
     assert str(refused.value).startswith("refused by the agent policy (model_roots): adapter path")
+
+
+def test_a_link_in_the_model_folder_that_leaves_the_roots_is_refused(roots: Path) -> None:
+    folder = roots / "models" / "hf-model"
+    folder.mkdir()
+    (folder / "config.json").symlink_to(roots / "outside" / "secret.txt")
+    with pytest.raises(PolicyError) as refused:
+        enforce_start(_request(roots, engine="vllm", model_path=folder), _policy(roots))
+    assert refused.value.rule == "model_roots"
+    assert f"model file {folder / 'config.json'} (a link to {roots}/outside/secret.txt)" in str(
+        refused.value
+    )
+    (folder / "config.json").unlink()
+    (roots / "models" / "blob").write_text("{}")
+    (folder / "config.json").symlink_to("../blob")  # as a Hugging Face snapshot links
+    enforce_start(_request(roots, engine="vllm", model_path=folder), _policy(roots))

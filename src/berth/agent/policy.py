@@ -74,8 +74,28 @@ def enforce_start(request: DeploymentRequest, policy: AgentPolicy | None) -> Non
     """Raise :class:`PolicyError` naming the rule when ``policy`` refuses ``request``
     (``None``: no policy, as in tests that build a core by hand).  Resolves paths on this
     host, so call it off the event loop."""
-    if policy is not None:
-        _raise(check_start(request, policy, resolve=os.path.realpath))
+    if policy is None:
+        return
+    _raise(check_start(request, policy, resolve=os.path.realpath))
+    if request.model_path.is_dir():
+        _raise(_links_in_folder(request.model_path, policy))
+
+
+def _links_in_folder(folder: Path, policy: AgentPolicy) -> PolicyRefusal | None:
+    """Refusal ``model_roots`` for a symlink in the model folder ``folder`` that points
+    outside the roots (the engine would read its target); a Hugging Face snapshot's links
+    into its cache's ``blobs`` stay inside the cache, a root."""
+    for entry in folder.rglob("*"):
+        if entry.is_symlink():
+            refused = check_path(
+                f"model file {entry} (a link to {os.path.realpath(entry)})",
+                str(entry),
+                policy,
+                os.path.realpath,
+            )
+            if refused is not None:
+                return refused
+    return None
 
 
 def enforce_path(what: str, path: str, policy: AgentPolicy | None) -> None:
