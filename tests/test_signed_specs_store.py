@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 from sqlalchemy import create_engine, text
 
-from berth.cluster import signing_key
+from berth.cluster.pki import signing_key
+from berth.cluster.pki.signing_key import SpecSigner, carry_over
 from berth.cluster.protocol.errors import SpecRefusedError
-from berth.cluster.signing_key import SpecSigner, carry_over
 from berth.deployments.signing import SpecSigning
 from berth.errors import ConfigError
 from berth.paths import BerthHome

@@ -15,7 +15,8 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from berth.agent.core import AgentCore
-from berth.cluster import signing_key
+from berth.cluster.pki import signing_key
+from berth.cluster.pki.signing_key import SpecSigner
 from berth.cluster.protocol.errors import SpecRefusedError
 from berth.cluster.protocol.ops import START, StartArgs
 from berth.cluster.protocol.spec_signing import (
@@ -26,7 +27,6 @@ from berth.cluster.protocol.spec_signing import (
     request_of,
     sign_spec,
 )
-from berth.cluster.signing_key import SpecSigner
 from berth.errors import ConfigError
 from berth.runtime.engines import EngineBinaries
 from berth.runtime.gpu import StaticInventory
