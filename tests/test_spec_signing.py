@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 from dataclasses import replace
 from pathlib import Path
+from typing import cast
 
 import pytest
 from cryptography.hazmat.primitives import serialization
@@ -15,10 +16,11 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from berth.agent.core import AgentCore
+from berth.cluster.leader.agent_link import LOCAL_NODE_ID, AgentLink
 from berth.cluster.pki import signing_key
 from berth.cluster.pki.signing_key import SpecSigner
 from berth.cluster.protocol.errors import SpecRefusedError
-from berth.cluster.protocol.ops import START, StartArgs
+from berth.cluster.protocol.ops import SPEC_CAPABILITY, START, StartArgs
 from berth.cluster.protocol.spec_signing import (
     SpecKeys,
     canonical_spec,
@@ -27,10 +29,12 @@ from berth.cluster.protocol.spec_signing import (
     request_of,
     sign_spec,
 )
+from berth.deployments.signing import SpecSigning
 from berth.errors import ConfigError
 from berth.runtime.engines import EngineBinaries
 from berth.runtime.gpu import StaticInventory
 from berth.runtime.process import ProcessRuntime
+from berth.store import Store
 from berth.vocab.deployment_request import DeploymentRequest
 from berth.vocab.signed_spec import SignedSpec
 
@@ -199,3 +203,29 @@ async def test_node_locals_core_refuses_a_start_the_cluster_did_not_sign(tmp_pat
         assert not (tmp_path / "logs").exists() or not any((tmp_path / "logs").iterdir())
     finally:
         core.close()
+
+
+class _Link:
+    """What the leader's node check reads of a link: its node and capabilities."""
+
+    def __init__(self, node_id: str, capabilities: frozenset[str]) -> None:
+        self.node_id = node_id
+        self.capabilities = capabilities
+
+
+@pytest.mark.parametrize("required", [False, True])
+def test_an_agent_that_does_not_check_specs_is_named_and_refused_when_required(
+    required: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    signing = SpecSigning(cast(Store, None), SpecSigner.in_memory(), require_agent_check=required)
+    old = cast(AgentLink, _Link("n-old", frozenset({"op.start"})))
+    new = cast(AgentLink, _Link("n-new", frozenset({"op.start", SPEC_CAPABILITY})))
+    local = cast(AgentLink, _Link(LOCAL_NODE_ID, frozenset()))
+    signing.check_node(new, "d-1")
+    signing.check_node(local, "d-1")  # node local's core always checks
+    if required:
+        with pytest.raises(SpecRefusedError, match="node n-old's agent does not check signed"):
+            signing.check_node(old, "d-1")
+    else:
+        signing.check_node(old, "d-1")
+        assert "node n-old's agent does not check signed specs" in caplog.text

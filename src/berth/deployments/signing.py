@@ -25,11 +25,9 @@ import logging
 from dataclasses import replace
 
 from berth.cluster.leader.agent_link import LOCAL_NODE_ID, AgentLink
-from berth.cluster.link.connection import RemoteOpError
 from berth.cluster.pki.signing_key import SpecSigner
 from berth.cluster.protocol.errors import SpecRefusedError
 from berth.cluster.protocol.ops import SPEC_CAPABILITY
-from berth.cluster.protocol.payloads import ErrorCode
 from berth.cluster.protocol.spec_signing import check_signed, request_of
 from berth.store import Store
 from berth.vocab.deployment_request import DeploymentRequest
@@ -39,11 +37,10 @@ log = logging.getLogger(__name__)
 
 
 def is_spec_refusal(exc: BaseException) -> bool:
-    """Whether a start failed because its spec was refused: here (:class:`SpecRefusedError`,
-    node ``local``'s core raises it too) or by a remote agent (error code ``spec_refused``)."""
-    if isinstance(exc, SpecRefusedError):
-        return True
-    return isinstance(exc, RemoteOpError) and exc.info.code == ErrorCode.SPEC_REFUSED
+    """Whether a start failed because its spec was refused: here, by node ``local``'s core,
+    or by a remote agent (whose ``spec_refused`` answer the link raises as
+    :class:`SpecRefusedError`)."""
+    return isinstance(exc, SpecRefusedError)
 
 
 class SpecSigning:
