@@ -1,7 +1,7 @@
 """Signed specs in the store, on SQLite and PostgreSQL: migration 18's columns, the leader's
 refusal of a row the API did not sign (:mod:`berth.deployments.signing`), signatures
 carried over a key rotation, and the signing key shared sealed between leaders
-(:func:`berth.cluster.signing_key.share_through_store`)."""
+(:func:`berth.cluster.pki.signing_key.share_through_store`)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Signed specs, in process: the canonical form, signing and checking
 (:mod:`berth.cluster.protocol.spec_signing`), the wire form of a signed start, the signing
-key's files and rotation (:mod:`berth.cluster.signing_key`), and node ``local``'s core
+key's files and rotation (:mod:`berth.cluster.pki.signing_key`), and node ``local``'s core
 refusing what the cluster did not sign."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The spec signing keys an agent trusts: pinned at enrollment, replaced at renewal.
 
-The leader hands its public spec signing keys (:mod:`berth.cluster.signing_key`; current
+The leader hands its public spec signing keys (:mod:`berth.cluster.pki.signing_key`; current
 first, two during a rotation) to an agent in the registration answer and in every renewal
 answer (``spec_keys_pem``), both over TLS verified against the pinned CA.  The agent keeps
 them in ``spec-keys.pem`` beside its certificate (mode 0644, written atomically) and reads

@@ -125,7 +125,7 @@ class LeaderTls:
     public: ReloadingTLS
     cluster: ReloadingTLS
     reloads: CertificateReloads
-    #: the cluster's spec signing key, beside the CA (berth.cluster.signing_key)
+    #: the cluster's spec signing key, beside the CA (berth.cluster.pki.signing_key)
     signer: SpecSigner
 
 

@@ -46,7 +46,7 @@ class BootstrapMethods:
     def cluster_bootstrap(self, name: str = BOOTSTRAP_NAME) -> SealedBootstrap | None:
         """The published sealed bootstrap data, or ``None`` when no leader published yet.
         ``name``: which sealed row (the CA and pepper's, or the spec signing key's,
-        :mod:`berth.cluster.signing_key`)."""
+        :mod:`berth.cluster.pki.signing_key`)."""
         with self._read() as session:
             row = session.get(ClusterBootstrapRow, name)
             return None if row is None else _record(row)

@@ -348,7 +348,7 @@ class LeaderMemberRow(Base):
 
 class ClusterBootstrapRow(Base):
     """The cluster's sealed CA and key pepper (row ``cluster``; migration 15) and its spec
-    signing key (row ``spec-signing``, :mod:`berth.cluster.signing_key`):
+    signing key (row ``spec-signing``, :mod:`berth.cluster.pki.signing_key`):
     the key derivation's salt, the AES-GCM nonce and ciphertext, and when it was published
     (Unix seconds); :mod:`berth.store.bootstrap`."""
 

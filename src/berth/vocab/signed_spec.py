@@ -1,7 +1,7 @@
 """A deployment spec signed by the cluster: :class:`SignedSpec`.
 
 The leader signs the spec of a deployment the admin API or CLI accepted with the cluster's
-signing key (Ed25519, :mod:`berth.cluster.signing_key`); the signature travels with every
+signing key (Ed25519, :mod:`berth.cluster.pki.signing_key`); the signature travels with every
 start of it, and the agent that runs it checks both (:mod:`berth.cluster.protocol.spec_signing`
 says what is signed and how it is checked).
 """

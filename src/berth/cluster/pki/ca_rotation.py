@@ -12,7 +12,7 @@ its key stay, as ``ca-previous.pem`` and ``ca-previous.key``.  While both are th
   trusts (enrollment URIs pin it too); the listeners serve them from their files;
 - ``berth ca status`` (:func:`holders_of_old_leaves`) names the nodes whose current
   certificate the old CA issued;
-- the spec signing key (:mod:`berth.cluster.signing_key`) rotates with the CA: the new key
+- the spec signing key (:mod:`berth.cluster.pki.signing_key`) rotates with the CA: the new key
   signs, the old one is still trusted, agents get both at renewal, and the stored
   signatures are signed again with the new key (``POST /admin/ca/rotate``).  Retiring the
   CA retires the old signing key too.

@@ -16,7 +16,7 @@ deployment keeps starting after the old key is retired.
 
 With ``leader_ha`` and a ``cluster_secret`` the key is shared through the store like the CA
 (:func:`share_through_store`): sealed under the secret (the same scrypt and AES-256-GCM as
-:mod:`berth.cluster.bootstrap`, its own associated data) in the ``cluster_bootstrap`` row
+:mod:`berth.cluster.pki.bootstrap`, its own associated data) in the ``cluster_bootstrap`` row
 ``spec-signing``, never in the clear.  The first leader to publish wins; the others install
 it.  A cluster upgraded with its CA already published gains the row from its first upgraded
 leader.
@@ -139,7 +139,7 @@ def trusted_in(ca_dir: Path) -> SpecKeys:
 
 def rotate(ca_dir: Path) -> None:
     """Keep the current key as the previous one and make a new current key (``berth ca
-    rotate``, :func:`berth.cluster.ca_rotation.rotate`); :func:`carry_over` then signs the
+    rotate``, :func:`berth.cluster.pki.ca_rotation.rotate`); :func:`carry_over` then signs the
     stored specs again."""
     SpecSigner.load_or_create(ca_dir)  # a CA made before signed specs has none yet
     current = (ca_dir / SIGNING_KEY_FILE).read_bytes()

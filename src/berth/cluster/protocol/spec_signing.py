@@ -15,7 +15,7 @@ rebuild them with its standard JSON encoder.  No floats are signed (every field 
 string, an integer, a list of them, or ``null``), so number formatting cannot differ.
 
 **Signing** (:func:`sign_spec`): Ed25519 (RFC 8032) over the canonical bytes, with the
-cluster's signing key (:mod:`berth.cluster.signing_key`).  The leader signs once, when the
+cluster's signing key (:mod:`berth.cluster.pki.signing_key`).  The leader signs once, when the
 admin API or CLI accepted the deployment; restarts carry the stored signature.
 
 **Checking** (:func:`check_signed`), on the host that runs the engine: the signature must
