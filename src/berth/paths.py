@@ -106,6 +106,12 @@ class BerthHome:
         return self.root / "ca.pem"
 
     @property
+    def agent_spec_keys(self) -> Path:
+        """The cluster's spec signing keys (public, PEM), pinned at registration and
+        replaced by renewals (:mod:`berth.agent.spec_keys`)."""
+        return self.root / "spec-keys.pem"
+
+    @property
     def agent_log(self) -> Path:
         """The agent's full log (``berth agent logs``)."""
         return self.logs_dir / "agent.log"

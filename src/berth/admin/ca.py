@@ -12,6 +12,7 @@ from berth.admin.roles import needs
 from berth.api.ca import CaStatus, OldLeafHolder, RetireIn
 from berth.cluster.pki.ca import CertificateAuthority
 from berth.cluster.pki.ca_rotation import holders_of_old_leaves, retire, rotate
+from berth.cluster.pki.signing_key import SpecSigner, carry_over
 from berth.store import Store
 from berth.vocab.roles import Role
 
@@ -41,7 +42,10 @@ def build_ca_router(ca: CertificateAuthority, store: Store) -> APIRouter:
     @router.post("/admin/ca/rotate", dependencies=[needs(Role.ADMIN)])
     async def ca_rotate() -> CaStatus:
         await asyncio.to_thread(rotate, ca)
-        log.warning("cluster CA rotated: new leaves under %s", ca.fingerprint_sha256)
+        signer = SpecSigner.load_or_create(ca.ca_dir)
+        moved = await asyncio.to_thread(carry_over, store, signer)
+        log.warning("cluster CA rotated: new leaves under %s, specs signed by %s (%d signed "
+                    "again)", ca.fingerprint_sha256, signer.key_id, moved)  # fmt: skip
         return await asyncio.to_thread(status)
 
     @router.post("/admin/ca/retire", dependencies=[needs(Role.ADMIN)])

@@ -35,6 +35,7 @@ from berth.cluster.leader.agent_link import (
     ProbeResult,
     SpawnListener,
 )
+from berth.cluster.protocol.spec_signing import SpecKeys, check_signed
 from berth.engine_http.auth import bearer_header
 from berth.errors import EngineError, NotFoundError
 from berth.runtime.base import EngineExit, EngineHandle, ProgressListener, Runtime
@@ -99,6 +100,11 @@ class AgentCore:
 
     ``policy`` is the host's agent policy (:mod:`berth.agent.policy`): a start it refuses
     raises :class:`~berth.errors.PolicyError` naming the rule, before anything is prepared.
+
+    ``spec_keys`` returns the keys this host trusts for signed specs (read at each start: a
+    renewal may bring new ones); every start is then refused unless its spec is signed by
+    one of them and matches (:func:`~berth.cluster.protocol.spec_signing.check_signed`,
+    ``SpecRefusedError``).  ``None`` checks nothing: only tests build a core without keys.
     """
 
     def __init__(
@@ -114,10 +120,12 @@ class AgentCore:
         adopted: AdoptedWatcher | None = None,
         keys_dir: Path | None = None,
         policy: AgentPolicy | None = None,
+        spec_keys: Callable[[], SpecKeys] | None = None,
     ) -> None:
         self.adopted = adopted
         #: what this host lets berth start (``None``: anything, for cores built by hand)
         self.policy = policy
+        self._spec_keys = spec_keys
         self._keys_dir = keys_dir if keys_dir is not None else logs_dir.parent / "engine-keys"
         self._journal = EngineJournal(journal_path) if journal_path is not None else None
         #: one journal write at a time, in the order they were asked for
@@ -206,6 +214,8 @@ class AgentCore:
         on_spawned: SpawnListener | None,
         on_progress: ProgressListener | None,
     ) -> EngineHandle:
+        if self._spec_keys is not None:  # nothing runs here that the cluster did not sign
+            check_signed(request, await asyncio.to_thread(self._spec_keys))
         log_path = self.log_path(request.deployment_id)
         runtime = self._runtime_for(request.runtime)
         request = replace(request, log_path=log_path, api_key=new_engine_key())

@@ -25,6 +25,7 @@ from cryptography.x509.oid import NameOID
 
 from berth.agent.identity import AgentIdentity, pinned_certificate, save_agent_identity
 from berth.agent.leaders import LEADERS_FILE, LeaderList
+from berth.agent.spec_keys import save_spec_keys
 from berth.cluster.pki.ca import fingerprint_of_pem
 from berth.cluster.pki.enrollment import EnrollmentURI
 from berth.errors import AuthError, BerthError, ConfigError, DaemonError, RateLimitError
@@ -130,6 +131,12 @@ def register_agent(
         enrolled_at=clock(),
         ca_fingerprints=pins,
     )
+    # The spec signing keys came over the same verified TLS: a start they did not sign is
+    # refused here from now on (berth.agent.spec_keys).
+    try:
+        save_spec_keys(home, str(answer.get("spec_keys_pem") or ""))
+    except ConfigError as exc:
+        raise DaemonError(f"the leader's spec signing keys do not parse: {exc}") from None
     # The leaders to fail over to, from the URI; every Welcome brings the list up to date.
     LeaderList(uri.leaders, uri.leader_url, home.root / LEADERS_FILE).save()
     return identity

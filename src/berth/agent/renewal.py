@@ -32,6 +32,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
 from berth.agent.cert_pair import save_trust_bundle, write_renewed_pair
+from berth.agent.spec_keys import save_spec_keys
 from berth.agent.status import AgentStatus
 from berth.backoff import jittered_delay_s
 from berth.cluster.link.connection import LinkConnection
@@ -39,7 +40,8 @@ from berth.cluster.pki.ca import CLOCK_SKEW, fingerprint_of_der, fingerprint_of_
 from berth.cluster.protocol.errors import LinkError
 from berth.cluster.protocol.frames import Welcome
 from berth.cluster.protocol.ops import RENEW, RenewArgs, RenewResult
-from berth.errors import BerthError
+from berth.cluster.protocol.spec_signing import SpecKeys
+from berth.errors import BerthError, ConfigError
 from berth.humanize import age
 from berth.paths import BerthHome
 
@@ -213,6 +215,11 @@ class CertificateRenewer:
         args = RenewArgs(csr_pem=csr.public_bytes(serialization.Encoding.PEM).decode())
         result = await conn.call(RENEW, args, timeout_s=RENEW_TIMEOUT_S)
         cert, roots = self._check(result, key)
+        try:  # checked before anything is written
+            if result.spec_keys_pem.strip():
+                SpecKeys.from_pem(result.spec_keys_pem.encode())
+        except (ConfigError, UnicodeEncodeError) as exc:
+            raise RenewalRejected(f"the leader's spec signing keys do not parse: {exc}") from None
         key_pem = key.private_bytes(
             serialization.Encoding.PEM,
             serialization.PrivateFormat.PKCS8,
@@ -222,6 +229,7 @@ class CertificateRenewer:
         fingerprints = [fingerprint_of_pem(root.public_bytes(serialization.Encoding.PEM))
                         for root in roots]  # fmt: skip
         await asyncio.to_thread(self._write, key_pem, cert, bundle, fingerprints)
+        await asyncio.to_thread(save_spec_keys, self._home, result.spec_keys_pem)
         facts = _facts(cert)
         self._status.certificate(facts.serial, facts.not_after)
         if self._on_renewed is not None:

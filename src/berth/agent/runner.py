@@ -11,6 +11,7 @@ them.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import os
@@ -41,6 +42,7 @@ from berth.agent.owner import own_engines
 from berth.agent.policy import policy_from_document
 from berth.agent.renewal import REENROLL_HINT, CertificateFacts, certificate_line
 from berth.agent.service import AgentService
+from berth.agent.spec_keys import pinned_spec_keys
 from berth.cluster.protocol.errors import CloseCode
 from berth.config import Settings
 from berth.errors import ConfigError, ConflictError
@@ -281,6 +283,7 @@ def _build_core(
         docker_shm_size=settings.docker_shm_size,
         adopted=AdoptedWatcher(home.adopted_file),
         policy=policy,
+        spec_keys=functools.partial(pinned_spec_keys, home),  # runs only what was signed
     )
 
 

@@ -27,7 +27,7 @@ from berth.agent.node_sampler import core_heartbeat
 from berth.agent.relay import MAX_REQUEST_BODY_BYTES, EngineRelay
 from berth.cluster.link.connection import LinkConnection
 from berth.cluster.link.tunnel_stream import StreamResetError, TunnelStream
-from berth.cluster.protocol.errors import ProtocolError
+from berth.cluster.protocol.errors import ProtocolError, SpecRefusedError
 from berth.cluster.protocol.frames import (
     PROTOCOL_MAX,
     PROTOCOL_MIN,
@@ -46,6 +46,7 @@ from berth.cluster.protocol.ops import (
     PROBE,
     PULL,
     RUNTIME_CAPABILITIES,
+    SPEC_CAPABILITY,
     START,
     STOP,
     STREAM_CAPABILITIES,
@@ -218,6 +219,7 @@ class AgentService:
             capabilities=[
                 *(op.capability for op in OPS.values() if self._serves(op.name)),
                 *STREAM_CAPABILITIES,
+                SPEC_CAPABILITY,  # the core refuses a start the cluster did not sign
                 *(RUNTIME_CAPABILITIES[r.name] for r in self._runtimes if r.available),
             ],
             inventory=self.inventory(),
@@ -271,6 +273,10 @@ class AgentService:
         except PolicyError as exc:
             log.warning("request %s (%s) refused: %s", request.id, request.op, exc)
             info = ErrorInfo(code=ErrorCode.POLICY_REFUSED, message=str(exc), rule=exc.rule)
+            conn.respond(request.id, error=info)
+        except SpecRefusedError as exc:
+            log.error("refused a start: %s", exc)
+            info = ErrorInfo(code=ErrorCode.SPEC_REFUSED, message=str(exc))
             conn.respond(request.id, error=info)
         except BerthError as exc:
             conn.respond(request.id, error=ErrorInfo(code=ErrorCode.INVALID, message=str(exc)))

@@ -162,6 +162,7 @@ class Settings:
     node_timeout_s: float
     link_timeout_s: float
     agent_cert_lifetime_s: float
+    require_agent_spec_check: bool
     direct_probe_interval_s: float
     direct_probe_timeout_s: float
     agent_advertise: str | None

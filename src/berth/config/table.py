@@ -457,6 +457,11 @@ SETTINGS: tuple[SettingDef, ...] = (
                "seconds an agent's client certificate is valid; agents renew it over their "
                "link at two thirds of it (tests use a few tens)",
                default=86400.0, minimum=10.0, maximum=400 * 86400.0),
+    SettingDef("require_agent_spec_check", "bool", "cluster",
+               "start engines only on agents that check the cluster's signed specs "
+               "themselves; off: an older (0.1) agent still runs what this leader, which "
+               "checks every signature, sends it (docs/versions.md)",
+               default=False),
     SettingDef("direct_probe_interval_s", "float", "cluster",
                "seconds between probes of an agent's direct ingress (0: always the tunnel)",
                default=2.0, minimum=0.0),

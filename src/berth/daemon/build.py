@@ -231,6 +231,7 @@ async def build_leader(
         store, links, settings, events=events, waiting=waiting, slots=slots,
         metrics=metrics.proxy, audit=audit,
         check_agent_policies=environ.get(SKIP_POLICY_CHECK_ENV) != "1",
+        signer=tls.signer,
     )  # fmt: skip
     if core is not None:  # this host's engines: an end is heard by the lifecycle at once
         core.on_engine_end(functools.partial(lifecycle.engine_ended, LOCAL_NODE_ID))

@@ -11,6 +11,7 @@ to which the controller is attached once built.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -32,11 +33,13 @@ from berth.cluster.leader.listener import (
     cluster_ssl_context,
     cluster_tls_files,
 )
+from berth.cluster.pki import signing_key
 from berth.cluster.pki.bootstrap import share_through_store
 from berth.cluster.pki.ca import CertificateAuthority
 from berth.cluster.pki.enrollment import AuditLog
 from berth.cluster.pki.peer_identity import ForwardedFingerprintTrust
 from berth.cluster.pki.renewal import LinkCertificates
+from berth.cluster.pki.signing_key import SpecSigner, trusted_in
 from berth.config import Settings
 from berth.daemon.public_tls import public_ssl_context, public_tls_files
 from berth.deployments.adapters import AdapterManager
@@ -122,6 +125,8 @@ class LeaderTls:
     public: ReloadingTLS
     cluster: ReloadingTLS
     reloads: CertificateReloads
+    #: the cluster's spec signing key, beside the CA (berth.cluster.pki.signing_key)
+    signer: SpecSigner
 
 
 async def share_bootstrap(home: BerthHome, settings: Settings, store: Store) -> None:
@@ -146,6 +151,7 @@ async def share_bootstrap(home: BerthHome, settings: Settings, store: Store) -> 
         )
         return
     await asyncio.to_thread(share_through_store, home, store, settings.cluster_secret)
+    await asyncio.to_thread(signing_key.share_through_store, home, store, settings.cluster_secret)
 
 
 async def load_tls(home: BerthHome, settings: Settings, store: Store) -> LeaderTls:
@@ -155,6 +161,7 @@ async def load_tls(home: BerthHome, settings: Settings, store: Store) -> LeaderT
     connections only). ``ConfigError`` for an operator's pair OpenSSL refuses."""
     await share_bootstrap(home, settings, store)
     ca = await asyncio.to_thread(CertificateAuthority.load_or_create, home.ca_dir)
+    signer = await asyncio.to_thread(SpecSigner.load_or_create, home.ca_dir)  # made with the CA
     public_files = await asyncio.to_thread(public_tls_files, settings, home, ca)
     pepper = await asyncio.to_thread(load_or_create_pepper, home.pepper_file)
     cluster_files = await asyncio.to_thread(
@@ -165,7 +172,7 @@ async def load_tls(home: BerthHome, settings: Settings, store: Store) -> LeaderT
         ReloadingTLS.load, "cluster", *cluster_files, lambda c, k: cluster_ssl_context(ca, c, k)
     )
     reloads = CertificateReloads([public, cluster], interval_s=settings.tls_reload_interval_s)
-    return LeaderTls(ca, pepper, public, cluster, reloads)
+    return LeaderTls(ca, pepper, public, cluster, reloads, signer)
 
 
 # -- metrics, admission, the local node -------------------------------------------------------
@@ -244,6 +251,7 @@ def build_local_core(home: BerthHome, settings: Settings, environ: Mapping[str, 
         docker_shm_size=settings.docker_shm_size,
         adopted=AdoptedWatcher(home.adopted_file),
         policy=settings.agent_policy(environ),
+        spec_keys=functools.partial(trusted_in, home.ca_dir),  # a start runs only what was signed
     )
 
 
@@ -345,6 +353,7 @@ def build_lifecycle(
     metrics: ProxyMetrics,
     audit: AuditLog,
     check_agent_policies: bool = True,
+    signer: SpecSigner,
 ) -> LifecycleManager:
     """The deployment manager, with the settings' timeouts, probes, images and restart
     backoff; ``slots`` hears of capacity changes (waiters may go);
@@ -373,6 +382,8 @@ def build_lifecycle(
         ),
         on_restart=restart_reporter(metrics, audit.append),
         default_slots=settings.default_slots,
+        signer=signer,
+        require_agent_spec_check=settings.require_agent_spec_check,
     )
 
 

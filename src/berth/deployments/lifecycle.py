@@ -26,6 +26,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from berth.admission.capacity import DEFAULT_SLOTS
 from berth.cluster.leader.agent_link import LOCAL_NODE_ID
 from berth.cluster.leader.link_registry import LinkRegistry
+from berth.cluster.pki.signing_key import SpecSigner
 from berth.cluster.protocol.payloads import AdoptedState, EngineState
 from berth.deployments.estimates import VramEstimator
 from berth.deployments.lora_plan import plan_lora
@@ -44,6 +45,7 @@ from berth.deployments.reconcile import (
     Reconciler,
 )
 from berth.deployments.restarts import Backoff
+from berth.deployments.signing import SpecSigning
 from berth.deployments.starts import EngineStarts
 from berth.deployments.supervisor import RestartListener
 from berth.deployments.transitions import StateListener, StateWriter
@@ -112,6 +114,11 @@ class LifecycleManager:
     ``on_restart`` hears of each one carried out.  ``check_agent_policies``: placement
     leaves out nodes whose agent policy would refuse (off only to test the agents' own
     refusal).
+    ``signer`` is the cluster's spec signing
+    key (``None``: a key made in memory, for a leader without a home); the first start of a
+    deployment placed here is signed with it, and no other start runs without a valid
+    signature (:mod:`berth.deployments.signing`); ``require_agent_spec_check`` refuses starts
+    on agents that do not check signatures themselves.
     """
 
     def __init__(
@@ -135,8 +142,16 @@ class LifecycleManager:
         on_restart: RestartListener | None = None,
         default_slots: int = DEFAULT_SLOTS,
         check_agent_policies: bool = True,
+        signer: SpecSigner | None = None,
+        require_agent_spec_check: bool = False,
     ) -> None:
         self._store = store
+        #: signs what deploy() accepted, checks every later start (berth.deployments.signing)
+        self.signing = SpecSigning(
+            store,
+            signer if signer is not None else SpecSigner.in_memory(),
+            require_agent_check=require_agent_spec_check,
+        )
         self._links = links
         self._policy = PlacementPolicy(
             check_agent_policies=check_agent_policies,
@@ -166,6 +181,7 @@ class LifecycleManager:
             health_timeout_s=health_timeout_s,
             restart_backoff=restart_backoff,
             on_restart=on_restart,
+            signing=self.signing,
         )
         #: the starts in flight by deployment id, and the restart policy (both the starts')
         self._starting = self._starts.starting

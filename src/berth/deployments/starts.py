@@ -15,17 +15,18 @@ from collections.abc import Awaitable, Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
-from berth.cluster.leader.agent_link import LOCAL_NODE_ID, AgentLink
+from berth.cluster.leader.agent_link import AgentLink
 from berth.cluster.leader.link_registry import LinkRegistry
-from berth.deployments.lora_plan import LoraPlan, plan_lora
+from berth.deployments.lora_plan import LoraPlan
 from berth.deployments.restarts import Backoff, Ending
+from berth.deployments.signing import SpecSigning, is_spec_refusal
 from berth.deployments.supervisor import RestartListener, Supervisor
 from berth.deployments.transitions import StateWriter
 from berth.errors import BerthError, EngineError
 from berth.placement import ModelAt, ModelPull, Placement
 from berth.store import Store
 from berth.vocab.deployment_request import DeploymentRequest
-from berth.vocab.engines import EngineName, RuntimeName, parse_engine_name, parse_runtime_name
+from berth.vocab.engines import EngineName, RuntimeName
 from berth.vocab.records import DeploymentRecord
 from berth.vocab.states import RESTARTING_STATES, DeploymentState
 
@@ -49,7 +50,9 @@ class EngineStarts:
         health_timeout_s: float,
         restart_backoff: Backoff,
         on_restart: RestartListener | None,
+        signing: SpecSigning,
     ) -> None:
+        self._signing = signing
         self._store = store
         self._links = links
         self._writer = writer
@@ -77,7 +80,8 @@ class EngineStarts:
         async def request() -> DeploymentRequest:
             await self._writer.transition(record.id, DeploymentState.LOADING)
             model_path = await self._model_path(record, link, placement.model)
-            return start_request(record, model_path, engine, placement.runtime, lora)
+            built = start_request(record, model_path, engine, placement.runtime, lora)
+            return await self._signing.sign_accepted(built)  # the one place that signs
 
         self._track(record.id, self._carry_out_start(record, link, request))
 
@@ -89,7 +93,8 @@ class EngineStarts:
 
     async def _start_again(self, deployment_id: str, ending: Ending) -> None:
         """The restart policy's backoff is over: start the deployment's engine again on its
-        node, from its recorded spec (the supervisor's ``start_again``)."""
+        node, as its signed spec says (the supervisor's ``start_again``;
+        :meth:`SpecSigning.for_restart`)."""
         record = await asyncio.to_thread(self._store.get_deployment, deployment_id)
         if record.state not in RESTARTING_STATES:
             return  # stopped meanwhile
@@ -105,40 +110,9 @@ class EngineStarts:
         async def request() -> DeploymentRequest:
             if link is None:
                 raise EngineError(f"node {record.node_id} is not connected")
-            return await self._restart_request(record, link)
+            return self._signing.for_restart(record)  # what was signed, verified
 
         self._track(record.id, self._carry_out_start(record, link, request))
-
-    async def _restart_request(
-        self, record: DeploymentRecord, link: AgentLink
-    ) -> DeploymentRequest:
-        """What a restart asks of the node: the deployment's recorded spec, with the model's
-        path on that node and the LoRA adapters its base has now.
-
-        Raises ``NotFoundError`` for a model removed since and ``EngineError`` when the
-        node has no recorded path for it.
-        """
-        model = await asyncio.to_thread(self._store.get_model, record.model_name)
-        path: str | None = None
-        if record.node_id == LOCAL_NODE_ID and model.source != "remote":
-            path = str(model.path)
-        else:
-            located = await asyncio.to_thread(self._store.list_model_locations, model.name)
-            path = next((m.path for m in located if m.node_id == record.node_id), None)
-        if path is None:
-            raise EngineError(f"model {model.name} has no recorded path on node {record.node_id}")
-        engine = parse_engine_name(record.engine)
-        runtime = parse_runtime_name(record.runtime)
-        adapters = await asyncio.to_thread(self._store.list_adapters, model.name)
-        lora = plan_lora(
-            engine,
-            runtime,
-            record.node_id,
-            adapters,
-            max_adapters=record.adapter_slots,
-            node_serves_adapters="op.load_adapter" in link.capabilities,
-        )
-        return start_request(record, Path(path), engine, runtime, lora)
 
     async def _carry_out_start(
         self,
@@ -152,6 +126,7 @@ class EngineStarts:
         try:
             built = await request()
             assert link is not None  # request() raised otherwise
+            self._signing.check_node(link, record.id)
 
             async def record_spawn(pid: int, port: int) -> None:
                 # Recorded before the engine is healthy, so a crash mid-load can be cleaned up.
@@ -172,6 +147,12 @@ class EngineStarts:
         except asyncio.CancelledError:
             return  # stop() owns the transition to stopping/stopped
         except BerthError as exc:
+            if is_spec_refusal(exc):  # no restart can help: fail it, saying why
+                log.error("deployment %s was not started: %s", record.id, exc)
+                await self._writer.transition(
+                    record.id, DeploymentState.FAILED, failure_reason=str(exc)
+                )
+                return
             log.warning("deployment %s failed to start: %s", record.id, exc)
             await self._start_failed(record, link, str(exc))
             return

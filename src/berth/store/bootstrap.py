@@ -43,24 +43,28 @@ class BootstrapMethods:
     def _write(self) -> AbstractContextManager[Session]:
         raise NotImplementedError
 
-    def cluster_bootstrap(self) -> SealedBootstrap | None:
-        """The published sealed bootstrap data, or ``None`` when no leader published yet."""
+    def cluster_bootstrap(self, name: str = BOOTSTRAP_NAME) -> SealedBootstrap | None:
+        """The published sealed bootstrap data, or ``None`` when no leader published yet.
+        ``name``: which sealed row (the CA and pepper's, or the spec signing key's,
+        :mod:`berth.cluster.pki.signing_key`)."""
         with self._read() as session:
-            row = session.get(ClusterBootstrapRow, BOOTSTRAP_NAME)
+            row = session.get(ClusterBootstrapRow, name)
             return None if row is None else _record(row)
 
-    def publish_cluster_bootstrap(self, sealed: SealedBootstrap) -> SealedBootstrap:
+    def publish_cluster_bootstrap(
+        self, sealed: SealedBootstrap, *, name: str = BOOTSTRAP_NAME
+    ) -> SealedBootstrap:
         """Store ``sealed`` unless a row is already there; return the stored one (``sealed``
         itself, or what another leader published first).  Not fenced: it is written before
         any leader holds the lease.  Writers take turns (:mod:`berth.store.db`), so the look
         and the insert cannot be split by another leader's insert."""
         with self._write() as session:
-            row = session.get(ClusterBootstrapRow, BOOTSTRAP_NAME)
+            row = session.get(ClusterBootstrapRow, name)
             if row is not None:
                 return _record(row)
             session.add(
                 ClusterBootstrapRow(
-                    name=BOOTSTRAP_NAME,
+                    name=name,
                     salt=sealed.salt,
                     nonce=sealed.nonce,
                     ciphertext=sealed.ciphertext,

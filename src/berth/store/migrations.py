@@ -430,6 +430,15 @@ def _v17_key_roles(conn: Connection) -> None:
     conn.execute(text("UPDATE api_keys SET role = 'admin' WHERE tier = 'admin'"))
 
 
+def _v18_signed_specs(conn: Connection) -> None:
+    # Nullable, no default: a deployment made before signed specs has no signature, and the
+    # leader refuses to start it until it is deployed again (docs/security.md). The same
+    # statements on SQLite and PostgreSQL.
+    _add_column(conn, "deployments", Column("signed_spec", Text, nullable=True))
+    _add_column(conn, "deployments", Column("spec_signature", String(128), nullable=True))
+    _add_column(conn, "deployments", Column("spec_key_id", String(64), nullable=True))
+
+
 #: Every migration, in increasing order (numbers may skip: see the module docstring).
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(1, "models, deployments and api_keys", _v1_initial),
@@ -455,6 +464,7 @@ MIGRATIONS: tuple[Migration, ...] = (
     Migration(15, "cluster_bootstrap (the sealed CA and key pepper)", _v15_cluster_bootstrap),
     Migration(16, "node_drains and drain_moves (cordon and drain)", _v16_node_drains),
     Migration(17, "api_keys.role (viewer, operator or admin for admin keys)", _v17_key_roles),
+    Migration(18, "deployments' signed spec, signature and signing key id", _v18_signed_specs),
 )
 
 LATEST_VERSION = MIGRATIONS[-1].version

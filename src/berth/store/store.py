@@ -12,6 +12,7 @@ another writer, in this process or another leader's.  Database failures surface 
 
 from __future__ import annotations
 
+import base64
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime
@@ -50,6 +51,7 @@ from berth.store.usage import UsageMethods
 from berth.store.values import UNCHANGED, Unchanged, aware, fresh_id
 from berth.vocab.policies import DEFAULT_RESTART_POLICY, RestartPolicy, check_restart_policy
 from berth.vocab.records import MODEL_SOURCES, DeploymentRecord, ModelRecord, ModelSource
+from berth.vocab.signed_spec import SignedSpec
 from berth.vocab.states import TERMINAL_STATES, DeploymentState, can_transition
 
 _ACTIVE_STATES = tuple(s.value for s in DeploymentState if s not in TERMINAL_STATES)
@@ -381,6 +383,19 @@ class Store(
             row.updated_at = self._clock()
         return _deployment_record(row)
 
+    def set_deployment_signature(self, deployment_id: str, signed: SignedSpec) -> DeploymentRecord:
+        """Store the spec the cluster signed for the deployment (see
+        :class:`~berth.vocab.signed_spec.SignedSpec`); :class:`NotFoundError` for an unknown
+        id.  Only the deploy path of the admin API and CLI, and a key rotation carrying
+        signatures over, call it."""
+        with self._fenced_write() as session:
+            row = _get_deployment_row(session, deployment_id)
+            row.signed_spec = signed.spec.decode("ascii")
+            row.spec_signature = base64.b64encode(signed.signature).decode("ascii")
+            row.spec_key_id = signed.key_id
+            row.updated_at = self._clock()
+        return _deployment_record(row)
+
     # --- sessions ----------------------------------------------------------------------
 
     @contextmanager
@@ -456,4 +471,17 @@ def _deployment_record(row: DeploymentRow) -> DeploymentRecord:
         restart_count=row.restart_count,
         last_exit=row.last_exit,
         last_exit_log=row.last_exit_log,
+        signed_spec=_signed_spec(row),
     )
+
+
+def _signed_spec(row: DeploymentRow) -> SignedSpec | None:
+    """The row's signed spec; ``None`` when it has none or a part does not decode (a
+    damaged signature is no signature: the start is refused, naming why)."""
+    if row.signed_spec is None or row.spec_signature is None or row.spec_key_id is None:
+        return None
+    try:
+        signature = base64.b64decode(row.spec_signature, validate=True)
+    except ValueError:
+        return None
+    return SignedSpec(row.signed_spec.encode(), signature, row.spec_key_id)

@@ -121,6 +121,12 @@ class DeploymentRow(Base):
     #: how its engine last ended (``exit code 1``, ``SIGKILL``, …) and its log's tail then
     last_exit: Mapped[str | None] = mapped_column(Text, nullable=True)
     last_exit_log: Mapped[str | None] = mapped_column(Text, nullable=True)
+    #: the spec the cluster signed when the admin API or CLI accepted the deployment
+    #: (canonical JSON, :mod:`berth.cluster.protocol.spec_signing`), the Ed25519 signature
+    #: over it (base64) and the signing key's id; ``NULL``: never signed, never started
+    signed_spec: Mapped[str | None] = mapped_column(Text, nullable=True)
+    spec_signature: Mapped[str | None] = mapped_column(String(128), nullable=True)
+    spec_key_id: Mapped[str | None] = mapped_column(String(64), nullable=True)
 
 
 class ApiKeyRow(Base):
@@ -341,7 +347,8 @@ class LeaderMemberRow(Base):
 
 
 class ClusterBootstrapRow(Base):
-    """The cluster's sealed CA and key pepper (one row, ``name`` ``cluster``; migration 15):
+    """The cluster's sealed CA and key pepper (row ``cluster``; migration 15) and its spec
+    signing key (row ``spec-signing``, :mod:`berth.cluster.pki.signing_key`):
     the key derivation's salt, the AES-GCM nonce and ciphertext, and when it was published
     (Unix seconds); :mod:`berth.store.bootstrap`."""
 

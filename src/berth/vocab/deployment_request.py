@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from berth.vocab.engines import EngineName, RuntimeName
+from berth.vocab.signed_spec import SignedSpec
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,9 @@ class DeploymentRequest:
     once, up to rank ``max_lora_rank`` (``None``: vLLM's default, 16), on the
     modules ``lora_target_modules`` (SGLang needs them). llama.cpp: ``lora_files`` are
     given with ``--lora`` in this order (a request names one by its index).
+
+    ``signed`` is the spec the cluster signed for this deployment when the admin API or CLI
+    accepted it (``None``: none; the agent core refuses such a start when it checks specs).
     """
 
     deployment_id: str
@@ -47,6 +51,7 @@ class DeploymentRequest:
     max_lora_rank: int | None = None
     lora_target_modules: tuple[str, ...] = ()
     lora_files: tuple[Path, ...] = ()
+    signed: SignedSpec | None = field(default=None, repr=False, compare=False)
 
     @property
     def effective_served_name(self) -> str:

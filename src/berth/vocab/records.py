@@ -14,6 +14,7 @@ from berth.vocab.gpu import GpuInfo
 from berth.vocab.limits import LimitOverrides
 from berth.vocab.policies import DEFAULT_RESTART_POLICY, RestartPolicy, RoutingPolicy
 from berth.vocab.roles import Role
+from berth.vocab.signed_spec import SignedSpec
 from berth.vocab.states import TERMINAL_STATES, DeploymentState
 
 #: ``remote``: registered only with a path on an agent's host (``models add --node``).
@@ -54,7 +55,9 @@ class DeploymentRecord:
     ``restart_policy`` says whether its engine is started again when it ends;
     ``restart_count`` is how many times it was; ``last_exit`` how its engine last ended
     (``exit code 1``, ``SIGKILL``, ``3 failed health probes``; ``None`` before) and
-    ``last_exit_log`` the engine log's last lines then.
+    ``last_exit_log`` the engine log's last lines then.  ``signed_spec`` is the spec the
+    cluster signed when the admin API or CLI accepted the deployment (``None``: never signed,
+    so it is never started).
     """
 
     id: str
@@ -81,6 +84,7 @@ class DeploymentRecord:
     restart_count: int = 0
     last_exit: str | None = None
     last_exit_log: str | None = None
+    signed_spec: SignedSpec | None = field(default=None, repr=False, compare=False)
 
     @property
     def is_active(self) -> bool:

@@ -42,7 +42,7 @@ from berth.cluster.protocol.errors import CloseCode, LinkError, rate_limited_rea
 from berth.cluster.protocol.frames import Heartbeat, Hello, Request, ResetCode
 from berth.cluster.protocol.handshake import WelcomeTerms
 from berth.cluster.protocol.limits import LinkLimits
-from berth.cluster.protocol.ops import RENEW
+from berth.cluster.protocol.ops import RENEW, SPEC_CAPABILITY
 from berth.cluster.protocol.payloads import (
     AdoptedState,
     EngineState,
@@ -312,6 +312,10 @@ class NodeHub:
         except LinkError:
             return ws  # refused or gone; the connection closed the socket and said why
         log.info("node %s connected from %s (agent %s)", node_id, peer, hello.agent_version)
+        if SPEC_CAPABILITY not in hello.capabilities:
+            log.warning("node %s: agent %s does not check signed specs (no %s); only this "
+                        "leader's check guards its starts (require_agent_spec_check refuses "
+                        "them)", node_id, hello.agent_version, SPEC_CAPABILITY)  # fmt: skip
         watchdog = asyncio.create_task(self._watch(node_id, conn), name=f"watch-{node_id}")
         expiry = None
         if self._certificates is not None:

@@ -27,7 +27,7 @@ from berth.cluster.leader.agent_link import (
 from berth.cluster.link.connection import LinkConnection, RemoteOpError
 from berth.cluster.link.connection import ProgressListener as OpProgressListener
 from berth.cluster.link.tunnel_stream import StreamResetError, TunnelStream
-from berth.cluster.protocol.errors import LinkError
+from berth.cluster.protocol.errors import LinkError, SpecRefusedError
 from berth.cluster.protocol.frames import Heartbeat, Progress, ResetCode, StreamOpen
 from berth.cluster.protocol.ops import (
     ENGINES,
@@ -331,8 +331,9 @@ class RemoteLink:
         *,
         engine_of: str | None = None,
     ) -> R:
-        """Send ``op``; the agent's errors become ``EngineError`` (with its log tail), or
-        ``NotFoundError`` for deployment ``engine_of`` when it runs no such engine."""
+        """Send ``op``; the agent's errors become ``EngineError`` (with its log tail),
+        ``NotFoundError`` for deployment ``engine_of`` when it runs no such engine, or
+        ``SpecRefusedError`` when it refused a start's signed spec."""
         if op.capability not in self.capabilities:
             raise EngineError(
                 f"node {self.node_id}'s agent does not support {op.name!r}; upgrade it"
@@ -348,6 +349,10 @@ class RemoteLink:
                     rule=exc.info.rule,
                     node_id=self.node_id,
                 ) from exc
+            if exc.info.code == ErrorCode.SPEC_REFUSED:  # the agent's own check said no
+                deployment = str(getattr(args, "deployment_id", "?"))
+                message = f"node {self.node_id}: {exc.info.message}"
+                raise SpecRefusedError(message, deployment_id=deployment) from exc
             raise EngineError(
                 f"node {self.node_id}: {exc.info.message}", log_tail=exc.info.log_tail
             ) from exc

@@ -11,7 +11,11 @@ its key stay, as ``ca-previous.pem`` and ``ca-previous.key``.  While both are th
 - the leader's own server certificates stay issued by the old root, which every agent
   trusts (enrollment URIs pin it too); the listeners serve them from their files;
 - ``berth ca status`` (:func:`holders_of_old_leaves`) names the nodes whose current
-  certificate the old CA issued.
+  certificate the old CA issued;
+- the spec signing key (:mod:`berth.cluster.pki.signing_key`) rotates with the CA: the new key
+  signs, the old one is still trusted, agents get both at renewal, and the stored
+  signatures are signed again with the new key (``POST /admin/ca/rotate``).  Retiring the
+  CA retires the old signing key too.
 
 ``berth ca retire`` (:func:`retire`) removes the old root and key and issues the server
 certificates again under the new CA, which by then every node trusts: it is refused while a
@@ -33,6 +37,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 
 from berth.atomic import write_atomic
 from berth.cluster.pki import ca as ca_files
+from berth.cluster.pki import signing_key
 from berth.cluster.pki.ca import (
     CA_CERT_FILE,
     CA_KEY_FILE,
@@ -77,6 +82,7 @@ def rotate(ca: CertificateAuthority) -> None:
     write_atomic(next_path(folder / CA_KEY_FILE), ca_files._private_pem(new_key), mode=0o600)
     write_atomic(next_path(folder / CA_CERT_FILE), new_cert.public_bytes(pem), mode=0o644)
     ca.reload()  # moves the new pair into place
+    signing_key.rotate(folder)  # the spec signing key rotates with the CA
     # Still under the old root, but written anew: the listeners reload on the change and
     # their trust stores then hold both roots (agents' new leaves come from the new one).
     reissue_server_certificates(ca)
@@ -99,6 +105,7 @@ def retire(ca: CertificateAuthority, holders: list[OldLeaf], *, force: bool = Fa
         )
     for name in (PREVIOUS_CERT_FILE, PREVIOUS_KEY_FILE):
         (ca.ca_dir / name).unlink(missing_ok=True)
+    signing_key.retire(ca.ca_dir)
     ca.reload()
     reissue_server_certificates(ca)
 

@@ -33,6 +33,7 @@ from urllib.parse import parse_qs, urlencode, urlsplit
 from cryptography import x509
 
 from berth.cluster.pki.ca import CertificateAuthority, fingerprint_of_pem
+from berth.cluster.pki.signing_key import trusted_in
 from berth.errors import BerthError, ConfigError, EnrollmentTokenError
 from berth.keys import hash_secret
 from berth.store import Store
@@ -244,6 +245,8 @@ class Registration:
     certificate_pem: str
     ca_pem: str
     cluster_url: str
+    #: the cluster's spec signing keys (public, PEM, current first): the agent pins them
+    spec_keys_pem: str = ""
 
 
 def check_csr(csr_pem: str) -> None:
@@ -354,6 +357,7 @@ class EnrollmentService:
             certificate_pem=cert_pem.decode(),
             ca_pem=self._ca.trust_bundle_pem.decode(),  # both roots during a rotation
             cluster_url=self.cluster_url,
+            spec_keys_pem=trusted_in(self._ca.ca_dir).to_pem().decode("ascii"),
         )
 
     def audit(self, event: Mapping[str, object], *, outcome: str, reason: str | None) -> None:

@@ -37,6 +37,7 @@ from cryptography import x509
 from berth.cluster.link.connection import LinkConnection
 from berth.cluster.pki.ca import CertificateAuthority
 from berth.cluster.pki.enrollment import AuditLog, issued_certificate
+from berth.cluster.pki.signing_key import trusted_in
 from berth.cluster.protocol.errors import CloseCode, ProtocolError
 from berth.cluster.protocol.frames import Request
 from berth.cluster.protocol.ops import RENEW, RenewResult
@@ -171,6 +172,7 @@ class LinkCertificates:
             certificate_pem=cert_pem.decode(),
             not_after=issued.not_after,
             ca_bundle_pem=self._ca.trust_bundle_pem.decode(),
+            spec_keys_pem=trusted_in(self._ca.ca_dir).to_pem().decode("ascii"),
         )
 
     async def serve(self, conn: LinkConnection, request: Request) -> None:

@@ -3,8 +3,10 @@
 ::
 
     BerthError
-    └── LinkError                  the agent link failed or was refused (close code, node id)
-        └── ProtocolError          a peer broke the protocol (malformed, oversized, out of order)
+    ├── LinkError                  the agent link failed or was refused (close code, node id)
+    │   └── ProtocolError          a peer broke the protocol (malformed, oversized, out of order)
+    └── SpecRefusedError           a start whose spec the cluster did not sign, or not as asked
+                                   (answered with error code ``spec_refused``)
 
 A :class:`ProtocolError` always carries the :class:`CloseCode` its link closes with, so the
 I/O adapters translate it into a WebSocket close in one place.
@@ -138,3 +140,17 @@ class ProtocolError(LinkError):
     def __init__(self, message: str, code: CloseCode = CloseCode.PROTOCOL_ERROR) -> None:
         super().__init__(message, code=code)
         self.code: CloseCode = code
+
+
+class SpecRefusedError(BerthError):
+    """A start refused because its spec carries no valid signature of the cluster's signing
+    key, or asks for something other than what was signed (:mod:`berth.cluster.protocol.
+    spec_signing`).  The agent answers it with ``ErrorCode.SPEC_REFUSED``; ``deployment_id``
+    names the deployment."""
+
+    http_status = 403
+    error_type = "permission_error"
+
+    def __init__(self, message: str, *, deployment_id: str) -> None:
+        super().__init__(message)
+        self.deployment_id = deployment_id

@@ -10,6 +10,7 @@ argument is answered ``invalid`` instead of failing the link. Each op's contract
 
 from __future__ import annotations
 
+import base64
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Generic, Literal, TypeVar
@@ -21,9 +22,13 @@ from berth.cluster.protocol.frames import OpName
 from berth.cluster.protocol.payloads import EngineState, Inventory
 from berth.vocab.deployment_request import DeploymentRequest
 from berth.vocab.engines import EngineName, RuntimeName
+from berth.vocab.signed_spec import SignedSpec
 
 #: Capabilities of this code's agents, beyond the ops.
 STREAM_CAPABILITIES = ("stream.http", "stream.logs")
+#: The capability of an agent that checks every start's signed spec
+#: (:mod:`berth.cluster.protocol.spec_signing`); a 0.1 agent lacks it.
+SPEC_CAPABILITY = "spec.verify"
 #: The capability an agent advertises for each runtime it can start engines with now.
 RUNTIME_CAPABILITIES: dict[RuntimeName, str] = {
     "process": "runtime.process",
@@ -61,6 +66,12 @@ class StartArgs(_Args, kw_only=True):
     lora_target_modules: list[str] = []
     #: llama.cpp: the adapter files (on the agent host) given with ``--lora``, in order
     lora_files: list[str] = []
+    #: the spec the cluster signed (canonical JSON, ``docs/protocol.md``), the Ed25519
+    #: signature over it (base64) and the signing key's id; an agent that checks specs
+    #: refuses a start without them (``spec_refused``), an older one ignores them
+    signed_spec: str | None = None
+    spec_signature: str | None = None
+    spec_key_id: str | None = None
 
     @classmethod
     def from_request(cls, request: DeploymentRequest, *, health_timeout_s: float) -> StartArgs:
@@ -88,6 +99,10 @@ class StartArgs(_Args, kw_only=True):
             args.max_lora_rank = request.max_lora_rank
             args.lora_target_modules = list(request.lora_target_modules)
             args.lora_files = [str(path) for path in request.lora_files]
+        if request.signed is not None:
+            args.signed_spec = request.signed.spec.decode("ascii")
+            args.spec_signature = base64.b64encode(request.signed.signature).decode("ascii")
+            args.spec_key_id = request.signed.key_id
         return args
 
     def to_request(self) -> DeploymentRequest:
@@ -110,7 +125,20 @@ class StartArgs(_Args, kw_only=True):
             max_lora_rank=self.max_lora_rank,
             lora_target_modules=tuple(self.lora_target_modules),
             lora_files=tuple(Path(path) for path in self.lora_files),
+            signed=self._signed(),
         )
+
+    def _signed(self) -> SignedSpec | None:
+        """The signed spec these arguments carry (``None``: none, or a signature that is
+        not base64, which the agent then refuses as unsigned)."""
+        if self.signed_spec is None or self.spec_signature is None or self.spec_key_id is None:
+            return None
+        try:
+            signature = base64.b64decode(self.spec_signature, validate=True)
+            spec = self.signed_spec.encode("ascii")
+        except ValueError:
+            return None
+        return SignedSpec(spec, signature, self.spec_key_id)
 
 
 class StartResult(_Args, kw_only=True):
@@ -246,11 +274,13 @@ class RenewArgs(_Args, kw_only=True):
 class RenewResult(_Args, kw_only=True):
     """The new certificate (PEM, the leaf alone), when it expires (epoch seconds), and the
     trust bundle the agent should trust from now on (PEM, every root of the cluster CA,
-    current first: two during a CA rotation)."""
+    current first: two during a CA rotation), and the spec signing keys it should trust
+    (PEM public keys, current first: two during a rotation; empty from an older leader)."""
 
     certificate_pem: str
     not_after: float
     ca_bundle_pem: str
+    spec_keys_pem: str = ""
 
 
 class NoArgs(_Args, kw_only=True):

@@ -147,6 +147,10 @@ class ErrorCode(StrEnum):
     POLICY_REFUSED = "policy_refused"
     #: an unexpected failure; the agent's log has the traceback
     INTERNAL = "internal"
+    #: a start whose spec carries no valid signature of the cluster's signing key, or asks
+    #: for something the signed spec does not say (``SpecRefusedError``); the message names
+    #: the deployment and what did not match
+    SPEC_REFUSED = "spec_refused"
 
     @classmethod
     def _missing_(cls, value: object) -> ErrorCode:
