@@ -53,7 +53,7 @@ BASE: tuple[str, ...] = (
 #: ``cluster.protocol``, not ``cluster``. Why this order: ``docs/architecture.md``, Layers.
 LAYERS: tuple[tuple[str, ...], ...] = (
     BASE,
-    ("vocab", "weights"),
+    ("vocab", "weights", "host"),
     ("runtime", "engine_http", "http_server", "cluster.protocol", "store", "api", "placement"),
     ("config", "cluster.link", "cluster.wire_forms"),
     ("admission", "observability", "cluster.pki"),

@@ -20,13 +20,21 @@ goes to the next waiter that may use that deployment, in this order:
 A slot given back with no waiter for it is free again. So a free slot never has a waiter
 for it, and a new request taking one directly jumps no queue. The queue holds at most
 ``max_waiting`` requests in all; :meth:`SlotScheduler.enqueue` refuses beyond that.
+
+The slots are this process's own, or, given the host's shared table (``shared``,
+:class:`~berth.host.deployments.SharedDeployments`), the host's: a slot is taken and given
+back in one locked step for every serving process, never more taken than the engine has,
+and a slot given back goes round the processes with requests waiting for it (that module
+says how fair that is); the order above then holds within each process.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Protocol
+
+from berth.host.deployments import SharedDeployments
 
 
 class Candidate(Protocol):
@@ -58,13 +66,15 @@ class SlotScheduler:
     """Slots in use per deployment and the waiting requests (see the module doc).
 
     ``max_waiting`` bounds the requests waiting at once (0: none wait; a request finding
-    every slot taken is refused at once).
+    every slot taken is refused at once); ``shared``: the host's slots (``None``: this
+    process's, in memory).
     """
 
-    def __init__(self, max_waiting: int) -> None:
+    def __init__(self, max_waiting: int, shared: SharedDeployments | None = None) -> None:
         if max_waiting < 0:
             raise ValueError(f"max_waiting must not be negative, got {max_waiting}")
         self.max_waiting = max_waiting
+        self._shared = shared
         self._capacity: dict[str, int] = {}
         self._in_use: dict[str, int] = {}
         #: priority -> the ring of keys with requests waiting -> their requests, oldest first
@@ -80,6 +90,13 @@ class SlotScheduler:
         deployment id; ``None`` when all are full. A candidate whose slots are ``None``
         is never full and is not counted: a request that may go to it is not held at all,
         and the caller should check :func:`gated` first."""
+        shared = self._shared
+        if shared is not None:
+            for candidate in candidates:
+                capacity = candidate.slots
+                if capacity is None or shared.take(candidate.deployment_id, capacity):
+                    return candidate.deployment_id
+            return None
         for candidate in candidates:
             deployment_id = candidate.deployment_id
             capacity = candidate.slots
@@ -100,6 +117,9 @@ class SlotScheduler:
         if capacity is None:
             return
         deployment_id = candidate.deployment_id
+        if self._shared is not None:
+            self._shared.take_over(deployment_id, capacity)
+            return
         self._capacity[deployment_id] = capacity
         self._in_use[deployment_id] = self._in_use.get(deployment_id, 0) + 1
 
@@ -107,7 +127,15 @@ class SlotScheduler:
         """Give back a slot at ``deployment_id``: it goes to the next waiter for that
         deployment in fair order, which is returned (out of the queue, ``granted`` set), or,
         with none, it is free again (``None``). A deployment over its capacity (it was made
-        smaller, :meth:`resize`) keeps the slot back instead."""
+        smaller, :meth:`resize`) keeps the slot back instead. With the host's slots, the
+        slot goes to this process's next waiter only in its turn among the processes with
+        waiters (:mod:`berth.host.deployments`)."""
+        shared = self._shared
+        if shared is not None:
+            waiter = shared.release(deployment_id, lambda: self._next_for(deployment_id))
+            if waiter is not None:
+                waiter.granted = deployment_id
+            return waiter
         used = self._in_use.get(deployment_id, 0)
         capacity = self._capacity.get(deployment_id)
         if self._waiting and (capacity is None or used <= capacity):
@@ -127,7 +155,13 @@ class SlotScheduler:
         """``deployment_id`` has ``slots`` from now on (``None``: unknown, unbounded): the
         waiters for it that its new free slots take, out of the queue in fair order with
         ``granted`` set (none when it shrank: its requests in flight finish first)."""
-        granted: list[Waiter] = []
+        shared = self._shared
+        if shared is not None:
+            handed = shared.resize(deployment_id, slots, lambda: self._next_for(deployment_id))
+            for given in handed:
+                given.granted = deployment_id
+            return handed
+        granted = []
         if slots is None:
             self._capacity.pop(deployment_id, None)
         elif deployment_id in self._in_use:  # else the next request sets it
@@ -142,8 +176,23 @@ class SlotScheduler:
         return granted
 
     def in_use(self, deployment_id: str) -> int:
-        """Slots in use at ``deployment_id`` now."""
+        """Slots in use at ``deployment_id`` now (on the host, with the host's slots)."""
+        if self._shared is not None:
+            return self._shared.in_use(deployment_id)
         return self._in_use.get(deployment_id, 0)
+
+    def take_grants(self, rows: Iterable[int]) -> list[Waiter]:
+        """The waiters that slots other processes handed this one get (``rows``: the rows
+        of the wakes received; :meth:`SharedDeployments.take_grants`), out of the queue
+        with ``granted`` set. Nothing without the host's slots."""
+        shared = self._shared
+        if shared is None:
+            return []
+        granted = []
+        for deployment_id, waiter in shared.take_grants(rows, self._next_for):
+            waiter.granted = deployment_id
+            granted.append(waiter)
+        return granted
 
     # -- the queue ----------------------------------------------------------------------------
 
@@ -161,6 +210,8 @@ class SlotScheduler:
             queue = ring[waiter.key_id] = deque()  # a key new to the ring joins at the back
         queue.append(waiter)
         self._count(waiter.model, 1)
+        if self._shared is not None:
+            self._shared.waiting(waiter.deployments, 1)
         return True
 
     def leave(self, waiter: Waiter) -> bool:
@@ -179,6 +230,8 @@ class SlotScheduler:
             if not ring:
                 self._drop_level(waiter.priority)
         self._count(waiter.model, -1)
+        if self._shared is not None:
+            self._shared.waiting(waiter.deployments, -1)
         return True
 
     @property
@@ -209,6 +262,8 @@ class SlotScheduler:
                     if not ring:
                         self._drop_level(priority)
                 self._count(waiter.model, -1)
+                if self._shared is not None:
+                    self._shared.waiting(waiter.deployments, -1)
                 return waiter
         return None
 

@@ -19,6 +19,10 @@ A request cancelled while waiting (its client left) leaves the queue at once and
 reaches an engine. A request that may go to a deployment of unknown slots is not held
 (``None``).
 
+Given the host's shared slots (``slots``, :class:`~berth.host.deployments.SharedDeployments`)
+the gate counts in them, and watches its process's wake socket while anything of it has
+waited: a slot another process hands to this one wakes the request it goes to.
+
 The gate also keeps what ``/metrics`` shows of it (:class:`QueueStats`): requests waiting
 per model, and how long the requests that waited waited.
 """
@@ -34,6 +38,7 @@ from typing import Final, Literal
 
 from berth.admission.errors import QueueFullError, QueueTimeoutError
 from berth.admission.fair_queue import Candidate, SlotScheduler, Waiter
+from berth.host.deployments import SharedDeployments
 
 
 class Wait(enum.Enum):
@@ -84,7 +89,8 @@ class SlotGate:
     """Holds requests to their deployments' slots, fairly (see the module doc).
 
     ``max_waiting``: requests that may wait at once; ``timeout_s``: the longest wait;
-    ``clock``: monotonic seconds.
+    ``clock``: monotonic seconds; ``slots``: the host's shared slots (``None``: this
+    process's).
     """
 
     def __init__(
@@ -93,8 +99,11 @@ class SlotGate:
         max_waiting: int = DEFAULT_MAX_WAITING,
         timeout_s: float = DEFAULT_TIMEOUT_S,
         clock: Callable[[], float] = time.monotonic,
+        slots: SharedDeployments | None = None,
     ) -> None:
-        self.scheduler = SlotScheduler(max_waiting)
+        self.scheduler = SlotScheduler(max_waiting, slots)
+        self._shared = slots
+        self._watching: asyncio.AbstractEventLoop | None = None
         self.timeout_s = timeout_s
         self.stats = QueueStats()
         self._clock = clock
@@ -141,7 +150,10 @@ class SlotGate:
                 key_id=key_id,
                 retry_after_s=QUEUE_FULL_RETRY_S,
             )
-        waker: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        if self._shared is not None and self._watching is not loop:
+            self._watch(loop)
+        waker: asyncio.Future[str] = loop.create_future()
         self._wakers[waiter] = waker
         begun = self._clock()
         try:
@@ -179,6 +191,23 @@ class SlotGate:
         waker = self._wakers.get(waiter)
         if waker is not None and not waker.done():
             waker.set_result(deployment_id)
+
+    def _watch(self, loop: asyncio.AbstractEventLoop) -> None:
+        # Wakes from other processes (slots handed to this one) are read on ``loop``.
+        box = self._shared.wake_box if self._shared is not None else None
+        if box is None:
+            return
+        loop.add_reader(box.fileno(), self._woken)
+        self._watching = loop
+
+    def _woken(self) -> None:
+        box = self._shared.wake_box if self._shared is not None else None
+        if box is None:
+            return
+        for waiter in self.scheduler.take_grants(box.drain()):
+            waker = self._wakers.get(waiter)
+            if waker is not None and not waker.done() and waiter.granted is not None:
+                waker.set_result(waiter.granted)
 
     def resize(self, deployment_id: str, slots: int | None) -> None:
         """``deployment_id`` has ``slots`` from now on (a service's ``capacity`` changed):

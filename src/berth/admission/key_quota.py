@@ -6,6 +6,11 @@ bytes its requests hold (:class:`BodyHold`).
 holds: the limits taken on from its record and tier (a bucket keeps its level when its
 size changes), the counters of requests in flight and tokens of the UTC day and month, and
 the rate-limit headers built from its minute buckets (reused while the buckets stand still).
+
+The counters are the key's fields; where they live is :mod:`berth.host`'s business: in
+process they are the only count, and with the host's shared state
+(:class:`~berth.host.keys.SharedKeyCounters`) they are brought in and written back around
+each decision, so every serving process of the host decides on the same counts.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from collections.abc import Callable
 from berth.admission.bucket import TokenBucket
 from berth.admission.errors import Header, KeyPausedError, QuotaExceededError
 from berth.admission.headers import REQUESTS_HEADERS, TOKENS_HEADERS, bucket_headers
+from berth.host.keys import LOCAL_KEYS, KeyCounters
 from berth.vocab.limits import NUMERIC_LIMITS, KeyLimits
 from berth.vocab.records import ApiKeyRecord
 
@@ -30,6 +36,7 @@ class KeyQuota:
         "daily_cap",
         "day_index",
         "day_tokens",
+        "host_row",
         "in_flight",
         "key_id",
         "limits",
@@ -43,6 +50,7 @@ class KeyQuota:
         "record",
         "refusal",
         "requests",
+        "reserved_tokens",
         "tier",
         "tokens",
         "uses_calendar",
@@ -64,6 +72,10 @@ class KeyQuota:
         self.daily_cap = self.monthly_cap = math.inf
         self.refusal: KeyPausedError | None = None
         self.in_flight = 0
+        #: tokens reserved against the day's and month's budgets by requests in flight
+        self.reserved_tokens = 0
+        #: its row in the host's shared table (-1: not looked up yet; see berth.host.keys)
+        self.host_row = -1
         #: request body bytes its requests hold now (:class:`BodyHold`)
         self.body_bytes = 0
         self.day_index = -1
@@ -132,17 +144,33 @@ def _bucket(current: TokenBucket | None, per_minute: int | None, now: float) -> 
 class Ticket:
     """An admitted request: what :meth:`~berth.admission.quotas.Admission.settle` needs,
     the ``headers`` to send on its answer, and its tier's ``priority`` (for an admission
-    queue, higher first). ``settled`` once its claim is given back (settled once only)."""
+    queue, higher first). ``reserved_tokens`` were taken from the minute's tokens,
+    ``budget_tokens`` reserved against the day's and month's budgets. ``settled`` once its
+    claim is given back (settled once only)."""
 
-    __slots__ = ("headers", "model", "priority", "quota", "reserved_tokens", "settled")
+    __slots__ = (
+        "budget_tokens",
+        "headers",
+        "model",
+        "priority",
+        "quota",
+        "reserved_tokens",
+        "settled",
+    )
 
     def __init__(
-        self, quota: KeyQuota, model: str, reserved_tokens: int, headers: list[Header]
+        self,
+        quota: KeyQuota,
+        model: str,
+        reserved_tokens: int,
+        headers: list[Header],
+        budget_tokens: int = 0,
     ) -> None:
         self.quota = quota
         self.model = model
         self.priority = quota.priority
         self.reserved_tokens = reserved_tokens
+        self.budget_tokens = budget_tokens
         self.headers = headers
         self.settled = False
 
@@ -160,16 +188,22 @@ class BodyHold:
     """The request body bytes one request of a key holds, counted against the key's bound
     on body bytes in flight (``max_bytes``: all its requests together): :meth:`take` as
     the body arrives (or at once, by its ``Content-Length``), :meth:`release` when the
-    request is over (once or more: the second does nothing)."""
+    request is over (once or more: the second does nothing). ``counters``: where the key's
+    count lives (:mod:`berth.host.keys`; the key's own field by default)."""
 
-    __slots__ = ("_max_bytes", "_quota", "_refused", "held")
+    __slots__ = ("_counters", "_max_bytes", "_quota", "_refused", "held")
 
     def __init__(
-        self, quota: KeyQuota, max_bytes: int, refused: Callable[[KeyQuota, str], None]
+        self,
+        quota: KeyQuota,
+        max_bytes: int,
+        refused: Callable[[KeyQuota, str], None],
+        counters: KeyCounters = LOCAL_KEYS,
     ) -> None:
         self._quota = quota
         self._max_bytes = max_bytes
         self._refused = refused  # counts a refusal, as admission's own are counted
+        self._counters = counters
         self.held = 0
 
     def take(self, size: int) -> None:
@@ -177,6 +211,16 @@ class BodyHold:
         ``body_bytes_exceeded``, nothing taken) when the key's requests would then hold
         more than the bound."""
         quota = self._quota
+        counters = self._counters
+        if counters.shared and counters.load(quota):
+            try:
+                self._take(quota, size)
+            finally:
+                counters.store(quota)
+        else:
+            self._take(quota, size)
+
+    def _take(self, quota: KeyQuota, size: int) -> None:
         if quota.body_bytes + size > self._max_bytes:
             self._refused(quota, "body_bytes_exceeded")
             others = quota.body_bytes - self.held
@@ -193,5 +237,10 @@ class BodyHold:
 
     def release(self) -> None:
         """Give back every byte held."""
-        self._quota.body_bytes -= self.held
+        quota = self._quota
+        counters = self._counters
+        locked = counters.shared and counters.load(quota)
+        quota.body_bytes -= self.held
         self.held = 0
+        if locked:
+            counters.store(quota)

@@ -12,11 +12,15 @@ requests in flight (``max_concurrency``), the token budgets of the UTC day and m
 requests of the last minute (``rpm``) and the tokens of the last minute (``tpm``, on the
 prompt estimate of :func:`berth.admission.estimate.prompt_tokens`); 429 for any of those.
 It then counts the request in flight, takes one request and the estimate from the minute
-buckets (:class:`~berth.admission.bucket.TokenBucket`), and returns a :class:`Ticket`
-carrying the key's rate-limit headers and its tier's priority.
-:meth:`Admission.settle` gives the in-flight slot back, settles the tokens-per-minute
-reservation against the real count, adds the tokens to the day's and month's, and records
-the request in the usage ledger (:mod:`berth.admission.ledger`). A ticket is settled once:
+buckets (:class:`~berth.admission.bucket.TokenBucket`), reserves the prompt estimate plus
+the request's ``max_tokens`` (else :data:`DEFAULT_COMPLETION_RESERVE`) against a key's
+day and month budgets, and returns a :class:`Ticket` carrying the key's rate-limit headers
+and its tier's priority. A budget counts what was used and what requests in flight
+reserved, and admits while that is under it, so concurrent requests overrun a budget by
+at most one request's reservation (where each uses no more than it reserved).
+:meth:`Admission.settle` gives the in-flight slot back, settles the tokens-per-minute and
+budget reservations against the real count, adds the tokens to the day's and month's, and
+records the request in the usage ledger (:mod:`berth.admission.ledger`). A ticket is settled once:
 :meth:`Admission.release` settles one that nothing settled (its request ended before an
 engine answered, or failed) as an error that used no tokens, and does nothing to one
 already settled, so the request path calls it in a ``finally`` around everything after
@@ -27,7 +31,9 @@ key's bound on body bytes in flight (:meth:`Admission.hold_body`, a
 :class:`~berth.admission.key_quota.BodyHold`): what a key's bodies cost the leader to hold
 and parse is bounded before any other limit can be checked.
 
-Everything here is in memory and takes microseconds: no store access, no I/O. Limits come
+Everything here is in memory and takes microseconds: no store access, no I/O. The counts
+are the keys' own (one process) or the host's (``counters``, :mod:`berth.host.keys`: every
+serving process of the host checks and takes in one locked step on one row per key). Limits come
 from the key's record and its tier (:meth:`LimitOverrides.apply
 <berth.vocab.limits.LimitOverrides.apply>`); the budgets start from the ledger's totals
 (:meth:`Admission.load`). The minute buckets start full at each leader start.
@@ -52,6 +58,7 @@ from berth.admission.key_quota import BodyHold, KeyQuota, Ticket
 from berth.admission.ledger import UsageLedger
 from berth.admission.socket import SocketCaller
 from berth.config.tiers import DESK_TIER, TierTable
+from berth.host.keys import LOCAL_KEYS, KeyCounters
 from berth.vocab.limits import KeyLimits
 from berth.vocab.records import ApiKeyRecord
 
@@ -63,6 +70,9 @@ SOCKET_KEY_ID = ""
 SOCKET_KEY_NAME = "(socket)"
 #: Seconds a request refused for ``max_concurrency`` is told to wait.
 CONCURRENCY_RETRY_S = 1.0
+#: Completion tokens a request that states no ``max_tokens`` reserves against its key's
+#: day and month budgets (with its prompt estimate) until its answer ends.
+DEFAULT_COMPLETION_RESERVE = 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,7 +99,8 @@ class Admission:
     limits and priority of the tier ``desk_tier`` names (:class:`ConfigError
     <berth.errors.ConfigError>` when no tier has that name).
     ``max_body_bytes_per_key`` bounds the request body bytes one key's requests (the desk
-    worker's too) hold at once (``None``: no bound).
+    worker's too) hold at once (``None``: no bound). ``counters`` is where the keys' counts
+    live (:mod:`berth.host.keys`: in this process by default, or the host's shared state).
     """
 
     def __init__(
@@ -100,8 +111,10 @@ class Admission:
         clock: Clock | None = None,
         desk_tier: str = DESK_TIER,
         max_body_bytes_per_key: int | None = None,
+        counters: KeyCounters = LOCAL_KEYS,
     ) -> None:
         self.tiers = tiers
+        self._counters = counters
         self.ledger = ledger
         self.max_body_bytes_per_key = max_body_bytes_per_key
         self._clock: Clock = clock or SystemClock()
@@ -141,6 +154,7 @@ class Admission:
             day, month = totals.get(quota.key_id, (0, 0))
             quota.day_index, quota.day_tokens = calendar.day_index, day
             quota.month_index, quota.month_tokens = calendar.month_index, month
+            self._counters.seed(quota)  # the host's count wins where there is one
 
     def budget_days(self) -> tuple[date, date]:
         """``(today, the first day of this month)``, UTC: the ledger totals :meth:`load`
@@ -171,6 +185,15 @@ class Admission:
         quota = self._quotas.get(key_id)
         if quota is None:
             return KeyUse(0, 0, 0, None, None)
+        counters = self._counters
+        if counters.shared and counters.load(quota):
+            try:
+                return self._use(quota)
+            finally:
+                counters.store(quota)
+        return self._use(quota)
+
+    def _use(self, quota: KeyQuota) -> KeyUse:
         calendar = self._position()
         self._roll(quota, calendar)
         now = self._clock.monotonic()
@@ -216,15 +239,20 @@ class Admission:
         max_bytes = self.max_body_bytes_per_key
         if max_bytes is None or key is None or key is SocketCaller.CLI:
             return None
-        return BodyHold(self._quota_of(key), max_bytes, self._refused)
+        return BodyHold(self._quota_of(key), max_bytes, self._refused, self._counters)
 
     def admit(
-        self, key: ApiKeyRecord | SocketCaller | None, model: str, request_bytes: int
+        self,
+        key: ApiKeyRecord | SocketCaller | None,
+        model: str,
+        request_bytes: int,
+        max_tokens: int | None = None,
     ) -> Ticket:
         """Admit a request of ``key`` for the public model name ``model`` with a body of
         ``request_bytes``, or refuse it. Over the Unix socket ``key`` is the caller there
         (``None``: the CLI): the CLI's are never limited, the desk's go through its tier's
-        limits as a key's do.
+        limits as a key's do. ``max_tokens`` is the most the request asked the engine to
+        generate (``None``: it said nothing), for the budgets' reservation.
 
         Raises :class:`KeyPausedError` or :class:`ModelNotAllowedError` (403), or
         :class:`QuotaExceededError` (429, with ``retry_after_s`` and the rate-limit headers);
@@ -246,6 +274,19 @@ class Admission:
                 f"this key may not use the model {model!r}; it may use: {allowed}",
                 key_id=quota.key_id,
             )
+        counters = self._counters
+        if counters.shared and counters.load(quota):
+            try:
+                return self._take(quota, model, request_bytes, max_tokens)
+            finally:
+                counters.store(quota)
+        return self._take(quota, model, request_bytes, max_tokens)
+
+    def _take(
+        self, quota: KeyQuota, model: str, request_bytes: int, max_tokens: int | None
+    ) -> Ticket:
+        # The counted checks of admit() and the take, on the key's counts (the host's,
+        # locked, with shared counters).
         cap = quota.max_concurrency
         if cap is not None and quota.in_flight >= cap:
             raise self._over(
@@ -262,10 +303,15 @@ class Admission:
                 wall >= calendar.day_end_s  # a new day: roll, then check
                 or quota.day_index != calendar.day_index
                 or quota.month_index != calendar.month_index
-                or quota.day_tokens >= quota.daily_cap
-                or quota.month_tokens >= quota.monthly_cap
+                or quota.day_tokens + quota.reserved_tokens >= quota.daily_cap
+                or quota.month_tokens + quota.reserved_tokens >= quota.monthly_cap
             ):
                 self._check_budgets(quota, wall)
+            budget = estimate_prompt_tokens(request_bytes) + (
+                DEFAULT_COMPLETION_RESERVE if max_tokens is None else max(0, max_tokens)
+            )
+        else:
+            budget = 0
         requests, tokens = quota.requests, quota.tokens
         reserved = 0
         if requests is not None or tokens is not None:
@@ -295,7 +341,8 @@ class Admission:
         else:
             headers = []
         quota.in_flight += 1
-        return Ticket(quota, model, reserved, headers)
+        quota.reserved_tokens += budget
+        return Ticket(quota, model, reserved, headers, budget)
 
     def settle(
         self,
@@ -318,18 +365,15 @@ class Admission:
             return
         ticket.settled = True
         quota = ticket.quota
-        quota.in_flight -= 1
         used = prompt_tokens + completion_tokens
-        tokens = quota.tokens
-        if tokens is not None:
-            tokens.take(used - ticket.reserved_tokens)
-        calendar = self._calendar
-        if self._wall() >= calendar.day_end_s:
-            calendar = self._position()
-        if quota.day_index != calendar.day_index or quota.month_index != calendar.month_index:
-            self._roll(quota, calendar)
-        quota.day_tokens += used
-        quota.month_tokens += used
+        counters = self._counters
+        if counters.shared and counters.load(quota):
+            try:
+                calendar = self._give_back(quota, ticket, used)
+            finally:
+                counters.store(quota)
+        else:
+            calendar = self._give_back(quota, ticket, used)
         if node_id is not None:
             self.ledger.record(
                 calendar.day_index,
@@ -342,6 +386,22 @@ class Admission:
                 estimated=estimated,
                 cached_tokens=cached_tokens,
             )
+
+    def _give_back(self, quota: KeyQuota, ticket: Ticket, used: int) -> CalendarPosition:
+        # settle()'s counting: the key's counts (the host's, locked, with shared counters).
+        quota.in_flight -= 1
+        quota.reserved_tokens -= ticket.budget_tokens
+        tokens = quota.tokens
+        if tokens is not None:
+            tokens.take(used - ticket.reserved_tokens)
+        calendar = self._calendar
+        if self._wall() >= calendar.day_end_s:
+            calendar = self._position()
+        if quota.day_index != calendar.day_index or quota.month_index != calendar.month_index:
+            self._roll(quota, calendar)
+        quota.day_tokens += used
+        quota.month_tokens += used
+        return calendar
 
     def release(self, ticket: Ticket) -> None:
         """Give back what ``ticket`` holds if nothing settled it: its request ended before
@@ -414,19 +474,22 @@ class Admission:
         self._roll(quota, calendar)
         limits = quota.limits
         daily, monthly = limits.daily_tokens, limits.monthly_tokens
-        if monthly is not None and quota.month_tokens >= monthly:
+        reserved = quota.reserved_tokens
+        held = f" (and {reserved} are reserved by requests in flight)" if reserved else ""
+        if monthly is not None and quota.month_tokens + reserved >= monthly:
             raise self._over(
                 quota,
                 "monthly_tokens",
-                f"this key has used {quota.month_tokens} tokens this month (UTC), its budget "
-                f"of {monthly}",
+                f"this key has used {quota.month_tokens} tokens this month (UTC){held}, its "
+                f"budget of {monthly}",
                 calendar.month_end_s - wall,
             )
-        if daily is not None and quota.day_tokens >= daily:
+        if daily is not None and quota.day_tokens + reserved >= daily:
             raise self._over(
                 quota,
                 "daily_tokens",
-                f"this key has used {quota.day_tokens} tokens today (UTC), its budget of {daily}",
+                f"this key has used {quota.day_tokens} tokens today (UTC){held}, its budget "
+                f"of {daily}",
                 calendar.day_end_s - wall,
             )
 

@@ -43,7 +43,10 @@ def admit(admission: Admission, request: PublicRequest) -> Ticket:
     """The admission stage: ``request`` admitted against its key's limits (before the
     router sees it: a request its key may not make is never planned). Raises what
     :meth:`Admission.admit` raises (403, or 429 with the key's rate-limit headers)."""
-    return admission.admit(request.key, request.model, request.received_bytes)
+    body = request.body
+    asked = body.get("max_completion_tokens", body.get("max_tokens"))
+    max_tokens = asked if type(asked) is int else None  # for the budgets' reservation
+    return admission.admit(request.key, request.model, request.received_bytes, max_tokens)
 
 
 def ask_usage(request: PublicRequest) -> PublicRequest:

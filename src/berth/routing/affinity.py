@@ -3,6 +3,10 @@
 A bounded LRU map from an affinity key to a node id. The key is the ``X-Session-Id`` request
 header, else ``X-Conversation-Id``, else the API key (a hash of it: the map never holds a
 secret).
+
+:class:`SessionRecord` is the contract the router uses; :class:`AffinityMap` is this
+process's, and :class:`berth.host.affinity.SharedAffinityMap` the one every serving process
+of a host shares, so a session goes to one node whichever process takes its requests.
 """
 
 from __future__ import annotations
@@ -10,6 +14,7 @@ from __future__ import annotations
 import hashlib
 from collections import OrderedDict
 from collections.abc import Sequence
+from typing import Protocol
 
 #: The prefix of keys taken from the API key (no session header): a weak preference.
 API_KEY_PREFIX = "key:"
@@ -44,6 +49,18 @@ def _bounded(value: bytes) -> str:
     if len(value) > _MAX_KEY_BYTES:
         return "sha256:" + hashlib.sha256(value).hexdigest()
     return value.decode("latin-1")
+
+
+class SessionRecord(Protocol):
+    """What the router asks of a session map (:class:`AffinityMap`'s methods)."""
+
+    def get(self, key: str | None, /) -> str | None: ...
+
+    def peek(self, key: str | None, /) -> str | None: ...
+
+    def record(self, key: str | None, node_id: str, /) -> None: ...
+
+    def forget_node(self, node_id: str, /) -> int: ...
 
 
 class AffinityMap:

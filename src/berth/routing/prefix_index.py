@@ -13,12 +13,18 @@ smaller, or it restarted), which the engine's own signals correct where it has t
 router drops what an engine no longer holds), and nothing here says which of an engine's
 slots holds a prefix. The entries of a deployment that stops or leaves are dropped at once
 (:meth:`PrefixIndex.drop`). Not thread-safe: the leader's event loop owns it.
+
+:class:`PrefixRecord` is the contract the router uses; :class:`PrefixIndex` is this
+process's, and :class:`berth.host.prefixes.SharedPrefixIndex` the one every serving process
+of a host shares (a fixed table in the host's state file), so that a prompt goes to the
+engine holding its prefix whichever process takes it.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping
+from typing import Protocol
 
 from berth.routing.prefix_blocks import PromptBlocks
 
@@ -29,6 +35,22 @@ ENTRY_BYTES = 384
 DEFAULT_MAX_ENTRIES = 200_000
 DEFAULT_MAX_MB = 64
 _MiB = 1024 * 1024
+
+
+class PrefixRecord(Protocol):
+    """What the router asks of a prefix record (:class:`PrefixIndex`'s methods)."""
+
+    def record(self, deployment_id: str, blocks: PromptBlocks, /) -> None: ...
+
+    def matches(
+        self, blocks: PromptBlocks, deployment_ids: Iterable[str], /
+    ) -> Mapping[str, int]: ...
+
+    def drop(self, deployment_id: str, /) -> int: ...
+
+    def trim(self, caps: Mapping[str, int], /) -> dict[str, int]: ...
+
+    def entries_of(self, deployment_id: str, /) -> int: ...
 
 
 class PrefixIndex:

@@ -11,12 +11,12 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
-from berth.routing.affinity import API_KEY_PREFIX, AffinityMap
+from berth.routing.affinity import API_KEY_PREFIX, AffinityMap, SessionRecord
 from berth.routing.affinity import affinity_key as request_affinity_key
 from berth.routing.cache_signals import CacheSignal, Correction, correct
 from berth.routing.prefix import DEFAULT_LOAD_FACTOR, PrefixCandidate, PrefixOutcome, choose
 from berth.routing.prefix_blocks import PromptBlocks, prompt_blocks
-from berth.routing.prefix_index import PrefixIndex
+from berth.routing.prefix_index import PrefixIndex, PrefixRecord
 from berth.routing.scorer import (
     AFFINITY_MAX_EXTRA_IN_FLIGHT,
     Candidate,
@@ -87,25 +87,25 @@ class Router:
         resolver: UpstreamResolver,
         *,
         signals: SignalBoard | None = None,
-        affinity: AffinityMap | None = None,
+        affinity: SessionRecord | None = None,
         node_reported: Callable[[str], bool] = lambda _node: True,
         free_vram_mb: Callable[[str], int | None] = lambda _node: None,
         links: LinkRegistry | None = None,
         waiting: WaitingAttempts | None = None,
         policy: RoutingPolicy = "least-load",
-        prefixes: PrefixIndex | None = None,
+        prefixes: PrefixRecord | None = None,
         load_factor: float = DEFAULT_LOAD_FACTOR,
         on_decision: Callable[[str, str], None] | None = None,
     ) -> None:
         self.resolver = resolver
         self.signals = signals or SignalBoard()
         self.waiting = waiting if waiting is not None else WaitingAttempts()
-        self.affinity = affinity or AffinityMap()
+        self.affinity: SessionRecord = affinity if affinity is not None else AffinityMap()
         self._node_reported = node_reported
         self._free_vram_mb = free_vram_mb
         self._turn = itertools.count()
         self.policy: RoutingPolicy = policy
-        self.prefixes = prefixes if prefixes is not None else PrefixIndex()
+        self.prefixes: PrefixRecord = prefixes if prefixes is not None else PrefixIndex()
         self.load_factor = load_factor
         self._on_decision = on_decision
         #: model -> its last decision among two or more candidates (known models only)

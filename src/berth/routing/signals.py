@@ -7,6 +7,10 @@ counts are exact and immediate (every request goes through the leader); the p95 
 samples of the last ``window_s`` seconds (at most ``max_samples`` per deployment). When a
 request last started or finished on a deployment (:meth:`SignalBoard.last_active_at`) is
 what the scaling controller's idle timeout counts from.
+
+Requests in flight are this process's, or, given the host's shared table (``in_flight``,
+:class:`~berth.host.deployments.SharedDeployments`), the host's: every serving process
+counts in its own column and reads the sum, so the router ranks on the host's load.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 
+from berth.host.deployments import SharedDeployments
 from berth.observability.window import percentile
 
 #: Seconds a deployment is ranked after healthy ones per failed attempt in a row, and at most.
@@ -26,7 +31,8 @@ MAX_SAMPLES = 256
 
 
 class SignalBoard:
-    """In-flight counts and recent time-to-first-byte samples per deployment."""
+    """In-flight counts and recent time-to-first-byte samples per deployment (``in_flight``:
+    the host's shared counts; ``None``: this process's)."""
 
     def __init__(
         self,
@@ -34,7 +40,9 @@ class SignalBoard:
         window_s: float = WINDOW_S,
         max_samples: int = MAX_SAMPLES,
         clock: Callable[[], float] = time.monotonic,
+        in_flight: SharedDeployments | None = None,
     ) -> None:
+        self._shared = in_flight
         self._window_s = window_s
         self._max_samples = max_samples
         self._clock = clock
@@ -46,6 +54,10 @@ class SignalBoard:
         self._answers: dict[str, int] = {}
 
     def started(self, deployment_id: str, node_id: str) -> None:
+        if self._shared is not None:
+            self._shared.started(deployment_id, node_id)
+            self._last_active[deployment_id] = self._clock()
+            return
         self._in_flight[deployment_id] = self._in_flight.get(deployment_id, 0) + 1
         self._node_in_flight[node_id] = self._node_in_flight.get(node_id, 0) + 1
         self._last_active[deployment_id] = self._clock()
@@ -53,6 +65,9 @@ class SignalBoard:
     def finished(self, deployment_id: str, node_id: str) -> None:
         """The request left the deployment (answered in full, failed or abandoned)."""
         self._last_active[deployment_id] = self._clock()
+        if self._shared is not None:
+            self._shared.finished(deployment_id, node_id)
+            return
         left = self._in_flight.get(deployment_id, 0) - 1
         if left > 0:
             self._in_flight[deployment_id] = left
@@ -90,9 +105,13 @@ class SignalBoard:
         return failure is not None and self._clock() < failure[1]
 
     def node_in_flight(self, node_id: str) -> int:
+        if self._shared is not None:
+            return self._shared.node_in_flight(node_id)
         return self._node_in_flight.get(node_id, 0)
 
     def in_flight(self, deployment_id: str) -> int:
+        if self._shared is not None:
+            return self._shared.in_flight(deployment_id)
         return self._in_flight.get(deployment_id, 0)
 
     def last_active_at(self, deployment_id: str) -> float | None:
