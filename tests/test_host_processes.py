@@ -1,10 +1,11 @@
 """The host's shared state (`berth.host`) with real processes: four workers, each a fresh
-interpreter of its own (`support.host_workers`), attached to one state file and hammering one key or one
-deployment at once. The limits hold for the host, not per worker: rpm 120 admits exactly
-120, concurrency 4 never has 5 at the engine, a daily budget is overrun by at most one
-request's reservation, an engine of 2 slots never has 3 taken; the prefix and session
-records answer the same in every process; and a worker killed with SIGKILL while holding
-slots, requests and reservations is reclaimed, its slots handed to a worker waiting."""
+interpreter of its own (`support.host_workers`), attached to one state file and hammering
+one key or one deployment at once. The limits hold for the host, not per worker: rpm 120
+admits exactly 120, concurrency 4 never has 5 at the engine, a daily budget is overrun by
+at most one request's reservation, an engine of 2 slots never has 3 taken; the prefix and
+session records answer the same in every process; and a worker killed with SIGKILL while
+holding slots, requests and reservations is reclaimed, its slots handed to a worker
+waiting."""
 
 from __future__ import annotations
 
@@ -19,12 +20,11 @@ from typing import Any
 
 import pytest
 
-from support import host_workers
-from support.host_workers import KEY_ID, PeakCounter
-
 from berth.admission import Admission, ManualClock, UsageLedger
 from berth.config import TierTable
 from berth.host import HostState
+from support import host_workers
+from support.host_workers import KEY_ID, PeakCounter
 
 WORKERS = 4
 TESTS = Path(__file__).resolve().parent
