@@ -67,10 +67,10 @@ class _Sink:
         return len(list(batch))
 
 
-def flood_key(**limits: Any) -> ApiKeyRecord:
-    """The one key every worker floods."""
+def flood_key(key_id: str = KEY_ID, **limits: Any) -> ApiKeyRecord:
+    """The one key every worker floods (or another, by ``key_id``)."""
     return ApiKeyRecord(
-        KEY_ID,
+        key_id,
         "flood",
         "standard",
         "sk-berth-abcd",

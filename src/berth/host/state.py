@@ -114,8 +114,9 @@ class HostState:
         return cls(Region.create(path, shape, state_bytes(shape)), None)
 
     @classmethod
-    def attach(cls, path: Path, worker: int) -> HostState:
-        """Worker ``worker``'s view of the state file at ``path``. Raises
+    def attach(cls, path: Path, worker: int | None) -> HostState:
+        """Worker ``worker``'s view of the state file at ``path`` (``None``: a supervisor's
+        view, which counts nothing: to reclaim, after a supervisor restart). Raises
         :class:`HostFileError` for a file of another kind, ``ValueError`` for a worker
         index the file has no column for, ``OSError`` when another process holds the
         index's wake socket."""
