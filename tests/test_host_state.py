@@ -231,3 +231,11 @@ def test_a_file_of_another_kind_is_refused_with_its_path(tmp_path: Path) -> None
 def test_a_worker_index_out_of_the_files_columns_is_refused(path: Path) -> None:
     with pytest.raises(ValueError, match=r"worker 2 is not in 0\.\.1"):
         HostState.attach(path, 2)
+
+
+def test_the_clis_requests_are_not_counted_for_the_host(views: tuple[HostState, HostState]) -> None:
+    counting = make_admission(views[0].keys)
+    ticket = counting.admit(None, "m", 10)
+    settle(counting, ticket, 3)
+    assert views[0].keys.overflowed == 0
+    assert ticket.quota.in_flight == 0

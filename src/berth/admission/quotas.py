@@ -126,6 +126,7 @@ class Admission:
             self._names[caller.value] = caller.value
         cli = SocketCaller.CLI.value
         self._socket = KeyQuota(cli, cli, None)
+        self._socket.host_row = -2  # never limited: counted in this process alone
         self._socket.priority = tiers.require("admin").priority
         desk = tiers.require(desk_tier)
         self._desk = KeyQuota(SocketCaller.DESK.value, SocketCaller.DESK.value, None)

@@ -3,8 +3,11 @@ router's load signal, per deployment and per node) and the fair queue's engine s
 
 A row per deployment (and one per node, for its requests in flight)::
 
-    digest 16s | capacity i64 | turn i64 |
+    digest 16s | capacity i64 | turn i64 | taken i64 |
     in_flight[workers] | slots[workers] | waiting[workers] | grants[workers] (i64)
+
+(``taken``: the slots taken on the host, the sum of the ``slots`` columns, kept beside them
+under the row's lock so that a take reads one number.)
 
 Requests in flight and requests waiting are counted in the process's own column with no
 lock (one writer per cell; an aligned 8-byte store is atomic on the host's CPUs), read as
@@ -45,7 +48,9 @@ from typing import TypeVar
 from berth.host.region import Region, Table, digest_of
 from berth.host.wake import WakeBox, WakeSender
 
-FIXED = struct.Struct("<16sqq")
+FIXED = struct.Struct("<16sqqq")
+#: capacity, turn (the worker last handed a slot), slots taken on the host
+HEAD = struct.Struct("<qqq")
 _IN_FLIGHT, _SLOTS, _WAITING, _GRANTS = range(4)
 #: The capacity of a deployment whose slots are unknown (every request passes).
 UNBOUNDED = 1 << 62
@@ -67,6 +72,8 @@ class SharedDeployments:
         self._worker = worker
         self._workers = region.shape.workers
         self._columns = struct.Struct(f"<{4 * self._workers}q")
+        self._waiting = struct.Struct(f"<{self._workers}q")
+        self._waiting_at = FIXED.size + 8 * _WAITING * self._workers
         self._wake = wake
         self._rows: dict[str, int] = {}
         self._node_rows: dict[str, int] = {}
@@ -152,12 +159,13 @@ class SharedDeployments:
             self._local[deployment_id] = used + 1
             return True
         region, table = self._region, self._table
+        head = table.at(row) + 16
         region.lock(table.number, row)
         try:
-            at = table.at(row)
-            region.write_cell(at + 16, capacity)
-            if self._sum(row, _SLOTS) >= capacity:
+            _capacity, turn, taken = HEAD.unpack_from(region.map, head)
+            if taken >= capacity:
                 return False
+            HEAD.pack_into(region.map, head, capacity, turn, taken + 1)
             self._add(row, _SLOTS, 1)
             return True
         finally:
@@ -170,9 +178,11 @@ class SharedDeployments:
             self._local[deployment_id] = self._local.get(deployment_id, 0) + 1
             return
         region, table = self._region, self._table
+        head = table.at(row) + 16
         region.lock(table.number, row)
         try:
-            region.write_cell(table.at(row) + 16, capacity)
+            _capacity, turn, taken = HEAD.unpack_from(region.map, head)
+            HEAD.pack_into(region.map, head, capacity, turn, taken + 1)
             self._add(row, _SLOTS, 1)
         finally:
             region.unlock(table.number, row)
@@ -182,7 +192,7 @@ class SharedDeployments:
         row = self._row(deployment_id)
         if row < 0:
             return self._local.get(deployment_id, 0)
-        return self._sum(row, _SLOTS)
+        return self._region.read_cell(self._table.at(row) + 32)
 
     def waiting(self, deployment_ids: Iterable[str], step: int) -> None:
         """``step`` more (or fewer) of this process's requests wait for each of
@@ -203,16 +213,18 @@ class SharedDeployments:
                 self._local[deployment_id] = self._local.get(deployment_id, 1) - 1
             return picked
         region, table = self._region, self._table
+        at = table.at(row)
         woken = -1
         region.lock(table.number, row)
         try:
-            at = table.at(row)
-            capacity = region.read_cell(at + 16)
-            if self._sum(row, _SLOTS) <= capacity:
+            capacity, _turn, taken = HEAD.unpack_from(region.map, at + 16)
+            waiting = self._waiting.unpack_from(region.map, at + self._waiting_at)
+            if taken <= capacity and any(waiting):
                 picked, woken = self._hand(row, pick_local)
                 if picked is not None:
                     return picked
-            if woken < 0:
+            if woken < 0:  # nobody waits: free
+                self._count_taken(row, -1)
                 self._add(row, _SLOTS, -1)
         finally:
             region.unlock(table.number, row)
@@ -220,33 +232,59 @@ class SharedDeployments:
             self._wake.wake(woken, row)
         return None
 
-    def _hand(self, row: int, pick_local: Callable[[], T | None]) -> tuple[T | None, int]:
-        # One slot of ``row`` (locked, counted in this worker's column) to the next worker
-        # waiting for it after ``turn``: (this worker's request, -1), (None, the worker it
-        # moved to), or (None, -1) when nobody waits.
+    def _count_taken(self, row: int, step: int) -> None:
+        cell = self._table.at(row) + 32
+        region = self._region
+        region.write_cell(cell, region.read_cell(cell) + step)
+
+    def _next_waiting(self, row: int, skip: Callable[[int], bool]) -> int:
+        # The next worker after ``turn`` with requests waiting at ``row`` (locked) that no
+        # slot handed to it covers yet, ``skip`` left out; -1 when none.
         region = self._region
         at = self._table.at(row)
         cells = self._columns.unpack_from(region.map, at + FIXED.size)
         w = self._workers
         turn = region.read_cell(at + 24)
-        me = self._worker
         for step in range(1, w + 1):
             other = (turn + step) % w
-            if cells[_WAITING * w + other] - cells[_GRANTS * w + other] <= 0:
-                continue
+            if cells[_WAITING * w + other] - cells[_GRANTS * w + other] > 0 and not skip(other):
+                return other
+        return -1
+
+    def _hand(self, row: int, pick_local: Callable[[], T | None]) -> tuple[T | None, int]:
+        # One slot of ``row`` (locked, counted in this worker's column) to the next worker
+        # waiting for it: (this worker's request, -1), (None, the worker it moved to), or
+        # (None, -1) when nobody waits.
+        region = self._region
+        at = self._table.at(row)
+        me = self._worker
+        declined = False
+
+        def skip(worker: int) -> bool:
+            return worker == me and declined
+
+        while True:
+            other = self._next_waiting(row, skip)
+            if other < 0:
+                return None, -1
             if other == me:
                 picked = pick_local()
                 if picked is None:
+                    declined = True  # its waiters left: on to the others
                     continue
                 region.write_cell(at + 24, me)
                 return picked, -1
             self._add(row, _SLOTS, -1)
-            for kind in (_SLOTS, _GRANTS):
-                cell = self._cell(row, kind, other)
-                region.write_cell(cell, region.read_cell(cell) + 1)
-            region.write_cell(at + 24, other)
+            self._give(row, other)
             return None, other
-        return None, -1
+
+    def _give(self, row: int, other: int) -> None:
+        # A slot of ``row`` (locked, already counted in ``taken``) to worker ``other``.
+        region = self._region
+        for kind in (_SLOTS, _GRANTS):
+            cell = self._cell(row, kind, other)
+            region.write_cell(cell, region.read_cell(cell) + 1)
+        region.write_cell(self._table.at(row) + 24, other)
 
     def resize(
         self, deployment_id: str, slots: int | None, pick_local: Callable[[], T | None]
@@ -266,19 +304,23 @@ class SharedDeployments:
                 granted.append(picked)
             return granted
         region, table = self._region, self._table
+        at = table.at(row)
         woken: set[int] = set()
         region.lock(table.number, row)
         try:
-            region.write_cell(table.at(row) + 16, capacity)
-            free = capacity - self._sum(row, _SLOTS)
-            for _ in range(min(free, self._sum(row, _WAITING))):
-                self._add(row, _SLOTS, 1)  # taken here, then handed on
+            _old, turn, taken = HEAD.unpack_from(region.map, at + 16)
+            HEAD.pack_into(region.map, at + 16, capacity, turn, taken)
+            waiting = sum(self._waiting.unpack_from(region.map, at + self._waiting_at))
+            for _ in range(max(0, min(capacity - taken, waiting))):
+                self._count_taken(row, 1)  # taken here, then handed on
+                self._add(row, _SLOTS, 1)
                 picked, other = self._hand(row, pick_local)
                 if picked is not None:
                     granted.append(picked)
                 elif other >= 0:
                     woken.add(other)
                 else:
+                    self._count_taken(row, -1)
                     self._add(row, _SLOTS, -1)
                     break
         finally:
@@ -351,38 +393,21 @@ class SharedDeployments:
             woken: set[int] = set()
             region.lock(table.number, row)
             try:
-                freed = region.read_cell(self._cell(row, _SLOTS, worker))
+                freed = max(0, region.read_cell(self._cell(row, _SLOTS, worker)))
                 for kind in range(4):
                     region.write_cell(self._cell(row, kind, worker), 0)
-                freed_total += max(0, freed)
-                woken |= self._hand_freed(row, max(0, freed))
+                self._count_taken(row, -freed)
+                freed_total += freed
+                for _ in range(freed):
+                    capacity, _turn, taken = HEAD.unpack_from(region.map, at + 16)
+                    other = self._next_waiting(row, lambda _worker: False)
+                    if taken >= capacity or other < 0:
+                        break
+                    self._count_taken(row, 1)
+                    self._give(row, other)
+                    woken.add(other)
             finally:
                 region.unlock(table.number, row)
             for other in woken:
                 self._wake.wake(other, row)
         return freed_total
-
-    def _hand_freed(self, row: int, freed: int) -> set[int]:
-        # ``freed`` slots of ``row`` (locked) nobody holds: to the waiting workers in turn.
-        region = self._region
-        at = self._table.at(row)
-        w = self._workers
-        woken: set[int] = set()
-        capacity = region.read_cell(at + 16)
-        for _ in range(freed):
-            if self._sum(row, _SLOTS) >= capacity:
-                break
-            cells = self._columns.unpack_from(region.map, at + FIXED.size)
-            turn = region.read_cell(at + 24)
-            for step in range(1, w + 1):
-                other = (turn + step) % w
-                if cells[_WAITING * w + other] - cells[_GRANTS * w + other] > 0:
-                    for kind in (_SLOTS, _GRANTS):
-                        cell = self._cell(row, kind, other)
-                        region.write_cell(cell, region.read_cell(cell) + 1)
-                    region.write_cell(at + 24, other)
-                    woken.add(other)
-                    break
-            else:
-                break
-        return woken

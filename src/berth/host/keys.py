@@ -12,7 +12,11 @@ A shared row (:class:`SharedKeyCounters`)::
 
     digest 16s | flags u32 | pad | rpm level, at | tpm level, at (f64) |
     day index, day tokens, month index, month tokens (i64) |
-    in_flight[workers] | reserved[workers] | body_bytes[workers] (i64)
+    in flight, reserved, body bytes: the host's (i64) |
+    (in flight, reserved, body bytes)[workers]: each worker's own (i64)
+
+(the host's three are the sums of the columns, kept beside them under the row's lock so
+that a load reads one record.)
 
 What a process holds (requests in flight, budget reservations, body bytes) is in its own
 column, so that :meth:`SharedKeyCounters.reclaim` gives back all a dead worker held. What
@@ -33,7 +37,9 @@ from typing import Protocol
 
 from berth.host.region import Region, Table, digest_of
 
-FIXED = struct.Struct("<16sIIddddqqqq")
+FIXED = struct.Struct("<16sIIddddqqqqqqq")
+#: one worker's cells: in flight, reserved, body bytes
+CELLS = struct.Struct("<qqq")
 _HAS_RPM = 1
 _HAS_TPM = 2
 _HAS_CALENDAR = 4
@@ -122,8 +128,7 @@ class SharedKeyCounters:
         self._region = region
         self._table = table
         self._worker = worker
-        self._workers = workers = region.shape.workers
-        self._columns = struct.Struct(f"<{3 * workers}q")
+        self._workers = region.shape.workers
         #: the column sums at the last load: in flight, reserved, body bytes
         self._base = (0, 0, 0)
         self._row = -1
@@ -148,12 +153,22 @@ class SharedKeyCounters:
         self._row = row
         mapped = table.region.map
         at = table.at(row)
-        (_, flags, _, r_level, r_at, t_level, t_at, day_i, day_t, month_i, month_t) = (
-            FIXED.unpack_from(mapped, at)
-        )
-        cells = self._columns.unpack_from(mapped, at + FIXED.size)
-        w = self._workers
-        in_flight, reserved, body = sum(cells[:w]), sum(cells[w : 2 * w]), sum(cells[2 * w :])
+        (
+            _,
+            flags,
+            _,
+            r_level,
+            r_at,
+            t_level,
+            t_at,
+            day_i,
+            day_t,
+            month_i,
+            month_t,
+            in_flight,
+            reserved,
+            body,
+        ) = FIXED.unpack_from(mapped, at)
         self._base = (in_flight, reserved, body)
         key.in_flight, key.reserved_tokens, key.body_bytes = in_flight, reserved, body
         requests, tokens = key.requests, key.tokens
@@ -203,19 +218,21 @@ class SharedKeyCounters:
             key.day_tokens,
             key.month_index,
             key.month_tokens,
+            key.in_flight,
+            key.reserved_tokens,
+            key.body_bytes,
         )
         in_flight, reserved, body = self._base
-        column = at + FIXED.size + 8 * self._worker
-        step = 8 * self._workers
-        region = self._region
-        if key.in_flight != in_flight:
-            region.write_cell(column, region.read_cell(column) + key.in_flight - in_flight)
-        if key.reserved_tokens != reserved:
-            cell = column + step
-            region.write_cell(cell, region.read_cell(cell) + key.reserved_tokens - reserved)
-        if key.body_bytes != body:
-            cell = column + 2 * step
-            region.write_cell(cell, region.read_cell(cell) + key.body_bytes - body)
+        if key.in_flight != in_flight or key.reserved_tokens != reserved or key.body_bytes != body:
+            mine = at + FIXED.size + 24 * self._worker
+            my_in_flight, my_reserved, my_body = CELLS.unpack_from(mapped, mine)
+            CELLS.pack_into(
+                mapped,
+                mine,
+                my_in_flight + key.in_flight - in_flight,
+                my_reserved + key.reserved_tokens - reserved,
+                my_body + key.body_bytes - body,
+            )
 
     def seed(self, key: CountedKey) -> None:
         row = self._row_of(key)
@@ -240,14 +257,20 @@ class SharedKeyCounters:
         given back). Call it before that worker's index serves again."""
         table = self._table
         region = self._region
-        w = self._workers
         for row in range(table.rows):
             at = table.at(row)
             if table.region.map[at : at + 16] == bytes(16):
                 continue
             region.lock(table.number, row)
             try:
-                for kind in range(3):
-                    region.write_cell(at + FIXED.size + 8 * (kind * w + worker), 0)
+                mine = at + FIXED.size + 24 * worker
+                held = CELLS.unpack_from(region.map, mine)
+                totals = CELLS.unpack_from(region.map, at + FIXED.size - 24)
+                CELLS.pack_into(
+                    region.map,
+                    at + FIXED.size - 24,
+                    *(t - h for t, h in zip(totals, held, strict=True)),
+                )
+                CELLS.pack_into(region.map, mine, 0, 0, 0)
             finally:
                 region.unlock(table.number, row)
