@@ -239,3 +239,49 @@ def test_the_clis_requests_are_not_counted_for_the_host(views: tuple[HostState, 
     settle(counting, ticket, 3)
     assert views[0].keys.overflowed == 0
     assert ticket.quota.in_flight == 0
+
+
+async def test_slots_given_back_go_round_the_waiting_workers_in_turn(tmp_path: Path) -> None:
+    state = HostState.create(tmp_path / "three.state", workers=3, prefix_rows=8, affinity_rows=8)
+    views = [HostState.attach(state.region.path, worker) for worker in range(3)]
+    gates = [SlotGate(slots=view.deployments, timeout_s=10.0) for view in views]
+    candidates = [Slotted("d-1", 1)]
+    served: list[int] = []
+
+    async def request(worker: int) -> None:
+        held = await gates[worker].acquire(f"k-{worker}", 0, "m", candidates)
+        served.append(worker)
+        await asyncio.sleep(0)  # the engine answering
+        gates[worker].release(held)
+
+    try:
+        assert gates[0].take_free(candidates) == "d-1"
+        tasks = [asyncio.create_task(request(worker)) for worker in (1, 1, 2, 2)]
+        while sum(gate.scheduler.waiting for gate in gates) < 4:
+            await asyncio.sleep(0)
+        gates[0].release("d-1")
+        await asyncio.wait_for(asyncio.gather(*tasks), 10)
+        assert served == [1, 2, 1, 2]  # one of every two slots to each waiting worker
+        assert views[0].deployments.in_use("d-1") == 0
+    finally:
+        for view in views:
+            view.close()
+        state.close()
+
+
+def test_the_prefix_record_holds_64_deployments_and_drop_gives_a_place_back(
+    views: tuple[HostState, HostState],
+) -> None:
+    one, two = views
+    blocks = PromptBlocks((7, 8))
+    for number in range(64):
+        one.prefixes.record(f"d-{number}", blocks)
+    one.prefixes.record("d-late", blocks)  # no place left: not recorded
+    assert two.prefixes.matches(blocks, ["d-0", "d-63", "d-late"]) == {
+        "d-0": 2,
+        "d-63": 2,
+        "d-late": 0,
+    }
+    assert two.prefixes.drop("d-5") == 2
+    one.prefixes.record("d-late", blocks)
+    assert two.prefixes.matches(blocks, ["d-5", "d-late"]) == {"d-5": 0, "d-late": 2}

@@ -23,7 +23,7 @@ from berth.host.affinity import SharedAffinityMap, affinity_row_bytes
 from berth.host.deployments import SharedDeployments, deployment_row_bytes
 from berth.host.errors import HostFileError
 from berth.host.keys import SharedKeyCounters, key_row_bytes
-from berth.host.prefixes import SharedPrefixIndex, prefix_row_bytes
+from berth.host.prefixes import SharedPrefixIndex, prefix_header_bytes, prefix_row_bytes
 from berth.host.region import HEADER, Region, Shape, Table
 from berth.host.wake import WakeBox, WakeSender
 
@@ -49,7 +49,7 @@ def _tables(region: Region) -> list[Table]:
         (shape.affinity_rows, affinity_row_bytes()),
     ]
     tables = []
-    offset = _align(HEADER.size)
+    offset = _align(HEADER.size) + prefix_header_bytes()
     for number, (rows, row_bytes) in enumerate(sizes):
         tables.append(Table(region, number, offset, rows, row_bytes))
         offset += rows * row_bytes
@@ -66,6 +66,7 @@ def state_bytes(shape: Shape) -> int:
     """The size of a state file of ``shape``, in bytes."""
     return (
         _align(HEADER.size)
+        + prefix_header_bytes()
         + shape.key_rows * _align(key_row_bytes(shape.workers))
         + shape.deployment_rows * _align(deployment_row_bytes(shape.workers))
         + shape.prefix_rows * prefix_row_bytes()
@@ -90,7 +91,7 @@ class HostState:
         index = worker if worker is not None else 0
         self.keys = SharedKeyCounters(region, keys, index)
         self.deployments = SharedDeployments(region, deployments, index, self._wake)
-        self.prefixes = SharedPrefixIndex(region, prefixes)
+        self.prefixes = SharedPrefixIndex(region, prefixes, _align(HEADER.size))
         self.sessions = SharedAffinityMap(region, affinity)
 
     @classmethod
@@ -108,8 +109,8 @@ class HostState:
         Raises ``ValueError`` for a shape out of bounds."""
         if not 1 <= workers <= MAX_WORKERS:
             raise ValueError(f"workers must be 1..{MAX_WORKERS}, got {workers}")
-        if min(key_rows, deployment_rows, prefix_rows, affinity_rows) < 1:
-            raise ValueError("every table needs at least one row")
+        if min(key_rows, deployment_rows) < 1 or min(prefix_rows, affinity_rows) < 8:
+            raise ValueError("the key and deployment tables need a row, the others 8")
         shape = Shape(workers, key_rows, deployment_rows, prefix_rows, affinity_rows)
         return cls(Region.create(path, shape, state_bytes(shape)), None)
 
