@@ -285,3 +285,16 @@ def test_the_prefix_record_holds_64_deployments_and_drop_gives_a_place_back(
     assert two.prefixes.drop("d-5") == 2
     one.prefixes.record("d-late", blocks)
     assert two.prefixes.matches(blocks, ["d-5", "d-late"]) == {"d-5": 0, "d-late": 2}
+
+
+def test_a_row_given_up_and_taken_by_another_deployment_is_looked_up_again(
+    views: tuple[HostState, HostState],
+) -> None:
+    one, two = (view.deployments for view in views)
+    one.started("d-old", "node-a")
+    assert two.in_flight("d-old") == 1  # two has found d-old's row
+    one.finished("d-old", "node-a")
+    assert one.forget("d-old")
+    assert two.take("d-new", 1)  # may take d-old's row
+    assert two.in_flight("d-old") == 0  # not d-new's counts under d-old's old row
+    assert one.in_use("d-new") == 1

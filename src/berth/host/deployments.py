@@ -75,8 +75,8 @@ class SharedDeployments:
         self._waiting = struct.Struct(f"<{self._workers}q")
         self._waiting_at = FIXED.size + 8 * _WAITING * self._workers
         self._wake = wake
-        self._rows: dict[str, int] = {}
-        self._node_rows: dict[str, int] = {}
+        self._rows: dict[str, tuple[int, bytes]] = {}
+        self._node_rows: dict[str, tuple[int, bytes]] = {}
         self._names: dict[int, str] = {}
         self._local: dict[str, int] = {}  # slots of deployments without a row
         #: deployments and nodes counted in this process alone for want of a row
@@ -85,23 +85,30 @@ class SharedDeployments:
     # -- rows ---------------------------------------------------------------------------------
 
     def _row(self, deployment_id: str) -> int:
-        row = self._rows.get(deployment_id)
-        if row is None:
-            row = self._table.find_or_add(digest_of("deployment\0" + deployment_id))
-            if row < 0:
-                self.overflowed += 1
-            else:
-                self._names[row] = deployment_id
-            self._rows[deployment_id] = row
-        return row
+        return self._lookup(self._rows, "deployment\0", deployment_id)
 
     def _node_row(self, node_id: str) -> int:
-        row = self._node_rows.get(node_id)
-        if row is None:
-            row = self._table.find_or_add(digest_of("node\0" + node_id))
+        return self._lookup(self._node_rows, "node\0", node_id)
+
+    def _lookup(self, cache: dict[str, tuple[int, bytes]], kind: str, name: str) -> int:
+        # The row of ``name``: the one this process found before while its name is still
+        # there (a row given up and taken by another is looked up again), else found or
+        # made; -1 when the table has no room for it.
+        known = cache.get(name)
+        if known is not None:
+            row, digest = known
             if row < 0:
-                self.overflowed += 1
-            self._node_rows[node_id] = row
+                return row
+            at = self._table.at(row)
+            if self._region.map[at : at + 16] == digest:
+                return row
+        digest = digest_of(kind + name)
+        row = self._table.find_or_add(digest)
+        if row < 0:
+            self.overflowed += 1
+        elif kind == "deployment\0":
+            self._names[row] = name
+        cache[name] = (row, digest)
         return row
 
     def _cell(self, row: int, kind: int, worker: int) -> int:
@@ -365,17 +372,18 @@ class SharedDeployments:
     def forget(self, deployment_id: str) -> bool:
         """Give up ``deployment_id``'s row when nothing counts in it any more (it is gone);
         whether it was given up."""
-        row = self._rows.pop(deployment_id, None)
-        if row is None or row < 0:
+        known = self._rows.pop(deployment_id, None)
+        if known is None or known[0] < 0:
             return False
+        row = known[0]
         self._names.pop(row, None)
         region, table = self._region, self._table
         region.lock(table.number, row)
         try:
             at = table.at(row)
             cells = self._columns.unpack_from(region.map, at + FIXED.size)
-            if any(cells):
-                return False
+            if region.map[at : at + 16] != known[1] or any(cells):
+                return False  # another process gave it up already, or it counts
             table.give_up(row)
             return True
         finally:

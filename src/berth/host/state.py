@@ -10,9 +10,9 @@
 
 The file's size is fixed at creation: ``key_rows`` keys, ``deployment_rows`` deployments and
 nodes together, ``prefix_rows`` prompt blocks and ``affinity_rows`` sessions, each row with
-one column per worker (:func:`state_bytes` gives the total; the defaults take about 12 MiB
-for 16 workers). A worker index serves in one process at a time: a restarted worker takes
-the index of the one it replaces, after :meth:`HostState.reclaim`.
+one column per worker (:func:`state_bytes` gives the total; the defaults take about 14 MiB
+for 16 workers, 10 MiB for 4). A worker index serves in one process at a time: a restarted
+worker takes the index of the one it replaces, after :meth:`HostState.reclaim`.
 """
 
 from __future__ import annotations

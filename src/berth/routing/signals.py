@@ -143,3 +143,5 @@ class SignalBoard:
         self._failures.pop(deployment_id, None)
         self._last_active.pop(deployment_id, None)
         self._answers.pop(deployment_id, None)
+        if self._shared is not None:  # its row goes once nothing counts in it
+            self._shared.forget(deployment_id)
