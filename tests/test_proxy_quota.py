@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 import pytest
 
-from berth.admission import Admission, ManualClock, UsageLedger
+from berth.admission import Admission, ManualClock, Ticket, UsageLedger
 from berth.config import TierTable
 from berth.gateway.proxy import OpenAIProxy
 from berth.observability.metrics import ProxyMetrics
@@ -249,3 +249,35 @@ async def test_a_chat_completions_cached_prompt_tokens_are_counted_apart(
     await quota_client.post("/v1/chat/completions", json={"model": "m", "messages": MESSAGES})
     (row,) = quota_admission.ledger.pending
     assert (row.prompt_tokens, row.completion_tokens, row.cached_tokens) == (30, 2, 24)
+
+
+class MaxTokensSeen(Admission):
+    """Admission that keeps the ``max_tokens`` each request was admitted with."""
+
+    def __init__(self) -> None:
+        super().__init__(TierTable(), UsageLedger(NoSink()), clock=ManualClock())
+        self.max_tokens: list[int | None] = []
+
+    def admit(
+        self, key: Any, model: str, request_bytes: int, max_tokens: int | None = None
+    ) -> Ticket:
+        self.max_tokens.append(max_tokens)
+        return super().admit(key, model, request_bytes, max_tokens)
+
+
+async def test_a_requests_max_tokens_reaches_admission_for_the_budgets_reservation(
+    engine: StandinEngine, metrics: ProxyMetrics
+) -> None:
+    watching = MaxTokensSeen()
+    engine.script(*(json_reply(chat_completion("hi")) for _ in range(4)))
+    resolver = StaticResolver({"m": engine.base_url})
+    keyed = {"x-test-key": "limited"}
+    async with (
+        running_proxy(resolver, metrics, admission=watching, wrap=KeyedHandler) as url,
+        httpx.AsyncClient(base_url=url) as http,
+    ):
+        for extra in ({"max_tokens": 64}, {"max_completion_tokens": 32}, {}, {"max_tokens": "9"}):
+            body = {"model": "m", "messages": MESSAGES, **extra}
+            answer = await http.post("/v1/chat/completions", json=body, headers=keyed)
+            assert answer.status_code == 200
+    assert watching.max_tokens == [64, 32, None, None]  # a string is no number of tokens
