@@ -6,13 +6,14 @@ forget_node) over a fixed table of the state file. A row is 96 bytes::
 
     key digest 16s (BLAKE2b of the affinity key) | last used u64 (ns) | node id 72s
 
-An entry's place is its digest's window of :data:`WINDOW` rows. **Bounded**: a window with
+An entry's place is its digest's window of :data:`WINDOW` rows (windows do not overlap). **Bounded**: a window with
 no room takes the place of its least recently used entry (an approximate LRU, per window),
 so the map never holds more than ``rows`` sessions (6 MiB for the default 65,536). A node
 id longer than 72 bytes is not recorded (the request is routed as one without affinity).
 
-Writes take the row's lock; reads take none and check the key digest again after reading
-the node, so a read racing a write sees the old or the new entry, or none.
+Writes take the window's lock (its first row's); reads take none and check the key digest
+again after reading the node, so a read racing a write sees the old or the new entry, or
+none.
 """
 
 from __future__ import annotations
@@ -39,7 +40,8 @@ class SharedAffinityMap:
         self._table = table
 
     def _start(self, digest: bytes) -> int:
-        return int.from_bytes(digest[:8], "little") % max(1, self._table.rows - WINDOW + 1)
+        buckets = self._table.rows // WINDOW  # windows do not overlap: one lock each
+        return int.from_bytes(digest[:8], "little") % buckets * WINDOW
 
     def _find(self, digest: bytes) -> tuple[int, str | None]:
         start = self._start(digest)

@@ -14,7 +14,7 @@ Locks are ``fcntl`` byte-range locks on the file (one byte per row, at offsets p
 end, so they lock nothing a reader reads): a process that dies holding one loses it with
 its file descriptors, so a SIGKILL never leaves a row locked. They are per process, not
 per thread: one thread per process (the event loop) touches the state. A pair (take,
-give back) costs about 0.7 us on the developers' VM, against 0.09 us for a
+give back) costs 0.7-0.9 us on the developers' VM, against 0.09 us for a
 ``multiprocessing.Lock`` that a killed holder would leave locked forever.
 """
 
