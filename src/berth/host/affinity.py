@@ -6,10 +6,11 @@ forget_node) over a fixed table of the state file. A row is 96 bytes::
 
     key digest 16s (BLAKE2b of the affinity key) | last used u64 (ns) | node id 72s
 
-An entry's place is its digest's window of :data:`WINDOW` rows (windows do not overlap). **Bounded**: a window with
-no room takes the place of its least recently used entry (an approximate LRU, per window),
-so the map never holds more than ``rows`` sessions (6 MiB for the default 65,536). A node
-id longer than 72 bytes is not recorded (the request is routed as one without affinity).
+An entry's place is its digest's window of :data:`WINDOW` rows (windows do not overlap).
+**Bounded**: a window with no room takes the place of its least recently used entry (an
+approximate LRU, per window), so the map never holds more than ``rows`` sessions (6 MiB for
+the default 65,536). A node id longer than 72 bytes is not recorded (the request is routed
+as one without affinity).
 
 Writes take the window's lock (its first row's); reads take none and check the key digest
 again after reading the node, so a read racing a write sees the old or the new entry, or
