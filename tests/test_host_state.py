@@ -298,3 +298,23 @@ def test_a_row_given_up_and_taken_by_another_deployment_is_looked_up_again(
     assert two.take("d-new", 1)  # may take d-old's row
     assert two.in_flight("d-old") == 0  # not d-new's counts under d-old's old row
     assert one.in_use("d-new") == 1
+
+
+async def test_a_grant_whose_wake_was_lost_is_taken_with_the_next_wake(
+    views: tuple[HostState, HostState],
+) -> None:
+    giver = SlotGate(slots=views[0].deployments)
+    waiter = SlotGate(slots=views[1].deployments, timeout_s=10.0)
+    first, second = [Slotted("d-1", 1)], [Slotted("d-2", 1)]
+    assert giver.take_free(first) == "d-1"
+    assert giver.take_free(second) == "d-2"
+    one = asyncio.create_task(waiter.acquire("k", 0, "m", first))
+    two = asyncio.create_task(waiter.acquire("k", 0, "m", second))
+    while waiter.scheduler.waiting < 2:
+        await asyncio.sleep(0)
+    box = views[1].deployments.wake_box
+    assert box is not None
+    giver.release("d-1")
+    assert box.drain()  # the wake for d-1 is lost
+    giver.release("d-2")  # d-2's wake brings both
+    assert await asyncio.wait_for(asyncio.gather(one, two), 10) == ["d-1", "d-2"]

@@ -31,7 +31,8 @@ request taking a free one jumps no queue.
 A worker's column is its own: :meth:`SharedDeployments.reclaim` zeroes a dead worker's
 columns and hands the slots it held to the waiting processes (the supervisor calls it when
 it restarts that worker). A wake that is dropped (the receiver's socket buffer full) leaves
-its grant in the row: the receiver takes it with the next wake it gets.
+its grant in the row: the receiver takes it with the next wake it gets, for any deployment
+(it looks at every row it has waited for).
 
 A full table (no row in a deployment's probe): the deployment is counted in this process
 alone, as with one worker (its slots then hold per worker), and :attr:`overflowed` counts
@@ -339,16 +340,20 @@ class SharedDeployments:
     def take_grants(
         self, rows: Iterable[int], pick_for: Callable[[str], T | None]
     ) -> list[tuple[str, T]]:
-        """The slots other processes handed this one at ``rows`` (the rows of its wakes),
-        each given to the request ``pick_for(deployment id)`` returns (returned with the
-        deployment's id), or given back when none waits any more."""
+        """The slots other processes handed this one at ``rows`` (the rows of its wakes,
+        and every other row of a deployment this process has waited for: a dropped wake's
+        grant is taken with the next wake), each given to the request ``pick_for(deployment
+        id)`` returns (returned with the deployment's id), or given back when none waits
+        any more."""
         granted: list[tuple[str, T]] = []
         region, table = self._region, self._table
-        for row in rows:
+        for row in set(rows) | set(self._names):
             deployment_id = self._names.get(row)
             if deployment_id is None or not 0 <= row < table.rows:
                 continue
             cell = self._cell(row, _GRANTS, self._worker)
+            if region.read_cell(cell) == 0:
+                continue
             region.lock(table.number, row)
             try:
                 count = region.read_cell(cell)
