@@ -44,6 +44,7 @@ from __future__ import annotations
 import functools
 import struct
 from collections.abc import Callable, Iterable
+from fcntl import LOCK_EX, LOCK_UN, lockf
 from typing import TypeVar
 
 from berth.host.region import Region, Table, digest_of
@@ -168,7 +169,7 @@ class SharedDeployments:
             return True
         region, table = self._region, self._table
         head = table.at(row) + 16
-        region.lock(table.number, row)
+        lockf(table.fd, LOCK_EX, 1, table.lock_base + row)
         try:
             _capacity, turn, taken = HEAD.unpack_from(region.map, head)
             if taken >= capacity:
@@ -177,7 +178,7 @@ class SharedDeployments:
             self._add(row, _SLOTS, 1)
             return True
         finally:
-            region.unlock(table.number, row)
+            lockf(table.fd, LOCK_UN, 1, table.lock_base + row)
 
     def take_over(self, deployment_id: str, capacity: int) -> None:
         """Count a slot at ``deployment_id`` even when it is full (a retry moved there)."""
@@ -223,7 +224,7 @@ class SharedDeployments:
         region, table = self._region, self._table
         at = table.at(row)
         woken = -1
-        region.lock(table.number, row)
+        lockf(table.fd, LOCK_EX, 1, table.lock_base + row)
         try:
             capacity, _turn, taken = HEAD.unpack_from(region.map, at + 16)
             waiting = self._waiting.unpack_from(region.map, at + self._waiting_at)
@@ -235,7 +236,7 @@ class SharedDeployments:
                 self._count_taken(row, -1)
                 self._add(row, _SLOTS, -1)
         finally:
-            region.unlock(table.number, row)
+            lockf(table.fd, LOCK_UN, 1, table.lock_base + row)
         if woken >= 0:
             self._wake.wake(woken, row)
         return None

@@ -33,6 +33,7 @@ counted in each process alone, as with one worker (its limits then hold per work
 from __future__ import annotations
 
 import struct
+from fcntl import LOCK_EX, LOCK_UN, lockf
 from typing import Protocol
 
 from berth.host.region import Region, Table, digest_of
@@ -149,7 +150,7 @@ class SharedKeyCounters:
         if row < 0:
             return False
         table = self._table
-        self._region.lock(table.number, row)
+        lockf(table.fd, LOCK_EX, 1, table.lock_base + row)
         self._row = row
         mapped = table.region.map
         at = table.at(row)
@@ -190,7 +191,7 @@ class SharedKeyCounters:
             self._write(key, table.at(row))
         finally:
             self._row = -1
-            self._region.unlock(table.number, row)
+            lockf(table.fd, LOCK_UN, 1, table.lock_base + row)
 
     def _write(self, key: CountedKey, at: int) -> None:
         mapped = self._table.region.map

@@ -151,6 +151,9 @@ class Table:
         self.offset = offset
         self.rows = rows
         self.row_bytes = row_bytes
+        #: the file and the offset of row 0's lock, for the hot paths' own ``fcntl.lockf``
+        self.fd = region.fd
+        self.lock_base = LOCK_BASE + number * LOCK_SPAN
 
     def at(self, row: int) -> int:
         """The byte offset of row ``row``."""
