@@ -30,6 +30,17 @@ WORKERS = 4
 TESTS = Path(__file__).resolve().parent
 
 
+#: the workers a test started, stopped after it whatever way it ended
+STARTED: list[Workers] = []
+
+
+@pytest.fixture(autouse=True)
+def stop_workers() -> Iterator[None]:
+    yield
+    while STARTED:
+        STARTED.pop().close()
+
+
 @pytest.fixture
 def host(tmp_path: Path) -> Iterator[HostState]:
     state = HostState.create(tmp_path / "host.state", workers=WORKERS)
@@ -60,6 +71,7 @@ class Workers:
             )
             for worker in workers
         ]
+        STARTED.append(self)
 
     def go(self) -> None:
         for process in self.processes:
