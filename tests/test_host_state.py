@@ -19,6 +19,9 @@ from berth.config import TierTable
 from berth.host import HostFileError, HostState
 from berth.host.keys import KeyCounters
 from berth.routing.prefix_blocks import PromptBlocks
+from berth.routing.resolver import Upstream
+from berth.routing.router import Router
+from berth.routing.signals import SignalBoard
 from support.host_workers import KEY_ID, flood_key
 
 
@@ -318,3 +321,54 @@ async def test_a_grant_whose_wake_was_lost_is_taken_with_the_next_wake(
     assert box.drain()  # the wake for d-1 is lost
     giver.release("d-2")  # d-2's wake brings both
     assert await asyncio.wait_for(asyncio.gather(one, two), 10) == ["d-1", "d-2"]
+
+
+class Fleet:
+    """Three deployments on three nodes, for the model ``m``."""
+
+    def candidates(self, model: str) -> list[Upstream]:
+        return [Upstream(f"http://{n}", f"dep-{n}", n, model) for n in ("n1", "n2", "n3")]
+
+    def models(self) -> list[str]:
+        return ["m"]
+
+
+def conversation(number: int, turns: int) -> dict[str, object]:
+    messages = [{"role": "system", "content": f"rules of conversation {number}. " * 60}]
+    for turn in range(turns):
+        messages += [
+            {"role": "user", "content": f"question {turn}"},
+            {"role": "assistant", "content": f"answer {turn}"},
+        ]
+    return {"messages": [*messages, {"role": "user", "content": f"question {turns}"}]}
+
+
+def test_routers_in_two_workers_send_a_conversation_to_the_same_engine(tmp_path: Path) -> None:
+    state = HostState.create(tmp_path / "routing.state", workers=2)
+    views = [HostState.attach(state.region.path, worker) for worker in (0, 1)]
+
+    def router(view: HostState) -> Router:
+        return Router(
+            Fleet(),
+            policy="prefix",
+            signals=SignalBoard(in_flight=view.deployments),
+            prefixes=view.prefixes,
+            affinity=view.sessions,
+        )
+
+    first, second = router(views[0]), router(views[1])
+    chosen = {}
+    for number in range(6):
+        plan, key = first.plan_request("m", [], conversation(number, 0))
+        first.succeeded(key, plan[0])
+        chosen[number] = plan[0].deployment_id
+    assert len(set(chosen.values())) > 1  # spread over the engines
+    for number in reversed(range(6)):  # the next turns, taken by the other worker
+        plan, _key = second.plan_request("m", [], conversation(number, 1))
+        assert plan[0].deployment_id == chosen[number]
+    session = [(b"x-session-id", b"s-1")]
+    plan, key = first.plan_request("m", session, {"messages": []})
+    first.succeeded(key, plan[-1])
+    assert second.plan_request("m", session, {"messages": []})[0][0].node_id == plan[-1].node_id
+    for view in (*views, state):
+        view.close()
