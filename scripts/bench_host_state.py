@@ -15,21 +15,31 @@ operation, in microseconds:
 - ``lock pair``: one ``fcntl`` row lock taken and given back, and ``wake send``: one wake
   datagram sent (only a slot handed to another process sends one).
 
-Command (about half a minute)::
+``--fairness`` measures instead how the slots of one deployment go round processes that all
+want them: ``--workers`` processes (spawned), each with 4 requests at a time taking one of
+the deployment's 2 slots, holding it for 0.5 ms and giving it back, for ``--seconds``; it
+prints the requests served a second and each process's share of them (1/N each is
+even).
+
+Commands (about half a minute each)::
 
     PYTHONPATH=src python scripts/bench_host_state.py [--rounds 5] [--n 20000]
+    PYTHONPATH=src python scripts/bench_host_state.py --fairness [--workers 4] [--seconds 3]
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import gc
+import multiprocessing
 import statistics
 import tempfile
 import time
 from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 from berth.admission import Admission, SlotGate, UsageLedger
 from berth.config import TierTable
@@ -162,11 +172,72 @@ def session_op(host: HostState | None) -> Callable[[], None]:
     return op
 
 
+def fair_worker(path: Path, worker: int, seconds: float, conn: Any) -> None:
+    """One process of ``--fairness``: 4 requests at a time through the gate on the host's
+    slots of ``d-fair`` (2 slots) until ``seconds`` pass; sends the requests served."""
+    state = HostState.attach(path, worker)
+    gate = SlotGate(slots=state.deployments, timeout_s=60.0)
+    candidates = [_Slotted("d-fair", 2)]
+    conn.recv()  # go
+
+    async def one(deadline: float) -> int:
+        served = 0
+        while time.monotonic() < deadline:
+            held = await gate.acquire("k-fair", 0, "m", candidates)
+            await asyncio.sleep(0.0005)  # the engine answering
+            gate.release(held)
+            served += 1
+        return served
+
+    async def run() -> int:
+        deadline = time.monotonic() + seconds
+        return sum(await asyncio.gather(*(one(deadline) for _ in range(4))))
+
+    conn.send(asyncio.run(run()))
+    state.close()
+
+
+def fairness(workers: int, seconds: float) -> None:
+    folder = Path(tempfile.mkdtemp(dir="/dev/shm" if Path("/dev/shm").is_dir() else None))
+    supervisor = HostState.create(folder / "host.state", workers=workers)
+    spawn = multiprocessing.get_context("spawn")
+    pipes, processes = [], []
+    for worker in range(workers):
+        mine, theirs = spawn.Pipe()
+        process = spawn.Process(
+            target=fair_worker, args=(supervisor.region.path, worker, seconds, theirs)
+        )
+        process.start()
+        pipes.append(mine)
+        processes.append(process)
+    for pipe in pipes:
+        pipe.send("go")
+    served = [pipe.recv() for pipe in pipes]
+    for process in processes:
+        process.join()
+    total = sum(served)
+    shares = " ".join(f"{count / total:.3f}" for count in served)
+    print(f"{workers} processes x 4 requests at a time, 2 slots, 0.5 ms held, {seconds:g} s")
+    print(f"served {total} ({total / seconds:.0f}/s); shares {shares}; even {1 / workers:.3f}")
+    even = total / workers
+    print(f"max/even {max(served) / even:.2f}, min/even {min(served) / even:.2f}")
+    supervisor.close()
+    for leftover in folder.iterdir():
+        leftover.unlink()
+    folder.rmdir()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--n", type=int, default=20_000)
+    parser.add_argument("--fairness", action="store_true")
+    parser.add_argument("--workers", type=int, default=4)
+    parser.add_argument("--seconds", type=float, default=3.0)
     args = parser.parse_args()
+    if args.fairness:
+        fairness(args.workers, args.seconds)
+        return
     folder = Path(tempfile.mkdtemp(dir="/dev/shm" if Path("/dev/shm").is_dir() else None))
     supervisor = HostState.create(folder / "host.state", workers=16)
     host = HostState.attach(folder / "host.state", 0)
