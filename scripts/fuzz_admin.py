@@ -28,7 +28,8 @@ Prints a table (operations, cases, phases, failures by check, tracebacks, second
 and the leader's log (by default in a temporary folder, removed afterwards).
 
 Run: ``.venv/bin/python scripts/fuzz_admin.py [--examples 25] [--phases all] [--seed N]
-[--workers 2] [--report-dir DIR]``.
+[--workers 1] [--report-dir DIR]``. More than one worker thread can trip
+python/cpython#106905 (a ``SystemError`` in ``ast.parse`` run in two threads at once).
 """
 
 from __future__ import annotations
@@ -261,7 +262,7 @@ def main() -> None:
         "--phases", default="all", help=f"comma-separated, of {', '.join(PHASES)}; or all"
     )
     parser.add_argument("--seed", type=int, default=None)
-    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--workers", type=int, default=1)
     parser.add_argument("--max-time-s", type=float, default=None)
     parser.add_argument("--report-dir", type=Path, default=None)
     args = parser.parse_args()
