@@ -34,6 +34,7 @@ from berth.config import Settings
 from berth.daemon.build import LeaderParts, build_leader
 from berth.daemon.graph import LeaderGraph
 from berth.daemon.ha import SharedLeadership
+from berth.daemon.link_wait import LinkWait
 from berth.daemon.pieces import open_store
 from berth.daemon.sockets import bind_sockets
 from berth.errors import STANDBY_RESTART_EXIT, DaemonError
@@ -281,6 +282,11 @@ class Leader:
             name="detached-nodes",
         )
         self._leading = True
+        # /readyz says ready once the agents' deployments are routed again, or once the
+        # sweep above would mark their nodes unreachable (the same bound).
+        graph.run.serving = await LinkWait.begin(
+            graph.store, graph.lifecycle.routed, wait_s=self.settings.node_timeout_s
+        )
 
     async def stop_leading(self) -> None:
         """Step down after the lease was lost (shared leadership, ``leader_only``): close
@@ -294,6 +300,7 @@ class Leader:
             raise DaemonError("the leader does not lead")
         self._leading = False
         graph = self.graph
+        graph.run.serving = None
         await self._cancel_detached_sweep()
         # The links first: a start or restart cut short below then reaches no agent.
         gate = graph.hub.agent_gate
@@ -313,7 +320,10 @@ class Leader:
     # -- stop -----------------------------------------------------------------------------
 
     async def stop(self) -> None:
-        """Stop: not ready (with ``leader_ha``, the lease handed over), requests in flight get
+        """Stop: a leader that serves first drains (``/readyz`` answers 503 ``draining`` for
+        the ``drain_s`` setting's seconds while it goes on serving, with its lease, so a load
+        balancer moves new requests elsewhere before anything closes); then not ready (with
+        ``leader_ha``, the lease handed over), requests in flight get
         :data:`SHUTDOWN_GRACE_S` to finish, then
         every piece stops in order (node ``local``'s engines too) and the ports, the socket
         and pid files and the owner lock are released. A stopped leader may start again;
@@ -321,6 +331,7 @@ class Leader:
         parts = self._parts
         if parts is None:
             return
+        await self._drain(parts)
         parts.graph.run.ready = False
         if self._shared is not None:  # the lease first: a standby takes the new requests
             await self._shared.hand_over()
@@ -328,6 +339,22 @@ class Leader:
             parts.public_server.close(SHUTDOWN_GRACE_S), parts.socket_server.close(SHUTDOWN_GRACE_S)
         )
         await self._release()
+
+    async def _drain(self, parts: LeaderParts) -> None:
+        """Answer ``/readyz`` 503 for ``drain_s`` seconds while serving on, when this leader
+        serves (it leads and started; a standby serves nothing and closes at once)."""
+        run, drain_s = parts.graph.run, self.settings.drain_s
+        if drain_s <= 0 or not (run.ready and self._leading) or run.draining:
+            return
+        if self._shared is not None and not self._shared.leadership.is_active:
+            return  # the lease was lost: /v1 is refused here already
+        run.draining = True
+        log.info(
+            "berth leader draining: /readyz answers 503 for %.1f s (drain_s) while requests "
+            "are still served; then the listeners close",
+            drain_s,
+        )
+        await asyncio.sleep(drain_s)
 
     async def _release(self) -> None:
         """Stop every piece (those never started too), in the order that settles answers
@@ -385,6 +412,7 @@ class Leader:
         if self._ownership is not None:
             self._ownership.release()
         self._parts, self._flusher, self._ownership, self._leading = None, None, None, False
+        graph.run.serving, graph.run.draining = None, False
         self.should_exit.clear()  # a stopped leader may serve again
         log.info("berth leader stopped")
 
