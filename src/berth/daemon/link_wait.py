@@ -35,7 +35,7 @@ _log = logging.getLogger(__name__)
 class LinkWait:
     """The deployments on agents a leader waits for before it says it serves.
 
-    ``expected``: deployment id -> node id; ``routed(deployment_id)`` says whether requests
+    ``expected``: deployment id -> its node's label; ``routed(deployment_id)`` says whether requests
     go to it now (:meth:`berth.deployments.lifecycle.LifecycleManager.routed`); ``wait_s``:
     the bound in seconds from now, on ``clock`` (monotonic seconds).
     """
@@ -60,11 +60,15 @@ class LinkWait:
         """A wait for every deployment ``store`` lists as ready on an agent's node.  Raises
         ``StoreError`` when the store does not answer."""
         active = await asyncio.to_thread(store.list_deployments, active_only=True)
-        expected = {
-            record.id: record.node_id
+        on_agents = [
+            record
             for record in active
             if record.state is DeploymentState.READY and record.node_id != LOCAL_NODE_ID
-        }
+        ]
+        labels: dict[str, str] = {}
+        if on_agents:
+            labels = {node.id: node.label for node in await asyncio.to_thread(store.list_nodes)}
+        expected = {r.id: labels.get(r.node_id, r.node_id) for r in on_agents}
         if expected:
             nodes = ", ".join(sorted(set(expected.values())))
             _log.info(

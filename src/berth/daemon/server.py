@@ -21,6 +21,7 @@ local node sampler; every deployment runs on an agent.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import signal
@@ -81,6 +82,7 @@ class Leader:
         self._shared: SharedLeadership | None = None
         self._detached_sweep: asyncio.Task[list[str]] | None = None
         self._restart_as_standby = False
+        self._drain_over = asyncio.Event()
 
     # -- what a started leader shows ------------------------------------------------------
 
@@ -136,7 +138,7 @@ class Leader:
         """
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, self.should_exit.set)
+            loop.add_signal_handler(sig, self._stop_signal)
         loop.add_signal_handler(signal.SIGHUP, self._reload_certificates)  # never: death
         try:
             await self.start()
@@ -158,6 +160,16 @@ class Leader:
 
     def request_stop(self) -> None:
         """Make :meth:`serve` stop the leader and return."""
+        self.should_exit.set()
+
+    def end_drain(self) -> None:
+        """End a drain under way now (see :meth:`stop`): the listeners close at once."""
+        self._drain_over.set()
+
+    def _stop_signal(self) -> None:
+        """SIGTERM or SIGINT: stop; a second one while draining ends the drain."""
+        if self.should_exit.is_set():
+            self.end_drain()
         self.should_exit.set()
 
     def request_standby_restart(self) -> None:
@@ -342,7 +354,8 @@ class Leader:
 
     async def _drain(self, parts: LeaderParts) -> None:
         """Answer ``/readyz`` 503 for ``drain_s`` seconds while serving on, when this leader
-        serves (it leads and started; a standby serves nothing and closes at once)."""
+        serves (it leads and started; a standby serves nothing and closes at once), or until
+        :meth:`end_drain` (a second SIGTERM or SIGINT)."""
         run, drain_s = parts.graph.run, self.settings.drain_s
         if drain_s <= 0 or not (run.ready and self._leading) or run.draining:
             return
@@ -354,7 +367,9 @@ class Leader:
             "are still served; then the listeners close",
             drain_s,
         )
-        await asyncio.sleep(drain_s)
+        self._drain_over.clear()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._drain_over.wait(), drain_s)
 
     async def _release(self) -> None:
         """Stop every piece (those never started too), in the order that settles answers
