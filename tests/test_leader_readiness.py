@@ -11,6 +11,8 @@ deployment on an agent, polled as a load balancer would, answers no
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import ssl
 import time
 from pathlib import Path
@@ -172,9 +174,22 @@ def test_a_restarted_leader_says_ready_only_once_its_agents_deployment_is_routed
     with started_cluster(tmp_path, settings) as cluster:
         agent = cluster.add_agent("gpu-a")
         cluster.deploy("tiny-a", cluster.root / "tiny.gguf", agent)
-        cluster.berth("daemon", "stop")
-        cluster.berth("daemon", "start", "--public-port", str(cluster.public_port),
-                      "--cluster-port", str(cluster.cluster_port))  # fmt: skip
+        assert agent.process is not None
+        # The agent is held still across the restart, so the new leader surely starts
+        # without its link (a quick redial could otherwise beat the first /readyz).
+        os.kill(agent.process.pid, signal.SIGSTOP)
+        try:
+            cluster.berth("daemon", "stop")
+            cluster.berth("daemon", "start", "--public-port", str(cluster.public_port),
+                          "--cluster-port", str(cluster.cluster_port))  # fmt: skip
+            with cluster.http() as http:
+                waiting = http.get("/readyz")
+            print("/readyz with the agent still away:", waiting.status_code, waiting.text)
+            assert waiting.status_code == 503
+            assert waiting.json()["status"] == "starting"
+            assert "link of node gpu-a" in waiting.json()["detail"]
+        finally:
+            os.kill(agent.process.pid, signal.SIGCONT)
         _first_ready_then_served(cluster, "tiny-a")
 
 

@@ -22,6 +22,7 @@ from berth.api.client import DaemonClient
 from berth.cli.common import console, context, err_console, print_json, print_table
 from berth.cli.context import HELP_OPTIONS, CliContext
 from berth.cli.daemon_service_cmd import install_service
+from berth.cli.leadership_lines import database_line, role_line, say_controller_when_stopped
 from berth.config import Settings
 from berth.errors import ConfigError, DaemonError
 from berth.humanize import age
@@ -130,7 +131,12 @@ def start(
             cwd="/",
         )
     info = _wait_started(cli, process, log_file, log_offset)
+    with cli.client() as client:
+        leader = client.leader()
     _print_banner(info, log_file)
+    # Joined as the controller or a standby member, and on which database (issue 41).
+    console.print(f"  {'role':<15} {role_line(leader)}", soft_wrap=True, markup=False)
+    console.print(f"  {'database':<15} {database_line(settings)}", soft_wrap=True, markup=False)
 
 
 def _run_foreground(home: BerthHome, settings: Settings, *, restart_backoff: bool) -> None:
@@ -353,12 +359,18 @@ def _certificate_note(listener: ListenerInfo) -> str:
 def status(
     ctx: typer.Context, as_json: bool = typer.Option(False, "--json", help="Print JSON.")
 ) -> None:
-    """The daemon, its listeners, nodes and deployments at a glance."""
-    with context(ctx).client() as client:
-        info = client.info()
-        leader = client.leader()
-        nodes = client.nodes()
-        deployments = client.deployments(active=True)
+    """The daemon, its listeners, nodes and deployments at a glance; with the daemon
+    stopped and leadership shared, the controller as the database has it."""
+    cli = context(ctx)
+    try:
+        with cli.client() as client:
+            info = client.info()
+            leader = client.leader()
+            nodes = client.nodes()
+            deployments = client.deployments(active=True)
+    except DaemonError:
+        say_controller_when_stopped(cli.home)
+        raise
     if as_json:
         print_json({"daemon": info, "leader": leader, "nodes": nodes, "deployments": deployments})
         return
@@ -370,7 +382,7 @@ def status(
     if leader.ha:  # shared leadership (leader_ha): this leader's role and the active's address
         console.print(
             f"  leader   {leader.role}, epoch {leader.epoch}, active "
-            f"{leader.active_address or 'none'}",
+            f"{leader.active_address or 'none'}; {role_line(leader)}",
             soft_wrap=True,
             markup=False,
         )
