@@ -274,7 +274,7 @@ def test_where_things_stand_is_said_on_a_standby_and_with_a_leader_stopped(
     print("berth run on the standby:", ran.stderr.strip())
     assert ran.returncode == 2
     assert "standby member, not the controller" in ran.stderr
-    assert f"the controller at {a.base_url} (epoch 1)" in ran.stderr
+    assert f"control commands go to the controller at {a.base_url} (epoch 1)" in ran.stderr
     assert len(ran.stderr.strip().splitlines()) == 1
     with httpx.Client(transport=httpx.HTTPTransport(uds=str(b.leader_home / "berth.sock")),
                       base_url="http://berth", timeout=30.0) as api:  # fmt: skip

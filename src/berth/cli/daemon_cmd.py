@@ -133,10 +133,7 @@ def start(
     info = _wait_started(cli, process, log_file, log_offset)
     with cli.client() as client:
         leader = client.leader()
-    _print_banner(info, log_file)
-    # Joined as the controller or a standby member, and on which database (issue 41).
-    console.print(f"  {'role':<15} {role_line(leader)}", soft_wrap=True, markup=False)
-    console.print(f"  {'database':<15} {database_line(settings)}", soft_wrap=True, markup=False)
+    _print_banner(info, log_file, role=role_line(leader), database=database_line(settings))
 
 
 def _run_foreground(home: BerthHome, settings: Settings, *, restart_backoff: bool) -> None:
@@ -221,7 +218,9 @@ def _start_failure(code: int, log_file: Path, log_offset: int) -> DaemonError:
     return DaemonError(message)
 
 
-def _print_banner(info: DaemonInfo, log_file: Path) -> None:
+def _print_banner(info: DaemonInfo, log_file: Path, *, role: str, database: str) -> None:
+    """The started leader: its listeners, CA, log, mode, runtimes, GPUs; whether it joined
+    as the controller or a standby member (``role``), and its ``database`` (issue 41)."""
     console.print(
         f"[bold green]berth leader running[/] (pid {info.pid}, v{info.version})", markup=True
     )
@@ -230,6 +229,8 @@ def _print_banner(info: DaemonInfo, log_file: Path) -> None:
     console.print(f"  {'CA fingerprint':<15} {info.ca_fingerprint}", soft_wrap=True)
     console.print(f"  {'CA certificate':<15} {info.ca_file}", soft_wrap=True)
     console.print(f"  {'log':<15} {log_file}", soft_wrap=True)
+    console.print(f"  {'role':<15} {role}", soft_wrap=True, markup=False)
+    console.print(f"  {'database':<15} {database}", soft_wrap=True, markup=False)
     if info.leader_only:
         console.print(
             f"  {'mode':<15} leader-only: no engines on this host; run models on agents "

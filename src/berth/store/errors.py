@@ -75,10 +75,7 @@ class NotControllerError(BerthError):
         self.controller_address = controller_address
         self.epoch = epoch
         if controller_address:
-            where = f"send it to the controller at {controller_address} (epoch {epoch})"
+            where = f"control commands go to the controller at {controller_address} (epoch {epoch})"
         else:
             where = "no leader is the controller right now (a standby is taking over); retry"
-        super().__init__(
-            f"this berth leader is a standby member, not the controller: control commands "
-            f"go to the controller; {where}"
-        )
+        super().__init__(f"this berth leader is a standby member, not the controller; {where}")
