@@ -289,7 +289,8 @@ def test_where_things_stand_is_said_on_a_standby_and_with_a_leader_stopped(
     database = b.env["BERTH_DATABASE_URL"]
     for command in (("status",), ("leader", "status")):
         stopped = b.berth(*command, check=False)
-        print(f"berth {' '.join(command)} with b stopped:", stopped.stdout.strip())
+        print(f"berth {' '.join(command)} with b stopped:", stopped.stdout.strip(),
+              stopped.stderr.strip(), sep="\n")  # fmt: skip
         assert stopped.returncode != 0 and "not running" in stopped.stderr
         assert f"this leader is not running; controller {a.base_url} (epoch 1" in stopped.stdout
 
