@@ -269,7 +269,7 @@ def build_stop_router(
             ", ".join(m.cluster_url for m in standbys) or "none",
         )
         run.handed_over = True  # it exits to be started again, as a standby
-        os.kill(pid, signal.SIGTERM)  # the Leader's stop hands the lease over first
+        os.kill(pid, signal.SIGTERM)  # the Leader drains, then hands the lease over
         return StepDownAccepted(standbys=[m.cluster_url for m in standbys])
 
     @router.post("/admin/shutdown", status_code=202, dependencies=[needs(Role.ADMIN)])

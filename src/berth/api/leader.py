@@ -104,8 +104,9 @@ class StepDownIn(ApiInput):
 
 
 class StepDownAccepted(ApiModel):
-    """``POST /admin/leader/step-down`` (202): the active leader hands its lease back at once
-    (a standby takes new requests at its next look), finishes what is in flight, and exits.
+    """``POST /admin/leader/step-down`` (202): the active leader drains (``/readyz`` 503 for
+    the ``drain_s`` setting while it serves on), hands its lease back (a standby takes new
+    requests at its next look), finishes what is in flight, and exits.
     ``standbys`` are the cluster URLs of the other leaders seen within the lease (empty
     only with ``force``).  Refused (409) on a standby, without ``leader_ha``, and, without
     ``force``, when no other leader was seen within the lease, naming what was checked."""

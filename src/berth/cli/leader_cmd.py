@@ -51,8 +51,9 @@ def step_down(
         "then left with no active leader until one starts.",
     ),
 ) -> None:
-    """Hand leadership over: the lease goes back at once (a standby takes new requests at its
-    next look), this leader finishes what is in flight and exits (as berth daemon stop).
+    """Hand leadership over: this leader drains (/readyz 503 for drain_s while it serves on),
+    the lease goes back (a standby takes new requests at its next look), this leader
+    finishes what is in flight and exits (as berth daemon stop).
 
     Refused when no other leader noted itself in the database within the lease (the refusal
     says what it checked), unless --force.

@@ -345,7 +345,7 @@ class Leader:
             return
         await self._drain(parts)
         parts.graph.run.ready = False
-        if self._shared is not None:  # the lease first: a standby takes the new requests
+        if self._shared is not None:  # the lease before the close: a standby takes over
             await self._shared.hand_over()
         await asyncio.gather(
             parts.public_server.close(SHUTDOWN_GRACE_S), parts.socket_server.close(SHUTDOWN_GRACE_S)
