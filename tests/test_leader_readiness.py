@@ -14,6 +14,8 @@ import asyncio
 import os
 import signal
 import ssl
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -24,7 +26,8 @@ from berth.admin.status import RunState, readiness
 from berth.daemon.link_wait import LinkWait
 from berth.daemon.server import Leader
 from berth.paths import BerthHome
-from support.cluster_harness import Cluster, started_cluster
+from support.cluster_harness import Cluster, clean_env, started_cluster
+from support.processes import alive, wait_gone
 from support.waiting import EVENT_TIMEOUT_S, wait_for, wait_for_async
 from test_leader_object import leader_settings, port_is_free, public_get
 
@@ -217,3 +220,40 @@ def _first_ready_then_served(cluster: Cluster, model: str) -> None:
     assert all(r.status_code == 200 for r in replies), [r.text for r in replies]
     log = (cluster.leader_home / "logs" / "daemon.log").read_text()
     assert "readiness: waiting for the links of node(s) gpu-a (1 ready deployment(s))" in log
+
+
+@pytest.mark.slow
+def test_berth_daemon_stop_drains_visibly_before_the_listener_closes(tmp_path: Path) -> None:
+    """A real daemon with ``drain_s`` 600: after ``berth daemon stop`` ``/readyz`` says 503
+    ``draining`` while ``/v1`` answers; a second SIGTERM ends the drain, and the daemon
+    exits."""
+    # Not started_cluster: its close asks the leader for deployments, and this one is gone.
+    cluster = Cluster(tmp_path, clean_env({"BERTH_DRAIN_S": "600"}))
+    cluster.start()
+    try:
+        pid = cluster.leader_pid()
+        stop = subprocess.Popen(
+            [sys.executable, "-m", "berth", "--home", str(cluster.leader_home), "daemon", "stop"],
+            env=cluster.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        try:
+            with cluster.http(timeout_s=30.0) as http:
+                began = time.monotonic()
+                wait_for(lambda: http.get("/readyz").status_code == 503, 60.0,
+                         "the drain to show", interval_s=0.05)  # fmt: skip
+                shown_s = time.monotonic() - began
+                ready = http.get("/readyz")
+                served = http.get("/v1/models")
+            print(f"/readyz 503 {shown_s:.2f} s after the stop began: {ready.text}")
+            assert ready.json()["status"] == "draining"
+            assert served.status_code == 200, served.text
+            assert stop.poll() is None and alive(pid)
+        finally:
+            os.kill(pid, signal.SIGTERM)  # the second: the drain ends at once
+        out, _ = stop.communicate(timeout=60)
+        assert stop.returncode == 0, out
+        assert wait_gone(pid, 60.0)
+        log = (cluster.leader_home / "logs" / "daemon.log").read_text()
+        assert "berth leader draining: /readyz answers 503 for 600.0 s (drain_s)" in log
+    finally:
+        cluster.berth("daemon", "stop", check=False)
