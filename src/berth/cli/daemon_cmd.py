@@ -360,8 +360,9 @@ def _certificate_note(listener: ListenerInfo) -> str:
 def status(
     ctx: typer.Context, as_json: bool = typer.Option(False, "--json", help="Print JSON.")
 ) -> None:
-    """The daemon, its listeners, nodes and deployments at a glance; with the daemon
-    stopped and leadership shared, the controller as the database has it."""
+    """The daemon, its listeners, nodes and deployments at a glance.
+
+    With the daemon stopped and leadership shared, the controller as the database has it."""
     cli = context(ctx)
     try:
         with cli.client() as client:

@@ -20,8 +20,9 @@ leader_app = typer.Typer(
 def leader_status(
     ctx: typer.Context, as_json: bool = typer.Option(False, "--json", help="Print JSON.")
 ) -> None:
-    """This leader's role (active or standby), the lease's epoch and the active's address;
-    with this leader stopped, the controller as the database has it."""
+    """This leader's role (active or standby), the lease's epoch and the active's address.
+
+    With this leader stopped and leadership shared, the controller as the database has it."""
     cli = context(ctx)
     try:
         with cli.client() as client:
