@@ -69,6 +69,9 @@ def pytest_configure(config: pytest.Config) -> None:
     # Every leader and agent of the suite may run models from the tests' folders
     # (``support/test_policy.py``); the processes tests start inherit it.
     os.environ.update(policy_env())
+    # The suite's leaders close their listeners at once when they stop (the drain_s
+    # setting); the tests of the drain itself set it (test_leader_readiness.py).
+    os.environ.setdefault("BERTH_DRAIN_S", "0")
     # The parallel suite's phases and worker groups (``support/parallel.py``).
     config.pluginmanager.register(parallel.Parallel(config), "support.parallel")
     # The plugin that registers and applies the ``needs`` mark (an object, not a name: the

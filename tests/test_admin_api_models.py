@@ -35,6 +35,7 @@ from berth.api.pulls import PullIn
 from berth.cli.common import request_body
 from berth.config import Settings
 from berth.daemon.admin_routes import admin_routers
+from berth.daemon.link_wait import LinkWait
 from berth.errors import (
     AuthError,
     BerthError,
@@ -155,9 +156,12 @@ async def test_readyz_says_starting_with_503_then_ready(
 ) -> None:
     starting = await http.get("/readyz")
     graph.run.ready = True
+    not_leading = await http.get("/readyz")  # started, its leader-only loops not yet
+    graph.run.serving = LinkWait({}, lambda _: False, wait_s=0.0)  # no agent to wait for
     ready = await http.get("/readyz")
 
     assert (starting.status_code, starting.json()) == (503, {"status": "starting"})
+    assert (not_leading.status_code, not_leading.json()) == (503, {"status": "starting"})
     assert (ready.status_code, ready.json()) == (200, {"status": "ready"})
     assert (await http.get("/healthz")).json() == {"status": "ok"}
 

@@ -45,6 +45,7 @@ def _settings(home: BerthHome) -> Settings:
         "cluster_port": 0,
         "orphan_grace_s": 0,
         "leader_only": True,
+        "drain_s": 0,
     }
     return Settings.load(home, flags=flags, env={})
 

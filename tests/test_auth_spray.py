@@ -57,6 +57,7 @@ def spray_leader(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Leader]:
     home = tmp_path_factory.mktemp("spray-leader")
     env = {k: v for k, v in os.environ.items() if not k.startswith("BERTH_")}
     env.update(
+        BERTH_DRAIN_S="0",  # the stop closes at once (no load balancer here)
         BERTH_AUTH_FAILURE_BURST=str(BURST),
         BERTH_AUTH_FAILURE_RATE_PER_S=str(RATE_PER_S),
         BERTH_LEADER_ONLY="1",  # no engines needed here

@@ -222,3 +222,42 @@ def test_an_active_stopped_past_its_lease_steps_down_and_starts_or_stops_no_engi
     assert node["status"] == "ready"  # the old active did not mark it unreachable
     assert _connected_to(agent, b)
     assert _chat(b, a.api_key).status_code == 200
+
+
+def test_the_new_active_says_ready_only_once_it_serves_the_agents_deployment(
+    ha_agent_pair: tuple[Cluster, Cluster],
+) -> None:
+    """Issue 41: polled as a load balancer polls ``/readyz``, the new active's first 200
+    comes once the agent's deployment is routed through it; the requests sent at once
+    after it get no ``503 no_ready_deployment`` (a new active answered 200 and then 145 of
+    them in 0.7 s)."""
+    a, b = ha_agent_pair
+    agent = a.add_agent("gpu1")
+    a.deploy("tiny", a.root.parent / "tiny.gguf", agent)
+    leader_pid = a.leader_pid()
+    killed_at = time.monotonic()
+    os.kill(leader_pid, signal.SIGKILL)
+    assert wait_gone(leader_pid, 10.0)
+    seen: list[str] = []
+    with b.http(timeout_s=30.0) as http:
+
+        def ready() -> bool:
+            reply = http.get("/readyz")
+            body = reply.json()
+            said = f"{body['status']}: {body.get('detail')}"
+            if reply.status_code != 200 and said not in seen:
+                seen.append(said)
+            return reply.status_code == 200
+
+        wait_for(ready, BOUND_S, "b to say ready", interval_s=0.05)
+        ready_s = time.monotonic() - killed_at
+        replies = [
+            http.post(
+                "/v1/chat/completions", json=CHAT, headers={"Authorization": f"Bearer {a.api_key}"}
+            )
+            for _ in range(20)
+        ]
+    print(f"kill -9 of the active: b's /readyz 200 after {ready_s:.2f} s; before it: {seen}")
+    refused = [r.text for r in replies if r.status_code == 503]
+    assert refused == [], refused
+    assert [r.status_code for r in replies] == [200] * 20

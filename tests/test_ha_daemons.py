@@ -260,3 +260,44 @@ def test_a_step_down_with_no_standby_is_refused_naming_what_was_checked(tmp_path
         assert "no leader holds the lease" in store["detail"]
     finally:
         lone.berth("daemon", "stop", check=False)
+
+
+def test_where_things_stand_is_said_on_a_standby_and_with_a_leader_stopped(
+    ha_pair: tuple[Cluster, Cluster],
+) -> None:
+    """Issue 41's messages: a control command on the standby names the controller (it said
+    "node gpu-a is not connected"); ``daemon start`` says controller or standby member and
+    the database; ``status`` and ``leader status`` with the local leader stopped name the
+    controller from the lease row."""
+    a, b = ha_pair
+    ran = b.berth("run", "tiny", "--engine", "llamacpp", check=False)
+    print("berth run on the standby:", ran.stderr.strip())
+    assert ran.returncode == 2
+    assert "standby member, not the controller" in ran.stderr
+    assert f"control commands go to the controller at {a.base_url} (epoch 1)" in ran.stderr
+    assert len(ran.stderr.strip().splitlines()) == 1
+    with httpx.Client(transport=httpx.HTTPTransport(uds=str(b.leader_home / "berth.sock")),
+                      base_url="http://berth", timeout=30.0) as api:  # fmt: skip
+        refused = api.post("/admin/deployments", json={"model": "tiny"})
+    assert refused.status_code == 409, refused.text
+    assert refused.json()["error"]["code"] == "not_controller"
+    assert a.base_url in refused.json()["error"]["message"]
+    assert b.admin("GET", "/admin/deployments") == []  # reads are every leader's
+
+    assert "standby member" in b.berth("leader", "status").stdout
+    b.berth("daemon", "stop")
+    database = b.env["BERTH_DATABASE_URL"]
+    for command in (("status",), ("leader", "status")):
+        stopped = b.berth(*command, check=False)
+        print(f"berth {' '.join(command)} with b stopped:", stopped.stdout.strip(),
+              stopped.stderr.strip(), sep="\n")  # fmt: skip
+        assert stopped.returncode != 0 and "not running" in stopped.stderr
+        assert f"this leader is not running; controller {a.base_url} (epoch 1" in stopped.stdout
+
+    started = b.berth("daemon", "start", "--public-port", str(b.public_port),
+                      "--cluster-port", str(b.cluster_port))  # fmt: skip
+    print("berth daemon start of a standby:", started.stdout)
+    assert f"standby member: serves once it takes the lease; the controller is {a.base_url}" in (
+        started.stdout
+    )
+    assert f"database        {database}" in started.stdout  # no password here to mask

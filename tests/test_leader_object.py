@@ -26,8 +26,9 @@ from support.waiting import EVENT_TIMEOUT_S, wait_for_async
 
 def leader_settings(home: BerthHome, **flags: object) -> Settings:
     """Settings for a leader on ``home`` on loopback, any free ports unless ``flags`` say
-    which; no warden (``orphan_grace_s`` 0), no environment."""
+    which; no warden (``orphan_grace_s`` 0), no drain (``drain_s`` 0), no environment."""
     given: dict[str, object] = {
+        "drain_s": 0,
         "public_bind": "127.0.0.1",
         "public_host": "127.0.0.1",
         "cluster_bind": "127.0.0.1",

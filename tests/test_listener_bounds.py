@@ -53,6 +53,7 @@ def bounded_leader(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Leader]
     home = tmp_path_factory.mktemp("bounded-leader")
     env = {k: v for k, v in os.environ.items() if not k.startswith("BERTH_")}
     env.update(
+        BERTH_DRAIN_S="0",  # the stop closes at once (no load balancer here)
         BERTH_HEAD_TIMEOUT_S=str(HEAD_TIMEOUT_S),
         BERTH_CORS_ORIGINS=f"{ORIGIN}, http://localhost:3000",
         BERTH_LEADER_ONLY="1",  # no engines needed here

@@ -67,6 +67,7 @@ def clean_env(extra: Mapping[str, str]) -> dict[str, str]:
     (``support/test_policy.py``) and ``extra``."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("BERTH_", "HF_"))}
     env["COLUMNS"] = "160"
+    env["BERTH_DRAIN_S"] = "0"  # leaders close at once when stopped, unless a test drains
     env.update(policy_env())
     env.update(extra)
     return env

@@ -17,6 +17,7 @@ import os
 import signal
 import time
 from dataclasses import dataclass
+from typing import Protocol
 
 from fastapi import APIRouter
 from fastapi.responses import PlainTextResponse, Response
@@ -86,16 +87,45 @@ class LeaderFacts:
 class RunState:
     """What changes while a leader runs, as its status routes show it.
 
-    ``ready``: started and serving (``/readyz``), set by the ``Leader`` once every piece
-    started and cleared when it stops; ``runtimes``: node ``local``'s runtimes as found at
-    start-up (empty on a leader-only daemon); ``handed_over``: ``berth leader step-down``
-    asked this leader to stop and come back as a standby, read by the ``Leader`` when it
-    stops.
+    ``ready``: started (every piece), set by the ``Leader`` once every piece started and
+    cleared when it stops; ``serving``: set while it leads, saying what it still waits for
+    before it can serve what it routes (:class:`berth.daemon.link_wait.LinkWait`; ``None``
+    while it does not lead); ``draining``: stopping or stepping down, still serving while
+    ``/readyz`` sends the balancer elsewhere (the ``drain_s`` setting); ``runtimes``: node
+    ``local``'s runtimes as found at start-up (empty on a leader-only daemon);
+    ``handed_over``: ``berth leader step-down`` asked this leader to stop and come back as a
+    standby, read by the ``Leader`` when it stops.
     """
 
     ready: bool = False
+    serving: ServingCheck | None = None
+    draining: bool = False
     runtimes: tuple[RuntimeStatus, ...] = ()
     handed_over: bool = False
+
+
+class ServingCheck(Protocol):
+    """What a leading leader still waits for before it serves: ``None`` when nothing."""
+
+    def pending(self) -> str | None: ...
+
+
+def readiness(run: RunState, leadership: Leadership | None) -> tuple[int, Readiness]:
+    """``GET /readyz``'s status and body: 200 ``ready`` only on a leader that serves what it
+    routes; else 503 ``draining`` (stopping: still serving, about to close), ``standby`` (it
+    does not hold the lease), ``starting`` (its pieces, or its leader-only loops, are
+    starting, or it waits for its agents' links: ``detail`` says which)."""
+    if run.draining:
+        detail = "this leader is stopping; it closes its listeners once the drain is over"
+        return 503, Readiness(status="draining", detail=detail)
+    if leadership is not None and not leadership.is_active:
+        return 503, Readiness(status="standby")
+    if not run.ready or run.serving is None:
+        return 503, Readiness(status="starting")
+    pending = run.serving.pending()
+    if pending is not None:
+        return 503, Readiness(status="starting", detail=pending)
+    return 200, Readiness(status="ready")
 
 
 def _listener_info(listener: Listener) -> ListenerInfo:
@@ -159,17 +189,18 @@ def build_status_router(
 
     @router.get(
         "/readyz",
-        responses={503: {"model": Readiness, "description": "still starting, or a standby"}},
+        responses={
+            503: {
+                "model": Readiness,
+                "description": "starting, waiting for agents' links, a standby, or draining",
+            }
+        },
         dependencies=[OPEN],
+        response_model_exclude_none=True,  # a detail only where there is one
     )
     async def readyz(response: Response) -> Readiness:
-        if leadership is not None and not leadership.is_active:
-            response.status_code = 503
-            return Readiness(status="standby")
-        if run.ready:
-            return Readiness(status="ready")
-        response.status_code = 503
-        return Readiness(status="starting")
+        response.status_code, body = readiness(run, leadership)
+        return body
 
     @router.get("/admin/leader", dependencies=[needs(Role.VIEWER)])
     async def leader() -> LeaderStatus:
@@ -238,7 +269,7 @@ def build_stop_router(
             ", ".join(m.cluster_url for m in standbys) or "none",
         )
         run.handed_over = True  # it exits to be started again, as a standby
-        os.kill(pid, signal.SIGTERM)  # the Leader's stop hands the lease over first
+        os.kill(pid, signal.SIGTERM)  # the Leader drains, then hands the lease over
         return StepDownAccepted(standbys=[m.cluster_url for m in standbys])
 
     @router.post("/admin/shutdown", status_code=202, dependencies=[needs(Role.ADMIN)])

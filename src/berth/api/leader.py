@@ -18,10 +18,15 @@ class Health(ApiModel):
 
 
 class Readiness(ApiModel):
-    """``GET /readyz``: ``ready`` (200) once the leader serves, ``starting`` (503) before,
-    ``standby`` (503) on a leader that shares leadership and is not the active one."""
+    """``GET /readyz``: ``ready`` (200) once the leader serves what it routes (it leads,
+    its ready table is loaded, its agents' deployments are routed again or the wait for
+    their links is over); ``starting`` (503) before, with a ``detail`` while it waits for
+    links; ``standby`` (503) on a leader that shares leadership and is not the active one;
+    ``draining`` (503) on a leader that stops or steps down and still serves until its
+    drain is over (docs/ha.md)."""
 
-    status: Literal["ready", "starting", "standby"]
+    status: Literal["ready", "starting", "standby", "draining"]
+    detail: str | None = None
 
 
 class LeaderStatus(ApiModel):
@@ -99,8 +104,9 @@ class StepDownIn(ApiInput):
 
 
 class StepDownAccepted(ApiModel):
-    """``POST /admin/leader/step-down`` (202): the active leader hands its lease back at once
-    (a standby takes new requests at its next look), finishes what is in flight, and exits.
+    """``POST /admin/leader/step-down`` (202): the active leader drains (``/readyz`` 503 for
+    the ``drain_s`` setting while it serves on), hands its lease back (a standby takes new
+    requests at its next look), finishes what is in flight, and exits.
     ``standbys`` are the cluster URLs of the other leaders seen within the lease (empty
     only with ``force``).  Refused (409) on a standby, without ``leader_ha``, and, without
     ``force``, when no other leader was seen within the lease, naming what was checked."""

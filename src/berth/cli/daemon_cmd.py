@@ -22,6 +22,7 @@ from berth.api.client import DaemonClient
 from berth.cli.common import console, context, err_console, print_json, print_table
 from berth.cli.context import HELP_OPTIONS, CliContext
 from berth.cli.daemon_service_cmd import install_service
+from berth.cli.leadership_lines import database_line, role_line, say_controller_when_stopped
 from berth.config import Settings
 from berth.errors import ConfigError, DaemonError
 from berth.humanize import age
@@ -130,7 +131,9 @@ def start(
             cwd="/",
         )
     info = _wait_started(cli, process, log_file, log_offset)
-    _print_banner(info, log_file)
+    with cli.client() as client:
+        leader = client.leader()
+    _print_banner(info, log_file, role=role_line(leader), database=database_line(settings))
 
 
 def _run_foreground(home: BerthHome, settings: Settings, *, restart_backoff: bool) -> None:
@@ -215,7 +218,9 @@ def _start_failure(code: int, log_file: Path, log_offset: int) -> DaemonError:
     return DaemonError(message)
 
 
-def _print_banner(info: DaemonInfo, log_file: Path) -> None:
+def _print_banner(info: DaemonInfo, log_file: Path, *, role: str, database: str) -> None:
+    """The started leader: its listeners, CA, log, mode, runtimes, GPUs; whether it joined
+    as the controller or a standby member (``role``), and its ``database`` (issue 41)."""
     console.print(
         f"[bold green]berth leader running[/] (pid {info.pid}, v{info.version})", markup=True
     )
@@ -224,6 +229,8 @@ def _print_banner(info: DaemonInfo, log_file: Path) -> None:
     console.print(f"  {'CA fingerprint':<15} {info.ca_fingerprint}", soft_wrap=True)
     console.print(f"  {'CA certificate':<15} {info.ca_file}", soft_wrap=True)
     console.print(f"  {'log':<15} {log_file}", soft_wrap=True)
+    console.print(f"  {'role':<15} {role}", soft_wrap=True, markup=False)
+    console.print(f"  {'database':<15} {database}", soft_wrap=True, markup=False)
     if info.leader_only:
         console.print(
             f"  {'mode':<15} leader-only: no engines on this host; run models on agents "
@@ -353,12 +360,19 @@ def _certificate_note(listener: ListenerInfo) -> str:
 def status(
     ctx: typer.Context, as_json: bool = typer.Option(False, "--json", help="Print JSON.")
 ) -> None:
-    """The daemon, its listeners, nodes and deployments at a glance."""
-    with context(ctx).client() as client:
-        info = client.info()
-        leader = client.leader()
-        nodes = client.nodes()
-        deployments = client.deployments(active=True)
+    """The daemon, its listeners, nodes and deployments at a glance.
+
+    With the daemon stopped and leadership shared, the controller as the database has it."""
+    cli = context(ctx)
+    try:
+        with cli.client() as client:
+            info = client.info()
+            leader = client.leader()
+            nodes = client.nodes()
+            deployments = client.deployments(active=True)
+    except DaemonError:
+        say_controller_when_stopped(cli.home)
+        raise
     if as_json:
         print_json({"daemon": info, "leader": leader, "nodes": nodes, "deployments": deployments})
         return
@@ -370,7 +384,7 @@ def status(
     if leader.ha:  # shared leadership (leader_ha): this leader's role and the active's address
         console.print(
             f"  leader   {leader.role}, epoch {leader.epoch}, active "
-            f"{leader.active_address or 'none'}",
+            f"{leader.active_address or 'none'}; {role_line(leader)}",
             soft_wrap=True,
             markup=False,
         )

@@ -6,6 +6,8 @@ import typer
 
 from berth.cli.common import console, context, print_json
 from berth.cli.context import HELP_OPTIONS
+from berth.cli.leadership_lines import role_line, say_controller_when_stopped
+from berth.errors import DaemonError
 
 leader_app = typer.Typer(
     context_settings=HELP_OPTIONS,
@@ -18,16 +20,23 @@ leader_app = typer.Typer(
 def leader_status(
     ctx: typer.Context, as_json: bool = typer.Option(False, "--json", help="Print JSON.")
 ) -> None:
-    """This leader's role (active or standby), the lease's epoch and the active's address."""
-    with context(ctx).client() as client:
-        leader = client.leader()
+    """This leader's role (active or standby), the lease's epoch and the active's address.
+
+    With this leader stopped and leadership shared, the controller as the database has it."""
+    cli = context(ctx)
+    try:
+        with cli.client() as client:
+            leader = client.leader()
+    except DaemonError:
+        say_controller_when_stopped(cli.home)
+        raise
     if as_json:
         print_json(leader)
         return
     shared = "shared (leader_ha)" if leader.ha else "not shared (leader_ha is off)"
     console.print(
         f"{leader.role}, epoch {leader.epoch}, active {leader.active_address or 'none'}; "
-        f"leadership {shared}; id {leader.id}",
+        f"leadership {shared}; id {leader.id}; {role_line(leader)}",
         soft_wrap=True,
         markup=False,
     )
@@ -43,8 +52,9 @@ def step_down(
         "then left with no active leader until one starts.",
     ),
 ) -> None:
-    """Hand leadership over: the lease goes back at once (a standby takes new requests at its
-    next look), this leader finishes what is in flight and exits (as berth daemon stop).
+    """Hand leadership over: this leader drains (/readyz 503 for drain_s while it serves on),
+    the lease goes back (a standby takes new requests at its next look), this leader
+    finishes what is in flight and exits (as berth daemon stop).
 
     Refused when no other leader noted itself in the database within the lease (the refusal
     says what it checked), unless --force.

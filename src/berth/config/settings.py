@@ -135,6 +135,7 @@ class Settings:
     log_level: str
     health_timeout_s: float
     stop_grace_s: float
+    drain_s: float
     orphan_grace_s: float
     probe_interval_s: float
     probe_timeout_s: float

@@ -375,6 +375,12 @@ SETTINGS: tuple[SettingDef, ...] = (
     SettingDef("stop_grace_s", "float", "daemon",
                "seconds between SIGTERM and SIGKILL when stopping an engine",
                default=10.0, minimum=0.0),
+    SettingDef("drain_s", "float", "daemon",
+               "seconds a leader that stops or steps down answers /readyz 503 while it still "
+               "serves, before it closes its listeners: longer than a load balancer's health "
+               "check interval, so the balancer sends new requests elsewhere first (0: close "
+               "at once)",
+               default=5.0, minimum=0.0, maximum=600.0),
     SettingDef("orphan_grace_s", "float", "daemon",
                "seconds an agent (or a leader, for its own host) may be gone before the "
                "engines it left running are stopped (0: never; a restart within it takes "

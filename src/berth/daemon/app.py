@@ -19,7 +19,9 @@ every answer (:mod:`berth.http_server.cors`). The web console (``/ui/*``, and ``
 browser) needs no key; a browser signed in to it sends a session cookie instead of a key,
 which :class:`berth.admin.console.ConsoleGate` checks. A standby leader (``leader_ha``,
 :mod:`berth.store.leadership`) answers ``/v1/*`` with 503, ``Retry-After`` and the active
-leader's address, before any key is checked.
+leader's address, before any key is checked; once the key is checked, it answers the
+admin API's control commands (:mod:`berth.daemon.controller_gate`) with 409
+``not_controller`` naming the controller.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from berth.admission import (
 from berth.anthropic_errors import is_messages_path, to_anthropic
 from berth.auth.authenticator import Authenticator, require_tier, secret_from_headers
 from berth.daemon.admin_routes import build_admin
+from berth.daemon.controller_gate import controller_only
 from berth.daemon.graph import LeaderGraph
 from berth.errors import AuthError, BerthError, RateLimitError
 from berth.gateway.proxy import OpenAIProxy
@@ -46,6 +49,7 @@ from berth.http_server.cors import CorsPolicy
 from berth.http_server.request import Request
 from berth.http_server.writer import ResponseWriter
 from berth.openai_errors import error_from_exception
+from berth.store.errors import NotControllerError
 from berth.store.leadership import Leadership
 from berth.vocab.records import ApiKeyRecord
 
@@ -125,6 +129,13 @@ class LeaderApp:
             name = key.value if isinstance(key, SocketCaller) else key.name if key else ""
             await self._proxy.handle(request, writer, key, key_name=name)
         else:
+            standby = leadership is not None and not leadership.is_active
+            if standby and controller_only(request.method, path):  # name the controller
+                assert leadership is not None
+                view = leadership.view()
+                refusal = NotControllerError(view.active_address, view.epoch)
+                await _send_error(writer, refusal, path)
+                return
             # The admin routes check the caller's role (berth.admin.roles).
             caller = NO_KEY if key is None else key
             await self._admin(request, writer, state={KEY_STATE: caller})

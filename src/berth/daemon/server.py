@@ -21,6 +21,7 @@ local node sampler; every deployment runs on an agent.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import signal
@@ -34,6 +35,7 @@ from berth.config import Settings
 from berth.daemon.build import LeaderParts, build_leader
 from berth.daemon.graph import LeaderGraph
 from berth.daemon.ha import SharedLeadership
+from berth.daemon.link_wait import LinkWait
 from berth.daemon.pieces import open_store
 from berth.daemon.sockets import bind_sockets
 from berth.errors import STANDBY_RESTART_EXIT, DaemonError
@@ -80,6 +82,7 @@ class Leader:
         self._shared: SharedLeadership | None = None
         self._detached_sweep: asyncio.Task[list[str]] | None = None
         self._restart_as_standby = False
+        self._drain_over = asyncio.Event()
 
     # -- what a started leader shows ------------------------------------------------------
 
@@ -135,7 +138,7 @@ class Leader:
         """
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, self.should_exit.set)
+            loop.add_signal_handler(sig, self._stop_signal)
         loop.add_signal_handler(signal.SIGHUP, self._reload_certificates)  # never: death
         try:
             await self.start()
@@ -157,6 +160,16 @@ class Leader:
 
     def request_stop(self) -> None:
         """Make :meth:`serve` stop the leader and return."""
+        self.should_exit.set()
+
+    def end_drain(self) -> None:
+        """End a drain under way now (see :meth:`stop`): the listeners close at once."""
+        self._drain_over.set()
+
+    def _stop_signal(self) -> None:
+        """SIGTERM or SIGINT: stop; a second one while draining ends the drain."""
+        if self.should_exit.is_set():
+            self.end_drain()
         self.should_exit.set()
 
     def request_standby_restart(self) -> None:
@@ -281,6 +294,11 @@ class Leader:
             name="detached-nodes",
         )
         self._leading = True
+        # /readyz says ready once the agents' deployments are routed again, or once the
+        # sweep above would mark their nodes unreachable (the same bound).
+        graph.run.serving = await LinkWait.begin(
+            graph.store, graph.lifecycle.routed, wait_s=self.settings.node_timeout_s
+        )
 
     async def stop_leading(self) -> None:
         """Step down after the lease was lost (shared leadership, ``leader_only``): close
@@ -294,6 +312,7 @@ class Leader:
             raise DaemonError("the leader does not lead")
         self._leading = False
         graph = self.graph
+        graph.run.serving = None
         await self._cancel_detached_sweep()
         # The links first: a start or restart cut short below then reaches no agent.
         gate = graph.hub.agent_gate
@@ -313,7 +332,10 @@ class Leader:
     # -- stop -----------------------------------------------------------------------------
 
     async def stop(self) -> None:
-        """Stop: not ready (with ``leader_ha``, the lease handed over), requests in flight get
+        """Stop: a leader that serves first drains (``/readyz`` answers 503 ``draining`` for
+        the ``drain_s`` setting's seconds while it goes on serving, with its lease, so a load
+        balancer moves new requests elsewhere before anything closes); then not ready (with
+        ``leader_ha``, the lease handed over), requests in flight get
         :data:`SHUTDOWN_GRACE_S` to finish, then
         every piece stops in order (node ``local``'s engines too) and the ports, the socket
         and pid files and the owner lock are released. A stopped leader may start again;
@@ -321,13 +343,33 @@ class Leader:
         parts = self._parts
         if parts is None:
             return
+        await self._drain(parts)
         parts.graph.run.ready = False
-        if self._shared is not None:  # the lease first: a standby takes the new requests
+        if self._shared is not None:  # the lease before the close: a standby takes over
             await self._shared.hand_over()
         await asyncio.gather(
             parts.public_server.close(SHUTDOWN_GRACE_S), parts.socket_server.close(SHUTDOWN_GRACE_S)
         )
         await self._release()
+
+    async def _drain(self, parts: LeaderParts) -> None:
+        """Answer ``/readyz`` 503 for ``drain_s`` seconds while serving on, when this leader
+        serves (it leads and started; a standby serves nothing and closes at once), or until
+        :meth:`end_drain` (a second SIGTERM or SIGINT)."""
+        run, drain_s = parts.graph.run, self.settings.drain_s
+        if drain_s <= 0 or not (run.ready and self._leading) or run.draining:
+            return
+        if self._shared is not None and not self._shared.leadership.is_active:
+            return  # the lease was lost: /v1 is refused here already
+        run.draining = True
+        log.info(
+            "berth leader draining: /readyz answers 503 for %.1f s (drain_s) while requests "
+            "are still served; then the listeners close",
+            drain_s,
+        )
+        self._drain_over.clear()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._drain_over.wait(), drain_s)
 
     async def _release(self) -> None:
         """Stop every piece (those never started too), in the order that settles answers
@@ -385,6 +427,7 @@ class Leader:
         if self._ownership is not None:
             self._ownership.release()
         self._parts, self._flusher, self._ownership, self._leading = None, None, None, False
+        graph.run.serving, graph.run.draining = None, False
         self.should_exit.clear()  # a stopped leader may serve again
         log.info("berth leader stopped")
 

@@ -218,6 +218,15 @@ class LifecycleManager:
         """Public model names with at least one ready deployment."""
         return self._table.models()
 
+    @property
+    def table_loaded(self) -> bool:
+        """Whether the ready table knows the model names (:meth:`start` loads them)."""
+        return self._table.loaded
+
+    def routed(self, deployment_id: str) -> bool:
+        """Whether requests go to the deployment now (ready, on a linked node)."""
+        return self._table.ready_upstream(deployment_id) is not None
+
     def progress(self, deployment_id: str) -> str | None:
         """What a loading deployment is busy with, e.g. ``pulling vllm/vllm-openai:latest:
         1.2 GB of 8.3 GB, 3/12 layers done``; ``None`` when nothing is reported."""

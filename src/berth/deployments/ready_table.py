@@ -129,6 +129,12 @@ class ReadyTable:
         """Public model names with at least one ready deployment."""
         return sorted(name for name, ready in self._ready.items() if ready)
 
+    @property
+    def loaded(self) -> bool:
+        """Whether the known names were loaded (:meth:`set_known_models`): before, every
+        request is told the leader is still loading its models."""
+        return self._known_models is not None
+
     def engines_to_watch(self) -> list[Upstream]:
         """The ready deployments berth started (adopted endpoints are probed by the node
         that adopted them, and never stopped)."""

@@ -58,3 +58,24 @@ class StoreDeadlineError(StoreError):
             f"database error: no answer within the call's {call_s:g} s deadline "
             "(the database or the network to it stopped answering)"
         )
+
+
+class NotControllerError(BerthError):
+    """A control command (deployments started or stopped, nodes, services, routes, the CA
+    ...) sent to a leader that is not the controller (shared leadership: it does not hold
+    the lease).  Names the controller's address (``None`` while no lease is live) and the
+    lease's ``epoch``.  Through the APIs: 409 ``not_controller``; nothing was changed."""
+
+    http_status = 409
+    error_type = "invalid_request_error"
+    error_code = "not_controller"
+    exit_code = 2
+
+    def __init__(self, controller_address: str | None, epoch: int):
+        self.controller_address = controller_address
+        self.epoch = epoch
+        if controller_address:
+            where = f"control commands go to the controller at {controller_address} (epoch {epoch})"
+        else:
+            where = "no leader is the controller right now (a standby is taking over); retry"
+        super().__init__(f"this berth leader is a standby member, not the controller; {where}")
