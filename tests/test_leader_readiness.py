@@ -257,3 +257,19 @@ def test_berth_daemon_stop_drains_visibly_before_the_listener_closes(tmp_path: P
         assert "berth leader draining: /readyz answers 503 for 600.0 s (drain_s)" in log
     finally:
         cluster.berth("daemon", "stop", check=False)
+
+
+@pytest.mark.slow
+def test_berth_daemon_stop_no_drain_closes_at_once(tmp_path: Path) -> None:
+    """``berth daemon stop --no-drain`` on a leader with ``drain_s`` 600 sends the second
+    SIGTERM itself: the daemon is gone well before the drain would have ended."""
+    cluster = Cluster(tmp_path, clean_env({"BERTH_DRAIN_S": "600"}))
+    cluster.start()
+    try:
+        pid = cluster.leader_pid()
+        stop = cluster.berth("daemon", "stop", "--no-drain", "--timeout", "60", check=False)
+        assert stop.returncode == 0, stop.stdout + stop.stderr
+        assert "berth daemon stopped" in stop.stdout
+        assert wait_gone(pid, 10.0)
+    finally:
+        cluster.berth("daemon", "stop", check=False)

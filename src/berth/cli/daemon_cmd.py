@@ -264,17 +264,32 @@ def _print_banner(info: DaemonInfo, log_file: Path, *, role: str, database: str)
 def stop(
     ctx: typer.Context,
     timeout: float = typer.Option(90.0, help="Seconds to wait for engines to stop."),
+    no_drain: bool = typer.Option(
+        False, "--no-drain", help="Close the listeners at once, without the drain_s drain."
+    ),
 ) -> None:
-    """Stop the daemon and every engine it started."""
+    """Stop the daemon and every engine it started.
+
+    A leader that serves first drains for ``drain_s`` seconds (``/readyz`` answers 503 while
+    requests are still served, so a load balancer moves away first); ``--no-drain`` sends the
+    second SIGTERM that ends the drain at once."""
     home = context(ctx).home
     pid = _daemon_pid(home)
     if pid is None:
         console.print("berth daemon is not running")
         _warn_about_orphans(home)
         return
+    drain_s = Settings.load(home).drain_s
     os.kill(pid, signal.SIGTERM)
-    deadline = time.monotonic() + timeout
-    with console.status("stopping the daemon and its engines"):
+    if no_drain and drain_s > 0:
+        time.sleep(0.2)  # two signals sent back to back may reach the daemon as one
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+    label = "stopping the daemon and its engines"
+    if drain_s > 0 and not no_drain:
+        label = f"draining (at most {drain_s:g} s: /readyz 503, still serving), then {label}"
+    deadline = time.monotonic() + timeout + (0.0 if no_drain else drain_s)
+    with console.status(label):
         while time.monotonic() < deadline:
             if not pid_running(pid):
                 console.print(f"berth daemon stopped (pid {pid})")

@@ -58,6 +58,8 @@ def demo(
         # this throwaway leader's own node, beside the default ones.
         roots = [*Settings.load(home).agent_policy(os.environ).model_roots, gguf.parent]
         env = {**os.environ, "BERTH_POLICY_MODEL_ROOTS": ",".join(map(str, roots))}
+        # No load balancer watches this leader's /readyz: it stops at once, without a drain.
+        env["BERTH_DRAIN_S"] = "0"
         subprocess.run(start, check=True, env=env)
         _main_job(home, port, gguf, prompt)
     except subprocess.CalledProcessError as exc:
