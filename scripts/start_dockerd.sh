@@ -12,7 +12,11 @@ if [ "$(id -u)" != 0 ] || ! command -v dockerd >/dev/null; then
     exit 0
 fi
 echo "starting dockerd (log: /var/log/berth-dockerd.log)" >&2
-nohup dockerd >/var/log/berth-dockerd.log 2>&1 &
+# Started through Python's subprocess, which closes every inherited descriptor: a dockerd
+# started under `flock LOCK cmd` would otherwise hold LOCK for as long as it runs.
+python3 -c 'import subprocess, sys
+subprocess.Popen(["dockerd"], stdin=subprocess.DEVNULL, stdout=sys.stdout, stderr=subprocess.STDOUT,
+                 start_new_session=True)' >/var/log/berth-dockerd.log 2>&1
 for _ in $(seq 1 60); do
     if docker info >/dev/null 2>&1; then
         exit 0
