@@ -136,7 +136,12 @@ def test_an_8_mib_request_body_crosses_the_tunnel(two_node_cluster: Cluster) -> 
 def test_200_mb_stream_to_a_slow_client_keeps_the_leader_bounded(two_node_cluster: Cluster) -> None:
     total = 200 * 1000 * 1000
     leader = two_node_cluster.leader_pid()
-    body = {"model": "tiny-gpu-b", "messages": [], "stream": True, "x_bulk_bytes": total}
+    body = {
+        "model": "tiny-gpu-b",
+        "messages": [{"role": "user", "content": "hi"}],
+        "stream": True,
+        "x_bulk_bytes": total,
+    }
     with (
         two_node_cluster.http(timeout_s=120) as http,
         http.stream("POST", "/v1/chat/completions", json=body) as response,
@@ -160,8 +165,8 @@ def test_200_mb_stream_to_a_slow_client_keeps_the_leader_bounded(two_node_cluste
 
 
 def test_a_client_that_leaves_cancels_the_engine_request(two_node_cluster: Cluster) -> None:
-    body = {"model": "tiny-gpu-a", "messages": [], "stream": True, "x_events": 200,
-            "x_event_delay_s": 0.05}  # fmt: skip
+    body = {"model": "tiny-gpu-a", "messages": [{"role": "user", "content": "hi"}],
+            "stream": True, "x_events": 200, "x_event_delay_s": 0.05}  # fmt: skip
     with (
         two_node_cluster.http() as http,
         http.stream("POST", "/v1/chat/completions", json=body) as response,
@@ -181,7 +186,10 @@ def _wait_served(cluster: Cluster, model: str, timeout_s: float = 60) -> None:
     with cluster.http() as http:
 
         def served() -> bool:
-            answer = http.post("/v1/chat/completions", json={"model": model, "messages": []})
+            answer = http.post(
+                "/v1/chat/completions",
+                json={"model": model, "messages": [{"role": "user", "content": "hi"}]},
+            )
             return answer.status_code == 200
 
         wait_for(served, timeout_s, f"{model} to be served again", interval_s=0.2)
@@ -297,7 +305,10 @@ def test_remove_cuts_a_live_agent_off_and_its_certificate_stops_working(
     record = two_node_cluster.deployment(_deployment_id_of(two_node_cluster, "tiny-gpu-c"))
     assert record["state"] == "failed" and "removed" in record["failure_reason"]
     with two_node_cluster.http() as http:
-        answer = http.post("/v1/chat/completions", json={"model": "tiny-gpu-c", "messages": []})
+        answer = http.post(
+            "/v1/chat/completions",
+            json={"model": "tiny-gpu-c", "messages": [{"role": "user", "content": "hi"}]},
+        )
     assert answer.status_code == 503
     code = asyncio.run(_first_close(two_node_cluster, _client_tls(two_node_cluster, agent), None))
     assert code == CloseCode.NODE_REMOVED
@@ -317,7 +328,10 @@ def test_a_killed_agent_restarted_rejoins_with_its_engines(two_node_cluster: Clu
     agent.process.wait()
     two_node_cluster.wait_node(agent.node_id, "unreachable")
     with two_node_cluster.http() as http:
-        refused = http.post("/v1/chat/completions", json={"model": "tiny-gpu-b", "messages": []})
+        refused = http.post(
+            "/v1/chat/completions",
+            json={"model": "tiny-gpu-b", "messages": [{"role": "user", "content": "hi"}]},
+        )
     assert refused.status_code == 503
     assert f"unreachable nodes ({agent.node_id})" in refused.json()["error"]["message"]
     listed = two_node_cluster.berth("ps").stdout
@@ -339,7 +353,8 @@ def test_a_silent_node_becomes_unreachable_and_returns_when_it_says_hello(
         two_node_cluster.wait_node(agent.node_id, "unreachable")
         with two_node_cluster.http() as http:
             refused = http.post(
-                "/v1/chat/completions", json={"model": "tiny-gpu-a", "messages": []}
+                "/v1/chat/completions",
+                json={"model": "tiny-gpu-a", "messages": [{"role": "user", "content": "hi"}]},
             )
         assert refused.status_code == 503
     finally:

@@ -89,7 +89,10 @@ def test_remove_cuts_a_live_agent_off(smollm2_cluster: Cluster) -> None:
     assert agent.process.returncode == EXIT_REENROLL  # its unit does not restart it
     agent.process = None
     with smollm2_cluster.http() as http:
-        refused = http.post("/v1/chat/completions", json={"model": "smollm2-gpu-a", "messages": []})
+        refused = http.post(
+            "/v1/chat/completions",
+            json={"model": "smollm2-gpu-a", "messages": [{"role": "user", "content": "hi"}]},
+        )
     assert refused.status_code == 503
 
 

@@ -144,7 +144,7 @@ async def test_a_model_with_no_ready_deployment_is_503_with_retry_after(
         (b'{"model": "m", "temperature": NaN}', "invalid_json", None),
         (b'{"model": "m", "max_tokens": -Infinity}', "invalid_json", None),
         (b'{"messages": []}', "missing_model", "model"),
-        (b'{"model": 3}', "missing_model", "model"),
+        (b'{"model": 3}', "invalid_type", "model"),  # not a string: said so
     ],
 )
 async def test_a_malformed_request_is_400(

@@ -194,7 +194,9 @@ def test_the_admission_stage_admits_then_refuses_past_the_keys_limit() -> None:
 
 
 def test_a_stream_that_did_not_ask_for_usage_asks_for_it() -> None:
-    request = public({"model": "m", "stream": True, "messages": []})
+    request = public(
+        {"model": "m", "stream": True, "messages": [{"role": "user", "content": "hi"}]}
+    )
     body = request.body
     asked = ask_usage(request)
     assert asked.strip_usage
@@ -216,7 +218,7 @@ def test_a_stream_with_its_own_options_keeps_them_and_asks_for_usage() -> None:
 @pytest.mark.parametrize(
     ("body", "path"),
     [
-        ({"model": "m", "messages": []}, CHAT),  # not a stream
+        ({"model": "m", "messages": [{"role": "user", "content": "hi"}]}, CHAT),  # not a stream
         ({"model": "m", "stream": True, "stream_options": {"include_usage": True}}, CHAT),
         ({"model": "m", "stream": True, "input": "x"}, "/v1/embeddings"),
     ],
@@ -376,7 +378,7 @@ async def test_a_slot_taken_is_given_back_when_the_stage_fails_after(
 
 
 def test_an_engine_that_serves_the_name_gets_the_bytes_as_they_are() -> None:
-    request = public({"model": "m", "messages": []})
+    request = public({"model": "m", "messages": [{"role": "user", "content": "hi"}]})
     assert EngineBodies(request).get(upstream("a")) is request.raw
 
 
@@ -392,7 +394,13 @@ def test_an_engine_with_its_own_name_gets_it_written_in_its_place() -> None:
 
 
 def test_llamacpp_with_adapters_gets_each_adapters_scale() -> None:
-    request = public({"model": "m-lora", "lora": [{"id": 0, "scale": 9}], "messages": []})
+    request = public(
+        {
+            "model": "m-lora",
+            "lora": [{"id": 0, "scale": 9}],
+            "messages": [{"role": "user", "content": "hi"}],
+        }
+    )
     body = json.loads(EngineBodies(request).get(upstream("a", lora_scales=(0.0, 1.0))))
     assert body["model"] == "m-lora"
     assert body["lora"] == [
@@ -460,7 +468,7 @@ async def test_an_attempt_sends_the_engine_request_and_records_how_it_ended() ->
 
 def test_a_translated_request_is_sent_to_the_path_it_was_translated_to() -> None:
     request = public({"model": "m", "max_tokens": 8}, path="/v1/messages", dialect="messages")
-    chat = {"model": "m", "messages": [], "max_tokens": 8}
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
     translated = request._replace(body=chat, raw=json.dumps(chat).encode(), engine_path=CHAT)
     sent = Attempts(translated, Opener(), LIMITS, Exchange(0.0)).engine_request(upstream("a"))
     assert (sent.path, sent.body) == (CHAT, translated.raw)

@@ -188,3 +188,63 @@ async def test_the_proxy_answers_400_and_the_engine_never_sees_it(
     error = answer.json()["error"]
     assert (error["type"], error["code"], error["param"]) == ("invalid_request_error", code, param)
     assert not engine.requests
+
+
+# -- model and messages (the tester's empty conversation ran an engine for 600 s) ------------
+
+
+@pytest.mark.parametrize(
+    ("value", "said"),
+    [("5", "a number"), ("1.5", "a number"), ("true", "a boolean"), ('["m"]', "an array")],
+)
+def test_a_model_that_is_not_a_string_is_refused_as_such(value: str, said: str) -> None:
+    with pytest.raises(InvalidRequestError) as refused:
+        parsed(b'{"model":%s,"messages":[{"role":"user","content":"hi"}]}' % value.encode())
+    error = refused.value
+    assert (error.http_status, error.error_code, error.param) == (400, "invalid_type", "model")
+    assert str(error) == f"'model' must be a string (a model's name), not {said}"
+
+
+@pytest.mark.parametrize("body", [b'{"messages":[]}', b'{"model":"","messages":[]}'])
+def test_a_missing_model_still_says_so(body: bytes) -> None:
+    with pytest.raises(InvalidRequestError) as refused:
+        parsed(body)
+    assert refused.value.error_code == "missing_model"
+
+
+@pytest.mark.parametrize("path", [CHAT, "/v1/messages", "/v1/messages/count_tokens"])
+def test_an_empty_conversation_is_refused(path: str) -> None:
+    with pytest.raises(InvalidRequestError) as refused:
+        parsed(b'{"model":"m","max_tokens":8,"messages":[]}', path)
+    error = refused.value
+    assert (error.http_status, error.error_code, error.param) == (400, "empty_array", "messages")
+    assert "give at least one message" in str(error)
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/embeddings", "/v1/responses"])
+def test_messages_mean_nothing_on_other_paths(path: str) -> None:
+    assert parsed(b'{"model":"m","messages":[]}', path).model == "m"
+
+
+@pytest.mark.parametrize(
+    ("body", "code", "param"),
+    [
+        (b'{"model":"m","messages":[]}', "empty_array", "messages"),
+        (b'{"model":5,"messages":[{"role":"user","content":"hi"}]}', "invalid_type", "model"),
+    ],
+    ids=["no messages", "model a number"],
+)
+async def test_the_proxy_refuses_a_bad_chat_before_the_engine(
+    client: httpx.AsyncClient,
+    engine: StandinEngine,
+    body: bytes,
+    code: str,
+    param: str,
+) -> None:
+    answer = await client.post(
+        "/v1/chat/completions", content=body, headers={"content-type": "application/json"}
+    )
+    assert answer.status_code == 400
+    error = answer.json()["error"]
+    assert (error["type"], error["code"], error["param"]) == ("invalid_request_error", code, param)
+    assert not engine.requests

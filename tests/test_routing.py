@@ -273,7 +273,10 @@ async def test_the_proxy_tries_at_most_max_attempts_nodes(
             running_proxy(ThreeNodes(engines), metrics, **options)  # type: ignore[arg-type]
         )
         http = await stack.enter_async_context(httpx.AsyncClient(base_url=url))
-        answer = await http.post("/v1/chat/completions", json={"model": "m", "messages": []})
+        answer = await http.post(
+            "/v1/chat/completions",
+            json={"model": "m", "messages": [{"role": "user", "content": "hi"}]},
+        )
     assert answer.status_code == 503  # the last attempt's answer stands
     assert sorted(len(e.requests) for e in engines) == [0] * (3 - tries) + [1] * tries
 

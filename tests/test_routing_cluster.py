@@ -102,8 +102,8 @@ def test_a_killed_node_s_waiting_requests_succeed_elsewhere(routing_cluster: Clu
     stream_tail: list[str] = []
 
     def streaming() -> None:
-        body = {"model": MODEL, "messages": [], "stream": True, "x_events": 400,
-                "x_event_delay_s": 0.05}  # fmt: skip
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                "stream": True, "x_events": 400, "x_event_delay_s": 0.05}  # fmt: skip
         with (
             routing_cluster.http(timeout_s=60) as http,
             http.stream("POST", "/v1/chat/completions", json=body,

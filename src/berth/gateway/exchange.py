@@ -16,7 +16,7 @@ import math
 import os
 import re
 from collections.abc import Awaitable, Callable, MutableMapping, Sequence
-from typing import Any, NamedTuple, Protocol, TypeGuard, runtime_checkable
+from typing import Any, Final, NamedTuple, Protocol, TypeGuard, runtime_checkable
 
 from berth.conforms import conforms
 from berth.routing.errors import InvalidRequestError
@@ -246,10 +246,28 @@ def _check_text(text: str) -> None:
         ) from None
 
 
+#: A parsed JSON value's type, in words, by its Python type (``json`` gives no others).
+_JSON_KINDS: Final = {
+    bool: "a boolean",
+    int: "a number",
+    float: "a number",
+    str: "a string",
+    list: "an array",
+    dict: "an object",
+}
+
+
 def model_in(payload: dict[str, Any]) -> str:
-    """The ``model`` of a parsed request body; :class:`InvalidRequestError` if it has none."""
+    """The ``model`` of a parsed request body; :class:`InvalidRequestError` if it has none
+    (``missing_model``) or it is not a string (``invalid_type``)."""
     model = payload.get("model")
-    if not isinstance(model, str) or not model:
+    if model is not None and not isinstance(model, str):
+        raise InvalidRequestError(
+            f"'model' must be a string (a model's name), not {_JSON_KINDS[type(model)]}",
+            code="invalid_type",
+            param="model",
+        )
+    if not model:
         raise InvalidRequestError(
             "you must provide a model parameter", code="missing_model", param="model"
         )

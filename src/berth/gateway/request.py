@@ -15,7 +15,8 @@ What a body may be is checked here, at the edge, before any stage sees it: its s
 elements as it arrives (:func:`read_body`, :mod:`berth.gateway.body_limits`), then, parsed,
 that it is a JSON object whose text every stage can write again as JSON (no lone surrogate,
 no number beyond a double's range: :func:`berth.gateway.exchange.decode_body`), with a
-``"model"`` string, a boolean ``"stream"`` and no more messages or content parts than the
+``"model"`` string, a boolean ``"stream"``, at least one message where a conversation is
+asked for, and no more messages or content parts than the
 limits allow (:func:`parse_request`).
 """
 
@@ -46,6 +47,10 @@ DIALECTS: Final = {
     MESSAGES_PATH: "messages",
     COUNT_TOKENS_PATH: "count_tokens",
 }
+
+#: The paths whose ``messages`` must hold at least one message, as OpenAI's chat completions
+#: and Anthropic's Messages (and its token count) require.
+_CONVERSATION_PATHS: Final = frozenset({"/v1/chat/completions", MESSAGES_PATH, COUNT_TOKENS_PATH})
 
 
 class PublicRequest(NamedTuple):
@@ -180,7 +185,9 @@ def parse_request(
     :class:`InvalidRequestError`: 400 ``invalid_json`` unless ``raw`` is a JSON object
     whose text can be written again as JSON
     (:func:`~berth.gateway.exchange.decode_body`), ``missing_model`` without a ``"model"``
-    string, ``invalid_type`` for a ``"stream"`` that is not a boolean (or null); 413 for
+    string (``invalid_type`` for a ``"model"`` that is not one), ``invalid_type`` for a
+    ``"stream"`` that is not a boolean (or null), ``empty_array`` for an empty
+    ``"messages"`` on a chat path (:data:`_CONVERSATION_PATHS`); 413 for
     more messages or content parts than ``limits`` allow
     (:func:`~berth.gateway.body_limits.check_shape`).
     """
@@ -193,6 +200,13 @@ def parse_request(
             f"'stream' must be a boolean, not {_json_type(stream)}",
             code="invalid_type",
             param="stream",
+        )
+    if path in _CONVERSATION_PATHS and body.get("messages") == []:
+        # An engine given no messages still generates, until its length or our timeout.
+        raise InvalidRequestError(
+            "'messages' is an empty array: give at least one message",
+            code="empty_array",
+            param="messages",
         )
     if limits is not None:
         check_shape(path, body, limits, len(raw))
