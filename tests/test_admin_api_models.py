@@ -418,3 +418,19 @@ def test_a_validators_message_is_shown_without_pydantics_value_error_prefix() ->
     message = str(refused.value)
     assert message.startswith("idle_timeout: '5 minutes' is not a duration"), message
     assert "Value error" not in message
+
+
+@pytest.mark.parametrize(
+    ("headers", "sent"),
+    [({}, "no content-type"), ({"content-type": "text/plain"}, "content-type: text/plain")],
+)
+async def test_a_json_body_without_its_content_type_is_told_which_to_send(
+    http: httpx.AsyncClient, headers: dict[str, str], sent: str
+) -> None:
+    raw = json.dumps({"name": "web", "model": "tiny"}).encode()
+    answer = await http.post("/admin/services", content=raw, headers=headers)
+
+    assert answer.status_code == 400
+    error = answer.json()["error"]
+    assert error["message"] == f"expected content-type: application/json (the request has {sent})"
+    assert error["type"] == "invalid_request_error"

@@ -15,7 +15,7 @@ Served by FastAPI; authentication happens before a request reaches these routes 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -63,14 +63,32 @@ def _answer_errors_in_openai_shape(app: FastAPI) -> None:
         )
 
     @app.exception_handler(RequestValidationError)
-    async def _invalid(_request: Request, exc: RequestValidationError) -> Response:
+    async def _invalid(request: Request, exc: RequestValidationError) -> Response:
         first = exc.errors()[0] if exc.errors() else {}
         if first.get("type") == "json_invalid":
             body = error_body("request body is not valid JSON", type="invalid_request_error")
             return Response(body, status_code=400, media_type="application/json")
+        unread = _unread_body(request, first)
+        if unread is not None:
+            body = error_body(unread, type="invalid_request_error")
+            return Response(body, status_code=400, media_type="application/json")
         message, param = describe_invalid(first)
         body = error_body(message, type="invalid_request_error", param=param)
         return Response(body, status_code=400, media_type="application/json")
+
+
+def _unread_body(request: Request, error: Mapping[str, object]) -> str | None:
+    """What to say when a route's whole body failed validation because FastAPI did not read
+    it as JSON: it reads a body as JSON only when its ``content-type`` is JSON's (``/v1``
+    reads any body as JSON; here the header keeps the schema's contract)."""
+    location = error.get("loc")
+    if not isinstance(location, tuple | list) or tuple(location) != ("body",):
+        return None
+    content_type = request.headers.get("content-type", "")
+    if "json" in content_type.lower():
+        return None
+    sent = f"content-type: {content_type}" if content_type else "no content-type"
+    return f"expected content-type: application/json (the request has {sent})"
 
 
 def build_admin_app(routers: Iterable[APIRouter], *, tiers: Iterable[str]) -> FastAPI:
