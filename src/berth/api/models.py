@@ -58,7 +58,9 @@ class ModelIn(ApiInput):
 class RegisteredModel(ApiModel):
     """A registered model: where its weights are on the leader's host, their size on disk
     (bytes), and whether they were registered (``local``), pulled (``hub``: ``repo_id`` and
-    ``revision`` name what) or exist only on agents' hosts (``remote``)."""
+    ``revision`` name what) or exist only on agents' hosts (``remote``).  ``warning``, in
+    the answer of ``POST /admin/models`` only: why node local would refuse to run the
+    weights (their path is outside its model roots) and the command that allows them."""
 
     name: str
     path: str
@@ -67,6 +69,7 @@ class RegisteredModel(ApiModel):
     revision: str | None
     size_bytes: int
     created_at: Timestamp
+    warning: str | None = None
 
 
 class LocatedModel(RegisteredModel):

@@ -1,4 +1,4 @@
-"""``berth config show`` and ``berth config set-public|set-cluster|set-public-tls``.
+"""``berth config show`` and ``berth config set-public|set-cluster|set-public-tls|set-policy``.
 
 The ``set-*`` commands take ``key=value`` pairs, validate each value with the setting's own
 rules (:func:`berth.config.convert_setting`), and write them to ``$BERTH_HOME/config.toml``
@@ -41,6 +41,11 @@ CLUSTER_KEYS: Mapping[str, str] = {
 }
 #: ``berth config set-public-tls``: key → setting.
 TLS_KEYS: Mapping[str, str] = {"cert": "public_cert", "key": "public_key"}
+#: ``berth config set-policy``: key → setting (``[agent_policy]``, node local's policy).
+POLICY_KEYS: Mapping[str, str] = {
+    key: f"policy_{key}"
+    for key in ("engines", "images", "model_roots", "gpus", "allow_args", "refuse_args")
+}
 
 _PAIRS_ARGUMENT_HELP = "KEY=VALUE pairs"
 #: Hosts that only this machine can reach.
@@ -169,6 +174,26 @@ def set_public_tls(
     assert isinstance(cert, Path) and isinstance(key, Path)
     _check_tls_files(cert, key)
     _apply(home, updates, before=before)
+
+
+@config_app.command(
+    "set-policy",
+    no_args_is_help=True,
+    epilog="Example: berth config set-policy model_roots=/root/.berth/models,/data/models",
+)
+def set_policy(
+    ctx: typer.Context,
+    pairs: list[str] | None = typer.Argument(
+        None,
+        metavar="model_roots=A,B engines=E,F ...",
+        help=f"{_PAIRS_ARGUMENT_HELP}; keys: {', '.join(POLICY_KEYS)}",
+        show_default=False,
+    ),
+) -> None:
+    """Set what this host's own node (node local) lets berth run: the agent policy's comma
+    lists, e.g. model_roots, the only folders whose files engines are given (a value
+    replaces the default list, so name every folder to keep)."""
+    _apply(context(ctx).home, parse_pairs(pairs or [], POLICY_KEYS, relative_to=Path.cwd()))
 
 
 def _check_tls_files(cert: Path, key: Path) -> None:

@@ -10,7 +10,15 @@ from rich.markup import escape
 from berth.api import AdapterIn, ModelIn
 from berth.api.pulls import PullIn, pulled_registration
 from berth.cli.adapters_cmd import print_added
-from berth.cli.common import console, context, print_json, print_table, record_table, request_body
+from berth.cli.common import (
+    console,
+    context,
+    err_console,
+    print_json,
+    print_table,
+    record_table,
+    request_body,
+)
 from berth.cli.context import HELP_OPTIONS
 from berth.errors import ConfigError, ConflictError
 
@@ -64,6 +72,8 @@ def add(
     console.print(
         f"added model [bold]{escape(record.name)}[/] ({_size(record.size_bytes)})", markup=True
     )
+    if record.warning is not None:
+        err_console.print(f"warning: {record.warning}", markup=False, soft_wrap=True)
 
 
 @models_app.command("ls")
