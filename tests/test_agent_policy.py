@@ -253,6 +253,95 @@ def test_berths_docker_containers_ask_for_no_privilege_or_host_namespace() -> No
         assert f'"{option}"' not in text
 
 
+@pytest.mark.parametrize(
+    ("engine", "args", "words"),
+    [
+        ("llamacpp", ("--lora-scaled", "{outside}/secret.txt:0.5"), "is outside the model roots"),
+        ("llamacpp", ("--lora-scaled", "{root}/models/m.gguf:1,{outside}/secret.txt:0.5"),
+         "is outside the model roots"),
+        ("llamacpp", ("--control-vector", "{outside}/secret.txt"), "is outside the model roots"),
+        ("llamacpp", ("--control-vector", "{root}/models/m.gguf,{outside}/secret.txt"),
+         "is outside the model roots"),
+        ("llamacpp", ("--control-vector-scaled={outside}/secret.txt:0.8",),
+         "is outside the model roots"),
+        ("llamacpp", ("-mmu", "https://example.com/p.gguf"), "-mmu is refused: it downloads"),
+        ("llamacpp", ("--mmproj-url", "https://example.com/p.gguf"), "--mmproj-url is refused"),
+        ("llamacpp", ("--video-ffmpeg-dir", "{root}/models"), "runs ffmpeg"),
+        ("llamacpp", ("--host", "{root}/models/sock"), "--host is refused"),
+        ("llamacpp", ("--host", "0.0.0.0"), "--host is refused"),
+        ("llamacpp", ("--port=9999",), "--port is refused"),
+        ("llamacpp", ("-hfd", "org/draft"), "-hfd is refused"),
+        ("llamacpp", ("--gpt-oss-20b-default",), "downloads a preset model"),
+        ("llamacpp", ("--rpc", "10.0.0.9:50052"), "--rpc is refused"),
+        ("vllm", ("--host", "0.0.0.0"), "--host is refused"),
+        ("vllm", ("--uds", "/tmp/x.sock"), "--uds is refused"),
+        ("sglang", ("--port", "1"), "--port is refused"),
+        # the backstop, for flags the table does not know
+        ("llamacpp", ("--frobnicate", "https://example.com/x"), "a URL is refused"),
+        ("llamacpp", ("--frobnicate=s3://bucket/x",), "a URL is refused"),
+        ("vllm", ("--frobnicate", "{outside}/secret.txt"), "the path is outside the model roots"),
+        ("sglang", ("--frobnicate", "~/secret.txt"), "the path is outside the model roots"),
+        ("llamacpp", ("--frobnicate", "../secret.txt"), "the path is outside the model roots"),
+        ("llamacpp", ("--frobnicate", "."), "the path is outside the model roots"),
+        ("llamacpp", ("--frobnicate", "a,/etc/passwd"), "the path is outside the model roots"),
+        ("llamacpp", ("--frobnicate", "/etc/passwd:1.0"), "the path is outside the model roots"),
+    ],
+)  # fmt: skip
+def test_flags_the_tester_found_and_the_backstop_are_refused(
+    roots: Path, engine: str, args: tuple[str, ...], words: str
+) -> None:
+    given = tuple(a.format(root=roots, outside=roots / "outside") for a in args)
+    request = _request(roots, engine=engine, extra_args=given)
+    found = check_start(request, _policy(roots), resolve=os.path.realpath)
+    assert found is not None and found.rule == "engine_args", found
+    assert words in found.message, found.message
+
+
+@pytest.mark.parametrize(
+    ("args", "allow"),
+    [
+        (("--lora-scaled", "{root}/models/m.gguf:0.5"), ()),
+        (("--control-vector-scaled", "{root}/models/m.gguf:0.5,{root}/models/m.gguf:1"), ()),
+        (("--frobnicate", "{root}/models/m.gguf"), ()),
+        (("--frobnicate", "plain", "--temp", "-1", "--alias", "x"), ()),
+        (("--frobnicate", "https://example.com/x"), ("--frobnicate",)),
+        (("--frobnicate", "/etc/passwd"), ("--frobnicate",)),
+        (("--log-file", "/var/log/llama.log"), ("--log-file",)),
+        (("-mmu", "https://example.com/p.gguf"), ("--mmproj-url",)),
+    ],
+)  # fmt: skip
+def test_the_backstop_passes_paths_under_the_roots_and_allowed_flags(
+    roots: Path, args: tuple[str, ...], allow: tuple[str, ...]
+) -> None:
+    given = tuple(a.format(root=roots) for a in args)
+    policy = _policy(roots, allow_args=frozenset(allow))
+    found = check_start(_request(roots, extra_args=given), policy, resolve=os.path.realpath)
+    assert found is None, found
+
+
+@pytest.mark.parametrize(
+    ("engine", "args", "words"),
+    [
+        ("vllm", ("--worker-cls", "my.Worker"), "--worker-cls is refused"),
+        ("vllm", ("--worker-extension-cls=my.Ext",), "--worker-extension-cls is refused"),
+        ("vllm", ("--logits-processors", "my.Proc"), "--logits-processors is refused"),
+        ("vllm", ("--reasoning-parser-plugin", "x.py"), "--reasoning-parser-plugin is refused"),
+        ("vllm", ("--speculative-config", '{{"model": "/etc"}}'), "--speculative-config is"),
+        ("sglang", ("--custom-weight-loader", "my.load"), "--custom-weight-loader is refused"),
+        ("vllm", ("--generation-config", "{outside}"), "is outside the model roots"),
+        ("vllm", ("--hf-config-path", "{outside}"), "is outside the model roots"),
+    ],
+)  # fmt: skip
+def test_vllm_and_sglang_flags_that_load_code_or_read_files(
+    roots: Path, engine: str, args: tuple[str, ...], words: str
+) -> None:
+    given = tuple(a.format(outside=roots / "outside") for a in args)
+    request = _request(roots, engine=engine, extra_args=given)
+    found = check_start(request, _policy(roots), resolve=os.path.realpath)
+    assert found is not None and found.rule == "engine_args", found
+    assert words in found.message, found.message
+
+
 # -- reading ------------------------------------------------------------------------------------
 
 
@@ -267,7 +356,9 @@ def test_berths_docker_containers_ask_for_no_privilege_or_host_namespace() -> No
         ({"gpus": "all"}, None),
         ({"gpus": [0, -1]}, "gpus: expected 'all' or a list of GPU indexes"),
         ({"gpus": "0,x"}, "gpus: expected 'all' or GPU indexes"),
-        ({"allow_args": ["--frobnicate"]}, "allow_args: --frobnicate is not a flag berth refuses"),
+        # A flag the table does not know may be allowed: it lets that flag take a URL or a
+        # path outside the roots past the backstop (check_unknown_values).
+        ({"allow_args": ["--frobnicate"]}, None),
         ({"refuse_args": ["props"]}, "refuse_args: 'props' is not a flag"),
     ],
 )
