@@ -342,6 +342,16 @@ def test_vllm_and_sglang_flags_that_load_code_or_read_files(
     assert words in found.message, found.message
 
 
+def test_the_summary_names_allowed_and_refused_args() -> None:
+    default = AgentPolicy(model_roots=(Path("/m"),))
+    assert "allow_args" not in default.summary() and "refuse_args" not in default.summary()
+    loose = replace(default, allow_args=frozenset({"--trust-remote-code", "--log-file"}),
+                    refuse_args=frozenset({"--props"}))  # fmt: skip
+    assert loose.summary() == (
+        f"{default.summary()}; allow_args: --log-file, --trust-remote-code; refuse_args: --props"
+    )
+
+
 # -- reading ------------------------------------------------------------------------------------
 
 

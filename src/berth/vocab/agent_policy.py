@@ -92,12 +92,19 @@ class AgentPolicy:
     refuse_args: frozenset[str] = frozenset()
 
     def summary(self) -> str:
-        """One line for logs and ``berth nodes show``."""
+        """One line for logs and ``berth nodes show``; ``allow_args`` and ``refuse_args``
+        are named when set, so a host that allows a refused flag does not read as a default
+        one."""
         gpus = "all" if self.gpus is None else ",".join(map(str, self.gpus)) or "none"
-        return (
+        line = (
             f"engines: {', '.join(sorted(self.engines))}; images: {', '.join(self.images)}; "
             f"model roots: {', '.join(map(str, self.model_roots)) or 'none'}; GPUs: {gpus}"
         )
+        if self.allow_args:
+            line += f"; allow_args: {', '.join(sorted(self.allow_args))}"
+        if self.refuse_args:
+            line += f"; refuse_args: {', '.join(sorted(self.refuse_args))}"
+        return line
 
 
 def default_model_roots(models_dir: Path, env: Mapping[str, str]) -> tuple[Path, ...]:
