@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from berth.agent.core import AgentCore
+from berth.agent.identity import read_agent_document
 from berth.agent.policy import enforce_mounts, enforce_path, enforce_start, policy_from_document
 from berth.config import Settings
 from berth.errors import ConfigError, PolicyError
@@ -370,6 +371,13 @@ def test_the_summary_names_allowed_and_refused_args() -> None:
         # path outside the roots past the backstop (check_unknown_values).
         ({"allow_args": ["--frobnicate"]}, None),
         ({"refuse_args": ["props"]}, "refuse_args: 'props' is not a flag"),
+        ({"model_roots": ""}, "model_roots: an empty value names nothing"),
+        ({"model_roots": " "}, "model_roots: an empty value names nothing"),
+        ({"gpus": ""}, "gpus: an empty value names nothing"),
+        ({"model_roots": []}, None),
+        ({"images": ["a@sha256:zz"]}, "images: 'a@sha256:zz': a digest is sha256: and 64"),
+        ({"images": ["a@md5:" + "0" * 64]}, "a digest is sha256: and 64"),
+        ({"images": ["a@sha256:" + "0f" * 32]}, None),
     ],
 )
 def test_policy_fields_are_checked(fields: dict[str, object], words: str | None) -> None:
@@ -392,6 +400,18 @@ def test_agent_yaml_policy_over_the_settings(tmp_path: Path) -> None:
     assert str(malformed.value) == f"{path}: policy: expected a mapping of policy keys"
 
 
+def test_a_yaml_syntax_error_in_agent_yaml_names_the_line_and_says_to_fix_it(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "agent.yaml"
+    path.write_text("node_id: n\npolicy:\n  model_roots: [/data/models\n  gpus: all\n")
+    with pytest.raises(ConfigError) as bad:
+        read_agent_document(path)
+    text = str(bad.value)
+    assert text.startswith(f"{path}:4: invalid YAML"), text
+    assert "fix the file" in text and "register" not in text.replace("registering again", "")
+
+
 def test_the_leaders_agent_policy_settings(tmp_path: Path) -> None:
     home = BerthHome(tmp_path / "home")
     env = {"BERTH_POLICY_MODEL_ROOTS": "/data/models, /srv/hf", "BERTH_POLICY_GPUS": "1",
@@ -404,6 +424,31 @@ def test_the_leaders_agent_policy_settings(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as bad:
         Settings.load(home, env={"BERTH_POLICY_ENGINES": "llamacpp,tgi"})
     assert "BERTH_POLICY_ENGINES" in str(bad.value) and "unknown engine 'tgi'" in str(bad.value)
+
+
+def test_toml_arrays_give_the_policy_settings_and_empty_values_are_refused(
+    tmp_path: Path,
+) -> None:
+    home = BerthHome(tmp_path / "home")
+    home.root.mkdir()
+    home.config_file.write_text(
+        '[agent_policy]\npolicy_model_roots = ["/data/models", "/srv/hf"]\n'
+        'policy_gpus = [0, 2]\npolicy_allow_args = ["--trust-remote-code"]\n'
+    )
+    policy = Settings.load(home, env={}).agent_policy({"HOME": "/home/u"})
+    assert policy.model_roots == (Path("/data/models"), Path("/srv/hf"))
+    assert policy.gpus == (0, 2)
+    assert policy.allow_args == frozenset({"--trust-remote-code"})
+    for text, words in [
+        ('policy_model_roots = ""', "an empty value names nothing"),
+        ("policy_model_roots = []", "an empty list"),
+        ('policy_images = ["a@sha256:zz"]', "a digest is sha256: and 64"),
+        ('policy_model_roots = ["/a,/b"]', "must not hold a comma"),
+    ]:
+        home.config_file.write_text(f"[agent_policy]\n{text}\n")
+        with pytest.raises(ConfigError) as bad:
+            Settings.load(home, env={})
+        assert words in str(bad.value), (text, str(bad.value))
 
 
 # -- the agent core -----------------------------------------------------------------------------

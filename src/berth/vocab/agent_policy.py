@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import fnmatch
 import os
+import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -134,6 +135,10 @@ def default_agent_policy(models_dir: Path, env: Mapping[str, str]) -> AgentPolic
 POLICY_KEYS = ("engines", "images", "model_roots", "gpus", "allow_args", "refuse_args")
 
 
+#: An image digest as a policy pins it (``name@sha256:<64 hex digits>``).
+_DIGEST = re.compile(r"sha256:[0-9a-f]{64}")
+
+
 class PolicyFormatError(ValueError):
     """A policy's fields are malformed; the caller names the file (``ConfigError``)."""
 
@@ -142,9 +147,13 @@ def policy_from_fields(fields: Mapping[str, object], base: AgentPolicy) -> Agent
     """``base`` with the fields given in ``fields`` (keys of :data:`POLICY_KEYS`; lists of
     strings, ``gpus`` a list of indexes or ``"all"``) in its place.
 
+    An empty list means none (``model_roots: []``: no folder; ``gpus: []``: no GPU); an
+    empty string is refused, since it reads as "unset" but would mean none.
+
     Raises :class:`PolicyFormatError` naming the key for an unknown key, a value of the
-    wrong shape, an unknown engine, a relative model root, a flag in ``allow_args`` the
-    table does not know, or a flag without its leading ``-``.
+    wrong shape or an empty string, an unknown engine, an image digest that is not
+    ``sha256:`` and 64 hexadecimal digits, a relative model root, or a flag without its
+    leading ``-``.
     """
     unknown = sorted(set(fields) - set(POLICY_KEYS))
     if unknown:
@@ -160,7 +169,14 @@ def policy_from_fields(fields: Mapping[str, object], base: AgentPolicy) -> Agent
             raise PolicyFormatError(f"engines: {exc}") from None
         policy = replace(policy, engines=engines)
     if "images" in fields:
-        policy = replace(policy, images=tuple(_strings(fields["images"], "images")))
+        images = tuple(_strings(fields["images"], "images"))
+        for image in images:
+            _, at, digest = image.partition("@")
+            if at and not _DIGEST.fullmatch(digest):
+                raise PolicyFormatError(
+                    f"images: {image!r}: a digest is sha256: and 64 hexadecimal digits"
+                )
+        policy = replace(policy, images=images)
     if "model_roots" in fields:
         roots = []
         for text in _strings(fields["model_roots"], "model_roots"):
@@ -187,6 +203,11 @@ def split_list(text: str) -> list[str]:
 
 def _strings(value: object, key: str) -> list[str]:
     if isinstance(value, str):
+        if not value.strip():
+            raise PolicyFormatError(
+                f"{key}: an empty value names nothing; leave {key} out for the default, or "
+                "give an empty list ([]) to allow nothing"
+            )
         return split_list(value)
     if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
         raise PolicyFormatError(f"{key}: expected a list of strings")
@@ -205,6 +226,11 @@ def _gpus(value: object) -> tuple[int, ...] | None:
     if isinstance(value, str):
         if value.strip().lower() == "all":
             return None
+        if not value.strip():
+            raise PolicyFormatError(
+                "gpus: an empty value names nothing; leave gpus out for all, or give an "
+                "empty list ([]) to hand out none"
+            )
         parts = split_list(value)
         if not all(part.isdigit() for part in parts):
             raise PolicyFormatError(f"gpus: expected 'all' or GPU indexes, not {value!r}")
