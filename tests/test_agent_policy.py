@@ -553,6 +553,22 @@ def test_placement_checks_arguments_and_the_model_path_on_each_node() -> None:
     assert isinstance(plan_placement(request, [_node("a", None)]), Placement)
 
 
+def test_on_the_leaders_own_node_placement_resolves_symlinks(roots: Path) -> None:
+    (roots / "models" / "link").symlink_to(roots / "outside")
+    template = roots / "models" / "link" / "secret.txt"
+    model = roots / "models" / "m.gguf"
+    request = PlacementRequest(replace(MODEL, path=model), "llamacpp", "process", "local",
+                               extra_args=("--chat-template-file", str(template)))  # fmt: skip
+    policy = AgentPolicy(model_roots=(roots / "models",))
+    local = replace(_node("local", policy), leader_host=True, model_location=model)
+    found = plan_placement(request, [local])
+    assert isinstance(found, Refusal), found
+    assert "(engine_args): extra argument --chat-template-file" in found.message
+    # The leader cannot see another host's links: that host's agent refuses at the start.
+    remote = replace(_node("a", policy), model_location=model)
+    assert isinstance(plan_placement(replace(request, node_id="a"), [remote]), Placement)
+
+
 def test_an_adapter_to_load_must_lie_under_the_roots(roots: Path) -> None:
     enforce_path("adapter path", str(roots / "models" / "m.gguf"), _policy(roots))
     with pytest.raises(PolicyError) as refused:
