@@ -398,8 +398,8 @@ async def test_a_start_the_agent_policy_refuses_is_not_tried_again_on_a_timer(
     shown = await timed.ok("GET", "/admin/services/warm")
     assert shown["decision"]["action"] == "hold"
     reason = shown["decision"]["reason"]
-    assert "refused by the agent policy, not tried again until the service or the policy " \
-        "changes: node " in reason, reason  # fmt: skip
+    assert "refused by the agent policy, not tried again until the service changes or a " \
+        "request asks for it: node " in reason, reason  # fmt: skip
     assert "engine llamacpp is not allowed (engines: vllm)" in reason
     assert timed.active("warm") == [] and timed.link.requests == []
     again = sample(timed.metrics, "berth_service_loads_total", service="warm", reason="refused")

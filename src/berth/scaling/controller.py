@@ -371,7 +371,7 @@ class ScalingController:
             if failure is not None and failure.policy_refused and not retry_now:
                 reason = (
                     f"{decision.reason}; the last start was refused by the agent policy, "
-                    "not tried again until the service or the policy changes"
+                    "not tried again until the service changes or a request asks for it"
                 )
                 self._record(name, DecisionRecord("hold", f"{reason}: {failure.reason}", wall))
                 return
