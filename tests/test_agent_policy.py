@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from berth.agent.core import AgentCore
+from berth.agent.identity import read_agent_document
 from berth.agent.policy import enforce_mounts, enforce_path, enforce_start, policy_from_document
 from berth.config import Settings
 from berth.errors import ConfigError, PolicyError
@@ -253,6 +254,105 @@ def test_berths_docker_containers_ask_for_no_privilege_or_host_namespace() -> No
         assert f'"{option}"' not in text
 
 
+@pytest.mark.parametrize(
+    ("engine", "args", "words"),
+    [
+        ("llamacpp", ("--lora-scaled", "{outside}/secret.txt:0.5"), "is outside the model roots"),
+        ("llamacpp", ("--lora-scaled", "{root}/models/m.gguf:1,{outside}/secret.txt:0.5"),
+         "is outside the model roots"),
+        ("llamacpp", ("--control-vector", "{outside}/secret.txt"), "is outside the model roots"),
+        ("llamacpp", ("--control-vector", "{root}/models/m.gguf,{outside}/secret.txt"),
+         "is outside the model roots"),
+        ("llamacpp", ("--control-vector-scaled={outside}/secret.txt:0.8",),
+         "is outside the model roots"),
+        ("llamacpp", ("-mmu", "https://example.com/p.gguf"), "-mmu is refused: it downloads"),
+        ("llamacpp", ("--mmproj-url", "https://example.com/p.gguf"), "--mmproj-url is refused"),
+        ("llamacpp", ("--video-ffmpeg-dir", "{root}/models"), "runs ffmpeg"),
+        ("llamacpp", ("--host", "{root}/models/sock"), "--host is refused"),
+        ("llamacpp", ("--host", "0.0.0.0"), "--host is refused"),
+        ("llamacpp", ("--port=9999",), "--port is refused"),
+        ("llamacpp", ("-hfd", "org/draft"), "-hfd is refused"),
+        ("llamacpp", ("--gpt-oss-20b-default",), "downloads a preset model"),
+        ("llamacpp", ("--rpc", "10.0.0.9:50052"), "--rpc is refused"),
+        ("vllm", ("--host", "0.0.0.0"), "--host is refused"),
+        ("vllm", ("--uds", "/tmp/x.sock"), "--uds is refused"),
+        ("sglang", ("--port", "1"), "--port is refused"),
+        # the backstop, for flags the table does not know
+        ("llamacpp", ("--frobnicate", "https://example.com/x"), "a URL is refused"),
+        ("llamacpp", ("--frobnicate=s3://bucket/x",), "a URL is refused"),
+        ("vllm", ("--frobnicate", "{outside}/secret.txt"), "the path is outside the model roots"),
+        ("sglang", ("--frobnicate", "~/secret.txt"), "the path is outside the model roots"),
+        ("llamacpp", ("--frobnicate", "../secret.txt"), "the path is outside the model roots"),
+        ("llamacpp", ("--frobnicate", "."), "the path is outside the model roots"),
+        ("llamacpp", ("--frobnicate", "a,/etc/passwd"), "the path is outside the model roots"),
+        ("llamacpp", ("--frobnicate", "/etc/passwd:1.0"), "the path is outside the model roots"),
+    ],
+)  # fmt: skip
+def test_flags_the_tester_found_and_the_backstop_are_refused(
+    roots: Path, engine: str, args: tuple[str, ...], words: str
+) -> None:
+    given = tuple(a.format(root=roots, outside=roots / "outside") for a in args)
+    request = _request(roots, engine=engine, extra_args=given)
+    found = check_start(request, _policy(roots), resolve=os.path.realpath)
+    assert found is not None and found.rule == "engine_args", found
+    assert words in found.message, found.message
+
+
+@pytest.mark.parametrize(
+    ("args", "allow"),
+    [
+        (("--lora-scaled", "{root}/models/m.gguf:0.5"), ()),
+        (("--control-vector-scaled", "{root}/models/m.gguf:0.5,{root}/models/m.gguf:1"), ()),
+        (("--frobnicate", "{root}/models/m.gguf"), ()),
+        (("--frobnicate", "plain", "--temp", "-1", "--alias", "x"), ()),
+        (("--frobnicate", "https://example.com/x"), ("--frobnicate",)),
+        (("--frobnicate", "/etc/passwd"), ("--frobnicate",)),
+        (("--log-file", "/var/log/llama.log"), ("--log-file",)),
+        (("-mmu", "https://example.com/p.gguf"), ("--mmproj-url",)),
+    ],
+)  # fmt: skip
+def test_the_backstop_passes_paths_under_the_roots_and_allowed_flags(
+    roots: Path, args: tuple[str, ...], allow: tuple[str, ...]
+) -> None:
+    given = tuple(a.format(root=roots) for a in args)
+    policy = _policy(roots, allow_args=frozenset(allow))
+    found = check_start(_request(roots, extra_args=given), policy, resolve=os.path.realpath)
+    assert found is None, found
+
+
+@pytest.mark.parametrize(
+    ("engine", "args", "words"),
+    [
+        ("vllm", ("--worker-cls", "my.Worker"), "--worker-cls is refused"),
+        ("vllm", ("--worker-extension-cls=my.Ext",), "--worker-extension-cls is refused"),
+        ("vllm", ("--logits-processors", "my.Proc"), "--logits-processors is refused"),
+        ("vllm", ("--reasoning-parser-plugin", "x.py"), "--reasoning-parser-plugin is refused"),
+        ("vllm", ("--speculative-config", '{{"model": "/etc"}}'), "--speculative-config is"),
+        ("sglang", ("--custom-weight-loader", "my.load"), "--custom-weight-loader is refused"),
+        ("vllm", ("--generation-config", "{outside}"), "is outside the model roots"),
+        ("vllm", ("--hf-config-path", "{outside}"), "is outside the model roots"),
+    ],
+)  # fmt: skip
+def test_vllm_and_sglang_flags_that_load_code_or_read_files(
+    roots: Path, engine: str, args: tuple[str, ...], words: str
+) -> None:
+    given = tuple(a.format(outside=roots / "outside") for a in args)
+    request = _request(roots, engine=engine, extra_args=given)
+    found = check_start(request, _policy(roots), resolve=os.path.realpath)
+    assert found is not None and found.rule == "engine_args", found
+    assert words in found.message, found.message
+
+
+def test_the_summary_names_allowed_and_refused_args() -> None:
+    default = AgentPolicy(model_roots=(Path("/m"),))
+    assert "allow_args" not in default.summary() and "refuse_args" not in default.summary()
+    loose = replace(default, allow_args=frozenset({"--trust-remote-code", "--log-file"}),
+                    refuse_args=frozenset({"--props"}))  # fmt: skip
+    assert loose.summary() == (
+        f"{default.summary()}; allow_args: --log-file, --trust-remote-code; refuse_args: --props"
+    )
+
+
 # -- reading ------------------------------------------------------------------------------------
 
 
@@ -267,8 +367,17 @@ def test_berths_docker_containers_ask_for_no_privilege_or_host_namespace() -> No
         ({"gpus": "all"}, None),
         ({"gpus": [0, -1]}, "gpus: expected 'all' or a list of GPU indexes"),
         ({"gpus": "0,x"}, "gpus: expected 'all' or GPU indexes"),
-        ({"allow_args": ["--frobnicate"]}, "allow_args: --frobnicate is not a flag berth refuses"),
+        # A flag the table does not know may be allowed: it lets that flag take a URL or a
+        # path outside the roots past the backstop (check_unknown_values).
+        ({"allow_args": ["--frobnicate"]}, None),
         ({"refuse_args": ["props"]}, "refuse_args: 'props' is not a flag"),
+        ({"model_roots": ""}, "model_roots: an empty value names nothing"),
+        ({"model_roots": " "}, "model_roots: an empty value names nothing"),
+        ({"gpus": ""}, "gpus: an empty value names nothing"),
+        ({"model_roots": []}, None),
+        ({"images": ["a@sha256:zz"]}, "images: 'a@sha256:zz': a digest is sha256: and 64"),
+        ({"images": ["a@md5:" + "0" * 64]}, "a digest is sha256: and 64"),
+        ({"images": ["a@sha256:" + "0f" * 32]}, None),
     ],
 )
 def test_policy_fields_are_checked(fields: dict[str, object], words: str | None) -> None:
@@ -291,6 +400,18 @@ def test_agent_yaml_policy_over_the_settings(tmp_path: Path) -> None:
     assert str(malformed.value) == f"{path}: policy: expected a mapping of policy keys"
 
 
+def test_a_yaml_syntax_error_in_agent_yaml_names_the_line_and_says_to_fix_it(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "agent.yaml"
+    path.write_text("node_id: n\npolicy:\n  model_roots: [/data/models\n  gpus: all\n")
+    with pytest.raises(ConfigError) as bad:
+        read_agent_document(path)
+    text = str(bad.value)
+    assert text.startswith(f"{path}:4: invalid YAML"), text
+    assert "fix the file" in text and "register" not in text.replace("registering again", "")
+
+
 def test_the_leaders_agent_policy_settings(tmp_path: Path) -> None:
     home = BerthHome(tmp_path / "home")
     env = {"BERTH_POLICY_MODEL_ROOTS": "/data/models, /srv/hf", "BERTH_POLICY_GPUS": "1",
@@ -303,6 +424,31 @@ def test_the_leaders_agent_policy_settings(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as bad:
         Settings.load(home, env={"BERTH_POLICY_ENGINES": "llamacpp,tgi"})
     assert "BERTH_POLICY_ENGINES" in str(bad.value) and "unknown engine 'tgi'" in str(bad.value)
+
+
+def test_toml_arrays_give_the_policy_settings_and_empty_values_are_refused(
+    tmp_path: Path,
+) -> None:
+    home = BerthHome(tmp_path / "home")
+    home.root.mkdir()
+    home.config_file.write_text(
+        '[agent_policy]\npolicy_model_roots = ["/data/models", "/srv/hf"]\n'
+        'policy_gpus = [0, 2]\npolicy_allow_args = ["--trust-remote-code"]\n'
+    )
+    policy = Settings.load(home, env={}).agent_policy({"HOME": "/home/u"})
+    assert policy.model_roots == (Path("/data/models"), Path("/srv/hf"))
+    assert policy.gpus == (0, 2)
+    assert policy.allow_args == frozenset({"--trust-remote-code"})
+    for text, words in [
+        ('policy_model_roots = ""', "an empty value names nothing"),
+        ("policy_model_roots = []", "an empty list"),
+        ('policy_images = ["a@sha256:zz"]', "a digest is sha256: and 64"),
+        ('policy_model_roots = ["/a,/b"]', "must not hold a comma"),
+    ]:
+        home.config_file.write_text(f"[agent_policy]\n{text}\n")
+        with pytest.raises(ConfigError) as bad:
+            Settings.load(home, env={})
+        assert words in str(bad.value), (text, str(bad.value))
 
 
 # -- the agent core -----------------------------------------------------------------------------
@@ -405,6 +551,22 @@ def test_placement_checks_arguments_and_the_model_path_on_each_node() -> None:
                       Placement)  # fmt: skip
     # An agent from before policies reports none: nothing is checked at the leader.
     assert isinstance(plan_placement(request, [_node("a", None)]), Placement)
+
+
+def test_on_the_leaders_own_node_placement_resolves_symlinks(roots: Path) -> None:
+    (roots / "models" / "link").symlink_to(roots / "outside")
+    template = roots / "models" / "link" / "secret.txt"
+    model = roots / "models" / "m.gguf"
+    request = PlacementRequest(replace(MODEL, path=model), "llamacpp", "process", "local",
+                               extra_args=("--chat-template-file", str(template)))  # fmt: skip
+    policy = AgentPolicy(model_roots=(roots / "models",))
+    local = replace(_node("local", policy), leader_host=True, model_location=model)
+    found = plan_placement(request, [local])
+    assert isinstance(found, Refusal), found
+    assert "(engine_args): extra argument --chat-template-file" in found.message
+    # The leader cannot see another host's links: that host's agent refuses at the start.
+    remote = replace(_node("a", policy), model_location=model)
+    assert isinstance(plan_placement(replace(request, node_id="a"), [remote]), Placement)
 
 
 def test_an_adapter_to_load_must_lie_under_the_roots(roots: Path) -> None:

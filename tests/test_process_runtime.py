@@ -19,7 +19,7 @@ import pytest
 from berth.errors import EngineError
 from berth.runtime.base import EngineExit, EngineHandle, LaunchSpec
 from berth.runtime.engines import EngineBinaries, build_launch_spec, find_free_port
-from berth.runtime.process import ProcessRuntime
+from berth.runtime.process import ProcessRuntime, engine_workdir
 from berth.vocab.deployment_request import DeploymentRequest
 from support.installed import check_needs
 from support.waiting import EVENT_TIMEOUT_S, wait_for_async
@@ -40,6 +40,7 @@ args = parser.parse_args()
 
 print(f"fake engine {os.getpid()} port {args.port}", flush=True)
 print(f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')}", flush=True)
+print(f"cwd={os.getcwd()} holding {sorted(os.listdir('.'))}", flush=True)
 if args.exit_early is not None:
     print("loading model...", flush=True)
     print("error: failed to allocate 80 GiB: out of memory", file=sys.stderr, flush=True)
@@ -143,6 +144,21 @@ async def test_start_waits_for_health_and_logs_output(engines: Engines) -> None:
     assert f"port {spec.port}" in log
     assert "CUDA_VISIBLE_DEVICES=2,3" in log
     assert "GET /health" in log
+
+
+async def test_an_engine_runs_in_an_empty_working_folder_of_berths(
+    engines: Engines, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The agent's own folder holds "outside": a relative --tokenizer=outside must not reach it.
+    (tmp_path / "outside").mkdir()
+    monkeypatch.chdir(tmp_path)
+    spec = engines.spec()
+
+    handle = await engines.start(spec)
+    await engines.runtime.wait_healthy(handle, spec, timeout_s=20)
+
+    assert f"cwd={engine_workdir(spec)} holding []" in spec.log_path.read_text()
+    assert engine_workdir(spec).stat().st_mode & 0o777 == 0o700
 
 
 async def test_stop_kills_the_whole_process_group(engines: Engines) -> None:

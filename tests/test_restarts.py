@@ -22,6 +22,7 @@ from berth.deployments.restarts import (
     decide_restart,
 )
 from berth.deployments.supervisor import restart_reporter
+from berth.errors import PolicyError
 from berth.observability.metrics import ProxyMetrics
 from berth.runtime.base import EngineExit
 from berth.store import Store
@@ -231,6 +232,22 @@ async def test_failed_restarts_back_off_into_crashloop(
         store, deployment_id, "ready again", lambda r: r.state is DeploymentState.READY
     )
     assert served.restart_count > looping.restart_count
+
+
+async def test_a_restart_the_agent_policy_refuses_fails_at_once(
+    restart_manager: LifecycleManager, store: Store, restart_link: FakeLink
+) -> None:
+    deployment_id = await _ready(restart_manager)
+    refusal = "refused by the agent policy (model_roots): model path /m is outside the roots"
+    restart_link.start_error = PolicyError(refusal, rule="model_roots")
+    restart_link.running.pop(deployment_id)
+    failed = await _until(
+        store, deployment_id, "failed", lambda r: r.state is DeploymentState.FAILED
+    )
+    assert refusal in (failed.failure_reason or ""), failed.failure_reason
+    # One restart was tried and refused; none after it (no crashloop of refusals).
+    assert failed.restart_count == 1
+    assert [r.deployment_id for r in restart_link.requests] == [deployment_id, deployment_id]
 
 
 async def test_a_stop_wins_over_a_pending_restart(store: Store, restart_link: FakeLink) -> None:

@@ -40,6 +40,7 @@ from berth.routing.routes import RouteResolver
 from berth.routing.signals import SignalBoard
 from berth.scaling import ScalingController, ScalingMetrics, ScalingPolicy, route_services
 from berth.store import Store
+from berth.vocab.agent_policy import AgentPolicy
 from berth.vocab.records import DeploymentRecord
 from berth.vocab.states import DeploymentState
 from support.fakes import FakeLink
@@ -380,6 +381,43 @@ async def test_a_start_that_fails_answers_its_waiters_and_is_not_tried_again_at_
         "0 replica(s) running, below min_replicas 1; the last start failed, next try in 30 s: "
         "deployment d-"
     )
+
+
+async def test_a_start_the_agent_policy_refuses_is_not_tried_again_on_a_timer(
+    timed: Leader, manual_clock: Clock
+) -> None:
+    await timed.service("warm")
+    timed.link.agent_policy = AgentPolicy(engines=frozenset({"vllm"}))  # changed since
+    await timed.ok("PATCH", "/admin/services/warm", json={"min_replicas": 1})
+    await wait_for_async(
+        lambda: timed.scaling.board.failure("warm"), EVENT_TIMEOUT_S, "the refusal"
+    )
+    refused = sample(timed.metrics, "berth_service_loads_total", service="warm", reason="refused")
+    manual_clock.now += 10 * 60  # far past failed_load_hold_s
+    timed.scaling.tick()
+    shown = await timed.ok("GET", "/admin/services/warm")
+    assert shown["decision"]["action"] == "hold"
+    reason = shown["decision"]["reason"]
+    assert "refused by the agent policy, not tried again until the service changes or a " \
+        "request asks for it: node " in reason, reason  # fmt: skip
+    assert "engine llamacpp is not allowed (engines: vllm)" in reason
+    assert timed.active("warm") == [] and timed.link.requests == []
+    again = sample(timed.metrics, "berth_service_loads_total", service="warm", reason="refused")
+    assert again == refused
+
+
+async def test_a_service_the_agent_policy_refuses_everywhere_is_refused_at_create(
+    cold: Leader,
+) -> None:
+    cold.link.agent_policy = AgentPolicy(engines=frozenset({"vllm"}))
+    answer = await cold.admin.post("/admin/services", json={"name": "chat", "model": "tiny"})
+    assert answer.status_code == 403, answer.text
+    error = answer.json()["error"]
+    assert error["code"] == "policy_refused"
+    assert "engine llamacpp is not allowed (engines: vllm)" in error["message"]
+    assert cold.store.list_service_profiles() == []
+    cold.link.agent_policy = None
+    await cold.service("chat")  # a policy that allows it: created
 
 
 async def test_a_request_for_a_name_that_is_no_route_is_not_held(cold: Leader) -> None:

@@ -38,6 +38,8 @@ class FakeLink:
         self.running: dict[str, EngineEndpoint] = {}
         self.requests: list[DeploymentRequest] = []
         self.fail_with: str | None = None
+        #: raised by start_deployment while set (a refusal: PolicyError, SpecRefusedError)
+        self.start_error: BerthError | None = None
         self.start_delay_s = 0.0
         self.start_gate: asyncio.Event | None = None
         self.survivors: dict[str, EngineEndpoint] = {}
@@ -72,6 +74,8 @@ class FakeLink:
         await asyncio.sleep(self.start_delay_s)
         if self.start_gate is not None:
             await self.start_gate.wait()
+        if self.start_error is not None:
+            raise self.start_error
         if self.fail_with is not None:
             raise EngineError(self.fail_with, deployment_id=request.deployment_id)
         endpoint = EngineEndpoint(request.deployment_id, self.base_url, 4242, 9)

@@ -50,7 +50,8 @@ from berth.api.services import idle_timeout_seconds
 from berth.cluster.leader.agent_link import LOCAL_NODE_ID
 from berth.deployments.fleet import deploy_options, leader_only_refusal
 from berth.deployments.lifecycle import LifecycleManager
-from berth.errors import ConfigError, NotFoundError
+from berth.errors import BerthError, ConfigError, NotFoundError, PolicyError
+from berth.placement.result import Refusal
 from berth.routing.errors import NoReadyDeploymentError
 from berth.routing.routes import RouteResolver
 from berth.scaling import DecisionRecord, ScalingController
@@ -303,6 +304,10 @@ def _add_service_routes(router: APIRouter, catalog: _Catalog) -> None:
             timeouts=StreamTimeouts(body.first_byte_timeout_s, body.stream_idle_timeout_s),
             routing_policy=body.routing_policy,
         )
+        refused = await _policy_refusal(catalog.lifecycle, record)
+        if refused is not None:
+            await asyncio.to_thread(store.delete_service_profile, record.name)
+            raise refused
         await catalog.reload()
         return catalog.view(record, [])
 
@@ -388,6 +393,25 @@ def _add_route_routes(router: APIRouter, catalog: _Catalog) -> None:
             service=service,
             route=None if left is None else route_view(left, lifecycle, routes),
         )
+
+
+async def _policy_refusal(
+    lifecycle: LifecycleManager, record: ServiceProfileRecord
+) -> PolicyError | None:
+    """The refusal of a new service ``record`` whose replicas the agent policy refuses
+    wherever placement would put them (a dry-run plan answering ``node_policy``), else
+    ``None``: a refusal that time may lift (no room, no node connected) or a plan that
+    cannot be made yet leaves the service to be created."""
+    try:
+        planned = await lifecycle.plan(deploy_options(record, record.node_label))
+    except BerthError:
+        return None
+    result = planned.result
+    if isinstance(result, Refusal) and result.reason == "node_policy":
+        error = result.error()
+        assert isinstance(error, PolicyError)
+        return error
+    return None
 
 
 async def _deploy_node(store: Store, record: ServiceProfileRecord, node: str | None) -> str | None:

@@ -59,9 +59,9 @@ class AgentIdentity:
 def read_agent_document(path: Path) -> dict[str, object]:
     """``agent.yaml`` at ``path`` as a mapping (its identity fields, and ``policy:``).
 
-    Raises :class:`ConfigError` naming the file (and the line, for invalid YAML), and
-    saying to run ``berth agent register``, when it is missing, unreadable, not YAML or
-    not a mapping.
+    Raises :class:`ConfigError` naming the file, saying to run ``berth agent register``
+    when it is missing or not a mapping, and naming the line and saying to fix the file
+    when it is not valid YAML (registering again would overwrite a hand-written policy).
     """
     try:
         data = yaml.safe_load(path.read_text())
@@ -75,7 +75,15 @@ def read_agent_document(path: Path) -> dict[str, object]:
             if isinstance(exc, yaml.MarkedYAMLError) and exc.problem_mark
             else None
         )
-        raise ConfigError(f"invalid YAML; {_REGISTER_HINT} again", path=path, line=line) from None
+        # A syntax error is most likely a hand edit (the policy: is written by hand), and
+        # registering again would overwrite it: say to fix the file, at its line.
+        problem = getattr(exc, "problem", None) or "invalid YAML"
+        raise ConfigError(
+            f"invalid YAML ({problem}); fix the file (registering again would overwrite a "
+            "hand-written policy:)",
+            path=path,
+            line=line,
+        ) from None
     if not isinstance(data, dict):
         raise ConfigError(f"expected a mapping; {_REGISTER_HINT} again", path=path)
     return data

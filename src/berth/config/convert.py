@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 from berth.config.table import SettingDef, setting_definition
@@ -35,6 +36,8 @@ def convert_value(defn: SettingDef, raw: object, where: str, relative_to: Path) 
         shown = defn.shown(raw) if isinstance(raw, str) else raw
         return ConfigError(f"{where}: invalid {defn.name} {shown!r}: {reason}")
 
+    if defn.list_value:
+        raw = _list_text(raw, bad)
     if raw is None or (isinstance(raw, str) and raw.strip() == "" and defn.optional):
         if defn.optional:
             return None
@@ -87,6 +90,30 @@ def convert_value(defn: SettingDef, raw: object, where: str, relative_to: Path) 
         if defn.maximum is not None and value > defn.maximum:
             raise bad(f"must be at most {_number(defn.maximum)}")
     return value
+
+
+def _list_text(raw: object, bad: Callable[[str], ConfigError]) -> object:
+    """A list setting's value as the comma list text its check reads: a TOML array of
+    strings (or of GPU indexes) joined, a string as given.  An empty string or array is
+    refused: it would read as unset (the default) where "none" may be meant."""
+    if isinstance(raw, list):
+        if not raw:
+            raise bad(
+                "an empty list; leave the setting out for the default (an empty list for "
+                "none is read only in agent.yaml's policy:)"
+            )
+        items = [
+            str(item) if isinstance(item, int) and not isinstance(item, bool) else item
+            for item in raw
+        ]
+        if not all(isinstance(item, str) and item.strip() for item in items):
+            raise bad("expected a string or a list of non-empty strings")
+        if any("," in item for item in items):
+            raise bad("a list item must not hold a comma")
+        return ", ".join(items)
+    if isinstance(raw, str) and not raw.strip():
+        raise bad("an empty value names nothing; leave the setting out for the default")
+    return raw
 
 
 def _number(bound: float) -> str:

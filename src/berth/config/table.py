@@ -52,7 +52,8 @@ class SettingDef:
     takes a converted string and returns why it is invalid, or ``None`` when it is fine.
     ``mask`` marks a setting *secret*: it turns the value into what may be shown (in an
     error, a log line, ``berth config show``, the admin API's ``/admin/config``); a secret's
-    value is never shown any other way (:meth:`shown`).
+    value is never shown any other way (:meth:`shown`).  ``list_value`` marks a comma list
+    (a ``str`` setting) that a TOML array may give too; an empty one is refused.
     """
 
     name: str
@@ -68,6 +69,7 @@ class SettingDef:
     choices: tuple[str, ...] = ()
     check: Callable[[str], str | None] | None = None
     mask: Callable[[str], str] | None = None
+    list_value: bool = False
 
     @property
     def secret(self) -> bool:
@@ -487,25 +489,25 @@ SETTINGS: tuple[SettingDef, ...] = (
     SettingDef("policy_engines", "str", "agent_policy",
                "engines this host's node may start: the leader's node local, or an agent's "
                "(agent.yaml's policy: comes first there); comma list, unset: all three",
-               optional=True, check=policy_problem("engines")),
+               optional=True, check=policy_problem("engines"), list_value=True),
     SettingDef("policy_images", "str", "agent_policy",
                "container images this host's node may run: fnmatch patterns or "
                "name@sha256:DIGEST, comma list (unset: the official vLLM, SGLang and "
-               "llama.cpp images)", optional=True, check=policy_problem("images")),
+               "llama.cpp images)", optional=True, check=policy_problem("images"), list_value=True),
     SettingDef("policy_model_roots", "str", "agent_policy",
                "the only folders whose files this host's node gives engines (comma list "
                "of absolute paths; unset: $BERTH_HOME/models and the Hugging Face hub cache)",
-               optional=True, check=policy_problem("model_roots")),
+               optional=True, check=policy_problem("model_roots"), list_value=True),
     SettingDef("policy_gpus", "str", "agent_policy",
                "GPU indexes this host's node hands out (comma list, or all)",
-               optional=True, check=policy_problem("gpus")),
+               optional=True, check=policy_problem("gpus"), list_value=True),
     SettingDef("policy_allow_args", "str", "agent_policy",
                "engine flags berth refuses by default that this host's node allows "
                "(comma list, e.g. --trust-remote-code)",
-               optional=True, check=policy_problem("allow_args")),
+               optional=True, check=policy_problem("allow_args"), list_value=True),
     SettingDef("policy_refuse_args", "str", "agent_policy",
                "further engine flags this host's node refuses (comma list)",
-               optional=True, check=policy_problem("refuse_args")),
+               optional=True, check=policy_problem("refuse_args"), list_value=True),
     SettingDef("load_wait_s", "float", "scaling",
                "seconds a request waits at the leader for its service to load before a 503",
                default=120.0, minimum=0.0),

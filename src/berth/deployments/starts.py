@@ -22,7 +22,7 @@ from berth.deployments.restarts import Backoff, Ending
 from berth.deployments.signing import SpecSigning, is_spec_refusal
 from berth.deployments.supervisor import RestartListener, Supervisor
 from berth.deployments.transitions import StateWriter
-from berth.errors import BerthError, EngineError
+from berth.errors import BerthError, EngineError, PolicyError
 from berth.placement import ModelAt, ModelPull, Placement
 from berth.store import Store
 from berth.vocab.deployment_request import DeploymentRequest
@@ -147,7 +147,9 @@ class EngineStarts:
         except asyncio.CancelledError:
             return  # stop() owns the transition to stopping/stopped
         except BerthError as exc:
-            if is_spec_refusal(exc):  # no restart can help: fail it, saying why
+            # A refusal by a spec check or by the node's policy is permanent: no restart can
+            # help, so fail it at once, saying why (not a crashloop of refusals).
+            if is_spec_refusal(exc) or isinstance(exc, PolicyError):
                 log.error("deployment %s was not started: %s", record.id, exc)
                 await self._writer.transition(
                     record.id, DeploymentState.FAILED, failure_reason=str(exc)

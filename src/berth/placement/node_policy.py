@@ -6,9 +6,13 @@ policy would refuse and says why (``node gpu-a refuses it by its policy (images)
 is not allowed (images: ...)``), so ``berth plan`` shows it and a deployment is not sent
 where it cannot start.  The agent checks again at the start itself, with paths resolved on
 its host (symlinks included); here they are compared as written (``..`` folded), since the
-leader cannot see another host's files.
+leader cannot see another host's files, except on the leader's own node (``local``,
+``leader_host``): that host is this one, so paths are resolved as the agent core there
+would (``os.path.realpath``), and a symlink that leaves the roots is refused before the
+deployment is created.
 
-Pure, like the rest of :mod:`berth.placement`.
+Pure, like the rest of :mod:`berth.placement`, but for reading symlinks of the leader's own
+host.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from berth.placement.result import ModelAt, ModelPull, Refusal
 from berth.vocab.agent_policy import (
     AgentPolicy,
     PolicyRefusal,
+    Resolve,
     check_args,
     check_engine,
     check_gpus,
@@ -49,7 +54,8 @@ def node_policy_refusal(
     policy = node.policy
     if policy is None:
         return None
-    found = _first_refusal(request, policy, model, image, gpus)
+    resolve = os.path.realpath if node.leader_host else os.path.normpath
+    found = _first_refusal(request, policy, model, image, gpus, resolve)
     if found is None:
         return None
     message = f"node {node.label} refuses it by its policy ({found.rule}): {found.message}"
@@ -62,8 +68,8 @@ def _first_refusal(
     model: ModelAt | ModelPull | None,
     image: str | None,
     gpus: tuple[int, ...],
+    resolve: Resolve,
 ) -> PolicyRefusal | None:
-    resolve = os.path.normpath
     asked_image = image or (request.image if request.runtime == "docker" else None)
     return (
         check_engine(request.engine, policy)

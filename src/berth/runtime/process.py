@@ -8,6 +8,9 @@ a cgroup of its own where the host allows, else its descendants recorded from ``
 stopping it signals its process group and its whole tree, SIGTERM first and SIGKILL after a
 grace period, and returns once none of them is left.  stdout and stderr are appended to the
 deployment's log file, whose last lines travel in every :class:`~berth.errors.EngineError`.
+Its working folder is an empty one of berth's beside that log (:func:`engine_workdir`), so a
+relative path among its arguments (``--tokenizer=outside``, which Hugging Face loaders read
+as a local folder when one exists) names nothing of the agent's own working folder.
 
 An engine's exit is known the moment it happens (:meth:`ProcessRuntime.watch_exit`: a pidfd
 per engine on the event loop, :mod:`berth.runtime.exit_watch`), for a child and for an engine
@@ -63,6 +66,12 @@ DEFAULT_TREE_SCAN_INTERVAL_S = 1.0
 
 # How often stop() looks whether the engine's processes are gone.
 _STOP_POLL_S = 0.05
+
+
+def engine_workdir(spec: LaunchSpec) -> Path:
+    """The working folder an engine process starts in: ``engine-cwd/<deployment id>`` beside
+    its log file, berth's own and empty when first made (mode 0700)."""
+    return spec.log_path.parent / "engine-cwd" / spec.deployment_id
 
 
 class ProcessRuntime:
@@ -160,12 +169,15 @@ class ProcessRuntime:
         if not spec.argv:
             raise EngineError("empty engine command line", deployment_id=spec.deployment_id)
         env = {**os.environ, **spec.environment()}
+        workdir = engine_workdir(spec)
         try:
             spec.log_path.parent.mkdir(parents=True, exist_ok=True)
+            workdir.mkdir(mode=0o700, parents=True, exist_ok=True)
             log_file = spec.log_path.open("ab")
         except OSError as exc:
             raise EngineError(
-                f"cannot open engine log {spec.log_path}: {exc.strerror or exc}",
+                f"cannot open engine log {spec.log_path} or working folder {workdir}: "
+                f"{exc.strerror or exc}",
                 deployment_id=spec.deployment_id,
             ) from exc
         cgroup = self._new_cgroup(spec.deployment_id)
@@ -186,6 +198,7 @@ class ProcessRuntime:
                     stdout=log_file,
                     stderr=subprocess.STDOUT,
                     env=env,
+                    cwd=workdir,
                     start_new_session=True,
                     preexec_fn=join,
                 )

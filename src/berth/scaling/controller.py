@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
-from berth.errors import BerthError, ConflictError, NotFoundError
+from berth.errors import BerthError, ConflictError, NotFoundError, PolicyError
 from berth.routing.routes import RouteTable
 from berth.scaling.capacity import replica_capacity
 from berth.scaling.decisions import (
@@ -162,6 +162,11 @@ class ScalingController:
             self.board.forget(gone)
             for table in (self._busy_since, self._last_action, self._decision, self._notes):
                 table.pop(gone, None)
+        for name, service in current.items():
+            failure = self.board.failure(name)
+            before = self._services.get(name)
+            if failure is not None and failure.policy_refused and before != service:
+                self.board.clear_failure(name)  # changed: worth trying again
         self._services = current
         if self._loop is not None:
             self.tick()
@@ -363,6 +368,13 @@ class ScalingController:
             # After a refusal (no room), a request may try again at once; the controller's
             # own starts (min_replicas, scale out) and any start after an engine failed wait.
             retry_now = decision.cause == "on_demand" and not (failure and failure.engine_failed)
+            if failure is not None and failure.policy_refused and not retry_now:
+                reason = (
+                    f"{decision.reason}; the last start was refused by the agent policy, "
+                    "not tried again until the service changes or a request asks for it"
+                )
+                self._record(name, DecisionRecord("hold", f"{reason}: {failure.reason}", wall))
+                return
             recent = failure is not None and now - failure.at < self.policy.failed_load_hold_s
             if failure is not None and recent and not retry_now:
                 wait = self.policy.failed_load_hold_s - (now - failure.at)
@@ -409,7 +421,11 @@ class ScalingController:
             self._record(name, DecisionRecord(
                 "hold", f"the start was refused: {exc}", self._wall_clock()
             ), action=True)  # fmt: skip
-            self.board.failed(name, LoadFailure(str(exc), self._clock(), engine_failed=False))
+            refused = isinstance(exc, PolicyError)
+            self.board.failed(
+                name,
+                LoadFailure(str(exc), self._clock(), engine_failed=False, policy_refused=refused),
+            )
         except Exception as exc:  # a bug must not leave the service's waiters hanging
             log.exception("scaling: service %s: unexpected failure while starting", name)
             reason = f"unexpected error while starting: {type(exc).__name__}: {exc}"

@@ -41,12 +41,15 @@ class LoadFailure:
 
     ``engine_failed``: the deployment was made but its engine failed to start (a new request
     does not try again for ``failed_load_hold_s``); otherwise placement refused it (no room
-    now: the next request tries again, since room may have freed).
+    now: the next request tries again, since room may have freed).  ``policy_refused``: the
+    refusal was a node's agent policy, which time does not change: the controller does not
+    try again on its own until the service changes (a request still may, and hears why).
     """
 
     reason: str
     at: float
     engine_failed: bool = True
+    policy_refused: bool = False
 
 
 class LoadStarter(Protocol):

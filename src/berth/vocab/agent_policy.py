@@ -12,7 +12,9 @@ The rules (:data:`PolicyRule`), in the order :func:`check_start` applies them:
    symlinks and ``..`` are resolved;
 4. ``engine_args``: no extra argument the table of :mod:`berth.vocab.engine_args` refuses
    (unless ``allow_args`` names it), none of ``refuse_args``, and every file a flag names
-   under a root (chat templates, draft models, ...);
+   under a root (chat templates, draft models, ...); then the backstop for flags the table
+   does not know (:func:`check_unknown_values`): no URL value, and no value that looks like
+   a path outside the roots, unless ``allow_args`` names the flag;
 5. ``gpus``: every GPU index asked for is one the host hands out (``None``: any).
 
 The docker options berth sets are rule ``docker`` (:func:`check_mounts`): a container's
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import fnmatch
 import os
+import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -36,7 +39,6 @@ from typing import Literal
 from berth.errors import ConfigError
 from berth.vocab.deployment_request import DeploymentRequest
 from berth.vocab.engine_args import (
-    KNOWN_FLAGS,
     entries_for,
     flag_values,
     names_a_path,
@@ -91,12 +93,19 @@ class AgentPolicy:
     refuse_args: frozenset[str] = frozenset()
 
     def summary(self) -> str:
-        """One line for logs and ``berth nodes show``."""
+        """One line for logs and ``berth nodes show``; ``allow_args`` and ``refuse_args``
+        are named when set, so a host that allows a refused flag does not read as a default
+        one."""
         gpus = "all" if self.gpus is None else ",".join(map(str, self.gpus)) or "none"
-        return (
+        line = (
             f"engines: {', '.join(sorted(self.engines))}; images: {', '.join(self.images)}; "
             f"model roots: {', '.join(map(str, self.model_roots)) or 'none'}; GPUs: {gpus}"
         )
+        if self.allow_args:
+            line += f"; allow_args: {', '.join(sorted(self.allow_args))}"
+        if self.refuse_args:
+            line += f"; refuse_args: {', '.join(sorted(self.refuse_args))}"
+        return line
 
 
 def default_model_roots(models_dir: Path, env: Mapping[str, str]) -> tuple[Path, ...]:
@@ -126,6 +135,10 @@ def default_agent_policy(models_dir: Path, env: Mapping[str, str]) -> AgentPolic
 POLICY_KEYS = ("engines", "images", "model_roots", "gpus", "allow_args", "refuse_args")
 
 
+#: An image digest as a policy pins it (``name@sha256:<64 hex digits>``).
+_DIGEST = re.compile(r"sha256:[0-9a-f]{64}")
+
+
 class PolicyFormatError(ValueError):
     """A policy's fields are malformed; the caller names the file (``ConfigError``)."""
 
@@ -134,9 +147,13 @@ def policy_from_fields(fields: Mapping[str, object], base: AgentPolicy) -> Agent
     """``base`` with the fields given in ``fields`` (keys of :data:`POLICY_KEYS`; lists of
     strings, ``gpus`` a list of indexes or ``"all"``) in its place.
 
+    An empty list means none (``model_roots: []``: no folder; ``gpus: []``: no GPU); an
+    empty string is refused, since it reads as "unset" but would mean none.
+
     Raises :class:`PolicyFormatError` naming the key for an unknown key, a value of the
-    wrong shape, an unknown engine, a relative model root, a flag in ``allow_args`` the
-    table does not know, or a flag without its leading ``-``.
+    wrong shape or an empty string, an unknown engine, an image digest that is not
+    ``sha256:`` and 64 hexadecimal digits, a relative model root, or a flag without its
+    leading ``-``.
     """
     unknown = sorted(set(fields) - set(POLICY_KEYS))
     if unknown:
@@ -152,7 +169,14 @@ def policy_from_fields(fields: Mapping[str, object], base: AgentPolicy) -> Agent
             raise PolicyFormatError(f"engines: {exc}") from None
         policy = replace(policy, engines=engines)
     if "images" in fields:
-        policy = replace(policy, images=tuple(_strings(fields["images"], "images")))
+        images = tuple(_strings(fields["images"], "images"))
+        for image in images:
+            _, at, digest = image.partition("@")
+            if at and not _DIGEST.fullmatch(digest):
+                raise PolicyFormatError(
+                    f"images: {image!r}: a digest is sha256: and 64 hexadecimal digits"
+                )
+        policy = replace(policy, images=images)
     if "model_roots" in fields:
         roots = []
         for text in _strings(fields["model_roots"], "model_roots"):
@@ -164,13 +188,9 @@ def policy_from_fields(fields: Mapping[str, object], base: AgentPolicy) -> Agent
     if "gpus" in fields:
         policy = replace(policy, gpus=_gpus(fields["gpus"]))
     if "allow_args" in fields:
-        allowed = _flags(fields["allow_args"], "allow_args")
-        strange = sorted(allowed - KNOWN_FLAGS)
-        if strange:
-            raise PolicyFormatError(
-                f"allow_args: {strange[0]} is not a flag berth refuses (nothing to allow)"
-            )
-        policy = replace(policy, allow_args=allowed)
+        # A flag the table does not know is allowed too: it lets that flag take a URL or a
+        # path outside the model roots (the backstop, check_unknown_values).
+        policy = replace(policy, allow_args=_flags(fields["allow_args"], "allow_args"))
     if "refuse_args" in fields:
         policy = replace(policy, refuse_args=_flags(fields["refuse_args"], "refuse_args"))
     return policy
@@ -183,6 +203,11 @@ def split_list(text: str) -> list[str]:
 
 def _strings(value: object, key: str) -> list[str]:
     if isinstance(value, str):
+        if not value.strip():
+            raise PolicyFormatError(
+                f"{key}: an empty value names nothing; leave {key} out for the default, or "
+                "give an empty list ([]) to allow nothing"
+            )
         return split_list(value)
     if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
         raise PolicyFormatError(f"{key}: expected a list of strings")
@@ -201,6 +226,11 @@ def _gpus(value: object) -> tuple[int, ...] | None:
     if isinstance(value, str):
         if value.strip().lower() == "all":
             return None
+        if not value.strip():
+            raise PolicyFormatError(
+                "gpus: an empty value names nothing; leave gpus out for all, or give an "
+                "empty list ([]) to hand out none"
+            )
         parts = split_list(value)
         if not all(part.isdigit() for part in parts):
             raise PolicyFormatError(f"gpus: expected 'all' or GPU indexes, not {value!r}")
@@ -324,6 +354,8 @@ def check_args(
             if given.value is None:
                 continue
             values = given.value.split(",") if entry.comma_list else [given.value]
+            if entry.scaled:
+                values = [value.rpartition(":")[0] or value for value in values]
             for value in values:
                 if not names_a_path(entry.rule, value):
                     continue
@@ -339,7 +371,84 @@ def check_args(
         return PolicyRefusal(
             "engine_args", f"extra argument {given.flag} is refused by this host's refuse_args"
         )
+    return check_unknown_values(engine, args, policy, resolve)
+
+
+def check_unknown_values(
+    engine: EngineName, args: Sequence[str], policy: AgentPolicy, resolve: Resolve
+) -> PolicyRefusal | None:
+    """The backstop for flags the table does not know: refusal ``engine_args`` for a value
+    that is a URL (holds ``://``) or looks like a path (``/``, ``~``, ``./`` or ``../``
+    first, or is ``.`` or ``..``) outside the model roots, unless its flag is in
+    ``allow_args``.  A value is the argument after a flag or the part after ``=``; each
+    item of a comma list counts, and of ``FNAME:SCALE`` the part before the ``:``."""
+    allowed = _allowed_spellings(engine, policy)
+    for flag, value in _flag_value_pairs(args):
+        if flag is not None and _normal(engine, flag) in allowed:
+            continue
+        shown = flag or "(no flag)"
+        for item in value.split(","):
+            if "://" in item:
+                return PolicyRefusal(
+                    "engine_args",
+                    f"extra argument {shown} {value}: a URL is refused for a flag the policy "
+                    f"does not know (allow it on this host with allow_args: [{shown}])",
+                )
+            path = item if _looks_like_path(item) else item.rpartition(":")[0]
+            if not _looks_like_path(path):
+                continue
+            if not under_roots(os.path.expanduser(path), policy.model_roots, resolve):
+                roots = ", ".join(map(str, policy.model_roots)) or "none"
+                return PolicyRefusal(
+                    "engine_args",
+                    f"extra argument {shown} {value}: the path is outside the model roots "
+                    f"({roots}) (allow it on this host with allow_args: [{shown}])",
+                )
     return None
+
+
+def _looks_like_path(value: str) -> bool:
+    return value in (".", "..") or value.startswith(("/", "~", "./", "../"))
+
+
+def _normal(engine: EngineName, flag: str) -> str:
+    return flag.replace("_", "-") if uses_argparse(engine) and flag.startswith("--") else flag
+
+
+def _allowed_spellings(engine: EngineName, policy: AgentPolicy) -> frozenset[str]:
+    """The flags the backstop passes over: ``allow_args`` with every other spelling of the
+    table's entries it names, and the table's path flags (checked by their own rule)."""
+    allowed = {_normal(engine, flag) for flag in policy.allow_args}
+    for entry in entries_for(engine):
+        if entry.rule != "refused" or any(flag in policy.allow_args for flag in entry.flags):
+            allowed.update(entry.flags)
+    return frozenset(allowed)
+
+
+def _flag_value_pairs(args: Sequence[str]) -> list[tuple[str | None, str]]:
+    """Each value of ``args`` with the flag it follows (``None`` before any flag):
+    ``--flag=VALUE`` and ``--flag VALUE``; a flag without a value gives none."""
+    pairs: list[tuple[str | None, str]] = []
+    flag: str | None = None
+    for arg in args:
+        if arg.startswith("-") and not _is_number(arg):
+            name, equals, inline = arg.partition("=")
+            if equals:
+                pairs.append((name, inline))
+                flag = None
+            else:
+                flag = name
+            continue
+        pairs.append((flag, arg))
+    return pairs
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 def check_gpus(gpus: Sequence[int], policy: AgentPolicy) -> PolicyRefusal | None:

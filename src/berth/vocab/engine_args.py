@@ -48,6 +48,22 @@ _SGLANG: frozenset[EngineName] = frozenset({"sglang"})
 _PYTHON: frozenset[EngineName] = frozenset({"vllm", "sglang"})
 
 _LLAMA_HELP = "llama-server --help"
+
+#: llama-server's preset flags, each a model it downloads from Hugging Face ("can download
+#: weights from the internet" in its help).
+_LLAMA_PRESETS: tuple[str, ...] = (
+    "--embd-gemma-default",
+    "--fim-qwen-1.5b-default",
+    "--fim-qwen-3b-default",
+    "--fim-qwen-7b-default",
+    "--fim-qwen-7b-spec",
+    "--fim-qwen-14b-spec",
+    "--fim-qwen-30b-default",
+    "--gpt-oss-20b-default",
+    "--gpt-oss-120b-default",
+    "--vision-gemma-4b-default",
+    "--vision-gemma-12b-default",
+)
 _VLLM_DOCS = "vllm serve reference (docs.vllm.ai)"
 _SGLANG_DOCS = "SGLang Server Arguments (docs.sglang.ai)"
 
@@ -57,7 +73,9 @@ class EngineArg:
     """One entry of :data:`ENGINE_ARGS`: ``flags`` are every spelling (the first is the
     name the policy uses), ``engines`` those that read it, ``rule`` what the policy does,
     ``takes_value`` whether a value follows, ``comma_list`` whether that value is a comma
-    list of paths, ``why`` the reason shown in a refusal, ``source`` the docs it came from."""
+    list of paths, ``scaled`` whether each item of it is ``FNAME:SCALE`` (the path is the
+    part before the last ``:``), ``why`` the reason shown in a refusal, ``source`` the docs
+    it came from."""
 
     flags: tuple[str, ...]
     engines: frozenset[EngineName]
@@ -66,6 +84,7 @@ class EngineArg:
     source: str
     takes_value: bool = True
     comma_list: bool = False
+    scaled: bool = False
 
     @property
     def name(self) -> str:
@@ -91,8 +110,11 @@ def _path(
     *,
     rule: ArgRule = "path",
     comma_list: bool = False,
+    scaled: bool = False,
 ) -> EngineArg:
-    return EngineArg(flags, engines, rule, why, source, comma_list=comma_list)
+    return EngineArg(
+        flags, engines, rule, why, source, comma_list=comma_list or scaled, scaled=scaled
+    )
 
 
 #: The table.  Order is display order: code loading first, then files written, then files
@@ -107,6 +129,20 @@ ENGINE_ARGS: tuple[EngineArg, ...] = (
              "reads more flags from a file, where the policy cannot see them", _VLLM_DOCS),
     _refused(("--tool-parser-plugin",), _VLLM, "runs a Python file as a tool parser",
              _VLLM_DOCS),
+    _refused(("--worker-cls",), _VLLM, "imports a Python class as the engine's worker",
+             _VLLM_DOCS),
+    _refused(("--worker-extension-cls",), _VLLM, "imports a Python class into the worker",
+             _VLLM_DOCS),
+    _refused(("--logits-processors",), _VLLM, "imports Python logits processors", _VLLM_DOCS),
+    _refused(("--logits-processor-pattern",), _VLLM,
+             "lets requests name Python logits processors to import", _VLLM_DOCS),
+    _refused(("--reasoning-parser-plugin",), _VLLM, "runs a Python file as a reasoning parser",
+             _VLLM_DOCS),
+    _refused(("--speculative-config",), _VLLM,
+             "names a draft model (a path or a repository) in JSON the policy does not read",
+             _VLLM_DOCS),
+    _refused(("--custom-weight-loader",), _SGLANG, "imports Python functions to load weights",
+             _SGLANG_DOCS),
     _refused(("--enable-custom-logit-processor",), _SGLANG,
              "lets requests send Python logit processors to run", _SGLANG_DOCS,
              takes_value=False),
@@ -129,12 +165,31 @@ ENGINE_ARGS: tuple[EngineArg, ...] = (
     _refused(("--lookup-cache-dynamic", "-lcd"), _LLAMACPP, "writes a cache file anywhere",
              _LLAMA_HELP),
     _refused(("--model-url", "-mu"), _LLAMACPP, "downloads a model from any URL", _LLAMA_HELP),
+    _refused(("--mmproj-url", "-mmu"), _LLAMACPP,
+             "downloads a multimodal projector from any URL", _LLAMA_HELP),
+    _refused(("--spec-draft-hf", "-hfd", "-hfrd", "--hf-repo-draft"), _LLAMACPP,
+             "downloads a draft model berth did not place", _LLAMA_HELP),
+    _refused(_LLAMA_PRESETS, _LLAMACPP,
+             "downloads a preset model berth did not place", _LLAMA_HELP, takes_value=False),
     _refused(("--hf-repo", "-hf", "-hfr"), _LLAMACPP,
              "downloads a model berth did not place (berth models pull does)", _LLAMA_HELP),
     _refused(("--docker-repo", "-dr"), _LLAMACPP, "downloads a model from Docker Hub",
              _LLAMA_HELP),
     _refused(("--download-dir",), _PYTHON, "downloads weights into any folder",
              f"{_VLLM_DOCS}; {_SGLANG_DOCS}"),
+    # -- reaches other hosts, or runs programs
+    _refused(("--rpc",), _LLAMACPP,
+             "sends the model and every prompt to the RPC servers it names", _LLAMA_HELP),
+    _refused(("--video-ffmpeg-dir",), _LLAMACPP, "runs ffmpeg and ffprobe from any folder",
+             _LLAMA_HELP),
+    # -- sets what berth sets itself (the engine listens on 127.0.0.1 at berth's port)
+    _refused(("--host",), _ALL,
+             "sets the address berth gives the engine (127.0.0.1), or a UNIX socket anywhere",
+             f"{_LLAMA_HELP}; {_VLLM_DOCS}; {_SGLANG_DOCS}"),
+    _refused(("--port",), _ALL, "sets the port berth gives the engine",
+             f"{_LLAMA_HELP}; {_VLLM_DOCS}; {_SGLANG_DOCS}"),
+    _refused(("--uds",), _VLLM, "listens on a UNIX socket anywhere instead of berth's port",
+             _VLLM_DOCS),
     # -- reads files, or serves them
     _refused(("--path",), _LLAMACPP, "serves any folder as static files", _LLAMA_HELP),
     _refused(("--media-path",), _LLAMACPP, "lets requests read local files by file:// URL",
@@ -158,13 +213,21 @@ ENGINE_ARGS: tuple[EngineArg, ...] = (
           rule="path_or_repo"),
     _path(("--model", "-m"), _LLAMACPP, "reads a model", _LLAMA_HELP),
     _path(("--model",), _VLLM, "reads a model when given a path", _VLLM_DOCS, rule="path_or_repo"),
+    _path(("--generation-config",), _VLLM, "reads generation defaults when given a folder",
+          _VLLM_DOCS, rule="path_or_repo"),
+    _path(("--hf-config-path",), _VLLM, "reads a model configuration when given a path",
+          _VLLM_DOCS, rule="path_or_repo"),
     _path(("--model-path",), _SGLANG, "reads a model when given a path", _SGLANG_DOCS,
           rule="path_or_repo"),
     _path(("--model-draft", "-md", "--spec-draft-model"), _LLAMACPP, "reads a draft model",
           _LLAMA_HELP),
     _path(("--mmproj", "-mm"), _LLAMACPP, "reads a multimodal projector", _LLAMA_HELP),
     _path(("--lora",), _LLAMACPP, "reads LoRA adapters", _LLAMA_HELP, comma_list=True),
-    _path(("--control-vector",), _LLAMACPP, "reads a control vector", _LLAMA_HELP),
+    _path(("--lora-scaled",), _LLAMACPP, "reads LoRA adapters", _LLAMA_HELP, scaled=True),
+    _path(("--control-vector",), _LLAMACPP, "reads control vectors", _LLAMA_HELP,
+          comma_list=True),
+    _path(("--control-vector-scaled",), _LLAMACPP, "reads control vectors", _LLAMA_HELP,
+          scaled=True),
     _path(("--grammar-file",), _LLAMACPP, "reads a grammar", _LLAMA_HELP),
     _path(("--json-schema-file", "-jf"), _LLAMACPP, "reads a JSON schema", _LLAMA_HELP),
     _path(("--lookup-cache-static", "-lcs"), _LLAMACPP, "reads a lookup cache", _LLAMA_HELP),
