@@ -11,6 +11,7 @@ from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from berth.agent.core import AgentCore
@@ -591,3 +592,17 @@ def test_a_link_in_the_model_folder_that_leaves_the_roots_is_refused(roots: Path
     (roots / "models" / "blob").write_text("{}")
     (folder / "config.json").symlink_to("../blob")  # as a Hugging Face snapshot links
     enforce_start(_request(roots, engine="vllm", model_path=folder), _policy(roots))
+
+
+def test_the_api_view_of_a_policy_is_its_wire_form_and_summary(tmp_path: Path) -> None:
+    """``GET /admin/nodes/{id}``'s policy: every field as the agent reports it, and the
+    summary ``berth nodes show`` prints."""
+    from berth.admin.nodes import policy_view
+    from berth.cluster.protocol.payloads import policy_state
+    from berth.vocab.agent_policy import default_agent_policy
+
+    policy = default_agent_policy(tmp_path / "models", {})
+    view = policy_view(policy)
+    assert view.model_dump(exclude={"summary"}) == msgspec.structs.asdict(policy_state(policy))
+    assert view.summary == policy.summary()
+    assert str(tmp_path / "models") in view.model_roots

@@ -19,6 +19,7 @@ import asyncio
 import time
 from dataclasses import replace
 
+import msgspec
 from fastapi import APIRouter
 
 from berth import __version__
@@ -40,7 +41,7 @@ from berth.cluster.leader.direct_path import DataPath, DataPaths
 from berth.cluster.leader.hub import NodeHub
 from berth.cluster.leader.link_registry import LinkRegistry
 from berth.cluster.pki.enrollment import EnrollmentService
-from berth.cluster.protocol.payloads import AdoptedState
+from berth.cluster.protocol.payloads import AdoptedState, policy_state
 from berth.deployments.drain import DrainRunner
 from berth.deployments.lifecycle import LifecycleManager
 from berth.store import Store
@@ -142,14 +143,9 @@ def node_detail_view(
 
 
 def policy_view(policy: AgentPolicy) -> AgentPolicyView:
-    """A node's reported agent policy as the API shows it."""
+    """A node's reported agent policy as the API shows it: its wire form and its summary."""
     return AgentPolicyView(
-        engines=sorted(policy.engines),
-        images=list(policy.images),
-        model_roots=[str(root) for root in policy.model_roots],
-        gpus=None if policy.gpus is None else list(policy.gpus),
-        allow_args=sorted(policy.allow_args),
-        refuse_args=sorted(policy.refuse_args),
+        **msgspec.structs.asdict(policy_state(policy)),
         summary=policy.summary(),
     )
 
