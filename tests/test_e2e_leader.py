@@ -182,8 +182,10 @@ def test_the_engine_answers_only_berth_which_keeps_its_key_private(
     assert key not in berth("ps", "--all", "--json").stdout
     assert key not in berth("logs", str(deployment["id"]), "--tail", "100000").stdout
     assert key.encode() not in Path(f"/proc/{deployment['pid']}/cmdline").read_bytes()
-    for log in (berth.home / "logs").iterdir():
-        assert key not in log.read_text(errors="replace"), log
+    # Every file under logs/ (engines' empty working folders, engine-cwd/<id>, sit there too).
+    for log in (berth.home / "logs").rglob("*"):
+        if log.is_file():
+            assert key not in log.read_text(errors="replace"), log
 
 
 def test_the_usage_ledger_equals_what_llama_server_reported(
