@@ -119,12 +119,19 @@ def _kill_under_load(cluster: Cluster, deployment: str, pid: int) -> tuple[Load,
     return load, killed_at
 
 
-def _judge(load: Load, killed_at: float, replicas: int) -> Counter[int]:
+def _judge(load: Load, killed_at: float, replicas: int, log: Path, deployment: str) -> Counter[int]:
+    """Every answer a 200 or a 503 with ``Retry-After``; a 502 only for a request whose engine
+    had begun its answer (its head read) when it was killed, which the leader logs as
+    ``failed while answering``: retry is before the engine's first byte, and a kill that lands
+    inside a 4-token answer is rare but not impossible (seen once, 8 December, full run)."""
     statuses = Counter(status for _, status, _ in load.answers)
     print(f"{len(load.answers)} answers around the kill: {dict(statuses)}")
     assert not load.failures, load.failures
-    assert 502 not in statuses, "an engine's exit reached a client as a 502"
-    assert set(statuses) <= {200, 503}, statuses
+    begun = log.read_text().count(f"the engine of deployment {deployment} failed while answering")
+    assert statuses[502] <= begun, (
+        f"an engine's exit before its answer reached a client: {statuses}"
+    )
+    assert set(statuses) <= {200, 502, 503}, statuses
     assert all(retry is not None and int(retry) >= 1
                for _, status, retry in load.answers if status == 503)  # fmt: skip
     if replicas > 1:  # the other replica took every request, retried before the first byte
@@ -142,8 +149,8 @@ def test_a_local_engine_killed_under_load_leaves_routing_at_once(
     pid = cluster.deployment(deployment)["pid"]
     load, killed_at = _kill_under_load(cluster, deployment, pid)
 
-    _judge(load, killed_at, replicas)
     log = cluster.leader_home / "logs" / "daemon.log"
+    _judge(load, killed_at, replicas, log, deployment)
     heard_at = _logged_at(log, f"the engine of deployment {deployment} ended by itself", killed_at)
     out_at = _logged_at(log, f"deployment {deployment}: engine exited unexpectedly", killed_at)
     assert "killed by SIGKILL" in log.read_text()
@@ -164,7 +171,7 @@ def test_an_agents_engine_killed_under_load_is_reported_over_the_link(
     pid = int(journal[deployment]["pid"])
     load, killed_at = _kill_under_load(cluster, deployment, pid)
 
-    _judge(load, killed_at, replicas=1)
+    _judge(load, killed_at, 1, cluster.leader_home / "logs" / "daemon.log", deployment)
     agent_log = agent.home / "logs" / "agent.log"
     heard_at = _logged_at(agent_log, f"the engine of deployment {deployment} ended by itself",
                           killed_at)  # fmt: skip
